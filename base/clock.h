@@ -1,0 +1,28 @@
+// Monotonic and wall clocks, and a stopwatch. Thread-safe (stateless functions).
+#ifndef STRATA_BASE_CLOCK_H_
+#define STRATA_BASE_CLOCK_H_
+
+#include <cstdint>
+
+namespace strata {
+
+// Monotonic time in nanoseconds since an arbitrary epoch (CLOCK_MONOTONIC).
+int64_t MonotonicNanos();
+// Wall-clock time in microseconds since the Unix epoch (CLOCK_REALTIME).
+int64_t WallMicros();
+
+// Measures elapsed monotonic time from construction or the last Reset().
+class Stopwatch {
+ public:
+  Stopwatch() : start_(MonotonicNanos()) {}
+  void Reset() { start_ = MonotonicNanos(); }
+  int64_t ElapsedNanos() const { return MonotonicNanos() - start_; }
+  double ElapsedSeconds() const { return ElapsedNanos() * 1e-9; }
+
+ private:
+  int64_t start_;
+};
+
+}  // namespace strata
+
+#endif  // STRATA_BASE_CLOCK_H_

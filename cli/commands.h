@@ -1,0 +1,14 @@
+// The subcommands of the `strata` binary. Each takes the arguments after its name and returns
+// the process exit code (0 success, 1 runtime error, 2 usage error). Defined in
+// cli/<name>_command.cc.
+#ifndef STRATA_CLI_COMMANDS_H_
+#define STRATA_CLI_COMMANDS_H_
+
+namespace strata::cli {
+
+int RunGenerate(int argc, char** argv);   // generate_command.cc
+int RunMakeModel(int argc, char** argv);  // make_model_command.cc
+
+}  // namespace strata::cli
+
+#endif  // STRATA_CLI_COMMANDS_H_

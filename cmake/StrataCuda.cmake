@@ -1,0 +1,20 @@
+# Decides whether the CUDA backend is built (STRATA_ENABLE_CUDA = AUTO | ON | OFF).
+# Sets STRATA_HAVE_CUDA. Builds for Hopper (sm_90a) with the -gencode form.
+set(STRATA_HAVE_CUDA OFF)
+if(NOT STRATA_ENABLE_CUDA STREQUAL "OFF")
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    # "90a" makes CMake emit -gencode=arch=compute_90a,code=[compute_90a,sm_90a].
+    set(CMAKE_CUDA_ARCHITECTURES 90a)
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(STRATA_HAVE_CUDA ON)
+  elseif(STRATA_ENABLE_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "STRATA_ENABLE_CUDA=ON but no CUDA compiler was found")
+  endif()
+endif()
+message(STATUS "Strata CUDA backend: ${STRATA_HAVE_CUDA}")

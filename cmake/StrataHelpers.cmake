@@ -1,0 +1,44 @@
+# Build flags and helper functions shared by every Strata folder.
+
+add_library(strata_build_flags INTERFACE)
+target_compile_options(strata_build_flags INTERFACE
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -Wno-sign-compare -Wno-missing-field-initializers>)
+target_include_directories(strata_build_flags INTERFACE ${PROJECT_SOURCE_DIR})
+if(STRATA_WERROR)
+  target_compile_options(strata_build_flags INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
+endif()
+if(STRATA_SANITIZE)
+  target_compile_options(strata_build_flags INTERFACE
+    $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=${STRATA_SANITIZE} -fno-omit-frame-pointer>)
+  target_link_options(strata_build_flags INTERFACE -fsanitize=${STRATA_SANITIZE})
+endif()
+
+# strata_cc_library(NAME name SRCS ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
+# Defines target strata_<name> with alias strata::<name>.
+function(strata_cc_library)
+  cmake_parse_arguments(A "" "NAME" "SRCS;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(strata_${A_NAME} STATIC ${A_SRCS})
+  add_library(strata::${A_NAME} ALIAS strata_${A_NAME})
+  target_link_libraries(strata_${A_NAME} PUBLIC strata_build_flags ${A_PUBLIC_DEPS} PRIVATE ${A_PRIVATE_DEPS})
+  set_target_properties(strata_${A_NAME} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+endfunction()
+
+# strata_cc_test(NAME name SRCS ... DEPS ... [LABELS ...] [TIMEOUT seconds])
+# A GoogleTest binary registered with ctest test by test (gtest_discover_tests).
+function(strata_cc_test)
+  if(NOT STRATA_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(A "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  if(NOT A_TIMEOUT)
+    set(A_TIMEOUT 120)
+  endif()
+  add_executable(${A_NAME} ${A_SRCS})
+  target_link_libraries(${A_NAME} PRIVATE strata_build_flags ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  set_target_properties(${A_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+  set(labels unit ${A_LABELS})
+  gtest_discover_tests(${A_NAME}
+    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
+    PROPERTIES LABELS "${labels}" TIMEOUT ${A_TIMEOUT}
+    DISCOVERY_TIMEOUT 60)
+endfunction()

@@ -1,0 +1,166 @@
+// The compute backend: one interface, a CPU reference implementation and a CUDA one.
+//
+// Every op takes a params struct whose tensor fields carry a shape comment, and has a
+// Supports() twin that says, without running anything, whether this backend can run it with
+// those dtypes and shapes (InvalidArgument / Unimplemented otherwise). Ops return
+// InvalidArgument for malformed params and never read or write outside the views they are given.
+//
+// The CPU backend (kernels/cpu/) is the specification: plain loops, f32 accumulation. The CUDA
+// backend (kernels/cuda/, same file names) must match it within each op's tolerance.
+//
+// Memory: tensors live in backend memory obtained from Allocate(); for the CPU backend that is
+// host memory. Copy*() move bytes between host and backend memory.
+//
+// Thread-compatibility: a Backend may be used from several threads only with external
+// synchronisation, except that ops on different Streams of the CUDA backend may overlap. The
+// backend is chosen once at process start (MakeBackend) and never per call.
+#ifndef STRATA_KERNELS_BACKEND_H_
+#define STRATA_KERNELS_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+
+namespace strata::kernels {
+
+// An opaque stream handle (cudaStream_t for CUDA; ignored by the CPU backend). nullptr = default.
+using Stream = void*;
+
+// Owned backend memory. Freed by the destructor.
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual void* data() = 0;
+  virtual size_t bytes() const = 0;
+  TensorView View(DType t, std::initializer_list<int64_t> dims) { return TensorView(data(), t, dims); }
+};
+
+// out[i, :] = table[ids[i], :]
+struct EmbeddingParams {
+  const int32_t* ids = nullptr;  // [num_tokens], backend memory; each in [0, vocab)
+  TensorView table;              // [vocab, hidden] f32|bf16|f16
+  TensorView out;                // [num_tokens, hidden] f32
+};
+
+// out = in / sqrt(mean(in^2) + eps) * weight, row by row.
+struct RmsNormParams {
+  TensorView in;      // [num_tokens, hidden] f32
+  TensorView weight;  // [hidden] f32|bf16|f16
+  TensorView out;     // [num_tokens, hidden] f32 (may alias in)
+  float eps = 1e-6f;
+};
+
+// out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]); weight is stored as Hugging Face stores
+// nn.Linear weights. Accumulation in f32.
+struct MatMulParams {
+  TensorView in;      // [num_tokens, in_features] f32
+  TensorView weight;  // [out_features, in_features] f32|bf16|f16
+  TensorView bias;    // [out_features] f32|bf16|f16, or data == nullptr
+  TensorView out;     // [num_tokens, out_features] f32
+};
+
+// Rotary embedding in place, "rotate half" convention (pairs (i, i + head_dim/2)) as in Hugging
+// Face Llama: for each token t, head h, i < head_dim/2, with a = positions[t] * inv_freq[i]:
+//   x1' = x1 cos a - x2 sin a;  x2' = x2 cos a + x1 sin a
+struct RopeParams {
+  TensorView x;                        // [num_tokens, num_heads, head_dim] f32, rotated in place
+  const int32_t* positions = nullptr;  // [num_tokens], backend memory
+  TensorView inv_freq;                 // [head_dim / 2] f32 (already includes rope scaling)
+  float attention_factor = 1.0f;       // multiplies cos and sin (1 for llama3 / default rope)
+};
+
+// out = silu(gate) * up, elementwise; silu(x) = x / (1 + exp(-x)).
+struct SwiGluParams {
+  TensorView gate;  // [num_tokens, intermediate] f32
+  TensorView up;    // [num_tokens, intermediate] f32
+  TensorView out;   // [num_tokens, intermediate] f32 (may alias gate)
+};
+
+// out = a + b, elementwise.
+struct AddParams {
+  TensorView a;    // [n...] f32
+  TensorView b;    // same shape, f32
+  TensorView out;  // same shape, f32 (may alias a or b)
+};
+
+// A run of consecutive tokens of one KV head held in one page slot of the pool.
+struct KvSpan {
+  int32_t slot = 0;      // page slot in k_pool / v_pool
+  int32_t offset = 0;    // first token of the run inside the page
+  int32_t length = 0;    // tokens in the run; offset + length <= page_size
+  int32_t position = 0;  // absolute sequence position of the run's first token
+};
+
+// Attention of a block of query tokens over a set of KV spans per KV head (paged attention).
+// For query token t and query head h (KV head g = h / (num_q_heads / num_kv_heads)), over every
+// key j in the spans of g with (!causal || pos(j) <= q_positions[t]):
+//   s_j = scale * q[t,h,:] . k_j,   lse[t,h] = log(sum_j exp(s_j)),
+//   out[t,h,:] = sum_j exp(s_j - lse[t,h]) v_j.
+// When no key is attended, out is 0 and lse is -inf. The (out, lse) pair is a *partial* result:
+// partials over disjoint key sets merge exactly with MergeAttention.
+struct PagedAttentionParams {
+  TensorView q;                          // [num_tokens, num_q_heads, head_dim] f32
+  TensorView k_pool;                     // [num_slots, page_size, head_dim] f32|bf16
+  TensorView v_pool;                     // [num_slots, page_size, head_dim] same dtype as k_pool
+  const KvSpan* spans = nullptr;         // host memory: spans of all KV heads, grouped by head
+  const int32_t* span_offsets = nullptr; // host memory: [num_kv_heads + 1] CSR offsets into spans
+  int num_kv_heads = 0;
+  const int32_t* q_positions = nullptr;  // host memory: [num_tokens] absolute positions
+  bool causal = true;
+  float scale = 0.0f;                    // usually 1 / sqrt(head_dim)
+  TensorView out;                        // [num_tokens, num_q_heads, head_dim] f32
+  TensorView lse;                        // [num_tokens, num_q_heads] f32
+};
+
+// Merges partial attention results over disjoint key sets:
+//   LSE = log(sum_s exp(lse_s)),  out = sum_s exp(lse_s - LSE) * out_s.
+struct MergeAttentionParams {
+  const TensorView* outs = nullptr;  // num_parts views, each [num_tokens, num_heads, head_dim] f32
+  const TensorView* lses = nullptr;  // num_parts views, each [num_tokens, num_heads] f32
+  int num_parts = 0;
+  TensorView out;                    // [num_tokens, num_heads, head_dim] f32
+  TensorView lse;                    // [num_tokens, num_heads] f32
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cpu" or "cuda:<device>".
+  virtual std::string Name() const = 0;
+
+  // Memory. Allocate returns ResourceExhausted when the memory is not there.
+  virtual absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) = 0;
+  virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) = 0;
+  virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes, Stream s) = 0;
+  // Waits for all work queued on `s`.
+  virtual absl::Status Synchronize(Stream s) = 0;
+
+  virtual absl::Status Supports(const EmbeddingParams& p) const = 0;
+  virtual absl::Status Embedding(const EmbeddingParams& p, Stream s) = 0;
+  virtual absl::Status Supports(const RmsNormParams& p) const = 0;
+  virtual absl::Status RmsNorm(const RmsNormParams& p, Stream s) = 0;
+  virtual absl::Status Supports(const MatMulParams& p) const = 0;
+  virtual absl::Status MatMul(const MatMulParams& p, Stream s) = 0;
+  virtual absl::Status Supports(const RopeParams& p) const = 0;
+  virtual absl::Status Rope(const RopeParams& p, Stream s) = 0;
+  virtual absl::Status Supports(const SwiGluParams& p) const = 0;
+  virtual absl::Status SwiGlu(const SwiGluParams& p, Stream s) = 0;
+  virtual absl::Status Supports(const AddParams& p) const = 0;
+  virtual absl::Status Add(const AddParams& p, Stream s) = 0;
+  virtual absl::Status Supports(const PagedAttentionParams& p) const = 0;
+  virtual absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) = 0;
+  virtual absl::Status Supports(const MergeAttentionParams& p) const = 0;
+  virtual absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) = 0;
+};
+
+// The CPU reference backend. `num_threads` <= 0 means all cores (OpenMP default).
+std::unique_ptr<Backend> MakeCpuBackend(int num_threads = 0);
+
+}  // namespace strata::kernels
+
+#endif  // STRATA_KERNELS_BACKEND_H_

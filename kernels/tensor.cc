@@ -1,0 +1,218 @@
+#include "kernels/tensor.h"
+
+#include <cmath>
+#include <cstdio>
+
+namespace strata::kernels {
+
+size_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kBF16:
+    case DType::kF16:
+      return 2;
+    case DType::kFP8E4M3:
+      return 1;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
+    case DType::kFP8E4M3:
+      return "fp8_e4m3";
+    case DType::kI32:
+      return "i32";
+  }
+  return "?";
+}
+
+TensorView::TensorView(void* d, DType t, std::initializer_list<int64_t> dims) : data(d), dtype(t) {
+  rank = 0;
+  for (int64_t v : dims) {
+    if (rank < kMaxRank) shape[rank++] = v;
+  }
+}
+
+int64_t TensorView::NumElements() const {
+  int64_t n = 1;
+  for (int i = 0; i < rank; ++i) n *= shape[i];
+  return rank == 0 ? 0 : n;
+}
+
+std::string TensorView::DebugString() const {
+  std::string s = DTypeName(dtype);
+  s += "[";
+  for (int i = 0; i < rank; ++i) {
+    if (i) s += ",";
+    s += std::to_string(shape[i]);
+  }
+  s += "]";
+  return s;
+}
+
+float BF16ToF32(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t F32ToBF16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+float F16ToF32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do {
+        ++e;
+        mant <<= 1;
+      } while ((mant & 0x400u) == 0);
+      mant &= 0x3ffu;
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | mant << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t F32ToF16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  uint32_t sign = (bits >> 16) & 0x8000u;
+  uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+  if (abs < 0x38800000u) {  // f16 subnormal or zero: units of 2^-24, exact scaling then RNE
+    float a;
+    std::memcpy(&a, &abs, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+  }
+  uint32_t rounding = 0xfffu + ((abs >> 13) & 1u);
+  abs += rounding;
+  return static_cast<uint16_t>(sign | ((abs - 0x38000000u) >> 13));
+}
+
+float FP8E4M3ToF32(uint8_t v) {
+  uint32_t sign = v >> 7;
+  uint32_t exp = (v >> 3) & 0xfu;
+  uint32_t mant = v & 0x7u;
+  float out;
+  if (exp == 0xf && mant == 0x7) {
+    out = NAN;
+  } else if (exp == 0) {
+    out = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant/8 * 2^-6
+  } else {
+    out = std::ldexp(1.0f + mant / 8.0f, static_cast<int>(exp) - 7);
+  }
+  return sign ? -out : out;
+}
+
+uint8_t F32ToFP8E4M3(float v) {
+  if (std::isnan(v)) return 0x7f;
+  uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  float a = std::fabs(v);
+  if (a >= 448.0f) return sign | 0x7e;  // saturate to max finite
+  // Find the nearest representable value by search over the 127 non-negative finite codes.
+  // Codes are monotonic in value, so a binary search on the code suffices.
+  int lo = 0, hi = 0x7e;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (FP8E4M3ToF32(static_cast<uint8_t>(mid)) <= a) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  int best = lo;
+  if (lo < 0x7e) {
+    float below = FP8E4M3ToF32(static_cast<uint8_t>(lo));
+    float above = FP8E4M3ToF32(static_cast<uint8_t>(lo + 1));
+    float db = a - below, da = above - a;
+    if (da < db || (da == db && (lo & 1))) best = lo + 1;  // ties to even code
+  }
+  return sign | static_cast<uint8_t>(best);
+}
+
+void ConvertToF32(const void* src, DType src_type, float* dst, int64_t n) {
+  switch (src_type) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kBF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = BF16ToF32(s[i]);
+      return;
+    }
+    case DType::kF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = F16ToF32(s[i]);
+      return;
+    }
+    case DType::kFP8E4M3: {
+      const uint8_t* s = static_cast<const uint8_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = FP8E4M3ToF32(s[i]);
+      return;
+    }
+    case DType::kI32: {
+      const int32_t* s = static_cast<const int32_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+      return;
+    }
+  }
+}
+
+void ConvertFromF32(const float* src, void* dst, DType dst_type, int64_t n) {
+  switch (dst_type) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kBF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = F32ToBF16(src[i]);
+      return;
+    }
+    case DType::kF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = F32ToF16(src[i]);
+      return;
+    }
+    case DType::kFP8E4M3: {
+      uint8_t* d = static_cast<uint8_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = F32ToFP8E4M3(src[i]);
+      return;
+    }
+    case DType::kI32: {
+      int32_t* d = static_cast<int32_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<int32_t>(src[i]);
+      return;
+    }
+  }
+}
+
+}  // namespace strata::kernels
