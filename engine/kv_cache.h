@@ -1,0 +1,73 @@
+// Paged KV cache of one sequence (document + prompt + generated tokens).
+//
+// Layout (DESIGN.md section 2): a page holds `page_size` consecutive tokens of one layer and one
+// KV head, K [page_size, head_dim] and V [page_size, head_dim]. Each layer has one pool of page
+// slots in backend memory, k_pool / v_pool [num_slots, page_size, head_dim] of `dtype`; page p of
+// KV head g of a layer lives in slot SlotOf(layer, g, p). Keys are stored after RoPE.
+//
+// Tokens are appended in order, layer by layer: Append(layer, ...) for tokens
+// [length(layer), length(layer) + n). Pages fill from the front; a page is "full" when it holds
+// page_size tokens. Thread-compatible.
+#ifndef STRATA_ENGINE_KV_CACHE_H_
+#define STRATA_ENGINE_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace strata::engine {
+
+struct KvCacheOptions {
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  // Tokens per page. Default: 64 (see bench/RESULTS.md, fidelity).
+  int page_size = 64;
+  // Storage dtype of K and V: f32 (exact reference) or bf16.
+  kernels::DType dtype = kernels::DType::kF32;
+  // Capacity in tokens; pools are allocated for it up front. ResourceExhausted beyond it.
+  int64_t max_tokens = 0;
+
+  absl::Status Validate() const;
+};
+
+class KvCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const KvCacheOptions& options,
+                                                         kernels::Backend* backend);
+  ~KvCache();
+
+  const KvCacheOptions& options() const { return options_; }
+  // Tokens stored in `layer`.
+  int64_t length(int layer) const { return lengths_[layer]; }
+  int64_t num_pages(int layer) const;  // pages touched: ceil(length / page_size)
+
+  // Appends n tokens to `layer`. k, v: [n, num_kv_heads, head_dim] f32 in backend memory.
+  // ResourceExhausted past max_tokens; InvalidArgument on shape mismatch.
+  absl::Status Append(int layer, const kernels::TensorView& k, const kernels::TensorView& v);
+
+  // [num_slots, page_size, head_dim] views of the layer's pools.
+  kernels::TensorView k_pool(int layer) const;
+  kernels::TensorView v_pool(int layer) const;
+  int32_t SlotOf(int layer, int kv_head, int64_t page) const;
+
+  // Appends to `spans` the spans covering tokens [begin, end) of `kv_head` (page by page).
+  void AppendSpans(int layer, int kv_head, int64_t begin, int64_t end,
+                   std::vector<kernels::KvSpan>* spans) const;
+
+ private:
+  KvCache(const KvCacheOptions& options, kernels::Backend* backend);
+
+  KvCacheOptions options_;
+  kernels::Backend* backend_;
+  int64_t pages_per_head_ = 0;  // ceil(max_tokens / page_size)
+  std::vector<int64_t> lengths_;
+  std::vector<std::unique_ptr<kernels::Buffer>> k_pools_, v_pools_;
+};
+
+}  // namespace strata::engine
+
+#endif  // STRATA_ENGINE_KV_CACHE_H_
