@@ -8,7 +8,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
-  libopenblas-dev libpcre2-dev libxxhash-dev
+  libopenblas-dev libpcre2-dev libxxhash-dev libutf8proc-dev
   python3 python3-grpcio python3-protobuf
 )
 
