@@ -1,0 +1,100 @@
+// The CPU reference backend (kernels::MakeCpuBackend) and the free functions behind its ops.
+//
+// CpuBackend implements kernels::Backend on host memory. Each op lives in kernels/cpu/<op>.cc as
+// a free function Cpu<Op>(params) that validates its params (the same checks as Supports) and
+// then runs; the class only forwards to them. Accumulation is always f32. Ops parallelise with
+// OpenMP over the thread count given to MakeCpuBackend.
+//
+// Thread-compatibility: the free functions are thread-safe (they touch only the memory in their
+// params). A CpuBackend follows the Backend contract (external synchronisation).
+#ifndef STRATA_KERNELS_CPU_CPU_BACKEND_H_
+#define STRATA_KERNELS_CPU_CPU_BACKEND_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace strata::kernels {
+
+// Validation twins (what Supports() returns): OkStatus when the op can run on these params,
+// InvalidArgument for malformed shapes/dtypes/pointers, Unimplemented for a dtype the CPU
+// backend does not handle.
+absl::Status CpuSupportsEmbedding(const EmbeddingParams& p);
+absl::Status CpuSupportsRmsNorm(const RmsNormParams& p);
+absl::Status CpuSupportsMatMul(const MatMulParams& p);
+absl::Status CpuSupportsRope(const RopeParams& p);
+absl::Status CpuSupportsSwiGlu(const SwiGluParams& p);
+absl::Status CpuSupportsAdd(const AddParams& p);
+
+// The ops. Each validates first (the matching CpuSupports*) and returns its error unchanged;
+// on success the outputs are written as backend.h specifies.
+absl::Status CpuEmbedding(const EmbeddingParams& p);
+absl::Status CpuRmsNorm(const RmsNormParams& p);
+absl::Status CpuMatMul(const MatMulParams& p);
+absl::Status CpuRope(const RopeParams& p);
+absl::Status CpuSwiGlu(const SwiGluParams& p);
+absl::Status CpuAdd(const AddParams& p);
+
+// Attention, implemented in kernels/cpu/attention.cc (by the attention owner). Each validates
+// its params itself (InvalidArgument for malformed ones) and then computes (out, lse) exactly as
+// backend.h specifies. CpuBackend::Supports() for these two runs shape/dtype checks kept in
+// cpu_backend.cc.
+absl::Status CpuPagedAttention(const PagedAttentionParams& p);
+absl::Status CpuMergeAttention(const MergeAttentionParams& p);
+
+// Host memory owned by a CpuBackend allocation (64-byte aligned).
+class CpuBuffer : public Buffer {
+ public:
+  explicit CpuBuffer(size_t bytes);
+  ~CpuBuffer() override;
+  CpuBuffer(const CpuBuffer&) = delete;
+  CpuBuffer& operator=(const CpuBuffer&) = delete;
+  void* data() override { return data_; }
+  size_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class CpuBackend : public Backend {
+ public:
+  // num_threads <= 0: OpenMP default (all cores).
+  explicit CpuBackend(int num_threads);
+
+  std::string Name() const override { return "cpu"; }
+
+  absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) override;
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes, Stream s) override;
+  absl::Status Synchronize(Stream s) override;
+
+  absl::Status Supports(const EmbeddingParams& p) const override;
+  absl::Status Embedding(const EmbeddingParams& p, Stream s) override;
+  absl::Status Supports(const RmsNormParams& p) const override;
+  absl::Status RmsNorm(const RmsNormParams& p, Stream s) override;
+  absl::Status Supports(const MatMulParams& p) const override;
+  absl::Status MatMul(const MatMulParams& p, Stream s) override;
+  absl::Status Supports(const RopeParams& p) const override;
+  absl::Status Rope(const RopeParams& p, Stream s) override;
+  absl::Status Supports(const SwiGluParams& p) const override;
+  absl::Status SwiGlu(const SwiGluParams& p, Stream s) override;
+  absl::Status Supports(const AddParams& p) const override;
+  absl::Status Add(const AddParams& p, Stream s) override;
+  absl::Status Supports(const PagedAttentionParams& p) const override;
+  absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) override;
+  absl::Status Supports(const MergeAttentionParams& p) const override;
+  absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) override;
+
+ private:
+  // Sets the OpenMP thread count for the calling thread before each op.
+  void ApplyThreads() const;
+  int num_threads_;
+};
+
+}  // namespace strata::kernels
+
+#endif  // STRATA_KERNELS_CPU_CPU_BACKEND_H_
