@@ -1,0 +1,236 @@
+// CPU reference paged attention and partial-result merge (math in kernels/backend.h).
+//
+// Paged attention: one (token, query head) row per OpenMP work item; keys are scored span by span
+// and folded into a numerically stable online softmax (running max, rescaled sum and accumulator,
+// all f32). Spans are validated before anything is written.
+#include "kernels/cpu/cpu_backend.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace strata::kernels {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Loads row `row` (head_dim elements) of a pool as f32 into dst; returns a pointer to f32 data
+// (the pool itself for f32 pools, dst otherwise).
+inline const float* LoadRow(const TensorView& pool, int64_t row, int head_dim, float* dst) {
+  if (pool.dtype == DType::kF32) return pool.As<const float>() + row * head_dim;
+  const uint16_t* src = pool.As<const uint16_t>() + row * head_dim;
+  for (int i = 0; i < head_dim; ++i) dst[i] = BF16ToF32(src[i]);
+  return dst;
+}
+
+absl::Status ValidatePagedAttention(const PagedAttentionParams& p) {
+  if (p.q.data == nullptr || p.k_pool.data == nullptr || p.v_pool.data == nullptr ||
+      p.out.data == nullptr || p.lse.data == nullptr) {
+    return absl::InvalidArgumentError("paged attention: null tensor");
+  }
+  if (p.q.rank != 3 || p.q.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged attention: q must be f32 [tokens, heads, dim], got ", p.q.DebugString()));
+  }
+  const int64_t num_tokens = p.q.dim(0), num_q_heads = p.q.dim(1), head_dim = p.q.dim(2);
+  if (p.k_pool.rank != 3 || (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "paged attention: k_pool must be f32|bf16 [slots, page, dim], got ", p.k_pool.DebugString()));
+  }
+  if (p.v_pool.rank != 3 || p.v_pool.dtype != p.k_pool.dtype ||
+      p.v_pool.dim(0) != p.k_pool.dim(0) || p.v_pool.dim(1) != p.k_pool.dim(1) ||
+      p.v_pool.dim(2) != p.k_pool.dim(2)) {
+    return absl::InvalidArgumentError(absl::StrCat("paged attention: v_pool ", p.v_pool.DebugString(),
+                                                   " does not match k_pool ", p.k_pool.DebugString()));
+  }
+  if (p.k_pool.dim(2) != head_dim) {
+    return absl::InvalidArgumentError("paged attention: pool head_dim differs from q head_dim");
+  }
+  if (p.out.rank != 3 || p.out.dtype != DType::kF32 || p.out.dim(0) != num_tokens ||
+      p.out.dim(1) != num_q_heads || p.out.dim(2) != head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged attention: out must be f32 like q, got ", p.out.DebugString()));
+  }
+  if (p.lse.rank != 2 || p.lse.dtype != DType::kF32 || p.lse.dim(0) != num_tokens ||
+      p.lse.dim(1) != num_q_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged attention: lse must be f32 [tokens, heads], got ", p.lse.DebugString()));
+  }
+  if (p.num_kv_heads <= 0 || num_q_heads % p.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("paged attention: num_q_heads ", num_q_heads,
+                                                   " not a multiple of num_kv_heads ",
+                                                   p.num_kv_heads));
+  }
+  if (p.span_offsets == nullptr) {
+    return absl::InvalidArgumentError("paged attention: null span_offsets");
+  }
+  if (p.causal && num_tokens > 0 && p.q_positions == nullptr) {
+    return absl::InvalidArgumentError("paged attention: causal needs q_positions");
+  }
+  if (p.span_offsets[0] < 0) return absl::InvalidArgumentError("paged attention: negative offset");
+  for (int g = 0; g < p.num_kv_heads; ++g) {
+    if (p.span_offsets[g + 1] < p.span_offsets[g]) {
+      return absl::InvalidArgumentError("paged attention: span_offsets not non-decreasing");
+    }
+  }
+  const int32_t total = p.span_offsets[p.num_kv_heads];
+  if (total > p.span_offsets[0] && p.spans == nullptr) {
+    return absl::InvalidArgumentError("paged attention: null spans");
+  }
+  const int64_t num_slots = p.k_pool.dim(0), page_size = p.k_pool.dim(1);
+  for (int32_t i = p.span_offsets[0]; i < total; ++i) {
+    const KvSpan& s = p.spans[i];
+    if (s.slot < 0 || s.slot >= num_slots || s.offset < 0 || s.length < 0 ||
+        static_cast<int64_t>(s.offset) + s.length > page_size) {
+      return absl::InvalidArgumentError(absl::StrCat("paged attention: span ", i, " (slot ", s.slot,
+                                                     ", offset ", s.offset, ", length ", s.length,
+                                                     ") outside pool of ", num_slots, " slots x ",
+                                                     page_size, " tokens"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
+  absl::Status st = ValidatePagedAttention(p);
+  if (!st.ok()) return st;
+  const int num_tokens = static_cast<int>(p.q.dim(0));
+  const int num_q_heads = static_cast<int>(p.q.dim(1));
+  const int head_dim = static_cast<int>(p.q.dim(2));
+  const int group = num_q_heads / p.num_kv_heads;
+  const int64_t page_size = p.k_pool.dim(1);
+  const float* q = p.q.As<const float>();
+  float* out = p.out.As<float>();
+  float* lse = p.lse.As<float>();
+  const int64_t rows = static_cast<int64_t>(num_tokens) * num_q_heads;
+
+#pragma omp parallel
+  {
+    std::vector<float> acc(head_dim), kbuf(head_dim), vbuf(head_dim), scores(page_size);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int t = static_cast<int>(r / num_q_heads);
+      const int h = static_cast<int>(r % num_q_heads);
+      const int g = h / group;
+      const float* qr = q + r * head_dim;
+      const int64_t qpos = p.causal ? p.q_positions[t] : 0;
+      float m = kNegInf, l = 0.0f;
+      for (int i = 0; i < head_dim; ++i) acc[i] = 0.0f;
+      for (int32_t si = p.span_offsets[g]; si < p.span_offsets[g + 1]; ++si) {
+        const KvSpan& s = p.spans[si];
+        int n = s.length;
+        if (p.causal) {
+          const int64_t allowed = qpos - s.position + 1;  // keys with position <= qpos
+          if (allowed <= 0) continue;
+          if (allowed < n) n = static_cast<int>(allowed);
+        }
+        if (n <= 0) continue;
+        const int64_t base = static_cast<int64_t>(s.slot) * page_size + s.offset;
+        float span_max = kNegInf;
+        for (int j = 0; j < n; ++j) {
+          const float* kr = LoadRow(p.k_pool, base + j, head_dim, kbuf.data());
+          float dot = 0.0f;
+          for (int i = 0; i < head_dim; ++i) dot += qr[i] * kr[i];
+          scores[j] = dot * p.scale;
+          if (scores[j] > span_max) span_max = scores[j];
+        }
+        const float new_m = span_max > m ? span_max : m;
+        if (new_m == kNegInf) continue;  // all scores -inf (only with infinite inputs)
+        const float correction = std::exp(m - new_m);  // exp(-inf) = 0 on the first span
+        l *= correction;
+        for (int i = 0; i < head_dim; ++i) acc[i] *= correction;
+        for (int j = 0; j < n; ++j) {
+          const float w = std::exp(scores[j] - new_m);
+          l += w;
+          const float* vr = LoadRow(p.v_pool, base + j, head_dim, vbuf.data());
+          for (int i = 0; i < head_dim; ++i) acc[i] += w * vr[i];
+        }
+        m = new_m;
+      }
+      float* o = out + r * head_dim;
+      if (l > 0.0f) {
+        const float inv = 1.0f / l;
+        for (int i = 0; i < head_dim; ++i) o[i] = acc[i] * inv;
+        lse[r] = m + std::log(l);
+      } else {
+        for (int i = 0; i < head_dim; ++i) o[i] = 0.0f;
+        lse[r] = kNegInf;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+static absl::Status ValidateMergeAttention(const MergeAttentionParams& p) {
+  if (p.num_parts < 1 || p.outs == nullptr || p.lses == nullptr) {
+    return absl::InvalidArgumentError("merge attention: need num_parts >= 1 and non-null parts");
+  }
+  if (p.out.data == nullptr || p.lse.data == nullptr || p.out.rank != 3 ||
+      p.out.dtype != DType::kF32 || p.lse.rank != 2 || p.lse.dtype != DType::kF32 ||
+      p.lse.dim(0) != p.out.dim(0) || p.lse.dim(1) != p.out.dim(1)) {
+    return absl::InvalidArgumentError(absl::StrCat("merge attention: bad outputs ",
+                                                   p.out.DebugString(), " ", p.lse.DebugString()));
+  }
+  for (int s = 0; s < p.num_parts; ++s) {
+    const TensorView& o = p.outs[s];
+    const TensorView& l = p.lses[s];
+    if (o.data == nullptr || l.data == nullptr || o.rank != 3 || o.dtype != DType::kF32 ||
+        l.rank != 2 || l.dtype != DType::kF32 || o.dim(0) != p.out.dim(0) ||
+        o.dim(1) != p.out.dim(1) || o.dim(2) != p.out.dim(2) || l.dim(0) != p.lse.dim(0) ||
+        l.dim(1) != p.lse.dim(1)) {
+      return absl::InvalidArgumentError(absl::StrCat("merge attention: part ", s, " ",
+                                                     o.DebugString(), " ", l.DebugString(),
+                                                     " does not match output ", p.out.DebugString()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuMergeAttention(const MergeAttentionParams& p) {
+  absl::Status st = ValidateMergeAttention(p);
+  if (!st.ok()) return st;
+  const int64_t rows = p.out.dim(0) * p.out.dim(1);
+  const int head_dim = static_cast<int>(p.out.dim(2));
+  float* out = p.out.As<float>();
+  float* lse = p.lse.As<float>();
+#pragma omp parallel
+  {
+    std::vector<float> acc(head_dim), w(p.num_parts);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = kNegInf;
+      for (int s = 0; s < p.num_parts; ++s) {
+        const float ls = p.lses[s].As<const float>()[r];
+        if (ls > m) m = ls;
+      }
+      float* o = out + r * head_dim;
+      if (m == kNegInf) {
+        for (int i = 0; i < head_dim; ++i) o[i] = 0.0f;
+        lse[r] = kNegInf;
+        continue;
+      }
+      float sum = 0.0f;
+      for (int s = 0; s < p.num_parts; ++s) {
+        w[s] = std::exp(p.lses[s].As<const float>()[r] - m);
+        sum += w[s];
+      }
+      for (int i = 0; i < head_dim; ++i) acc[i] = 0.0f;
+      for (int s = 0; s < p.num_parts; ++s) {
+        if (w[s] == 0.0f) continue;
+        const float* os = p.outs[s].As<const float>() + r * head_dim;
+        const float ws = w[s] / sum;
+        for (int i = 0; i < head_dim; ++i) acc[i] += ws * os[i];
+      }
+      for (int i = 0; i < head_dim; ++i) o[i] = acc[i];
+      lse[r] = m + std::log(sum);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::kernels
