@@ -1,0 +1,158 @@
+// Paged KV cache. See engine/kv_cache.h.
+//
+// Slot layout: slot = kv_head * pages_per_head + page, so the pages of one KV head are contiguous
+// in the pool and SlotOf is pure arithmetic. Appends stage the new rows on the host (converting
+// f32 -> pool dtype) and copy them into the pools page run by page run with the backend's
+// CopyToDevice, which is a memcpy for the CPU backend and works unchanged for device pools.
+#include "engine/kv_cache.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace strata::engine {
+
+using kernels::DType;
+using kernels::KvSpan;
+using kernels::TensorView;
+
+absl::Status KvCacheOptions::Validate() const {
+  if (num_layers <= 0 || num_kv_heads <= 0 || head_dim <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: num_layers ", num_layers,
+                                                   ", num_kv_heads ", num_kv_heads, ", head_dim ",
+                                                   head_dim, " must all be positive"));
+  }
+  if (page_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: page_size ", page_size, " <= 0"));
+  }
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv cache: dtype ", kernels::DTypeName(dtype), " (want f32 or bf16)"));
+  }
+  if (max_tokens <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: max_tokens ", max_tokens, " <= 0"));
+  }
+  const int64_t pages = (max_tokens + page_size - 1) / page_size;
+  if (pages * num_kv_heads > INT32_MAX) {
+    return absl::InvalidArgumentError("kv cache: too many page slots for int32 slot ids");
+  }
+  return absl::OkStatus();
+}
+
+KvCache::KvCache(const KvCacheOptions& options, kernels::Backend* backend)
+    : options_(options), backend_(backend) {}
+
+KvCache::~KvCache() = default;
+
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& options,
+                                                         kernels::Backend* backend) {
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  if (backend == nullptr) return absl::InvalidArgumentError("kv cache: null backend");
+  std::unique_ptr<KvCache> cache(new KvCache(options, backend));
+  cache->pages_per_head_ = (options.max_tokens + options.page_size - 1) / options.page_size;
+  cache->lengths_.assign(options.num_layers, 0);
+  const size_t bytes = static_cast<size_t>(cache->pages_per_head_) * options.num_kv_heads *
+                       options.page_size * options.head_dim * kernels::DTypeSize(options.dtype);
+  for (int l = 0; l < options.num_layers; ++l) {
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> k, backend->Allocate(bytes));
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> v, backend->Allocate(bytes));
+    cache->k_pools_.push_back(std::move(k));
+    cache->v_pools_.push_back(std::move(v));
+  }
+  return cache;
+}
+
+int64_t KvCache::num_pages(int layer) const {
+  return (lengths_[layer] + options_.page_size - 1) / options_.page_size;
+}
+
+absl::Status KvCache::Append(int layer, const TensorView& k, const TensorView& v) {
+  if (layer < 0 || layer >= options_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: layer ", layer, " out of range"));
+  }
+  const int hkv = options_.num_kv_heads, d = options_.head_dim, page = options_.page_size;
+  for (const TensorView* t : {&k, &v}) {
+    if (t->data == nullptr || t->rank != 3 || t->dtype != DType::kF32 || t->dim(1) != hkv ||
+        t->dim(2) != d || t->dim(0) != k.dim(0)) {
+      return absl::InvalidArgumentError(absl::StrCat("kv cache: append wants f32 [n, ", hkv, ", ",
+                                                     d, "], got ", t->DebugString()));
+    }
+  }
+  const int64_t n = k.dim(0);
+  const int64_t begin = lengths_[layer];
+  if (begin + n > options_.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("kv cache: ", begin, " + ", n,
+                                                     " tokens exceed max_tokens ",
+                                                     options_.max_tokens));
+  }
+  if (n == 0) return absl::OkStatus();
+  // Bring the new rows to the host (a copy for the CPU backend too; small next to attention).
+  const size_t elems = static_cast<size_t>(n) * hkv * d;
+  std::vector<float> hk(elems), hv(elems);
+  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(hk.data(), k.data, elems * sizeof(float), nullptr));
+  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(hv.data(), v.data, elems * sizeof(float), nullptr));
+  const size_t esize = kernels::DTypeSize(options_.dtype);
+  std::vector<uint8_t> sk(static_cast<size_t>(page) * d * esize), sv(sk.size());
+  char* kpool = static_cast<char*>(k_pools_[layer]->data());
+  char* vpool = static_cast<char*>(v_pools_[layer]->data());
+  for (int g = 0; g < hkv; ++g) {
+    for (int64_t pos = begin; pos < begin + n;) {
+      const int64_t p = pos / page, off = pos % page;
+      const int64_t run = std::min<int64_t>(page - off, begin + n - pos);
+      for (int64_t i = 0; i < run; ++i) {
+        const size_t src = (static_cast<size_t>(pos - begin + i) * hkv + g) * d;
+        kernels::ConvertFromF32(&hk[src], sk.data() + i * d * esize, options_.dtype, d);
+        kernels::ConvertFromF32(&hv[src], sv.data() + i * d * esize, options_.dtype, d);
+      }
+      const size_t dst = (static_cast<size_t>(SlotOf(layer, g, p)) * page + off) * d * esize;
+      const size_t bytes = static_cast<size_t>(run) * d * esize;
+      STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(kpool + dst, sk.data(), bytes, nullptr));
+      STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(vpool + dst, sv.data(), bytes, nullptr));
+      // The staging buffers are reused: wait for the copies before refilling them.
+      STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+      pos += run;
+    }
+  }
+  lengths_[layer] = begin + n;
+  return absl::OkStatus();
+}
+
+TensorView KvCache::k_pool(int layer) const {
+  return TensorView(k_pools_[layer]->data(), options_.dtype,
+                    {pages_per_head_ * options_.num_kv_heads, options_.page_size,
+                     options_.head_dim});
+}
+
+TensorView KvCache::v_pool(int layer) const {
+  return TensorView(v_pools_[layer]->data(), options_.dtype,
+                    {pages_per_head_ * options_.num_kv_heads, options_.page_size,
+                     options_.head_dim});
+}
+
+int32_t KvCache::SlotOf(int layer, int kv_head, int64_t page) const {
+  return static_cast<int32_t>(kv_head * pages_per_head_ + page);
+}
+
+void KvCache::AppendSpans(int layer, int kv_head, int64_t begin, int64_t end,
+                          std::vector<KvSpan>* spans) const {
+  begin = std::max<int64_t>(begin, 0);
+  end = std::min<int64_t>(end, lengths_[layer]);
+  const int page = options_.page_size;
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t p = pos / page, off = pos % page;
+    const int64_t run = std::min<int64_t>(page - off, end - pos);
+    KvSpan s;
+    s.slot = SlotOf(layer, kv_head, p);
+    s.offset = static_cast<int32_t>(off);
+    s.length = static_cast<int32_t>(run);
+    s.position = static_cast<int32_t>(pos);
+    spans->push_back(s);
+    pos += run;
+  }
+}
+
+}  // namespace strata::engine

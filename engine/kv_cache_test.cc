@@ -1,0 +1,170 @@
+// Tests of the paged KV cache and the dense policy (through CpuPagedAttention).
+#include "engine/kv_cache.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "engine/attention_policy.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+
+namespace strata::engine {
+namespace {
+
+using ::strata::testing::StatusIs;
+using kernels::DType;
+using kernels::TensorView;
+
+constexpr uint32_t kSeed = 7321;
+
+::testing::AssertionResult IsOk(const absl::Status& s) {
+  if (s.ok()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << s;
+}
+
+TEST(KvCacheOptionsTest, Validate) {
+  KvCacheOptions o{2, 2, 8, 16, DType::kF32, 100};
+  EXPECT_TRUE(o.Validate().ok());
+  KvCacheOptions bad = o;
+  bad.page_size = 0;
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad = o;
+  bad.dtype = DType::kFP8E4M3;
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad = o;
+  bad.max_tokens = 0;
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+class KvCacheTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(KvCacheTest, AppendStoresRowsWhereSpansSayAndDenseAttentionIsExact) {
+  const DType dtype = GetParam();
+  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
+  KvCacheOptions o;
+  o.num_layers = 2;
+  o.num_kv_heads = 2;
+  o.head_dim = 5;
+  o.page_size = 7;
+  o.dtype = dtype;
+  o.max_tokens = 60;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<KvCache> cache, KvCache::Create(o, backend.get()));
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> nd;
+  // Tokens kept on the side as reference: [pos][g][d].
+  std::vector<float> all_k, all_v;
+  int64_t len = 0;
+  for (int chunk : {1, 3, 17, 6, 1, 20}) {
+    std::vector<float> k(chunk * 2 * 5), v(k.size());
+    for (float& x : k) x = nd(rng);
+    for (float& x : v) x = nd(rng);
+    all_k.insert(all_k.end(), k.begin(), k.end());
+    all_v.insert(all_v.end(), v.begin(), v.end());
+    for (int layer = 0; layer < 2; ++layer) {
+      ASSERT_TRUE(IsOk(cache->Append(layer, TensorView(k.data(), DType::kF32, {chunk, 2, 5}),
+                                     TensorView(v.data(), DType::kF32, {chunk, 2, 5}))));
+    }
+    len += chunk;
+  }
+  ASSERT_EQ(cache->length(1), len);
+  EXPECT_EQ(cache->num_pages(1), (len + 6) / 7);
+  // Every row lands where AppendSpans points.
+  const TensorView kp = cache->k_pool(1);
+  std::vector<kernels::KvSpan> spans;
+  for (int g = 0; g < 2; ++g) {
+    spans.clear();
+    cache->AppendSpans(1, g, 3, len + 100, &spans);  // end clipped to the length
+    int64_t pos = 3;
+    for (const kernels::KvSpan& s : spans) {
+      ASSERT_EQ(s.position, pos);
+      ASSERT_LE(s.offset + s.length, 7);
+      for (int j = 0; j < s.length; ++j, ++pos) {
+        for (int c = 0; c < 5; ++c) {
+          const size_t row = (static_cast<size_t>(s.slot) * 7 + s.offset + j) * 5 + c;
+          float got = dtype == DType::kF32 ? kp.As<float>()[row]
+                                           : kernels::BF16ToF32(kp.As<uint16_t>()[row]);
+          float want = all_k[(pos * 2 + g) * 5 + c];
+          if (dtype == DType::kBF16) want = kernels::BF16ToF32(kernels::F32ToBF16(want));
+          ASSERT_EQ(got, want) << "pos " << pos << " g " << g;
+        }
+      }
+    }
+    ASSERT_EQ(pos, len);
+  }
+  // Dense policy + paged attention = naive attention over all tokens.
+  std::unique_ptr<AttentionPolicy> dense = MakeDensePolicy();
+  const int hq = 4, nt = 2;
+  std::vector<float> q(nt * hq * 5);
+  for (float& x : q) x = nd(rng);
+  Selection sel;
+  ASSERT_TRUE(IsOk(dense->Select(1, q.data(), nt, hq, len - nt, *cache, &sel)));
+  ASSERT_EQ(sel.offsets.size(), 3u);
+  std::vector<float> out(q.size()), lse(nt * hq);
+  std::vector<int32_t> qpos = {static_cast<int32_t>(len - 2), static_cast<int32_t>(len - 1)};
+  kernels::PagedAttentionParams p;
+  p.q = TensorView(q.data(), DType::kF32, {nt, hq, 5});
+  p.k_pool = cache->k_pool(1);
+  p.v_pool = cache->v_pool(1);
+  p.spans = sel.spans.data();
+  p.span_offsets = sel.offsets.data();
+  p.num_kv_heads = 2;
+  p.q_positions = qpos.data();
+  p.scale = 0.4f;
+  p.out = TensorView(out.data(), DType::kF32, {nt, hq, 5});
+  p.lse = TensorView(lse.data(), DType::kF32, {nt, hq});
+  ASSERT_TRUE(IsOk(kernels::CpuPagedAttention(p)));
+  for (int t = 0; t < nt; ++t) {
+    for (int h = 0; h < hq; ++h) {
+      const int g = h / 2;
+      double m = -1e30, sum = 0;
+      std::vector<double> s(qpos[t] + 1), acc(5, 0.0);
+      auto rd = [&](const std::vector<float>& a, size_t i) {
+        return dtype == DType::kF32 ? a[i] : kernels::BF16ToF32(kernels::F32ToBF16(a[i]));
+      };
+      for (int j = 0; j <= qpos[t]; ++j) {
+        double dot = 0;
+        for (int c = 0; c < 5; ++c) dot += q[(t * hq + h) * 5 + c] * rd(all_k, (j * 2 + g) * 5 + c);
+        s[j] = 0.4 * dot;
+        m = std::max(m, s[j]);
+      }
+      for (int j = 0; j <= qpos[t]; ++j) {
+        const double w = std::exp(s[j] - m);
+        sum += w;
+        for (int c = 0; c < 5; ++c) acc[c] += w * rd(all_v, (j * 2 + g) * 5 + c);
+      }
+      for (int c = 0; c < 5; ++c) {
+        EXPECT_NEAR(out[(t * hq + h) * 5 + c], acc[c] / sum, 1e-5);
+      }
+      EXPECT_NEAR(lse[t * hq + h], m + std::log(sum), 1e-5);
+    }
+  }
+  EXPECT_EQ(dense->counters().selected_tokens, 2 * len);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, KvCacheTest, ::testing::Values(DType::kF32, DType::kBF16));
+
+TEST(KvCacheTest, RejectsOverflowAndBadShapes) {
+  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
+  KvCacheOptions o{1, 2, 4, 8, DType::kF32, 10};
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<KvCache> cache, KvCache::Create(o, backend.get()));
+  std::vector<float> k(11 * 2 * 4);
+  EXPECT_THAT(cache->Append(0, TensorView(k.data(), DType::kF32, {11, 2, 4}),
+                            TensorView(k.data(), DType::kF32, {11, 2, 4})),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(cache->Append(0, TensorView(k.data(), DType::kF32, {2, 4, 2}),
+                            TensorView(k.data(), DType::kF32, {2, 4, 2})),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(cache->Append(3, TensorView(k.data(), DType::kF32, {2, 2, 4}),
+                            TensorView(k.data(), DType::kF32, {2, 2, 4})),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(cache->length(0), 0);
+  EXPECT_TRUE(IsOk(cache->Append(0, TensorView(k.data(), DType::kF32, {10, 2, 4}),
+                                 TensorView(k.data(), DType::kF32, {10, 2, 4}))));
+}
+
+}  // namespace
+}  // namespace strata::engine
