@@ -10,6 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   libopenblas-dev libpcre2-dev libxxhash-dev libutf8proc-dev
   python3 python3-grpcio python3-protobuf
+  prometheus  # promtool for scripts/check_deploy.sh (the daemon is not started)
 )
 
 SUDO=""
@@ -21,6 +22,11 @@ for p in "${PACKAGES[@]}"; do
     missing+=("$p")
   fi
 done
+# Node.js + npm for the offline Kubernetes manifest checks (deploy/tools). Only when absent: a
+# NodeSource nodejs (which bundles npm) conflicts with Debian's npm package.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  missing+=(nodejs npm)
+fi
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install_deps: all ${#PACKAGES[@]} packages already installed"
