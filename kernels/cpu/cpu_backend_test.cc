@@ -1,0 +1,380 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/internal/matmul.h"
+
+namespace strata::kernels {
+namespace {
+
+using ::strata::testing::StatusIs;
+
+constexpr uint32_t kSeed = 20261122;
+const int64_t kSizes[] = {1, 3, 17, 129};
+const DType kWeightTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+
+// A float tensor stored in `dtype`, plus the f32 values it actually holds (after rounding).
+struct HostTensor {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> dims;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+
+  TensorView View() {
+    TensorView v;
+    v.data = bytes.data();
+    v.dtype = dtype;
+    v.rank = static_cast<int>(dims.size());
+    for (int i = 0; i < v.rank; ++i) v.shape[i] = dims[i];
+    return v;
+  }
+  float* f32() { return reinterpret_cast<float*>(bytes.data()); }
+};
+
+class Rng {
+ public:
+  explicit Rng(uint32_t seed) : gen_(seed) {}
+  float Uniform(float lo, float hi) {
+    return lo + (hi - lo) * static_cast<float>(gen_() >> 8) / 16777216.0f;
+  }
+  uint32_t Next() { return gen_(); }
+
+ private:
+  std::mt19937 gen_;
+};
+
+HostTensor Random(Rng& rng, DType dtype, std::vector<int64_t> dims, float lo = -1.0f,
+                  float hi = 1.0f) {
+  HostTensor t;
+  t.dtype = dtype;
+  t.dims = dims;
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  std::vector<float> raw(n);
+  for (float& x : raw) x = rng.Uniform(lo, hi);
+  t.bytes.resize(n * DTypeSize(dtype) + 1);
+  ConvertFromF32(raw.data(), t.bytes.data(), dtype, n);
+  t.values.resize(n);
+  ConvertToF32(t.bytes.data(), dtype, t.values.data(), n);
+  return t;
+}
+
+HostTensor Zeros(std::vector<int64_t> dims) {
+  HostTensor t;
+  t.dims = dims;
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  t.bytes.assign(n * 4 + 1, 0);
+  // Poison: NaN everywhere, so an element the op forgets to write fails the comparison.
+  for (int64_t i = 0; i < n; ++i) t.f32()[i] = NAN;
+  t.values.assign(n, 0.0f);
+  return t;
+}
+
+// Every element must satisfy |got - want| <= atol + rtol * |want|; NaN never passes.
+void ExpectClose(const float* got, const std::vector<double>& want, double atol, double rtol,
+                 const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!(d <= atol + rtol * std::fabs(want[i]))) {
+      if (++bad <= 3) {
+        ADD_FAILURE() << what << " seed " << kSeed << " element " << i << ": got " << got[i]
+                      << " want " << want[i];
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << " seed " << kSeed;
+}
+
+TEST(CpuBackendTest, Memory) {
+  auto backend = MakeCpuBackend(2);
+  EXPECT_EQ(backend->Name(), "cpu");
+  STRATA_ASSERT_OK_AND_ASSIGN(auto buf, backend->Allocate(1000));
+  ASSERT_NE(buf->data(), nullptr);
+  EXPECT_EQ(buf->bytes(), 1000u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buf->data()) % 64, 0u);
+  std::vector<uint8_t> src(1000), dst(1000);
+  for (int i = 0; i < 1000; ++i) src[i] = static_cast<uint8_t>(i * 7);
+  STRATA_ASSERT_OK(backend->CopyToDevice(buf->data(), src.data(), 1000, nullptr));
+  STRATA_ASSERT_OK(backend->CopyToHost(dst.data(), buf->data(), 1000, nullptr));
+  STRATA_ASSERT_OK(backend->Synchronize(nullptr));
+  EXPECT_EQ(src, dst);
+  EXPECT_THAT(backend->CopyToDevice(nullptr, src.data(), 4, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(CpuBackendTest, Embedding) {
+  Rng rng(kSeed);
+  auto backend = MakeCpuBackend();
+  for (DType dt : kWeightTypes) {
+    for (int64_t hidden : kSizes) {
+      for (int64_t n : kSizes) {
+        const int64_t vocab = 19;
+        HostTensor table = Random(rng, dt, {vocab, hidden});
+        std::vector<int32_t> ids(n);
+        for (auto& id : ids) id = static_cast<int32_t>(rng.Next() % vocab);
+        HostTensor out = Zeros({n, hidden});
+        EmbeddingParams p{ids.data(), table.View(), out.View()};
+        STRATA_ASSERT_OK(backend->Supports(p));
+        STRATA_ASSERT_OK(backend->Embedding(p, nullptr));
+        std::vector<double> want(n * hidden);
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t j = 0; j < hidden; ++j) want[i * hidden + j] = table.values[ids[i] * hidden + j];
+        }
+        ExpectClose(out.f32(), want, 0, 0, std::string("embedding ") + DTypeName(dt));
+      }
+    }
+  }
+}
+
+TEST(CpuBackendTest, EmbeddingRejectsBadIds) {
+  Rng rng(kSeed);
+  auto backend = MakeCpuBackend();
+  HostTensor table = Random(rng, DType::kF32, {5, 3});
+  HostTensor out = Zeros({2, 3});
+  std::vector<int32_t> ids = {1, 5};
+  EmbeddingParams p{ids.data(), table.View(), out.View()};
+  EXPECT_THAT(backend->Embedding(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  ids = {-1, 0};
+  EXPECT_THAT(backend->Embedding(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.ids = nullptr;
+  EXPECT_THAT(backend->Supports(p), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(CpuBackendTest, RmsNorm) {
+  Rng rng(kSeed + 1);
+  auto backend = MakeCpuBackend();
+  for (DType dt : kWeightTypes) {
+    for (int64_t hidden : kSizes) {
+      for (int64_t n : kSizes) {
+        HostTensor in = Random(rng, DType::kF32, {n, hidden}, -3, 3);
+        HostTensor w = Random(rng, dt, {hidden}, 0.5, 1.5);
+        HostTensor out = Zeros({n, hidden});
+        RmsNormParams p{in.View(), w.View(), out.View(), 1e-5f};
+        STRATA_ASSERT_OK(backend->Supports(p));
+        STRATA_ASSERT_OK(backend->RmsNorm(p, nullptr));
+        std::vector<double> want(n * hidden);
+        for (int64_t t = 0; t < n; ++t) {
+          double ss = 0;
+          for (int64_t i = 0; i < hidden; ++i) ss += double(in.values[t * hidden + i]) * in.values[t * hidden + i];
+          const double inv = 1.0 / std::sqrt(ss / hidden + 1e-5);
+          for (int64_t i = 0; i < hidden; ++i) want[t * hidden + i] = in.values[t * hidden + i] * inv * w.values[i];
+        }
+        ExpectClose(out.f32(), want, 1e-6, 2e-5, std::string("rmsnorm ") + DTypeName(dt));
+        // In place (out aliases in).
+        p.out = in.View();
+        STRATA_ASSERT_OK(backend->RmsNorm(p, nullptr));
+        ExpectClose(in.f32(), want, 1e-6, 2e-5, "rmsnorm in place");
+      }
+    }
+  }
+}
+
+std::vector<double> NaiveMatMul(const HostTensor& in, const HostTensor& w, const HostTensor* bias,
+                                std::vector<double>* abs_sum) {
+  const int64_t n = in.dims[0], k = in.dims[1], m = w.dims[0];
+  std::vector<double> out(n * m);
+  abs_sum->assign(n * m, 0.0);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t o = 0; o < m; ++o) {
+      double s = bias ? bias->values[o] : 0.0, a = bias ? std::fabs(bias->values[o]) : 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double prod = double(in.values[t * k + i]) * w.values[o * k + i];
+        s += prod;
+        a += std::fabs(prod);
+      }
+      out[t * m + o] = s;
+      (*abs_sum)[t * m + o] = a;
+    }
+  }
+  return out;
+}
+
+TEST(CpuBackendTest, MatMulAllPathsDtypesAndSizes) {
+  Rng rng(kSeed + 2);
+  auto backend = MakeCpuBackend();  // sets the thread counts used by MatMulWithPath below
+  using cpu_internal::MatMulPath;
+  for (DType dt : kWeightTypes) {
+    for (int64_t n : kSizes) {
+      for (int64_t k : kSizes) {
+        for (int64_t m : kSizes) {
+          const bool with_bias = ((n + k + m) % 2) == 1;
+          HostTensor in = Random(rng, DType::kF32, {n, k});
+          HostTensor w = Random(rng, dt, {m, k});
+          HostTensor bias = Random(rng, dt, {m});
+          std::vector<double> abs_sum;
+          std::vector<double> want = NaiveMatMul(in, w, with_bias ? &bias : nullptr, &abs_sum);
+          for (MatMulPath path : {MatMulPath::kAuto, MatMulPath::kRowDot, MatMulPath::kBlockedBlas}) {
+            HostTensor out = Zeros({n, m});
+            MatMulParams p{in.View(), w.View(), with_bias ? bias.View() : TensorView(), out.View()};
+            if (path == MatMulPath::kAuto) {
+              STRATA_ASSERT_OK(backend->Supports(p));
+              STRATA_ASSERT_OK(backend->MatMul(p, nullptr));
+            } else {
+              STRATA_ASSERT_OK(cpu_internal::MatMulWithPath(p, path));
+            }
+            // f32 accumulation error bound: a few ulps of the sum of |products|.
+            const std::string what = std::string("matmul ") + DTypeName(dt) + " n=" +
+                                     std::to_string(n) + " k=" + std::to_string(k) + " m=" +
+                                     std::to_string(m) + " path=" +
+                                     std::to_string(static_cast<int>(path));
+            int bad = 0;
+            for (size_t i = 0; i < want.size(); ++i) {
+              const double d = std::fabs(double(out.f32()[i]) - want[i]);
+              if (!(d <= 1e-6 + 4e-6 * abs_sum[i])) ++bad;
+            }
+            EXPECT_EQ(bad, 0) << what << " seed " << kSeed + 2;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuBackendTest, Rope) {
+  Rng rng(kSeed + 3);
+  auto backend = MakeCpuBackend();
+  for (int64_t d : {2, 6, 34, 128}) {
+    for (int64_t n : kSizes) {
+      for (float factor : {1.0f, 1.25f}) {
+        const int64_t heads = 3, half = d / 2;
+        HostTensor x = Random(rng, DType::kF32, {n, heads, d});
+        std::vector<float> inv(half);
+        for (int64_t i = 0; i < half; ++i) inv[i] = std::pow(10000.0f, -2.0f * i / d);
+        std::vector<int32_t> pos(n);
+        for (auto& p : pos) p = static_cast<int32_t>(rng.Next() % 5000);
+        RopeParams p{x.View(), pos.data(), TensorView(inv.data(), DType::kF32, {half}), factor};
+        STRATA_ASSERT_OK(backend->Supports(p));
+        STRATA_ASSERT_OK(backend->Rope(p, nullptr));
+        std::vector<double> want(n * heads * d);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t i = 0; i < half; ++i) {
+              const float a = static_cast<float>(pos[t]) * inv[i];  // the angle as transformers has it
+              const double c = std::cos(double(a)) * factor, s = std::sin(double(a)) * factor;
+              const double x1 = x.values[(t * heads + h) * d + i];
+              const double x2 = x.values[(t * heads + h) * d + i + half];
+              want[(t * heads + h) * d + i] = x1 * c - x2 * s;
+              want[(t * heads + h) * d + i + half] = x2 * c + x1 * s;
+            }
+          }
+        }
+        ExpectClose(x.f32(), want, 1e-5, 1e-5, "rope d=" + std::to_string(d));
+      }
+    }
+  }
+}
+
+TEST(CpuBackendTest, SwiGluAndAdd) {
+  Rng rng(kSeed + 4);
+  auto backend = MakeCpuBackend();
+  for (int64_t n : kSizes) {
+    for (int64_t m : kSizes) {
+      HostTensor g = Random(rng, DType::kF32, {n, m}, -8, 8);
+      HostTensor u = Random(rng, DType::kF32, {n, m}, -2, 2);
+      HostTensor out = Zeros({n, m});
+      std::vector<double> want(n * m), sum(n * m);
+      for (int64_t i = 0; i < n * m; ++i) {
+        const double x = g.values[i];
+        want[i] = x / (1.0 + std::exp(-x)) * u.values[i];
+        sum[i] = double(g.values[i]) + u.values[i];
+      }
+      SwiGluParams sp{g.View(), u.View(), out.View()};
+      STRATA_ASSERT_OK(backend->Supports(sp));
+      STRATA_ASSERT_OK(backend->SwiGlu(sp, nullptr));
+      ExpectClose(out.f32(), want, 1e-6, 1e-5, "swiglu");
+      AddParams ap{g.View(), u.View(), out.View()};
+      STRATA_ASSERT_OK(backend->Supports(ap));
+      STRATA_ASSERT_OK(backend->Add(ap, nullptr));
+      ExpectClose(out.f32(), sum, 0, 1e-7, "add");
+      // In place: out aliases gate / a.
+      sp.out = g.View();
+      STRATA_ASSERT_OK(backend->SwiGlu(sp, nullptr));
+      ExpectClose(g.f32(), want, 1e-6, 1e-5, "swiglu in place");
+    }
+  }
+}
+
+TEST(CpuBackendTest, SupportsRejectsBadShapesAndDtypes) {
+  Rng rng(kSeed + 5);
+  auto backend = MakeCpuBackend();
+  HostTensor in = Random(rng, DType::kF32, {3, 17});
+  HostTensor in_bf16 = Random(rng, DType::kBF16, {3, 17});
+  HostTensor w = Random(rng, DType::kBF16, {5, 17});
+  HostTensor w_fp8 = Random(rng, DType::kFP8E4M3, {5, 17});
+  HostTensor w_bad = Random(rng, DType::kF32, {5, 16});
+  HostTensor out = Zeros({3, 5});
+  HostTensor out_bad = Zeros({3, 4});
+  HostTensor bias_bad = Random(rng, DType::kF32, {4});
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+
+  MatMulParams mm{in.View(), w.View(), TensorView(), out.View()};
+  STRATA_EXPECT_OK(backend->Supports(mm));
+  mm.weight = w_bad.View();
+  EXPECT_THAT(backend->Supports(mm), StatusIs(kInvalid));
+  EXPECT_THAT(backend->MatMul(mm, nullptr), StatusIs(kInvalid));
+  mm.weight = w_fp8.View();
+  EXPECT_THAT(backend->Supports(mm), StatusIs(absl::StatusCode::kUnimplemented));
+  mm.weight = w.View();
+  mm.out = out_bad.View();
+  EXPECT_THAT(backend->Supports(mm), StatusIs(kInvalid));
+  mm.out = out.View();
+  mm.in = in_bf16.View();
+  EXPECT_THAT(backend->Supports(mm), StatusIs(kInvalid));
+  mm.in = in.View();
+  mm.bias = bias_bad.View();
+  EXPECT_THAT(backend->Supports(mm), StatusIs(kInvalid));
+  mm.bias = TensorView();
+  mm.in = TensorView(in.bytes.data(), DType::kF32, {51});
+  EXPECT_THAT(backend->Supports(mm), StatusIs(kInvalid));
+
+  HostTensor norm_w = Random(rng, DType::kF32, {16});
+  HostTensor norm_out = Zeros({3, 17});
+  RmsNormParams rn{in.View(), norm_w.View(), norm_out.View()};
+  EXPECT_THAT(backend->Supports(rn), StatusIs(kInvalid));
+  EXPECT_THAT(backend->RmsNorm(rn, nullptr), StatusIs(kInvalid));
+  rn.weight = Random(rng, DType::kF32, {17}).View();  // dangling after the statement: not run
+  rn.weight.data = nullptr;
+  EXPECT_THAT(backend->Supports(rn), StatusIs(kInvalid));
+
+  HostTensor x = Random(rng, DType::kF32, {2, 3, 5});  // odd head_dim
+  std::vector<float> inv(2, 1.0f);
+  std::vector<int32_t> pos = {0, 1};
+  RopeParams rp{x.View(), pos.data(), TensorView(inv.data(), DType::kF32, {2})};
+  EXPECT_THAT(backend->Supports(rp), StatusIs(kInvalid));
+  HostTensor x2 = Random(rng, DType::kF32, {2, 3, 6});
+  rp.x = x2.View();
+  EXPECT_THAT(backend->Supports(rp), StatusIs(kInvalid));  // inv_freq has 2, needs 3
+  rp.inv_freq = TensorView(inv.data(), DType::kF32, {3});
+  rp.positions = nullptr;
+  EXPECT_THAT(backend->Supports(rp), StatusIs(kInvalid));
+
+  HostTensor a = Random(rng, DType::kF32, {3, 17});
+  HostTensor b = Random(rng, DType::kF32, {17, 3});
+  AddParams ap{a.View(), b.View(), a.View()};
+  EXPECT_THAT(backend->Supports(ap), StatusIs(kInvalid));
+  SwiGluParams sp{a.View(), b.View(), a.View()};
+  EXPECT_THAT(backend->Supports(sp), StatusIs(kInvalid));
+  sp.up = in_bf16.View();
+  EXPECT_THAT(backend->Supports(sp), StatusIs(kInvalid));
+
+  HostTensor table = Random(rng, DType::kF32, {7, 16});
+  std::vector<int32_t> ids = {0, 1, 2};
+  EmbeddingParams ep{ids.data(), table.View(), norm_out.View()};
+  EXPECT_THAT(backend->Supports(ep), StatusIs(kInvalid));
+  HostTensor table_i32 = Random(rng, DType::kF32, {7, 17});
+  table_i32.dtype = DType::kI32;
+  ep.table = table_i32.View();
+  EXPECT_THAT(backend->Supports(ep), StatusIs(absl::StatusCode::kUnimplemented));
+}
+
+}  // namespace
+}  // namespace strata::kernels

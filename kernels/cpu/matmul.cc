@@ -1,0 +1,149 @@
+// MatMul: out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation.
+//
+// f32 weights go straight to OpenBLAS sgemm (sgemv for one token). bf16/f16 weights: for a few
+// tokens (decode) every weight row is converted once and dotted with each token (memory bound:
+// the weight is read once, at its storage width); for more tokens blocks of kBlockRows weight rows
+// are converted to f32 and multiplied with sgemm. OpenBLAS runs its own threads, so it is never
+// called from inside an OpenMP region.
+#include <cblas.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "base/status_macros.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/internal/checks.h"
+#include "kernels/cpu/internal/matmul.h"
+
+namespace strata::kernels {
+
+using cpu_internal::CheckDim;
+using cpu_internal::CheckDType;
+using cpu_internal::CheckRank;
+using cpu_internal::CheckWeightDType;
+
+absl::Status CpuSupportsMatMul(const MatMulParams& p) {
+  constexpr const char* kOp = "MatMul";
+  STRATA_RETURN_IF_ERROR(CheckRank(p.in, 2, kOp, "in"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.weight, 2, kOp, "weight"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.out, 2, kOp, "out"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.in, DType::kF32, kOp, "in"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.out, DType::kF32, kOp, "out"));
+  STRATA_RETURN_IF_ERROR(CheckWeightDType(p.weight, kOp, "weight"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.weight, 1, p.in.dim(1), kOp, "weight"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.out, 0, p.in.dim(0), kOp, "out"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.out, 1, p.weight.dim(0), kOp, "out"));
+  if (p.bias.data != nullptr) {
+    STRATA_RETURN_IF_ERROR(CheckRank(p.bias, 1, kOp, "bias"));
+    STRATA_RETURN_IF_ERROR(CheckWeightDType(p.bias, kOp, "bias"));
+    STRATA_RETURN_IF_ERROR(CheckDim(p.bias, 0, p.weight.dim(0), kOp, "bias"));
+  }
+  return absl::OkStatus();
+}
+
+namespace cpu_internal {
+namespace {
+
+constexpr int64_t kBlockRows = 256;
+
+// Dot product with 8 independent partial sums (lets the compiler vectorise without
+// reassociation flags; also the reference order every path of this file shares).
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
+  }
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
+void RowDot(const MatMulParams& p) {
+  const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
+  const float* in = p.in.As<const float>();
+  float* out = p.out.As<float>();
+#pragma omp parallel
+  {
+    std::vector<float> row(p.weight.dtype == DType::kF32 ? 0 : k);
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < m; ++o) {
+      const float* w;
+      if (p.weight.dtype == DType::kF32) {
+        w = p.weight.As<const float>() + o * k;
+      } else {
+        LoadF32(p.weight, o * k, k, row.data());
+        w = row.data();
+      }
+      for (int64_t t = 0; t < n; ++t) out[t * m + o] = Dot(in + t * k, w, k);
+    }
+  }
+}
+
+void BlockedBlas(const MatMulParams& p) {
+  const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
+  const float* in = p.in.As<const float>();
+  float* out = p.out.As<float>();
+  if (p.weight.dtype == DType::kF32) {
+    const float* w = p.weight.As<const float>();
+    if (n == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, m, k, 1.0f, w, k, in, 1, 0.0f, out, 1);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, in, k, w, k, 0.0f, out,
+                  m);
+    }
+    return;
+  }
+  const int64_t block = std::min(kBlockRows, m);
+  std::vector<float> wf(block * k);
+  for (int64_t o0 = 0; o0 < m; o0 += block) {
+    const int64_t rows = std::min(block, m - o0);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) LoadF32(p.weight, (o0 + r) * k, k, wf.data() + r * k);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, k, 1.0f, in, k, wf.data(), k,
+                0.0f, out + o0, m);
+  }
+}
+
+void AddBias(const MatMulParams& p) {
+  if (p.bias.data == nullptr) return;
+  const int64_t n = p.out.dim(0), m = p.out.dim(1);
+  std::vector<float> bias(m);
+  LoadF32(p.bias, 0, m, bias.data());
+  float* out = p.out.As<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t o = 0; o < m; ++o) out[t * m + o] += bias[o];
+  }
+}
+
+}  // namespace
+
+absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsMatMul(p));
+  const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
+  if (n == 0 || m == 0) return absl::OkStatus();
+  if (k == 0) {
+    std::fill(p.out.As<float>(), p.out.As<float>() + n * m, 0.0f);
+    AddBias(p);
+    return absl::OkStatus();
+  }
+  if (path == MatMulPath::kAuto) {
+    path = (p.weight.dtype != DType::kF32 && n <= kRowDotMaxTokens) ? MatMulPath::kRowDot
+                                                                   : MatMulPath::kBlockedBlas;
+  }
+  if (path == MatMulPath::kRowDot) {
+    RowDot(p);
+  } else {
+    BlockedBlas(p);
+  }
+  AddBias(p);
+  return absl::OkStatus();
+}
+
+}  // namespace cpu_internal
+
+absl::Status CpuMatMul(const MatMulParams& p) {
+  return cpu_internal::MatMulWithPath(p, cpu_internal::MatMulPath::kAuto);
+}
+
+}  // namespace strata::kernels
