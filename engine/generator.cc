@@ -1,0 +1,176 @@
+// The generation loop; see engine/generator.h.
+#include "engine/generator.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/clock.h"
+#include "base/status_macros.h"
+
+namespace strata::engine {
+
+absl::Status GenerateOptions::Validate() const {
+  if (max_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be >= 1, got ", max_tokens));
+  }
+  STRATA_RETURN_IF_ERROR(sampling.Validate());
+  for (const std::string& s : stop) {
+    if (s.empty()) return absl::InvalidArgumentError("stop sequences must not be empty");
+  }
+  if (page_size < 1) return absl::InvalidArgumentError("page_size must be >= 1");
+  if (kv_dtype != kernels::DType::kF32 && kv_dtype != kernels::DType::kBF16) {
+    return absl::InvalidArgumentError("kv_dtype must be f32 or bf16");
+  }
+  return absl::OkStatus();
+}
+
+const char* FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kEos:
+      return "eos";
+    case FinishReason::kStop:
+      return "stop";
+  }
+  return "?";
+}
+
+namespace {
+
+// Holds back decoded text that might be the beginning of a stop sequence.
+class StopMatcher {
+ public:
+  explicit StopMatcher(const std::vector<std::string>& stop) : stop_(stop) {}
+
+  // Adds text; returns the text that is now final. Sets *stopped when a stop sequence completed
+  // (the returned text then ends right before it).
+  std::string Push(const std::string& text, bool* stopped) {
+    pending_ += text;
+    *stopped = false;
+    size_t best = std::string::npos;
+    for (const std::string& s : stop_) best = std::min(best, pending_.find(s));
+    if (best != std::string::npos) {
+      *stopped = true;
+      std::string out = pending_.substr(0, best);
+      pending_.clear();
+      return out;
+    }
+    // Longest suffix of pending_ that is a proper prefix of a stop sequence stays held.
+    size_t hold = 0;
+    for (const std::string& s : stop_) {
+      const size_t max_len = std::min(s.size() - 1, pending_.size());
+      for (size_t len = max_len; len > hold; --len) {
+        if (pending_.compare(pending_.size() - len, len, s, 0, len) == 0) {
+          hold = len;
+          break;
+        }
+      }
+    }
+    std::string out = pending_.substr(0, pending_.size() - hold);
+    pending_.erase(0, pending_.size() - hold);
+    return out;
+  }
+
+  // End of stream: whatever is held is final (it did not complete a stop sequence).
+  std::string Flush() { return std::exchange(pending_, std::string()); }
+
+ private:
+  const std::vector<std::string>& stop_;
+  std::string pending_;
+};
+
+}  // namespace
+
+absl::StatusOr<GenerateResult> Generate(Transformer* transformer,
+                                        const model::Tokenizer* tokenizer,
+                                        const std::vector<int32_t>& prompt,
+                                        const GenerateOptions& options, AttentionPolicy* policy,
+                                        const TextCallback& on_text) {
+  if (transformer == nullptr || policy == nullptr) {
+    return absl::InvalidArgumentError("Generate: null transformer or policy");
+  }
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  if (prompt.empty()) return absl::InvalidArgumentError("Generate: the prompt is empty");
+  if (tokenizer == nullptr && !options.stop.empty()) {
+    return absl::InvalidArgumentError("Generate: stop sequences need a tokenizer");
+  }
+  const model::ModelConfig& config = transformer->config();
+  const int64_t vocab = config.vocab_size;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] < 0 || prompt[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("Generate: prompt id ", prompt[i], " at ", i,
+                                                     " is outside [0, ", vocab, ")"));
+    }
+  }
+
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  STRATA_ASSIGN_OR_RETURN(
+      std::unique_ptr<KvCache> cache,
+      KvCache::Create(transformer->MakeCacheOptions(n + options.max_tokens, options.page_size,
+                                                    options.kv_dtype),
+                      transformer->backend()));
+  Sampler sampler(options.sampling);
+  std::unique_ptr<model::StreamingDecoder> decoder;
+  if (tokenizer != nullptr) decoder = std::make_unique<model::StreamingDecoder>(tokenizer);
+  StopMatcher matcher(options.stop);
+  std::vector<float> logits(vocab);
+
+  GenerateResult result;
+  result.prompt_tokens = n;
+  auto emit = [&](const std::string& text) -> absl::Status {
+    if (text.empty()) return absl::OkStatus();
+    result.text += text;
+    return on_text ? on_text(text) : absl::OkStatus();
+  };
+
+  Stopwatch watch;
+  STRATA_RETURN_IF_ERROR(
+      transformer->Forward(prompt.data(), n, 0, cache.get(), policy, logits.data(), false));
+  int64_t pos = n;
+  bool done = false;
+  while (!done) {
+    STRATA_ASSIGN_OR_RETURN(int32_t token, sampler.Sample(logits.data(), vocab));
+    result.tokens.push_back(token);
+    if (result.tokens.size() == 1) {
+      result.prefill_seconds = watch.ElapsedSeconds();
+      watch.Reset();
+    }
+    const bool is_eos = std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(),
+                                  token) != config.eos_token_ids.end();
+    if (is_eos && !options.ignore_eos) {
+      result.finish_reason = FinishReason::kEos;
+      break;
+    }
+    if (decoder != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(std::string piece, decoder->Push(token));
+      bool stopped = false;
+      STRATA_RETURN_IF_ERROR(emit(matcher.Push(piece, &stopped)));
+      if (stopped) {
+        result.finish_reason = FinishReason::kStop;
+        break;
+      }
+    }
+    if (static_cast<int64_t>(result.tokens.size()) >= options.max_tokens) {
+      result.finish_reason = FinishReason::kLength;
+      break;
+    }
+    STRATA_RETURN_IF_ERROR(
+        transformer->Forward(&token, 1, pos, cache.get(), policy, logits.data(), false));
+    ++pos;
+    ++result.decode_steps;
+  }
+  if (decoder != nullptr && result.finish_reason != FinishReason::kStop) {
+    bool stopped = false;
+    std::string tail = matcher.Push(decoder->Finish(), &stopped);
+    if (stopped) result.finish_reason = FinishReason::kStop;
+    STRATA_RETURN_IF_ERROR(emit(tail));
+    if (!stopped) STRATA_RETURN_IF_ERROR(emit(matcher.Flush()));
+  }
+  if (result.tokens.size() > 1) result.decode_seconds = watch.ElapsedSeconds();
+  result.generated_tokens = static_cast<int64_t>(result.tokens.size());
+  return result;
+}
+
+}  // namespace strata::engine

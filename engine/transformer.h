@@ -1,0 +1,101 @@
+// The transformer forward of a Llama-family decoder (Llama 2/3, Mistral, Qwen2) on a
+// kernels::Backend.
+//
+// Per layer: RMSNorm, Q/K/V projections (+bias), RoPE, KvCache::Append, policy->OnAppend,
+// policy->Select, PagedAttention, O projection, residual add, RMSNorm, gate/up projections,
+// SwiGLU, down projection, residual add; then the final norm and the LM head. Prefill is chunked:
+// each chunk of at most `prefill_chunk_size` tokens is appended to the cache and then attends to
+// everything the policy selects (causality through positions, so with the dense policy the result
+// is exact and independent of the chunk size).
+//
+// Weights are uploaded to the backend once, at construction (for the CPU backend the host views
+// of the checkpoint are used in place: they already are backend memory). Thread-compatible: one
+// Transformer runs one Forward at a time (it owns its scratch buffers); it may serve many
+// sequences one after the other, each with its own KvCache and AttentionPolicy.
+#ifndef STRATA_ENGINE_TRANSFORMER_H_
+#define STRATA_ENGINE_TRANSFORMER_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/attention_policy.h"
+#include "engine/kv_cache.h"
+#include "kernels/backend.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace strata::engine {
+
+struct TransformerOptions {
+  // Query tokens per prefill chunk. Larger chunks amortise weight reads (faster prefill) but
+  // need scratch memory proportional to chunk * (hidden + intermediate). Default: 512.
+  int64_t prefill_chunk_size = 512;
+
+  // InvalidArgument when prefill_chunk_size < 1.
+  absl::Status Validate() const;
+};
+
+class Transformer {
+ public:
+  // Validates config and options, checks every weight view's shape against the config, uploads
+  // the weights and allocates scratch buffers for one chunk. `weights` (its host memory maps)
+  // must outlive the Transformer when the backend is the CPU backend; `backend` must outlive it.
+  // InvalidArgument on inconsistent config/weights/options; ResourceExhausted when memory runs
+  // out.
+  static absl::StatusOr<std::unique_ptr<Transformer>> Create(const model::ModelConfig& config,
+                                                             const model::ModelWeights& weights,
+                                                             kernels::Backend* backend,
+                                                             const TransformerOptions& options);
+  ~Transformer();
+
+  const model::ModelConfig& config() const { return config_; }
+  const TransformerOptions& options() const { return options_; }
+  kernels::Backend* backend() const { return backend_; }
+
+  // KvCache options matching this model (layers, KV heads, head_dim).
+  KvCacheOptions MakeCacheOptions(int64_t max_tokens, int page_size = 64,
+                                  kernels::DType dtype = kernels::DType::kF32) const;
+
+  // Runs `n` tokens `ids` (host memory) at positions [start_pos, start_pos + n) of the sequence
+  // whose KV is in `cache` (start_pos must equal cache->length of every layer), appending their
+  // KV. Writes f32 logits to `logits_out` (host memory): [n, vocab] when all_logits, else [1,
+  // vocab] for the last token. InvalidArgument for n < 1, ids outside the vocabulary, a
+  // start_pos that does not match the cache, or a cache of another shape; ResourceExhausted when
+  // the cache is full; errors of the backend and policy are passed through. On error the cache
+  // may hold part of the tokens: discard the sequence.
+  absl::Status Forward(const int32_t* ids, int64_t n, int64_t start_pos, KvCache* cache,
+                       AttentionPolicy* policy, float* logits_out, bool all_logits);
+
+ private:
+  Transformer(const model::ModelConfig& config, const TransformerOptions& options,
+              kernels::Backend* backend);
+  absl::Status Init(const model::ModelWeights& weights);
+  absl::Status Upload(const kernels::TensorView& host, kernels::TensorView* out);
+  absl::Status ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos, KvCache* cache,
+                            AttentionPolicy* policy, float* logits_out, bool all_logits);
+
+  model::ModelConfig config_;
+  TransformerOptions options_;
+  kernels::Backend* backend_;
+  bool host_memory_;  // backend memory is host memory (CPU backend)
+
+  // Weights as backend views.
+  kernels::TensorView embed_tokens_, final_norm_, lm_head_;
+  std::vector<model::LayerWeights> layers_;
+  std::vector<std::unique_ptr<kernels::Buffer>> weight_buffers_;
+
+  // Scratch for one chunk (backend memory).
+  kernels::TensorView inv_freq_;
+  std::unique_ptr<kernels::Buffer> x_, xn_, q_, k_, v_, attn_, lse_, o_, gate_, up_, ids_, pos_,
+      logits_, inv_freq_buf_;
+  std::vector<float> q_host_;  // query copy for the policy when backend memory is not host memory
+  std::vector<int32_t> positions_host_;
+  Selection selection_;
+};
+
+}  // namespace strata::engine
+
+#endif  // STRATA_ENGINE_TRANSFORMER_H_

@@ -1,0 +1,312 @@
+#include "engine/transformer.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "engine/attention_policy.h"
+#include "engine/kv_cache.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+
+namespace strata::engine {
+namespace {
+
+using kernels::DType;
+using kernels::TensorView;
+using ::strata::testing::StatusIs;
+
+constexpr uint32_t kSeed = 7321;
+
+// A random model held in memory: tensors stored in `dtype`, plus their f32 values for the
+// reference.
+struct TestModel {
+  model::ModelConfig config;
+  model::ModelWeights weights;
+  std::vector<std::vector<uint8_t>> storage;
+  std::vector<std::vector<float>> values;
+
+  // Returns the index of a new tensor of `n` random values in [-scale, scale] (or around 1 for
+  // norms when `around_one`).
+  TensorView Make(std::mt19937& rng, DType dtype, std::initializer_list<int64_t> dims,
+                  float scale, bool around_one, const std::vector<float>** vals) {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    std::vector<float> raw(n);
+    for (float& x : raw) {
+      const float u = static_cast<float>(rng() >> 8) / 16777216.0f * 2.0f - 1.0f;
+      x = around_one ? 1.0f + 0.2f * u : scale * u;
+    }
+    storage.emplace_back(n * kernels::DTypeSize(dtype));
+    kernels::ConvertFromF32(raw.data(), storage.back().data(), dtype, n);
+    values.emplace_back(n);
+    kernels::ConvertToF32(storage.back().data(), dtype, values.back().data(), n);
+    if (vals) *vals = &values.back();
+    return TensorView(storage.back().data(), dtype, dims);
+  }
+};
+
+struct RefLayer {
+  const std::vector<float>*in_norm, *q, *k, *v, *qb, *kb, *vb, *o, *post_norm, *gate, *up, *down;
+};
+struct RefModel {
+  const std::vector<float>*embed, *final_norm, *lm_head;
+  std::vector<RefLayer> layers;
+};
+
+std::unique_ptr<TestModel> MakeModel(DType dtype, bool bias, bool tied, RefModel* ref) {
+  auto m = std::make_unique<TestModel>();
+  model::ModelConfig& c = m->config;
+  c.arch = bias ? model::Architecture::kQwen2 : model::Architecture::kLlama;
+  c.vocab_size = 67;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 10000.0;
+  c.max_position_embeddings = 1024;
+  c.tie_word_embeddings = tied;
+  c.attention_bias = bias;
+  c.eos_token_ids = {1};
+  c.torch_dtype = dtype;
+  // Reserve so the vectors never reallocate (views point into them).
+  m->storage.reserve(64);
+  m->values.reserve(64);
+  std::mt19937 rng(kSeed);
+  const int64_t h = c.hidden_size, qd = c.num_heads * c.head_dim, kvd = c.num_kv_heads * c.head_dim;
+  const int64_t f = c.intermediate_size;
+  model::ModelWeights& w = m->weights;
+  w.embed_tokens = m->Make(rng, dtype, {c.vocab_size, h}, 1.0f, false, &ref->embed);
+  for (int l = 0; l < c.num_layers; ++l) {
+    model::LayerWeights lw;
+    RefLayer rl{};
+    lw.input_norm = m->Make(rng, dtype, {h}, 0, true, &rl.in_norm);
+    lw.q_proj = m->Make(rng, dtype, {qd, h}, 0.3f, false, &rl.q);
+    lw.k_proj = m->Make(rng, dtype, {kvd, h}, 0.3f, false, &rl.k);
+    lw.v_proj = m->Make(rng, dtype, {kvd, h}, 0.3f, false, &rl.v);
+    if (bias) {
+      lw.q_bias = m->Make(rng, dtype, {qd}, 0.2f, false, &rl.qb);
+      lw.k_bias = m->Make(rng, dtype, {kvd}, 0.2f, false, &rl.kb);
+      lw.v_bias = m->Make(rng, dtype, {kvd}, 0.2f, false, &rl.vb);
+    }
+    lw.o_proj = m->Make(rng, dtype, {h, qd}, 0.3f, false, &rl.o);
+    lw.post_attention_norm = m->Make(rng, dtype, {h}, 0, true, &rl.post_norm);
+    lw.gate_proj = m->Make(rng, dtype, {f, h}, 0.3f, false, &rl.gate);
+    lw.up_proj = m->Make(rng, dtype, {f, h}, 0.3f, false, &rl.up);
+    lw.down_proj = m->Make(rng, dtype, {h, f}, 0.3f, false, &rl.down);
+    w.layers.push_back(lw);
+    ref->layers.push_back(rl);
+  }
+  w.final_norm = m->Make(rng, dtype, {h}, 0, true, &ref->final_norm);
+  if (tied) {
+    w.lm_head = w.embed_tokens;
+    ref->lm_head = ref->embed;
+  } else {
+    w.lm_head = m->Make(rng, dtype, {c.vocab_size, h}, 1.0f, false, &ref->lm_head);
+  }
+  return m;
+}
+
+// Naive full-sequence forward in double: the specification of Llama/Qwen2 inference.
+std::vector<double> ReferenceLogits(const model::ModelConfig& c, const RefModel& r,
+                                    const std::vector<int32_t>& ids) {
+  const int64_t n = ids.size(), h = c.hidden_size, hq = c.num_heads, hkv = c.num_kv_heads;
+  const int64_t d = c.head_dim, f = c.intermediate_size, V = c.vocab_size;
+  const std::vector<float> inv_freq = c.RopeInvFreq();
+  auto norm = [&](const std::vector<double>& x, const std::vector<float>& w) {
+    std::vector<double> y(x.size());
+    for (int64_t t = 0; t < n; ++t) {
+      double ss = 0;
+      for (int64_t i = 0; i < h; ++i) ss += x[t * h + i] * x[t * h + i];
+      const double inv = 1.0 / std::sqrt(ss / h + c.rms_norm_eps);
+      for (int64_t i = 0; i < h; ++i) y[t * h + i] = x[t * h + i] * inv * w[i];
+    }
+    return y;
+  };
+  auto linear = [&](const std::vector<double>& x, int64_t in, const std::vector<float>& w,
+                    int64_t out, const std::vector<float>* b) {
+    std::vector<double> y(n * out);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t o = 0; o < out; ++o) {
+        double s = b ? (*b)[o] : 0.0;
+        for (int64_t i = 0; i < in; ++i) s += x[t * in + i] * w[o * in + i];
+        y[t * out + o] = s;
+      }
+    }
+    return y;
+  };
+  auto rope = [&](std::vector<double>& x, int64_t heads) {
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        for (int64_t i = 0; i < d / 2; ++i) {
+          const double a = static_cast<float>(t) * inv_freq[i];
+          double* v = &x[(t * heads + hh) * d];
+          const double x1 = v[i], x2 = v[i + d / 2];
+          v[i] = x1 * std::cos(a) - x2 * std::sin(a);
+          v[i + d / 2] = x2 * std::cos(a) + x1 * std::sin(a);
+        }
+      }
+    }
+  };
+  std::vector<double> x(n * h);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < h; ++i) x[t * h + i] = (*r.embed)[ids[t] * h + i];
+  }
+  for (const RefLayer& L : r.layers) {
+    std::vector<double> xn = norm(x, *L.in_norm);
+    std::vector<double> q = linear(xn, h, *L.q, hq * d, L.qb);
+    std::vector<double> k = linear(xn, h, *L.k, hkv * d, L.kb);
+    std::vector<double> v = linear(xn, h, *L.v, hkv * d, L.vb);
+    rope(q, hq);
+    rope(k, hkv);
+    std::vector<double> att(n * hq * d, 0.0);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t hh = 0; hh < hq; ++hh) {
+        const int64_t g = hh / (hq / hkv);
+        std::vector<double> s(t + 1);
+        double mx = -1e300;
+        for (int64_t j = 0; j <= t; ++j) {
+          double dot = 0;
+          for (int64_t i = 0; i < d; ++i) dot += q[(t * hq + hh) * d + i] * k[(j * hkv + g) * d + i];
+          s[j] = dot / std::sqrt(static_cast<double>(d));
+          mx = std::max(mx, s[j]);
+        }
+        double z = 0;
+        for (double& e : s) z += (e = std::exp(e - mx));
+        for (int64_t j = 0; j <= t; ++j) {
+          for (int64_t i = 0; i < d; ++i) att[(t * hq + hh) * d + i] += s[j] / z * v[(j * hkv + g) * d + i];
+        }
+      }
+    }
+    std::vector<double> o = linear(att, hq * d, *L.o, h, nullptr);
+    for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
+    xn = norm(x, *L.post_norm);
+    std::vector<double> g = linear(xn, h, *L.gate, f, nullptr);
+    std::vector<double> u = linear(xn, h, *L.up, f, nullptr);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.0 + std::exp(-g[i])) * u[i];
+    std::vector<double> dn = linear(g, f, *L.down, h, nullptr);
+    for (size_t i = 0; i < x.size(); ++i) x[i] += dn[i];
+  }
+  std::vector<double> xn = norm(x, *r.final_norm);
+  return linear(xn, h, *r.lm_head, V, nullptr);
+}
+
+double MaxAbsDiff(const float* a, const double* b, int64_t n) {
+  double m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
+    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
+  }
+  return m;
+}
+
+std::vector<int32_t> RandomIds(int n, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(n);
+  for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
+  return ids;
+}
+
+struct Case {
+  DType dtype;
+  bool bias;
+  bool tied;
+};
+
+class TransformerTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(TransformerTest, PrefillChunkedAndDecodeMatchNaiveReference) {
+  const Case tc = GetParam();
+  RefModel ref;
+  auto m = MakeModel(tc.dtype, tc.bias, tc.tied, &ref);
+  auto backend = kernels::MakeCpuBackend(2);
+  const int n = 37;  // several pages of 16, chunk sizes that do not divide it
+  const std::vector<int32_t> ids = RandomIds(n, m->config.vocab_size, kSeed + 1);
+  const std::vector<double> want = ReferenceLogits(m->config, ref, ids);
+  const int64_t V = m->config.vocab_size;
+  SCOPED_TRACE(::testing::Message() << "seed " << kSeed << " dtype "
+                                    << kernels::DTypeName(tc.dtype) << " bias " << tc.bias);
+  const double tol = 1e-4;  // logits are O(1); f32 accumulation over <= 48 terms
+
+  for (int64_t chunk : {512, 7, 1}) {
+    TransformerOptions opt;
+    opt.prefill_chunk_size = chunk;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), opt));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache,
+                                KvCache::Create(tf->MakeCacheOptions(64, 16), backend.get()));
+    auto policy = MakeDensePolicy();
+    std::vector<float> logits(n * V, NAN);
+    STRATA_ASSERT_OK(tf->Forward(ids.data(), n, 0, cache.get(), policy.get(), logits.data(), true));
+    EXPECT_LE(MaxAbsDiff(logits.data(), want.data(), n * V), tol) << "chunk " << chunk;
+    EXPECT_EQ(cache->length(0), n);
+
+    // Last-token-only logits.
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache2,
+                                KvCache::Create(tf->MakeCacheOptions(64, 16), backend.get()));
+    auto policy2 = MakeDensePolicy();
+    std::vector<float> last(V, NAN);
+    STRATA_ASSERT_OK(tf->Forward(ids.data(), n, 0, cache2.get(), policy2.get(), last.data(), false));
+    EXPECT_LE(MaxAbsDiff(last.data(), want.data() + (n - 1) * V, V), tol) << "chunk " << chunk;
+  }
+
+  // Decode token by token: each step's logits equal the reference's row.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), {}));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(tf->MakeCacheOptions(64, 16), backend.get()));
+  auto policy = MakeDensePolicy();
+  std::vector<float> step(V);
+  double worst = 0;
+  for (int t = 0; t < n; ++t) {
+    STRATA_ASSERT_OK(tf->Forward(&ids[t], 1, t, cache.get(), policy.get(), step.data(), false));
+    worst = std::max(worst, MaxAbsDiff(step.data(), want.data() + t * V, V));
+  }
+  EXPECT_LE(worst, tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, TransformerTest,
+                         ::testing::Values(Case{DType::kF32, false, false},
+                                           Case{DType::kBF16, false, false},
+                                           Case{DType::kF16, true, false},
+                                           Case{DType::kF32, true, true}));
+
+TEST(TransformerErrorsTest, RejectsBadInput) {
+  RefModel ref;
+  auto m = MakeModel(DType::kF32, false, false, &ref);
+  auto backend = kernels::MakeCpuBackend(1);
+  TransformerOptions bad;
+  bad.prefill_chunk_size = 0;
+  EXPECT_THAT(Transformer::Create(m->config, m->weights, backend.get(), bad),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  model::ModelWeights broken = m->weights;
+  broken.layers[1].k_proj.shape[0] = 15;
+  EXPECT_THAT(Transformer::Create(m->config, broken, backend.get(), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  broken = m->weights;
+  broken.layers.pop_back();
+  EXPECT_THAT(Transformer::Create(m->config, broken, backend.get(), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), {}));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(tf->MakeCacheOptions(4, 16), backend.get()));
+  auto policy = MakeDensePolicy();
+  std::vector<float> logits(m->config.vocab_size * 8);
+  std::vector<int32_t> ids = {3, 67};
+  EXPECT_THAT(tf->Forward(ids.data(), 2, 0, cache.get(), policy.get(), logits.data(), false),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  ids = {3, 4};
+  EXPECT_THAT(tf->Forward(ids.data(), 2, 1, cache.get(), policy.get(), logits.data(), false),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // start_pos != cache length
+  STRATA_ASSERT_OK(tf->Forward(ids.data(), 2, 0, cache.get(), policy.get(), logits.data(), false));
+  std::vector<int32_t> more = {5, 6, 7};
+  EXPECT_THAT(tf->Forward(more.data(), 3, 2, cache.get(), policy.get(), logits.data(), false),
+              StatusIs(absl::StatusCode::kResourceExhausted));  // capacity 4
+}
+
+}  // namespace
+}  // namespace strata::engine
