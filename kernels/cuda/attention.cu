@@ -1,0 +1,483 @@
+// Paged attention and partial-result merge on the GPU (math in kernels/backend.h).
+//
+// Decode (one query token, head_dim 64/128/256): split-K flash decoding. The host plan
+// (CudaBackend::PagedAttention) cuts every KV head's concatenated spans into work items of at
+// most kDecodeChunkMax tokens. PagedAttentionDecodeKernel runs one 128-thread block per item and
+// serves all query heads of the item's KV head (GQA: K and V are read once per item):
+//   A. thread t scores token t against every query head (K row in 16-byte loads, q in shared);
+//   B. one warp per head: chunk max m and p = exp(s - m), l = sum p;
+//   C. warps split the tokens, lanes split head_dim: o = sum p v, reduced across warps;
+// and writes (o, m, l) per head to scratch. PagedAttentionCombineKernel (one block per query
+// head) merges the items: M = max m, L = sum l e^(m-M), out = sum e^(m-M) o / L, lse = M + log L.
+//
+// General (any token count, head_dim <= 512): PagedAttentionGeneralKernel, one block per (token,
+// query head), tiles of 128 keys with an online softmax, causal mask per key position.
+#include <cfloat>
+#include <type_traits>
+
+#include "kernels/cuda/internal/common.cuh"
+
+namespace strata::kernels::cuda_internal {
+namespace {
+
+constexpr int kThreads = 128;  // == kDecodeChunkMax: one key per thread in phase A
+constexpr int kWarps = kThreads / 32;
+static_assert(kThreads == kDecodeChunkMax, "decode blocks score one key per thread");
+
+__device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+
+// Index of the span of `head`'s concatenation holding token j (last span starting at <= j).
+__device__ __forceinline__ int FindSpan(const AttentionPlan& plan, int head, int j) {
+  int lo = plan.span_offsets[head], hi = plan.span_offsets[head + 1] - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (plan.span_start[mid] <= j) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// 8 consecutive elements of a KV row as f32 (16 or 32 bytes, aligned).
+template <typename KV>
+__device__ __forceinline__ void Load8(const KV* p, float (&f)[8]);
+template <>
+__device__ __forceinline__ void Load8<__nv_bfloat16>(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 v = __bfloat1622float2(h[j]);
+    f[2 * j] = v.x;
+    f[2 * j + 1] = v.y;
+  }
+}
+template <>
+__device__ __forceinline__ void Load8<float>(const float* p, float (&f)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+// N consecutive elements (N = 2, 4 or 8) of a KV row as f32.
+template <typename KV, int N>
+__device__ __forceinline__ void LoadN(const KV* p, float (&f)[N]) {
+  if constexpr (N == 8) {
+    Load8<KV>(p, f);
+  } else if constexpr (std::is_same<KV, float>::value && N == 4) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+  } else if constexpr (std::is_same<KV, float>::value && N == 2) {
+    const float2 a = __ldg(reinterpret_cast<const float2*>(p));
+    f[0] = a.x, f[1] = a.y;
+  } else if constexpr (N == 4) {  // bf16
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+  } else {  // bf16, N == 2
+    const unsigned int raw = __ldg(reinterpret_cast<const unsigned int*>(p));
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
+    f[0] = a.x, f[1] = a.y;
+  }
+}
+
+template <typename KV, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads)
+    PagedAttentionDecodeKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
+                               const KV* __restrict__ v_pool, AttentionShape shape,
+                               AttentionPlan plan, float* __restrict__ scratch) {
+  constexpr int kDimsPerLane = HEAD_DIM / 32;
+  __shared__ float q_s[kDecodeMaxGroup][HEAD_DIM];
+  __shared__ float p_s[kDecodeMaxGroup][kThreads];
+  __shared__ int64_t row_s[kThreads];
+  __shared__ float red_s[kWarps][kDecodeMaxGroup][HEAD_DIM];
+
+  const DecodeWorkItem item = plan.items[blockIdx.x];
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  // q rows of this KV head's query heads (token 0).
+  const float* q_head = q + static_cast<int64_t>(item.kv_head) * group * HEAD_DIM;
+  for (int i = tid; i < group * HEAD_DIM; i += kThreads) q_s[i / HEAD_DIM][i % HEAD_DIM] = q_head[i];
+  __syncthreads();
+
+  // A: one key per thread.
+  float s[kDecodeMaxGroup];
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) s[h] = 0.0f;
+  if (tid < item.count) {
+    const int j = item.begin + tid;
+    const int si = FindSpan(plan, item.kv_head, j);
+    const DeviceSpan span = plan.spans[si];
+    const int64_t row = static_cast<int64_t>(span.slot) * shape.page_size + span.offset +
+                        (j - plan.span_start[si]);
+    row_s[tid] = row;
+    const KV* k = k_pool + row * HEAD_DIM;
+#pragma unroll 4
+    for (int c = 0; c < HEAD_DIM; c += 8) {
+      float kf[8];
+      Load8<KV>(k + c, kf);
+#pragma unroll
+      for (int h = 0; h < kDecodeMaxGroup; ++h) {
+        if (h < group) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s[h] += q_s[h][c + e] * kf[e];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+    if (h < group) p_s[h][tid] = tid < item.count ? s[h] * shape.scale : NegInf();
+  }
+  __syncthreads();
+
+  // B: per head max and exponentials; warp w handles heads w, w + kWarps.
+  float* part = scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2);
+  for (int h = warp; h < group; h += kWarps) {
+    float v[kThreads / 32];
+    float m = NegInf();
+#pragma unroll
+    for (int r = 0; r < kThreads / 32; ++r) {
+      v[r] = p_s[h][lane + 32 * r];
+      m = fmaxf(m, v[r]);
+    }
+    m = WarpMax(m);
+    float l = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kThreads / 32; ++r) {
+      const float p = m == NegInf() ? 0.0f : __expf(v[r] - m);
+      p_s[h][lane + 32 * r] = p;
+      l += p;
+    }
+    l = WarpSum(l);
+    if (lane == 0) {
+      part[h * (HEAD_DIM + 2) + HEAD_DIM] = m;
+      part[h * (HEAD_DIM + 2) + HEAD_DIM + 1] = l;
+    }
+  }
+  __syncthreads();
+
+  // C: o[h, :] = sum_t p[h, t] v_t; warps split tokens, lanes split dims.
+  float acc[kDecodeMaxGroup][kDimsPerLane];
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+#pragma unroll
+    for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = 0.0f;
+  }
+#pragma unroll 2
+  for (int t = warp; t < item.count; t += kWarps) {
+    float vf[kDimsPerLane];
+    LoadN<KV, kDimsPerLane>(v_pool + row_s[t] * HEAD_DIM + lane * kDimsPerLane, vf);
+#pragma unroll
+    for (int h = 0; h < kDecodeMaxGroup; ++h) {
+      if (h < group) {
+        const float p = p_s[h][t];
+#pragma unroll
+        for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] += p * vf[e];
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+    if (h < group) {
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) red_s[warp][h][lane * kDimsPerLane + e] = acc[h][e];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
+    const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red_s[w][h][d];
+    part[h * (HEAD_DIM + 2) + d] = sum;
+  }
+}
+
+// One block per query head (token 0). Dynamic shared memory: one weight per work item of the
+// head's KV head.
+__global__ void __launch_bounds__(kThreads)
+    PagedAttentionCombineKernel(AttentionShape shape, AttentionPlan plan,
+                                const float* __restrict__ scratch, float* __restrict__ out,
+                                float* __restrict__ lse) {
+  extern __shared__ float w_s[];
+  __shared__ float red_s[kWarps];
+  __shared__ float bcast_s;
+  const int head = blockIdx.x;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int g = head / group, hh = head % group;
+  const int d = shape.head_dim, stride = group * (d + 2);
+  const int first = plan.item_offsets[g], n = plan.item_offsets[g + 1] - first;
+  const float* base = scratch + static_cast<int64_t>(first) * stride + hh * (d + 2);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  float m = NegInf();
+  for (int i = tid; i < n; i += kThreads) m = fmaxf(m, base[static_cast<int64_t>(i) * stride + d]);
+  m = WarpMax(m);
+  if (lane == 0) red_s[warp] = m;
+  __syncthreads();
+  if (tid == 0) {
+    float mm = NegInf();
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, red_s[w]);
+    bcast_s = mm;
+  }
+  __syncthreads();
+  const float big_m = bcast_s;
+  float* o = out + static_cast<int64_t>(head) * d;
+  if (big_m == NegInf()) {  // nothing attended
+    for (int i = tid; i < d; i += kThreads) o[i] = 0.0f;
+    if (tid == 0) lse[head] = NegInf();
+    return;
+  }
+  float l = 0.0f;
+  for (int i = tid; i < n; i += kThreads) {
+    const float* pi = base + static_cast<int64_t>(i) * stride;
+    const float w = __expf(pi[d] - big_m);
+    w_s[i] = w;
+    l += w * pi[d + 1];
+  }
+  l = WarpSum(l);
+  __syncthreads();  // every thread has read bcast_s and written w_s
+  if (lane == 0) red_s[warp] = l;
+  __syncthreads();
+  float big_l = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) big_l += red_s[w];
+  const float inv = 1.0f / big_l;
+  for (int e = tid; e < d; e += kThreads) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) sum += w_s[i] * base[static_cast<int64_t>(i) * stride + e];
+    o[e] = sum * inv;
+  }
+  if (tid == 0) lse[head] = big_m + logf(big_l);
+}
+
+// Block-wide reductions over kThreads threads; `tmp` has kWarps floats. Every thread gets the
+// result. Contains barriers: call from uniform control flow.
+__device__ __forceinline__ float BlockMax(float v, float* tmp) {
+  v = WarpMax(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) tmp[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = tmp[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = fmaxf(r, tmp[w]);
+  return r;
+}
+__device__ __forceinline__ float BlockSum(float v, float* tmp) {
+  v = WarpSum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) tmp[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) r += tmp[w];
+  return r;
+}
+
+constexpr int kGeneralDimsPerThread = kAttentionMaxHeadDim / kThreads;
+
+template <typename KV>
+__global__ void __launch_bounds__(kThreads)
+    PagedAttentionGeneralKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
+                                const KV* __restrict__ v_pool, AttentionShape shape,
+                                AttentionPlan plan, float* __restrict__ out,
+                                float* __restrict__ lse) {
+  __shared__ float q_s[kAttentionMaxHeadDim];
+  __shared__ float p_s[kThreads];
+  __shared__ int64_t row_s[kThreads];
+  __shared__ float tmp_s[kWarps];
+  const int head = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
+  const int d = shape.head_dim;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int g = head / group;
+  const int64_t qrow = static_cast<int64_t>(t) * shape.num_q_heads + head;
+  for (int i = tid; i < d; i += kThreads) q_s[i] = q[qrow * d + i];
+  const int64_t qpos = shape.causal ? plan.q_positions[t] : 0;
+  const int total = plan.head_tokens[g];
+  __syncthreads();
+
+  float m = NegInf(), l = 0.0f;
+  float acc[kGeneralDimsPerThread];
+#pragma unroll
+  for (int r = 0; r < kGeneralDimsPerThread; ++r) acc[r] = 0.0f;
+
+  for (int tile = 0; tile < total; tile += kThreads) {
+    const int count = min(kThreads, total - tile);
+    float s = NegInf();
+    if (tid < count) {
+      const int j = tile + tid;
+      const int si = FindSpan(plan, g, j);
+      const DeviceSpan span = plan.spans[si];
+      const int in_span = j - plan.span_start[si];
+      const int64_t row = static_cast<int64_t>(span.slot) * shape.page_size + span.offset + in_span;
+      row_s[tid] = row;
+      if (!shape.causal || static_cast<int64_t>(span.position) + in_span <= qpos) {
+        const KV* k = k_pool + row * d;
+        float dot = 0.0f;
+        for (int i = 0; i < d; ++i) dot += q_s[i] * LoadAsFloat(k, i);
+        s = dot * shape.scale;
+      }
+    }
+    const float tile_m = BlockMax(s, tmp_s);
+    const float new_m = fmaxf(m, tile_m);
+    if (new_m == NegInf()) continue;  // uniform: nothing attended so far
+    const float p = s == NegInf() ? 0.0f : __expf(s - new_m);
+    p_s[tid] = p;
+    const float tile_l = BlockSum(p, tmp_s);  // its barriers also publish p_s and row_s
+    const float corr = m == NegInf() ? 0.0f : __expf(m - new_m);
+    l = l * corr + tile_l;
+#pragma unroll
+    for (int r = 0; r < kGeneralDimsPerThread; ++r) {
+      const int e = tid + r * kThreads;
+      if (e < d) {
+        float a = acc[r] * corr;
+        for (int j = 0; j < count; ++j) {
+          const float pj = p_s[j];
+          if (pj != 0.0f) a += pj * LoadAsFloat(v_pool + row_s[j] * d, e);
+        }
+        acc[r] = a;
+      }
+    }
+    m = new_m;
+    __syncthreads();  // p_s and row_s are rewritten by the next tile
+  }
+  float* o = out + qrow * d;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+  for (int r = 0; r < kGeneralDimsPerThread; ++r) {
+    const int e = tid + r * kThreads;
+    if (e < d) o[e] = acc[r] * inv;
+  }
+  if (tid == 0) lse[qrow] = l > 0.0f ? m + logf(l) : NegInf();
+}
+
+__global__ void MergeAttentionKernel(MergeParts parts, int64_t rows, int64_t head_dim,
+                                     float* __restrict__ out, float* __restrict__ lse) {
+  const int64_t r = blockIdx.x;
+  float m = NegInf();
+  for (int s = 0; s < parts.num_parts; ++s) m = fmaxf(m, parts.lses[s][r]);
+  float* o = out + r * head_dim;
+  if (m == NegInf()) {
+    for (int64_t e = threadIdx.x; e < head_dim; e += blockDim.x) o[e] = 0.0f;
+    if (threadIdx.x == 0) lse[r] = NegInf();
+    return;
+  }
+  float sum = 0.0f;
+  for (int s = 0; s < parts.num_parts; ++s) sum += expf(parts.lses[s][r] - m);
+  const float inv = 1.0f / sum;
+  for (int64_t e = threadIdx.x; e < head_dim; e += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < parts.num_parts; ++s) {
+      const float w = expf(parts.lses[s][r] - m);
+      if (w != 0.0f) acc += w * inv * parts.outs[s][r * head_dim + e];
+    }
+    o[e] = acc;
+  }
+  // Every thread has read lses[s][r] above; lse may alias one of them only across rows' own
+  // element, which this thread writes last.
+  __syncthreads();
+  if (threadIdx.x == 0) lse[r] = m + logf(sum);
+}
+
+template <typename KV>
+cudaError_t LaunchDecodeTyped(const float* q, const void* k_pool, const void* v_pool,
+                              const AttentionShape& shape, const AttentionPlan& plan,
+                              float* scratch, cudaStream_t stream) {
+  const auto* k = static_cast<const KV*>(k_pool);
+  const auto* v = static_cast<const KV*>(v_pool);
+  const unsigned items = static_cast<unsigned>(plan.num_items);
+  switch (shape.head_dim) {
+    case 64:
+      PagedAttentionDecodeKernel<KV, 64><<<items, kThreads, 0, stream>>>(q, k, v, shape, plan, scratch);
+      break;
+    case 128:
+      PagedAttentionDecodeKernel<KV, 128><<<items, kThreads, 0, stream>>>(q, k, v, shape, plan, scratch);
+      break;
+    case 256:
+      PagedAttentionDecodeKernel<KV, 256><<<items, kThreads, 0, stream>>>(q, k, v, shape, plan, scratch);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool DecodeFastPathSupports(const AttentionShape& shape) {
+  if (shape.num_tokens != 1 || shape.num_kv_heads <= 0) return false;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  return group >= 1 && group <= kDecodeMaxGroup &&
+         (shape.head_dim == 64 || shape.head_dim == 128 || shape.head_dim == 256);
+}
+
+int64_t DecodeScratchFloats(const AttentionShape& shape, int num_items) {
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  return static_cast<int64_t>(num_items) * group * (shape.head_dim + 2);
+}
+
+cudaError_t LaunchPagedAttentionDecode(const float* q, const void* k_pool, const void* v_pool,
+                                       FloatType pool_type, const AttentionShape& shape,
+                                       const AttentionPlan& plan, float* scratch, float* out,
+                                       float* lse, cudaStream_t stream) {
+  if (!DecodeFastPathSupports(shape)) return cudaErrorInvalidValue;
+  if (plan.num_items > 0) {
+    cudaError_t e;
+    if (pool_type == FloatType::kBF16) {
+      e = LaunchDecodeTyped<__nv_bfloat16>(q, k_pool, v_pool, shape, plan, scratch, stream);
+    } else if (pool_type == FloatType::kF32) {
+      e = LaunchDecodeTyped<float>(q, k_pool, v_pool, shape, plan, scratch, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+    if (e != cudaSuccess) return e;
+  }
+  // The largest item count of any head bounds the combine kernel's shared memory.
+  if (plan.max_items_per_head > kDecodeMaxItemsPerHead) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(plan.max_items_per_head) * sizeof(float);
+  PagedAttentionCombineKernel<<<shape.num_q_heads, kThreads, smem, stream>>>(shape, plan, scratch,
+                                                                             out, lse);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPagedAttentionGeneral(const float* q, const void* k_pool, const void* v_pool,
+                                        FloatType pool_type, const AttentionShape& shape,
+                                        const AttentionPlan& plan, float* out, float* lse,
+                                        cudaStream_t stream) {
+  if (shape.num_tokens == 0 || shape.num_q_heads == 0) return cudaSuccess;
+  if (shape.head_dim > kAttentionMaxHeadDim || shape.num_tokens > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(shape.num_q_heads, shape.num_tokens);
+  if (pool_type == FloatType::kBF16) {
+    PagedAttentionGeneralKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+        q, static_cast<const __nv_bfloat16*>(k_pool), static_cast<const __nv_bfloat16*>(v_pool),
+        shape, plan, out, lse);
+  } else if (pool_type == FloatType::kF32) {
+    PagedAttentionGeneralKernel<float><<<grid, kThreads, 0, stream>>>(
+        q, static_cast<const float*>(k_pool), static_cast<const float*>(v_pool), shape, plan, out,
+        lse);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMergeAttention(const MergeParts& parts, int64_t rows, int64_t head_dim,
+                                 float* out, float* lse, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (parts.num_parts < 1 || parts.num_parts > kMaxMergeParts || rows > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  const int threads = head_dim >= 128 ? 128 : 32;
+  MergeAttentionKernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(parts, rows, head_dim,
+                                                                            out, lse);
+  return cudaGetLastError();
+}
+
+}  // namespace strata::kernels::cuda_internal

@@ -1,0 +1,602 @@
+// CudaBackend: device memory, streams, host-side validation and planning, and the launch of every
+// op's kernels (kernels/cuda/<op>.cu).
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/internal/cuda_status.h"
+#include "kernels/cuda/internal/launch.h"
+#include "kernels/cuda_backend.h"
+
+namespace strata::kernels {
+
+using cuda_internal::AttentionPlan;
+using cuda_internal::AttentionShape;
+using cuda_internal::DecodeWorkItem;
+using cuda_internal::DeviceSpan;
+using cuda_internal::FloatType;
+
+namespace {
+
+constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+
+FloatType ToFloatType(DType t) {
+  switch (t) {
+    case DType::kBF16:
+      return FloatType::kBF16;
+    case DType::kF16:
+      return FloatType::kF16;
+    default:
+      return FloatType::kF32;
+  }
+}
+
+absl::Status CheckView(const TensorView& v, int rank, DType dtype, const char* op,
+                       const char* name) {
+  if (v.rank != rank || v.dtype != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " must be ", DTypeName(dtype),
+                                                   " of rank ", rank, ", got ", v.DebugString()));
+  }
+  for (int i = 0; i < rank; ++i) {
+    if (v.shape[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has a negative dimension"));
+    }
+  }
+  if (v.NumElements() > 0 && v.data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has null data"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSame(const TensorView& a, const TensorView& b, int dims, const char* op,
+                       const char* name) {
+  for (int i = 0; i < dims; ++i) {
+    if (a.shape[i] != b.shape[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " ", b.DebugString(),
+                                                     " does not match ", a.DebugString()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Shape/dtype/pointer checks of PagedAttention (the CPU backend's, plus this backend's limits).
+absl::Status CheckPagedAttentionShape(const PagedAttentionParams& p) {
+  constexpr const char* kOp = "PagedAttention";
+  STRATA_RETURN_IF_ERROR(CheckView(p.q, 3, DType::kF32, kOp, "q"));
+  STRATA_RETURN_IF_ERROR(CheckView(p.out, 3, DType::kF32, kOp, "out"));
+  STRATA_RETURN_IF_ERROR(CheckView(p.lse, 2, DType::kF32, kOp, "lse"));
+  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16) {
+    return absl::UnimplementedError(
+        absl::StrCat("PagedAttention: pool dtype ", DTypeName(p.k_pool.dtype), " unsupported"));
+  }
+  STRATA_RETURN_IF_ERROR(CheckView(p.k_pool, 3, p.k_pool.dtype, kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckView(p.v_pool, 3, p.k_pool.dtype, kOp, "v_pool"));
+  STRATA_RETURN_IF_ERROR(CheckSame(p.k_pool, p.v_pool, 3, kOp, "v_pool"));
+  STRATA_RETURN_IF_ERROR(CheckSame(p.q, p.out, 3, kOp, "out"));
+  STRATA_RETURN_IF_ERROR(CheckSame(p.q, p.lse, 2, kOp, "lse"));
+  if (p.k_pool.dim(2) != p.q.dim(2)) {
+    return absl::InvalidArgumentError("PagedAttention: pool head_dim differs from q head_dim");
+  }
+  if (p.num_kv_heads <= 0 || p.q.dim(1) % p.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("PagedAttention: num_kv_heads ", p.num_kv_heads,
+                                                   " must divide num_q_heads ", p.q.dim(1)));
+  }
+  if (p.span_offsets == nullptr) {
+    return absl::InvalidArgumentError("PagedAttention: span_offsets is null");
+  }
+  if (p.causal && p.q.dim(0) > 0 && p.q_positions == nullptr) {
+    return absl::InvalidArgumentError("PagedAttention: causal needs q_positions");
+  }
+  if (!std::isfinite(p.scale)) {
+    return absl::InvalidArgumentError("PagedAttention: scale must be finite");
+  }
+  if (p.q.dim(2) > cuda_internal::kAttentionMaxHeadDim) {
+    return absl::UnimplementedError(absl::StrCat("PagedAttention: head_dim ", p.q.dim(2),
+                                                 " > ", cuda_internal::kAttentionMaxHeadDim));
+  }
+  if (p.q.dim(0) > 65535 || p.q.dim(1) > 65535) {
+    return absl::UnimplementedError("PagedAttention: more than 65535 tokens or heads per call");
+  }
+  return absl::OkStatus();
+}
+
+// Span contents (host memory): offsets non-decreasing, every span inside the pool.
+absl::Status CheckSpans(const PagedAttentionParams& p) {
+  if (p.span_offsets[0] < 0) return absl::InvalidArgumentError("PagedAttention: negative offset");
+  for (int g = 0; g < p.num_kv_heads; ++g) {
+    if (p.span_offsets[g + 1] < p.span_offsets[g]) {
+      return absl::InvalidArgumentError("PagedAttention: span_offsets not non-decreasing");
+    }
+  }
+  const int32_t total = p.span_offsets[p.num_kv_heads];
+  if (total > p.span_offsets[0] && p.spans == nullptr) {
+    return absl::InvalidArgumentError("PagedAttention: null spans");
+  }
+  const int64_t num_slots = p.k_pool.dim(0), page_size = p.k_pool.dim(1);
+  int64_t tokens = 0;
+  for (int32_t i = p.span_offsets[0]; i < total; ++i) {
+    const KvSpan& s = p.spans[i];
+    if (s.slot < 0 || s.slot >= num_slots || s.offset < 0 || s.length < 0 ||
+        static_cast<int64_t>(s.offset) + s.length > page_size) {
+      return absl::InvalidArgumentError(absl::StrCat("PagedAttention: span ", i, " (slot ", s.slot,
+                                                     ", offset ", s.offset, ", length ", s.length,
+                                                     ") outside pool of ", num_slots, " slots x ",
+                                                     page_size, " tokens"));
+    }
+    tokens += s.length;
+  }
+  if (tokens > kIntMax) {
+    return absl::UnimplementedError("PagedAttention: more than 2^31 keys in one call");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckMerge(const MergeAttentionParams& p) {
+  constexpr const char* kOp = "MergeAttention";
+  STRATA_RETURN_IF_ERROR(CheckView(p.out, 3, DType::kF32, kOp, "out"));
+  STRATA_RETURN_IF_ERROR(CheckView(p.lse, 2, DType::kF32, kOp, "lse"));
+  STRATA_RETURN_IF_ERROR(CheckSame(p.out, p.lse, 2, kOp, "lse"));
+  if (p.num_parts < 1 || p.outs == nullptr || p.lses == nullptr) {
+    return absl::InvalidArgumentError("MergeAttention: needs at least one part");
+  }
+  if (p.num_parts > cuda_internal::kMaxMergeParts) {
+    return absl::UnimplementedError(absl::StrCat("MergeAttention: ", p.num_parts, " parts > ",
+                                                 cuda_internal::kMaxMergeParts));
+  }
+  for (int s = 0; s < p.num_parts; ++s) {
+    STRATA_RETURN_IF_ERROR(CheckView(p.outs[s], 3, DType::kF32, kOp, "outs[s]"));
+    STRATA_RETURN_IF_ERROR(CheckView(p.lses[s], 2, DType::kF32, kOp, "lses[s]"));
+    STRATA_RETURN_IF_ERROR(CheckSame(p.out, p.outs[s], 3, kOp, "outs[s]"));
+    STRATA_RETURN_IF_ERROR(CheckSame(p.lse, p.lses[s], 2, kOp, "lses[s]"));
+  }
+  if (p.out.dim(0) * p.out.dim(1) > kIntMax) {
+    return absl::UnimplementedError("MergeAttention: more than 2^31 rows");
+  }
+  return absl::OkStatus();
+}
+
+// The PagedAttention plan in host memory, as int32 words; each section starts on a 16-byte
+// boundary (see cuda_internal::AttentionPlan for the layout).
+struct HostPlan {
+  std::vector<int32_t> words;
+  size_t spans = 0, span_start = 0, span_offsets = 0, head_tokens = 0, q_positions = 0,
+         items = 0, item_offsets = 0;
+  int num_items = 0;
+  int max_items_per_head = 0;
+  bool decode = false;
+
+  size_t Section(size_t n_words) {
+    const size_t at = (words.size() + 3) / 4 * 4;
+    words.resize(at + n_words, 0);
+    return at;
+  }
+};
+
+HostPlan BuildPlan(const PagedAttentionParams& p, bool decode_ok, int num_sms) {
+  HostPlan plan;
+  const int num_tokens = static_cast<int>(p.q.dim(0));
+  const int nkv = p.num_kv_heads;
+  // With one query token the causal limit is applied here, per span, so the kernels see only
+  // attended keys; the general kernel also masks per key.
+  const bool cut = p.causal && num_tokens == 1;
+  const int64_t qpos = cut ? p.q_positions[0] : 0;
+  std::vector<DeviceSpan> spans;
+  std::vector<int32_t> span_start, span_offsets(nkv + 1, 0), head_tokens(nkv, 0);
+  for (int g = 0; g < nkv; ++g) {
+    span_offsets[g] = static_cast<int32_t>(spans.size());
+    int32_t tokens = 0;
+    for (int32_t i = p.span_offsets[g]; i < p.span_offsets[g + 1]; ++i) {
+      const KvSpan& s = p.spans[i];
+      int64_t len = s.length;
+      if (cut) len = std::min<int64_t>(len, std::max<int64_t>(0, qpos - s.position + 1));
+      if (len <= 0) continue;
+      spans.push_back({s.slot, s.offset, static_cast<int32_t>(len), s.position});
+      span_start.push_back(tokens);
+      tokens += static_cast<int32_t>(len);
+    }
+    head_tokens[g] = tokens;
+  }
+  span_offsets[nkv] = static_cast<int32_t>(spans.size());
+
+  // Split-K work items: halve the chunk until there are about two per SM.
+  std::vector<DecodeWorkItem> items;
+  std::vector<int32_t> item_offsets(nkv + 1, 0);
+  if (decode_ok) {
+    auto count_items = [&](int chunk, int* max_per_head) {
+      int64_t n = 0;
+      *max_per_head = 0;
+      for (int g = 0; g < nkv; ++g) {
+        const int64_t k = (head_tokens[g] + chunk - 1) / chunk;
+        n += k;
+        *max_per_head = static_cast<int>(std::max<int64_t>(*max_per_head, k));
+      }
+      return n;
+    };
+    int chunk = cuda_internal::kDecodeChunkMax, max_per_head = 0;
+    while (chunk > 16 && count_items(chunk, &max_per_head) < 2 * num_sms) chunk /= 2;
+    count_items(chunk, &max_per_head);
+    if (max_per_head <= cuda_internal::kDecodeMaxItemsPerHead) {
+      plan.decode = true;
+      plan.max_items_per_head = max_per_head;
+      for (int g = 0; g < nkv; ++g) {
+        item_offsets[g] = static_cast<int32_t>(items.size());
+        for (int32_t b = 0; b < head_tokens[g]; b += chunk) {
+          items.push_back({g, b, std::min<int32_t>(chunk, head_tokens[g] - b), 0});
+        }
+      }
+      item_offsets[nkv] = static_cast<int32_t>(items.size());
+      plan.num_items = static_cast<int>(items.size());
+    }
+  }
+
+  auto put = [&plan](size_t at, const void* src, size_t bytes) {
+    if (bytes > 0) std::memcpy(plan.words.data() + at, src, bytes);
+  };
+  plan.spans = plan.Section(spans.size() * 4);
+  plan.span_start = plan.Section(span_start.size());
+  plan.span_offsets = plan.Section(span_offsets.size());
+  plan.head_tokens = plan.Section(head_tokens.size());
+  plan.q_positions = plan.Section(p.causal ? num_tokens : 0);
+  plan.items = plan.Section(items.size() * 4);
+  plan.item_offsets = plan.Section(item_offsets.size());
+  put(plan.spans, spans.data(), spans.size() * sizeof(DeviceSpan));
+  put(plan.span_start, span_start.data(), span_start.size() * 4);
+  put(plan.span_offsets, span_offsets.data(), span_offsets.size() * 4);
+  put(plan.head_tokens, head_tokens.data(), head_tokens.size() * 4);
+  if (p.causal) put(plan.q_positions, p.q_positions, static_cast<size_t>(num_tokens) * 4);
+  put(plan.items, items.data(), items.size() * sizeof(DecodeWorkItem));
+  put(plan.item_offsets, item_offsets.data(), item_offsets.size() * 4);
+  return plan;
+}
+
+size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+}  // namespace
+
+CudaBuffer::~CudaBuffer() {
+  if (data_ == nullptr) return;
+  if (cudaSetDevice(device_) != cudaSuccess || cudaFree(data_) != cudaSuccess) {
+    STRATA_LOG(ERROR) << "cudaFree of " << bytes_ << " bytes on device " << device_ << " failed";
+  }
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    cudaGetLastError();  // clear the sticky-free error state of the failed query
+    return absl::UnavailableError(absl::StrCat("no CUDA device: ",
+                                               e == cudaSuccess ? "0 devices" : cudaGetErrorString(e)));
+  }
+  if (device < 0 || device >= count) {
+    return absl::UnavailableError(
+        absl::StrCat("CUDA device ", device, " requested, ", count, " present"));
+  }
+  STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  int num_sms = 0;
+  STRATA_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  std::unique_ptr<CudaBackend> backend(new CudaBackend(device, num_sms));
+  STRATA_RETURN_IF_ERROR(backend->Init());
+  return backend;
+}
+
+absl::Status CudaBackend::Init() {
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  STRATA_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas_));
+  cudaMemPoolProps props;
+  std::memset(&props, 0, sizeof(props));
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device_;
+  STRATA_CUDA_RETURN_IF_ERROR(cudaMemPoolCreate(&pool_, &props));
+  // Keep freed scratch in the pool across synchronisations (no return to the driver).
+  uint64_t threshold = std::numeric_limits<uint64_t>::max();
+  STRATA_CUDA_RETURN_IF_ERROR(
+      cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
+  STRATA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&pinned_event_, cudaEventDisableTiming));
+  return absl::OkStatus();
+}
+
+CudaBackend::~CudaBackend() {
+  // Best effort: errors here have no caller to go to.
+  if (cudaSetDevice(device_) != cudaSuccess) return;
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (pinned_event_ != nullptr) {
+    cudaEventSynchronize(pinned_event_);
+    cudaEventDestroy(pinned_event_);
+  }
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
+  if (blas_ != nullptr) cublasDestroy(blas_);
+  if (pool_ != nullptr) {
+    cudaDeviceSynchronize();  // scratch freed on other streams returns to the pool first
+    cudaMemPoolDestroy(pool_);
+  }
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+std::string CudaBackend::Name() const { return absl::StrCat("cuda:", device_); }
+
+absl::Status CudaBackend::MakeCurrent() const {
+  STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> CudaBackend::AllocScratch(size_t bytes, cudaStream_t stream) {
+  void* p = nullptr;
+  STRATA_CUDA_RETURN_IF_ERROR(cudaMallocFromPoolAsync(&p, std::max<size_t>(bytes, 256), pool_, stream));
+  return p;
+}
+
+absl::Status CudaBackend::FreeScratch(void* p, cudaStream_t stream) {
+  STRATA_CUDA_RETURN_IF_ERROR(cudaFreeAsync(p, stream));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> CudaBackend::PinnedStaging(size_t bytes) {
+  if (pinned_event_pending_) {
+    STRATA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(pinned_event_));
+    pinned_event_pending_ = false;
+  }
+  if (pinned_bytes_ < bytes) {
+    if (pinned_ != nullptr) STRATA_CUDA_RETURN_IF_ERROR(cudaFreeHost(pinned_));
+    pinned_ = nullptr;
+    pinned_bytes_ = 0;
+    const size_t want = std::max<size_t>(RoundUp(bytes, 4096) * 2, 64 * 1024);
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinned_, want));
+    pinned_bytes_ = want;
+  }
+  return pinned_;
+}
+
+absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  void* p = nullptr;
+  if (bytes > 0) STRATA_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes));
+  return std::unique_ptr<Buffer>(new CudaBuffer(device_, p, bytes));
+}
+
+absl::Status CudaBackend::CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("CopyToDevice: null");
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCuda(s)));
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyToHost(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("CopyToHost: null");
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCuda(s)));
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Synchronize(Stream s) {
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Stream> CudaBackend::CreateStream() {
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  cudaStream_t s = nullptr;
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return static_cast<Stream>(s);
+}
+
+absl::Status CudaBackend::DestroyStream(Stream s) {
+  if (s == nullptr) return absl::InvalidArgumentError("DestroyStream: null stream");
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamDestroy(static_cast<cudaStream_t>(s)));
+  return absl::OkStatus();
+}
+
+// ---- Elementwise and row ops ---------------------------------------------------------------
+
+absl::Status CudaBackend::Supports(const EmbeddingParams& p) const {
+  STRATA_RETURN_IF_ERROR(CpuSupportsEmbedding(p));
+  if (p.out.dim(0) > kIntMax) return absl::UnimplementedError("Embedding: more than 2^31 tokens");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Embedding(const EmbeddingParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(Supports(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchEmbedding(
+      p.ids, p.table.data, ToFloatType(p.table.dtype), p.table.dim(0), p.table.dim(1),
+      p.out.As<float>(), p.out.dim(0), ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Supports(const RmsNormParams& p) const {
+  STRATA_RETURN_IF_ERROR(CpuSupportsRmsNorm(p));
+  if (p.in.dim(0) > kIntMax) return absl::UnimplementedError("RmsNorm: more than 2^31 rows");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::RmsNorm(const RmsNormParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(Supports(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchRmsNorm(
+      p.in.As<const float>(), p.weight.data, ToFloatType(p.weight.dtype), p.out.As<float>(),
+      p.in.dim(0), p.in.dim(1), p.eps, ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Supports(const MatMulParams& p) const {
+  STRATA_RETURN_IF_ERROR(CpuSupportsMatMul(p));
+  if (p.in.dim(0) > kIntMax || p.in.dim(1) > kIntMax || p.weight.dim(0) > kIntMax) {
+    return absl::UnimplementedError("MatMul: a dimension exceeds 2^31 - 1 (cuBLAS int sizes)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MatMul(const MatMulParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(Supports(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  const cudaStream_t stream = ToCuda(s);
+  const FloatType wt = ToFloatType(p.weight.dtype);
+  const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
+  const int64_t scratch_bytes = cuda_internal::MatMulScratchBytes(wt, n, k);
+  void* scratch = nullptr;
+  if (scratch_bytes > 0 && k > 0) {
+    STRATA_ASSIGN_OR_RETURN(scratch, AllocScratch(scratch_bytes, stream));
+  }
+  STRATA_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas_, stream));
+  const cuda_internal::GpuResult r = cuda_internal::LaunchMatMul(
+      blas_, p.in.As<const float>(), p.weight.data, wt, p.bias.data, ToFloatType(p.bias.dtype),
+      p.out.As<float>(), n, k, m, scratch, stream);
+  if (scratch != nullptr) STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
+  if (r.cuda != cudaSuccess) {
+    return cuda_internal::CudaErrorToStatus(r.cuda, "LaunchMatMul", r.file, r.line);
+  }
+  if (r.blas != CUBLAS_STATUS_SUCCESS) {
+    return cuda_internal::CublasErrorToStatus(r.blas, "cublasGemmEx", r.file, r.line);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Supports(const RopeParams& p) const { return CpuSupportsRope(p); }
+
+absl::Status CudaBackend::Rope(const RopeParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(Supports(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchRope(
+      p.x.As<float>(), p.positions, p.inv_freq.As<const float>(), p.attention_factor, p.x.dim(0),
+      p.x.dim(1), p.x.dim(2), ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Supports(const SwiGluParams& p) const { return CpuSupportsSwiGlu(p); }
+
+absl::Status CudaBackend::SwiGlu(const SwiGluParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(Supports(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchSwiGlu(
+      p.gate.As<const float>(), p.up.As<const float>(), p.out.As<float>(), p.gate.NumElements(),
+      ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Supports(const AddParams& p) const { return CpuSupportsAdd(p); }
+
+absl::Status CudaBackend::Add(const AddParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(Supports(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchAdd(p.a.As<const float>(),
+                                                       p.b.As<const float>(), p.out.As<float>(),
+                                                       p.a.NumElements(), ToCuda(s)));
+  return absl::OkStatus();
+}
+
+// ---- Attention -------------------------------------------------------------------------------
+
+absl::Status CudaBackend::Supports(const PagedAttentionParams& p) const {
+  return CheckPagedAttentionShape(p);
+}
+
+absl::Status CudaBackend::PagedAttention(const PagedAttentionParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CheckPagedAttentionShape(p));
+  STRATA_RETURN_IF_ERROR(CheckSpans(p));
+  const int num_tokens = static_cast<int>(p.q.dim(0));
+  const int num_q_heads = static_cast<int>(p.q.dim(1));
+  if (num_tokens == 0 || num_q_heads == 0) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  const cudaStream_t stream = ToCuda(s);
+
+  AttentionShape shape;
+  shape.num_tokens = num_tokens;
+  shape.num_q_heads = num_q_heads;
+  shape.num_kv_heads = p.num_kv_heads;
+  shape.head_dim = static_cast<int>(p.q.dim(2));
+  shape.num_slots = p.k_pool.dim(0);
+  shape.page_size = p.k_pool.dim(1);
+  shape.causal = p.causal;
+  shape.scale = p.scale;
+  const bool aligned = reinterpret_cast<uintptr_t>(p.k_pool.data) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.v_pool.data) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
+  const bool decode_ok = aligned && cuda_internal::DecodeFastPathSupports(shape);
+  const HostPlan host = BuildPlan(p, decode_ok, num_sms_);
+
+  // Device scratch: the plan, then (decode) the split-K partials.
+  const size_t plan_bytes = RoundUp(host.words.size() * sizeof(int32_t), 256);
+  const size_t partial_bytes =
+      host.decode ? cuda_internal::DecodeScratchFloats(shape, host.num_items) * sizeof(float) : 0;
+  STRATA_ASSIGN_OR_RETURN(void* scratch, AllocScratch(plan_bytes + partial_bytes, stream));
+  auto launch = [&]() -> absl::Status {
+    STRATA_ASSIGN_OR_RETURN(void* staging, PinnedStaging(host.words.size() * sizeof(int32_t)));
+    std::memcpy(staging, host.words.data(), host.words.size() * sizeof(int32_t));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch, staging,
+                                                host.words.size() * sizeof(int32_t),
+                                                cudaMemcpyHostToDevice, stream));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaEventRecord(pinned_event_, stream));
+    pinned_event_pending_ = true;
+
+    const int32_t* words = static_cast<const int32_t*>(scratch);
+    AttentionPlan plan;
+    plan.spans = reinterpret_cast<const DeviceSpan*>(words + host.spans);
+    plan.span_start = words + host.span_start;
+    plan.span_offsets = words + host.span_offsets;
+    plan.head_tokens = words + host.head_tokens;
+    plan.q_positions = words + host.q_positions;
+    plan.items = reinterpret_cast<const DecodeWorkItem*>(words + host.items);
+    plan.item_offsets = words + host.item_offsets;
+    plan.num_items = host.num_items;
+    plan.max_items_per_head = host.max_items_per_head;
+    const FloatType pool_type = ToFloatType(p.k_pool.dtype);
+    if (host.decode) {
+      float* partials = reinterpret_cast<float*>(static_cast<char*>(scratch) + plan_bytes);
+      STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchPagedAttentionDecode(
+          p.q.As<const float>(), p.k_pool.data, p.v_pool.data, pool_type, shape, plan, partials,
+          p.out.As<float>(), p.lse.As<float>(), stream));
+    } else {
+      STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchPagedAttentionGeneral(
+          p.q.As<const float>(), p.k_pool.data, p.v_pool.data, pool_type, shape, plan,
+          p.out.As<float>(), p.lse.As<float>(), stream));
+    }
+    return absl::OkStatus();
+  };
+  const absl::Status st = launch();
+  const absl::Status freed = FreeScratch(scratch, stream);
+  STRATA_RETURN_IF_ERROR(st);
+  return freed;
+}
+
+absl::Status CudaBackend::Supports(const MergeAttentionParams& p) const { return CheckMerge(p); }
+
+absl::Status CudaBackend::MergeAttention(const MergeAttentionParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CheckMerge(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  cuda_internal::MergeParts parts;
+  std::memset(&parts, 0, sizeof(parts));
+  parts.num_parts = p.num_parts;
+  for (int i = 0; i < p.num_parts; ++i) {
+    parts.outs[i] = p.outs[i].As<const float>();
+    parts.lses[i] = p.lses[i].As<const float>();
+  }
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchMergeAttention(
+      parts, p.out.dim(0) * p.out.dim(1), p.out.dim(2), p.out.As<float>(), p.lse.As<float>(),
+      ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(device));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace strata::kernels

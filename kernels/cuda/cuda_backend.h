@@ -1,0 +1,126 @@
+// CudaBackend: kernels::Backend on one CUDA device (made by kernels::MakeCudaBackend in
+// kernels/cuda_backend.h). Every op validates its params on the host (the CPU backend's checks,
+// plus this backend's limits), then enqueues kernels on the op's stream and returns without
+// waiting; a kernel or launch failure comes back as Status with file:line.
+//
+// Streams: Stream == nullptr means the backend's own non-blocking stream (not the legacy default
+// stream); any other value is a cudaStream_t of this device, e.g. from CreateStream().
+// Memory: Allocate() is cudaMalloc. CopyToDevice/CopyToHost are ordered after earlier work on
+// their stream and return once the bytes have arrived (they synchronise that stream), so the
+// source may be reused and the destination read as soon as they return.
+// Scratch: ops that need temporary device memory (MatMul's split activations, PagedAttention's
+// plan and split-K partials) take it from a backend-owned stream-ordered pool
+// (cudaMallocFromPoolAsync / cudaFreeAsync on the op's stream), so they stay correct when ops run
+// on several streams.
+// PagedAttention: spans, span_offsets and q_positions are host memory in the interface. The op
+// packs them (and the split-K plan) into a pinned host buffer owned by the backend, copies that
+// with one cudaMemcpyAsync into pool scratch on the op's stream and frees the scratch after the
+// kernels (stream-ordered). The caller may reuse its host arrays as soon as the call returns. The
+// pinned buffer is reused by the next PagedAttention call after waiting on an event for the
+// previous copy out of it.
+// Embedding: ids live in device memory, so out-of-range ids cannot be reported without a sync;
+// their rows are filled with NaN instead (the CPU backend returns InvalidArgument).
+//
+// Thread-compatibility: as Backend (external synchronisation of calls into one CudaBackend;
+// work on different streams may overlap on the device). Every call makes the backend's device
+// current on the calling thread (cudaSetDevice) and leaves it so.
+#ifndef STRATA_KERNELS_CUDA_CUDA_BACKEND_H_
+#define STRATA_KERNELS_CUDA_CUDA_BACKEND_H_
+
+#include <cublas_api.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace strata::kernels {
+
+// Device memory from cudaMalloc; freed (cudaFree) by the destructor.
+class CudaBuffer : public Buffer {
+ public:
+  CudaBuffer(int device, void* data, size_t bytes) : device_(device), data_(data), bytes_(bytes) {}
+  ~CudaBuffer() override;
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+  void* data() override { return data_; }
+  size_t bytes() const override { return bytes_; }
+
+ private:
+  int device_;
+  void* data_;
+  size_t bytes_;
+};
+
+class CudaBackend : public Backend {
+ public:
+  // See MakeCudaBackend (kernels/cuda_backend.h) for the error codes.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string Name() const override;
+
+  absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t bytes) override;
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) override;
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes, Stream s) override;
+  absl::Status Synchronize(Stream s) override;
+
+  absl::Status Supports(const EmbeddingParams& p) const override;
+  absl::Status Embedding(const EmbeddingParams& p, Stream s) override;
+  absl::Status Supports(const RmsNormParams& p) const override;
+  absl::Status RmsNorm(const RmsNormParams& p, Stream s) override;
+  absl::Status Supports(const MatMulParams& p) const override;
+  absl::Status MatMul(const MatMulParams& p, Stream s) override;
+  absl::Status Supports(const RopeParams& p) const override;
+  absl::Status Rope(const RopeParams& p, Stream s) override;
+  absl::Status Supports(const SwiGluParams& p) const override;
+  absl::Status SwiGlu(const SwiGluParams& p, Stream s) override;
+  absl::Status Supports(const AddParams& p) const override;
+  absl::Status Add(const AddParams& p, Stream s) override;
+  absl::Status Supports(const PagedAttentionParams& p) const override;
+  absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) override;
+  absl::Status Supports(const MergeAttentionParams& p) const override;
+  absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) override;
+
+  // A new non-blocking stream on this device; the caller destroys it with DestroyStream.
+  absl::StatusOr<Stream> CreateStream();
+  absl::Status DestroyStream(Stream s);
+
+  int device() const { return device_; }
+  int num_sms() const { return num_sms_; }
+
+ private:
+  CudaBackend(int device, int num_sms) : device_(device), num_sms_(num_sms) {}
+  absl::Status Init();
+  cudaStream_t ToCuda(Stream s) const {
+    return s == nullptr ? stream_ : static_cast<cudaStream_t>(s);
+  }
+  absl::Status MakeCurrent() const;
+  // `bytes` of scratch from the pool, ordered on `stream`; release with FreeScratch on the same
+  // stream after the last kernel that uses it.
+  absl::StatusOr<void*> AllocScratch(size_t bytes, cudaStream_t stream);
+  absl::Status FreeScratch(void* p, cudaStream_t stream);
+  // A pinned host buffer of at least `bytes`, not in use by any pending copy.
+  absl::StatusOr<void*> PinnedStaging(size_t bytes);
+
+  int device_;
+  int num_sms_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  cudaMemPool_t pool_ = nullptr;
+  void* pinned_ = nullptr;            // staging for PagedAttention plans
+  size_t pinned_bytes_ = 0;
+  cudaEvent_t pinned_event_ = nullptr;  // recorded after the last copy out of pinned_
+  bool pinned_event_pending_ = false;
+};
+
+}  // namespace strata::kernels
+
+#endif  // STRATA_KERNELS_CUDA_CUDA_BACKEND_H_

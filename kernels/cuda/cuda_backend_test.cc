@@ -1,0 +1,639 @@
+// CPU-vs-CUDA equivalence tests: one parameterised suite per op. Each case draws fresh random
+// inputs (seed printed on failure), runs the CPU reference backend and the CUDA backend on the
+// same values, poisons every CUDA output with NaN first, and checks every element against a
+// per-op, per-dtype tolerance |d| <= atol + rtol * |ref| (NaN never passes). Without a GPU the
+// CUDA tests report "no CUDA GPU: skipped" (ctest counts them as skipped, not passed).
+#include "kernels/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
+#include "base/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace strata::kernels {
+namespace {
+
+using ::strata::testing::StatusIs;
+
+constexpr uint32_t kSeed = 20261122;
+uint32_t g_seed = kSeed;  // the current test's seed (kSeed mixed with the test name), printed
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// Holds the status by value (binding a reference to a temporary's status would dangle).
+#define CUDA_TEST_ASSERT_OK(expr)                                          \
+  do {                                                                     \
+    const absl::Status cuda_test_status_ = ::strata::testing::GetStatus((expr)); \
+    ASSERT_TRUE(cuda_test_status_.ok()) << cuda_test_status_;               \
+  } while (0)
+const float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A host tensor in `dtype` plus the f32 values it holds (after rounding to dtype).
+struct HostTensor {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> dims;
+  std::vector<uint8_t> bytes;
+
+  int64_t NumElements() const {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    return n;
+  }
+  TensorView View(void* data) const {
+    TensorView v;
+    v.data = data;
+    v.dtype = dtype;
+    v.rank = static_cast<int>(dims.size());
+    for (int i = 0; i < v.rank; ++i) v.shape[i] = dims[i];
+    return v;
+  }
+  TensorView HostView() { return View(bytes.data()); }
+  float* f32() { return reinterpret_cast<float*>(bytes.data()); }
+  std::vector<float> Values() const {
+    std::vector<float> v(NumElements());
+    ConvertToF32(bytes.data(), dtype, v.data(), NumElements());
+    return v;
+  }
+};
+
+HostTensor Random(std::mt19937& rng, DType dtype, std::vector<int64_t> dims, float lo = -1.0f,
+                  float hi = 1.0f) {
+  HostTensor t;
+  t.dtype = dtype;
+  t.dims = std::move(dims);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> raw(t.NumElements());
+  for (float& x : raw) x = dist(rng);
+  t.bytes.resize(raw.size() * DTypeSize(dtype) + 4);
+  ConvertFromF32(raw.data(), t.bytes.data(), dtype, static_cast<int64_t>(raw.size()));
+  return t;
+}
+
+HostTensor Filled(std::vector<int64_t> dims, float value) {
+  HostTensor t;
+  t.dims = std::move(dims);
+  t.bytes.resize(t.NumElements() * 4 + 4);
+  for (int64_t i = 0; i < t.NumElements(); ++i) t.f32()[i] = value;
+  return t;
+}
+
+// Every element: |got - want| <= atol + rtol * scale[i] (scale defaults to |want|); NaN fails
+// unless both are the same infinity.
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double atol,
+                 double rtol, const std::string& what, const std::vector<double>* scale = nullptr) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isinf(want[i]) && got[i] == want[i]) continue;
+    const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+    const double ref = scale ? (*scale)[i] : std::fabs(static_cast<double>(want[i]));
+    if (!(d <= atol + rtol * ref)) {
+      if (++bad <= 3) {
+        ADD_FAILURE() << what << " (seed " << g_seed << "): element " << i << " got " << got[i]
+                      << " want " << want[i] << " |d| " << d << " > " << atol + rtol * ref;
+      }
+    }
+    if (d > worst && std::isfinite(d)) worst = d;
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.size() << " elements out of tolerance";
+}
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto b = MakeCudaBackend(0);
+    if (b.ok()) {
+      gpu_ = std::move(b).value().release();
+    } else {
+      why_ = b.status().ToString();
+    }
+    cpu_ = MakeCpuBackend().release();
+  }
+  static void TearDownTestSuite() {
+    delete gpu_;
+    gpu_ = nullptr;
+    delete cpu_;
+    cpu_ = nullptr;
+  }
+  void SetUp() override {
+    if (gpu_ == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why_ << ")";
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    g_seed = kSeed ^ static_cast<uint32_t>(std::hash<std::string>()(
+                         std::string(info->test_suite_name()) + "." + info->name()));
+    rng_.seed(g_seed);
+    RecordProperty("seed", static_cast<int>(g_seed & 0x7fffffff));
+  }
+
+  // Device copy of a host tensor, or (poison) a NaN-filled device buffer of the same size.
+  std::unique_ptr<Buffer> Upload(const HostTensor& t) {
+    auto buf = gpu_->Allocate(std::max<size_t>(t.bytes.size(), 4));
+    EXPECT_TRUE(buf.ok()) << buf.status();
+    EXPECT_TRUE(gpu_->CopyToDevice(buf.value()->data(), t.bytes.data(), t.bytes.size(), nullptr).ok());
+    return std::move(buf).value();
+  }
+  std::unique_ptr<Buffer> UploadRaw(const void* p, size_t bytes) {
+    auto buf = gpu_->Allocate(std::max<size_t>(bytes, 4));
+    EXPECT_TRUE(buf.ok()) << buf.status();
+    if (bytes > 0) {
+      EXPECT_TRUE(gpu_->CopyToDevice(buf.value()->data(), p, bytes, nullptr).ok());
+    }
+    return std::move(buf).value();
+  }
+  std::vector<float> Download(Buffer& b, int64_t n) {
+    std::vector<float> v(n);
+    EXPECT_TRUE(gpu_->CopyToHost(v.data(), b.data(), n * 4, nullptr).ok());
+    return v;
+  }
+
+  static Backend* gpu_;
+  static Backend* cpu_;
+  static std::string why_;
+  std::mt19937 rng_;
+};
+
+Backend* CudaBackendTest::gpu_ = nullptr;
+Backend* CudaBackendTest::cpu_ = nullptr;
+std::string CudaBackendTest::why_;
+
+// ---- Factory and memory ----------------------------------------------------------------------
+
+TEST(CudaBackendFactoryTest, BadDeviceIsUnavailable) {
+  EXPECT_THAT(MakeCudaBackend(-1).status(), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(MakeCudaBackend(1 << 20).status(), StatusIs(absl::StatusCode::kUnavailable));
+  auto b = MakeCudaBackend(0);
+  if (b.ok()) {
+    EXPECT_EQ(b.value()->Name(), "cuda:0");
+  } else {
+    EXPECT_THAT(b.status(), StatusIs(absl::StatusCode::kUnavailable));
+  }
+}
+
+TEST_F(CudaBackendTest, MemoryRoundTripAndErrors) {
+  std::vector<uint8_t> src(12345), dst(12345, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(rng_());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto buf, gpu_->Allocate(src.size()));
+  EXPECT_EQ(buf->bytes(), src.size());
+  CUDA_TEST_ASSERT_OK(gpu_->CopyToDevice(buf->data(), src.data(), src.size(), nullptr));
+  CUDA_TEST_ASSERT_OK(gpu_->CopyToHost(dst.data(), buf->data(), dst.size(), nullptr));
+  EXPECT_EQ(src, dst);
+  EXPECT_THAT(gpu_->CopyToDevice(nullptr, src.data(), 4, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // 1 PiB cannot be allocated: ResourceExhausted, and the backend keeps working afterwards.
+  EXPECT_THAT(gpu_->Allocate(size_t{1} << 50).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  CUDA_TEST_ASSERT_OK(gpu_->Synchronize(nullptr));
+  // A stream of our own.
+  auto* cuda = static_cast<CudaBackend*>(gpu_);
+  STRATA_ASSERT_OK_AND_ASSIGN(Stream s, cuda->CreateStream());
+  std::fill(dst.begin(), dst.end(), 0);
+  CUDA_TEST_ASSERT_OK(gpu_->CopyToHost(dst.data(), buf->data(), dst.size(), s));
+  EXPECT_EQ(src, dst);
+  CUDA_TEST_ASSERT_OK(cuda->DestroyStream(s));
+}
+
+// ---- Embedding -------------------------------------------------------------------------------
+
+class CudaEmbeddingTest : public CudaBackendTest,
+                          public ::testing::WithParamInterface<std::tuple<DType, int64_t, int64_t>> {};
+
+TEST_P(CudaEmbeddingTest, MatchesCpu) {
+  const auto [dt, hidden, n] = GetParam();
+  const int64_t vocab = 37;
+  HostTensor table = Random(rng_, dt, {vocab, hidden});
+  std::vector<int32_t> ids(n);
+  for (auto& id : ids) id = static_cast<int32_t>(rng_() % vocab);
+  HostTensor want = Filled({n, hidden}, kNaN);
+  CUDA_TEST_ASSERT_OK(cpu_->Embedding({ids.data(), table.HostView(), want.HostView()}, nullptr));
+  auto d_table = Upload(table);
+  auto d_ids = UploadRaw(ids.data(), ids.size() * 4);
+  auto d_out = Upload(Filled({n, hidden}, kNaN));
+  EmbeddingParams p{static_cast<const int32_t*>(d_ids->data()), table.View(d_table->data()),
+                    want.View(d_out->data())};
+  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
+  CUDA_TEST_ASSERT_OK(gpu_->Embedding(p, nullptr));
+  ExpectClose(Download(*d_out, n * hidden), want.Values(), 0, 0,
+              absl::StrCat("embedding ", DTypeName(dt)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, CudaEmbeddingTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                                            ::testing::Values(1, 3, 17, 129, 4096),
+                                            ::testing::Values(1, 3, 129)));
+
+TEST_F(CudaBackendTest, EmbeddingBadIdGivesNaNRow) {
+  HostTensor table = Random(rng_, DType::kF32, {5, 7});
+  std::vector<int32_t> ids = {1, 5, -1};
+  auto d_table = Upload(table);
+  auto d_ids = UploadRaw(ids.data(), 12);
+  auto d_out = Upload(Filled({3, 7}, 0.0f));
+  HostTensor out_shape = Filled({3, 7}, 0.0f);
+  CUDA_TEST_ASSERT_OK(gpu_->Embedding({static_cast<const int32_t*>(d_ids->data()),
+                                    table.View(d_table->data()), out_shape.View(d_out->data())},
+                                   nullptr));
+  std::vector<float> got = Download(*d_out, 21);
+  std::vector<float> tv = table.Values();
+  for (int j = 0; j < 7; ++j) {
+    EXPECT_EQ(got[j], tv[7 + j]);
+    EXPECT_TRUE(std::isnan(got[7 + j]));
+    EXPECT_TRUE(std::isnan(got[14 + j]));
+  }
+}
+
+// ---- RmsNorm ---------------------------------------------------------------------------------
+
+class CudaRmsNormTest : public CudaBackendTest,
+                        public ::testing::WithParamInterface<std::tuple<DType, int64_t, int64_t>> {};
+
+TEST_P(CudaRmsNormTest, MatchesCpu) {
+  const auto [dt, hidden, n] = GetParam();
+  HostTensor in = Random(rng_, DType::kF32, {n, hidden}, -3, 3);
+  HostTensor w = Random(rng_, dt, {hidden}, 0.5, 1.5);
+  HostTensor want = Filled({n, hidden}, kNaN);
+  CUDA_TEST_ASSERT_OK(cpu_->RmsNorm({in.HostView(), w.HostView(), want.HostView(), 1e-5f}, nullptr));
+  auto d_in = Upload(in);
+  auto d_w = Upload(w);
+  auto d_out = Upload(Filled({n, hidden}, kNaN));
+  RmsNormParams p{in.View(d_in->data()), w.View(d_w->data()), want.View(d_out->data()), 1e-5f};
+  CUDA_TEST_ASSERT_OK(gpu_->RmsNorm(p, nullptr));
+  ExpectClose(Download(*d_out, n * hidden), want.Values(), 1e-6, 2e-5,
+              absl::StrCat("rmsnorm ", DTypeName(dt)));
+  // In place.
+  p.out = p.in;
+  CUDA_TEST_ASSERT_OK(gpu_->RmsNorm(p, nullptr));
+  ExpectClose(Download(*d_in, n * hidden), want.Values(), 1e-6, 2e-5, "rmsnorm in place");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, CudaRmsNormTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                                            ::testing::Values(1, 3, 17, 129, 4096),
+                                            ::testing::Values(1, 3, 129)));
+
+// ---- MatMul ----------------------------------------------------------------------------------
+
+// (weight dtype, tokens, in_features, out_features, with bias)
+class CudaMatMulTest
+    : public CudaBackendTest,
+      public ::testing::WithParamInterface<std::tuple<DType, int64_t, int64_t, int64_t, bool>> {};
+
+TEST_P(CudaMatMulTest, MatchesCpu) {
+  const auto [dt, n, k, m, with_bias] = GetParam();
+  HostTensor in = Random(rng_, DType::kF32, {n, k}, -2, 2);
+  HostTensor w = Random(rng_, dt, {m, k});
+  HostTensor bias = Random(rng_, dt, {m});
+  HostTensor want = Filled({n, m}, kNaN);
+  MatMulParams cp{in.HostView(), w.HostView(), with_bias ? bias.HostView() : TensorView(),
+                  want.HostView()};
+  CUDA_TEST_ASSERT_OK(cpu_->MatMul(cp, nullptr));
+  auto d_in = Upload(in);
+  auto d_w = Upload(w);
+  auto d_b = Upload(bias);
+  auto d_out = Upload(Filled({n, m}, kNaN));
+  MatMulParams p{in.View(d_in->data()), w.View(d_w->data()),
+                 with_bias ? bias.View(d_b->data()) : TensorView(), want.View(d_out->data())};
+  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
+  CUDA_TEST_ASSERT_OK(gpu_->MatMul(p, nullptr));
+  // Tolerance relative to sum_i |in * w| (+ |bias|): the dot products cancel, so |ref| alone is
+  // no measure of the rounding. bf16 with > 8 tokens keeps ~16 bits of each activation (hi/lo).
+  const std::vector<float> iv = in.Values(), wv = w.Values(), bv = bias.Values();
+  std::vector<double> scale(n * m);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t o = 0; o < m; ++o) {
+      double a = with_bias ? std::fabs(bv[o]) : 0.0;
+      for (int64_t i = 0; i < k; ++i) a += std::fabs(double(iv[t * k + i]) * wv[o * k + i]);
+      scale[t * m + o] = a;
+    }
+  }
+  ExpectClose(Download(*d_out, n * m), want.Values(), 1e-6, 3e-5,
+              absl::StrCat("matmul ", DTypeName(dt), " n=", n, " k=", k, " m=", m), &scale);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, CudaMatMulTest,
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                       ::testing::Values(1, 3, 8, 9, 129), ::testing::Values(0, 1, 17, 256, 1000),
+                       ::testing::Values(1, 3, 129), ::testing::Bool()));
+
+// ---- Rope ------------------------------------------------------------------------------------
+
+class CudaRopeTest : public CudaBackendTest,
+                     public ::testing::WithParamInterface<std::tuple<int64_t, int64_t, int64_t>> {};
+
+TEST_P(CudaRopeTest, MatchesCpu) {
+  const auto [n, heads, head_dim] = GetParam();
+  HostTensor x = Random(rng_, DType::kF32, {n, heads, head_dim}, -2, 2);
+  HostTensor inv_freq = Filled({head_dim / 2}, 0.0f);
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    inv_freq.f32()[i] = std::pow(500000.0f, -2.0f * i / head_dim);
+  }
+  std::vector<int32_t> pos(n);
+  for (auto& p : pos) p = static_cast<int32_t>(rng_() % 200000);
+  HostTensor want = x;
+  CUDA_TEST_ASSERT_OK(cpu_->Rope({want.HostView(), pos.data(), inv_freq.HostView(), 1.25f}, nullptr));
+  auto d_x = Upload(x);
+  auto d_f = Upload(inv_freq);
+  auto d_pos = UploadRaw(pos.data(), pos.size() * 4);
+  RopeParams p{x.View(d_x->data()), static_cast<const int32_t*>(d_pos->data()),
+               inv_freq.View(d_f->data()), 1.25f};
+  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
+  CUDA_TEST_ASSERT_OK(gpu_->Rope(p, nullptr));
+  ExpectClose(Download(*d_x, n * heads * head_dim), want.Values(), 2e-5, 2e-5, "rope");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, CudaRopeTest,
+                         ::testing::Combine(::testing::Values(1, 3, 17, 129),
+                                            ::testing::Values(1, 3, 32),
+                                            ::testing::Values(2, 16, 64, 128)));
+
+// ---- SwiGlu and Add --------------------------------------------------------------------------
+
+class CudaElementwiseTest : public CudaBackendTest,
+                            public ::testing::WithParamInterface<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(CudaElementwiseTest, SwiGluMatchesCpu) {
+  const auto [n, width] = GetParam();
+  HostTensor gate = Random(rng_, DType::kF32, {n, width}, -8, 8);
+  HostTensor up = Random(rng_, DType::kF32, {n, width}, -2, 2);
+  HostTensor want = Filled({n, width}, kNaN);
+  CUDA_TEST_ASSERT_OK(cpu_->SwiGlu({gate.HostView(), up.HostView(), want.HostView()}, nullptr));
+  auto d_g = Upload(gate);
+  auto d_u = Upload(up);
+  auto d_o = Upload(Filled({n, width}, kNaN));
+  CUDA_TEST_ASSERT_OK(gpu_->SwiGlu(
+      {gate.View(d_g->data()), up.View(d_u->data()), want.View(d_o->data())}, nullptr));
+  ExpectClose(Download(*d_o, n * width), want.Values(), 1e-6, 1e-5, "swiglu");
+  // In place over gate.
+  CUDA_TEST_ASSERT_OK(gpu_->SwiGlu(
+      {gate.View(d_g->data()), up.View(d_u->data()), gate.View(d_g->data())}, nullptr));
+  ExpectClose(Download(*d_g, n * width), want.Values(), 1e-6, 1e-5, "swiglu in place");
+}
+
+TEST_P(CudaElementwiseTest, AddMatchesCpu) {
+  const auto [n, width] = GetParam();
+  HostTensor a = Random(rng_, DType::kF32, {n, width}, -5, 5);
+  HostTensor b = Random(rng_, DType::kF32, {n, width}, -5, 5);
+  HostTensor want = Filled({n, width}, kNaN);
+  CUDA_TEST_ASSERT_OK(cpu_->Add({a.HostView(), b.HostView(), want.HostView()}, nullptr));
+  auto d_a = Upload(a);
+  auto d_b = Upload(b);
+  auto d_o = Upload(Filled({n, width}, kNaN));
+  CUDA_TEST_ASSERT_OK(
+      gpu_->Add({a.View(d_a->data()), b.View(d_b->data()), want.View(d_o->data())}, nullptr));
+  ExpectClose(Download(*d_o, n * width), want.Values(), 0, 0, "add");
+  CUDA_TEST_ASSERT_OK(
+      gpu_->Add({a.View(d_a->data()), b.View(d_b->data()), a.View(d_a->data())}, nullptr));
+  ExpectClose(Download(*d_a, n * width), want.Values(), 0, 0, "add in place");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, CudaElementwiseTest,
+                         ::testing::Combine(::testing::Values(1, 3, 17, 129),
+                                            ::testing::Values(1, 3, 129, 14336)));
+
+// ---- PagedAttention --------------------------------------------------------------------------
+
+struct AttnCase {
+  int num_tokens;
+  int num_q_heads;
+  int num_kv_heads;
+  int head_dim;
+  int page_size;
+  int tokens_per_head;  // about this many keys per KV head (0: none at all)
+  bool causal;
+  DType pool;
+};
+
+std::string CaseName(const AttnCase& c) {
+  return absl::StrCat("t", c.num_tokens, "_q", c.num_q_heads, "_kv", c.num_kv_heads, "_d",
+                      c.head_dim, "_p", c.page_size, "_n", c.tokens_per_head,
+                      c.causal ? "_causal" : "_full", "_", DTypeName(c.pool));
+}
+std::string AttnName(const ::testing::TestParamInfo<AttnCase>& info) { return CaseName(info.param); }
+
+class CudaPagedAttentionTest : public CudaBackendTest,
+                               public ::testing::WithParamInterface<AttnCase> {};
+
+TEST_P(CudaPagedAttentionTest, MatchesCpu) {
+  const AttnCase c = GetParam();
+  const int64_t d = c.head_dim;
+  // Pool large enough for every head's pages, plus unused slots.
+  const int64_t pages_per_head = c.tokens_per_head / c.page_size + 2;
+  const int64_t num_slots = pages_per_head * c.num_kv_heads + 3;
+  HostTensor k_pool = Random(rng_, c.pool, {num_slots, c.page_size, d});
+  HostTensor v_pool = Random(rng_, c.pool, {num_slots, c.page_size, d});
+  HostTensor q = Random(rng_, DType::kF32, {c.num_tokens, c.num_q_heads, d}, -3, 3);
+  // Spans: every head gets shuffled distinct slots; spans cover whole pages or random sub-runs,
+  // positions increase along the head with random gaps.
+  std::vector<int32_t> slots(num_slots);
+  for (int64_t i = 0; i < num_slots; ++i) slots[i] = static_cast<int32_t>(i);
+  std::shuffle(slots.begin(), slots.end(), rng_);
+  std::vector<KvSpan> spans;
+  std::vector<int32_t> offsets(c.num_kv_heads + 1, 0);
+  int32_t max_pos = 0;
+  size_t next_slot = 0;
+  for (int g = 0; g < c.num_kv_heads; ++g) {
+    offsets[g] = static_cast<int32_t>(spans.size());
+    int32_t pos = static_cast<int32_t>(rng_() % 7), tokens = 0;
+    while (tokens < c.tokens_per_head && next_slot < slots.size()) {
+      KvSpan s;
+      s.slot = slots[next_slot++];
+      if (rng_() % 4 == 0) {
+        s.offset = static_cast<int32_t>(rng_() % c.page_size);
+        s.length = static_cast<int32_t>(rng_() % (c.page_size - s.offset + 1));  // may be 0
+      } else {
+        s.offset = 0;
+        s.length = c.page_size;
+      }
+      s.length = std::min(s.length, c.tokens_per_head - tokens);
+      s.position = pos;
+      pos += s.length + static_cast<int32_t>(rng_() % 3);
+      tokens += s.length;
+      spans.push_back(s);
+    }
+    max_pos = std::max(max_pos, pos);
+  }
+  offsets[c.num_kv_heads] = static_cast<int32_t>(spans.size());
+  // Query positions: spread so that causal masking cuts some heads' spans mid-way.
+  std::vector<int32_t> q_pos(c.num_tokens);
+  for (int t = 0; t < c.num_tokens; ++t) {
+    q_pos[t] = c.num_tokens == 1 ? static_cast<int32_t>(max_pos * 3 / 4)
+                                 : static_cast<int32_t>(rng_() % (max_pos + 2));
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+
+  HostTensor want_out = Filled({c.num_tokens, c.num_q_heads, d}, kNaN);
+  HostTensor want_lse = Filled({c.num_tokens, c.num_q_heads}, kNaN);
+  PagedAttentionParams cp;
+  cp.q = q.HostView();
+  cp.k_pool = k_pool.HostView();
+  cp.v_pool = v_pool.HostView();
+  cp.spans = spans.data();
+  cp.span_offsets = offsets.data();
+  cp.num_kv_heads = c.num_kv_heads;
+  cp.q_positions = q_pos.data();
+  cp.causal = c.causal;
+  cp.scale = scale;
+  cp.out = want_out.HostView();
+  cp.lse = want_lse.HostView();
+  CUDA_TEST_ASSERT_OK(cpu_->PagedAttention(cp, nullptr));
+
+  auto d_k = Upload(k_pool);
+  auto d_v = Upload(v_pool);
+  auto d_q = Upload(q);
+  auto d_out = Upload(Filled({c.num_tokens, c.num_q_heads, d}, kNaN));
+  auto d_lse = Upload(Filled({c.num_tokens, c.num_q_heads}, kNaN));
+  PagedAttentionParams p = cp;
+  p.q = q.View(d_q->data());
+  p.k_pool = k_pool.View(d_k->data());
+  p.v_pool = v_pool.View(d_v->data());
+  p.out = want_out.View(d_out->data());
+  p.lse = want_lse.View(d_lse->data());
+  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
+  // Run twice: the second run reuses the pinned staging buffer and pooled scratch.
+  for (int rep = 0; rep < 2; ++rep) {
+    CUDA_TEST_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
+    // The host arrays may change as soon as the call returns (the kernels read a device copy).
+    const std::vector<KvSpan> saved = spans;
+    for (KvSpan& s : spans) s.slot = -1;
+    ExpectClose(Download(*d_out, c.num_tokens * c.num_q_heads * d), want_out.Values(), 2e-5, 2e-4,
+                absl::StrCat(CaseName(c), " out rep ", rep));
+    ExpectClose(Download(*d_lse, c.num_tokens * c.num_q_heads), want_lse.Values(), 2e-5, 2e-5,
+                absl::StrCat(CaseName(c), " lse rep ", rep));
+    std::copy(saved.begin(), saved.end(), spans.begin());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Decode, CudaPagedAttentionTest,
+    ::testing::Values(
+        // Split-K fast path (one token, d 64/128/256, GQA groups 1..8).
+        AttnCase{1, 32, 8, 128, 64, 2048, true, DType::kBF16},
+        AttnCase{1, 32, 8, 128, 16, 4099, false, DType::kBF16},
+        AttnCase{1, 32, 8, 128, 32, 40000, true, DType::kBF16},
+        AttnCase{1, 8, 8, 64, 16, 129, true, DType::kF32},
+        AttnCase{1, 16, 2, 256, 64, 1000, false, DType::kF32},
+        AttnCase{1, 4, 1, 128, 17, 3, true, DType::kBF16},
+        AttnCase{1, 4, 1, 128, 16, 1, false, DType::kF32},
+        AttnCase{1, 8, 2, 128, 16, 0, true, DType::kBF16},
+        // General kernel with one token: head_dim off the fast path, or groups > 8.
+        AttnCase{1, 4, 2, 16, 16, 300, true, DType::kF32},
+        AttnCase{1, 32, 2, 128, 16, 257, true, DType::kBF16}),
+    AttnName);
+
+INSTANTIATE_TEST_SUITE_P(
+    Prefill, CudaPagedAttentionTest,
+    ::testing::Values(AttnCase{3, 4, 2, 16, 16, 81, true, DType::kF32},
+                      AttnCase{17, 8, 2, 128, 64, 500, true, DType::kBF16},
+                      AttnCase{129, 4, 1, 64, 16, 129, true, DType::kBF16},
+                      AttnCase{9, 6, 3, 3, 5, 27, false, DType::kF32},
+                      AttnCase{5, 2, 1, 512, 8, 40, true, DType::kF32},
+                      AttnCase{4, 4, 2, 128, 16, 0, true, DType::kF32}),
+    AttnName);
+
+TEST_F(CudaBackendTest, PagedAttentionRejectsBadSpans) {
+  HostTensor q = Random(rng_, DType::kF32, {1, 2, 16});
+  HostTensor pool = Random(rng_, DType::kF32, {2, 4, 16});
+  HostTensor out = Filled({1, 2, 16}, 0), lse = Filled({1, 2}, 0);
+  auto d_q = Upload(q), d_pool = Upload(pool), d_out = Upload(out), d_lse = Upload(lse);
+  std::vector<KvSpan> spans = {{2, 0, 4, 0}};  // slot 2 of 2
+  std::vector<int32_t> offsets = {0, 1};
+  int32_t qpos = 10;
+  PagedAttentionParams p;
+  p.q = q.View(d_q->data());
+  p.k_pool = pool.View(d_pool->data());
+  p.v_pool = pool.View(d_pool->data());
+  p.spans = spans.data();
+  p.span_offsets = offsets.data();
+  p.num_kv_heads = 1;
+  p.q_positions = &qpos;
+  p.scale = 0.25f;
+  p.out = out.View(d_out->data());
+  p.lse = lse.View(d_lse->data());
+  EXPECT_THAT(gpu_->PagedAttention(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  spans[0] = {1, 2, 3, 0};  // offset + length > page_size
+  EXPECT_THAT(gpu_->PagedAttention(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  spans[0] = {1, 0, 4, 0};
+  CUDA_TEST_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
+  p.num_kv_heads = 3;
+  EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  HostTensor fp8 = pool;
+  fp8.dtype = DType::kFP8E4M3;
+  p.num_kv_heads = 1;
+  p.k_pool = fp8.View(d_pool->data());
+  p.v_pool = fp8.View(d_pool->data());
+  EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kUnimplemented));
+}
+
+// ---- MergeAttention --------------------------------------------------------------------------
+
+class CudaMergeAttentionTest
+    : public CudaBackendTest,
+      public ::testing::WithParamInterface<std::tuple<int, int64_t, int64_t>> {};
+
+TEST_P(CudaMergeAttentionTest, MatchesCpu) {
+  const auto [parts, rows, d] = GetParam();
+  std::vector<HostTensor> outs, lses;
+  std::uniform_real_distribution<float> lse_dist(-20.0f, 20.0f);
+  for (int s = 0; s < parts; ++s) {
+    outs.push_back(Random(rng_, DType::kF32, {rows, 1, d}));
+    HostTensor l = Filled({rows, 1}, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      // Some parts attended nothing for some rows; row 0 attended nothing anywhere.
+      l.f32()[r] = (r == 0 || rng_() % 5 == 0) ? kNegInf : lse_dist(rng_);
+    }
+    lses.push_back(l);
+  }
+  std::vector<TensorView> h_outs, h_lses, g_outs, g_lses;
+  std::vector<std::unique_ptr<Buffer>> bufs;
+  for (int s = 0; s < parts; ++s) {
+    h_outs.push_back(outs[s].HostView());
+    h_lses.push_back(lses[s].HostView());
+    bufs.push_back(Upload(outs[s]));
+    g_outs.push_back(outs[s].View(bufs.back()->data()));
+    bufs.push_back(Upload(lses[s]));
+    g_lses.push_back(lses[s].View(bufs.back()->data()));
+  }
+  HostTensor want_out = Filled({rows, 1, d}, kNaN), want_lse = Filled({rows, 1}, kNaN);
+  CUDA_TEST_ASSERT_OK(cpu_->MergeAttention(
+      {h_outs.data(), h_lses.data(), parts, want_out.HostView(), want_lse.HostView()}, nullptr));
+  auto d_out = Upload(Filled({rows, 1, d}, kNaN));
+  auto d_lse = Upload(Filled({rows, 1}, kNaN));
+  MergeAttentionParams p{g_outs.data(), g_lses.data(), parts, want_out.View(d_out->data()),
+                         want_lse.View(d_lse->data())};
+  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
+  CUDA_TEST_ASSERT_OK(gpu_->MergeAttention(p, nullptr));
+  ExpectClose(Download(*d_out, rows * d), want_out.Values(), 1e-6, 1e-5, "merge out");
+  ExpectClose(Download(*d_lse, rows), want_lse.Values(), 1e-6, 1e-6, "merge lse");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, CudaMergeAttentionTest,
+                         ::testing::Combine(::testing::Values(1, 2, 5, 64),
+                                            ::testing::Values(1, 3, 129),
+                                            ::testing::Values(1, 16, 128, 129)));
+
+TEST_F(CudaBackendTest, MergeAttentionTooManyParts) {
+  std::vector<TensorView> outs(65), lses(65);
+  HostTensor o = Filled({1, 1, 4}, 0), l = Filled({1, 1}, 0);
+  auto d_o = Upload(o), d_l = Upload(l);
+  for (int i = 0; i < 65; ++i) {
+    outs[i] = o.View(d_o->data());
+    lses[i] = l.View(d_l->data());
+  }
+  MergeAttentionParams p{outs.data(), lses.data(), 65, o.View(d_o->data()), l.View(d_l->data())};
+  EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kUnimplemented));
+}
+
+}  // namespace
+}  // namespace strata::kernels

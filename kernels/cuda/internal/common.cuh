@@ -1,0 +1,75 @@
+// Device helpers shared by the kernels of kernels/cuda (private). Included by .cu files only.
+#ifndef STRATA_KERNELS_CUDA_INTERNAL_COMMON_CUH_
+#define STRATA_KERNELS_CUDA_INTERNAL_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/internal/launch.h"
+
+namespace strata::kernels::cuda_internal {
+
+// Element `i` of a float array of type T, as f32.
+template <typename T>
+__device__ __forceinline__ float LoadAsFloat(const T* p, int64_t i);
+template <>
+__device__ __forceinline__ float LoadAsFloat<float>(const float* p, int64_t i) {
+  return p[i];
+}
+template <>
+__device__ __forceinline__ float LoadAsFloat<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+template <>
+__device__ __forceinline__ float LoadAsFloat<__half>(const __half* p, int64_t i) {
+  return __half2float(p[i]);
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Grid size for a grid-stride loop over n elements with `threads` per block.
+inline unsigned int GridFor(int64_t n, int threads) {
+  int64_t blocks = (n + threads - 1) / threads;
+  if (blocks > 65535LL * 16) blocks = 65535LL * 16;
+  if (blocks < 1) blocks = 1;
+  return static_cast<unsigned int>(blocks);
+}
+
+// Calls body.template operator()<T>() with T the device type of `t` (float/bf16/half).
+#define STRATA_DISPATCH_FLOAT_TYPE(t, T, ...)              \
+  switch (t) {                                             \
+    case ::strata::kernels::cuda_internal::FloatType::kF32: { \
+      using T = float;                                     \
+      __VA_ARGS__;                                         \
+      break;                                               \
+    }                                                      \
+    case ::strata::kernels::cuda_internal::FloatType::kBF16: { \
+      using T = __nv_bfloat16;                             \
+      __VA_ARGS__;                                         \
+      break;                                               \
+    }                                                      \
+    case ::strata::kernels::cuda_internal::FloatType::kF16: { \
+      using T = __half;                                    \
+      __VA_ARGS__;                                         \
+      break;                                               \
+    }                                                      \
+    default:                                               \
+      return cudaErrorInvalidValue;                        \
+  }
+
+}  // namespace strata::kernels::cuda_internal
+
+#endif  // STRATA_KERNELS_CUDA_INTERNAL_COMMON_CUH_

@@ -1,0 +1,168 @@
+// Host-side entry points of the CUDA kernels in kernels/cuda/*.cu (private to kernels/cuda).
+//
+// Each LaunchFoo enqueues its kernel(s) on `stream` and returns the launch status
+// (cudaGetLastError() after the launch); it never synchronises and never allocates. Arguments are
+// plain device pointers and sizes (no Abseil or backend headers here, so the .cu files compile
+// quickly); CudaBackend (cuda_backend.cc) validates params before calling any of them. Every
+// pointer named "device" points at device memory of the current device.
+//
+// Thread-safety: stateless; concurrent launches on different streams are fine.
+#ifndef STRATA_KERNELS_CUDA_INTERNAL_LAUNCH_H_
+#define STRATA_KERNELS_CUDA_INTERNAL_LAUNCH_H_
+
+#include <cstdint>
+
+#include <cublas_api.h>
+#include <cuda_runtime_api.h>
+
+namespace strata::kernels::cuda_internal {
+
+// Element type of a float tensor read by a kernel (mirrors kernels::DType's float members).
+enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// ---- embedding.cu --------------------------------------------------------------------------
+// out[i, :] = f32(table[ids[i], :]); rows whose id is outside [0, vocab) are filled with NaN
+// (the ids live in device memory, so they cannot be checked on the host without a sync).
+cudaError_t LaunchEmbedding(const int32_t* ids, const void* table, FloatType table_type,
+                            int64_t vocab, int64_t hidden, float* out, int64_t num_tokens,
+                            cudaStream_t stream);
+
+// ---- rms_norm.cu ---------------------------------------------------------------------------
+// out may alias in.
+cudaError_t LaunchRmsNorm(const float* in, const void* weight, FloatType weight_type, float* out,
+                          int64_t num_tokens, int64_t hidden, float eps, cudaStream_t stream);
+
+// ---- matmul.cu -----------------------------------------------------------------------------
+// Outcome of LaunchMatMul: the first CUDA or cuBLAS error and where it happened.
+struct GpuResult {
+  cudaError_t cuda = cudaSuccess;
+  cublasStatus_t blas = CUBLAS_STATUS_SUCCESS;
+  const char* file = nullptr;
+  int line = 0;
+  bool ok() const { return cuda == cudaSuccess && blas == CUBLAS_STATUS_SUCCESS; }
+};
+
+// Tokens up to which bf16/f16 weights take the GEMV kernel (f32 activations used exactly,
+// weights read once at their storage width); above it they take cuBLAS (see LaunchMatMul).
+inline constexpr int64_t kGemvMaxTokens = 8;
+
+// Bytes of device scratch LaunchMatMul needs for these sizes (0 when it needs none).
+int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features);
+
+// out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation (in_features 0:
+// out = bias or 0).
+//  - f32 weights: cublasGemmEx in f32 (CUBLAS_COMPUTE_32F, no TF32).
+//  - bf16/f16 weights, num_tokens <= kGemvMaxTokens: a GEMV kernel, f32 activations.
+//  - bf16/f16 weights, more tokens: the activations are split into hi + lo in the weight's
+//    type (x = hi + lo to ~16 significant bits) and two cublasGemmEx calls accumulate
+//    W·hi + W·lo in f32 (f16: activations beyond +-65504 overflow).
+// `scratch` holds MatMulScratchBytes() bytes. `blas` must be bound to `stream` by the caller.
+GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
+                       FloatType weight_type, const void* bias, FloatType bias_type, float* out,
+                       int64_t num_tokens, int64_t in_features, int64_t out_features,
+                       void* scratch, cudaStream_t stream);
+
+// ---- rope.cu -------------------------------------------------------------------------------
+cudaError_t LaunchRope(float* x, const int32_t* positions, const float* inv_freq,
+                       float attention_factor, int64_t num_tokens, int64_t num_heads,
+                       int64_t head_dim, cudaStream_t stream);
+
+// ---- swiglu.cu / add.cu --------------------------------------------------------------------
+cudaError_t LaunchSwiGlu(const float* gate, const float* up, float* out, int64_t n,
+                         cudaStream_t stream);
+cudaError_t LaunchAdd(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
+
+// ---- attention.cu --------------------------------------------------------------------------
+// A span as the kernels read it: the same fields as kernels::KvSpan (16 bytes).
+struct DeviceSpan {
+  int32_t slot;
+  int32_t offset;
+  int32_t length;
+  int32_t position;
+};
+
+// One unit of split-K decode work: `count` (1..kDecodeChunkMax) consecutive tokens, starting at
+// token `begin` of KV head `kv_head`'s concatenated spans.
+struct DecodeWorkItem {
+  int32_t kv_head;
+  int32_t begin;
+  int32_t count;
+  int32_t pad;
+};
+
+inline constexpr int kDecodeChunkMax = 128;   // tokens per decode work item (one per thread)
+inline constexpr int kDecodeMaxGroup = 8;     // query heads per KV head on the decode fast path
+inline constexpr int kAttentionMaxHeadDim = 512;
+
+// The paged-attention plan as the kernels read it. All arrays are device memory, laid out by
+// CudaBackend::PagedAttention in one buffer:
+//   spans[num_spans]               spans of every KV head, grouped by head (for the decode path
+//                                  already cut to the causal limit, empty spans dropped)
+//   span_start[num_spans]          first token of each span within its head's concatenation
+//   span_offsets[num_kv_heads + 1] CSR offsets into spans
+//   head_tokens[num_kv_heads]      tokens per KV head
+//   q_positions[num_tokens]        (general path, causal only)
+//   items[num_items]               (decode path) work items grouped by KV head
+//   item_offsets[num_kv_heads + 1] (decode path) CSR offsets into items
+struct AttentionPlan {
+  const DeviceSpan* spans = nullptr;
+  const int32_t* span_start = nullptr;
+  const int32_t* span_offsets = nullptr;
+  const int32_t* head_tokens = nullptr;
+  const int32_t* q_positions = nullptr;
+  const DecodeWorkItem* items = nullptr;
+  const int32_t* item_offsets = nullptr;
+  int num_items = 0;
+  int max_items_per_head = 0;  // bounds the combine kernel's shared memory
+};
+
+// Most work items one KV head may have on the decode path (the combine kernel keeps one weight
+// per item in shared memory); the host plan falls back to the general kernel beyond it.
+inline constexpr int kDecodeMaxItemsPerHead = 8192;
+
+struct AttentionShape {
+  int num_tokens = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t num_slots = 0;
+  int64_t page_size = 0;
+  bool causal = true;
+  float scale = 0.0f;
+};
+
+// True when the split-K decode kernel handles this shape (one query token, head_dim 64/128/256,
+// at most kDecodeMaxGroup query heads per KV head).
+bool DecodeFastPathSupports(const AttentionShape& shape);
+
+// Floats of partial results the decode path writes: num_items * group * (head_dim + 2).
+int64_t DecodeScratchFloats(const AttentionShape& shape, int num_items);
+
+// Split-K flash decoding: one thread block per work item computes, for each query head of the
+// item's KV head, the chunk's max score m, sum of exp(s - m) and sum of exp(s - m) v into
+// `scratch`; a combine kernel then merges every item of a head into out [1, heads, dim] and lse.
+cudaError_t LaunchPagedAttentionDecode(const float* q, const void* k_pool, const void* v_pool,
+                                       FloatType pool_type, const AttentionShape& shape,
+                                       const AttentionPlan& plan, float* scratch, float* out,
+                                       float* lse, cudaStream_t stream);
+
+// Any number of query tokens, any head_dim <= kAttentionMaxHeadDim: one thread block per (token,
+// query head), keys in tiles of 128 with an online softmax; causal masking per key position.
+cudaError_t LaunchPagedAttentionGeneral(const float* q, const void* k_pool, const void* v_pool,
+                                        FloatType pool_type, const AttentionShape& shape,
+                                        const AttentionPlan& plan, float* out, float* lse,
+                                        cudaStream_t stream);
+
+// MergeAttention: parts passed by value (at most kMaxMergeParts).
+inline constexpr int kMaxMergeParts = 64;
+struct MergeParts {
+  const float* outs[kMaxMergeParts];
+  const float* lses[kMaxMergeParts];
+  int num_parts;
+};
+cudaError_t LaunchMergeAttention(const MergeParts& parts, int64_t rows, int64_t head_dim,
+                                 float* out, float* lse, cudaStream_t stream);
+
+}  // namespace strata::kernels::cuda_internal
+
+#endif  // STRATA_KERNELS_CUDA_INTERNAL_LAUNCH_H_

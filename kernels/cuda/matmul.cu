@@ -1,0 +1,260 @@
+// MatMul on the GPU: out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation.
+//
+// f32 weights: one cublasGemmEx in f32. bf16/f16 weights: for decode-sized batches
+// (num_tokens <= kGemvMaxTokens) GemvKernel reads each weight row once (16-byte loads when the
+// rows are aligned) and dots it with every token's f32 activations; for more tokens the
+// activations are split into hi + lo in the weight's type and two cuBLAS GEMMs (bf16/f16 inputs,
+// f32 accumulation and output) add up W·hi + W·lo, which keeps ~16 significant bits of each
+// activation instead of the 8 (bf16) or 11 (f16) of a single rounding.
+#include <cublas_v2.h>
+
+#include "kernels/cuda/internal/common.cuh"
+
+namespace strata::kernels::cuda_internal {
+namespace {
+
+__device__ __forceinline__ float LoadAny(const void* p, FloatType t, int64_t i) {
+  switch (t) {
+    case FloatType::kBF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case FloatType::kF16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void Unpack8(const uint4& raw, float (&f)[8]);
+template <>
+__device__ __forceinline__ void Unpack8<__nv_bfloat16>(const uint4& raw, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 v = __bfloat1622float2(h[j]);
+    f[2 * j] = v.x;
+    f[2 * j + 1] = v.y;
+  }
+}
+template <>
+__device__ __forceinline__ void Unpack8<__half>(const uint4& raw, float (&f)[8]) {
+  const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 v = __half22float2(h[j]);
+    f[2 * j] = v.x;
+    f[2 * j + 1] = v.y;
+  }
+}
+
+constexpr int kGemvWarps = 8;
+
+// One warp per output feature; each lane accumulates a strided part of the dot products of
+// every token, then the warp reduces. VEC: 8 weights per 16-byte load (k % 8 == 0, aligned).
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    GemvKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
+               FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m) {
+  const int lane = threadIdx.x & 31;
+  const int64_t o = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
+  if (o >= m) return;
+  const T* row = w + o * k;
+  float acc[kGemvMaxTokens];
+#pragma unroll
+  for (int t = 0; t < kGemvMaxTokens; ++t) acc[t] = 0.0f;
+  if (VEC) {
+    const uint4* row4 = reinterpret_cast<const uint4*>(row);
+    const int64_t k8 = k / 8;
+    for (int64_t c = lane; c < k8; c += 32) {
+      float wf[8];
+      Unpack8<T>(__ldg(row4 + c), wf);
+#pragma unroll
+      for (int t = 0; t < kGemvMaxTokens; ++t) {
+        if (t < n) {
+          const float4* x4 = reinterpret_cast<const float4*>(in + t * k) + 2 * c;
+          const float4 a = x4[0], b = x4[1];
+          acc[t] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x +
+                    wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+        }
+      }
+    }
+  } else {
+    for (int64_t i = lane; i < k; i += 32) {
+      const float wv = LoadAsFloat(row, i);
+#pragma unroll
+      for (int t = 0; t < kGemvMaxTokens; ++t) {
+        if (t < n) acc[t] += wv * in[t * k + i];
+      }
+    }
+  }
+  const float b = bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f;
+#pragma unroll
+  for (int t = 0; t < kGemvMaxTokens; ++t) {
+    if (t < n) {
+      const float s = WarpSum(acc[t]);
+      if (lane == 0) out[t * m + o] = s + b;
+    }
+  }
+}
+
+template <typename T>
+__global__ void SplitHiLoKernel(const float* __restrict__ in, T* __restrict__ hi,
+                                T* __restrict__ lo, int64_t n);
+template <>
+__global__ void SplitHiLoKernel<__nv_bfloat16>(const float* __restrict__ in,
+                                               __nv_bfloat16* __restrict__ hi,
+                                               __nv_bfloat16* __restrict__ lo, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = in[i];
+    const __nv_bfloat16 h = __float2bfloat16_rn(x);
+    hi[i] = h;
+    lo[i] = __float2bfloat16_rn(x - __bfloat162float(h));
+  }
+}
+template <>
+__global__ void SplitHiLoKernel<__half>(const float* __restrict__ in, __half* __restrict__ hi,
+                                        __half* __restrict__ lo, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = in[i];
+    const __half h = __float2half_rn(x);
+    hi[i] = h;
+    lo[i] = __float2half_rn(x - __half2float(h));
+  }
+}
+
+__global__ void AddBiasKernel(float* out, const void* bias, FloatType bias_type, int64_t n,
+                              int64_t m) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n * m;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] += LoadAny(bias, bias_type, i % m);
+  }
+}
+
+cudaDataType_t CudaType(FloatType t) {
+  switch (t) {
+    case FloatType::kBF16:
+      return CUDA_R_16BF;
+    case FloatType::kF16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+#define STRATA_GPU_RESULT_CUDA(expr)             \
+  do {                                           \
+    const cudaError_t e_ = (expr);               \
+    if (e_ != cudaSuccess) {                     \
+      GpuResult r_;                              \
+      r_.cuda = e_;                              \
+      r_.file = __FILE__;                        \
+      r_.line = __LINE__;                        \
+      return r_;                                 \
+    }                                            \
+  } while (0)
+
+#define STRATA_GPU_RESULT_BLAS(expr)             \
+  do {                                           \
+    const cublasStatus_t e_ = (expr);            \
+    if (e_ != CUBLAS_STATUS_SUCCESS) {           \
+      GpuResult r_;                              \
+      r_.blas = e_;                              \
+      r_.file = __FILE__;                        \
+      r_.line = __LINE__;                        \
+      return r_;                                 \
+    }                                            \
+  } while (0)
+
+}  // namespace
+
+int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features) {
+  if (weight_type == FloatType::kF32 || num_tokens <= kGemvMaxTokens) return 0;
+  return 2 * num_tokens * in_features * 2;
+}
+
+GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
+                       FloatType weight_type, const void* bias, FloatType bias_type, float* out,
+                       int64_t num_tokens, int64_t in_features, int64_t out_features,
+                       void* scratch, cudaStream_t stream) {
+  const int64_t n = num_tokens, k = in_features, m = out_features;
+  if (n == 0 || m == 0) return GpuResult();
+  if (n > 0x7fffffff || k > 0x7fffffff || m > 0x7fffffff) {
+    STRATA_GPU_RESULT_CUDA(cudaErrorInvalidValue);
+  }
+  if (k == 0) {  // empty sums: out = bias (or 0); cuBLAS would scale the poisoned out by beta
+    STRATA_GPU_RESULT_CUDA(cudaMemsetAsync(out, 0, n * m * sizeof(float), stream));
+    if (bias != nullptr) {
+      AddBiasKernel<<<GridFor(n * m, 256), 256, 0, stream>>>(out, bias, bias_type, n, m);
+      STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+    }
+    return GpuResult();
+  }
+  if (weight_type != FloatType::kF32 && n <= kGemvMaxTokens) {
+    const bool vec = k % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(in) % 16 == 0;
+    const unsigned blocks = static_cast<unsigned>((m + kGemvWarps - 1) / kGemvWarps);
+    const int threads = kGemvWarps * 32;
+    if (weight_type == FloatType::kBF16) {
+      const auto* w = static_cast<const __nv_bfloat16*>(weight);
+      if (vec) {
+        GemvKernel<__nv_bfloat16, true><<<blocks, threads, 0, stream>>>(
+            in, w, bias, bias_type, out, static_cast<int>(n), k, m);
+      } else {
+        GemvKernel<__nv_bfloat16, false><<<blocks, threads, 0, stream>>>(
+            in, w, bias, bias_type, out, static_cast<int>(n), k, m);
+      }
+    } else {
+      const auto* w = static_cast<const __half*>(weight);
+      if (vec) {
+        GemvKernel<__half, true><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out,
+                                                                  static_cast<int>(n), k, m);
+      } else {
+        GemvKernel<__half, false><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out,
+                                                                   static_cast<int>(n), k, m);
+      }
+    }
+    STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+    return GpuResult();
+  }
+
+  const float one = 1.0f, zero = 0.0f;
+  const cudaDataType_t wt = CudaType(weight_type);
+  if (weight_type == FloatType::kF32) {
+    STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
+                                        static_cast<int>(n), static_cast<int>(k), &one, weight, wt,
+                                        static_cast<int>(k), in, CUDA_R_32F, static_cast<int>(k),
+                                        &zero, out, CUDA_R_32F, static_cast<int>(m),
+                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  } else {
+    const int64_t elems = n * k;
+    char* hi = static_cast<char*>(scratch);
+    char* lo = hi + elems * 2;
+    if (weight_type == FloatType::kBF16) {
+      SplitHiLoKernel<__nv_bfloat16><<<GridFor(elems, 256), 256, 0, stream>>>(
+          in, reinterpret_cast<__nv_bfloat16*>(hi), reinterpret_cast<__nv_bfloat16*>(lo), elems);
+    } else {
+      SplitHiLoKernel<__half><<<GridFor(elems, 256), 256, 0, stream>>>(
+          in, reinterpret_cast<__half*>(hi), reinterpret_cast<__half*>(lo), elems);
+    }
+    STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+    STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
+                                        static_cast<int>(n), static_cast<int>(k), &one, weight, wt,
+                                        static_cast<int>(k), hi, wt, static_cast<int>(k), &zero,
+                                        out, CUDA_R_32F, static_cast<int>(m), CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT));
+    STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
+                                        static_cast<int>(n), static_cast<int>(k), &one, weight, wt,
+                                        static_cast<int>(k), lo, wt, static_cast<int>(k), &one,
+                                        out, CUDA_R_32F, static_cast<int>(m), CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT));
+  }
+  if (bias != nullptr) {
+    AddBiasKernel<<<GridFor(n * m, 256), 256, 0, stream>>>(out, bias, bias_type, n, m);
+    STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+  }
+  return GpuResult();
+}
+
+}  // namespace strata::kernels::cuda_internal
