@@ -40,7 +40,7 @@ MATCHER_P2(StatusIs, code, message_matcher, "") {
 
 #define STRATA_ASSERT_OK(expr)                                        \
   do {                                                                \
-    const auto& strata_s_ = ::strata::testing::GetStatus((expr));     \
+    const ::absl::Status strata_s_ = ::strata::testing::GetStatus((expr));\
     ASSERT_TRUE(strata_s_.ok()) << strata_s_;                         \
   } while (0)
 #define STRATA_EXPECT_OK(expr) EXPECT_TRUE(::strata::testing::GetStatus((expr)).ok()) \
