@@ -1,0 +1,82 @@
+// Tier H: a byte-budgeted LRU cache of pages and summaries in host memory.
+//
+// Holds PageRefs whose memory comes from the configured PageAllocator (the CUDA backend can pass
+// a pinned-memory allocator); pages inserted from another allocator are copied. Entries larger
+// than the whole budget are not cached. Not durable: Put succeeds as soon as the entries are in
+// memory. Counts lookups, hits, evictions and resident/capacity bytes under tier "host".
+// Thread-safe (one mutex; the critical sections are hash-map and list operations).
+#ifndef STRATA_KVSTORE_HOST_CACHE_H_
+#define STRATA_KVSTORE_HOST_CACHE_H_
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "kvstore/metrics.h"
+#include "kvstore/page_store.h"
+
+namespace strata::kvstore {
+
+struct HostCacheOptions {
+  // Byte budget for cached page and summary bytes. Default: 1 GiB. Not reloadable.
+  int64_t capacity_bytes = int64_t{1} << 30;
+  // Where cached buffers live. Default (null): DefaultPageAllocator(). Not owned; must outlive
+  // the cache.
+  PageAllocator* allocator = nullptr;
+  // Metrics sink. Default (null): a private registry. Not owned.
+  KvMetrics* metrics = nullptr;
+
+  absl::Status Validate() const;  // capacity_bytes > 0
+};
+
+class HostCache final : public PageStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<HostCache>> Create(const HostCacheOptions& options);
+  ~HostCache() override;
+
+  const char* tier() const override { return "host"; }
+  absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) override;
+  // Inserts (or refreshes) the entries, evicting least recently used ones to stay in budget.
+  // ResourceExhausted only when the allocator fails.
+  absl::Status Put(absl::Span<const PageWrite> pages,
+                   absl::Span<const SummaryWrite> summaries) override;
+  absl::Status GetSummaries(absl::Span<const SummaryKey> keys, std::vector<PageRef>* out) override;
+
+  // Drops every entry of `document`.
+  void EraseDocument(const DocumentId& document);
+
+  int64_t resident_bytes() const;
+  int64_t capacity_bytes() const { return options_.capacity_bytes; }
+  int64_t num_entries() const;
+
+ private:
+  explicit HostCache(const HostCacheOptions& options);
+  absl::Status Insert(std::string key, const DocumentId& doc, const PageRef& data);
+  void Lookup(const std::vector<std::string>& keys, std::vector<PageRef>* out);
+
+  struct Entry {
+    std::string key;
+    DocumentId document;
+    PageRef data;
+  };
+  using Lru = std::list<Entry>;  // front = most recently used
+
+  HostCacheOptions options_;
+  std::unique_ptr<prometheus::Registry> own_registry_;
+  std::unique_ptr<KvMetrics> own_metrics_;
+  TierMetrics m_;
+
+  mutable absl::Mutex mu_;
+  Lru lru_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Lru::iterator> map_ ABSL_GUARDED_BY(mu_);
+  int64_t resident_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace strata::kvstore
+
+#endif  // STRATA_KVSTORE_HOST_CACHE_H_

@@ -1,0 +1,32 @@
+// Key encodings of the KV store (RocksDB column families and the host cache).
+//
+// All integers are big-endian so that bytewise order is numeric order, and every key starts with
+// the 16 document-id bytes, so one document's keys form one contiguous range (range deletes) and
+// a document's pages of one layer and KV head are adjacent, in page order:
+//   pages:      doc(16) | layer(u16) | kv_head(u16) | page_index(u32)              24 bytes
+//   summaries:  doc(16) | layer(u16) | kv_head(u16) | kind(u32) | index(u32)        28 bytes
+//   index:      doc(16) | 'p' | page key suffix (8)   or   doc(16) | 's' | summary suffix (12)
+//   documents:  doc(16)
+// Stateless; thread-safe.
+#ifndef STRATA_KVSTORE_INTERNAL_KEYS_H_
+#define STRATA_KVSTORE_INTERNAL_KEYS_H_
+
+#include <string>
+
+#include "kvstore/page_store.h"
+
+namespace strata::kvstore::internal {
+
+std::string PageKeyBytes(const PageKey& k);
+std::string SummaryKeyBytes(const SummaryKey& k);
+std::string PageIndexKey(const PageKey& k);
+std::string SummaryIndexKey(const SummaryKey& k);
+// Prefixes of one document's index entries ('p' pages, 's' summaries).
+std::string IndexPrefix(const DocumentId& doc, char type);
+// [begin, end) covering every key of `doc` in any column family.
+std::string DocumentRangeBegin(const DocumentId& doc);
+std::string DocumentRangeEnd(const DocumentId& doc);
+
+}  // namespace strata::kvstore::internal
+
+#endif  // STRATA_KVSTORE_INTERNAL_KEYS_H_

@@ -1,0 +1,597 @@
+#include "kvstore/local_store.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "base/clock.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "kvstore/internal/keys.h"
+#include "kvstore/internal/rocksdb_status.h"
+#include "kvstore/page_format.h"
+#include "rocksdb/cache.h"
+#include "rocksdb/db.h"
+#include "rocksdb/filter_policy.h"
+#include "rocksdb/options.h"
+#include "rocksdb/table.h"
+#include "rocksdb/write_batch.h"
+
+namespace strata::kvstore {
+namespace {
+
+using internal::FromRocksDb;
+
+constexpr uint32_t kDefaultListLimit = 1000;
+
+rocksdb::Slice ToSlice(absl::string_view s) { return rocksdb::Slice(s.data(), s.size()); }
+
+// Tokens held by page `index` of a document of `num_tokens` tokens.
+int ExpectedTokens(const v1::Document& doc, uint32_t index) {
+  const uint64_t p = doc.layout().page_size();
+  const uint64_t begin = static_cast<uint64_t>(index) * p;
+  return static_cast<int>(std::min<uint64_t>(p, doc.num_tokens() - begin));
+}
+
+// Checks one page write against its document (state checked by the caller).
+absl::Status CheckPage(const v1::Document& doc, const KvLayout& layout, const PageWrite& w) {
+  const PageKey& k = w.key;
+  if (k.layer >= doc.layout().num_layers() || k.kv_head >= doc.layout().num_kv_heads() ||
+      k.page_index >= doc.num_pages()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page (layer ", k.layer, ", kv_head ", k.kv_head, ", page ", k.page_index,
+        ") outside document ", doc.document_id(), " (", doc.layout().num_layers(), " layers, ",
+        doc.layout().num_kv_heads(), " kv heads, ", doc.num_pages(), " pages)"));
+  }
+  if (w.data == nullptr) return absl::InvalidArgumentError("null page data");
+  absl::StatusOr<PageHeader> h = VerifyPage(w.data->view());
+  if (!h.ok()) {
+    return Annotate(h.status(), absl::StrCat("page (", k.layer, ", ", k.kv_head, ", ",
+                                             k.page_index, ")"));
+  }
+  if (!(h->shape == layout.page)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page (", k.layer, ", ", k.kv_head, ", ", k.page_index, ") has shape ",
+        kernels::DTypeName(h->shape.dtype), " P=", h->shape.page_size, " d=", h->shape.head_dim,
+        ", document layout is ", kernels::DTypeName(layout.page.dtype),
+        " P=", layout.page.page_size, " d=", layout.page.head_dim));
+  }
+  const int expected = ExpectedTokens(doc, k.page_index);
+  if (h->num_tokens != expected) {
+    return absl::InvalidArgumentError(absl::StrCat("page ", k.page_index, " holds ", h->num_tokens,
+                                                   " tokens, expected ", expected));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSummary(const v1::Document& doc, const SummaryWrite& w) {
+  const SummaryKey& k = w.key;
+  if (k.layer >= doc.layout().num_layers() || k.kv_head >= doc.layout().num_kv_heads()) {
+    return absl::InvalidArgumentError(absl::StrCat("summary (layer ", k.layer, ", kv_head ",
+                                                   k.kv_head, ") outside document"));
+  }
+  if (w.data == nullptr) return absl::InvalidArgumentError("null summary data");
+  for (const v1::SummarySpec& spec : doc.summaries()) {
+    if (spec.kind() != k.kind) continue;
+    if (k.index >= spec.count()) {
+      return absl::InvalidArgumentError(absl::StrCat("summary kind ", k.kind, " index ", k.index,
+                                                     " >= declared count ", spec.count()));
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("summary kind ", k.kind, " not declared by document ", doc.document_id()));
+}
+
+uint64_t ExpectedSummaries(const v1::Document& doc) {
+  uint64_t per_head = 0;
+  for (const v1::SummarySpec& s : doc.summaries()) per_head += s.count();
+  return per_head * doc.layout().num_layers() * doc.layout().num_kv_heads();
+}
+
+uint64_t ExpectedPages(const v1::Document& doc) {
+  return doc.num_pages() * doc.layout().num_layers() * doc.layout().num_kv_heads();
+}
+
+}  // namespace
+
+absl::Status LocalStoreOptions::Validate() const {
+  if (path.empty()) return absl::InvalidArgumentError("local store: path is required");
+  if (write_buffer_bytes < (1 << 20)) {
+    return absl::InvalidArgumentError("local store: write_buffer_bytes must be >= 1 MiB");
+  }
+  if (block_cache_bytes < 0) return absl::InvalidArgumentError("local store: block_cache_bytes < 0");
+  if (tier.empty()) return absl::InvalidArgumentError("local store: empty tier label");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<LocalStore>> LocalStore::Open(const LocalStoreOptions& options) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  std::unique_ptr<LocalStore> store(new LocalStore(options));
+  if (absl::Status s = store->OpenDb(); !s.ok()) return s;
+  return store;
+}
+
+LocalStore::LocalStore(const LocalStoreOptions& options) : options_(options) {
+  KvMetrics* metrics = options_.metrics;
+  if (metrics == nullptr) {
+    own_registry_ = std::make_unique<prometheus::Registry>();
+    own_metrics_ = std::make_unique<KvMetrics>(own_registry_.get());
+    metrics = own_metrics_.get();
+  }
+  m_ = metrics->ForTier(options_.tier);
+  bytes_read_ = metrics->FetchBytes(options_.tier, "host");
+}
+
+LocalStore::~LocalStore() {
+  if (db_ != nullptr) {
+    for (rocksdb::ColumnFamilyHandle* h : handles_) db_->DestroyColumnFamilyHandle(h).PermitUncheckedError();
+    db_->Close().PermitUncheckedError();  // best effort; the WAL is synced anyway
+  }
+}
+
+absl::Status LocalStore::OpenDb() {
+  rocksdb::DBOptions db_options;
+  db_options.create_if_missing = true;
+  db_options.create_missing_column_families = true;
+  db_options.max_background_jobs = 4;
+  db_options.bytes_per_sync = 1 << 20;
+
+  std::shared_ptr<rocksdb::Cache> cache =
+      rocksdb::NewLRUCache(static_cast<size_t>(options_.block_cache_bytes));
+  rocksdb::BlockBasedTableOptions table;
+  table.block_cache = cache;
+  table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
+  table.whole_key_filtering = true;
+  table.cache_index_and_filter_blocks = true;
+  table.pin_l0_filter_and_index_blocks_in_cache = true;
+
+  rocksdb::ColumnFamilyOptions small;  // documents, index: small values
+  small.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+  small.compression = rocksdb::kLZ4Compression;
+  small.write_buffer_size = 16 << 20;
+
+  rocksdb::ColumnFamilyOptions large = small;  // pages, summaries: large incompressible values
+  large.write_buffer_size = static_cast<size_t>(options_.write_buffer_bytes);
+  large.max_write_buffer_number = 4;
+  large.compression = options_.compression ? rocksdb::kLZ4Compression : rocksdb::kNoCompression;
+  if (options_.blob_files) {
+    large.enable_blob_files = true;
+    large.min_blob_size = 4096;
+    large.blob_file_size = 256 << 20;
+    large.blob_compression_type = large.compression;
+    large.enable_blob_garbage_collection = true;
+  }
+
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+      {rocksdb::kDefaultColumnFamilyName, small},
+      {"pages", large},
+      {"summaries", large},
+      {"documents", small},
+      {"index", small}};
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(db_options, options_.path, cfs, &handles_, &db);
+  if (!s.ok()) return FromRocksDb(s, absl::StrCat("open ", options_.path));
+  db_.reset(db);
+  pages_ = handles_[1];
+  summaries_ = handles_[2];
+  documents_ = handles_[3];
+  index_ = handles_[4];
+  m_.capacity_bytes->Set(0);
+  return absl::OkStatus();
+}
+
+absl::Mutex& LocalStore::StripeFor(const DocumentId& id) {
+  return stripes_[id.bytes[0] % kStripes];
+}
+
+absl::Status LocalStore::GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) {
+  Stopwatch watch;
+  out->assign(keys.size(), nullptr);
+  if (keys.empty()) return absl::OkStatus();
+  std::vector<std::string> key_bytes;
+  key_bytes.reserve(keys.size());
+  for (const PageKey& k : keys) key_bytes.push_back(internal::PageKeyBytes(k));
+  std::vector<rocksdb::Slice> slices(key_bytes.begin(), key_bytes.end());
+  std::vector<rocksdb::PinnableSlice> values(keys.size());
+  std::vector<rocksdb::Status> statuses(keys.size());
+  db_->MultiGet(rocksdb::ReadOptions(), pages_, keys.size(), slices.data(), values.data(),
+                statuses.data());
+  int64_t hits = 0, bytes = 0;
+  absl::Status result;
+  for (size_t i = 0; i < keys.size() && result.ok(); ++i) {
+    if (statuses[i].IsNotFound()) continue;
+    if (!statuses[i].ok()) {
+      result = FromRocksDb(statuses[i], "get page");
+      break;
+    }
+    absl::string_view v(values[i].data(), values[i].size());
+    absl::StatusOr<PageHeader> h = VerifyPage(v);
+    if (!h.ok()) {
+      result = absl::DataLossError(absl::StrCat(
+          "stored page (document ", keys[i].document.ToHex(), ", layer ", keys[i].layer,
+          ", kv_head ", keys[i].kv_head, ", page ", keys[i].page_index,
+          ") is corrupt: ", h.status().message()));
+      break;
+    }
+    absl::StatusOr<PageRef> ref = PageBuffer::Copy(v);
+    if (!ref.ok()) {
+      result = ref.status();
+      break;
+    }
+    (*out)[i] = *std::move(ref);
+    ++hits;
+    bytes += static_cast<int64_t>(v.size());
+  }
+  m_.lookups->Increment(static_cast<double>(keys.size()));
+  m_.hits->Increment(static_cast<double>(hits));
+  bytes_read_->Increment(static_cast<double>(bytes));
+  m_.fetch_duration->Observe(watch.ElapsedSeconds());
+  if (!result.ok()) out->assign(keys.size(), nullptr);
+  return result;
+}
+
+absl::Status LocalStore::GetSummaries(absl::Span<const SummaryKey> keys,
+                                      std::vector<PageRef>* out) {
+  out->assign(keys.size(), nullptr);
+  if (keys.empty()) return absl::OkStatus();
+  std::vector<std::string> key_bytes;
+  key_bytes.reserve(keys.size());
+  for (const SummaryKey& k : keys) key_bytes.push_back(internal::SummaryKeyBytes(k));
+  std::vector<rocksdb::Slice> slices(key_bytes.begin(), key_bytes.end());
+  std::vector<rocksdb::PinnableSlice> values(keys.size());
+  std::vector<rocksdb::Status> statuses(keys.size());
+  db_->MultiGet(rocksdb::ReadOptions(), summaries_, keys.size(), slices.data(), values.data(),
+                statuses.data());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (statuses[i].IsNotFound()) continue;
+    if (!statuses[i].ok()) {
+      out->assign(keys.size(), nullptr);
+      return FromRocksDb(statuses[i], "get summary");
+    }
+    absl::StatusOr<absl::string_view> payload =
+        DecodeSummary(absl::string_view(values[i].data(), values[i].size()));
+    absl::StatusOr<PageRef> ref =
+        payload.ok() ? PageBuffer::Copy(*payload) : absl::StatusOr<PageRef>(payload.status());
+    if (!ref.ok()) {
+      out->assign(keys.size(), nullptr);
+      return ref.status();
+    }
+    (*out)[i] = *std::move(ref);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LocalStore::Put(absl::Span<const PageWrite> pages,
+                             absl::Span<const SummaryWrite> summaries) {
+  if (pages.empty() && summaries.empty()) return absl::OkStatus();
+  // Lock the stripes of every document in the batch, shared, in stripe order (no deadlock with
+  // the exclusive single-stripe holders).
+  std::set<int> stripe_ids;
+  std::set<DocumentId> docs;
+  for (const PageWrite& w : pages) docs.insert(w.key.document);
+  for (const SummaryWrite& w : summaries) docs.insert(w.key.document);
+  for (const DocumentId& d : docs) stripe_ids.insert(d.bytes[0] % kStripes);
+  std::vector<absl::Mutex*> held;
+  for (int i : stripe_ids) {
+    stripes_[i].ReaderLock();
+    held.push_back(&stripes_[i]);
+  }
+  auto unlock = [&held] {
+    for (auto it = held.rbegin(); it != held.rend(); ++it) (*it)->ReaderUnlock();
+  };
+
+  absl::flat_hash_map<std::string, std::pair<v1::Document, KvLayout>> meta;
+  for (const DocumentId& d : docs) {
+    absl::StatusOr<v1::Document> doc = GetDocumentMetadata(d);
+    if (!doc.ok()) {
+      unlock();
+      return doc.status();
+    }
+    if (doc->state() != v1::DOCUMENT_STATE_WRITING) {
+      unlock();
+      return absl::FailedPreconditionError(
+          absl::StrCat("document ", d.ToHex(), " is READY; its pages cannot change"));
+    }
+    absl::StatusOr<KvLayout> layout = LayoutFromProto(doc->layout());
+    if (!layout.ok()) {
+      unlock();
+      return absl::DataLossError(absl::StrCat("stored document ", d.ToHex(),
+                                              " has an invalid layout: ", layout.status().message()));
+    }
+    meta.emplace(std::string(d.AsBytes()), std::make_pair(*std::move(doc), *layout));
+  }
+
+  rocksdb::WriteBatch batch;
+  for (const PageWrite& w : pages) {
+    const auto& [doc, layout] = meta.at(std::string(w.key.document.AsBytes()));
+    if (absl::Status s = CheckPage(doc, layout, w); !s.ok()) {
+      unlock();
+      return s;
+    }
+    batch.Put(pages_, internal::PageKeyBytes(w.key), ToSlice(w.data->view()));
+    batch.Put(index_, internal::PageIndexKey(w.key), rocksdb::Slice());
+  }
+  for (const SummaryWrite& w : summaries) {
+    const auto& entry = meta.at(std::string(w.key.document.AsBytes()));
+    if (absl::Status s = CheckSummary(entry.first, w); !s.ok()) {
+      unlock();
+      return s;
+    }
+    batch.Put(summaries_, internal::SummaryKeyBytes(w.key), EncodeSummary(w.data->view()));
+    batch.Put(index_, internal::SummaryIndexKey(w.key), rocksdb::Slice());
+  }
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync_writes;
+  rocksdb::Status s = db_->Write(wo, &batch);
+  unlock();
+  return FromRocksDb(s, "write pages");
+}
+
+absl::StatusOr<v1::Document> LocalStore::GetDocumentMetadata(const DocumentId& id) {
+  std::string value;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), documents_, ToSlice(id.AsBytes()), &value);
+  if (s.IsNotFound()) return absl::NotFoundError(absl::StrCat("unknown document ", id.ToHex()));
+  if (!s.ok()) return FromRocksDb(s, "get document");
+  v1::Document doc;
+  if (!doc.ParseFromString(value)) {
+    return absl::DataLossError(absl::StrCat("document ", id.ToHex(), ": unparsable metadata"));
+  }
+  return doc;
+}
+
+absl::Status LocalStore::WriteDocument(const v1::Document& doc) {
+  absl::StatusOr<DocumentId> id = DocumentId::FromHex(doc.document_id());
+  if (!id.ok()) return id.status();
+  v1::Document stored = doc;
+  stored.clear_stored_pages();
+  stored.clear_stored_summaries();
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync_writes;
+  return FromRocksDb(
+      db_->Put(wo, documents_, ToSlice(id->AsBytes()), stored.SerializeAsString()),
+      "write document");
+}
+
+absl::StatusOr<uint64_t> LocalStore::CountIndex(const DocumentId& doc, char type) {
+  const std::string prefix = internal::IndexPrefix(doc, type);
+  std::string upper = prefix;
+  upper.back() = static_cast<char>(type + 1);
+  rocksdb::Slice upper_slice(upper);
+  rocksdb::ReadOptions ro;
+  ro.iterate_upper_bound = &upper_slice;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, index_));
+  uint64_t n = 0;
+  for (it->Seek(prefix); it->Valid(); it->Next()) ++n;
+  if (!it->status().ok()) return FromRocksDb(it->status(), "count index");
+  return n;
+}
+
+absl::Status LocalStore::FillCounts(v1::Document* doc) {
+  absl::StatusOr<DocumentId> id = DocumentId::FromHex(doc->document_id());
+  if (!id.ok()) return id.status();
+  absl::StatusOr<uint64_t> pages = CountIndex(*id, 'p');
+  if (!pages.ok()) return pages.status();
+  absl::StatusOr<uint64_t> summaries = CountIndex(*id, 's');
+  if (!summaries.ok()) return summaries.status();
+  doc->set_stored_pages(*pages);
+  doc->set_stored_summaries(*summaries);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Document> LocalStore::CreateDocument(const v1::CreateDocumentRequest& request,
+                                                        bool* created) {
+  *created = false;
+  absl::StatusOr<DocumentId> id = DocumentId::FromHex(request.document_id());
+  if (!id.ok()) return id.status();
+  if (request.model_fingerprint().empty()) {
+    return absl::InvalidArgumentError("create document: empty model_fingerprint");
+  }
+  absl::StatusOr<KvLayout> layout = LayoutFromProto(request.layout());
+  if (!layout.ok()) return layout.status();
+  if (request.num_tokens() == 0) return absl::InvalidArgumentError("create document: no tokens");
+  const uint64_t num_pages =
+      (request.num_tokens() + layout->page.page_size - 1) / layout->page.page_size;
+  if (num_pages > (uint64_t{1} << 31)) {
+    return absl::InvalidArgumentError("create document: too many pages");
+  }
+  std::set<uint32_t> kinds;
+  for (const v1::SummarySpec& s : request.summaries()) {
+    if (!kinds.insert(s.kind()).second) {
+      return absl::InvalidArgumentError(absl::StrCat("summary kind ", s.kind(), " declared twice"));
+    }
+    if (s.count() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("summary kind ", s.kind(), " has count 0"));
+    }
+  }
+  if (request.ttl_seconds() < 0) return absl::InvalidArgumentError("ttl_seconds < 0");
+
+  absl::MutexLock lock(&StripeFor(*id));
+  absl::StatusOr<v1::Document> existing = GetDocumentMetadata(*id);
+  if (existing.ok()) {
+    if (existing->model_fingerprint() != request.model_fingerprint() ||
+        existing->num_tokens() != request.num_tokens() ||
+        existing->layout().SerializeAsString() != LayoutToProto(*layout).SerializeAsString()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "document ", id->ToHex(), " exists with a different model, layout or length"));
+    }
+    return *existing;
+  }
+  if (existing.status().code() != absl::StatusCode::kNotFound) return existing.status();
+
+  v1::Document doc;
+  doc.set_document_id(id->ToHex());
+  doc.set_model_fingerprint(request.model_fingerprint());
+  *doc.mutable_layout() = LayoutToProto(*layout);
+  doc.set_num_tokens(request.num_tokens());
+  doc.set_num_pages(num_pages);
+  *doc.mutable_summaries() = request.summaries();
+  doc.set_state(v1::DOCUMENT_STATE_WRITING);
+  const int64_t now = WallMicros();
+  doc.set_create_time_micros(now);
+  if (request.ttl_seconds() > 0) doc.set_expire_time_micros(now + request.ttl_seconds() * 1000000);
+  if (absl::Status s = WriteDocument(doc); !s.ok()) return s;
+  *created = true;
+  return doc;
+}
+
+absl::StatusOr<v1::Document> LocalStore::FinalizeDocument(const DocumentId& id) {
+  absl::MutexLock lock(&StripeFor(id));
+  absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
+  if (!doc.ok()) return doc.status();
+  if (absl::Status s = FillCounts(&*doc); !s.ok()) return s;
+  if (doc->state() == v1::DOCUMENT_STATE_READY) return doc;
+  const uint64_t want_pages = ExpectedPages(*doc), want_summaries = ExpectedSummaries(*doc);
+  if (doc->stored_pages() != want_pages || doc->stored_summaries() != want_summaries) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "document ", id.ToHex(), " is incomplete: ", doc->stored_pages(), "/", want_pages,
+        " pages, ", doc->stored_summaries(), "/", want_summaries, " summaries stored"));
+  }
+  doc->set_state(v1::DOCUMENT_STATE_READY);
+  if (absl::Status s = WriteDocument(*doc); !s.ok()) return s;
+  return doc;
+}
+
+absl::StatusOr<v1::Document> LocalStore::GetDocument(const DocumentId& id) {
+  absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
+  if (!doc.ok()) return doc.status();
+  if (absl::Status s = FillCounts(&*doc); !s.ok()) return s;
+  return doc;
+}
+
+absl::StatusOr<std::vector<v1::Document>> LocalStore::ListDocuments(
+    const v1::ListDocumentsRequest& request) {
+  const uint32_t limit = request.limit() == 0 ? kDefaultListLimit
+                                              : std::min(request.limit(), kDefaultListLimit);
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), documents_));
+  std::string start;
+  if (!request.start_after().empty()) {
+    absl::StatusOr<DocumentId> after = DocumentId::FromHex(request.start_after());
+    if (!after.ok()) return after.status();
+    start = std::string(after->AsBytes());
+    start.push_back('\0');  // strictly after
+  }
+  std::vector<v1::Document> out;
+  for (it->Seek(start); it->Valid() && out.size() < limit; it->Next()) {
+    v1::Document doc;
+    if (!doc.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+      return absl::DataLossError("list documents: unparsable metadata");
+    }
+    if (request.state() != v1::DOCUMENT_STATE_UNSPECIFIED && doc.state() != request.state()) {
+      continue;
+    }
+    out.push_back(std::move(doc));
+  }
+  if (!it->status().ok()) return FromRocksDb(it->status(), "list documents");
+  return out;
+}
+
+absl::StatusOr<v1::Document> LocalStore::PinDocument(const DocumentId& id, bool pinned,
+                                                     int64_t ttl_seconds) {
+  if (ttl_seconds < 0) return absl::InvalidArgumentError("ttl_seconds < 0");
+  absl::MutexLock lock(&StripeFor(id));
+  absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
+  if (!doc.ok()) return doc.status();
+  doc->set_pinned(pinned);
+  if (ttl_seconds > 0) doc->set_expire_time_micros(WallMicros() + ttl_seconds * 1000000);
+  if (absl::Status s = WriteDocument(*doc); !s.ok()) return s;
+  return doc;
+}
+
+absl::Status LocalStore::DeleteDocument(const DocumentId& id) {
+  absl::MutexLock lock(&StripeFor(id));
+  absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
+  if (!doc.ok()) return doc.status();
+  return DeleteDocumentLocked(id);
+}
+
+absl::Status LocalStore::DeleteDocumentLocked(const DocumentId& id) {
+  const std::string begin = internal::DocumentRangeBegin(id), end = internal::DocumentRangeEnd(id);
+  rocksdb::WriteBatch batch;
+  batch.Delete(documents_, ToSlice(id.AsBytes()));
+  batch.DeleteRange(pages_, begin, end);
+  batch.DeleteRange(summaries_, begin, end);
+  batch.DeleteRange(index_, begin, end);
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync_writes;
+  return FromRocksDb(db_->Write(wo, &batch), "delete document");
+}
+
+absl::Status LocalStore::ScanSummaries(const DocumentId& doc, absl::Span<const uint32_t> kinds,
+                                       std::vector<SummaryKey>* keys,
+                                       std::vector<PageRef>* values) {
+  keys->clear();
+  values->clear();
+  const std::string begin = internal::DocumentRangeBegin(doc), end = internal::DocumentRangeEnd(doc);
+  rocksdb::Slice upper(end);
+  rocksdb::ReadOptions ro;
+  ro.iterate_upper_bound = &upper;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, summaries_));
+  for (it->Seek(begin); it->Valid(); it->Next()) {
+    const rocksdb::Slice k = it->key();
+    if (k.size() != 28) return absl::DataLossError("summary key of unexpected length");
+    auto u16 = [&k](size_t o) {
+      return static_cast<uint32_t>(static_cast<uint8_t>(k[o])) << 8 | static_cast<uint8_t>(k[o + 1]);
+    };
+    auto u32 = [&k, &u16](size_t o) { return u16(o) << 16 | u16(o + 2); };
+    SummaryKey key{doc, u16(16), u16(18), u32(20), u32(24)};
+    if (!kinds.empty() && std::find(kinds.begin(), kinds.end(), key.kind) == kinds.end()) continue;
+    absl::StatusOr<absl::string_view> payload =
+        DecodeSummary(absl::string_view(it->value().data(), it->value().size()));
+    if (!payload.ok()) return payload.status();
+    absl::StatusOr<PageRef> ref = PageBuffer::Copy(*payload);
+    if (!ref.ok()) return ref.status();
+    keys->push_back(key);
+    values->push_back(*std::move(ref));
+  }
+  return FromRocksDb(it->status(), "scan summaries");
+}
+
+absl::StatusOr<int> LocalStore::CollectGarbage(int64_t now_micros) {
+  std::vector<DocumentId> expired;
+  {
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), documents_));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      v1::Document doc;
+      if (!doc.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) continue;
+      if (doc.pinned() || doc.expire_time_micros() == 0 || doc.expire_time_micros() > now_micros) {
+        continue;
+      }
+      absl::StatusOr<DocumentId> id = DocumentId::FromHex(doc.document_id());
+      if (id.ok()) expired.push_back(*id);
+    }
+    if (!it->status().ok()) return FromRocksDb(it->status(), "garbage collection scan");
+  }
+  int deleted = 0;
+  for (const DocumentId& id : expired) {
+    // Re-check under the lock: it may have been pinned, extended or deleted since the scan.
+    absl::MutexLock lock(&StripeFor(id));
+    absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
+    if (!doc.ok() || doc->pinned() || doc->expire_time_micros() == 0 ||
+        doc->expire_time_micros() > now_micros) {
+      continue;
+    }
+    if (absl::Status s = DeleteDocumentLocked(id); !s.ok()) return s;
+    ++deleted;
+    STRATA_LOG(INFO) << "kvstore gc: deleted expired document document=" << id.ToHex()
+                     << " state=" << v1::DocumentState_Name(doc->state());
+  }
+  return deleted;
+}
+
+absl::StatusOr<std::string> LocalStore::RawPageForTesting(const PageKey& key) {
+  std::string value;
+  rocksdb::Status s =
+      db_->Get(rocksdb::ReadOptions(), pages_, internal::PageKeyBytes(key), &value);
+  if (!s.ok()) return FromRocksDb(s, "raw page");
+  return value;
+}
+
+absl::Status LocalStore::OverwriteRawPageForTesting(const PageKey& key, const std::string& bytes) {
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return FromRocksDb(db_->Put(wo, pages_, internal::PageKeyBytes(key), bytes), "raw page write");
+}
+
+}  // namespace strata::kvstore

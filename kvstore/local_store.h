@@ -1,0 +1,125 @@
+// Tier D: the local store, RocksDB in a data directory; also the storage engine of the KV store
+// service (tier R is this store behind gRPC).
+//
+// Column families: "pages" (encoded pages), "summaries" (checksummed summary payloads),
+// "documents" (strata.v1.Document metadata), "index" (one empty entry per stored page and summary,
+// so completeness is checked without reading page bytes). Key encodings: kvstore/internal/keys.h.
+// Writes are WriteBatches with the WAL synced before Put returns (WriteOptions::sync), so an
+// acknowledged batch survives SIGKILL and power loss; a batch is atomic. A document becomes READY
+// only in FinalizeDocument, after its pages and summaries are counted complete; deletes are range
+// deletes over the document's key range in every column family.
+//
+// RocksDB settings for large incompressible values (see LocalStoreOptions and bench/RESULTS.md):
+// no compression, values in blob files (integrated BlobDB) so compactions move keys and not the
+// 32 KiB page values, whole-key bloom filters for point lookups, a large write buffer.
+//
+// Thread-safe. Put, Finalize and Delete on one document are serialized against each other by a
+// striped reader/writer lock (Put takes it shared), so no page lands in a READY or deleted
+// document.
+#ifndef STRATA_KVSTORE_LOCAL_STORE_H_
+#define STRATA_KVSTORE_LOCAL_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "kvstore/metrics.h"
+#include "kvstore/page_store.h"
+
+namespace rocksdb {
+class DB;
+class ColumnFamilyHandle;
+}  // namespace rocksdb
+
+namespace strata::kvstore {
+
+struct LocalStoreOptions {
+  // Data directory; created when missing. Required. Not reloadable.
+  std::string path;
+  // Sync the WAL on every write batch. Turning it off loses acknowledged writes on power loss or
+  // SIGKILL. Default: true.
+  bool sync_writes = true;
+  // Store values >= 4 KiB in blob files (RocksDB integrated BlobDB). Cuts compaction write
+  // amplification for page-sized values. Default: true.
+  bool blob_files = true;
+  // Compress SST and blob files with LZ4. KV pages are nearly incompressible (see
+  // bench/RESULTS.md), so this costs CPU for no space. Default: false.
+  bool compression = false;
+  // Memtable size per column family. Default: 128 MiB.
+  int64_t write_buffer_bytes = int64_t{128} << 20;
+  // RocksDB block cache (keys, index, filters, summary values). Pages are cached by the host tier.
+  // Default: 64 MiB.
+  int64_t block_cache_bytes = int64_t{64} << 20;
+  // Metrics sink (tier "disk"). Default (null): a private registry. Not owned.
+  KvMetrics* metrics = nullptr;
+  // Tier label for metrics: "disk" for a worker's local store; the service uses it too.
+  std::string tier = "disk";
+
+  absl::Status Validate() const;
+};
+
+class LocalStore final : public PageStore, public DocumentCatalog {
+ public:
+  // Opens (or creates) the store. Internal / DataLoss / InvalidArgument from RocksDB.
+  static absl::StatusOr<std::unique_ptr<LocalStore>> Open(const LocalStoreOptions& options);
+  ~LocalStore() override;
+
+  const char* tier() const override { return options_.tier.c_str(); }
+  absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) override;
+  absl::Status Put(absl::Span<const PageWrite> pages,
+                   absl::Span<const SummaryWrite> summaries) override;
+  absl::Status GetSummaries(absl::Span<const SummaryKey> keys, std::vector<PageRef>* out) override;
+
+  absl::StatusOr<v1::Document> CreateDocument(const v1::CreateDocumentRequest& request,
+                                              bool* created) override;
+  absl::StatusOr<v1::Document> FinalizeDocument(const DocumentId& id) override;
+  absl::StatusOr<v1::Document> GetDocument(const DocumentId& id) override;
+  absl::StatusOr<std::vector<v1::Document>> ListDocuments(
+      const v1::ListDocumentsRequest& request) override;
+  absl::StatusOr<v1::Document> PinDocument(const DocumentId& id, bool pinned,
+                                           int64_t ttl_seconds) override;
+  absl::Status DeleteDocument(const DocumentId& id) override;
+
+  // The document metadata as stored (stored_* counts not filled). NotFound.
+  absl::StatusOr<v1::Document> GetDocumentMetadata(const DocumentId& id);
+  // Every stored summary of `doc` (optionally only `kinds`), in key order.
+  absl::Status ScanSummaries(const DocumentId& doc, absl::Span<const uint32_t> kinds,
+                             std::vector<SummaryKey>* keys, std::vector<PageRef>* values);
+  // Deletes unpinned documents whose expire time is set and <= now_micros. Returns how many.
+  absl::StatusOr<int> CollectGarbage(int64_t now_micros);
+
+  // Test hooks: raw access to stored page bytes (e.g. to corrupt one).
+  absl::StatusOr<std::string> RawPageForTesting(const PageKey& key);
+  absl::Status OverwriteRawPageForTesting(const PageKey& key, const std::string& bytes);
+
+ private:
+  explicit LocalStore(const LocalStoreOptions& options);
+  absl::Status OpenDb();
+  absl::Status WriteDocument(const v1::Document& doc);
+  absl::Status DeleteDocumentLocked(const DocumentId& id);  // caller holds the stripe
+  absl::StatusOr<uint64_t> CountIndex(const DocumentId& doc, char type);
+  absl::Status FillCounts(v1::Document* doc);
+  absl::Mutex& StripeFor(const DocumentId& id);
+
+  LocalStoreOptions options_;
+  std::unique_ptr<prometheus::Registry> own_registry_;
+  std::unique_ptr<KvMetrics> own_metrics_;
+  TierMetrics m_;
+  prometheus::Counter* bytes_read_ = nullptr;  // fetch bytes src=tier dst=host
+
+  std::unique_ptr<rocksdb::DB> db_;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // default, pages, summaries, documents, index
+  rocksdb::ColumnFamilyHandle* pages_ = nullptr;
+  rocksdb::ColumnFamilyHandle* summaries_ = nullptr;
+  rocksdb::ColumnFamilyHandle* documents_ = nullptr;
+  rocksdb::ColumnFamilyHandle* index_ = nullptr;
+
+  static constexpr int kStripes = 64;
+  absl::Mutex stripes_[kStripes];
+};
+
+}  // namespace strata::kvstore
+
+#endif  // STRATA_KVSTORE_LOCAL_STORE_H_

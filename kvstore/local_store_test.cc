@@ -1,0 +1,220 @@
+#include "kvstore/local_store.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "base/clock.h"
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kvstore/testing/test_pages.h"
+
+namespace strata::kvstore {
+namespace {
+
+using ::strata::testing::StatusIs;
+using testing::MakeDocumentRequest;
+using testing::MakeDocumentWrites;
+using testing::MakePage;
+using testing::SmallLayout;
+
+constexpr uint64_t kSeed = 42;
+
+class LocalStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/strata_local_store_test.XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    Open();
+  }
+  void TearDown() override {
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  void Open() {
+    store_.reset();
+    LocalStoreOptions o;
+    o.path = dir_;
+    o.write_buffer_bytes = 4 << 20;
+    absl::StatusOr<std::unique_ptr<LocalStore>> s = LocalStore::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = *std::move(s);
+  }
+  DocumentId Create(const v1::CreateDocumentRequest& r) {
+    bool created = false;
+    absl::StatusOr<v1::Document> d = store_->CreateDocument(r, &created);
+    EXPECT_TRUE(d.ok()) << d.status();
+    EXPECT_TRUE(created);
+    return *DocumentId::FromHex(r.document_id());
+  }
+
+  std::string dir_;
+  std::unique_ptr<LocalStore> store_;
+};
+
+TEST_F(LocalStoreTest, WriteFinalizeReadBackBitExactAcrossReopen) {
+  const KvLayout layout = SmallLayout();
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(layout, 40, kSeed);  // 3 pages, last 8
+  const DocumentId id = Create(r);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  MakeDocumentWrites(r, kSeed, &pages, &summaries);
+  ASSERT_EQ(pages.size(), 12u);
+  // Incomplete: finalize refuses.
+  STRATA_ASSERT_OK(store_->Put(absl::MakeSpan(pages).subspan(0, 6), {}));
+  EXPECT_THAT(store_->FinalizeDocument(id),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("6/12 pages")));
+  STRATA_ASSERT_OK(store_->Put(absl::MakeSpan(pages).subspan(6), summaries));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store_->FinalizeDocument(id));
+  EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(doc.stored_pages(), 12u);
+  EXPECT_EQ(doc.stored_summaries(), 12u);
+
+  Open();  // survives a reopen
+  std::vector<PageKey> keys;
+  for (const PageWrite& w : pages) keys.push_back(w.key);
+  std::vector<PageRef> out;
+  STRATA_ASSERT_OK(store_->GetPages(keys, &out));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_NE(out[i], nullptr);
+    EXPECT_EQ(out[i]->view(), pages[i].data->view()) << i;
+  }
+  std::vector<SummaryKey> skeys;
+  for (const SummaryWrite& w : summaries) skeys.push_back(w.key);
+  STRATA_ASSERT_OK(store_->GetSummaries(skeys, &out));
+  for (size_t i = 0; i < skeys.size(); ++i) {
+    ASSERT_NE(out[i], nullptr);
+    EXPECT_EQ(out[i]->view(), summaries[i].data->view());
+  }
+  std::vector<SummaryKey> scanned_keys;
+  STRATA_ASSERT_OK(store_->ScanSummaries(id, {}, &scanned_keys, &out));
+  EXPECT_EQ(scanned_keys.size(), 12u);
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document again, store_->GetDocument(id));
+  EXPECT_EQ(again.state(), v1::DOCUMENT_STATE_READY);
+
+  // READY documents are immutable.
+  EXPECT_THAT(store_->Put(absl::MakeSpan(pages).subspan(0, 1), {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  // Missing pages are misses, not errors.
+  const std::vector<PageKey> missing = {PageKey{id, 0, 0, 99}};
+  STRATA_ASSERT_OK(store_->GetPages(missing, &out));
+  EXPECT_EQ(out[0], nullptr);
+}
+
+TEST_F(LocalStoreTest, BadWritesStoreNothing) {
+  const KvLayout layout = SmallLayout();
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(layout, 40, kSeed);
+  const DocumentId id = Create(r);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  MakeDocumentWrites(r, kSeed, &pages, &summaries);
+
+  // Unknown document.
+  std::vector<PageWrite> unknown = {pages[0]};
+  unknown[0].key.document.bytes[5] ^= 1;
+  EXPECT_THAT(store_->Put(unknown, {}), StatusIs(absl::StatusCode::kNotFound));
+
+  // One page of the wrong layout (different head dim) poisons the whole batch.
+  std::vector<PageWrite> batch(pages.begin(), pages.begin() + 3);
+  batch.push_back(PageWrite{PageKey{id, 1, 1, 0},
+                            *PageBuffer::Copy(MakePage(SmallLayout(2, 2, 16, 64), 40, 1, 1, 0, 1))});
+  EXPECT_THAT(store_->Put(batch, {}), StatusIs(absl::StatusCode::kInvalidArgument));
+  // Out-of-range page index, layer, wrong token count, corrupted bytes, undeclared summary kind.
+  std::vector<PageWrite> bad = {pages[0]};
+  bad[0].key.page_index = 3;
+  EXPECT_THAT(store_->Put(bad, {}), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad[0] = pages[0];
+  bad[0].key.layer = 2;
+  EXPECT_THAT(store_->Put(bad, {}), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad[0] = pages[0];
+  bad[0].key.page_index = 2;  // page 2 holds 8 tokens; page 0's bytes hold 16
+  EXPECT_THAT(store_->Put(bad, {}), StatusIs(absl::StatusCode::kInvalidArgument));
+  std::string corrupt(pages[0].data->view());
+  corrupt[100] ^= 4;
+  bad[0] = PageWrite{pages[0].key, *PageBuffer::Copy(corrupt)};
+  EXPECT_THAT(store_->Put(bad, {}), StatusIs(absl::StatusCode::kDataLoss));
+  std::vector<SummaryWrite> bad_summary = {summaries[0]};
+  bad_summary[0].key.kind = 9;
+  EXPECT_THAT(store_->Put({}, bad_summary), StatusIs(absl::StatusCode::kInvalidArgument));
+
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store_->GetDocument(id));
+  EXPECT_EQ(doc.stored_pages(), 0u);
+  EXPECT_EQ(doc.stored_summaries(), 0u);
+  EXPECT_THAT(store_->FinalizeDocument(PageKey{}.document),
+              StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(LocalStoreTest, CorruptedStoredPageIsDataLossNeverReturned) {
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(SmallLayout(), 32, kSeed);
+  const DocumentId id = Create(r);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  MakeDocumentWrites(r, kSeed, &pages, &summaries);
+  STRATA_ASSERT_OK(store_->Put(pages, summaries));
+  STRATA_ASSERT_OK(store_->FinalizeDocument(id).status());
+  STRATA_ASSERT_OK_AND_ASSIGN(std::string raw, store_->RawPageForTesting(pages[3].key));
+  raw[raw.size() / 2] ^= 0x01;
+  STRATA_ASSERT_OK(store_->OverwriteRawPageForTesting(pages[3].key, raw));
+  std::vector<PageRef> out;
+  const std::vector<PageKey> keys = {pages[2].key, pages[3].key};
+  EXPECT_THAT(store_->GetPages(keys, &out), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_EQ(out[0], nullptr);
+  EXPECT_EQ(out[1], nullptr);
+  const std::vector<PageKey> good = {pages[2].key};
+  STRATA_ASSERT_OK(store_->GetPages(good, &out));
+  EXPECT_NE(out[0], nullptr);
+}
+
+TEST_F(LocalStoreTest, DeleteRemovesEverythingAndGcHonoursPinsAndTtl) {
+  const KvLayout layout = SmallLayout();
+  const v1::CreateDocumentRequest a = MakeDocumentRequest(layout, 32, 1, /*ttl_seconds=*/10);
+  const v1::CreateDocumentRequest b = MakeDocumentRequest(layout, 32, 2, /*ttl_seconds=*/10);
+  const v1::CreateDocumentRequest c = MakeDocumentRequest(layout, 32, 3);
+  const DocumentId ida = Create(a), idb = Create(b), idc = Create(c);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  MakeDocumentWrites(a, 1, &pages, &summaries);
+  MakeDocumentWrites(b, 2, &pages, &summaries);
+  MakeDocumentWrites(c, 3, &pages, &summaries);
+  STRATA_ASSERT_OK(store_->Put(pages, summaries));
+  STRATA_ASSERT_OK(store_->PinDocument(idb, true, 0).status());
+
+  // Not yet expired.
+  STRATA_ASSERT_OK_AND_ASSIGN(int n, store_->CollectGarbage(WallMicros()));
+  EXPECT_EQ(n, 0);
+  STRATA_ASSERT_OK_AND_ASSIGN(n, store_->CollectGarbage(WallMicros() + 11 * 1000000));
+  EXPECT_EQ(n, 1);  // a: expired, unpinned. b: pinned. c: no TTL.
+  EXPECT_THAT(store_->GetDocument(ida), StatusIs(absl::StatusCode::kNotFound));
+  STRATA_ASSERT_OK(store_->GetDocument(idb).status());
+
+  STRATA_ASSERT_OK(store_->DeleteDocument(idc));
+  EXPECT_THAT(store_->DeleteDocument(idc), StatusIs(absl::StatusCode::kNotFound));
+  std::vector<PageKey> keys;
+  for (const PageWrite& w : pages) keys.push_back(w.key);
+  std::vector<PageRef> out;
+  STRATA_ASSERT_OK(store_->GetPages(keys, &out));
+  size_t present = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const bool is_b = keys[i].document == idb;
+    EXPECT_EQ(out[i] != nullptr, is_b) << i;
+    present += out[i] != nullptr;
+  }
+  EXPECT_EQ(present, pages.size() / 3);
+  std::vector<SummaryKey> sk;
+  STRATA_ASSERT_OK(store_->ScanSummaries(idc, {}, &sk, &out));
+  EXPECT_TRUE(sk.empty());
+
+  // A re-created document starts empty.
+  Create(c);
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store_->GetDocument(idc));
+  EXPECT_EQ(doc.stored_pages(), 0u);
+  STRATA_ASSERT_OK_AND_ASSIGN(std::vector<v1::Document> docs,
+                              store_->ListDocuments(v1::ListDocumentsRequest()));
+  EXPECT_EQ(docs.size(), 2u);
+}
+
+}  // namespace
+}  // namespace strata::kvstore
