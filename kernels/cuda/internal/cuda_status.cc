@@ -8,6 +8,10 @@
 namespace strata::kernels::cuda_internal {
 
 absl::Status CudaErrorToStatus(cudaError_t e, const char* expr, const char* file, int line) {
+  // Reset the runtime's last-error state, so that a failed call that did not break the context
+  // (e.g. an oversized cudaMalloc) is not reported again by the next launch check. Sticky errors
+  // (a faulted kernel) persist regardless.
+  cudaGetLastError();
   const std::string msg = absl::StrCat(file, ":", line, ": ", expr, " failed: ",
                                        cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
   switch (e) {

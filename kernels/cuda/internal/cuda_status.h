@@ -6,6 +6,7 @@
 //
 // Codes: cudaErrorMemoryAllocation / CUBLAS_STATUS_ALLOC_FAILED -> ResourceExhausted; no device,
 // driver too old, device unavailable -> Unavailable; everything else -> Internal.
+// CudaErrorToStatus also clears the runtime's last-error state (cudaGetLastError).
 #ifndef STRATA_KERNELS_CUDA_INTERNAL_CUDA_STATUS_H_
 #define STRATA_KERNELS_CUDA_INTERNAL_CUDA_STATUS_H_
 

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine, from the repo root, over the bundle that scripts/gpu_run.sh made in .gpu/:
+# unpacks the libraries, runs every bundled gpu-labelled test binary, compute-sanitizer memcheck
+# on the CUDA backend test, and the decode-attention timing; prints a short table last.
+# Full logs go to $OUT (the device tool's result folder) when set, else /tmp/strata-gpu-out.
+#
+# Usage: scripts/gpu_remote.sh
+# Env: STRATA_GPU_SANITIZER_FILTER (gtest filter for the memcheck run; default all tests),
+#      STRATA_GPU_SANITIZER_TIMEOUT (seconds, default 150), STRATA_GPU_BENCH_ARGS (contexts for
+#      cuda_attention_bench; default 32768 131072), STRATA_GPU_SKIP_BENCH=1.
+set -uo pipefail
+ROOT="$(pwd)"
+BUNDLE="$ROOT/.gpu"
+LOGS="${OUT:-/tmp/strata-gpu-out}"
+mkdir -p "$LOGS"
+WORK=/tmp/strata-gpu
+rm -rf "$WORK" && mkdir -p "$WORK"
+tar -C "$WORK" -xzf "$BUNDLE/libs.tar.gz"
+export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+export PATH="/usr/local/cuda/bin:$PATH"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader \
+  2>&1 | tee "$LOGS/nvidia-smi.txt"
+git -C "$ROOT" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit: /' || true
+
+declare -a rows
+summarize() {  # name log rc seconds
+  local passed failed skipped
+  passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$2" | grep -oE '[0-9]+$' | tail -1)
+  failed=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$2" | grep -oE '[0-9]+' | tail -1)
+  skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+ test' "$2" | grep -oE '[0-9]+' | tail -1)
+  rows+=("$(printf '%-34s rc=%-3s passed=%-5s failed=%-4s skipped=%-4s %5ss' "$1" "$3" \
+    "${passed:-0}" "${failed:-0}" "${skipped:-0}" "$4")")
+}
+
+for bin in "$BUNDLE"/bin/*_test; do
+  [ -x "$bin" ] || continue
+  name=$(basename "$bin")
+  start=$(date +%s)
+  "$bin" --gtest_brief=1 --gtest_output="xml:$LOGS/$name.xml" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  summarize "$name" "$LOGS/$name.log" "$rc" "$(( $(date +%s) - start ))"
+  grep -E '^\[  FAILED  \]|Failure|error' "$LOGS/$name.log" | head -20
+done
+
+if [ -x "$BUNDLE/bin/cuda_backend_test" ] && command -v compute-sanitizer >/dev/null; then
+  start=$(date +%s)
+  timeout "${STRATA_GPU_SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool memcheck \
+    --error-exitcode 99 --print-limit 20 "$BUNDLE/bin/cuda_backend_test" --gtest_brief=1 \
+    --gtest_filter="${STRATA_GPU_SANITIZER_FILTER:-*}" >"$LOGS/memcheck.log" 2>&1
+  rc=$?
+  summarize "memcheck cuda_backend_test" "$LOGS/memcheck.log" "$rc" "$(( $(date +%s) - start ))"
+  grep -E 'ERROR SUMMARY|Invalid|========= [A-Z]' "$LOGS/memcheck.log" | head -20
+fi
+
+if [ -x "$BUNDLE/bin/cuda_attention_bench" ] && [ "${STRATA_GPU_SKIP_BENCH:-0}" != 1 ]; then
+  # shellcheck disable=SC2086
+  "$BUNDLE/bin/cuda_attention_bench" ${STRATA_GPU_BENCH_ARGS:-32768 131072} 2>&1 | tee "$LOGS/bench.txt"
+fi
+
+echo "==== summary ===="
+printf '%s\n' "${rows[@]}"

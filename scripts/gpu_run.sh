@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Builds the GPU test binaries here (no GPU needed) and bundles them, with every non-system shared
+# library they need, into .gpu/ (gitignored) for the GPU machine, where scripts/gpu_remote.sh runs
+# them from the repo root.
+#
+# Usage: scripts/gpu_run.sh [--with-cli]
+#   --with-cli   also build the `strata` binary (otherwise it is bundled only if already built)
+# Env: STRATA_GPU_BUILD_DIR (default build-cuda), STRATA_JOBS (default 2).
+#
+# What is bundled (.gpu/):
+#   bin/            the test binaries with ctest label `gpu`, cuda_attention_bench, strata (if built),
+#                   stripped
+#   libs.tar.gz     the shared libraries they link that the GPU machine lacks (Abseil, gRPC,
+#                   RocksDB, prometheus-cpp, OpenBLAS, PCRE2, ...), gzip-compressed (the device
+#                   tool carries at most 64 MiB)
+# Not bundled, because the GPU machine has them (Ubuntu 24.04, CUDA 13.0; see notes/GPU.md): glibc,
+# libstdc++/libgcc_s, the CUDA driver and toolkit libraries (cudart, cuBLAS/cuBLASLt, NCCL), and
+# libprotobuf.so.32.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR="${STRATA_GPU_BUILD_DIR:-build-cuda}"
+JOBS="${STRATA_JOBS:-2}"
+WITH_CLI=0
+[ "${1:-}" = "--with-cli" ] && WITH_CLI=1
+
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_BUILD_TESTS=ON \
+    -DSTRATA_ENABLE_CUDA=ON
+fi
+targets=(cuda_backend_test cuda_attention_bench)
+ninja -C "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
+if [ "$WITH_CLI" = 1 ]; then
+  ninja -C "$BUILD_DIR" -j "$JOBS" strata
+fi
+
+# Every gpu-labelled test binary ctest knows about (built ones only).
+mapfile -t gpu_tests < <(ctest --test-dir "$BUILD_DIR" -L gpu -N --show-only=json-v1 2>/dev/null |
+  python3 -c '
+import json, os, sys
+seen = set()
+for t in json.load(sys.stdin).get("tests", []):
+    cmd = t.get("command") or []
+    if cmd and os.path.exists(cmd[0]) and cmd[0] not in seen:
+        seen.add(cmd[0]); print(cmd[0])')
+binaries=("${gpu_tests[@]}" "$BUILD_DIR/bin/cuda_attention_bench")
+[ -x "$BUILD_DIR/bin/strata" ] && binaries+=("$BUILD_DIR/bin/strata")
+
+rm -rf .gpu
+mkdir -p .gpu/bin .gpu/lib
+for b in "${binaries[@]}"; do
+  strip --strip-unneeded -o ".gpu/bin/$(basename "$b")" "$b"
+done
+# Libraries present on the GPU machine (or that must come from its driver) are left out.
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libstdc\+\+|libgcc_s|libcuda\.so|libcudart|libcublas|libcublasLt|libnvidia|libnccl|libprotobuf\.so\.32)'
+for b in "${binaries[@]}"; do
+  ldd "$b" | awk '/=>/ && $3 ~ /^\// {print $1, $3}'
+done | sort -u | while read -r name path; do
+  if [[ "$name" =~ $skip ]]; then continue; fi
+  cp -L "$path" ".gpu/lib/$name"
+  strip --strip-unneeded ".gpu/lib/$name" 2>/dev/null || true
+done
+tar -C .gpu -czf .gpu/libs.tar.gz lib
+rm -rf .gpu/lib
+cp scripts/gpu_remote.sh .gpu/
+echo "bundled into .gpu/:"
+ls -la .gpu/bin
+du -sh .gpu .gpu/libs.tar.gz
