@@ -1,0 +1,212 @@
+// The coordinator's logic, independent of gRPC: the public document and job operations, the
+// worker registry RPCs, and the scheduling loop that places documents on workers and dispatches
+// jobs to leaders through a WorkerClient. The gRPC services (coordinator/service.h) are thin
+// adapters over this class.
+//
+// State lives in the Catalog (RocksDB); unfinished jobs and documents not yet READY are also
+// indexed in memory. On Start, jobs that were PREFILLING or DECODING (their workers' streams died
+// with the previous process) go back to QUEUED, and PREFILLING documents back to PENDING.
+//
+// Without live workers nothing is executed: documents stay PENDING and jobs stay QUEUED.
+//
+// Thread-safe: one mutex guards the in-memory state; WorkerClient calls are made after it is
+// released. Observers are called with the mutex held: they must not block or call back into the
+// Coordinator.
+#ifndef STRATA_COORDINATOR_COORDINATOR_H_
+#define STRATA_COORDINATOR_COORDINATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/admission.h"
+#include "coordinator/catalog.h"
+#include "coordinator/job_state.h"
+#include "coordinator/placement.h"
+#include "coordinator/validation.h"
+#include "coordinator/worker_client.h"
+#include "coordinator/worker_registry.h"
+#include "strata/v1/api.pb.h"
+#include "strata/v1/internal.pb.h"
+
+namespace strata::model {
+class Tokenizer;
+}
+
+namespace strata::coordinator {
+
+struct CoordinatorMetrics;
+
+struct CoordinatorOptions {
+  ValidationLimits limits;
+  AdmissionLimits admission;
+  PlacementOptions placement;
+  WorkerRegistryOptions registry;
+  // Namespaces document ids (the model served): the same tokens under another namespace are
+  // another document. Default: "default".
+  std::string model_namespace = "default";
+  // Tokenizer for text uploads and prompts; not owned; must outlive the Coordinator.
+  // nullptr: text is refused with FAILED_PRECONDITION (token ids still work).
+  const model::Tokenizer* tokenizer = nullptr;
+  // Seeds job ids and default sampler seeds; 0: from std::random_device.
+  uint64_t random_seed = 0;
+
+  // Validates every sub-option; InvalidArgument naming the bad one.
+  absl::Status Validate() const;
+};
+
+// Receives a job's events. Called with the coordinator's lock held: must not block or call the
+// Coordinator. After Unwatch returns, no further calls are made.
+class JobObserver {
+ public:
+  virtual ~JobObserver() = default;
+  // Events without sequence numbers (the stream numbers them). A snapshot with a terminal state
+  // is the last event.
+  virtual void OnJobEvent(const v1::JobEvent& event) = 0;
+};
+
+// Receives a document's state changes (same contract as JobObserver). `status` is OK with the
+// new state, or NOT_FOUND once when the document is deleted (the last call).
+class DocumentObserver {
+ public:
+  virtual ~DocumentObserver() = default;
+  virtual void OnDocument(const absl::Status& status, const v1::DocumentInfo& info) = 0;
+};
+
+// Content of an upload or inline document: text or token ids.
+struct DocumentContent {
+  bool is_text = false;
+  std::string text;
+  std::vector<int32_t> tokens;
+};
+
+class Coordinator {
+ public:
+  // `catalog` and `workers` must be non-null; `metrics` may be null. `now` gives monotonic
+  // nanoseconds (the registry's clock); `wall_micros` gives wall-clock microseconds.
+  Coordinator(const CoordinatorOptions& options, std::unique_ptr<Catalog> catalog,
+              WorkerClient* workers, CoordinatorMetrics* metrics, NowFn now,
+              std::function<int64_t()> wall_micros);
+  ~Coordinator();
+
+  // Loads unfinished jobs and documents from the catalog (see the header comment).
+  absl::Status Start();
+
+  // --- Documents ---
+  // Stores a document (content-addressed). INVALID_ARGUMENT: empty, bad token ids, negative TTL;
+  // RESOURCE_EXHAUSTED: more tokens than max_document_tokens; FAILED_PRECONDITION: text without
+  // a tokenizer; UNAVAILABLE: draining.
+  absl::StatusOr<v1::DocumentUploadResponse> UploadDocument(const v1::DocumentUploadOptions& options,
+                                                            const DocumentContent& content);
+  absl::StatusOr<v1::DocumentInfo> GetDocument(const std::string& document_id);
+  absl::StatusOr<v1::DocumentListResponse> ListDocuments(const v1::DocumentListRequest& request);
+  // FAILED_PRECONDITION while an unfinished job uses the document.
+  absl::Status DeleteDocument(const std::string& document_id);
+  absl::StatusOr<v1::DocumentInfo> PinDocument(const v1::DocumentPinRequest& request);
+  // Registers `observer` and sends it the current state. NOT_FOUND / INVALID_ARGUMENT as Get.
+  absl::Status WatchDocument(const std::string& document_id, DocumentObserver* observer);
+  void UnwatchDocument(const std::string& document_id, DocumentObserver* observer);
+
+  // --- Jobs ---
+  // Validates and admits a job (QUEUED). Codes as documented on JobService.Submit.
+  absl::StatusOr<v1::JobInfo> SubmitJob(const v1::JobSubmitRequest& request);
+  absl::StatusOr<v1::JobInfo> GetJob(const std::string& job_id);
+  absl::StatusOr<v1::JobListResponse> ListJobs(const v1::JobListRequest& request);
+  // FAILED_PRECONDITION for a finished job. The leader worker (if any) is told to stop.
+  absl::StatusOr<v1::JobInfo> CancelJob(const std::string& job_id);
+  // Registers `observer` and sends it a snapshot at once.
+  absl::Status WatchJob(const std::string& job_id, JobObserver* observer);
+  void UnwatchJob(const std::string& job_id, JobObserver* observer);
+
+  // --- Workers (internal WorkerRegistry service) ---
+  absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(const v1::RegisterWorkerRequest& request);
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  absl::Status DeregisterWorker(const v1::DeregisterWorkerRequest& request);
+
+  // One round of the scheduling loop: expires silent workers (their jobs are requeued), places
+  // PENDING documents and dispatches QUEUED jobs whose documents are READY. The server calls it
+  // periodically; tests call it directly.
+  void Tick();
+
+  // Stops admitting work (uploads and submissions get UNAVAILABLE) and dispatching.
+  void StartDrain();
+  bool draining() const;
+  // Jobs currently PREFILLING or DECODING.
+  int64_t RunningJobs() const;
+  // Hands every running job back: it returns to QUEUED in the catalog (the next coordinator
+  // dispatches it again) and its leader is told to stop. Used when the drain times out.
+  void HandBackRunningJobs();
+
+ private:
+  struct LiveJob {
+    v1::JobRecord record;
+    uint64_t dispatch_epoch = 0;  // increments on every dispatch; stale callbacks are ignored
+  };
+  struct LiveDocument {
+    v1::DocumentRecord record;
+    uint64_t dispatch_epoch = 0;
+    std::vector<bool> shard_done;
+    std::vector<v1::PrefillShardProgress> shard_progress;
+    v1::ShardMap map;
+  };
+  using Action = std::function<void()>;
+
+  absl::StatusOr<std::vector<int32_t>> Tokenize(const DocumentContent& content, bool add_special,
+                                                absl::string_view what) const;
+  std::string DocumentIdFor(const std::vector<int32_t>& tokens) const;
+  std::string NewJobId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Writes a job record and notifies watchers (snapshot). Updates metrics on state changes.
+  absl::Status SaveJob(LiveJob& job, JobState old_state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status SaveDocument(LiveDocument& doc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyJob(const v1::JobEvent& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyDocument(const v1::DocumentInfo& info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies `t` to a live job; removes it from the live set when terminal.
+  absl::Status TransitionJob(const std::string& job_id, JobTransition t, std::vector<Action>* actions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RequeueJobsOfWorker(const std::string& worker_id, std::vector<Action>* actions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResetDocumentsOnWorker(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DispatchDocuments(std::vector<Action>* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DispatchJobs(std::vector<Action>* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailJobsOnDocument(const std::string& document_id, const std::string& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Worker callbacks.
+  void OnPrefillProgress(const std::string& document_id, uint64_t epoch, int shard,
+                         const v1::PrefillShardProgress& progress);
+  void OnPrefillDone(const std::string& document_id, uint64_t epoch, int shard, const absl::Status& status);
+  void OnJobEventFromWorker(const std::string& job_id, uint64_t epoch, const v1::JobEvent& event);
+  void OnJobDone(const std::string& job_id, uint64_t epoch, const absl::Status& status);
+
+  const CoordinatorOptions options_;
+  const std::unique_ptr<Catalog> catalog_;
+  WorkerClient* const workers_;
+  CoordinatorMetrics* const metrics_;
+  const std::function<int64_t()> wall_micros_;
+  const AdmissionPolicy admission_;
+  WorkerRegistry registry_;
+
+  mutable absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, LiveJob> live_jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, LiveDocument> live_documents_ ABSL_GUARDED_BY(mu_);
+  // Jobs led by each worker (for load and requeue on failure).
+  std::map<std::string, std::set<std::string>> jobs_by_worker_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::set<JobObserver*>> job_watchers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::set<DocumentObserver*>> document_watchers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace strata::coordinator
+
+#endif  // STRATA_COORDINATOR_COORDINATOR_H_

@@ -1,0 +1,67 @@
+// A scriptable WorkerClient for tests: records every call and lets the test complete them.
+// Thread-safe.
+#ifndef STRATA_COORDINATOR_TESTING_FAKE_WORKER_CLIENT_H_
+#define STRATA_COORDINATOR_TESTING_FAKE_WORKER_CLIENT_H_
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "coordinator/worker_client.h"
+
+namespace strata::coordinator::testing {
+
+class FakeWorkerClient : public WorkerClient {
+ public:
+  struct PrefillCall {
+    std::string worker_id;
+    v1::PrefillShardRequest request;
+    ProgressFn on_progress;
+    DoneFn on_done;
+  };
+  struct RunCall {
+    std::string worker_id;
+    v1::RunJobRequest request;
+    JobEventFn on_event;
+    DoneFn on_done;
+  };
+
+  void PrefillShard(const v1::WorkerInfo& worker, const v1::PrefillShardRequest& request,
+                    ProgressFn on_progress, DoneFn on_done) override {
+    absl::MutexLock lock(&mu_);
+    prefills_.push_back({worker.worker_id(), request, std::move(on_progress), std::move(on_done)});
+  }
+  void RunJob(const v1::WorkerInfo& worker, const v1::RunJobRequest& request, JobEventFn on_event,
+              DoneFn on_done) override {
+    absl::MutexLock lock(&mu_);
+    runs_.push_back({worker.worker_id(), request, std::move(on_event), std::move(on_done)});
+  }
+  void CancelJob(const v1::WorkerInfo& worker, const std::string& job_id) override {
+    absl::MutexLock lock(&mu_);
+    cancels_.emplace_back(worker.worker_id(), job_id);
+  }
+
+  std::vector<PrefillCall> prefills() const {
+    absl::MutexLock lock(&mu_);
+    return prefills_;
+  }
+  std::vector<RunCall> runs() const {
+    absl::MutexLock lock(&mu_);
+    return runs_;
+  }
+  std::vector<std::pair<std::string, std::string>> cancels() const {
+    absl::MutexLock lock(&mu_);
+    return cancels_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<PrefillCall> prefills_ ABSL_GUARDED_BY(mu_);
+  std::vector<RunCall> runs_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<std::string, std::string>> cancels_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace strata::coordinator::testing
+
+#endif  // STRATA_COORDINATOR_TESTING_FAKE_WORKER_CLIENT_H_
