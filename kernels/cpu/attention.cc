@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -21,9 +22,26 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // (the pool itself for f32 pools, dst otherwise).
 inline const float* LoadRow(const TensorView& pool, int64_t row, int head_dim, float* dst) {
   if (pool.dtype == DType::kF32) return pool.As<const float>() + row * head_dim;
+  // bf16 -> f32 is exact: the 16 bits become the high half of the f32.
   const uint16_t* src = pool.As<const uint16_t>() + row * head_dim;
-  for (int i = 0; i < head_dim; ++i) dst[i] = BF16ToF32(src[i]);
+  for (int i = 0; i < head_dim; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&dst[i], &bits, sizeof(float));
+  }
   return dst;
+}
+
+// q . k with 8 independent partial sums (lets the compiler vectorise without reassociating a
+// single chain); the result differs from a sequential sum only by f32 rounding.
+inline float Dot(const float* q, const float* k, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * k[i + j];
+  }
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += q[i] * k[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 
 absl::Status ValidatePagedAttention(const PagedAttentionParams& p) {
@@ -134,9 +152,7 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
         float span_max = kNegInf;
         for (int j = 0; j < n; ++j) {
           const float* kr = LoadRow(p.k_pool, base + j, head_dim, kbuf.data());
-          float dot = 0.0f;
-          for (int i = 0; i < head_dim; ++i) dot += qr[i] * kr[i];
-          scores[j] = dot * p.scale;
+          scores[j] = Dot(qr, kr, head_dim) * p.scale;
           if (scores[j] > span_max) span_max = scores[j];
         }
         const float new_m = span_max > m ? span_max : m;
