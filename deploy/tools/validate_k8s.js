@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // Offline validation of rendered Kubernetes manifests (the output of `kustomize build`).
 //
-//   node validate_k8s.js [--policy] FILE.yaml...
+//   node validate_k8s.js [--policy] [--summary-json OUT] FILE.yaml...
 //
 // Three layers, each of which fails the run (exit 1) with one line per problem:
 //  1. schema: every object is validated against the OpenAPI-derived JSON schemas bundled in
@@ -11,8 +11,11 @@
 //  2. strict fields: the same models' TypeScript declarations are used to type-check every object
 //     as an object literal, so unknown fields (a typo such as `readinesProbe`) and wrong types are
 //     errors. The JSON schemas alone do not reject unknown fields.
-//  3. --policy: Strata's own rules across objects (selectors that match, probe ports, grace periods
-//     consistent with preStop + drain, GPU and host-tier memory, scrape annotations, KEDA target).
+//  3. --policy: Strata's own rules across the objects of each file (one file = one rendered
+//     overlay): selectors that match, probe ports, grace periods consistent with preStop + drain,
+//     GPU and host-tier memory, scrape annotations, KEDA target and query namespace.
+// --summary-json OUT writes {"FILE": number of problems} (used by the self-test of
+// scripts/check_deploy.sh to check many broken copies in one run).
 // Exit status: 0 all good, 1 problems found, 2 usage or I/O error.
 'use strict';
 
@@ -22,17 +25,29 @@ const YAML = require('yaml');
 
 function usage(msg) {
   if (msg) console.error(`validate_k8s: ${msg}`);
-  console.error('usage: validate_k8s.js [--policy] FILE.yaml...');
+  console.error('usage: validate_k8s.js [--policy] [--summary-json OUT] FILE.yaml...');
   process.exit(2);
 }
 
 const args = process.argv.slice(2);
-const policy = args.includes('--policy');
-const files = args.filter((a) => a !== '--policy');
+let policy = false;
+let summaryPath;
+const files = [];
+for (let i = 0; i < args.length; i++) {
+  if (args[i] === '--policy') policy = true;
+  else if (args[i] === '--summary-json') summaryPath = args[++i];
+  else if (args[i].startsWith('--')) usage(`unknown flag ${args[i]}`);
+  else files.push(args[i]);
+}
 if (files.length === 0) usage('no input files');
 
 const problems = [];
-function problem(where, msg) { problems.push(`${where}: ${msg}`); }
+const perFile = Object.fromEntries(files.map((f) => [f, 0]));
+let currentFile = files[0];  // the file the problems being reported belong to
+function problem(where, msg) {
+  problems.push(`${where}: ${msg}`);
+  perFile[currentFile]++;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Parse.
@@ -44,6 +59,7 @@ for (const file of files) {
   } catch (e) {
     usage(`cannot read ${file}: ${e.message}`);
   }
+  currentFile = file;
   const docs = YAML.parseAllDocuments(text, { uniqueKeys: true, strict: true });
   docs.forEach((doc, i) => {
     const where0 = `${file}#${i}`;
@@ -59,7 +75,7 @@ for (const file of files) {
     }
     const name = obj.metadata && obj.metadata.name;
     const ns = obj.metadata && obj.metadata.namespace;
-    objects.push({ obj, where: `${path.basename(file)}: ${obj.kind}/${ns ? ns + '/' : ''}${name}` });
+    objects.push({ obj, file, where: `${path.basename(file)}: ${obj.kind}/${ns ? ns + '/' : ''}${name}` });
   });
 }
 
@@ -78,8 +94,9 @@ function modelModule(apiVersion, kind) {
   return `kubernetes-models/${group}/${version}/${kind}`;
 }
 
-const typed = [];  // {obj, where, module, kind} for the strict pass
-for (const { obj, where } of objects) {
+const typed = [];  // {obj, where, file, module, kind} for the strict pass
+for (const { obj, where, file } of objects) {
+  currentFile = file;
   if (!obj.apiVersion || !obj.kind) {
     problem(where, 'apiVersion and kind are required');
     continue;
@@ -104,7 +121,7 @@ for (const { obj, where } of objects) {
     const details = (e.errors || []).map((x) => `${x.instancePath || '/'} ${x.message}`);
     problem(where, `schema: ${details.length ? details.join('; ') : e.message}`);
   }
-  typed.push({ obj, where, module: mod, kind: obj.kind });
+  typed.push({ obj, where, file, module: mod, kind: obj.kind });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -125,7 +142,7 @@ function strictCheck() {
     body[0] = `export const o${i}: T${i} = ${body[0]}`;
     body[body.length - 1] += ';';
     lines.push(...body);
-    ranges.push([first, lines.length - 1, t.where]);
+    ranges.push([first, lines.length - 1, t.where, t.file]);
   });
   const source = lines.join('\n');
   const options = {
@@ -156,6 +173,7 @@ function strictCheck() {
     }
     const { line } = d.file.getLineAndCharacterOfPosition(d.start);
     const r = ranges.find(([a, b]) => line >= a && line <= b);
+    if (r) currentFile = r[3];
     // Point at the field: the text of the offending line of the generated literal.
     const text = lines[line] ? lines[line].trim() : '';
     problem(r ? r[2] : 'strict', `strict: ${msg}${text ? ` (at ${text})` : ''}`);
@@ -217,7 +235,8 @@ const REQUIRED_FLAGS = {
   kvstore: ['--listen', '--data', '--metrics-listen'],
 };
 
-function runPolicy() {
+// Runs on the objects of one rendered file (one overlay): references never cross files.
+function runPolicy(objects, file) {
   const byKind = (k) => objects.filter((o) => o.obj.kind === k);
   const nsOf = (o) => (o.obj.metadata && o.obj.metadata.namespace) || '';
   const workloads = [...byKind('Deployment'), ...byKind('StatefulSet')];
@@ -226,7 +245,7 @@ function runPolicy() {
   const podLabels = (w) => (((w.obj.spec || {}).template || {}).metadata || {}).labels || {};
   const podSpec = (w) => ((w.obj.spec || {}).template || {}).spec || {};
 
-  if (workloads.length === 0) problem('policy', 'no Deployment or StatefulSet rendered');
+  if (workloads.length === 0) problem(file, 'no Deployment or StatefulSet rendered');
   const components = new Set();
 
   for (const w of workloads) {
@@ -310,7 +329,7 @@ function runPolicy() {
     }
   }
   for (const need of Object.keys(REQUIRED_FLAGS)) {
-    if (!components.has(need)) problem('policy', `no ${need} workload rendered`);
+    if (!components.has(need)) problem(file, `no ${need} workload rendered`);
   }
   for (const s of services) {
     const targets = workloads.filter((w) => nsOf(w) === nsOf(s) && matches({ matchLabels: s.obj.spec.selector }, podLabels(w)));
@@ -365,7 +384,13 @@ function runPolicy() {
     if (!(so.obj.spec.minReplicaCount <= so.obj.spec.maxReplicaCount)) problem(so.where, 'minReplicaCount > maxReplicaCount');
   }
 }
-if (policy) runPolicy();
+if (policy) {
+  for (const file of files) {
+    currentFile = file;
+    runPolicy(objects.filter((o) => o.file === file), file);
+  }
+}
+if (summaryPath) fs.writeFileSync(summaryPath, JSON.stringify(perFile, null, 1));
 
 if (problems.length) {
   for (const p of problems) console.error(`FAIL ${p}`);
