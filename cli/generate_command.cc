@@ -1,0 +1,226 @@
+// `strata generate`: runs a model locally (CPU backend, dense attention) on a prompt and streams
+// the generated text to stdout; statistics and the effective configuration go to stderr.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/status_macros.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "engine/attention_policy.h"
+#include "engine/generator.h"
+#include "engine/transformer.h"
+#include "kernels/backend.h"
+#include "model/model.h"
+
+namespace strata::cli {
+namespace {
+
+struct GenerateFlags {
+  std::string model;
+  std::string prompt;
+  std::string prompt_file;
+  std::string token_ids;
+  int64_t max_tokens = 128;
+  double temperature = 0.0;
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  int64_t seed = 0;
+  std::string stop;  // for --help; the values are collected by CollectStops
+  bool ignore_eos = false;
+  int64_t chunk_size = 512;
+  int64_t threads = 0;
+};
+
+// "\n", "\t", "\\" and "\," in stop sequences stand for newline, tab, backslash and a comma.
+std::vector<std::string> SplitStops(const std::string& value) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (size_t i = 0; i < value.size(); ++i) {
+    const char c = value[i];
+    if (c == '\\' && i + 1 < value.size()) {
+      const char e = value[++i];
+      cur += e == 'n' ? '\n' : e == 't' ? '\t' : e;
+    } else if (c == ',') {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
+// Every --stop value (the flag may repeat; FlagSet keeps only the last one).
+std::vector<std::string> CollectStops(int argc, char** argv) {
+  std::vector<std::string> stops;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    std::string value;
+    if (arg == "--stop" && i + 1 < argc) {
+      value = argv[++i];
+    } else if (arg.rfind("--stop=", 0) == 0) {
+      value = arg.substr(7);
+    } else {
+      continue;
+    }
+    for (std::string& s : SplitStops(value)) stops.push_back(std::move(s));
+  }
+  return stops;
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const std::string& text) {
+  std::vector<int32_t> ids;
+  for (absl::string_view piece : absl::StrSplit(text, ',')) {
+    piece = absl::StripAsciiWhitespace(piece);
+    int32_t id;
+    if (!absl::SimpleAtoi(piece, &id) || id < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--token-ids: '", std::string(piece), "' is not a token id"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read --prompt-file ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) {
+  const int sources = !f.prompt.empty() + !f.prompt_file.empty() + !f.token_ids.empty();
+  if (f.model.empty()) return absl::InvalidArgumentError("--model DIR is required");
+  if (sources != 1) {
+    return absl::InvalidArgumentError(
+        "give exactly one of --prompt, --prompt-file and --token-ids (non-empty)");
+  }
+  if (f.threads < 0) return absl::InvalidArgumentError("--threads must be >= 0");
+  if (f.seed < 0) return absl::InvalidArgumentError("--seed must be >= 0");
+
+  engine::GenerateOptions gen;
+  gen.max_tokens = f.max_tokens;
+  gen.sampling.temperature = f.temperature;
+  gen.sampling.top_k = f.top_k;
+  gen.sampling.top_p = f.top_p;
+  gen.sampling.seed = static_cast<uint64_t>(f.seed);
+  gen.stop = stops;
+  gen.ignore_eos = f.ignore_eos;
+  STRATA_RETURN_IF_ERROR(gen.Validate());
+  engine::TransformerOptions topt;
+  topt.prefill_chunk_size = f.chunk_size;
+  STRATA_RETURN_IF_ERROR(topt.Validate());
+
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::Model> m, model::LoadModel(f.model));
+  std::vector<int32_t> prompt;
+  if (!f.token_ids.empty()) {
+    STRATA_ASSIGN_OR_RETURN(prompt, ParseTokenIds(f.token_ids));
+  } else {
+    std::string text = f.prompt;
+    if (!f.prompt_file.empty()) {
+      STRATA_ASSIGN_OR_RETURN(text, ReadFile(f.prompt_file));
+    }
+    if (text.empty()) return absl::InvalidArgumentError("the prompt is empty");
+    if (m->tokenizer == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(f.model, " has no tokenizer.json: use --token-ids"));
+    }
+    STRATA_ASSIGN_OR_RETURN(prompt, m->tokenizer->Encode(text, /*add_special_tokens=*/true));
+  }
+  if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
+  if (!stops.empty() && m->tokenizer == nullptr) {
+    return absl::FailedPreconditionError("--stop needs a model with tokenizer.json");
+  }
+
+  auto backend = kernels::MakeCpuBackend(static_cast<int>(f.threads));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::Transformer> tf,
+                          engine::Transformer::Create(m->config, m->weights, backend.get(), topt));
+  auto policy = engine::MakeDensePolicy();
+  std::fprintf(stderr,
+               "strata generate: model=%s [%s] backend=cpu threads=%s policy=%s chunk=%lld "
+               "max_tokens=%lld temperature=%g top_k=%lld top_p=%g seed=%lld stop=%zu "
+               "ignore_eos=%s\n",
+               f.model.c_str(), m->config.DebugString().c_str(),
+               f.threads > 0 ? std::to_string(f.threads).c_str() : "all",
+               policy->Name().c_str(), static_cast<long long>(f.chunk_size),
+               static_cast<long long>(f.max_tokens), f.temperature,
+               static_cast<long long>(f.top_k), f.top_p, static_cast<long long>(f.seed),
+               stops.size(), f.ignore_eos ? "true" : "false");
+
+  auto on_text = [](const std::string& text) -> absl::Status {
+    if (std::fwrite(text.data(), 1, text.size(), stdout) != text.size() || std::fflush(stdout) != 0) {
+      return absl::UnavailableError("cannot write to stdout");
+    }
+    return absl::OkStatus();
+  };
+  STRATA_ASSIGN_OR_RETURN(
+      engine::GenerateResult r,
+      engine::Generate(tf.get(), m->tokenizer.get(), prompt, gen, policy.get(), on_text));
+  if (m->tokenizer == nullptr) {
+    // No tokenizer: print the generated ids instead of text.
+    std::string ids = absl::StrJoin(r.tokens, ",");
+    on_text(ids + "\n").IgnoreError();  // best effort; the statistics follow regardless
+  } else if (!r.text.empty() && r.text.back() != '\n') {
+    std::fputc('\n', stdout);
+    std::fflush(stdout);
+  }
+  const double prefill_tps = r.prefill_seconds > 0 ? r.prompt_tokens / r.prefill_seconds : 0;
+  const double decode_tps = r.decode_seconds > 0 ? r.decode_steps / r.decode_seconds : 0;
+  std::fprintf(stderr,
+               "strata generate: prompt_tokens=%lld generated_tokens=%lld finish=%s "
+               "prefill=%.3fs (%.1f tok/s) decode=%.3fs for %lld steps (%.1f tok/s)\n",
+               static_cast<long long>(r.prompt_tokens), static_cast<long long>(r.generated_tokens),
+               engine::FinishReasonName(r.finish_reason), r.prefill_seconds, prefill_tps,
+               r.decode_seconds, static_cast<long long>(r.decode_steps), decode_tps);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunGenerate(int argc, char** argv) {
+  GenerateFlags f;
+  FlagSet flags("generate",
+                "--model DIR (--prompt TEXT | --prompt-file F | --token-ids 1,2,3) [flags]");
+  flags.String("model", &f.model, "Hugging Face model directory (config.json, *.safetensors)");
+  flags.String("prompt", &f.prompt, "prompt text (encoded with the model's tokenizer, BOS added)");
+  flags.String("prompt-file", &f.prompt_file, "read the prompt text from this file");
+  flags.String("token-ids", &f.token_ids, "prompt as comma-separated token ids");
+  flags.Int("max-tokens", &f.max_tokens, "tokens to generate at most");
+  flags.Double("temperature", &f.temperature, "sampling temperature; 0 = greedy");
+  flags.Int("top-k", &f.top_k, "keep the k most likely tokens; 0 = all");
+  flags.Double("top-p", &f.top_p, "nucleus sampling mass in (0, 1]");
+  flags.Int("seed", &f.seed, "random seed (PCG32)");
+  flags.String("stop", &f.stop,
+               "stop sequence; repeatable or comma-separated (\\n, \\t, \\, and \\\\ escapes)");
+  flags.Bool("ignore-eos", &f.ignore_eos, "keep generating past end-of-sequence tokens");
+  flags.Int("chunk-size", &f.chunk_size, "prefill chunk size (tokens)");
+  flags.Int("threads", &f.threads, "CPU threads; 0 = all cores");
+  const absl::Status parse = flags.Parse(argc, argv);
+  if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
+  if ((flags.WasSet("prompt") && f.prompt.empty()) || (flags.WasSet("token-ids") && f.token_ids.empty())) {
+    std::fprintf(stderr, "strata generate: the prompt is empty\n");
+    return 2;
+  }
+  const absl::Status s = Run(f, CollectStops(argc, argv));
+  if (!s.ok()) {
+    std::fprintf(stderr, "strata generate: %s\n", s.ToString().c_str());
+    return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}
+
+}  // namespace strata::cli

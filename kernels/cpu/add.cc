@@ -34,7 +34,7 @@ absl::Status CpuAdd(const AddParams& p) {
   const float* a = p.a.As<const float>();
   const float* b = p.b.As<const float>();
   float* o = p.out.As<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= cpu_internal::kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) o[i] = a[i] + b[i];
   return absl::OkStatus();
 }

@@ -28,10 +28,15 @@ CpuBuffer::~CpuBuffer() { std::free(data_); }
 
 CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) {}
 
-void CpuBackend::ApplyThreads() const {
-  const int n = num_threads_ > 0 ? num_threads_ : omp_get_num_procs();
+void CpuBackend::ApplyThreads(int64_t work) const {
+  // Small ops run on the calling thread (a team of one): waking OpenMP workers costs more than
+  // it saves, and their spin-waiting slows everything down on a loaded machine.
+  const int n = work < cpu_internal::kParallelMinWork ? 1
+                : num_threads_ > 0                   ? num_threads_
+                                                     : omp_get_num_procs();
   if (omp_get_max_threads() != n) omp_set_num_threads(n);
-  if (openblas_get_num_threads() != n) openblas_set_num_threads(n);
+  const int blas = num_threads_ > 0 ? num_threads_ : omp_get_num_procs();
+  if (openblas_get_num_threads() != blas) openblas_set_num_threads(blas);
 }
 
 absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t bytes) {
@@ -60,32 +65,32 @@ absl::Status CpuBackend::Synchronize(Stream) { return absl::OkStatus(); }
 
 absl::Status CpuBackend::Supports(const EmbeddingParams& p) const { return CpuSupportsEmbedding(p); }
 absl::Status CpuBackend::Embedding(const EmbeddingParams& p, Stream) {
-  ApplyThreads();
+  ApplyThreads(p.out.NumElements());
   return CpuEmbedding(p);
 }
 absl::Status CpuBackend::Supports(const RmsNormParams& p) const { return CpuSupportsRmsNorm(p); }
 absl::Status CpuBackend::RmsNorm(const RmsNormParams& p, Stream) {
-  ApplyThreads();
+  ApplyThreads(p.in.NumElements());
   return CpuRmsNorm(p);
 }
 absl::Status CpuBackend::Supports(const MatMulParams& p) const { return CpuSupportsMatMul(p); }
 absl::Status CpuBackend::MatMul(const MatMulParams& p, Stream) {
-  ApplyThreads();
+  ApplyThreads(p.in.dim(0) * p.weight.NumElements());
   return CpuMatMul(p);
 }
 absl::Status CpuBackend::Supports(const RopeParams& p) const { return CpuSupportsRope(p); }
 absl::Status CpuBackend::Rope(const RopeParams& p, Stream) {
-  ApplyThreads();
+  ApplyThreads(p.x.NumElements());
   return CpuRope(p);
 }
 absl::Status CpuBackend::Supports(const SwiGluParams& p) const { return CpuSupportsSwiGlu(p); }
 absl::Status CpuBackend::SwiGlu(const SwiGluParams& p, Stream) {
-  ApplyThreads();
+  ApplyThreads(p.gate.NumElements());
   return CpuSwiGlu(p);
 }
 absl::Status CpuBackend::Supports(const AddParams& p) const { return CpuSupportsAdd(p); }
 absl::Status CpuBackend::Add(const AddParams& p, Stream) {
-  ApplyThreads();
+  ApplyThreads(p.a.NumElements());
   return CpuAdd(p);
 }
 
@@ -129,7 +134,15 @@ absl::Status CpuBackend::Supports(const PagedAttentionParams& p) const {
   return absl::OkStatus();
 }
 absl::Status CpuBackend::PagedAttention(const PagedAttentionParams& p, Stream) {
-  ApplyThreads();
+  // Work: query rows x attended keys x head_dim.
+  int64_t keys = 0;
+  if (p.span_offsets != nullptr && p.spans != nullptr && p.num_kv_heads > 0) {
+    for (int32_t i = p.span_offsets[0]; i < p.span_offsets[p.num_kv_heads]; ++i) {
+      keys += p.spans[i].length;
+    }
+  }
+  const int64_t group = p.num_kv_heads > 0 ? p.q.dim(1) / p.num_kv_heads : 1;
+  ApplyThreads(p.q.dim(0) * group * keys * p.q.dim(2));
   return CpuPagedAttention(p);
 }
 
@@ -159,7 +172,7 @@ absl::Status CpuBackend::Supports(const MergeAttentionParams& p) const {
   return absl::OkStatus();
 }
 absl::Status CpuBackend::MergeAttention(const MergeAttentionParams& p, Stream) {
-  ApplyThreads();
+  ApplyThreads(static_cast<int64_t>(p.num_parts) * p.out.NumElements());
   return CpuMergeAttention(p);
 }
 

@@ -10,6 +10,7 @@
 #ifndef STRATA_KERNELS_CPU_CPU_BACKEND_H_
 #define STRATA_KERNELS_CPU_CPU_BACKEND_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -90,8 +91,9 @@ class CpuBackend : public Backend {
   absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) override;
 
  private:
-  // Sets the OpenMP thread count for the calling thread before each op.
-  void ApplyThreads() const;
+  // Sets the OpenMP thread count for the calling thread before an op of `work` elements (or
+  // multiply-adds): one thread below cpu_internal::kParallelMinWork, else num_threads_.
+  void ApplyThreads(int64_t work) const;
   int num_threads_;
 };
 

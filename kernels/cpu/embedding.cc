@@ -34,7 +34,7 @@ absl::Status CpuEmbedding(const EmbeddingParams& p) {
     }
   }
   float* out = p.out.As<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * hidden >= cpu_internal::kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
     cpu_internal::LoadF32(p.table, static_cast<int64_t>(p.ids[i]) * hidden, hidden, out + i * hidden);
   }

@@ -63,7 +63,7 @@ void RowDot(const MatMulParams& p) {
   const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
   const float* in = p.in.As<const float>();
   float* out = p.out.As<float>();
-#pragma omp parallel
+#pragma omp parallel if (n * m * k >= kParallelMinWork)
   {
     std::vector<float> row(p.weight.dtype == DType::kF32 ? 0 : k);
 #pragma omp for schedule(static)
@@ -98,7 +98,7 @@ void BlockedBlas(const MatMulParams& p) {
   std::vector<float> wf(block * k);
   for (int64_t o0 = 0; o0 < m; o0 += block) {
     const int64_t rows = std::min(block, m - o0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * k >= kParallelMinWork)
     for (int64_t r = 0; r < rows; ++r) LoadF32(p.weight, (o0 + r) * k, k, wf.data() + r * k);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, k, 1.0f, in, k, wf.data(), k,
                 0.0f, out + o0, m);
@@ -128,8 +128,10 @@ absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path) {
     return absl::OkStatus();
   }
   if (path == MatMulPath::kAuto) {
-    path = (p.weight.dtype != DType::kF32 && n <= kRowDotMaxTokens) ? MatMulPath::kRowDot
-                                                                   : MatMulPath::kBlockedBlas;
+    const bool small = n * m * k < kParallelMinWork;  // not worth waking BLAS threads
+    path = (small || (p.weight.dtype != DType::kF32 && n <= kRowDotMaxTokens))
+               ? MatMulPath::kRowDot
+               : MatMulPath::kBlockedBlas;
   }
   if (path == MatMulPath::kRowDot) {
     RowDot(p);

@@ -37,7 +37,7 @@ absl::Status CpuRmsNorm(const RmsNormParams& p) {
   cpu_internal::LoadF32(p.weight, 0, hidden, weight.data());
   const float* in = p.in.As<const float>();
   float* out = p.out.As<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * hidden >= cpu_internal::kParallelMinWork)
   for (int64_t t = 0; t < n; ++t) {
     const float* x = in + t * hidden;
     float* y = out + t * hidden;

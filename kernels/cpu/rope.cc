@@ -33,7 +33,7 @@ absl::Status CpuRope(const RopeParams& p) {
   const int64_t n = p.x.dim(0), heads = p.x.dim(1), d = p.x.dim(2), half = d / 2;
   const float* inv_freq = p.inv_freq.As<const float>();
   float* x = p.x.As<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * heads * d >= cpu_internal::kParallelMinWork)
   for (int64_t t = 0; t < n; ++t) {
     const float pos = static_cast<float>(p.positions[t]);
     float cs[512], sn[512];  // head_dim / 2 <= 512 in every supported model; chunked otherwise

@@ -32,7 +32,7 @@ absl::Status CpuSwiGlu(const SwiGluParams& p) {
   const float* g = p.gate.As<const float>();
   const float* u = p.up.As<const float>();
   float* o = p.out.As<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= cpu_internal::kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
     const float x = g[i];
     o[i] = x / (1.0f + std::exp(-x)) * u[i];

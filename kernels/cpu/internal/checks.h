@@ -13,6 +13,10 @@
 
 namespace strata::kernels::cpu_internal {
 
+// Below this many elements (or multiply-adds) of work an op runs on the calling thread: waking
+// the OpenMP team costs more than it saves, and on a loaded machine spinning workers hurt.
+inline constexpr int64_t kParallelMinWork = 1 << 15;
+
 inline bool IsFloatWeight(DType t) {
   return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16;
 }

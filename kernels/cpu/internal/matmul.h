@@ -10,7 +10,8 @@
 namespace strata::kernels::cpu_internal {
 
 enum class MatMulPath {
-  kAuto,     // f32 weights: BLAS; bf16/f16: kRowDot for few tokens, kBlockedBlas otherwise
+  kAuto,  // tiny products: kRowDot (one thread); f32 weights: BLAS; bf16/f16: kRowDot for
+          // few tokens, kBlockedBlas otherwise
   kRowDot,   // plain loops: each output row of the weight converted once, dotted with every token
   kBlockedBlas,  // blocks of weight rows converted to f32, then sgemm per block (OpenBLAS)
 };
