@@ -51,13 +51,14 @@ fi
 # which does not understand these kustomizations).
 KUBECTL_KUSTOMIZE=""
 if command -v kubectl >/dev/null; then
-  kv="$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\).*/\1/p')"
+  kv="$( (kubectl version --client 2>/dev/null || true) | sed -n 's/^Kustomize Version: v\([0-9]*\).*/\1/p')"
   if [ -n "$kv" ] && [ "$kv" -ge 4 ]; then KUBECTL_KUSTOMIZE="kubectl kustomize"; fi
 fi
 if [ -z "$KUSTOMIZE" ] && [ -z "$KUBECTL_KUSTOMIZE" ]; then
   die "no kustomize: neither deploy/tools (linux-x64 only) nor a kubectl with kustomize >= v4"
 fi
 
+PREFER_KUBECTL=0  # the self-test sets 1: kubectl's kustomize v5 renders ~10x faster than 4.5.4
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/strata-check-deploy.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 
@@ -74,7 +75,7 @@ render() {
   [ -z "$only" ] || dirs=("$root/$only")
   for d in "${dirs[@]}"; do
     name="$(basename "$d")"
-    if [ -n "$KUSTOMIZE" ]; then
+    if [ -n "$KUSTOMIZE" ] && [ "$PREFER_KUBECTL" = 0 -o -z "$KUBECTL_KUSTOMIZE" ]; then
       "$KUSTOMIZE" build "$d" > "$out/$name.yaml" || { echo "FAIL kustomize build $d" >&2; return 1; }
     else
       $KUBECTL_KUSTOMIZE "$d" > "$out/$name.yaml" || { echo "FAIL kubectl kustomize $d" >&2; return 1; }
@@ -122,8 +123,8 @@ check_docker() {  # ROOT
 
 start=$(date +%s)
 echo "== checking $REPO"
-[ -n "$KUSTOMIZE" ] && echo "kustomize: $("$KUSTOMIZE" version | sed 's/ GitCommit.*//;s/{Version://')"
-[ -n "$KUBECTL_KUSTOMIZE" ] && echo "kubectl: $(kubectl version --client 2>/dev/null | tr '\n' ' ')"
+if [ -n "$KUSTOMIZE" ]; then echo "kustomize: $("$KUSTOMIZE" version | sed 's/ GitCommit.*//;s/{Version://')"; fi
+if [ -n "$KUBECTL_KUSTOMIZE" ]; then echo "kubectl: $(kubectl version --client 2>/dev/null | tr '\n' ' ')"; fi
 echo "promtool: $(promtool --version 2>&1 | head -1)"
 echo "node: $(node --version)"
 mapfile -t rendered < <(render "$REPO" "$WORK/main" kubectl; echo "rc=$?")
@@ -172,6 +173,7 @@ K8S_MUTATIONS=(
   'keda-target|deploy/k8s/base/scaledobject.yaml|s.replace("name: strata-worker\n  minReplicaCount", "name: strata-workers\n  minReplicaCount", 1)'
   'missing-flag|deploy/k8s/base/worker.yaml|s.replace("            - --kvstore\n            - strata-kvstore:50051\n", "", 1)'
 )
+PREFER_KUBECTL=1  # the self-test exercises the validators, not the renderer
 declare -A mut_files=()
 all_files=()
 for m in "${K8S_MUTATIONS[@]}"; do
