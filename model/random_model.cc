@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/container/flat_hash_set.h"
 #include "base/status_macros.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
@@ -105,6 +106,63 @@ absl::Status WriteRandomTensor(SafetensorsWriter& w, const SafetensorsEntry& e, 
     STRATA_RETURN_IF_ERROR(w.Write(bytes.data(), static_cast<size_t>(count) * esize));
   }
   return absl::OkStatus();
+}
+
+// Fills a trained byte-level BPE tokenizer.json up to `vocab_size` ids. A few KB of corpus yield
+// only ~1000 merges, but the model's vocabulary (and every id it can emit) should decode to text:
+// the extra ids become regular vocabulary entries that join two (then three) learned word tokens,
+// e.g. "Ġthe" + "Ġriver". They have no merges, so Encode never produces them (as in Hugging Face
+// BPE); Decode turns them into English fragments.
+absl::StatusOr<std::string> PadTokenizerJson(const std::string& json_text, int64_t vocab_size) {
+  using OJson = nlohmann::json;  // std::map objects: ordered_json inserts are linear
+  OJson j = OJson::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::InternalError("trained tokenizer: bad JSON");
+  auto model = j.find("model");
+  if (model == j.end() || !model->is_object()) return absl::InternalError("tokenizer: no model");
+  auto vocab = model->find("vocab");
+  if (vocab == model->end() || !vocab->is_object()) return absl::InternalError("tokenizer: no vocab");
+  int64_t next_id = 0;
+  std::vector<std::pair<int64_t, std::string>> words;  // learned word-initial tokens, by id
+  absl::flat_hash_set<std::string> existing;
+  for (auto it = vocab->begin(); it != vocab->end(); ++it) {
+    if (!it.value().is_number_integer()) return absl::InternalError("tokenizer: bad vocab id");
+    const int64_t id = it.value().get<int64_t>();
+    next_id = std::max(next_id, id + 1);
+    existing.insert(it.key());
+    // "Ġ" (U+0120, the byte-level space) followed by at least two more characters.
+    if (id >= 256 && it.key().rfind("\xc4\xa0", 0) == 0 && it.key().size() >= 4) {
+      words.emplace_back(id, it.key());
+    }
+  }
+  auto added = j.find("added_tokens");
+  if (added != j.end() && added->is_array()) {
+    for (const auto& t : *added) {
+      auto id = t.find("id");
+      if (id != t.end() && id->is_number_integer()) next_id = std::max(next_id, id->get<int64_t>() + 1);
+    }
+  }
+  if (next_id >= vocab_size) return json_text;
+  std::sort(words.begin(), words.end());
+  if (words.size() < 8) return absl::InternalError("tokenizer: too few learned words to pad from");
+  const size_t w = words.size();
+  // Mixed-radix counter over pairs, then triples; skips strings already in the vocabulary.
+  for (int len = 2; len <= 3 && next_id < vocab_size; ++len) {
+    const uint64_t combos = len == 2 ? w * w : w * w * w;
+    for (uint64_t k = 0; k < combos && next_id < vocab_size; ++k) {
+      std::string tok;
+      uint64_t r = k;
+      for (int p = 0; p < len; ++p) {
+        tok += words[r % w].second;
+        r /= w;
+      }
+      if (!existing.insert(tok).second) continue;
+      (*vocab)[tok] = next_id++;
+    }
+  }
+  if (next_id < vocab_size) {
+    return absl::InternalError(absl::StrCat("tokenizer: could only pad to ", next_id, " ids"));
+  }
+  return j.dump();
 }
 
 struct Preset {
@@ -299,10 +357,11 @@ absl::StatusOr<ModelConfig> WriteRandomModel(const std::string& dir,
         std::string tok_json,
         TrainByteLevelBpeJson(RandomModelCorpus(), static_cast<int32_t>(config.vocab_size),
                               {"<|begin_of_text|>", "<|end_of_text|>"}, /*add_bos=*/true));
+    STRATA_ASSIGN_OR_RETURN(tok_json, PadTokenizerJson(tok_json, config.vocab_size));
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, ParseTokenizerJson(tok_json));
     const int32_t bos = tok->TokenToId("<|begin_of_text|>");
     const int32_t eos = tok->TokenToId("<|end_of_text|>");
-    if (bos < 0 || eos < 0 || tok->vocab_size() > config.vocab_size) {
+    if (bos < 0 || eos < 0 || tok->vocab_size() != config.vocab_size) {
       return absl::InternalError(absl::StrCat(
           "trained tokenizer does not fit the model: vocab ", tok->vocab_size(), " (model ",
           config.vocab_size, "), bos ", bos, ", eos ", eos));

@@ -161,5 +161,31 @@ TEST(RandomModelTest, TinyModelWithTokenizer) {
   EXPECT_EQ(back, text);
 }
 
+// The built-in corpus yields ~1000 merges; the rest of a larger vocabulary is filled with
+// entries joining learned words, so every id the model can emit decodes to text.
+TEST(RandomModelTest, TokenizerPaddedToModelVocab) {
+  TempDir dir;
+  RandomModelOptions o;
+  o.vocab_size = 4096;
+  STRATA_ASSERT_OK_AND_ASSIGN(ModelConfig c, WriteRandomModel(dir.path(), o));
+  EXPECT_EQ(c.vocab_size, 4096);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto m, LoadModel(dir.path()));
+  ASSERT_NE(m->tokenizer, nullptr);
+  EXPECT_EQ(m->tokenizer->vocab_size(), 4096);
+  for (int32_t id : {4095, 3000, 2000}) {
+    STRATA_ASSERT_OK_AND_ASSIGN(std::string text, m->tokenizer->Decode({id}, true));
+    EXPECT_GE(text.size(), 4u) << id;
+    EXPECT_EQ(text[0], ' ') << id;
+  }
+  // Encoding text never produces the padding entries (they have no merges).
+  STRATA_ASSERT_OK_AND_ASSIGN(std::vector<int32_t> ids,
+                              m->tokenizer->Encode(RandomModelCorpus(), false));
+  int32_t max_id = 0;
+  for (int32_t id : ids) max_id = std::max(max_id, id);
+  EXPECT_LT(max_id, c.bos_token_ids[0]);
+  STRATA_ASSERT_OK_AND_ASSIGN(std::string back, m->tokenizer->Decode(ids, false));
+  EXPECT_EQ(back, RandomModelCorpus());
+}
+
 }  // namespace
 }  // namespace strata::model
