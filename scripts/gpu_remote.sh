@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine, from the repo root, over the bundle that scripts/gpu_run.sh made in .gpu/:
-# unpacks the libraries, runs every bundled gpu-labelled test binary, compute-sanitizer memcheck
-# on the CUDA backend test, and the decode-attention timing; prints a short table last.
+# unpacks the libraries, runs every bundled gpu-labelled test binary, the decode-attention timing,
+# and compute-sanitizer memcheck on the CUDA backend test (time-boxed, last); prints a short table.
 # Full logs go to $OUT (the device tool's result folder) when set, else /tmp/strata-gpu-out.
 #
 # Usage: scripts/gpu_remote.sh
 # Env: STRATA_GPU_SANITIZER_FILTER (gtest filter for the memcheck run; default all tests),
-#      STRATA_GPU_SANITIZER_TIMEOUT (seconds, default 150), STRATA_GPU_BENCH_ARGS (contexts for
+#      STRATA_GPU_SANITIZER_TIMEOUT (seconds, default 170), STRATA_GPU_BENCH_ARGS (contexts for
 #      cuda_attention_bench; default 32768 131072), STRATA_GPU_SKIP_BENCH=1.
 set -uo pipefail
 ROOT="$(pwd)"
@@ -18,6 +18,17 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 tar -C "$WORK" -xzf "$BUNDLE/libs.tar.gz"
 export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
 export PATH="/usr/local/cuda/bin:$PATH"
+# The CUDA toolkit libraries (cudart, cuBLAS) come from the machine; if the default places lack
+# them, look for them (CUDA install or the nvidia-* Python wheels) and add their folders.
+for bin in "$BUNDLE"/bin/*; do
+  if ldd "$bin" | grep -q "not found"; then
+    for lib in $(ldd "$bin" | awk '/not found/ {print $1}'); do
+      dir=$(find /usr /opt -name "$lib" -print -quit 2>/dev/null | xargs -r dirname)
+      [ -n "$dir" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir"
+    done
+    ldd "$bin" | grep "not found" && echo "WARNING: $(basename "$bin") still misses libraries"
+  fi
+done
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader \
   2>&1 | tee "$LOGS/nvidia-smi.txt"
@@ -43,19 +54,19 @@ for bin in "$BUNDLE"/bin/*_test; do
   grep -E '^\[  FAILED  \]|Failure|error' "$LOGS/$name.log" | head -20
 done
 
+if [ -x "$BUNDLE/bin/cuda_attention_bench" ] && [ "${STRATA_GPU_SKIP_BENCH:-0}" != 1 ]; then
+  # shellcheck disable=SC2086
+  "$BUNDLE/bin/cuda_attention_bench" ${STRATA_GPU_BENCH_ARGS:-32768 131072} 2>&1 | tee "$LOGS/bench.txt"
+fi
+
 if [ -x "$BUNDLE/bin/cuda_backend_test" ] && command -v compute-sanitizer >/dev/null; then
   start=$(date +%s)
-  timeout "${STRATA_GPU_SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool memcheck \
+  timeout "${STRATA_GPU_SANITIZER_TIMEOUT:-170}" compute-sanitizer --tool memcheck \
     --error-exitcode 99 --print-limit 20 "$BUNDLE/bin/cuda_backend_test" --gtest_brief=1 \
     --gtest_filter="${STRATA_GPU_SANITIZER_FILTER:-*}" >"$LOGS/memcheck.log" 2>&1
   rc=$?
   summarize "memcheck cuda_backend_test" "$LOGS/memcheck.log" "$rc" "$(( $(date +%s) - start ))"
   grep -E 'ERROR SUMMARY|Invalid|========= [A-Z]' "$LOGS/memcheck.log" | head -20
-fi
-
-if [ -x "$BUNDLE/bin/cuda_attention_bench" ] && [ "${STRATA_GPU_SKIP_BENCH:-0}" != 1 ]; then
-  # shellcheck disable=SC2086
-  "$BUNDLE/bin/cuda_attention_bench" ${STRATA_GPU_BENCH_ARGS:-32768 131072} 2>&1 | tee "$LOGS/bench.txt"
 fi
 
 echo "==== summary ===="
