@@ -8,7 +8,8 @@
 // Fails (exit 1, one line per problem) when:
 //  - the catalogue table is malformed (name, type, labels columns) or lists a name twice;
 //  - a rule file or the dashboard does not parse, or the dashboard lacks title/uid/panels,
-//    has duplicate panel ids, or a target without an expression;
+//    has duplicate panel ids, panels outside the 24-column grid or overlapping, or a target
+//    without an expression;
 //  - a PromQL expression names a strata_* series that is not in the catalogue (histograms also
 //    give <name>_bucket, _sum, _count) or a strata:* series no recording rule defines;
 //  - a label matcher on a strata_* series uses a label the catalogue does not list for it (target
@@ -201,22 +202,35 @@ const dashExprs = [];
   if (dash) {
     for (const k of ['title', 'uid', 'panels', 'schemaVersion']) if (!(k in dash)) problem(dashboardPath, `missing ${k}`);
     const ids = new Set();
-    const walk = (panels) => {
+    const cells = new Map();  // "x,y" grid cell -> panel id
+    // Panels inside a collapsed row keep the positions they have when it is expanded, so they are
+    // not checked for overlap.
+    const walk = (panels, nested) => {
       for (const p of panels || []) {
         const where = `${dashboardPath} panel ${p.id} "${p.title}"`;
         if (typeof p.id !== 'number' || ids.has(p.id)) problem(where, 'panel id missing or duplicated');
         ids.add(p.id);
         const gp = p.gridPos || {};
-        if (![gp.h, gp.w, gp.x, gp.y].every(Number.isInteger) || gp.x + gp.w > 24) problem(where, 'bad gridPos');
+        if (![gp.h, gp.w, gp.x, gp.y].every(Number.isInteger) || gp.x < 0 || gp.w < 1 || gp.x + gp.w > 24) {
+          problem(where, 'bad gridPos');
+        } else if (!nested) {
+          for (let x = gp.x; x < gp.x + gp.w; x++) {
+            for (let y = gp.y; y < gp.y + gp.h; y++) {
+              const other = cells.get(`${x},${y}`);
+              if (other !== undefined) { problem(where, `overlaps panel ${other}`); x = Infinity; break; }
+              cells.set(`${x},${y}`, p.id);
+            }
+          }
+        }
         if (p.type !== 'row' && !(p.targets || []).length) problem(where, 'no targets');
         for (const t of p.targets || []) {
           if (typeof t.expr !== 'string' || !t.expr.trim()) { problem(where, `target ${t.refId} has no expr`); continue; }
           dashExprs.push({ where: `${where} ${t.refId}`, expr: t.expr });
         }
-        walk(p.panels);
+        walk(p.panels, true);
       }
     };
-    walk(dash.panels);
+    walk(dash.panels, false);
     for (const v of ((dash.templating || {}).list || [])) {
       const q = typeof v.query === 'string' ? v.query : (v.query && v.query.query);
       const lv = /^label_values\((.*),\s*([a-z_]+)\)$/.exec(q || '');
