@@ -394,6 +394,20 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
     }
   }
 
+  // transformers 5 lists the attention kind of every layer; only full attention is supported.
+  auto layer_types = j.find("layer_types");
+  if (layer_types != j.end() && !layer_types->is_null()) {
+    if (!layer_types->is_array()) return FieldError("layer_types", "must be a list of strings");
+    for (const Json& t : *layer_types) {
+      if (!t.is_string()) return FieldError("layer_types", "must be a list of strings");
+      if (t.get<std::string>() != "full_attention") {
+        return FieldError("layer_types",
+                          absl::StrCat("contains \"", t.get<std::string>(),
+                                       "\" (only full_attention is supported)"));
+      }
+    }
+  }
+
   // RoPE: transformers 5 "rope_parameters", else "rope_theta" + "rope_scaling".
   STRATA_RETURN_IF_ERROR(GetDouble(j, "rope_theta", "rope_theta", false, &c.rope_theta));
   double partial = 1.0;

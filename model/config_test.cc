@@ -132,6 +132,12 @@ TEST(ConfigTest, Mistral) {
   EXPECT_EQ(c.vocab_size, 32768);
 }
 
+TEST(ConfigTest, FullAttentionLayerTypesAccepted) {
+  Json j = Parse(kQwen25Config);
+  j["layer_types"] = {"full_attention", "full_attention"};
+  STRATA_EXPECT_OK(ParseJson(j));
+}
+
 TEST(ConfigTest, MistralSlidingWindowNotBelowMaxPositionsIsFine) {
   Json j = Parse(kMistralConfig);
   j["sliding_window"] = 32768;
@@ -231,6 +237,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"llama3_missing_key", kLlama31Config,
                 R"({"rope_scaling": {"low_freq_factor": null}})", "low_freq_factor"},
         BadCase{"bos_type", kLlama2Config, R"({"bos_token_id": "x"})", "bos_token_id"},
+        BadCase{"sliding_layers", kQwen25Config,
+                R"({"layer_types": ["full_attention", "sliding_attention"]})", "layer_types"},
         BadCase{"odd_head_dim", kLlama2Config, R"({"head_dim": 15})", "head_dim"}),
     [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
 
