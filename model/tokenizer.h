@@ -26,7 +26,8 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
 
-  // Text to ids. `add_special_tokens` adds what the post-processor adds (e.g. BOS).
+  // Text to ids. `add_special_tokens` adds what the post-processor adds (e.g. BOS). Invalid UTF-8
+  // in `text` is repaired first: each maximal ill-formed subsequence becomes U+FFFD.
   virtual absl::StatusOr<std::vector<int32_t>> Encode(const std::string& text,
                                                       bool add_special_tokens) const = 0;
   // Ids to text. InvalidArgument for ids outside the vocabulary. Special tokens are skipped when
@@ -49,7 +50,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(const std::string&
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& model_dir);
 
 // Streams decoded text token by token without ever splitting a UTF-8 character across chunks:
-// bytes of an incomplete character are held back until the character completes.
+// bytes of an incomplete character are held back until the character completes. For tokenizers
+// with a ByteFallback decoder a run of <0xNN> tokens is held until the run ends, because such a
+// run decodes as a whole (valid UTF-8, or one U+FFFD per byte). The concatenated chunks plus
+// Finish() equal Decode() of the same ids (a Strip decoder's trailing strip, unused by the
+// supported models, is not applied to streams). Not thread-safe; one per stream.
 class StreamingDecoder {
  public:
   explicit StreamingDecoder(const Tokenizer* tokenizer, bool skip_special_tokens = true);

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "base/testing/status_matchers.h"
 #include "gmock/gmock.h"
@@ -237,6 +238,37 @@ TEST_F(ByteLevelTest, StreamingMatchesDecodeForEveryPrefix) {
   EXPECT_EQ(*stream.Push(0xB8), "");
   EXPECT_EQ(*stream.Push(0xAD), "中");
   EXPECT_THAT(stream.Push(tok_->vocab_size()), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(ByteLevelTest, ConcurrentEncodeIsConsistent) {
+  // Encode shares a word cache between threads; results must not depend on interleaving.
+  const std::string text = "hello world 12345 a   b 😀 中文 <|end_of_text|> hello";
+  const std::vector<int32_t> expected = Enc(*tok_, text);
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      for (int k = 0; k < 200; ++k) {
+        absl::StatusOr<std::vector<int32_t>> ids = tok_->Encode(text + std::to_string(k % 7), false);
+        std::vector<int32_t> want = expected;
+        for (char c : std::to_string(k % 7)) want.push_back(static_cast<uint8_t>(c));
+        if (!ids.ok() || *ids != want) ++mismatches[i];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
+}
+
+TEST(ByteLevel, IdHolesDecodeToNothing) {
+  json j = ByteLevelJson({});
+  j["added_tokens"][1]["id"] = 300;  // ids 257..299 are unused
+  std::unique_ptr<Tokenizer> t = MustParse(j);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->vocab_size(), 301);
+  EXPECT_EQ(Dec(*t, {'a', 280, 'b'}), "ab");
+  EXPECT_EQ(*t->TokenBytes(280), "");
+  EXPECT_EQ(t->TokenToId("<|end_of_text|>"), 300);
 }
 
 TEST(ByteLevel, IgnoreMergesTakesWholeWords) {
