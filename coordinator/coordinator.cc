@@ -585,7 +585,7 @@ absl::StatusOr<v1::JobInfo> Coordinator::CancelJob(const std::string& job_id) {
     STRATA_RETURN_IF_ERROR(TransitionJob(job_id, JobTransition::kCancel, &actions));
     auto record = catalog_->GetJob(job_id);
     result = record.ok() ? record->info() : before;
-    if (!before.leader_worker_id().empty()) {
+    if (!before.leader_worker_id().empty() && workers_ != nullptr) {
       auto worker = registry_.Get(before.leader_worker_id());
       if (worker.ok()) {
         v1::WorkerInfo info = worker->info;
@@ -765,7 +765,7 @@ void Coordinator::Tick() {
       RequeueJobsOfWorker(w, &actions);
       ResetDocumentsOnWorker(w);
     }
-    if (!draining_) {
+    if (!draining_ && workers_ != nullptr) {
       DispatchDocuments(&actions);
       DispatchJobs(&actions);
     }
@@ -1126,7 +1126,7 @@ void Coordinator::HandBackRunningJobs() {
     }
     for (const auto& [id, leader] : running) {
       auto worker = registry_.Get(leader);
-      if (worker.ok()) {
+      if (worker.ok() && workers_ != nullptr) {
         v1::WorkerInfo info = worker->info;
         const std::string job_id = id;
         actions.push_back([this, info, job_id] { workers_->CancelJob(info, job_id); });

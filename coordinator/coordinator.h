@@ -90,7 +90,8 @@ struct DocumentContent {
 
 class Coordinator {
  public:
-  // `catalog` and `workers` must be non-null; `metrics` may be null. `now` gives monotonic
+  // `catalog` must be non-null. `workers` may be null: there is no worker transport, so nothing
+  // is placed or dispatched (documents stay PENDING, jobs QUEUED). `metrics` may be null. `now` gives monotonic
   // nanoseconds (the registry's clock); `wall_micros` gives wall-clock microseconds.
   Coordinator(const CoordinatorOptions& options, std::unique_ptr<Catalog> catalog,
               WorkerClient* workers, CoordinatorMetrics* metrics, NowFn now,
@@ -144,6 +145,8 @@ class Coordinator {
   // Hands every running job back: it returns to QUEUED in the catalog (the next coordinator
   // dispatches it again) and its leader is told to stop. Used when the drain times out.
   void HandBackRunningJobs();
+
+  const ValidationLimits& limits() const { return options_.limits; }
 
  private:
   struct LiveJob {

@@ -1,0 +1,214 @@
+// `strata coordinator`: runs the coordinator (public DocumentService and JobService, internal
+// WorkerRegistry, health, reflection) until SIGINT or SIGTERM.
+//
+//   strata coordinator --listen 127.0.0.1:7700 --data /var/lib/strata/coordinator \
+//       [--metrics-listen 127.0.0.1:9700] [--vocab-size N] [--port-file FILE]
+//
+// SIGTERM drains: health turns NOT_SERVING, uploads and submissions get UNAVAILABLE, running jobs
+// get --drain-timeout-seconds to finish, and those still running are handed back (QUEUED in the
+// catalog, for the next coordinator). Logs the bound ports (port 0 picks a free one); --port-file
+// also writes them, as "<grpc_port> <metrics_port>\n", once the server accepts calls.
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/clock.h"
+#include "base/logging.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "coordinator/catalog.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/metrics.h"
+#include "coordinator/service.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
+
+namespace strata::cli {
+namespace {
+
+struct CoordinatorFlags {
+  std::string listen = "127.0.0.1:7700";
+  std::string metrics_listen;
+  std::string data;
+  std::string port_file;
+  std::string model_namespace = "default";
+  int64_t vocab_size = 0;
+  int64_t num_layers = 0;
+  int64_t page_size = 64;
+  int64_t target_shard_tokens = 65536;
+  int64_t max_document_tokens = int64_t{1} << 20;
+  int64_t max_upload_mib = 64;
+  int64_t max_prompt_tokens = 65536;
+  int64_t max_tokens_limit = 4096;
+  int64_t max_pending_jobs = 1024;
+  int64_t max_pending_tokens = int64_t{64} << 20;
+  int64_t heartbeat_interval_ms = 1000;
+  int64_t heartbeat_timeout_ms = 5000;
+  int64_t drain_timeout_seconds = 30;
+  bool sync = true;
+};
+
+absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port) {
+  const std::string tmp = path + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "w");
+  if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+  std::fprintf(f, "%d %d\n", grpc_port, metrics_port);
+  if (std::fclose(f) != 0 || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
+  return absl::OkStatus();
+}
+
+int Serve(const CoordinatorFlags& f) {
+  if (f.data.empty()) {
+    std::fprintf(stderr, "strata coordinator: --data is required\n");
+    return 2;
+  }
+  coordinator::CoordinatorOptions options;
+  options.model_namespace = f.model_namespace;
+  options.limits.vocab_size = f.vocab_size;
+  options.limits.num_layers = f.num_layers;
+  options.limits.page_size = static_cast<uint32_t>(f.page_size);
+  options.limits.max_document_tokens = f.max_document_tokens;
+  options.limits.max_upload_bytes = f.max_upload_mib << 20;
+  options.limits.max_prompt_tokens = f.max_prompt_tokens;
+  options.limits.max_max_tokens = static_cast<uint32_t>(f.max_tokens_limit);
+  options.limits.default_max_tokens =
+      std::min<uint32_t>(options.limits.default_max_tokens, options.limits.max_max_tokens);
+  options.placement.page_size = f.page_size;
+  options.placement.target_shard_tokens = f.target_shard_tokens;
+  options.admission.max_pending_jobs = f.max_pending_jobs;
+  options.admission.max_pending_tokens = f.max_pending_tokens;
+  options.registry.heartbeat_interval_nanos = f.heartbeat_interval_ms * 1'000'000;
+  options.registry.heartbeat_timeout_nanos = f.heartbeat_timeout_ms * 1'000'000;
+  if (f.page_size < 1 || f.page_size > 4096 || f.max_tokens_limit < 1 || f.max_tokens_limit > (1 << 24) ||
+      f.drain_timeout_seconds < 0) {
+    std::fprintf(stderr, "strata coordinator: --page-size in [1, 4096], --max-tokens-limit in [1, 2^24] and "
+                         "--drain-timeout-seconds >= 0 required\n");
+    return 2;
+  }
+  if (absl::Status s = options.Validate(); !s.ok()) {
+    std::fprintf(stderr, "strata coordinator: %s\n", s.ToString().c_str());
+    return 2;
+  }
+
+  // Block the stop signals in every thread; the main thread waits for them with sigwait.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  coordinator::CoordinatorMetrics metrics(*registry);
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int metrics_port = 0;
+  if (!f.metrics_listen.empty()) {
+    try {  // prometheus-cpp reports bind failures by throwing
+      exposer = std::make_unique<prometheus::Exposer>(f.metrics_listen);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "strata coordinator: cannot serve metrics on %s: %s\n", f.metrics_listen.c_str(),
+                   e.what());
+      return 1;
+    }
+    exposer->RegisterCollectable(registry);
+    std::vector<int> ports = exposer->GetListeningPorts();
+    metrics_port = ports.empty() ? 0 : ports[0];
+  }
+
+  coordinator::CatalogOptions catalog_options;
+  catalog_options.path = f.data;
+  catalog_options.sync_writes = f.sync;
+  auto catalog = coordinator::Catalog::Open(catalog_options);
+  if (!catalog.ok()) {
+    std::fprintf(stderr, "strata coordinator: %s\n", catalog.status().ToString().c_str());
+    return 1;
+  }
+  // No worker transport yet (the gRPC client of internal.proto's Worker service comes with the
+  // worker): workers can register, but documents stay PENDING and jobs QUEUED.
+  coordinator::Coordinator coordinator(options, *std::move(catalog), /*workers=*/nullptr, &metrics,
+                                       &MonotonicNanos, &WallMicros);
+  if (absl::Status s = coordinator.Start(); !s.ok()) {
+    std::fprintf(stderr, "strata coordinator: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  coordinator::CoordinatorServerOptions server_options;
+  server_options.listen_address = f.listen;
+  auto server = coordinator::CoordinatorServer::Start(server_options, &coordinator, &metrics);
+  if (!server.ok()) {
+    std::fprintf(stderr, "strata coordinator: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  const std::string host = f.listen.substr(0, f.listen.rfind(':'));
+  STRATA_LOG(INFO) << "coordinator serving grpc=" << host << ":" << (*server)->port()
+                   << " metrics_port=" << metrics_port << " data=" << f.data << " sync=" << f.sync
+                   << " namespace=" << f.model_namespace << " vocab_size=" << f.vocab_size
+                   << " page_size=" << f.page_size << " target_shard_tokens=" << f.target_shard_tokens
+                   << " max_document_tokens=" << f.max_document_tokens
+                   << " max_prompt_tokens=" << f.max_prompt_tokens << " max_tokens_limit=" << f.max_tokens_limit
+                   << " max_pending_jobs=" << f.max_pending_jobs << " max_pending_tokens=" << f.max_pending_tokens
+                   << " heartbeat_ms=" << f.heartbeat_interval_ms << "/" << f.heartbeat_timeout_ms
+                   << " drain_timeout_s=" << f.drain_timeout_seconds;
+  if (!f.port_file.empty()) {
+    if (absl::Status s = WritePortFile(f.port_file, (*server)->port(), metrics_port); !s.ok()) {
+      std::fprintf(stderr, "strata coordinator: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  STRATA_LOG(INFO) << "coordinator: signal " << sig << ", draining (timeout " << f.drain_timeout_seconds << " s)";
+  coordinator.StartDrain();
+  (*server)->SetServing(false);
+  Stopwatch drain;
+  while (coordinator.RunningJobs() > 0 && drain.ElapsedSeconds() < static_cast<double>(f.drain_timeout_seconds)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (coordinator.RunningJobs() > 0) coordinator.HandBackRunningJobs();
+  (*server)->Shutdown(absl::Seconds(2));
+  server->reset();
+  STRATA_LOG(INFO) << "coordinator: stopped after " << drain.ElapsedSeconds() << " s of drain";
+  return 0;
+}
+
+}  // namespace
+
+int RunCoordinator(int argc, char** argv) {
+  CoordinatorFlags f;
+  FlagSet flags("coordinator", "strata coordinator --listen ADDR --data DIR [--metrics-listen ADDR]");
+  flags.String("listen", &f.listen, "gRPC listen address (port 0: any free port)");
+  flags.String("metrics-listen", &f.metrics_listen, "Prometheus /metrics listen address (empty: none)");
+  flags.String("data", &f.data, "catalog directory (RocksDB); created when missing");
+  flags.String("port-file", &f.port_file,
+               "write '<grpc_port> <metrics_port>' here once serving (for scripts and tests)");
+  flags.String("model-namespace", &f.model_namespace,
+               "namespace of document ids (the model served): same tokens, other namespace, other document");
+  flags.Int("vocab-size", &f.vocab_size, "token ids must be below this (0: unchecked until a tokenizer is known)");
+  flags.Int("num-layers", &f.num_layers, "model layers, for policy.dense_layers checks (0: unchecked)");
+  flags.Int("page-size", &f.page_size, "tokens per KV page of the deployment");
+  flags.Int("target-shard-tokens", &f.target_shard_tokens, "target tokens per document shard");
+  flags.Int("max-document-tokens", &f.max_document_tokens, "largest document, tokens");
+  flags.Int("max-upload-mib", &f.max_upload_mib, "largest uploaded text, MiB");
+  flags.Int("max-prompt-tokens", &f.max_prompt_tokens, "largest job prompt, tokens");
+  flags.Int("max-tokens-limit", &f.max_tokens_limit, "largest accepted params.max_tokens");
+  flags.Int("max-pending-jobs", &f.max_pending_jobs, "admission: unfinished jobs at most");
+  flags.Int("max-pending-tokens", &f.max_pending_tokens, "admission: context tokens of unfinished jobs at most");
+  flags.Int("heartbeat-interval-ms", &f.heartbeat_interval_ms, "worker heartbeat period");
+  flags.Int("heartbeat-timeout-ms", &f.heartbeat_timeout_ms, "workers silent this long are dropped");
+  flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds,
+            "on SIGTERM, how long running jobs may finish before they are handed back");
+  flags.Bool("sync", &f.sync, "sync the catalog's write-ahead log on every write");
+  const absl::Status parse = flags.Parse(argc, argv);
+  if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
+  return Serve(f);
+}
+
+}  // namespace strata::cli
