@@ -14,7 +14,9 @@
 #     rendering of each overlay is validated too and compared with the pinned one.
 #  2. Prometheus: promtool check config, check rules, test rules (deploy/prometheus/tests).
 #  3. Metrics: every metric the rules and the Grafana dashboard name is in docs/metrics.md or is a
-#     recording rule; dashboard PromQL parses (promtool); the dashboard JSON is well-formed.
+#     recording rule; dashboard PromQL parses (promtool); the dashboard JSON is well-formed; the
+#     example scrapes deploy/prometheus/tests/PROCESS-exposition.txt match the catalogue and pass
+#     `promtool check metrics`.
 #  4. Dockerfile: static consistency (stages, COPY sources, scripts), without Docker.
 # Self-test: copies the assets to a temp dir, breaks them one way at a time and requires each
 # broken copy to fail. Needs node >= 18, npm (first run only: installs deploy/tools from the
@@ -115,6 +117,15 @@ check_metric_names() {  # ROOT OUT
     "$root"/deploy/prometheus/rules/*.yml || return 1
   promtool check rules "$out/dashboard-rules.yml" >"$out/promtool.log" 2>&1 \
     || { cat "$out/promtool.log" >&2; echo "FAIL dashboard PromQL does not parse" >&2; return 1; }
+  # Example scrapes (PROCESS-exposition.txt) against the catalogue, and promtool's metric lint.
+  local f
+  for f in "$root"/deploy/prometheus/tests/*-exposition.txt; do
+    [ -e "$f" ] || continue
+    node "$TOOLS/check_metrics.js" --catalog "$root/docs/metrics.md" --exposition "$f" \
+      --process "$(basename "$f" -exposition.txt)" || return 1
+    promtool check metrics < "$f" >"$out/promtool.log" 2>&1 \
+      || { cat "$out/promtool.log" >&2; echo "FAIL promtool check metrics $f" >&2; return 1; }
+  done
 }
 
 check_docker() {  # ROOT
@@ -212,6 +223,9 @@ OTHER_MUTATIONS=(
   'dashboard-metric|check_metric_names|deploy/grafana/strata.json|s.replace("strata_kv_evictions_total", "strata_kv_eviction_total", 1)'
   'dashboard-label|check_metric_names|deploy/grafana/strata.json|s.replace("sum by (src)", "sum by (source)", 1)'
   'dashboard-promql|check_metric_names|deploy/grafana/strata.json|s.replace("histogram_quantile(0.5, sum", "histogram_quantile(0.5,, sum", 1)'
+  'dashboard-overlap|check_metric_names|deploy/grafana/strata.json|s.replace("\"x\": 4,", "\"x\": 2,", 1)'
+  'exposition-label|check_metric_names|deploy/prometheus/tests/worker-exposition.txt|s.replace("{tier=\"disk\"} 40", "{tier=\"ssd\"} 40", 1)'
+  'exposition-type|check_metric_names|deploy/prometheus/tests/worker-exposition.txt|s.replace("# TYPE strata_decode_tokens_total counter", "# TYPE strata_decode_tokens_total gauge", 1)'
   'catalogue-drop|check_metric_names|docs/metrics.md|"\n".join(l for l in s.split("\n") if not l.startswith("| `strata_jobs`"))'
   'dockerfile|check_docker|deploy/docker/Dockerfile|s.replace("COPY --from=build-cuda /out/strata", "COPY --from=build-gpu /out/strata", 1)'
 )

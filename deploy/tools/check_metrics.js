@@ -4,6 +4,7 @@
 //
 //   node check_metrics.js --catalog docs/metrics.md --dashboard strata.json \
 //        [--emit-dashboard-rules OUT.yml] RULES.yml...
+//   node check_metrics.js --catalog docs/metrics.md --exposition SCRAPE.txt [--process NAME]
 //
 // Fails (exit 1, one line per problem) when:
 //  - the catalogue table is malformed (name, type, labels columns) or lists a name twice;
@@ -19,6 +20,11 @@
 //  - the recording rules in the catalogue's "Derived series" table and the rule files differ.
 // --emit-dashboard-rules writes every dashboard expression as a recording rule (Grafana
 // variables replaced by constants) so that `promtool check rules` can check their syntax.
+// --exposition checks a scrape of a running process (`curl -s http://ADDR/metrics > SCRAPE.txt`,
+// Prometheus text format) against the catalogue: every strata_* family is catalogued with the
+// same type, its samples carry only catalogued labels with values from the closed sets; with
+// --process coordinator|worker|kvstore|serve, every metric the catalogue says that process
+// exports must be present (serve: all of them).
 // Exit status: 0 all good, 1 problems, 2 usage or I/O error.
 'use strict';
 
@@ -28,18 +34,25 @@ const YAML = require('yaml');
 function usage(msg) {
   if (msg) console.error(`check_metrics: ${msg}`);
   console.error('usage: check_metrics.js --catalog FILE.md --dashboard FILE.json [--emit-dashboard-rules OUT] RULES.yml...');
+  console.error('       check_metrics.js --catalog FILE.md --exposition SCRAPE.txt [--process coordinator|worker|kvstore|serve]');
   process.exit(2);
 }
 const argv = process.argv.slice(2);
-let catalogPath; let dashboardPath; let emitPath; const rulePaths = [];
+let catalogPath; let dashboardPath; let emitPath; let expositionPath; let processName;
+const rulePaths = [];
 for (let i = 0; i < argv.length; i++) {
   if (argv[i] === '--catalog') catalogPath = argv[++i];
+  else if (argv[i] === '--exposition') expositionPath = argv[++i];
+  else if (argv[i] === '--process') processName = argv[++i];
   else if (argv[i] === '--dashboard') dashboardPath = argv[++i];
   else if (argv[i] === '--emit-dashboard-rules') emitPath = argv[++i];
   else if (argv[i].startsWith('--')) usage(`unknown flag ${argv[i]}`);
   else rulePaths.push(argv[i]);
 }
-if (!catalogPath || !dashboardPath || rulePaths.length === 0) usage('missing arguments');
+if (!catalogPath) usage('--catalog is required');
+if (!expositionPath && (!dashboardPath || rulePaths.length === 0)) usage('missing arguments');
+if (expositionPath && (dashboardPath || rulePaths.length)) usage('--exposition is a mode of its own');
+if (processName && !['coordinator', 'worker', 'kvstore', 'serve'].includes(processName)) usage(`unknown process ${processName}`);
 function read(p) {
   try { return fs.readFileSync(p, 'utf8'); } catch (e) { usage(`cannot read ${p}: ${e.message}`); }
   return '';
@@ -55,7 +68,7 @@ const TARGET_LABELS = new Set(['namespace', 'pod', 'instance', 'job', 'service',
 
 // ---------------------------------------------------------------------------------------------
 // The catalogue.
-const catalog = new Map();  // name -> {type, labels:Set}
+const catalog = new Map();  // name -> {type, labels:Set, processes:Set}
 const labelValues = new Map();  // label -> Set of values
 const documentedRules = new Set();
 {
@@ -75,7 +88,9 @@ const documentedRules = new Set();
       if (catalog.has(name)) problem(catalogPath, `${name} listed twice`);
       const labels = new Set((cells[2] || '').split(',').map((l) => l.replace(/`/g, '').trim())
         .filter((l) => /^[a-z_]+$/.test(l)));
-      catalog.set(name, { type, labels });
+      const processes = new Set((cells[4] || '').match(/\b(coordinator|worker|kvstore)\b/g) || []);
+      if (processes.size === 0) problem(catalogPath, `${name}: the "exported by" column names no process`);
+      catalog.set(name, { type, labels, processes });
     } else if (section === 'Label values' && /^`[a-z_]+`$/.test(cells[0])) {
       const label = cells[0].replace(/`/g, '');
       const values = [...(cells[1] || '').matchAll(/`([a-z_]+)`/g)].map((m) => m[1]);
@@ -157,6 +172,60 @@ function checkExpr(where, expr) {
     }
   }
   return found;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exposition mode: a scrape of a running process.
+function checkExposition() {
+  const where = expositionPath;
+  const types = new Map();
+  const seen = new Set();
+  let n = 0;
+  for (const line of read(expositionPath).split('\n')) {
+    n++;
+    const t = /^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (\w+)\s*$/.exec(line);
+    if (t) {
+      types.set(t[1], t[2]);
+      if (!t[1].startsWith('strata_')) continue;
+      const e = catalog.get(t[1]);
+      if (!e) problem(`${where}:${n}`, `family ${t[1]} is not in ${catalogPath}`);
+      else if (e.type !== t[2]) problem(`${where}:${n}`, `${t[1]} is a ${t[2]}, the catalogue says ${e.type}`);
+      seen.add(t[1]);
+      continue;
+    }
+    if (/^\s*(#|$)/.test(line)) continue;
+    const m = /^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+\S+(\s+\S+)?\s*$/.exec(line);
+    if (!m) { problem(`${where}:${n}`, 'not a sample line'); continue; }
+    if (!m[1].startsWith('strata_')) continue;
+    const e = lookup(m[1]);
+    if (!e) { problem(`${where}:${n}`, `${m[1]} is not in ${catalogPath}`); continue; }
+    seen.add(e.base);
+    for (const lm of (m[2] || '').matchAll(/([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"/g)) {
+      const [, label, value] = lm;
+      if (!e.labels.has(label)) problem(`${where}:${n}`, `${m[1]} has no label ${label} in the catalogue`);
+      else if (labelValues.has(label) && !labelValues.get(label).has(value)) {
+        problem(`${where}:${n}`, `${m[1]}{${label}="${value}"}: not a ${label} value (${[...labelValues.get(label)].join(', ')})`);
+      }
+    }
+  }
+  if (processName) {
+    for (const [name, e] of catalog) {
+      if ((processName === 'serve' || e.processes.has(processName)) && !seen.has(name)) {
+        problem(where, `${name} (exported by ${[...e.processes].join(', ')}) is missing`);
+      }
+    }
+  }
+  return seen.size;
+}
+if (expositionPath) {
+  const families = checkExposition();
+  if (problems.length) {
+    for (const p of problems) console.error(`FAIL ${p}`);
+    console.error(`check_metrics: ${problems.length} problem(s)`);
+    process.exit(1);
+  }
+  console.log(`check_metrics: ${families} strata families in ${expositionPath} match the catalogue${processName ? ` (all of ${processName}'s present)` : ''}`);
+  process.exit(0);
 }
 
 // ---------------------------------------------------------------------------------------------
