@@ -580,6 +580,13 @@ absl::StatusOr<int> LocalStore::CollectGarbage(int64_t now_micros) {
   return deleted;
 }
 
+absl::Status LocalStore::Flush() {
+  rocksdb::FlushOptions fo;
+  fo.wait = true;
+  std::vector<rocksdb::ColumnFamilyHandle*> cfs(handles_.begin(), handles_.end());
+  return FromRocksDb(db_->Flush(fo, cfs), "flush");
+}
+
 absl::StatusOr<std::string> LocalStore::RawPageForTesting(const PageKey& key) {
   std::string value;
   rocksdb::Status s =

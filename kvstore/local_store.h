@@ -90,6 +90,10 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   // Deletes unpinned documents whose expire time is set and <= now_micros. Returns how many.
   absl::StatusOr<int> CollectGarbage(int64_t now_micros);
 
+  // Flushes the memtables to SST and blob files (the WAL already makes writes durable; this
+  // shortens recovery and puts the bytes in their final files).
+  absl::Status Flush();
+
   // Test hooks: raw access to stored page bytes (e.g. to corrupt one).
   absl::StatusOr<std::string> RawPageForTesting(const PageKey& key);
   absl::Status OverwriteRawPageForTesting(const PageKey& key, const std::string& bytes);

@@ -1,0 +1,311 @@
+// Page get/put throughput and latency per tier: host cache, local RocksDB store, and the KV store
+// service over loopback gRPC (in-process server), for 64-token bf16 pages of head dim 128
+// (32 KiB + 32-byte header), single pages and batches of 64. Also RocksDB settings variants
+// (blob files, LZ4) for the local store. Results: bench/RESULTS.md.
+//
+//   build/bin/kvstore_benchmark --benchmark_min_time=1
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+#include "benchmark/benchmark.h"
+#include "kvstore/host_cache.h"
+#include "kvstore/local_store.h"
+#include "kvstore/page_format.h"
+#include "kvstore/remote_store.h"
+#include "kvstore/service.h"
+#include "prometheus/registry.h"
+#include "rocksdb/db.h"
+
+namespace strata::kvstore {
+namespace {
+
+constexpr int kPageTokens = 64;
+constexpr int kHeadDim = 128;
+constexpr uint32_t kPages = 2048;  // 64 MiB of pages per store
+
+KvLayout Layout() {
+  KvLayout l;
+  l.num_layers = 1;
+  l.num_kv_heads = 1;
+  l.page = PageShape{kernels::DType::kBF16, kPageTokens, kHeadDim};
+  return l;
+}
+
+// K and V drawn from N(0, 1) and rounded to bf16: the value distribution of real KV (not
+// uniformly random bits), so compressibility is measured on plausible data.
+std::vector<PageRef> MakePages(uint32_t n) {
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> k(kPageTokens * kHeadDim), v(k.size());
+  std::vector<PageRef> pages;
+  for (uint32_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < k.size(); ++j) {
+      k[j] = dist(rng);
+      v[j] = dist(rng);
+    }
+    absl::StatusOr<std::string> p = EncodePage(
+        Layout().page, kernels::TensorView(k.data(), kernels::DType::kF32, {kPageTokens, kHeadDim}),
+        kernels::TensorView(v.data(), kernels::DType::kF32, {kPageTokens, kHeadDim}));
+    STRATA_CHECK(p.ok());
+    pages.push_back(*PageBuffer::Copy(*p));
+  }
+  return pages;
+}
+
+const std::vector<PageRef>& Pages() {
+  static const std::vector<PageRef>* pages = new std::vector<PageRef>(MakePages(kPages));
+  return *pages;
+}
+
+v1::CreateDocumentRequest DocRequest(uint32_t doc_index) {
+  std::vector<int32_t> tokens(static_cast<size_t>(kPages) * kPageTokens, 0);
+  tokens[0] = static_cast<int32_t>(doc_index);
+  absl::StatusOr<DocumentIdentity> id = ComputeDocumentIdentity("bench-model", Layout(), tokens);
+  STRATA_CHECK(id.ok());
+  v1::CreateDocumentRequest r;
+  r.set_document_id(id->id.ToHex());
+  r.set_model_fingerprint("bench-model");
+  *r.mutable_layout() = LayoutToProto(Layout());
+  r.set_num_tokens(tokens.size());
+  return r;
+}
+
+std::vector<PageWrite> Writes(const DocumentId& doc, uint32_t first, uint32_t n) {
+  std::vector<PageWrite> w;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t idx = (first + i) % kPages;
+    w.push_back(PageWrite{PageKey{doc, 0, 0, idx}, Pages()[idx]});
+  }
+  return w;
+}
+
+std::vector<PageKey> RandomKeys(const DocumentId& doc, uint32_t n, std::mt19937* rng) {
+  std::vector<PageKey> keys;
+  for (uint32_t i = 0; i < n; ++i) keys.push_back(PageKey{doc, 0, 0, (*rng)() % kPages});
+  return keys;
+}
+
+void SetCounters(benchmark::State& state, int64_t pages_per_iter) {
+  const int64_t n = state.iterations() * pages_per_iter;
+  state.SetItemsProcessed(n);
+  state.SetBytesProcessed(n * static_cast<int64_t>(Pages()[0]->size()));
+}
+
+std::string TempDir() {
+  char tmpl[] = "/tmp/strata_kvstore_bench.XXXXXX";
+  STRATA_CHECK(mkdtemp(tmpl) != nullptr);
+  return tmpl;
+}
+
+// ---- host cache ----
+
+void BM_HostGet(benchmark::State& state) {
+  const uint32_t batch = static_cast<uint32_t>(state.range(0));
+  HostCacheOptions o;
+  o.capacity_bytes = int64_t{1} << 30;
+  auto cache = *HostCache::Create(o);
+  DocumentId doc;
+  STRATA_CHECK(cache->Put(Writes(doc, 0, kPages), {}).ok());
+  std::mt19937 rng(1);
+  std::vector<PageRef> out;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<PageKey> keys = RandomKeys(doc, batch, &rng);
+    state.ResumeTiming();
+    STRATA_CHECK(cache->GetPages(keys, &out).ok());
+    benchmark::DoNotOptimize(out.data());
+  }
+  SetCounters(state, batch);
+}
+BENCHMARK(BM_HostGet)->Arg(1)->Arg(64);
+
+void BM_HostPut(benchmark::State& state) {
+  const uint32_t batch = static_cast<uint32_t>(state.range(0));
+  HostCacheOptions o;
+  o.capacity_bytes = int64_t{32} << 20;  // half the pages: puts evict
+  auto cache = *HostCache::Create(o);
+  DocumentId doc;
+  uint32_t next = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<PageWrite> w = Writes(doc, next, batch);
+    next += batch;
+    state.ResumeTiming();
+    STRATA_CHECK(cache->Put(w, {}).ok());
+  }
+  SetCounters(state, batch);
+}
+BENCHMARK(BM_HostPut)->Arg(1)->Arg(64);
+
+// ---- local RocksDB store ----
+
+struct LocalEnv {
+  std::string dir;
+  std::unique_ptr<LocalStore> store;
+  DocumentId doc;
+};
+
+// args: blob files (0/1), LZ4 (0/1)
+std::unique_ptr<LocalEnv> OpenLocal(bool blob, bool lz4, bool populate) {
+  auto env = std::make_unique<LocalEnv>();
+  env->dir = TempDir();
+  LocalStoreOptions o;
+  o.path = env->dir;
+  o.blob_files = blob;
+  o.compression = lz4;
+  env->store = *LocalStore::Open(o);
+  const v1::CreateDocumentRequest r = DocRequest(0);
+  bool created = false;
+  STRATA_CHECK(env->store->CreateDocument(r, &created).ok());
+  env->doc = *DocumentId::FromHex(r.document_id());
+  if (populate) {
+    for (uint32_t i = 0; i < kPages; i += 256) {
+      STRATA_CHECK(env->store->Put(Writes(env->doc, i, 256), {}).ok());
+    }
+    STRATA_CHECK(env->store->Flush().ok());
+  }
+  return env;
+}
+
+void CloseLocal(std::unique_ptr<LocalEnv> env) {
+  const std::string dir = env->dir;
+  env.reset();
+  std::filesystem::remove_all(dir);
+}
+
+void BM_LocalGet(benchmark::State& state) {
+  const uint32_t batch = static_cast<uint32_t>(state.range(0));
+  auto env = OpenLocal(state.range(1) != 0, state.range(2) != 0, /*populate=*/true);
+  std::mt19937 rng(2);
+  std::vector<PageRef> out;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<PageKey> keys = RandomKeys(env->doc, batch, &rng);
+    state.ResumeTiming();
+    STRATA_CHECK(env->store->GetPages(keys, &out).ok());
+  }
+  SetCounters(state, batch);
+  CloseLocal(std::move(env));
+}
+BENCHMARK(BM_LocalGet)
+    ->ArgNames({"batch", "blob", "lz4"})
+    ->Args({1, 1, 0})->Args({64, 1, 0})->Args({1, 0, 0})->Args({64, 0, 0})->Args({64, 1, 1})
+    ->UseRealTime();
+
+void BM_LocalPut(benchmark::State& state) {
+  const uint32_t batch = static_cast<uint32_t>(state.range(0));
+  auto env = OpenLocal(state.range(1) != 0, state.range(2) != 0, /*populate=*/false);
+  uint32_t next = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<PageWrite> w = Writes(env->doc, next, batch);
+    next += batch;
+    state.ResumeTiming();
+    STRATA_CHECK(env->store->Put(w, {}).ok());  // WAL synced before it returns
+  }
+  SetCounters(state, batch);
+  // Bytes on disk after a flush, per page byte written (compression ratio of the settings).
+  STRATA_CHECK(env->store->Flush().ok());
+  uint64_t on_disk = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(env->dir)) {
+    const std::string ext = e.path().extension().string();
+    if (e.is_regular_file() && (ext == ".sst" || ext == ".blob")) on_disk += e.file_size();
+  }
+  const uint64_t distinct = std::min<uint64_t>(next, kPages);
+  state.counters["disk_bytes_per_page_byte"] =
+      static_cast<double>(on_disk) / static_cast<double>(distinct * Pages()[0]->size());
+  CloseLocal(std::move(env));
+}
+BENCHMARK(BM_LocalPut)
+    ->ArgNames({"batch", "blob", "lz4"})
+    ->Args({1, 1, 0})->Args({64, 1, 0})->Args({1, 0, 0})->Args({64, 0, 0})->Args({64, 1, 1})
+    ->Args({64, 0, 1})
+    ->UseRealTime();
+
+// ---- remote: KV store service over loopback ----
+
+struct RemoteEnv {
+  std::string dir;
+  prometheus::Registry registry;
+  std::unique_ptr<KvMetrics> metrics;
+  std::unique_ptr<KvStoreServer> server;
+  std::unique_ptr<RemoteStore> client;
+  DocumentId doc;
+};
+
+std::unique_ptr<RemoteEnv> StartRemote(bool populate) {
+  auto env = std::make_unique<RemoteEnv>();
+  env->dir = TempDir();
+  env->metrics = std::make_unique<KvMetrics>(&env->registry);
+  KvStoreServerOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.store.path = env->dir;
+  o.gc_interval_ms = 0;
+  env->server = *KvStoreServer::Start(o, env->metrics.get());
+  RemoteStoreOptions ro;
+  ro.target = absl::StrCat("127.0.0.1:", env->server->port());
+  env->client = *RemoteStore::Create(ro);
+  STRATA_CHECK(env->client->WaitForReady(5000).ok());
+  const v1::CreateDocumentRequest r = DocRequest(1);
+  bool created = false;
+  STRATA_CHECK(env->client->CreateDocument(r, &created).ok());
+  env->doc = *DocumentId::FromHex(r.document_id());
+  if (populate) {
+    for (uint32_t i = 0; i < kPages; i += 256) {
+      STRATA_CHECK(env->client->Put(Writes(env->doc, i, 256), {}).ok());
+    }
+    STRATA_CHECK(env->server->store()->Flush().ok());
+  }
+  return env;
+}
+
+void StopRemote(std::unique_ptr<RemoteEnv> env) {
+  const std::string dir = env->dir;
+  env->client.reset();
+  env->server.reset();
+  env.reset();
+  std::filesystem::remove_all(dir);
+}
+
+void BM_RemoteGet(benchmark::State& state) {
+  const uint32_t batch = static_cast<uint32_t>(state.range(0));
+  auto env = StartRemote(/*populate=*/true);
+  std::mt19937 rng(3);
+  std::vector<PageRef> out;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<PageKey> keys = RandomKeys(env->doc, batch, &rng);
+    state.ResumeTiming();
+    STRATA_CHECK(env->client->GetPages(keys, &out).ok());
+  }
+  SetCounters(state, batch);
+  StopRemote(std::move(env));
+}
+BENCHMARK(BM_RemoteGet)->Arg(1)->Arg(64)->UseRealTime();
+
+void BM_RemotePut(benchmark::State& state) {
+  const uint32_t batch = static_cast<uint32_t>(state.range(0));
+  auto env = StartRemote(/*populate=*/false);
+  uint32_t next = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<PageWrite> w = Writes(env->doc, next, batch);
+    next += batch;
+    state.ResumeTiming();
+    STRATA_CHECK(env->client->Put(w, {}).ok());
+  }
+  SetCounters(state, batch);
+  StopRemote(std::move(env));
+}
+BENCHMARK(BM_RemotePut)->Arg(1)->Arg(64)->UseRealTime();
+
+}  // namespace
+}  // namespace strata::kvstore
+
+BENCHMARK_MAIN();
