@@ -1,0 +1,488 @@
+// Attention-fidelity benchmark. See bench/fidelity.h.
+#include "bench/fidelity.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "engine/kv_cache.h"
+#include "engine/sparse/policy.h"
+#include "kernels/backend.h"
+#include "nlohmann/json.hpp"
+
+namespace strata::bench {
+namespace {
+
+using engine::KvCache;
+using engine::KvCacheOptions;
+using engine::Selection;
+using engine::sparse::PolicyKind;
+using engine::sparse::PolicyOptions;
+using engine::sparse::SparsePolicy;
+using engine::sparse::SummaryKind;
+using kernels::DType;
+using kernels::TensorView;
+
+constexpr int kD = 128;
+constexpr int kHalf = kD / 2;
+constexpr int kGroup = 4;            // query heads per KV head (GQA 32/8)
+constexpr int kModelKvHeads = 8;     // bytes and time are reported for 8 KV heads per layer
+constexpr int kTopics = 64;
+constexpr int kSinkTokens = 4;       // tokens that carry the sink key
+constexpr int kNeedles = 16;
+constexpr int kNeedlesPerQuery = 4;
+constexpr int kSemLo = 48;           // semantic rotary pairs [kSemLo, kBiasPair)
+constexpr int kBiasPair = kHalf - 1; // the lowest-frequency pair carries a shared key bias
+constexpr double kTopicMeanRun = 512.0;
+constexpr float kHeadScale[kGroup] = {0.7f, 1.0f, 1.4f, 2.0f};
+constexpr int64_t kChunk = 8192;
+
+// Llama 3.1 rotary inverse frequencies (theta 500000, llama3 scaling: factor 8, low 1, high 4,
+// original context 8192), as in transformers' _compute_llama3_parameters.
+std::vector<double> Llama3InvFreq() {
+  const double theta = 500000.0, factor = 8.0, low = 1.0, high = 4.0, orig = 8192.0;
+  const double low_wavelen = orig / low, high_wavelen = orig / high;
+  std::vector<double> inv(kHalf);
+  for (int i = 0; i < kHalf; ++i) {
+    const double f = std::pow(theta, -2.0 * i / kD);
+    const double wavelen = 2 * M_PI / f;
+    if (wavelen < high_wavelen) {
+      inv[i] = f;
+    } else if (wavelen > low_wavelen) {
+      inv[i] = f / factor;
+    } else {
+      const double smooth = (orig / wavelen - low) / (high - low);
+      inv[i] = (1 - smooth) * f / factor + smooth * f;
+    }
+  }
+  return inv;
+}
+
+void Rope(float* x, int64_t pos, const std::vector<double>& inv) {
+  for (int i = 0; i < kHalf; ++i) {
+    const double a = static_cast<double>(pos) * inv[i];
+    const float c = static_cast<float>(std::cos(a)), s = static_cast<float>(std::sin(a));
+    const float x1 = x[i], x2 = x[i + kHalf];
+    x[i] = x1 * c - x2 * s;
+    x[i + kHalf] = x2 * c + x1 * s;
+  }
+}
+
+bool IsSemanticDim(int i) { return (i % kHalf) >= kSemLo && (i % kHalf) < kBiasPair; }
+
+// A random unit vector in the semantic dims.
+std::vector<float> SemanticUnit(std::mt19937_64& rng) {
+  std::normal_distribution<float> nd;
+  std::vector<float> v(kD, 0.0f);
+  double n2 = 0;
+  for (int i = 0; i < kD; ++i) {
+    if (IsSemanticDim(i)) {
+      v[i] = nd(rng);
+      n2 += v[i] * v[i];
+    }
+  }
+  for (float& x : v) x = static_cast<float>(x / std::sqrt(n2));
+  return v;
+}
+
+// The synthetic sequence of one KV head: keys/values are produced in order by Next().
+class HeadWorkload {
+ public:
+  HeadWorkload(int64_t length, int64_t middle_begin, int64_t middle_end, uint64_t seed)
+      : length_(length), rng_(seed), inv_(Llama3InvFreq()) {
+    std::normal_distribution<float> nd;
+    for (int c = 0; c < kTopics; ++c) {
+      topic_key_.push_back(SemanticUnit(rng_));
+      std::vector<float> v(kD);
+      for (float& x : v) x = nd(rng_);
+      topic_value_.push_back(v);
+    }
+    sink_dir_ = SemanticUnit(rng_);
+    bias_dir_.assign(kD, 0.0f);
+    bias_dir_[kBiasPair] = 1.0f;
+    for (int j = 0; j < kNeedles; ++j) {
+      needle_dir_.push_back(SemanticUnit(rng_));
+      std::vector<float> v(kD);
+      for (float& x : v) x = nd(rng_);
+      needle_value_.push_back(v);
+      const int64_t run = std::uniform_int_distribution<int>(1, 4)(rng_);
+      const int64_t lo = middle_begin, hi = std::max(lo + 1, middle_end - run);
+      const int64_t pos = std::uniform_int_distribution<int64_t>(lo, hi - 1)(rng_);
+      needle_runs_.push_back({pos, pos + run});
+    }
+    // Queries: pre-RoPE, per head of the group.
+    std::vector<int> perm(kNeedles);
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int h = 0; h < kGroup; ++h) {
+      std::shuffle(perm.begin(), perm.end(), rng_);
+      std::vector<float> q(kD, 0.0f);
+      auto add = [&](const std::vector<float>& dir, float w) {
+        for (int i = 0; i < kD; ++i) q[i] += w * dir[i];
+      };
+      add(sink_dir_, 5.7f);
+      add(bias_dir_, -15.0f);  // with the 3.0 bias of topic keys: logit shift of about -4
+      for (int j = 0; j < kNeedlesPerQuery; ++j) add(needle_dir_[perm[j]], 9.0f);
+      for (int r = 0; r < 2; ++r) {
+        add(topic_key_[std::uniform_int_distribution<int>(0, kTopics - 1)(rng_)], 4.0f);
+      }
+      for (int i = 0; i < kD; ++i) q[i] = kHeadScale[h] * (q[i] + 0.3f * nd(rng_));
+      Rope(q.data(), length - 1, inv_);
+      queries_.insert(queries_.end(), q.begin(), q.end());
+    }
+  }
+
+  // Writes key and value (post-RoPE key) of the next token.
+  void Next(float* k, float* v) {
+    const int64_t t = next_++;
+    std::normal_distribution<float> nd;
+    int needle = -1;
+    for (int j = 0; j < kNeedles; ++j) {
+      if (t >= needle_runs_[j].first && t < needle_runs_[j].second) needle = j;
+    }
+    if (remaining_ == 0) {
+      topic_ = std::uniform_int_distribution<int>(0, kTopics - 1)(rng_);
+      remaining_ = 1 + static_cast<int64_t>(
+                           std::exponential_distribution<double>(1.0 / kTopicMeanRun)(rng_));
+    }
+    --remaining_;
+    if (t < kSinkTokens) {
+      for (int i = 0; i < kD; ++i) {
+        k[i] = 12.0f * sink_dir_[i] + 0.3f * nd(rng_);
+        v[i] = 0.1f * nd(rng_);
+      }
+    } else if (needle >= 0) {
+      for (int i = 0; i < kD; ++i) {
+        k[i] = 10.0f * needle_dir_[needle][i] + 0.3f * nd(rng_);
+        v[i] = needle_value_[needle][i] + 0.3f * nd(rng_);
+      }
+    } else {
+      for (int i = 0; i < kD; ++i) {
+        k[i] = 6.0f * topic_key_[topic_][i] + 3.0f * bias_dir_[i] + 0.5f * nd(rng_);
+        v[i] = topic_value_[topic_][i] + nd(rng_);
+      }
+    }
+    Rope(k, t, inv_);
+  }
+
+  const float* queries() const { return queries_.data(); }  // [kGroup, kD], post-RoPE
+
+ private:
+  int64_t length_;
+  std::mt19937_64 rng_;
+  std::vector<double> inv_;
+  std::vector<std::vector<float>> topic_key_, topic_value_, needle_dir_, needle_value_;
+  std::vector<float> sink_dir_, bias_dir_;
+  std::vector<std::pair<int64_t, int64_t>> needle_runs_;
+  std::vector<float> queries_;
+  int64_t next_ = 0;
+  int topic_ = 0;
+  int64_t remaining_ = 0;
+};
+
+struct PolicySpec {
+  std::string label;
+  PolicyOptions options;
+};
+
+absl::StatusOr<PolicySpec> ParseSpec(const std::string& text) {
+  PolicySpec spec;
+  spec.label = text;
+  std::vector<std::string> parts = absl::StrSplit(text, ':');
+  if (parts.empty() || parts.size() > 2) {
+    return absl::InvalidArgumentError(absl::StrCat("bad policy '", text, "'"));
+  }
+  absl::StatusOr<PolicyKind> kind = engine::sparse::ParsePolicyName(parts[0]);
+  if (!kind.ok()) return kind.status();
+  spec.options.kind = *kind;
+  if (parts.size() == 2) {
+    absl::StatusOr<SummaryKind> s = engine::sparse::ParseSummaryKind(parts[1]);
+    if (!s.ok()) return s.status();
+    spec.options.summary = *s;
+  }
+  return spec;
+}
+
+float Bf16(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct Accum {
+  double mass = 0, topk = 0, err = 0, bytes = 0, ms = 0, attended = 0;
+  int heads = 0;   // query heads accumulated (metrics)
+  int kv = 0;      // KV heads accumulated (bytes, time)
+};
+
+}  // namespace
+
+absl::Status FidelityOptions::Validate() const {
+  if (contexts.empty() || budgets.empty() || page_sizes.empty() || policies.empty()) {
+    return absl::InvalidArgumentError("fidelity: empty contexts, budgets, page sizes or policies");
+  }
+  for (int64_t c : contexts) {
+    if (c < 1024) return absl::InvalidArgumentError("fidelity: contexts must be >= 1024");
+  }
+  for (int b : budgets) {
+    if (b <= 0) return absl::InvalidArgumentError("fidelity: budgets must be positive");
+  }
+  for (int p : page_sizes) {
+    if (p <= 0) return absl::InvalidArgumentError("fidelity: page sizes must be positive");
+  }
+  if (kv_heads < 1 || kv_heads > kModelKvHeads) {
+    return absl::InvalidArgumentError("fidelity: kv_heads must be in [1, 8]");
+  }
+  if (sink_tokens < 0 || window_tokens < 0 || topk < 1 || rf_features < 1) {
+    return absl::InvalidArgumentError("fidelity: bad sinks, window, topk or rf_features");
+  }
+  for (const std::string& p : policies) {
+    absl::StatusOr<PolicySpec> spec = ParseSpec(p);
+    if (!spec.ok()) return spec.status();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& options,
+                                                     std::ostream* log) {
+  absl::Status st = options.Validate();
+  if (!st.ok()) return st;
+  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend();
+  const int max_budget = *std::max_element(options.budgets.begin(), options.budgets.end());
+  std::vector<PolicySpec> specs;
+  for (const std::string& p : options.policies) specs.push_back(*ParseSpec(p));
+  std::vector<FidelityRow> rows;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
+  using Clock = std::chrono::steady_clock;
+
+  for (int64_t L : options.contexts) {
+    for (int page : options.page_sizes) {
+      // accum[spec][budget]
+      std::vector<std::vector<Accum>> acc(specs.size(), std::vector<Accum>(options.budgets.size()));
+      for (int g = 0; g < options.kv_heads; ++g) {
+        const Clock::time_point t0 = Clock::now();
+        KvCacheOptions co;
+        co.num_layers = 1;
+        co.num_kv_heads = 1;
+        co.head_dim = kD;
+        co.page_size = page;
+        co.dtype = DType::kBF16;
+        co.max_tokens = L;
+        absl::StatusOr<std::unique_ptr<KvCache>> cache_or = KvCache::Create(co, backend.get());
+        if (!cache_or.ok()) return cache_or.status();
+        KvCache& cache = **cache_or;
+        // Policy instances: one per spec (budget changed with SetTokenBudget), except subgen,
+        // whose streaming state depends on the budget: one per budget.
+        struct Instance {
+          size_t spec;
+          int budget_index;  // -1: all budgets
+          std::unique_ptr<SparsePolicy> policy;
+        };
+        std::vector<Instance> instances;
+        for (size_t s = 0; s < specs.size(); ++s) {
+          PolicyOptions po = specs[s].options;
+          po.page_size = page;
+          po.sink_tokens = options.sink_tokens;
+          po.window_tokens = options.window_tokens;
+          po.rf_features = options.rf_features;
+          po.rf_seed = options.seed * 7 + 3;
+          po.subgen_seed = options.seed * 11 + g;
+          if (po.kind == PolicyKind::kSubGen) {
+            if (L > options.subgen_max_context) continue;
+            for (size_t b = 0; b < options.budgets.size(); ++b) {
+              po.token_budget = options.budgets[b];
+              absl::StatusOr<std::unique_ptr<SparsePolicy>> p =
+                  engine::sparse::MakeSparsePolicy(po, 1, kGroup, 1, kD);
+              if (!p.ok()) return p.status();
+              instances.push_back({s, static_cast<int>(b), std::move(p).value()});
+            }
+          } else {
+            po.token_budget = max_budget;
+            absl::StatusOr<std::unique_ptr<SparsePolicy>> p =
+                engine::sparse::MakeSparsePolicy(po, 1, kGroup, 1, kD);
+            if (!p.ok()) return p.status();
+            instances.push_back({s, -1, std::move(p).value()});
+          }
+        }
+        // Stream the sequence into the cache; policies build summaries as pages fill.
+        const int64_t middle_begin = options.sink_tokens;
+        const int64_t middle_end = std::max<int64_t>(middle_begin + 1, L - 1 - options.window_tokens);
+        HeadWorkload work(L, middle_begin, middle_end,
+                          options.seed * 1000003u + static_cast<uint64_t>(g) * 7919u +
+                              static_cast<uint64_t>(L));
+        std::vector<float> kbuf(kChunk * kD), vbuf(kChunk * kD);
+        std::vector<double> append_seconds(instances.size(), 0.0);
+        for (int64_t t = 0; t < L; t += kChunk) {
+          const int64_t n = std::min(kChunk, L - t);
+          for (int64_t i = 0; i < n; ++i) work.Next(&kbuf[i * kD], &vbuf[i * kD]);
+          st = cache.Append(0, TensorView(kbuf.data(), DType::kF32, {n, 1, kD}),
+                            TensorView(vbuf.data(), DType::kF32, {n, 1, kD}));
+          if (!st.ok()) return st;
+          for (size_t i = 0; i < instances.size(); ++i) {
+            const Clock::time_point a = Clock::now();
+            st = instances[i].policy->OnAppend(0, cache, t, t + n);
+            if (!st.ok()) return st;
+            append_seconds[i] += std::chrono::duration<double>(Clock::now() - a).count();
+          }
+        }
+        // Dense truth for each query head.
+        const uint16_t* keys = cache.k_pool(0).As<const uint16_t>();
+        const uint16_t* values = cache.v_pool(0).As<const uint16_t>();
+        std::vector<std::vector<float>> prob(kGroup, std::vector<float>(L));
+        std::vector<std::vector<double>> dense_out(kGroup, std::vector<double>(kD, 0.0));
+        std::vector<std::vector<int64_t>> topk(kGroup);
+        const int k_top = static_cast<int>(std::min<int64_t>(options.topk, L));
+        for (int h = 0; h < kGroup; ++h) {
+          const float* q = work.queries() + h * kD;
+          std::vector<float>& p = prob[h];
+#pragma omp parallel for schedule(static)
+          for (int64_t j = 0; j < L; ++j) {
+            float acc_dot = 0.0f;
+            const uint16_t* kr = keys + j * kD;
+            for (int i = 0; i < kD; ++i) acc_dot += q[i] * Bf16(kr[i]);
+            p[j] = acc_dot * scale;
+          }
+          std::vector<int64_t> idx(L);
+          std::iota(idx.begin(), idx.end(), 0);
+          std::nth_element(idx.begin(), idx.begin() + k_top - 1, idx.end(),
+                           [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+          topk[h].assign(idx.begin(), idx.begin() + k_top);
+          const float m = *std::max_element(p.begin(), p.end());
+          double sum = 0;
+          for (int64_t j = 0; j < L; ++j) {
+            p[j] = std::exp(p[j] - m);
+            sum += p[j];
+          }
+          const float inv = static_cast<float>(1.0 / sum);
+          for (int64_t j = 0; j < L; ++j) p[j] *= inv;
+          std::vector<double>& o = dense_out[h];
+          for (int64_t j = 0; j < L; ++j) {
+            const uint16_t* vr = values + j * kD;
+            for (int i = 0; i < kD; ++i) o[i] += static_cast<double>(p[j]) * Bf16(vr[i]);
+          }
+        }
+        if (log != nullptr) {
+          *log << absl::StrFormat("context %d page %d kv head %d: generated + summarised + truth in %.1f s\n",
+                                  L, page, g,
+                                  std::chrono::duration<double>(Clock::now() - t0).count());
+          log->flush();
+        }
+        // Selections.
+        std::vector<uint8_t> in_set(L, 0);
+        for (Instance& inst : instances) {
+          for (size_t b = 0; b < options.budgets.size(); ++b) {
+            if (inst.budget_index >= 0 && inst.budget_index != static_cast<int>(b)) continue;
+            SparsePolicy& pol = *inst.policy;
+            if (inst.budget_index < 0) pol.SetTokenBudget(options.budgets[b]);
+            pol.ResetStats();
+            Selection sel;
+            st = pol.Select(0, work.queries(), 1, kGroup, L - 1, cache, &sel);
+            if (!st.ok()) return st;
+            int64_t attended = 0;
+            for (int i = sel.offsets[0]; i < sel.offsets[1]; ++i) {
+              const kernels::KvSpan& sp = sel.spans[i];
+              std::fill(in_set.begin() + sp.position, in_set.begin() + sp.position + sp.length, 1);
+              attended += sp.length;
+            }
+            Accum& a = acc[inst.spec][b];
+            for (int h = 0; h < kGroup; ++h) {
+              double mass = 0;
+              std::vector<double> o(kD, 0.0);
+              for (int i = sel.offsets[0]; i < sel.offsets[1]; ++i) {
+                const kernels::KvSpan& sp = sel.spans[i];
+                for (int64_t j = sp.position; j < sp.position + sp.length; ++j) {
+                  const double pj = prob[h][j];
+                  mass += pj;
+                  const uint16_t* vr = values + j * kD;
+                  for (int c = 0; c < kD; ++c) o[c] += pj * Bf16(vr[c]);
+                }
+              }
+              double diff2 = 0, ref2 = 0;
+              for (int c = 0; c < kD; ++c) {
+                const double oc = mass > 0 ? o[c] / mass : 0.0;
+                diff2 += (oc - dense_out[h][c]) * (oc - dense_out[h][c]);
+                ref2 += dense_out[h][c] * dense_out[h][c];
+              }
+              int hits = 0;
+              for (int64_t j : topk[h]) hits += in_set[j];
+              a.mass += mass;
+              a.topk += static_cast<double>(hits) / k_top;
+              a.err += std::sqrt(diff2 / std::max(ref2, 1e-30));
+              ++a.heads;
+            }
+            const engine::sparse::SelectionStats& ss = pol.stats();
+            a.bytes += static_cast<double>(ss.summary_bytes + ss.key_bytes) +
+                       static_cast<double>(attended) * kD * 2 /*K,V*/ * 2 /*bf16*/;
+            a.ms += ss.select_seconds * 1e3;
+            a.attended += static_cast<double>(attended);
+            ++a.kv;
+            for (int i = sel.offsets[0]; i < sel.offsets[1]; ++i) {
+              const kernels::KvSpan& sp = sel.spans[i];
+              std::fill(in_set.begin() + sp.position, in_set.begin() + sp.position + sp.length, 0);
+            }
+          }
+        }
+      }
+      for (size_t s = 0; s < specs.size(); ++s) {
+        for (size_t b = 0; b < options.budgets.size(); ++b) {
+          const Accum& a = acc[s][b];
+          if (a.heads == 0) continue;  // skipped (subgen above its context limit)
+          FidelityRow r;
+          r.policy = specs[s].label;
+          r.context = L;
+          r.budget = options.budgets[b];
+          r.page_size = page;
+          r.mass_recall = a.mass / a.heads;
+          r.topk_recall = a.topk / a.heads;
+          r.rel_error = a.err / a.heads;
+          r.bytes_per_step = a.bytes / a.kv * kModelKvHeads;
+          r.select_ms = a.ms / a.kv * kModelKvHeads;
+          r.attended_tokens = a.attended / a.kv;
+          rows.push_back(r);
+          if (log != nullptr) {
+            *log << absl::StrFormat("  %-20s B=%-5d P=%-3d mass %.4f topk %.4f err %.4f\n", r.policy,
+                                    r.budget, r.page_size, r.mass_recall, r.topk_recall,
+                                    r.rel_error);
+          }
+        }
+      }
+    }
+  }
+  return rows;
+}
+
+std::string FormatFidelityTable(const std::vector<FidelityRow>& rows) {
+  std::string out = absl::StrFormat("%-20s %8s %6s %5s %11s %11s %9s %12s %10s %9s\n", "policy",
+                                    "context", "budget", "page", "mass_recall", "topk_recall",
+                                    "rel_error", "MB/step", "select_ms", "attended");
+  for (const FidelityRow& r : rows) {
+    absl::StrAppendFormat(&out, "%-20s %8d %6d %5d %11.4f %11.4f %9.4f %12.3f %10.3f %9.0f\n",
+                          r.policy, r.context, r.budget, r.page_size, r.mass_recall, r.topk_recall,
+                          r.rel_error, r.bytes_per_step / 1e6, r.select_ms, r.attended_tokens);
+  }
+  return out;
+}
+
+std::string FidelityRowJson(const FidelityRow& r) {
+  nlohmann::json j;
+  j["policy"] = r.policy;
+  j["context"] = r.context;
+  j["budget"] = r.budget;
+  j["page_size"] = r.page_size;
+  j["mass_recall"] = r.mass_recall;
+  j["topk_recall"] = r.topk_recall;
+  j["rel_error"] = r.rel_error;
+  j["bytes_per_step"] = r.bytes_per_step;
+  j["select_ms"] = r.select_ms;
+  j["attended_tokens"] = r.attended_tokens;
+  return j.dump();
+}
+
+}  // namespace strata::bench
