@@ -1,14 +1,13 @@
 // Paged attention and partial-result merge on the GPU (math in kernels/backend.h).
 //
-// Decode (one query token, head_dim 64/128/256): split-K flash decoding. The host plan
-// (CudaBackend::PagedAttention) cuts every KV head's concatenated spans into work items of at
-// most kDecodeChunkMax tokens. PagedAttentionDecodeKernel runs one 128-thread block per item and
-// serves all query heads of the item's KV head (GQA: K and V are read once per item):
-//   A. thread t scores token t against every query head (K row in 16-byte loads, q in shared);
-//   B. one warp per head: chunk max m and p = exp(s - m), l = sum p;
-//   C. warps split the tokens, lanes split head_dim: o = sum p v, reduced across warps;
-// and writes (o, m, l) per head to scratch. PagedAttentionCombineKernel (one block per query
-// head) merges the items: M = max m, L = sum l e^(m-M), out = sum e^(m-M) o / L, lse = M + log L.
+// Decode (one query token, head_dim 64/128/256, at most 8 query heads per KV head): split-K flash
+// decoding. The host plan (CudaBackend::PagedAttention) cuts every KV head's concatenated spans
+// into work items of `count` consecutive keys (about 4 items per SM over all heads).
+// PagedAttentionDecodeKernel runs one 128-thread block per item, serves all query heads of the
+// item's KV head (GQA: K and V are read once per item), and writes per head the item's running
+// max m, sum l and unnormalised output o to scratch. PagedAttentionCombineKernel (one block per
+// query head) merges the items: M = max m, L = sum l e^(m-M), out = sum e^(m-M) o / L,
+// lse = M + log L.
 //
 // General (any token count, head_dim <= 512): PagedAttentionGeneralKernel, one block per (token,
 // query head), tiles of 128 keys with an online softmax, causal mask per key position.
@@ -20,9 +19,9 @@
 namespace strata::kernels::cuda_internal {
 namespace {
 
-constexpr int kThreads = 128;  // == kDecodeChunkMax: one key per thread in phase A
+constexpr int kThreads = 128;  // == kDecodeTile: one key per thread in phase A
+static_assert(kThreads == kDecodeTile, "decode tiles hold one key per thread");
 constexpr int kWarps = kThreads / 32;
-static_assert(kThreads == kDecodeChunkMax, "decode blocks score one key per thread");
 
 __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
 
@@ -84,178 +83,6 @@ __device__ __forceinline__ void LoadN(const KV* p, float (&f)[N]) {
   }
 }
 
-template <typename KV, int HEAD_DIM>
-__global__ void __launch_bounds__(kThreads)
-    PagedAttentionDecodeKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
-                               const KV* __restrict__ v_pool, AttentionShape shape,
-                               AttentionPlan plan, float* __restrict__ scratch) {
-  constexpr int kDimsPerLane = HEAD_DIM / 32;
-  __shared__ float q_s[kDecodeMaxGroup][HEAD_DIM];
-  __shared__ float p_s[kDecodeMaxGroup][kThreads];
-  __shared__ int64_t row_s[kThreads];
-  __shared__ float red_s[kWarps][kDecodeMaxGroup][HEAD_DIM];
-
-  const DecodeWorkItem item = plan.items[blockIdx.x];
-  const int group = shape.num_q_heads / shape.num_kv_heads;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  // q rows of this KV head's query heads (token 0).
-  const float* q_head = q + static_cast<int64_t>(item.kv_head) * group * HEAD_DIM;
-  for (int i = tid; i < group * HEAD_DIM; i += kThreads) q_s[i / HEAD_DIM][i % HEAD_DIM] = q_head[i];
-  __syncthreads();
-
-  // A: one key per thread.
-  float s[kDecodeMaxGroup];
-#pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) s[h] = 0.0f;
-  if (tid < item.count) {
-    const int j = item.begin + tid;
-    const int si = FindSpan(plan, item.kv_head, j);
-    const DeviceSpan span = plan.spans[si];
-    const int64_t row = static_cast<int64_t>(span.slot) * shape.page_size + span.offset +
-                        (j - plan.span_start[si]);
-    row_s[tid] = row;
-    const KV* k = k_pool + row * HEAD_DIM;
-#pragma unroll 4
-    for (int c = 0; c < HEAD_DIM; c += 8) {
-      float kf[8];
-      Load8<KV>(k + c, kf);
-#pragma unroll
-      for (int h = 0; h < kDecodeMaxGroup; ++h) {
-        if (h < group) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s[h] += q_s[h][c + e] * kf[e];
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
-    if (h < group) p_s[h][tid] = tid < item.count ? s[h] * shape.scale : NegInf();
-  }
-  __syncthreads();
-
-  // B: per head max and exponentials; warp w handles heads w, w + kWarps.
-  float* part = scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2);
-  for (int h = warp; h < group; h += kWarps) {
-    float v[kThreads / 32];
-    float m = NegInf();
-#pragma unroll
-    for (int r = 0; r < kThreads / 32; ++r) {
-      v[r] = p_s[h][lane + 32 * r];
-      m = fmaxf(m, v[r]);
-    }
-    m = WarpMax(m);
-    float l = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kThreads / 32; ++r) {
-      const float p = m == NegInf() ? 0.0f : __expf(v[r] - m);
-      p_s[h][lane + 32 * r] = p;
-      l += p;
-    }
-    l = WarpSum(l);
-    if (lane == 0) {
-      part[h * (HEAD_DIM + 2) + HEAD_DIM] = m;
-      part[h * (HEAD_DIM + 2) + HEAD_DIM + 1] = l;
-    }
-  }
-  __syncthreads();
-
-  // C: o[h, :] = sum_t p[h, t] v_t; warps split tokens, lanes split dims.
-  float acc[kDecodeMaxGroup][kDimsPerLane];
-#pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
-#pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = 0.0f;
-  }
-#pragma unroll 2
-  for (int t = warp; t < item.count; t += kWarps) {
-    float vf[kDimsPerLane];
-    LoadN<KV, kDimsPerLane>(v_pool + row_s[t] * HEAD_DIM + lane * kDimsPerLane, vf);
-#pragma unroll
-    for (int h = 0; h < kDecodeMaxGroup; ++h) {
-      if (h < group) {
-        const float p = p_s[h][t];
-#pragma unroll
-        for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] += p * vf[e];
-      }
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
-    if (h < group) {
-#pragma unroll
-      for (int e = 0; e < kDimsPerLane; ++e) red_s[warp][h][lane * kDimsPerLane + e] = acc[h][e];
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
-    const int h = i / HEAD_DIM, d = i % HEAD_DIM;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red_s[w][h][d];
-    part[h * (HEAD_DIM + 2) + d] = sum;
-  }
-}
-
-// One block per query head (token 0). Dynamic shared memory: one weight per work item of the
-// head's KV head.
-__global__ void __launch_bounds__(kThreads)
-    PagedAttentionCombineKernel(AttentionShape shape, AttentionPlan plan,
-                                const float* __restrict__ scratch, float* __restrict__ out,
-                                float* __restrict__ lse) {
-  extern __shared__ float w_s[];
-  __shared__ float red_s[kWarps];
-  __shared__ float bcast_s;
-  const int head = blockIdx.x;
-  const int group = shape.num_q_heads / shape.num_kv_heads;
-  const int g = head / group, hh = head % group;
-  const int d = shape.head_dim, stride = group * (d + 2);
-  const int first = plan.item_offsets[g], n = plan.item_offsets[g + 1] - first;
-  const float* base = scratch + static_cast<int64_t>(first) * stride + hh * (d + 2);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  float m = NegInf();
-  for (int i = tid; i < n; i += kThreads) m = fmaxf(m, base[static_cast<int64_t>(i) * stride + d]);
-  m = WarpMax(m);
-  if (lane == 0) red_s[warp] = m;
-  __syncthreads();
-  if (tid == 0) {
-    float mm = NegInf();
-    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, red_s[w]);
-    bcast_s = mm;
-  }
-  __syncthreads();
-  const float big_m = bcast_s;
-  float* o = out + static_cast<int64_t>(head) * d;
-  if (big_m == NegInf()) {  // nothing attended
-    for (int i = tid; i < d; i += kThreads) o[i] = 0.0f;
-    if (tid == 0) lse[head] = NegInf();
-    return;
-  }
-  float l = 0.0f;
-  for (int i = tid; i < n; i += kThreads) {
-    const float* pi = base + static_cast<int64_t>(i) * stride;
-    const float w = __expf(pi[d] - big_m);
-    w_s[i] = w;
-    l += w * pi[d + 1];
-  }
-  l = WarpSum(l);
-  __syncthreads();  // every thread has read bcast_s and written w_s
-  if (lane == 0) red_s[warp] = l;
-  __syncthreads();
-  float big_l = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) big_l += red_s[w];
-  const float inv = 1.0f / big_l;
-  for (int e = tid; e < d; e += kThreads) {
-    float sum = 0.0f;
-    for (int i = 0; i < n; ++i) sum += w_s[i] * base[static_cast<int64_t>(i) * stride + e];
-    o[e] = sum * inv;
-  }
-  if (tid == 0) lse[head] = big_m + logf(big_l);
-}
-
 // Block-wide reductions over kThreads threads; `tmp` has kWarps floats. Every thread gets the
 // result. Contains barriers: call from uniform control flow.
 __device__ __forceinline__ float BlockMax(float v, float* tmp) {
@@ -277,6 +104,242 @@ __device__ __forceinline__ float BlockSum(float v, float* tmp) {
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) r += tmp[w];
   return r;
+}
+
+// One block per work item; the item's tokens are processed in tiles of kThreads keys with an
+// online softmax per query head. Per tile: the block loads the metadata of the (at most kThreads)
+// spans the tile can touch into shared memory, each thread binary-searches its key's span there,
+// scores its key against every query head of the group (A), one warp per head updates the
+// running max / sum and turns scores into weights (B), and the warps accumulate weights * V into
+// per-warp registers, lanes splitting head_dim (C). The warps' accumulators are summed at the end.
+template <typename KV, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads)
+    PagedAttentionDecodeKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
+                               const KV* __restrict__ v_pool, AttentionShape shape,
+                               AttentionPlan plan, float* __restrict__ scratch) {
+  constexpr int kDimsPerLane = HEAD_DIM / 32;
+  __shared__ float q_s[kDecodeMaxGroup][HEAD_DIM];
+  __shared__ float p_s[kDecodeMaxGroup][kThreads];
+  __shared__ int64_t row_s[kThreads];
+  __shared__ int64_t span_base_s[kThreads];  // slot * page_size + offset of candidate spans
+  __shared__ int32_t span_start_s[kThreads];  // their first token within the head
+  __shared__ float m_s[kDecodeMaxGroup], l_s[kDecodeMaxGroup], corr_s[kDecodeMaxGroup];
+  __shared__ int next_span_s;
+  __shared__ float red_s[kWarps][kDecodeMaxGroup][HEAD_DIM];
+
+  const DecodeWorkItem item = plan.items[blockIdx.x];
+  const int g = item.kv_head;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int span_end = plan.span_offsets[g + 1];
+
+  const float* q_head = q + static_cast<int64_t>(g) * group * HEAD_DIM;
+  for (int i = tid; i < group * HEAD_DIM; i += kThreads) q_s[i / HEAD_DIM][i % HEAD_DIM] = q_head[i];
+  if (tid < group) {
+    m_s[tid] = NegInf();
+    l_s[tid] = 0.0f;
+  }
+
+  float acc[kDecodeMaxGroup][kDimsPerLane];
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+#pragma unroll
+    for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = 0.0f;
+  }
+
+  int span_base = item.first_span;  // span holding the tile's first token (block-uniform)
+  for (int tile = 0; tile < item.count; tile += kThreads) {
+    const int cnt = min(kThreads, item.count - tile);
+    const int tile_begin = item.begin + tile;
+    // Spans span_base .. span_base + kThreads - 1 hold every key of the tile (spans are
+    // non-empty, so kThreads keys touch at most kThreads spans).
+    const int num_cand = min(kThreads, span_end - span_base);
+    if (tid < num_cand) {
+      const DeviceSpan sp = plan.spans[span_base + tid];
+      span_start_s[tid] = plan.span_start[span_base + tid];
+      span_base_s[tid] = static_cast<int64_t>(sp.slot) * shape.page_size + sp.offset;
+    }
+    __syncthreads();  // metadata (and, on the first tile, q_s / m_s / l_s) visible
+
+    // A: one key per thread.
+    float s[kDecodeMaxGroup];
+#pragma unroll
+    for (int h = 0; h < kDecodeMaxGroup; ++h) s[h] = 0.0f;
+    if (tid < cnt) {
+      const int j = tile_begin + tid;
+      int lo = 0, hi = num_cand - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (span_start_s[mid] <= j) {
+          lo = mid;
+        } else {
+          hi = mid - 1;
+        }
+      }
+      const int64_t row = span_base_s[lo] + (j - span_start_s[lo]);
+      row_s[tid] = row;
+      if (tid == cnt - 1) next_span_s = span_base + lo;
+      const KV* k = k_pool + row * HEAD_DIM;
+#pragma unroll 8
+      for (int c = 0; c < HEAD_DIM; c += 8) {
+        float kf[8];
+        Load8<KV>(k + c, kf);
+#pragma unroll
+        for (int h = 0; h < kDecodeMaxGroup; ++h) {
+          if (h < group) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[h] += q_s[h][c + e] * kf[e];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kDecodeMaxGroup; ++h) {
+      if (h < group) p_s[h][tid] = tid < cnt ? s[h] * shape.scale : NegInf();
+    }
+    __syncthreads();
+
+    // B: running max and sum per head; scores become weights exp(s - m).
+    for (int h = warp; h < group; h += kWarps) {
+      float v[kThreads / 32];
+      float tile_m = NegInf();
+#pragma unroll
+      for (int r = 0; r < kThreads / 32; ++r) {
+        v[r] = p_s[h][lane + 32 * r];
+        tile_m = fmaxf(tile_m, v[r]);
+      }
+      tile_m = WarpMax(tile_m);
+      const float old_m = m_s[h];
+      const float new_m = fmaxf(old_m, tile_m);
+      float sum = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kThreads / 32; ++r) {
+        const float p = (new_m == NegInf() || v[r] == NegInf()) ? 0.0f : __expf(v[r] - new_m);
+        p_s[h][lane + 32 * r] = p;
+        sum += p;
+      }
+      sum = WarpSum(sum);
+      __syncwarp();
+      if (lane == 0) {
+        const float corr = old_m == NegInf() ? 0.0f : __expf(old_m - new_m);
+        corr_s[h] = corr;
+        l_s[h] = l_s[h] * corr + sum;
+        m_s[h] = new_m;
+      }
+    }
+    __syncthreads();
+
+    // C: rescale, then acc[h, :] += p[h, t] v_t; warps split the tile's keys, lanes split dims.
+#pragma unroll
+    for (int h = 0; h < kDecodeMaxGroup; ++h) {
+      if (h < group) {
+        const float corr = corr_s[h];
+#pragma unroll
+        for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] *= corr;
+      }
+    }
+#pragma unroll 4
+    for (int t = warp; t < cnt; t += kWarps) {
+      float vf[kDimsPerLane];
+      LoadN<KV, kDimsPerLane>(v_pool + row_s[t] * HEAD_DIM + lane * kDimsPerLane, vf);
+#pragma unroll
+      for (int h = 0; h < kDecodeMaxGroup; ++h) {
+        if (h < group) {
+          const float p = p_s[h][t];
+#pragma unroll
+          for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] += p * vf[e];
+        }
+      }
+    }
+    span_base = next_span_s;
+    __syncthreads();  // the next tile rewrites the span metadata, row_s, p_s and next_span_s
+  }
+
+  // Sum the warps' accumulators; write (o, m, l) per head.
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+    if (h < group) {
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) red_s[warp][h][lane * kDimsPerLane + e] = acc[h][e];
+    }
+  }
+  __syncthreads();
+  float* part = scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2);
+  for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
+    const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red_s[w][h][d];
+    part[h * (HEAD_DIM + 2) + d] = sum;
+  }
+  if (tid < group) {
+    part[tid * (HEAD_DIM + 2) + HEAD_DIM] = m_s[tid];
+    part[tid * (HEAD_DIM + 2) + HEAD_DIM + 1] = l_s[tid];
+  }
+}
+
+constexpr int kCombineDimsPerThread = 256 / kThreads;  // decode head_dim <= 256
+
+// One block per query head (token 0): merges the partials of every work item of its KV head,
+// items in tiles of kThreads (weights e^(m - M) staged in shared memory).
+__global__ void __launch_bounds__(kThreads)
+    PagedAttentionCombineKernel(AttentionShape shape, AttentionPlan plan,
+                                const float* __restrict__ scratch, float* __restrict__ out,
+                                float* __restrict__ lse) {
+  __shared__ float w_s[kThreads];
+  __shared__ float tmp_s[kWarps];
+  const int head = blockIdx.x;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int g = head / group, hh = head % group;
+  const int d = shape.head_dim, stride = group * (d + 2);
+  const int first = plan.item_offsets[g], n = plan.item_offsets[g + 1] - first;
+  const float* base = scratch + static_cast<int64_t>(first) * stride + hh * (d + 2);
+  const int tid = threadIdx.x;
+
+  float m = NegInf();
+  for (int i = tid; i < n; i += kThreads) m = fmaxf(m, base[static_cast<int64_t>(i) * stride + d]);
+  const float big_m = BlockMax(m, tmp_s);
+  float* o = out + static_cast<int64_t>(head) * d;
+  if (big_m == NegInf()) {  // nothing attended (uniform across the block)
+    for (int e = tid; e < d; e += kThreads) o[e] = 0.0f;
+    if (tid == 0) lse[head] = NegInf();
+    return;
+  }
+  float l_part = 0.0f;
+  float acc[kCombineDimsPerThread];
+#pragma unroll
+  for (int r = 0; r < kCombineDimsPerThread; ++r) acc[r] = 0.0f;
+  for (int tile = 0; tile < n; tile += kThreads) {
+    const int i = tile + tid;
+    float w = 0.0f;
+    if (i < n) {
+      const float* pi = base + static_cast<int64_t>(i) * stride;
+      const float mi = pi[d];
+      w = mi == NegInf() ? 0.0f : __expf(mi - big_m);
+      l_part += w * pi[d + 1];
+    }
+    w_s[tid] = w;
+    __syncthreads();
+    const int cnt = min(kThreads, n - tile);
+#pragma unroll
+    for (int r = 0; r < kCombineDimsPerThread; ++r) {
+      const int e = tid + r * kThreads;
+      if (e < d) {
+        float a = acc[r];
+        for (int j = 0; j < cnt; ++j) a += w_s[j] * base[static_cast<int64_t>(tile + j) * stride + e];
+        acc[r] = a;
+      }
+    }
+    __syncthreads();
+  }
+  const float big_l = BlockSum(l_part, tmp_s);
+  const float inv = 1.0f / big_l;
+#pragma unroll
+  for (int r = 0; r < kCombineDimsPerThread; ++r) {
+    const int e = tid + r * kThreads;
+    if (e < d) o[e] = acc[r] * inv;
+  }
+  if (tid == 0) lse[head] = big_m + logf(big_l);
 }
 
 constexpr int kGeneralDimsPerThread = kAttentionMaxHeadDim / kThreads;
@@ -437,11 +500,8 @@ cudaError_t LaunchPagedAttentionDecode(const float* q, const void* k_pool, const
     }
     if (e != cudaSuccess) return e;
   }
-  // The largest item count of any head bounds the combine kernel's shared memory.
-  if (plan.max_items_per_head > kDecodeMaxItemsPerHead) return cudaErrorInvalidValue;
-  const size_t smem = static_cast<size_t>(plan.max_items_per_head) * sizeof(float);
-  PagedAttentionCombineKernel<<<shape.num_q_heads, kThreads, smem, stream>>>(shape, plan, scratch,
-                                                                             out, lse);
+  PagedAttentionCombineKernel<<<shape.num_q_heads, kThreads, 0, stream>>>(shape, plan, scratch, out,
+                                                                          lse);
   return cudaGetLastError();
 }
 

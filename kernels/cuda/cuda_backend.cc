@@ -172,7 +172,6 @@ struct HostPlan {
   size_t spans = 0, span_start = 0, span_offsets = 0, head_tokens = 0, q_positions = 0,
          items = 0, item_offsets = 0;
   int num_items = 0;
-  int max_items_per_head = 0;
   bool decode = false;
 
   size_t Section(size_t n_words) {
@@ -208,35 +207,34 @@ HostPlan BuildPlan(const PagedAttentionParams& p, bool decode_ok, int num_sms) {
   }
   span_offsets[nkv] = static_cast<int32_t>(spans.size());
 
-  // Split-K work items: halve the chunk until there are about two per SM.
+  // Split-K work items: about kDecodeItemsPerSm per SM over all heads. Chunks below one tile are
+  // powers of two (>= 16 keys), longer ones whole tiles.
   std::vector<DecodeWorkItem> items;
   std::vector<int32_t> item_offsets(nkv + 1, 0);
   if (decode_ok) {
-    auto count_items = [&](int chunk, int* max_per_head) {
-      int64_t n = 0;
-      *max_per_head = 0;
-      for (int g = 0; g < nkv; ++g) {
-        const int64_t k = (head_tokens[g] + chunk - 1) / chunk;
-        n += k;
-        *max_per_head = static_cast<int>(std::max<int64_t>(*max_per_head, k));
-      }
-      return n;
-    };
-    int chunk = cuda_internal::kDecodeChunkMax, max_per_head = 0;
-    while (chunk > 16 && count_items(chunk, &max_per_head) < 2 * num_sms) chunk /= 2;
-    count_items(chunk, &max_per_head);
-    if (max_per_head <= cuda_internal::kDecodeMaxItemsPerHead) {
-      plan.decode = true;
-      plan.max_items_per_head = max_per_head;
-      for (int g = 0; g < nkv; ++g) {
-        item_offsets[g] = static_cast<int32_t>(items.size());
-        for (int32_t b = 0; b < head_tokens[g]; b += chunk) {
-          items.push_back({g, b, std::min<int32_t>(chunk, head_tokens[g] - b), 0});
-        }
-      }
-      item_offsets[nkv] = static_cast<int32_t>(items.size());
-      plan.num_items = static_cast<int>(items.size());
+    int64_t total = 0;
+    for (int g = 0; g < nkv; ++g) total += head_tokens[g];
+    const int64_t target = std::max(1, cuda_internal::kDecodeItemsPerSm * num_sms);
+    const int64_t want = std::max<int64_t>(1, (total + target - 1) / target);
+    const int64_t tile = cuda_internal::kDecodeTile;
+    int64_t chunk = 16;
+    if (want <= tile) {
+      while (chunk < want) chunk *= 2;
+    } else {
+      chunk = (want + tile - 1) / tile * tile;
     }
+    plan.decode = true;
+    for (int g = 0; g < nkv; ++g) {
+      item_offsets[g] = static_cast<int32_t>(items.size());
+      int32_t si = span_offsets[g];  // span holding token b
+      for (int64_t b = 0; b < head_tokens[g]; b += chunk) {
+        while (span_start[si] + spans[si].length <= b) ++si;
+        items.push_back({g, static_cast<int32_t>(b),
+                         static_cast<int32_t>(std::min<int64_t>(chunk, head_tokens[g] - b)), si});
+      }
+    }
+    item_offsets[nkv] = static_cast<int32_t>(items.size());
+    plan.num_items = static_cast<int>(items.size());
   }
 
   auto put = [&plan](size_t at, const void* src, size_t bytes) {
@@ -556,7 +554,6 @@ absl::Status CudaBackend::PagedAttention(const PagedAttentionParams& p, Stream s
     plan.items = reinterpret_cast<const DecodeWorkItem*>(words + host.items);
     plan.item_offsets = words + host.item_offsets;
     plan.num_items = host.num_items;
-    plan.max_items_per_head = host.max_items_per_head;
     const FloatType pool_type = ToFloatType(p.k_pool.dtype);
     if (host.decode) {
       float* partials = reinterpret_cast<float*>(static_cast<char*>(scratch) + plan_bytes);

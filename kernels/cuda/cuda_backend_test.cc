@@ -527,6 +527,11 @@ INSTANTIATE_TEST_SUITE_P(
         AttnCase{1, 4, 1, 128, 17, 3, true, DType::kBF16},
         AttnCase{1, 4, 1, 128, 16, 1, false, DType::kF32},
         AttnCase{1, 8, 2, 128, 16, 0, true, DType::kBF16},
+        // Work items of several 128-key tiles; one-token pages (a tile touches 128 spans).
+        AttnCase{1, 8, 1, 128, 64, 100000, false, DType::kBF16},
+        AttnCase{1, 4, 2, 64, 16, 70000, true, DType::kF32},
+        AttnCase{1, 2, 1, 128, 1, 40000, false, DType::kBF16},
+        AttnCase{1, 2, 1, 64, 2, 200000, true, DType::kBF16},
         // General kernel with one token: head_dim off the fast path, or groups > 8.
         AttnCase{1, 4, 2, 16, 16, 300, true, DType::kF32},
         AttnCase{1, 32, 2, 128, 16, 257, true, DType::kBF16}),

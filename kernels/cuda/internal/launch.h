@@ -81,23 +81,25 @@ struct DeviceSpan {
   int32_t position;
 };
 
-// One unit of split-K decode work: `count` (1..kDecodeChunkMax) consecutive tokens, starting at
-// token `begin` of KV head `kv_head`'s concatenated spans.
+// One unit of split-K decode work: `count` (>= 1) consecutive tokens, starting at token `begin` of
+// KV head `kv_head`'s concatenated spans; `first_span` is the index (into AttentionPlan::spans) of
+// the span holding token `begin`.
 struct DecodeWorkItem {
   int32_t kv_head;
   int32_t begin;
   int32_t count;
-  int32_t pad;
+  int32_t first_span;
 };
 
-inline constexpr int kDecodeChunkMax = 128;   // tokens per decode work item (one per thread)
+inline constexpr int kDecodeTile = 128;       // keys per tile of a decode block (one per thread)
+inline constexpr int kDecodeItemsPerSm = 4;   // split-K work items the host plan aims for, per SM
 inline constexpr int kDecodeMaxGroup = 8;     // query heads per KV head on the decode fast path
 inline constexpr int kAttentionMaxHeadDim = 512;
 
 // The paged-attention plan as the kernels read it. All arrays are device memory, laid out by
 // CudaBackend::PagedAttention in one buffer:
-//   spans[num_spans]               spans of every KV head, grouped by head (for the decode path
-//                                  already cut to the causal limit, empty spans dropped)
+//   spans[num_spans]               spans of every KV head, grouped by head, empty spans dropped
+//                                  (with one query token also cut to the causal limit)
 //   span_start[num_spans]          first token of each span within its head's concatenation
 //   span_offsets[num_kv_heads + 1] CSR offsets into spans
 //   head_tokens[num_kv_heads]      tokens per KV head
@@ -113,12 +115,7 @@ struct AttentionPlan {
   const DecodeWorkItem* items = nullptr;
   const int32_t* item_offsets = nullptr;
   int num_items = 0;
-  int max_items_per_head = 0;  // bounds the combine kernel's shared memory
 };
-
-// Most work items one KV head may have on the decode path (the combine kernel keeps one weight
-// per item in shared memory); the host plan falls back to the general kernel beyond it.
-inline constexpr int kDecodeMaxItemsPerHead = 8192;
 
 struct AttentionShape {
   int num_tokens = 0;
