@@ -108,11 +108,13 @@ check_prometheus() {  # ROOT OUT
   echo "promtool: config, rules and rule unit tests OK"
 }
 
-check_metric_names() {  # ROOT OUT
-  local root="$1" out="$2"
+check_metric_names() {  # ROOT OUT [RENDERED.yaml...]
+  local root="$1" out="$2" k8s=() r
+  shift 2
+  for r in "$@"; do k8s+=(--k8s "$r"); done
   mkdir -p "$out"
   node "$TOOLS/check_metrics.js" --catalog "$root/docs/metrics.md" \
-    --dashboard "$root/deploy/grafana/strata.json" \
+    --dashboard "$root/deploy/grafana/strata.json" "${k8s[@]}" \
     --emit-dashboard-rules "$out/dashboard-rules.yml" \
     "$root"/deploy/prometheus/rules/*.yml || return 1
   promtool check rules "$out/dashboard-rules.yml" >"$out/promtool.log" 2>&1 \
@@ -126,6 +128,12 @@ check_metric_names() {  # ROOT OUT
     promtool check metrics < "$f" >"$out/promtool.log" 2>&1 \
       || { cat "$out/promtool.log" >&2; echo "FAIL promtool check metrics $f" >&2; return 1; }
   done
+}
+
+check_autoscaler_metrics() {  # ROOT OUT: metric names of the rendered base's KEDA query
+  local files
+  files="$(render "$1" "$2" - deploy/k8s/base)" || return 1
+  check_metric_names "$1" "$2" $files
 }
 
 check_docker() {  # ROOT
@@ -143,7 +151,7 @@ mapfile -t rendered < <(render "$REPO" "$WORK/main" kubectl; echo "rc=$?")
 unset 'rendered[-1]'
 node "$TOOLS/validate_k8s.js" --policy "${rendered[@]}" || die "FAILED: Kubernetes manifests"
 check_prometheus "$REPO" "$WORK/main" || die "FAILED: Prometheus configuration"
-check_metric_names "$REPO" "$WORK/main" || die "FAILED: metric names"
+check_metric_names "$REPO" "$WORK/main" "${rendered[@]}" || die "FAILED: metric names"
 check_docker "$REPO" || die "FAILED: Dockerfile"
 echo "== assets OK ($(( $(date +%s) - start )) s)"
 
@@ -227,6 +235,7 @@ OTHER_MUTATIONS=(
   'exposition-label|check_metric_names|deploy/prometheus/tests/worker-exposition.txt|s.replace("{tier=\"disk\"} 40", "{tier=\"ssd\"} 40", 1)'
   'exposition-type|check_metric_names|deploy/prometheus/tests/worker-exposition.txt|s.replace("# TYPE strata_decode_tokens_total counter", "# TYPE strata_decode_tokens_total gauge", 1)'
   'catalogue-drop|check_metric_names|docs/metrics.md|"\n".join(l for l in s.split("\n") if not l.startswith("| `strata_jobs`"))'
+  'keda-metric|check_autoscaler_metrics|deploy/k8s/base/scaledobject.yaml|s.replace("sum(strata_jobs{", "sum(strata_job{", 1)'
   'dockerfile|check_docker|deploy/docker/Dockerfile|s.replace("COPY --from=build-cuda /out/strata", "COPY --from=build-gpu /out/strata", 1)'
 )
 for m in "${OTHER_MUTATIONS[@]}"; do

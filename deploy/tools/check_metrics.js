@@ -3,7 +3,7 @@
 // the metric catalogue (docs/metrics.md).
 //
 //   node check_metrics.js --catalog docs/metrics.md --dashboard strata.json \
-//        [--emit-dashboard-rules OUT.yml] RULES.yml...
+//        [--k8s RENDERED.yaml]... [--emit-dashboard-rules OUT.yml] RULES.yml...
 //   node check_metrics.js --catalog docs/metrics.md --exposition SCRAPE.txt [--process NAME]
 //
 // Fails (exit 1, one line per problem) when:
@@ -18,6 +18,8 @@
 //    label's closed set;
 //  - rate()/irate()/increase() is applied to a gauge, or a counter is used without one;
 //  - the recording rules in the catalogue's "Derived series" table and the rule files differ.
+// --k8s adds the Prometheus queries of the KEDA ScaledObjects in rendered manifests to the
+// dashboard's expressions (same checks, also emitted below).
 // --emit-dashboard-rules writes every dashboard expression as a recording rule (Grafana
 // variables replaced by constants) so that `promtool check rules` can check their syntax.
 // --exposition checks a scrape of a running process (`curl -s http://ADDR/metrics > SCRAPE.txt`,
@@ -40,10 +42,12 @@ function usage(msg) {
 const argv = process.argv.slice(2);
 let catalogPath; let dashboardPath; let emitPath; let expositionPath; let processName;
 const rulePaths = [];
+const k8sPaths = [];
 for (let i = 0; i < argv.length; i++) {
   if (argv[i] === '--catalog') catalogPath = argv[++i];
   else if (argv[i] === '--exposition') expositionPath = argv[++i];
   else if (argv[i] === '--process') processName = argv[++i];
+  else if (argv[i] === '--k8s') k8sPaths.push(argv[++i]);
   else if (argv[i] === '--dashboard') dashboardPath = argv[++i];
   else if (argv[i] === '--emit-dashboard-rules') emitPath = argv[++i];
   else if (argv[i].startsWith('--')) usage(`unknown flag ${argv[i]}`);
@@ -307,6 +311,19 @@ const dashExprs = [];
     }
   }
 }
+// KEDA ScaledObject queries in rendered manifests (--k8s): the autoscaler reads catalogued names.
+for (const p of k8sPaths) {
+  for (const doc of YAML.parseAllDocuments(read(p))) {
+    if (doc.errors.length) { problem(p, `YAML: ${doc.errors[0].message.split('\n')[0]}`); break; }
+    const o = doc.toJS();
+    if (!o || o.kind !== 'ScaledObject') continue;
+    for (const [i, t] of ((o.spec || {}).triggers || []).entries()) {
+      if (t.type === 'prometheus' && t.metadata && typeof t.metadata.query === 'string') {
+        dashExprs.push({ where: `${p} ScaledObject ${o.metadata.name} trigger ${i}`, expr: t.metadata.query });
+      }
+    }
+  }
+}
 for (const { where, expr } of dashExprs) {
   if (checkExpr(where, expr) === 0) problem(where, 'names no strata metric');
 }
@@ -323,4 +340,4 @@ if (problems.length) {
   console.error(`check_metrics: ${problems.length} problem(s)`);
   process.exit(1);
 }
-console.log(`check_metrics: ${catalog.size} catalogued metrics; ${ruleExprs.length} rule and ${dashExprs.length} dashboard expressions use only catalogued names`);
+console.log(`check_metrics: ${catalog.size} catalogued metrics; ${ruleExprs.length} rule and ${dashExprs.length} dashboard/autoscaler expressions use only catalogued names`);
