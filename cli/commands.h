@@ -9,6 +9,7 @@ namespace strata::cli {
 int RunGenerate(int argc, char** argv);   // generate_command.cc
 int RunMakeModel(int argc, char** argv);  // make_model_command.cc
 int RunKvstore(int argc, char** argv);    // kvstore_command.cc
+int RunCoordinator(int argc, char** argv);  // coordinator_command.cc
 
 }  // namespace strata::cli
 

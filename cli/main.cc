@@ -17,6 +17,7 @@ const Command kCommands[] = {
     {"generate", strata::cli::RunGenerate, "run a model locally on a prompt and stream the text"},
     {"make-model", strata::cli::RunMakeModel, "write a random Llama-family model in Hugging Face format"},
     {"kvstore", strata::cli::RunKvstore, "run the KV store service (pages, summaries, documents)"},
+    {"coordinator", strata::cli::RunCoordinator, "run the coordinator (public API, catalog, worker registry)"},
 };
 
 void PrintUsage(FILE* out) {
