@@ -666,5 +666,39 @@ TEST(Fixtures, MatchHuggingFace) {
   EXPECT_GT(dirs, 0) << "no fixtures under " << root;
 }
 
+TEST(Fixtures, GoldenModelTokenizersDecodeTheirIds) {
+  // The golden model fixtures carry a tokenizer.json beside random prompt ids and the greedy
+  // continuation: every id must decode, and streaming must agree with Decode.
+  const std::filesystem::path root = "tests/fixtures/golden";
+  ASSERT_TRUE(std::filesystem::is_directory(root)) << root << " is missing";
+  int checked = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(root)) {
+    const std::filesystem::path dir = entry.path();
+    if (!std::filesystem::exists(dir / "tokenizer.json")) continue;
+    SCOPED_TRACE(dir.string());
+    absl::StatusOr<std::unique_ptr<Tokenizer>> t = LoadTokenizer(dir.string());
+    ASSERT_TRUE(t.ok()) << t.status();
+    const json config = json::parse(ReadFile(dir / "config.json"), nullptr, false);
+    const json expected = json::parse(ReadFile(dir / "expected.json"), nullptr, false);
+    ASSERT_TRUE(config.is_object() && expected.is_object());
+    EXPECT_LE((*t)->vocab_size(), config["vocab_size"].get<int32_t>());
+    std::vector<int32_t> ids = IdsOf(expected["prompt_ids"]);
+    const std::vector<int32_t> greedy = IdsOf(expected["greedy_ids"]);
+    ids.insert(ids.end(), greedy.begin(), greedy.end());
+    for (bool skip : {false, true}) {
+      absl::StatusOr<std::string> text = (*t)->Decode(ids, skip);
+      ASSERT_TRUE(text.ok()) << text.status();
+      EXPECT_TRUE(internal::IsValidUtf8(*text));
+      StreamingDecoder stream(t->get(), skip);
+      std::string streamed;
+      for (int32_t id : ids) streamed += *stream.Push(id);
+      streamed += stream.Finish();
+      EXPECT_EQ(streamed, *text);
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 0);
+}
+
 }  // namespace
 }  // namespace strata::model
