@@ -35,8 +35,8 @@ void CpuBackend::ApplyThreads(int64_t work) const {
                 : num_threads_ > 0                   ? num_threads_
                                                      : omp_get_num_procs();
   if (omp_get_max_threads() != n) omp_set_num_threads(n);
-  const int blas = num_threads_ > 0 ? num_threads_ : omp_get_num_procs();
-  if (openblas_get_num_threads() != blas) openblas_set_num_threads(blas);
+  // OpenBLAS runs single-threaded inside OpenMP regions (matmul.cc).
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
 }
 
 absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t bytes) {

@@ -1,10 +1,10 @@
 // MatMul: out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation.
 //
-// f32 weights go straight to OpenBLAS sgemm (sgemv for one token). bf16/f16 weights: for a few
+// f32 weights go to OpenBLAS sgemm (sgemv for one token), block by block. bf16/f16 weights: for a few
 // tokens (decode) every weight row is converted once and dotted with each token (memory bound:
 // the weight is read once, at its storage width); for more tokens blocks of kBlockRows weight rows
-// are converted to f32 and multiplied with sgemm. OpenBLAS runs its own threads, so it is never
-// called from inside an OpenMP region.
+// are converted to f32 and multiplied with sgemm. Threads: OpenMP over blocks of output rows,
+// OpenBLAS single-threaded inside each.
 #include <cblas.h>
 
 #include <algorithm>
@@ -44,7 +44,7 @@ absl::Status CpuSupportsMatMul(const MatMulParams& p) {
 namespace cpu_internal {
 namespace {
 
-constexpr int64_t kBlockRows = 256;
+constexpr int64_t kBlockRows = 128;
 
 // Dot product with 8 independent partial sums (lets the compiler vectorise without
 // reassociation flags; also the reference order every path of this file shares).
@@ -84,24 +84,33 @@ void BlockedBlas(const MatMulParams& p) {
   const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
   const float* in = p.in.As<const float>();
   float* out = p.out.As<float>();
-  if (p.weight.dtype == DType::kF32) {
-    const float* w = p.weight.As<const float>();
-    if (n == 1) {
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, m, k, 1.0f, w, k, in, 1, 0.0f, out, 1);
-    } else {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, in, k, w, k, 0.0f, out,
-                  m);
-    }
-    return;
-  }
+  const bool f32 = p.weight.dtype == DType::kF32;
+  // Output rows are split into blocks; each OpenMP thread runs single-threaded sgemm on its
+  // blocks (OpenBLAS is kept at one thread, see CpuBackend::ApplyThreads: its own workers
+  // spin-wait after every call and fight the OpenMP team for cores).
   const int64_t block = std::min(kBlockRows, m);
-  std::vector<float> wf(block * k);
-  for (int64_t o0 = 0; o0 < m; o0 += block) {
-    const int64_t rows = std::min(block, m - o0);
-#pragma omp parallel for schedule(static) if (rows * k >= kParallelMinWork)
-    for (int64_t r = 0; r < rows; ++r) LoadF32(p.weight, (o0 + r) * k, k, wf.data() + r * k);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, k, 1.0f, in, k, wf.data(), k,
-                0.0f, out + o0, m);
+  const int64_t num_blocks = (m + block - 1) / block;
+#pragma omp parallel if (n * m * k >= kParallelMinWork)
+  {
+    std::vector<float> wf(f32 ? 0 : block * k);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t o0 = b * block;
+      const int64_t rows = std::min(block, m - o0);
+      const float* w;
+      if (f32) {
+        w = p.weight.As<const float>() + o0 * k;
+      } else {
+        for (int64_t r = 0; r < rows; ++r) LoadF32(p.weight, (o0 + r) * k, k, wf.data() + r * k);
+        w = wf.data();
+      }
+      if (n == 1) {
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, rows, k, 1.0f, w, k, in, 1, 0.0f, out + o0, 1);
+      } else {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, k, 1.0f, in, k, w, k, 0.0f,
+                    out + o0, m);
+      }
+    }
   }
 }
 
