@@ -8,7 +8,7 @@
 # Usage: scripts/gpu_remote.sh
 # Env: STRATA_GPU_SANITIZER_FILTER (gtest filter for the memcheck run; default all tests),
 #      STRATA_GPU_SANITIZER_TIMEOUT (seconds, default 170), STRATA_GPU_BENCH_ARGS (contexts for
-#      cuda_attention_bench; default 32768 131072), STRATA_GPU_SKIP_BENCH=1.
+#      cuda_attention_bench; default 32768 131072), STRATA_GPU_SKIP_BENCH=1, STRATA_GPU_SKIP_NCU=1.
 set -uo pipefail
 ROOT="$(pwd)"
 BUNDLE="$ROOT/.gpu"
@@ -68,6 +68,19 @@ if [ -x "$BUNDLE/bin/cuda_backend_test" ] && command -v compute-sanitizer >/dev/
   rc=$?
   summarize "memcheck cuda_backend_test" "$LOGS/memcheck.log" "$rc" "$(( $(date +%s) - start ))"
   grep -E 'ERROR SUMMARY|Invalid|========= [A-Z]' "$LOGS/memcheck.log" | head -20
+fi
+
+# Per-kernel device time of the decode path at 128K context (Nsight Compute; dense calls first,
+# then budget calls: 5 calls x 2 kernels each in --ncu mode).
+if [ -x "$BUNDLE/bin/cuda_attention_bench" ] && command -v ncu >/dev/null && \
+   [ "${STRATA_GPU_SKIP_NCU:-0}" != 1 ]; then
+  for mode in "dense:0" "budget:10"; do
+    ncu --clock-control none -k regex:PagedAttention --launch-skip "${mode#*:}" --launch-count 10 \
+      --metrics gpu__time_duration.sum --print-summary per-kernel \
+      "$BUNDLE/bin/cuda_attention_bench" --ncu 131072 >"$LOGS/ncu_${mode%%:*}.txt" 2>&1
+    echo "ncu ${mode%%:*} 131072:"
+    grep -E "PagedAttention|gpu__time_duration" "$LOGS/ncu_${mode%%:*}.txt" | sed 's/(strata::kernels[^)]*)//' | cut -c1-150 | head -8
+  done
 fi
 
 echo "==== summary ===="

@@ -1,20 +1,28 @@
 // Times CudaBackend::PagedAttention for one decode token (Llama-3.1-8B shape: 32 query heads,
-// 8 KV heads, head_dim 128, bf16 pool, 64-token pages) at several context lengths, over
-// (a) every page of the context ("dense") and (b) a 2048-token budget of 32 random pages per KV
-// head ("budget"). Each timed call is preceded by a 256 MiB memset that flushes L2 and keeps the
-// GPU busy while the host builds the plan; CUDA events bracket the call (plan copy + split-K +
-// combine). Prints medians over the timed runs and the bandwidth of the K/V bytes attended.
+// 8 KV heads, head_dim 128, bf16 pool, 64-token pages, random data) at several context lengths,
+// over (a) every page of the context ("dense") and (b) a 2048-token budget of 32 random pages per
+// KV head ("budget"). Three figures per row, medians:
+//   gpu_us   device time of one call: a 256 MiB memset flushes L2, a host function holds the
+//            stream until the call has been enqueued, and CUDA events bracket the call (plan
+//            copy, split-K kernel, combine kernel and the gaps between them; no host time);
+//   host_us  host time of the call (validation, planning, enqueueing);
+//   b2b_us   calls enqueued back to back without flush or sync, total event time / calls
+//            (the steady state: host-bound or device-bound, whichever is slower).
+// The budget case is also swept over the split-K items per SM (CudaBackend::SetDecodeItemsPerSm).
 //
-// Usage: cuda_attention_bench [context ...]   (default: 32768 131072)
+// Usage: cuda_attention_bench [--ncu] [context ...]   (default contexts: 32768 131072)
+//   --ncu: few iterations and no host gate, for running under Nsight Compute.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/cuda_backend.h"
@@ -24,7 +32,8 @@ namespace strata::kernels {
 namespace {
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kPage = 64, kBudget = 2048;
-constexpr int kWarmup = 5, kRuns = 50;
+int g_warmup = 5, g_runs = 50;
+bool g_ncu = false;
 
 #define BENCH_CHECK(cond, what)                          \
   do {                                                   \
@@ -34,14 +43,33 @@ constexpr int kWarmup = 5, kRuns = 50;
     }                                                    \
   } while (0)
 
-struct Timing {
-  double gpu_us;
-  double host_us;
+// Holds a stream (cudaLaunchHostFunc) until Open(): the calls enqueued behind it then run back
+// to back on the device.
+struct Gate {
+  std::atomic<bool> open{false};
+  static void CUDART_CB Wait(void* self) {
+    auto* g = static_cast<Gate*>(self);
+    while (!g->open.load(std::memory_order_acquire)) {
+    }
+  }
 };
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
 
 int Run(int argc, char** argv) {
   std::vector<int64_t> contexts;
-  for (int i = 1; i < argc; ++i) contexts.push_back(std::atoll(argv[i]));
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--ncu") {
+      g_ncu = true;
+      g_warmup = 2;
+      g_runs = 3;
+    } else {
+      contexts.push_back(std::atoll(argv[i]));
+    }
+  }
   if (contexts.empty()) contexts = {32768, 131072};
   auto made = MakeCudaBackend(0);
   if (!made.ok()) {
@@ -65,8 +93,8 @@ int Run(int argc, char** argv) {
   BENCH_CHECK(s_or.ok(), "CreateStream");
   stream = static_cast<cudaStream_t>(s_or.value());
 
-  std::printf("%-8s %-7s %8s %10s %10s %10s %8s\n", "context", "keys", "tokens/h", "gpu_us",
-              "host_us", "MiB", "GB/s");
+  std::printf("%-8s %-7s %8s %8s %9s %9s %9s %8s %7s\n", "context", "keys", "tokens/h",
+              "items/SM", "gpu_us", "host_us", "b2b_us", "MiB", "GB/s");
   std::mt19937 rng(1234);
   for (int64_t context : contexts) {
     const int64_t pages_per_head = context / kPage;
@@ -126,34 +154,61 @@ int Run(int argc, char** argv) {
       p.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
       p.out = out.value()->View(DType::kF32, {1, kQHeads, kHeadDim});
       p.lse = lse.value()->View(DType::kF32, {1, kQHeads});
-      std::vector<double> gpu_us, host_us;
-      for (int it = 0; it < kWarmup + kRuns; ++it) {
-        BENCH_CHECK(cudaMemsetAsync(flush, it & 0xff, flush_bytes, stream) == cudaSuccess, "flush");
-        BENCH_CHECK(cudaEventRecord(e0, stream) == cudaSuccess, "event");
-        const auto h0 = std::chrono::steady_clock::now();
-        const absl::Status st = backend->PagedAttention(p, stream);
-        const auto h1 = std::chrono::steady_clock::now();
-        BENCH_CHECK(st.ok(), st.ToString().c_str());
-        BENCH_CHECK(cudaEventRecord(e1, stream) == cudaSuccess, "event");
-        BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "sync");
-        float ms = 0;
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (it >= kWarmup) {
-          gpu_us.push_back(ms * 1000.0);
-          host_us.push_back(std::chrono::duration<double, std::micro>(h1 - h0).count());
+      const double mib =
+          static_cast<double>(tokens_per_head) * kKvHeads * kHeadDim * 2 * 2 / (1 << 20);
+      std::vector<int> sweep = {4};
+      if (!dense && !g_ncu) sweep = {1, 2, 4, 8, 16};
+      for (int items_per_sm : sweep) {
+        cuda->SetDecodeItemsPerSm(items_per_sm);
+        std::vector<double> gpu_us, host_us;
+        for (int it = 0; it < g_warmup + g_runs; ++it) {
+          BENCH_CHECK(cudaMemsetAsync(flush, it & 0xff, flush_bytes, stream) == cudaSuccess, "flush");
+          Gate gate;
+          if (!g_ncu) {
+            BENCH_CHECK(cudaLaunchHostFunc(stream, Gate::Wait, &gate) == cudaSuccess, "gate");
+          }
+          BENCH_CHECK(cudaEventRecord(e0, stream) == cudaSuccess, "event");
+          const auto h0 = std::chrono::steady_clock::now();
+          const absl::Status st = backend->PagedAttention(p, stream);
+          const auto h1 = std::chrono::steady_clock::now();
+          BENCH_CHECK(cudaEventRecord(e1, stream) == cudaSuccess, "event");
+          gate.open.store(true, std::memory_order_release);
+          BENCH_CHECK(st.ok(), st.ToString().c_str());
+          BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "sync");
+          float ms = 0;
+          cudaEventElapsedTime(&ms, e0, e1);
+          if (it >= g_warmup) {
+            gpu_us.push_back(ms * 1000.0);
+            host_us.push_back(std::chrono::duration<double, std::micro>(h1 - h0).count());
+          }
         }
+        // Back to back: the steady state of repeated calls.
+        double b2b = 0;
+        if (!g_ncu) {
+          const int calls = 50;
+          BENCH_CHECK(cudaEventRecord(e0, stream) == cudaSuccess, "event");
+          for (int c = 0; c < calls; ++c) {
+            const absl::Status st = backend->PagedAttention(p, stream);
+            BENCH_CHECK(st.ok(), st.ToString().c_str());
+          }
+          BENCH_CHECK(cudaEventRecord(e1, stream) == cudaSuccess, "event");
+          BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "sync");
+          float ms = 0;
+          cudaEventElapsedTime(&ms, e0, e1);
+          b2b = ms * 1000.0 / calls;
+        }
+        std::vector<float> o(qh.size());
+        BENCH_CHECK(backend->CopyToHost(o.data(), out.value()->data(), o.size() * 4, stream).ok(),
+                    "out");
+        for (float f : o) BENCH_CHECK(std::isfinite(f), "non-finite output");
+        const double med = Median(gpu_us);
+        std::printf("%-8lld %-7s %8lld %8d %9.1f %9.1f %9.1f %8.1f %7.0f\n",
+                    static_cast<long long>(context), dense ? "dense" : "budget",
+                    static_cast<long long>(tokens_per_head), items_per_sm, med, Median(host_us),
+                    b2b, mib, mib * 1.048576e6 / (med * 1e3));
+        std::fflush(stdout);
       }
-      std::sort(gpu_us.begin(), gpu_us.end());
-      std::sort(host_us.begin(), host_us.end());
-      std::vector<float> o(qh.size());
-      BENCH_CHECK(backend->CopyToHost(o.data(), out.value()->data(), o.size() * 4, stream).ok(), "out");
-      for (float f : o) BENCH_CHECK(std::isfinite(f), "non-finite output");
-      const double mib = static_cast<double>(tokens_per_head) * kKvHeads * kHeadDim * 2 * 2 / (1 << 20);
-      const double med = gpu_us[gpu_us.size() / 2];
-      std::printf("%-8lld %-7s %8lld %10.1f %10.1f %10.1f %8.0f\n", static_cast<long long>(context),
-                  dense ? "dense" : "budget", static_cast<long long>(tokens_per_head), med,
-                  host_us[host_us.size() / 2], mib, mib * 1.048576e6 / (med * 1e3));
-      std::fflush(stdout);
+      cuda->SetDecodeItemsPerSm(0);
     }
   }
   cudaFree(flush);

@@ -181,16 +181,40 @@ struct HostPlan {
   }
 };
 
-HostPlan BuildPlan(const PagedAttentionParams& p, bool decode_ok, int num_sms) {
+}  // namespace
+
+// Host-side buffers of PagedAttention planning, kept across calls so that a decode step does not
+// allocate (vectors keep their capacity).
+struct AttentionPlanCache {
   HostPlan plan;
+  std::vector<DeviceSpan> spans;
+  std::vector<int32_t> span_start, span_offsets, head_tokens, item_offsets;
+  std::vector<DecodeWorkItem> items;
+};
+
+namespace {
+
+// Fills cache->plan for `p` (validated). items_per_sm: split-K work items aimed for per SM.
+void BuildPlan(const PagedAttentionParams& p, bool decode_ok, int num_sms, int items_per_sm,
+               AttentionPlanCache* cache) {
+  HostPlan& plan = cache->plan;
+  plan.words.clear();
+  plan.num_items = 0;
+  plan.decode = false;
   const int num_tokens = static_cast<int>(p.q.dim(0));
   const int nkv = p.num_kv_heads;
   // With one query token the causal limit is applied here, per span, so the kernels see only
   // attended keys; the general kernel also masks per key.
   const bool cut = p.causal && num_tokens == 1;
   const int64_t qpos = cut ? p.q_positions[0] : 0;
-  std::vector<DeviceSpan> spans;
-  std::vector<int32_t> span_start, span_offsets(nkv + 1, 0), head_tokens(nkv, 0);
+  std::vector<DeviceSpan>& spans = cache->spans;
+  std::vector<int32_t>& span_start = cache->span_start;
+  std::vector<int32_t>& span_offsets = cache->span_offsets;
+  std::vector<int32_t>& head_tokens = cache->head_tokens;
+  spans.clear();
+  span_start.clear();
+  span_offsets.assign(nkv + 1, 0);
+  head_tokens.assign(nkv, 0);
   for (int g = 0; g < nkv; ++g) {
     span_offsets[g] = static_cast<int32_t>(spans.size());
     int32_t tokens = 0;
@@ -209,12 +233,14 @@ HostPlan BuildPlan(const PagedAttentionParams& p, bool decode_ok, int num_sms) {
 
   // Split-K work items: about kDecodeItemsPerSm per SM over all heads. Chunks below one tile are
   // powers of two (>= 16 keys), longer ones whole tiles.
-  std::vector<DecodeWorkItem> items;
-  std::vector<int32_t> item_offsets(nkv + 1, 0);
+  std::vector<DecodeWorkItem>& items = cache->items;
+  std::vector<int32_t>& item_offsets = cache->item_offsets;
+  items.clear();
+  item_offsets.assign(nkv + 1, 0);
   if (decode_ok) {
     int64_t total = 0;
     for (int g = 0; g < nkv; ++g) total += head_tokens[g];
-    const int64_t target = std::max(1, cuda_internal::kDecodeItemsPerSm * num_sms);
+    const int64_t target = std::max(1, items_per_sm * num_sms);
     const int64_t want = std::max<int64_t>(1, (total + target - 1) / target);
     const int64_t tile = cuda_internal::kDecodeTile;
     int64_t chunk = 16;
@@ -254,7 +280,6 @@ HostPlan BuildPlan(const PagedAttentionParams& p, bool decode_ok, int num_sms) {
   if (p.causal) put(plan.q_positions, p.q_positions, static_cast<size_t>(num_tokens) * 4);
   put(plan.items, items.data(), items.size() * sizeof(DecodeWorkItem));
   put(plan.item_offsets, item_offsets.data(), item_offsets.size() * 4);
-  return plan;
 }
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
@@ -289,7 +314,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   return backend;
 }
 
+CudaBackend::CudaBackend(int device, int num_sms) : device_(device), num_sms_(num_sms) {}
+
 absl::Status CudaBackend::Init() {
+  plan_cache_ = std::make_unique<AttentionPlanCache>();
   STRATA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   STRATA_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas_));
   cudaMemPoolProps props;
@@ -302,7 +330,9 @@ absl::Status CudaBackend::Init() {
   uint64_t threshold = std::numeric_limits<uint64_t>::max();
   STRATA_CUDA_RETURN_IF_ERROR(
       cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
-  STRATA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&pinned_event_, cudaEventDisableTiming));
+  for (Pinned& b : pinned_) {
+    STRATA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.copied, cudaEventDisableTiming));
+  }
   return absl::OkStatus();
 }
 
@@ -310,17 +340,23 @@ CudaBackend::~CudaBackend() {
   // Best effort: errors here have no caller to go to.
   if (cudaSetDevice(device_) != cudaSuccess) return;
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-  if (pinned_event_ != nullptr) {
-    cudaEventSynchronize(pinned_event_);
-    cudaEventDestroy(pinned_event_);
+  for (Pinned& b : pinned_) {
+    if (b.copied != nullptr) {
+      cudaEventSynchronize(b.copied);
+      cudaEventDestroy(b.copied);
+    }
+    if (b.data != nullptr) cudaFreeHost(b.data);
   }
-  if (pinned_ != nullptr) cudaFreeHost(pinned_);
   if (blas_ != nullptr) cublasDestroy(blas_);
   if (pool_ != nullptr) {
     cudaDeviceSynchronize();  // scratch freed on other streams returns to the pool first
     cudaMemPoolDestroy(pool_);
   }
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+void CudaBackend::SetDecodeItemsPerSm(int n) {
+  decode_items_per_sm_ = n >= 1 ? n : cuda_internal::kDecodeItemsPerSm;
 }
 
 std::string CudaBackend::Name() const { return absl::StrCat("cuda:", device_); }
@@ -341,20 +377,23 @@ absl::Status CudaBackend::FreeScratch(void* p, cudaStream_t stream) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<void*> CudaBackend::PinnedStaging(size_t bytes) {
-  if (pinned_event_pending_) {
-    STRATA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(pinned_event_));
-    pinned_event_pending_ = false;
+absl::StatusOr<int> CudaBackend::PinnedStaging(size_t bytes) {
+  const int i = pinned_next_;
+  pinned_next_ = (pinned_next_ + 1) % kPinnedRing;
+  Pinned& b = pinned_[i];
+  if (b.pending) {
+    STRATA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b.copied));
+    b.pending = false;
   }
-  if (pinned_bytes_ < bytes) {
-    if (pinned_ != nullptr) STRATA_CUDA_RETURN_IF_ERROR(cudaFreeHost(pinned_));
-    pinned_ = nullptr;
-    pinned_bytes_ = 0;
+  if (b.bytes < bytes) {
+    if (b.data != nullptr) STRATA_CUDA_RETURN_IF_ERROR(cudaFreeHost(b.data));
+    b.data = nullptr;
+    b.bytes = 0;
     const size_t want = std::max<size_t>(RoundUp(bytes, 4096) * 2, 64 * 1024);
-    STRATA_CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinned_, want));
-    pinned_bytes_ = want;
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMallocHost(&b.data, want));
+    b.bytes = want;
   }
-  return pinned_;
+  return i;
 }
 
 absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
@@ -528,7 +567,8 @@ absl::Status CudaBackend::PagedAttention(const PagedAttentionParams& p, Stream s
                        reinterpret_cast<uintptr_t>(p.v_pool.data) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
   const bool decode_ok = aligned && cuda_internal::DecodeFastPathSupports(shape);
-  const HostPlan host = BuildPlan(p, decode_ok, num_sms_);
+  BuildPlan(p, decode_ok, num_sms_, decode_items_per_sm_, plan_cache_.get());
+  const HostPlan& host = plan_cache_->plan;
 
   // Device scratch: the plan, then (decode) the split-K partials.
   const size_t plan_bytes = RoundUp(host.words.size() * sizeof(int32_t), 256);
@@ -536,13 +576,14 @@ absl::Status CudaBackend::PagedAttention(const PagedAttentionParams& p, Stream s
       host.decode ? cuda_internal::DecodeScratchFloats(shape, host.num_items) * sizeof(float) : 0;
   STRATA_ASSIGN_OR_RETURN(void* scratch, AllocScratch(plan_bytes + partial_bytes, stream));
   auto launch = [&]() -> absl::Status {
-    STRATA_ASSIGN_OR_RETURN(void* staging, PinnedStaging(host.words.size() * sizeof(int32_t)));
-    std::memcpy(staging, host.words.data(), host.words.size() * sizeof(int32_t));
-    STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch, staging,
+    STRATA_ASSIGN_OR_RETURN(const int ring, PinnedStaging(host.words.size() * sizeof(int32_t)));
+    Pinned& staging = pinned_[ring];
+    std::memcpy(staging.data, host.words.data(), host.words.size() * sizeof(int32_t));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch, staging.data,
                                                 host.words.size() * sizeof(int32_t),
                                                 cudaMemcpyHostToDevice, stream));
-    STRATA_CUDA_RETURN_IF_ERROR(cudaEventRecord(pinned_event_, stream));
-    pinned_event_pending_ = true;
+    STRATA_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging.copied, stream));
+    staging.pending = true;
 
     const int32_t* words = static_cast<const int32_t*>(scratch);
     AttentionPlan plan;

@@ -16,8 +16,8 @@
 // packs them (and the split-K plan) into a pinned host buffer owned by the backend, copies that
 // with one cudaMemcpyAsync into pool scratch on the op's stream and frees the scratch after the
 // kernels (stream-ordered). The caller may reuse its host arrays as soon as the call returns. The
-// pinned buffer is reused by the next PagedAttention call after waiting on an event for the
-// previous copy out of it.
+// pinned buffers form a ring of 4; one is reused after waiting on the event recorded after the
+// copy out of it (so the host may run up to 4 PagedAttention calls ahead of the device).
 // Embedding: ids live in device memory, so out-of-range ids cannot be reported without a sync;
 // their rows are filled with NaN instead (the CPU backend returns InvalidArgument).
 //
@@ -40,6 +40,8 @@
 #include "kernels/backend.h"
 
 namespace strata::kernels {
+
+struct AttentionPlanCache;  // host-side PagedAttention planning buffers (cuda_backend.cc)
 
 // Device memory from cudaMalloc; freed (cudaFree) by the destructor.
 class CudaBuffer : public Buffer {
@@ -93,11 +95,15 @@ class CudaBackend : public Backend {
   absl::StatusOr<Stream> CreateStream();
   absl::Status DestroyStream(Stream s);
 
+  // Tuning knob of the decode path: split-K work items the plan aims for per SM (>= 1; other
+  // values restore the default, cuda_internal::kDecodeItemsPerSm). Affects speed only.
+  void SetDecodeItemsPerSm(int n);
+
   int device() const { return device_; }
   int num_sms() const { return num_sms_; }
 
  private:
-  CudaBackend(int device, int num_sms) : device_(device), num_sms_(num_sms) {}
+  CudaBackend(int device, int num_sms);
   absl::Status Init();
   cudaStream_t ToCuda(Stream s) const {
     return s == nullptr ? stream_ : static_cast<cudaStream_t>(s);
@@ -107,18 +113,28 @@ class CudaBackend : public Backend {
   // stream after the last kernel that uses it.
   absl::StatusOr<void*> AllocScratch(size_t bytes, cudaStream_t stream);
   absl::Status FreeScratch(void* p, cudaStream_t stream);
-  // A pinned host buffer of at least `bytes`, not in use by any pending copy.
-  absl::StatusOr<void*> PinnedStaging(size_t bytes);
+  // The next pinned staging buffer of the ring, grown to at least `bytes` and not in use by any
+  // pending copy. The caller records pinned_[i].copied after its copy and sets pending.
+  absl::StatusOr<int> PinnedStaging(size_t bytes);
 
   int device_;
   int num_sms_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   cudaMemPool_t pool_ = nullptr;
-  void* pinned_ = nullptr;            // staging for PagedAttention plans
-  size_t pinned_bytes_ = 0;
-  cudaEvent_t pinned_event_ = nullptr;  // recorded after the last copy out of pinned_
-  bool pinned_event_pending_ = false;
+  // Staging for PagedAttention plans: a ring of pinned buffers, so that the host can plan a few
+  // calls ahead of the device; each is reused only after the event recorded after its last copy.
+  static constexpr int kPinnedRing = 4;
+  struct Pinned {
+    void* data = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t copied = nullptr;  // recorded after the last copy out of `data`
+    bool pending = false;
+  };
+  Pinned pinned_[kPinnedRing];
+  int pinned_next_ = 0;
+  std::unique_ptr<AttentionPlanCache> plan_cache_;
+  int decode_items_per_sm_ = 4;  // == cuda_internal::kDecodeItemsPerSm
 };
 
 }  // namespace strata::kernels
