@@ -39,6 +39,7 @@ absl::Status CoordinatorOptions::Validate() const {
   STRATA_RETURN_IF_ERROR(Annotate(placement.Validate(), "placement"));
   STRATA_RETURN_IF_ERROR(Annotate(registry.Validate(), "registry"));
   if (model_namespace.empty()) return absl::InvalidArgumentError("model_namespace is empty");
+  if (collect_interval_nanos <= 0) return absl::InvalidArgumentError("collect_interval_nanos must be > 0");
   if (placement.page_size != limits.page_size) {
     return absl::InvalidArgumentError(absl::StrCat("placement.page_size ", placement.page_size,
                                                    " differs from limits.page_size ", limits.page_size));
@@ -53,6 +54,7 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Cata
       catalog_(std::move(catalog)),
       workers_(workers),
       metrics_(metrics),
+      now_(now),
       wall_micros_(std::move(wall_micros)),
       admission_(options.admission),
       registry_(options.registry, std::move(now)) {
@@ -282,6 +284,13 @@ absl::Status Coordinator::DeleteDocument(const std::string& document_id) {
           absl::StrCat("document ", document_id, " is used by unfinished job ", id, "; cancel it first"));
     }
   }
+  STRATA_RETURN_IF_ERROR(EraseDocument(document_id));
+  UpdateGauges();
+  STRATA_LOG(INFO) << "document deleted id=" << document_id;
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::EraseDocument(const std::string& document_id) {
   STRATA_RETURN_IF_ERROR(catalog_->DeleteDocument(document_id));
   live_documents_.erase(document_id);
   auto watchers = document_watchers_.find(document_id);
@@ -293,9 +302,39 @@ absl::Status Coordinator::DeleteDocument(const std::string& document_id) {
     }
     document_watchers_.erase(watchers);
   }
-  UpdateGauges();
-  STRATA_LOG(INFO) << "document deleted id=" << document_id;
   return absl::OkStatus();
+}
+
+void Coordinator::CollectExpiredDocuments() {
+  const int64_t now = wall_micros_();
+  std::set<std::string> in_use;
+  for (const auto& [id, job] : live_jobs_) in_use.insert(job.record.info().document_id());
+  std::vector<std::string> expired;
+  std::string cursor;
+  while (true) {
+    auto batch = catalog_->ListDocuments(cursor, kScanBatch);
+    if (!batch.ok()) {
+      STRATA_LOG(ERROR) << "document collection: " << batch.status();
+      return;
+    }
+    for (const v1::DocumentRecord& r : *batch) {
+      cursor = r.info().document_id();
+      const v1::DocumentInfo& info = r.info();
+      if (!info.pinned() && info.expire_time_micros() > 0 && info.expire_time_micros() <= now &&
+          in_use.count(cursor) == 0) {
+        expired.push_back(cursor);
+      }
+    }
+    if (batch->size() < kScanBatch) break;
+  }
+  for (const std::string& id : expired) {
+    if (absl::Status s = EraseDocument(id); !s.ok()) {
+      STRATA_LOG(ERROR) << "document " << id << ": collection failed: " << s;
+      continue;
+    }
+    if (metrics_ != nullptr) metrics_->documents_expired.Increment();
+    STRATA_LOG(INFO) << "document expired and deleted id=" << id;
+  }
 }
 
 absl::StatusOr<v1::DocumentInfo> Coordinator::PinDocument(const v1::DocumentPinRequest& request) {
@@ -764,6 +803,11 @@ void Coordinator::Tick() {
       if (metrics_ != nullptr) metrics_->worker_timeouts.Increment();
       RequeueJobsOfWorker(w, &actions);
       ResetDocumentsOnWorker(w);
+    }
+    const int64_t now = now_();
+    if (now - last_collect_nanos_ >= options_.collect_interval_nanos) {
+      last_collect_nanos_ = now;
+      CollectExpiredDocuments();
     }
     if (!draining_ && workers_ != nullptr) {
       DispatchDocuments(&actions);

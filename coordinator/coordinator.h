@@ -58,6 +58,9 @@ struct CoordinatorOptions {
   const model::Tokenizer* tokenizer = nullptr;
   // Seeds job ids and default sampler seeds; 0: from std::random_device.
   uint64_t random_seed = 0;
+  // How often Tick deletes unpinned documents whose expire time has passed (and that no
+  // unfinished job uses). Default: 60 s.
+  int64_t collect_interval_nanos = 60'000'000'000;
 
   // Validates every sub-option; InvalidArgument naming the bad one.
   absl::Status Validate() const;
@@ -183,6 +186,10 @@ class Coordinator {
   void FailJobsOnDocument(const std::string& document_id, const std::string& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Deletes expired unpinned documents (see collect_interval_nanos).
+  void CollectExpiredDocuments() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Deletes a document from the catalog and memory and tells its watchers.
+  absl::Status EraseDocument(const std::string& document_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Worker callbacks.
   void OnPrefillProgress(const std::string& document_id, uint64_t epoch, int shard,
@@ -195,12 +202,14 @@ class Coordinator {
   const std::unique_ptr<Catalog> catalog_;
   WorkerClient* const workers_;
   CoordinatorMetrics* const metrics_;
+  const NowFn now_;
   const std::function<int64_t()> wall_micros_;
   const AdmissionPolicy admission_;
   WorkerRegistry registry_;
 
   mutable absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t last_collect_nanos_ ABSL_GUARDED_BY(mu_) = 0;
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, LiveJob> live_jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, LiveDocument> live_documents_ ABSL_GUARDED_BY(mu_);

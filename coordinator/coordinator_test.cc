@@ -476,5 +476,35 @@ TEST_F(CoordinatorTest, PinSetsPinAndTtl) {
   EXPECT_THAT(coordinator_->PinDocument(pin), StatusIs(absl::StatusCode::kNotFound));
 }
 
+TEST_F(CoordinatorTest, ExpiredUnpinnedDocumentsAreCollected) {
+  auto upload = [&](int first, int64_t ttl, bool pin) {
+    DocumentContent content;
+    for (int i = 0; i < 5; ++i) content.tokens.push_back(first + i);
+    v1::DocumentUploadOptions options;
+    options.set_ttl_seconds(ttl);
+    options.set_pin(pin);
+    auto r = coordinator_->UploadDocument(options, content);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->document().document_id() : "";
+  };
+  const std::string expiring = upload(1, 10, false);
+  const std::string pinned = upload(100, 10, true);
+  const std::string forever = upload(200, 0, false);
+  const std::string in_use = upload(300, 10, false);
+  COORD_ASSERT_OK(coordinator_->SubmitJob(Job(in_use)));
+  RecordingDocumentObserver watcher;
+  COORD_ASSERT_OK(coordinator_->WatchDocument(expiring, &watcher));
+  coordinator_->Tick();  // first collection: nothing has expired
+  EXPECT_EQ(CountDocuments(), 4u);
+  now_ += 61 * kSecond;  // past the TTL and the collection interval
+  coordinator_->Tick();
+  EXPECT_THAT(coordinator_->GetDocument(expiring), StatusIs(absl::StatusCode::kNotFound));
+  STRATA_EXPECT_OK(coordinator_->GetDocument(pinned));
+  STRATA_EXPECT_OK(coordinator_->GetDocument(forever));
+  STRATA_EXPECT_OK(coordinator_->GetDocument(in_use));
+  ASSERT_FALSE(watcher.statuses.empty());
+  EXPECT_EQ(watcher.statuses.back().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace strata::coordinator

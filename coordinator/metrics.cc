@@ -38,6 +38,11 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                           .Help("Tokens of created documents")
                           .Register(registry)
                           .Add({})),
+      documents_expired(prometheus::BuildCounter()
+                            .Name("strata_coordinator_documents_expired_total")
+                            .Help("Unpinned documents deleted after their TTL")
+                            .Register(registry)
+                            .Add({})),
       documents(prometheus::BuildGauge()
                     .Name("strata_coordinator_documents")
                     .Help("Documents not READY yet, by state")

@@ -33,6 +33,8 @@ struct CoordinatorMetrics {
   // strata_coordinator_documents_created_total / strata_coordinator_document_tokens_total.
   prometheus::Counter& documents_created;
   prometheus::Counter& document_tokens;
+  // strata_coordinator_documents_expired_total: unpinned documents deleted after their TTL.
+  prometheus::Counter& documents_expired;
   // strata_coordinator_documents{state="pending|prefilling"}: documents not READY yet.
   prometheus::Family<prometheus::Gauge>& documents;
   prometheus::Gauge& documents_pending;

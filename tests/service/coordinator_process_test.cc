@@ -448,6 +448,32 @@ TEST_F(CoordinatorProcessTest, GenerateStreamsSnapshotAndCancellingTheCallCancel
   EXPECT_EQ(got.state(), v1::JobInfo::CANCELLED);
 }
 
+TEST_F(CoordinatorProcessTest, DocumentWatchEndsWithNotFoundWhenDeleted) {
+  v1::DocumentUploadResponse uploaded;
+  ASSERT_TRUE(Upload({11, 12, 13}, 3, &uploaded).ok());
+  const std::string doc = uploaded.document().document_id();
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 10);
+  v1::DocumentWatchRequest watch;
+  watch.set_document_id(doc);
+  auto reader = documents_->Watch(&ctx, watch);
+  v1::DocumentInfo info;
+  ASSERT_TRUE(reader->Read(&info));
+  EXPECT_EQ(info.state(), v1::DocumentInfo::PENDING);
+  EXPECT_EQ(info.document_id(), doc);
+  {
+    grpc::ClientContext del_ctx;
+    Deadline(&del_ctx);
+    v1::DocumentDeleteRequest del;
+    del.set_document_id(doc);
+    v1::DocumentDeleteResponse unused;
+    ASSERT_TRUE(documents_->Delete(&del_ctx, del, &unused).ok());
+  }
+  EXPECT_FALSE(reader->Read(&info));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(CountDocuments(), 0);
+}
+
 TEST_F(CoordinatorProcessTest, CatalogSurvivesRestart) {
   v1::DocumentUploadResponse uploaded;
   ASSERT_TRUE(Upload({5, 6, 7, 8, 9}, 2, &uploaded).ok());
