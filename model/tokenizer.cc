@@ -384,11 +384,9 @@ void HfTokenizer::SplitAdded(const TokenMatcher& matcher, absl::string_view text
 
 absl::Status HfTokenizer::EncodePiece(std::string text, bool at_origin,
                                       std::vector<int32_t>* ids) const {
-  std::vector<Piece> pieces;
-  pieces.push_back(Piece{std::move(text), at_origin});
-  if (pre_tokenizer_ != nullptr) STRATA_RETURN_IF_ERROR(pre_tokenizer_->PreTokenize(&pieces));
-  for (const Piece& p : pieces) STRATA_RETURN_IF_ERROR(model_->Tokenize(p.text, ids));
-  return absl::OkStatus();
+  if (pre_tokenizer_ == nullptr) return model_->Tokenize(text, ids);
+  return pre_tokenizer_->PreTokenize(Piece{std::move(text), at_origin},
+                                     [this, ids](Piece p) { return model_->Tokenize(p.text, ids); });
 }
 
 absl::StatusOr<std::vector<int32_t>> HfTokenizer::Encode(const std::string& text,

@@ -194,14 +194,29 @@ class SequenceNormalizer : public Normalizer {
 
 enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
-// Hugging Face NormalizedString::split: cuts `in` around `matches` according to `behavior`.
-void SplitPiece(const Piece& in, const Spans& matches, SplitBehavior behavior, bool invert,
-                std::vector<Piece>* out) {
+// Hugging Face NormalizedString::split: cuts `in` around `matches` according to `behavior` and
+// emits the non-empty parts.
+absl::Status SplitPiece(const Piece& in, const Spans& matches, SplitBehavior behavior, bool invert,
+                        PieceSink emit) {
+  auto piece = [&in](size_t begin, size_t end) {
+    return Piece{in.text.substr(begin, end - begin), in.at_origin && begin == 0};
+  };
+  if (behavior == SplitBehavior::kIsolated) {  // the common case, without intermediate lists
+    size_t prev = 0;
+    for (const auto& [b, e] : matches) {
+      if (prev != b) STRATA_RETURN_IF_ERROR(emit(piece(prev, b)));
+      if (e > b) STRATA_RETURN_IF_ERROR(emit(piece(b, e)));
+      prev = e;
+    }
+    if (prev < in.text.size()) STRATA_RETURN_IF_ERROR(emit(piece(prev, in.text.size())));
+    return absl::OkStatus();
+  }
   struct Part {
     size_t begin, end;
     bool flag;  // is_match on input; "remove" on output
   };
   std::vector<Part> parts;
+  parts.reserve(2 * matches.size() + 1);
   size_t prev = 0;
   for (const auto& [b, e] : matches) {
     if (prev != b) parts.push_back({prev, b, false});
@@ -213,11 +228,11 @@ void SplitPiece(const Piece& in, const Spans& matches, SplitBehavior behavior, b
     for (Part& p : parts) p.flag = !p.flag;
   }
   std::vector<Part> result;
+  result.reserve(parts.size());
   bool previous_match = false;
   switch (behavior) {
     case SplitBehavior::kIsolated:
-      for (Part p : parts) result.push_back({p.begin, p.end, false});
-      break;
+      break;  // handled above
     case SplitBehavior::kRemoved:
       result = parts;
       break;
@@ -255,25 +270,19 @@ void SplitPiece(const Piece& in, const Spans& matches, SplitBehavior behavior, b
   }
   for (const Part& p : result) {
     if (p.flag || p.end <= p.begin) continue;
-    out->push_back(Piece{in.text.substr(p.begin, p.end - p.begin), in.at_origin && p.begin == 0});
+    STRATA_RETURN_IF_ERROR(emit(piece(p.begin, p.end)));
   }
+  return absl::OkStatus();
 }
 
 class SplitPreTokenizer : public PreTokenizer {
  public:
   SplitPreTokenizer(Pattern pattern, SplitBehavior behavior, bool invert)
       : pattern_(std::move(pattern)), behavior_(behavior), invert_(invert) {}
-  absl::Status PreTokenize(std::vector<Piece>* pieces) const override {
-    std::vector<Piece> out;
-    out.reserve(pieces->size());
+  absl::Status PreTokenize(Piece piece, PieceSink emit) const override {
     Spans spans;
-    for (const Piece& p : *pieces) {
-      spans.clear();
-      STRATA_RETURN_IF_ERROR(pattern_.Find(p.text, &spans));
-      SplitPiece(p, spans, behavior_, invert_, &out);
-    }
-    *pieces = std::move(out);
-    return absl::OkStatus();
+    STRATA_RETURN_IF_ERROR(pattern_.Find(piece.text, &spans));
+    return SplitPiece(piece, spans, behavior_, invert_, emit);
   }
 
  private:
@@ -286,28 +295,24 @@ class ByteLevelPreTokenizer : public PreTokenizer {
  public:
   ByteLevelPreTokenizer(bool add_prefix_space, std::unique_ptr<Regex> regex)
       : add_prefix_space_(add_prefix_space), regex_(std::move(regex)) {}
-  absl::Status PreTokenize(std::vector<Piece>* pieces) const override {
-    std::vector<Piece> split;
-    split.reserve(pieces->size());
-    Spans spans;
-    for (Piece& p : *pieces) {
-      if (add_prefix_space_ && (p.text.empty() || p.text[0] != ' ')) p.text.insert(0, " ");
-      if (regex_ == nullptr) {
-        if (!p.text.empty()) split.push_back(std::move(p));
-        continue;
-      }
-      spans.clear();
-      STRATA_RETURN_IF_ERROR(regex_->FindAll(p.text, &spans));
-      SplitPiece(p, spans, SplitBehavior::kIsolated, false, &split);
+  absl::Status PreTokenize(Piece piece, PieceSink emit) const override {
+    if (add_prefix_space_ && (piece.text.empty() || piece.text[0] != ' ')) {
+      piece.text.insert(0, " ");
     }
-    for (Piece& p : split) {
+    auto map_and_emit = [&emit](Piece p) {
       std::string mapped;
-      mapped.reserve(p.text.size() * 2);
+      mapped.reserve(p.text.size() + p.text.size() / 2);
       for (char c : p.text) mapped += ByteLevelChar(static_cast<uint8_t>(c));
       p.text = std::move(mapped);
+      return emit(std::move(p));
+    };
+    if (regex_ == nullptr) {
+      if (piece.text.empty()) return absl::OkStatus();
+      return map_and_emit(std::move(piece));
     }
-    *pieces = std::move(split);
-    return absl::OkStatus();
+    Spans spans;
+    STRATA_RETURN_IF_ERROR(regex_->FindAll(piece.text, &spans));
+    return SplitPiece(piece, spans, SplitBehavior::kIsolated, false, map_and_emit);
   }
 
  private:
@@ -333,40 +338,31 @@ class MetaspacePreTokenizer : public PreTokenizer {
  public:
   MetaspacePreTokenizer(std::string replacement, PrependScheme scheme, bool split)
       : replacement_(std::move(replacement)), scheme_(scheme), split_(split) {}
-  absl::Status PreTokenize(std::vector<Piece>* pieces) const override {
-    std::vector<Piece> out;
-    out.reserve(pieces->size());
-    Spans spans;
-    for (Piece& p : *pieces) {
-      std::string replaced;
-      replaced.reserve(p.text.size() + 8);
-      for (char c : p.text) {
-        if (c == ' ') {
-          replaced += replacement_;
-        } else {
-          replaced.push_back(c);
-        }
+  absl::Status PreTokenize(Piece piece, PieceSink emit) const override {
+    std::string replaced;
+    replaced.reserve(piece.text.size() + 8);
+    for (char c : piece.text) {
+      if (c == ' ') {
+        replaced += replacement_;
+      } else {
+        replaced.push_back(c);
       }
-      const bool starts = replaced.compare(0, replacement_.size(), replacement_) == 0;
-      if (!starts && (scheme_ == PrependScheme::kAlways ||
-                      (scheme_ == PrependScheme::kFirst && p.at_origin))) {
-        replaced.insert(0, replacement_);
-      }
-      Piece piece{std::move(replaced), p.at_origin};
-      if (!split_) {
-        if (!piece.text.empty()) out.push_back(std::move(piece));
-        continue;
-      }
-      spans.clear();
-      size_t pos = 0;
-      while ((pos = piece.text.find(replacement_, pos)) != std::string::npos) {
-        spans.emplace_back(pos, pos + replacement_.size());
-        pos += replacement_.size();
-      }
-      SplitPiece(piece, spans, SplitBehavior::kMergedWithNext, false, &out);
     }
-    *pieces = std::move(out);
-    return absl::OkStatus();
+    const bool starts = replaced.compare(0, replacement_.size(), replacement_) == 0;
+    if (!starts && (scheme_ == PrependScheme::kAlways ||
+                    (scheme_ == PrependScheme::kFirst && piece.at_origin))) {
+      replaced.insert(0, replacement_);
+    }
+    Piece out{std::move(replaced), piece.at_origin};
+    if (out.text.empty()) return absl::OkStatus();
+    if (!split_) return emit(std::move(out));
+    Spans spans;
+    size_t pos = 0;
+    while ((pos = out.text.find(replacement_, pos)) != std::string::npos) {
+      spans.emplace_back(pos, pos + replacement_.size());
+      pos += replacement_.size();
+    }
+    return SplitPiece(out, spans, SplitBehavior::kMergedWithNext, false, emit);
   }
 
  private:
@@ -379,12 +375,17 @@ class SequencePreTokenizer : public PreTokenizer {
  public:
   explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> steps)
       : steps_(std::move(steps)) {}
-  absl::Status PreTokenize(std::vector<Piece>* pieces) const override {
-    for (const auto& s : steps_) STRATA_RETURN_IF_ERROR(s->PreTokenize(pieces));
-    return absl::OkStatus();
+  absl::Status PreTokenize(Piece piece, PieceSink emit) const override {
+    return Run(0, std::move(piece), emit);
   }
 
  private:
+  absl::Status Run(size_t step, Piece piece, PieceSink emit) const {
+    if (step == steps_.size()) return emit(std::move(piece));
+    return steps_[step]->PreTokenize(std::move(piece), [this, step, &emit](Piece p) {
+      return Run(step + 1, std::move(p), emit);
+    });
+  }
   std::vector<std::unique_ptr<PreTokenizer>> steps_;
 };
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -31,11 +32,16 @@ class Normalizer {
   virtual absl::Status Normalize(std::string* text) const = 0;
 };
 
+// Receives the pieces a pre-tokenizer produces, in order; an error stops the pre-tokenizer.
+using PieceSink = absl::FunctionRef<absl::Status(Piece)>;
+
 class PreTokenizer {
  public:
   virtual ~PreTokenizer() = default;
-  // Splits (and may rewrite) every piece; empty pieces are dropped.
-  virtual absl::Status PreTokenize(std::vector<Piece>* pieces) const = 0;
+  // Splits (and may rewrite) `piece`, passing each non-empty result to `emit` in order. Pieces
+  // are independent, so a Sequence runs its steps depth-first (piece by piece) with the same
+  // result as Hugging Face's stage-by-stage order, without holding every piece of a document.
+  virtual absl::Status PreTokenize(Piece piece, PieceSink emit) const = 0;
 };
 
 class PostProcessor {
