@@ -27,7 +27,10 @@
 //   rel_error     |o_S - o| / |o|, o = dense output, o_S = attention restricted to the set;
 //   bytes_per_step  per layer and decode step for 8 KV heads: summary bytes scanned + key bytes
 //                 read for scoring + K and V of the attended tokens, all counted as bf16;
-//   select_ms     selection wall time per layer and step (8 KV heads; this machine, all threads).
+//   select_ms     selection CPU time per layer and step (8 KV heads), one thread.
+// The pseudo-policy "oracle" attends sinks + window + each query head's own true top-B middle
+// tokens: an upper bound for any selection of B middle tokens (per query head; real policies
+// choose one set per KV head), to show what a budget can reach at all.
 // Thread-compatible; RunFidelity uses OpenMP internally.
 #ifndef STRATA_BENCH_FIDELITY_H_
 #define STRATA_BENCH_FIDELITY_H_
