@@ -10,6 +10,7 @@ int RunGenerate(int argc, char** argv);   // generate_command.cc
 int RunMakeModel(int argc, char** argv);  // make_model_command.cc
 int RunKvstore(int argc, char** argv);    // kvstore_command.cc
 int RunCoordinator(int argc, char** argv);  // coordinator_command.cc
+int RunBench(int argc, char** argv);       // bench_command.cc
 
 }  // namespace strata::cli
 

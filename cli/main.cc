@@ -18,6 +18,7 @@ const Command kCommands[] = {
     {"make-model", strata::cli::RunMakeModel, "write a random Llama-family model in Hugging Face format"},
     {"kvstore", strata::cli::RunKvstore, "run the KV store service (pages, summaries, documents)"},
     {"coordinator", strata::cli::RunCoordinator, "run the coordinator (public API, catalog, worker registry)"},
+    {"bench", strata::cli::RunBench, "run a benchmark (fidelity: sparse attention vs dense)"},
 };
 
 void PrintUsage(FILE* out) {
