@@ -1,0 +1,219 @@
+#include "coordinator/service.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/clock.h"
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "coordinator/testing/assert_ok.h"
+#include "coordinator/testing/fake_worker_client.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "strata/v1/api.grpc.pb.h"
+
+namespace strata::coordinator {
+namespace {
+
+using v1::JobInfo;
+
+// The gRPC adapters against an in-process server whose workers are a FakeWorkerClient.
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/strata_service_test_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    CatalogOptions catalog_options;
+    catalog_options.path = dir_;
+    catalog_options.sync_writes = false;
+    auto catalog = Catalog::Open(catalog_options);
+    ASSERT_TRUE(catalog.ok()) << catalog.status();
+    CoordinatorOptions options;
+    options.limits.vocab_size = 1000;
+    options.random_seed = 99;
+    coordinator_ = std::make_unique<Coordinator>(options, *std::move(catalog), &workers_, nullptr,
+                                                 &MonotonicNanos, &WallMicros);
+    COORD_ASSERT_OK(coordinator_->Start());
+    CoordinatorServerOptions server_options;
+    server_options.listen_address = "127.0.0.1:0";
+    server_options.tick_interval_ms = 20;
+    auto server = CoordinatorServer::Start(server_options, coordinator_.get(), nullptr);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials());
+    jobs_ = v1::JobService::NewStub(channel);
+    documents_ = v1::DocumentService::NewStub(channel);
+  }
+  void TearDown() override {
+    server_.reset();
+    coordinator_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  void RegisterWorker() {
+    v1::RegisterWorkerRequest r;
+    r.mutable_worker()->set_worker_id("w1");
+    r.mutable_worker()->set_address("127.0.0.1:1");
+    r.mutable_worker()->set_capacity_tokens(1 << 20);
+    r.mutable_worker()->set_max_jobs(4);
+    COORD_ASSERT_OK(coordinator_->RegisterWorker(r));
+  }
+  // Waits (bounded) until the fake has `n` RunJob calls.
+  bool WaitForRuns(size_t n) {
+    for (int i = 0; i < 500; ++i) {
+      if (workers_.runs().size() >= n) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  static void Deadline(grpc::ClientContext* ctx, int seconds = 10) {
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  }
+  static v1::JobSubmitRequest PromptOnly() {
+    v1::JobSubmitRequest r;
+    r.mutable_prompt_tokens()->add_ids(1);
+    r.mutable_prompt_tokens()->add_ids(2);
+    r.mutable_params()->set_max_tokens(4);
+    return r;
+  }
+
+  std::string dir_;
+  testing::FakeWorkerClient workers_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<CoordinatorServer> server_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+  std::unique_ptr<v1::DocumentService::Stub> documents_;
+};
+
+// Given a worker, when a client calls Generate, then it receives the snapshots, the tokens the
+// leader streams and a final snapshot with usage, numbered 1, 2, 3, ...
+TEST_F(ServiceTest, GenerateRelaysTheLeadersEvents) {
+  RegisterWorker();
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  auto reader = jobs_->Generate(&ctx, PromptOnly());
+  // The first event is the snapshot taken when the stream subscribed (QUEUED, or PREFILLING when
+  // the tick thread dispatched the job first); later events all reach the stream.
+  std::vector<v1::JobEvent> events(1);
+  ASSERT_TRUE(reader->Read(&events[0]));
+  ASSERT_TRUE(events[0].has_snapshot());
+  EXPECT_TRUE(events[0].snapshot().state() == JobInfo::QUEUED || events[0].snapshot().state() == JobInfo::PREFILLING);
+  ASSERT_TRUE(WaitForRuns(1));
+  auto run = workers_.runs()[0];
+  EXPECT_EQ(run.request.prompt_token_ids_size(), 2);
+  for (const char* piece : {"Hel", "lo"}) {
+    v1::JobEvent e;
+    e.mutable_tokens()->add_token_ids(7);
+    e.mutable_tokens()->set_text(piece);
+    run.on_event(e);
+  }
+  v1::JobEvent last;
+  last.mutable_snapshot()->set_state(JobInfo::DONE);
+  last.mutable_snapshot()->set_finish_reason(JobInfo::STOP);
+  last.mutable_snapshot()->mutable_usage()->set_completion_tokens(2);
+  last.mutable_snapshot()->mutable_usage()->set_mean_attended_tokens(2.5);
+  last.mutable_snapshot()->mutable_usage()->mutable_pages_fetched()->set_gpu(3);
+  run.on_event(last);
+  run.on_done(absl::OkStatus());
+
+  v1::JobEvent e;
+  while (reader->Read(&e)) events.push_back(e);
+  grpc::Status status = reader->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_GE(events.size(), 4u);
+  for (size_t i = 0; i < events.size(); ++i) EXPECT_EQ(events[i].sequence(), i + 1);
+  std::string text;
+  for (const auto& ev : events) {
+    if (ev.has_tokens()) text += ev.tokens().text();
+  }
+  EXPECT_EQ(text, "Hello");
+  const JobInfo& final_job = events.back().snapshot();
+  EXPECT_EQ(final_job.state(), JobInfo::DONE);
+  EXPECT_EQ(final_job.output_text(), "Hello");
+  EXPECT_EQ(final_job.usage().prompt_tokens(), 2u);
+  EXPECT_EQ(final_job.usage().completion_tokens(), 2u);
+  EXPECT_DOUBLE_EQ(final_job.usage().mean_attended_tokens(), 2.5);
+  EXPECT_EQ(final_job.usage().pages_fetched().gpu(), 3u);
+}
+
+// Given a client watching a running job, when another client cancels it, then the watcher gets
+// a CANCELLED snapshot and the stream ends OK, and the leader is told to stop.
+TEST_F(ServiceTest, WatchSeesCancellation) {
+  RegisterWorker();
+  grpc::ClientContext submit_ctx;
+  Deadline(&submit_ctx);
+  JobInfo job;
+  ASSERT_TRUE(jobs_->Submit(&submit_ctx, PromptOnly(), &job).ok());
+  ASSERT_TRUE(WaitForRuns(1));
+  grpc::ClientContext watch_ctx;
+  Deadline(&watch_ctx);
+  v1::JobWatchRequest watch;
+  watch.set_job_id(job.job_id());
+  auto reader = jobs_->Watch(&watch_ctx, watch);
+  v1::JobEvent e;
+  ASSERT_TRUE(reader->Read(&e));
+  EXPECT_EQ(e.snapshot().state(), JobInfo::PREFILLING);
+  grpc::ClientContext cancel_ctx;
+  Deadline(&cancel_ctx);
+  v1::JobCancelRequest cancel;
+  cancel.set_job_id(job.job_id());
+  JobInfo cancelled;
+  ASSERT_TRUE(jobs_->Cancel(&cancel_ctx, cancel, &cancelled).ok());
+  ASSERT_TRUE(reader->Read(&e));
+  EXPECT_EQ(e.snapshot().state(), JobInfo::CANCELLED);
+  EXPECT_FALSE(reader->Read(&e));
+  EXPECT_TRUE(reader->Finish().ok());
+  ASSERT_EQ(workers_.cancels().size(), 1u);
+  EXPECT_EQ(workers_.cancels()[0].second, job.job_id());
+}
+
+TEST_F(ServiceTest, UploadStreamErrors) {
+  {  // text without a tokenizer
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    v1::DocumentUploadResponse response;
+    auto writer = documents_->Upload(&ctx, &response);
+    v1::DocumentUploadRequest r;
+    r.set_text("hello");
+    writer->Write(r);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  {  // options after the first message
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    v1::DocumentUploadResponse response;
+    auto writer = documents_->Upload(&ctx, &response);
+    v1::DocumentUploadRequest r;
+    r.mutable_tokens()->add_ids(1);
+    writer->Write(r);
+    r.mutable_options()->set_pin(true);
+    writer->Write(r);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {  // a good upload in many small messages
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    v1::DocumentUploadResponse response;
+    auto writer = documents_->Upload(&ctx, &response);
+    for (int i = 0; i < 50; ++i) {
+      v1::DocumentUploadRequest r;
+      r.mutable_tokens()->add_ids(i);
+      ASSERT_TRUE(writer->Write(r));
+    }
+    writer->WritesDone();
+    ASSERT_TRUE(writer->Finish().ok());
+    EXPECT_EQ(response.document().num_tokens(), 50u);
+    EXPECT_TRUE(response.created());
+  }
+}
+
+}  // namespace
+}  // namespace strata::coordinator
