@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -123,7 +124,7 @@ void BM_HostGet(benchmark::State& state) {
   }
   SetCounters(state, batch);
 }
-BENCHMARK(BM_HostGet)->Arg(1)->Arg(64);
+BENCHMARK(BM_HostGet)->Arg(1)->Arg(64)->UseRealTime();
 
 void BM_HostPut(benchmark::State& state) {
   const uint32_t batch = static_cast<uint32_t>(state.range(0));
@@ -141,7 +142,7 @@ void BM_HostPut(benchmark::State& state) {
   }
   SetCounters(state, batch);
 }
-BENCHMARK(BM_HostPut)->Arg(1)->Arg(64);
+BENCHMARK(BM_HostPut)->Arg(1)->Arg(64)->UseRealTime();
 
 // ---- local RocksDB store ----
 
@@ -159,6 +160,7 @@ std::unique_ptr<LocalEnv> OpenLocal(bool blob, bool lz4, bool populate) {
   o.path = env->dir;
   o.blob_files = blob;
   o.compression = lz4;
+  o.block_cache_bytes = int64_t{8} << 20;  // 1/8 of the pages: most reads miss the cache
   env->store = *LocalStore::Open(o);
   const v1::CreateDocumentRequest r = DocRequest(0);
   bool created = false;
@@ -227,6 +229,74 @@ BENCHMARK(BM_LocalPut)
     ->Args({1, 1, 0})->Args({64, 1, 0})->Args({1, 0, 0})->Args({64, 0, 0})->Args({64, 1, 1})
     ->Args({64, 0, 1})
     ->UseRealTime();
+
+// Bytes the process wrote to storage (/proc/self/io write_bytes).
+int64_t ProcessWriteBytes() {
+  FILE* f = std::fopen("/proc/self/io", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  int64_t v = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "write_bytes: %lld", reinterpret_cast<long long*>(&v)) == 1) break;
+  }
+  std::fclose(f);
+  return v;
+}
+
+// Write amplification of loading 1 GiB of pages the way prefill writes them: 8 layers x 8 KV
+// heads, one page per (layer, head) per 64-token chunk, one batch of 64 pages per chunk, so
+// successive batches interleave in key order. Reported: storage bytes written by the process
+// (/proc/self/io write_bytes: WAL + flushes + compactions, after compactions settle) per page
+// byte. A small write buffer makes the LSM tree grow levels as a large store does.
+void BM_LocalWriteAmplification(benchmark::State& state) {
+  const bool blob = state.range(0) != 0;
+  const uint32_t layers = 8, heads = 8, pages_per_head = 512;  // 32768 pages, 1 GiB
+  for (auto _ : state) {
+    const std::string dir = TempDir();
+    LocalStoreOptions o;
+    o.path = dir;
+    o.blob_files = blob;
+    o.write_buffer_bytes = 4 << 20;
+    auto store = *LocalStore::Open(o);
+    std::vector<int32_t> tokens(static_cast<size_t>(pages_per_head) * kPageTokens, 7);
+    KvLayout layout = Layout();
+    layout.num_layers = layers;
+    layout.num_kv_heads = heads;
+    const DocumentId doc = ComputeDocumentIdentity("bench-model", layout, tokens)->id;
+    v1::CreateDocumentRequest r;
+    r.set_document_id(doc.ToHex());
+    r.set_model_fingerprint("bench-model");
+    *r.mutable_layout() = LayoutToProto(layout);
+    r.set_num_tokens(tokens.size());
+    bool created = false;
+    STRATA_CHECK(store->CreateDocument(r, &created).ok());
+    const uint32_t total = layers * heads * pages_per_head;
+    const int64_t before = ProcessWriteBytes();
+    for (uint32_t p = 0; p < pages_per_head; ++p) {
+      std::vector<PageWrite> w;
+      for (uint32_t l = 0; l < layers; ++l) {
+        for (uint32_t h = 0; h < heads; ++h) {
+          w.push_back(PageWrite{PageKey{doc, l, h, p}, Pages()[(p * 64 + l * heads + h) % kPages]});
+        }
+      }
+      STRATA_CHECK(store->Put(w, {}).ok());
+    }
+    STRATA_CHECK(store->Flush().ok());
+    int64_t last = ProcessWriteBytes(), stable_for_ms = 0;
+    for (int waited = 0; waited < 120000 && stable_for_ms < 3000; waited += 500) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      const int64_t now = ProcessWriteBytes();
+      stable_for_ms = now == last ? stable_for_ms + 500 : 0;
+      last = now;
+    }
+    const double user = static_cast<double>(total) * static_cast<double>(Pages()[0]->size());
+    state.counters["write_amplification"] = static_cast<double>(last - before) / user;
+    store.reset();
+    std::filesystem::remove_all(dir);
+  }
+}
+BENCHMARK(BM_LocalWriteAmplification)->ArgName("blob")->Arg(0)->Arg(1)->Iterations(1)
+    ->UseRealTime()->Unit(benchmark::kSecond);
 
 // ---- remote: KV store service over loopback ----
 

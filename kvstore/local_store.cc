@@ -162,6 +162,7 @@ absl::Status LocalStore::OpenDb() {
     large.blob_file_size = 256 << 20;
     large.blob_compression_type = large.compression;
     large.enable_blob_garbage_collection = true;
+    large.blob_cache = cache;  // blobs share the block cache budget
   }
 
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
