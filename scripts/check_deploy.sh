@@ -191,6 +191,7 @@ K8S_MUTATIONS=(
   'probe-port|deploy/k8s/base/kvstore.yaml|s.replace("livenessProbe:\n            grpc:\n              port: 50051", "livenessProbe:\n            grpc:\n              port: 50052", 1)'
   'keda-target|deploy/k8s/base/scaledobject.yaml|s.replace("name: strata-worker\n  minReplicaCount", "name: strata-workers\n  minReplicaCount", 1)'
   'missing-flag|deploy/k8s/base/worker.yaml|s.replace("            - --kvstore\n            - strata-kvstore:50051\n", "", 1)'
+  'unknown-flag|deploy/k8s/base/coordinator.yaml|s.replace("- --drain-timeout-seconds", "- --drain-timeout", 1)'
 )
 PREFER_KUBECTL=1  # the self-test exercises the validators, not the renderer
 declare -A mut_files=()
@@ -224,12 +225,12 @@ fi
 
 OTHER_MUTATIONS=(
   'promql-syntax|check_prometheus|deploy/prometheus/rules/strata-alerts.yml|s.replace("== 0", "== = 0", 1)'
-  'rule-test|check_prometheus|deploy/prometheus/rules/strata-recording.yml|s.replace("rate(strata_kv_hits_total[5m]))\n            /", "rate(strata_kv_lookups_total[5m]))\n            /", 1)'
+  'rule-test|check_prometheus|deploy/prometheus/rules/strata-recording.yml|s.replace("rate(strata_kv_hits_total{component!=\"kvstore\"}[5m])", "rate(strata_kv_lookups_total{component!=\"kvstore\"}[5m])", 1)'
   'scrape-config|check_prometheus|deploy/prometheus/prometheus.yml|s.replace("scrape_interval: 5s", "scrape_interval: 5 seconds", 1)'
   'rule-metric-typo|check_metric_names|deploy/prometheus/rules/strata-recording.yml|s.replace("rate(strata_decode_tokens_total", "rate(strata_decode_token_total", 1)'
   'dashboard-json|check_metric_names|deploy/grafana/strata.json|s[: len(s) // 2]'
   'dashboard-metric|check_metric_names|deploy/grafana/strata.json|s.replace("strata_kv_evictions_total", "strata_kv_eviction_total", 1)'
-  'dashboard-label|check_metric_names|deploy/grafana/strata.json|s.replace("sum by (src)", "sum by (source)", 1)'
+  'dashboard-label|check_metric_names|deploy/grafana/strata.json|s.replace("sum by (src, dst)", "sum by (source, dst)", 1)'
   'dashboard-promql|check_metric_names|deploy/grafana/strata.json|s.replace("histogram_quantile(0.5, sum", "histogram_quantile(0.5,, sum", 1)'
   'dashboard-overlap|check_metric_names|deploy/grafana/strata.json|s.replace("\"x\": 4,", "\"x\": 2,", 1)'
   'exposition-label|check_metric_names|deploy/prometheus/tests/worker-exposition.txt|s.replace("{tier=\"disk\"} 40", "{tier=\"ssd\"} 40", 1)'

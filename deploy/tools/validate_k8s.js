@@ -234,6 +234,19 @@ const REQUIRED_FLAGS = {
   worker: ['--listen', '--metrics-listen', '--coordinator', '--kvstore', '--model'],
   kvstore: ['--listen', '--data', '--metrics-listen'],
 };
+// The flags each process accepts (an unknown flag makes `strata` exit 2: a crash loop). From
+// cli/coordinator_command.cc and cli/kvstore_command.cc; the worker's from DESIGN.md and the
+// deployment brief, its command not being written yet. Keep in sync with the commands.
+const KNOWN_FLAGS = {
+  coordinator: ['--listen', '--metrics-listen', '--data', '--port-file', '--model-namespace',
+    '--vocab-size', '--num-layers', '--page-size', '--target-shard-tokens', '--max-document-tokens',
+    '--max-upload-mib', '--max-prompt-tokens', '--max-tokens-limit', '--max-pending-jobs',
+    '--max-pending-tokens', '--heartbeat-interval-ms', '--heartbeat-timeout-ms',
+    '--drain-timeout-seconds', '--sync', '--no-sync'],
+  worker: ['--listen', '--metrics-listen', '--coordinator', '--kvstore', '--model', '--host-cache-bytes'],
+  kvstore: ['--listen', '--data', '--metrics-listen', '--port-file', '--gc-interval-seconds',
+    '--max-message-mib', '--threads', '--sync', '--no-sync'],
+};
 
 // Runs on the objects of one rendered file (one overlay): references never cross files.
 function runPolicy(objects, file) {
@@ -279,6 +292,12 @@ function runPolicy(objects, file) {
       for (const f of REQUIRED_FLAGS[component]) {
         if (!flag(argv, f)) problem(where, `${component} requires ${f}`);
       }
+      for (const arg of argv.slice(1)) {
+        const name = arg.split('=')[0];
+        if (arg.startsWith('--') && !KNOWN_FLAGS[component].includes(name)) {
+          problem(where, `${component} has no flag ${name}`);
+        }
+      }
       const ports = Object.fromEntries((c.ports || []).map((p) => [p.name, p.containerPort]));
       if (!ports.grpc || !ports.metrics) problem(where, 'container ports named grpc and metrics are required');
       if (portOf(flag(argv, '--listen')) !== ports.grpc) problem(where, '--listen port differs from the grpc container port');
@@ -293,8 +312,8 @@ function runPolicy(objects, file) {
       const pre = ((c.lifecycle || {}).preStop || {}).exec;
       const sleep = pre && Array.isArray(pre.command) && /(^|\/)sleep$/.test(pre.command[0]) ? Number(pre.command[1]) : NaN;
       if (!(sleep > 0)) problem(where, 'lifecycle.preStop must be an exec sleep (load balancers stop routing first)');
-      const drain = Number(flag(argv, '--drain-timeout') || 0);
-      if (Number.isNaN(drain)) problem(where, '--drain-timeout is not a number of seconds');
+      const drain = Number(flag(argv, '--drain-timeout-seconds') || 0);
+      if (Number.isNaN(drain)) problem(where, '--drain-timeout-seconds is not a number');
       if (typeof grace === 'number' && sleep > 0 && !(grace >= sleep + drain + 10)) {
         problem(where, `terminationGracePeriodSeconds ${grace} < preStop ${sleep} s + drain ${drain} s + 10 s`);
       }
