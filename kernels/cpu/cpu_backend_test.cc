@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -235,6 +236,23 @@ TEST(CpuBackendTest, MatMulAllPathsDtypesAndSizes) {
           }
         }
       }
+    }
+  }
+}
+
+TEST(CpuBackendTest, MatMulIsBitwiseIndependentOfThreadCount) {
+  // Large enough to run multi-threaded (above kParallelMinWork) on both paths.
+  Rng rng(kSeed + 6);
+  for (DType dt : kWeightTypes) {
+    for (int64_t n : {1, 3, 129}) {
+      HostTensor in = Random(rng, DType::kF32, {n, 300});
+      HostTensor w = Random(rng, dt, {517, 300});
+      HostTensor out1 = Zeros({n, 517}), out2 = Zeros({n, 517});
+      auto one = MakeCpuBackend(1), two = MakeCpuBackend(2);
+      STRATA_ASSERT_OK(one->MatMul({in.View(), w.View(), TensorView(), out1.View()}, nullptr));
+      STRATA_ASSERT_OK(two->MatMul({in.View(), w.View(), TensorView(), out2.View()}, nullptr));
+      EXPECT_EQ(std::memcmp(out1.f32(), out2.f32(), n * 517 * 4), 0)
+          << DTypeName(dt) << " n=" << n << " seed " << kSeed + 6;
     }
   }
 }
