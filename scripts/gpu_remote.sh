@@ -8,7 +8,8 @@
 # Usage: scripts/gpu_remote.sh
 # Env: STRATA_GPU_SANITIZER_FILTER (gtest filter for the memcheck run; default all tests),
 #      STRATA_GPU_SANITIZER_TIMEOUT (seconds, default 170), STRATA_GPU_BENCH_ARGS (contexts for
-#      cuda_attention_bench; default 32768 131072), STRATA_GPU_SKIP_BENCH=1, STRATA_GPU_SKIP_NCU=1.
+#      cuda_attention_bench; default 32768 131072), STRATA_GPU_SKIP_BENCH=1, STRATA_GPU_BENCH_TIMEOUT (seconds,
+#      default 120), STRATA_GPU_SKIP_NCU=1.
 set -uo pipefail
 ROOT="$(pwd)"
 BUNDLE="$ROOT/.gpu"
@@ -57,7 +58,8 @@ done
 
 if [ -x "$BUNDLE/bin/cuda_attention_bench" ] && [ "${STRATA_GPU_SKIP_BENCH:-0}" != 1 ]; then
   # shellcheck disable=SC2086
-  "$BUNDLE/bin/cuda_attention_bench" ${STRATA_GPU_BENCH_ARGS:-32768 131072} 2>&1 | tee "$LOGS/bench.txt"
+  timeout "${STRATA_GPU_BENCH_TIMEOUT:-120}" stdbuf -oL \
+    "$BUNDLE/bin/cuda_attention_bench" ${STRATA_GPU_BENCH_ARGS:-32768 131072} 2>&1 | tee "$LOGS/bench.txt"
 fi
 
 if [ -x "$BUNDLE/bin/cuda_backend_test" ] && command -v compute-sanitizer >/dev/null; then

@@ -330,8 +330,12 @@ absl::Status CudaBackend::Init() {
   uint64_t threshold = std::numeric_limits<uint64_t>::max();
   STRATA_CUDA_RETURN_IF_ERROR(
       cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
+  // Pinned staging sized for typical plans up front: growing it later (cudaFreeHost /
+  // cudaMallocHost) synchronises the device.
   for (Pinned& b : pinned_) {
     STRATA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.copied, cudaEventDisableTiming));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMallocHost(&b.data, kPinnedInitialBytes));
+    b.bytes = kPinnedInitialBytes;
   }
   return absl::OkStatus();
 }

@@ -17,7 +17,9 @@
 // with one cudaMemcpyAsync into pool scratch on the op's stream and frees the scratch after the
 // kernels (stream-ordered). The caller may reuse its host arrays as soon as the call returns. The
 // pinned buffers form a ring of 4; one is reused after waiting on the event recorded after the
-// copy out of it (so the host may run up to 4 PagedAttention calls ahead of the device).
+// copy out of it (so the host may run up to 4 PagedAttention calls ahead of the device). They
+// start at 256 KiB each (about 16K spans); a larger plan grows one with cudaFreeHost/cudaMallocHost,
+// which synchronise the device.
 // Embedding: ids live in device memory, so out-of-range ids cannot be reported without a sync;
 // their rows are filled with NaN instead (the CPU backend returns InvalidArgument).
 //
@@ -125,6 +127,7 @@ class CudaBackend : public Backend {
   // Staging for PagedAttention plans: a ring of pinned buffers, so that the host can plan a few
   // calls ahead of the device; each is reused only after the event recorded after its last copy.
   static constexpr int kPinnedRing = 4;
+  static constexpr size_t kPinnedInitialBytes = 256 * 1024;
   struct Pinned {
     void* data = nullptr;
     size_t bytes = 0;
