@@ -15,7 +15,6 @@
 #include <exception>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -166,16 +165,12 @@ int Serve(const CoordinatorFlags& f) {
   int sig = 0;
   sigwait(&stop_signals, &sig);
   STRATA_LOG(INFO) << "coordinator: signal " << sig << ", draining (timeout " << f.drain_timeout_seconds << " s)";
-  coordinator.StartDrain();
-  (*server)->SetServing(false);
   Stopwatch drain;
-  while (coordinator.RunningJobs() > 0 && drain.ElapsedSeconds() < static_cast<double>(f.drain_timeout_seconds)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  if (coordinator.RunningJobs() > 0) coordinator.HandBackRunningJobs();
-  (*server)->Shutdown(absl::Seconds(2));
+  const int64_t handed_back = coordinator::DrainAndShutdown(
+      &coordinator, server->get(), absl::Seconds(f.drain_timeout_seconds), absl::Seconds(2));
   server->reset();
-  STRATA_LOG(INFO) << "coordinator: stopped after " << drain.ElapsedSeconds() << " s of drain";
+  STRATA_LOG(INFO) << "coordinator: stopped after " << drain.ElapsedSeconds() << " s of drain; "
+                   << handed_back << " running jobs handed back";
   return 0;
 }
 

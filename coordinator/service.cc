@@ -486,4 +486,16 @@ void CoordinatorServer::TickLoop() {
   }
 }
 
+int64_t DrainAndShutdown(Coordinator* coordinator, CoordinatorServer* server, absl::Duration timeout,
+                         absl::Duration grace) {
+  coordinator->StartDrain();
+  server->SetServing(false);
+  const absl::Time deadline = absl::Now() + timeout;
+  while (coordinator->RunningJobs() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));
+  const int64_t handed_back = coordinator->RunningJobs();
+  if (handed_back > 0) coordinator->HandBackRunningJobs();
+  server->Shutdown(grace);
+  return handed_back;
+}
+
 }  // namespace strata::coordinator

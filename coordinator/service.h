@@ -69,6 +69,13 @@ class CoordinatorServer {
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// The SIGTERM sequence: health turns NOT_SERVING and the coordinator stops admitting work
+// (uploads and submissions get UNAVAILABLE), running jobs get `timeout` to finish, those still
+// running are handed back (QUEUED in the catalog, their leaders told to stop), then the server
+// shuts down with `grace` for calls in flight. Returns the number of jobs handed back.
+int64_t DrainAndShutdown(Coordinator* coordinator, CoordinatorServer* server, absl::Duration timeout,
+                         absl::Duration grace);
+
 }  // namespace strata::coordinator
 
 #endif  // STRATA_COORDINATOR_SERVICE_H_

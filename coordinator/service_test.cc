@@ -14,6 +14,7 @@
 #include "base/testing/status_matchers.h"
 #include "coordinator/testing/assert_ok.h"
 #include "coordinator/testing/fake_worker_client.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "strata/v1/api.grpc.pb.h"
@@ -22,6 +23,43 @@ namespace strata::coordinator {
 namespace {
 
 using v1::JobInfo;
+
+// grpc.health.v1.Health/Check of the overall server ("") through the generic stub (the health
+// client stubs are not installed): 1 SERVING, 2 NOT_SERVING, -1 when the call fails.
+int HealthOf(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  auto call = stub.PrepareCall(&ctx, "/grpc.health.v1.Health/Check", &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  call->StartCall(reinterpret_cast<void*>(1));
+  cq.Next(&tag, &ok);
+  grpc::ByteBuffer empty_request;
+  grpc::Slice nothing("");
+  empty_request = grpc::ByteBuffer(&nothing, 1);
+  call->Write(empty_request, reinterpret_cast<void*>(2));
+  cq.Next(&tag, &ok);
+  call->WritesDone(reinterpret_cast<void*>(3));
+  cq.Next(&tag, &ok);
+  grpc::ByteBuffer response;
+  call->Read(&response, reinterpret_cast<void*>(4));
+  cq.Next(&tag, &ok);
+  const bool got = ok;
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  cq.Next(&tag, &ok);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  if (!status.ok() || !got) return -1;
+  std::vector<grpc::Slice> slices;
+  (void)response.Dump(&slices);
+  std::string bytes;
+  for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  return bytes.size() == 2 && bytes[0] == '\x08' ? bytes[1] : -1;
+}
 
 // The gRPC adapters against an in-process server whose workers are a FakeWorkerClient.
 class ServiceTest : public ::testing::Test {
@@ -48,6 +86,7 @@ class ServiceTest : public ::testing::Test {
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials());
+    channel_ = channel;
     jobs_ = v1::JobService::NewStub(channel);
     documents_ = v1::DocumentService::NewStub(channel);
   }
@@ -87,6 +126,7 @@ class ServiceTest : public ::testing::Test {
   testing::FakeWorkerClient workers_;
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<CoordinatorServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::JobService::Stub> jobs_;
   std::unique_ptr<v1::DocumentService::Stub> documents_;
 };
@@ -213,6 +253,63 @@ TEST_F(ServiceTest, UploadStreamErrors) {
     EXPECT_EQ(response.document().num_tokens(), 50u);
     EXPECT_TRUE(response.created());
   }
+}
+
+// Given a running job, when the server drains, then health turns NOT_SERVING, submissions get
+// UNAVAILABLE, and after the drain timeout the job is handed back to the queue and its leader
+// is told to stop.
+TEST_F(ServiceTest, DrainHandsBackRunningJobs) {
+  RegisterWorker();
+  EXPECT_EQ(HealthOf(channel_), 1);
+  grpc::ClientContext submit_ctx;
+  Deadline(&submit_ctx);
+  JobInfo job;
+  ASSERT_TRUE(jobs_->Submit(&submit_ctx, PromptOnly(), &job).ok());
+  ASSERT_TRUE(WaitForRuns(1));
+  int64_t handed_back = -1;
+  std::thread drain([&] {
+    handed_back = DrainAndShutdown(coordinator_.get(), server_.get(), absl::Milliseconds(600), absl::Seconds(1));
+  });
+  // While draining (the job still runs): NOT_SERVING, and no new work.
+  int health = 0;
+  for (int i = 0; i < 100 && (health = HealthOf(channel_)) != 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(health, 2);
+  grpc::ClientContext refused_ctx;
+  Deadline(&refused_ctx);
+  JobInfo refused;
+  EXPECT_EQ(jobs_->Submit(&refused_ctx, PromptOnly(), &refused).error_code(), grpc::StatusCode::UNAVAILABLE);
+  drain.join();
+  EXPECT_EQ(handed_back, 1);
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo after, coordinator_->GetJob(job.job_id()));
+  EXPECT_EQ(after.state(), JobInfo::QUEUED);
+  ASSERT_EQ(workers_.cancels().size(), 1u);
+}
+
+// Given a running job, when it finishes during the drain, then nothing is handed back.
+TEST_F(ServiceTest, DrainWaitsForJobsThatFinish) {
+  RegisterWorker();
+  grpc::ClientContext submit_ctx;
+  Deadline(&submit_ctx);
+  JobInfo job;
+  ASSERT_TRUE(jobs_->Submit(&submit_ctx, PromptOnly(), &job).ok());
+  ASSERT_TRUE(WaitForRuns(1));
+  int64_t handed_back = -1;
+  std::thread drain([&] {
+    handed_back = DrainAndShutdown(coordinator_.get(), server_.get(), absl::Seconds(20), absl::Seconds(1));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto run = workers_.runs()[0];
+  v1::JobEvent done;
+  done.mutable_snapshot()->set_state(JobInfo::DONE);
+  run.on_event(done);
+  run.on_done(absl::OkStatus());
+  drain.join();
+  EXPECT_EQ(handed_back, 0);
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo after, coordinator_->GetJob(job.job_id()));
+  EXPECT_EQ(after.state(), JobInfo::DONE);
+  EXPECT_TRUE(workers_.cancels().empty());
 }
 
 }  // namespace
