@@ -14,6 +14,7 @@
 #include "base/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/internal/tokenizer_bpe.h"
 #include "model/internal/tokenizer_pipeline.h"
 #include "model/internal/tokenizer_unicode.h"
 #include "nlohmann/json.hpp"
@@ -427,6 +428,43 @@ TEST(SentencePiece, MetaspaceSplitMakesWords) {
   EXPECT_THAT(Enc(*whole, "  o"), ElementsAre(whole->TokenToId("▁▁"), whole->TokenToId("o")));
   EXPECT_THAT(Enc(*split, "  o"), ElementsAre(split->TokenToId("▁"), split->TokenToId("▁"),
                                                split->TokenToId("o")));
+}
+
+TEST(SentencePiece, LongWordCutsDoNotChangeTheResult) {
+  // Without a pre-tokenizer a whole document is one word; BpeModel cuts long words before "▁"
+  // where no token joins the previous character to "▁". Compare with the uncut merge loop on
+  // random long words over an alphabet where some characters do join ("a▁", "▁▁").
+  absl::flat_hash_map<std::string, int32_t> vocab;
+  for (const char* s : {"<unk>", "▁", "a", "b", "c", "a▁", "▁▁", "▁a", "bc", "▁abc", "a▁b", "▁▁a",
+                        "cc", "▁b"}) {
+    vocab.emplace(s, static_cast<int32_t>(vocab.size()));
+  }
+  const std::vector<std::pair<std::string, std::string>> merges = {
+      {"a", "▁"}, {"▁", "▁"}, {"▁", "a"}, {"b", "c"}, {"▁a", "bc"}, {"a▁", "b"},
+      {"▁▁", "a"}, {"c", "c"}, {"▁", "b"}};
+  internal::BpeOptions cut_options;
+  cut_options.unk_token = "<unk>";
+  cut_options.fuse_unk = true;
+  internal::BpeOptions whole_options = cut_options;
+  whole_options.split_long_words = false;
+  absl::StatusOr<std::unique_ptr<internal::BpeModel>> cut =
+      internal::BpeModel::Create(vocab, merges, cut_options);
+  absl::StatusOr<std::unique_ptr<internal::BpeModel>> whole =
+      internal::BpeModel::Create(vocab, merges, whole_options);
+  ASSERT_TRUE(cut.ok() && whole.ok());
+  const uint32_t seed = 42;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  const std::vector<std::string> alphabet = {"▁", "▁", "▁", "a", "b", "c", "中"};
+  for (int trial = 0; trial < 200; ++trial) {
+    std::string word;
+    const int n = 100 + rng() % 900;
+    for (int i = 0; i < n; ++i) word += alphabet[rng() % alphabet.size()];
+    std::vector<int32_t> a, b;
+    ASSERT_TRUE((*cut)->Tokenize(word, &a).ok());
+    ASSERT_TRUE((*whole)->Tokenize(word, &b).ok());
+    ASSERT_EQ(a, b) << "trial " << trial << ": " << word;
+  }
 }
 
 TEST(SentencePiece, UnknownCharactersWithoutByteFallback) {

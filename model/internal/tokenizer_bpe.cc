@@ -5,6 +5,7 @@
 #include <queue>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "model/internal/tokenizer_unicode.h"
 
 namespace strata::model::internal {
@@ -29,6 +30,8 @@ struct CandidateOrder {  // std::priority_queue pops the "largest": lowest rank,
     return a.pos > b.pos;
   }
 };
+
+constexpr absl::string_view kSpace = "\xE2\x96\x81";  // U+2581, SentencePiece's space
 
 inline uint64_t PairKey(int32_t a, int32_t b) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
@@ -65,6 +68,17 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(
     auto it = m->vocab_.find(name);
     m->byte_ids_[b] = it == m->vocab_.end() ? -1 : it->second;
   }
+  if (m->options_.split_long_words && m->vocab_.contains(kSpace)) {
+    m->can_split_ = true;
+    for (const auto& [token, id] : m->vocab_) {
+      size_t pos = 0;
+      while ((pos = absl::string_view(token).find(kSpace, pos + 1)) != absl::string_view::npos) {
+        size_t start = pos - 1;
+        while (start > 0 && (static_cast<unsigned char>(token[start]) & 0xC0) == 0x80) --start;
+        m->joined_before_space_.insert(token.substr(start, pos - start));
+      }
+    }
+  }
   if (!m->options_.unk_token.empty()) {
     auto it = m->vocab_.find(m->options_.unk_token);
     if (it != m->vocab_.end()) m->unk_id_ = it->second;
@@ -81,6 +95,22 @@ absl::Status BpeModel::Tokenize(absl::string_view word, std::vector<int32_t>* id
       return absl::OkStatus();
     }
   }
+  if (can_split_ && word.size() > kMaxCachedWordBytes) {
+    size_t start = 0;
+    size_t pos = 0;
+    while ((pos = word.find(kSpace, pos + 1)) != absl::string_view::npos) {
+      size_t prev = pos - 1;
+      while (prev > 0 && (static_cast<unsigned char>(word[prev]) & 0xC0) == 0x80) --prev;
+      if (joined_before_space_.contains(word.substr(prev, pos - prev))) continue;
+      STRATA_RETURN_IF_ERROR(TokenizeCached(word.substr(start, pos - start), ids));
+      start = pos;
+    }
+    return TokenizeCached(word.substr(start), ids);
+  }
+  return TokenizeCached(word, ids);
+}
+
+absl::Status BpeModel::TokenizeCached(absl::string_view word, std::vector<int32_t>* ids) const {
   const bool cacheable = word.size() <= kMaxCachedWordBytes;
   if (cacheable) {
     absl::ReaderMutexLock lock(&cache_mu_);

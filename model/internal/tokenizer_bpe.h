@@ -15,6 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -31,6 +32,11 @@ struct BpeOptions {
   bool fuse_unk = false;
   // The unknown token's string; empty: unknown characters are dropped (as Hugging Face does).
   std::string unk_token;
+  // Long words (SentencePiece-style text without a pre-tokenizer is one word) are cut before
+  // each "▁" that no vocabulary token joins to the character before it. No merge can cross such
+  // a cut, so the result is unchanged; the pieces hit the word cache and keep the merge queue
+  // small. Off only to test that equivalence.
+  bool split_long_words = true;
 };
 
 class BpeModel {
@@ -51,6 +57,7 @@ class BpeModel {
 
  private:
   BpeModel() = default;
+  absl::Status TokenizeCached(absl::string_view word, std::vector<int32_t>* ids) const;
   absl::Status TokenizeUncached(absl::string_view word, std::vector<int32_t>* ids) const;
 
   absl::flat_hash_map<std::string, int32_t> vocab_;
@@ -59,6 +66,9 @@ class BpeModel {
   std::array<int32_t, 256> byte_ids_{};
   BpeOptions options_;
   int32_t unk_id_ = -1;  // -1: no unknown token configured or not in the vocabulary
+  // Characters x such that some vocabulary token contains x immediately followed by "▁".
+  absl::flat_hash_set<std::string> joined_before_space_;
+  bool can_split_ = false;  // "▁" is in the vocabulary and split_long_words is set
 
   static constexpr size_t kMaxCachedWordBytes = 256;
   static constexpr size_t kMaxCacheEntries = 1 << 17;
