@@ -406,7 +406,11 @@ void Coordinator::NotifyDocument(const v1::DocumentInfo& info) {
 // Jobs
 // ------------------------------------------------------------------------------------------------
 
-std::string Coordinator::NewJobId() { return absl::StrFormat("job-%016x", rng_()); }
+std::string Coordinator::NewJobId() {
+  // 44 bits of wall-clock milliseconds, then 20 random bits: ids sort by creation time.
+  const uint64_t ms = static_cast<uint64_t>(std::max<int64_t>(0, wall_micros_() / 1000)) & ((uint64_t{1} << 44) - 1);
+  return absl::StrFormat("job-%016x", (ms << 20) | (rng_() & 0xfffff));
+}
 
 absl::StatusOr<v1::JobInfo> Coordinator::SubmitJob(const v1::JobSubmitRequest& request) {
   // Everything that needs no lock is checked first: a rejected request changes nothing.
@@ -552,7 +556,12 @@ absl::StatusOr<v1::JobInfo> Coordinator::SubmitJob(const v1::JobSubmitRequest& r
   job.record.mutable_prompt_token_ids()->Assign(prompt_tokens.begin(), prompt_tokens.end());
   STRATA_ASSIGN_OR_RETURN(uint64_t sequence, catalog_->NextSequence("admission"));
   job.record.set_admission_sequence(sequence);
-  STRATA_RETURN_IF_ERROR(catalog_->CreateJob(&job.record));
+  absl::Status created = catalog_->CreateJob(&job.record);
+  for (int attempt = 0; attempt < 4 && created.code() == absl::StatusCode::kAlreadyExists; ++attempt) {
+    info->set_job_id(NewJobId());  // two jobs in the same millisecond drew the same random bits
+    created = catalog_->CreateJob(&job.record);
+  }
+  STRATA_RETURN_IF_ERROR(created);
   const v1::JobInfo result = job.record.info();
   live_jobs_[result.job_id()] = std::move(job);
   if (metrics_ != nullptr) metrics_->jobs_submitted.Increment();

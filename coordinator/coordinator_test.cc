@@ -1,5 +1,6 @@
 #include "coordinator/coordinator.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -458,6 +459,20 @@ TEST_F(CoordinatorTest, ListFiltersAndPages) {
   docs.set_state(v1::DocumentInfo::READY);
   STRATA_ASSERT_OK_AND_ASSIGN(auto ready, coordinator_->ListDocuments(docs));
   EXPECT_EQ(ready.documents_size(), 0);
+}
+
+TEST_F(CoordinatorTest, JobIdsSortByCreationTime) {
+  const std::string doc = Upload(10);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 20; ++i) {
+    STRATA_ASSERT_OK_AND_ASSIGN(JobInfo job, coordinator_->SubmitJob(Job(doc)));
+    ids.push_back(job.job_id());
+    now_ += 1'000'000;  // 1 ms
+  }
+  EXPECT_TRUE(std::is_sorted(ids.begin(), ids.end()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto list, coordinator_->ListJobs(v1::JobListRequest()));
+  ASSERT_EQ(list.jobs_size(), 20);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(list.jobs(i).job_id(), ids[i]);
 }
 
 TEST_F(CoordinatorTest, PinSetsPinAndTtl) {
