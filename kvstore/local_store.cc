@@ -581,6 +581,19 @@ absl::StatusOr<int> LocalStore::CollectGarbage(int64_t now_micros) {
   return deleted;
 }
 
+int64_t LocalStore::UpdateResidentBytes() {
+  uint64_t total = 0;
+  for (rocksdb::ColumnFamilyHandle* cf : {pages_, summaries_}) {
+    for (const char* prop : {"rocksdb.live-sst-files-size", "rocksdb.live-blob-file-size",
+                             "rocksdb.cur-size-all-mem-tables"}) {
+      uint64_t v = 0;
+      if (db_->GetIntProperty(cf, prop, &v)) total += v;
+    }
+  }
+  m_.resident_bytes->Set(static_cast<double>(total));
+  return static_cast<int64_t>(total);
+}
+
 absl::Status LocalStore::Flush() {
   rocksdb::FlushOptions fo;
   fo.wait = true;

@@ -90,6 +90,10 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   // Deletes unpinned documents whose expire time is set and <= now_micros. Returns how many.
   absl::StatusOr<int> CollectGarbage(int64_t now_micros);
 
+  // Sets strata_kv_resident_bytes{tier} from RocksDB's live SST and blob file sizes of the pages
+  // and summaries column families. Returns the value.
+  int64_t UpdateResidentBytes();
+
   // Flushes the memtables to SST and blob files (the WAL already makes writes durable; this
   // shortens recovery and puts the bytes in their final files).
   absl::Status Flush();

@@ -73,6 +73,8 @@ TEST_F(LocalStoreTest, WriteFinalizeReadBackBitExactAcrossReopen) {
   EXPECT_EQ(doc.stored_pages(), 12u);
   EXPECT_EQ(doc.stored_summaries(), 12u);
 
+  STRATA_ASSERT_OK(store_->Flush());
+  EXPECT_GE(store_->UpdateResidentBytes(), static_cast<int64_t>(pages[0].data->size() * 12));
   Open();  // survives a reopen
   std::vector<PageKey> keys;
   for (const PageWrite& w : pages) keys.push_back(w.key);

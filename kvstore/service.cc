@@ -463,7 +463,16 @@ absl::StatusOr<std::unique_ptr<KvStoreServer>> KvStoreServer::Start(
 }
 
 void KvStoreServer::GcLoop(int64_t interval_ms) {
-  while (!stop_gc_.WaitForNotificationWithTimeout(absl::Milliseconds(interval_ms))) {
+  // Ticks every 5 s (or the GC interval when shorter) to refresh the resident-bytes gauge;
+  // collects garbage every interval_ms.
+  const int64_t tick_ms = std::min<int64_t>(interval_ms, 5000);
+  int64_t since_gc_ms = 0;
+  store_->UpdateResidentBytes();
+  while (!stop_gc_.WaitForNotificationWithTimeout(absl::Milliseconds(tick_ms))) {
+    store_->UpdateResidentBytes();
+    since_gc_ms += tick_ms;
+    if (since_gc_ms < interval_ms) continue;
+    since_gc_ms = 0;
     absl::StatusOr<int> n = store_->CollectGarbage(WallMicros());
     if (!n.ok()) STRATA_LOG(WARNING) << "kvstore gc failed: " << n.status();
   }

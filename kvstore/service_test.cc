@@ -279,6 +279,9 @@ TEST_F(ServiceTest, HealthAndSummaryScan) {
   EXPECT_EQ(kv, 1);
   EXPECT_THAT(testing::CheckHealth(channel, "no.such.Service"),
               StatusIs(absl::StatusCode::kNotFound));
+  STRATA_ASSERT_OK_AND_ASSIGN(std::string services, testing::ListServicesByReflection(channel));
+  EXPECT_NE(services.find("strata.v1.KvStore"), std::string::npos) << services;
+  EXPECT_NE(services.find("grpc.health.v1.Health"), std::string::npos);
 
   const v1::CreateDocumentRequest r = MakeDocumentRequest(SmallLayout(), 48, kSeed);
   std::vector<PageWrite> pages;
