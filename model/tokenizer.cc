@@ -46,6 +46,9 @@ class StreamSupport {
   virtual bool IsFallbackByte(int32_t id) const = 0;
 };
 
+// Ids at or above this are rejected: the id -> token table is dense.
+constexpr int64_t kMaxTokenId = int64_t{1} << 24;
+
 struct AddedToken {
   int32_t id = 0;
   std::string content;
@@ -164,7 +167,9 @@ class HfTokenizer : public Tokenizer, public StreamSupport {
   bool IsSpecial(int32_t id) const override {
     return id >= 0 && id < vocab_size() && (flags_[id] & kSpecial) != 0;
   }
-  absl::StatusOr<std::string> TokenBytes(int32_t id) const override { return StreamBytes(id, false); }
+  absl::StatusOr<std::string> TokenBytes(int32_t id) const override {
+    return StreamBytes(id, false);
+  }
   absl::StatusOr<std::string> StreamBytes(int32_t id, bool first) const override;
   bool HasByteFallback() const override {
     return decoder_ != nullptr && decoder_->HasByteFallback();
@@ -205,7 +210,8 @@ class HfTokenizer : public Tokenizer, public StreamSupport {
 
 absl::Status HfTokenizer::ParseModel(const json& model) {
   constexpr absl::string_view kWhat = "model";
-  if (!model.is_object()) return absl::InvalidArgumentError("tokenizer.json: \"model\" must be an object");
+  if (!model.is_object())
+    return absl::InvalidArgumentError("tokenizer.json: \"model\" must be an object");
   STRATA_ASSIGN_OR_RETURN(std::string type, internal::JsonStringOr(model, "type", "", kWhat));
   if (type.empty() && model.contains("merges")) type = "BPE";
   if (type != "BPE") {
@@ -240,7 +246,7 @@ absl::Status HfTokenizer::ParseModel(const json& model) {
   int64_t max_id = -1;
   for (auto it = vocab_it->begin(); it != vocab_it->end(); ++it) {
     if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
-        it.value().get<int64_t>() >= (int64_t{1} << 30)) {
+        it.value().get<int64_t>() >= kMaxTokenId) {
       return absl::InvalidArgumentError(
           absl::StrCat("BPE model: vocab entry \"", it.key(), "\" has no valid id"));
     }
@@ -251,7 +257,8 @@ absl::Status HfTokenizer::ParseModel(const json& model) {
   auto merges_it = model.find("merges");
   std::vector<std::pair<std::string, std::string>> merges;
   if (merges_it != model.end() && !merges_it->is_null()) {
-    if (!merges_it->is_array()) return absl::InvalidArgumentError("BPE model: \"merges\" must be an array");
+    if (!merges_it->is_array())
+      return absl::InvalidArgumentError("BPE model: \"merges\" must be an array");
     merges.reserve(merges_it->size());
     for (const json& m : *merges_it) {
       if (m.is_string()) {
@@ -286,7 +293,7 @@ absl::Status HfTokenizer::ParseAddedTokens(const json& added) {
     if (!t.is_object()) return absl::InvalidArgumentError("an added token must be an object");
     AddedToken a;
     STRATA_ASSIGN_OR_RETURN(int64_t id, internal::JsonIntOr(t, "id", -1, kWhat));
-    if (id < 0 || id >= (int64_t{1} << 30)) {
+    if (id < 0 || id >= kMaxTokenId) {
       return absl::InvalidArgumentError("added token: \"id\" must be a non-negative integer");
     }
     a.id = static_cast<int32_t>(id);
@@ -344,7 +351,8 @@ absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::Parse(const std::strin
     STRATA_ASSIGN_OR_RETURN(t->decoder_, internal::ParseDecoder(*j));
   }
   if (const json* j = field("added_tokens")) STRATA_RETURN_IF_ERROR(t->ParseAddedTokens(*j));
-  if (t->id_to_token_.empty()) return absl::InvalidArgumentError("tokenizer.json has an empty vocabulary");
+  if (t->id_to_token_.empty())
+    return absl::InvalidArgumentError("tokenizer.json has an empty vocabulary");
   if (t->HasByteFallback()) {
     for (size_t id = 0; id < t->id_to_token_.size(); ++id) {
       if (internal::ByteFallbackValue(t->id_to_token_[id]) >= 0) t->flags_[id] |= kFallbackByte;
@@ -385,8 +393,9 @@ void HfTokenizer::SplitAdded(const TokenMatcher& matcher, absl::string_view text
 absl::Status HfTokenizer::EncodePiece(std::string text, bool at_origin,
                                       std::vector<int32_t>* ids) const {
   if (pre_tokenizer_ == nullptr) return model_->Tokenize(text, ids);
-  return pre_tokenizer_->PreTokenize(Piece{std::move(text), at_origin},
-                                     [this, ids](Piece p) { return model_->Tokenize(p.text, ids); });
+  return pre_tokenizer_->PreTokenize(Piece{std::move(text), at_origin}, [this, ids](Piece p) {
+    return model_->Tokenize(p.text, ids);
+  });
 }
 
 absl::StatusOr<std::vector<int32_t>> HfTokenizer::Encode(const std::string& text,
@@ -421,8 +430,8 @@ absl::StatusOr<std::vector<int32_t>> HfTokenizer::Encode(const std::string& text
       if (s.id >= 0) {
         ids.push_back(s.id);
       } else {
-        STRATA_RETURN_IF_ERROR(EncodePiece(piece.substr(s.begin, s.end - s.begin),
-                                           at_origin && s.begin == 0, &ids));
+        STRATA_RETURN_IF_ERROR(
+            EncodePiece(piece.substr(s.begin, s.end - s.begin), at_origin && s.begin == 0, &ids));
       }
     }
   }

@@ -49,25 +49,35 @@ json ByteLevelJson(const std::vector<std::pair<std::string, std::string>>& merge
   }
   json added = json::array();
   for (const char* s : {"<|begin_of_text|>", "<|end_of_text|>"}) {
-    added.push_back({{"id", id++}, {"content", s}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", false}, {"special", true}});
+    added.push_back({{"id", id++},
+                     {"content", s},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
   }
   const int bos = id - 2;
   json j;
   j["version"] = "1.0";
   j["added_tokens"] = added;
   j["normalizer"] = nullptr;
-  j["pre_tokenizer"] = {
-      {"type", "Sequence"},
-      {"pretokenizers",
-       {{{"type", "Split"}, {"pattern", {{"Regex", split_regex}}}, {"behavior", "Isolated"},
-         {"invert", false}},
-        {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
-         {"use_regex", false}}}}};
+  j["pre_tokenizer"] = {{"type", "Sequence"},
+                        {"pretokenizers",
+                         {{{"type", "Split"},
+                           {"pattern", {{"Regex", split_regex}}},
+                           {"behavior", "Isolated"},
+                           {"invert", false}},
+                          {{"type", "ByteLevel"},
+                           {"add_prefix_space", false},
+                           {"trim_offsets", true},
+                           {"use_regex", false}}}}};
   j["post_processor"] = {
       {"type", "Sequence"},
       {"processors",
-       {{{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false},
+       {{{"type", "ByteLevel"},
+         {"add_prefix_space", true},
+         {"trim_offsets", false},
          {"use_regex", true}},
         {{"type", "TemplateProcessing"},
          {"single",
@@ -76,13 +86,20 @@ json ByteLevelJson(const std::vector<std::pair<std::string, std::string>>& merge
          {"special_tokens",
           {{"<|begin_of_text|>",
             {{"id", "<|begin_of_text|>"}, {"ids", {bos}}, {"tokens", {"<|begin_of_text|>"}}}}}}}}}};
-  j["decoder"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true},
+  j["decoder"] = {{"type", "ByteLevel"},
+                  {"add_prefix_space", true},
+                  {"trim_offsets", true},
                   {"use_regex", true}};
-  j["model"] = {{"type", "BPE"},          {"dropout", nullptr},
-                {"unk_token", nullptr},   {"continuing_subword_prefix", nullptr},
-                {"end_of_word_suffix", nullptr}, {"fuse_unk", false},
-                {"byte_fallback", false}, {"ignore_merges", ignore_merges},
-                {"vocab", vocab},         {"merges", merges_json}};
+  j["model"] = {{"type", "BPE"},
+                {"dropout", nullptr},
+                {"unk_token", nullptr},
+                {"continuing_subword_prefix", nullptr},
+                {"end_of_word_suffix", nullptr},
+                {"fuse_unk", false},
+                {"byte_fallback", false},
+                {"ignore_merges", ignore_merges},
+                {"vocab", vocab},
+                {"merges", merges_json}};
   return j;
 }
 
@@ -154,8 +171,7 @@ class ByteLevelTest : public ::testing::Test {
 
 TEST_F(ByteLevelTest, MergesLowestRankFirst) {
   EXPECT_THAT(Enc(*tok_, "hello"), ElementsAre(Id("hello")));
-  EXPECT_THAT(Enc(*tok_, "hello world"),
-              ElementsAre(Id("hello"), Id(" w"), 'o', 'r', 'l', 'd'));
+  EXPECT_THAT(Enc(*tok_, "hello world"), ElementsAre(Id("hello"), Id(" w"), 'o', 'r', 'l', 'd'));
   EXPECT_EQ(Dec(*tok_, Enc(*tok_, "hello world")), "hello world");
 }
 
@@ -187,8 +203,7 @@ TEST_F(ByteLevelTest, SpecialTokensAndPostProcessor) {
   EXPECT_THAT(Enc(*tok_, "", true), ElementsAre(bos));
   EXPECT_THAT(Enc(*tok_, ""), ElementsAre());
   // Added tokens are cut out first and never merged with their neighbours.
-  EXPECT_THAT(Enc(*tok_, "hello<|end_of_text|>hello"),
-              ElementsAre(Id("hello"), eos, Id("hello")));
+  EXPECT_THAT(Enc(*tok_, "hello<|end_of_text|>hello"), ElementsAre(Id("hello"), eos, Id("hello")));
   EXPECT_THAT(Enc(*tok_, "<|begin_of_text|><|end_of_text|>"), ElementsAre(bos, eos));
   // A partial special token is plain text (no merges apply to it: one id per byte).
   EXPECT_EQ(Enc(*tok_, "<|end_of_tex"), Bytes("<|end_of_tex"));
@@ -210,12 +225,19 @@ TEST_F(ByteLevelTest, EmojiCjkAndTokenBytes) {
   EXPECT_EQ(*tok_->TokenBytes(Id(" w")), " w");
   // A cut character decodes to U+FFFD.
   EXPECT_EQ(Dec(*tok_, {0xF0, 0x9F}), "\xEF\xBF\xBD");
-  EXPECT_EQ(Dec(*tok_, {'a', 0xE4, 'b'}), "a\xEF\xBF\xBD" "b");
+  EXPECT_EQ(Dec(*tok_, {'a', 0xE4, 'b'}),
+            "a\xEF\xBF\xBD"
+            "b");
 }
 
 TEST_F(ByteLevelTest, InvalidUtf8InputIsRepaired) {
   // Each maximal ill-formed subsequence becomes U+FFFD before tokenization.
-  EXPECT_EQ(Enc(*tok_, "a\xFF" "b"), Enc(*tok_, "a\xEF\xBF\xBD" "b"));
+  EXPECT_EQ(Enc(*tok_,
+                "a\xFF"
+                "b"),
+            Enc(*tok_,
+                "a\xEF\xBF\xBD"
+                "b"));
   EXPECT_EQ(Enc(*tok_, "a\xE4\xB8"), Enc(*tok_, "a\xEF\xBF\xBD"));
   EXPECT_EQ(Dec(*tok_, Enc(*tok_, "x\xC0\xAFy")), "x\xEF\xBF\xBD\xEF\xBF\xBDy");
 }
@@ -250,7 +272,8 @@ TEST_F(ByteLevelTest, ConcurrentEncodeIsConsistent) {
   for (int i = 0; i < 4; ++i) {
     threads.emplace_back([&, i] {
       for (int k = 0; k < 200; ++k) {
-        absl::StatusOr<std::vector<int32_t>> ids = tok_->Encode(text + std::to_string(k % 7), false);
+        absl::StatusOr<std::vector<int32_t>> ids =
+            tok_->Encode(text + std::to_string(k % 7), false);
         std::vector<int32_t> want = expected;
         for (char c : std::to_string(k % 7)) want.push_back(static_cast<uint8_t>(c));
         if (!ids.ok() || *ids != want) ++mismatches[i];
@@ -277,7 +300,8 @@ TEST(ByteLevel, IgnoreMergesTakesWholeWords) {
   const std::vector<std::pair<std::string, std::string>> merges = {
       {"a", "b"}, {"b", "c"}, {"a", "bc"}};
   std::unique_ptr<Tokenizer> plain = MustParse(ByteLevelJson(merges));
-  std::unique_ptr<Tokenizer> ignore = MustParse(ByteLevelJson(merges, internal::kLlama3Regex, true));
+  std::unique_ptr<Tokenizer> ignore =
+      MustParse(ByteLevelJson(merges, internal::kLlama3Regex, true));
   ASSERT_NE(plain, nullptr);
   ASSERT_NE(ignore, nullptr);
   EXPECT_THAT(Enc(*plain, "abc"), ElementsAre(plain->TokenToId("ab"), 'c'));
@@ -310,16 +334,21 @@ json SentencePieceJson(const std::string& style) {
     std::snprintf(name, sizeof(name), "<0x%02X>", b);
     vocab[name] = id++;
   }
-  for (const char* s : {"▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "ll", "▁he", "▁hell",
-                        "▁hello", "▁w", "▁▁"}) {
+  for (const char* s :
+       {"▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "ll", "▁he", "▁hell", "▁hello", "▁w", "▁▁"}) {
     vocab[s] = id++;
   }
   json merges = {"▁ h", "l l", "▁h e", "▁he ll", "▁hell o", "▁ w", "▁ ▁"};
   json added = json::array();
   for (int i = 0; i < 3; ++i) {
     const char* names[] = {"<unk>", "<s>", "</s>"};
-    added.push_back({{"id", i}, {"content", names[i]}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", false}, {"special", true}});
+    added.push_back({{"id", i},
+                     {"content", names[i]},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
   }
   json j;
   j["version"] = "1.0";
@@ -331,9 +360,9 @@ json SentencePieceJson(const std::string& style) {
         {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
       {"pair", json::array()},
       {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}}}}};
-  j["model"] = {{"type", "BPE"},       {"dropout", nullptr},       {"unk_token", "<unk>"},
-                {"fuse_unk", true},    {"byte_fallback", true},    {"ignore_merges", false},
-                {"vocab", vocab},      {"merges", merges}};
+  j["model"] = {{"type", "BPE"},    {"dropout", nullptr},    {"unk_token", "<unk>"},
+                {"fuse_unk", true}, {"byte_fallback", true}, {"ignore_merges", false},
+                {"vocab", vocab},   {"merges", merges}};
   if (style == "legacy") {  // Llama 2: normalizer Prepend + Replace, decoder Replace/.../Strip
     j["normalizer"] = {{"type", "Sequence"},
                        {"normalizers",
@@ -348,12 +377,16 @@ json SentencePieceJson(const std::string& style) {
                       {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}};
   } else {  // Metaspace pre-tokenizer and decoder, prepend_scheme "first"
     j["normalizer"] = nullptr;
-    j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "▁"},
-                          {"prepend_scheme", "first"}, {"split", style == "metaspace_split"}};
+    j["pre_tokenizer"] = {{"type", "Metaspace"},
+                          {"replacement", "▁"},
+                          {"prepend_scheme", "first"},
+                          {"split", style == "metaspace_split"}};
     j["decoder"] = {{"type", "Sequence"},
                     {"decoders",
                      {{{"type", "ByteFallback"}},
-                      {{"type", "Metaspace"}, {"replacement", "▁"}, {"prepend_scheme", "first"},
+                      {{"type", "Metaspace"},
+                       {"replacement", "▁"},
+                       {"prepend_scheme", "first"},
                        {"split", false}}}}};
   }
   return j;
@@ -426,8 +459,8 @@ TEST(SentencePiece, MetaspaceSplitMakesWords) {
   ASSERT_NE(split, nullptr);
   ASSERT_NE(whole, nullptr);
   EXPECT_THAT(Enc(*whole, "  o"), ElementsAre(whole->TokenToId("▁▁"), whole->TokenToId("o")));
-  EXPECT_THAT(Enc(*split, "  o"), ElementsAre(split->TokenToId("▁"), split->TokenToId("▁"),
-                                               split->TokenToId("o")));
+  EXPECT_THAT(Enc(*split, "  o"),
+              ElementsAre(split->TokenToId("▁"), split->TokenToId("▁"), split->TokenToId("o")));
 }
 
 TEST(SentencePiece, LongWordCutsDoNotChangeTheResult) {
@@ -435,13 +468,13 @@ TEST(SentencePiece, LongWordCutsDoNotChangeTheResult) {
   // where no token joins the previous character to "▁". Compare with the uncut merge loop on
   // random long words over an alphabet where some characters do join ("a▁", "▁▁").
   absl::flat_hash_map<std::string, int32_t> vocab;
-  for (const char* s : {"<unk>", "▁", "a", "b", "c", "a▁", "▁▁", "▁a", "bc", "▁abc", "a▁b", "▁▁a",
-                        "cc", "▁b"}) {
+  for (const char* s :
+       {"<unk>", "▁", "a", "b", "c", "a▁", "▁▁", "▁a", "bc", "▁abc", "a▁b", "▁▁a", "cc", "▁b"}) {
     vocab.emplace(s, static_cast<int32_t>(vocab.size()));
   }
   const std::vector<std::pair<std::string, std::string>> merges = {
-      {"a", "▁"}, {"▁", "▁"}, {"▁", "a"}, {"b", "c"}, {"▁a", "bc"}, {"a▁", "b"},
-      {"▁▁", "a"}, {"c", "c"}, {"▁", "b"}};
+      {"a", "▁"},  {"▁", "▁"},  {"▁", "a"}, {"b", "c"}, {"▁a", "bc"},
+      {"a▁", "b"}, {"▁▁", "a"}, {"c", "c"}, {"▁", "b"}};
   internal::BpeOptions cut_options;
   cut_options.unk_token = "<unk>";
   cut_options.fuse_unk = true;
@@ -484,7 +517,7 @@ TEST(Normalizer, NfcComposesBeforeByteLevel) {
   j["normalizer"] = {{"type", "NFC"}};
   std::unique_ptr<Tokenizer> t = MustParse(j);
   ASSERT_NE(t, nullptr);
-  EXPECT_EQ(Enc(*t, "e\xCC\x81"), Bytes("\xC3\xA9"));  // e + U+0301 -> U+00E9
+  EXPECT_EQ(Enc(*t, "e\xCC\x81"), Bytes("\xC3\xA9"));         // e + U+0301 -> U+00E9
   EXPECT_EQ(Enc(*t, "\xEF\xAC\x81"), Bytes("\xEF\xAC\x81"));  // NFC keeps the "ﬁ" ligature
   j["normalizer"] = {{"type", "NFKC"}};
   t = MustParse(j);
@@ -504,12 +537,19 @@ TEST(Normalizer, Qwen2RegexSplitsSingleDigits) {
 TEST(AddedTokens, LstripRstripSingleWordAndLongestMatch) {
   json j = ByteLevelJson({});
   const int base = j["added_tokens"][1]["id"].get<int>() + 1;
-  j["added_tokens"].push_back({{"id", base}, {"content", "<mask>"}, {"lstrip", true},
-                               {"rstrip", true}, {"normalized", false}, {"special", false}});
-  j["added_tokens"].push_back({{"id", base + 1}, {"content", "ab"}, {"single_word", true},
-                               {"normalized", false}, {"special", false}});
-  j["added_tokens"].push_back({{"id", base + 2}, {"content", "<ma"}, {"normalized", false},
+  j["added_tokens"].push_back({{"id", base},
+                               {"content", "<mask>"},
+                               {"lstrip", true},
+                               {"rstrip", true},
+                               {"normalized", false},
                                {"special", false}});
+  j["added_tokens"].push_back({{"id", base + 1},
+                               {"content", "ab"},
+                               {"single_word", true},
+                               {"normalized", false},
+                               {"special", false}});
+  j["added_tokens"].push_back(
+      {{"id", base + 2}, {"content", "<ma"}, {"normalized", false}, {"special", false}});
   std::unique_ptr<Tokenizer> t = MustParse(j);
   ASSERT_NE(t, nullptr);
   // lstrip/rstrip: the spaces around <mask> belong to it.
@@ -539,9 +579,11 @@ TEST(Errors, MalformedAndUnsupportedAreInvalidArgument) {
       {"pre_tokenizer", {{"type", "Whitespace"}}, "Whitespace"},
       {"decoder", {{"type", "WordPiece"}}, "WordPiece"},
       {"post_processor", {{"type", "Nope"}}, "Nope"},
-      {"pre_tokenizer", {{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}},
-                         {"behavior", "Isolated"}}, "unclosed"},
-      {"pre_tokenizer", {{"type", "Split"}, {"pattern", {{"Regex", "a"}}}, {"behavior", "Odd"}},
+      {"pre_tokenizer",
+       {{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}},
+       "unclosed"},
+      {"pre_tokenizer",
+       {{"type", "Split"}, {"pattern", {{"Regex", "a"}}}, {"behavior", "Odd"}},
        "Odd"},
       {"normalizer", json("NFC"), "object"},
       {"decoder", {{"notype", 1}}, "type"},
@@ -639,9 +681,9 @@ TEST(Trainer, EncodesAMegabyteOfEnglish) {
   ASSERT_TRUE(json_text.ok());
   std::unique_ptr<Tokenizer> t = MustParse(json::parse(*json_text));
   ASSERT_NE(t, nullptr);
-  const std::vector<std::string> words = {"the", "quick", "brown", "fox", "jumps", "over", "lazy",
-                                          "dog", "tokens", "stream", "count", "twice", "2024,",
-                                          "they'll", "away!\n", "runs", "Hello", "world."};
+  const std::vector<std::string> words = {
+      "the",    "quick", "brown", "fox",   "jumps",   "over",    "lazy", "dog",   "tokens",
+      "stream", "count", "twice", "2024,", "they'll", "away!\n", "runs", "Hello", "world."};
   const uint32_t seed = 20261122;
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);

@@ -51,8 +51,8 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(
     auto ia = m->vocab_.find(a);
     auto ib = m->vocab_.find(b);
     if (ia == m->vocab_.end() || ib == m->vocab_.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("BPE merge ", rank, " (\"", a, "\", \"", b, "\") names a token not in vocab"));
+      return absl::InvalidArgumentError(absl::StrCat("BPE merge ", rank, " (\"", a, "\", \"", b,
+                                                     "\") names a token not in vocab"));
     }
     auto ij = m->vocab_.find(absl::StrCat(a, b));
     if (ij == m->vocab_.end()) {
@@ -167,8 +167,8 @@ absl::Status BpeModel::TokenizeUncached(absl::string_view word, std::vector<int3
     }
     if (options_.unk_token.empty()) continue;  // no unknown token: the character is dropped
     if (unk_id_ < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "BPE unk_token \"", options_.unk_token, "\" is needed but not in the vocabulary"));
+      return absl::InvalidArgumentError(absl::StrCat("BPE unk_token \"", options_.unk_token,
+                                                     "\" is needed but not in the vocabulary"));
     }
     if (unk_len >= 0) {
       if (options_.fuse_unk) {

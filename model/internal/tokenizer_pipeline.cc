@@ -27,8 +27,7 @@ const char kLlama3Regex[] =
 absl::StatusOr<std::string> JsonString(const json& obj, const char* key, absl::string_view what) {
   auto it = obj.find(key);
   if (it == obj.end() || !it->is_string()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": field \"", key, "\" must be a string"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": field \"", key, "\" must be a string"));
   }
   return it->get<std::string>();
 }
@@ -38,8 +37,7 @@ absl::StatusOr<std::string> JsonStringOr(const json& obj, const char* key, const
   auto it = obj.find(key);
   if (it == obj.end() || it->is_null()) return dflt;
   if (!it->is_string()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": field \"", key, "\" must be a string"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": field \"", key, "\" must be a string"));
   }
   return it->get<std::string>();
 }
@@ -132,7 +130,8 @@ absl::StatusOr<uint32_t> SingleChar(const std::string& s, absl::string_view what
   }
   size_t pos = 0;
   const uint32_t cp = NextCodepoint(s, &pos);
-  if (pos != s.size()) return absl::InvalidArgumentError(absl::StrCat(what, " must be one character"));
+  if (pos != s.size())
+    return absl::InvalidArgumentError(absl::StrCat(what, " must be one character"));
   return cp;
 }
 
@@ -465,8 +464,8 @@ absl::StatusOr<std::unique_ptr<PostProcessor>> ParseTemplate(const json& j) {
       if (specials == j.end() || !specials->is_object() || !specials->contains(name) ||
           !(*specials)[name].is_object() || !(*specials)[name].contains("ids") ||
           !(*specials)[name]["ids"].is_array()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "TemplateProcessing: special token \"", name, "\" missing from special_tokens"));
+        return absl::InvalidArgumentError(absl::StrCat("TemplateProcessing: special token \"", name,
+                                                       "\" missing from special_tokens"));
       }
       TemplatePostProcessor::Item item;
       for (const json& id : (*specials)[name]["ids"]) {
@@ -489,7 +488,8 @@ absl::StatusOr<std::unique_ptr<PostProcessor>> ParseClsSep(const json& j, absl::
   int32_t cls = 0, sep = 0;
   for (const char* key : {"cls", "sep"}) {
     auto it = j.find(key);
-    if (it == j.end() || !it->is_array() || it->size() != 2 || !(*it)[1].is_number_integer()) {
+    if (it == j.end() || !it->is_array() || it->size() != 2 || !(*it)[1].is_number_integer() ||
+        (*it)[1].get<int64_t>() < 0 || (*it)[1].get<int64_t>() > INT32_MAX) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": \"", key, "\" must be [token, id]"));
     }
     (key[0] == 'c' ? cls : sep) = static_cast<int32_t>((*it)[1].get<int64_t>());
@@ -717,8 +717,10 @@ absl::StatusOr<std::vector<std::unique_ptr<T>>> ParseList(
 
 absl::StatusOr<std::unique_ptr<Normalizer>> ParseNormalizer(const json& j) {
   STRATA_ASSIGN_OR_RETURN(std::string type, TypeOf(j, "normalizer"));
-  if (type == "NFC") return std::unique_ptr<Normalizer>(new UnicodeNormalizer(NormalizationForm::kNfc));
-  if (type == "NFD") return std::unique_ptr<Normalizer>(new UnicodeNormalizer(NormalizationForm::kNfd));
+  if (type == "NFC")
+    return std::unique_ptr<Normalizer>(new UnicodeNormalizer(NormalizationForm::kNfc));
+  if (type == "NFD")
+    return std::unique_ptr<Normalizer>(new UnicodeNormalizer(NormalizationForm::kNfd));
   if (type == "NFKC") {
     return std::unique_ptr<Normalizer>(new UnicodeNormalizer(NormalizationForm::kNfkc));
   }
@@ -732,11 +734,13 @@ absl::StatusOr<std::unique_ptr<Normalizer>> ParseNormalizer(const json& j) {
   if (type == "Replace") {
     STRATA_ASSIGN_OR_RETURN(Pattern pattern, ParsePattern(j, "Replace normalizer"));
     STRATA_ASSIGN_OR_RETURN(std::string content, JsonString(j, "content", "Replace normalizer"));
-    return std::unique_ptr<Normalizer>(new ReplaceNormalizer(std::move(pattern), std::move(content)));
+    return std::unique_ptr<Normalizer>(
+        new ReplaceNormalizer(std::move(pattern), std::move(content)));
   }
   if (type == "Sequence") {
-    STRATA_ASSIGN_OR_RETURN(auto steps, ParseList<Normalizer>(j, "normalizers", "Sequence normalizer",
-                                                              &ParseNormalizer));
+    STRATA_ASSIGN_OR_RETURN(
+        auto steps,
+        ParseList<Normalizer>(j, "normalizers", "Sequence normalizer", &ParseNormalizer));
     return std::unique_ptr<Normalizer>(new SequenceNormalizer(std::move(steps)));
   }
   return absl::InvalidArgumentError(absl::StrCat("unsupported normalizer type \"", type, "\""));
@@ -771,9 +775,11 @@ absl::StatusOr<std::unique_ptr<PreTokenizer>> ParsePreTokenizer(const json& j) {
     } else if (b == "Contiguous") {
       behavior = SplitBehavior::kContiguous;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("Split pre_tokenizer: unsupported behavior ", b));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Split pre_tokenizer: unsupported behavior ", b));
     }
-    return std::unique_ptr<PreTokenizer>(new SplitPreTokenizer(std::move(pattern), behavior, invert));
+    return std::unique_ptr<PreTokenizer>(
+        new SplitPreTokenizer(std::move(pattern), behavior, invert));
   }
   if (type == "Metaspace") {
     constexpr absl::string_view kWhat = "Metaspace pre_tokenizer";
@@ -784,9 +790,9 @@ absl::StatusOr<std::unique_ptr<PreTokenizer>> ParsePreTokenizer(const json& j) {
     return std::unique_ptr<PreTokenizer>(new MetaspacePreTokenizer(std::move(rep), scheme, split));
   }
   if (type == "Sequence") {
-    STRATA_ASSIGN_OR_RETURN(auto steps, ParseList<PreTokenizer>(j, "pretokenizers",
-                                                                "Sequence pre_tokenizer",
-                                                                &ParsePreTokenizer));
+    STRATA_ASSIGN_OR_RETURN(
+        auto steps,
+        ParseList<PreTokenizer>(j, "pretokenizers", "Sequence pre_tokenizer", &ParsePreTokenizer));
     return std::unique_ptr<PreTokenizer>(new SequencePreTokenizer(std::move(steps)));
   }
   return absl::InvalidArgumentError(absl::StrCat("unsupported pre_tokenizer type \"", type, "\""));
@@ -798,9 +804,9 @@ absl::StatusOr<std::unique_ptr<PostProcessor>> ParsePostProcessor(const json& j)
   if (type == "ByteLevel") return std::unique_ptr<PostProcessor>(new NoopPostProcessor());
   if (type == "BertProcessing" || type == "RobertaProcessing") return ParseClsSep(j, type);
   if (type == "Sequence") {
-    STRATA_ASSIGN_OR_RETURN(auto steps, ParseList<PostProcessor>(j, "processors",
-                                                                 "Sequence post_processor",
-                                                                 &ParsePostProcessor));
+    STRATA_ASSIGN_OR_RETURN(
+        auto steps,
+        ParseList<PostProcessor>(j, "processors", "Sequence post_processor", &ParsePostProcessor));
     return std::unique_ptr<PostProcessor>(new SequencePostProcessor(std::move(steps)));
   }
   return absl::InvalidArgumentError(absl::StrCat("unsupported post_processor type \"", type, "\""));
@@ -833,8 +839,8 @@ absl::StatusOr<std::unique_ptr<Decoder>> ParseDecoder(const json& j) {
     return std::unique_ptr<Decoder>(new MetaspaceDecoder(std::move(rep), scheme));
   }
   if (type == "Sequence") {
-    STRATA_ASSIGN_OR_RETURN(auto steps, ParseList<Decoder>(j, "decoders", "Sequence decoder",
-                                                           &ParseDecoder));
+    STRATA_ASSIGN_OR_RETURN(auto steps,
+                            ParseList<Decoder>(j, "decoders", "Sequence decoder", &ParseDecoder));
     return std::unique_ptr<Decoder>(new SequenceDecoder(std::move(steps)));
   }
   return absl::InvalidArgumentError(absl::StrCat("unsupported decoder type \"", type, "\""));

@@ -41,8 +41,8 @@ absl::Status Regex::FindAll(absl::string_view text,
     if (rc < 0) {
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(rc, message, sizeof(message));
-      status = absl::InternalError(absl::StrCat("regex \"", pattern_, "\" failed: ",
-                                                reinterpret_cast<const char*>(message)));
+      status = absl::InternalError(absl::StrCat(
+          "regex \"", pattern_, "\" failed: ", reinterpret_cast<const char*>(message)));
       break;
     }
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);

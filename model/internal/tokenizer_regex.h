@@ -30,8 +30,7 @@ class Regex {
 
   // Appends the [begin, end) byte spans of all non-overlapping, non-empty matches in `text`
   // (valid UTF-8), left to right. Internal error if PCRE2 fails (e.g. a match limit).
-  absl::Status FindAll(absl::string_view text,
-                       std::vector<std::pair<size_t, size_t>>* spans) const;
+  absl::Status FindAll(absl::string_view text, std::vector<std::pair<size_t, size_t>>* spans) const;
 
   const std::string& pattern() const { return pattern_; }
 

@@ -69,8 +69,8 @@ absl::StatusOr<std::string> TrainByteLevelBpeJson(const std::string& corpus, int
                                                   bool add_bos) {
   const int64_t num_special = static_cast<int64_t>(special_tokens.size());
   if (vocab_size < 256 + num_special) {
-    return absl::InvalidArgumentError(absl::StrCat("vocab_size ", vocab_size, " < 256 + ",
-                                                   num_special, " special tokens"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_size ", vocab_size, " < 256 + ", num_special, " special tokens"));
   }
   if (add_bos && special_tokens.empty()) {
     return absl::InvalidArgumentError("add_bos needs at least one special token (the BOS)");
@@ -235,8 +235,8 @@ absl::StatusOr<std::string> TrainByteLevelBpeJson(const std::string& corpus, int
   if (add_bos) {
     const std::string& bos = special_tokens[0];
     ojson special_map = ojson::object();
-    special_map[bos] = ojson{{"id", bos}, {"ids", ojson::array({first_special})},
-                             {"tokens", ojson::array({bos})}};
+    special_map[bos] =
+        ojson{{"id", bos}, {"ids", ojson::array({first_special})}, {"tokens", ojson::array({bos})}};
     auto special_item = [&bos](int type_id) {
       return ojson{{"SpecialToken", ojson{{"id", bos}, {"type_id", type_id}}}};
     };
@@ -248,8 +248,8 @@ absl::StatusOr<std::string> TrainByteLevelBpeJson(const std::string& corpus, int
                    {"pair", ojson::array({special_item(0), sequence_item("A", 0), special_item(1),
                                           sequence_item("B", 1)})},
                    {"special_tokens", special_map}};
-    post_processor = ojson{{"type", "Sequence"},
-                           {"processors", ojson::array({byte_level_post, templ})}};
+    post_processor =
+        ojson{{"type", "Sequence"}, {"processors", ojson::array({byte_level_post, templ})}};
   }
   ojson vocab_json = ojson::object();
   for (size_t id = 0; id < tokens.size(); ++id) {
@@ -264,17 +264,17 @@ absl::StatusOr<std::string> TrainByteLevelBpeJson(const std::string& corpus, int
   root["padding"] = nullptr;
   root["added_tokens"] = added;
   root["normalizer"] = nullptr;
-  root["pre_tokenizer"] = ojson{
-      {"type", "Sequence"},
-      {"pretokenizers",
-       ojson::array({ojson{{"type", "Split"},
-                           {"pattern", ojson{{"Regex", std::string(internal::kLlama3Regex)}}},
-                           {"behavior", "Isolated"},
-                           {"invert", false}},
-                     ojson{{"type", "ByteLevel"},
-                           {"add_prefix_space", false},
-                           {"trim_offsets", true},
-                           {"use_regex", false}}})}};
+  root["pre_tokenizer"] =
+      ojson{{"type", "Sequence"},
+            {"pretokenizers",
+             ojson::array({ojson{{"type", "Split"},
+                                 {"pattern", ojson{{"Regex", std::string(internal::kLlama3Regex)}}},
+                                 {"behavior", "Isolated"},
+                                 {"invert", false}},
+                           ojson{{"type", "ByteLevel"},
+                                 {"add_prefix_space", false},
+                                 {"trim_offsets", true},
+                                 {"use_regex", false}}})}};
   root["post_processor"] = post_processor;
   root["decoder"] = ojson{{"type", "ByteLevel"},
                           {"add_prefix_space", true},

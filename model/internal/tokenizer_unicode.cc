@@ -123,12 +123,17 @@ uint32_t NextCodepoint(absl::string_view s, size_t* pos) {
   }
   uint32_t cp;
   switch (len) {
-    case 1: cp = p[0]; break;
-    case 2: cp = ((p[0] & 0x1Fu) << 6) | (p[1] & 0x3Fu); break;
-    case 3: cp = ((p[0] & 0x0Fu) << 12) | ((p[1] & 0x3Fu) << 6) | (p[2] & 0x3Fu); break;
+    case 1:
+      cp = p[0];
+      break;
+    case 2:
+      cp = ((p[0] & 0x1Fu) << 6) | (p[1] & 0x3Fu);
+      break;
+    case 3:
+      cp = ((p[0] & 0x0Fu) << 12) | ((p[1] & 0x3Fu) << 6) | (p[2] & 0x3Fu);
+      break;
     default:
-      cp = ((p[0] & 0x07u) << 18) | ((p[1] & 0x3Fu) << 12) | ((p[2] & 0x3Fu) << 6) |
-           (p[3] & 0x3Fu);
+      cp = ((p[0] & 0x07u) << 18) | ((p[1] & 0x3Fu) << 12) | ((p[2] & 0x3Fu) << 6) | (p[3] & 0x3Fu);
   }
   *pos += len;
   return cp;
@@ -187,8 +192,20 @@ size_t Utf8LossyPrefix(absl::string_view s, std::string* out) {
 
 bool IsUnicodeWhitespace(uint32_t cp) {
   switch (cp) {
-    case 0x09: case 0x0A: case 0x0B: case 0x0C: case 0x0D: case 0x20: case 0x85: case 0xA0:
-    case 0x1680: case 0x2028: case 0x2029: case 0x202F: case 0x205F: case 0x3000:
+    case 0x09:
+    case 0x0A:
+    case 0x0B:
+    case 0x0C:
+    case 0x0D:
+    case 0x20:
+    case 0x85:
+    case 0xA0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202F:
+    case 0x205F:
+    case 0x3000:
       return true;
     default:
       return cp >= 0x2000 && cp <= 0x200A;
@@ -201,10 +218,18 @@ bool IsWordChar(uint32_t cp) {
            cp == '_';
   }
   switch (utf8proc_category(static_cast<utf8proc_int32_t>(cp))) {
-    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
-    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_MN:
-    case UTF8PROC_CATEGORY_MC: case UTF8PROC_CATEGORY_ME: case UTF8PROC_CATEGORY_ND:
-    case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_NO: case UTF8PROC_CATEGORY_PC:
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
+    case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC:
+    case UTF8PROC_CATEGORY_ME:
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_NO:
+    case UTF8PROC_CATEGORY_PC:
       return true;
     default:
       return cp == 0x200C || cp == 0x200D;  // Join_Control
@@ -224,16 +249,23 @@ absl::StatusOr<std::string> NormalizeUnicode(absl::string_view s, NormalizationF
   if (ascii) return std::string(s);
   int options = UTF8PROC_STABLE;
   switch (form) {
-    case NormalizationForm::kNfc: options |= UTF8PROC_COMPOSE; break;
-    case NormalizationForm::kNfd: options |= UTF8PROC_DECOMPOSE; break;
-    case NormalizationForm::kNfkc: options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT; break;
-    case NormalizationForm::kNfkd: options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
+    case NormalizationForm::kNfc:
+      options |= UTF8PROC_COMPOSE;
+      break;
+    case NormalizationForm::kNfd:
+      options |= UTF8PROC_DECOMPOSE;
+      break;
+    case NormalizationForm::kNfkc:
+      options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+      break;
+    case NormalizationForm::kNfkd:
+      options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+      break;
   }
   utf8proc_uint8_t* dst = nullptr;
-  const utf8proc_ssize_t n =
-      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                   static_cast<utf8proc_ssize_t>(s.size()), &dst,
-                   static_cast<utf8proc_option_t>(options));
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
+                                          static_cast<utf8proc_ssize_t>(s.size()), &dst,
+                                          static_cast<utf8proc_option_t>(options));
   if (n < 0) {
     return absl::InternalError(std::string("utf8proc: ") + utf8proc_errmsg(n));
   }
