@@ -17,7 +17,7 @@
 namespace strata::model {
 
 // 32 lowercase hex characters (the 128-bit XXH3 digest, big-endian canonical form).
-// Reads every weight byte: O(model size) (about 1 s per few GB from page cache).
+// Reads every weight byte: O(model size).
 std::string ModelFingerprint(const ModelConfig& config, const ModelWeights& weights);
 
 // The canonical config description that is hashed (exposed for tests and logs).
