@@ -38,6 +38,7 @@ struct CoordinatorFlags {
   std::string data;
   std::string port_file;
   std::string model_namespace = "default";
+  std::string model_fingerprint;
   int64_t vocab_size = 0;
   int64_t num_layers = 0;
   int64_t page_size = 64;
@@ -72,6 +73,7 @@ int Serve(const CoordinatorFlags& f) {
   }
   coordinator::CoordinatorOptions options;
   options.model_namespace = f.model_namespace;
+  options.model_fingerprint = f.model_fingerprint;
   options.limits.vocab_size = f.vocab_size;
   options.limits.num_layers = f.num_layers;
   options.limits.page_size = static_cast<uint32_t>(f.page_size);
@@ -186,6 +188,8 @@ int RunCoordinator(int argc, char** argv) {
                "write '<grpc_port> <metrics_port>' here once serving (for scripts and tests)");
   flags.String("model-namespace", &f.model_namespace,
                "namespace of document ids (the model served): same tokens, other namespace, other document");
+  flags.String("model-fingerprint", &f.model_fingerprint,
+               "refuse workers that serve another model (empty: accept any)");
   flags.Int("vocab-size", &f.vocab_size, "token ids must be below this (0: unchecked until a tokenizer is known)");
   flags.Int("num-layers", &f.num_layers, "model layers, for policy.dense_layers checks (0: unchecked)");
   flags.Int("page-size", &f.page_size, "tokens per KV page of the deployment");

@@ -730,6 +730,23 @@ absl::Status Coordinator::TransitionJob(const std::string& job_id, JobTransition
 
 absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::RegisterWorker(const v1::RegisterWorkerRequest& request) {
   if (draining()) return absl::UnavailableError("coordinator is draining");
+  const v1::WorkerInfo& worker = request.worker();
+  if (!options_.model_fingerprint.empty() && worker.model_fingerprint() != options_.model_fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", worker.worker_id(), " serves model '",
+                                                      worker.model_fingerprint(), "'; this coordinator serves '",
+                                                      options_.model_fingerprint, "'"));
+  }
+  if (worker.layout().page_size() != 0 && worker.layout().page_size() != options_.limits.page_size) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", worker.worker_id(), " uses pages of ",
+                                                      worker.layout().page_size(), " tokens; the deployment uses ",
+                                                      options_.limits.page_size));
+  }
+  if (options_.limits.vocab_size > 0 && worker.vocab_size() != 0 &&
+      worker.vocab_size() != options_.limits.vocab_size) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", worker.worker_id(), " has a vocabulary of ",
+                                                      worker.vocab_size(), " tokens; expected ",
+                                                      options_.limits.vocab_size));
+  }
   std::vector<Action> actions;
   {
     absl::MutexLock lock(&mu_);

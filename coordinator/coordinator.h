@@ -53,6 +53,9 @@ struct CoordinatorOptions {
   // Namespaces document ids (the model served): the same tokens under another namespace are
   // another document. Default: "default".
   std::string model_namespace = "default";
+  // Fingerprint of the model served. Non-empty: workers registering another model are refused
+  // (FAILED_PRECONDITION). Empty: any model is accepted. Default: empty.
+  std::string model_fingerprint;
   // Tokenizer for text uploads and prompts; not owned; must outlive the Coordinator.
   // nullptr: text is refused with FAILED_PRECONDITION (token ids still work).
   const model::Tokenizer* tokenizer = nullptr;

@@ -461,6 +461,26 @@ TEST_F(CoordinatorTest, ListFiltersAndPages) {
   EXPECT_EQ(ready.documents_size(), 0);
 }
 
+TEST_F(CoordinatorTest, IncompatibleWorkersAreRefused) {
+  options_.model_fingerprint = "llama-abc";
+  Restart();
+  v1::RegisterWorkerRequest r;
+  r.mutable_worker()->set_worker_id("w1");
+  r.mutable_worker()->set_address("127.0.0.1:1");
+  r.mutable_worker()->set_capacity_tokens(1000);
+  r.mutable_worker()->set_max_jobs(1);
+  r.mutable_worker()->set_model_fingerprint("qwen-xyz");
+  EXPECT_THAT(coordinator_->RegisterWorker(r), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("model")));
+  r.mutable_worker()->set_model_fingerprint("llama-abc");
+  r.mutable_worker()->mutable_layout()->set_page_size(32);  // the deployment uses 16
+  EXPECT_THAT(coordinator_->RegisterWorker(r), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("pages")));
+  r.mutable_worker()->mutable_layout()->set_page_size(16);
+  r.mutable_worker()->set_vocab_size(32000);  // the coordinator validates against 1000
+  EXPECT_THAT(coordinator_->RegisterWorker(r), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("vocabulary")));
+  r.mutable_worker()->set_vocab_size(1000);
+  COORD_ASSERT_OK(coordinator_->RegisterWorker(r));
+}
+
 TEST_F(CoordinatorTest, JobIdsSortByCreationTime) {
   const std::string doc = Upload(10);
   std::vector<std::string> ids;
