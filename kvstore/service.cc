@@ -118,6 +118,11 @@ class GetPagesReactor final : public grpc::ServerWriteReactor<v1::GetPagesRespon
     shared_->sent_bytes->Increment(static_cast<double>(bytes));
     shared_->remote.fetch_duration->Observe(watch.ElapsedSeconds());
     next_ = end;
+    if (next_ >= keys_.size()) {
+      // Last message: write and finish in one step (saves a round through the executor).
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+      return;
+    }
     StartWrite(&response_);
   }
 
@@ -271,6 +276,10 @@ class GetSummariesReactor final : public grpc::ServerWriteReactor<v1::GetSummari
   void WriteNext() {
     if (next_ >= messages_.size()) {
       Finish(grpc::Status::OK);
+      return;
+    }
+    if (next_ + 1 == messages_.size()) {
+      StartWriteAndFinish(&messages_[next_++], grpc::WriteOptions(), grpc::Status::OK);
       return;
     }
     StartWrite(&messages_[next_++]);
