@@ -48,7 +48,8 @@ int RunMakeModel(int argc, char** argv) {
   int64_t seed = 0, vocab = 0, max_shard_bytes = int64_t{2} << 30;
   bool tokenizer = true, verify = true;
   FlagSet flags("make-model", "--out DIR [--arch llama|qwen2|mistral] [--preset P] [flags]");
-  flags.String("arch", &arch, "architecture: llama (llama3 rope scaling), qwen2 (QKV bias), mistral");
+  flags.String("arch", &arch,
+               "architecture: llama (llama3 rope scaling), qwen2 (QKV bias), mistral");
   flags.String("preset", &preset, "shape: tiny, small (~90M), llama-3.2-1b, llama-3.1-8b");
   flags.String("out", &out, "output directory (created when missing)");
   flags.String("dtype", &dtype, "weight dtype: f32, bf16, f16");

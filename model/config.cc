@@ -99,10 +99,11 @@ absl::Status ParseRopeObject(const Json& rope, const std::string& prefix, ModelC
       break;
     }
   }
-  STRATA_RETURN_IF_ERROR(GetDouble(rope, "rope_theta", prefix + ".rope_theta", false, &c->rope_theta));
+  STRATA_RETURN_IF_ERROR(
+      GetDouble(rope, "rope_theta", prefix + ".rope_theta", false, &c->rope_theta));
   double partial = 1.0;
-  STRATA_RETURN_IF_ERROR(GetDouble(rope, "partial_rotary_factor", prefix + ".partial_rotary_factor",
-                                   false, &partial));
+  STRATA_RETURN_IF_ERROR(
+      GetDouble(rope, "partial_rotary_factor", prefix + ".partial_rotary_factor", false, &partial));
   if (partial != 1.0) {
     return FieldError(prefix + ".partial_rotary_factor", "other than 1.0 is not supported");
   }
@@ -132,7 +133,8 @@ absl::StatusOr<kernels::DType> ParseDType(const std::string& field, const std::s
   if (name == "float32" || name == "float") return kernels::DType::kF32;
   if (name == "bfloat16") return kernels::DType::kBF16;
   if (name == "float16" || name == "half") return kernels::DType::kF16;
-  return FieldError(field, absl::StrCat("\"", name, "\" is not supported (float32, bfloat16, float16)"));
+  return FieldError(field,
+                    absl::StrCat("\"", name, "\" is not supported (float32, bfloat16, float16)"));
 }
 
 const char* HfDTypeName(kernels::DType t) {
@@ -182,19 +184,22 @@ absl::Status ModelConfig::Validate() const {
   STRATA_RETURN_IF_ERROR(positive(head_dim, "head_dim"));
   if (vocab_size > INT32_MAX) return FieldError("vocab_size", "is too large");
   if (num_heads % num_kv_heads != 0) {
-    return FieldError("num_key_value_heads",
-                      absl::StrCat("(", num_kv_heads, ") must divide num_attention_heads (",
-                                   num_heads, ")"));
+    return FieldError(
+        "num_key_value_heads",
+        absl::StrCat("(", num_kv_heads, ") must divide num_attention_heads (", num_heads, ")"));
   }
-  if (head_dim % 2 != 0) return FieldError("head_dim", absl::StrCat("must be even (got ", head_dim, ")"));
+  if (head_dim % 2 != 0)
+    return FieldError("head_dim", absl::StrCat("must be even (got ", head_dim, ")"));
   // Guard against absurd sizes that would overflow byte counts.
   constexpr int64_t kMaxDim = int64_t{1} << 24;
   for (int64_t v : {vocab_size, hidden_size, intermediate_size, num_layers, num_heads * head_dim}) {
-    if (v > kMaxDim) return absl::InvalidArgumentError("config.json: a dimension is implausibly large");
+    if (v > kMaxDim)
+      return absl::InvalidArgumentError("config.json: a dimension is implausibly large");
   }
   if (!(rms_norm_eps > 0.0)) return FieldError("rms_norm_eps", "must be positive");
   if (!(rope_theta > 0.0)) return FieldError("rope_theta", "must be positive");
-  if (max_position_embeddings < 0) return FieldError("max_position_embeddings", "must not be negative");
+  if (max_position_embeddings < 0)
+    return FieldError("max_position_embeddings", "must not be negative");
   if (mlp_bias) return FieldError("mlp_bias", "true is not supported");
   if (torch_dtype != kernels::DType::kF32 && torch_dtype != kernels::DType::kBF16 &&
       torch_dtype != kernels::DType::kF16) {
@@ -206,7 +211,8 @@ absl::Status ModelConfig::Validate() const {
   if (rope_scaling.type == RopeScaling::Type::kLlama3) {
     const RopeScaling& s = rope_scaling;
     if (!(s.factor > 0.0)) return FieldError("rope_scaling.factor", "must be positive");
-    if (!(s.low_freq_factor > 0.0)) return FieldError("rope_scaling.low_freq_factor", "must be positive");
+    if (!(s.low_freq_factor > 0.0))
+      return FieldError("rope_scaling.low_freq_factor", "must be positive");
     if (!(s.high_freq_factor > s.low_freq_factor)) {
       return FieldError("rope_scaling.high_freq_factor", "must be greater than low_freq_factor");
     }
@@ -317,7 +323,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
     } else if (model_type == "qwen2") {
       c.arch = Architecture::kQwen2;
     } else {
-      return FieldError("architectures", "is missing and model_type is not llama, mistral or qwen2");
+      return FieldError("architectures",
+                        "is missing and model_type is not llama, mistral or qwen2");
     }
   }
 
@@ -358,7 +365,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
   // Activation.
   std::string act = "silu";
   STRATA_RETURN_IF_ERROR(GetString(j, "hidden_act", &act));
-  if (act != "silu") return FieldError("hidden_act", absl::StrCat("\"", act, "\" is not supported (silu)"));
+  if (act != "silu")
+    return FieldError("hidden_act", absl::StrCat("\"", act, "\" is not supported (silu)"));
 
   // Biases. Llama reads attention_bias and mlp_bias; Qwen2 always has q/k/v bias; Mistral none.
   bool attention_bias = false, mlp_bias = false;
@@ -387,10 +395,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
     STRATA_RETURN_IF_ERROR(GetInt(j, "sliding_window", "sliding_window", false, &window));
     auto it = j.find("sliding_window");
     if (it != j.end() && !it->is_null() && window < c.max_position_embeddings) {
-      return FieldError("sliding_window",
-                        absl::StrCat("(", window, ") below max_position_embeddings (",
-                                     c.max_position_embeddings,
-                                     ") is not supported (sliding-window attention)"));
+      return FieldError(
+          "sliding_window",
+          absl::StrCat("(", window, ") below max_position_embeddings (", c.max_position_embeddings,
+                       ") is not supported (sliding-window attention)"));
     }
   }
 
@@ -401,9 +409,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text) {
     for (const Json& t : *layer_types) {
       if (!t.is_string()) return FieldError("layer_types", "must be a list of strings");
       if (t.get<std::string>() != "full_attention") {
-        return FieldError("layer_types",
-                          absl::StrCat("contains \"", t.get<std::string>(),
-                                       "\" (only full_attention is supported)"));
+        return FieldError("layer_types", absl::StrCat("contains \"", t.get<std::string>(),
+                                                      "\" (only full_attention is supported)"));
       }
     }
   }

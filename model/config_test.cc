@@ -193,8 +193,8 @@ TEST(ConfigTest, DefaultsWhenOptionalFieldsAbsent) {
 struct BadCase {
   const char* name;
   const char* base;
-  const char* patch;       // JSON object merged into the base config (null values erase)
-  const char* field;       // must appear in the message
+  const char* patch;  // JSON object merged into the base config (null values erase)
+  const char* field;  // must appear in the message
 };
 
 class ConfigRejectTest : public ::testing::TestWithParam<BadCase> {};
@@ -217,7 +217,8 @@ INSTANTIATE_TEST_SUITE_P(
                 R"({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})", "rope_type"},
         BadCase{"yarn", kLlama2Config,
                 R"({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                    "original_max_position_embeddings": 32768}})", "rope_type"},
+                    "original_max_position_embeddings": 32768}})",
+                "rope_type"},
         BadCase{"longrope_v5", kLlamaV5Config,
                 R"({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}})",
                 "rope_parameters.rope_type"},
@@ -338,19 +339,65 @@ struct GoldenRope {
 // as float32 bit patterns; low/high_freq_factor 1 and 4.
 const std::vector<GoldenRope>& GoldenRopes() {
   static const auto* v = new std::vector<GoldenRope>{
-    {16, 10000.0, 0, 0, {0x3f800000u, 0x3ea1e89bu, 0x3dcccccdu, 0x3d0186e3u, 0x3c23d70au, 0x3b4f3e38u, 0x3a83126fu, 0x39a5cb60u}},
-    {64, 500000.0, 32.0, 8192, {0x3f800000u, 0x3f29e1c6u, 0x3ee177bcu, 0x3e959ee3u, 0x3e4693b0u, 0x3e03c6a0u, 0x3daee4adu, 0x3d681e67u, 0x3d1a08c8u, 0x3ccc6f49u, 0x3c87a9c3u, 0x3c340d6du, 0x3beef74fu, 0x3b9e9402u, 0x3b527720u, 0x3aa9279bu, 0x39e13620u, 0x38cb98f7u, 0x37a3418du, 0x3758ac81u, 0x370fc8f8u, 0x36bed4f4u, 0x367d45c3u, 0x3628126bu, 0x35df10c4u, 0x359406cbu, 0x35447610u, 0x35025f34u, 0x34ad07a7u, 0x3465a54du, 0x341864a7u, 0x33ca41b0u}},
-    {128, 500000.0, 8.0, 8192, {0x3f800000u, 0x3f508ac1u, 0x3f29e1c6u, 0x3f0a6384u, 0x3ee177bcu, 0x3eb7ab7du, 0x3e959ee3u, 0x3e73c461u, 0x3e4693b0u, 0x3e21c3a0u, 0x3e03c6a0u, 0x3dd6b19cu, 0x3daee4adu, 0x3d8e7898u, 0x3d681e67u, 0x3d3d1684u, 0x3d1a08c8u, 0x3cfaf53fu, 0x3ccc6f49u, 0x3ca68939u, 0x3c87a9c3u, 0x3c5d06ecu, 0x3c340d6du, 0x3c12ac7fu, 0x3beef74fu, 0x3bc2aa76u, 0x3b9e9402u, 0x3b812e35u, 0x3b527720u, 0x3b0dfd06u, 0x3ab3d11du, 0x3a60979eu, 0x3a0995d2u, 0x39a3f108u, 0x393b2dd2u, 0x38c86886u, 0x38a3418du, 0x3884fdbfu, 0x3858ac81u, 0x38308199u, 0x380fc8f8u, 0x37ea426fu, 0x37bed4f4u, 0x379b7475u, 0x377d45c3u, 0x374e51f5u, 0x3728126bu, 0x3708ea0fu, 0x36df10c4u, 0x36b5b687u, 0x369406cbu, 0x36712b80u, 0x36447610u, 0x36200a69u, 0x36025f34u, 0x35d46808u, 0x35ad07a7u, 0x358cf400u, 0x3565a54du, 0x353b12c7u, 0x351864a7u, 0x34f848c2u, 0x34ca41b0u, 0x34a4c2ffu}},
-    {128, 1000000.0, 0, 0, {0x3f800000u, 0x3f4e4badu, 0x3f263de0u, 0x3f05f6efu, 0x3ed7e89bu, 0x3eadfcffu, 0x3e8c3504u, 0x3e61f835u, 0x3e361887u, 0x3e12bd91u, 0x3dec7fd6u, 0x3dbe94c6u, 0x3d99940du, 0x3d778513u, 0x3d47763fu, 0x3d20bc1du, 0x3d0186e3u, 0x3cd0c1a8u, 0x3ca8398bu, 0x3c879008u, 0x3c5a7bf2u, 0x3c301052u, 0x3c0de12du, 0x3be4aa46u, 0x3bb8449cu, 0x3b947daeu, 0x3b6f520eu, 0x3b40dac5u, 0x3b1b690du, 0x3afa78f0u, 0x3ac9d75cu, 0x3aa2a6f7u, 0x3a83126fu, 0x3a533f28u, 0x3a2a3b44u, 0x3a092e02u, 0x39dd1725u, 0x39b229fbu, 0x398f9272u, 0x39676492u, 0x393a7753u, 0x39164324u, 0x38f22ce2u, 0x38c327b5u, 0x389d43a4u, 0x387d75d4u, 0x384c3fbeu, 0x382497abu, 0x3804a2b2u, 0x37d5c441u, 0x37ac431du, 0x378ad0edu, 0x375fba4fu, 0x37344a0eu, 0x371148e3u, 0x36ea2732u, 0x36bcb0c1u, 0x36980e02u, 0x36751070u, 0x36457babu, 0x361f23e4u, 0x36003decu, 0x35ceaf79u, 0x35a68e4cu}},
-    {16, 10000.0, 8.0, 64, {0x3f800000u, 0x3e7a3ff4u, 0x3c55af30u, 0x3b8186e3u, 0x3aa3d70au, 0x39cf3e38u, 0x3903126fu, 0x3825cb60u}},
-    {64, 10000.0, 4.0, 256, {0x3f800000u, 0x3f3ff911u, 0x3f0ff59au, 0x3ed7e89bu, 0x3ea1e89bu, 0x3e72d423u, 0x3e361887u, 0x3e088d77u, 0x3dcccccdu, 0x3d6a9e04u, 0x3d03ef5bu, 0x3c94628fu, 0x3c26e2d6u, 0x3bc2434fu, 0x3b91ad39u, 0x3b5a7bf2u, 0x3b23d70au, 0x3af5b9b0u, 0x3ab8449cu, 0x3a8a2e77u, 0x3a4f3e38u, 0x3a1b690du, 0x39e91528u, 0x39aec98eu, 0x3983126fu, 0x3944948cu, 0x39136a16u, 0x38dd1725u, 0x38a5cb60u, 0x3878a815u, 0x383a7753u, 0x380bd472u}},
+      {16,
+       10000.0,
+       0,
+       0,
+       {0x3f800000u, 0x3ea1e89bu, 0x3dcccccdu, 0x3d0186e3u, 0x3c23d70au, 0x3b4f3e38u, 0x3a83126fu,
+        0x39a5cb60u}},
+      {64, 500000.0, 32.0, 8192, {0x3f800000u, 0x3f29e1c6u, 0x3ee177bcu, 0x3e959ee3u, 0x3e4693b0u,
+                                  0x3e03c6a0u, 0x3daee4adu, 0x3d681e67u, 0x3d1a08c8u, 0x3ccc6f49u,
+                                  0x3c87a9c3u, 0x3c340d6du, 0x3beef74fu, 0x3b9e9402u, 0x3b527720u,
+                                  0x3aa9279bu, 0x39e13620u, 0x38cb98f7u, 0x37a3418du, 0x3758ac81u,
+                                  0x370fc8f8u, 0x36bed4f4u, 0x367d45c3u, 0x3628126bu, 0x35df10c4u,
+                                  0x359406cbu, 0x35447610u, 0x35025f34u, 0x34ad07a7u, 0x3465a54du,
+                                  0x341864a7u, 0x33ca41b0u}},
+      {128, 500000.0, 8.0, 8192, {0x3f800000u, 0x3f508ac1u, 0x3f29e1c6u, 0x3f0a6384u, 0x3ee177bcu,
+                                  0x3eb7ab7du, 0x3e959ee3u, 0x3e73c461u, 0x3e4693b0u, 0x3e21c3a0u,
+                                  0x3e03c6a0u, 0x3dd6b19cu, 0x3daee4adu, 0x3d8e7898u, 0x3d681e67u,
+                                  0x3d3d1684u, 0x3d1a08c8u, 0x3cfaf53fu, 0x3ccc6f49u, 0x3ca68939u,
+                                  0x3c87a9c3u, 0x3c5d06ecu, 0x3c340d6du, 0x3c12ac7fu, 0x3beef74fu,
+                                  0x3bc2aa76u, 0x3b9e9402u, 0x3b812e35u, 0x3b527720u, 0x3b0dfd06u,
+                                  0x3ab3d11du, 0x3a60979eu, 0x3a0995d2u, 0x39a3f108u, 0x393b2dd2u,
+                                  0x38c86886u, 0x38a3418du, 0x3884fdbfu, 0x3858ac81u, 0x38308199u,
+                                  0x380fc8f8u, 0x37ea426fu, 0x37bed4f4u, 0x379b7475u, 0x377d45c3u,
+                                  0x374e51f5u, 0x3728126bu, 0x3708ea0fu, 0x36df10c4u, 0x36b5b687u,
+                                  0x369406cbu, 0x36712b80u, 0x36447610u, 0x36200a69u, 0x36025f34u,
+                                  0x35d46808u, 0x35ad07a7u, 0x358cf400u, 0x3565a54du, 0x353b12c7u,
+                                  0x351864a7u, 0x34f848c2u, 0x34ca41b0u, 0x34a4c2ffu}},
+      {128, 1000000.0, 0, 0, {0x3f800000u, 0x3f4e4badu, 0x3f263de0u, 0x3f05f6efu, 0x3ed7e89bu,
+                              0x3eadfcffu, 0x3e8c3504u, 0x3e61f835u, 0x3e361887u, 0x3e12bd91u,
+                              0x3dec7fd6u, 0x3dbe94c6u, 0x3d99940du, 0x3d778513u, 0x3d47763fu,
+                              0x3d20bc1du, 0x3d0186e3u, 0x3cd0c1a8u, 0x3ca8398bu, 0x3c879008u,
+                              0x3c5a7bf2u, 0x3c301052u, 0x3c0de12du, 0x3be4aa46u, 0x3bb8449cu,
+                              0x3b947daeu, 0x3b6f520eu, 0x3b40dac5u, 0x3b1b690du, 0x3afa78f0u,
+                              0x3ac9d75cu, 0x3aa2a6f7u, 0x3a83126fu, 0x3a533f28u, 0x3a2a3b44u,
+                              0x3a092e02u, 0x39dd1725u, 0x39b229fbu, 0x398f9272u, 0x39676492u,
+                              0x393a7753u, 0x39164324u, 0x38f22ce2u, 0x38c327b5u, 0x389d43a4u,
+                              0x387d75d4u, 0x384c3fbeu, 0x382497abu, 0x3804a2b2u, 0x37d5c441u,
+                              0x37ac431du, 0x378ad0edu, 0x375fba4fu, 0x37344a0eu, 0x371148e3u,
+                              0x36ea2732u, 0x36bcb0c1u, 0x36980e02u, 0x36751070u, 0x36457babu,
+                              0x361f23e4u, 0x36003decu, 0x35ceaf79u, 0x35a68e4cu}},
+      {16,
+       10000.0,
+       8.0,
+       64,
+       {0x3f800000u, 0x3e7a3ff4u, 0x3c55af30u, 0x3b8186e3u, 0x3aa3d70au, 0x39cf3e38u, 0x3903126fu,
+        0x3825cb60u}},
+      {64, 10000.0, 4.0, 256, {0x3f800000u, 0x3f3ff911u, 0x3f0ff59au, 0x3ed7e89bu, 0x3ea1e89bu,
+                               0x3e72d423u, 0x3e361887u, 0x3e088d77u, 0x3dcccccdu, 0x3d6a9e04u,
+                               0x3d03ef5bu, 0x3c94628fu, 0x3c26e2d6u, 0x3bc2434fu, 0x3b91ad39u,
+                               0x3b5a7bf2u, 0x3b23d70au, 0x3af5b9b0u, 0x3ab8449cu, 0x3a8a2e77u,
+                               0x3a4f3e38u, 0x3a1b690du, 0x39e91528u, 0x39aec98eu, 0x3983126fu,
+                               0x3944948cu, 0x39136a16u, 0x38dd1725u, 0x38a5cb60u, 0x3878a815u,
+                               0x383a7753u, 0x380bd472u}},
   };
   return *v;
 }
 
-// torch evaluates `theta ** x` with a vectorised powf (Sleef, 1-ULP accuracy) while RopeInvFreq rounds
-// a double pow once, so a rare element may differ by one ULP (measured: 1 of the 208 values below);
-// every llama3 scaling step matches exactly.
+// torch evaluates `theta ** x` with a vectorised powf (Sleef, 1-ULP accuracy) while RopeInvFreq
+// rounds a double pow once, so a rare element may differ by one ULP (measured: 1 of the 208 values
+// below); every llama3 scaling step matches exactly.
 TEST(RopeTest, MatchesTransformersWithinOneUlp) {
   int total = 0, inexact = 0;
   for (const GoldenRope& g : GoldenRopes()) {
@@ -361,8 +408,9 @@ TEST(RopeTest, MatchesTransformersWithinOneUlp) {
       uint32_t bits;
       std::memcpy(&bits, &inv[i], 4);
       int64_t ulps = static_cast<int64_t>(bits) - static_cast<int64_t>(g.bits[i]);
-      EXPECT_LE(std::abs(ulps), 1) << "head_dim " << g.head_dim << " theta " << g.theta
-                                   << " factor " << g.factor << " old_len " << g.old_len << " i " << i;
+      EXPECT_LE(std::abs(ulps), 1)
+          << "head_dim " << g.head_dim << " theta " << g.theta << " factor " << g.factor
+          << " old_len " << g.old_len << " i " << i;
       ++total;
       if (ulps != 0) ++inexact;
     }
@@ -378,9 +426,9 @@ TEST(RopeTest, MatchesIndependentDoubleFormula) {
     int64_t old_len;
   };
   int medium_seen = 0;
-  for (const Case& k : {Case{128, 500000.0, 8.0, 8192}, Case{64, 500000.0, 32.0, 8192},
-                        Case{16, 10000.0, 8.0, 64}, Case{64, 10000.0, 4.0, 256},
-                        Case{128, 10000.0, 0.0, 0}}) {
+  for (const Case& k :
+       {Case{128, 500000.0, 8.0, 8192}, Case{64, 500000.0, 32.0, 8192}, Case{16, 10000.0, 8.0, 64},
+        Case{64, 10000.0, 4.0, 256}, Case{128, 10000.0, 0.0, 0}}) {
     ModelConfig c = RopeConfig(k.dim, k.theta, k.factor, k.old_len);
     std::vector<float> inv = c.RopeInvFreq();
     std::vector<double> ref = ReferenceInvFreq(k.dim, k.theta, k.factor, 1.0, 4.0, k.old_len);
@@ -388,7 +436,8 @@ TEST(RopeTest, MatchesIndependentDoubleFormula) {
     std::vector<double> unscaled = ReferenceInvFreq(k.dim, k.theta, 0.0, 1.0, 4.0, k.old_len);
     for (size_t i = 0; i < inv.size(); ++i) {
       EXPECT_NEAR(inv[i], ref[i], 4e-6 * ref[i]) << "dim " << k.dim << " i " << i;
-      if (k.factor > 0 && ref[i] != unscaled[i] && std::fabs(ref[i] * k.factor - unscaled[i]) > 1e-12)
+      if (k.factor > 0 && ref[i] != unscaled[i] &&
+          std::fabs(ref[i] * k.factor - unscaled[i]) > 1e-12)
         ++medium_seen;
     }
   }

@@ -50,7 +50,8 @@ std::vector<std::pair<std::string, const kernels::TensorView*>> CanonicalTensors
 std::string CanonicalConfigString(const ModelConfig& c) {
   std::string s = absl::StrFormat(
       "strata-model-fingerprint-v1\narch=%s\nvocab=%d\nhidden=%d\nffn=%d\nlayers=%d\nheads=%d\n"
-      "kv_heads=%d\nhead_dim=%d\nrms_norm_eps=%.17g\nrope_theta=%.17g\ntied=%d\nattention_bias=%d\n",
+      "kv_heads=%d\nhead_dim=%d\nrms_norm_eps=%.17g\nrope_theta=%.17g\ntied=%d\nattention_bias=%"
+      "d\n",
       ArchitectureName(c.arch), c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers,
       c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.rope_theta,
       c.tie_word_embeddings ? 1 : 0, c.attention_bias ? 1 : 0);
@@ -70,7 +71,8 @@ std::string ModelFingerprint(const ModelConfig& config, const ModelWeights& weig
   XXH3_128bits_reset(st);
   AddField(st, CanonicalConfigString(config));
   const auto tensors = CanonicalTensors(config, weights);
-  for (const auto& [name, view] : tensors) AddField(st, absl::StrCat(name, " ", view->DebugString()));
+  for (const auto& [name, view] : tensors)
+    AddField(st, absl::StrCat(name, " ", view->DebugString()));
   for (const auto& [name, view] : tensors) {
     const uint64_t n = view->data == nullptr ? 0 : view->Bytes();
     XXH3_128bits_update(st, &n, sizeof(n));

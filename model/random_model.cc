@@ -11,9 +11,9 @@
 #include <thread>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/container/flat_hash_set.h"
 #include "base/status_macros.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
@@ -90,8 +90,8 @@ absl::Status WriteRandomTensor(SafetensorsWriter& w, const SafetensorsEntry& e, 
       for (int64_t c = t; c < chunks; c += workers) {
         const int64_t off = c * kChunkElems;
         const int64_t len = std::min<int64_t>(kChunkElems, count - off);
-        FillNormalChunk(tensor_seed, (start + off) / kChunkElems, mean, stddev,
-                        values.data() + off, len);
+        FillNormalChunk(tensor_seed, (start + off) / kChunkElems, mean, stddev, values.data() + off,
+                        len);
         kernels::ConvertFromF32(values.data() + off, bytes.data() + off * esize, e.dtype, len);
       }
     };
@@ -120,7 +120,8 @@ absl::StatusOr<std::string> PadTokenizerJson(const std::string& json_text, int64
   auto model = j.find("model");
   if (model == j.end() || !model->is_object()) return absl::InternalError("tokenizer: no model");
   auto vocab = model->find("vocab");
-  if (vocab == model->end() || !vocab->is_object()) return absl::InternalError("tokenizer: no vocab");
+  if (vocab == model->end() || !vocab->is_object())
+    return absl::InternalError("tokenizer: no vocab");
   int64_t next_id = 0;
   std::vector<std::pair<int64_t, std::string>> words;  // learned word-initial tokens, by id
   absl::flat_hash_set<std::string> existing;
@@ -138,7 +139,8 @@ absl::StatusOr<std::string> PadTokenizerJson(const std::string& json_text, int64
   if (added != j.end() && added->is_array()) {
     for (const auto& t : *added) {
       auto id = t.find("id");
-      if (id != t.end() && id->is_number_integer()) next_id = std::max(next_id, id->get<int64_t>() + 1);
+      if (id != t.end() && id->is_number_integer())
+        next_id = std::max(next_id, id->get<int64_t>() + 1);
     }
   }
   if (next_id >= vocab_size) return json_text;
@@ -190,8 +192,8 @@ const Preset* FindPreset(const std::string& name) {
 
 absl::Status RandomModelOptions::Validate() const {
   if (FindPreset(preset) == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown preset '", preset, "' (tiny, small, llama-3.2-1b, llama-3.1-8b)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown preset '", preset, "' (tiny, small, llama-3.2-1b, llama-3.1-8b)"));
   }
   if (dtype != kernels::DType::kF32 && dtype != kernels::DType::kBF16 &&
       dtype != kernels::DType::kF16) {
@@ -289,8 +291,7 @@ absl::Status WriteRandomSafetensors(const std::string& path,
     STRATA_RETURN_IF_ERROR(WriteRandomTensor(*w, entries[i], seed));
     done += entries[i].Bytes();
     if (progress) {
-      const double s =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::fprintf(stderr, "  %s: [%zu/%zu] %s  %.2f/%.2f GB  %.1f s\n", path.c_str(), i + 1,
                    entries.size(), entries[i].name.c_str(), done / 1e9, total / 1e9, s);
     }
@@ -362,9 +363,9 @@ absl::StatusOr<ModelConfig> WriteRandomModel(const std::string& dir,
     const int32_t bos = tok->TokenToId("<|begin_of_text|>");
     const int32_t eos = tok->TokenToId("<|end_of_text|>");
     if (bos < 0 || eos < 0 || tok->vocab_size() != config.vocab_size) {
-      return absl::InternalError(absl::StrCat(
-          "trained tokenizer does not fit the model: vocab ", tok->vocab_size(), " (model ",
-          config.vocab_size, "), bos ", bos, ", eos ", eos));
+      return absl::InternalError(absl::StrCat("trained tokenizer does not fit the model: vocab ",
+                                              tok->vocab_size(), " (model ", config.vocab_size,
+                                              "), bos ", bos, ", eos ", eos));
     }
     config.bos_token_ids = {bos};
     config.eos_token_ids = {eos};
@@ -403,7 +404,8 @@ const std::string& RandomModelCorpus() {
       "had passed and the towns that were still to come.\n"
       "Good software is written to be read. Each function should do one thing, its name should "
       "say what that thing is, and its tests should show that it works. When something fails, the "
-      "error should explain what went wrong and where, so that the next person can fix it quickly.\n"
+      "error should explain what went wrong and where, so that the next person can fix it "
+      "quickly.\n"
       "At night the city lights came on one by one. The market closed, the musicians packed their "
       "instruments, and the last bus carried tired workers home. Above the roofs the moon was "
       "bright and round, and a cold wind came down from the hills.\n"

@@ -105,8 +105,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size < 8) {
     ::close(fd);
-    return absl::DataLossError(
-        absl::StrCat(path, ": truncated safetensors file (", size, " bytes, header length needs 8)"));
+    return absl::DataLossError(absl::StrCat(path, ": truncated safetensors file (", size,
+                                            " bytes, header length needs 8)"));
   }
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   int map_err = errno;
@@ -169,7 +169,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     info.dtype = dt->get<std::string>();
     const uint64_t elem = DTypeBytes(info.dtype);
     if (elem == 0) {
-      return Malformed(path, absl::StrCat("tensor '", name, "' has unknown dtype '", info.dtype, "'"));
+      return Malformed(path,
+                       absl::StrCat("tensor '", name, "' has unknown dtype '", info.dtype, "'"));
     }
     auto sh = v.find("shape");
     if (sh == v.end() || !sh->is_array()) {
@@ -179,7 +180,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     for (const Json& d : *sh) {
       uint64_t dim;
       if (!GetU64(d, &dim) || dim > static_cast<uint64_t>(INT64_MAX)) {
-        return Malformed(path, absl::StrCat("tensor '", name, "' has a bad dimension in \"shape\""));
+        return Malformed(path,
+                         absl::StrCat("tensor '", name, "' has a bad dimension in \"shape\""));
       }
       if (MulOverflow(count, dim, &count)) {
         return Malformed(path, absl::StrCat("tensor '", name, "' shape overflows"));
@@ -197,8 +199,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                           "' needs \"data_offsets\": [begin, end] (non-negative)"));
     }
     if (info.begin > info.end) {
-      return Malformed(path, absl::StrCat("tensor '", name, "' has begin ", info.begin, " > end ",
-                                          info.end));
+      return Malformed(
+          path, absl::StrCat("tensor '", name, "' has begin ", info.begin, " > end ", info.end));
     }
     if (info.end > data_size) {
       return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "' ends at data offset ",
@@ -206,9 +208,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                               " bytes): truncated file?"));
     }
     if (info.end - info.begin != nbytes) {
-      return Malformed(path, absl::StrCat("tensor '", name, "' ", info.dtype,
-                                          ShapeString(info.shape), " needs ", nbytes,
-                                          " bytes but data_offsets span ", info.end - info.begin));
+      return Malformed(
+          path, absl::StrCat("tensor '", name, "' ", info.dtype, ShapeString(info.shape), " needs ",
+                             nbytes, " bytes but data_offsets span ", info.end - info.begin));
     }
     auto [slot, inserted] = f->tensors_.emplace(name, std::move(info));
     if (!inserted) return Malformed(path, absl::StrCat("duplicate tensor '", name, "'"));
@@ -254,7 +256,8 @@ absl::StatusOr<kernels::TensorView> SafetensorsFile::Get(const std::string& name
   kernels::DType dtype;
   if (!ToStrataDType(info->dtype, &dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor '", name, "' has dtype ",
-                                                   info->dtype, " (only F32, BF16, F16 are supported)"));
+                                                   info->dtype,
+                                                   " (only F32, BF16, F16 are supported)"));
   }
   const int rank = static_cast<int>(info->shape.size());
   if (rank == 0 || rank > kernels::kMaxRank) {
@@ -284,10 +287,12 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   uint64_t offset = 0;
   for (const SafetensorsEntry& e : entries) {
     if (e.name.empty() || e.name == "__metadata__") {
-      return absl::InvalidArgumentError(absl::StrCat("safetensors writer: bad tensor name '", e.name, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors writer: bad tensor name '", e.name, "'"));
     }
     if (!names.insert(e.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("safetensors writer: duplicate tensor '", e.name, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors writer: duplicate tensor '", e.name, "'"));
     }
     const char* dt = SafetensorsDTypeName(e.dtype);
     if (dt == nullptr) {
@@ -324,7 +329,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   w->ends_ = std::move(ends);
   w->file_ = std::fopen(w->tmp_path_.c_str(), "wb");
   if (w->file_ == nullptr) {
-    return absl::InternalError(absl::StrCat("cannot create ", w->tmp_path_, ": ", std::strerror(errno)));
+    return absl::InternalError(
+        absl::StrCat("cannot create ", w->tmp_path_, ": ", std::strerror(errno)));
   }
   std::setvbuf(w->file_, nullptr, _IOFBF, 1 << 20);
   uint8_t len[8];
@@ -352,8 +358,8 @@ absl::Status SafetensorsWriter::Write(const void* data, size_t bytes) {
   if (file_ == nullptr) return absl::FailedPreconditionError("safetensors writer is closed");
   const uint64_t total = ends_.empty() ? 0 : ends_.back();
   if (bytes > total - written_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "safetensors writer: ", written_ + bytes, " bytes written, entries hold ", total));
+    return absl::FailedPreconditionError(absl::StrCat("safetensors writer: ", written_ + bytes,
+                                                      " bytes written, entries hold ", total));
   }
   if (bytes > 0 && std::fwrite(data, 1, bytes, file_) != bytes) {
     return absl::InternalError(absl::StrCat("write ", tmp_path_, ": ", std::strerror(errno)));
@@ -366,23 +372,25 @@ absl::Status SafetensorsWriter::Close() {
   if (file_ == nullptr) return absl::FailedPreconditionError("safetensors writer is closed");
   const uint64_t total = ends_.empty() ? 0 : ends_.back();
   if (written_ != total) {
-    return absl::FailedPreconditionError(absl::StrCat("safetensors writer: only ", written_, " of ",
-                                                      total, " data bytes written"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("safetensors writer: only ", written_, " of ", total, " data bytes written"));
   }
   bool ok = std::fflush(file_) == 0;
   ok = (::fsync(fileno(file_)) == 0) && ok;
   ok = (std::fclose(file_) == 0) && ok;
   file_ = nullptr;
-  if (!ok) return absl::InternalError(absl::StrCat("write ", tmp_path_, ": ", std::strerror(errno)));
+  if (!ok)
+    return absl::InternalError(absl::StrCat("write ", tmp_path_, ": ", std::strerror(errno)));
   if (std::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("rename ", tmp_path_, " -> ", path_, ": ",
-                                            std::strerror(errno)));
+    return absl::InternalError(
+        absl::StrCat("rename ", tmp_path_, " -> ", path_, ": ", std::strerror(errno)));
   }
   closed_ = true;
   return absl::OkStatus();
 }
 
-absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+absl::Status WriteSafetensors(const std::string& path,
+                              const std::vector<SafetensorsTensor>& tensors,
                               const std::map<std::string, std::string>& metadata) {
   std::vector<SafetensorsEntry> entries;
   entries.reserve(tensors.size());

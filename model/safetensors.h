@@ -132,7 +132,8 @@ struct SafetensorsTensor {
 };
 
 // Writes `tensors` (in this order) and `metadata` to `path`. Errors as SafetensorsWriter.
-absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+absl::Status WriteSafetensors(const std::string& path,
+                              const std::vector<SafetensorsTensor>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace strata::model

@@ -106,8 +106,8 @@ TEST(SafetensorsTest, StreamingWriterInPieces) {
 TEST(SafetensorsTest, WriterRejectsBadEntries) {
   TempDir dir;
   const std::string path = dir.Join("bad.safetensors");
-  EXPECT_THAT(SafetensorsWriter::Create(path, {{"a", kernels::DType::kF32, {1}},
-                                               {"a", kernels::DType::kF32, {1}}}),
+  EXPECT_THAT(SafetensorsWriter::Create(
+                  path, {{"a", kernels::DType::kF32, {1}}, {"a", kernels::DType::kF32, {1}}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate")));
   EXPECT_THAT(SafetensorsWriter::Create(path, {{"a", kernels::DType::kI32, {1}}}),
               StatusIs(absl::StatusCode::kInvalidArgument));
@@ -153,7 +153,8 @@ TEST(SafetensorsTest, GarbageJson) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("JSON")));
   EXPECT_THAT(OpenStatus(dir, RawFile("\x01\x02\xff\xfe garbage", "")),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(OpenStatus(dir, RawFile("[1,2,3]", "")), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(OpenStatus(dir, RawFile("[1,2,3]", "")),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(OpenStatus(dir, RawFile(R"({"a": 5})", "")),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
@@ -173,28 +174,26 @@ TEST(SafetensorsTest, MissingOrMistypedFields) {
            R"({"a":{"dtype":"F32","shape":[1],"data_offsets":"0,4"}})",
            R"({"__metadata__":{"k":1}})",
        }) {
-    EXPECT_THAT(OpenStatus(dir, RawFile(header, data)), StatusIs(absl::StatusCode::kInvalidArgument))
+    EXPECT_THAT(OpenStatus(dir, RawFile(header, data)),
+                StatusIs(absl::StatusCode::kInvalidArgument))
         << header;
   }
 }
 
 TEST(SafetensorsTest, OverlappingOffsets) {
   TempDir dir;
-  const std::string header =
-      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                             R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
   EXPECT_THAT(OpenStatus(dir, RawFile(header, std::string(12, '\0'))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlap")));
   // Identical ranges overlap too; touching ranges and empty tensors do not.
-  const std::string same =
-      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  const std::string same = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                           R"("b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
   EXPECT_THAT(OpenStatus(dir, RawFile(same, std::string(8, '\0'))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlap")));
-  const std::string touching =
-      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-      R"("e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
-      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
+  const std::string touching = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                               R"("e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
+                               R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
   STRATA_EXPECT_OK(OpenStatus(dir, RawFile(touching, std::string(16, '\0'))));
 }
 
@@ -236,11 +235,10 @@ TEST(SafetensorsTest, UnknownDtypeInFileIsRejected) {
 
 TEST(SafetensorsTest, OtherDtypesListedButRejectedWhenRequested) {
   TempDir dir;
-  const std::string header =
-      R"({"ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]},)"
-      R"("mask":{"dtype":"U8","shape":[4],"data_offsets":[16,20]},)"
-      R"("w":{"dtype":"F32","shape":[1],"data_offsets":[20,24]},)"
-      R"("s":{"dtype":"F32","shape":[],"data_offsets":[24,28]}})";
+  const std::string header = R"({"ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]},)"
+                             R"("mask":{"dtype":"U8","shape":[4],"data_offsets":[16,20]},)"
+                             R"("w":{"dtype":"F32","shape":[1],"data_offsets":[20,24]},)"
+                             R"("s":{"dtype":"F32","shape":[],"data_offsets":[24,28]}})";
   const std::string path = dir.Join("mixed.safetensors");
   ASSERT_TRUE(WriteFileBytes(path, RawFile(header, std::string(28, '\0'))));
   STRATA_ASSERT_OK_AND_ASSIGN(auto f, SafetensorsFile::Open(path));
@@ -279,8 +277,9 @@ TEST(SafetensorsTest, RandomHeaderCorruptionNeverCrashes) {
   TempDir dir;
   const std::string path = dir.Join("fuzz.safetensors");
   std::vector<float> x(24, 1.0f);
-  STRATA_ASSERT_OK(WriteSafetensors(path, {{"alpha", kernels::DType::kF32, {4, 6}, x.data()},
-                                           {"beta", kernels::DType::kF32, {3}, x.data()}},
+  STRATA_ASSERT_OK(WriteSafetensors(path,
+                                    {{"alpha", kernels::DType::kF32, {4, 6}, x.data()},
+                                     {"beta", kernels::DType::kF32, {3}, x.data()}},
                                     {{"format", "pt"}}));
   const std::string full = ReadFileBytes(path);
   int opened = 0;

@@ -57,9 +57,9 @@ class Collector {
       ++i;
     }
     if (!match) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          f.path(), ": tensor ", name, " has shape ", v->DebugString(), ", expected [",
-          absl::StrJoin(shape, ","), "]"));
+      return absl::InvalidArgumentError(absl::StrCat(f.path(), ": tensor ", name, " has shape ",
+                                                     v->DebugString(), ", expected [",
+                                                     absl::StrJoin(shape, ","), "]"));
     }
     return v;
   }
@@ -73,8 +73,8 @@ class Collector {
   absl::Status CheckNoneLeft() const {
     for (const auto& [name, loc] : tensors_) {
       if (!loc.used && !IsIgnorable(name)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            loc.file->path(), ": unexpected tensor ", name, " (not used by this architecture)"));
+        return absl::InvalidArgumentError(absl::StrCat(loc.file->path(), ": unexpected tensor ",
+                                                       name, " (not used by this architecture)"));
       }
     }
     return absl::OkStatus();
@@ -120,7 +120,8 @@ absl::Status OpenFiles(const std::string& dir, ModelWeights* w,
             absl::StrCat(index_path, ": shard name '", shard, "' is not a plain file name"));
       }
       if (opened.count(shard) == 0) {
-        absl::StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(dir + "/" + shard);
+        absl::StatusOr<std::unique_ptr<SafetensorsFile>> f =
+            SafetensorsFile::Open(dir + "/" + shard);
         if (!f.ok()) {
           return Annotate(f.status(), absl::StrCat("shard ", shard, " listed in ", index_path));
         }
@@ -206,8 +207,8 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir,
     w.lm_head = w.embed_tokens;
   } else {
     if (!c.Has("lm_head.weight")) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "missing tensor lm_head.weight in ", model_dir, " (tie_word_embeddings is false)"));
+      return absl::InvalidArgumentError(absl::StrCat("missing tensor lm_head.weight in ", model_dir,
+                                                     " (tie_word_embeddings is false)"));
     }
     STRATA_ASSIGN_OR_RETURN(w.lm_head, c.Take("lm_head.weight", {vocab, hidden}));
   }

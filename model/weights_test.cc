@@ -80,8 +80,9 @@ TEST(WeightsTest, NoWeightsFileIsNotFound) {
 TEST(WeightsTest, MissingTensor) {
   TempDir dir;
   ModelConfig c = TinyConfig();
-  WriteCustom(dir, c,
-              Without(CheckpointTensors(c, kernels::DType::kF32), "model.layers.1.mlp.up_proj.weight"));
+  WriteCustom(
+      dir, c,
+      Without(CheckpointTensors(c, kernels::DType::kF32), "model.layers.1.mlp.up_proj.weight"));
   EXPECT_THAT(LoadModelWeights(dir.path(), c),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("missing tensor model.layers.1.mlp.up_proj.weight")));
@@ -153,8 +154,9 @@ TEST(WeightsTest, Qwen2NeedsBiases) {
   EXPECT_EQ(w.layers[1].v_bias.DebugString(), "bf16[32]");
 
   TempDir dir2;
-  WriteCustom(dir2, c,
-              Without(CheckpointTensors(c, kernels::DType::kBF16), "model.layers.1.self_attn.v_proj.bias"));
+  WriteCustom(
+      dir2, c,
+      Without(CheckpointTensors(c, kernels::DType::kBF16), "model.layers.1.self_attn.v_proj.bias"));
   EXPECT_THAT(LoadModelWeights(dir2.path(), c),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("v_proj.bias")));
 }
@@ -193,7 +195,8 @@ TEST(WeightsTest, NonFloatDtypeInRequiredSlot) {
   ASSERT_TRUE(WriteFileBytes(dir.Join("config.json"), ModelConfigToJson(c)));
   STRATA_ASSERT_OK(WriteRandomSafetensors(dir.Join("part.safetensors"), entries, kSeed));
   // Append an I32 "model.norm.weight" by writing the header by hand.
-  std::string raw = "{\"model.norm.weight\":{\"dtype\":\"I32\",\"shape\":[64],\"data_offsets\":[0,256]}}";
+  std::string raw =
+      "{\"model.norm.weight\":{\"dtype\":\"I32\",\"shape\":[64],\"data_offsets\":[0,256]}}";
   std::string file(8, '\0');
   for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((raw.size() >> (8 * i)) & 0xff);
   file += raw + std::string(256, '\0');

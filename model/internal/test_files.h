@@ -17,7 +17,8 @@ class TempDir {
  public:
   TempDir() {
     const char* base = getenv("TMPDIR");
-    std::string tmpl = std::string(base != nullptr && *base ? base : "/tmp") + "/strata_model_XXXXXX";
+    std::string tmpl =
+        std::string(base != nullptr && *base ? base : "/tmp") + "/strata_model_XXXXXX";
     char* made = mkdtemp(tmpl.data());
     path_ = made != nullptr ? made : "";
   }
