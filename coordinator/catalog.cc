@@ -202,12 +202,33 @@ absl::Status Catalog::DeleteDocument(const std::string& id) {
 
 absl::Status Catalog::CreateJob(v1::JobRecord* record) {
   const std::string& id = record->info().job_id();
+  const std::string& request_id = record->info().request_id();
   absl::MutexLock lock(&write_mu_);
   if (absl::Status s = CheckGeneration(db_, jobs_cf_, id, 0, "job", true); !s.ok()) return s;
+  const std::string request_key = absl::StrCat("request/", request_id);
+  if (!request_id.empty()) {
+    std::string holder;
+    rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), default_cf_, request_key, &holder);
+    if (s.ok()) {
+      return absl::AlreadyExistsError(absl::StrCat("request_id '", request_id, "' belongs to job ", holder));
+    }
+    if (!s.IsNotFound()) return FromRocks(s, "read request id");
+  }
   record->set_schema_version(kCatalogSchemaVersion);
   record->set_generation(1);
-  return FromRocks(db_->Put(Write(sync_writes_), jobs_cf_, id, record->SerializeAsString()),
-                   absl::StrCat("create job '", id, "'"));
+  rocksdb::WriteBatch batch;
+  rocksdb::Status s = batch.Put(jobs_cf_, id, record->SerializeAsString());
+  if (s.ok() && !request_id.empty()) s = batch.Put(default_cf_, request_key, id);
+  if (s.ok()) s = db_->Write(Write(sync_writes_), &batch);
+  return FromRocks(s, absl::StrCat("create job '", id, "'"));
+}
+
+absl::StatusOr<std::string> Catalog::FindJobByRequestId(const std::string& request_id) const {
+  std::string job_id;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), default_cf_, absl::StrCat("request/", request_id), &job_id);
+  if (s.IsNotFound()) return absl::NotFoundError(absl::StrCat("no job with request_id '", request_id, "'"));
+  if (!s.ok()) return FromRocks(s, "read request id");
+  return job_id;
 }
 
 absl::Status Catalog::UpdateJob(v1::JobRecord* record) {

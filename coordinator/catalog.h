@@ -3,7 +3,8 @@
 //
 // Column families: "documents" (document id -> DocumentRecord), "tokens" (document id -> the
 // document's token ids, little-endian int32), "jobs" (job id -> JobRecord), "shards" (document
-// id -> ShardMapRecord); "default" holds counters. Records are versioned: `schema_version` says
+// id -> ShardMapRecord); "default" holds counters ("seq/<name>") and request ids of jobs
+// ("request/<request_id>" -> job id). Records are versioned: `schema_version` says
 // how to read them (unknown versions are DATA_LOSS) and `generation` increments on every write,
 // so updates are compare-and-set (ABORTED when the caller's generation is stale). Writes are
 // synced to the WAL before they return (unless sync_writes is off).
@@ -66,8 +67,11 @@ class Catalog {
   // Deletes the document, its tokens and its shard map atomically. NOT_FOUND when absent.
   absl::Status DeleteDocument(const std::string& id);
 
-  // Jobs: the same contract as documents.
+  // Jobs: the same contract as documents. A non-empty record->info().request_id() is recorded
+  // with the job in the same write (ALREADY_EXISTS when another job holds it).
   absl::Status CreateJob(v1::JobRecord* record);
+  // The id of the job created with `request_id`; NOT_FOUND when none was.
+  absl::StatusOr<std::string> FindJobByRequestId(const std::string& request_id) const;
   absl::Status UpdateJob(v1::JobRecord* record);
   absl::StatusOr<v1::JobRecord> GetJob(const std::string& id) const;
   absl::StatusOr<std::vector<v1::JobRecord>> ListJobs(const std::string& start_after, size_t limit) const;

@@ -413,6 +413,19 @@ std::string Coordinator::NewJobId() {
 }
 
 absl::StatusOr<v1::JobInfo> Coordinator::SubmitJob(const v1::JobSubmitRequest& request) {
+  const std::string& request_id = request.request_id();
+  if (request_id.size() > 128) {
+    return absl::InvalidArgumentError(absl::StrCat("request_id has ", request_id.size(), " bytes; at most 128"));
+  }
+  for (char c : request_id) {
+    if (c < 0x21 || c > 0x7e) return absl::InvalidArgumentError("request_id must be printable ASCII");
+  }
+  if (!request_id.empty()) {
+    // A retry: the job the first call created.
+    auto existing = catalog_->FindJobByRequestId(request_id);
+    if (existing.ok()) return GetJob(*existing);
+    if (existing.status().code() != absl::StatusCode::kNotFound) return existing.status();
+  }
   // Everything that needs no lock is checked first: a rejected request changes nothing.
   std::vector<int32_t> inline_tokens;
   std::string document_id;
@@ -548,6 +561,7 @@ absl::StatusOr<v1::JobInfo> Coordinator::SubmitJob(const v1::JobSubmitRequest& r
   info->set_state(v1::JobInfo::QUEUED);
   info->set_document_id(document_id);
   info->set_display_name(request.display_name());
+  info->set_request_id(request_id);
   *info->mutable_params() = params;
   *info->mutable_policy() = policy;
   info->set_prompt_tokens(static_cast<uint64_t>(document_tokens) + prompt_tokens.size());
@@ -556,6 +570,16 @@ absl::StatusOr<v1::JobInfo> Coordinator::SubmitJob(const v1::JobSubmitRequest& r
   job.record.mutable_prompt_token_ids()->Assign(prompt_tokens.begin(), prompt_tokens.end());
   STRATA_ASSIGN_OR_RETURN(uint64_t sequence, catalog_->NextSequence("admission"));
   job.record.set_admission_sequence(sequence);
+  if (!request_id.empty()) {
+    // A concurrent call with the same request_id may have won the race.
+    auto existing = catalog_->FindJobByRequestId(request_id);
+    if (existing.ok()) {
+      auto live = live_jobs_.find(*existing);
+      if (live != live_jobs_.end()) return live->second.record.info();
+      STRATA_ASSIGN_OR_RETURN(v1::JobRecord record, catalog_->GetJob(*existing));
+      return record.info();
+    }
+  }
   absl::Status created = catalog_->CreateJob(&job.record);
   for (int attempt = 0; attempt < 4 && created.code() == absl::StatusCode::kAlreadyExists; ++attempt) {
     info->set_job_id(NewJobId());  // two jobs in the same millisecond drew the same random bits

@@ -481,6 +481,27 @@ TEST_F(CoordinatorTest, IncompatibleWorkersAreRefused) {
   COORD_ASSERT_OK(coordinator_->RegisterWorker(r));
 }
 
+TEST_F(CoordinatorTest, RequestIdDeduplicatesRetries) {
+  const std::string doc = Upload(10);
+  v1::JobSubmitRequest r = Job(doc);
+  r.set_request_id("client-42/attempt");
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo first, coordinator_->SubmitJob(r));
+  EXPECT_EQ(first.request_id(), "client-42/attempt");
+  r.mutable_params()->set_max_tokens(9);  // not compared
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo retry, coordinator_->SubmitJob(r));
+  EXPECT_EQ(retry.job_id(), first.job_id());
+  EXPECT_EQ(retry.params().max_tokens(), 8u);
+  Restart();
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo after_restart, coordinator_->SubmitJob(r));
+  EXPECT_EQ(after_restart.job_id(), first.job_id());
+  EXPECT_EQ(CountJobs(), 1u);
+  r.set_request_id(std::string(129, 'x'));
+  EXPECT_THAT(coordinator_->SubmitJob(r), StatusIs(absl::StatusCode::kInvalidArgument));
+  r.set_request_id("has space");
+  EXPECT_THAT(coordinator_->SubmitJob(r), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(CountJobs(), 1u);
+}
+
 TEST_F(CoordinatorTest, JobIdsSortByCreationTime) {
   const std::string doc = Upload(10);
   std::vector<std::string> ids;
