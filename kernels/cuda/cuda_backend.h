@@ -20,6 +20,10 @@
 // copy out of it (so the host may run up to 4 PagedAttention calls ahead of the device). They
 // start at 256 KiB each (about 16K spans); a larger plan grows one with cudaFreeHost/cudaMallocHost,
 // which synchronise the device.
+// MatMul: one cuBLAS handle, bound to the op's stream per call (cublasSetStream), using cuBLAS's
+// default workspace. Known limitation: MatMuls on two streams at the same time would share that
+// workspace; per-stream workspaces (cublasSetWorkspace, as PyTorch keeps per handle and stream)
+// are not implemented yet, so do not overlap MatMuls on different streams.
 // Embedding: ids live in device memory, so out-of-range ids cannot be reported without a sync;
 // their rows are filled with NaN instead (the CPU backend returns InvalidArgument).
 //

@@ -136,7 +136,7 @@ bool DecodeFastPathSupports(const AttentionShape& shape);
 int64_t DecodeScratchFloats(const AttentionShape& shape, int num_items);
 
 // Split-K flash decoding: one thread block per work item computes, for each query head of the
-// item's KV head, the chunk's max score m, sum of exp(s - m) and sum of exp(s - m) v into
+// item's KV head, the item's max score m, sum of exp(s - m) and sum of exp(s - m) v into
 // `scratch`; a combine kernel then merges every item of a head into out [1, heads, dim] and lse.
 cudaError_t LaunchPagedAttentionDecode(const float* q, const void* k_pool, const void* v_pool,
                                        FloatType pool_type, const AttentionShape& shape,
