@@ -1,0 +1,202 @@
+#include "worker/service.h"
+
+#include <atomic>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "proto/status_conversion.h"
+#include "strata/v1/internal.grpc.pb.h"
+
+namespace strata::worker {
+namespace {
+
+std::chrono::system_clock::time_point DeadlineIn(int64_t ms) {
+  return std::chrono::system_clock::now() + std::chrono::milliseconds(ms);
+}
+
+}  // namespace
+
+absl::Status WorkerServerOptions::Validate() const {
+  if (listen_address.empty()) return absl::InvalidArgumentError("listen_address is required");
+  return absl::OkStatus();
+}
+
+// The synchronous Worker service: each call runs on a gRPC server thread.
+class WorkerServer::Impl final : public v1::Worker::Service {
+ public:
+  explicit Impl(Worker* worker) : worker_(worker) {}
+
+  grpc::Status PrefillShard(grpc::ServerContext* context, const v1::PrefillShardRequest* request,
+                            grpc::ServerWriter<v1::PrefillShardProgress>* writer) override {
+    std::atomic<bool> cancelled{false};
+    auto on_progress = [&](const v1::PrefillShardProgress& p) {
+      if (context->IsCancelled() || !writer->Write(p)) cancelled.store(true);
+    };
+    // Cancellation of the call is observed between chunks (at each progress report).
+    absl::Status s = worker_->PrefillShard(*request, on_progress, &cancelled);
+    if (s.ok() && cancelled.load()) s = absl::CancelledError("the caller went away");
+    return proto::ToGrpcStatus(s);
+  }
+
+  grpc::Status MountShard(grpc::ServerContext*, const v1::MountShardRequest*, v1::MountShardResponse*) override {
+    return grpc::Status::OK;  // a job mounts its document itself (worker/worker.h)
+  }
+  grpc::Status UnmountShard(grpc::ServerContext*, const v1::UnmountShardRequest*,
+                            v1::UnmountShardResponse*) override {
+    return grpc::Status::OK;
+  }
+
+  grpc::Status RunJob(grpc::ServerContext* context, const v1::RunJobRequest* request,
+                      grpc::ServerWriter<v1::JobEvent>* writer) override {
+    auto on_event = [&](const v1::JobEvent& e) { return !context->IsCancelled() && writer->Write(e); };
+    return proto::ToGrpcStatus(worker_->RunJob(*request, on_event));
+  }
+
+  grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
+                         v1::CancelJobResponse* response) override {
+    response->set_found(worker_->CancelJob(request->job_id()));
+    return grpc::Status::OK;
+  }
+
+ private:
+  Worker* const worker_;
+};
+
+absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerServerOptions& options,
+                                                                  Worker* worker) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  std::unique_ptr<WorkerServer> server(new WorkerServer());
+  server->impl_ = std::make_unique<Impl>(worker);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.SetMaxReceiveMessageSize(256 << 20);
+  builder.RegisterService(server->impl_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options.listen_address));
+  }
+  server->SetServing(true);
+  return server;
+}
+
+WorkerServer::~WorkerServer() { Shutdown(absl::Seconds(1)); }
+
+void WorkerServer::SetServing(bool serving) {
+  if (server_ == nullptr) return;
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus("", serving);
+  health->SetServingStatus("strata.v1.Worker", serving);
+}
+
+void WorkerServer::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  if (server_ != nullptr) {
+    SetServing(false);
+    server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
+  }
+}
+
+RegistrationAgent::RegistrationAgent(const RegistrationOptions& options, Worker* worker)
+    : options_(options), worker_(worker) {
+  channel_ = grpc::CreateChannel(options.coordinator, grpc::InsecureChannelCredentials());
+}
+
+RegistrationAgent::~RegistrationAgent() { Stop(); }
+
+void RegistrationAgent::Start() {
+  started_ = true;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+bool RegistrationAgent::WaitRegistered(absl::Duration timeout) {
+  return registered_.WaitForNotificationWithTimeout(timeout);
+}
+
+void RegistrationAgent::SetDraining() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+}
+
+void RegistrationAgent::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void RegistrationAgent::Loop() {
+  auto stub = v1::WorkerRegistry::NewStub(channel_);
+  uint64_t lease = 0;
+  int64_t interval_ms = options_.retry_interval_ms;
+  auto wait = [&](int64_t ms) {
+    absl::MutexLock lock(&mu_);
+    auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+    mu_.AwaitWithTimeout(absl::Condition(&stopped), absl::Milliseconds(ms));
+    return stop_;
+  };
+  while (true) {
+    if (lease == 0) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(DeadlineIn(options_.call_timeout_ms));
+      v1::RegisterWorkerRequest req;
+      *req.mutable_worker() = worker_->Info();
+      v1::RegisterWorkerResponse resp;
+      grpc::Status s = stub->Register(&ctx, req, &resp);
+      if (s.ok()) {
+        lease = resp.lease_id();
+        interval_ms = resp.heartbeat_interval_ms() > 0 ? resp.heartbeat_interval_ms() : 1000;
+        STRATA_LOG(INFO) << "worker " << worker_->options().worker_id << " registered with " << options_.coordinator
+                         << " lease=" << lease;
+        registered_.Notify();
+      } else {
+        STRATA_LOG(WARNING) << "worker: registration with " << options_.coordinator << " failed: "
+                            << s.error_message() << " (code " << s.error_code() << ")";
+        if (wait(options_.retry_interval_ms)) break;
+        continue;
+      }
+    }
+    if (wait(interval_ms)) break;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(DeadlineIn(options_.call_timeout_ms));
+    v1::HeartbeatRequest req;
+    req.set_worker_id(worker_->options().worker_id);
+    req.set_lease_id(lease);
+    *req.mutable_load() = worker_->Load();
+    {
+      absl::MutexLock lock(&mu_);
+      req.set_draining(draining_);
+    }
+    v1::HeartbeatResponse resp;
+    grpc::Status s = stub->Heartbeat(&ctx, req, &resp);
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      lease = 0;  // register again
+    } else if (s.ok()) {
+      for (const std::string& id : resp.cancel_job_ids()) worker_->CancelJob(id);
+    }
+  }
+  if (lease != 0) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(DeadlineIn(options_.call_timeout_ms));
+    v1::DeregisterWorkerRequest req;
+    req.set_worker_id(worker_->options().worker_id);
+    req.set_lease_id(lease);
+    v1::DeregisterWorkerResponse resp;
+    stub->Deregister(&ctx, req, &resp);  // best effort
+  }
+}
+
+}  // namespace strata::worker
