@@ -36,9 +36,19 @@ function(strata_cc_test)
   add_executable(${A_NAME} ${A_SRCS})
   target_link_libraries(${A_NAME} PRIVATE strata_build_flags ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
   set_target_properties(${A_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
-  set(labels unit ${A_LABELS})
   gtest_discover_tests(${A_NAME}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
-    PROPERTIES LABELS "${labels}" TIMEOUT ${A_TIMEOUT}
+    PROPERTIES LABELS unit TIMEOUT ${A_TIMEOUT}
     DISCOVERY_TIMEOUT 60)
+  # Extra labels (e.g. gpu): gtest_discover_tests flattens a list-valued LABELS into separate
+  # arguments, so a ctest include file read after the discovered tests sets them instead.
+  if(A_LABELS)
+    set(labels unit ${A_LABELS})
+    set(inc ${CMAKE_CURRENT_BINARY_DIR}/${A_NAME}_labels.cmake)
+    file(WRITE ${inc}
+      "foreach(t IN LISTS ${A_NAME}_TESTS)\n"
+      "  set_tests_properties(\"\${t}\" PROPERTIES LABELS \"${labels}\")\n"
+      "endforeach()\n")
+    set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${inc})
+  endif()
 endfunction()

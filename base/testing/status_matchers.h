@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -43,8 +44,11 @@ MATCHER_P2(StatusIs, code, message_matcher, "") {
     const ::absl::Status strata_s_ = ::strata::testing::GetStatus((expr));\
     ASSERT_TRUE(strata_s_.ok()) << strata_s_;                         \
   } while (0)
-#define STRATA_EXPECT_OK(expr) EXPECT_TRUE(::strata::testing::GetStatus((expr)).ok()) \
-    << ::strata::testing::GetStatus((expr))
+#define STRATA_EXPECT_OK(expr)                                           \
+  do {                                                                   \
+    const ::absl::Status strata_s_ = ::strata::testing::GetStatus((expr)); \
+    EXPECT_TRUE(strata_s_.ok()) << strata_s_;                            \
+  } while (0)
 
 #define STRATA_ASSERT_OK_AND_ASSIGN(lhs, expr) \
   STRATA_ASSERT_OK_AND_ASSIGN_IMPL_(STRATA_STATUS_CONCAT_(strata_sor_, __LINE__), lhs, expr)
