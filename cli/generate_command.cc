@@ -1,5 +1,6 @@
-// `strata generate`: runs a model locally (CPU backend, dense attention) on a prompt and streams
-// the generated text to stdout; statistics and the effective configuration go to stderr.
+// `strata generate`: runs a model locally (CPU backend) on a prompt with an attention policy
+// (dense by default; any sparse policy of engine/sparse/policy.h) and streams the generated text
+// to stdout; statistics and the effective configuration go to stderr.
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -18,6 +19,7 @@
 #include "cli/flags.h"
 #include "engine/attention_policy.h"
 #include "engine/generator.h"
+#include "engine/sparse/policy.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
 #include "model/model.h"
@@ -39,7 +41,52 @@ struct GenerateFlags {
   bool ignore_eos = false;
   int64_t chunk_size = 512;
   int64_t threads = 0;
+  // Attention policy (engine/sparse/policy.h).
+  std::string policy = "dense";
+  std::string summary;
+  int64_t budget = 2048;
+  int64_t sinks = 64;
+  int64_t window = 256;
+  int64_t page_size = 64;
+  double theta = 0.9;
+  std::string dense_layers;
 };
+
+absl::StatusOr<std::vector<int>> ParseLayerList(const std::string& text) {
+  std::vector<int> layers;
+  for (absl::string_view piece : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    piece = absl::StripAsciiWhitespace(piece);
+    int layer;
+    if (!absl::SimpleAtoi(piece, &layer) || layer < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--dense-layers: '", std::string(piece), "' is not a layer index"));
+    }
+    layers.push_back(layer);
+  }
+  return layers;
+}
+
+absl::StatusOr<engine::sparse::PolicyOptions> MakePolicyOptions(const GenerateFlags& f) {
+  engine::sparse::PolicyOptions o;
+  STRATA_ASSIGN_OR_RETURN(o.kind, engine::sparse::ParsePolicyName(f.policy));
+  if (!f.summary.empty()) {
+    STRATA_ASSIGN_OR_RETURN(o.summary, engine::sparse::ParseSummaryKind(f.summary));
+  }
+  if (f.budget <= 0 || f.budget > (1 << 24)) {
+    return absl::InvalidArgumentError("--budget must be in [1, 16777216] tokens");
+  }
+  if (f.sinks < 0 || f.window < 0 || f.page_size <= 0 || f.page_size > 4096) {
+    return absl::InvalidArgumentError("--sinks/--window must be >= 0 and --page-size in [1, 4096]");
+  }
+  o.token_budget = static_cast<int>(f.budget);
+  o.sink_tokens = static_cast<int>(f.sinks);
+  o.window_tokens = static_cast<int>(f.window);
+  o.page_size = static_cast<int>(f.page_size);
+  o.cache_theta = f.theta;
+  STRATA_ASSIGN_OR_RETURN(o.dense_layers, ParseLayerList(f.dense_layers));
+  STRATA_RETURN_IF_ERROR(o.Validate());
+  return o;
+}
 
 // "\n", "\t", "\\" and "\," in stop sequences stand for newline, tab, backslash and a comma.
 std::vector<std::string> SplitStops(const std::string& value) {
@@ -120,7 +167,9 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
   gen.sampling.seed = static_cast<uint64_t>(f.seed);
   gen.stop = stops;
   gen.ignore_eos = f.ignore_eos;
+  gen.page_size = static_cast<int>(f.page_size);
   STRATA_RETURN_IF_ERROR(gen.Validate());
+  STRATA_ASSIGN_OR_RETURN(const engine::sparse::PolicyOptions popt, MakePolicyOptions(f));
   engine::TransformerOptions topt;
   topt.prefill_chunk_size = f.chunk_size;
   STRATA_RETURN_IF_ERROR(topt.Validate());
@@ -149,14 +198,22 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
   auto backend = kernels::MakeCpuBackend(static_cast<int>(f.threads));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::Transformer> tf,
                           engine::Transformer::Create(m->config, m->weights, backend.get(), topt));
-  auto policy = engine::MakeDensePolicy();
+  STRATA_ASSIGN_OR_RETURN(
+      std::unique_ptr<engine::AttentionPolicy> policy,
+      engine::sparse::MakeAttentionPolicy(popt, static_cast<int>(m->config.num_layers),
+                                          static_cast<int>(m->config.num_heads),
+                                          static_cast<int>(m->config.num_kv_heads),
+                                          static_cast<int>(m->config.head_dim)));
   std::fprintf(stderr,
-               "strata generate: model=%s [%s] backend=cpu threads=%s policy=%s chunk=%lld "
+               "strata generate: model=%s [%s] backend=cpu threads=%s policy=%s budget=%lld "
+               "sinks=%lld window=%lld page=%lld chunk=%lld "
                "max_tokens=%lld temperature=%g top_k=%lld top_p=%g seed=%lld stop=%zu "
                "ignore_eos=%s\n",
                f.model.c_str(), m->config.DebugString().c_str(),
                f.threads > 0 ? std::to_string(f.threads).c_str() : "all",
-               policy->Name().c_str(), static_cast<long long>(f.chunk_size),
+               policy->Name().c_str(), static_cast<long long>(f.budget),
+               static_cast<long long>(f.sinks), static_cast<long long>(f.window),
+               static_cast<long long>(f.page_size), static_cast<long long>(f.chunk_size),
                static_cast<long long>(f.max_tokens), f.temperature,
                static_cast<long long>(f.top_k), f.top_p, static_cast<long long>(f.seed),
                stops.size(), f.ignore_eos ? "true" : "false");
@@ -186,6 +243,13 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
                static_cast<long long>(r.prompt_tokens), static_cast<long long>(r.generated_tokens),
                engine::FinishReasonName(r.finish_reason), r.prefill_seconds, prefill_tps,
                r.decode_seconds, static_cast<long long>(r.decode_steps), decode_tps);
+  const engine::SelectionCounters& c = policy->counters();
+  std::fprintf(stderr,
+               "strata generate: attention candidate_tokens=%lld selected_tokens=%lld (%.3f) "
+               "selection_cache hits=%lld/%lld\n",
+               static_cast<long long>(c.candidate_tokens), static_cast<long long>(c.selected_tokens),
+               c.candidate_tokens > 0 ? static_cast<double>(c.selected_tokens) / c.candidate_tokens : 0.0,
+               static_cast<long long>(c.cache_hits), static_cast<long long>(c.cache_lookups));
   return absl::OkStatus();
 }
 
@@ -209,6 +273,15 @@ int RunGenerate(int argc, char** argv) {
   flags.Bool("ignore-eos", &f.ignore_eos, "keep generating past end-of-sequence tokens");
   flags.Int("chunk-size", &f.chunk_size, "prefill chunk size (tokens)");
   flags.Int("threads", &f.threads, "CPU threads; 0 = all cores");
+  flags.String("policy", &f.policy,
+               "attention policy: dense|streaming|quest|radar|tokenselect|hip|subgen");
+  flags.String("summary", &f.summary, "page summary: none|minmax|mean|rf (default: the policy's)");
+  flags.Int("budget", &f.budget, "token budget of a sparse policy (sinks and window on top)");
+  flags.Int("sinks", &f.sinks, "first tokens always attended");
+  flags.Int("window", &f.window, "recent tokens always attended");
+  flags.Int("page-size", &f.page_size, "KV page size (tokens)");
+  flags.Double("theta", &f.theta, "selection-cache cosine threshold (> 1 disables the cache)");
+  flags.String("dense-layers", &f.dense_layers, "comma-separated layers that always attend densely");
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
   if ((flags.WasSet("prompt") && f.prompt.empty()) || (flags.WasSet("token-ids") && f.token_ids.empty())) {
