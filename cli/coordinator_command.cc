@@ -1,7 +1,7 @@
 // `strata coordinator`: runs the coordinator (public DocumentService and JobService, internal
 // WorkerRegistry, health, reflection) until SIGINT or SIGTERM.
 //
-//   strata coordinator --listen 127.0.0.1:7700 --data /var/lib/strata/coordinator \
+//   strata coordinator --listen 127.0.0.1:7700 --data /var/lib/strata/coordinator
 //       [--metrics-listen 127.0.0.1:9700] [--vocab-size N] [--port-file FILE]
 //
 // SIGTERM drains: health turns NOT_SERVING, uploads and submissions get UNAVAILABLE, running jobs
