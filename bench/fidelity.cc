@@ -307,6 +307,13 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
           po.sink_tokens = options.sink_tokens;
           po.window_tokens = options.window_tokens;
           po.rf_features = options.rf_features;
+          if (options.segment_pages >= 0) po.segment_pages = options.segment_pages;
+          if (options.two_level_min_pages >= 0) po.two_level_min_pages = options.two_level_min_pages;
+          if (options.min_segments >= 0) po.min_segments = options.min_segments;
+          if (options.segment_factor >= 0) po.segment_factor = options.segment_factor;
+          if (options.tokenselect_candidate_factor >= 0) {
+            po.tokenselect_candidate_factor = options.tokenselect_candidate_factor;
+          }
           po.rf_seed = options.seed * 7 + 3;
           po.subgen_seed = options.seed * 11 + g;
           if (po.kind == PolicyKind::kSubGen) {

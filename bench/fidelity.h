@@ -50,8 +50,9 @@ struct FidelityOptions {
   std::vector<int> budgets = {1024, 2048, 4096};
   std::vector<int> page_sizes = {16, 32, 64};
   // "name" or "name:summary" (engine/sparse/policy.h), e.g. "quest", "tokenselect:rf".
-  std::vector<std::string> policies = {"streaming", "quest",  "quest:mean",  "radar",
-                                       "tokenselect", "tokenselect:minmax", "hip", "subgen"};
+  std::vector<std::string> policies = {"oracle",      "streaming",        "quest", "quest:mean",
+                                       "radar",       "tokenselect",      "tokenselect:none",
+                                       "tokenselect:rf", "hip",           "subgen"};
   // KV heads evaluated per context (each with its 4 query heads); the bytes and time columns are
   // scaled to the model's 8 KV heads. Default: 2.
   int kv_heads = 2;
@@ -62,6 +63,12 @@ struct FidelityOptions {
   int64_t subgen_max_context = 131072;
   // Random-feature dimension for rf summaries. Default: 2048.
   int rf_features = 2048;
+  // Two-level page ranking knobs (PolicyOptions); < 0 keeps the policy default.
+  int segment_pages = -1;
+  int two_level_min_pages = -1;
+  int min_segments = -1;
+  int segment_factor = -1;
+  int tokenselect_candidate_factor = -1;
   uint64_t seed = 1;
 
   // InvalidArgument for empty lists, non-positive sizes or unknown policy names.

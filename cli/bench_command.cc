@@ -41,6 +41,8 @@ int RunFidelityCommand(int argc, char** argv) {
   int64_t seed = static_cast<int64_t>(o.seed), kv_heads = o.kv_heads, sinks = o.sink_tokens;
   int64_t window = o.window_tokens, topk = o.topk, subgen_max = o.subgen_max_context;
   int64_t rf_features = o.rf_features;
+  int64_t segment_pages = -1, two_level_min_pages = -1, min_segments = -1, segment_factor = -1;
+  int64_t candidate_factor = -1;
   FlagSet flags("bench fidelity", "[flags]   attention fidelity of sparse policies vs dense");
   flags.String("contexts", &contexts, "context lengths (tokens), comma-separated");
   flags.String("budgets", &budgets, "token budgets B, comma-separated");
@@ -54,6 +56,13 @@ int RunFidelityCommand(int argc, char** argv) {
   flags.Int("topk", &topk, "k of topk_recall");
   flags.Int("subgen-max-context", &subgen_max, "skip subgen above this context");
   flags.Int("rf-features", &rf_features, "random features n of rf summaries");
+  flags.Int("segment-pages", &segment_pages, "pages per segment G (0 = 1024 / P; -1 = default)");
+  flags.Int("two-level-min-pages", &two_level_min_pages,
+            "two-level ranking above this many pages (-1 = default)");
+  flags.Int("min-segments", &min_segments, "segments kept at the first level, at least (-1 = default)");
+  flags.Int("segment-factor", &segment_factor, "segments kept = factor * B / (P * G) (-1 = default)");
+  flags.Int("candidate-factor", &candidate_factor,
+            "tokenselect with a summary: candidate tokens = factor * B (-1 = default)");
   absl::Status st = flags.Parse(argc, argv);
   if (st.ok()) st = ParseList("contexts", contexts, &o.contexts);
   if (st.ok()) st = ParseList("budgets", budgets, &o.budgets);
@@ -67,6 +76,11 @@ int RunFidelityCommand(int argc, char** argv) {
   o.topk = static_cast<int>(topk);
   o.subgen_max_context = subgen_max;
   o.rf_features = static_cast<int>(rf_features);
+  o.segment_pages = static_cast<int>(segment_pages);
+  o.two_level_min_pages = static_cast<int>(two_level_min_pages);
+  o.min_segments = static_cast<int>(min_segments);
+  o.segment_factor = static_cast<int>(segment_factor);
+  o.tokenselect_candidate_factor = static_cast<int>(candidate_factor);
   st = o.Validate();
   if (!st.ok()) return ReportAndExit(flags, st);
   std::fprintf(stderr,

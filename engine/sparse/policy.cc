@@ -65,6 +65,7 @@ const char* SummaryName(SummaryKind kind) {
 SummaryKind DefaultSummary(PolicyKind kind) {
   switch (kind) {
     case PolicyKind::kQuest: return SummaryKind::kMinMax;
+    case PolicyKind::kTokenSelect: return SummaryKind::kMinMax;
     case PolicyKind::kRadar: return SummaryKind::kRf;
     default: return SummaryKind::kNone;
   }

@@ -15,8 +15,9 @@
 //   radar       pages ranked by random-feature summaries phi(q)^T mean phi(k) (RADAR), top pages.
 //   tokenselect token-level head soft vote (TokenSelect): per KV head, sum over its query heads of
 //               the per-head softmax of q.k over the candidate keys, top B tokens. Candidates are
-//               all middle keys (summary = none, as in the paper: keys resident) or the keys of
-//               pages preselected by a summary (summary = minmax|mean|rf).
+//               the keys of pages preselected by a summary (default minmax: DESIGN.md section 3,
+//               step 4, refine over selected pages only) or all middle keys (summary = none, as in
+//               the paper, which keeps every key resident).
 //   hip         hierarchical top-k (HiP): split the middle into k = B/block chunks, repeatedly halve
 //               every chunk, score each branch by its centre key block, keep the top k branches,
 //               until branches are single blocks.
@@ -71,11 +72,14 @@ const char* PolicyName(PolicyKind kind);
 // "none", "minmax", "mean", "rf". InvalidArgument otherwise.
 absl::StatusOr<SummaryKind> ParseSummaryKind(absl::string_view name);
 const char* SummaryName(SummaryKind kind);
-// The summary a policy uses unless told otherwise: quest minmax, radar rf, others none.
+// The summary a policy uses unless told otherwise: quest and tokenselect minmax, radar rf, others
+// none.
 SummaryKind DefaultSummary(PolicyKind kind);
 
+// Defaults (tokenselect over minmax-preselected pages, P = 64, B = 2048, 128 first-level
+// segments) were chosen from the fidelity benchmark; see bench/RESULTS.md.
 struct PolicyOptions {
-  PolicyKind kind = PolicyKind::kQuest;
+  PolicyKind kind = PolicyKind::kTokenSelect;
   // Page summary. quest/radar need one; tokenselect accepts none (all keys) or any; the others
   // ignore it. Default: kDefault (DefaultSummary(kind)).
   SummaryKind summary = SummaryKind::kDefault;
@@ -93,8 +97,8 @@ struct PolicyOptions {
   // Two-level scoring once the middle has more pages than this. Default: 512.
   int two_level_min_pages = 512;
   // Segments kept at the first level: max(min_segments, segment_factor * B / (P * G)).
-  // Defaults: 8 and 4.
-  int min_segments = 8;
+  // Defaults: 128 and 4 (8 lost most needles at 1M tokens in the fidelity benchmark).
+  int min_segments = 128;
   int segment_factor = 4;
   // Random-feature dimension n and seed of the Gaussian projection (one projection per head_dim,
   // shared by all layers). Defaults: 2048 (RADAR's default n) and 0x5eed.

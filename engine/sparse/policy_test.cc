@@ -253,8 +253,10 @@ TEST(PolicyTest, PlantedNeedleIsSelected) {
     const int64_t needle = std::uniform_int_distribution<int64_t>(100, len - 200)(rng);
     for (PolicyKind kind : {PolicyKind::kQuest, PolicyKind::kRadar, PolicyKind::kTokenSelect,
                             PolicyKind::kHip}) {
-      for (SummaryKind summary : {SummaryKind::kDefault, SummaryKind::kRf, SummaryKind::kMean}) {
+      for (SummaryKind summary :
+           {SummaryKind::kDefault, SummaryKind::kRf, SummaryKind::kMean, SummaryKind::kNone}) {
         if (kind == PolicyKind::kHip && summary != SummaryKind::kDefault) continue;
+        if (kind != PolicyKind::kTokenSelect && summary == SummaryKind::kNone) continue;
         World w;
         std::mt19937 wrng(kSeed + 10 * trial);
         PolicyOptions o = Small(kind, 256);
