@@ -180,7 +180,7 @@ int Serve(const CoordinatorFlags& f) {
 
 int RunCoordinator(int argc, char** argv) {
   CoordinatorFlags f;
-  FlagSet flags("coordinator", "strata coordinator --listen ADDR --data DIR [--metrics-listen ADDR]");
+  FlagSet flags("coordinator", "--listen ADDR --data DIR [--metrics-listen ADDR] [flags]");
   flags.String("listen", &f.listen, "gRPC listen address (port 0: any free port)");
   flags.String("metrics-listen", &f.metrics_listen, "Prometheus /metrics listen address (empty: none)");
   flags.String("data", &f.data, "catalog directory (RocksDB); created when missing");
@@ -190,7 +190,7 @@ int RunCoordinator(int argc, char** argv) {
                "namespace of document ids (the model served): same tokens, other namespace, other document");
   flags.String("model-fingerprint", &f.model_fingerprint,
                "refuse workers that serve another model (empty: accept any)");
-  flags.Int("vocab-size", &f.vocab_size, "token ids must be below this (0: unchecked until a tokenizer is known)");
+  flags.Int("vocab-size", &f.vocab_size, "token ids must be below this (0: only negative ids are refused)");
   flags.Int("num-layers", &f.num_layers, "model layers, for policy.dense_layers checks (0: unchecked)");
   flags.Int("page-size", &f.page_size, "tokens per KV page of the deployment");
   flags.Int("target-shard-tokens", &f.target_shard_tokens, "target tokens per document shard");
