@@ -11,6 +11,11 @@ int RunMakeModel(int argc, char** argv);  // make_model_command.cc
 int RunKvstore(int argc, char** argv);    // kvstore_command.cc
 int RunCoordinator(int argc, char** argv);  // coordinator_command.cc
 int RunBench(int argc, char** argv);       // bench_command.cc
+int RunWorker(int argc, char** argv);      // worker_command.cc
+int RunServe(int argc, char** argv);       // serve_command.cc
+int RunDoc(int argc, char** argv);         // client_commands.cc
+int RunJob(int argc, char** argv);         // client_commands.cc
+int RunAsk(int argc, char** argv);         // client_commands.cc
 
 }  // namespace strata::cli
 

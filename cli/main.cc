@@ -19,6 +19,11 @@ const Command kCommands[] = {
     {"kvstore", strata::cli::RunKvstore, "run the KV store service (pages, summaries, documents)"},
     {"coordinator", strata::cli::RunCoordinator, "run the coordinator (public API, catalog, worker registry)"},
     {"bench", strata::cli::RunBench, "run a benchmark (fidelity: sparse attention vs dense)"},
+    {"worker", strata::cli::RunWorker, "run a worker (model, prefill, jobs) for a coordinator"},
+    {"serve", strata::cli::RunServe, "run coordinator + worker + KV store in one process"},
+    {"doc", strata::cli::RunDoc, "documents on a server: upload, get, ls, rm"},
+    {"job", strata::cli::RunJob, "jobs on a server: submit, watch, cancel, ls"},
+    {"ask", strata::cli::RunAsk, "upload a document (if new) and stream the answer to a question"},
 };
 
 void PrintUsage(FILE* out) {

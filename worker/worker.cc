@@ -19,6 +19,7 @@
 #include "kvstore/page_format.h"
 #include "model/tokenizer.h"
 #include "prometheus/counter.h"
+#include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 
 namespace strata::worker {
@@ -117,6 +118,18 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r, kvstore::KvMetrics* kv) {
   kvstore::TierMetrics host = kv->ForTier("host");
   host_lookups = host.lookups;
   host_hits = host.hits;
+  time_to_first_token = &prometheus::BuildHistogram()
+                             .Name("strata_time_to_first_token_seconds")
+                             .Help("Time to the first generated token of a job.")
+                             .Register(*r)
+                             .Add({}, prometheus::Histogram::BucketBoundaries{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                                                                              60, 120, 300, 600, 1800, 3600});
+  inter_token_latency = &prometheus::BuildHistogram()
+                             .Name("strata_inter_token_latency_seconds")
+                             .Help("Time between consecutive generated tokens of a job.")
+                             .Register(*r)
+                             .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.0025, 0.005, 0.01, 0.02, 0.04,
+                                                                              0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5});
 }
 
 struct Worker::JobResult {
@@ -371,6 +384,8 @@ absl::Status Worker::RunJob(const v1::RunJobRequest& request, const EventFn& on_
 
 absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn& send,
                                  const std::atomic<bool>& cancelled, JobResult* result) {
+  const int64_t job_start = MonotonicNanos();
+  int64_t last_token = 0;
   const model::ModelConfig& c = model_->config;
   const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads), d = static_cast<int>(c.head_dim);
   v1::JobInfo& info = result->info;
@@ -533,7 +548,16 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     STRATA_ASSIGN_OR_RETURN(int32_t next, sampler.Sample(logits.data(), c.vocab_size));
     info.add_output_token_ids(next);
     pending_ids.push_back(next);
-    if (metrics_ != nullptr) metrics_->decode_tokens->Increment();
+    if (metrics_ != nullptr) {
+      metrics_->decode_tokens->Increment();
+      const int64_t now = MonotonicNanos();
+      if (last_token == 0) {
+        metrics_->time_to_first_token->Observe((now - job_start) * 1e-9);
+      } else {
+        metrics_->inter_token_latency->Observe((now - last_token) * 1e-9);
+      }
+      last_token = now;
+    }
     const bool is_eos = std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), next) != c.eos_token_ids.end();
     bool stop_token = std::find(params.stop_token_ids().begin(), params.stop_token_ids().end(), next) !=
                       params.stop_token_ids().end();

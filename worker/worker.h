@@ -42,6 +42,7 @@
 
 namespace prometheus {
 class Counter;
+class Histogram;
 class Registry;
 }  // namespace prometheus
 
@@ -82,6 +83,11 @@ struct WorkerMetrics {
   // misses). The store tiers count their own (kvstore/metrics.h).
   prometheus::Counter* host_lookups;
   prometheus::Counter* host_hits;
+  // strata_time_to_first_token_seconds / strata_inter_token_latency_seconds as the leader sees
+  // them: from the start of RunJob (mount + prompt; no queueing) to the first token, and between
+  // consecutive tokens. Buckets as docs/metrics.md.
+  prometheus::Histogram* time_to_first_token;
+  prometheus::Histogram* inter_token_latency;
 };
 
 class Worker {

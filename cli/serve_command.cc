@@ -1,0 +1,210 @@
+// `strata serve`: the coordinator, one worker and the KV store in one process (the embedded
+// default of DESIGN.md section 1; no GPU needed).
+//
+//   strata serve --model DIR --data DIR [--listen 127.0.0.1:7070] [--metrics-listen ADDR]
+//
+// Layout: the KV store is a LocalStore (RocksDB in DIR/kv) used directly by the worker, with no
+// gRPC server of its own. The coordinator's gRPC server (public DocumentService / JobService,
+// internal WorkerRegistry, health, reflection) listens on --listen; the worker's internal Worker
+// service listens on a second gRPC server on 127.0.0.1 with a free port, registers with the
+// coordinator over loopback like a remote worker would, and is called by the coordinator through
+// GrpcWorkerClient. The coordinator's catalog is in DIR/catalog. Documents are placed as one shard
+// (target shard size = max document size), the only layout one worker supports yet.
+// One /metrics endpoint (--metrics-listen) exports the coordinator's, the worker's and the KV
+// tiers' metrics.
+//
+// SIGTERM / SIGINT drain: the worker reports draining, the coordinator stops admitting work and
+// gives running jobs --drain-timeout-seconds to finish (the rest are handed back, QUEUED in the
+// catalog), then both servers stop.
+#include <csignal>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <system_error>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/clock.h"
+#include "base/logging.h"
+#include "cli/commands.h"
+#include "cli/flags.h"
+#include "cli/worker_runtime.h"
+#include "coordinator/catalog.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/grpc_worker_client.h"
+#include "coordinator/metrics.h"
+#include "coordinator/service.h"
+#include "kvstore/local_store.h"
+#include "kvstore/metrics.h"
+#include "model/model.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
+#include "worker/service.h"
+#include "worker/worker.h"
+
+namespace strata::cli {
+namespace {
+
+struct ServeFlags {
+  std::string model;
+  std::string data;
+  std::string listen = "127.0.0.1:7070";
+  std::string metrics_listen;
+  std::string port_file;
+  int64_t page_size = 64;
+  int64_t max_document_tokens = int64_t{1} << 20;
+  int64_t max_tokens_limit = 4096;
+  int64_t prefill_chunk = 512;
+  int64_t max_jobs = 4;
+  int64_t threads = 0;
+  int64_t drain_timeout_seconds = 30;
+  bool sync = true;
+};
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "strata serve: %s\n", s.ToString().c_str());
+  return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+int Serve(const ServeFlags& f) {
+  if (f.model.empty() || f.data.empty()) {
+    std::fprintf(stderr, "strata serve: --model and --data are required\n");
+    return 2;
+  }
+  sigset_t stop_signals = BlockStopSignals();
+  auto loaded = model::LoadModel(f.model);
+  if (!loaded.ok()) return Fail(loaded.status());
+  std::unique_ptr<model::Model> m = *std::move(loaded);
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  coordinator::CoordinatorMetrics coordinator_metrics(*registry);
+  kvstore::KvMetrics kv_metrics(registry.get());
+  worker::WorkerMetrics worker_metrics(registry.get(), &kv_metrics);
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int metrics_port = 0;
+  if (!f.metrics_listen.empty()) {
+    try {  // prometheus-cpp reports bind failures by throwing
+      exposer = std::make_unique<prometheus::Exposer>(f.metrics_listen);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "strata serve: cannot serve metrics on %s: %s\n", f.metrics_listen.c_str(), e.what());
+      return 1;
+    }
+    exposer->RegisterCollectable(registry);
+    std::vector<int> ports = exposer->GetListeningPorts();
+    metrics_port = ports.empty() ? 0 : ports[0];
+  }
+
+  // KV store (embedded).
+  std::error_code mkdir_error;
+  std::filesystem::create_directories(f.data, mkdir_error);
+  if (mkdir_error) return Fail(absl::InternalError(absl::StrCat("cannot create ", f.data, ": ", mkdir_error.message())));
+  kvstore::LocalStoreOptions store_options;
+  store_options.path = f.data + "/kv";
+  store_options.sync_writes = f.sync;
+  store_options.metrics = &kv_metrics;
+  auto store = kvstore::LocalStore::Open(store_options);
+  if (!store.ok()) return Fail(store.status());
+
+  // Worker.
+  std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.threads));
+  worker::WorkerOptions wo;
+  wo.worker_id = "serve-worker-0";
+  wo.page_size = static_cast<int>(f.page_size);
+  wo.prefill_chunk_size = f.prefill_chunk;
+  wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
+  wo.capacity_tokens = static_cast<uint64_t>(f.max_document_tokens) * 4;
+  auto w = worker::Worker::Create(wo, m.get(), backend.get(), store->get(), store->get(), &worker_metrics);
+  if (!w.ok()) return Fail(w.status());
+  worker::WorkerServerOptions wso;
+  wso.listen_address = "127.0.0.1:0";
+  auto worker_server = worker::WorkerServer::Start(wso, w->get());
+  if (!worker_server.ok()) return Fail(worker_server.status());
+  const std::string worker_address = absl::StrCat("127.0.0.1:", (*worker_server)->port());
+  (*w)->SetAddress(worker_address);
+
+  // Coordinator.
+  coordinator::CoordinatorOptions options;
+  options.model_namespace = m->fingerprint;
+  options.model_fingerprint = m->fingerprint;
+  options.tokenizer = m->tokenizer.get();
+  options.limits.vocab_size = m->config.vocab_size;
+  options.limits.num_layers = m->config.num_layers;
+  options.limits.page_size = static_cast<uint32_t>(f.page_size);
+  options.limits.max_document_tokens = f.max_document_tokens;
+  options.limits.max_max_tokens = static_cast<uint32_t>(f.max_tokens_limit);
+  options.limits.default_max_tokens = std::min<uint32_t>(options.limits.default_max_tokens,
+                                                         options.limits.max_max_tokens);
+  options.placement.page_size = f.page_size;
+  options.placement.target_shard_tokens = f.max_document_tokens;
+  if (absl::Status s = options.Validate(); !s.ok()) return Fail(s);
+  coordinator::CatalogOptions catalog_options;
+  catalog_options.path = f.data + "/catalog";
+  catalog_options.sync_writes = f.sync;
+  auto catalog = coordinator::Catalog::Open(catalog_options);
+  if (!catalog.ok()) return Fail(catalog.status());
+  coordinator::GrpcWorkerClient worker_client;
+  coordinator::Coordinator coordinator(options, *std::move(catalog), &worker_client, &coordinator_metrics,
+                                       &MonotonicNanos, &WallMicros);
+  if (absl::Status s = coordinator.Start(); !s.ok()) return Fail(s);
+  coordinator::CoordinatorServerOptions server_options;
+  server_options.listen_address = f.listen;
+  auto server = coordinator::CoordinatorServer::Start(server_options, &coordinator, &coordinator_metrics);
+  if (!server.ok()) return Fail(server.status());
+
+  worker::RegistrationOptions ro;
+  ro.coordinator = absl::StrCat("127.0.0.1:", (*server)->port());
+  worker::RegistrationAgent agent(ro, w->get());
+  agent.Start();
+  if (!agent.WaitRegistered(absl::Seconds(30))) {
+    std::fprintf(stderr, "strata serve: the worker could not register with the coordinator\n");
+    return 1;
+  }
+  const std::string host = f.listen.substr(0, f.listen.rfind(':'));
+  STRATA_LOG(INFO) << "serve: grpc=" << host << ":" << (*server)->port() << " metrics_port=" << metrics_port
+                   << " worker=" << worker_address << " backend=" << backend->Name() << " model=" << f.model
+                   << " fingerprint=" << m->fingerprint << " data=" << f.data << " page_size=" << f.page_size;
+  if (!f.port_file.empty()) {
+    if (absl::Status s = WriteLineFile(f.port_file, absl::StrCat((*server)->port(), " ", metrics_port)); !s.ok()) {
+      return Fail(s);
+    }
+  }
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  STRATA_LOG(INFO) << "serve: signal " << sig << ", draining (timeout " << f.drain_timeout_seconds << " s)";
+  agent.SetDraining();
+  const int64_t handed_back = coordinator::DrainAndShutdown(
+      &coordinator, server->get(), absl::Seconds(f.drain_timeout_seconds), absl::Seconds(2));
+  agent.Stop();
+  (*worker_server)->Shutdown(absl::Seconds(2));
+  server->reset();
+  STRATA_LOG(INFO) << "serve: stopped; " << handed_back << " running jobs handed back";
+  return 0;
+}
+
+}  // namespace
+
+int RunServe(int argc, char** argv) {
+  ServeFlags f;
+  FlagSet flags("serve", "strata serve --model DIR --data DIR [--listen ADDR] [--metrics-listen ADDR]");
+  flags.String("model", &f.model, "Hugging Face model directory");
+  flags.String("data", &f.data, "data directory (catalog/ and kv/ RocksDB stores); created when missing");
+  flags.String("listen", &f.listen, "public gRPC listen address (port 0: any free port)");
+  flags.String("metrics-listen", &f.metrics_listen, "Prometheus /metrics listen address (empty: none)");
+  flags.String("port-file", &f.port_file, "write '<grpc_port> <metrics_port>' here once serving");
+  flags.Int("page-size", &f.page_size, "tokens per KV page");
+  flags.Int("max-document-tokens", &f.max_document_tokens, "largest document, tokens");
+  flags.Int("max-tokens-limit", &f.max_tokens_limit, "largest accepted params.max_tokens");
+  flags.Int("prefill-chunk", &f.prefill_chunk, "prefill chunk size (tokens; progress is reported per chunk)");
+  flags.Int("max-jobs", &f.max_jobs, "jobs the worker leads at the same time");
+  flags.Int("threads", &f.threads, "CPU backend threads (0: all cores)");
+  flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds, "on SIGTERM, how long running jobs may finish");
+  flags.Bool("sync", &f.sync, "sync the RocksDB write-ahead logs on every write");
+  const absl::Status parse = flags.Parse(argc, argv);
+  if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
+  return Serve(f);
+}
+
+}  // namespace strata::cli

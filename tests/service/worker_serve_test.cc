@@ -1,0 +1,384 @@
+// End-to-end tests of `strata serve` (coordinator + worker + embedded KV store in one process) on
+// a tiny random model made by `strata make-model` in a temp dir. The server is a child process on
+// 127.0.0.1 (ports from --port-file); clients are the public gRPC API and the `strata` client
+// commands run as child processes.
+//
+// Every child is killed (SIGKILL if it did not stop) and waited for; every wait is bounded.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "strata/v1/api.grpc.pb.h"
+
+namespace strata {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A child process with stdout and stderr in files.
+class Child {
+ public:
+  Child(std::vector<std::string> args, const std::string& out, const std::string& err) : out_(out), err_(err) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (o >= 0) dup2(o, 1);
+      if (e >= 0) dup2(e, 2);
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+  }
+  ~Child() {
+    if (pid_ > 0 && !exited_) {
+      kill(pid_, SIGKILL);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+    }
+  }
+  bool Exited() {
+    int status = 0;
+    if (!exited_ && waitpid(pid_, &status, WNOHANG) == pid_) {
+      exited_ = true;
+      code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    return exited_;
+  }
+  // Waits up to `timeout` for the exit; nullopt on timeout (the child is then killed).
+  std::optional<int> Wait(std::chrono::seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      if (Exited()) return code_;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return std::nullopt;
+  }
+  std::optional<int> StopWith(int sig, std::chrono::seconds timeout) {
+    kill(pid_, sig);
+    return Wait(timeout);
+  }
+  std::string Out() const { return ReadAll(out_); }
+  std::string Err() const { return ReadAll(err_); }
+
+ private:
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  int code_ = -1;
+  std::string out_, err_;
+};
+
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    if (send(fd, req.data(), req.size(), 0) == static_cast<ssize_t>(req.size())) {
+      char buf[8192];
+      ssize_t n;
+      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+// A port that was free a moment ago (prometheus-cpp's civetweb does not bind port 0 here).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// Value of the exposition line that starts with `series` followed by a space (0 when absent).
+double Metric(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = 0;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return 0;
+}
+
+class ServeTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char tmpl[] = "/tmp/strata_serve_test_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = new std::string(tmpl);
+    Child make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "3", "--out", *dir_ + "/model"},
+               *dir_ + "/make.out", *dir_ + "/make.err");
+    std::printf("model seed=3 dir=%s\n", dir_->c_str());
+    auto code = make.Wait(std::chrono::seconds(60));
+    ASSERT_TRUE(code.has_value() && *code == 0) << make.Err();
+    server_ = new Child({STRATA_BINARY, "serve", "--model", *dir_ + "/model", "--data", *dir_ + "/data", "--listen",
+                         "127.0.0.1:0", "--metrics-listen", absl::StrCat("127.0.0.1:", FreePort()), "--port-file", *dir_ + "/ports",
+                         "--no-sync", "--prefill-chunk", "128", "--max-tokens-limit", "512",
+                         "--drain-timeout-seconds", "2"},
+                        *dir_ + "/serve.out", *dir_ + "/serve.err");
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    while (Clock::now() < deadline) {
+      ASSERT_FALSE(server_->Exited()) << server_->Err();
+      std::ifstream in(*dir_ + "/ports");
+      if (in >> grpc_port_ >> metrics_port_ && grpc_port_ > 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_GT(grpc_port_, 0) << server_->Err();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+    if (dir_ != nullptr) std::filesystem::remove_all(*dir_);
+    delete dir_;
+    dir_ = nullptr;
+  }
+
+  std::string Address() const { return absl::StrCat("127.0.0.1:", grpc_port_); }
+  std::shared_ptr<grpc::Channel> Channel() const {
+    return grpc::CreateChannel(Address(), grpc::InsecureChannelCredentials());
+  }
+  static void Deadline(grpc::ClientContext* ctx, int seconds) {
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  }
+
+  // Uploads token ids; returns the document.
+  v1::DocumentInfo UploadTokens(const std::vector<int32_t>& ids) {
+    auto stub = v1::DocumentService::NewStub(Channel());
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 30);
+    v1::DocumentUploadResponse resp;
+    auto writer = stub->Upload(&ctx, &resp);
+    v1::DocumentUploadRequest req;
+    req.mutable_tokens()->mutable_ids()->Assign(ids.begin(), ids.end());
+    writer->Write(req);
+    writer->WritesDone();
+    grpc::Status s = writer->Finish();
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp.document();
+  }
+
+  struct JobRun {
+    v1::JobInfo final;
+    double ttft_seconds = -1;
+    std::vector<int32_t> tokens;
+    grpc::Status status;
+  };
+  JobRun Generate(const v1::JobSubmitRequest& req) {
+    auto stub = v1::JobService::NewStub(Channel());
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 120);
+    JobRun run;
+    const auto start = Clock::now();
+    auto reader = stub->Generate(&ctx, req);
+    v1::JobEvent e;
+    while (reader->Read(&e)) {
+      if (e.has_tokens()) {
+        if (run.ttft_seconds < 0) run.ttft_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+        for (int32_t t : e.tokens().token_ids()) run.tokens.push_back(t);
+      } else if (e.has_snapshot()) {
+        run.final = e.snapshot();
+      }
+    }
+    run.status = reader->Finish();
+    return run;
+  }
+
+  static std::string* dir_;
+  static Child* server_;
+  static int grpc_port_;
+  static int metrics_port_;
+};
+std::string* ServeTest::dir_ = nullptr;
+Child* ServeTest::server_ = nullptr;
+int ServeTest::grpc_port_ = 0;
+int ServeTest::metrics_port_ = 0;
+
+TEST_F(ServeTest, AnswersMatchLocalGenerateAndSecondJobReusesPersistedKv) {
+  const std::string metrics0 = HttpGet(metrics_port_, "/metrics");
+  ASSERT_TRUE(absl::StrContains(metrics0, "200 OK")) << metrics0;
+  std::vector<int32_t> doc;
+  for (int i = 0; i < 700; ++i) doc.push_back(3 + (i * 97 + 13) % 480);
+  const std::vector<int32_t> prompt = {40, 41, 42, 43, 44, 45};
+  v1::DocumentInfo info = UploadTokens(doc);
+  ASSERT_EQ(info.num_tokens(), doc.size());
+
+  v1::JobSubmitRequest req;
+  req.set_document_id(info.document_id());
+  req.mutable_prompt_tokens()->mutable_ids()->Assign(prompt.begin(), prompt.end());
+  req.mutable_params()->set_max_tokens(12);
+  req.mutable_params()->set_temperature(0);
+  req.mutable_policy()->set_name("dense");
+  // The first job waits for the document's prefill (its TTFT includes it).
+  JobRun first = Generate(req);
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message() << server_->Err();
+  ASSERT_EQ(first.final.state(), v1::JobInfo::DONE) << first.final.error_message();
+  const std::string metrics1 = HttpGet(metrics_port_, "/metrics");
+  JobRun second = Generate(req);
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  ASSERT_EQ(second.final.state(), v1::JobInfo::DONE) << second.final.error_message();
+  const std::string metrics2 = HttpGet(metrics_port_, "/metrics");
+  EXPECT_EQ(second.tokens, first.tokens);
+  EXPECT_EQ(second.final.usage().cached_tokens(), doc.size());
+  EXPECT_EQ(second.final.usage().prompt_tokens(), doc.size() + prompt.size());
+  EXPECT_EQ(second.final.usage().mean_attended_tokens() > doc.size(), true);
+  // No document prefill for the second job: only its prompt went through prefill.
+  EXPECT_EQ(Metric(metrics2, "strata_prefill_tokens_total") - Metric(metrics1, "strata_prefill_tokens_total"),
+            static_cast<double>(prompt.size()));
+  EXPECT_LT(second.ttft_seconds, first.ttft_seconds);
+  std::printf("TTFT first job (includes the %zu-token document prefill) = %.3f s; second job (READY document) = %.3f s\n",
+              doc.size(), first.ttft_seconds, second.ttft_seconds);
+
+  // The same tokens as `strata generate` on document + prompt.
+  std::vector<int32_t> all = doc;
+  all.insert(all.end(), prompt.begin(), prompt.end());
+  Child gen({STRATA_BINARY, "generate", "--model", *dir_ + "/model", "--token-ids", absl::StrJoin(all, ","),
+             "--max-tokens", "12", "--chunk-size", "128"},
+            *dir_ + "/gen.out", *dir_ + "/gen.err");
+  auto code = gen.Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(code.has_value() && *code == 0) << gen.Err();
+  std::string expected = first.final.output_text();
+  if (expected.empty() || expected.back() != '\n') expected += '\n';
+  EXPECT_EQ(gen.Out(), expected);
+  EXPECT_TRUE(absl::StrContains(gen.Err(), absl::StrCat("generated_tokens=", first.tokens.size())) ||
+              first.final.finish_reason() == v1::JobInfo::STOP)
+      << gen.Err();
+
+  // Metrics moved.
+  EXPECT_GT(Metric(metrics2, "strata_decode_tokens_total"), Metric(metrics0, "strata_decode_tokens_total"));
+  EXPECT_GT(Metric(metrics2, "strata_kv_lookups_total{tier=\"disk\"}"),
+            Metric(metrics1, "strata_kv_lookups_total{tier=\"disk\"}"));
+  EXPECT_GT(Metric(metrics2, "strata_attention_selected_tokens_total"),
+            Metric(metrics1, "strata_attention_selected_tokens_total"));
+  EXPECT_GE(Metric(metrics1, "strata_prefill_tokens_total"), static_cast<double>(doc.size()));
+}
+
+TEST_F(ServeTest, BadRequestsGetTheRightCodes) {
+  auto stub = v1::JobService::NewStub(Channel());
+  std::vector<int32_t> doc;
+  for (int i = 0; i < 100; ++i) doc.push_back(5 + i);
+  v1::DocumentInfo info = UploadTokens(doc);
+  auto submit = [&](const v1::JobSubmitRequest& r) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 10);
+    v1::JobInfo out;
+    return stub->Submit(&ctx, r, &out).error_code();
+  };
+  v1::JobSubmitRequest base;
+  base.set_document_id(info.document_id());
+  base.mutable_prompt_tokens()->add_ids(7);
+  base.mutable_params()->set_max_tokens(2);
+
+  v1::JobSubmitRequest unknown_doc = base;
+  unknown_doc.set_document_id("00000000000000000000000000000000");
+  EXPECT_EQ(submit(unknown_doc), grpc::StatusCode::NOT_FOUND);
+  v1::JobSubmitRequest bad_policy = base;
+  bad_policy.mutable_policy()->set_name("nonsense");
+  EXPECT_EQ(submit(bad_policy), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::JobSubmitRequest too_many = base;
+  too_many.mutable_params()->set_max_tokens(100000);
+  EXPECT_EQ(submit(too_many), grpc::StatusCode::INVALID_ARGUMENT);
+
+  JobRun done = Generate(base);
+  ASSERT_TRUE(done.status.ok()) << done.status.error_message();
+  ASSERT_EQ(done.final.state(), v1::JobInfo::DONE) << done.final.error_message();
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 10);
+  v1::JobCancelRequest cancel;
+  cancel.set_job_id(done.final.job_id());
+  v1::JobInfo out;
+  EXPECT_EQ(stub->Cancel(&ctx, cancel, &out).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_F(ServeTest, ClientCommands) {
+  const std::string doc_file = *dir_ + "/doc.txt";
+  {
+    std::ofstream out(doc_file);
+    for (int i = 0; i < 40; ++i) out << "The quick brown fox " << i << " jumps over the lazy dog. ";
+  }
+  Child ask({STRATA_BINARY, "ask", "--server", Address(), "--doc", doc_file, "--max-tokens", "6", "What is it?"},
+            *dir_ + "/ask.out", *dir_ + "/ask.err");
+  auto code = ask.Wait(std::chrono::seconds(120));
+  ASSERT_TRUE(code.has_value()) << ask.Err();
+  EXPECT_EQ(*code, 0) << ask.Err();
+  EXPECT_TRUE(absl::StrContains(ask.Err(), "cached_tokens=")) << ask.Err();
+  EXPECT_TRUE(absl::StrContains(ask.Err(), "state=DONE")) << ask.Err();
+
+  Child ls({STRATA_BINARY, "doc", "ls", "--server", Address()}, *dir_ + "/ls.out", *dir_ + "/ls.err");
+  code = ls.Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value() && *code == 0) << ls.Err();
+  EXPECT_TRUE(absl::StrContains(ls.Out(), "state=READY")) << ls.Out();
+
+  Child get({STRATA_BINARY, "doc", "get", "--server", Address(), "ffffffffffffffffffffffffffffffff"},
+            *dir_ + "/get.out", *dir_ + "/get.err");
+  code = get.Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 1);
+  EXPECT_TRUE(absl::StrContains(get.Err(), "NOT_FOUND")) << get.Err();
+
+  Child jobs({STRATA_BINARY, "job", "ls", "--server", Address(), "--state", "DONE"}, *dir_ + "/jobs.out",
+             *dir_ + "/jobs.err");
+  code = jobs.Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value() && *code == 0) << jobs.Err();
+  EXPECT_TRUE(absl::StrContains(jobs.Out(), "state=DONE")) << jobs.Out();
+}
+
+// Runs last (gtest runs tests in declaration order): SIGTERM drains and exits 0.
+TEST_F(ServeTest, ZzSigtermStops) {
+  auto code = server_->StopWith(SIGTERM, std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value()) << server_->Err();
+  EXPECT_EQ(*code, 0) << server_->Err();
+}
+
+}  // namespace
+}  // namespace strata
