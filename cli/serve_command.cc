@@ -13,6 +13,9 @@
 // One /metrics endpoint (--metrics-listen) exports the coordinator's, the worker's and the KV
 // tiers' metrics.
 //
+// --no-worker runs the coordinator alone (with the gRPC worker transport), for `strata worker`
+// processes that register with it.
+//
 // SIGTERM / SIGINT drain: the worker reports draining, the coordinator stops admitting work and
 // gives running jobs --drain-timeout-seconds to finish (the rest are handed back, QUEUED in the
 // catalog), then both servers stop.
@@ -61,6 +64,7 @@ struct ServeFlags {
   int64_t threads = 0;
   int64_t drain_timeout_seconds = 30;
   bool sync = true;
+  bool worker = true;
 };
 
 int Fail(const absl::Status& s) {
@@ -96,33 +100,41 @@ int Serve(const ServeFlags& f) {
     metrics_port = ports.empty() ? 0 : ports[0];
   }
 
-  // KV store (embedded).
+  // KV store (embedded) and worker, unless --no-worker.
   std::error_code mkdir_error;
   std::filesystem::create_directories(f.data, mkdir_error);
   if (mkdir_error) return Fail(absl::InternalError(absl::StrCat("cannot create ", f.data, ": ", mkdir_error.message())));
-  kvstore::LocalStoreOptions store_options;
-  store_options.path = f.data + "/kv";
-  store_options.sync_writes = f.sync;
-  store_options.metrics = &kv_metrics;
-  auto store = kvstore::LocalStore::Open(store_options);
-  if (!store.ok()) return Fail(store.status());
-
-  // Worker.
-  std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.threads));
-  worker::WorkerOptions wo;
-  wo.worker_id = "serve-worker-0";
-  wo.page_size = static_cast<int>(f.page_size);
-  wo.prefill_chunk_size = f.prefill_chunk;
-  wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
-  wo.capacity_tokens = static_cast<uint64_t>(f.max_document_tokens) * 4;
-  auto w = worker::Worker::Create(wo, m.get(), backend.get(), store->get(), store->get(), &worker_metrics);
-  if (!w.ok()) return Fail(w.status());
-  worker::WorkerServerOptions wso;
-  wso.listen_address = "127.0.0.1:0";
-  auto worker_server = worker::WorkerServer::Start(wso, w->get());
-  if (!worker_server.ok()) return Fail(worker_server.status());
-  const std::string worker_address = absl::StrCat("127.0.0.1:", (*worker_server)->port());
-  (*w)->SetAddress(worker_address);
+  std::unique_ptr<kvstore::LocalStore> store;
+  std::unique_ptr<kernels::Backend> backend;
+  std::unique_ptr<worker::Worker> w;
+  std::unique_ptr<worker::WorkerServer> worker_server;
+  std::string worker_address = "none";
+  if (f.worker) {
+    kvstore::LocalStoreOptions store_options;
+    store_options.path = f.data + "/kv";
+    store_options.sync_writes = f.sync;
+    store_options.metrics = &kv_metrics;
+    auto opened = kvstore::LocalStore::Open(store_options);
+    if (!opened.ok()) return Fail(opened.status());
+    store = *std::move(opened);
+    backend = MakeWorkerBackend(static_cast<int>(f.threads));
+    worker::WorkerOptions wo;
+    wo.worker_id = "serve-worker-0";
+    wo.page_size = static_cast<int>(f.page_size);
+    wo.prefill_chunk_size = f.prefill_chunk;
+    wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
+    wo.capacity_tokens = static_cast<uint64_t>(f.max_document_tokens) * 4;
+    auto created = worker::Worker::Create(wo, m.get(), backend.get(), store.get(), store.get(), &worker_metrics);
+    if (!created.ok()) return Fail(created.status());
+    w = *std::move(created);
+    worker::WorkerServerOptions wso;
+    wso.listen_address = "127.0.0.1:0";
+    auto started = worker::WorkerServer::Start(wso, w.get());
+    if (!started.ok()) return Fail(started.status());
+    worker_server = *std::move(started);
+    worker_address = absl::StrCat("127.0.0.1:", worker_server->port());
+    w->SetAddress(worker_address);
+  }
 
   // Coordinator.
   coordinator::CoordinatorOptions options;
@@ -155,15 +167,18 @@ int Serve(const ServeFlags& f) {
 
   worker::RegistrationOptions ro;
   ro.coordinator = absl::StrCat("127.0.0.1:", (*server)->port());
-  worker::RegistrationAgent agent(ro, w->get());
-  agent.Start();
-  if (!agent.WaitRegistered(absl::Seconds(30))) {
-    std::fprintf(stderr, "strata serve: the worker could not register with the coordinator\n");
-    return 1;
+  std::unique_ptr<worker::RegistrationAgent> agent;
+  if (w != nullptr) {
+    agent = std::make_unique<worker::RegistrationAgent>(ro, w.get());
+    agent->Start();
+    if (!agent->WaitRegistered(absl::Seconds(30))) {
+      std::fprintf(stderr, "strata serve: the worker could not register with the coordinator\n");
+      return 1;
+    }
   }
   const std::string host = f.listen.substr(0, f.listen.rfind(':'));
   STRATA_LOG(INFO) << "serve: grpc=" << host << ":" << (*server)->port() << " metrics_port=" << metrics_port
-                   << " worker=" << worker_address << " backend=" << backend->Name() << " model=" << f.model
+                   << " worker=" << worker_address << " backend=" << (backend != nullptr ? backend->Name() : "none") << " model=" << f.model
                    << " fingerprint=" << m->fingerprint << " data=" << f.data << " page_size=" << f.page_size;
   if (!f.port_file.empty()) {
     if (absl::Status s = WriteLineFile(f.port_file, absl::StrCat((*server)->port(), " ", metrics_port)); !s.ok()) {
@@ -174,11 +189,11 @@ int Serve(const ServeFlags& f) {
   int sig = 0;
   sigwait(&stop_signals, &sig);
   STRATA_LOG(INFO) << "serve: signal " << sig << ", draining (timeout " << f.drain_timeout_seconds << " s)";
-  agent.SetDraining();
+  if (agent != nullptr) agent->SetDraining();
   const int64_t handed_back = coordinator::DrainAndShutdown(
       &coordinator, server->get(), absl::Seconds(f.drain_timeout_seconds), absl::Seconds(2));
-  agent.Stop();
-  (*worker_server)->Shutdown(absl::Seconds(2));
+  if (agent != nullptr) agent->Stop();
+  if (worker_server != nullptr) worker_server->Shutdown(absl::Seconds(2));
   server->reset();
   STRATA_LOG(INFO) << "serve: stopped; " << handed_back << " running jobs handed back";
   return 0;
@@ -201,6 +216,8 @@ int RunServe(int argc, char** argv) {
   flags.Int("max-jobs", &f.max_jobs, "jobs the worker leads at the same time");
   flags.Int("threads", &f.threads, "CPU backend threads (0: all cores)");
   flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds, "on SIGTERM, how long running jobs may finish");
+  flags.Bool("worker", &f.worker,
+             "run the embedded worker and KV store (--no-worker: coordinator only, for `strata worker` processes)");
   flags.Bool("sync", &f.sync, "sync the RocksDB write-ahead logs on every write");
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);

@@ -373,6 +373,75 @@ TEST_F(ServeTest, ClientCommands) {
   EXPECT_TRUE(absl::StrContains(jobs.Out(), "state=DONE")) << jobs.Out();
 }
 
+// Reads "<grpc_port> <metrics_port>" from a port file, waiting up to 60 s; 0 on failure.
+int WaitPort(Child* child, const std::string& path) {
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (Clock::now() < deadline) {
+    if (child->Exited()) return 0;
+    std::ifstream in(path);
+    int grpc = 0;
+    if (in >> grpc && grpc > 0) return grpc;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return 0;
+}
+
+// Separate processes: `strata kvstore`, `strata serve --no-worker` (the coordinator with the gRPC
+// worker transport) and `strata worker` using the KV store service as its page store.
+TEST(WorkerProcessTest, WorkerWithRemoteKvStore) {
+  char tmpl[] = "/tmp/strata_worker_proc_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() { std::filesystem::remove_all(dir); }
+  } cleanup{dir};
+  {
+    Child make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "4", "--out", dir + "/model"},
+               dir + "/make.out", dir + "/make.err");
+    auto code = make.Wait(std::chrono::seconds(60));
+    ASSERT_TRUE(code.has_value() && *code == 0) << make.Err();
+  }
+  Child kv({STRATA_BINARY, "kvstore", "--listen", "127.0.0.1:0", "--data", dir + "/kv", "--port-file", dir + "/kv.ports",
+            "--no-sync"},
+           dir + "/kv.out", dir + "/kv.err");
+  const int kv_port = WaitPort(&kv, dir + "/kv.ports");
+  ASSERT_GT(kv_port, 0) << kv.Err();
+  Child coord({STRATA_BINARY, "serve", "--no-worker", "--model", dir + "/model", "--data", dir + "/coord", "--listen",
+               "127.0.0.1:0", "--port-file", dir + "/coord.ports", "--no-sync", "--drain-timeout-seconds", "2"},
+              dir + "/coord.out", dir + "/coord.err");
+  const int coord_port = WaitPort(&coord, dir + "/coord.ports");
+  ASSERT_GT(coord_port, 0) << coord.Err();
+  Child worker({STRATA_BINARY, "worker", "--listen", "127.0.0.1:0", "--coordinator",
+                absl::StrCat("127.0.0.1:", coord_port), "--kvstore", absl::StrCat("127.0.0.1:", kv_port), "--model",
+                dir + "/model", "--worker-id", "w1", "--port-file", dir + "/worker.ports"},
+               dir + "/worker.out", dir + "/worker.err");
+  ASSERT_GT(WaitPort(&worker, dir + "/worker.ports"), 0) << worker.Err();
+
+  const std::string doc_ids = "5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,"
+                              "34,35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,"
+                              "62,63,64,65,66,67,68,69,70,71,72,73,74,75,76,77,78,79,80";
+  const std::string server = absl::StrCat("127.0.0.1:", coord_port);
+  for (int round = 0; round < 2; ++round) {
+    Child ask({STRATA_BINARY, "ask", "--server", server, "--doc-token-ids", doc_ids, "--max-tokens", "4",
+               "--ignore-eos", "hello"},
+              dir + "/ask.out", dir + "/ask.err");
+    auto code = ask.Wait(std::chrono::seconds(120));
+    ASSERT_TRUE(code.has_value()) << ask.Err();
+    EXPECT_EQ(*code, 0) << ask.Err() << worker.Err();
+    EXPECT_TRUE(absl::StrContains(ask.Err(), "cached_tokens=76")) << ask.Err();
+    // Pages come from the KV store service (tier remote): 2 pages x 2 layers x 2 KV heads.
+    EXPECT_TRUE(absl::StrContains(ask.Err(), "pages_fetched(gpu/host/disk/remote)=0/0/0/8")) << ask.Err();
+  }
+  auto code = worker.StopWith(SIGTERM, std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << worker.Err();
+  code = coord.StopWith(SIGTERM, std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << coord.Err();
+  kv.StopWith(SIGTERM, std::chrono::seconds(30));
+}
+
 // Runs last (gtest runs tests in declaration order): SIGTERM drains and exits 0.
 TEST_F(ServeTest, ZzSigtermStops) {
   auto code = server_->StopWith(SIGTERM, std::chrono::seconds(30));
