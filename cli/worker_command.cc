@@ -3,7 +3,8 @@
 //   strata worker --listen ADDR --metrics-listen ADDR --coordinator ADDR --kvstore ADDR --model DIR
 //       [--worker-id ID] [--advertise HOST:PORT] [--port-file FILE]
 //
-// Loads the model on the CUDA backend when a GPU is present (CPU otherwise), serves the internal
+// Loads the model on the CUDA backend when a GPU is present and the binary was built with
+// -DSTRATA_WORKER_CUDA=ON (CPU otherwise; see cli/CMakeLists.txt), serves the internal
 // Worker service (with health and reflection) on --listen, stores KV pages in the KV store
 // service at --kvstore (`strata kvstore`), registers with the coordinator and heartbeats.
 // SIGTERM drains: heartbeats say draining (no new work), running jobs get

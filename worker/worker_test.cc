@@ -165,5 +165,22 @@ TEST_F(WorkerTest, ReceiverGoneCancelsTheJob) {
   EXPECT_FALSE(worker_->CancelJob("job-3"));  // no longer running
 }
 
+TEST_F(WorkerTest, CancelJobEndsWithCancelledSnapshot) {
+  ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), nullptr, nullptr).ok());
+  v1::RunJobRequest req = JobRequest("job-4", {1, 2});
+  req.mutable_params()->set_max_tokens(100000);
+  int tokens = 0;
+  v1::JobInfo last;
+  absl::Status s = worker_->RunJob(req, [&](const v1::JobEvent& e) {
+    if (e.has_tokens() && ++tokens == 3) EXPECT_TRUE(worker_->CancelJob("job-4"));
+    if (e.has_snapshot()) last = e.snapshot();
+    return true;
+  });
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(last.state(), v1::JobInfo::CANCELLED);
+  EXPECT_EQ(last.finish_reason(), v1::JobInfo::CANCELLED_BY_CLIENT);
+  EXPECT_LE(tokens, 4);
+}
+
 }  // namespace
 }  // namespace strata::worker
