@@ -209,10 +209,14 @@ function matches(selector, labels) {
     return false;
   });
 }
-// Expands $(VAR) from the container's literal env, as the kubelet does for args.
+// Expands $(VAR) from the container's env, as the kubelet does for args: literal values, and a
+// placeholder for values the kubelet fills in (fieldRef, e.g. the pod IP).
 function expandArgs(c) {
   const env = {};
-  for (const e of c.env || []) if (typeof e.value === 'string') env[e.name] = e.value;
+  for (const e of c.env || []) {
+    if (typeof e.value === 'string') env[e.name] = e.value;
+    else if (e.valueFrom && e.valueFrom.fieldRef) env[e.name] = `fieldRef(${e.valueFrom.fieldRef.fieldPath})`;
+  }
   return (c.args || []).map((a) => String(a).replace(/\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g,
     (m, v) => (v in env ? env[v] : m)));
 }
@@ -234,16 +238,17 @@ const REQUIRED_FLAGS = {
   worker: ['--listen', '--metrics-listen', '--coordinator', '--kvstore', '--model'],
   kvstore: ['--listen', '--data', '--metrics-listen'],
 };
-// The flags each process accepts (an unknown flag makes `strata` exit 2: a crash loop). From
-// cli/coordinator_command.cc and cli/kvstore_command.cc; the worker's from DESIGN.md and the
-// deployment brief, its command not being written yet. Keep in sync with the commands.
+// The flags each process accepts (an unknown flag makes `strata` exit 2: a crash loop), from
+// cli/coordinator_command.cc, cli/worker_command.cc and cli/kvstore_command.cc. Keep in sync.
 const KNOWN_FLAGS = {
   coordinator: ['--listen', '--metrics-listen', '--data', '--port-file', '--model-namespace',
     '--vocab-size', '--num-layers', '--page-size', '--target-shard-tokens', '--max-document-tokens',
     '--max-upload-mib', '--max-prompt-tokens', '--max-tokens-limit', '--max-pending-jobs',
     '--max-pending-tokens', '--heartbeat-interval-ms', '--heartbeat-timeout-ms',
     '--drain-timeout-seconds', '--sync', '--no-sync'],
-  worker: ['--listen', '--metrics-listen', '--coordinator', '--kvstore', '--model', '--host-cache-bytes'],
+  worker: ['--listen', '--metrics-listen', '--coordinator', '--kvstore', '--model', '--worker-id',
+    '--advertise', '--port-file', '--page-size', '--prefill-chunk', '--max-jobs', '--capacity-tokens',
+    '--threads', '--drain-timeout-seconds'],
   kvstore: ['--listen', '--data', '--metrics-listen', '--port-file', '--gc-interval-seconds',
     '--max-message-mib', '--threads', '--sync', '--no-sync'],
 };
@@ -260,6 +265,8 @@ function runPolicy(objects, file) {
 
   if (workloads.length === 0) problem(file, 'no Deployment or StatefulSet rendered');
   const components = new Set();
+  const workerSettings = [];  // {w, maxJobs, pageSize}
+  const coordinatorPageSizes = [];
 
   for (const w of workloads) {
     const spec = w.obj.spec || {};
@@ -323,6 +330,7 @@ function runPolicy(objects, file) {
         const mount = (c.volumeMounts || []).find((m) => data === m.mountPath || data.startsWith(m.mountPath.replace(/\/$/, '') + '/'));
         if (!mount || !claimVolumes.has(mount.name)) problem(where, `--data ${data} is not on a PersistentVolumeClaim`);
       }
+      if (component === 'coordinator') coordinatorPageSizes.push(Number(flag(argv, '--page-size') || 64));
       const res = c.resources || {};
       const req = res.requests || {};
       const lim = res.limits || {};
@@ -337,6 +345,14 @@ function runPolicy(objects, file) {
         if (parseQuantity(lim.memory) < need) {
           problem(where, `limits.memory ${lim.memory} < host cache ${(cache / GiB).toFixed(1)} GiB + shm ${(shm / GiB).toFixed(1)} GiB + 4 GiB`);
         }
+        // A worker registers an address the coordinator and its peers dial.
+        const listenHost = (flag(argv, '--listen') || '').replace(/:\d+$/, '');
+        const adv = flag(argv, '--advertise');
+        if (['0.0.0.0', '[::]', ''].includes(listenHost) && !adv) {
+          problem(where, 'a worker listening on all interfaces needs --advertise (e.g. $(POD_IP):port)');
+        }
+        if (adv && portOf(adv) !== ports.grpc) problem(where, `--advertise ${adv} is not on the grpc port ${ports.grpc}`);
+        workerSettings.push({ w, maxJobs: Number(flag(argv, '--max-jobs') || 4), pageSize: Number(flag(argv, '--page-size') || 64) });
         for (const f of ['--coordinator', '--kvstore']) {
           const addr = flag(argv, f) || '';
           const host = addr.replace(/:\d+$/, '').split('.')[0];
@@ -401,6 +417,17 @@ function runPolicy(objects, file) {
       }
     }
     if (!(so.obj.spec.minReplicaCount <= so.obj.spec.maxReplicaCount)) problem(so.where, 'minReplicaCount > maxReplicaCount');
+    // desired = ceil(jobs / threshold): a threshold above --max-jobs under-provisions.
+    const target = workerSettings.find((x) => x.w.obj.metadata.name === ref.name && nsOf(x.w) === nsOf(so));
+    for (const t of so.obj.spec.triggers || []) {
+      const th = Number((t.metadata || {}).threshold);
+      if (target && th > target.maxJobs) problem(so.where, `threshold ${th} jobs per worker > the worker's --max-jobs ${target.maxJobs}`);
+    }
+  }
+  for (const x of workerSettings) {
+    for (const ps of coordinatorPageSizes) {
+      if (ps !== x.pageSize) problem(x.w.where, `--page-size ${x.pageSize} differs from the coordinator's ${ps}`);
+    }
   }
 }
 if (policy) {
