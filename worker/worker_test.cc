@@ -165,6 +165,34 @@ TEST_F(WorkerTest, ReceiverGoneCancelsTheJob) {
   EXPECT_FALSE(worker_->CancelJob("job-3"));  // no longer running
 }
 
+TEST_F(WorkerTest, SparsePolicyAttendsLessThanTheContext) {
+  ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), nullptr, nullptr).ok());
+  v1::RunJobRequest req = JobRequest("job-5", {1, 2, 3});
+  req.mutable_policy()->set_name("quest");
+  req.mutable_policy()->set_budget_tokens(16);
+  req.mutable_policy()->set_sink_tokens(4);
+  req.mutable_policy()->set_window_tokens(16);
+  req.mutable_policy()->set_page_size(64);
+  v1::JobInfo last;
+  ASSERT_TRUE(worker_->RunJob(req, [&](const v1::JobEvent& e) {
+    if (e.has_snapshot()) last = e.snapshot();
+    return true;
+  }).ok());
+  ASSERT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
+  EXPECT_EQ(last.output_token_ids_size(), 8);
+  EXPECT_GT(last.usage().mean_attended_tokens(), 0.0);
+  EXPECT_LT(last.usage().mean_attended_tokens(), static_cast<double>(doc_.size()));
+
+  req.set_job_id("job-6");
+  req.mutable_policy()->set_page_size(32);  // not the deployment's page size
+  ASSERT_TRUE(worker_->RunJob(req, [&](const v1::JobEvent& e) {
+    if (e.has_snapshot()) last = e.snapshot();
+    return true;
+  }).ok());
+  EXPECT_EQ(last.state(), v1::JobInfo::FAILED);
+  EXPECT_EQ(last.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+}
+
 TEST_F(WorkerTest, CancelJobEndsWithCancelledSnapshot) {
   ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), nullptr, nullptr).ok());
   v1::RunJobRequest req = JobRequest("job-4", {1, 2});
