@@ -194,6 +194,7 @@ int Serve(const ServeFlags& f) {
       &coordinator, server->get(), absl::Seconds(f.drain_timeout_seconds), absl::Seconds(2));
   if (agent != nullptr) agent->Stop();
   if (worker_server != nullptr) worker_server->Shutdown(absl::Seconds(2));
+  worker_client.Shutdown();  // its callbacks reach the coordinator: before the coordinator goes
   server->reset();
   STRATA_LOG(INFO) << "serve: stopped; " << handed_back << " running jobs handed back";
   return 0;

@@ -20,7 +20,9 @@ std::chrono::system_clock::time_point DeadlineIn(int64_t ms) {
 
 GrpcWorkerClient::GrpcWorkerClient(const GrpcWorkerClientOptions& options) : options_(options) {}
 
-GrpcWorkerClient::~GrpcWorkerClient() {
+GrpcWorkerClient::~GrpcWorkerClient() { Shutdown(); }
+
+void GrpcWorkerClient::Shutdown() {
   absl::MutexLock lock(&mu_);
   shutting_down_ = true;
   for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();

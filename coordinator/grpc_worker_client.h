@@ -37,7 +37,12 @@ struct GrpcWorkerClientOptions {
 class GrpcWorkerClient final : public WorkerClient {
  public:
   explicit GrpcWorkerClient(const GrpcWorkerClientOptions& options = {});
-  ~GrpcWorkerClient() override;
+  ~GrpcWorkerClient() override;  // Shutdown()
+
+  // Cancels the calls in flight and waits until their on_done callbacks have run; later calls
+  // get on_done(CANCELLED) at once. Call it while the receiver of the callbacks (the
+  // Coordinator) is still alive. Idempotent.
+  void Shutdown();
 
   void PrefillShard(const v1::WorkerInfo& worker, const v1::PrefillShardRequest& request, ProgressFn on_progress,
                     DoneFn on_done) override;
