@@ -1,0 +1,135 @@
+// The worker's gRPC service driven through coordinator::GrpcWorkerClient (the coordinator's
+// transport), in one process on 127.0.0.1: prefill progress and completion, a job's events and
+// its single on_done, CancelJob of a running job, and an unreachable worker.
+#include "worker/service.h"
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "coordinator/grpc_worker_client.h"
+#include "gtest/gtest.h"
+#include "kvstore/local_store.h"
+#include "model/random_model.h"
+#include "prometheus/registry.h"
+
+namespace strata::worker {
+namespace {
+
+constexpr char kDocId[] = "fedcba9876543210fedcba9876543210";
+
+TEST(WorkerServiceTest, GrpcWorkerClientDrivesTheWorker) {
+  char tmpl[] = "/tmp/strata_worker_service_test_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  model::RandomModelOptions mo;
+  mo.seed = 11;
+  mo.write_tokenizer = false;
+  std::printf("seed=%llu\n", static_cast<unsigned long long>(mo.seed));
+  ASSERT_TRUE(model::WriteRandomModel(dir + "/model", mo).ok());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto m, model::LoadModel(dir + "/model"));
+  auto backend = kernels::MakeCpuBackend(1);
+  prometheus::Registry registry;
+  kvstore::KvMetrics kv_metrics(&registry);
+  kvstore::LocalStoreOptions so;
+  so.path = dir + "/kv";
+  so.sync_writes = false;
+  so.metrics = &kv_metrics;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto store, kvstore::LocalStore::Open(so));
+  WorkerOptions wo;
+  wo.prefill_chunk_size = 32;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(wo, m.get(), backend.get(), store.get(), store.get(), nullptr));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto server, WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0"}, w.get()));
+  w->SetAddress(absl::StrCat("127.0.0.1:", server->port()));
+  const v1::WorkerInfo info = w->Info();
+  EXPECT_EQ(info.address(), absl::StrCat("127.0.0.1:", server->port()));
+  EXPECT_EQ(info.backend(), "cpu");
+
+  coordinator::GrpcWorkerClient client;
+  std::vector<int32_t> doc;
+  for (int i = 0; i < 100; ++i) doc.push_back(1 + i * 3);
+  v1::PrefillShardRequest prefill;
+  prefill.mutable_shard()->set_document_id(kDocId);
+  prefill.mutable_shard()->set_end_page(2);
+  prefill.mutable_shard_map()->set_page_size(64);
+  prefill.mutable_shard_map()->set_num_tokens(doc.size());
+  prefill.mutable_token_ids()->Assign(doc.begin(), doc.end());
+  std::vector<v1::PrefillShardProgress> progress;  // written by the client's thread before on_done
+  absl::Notification prefilled;
+  absl::Status prefill_status;
+  std::atomic<int> prefill_done{0};
+  client.PrefillShard(
+      info, prefill, [&](const v1::PrefillShardProgress& p) { progress.push_back(p); },
+      [&](const absl::Status& s) {
+        prefill_status = s;
+        if (++prefill_done == 1) prefilled.Notify();
+      });
+  ASSERT_TRUE(prefilled.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_TRUE(prefill_status.ok()) << prefill_status;
+  ASSERT_GE(progress.size(), 2u);
+  EXPECT_TRUE(progress.back().complete());
+  EXPECT_EQ(progress.back().pages_persisted(), 2u);
+
+  // A job that would run long, cancelled through CancelJob once tokens flow.
+  v1::RunJobRequest job;
+  job.set_job_id("job-a");
+  job.mutable_shard_map()->set_document_id(kDocId);
+  job.mutable_shard_map()->set_page_size(64);
+  job.mutable_shard_map()->add_shards()->mutable_range()->set_document_id(kDocId);
+  job.add_prompt_token_ids(9);
+  job.mutable_params()->set_max_tokens(200000);
+  job.mutable_params()->set_ignore_eos(true);
+  std::atomic<int> tokens{0};
+  std::atomic<int> job_done{0};
+  v1::JobInfo last;
+  absl::Status job_status;
+  absl::Notification finished;
+  client.RunJob(
+      info, job,
+      [&](const v1::JobEvent& e) {
+        if (e.has_tokens() && ++tokens == 5) client.CancelJob(info, "job-a");
+        if (e.has_snapshot()) last = e.snapshot();
+      },
+      [&](const absl::Status& s) {
+        job_status = s;
+        if (++job_done == 1) finished.Notify();
+      });
+  ASSERT_TRUE(finished.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_TRUE(job_status.ok()) << job_status;
+  EXPECT_EQ(last.state(), v1::JobInfo::CANCELLED);
+  EXPECT_EQ(last.usage().cached_tokens(), doc.size());
+  EXPECT_GE(tokens.load(), 5);
+  EXPECT_LT(tokens.load(), 100000);
+
+  // An address where nothing listens: on_done once with UNAVAILABLE.
+  v1::WorkerInfo nowhere = info;
+  nowhere.set_address("127.0.0.1:1");
+  absl::Notification failed;
+  absl::Status failed_status;
+  client.RunJob(
+      nowhere, job, [](const v1::JobEvent&) {},
+      [&](const absl::Status& s) {
+        failed_status = s;
+        failed.Notify();
+      });
+  ASSERT_TRUE(failed.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(failed_status.code(), absl::StatusCode::kUnavailable) << failed_status;
+
+  client.Shutdown();
+  EXPECT_EQ(prefill_done.load(), 1);
+  EXPECT_EQ(job_done.load(), 1);
+  server->Shutdown(absl::Seconds(1));
+  server.reset();
+  w.reset();
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace strata::worker
