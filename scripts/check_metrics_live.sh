@@ -2,14 +2,15 @@
 # Starts the Strata server processes that exist (strata kvstore, strata coordinator) on loopback
 # with free ports, scrapes their /metrics and checks each scrape against the metric catalogue
 # (docs/metrics.md) with deploy/tools/check_metrics.js --exposition: every strata_* family must be
-# catalogued with the same type, and carry only catalogued labels and label values. Registered
-# with ctest as deploy.metrics_live (label deploy).
+# catalogued with the same type, and carry only catalogued labels and label values; and each
+# scrape passes `promtool check metrics` (Prometheus' naming lint). Registered with ctest as
+# deploy.metrics_live (label deploy).
 #
 #   scripts/check_metrics_live.sh STRATA_BINARY [--require-all]
 #
 # --require-all also fails when a metric the catalogue assigns to the process is missing
 # (check_metrics.js --process); without it the missing ones are listed as a note.
-# Needs node and curl; deploy/tools installed (scripts/check_deploy.sh or deploy/tools/install.sh).
+# Needs node, curl and promtool (scripts/install_deps.sh); installs deploy/tools when missing.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,6 +20,7 @@ REQUIRE_ALL=0
 CHECK="$REPO/deploy/tools/check_metrics.js"
 command -v node >/dev/null || { echo "check_metrics_live: node not found" >&2; exit 1; }
 command -v curl >/dev/null || { echo "check_metrics_live: curl not found" >&2; exit 1; }
+command -v promtool >/dev/null || { echo "check_metrics_live: promtool not found" >&2; exit 1; }
 "$REPO/deploy/tools/install.sh" >&2
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/strata-metrics-live.XXXXXX")"
@@ -60,6 +62,11 @@ check() {  # NAME: scrape and check
   if ! node "$CHECK" --catalog "$REPO/docs/metrics.md" --exposition "$WORK/$name.txt"; then
     fails=$((fails + 1))
     return
+  fi
+  if ! promtool check metrics <"$WORK/$name.txt" >"$WORK/$name.lint" 2>&1; then
+    cat "$WORK/$name.lint" >&2
+    echo "FAIL promtool check metrics on strata $name's scrape" >&2
+    fails=$((fails + 1))
   fi
   if ! node "$CHECK" --catalog "$REPO/docs/metrics.md" --exposition "$WORK/$name.txt" \
        --process "$name" >"$WORK/$name.missing" 2>&1; then
