@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Starts the Strata server processes that exist (strata kvstore, strata coordinator) on loopback
-# with free ports, scrapes their /metrics and checks each scrape against the metric catalogue
+# Starts the Strata server processes (strata kvstore, strata coordinator, and a strata worker with
+# the tiny golden test model tests/fixtures/golden/llama, registered with that coordinator) on
+# loopback with free ports, scrapes their /metrics and checks each scrape against the metric catalogue
 # (docs/metrics.md) with deploy/tools/check_metrics.js --exposition: every strata_* family must be
 # catalogued with the same type, and carry only catalogued labels and label values; and each
 # scrape passes `promtool check metrics` (Prometheus' naming lint). Registered with ctest as
@@ -82,7 +83,12 @@ check() {  # NAME: scrape and check
 
 start kvstore --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data "$WORK/kvstore-data"
 start coordinator --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data "$WORK/coordinator-data"
+start worker --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
+  --coordinator "127.0.0.1:$(cut -d' ' -f1 "$WORK/coordinator.ports")" \
+  --kvstore "127.0.0.1:$(cut -d' ' -f1 "$WORK/kvstore.ports")" \
+  --model "$REPO/tests/fixtures/golden/llama"
 check kvstore
 check coordinator
+check worker
 [ "$fails" -eq 0 ] || { echo "check_metrics_live: $fails scrape(s) do not match docs/metrics.md" >&2; exit 1; }
-echo "check_metrics_live: kvstore and coordinator scrapes match docs/metrics.md"
+echo "check_metrics_live: kvstore, coordinator and worker scrapes match docs/metrics.md"

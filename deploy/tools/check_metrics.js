@@ -98,7 +98,7 @@ const documentedRules = new Set();
     } else if (section === 'Label values' && /^`[a-z_]+`$/.test(cells[0])) {
       const label = cells[0].replace(/`/g, '');
       const values = [...(cells[1] || '').matchAll(/`([a-z_]+)`/g)].map((m) => m[1]);
-      labelValues.set(label, new Set(values));
+      if (values.length) labelValues.set(label, new Set(values));  // else an open (bounded) set
     } else if (section.startsWith('Derived series')) {
       for (const m of (cells[0] || '').matchAll(/`(strata:[a-z0-9_:]+)`/g)) documentedRules.add(m[1]);
     }
