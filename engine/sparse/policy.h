@@ -31,6 +31,13 @@
 // vote (sum over heads of the per-head softmax of the page/branch/token scores).
 // With several query tokens (chunked prefill) selection uses the mean query of the chunk.
 //
+// Deviations from the papers (see also bench/RESULTS.md): radar uses fixed segments of G pages
+// with merged summaries instead of rebuilding sqrt(t)-token segments (so keys are never re-read,
+// DIGEST 6.3) and ranks pages inside the best segments; its feature map is the one-sided map of
+// the paper (Eq. 4), not the code's two-sided one. hip has no separate mask-refresh interval: the
+// selection cache decides reuse, as for the other query-aware policies. GQA is always handled by
+// head soft vote over the group's query heads (one selection per KV head).
+//
 // Selection cache (TokenSelect): per (layer, KV head) the last query (the group's query heads,
 // concatenated) and its middle selection are kept; the selection is reused while
 // cosine(query, cached query) >= theta.
