@@ -6,24 +6,27 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
-#if defined(STRATA_HAVE_CUDA)
-#include "kernels/cuda_backend.h"
-#endif
+#include "kernels/backend_factory.h"
 
 namespace strata::cli {
 
 std::unique_ptr<kernels::Backend> MakeWorkerBackend(int threads) {
-#if defined(STRATA_HAVE_CUDA)
-  auto cuda = kernels::MakeCudaBackend(0);
-  if (cuda.ok()) {
-    STRATA_LOG(INFO) << "backend: cuda (device 0)";
-    return *std::move(cuda);
+  kernels::BackendOptions options;
+  options.kind = kernels::BackendKind::kAuto;
+  options.cpu_threads = threads;
+  std::string why_not_cuda;
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
+      kernels::MakeBackend(options, &why_not_cuda);
+  if (!backend.ok()) {  // kAuto only fails if even the CPU backend cannot be made
+    STRATA_LOG(ERROR) << "backend: " << backend.status() << "; using cpu";
+    return kernels::MakeCpuBackend(threads);
   }
-  STRATA_LOG(INFO) << "backend: cpu (no CUDA device: " << cuda.status() << ")";
-#else
-  STRATA_LOG(INFO) << "backend: cpu (built without CUDA)";
-#endif
-  return kernels::MakeCpuBackend(threads);
+  if (why_not_cuda.empty()) {
+    STRATA_LOG(INFO) << "backend: " << (*backend)->Name();
+  } else {
+    STRATA_LOG(INFO) << "backend: cpu (" << why_not_cuda << ")";
+  }
+  return *std::move(backend);
 }
 
 absl::Status WriteLineFile(const std::string& path, const std::string& line) {

@@ -12,8 +12,8 @@
 
 namespace strata::cli {
 
-// The CUDA backend on device 0 when this build has it and a GPU is present, else the CPU backend
-// (`threads` CPU threads; 0 = all cores). Logs the choice.
+// The CUDA backend on device 0 when the plugin libstrata_cuda.so loads and a GPU is present, else
+// the CPU backend (`threads` CPU threads; 0 = all cores). Logs the choice.
 std::unique_ptr<kernels::Backend> MakeWorkerBackend(int threads);
 
 // Writes `line` to `path` atomically (temp file + rename). Internal on failure.
