@@ -38,7 +38,7 @@ HostCache::HostCache(const HostCacheOptions& options) : options_(options) {
 }
 
 HostCache::~HostCache() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   m_.resident_bytes->Set(0);
 }
 
@@ -47,7 +47,7 @@ void HostCache::Lookup(const std::vector<std::string>& keys, std::vector<PageRef
   out->assign(keys.size(), nullptr);
   int64_t hits = 0;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < keys.size(); ++i) {
       auto it = map_.find(keys[i]);
       if (it == map_.end()) continue;
@@ -89,7 +89,7 @@ absl::Status HostCache::Insert(std::string key, const DocumentId& doc, const Pag
     ref = *std::move(copy);
   }
   std::vector<PageRef> evicted;  // released outside the lock
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = map_.find(key);
   if (it != map_.end()) {
     resident_ -= static_cast<int64_t>(it->second->data->size());
@@ -127,7 +127,7 @@ absl::Status HostCache::Put(absl::Span<const PageWrite> pages,
 
 void HostCache::EraseDocument(const DocumentId& document) {
   std::vector<PageRef> dropped;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   for (auto it = lru_.begin(); it != lru_.end();) {
     if (it->document != document) {
       ++it;
@@ -142,12 +142,12 @@ void HostCache::EraseDocument(const DocumentId& document) {
 }
 
 int64_t HostCache::resident_bytes() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return resident_;
 }
 
 int64_t HostCache::num_entries() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int64_t>(map_.size());
 }
 

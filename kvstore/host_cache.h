@@ -4,7 +4,8 @@
 // a pinned-memory allocator); pages inserted from another allocator are copied. Entries larger
 // than the whole budget are not cached. Not durable: Put succeeds as soon as the entries are in
 // memory. Counts lookups, hits, evictions and resident/capacity bytes under tier "host".
-// Thread-safe (one mutex; the critical sections are hash-map and list operations).
+// Thread-safe (one mutex; the critical sections are hash-map and list operations). Standard
+// library locks are used so that TSan sees them (Debian's Abseil is not TSan-instrumented).
 #ifndef STRATA_KVSTORE_HOST_CACHE_H_
 #define STRATA_KVSTORE_HOST_CACHE_H_
 
@@ -16,7 +17,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 #include "kvstore/metrics.h"
 #include "kvstore/page_store.h"
 
@@ -71,10 +72,10 @@ class HostCache final : public PageStore {
   std::unique_ptr<KvMetrics> own_metrics_;
   TierMetrics m_;
 
-  mutable absl::Mutex mu_;
-  Lru lru_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Lru::iterator> map_ ABSL_GUARDED_BY(mu_);
-  int64_t resident_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable std::mutex mu_;
+  Lru lru_;                                               // guarded by mu_
+  absl::flat_hash_map<std::string, Lru::iterator> map_;  // guarded by mu_
+  int64_t resident_ = 0;                                  // guarded by mu_
 };
 
 }  // namespace strata::kvstore

@@ -183,7 +183,7 @@ absl::Status LocalStore::OpenDb() {
   return absl::OkStatus();
 }
 
-absl::Mutex& LocalStore::StripeFor(const DocumentId& id) {
+std::shared_mutex& LocalStore::StripeFor(const DocumentId& id) {
   return stripes_[id.bytes[0] % kStripes];
 }
 
@@ -274,13 +274,13 @@ absl::Status LocalStore::Put(absl::Span<const PageWrite> pages,
   for (const PageWrite& w : pages) docs.insert(w.key.document);
   for (const SummaryWrite& w : summaries) docs.insert(w.key.document);
   for (const DocumentId& d : docs) stripe_ids.insert(d.bytes[0] % kStripes);
-  std::vector<absl::Mutex*> held;
+  std::vector<std::shared_mutex*> held;
   for (int i : stripe_ids) {
-    stripes_[i].ReaderLock();
+    stripes_[i].lock_shared();
     held.push_back(&stripes_[i]);
   }
   auto unlock = [&held] {
-    for (auto it = held.rbegin(); it != held.rend(); ++it) (*it)->ReaderUnlock();
+    for (auto it = held.rbegin(); it != held.rend(); ++it) (*it)->unlock_shared();
   };
 
   absl::flat_hash_map<std::string, std::pair<v1::Document, KvLayout>> meta;
@@ -408,7 +408,7 @@ absl::StatusOr<v1::Document> LocalStore::CreateDocument(const v1::CreateDocument
   }
   if (request.ttl_seconds() < 0) return absl::InvalidArgumentError("ttl_seconds < 0");
 
-  absl::MutexLock lock(&StripeFor(*id));
+  std::unique_lock<std::shared_mutex> lock(StripeFor(*id));
   absl::StatusOr<v1::Document> existing = GetDocumentMetadata(*id);
   if (existing.ok()) {
     if (existing->model_fingerprint() != request.model_fingerprint() ||
@@ -438,7 +438,7 @@ absl::StatusOr<v1::Document> LocalStore::CreateDocument(const v1::CreateDocument
 }
 
 absl::StatusOr<v1::Document> LocalStore::FinalizeDocument(const DocumentId& id) {
-  absl::MutexLock lock(&StripeFor(id));
+  std::unique_lock<std::shared_mutex> lock(StripeFor(id));
   absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
   if (!doc.ok()) return doc.status();
   if (absl::Status s = FillCounts(&*doc); !s.ok()) return s;
@@ -491,7 +491,7 @@ absl::StatusOr<std::vector<v1::Document>> LocalStore::ListDocuments(
 absl::StatusOr<v1::Document> LocalStore::PinDocument(const DocumentId& id, bool pinned,
                                                      int64_t ttl_seconds) {
   if (ttl_seconds < 0) return absl::InvalidArgumentError("ttl_seconds < 0");
-  absl::MutexLock lock(&StripeFor(id));
+  std::unique_lock<std::shared_mutex> lock(StripeFor(id));
   absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
   if (!doc.ok()) return doc.status();
   doc->set_pinned(pinned);
@@ -501,7 +501,7 @@ absl::StatusOr<v1::Document> LocalStore::PinDocument(const DocumentId& id, bool 
 }
 
 absl::Status LocalStore::DeleteDocument(const DocumentId& id) {
-  absl::MutexLock lock(&StripeFor(id));
+  std::unique_lock<std::shared_mutex> lock(StripeFor(id));
   absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
   if (!doc.ok()) return doc.status();
   return DeleteDocumentLocked(id);
@@ -567,7 +567,7 @@ absl::StatusOr<int> LocalStore::CollectGarbage(int64_t now_micros) {
   int deleted = 0;
   for (const DocumentId& id : expired) {
     // Re-check under the lock: it may have been pinned, extended or deleted since the scan.
-    absl::MutexLock lock(&StripeFor(id));
+    std::unique_lock<std::shared_mutex> lock(StripeFor(id));
     absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
     if (!doc.ok() || doc->pinned() || doc->expire_time_micros() == 0 ||
         doc->expire_time_micros() > now_micros) {

@@ -477,7 +477,13 @@ void KvStoreServer::GcLoop(int64_t interval_ms) {
   const int64_t tick_ms = std::min<int64_t>(interval_ms, 5000);
   int64_t since_gc_ms = 0;
   store_->UpdateResidentBytes();
-  while (!stop_gc_.WaitForNotificationWithTimeout(absl::Milliseconds(tick_ms))) {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(gc_mu_);
+      if (gc_cv_.wait_for(lock, std::chrono::milliseconds(tick_ms), [this] { return stop_gc_; })) {
+        return;
+      }
+    }
     store_->UpdateResidentBytes();
     since_gc_ms += tick_ms;
     if (since_gc_ms < interval_ms) continue;
@@ -488,7 +494,7 @@ void KvStoreServer::GcLoop(int64_t interval_ms) {
 }
 
 void KvStoreServer::Shutdown(int64_t deadline_ms) {
-  absl::MutexLock lock(&shutdown_mu_);
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
   if (shut_down_) return;
   shut_down_ = true;
   if (server_ != nullptr) {
@@ -496,7 +502,11 @@ void KvStoreServer::Shutdown(int64_t deadline_ms) {
     if (health != nullptr) health->Shutdown();
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
   }
-  stop_gc_.Notify();
+  {
+    std::lock_guard<std::mutex> gc_lock(gc_mu_);
+    stop_gc_ = true;
+  }
+  gc_cv_.notify_all();
   if (gc_thread_.joinable()) gc_thread_.join();
 }
 

@@ -14,8 +14,8 @@
 #include <string>
 #include <thread>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
+#include <condition_variable>
+#include <mutex>
 #include "kvstore/local_store.h"
 #include "kvstore/metrics.h"
 #include "strata/v1/kvstore.grpc.pb.h"
@@ -122,10 +122,13 @@ class KvStoreServer {
   std::unique_ptr<KvStoreService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  absl::Notification stop_gc_;
+  // std locks (not absl): visible to TSan, Debian's Abseil is not instrumented.
+  std::mutex gc_mu_;
+  std::condition_variable gc_cv_;
+  bool stop_gc_ = false;  // guarded by gc_mu_
   std::thread gc_thread_;
-  absl::Mutex shutdown_mu_;
-  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  std::mutex shutdown_mu_;
+  bool shut_down_ = false;  // guarded by shutdown_mu_
 };
 
 }  // namespace strata::kvstore

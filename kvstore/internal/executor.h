@@ -9,7 +9,8 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include <condition_variable>
+#include <mutex>
 
 namespace strata::kvstore::internal {
 
@@ -25,9 +26,10 @@ class Executor {
  private:
   void Loop();
 
-  absl::Mutex mu_;
-  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::mutex mu_;  // std locks: visible to TSan (Debian's Abseil is not instrumented)
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
   std::vector<std::thread> threads_;
 };
 

@@ -11,11 +11,11 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
 #include "base/clock.h"
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
@@ -86,7 +86,7 @@ TEST(KvstoreCrashTest, SigkillDuringWritesLosesNothingAcknowledged) {
   KvstoreProcess server;
   STRATA_ASSERT_OK(server.Start(data));
 
-  absl::Mutex mu;
+  std::mutex mu;
   std::map<std::string, WrittenDoc> docs;  // by id
   std::atomic<int> finalized{0};
   std::atomic<bool> stop{false};
@@ -103,7 +103,7 @@ TEST(KvstoreCrashTest, SigkillDuringWritesLosesNothingAcknowledged) {
         const uint64_t seed = 1000 * (t + 1) + i;
         const v1::CreateDocumentRequest r = kvstore::testing::MakeDocumentRequest(Layout(), kTokens, seed);
         {
-          absl::MutexLock lock(&mu);
+          std::lock_guard<std::mutex> lock(mu);
           docs[r.document_id()] = WrittenDoc{r, seed, 0, false};
         }
         bool created = false;
@@ -117,13 +117,13 @@ TEST(KvstoreCrashTest, SigkillDuringWritesLosesNothingAcknowledged) {
                               absl::MakeSpan(summaries).subspan(b, n)).ok()) {
             return;  // the server is gone
           }
-          absl::MutexLock lock(&mu);
+          std::lock_guard<std::mutex> lock(mu);
           docs[r.document_id()].acked_pages += n;
         }
         const DocumentId id = *DocumentId::FromHex(r.document_id());
         if (!(*remote)->FinalizeDocument(id).ok()) return;
         {
-          absl::MutexLock lock(&mu);
+          std::lock_guard<std::mutex> lock(mu);
           docs[r.document_id()].finalized = true;
         }
         finalized.fetch_add(1);

@@ -29,6 +29,10 @@ TempDir::TempDir() {
 }
 
 TempDir::~TempDir() {
+  if (std::getenv("STRATA_TEST_KEEP_TMP") != nullptr) {  // debugging: keep data and logs
+    std::fprintf(stderr, "kept %s\n", path_.c_str());
+    return;
+  }
   std::error_code ec;
   if (!path_.empty()) std::filesystem::remove_all(path_, ec);
 }
@@ -99,6 +103,17 @@ int KvstoreProcess::Stop(int signal) {
   }
   pid_ = -1;
   return status;
+}
+
+std::string KvstoreProcess::LogTail(size_t max_bytes) const {
+  FILE* f = std::fopen(log_path_.c_str(), "r");
+  if (f == nullptr) return "";
+  std::string content;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) content.append(buf, n);
+  std::fclose(f);
+  return content.size() > max_bytes ? content.substr(content.size() - max_bytes) : content;
 }
 
 bool ExitedCleanly(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == 0; }

@@ -12,7 +12,8 @@
 
 namespace strata::tests {
 
-// A temporary directory, removed (recursively) by the destructor.
+// A temporary directory, removed (recursively) by the destructor unless STRATA_TEST_KEEP_TMP is
+// set in the environment (then its path is printed, for debugging).
 class TempDir {
  public:
   TempDir();
@@ -37,6 +38,8 @@ class KvstoreProcess {
   int metrics_port() const { return metrics_port_; }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   std::string log_path() const { return log_path_; }
+  // The last `max_bytes` of the child's stdout/stderr (for failure messages).
+  std::string LogTail(size_t max_bytes = 4000) const;
 
  private:
   pid_t pid_ = -1;
