@@ -5,9 +5,15 @@
 //   chunk_hint;
 // - the 32 greedy tokens (EOS ignored) exactly.
 // The test fails when no case is found. Run from the repository root (ctest sets it).
+//
+// Built twice: golden_test on the CPU backend, and golden_gpu_test (STRATA_GOLDEN_CUDA, ctest
+// label gpu) on the CUDA backend loaded through kernels::MakeBackend, which must reproduce the
+// same logits within the same tolerance and the greedy tokens exactly; it is skipped, saying so,
+// where no GPU is present.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -22,6 +28,7 @@
 #include "engine/transformer.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/backend_factory.h"
 #include "model/model.h"
 #include "nlohmann/json.hpp"
 
@@ -106,13 +113,10 @@ std::vector<std::string> CaseDirs() {
   return dirs;
 }
 
-TEST(GoldenTest, DenseCpuPathReproducesTransformers) {
+void RunGoldenCases(kernels::Backend* backend) {
   const std::vector<std::string> dirs = CaseDirs();
   ASSERT_FALSE(dirs.empty()) << "no golden cases under " << kGoldenDir
                              << " (run from the repository root)";
-  // One thread: the models are tiny, and on a shared build machine an OpenMP team mostly waits
-  // for descheduled members (the multi-threaded kernels are covered by cpu_backend_test).
-  auto backend = kernels::MakeCpuBackend(1);
   for (const std::string& dir : dirs) {
     SCOPED_TRACE(dir);
     Expected e;
@@ -133,9 +137,9 @@ TEST(GoldenTest, DenseCpuPathReproducesTransformers) {
       TransformerOptions opt;
       opt.prefill_chunk_size = chunk;
       STRATA_ASSERT_OK_AND_ASSIGN(auto tf,
-                                  Transformer::Create(m->config, m->weights, backend.get(), opt));
+                                  Transformer::Create(m->config, m->weights, backend, opt));
       STRATA_ASSERT_OK_AND_ASSIGN(auto cache,
-                                  KvCache::Create(tf->MakeCacheOptions(n, 16), backend.get()));
+                                  KvCache::Create(tf->MakeCacheOptions(n, 16), backend));
       auto policy = MakeDensePolicy();
       std::vector<float> logits(n * vocab, NAN);
       STRATA_ASSERT_OK(tf->Forward(e.prompt_ids.data(), n, 0, cache.get(), policy.get(),
@@ -150,8 +154,9 @@ TEST(GoldenTest, DenseCpuPathReproducesTransformers) {
         }
       }
       EXPECT_LE(worst, tol) << "chunk " << chunk;
-      std::printf("golden %s chunk=%lld: max|diff|=%.3g (tolerance %.3g, max|logit| %.3g)\n",
-                  dir.c_str(), static_cast<long long>(chunk), worst, tol, max_ref);
+      std::printf("golden[%s] %s chunk=%lld: max|diff|=%.3g (tolerance %.3g, max|logit| %.3g)\n",
+                  backend->Name().c_str(), dir.c_str(), static_cast<long long>(chunk), worst, tol,
+                  max_ref);
 
       GenerateOptions gen;
       gen.max_tokens = static_cast<int64_t>(e.greedy_ids.size());
@@ -164,6 +169,25 @@ TEST(GoldenTest, DenseCpuPathReproducesTransformers) {
     }
   }
 }
+
+#ifndef STRATA_GOLDEN_CUDA
+TEST(GoldenTest, DenseCpuPathReproducesTransformers) {
+  // One thread: the models are tiny, and on a shared build machine an OpenMP team mostly waits
+  // for descheduled members (the multi-threaded kernels are covered by cpu_backend_test).
+  auto backend = kernels::MakeCpuBackend(1);
+  RunGoldenCases(backend.get());
+}
+#else
+TEST(GoldenTest, DenseCudaPathReproducesTransformers) {
+  kernels::BackendOptions options;
+  options.kind = kernels::BackendKind::kCuda;
+  const char* env = std::getenv("STRATA_CUDA_PLUGIN");
+  options.cuda_plugin = env != nullptr && *env != '\0' ? env : STRATA_CUDA_PLUGIN_PATH;
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend = kernels::MakeBackend(options);
+  if (!backend.ok()) GTEST_SKIP() << "no CUDA GPU: skipped (" << backend.status() << ")";
+  RunGoldenCases(backend->get());
+}
+#endif
 
 }  // namespace
 }  // namespace strata::engine

@@ -20,9 +20,12 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 tar -C "$WORK" -xzf "$BUNDLE/libs.tar.gz"
 export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
 export PATH="/usr/local/cuda/bin:$PATH"
+# The CUDA backend plugin that kernels::MakeBackend loads (golden_gpu_test, strata).
+export STRATA_CUDA_PLUGIN="$BUNDLE/bin/libstrata_cuda.so"
 # The CUDA toolkit libraries (cudart, cuBLAS) come from the machine; if the default places lack
 # them, look for them (CUDA install or the nvidia-* Python wheels) and add their folders.
 for bin in "$BUNDLE"/bin/*; do
+  [ -x "$bin" ] || continue
   if ldd "$bin" | grep -q "not found"; then
     for lib in $(ldd "$bin" | awk '/not found/ {print $1}'); do
       dir=$(find /usr /opt -name "$lib" -print -quit 2>/dev/null | xargs -r dirname)

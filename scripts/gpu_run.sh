@@ -8,8 +8,8 @@
 # Env: STRATA_GPU_BUILD_DIR (default build-cuda), STRATA_JOBS (default 2).
 #
 # What is bundled (.gpu/):
-#   bin/            the test binaries with ctest label `gpu`, cuda_attention_bench, strata (if built),
-#                   stripped
+#   bin/            the test binaries with ctest label `gpu`, cuda_attention_bench, the CUDA plugin
+#                   libstrata_cuda.so, strata (if built), stripped
 #   libs.tar.gz     the shared libraries they link that the GPU machine lacks (Abseil, gRPC,
 #                   RocksDB, prometheus-cpp, OpenBLAS, PCRE2, ...), gzip-compressed (the device
 #                   tool carries at most 64 MiB)
@@ -27,7 +27,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_BUILD_TESTS=ON \
     -DSTRATA_ENABLE_CUDA=ON
 fi
-targets=(cuda_backend_test cuda_attention_bench)
+targets=(cuda_backend_test golden_gpu_test cuda_attention_bench strata_cuda)
 ninja -C "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
 if [ "$WITH_CLI" = 1 ]; then
   ninja -C "$BUILD_DIR" -j "$JOBS" strata
@@ -42,7 +42,7 @@ for t in json.load(sys.stdin).get("tests", []):
     cmd = t.get("command") or []
     if cmd and os.path.exists(cmd[0]) and cmd[0] not in seen:
         seen.add(cmd[0]); print(cmd[0])')
-binaries=("${gpu_tests[@]}" "$BUILD_DIR/bin/cuda_attention_bench")
+binaries=("${gpu_tests[@]}" "$BUILD_DIR/bin/cuda_attention_bench" "$BUILD_DIR/bin/libstrata_cuda.so")
 [ -x "$BUILD_DIR/bin/strata" ] && binaries+=("$BUILD_DIR/bin/strata")
 
 rm -rf .gpu
