@@ -2,7 +2,13 @@
 // WorkerRegistry, health, reflection) until SIGINT or SIGTERM.
 //
 //   strata coordinator --listen 127.0.0.1:7700 --data /var/lib/strata/coordinator
-//       [--metrics-listen 127.0.0.1:9700] [--vocab-size N] [--port-file FILE]
+//       [--metrics-listen 127.0.0.1:9700] [--vocab-size N] [--port-file FILE] [--model DIR]
+//
+// Work reaches the workers that register (`strata worker`) through the gRPC worker transport
+// (coordinator::GrpcWorkerClient). --model DIR loads the served model's directory for its tokenizer
+// (text uploads and text prompts), and takes the namespace, fingerprint, vocabulary size and layer
+// count from it (as `strata serve` does) unless those flags are given; without --model, only
+// token-id uploads and prompts are accepted.
 //
 // SIGTERM drains: health turns NOT_SERVING, uploads and submissions get UNAVAILABLE, running jobs
 // get --drain-timeout-seconds to finish, and those still running are handed back (QUEUED in the
@@ -24,8 +30,10 @@
 #include "cli/flags.h"
 #include "coordinator/catalog.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/grpc_worker_client.h"
 #include "coordinator/metrics.h"
 #include "coordinator/service.h"
+#include "model/model.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 
@@ -37,7 +45,9 @@ struct CoordinatorFlags {
   std::string metrics_listen;
   std::string data;
   std::string port_file;
+  std::string model;
   std::string model_namespace = "default";
+  bool model_namespace_set = false;  // --model-namespace given explicitly
   std::string model_fingerprint;
   int64_t vocab_size = 0;
   int64_t num_layers = 0;
@@ -71,11 +81,28 @@ int Serve(const CoordinatorFlags& f) {
     std::fprintf(stderr, "strata coordinator: --data is required\n");
     return 2;
   }
+  // --model: the tokenizer, and the model's identity and shape where the flags leave them open.
+  std::unique_ptr<model::Model> served_model;
+  if (!f.model.empty()) {
+    auto loaded = model::LoadModel(f.model);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "strata coordinator: %s\n", loaded.status().ToString().c_str());
+      return loaded.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    served_model = *std::move(loaded);
+  }
   coordinator::CoordinatorOptions options;
   options.model_namespace = f.model_namespace;
   options.model_fingerprint = f.model_fingerprint;
   options.limits.vocab_size = f.vocab_size;
   options.limits.num_layers = f.num_layers;
+  if (served_model != nullptr) {
+    options.tokenizer = served_model->tokenizer.get();
+    if (!f.model_namespace_set) options.model_namespace = served_model->fingerprint;
+    if (f.model_fingerprint.empty()) options.model_fingerprint = served_model->fingerprint;
+    if (f.vocab_size == 0) options.limits.vocab_size = served_model->config.vocab_size;
+    if (f.num_layers == 0) options.limits.num_layers = served_model->config.num_layers;
+  }
   options.limits.page_size = static_cast<uint32_t>(f.page_size);
   options.limits.max_document_tokens = f.max_document_tokens;
   options.limits.max_upload_bytes = f.max_upload_mib << 20;
@@ -132,9 +159,10 @@ int Serve(const CoordinatorFlags& f) {
     std::fprintf(stderr, "strata coordinator: %s\n", catalog.status().ToString().c_str());
     return 1;
   }
-  // No worker transport yet (the gRPC client of internal.proto's Worker service comes with the
-  // worker): workers can register, but documents stay PENDING and jobs QUEUED.
-  coordinator::Coordinator coordinator(options, *std::move(catalog), /*workers=*/nullptr, &metrics,
+  // Declared before the coordinator, so destroyed after it; Shutdown() below runs first (its
+  // callbacks reach the coordinator).
+  coordinator::GrpcWorkerClient worker_client;
+  coordinator::Coordinator coordinator(options, *std::move(catalog), &worker_client, &metrics,
                                        &MonotonicNanos, &WallMicros);
   if (absl::Status s = coordinator.Start(); !s.ok()) {
     std::fprintf(stderr, "strata coordinator: %s\n", s.ToString().c_str());
@@ -150,7 +178,8 @@ int Serve(const CoordinatorFlags& f) {
   const std::string host = f.listen.substr(0, f.listen.rfind(':'));
   STRATA_LOG(INFO) << "coordinator serving grpc=" << host << ":" << (*server)->port()
                    << " metrics_port=" << metrics_port << " data=" << f.data << " sync=" << f.sync
-                   << " namespace=" << f.model_namespace << " vocab_size=" << f.vocab_size
+                   << " model=" << (f.model.empty() ? "none" : f.model)
+                   << " namespace=" << options.model_namespace << " vocab_size=" << options.limits.vocab_size
                    << " page_size=" << f.page_size << " target_shard_tokens=" << f.target_shard_tokens
                    << " max_document_tokens=" << f.max_document_tokens
                    << " max_prompt_tokens=" << f.max_prompt_tokens << " max_tokens_limit=" << f.max_tokens_limit
@@ -170,6 +199,7 @@ int Serve(const CoordinatorFlags& f) {
   Stopwatch drain;
   const int64_t handed_back = coordinator::DrainAndShutdown(
       &coordinator, server->get(), absl::Seconds(f.drain_timeout_seconds), absl::Seconds(2));
+  worker_client.Shutdown();  // its callbacks reach the coordinator: before the coordinator goes
   server->reset();
   STRATA_LOG(INFO) << "coordinator: stopped after " << drain.ElapsedSeconds() << " s of drain; "
                    << handed_back << " running jobs handed back";
@@ -186,12 +216,18 @@ int RunCoordinator(int argc, char** argv) {
   flags.String("data", &f.data, "catalog directory (RocksDB); created when missing");
   flags.String("port-file", &f.port_file,
                "write '<grpc_port> <metrics_port>' here once serving (for scripts and tests)");
+  flags.String("model", &f.model,
+               "model directory: its tokenizer for text uploads and prompts; its fingerprint is the default "
+               "--model-namespace and --model-fingerprint, its config the default --vocab-size and --num-layers");
   flags.String("model-namespace", &f.model_namespace,
-               "namespace of document ids (the model served): same tokens, other namespace, other document");
+               "namespace of document ids (the model served): same tokens, other namespace, other document "
+               "(default: the --model fingerprint, else 'default')");
   flags.String("model-fingerprint", &f.model_fingerprint,
-               "refuse workers that serve another model (empty: accept any)");
-  flags.Int("vocab-size", &f.vocab_size, "token ids must be below this (0: only negative ids are refused)");
-  flags.Int("num-layers", &f.num_layers, "model layers, for policy.dense_layers checks (0: unchecked)");
+               "refuse workers that serve another model (empty: the --model fingerprint, else accept any)");
+  flags.Int("vocab-size", &f.vocab_size,
+            "token ids must be below this (0: the --model vocabulary, else only negative ids are refused)");
+  flags.Int("num-layers", &f.num_layers,
+            "model layers, for policy.dense_layers checks (0: the --model layer count, else unchecked)");
   flags.Int("page-size", &f.page_size, "tokens per KV page of the deployment");
   flags.Int("target-shard-tokens", &f.target_shard_tokens, "target tokens per document shard");
   flags.Int("max-document-tokens", &f.max_document_tokens, "largest document, tokens");
@@ -207,6 +243,7 @@ int RunCoordinator(int argc, char** argv) {
   flags.Bool("sync", &f.sync, "sync the catalog's write-ahead log on every write");
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
+  f.model_namespace_set = flags.WasSet("model-namespace");
   return Serve(f);
 }
 
