@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# The Kubernetes-free path to the multi-process topology of deploy/ on one machine: runs
+# `strata kvstore`, `strata coordinator` and two `strata worker`s as separate processes on
+# 127.0.0.1, each on free ports (port 0, read back from --port-file), with their data under DATA_DIR.
+#
+#   scripts/local_cluster.sh [start] DATA_DIR [--model DIR] [--binary PATH] [--threads N]
+#                            [--scrape-interval 5s] [--drain-timeout-seconds N]
+#   scripts/local_cluster.sh stop DATA_DIR
+#
+# start (the default) runs in the foreground until Ctrl-C / SIGTERM (or `stop`), then stops the
+# workers, the coordinator and the kvstore with SIGTERM (each drains) and waits for them. When a
+# process exits by itself the rest are stopped too and the script fails. Without --model it makes a
+# tiny random model (`strata make-model --preset tiny`) in DATA_DIR/model once.
+# The strata binary: --binary, else $STRATA, else `strata` on PATH, else build/bin/strata.
+#
+# Once every process serves (the kvstore and coordinator have written their ports, both workers
+# have registered with the coordinator, every /metrics answers), it writes and prints:
+#   DATA_DIR/endpoints.env   shell-sourceable COORDINATOR=127.0.0.1:P, COORDINATOR_METRICS=...,
+#                            KVSTORE=..., KVSTORE_METRICS=..., WORKER0=..., WORKER0_METRICS=...,
+#                            WORKER1=..., WORKER1_METRICS=..., MODEL=DIR
+#   DATA_DIR/prometheus.yml  a Prometheus configuration scraping the four /metrics endpoints every
+#                            --scrape-interval (labels component=coordinator|worker|kvstore, as in
+#                            deploy/prometheus/prometheus.yml) and loading deploy/prometheus/rules/
+# DATA_DIR/cluster.pid holds the script's pid (what `stop` signals); logs are DATA_DIR/*.log.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+usage() {
+  sed -n '7,8p' "$0" | sed 's/^# *//' >&2
+  exit 2
+}
+
+verb=start
+case "${1:-}" in
+  start | stop) verb="$1"; shift ;;
+  "" | -h | --help) usage ;;
+esac
+DATA="${1:-}"
+[ -n "$DATA" ] || usage
+shift
+
+if [ "$verb" = stop ]; then
+  [ -f "$DATA/cluster.pid" ] || { echo "local_cluster: no $DATA/cluster.pid" >&2; exit 1; }
+  pid="$(cat "$DATA/cluster.pid")"
+  kill -0 "$pid" 2>/dev/null || { echo "local_cluster: pid $pid is not running" >&2; rm -f "$DATA/cluster.pid"; exit 1; }
+  kill -TERM "$pid"
+  for _ in $(seq 1 600); do
+    kill -0 "$pid" 2>/dev/null || { echo "local_cluster: stopped"; exit 0; }
+    sleep 0.1
+  done
+  echo "local_cluster: pid $pid still running after 60 s" >&2
+  exit 1
+fi
+
+MODEL=""
+BIN="${STRATA:-}"
+THREADS=1
+SCRAPE_INTERVAL=5s
+DRAIN=10
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) MODEL="$2"; shift 2 ;;
+    --binary) BIN="$2"; shift 2 ;;
+    --threads) THREADS="$2"; shift 2 ;;
+    --scrape-interval) SCRAPE_INTERVAL="$2"; shift 2 ;;
+    --drain-timeout-seconds) DRAIN="$2"; shift 2 ;;
+    *) echo "local_cluster: unknown argument $1" >&2; usage ;;
+  esac
+done
+if [ -z "$BIN" ]; then
+  if command -v strata >/dev/null; then BIN="$(command -v strata)"; else BIN="$REPO/build/bin/strata"; fi
+fi
+[ -x "$BIN" ] || { echo "local_cluster: strata binary $BIN not found (--binary PATH)" >&2; exit 1; }
+command -v curl >/dev/null || { echo "local_cluster: curl not found" >&2; exit 1; }
+
+mkdir -p "$DATA"
+DATA="$(cd "$DATA" && pwd)"
+if [ -f "$DATA/cluster.pid" ] && kill -0 "$(cat "$DATA/cluster.pid")" 2>/dev/null; then
+  echo "local_cluster: already running in $DATA (pid $(cat "$DATA/cluster.pid"))" >&2
+  exit 1
+fi
+echo $$ >"$DATA/cluster.pid"
+rm -f "$DATA"/*.ports "$DATA/endpoints.env"
+
+names=()
+pids=()
+stopping=0
+stop_all() {
+  stopping=1
+  local i
+  # Workers first (they drain and deregister), then the coordinator, then the kvstore.
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    kill -TERM "${pids[$i]}" 2>/dev/null || true
+    wait "${pids[$i]}" 2>/dev/null || true
+  done
+  pids=()
+  rm -f "$DATA/cluster.pid"
+}
+on_signal() {
+  echo "local_cluster: stopping" >&2
+  stop_all
+  exit 0
+}
+trap on_signal INT TERM
+trap 'stop_all' EXIT
+
+fail() {
+  echo "local_cluster: $*" >&2
+  exit 1
+}
+
+# start NAME SUBCOMMAND ARGS...: runs `strata SUBCOMMAND ARGS --port-file DATA/NAME.ports`, waits for
+# the port file.
+start() {
+  local name="$1" sub="$2"
+  shift 2
+  "$BIN" "$sub" "$@" --port-file "$DATA/$name.ports" >"$DATA/$name.log" 2>&1 &
+  pids+=("$!")
+  names+=("$name")
+  local i
+  for i in $(seq 1 600); do
+    [ -s "$DATA/$name.ports" ] && return 0
+    kill -0 "${pids[-1]}" 2>/dev/null || { tail -20 "$DATA/$name.log" >&2; fail "strata $sub ($name) exited"; }
+    sleep 0.1
+  done
+  fail "strata $sub ($name) did not write its ports in 60 s (log: $DATA/$name.log)"
+}
+grpc_port() { cut -d' ' -f1 "$DATA/$1.ports"; }
+metrics_port() { cut -d' ' -f2 "$DATA/$1.ports"; }
+
+if [ -z "$MODEL" ]; then
+  MODEL="$DATA/model"
+  if [ ! -f "$MODEL/config.json" ]; then
+    "$BIN" make-model --preset tiny --out "$MODEL" >"$DATA/make-model.log" 2>&1 \
+      || { cat "$DATA/make-model.log" >&2; fail "strata make-model failed"; }
+  fi
+fi
+MODEL="$(cd "$MODEL" && pwd)"
+
+start kvstore kvstore --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data "$DATA/kvstore"
+start coordinator coordinator --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data "$DATA/coordinator" \
+  --model "$MODEL" --drain-timeout-seconds "$DRAIN"
+for w in 0 1; do
+  start "worker$w" worker --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --worker-id "local-worker-$w" \
+    --coordinator "127.0.0.1:$(grpc_port coordinator)" --kvstore "127.0.0.1:$(grpc_port kvstore)" \
+    --model "$MODEL" --threads "$THREADS" --drain-timeout-seconds "$DRAIN"
+done
+
+# Health: both workers registered, every /metrics endpoint answers.
+for w in 0 1; do
+  for i in $(seq 1 300); do
+    grep -q "registered with" "$DATA/worker$w.log" && break
+    [ "$i" = 300 ] && fail "worker$w did not register with the coordinator in 30 s (log: $DATA/worker$w.log)"
+    sleep 0.1
+  done
+done
+for name in kvstore coordinator worker0 worker1; do
+  curl -fsS -o /dev/null "http://127.0.0.1:$(metrics_port "$name")/metrics" || fail "/metrics of $name does not answer"
+done
+
+{
+  echo "COORDINATOR=127.0.0.1:$(grpc_port coordinator)"
+  echo "COORDINATOR_METRICS=127.0.0.1:$(metrics_port coordinator)"
+  echo "KVSTORE=127.0.0.1:$(grpc_port kvstore)"
+  echo "KVSTORE_METRICS=127.0.0.1:$(metrics_port kvstore)"
+  for w in 0 1; do
+    echo "WORKER$w=127.0.0.1:$(grpc_port "worker$w")"
+    echo "WORKER${w}_METRICS=127.0.0.1:$(metrics_port "worker$w")"
+  done
+  echo "MODEL=$MODEL"
+} >"$DATA/endpoints.env.tmp"
+cat >"$DATA/prometheus.yml" <<EOF
+# Written by scripts/local_cluster.sh for the cluster in $DATA.
+global:
+  scrape_interval: $SCRAPE_INTERVAL
+  evaluation_interval: $SCRAPE_INTERVAL
+  external_labels:
+    deployment: strata-local
+rule_files:
+  - $REPO/deploy/prometheus/rules/strata-recording.yml
+  - $REPO/deploy/prometheus/rules/strata-alerts.yml
+scrape_configs:
+  - job_name: strata-coordinator
+    static_configs:
+      - targets: ["127.0.0.1:$(metrics_port coordinator)"]
+        labels: {component: coordinator}
+  - job_name: strata-worker
+    static_configs:
+      - targets: ["127.0.0.1:$(metrics_port worker0)", "127.0.0.1:$(metrics_port worker1)"]
+        labels: {component: worker}
+  - job_name: strata-kvstore
+    static_configs:
+      - targets: ["127.0.0.1:$(metrics_port kvstore)"]
+        labels: {component: kvstore}
+EOF
+mv "$DATA/endpoints.env.tmp" "$DATA/endpoints.env"
+echo "local_cluster: serving (pid $$; stop with Ctrl-C or: $0 stop $DATA)"
+sed 's/^/  /' "$DATA/endpoints.env"
+echo "  client:     $BIN ask --server 127.0.0.1:$(grpc_port coordinator) --doc FILE \"question\""
+echo "  prometheus: prometheus --config.file=$DATA/prometheus.yml --storage.tsdb.path=$DATA/prometheus"
+
+# Run until a signal; a process that exits by itself stops the rest.
+while true; do
+  sleep 1 &
+  wait $! || true
+  for i in "${!pids[@]}"; do
+    if ! kill -0 "${pids[$i]}" 2>/dev/null; then
+      [ "$stopping" = 1 ] && exit 0
+      tail -20 "$DATA/${names[$i]}.log" >&2
+      fail "${names[$i]} exited (log: $DATA/${names[$i]}.log); stopping the others"
+    fi
+  done
+done
