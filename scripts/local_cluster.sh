@@ -21,7 +21,9 @@
 #   DATA_DIR/prometheus.yml  a Prometheus configuration scraping the four /metrics endpoints every
 #                            --scrape-interval (labels component=coordinator|worker|kvstore, as in
 #                            deploy/prometheus/prometheus.yml) and loading deploy/prometheus/rules/
-# DATA_DIR/cluster.pid holds the script's pid (what `stop` signals); logs are DATA_DIR/*.log.
+# DATA_DIR/cluster.pid holds the script's pid (what `stop` signals), DATA_DIR/pids "NAME PID" of
+# each process while it runs (each runs in its own session: if the script itself is killed with
+# SIGKILL, stop them from that list); logs are DATA_DIR/*.log.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -80,21 +82,27 @@ if [ -f "$DATA/cluster.pid" ] && kill -0 "$(cat "$DATA/cluster.pid")" 2>/dev/nul
   exit 1
 fi
 echo $$ >"$DATA/cluster.pid"
-rm -f "$DATA"/*.ports "$DATA/endpoints.env"
+rm -f "$DATA"/*.ports "$DATA/endpoints.env" "$DATA/pids"
 
 names=()
 pids=()
 stopping=0
 stop_all() {
   stopping=1
-  local i
-  # Workers first (they drain and deregister), then the coordinator, then the kvstore.
+  local i rc
+  # The workers first (together: they drain and deregister), then the coordinator, then the kvstore.
+  for i in "${!pids[@]}"; do
+    [[ "${names[$i]}" == worker* ]] && kill -TERM "${pids[$i]}" 2>/dev/null || true
+  done
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-    kill -TERM "${pids[$i]}" 2>/dev/null || true
-    wait "${pids[$i]}" 2>/dev/null || true
+    # Exactly one SIGTERM each: a second one during a drain kills the process (exit 143).
+    [[ "${names[$i]}" == worker* ]] || kill -TERM "${pids[$i]}" 2>/dev/null || true
+    rc=0
+    wait "${pids[$i]}" 2>/dev/null || rc=$?
+    echo "local_cluster: ${names[$i]} (pid ${pids[$i]}) exited $rc" >&2
   done
   pids=()
-  rm -f "$DATA/cluster.pid"
+  rm -f "$DATA/cluster.pid" "$DATA/pids"
 }
 on_signal() {
   echo "local_cluster: stopping" >&2
@@ -114,9 +122,12 @@ fail() {
 start() {
   local name="$1" sub="$2"
   shift 2
-  "$BIN" "$sub" "$@" --port-file "$DATA/$name.ports" >"$DATA/$name.log" 2>&1 &
+  # Own session: a Ctrl-C on the terminal reaches only this script, which then sends each process
+  # exactly one SIGTERM, in order (a second stop signal during a drain is not waited for).
+  setsid "$BIN" "$sub" "$@" --port-file "$DATA/$name.ports" >"$DATA/$name.log" 2>&1 &
   pids+=("$!")
   names+=("$name")
+  echo "$name ${pids[-1]}" >>"$DATA/pids"
   local i
   for i in $(seq 1 600); do
     [ -s "$DATA/$name.ports" ] && return 0

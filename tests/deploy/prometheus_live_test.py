@@ -84,6 +84,27 @@ def stop(proc, name, timeout):
         proc.wait()
 
 
+def kill_leftovers(pids_file):
+    """The cluster's processes run in their own sessions: when local_cluster.sh had to be killed,
+    SIGKILL those it still lists (DATA/pids, "NAME PID" lines) and wait until they are gone."""
+    if not os.path.exists(pids_file):
+        return
+    pids = []
+    for line in open(pids_file):
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            pids.append(int(parts[1]))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            log(f"killed leftover pid {pid}")
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        time.sleep(0.1)
+
+
 def run(cmd, timeout):
     log("$ " + " ".join(cmd))
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
@@ -254,6 +275,7 @@ def main():
         stop(cluster, "local_cluster.sh", 40)
         if cluster is not None:
             log(f"cluster stopped in {time.monotonic() - t0:.1f} s (exit {cluster.returncode})")
+            kill_leftovers(os.path.join(work, "cluster", "pids"))
         shutil.rmtree(work, ignore_errors=True)
 
 
