@@ -10,7 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   libopenblas-dev libpcre2-dev libxxhash-dev libutf8proc-dev
   python3 python3-grpcio python3-protobuf
-  prometheus  # promtool for scripts/check_deploy.sh (the daemon is not started)
+  prometheus  # promtool (scripts/check_deploy.sh); the server binary for ctest deploy.prometheus_live (no service is started)
 )
 
 SUDO=""
