@@ -110,7 +110,7 @@ int Serve(const KvstoreFlags& f) {
 
 int RunKvstore(int argc, char** argv) {
   KvstoreFlags f;
-  FlagSet flags("kvstore", "strata kvstore --listen ADDR --data DIR [--metrics-listen ADDR]");
+  FlagSet flags("kvstore", "--listen ADDR --data DIR [--metrics-listen ADDR]");
   flags.String("listen", &f.listen, "gRPC listen address (port 0: any free port)");
   flags.String("data", &f.data, "data directory (RocksDB); created when missing");
   flags.String("metrics-listen", &f.metrics_listen,

@@ -139,7 +139,9 @@ TEST(HostCacheTest, ConcurrentGetAndPutStayWithinBudget) {
         } else {
           const std::vector<PageKey> keys = {k};
           ASSERT_TRUE(cache->GetPages(keys, &out).ok());
-          if (out[0] != nullptr) ASSERT_EQ(out[0]->view()[0], static_cast<char>('a' + t));
+          if (out[0] != nullptr) {
+            ASSERT_EQ(out[0]->view()[0], static_cast<char>('a' + t));
+          }
         }
       }
     });
