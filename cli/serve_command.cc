@@ -39,8 +39,10 @@
 #include "coordinator/grpc_worker_client.h"
 #include "coordinator/metrics.h"
 #include "coordinator/service.h"
+#include "kvstore/host_cache.h"
 #include "kvstore/local_store.h"
 #include "kvstore/metrics.h"
+#include "kvstore/tiered_store.h"
 #include "model/model.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
@@ -61,6 +63,7 @@ struct ServeFlags {
   int64_t max_tokens_limit = 4096;
   int64_t prefill_chunk = 512;
   int64_t max_jobs = 4;
+  int64_t host_cache_bytes = int64_t{1} << 30;
   int64_t threads = 0;
   int64_t drain_timeout_seconds = 30;
   bool sync = true;
@@ -105,6 +108,8 @@ int Serve(const ServeFlags& f) {
   std::filesystem::create_directories(f.data, mkdir_error);
   if (mkdir_error) return Fail(absl::InternalError(absl::StrCat("cannot create ", f.data, ": ", mkdir_error.message())));
   std::unique_ptr<kvstore::LocalStore> store;
+  std::unique_ptr<kvstore::HostCache> host_cache;
+  std::unique_ptr<kvstore::TieredStore> tiered;
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<worker::Worker> w;
   std::unique_ptr<worker::WorkerServer> worker_server;
@@ -117,6 +122,24 @@ int Serve(const ServeFlags& f) {
     auto opened = kvstore::LocalStore::Open(store_options);
     if (!opened.ok()) return Fail(opened.status());
     store = *std::move(opened);
+    // Tier H (host memory) in front of tier D (RocksDB): pages persisted or read once stay in
+    // memory for the next job, within --host-cache-bytes.
+    kvstore::PageStore* pages = store.get();
+    if (f.host_cache_bytes > 0) {
+      kvstore::HostCacheOptions hco;
+      hco.capacity_bytes = f.host_cache_bytes;
+      hco.metrics = &kv_metrics;
+      auto hc = kvstore::HostCache::Create(hco);
+      if (!hc.ok()) return Fail(hc.status());
+      host_cache = *std::move(hc);
+      kvstore::TieredStoreOptions tso;
+      tso.host = host_cache.get();
+      tso.local = store.get();
+      auto ts = kvstore::TieredStore::Create(tso);
+      if (!ts.ok()) return Fail(ts.status());
+      tiered = *std::move(ts);
+      pages = tiered.get();
+    }
     backend = MakeWorkerBackend(static_cast<int>(f.threads));
     worker::WorkerOptions wo;
     wo.worker_id = "serve-worker-0";
@@ -124,7 +147,7 @@ int Serve(const ServeFlags& f) {
     wo.prefill_chunk_size = f.prefill_chunk;
     wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
     wo.capacity_tokens = static_cast<uint64_t>(f.max_document_tokens) * 4;
-    auto created = worker::Worker::Create(wo, m.get(), backend.get(), store.get(), store.get(), &worker_metrics);
+    auto created = worker::Worker::Create(wo, m.get(), backend.get(), pages, store.get(), &worker_metrics);
     if (!created.ok()) return Fail(created.status());
     w = *std::move(created);
     worker::WorkerServerOptions wso;
@@ -215,6 +238,8 @@ int RunServe(int argc, char** argv) {
   flags.Int("max-tokens-limit", &f.max_tokens_limit, "largest accepted params.max_tokens");
   flags.Int("prefill-chunk", &f.prefill_chunk, "prefill chunk size (tokens; progress is reported per chunk)");
   flags.Int("max-jobs", &f.max_jobs, "jobs the worker leads at the same time");
+  flags.Int("host-cache-bytes", &f.host_cache_bytes,
+            "host-memory page tier in front of RocksDB (bytes; 0: none)");
   flags.Int("threads", &f.threads, "CPU backend threads (0: all cores)");
   flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds, "on SIGTERM, how long running jobs may finish");
   flags.Bool("worker", &f.worker,

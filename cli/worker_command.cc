@@ -25,8 +25,10 @@
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "cli/worker_runtime.h"
+#include "kvstore/host_cache.h"
 #include "kvstore/metrics.h"
 #include "kvstore/remote_store.h"
+#include "kvstore/tiered_store.h"
 #include "model/model.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
@@ -48,6 +50,7 @@ struct WorkerFlags {
   int64_t page_size = 64;
   int64_t prefill_chunk = 512;
   int64_t max_jobs = 4;
+  int64_t host_cache_bytes = int64_t{1} << 30;
   int64_t capacity_tokens = int64_t{1} << 22;
   int64_t threads = 0;
   int64_t drain_timeout_seconds = 30;
@@ -90,6 +93,25 @@ int Run(const WorkerFlags& f) {
   so.metrics = &kv_metrics;
   auto store = kvstore::RemoteStore::Create(so);
   if (!store.ok()) return Fail(store.status());
+  // Tier H (host memory) in front of tier R (the KV store service).
+  kvstore::PageStore* pages = store->get();
+  std::unique_ptr<kvstore::HostCache> host_cache;
+  std::unique_ptr<kvstore::TieredStore> tiered;
+  if (f.host_cache_bytes > 0) {
+    kvstore::HostCacheOptions hco;
+    hco.capacity_bytes = f.host_cache_bytes;
+    hco.metrics = &kv_metrics;
+    auto hc = kvstore::HostCache::Create(hco);
+    if (!hc.ok()) return Fail(hc.status());
+    host_cache = *std::move(hc);
+    kvstore::TieredStoreOptions tso;
+    tso.host = host_cache.get();
+    tso.remote = store->get();
+    auto ts = kvstore::TieredStore::Create(tso);
+    if (!ts.ok()) return Fail(ts.status());
+    tiered = *std::move(ts);
+    pages = tiered.get();
+  }
 
   std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.threads));
   worker::WorkerOptions wo;
@@ -100,7 +122,7 @@ int Run(const WorkerFlags& f) {
   wo.prefill_chunk_size = f.prefill_chunk;
   wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
   wo.capacity_tokens = static_cast<uint64_t>(f.capacity_tokens);
-  auto w = worker::Worker::Create(wo, m.get(), backend.get(), store->get(), store->get(), &worker_metrics);
+  auto w = worker::Worker::Create(wo, m.get(), backend.get(), pages, store->get(), &worker_metrics);
   if (!w.ok()) return Fail(w.status());
   worker::WorkerServerOptions wso;
   wso.listen_address = f.listen;
@@ -158,6 +180,8 @@ int RunWorker(int argc, char** argv) {
   flags.Int("page-size", &f.page_size, "tokens per KV page (must match the coordinator)");
   flags.Int("prefill-chunk", &f.prefill_chunk, "prefill chunk size (tokens)");
   flags.Int("max-jobs", &f.max_jobs, "jobs led at the same time");
+  flags.Int("host-cache-bytes", &f.host_cache_bytes,
+            "host-memory page tier in front of the KV store (bytes; 0: none)");
   flags.Int("capacity-tokens", &f.capacity_tokens, "document tokens this worker can hold");
   flags.Int("threads", &f.threads, "CPU backend threads (0: all cores)");
   flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds, "on SIGTERM, how long running jobs may finish");

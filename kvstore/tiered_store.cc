@@ -29,13 +29,16 @@ absl::StatusOr<std::unique_ptr<TieredStore>> TieredStore::Create(
 template <typename Key, typename Write>
 absl::Status TieredStore::Get(absl::Span<const Key> keys, std::vector<PageRef>* out,
                               absl::Status (PageStore::*get)(absl::Span<const Key>,
-                                                             std::vector<PageRef>*)) {
+                                                             std::vector<PageRef>*),
+                              TierCounts* counts) {
   out->assign(keys.size(), nullptr);
   std::vector<size_t> missing(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) missing[i] = i;
   PageStore* tiers[3] = {options_.host, options_.local, options_.remote};
+  int64_t served[3] = {0, 0, 0};
   std::vector<Write> fill;
-  for (PageStore* tier : tiers) {
+  for (int t = 0; t < 3; ++t) {
+    PageStore* tier = tiers[t];
     if (tier == nullptr || missing.empty()) continue;
     std::vector<Key> ask;
     ask.reserve(missing.size());
@@ -52,6 +55,7 @@ absl::Status TieredStore::Get(absl::Span<const Key> keys, std::vector<PageRef>* 
         continue;
       }
       (*out)[missing[j]] = got[j];
+      ++served[t];
       if (tier != options_.host && options_.host != nullptr) {
         fill.push_back(MakeWrite(ask[j], got[j]));
       }
@@ -62,16 +66,26 @@ absl::Status TieredStore::Get(absl::Span<const Key> keys, std::vector<PageRef>* 
     // The host cache only fails when its allocator does; the pages are still returned.
     FillHost(options_.host, fill).IgnoreError();
   }
+  if (counts != nullptr) {
+    counts->host += served[0];
+    counts->local += served[1];
+    counts->remote += served[2];
+  }
   return absl::OkStatus();
 }
 
 absl::Status TieredStore::GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) {
-  return Get<PageKey, PageWrite>(keys, out, &PageStore::GetPages);
+  return Get<PageKey, PageWrite>(keys, out, &PageStore::GetPages, nullptr);
+}
+
+absl::Status TieredStore::GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out,
+                                   TierCounts* counts) {
+  return Get<PageKey, PageWrite>(keys, out, &PageStore::GetPages, counts);
 }
 
 absl::Status TieredStore::GetSummaries(absl::Span<const SummaryKey> keys,
                                        std::vector<PageRef>* out) {
-  return Get<SummaryKey, SummaryWrite>(keys, out, &PageStore::GetSummaries);
+  return Get<SummaryKey, SummaryWrite>(keys, out, &PageStore::GetSummaries, nullptr);
 }
 
 absl::Status TieredStore::Put(absl::Span<const PageWrite> pages,

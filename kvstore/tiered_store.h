@@ -27,6 +27,13 @@ struct TieredStoreOptions {
   absl::Status Validate() const;  // at least one tier
 };
 
+// Where the pages of one read came from.
+struct TierCounts {
+  int64_t host = 0;
+  int64_t local = 0;
+  int64_t remote = 0;
+};
+
 class TieredStore final : public PageStore {
  public:
   static absl::StatusOr<std::unique_ptr<TieredStore>> Create(const TieredStoreOptions& options);
@@ -35,6 +42,9 @@ class TieredStore final : public PageStore {
   // Errors of a tier (e.g. DataLoss from a corrupt local page, Unavailable from the service)
   // fail the call.
   absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) override;
+  // GetPages that also adds to `counts` how many pages each tier served (for per-job usage).
+  absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out,
+                        TierCounts* counts);
   absl::Status Put(absl::Span<const PageWrite> pages,
                    absl::Span<const SummaryWrite> summaries) override;
   absl::Status GetSummaries(absl::Span<const SummaryKey> keys, std::vector<PageRef>* out) override;
@@ -43,7 +53,8 @@ class TieredStore final : public PageStore {
   explicit TieredStore(const TieredStoreOptions& options) : options_(options) {}
   template <typename Key, typename Write>
   absl::Status Get(absl::Span<const Key> keys, std::vector<PageRef>* out,
-                   absl::Status (PageStore::*get)(absl::Span<const Key>, std::vector<PageRef>*));
+                   absl::Status (PageStore::*get)(absl::Span<const Key>, std::vector<PageRef>*),
+                   TierCounts* counts);
 
   TieredStoreOptions options_;
 };

@@ -17,6 +17,7 @@
 #include "engine/sparse/policy.h"
 #include "kvstore/document_id.h"
 #include "kvstore/page_format.h"
+#include "kvstore/tiered_store.h"
 #include "model/tokenizer.h"
 #include "prometheus/counter.h"
 #include "prometheus/histogram.h"
@@ -115,9 +116,6 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r, kvstore::KvMetrics* kv) {
                                "Context tokens attended, summed over (step, layer, KV head).");
   selection_cache_lookups = NewCounter(r, "strata_selection_cache_lookups_total", "Selection-cache lookups.");
   selection_cache_hits = NewCounter(r, "strata_selection_cache_hits_total", "Selection-cache hits.");
-  kvstore::TierMetrics host = kv->ForTier("host");
-  host_lookups = host.lookups;
-  host_hits = host.hits;
   time_to_first_token = &prometheus::BuildHistogram()
                              .Name("strata_time_to_first_token_seconds")
                              .Help("Time to the first generated token of a job.")
@@ -439,6 +437,10 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     std::unique_ptr<kernels::Buffer> kdev, vdev;
     const bool host = backend_->Name() == "cpu";
     uint64_t fetched = 0;
+    // With a tiered store (host cache in front of the durable tier) usage says which tier served
+    // each page; otherwise every page came from the store's own tier.
+    auto* tiered = dynamic_cast<kvstore::TieredStore*>(store_);
+    kvstore::TierCounts served;
     for (int l = 0; l < L; ++l) {
       for (int64_t p0 = 0; p0 < num_pages; p0 += batch_pages) {
         if (cancelled.load()) return absl::CancelledError("cancelled while mounting");
@@ -449,9 +451,12 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
             keys.push_back({doc_id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
           }
         }
-        if (metrics_ != nullptr) metrics_->host_lookups->Increment(static_cast<double>(keys.size()));
         std::vector<kvstore::PageRef> pages;
-        STRATA_RETURN_IF_ERROR(store_->GetPages(keys, &pages));
+        if (tiered != nullptr) {
+          STRATA_RETURN_IF_ERROR(tiered->GetPages(keys, &pages, &served));
+        } else {
+          STRATA_RETURN_IF_ERROR(store_->GetPages(keys, &pages));
+        }
         fetched += keys.size();
         const int64_t t0 = p0 * P, t1 = std::min(doc_tokens, p1 * P);
         const int64_t rows = t1 - t0;
@@ -490,7 +495,11 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
       }
     }
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
-    if (std::string(store_->tier()) == "remote") {
+    if (tiered != nullptr) {
+      tiers->set_host(served.host);
+      tiers->set_disk(served.local);
+      tiers->set_remote(served.remote);
+    } else if (std::string(store_->tier()) == "remote") {
       tiers->set_remote(fetched);
     } else {
       tiers->set_disk(fetched);

@@ -78,11 +78,6 @@ struct WorkerMetrics {
   prometheus::Counter* selected_tokens;
   prometheus::Counter* selection_cache_lookups;
   prometheus::Counter* selection_cache_hits;
-  // strata_kv_lookups_total / strata_kv_hits_total for tier "host" (pages looked up in the
-  // worker's memory before going to the store; there is no host page cache yet, so every lookup
-  // misses). The store tiers count their own (kvstore/metrics.h).
-  prometheus::Counter* host_lookups;
-  prometheus::Counter* host_hits;
   // strata_time_to_first_token_seconds / strata_inter_token_latency_seconds as the leader sees
   // them: from the start of RunJob (mount + prompt; no queueing) to the first token, and between
   // consecutive tokens. Buckets as docs/metrics.md.
@@ -97,7 +92,9 @@ class Worker {
   using EventFn = std::function<bool(const v1::JobEvent&)>;
 
   // `model`, `backend`, `store`, `catalog` must outlive the Worker; `metrics` may be null.
-  // The store's catalog holds the documents' metadata (LocalStore or RemoteStore).
+  // The store's catalog holds the documents' metadata (LocalStore or RemoteStore). `store` is
+  // usually a kvstore::TieredStore with a host cache in front of the durable tier; the tiers
+  // count their own lookups and hits (kvstore/metrics.h).
   static absl::StatusOr<std::unique_ptr<Worker>> Create(const WorkerOptions& options,
                                                         const model::Model* model,
                                                         kernels::Backend* backend,
