@@ -248,7 +248,7 @@ const KNOWN_FLAGS = {
     '--drain-timeout-seconds', '--sync', '--no-sync'],
   worker: ['--listen', '--metrics-listen', '--coordinator', '--kvstore', '--model', '--worker-id',
     '--advertise', '--port-file', '--page-size', '--prefill-chunk', '--max-jobs', '--capacity-tokens',
-    '--threads', '--drain-timeout-seconds'],
+    '--threads', '--drain-timeout-seconds', '--host-cache-bytes'],
   kvstore: ['--listen', '--data', '--metrics-listen', '--port-file', '--gc-interval-seconds',
     '--max-message-mib', '--threads', '--sync', '--no-sync'],
 };
