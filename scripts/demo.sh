@@ -4,7 +4,8 @@
 #   2. writes a random tiny Llama-family model (`strata make-model`) and a sample long document
 #      (a synthetic station log of about 34K tokens);
 #   3. runs `strata serve` (coordinator + worker + KV store in one process);
-#   4. asks a question about the document twice with `strata ask`: the first time the document is
+#   4. asks a question about the document twice with `strata ask` (sparse attention: the
+#      tokenselect policy with a 2048-token budget): the first time the document is
 #      uploaded and prefilled (progress bar), the second time it is served from persisted KV;
 #   5. prints the per-tier KV hit ratios read from the server's /metrics, then stops the server.
 # The model has random weights, so its answers are noise: the demo shows the service path.
@@ -59,7 +60,7 @@ for attempt in first second; do
   echo "== $attempt question: strata ask --doc $DOC \"$QUESTION\"" >&2
   start=$(date +%s.%N)
   "$BIN" ask --server "127.0.0.1:$GRPC_PORT" --doc "$DOC" --max-tokens "$MAX_TOKENS" \
-    --temperature 0.8 --seed 1 "$QUESTION"
+    --temperature 0.8 --seed 1 --policy tokenselect --budget 2048 "$QUESTION"
   end=$(date +%s.%N)
   echo "== $attempt question answered in $(awk "BEGIN {printf \"%.2f\", $end - $start}") s" >&2
 done
