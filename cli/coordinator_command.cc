@@ -28,6 +28,7 @@
 #include "base/logging.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "cli/server_runtime.h"
 #include "coordinator/catalog.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/grpc_worker_client.h"
@@ -64,17 +65,6 @@ struct CoordinatorFlags {
   int64_t drain_timeout_seconds = 30;
   bool sync = true;
 };
-
-absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port) {
-  const std::string tmp = path + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "w");
-  if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", tmp));
-  std::fprintf(f, "%d %d\n", grpc_port, metrics_port);
-  if (std::fclose(f) != 0 || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("cannot write ", path));
-  }
-  return absl::OkStatus();
-}
 
 int Serve(const CoordinatorFlags& f) {
   if (f.data.empty()) {
@@ -128,11 +118,7 @@ int Serve(const CoordinatorFlags& f) {
   }
 
   // Block the stop signals in every thread; the main thread waits for them with sigwait.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  sigset_t stop_signals = BlockStopSignals();
 
   auto registry = std::make_shared<prometheus::Registry>();
   coordinator::CoordinatorMetrics metrics(*registry);

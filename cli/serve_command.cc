@@ -33,7 +33,7 @@
 #include "base/logging.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "cli/worker_runtime.h"
+#include "cli/server_runtime.h"
 #include "coordinator/catalog.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/grpc_worker_client.h"
@@ -204,7 +204,7 @@ int Serve(const ServeFlags& f) {
                    << " worker=" << worker_address << " backend=" << (backend != nullptr ? backend->Name() : "none") << " model=" << f.model
                    << " fingerprint=" << m->fingerprint << " data=" << f.data << " page_size=" << f.page_size;
   if (!f.port_file.empty()) {
-    if (absl::Status s = WriteLineFile(f.port_file, absl::StrCat((*server)->port(), " ", metrics_port)); !s.ok()) {
+    if (absl::Status s = WritePortFile(f.port_file, (*server)->port(), metrics_port); !s.ok()) {
       return Fail(s);
     }
   }

@@ -24,7 +24,7 @@
 #include "base/logging.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "cli/worker_runtime.h"
+#include "cli/server_runtime.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/metrics.h"
 #include "kvstore/remote_store.h"
@@ -143,7 +143,7 @@ int Run(const WorkerFlags& f) {
                    << " backend=" << backend->Name() << " coordinator=" << f.coordinator << " kvstore=" << f.kvstore
                    << " model=" << f.model << " fingerprint=" << m->fingerprint;
   if (!f.port_file.empty()) {
-    if (absl::Status s = WriteLineFile(f.port_file, absl::StrCat((*server)->port(), " ", metrics_port)); !s.ok()) {
+    if (absl::Status s = WritePortFile(f.port_file, (*server)->port(), metrics_port); !s.ok()) {
       return Fail(s);
     }
   }

@@ -1,4 +1,4 @@
-#include "cli/worker_runtime.h"
+#include "cli/server_runtime.h"
 
 #include <pthread.h>
 
@@ -38,6 +38,10 @@ absl::Status WriteLineFile(const std::string& path, const std::string& line) {
     return absl::InternalError(absl::StrCat("cannot write ", path));
   }
   return absl::OkStatus();
+}
+
+absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port) {
+  return WriteLineFile(path, absl::StrCat(grpc_port, " ", metrics_port));
 }
 
 sigset_t BlockStopSignals() {
