@@ -47,17 +47,9 @@ int Serve(const KvstoreFlags& f) {
   kvstore::KvMetrics metrics(registry.get());
   std::unique_ptr<prometheus::Exposer> exposer;
   int metrics_port = 0;
-  if (!f.metrics_listen.empty()) {
-    try {  // prometheus-cpp reports bind failures by throwing
-      exposer = std::make_unique<prometheus::Exposer>(f.metrics_listen);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "strata kvstore: cannot serve metrics on %s: %s\n",
-                   f.metrics_listen.c_str(), e.what());
-      return 1;
-    }
-    exposer->RegisterCollectable(registry);
-    std::vector<int> ports = exposer->GetListeningPorts();
-    metrics_port = ports.empty() ? 0 : ports[0];
+  if (absl::Status s = StartMetrics(f.metrics_listen, registry, &exposer, &metrics_port); !s.ok()) {
+    std::fprintf(stderr, "strata kvstore: %s\n", s.ToString().c_str());
+    return 1;
   }
 
   kvstore::KvStoreServerOptions options;

@@ -39,10 +39,8 @@
 #include "coordinator/grpc_worker_client.h"
 #include "coordinator/metrics.h"
 #include "coordinator/service.h"
-#include "kvstore/host_cache.h"
 #include "kvstore/local_store.h"
 #include "kvstore/metrics.h"
-#include "kvstore/tiered_store.h"
 #include "model/model.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
@@ -91,16 +89,9 @@ int Serve(const ServeFlags& f) {
   worker::WorkerMetrics worker_metrics(registry.get(), &kv_metrics);
   std::unique_ptr<prometheus::Exposer> exposer;
   int metrics_port = 0;
-  if (!f.metrics_listen.empty()) {
-    try {  // prometheus-cpp reports bind failures by throwing
-      exposer = std::make_unique<prometheus::Exposer>(f.metrics_listen);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "strata serve: cannot serve metrics on %s: %s\n", f.metrics_listen.c_str(), e.what());
-      return 1;
-    }
-    exposer->RegisterCollectable(registry);
-    std::vector<int> ports = exposer->GetListeningPorts();
-    metrics_port = ports.empty() ? 0 : ports[0];
+  if (absl::Status s = StartMetrics(f.metrics_listen, registry, &exposer, &metrics_port); !s.ok()) {
+    std::fprintf(stderr, "strata serve: %s\n", s.ToString().c_str());
+    return 1;
   }
 
   // KV store (embedded) and worker, unless --no-worker.
@@ -108,8 +99,7 @@ int Serve(const ServeFlags& f) {
   std::filesystem::create_directories(f.data, mkdir_error);
   if (mkdir_error) return Fail(absl::InternalError(absl::StrCat("cannot create ", f.data, ": ", mkdir_error.message())));
   std::unique_ptr<kvstore::LocalStore> store;
-  std::unique_ptr<kvstore::HostCache> host_cache;
-  std::unique_ptr<kvstore::TieredStore> tiered;
+  std::unique_ptr<HostTier> host_tier;
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<worker::Worker> w;
   std::unique_ptr<worker::WorkerServer> worker_server;
@@ -124,22 +114,10 @@ int Serve(const ServeFlags& f) {
     store = *std::move(opened);
     // Tier H (host memory) in front of tier D (RocksDB): pages persisted or read once stay in
     // memory for the next job, within --host-cache-bytes.
-    kvstore::PageStore* pages = store.get();
-    if (f.host_cache_bytes > 0) {
-      kvstore::HostCacheOptions hco;
-      hco.capacity_bytes = f.host_cache_bytes;
-      hco.metrics = &kv_metrics;
-      auto hc = kvstore::HostCache::Create(hco);
-      if (!hc.ok()) return Fail(hc.status());
-      host_cache = *std::move(hc);
-      kvstore::TieredStoreOptions tso;
-      tso.host = host_cache.get();
-      tso.local = store.get();
-      auto ts = kvstore::TieredStore::Create(tso);
-      if (!ts.ok()) return Fail(ts.status());
-      tiered = *std::move(ts);
-      pages = tiered.get();
-    }
+    auto ht = HostTier::Create(f.host_cache_bytes, &kv_metrics, store.get(), nullptr);
+    if (!ht.ok()) return Fail(ht.status());
+    host_tier = *std::move(ht);
+    kvstore::PageStore* pages = host_tier->store();
     backend = MakeWorkerBackend(static_cast<int>(f.threads));
     worker::WorkerOptions wo;
     wo.worker_id = "serve-worker-0";

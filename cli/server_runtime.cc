@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <cstdio>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
@@ -42,6 +43,45 @@ absl::Status WriteLineFile(const std::string& path, const std::string& line) {
 
 absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port) {
   return WriteLineFile(path, absl::StrCat(grpc_port, " ", metrics_port));
+}
+
+absl::Status StartMetrics(const std::string& listen, std::shared_ptr<prometheus::Registry> registry,
+                          std::unique_ptr<prometheus::Exposer>* exposer, int* port) {
+  *port = 0;
+  if (listen.empty()) return absl::OkStatus();
+  try {  // prometheus-cpp reports bind failures by throwing
+    *exposer = std::make_unique<prometheus::Exposer>(listen);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", listen, ": ", e.what()));
+  }
+  (*exposer)->RegisterCollectable(registry);
+  const std::vector<int> ports = (*exposer)->GetListeningPorts();
+  *port = ports.empty() ? 0 : ports[0];
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(int64_t capacity_bytes,
+                                                           kvstore::KvMetrics* metrics,
+                                                           kvstore::PageStore* local,
+                                                           kvstore::PageStore* remote) {
+  auto tier = std::make_unique<HostTier>();
+  tier->store_ = local != nullptr ? local : remote;
+  if (capacity_bytes <= 0) return tier;
+  kvstore::HostCacheOptions hco;
+  hco.capacity_bytes = capacity_bytes;
+  hco.metrics = metrics;
+  absl::StatusOr<std::unique_ptr<kvstore::HostCache>> cache = kvstore::HostCache::Create(hco);
+  if (!cache.ok()) return cache.status();
+  tier->cache_ = *std::move(cache);
+  kvstore::TieredStoreOptions tso;
+  tso.host = tier->cache_.get();
+  tso.local = local;
+  tso.remote = remote;
+  absl::StatusOr<std::unique_ptr<kvstore::TieredStore>> tiered = kvstore::TieredStore::Create(tso);
+  if (!tiered.ok()) return tiered.status();
+  tier->tiered_ = *std::move(tiered);
+  tier->store_ = tier->tiered_.get();
+  return tier;
 }
 
 sigset_t BlockStopSignals() {

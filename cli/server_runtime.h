@@ -8,7 +8,13 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kvstore/host_cache.h"
+#include "kvstore/metrics.h"
+#include "kvstore/tiered_store.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
 
 namespace strata::cli {
 
@@ -20,6 +26,28 @@ std::unique_ptr<kernels::Backend> MakeWorkerBackend(int threads);
 absl::Status WriteLineFile(const std::string& path, const std::string& line);
 // The --port-file of every server: "<grpc_port> <metrics_port>\n", written atomically.
 absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port);
+
+// Serves `registry` on `listen` as Prometheus /metrics. Empty `listen`: nothing is started,
+// *exposer stays null and *port 0. Unavailable when the address cannot be bound.
+absl::Status StartMetrics(const std::string& listen, std::shared_ptr<prometheus::Registry> registry,
+                          std::unique_ptr<prometheus::Exposer>* exposer, int* port);
+
+// Tier H of a worker: a host cache of `capacity_bytes` in front of the durable tier (`local` or
+// `remote`; the other null). store() is what the worker reads and writes through: the tiered
+// store, or `durable` itself when capacity_bytes is 0 (no host tier).
+class HostTier {
+ public:
+  static absl::StatusOr<std::unique_ptr<HostTier>> Create(int64_t capacity_bytes,
+                                                          kvstore::KvMetrics* metrics,
+                                                          kvstore::PageStore* local,
+                                                          kvstore::PageStore* remote);
+  kvstore::PageStore* store() const { return store_; }
+
+ private:
+  std::unique_ptr<kvstore::HostCache> cache_;
+  std::unique_ptr<kvstore::TieredStore> tiered_;
+  kvstore::PageStore* store_ = nullptr;
+};
 
 // Blocks SIGINT and SIGTERM in this thread and every thread started after it; returns the set to
 // sigwait on.

@@ -25,10 +25,8 @@
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "cli/server_runtime.h"
-#include "kvstore/host_cache.h"
 #include "kvstore/metrics.h"
 #include "kvstore/remote_store.h"
-#include "kvstore/tiered_store.h"
 #include "model/model.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
@@ -76,16 +74,9 @@ int Run(const WorkerFlags& f) {
   worker::WorkerMetrics worker_metrics(registry.get(), &kv_metrics);
   std::unique_ptr<prometheus::Exposer> exposer;
   int metrics_port = 0;
-  if (!f.metrics_listen.empty()) {
-    try {  // prometheus-cpp reports bind failures by throwing
-      exposer = std::make_unique<prometheus::Exposer>(f.metrics_listen);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "strata worker: cannot serve metrics on %s: %s\n", f.metrics_listen.c_str(), e.what());
-      return 1;
-    }
-    exposer->RegisterCollectable(registry);
-    std::vector<int> ports = exposer->GetListeningPorts();
-    metrics_port = ports.empty() ? 0 : ports[0];
+  if (absl::Status s = StartMetrics(f.metrics_listen, registry, &exposer, &metrics_port); !s.ok()) {
+    std::fprintf(stderr, "strata worker: %s\n", s.ToString().c_str());
+    return 1;
   }
 
   kvstore::RemoteStoreOptions so;
@@ -94,24 +85,9 @@ int Run(const WorkerFlags& f) {
   auto store = kvstore::RemoteStore::Create(so);
   if (!store.ok()) return Fail(store.status());
   // Tier H (host memory) in front of tier R (the KV store service).
-  kvstore::PageStore* pages = store->get();
-  std::unique_ptr<kvstore::HostCache> host_cache;
-  std::unique_ptr<kvstore::TieredStore> tiered;
-  if (f.host_cache_bytes > 0) {
-    kvstore::HostCacheOptions hco;
-    hco.capacity_bytes = f.host_cache_bytes;
-    hco.metrics = &kv_metrics;
-    auto hc = kvstore::HostCache::Create(hco);
-    if (!hc.ok()) return Fail(hc.status());
-    host_cache = *std::move(hc);
-    kvstore::TieredStoreOptions tso;
-    tso.host = host_cache.get();
-    tso.remote = store->get();
-    auto ts = kvstore::TieredStore::Create(tso);
-    if (!ts.ok()) return Fail(ts.status());
-    tiered = *std::move(ts);
-    pages = tiered.get();
-  }
+  auto host_tier = HostTier::Create(f.host_cache_bytes, &kv_metrics, nullptr, store->get());
+  if (!host_tier.ok()) return Fail(host_tier.status());
+  kvstore::PageStore* pages = (*host_tier)->store();
 
   std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.threads));
   worker::WorkerOptions wo;
