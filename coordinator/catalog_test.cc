@@ -6,7 +6,6 @@
 
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
-#include "coordinator/testing/assert_ok.h"
 #include "gtest/gtest.h"
 
 namespace strata::coordinator {
@@ -56,7 +55,7 @@ TEST_F(CatalogTest, DocumentRoundTripSurvivesReopen) {
   v1::DocumentRecord doc = Doc("d1");
   doc.mutable_info()->set_num_tokens(3);
   const std::vector<int32_t> tokens = {1, -2, 0x7fffffff};
-  COORD_ASSERT_OK(catalog_->CreateDocument(&doc, tokens));
+  STRATA_ASSERT_OK(catalog_->CreateDocument(&doc, tokens));
   EXPECT_EQ(doc.generation(), 1u);
   Reopen();
   STRATA_ASSERT_OK_AND_ASSIGN(auto got, catalog_->GetDocument("d1"));
@@ -68,17 +67,17 @@ TEST_F(CatalogTest, DocumentRoundTripSurvivesReopen) {
 
 TEST_F(CatalogTest, CreateTwiceIsAlreadyExists) {
   v1::DocumentRecord doc = Doc("d1");
-  COORD_ASSERT_OK(catalog_->CreateDocument(&doc, {}));
+  STRATA_ASSERT_OK(catalog_->CreateDocument(&doc, {}));
   v1::DocumentRecord again = Doc("d1");
   EXPECT_THAT(catalog_->CreateDocument(&again, {}), StatusIs(absl::StatusCode::kAlreadyExists));
 }
 
 TEST_F(CatalogTest, UpdateIsCompareAndSet) {
   v1::DocumentRecord doc = Doc("d1");
-  COORD_ASSERT_OK(catalog_->CreateDocument(&doc, {}));
+  STRATA_ASSERT_OK(catalog_->CreateDocument(&doc, {}));
   v1::DocumentRecord stale = doc;
   doc.mutable_info()->set_state(v1::DocumentInfo::READY);
-  COORD_ASSERT_OK(catalog_->UpdateDocument(&doc));
+  STRATA_ASSERT_OK(catalog_->UpdateDocument(&doc));
   EXPECT_EQ(doc.generation(), 2u);
   stale.mutable_info()->set_state(v1::DocumentInfo::FAILED);
   EXPECT_THAT(catalog_->UpdateDocument(&stale), StatusIs(absl::StatusCode::kAborted));
@@ -92,7 +91,7 @@ TEST_F(CatalogTest, UpdateIsCompareAndSet) {
 TEST_F(CatalogTest, ListIsOrderedAndPaged) {
   for (const char* id : {"c", "a", "b", "d"}) {
     v1::DocumentRecord doc = Doc(id);
-    COORD_ASSERT_OK(catalog_->CreateDocument(&doc, {}));
+    STRATA_ASSERT_OK(catalog_->CreateDocument(&doc, {}));
   }
   STRATA_ASSERT_OK_AND_ASSIGN(auto page1, catalog_->ListDocuments("", 3));
   ASSERT_EQ(page1.size(), 3u);
@@ -105,11 +104,11 @@ TEST_F(CatalogTest, ListIsOrderedAndPaged) {
 
 TEST_F(CatalogTest, DeleteRemovesDocumentTokensAndShards) {
   v1::DocumentRecord doc = Doc("d1");
-  COORD_ASSERT_OK(catalog_->CreateDocument(&doc, std::vector<int32_t>{1, 2}));
+  STRATA_ASSERT_OK(catalog_->CreateDocument(&doc, std::vector<int32_t>{1, 2}));
   v1::ShardMapRecord shards;
   shards.mutable_map()->set_document_id("d1");
-  COORD_ASSERT_OK(catalog_->PutShardMap(&shards));
-  COORD_ASSERT_OK(catalog_->DeleteDocument("d1"));
+  STRATA_ASSERT_OK(catalog_->PutShardMap(&shards));
+  STRATA_ASSERT_OK(catalog_->DeleteDocument("d1"));
   EXPECT_THAT(catalog_->GetDocument("d1"), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(catalog_->GetDocumentTokens("d1"), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(catalog_->GetShardMap("d1"), StatusIs(absl::StatusCode::kNotFound));
@@ -118,9 +117,9 @@ TEST_F(CatalogTest, DeleteRemovesDocumentTokensAndShards) {
 
 TEST_F(CatalogTest, JobsAndShardMapsAreVersioned) {
   v1::JobRecord job = Job("job-1");
-  COORD_ASSERT_OK(catalog_->CreateJob(&job));
+  STRATA_ASSERT_OK(catalog_->CreateJob(&job));
   job.mutable_info()->set_state(v1::JobInfo::CANCELLED);
-  COORD_ASSERT_OK(catalog_->UpdateJob(&job));
+  STRATA_ASSERT_OK(catalog_->UpdateJob(&job));
   Reopen();
   STRATA_ASSERT_OK_AND_ASSIGN(auto got, catalog_->GetJob("job-1"));
   EXPECT_EQ(got.info().state(), v1::JobInfo::CANCELLED);
@@ -130,11 +129,11 @@ TEST_F(CatalogTest, JobsAndShardMapsAreVersioned) {
 
   v1::ShardMapRecord shards;
   shards.mutable_map()->set_document_id("d1");
-  COORD_ASSERT_OK(catalog_->PutShardMap(&shards));
+  STRATA_ASSERT_OK(catalog_->PutShardMap(&shards));
   v1::ShardMapRecord again;
   again.mutable_map()->set_document_id("d1");
   EXPECT_THAT(catalog_->PutShardMap(&again), StatusIs(absl::StatusCode::kAlreadyExists));
-  COORD_ASSERT_OK(catalog_->PutShardMap(&shards));  // generation 1 -> 2
+  STRATA_ASSERT_OK(catalog_->PutShardMap(&shards));  // generation 1 -> 2
   EXPECT_EQ(shards.generation(), 2u);
 }
 

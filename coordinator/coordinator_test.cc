@@ -9,7 +9,6 @@
 
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
-#include "coordinator/testing/assert_ok.h"
 #include "coordinator/testing/fake_worker_client.h"
 #include "gtest/gtest.h"
 
@@ -69,7 +68,7 @@ class CoordinatorTest : public ::testing::Test {
     ASSERT_TRUE(options_.Validate().ok()) << options_.Validate();
     coordinator_ = std::make_unique<Coordinator>(
         options_, *std::move(catalog), &workers_, nullptr, [this] { return now_; }, [this] { return now_ / 1000; });
-    COORD_ASSERT_OK(coordinator_->Start());
+    STRATA_ASSERT_OK(coordinator_->Start());
   }
 
   std::string Upload(int n, int first = 1) {
@@ -241,7 +240,7 @@ TEST_F(CoordinatorTest, WithoutWorkersJobsStayQueuedAndDocumentsPending) {
 TEST_F(CoordinatorTest, CancelQueuedJobThenCancelAgainIsFailedPrecondition) {
   STRATA_ASSERT_OK_AND_ASSIGN(JobInfo job, coordinator_->SubmitJob(Job(Upload(10))));
   RecordingObserver watcher;
-  COORD_ASSERT_OK(coordinator_->WatchJob(job.job_id(), &watcher));
+  STRATA_ASSERT_OK(coordinator_->WatchJob(job.job_id(), &watcher));
   STRATA_ASSERT_OK_AND_ASSIGN(JobInfo cancelled, coordinator_->CancelJob(job.job_id()));
   EXPECT_EQ(cancelled.state(), JobInfo::CANCELLED);
   EXPECT_EQ(cancelled.finish_reason(), JobInfo::CANCELLED_BY_CLIENT);
@@ -258,8 +257,8 @@ TEST_F(CoordinatorTest, AdmissionLimitIsResourceExhausted) {
   options_.admission.max_pending_jobs = 2;
   Restart();
   const std::string doc = Upload(10);
-  COORD_ASSERT_OK(coordinator_->SubmitJob(Job(doc)).status());
-  COORD_ASSERT_OK(coordinator_->SubmitJob(Job(doc)).status());
+  STRATA_ASSERT_OK(coordinator_->SubmitJob(Job(doc)).status());
+  STRATA_ASSERT_OK(coordinator_->SubmitJob(Job(doc)).status());
   EXPECT_THAT(coordinator_->SubmitJob(Job(doc)), StatusIs(absl::StatusCode::kResourceExhausted));
   EXPECT_EQ(CountJobs(), 2u);
 }
@@ -268,8 +267,8 @@ TEST_F(CoordinatorTest, DocumentInUseCannotBeDeleted) {
   const std::string doc = Upload(10);
   STRATA_ASSERT_OK_AND_ASSIGN(JobInfo job, coordinator_->SubmitJob(Job(doc)));
   EXPECT_THAT(coordinator_->DeleteDocument(doc), StatusIs(absl::StatusCode::kFailedPrecondition));
-  COORD_ASSERT_OK(coordinator_->CancelJob(job.job_id()));
-  COORD_ASSERT_OK(coordinator_->DeleteDocument(doc));
+  STRATA_ASSERT_OK(coordinator_->CancelJob(job.job_id()));
+  STRATA_ASSERT_OK(coordinator_->DeleteDocument(doc));
   EXPECT_THAT(coordinator_->GetDocument(doc), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(coordinator_->DeleteDocument(doc), StatusIs(absl::StatusCode::kNotFound));
 }
@@ -280,10 +279,10 @@ TEST_F(CoordinatorTest, FullLifeWithAFakeWorker) {
   RegisterWorker("w1");
   const std::string doc = Upload(600);  // 38 pages of 16 -> 3 shards of <= 16 pages
   RecordingDocumentObserver doc_watcher;
-  COORD_ASSERT_OK(coordinator_->WatchDocument(doc, &doc_watcher));
+  STRATA_ASSERT_OK(coordinator_->WatchDocument(doc, &doc_watcher));
   STRATA_ASSERT_OK_AND_ASSIGN(JobInfo job, coordinator_->SubmitJob(Job(doc)));
   RecordingObserver watcher;
-  COORD_ASSERT_OK(coordinator_->WatchJob(job.job_id(), &watcher));
+  STRATA_ASSERT_OK(coordinator_->WatchJob(job.job_id(), &watcher));
   coordinator_->Tick();
   auto prefills = workers_.prefills();
   ASSERT_EQ(prefills.size(), 3u);
@@ -339,7 +338,7 @@ TEST_F(CoordinatorTest, CancelReachesTheLeader) {
   STRATA_ASSERT_OK_AND_ASSIGN(JobInfo job, coordinator_->SubmitJob(Job("")));  // no document
   coordinator_->Tick();
   ASSERT_EQ(workers_.runs().size(), 1u);
-  COORD_ASSERT_OK(coordinator_->CancelJob(job.job_id()).status());
+  STRATA_ASSERT_OK(coordinator_->CancelJob(job.job_id()).status());
   auto cancels = workers_.cancels();
   ASSERT_EQ(cancels.size(), 1u);
   EXPECT_EQ(cancels[0].first, "w1");
@@ -393,7 +392,7 @@ TEST_F(CoordinatorTest, RestartKeepsCatalogAndRequeuesRunningJobs) {
   const std::string doc = Upload(10);
   STRATA_ASSERT_OK_AND_ASSIGN(JobInfo queued, coordinator_->SubmitJob(Job(doc)));
   STRATA_ASSERT_OK_AND_ASSIGN(JobInfo cancelled, coordinator_->SubmitJob(Job(doc)));
-  COORD_ASSERT_OK(coordinator_->CancelJob(cancelled.job_id()).status());
+  STRATA_ASSERT_OK(coordinator_->CancelJob(cancelled.job_id()).status());
   RegisterWorker("w1");
   STRATA_ASSERT_OK_AND_ASSIGN(JobInfo running, coordinator_->SubmitJob(Job("")));
   coordinator_->Tick();
@@ -437,7 +436,7 @@ TEST_F(CoordinatorTest, DrainRefusesWorkAndHandsBackRunningJobs) {
 TEST_F(CoordinatorTest, ListFiltersAndPages) {
   const std::string a = Upload(10, 1);
   const std::string b = Upload(10, 100);
-  for (int i = 0; i < 5; ++i) COORD_ASSERT_OK(coordinator_->SubmitJob(Job(i < 3 ? a : b)).status());
+  for (int i = 0; i < 5; ++i) STRATA_ASSERT_OK(coordinator_->SubmitJob(Job(i < 3 ? a : b)).status());
   v1::JobListRequest request;
   request.set_document_id(a);
   STRATA_ASSERT_OK_AND_ASSIGN(auto on_a, coordinator_->ListJobs(request));
@@ -478,7 +477,7 @@ TEST_F(CoordinatorTest, IncompatibleWorkersAreRefused) {
   r.mutable_worker()->set_vocab_size(32000);  // the coordinator validates against 1000
   EXPECT_THAT(coordinator_->RegisterWorker(r), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("vocabulary")));
   r.mutable_worker()->set_vocab_size(1000);
-  COORD_ASSERT_OK(coordinator_->RegisterWorker(r));
+  STRATA_ASSERT_OK(coordinator_->RegisterWorker(r));
 }
 
 TEST_F(CoordinatorTest, RequestIdDeduplicatesRetries) {
@@ -547,9 +546,9 @@ TEST_F(CoordinatorTest, ExpiredUnpinnedDocumentsAreCollected) {
   const std::string pinned = upload(100, 10, true);
   const std::string forever = upload(200, 0, false);
   const std::string in_use = upload(300, 10, false);
-  COORD_ASSERT_OK(coordinator_->SubmitJob(Job(in_use)));
+  STRATA_ASSERT_OK(coordinator_->SubmitJob(Job(in_use)));
   RecordingDocumentObserver watcher;
-  COORD_ASSERT_OK(coordinator_->WatchDocument(expiring, &watcher));
+  STRATA_ASSERT_OK(coordinator_->WatchDocument(expiring, &watcher));
   coordinator_->Tick();  // first collection: nothing has expired
   EXPECT_EQ(CountDocuments(), 4u);
   now_ += 61 * kSecond;  // past the TTL and the collection interval

@@ -12,7 +12,6 @@
 #include "base/clock.h"
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
-#include "coordinator/testing/assert_ok.h"
 #include "coordinator/testing/fake_worker_client.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -78,7 +77,7 @@ class ServiceTest : public ::testing::Test {
     options.random_seed = 99;
     coordinator_ = std::make_unique<Coordinator>(options, *std::move(catalog), &workers_, nullptr,
                                                  &MonotonicNanos, &WallMicros);
-    COORD_ASSERT_OK(coordinator_->Start());
+    STRATA_ASSERT_OK(coordinator_->Start());
     CoordinatorServerOptions server_options;
     server_options.listen_address = "127.0.0.1:0";
     server_options.tick_interval_ms = 20;
@@ -101,7 +100,7 @@ class ServiceTest : public ::testing::Test {
     r.mutable_worker()->set_address("127.0.0.1:1");
     r.mutable_worker()->set_capacity_tokens(1 << 20);
     r.mutable_worker()->set_max_jobs(4);
-    COORD_ASSERT_OK(coordinator_->RegisterWorker(r));
+    STRATA_ASSERT_OK(coordinator_->RegisterWorker(r));
   }
   // Waits (bounded) until the fake has `n` RunJob calls.
   bool WaitForRuns(size_t n) {

@@ -22,11 +22,6 @@ using kernels::TensorView;
 constexpr uint32_t kSeed = 5150;
 constexpr int kLayers = 2, kHq = 8, kHkv = 2, kD = 32;
 
-::testing::AssertionResult IsOk(const absl::Status& s) {
-  if (s.ok()) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << s;
-}
-
 const std::vector<PolicyKind> kSparseKinds = {PolicyKind::kStreaming, PolicyKind::kQuest,
                                               PolicyKind::kRadar,     PolicyKind::kTokenSelect,
                                               PolicyKind::kHip,       PolicyKind::kSubGen};
@@ -73,8 +68,8 @@ void Feed(World* w, AttentionPolicy* p, int64_t from, int64_t to) {
   for (int l = 0; l < kLayers; ++l) {
     TensorView k(&w->keys[from * kHkv * kD], DType::kF32, {n, kHkv, kD});
     TensorView v(&w->values[from * kHkv * kD], DType::kF32, {n, kHkv, kD});
-    ASSERT_TRUE(IsOk(w->cache->Append(l, k, v)));
-    if (p != nullptr) ASSERT_TRUE(IsOk(p->OnAppend(l, *w->cache, from, to)));
+    STRATA_ASSERT_OK(w->cache->Append(l, k, v));
+    if (p != nullptr) STRATA_ASSERT_OK(p->OnAppend(l, *w->cache, from, to));
   }
 }
 
@@ -114,7 +109,7 @@ std::vector<float> Attend(World* w, int layer, const Selection& sel, const std::
   p.scale = 1.0f / std::sqrt(static_cast<float>(kD));
   p.out = TensorView(out.data(), DType::kF32, {nt, kHq, kD});
   p.lse = TensorView(lse.data(), DType::kF32, {nt, kHq});
-  EXPECT_TRUE(IsOk(kernels::CpuPagedAttention(p)));
+  STRATA_EXPECT_OK(kernels::CpuPagedAttention(p));
   return out;
 }
 
@@ -172,17 +167,17 @@ TEST(PolicyTest, FullBudgetEqualsDense) {
       const int64_t c = std::min<int64_t>(w.len - t, std::uniform_int_distribution<int>(1, 120)(rng));
       Feed(&w, nullptr, t, t + c);
       for (auto& p : policies) {
-        for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(IsOk(p->OnAppend(l, *w.cache, t, t + c)));
+        for (int l = 0; l < kLayers; ++l) STRATA_ASSERT_OK(p->OnAppend(l, *w.cache, t, t + c));
       }
       std::vector<float> q(static_cast<size_t>(c) * kHq * kD);
       std::normal_distribution<float> nd;
       for (float& x : q) x = nd(rng);
       Selection ref_sel;
-      ASSERT_TRUE(IsOk(dense->Select(1, q.data(), c, kHq, t, *w.cache, &ref_sel)));
+      STRATA_ASSERT_OK(dense->Select(1, q.data(), c, kHq, t, *w.cache, &ref_sel));
       const std::vector<float> ref = Attend(&w, 1, ref_sel, q, c, t);
       for (auto& p : policies) {
         Selection sel;
-        ASSERT_TRUE(IsOk(p->Select(1, q.data(), c, kHq, t, *w.cache, &sel)));
+        STRATA_ASSERT_OK(p->Select(1, q.data(), c, kHq, t, *w.cache, &sel));
         const std::vector<float> got = Attend(&w, 1, sel, q, c, t);
         for (size_t i = 0; i < got.size(); ++i) {
           ASSERT_NEAR(got[i], ref[i], 1e-5) << p->Name() << " at length " << t + c;
@@ -211,7 +206,7 @@ TEST(PolicyTest, BudgetsNeverExceeded) {
     for (int64_t t = 0; t < fresh.len; t += 500) {
       Feed(&fresh, nullptr, t, t + 500);
       for (auto& p : policies) {
-        for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(IsOk(p->OnAppend(l, *fresh.cache, t, t + 500)));
+        for (int l = 0; l < kLayers; ++l) STRATA_ASSERT_OK(p->OnAppend(l, *fresh.cache, t, t + 500));
       }
       for (int step = 0; step < 3; ++step) {
         std::vector<float> q(kHq * kD);
@@ -220,7 +215,7 @@ TEST(PolicyTest, BudgetsNeverExceeded) {
         const int64_t len = t + 500;
         for (auto& p : policies) {
           Selection sel;
-          ASSERT_TRUE(IsOk(p->Select(0, q.data(), 1, kHq, len - 1, *fresh.cache, &sel)));
+          STRATA_ASSERT_OK(p->Select(0, q.data(), 1, kHq, len - 1, *fresh.cache, &sel));
           for (int g = 0; g < kHkv; ++g) {
             const std::vector<int64_t> a = Attended(sel, g);
             const int64_t sinks = std::min<int64_t>(8, len);
@@ -278,7 +273,7 @@ TEST(PolicyTest, PlantedNeedleIsSelected) {
           for (int i = 0; i < kD; ++i) q[h * kD + i] = dir[i] + 0.3f * nd(rng);
         }
         Selection sel;
-        ASSERT_TRUE(IsOk(p->Select(1, q.data(), 1, kHq, len - 1, *w.cache, &sel)));
+        STRATA_ASSERT_OK(p->Select(1, q.data(), 1, kHq, len - 1, *w.cache, &sel));
         for (int g = 0; g < kHkv; ++g) {
           const std::vector<int64_t> a = Attended(sel, g);
           ASSERT_TRUE(std::binary_search(a.begin(), a.end(), needle + run / 2))
@@ -323,21 +318,21 @@ TEST(PolicyTest, SelectionCacheFollowsTheta) {
     return b;
   };
   Selection sel;
-  ASSERT_TRUE(IsOk(p->Select(1, a.data(), 1, kHq, w.len - 1, *w.cache, &sel)));
+  STRATA_ASSERT_OK(p->Select(1, a.data(), 1, kHq, w.len - 1, *w.cache, &sel));
   EXPECT_EQ(p->counters().cache_lookups, kHkv);
   EXPECT_EQ(p->counters().cache_hits, 0);
   std::vector<float> near = with_cos(0.95);
-  ASSERT_TRUE(IsOk(p->Select(1, near.data(), 1, kHq, w.len - 1, *w.cache, &sel)));
+  STRATA_ASSERT_OK(p->Select(1, near.data(), 1, kHq, w.len - 1, *w.cache, &sel));
   EXPECT_EQ(p->counters().cache_lookups, 2 * kHkv);
   EXPECT_EQ(p->counters().cache_hits, kHkv);  // 0.95 >= 0.9: reused
   std::vector<float> far = with_cos(0.85);
-  ASSERT_TRUE(IsOk(p->Select(1, far.data(), 1, kHq, w.len - 1, *w.cache, &sel)));
+  STRATA_ASSERT_OK(p->Select(1, far.data(), 1, kHq, w.len - 1, *w.cache, &sel));
   EXPECT_EQ(p->counters().cache_hits, kHkv);  // 0.85 < 0.9 (vs the cached a): miss, re-selected
   // The cache now holds `far`; `far` itself hits.
-  ASSERT_TRUE(IsOk(p->Select(1, far.data(), 1, kHq, w.len - 1, *w.cache, &sel)));
+  STRATA_ASSERT_OK(p->Select(1, far.data(), 1, kHq, w.len - 1, *w.cache, &sel));
   EXPECT_EQ(p->counters().cache_hits, 2 * kHkv);
   // Layer 0 has its own cache: first lookup misses.
-  ASSERT_TRUE(IsOk(p->Select(0, far.data(), 1, kHq, w.len - 1, *w.cache, &sel)));
+  STRATA_ASSERT_OK(p->Select(0, far.data(), 1, kHq, w.len - 1, *w.cache, &sel));
   EXPECT_EQ(p->counters().cache_hits, 2 * kHkv);
   EXPECT_EQ(p->counters().cache_lookups, 5 * kHkv);
 }
@@ -356,8 +351,8 @@ TEST(PolicyTest, ChunkUsesMeanQueryAndAttendsItself) {
     std::unique_ptr<AttentionPolicy> single = MakeAttentionPolicy(o, kLayers, kHq, kHkv, kD).value();
     FeedAll(&w, nullptr, rng);
     for (int l = 0; l < kLayers; ++l) {
-      ASSERT_TRUE(IsOk(chunked->OnAppend(l, *w.cache, 0, w.len)));
-      ASSERT_TRUE(IsOk(single->OnAppend(l, *w.cache, 0, w.len)));
+      STRATA_ASSERT_OK(chunked->OnAppend(l, *w.cache, 0, w.len));
+      STRATA_ASSERT_OK(single->OnAppend(l, *w.cache, 0, w.len));
     }
     const int nt = 300;
     const int64_t q_begin = w.len - nt;
@@ -367,8 +362,8 @@ TEST(PolicyTest, ChunkUsesMeanQueryAndAttendsItself) {
       for (int i = 0; i < kHq * kD; ++i) mean[i] += q[t * kHq * kD + i] / nt;
     }
     Selection a, b;
-    ASSERT_TRUE(IsOk(chunked->Select(0, q.data(), nt, kHq, q_begin, *w.cache, &a)));
-    ASSERT_TRUE(IsOk(single->Select(0, mean.data(), 1, kHq, q_begin, *w.cache, &b)));
+    STRATA_ASSERT_OK(chunked->Select(0, q.data(), nt, kHq, q_begin, *w.cache, &a));
+    STRATA_ASSERT_OK(single->Select(0, mean.data(), 1, kHq, q_begin, *w.cache, &b));
     for (int g = 0; g < kHkv; ++g) {
       const std::vector<int64_t> ta = Attended(a, g), tb = Attended(b, g);
       EXPECT_EQ(ta, tb) << PolicyName(kind);
@@ -390,8 +385,8 @@ TEST(PolicyTest, DenseLayers) {
   FeedAll(&w, p.get(), rng);
   std::vector<float> q(kHq * kD, 0.1f);
   Selection s0, s1;
-  ASSERT_TRUE(IsOk(p->Select(0, q.data(), 1, kHq, w.len - 1, *w.cache, &s0)));
-  ASSERT_TRUE(IsOk(p->Select(1, q.data(), 1, kHq, w.len - 1, *w.cache, &s1)));
+  STRATA_ASSERT_OK(p->Select(0, q.data(), 1, kHq, w.len - 1, *w.cache, &s0));
+  STRATA_ASSERT_OK(p->Select(1, q.data(), 1, kHq, w.len - 1, *w.cache, &s1));
   EXPECT_EQ(static_cast<int64_t>(Attended(s0, 0).size()), w.len);
   EXPECT_EQ(static_cast<int64_t>(Attended(s1, 0).size()), 8 + 128 + 33);
 }

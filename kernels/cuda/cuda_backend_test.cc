@@ -33,12 +33,6 @@ constexpr uint32_t kSeed = 20261122;
 uint32_t g_seed = kSeed;  // the current test's seed (kSeed mixed with the test name), printed
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// Holds the status by value (binding a reference to a temporary's status would dangle).
-#define CUDA_TEST_ASSERT_OK(expr)                                          \
-  do {                                                                     \
-    const absl::Status cuda_test_status_ = ::strata::testing::GetStatus((expr)); \
-    ASSERT_TRUE(cuda_test_status_.ok()) << cuda_test_status_;               \
-  } while (0)
 const float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A host tensor in `dtype` plus the f32 values it holds (after rounding to dtype).
@@ -187,22 +181,22 @@ TEST_F(CudaBackendTest, MemoryRoundTripAndErrors) {
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(rng_());
   STRATA_ASSERT_OK_AND_ASSIGN(auto buf, gpu_->Allocate(src.size()));
   EXPECT_EQ(buf->bytes(), src.size());
-  CUDA_TEST_ASSERT_OK(gpu_->CopyToDevice(buf->data(), src.data(), src.size(), nullptr));
-  CUDA_TEST_ASSERT_OK(gpu_->CopyToHost(dst.data(), buf->data(), dst.size(), nullptr));
+  STRATA_ASSERT_OK(gpu_->CopyToDevice(buf->data(), src.data(), src.size(), nullptr));
+  STRATA_ASSERT_OK(gpu_->CopyToHost(dst.data(), buf->data(), dst.size(), nullptr));
   EXPECT_EQ(src, dst);
   EXPECT_THAT(gpu_->CopyToDevice(nullptr, src.data(), 4, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
   // 1 PiB cannot be allocated: ResourceExhausted, and the backend keeps working afterwards.
   EXPECT_THAT(gpu_->Allocate(size_t{1} << 50).status(),
               StatusIs(absl::StatusCode::kResourceExhausted));
-  CUDA_TEST_ASSERT_OK(gpu_->Synchronize(nullptr));
+  STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
   // A stream of our own.
   auto* cuda = static_cast<CudaBackend*>(gpu_);
   STRATA_ASSERT_OK_AND_ASSIGN(Stream s, cuda->CreateStream());
   std::fill(dst.begin(), dst.end(), 0);
-  CUDA_TEST_ASSERT_OK(gpu_->CopyToHost(dst.data(), buf->data(), dst.size(), s));
+  STRATA_ASSERT_OK(gpu_->CopyToHost(dst.data(), buf->data(), dst.size(), s));
   EXPECT_EQ(src, dst);
-  CUDA_TEST_ASSERT_OK(cuda->DestroyStream(s));
+  STRATA_ASSERT_OK(cuda->DestroyStream(s));
 }
 
 // ---- Embedding -------------------------------------------------------------------------------
@@ -217,14 +211,14 @@ TEST_P(CudaEmbeddingTest, MatchesCpu) {
   std::vector<int32_t> ids(n);
   for (auto& id : ids) id = static_cast<int32_t>(rng_() % vocab);
   HostTensor want = Filled({n, hidden}, kNaN);
-  CUDA_TEST_ASSERT_OK(cpu_->Embedding({ids.data(), table.HostView(), want.HostView()}, nullptr));
+  STRATA_ASSERT_OK(cpu_->Embedding({ids.data(), table.HostView(), want.HostView()}, nullptr));
   auto d_table = Upload(table);
   auto d_ids = UploadRaw(ids.data(), ids.size() * 4);
   auto d_out = Upload(Filled({n, hidden}, kNaN));
   EmbeddingParams p{static_cast<const int32_t*>(d_ids->data()), table.View(d_table->data()),
                     want.View(d_out->data())};
-  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
-  CUDA_TEST_ASSERT_OK(gpu_->Embedding(p, nullptr));
+  STRATA_ASSERT_OK(gpu_->Supports(p));
+  STRATA_ASSERT_OK(gpu_->Embedding(p, nullptr));
   ExpectClose(Download(*d_out, n * hidden), want.Values(), 0, 0,
               absl::StrCat("embedding ", DTypeName(dt)));
 }
@@ -241,7 +235,7 @@ TEST_F(CudaBackendTest, EmbeddingBadIdGivesNaNRow) {
   auto d_ids = UploadRaw(ids.data(), 12);
   auto d_out = Upload(Filled({3, 7}, 0.0f));
   HostTensor out_shape = Filled({3, 7}, 0.0f);
-  CUDA_TEST_ASSERT_OK(gpu_->Embedding({static_cast<const int32_t*>(d_ids->data()),
+  STRATA_ASSERT_OK(gpu_->Embedding({static_cast<const int32_t*>(d_ids->data()),
                                     table.View(d_table->data()), out_shape.View(d_out->data())},
                                    nullptr));
   std::vector<float> got = Download(*d_out, 21);
@@ -263,17 +257,17 @@ TEST_P(CudaRmsNormTest, MatchesCpu) {
   HostTensor in = Random(rng_, DType::kF32, {n, hidden}, -3, 3);
   HostTensor w = Random(rng_, dt, {hidden}, 0.5, 1.5);
   HostTensor want = Filled({n, hidden}, kNaN);
-  CUDA_TEST_ASSERT_OK(cpu_->RmsNorm({in.HostView(), w.HostView(), want.HostView(), 1e-5f}, nullptr));
+  STRATA_ASSERT_OK(cpu_->RmsNorm({in.HostView(), w.HostView(), want.HostView(), 1e-5f}, nullptr));
   auto d_in = Upload(in);
   auto d_w = Upload(w);
   auto d_out = Upload(Filled({n, hidden}, kNaN));
   RmsNormParams p{in.View(d_in->data()), w.View(d_w->data()), want.View(d_out->data()), 1e-5f};
-  CUDA_TEST_ASSERT_OK(gpu_->RmsNorm(p, nullptr));
+  STRATA_ASSERT_OK(gpu_->RmsNorm(p, nullptr));
   ExpectClose(Download(*d_out, n * hidden), want.Values(), 1e-6, 2e-5,
               absl::StrCat("rmsnorm ", DTypeName(dt)));
   // In place.
   p.out = p.in;
-  CUDA_TEST_ASSERT_OK(gpu_->RmsNorm(p, nullptr));
+  STRATA_ASSERT_OK(gpu_->RmsNorm(p, nullptr));
   ExpectClose(Download(*d_in, n * hidden), want.Values(), 1e-6, 2e-5, "rmsnorm in place");
 }
 
@@ -297,15 +291,15 @@ TEST_P(CudaMatMulTest, MatchesCpu) {
   HostTensor want = Filled({n, m}, kNaN);
   MatMulParams cp{in.HostView(), w.HostView(), with_bias ? bias.HostView() : TensorView(),
                   want.HostView()};
-  CUDA_TEST_ASSERT_OK(cpu_->MatMul(cp, nullptr));
+  STRATA_ASSERT_OK(cpu_->MatMul(cp, nullptr));
   auto d_in = Upload(in);
   auto d_w = Upload(w);
   auto d_b = Upload(bias);
   auto d_out = Upload(Filled({n, m}, kNaN));
   MatMulParams p{in.View(d_in->data()), w.View(d_w->data()),
                  with_bias ? bias.View(d_b->data()) : TensorView(), want.View(d_out->data())};
-  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
-  CUDA_TEST_ASSERT_OK(gpu_->MatMul(p, nullptr));
+  STRATA_ASSERT_OK(gpu_->Supports(p));
+  STRATA_ASSERT_OK(gpu_->MatMul(p, nullptr));
   // Tolerance relative to sum_i |in * w| (+ |bias|): the dot products cancel, so |ref| alone is
   // no measure of the rounding. bf16 with > 8 tokens keeps ~16 bits of each activation (hi/lo).
   const std::vector<float> iv = in.Values(), wv = w.Values(), bv = bias.Values();
@@ -342,14 +336,14 @@ TEST_P(CudaRopeTest, MatchesCpu) {
   std::vector<int32_t> pos(n);
   for (auto& p : pos) p = static_cast<int32_t>(rng_() % 200000);
   HostTensor want = x;
-  CUDA_TEST_ASSERT_OK(cpu_->Rope({want.HostView(), pos.data(), inv_freq.HostView(), 1.25f}, nullptr));
+  STRATA_ASSERT_OK(cpu_->Rope({want.HostView(), pos.data(), inv_freq.HostView(), 1.25f}, nullptr));
   auto d_x = Upload(x);
   auto d_f = Upload(inv_freq);
   auto d_pos = UploadRaw(pos.data(), pos.size() * 4);
   RopeParams p{x.View(d_x->data()), static_cast<const int32_t*>(d_pos->data()),
                inv_freq.View(d_f->data()), 1.25f};
-  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
-  CUDA_TEST_ASSERT_OK(gpu_->Rope(p, nullptr));
+  STRATA_ASSERT_OK(gpu_->Supports(p));
+  STRATA_ASSERT_OK(gpu_->Rope(p, nullptr));
   ExpectClose(Download(*d_x, n * heads * head_dim), want.Values(), 2e-5, 2e-5, "rope");
 }
 
@@ -368,15 +362,15 @@ TEST_P(CudaElementwiseTest, SwiGluMatchesCpu) {
   HostTensor gate = Random(rng_, DType::kF32, {n, width}, -8, 8);
   HostTensor up = Random(rng_, DType::kF32, {n, width}, -2, 2);
   HostTensor want = Filled({n, width}, kNaN);
-  CUDA_TEST_ASSERT_OK(cpu_->SwiGlu({gate.HostView(), up.HostView(), want.HostView()}, nullptr));
+  STRATA_ASSERT_OK(cpu_->SwiGlu({gate.HostView(), up.HostView(), want.HostView()}, nullptr));
   auto d_g = Upload(gate);
   auto d_u = Upload(up);
   auto d_o = Upload(Filled({n, width}, kNaN));
-  CUDA_TEST_ASSERT_OK(gpu_->SwiGlu(
+  STRATA_ASSERT_OK(gpu_->SwiGlu(
       {gate.View(d_g->data()), up.View(d_u->data()), want.View(d_o->data())}, nullptr));
   ExpectClose(Download(*d_o, n * width), want.Values(), 1e-6, 1e-5, "swiglu");
   // In place over gate.
-  CUDA_TEST_ASSERT_OK(gpu_->SwiGlu(
+  STRATA_ASSERT_OK(gpu_->SwiGlu(
       {gate.View(d_g->data()), up.View(d_u->data()), gate.View(d_g->data())}, nullptr));
   ExpectClose(Download(*d_g, n * width), want.Values(), 1e-6, 1e-5, "swiglu in place");
 }
@@ -386,14 +380,14 @@ TEST_P(CudaElementwiseTest, AddMatchesCpu) {
   HostTensor a = Random(rng_, DType::kF32, {n, width}, -5, 5);
   HostTensor b = Random(rng_, DType::kF32, {n, width}, -5, 5);
   HostTensor want = Filled({n, width}, kNaN);
-  CUDA_TEST_ASSERT_OK(cpu_->Add({a.HostView(), b.HostView(), want.HostView()}, nullptr));
+  STRATA_ASSERT_OK(cpu_->Add({a.HostView(), b.HostView(), want.HostView()}, nullptr));
   auto d_a = Upload(a);
   auto d_b = Upload(b);
   auto d_o = Upload(Filled({n, width}, kNaN));
-  CUDA_TEST_ASSERT_OK(
+  STRATA_ASSERT_OK(
       gpu_->Add({a.View(d_a->data()), b.View(d_b->data()), want.View(d_o->data())}, nullptr));
   ExpectClose(Download(*d_o, n * width), want.Values(), 0, 0, "add");
-  CUDA_TEST_ASSERT_OK(
+  STRATA_ASSERT_OK(
       gpu_->Add({a.View(d_a->data()), b.View(d_b->data()), a.View(d_a->data())}, nullptr));
   ExpectClose(Download(*d_a, n * width), want.Values(), 0, 0, "add in place");
 }
@@ -487,7 +481,7 @@ TEST_P(CudaPagedAttentionTest, MatchesCpu) {
   cp.scale = scale;
   cp.out = want_out.HostView();
   cp.lse = want_lse.HostView();
-  CUDA_TEST_ASSERT_OK(cpu_->PagedAttention(cp, nullptr));
+  STRATA_ASSERT_OK(cpu_->PagedAttention(cp, nullptr));
 
   auto d_k = Upload(k_pool);
   auto d_v = Upload(v_pool);
@@ -500,10 +494,10 @@ TEST_P(CudaPagedAttentionTest, MatchesCpu) {
   p.v_pool = v_pool.View(d_v->data());
   p.out = want_out.View(d_out->data());
   p.lse = want_lse.View(d_lse->data());
-  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
+  STRATA_ASSERT_OK(gpu_->Supports(p));
   // Run twice: the second run reuses the pinned staging buffer and pooled scratch.
   for (int rep = 0; rep < 2; ++rep) {
-    CUDA_TEST_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
+    STRATA_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
     // The host arrays may change as soon as the call returns (the kernels read a device copy).
     const std::vector<KvSpan> saved = spans;
     for (KvSpan& s : spans) s.slot = -1;
@@ -570,7 +564,7 @@ TEST_F(CudaBackendTest, PagedAttentionRejectsBadSpans) {
   spans[0] = {1, 2, 3, 0};  // offset + length > page_size
   EXPECT_THAT(gpu_->PagedAttention(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
   spans[0] = {1, 0, 4, 0};
-  CUDA_TEST_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
+  STRATA_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
   p.num_kv_heads = 3;
   EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kInvalidArgument));
   HostTensor fp8 = pool;
@@ -611,14 +605,14 @@ TEST_P(CudaMergeAttentionTest, MatchesCpu) {
     g_lses.push_back(lses[s].View(bufs.back()->data()));
   }
   HostTensor want_out = Filled({rows, 1, d}, kNaN), want_lse = Filled({rows, 1}, kNaN);
-  CUDA_TEST_ASSERT_OK(cpu_->MergeAttention(
+  STRATA_ASSERT_OK(cpu_->MergeAttention(
       {h_outs.data(), h_lses.data(), parts, want_out.HostView(), want_lse.HostView()}, nullptr));
   auto d_out = Upload(Filled({rows, 1, d}, kNaN));
   auto d_lse = Upload(Filled({rows, 1}, kNaN));
   MergeAttentionParams p{g_outs.data(), g_lses.data(), parts, want_out.View(d_out->data()),
                          want_lse.View(d_lse->data())};
-  CUDA_TEST_ASSERT_OK(gpu_->Supports(p));
-  CUDA_TEST_ASSERT_OK(gpu_->MergeAttention(p, nullptr));
+  STRATA_ASSERT_OK(gpu_->Supports(p));
+  STRATA_ASSERT_OK(gpu_->MergeAttention(p, nullptr));
   ExpectClose(Download(*d_out, rows * d), want_out.Values(), 1e-6, 1e-5, "merge out");
   ExpectClose(Download(*d_lse, rows), want_lse.Values(), 1e-6, 1e-6, "merge lse");
 }
