@@ -86,7 +86,7 @@ int Serve(const ServeFlags& f) {
   auto registry = std::make_shared<prometheus::Registry>();
   coordinator::CoordinatorMetrics coordinator_metrics(*registry);
   kvstore::KvMetrics kv_metrics(registry.get());
-  worker::WorkerMetrics worker_metrics(registry.get(), &kv_metrics);
+  worker::WorkerMetrics worker_metrics(registry.get());
   std::unique_ptr<prometheus::Exposer> exposer;
   int metrics_port = 0;
   if (absl::Status s = StartMetrics(f.metrics_listen, registry, &exposer, &metrics_port); !s.ok()) {

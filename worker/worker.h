@@ -35,7 +35,6 @@
 #include "absl/synchronization/mutex.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
-#include "kvstore/metrics.h"
 #include "kvstore/page_store.h"
 #include "model/model.h"
 #include "strata/v1/internal.pb.h"
@@ -68,10 +67,10 @@ struct WorkerOptions {
   absl::Status Validate() const;
 };
 
-// Worker-side metrics (docs/metrics.md). Counters are registered in `registry`; the host tier's
-// strata_kv_* children come from `kv` (the registry's KvMetrics, shared with the store tiers).
+// Worker-side metrics (docs/metrics.md), registered in `registry`. The strata_kv_* tier series
+// are counted by the page-store tiers themselves (kvstore/metrics.h).
 struct WorkerMetrics {
-  WorkerMetrics(prometheus::Registry* registry, kvstore::KvMetrics* kv);
+  explicit WorkerMetrics(prometheus::Registry* registry);
   prometheus::Counter* prefill_tokens;
   prometheus::Counter* decode_tokens;
   prometheus::Counter* candidate_tokens;

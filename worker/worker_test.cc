@@ -43,7 +43,7 @@ class WorkerTest : public ::testing::Test {
     so.path = dir_ + "/kv";
     so.metrics = kv_metrics_.get();
     STRATA_ASSERT_OK_AND_ASSIGN(store_, kvstore::LocalStore::Open(so));
-    metrics_ = std::make_unique<WorkerMetrics>(&registry_, kv_metrics_.get());
+    metrics_ = std::make_unique<WorkerMetrics>(&registry_);
     WorkerOptions wo;
     wo.prefill_chunk_size = 64;
     STRATA_ASSERT_OK_AND_ASSIGN(worker_, Worker::Create(wo, model_.get(), backend_.get(), store_.get(),
