@@ -6,16 +6,17 @@
 # Full logs go to $OUT (the device tool's result folder) when set, else /tmp/strata-gpu-out.
 #
 # Usage: scripts/gpu_remote.sh
-# Env: STRATA_GPU_SANITIZER_FILTER (gtest filter for the memcheck run; default all tests),
+# Env: STRATA_GPU_BUNDLE (bundle folder under the repo root, default .gpu),
+#      STRATA_GPU_SANITIZER_FILTER (gtest filter for the memcheck run; default all tests),
 #      STRATA_GPU_SANITIZER_TIMEOUT (seconds, default 170), STRATA_GPU_BENCH_ARGS (contexts for
 #      cuda_attention_bench; default 32768 131072), STRATA_GPU_SKIP_BENCH=1, STRATA_GPU_BENCH_TIMEOUT (seconds,
 #      default 120), STRATA_GPU_SKIP_NCU=1.
 set -uo pipefail
 ROOT="$(pwd)"
-BUNDLE="$ROOT/.gpu"
+BUNDLE="$ROOT/${STRATA_GPU_BUNDLE:-.gpu}"
 LOGS="${OUT:-/tmp/strata-gpu-out}"
 mkdir -p "$LOGS"
-WORK=/tmp/strata-gpu
+WORK="/tmp/strata-gpu-$(basename "$BUNDLE")"
 rm -rf "$WORK" && mkdir -p "$WORK"
 tar -C "$WORK" -xzf "$BUNDLE/libs.tar.gz"
 export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"

@@ -5,7 +5,10 @@
 #
 # Usage: scripts/gpu_run.sh [--with-cli]
 #   --with-cli   also build the `strata` binary (otherwise it is bundled only if already built)
-# Env: STRATA_GPU_BUILD_DIR (default build-cuda), STRATA_JOBS (default 2).
+# Env: STRATA_GPU_BUILD_DIR (default build-cuda), STRATA_JOBS (default 2), STRATA_GPU_BUNDLE
+#      (bundle folder, default .gpu; any .gpu* name is gitignored; carry it to the GPU machine and
+#      run it there with STRATA_GPU_BUNDLE set to the same name),
+#      STRATA_GPU_EXTRA_TARGETS (more targets to build and bundle, space-separated, e.g. a bench).
 #
 # What is bundled (.gpu/):
 #   bin/            the test binaries with ctest label `gpu`, cuda_attention_bench, the CUDA plugin
@@ -21,13 +24,16 @@ cd "$(dirname "$0")/.."
 BUILD_DIR="${STRATA_GPU_BUILD_DIR:-build-cuda}"
 JOBS="${STRATA_JOBS:-2}"
 WITH_CLI=0
+BUNDLE="${STRATA_GPU_BUNDLE:-.gpu}"
+# shellcheck disable=SC2206
+extra=(${STRATA_GPU_EXTRA_TARGETS:-})
 [ "${1:-}" = "--with-cli" ] && WITH_CLI=1
 
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_BUILD_TESTS=ON \
     -DSTRATA_ENABLE_CUDA=ON
 fi
-targets=(cuda_backend_test golden_gpu_test cuda_attention_bench strata_cuda)
+targets=(cuda_backend_test golden_gpu_test cuda_attention_bench strata_cuda "${extra[@]}")
 ninja -C "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
 if [ "$WITH_CLI" = 1 ]; then
   ninja -C "$BUILD_DIR" -j "$JOBS" strata
@@ -43,12 +49,15 @@ for t in json.load(sys.stdin).get("tests", []):
     if cmd and os.path.exists(cmd[0]) and cmd[0] not in seen:
         seen.add(cmd[0]); print(cmd[0])')
 binaries=("${gpu_tests[@]}" "$BUILD_DIR/bin/cuda_attention_bench" "$BUILD_DIR/bin/libstrata_cuda.so")
+for t in "${extra[@]}"; do
+  [ -x "$BUILD_DIR/bin/$t" ] && binaries+=("$BUILD_DIR/bin/$t")
+done
 [ -x "$BUILD_DIR/bin/strata" ] && binaries+=("$BUILD_DIR/bin/strata")
 
-rm -rf .gpu
-mkdir -p .gpu/bin .gpu/lib
+rm -rf "$BUNDLE"
+mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
 for b in "${binaries[@]}"; do
-  strip --strip-unneeded -o ".gpu/bin/$(basename "$b")" "$b"
+  strip --strip-unneeded -o "$BUNDLE/bin/$(basename "$b")" "$b"
 done
 # Libraries present on the GPU machine (or that must come from its driver) are left out.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libstdc\+\+|libgcc_s|libcuda\.so|libcudart|libcublas|libcublasLt|libnvidia|libnccl|libprotobuf\.so\.32)'
@@ -56,12 +65,12 @@ for b in "${binaries[@]}"; do
   ldd "$b" | awk '/=>/ && $3 ~ /^\// {print $1, $3}'
 done | sort -u | while read -r name path; do
   if [[ "$name" =~ $skip ]]; then continue; fi
-  cp -L "$path" ".gpu/lib/$name"
-  strip --strip-unneeded ".gpu/lib/$name" 2>/dev/null || true
+  cp -L "$path" "$BUNDLE/lib/$name"
+  strip --strip-unneeded "$BUNDLE/lib/$name" 2>/dev/null || true
 done
-tar -C .gpu -czf .gpu/libs.tar.gz lib
-rm -rf .gpu/lib
-cp scripts/gpu_remote.sh .gpu/
-echo "bundled into .gpu/:"
-ls -la .gpu/bin
-du -sh .gpu .gpu/libs.tar.gz
+tar -C "$BUNDLE" -czf "$BUNDLE/libs.tar.gz" lib
+rm -rf "$BUNDLE/lib"
+cp scripts/gpu_remote.sh "$BUNDLE/"
+echo "bundled into $BUNDLE/:"
+ls -la "$BUNDLE/bin"
+du -sh "$BUNDLE" "$BUNDLE/libs.tar.gz"
