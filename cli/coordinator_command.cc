@@ -10,6 +10,11 @@
 // count from it (as `strata serve` does) unless those flags are given; without --model, only
 // token-id uploads and prompts are accepted.
 //
+// Documents are split into shards of about --target-shard-tokens, placed on the registered workers
+// and prefilled there in the document's prefill mode (--default-prefill-mode when the upload names
+// none); READY documents' shards are mounted by their holders, and moved to live workers when a
+// holder is dropped (coordinator/coordinator.h).
+//
 // SIGTERM drains: health turns NOT_SERVING, uploads and submissions get UNAVAILABLE, running jobs
 // get --drain-timeout-seconds to finish, and those still running are handed back (QUEUED in the
 // catalog, for the next coordinator). Logs the bound ports (port 0 picks a free one); --port-file
@@ -54,6 +59,8 @@ struct CoordinatorFlags {
   int64_t num_layers = 0;
   int64_t page_size = 64;
   int64_t target_shard_tokens = 65536;
+  std::string default_prefill_mode = "anchor";
+  int64_t anchor_tokens = 4096;
   int64_t max_document_tokens = int64_t{1} << 20;
   int64_t max_upload_mib = 64;
   int64_t max_prompt_tokens = 65536;
@@ -102,6 +109,16 @@ int Serve(const CoordinatorFlags& f) {
       std::min<uint32_t>(options.limits.default_max_tokens, options.limits.max_max_tokens);
   options.placement.page_size = f.page_size;
   options.placement.target_shard_tokens = f.target_shard_tokens;
+  if (f.default_prefill_mode == "anchor") {
+    options.default_prefill_mode = v1::DocumentInfo::ANCHOR;
+  } else if (f.default_prefill_mode == "exact") {
+    options.default_prefill_mode = v1::DocumentInfo::EXACT;
+  } else {
+    std::fprintf(stderr, "strata coordinator: --default-prefill-mode must be anchor or exact, got '%s'\n",
+                 f.default_prefill_mode.c_str());
+    return 2;
+  }
+  options.anchor_tokens = f.anchor_tokens;
   options.admission.max_pending_jobs = f.max_pending_jobs;
   options.admission.max_pending_tokens = f.max_pending_tokens;
   options.registry.heartbeat_interval_nanos = f.heartbeat_interval_ms * 1'000'000;
@@ -159,6 +176,7 @@ int Serve(const CoordinatorFlags& f) {
                    << " model=" << (f.model.empty() ? "none" : f.model)
                    << " namespace=" << options.model_namespace << " vocab_size=" << options.limits.vocab_size
                    << " page_size=" << f.page_size << " target_shard_tokens=" << f.target_shard_tokens
+                   << " default_prefill_mode=" << f.default_prefill_mode << " anchor_tokens=" << f.anchor_tokens
                    << " max_document_tokens=" << f.max_document_tokens
                    << " max_prompt_tokens=" << f.max_prompt_tokens << " max_tokens_limit=" << f.max_tokens_limit
                    << " max_pending_jobs=" << f.max_pending_jobs << " max_pending_tokens=" << f.max_pending_tokens
@@ -208,6 +226,11 @@ int RunCoordinator(int argc, char** argv) {
             "model layers, for policy.dense_layers checks (0: the --model layer count, else unchecked)");
   flags.Int("page-size", &f.page_size, "tokens per KV page of the deployment");
   flags.Int("target-shard-tokens", &f.target_shard_tokens, "target tokens per document shard");
+  flags.String("default-prefill-mode", &f.default_prefill_mode,
+               "prefill of documents uploaded without a mode: anchor (shards in parallel, each attending to an "
+               "anchor of the first tokens) or exact (shard by shard, the KV of a single-worker prefill)");
+  flags.Int("anchor-tokens", &f.anchor_tokens,
+            "anchor mode: the anchor is the document's first min(this, first shard's tokens) tokens");
   flags.Int("max-document-tokens", &f.max_document_tokens, "largest document, tokens");
   flags.Int("max-upload-mib", &f.max_upload_mib, "largest uploaded text, MiB");
   flags.Int("max-prompt-tokens", &f.max_prompt_tokens, "largest job prompt, tokens");

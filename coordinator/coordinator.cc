@@ -15,8 +15,11 @@ namespace strata::coordinator {
 namespace {
 
 constexpr size_t kScanBatch = 256;
-// Anchor tokens sent with every shard but the first (Star Attention phase 1): the first pages.
-constexpr int64_t kAnchorPages = 4;
+// ReconcileShards runs at least this often, and this soon again while something waits.
+constexpr int64_t kReconcileIntervalNanos = 5'000'000'000;
+constexpr int64_t kReconcileRetryNanos = 1'000'000'000;
+// A failed MountShard is not asked again before this.
+constexpr int64_t kMountRetryNanos = 1'000'000'000;
 
 v1::JobEvent Snapshot(const v1::JobInfo& info) {
   v1::JobEvent e;
@@ -40,6 +43,10 @@ absl::Status CoordinatorOptions::Validate() const {
   STRATA_RETURN_IF_ERROR(Annotate(registry.Validate(), "registry"));
   if (model_namespace.empty()) return absl::InvalidArgumentError("model_namespace is empty");
   if (collect_interval_nanos <= 0) return absl::InvalidArgumentError("collect_interval_nanos must be > 0");
+  if (default_prefill_mode != v1::DocumentInfo::ANCHOR && default_prefill_mode != v1::DocumentInfo::EXACT) {
+    return absl::InvalidArgumentError("default_prefill_mode must be ANCHOR or EXACT");
+  }
+  if (anchor_tokens < 1) return absl::InvalidArgumentError(absl::StrCat("anchor_tokens must be >= 1, got ", anchor_tokens));
   if (placement.page_size != limits.page_size) {
     return absl::InvalidArgumentError(absl::StrCat("placement.page_size ", placement.page_size,
                                                    " differs from limits.page_size ", limits.page_size));
@@ -70,6 +77,8 @@ Coordinator::~Coordinator() = default;
 
 absl::Status Coordinator::Start() {
   absl::MutexLock lock(&mu_);
+  start_nanos_ = now_();
+  reconcile_needed_ = true;
   std::string cursor;
   int64_t requeued = 0;
   while (true) {
@@ -165,6 +174,10 @@ absl::StatusOr<v1::DocumentUploadResponse> Coordinator::UploadDocument(
   if (upload.ttl_seconds() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("ttl_seconds = ", upload.ttl_seconds(), " is negative"));
   }
+  if (!v1::DocumentInfo::PrefillMode_IsValid(upload.prefill_mode())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_mode = ", static_cast<int>(upload.prefill_mode()), " is unknown"));
+  }
   STRATA_ASSIGN_OR_RETURN(std::vector<int32_t> tokens,
                           Tokenize(content, upload.add_special_tokens(), "document"));
   if (tokens.empty()) return absl::InvalidArgumentError("document is empty");
@@ -216,6 +229,9 @@ absl::StatusOr<v1::DocumentUploadResponse> Coordinator::UploadDocument(
   info->set_display_name(upload.display_name());
   info->set_pinned(upload.pin());
   info->set_create_time_micros(now);
+  info->set_prefill_mode(upload.prefill_mode() == v1::DocumentInfo::PREFILL_MODE_UNSPECIFIED
+                             ? options_.default_prefill_mode
+                             : upload.prefill_mode());
   if (upload.ttl_seconds() > 0) info->set_expire_time_micros(now + upload.ttl_seconds() * 1'000'000);
   info->mutable_progress()->set_tokens_total(tokens.size());
   STRATA_RETURN_IF_ERROR(catalog_->CreateDocument(&doc.record, tokens));
@@ -276,7 +292,7 @@ absl::StatusOr<v1::DocumentListResponse> Coordinator::ListDocuments(const v1::Do
 
 absl::Status Coordinator::DeleteDocument(const std::string& document_id) {
   STRATA_RETURN_IF_ERROR(ValidateDocumentId(document_id));
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   STRATA_RETURN_IF_ERROR(catalog_->GetDocument(document_id).status());
   for (const auto& [id, job] : live_jobs_) {
     if (job.record.info().document_id() == document_id) {
@@ -284,14 +300,21 @@ absl::Status Coordinator::DeleteDocument(const std::string& document_id) {
           absl::StrCat("document ", document_id, " is used by unfinished job ", id, "; cancel it first"));
     }
   }
-  STRATA_RETURN_IF_ERROR(EraseDocument(document_id));
+  std::vector<Action> actions;
+  STRATA_RETURN_IF_ERROR(EraseDocument(document_id, &actions));
   UpdateGauges();
+  lock.Release();
+  for (Action& a : actions) a();
   STRATA_LOG(INFO) << "document deleted id=" << document_id;
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::EraseDocument(const std::string& document_id) {
-  STRATA_RETURN_IF_ERROR(catalog_->DeleteDocument(document_id));
+absl::Status Coordinator::EraseDocument(const std::string& document_id, std::vector<Action>* actions) {
+  UnmountDocument(document_id, actions);  // reads the shard map, which the delete removes
+  if (absl::Status s = catalog_->DeleteDocument(document_id); !s.ok()) {
+    reconcile_needed_ = true;  // still there: mounted again
+    return s;
+  }
   live_documents_.erase(document_id);
   auto watchers = document_watchers_.find(document_id);
   if (watchers != document_watchers_.end()) {
@@ -305,7 +328,7 @@ absl::Status Coordinator::EraseDocument(const std::string& document_id) {
   return absl::OkStatus();
 }
 
-void Coordinator::CollectExpiredDocuments() {
+void Coordinator::CollectExpiredDocuments(std::vector<Action>* actions) {
   const int64_t now = wall_micros_();
   std::set<std::string> in_use;
   for (const auto& [id, job] : live_jobs_) in_use.insert(job.record.info().document_id());
@@ -328,7 +351,7 @@ void Coordinator::CollectExpiredDocuments() {
     if (batch->size() < kScanBatch) break;
   }
   for (const std::string& id : expired) {
-    if (absl::Status s = EraseDocument(id); !s.ok()) {
+    if (absl::Status s = EraseDocument(id, actions); !s.ok()) {
       STRATA_LOG(ERROR) << "document " << id << ": collection failed: " << s;
       continue;
     }
@@ -436,6 +459,10 @@ absl::StatusOr<v1::JobInfo> Coordinator::SubmitJob(const v1::JobSubmitRequest& r
       break;
     case v1::JobSubmitRequest::kInlineDocument: {
       const v1::InlineDocument& d = request.inline_document();
+      if (!v1::DocumentInfo::PrefillMode_IsValid(d.prefill_mode())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("inline_document.prefill_mode = ", static_cast<int>(d.prefill_mode()), " is unknown"));
+      }
       DocumentContent content;
       content.is_text = d.content_case() == v1::InlineDocument::kText;
       if (content.is_text) {
@@ -535,6 +562,9 @@ absl::StatusOr<v1::JobInfo> Coordinator::SubmitJob(const v1::JobSubmitRequest& r
     info->set_num_tokens(inline_tokens.size());
     info->set_display_name(request.inline_document().display_name());
     info->set_create_time_micros(now);
+    info->set_prefill_mode(request.inline_document().prefill_mode() == v1::DocumentInfo::PREFILL_MODE_UNSPECIFIED
+                               ? options_.default_prefill_mode
+                               : request.inline_document().prefill_mode());
     info->mutable_progress()->set_tokens_total(inline_tokens.size());
     STRATA_RETURN_IF_ERROR(catalog_->CreateDocument(&doc.record, inline_tokens));
     live_documents_[document_id] = std::move(doc);
@@ -774,9 +804,10 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::RegisterWorker(const v1:
   std::vector<Action> actions;
   {
     absl::MutexLock lock(&mu_);
-    // A re-registration means the worker restarted: what it ran is gone.
+    // A re-registration means the worker restarted: what it ran and mounted is gone.
     RequeueJobsOfWorker(request.worker().worker_id(), &actions);
     ResetDocumentsOnWorker(request.worker().worker_id());
+    ForgetMountsOfWorker(request.worker().worker_id());
   }
   STRATA_ASSIGN_OR_RETURN(v1::RegisterWorkerResponse response, registry_.Register(request.worker()));
   STRATA_LOG(INFO) << "worker registered id=" << request.worker().worker_id()
@@ -803,10 +834,12 @@ absl::Status Coordinator::DeregisterWorker(const v1::DeregisterWorkerRequest& re
     absl::MutexLock lock(&mu_);
     RequeueJobsOfWorker(request.worker_id(), &actions);
     ResetDocumentsOnWorker(request.worker_id());
+    ForgetMountsOfWorker(request.worker_id());
     UpdateGauges();
   }
   for (Action& a : actions) a();
   STRATA_LOG(INFO) << "worker deregistered id=" << request.worker_id();
+  Tick();  // its shards move now
   return absl::OkStatus();
 }
 
@@ -853,14 +886,16 @@ void Coordinator::Tick() {
       if (metrics_ != nullptr) metrics_->worker_timeouts.Increment();
       RequeueJobsOfWorker(w, &actions);
       ResetDocumentsOnWorker(w);
+      ForgetMountsOfWorker(w);
     }
     const int64_t now = now_();
     if (now - last_collect_nanos_ >= options_.collect_interval_nanos) {
       last_collect_nanos_ = now;
-      CollectExpiredDocuments();
+      CollectExpiredDocuments(&actions);
     }
     if (!draining_ && workers_ != nullptr) {
       DispatchDocuments(&actions);
+      if (reconcile_needed_ || now >= next_reconcile_nanos_) ReconcileShards(&actions);
       DispatchJobs(&actions);
     }
     UpdateGauges();
@@ -917,29 +952,177 @@ void Coordinator::DispatchDocuments(std::vector<Action>* actions) {
     if (absl::Status s = SaveDocument(doc); !s.ok()) {
       STRATA_LOG(ERROR) << "document " << id << ": catalog write failed: " << s;
     }
-    const int64_t P = options_.placement.page_size;
-    const int64_t anchor_end = std::min<int64_t>(num_tokens, kAnchorPages * P);
+    const bool exact = PrefillModeOf(*info) == v1::DocumentInfo::EXACT;
     for (int i = 0; i < doc.map.shards_size(); ++i) {
-      const v1::ShardAssignment& a = doc.map.shards(i);
-      v1::PrefillShardRequest request;
-      *request.mutable_shard() = a.range();
-      *request.mutable_shard_map() = doc.map;
-      const int64_t begin = static_cast<int64_t>(a.range().first_page()) * P;
-      const int64_t end = std::min<int64_t>(static_cast<int64_t>(a.range().end_page()) * P, num_tokens);
-      request.mutable_token_ids()->Assign(tokens->begin() + begin, tokens->begin() + end);
-      if (i > 0) request.mutable_anchor_token_ids()->Assign(tokens->begin(), tokens->begin() + anchor_end);
-      request.set_mode(v1::PREFILL_MODE_ANCHOR);
-      const v1::WorkerInfo worker = infos[a.worker_id()];
-      const std::string doc_id = id;
-      const uint64_t epoch = doc.dispatch_epoch;
-      actions->push_back([this, worker, request, doc_id, epoch, i] {
-        workers_->PrefillShard(
-            worker, request,
-            [this, doc_id, epoch, i](const v1::PrefillShardProgress& p) { OnPrefillProgress(doc_id, epoch, i, p); },
-            [this, doc_id, epoch, i](const absl::Status& s) { OnPrefillDone(doc_id, epoch, i, s); });
+      // EXACT: shard i starts once shard i-1 is durable (OnPrefillDone sends the next one).
+      if (exact && i > 0) break;
+      SendPrefill(id, doc, i, *tokens, infos[doc.map.shards(i).worker_id()], actions);
+    }
+    STRATA_LOG(INFO) << "document " << id << " placed in " << doc.map.shards_size() << " shards ("
+                     << (exact ? "exact" : "anchor") << " prefill)";
+  }
+}
+
+v1::DocumentInfo::PrefillMode Coordinator::PrefillModeOf(const v1::DocumentInfo& info) const {
+  return info.prefill_mode() == v1::DocumentInfo::PREFILL_MODE_UNSPECIFIED ? options_.default_prefill_mode
+                                                                           : info.prefill_mode();
+}
+
+void Coordinator::SendPrefill(const std::string& document_id, const LiveDocument& doc, int shard,
+                              const std::vector<int32_t>& tokens, const v1::WorkerInfo& worker,
+                              std::vector<Action>* actions) {
+  const int64_t P = options_.placement.page_size;
+  const int64_t num_tokens = static_cast<int64_t>(tokens.size());
+  const v1::ShardAssignment& a = doc.map.shards(shard);
+  v1::PrefillShardRequest request;
+  *request.mutable_shard() = a.range();
+  *request.mutable_shard_map() = doc.map;
+  const int64_t begin = std::min<int64_t>(static_cast<int64_t>(a.range().first_page()) * P, num_tokens);
+  const int64_t end = std::min<int64_t>(static_cast<int64_t>(a.range().end_page()) * P, num_tokens);
+  request.mutable_token_ids()->Assign(tokens.begin() + begin, tokens.begin() + end);
+  if (PrefillModeOf(doc.record.info()) == v1::DocumentInfo::EXACT) {
+    request.set_mode(v1::PREFILL_MODE_EXACT);
+  } else {
+    request.set_mode(v1::PREFILL_MODE_ANCHOR);
+    if (shard > 0) {
+      const int64_t anchor_end = std::min<int64_t>(
+          options_.anchor_tokens, ShardTokens(doc.map.shards(0).range(), P, num_tokens));
+      request.mutable_anchor_token_ids()->Assign(tokens.begin(), tokens.begin() + anchor_end);
+    }
+  }
+  const uint64_t epoch = doc.dispatch_epoch;
+  actions->push_back([this, worker, request = std::move(request), document_id, epoch, shard] {
+    workers_->PrefillShard(
+        worker, request,
+        [this, document_id, epoch, shard](const v1::PrefillShardProgress& p) {
+          OnPrefillProgress(document_id, epoch, shard, p);
+        },
+        [this, document_id, epoch, shard](const absl::Status& s) { OnPrefillDone(document_id, epoch, shard, s); });
+  });
+}
+
+absl::StatusOr<v1::ShardMap> Coordinator::ServingShardMap(const std::string& document_id) {
+  STRATA_ASSIGN_OR_RETURN(v1::ShardMapRecord record, catalog_->GetShardMap(document_id));
+  bool gone = false;
+  for (const v1::ShardAssignment& a : record.map().shards()) gone |= !registry_.Get(a.worker_id()).ok();
+  if (gone) {
+    if (now_() - start_nanos_ < options_.registry.heartbeat_timeout_nanos) {
+      return absl::UnavailableError("shard holders of the previous coordinator may still register");
+    }
+    std::vector<WorkerCapacity> capacities;
+    for (const WorkerEntry& w : registry_.Snapshot()) {
+      if (w.draining) continue;
+      capacities.push_back({w.info.worker_id(), static_cast<int64_t>(w.info.capacity_tokens()) -
+                                                    static_cast<int64_t>(w.load.mounted_tokens())});
+    }
+    auto moved = ReassignShards(record.map(), capacities);
+    if (!moved.ok()) return absl::UnavailableError(moved.status().message());
+    const uint64_t old_version = record.map().version();
+    *record.mutable_map() = *std::move(moved);
+    for (v1::ShardAssignment& a : *record.mutable_map()->mutable_shards()) {
+      auto w = registry_.Get(a.worker_id());
+      if (w.ok()) a.set_worker_address(w->info.address());
+    }
+    STRATA_RETURN_IF_ERROR(catalog_->PutShardMap(&record));
+    if (metrics_ != nullptr) metrics_->shard_moves.Increment();
+    STRATA_LOG(WARNING) << "document " << document_id << ": shards of dropped workers moved (map version "
+                        << old_version << " -> " << record.map().version() << ")";
+  }
+  v1::ShardMap map = record.map();
+  for (v1::ShardAssignment& a : *map.mutable_shards()) {
+    auto w = registry_.Get(a.worker_id());
+    if (!w.ok()) return absl::UnavailableError(absl::StrCat("worker ", a.worker_id(), " is not registered"));
+    a.set_worker_address(w->info.address());
+  }
+  return map;
+}
+
+bool Coordinator::EnsureMounted(const v1::ShardMap& map, std::vector<Action>* actions) {
+  bool all = true;
+  const int64_t now = now_();
+  for (int i = 0; i < map.shards_size(); ++i) {
+    const v1::ShardAssignment& a = map.shards(i);
+    const MountKey key{map.document_id(), i};
+    auto it = mounts_.find(key);
+    if (it != mounts_.end() && it->second.worker_id == a.worker_id()) {
+      if (it->second.state == ShardMount::kMounted) continue;
+      all = false;
+      if (it->second.state == ShardMount::kInFlight || now < it->second.retry_after_nanos) continue;
+    }
+    all = false;
+    auto worker = registry_.Get(a.worker_id());
+    if (!worker.ok()) continue;
+    ShardMount& m = mounts_[key];
+    m.worker_id = a.worker_id();
+    m.state = ShardMount::kInFlight;
+    m.call = ++next_mount_call_;
+    m.retry_after_nanos = 0;
+    v1::MountShardRequest request;
+    *request.mutable_shard() = a.range();
+    const v1::WorkerInfo info = worker->info;
+    const std::string document_id = map.document_id();
+    const uint64_t call = m.call;
+    actions->push_back([this, info, request, document_id, i, call] {
+      workers_->MountShard(info, request,
+                           [this, document_id, i, call](const absl::Status& s) { OnMountDone(document_id, i, call, s); });
+    });
+  }
+  return all;
+}
+
+void Coordinator::ReconcileShards(std::vector<Action>* actions) {
+  const int64_t now = now_();
+  reconcile_needed_ = false;
+  bool waiting = false;
+  std::string cursor;
+  while (true) {
+    auto batch = catalog_->ListDocuments(cursor, kScanBatch);
+    if (!batch.ok()) {
+      STRATA_LOG(ERROR) << "shard reconciliation: " << batch.status();
+      waiting = true;
+      break;
+    }
+    for (const v1::DocumentRecord& r : *batch) {
+      cursor = r.info().document_id();
+      if (r.info().state() != v1::DocumentInfo::READY || live_documents_.count(cursor) > 0) continue;
+      auto map = ServingShardMap(cursor);
+      if (!map.ok()) {
+        if (map.status().code() == absl::StatusCode::kNotFound) continue;
+        waiting = true;
+        // Some holder is not registered (yet): the registered ones mount their shards meanwhile.
+        auto stored = catalog_->GetShardMap(cursor);
+        if (stored.ok()) EnsureMounted(stored->map(), actions);
+        continue;
+      }
+      waiting |= !EnsureMounted(*map, actions);
+    }
+    if (batch->size() < kScanBatch) break;
+  }
+  next_reconcile_nanos_ = now + (waiting ? kReconcileRetryNanos : kReconcileIntervalNanos);
+}
+
+void Coordinator::ForgetMountsOfWorker(const std::string& worker_id) {
+  for (auto it = mounts_.begin(); it != mounts_.end();) {
+    it = it->second.worker_id == worker_id ? mounts_.erase(it) : std::next(it);
+  }
+  reconcile_needed_ = true;
+}
+
+void Coordinator::UnmountDocument(const std::string& document_id, std::vector<Action>* actions) {
+  for (auto it = mounts_.lower_bound({document_id, 0}); it != mounts_.end() && it->first.first == document_id;) {
+    auto worker = registry_.Get(it->second.worker_id);
+    if (worker.ok() && workers_ != nullptr) {
+      v1::UnmountShardRequest request;
+      request.mutable_shard()->set_document_id(document_id);
+      auto map = catalog_->GetShardMap(document_id);
+      const int shard = it->first.second;
+      if (map.ok() && shard < map->map().shards_size()) *request.mutable_shard() = map->map().shards(shard).range();
+      const v1::WorkerInfo info = worker->info;
+      actions->push_back([this, info, request] {
+        workers_->UnmountShard(info, request, [](const absl::Status&) {});  // best effort
       });
     }
-    STRATA_LOG(INFO) << "document " << id << " placed in " << doc.map.shards_size() << " shards";
+    it = mounts_.erase(it);
   }
 }
 
@@ -969,22 +1152,18 @@ void Coordinator::DispatchJobs(std::vector<Action>* actions) {
         TransitionJob(job_id, JobTransition::kFail, actions).IgnoreError();  // logged by SaveJob
         continue;
       }
-      auto shards = catalog_->GetShardMap(document_id);
-      bool holders_live = shards.ok();
-      if (shards.ok()) {
-        for (const v1::ShardAssignment& a : shards->map().shards()) {
-          holders_live &= registry_.Get(a.worker_id()).ok();
-        }
-      }
-      if (!holders_live) {
-        // The shard holders are gone: place the document again.
+      auto shards = ServingShardMap(document_id);
+      if (shards.status().code() == absl::StatusCode::kNotFound) {
+        // READY without a shard map (a catalog from before maps were kept): place it again.
         LiveDocument again;
         again.record = *std::move(doc);
         again.record.mutable_info()->set_state(v1::DocumentInfo::PENDING);
         if (SaveDocument(again).ok()) live_documents_[document_id] = std::move(again);
         continue;
       }
-      map = shards->map();
+      if (!shards.ok()) continue;  // waits: holders registering again, or no room to move shards
+      if (!EnsureMounted(*shards, actions)) continue;  // waits for the mounts
+      map = *std::move(shards);
     }
     std::vector<WorkerLoadView> loads;
     for (const WorkerEntry& w : live) {
@@ -1056,6 +1235,7 @@ void Coordinator::OnPrefillProgress(const std::string& document_id, uint64_t epo
 
 void Coordinator::OnPrefillDone(const std::string& document_id, uint64_t epoch, int shard, const absl::Status& status) {
   bool ready = false;
+  std::vector<Action> actions;
   {
     absl::MutexLock lock(&mu_);
     auto it = live_documents_.find(document_id);
@@ -1092,13 +1272,51 @@ void Coordinator::OnPrefillDone(const std::string& document_id, uint64_t epoch, 
       }
       live_documents_.erase(it);
       ready = true;
+      reconcile_needed_ = true;  // the holders mount the shards in the next Tick
       STRATA_LOG(INFO) << "document " << document_id << " is READY";
     } else {
       NotifyDocument(*info);
+      const int next = shard + 1;
+      if (PrefillModeOf(*info) == v1::DocumentInfo::EXACT && next < doc.map.shards_size() && !doc.shard_done[next]) {
+        auto tokens = catalog_->GetDocumentTokens(document_id);
+        auto worker = registry_.Get(doc.map.shards(next).worker_id());
+        if (tokens.ok() && worker.ok()) {
+          SendPrefill(document_id, doc, next, *tokens, worker->info, &actions);
+        } else {
+          // The next holder is gone (or the tokens unreadable): place the document again.
+          ++doc.dispatch_epoch;
+          info->set_state(v1::DocumentInfo::PENDING);
+          STRATA_LOG(WARNING) << "document " << document_id << ": shard " << next << " cannot start ("
+                              << (tokens.ok() ? worker.status() : tokens.status()) << "); placed again";
+          SaveDocument(doc).IgnoreError();  // best effort; the document is retried either way
+        }
+      }
     }
     UpdateGauges();
   }
+  for (Action& a : actions) a();
   if (ready) Tick();
+}
+
+void Coordinator::OnMountDone(const std::string& document_id, int shard, uint64_t call, const absl::Status& status) {
+  bool mounted = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = mounts_.find({document_id, shard});
+    if (it == mounts_.end() || it->second.call != call) return;
+    if (status.ok() || status.code() == absl::StatusCode::kUnimplemented) {
+      // UNIMPLEMENTED: the worker loads the document itself when it runs a job.
+      it->second.state = ShardMount::kMounted;
+      mounted = true;
+      STRATA_LOG(INFO) << "document " << document_id << " shard " << shard << " mounted on " << it->second.worker_id;
+    } else {
+      it->second.state = ShardMount::kFailed;
+      it->second.retry_after_nanos = now_() + kMountRetryNanos;
+      STRATA_LOG(WARNING) << "document " << document_id << " shard " << shard << ": mount on "
+                          << it->second.worker_id << " failed: " << status << " (retried)";
+    }
+  }
+  if (mounted) Tick();  // jobs waiting for the mount
 }
 
 void Coordinator::OnJobEventFromWorker(const std::string& job_id, uint64_t epoch, const v1::JobEvent& event) {

@@ -7,6 +7,18 @@
 // indexed in memory. On Start, jobs that were PREFILLING or DECODING (their workers' streams died
 // with the previous process) go back to QUEUED, and PREFILLING documents back to PENDING.
 //
+// Documents: a PENDING document is placed in shards (placement.h) and its shards are prefilled
+// on their holders: all at once with an anchor (ANCHOR mode), or shard i only once shard i-1 is
+// durable (EXACT mode). Once every shard is durable the document is READY and each holder is asked
+// to mount its shards (WorkerClient::MountShard). A job on a READY document is dispatched once
+// every shard is mounted; its RunJobRequest carries the shard map with the holders' addresses.
+// Mounts are tracked in memory only: after a restart, and whenever a worker registers again,
+// READY documents are mounted again. When a worker is dropped (heartbeat timeout or deregister),
+// the jobs it led go back to the queue and its shards of READY documents move to live workers
+// (ShardMap.version + 1), which mount them from the KV store: nothing is prefilled again. For one
+// heartbeat timeout after Start, shards of workers that have not registered yet are not moved
+// (the workers of the previous process are registering again).
+//
 // Without live workers nothing is executed: documents stay PENDING and jobs stay QUEUED.
 //
 // Thread-safe: one mutex guards the in-memory state; WorkerClient calls are made after it is
@@ -22,6 +34,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -61,6 +74,13 @@ struct CoordinatorOptions {
   const model::Tokenizer* tokenizer = nullptr;
   // Seeds job ids and default sampler seeds; 0: from std::random_device.
   uint64_t random_seed = 0;
+  // Prefill mode of documents uploaded without one: ANCHOR or EXACT. Default: ANCHOR.
+  v1::DocumentInfo::PrefillMode default_prefill_mode = v1::DocumentInfo::ANCHOR;
+  // ANCHOR mode: every shard after the first is sent the document's first
+  // min(anchor_tokens, tokens of the first shard) tokens as its anchor. Star Attention uses an
+  // anchor as long as a context block; the cap keeps the extra prefill of a shard small
+  // (4096 tokens: 1/16 of a default 64K-token shard). Default: 4096; at least 1.
+  int64_t anchor_tokens = 4096;
   // How often Tick deletes unpinned documents whose expire time has passed (and that no
   // unfinished job uses). Default: 60 s.
   int64_t collect_interval_nanos = 60'000'000'000;
@@ -138,9 +158,10 @@ class Coordinator {
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
   absl::Status DeregisterWorker(const v1::DeregisterWorkerRequest& request);
 
-  // One round of the scheduling loop: expires silent workers (their jobs are requeued), places
-  // PENDING documents and dispatches QUEUED jobs whose documents are READY. The server calls it
-  // periodically; tests call it directly.
+  // One round of the scheduling loop: expires silent workers (their jobs are requeued, their
+  // shards moved), places PENDING documents, has READY documents' shards mounted and dispatches
+  // QUEUED jobs whose documents are READY and mounted. The server calls it periodically; tests
+  // call it directly.
   void Tick();
 
   // Stops admitting work (uploads and submissions get UNAVAILABLE) and dispatching.
@@ -167,6 +188,15 @@ class Coordinator {
     v1::ShardMap map;
   };
   using Action = std::function<void()>;
+  // A MountShard the coordinator asked a holder for; key: (document id, shard index).
+  struct ShardMount {
+    enum State { kInFlight, kMounted, kFailed };
+    std::string worker_id;
+    State state = kInFlight;
+    uint64_t call = 0;              // identifies the call: stale completions are ignored
+    int64_t retry_after_nanos = 0;  // kFailed: not asked again before this
+  };
+  using MountKey = std::pair<std::string, int>;
 
   absl::StatusOr<std::vector<int32_t>> Tokenize(const DocumentContent& content, bool add_special,
                                                 absl::string_view what) const;
@@ -185,14 +215,36 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetDocumentsOnWorker(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DispatchDocuments(std::vector<Action>* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The document's effective prefill mode (records written before modes existed: the default).
+  v1::DocumentInfo::PrefillMode PrefillModeOf(const v1::DocumentInfo& info) const;
+  // Queues the prefill of shard `shard` of `doc` (its map is set) on its holder.
+  void SendPrefill(const std::string& document_id, const LiveDocument& doc, int shard,
+                   const std::vector<int32_t>& tokens, const v1::WorkerInfo& worker, std::vector<Action>* actions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The READY document's shard map with every holder registered (shards of dropped workers are
+  // moved first, and the moved map stored) and the holders' current addresses filled in.
+  // UNAVAILABLE while that cannot be done yet (just restarted; no room); NOT_FOUND without a map.
+  absl::StatusOr<v1::ShardMap> ServingShardMap(const std::string& document_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // True when every shard of `map` is mounted by its holder; otherwise asks the holders that have
+  // not mounted theirs to mount them (no call while one is in flight or a failed one is recent).
+  bool EnsureMounted(const v1::ShardMap& map, std::vector<Action>* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves shards of dropped workers and mounts the shards of every READY document.
+  void ReconcileShards(std::vector<Action>* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The worker restarted or is gone: what it had mounted is not mounted any more.
+  void ForgetMountsOfWorker(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Asks the holders to unmount the document's shards and forgets its mounts.
+  void UnmountDocument(const std::string& document_id, std::vector<Action>* actions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DispatchJobs(std::vector<Action>* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJobsOnDocument(const std::string& document_id, const std::string& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Deletes expired unpinned documents (see collect_interval_nanos).
-  void CollectExpiredDocuments() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Deletes a document from the catalog and memory and tells its watchers.
-  absl::Status EraseDocument(const std::string& document_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CollectExpiredDocuments(std::vector<Action>* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Deletes a document from the catalog and memory, tells its watchers and has its shards
+  // unmounted.
+  absl::Status EraseDocument(const std::string& document_id, std::vector<Action>* actions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Worker callbacks.
   void OnPrefillProgress(const std::string& document_id, uint64_t epoch, int shard,
@@ -200,6 +252,7 @@ class Coordinator {
   void OnPrefillDone(const std::string& document_id, uint64_t epoch, int shard, const absl::Status& status);
   void OnJobEventFromWorker(const std::string& job_id, uint64_t epoch, const v1::JobEvent& event);
   void OnJobDone(const std::string& job_id, uint64_t epoch, const absl::Status& status);
+  void OnMountDone(const std::string& document_id, int shard, uint64_t call, const absl::Status& status);
 
   const CoordinatorOptions options_;
   const std::unique_ptr<Catalog> catalog_;
@@ -213,6 +266,13 @@ class Coordinator {
   mutable absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int64_t last_collect_nanos_ ABSL_GUARDED_BY(mu_) = 0;
+  // now_() at Start (the grace period for workers registering again begins there).
+  int64_t start_nanos_ ABSL_GUARDED_BY(mu_) = 0;
+  // ReconcileShards runs in the next Tick when set, else at next_reconcile_nanos_.
+  bool reconcile_needed_ ABSL_GUARDED_BY(mu_) = true;
+  int64_t next_reconcile_nanos_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_mount_call_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<MountKey, ShardMount> mounts_ ABSL_GUARDED_BY(mu_);
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, LiveJob> live_jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, LiveDocument> live_documents_ ABSL_GUARDED_BY(mu_);

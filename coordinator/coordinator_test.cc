@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -113,6 +114,21 @@ class CoordinatorTest : public ::testing::Test {
     }
     prefills_done_ = calls.size();
   }
+  // Completes every MountShard / UnmountShard call not completed yet with `status`.
+  void FinishMounts(const absl::Status& status = absl::OkStatus()) {
+    auto calls = workers_.mounts();
+    for (size_t i = mounts_done_; i < calls.size(); ++i) calls[i].on_done(status);
+    mounts_done_ = calls.size();
+  }
+  // MountShard calls (not unmounts) made since index `from`.
+  std::vector<testing::FakeWorkerClient::MountCall> MountsSince(size_t from) {
+    std::vector<testing::FakeWorkerClient::MountCall> out;
+    auto calls = workers_.mounts();
+    for (size_t i = from; i < calls.size(); ++i) {
+      if (calls[i].mount) out.push_back(calls[i]);
+    }
+    return out;
+  }
   JobInfo::State StateOf(const std::string& job_id) {
     auto job = coordinator_->GetJob(job_id);
     EXPECT_TRUE(job.ok()) << job.status();
@@ -136,6 +152,7 @@ class CoordinatorTest : public ::testing::Test {
   std::unique_ptr<Coordinator> coordinator_;
   std::map<std::string, uint64_t> leases_;
   size_t prefills_done_ = 0;
+  size_t mounts_done_ = 0;
 };
 
 TEST_F(CoordinatorTest, UploadIsContentAddressed) {
@@ -289,12 +306,20 @@ TEST_F(CoordinatorTest, FullLifeWithAFakeWorker) {
   int64_t tokens = 0;
   for (const auto& p : prefills) tokens += p.request.token_ids_size();
   EXPECT_EQ(tokens, 600);
-  EXPECT_EQ(prefills[1].request.anchor_token_ids_size(), 64);
+  // ANCHOR (the default): all shards at once; the anchor is the first shard's 13 pages.
+  EXPECT_EQ(prefills[0].request.anchor_token_ids_size(), 0);
+  EXPECT_EQ(prefills[1].request.anchor_token_ids_size(), 13 * 16);
+  EXPECT_EQ(prefills[1].request.mode(), v1::PREFILL_MODE_ANCHOR);
   EXPECT_TRUE(workers_.runs().empty());  // the document is not READY yet
   FinishPrefills();
   STRATA_ASSERT_OK_AND_ASSIGN(auto doc_info, coordinator_->GetDocument(doc));
   EXPECT_EQ(doc_info.state(), v1::DocumentInfo::READY);
+  EXPECT_EQ(doc_info.prefill_mode(), v1::DocumentInfo::ANCHOR);
   EXPECT_EQ(doc_watcher.infos.back().state(), v1::DocumentInfo::READY);
+  // READY: the holder mounts its shards before the job runs.
+  EXPECT_TRUE(workers_.runs().empty());
+  EXPECT_EQ(MountsSince(0).size(), 3u);
+  FinishMounts();
   auto runs = workers_.runs();
   ASSERT_EQ(runs.size(), 1u);
   EXPECT_EQ(runs[0].worker_id, "w1");
@@ -559,6 +584,219 @@ TEST_F(CoordinatorTest, ExpiredUnpinnedDocumentsAreCollected) {
   STRATA_EXPECT_OK(coordinator_->GetDocument(in_use));
   ASSERT_FALSE(watcher.statuses.empty());
   EXPECT_EQ(watcher.statuses.back().code(), absl::StatusCode::kNotFound);
+}
+
+// Given three workers and an EXACT document of three shards, then shard i is sent only once
+// shard i-1 is durable, without an anchor; once READY each holder mounts its shard and the job
+// gets the map with the holders' addresses.
+TEST_F(CoordinatorTest, ExactPrefillIsSequentialAndJobsWaitForMounts) {
+  for (const char* w : {"w1", "w2", "w3"}) RegisterWorker(w);
+  DocumentContent content;
+  for (int i = 0; i < 600; ++i) content.tokens.push_back(1 + i % 999);
+  v1::DocumentUploadOptions upload;
+  upload.set_prefill_mode(v1::DocumentInfo::EXACT);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto uploaded, coordinator_->UploadDocument(upload, content));
+  EXPECT_EQ(uploaded.document().prefill_mode(), v1::DocumentInfo::EXACT);
+  const std::string doc = uploaded.document().document_id();
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo job, coordinator_->SubmitJob(Job(doc)));
+  coordinator_->Tick();
+  for (int shard = 0; shard < 3; ++shard) {
+    auto prefills = workers_.prefills();
+    ASSERT_EQ(prefills.size(), static_cast<size_t>(shard + 1)) << "shard " << shard;
+    const auto& call = prefills.back();
+    EXPECT_EQ(call.request.mode(), v1::PREFILL_MODE_EXACT);
+    EXPECT_EQ(call.request.anchor_token_ids_size(), 0);
+    EXPECT_EQ(call.request.shard_map().shards_size(), 3);
+    EXPECT_EQ(call.request.shard().first_page(), call.request.shard_map().shards(shard).range().first_page());
+    EXPECT_EQ(call.request.token_ids(0), content.tokens[call.request.shard().first_page() * 16]);
+    coordinator_->Tick();  // nothing else starts while the shard runs
+    EXPECT_EQ(workers_.prefills().size(), static_cast<size_t>(shard + 1));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto info, coordinator_->GetDocument(doc));
+    EXPECT_EQ(info.progress().shards_ready(), static_cast<uint32_t>(shard));
+    EXPECT_EQ(info.progress().shards_total(), 3u);
+    FinishPrefills();
+  }
+  STRATA_ASSERT_OK_AND_ASSIGN(auto info, coordinator_->GetDocument(doc));
+  EXPECT_EQ(info.state(), v1::DocumentInfo::READY);
+  EXPECT_TRUE(workers_.runs().empty());
+  auto mounts = MountsSince(0);
+  ASSERT_EQ(mounts.size(), 3u);
+  std::set<std::string> holders;
+  for (const auto& m : mounts) holders.insert(m.worker_id);
+  EXPECT_EQ(holders, (std::set<std::string>{"w1", "w2", "w3"}));
+  // One mount done is not enough.
+  mounts[0].on_done(absl::OkStatus());
+  coordinator_->Tick();
+  EXPECT_TRUE(workers_.runs().empty());
+  mounts[1].on_done(absl::OkStatus());
+  mounts[2].on_done(absl::UnimplementedError("this worker mounts when it runs a job"));  // counts as mounted
+  mounts_done_ = workers_.mounts().size();
+  ASSERT_EQ(workers_.runs().size(), 1u);
+  const v1::RunJobRequest run = workers_.runs()[0].request;
+  EXPECT_EQ(run.job_id(), job.job_id());
+  ASSERT_EQ(run.shard_map().shards_size(), 3);
+  for (const auto& a : run.shard_map().shards()) EXPECT_EQ(a.worker_address(), "127.0.0.1:1");
+  EXPECT_EQ(workers_.prefills().size(), 3u);
+}
+
+TEST_F(CoordinatorTest, PrefillModeDefaultsAnchorCapAndBadModes) {
+  options_.default_prefill_mode = v1::DocumentInfo::EXACT;
+  options_.anchor_tokens = 40;
+  Restart();
+  RegisterWorker("w1");
+  DocumentContent content;
+  for (int i = 0; i < 600; ++i) content.tokens.push_back(1 + i % 999);
+  v1::DocumentUploadOptions upload;
+  upload.set_prefill_mode(static_cast<v1::DocumentInfo::PrefillMode>(7));
+  EXPECT_THAT(coordinator_->UploadDocument(upload, content), StatusIs(absl::StatusCode::kInvalidArgument));
+  v1::JobSubmitRequest inline_job = Job("");
+  inline_job.mutable_inline_document()->mutable_tokens()->add_ids(5);
+  inline_job.mutable_inline_document()->set_prefill_mode(static_cast<v1::DocumentInfo::PrefillMode>(9));
+  EXPECT_THAT(coordinator_->SubmitJob(inline_job), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(CountDocuments(), 0u);
+  // No mode: the server default (EXACT here).
+  STRATA_ASSERT_OK_AND_ASSIGN(auto exact, coordinator_->UploadDocument(v1::DocumentUploadOptions(), content));
+  EXPECT_EQ(exact.document().prefill_mode(), v1::DocumentInfo::EXACT);
+  coordinator_->Tick();
+  EXPECT_EQ(workers_.prefills().size(), 1u);
+  // ANCHOR: the anchor is capped at anchor_tokens.
+  content.tokens[0] = 998;
+  upload.set_prefill_mode(v1::DocumentInfo::ANCHOR);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto anchor, coordinator_->UploadDocument(upload, content));
+  EXPECT_EQ(anchor.document().prefill_mode(), v1::DocumentInfo::ANCHOR);
+  coordinator_->Tick();
+  auto prefills = workers_.prefills();
+  ASSERT_EQ(prefills.size(), 4u);
+  EXPECT_EQ(prefills[2].request.anchor_token_ids_size(), 40);
+  EXPECT_EQ(prefills[2].request.anchor_token_ids(0), 998);
+  EXPECT_EQ(prefills[3].request.mode(), v1::PREFILL_MODE_ANCHOR);
+  options_.anchor_tokens = 0;
+  EXPECT_FALSE(options_.Validate().ok());
+}
+
+// Given a READY document on three workers, when a worker that leads no job is dropped, then its
+// shard moves to a live worker (map version + 1), which mounts it; nothing is prefilled again and
+// the running job is untouched. When the leader is dropped, its job is requeued and runs again.
+TEST_F(CoordinatorTest, DroppedWorkersShardsMoveWithoutPrefill) {
+  for (const char* w : {"w1", "w2", "w3"}) RegisterWorker(w);
+  const std::string doc = Upload(600);
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo job, coordinator_->SubmitJob(Job(doc)));
+  coordinator_->Tick();
+  FinishPrefills();
+  FinishMounts();
+  ASSERT_EQ(workers_.runs().size(), 1u);
+  const std::string leader = workers_.runs()[0].worker_id;
+  const v1::ShardMap before = workers_.runs()[0].request.shard_map();
+  EXPECT_EQ(before.version(), 1u);
+  std::string peer;
+  for (const char* w : {"w1", "w2", "w3"}) {
+    if (w != leader && peer.empty()) peer = w;
+  }
+  // Everyone but `peer` heartbeats; `peer` is dropped after the 3 s timeout.
+  const size_t mounts_before = workers_.mounts().size();
+  for (int i = 0; i < 4; ++i) {
+    now_ += kSecond;
+    for (const char* w : {"w1", "w2", "w3"}) {
+      if (w != peer) Beat(w);
+    }
+    coordinator_->Tick();
+  }
+  auto moved = MountsSince(mounts_before);
+  ASSERT_EQ(moved.size(), 1u);
+  EXPECT_NE(moved[0].worker_id, peer);
+  FinishMounts();
+  EXPECT_EQ(workers_.prefills().size(), 3u);  // no prefill again
+  EXPECT_EQ(workers_.runs().size(), 1u);      // the job runs on
+  EXPECT_EQ(StateOf(job.job_id()), JobInfo::PREFILLING);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto doc_info, coordinator_->GetDocument(doc));
+  EXPECT_EQ(doc_info.state(), v1::DocumentInfo::READY);
+
+  // The leader deregisters: its job goes back to the queue and runs on the last worker, with the
+  // map of version 3 (the leader's shard moved too).
+  v1::DeregisterWorkerRequest bye;
+  bye.set_worker_id(leader);
+  bye.set_lease_id(leases_[leader]);
+  STRATA_ASSERT_OK(coordinator_->DeregisterWorker(bye));
+  FinishMounts();
+  auto runs = workers_.runs();
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_NE(runs[1].worker_id, leader);
+  EXPECT_NE(runs[1].worker_id, peer);
+  EXPECT_EQ(runs[1].request.shard_map().version(), 3u);
+  for (const auto& a : runs[1].request.shard_map().shards()) EXPECT_EQ(a.worker_id(), runs[1].worker_id);
+  EXPECT_EQ(workers_.prefills().size(), 3u);
+  // The old leader's stream ending late changes nothing.
+  runs[0].on_done(absl::UnavailableError("gone"));
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo now_running, coordinator_->GetJob(job.job_id()));
+  EXPECT_EQ(now_running.leader_worker_id(), runs[1].worker_id);
+}
+
+// Given a READY, mounted document, when the coordinator restarts, then the workers registering
+// again mount their shards again; shards of a worker that does not come back move only after the
+// grace period (one heartbeat timeout).
+TEST_F(CoordinatorTest, RestartRemountsReadyDocuments) {
+  for (const char* w : {"w1", "w2", "w3"}) RegisterWorker(w);
+  const std::string doc = Upload(600);
+  coordinator_->Tick();
+  FinishPrefills();
+  coordinator_->Tick();
+  EXPECT_EQ(MountsSince(0).size(), 3u);  // mounted once READY, without any job
+  FinishMounts();
+
+  Restart();
+  size_t mark = workers_.mounts().size();
+  RegisterWorker("w1");
+  RegisterWorker("w2");
+  coordinator_->Tick();
+  auto again = MountsSince(mark);
+  EXPECT_EQ(again.size(), 2u);  // w1's and w2's shards; w3's waits for w3 (grace period)
+  for (const auto& m : again) EXPECT_NE(m.worker_id, "w3");
+  FinishMounts();
+  STRATA_ASSERT_OK_AND_ASSIGN(JobInfo job, coordinator_->SubmitJob(Job(doc)));
+  coordinator_->Tick();
+  EXPECT_TRUE(workers_.runs().empty());
+  // w3 never comes back: after the grace period its shard moves.
+  mark = workers_.mounts().size();
+  for (int i = 0; i < 4; ++i) {
+    now_ += kSecond;
+    Beat("w1");
+    Beat("w2");
+    coordinator_->Tick();
+  }
+  auto moved = MountsSince(mark);
+  ASSERT_EQ(moved.size(), 1u);
+  FinishMounts();
+  ASSERT_EQ(workers_.runs().size(), 1u);
+  EXPECT_EQ(workers_.runs()[0].request.job_id(), job.job_id());
+  EXPECT_EQ(workers_.runs()[0].request.shard_map().version(), 2u);
+  EXPECT_EQ(workers_.prefills().size(), 3u);  // READY survived the restart: no prefill
+  STRATA_ASSERT_OK_AND_ASSIGN(auto info, coordinator_->GetDocument(doc));
+  EXPECT_EQ(info.state(), v1::DocumentInfo::READY);
+}
+
+TEST_F(CoordinatorTest, FailedMountIsRetriedAndDeleteUnmounts) {
+  RegisterWorker("w1");
+  const std::string doc = Upload(100);
+  coordinator_->Tick();
+  FinishPrefills();
+  coordinator_->Tick();
+  ASSERT_EQ(MountsSince(0).size(), 1u);
+  FinishMounts(absl::InternalError("disk full"));
+  coordinator_->Tick();
+  EXPECT_EQ(MountsSince(0).size(), 1u);  // not at once
+  now_ += 2 * kSecond;
+  Beat("w1");
+  coordinator_->Tick();
+  ASSERT_EQ(MountsSince(0).size(), 2u);
+  FinishMounts();
+  STRATA_ASSERT_OK(coordinator_->DeleteDocument(doc));
+  auto calls = workers_.mounts();
+  ASSERT_EQ(calls.size(), 3u);
+  EXPECT_FALSE(calls.back().mount);
+  EXPECT_EQ(calls.back().worker_id, "w1");
+  EXPECT_EQ(calls.back().shard.document_id(), doc);
+  EXPECT_EQ(calls.back().shard.end_page(), 7u);  // 100 tokens in pages of 16
+  FinishMounts();
 }
 
 }  // namespace

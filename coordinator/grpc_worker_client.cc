@@ -85,6 +85,40 @@ void GrpcWorkerClient::PrefillShard(const v1::WorkerInfo& worker, const v1::Pref
   }).detach();
 }
 
+void GrpcWorkerClient::MountShard(const v1::WorkerInfo& worker, const v1::MountShardRequest& request,
+                                  DoneFn on_done) {
+  auto ctx = std::make_shared<grpc::ClientContext>();
+  ctx->set_deadline(DeadlineIn(options_.mount_timeout_ms));
+  if (!Begin(ctx.get())) {
+    on_done(absl::CancelledError("worker client shutting down"));
+    return;
+  }
+  auto channel = ChannelTo(worker.address());
+  std::thread([this, channel, ctx, request, on_done = std::move(on_done)] {
+    auto stub = v1::Worker::NewStub(channel);
+    v1::MountShardResponse response;
+    on_done(proto::FromGrpcStatus(stub->MountShard(ctx.get(), request, &response)));
+    End(ctx.get());
+  }).detach();
+}
+
+void GrpcWorkerClient::UnmountShard(const v1::WorkerInfo& worker, const v1::UnmountShardRequest& request,
+                                    DoneFn on_done) {
+  auto ctx = std::make_shared<grpc::ClientContext>();
+  ctx->set_deadline(DeadlineIn(options_.unmount_timeout_ms));
+  if (!Begin(ctx.get())) {
+    on_done(absl::CancelledError("worker client shutting down"));
+    return;
+  }
+  auto channel = ChannelTo(worker.address());
+  std::thread([this, channel, ctx, request, on_done = std::move(on_done)] {
+    auto stub = v1::Worker::NewStub(channel);
+    v1::UnmountShardResponse response;
+    on_done(proto::FromGrpcStatus(stub->UnmountShard(ctx.get(), request, &response)));
+    End(ctx.get());
+  }).detach();
+}
+
 void GrpcWorkerClient::RunJob(const v1::WorkerInfo& worker, const v1::RunJobRequest& request,
                               JobEventFn on_event, DoneFn on_done) {
   auto ctx = std::make_shared<grpc::ClientContext>();

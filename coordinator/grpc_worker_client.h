@@ -1,7 +1,7 @@
 // WorkerClient over gRPC (internal.proto, service Worker): what `strata coordinator` and
 // `strata serve` use to reach workers. One channel per worker address (cached); each
-// PrefillShard / RunJob call runs on its own thread, which invokes the callbacks and then on_done
-// exactly once. CancelJob sends CancelJob to the worker (the worker then ends the job's RunJob
+// PrefillShard / MountShard / UnmountShard / RunJob call runs on its own thread, which invokes the
+// callbacks and then on_done exactly once. CancelJob sends CancelJob to the worker (the worker then ends the job's RunJob
 // stream with a CANCELLED snapshot).
 //
 // Thread-safe. The destructor cancels calls in flight and waits for their threads (their
@@ -30,6 +30,10 @@ struct GrpcWorkerClientOptions {
   int64_t prefill_timeout_ms = int64_t{6} * 3600 * 1000;
   // Deadline of a RunJob call. Default: 6 h.
   int64_t job_timeout_ms = int64_t{6} * 3600 * 1000;
+  // Deadline of a MountShard call (the worker reads the shard's summaries). Default: 10 min.
+  int64_t mount_timeout_ms = int64_t{10} * 60 * 1000;
+  // Deadline of an UnmountShard call. Default: 30 s.
+  int64_t unmount_timeout_ms = 30 * 1000;
   // Deadline of a CancelJob call. Default: 5 s.
   int64_t cancel_timeout_ms = 5000;
 };
@@ -46,6 +50,8 @@ class GrpcWorkerClient final : public WorkerClient {
 
   void PrefillShard(const v1::WorkerInfo& worker, const v1::PrefillShardRequest& request, ProgressFn on_progress,
                     DoneFn on_done) override;
+  void MountShard(const v1::WorkerInfo& worker, const v1::MountShardRequest& request, DoneFn on_done) override;
+  void UnmountShard(const v1::WorkerInfo& worker, const v1::UnmountShardRequest& request, DoneFn on_done) override;
   void RunJob(const v1::WorkerInfo& worker, const v1::RunJobRequest& request, JobEventFn on_event,
               DoneFn on_done) override;
   void CancelJob(const v1::WorkerInfo& worker, const std::string& job_id) override;

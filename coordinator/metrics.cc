@@ -59,6 +59,11 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                           .Help("Workers dropped after missing heartbeats")
                           .Register(registry)
                           .Add({})),
+      shard_moves(prometheus::BuildCounter()
+                      .Name("strata_coordinator_shard_moves_total")
+                      .Help("Shard maps changed because a holder was dropped (its shards moved to live workers)")
+                      .Register(registry)
+                      .Add({})),
       requests(prometheus::BuildCounter()
                    .Name("strata_coordinator_requests_total")
                    .Help("RPCs served, by method and status code")

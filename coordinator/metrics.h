@@ -42,6 +42,8 @@ struct CoordinatorMetrics {
   // strata_coordinator_workers: live workers; strata_coordinator_worker_timeouts_total.
   prometheus::Gauge& workers;
   prometheus::Counter& worker_timeouts;
+  // strata_coordinator_shard_moves_total: shard maps changed because a holder was dropped.
+  prometheus::Counter& shard_moves;
   // strata_coordinator_requests_total{method, code}: public and internal RPCs by final status.
   prometheus::Family<prometheus::Counter>& requests;
   // strata_coordinator_draining: 1 while draining.

@@ -91,6 +91,50 @@ absl::StatusOr<v1::ShardMap> PlaceDocument(const std::string& document_id, int64
   return map;
 }
 
+absl::StatusOr<v1::ShardMap> ReassignShards(const v1::ShardMap& map, const std::vector<WorkerCapacity>& workers) {
+  const int64_t P = map.page_size();
+  const int64_t num_tokens = static_cast<int64_t>(map.num_tokens());
+  std::map<std::string, size_t> index_of;
+  for (size_t w = 0; w < workers.size(); ++w) index_of[workers[w].worker_id] = w;
+  std::vector<int64_t> free_tokens;
+  std::vector<int> shards_here(workers.size(), 0);
+  for (const WorkerCapacity& w : workers) free_tokens.push_back(w.free_tokens);
+  std::vector<int> orphans;
+  for (int i = 0; i < map.shards_size(); ++i) {
+    auto it = index_of.find(map.shards(i).worker_id());
+    if (it == index_of.end()) {
+      orphans.push_back(i);
+    } else {
+      ++shards_here[it->second];
+    }
+  }
+  if (orphans.empty()) return map;
+  if (workers.empty()) return absl::UnavailableError("no live workers to move the shards to");
+  std::stable_sort(orphans.begin(), orphans.end(), [&](int a, int b) {
+    return ShardTokens(map.shards(a).range(), P, num_tokens) > ShardTokens(map.shards(b).range(), P, num_tokens);
+  });
+  v1::ShardMap moved = map;
+  for (int index : orphans) {
+    const int64_t need = ShardTokens(map.shards(index).range(), P, num_tokens);
+    int best = -1;
+    const auto key = [&](size_t i) { return std::make_tuple(-free_tokens[i], shards_here[i], workers[i].worker_id); };
+    for (size_t w = 0; w < workers.size(); ++w) {
+      if (free_tokens[w] < need) continue;
+      if (best < 0 || key(w) < key(static_cast<size_t>(best))) best = static_cast<int>(w);
+    }
+    if (best < 0) {
+      return absl::ResourceExhaustedError(absl::StrCat("no live worker can hold shard ", index, " (", need,
+                                                       " tokens) of document ", map.document_id()));
+    }
+    free_tokens[best] -= need;
+    ++shards_here[best];
+    moved.mutable_shards(index)->set_worker_id(workers[best].worker_id);
+    moved.mutable_shards(index)->clear_worker_address();
+  }
+  moved.set_version(map.version() + 1);
+  return moved;
+}
+
 absl::StatusOr<std::string> ChooseLeader(const v1::ShardMap& map,
                                          const std::vector<WorkerLoadView>& workers) {
   std::map<std::string, int64_t> held;

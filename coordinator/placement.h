@@ -40,6 +40,14 @@ absl::StatusOr<v1::ShardMap> PlaceDocument(const std::string& document_id, int64
                                            const PlacementOptions& options,
                                            const std::vector<WorkerCapacity>& workers);
 
+// Moves the shards of `map` whose holder is not among `workers` (it is gone) to live workers:
+// each, largest first, to the worker with the most free capacity that can hold it (ties: fewer
+// shards of this document already, then smaller id), as PlaceDocument does. Shards held by live
+// workers stay. When something moved, the result has version + 1 and the moved shards' addresses
+// cleared (the caller fills them in); otherwise it equals `map`.
+// UNAVAILABLE: no workers. RESOURCE_EXHAUSTED: a moved shard fits on no worker.
+absl::StatusOr<v1::ShardMap> ReassignShards(const v1::ShardMap& map, const std::vector<WorkerCapacity>& workers);
+
 struct WorkerLoadView {
   std::string worker_id;
   int64_t running_jobs = 0;

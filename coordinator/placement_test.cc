@@ -106,5 +106,37 @@ TEST(LeaderTest, NoDocumentPicksLeastLoaded) {
   EXPECT_EQ(leader, "a");
 }
 
+// Given a document on a, b, c, when b is gone, then only b's shard moves (to the live worker with
+// the most free capacity), the version grows by one and the moved shard's address is cleared.
+TEST(PlacementTest, ReassignMovesOnlyTheShardsOfGoneWorkers) {
+  std::vector<WorkerCapacity> workers = {{"a", 100000}, {"b", 100000}, {"c", 100000}};
+  STRATA_ASSERT_OK_AND_ASSIGN(auto map, (PlaceDocument("d", 10000, Options(64, 4096), workers)));
+  for (auto& a : *map.mutable_shards()) a.set_worker_address(a.worker_id() + ":1");
+  int on_b = -1;
+  for (int i = 0; i < map.shards_size(); ++i) {
+    if (map.shards(i).worker_id() == "b") on_b = i;
+  }
+  ASSERT_GE(on_b, 0);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto moved, ReassignShards(map, {{"a", 50000}, {"c", 90000}}));
+  EXPECT_EQ(moved.version(), map.version() + 1);
+  ASSERT_EQ(moved.shards_size(), map.shards_size());
+  for (int i = 0; i < map.shards_size(); ++i) {
+    EXPECT_EQ(moved.shards(i).range().first_page(), map.shards(i).range().first_page());
+    if (i == on_b) {
+      EXPECT_EQ(moved.shards(i).worker_id(), "c");
+      EXPECT_TRUE(moved.shards(i).worker_address().empty());
+    } else {
+      EXPECT_EQ(moved.shards(i).worker_id(), map.shards(i).worker_id());
+      EXPECT_EQ(moved.shards(i).worker_address(), map.shards(i).worker_address());
+    }
+  }
+  // Nothing gone: the same map, same version.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto same, ReassignShards(moved, {{"a", 1}, {"c", 1}}));
+  EXPECT_EQ(same.version(), moved.version());
+  // No room, or no workers at all.
+  EXPECT_THAT(ReassignShards(map, {{"a", 10}, {"c", 10}}), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(ReassignShards(map, {}), StatusIs(absl::StatusCode::kUnavailable));
+}
+
 }  // namespace
 }  // namespace strata::coordinator

@@ -20,6 +20,12 @@ class FakeWorkerClient : public WorkerClient {
     ProgressFn on_progress;
     DoneFn on_done;
   };
+  struct MountCall {
+    std::string worker_id;
+    v1::ShardRange shard;
+    bool mount = true;  // false: UnmountShard
+    DoneFn on_done;
+  };
   struct RunCall {
     std::string worker_id;
     v1::RunJobRequest request;
@@ -31,6 +37,15 @@ class FakeWorkerClient : public WorkerClient {
                     ProgressFn on_progress, DoneFn on_done) override {
     absl::MutexLock lock(&mu_);
     prefills_.push_back({worker.worker_id(), request, std::move(on_progress), std::move(on_done)});
+  }
+  void MountShard(const v1::WorkerInfo& worker, const v1::MountShardRequest& request, DoneFn on_done) override {
+    absl::MutexLock lock(&mu_);
+    mounts_.push_back({worker.worker_id(), request.shard(), true, std::move(on_done)});
+  }
+  void UnmountShard(const v1::WorkerInfo& worker, const v1::UnmountShardRequest& request,
+                    DoneFn on_done) override {
+    absl::MutexLock lock(&mu_);
+    mounts_.push_back({worker.worker_id(), request.shard(), false, std::move(on_done)});
   }
   void RunJob(const v1::WorkerInfo& worker, const v1::RunJobRequest& request, JobEventFn on_event,
               DoneFn on_done) override {
@@ -46,6 +61,11 @@ class FakeWorkerClient : public WorkerClient {
     absl::MutexLock lock(&mu_);
     return prefills_;
   }
+  // MountShard and UnmountShard calls, in call order.
+  std::vector<MountCall> mounts() const {
+    absl::MutexLock lock(&mu_);
+    return mounts_;
+  }
   std::vector<RunCall> runs() const {
     absl::MutexLock lock(&mu_);
     return runs_;
@@ -58,6 +78,7 @@ class FakeWorkerClient : public WorkerClient {
  private:
   mutable absl::Mutex mu_;
   std::vector<PrefillCall> prefills_ ABSL_GUARDED_BY(mu_);
+  std::vector<MountCall> mounts_ ABSL_GUARDED_BY(mu_);
   std::vector<RunCall> runs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<std::string, std::string>> cancels_ ABSL_GUARDED_BY(mu_);
 };
