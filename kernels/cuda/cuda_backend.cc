@@ -15,6 +15,7 @@
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/internal/cuda_status.h"
+#include "kernels/cuda/internal/flash_prefill.h"
 #include "kernels/cuda/internal/launch.h"
 #include "kernels/cuda_backend.h"
 
@@ -570,14 +571,23 @@ absl::Status CudaBackend::PagedAttention(const PagedAttentionParams& p, Stream s
   const bool aligned = reinterpret_cast<uintptr_t>(p.k_pool.data) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.v_pool.data) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
-  const bool decode_ok = aligned && cuda_internal::DecodeFastPathSupports(shape);
+  const FloatType pool_dtype = ToFloatType(p.k_pool.dtype);
+  // Tensor-core flash kernel for several tokens (or one, when forced); see SetPrefillPath.
+  const bool flash = aligned && prefill_path_ != PrefillPath::kGeneral &&
+                     (num_tokens > 1 || prefill_path_ == PrefillPath::kFlash) &&
+                     cuda_internal::FlashPrefillSupports(shape, pool_dtype);
+  const bool decode_ok = aligned && !flash && cuda_internal::DecodeFastPathSupports(shape);
   BuildPlan(p, decode_ok, num_sms_, decode_items_per_sm_, plan_cache_.get());
   const HostPlan& host = plan_cache_->plan;
+  int64_t max_head_tokens = 0;
+  for (int32_t n : plan_cache_->head_tokens) max_head_tokens = std::max<int64_t>(max_head_tokens, n);
 
-  // Device scratch: the plan, then (decode) the split-K partials.
+  // Device scratch: the plan, then (decode) the split-K partials or (flash) the tile metadata.
   const size_t plan_bytes = RoundUp(host.words.size() * sizeof(int32_t), 256);
   const size_t partial_bytes =
-      host.decode ? cuda_internal::DecodeScratchFloats(shape, host.num_items) * sizeof(float) : 0;
+      host.decode ? cuda_internal::DecodeScratchFloats(shape, host.num_items) * sizeof(float)
+      : flash     ? cuda_internal::FlashPrefillScratchBytes(shape, max_head_tokens)
+                  : 0;
   STRATA_ASSIGN_OR_RETURN(void* scratch, AllocScratch(plan_bytes + partial_bytes, stream));
   auto launch = [&]() -> absl::Status {
     STRATA_ASSIGN_OR_RETURN(const int ring, PinnedStaging(host.words.size() * sizeof(int32_t)));
@@ -605,6 +615,11 @@ absl::Status CudaBackend::PagedAttention(const PagedAttentionParams& p, Stream s
       STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchPagedAttentionDecode(
           p.q.As<const float>(), p.k_pool.data, p.v_pool.data, pool_type, shape, plan, partials,
           p.out.As<float>(), p.lse.As<float>(), stream));
+    } else if (flash) {
+      STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchFlashPrefill(
+          p.q.As<const float>(), p.k_pool.data, p.v_pool.data, pool_type, shape, plan,
+          max_head_tokens, static_cast<char*>(scratch) + plan_bytes, p.out.As<float>(),
+          p.lse.As<float>(), stream));
     } else {
       STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchPagedAttentionGeneral(
           p.q.As<const float>(), p.k_pool.data, p.v_pool.data, pool_type, shape, plan,

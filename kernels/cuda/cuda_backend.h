@@ -105,6 +105,15 @@ class CudaBackend : public Backend {
   // values restore the default, cuda_internal::kDecodeItemsPerSm). Affects speed only.
   void SetDecodeItemsPerSm(int n);
 
+  // Which kernel serves PagedAttention with query tokens off the decode path (speed only; the
+  // math is the same up to bf16 rounding). kAuto: the tensor-core flash kernel
+  // (kernels/cuda/flash_prefill.cu) for more than one token where it applies (bf16 pool,
+  // head_dim 64/128, 16-byte aligned q and pools), else the general kernel. kGeneral: always the
+  // general (scalar) kernel, e.g. to compare against. kFlash: as kAuto, and the flash kernel
+  // also takes single-token calls (tests use it to cover one token).
+  enum class PrefillPath { kAuto, kGeneral, kFlash };
+  void SetPrefillPath(PrefillPath path) { prefill_path_ = path; }
+
   int device() const { return device_; }
   int num_sms() const { return num_sms_; }
 
@@ -142,6 +151,7 @@ class CudaBackend : public Backend {
   int pinned_next_ = 0;
   std::unique_ptr<AttentionPlanCache> plan_cache_;
   int decode_items_per_sm_ = 4;  // == cuda_internal::kDecodeItemsPerSm
+  PrefillPath prefill_path_ = PrefillPath::kAuto;
 };
 
 }  // namespace strata::kernels

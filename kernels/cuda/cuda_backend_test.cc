@@ -495,16 +495,22 @@ TEST_P(CudaPagedAttentionTest, MatchesCpu) {
   p.out = want_out.View(d_out->data());
   p.lse = want_lse.View(d_lse->data());
   STRATA_ASSERT_OK(gpu_->Supports(p));
+  // Several tokens over a bf16 pool with head_dim 64/128 take the tensor-core flash kernel
+  // (bf16 q and softmax weights: bf16 tolerance; kernels/cuda/flash_prefill_test.cc covers it).
+  const bool flash = c.num_tokens > 1 && c.pool == DType::kBF16 &&
+                     (c.head_dim == 64 || c.head_dim == 128);
+  const double out_atol = flash ? 1e-2 : 2e-5, out_rtol = flash ? 1e-2 : 2e-4;
+  const double lse_atol = flash ? 1e-3 : 2e-5, lse_rtol = flash ? 1e-3 : 2e-5;
   // Run twice: the second run reuses the pinned staging buffer and pooled scratch.
   for (int rep = 0; rep < 2; ++rep) {
     STRATA_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
     // The host arrays may change as soon as the call returns (the kernels read a device copy).
     const std::vector<KvSpan> saved = spans;
     for (KvSpan& s : spans) s.slot = -1;
-    ExpectClose(Download(*d_out, c.num_tokens * c.num_q_heads * d), want_out.Values(), 2e-5, 2e-4,
-                absl::StrCat(CaseName(c), " out rep ", rep));
-    ExpectClose(Download(*d_lse, c.num_tokens * c.num_q_heads), want_lse.Values(), 2e-5, 2e-5,
-                absl::StrCat(CaseName(c), " lse rep ", rep));
+    ExpectClose(Download(*d_out, c.num_tokens * c.num_q_heads * d), want_out.Values(), out_atol,
+                out_rtol, absl::StrCat(CaseName(c), " out rep ", rep));
+    ExpectClose(Download(*d_lse, c.num_tokens * c.num_q_heads), want_lse.Values(), lse_atol,
+                lse_rtol, absl::StrCat(CaseName(c), " lse rep ", rep));
     std::copy(saved.begin(), saved.end(), spans.begin());
   }
 }

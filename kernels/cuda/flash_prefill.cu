@@ -1,0 +1,460 @@
+// Tensor-core flash attention for paged prefill: see kernels/cuda/internal/flash_prefill.h.
+//
+// Shared-memory tiles are [rows][D] bf16 with the 16-byte chunks of a row XOR-swizzled by
+// (row & 7), so that ldmatrix (8 rows, one chunk each) and the cp.async writes are free of bank
+// conflicts. Fragment layouts are those of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16"): a thread holds rows lane/4 and lane/4 + 8 of its warp's 16 rows and columns
+// 2*(lane%4), +1 of every 8-column tile.
+#include <cstdint>
+
+#include "kernels/cuda/internal/common.cuh"
+#include "kernels/cuda/internal/flash_prefill.h"
+
+namespace strata::kernels::cuda_internal {
+namespace {
+
+constexpr int kBlockM = kFlashBlockM;
+constexpr int kBlockN = kFlashBlockN;
+constexpr int kWarps = kBlockM / 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMetaThreads = 128;
+constexpr int64_t kPosNone = INT64_MAX;          // padding keys: masked for every query
+constexpr int64_t kPosAll = INT64_MAX - 1;       // non-causal queries: every real key attended
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+static_assert(kBlockN == 64, "the row/position pass uses one thread per key of a tile");
+static_assert(kThreads >= kBlockN, "one thread per key of a tile");
+
+// Per (KV head, key tile) metadata written by the pre-pass (arrays of num_kv_heads *
+// tiles_per_head, head-major).
+struct TileMeta {
+  int64_t* min_pos;     // smallest key position in the tile (kPosNone: tile past the head's end)
+  int64_t* max_pos;     // largest key position (kPosNone when the tile is partial)
+  int32_t* first_span;  // index into plan.spans of the span holding the tile's first key
+  int tiles_per_head;
+};
+
+__device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Element offset of (row, 8-element chunk) in a swizzled [rows][D] bf16 tile.
+template <int D>
+__device__ __forceinline__ int Swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;  // 0: zero-fill the destination
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void Ldsm4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void Ldsm4T(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a * b for one m16n8k16 tile (bf16 inputs, f32 accumulators).
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Index of the span of `head`'s concatenation holding token j (last span starting at <= j),
+// searched in [lo, hi].
+__device__ __forceinline__ int SearchSpan(const int32_t* span_start, int lo, int hi, int j) {
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (span_start[mid] <= j) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Pre-pass: one thread per (KV head, key tile).
+__global__ void __launch_bounds__(kMetaThreads)
+    FlashTileMetaKernel(AttentionPlan plan, int num_kv_heads, TileMeta meta) {
+  const int64_t total = static_cast<int64_t>(num_kv_heads) * meta.tiles_per_head;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int g = static_cast<int>(idx / meta.tiles_per_head);
+    const int i = static_cast<int>(idx % meta.tiles_per_head);
+    const int n = plan.head_tokens[g];
+    const int64_t j0 = static_cast<int64_t>(i) * kBlockN;
+    if (j0 >= n) {
+      meta.min_pos[idx] = kPosNone;
+      meta.max_pos[idx] = kPosNone;
+      meta.first_span[idx] = 0;
+      continue;
+    }
+    const int j1 = j0 + kBlockN < n ? static_cast<int>(j0) + kBlockN : n;
+    const int end = plan.span_offsets[g + 1];
+    int s = SearchSpan(plan.span_start, plan.span_offsets[g], end - 1, static_cast<int>(j0));
+    meta.first_span[idx] = s;
+    int64_t mn = kPosNone, mx = INT64_MIN;
+    for (; s < end && plan.span_start[s] < j1; ++s) {
+      const DeviceSpan sp = plan.spans[s];
+      const int st = plan.span_start[s];
+      const int a = max(static_cast<int>(j0), st), b = min(j1, st + sp.length);
+      if (a >= b) continue;
+      mn = min(mn, static_cast<int64_t>(sp.position) + (a - st));
+      mx = max(mx, static_cast<int64_t>(sp.position) + (b - 1 - st));
+    }
+    if (j1 - j0 < kBlockN) mx = kPosNone;  // padding keys of a partial tile need the mask
+    meta.min_pos[idx] = mn;
+    meta.max_pos[idx] = mx;
+  }
+}
+
+__device__ __forceinline__ int64_t WarpMin64(int64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int64_t WarpMax64(int64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads)
+    FlashPrefillKernel(const float* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+                       const __nv_bfloat16* __restrict__ v_pool, AttentionShape shape,
+                       AttentionPlan plan, TileMeta meta, float* __restrict__ out,
+                       float* __restrict__ lse) {
+  constexpr int kChunks = D / 8;   // 16-byte chunks per row
+  constexpr int kDTiles = D / 8;   // n8 tiles of the output
+  constexpr int kSTiles = kBlockN / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kBlockM][D]
+  __nv_bfloat16* k_s = q_s + kBlockM * D;                            // [2][kBlockN][D]
+  __nv_bfloat16* v_s = k_s + 2 * kBlockN * D;                        // [2][kBlockN][D]
+  __shared__ int64_t row_s[2][kBlockN];   // pool row of each key of the tile (-1: padding)
+  __shared__ int64_t kpos_s[2][kBlockN];  // its position (kPosNone: padding)
+  __shared__ int64_t red_s[3][kWarps];
+
+  const int head = blockIdx.x;
+  const int q_tile = gridDim.y - 1 - blockIdx.y;  // the longest causal rows start first
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int g = head / group;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int t0 = q_tile * kBlockM;
+  const int n_keys = plan.head_tokens[g];
+  const int n_tiles = (n_keys + kBlockN - 1) / kBlockN;
+  const int span_end = plan.span_offsets[g + 1];
+  const int64_t meta_base = static_cast<int64_t>(g) * meta.tiles_per_head;
+
+  // Q tile: f32 -> bf16 (round to nearest), rows past num_tokens zero.
+  for (int i = tid; i < kBlockM * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const int t = t0 + r;
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (t < shape.num_tokens) {
+      const float4* src = reinterpret_cast<const float4*>(
+          q + (static_cast<int64_t>(t) * shape.num_q_heads + head) * D + c * 8);
+      const float4 a = __ldg(src), b = __ldg(src + 1);
+      packed = make_uint4(PackBf16(a.x, a.y), PackBf16(a.z, a.w), PackBf16(b.x, b.y),
+                          PackBf16(b.z, b.w));
+    }
+    *reinterpret_cast<uint4*>(q_s + Swz<D>(r, c)) = packed;
+  }
+
+  // Query positions: this thread's two rows, and the block's min / max over real tokens.
+  const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;
+  auto qpos_of = [&](int t) -> int64_t {
+    if (t >= shape.num_tokens) return INT64_MIN;  // padding row: attends nothing
+    return shape.causal ? static_cast<int64_t>(plan.q_positions[t]) : kPosAll;
+  };
+  const int64_t qpos0 = qpos_of(t0 + r0), qpos1 = qpos_of(t0 + r1);
+  int64_t q_min = kPosNone, q_max = INT64_MIN;
+  if (tid < kBlockM && t0 + tid < shape.num_tokens) {
+    q_min = q_max = qpos_of(t0 + tid);
+  }
+  // Last key tile that some query of the block attends (tiles beyond it are all masked).
+  int last = -1;
+  if (shape.causal) {
+    q_min = WarpMin64(q_min);
+    q_max = WarpMax64(q_max);
+    if (lane == 0) {
+      red_s[0][warp] = q_min;
+      red_s[1][warp] = q_max;
+    }
+    __syncthreads();
+    q_min = red_s[0][0];
+    q_max = red_s[1][0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      q_min = min(q_min, red_s[0][w]);
+      q_max = max(q_max, red_s[1][w]);
+    }
+    int64_t my_last = -1;
+    for (int i = tid; i < n_tiles; i += kThreads) {
+      if (meta.min_pos[meta_base + i] <= q_max) my_last = i;
+    }
+    my_last = WarpMax64(my_last);
+    if (lane == 0) red_s[2][warp] = my_last;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) last = max(last, static_cast<int>(red_s[2][w]));
+  } else {
+    q_min = q_max = kPosAll;
+    last = n_tiles - 1;
+  }
+  // The first attended tile at or after i (-1: none).
+  auto next_tile = [&](int i) -> int {
+    for (; i <= last; ++i) {
+      if (meta.min_pos[meta_base + i] <= q_max) return i;
+    }
+    return -1;
+  };
+
+  // Stages key tile i into buffer b: rows / positions (one thread per key), then cp.async of
+  // K and V (padding keys zero-filled, so that 0-weight * V stays finite).
+  auto load_tile = [&](int i, int b) {
+    if (tid < kBlockN) {
+      const int j = i * kBlockN + tid;
+      int64_t row = -1, pos = kPosNone;
+      if (j < n_keys) {
+        const int fs = meta.first_span[meta_base + i];
+        const int s = SearchSpan(plan.span_start, fs, min(fs + kBlockN, span_end) - 1, j);
+        const DeviceSpan sp = plan.spans[s];
+        const int in_span = j - plan.span_start[s];
+        row = static_cast<int64_t>(sp.slot) * shape.page_size + sp.offset + in_span;
+        pos = static_cast<int64_t>(sp.position) + in_span;
+      }
+      row_s[b][tid] = row;
+      kpos_s[b][tid] = pos;
+    }
+    __syncthreads();
+    for (int c = tid; c < kBlockN * kChunks; c += kThreads) {
+      const int r = c / kChunks, ch = c % kChunks;
+      const int64_t row = row_s[b][r];
+      const int64_t off = row >= 0 ? row * D + ch * 8 : 0;
+      const int dst = b * kBlockN * D + Swz<D>(r, ch);
+      CpAsync16(SmemAddr(k_s + dst), k_pool + off, row >= 0);
+      CpAsync16(SmemAddr(v_s + dst), v_pool + off, row >= 0);
+    }
+    CpAsyncCommit();
+  };
+
+  float o[kDTiles][4];
+#pragma unroll
+  for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m0 = NegInf(), m1 = NegInf(), l0 = 0.0f, l1 = 0.0f;  // log2 domain
+  const float scale2 = shape.scale * kLog2e;
+
+  int cur = next_tile(0);
+  int buf = 0;
+  if (cur >= 0) load_tile(cur, 0);
+  while (cur >= 0) {
+    const int nxt = next_tile(cur + 1);
+    if (nxt >= 0) {
+      load_tile(nxt, buf ^ 1);
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();  // tile `cur` (and, first time, q_s) visible to every warp
+
+    const __nv_bfloat16* kb = k_s + buf * kBlockN * D;
+    const __nv_bfloat16* vb = v_s + buf * kBlockN * D;
+    // S = Q K^T for this warp's 16 rows x 64 keys.
+    float s[kSTiles][4];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      Ldsm4(a, SmemAddr(q_s + Swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))));
+#pragma unroll
+      for (int np = 0; np < kSTiles / 2; ++np) {
+        uint32_t b[4];
+        Ldsm4(b, SmemAddr(kb + Swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                      2 * kk + ((lane >> 3) & 1))));
+        Mma(s[2 * np], a, b[0], b[1]);
+        Mma(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    // Scale into the log2 domain; mask where some key may lie after some query.
+    const bool need_mask = meta.max_pos[meta_base + cur] > q_min;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      const int col = j * 8 + 2 * (lane & 3);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= scale2;
+      if (need_mask) {
+        const int64_t p0 = kpos_s[buf][col], p1 = kpos_s[buf][col + 1];
+        if (p0 > qpos0) s[j][0] = NegInf();
+        if (p1 > qpos0) s[j][1] = NegInf();
+        if (p0 > qpos1) s[j][2] = NegInf();
+        if (p1 > qpos1) s[j][3] = NegInf();
+      }
+    }
+    // Online softmax (rows r0 and r1; a quad of lanes shares a row).
+    float tm0 = m0, tm1 = m1;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      tm0 = fmaxf(tm0, fmaxf(s[j][0], s[j][1]));
+      tm1 = fmaxf(tm1, fmaxf(s[j][2], s[j][3]));
+    }
+#pragma unroll
+    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+      tm0 = fmaxf(tm0, __shfl_xor_sync(0xffffffffu, tm0, o2));
+      tm1 = fmaxf(tm1, __shfl_xor_sync(0xffffffffu, tm1, o2));
+    }
+    const float base0 = tm0 == NegInf() ? 0.0f : tm0;
+    const float base1 = tm1 == NegInf() ? 0.0f : tm1;
+    const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);  // 0 when m was -inf
+    m0 = tm0;
+    m1 = tm1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      s[j][0] = exp2f(s[j][0] - base0);
+      s[j][1] = exp2f(s[j][1] - base0);
+      s[j][2] = exp2f(s[j][2] - base1);
+      s[j][3] = exp2f(s[j][3] - base1);
+      sum0 += s[j][0] + s[j][1];
+      sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * corr0 + sum0;
+    l1 = l1 * corr1 + sum1;
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      o[j][0] *= corr0;
+      o[j][1] *= corr0;
+      o[j][2] *= corr1;
+      o[j][3] *= corr1;
+    }
+    // O += P V: P as bf16 A fragments (16 keys each), V through ldmatrix.trans.
+#pragma unroll
+    for (int kc = 0; kc < kBlockN / 16; ++kc) {
+      uint32_t a[4];
+      a[0] = PackBf16(s[2 * kc][0], s[2 * kc][1]);
+      a[1] = PackBf16(s[2 * kc][2], s[2 * kc][3]);
+      a[2] = PackBf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+      a[3] = PackBf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t b[4];
+        Ldsm4T(b, SmemAddr(vb + Swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                       2 * dp + (lane >> 4))));
+        Mma(o[2 * dp], a, b[0], b[1]);
+        Mma(o[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // buffer `buf` is refilled two tiles from now; row_s/kpos_s next tile
+    cur = nxt;
+    buf ^= 1;
+  }
+
+  // Normalise and write this thread's rows.
+#pragma unroll
+  for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
+  }
+  const int ta = t0 + r0, tb = t0 + r1;
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  const int64_t rowa = static_cast<int64_t>(ta) * shape.num_q_heads + head;
+  const int64_t rowb = static_cast<int64_t>(tb) * shape.num_q_heads + head;
+#pragma unroll
+  for (int j = 0; j < kDTiles; ++j) {
+    const int col = j * 8 + 2 * (lane & 3);
+    if (ta < shape.num_tokens) {
+      *reinterpret_cast<float2*>(out + rowa * D + col) = make_float2(o[j][0] * inv0, o[j][1] * inv0);
+    }
+    if (tb < shape.num_tokens) {
+      *reinterpret_cast<float2*>(out + rowb * D + col) = make_float2(o[j][2] * inv1, o[j][3] * inv1);
+    }
+  }
+  if ((lane & 3) == 0) {
+    if (ta < shape.num_tokens) lse[rowa] = l0 > 0.0f ? (m0 + log2f(l0)) * kLn2 : NegInf();
+    if (tb < shape.num_tokens) lse[rowb] = l1 > 0.0f ? (m1 + log2f(l1)) * kLn2 : NegInf();
+  }
+}
+
+int64_t TilesPerHead(int64_t max_head_tokens) { return (max_head_tokens + kBlockN - 1) / kBlockN; }
+
+template <int D>
+cudaError_t LaunchTyped(const float* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                        const AttentionShape& shape, const AttentionPlan& plan,
+                        const TileMeta& meta, float* out, float* lse, cudaStream_t stream) {
+  constexpr int kSmem = (kBlockM + 4 * kBlockN) * D * static_cast<int>(sizeof(__nv_bfloat16));
+  cudaError_t e =
+      cudaFuncSetAttribute(FlashPrefillKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(shape.num_q_heads, (shape.num_tokens + kBlockM - 1) / kBlockM);
+  FlashPrefillKernel<D><<<grid, kThreads, kSmem, stream>>>(q, k, v, shape, plan, meta, out, lse);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool FlashPrefillSupports(const AttentionShape& shape, FloatType pool_type) {
+  return pool_type == FloatType::kBF16 && (shape.head_dim == 64 || shape.head_dim == 128) &&
+         shape.num_tokens >= 1 && shape.num_tokens <= 65535 * kBlockM &&
+         shape.num_q_heads >= 1 && shape.num_q_heads <= 65535 && shape.num_kv_heads >= 1 &&
+         shape.num_q_heads % shape.num_kv_heads == 0;
+}
+
+int64_t FlashPrefillScratchBytes(const AttentionShape& shape, int64_t max_head_tokens) {
+  const int64_t n = static_cast<int64_t>(shape.num_kv_heads) * TilesPerHead(max_head_tokens);
+  return n * (2 * sizeof(int64_t) + sizeof(int32_t)) + 16;
+}
+
+cudaError_t LaunchFlashPrefill(const float* q, const void* k_pool, const void* v_pool,
+                               FloatType pool_type, const AttentionShape& shape,
+                               const AttentionPlan& plan, int64_t max_head_tokens, void* scratch,
+                               float* out, float* lse, cudaStream_t stream) {
+  if (!FlashPrefillSupports(shape, pool_type) || max_head_tokens < 0 ||
+      max_head_tokens > INT32_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t tiles = TilesPerHead(max_head_tokens);
+  const int64_t n = static_cast<int64_t>(shape.num_kv_heads) * tiles;
+  TileMeta meta;
+  meta.min_pos = static_cast<int64_t*>(scratch);
+  meta.max_pos = meta.min_pos + n;
+  meta.first_span = reinterpret_cast<int32_t*>(meta.max_pos + n);
+  meta.tiles_per_head = static_cast<int>(tiles);
+  if (n > 0) {
+    FlashTileMetaKernel<<<GridFor(n, kMetaThreads), kMetaThreads, 0, stream>>>(
+        plan, shape.num_kv_heads, meta);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  const auto* k = static_cast<const __nv_bfloat16*>(k_pool);
+  const auto* v = static_cast<const __nv_bfloat16*>(v_pool);
+  if (shape.head_dim == 64) return LaunchTyped<64>(q, k, v, shape, plan, meta, out, lse, stream);
+  return LaunchTyped<128>(q, k, v, shape, plan, meta, out, lse, stream);
+}
+
+}  // namespace strata::kernels::cuda_internal
