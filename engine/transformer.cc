@@ -182,6 +182,17 @@ KvCacheOptions Transformer::MakeCacheOptions(int64_t max_tokens, int page_size,
 absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_pos,
                                   KvCache* cache, AttentionPolicy* policy, float* logits_out,
                                   bool all_logits) {
+  return Forward(ids, n, start_pos, cache, policy, logits_out, all_logits, ForwardOptions());
+}
+
+absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_pos,
+                                  KvCache* cache, AttentionPolicy* policy, float* logits_out,
+                                  bool all_logits, const ForwardOptions& fo) {
+  if (fo.cache_first_position < 0 || fo.cache_first_position > start_pos) {
+    return absl::InvalidArgumentError(absl::StrCat("Forward: cache_first_position ",
+                                                   fo.cache_first_position, " not in [0, ",
+                                                   start_pos, "]"));
+  }
   if (n < 1 || ids == nullptr || logits_out == nullptr) {
     return absl::InvalidArgumentError("Forward: needs n >= 1 tokens, ids and logits_out");
   }
@@ -194,10 +205,11 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
     return absl::InvalidArgumentError("Forward: the KV cache does not match the model shape");
   }
   for (int l = 0; l < co.num_layers; ++l) {
-    if (cache->length(l) != start_pos) {
+    if (cache->length(l) != start_pos - fo.cache_first_position) {
       return absl::InvalidArgumentError(absl::StrCat("Forward: start_pos ", start_pos,
                                                      " but layer ", l, " caches ",
-                                                     cache->length(l), " tokens"));
+                                                     cache->length(l), " tokens from position ",
+                                                     fo.cache_first_position));
     }
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -216,19 +228,67 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
     const bool last = b + m == n;
     if (!all_logits && !last) {
       STRATA_RETURN_IF_ERROR(
-          ForwardChunk(ids + b, m, start_pos + b, cache, policy, nullptr, false));
+          ForwardChunk(ids + b, m, start_pos + b, cache, policy, nullptr, false, fo));
     } else {
       STRATA_RETURN_IF_ERROR(ForwardChunk(ids + b, m, start_pos + b, cache, policy,
                                           all_logits ? logits_out + b * vocab : logits_out,
-                                          all_logits));
+                                          all_logits, fo));
     }
   }
   return absl::OkStatus();
 }
 
+absl::Status Transformer::MergeExternal(int64_t n, const std::vector<AttentionPartial>& parts) {
+  kernels::Backend* be = backend_;
+  const int64_t hq = config_.num_heads, d = config_.head_dim;
+  const size_t o_elems = static_cast<size_t>(n * hq * d), l_elems = static_cast<size_t>(n * hq);
+  const size_t max_o = static_cast<size_t>(options_.prefill_chunk_size * hq * d);
+  const size_t max_l = static_cast<size_t>(options_.prefill_chunk_size * hq);
+  std::vector<TensorView> outs, lses;
+  outs.emplace_back(attn_->data(), DType::kF32, std::initializer_list<int64_t>{n, hq, d});
+  lses.emplace_back(lse_->data(), DType::kF32, std::initializer_list<int64_t>{n, hq});
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const AttentionPartial& p = parts[i];
+    if (p.o.size() != o_elems || p.lse.size() != l_elems) {
+      return absl::InvalidArgumentError(absl::StrCat("Forward: external partial ", i, " has ",
+                                                     p.o.size(), "/", p.lse.size(),
+                                                     " values, expected ", o_elems, "/", l_elems));
+    }
+    const float* o = p.o.data();
+    const float* l = p.lse.data();
+    if (!host_memory_) {
+      while (part_o_.size() <= i) {
+        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> bo, be->Allocate(max_o * 4));
+        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> bl, be->Allocate(max_l * 4));
+        part_o_.push_back(std::move(bo));
+        part_lse_.push_back(std::move(bl));
+      }
+      STRATA_RETURN_IF_ERROR(be->CopyToDevice(part_o_[i]->data(), o, o_elems * 4, nullptr));
+      STRATA_RETURN_IF_ERROR(be->CopyToDevice(part_lse_[i]->data(), l, l_elems * 4, nullptr));
+      o = static_cast<const float*>(part_o_[i]->data());
+      l = static_cast<const float*>(part_lse_[i]->data());
+    }
+    outs.emplace_back(const_cast<float*>(o), DType::kF32, std::initializer_list<int64_t>{n, hq, d});
+    lses.emplace_back(const_cast<float*>(l), DType::kF32, std::initializer_list<int64_t>{n, hq});
+  }
+  if (merged_ == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(merged_, be->Allocate(max_o * 4));
+    STRATA_ASSIGN_OR_RETURN(merged_lse_, be->Allocate(max_l * 4));
+  }
+  kernels::MergeAttentionParams mp;
+  mp.outs = outs.data();
+  mp.lses = lses.data();
+  mp.num_parts = static_cast<int>(outs.size());
+  mp.out = TensorView(merged_->data(), DType::kF32, {n, hq, d});
+  mp.lse = TensorView(merged_lse_->data(), DType::kF32, {n, hq});
+  STRATA_RETURN_IF_ERROR(be->MergeAttention(mp, nullptr));
+  return absl::OkStatus();
+}
+
 absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos,
                                        KvCache* cache, AttentionPolicy* policy,
-                                       float* logits_out, bool all_logits) {
+                                       float* logits_out, bool all_logits,
+                                       const ForwardOptions& fo) {
   kernels::Backend* be = backend_;
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
@@ -274,8 +334,12 @@ absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t st
       STRATA_RETURN_IF_ERROR(be->CopyToHost(q_host_.data(), q_->data(), n * hq * d * 4, nullptr));
       q_host = q_host_.data();
     }
+    const int64_t base = fo.cache_first_position;
     STRATA_RETURN_IF_ERROR(policy->Select(layer, q_host, static_cast<int>(n), static_cast<int>(hq),
-                                          start_pos, *cache, &selection_));
+                                          start_pos - base, *cache, &selection_));
+    if (base != 0) {
+      for (kernels::KvSpan& s : selection_.spans) s.position += static_cast<int32_t>(base);
+    }
     if (static_cast<int64_t>(selection_.offsets.size()) != hkv + 1) {
       return absl::InternalError(absl::StrCat("policy ", policy->Name(), " returned ",
                                               selection_.offsets.size(), " offsets for ", hkv,
@@ -294,7 +358,17 @@ absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t st
     ap.out = attn3;
     ap.lse = lse;
     STRATA_RETURN_IF_ERROR(be->PagedAttention(ap, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({attn, w.o_proj, TensorView(), o}, nullptr));
+    TensorView attn_in = attn;
+    if (fo.external != nullptr) {
+      STRATA_RETURN_IF_ERROR(fo.external->Attend(layer, q_host, static_cast<int>(n),
+                                                 static_cast<int>(hq), start_pos,
+                                                 &external_parts_));
+      if (!external_parts_.empty()) {
+        STRATA_RETURN_IF_ERROR(MergeExternal(n, external_parts_));
+        attn_in = View2(merged_.get(), n, hq * d);
+      }
+    }
+    STRATA_RETURN_IF_ERROR(be->MatMul({attn_in, w.o_proj, TensorView(), o}, nullptr));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps}, nullptr));
     STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.gate_proj, TensorView(), gate}, nullptr));

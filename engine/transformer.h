@@ -38,6 +38,42 @@ struct TransformerOptions {
   absl::Status Validate() const;
 };
 
+// One partial attention result over a set of keys (host memory, f32): o [n, num_q_heads,
+// head_dim] and lse [n, num_q_heads] with -inf where nothing was attended (the form of
+// kernels::PagedAttentionParams out / lse). Partials over disjoint key sets merge exactly with
+// Backend::MergeAttention.
+struct AttentionPartial {
+  std::vector<float> o;
+  std::vector<float> lse;
+};
+
+// Attention to keys that are not in the KvCache given to Forward (e.g. document shards held by
+// other workers, or an anchor prefix held in another cache). Per layer, Forward passes the
+// layer's queries (after RoPE) and merges the returned partials with the local attention output
+// using Backend::MergeAttention; the key sets must be disjoint from the cache's for the merge to
+// be exact. Implementations are called from inside Forward (one call per layer per chunk).
+class ExternalAttention {
+ public:
+  virtual ~ExternalAttention() = default;
+  // q: host f32 [num_tokens, num_q_heads, head_dim] at absolute positions [q_begin, q_begin +
+  // num_tokens). Appends zero or more partials to `parts` (each sized for num_tokens x
+  // num_q_heads); `parts` may hold vectors from an earlier call to reuse: the implementation
+  // resizes it. Errors end the forward.
+  virtual absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads,
+                              int64_t q_begin, std::vector<AttentionPartial>* parts) = 0;
+};
+
+// Optional arguments of Transformer::Forward. The defaults give the plain forward.
+struct ForwardOptions {
+  // Absolute position of the cache's first token: cache index i holds the token at position
+  // cache_first_position + i, and start_pos must equal cache_first_position + cache length.
+  // The policy sees cache-relative positions (q_begin - cache_first_position); spans and RoPE use
+  // absolute positions. Keys before cache_first_position are attended only through `external`.
+  int64_t cache_first_position = 0;
+  // Null: attention is over the cache only (exactly the plain forward).
+  ExternalAttention* external = nullptr;
+};
+
 class Transformer {
  public:
   // Validates config and options, checks every weight view's shape against the config, uploads
@@ -68,6 +104,11 @@ class Transformer {
   // may hold part of the tokens: discard the sequence.
   absl::Status Forward(const int32_t* ids, int64_t n, int64_t start_pos, KvCache* cache,
                        AttentionPolicy* policy, float* logits_out, bool all_logits);
+  // The same with ForwardOptions (a cache that starts after position 0, attention to external
+  // keys). InvalidArgument also for cache_first_position < 0.
+  absl::Status Forward(const int32_t* ids, int64_t n, int64_t start_pos, KvCache* cache,
+                       AttentionPolicy* policy, float* logits_out, bool all_logits,
+                       const ForwardOptions& options);
 
  private:
   Transformer(const model::ModelConfig& config, const TransformerOptions& options,
@@ -75,7 +116,10 @@ class Transformer {
   absl::Status Init(const model::ModelWeights& weights);
   absl::Status Upload(const kernels::TensorView& host, kernels::TensorView* out);
   absl::Status ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos, KvCache* cache,
-                            AttentionPolicy* policy, float* logits_out, bool all_logits);
+                            AttentionPolicy* policy, float* logits_out, bool all_logits,
+                            const ForwardOptions& options);
+  // Merges attn_/lse_ (the local attention) with the external partials into merged_ / merged_lse_.
+  absl::Status MergeExternal(int64_t n, const std::vector<AttentionPartial>& parts);
 
   model::ModelConfig config_;
   TransformerOptions options_;
@@ -94,6 +138,10 @@ class Transformer {
   std::vector<float> q_host_;  // query copy for the policy when backend memory is not host memory
   std::vector<int32_t> positions_host_;
   Selection selection_;
+  // External attention (allocated on first use): partials in backend memory and the merge output.
+  std::vector<AttentionPartial> external_parts_;
+  std::vector<std::unique_ptr<kernels::Buffer>> part_o_, part_lse_;
+  std::unique_ptr<kernels::Buffer> merged_, merged_lse_;
 };
 
 }  // namespace strata::engine

@@ -187,6 +187,87 @@ INSTANTIATE_TEST_SUITE_P(Models, TransformerTest,
                                            Case{DType::kF16, true, false},
                                            Case{DType::kF32, true, true}));
 
+// ExternalAttention over a prefix cache: the cache of the forward starts at position s, keys
+// [0, s) come from another cache through the hook; logits equal the reference of the whole
+// sequence (the merge of disjoint partials is exact up to rounding).
+class PrefixAttention : public ExternalAttention {
+ public:
+  PrefixAttention(kernels::Backend* be, const KvCache* prefix) : be_(be), prefix_(prefix) {}
+  absl::Status Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
+                      std::vector<AttentionPartial>* parts) override {
+    ++calls;
+    const int d = prefix_->options().head_dim, hkv = prefix_->options().num_kv_heads;
+    std::vector<kernels::KvSpan> spans;
+    std::vector<int32_t> offsets = {0};
+    for (int g = 0; g < hkv; ++g) {
+      prefix_->AppendSpans(layer, g, 0, prefix_->length(layer), &spans);
+      offsets.push_back(static_cast<int32_t>(spans.size()));
+    }
+    std::vector<int32_t> pos(n);
+    for (int i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(q_begin + i);
+    parts->resize(1);
+    AttentionPartial& p = (*parts)[0];
+    p.o.assign(static_cast<size_t>(n) * hq * d, 0.0f);
+    p.lse.assign(static_cast<size_t>(n) * hq, 0.0f);
+    kernels::PagedAttentionParams ap;
+    ap.q = TensorView(const_cast<float*>(q), DType::kF32, {n, hq, d});
+    ap.k_pool = prefix_->k_pool(layer);
+    ap.v_pool = prefix_->v_pool(layer);
+    ap.spans = spans.data();
+    ap.span_offsets = offsets.data();
+    ap.num_kv_heads = hkv;
+    ap.q_positions = pos.data();
+    ap.causal = true;
+    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ap.out = TensorView(p.o.data(), DType::kF32, {n, hq, d});
+    ap.lse = TensorView(p.lse.data(), DType::kF32, {n, hq});
+    return be_->PagedAttention(ap, nullptr);
+  }
+  int calls = 0;
+
+ private:
+  kernels::Backend* be_;
+  const KvCache* prefix_;
+};
+
+TEST(TransformerExternalTest, PrefixThroughExternalAttentionMatchesTheWholeSequence) {
+  RefModel ref;
+  auto m = MakeModel(DType::kF32, false, false, &ref);
+  auto backend = kernels::MakeCpuBackend(1);
+  const int n = 37, s = 16;  // s: a page boundary (page size 16)
+  const std::vector<int32_t> ids = RandomIds(n, m->config.vocab_size, kSeed + 3);
+  const std::vector<double> want = ReferenceLogits(m->config, ref, ids);
+  const int64_t V = m->config.vocab_size;
+  TransformerOptions opt;
+  opt.prefill_chunk_size = 7;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), opt));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto prefix, KvCache::Create(tf->MakeCacheOptions(s, 16), backend.get()));
+  auto p1 = MakeDensePolicy();
+  std::vector<float> logits(static_cast<size_t>(n) * V, NAN);
+  STRATA_ASSERT_OK(tf->Forward(ids.data(), s, 0, prefix.get(), p1.get(), logits.data(), true));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto rest, KvCache::Create(tf->MakeCacheOptions(n - s, 16), backend.get()));
+  auto p2 = MakeDensePolicy();
+  PrefixAttention ext(backend.get(), prefix.get());
+  ForwardOptions fo;
+  fo.cache_first_position = s;
+  fo.external = &ext;
+  // Wrong start_pos for a cache starting at s.
+  EXPECT_THAT(tf->Forward(ids.data() + s, n - s, 0, rest.get(), p2.get(), logits.data(), true, fo),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK(tf->Forward(ids.data() + s, n - s, s, rest.get(), p2.get(), logits.data() + s * V, true, fo));
+  EXPECT_EQ(rest->length(0), n - s);
+  EXPECT_GT(ext.calls, 0);
+  EXPECT_LE(MaxAbsDiff(logits.data(), want.data(), static_cast<int64_t>(n) * V), 1e-4);
+  // Without the hook the same cache misses the prefix: the logits differ.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto alone, KvCache::Create(tf->MakeCacheOptions(n - s, 16), backend.get()));
+  auto p3 = MakeDensePolicy();
+  ForwardOptions no_ext;
+  no_ext.cache_first_position = s;
+  std::vector<float> other(static_cast<size_t>(n - s) * V);
+  STRATA_ASSERT_OK(tf->Forward(ids.data() + s, n - s, s, alone.get(), p3.get(), other.data(), true, no_ext));
+  EXPECT_GT(MaxAbsDiff(other.data(), want.data() + s * V, static_cast<int64_t>(n - s) * V), 1e-3);
+}
+
 TEST(TransformerErrorsTest, RejectsBadInput) {
   RefModel ref;
   auto m = MakeModel(DType::kF32, false, false, &ref);

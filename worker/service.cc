@@ -43,12 +43,16 @@ class WorkerServer::Impl final : public v1::Worker::Service {
     return proto::ToGrpcStatus(s);
   }
 
-  grpc::Status MountShard(grpc::ServerContext*, const v1::MountShardRequest*, v1::MountShardResponse*) override {
-    return grpc::Status::OK;  // a job mounts its document itself (worker/worker.h)
-  }
-  grpc::Status UnmountShard(grpc::ServerContext*, const v1::UnmountShardRequest*,
-                            v1::UnmountShardResponse*) override {
+  grpc::Status MountShard(grpc::ServerContext*, const v1::MountShardRequest* request,
+                          v1::MountShardResponse* response) override {
+    absl::StatusOr<v1::MountShardResponse> r = worker_->MountShard(*request);
+    if (!r.ok()) return proto::ToGrpcStatus(r.status());
+    *response = *r;
     return grpc::Status::OK;
+  }
+  grpc::Status UnmountShard(grpc::ServerContext*, const v1::UnmountShardRequest* request,
+                            v1::UnmountShardResponse*) override {
+    return proto::ToGrpcStatus(worker_->UnmountShard(*request));
   }
 
   grpc::Status RunJob(grpc::ServerContext* context, const v1::RunJobRequest* request,
@@ -67,17 +71,50 @@ class WorkerServer::Impl final : public v1::Worker::Service {
   Worker* const worker_;
 };
 
+// ShardSelection: one stream per job and peer; the first message opens a ShardSession, then
+// every LayerQuery gets one SelectionResponse, in order, on the call's thread.
+class WorkerServer::SelectionImpl final : public v1::ShardSelection::Service {
+ public:
+  explicit SelectionImpl(Worker* worker) : worker_(worker) {}
+
+  grpc::Status Select(grpc::ServerContext* context,
+                      grpc::ServerReaderWriter<v1::SelectionResponse, v1::SelectionRequest>* stream) override {
+    v1::SelectionRequest req;
+    if (!stream->Read(&req)) return grpc::Status::OK;  // closed before opening
+    if (!req.has_open()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message must be SelectionOpen");
+    }
+    absl::StatusOr<std::unique_ptr<ShardSession>> session = worker_->OpenSelection(req.open());
+    if (!session.ok()) return proto::ToGrpcStatus(session.status());
+    while (!context->IsCancelled() && stream->Read(&req)) {
+      if (!req.has_query()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "SelectionOpen sent twice");
+      }
+      v1::SelectionResponse resp;
+      absl::Status s = (*session)->Answer(req.query(), &resp);
+      if (!s.ok()) return proto::ToGrpcStatus(s);
+      if (!stream->Write(resp)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  Worker* const worker_;
+};
+
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerServerOptions& options,
                                                                   Worker* worker) {
   if (absl::Status s = options.Validate(); !s.ok()) return s;
   std::unique_ptr<WorkerServer> server(new WorkerServer());
   server->impl_ = std::make_unique<Impl>(worker);
+  server->selection_ = std::make_unique<SelectionImpl>(worker);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &server->port_);
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.RegisterService(server->impl_.get());
+  builder.RegisterService(server->selection_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options.listen_address));
@@ -94,6 +131,7 @@ void WorkerServer::SetServing(bool serving) {
   if (health == nullptr) return;
   health->SetServingStatus("", serving);
   health->SetServingStatus("strata.v1.Worker", serving);
+  health->SetServingStatus("strata.v1.ShardSelection", serving);
 }
 
 void WorkerServer::Shutdown(absl::Duration grace) {
@@ -176,6 +214,7 @@ void RegistrationAgent::Loop() {
     req.set_worker_id(worker_->options().worker_id);
     req.set_lease_id(lease);
     *req.mutable_load() = worker_->Load();
+    for (const v1::ShardRange& r : worker_->MountedShards()) *req.add_mounted_shards() = r;
     {
       absl::MutexLock lock(&mu_);
       req.set_draining(draining_);

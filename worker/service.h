@@ -3,8 +3,11 @@
 // worker with the coordinator's WorkerRegistry and heartbeats (re-registering on NOT_FOUND,
 // stopping jobs the coordinator lists in cancel_job_ids).
 //
-// MountShard / UnmountShard answer OK without doing anything yet (a job mounts its document
-// itself); ShardSelection and PeerPages are not served yet (one worker per document).
+// The same server also serves ShardSelection (internal.proto) over Worker::OpenSelection: one
+// stream per job and peer, SelectionOpen first, then one SelectionResponse per LayerQuery, in
+// order; a bad first message or query ends the stream with INVALID_ARGUMENT, mount errors with
+// their code. MountShard / UnmountShard call Worker::MountShard / UnmountShard; heartbeats carry
+// Load() (mounted_tokens) and MountedShards(). PeerPages is not served yet.
 //
 // Thread-safe.
 #ifndef STRATA_WORKER_SERVICE_H_
@@ -48,11 +51,13 @@ class WorkerServer {
   void Shutdown(absl::Duration grace);
 
   class Impl;
+  class SelectionImpl;
 
  private:
   WorkerServer() = default;
   int port_ = 0;
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<SelectionImpl> selection_;
   std::unique_ptr<grpc::Server> server_;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -47,32 +47,6 @@ absl::Status FromHost(kernels::Backend* backend, void* dst, const void* src, siz
   return backend->Synchronize(nullptr);
 }
 
-// Builds the policy of a job (empty name: dense).
-absl::StatusOr<std::unique_ptr<engine::AttentionPolicy>> MakePolicy(const v1::SelectionPolicy& p,
-                                                                    const model::ModelConfig& c,
-                                                                    int page_size) {
-  const std::string name = p.name().empty() ? "dense" : p.name();
-  if (name == "dense") return engine::MakeDensePolicy();
-  STRATA_ASSIGN_OR_RETURN(engine::sparse::PolicyKind kind, engine::sparse::ParsePolicyName(name));
-  engine::sparse::PolicyOptions o;
-  o.kind = kind;
-  o.page_size = page_size;
-  if (p.budget_tokens() > 0) o.token_budget = static_cast<int>(p.budget_tokens());
-  if (p.has_sink_tokens()) o.sink_tokens = static_cast<int>(p.sink_tokens());
-  if (p.has_window_tokens()) o.window_tokens = static_cast<int>(p.window_tokens());
-  if (p.has_theta()) o.cache_theta = p.theta();
-  for (uint32_t l : p.dense_layers()) o.dense_layers.push_back(static_cast<int>(l));
-  switch (p.summary()) {
-    case v1::SUMMARY_KIND_MINMAX: o.summary = engine::sparse::SummaryKind::kMinMax; break;
-    case v1::SUMMARY_KIND_MEAN: o.summary = engine::sparse::SummaryKind::kMean; break;
-    case v1::SUMMARY_KIND_RF: o.summary = engine::sparse::SummaryKind::kRf; break;
-    default: break;
-  }
-  STRATA_RETURN_IF_ERROR(o.Validate());
-  return engine::sparse::MakeAttentionPolicy(o, static_cast<int>(c.num_layers), static_cast<int>(c.num_heads),
-                                             static_cast<int>(c.num_kv_heads), static_cast<int>(c.head_dim));
-}
-
 kvstore::KvLayout LayoutOf(const model::ModelConfig& c, int page_size) {
   kvstore::KvLayout layout;
   layout.num_layers = static_cast<int>(c.num_layers);
@@ -181,7 +155,117 @@ v1::WorkerLoad Worker::Load() const {
   v1::WorkerLoad load;
   load.set_running_jobs(static_cast<uint32_t>(jobs_.size()));
   load.set_prefilling_shards(static_cast<uint32_t>(prefilling_));
+  uint64_t mounted = 0;
+  for (const auto& [k, m] : mounted_) mounted += static_cast<uint64_t>(m->num_tokens());
+  load.set_mounted_tokens(mounted);
   return load;
+}
+
+namespace {
+
+// Attention to every token of an anchor cache (positions [0, a)), for ANCHOR prefill.
+class AnchorAttention : public engine::ExternalAttention {
+ public:
+  AnchorAttention(kernels::Backend* backend, const engine::KvCache* anchor) : backend_(backend), anchor_(anchor) {}
+  absl::Status Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
+                      std::vector<engine::AttentionPartial>* parts) override {
+    parts->resize(1);
+    selection_.Clear();
+    selection_.offsets.push_back(0);
+    for (int g = 0; g < anchor_->options().num_kv_heads; ++g) {
+      anchor_->AppendSpans(layer, g, 0, anchor_->length(layer), &selection_.spans);
+      selection_.offsets.push_back(static_cast<int32_t>(selection_.spans.size()));
+    }
+    return AttendSelection(backend_, *anchor_, layer, selection_, q, n, hq, q_begin, &scratch_, &(*parts)[0]);
+  }
+
+ private:
+  kernels::Backend* const backend_;
+  const engine::KvCache* const anchor_;
+  engine::Selection selection_;
+  AttendScratch scratch_;
+};
+
+void AddTiers(kvstore::TierCounts* to, const kvstore::TierCounts& from) {
+  to->host += from.host;
+  to->local += from.local;
+  to->remote += from.remote;
+}
+
+}  // namespace
+
+absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_tokens, int64_t first_page,
+                               int64_t end_page, engine::KvCache* cache, engine::AttentionPolicy* policy,
+                               const std::atomic<bool>* cancelled, absl::StatusCode missing_code,
+                               kvstore::TierCounts* pages_read) {
+  const model::ModelConfig& c = model_->config;
+  const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads), d = static_cast<int>(c.head_dim);
+  const int P = options_.page_size;
+  end_page = std::min<int64_t>(end_page, (doc_tokens + P - 1) / P);
+  if (first_page >= end_page) return absl::OkStatus();
+  std::vector<float> kdec(static_cast<size_t>(P) * d), vdec(static_cast<size_t>(P) * d);
+  const int64_t batch_pages = options_.mount_batch_pages;
+  std::vector<float> k_rows, v_rows;  // [tokens, H, d]
+  std::unique_ptr<kernels::Buffer> kdev, vdev;
+  const bool host = backend_->Name() == "cpu";
+  // With a tiered store (host cache in front of the durable tier) the counts say which tier
+  // served each page; otherwise every page came from the store's own tier.
+  auto* tiered = dynamic_cast<kvstore::TieredStore*>(store_);
+  const bool remote_tier = std::string(store_->tier()) == "remote";
+  for (int l = 0; l < L; ++l) {
+    for (int64_t p0 = first_page; p0 < end_page; p0 += batch_pages) {
+      if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("cancelled while loading pages");
+      const int64_t p1 = std::min(end_page, p0 + batch_pages);
+      std::vector<kvstore::PageKey> keys;
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int g = 0; g < H; ++g) {
+          keys.push_back({doc_id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
+        }
+      }
+      std::vector<kvstore::PageRef> pages;
+      if (tiered != nullptr) {
+        STRATA_RETURN_IF_ERROR(tiered->GetPages(keys, &pages, pages_read));
+      } else {
+        STRATA_RETURN_IF_ERROR(store_->GetPages(keys, &pages));
+        (remote_tier ? pages_read->remote : pages_read->local) += static_cast<int64_t>(keys.size());
+      }
+      const int64_t t0 = p0 * P, t1 = std::min(doc_tokens, p1 * P);
+      const int64_t rows = t1 - t0;
+      k_rows.assign(static_cast<size_t>(rows) * H * d, 0.0f);
+      v_rows.assign(static_cast<size_t>(rows) * H * d, 0.0f);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (pages[i] == nullptr) {
+          return absl::Status(missing_code, absl::StrCat("document ", doc_id.ToHex(), " page (layer ", keys[i].layer,
+                                                         ", head ", keys[i].kv_head, ", page ", keys[i].page_index,
+                                                         ") is missing from the store"));
+        }
+        STRATA_RETURN_IF_ERROR(kvstore::DecodePage(pages[i]->view(), kdec.data(), vdec.data()));
+        const int64_t p = keys[i].page_index;
+        const int g = static_cast<int>(keys[i].kv_head);
+        const int64_t valid = std::min<int64_t>(P, doc_tokens - p * P);
+        for (int64_t t = 0; t < valid; ++t) {
+          const size_t row = static_cast<size_t>(p * P + t - t0);
+          std::memcpy(&k_rows[(row * H + g) * d], &kdec[static_cast<size_t>(t) * d], sizeof(float) * d);
+          std::memcpy(&v_rows[(row * H + g) * d], &vdec[static_cast<size_t>(t) * d], sizeof(float) * d);
+        }
+      }
+      kernels::TensorView kv(k_rows.data(), kernels::DType::kF32, {rows, H, d});
+      kernels::TensorView vv(v_rows.data(), kernels::DType::kF32, {rows, H, d});
+      if (!host) {
+        const size_t bytes = k_rows.size() * sizeof(float);
+        STRATA_ASSIGN_OR_RETURN(kdev, backend_->Allocate(bytes));
+        STRATA_ASSIGN_OR_RETURN(vdev, backend_->Allocate(bytes));
+        STRATA_RETURN_IF_ERROR(FromHost(backend_, kdev->data(), k_rows.data(), bytes));
+        STRATA_RETURN_IF_ERROR(FromHost(backend_, vdev->data(), v_rows.data(), bytes));
+        kv.data = kdev->data();
+        vv.data = vdev->data();
+      }
+      const int64_t first = cache->length(l);
+      STRATA_RETURN_IF_ERROR(cache->Append(l, kv, vv));
+      if (policy != nullptr) STRATA_RETURN_IF_ERROR(policy->OnAppend(l, *cache, first, first + rows));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const ProgressFn& on_progress,
@@ -195,32 +279,60 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     return absl::InvalidArgumentError(
         absl::StrCat("PrefillShard: page size ", request.shard_map().page_size(), " but this worker uses ", P));
   }
+  const uint64_t first_page = request.shard().first_page();
+  if (request.shard_map().num_tokens() == 0 && first_page != 0) {
+    return absl::InvalidArgumentError("PrefillShard: shard_map.num_tokens is required for a shard after page 0");
+  }
+  if (first_page > (uint64_t{1} << 31)) return absl::InvalidArgumentError("PrefillShard: first_page out of range");
   const int64_t num_tokens =
       request.shard_map().num_tokens() != 0 ? static_cast<int64_t>(request.shard_map().num_tokens()) : n;
-  if (request.shard().first_page() != 0 || n != num_tokens) {
-    return absl::UnimplementedError(
-        "PrefillShard: only single-shard documents (the shard starts at page 0 and covers the document)");
+  if (num_tokens > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("PrefillShard: num_tokens beyond int32");
+  }
+  const int64_t s0 = static_cast<int64_t>(first_page) * P;
+  const int64_t end_page = request.shard().end_page() != 0 ? static_cast<int64_t>(request.shard().end_page())
+                                                           : (s0 + n + P - 1) / P;
+  const int64_t s1 = std::min<int64_t>(end_page * P, num_tokens);
+  if (static_cast<int64_t>(first_page) >= end_page || s0 >= num_tokens || s1 - s0 != n) {
+    return absl::InvalidArgumentError(absl::StrCat("PrefillShard: shard pages [", first_page, ", ", end_page,
+                                                   ") of a ", num_tokens, "-token document hold ", s1 - s0,
+                                                   " tokens, got ", n, " token ids"));
   }
   for (int32_t t : request.token_ids()) {
     if (t < 0 || t >= c.vocab_size) return absl::InvalidArgumentError(absl::StrCat("token id ", t, " out of range"));
   }
-  const int64_t num_pages = (n + P - 1) / P;
+  const bool exact = request.mode() == v1::PREFILL_MODE_EXACT;
+  std::vector<int32_t> anchor;
+  if (!exact && s0 > 0) {
+    anchor.assign(request.anchor_token_ids().begin(), request.anchor_token_ids().end());
+    if (static_cast<int64_t>(anchor.size()) > s0) {
+      return absl::InvalidArgumentError(absl::StrCat("PrefillShard: anchor of ", anchor.size(),
+                                                     " tokens overlaps the shard starting at token ", s0));
+    }
+    for (int32_t t : anchor) {
+      if (t < 0 || t >= c.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat("anchor token id ", t, " out of range"));
+      }
+    }
+  }
+  const int64_t total_pages = (num_tokens + P - 1) / P;
+  const int64_t shard_pages = end_page - static_cast<int64_t>(first_page);
   const kvstore::KvLayout layout = LayoutOf(c, P);
 
   v1::CreateDocumentRequest create;
   create.set_document_id(id.ToHex());
   create.set_model_fingerprint(model_->fingerprint);
   *create.mutable_layout() = kvstore::LayoutToProto(layout);
-  create.set_num_tokens(static_cast<uint64_t>(n));
+  create.set_num_tokens(static_cast<uint64_t>(num_tokens));
   v1::SummarySpec* spec = create.add_summaries();
   spec->set_kind(kMinMaxSummaryKind);
-  spec->set_count(static_cast<uint32_t>(num_pages));
+  spec->set_count(static_cast<uint32_t>(total_pages));
   bool created = false;
   STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->CreateDocument(create, &created));
   v1::PrefillShardProgress progress;
   if (doc.state() == v1::DOCUMENT_STATE_READY) {
     progress.set_tokens_prefilled(static_cast<uint64_t>(n));
-    progress.set_pages_persisted(static_cast<uint64_t>(num_pages));
+    progress.set_pages_persisted(static_cast<uint64_t>(shard_pages));
     progress.set_complete(true);
     if (on_progress) on_progress(progress);
     STRATA_LOG(INFO) << "worker: document " << id.ToHex() << " already READY in the store; no prefill";
@@ -239,39 +351,71 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   } done{this};
 
   const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads), d = static_cast<int>(c.head_dim);
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::KvCache> cache,
-                          engine::KvCache::Create(transformer_->MakeCacheOptions(n, P, kernels::DType::kBF16),
-                                                  backend_));
-  auto policy = engine::MakeDensePolicy();
+  Stopwatch watch;
   std::vector<float> logits(static_cast<size_t>(c.vocab_size));
+  // The cache: EXACT holds tokens [0, s1) (earlier shards loaded from the store); otherwise it
+  // holds the shard's tokens only (cache index i = position s0 + i).
+  const int64_t cache_first = exact ? 0 : s0;
+  STRATA_ASSIGN_OR_RETURN(
+      std::unique_ptr<engine::KvCache> cache,
+      engine::KvCache::Create(transformer_->MakeCacheOptions(s1 - cache_first, P, kernels::DType::kBF16), backend_));
+  auto policy = engine::MakeDensePolicy();
+  engine::ForwardOptions fo;
+  fo.cache_first_position = cache_first;
+  std::unique_ptr<engine::KvCache> anchor_cache;
+  std::unique_ptr<AnchorAttention> anchor_attention;
+  if (exact && s0 > 0) {
+    kvstore::TierCounts pages;
+    STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), cache.get(), nullptr,
+                                     cancelled, absl::StatusCode::kFailedPrecondition, &pages));
+  } else if (!anchor.empty()) {
+    const int64_t a = static_cast<int64_t>(anchor.size());
+    STRATA_ASSIGN_OR_RETURN(
+        anchor_cache, engine::KvCache::Create(transformer_->MakeCacheOptions(a, P, kernels::DType::kBF16), backend_));
+    auto anchor_policy = engine::MakeDensePolicy();
+    for (int64_t pos = 0; pos < a;) {
+      if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("prefill cancelled");
+      const int64_t chunk = std::min<int64_t>(options_.prefill_chunk_size, a - pos);
+      {
+        absl::MutexLock lock(&engine_mu_);
+        STRATA_RETURN_IF_ERROR(transformer_->Forward(anchor.data() + pos, chunk, pos, anchor_cache.get(),
+                                                     anchor_policy.get(), logits.data(), /*all_logits=*/false));
+      }
+      pos += chunk;
+      if (metrics_ != nullptr) metrics_->prefill_tokens->Increment(static_cast<double>(chunk));
+    }
+    anchor_attention = std::make_unique<AnchorAttention>(backend_, anchor_cache.get());
+    fo.external = anchor_attention.get();
+  }
+
   std::vector<int32_t> ids(request.token_ids().begin(), request.token_ids().end());
   std::vector<uint16_t> kbuf(static_cast<size_t>(P) * d), vbuf(static_cast<size_t>(P) * d);
   std::vector<float> summary(2 * static_cast<size_t>(d));
-  int64_t persisted_pages = 0;
-  int64_t pos = 0;
-  Stopwatch watch;
-  while (pos < n) {
+  int64_t persisted = static_cast<int64_t>(first_page);  // next document page to persist
+  int64_t done_tokens = 0;
+  while (done_tokens < n) {
     if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("prefill cancelled");
-    const int64_t chunk = std::min<int64_t>(options_.prefill_chunk_size, n - pos);
+    const int64_t chunk = std::min<int64_t>(options_.prefill_chunk_size, n - done_tokens);
     const engine::SelectionCounters before = policy->counters();
     {
       absl::MutexLock lock(&engine_mu_);
-      STRATA_RETURN_IF_ERROR(transformer_->Forward(ids.data() + pos, chunk, pos, cache.get(), policy.get(),
-                                                   logits.data(), /*all_logits=*/false));
+      STRATA_RETURN_IF_ERROR(transformer_->Forward(ids.data() + done_tokens, chunk, s0 + done_tokens, cache.get(),
+                                                   policy.get(), logits.data(), /*all_logits=*/false, fo));
     }
     AddCounters(metrics_, policy->counters(), before);
-    pos += chunk;
+    done_tokens += chunk;
     if (metrics_ != nullptr) metrics_->prefill_tokens->Increment(static_cast<double>(chunk));
-    // Persist the pages that are now complete (all of them at the end).
-    const int64_t complete_pages = pos == n ? num_pages : pos / P;
+    // Persist the shard's pages that are now complete (all of them at the end).
+    const int64_t complete = done_tokens == n ? end_page : (s0 + done_tokens) / P;
     std::vector<kvstore::PageWrite> pages;
     std::vector<kvstore::SummaryWrite> summaries;
-    for (int64_t p = persisted_pages; p < complete_pages; ++p) {
-      const int valid = static_cast<int>(std::min<int64_t>(P, n - p * P));
+    for (int64_t p = persisted; p < complete; ++p) {
+      const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
+      const int64_t cache_page = p - cache_first / P;
       for (int l = 0; l < L; ++l) {
         const kernels::TensorView kp = cache->k_pool(l), vp = cache->v_pool(l);
         for (int g = 0; g < H; ++g) {
-          const int32_t slot = cache->SlotOf(l, g, p);
+          const int32_t slot = cache->SlotOf(l, g, cache_page);
           const size_t page_bytes = static_cast<size_t>(P) * d * sizeof(uint16_t);
           const char* ksrc = static_cast<const char*>(kp.data) + static_cast<size_t>(slot) * page_bytes;
           const char* vsrc = static_cast<const char*>(vp.data) + static_cast<size_t>(slot) * page_bytes;
@@ -307,20 +451,110 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
       }
     }
     if (!pages.empty()) STRATA_RETURN_IF_ERROR(store_->Put(pages, summaries));
-    persisted_pages = complete_pages;
-    progress.set_tokens_prefilled(static_cast<uint64_t>(pos));
-    progress.set_pages_persisted(static_cast<uint64_t>(persisted_pages));
-    if (on_progress && pos < n) on_progress(progress);
+    persisted = std::max(persisted, complete);
+    progress.set_tokens_prefilled(static_cast<uint64_t>(done_tokens));
+    progress.set_pages_persisted(static_cast<uint64_t>(persisted - static_cast<int64_t>(first_page)));
+    if (on_progress && done_tokens < n) on_progress(progress);
   }
-  STRATA_ASSIGN_OR_RETURN(v1::Document ready, catalog_->FinalizeDocument(id));
-  if (ready.state() != v1::DOCUMENT_STATE_READY) {
-    return absl::InternalError(absl::StrCat("document ", id.ToHex(), " not READY after finalize"));
+  // READY once every shard is durable: the last shard to get here finalizes the document.
+  absl::StatusOr<v1::Document> ready = catalog_->FinalizeDocument(id);
+  if (ready.ok()) {
+    if (ready->state() != v1::DOCUMENT_STATE_READY) {
+      return absl::InternalError(absl::StrCat("document ", id.ToHex(), " not READY after finalize"));
+    }
+  } else if (ready.status().code() == absl::StatusCode::kFailedPrecondition) {
+    STRATA_LOG(INFO) << "worker: document " << id.ToHex() << " shard pages [" << first_page << ", " << end_page
+                     << ") durable; other shards still missing (" << ready.status().message() << ")";
+  } else {
+    return ready.status();
   }
   progress.set_complete(true);
   if (on_progress) on_progress(progress);
-  STRATA_LOG(INFO) << "worker: document " << id.ToHex() << " prefilled: tokens=" << n << " pages=" << num_pages
-                   << " seconds=" << watch.ElapsedSeconds();
+  STRATA_LOG(INFO) << "worker: document " << id.ToHex() << " shard [" << first_page << ", " << end_page
+                   << ") prefilled (" << (exact ? "exact" : "anchor") << "): tokens=" << n
+                   << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds();
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1::ShardRange& range,
+                                                                       kvstore::TierCounts* pages,
+                                                                       bool check_capacity) {
+  const std::string key = ShardKey(range);
+  int64_t mounted_tokens = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = mounted_.find(key);
+    if (it != mounted_.end()) return it->second;
+    for (const auto& [k, m] : mounted_) mounted_tokens += m->num_tokens();
+  }
+  const model::ModelConfig& c = model_->config;
+  const int P = options_.page_size;
+  STRATA_ASSIGN_OR_RETURN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(range.document_id()));
+  STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->GetDocument(id));
+  if (!(kvstore::LayoutToProto(LayoutOf(c, P)).SerializeAsString() == doc.layout().SerializeAsString())) {
+    return absl::FailedPreconditionError("the document's KV layout does not match this worker's model");
+  }
+  const int64_t doc_tokens = static_cast<int64_t>(doc.num_tokens());
+  const int64_t total_pages = (doc_tokens + P - 1) / P;
+  if (range.first_page() >= range.end_page() || range.end_page() > static_cast<uint64_t>(total_pages)) {
+    return absl::InvalidArgumentError(absl::StrCat("shard pages [", range.first_page(), ", ", range.end_page(),
+                                                   ") outside the document's ", total_pages, " pages"));
+  }
+  const int64_t t0 = static_cast<int64_t>(range.first_page()) * P;
+  const int64_t t1 = std::min<int64_t>(static_cast<int64_t>(range.end_page()) * P, doc_tokens);
+  if (check_capacity && static_cast<uint64_t>(mounted_tokens + (t1 - t0)) > options_.capacity_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("mounting ", t1 - t0, " tokens beyond capacity_tokens ",
+                                                     options_.capacity_tokens, " (", mounted_tokens, " mounted)"));
+  }
+  STRATA_ASSIGN_OR_RETURN(
+      std::unique_ptr<engine::KvCache> cache,
+      engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, kernels::DType::kBF16), backend_));
+  kvstore::TierCounts read;
+  STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
+                                   static_cast<int64_t>(range.end_page()), cache.get(), nullptr, nullptr,
+                                   absl::StatusCode::kDataLoss, &read));
+  AddTiers(pages, read);
+  auto shard = std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read);
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = mounted_.emplace(key, shard);
+  return it->second;
+}
+
+absl::StatusOr<v1::MountShardResponse> Worker::MountShard(const v1::MountShardRequest& request) {
+  kvstore::TierCounts pages;
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, GetOrMount(request.shard(), &pages, true));
+  STRATA_LOG(INFO) << "worker: mounted shard " << ShardKey(request.shard()) << " tokens=" << m->num_tokens();
+  return v1::MountShardResponse();  // summary_bytes = 0: no summaries are held at mount
+}
+
+absl::Status Worker::UnmountShard(const v1::UnmountShardRequest& request) {
+  absl::MutexLock lock(&mu_);
+  mounted_.erase(ShardKey(request.shard()));
+  return absl::OkStatus();
+}
+
+std::vector<v1::ShardRange> Worker::MountedShards() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::ShardRange> out;
+  for (const auto& [k, m] : mounted_) out.push_back(m->range());
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::SelectionOpen& open) {
+  const model::ModelConfig& c = model_->config;
+  if (open.num_q_heads() != static_cast<uint32_t>(c.num_heads) || open.head_dim() != static_cast<uint32_t>(c.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat("SelectionOpen: ", open.num_q_heads(), " heads x ", open.head_dim(),
+                                                   " but the model has ", c.num_heads, " x ", c.head_dim));
+  }
+  if (open.policy().page_size() != 0 && static_cast<int>(open.policy().page_size()) != options_.page_size) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.page_size must be ", options_.page_size));
+  }
+  kvstore::TierCounts pages;
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, GetOrMount(open.shard(), &pages, false));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<ShardSession> session,
+                          ShardSession::Create(std::move(m), open.policy(), open.budget_tokens(), c, backend_));
+  if (pages.host + pages.local + pages.remote > 0) session->set_report_pages(pages);
+  return session;
 }
 
 bool Worker::CancelJob(const std::string& job_id) {
@@ -385,7 +619,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   const int64_t job_start = MonotonicNanos();
   int64_t last_token = 0;
   const model::ModelConfig& c = model_->config;
-  const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads), d = static_cast<int>(c.head_dim);
+  const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads);
   v1::JobInfo& info = result->info;
   const v1::GenerationParams& params = request.params();
   const int64_t max_tokens = params.max_tokens() == 0 ? 256 : params.max_tokens();
@@ -402,7 +636,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   if (request.policy().page_size() != 0 && static_cast<int>(request.policy().page_size()) != P) {
     return absl::InvalidArgumentError(absl::StrCat("policy.page_size must be ", P));
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::AttentionPolicy> policy, MakePolicy(request.policy(), c, P));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::AttentionPolicy> policy, MakeJobPolicy(request.policy(), c, P));
 
   const bool has_doc = request.shard_map().shards_size() > 0;
   int64_t doc_tokens = 0;
@@ -423,91 +657,79 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   v1::Usage* usage = info.mutable_usage();
   usage->set_prompt_tokens(static_cast<uint64_t>(context));
   usage->set_cached_tokens(static_cast<uint64_t>(doc_tokens));
+
+  // Sharded over other workers: LeaderAttention over the shards, the cache holds the prompt and
+  // the generated tokens only (worker.h).
+  bool sharded = false;
+  for (const v1::ShardAssignment& a : request.shard_map().shards()) {
+    if (!a.worker_id().empty() && a.worker_id() != options_.worker_id) sharded = true;
+  }
+  std::unique_ptr<LeaderAttention> leader;
+  struct CountFailovers {  // peers failed over during this job, whatever its outcome
+    std::unique_ptr<LeaderAttention>* leader;
+    std::atomic<int64_t>* total;
+    ~CountFailovers() {
+      if (*leader != nullptr) *total += (*leader)->failovers();
+    }
+  } count_failovers{&leader, &failovers_};
+  engine::ForwardOptions fo;
+  if (sharded) {
+    const int64_t total_pages = (doc_tokens + P - 1) / P;
+    uint64_t next = 0;
+    for (const v1::ShardAssignment& a : request.shard_map().shards()) {
+      if (a.range().first_page() != next || a.range().end_page() <= a.range().first_page() ||
+          (!a.range().document_id().empty() && a.range().document_id() != request.shard_map().document_id())) {
+        return absl::InvalidArgumentError("shard map: shards must cover the document's pages in order");
+      }
+      next = a.range().end_page();
+    }
+    if (next != static_cast<uint64_t>(total_pages)) {
+      return absl::InvalidArgumentError(absl::StrCat("shard map covers ", next, " of ", total_pages, " pages"));
+    }
+    v1::ShardMap map = request.shard_map();
+    map.set_num_tokens(static_cast<uint64_t>(doc_tokens));
+    map.set_page_size(static_cast<uint32_t>(P));
+    LeaderAttention::Options lo;
+    lo.job_id = request.job_id();
+    lo.self_worker_id = options_.worker_id;
+    lo.policy = request.policy();
+    lo.config = &c;
+    lo.backend = backend_;
+    lo.mount = [this](const v1::ShardRange& r, kvstore::TierCounts* pages) { return GetOrMount(r, pages, false); };
+    STRATA_ASSIGN_OR_RETURN(leader, LeaderAttention::Create(lo, map));
+    policy = engine::MakeDensePolicy();  // over the prompt and generated tokens
+    fo.cache_first_position = doc_tokens;
+    fo.external = leader.get();
+  }
+  auto counters = [&]() {
+    engine::SelectionCounters sc = policy->counters();
+    if (leader != nullptr) {
+      sc.candidate_tokens += leader->counters().candidate_tokens;
+      sc.selected_tokens += leader->counters().selected_tokens;
+      sc.cache_lookups += leader->counters().cache_lookups;
+      sc.cache_hits += leader->counters().cache_hits;
+    }
+    return sc;
+  };
   STRATA_ASSIGN_OR_RETURN(
       std::unique_ptr<engine::KvCache> cache,
-      engine::KvCache::Create(transformer_->MakeCacheOptions(context + max_tokens, P, kernels::DType::kBF16),
+      engine::KvCache::Create(transformer_->MakeCacheOptions(context - fo.cache_first_position + max_tokens, P,
+                                                             kernels::DType::kBF16),
                               backend_));
 
   // Mount: load every page of the document from the store into the cache, layer by layer.
-  if (has_doc) {
-    const int64_t num_pages = (doc_tokens + P - 1) / P;
-    std::vector<float> kdec(static_cast<size_t>(P) * d), vdec(static_cast<size_t>(P) * d);
-    const int64_t batch_pages = options_.mount_batch_pages;
-    std::vector<float> k_rows, v_rows;  // [tokens, H, d]
-    std::unique_ptr<kernels::Buffer> kdev, vdev;
-    const bool host = backend_->Name() == "cpu";
-    uint64_t fetched = 0;
-    // With a tiered store (host cache in front of the durable tier) usage says which tier served
-    // each page; otherwise every page came from the store's own tier.
-    auto* tiered = dynamic_cast<kvstore::TieredStore*>(store_);
+  if (has_doc && !sharded) {
     kvstore::TierCounts served;
-    for (int l = 0; l < L; ++l) {
-      for (int64_t p0 = 0; p0 < num_pages; p0 += batch_pages) {
-        if (cancelled.load()) return absl::CancelledError("cancelled while mounting");
-        const int64_t p1 = std::min(num_pages, p0 + batch_pages);
-        std::vector<kvstore::PageKey> keys;
-        for (int64_t p = p0; p < p1; ++p) {
-          for (int g = 0; g < H; ++g) {
-            keys.push_back({doc_id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
-          }
-        }
-        std::vector<kvstore::PageRef> pages;
-        if (tiered != nullptr) {
-          STRATA_RETURN_IF_ERROR(tiered->GetPages(keys, &pages, &served));
-        } else {
-          STRATA_RETURN_IF_ERROR(store_->GetPages(keys, &pages));
-        }
-        fetched += keys.size();
-        const int64_t t0 = p0 * P, t1 = std::min(doc_tokens, p1 * P);
-        const int64_t rows = t1 - t0;
-        k_rows.assign(static_cast<size_t>(rows) * H * d, 0.0f);
-        v_rows.assign(static_cast<size_t>(rows) * H * d, 0.0f);
-        for (size_t i = 0; i < keys.size(); ++i) {
-          if (pages[i] == nullptr) {
-            return absl::DataLossError(absl::StrCat("document ", doc_id.ToHex(), " page (layer ", keys[i].layer,
-                                                    ", head ", keys[i].kv_head, ", page ", keys[i].page_index,
-                                                    ") is missing from the store"));
-          }
-          STRATA_RETURN_IF_ERROR(kvstore::DecodePage(pages[i]->view(), kdec.data(), vdec.data()));
-          const int64_t p = keys[i].page_index;
-          const int g = static_cast<int>(keys[i].kv_head);
-          const int64_t valid = std::min<int64_t>(P, doc_tokens - p * P);
-          for (int64_t t = 0; t < valid; ++t) {
-            const size_t row = static_cast<size_t>(p * P + t - t0);
-            std::memcpy(&k_rows[(row * H + g) * d], &kdec[static_cast<size_t>(t) * d], sizeof(float) * d);
-            std::memcpy(&v_rows[(row * H + g) * d], &vdec[static_cast<size_t>(t) * d], sizeof(float) * d);
-          }
-        }
-        kernels::TensorView kv(k_rows.data(), kernels::DType::kF32, {rows, H, d});
-        kernels::TensorView vv(v_rows.data(), kernels::DType::kF32, {rows, H, d});
-        if (!host) {
-          const size_t bytes = k_rows.size() * sizeof(float);
-          STRATA_ASSIGN_OR_RETURN(kdev, backend_->Allocate(bytes));
-          STRATA_ASSIGN_OR_RETURN(vdev, backend_->Allocate(bytes));
-          STRATA_RETURN_IF_ERROR(FromHost(backend_, kdev->data(), k_rows.data(), bytes));
-          STRATA_RETURN_IF_ERROR(FromHost(backend_, vdev->data(), v_rows.data(), bytes));
-          kv.data = kdev->data();
-          vv.data = vdev->data();
-        }
-        const int64_t first = cache->length(l);
-        STRATA_RETURN_IF_ERROR(cache->Append(l, kv, vv));
-        STRATA_RETURN_IF_ERROR(policy->OnAppend(l, *cache, first, first + rows));
-      }
-    }
+    STRATA_RETURN_IF_ERROR(LoadPages(doc_id, doc_tokens, 0, (doc_tokens + P - 1) / P, cache.get(), policy.get(),
+                                     &cancelled, absl::StatusCode::kDataLoss, &served));
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
-    if (tiered != nullptr) {
-      tiers->set_host(served.host);
-      tiers->set_disk(served.local);
-      tiers->set_remote(served.remote);
-    } else if (std::string(store_->tier()) == "remote") {
-      tiers->set_remote(fetched);
-    } else {
-      tiers->set_disk(fetched);
-    }
+    tiers->set_host(static_cast<uint64_t>(served.host));
+    tiers->set_disk(static_cast<uint64_t>(served.local));
+    tiers->set_remote(static_cast<uint64_t>(served.remote));
   }
 
   // Prompt.
-  const engine::SelectionCounters start = policy->counters();
+  const engine::SelectionCounters start = counters();
   std::vector<float> logits(static_cast<size_t>(c.vocab_size));
   {
     v1::JobEvent e;
@@ -523,13 +745,13 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     {
       absl::MutexLock lock(&engine_mu_);
       STRATA_RETURN_IF_ERROR(transformer_->Forward(prompt.data() + off, chunk, pos, cache.get(), policy.get(),
-                                                   logits.data(), /*all_logits=*/false));
+                                                   logits.data(), /*all_logits=*/false, fo));
     }
     off += static_cast<size_t>(chunk);
     pos += chunk;
     if (metrics_ != nullptr) metrics_->prefill_tokens->Increment(static_cast<double>(chunk));
   }
-  AddCounters(metrics_, policy->counters(), start);
+  AddCounters(metrics_, counters(), start);
 
   // Decode.
   engine::SamplingOptions so;
@@ -550,7 +772,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   std::vector<int32_t> pending_ids;
   v1::JobInfo::FinishReason finish = v1::JobInfo::LENGTH;
   int64_t steps = 0;
-  engine::SelectionCounters decode_start = policy->counters();
+  engine::SelectionCounters decode_start = counters();
   bool done = false;
   while (!done) {
     if (cancelled.load()) return absl::CancelledError("cancelled");
@@ -601,17 +823,23 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     emitted = safe;
     if (!send(e)) return absl::CancelledError("receiver gone");
     if (done) break;
-    const engine::SelectionCounters before = policy->counters();
+    const engine::SelectionCounters before = counters();
     {
       absl::MutexLock lock(&engine_mu_);
       STRATA_RETURN_IF_ERROR(transformer_->Forward(&next, 1, pos, cache.get(), policy.get(), logits.data(),
-                                                   /*all_logits=*/false));
+                                                   /*all_logits=*/false, fo));
     }
-    AddCounters(metrics_, policy->counters(), before);
+    AddCounters(metrics_, counters(), before);
     ++pos;
     ++steps;
   }
-  const engine::SelectionCounters end = policy->counters();
+  const engine::SelectionCounters end = counters();
+  if (leader != nullptr) {
+    v1::PagesByTier* tiers = usage->mutable_pages_fetched();
+    tiers->set_host(static_cast<uint64_t>(leader->pages().host));
+    tiers->set_disk(static_cast<uint64_t>(leader->pages().local));
+    tiers->set_remote(static_cast<uint64_t>(leader->pages().remote));
+  }
   const double denom = static_cast<double>(std::max<int64_t>(steps, 1)) * L * H;
   usage->set_mean_attended_tokens(steps > 0 ? (end.selected_tokens - decode_start.selected_tokens) / denom
                                             : static_cast<double>(context));

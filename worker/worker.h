@@ -1,22 +1,67 @@
 // The worker's engine side (DESIGN.md section 1, strata-worker), independent of gRPC: prefills
-// document shards and persists their KV to a page store, and runs jobs as their leader (mount the
-// document's pages from the store into a KvCache, run the prompt, decode, stream events).
+// document shards and persists their KV to a page store, mounts shards and answers selection
+// requests over them, and runs jobs as their leader (attention over every shard of the document,
+// the prompt, decode, streamed events).
 //
 // One Transformer serves every call. A forward (one prefill chunk or one decode step) holds the
 // engine mutex, so concurrent jobs and prefills interleave chunk by chunk and step by step (no
-// batching across jobs yet).
+// batching of decode steps across jobs yet). Selection answers (ShardSession) do not take the
+// engine mutex: they use their own scratch buffers, so a leader blocked in a forward waiting for
+// a peer never deadlocks with that peer's own forward.
 //
-// Scope of this first version: a document is one shard on one worker (first_page == 0 and the
-// shard covers the whole document); shards starting after page 0 are refused with UNIMPLEMENTED.
-// The attention of every layer goes through the job's AttentionPolicy (engine/attention_policy.h),
-// the one place where a later version fans a layer's query out to the holders of other shards
-// (internal.proto ShardSelection) and merges their partial (o, lse).
+// Shards (internal.proto ShardRange): tokens [first_page * P, min(end_page * P, num_tokens)) of
+// a document of num_tokens = shard_map.num_tokens tokens (when shard_map.num_tokens is 0 the
+// shard must start at page 0 and is the whole document).
 //
-// Pages are persisted in bf16 (kvstore/page_format.h): the KV cache used for prefill and decode
-// stores bf16 too, so a job on a READY document attends exactly the KV a fresh prefill would.
+// PrefillShard, by mode (for the shard starting at page 0 both modes are the same: the shard's
+// tokens at positions [0, n)):
+//   EXACT:  the shards before this one must already be durable in the store (the coordinator runs
+//           exact shards in order; FAILED_PRECONDITION naming the missing page otherwise). Their
+//           pages (every layer and KV head) are loaded into the KV cache, then the shard's tokens
+//           run at their absolute positions with full attention to everything before them.
+//   ANCHOR (and UNSPECIFIED): anchor_token_ids (the document's first a tokens, a <= the shard's
+//           first token) are prefilled at positions [0, a) into a separate cache, then the shard's
+//           tokens at their absolute positions attend to the anchor and to themselves (Star
+//           Attention phase 1). The anchor's KV is discarded. An empty anchor: the shard attends
+//           only to itself.
+// Only the shard's own pages (and their minmax summaries) are persisted. Every call first
+// creates the document in the catalog (CreateDocument with the whole document's num_tokens and
+// one summary per page: idempotent across the shards' workers). READY: after its shard is
+// durable, each worker calls FinalizeDocument; the store makes the document READY only when
+// every page and summary of every shard is stored (FAILED_PRECONDITION otherwise, which
+// PrefillShard treats as "other shards still missing" and still returns OK with complete =
+// true). The worker whose shard is durable last therefore makes the document READY; finalizing
+// is idempotent. A document already READY is not prefilled again.
+//
+// Mounts: MountShard loads the shard's pages from the store (through the tiers: the host cache
+// serves pages read or written recently) into a bf16 KvCache in backend memory (MountedShard in
+// worker/shard_attention.h). No summaries are held at mount: a selection stream with a sparse
+// policy builds them from the mounted keys when it opens (summary_bytes is 0). Mounted shards are
+// reported in Load().mounted_tokens and in the heartbeat's mounted_shards. A selection stream or
+// a leader that needs a shard that is not mounted mounts it on demand (not counted against
+// capacity_tokens; MountShard itself refuses mounts beyond capacity_tokens with
+// RESOURCE_EXHAUSTED).
+//
+// RunJob, as leader:
+//   - a map whose shards all belong to this worker (worker_id equal to this worker's or empty),
+//     e.g. a one-shard document: the whole document is loaded into the job's KV cache and every
+//     layer attends through the job's AttentionPolicy (as a single process does).
+//   - a map with shards on other workers: the job's KV cache holds only the prompt and generated
+//     tokens (positions from num_tokens on), attended densely; every document shard is attended
+//     through LeaderAttention (worker/shard_attention.h): shards of this worker in process, the
+//     others through one ShardSelection stream per peer (its address from worker_address), with
+//     the job's policy and each shard's share of the budget (proportional to its tokens); the
+//     partials are merged with Backend::MergeAttention. With the dense policy the merge is exact
+//     up to float rounding. A peer whose stream fails is replaced by a local mount of its shard
+//     from the persisted pages (no prefill); the job continues with the same result.
+//     The shards must cover [0, ceil(num_tokens / P)) in order (INVALID_ARGUMENT otherwise).
+//
+// KV dtype: pages are persisted in bf16 (kvstore/page_format.h) and every KV cache here is bf16,
+// so a job on a READY document attends exactly the KV a fresh prefill would. `strata generate`
+// defaults to an f32 KV cache (engine::GenerateOptions::kv_dtype): compare worker output with a
+// bf16 reference (GenerateOptions::kv_dtype = kBF16), as worker_test.cc does.
 // With each page a minmax summary (kind SUMMARY_KIND_MINMAX = 1: f32 min[d] then max[d] of the
-// page's keys) is persisted; mounting recomputes summaries from the keys (the policy's OnAppend)
-// instead of reading them.
+// page's keys) is persisted.
 //
 // Thread-safe.
 #ifndef STRATA_WORKER_WORKER_H_
@@ -28,6 +73,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -38,6 +84,7 @@
 #include "kvstore/page_store.h"
 #include "model/model.h"
 #include "strata/v1/internal.pb.h"
+#include "worker/shard_attention.h"
 
 namespace prometheus {
 class Counter;
@@ -109,12 +156,14 @@ class Worker {
   v1::WorkerLoad Load() const;
   const WorkerOptions& options() const { return options_; }
 
-  // Prefills the shard and persists every page and summary; returns OK once the document is
-  // READY in the store (progress: tokens prefilled, pages persisted; the last call has
-  // complete = true). A document already READY in the store is not prefilled again.
-  // INVALID_ARGUMENT: bad ids, token ids outside the vocabulary, page size mismatch;
-  // UNIMPLEMENTED: a shard that does not start at page 0 or does not cover the document;
-  // CANCELLED when `cancelled` becomes true; store errors are passed through.
+  // Prefills the shard (mode as in the file comment) and persists its pages and summaries;
+  // returns OK once they are durable (progress: the shard's tokens prefilled and pages
+  // persisted; the last call has complete = true). The document is READY once every shard is
+  // durable (file comment). A document already READY in the store is not prefilled again.
+  // INVALID_ARGUMENT: bad ids, token ids outside the vocabulary, page size mismatch, a range
+  // outside the document or token_ids not of the range's length, an anchor longer than the
+  // shard's first token; FAILED_PRECONDITION: EXACT mode with a page of an earlier shard missing
+  // from the store; CANCELLED when `cancelled` becomes true; store errors are passed through.
   absl::Status PrefillShard(const v1::PrefillShardRequest& request, const ProgressFn& on_progress,
                             const std::atomic<bool>* cancelled);
 
@@ -128,12 +177,39 @@ class Worker {
   // Stops a running job (it ends with a CANCELLED snapshot). False when unknown.
   bool CancelJob(const std::string& job_id);
 
+  // Mounts the shard (file comment). Idempotent. NOT_FOUND: unknown document;
+  // FAILED_PRECONDITION: layout mismatch; INVALID_ARGUMENT: a range outside the document;
+  // DATA_LOSS: a page missing from the store; RESOURCE_EXHAUSTED beyond capacity_tokens.
+  absl::StatusOr<v1::MountShardResponse> MountShard(const v1::MountShardRequest& request);
+  // Forgets the mount (streams still using it keep it until they end). OK when not mounted.
+  absl::Status UnmountShard(const v1::UnmountShardRequest& request);
+  // The shards mounted now.
+  std::vector<v1::ShardRange> MountedShards() const;
+
+  // A selection session for a ShardSelection stream opened with `open` (mounts the shard on
+  // demand). INVALID_ARGUMENT when num_q_heads / head_dim do not match the model or the policy
+  // is bad; mount errors as MountShard.
+  absl::StatusOr<std::unique_ptr<ShardSession>> OpenSelection(const v1::SelectionOpen& open);
+
+  // Peer streams that failed during jobs led here and whose shard was mounted here instead.
+  int64_t failovers() const { return failovers_.load(); }
+
  private:
   struct JobResult;
   Worker(const WorkerOptions& options, const model::Model* model, kernels::Backend* backend,
          kvstore::PageStore* store, kvstore::DocumentCatalog* catalog, WorkerMetrics* metrics);
   absl::Status RunJobInner(const v1::RunJobRequest& request, const EventFn& on_event,
                            const std::atomic<bool>& cancelled, JobResult* result);
+  // The mount of `range` (existing, or loaded from the store now); adds the pages read to *pages.
+  absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
+                                                                 kvstore::TierCounts* pages,
+                                                                 bool check_capacity);
+  // Appends tokens [first_page * P, min(end_page * P, doc_tokens)) of every layer of document
+  // `id` from the store to `cache` (policy->OnAppend when policy is not null). A missing page is
+  // an error with `missing_code`. Adds the pages read per tier to *pages.
+  absl::Status LoadPages(const kvstore::DocumentId& id, int64_t doc_tokens, int64_t first_page, int64_t end_page,
+                         engine::KvCache* cache, engine::AttentionPolicy* policy, const std::atomic<bool>* cancelled,
+                         absl::StatusCode missing_code, kvstore::TierCounts* pages);
 
   const WorkerOptions options_;
   const model::Model* const model_;
@@ -149,6 +225,8 @@ class Worker {
   std::map<std::string, std::shared_ptr<std::atomic<bool>>> jobs_ ABSL_GUARDED_BY(mu_);
   int prefilling_ ABSL_GUARDED_BY(mu_) = 0;
   std::string address_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<const MountedShard>> mounted_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> failovers_{0};
 };
 
 }  // namespace strata::worker

@@ -1,0 +1,363 @@
+// Attention over document shards; see worker/shard_attention.h.
+#include "worker/shard_attention.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+#include "base/status_macros.h"
+#include "engine/sparse/policy.h"
+#include "grpcpp/grpcpp.h"
+#include "strata/v1/internal.grpc.pb.h"
+
+namespace strata::worker {
+
+absl::StatusOr<std::unique_ptr<engine::AttentionPolicy>> MakeJobPolicy(const v1::SelectionPolicy& p,
+                                                                       const model::ModelConfig& c,
+                                                                       int page_size) {
+  if (IsDensePolicy(p)) return engine::MakeDensePolicy();
+  STRATA_ASSIGN_OR_RETURN(engine::sparse::PolicyKind kind, engine::sparse::ParsePolicyName(p.name()));
+  engine::sparse::PolicyOptions o;
+  o.kind = kind;
+  o.page_size = page_size;
+  if (p.budget_tokens() > 0) o.token_budget = static_cast<int>(p.budget_tokens());
+  if (p.has_sink_tokens()) o.sink_tokens = static_cast<int>(p.sink_tokens());
+  if (p.has_window_tokens()) o.window_tokens = static_cast<int>(p.window_tokens());
+  if (p.has_theta()) o.cache_theta = p.theta();
+  for (uint32_t l : p.dense_layers()) o.dense_layers.push_back(static_cast<int>(l));
+  switch (p.summary()) {
+    case v1::SUMMARY_KIND_MINMAX: o.summary = engine::sparse::SummaryKind::kMinMax; break;
+    case v1::SUMMARY_KIND_MEAN: o.summary = engine::sparse::SummaryKind::kMean; break;
+    case v1::SUMMARY_KIND_RF: o.summary = engine::sparse::SummaryKind::kRf; break;
+    default: break;
+  }
+  STRATA_RETURN_IF_ERROR(o.Validate());
+  return engine::sparse::MakeAttentionPolicy(o, static_cast<int>(c.num_layers), static_cast<int>(c.num_heads),
+                                             static_cast<int>(c.num_kv_heads), static_cast<int>(c.head_dim));
+}
+
+bool IsDensePolicy(const v1::SelectionPolicy& p) { return p.name().empty() || p.name() == "dense"; }
+
+std::string ShardKey(const v1::ShardRange& r) {
+  return absl::StrCat(r.document_id(), ":", r.first_page(), ":", r.end_page());
+}
+
+absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& cache, int layer,
+                             const engine::Selection& selection, const float* q, int n, int hq, int64_t q_begin,
+                             AttendScratch* scratch, engine::AttentionPartial* out) {
+  const int d = cache.options().head_dim;
+  const int hkv = cache.options().num_kv_heads;
+  const size_t q_elems = static_cast<size_t>(n) * hq * d, l_elems = static_cast<size_t>(n) * hq;
+  out->o.resize(q_elems);
+  out->lse.resize(l_elems);
+  scratch->positions.resize(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) scratch->positions[i] = static_cast<int32_t>(q_begin + i);
+  const bool host = backend->Name() == "cpu";
+  void* qd = const_cast<float*>(q);
+  void* od = out->o.data();
+  void* ld = out->lse.data();
+  if (!host) {
+    if (scratch->capacity_tokens < static_cast<size_t>(n)) {
+      STRATA_ASSIGN_OR_RETURN(scratch->q, backend->Allocate(q_elems * 4));
+      STRATA_ASSIGN_OR_RETURN(scratch->out, backend->Allocate(q_elems * 4));
+      STRATA_ASSIGN_OR_RETURN(scratch->lse, backend->Allocate(l_elems * 4));
+      scratch->capacity_tokens = static_cast<size_t>(n);
+    }
+    STRATA_RETURN_IF_ERROR(backend->CopyToDevice(scratch->q->data(), q, q_elems * 4, nullptr));
+    qd = scratch->q->data();
+    od = scratch->out->data();
+    ld = scratch->lse->data();
+  }
+  kernels::PagedAttentionParams ap;
+  ap.q = kernels::TensorView(qd, kernels::DType::kF32, {n, hq, d});
+  ap.k_pool = cache.k_pool(layer);
+  ap.v_pool = cache.v_pool(layer);
+  ap.spans = selection.spans.data();
+  ap.span_offsets = selection.offsets.data();
+  ap.num_kv_heads = hkv;
+  ap.q_positions = scratch->positions.data();
+  ap.causal = true;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  ap.out = kernels::TensorView(od, kernels::DType::kF32, {n, hq, d});
+  ap.lse = kernels::TensorView(ld, kernels::DType::kF32, {n, hq});
+  STRATA_RETURN_IF_ERROR(backend->PagedAttention(ap, nullptr));
+  if (!host) {
+    STRATA_RETURN_IF_ERROR(backend->CopyToHost(out->o.data(), od, q_elems * 4, nullptr));
+    STRATA_RETURN_IF_ERROR(backend->CopyToHost(out->lse.data(), ld, l_elems * 4, nullptr));
+  }
+  return backend->Synchronize(nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ShardSession
+// ---------------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_ptr<const MountedShard> shard,
+                                                                   const v1::SelectionPolicy& policy,
+                                                                   uint32_t budget_tokens,
+                                                                   const model::ModelConfig& config,
+                                                                   kernels::Backend* backend) {
+  if (shard == nullptr || backend == nullptr) return absl::InvalidArgumentError("ShardSession: null shard or backend");
+  std::unique_ptr<ShardSession> s(new ShardSession(std::move(shard), config, backend));
+  if (!IsDensePolicy(policy)) {
+    v1::SelectionPolicy p = policy;
+    // Sinks belong to the shard holding tokens [0, S); the window belongs to the leader.
+    if (s->shard_->first_token() != 0) p.set_sink_tokens(0);
+    p.set_window_tokens(0);
+    if (budget_tokens > 0) p.set_budget_tokens(budget_tokens);
+    const engine::KvCache& cache = s->shard_->cache();
+    STRATA_ASSIGN_OR_RETURN(s->policy_, MakeJobPolicy(p, config, cache.options().page_size));
+    for (int l = 0; l < static_cast<int>(config.num_layers); ++l) {
+      STRATA_RETURN_IF_ERROR(s->policy_->OnAppend(l, cache, 0, cache.length(l)));
+    }
+  }
+  return s;
+}
+
+absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
+                                  engine::AttentionPartial* out, engine::SelectionCounters* counters) {
+  const engine::KvCache& cache = shard_->cache();
+  const int hkv = cache.options().num_kv_heads, d = cache.options().head_dim;
+  if (layer < 0 || layer >= cache.options().num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  if (n < 1 || q == nullptr || hq != static_cast<int>(config_.num_heads)) {
+    return absl::InvalidArgumentError(absl::StrCat("queries: ", n, " tokens x ", hq, " heads (want >= 1 x ",
+                                                   config_.num_heads, ")"));
+  }
+  const int64_t len = cache.length(layer);
+  if (policy_ == nullptr) {
+    selection_.Clear();
+    selection_.offsets.push_back(0);
+    for (int g = 0; g < hkv; ++g) {
+      cache.AppendSpans(layer, g, 0, len, &selection_.spans);
+      selection_.offsets.push_back(static_cast<int32_t>(selection_.spans.size()));
+    }
+    if (counters != nullptr) {
+      counters->candidate_tokens += len * hkv;
+      counters->selected_tokens += len * hkv;
+    }
+  } else {
+    // The mean query of the call, placed on the shard's last token (see the header).
+    const size_t row = static_cast<size_t>(hq) * d;
+    qmean_.assign(row, 0.0f);
+    for (int t = 0; t < n; ++t) {
+      for (size_t i = 0; i < row; ++i) qmean_[i] += q[static_cast<size_t>(t) * row + i];
+    }
+    for (float& x : qmean_) x /= static_cast<float>(n);
+    const engine::SelectionCounters before = policy_->counters();
+    STRATA_RETURN_IF_ERROR(policy_->Select(layer, qmean_.data(), 1, hq, len - 1, cache, &selection_));
+    if (counters != nullptr) {
+      const engine::SelectionCounters& after = policy_->counters();
+      counters->candidate_tokens += after.candidate_tokens - before.candidate_tokens;
+      counters->selected_tokens += after.selected_tokens - before.selected_tokens;
+      counters->cache_lookups += after.cache_lookups - before.cache_lookups;
+      counters->cache_hits += after.cache_hits - before.cache_hits;
+    }
+  }
+  const int32_t base = static_cast<int32_t>(shard_->first_token());
+  for (kernels::KvSpan& s : selection_.spans) s.position += base;
+  return AttendSelection(backend_, cache, layer, selection_, q, n, hq, q_begin, &scratch_, out);
+}
+
+absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResponse* response) {
+  const int hq = static_cast<int>(config_.num_heads), d = static_cast<int>(config_.head_dim);
+  const int64_t n = query.num_tokens();
+  if (n < 1 || n > (int64_t{1} << 20)) return absl::InvalidArgumentError("LayerQuery: num_tokens out of range");
+  if (query.q().size() != static_cast<size_t>(n) * hq * d * sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat("LayerQuery: q has ", query.q().size(), " bytes, expected ",
+                                                   static_cast<size_t>(n) * hq * d * sizeof(float)));
+  }
+  if (query.q_begin() > static_cast<uint64_t>(INT32_MAX)) return absl::InvalidArgumentError("LayerQuery: q_begin");
+  std::vector<float> q(static_cast<size_t>(n) * hq * d);
+  std::memcpy(q.data(), query.q().data(), query.q().size());
+  engine::SelectionCounters counters;
+  STRATA_RETURN_IF_ERROR(Attend(static_cast<int>(query.layer()), q.data(), static_cast<int>(n), hq,
+                                static_cast<int64_t>(query.q_begin()), &partial_, &counters));
+  response->set_step(query.step());
+  response->set_layer(query.layer());
+  response->set_o(reinterpret_cast<const char*>(partial_.o.data()), partial_.o.size() * sizeof(float));
+  response->set_lse(reinterpret_cast<const char*>(partial_.lse.data()), partial_.lse.size() * sizeof(float));
+  response->set_selected_tokens(static_cast<uint64_t>(counters.selected_tokens));
+  response->set_candidate_tokens(static_cast<uint64_t>(counters.candidate_tokens));
+  if (has_report_pages_) {
+    response->mutable_pages_fetched()->set_host(static_cast<uint64_t>(report_pages_.host));
+    response->mutable_pages_fetched()->set_disk(static_cast<uint64_t>(report_pages_.local));
+    response->mutable_pages_fetched()->set_remote(static_cast<uint64_t>(report_pages_.remote));
+    has_report_pages_ = false;
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// LeaderAttention
+// ---------------------------------------------------------------------------------------------
+
+struct LeaderAttention::Part {
+  v1::ShardRange range;
+  uint32_t budget_tokens = 0;
+  // Local: the session. Remote: the stream (until it fails over).
+  std::unique_ptr<ShardSession> local;
+  std::string worker_id, address;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::ShardSelection::Stub> stub;
+  std::unique_ptr<grpc::ClientContext> context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SelectionRequest, v1::SelectionResponse>> stream;
+  bool sent = false;  // a query of the current layer is in flight
+
+  void CloseStream() {
+    if (stream == nullptr) return;
+    context->TryCancel();
+    stream->Finish();  // status ignored: the stream is being abandoned
+    stream.reset();
+  }
+};
+
+absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const Options& options,
+                                                                         const v1::ShardMap& map) {
+  if (options.config == nullptr || options.backend == nullptr || !options.mount) {
+    return absl::InvalidArgumentError("LeaderAttention: config, backend and mount are required");
+  }
+  std::unique_ptr<LeaderAttention> la(new LeaderAttention(options));
+  const int64_t P = map.page_size();
+  const int64_t doc_tokens = static_cast<int64_t>(map.num_tokens());
+  const bool dense = IsDensePolicy(options.policy);
+  const int64_t total_budget = options.policy.budget_tokens() > 0 ? options.policy.budget_tokens() : 2048;
+  for (const v1::ShardAssignment& a : map.shards()) {
+    auto part = std::make_unique<Part>();
+    part->range = a.range();
+    if (part->range.document_id().empty()) part->range.set_document_id(map.document_id());
+    part->worker_id = a.worker_id();
+    part->address = a.worker_address();
+    const int64_t t0 = static_cast<int64_t>(part->range.first_page()) * P;
+    const int64_t t1 = std::min<int64_t>(static_cast<int64_t>(part->range.end_page()) * P, doc_tokens);
+    if (!dense && doc_tokens > 0) {
+      // This shard's share of the budget, proportional to its tokens (at least one token).
+      part->budget_tokens =
+          static_cast<uint32_t>(std::max<int64_t>(1, (total_budget * (t1 - t0) + doc_tokens - 1) / doc_tokens));
+    }
+    if (part->worker_id.empty() || part->worker_id == options.self_worker_id) {
+      kvstore::TierCounts pages;
+      STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, options.mount(part->range, &pages));
+      la->pages_.host += pages.host;
+      la->pages_.local += pages.local;
+      la->pages_.remote += pages.remote;
+      STRATA_ASSIGN_OR_RETURN(part->local, ShardSession::Create(std::move(m), options.policy, part->budget_tokens,
+                                                                *options.config, options.backend));
+      la->parts_.push_back(std::move(part));
+      continue;
+    }
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    part->channel = grpc::CreateCustomChannel(part->address, grpc::InsecureChannelCredentials(), args);
+    part->stub = v1::ShardSelection::NewStub(part->channel);
+    Part* raw = part.get();
+    la->parts_.push_back(std::move(part));
+    raw->context = std::make_unique<grpc::ClientContext>();
+    raw->stream = raw->stub->Select(raw->context.get());
+    v1::SelectionRequest open;
+    v1::SelectionOpen* o = open.mutable_open();
+    o->set_job_id(options.job_id);
+    *o->mutable_shard() = raw->range;
+    *o->mutable_policy() = options.policy;
+    o->set_budget_tokens(raw->budget_tokens);
+    o->set_num_q_heads(static_cast<uint32_t>(options.config->num_heads));
+    o->set_head_dim(static_cast<uint32_t>(options.config->head_dim));
+    if (!raw->stream->Write(open)) STRATA_RETURN_IF_ERROR(la->Failover(raw, "open failed"));
+  }
+  return la;
+}
+
+LeaderAttention::LeaderAttention(const Options& options) : options_(options) {}
+
+LeaderAttention::~LeaderAttention() {
+  for (auto& p : parts_) p->CloseStream();
+}
+
+absl::Status LeaderAttention::Failover(Part* part, const std::string& why) {
+  STRATA_LOG(WARNING) << "job " << options_.job_id << ": selection stream to " << part->worker_id << " ("
+                      << part->address << ") for shard " << ShardKey(part->range) << " failed (" << why
+                      << "); mounting the shard here from the store";
+  part->CloseStream();
+  part->sent = false;
+  kvstore::TierCounts pages;
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, options_.mount(part->range, &pages));
+  pages_.host += pages.host;
+  pages_.local += pages.local;
+  pages_.remote += pages.remote;
+  STRATA_ASSIGN_OR_RETURN(part->local, ShardSession::Create(std::move(m), options_.policy, part->budget_tokens,
+                                                            *options_.config, options_.backend));
+  ++failovers_;
+  return absl::OkStatus();
+}
+
+absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
+                                     std::vector<engine::AttentionPartial>* parts) {
+  if (layer == 0) {
+    if (!first_call_) ++step_;
+    first_call_ = false;
+  }
+  parts->resize(parts_.size());
+  const size_t q_bytes = static_cast<size_t>(n) * hq * options_.config->head_dim * sizeof(float);
+  // 1. Queries to every peer.
+  v1::SelectionRequest req;
+  bool built = false;
+  for (auto& p : parts_) {
+    if (p->local != nullptr) continue;
+    if (!built) {
+      v1::LayerQuery* lq = req.mutable_query();
+      lq->set_step(step_);
+      lq->set_layer(static_cast<uint32_t>(layer));
+      lq->set_num_tokens(static_cast<uint32_t>(n));
+      lq->set_q_begin(static_cast<uint64_t>(q_begin));
+      lq->set_q(reinterpret_cast<const char*>(q), q_bytes);
+      built = true;
+    }
+    p->sent = p->stream->Write(req);
+    if (!p->sent) STRATA_RETURN_IF_ERROR(Failover(p.get(), "write failed"));
+  }
+  // 2. Local shards (including shards failed over in step 1).
+  for (size_t i = 0; i < parts_.size(); ++i) {
+    Part* p = parts_[i].get();
+    if (p->local == nullptr) continue;
+    STRATA_RETURN_IF_ERROR(p->local->Attend(layer, q, n, hq, q_begin, &(*parts)[i], &counters_));
+  }
+  // 3. The peers' answers.
+  const size_t lse_bytes = static_cast<size_t>(n) * hq * sizeof(float);
+  for (size_t i = 0; i < parts_.size(); ++i) {
+    Part* p = parts_[i].get();
+    if (p->local != nullptr || !p->sent) continue;
+    p->sent = false;
+    v1::SelectionResponse resp;
+    std::string why;
+    if (!p->stream->Read(&resp)) {
+      why = "read failed";
+    } else if (resp.step() != step_ || resp.layer() != static_cast<uint32_t>(layer) || resp.o().size() != q_bytes ||
+               resp.lse().size() != lse_bytes) {
+      why = absl::StrCat("malformed answer (step ", resp.step(), ", layer ", resp.layer(), ")");
+    }
+    if (!why.empty()) {
+      STRATA_RETURN_IF_ERROR(Failover(p, why));
+      STRATA_RETURN_IF_ERROR(p->local->Attend(layer, q, n, hq, q_begin, &(*parts)[i], &counters_));
+      continue;
+    }
+    engine::AttentionPartial& out = (*parts)[i];
+    out.o.resize(q_bytes / sizeof(float));
+    out.lse.resize(lse_bytes / sizeof(float));
+    std::memcpy(out.o.data(), resp.o().data(), q_bytes);
+    std::memcpy(out.lse.data(), resp.lse().data(), lse_bytes);
+    counters_.selected_tokens += static_cast<int64_t>(resp.selected_tokens());
+    counters_.candidate_tokens += static_cast<int64_t>(resp.candidate_tokens());
+    pages_.host += static_cast<int64_t>(resp.pages_fetched().host());
+    pages_.local += static_cast<int64_t>(resp.pages_fetched().disk());
+    pages_.remote += static_cast<int64_t>(resp.pages_fetched().remote());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::worker

@@ -1,0 +1,194 @@
+// Attention over document shards, for a document sharded over several workers (DESIGN.md
+// sections 1 and 3; internal.proto ShardSelection):
+//
+// - MountedShard: the KV of one shard (every layer and KV head), loaded from the page store
+//   into a bf16 KvCache whose index i holds the token at absolute position first_token() + i.
+//   Immutable once built; shared (shared_ptr) by every session that attends to it.
+// - ShardSession: one selection stream's (or one leader part's) attention over a MountedShard
+//   with the job's policy and this shard's share of the token budget. Answers a layer's queries
+//   with a partial (o, lse) over the shard's keys only:
+//     dense:  every token of the shard;
+//     sparse: the policy's sinks only when the shard holds tokens [0, S) (first_token == 0), no
+//             window (the window, the prompt and the generated tokens belong to the leader), and
+//             the middle chosen from the shard's summaries within the shard's budget, scored with
+//             the mean query of the call. The shard's last token is always attended (the sparse
+//             policy's window of the one mean query it is given).
+//   Summaries are built per session from the mounted keys (the policy's OnAppend), as a
+//   single-worker job builds them at mount.
+// - LeaderAttention: the leader's engine::ExternalAttention over every shard of a ShardMap.
+//   Shards held by this worker are attended in process (ShardSession over a local mount); every
+//   other shard through one ShardSelection stream to its holder (SelectionOpen, then one
+//   LayerQuery per layer and step). Per layer it sends the query to every peer first, attends
+//   the local shards, then reads the peers' answers, so peers work in parallel. When a peer's
+//   stream fails (write or read fails: UNAVAILABLE, EOF, cancelled, a malformed answer), the
+//   leader mounts that shard locally from the persisted pages (MountFn; no prefill) and
+//   recomputes the layer's partial itself; the shard stays local for the rest of the job.
+//   A peer that hangs without closing its connection is not detected (no per-read deadline).
+//
+// Tensors on the wire are little-endian f32 (internal.proto). Thread-compatible, except that
+// MountedShard is immutable and safe to share.
+#ifndef STRATA_WORKER_SHARD_ATTENTION_H_
+#define STRATA_WORKER_SHARD_ATTENTION_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/attention_policy.h"
+#include "engine/kv_cache.h"
+#include "engine/transformer.h"
+#include "kernels/backend.h"
+#include "kvstore/document_id.h"
+#include "kvstore/tiered_store.h"
+#include "model/config.h"
+#include "strata/v1/internal.pb.h"
+
+namespace strata::worker {
+
+// The policy of a job (an empty name is dense) for a model; page_size is the KV page size.
+// InvalidArgument for unknown names or invalid options.
+absl::StatusOr<std::unique_ptr<engine::AttentionPolicy>> MakeJobPolicy(const v1::SelectionPolicy& policy,
+                                                                       const model::ModelConfig& config,
+                                                                       int page_size);
+// True for the dense policy (empty name or "dense").
+bool IsDensePolicy(const v1::SelectionPolicy& policy);
+
+// "<document hex>:<first_page>:<end_page>": the key of a shard range.
+std::string ShardKey(const v1::ShardRange& range);
+
+// Scratch buffers of PagedAttention calls over a cache in backend memory.
+struct AttendScratch {
+  std::unique_ptr<kernels::Buffer> q, out, lse;
+  size_t capacity_tokens = 0;
+  std::vector<int32_t> positions;
+};
+
+// PagedAttention of host queries q [n, hq, d] at absolute positions [q_begin, q_begin + n) over
+// `selection` (spans with absolute positions) of `layer` of `cache`, causal; the partial goes to
+// `out` (host). Errors of the backend are passed through.
+absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& cache, int layer,
+                             const engine::Selection& selection, const float* q, int n, int num_q_heads,
+                             int64_t q_begin, AttendScratch* scratch, engine::AttentionPartial* out);
+
+class MountedShard {
+ public:
+  // `cache` holds the shard's tokens, index i = position first_token + i, in every layer.
+  MountedShard(const v1::ShardRange& range, const kvstore::DocumentId& document, int64_t first_token,
+               std::unique_ptr<engine::KvCache> cache, const kvstore::TierCounts& loaded)
+      : range_(range), document_(document), first_token_(first_token), cache_(std::move(cache)), loaded_(loaded) {}
+
+  const v1::ShardRange& range() const { return range_; }
+  const kvstore::DocumentId& document() const { return document_; }
+  int64_t first_token() const { return first_token_; }
+  int64_t num_tokens() const { return cache_->length(0); }
+  const engine::KvCache& cache() const { return *cache_; }
+  // Pages read from each tier when this mount was loaded.
+  const kvstore::TierCounts& loaded() const { return loaded_; }
+
+ private:
+  const v1::ShardRange range_;
+  const kvstore::DocumentId document_;
+  const int64_t first_token_;
+  const std::unique_ptr<engine::KvCache> cache_;
+  const kvstore::TierCounts loaded_;
+};
+
+class ShardSession {
+ public:
+  // `budget_tokens` is this shard's share of the job's budget (0: the policy's budget_tokens, or
+  // the policy default). InvalidArgument for a bad policy.
+  static absl::StatusOr<std::unique_ptr<ShardSession>> Create(std::shared_ptr<const MountedShard> shard,
+                                                              const v1::SelectionPolicy& policy,
+                                                              uint32_t budget_tokens,
+                                                              const model::ModelConfig& config,
+                                                              kernels::Backend* backend);
+
+  // Partial attention of the queries of `layer` (host f32 [n, num_q_heads, head_dim] after RoPE,
+  // positions [q_begin, q_begin + n)) over this shard; adds what selection did to *counters.
+  // InvalidArgument for a bad layer, shape or n < 1.
+  absl::Status Attend(int layer, const float* q, int n, int num_q_heads, int64_t q_begin,
+                      engine::AttentionPartial* out, engine::SelectionCounters* counters);
+
+  // The same for one LayerQuery of a selection stream (validates the byte sizes against the
+  // model): fills step, layer, o, lse, selected_tokens, candidate_tokens. The first answer of a
+  // session also reports in pages_fetched the pages read from the tiers when the session's mount
+  // was loaded for it (see set_report_pages).
+  absl::Status Answer(const v1::LayerQuery& query, v1::SelectionResponse* response);
+  void set_report_pages(const kvstore::TierCounts& pages) {
+    report_pages_ = pages;
+    has_report_pages_ = true;
+  }
+
+  const MountedShard& shard() const { return *shard_; }
+
+ private:
+  ShardSession(std::shared_ptr<const MountedShard> shard, const model::ModelConfig& config,
+               kernels::Backend* backend)
+      : shard_(std::move(shard)), config_(config), backend_(backend) {}
+
+  std::shared_ptr<const MountedShard> shard_;
+  const model::ModelConfig config_;
+  kernels::Backend* const backend_;
+  std::unique_ptr<engine::AttentionPolicy> policy_;  // null: dense
+  engine::Selection selection_;
+  AttendScratch scratch_;
+  std::vector<float> qmean_;
+  engine::AttentionPartial partial_;
+  kvstore::TierCounts report_pages_;
+  bool has_report_pages_ = false;
+};
+
+class LeaderAttention : public engine::ExternalAttention {
+ public:
+  // Mounts a shard on this worker from the store (or returns the existing mount) and adds the
+  // pages it read to *pages.
+  using MountFn = std::function<absl::StatusOr<std::shared_ptr<const MountedShard>>(const v1::ShardRange&,
+                                                                                   kvstore::TierCounts* pages)>;
+  struct Options {
+    std::string job_id;
+    std::string self_worker_id;
+    v1::SelectionPolicy policy;
+    const model::ModelConfig* config = nullptr;
+    kernels::Backend* backend = nullptr;
+    MountFn mount;
+  };
+
+  // Opens the parts of every shard of `map` (local mounts for shards of self_worker_id or with
+  // an empty worker id, streams for the others; calls fail fast, so a peer that cannot be
+  // reached fails over at its first query). Errors of local mounts are passed through.
+  static absl::StatusOr<std::unique_ptr<LeaderAttention>> Create(const Options& options, const v1::ShardMap& map);
+  ~LeaderAttention() override;  // closes the streams
+
+  absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
+                      std::vector<engine::AttentionPartial>* parts) override;
+
+  // Selection counters summed over every shard (local and peers' answers).
+  const engine::SelectionCounters& counters() const { return counters_; }
+  // Pages read from each tier for this job: local mounts made for it and the peers' reports.
+  const kvstore::TierCounts& pages() const { return pages_; }
+  // Peers whose stream failed and whose shard was mounted here instead.
+  int failovers() const { return failovers_; }
+
+  struct Part;
+
+ private:
+  explicit LeaderAttention(const Options& options);
+  absl::Status Failover(Part* part, const std::string& why);
+
+  const Options options_;
+  std::vector<std::unique_ptr<Part>> parts_;
+  uint64_t step_ = 0;
+  bool first_call_ = true;
+  engine::SelectionCounters counters_;
+  kvstore::TierCounts pages_;
+  int failovers_ = 0;
+  std::string q_bytes_;
+};
+
+}  // namespace strata::worker
+
+#endif  // STRATA_WORKER_SHARD_ATTENTION_H_

@@ -1,0 +1,355 @@
+// A document sharded over three in-process workers (worker::Worker + WorkerServer on 127.0.0.1,
+// real gRPC between them) sharing one LocalStore in a temp dir, on a tiny random model:
+// - EXACT prefill shard by shard; the document turns READY only with the last shard; the job led
+//   by one worker (its own shard in process, the two others over ShardSelection) gives the same
+//   greedy tokens as engine::Generate over the whole sequence with a bf16 KV cache and as a
+//   single-worker job on the same document;
+// - a peer shut down in the middle of decoding: the leader mounts its shard from the store and
+//   the job completes with the same tokens (no prefill: prefill_tokens does not move);
+// - ANCHOR prefill of the shards in parallel makes the document READY; EXACT out of order and a
+//   too long anchor are refused;
+// - MountShard / UnmountShard / Load().mounted_tokens / MountedShards.
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "engine/attention_policy.h"
+#include "engine/generator.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kvstore/local_store.h"
+#include "model/random_model.h"
+#include "prometheus/counter.h"
+#include "prometheus/registry.h"
+#include "strata/v1/internal.grpc.pb.h"
+#include "worker/service.h"
+#include "worker/worker.h"
+
+namespace strata::worker {
+namespace {
+
+using ::strata::testing::StatusIs;
+
+constexpr char kDocId[] = "00112233445566778899aabbccddeeff";
+constexpr int kPage = 64;
+constexpr int kWorkers = 3;
+
+class ShardedTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/strata_sharded_test_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    model::RandomModelOptions mo;
+    mo.preset = "tiny";
+    mo.seed = 7;
+    mo.write_tokenizer = false;
+    std::printf("seed=%llu\n", static_cast<unsigned long long>(mo.seed));
+    ASSERT_TRUE(model::WriteRandomModel(dir_ + "/model", mo).ok());
+    STRATA_ASSERT_OK_AND_ASSIGN(model_, model::LoadModel(dir_ + "/model"));
+    kvstore::LocalStoreOptions so;
+    so.path = dir_ + "/kv";
+    so.sync_writes = false;
+    STRATA_ASSERT_OK_AND_ASSIGN(store_, kvstore::LocalStore::Open(so));
+    for (int i = 0; i < kWorkers; ++i) {
+      backends_.push_back(kernels::MakeCpuBackend(1));
+      registries_.push_back(std::make_unique<prometheus::Registry>());
+      metrics_.push_back(std::make_unique<WorkerMetrics>(registries_.back().get()));
+      WorkerOptions wo;
+      wo.worker_id = absl::StrCat("w", i);
+      wo.prefill_chunk_size = 48;  // chunks that do not align with pages or shards
+      STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(wo, model_.get(), backends_.back().get(), store_.get(),
+                                                         store_.get(), metrics_.back().get()));
+      STRATA_ASSERT_OK_AND_ASSIGN(auto s, WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0"}, w.get()));
+      w->SetAddress(absl::StrCat("127.0.0.1:", s->port()));
+      workers_.push_back(std::move(w));
+      servers_.push_back(std::move(s));
+    }
+    for (int i = 0; i < 330; ++i) doc_.push_back((i * 37 + 11) % 500);  // 6 pages, the last partial
+  }
+  void TearDown() override {
+    for (auto& s : servers_) s->Shutdown(absl::ZeroDuration());
+    servers_.clear();
+    workers_.clear();
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  // Shards: w0 pages [0, 2), w1 [2, 4), w2 [4, 6).
+  v1::ShardMap Map() const {
+    v1::ShardMap m;
+    m.set_document_id(kDocId);
+    m.set_page_size(kPage);
+    m.set_num_tokens(doc_.size());
+    for (int i = 0; i < kWorkers; ++i) {
+      v1::ShardAssignment* a = m.add_shards();
+      a->mutable_range()->set_document_id(kDocId);
+      a->mutable_range()->set_first_page(2 * i);
+      a->mutable_range()->set_end_page(2 * i + 2);
+      a->set_worker_id(absl::StrCat("w", i));
+      a->set_worker_address(workers_[i]->Info().address());
+    }
+    return m;
+  }
+  v1::PrefillShardRequest Prefill(int shard, v1::PrefillMode mode) const {
+    v1::PrefillShardRequest r;
+    *r.mutable_shard_map() = Map();
+    *r.mutable_shard() = r.shard_map().shards(shard).range();
+    const size_t t0 = static_cast<size_t>(shard) * 2 * kPage;
+    const size_t t1 = std::min(doc_.size(), t0 + 2 * kPage);
+    r.mutable_token_ids()->Assign(doc_.begin() + t0, doc_.begin() + t1);
+    r.mutable_anchor_token_ids()->Assign(doc_.begin(), doc_.begin() + kPage);
+    r.set_mode(mode);
+    return r;
+  }
+  v1::RunJobRequest Job(const std::string& id, int max_tokens) const {
+    v1::RunJobRequest r;
+    r.set_job_id(id);
+    *r.mutable_shard_map() = Map();
+    for (int32_t t : prompt_) r.add_prompt_token_ids(t);
+    r.mutable_params()->set_max_tokens(max_tokens);
+    r.mutable_params()->set_ignore_eos(true);
+    return r;
+  }
+  v1::DocumentState State() {
+    auto id = kvstore::DocumentId::FromHex(kDocId);
+    auto doc = store_->GetDocument(*id);
+    return doc.ok() ? doc->state() : v1::DOCUMENT_STATE_UNSPECIFIED;
+  }
+  void PrefillExact() {
+    for (int i = 0; i < kWorkers; ++i) {
+      STRATA_ASSERT_OK(workers_[i]->PrefillShard(Prefill(i, v1::PREFILL_MODE_EXACT), nullptr, nullptr));
+      EXPECT_EQ(State(), i + 1 < kWorkers ? v1::DOCUMENT_STATE_WRITING : v1::DOCUMENT_STATE_READY) << "shard " << i;
+    }
+  }
+  std::vector<int32_t> Reference(int max_tokens) {
+    std::vector<int32_t> all = doc_;
+    all.insert(all.end(), prompt_.begin(), prompt_.end());
+    engine::TransformerOptions topt;
+    topt.prefill_chunk_size = 64;
+    auto tf = engine::Transformer::Create(model_->config, model_->weights, backends_[0].get(), topt);
+    EXPECT_TRUE(tf.ok());
+    engine::GenerateOptions go;
+    go.max_tokens = max_tokens;
+    go.ignore_eos = true;
+    go.kv_dtype = kernels::DType::kBF16;
+    auto dense = engine::MakeDensePolicy();
+    auto ref = engine::Generate(tf->get(), nullptr, all, go, dense.get(), nullptr);
+    EXPECT_TRUE(ref.ok());
+    return ref.ok() ? ref->tokens : std::vector<int32_t>();
+  }
+  v1::JobInfo Run(int leader, const v1::RunJobRequest& req, const Worker::EventFn& also = nullptr) {
+    v1::JobInfo last;
+    absl::Status s = workers_[leader]->RunJob(req, [&](const v1::JobEvent& e) {
+      if (e.has_snapshot()) last = e.snapshot();
+      return also ? also(e) : true;
+    });
+    EXPECT_TRUE(s.ok()) << s;
+    return last;
+  }
+  static std::vector<int32_t> Tokens(const v1::JobInfo& info) {
+    return std::vector<int32_t>(info.output_token_ids().begin(), info.output_token_ids().end());
+  }
+  double PrefillTokens() const {
+    double sum = 0;
+    for (const auto& m : metrics_) sum += m->prefill_tokens->Value();
+    return sum;
+  }
+
+  std::string dir_;
+  std::unique_ptr<model::Model> model_;
+  std::unique_ptr<kvstore::LocalStore> store_;
+  std::vector<std::unique_ptr<kernels::Backend>> backends_;
+  std::vector<std::unique_ptr<prometheus::Registry>> registries_;
+  std::vector<std::unique_ptr<WorkerMetrics>> metrics_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<std::unique_ptr<WorkerServer>> servers_;
+  std::vector<int32_t> doc_;
+  std::vector<int32_t> prompt_ = {5, 6, 7, 8, 9, 10, 11};
+};
+
+TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(12);
+  ASSERT_EQ(want.size(), 12u);
+  // Led by w1: its own shard in process, w0's and w2's over gRPC.
+  const v1::JobInfo info = Run(1, Job("sharded-1", 12));
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(Tokens(info), want);
+  EXPECT_EQ(info.usage().cached_tokens(), doc_.size());
+  EXPECT_EQ(info.usage().prompt_tokens(), doc_.size() + prompt_.size());
+  // Every shard's pages were read once from the store (2 pages x 2 layers x 2 KV heads each).
+  EXPECT_EQ(info.usage().pages_fetched().disk(), 3u * 2 * 2 * 2);
+  // Dense: every context token attended at each decode step.
+  EXPECT_GT(info.usage().mean_attended_tokens(), static_cast<double>(doc_.size()));
+  EXPECT_EQ(workers_[1]->failovers(), 0);
+  // Peers mounted their shards on demand.
+  EXPECT_EQ(workers_[0]->Load().mounted_tokens(), 128u);
+  EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 330u - 256u);
+
+  // The same document led by one worker that holds every shard (no worker ids in the map).
+  v1::RunJobRequest single = Job("single-1", 12);
+  for (v1::ShardAssignment& a : *single.mutable_shard_map()->mutable_shards()) {
+    a.clear_worker_id();
+    a.clear_worker_address();
+  }
+  const v1::JobInfo one = Run(0, single);
+  ASSERT_EQ(one.state(), v1::JobInfo::DONE) << one.error_message();
+  EXPECT_EQ(Tokens(one), want);
+
+  // A map that does not cover the document is refused.
+  v1::RunJobRequest bad = Job("bad-1", 4);
+  bad.mutable_shard_map()->mutable_shards()->RemoveLast();
+  const v1::JobInfo failed = Run(1, bad);
+  EXPECT_EQ(failed.state(), v1::JobInfo::FAILED);
+  EXPECT_EQ(failed.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(ShardedTest, PeerLostMidDecodeFailsOverToPersistedPages) {
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(16);
+  const double prefilled = PrefillTokens();
+  int tokens = 0;
+  const v1::JobInfo info = Run(0, Job("failover-1", 16), [&](const v1::JobEvent& e) {
+    if (e.has_tokens() && ++tokens == 4) servers_[2]->Shutdown(absl::ZeroDuration());  // w2 goes away
+    return true;
+  });
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(Tokens(info), want);
+  EXPECT_EQ(workers_[0]->failovers(), 1);
+  // w0 mounted w2's shard from the store; nothing was prefilled again (only the prompt ran).
+  bool has_w2_shard = false;
+  for (const v1::ShardRange& r : workers_[0]->MountedShards()) has_w2_shard |= r.first_page() == 4;
+  EXPECT_TRUE(has_w2_shard);
+  EXPECT_EQ(PrefillTokens() - prefilled, static_cast<double>(prompt_.size()));
+
+  // A peer that is down before the job starts is failed over at open.
+  const v1::JobInfo again = Run(1, Job("failover-2", 16));
+  ASSERT_EQ(again.state(), v1::JobInfo::DONE) << again.error_message();
+  EXPECT_EQ(Tokens(again), want);
+  EXPECT_EQ(workers_[1]->failovers(), 1);
+}
+
+TEST_F(ShardedTest, AnchorPrefillInParallelMakesTheDocumentReady) {
+  std::vector<absl::Status> results(kWorkers);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWorkers; ++i) {
+    threads.emplace_back([&, i] {
+      std::vector<v1::PrefillShardProgress> progress;
+      results[i] = workers_[i]->PrefillShard(Prefill(i, v1::PREFILL_MODE_ANCHOR),
+                                             [&](const v1::PrefillShardProgress& p) { progress.push_back(p); },
+                                             nullptr);
+      if (results[i].ok()) {
+        EXPECT_TRUE(progress.back().complete());
+        EXPECT_EQ(progress.back().pages_persisted(), 2u);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : results) STRATA_EXPECT_OK(s);
+  EXPECT_EQ(State(), v1::DOCUMENT_STATE_READY);
+  const v1::JobInfo info = Run(2, Job("anchor-1", 6));
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(info.output_token_ids_size(), 6);
+}
+
+TEST_F(ShardedTest, BadShardPrefillsAreRefused) {
+  // EXACT shard 1 before shard 0 is durable.
+  EXPECT_THAT(workers_[1]->PrefillShard(Prefill(1, v1::PREFILL_MODE_EXACT), nullptr, nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  // An anchor that overlaps the shard.
+  v1::PrefillShardRequest r = Prefill(1, v1::PREFILL_MODE_ANCHOR);
+  r.mutable_anchor_token_ids()->Assign(doc_.begin(), doc_.begin() + 200);
+  EXPECT_THAT(workers_[1]->PrefillShard(r, nullptr, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  // Token ids that do not fill the range.
+  r = Prefill(1, v1::PREFILL_MODE_ANCHOR);
+  r.mutable_token_ids()->RemoveLast();
+  EXPECT_THAT(workers_[1]->PrefillShard(r, nullptr, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  // A range past the document.
+  r = Prefill(2, v1::PREFILL_MODE_ANCHOR);
+  r.mutable_shard()->set_first_page(6);
+  r.mutable_shard()->set_end_page(7);
+  EXPECT_THAT(workers_[2]->PrefillShard(r, nullptr, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(State(), v1::DOCUMENT_STATE_READY);
+}
+
+TEST_F(ShardedTest, MountAndSelectionStream) {
+  PrefillExact();
+  // Over gRPC: MountShard, then a selection stream with one dense query.
+  auto channel = grpc::CreateChannel(workers_[1]->Info().address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::Worker::NewStub(channel);
+  v1::MountShardRequest mount;
+  *mount.mutable_shard() = Map().shards(1).range();
+  {
+    grpc::ClientContext ctx;
+    v1::MountShardResponse resp;
+    ASSERT_TRUE(stub->MountShard(&ctx, mount, &resp).ok());
+  }
+  EXPECT_EQ(workers_[1]->Load().mounted_tokens(), 128u);
+  ASSERT_EQ(workers_[1]->MountedShards().size(), 1u);
+  EXPECT_EQ(workers_[1]->MountedShards()[0].first_page(), 2u);
+  {
+    grpc::ClientContext ctx;
+    v1::MountShardRequest past = mount;
+    past.mutable_shard()->set_end_page(9);
+    v1::MountShardResponse resp;
+    EXPECT_EQ(stub->MountShard(&ctx, past, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+
+  auto sel = v1::ShardSelection::NewStub(channel);
+  const model::ModelConfig& c = model_->config;
+  {
+    grpc::ClientContext ctx;
+    auto stream = sel->Select(&ctx);
+    v1::SelectionRequest open;
+    open.mutable_open()->set_job_id("j");
+    *open.mutable_open()->mutable_shard() = mount.shard();
+    open.mutable_open()->set_num_q_heads(c.num_heads);
+    open.mutable_open()->set_head_dim(c.head_dim);
+    ASSERT_TRUE(stream->Write(open));
+    v1::SelectionRequest q;
+    q.mutable_query()->set_step(0);
+    q.mutable_query()->set_layer(1);
+    q.mutable_query()->set_num_tokens(2);
+    q.mutable_query()->set_q_begin(doc_.size());
+    std::vector<float> qv(2 * c.num_heads * c.head_dim, 0.01f);
+    q.mutable_query()->set_q(reinterpret_cast<const char*>(qv.data()), qv.size() * sizeof(float));
+    ASSERT_TRUE(stream->Write(q));
+    v1::SelectionResponse resp;
+    ASSERT_TRUE(stream->Read(&resp));
+    EXPECT_EQ(resp.layer(), 1u);
+    EXPECT_EQ(resp.o().size(), qv.size() * sizeof(float));
+    EXPECT_EQ(resp.lse().size(), 2u * c.num_heads * sizeof(float));
+    EXPECT_EQ(resp.selected_tokens(), 128u * c.num_kv_heads);
+    // A query of the wrong size ends the stream with INVALID_ARGUMENT.
+    q.mutable_query()->set_q("abc");
+    ASSERT_TRUE(stream->Write(q));
+    EXPECT_FALSE(stream->Read(&resp));
+    stream->WritesDone();
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    grpc::ClientContext ctx;
+    auto stream = sel->Select(&ctx);
+    v1::SelectionRequest q;
+    q.mutable_query()->set_num_tokens(1);
+    ASSERT_TRUE(stream->Write(q));  // no SelectionOpen first
+    stream->WritesDone();
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+
+  v1::UnmountShardRequest unmount;
+  *unmount.mutable_shard() = mount.shard();
+  STRATA_ASSERT_OK(workers_[1]->UnmountShard(unmount));
+  EXPECT_EQ(workers_[1]->Load().mounted_tokens(), 0u);
+  EXPECT_TRUE(workers_[1]->MountedShards().empty());
+}
+
+}  // namespace
+}  // namespace strata::worker
