@@ -106,10 +106,34 @@ bool ReadFile(const std::string& path, std::string* out) {
   return true;
 }
 
+// "anchor", "exact" or "default" (unspecified).
+std::string PrefillModeName(v1::DocumentInfo::PrefillMode mode) {
+  switch (mode) {
+    case v1::DocumentInfo::ANCHOR: return "anchor";
+    case v1::DocumentInfo::EXACT: return "exact";
+    default: return "default";
+  }
+}
+
+// --prefill-mode: "" (the server's default), anchor or exact. False for anything else.
+bool ParsePrefillMode(const std::string& text, v1::DocumentInfo::PrefillMode* mode) {
+  if (text.empty()) {
+    *mode = v1::DocumentInfo::PREFILL_MODE_UNSPECIFIED;
+  } else if (text == "anchor") {
+    *mode = v1::DocumentInfo::ANCHOR;
+  } else if (text == "exact") {
+    *mode = v1::DocumentInfo::EXACT;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 std::string DocLine(const v1::DocumentInfo& d) {
   return absl::StrCat("document_id=", d.document_id(), " state=", v1::DocumentInfo::State_Name(d.state()),
                       " tokens=", d.num_tokens(), " prefilled=", d.progress().tokens_prefilled(),
-                      " shards=", d.num_shards(), " pinned=", d.pinned() ? "true" : "false",
+                      " shards=", d.num_shards(), " prefill_mode=", PrefillModeName(d.prefill_mode()),
+                      " pinned=", d.pinned() ? "true" : "false",
                       " name=", d.display_name(), d.error_message().empty() ? "" : " error=", d.error_message());
 }
 
@@ -259,7 +283,7 @@ int Doc(int argc, char** argv) {
   if (argc < 1) return Usage("doc", "usage: strata doc upload|get|ls|rm ...");
   const std::string verb = argv[0];
   Common c;
-  std::string token_ids, name, state;
+  std::string token_ids, name, state, prefill_mode;
   bool pin = false;
   int64_t ttl = 0;
   FlagSet flags("doc " + verb, "strata doc upload (FILE | --token-ids 1,2,3) | get ID | ls | rm ID");
@@ -268,6 +292,8 @@ int Doc(int argc, char** argv) {
   flags.String("name", &name, "upload: display name");
   flags.Bool("pin", &pin, "upload: pin the document");
   flags.Int("ttl-seconds", &ttl, "upload: expire after this many seconds (0: never)");
+  flags.String("prefill-mode", &prefill_mode,
+               "upload: anchor (shards in parallel) or exact (shard by shard); default: the server's");
   flags.String("state", &state, "ls: only this state (PENDING, PREFILLING, READY, FAILED)");
   std::vector<std::string> args;
   const absl::Status parse = flags.Parse(argc - 1, argv + 1, &args);
@@ -285,7 +311,10 @@ int Doc(int argc, char** argv) {
       if (!ReadFile(args[0], &text)) return Usage("doc upload", "cannot read " + args[0]);
       if (name.empty()) name = args[0];
     }
+    v1::DocumentInfo::PrefillMode mode;
+    if (!ParsePrefillMode(prefill_mode, &mode)) return Usage("doc upload", "--prefill-mode is anchor or exact");
     v1::DocumentUploadOptions options;
+    options.set_prefill_mode(mode);
     options.set_display_name(name);
     options.set_pin(pin);
     options.set_ttl_seconds(ttl);
@@ -337,12 +366,13 @@ int Job(int argc, char** argv) {
   const std::string verb = argv[0];
   Common c;
   GenFlags g;
-  std::string doc_id, doc_file, prompt, prompt_ids, state;
+  std::string doc_id, doc_file, prompt, prompt_ids, state, prefill_mode;
   FlagSet flags("job " + verb, "strata job submit ... | watch ID | cancel ID | ls");
   AddCommon(&flags, &c);
   AddGen(&flags, &g);
   flags.String("doc-id", &doc_id, "submit: the document id; ls: only jobs on it");
   flags.String("doc", &doc_file, "submit: a text file sent inline as the document");
+  flags.String("prefill-mode", &prefill_mode, "submit --doc: anchor or exact (default: the server's)");
   flags.String("prompt", &prompt, "submit: prompt text");
   flags.String("prompt-token-ids", &prompt_ids, "submit: prompt as token ids");
   flags.String("state", &state, "ls: only this state (QUEUED, PREFILLING, DECODING, DONE, FAILED, CANCELLED)");
@@ -360,6 +390,9 @@ int Job(int argc, char** argv) {
       if (!ReadFile(doc_file, &text)) return Usage("job submit", "cannot read " + doc_file);
       req.mutable_inline_document()->set_text(text);
       req.mutable_inline_document()->set_display_name(doc_file);
+      v1::DocumentInfo::PrefillMode mode;
+      if (!ParsePrefillMode(prefill_mode, &mode)) return Usage("job submit", "--prefill-mode is anchor or exact");
+      req.mutable_inline_document()->set_prefill_mode(mode);
     }
     if (!prompt_ids.empty()) {
       std::vector<int32_t> ids;
