@@ -126,6 +126,37 @@ struct MergeAttentionParams {
   TensorView lse;                    // [num_tokens, num_heads] f32
 };
 
+// Fills page slots of a pool from host memory and updates a device page table, as one op (the
+// miss path of the GPU page cache, kvstore/gpu_cache.h). For i < num_pages, staging page i is
+// K [page_size, head_dim] followed by V [page_size, head_dim] in the pools' dtype, at byte offset
+// i * PageCopyBytes(...) of `staging`:
+//   k_pool[slots[i], :, :] = K of staging page i;  v_pool[slots[i], :, :] = V of staging page i
+// then, for j < num_table_updates: table[table_index[j]] = table_value[j].
+// `staging`, `slots`, `table_index` and `table_value` must be memory from AllocateHost (the CUDA
+// backend reads them from the device through the host mapping, so nothing else is copied) and
+// must stay unchanged until the op has completed on its stream (Synchronize). When two entries
+// name the same slot (or table index) which write lands is unspecified. InvalidArgument for
+// out-of-range slots or indices, a short staging buffer, or (CUDA) staging that is not
+// AllocateHost memory.
+struct PageCopyParams {
+  const void* staging = nullptr;          // AllocateHost memory, staging_bytes long
+  size_t staging_bytes = 0;
+  const int32_t* slots = nullptr;         // AllocateHost memory: [num_pages], in [0, num_slots)
+  int num_pages = 0;
+  TensorView k_pool;                      // [num_slots, page_size, head_dim] f32|bf16
+  TensorView v_pool;                      // same shape and dtype as k_pool
+  int32_t* table = nullptr;               // backend memory: [table_size] int32; may be null
+  int64_t table_size = 0;                 //   when num_table_updates == 0
+  const int32_t* table_index = nullptr;   // AllocateHost memory: [num_table_updates]
+  const int32_t* table_value = nullptr;   // AllocateHost memory: [num_table_updates]
+  int num_table_updates = 0;
+};
+
+// Bytes of one staging page of PageCopyParams: 2 * page_size * head_dim * sizeof(dtype).
+inline size_t PageCopyBytes(int64_t page_size, int64_t head_dim, DType dtype) {
+  return static_cast<size_t>(2 * page_size * head_dim) * DTypeSize(dtype);
+}
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -139,6 +170,9 @@ class Backend {
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes, Stream s) = 0;
   // Waits for all work queued on `s`.
   virtual absl::Status Synchronize(Stream s) = 0;
+  // Host memory the device can read directly (PageCopy staging): pinned and mapped on CUDA
+  // (cudaHostAlloc), plain memory on the CPU. ResourceExhausted when not available.
+  virtual absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t bytes) = 0;
 
   virtual absl::Status Supports(const EmbeddingParams& p) const = 0;
   virtual absl::Status Embedding(const EmbeddingParams& p, Stream s) = 0;
@@ -156,6 +190,8 @@ class Backend {
   virtual absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) = 0;
   virtual absl::Status Supports(const MergeAttentionParams& p) const = 0;
   virtual absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) = 0;
+  virtual absl::Status Supports(const PageCopyParams& p) const = 0;
+  virtual absl::Status PageCopy(const PageCopyParams& p, Stream s) = 0;
 };
 
 // The CPU reference backend. `num_threads` <= 0 means all cores (OpenMP default).

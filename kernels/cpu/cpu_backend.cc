@@ -63,6 +63,10 @@ absl::Status CpuBackend::CopyToHost(void* dst, const void* src, size_t bytes, St
 
 absl::Status CpuBackend::Synchronize(Stream) { return absl::OkStatus(); }
 
+absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::AllocateHost(size_t bytes) {
+  return Allocate(bytes);
+}
+
 absl::Status CpuBackend::Supports(const EmbeddingParams& p) const { return CpuSupportsEmbedding(p); }
 absl::Status CpuBackend::Embedding(const EmbeddingParams& p, Stream) {
   ApplyThreads(p.out.NumElements());
@@ -175,6 +179,9 @@ absl::Status CpuBackend::MergeAttention(const MergeAttentionParams& p, Stream) {
   ApplyThreads(static_cast<int64_t>(p.num_parts) * p.out.NumElements());
   return CpuMergeAttention(p);
 }
+
+absl::Status CpuBackend::Supports(const PageCopyParams& p) const { return CpuSupportsPageCopy(p); }
+absl::Status CpuBackend::PageCopy(const PageCopyParams& p, Stream) { return CpuPageCopy(p); }
 
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads) {
   return std::make_unique<CpuBackend>(num_threads);

@@ -46,6 +46,11 @@ absl::Status CpuAdd(const AddParams& p);
 absl::Status CpuPagedAttention(const PagedAttentionParams& p);
 absl::Status CpuMergeAttention(const MergeAttentionParams& p);
 
+// PageCopy (kernels/cpu/page_copy.cc): the validation shared with the CUDA backend (shapes,
+// dtypes, staging size, every slot and table index in range; reads the host arrays) and the op.
+absl::Status CpuSupportsPageCopy(const PageCopyParams& p);
+absl::Status CpuPageCopy(const PageCopyParams& p);
+
 // Host memory owned by a CpuBackend allocation (64-byte aligned).
 class CpuBuffer : public Buffer {
  public:
@@ -72,6 +77,8 @@ class CpuBackend : public Backend {
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes, Stream s) override;
   absl::Status Synchronize(Stream s) override;
+  // Plain host memory (same as Allocate).
+  absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t bytes) override;
 
   absl::Status Supports(const EmbeddingParams& p) const override;
   absl::Status Embedding(const EmbeddingParams& p, Stream s) override;
@@ -89,6 +96,8 @@ class CpuBackend : public Backend {
   absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) override;
   absl::Status Supports(const MergeAttentionParams& p) const override;
   absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) override;
+  absl::Status Supports(const PageCopyParams& p) const override;
+  absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
 
  private:
   // Sets the OpenMP thread count for the calling thread before an op of `work` elements (or

@@ -17,6 +17,7 @@
 #include "kernels/cuda/internal/cuda_status.h"
 #include "kernels/cuda/internal/flash_prefill.h"
 #include "kernels/cuda/internal/launch.h"
+#include "kernels/cuda/internal/page_copy.h"
 #include "kernels/cuda_backend.h"
 
 namespace strata::kernels {
@@ -426,6 +427,57 @@ absl::Status CudaBackend::CopyToHost(void* dst, const void* src, size_t bytes, S
   return absl::OkStatus();
 }
 
+namespace {
+
+// Pinned, mapped host memory from cudaHostAlloc (CudaBackend::AllocateHost).
+class CudaHostBuffer : public Buffer {
+ public:
+  CudaHostBuffer(void* data, size_t bytes) : data_(data), bytes_(bytes) {}
+  ~CudaHostBuffer() override {
+    if (data_ != nullptr) cudaFreeHost(data_);  // best effort: no caller to report to
+  }
+  CudaHostBuffer(const CudaHostBuffer&) = delete;
+  CudaHostBuffer& operator=(const CudaHostBuffer&) = delete;
+  void* data() override { return data_; }
+  size_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_;
+  size_t bytes_;
+};
+
+// The device address of `p`, which must lie in pinned, mapped host memory. InvalidArgument for
+// any other memory (pageable host memory, device memory).
+absl::StatusOr<const void*> MappedHostPointer(const void* p, const char* name) {
+  cudaPointerAttributes attr;
+  const cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrCat("PageCopy: ", name, " is not host memory from "
+                                                   "AllocateHost (", cudaGetErrorString(e), ")"));
+  }
+  if (attr.type != cudaMemoryTypeHost || attr.devicePointer == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PageCopy: ", name, " is not pinned, mapped host memory from AllocateHost"));
+  }
+  const char* host = static_cast<const char*>(attr.hostPointer);
+  const char* dev = static_cast<const char*>(attr.devicePointer);
+  // Whether the runtime reports the allocation's base or `p` itself, this is p's device address.
+  return dev + (static_cast<const char*>(p) - (host != nullptr ? host : static_cast<const char*>(p)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::AllocateHost(size_t bytes) {
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  void* p = nullptr;
+  if (bytes > 0) {
+    STRATA_CUDA_RETURN_IF_ERROR(
+        cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  }
+  return std::unique_ptr<Buffer>(new CudaHostBuffer(p, bytes));
+}
+
 absl::Status CudaBackend::Synchronize(Stream s) {
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(s)));
@@ -654,6 +706,47 @@ absl::Status CudaBackend::MergeAttention(const MergeAttentionParams& p, Stream s
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(device));
   return std::unique_ptr<Backend>(std::move(backend));
+}
+
+// ---- PageCopy (GPU page cache fills) -------------------------------------------------------
+
+absl::Status CudaBackend::Supports(const PageCopyParams& p) const {
+  STRATA_RETURN_IF_ERROR(CpuSupportsPageCopy(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  if (p.num_pages > 0) {
+    STRATA_RETURN_IF_ERROR(MappedHostPointer(p.staging, "staging").status());
+    STRATA_RETURN_IF_ERROR(MappedHostPointer(p.slots, "slots").status());
+  }
+  if (p.num_table_updates > 0) {
+    STRATA_RETURN_IF_ERROR(MappedHostPointer(p.table_index, "table_index").status());
+    STRATA_RETURN_IF_ERROR(MappedHostPointer(p.table_value, "table_value").status());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::PageCopy(const PageCopyParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsPageCopy(p));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  cuda_internal::PageCopyArgs a;
+  if (p.num_pages > 0) {
+    STRATA_ASSIGN_OR_RETURN(a.staging, MappedHostPointer(p.staging, "staging"));
+    STRATA_ASSIGN_OR_RETURN(const void* slots, MappedHostPointer(p.slots, "slots"));
+    a.slots = static_cast<const int32_t*>(slots);
+    a.num_pages = p.num_pages;
+    a.k_pool = p.k_pool.data;
+    a.v_pool = p.v_pool.data;
+    a.half_bytes = p.k_pool.dim(1) * p.k_pool.dim(2) * static_cast<int64_t>(DTypeSize(p.k_pool.dtype));
+  }
+  if (p.num_table_updates > 0) {
+    STRATA_ASSIGN_OR_RETURN(const void* index, MappedHostPointer(p.table_index, "table_index"));
+    STRATA_ASSIGN_OR_RETURN(const void* value, MappedHostPointer(p.table_value, "table_value"));
+    a.table = p.table;
+    a.table_index = static_cast<const int32_t*>(index);
+    a.table_value = static_cast<const int32_t*>(value);
+    a.num_table_updates = p.num_table_updates;
+  }
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchPageCopy(a, ToCuda(s)));
+  return absl::OkStatus();
 }
 
 }  // namespace strata::kernels

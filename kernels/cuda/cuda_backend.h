@@ -79,6 +79,9 @@ class CudaBackend : public Backend {
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes, Stream s) override;
   absl::Status Synchronize(Stream s) override;
+  // Pinned host memory mapped into the device's address space (cudaHostAlloc, portable and
+  // mapped); freed with cudaFreeHost. What PageCopy reads its staging and index arrays from.
+  absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t bytes) override;
 
   absl::Status Supports(const EmbeddingParams& p) const override;
   absl::Status Embedding(const EmbeddingParams& p, Stream s) override;
@@ -96,6 +99,11 @@ class CudaBackend : public Backend {
   absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) override;
   absl::Status Supports(const MergeAttentionParams& p) const override;
   absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) override;
+  // PageCopy: the CPU checks, then every host array must be AllocateHost memory (checked with
+  // cudaPointerGetAttributes; InvalidArgument otherwise); one launch reads them through the
+  // mapping (kernels/cuda/page_copy.cu) and returns without waiting.
+  absl::Status Supports(const PageCopyParams& p) const override;
+  absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
 
   // A new non-blocking stream on this device; the caller destroys it with DestroyStream.
   absl::StatusOr<Stream> CreateStream();

@@ -1,0 +1,447 @@
+// gpu_cache_bench: the GPU page cache (kvstore/gpu_cache.h) replaying a decode selection trace,
+// and the throughput of its fill op (Backend::PageCopy) from pinned host memory.
+//
+// Trace: a document of --context tokens in pages of --page_size tokens for --layers x --kv_heads
+// (default: Llama-3.1-8B, 32 x 8, d = 128, bf16, 512K tokens: 2M pages, 64 GiB of KV). Each decode
+// step, every layer acquires the pages of its 8 KV heads (one Acquire per layer, as a decode
+// would; the step's pins are released at its end): the sink page, the last --window_pages pages
+// and --budget_tokens / page_size selected pages per KV head. Selections drift: each step every
+// selected page is replaced with probability --drift; a replacement is, with probability
+// --revisit, a page this head dropped recently (attention returning to a passage), else a
+// uniformly random page. The cache has --resident (fraction of all KV) slots. Reported: hit ratio
+// over the steps after --warmup_steps, misses and fill time per step (host gather and waits).
+//
+// The host tier is a synthetic PageStore: every page key maps onto one of --distinct_pages encoded
+// bf16 pages held in host memory (default 16384 = 512 MiB, beyond the CPU caches), so that 64 GiB
+// of KV need not exist in host memory; the cache's gather and copy do the same work as with real
+// pages. After the run, --verify_pages resident slots are read back and compared byte for byte.
+//
+// Fill throughput: PageCopy of N staged pages into random slots (one op), against one contiguous
+// CopyToDevice of the same bytes from pinned memory; medians of --copy_reps.
+//
+// Usage: gpu_cache_bench [--backend=auto|cpu|cuda] [--flag=value ...]; prints a table.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/clock.h"
+#include "kernels/backend.h"
+#include "kernels/backend_factory.h"
+#include "kvstore/gpu_cache.h"
+#include "kvstore/page_format.h"
+#include "kvstore/page_store.h"
+
+namespace strata {
+namespace {
+
+struct Flags {
+  std::string backend = "auto";
+  int layers = 32;
+  int kv_heads = 8;
+  int head_dim = 128;
+  int page_size = 64;
+  int64_t context = 524288;
+  double resident = 0.05;
+  int budget_tokens = 2048;
+  int window_pages = 2;
+  double drift = 0.05;
+  double revisit = 0.5;
+  int steps = 600;
+  int warmup_steps = 300;
+  int distinct_pages = 16384;
+  int verify_pages = 256;
+  std::string policy = "wait";
+  std::string copy_pages = "64,410,1024,4096";
+  int copy_reps = 20;
+  uint64_t seed = 1;
+};
+
+bool ParseFlag(const std::string& arg, Flags* f) {
+  const size_t eq = arg.find('=');
+  if (arg.rfind("--", 0) != 0 || eq == std::string::npos) return false;
+  const std::string name = arg.substr(2, eq - 2), v = arg.substr(eq + 1);
+  if (name == "backend") f->backend = v;
+  else if (name == "layers") f->layers = std::atoi(v.c_str());
+  else if (name == "kv_heads") f->kv_heads = std::atoi(v.c_str());
+  else if (name == "head_dim") f->head_dim = std::atoi(v.c_str());
+  else if (name == "page_size") f->page_size = std::atoi(v.c_str());
+  else if (name == "context") f->context = std::atoll(v.c_str());
+  else if (name == "resident") f->resident = std::atof(v.c_str());
+  else if (name == "budget_tokens") f->budget_tokens = std::atoi(v.c_str());
+  else if (name == "window_pages") f->window_pages = std::atoi(v.c_str());
+  else if (name == "drift") f->drift = std::atof(v.c_str());
+  else if (name == "revisit") f->revisit = std::atof(v.c_str());
+  else if (name == "steps") f->steps = std::atoi(v.c_str());
+  else if (name == "warmup_steps") f->warmup_steps = std::atoi(v.c_str());
+  else if (name == "distinct_pages") f->distinct_pages = std::atoi(v.c_str());
+  else if (name == "verify_pages") f->verify_pages = std::atoi(v.c_str());
+  else if (name == "policy") f->policy = v;
+  else if (name == "copy_pages") f->copy_pages = v;
+  else if (name == "copy_reps") f->copy_reps = std::atoi(v.c_str());
+  else if (name == "seed") f->seed = std::strtoull(v.c_str(), nullptr, 10);
+  else return false;
+  return true;
+}
+
+// Every key maps onto one of a fixed set of encoded pages (see the file comment).
+class SyntheticHostTier : public kvstore::PageStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<SyntheticHostTier>> Create(int distinct, int page_size,
+                                                                   int head_dim) {
+    auto t = std::unique_ptr<SyntheticHostTier>(new SyntheticHostTier());
+    kvstore::PageShape shape;
+    shape.dtype = kernels::DType::kBF16;
+    shape.page_size = page_size;
+    shape.head_dim = head_dim;
+    std::mt19937_64 rng(42);
+    std::vector<uint16_t> k(static_cast<size_t>(page_size) * head_dim), v(k.size());
+    for (int i = 0; i < distinct; ++i) {
+      for (size_t j = 0; j < k.size(); ++j) {
+        k[j] = static_cast<uint16_t>(rng() & 0xbfff);
+        v[j] = static_cast<uint16_t>(rng() & 0xbfff);
+      }
+      absl::StatusOr<std::string> page = kvstore::EncodePage(
+          shape, kernels::TensorView(k.data(), kernels::DType::kBF16, {page_size, head_dim}),
+          kernels::TensorView(v.data(), kernels::DType::kBF16, {page_size, head_dim}));
+      if (!page.ok()) return page.status();
+      absl::StatusOr<kvstore::PageRef> ref = kvstore::PageBuffer::Copy(*page);
+      if (!ref.ok()) return ref.status();
+      t->pages_.push_back(*std::move(ref));
+    }
+    return t;
+  }
+  const char* tier() const override { return "host"; }
+  size_t Which(const kvstore::PageKey& k) const {
+    uint64_t h = (uint64_t{k.layer} * 1000003u + k.kv_head) * 1000033u + k.page_index;
+    h ^= h >> 29;
+    h *= 0x9E3779B97F4A7C15ull;
+    return static_cast<size_t>((h >> 17) % pages_.size());
+  }
+  absl::Status GetPages(absl::Span<const kvstore::PageKey> keys,
+                        std::vector<kvstore::PageRef>* out) override {
+    out->resize(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) (*out)[i] = pages_[Which(keys[i])];
+    return absl::OkStatus();
+  }
+  absl::Status Put(absl::Span<const kvstore::PageWrite>,
+                   absl::Span<const kvstore::SummaryWrite>) override {
+    return absl::UnimplementedError("synthetic tier is read-only");
+  }
+  absl::Status GetSummaries(absl::Span<const kvstore::SummaryKey> keys,
+                            std::vector<kvstore::PageRef>* out) override {
+    out->assign(keys.size(), nullptr);
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<kvstore::PageRef> pages_;
+};
+
+// The drifting selection of one (layer, KV head).
+struct HeadTrace {
+  std::vector<int32_t> selected;  // middle pages, distinct
+  std::vector<int32_t> dropped;   // ring of recently dropped pages
+  size_t dropped_next = 0;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+int Run(const Flags& f) {
+  absl::StatusOr<kernels::BackendKind> kind = kernels::ParseBackendKind(f.backend);
+  if (!kind.ok()) {
+    std::fprintf(stderr, "%s\n", kind.status().ToString().c_str());
+    return 2;
+  }
+  kernels::BackendOptions bo;
+  bo.kind = *kind;
+  std::string why_not_cuda;
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend_or =
+      kernels::MakeBackend(bo, &why_not_cuda);
+  if (!backend_or.ok()) {
+    std::fprintf(stderr, "backend: %s\n", backend_or.status().ToString().c_str());
+    return 1;
+  }
+  kernels::Backend* backend = backend_or->get();
+  std::printf("backend: %s\n", backend->Name().c_str());
+  if (!why_not_cuda.empty()) std::printf("  (CUDA not used: %s)\n", why_not_cuda.c_str());
+
+  const int64_t pages_per_head = (f.context + f.page_size - 1) / f.page_size;
+  const int64_t total_pages = pages_per_head * f.layers * f.kv_heads;
+  const size_t page_bytes = kernels::PageCopyBytes(f.page_size, f.head_dim, kernels::DType::kBF16);
+  const int64_t num_slots = std::max<int64_t>(1, static_cast<int64_t>(f.resident * total_pages));
+  const int middle = f.budget_tokens / f.page_size;
+  std::printf("shape: %d layers x %d kv heads, d=%d, P=%d, %" PRId64 " tokens: %" PRId64
+              " pages, %.1f GiB of bf16 KV\n",
+              f.layers, f.kv_heads, f.head_dim, f.page_size, f.context, total_pages,
+              static_cast<double>(total_pages) * page_bytes / (1u << 30));
+  std::printf("cache: %" PRId64 " slots (%.2f%% of KV, %.2f GiB); per head and step: 1 sink + %d "
+              "selected + %d window pages; drift %.3f, revisit %.2f, policy %s\n",
+              num_slots, 100.0 * num_slots / total_pages,
+              static_cast<double>(num_slots) * page_bytes / (1u << 30), middle, f.window_pages,
+              f.drift, f.revisit, f.policy.c_str());
+  if (pages_per_head < middle + f.window_pages + 2) {
+    std::fprintf(stderr, "context too short for the budget\n");
+    return 2;
+  }
+
+  absl::StatusOr<std::unique_ptr<SyntheticHostTier>> tier =
+      SyntheticHostTier::Create(f.distinct_pages, f.page_size, f.head_dim);
+  if (!tier.ok()) {
+    std::fprintf(stderr, "host tier: %s\n", tier.status().ToString().c_str());
+    return 1;
+  }
+
+  // ---- Fill throughput ----------------------------------------------------------------------
+  {
+    std::vector<int> sizes;
+    for (size_t pos = 0; pos < f.copy_pages.size();) {
+      size_t comma = f.copy_pages.find(',', pos);
+      if (comma == std::string::npos) comma = f.copy_pages.size();
+      sizes.push_back(std::atoi(f.copy_pages.substr(pos, comma - pos).c_str()));
+      pos = comma + 1;
+    }
+    const int max_n = *std::max_element(sizes.begin(), sizes.end());
+    const int64_t pool_slots = std::max<int64_t>(2 * max_n, 8192);
+    auto k = backend->Allocate(pool_slots * page_bytes / 2);
+    auto v = backend->Allocate(pool_slots * page_bytes / 2);
+    auto staging = backend->AllocateHost(static_cast<size_t>(max_n) * page_bytes);
+    auto slots = backend->AllocateHost(sizeof(int32_t) * max_n);
+    auto dst = backend->Allocate(static_cast<size_t>(max_n) * page_bytes);
+    if (!k.ok() || !v.ok() || !staging.ok() || !slots.ok() || !dst.ok()) {
+      std::fprintf(stderr, "fill benchmark: allocation failed\n");
+      return 1;
+    }
+    std::memset((*staging)->data(), 0x3c, (*staging)->bytes());
+    std::vector<int32_t> perm(pool_slots);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::mt19937_64 rng(f.seed);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::memcpy((*slots)->data(), perm.data(), sizeof(int32_t) * max_n);
+    std::printf("\nfill op: PageCopy from pinned staging into random slots vs one contiguous "
+                "copy (median of %d)\n", f.copy_reps);
+    std::printf("%8s %10s %12s %12s %14s %12s\n", "pages", "MiB", "PageCopy us", "GB/s",
+                "contig. us", "GB/s");
+    for (int n : sizes) {
+      kernels::PageCopyParams p;
+      p.staging = (*staging)->data();
+      p.staging_bytes = (*staging)->bytes();
+      p.slots = static_cast<const int32_t*>((*slots)->data());
+      p.num_pages = n;
+      p.k_pool = (*k)->View(kernels::DType::kBF16, {pool_slots, f.page_size, f.head_dim});
+      p.v_pool = (*v)->View(kernels::DType::kBF16, {pool_slots, f.page_size, f.head_dim});
+      std::vector<double> t_copy, t_contig;
+      for (int r = 0; r < f.copy_reps + 2; ++r) {
+        Stopwatch w;
+        absl::Status s = backend->PageCopy(p, nullptr);
+        if (s.ok()) s = backend->Synchronize(nullptr);
+        if (!s.ok()) {
+          std::fprintf(stderr, "PageCopy: %s\n", s.ToString().c_str());
+          return 1;
+        }
+        if (r >= 2) t_copy.push_back(w.ElapsedSeconds());
+        w.Reset();
+        s = backend->CopyToDevice((*dst)->data(), (*staging)->data(), n * page_bytes, nullptr);
+        if (!s.ok()) {
+          std::fprintf(stderr, "CopyToDevice: %s\n", s.ToString().c_str());
+          return 1;
+        }
+        if (r >= 2) t_contig.push_back(w.ElapsedSeconds());
+      }
+      const double bytes = static_cast<double>(n) * page_bytes;
+      const double a = Median(t_copy), b = Median(t_contig);
+      std::printf("%8d %10.2f %12.1f %12.1f %14.1f %12.1f\n", n, bytes / (1 << 20), a * 1e6,
+                  bytes / a / 1e9, b * 1e6, bytes / b / 1e9);
+    }
+  }
+
+  // ---- Trace replay ---------------------------------------------------------------------------
+  kvstore::GpuCacheOptions o;
+  o.document.bytes.fill('b');
+  o.num_layers = f.layers;
+  o.num_kv_heads = f.kv_heads;
+  o.pages_per_head = pages_per_head;
+  o.page_size = f.page_size;
+  o.head_dim = f.head_dim;
+  o.num_slots = num_slots;
+  o.max_batch_pages = 4096;
+  o.source = tier->get();
+  absl::StatusOr<std::unique_ptr<kvstore::GpuPageCache>> cache_or =
+      kvstore::GpuPageCache::Create(o, backend);
+  if (!cache_or.ok()) {
+    std::fprintf(stderr, "cache: %s\n", cache_or.status().ToString().c_str());
+    return 1;
+  }
+  kvstore::GpuPageCache& cache = **cache_or;
+  const kvstore::MissPolicy policy =
+      f.policy == "defer" ? kvstore::MissPolicy::kDefer : kvstore::MissPolicy::kWait;
+
+  std::mt19937_64 rng(f.seed);
+  const int64_t first_middle = 1, end_middle = pages_per_head - f.window_pages;
+  std::uniform_int_distribution<int64_t> any_page(first_middle, end_middle - 1);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::vector<HeadTrace> heads(static_cast<size_t>(f.layers) * f.kv_heads);
+  for (HeadTrace& h : heads) {
+    while (static_cast<int>(h.selected.size()) < middle) {
+      const int32_t p = static_cast<int32_t>(any_page(rng));
+      if (std::find(h.selected.begin(), h.selected.end(), p) == h.selected.end()) {
+        h.selected.push_back(p);
+      }
+    }
+  }
+  constexpr size_t kDroppedRing = 64;
+  std::vector<kvstore::GpuPageId> want;
+  std::vector<std::vector<int32_t>> step_slots(f.layers);
+  int64_t lookups = 0, hits = 0, measured_steps = 0;
+  kvstore::GpuCacheStats before{};
+  std::vector<double> step_acquire;
+  double acquire_total = 0;
+  for (int step = 0; step < f.steps; ++step) {
+    if (step == f.warmup_steps) {
+      if (!cache.WaitForFills().ok()) return 1;
+      before = cache.stats();
+    }
+    // Drift the selections.
+    for (HeadTrace& h : heads) {
+      for (int32_t& page : h.selected) {
+        if (unit(rng) >= f.drift) continue;
+        int32_t next = -1;
+        for (int tries = 0; tries < 8 && next < 0; ++tries) {
+          int32_t c;
+          if (!h.dropped.empty() && unit(rng) < f.revisit) {
+            c = h.dropped[rng() % h.dropped.size()];
+          } else {
+            c = static_cast<int32_t>(any_page(rng));
+          }
+          if (std::find(h.selected.begin(), h.selected.end(), c) == h.selected.end()) next = c;
+        }
+        if (next < 0) continue;
+        if (h.dropped.size() < kDroppedRing) {
+          h.dropped.push_back(page);
+        } else {
+          h.dropped[h.dropped_next] = page;
+          h.dropped_next = (h.dropped_next + 1) % kDroppedRing;
+        }
+        page = next;
+      }
+    }
+    double step_seconds = 0;
+    for (int l = 0; l < f.layers; ++l) {
+      want.clear();
+      for (int g = 0; g < f.kv_heads; ++g) {
+        const HeadTrace& h = heads[static_cast<size_t>(l) * f.kv_heads + g];
+        want.push_back({l, g, 0});
+        for (int32_t p : h.selected) want.push_back({l, g, p});
+        for (int w = 0; w < f.window_pages; ++w) {
+          want.push_back({l, g, static_cast<int32_t>(pages_per_head - f.window_pages + w)});
+        }
+      }
+      const kvstore::GpuCacheStats s0 = cache.stats();
+      Stopwatch watch;
+      absl::Status s = cache.Acquire(want, policy, &step_slots[l]);
+      step_seconds += watch.ElapsedSeconds();
+      if (!s.ok()) {
+        std::fprintf(stderr, "step %d layer %d: %s\n", step, l, s.ToString().c_str());
+        return 1;
+      }
+      if (step >= f.warmup_steps) {
+        const kvstore::GpuCacheStats s1 = cache.stats();
+        lookups += s1.lookups - s0.lookups;
+        hits += s1.hits - s0.hits;
+      }
+    }
+    for (int l = 0; l < f.layers; ++l) {
+      if (absl::Status s = cache.Release(step_slots[l]); !s.ok()) {
+        std::fprintf(stderr, "release: %s\n", s.ToString().c_str());
+        return 1;
+      }
+    }
+    if (step >= f.warmup_steps) {
+      ++measured_steps;
+      acquire_total += step_seconds;
+      step_acquire.push_back(step_seconds);
+    }
+  }
+  if (!cache.WaitForFills().ok()) return 1;
+  const kvstore::GpuCacheStats after = cache.stats();
+  const double n = std::max<int64_t>(1, measured_steps);
+  std::printf("\ntrace: %d steps, measured the last %" PRId64 " (warm-up %d); %d Acquire calls "
+              "per step (one per layer)\n",
+              f.steps, measured_steps, f.warmup_steps, f.layers);
+  std::printf("  hit ratio (steady)       %.4f  (%" PRId64 " hits / %" PRId64 " lookups)\n",
+              lookups > 0 ? static_cast<double>(hits) / lookups : 0.0, hits, lookups);
+  std::printf("  lookups per step         %.0f\n", lookups / n);
+  std::printf("  fills per step           %.1f pages, %.2f MiB\n",
+              (after.fills - before.fills) / n,
+              (after.fill_bytes - before.fill_bytes) / n / (1 << 20));
+  std::printf("  evictions per step       %.1f\n", (after.evictions - before.evictions) / n);
+  std::printf("  Acquire time per step    mean %.1f us, median %.1f us (all %d layers)\n",
+              acquire_total / n * 1e6, Median(step_acquire) * 1e6, f.layers);
+  std::printf("    of which host gather   %.1f us (source lookup, checks, memcpy into staging)\n",
+              (after.gather_seconds - before.gather_seconds) / n * 1e6);
+  std::printf("    of which waiting       %.1f us (Synchronize on the fill stream)\n",
+              (after.wait_seconds - before.wait_seconds) / n * 1e6);
+  std::printf("  fill batches per step    %.1f\n", (after.fill_batches - before.fill_batches) / n);
+  std::printf("  resident pages           %" PRId64 " of %" PRId64 " slots\n",
+              cache.resident_pages(), num_slots);
+
+  // ---- Verify: resident slots hold their pages' bytes ------------------------------------------
+  int checked = 0, bad = 0;
+  std::vector<char> host(page_bytes / 2);
+  std::mt19937_64 vr(f.seed + 1);
+  for (int tries = 0; tries < 50 * f.verify_pages && checked < f.verify_pages; ++tries) {
+    kvstore::GpuPageId id{static_cast<int32_t>(vr() % f.layers),
+                          static_cast<int32_t>(vr() % f.kv_heads),
+                          static_cast<int32_t>(vr() % pages_per_head)};
+    absl::StatusOr<int32_t> slot = cache.SlotOf(id);
+    if (!slot.ok() || *slot < 0) continue;
+    kvstore::PageKey key{o.document, static_cast<uint32_t>(id.layer),
+                         static_cast<uint32_t>(id.kv_head), static_cast<uint32_t>(id.page)};
+    std::vector<kvstore::PageRef> source;
+    if (!(*tier)->GetPages({key}, &source).ok()) return 1;
+    const kvstore::PageRef& ref = source[0];
+    for (int half = 0; half < 2; ++half) {
+      const char* base = static_cast<const char*>(half == 0 ? cache.k_pool().data
+                                                            : cache.v_pool().data);
+      if (!backend->CopyToHost(host.data(), base + static_cast<size_t>(*slot) * host.size(),
+                               host.size(), nullptr)
+               .ok()) {
+        return 1;
+      }
+      const absl::string_view want_bytes =
+          half == 0 ? kvstore::PageKBytes(ref->view()) : kvstore::PageVBytes(ref->view());
+      if (std::memcmp(host.data(), want_bytes.data(), host.size()) != 0) ++bad;
+    }
+    ++checked;
+  }
+  std::printf("  verify                   %d resident pages read back, %d halves differ\n",
+              checked, bad);
+  return bad == 0 ? 0 : 3;
+}
+
+}  // namespace
+}  // namespace strata
+
+int main(int argc, char** argv) {
+  strata::Flags f;
+  for (int i = 1; i < argc; ++i) {
+    if (!strata::ParseFlag(argv[i], &f)) {
+      std::fprintf(stderr, "unknown flag %s (see the comment at the top of gpu_cache_bench.cc)\n",
+                   argv[i]);
+      return 2;
+    }
+  }
+  return strata::Run(f);
+}

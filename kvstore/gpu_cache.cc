@@ -1,0 +1,491 @@
+#include "kvstore/gpu_cache.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "base/clock.h"
+#include "base/status_macros.h"
+#include "kvstore/page_format.h"
+
+namespace strata::kvstore {
+
+namespace {
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+}  // namespace
+
+absl::Status GpuCacheOptions::Validate() const {
+  if (num_layers <= 0 || num_kv_heads <= 0 || pages_per_head <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gpu cache: num_layers, num_kv_heads and pages_per_head must be > 0, got ", num_layers,
+        ", ", num_kv_heads, ", ", pages_per_head));
+  }
+  if (static_cast<int64_t>(num_layers) * num_kv_heads * pages_per_head > kInt32Max) {
+    return absl::InvalidArgumentError("gpu cache: more than 2^31 page-table entries");
+  }
+  if (page_size <= 0 || head_dim <= 0 || page_size > 65535 || head_dim > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("gpu cache: page_size ", page_size,
+                                                   " and head_dim ", head_dim,
+                                                   " must be in [1, 65535]"));
+  }
+  if (num_slots <= 0 || num_slots > kInt32Max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu cache: num_slots must be in [1, 2^31), got ", num_slots));
+  }
+  if (max_batch_pages <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu cache: max_batch_pages must be > 0, got ", max_batch_pages));
+  }
+  if (source == nullptr) return absl::InvalidArgumentError("gpu cache: source is null");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<GpuPageCache>> GpuPageCache::Create(const GpuCacheOptions& options,
+                                                                   kernels::Backend* backend) {
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  if (backend == nullptr) return absl::InvalidArgumentError("gpu cache: backend is null");
+  std::unique_ptr<GpuPageCache> cache(new GpuPageCache(options, backend));
+  STRATA_RETURN_IF_ERROR(cache->Init());
+  return cache;
+}
+
+GpuPageCache::GpuPageCache(const GpuCacheOptions& options, kernels::Backend* backend)
+    : options_(options), backend_(backend) {
+  half_bytes_ = static_cast<size_t>(options_.page_size) * options_.head_dim *
+                kernels::DTypeSize(kernels::DType::kBF16);
+  page_bytes_ = 2 * half_bytes_;
+  table_size_ = static_cast<int64_t>(options_.num_layers) * options_.num_kv_heads *
+                options_.pages_per_head;
+  KvMetrics* metrics = options_.metrics;
+  if (metrics == nullptr) {
+    own_registry_ = std::make_unique<prometheus::Registry>();
+    own_metrics_ = std::make_unique<KvMetrics>(own_registry_.get());
+    metrics = own_metrics_.get();
+  }
+  m_ = metrics->ForTier("gpu");
+  fetch_bytes_ = metrics->FetchBytes("host", "gpu");
+}
+
+absl::Status GpuPageCache::Init() {
+  const size_t n = static_cast<size_t>(options_.num_slots);
+  STRATA_ASSIGN_OR_RETURN(k_pool_, backend_->Allocate(n * half_bytes_));
+  STRATA_ASSIGN_OR_RETURN(v_pool_, backend_->Allocate(n * half_bytes_));
+  STRATA_ASSIGN_OR_RETURN(device_table_,
+                          backend_->Allocate(static_cast<size_t>(table_size_) * sizeof(int32_t)));
+  table_.assign(static_cast<size_t>(table_size_), -1);
+  STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(device_table_->data(), table_.data(),
+                                                table_.size() * sizeof(int32_t), options_.stream));
+  slot_page_.assign(n, -1);
+  pins_.assign(n, 0);
+  ref_.assign(n, 0);
+  fence_.assign(n, 0);
+  const size_t batch = static_cast<size_t>(options_.max_batch_pages);
+  for (Staging& s : staging_) {
+    STRATA_ASSIGN_OR_RETURN(s.pages, backend_->AllocateHost(batch * page_bytes_));
+    STRATA_ASSIGN_OR_RETURN(s.slots, backend_->AllocateHost(batch * sizeof(int32_t)));
+    STRATA_ASSIGN_OR_RETURN(s.index, backend_->AllocateHost(2 * batch * sizeof(int32_t)));
+    STRATA_ASSIGN_OR_RETURN(s.value, backend_->AllocateHost(2 * batch * sizeof(int32_t)));
+  }
+  m_.capacity_bytes->Set(static_cast<double>(n * page_bytes_));
+  m_.resident_bytes->Set(0);
+  return absl::OkStatus();
+}
+
+GpuPageCache::~GpuPageCache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Fills still in flight read the staging buffers freed below: let them land first.
+  if (issued_seq_ > completed_seq_) (void)backend_->Synchronize(options_.stream);
+  m_.resident_bytes->Set(0);
+}
+
+absl::StatusOr<int64_t> GpuPageCache::FlatIndex(const GpuPageId& p) const {
+  if (p.layer < 0 || p.layer >= options_.num_layers || p.kv_head < 0 ||
+      p.kv_head >= options_.num_kv_heads || p.page < 0 || p.page >= options_.pages_per_head) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gpu cache: page (layer ", p.layer, ", kv_head ", p.kv_head, ", page ", p.page,
+        ") outside ", options_.num_layers, " layers x ", options_.num_kv_heads, " heads x ",
+        options_.pages_per_head, " pages"));
+  }
+  return (static_cast<int64_t>(p.layer) * options_.num_kv_heads + p.kv_head) *
+             options_.pages_per_head +
+         p.page;
+}
+
+absl::StatusOr<std::vector<PageRef>> GpuPageCache::FetchFromSource(
+    const std::vector<int64_t>& missing) {
+  std::vector<PageKey> keys(missing.size());
+  for (size_t i = 0; i < missing.size(); ++i) {
+    const int64_t id = missing[i];
+    const int64_t lh = id / options_.pages_per_head;
+    keys[i].document = options_.document;
+    keys[i].layer = static_cast<uint32_t>(lh / options_.num_kv_heads);
+    keys[i].kv_head = static_cast<uint32_t>(lh % options_.num_kv_heads);
+    keys[i].page_index = static_cast<uint32_t>(id % options_.pages_per_head);
+  }
+  std::vector<PageRef> pages;
+  if (keys.empty()) return pages;
+  STRATA_RETURN_IF_ERROR(options_.source->GetPages(keys, &pages));
+  if (pages.size() != keys.size()) {
+    return absl::InternalError("gpu cache: source returned the wrong number of pages");
+  }
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const PageKey& k = keys[i];
+    if (pages[i] == nullptr) {
+      return absl::NotFoundError(absl::StrCat("gpu cache: page (layer ", k.layer, ", kv_head ",
+                                              k.kv_head, ", page ", k.page_index,
+                                              ") is not in the ", options_.source->tier(),
+                                              " tier"));
+    }
+    STRATA_ASSIGN_OR_RETURN(PageHeader h, ParsePageHeader(pages[i]->view()));
+    if (h.shape.dtype != kernels::DType::kBF16) {
+      return absl::UnimplementedError(absl::StrCat("gpu cache: ", kernels::DTypeName(h.shape.dtype),
+                                                   " pages are not supported (bf16 only)"));
+    }
+    if (h.shape.page_size != options_.page_size || h.shape.head_dim != options_.head_dim) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("gpu cache: source page of ", h.shape.page_size, " x ", h.shape.head_dim,
+                       ", cache pages are ", options_.page_size, " x ", options_.head_dim));
+    }
+  }
+  return pages;
+}
+
+int32_t GpuPageCache::ClaimSlot() {
+  const int64_t n = options_.num_slots;
+  if (next_unused_ < n) return static_cast<int32_t>(next_unused_++);
+  for (int64_t step = 0; step < 2 * n; ++step) {
+    const int64_t s = hand_;
+    hand_ = hand_ + 1 == n ? 0 : hand_ + 1;
+    if (pins_[s] > 0) continue;
+    if (ref_[s] != 0) {
+      ref_[s] = 0;
+      continue;
+    }
+    return static_cast<int32_t>(s);
+  }
+  return -1;
+}
+
+absl::Status GpuPageCache::WaitLocked() {
+  if (issued_seq_ == completed_seq_) return absl::OkStatus();
+  Stopwatch watch;
+  absl::Status s = backend_->Synchronize(options_.stream);
+  stats_.wait_seconds += watch.ElapsedSeconds();
+  if (s.ok()) completed_seq_ = issued_seq_;
+  return s;
+}
+
+absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
+                                const std::vector<PageRef>& pages, bool pin,
+                                std::vector<int32_t>* slot_of, int64_t* filled) {
+  slot_of->assign(ids.size(), -1);
+  *filled = 0;
+  std::vector<int32_t> held;  // slots pinned while this call runs, so it never evicts its own
+  auto unpin_held = [&] {
+    for (int32_t s : held) {
+      if (--pins_[s] == 0) --pinned_;
+    }
+  };
+  size_t i = 0;
+  bool out_of_slots = false;
+  while (i < ids.size() && !out_of_slots) {
+    Staging& st = staging_[next_staging_];
+    next_staging_ ^= 1;
+    if (st.seq > completed_seq_) {
+      absl::Status w = WaitLocked();
+      if (!w.ok()) {
+        unpin_held();
+        return w;
+      }
+    }
+    Stopwatch gather;
+    char* dst = static_cast<char*>(st.pages->data());
+    auto* slots = static_cast<int32_t*>(st.slots->data());
+    auto* index = static_cast<int32_t*>(st.index->data());
+    auto* value = static_cast<int32_t*>(st.value->data());
+    const size_t first = i;
+    int np = 0, nu = 0;
+    int64_t evictions = 0;
+    for (; i < ids.size() && np < options_.max_batch_pages; ++i) {
+      const int32_t s = ClaimSlot();
+      if (s < 0) {
+        out_of_slots = true;
+        break;
+      }
+      const int64_t old = slot_page_[s];
+      if (old >= 0) {
+        table_[old] = -1;
+        index[nu] = static_cast<int32_t>(old);
+        value[nu] = -1;
+        ++nu;
+        ++evictions;
+      } else {
+        ++resident_;
+      }
+      slot_page_[s] = ids[i];
+      table_[ids[i]] = s;
+      ref_[s] = 1;
+      if (pins_[s]++ == 0) ++pinned_;
+      held.push_back(s);
+      fence_[s] = issued_seq_ + 1;
+      const absl::string_view page = pages[i]->view();
+      std::memcpy(dst + static_cast<size_t>(np) * page_bytes_, PageKBytes(page).data(),
+                  half_bytes_);
+      std::memcpy(dst + static_cast<size_t>(np) * page_bytes_ + half_bytes_,
+                  PageVBytes(page).data(), half_bytes_);
+      slots[np] = s;
+      index[nu] = static_cast<int32_t>(ids[i]);
+      value[nu] = s;
+      ++nu;
+      ++np;
+      (*slot_of)[i] = s;
+    }
+    stats_.gather_seconds += gather.ElapsedSeconds();
+    stats_.evictions += evictions;
+    m_.evictions->Increment(static_cast<double>(evictions));
+    if (np == 0) break;
+    kernels::PageCopyParams p;
+    p.staging = st.pages->data();
+    p.staging_bytes = st.pages->bytes();
+    p.slots = slots;
+    p.num_pages = np;
+    p.k_pool = k_pool();
+    p.v_pool = v_pool();
+    p.table = static_cast<int32_t*>(device_table_->data());
+    p.table_size = table_size_;
+    p.table_index = index;
+    p.table_value = value;
+    p.num_table_updates = nu;
+    absl::Status copy = backend_->PageCopy(p, options_.stream);
+    if (!copy.ok()) {
+      // The batch's pages never arrived: forget them (their slots become free for the clock).
+      for (size_t j = first; j < i; ++j) {
+        const int32_t s = (*slot_of)[j];
+        if (s < 0) continue;
+        table_[ids[j]] = -1;
+        slot_page_[s] = -1;
+        ref_[s] = 0;
+        --resident_;
+        (*slot_of)[j] = -1;
+      }
+      unpin_held();
+      PublishGauges();
+      return copy;
+    }
+    st.seq = ++issued_seq_;
+    stats_.fills += np;
+    stats_.fill_bytes += static_cast<int64_t>(np) * static_cast<int64_t>(page_bytes_);
+    ++stats_.fill_batches;
+    fetch_bytes_->Increment(static_cast<double>(np) * static_cast<double>(page_bytes_));
+    *filled += np;
+  }
+  if (!pin) unpin_held();
+  // With pin, `held` stays pinned once per distinct page; the caller adjusts per occurrence.
+  PublishGauges();
+  return absl::OkStatus();
+}
+
+absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy policy,
+                                   std::vector<int32_t>* slots) {
+  if (slots == nullptr) return absl::InvalidArgumentError("gpu cache: slots is null");
+  Stopwatch watch;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> ids(pages.size());
+  for (size_t i = 0; i < pages.size(); ++i) {
+    STRATA_ASSIGN_OR_RETURN(ids[i], FlatIndex(pages[i]));
+  }
+  std::vector<int64_t> missing;
+  absl::flat_hash_set<int64_t> missing_set;
+  absl::flat_hash_set<int32_t> unpinned_hits;
+  int64_t hits = 0;
+  for (int64_t id : ids) {
+    const int32_t s = table_[id];
+    if (s >= 0) {
+      ++hits;
+      if (pins_[s] == 0) unpinned_hits.insert(s);
+    } else if (missing_set.insert(id).second) {
+      missing.push_back(id);
+    }
+  }
+  const bool wait = policy == MissPolicy::kWait;
+  if (wait) {
+    const int64_t available =
+        options_.num_slots - pinned_ - static_cast<int64_t>(unpinned_hits.size());
+    if (static_cast<int64_t>(missing.size()) > available) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "gpu cache: ", missing.size(), " pages to fill but only ", available, " of ",
+          options_.num_slots, " slots are unpinned (release the previous step's pages, or "
+          "make the cache larger)"));
+    }
+  } else {
+    // Best effort: never fetch more than could be placed.
+    const int64_t room = std::max<int64_t>(
+        0, options_.num_slots - pinned_ - static_cast<int64_t>(unpinned_hits.size()));
+    if (static_cast<int64_t>(missing.size()) > room) missing.resize(static_cast<size_t>(room));
+  }
+  Stopwatch gather;
+  absl::StatusOr<std::vector<PageRef>> fetched = FetchFromSource(missing);
+  stats_.gather_seconds += gather.ElapsedSeconds();
+  if (!fetched.ok()) return fetched.status();
+
+  // From here on the call succeeds unless the backend fails.
+  slots->assign(ids.size(), -1);
+  bool in_flight = false;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t s = table_[ids[i]];
+    if (s < 0) continue;
+    (*slots)[i] = s;
+    if (pins_[s]++ == 0) ++pinned_;
+    ref_[s] = 1;
+    if (fence_[s] > completed_seq_) in_flight = true;
+  }
+  auto unpin_hits = [&] {
+    for (int32_t s : *slots) {
+      if (s >= 0 && --pins_[s] == 0) --pinned_;
+    }
+    slots->assign(ids.size(), -1);
+  };
+  if (in_flight) {
+    // A hit on a page whose fill (an earlier prefetch or deferred miss) may not have landed.
+    absl::Status w = WaitLocked();
+    if (!w.ok()) {
+      unpin_hits();
+      return w;
+    }
+  }
+  std::vector<int32_t> slot_of;
+  int64_t filled = 0;
+  absl::Status f = Fill(missing, *fetched, wait, &slot_of, &filled);
+  if (!f.ok()) {
+    unpin_hits();
+    return f;
+  }
+  if (wait && filled != static_cast<int64_t>(missing.size())) {
+    // Cannot happen (the capacity was checked above); fail rather than hand out -1.
+    unpin_hits();
+    return absl::InternalError("gpu cache: fewer pages filled than checked for");
+  }
+  if (wait) {
+    // Fill pinned each new page once; pin again for repeated entries and hand the slots out.
+    absl::flat_hash_map<int64_t, int32_t> new_slot;
+    for (size_t j = 0; j < missing.size(); ++j) new_slot[missing[j]] = slot_of[j];
+    absl::flat_hash_set<int64_t> first_use;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if ((*slots)[i] >= 0) continue;
+      const int32_t s = new_slot.at(ids[i]);
+      (*slots)[i] = s;
+      if (!first_use.insert(ids[i]).second) ++pins_[s];
+    }
+    absl::Status w = WaitLocked();
+    if (!w.ok()) {
+      // The pages may not have landed: unpin everything this call pinned.
+      for (int32_t s : *slots) {
+        if (s >= 0 && --pins_[s] == 0) --pinned_;
+      }
+      slots->assign(ids.size(), -1);
+      return w;
+    }
+    if (filled > 0) m_.fetch_duration->Observe(watch.ElapsedSeconds());
+  }
+  stats_.lookups += static_cast<int64_t>(ids.size());
+  stats_.hits += hits;
+  m_.lookups->Increment(static_cast<double>(ids.size()));
+  m_.hits->Increment(static_cast<double>(hits));
+  return absl::OkStatus();
+}
+
+absl::Status GpuPageCache::Release(absl::Span<const int32_t> slots) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::flat_hash_map<int32_t, int32_t> count;
+  for (int32_t s : slots) {
+    if (s < 0) continue;
+    if (s >= options_.num_slots) {
+      return absl::InvalidArgumentError(absl::StrCat("gpu cache: release of slot ", s, " of ",
+                                                     options_.num_slots));
+    }
+    ++count[s];
+  }
+  for (const auto& [s, c] : count) {
+    if (pins_[s] < c) {
+      return absl::InvalidArgumentError(absl::StrCat("gpu cache: slot ", s, " released ", c,
+                                                     " times but pinned ", pins_[s], " times"));
+    }
+  }
+  for (const auto& [s, c] : count) {
+    pins_[s] -= c;
+    if (pins_[s] == 0) --pinned_;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuPageCache::Prefetch(absl::Span<const GpuPageId> pages, int64_t* issued) {
+  if (issued != nullptr) *issued = 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> missing;
+  absl::flat_hash_set<int64_t> seen;
+  for (const GpuPageId& p : pages) {
+    STRATA_ASSIGN_OR_RETURN(int64_t id, FlatIndex(p));
+    if (table_[id] < 0 && seen.insert(id).second) missing.push_back(id);
+  }
+  const int64_t room = options_.num_slots - pinned_;
+  if (static_cast<int64_t>(missing.size()) > room) missing.resize(static_cast<size_t>(room));
+  Stopwatch gather;
+  absl::StatusOr<std::vector<PageRef>> fetched = FetchFromSource(missing);
+  stats_.gather_seconds += gather.ElapsedSeconds();
+  if (!fetched.ok()) return fetched.status();
+  std::vector<int32_t> slot_of;
+  int64_t filled = 0;
+  STRATA_RETURN_IF_ERROR(Fill(missing, *fetched, /*pin=*/false, &slot_of, &filled));
+  if (issued != nullptr) *issued = filled;
+  return absl::OkStatus();
+}
+
+absl::Status GpuPageCache::WaitForFills() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return WaitLocked();
+}
+
+absl::StatusOr<int32_t> GpuPageCache::SlotOf(const GpuPageId& page) const {
+  STRATA_ASSIGN_OR_RETURN(int64_t id, FlatIndex(page));
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_[id];
+}
+
+kernels::TensorView GpuPageCache::k_pool() const {
+  return kernels::TensorView(k_pool_->data(), kernels::DType::kBF16,
+                             {options_.num_slots, options_.page_size, options_.head_dim});
+}
+
+kernels::TensorView GpuPageCache::v_pool() const {
+  return kernels::TensorView(v_pool_->data(), kernels::DType::kBF16,
+                             {options_.num_slots, options_.page_size, options_.head_dim});
+}
+
+const int32_t* GpuPageCache::device_table() const {
+  return static_cast<const int32_t*>(device_table_->data());
+}
+
+int64_t GpuPageCache::resident_pages() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return resident_;
+}
+
+int64_t GpuPageCache::pinned_slots() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pinned_;
+}
+
+GpuCacheStats GpuPageCache::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void GpuPageCache::PublishGauges() {
+  m_.resident_bytes->Set(static_cast<double>(resident_) * static_cast<double>(page_bytes_));
+}
+
+}  // namespace strata::kvstore

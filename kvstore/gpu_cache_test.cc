@@ -1,0 +1,433 @@
+// GpuPageCache on the CPU backend: clock eviction exactly as the header describes, pins, the
+// all-pinned error, page bytes and the device page table after eviction and refill, the miss
+// policies, prefetch, the gpu-tier metrics, errors that change nothing, and a prefetch thread
+// racing a decode thread.
+#include "kvstore/gpu_cache.h"
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
+#include "base/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kvstore/host_cache.h"
+#include "kvstore/metrics.h"
+#include "kvstore/page_format.h"
+#include "kvstore/testing/test_pages.h"
+#include "prometheus/registry.h"
+
+namespace strata::kvstore {
+namespace {
+
+using ::strata::testing::StatusIs;
+
+constexpr int kLayers = 2;
+constexpr int kHeads = 2;
+constexpr int kPages = 10;  // per (layer, head)
+constexpr int kP = 4;
+constexpr int kD = 8;
+
+class GpuCacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    backend_ = kernels::MakeCpuBackend(1);
+    metrics_ = std::make_unique<KvMetrics>(&registry_);
+    layout_ = testing::SmallLayout(kLayers, kHeads, kP, kD);
+    doc_.bytes.fill('g');
+    HostCacheOptions ho;
+    ho.capacity_bytes = int64_t{64} << 20;
+    STRATA_ASSERT_OK_AND_ASSIGN(host_, HostCache::Create(ho));
+    std::vector<PageWrite> writes;
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t h = 0; h < kHeads; ++h) {
+        // The last page is partly filled (tokens beyond the end are zero).
+        for (uint32_t p = 0; p < kPages; ++p) {
+          PageWrite w;
+          w.key = PageKey{doc_, l, h, p};
+          STRATA_ASSERT_OK_AND_ASSIGN(
+              w.data, PageBuffer::Copy(testing::MakePage(layout_, kPages * kP - 1, l, h, p, 7)));
+          writes.push_back(std::move(w));
+        }
+      }
+    }
+    STRATA_ASSERT_OK(host_->Put(writes, {}));
+  }
+
+  GpuCacheOptions Options(int64_t slots) {
+    GpuCacheOptions o;
+    o.document = doc_;
+    o.num_layers = kLayers;
+    o.num_kv_heads = kHeads;
+    o.pages_per_head = kPages;
+    o.page_size = kP;
+    o.head_dim = kD;
+    o.num_slots = slots;
+    o.max_batch_pages = 3;  // small, so that fills take several batches
+    o.source = host_.get();
+    o.metrics = metrics_.get();
+    return o;
+  }
+
+  std::unique_ptr<GpuPageCache> Make(int64_t slots) {
+    auto c = GpuPageCache::Create(Options(slots), backend_.get());
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  // The slot's K and V bytes equal the source page's.
+  void ExpectSlotHolds(GpuPageCache& c, int32_t slot, const GpuPageId& id) {
+    std::vector<PageRef> got;
+    ASSERT_TRUE(host_->GetPages({PageKey{doc_, static_cast<uint32_t>(id.layer),
+                                         static_cast<uint32_t>(id.kv_head),
+                                         static_cast<uint32_t>(id.page)}},
+                                &got)
+                    .ok());
+    ASSERT_NE(got[0], nullptr);
+    const size_t half = static_cast<size_t>(kP) * kD * 2;
+    const char* k = static_cast<const char*>(c.k_pool().data) + half * slot;
+    const char* v = static_cast<const char*>(c.v_pool().data) + half * slot;
+    EXPECT_EQ(std::memcmp(k, PageKBytes(got[0]->view()).data(), half), 0)
+        << "K of slot " << slot << " page " << id.page;
+    EXPECT_EQ(std::memcmp(v, PageVBytes(got[0]->view()).data(), half), 0)
+        << "V of slot " << slot << " page " << id.page;
+  }
+
+  // Every page's host slot, its bytes, and the device table mirror agree.
+  void ExpectConsistent(GpuPageCache& c) {
+    STRATA_ASSERT_OK(c.WaitForFills());
+    std::vector<int32_t> device(c.table_size());
+    STRATA_ASSERT_OK(backend_->CopyToHost(device.data(), c.device_table(),
+                                          device.size() * sizeof(int32_t), nullptr));
+    std::vector<int> owners(c.options().num_slots, 0);
+    int64_t resident = 0;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int h = 0; h < kHeads; ++h) {
+        for (int p = 0; p < kPages; ++p) {
+          const GpuPageId id{l, h, p};
+          STRATA_ASSERT_OK_AND_ASSIGN(int32_t s, c.SlotOf(id));
+          EXPECT_EQ(device[(l * kHeads + h) * kPages + p], s) << l << "/" << h << "/" << p;
+          if (s < 0) continue;
+          ++resident;
+          ++owners[s];
+          ExpectSlotHolds(c, s, id);
+        }
+      }
+    }
+    for (int n : owners) EXPECT_LE(n, 1);
+    EXPECT_EQ(c.resident_pages(), resident);
+  }
+
+  double Counter(const char* name, const std::string& tier) {
+    for (const auto& f : registry_.Collect()) {
+      if (f.name != name) continue;
+      for (const auto& m : f.metric) {
+        for (const auto& l : m.label) {
+          if (l.value == tier) {
+            return f.type == prometheus::MetricType::Gauge ? m.gauge.value : m.counter.value;
+          }
+        }
+      }
+    }
+    return -1;
+  }
+
+  std::unique_ptr<kernels::Backend> backend_;
+  prometheus::Registry registry_;
+  std::unique_ptr<KvMetrics> metrics_;
+  KvLayout layout_;
+  DocumentId doc_;
+  std::unique_ptr<HostCache> host_;
+};
+
+std::vector<GpuPageId> Pages(std::initializer_list<int> pages, int layer = 0, int head = 0) {
+  std::vector<GpuPageId> v;
+  for (int p : pages) v.push_back(GpuPageId{layer, head, p});
+  return v;
+}
+
+TEST_F(GpuCacheTest, OptionsAreValidated) {
+  GpuCacheOptions o = Options(4);
+  o.num_slots = 0;
+  EXPECT_THAT(GpuPageCache::Create(o, backend_.get()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  o = Options(4);
+  o.source = nullptr;
+  EXPECT_THAT(GpuPageCache::Create(o, backend_.get()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  o = Options(4);
+  o.pages_per_head = int64_t{1} << 30;
+  EXPECT_THAT(GpuPageCache::Create(o, backend_.get()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(GpuPageCache::Create(Options(4), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(GpuCacheTest, ClockEvictsExactlyAsSpecified) {
+  auto c = Make(4);
+  ASSERT_NE(c, nullptr);
+  std::vector<int32_t> slots;
+  // Never-used slots first, lowest first.
+  STRATA_ASSERT_OK(c->Acquire(Pages({0, 1, 2, 3}), MissPolicy::kWait, &slots));
+  EXPECT_EQ(slots, (std::vector<int32_t>{0, 1, 2, 3}));
+  STRATA_ASSERT_OK(c->Release(slots));
+  STRATA_ASSERT_OK(c->Acquire(Pages({0}), MissPolicy::kWait, &slots));  // hit
+  EXPECT_EQ(slots, (std::vector<int32_t>{0}));
+  STRATA_ASSERT_OK(c->Release(slots));
+  // Every reference bit is set: the hand clears 0..3, wraps, and takes slot 0 (page 0 goes).
+  STRATA_ASSERT_OK(c->Acquire(Pages({4}), MissPolicy::kWait, &slots));
+  EXPECT_EQ(slots, (std::vector<int32_t>{0}));
+  STRATA_ASSERT_OK(c->Release(slots));
+  EXPECT_EQ(*c->SlotOf({0, 0, 0}), -1);
+  STRATA_ASSERT_OK(c->Acquire(Pages({1}), MissPolicy::kWait, &slots));  // hit: sets slot 1's bit
+  STRATA_ASSERT_OK(c->Release(slots));
+  // The hand is at 1: clears slot 1's bit, takes slot 2 (page 2).
+  STRATA_ASSERT_OK(c->Acquire(Pages({5}), MissPolicy::kWait, &slots));
+  EXPECT_EQ(slots, (std::vector<int32_t>{2}));
+  STRATA_ASSERT_OK(c->Release(slots));
+  EXPECT_EQ(*c->SlotOf({0, 0, 2}), -1);
+  EXPECT_EQ(*c->SlotOf({0, 0, 1}), 1);
+  EXPECT_EQ(*c->SlotOf({0, 0, 3}), 3);
+  EXPECT_EQ(*c->SlotOf({0, 0, 4}), 0);
+  EXPECT_EQ(*c->SlotOf({0, 0, 5}), 2);
+  // Next: hand at 3, slot 3's bit is still clear from the first sweep -> page 3 goes.
+  STRATA_ASSERT_OK(c->Acquire(Pages({6}), MissPolicy::kWait, &slots));
+  EXPECT_EQ(slots, (std::vector<int32_t>{3}));
+  STRATA_ASSERT_OK(c->Release(slots));
+  const GpuCacheStats s = c->stats();
+  EXPECT_EQ(s.lookups, 9);
+  EXPECT_EQ(s.hits, 2);
+  EXPECT_EQ(s.evictions, 3);
+  EXPECT_EQ(s.fills, 7);
+  ExpectConsistent(*c);
+}
+
+TEST_F(GpuCacheTest, PinnedPagesAreNeverEvicted) {
+  auto c = Make(4);
+  ASSERT_NE(c, nullptr);
+  std::vector<int32_t> step1, other;
+  STRATA_ASSERT_OK(c->Acquire(Pages({0, 1, 2}), MissPolicy::kWait, &step1));  // stays pinned
+  EXPECT_EQ(c->pinned_slots(), 3);
+  for (int p = 3; p < kPages; ++p) {
+    STRATA_ASSERT_OK(c->Acquire(Pages({p}), MissPolicy::kWait, &other));
+    EXPECT_EQ(other, (std::vector<int32_t>{3}));  // the only unpinned slot
+    STRATA_ASSERT_OK(c->Release(other));
+  }
+  for (int p = 0; p < 3; ++p) EXPECT_EQ(*c->SlotOf({0, 0, p}), p);
+  ExpectConsistent(*c);
+  STRATA_ASSERT_OK(c->Release(step1));
+  EXPECT_EQ(c->pinned_slots(), 0);
+}
+
+TEST_F(GpuCacheTest, AllPinnedIsResourceExhaustedAndChangesNothing) {
+  auto c = Make(4);
+  ASSERT_NE(c, nullptr);
+  std::vector<int32_t> step, slots;
+  STRATA_ASSERT_OK(c->Acquire(Pages({0, 1, 2, 3}), MissPolicy::kWait, &step));
+  const GpuCacheStats before = c->stats();
+  EXPECT_THAT(c->Acquire(Pages({4}), MissPolicy::kWait, &slots),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  // Hits on unpinned pages count against the room too: 2 unpinned, 1 of them hit, 2 misses.
+  STRATA_ASSERT_OK(c->Release(std::vector<int32_t>{step[0], step[1]}));
+  EXPECT_THAT(c->Acquire(Pages({0, 5, 6}), MissPolicy::kWait, &slots),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(c->pinned_slots(), 2);
+  EXPECT_EQ(c->stats().lookups, before.lookups);
+  EXPECT_EQ(c->stats().fills, before.fills);
+  // Deferred misses are not an error when the slots run out: the hits come back, misses -1.
+  STRATA_ASSERT_OK(c->Acquire(Pages({2, 3, 7}), MissPolicy::kDefer, &slots));
+  EXPECT_EQ(slots, (std::vector<int32_t>{2, 3, -1}));
+  STRATA_ASSERT_OK(c->Release(slots));
+  STRATA_ASSERT_OK(c->Release(std::vector<int32_t>{step[2], step[3]}));
+  ExpectConsistent(*c);
+}
+
+TEST_F(GpuCacheTest, BytesExactAfterEvictionAndRefill) {
+  auto c = Make(5);
+  ASSERT_NE(c, nullptr);
+  std::mt19937 rng(3);
+  std::vector<int32_t> slots;
+  for (int step = 0; step < 40; ++step) {
+    std::vector<GpuPageId> want;
+    for (int i = 0; i < 4; ++i) {
+      want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
+                               static_cast<int32_t>(rng() % kHeads),
+                               static_cast<int32_t>(rng() % kPages)});
+    }
+    STRATA_ASSERT_OK(c->Acquire(want, MissPolicy::kWait, &slots));
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_GE(slots[i], 0);
+      ExpectSlotHolds(*c, slots[i], want[i]);
+    }
+    STRATA_ASSERT_OK(c->Release(slots));
+  }
+  EXPECT_GT(c->stats().evictions, 20);
+  ExpectConsistent(*c);
+}
+
+TEST_F(GpuCacheTest, DuplicatesArePinnedPerEntry) {
+  auto c = Make(4);
+  ASSERT_NE(c, nullptr);
+  std::vector<int32_t> slots;
+  STRATA_ASSERT_OK(c->Acquire(Pages({1, 1, 2}), MissPolicy::kWait, &slots));
+  EXPECT_EQ(slots, (std::vector<int32_t>{0, 0, 1}));
+  EXPECT_EQ(c->stats().fills, 2);
+  STRATA_ASSERT_OK(c->Release(std::vector<int32_t>{0}));
+  EXPECT_EQ(c->pinned_slots(), 2);  // slot 0 once more, slot 1
+  EXPECT_THAT(c->Release(std::vector<int32_t>{0, 0}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(c->pinned_slots(), 2);  // the failed release changed nothing
+  EXPECT_THAT(c->Release(std::vector<int32_t>{4}), StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK(c->Release(std::vector<int32_t>{0, 1, -1}));
+  EXPECT_EQ(c->pinned_slots(), 0);
+}
+
+TEST_F(GpuCacheTest, DeferredMissesArriveForTheNextStep) {
+  auto c = Make(8);
+  ASSERT_NE(c, nullptr);
+  std::vector<int32_t> slots;
+  STRATA_ASSERT_OK(c->Acquire(Pages({0, 1}), MissPolicy::kWait, &slots));
+  STRATA_ASSERT_OK(c->Release(slots));
+  STRATA_ASSERT_OK(c->Acquire(Pages({0, 1, 2, 3}), MissPolicy::kDefer, &slots));
+  EXPECT_EQ(slots, (std::vector<int32_t>{0, 1, -1, -1}));
+  STRATA_ASSERT_OK(c->Release(slots));
+  STRATA_ASSERT_OK(c->Acquire(Pages({0, 1, 2, 3}), MissPolicy::kDefer, &slots));
+  EXPECT_EQ(slots, (std::vector<int32_t>{0, 1, 2, 3}));
+  STRATA_ASSERT_OK(c->Release(slots));
+  EXPECT_EQ(c->stats().lookups, 10);
+  EXPECT_EQ(c->stats().hits, 6);
+  ExpectConsistent(*c);
+}
+
+TEST_F(GpuCacheTest, PrefetchFillsWithoutCountingLookups) {
+  auto c = Make(8);
+  ASSERT_NE(c, nullptr);
+  int64_t issued = -1;
+  STRATA_ASSERT_OK(c->Prefetch(Pages({3, 4, 5, 5}, 1, 1), &issued));
+  EXPECT_EQ(issued, 3);
+  EXPECT_EQ(c->stats().lookups, 0);
+  EXPECT_EQ(c->pinned_slots(), 0);
+  STRATA_ASSERT_OK(c->Prefetch(Pages({3, 4, 5, 6}, 1, 1), &issued));
+  EXPECT_EQ(issued, 1);
+  std::vector<int32_t> slots;
+  STRATA_ASSERT_OK(c->Acquire(Pages({3, 4, 5, 6}, 1, 1), MissPolicy::kWait, &slots));
+  EXPECT_EQ(c->stats().hits, 4);
+  STRATA_ASSERT_OK(c->Release(slots));
+  ExpectConsistent(*c);
+}
+
+TEST_F(GpuCacheTest, MetricsMoveUnderTierGpu) {
+  auto c = Make(3);
+  ASSERT_NE(c, nullptr);
+  const double page_bytes = 2.0 * kP * kD * 2;
+  EXPECT_EQ(Counter("strata_kv_capacity_bytes", "gpu"), 3 * page_bytes);
+  EXPECT_EQ(Counter("strata_kv_resident_bytes", "gpu"), 0);
+  std::vector<int32_t> slots;
+  STRATA_ASSERT_OK(c->Acquire(Pages({0, 1, 2}), MissPolicy::kWait, &slots));
+  STRATA_ASSERT_OK(c->Release(slots));
+  STRATA_ASSERT_OK(c->Acquire(Pages({0, 3}), MissPolicy::kWait, &slots));
+  STRATA_ASSERT_OK(c->Release(slots));
+  EXPECT_EQ(Counter("strata_kv_lookups_total", "gpu"), 5);
+  EXPECT_EQ(Counter("strata_kv_hits_total", "gpu"), 1);
+  EXPECT_EQ(Counter("strata_kv_evictions_total", "gpu"), 1);
+  EXPECT_EQ(Counter("strata_kv_resident_bytes", "gpu"), 3 * page_bytes);
+  double fetched = -1;
+  for (const auto& f : registry_.Collect()) {
+    if (f.name != "strata_kv_fetch_bytes_total") continue;
+    for (const auto& m : f.metric) {
+      bool src = false, dst = false;
+      for (const auto& l : m.label) {
+        src |= l.name == "src" && l.value == "host";
+        dst |= l.name == "dst" && l.value == "gpu";
+      }
+      if (src && dst) fetched = m.counter.value;
+    }
+  }
+  EXPECT_EQ(fetched, 4 * page_bytes);
+}
+
+TEST_F(GpuCacheTest, ErrorsChangeNothing) {
+  auto c = Make(4);
+  ASSERT_NE(c, nullptr);
+  std::vector<int32_t> slots;
+  EXPECT_THAT(c->Acquire(Pages({kPages}), MissPolicy::kWait, &slots),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c->Acquire({GpuPageId{kLayers, 0, 0}}, MissPolicy::kWait, &slots),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c->Acquire(Pages({0}), MissPolicy::kWait, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // A page the host tier lacks: NotFound, and the hit on page 1 is not left pinned.
+  STRATA_ASSERT_OK(c->Acquire(Pages({1}), MissPolicy::kWait, &slots));
+  STRATA_ASSERT_OK(c->Release(slots));
+  host_->EraseDocument(doc_);
+  EXPECT_THAT(c->Acquire(Pages({1, 2}), MissPolicy::kWait, &slots),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(c->pinned_slots(), 0);
+  EXPECT_EQ(c->resident_pages(), 1);
+  EXPECT_THAT(c->Prefetch(Pages({3})), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(c->resident_pages(), 1);
+}
+
+TEST_F(GpuCacheTest, WrongPageShapeIsRefused) {
+  HostCacheOptions ho;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto other, HostCache::Create(ho));
+  const KvLayout wide = testing::SmallLayout(kLayers, kHeads, kP, 2 * kD);
+  PageWrite w;
+  w.key = PageKey{doc_, 0, 0, 0};
+  STRATA_ASSERT_OK_AND_ASSIGN(w.data,
+                              PageBuffer::Copy(testing::MakePage(wide, kP, 0, 0, 0, 1)));
+  STRATA_ASSERT_OK(other->Put({w}, {}));
+  GpuCacheOptions o = Options(4);
+  o.source = other.get();
+  STRATA_ASSERT_OK_AND_ASSIGN(auto c, GpuPageCache::Create(o, backend_.get()));
+  std::vector<int32_t> slots;
+  EXPECT_THAT(c->Acquire(Pages({0}), MissPolicy::kWait, &slots),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(c->resident_pages(), 0);
+}
+
+TEST_F(GpuCacheTest, PrefetchThreadRacesDecodeThread) {
+  auto c = Make(12);
+  ASSERT_NE(c, nullptr);
+  std::atomic<bool> stop{false};
+  std::thread prefetcher([&] {
+    std::mt19937 rng(11);
+    while (!stop.load()) {
+      std::vector<GpuPageId> want;
+      for (int i = 0; i < 5; ++i) {
+        want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
+                                 static_cast<int32_t>(rng() % kHeads),
+                                 static_cast<int32_t>(rng() % kPages)});
+      }
+      EXPECT_TRUE(c->Prefetch(want).ok());
+    }
+  });
+  std::mt19937 rng(5);
+  std::vector<int32_t> slots;
+  for (int step = 0; step < 300; ++step) {
+    std::vector<GpuPageId> want;
+    for (int i = 0; i < 6; ++i) {
+      want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
+                               static_cast<int32_t>(rng() % kHeads),
+                               static_cast<int32_t>(rng() % kPages)});
+    }
+    const MissPolicy policy = step % 2 == 0 ? MissPolicy::kWait : MissPolicy::kDefer;
+    STRATA_ASSERT_OK(c->Acquire(want, policy, &slots));
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (slots[i] >= 0) ExpectSlotHolds(*c, slots[i], want[i]);
+    }
+    STRATA_ASSERT_OK(c->Release(slots));
+  }
+  stop.store(true);
+  prefetcher.join();
+  EXPECT_EQ(c->pinned_slots(), 0);
+  ExpectConsistent(*c);
+}
+
+}  // namespace
+}  // namespace strata::kvstore
