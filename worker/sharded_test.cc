@@ -178,6 +178,9 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   PrefillExact();
   const std::vector<int32_t> want = Reference(12);
   ASSERT_EQ(want.size(), 12u);
+  std::string shown;
+  for (int32_t t : want) absl::StrAppend(&shown, t, " ");
+  std::printf("reference tokens: %s\n", shown.c_str());
   // Led by w1: its own shard in process, w0's and w2's over gRPC.
   const v1::JobInfo info = Run(1, Job("sharded-1", 12));
   ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
@@ -209,6 +212,38 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   const v1::JobInfo failed = Run(1, bad);
   EXPECT_EQ(failed.state(), v1::JobInfo::FAILED);
   EXPECT_EQ(failed.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(ShardedTest, ConcurrentJobsLedByDifferentWorkers) {
+  // Each leader waits for the other's peers inside its forward: selection answers must not take
+  // the engine lock (no deadlock), and both jobs give the reference tokens.
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(10);
+  v1::JobInfo a, b;
+  std::thread ta([&] { a = Run(0, Job("concurrent-a", 10)); });
+  std::thread tb([&] { b = Run(2, Job("concurrent-b", 10)); });
+  ta.join();
+  tb.join();
+  ASSERT_EQ(a.state(), v1::JobInfo::DONE) << a.error_message();
+  ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
+  EXPECT_EQ(Tokens(a), want);
+  EXPECT_EQ(Tokens(b), want);
+}
+
+TEST_F(ShardedTest, SparsePolicySplitsTheBudgetOverShards) {
+  PrefillExact();
+  v1::RunJobRequest req = Job("sparse-1", 6);
+  req.mutable_policy()->set_name("quest");
+  req.mutable_policy()->set_budget_tokens(64);
+  req.mutable_policy()->set_sink_tokens(4);
+  req.mutable_policy()->set_window_tokens(16);
+  const v1::JobInfo info = Run(1, req);
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(info.output_token_ids_size(), 6);
+  // Per KV head and layer: sinks + each shard's share of 64 tokens (whole pages) + its last token
+  // + the prompt and generated tokens, well below the 330-token document.
+  EXPECT_GT(info.usage().mean_attended_tokens(), 0.0);
+  EXPECT_LT(info.usage().mean_attended_tokens(), static_cast<double>(doc_.size()));
 }
 
 TEST_F(ShardedTest, PeerLostMidDecodeFailsOverToPersistedPages) {
