@@ -157,6 +157,89 @@ inline size_t PageCopyBytes(int64_t page_size, int64_t head_dim, DType dtype) {
   return static_cast<size_t>(2 * page_size * head_dim) * DTypeSize(dtype);
 }
 
+// ---- Device-resident sparse selection (DESIGN.md section 3; engine/sparse/policy.h) ----------
+// These ops run the stages of the sparse policies' selection on backend memory so that a decode
+// step needs no host round trip (and, on CUDA, can be captured in a graph): score page or segment
+// summaries (Quest minmax bound), score candidate keys (TokenSelect), soft-vote the query heads of
+// each KV head and keep the top k, and attend over the selection. Each stage's output feeds the
+// next through a CandidateList. The CPU twins are in kernels/cpu/selection.cc (the specification);
+// the CUDA ones in kernels/cuda/selection.cu and kernels/cuda/attention.cu.
+
+// The candidates of each KV head, described by values in backend memory. Candidate i
+// (0 <= i < Count()) of KV head g has the id
+//   parents.data == nullptr:  begin + i
+//   otherwise:                parents[g, i / fanout] * fanout + i % fanout
+// and is *invalid* when its parent is negative or its id is outside [begin, end). Examples: the
+// pages of the top segments (parents = segment ids, fanout = pages per segment, [begin, end) = the
+// middle's pages); the tokens of the top pages (fanout = page size, range = the middle's tokens);
+// a token list (fanout 1).
+struct CandidateList {
+  TensorView parents;   // [num_kv_heads, num_parents] i32, or data == nullptr (a plain range)
+  int fanout = 1;       // >= 1
+  int64_t begin = 0;    // valid ids are [begin, end)
+  int64_t end = 0;
+  int64_t Count() const { return parents.data != nullptr ? parents.dim(1) * fanout : end - begin; }
+};
+
+// Quest scores of minmax summaries (one row per page or segment): for KV head g, query head
+// h = g * group + j (group = num_q_heads / num_kv_heads) and candidate i with id c,
+//   scores[g, j, i] = sum_e max(v_e * min[g, c, e], v_e * max[g, c, e]),  v = scale * q[h]
+// (the upper bound of scale * q.k over the keys summarised), or -inf when i is invalid or
+// c >= num_items.
+struct ScoreSummariesParams {
+  TensorView q;           // [num_q_heads, head_dim] f32
+  TensorView summaries;   // [num_kv_heads, num_items, 2 * head_dim] f32: per-channel min, then max
+  CandidateList candidates;
+  float scale = 0.0f;
+  TensorView scores;      // [num_kv_heads, group, candidates.Count()] f32
+};
+
+// Key scores (TokenSelect): candidate ids are token positions; token t of KV head g is row
+// page_table[g, t / page_size] * page_size + t % page_size of the pool, and
+//   scores[g, j, i] = (scale * q[g * group + j]) . k_row
+// or -inf when i is invalid, t / page_size >= table_pages or the slot is outside the pool.
+struct ScoreKeysParams {
+  TensorView q;           // [num_q_heads, head_dim] f32
+  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16
+  TensorView page_table;  // [num_kv_heads, table_pages] i32: pool slot of each logical page
+  CandidateList candidates;
+  float scale = 0.0f;
+  TensorView scores;      // [num_kv_heads, group, candidates.Count()] f32
+};
+
+// Head soft vote and top-k, per KV head g (engine/sparse's SoftVote):
+//   vote[i] = sum_j softmax_i(scores[g, j, :])[i]   (a head whose scores are all -inf adds 0).
+// Candidate i is valid when candidates says so and some head's score is not -inf (NaN counts as
+// -inf). Ranking is by vote, descending, ties to the lower index. selected[g, :] holds the ids of
+// the (at most k) best valid candidates in ascending index order, then -1 up to k.
+struct VoteTopKParams {
+  TensorView scores;      // [num_kv_heads, group, n] f32 (n = candidates.Count())
+  CandidateList candidates;
+  int64_t k = 0;          // >= 0
+  TensorView selected;    // [num_kv_heads, k] i32 (output)
+  TensorView vote;        // [num_kv_heads, n] f32 (output), or data == nullptr
+};
+
+// Decode attention (one query token) over a device-resident selection. KV head g attends to the
+// tokens [0, prefix_end), the valid ids of `middle` and [suffix_begin, suffix_end), each token t
+// read from pool row page_table[g, t / page_size] * page_size + t % page_size; tokens whose page is
+// outside the table or whose slot is outside the pool are skipped. The caller keeps the three sets
+// disjoint (a token listed twice is attended twice). Math, out and lse as PagedAttention (out 0
+// and lse -inf when nothing is attended); no causal mask (list only tokens the query may see).
+struct SelectedAttentionParams {
+  TensorView q;           // [1, num_q_heads, head_dim] f32
+  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16
+  TensorView v_pool;      // same shape and dtype as k_pool
+  TensorView page_table;  // [num_kv_heads, table_pages] i32
+  int64_t prefix_end = 0;
+  CandidateList middle;
+  int64_t suffix_begin = 0;
+  int64_t suffix_end = 0;
+  float scale = 0.0f;
+  TensorView out;         // [1, num_q_heads, head_dim] f32
+  TensorView lse;         // [1, num_q_heads] f32
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -190,6 +273,20 @@ class Backend {
   virtual absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) = 0;
   virtual absl::Status Supports(const MergeAttentionParams& p) const = 0;
   virtual absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) = 0;
+
+  // Device-resident sparse selection (see above). Backends without them return Unimplemented.
+  virtual absl::Status ScoreSummaries(const ScoreSummariesParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": ScoreSummaries");
+  }
+  virtual absl::Status ScoreKeys(const ScoreKeysParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": ScoreKeys");
+  }
+  virtual absl::Status VoteTopK(const VoteTopKParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": VoteTopK");
+  }
+  virtual absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": SelectedAttention");
+  }
   virtual absl::Status Supports(const PageCopyParams& p) const = 0;
   virtual absl::Status PageCopy(const PageCopyParams& p, Stream s) = 0;
 };

@@ -183,6 +183,16 @@ absl::Status CpuBackend::MergeAttention(const MergeAttentionParams& p, Stream) {
 absl::Status CpuBackend::Supports(const PageCopyParams& p) const { return CpuSupportsPageCopy(p); }
 absl::Status CpuBackend::PageCopy(const PageCopyParams& p, Stream) { return CpuPageCopy(p); }
 
+// Device-resident selection (kernels/cpu/selection.cc): run on the calling thread.
+absl::Status CpuBackend::ScoreSummaries(const ScoreSummariesParams& p, Stream) {
+  return CpuScoreSummaries(p);
+}
+absl::Status CpuBackend::ScoreKeys(const ScoreKeysParams& p, Stream) { return CpuScoreKeys(p); }
+absl::Status CpuBackend::VoteTopK(const VoteTopKParams& p, Stream) { return CpuVoteTopK(p); }
+absl::Status CpuBackend::SelectedAttention(const SelectedAttentionParams& p, Stream) {
+  return CpuSelectedAttention(p);
+}
+
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads) {
   return std::make_unique<CpuBackend>(num_threads);
 }

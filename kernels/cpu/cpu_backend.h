@@ -51,6 +51,22 @@ absl::Status CpuMergeAttention(const MergeAttentionParams& p);
 absl::Status CpuSupportsPageCopy(const PageCopyParams& p);
 absl::Status CpuPageCopy(const PageCopyParams& p);
 
+// Device-resident sparse selection (kernels/cpu/selection.cc; semantics in kernels/backend.h).
+// The CpuSupports* twins are also the validation of the CUDA backend's versions.
+absl::Status CpuSupportsScoreSummaries(const ScoreSummariesParams& p);
+absl::Status CpuSupportsScoreKeys(const ScoreKeysParams& p);
+absl::Status CpuSupportsVoteTopK(const VoteTopKParams& p);
+absl::Status CpuSupportsSelectedAttention(const SelectedAttentionParams& p);
+absl::Status CpuScoreSummaries(const ScoreSummariesParams& p);
+absl::Status CpuScoreKeys(const ScoreKeysParams& p);
+absl::Status CpuVoteTopK(const VoteTopKParams& p);
+absl::Status CpuSelectedAttention(const SelectedAttentionParams& p);
+// InvalidArgument unless `c` is well formed for `num_kv_heads` heads (fanout >= 1, range inside
+// [0, 2^31), parents i32 [num_kv_heads, *]); Unimplemented beyond 2^30 candidates per head.
+absl::Status CheckCandidateList(const CandidateList& c, int64_t num_kv_heads, const char* op);
+// The id of candidate i of KV head g (host-readable parents), or -1 when it is invalid.
+int64_t CandidateId(const CandidateList& c, int g, int64_t i);
+
 // Host memory owned by a CpuBackend allocation (64-byte aligned).
 class CpuBuffer : public Buffer {
  public:
@@ -96,6 +112,10 @@ class CpuBackend : public Backend {
   absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) override;
   absl::Status Supports(const MergeAttentionParams& p) const override;
   absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) override;
+  absl::Status ScoreSummaries(const ScoreSummariesParams& p, Stream s) override;
+  absl::Status ScoreKeys(const ScoreKeysParams& p, Stream s) override;
+  absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
+  absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
   absl::Status Supports(const PageCopyParams& p) const override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
 

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/internal/common.cuh"
+#include "kernels/cuda/internal/selection.cuh"
 
 namespace strata::kernels::cuda_internal {
 namespace {
@@ -537,6 +538,300 @@ cudaError_t LaunchMergeAttention(const MergeParts& parts, int64_t rows, int64_t 
   const int threads = head_dim >= 128 ? 128 : 32;
   MergeAttentionKernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(parts, rows, head_dim,
                                                                             out, lse);
+  return cudaGetLastError();
+}
+
+}  // namespace strata::kernels::cuda_internal
+
+// ---- Decode attention over a device-resident selection (SelectedAttention) -------------------
+// Per KV head the attended tokens are a virtual list: [0, prefix_end), the ids of the middle
+// CandidateList, then [suffix_begin, suffix_begin + suffix_len). The list is cut into
+// items_per_head work items of `chunk` positions (uniform, so the launch needs no host plan and
+// no device-to-host copy); SelectedDecodeKernel is the split-K kernel above with each thread
+// mapping its position to a pool row through the page table (invalid ids score -inf and are not
+// read), and SelectedCombineKernel merges the items of each query head.
+
+namespace strata::kernels::cuda_internal {
+namespace {
+
+template <typename KV, int HEAD_DIM>
+__global__ void __launch_bounds__(kThreads)
+    SelectedDecodeKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
+                         const KV* __restrict__ v_pool, const int32_t* __restrict__ table,
+                         DeviceCandidates middle, SelectedAttentionShape shape,
+                         float* __restrict__ scratch) {
+  constexpr int kDimsPerLane = HEAD_DIM / 32;
+  __shared__ float q_s[kDecodeMaxGroup][HEAD_DIM];
+  __shared__ float p_s[kDecodeMaxGroup][kThreads];
+  __shared__ int64_t row_s[kThreads];
+  __shared__ float m_s[kDecodeMaxGroup], l_s[kDecodeMaxGroup], corr_s[kDecodeMaxGroup];
+  __shared__ float red_s[kWarps][kDecodeMaxGroup][HEAD_DIM];
+
+  const int g = blockIdx.x / shape.items_per_head;
+  const int item = blockIdx.x % shape.items_per_head;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int32_t begin = item * shape.chunk;
+  const int32_t end = min(shape.total, begin + shape.chunk);
+  const int32_t mid_end = shape.prefix_end + middle.count;
+
+  const float* q_head = q + static_cast<int64_t>(g) * group * HEAD_DIM;
+  for (int i = tid; i < group * HEAD_DIM; i += kThreads) q_s[i / HEAD_DIM][i % HEAD_DIM] = q_head[i];
+  if (tid < group) {
+    m_s[tid] = NegInf();
+    l_s[tid] = 0.0f;
+  }
+  float acc[kDecodeMaxGroup][kDimsPerLane];
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+#pragma unroll
+    for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = 0.0f;
+  }
+  __syncthreads();
+
+  for (int32_t tile = begin; tile < end; tile += kThreads) {
+    const int cnt = min(kThreads, end - tile);
+    // A: one position per thread -> token -> row; scores against every head of the group.
+    float s[kDecodeMaxGroup];
+#pragma unroll
+    for (int h = 0; h < kDecodeMaxGroup; ++h) s[h] = 0.0f;
+    int64_t row = -1;
+    if (tid < cnt) {
+      const int32_t v = tile + tid;
+      int32_t t;
+      if (v < shape.prefix_end) {
+        t = v;
+      } else if (v < mid_end) {
+        t = CandidateIdAt(middle, g, v - shape.prefix_end);
+      } else {
+        t = shape.suffix_begin + (v - mid_end);
+      }
+      row = TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
+      if (row >= 0) {
+        const KV* k = k_pool + row * HEAD_DIM;
+#pragma unroll 8
+        for (int c = 0; c < HEAD_DIM; c += 8) {
+          float kf[8];
+          Load8<KV>(k + c, kf);
+#pragma unroll
+          for (int h = 0; h < kDecodeMaxGroup; ++h) {
+            if (h < group) {
+#pragma unroll
+              for (int e = 0; e < 8; ++e) s[h] += q_s[h][c + e] * kf[e];
+            }
+          }
+        }
+      }
+    }
+    row_s[tid] = row;
+#pragma unroll
+    for (int h = 0; h < kDecodeMaxGroup; ++h) {
+      if (h < group) p_s[h][tid] = row >= 0 ? s[h] * shape.scale : NegInf();
+    }
+    __syncthreads();
+
+    // B: running max and sum per head; scores become weights exp(s - m).
+    for (int h = warp; h < group; h += kWarps) {
+      float v[kThreads / 32];
+      float tile_m = NegInf();
+#pragma unroll
+      for (int r = 0; r < kThreads / 32; ++r) {
+        v[r] = p_s[h][lane + 32 * r];
+        tile_m = fmaxf(tile_m, v[r]);
+      }
+      tile_m = WarpMax(tile_m);
+      const float old_m = m_s[h];
+      const float new_m = fmaxf(old_m, tile_m);
+      float sum = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kThreads / 32; ++r) {
+        const float p = (new_m == NegInf() || v[r] == NegInf()) ? 0.0f : __expf(v[r] - new_m);
+        p_s[h][lane + 32 * r] = p;
+        sum += p;
+      }
+      sum = WarpSum(sum);
+      __syncwarp();
+      if (lane == 0) {
+        const float corr = old_m == NegInf() ? (new_m == NegInf() ? 1.0f : 0.0f)
+                                             : __expf(old_m - new_m);
+        corr_s[h] = corr;
+        l_s[h] = l_s[h] * corr + sum;
+        m_s[h] = new_m;
+      }
+    }
+    __syncthreads();
+
+    // C: rescale, then acc[h, :] += p[h, t] v_t over the tile's valid rows.
+#pragma unroll
+    for (int h = 0; h < kDecodeMaxGroup; ++h) {
+      if (h < group) {
+        const float corr = corr_s[h];
+#pragma unroll
+        for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] *= corr;
+      }
+    }
+#pragma unroll 4
+    for (int t = warp; t < cnt; t += kWarps) {
+      const int64_t r = row_s[t];
+      if (r < 0) continue;
+      float vf[kDimsPerLane];
+      LoadN<KV, kDimsPerLane>(v_pool + r * HEAD_DIM + lane * kDimsPerLane, vf);
+#pragma unroll
+      for (int h = 0; h < kDecodeMaxGroup; ++h) {
+        if (h < group) {
+          const float p = p_s[h][t];
+#pragma unroll
+          for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] += p * vf[e];
+        }
+      }
+    }
+    __syncthreads();  // the next tile rewrites row_s and p_s
+  }
+
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+    if (h < group) {
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) red_s[warp][h][lane * kDimsPerLane + e] = acc[h][e];
+    }
+  }
+  __syncthreads();
+  float* part = scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2);
+  for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
+    const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red_s[w][h][d];
+    part[h * (HEAD_DIM + 2) + d] = sum;
+  }
+  if (tid < group) {
+    part[tid * (HEAD_DIM + 2) + HEAD_DIM] = m_s[tid];
+    part[tid * (HEAD_DIM + 2) + HEAD_DIM + 1] = l_s[tid];
+  }
+}
+
+// One block per query head: merges its KV head's items_per_head partials.
+__global__ void __launch_bounds__(kThreads)
+    SelectedCombineKernel(SelectedAttentionShape shape, const float* __restrict__ scratch,
+                          float* __restrict__ out, float* __restrict__ lse) {
+  __shared__ float w_s[kThreads];
+  __shared__ float tmp_s[kWarps];
+  const int head = blockIdx.x;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int g = head / group, hh = head % group;
+  const int d = shape.head_dim, stride = group * (d + 2);
+  const int n = shape.items_per_head;
+  const float* base = scratch + static_cast<int64_t>(g) * n * stride + hh * (d + 2);
+  const int tid = threadIdx.x;
+
+  float m = NegInf();
+  for (int i = tid; i < n; i += kThreads) m = fmaxf(m, base[static_cast<int64_t>(i) * stride + d]);
+  const float big_m = BlockMax(m, tmp_s);
+  float* o = out + static_cast<int64_t>(head) * d;
+  if (big_m == NegInf()) {
+    for (int e = tid; e < d; e += kThreads) o[e] = 0.0f;
+    if (tid == 0) lse[head] = NegInf();
+    return;
+  }
+  float l_part = 0.0f;
+  float acc[kCombineDimsPerThread];
+#pragma unroll
+  for (int r = 0; r < kCombineDimsPerThread; ++r) acc[r] = 0.0f;
+  for (int tile = 0; tile < n; tile += kThreads) {
+    const int i = tile + tid;
+    float w = 0.0f;
+    if (i < n) {
+      const float* pi = base + static_cast<int64_t>(i) * stride;
+      const float mi = pi[d];
+      w = mi == NegInf() ? 0.0f : __expf(mi - big_m);
+      l_part += w * pi[d + 1];
+    }
+    w_s[tid] = w;
+    __syncthreads();
+    const int cnt = min(kThreads, n - tile);
+#pragma unroll
+    for (int r = 0; r < kCombineDimsPerThread; ++r) {
+      const int e = tid + r * kThreads;
+      if (e < d) {
+        float a = acc[r];
+        for (int j = 0; j < cnt; ++j) {
+          if (w_s[j] != 0.0f) a += w_s[j] * base[static_cast<int64_t>(tile + j) * stride + e];
+        }
+        acc[r] = a;
+      }
+    }
+    __syncthreads();
+  }
+  const float big_l = BlockSum(l_part, tmp_s);
+  const float inv = 1.0f / big_l;
+#pragma unroll
+  for (int r = 0; r < kCombineDimsPerThread; ++r) {
+    const int e = tid + r * kThreads;
+    if (e < d) o[e] = acc[r] * inv;
+  }
+  if (tid == 0) lse[head] = big_m + logf(big_l);
+}
+
+template <typename KV>
+cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* v_pool,
+                                const int32_t* table, const DeviceCandidates& middle,
+                                const SelectedAttentionShape& shape, float* scratch,
+                                cudaStream_t stream) {
+  const auto* k = static_cast<const KV*>(k_pool);
+  const auto* v = static_cast<const KV*>(v_pool);
+  const unsigned blocks = static_cast<unsigned>(shape.num_kv_heads) * shape.items_per_head;
+  switch (shape.head_dim) {
+    case 64:
+      SelectedDecodeKernel<KV, 64><<<blocks, kThreads, 0, stream>>>(q, k, v, table, middle, shape, scratch);
+      break;
+    case 128:
+      SelectedDecodeKernel<KV, 128><<<blocks, kThreads, 0, stream>>>(q, k, v, table, middle, shape, scratch);
+      break;
+    case 256:
+      SelectedDecodeKernel<KV, 256><<<blocks, kThreads, 0, stream>>>(q, k, v, table, middle, shape, scratch);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim) {
+  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return false;
+  const int group = num_q_heads / num_kv_heads;
+  return group >= 1 && group <= kDecodeMaxGroup &&
+         (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
+int64_t SelectedAttentionScratchFloats(const SelectedAttentionShape& shape) {
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  return static_cast<int64_t>(shape.num_kv_heads) * shape.items_per_head * group *
+         (shape.head_dim + 2);
+}
+
+cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const void* v_pool,
+                                    FloatType pool_type, const int32_t* page_table,
+                                    const DeviceCandidates& middle,
+                                    const SelectedAttentionShape& shape, float* scratch,
+                                    float* out, float* lse, cudaStream_t stream) {
+  if (shape.num_q_heads == 0) return cudaSuccess;
+  if (!SelectedAttentionSupports(shape.num_q_heads, shape.num_kv_heads, shape.head_dim) ||
+      shape.items_per_head < 1 || shape.chunk < 1) {
+    return cudaErrorInvalidValue;
+  }
+  cudaError_t e;
+  if (pool_type == FloatType::kBF16) {
+    e = LaunchSelectedTyped<__nv_bfloat16>(q, k_pool, v_pool, page_table, middle, shape, scratch,
+                                           stream);
+  } else if (pool_type == FloatType::kF32) {
+    e = LaunchSelectedTyped<float>(q, k_pool, v_pool, page_table, middle, shape, scratch, stream);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  if (e != cudaSuccess) return e;
+  SelectedCombineKernel<<<shape.num_q_heads, kThreads, 0, stream>>>(shape, scratch, out, lse);
   return cudaGetLastError();
 }
 

@@ -99,6 +99,16 @@ class CudaBackend : public Backend {
   absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) override;
   absl::Status Supports(const MergeAttentionParams& p) const override;
   absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) override;
+  // Device-resident selection (kernels/cuda/selection.cu, attention.cu). Validation is the CPU
+  // twin's (CpuSupports*), plus: at most 16 query heads per KV head for the scoring ops, and
+  // SelectedAttention needs head_dim 64/128/256, at most 8 query heads per KV head and 16-byte
+  // aligned q and pools (Unimplemented otherwise). Scratch (VoteTopK keys beyond 32K candidates,
+  // SelectedAttention partials) comes from the stream-ordered pool, so every op is capturable in
+  // a CUDA graph: nothing reads device values on the host.
+  absl::Status ScoreSummaries(const ScoreSummariesParams& p, Stream s) override;
+  absl::Status ScoreKeys(const ScoreKeysParams& p, Stream s) override;
+  absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
+  absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
   // PageCopy: the CPU checks, then every host array must be AllocateHost memory (checked with
   // cudaPointerGetAttributes; InvalidArgument otherwise); one launch reads them through the
   // mapping (kernels/cuda/page_copy.cu) and returns without waiting.

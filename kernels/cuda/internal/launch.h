@@ -160,6 +160,64 @@ struct MergeParts {
 cudaError_t LaunchMergeAttention(const MergeParts& parts, int64_t rows, int64_t head_dim,
                                  float* out, float* lse, cudaStream_t stream);
 
+// ---- selection.cu / attention.cu: device-resident sparse selection -------------------------
+// (kernels::ScoreSummariesParams etc. in kernels/backend.h; CudaBackend validates first.)
+
+// kernels::CandidateList as the kernels read it (ids and counts fit in int32 after validation).
+struct DeviceCandidates {
+  const int32_t* parents = nullptr;  // [num_kv_heads, num_parents] or nullptr (a plain range)
+  int32_t num_parents = 0;
+  int32_t fanout = 1;
+  int32_t begin = 0;
+  int32_t end = 0;
+  int32_t count = 0;  // candidates per KV head
+};
+
+inline constexpr int kSelectMaxGroup = 16;  // query heads per KV head for the scoring kernels
+
+cudaError_t LaunchScoreSummaries(const float* q, const float* summaries, int num_kv_heads,
+                                 int group, int head_dim, int64_t num_items,
+                                 const DeviceCandidates& c, float scale, float* scores,
+                                 cudaStream_t stream);
+cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_type,
+                            int64_t num_slots, int page_size, const int32_t* page_table,
+                            int table_pages, int num_kv_heads, int group, int head_dim,
+                            const DeviceCandidates& c, float scale, float* scores,
+                            cudaStream_t stream);
+// Bytes of device scratch LaunchVoteTopK needs (0 when the per-head keys fit in shared memory).
+int64_t VoteTopKScratchBytes(int num_kv_heads, int64_t n);
+// One block per KV head: soft vote, radix select of the k-th key, compaction in index order.
+cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group, const DeviceCandidates& c,
+                           int k, float* vote, int32_t* selected, void* scratch,
+                           cudaStream_t stream);
+
+// Decode attention over [0, prefix_end) + middle + [suffix_begin, suffix_begin + suffix_len) per
+// KV head, split into items_per_head work items of `chunk` virtual positions each.
+struct SelectedAttentionShape {
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t num_slots = 0;
+  int page_size = 0;
+  int table_pages = 0;
+  int32_t prefix_end = 0;
+  int32_t suffix_begin = 0;
+  int32_t suffix_len = 0;
+  int32_t total = 0;           // prefix_end + middle.count + suffix_len per KV head
+  int32_t chunk = 0;           // virtual positions per work item (> 0)
+  int32_t items_per_head = 0;  // ceil(total / chunk), >= 1
+  float scale = 0.0f;
+};
+// True for head_dim 64/128/256 and at most kDecodeMaxGroup query heads per KV head.
+bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim);
+// Floats of split-K partials: num_kv_heads * items_per_head * group * (head_dim + 2).
+int64_t SelectedAttentionScratchFloats(const SelectedAttentionShape& shape);
+cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const void* v_pool,
+                                    FloatType pool_type, const int32_t* page_table,
+                                    const DeviceCandidates& middle,
+                                    const SelectedAttentionShape& shape, float* scratch,
+                                    float* out, float* lse, cudaStream_t stream);
+
 }  // namespace strata::kernels::cuda_internal
 
 #endif  // STRATA_KERNELS_CUDA_INTERNAL_LAUNCH_H_

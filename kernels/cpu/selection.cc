@@ -1,0 +1,368 @@
+// Device-resident sparse selection ops, CPU reference (the specification of the CUDA twins in
+// kernels/cuda/selection.cu and kernels/cuda/attention.cu). Semantics in kernels/backend.h.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/internal/checks.h"
+
+namespace strata::kernels {
+
+using cpu_internal::CheckDim;
+using cpu_internal::CheckDType;
+using cpu_internal::CheckRank;
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kMaxCandidates = int64_t{1} << 30;
+
+float KvAt(const TensorView& pool, int64_t i) {
+  if (pool.dtype == DType::kBF16) return BF16ToF32(pool.As<const uint16_t>()[i]);
+  return pool.As<const float>()[i];
+}
+
+// Pool row of token t of KV head g, or -1 when its page or slot is outside the table or pool.
+int64_t RowOf(const TensorView& table, const TensorView& pool, int g, int64_t t) {
+  const int64_t page_size = pool.dim(1);
+  if (t < 0) return -1;
+  const int64_t page = t / page_size;
+  if (page >= table.dim(1)) return -1;
+  const int64_t slot = table.As<const int32_t>()[g * table.dim(1) + page];
+  if (slot < 0 || slot >= pool.dim(0)) return -1;
+  return slot * page_size + t % page_size;
+}
+
+// The q [num_q_heads, head_dim] / group checks shared by the scoring ops.
+absl::Status CheckQuery(const TensorView& q, int64_t num_kv_heads, const char* op) {
+  STRATA_RETURN_IF_ERROR(CheckRank(q, 2, op, "q"));
+  STRATA_RETURN_IF_ERROR(CheckDType(q, DType::kF32, op, "q"));
+  if (num_kv_heads <= 0 || q.dim(0) % num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", num_kv_heads,
+                                                   " KV heads do not divide ", q.dim(0),
+                                                   " query heads"));
+  }
+  if (q.dim(1) <= 0) return absl::InvalidArgumentError(absl::StrCat(op, ": head_dim must be > 0"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckScores(const TensorView& scores, int64_t num_kv_heads, int64_t group,
+                         int64_t count, const char* op) {
+  STRATA_RETURN_IF_ERROR(CheckRank(scores, 3, op, "scores"));
+  STRATA_RETURN_IF_ERROR(CheckDType(scores, DType::kF32, op, "scores"));
+  STRATA_RETURN_IF_ERROR(CheckDim(scores, 0, num_kv_heads, op, "scores"));
+  STRATA_RETURN_IF_ERROR(CheckDim(scores, 1, group, op, "scores"));
+  STRATA_RETURN_IF_ERROR(CheckDim(scores, 2, count, op, "scores"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckPool(const TensorView& pool, const char* op, const char* name) {
+  STRATA_RETURN_IF_ERROR(CheckRank(pool, 3, op, name));
+  if (pool.dtype != DType::kF32 && pool.dtype != DType::kBF16) {
+    return absl::UnimplementedError(
+        absl::StrCat(op, ": pool dtype ", DTypeName(pool.dtype), " unsupported (f32|bf16)"));
+  }
+  if (pool.dim(1) <= 0) return absl::InvalidArgumentError(absl::StrCat(op, ": page_size <= 0"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckTable(const TensorView& table, int64_t num_kv_heads, const char* op) {
+  STRATA_RETURN_IF_ERROR(CheckRank(table, 2, op, "page_table"));
+  STRATA_RETURN_IF_ERROR(CheckDType(table, DType::kI32, op, "page_table"));
+  STRATA_RETURN_IF_ERROR(CheckDim(table, 0, num_kv_heads, op, "page_table"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckCandidateList(const CandidateList& c, int64_t num_kv_heads, const char* op) {
+  if (c.fanout < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": fanout < 1"));
+  if (c.begin < 0 || c.end < c.begin || c.end > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": candidate range [", c.begin, ", ", c.end, ") invalid"));
+  }
+  if (c.parents.data != nullptr) {
+    STRATA_RETURN_IF_ERROR(CheckRank(c.parents, 2, op, "parents"));
+    STRATA_RETURN_IF_ERROR(CheckDType(c.parents, DType::kI32, op, "parents"));
+    STRATA_RETURN_IF_ERROR(CheckDim(c.parents, 0, num_kv_heads, op, "parents"));
+  }
+  if (c.Count() > kMaxCandidates) {
+    return absl::UnimplementedError(absl::StrCat(op, ": more than 2^30 candidates per head"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t CandidateId(const CandidateList& c, int g, int64_t i) {
+  int64_t id;
+  if (c.parents.data == nullptr) {
+    id = c.begin + i;
+  } else {
+    const int64_t parent = c.parents.As<const int32_t>()[g * c.parents.dim(1) + i / c.fanout];
+    if (parent < 0) return -1;
+    id = parent * c.fanout + i % c.fanout;
+  }
+  return id >= c.begin && id < c.end ? id : -1;
+}
+
+absl::Status CpuSupportsScoreSummaries(const ScoreSummariesParams& p) {
+  constexpr const char* kOp = "ScoreSummaries";
+  STRATA_RETURN_IF_ERROR(CheckRank(p.summaries, 3, kOp, "summaries"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.summaries, DType::kF32, kOp, "summaries"));
+  const int64_t hkv = p.summaries.dim(0);
+  STRATA_RETURN_IF_ERROR(CheckQuery(p.q, hkv, kOp));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.summaries, 2, 2 * p.q.dim(1), kOp, "summaries"));
+  STRATA_RETURN_IF_ERROR(CheckCandidateList(p.candidates, hkv, kOp));
+  STRATA_RETURN_IF_ERROR(CheckScores(p.scores, hkv, p.q.dim(0) / hkv, p.candidates.Count(), kOp));
+  if (!std::isfinite(p.scale)) return absl::InvalidArgumentError("ScoreSummaries: scale not finite");
+  return absl::OkStatus();
+}
+
+absl::Status CpuSupportsScoreKeys(const ScoreKeysParams& p) {
+  constexpr const char* kOp = "ScoreKeys";
+  STRATA_RETURN_IF_ERROR(CheckPool(p.k_pool, kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.page_table, 2, kOp, "page_table"));
+  const int64_t hkv = p.page_table.dim(0);
+  STRATA_RETURN_IF_ERROR(CheckTable(p.page_table, hkv, kOp));
+  STRATA_RETURN_IF_ERROR(CheckQuery(p.q, hkv, kOp));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.k_pool, 2, p.q.dim(1), kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckCandidateList(p.candidates, hkv, kOp));
+  STRATA_RETURN_IF_ERROR(CheckScores(p.scores, hkv, p.q.dim(0) / hkv, p.candidates.Count(), kOp));
+  if (!std::isfinite(p.scale)) return absl::InvalidArgumentError("ScoreKeys: scale not finite");
+  return absl::OkStatus();
+}
+
+absl::Status CpuSupportsVoteTopK(const VoteTopKParams& p) {
+  constexpr const char* kOp = "VoteTopK";
+  STRATA_RETURN_IF_ERROR(CheckRank(p.scores, 3, kOp, "scores"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.scores, DType::kF32, kOp, "scores"));
+  const int64_t hkv = p.scores.dim(0);
+  if (hkv <= 0 || p.scores.dim(1) <= 0) {
+    return absl::InvalidArgumentError("VoteTopK: scores need >= 1 KV head and >= 1 query head");
+  }
+  STRATA_RETURN_IF_ERROR(CheckCandidateList(p.candidates, hkv, kOp));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.scores, 2, p.candidates.Count(), kOp, "scores"));
+  if (p.k < 0 || p.k > kMaxCandidates) {
+    return absl::InvalidArgumentError(absl::StrCat("VoteTopK: k ", p.k, " out of range"));
+  }
+  STRATA_RETURN_IF_ERROR(CheckRank(p.selected, 2, kOp, "selected"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.selected, DType::kI32, kOp, "selected"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.selected, 0, hkv, kOp, "selected"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.selected, 1, p.k, kOp, "selected"));
+  if (p.vote.data != nullptr) {
+    STRATA_RETURN_IF_ERROR(CheckRank(p.vote, 2, kOp, "vote"));
+    STRATA_RETURN_IF_ERROR(CheckDType(p.vote, DType::kF32, kOp, "vote"));
+    STRATA_RETURN_IF_ERROR(CheckDim(p.vote, 0, hkv, kOp, "vote"));
+    STRATA_RETURN_IF_ERROR(CheckDim(p.vote, 1, p.candidates.Count(), kOp, "vote"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuSupportsSelectedAttention(const SelectedAttentionParams& p) {
+  constexpr const char* kOp = "SelectedAttention";
+  STRATA_RETURN_IF_ERROR(CheckRank(p.q, 3, kOp, "q"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.q, DType::kF32, kOp, "q"));
+  if (p.q.dim(0) != 1) return absl::InvalidArgumentError("SelectedAttention: one query token only");
+  STRATA_RETURN_IF_ERROR(CheckPool(p.k_pool, kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.v_pool, 3, kOp, "v_pool"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.v_pool, p.k_pool.dtype, kOp, "v_pool"));
+  for (int i = 0; i < 3; ++i) {
+    STRATA_RETURN_IF_ERROR(CheckDim(p.v_pool, i, p.k_pool.dim(i), kOp, "v_pool"));
+  }
+  STRATA_RETURN_IF_ERROR(CheckDim(p.k_pool, 2, p.q.dim(2), kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.page_table, 2, kOp, "page_table"));
+  const int64_t hkv = p.page_table.dim(0);
+  STRATA_RETURN_IF_ERROR(CheckTable(p.page_table, hkv, kOp));
+  if (hkv <= 0 || p.q.dim(1) % hkv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("SelectedAttention: ", hkv,
+                                                   " KV heads do not divide ", p.q.dim(1),
+                                                   " query heads"));
+  }
+  STRATA_RETURN_IF_ERROR(CheckCandidateList(p.middle, hkv, kOp));
+  if (p.prefix_end < 0 || p.suffix_begin < 0 || p.suffix_end < p.suffix_begin ||
+      p.prefix_end > kMaxCandidates || p.suffix_end - p.suffix_begin > kMaxCandidates ||
+      p.suffix_end > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError("SelectedAttention: bad prefix or suffix range");
+  }
+  STRATA_RETURN_IF_ERROR(CheckRank(p.out, 3, kOp, "out"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.out, DType::kF32, kOp, "out"));
+  for (int i = 0; i < 3; ++i) STRATA_RETURN_IF_ERROR(CheckDim(p.out, i, p.q.dim(i), kOp, "out"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.lse, 2, kOp, "lse"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.lse, DType::kF32, kOp, "lse"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.lse, 0, 1, kOp, "lse"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.lse, 1, p.q.dim(1), kOp, "lse"));
+  if (!std::isfinite(p.scale)) {
+    return absl::InvalidArgumentError("SelectedAttention: scale not finite");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuScoreSummaries(const ScoreSummariesParams& p) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(p));
+  const int hkv = static_cast<int>(p.summaries.dim(0));
+  const int group = static_cast<int>(p.q.dim(0) / hkv);
+  const int64_t d = p.q.dim(1), items = p.summaries.dim(1), n = p.candidates.Count();
+  const float* q = p.q.As<const float>();
+  const float* sum = p.summaries.As<const float>();
+  float* out = p.scores.As<float>();
+  std::vector<float> v(d);
+  for (int g = 0; g < hkv; ++g) {
+    for (int j = 0; j < group; ++j) {
+      const float* qh = q + (static_cast<int64_t>(g) * group + j) * d;
+      for (int64_t e = 0; e < d; ++e) v[e] = p.scale * qh[e];
+      float* o = out + (static_cast<int64_t>(g) * group + j) * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t c = CandidateId(p.candidates, g, i);
+        if (c < 0 || c >= items) {
+          o[i] = kNegInf;
+          continue;
+        }
+        const float* s = sum + (static_cast<int64_t>(g) * items + c) * 2 * d;
+        float acc = 0.0f;
+        for (int64_t e = 0; e < d; ++e) acc += std::max(v[e] * s[e], v[e] * s[d + e]);
+        o[i] = acc;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuScoreKeys(const ScoreKeysParams& p) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(p));
+  const int hkv = static_cast<int>(p.page_table.dim(0));
+  const int group = static_cast<int>(p.q.dim(0) / hkv);
+  const int64_t d = p.q.dim(1), n = p.candidates.Count();
+  const float* q = p.q.As<const float>();
+  float* out = p.scores.As<float>();
+  std::vector<float> v(d), k(d);
+  for (int g = 0; g < hkv; ++g) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = CandidateId(p.candidates, g, i);
+      const int64_t row = t < 0 ? -1 : RowOf(p.page_table, p.k_pool, g, t);
+      if (row >= 0) {
+        for (int64_t e = 0; e < d; ++e) k[e] = KvAt(p.k_pool, row * d + e);
+      }
+      for (int j = 0; j < group; ++j) {
+        float* o = out + (static_cast<int64_t>(g) * group + j) * n;
+        if (row < 0) {
+          o[i] = kNegInf;
+          continue;
+        }
+        const float* qh = q + (static_cast<int64_t>(g) * group + j) * d;
+        float acc = 0.0f;
+        for (int64_t e = 0; e < d; ++e) acc += (p.scale * qh[e]) * k[e];
+        o[i] = acc;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuVoteTopK(const VoteTopKParams& p) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(p));
+  const int hkv = static_cast<int>(p.scores.dim(0));
+  const int group = static_cast<int>(p.scores.dim(1));
+  const int64_t n = p.scores.dim(2), k = p.k;
+  const float* scores = p.scores.As<const float>();
+  std::vector<float> vote(n);
+  std::vector<char> valid(n);
+  std::vector<int64_t> order;
+  for (int g = 0; g < hkv; ++g) {
+    std::fill(vote.begin(), vote.end(), 0.0f);
+    std::fill(valid.begin(), valid.end(), 0);
+    for (int j = 0; j < group; ++j) {
+      const float* s = scores + (static_cast<int64_t>(g) * group + j) * n;
+      float m = kNegInf;
+      for (int64_t i = 0; i < n; ++i) {
+        if (s[i] > m) m = s[i];  // NaN never wins
+        if (s[i] > kNegInf) valid[i] = 1;
+      }
+      if (m == kNegInf) continue;
+      double total = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (s[i] > kNegInf) total += std::exp(s[i] - m);
+      }
+      const float inv = static_cast<float>(1.0 / total);
+      for (int64_t i = 0; i < n; ++i) {
+        if (s[i] > kNegInf) vote[i] += std::exp(s[i] - m) * inv;
+      }
+    }
+    order.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      if (valid[i] && CandidateId(p.candidates, g, i) >= 0) order.push_back(i);
+    }
+    const int64_t take = std::min<int64_t>(k, static_cast<int64_t>(order.size()));
+    std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int64_t a, int64_t b) {
+      return vote[a] > vote[b] || (vote[a] == vote[b] && a < b);
+    });
+    std::sort(order.begin(), order.begin() + take);
+    int32_t* sel = p.selected.As<int32_t>() + static_cast<int64_t>(g) * k;
+    for (int64_t i = 0; i < k; ++i) {
+      sel[i] = i < take ? static_cast<int32_t>(CandidateId(p.candidates, g, order[i])) : -1;
+    }
+    if (p.vote.data != nullptr) {
+      std::copy(vote.begin(), vote.end(), p.vote.As<float>() + static_cast<int64_t>(g) * n);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(p));
+  const int hkv = static_cast<int>(p.page_table.dim(0));
+  const int hq = static_cast<int>(p.q.dim(1));
+  const int group = hq / hkv;
+  const int64_t d = p.q.dim(2), n_mid = p.middle.Count();
+  const float* q = p.q.As<const float>();
+  float* out = p.out.As<float>();
+  float* lse = p.lse.As<float>();
+  std::vector<int64_t> rows;
+  std::vector<float> s, acc(d);
+  for (int g = 0; g < hkv; ++g) {
+    rows.clear();
+    auto add = [&](int64_t t) {
+      const int64_t r = RowOf(p.page_table, p.k_pool, g, t);
+      if (r >= 0) rows.push_back(r);
+    };
+    for (int64_t t = 0; t < p.prefix_end; ++t) add(t);
+    for (int64_t i = 0; i < n_mid; ++i) {
+      const int64_t t = CandidateId(p.middle, g, i);
+      if (t >= 0) add(t);
+    }
+    for (int64_t t = p.suffix_begin; t < p.suffix_end; ++t) add(t);
+    s.resize(rows.size());
+    for (int j = 0; j < group; ++j) {
+      const int h = g * group + j;
+      const float* qh = q + static_cast<int64_t>(h) * d;
+      float m = kNegInf;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        float dot = 0.0f;
+        for (int64_t e = 0; e < d; ++e) dot += qh[e] * KvAt(p.k_pool, rows[r] * d + e);
+        s[r] = p.scale * dot;
+        m = std::max(m, s[r]);
+      }
+      float* o = out + static_cast<int64_t>(h) * d;
+      if (rows.empty() || m == kNegInf) {
+        std::fill(o, o + d, 0.0f);
+        lse[h] = kNegInf;
+        continue;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      double l = 0.0;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const float w = std::exp(s[r] - m);
+        l += w;
+        for (int64_t e = 0; e < d; ++e) acc[e] += w * KvAt(p.v_pool, rows[r] * d + e);
+      }
+      for (int64_t e = 0; e < d; ++e) o[e] = static_cast<float>(acc[e] / l);
+      lse[h] = m + static_cast<float>(std::log(l));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,232 @@
+// The CPU reference of the device-resident selection ops (kernels/cpu/selection.cc) against
+// independent formulations: SelectedAttention equals PagedAttention over the same tokens given as
+// spans; VoteTopK equals a full sort of the soft votes; minmax summary scores bound every key's
+// score from above; ScoreKeys equals the plain dot product through the page table.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
+#include "base/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+
+namespace strata::kernels {
+namespace {
+
+using ::strata::testing::StatusIs;
+
+const float kNegInf = -std::numeric_limits<float>::infinity();
+
+std::vector<float> RandomF(std::mt19937& rng, int64_t n, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+TEST(CpuSelectionTest, SelectedAttentionEqualsPagedAttentionOverSpans) {
+  std::mt19937 rng(7);
+  const int hkv = 3, group = 4, hq = hkv * group, d = 32, page = 8, table_pages = 20;
+  const int slots = hkv * table_pages + 2;
+  std::vector<float> q = RandomF(rng, hq * d), k = RandomF(rng, slots * page * d),
+                     v = RandomF(rng, slots * page * d);
+  std::vector<int32_t> perm(slots);
+  for (int i = 0; i < slots; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t> table(perm.begin(), perm.begin() + hkv * table_pages);
+  const int64_t prefix = 5, mid_end = 130, len = 150;
+  // Middle: 9 random tokens of [prefix, mid_end) per head, ascending, plus one -1.
+  const int m = 10;
+  std::vector<int32_t> parents(hkv * m);
+  for (int g = 0; g < hkv; ++g) {
+    std::vector<int32_t> all;
+    for (int32_t t = prefix; t < mid_end; ++t) all.push_back(t);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(m - 1);
+    std::sort(all.begin(), all.end());
+    for (int i = 0; i < m - 1; ++i) parents[g * m + i] = all[i];
+    parents[g * m + m - 1] = -1;
+  }
+  std::vector<float> out(hq * d), lse(hq);
+  SelectedAttentionParams p;
+  p.q = TensorView(q.data(), DType::kF32, {1, hq, d});
+  p.k_pool = TensorView(k.data(), DType::kF32, {slots, page, d});
+  p.v_pool = TensorView(v.data(), DType::kF32, {slots, page, d});
+  p.page_table = TensorView(table.data(), DType::kI32, {hkv, table_pages});
+  p.prefix_end = prefix;
+  p.middle.parents = TensorView(parents.data(), DType::kI32, {hkv, m});
+  p.middle.begin = prefix;
+  p.middle.end = mid_end;
+  p.suffix_begin = mid_end;
+  p.suffix_end = len;
+  p.scale = 0.3f;
+  p.out = TensorView(out.data(), DType::kF32, {1, hq, d});
+  p.lse = TensorView(lse.data(), DType::kF32, {1, hq});
+  STRATA_ASSERT_OK(CpuSelectedAttention(p));
+
+  // The same tokens as one-token spans.
+  std::vector<KvSpan> spans;
+  std::vector<int32_t> offsets = {0};
+  for (int g = 0; g < hkv; ++g) {
+    std::vector<int32_t> tokens;
+    for (int32_t t = 0; t < prefix; ++t) tokens.push_back(t);
+    for (int i = 0; i < m; ++i) {
+      if (parents[g * m + i] >= 0) tokens.push_back(parents[g * m + i]);
+    }
+    for (int32_t t = mid_end; t < len; ++t) tokens.push_back(t);
+    for (int32_t t : tokens) {
+      spans.push_back({table[g * table_pages + t / page], t % page, 1, t});
+    }
+    offsets.push_back(static_cast<int32_t>(spans.size()));
+  }
+  std::vector<float> out2(hq * d), lse2(hq);
+  const int32_t qpos = static_cast<int32_t>(len);
+  PagedAttentionParams a;
+  a.q = p.q;
+  a.k_pool = p.k_pool;
+  a.v_pool = p.v_pool;
+  a.spans = spans.data();
+  a.span_offsets = offsets.data();
+  a.num_kv_heads = hkv;
+  a.q_positions = &qpos;
+  a.causal = false;
+  a.scale = p.scale;
+  a.out = TensorView(out2.data(), DType::kF32, {1, hq, d});
+  a.lse = TensorView(lse2.data(), DType::kF32, {1, hq});
+  STRATA_ASSERT_OK(CpuPagedAttention(a));
+  for (int i = 0; i < hq * d; ++i) EXPECT_NEAR(out[i], out2[i], 1e-5) << i;
+  for (int i = 0; i < hq; ++i) EXPECT_NEAR(lse[i], lse2[i], 1e-5) << i;
+}
+
+TEST(CpuSelectionTest, VoteTopKEqualsSortedVotes) {
+  std::mt19937 rng(11);
+  const int hkv = 2, group = 3;
+  const int64_t n = 300;
+  for (int64_t k : {int64_t{0}, int64_t{1}, int64_t{17}, int64_t{299}, int64_t{400}}) {
+    std::vector<float> scores = RandomF(rng, hkv * group * n, -5.0f, 5.0f);
+    for (int64_t i = 0; i < n; i += 13) {
+      for (int h = 0; h < group; ++h) scores[h * n + i] = kNegInf;  // head 0: invalid candidates
+    }
+    std::vector<int32_t> sel(hkv * k, 99);
+    std::vector<float> vote(hkv * n);
+    VoteTopKParams p;
+    p.scores = TensorView(scores.data(), DType::kF32, {hkv, group, n});
+    p.candidates.begin = 1000;
+    p.candidates.end = 1000 + n;
+    p.k = k;
+    p.selected = TensorView(sel.data(), DType::kI32, {hkv, k});
+    p.vote = TensorView(vote.data(), DType::kF32, {hkv, n});
+    STRATA_ASSERT_OK(CpuVoteTopK(p));
+    for (int g = 0; g < hkv; ++g) {
+      // Reference: the soft vote in double, sorted.
+      std::vector<double> ref(n, 0.0);
+      for (int h = 0; h < group; ++h) {
+        const float* s = &scores[(g * group + h) * n];
+        double m = -INFINITY, sum = 0;
+        for (int64_t i = 0; i < n; ++i) m = std::max<double>(m, s[i]);
+        for (int64_t i = 0; i < n; ++i) sum += std::exp(s[i] - m);
+        for (int64_t i = 0; i < n; ++i) ref[i] += std::exp(s[i] - m) / sum;
+      }
+      std::vector<int64_t> order;
+      for (int64_t i = 0; i < n; ++i) {
+        EXPECT_NEAR(vote[g * n + i], ref[i], 1e-6);
+        if (!(g == 0 && i % 13 == 0)) order.push_back(i);
+      }
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ref[a] > ref[b]; });
+      const int64_t take = std::min<int64_t>(k, order.size());
+      std::vector<int32_t> want;
+      for (int64_t i = 0; i < take; ++i) want.push_back(static_cast<int32_t>(1000 + order[i]));
+      std::sort(want.begin(), want.end());
+      want.resize(k, -1);
+      EXPECT_EQ(std::vector<int32_t>(sel.begin() + g * k, sel.begin() + (g + 1) * k), want)
+          << "k " << k << " head " << g;
+    }
+  }
+}
+
+TEST(CpuSelectionTest, SummaryScoresBoundKeyScoresAndKeyScoresAreDots) {
+  std::mt19937 rng(5);
+  const int hkv = 2, group = 2, hq = hkv * group, d = 16, page = 4, pages = 6;
+  std::vector<float> q = RandomF(rng, hq * d), k = RandomF(rng, hkv * pages * page * d);
+  std::vector<int32_t> table(hkv * pages);
+  for (int i = 0; i < hkv * pages; ++i) table[i] = i;
+  std::vector<float> sums(hkv * pages * 2 * d);
+  for (int r = 0; r < hkv * pages; ++r) {
+    for (int e = 0; e < d; ++e) {
+      float lo = INFINITY, hi = -INFINITY;
+      for (int t = 0; t < page; ++t) {
+        lo = std::min(lo, k[(r * page + t) * d + e]);
+        hi = std::max(hi, k[(r * page + t) * d + e]);
+      }
+      sums[r * 2 * d + e] = lo;
+      sums[r * 2 * d + d + e] = hi;
+    }
+  }
+  std::vector<float> page_scores(hq * pages), key_scores(hq * pages * page);
+  ScoreSummariesParams s;
+  s.q = TensorView(q.data(), DType::kF32, {hq, d});
+  s.summaries = TensorView(sums.data(), DType::kF32, {hkv, pages, 2 * d});
+  s.candidates.end = pages;
+  s.scale = 0.5f;
+  s.scores = TensorView(page_scores.data(), DType::kF32, {hkv, group, pages});
+  STRATA_ASSERT_OK(CpuScoreSummaries(s));
+  ScoreKeysParams kp;
+  kp.q = s.q;
+  kp.k_pool = TensorView(k.data(), DType::kF32, {hkv * pages, page, d});
+  kp.page_table = TensorView(table.data(), DType::kI32, {hkv, pages});
+  kp.candidates.end = pages * page;
+  kp.scale = 0.5f;
+  kp.scores = TensorView(key_scores.data(), DType::kF32, {hkv, group, pages * page});
+  STRATA_ASSERT_OK(CpuScoreKeys(kp));
+  for (int g = 0; g < hkv; ++g) {
+    for (int j = 0; j < group; ++j) {
+      const int h = g * group + j;
+      for (int t = 0; t < pages * page; ++t) {
+        double dot = 0;
+        for (int e = 0; e < d; ++e) dot += 0.5 * q[h * d + e] * k[((g * pages) * page + t) * d + e];
+        const float got = key_scores[(g * group + j) * pages * page + t];
+        EXPECT_NEAR(got, dot, 1e-5);
+        EXPECT_GE(page_scores[(g * group + j) * pages + t / page] + 1e-5f, got);
+      }
+    }
+  }
+  // Bad table entries and out-of-range candidates score -inf.
+  table[0] = -1;
+  kp.candidates.begin = 0;
+  STRATA_ASSERT_OK(CpuScoreKeys(kp));
+  EXPECT_EQ(key_scores[0], kNegInf);
+  s.candidates.end = pages + 3;
+  s.candidates.begin = 3;
+  STRATA_ASSERT_OK(CpuScoreSummaries(s));  // ids pages .. pages + 2 are past num_items
+  EXPECT_EQ(page_scores[pages - 1], kNegInf);
+}
+
+TEST(CpuSelectionTest, MalformedParamsAreInvalidArgument) {
+  std::vector<float> buf(256);
+  VoteTopKParams p;
+  p.scores = TensorView(buf.data(), DType::kF32, {2, 2, 8});
+  p.candidates.end = 8;
+  p.k = 3;
+  p.selected = TensorView(buf.data(), DType::kI32, {2, 4});  // k mismatch
+  EXPECT_THAT(CpuVoteTopK(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.selected = TensorView(buf.data(), DType::kI32, {2, 3});
+  p.candidates.end = 7;  // count mismatch
+  EXPECT_THAT(CpuVoteTopK(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.candidates.end = 8;
+  p.candidates.fanout = 0;
+  EXPECT_THAT(CpuVoteTopK(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  SelectedAttentionParams a;
+  a.q = TensorView(buf.data(), DType::kF32, {2, 4, 8});  // two tokens
+  EXPECT_THAT(CpuSelectedAttention(a), StatusIs(absl::StatusCode::kInvalidArgument));
+  // The same checks through the Backend interface.
+  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
+  EXPECT_THAT(cpu->VoteTopK(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace strata::kernels

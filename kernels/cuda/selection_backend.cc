@@ -1,0 +1,158 @@
+// CudaBackend's device-resident selection ops (declared in kernels/cuda/cuda_backend.h): the CPU
+// twin's validation (kernels/cpu/selection.cc), this backend's limits, then the launches of
+// kernels/cuda/selection.cu and the selected-attention kernels of kernels/cuda/attention.cu.
+// Nothing here reads device memory on the host, so every op can be captured in a CUDA graph.
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/internal/cuda_status.h"
+#include "kernels/cuda/internal/launch.h"
+
+namespace strata::kernels {
+namespace {
+
+using cuda_internal::DeviceCandidates;
+using cuda_internal::FloatType;
+
+FloatType PoolType(DType t) { return t == DType::kBF16 ? FloatType::kBF16 : FloatType::kF32; }
+
+// Valid after CheckCandidateList (ids and counts fit in int32).
+DeviceCandidates ToDevice(const CandidateList& c) {
+  DeviceCandidates d;
+  d.parents = c.parents.data != nullptr ? c.parents.As<const int32_t>() : nullptr;
+  d.num_parents = c.parents.data != nullptr ? static_cast<int32_t>(c.parents.dim(1)) : 0;
+  d.fanout = c.fanout;
+  d.begin = static_cast<int32_t>(c.begin);
+  d.end = static_cast<int32_t>(c.end);
+  d.count = static_cast<int32_t>(c.Count());
+  return d;
+}
+
+absl::Status CheckGroup(int64_t group, const char* op) {
+  if (group > cuda_internal::kSelectMaxGroup) {
+    return absl::UnimplementedError(absl::StrCat(op, ": ", group, " query heads per KV head > ",
+                                                 cuda_internal::kSelectMaxGroup));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckScoreShape(int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                             const char* op) {
+  STRATA_RETURN_IF_ERROR(CheckGroup(group, op));
+  if (num_kv_heads > 65535) return absl::UnimplementedError(absl::StrCat(op, ": > 65535 KV heads"));
+  if (group * head_dim * 4 > 48 * 1024) {
+    return absl::UnimplementedError(absl::StrCat(op, ": group * head_dim > 12288"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaBackend::ScoreSummaries(const ScoreSummariesParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(p));
+  const int64_t hkv = p.summaries.dim(0), group = p.q.dim(0) / hkv, d = p.q.dim(1);
+  STRATA_RETURN_IF_ERROR(CheckScoreShape(hkv, group, d, "ScoreSummaries"));
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchScoreSummaries(
+      p.q.As<const float>(), p.summaries.As<const float>(), static_cast<int>(hkv),
+      static_cast<int>(group), static_cast<int>(d), p.summaries.dim(1), ToDevice(p.candidates),
+      p.scale, p.scores.As<float>(), ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ScoreKeys(const ScoreKeysParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(p));
+  const int64_t hkv = p.page_table.dim(0), group = p.q.dim(0) / hkv, d = p.q.dim(1);
+  STRATA_RETURN_IF_ERROR(CheckScoreShape(hkv, group, d, "ScoreKeys"));
+  if (p.k_pool.dim(1) > (int64_t{1} << 30) || p.page_table.dim(1) > (int64_t{1} << 30)) {
+    return absl::UnimplementedError("ScoreKeys: page size or table beyond 2^30");
+  }
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchScoreKeys(
+      p.q.As<const float>(), p.k_pool.data, PoolType(p.k_pool.dtype), p.k_pool.dim(0),
+      static_cast<int>(p.k_pool.dim(1)), p.page_table.As<const int32_t>(),
+      static_cast<int>(p.page_table.dim(1)), static_cast<int>(hkv), static_cast<int>(group),
+      static_cast<int>(d), ToDevice(p.candidates), p.scale, p.scores.As<float>(), ToCuda(s)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::VoteTopK(const VoteTopKParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(p));
+  const int64_t hkv = p.scores.dim(0), group = p.scores.dim(1);
+  STRATA_RETURN_IF_ERROR(CheckGroup(group, "VoteTopK"));
+  if (hkv > 65535) return absl::UnimplementedError("VoteTopK: > 65535 KV heads");
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  const cudaStream_t stream = ToCuda(s);
+  const DeviceCandidates c = ToDevice(p.candidates);
+  const int64_t scratch_bytes = cuda_internal::VoteTopKScratchBytes(static_cast<int>(hkv), c.count);
+  void* scratch = nullptr;
+  if (scratch_bytes > 0) {
+    STRATA_ASSIGN_OR_RETURN(scratch, AllocScratch(scratch_bytes, stream));
+  }
+  const cudaError_t e = cuda_internal::LaunchVoteTopK(
+      p.scores.As<const float>(), static_cast<int>(hkv), static_cast<int>(group), c,
+      static_cast<int>(p.k), p.vote.data != nullptr ? p.vote.As<float>() : nullptr,
+      p.selected.As<int32_t>(), scratch, stream);
+  if (scratch != nullptr) STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
+  STRATA_CUDA_RETURN_IF_ERROR(e);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(p));
+  const int64_t hkv = p.page_table.dim(0), hq = p.q.dim(1), d = p.q.dim(2);
+  if (!cuda_internal::SelectedAttentionSupports(static_cast<int>(hq), static_cast<int>(hkv),
+                                                static_cast<int>(d))) {
+    return absl::UnimplementedError(absl::StrCat(
+        "SelectedAttention: needs head_dim 64/128/256 and at most ",
+        cuda_internal::kDecodeMaxGroup, " query heads per KV head (got ", d, ", ", hq / hkv, ")"));
+  }
+  if (reinterpret_cast<uintptr_t>(p.q.data) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(p.k_pool.data) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(p.v_pool.data) % 16 != 0) {
+    return absl::UnimplementedError("SelectedAttention: q and pools must be 16-byte aligned");
+  }
+  const int64_t total = p.prefix_end + p.middle.Count() + (p.suffix_end - p.suffix_begin);
+  if (total > (int64_t{1} << 30) || p.k_pool.dim(1) > (int64_t{1} << 30) ||
+      p.page_table.dim(1) > (int64_t{1} << 30)) {
+    return absl::UnimplementedError("SelectedAttention: more than 2^30 tokens per head");
+  }
+  if (hq == 0) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  const cudaStream_t stream = ToCuda(s);
+
+  cuda_internal::SelectedAttentionShape shape;
+  shape.num_q_heads = static_cast<int>(hq);
+  shape.num_kv_heads = static_cast<int>(hkv);
+  shape.head_dim = static_cast<int>(d);
+  shape.num_slots = p.k_pool.dim(0);
+  shape.page_size = static_cast<int>(p.k_pool.dim(1));
+  shape.table_pages = static_cast<int>(p.page_table.dim(1));
+  shape.prefix_end = static_cast<int32_t>(p.prefix_end);
+  shape.suffix_begin = static_cast<int32_t>(p.suffix_begin);
+  shape.suffix_len = static_cast<int32_t>(p.suffix_end - p.suffix_begin);
+  shape.total = static_cast<int32_t>(total);
+  // Split-K: about decode_items_per_sm_ items per SM over all KV heads, at least 16 positions each.
+  const int64_t target_per_head =
+      std::max<int64_t>(1, (static_cast<int64_t>(num_sms_) * decode_items_per_sm_ + hkv - 1) / hkv);
+  const int64_t chunk = std::max<int64_t>(16, (total + target_per_head - 1) / target_per_head);
+  shape.chunk = static_cast<int32_t>(chunk);
+  shape.items_per_head = static_cast<int32_t>(std::max<int64_t>(1, (total + chunk - 1) / chunk));
+  shape.scale = p.scale;
+
+  const int64_t scratch_bytes = cuda_internal::SelectedAttentionScratchFloats(shape) * 4;
+  STRATA_ASSIGN_OR_RETURN(void* scratch, AllocScratch(scratch_bytes, stream));
+  const cudaError_t e = cuda_internal::LaunchSelectedAttention(
+      p.q.As<const float>(), p.k_pool.data, p.v_pool.data, PoolType(p.k_pool.dtype),
+      p.page_table.As<const int32_t>(), ToDevice(p.middle), shape, static_cast<float*>(scratch),
+      p.out.As<float>(), p.lse.As<float>(), stream);
+  STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
+  STRATA_CUDA_RETURN_IF_ERROR(e);
+  return absl::OkStatus();
+}
+
+}  // namespace strata::kernels

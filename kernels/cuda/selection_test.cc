@@ -1,0 +1,668 @@
+// The device-resident selection ops of the CUDA backend (ScoreSummaries, ScoreKeys, VoteTopK,
+// SelectedAttention) against their CPU twins (kernels/cpu/selection.cc) on random inputs with
+// awkward sizes, invalid candidates, bad page-table entries and poisoned (NaN / 0x7f) outputs,
+// and a whole tokenselect pipeline captured in a CUDA graph. Top-k results are compared as sets,
+// allowing a swap only between candidates whose votes tie within float rounding. Without a GPU
+// every test reports "no CUDA GPU: skipped".
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
+#include "base/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda_backend.h"
+
+namespace strata::kernels {
+namespace {
+
+using ::strata::testing::StatusIs;
+
+const float kNegInf = -std::numeric_limits<float>::infinity();
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+class SelectionTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto b = MakeCudaBackend(0);
+    if (b.ok()) {
+      gpu_ = std::move(b).value().release();
+    } else {
+      why_ = b.status().ToString();
+    }
+    cpu_ = MakeCpuBackend(1).release();
+  }
+  static void TearDownTestSuite() {
+    delete gpu_;
+    gpu_ = nullptr;
+    delete cpu_;
+    cpu_ = nullptr;
+  }
+  void SetUp() override {
+    if (gpu_ == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why_ << ")";
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    seed_ = 20261122u ^ static_cast<uint32_t>(std::hash<std::string>()(info->name()));
+    rng_.seed(seed_);
+  }
+
+  // A device copy of `v` (at least 4 bytes).
+  template <typename T>
+  std::unique_ptr<Buffer> Dev(const std::vector<T>& v) {
+    auto b = gpu_->Allocate(std::max<size_t>(v.size() * sizeof(T), 4));
+    EXPECT_TRUE(b.ok());
+    if (!v.empty()) {
+      EXPECT_TRUE(gpu_->CopyToDevice(b.value()->data(), v.data(), v.size() * sizeof(T), nullptr).ok());
+    }
+    return std::move(b).value();
+  }
+  // A device buffer of n elements of T filled with the byte `poison`.
+  template <typename T>
+  std::unique_ptr<Buffer> Poisoned(int64_t n, uint8_t poison = 0xff) {
+    std::vector<uint8_t> bytes(std::max<int64_t>(n * sizeof(T), 4), poison);
+    return Dev(bytes);
+  }
+  template <typename T>
+  std::vector<T> Get(Buffer& b, int64_t n) {
+    std::vector<T> v(n);
+    if (n > 0) {
+      EXPECT_TRUE(gpu_->CopyToHost(v.data(), b.data(), n * sizeof(T), nullptr).ok());
+    }
+    return v;
+  }
+
+  std::vector<float> RandomF(int64_t n, float lo = -1.0f, float hi = 1.0f) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (float& x : v) x = d(rng_);
+    return v;
+  }
+  // Pool values rounded to `dtype`, as raw bytes.
+  std::vector<uint8_t> PoolBytes(const std::vector<float>& v, DType dtype) {
+    std::vector<uint8_t> b(v.size() * DTypeSize(dtype));
+    ConvertFromF32(v.data(), b.data(), dtype, static_cast<int64_t>(v.size()));
+    return b;
+  }
+
+  void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double atol,
+                   double rtol, const std::string& what) {
+    ASSERT_EQ(got.size(), want.size());
+    int bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (std::isinf(want[i]) && got[i] == want[i]) continue;
+      const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+      if (!(d <= atol + rtol * std::fabs(want[i]))) {
+        if (++bad <= 3) {
+          ADD_FAILURE() << what << " (seed " << seed_ << "): element " << i << " got " << got[i]
+                        << " want " << want[i];
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.size() << " out of tolerance";
+  }
+
+  static Backend* gpu_;
+  static Backend* cpu_;
+  static std::string why_;
+  uint32_t seed_ = 0;
+  std::mt19937 rng_;
+};
+
+Backend* SelectionTest::gpu_ = nullptr;
+Backend* SelectionTest::cpu_ = nullptr;
+std::string SelectionTest::why_;
+
+// Random parents in [-1, max_parent) (some -1), ascending per head like a top-k output.
+std::vector<int32_t> RandomParents(std::mt19937& rng, int hkv, int n, int max_parent) {
+  std::vector<int32_t> p(static_cast<size_t>(hkv) * n);
+  std::uniform_int_distribution<int> d(-1, max_parent - 1);
+  for (int32_t& x : p) x = d(rng);
+  return p;
+}
+
+struct ScoreCase {
+  int hkv, group, d, items;
+  bool use_parents;
+  int fanout;
+};
+
+TEST_F(SelectionTest, ScoreSummariesMatchesCpu) {
+  const ScoreCase cases[] = {{1, 1, 17, 1, false, 1},     {3, 4, 64, 129, false, 1},
+                             {8, 4, 128, 1000, true, 16}, {2, 5, 33, 300, true, 3},
+                             {1, 16, 128, 77, true, 1},   {8, 4, 128, 4099, false, 1}};
+  for (const ScoreCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "hkv " << c.hkv << " group " << c.group << " d " << c.d
+                                      << " items " << c.items << " fanout " << c.fanout);
+    const int hq = c.hkv * c.group;
+    std::vector<float> q = RandomF(static_cast<int64_t>(hq) * c.d);
+    std::vector<float> sums = RandomF(static_cast<int64_t>(c.hkv) * c.items * 2 * c.d);
+    // min <= max per channel, as real summaries.
+    for (int64_t r = 0; r < static_cast<int64_t>(c.hkv) * c.items; ++r) {
+      float* s = &sums[r * 2 * c.d];
+      for (int e = 0; e < c.d; ++e) {
+        if (s[e] > s[c.d + e]) std::swap(s[e], s[c.d + e]);
+      }
+    }
+    CandidateList cl;
+    std::vector<int32_t> parents;
+    if (c.use_parents) {
+      const int np = std::max(1, c.items / c.fanout / 2 + 1);
+      parents = RandomParents(rng_, c.hkv, np, (c.items + c.fanout - 1) / c.fanout + 1);
+      cl.fanout = c.fanout;
+      cl.begin = 1;
+      cl.end = c.items + c.fanout;  // ids >= items are invalid through num_items
+    } else {
+      cl.begin = c.items / 3;
+      cl.end = c.items;
+    }
+    const int64_t n = c.use_parents ? static_cast<int64_t>(parents.size() / c.hkv) * c.fanout
+                                    : cl.end - cl.begin;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    std::vector<float> want(static_cast<size_t>(hq) * n, kNaN);
+    ScoreSummariesParams p;
+    p.q = TensorView(q.data(), DType::kF32, {hq, c.d});
+    p.summaries = TensorView(sums.data(), DType::kF32, {c.hkv, c.items, 2 * c.d});
+    p.candidates = cl;
+    if (c.use_parents) p.candidates.parents = TensorView(parents.data(), DType::kI32, {c.hkv, n / c.fanout});
+    p.scale = scale;
+    p.scores = TensorView(want.data(), DType::kF32, {c.hkv, c.group, n});
+    STRATA_ASSERT_OK(cpu_->ScoreSummaries(p, nullptr));
+
+    auto dq = Dev(q), ds = Dev(sums), dp = Dev(parents);
+    auto out = Poisoned<float>(static_cast<int64_t>(hq) * n);
+    p.q.data = dq->data();
+    p.summaries.data = ds->data();
+    if (c.use_parents) p.candidates.parents.data = dp->data();
+    p.scores.data = out->data();
+    STRATA_ASSERT_OK(gpu_->ScoreSummaries(p, nullptr));
+    ExpectClose(Get<float>(*out, static_cast<int64_t>(hq) * n), want, 1e-5, 1e-5, "scores");
+  }
+}
+
+TEST_F(SelectionTest, ScoreKeysMatchesCpu) {
+  struct Case {
+    DType dtype;
+    int hkv, group, d, page, table_pages, slots;
+    bool parents;
+  } cases[] = {{DType::kBF16, 8, 4, 128, 64, 40, 300, true},
+               {DType::kF32, 3, 5, 17, 7, 13, 30, false},
+               {DType::kBF16, 1, 1, 64, 16, 9, 12, true},
+               {DType::kF32, 2, 16, 128, 64, 5, 11, true}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << " d " << c.d << " page " << c.page);
+    const int hq = c.hkv * c.group;
+    std::vector<float> q = RandomF(static_cast<int64_t>(hq) * c.d);
+    std::vector<uint8_t> pool =
+        PoolBytes(RandomF(static_cast<int64_t>(c.slots) * c.page * c.d), c.dtype);
+    // Page table: mostly valid slots, some -1 and some beyond the pool.
+    std::vector<int32_t> table(static_cast<size_t>(c.hkv) * c.table_pages);
+    std::uniform_int_distribution<int> slot(-1, c.slots + 2);
+    for (int32_t& t : table) t = slot(rng_);
+    const int64_t tokens = static_cast<int64_t>(c.table_pages + 2) * c.page;
+    CandidateList cl;
+    std::vector<int32_t> parents;
+    int64_t n;
+    if (c.parents) {
+      parents = RandomParents(rng_, c.hkv, 7, c.table_pages + 2);
+      cl.fanout = c.page;
+      cl.begin = 3;
+      cl.end = tokens - 5;
+      n = 7 * c.page;
+    } else {
+      cl.begin = 1;
+      cl.end = tokens;
+      n = tokens - 1;
+    }
+    const float scale = 0.125f;
+    std::vector<float> want(static_cast<size_t>(hq) * n, kNaN);
+    ScoreKeysParams p;
+    p.q = TensorView(q.data(), DType::kF32, {hq, c.d});
+    p.k_pool = TensorView(pool.data(), c.dtype, {c.slots, c.page, c.d});
+    p.page_table = TensorView(table.data(), DType::kI32, {c.hkv, c.table_pages});
+    p.candidates = cl;
+    if (c.parents) p.candidates.parents = TensorView(parents.data(), DType::kI32, {c.hkv, 7});
+    p.scale = scale;
+    p.scores = TensorView(want.data(), DType::kF32, {c.hkv, c.group, n});
+    STRATA_ASSERT_OK(cpu_->ScoreKeys(p, nullptr));
+    auto dq = Dev(q), dpool = Dev(pool), dt = Dev(table), dp = Dev(parents);
+    auto out = Poisoned<float>(static_cast<int64_t>(hq) * n);
+    p.q.data = dq->data();
+    p.k_pool.data = dpool->data();
+    p.page_table.data = dt->data();
+    if (c.parents) p.candidates.parents.data = dp->data();
+    p.scores.data = out->data();
+    STRATA_ASSERT_OK(gpu_->ScoreKeys(p, nullptr));
+    ExpectClose(Get<float>(*out, static_cast<int64_t>(hq) * n), want, 1e-5, 1e-5, "key scores");
+  }
+}
+
+// Compares GPU top-k ids with the CPU's: same -1 padding, and ids may differ only where the two
+// candidates' CPU votes tie within `tol` (relative) of each other's rank boundary.
+void ExpectSameTopK(const std::vector<int32_t>& got, const std::vector<int32_t>& want,
+                    const std::vector<float>& vote, const std::vector<int64_t>& index_of_id,
+                    int hkv, int64_t k, int64_t n, uint32_t seed) {
+  for (int g = 0; g < hkv; ++g) {
+    std::vector<int32_t> a(got.begin() + g * k, got.begin() + (g + 1) * k);
+    std::vector<int32_t> b(want.begin() + g * k, want.begin() + (g + 1) * k);
+    EXPECT_EQ(std::count(a.begin(), a.end(), -1), std::count(b.begin(), b.end(), -1))
+        << "head " << g << " seed " << seed;
+    // Valid ids come first, in ascending index order.
+    for (int64_t i = 1; i < k; ++i) {
+      if (a[i] >= 0) {
+        EXPECT_GE(a[i - 1], 0) << "head " << g << ": -1 before a valid id at " << i;
+      }
+    }
+    std::multiset<int32_t> sa(a.begin(), a.end()), sb(b.begin(), b.end());
+    if (sa == sb) continue;
+    // The smallest CPU-selected vote; anything swapped must tie with it.
+    float kth = std::numeric_limits<float>::infinity();
+    for (int32_t id : b) {
+      if (id >= 0) kth = std::min(kth, vote[g * n + index_of_id[g * (n + 1) + id]]);
+    }
+    for (int32_t id : a) {
+      if (id < 0 || sb.count(id)) continue;
+      const float v = vote[g * n + index_of_id[g * (n + 1) + id]];
+      EXPECT_NEAR(v, kth, 1e-5 * kth + 1e-12) << "head " << g << " id " << id
+                                                       << " seed " << seed;
+    }
+  }
+}
+
+TEST_F(SelectionTest, VoteTopKMatchesCpu) {
+  struct Case {
+    int hkv, group;
+    int64_t n, k;
+    bool parents;
+  } cases[] = {{1, 1, 1, 1, false},       {3, 4, 17, 5, false},    {8, 4, 1000, 64, true},
+               {2, 5, 129, 200, false},   {8, 4, 8192, 2048, false}, {2, 4, 40000, 300, false},
+               {1, 16, 3000, 0, false},   {4, 1, 500, 499, true},  {2, 4, 20000, 1000, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "hkv " << c.hkv << " group " << c.group << " n " << c.n
+                                      << " k " << c.k);
+    std::vector<float> scores = RandomF(static_cast<int64_t>(c.hkv) * c.group * c.n, -8.0f, 8.0f);
+    std::uniform_int_distribution<int> u(0, 99);
+    for (float& x : scores) {
+      const int r = u(rng_);
+      if (r < 5) x = kNegInf;
+      if (r == 5) x = kNaN;
+    }
+    // A whole candidate column of -inf (invalid) and one head fully -inf.
+    if (c.n > 3) {
+      for (int g = 0; g < c.hkv; ++g) {
+        for (int h = 0; h < c.group; ++h) scores[(static_cast<int64_t>(g) * c.group + h) * c.n + 2] = kNegInf;
+      }
+    }
+    if (c.group > 1) {
+      for (int64_t i = 0; i < c.n; ++i) scores[i] = kNegInf;  // head 0 of KV head 0
+    }
+    CandidateList cl;
+    std::vector<int32_t> parents;
+    if (c.parents) {
+      // fanout 1 list of ids: parents[g, i] = id; some -1.
+      parents.resize(static_cast<size_t>(c.hkv) * c.n);
+      for (int g = 0; g < c.hkv; ++g) {
+        for (int64_t i = 0; i < c.n; ++i) parents[g * c.n + i] = u(rng_) < 10 ? -1 : static_cast<int32_t>(3 * i + 1);
+      }
+      cl.begin = 0;
+      cl.end = 3 * c.n;
+    } else {
+      cl.begin = 5;
+      cl.end = 5 + c.n;
+    }
+    std::vector<int32_t> want(static_cast<size_t>(c.hkv) * c.k, 12345);
+    std::vector<float> vote(static_cast<size_t>(c.hkv) * c.n, kNaN);
+    VoteTopKParams p;
+    p.scores = TensorView(scores.data(), DType::kF32, {c.hkv, c.group, c.n});
+    p.candidates = cl;
+    if (c.parents) p.candidates.parents = TensorView(parents.data(), DType::kI32, {c.hkv, c.n});
+    p.k = c.k;
+    p.selected = TensorView(want.data(), DType::kI32, {c.hkv, c.k});
+    p.vote = TensorView(vote.data(), DType::kF32, {c.hkv, c.n});
+    STRATA_ASSERT_OK(cpu_->VoteTopK(p, nullptr));
+
+    auto ds = Dev(scores), dp = Dev(parents);
+    auto dsel = Poisoned<int32_t>(static_cast<int64_t>(c.hkv) * c.k, 0x7f);
+    auto dvote = Poisoned<float>(static_cast<int64_t>(c.hkv) * c.n);
+    p.scores.data = ds->data();
+    if (c.parents) p.candidates.parents.data = dp->data();
+    p.selected.data = dsel->data();
+    p.vote.data = dvote->data();
+    STRATA_ASSERT_OK(gpu_->VoteTopK(p, nullptr));
+    ExpectClose(Get<float>(*dvote, static_cast<int64_t>(c.hkv) * c.n), vote, 1e-6, 1e-5, "vote");
+    // id -> candidate index, per head.
+    std::vector<int64_t> index_of_id(static_cast<size_t>(c.hkv) * (cl.end + 1), 0);
+    for (int g = 0; g < c.hkv; ++g) {
+      for (int64_t i = 0; i < c.n; ++i) {
+        const int64_t id = c.parents ? parents[g * c.n + i] : cl.begin + i;
+        if (id >= 0) index_of_id[g * (cl.end + 1) + id] = i;
+      }
+    }
+    // ExpectSameTopK indexes ids by g * (n + 1); pass the id range as n.
+    std::vector<float> vote_by_range(static_cast<size_t>(c.hkv) * cl.end, 0.0f);
+    std::vector<int64_t> identity(static_cast<size_t>(c.hkv) * (cl.end + 1));
+    for (int g = 0; g < c.hkv; ++g) {
+      for (int64_t id = 0; id <= cl.end; ++id) identity[g * (cl.end + 1) + id] = id;
+      for (int64_t id = 0; id < cl.end; ++id) {
+        vote_by_range[g * cl.end + id] = vote[g * c.n + index_of_id[g * (cl.end + 1) + id]];
+      }
+    }
+    ExpectSameTopK(Get<int32_t>(*dsel, static_cast<int64_t>(c.hkv) * c.k), want, vote_by_range,
+                   identity, c.hkv, c.k, cl.end, seed_);
+  }
+}
+
+TEST_F(SelectionTest, VoteTopKTiesGoToLowerIndices) {
+  // Equal scores everywhere: both backends must pick exactly the first k valid candidates.
+  const int hkv = 2, group = 3;
+  const int64_t n = 5000, k = 777;
+  std::vector<float> scores(static_cast<size_t>(hkv) * group * n, 0.25f);
+  for (int64_t i = 0; i < n; i += 7) {
+    for (int h = 0; h < group; ++h) scores[h * n + i] = kNegInf;  // KV head 0: every 7th invalid
+  }
+  CandidateList cl;
+  cl.begin = 0;
+  cl.end = n;
+  std::vector<int32_t> want(hkv * k);
+  VoteTopKParams p;
+  p.scores = TensorView(scores.data(), DType::kF32, {hkv, group, n});
+  p.candidates = cl;
+  p.k = k;
+  p.selected = TensorView(want.data(), DType::kI32, {hkv, k});
+  STRATA_ASSERT_OK(cpu_->VoteTopK(p, nullptr));
+  auto ds = Dev(scores);
+  auto dsel = Poisoned<int32_t>(hkv * k);
+  p.scores.data = ds->data();
+  p.selected.data = dsel->data();
+  STRATA_ASSERT_OK(gpu_->VoteTopK(p, nullptr));
+  EXPECT_EQ(Get<int32_t>(*dsel, hkv * k), want);
+  std::vector<int32_t> expect;
+  for (int64_t i = 0; static_cast<int64_t>(expect.size()) < k; ++i) {
+    if (i % 7 != 0) expect.push_back(static_cast<int32_t>(i));
+  }
+  EXPECT_EQ(std::vector<int32_t>(want.begin(), want.begin() + k), expect);
+}
+
+TEST_F(SelectionTest, SelectedAttentionMatchesCpu) {
+  struct Case {
+    DType dtype;
+    int hkv, group, d, page, table_pages;
+    int64_t prefix, suffix_begin, suffix_end;
+    int fanout, parents;
+  } cases[] = {{DType::kBF16, 8, 4, 128, 64, 40, 64, 2300, 2560, 64, 32},
+               {DType::kF32, 3, 5, 64, 16, 30, 5, 400, 417, 1, 129},
+               {DType::kBF16, 1, 8, 256, 64, 4, 0, 0, 0, 64, 3},
+               {DType::kBF16, 2, 1, 128, 17, 50, 1, 800, 850, 1, 1000},
+               {DType::kF32, 2, 4, 64, 8, 3, 0, 0, 0, 8, 0}};  // nothing attended
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << " hkv " << c.hkv << " group "
+                                      << c.group << " d " << c.d << " page " << c.page);
+    const int hq = c.hkv * c.group;
+    const int slots = c.hkv * c.table_pages + 3;
+    std::vector<float> q = RandomF(static_cast<int64_t>(hq) * c.d, -2.0f, 2.0f);
+    std::vector<uint8_t> kp = PoolBytes(RandomF(static_cast<int64_t>(slots) * c.page * c.d), c.dtype);
+    std::vector<uint8_t> vp = PoolBytes(RandomF(static_cast<int64_t>(slots) * c.page * c.d), c.dtype);
+    // A permutation of slots per head, with one bad entry per head.
+    std::vector<int32_t> perm(slots);
+    for (int i = 0; i < slots; ++i) perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), rng_);
+    std::vector<int32_t> table(static_cast<size_t>(c.hkv) * c.table_pages);
+    for (size_t i = 0; i < table.size(); ++i) table[i] = perm[i];
+    if (c.table_pages > 2) table[1] = -1;
+    const int64_t tokens = static_cast<int64_t>(c.table_pages) * c.page;
+    CandidateList mid;
+    mid.fanout = c.fanout;
+    mid.begin = c.prefix;
+    mid.end = c.suffix_begin > 0 ? c.suffix_begin : tokens;
+    // Distinct parents per head inside the middle (sorted; a few -1).
+    std::vector<int32_t> parents(static_cast<size_t>(c.hkv) * c.parents);
+    const int64_t max_parent = (tokens + c.fanout - 1) / c.fanout;
+    for (int g = 0; g < c.hkv; ++g) {
+      std::vector<int32_t> all(max_parent);
+      for (int64_t i = 0; i < max_parent; ++i) all[i] = static_cast<int32_t>(i);
+      std::shuffle(all.begin(), all.end(), rng_);
+      all.resize(std::min<int64_t>(c.parents, max_parent));
+      std::sort(all.begin(), all.end());
+      for (int i = 0; i < c.parents; ++i) {
+        parents[g * c.parents + i] = i < static_cast<int>(all.size()) && i % 11 != 5 ? all[i] : -1;
+      }
+    }
+    mid.parents = TensorView(parents.data(), DType::kI32, {c.hkv, c.parents});
+    std::vector<float> out(static_cast<size_t>(hq) * c.d, kNaN), lse(hq, kNaN);
+    SelectedAttentionParams p;
+    p.q = TensorView(q.data(), DType::kF32, {1, hq, c.d});
+    p.k_pool = TensorView(kp.data(), c.dtype, {slots, c.page, c.d});
+    p.v_pool = TensorView(vp.data(), c.dtype, {slots, c.page, c.d});
+    p.page_table = TensorView(table.data(), DType::kI32, {c.hkv, c.table_pages});
+    p.prefix_end = c.prefix;
+    p.middle = mid;
+    p.suffix_begin = c.suffix_begin;
+    p.suffix_end = c.suffix_end;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    p.out = TensorView(out.data(), DType::kF32, {1, hq, c.d});
+    p.lse = TensorView(lse.data(), DType::kF32, {1, hq});
+    STRATA_ASSERT_OK(cpu_->SelectedAttention(p, nullptr));
+    auto dq = Dev(q), dk = Dev(kp), dv = Dev(vp), dt = Dev(table), dp = Dev(parents);
+    auto dout = Poisoned<float>(static_cast<int64_t>(hq) * c.d);
+    auto dlse = Poisoned<float>(hq);
+    p.q.data = dq->data();
+    p.k_pool.data = dk->data();
+    p.v_pool.data = dv->data();
+    p.page_table.data = dt->data();
+    p.middle.parents.data = c.parents > 0 ? dp->data() : nullptr;
+    if (c.parents == 0) {
+      p.middle.begin = p.middle.end = 0;  // an empty middle
+      p.middle.parents = TensorView();
+    }
+    p.out.data = dout->data();
+    p.lse.data = dlse->data();
+    if (c.parents == 0) {
+      // Recompute the CPU reference with the same empty middle.
+      SelectedAttentionParams h = p;
+      h.q.data = q.data();
+      h.k_pool.data = kp.data();
+      h.v_pool.data = vp.data();
+      h.page_table.data = table.data();
+      h.out.data = out.data();
+      h.lse.data = lse.data();
+      STRATA_ASSERT_OK(cpu_->SelectedAttention(h, nullptr));
+      for (float x : lse) EXPECT_EQ(x, kNegInf);
+    }
+    STRATA_ASSERT_OK(gpu_->SelectedAttention(p, nullptr));
+    ExpectClose(Get<float>(*dout, static_cast<int64_t>(hq) * c.d), out, 2e-5, 1e-4, "out");
+    ExpectClose(Get<float>(*dlse, hq), lse, 2e-5, 1e-5, "lse");
+  }
+}
+
+TEST_F(SelectionTest, BadParamsAreRejected) {
+  std::vector<float> q(8 * 16), scores(8 * 16);
+  auto dq = Dev(q), ds = Dev(scores);
+  ScoreSummariesParams p;
+  p.q = TensorView(dq->data(), DType::kF32, {8, 16});
+  p.summaries = TensorView(ds->data(), DType::kF32, {3, 2, 32});  // 3 KV heads do not divide 8
+  p.candidates.end = 2;
+  p.scores = TensorView(ds->data(), DType::kF32, {3, 2, 2});
+  EXPECT_THAT(gpu_->ScoreSummaries(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  VoteTopKParams v;
+  v.scores = TensorView(ds->data(), DType::kF32, {2, 4, 16});
+  v.candidates.end = 16;
+  v.k = 4;
+  v.selected = TensorView(dq->data(), DType::kF32, {2, 4});  // must be i32
+  EXPECT_THAT(gpu_->VoteTopK(v, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  v.selected.dtype = DType::kI32;
+  v.candidates.fanout = 0;
+  EXPECT_THAT(gpu_->VoteTopK(v, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// The default tokenselect pipeline (two-level minmax page ranking, token soft vote, attention
+// over sinks + selection + window) on both backends, then the GPU pipeline captured in a CUDA
+// graph and replayed: same selection (modulo vote ties) and same attention output.
+TEST_F(SelectionTest, TokenSelectPipelineMatchesCpuAndReplaysInAGraph) {
+  const int hkv = 2, group = 4, d = 64, page = 16, seg = 4;
+  const int64_t len = 16 * 1024 + 37;  // partial last page
+  const int pages = static_cast<int>((len + page - 1) / page), segs = (pages + seg - 1) / seg;
+  const int64_t sink = 64, window_begin = len - 256, budget = 256;
+  const int64_t keep_segs = 32, cand_pages = 4 * budget / page;
+  const int hq = hkv * group;
+  std::vector<float> q = RandomF(hq * d, -2.0f, 2.0f);
+  std::vector<float> keys = RandomF(static_cast<int64_t>(hkv) * pages * page * d);
+  std::vector<uint8_t> kp = PoolBytes(keys, DType::kBF16);
+  std::vector<uint8_t> vp = PoolBytes(RandomF(static_cast<int64_t>(hkv) * pages * page * d), DType::kBF16);
+  ConvertToF32(kp.data(), DType::kBF16, keys.data(), static_cast<int64_t>(keys.size()));
+  std::vector<int32_t> table(hkv * pages);
+  for (int i = 0; i < hkv * pages; ++i) table[i] = i;  // head g's pages at slots g * pages + p
+  // Page and segment minmax summaries over the tokens < len.
+  std::vector<float> ps(static_cast<size_t>(hkv) * pages * 2 * d), ss(static_cast<size_t>(hkv) * segs * 2 * d);
+  for (int g = 0; g < hkv; ++g) {
+    for (int pg = 0; pg < pages; ++pg) {
+      float* s = &ps[(static_cast<size_t>(g) * pages + pg) * 2 * d];
+      for (int e = 0; e < d; ++e) s[e] = 1e30f, s[d + e] = -1e30f;
+      for (int t = pg * page; t < std::min<int64_t>(len, (pg + 1) * page); ++t) {
+        const float* k = &keys[((static_cast<int64_t>(g) * pages) * page + t) * d];
+        for (int e = 0; e < d; ++e) s[e] = std::min(s[e], k[e]), s[d + e] = std::max(s[d + e], k[e]);
+      }
+      float* sg = &ss[(static_cast<size_t>(g) * segs + pg / seg) * 2 * d];
+      if (pg % seg == 0) std::copy(s, s + 2 * d, sg);
+      for (int e = 0; e < d; ++e) sg[e] = std::min(sg[e], s[e]), sg[d + e] = std::max(sg[d + e], s[d + e]);
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t p0 = sink / page, p1 = (window_begin + page - 1) / page;
+  const int64_t s0 = p0 / seg, s1 = (p1 - 1) / seg + 1;
+
+  // Runs the pipeline on `b` with buffers at the given addresses (host for the CPU).
+  struct Bufs {
+    void *q, *kp, *vp, *table, *ps, *ss, *seg_scores, *top_segs, *page_scores, *top_pages,
+        *tok_scores, *top_tokens, *out, *lse;
+  };
+  auto run = [&](Backend* b, const Bufs& m, Stream s) -> absl::Status {
+    ScoreSummariesParams a;
+    a.q = TensorView(m.q, DType::kF32, {hq, d});
+    a.summaries = TensorView(m.ss, DType::kF32, {hkv, segs, 2 * d});
+    a.candidates.begin = s0;
+    a.candidates.end = s1;
+    a.scale = scale;
+    a.scores = TensorView(m.seg_scores, DType::kF32, {hkv, group, s1 - s0});
+    STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
+    VoteTopKParams t;
+    t.scores = a.scores;
+    t.candidates = a.candidates;
+    t.k = keep_segs;
+    t.selected = TensorView(m.top_segs, DType::kI32, {hkv, keep_segs});
+    STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
+    a.summaries = TensorView(m.ps, DType::kF32, {hkv, pages, 2 * d});
+    a.candidates = CandidateList();
+    a.candidates.parents = t.selected;
+    a.candidates.fanout = seg;
+    a.candidates.begin = p0;
+    a.candidates.end = p1;
+    a.scores = TensorView(m.page_scores, DType::kF32, {hkv, group, keep_segs * seg});
+    STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
+    t.scores = a.scores;
+    t.candidates = a.candidates;
+    t.k = cand_pages;
+    t.selected = TensorView(m.top_pages, DType::kI32, {hkv, cand_pages});
+    STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
+    ScoreKeysParams k;
+    k.q = a.q;
+    k.k_pool = TensorView(m.kp, DType::kBF16, {hkv * pages, page, d});
+    k.page_table = TensorView(m.table, DType::kI32, {hkv, pages});
+    k.candidates.parents = t.selected;
+    k.candidates.fanout = page;
+    k.candidates.begin = sink;
+    k.candidates.end = window_begin;
+    k.scale = scale;
+    k.scores = TensorView(m.tok_scores, DType::kF32, {hkv, group, cand_pages * page});
+    STRATA_RETURN_IF_ERROR(b->ScoreKeys(k, s));
+    t.scores = k.scores;
+    t.candidates = k.candidates;
+    t.k = budget;
+    t.selected = TensorView(m.top_tokens, DType::kI32, {hkv, budget});
+    STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
+    SelectedAttentionParams at;
+    at.q = TensorView(m.q, DType::kF32, {1, hq, d});
+    at.k_pool = k.k_pool;
+    at.v_pool = TensorView(m.vp, DType::kBF16, {hkv * pages, page, d});
+    at.page_table = k.page_table;
+    at.prefix_end = sink;
+    at.middle.parents = t.selected;
+    at.middle.begin = sink;
+    at.middle.end = window_begin;
+    at.suffix_begin = window_begin;
+    at.suffix_end = len;
+    at.scale = scale;
+    at.out = TensorView(m.out, DType::kF32, {1, hq, d});
+    at.lse = TensorView(m.lse, DType::kF32, {1, hq});
+    return b->SelectedAttention(at, s);
+  };
+  std::vector<float> seg_scores(hkv * group * (s1 - s0)), page_scores(hkv * group * keep_segs * seg),
+      tok_scores(hkv * group * cand_pages * page), out(hq * d), lse(hq);
+  std::vector<int32_t> top_segs(hkv * keep_segs), top_pages(hkv * cand_pages), top_tokens(hkv * budget);
+  Bufs h{q.data(), kp.data(), vp.data(), table.data(), ps.data(), ss.data(), seg_scores.data(),
+         top_segs.data(), page_scores.data(), top_pages.data(), tok_scores.data(),
+         top_tokens.data(), out.data(), lse.data()};
+  STRATA_ASSERT_OK(run(cpu_, h, nullptr));
+
+  auto dq = Dev(q), dk = Dev(kp), dv = Dev(vp), dt = Dev(table), dps = Dev(ps), dss = Dev(ss);
+  auto d1 = Poisoned<float>(seg_scores.size()), d2 = Poisoned<int32_t>(top_segs.size());
+  auto d3 = Poisoned<float>(page_scores.size()), d4 = Poisoned<int32_t>(top_pages.size());
+  auto d5 = Poisoned<float>(tok_scores.size()), d6 = Poisoned<int32_t>(top_tokens.size());
+  auto d7 = Poisoned<float>(out.size()), d8 = Poisoned<float>(lse.size());
+  Bufs m{dq->data(), dk->data(), dv->data(), dt->data(), dps->data(), dss->data(), d1->data(),
+         d2->data(), d3->data(), d4->data(), d5->data(), d6->data(), d7->data(), d8->data()};
+  auto* cuda = static_cast<CudaBackend*>(gpu_);
+  STRATA_ASSERT_OK_AND_ASSIGN(Stream s, cuda->CreateStream());
+  STRATA_ASSERT_OK(run(gpu_, m, s));
+  STRATA_ASSERT_OK(gpu_->Synchronize(s));
+  // Every stage's selection is the same set as the CPU's (random data: no near-ties expected).
+  auto same_sets = [&](Buffer& b, const std::vector<int32_t>& want, int64_t k, const char* what) {
+    std::vector<int32_t> got = Get<int32_t>(b, static_cast<int64_t>(want.size()));
+    int differ = 0;
+    for (int g = 0; g < hkv; ++g) {
+      std::set<int32_t> a(got.begin() + g * k, got.begin() + (g + 1) * k);
+      std::set<int32_t> w(want.begin() + g * k, want.begin() + (g + 1) * k);
+      for (int32_t x : a) differ += w.count(x) == 0;
+    }
+    EXPECT_LE(differ, 1) << what << ": " << differ << " ids differ from the CPU's (seed " << seed_ << ")";
+    return differ;
+  };
+  const int diff = same_sets(*d2, top_segs, keep_segs, "segments") +
+                   same_sets(*d4, top_pages, cand_pages, "pages") +
+                   same_sets(*d6, top_tokens, budget, "tokens");
+  if (diff == 0) {
+    ExpectClose(Get<float>(*d7, out.size()), out, 2e-5, 1e-4, "pipeline out");
+    ExpectClose(Get<float>(*d8, lse.size()), lse, 2e-5, 1e-5, "pipeline lse");
+  }
+  const std::vector<float> eager_out = Get<float>(*d7, out.size());
+
+  // Capture and replay: the same output, bit for bit.
+  cudaStream_t cs = static_cast<cudaStream_t>(s);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const absl::Status captured = run(gpu_, m, s);
+  ASSERT_EQ(cudaStreamEndCapture(cs, &graph), cudaSuccess);
+  STRATA_ASSERT_OK(captured);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  std::vector<uint8_t> poison(out.size() * 4, 0xff);
+  STRATA_ASSERT_OK(gpu_->CopyToDevice(d7->data(), poison.data(), poison.size(), s));
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, cs), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(cs), cudaSuccess);
+  EXPECT_EQ(Get<float>(*d7, out.size()), eager_out);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  STRATA_ASSERT_OK(cuda->DestroyStream(s));
+}
+
+}  // namespace
+}  // namespace strata::kernels
