@@ -8,8 +8,10 @@
 // and --budget_tokens / page_size selected pages per KV head. Selections drift: each step every
 // selected page is replaced with probability --drift; a replacement is, with probability
 // --revisit, a page this head dropped recently (attention returning to a passage), else a
-// uniformly random page. The cache has --resident (fraction of all KV) slots. Reported: hit ratio
-// over the steps after --warmup_steps, misses and fill time per step (host gather and waits).
+// uniformly random page. The cache has --resident (fraction of all KV) slots. Warm-up runs until
+// --warmup_fills x num_slots pages were filled (the cache has turned over, so evictions are in
+// steady state); then --steps steps are measured: hit ratio, misses and fill time per step (host
+// gather and waits).
 //
 // The host tier is a synthetic PageStore: every page key maps onto one of --distinct_pages encoded
 // bf16 pages held in host memory (default 16384 = 512 MiB, beyond the CPU caches), so that 64 GiB
@@ -56,8 +58,9 @@ struct Flags {
   int window_pages = 2;
   double drift = 0.05;
   double revisit = 0.5;
-  int steps = 600;
-  int warmup_steps = 300;
+  int steps = 500;             // measured steps, after the warm-up
+  double warmup_fills = 2.0;   // warm-up until this many times num_slots pages were filled
+  int max_warmup_steps = 20000;
   int distinct_pages = 16384;
   int verify_pages = 256;
   std::string policy = "wait";
@@ -82,7 +85,8 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   else if (name == "drift") f->drift = std::atof(v.c_str());
   else if (name == "revisit") f->revisit = std::atof(v.c_str());
   else if (name == "steps") f->steps = std::atoi(v.c_str());
-  else if (name == "warmup_steps") f->warmup_steps = std::atoi(v.c_str());
+  else if (name == "warmup_fills") f->warmup_fills = std::atof(v.c_str());
+  else if (name == "max_warmup_steps") f->max_warmup_steps = std::atoi(v.c_str());
   else if (name == "distinct_pages") f->distinct_pages = std::atoi(v.c_str());
   else if (name == "verify_pages") f->verify_pages = std::atoi(v.c_str());
   else if (name == "policy") f->policy = v;
@@ -205,7 +209,7 @@ int Run(const Flags& f) {
   }
 
   // ---- Fill throughput ----------------------------------------------------------------------
-  {
+  if (!f.copy_pages.empty() && f.copy_reps > 0) {
     std::vector<int> sizes;
     for (size_t pos = 0; pos < f.copy_pages.size();) {
       size_t comma = f.copy_pages.find(',', pos);
@@ -308,10 +312,15 @@ int Run(const Flags& f) {
   kvstore::GpuCacheStats before{};
   std::vector<double> step_acquire;
   double acquire_total = 0;
-  for (int step = 0; step < f.steps; ++step) {
-    if (step == f.warmup_steps) {
+  bool measuring = false;
+  int warmup_steps = 0;
+  for (int step = 0; measured_steps < f.steps; ++step) {
+    if (!measuring && (cache.stats().fills >= f.warmup_fills * num_slots ||
+                       step >= f.max_warmup_steps)) {
       if (!cache.WaitForFills().ok()) return 1;
       before = cache.stats();
+      measuring = true;
+      warmup_steps = step;
     }
     // Drift the selections.
     for (HeadTrace& h : heads) {
@@ -356,7 +365,7 @@ int Run(const Flags& f) {
         std::fprintf(stderr, "step %d layer %d: %s\n", step, l, s.ToString().c_str());
         return 1;
       }
-      if (step >= f.warmup_steps) {
+      if (measuring) {
         const kvstore::GpuCacheStats s1 = cache.stats();
         lookups += s1.lookups - s0.lookups;
         hits += s1.hits - s0.hits;
@@ -368,7 +377,7 @@ int Run(const Flags& f) {
         return 1;
       }
     }
-    if (step >= f.warmup_steps) {
+    if (measuring) {
       ++measured_steps;
       acquire_total += step_seconds;
       step_acquire.push_back(step_seconds);
@@ -377,9 +386,9 @@ int Run(const Flags& f) {
   if (!cache.WaitForFills().ok()) return 1;
   const kvstore::GpuCacheStats after = cache.stats();
   const double n = std::max<int64_t>(1, measured_steps);
-  std::printf("\ntrace: %d steps, measured the last %" PRId64 " (warm-up %d); %d Acquire calls "
-              "per step (one per layer)\n",
-              f.steps, measured_steps, f.warmup_steps, f.layers);
+  std::printf("\ntrace: %d warm-up steps (until %.1f x the slots were filled), then %" PRId64
+              " measured; %d Acquire calls per step (one per layer)\n",
+              warmup_steps, f.warmup_fills, measured_steps, f.layers);
   std::printf("  hit ratio (steady)       %.4f  (%" PRId64 " hits / %" PRId64 " lookups)\n",
               lookups > 0 ? static_cast<double>(hits) / lookups : 0.0, hits, lookups);
   std::printf("  lookups per step         %.0f\n", lookups / n);
@@ -428,6 +437,15 @@ int Run(const Flags& f) {
   }
   std::printf("  verify                   %d resident pages read back, %d halves differ\n",
               checked, bad);
+  std::printf("RESULT backend=%s drift=%.3f revisit=%.2f policy=%s resident=%.3f hit_ratio=%.4f "
+              "fills_per_step=%.1f fill_mib_per_step=%.2f acquire_us_per_step=%.1f "
+              "gather_us=%.1f wait_us=%.1f verify_bad=%d\n",
+              backend->Name().c_str(), f.drift, f.revisit, f.policy.c_str(), f.resident,
+              lookups > 0 ? static_cast<double>(hits) / lookups : 0.0,
+              (after.fills - before.fills) / n,
+              (after.fill_bytes - before.fill_bytes) / n / (1 << 20), acquire_total / n * 1e6,
+              (after.gather_seconds - before.gather_seconds) / n * 1e6,
+              (after.wait_seconds - before.wait_seconds) / n * 1e6, bad);
   return bad == 0 ? 0 : 3;
 }
 

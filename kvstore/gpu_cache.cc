@@ -5,8 +5,6 @@
 #include <limits>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
 #include "base/status_macros.h"
@@ -80,6 +78,9 @@ absl::Status GpuPageCache::Init() {
   STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(device_table_->data(), table_.data(),
                                                 table_.size() * sizeof(int32_t), options_.stream));
   slot_page_.assign(n, -1);
+  slot_mark_.assign(n, 0);
+  release_count_.assign(n, 0);
+  id_mark_.assign(static_cast<size_t>(table_size_), 0);
   pins_.assign(n, 0);
   ref_.assign(n, 0);
   fence_.assign(n, 0);
@@ -168,6 +169,15 @@ int32_t GpuPageCache::ClaimSlot() {
     return static_cast<int32_t>(s);
   }
   return -1;
+}
+
+uint32_t GpuPageCache::NextEpoch() {
+  if (++epoch_ == 0) {  // wrapped: no mark may look current
+    std::fill(id_mark_.begin(), id_mark_.end(), 0);
+    std::fill(slot_mark_.begin(), slot_mark_.end(), 0);
+    epoch_ = 1;
+  }
+  return epoch_;
 }
 
 absl::Status GpuPageCache::WaitLocked() {
@@ -299,22 +309,25 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
     STRATA_ASSIGN_OR_RETURN(ids[i], FlatIndex(pages[i]));
   }
   std::vector<int64_t> missing;
-  absl::flat_hash_set<int64_t> missing_set;
-  absl::flat_hash_set<int32_t> unpinned_hits;
+  int64_t unpinned_hits = 0;  // distinct unpinned slots among the hits
   int64_t hits = 0;
+  const uint32_t epoch = NextEpoch();
   for (int64_t id : ids) {
     const int32_t s = table_[id];
     if (s >= 0) {
       ++hits;
-      if (pins_[s] == 0) unpinned_hits.insert(s);
-    } else if (missing_set.insert(id).second) {
+      if (pins_[s] == 0 && slot_mark_[s] != epoch) {
+        slot_mark_[s] = epoch;
+        ++unpinned_hits;
+      }
+    } else if (id_mark_[id] != epoch) {
+      id_mark_[id] = epoch;
       missing.push_back(id);
     }
   }
   const bool wait = policy == MissPolicy::kWait;
   if (wait) {
-    const int64_t available =
-        options_.num_slots - pinned_ - static_cast<int64_t>(unpinned_hits.size());
+    const int64_t available = options_.num_slots - pinned_ - unpinned_hits;
     if (static_cast<int64_t>(missing.size()) > available) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "gpu cache: ", missing.size(), " pages to fill but only ", available, " of ",
@@ -323,8 +336,7 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
     }
   } else {
     // Best effort: never fetch more than could be placed.
-    const int64_t room = std::max<int64_t>(
-        0, options_.num_slots - pinned_ - static_cast<int64_t>(unpinned_hits.size()));
+    const int64_t room = std::max<int64_t>(0, options_.num_slots - pinned_ - unpinned_hits);
     if (static_cast<int64_t>(missing.size()) > room) missing.resize(static_cast<size_t>(room));
   }
   Stopwatch gather;
@@ -371,14 +383,16 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
   }
   if (wait) {
     // Fill pinned each new page once; pin again for repeated entries and hand the slots out.
-    absl::flat_hash_map<int64_t, int32_t> new_slot;
-    for (size_t j = 0; j < missing.size(); ++j) new_slot[missing[j]] = slot_of[j];
-    absl::flat_hash_set<int64_t> first_use;
+    const uint32_t used = NextEpoch();
     for (size_t i = 0; i < ids.size(); ++i) {
       if ((*slots)[i] >= 0) continue;
-      const int32_t s = new_slot.at(ids[i]);
+      const int32_t s = table_[ids[i]];  // filled above, pinned once by Fill
       (*slots)[i] = s;
-      if (!first_use.insert(ids[i]).second) ++pins_[s];
+      if (id_mark_[ids[i]] == used) {
+        ++pins_[s];
+      } else {
+        id_mark_[ids[i]] = used;
+      }
     }
     absl::Status w = WaitLocked();
     if (!w.ok()) {
@@ -400,36 +414,46 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
 
 absl::Status GpuPageCache::Release(absl::Span<const int32_t> slots) {
   std::lock_guard<std::mutex> lock(mu_);
-  absl::flat_hash_map<int32_t, int32_t> count;
-  for (int32_t s : slots) {
+  // release_count_ is all zero between calls.
+  absl::Status error;
+  size_t counted = 0;
+  for (; counted < slots.size(); ++counted) {
+    const int32_t s = slots[counted];
     if (s < 0) continue;
     if (s >= options_.num_slots) {
-      return absl::InvalidArgumentError(absl::StrCat("gpu cache: release of slot ", s, " of ",
-                                                     options_.num_slots));
+      error = absl::InvalidArgumentError(
+          absl::StrCat("gpu cache: release of slot ", s, " of ", options_.num_slots));
+      break;
     }
-    ++count[s];
-  }
-  for (const auto& [s, c] : count) {
-    if (pins_[s] < c) {
-      return absl::InvalidArgumentError(absl::StrCat("gpu cache: slot ", s, " released ", c,
-                                                     " times but pinned ", pins_[s], " times"));
+    if (++release_count_[s] > pins_[s]) {
+      error = absl::InvalidArgumentError(absl::StrCat(
+          "gpu cache: slot ", s, " released more often than pinned (", pins_[s], ")"));
+      ++counted;
+      break;
     }
   }
-  for (const auto& [s, c] : count) {
-    pins_[s] -= c;
-    if (pins_[s] == 0) --pinned_;
+  for (size_t i = 0; i < counted; ++i) {
+    const int32_t s = slots[i];
+    if (s < 0 || s >= options_.num_slots) continue;
+    if (error.ok()) {
+      if (--pins_[s] == 0) --pinned_;
+    }
+    release_count_[s] = 0;
   }
-  return absl::OkStatus();
+  return error;
 }
 
 absl::Status GpuPageCache::Prefetch(absl::Span<const GpuPageId> pages, int64_t* issued) {
   if (issued != nullptr) *issued = 0;
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> missing;
-  absl::flat_hash_set<int64_t> seen;
+  const uint32_t epoch = NextEpoch();
   for (const GpuPageId& p : pages) {
     STRATA_ASSIGN_OR_RETURN(int64_t id, FlatIndex(p));
-    if (table_[id] < 0 && seen.insert(id).second) missing.push_back(id);
+    if (table_[id] < 0 && id_mark_[id] != epoch) {
+      id_mark_[id] = epoch;
+      missing.push_back(id);
+    }
   }
   const int64_t room = options_.num_slots - pinned_;
   if (static_cast<int64_t>(missing.size()) > room) missing.resize(static_cast<size_t>(room));

@@ -169,6 +169,8 @@ class GpuPageCache {
   absl::Status Fill(const std::vector<int64_t>& ids, const std::vector<PageRef>& pages, bool pin,
                     std::vector<int32_t>* slot_of, int64_t* filled);
   absl::Status WaitLocked();
+  // A fresh mark for the per-call "seen" flags below (clears them when the counter wraps).
+  uint32_t NextEpoch();
   void PublishGauges();
 
   GpuCacheOptions options_;
@@ -189,6 +191,10 @@ class GpuPageCache {
   std::vector<int32_t> pins_;       // guarded by mu_
   std::vector<uint8_t> ref_;        // guarded by mu_: clock reference bits
   std::vector<uint64_t> fence_;     // guarded by mu_: batch that filled the slot
+  std::vector<uint32_t> id_mark_;   // guarded by mu_: per page, epoch_ when seen in this call
+  std::vector<uint32_t> slot_mark_; // guarded by mu_: per slot, epoch_ when seen in this call
+  std::vector<int32_t> release_count_;  // guarded by mu_: all zero between Release calls
+  uint32_t epoch_ = 0;              // guarded by mu_
   int64_t next_unused_ = 0;         // guarded by mu_: slots >= this were never used
   int64_t hand_ = 0;                // guarded by mu_
   int64_t resident_ = 0;            // guarded by mu_
