@@ -3,8 +3,9 @@
 // Shared-memory tiles are [rows][D] bf16 with the 16-byte chunks of a row XOR-swizzled by
 // (row & 7), so that ldmatrix (8 rows, one chunk each) and the cp.async writes are free of bank
 // conflicts. Fragment layouts are those of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for
-// mma.m16n8k16"): a thread holds rows lane/4 and lane/4 + 8 of its warp's 16 rows and columns
-// 2*(lane%4), +1 of every 8-column tile.
+// mma.m16n8k16"): a thread holds rows lane/4 and lane/4 + 8 of each of its warp's m16 blocks
+// and columns 2*(lane%4), +1 of every 8-column tile. Each warp owns 16 * kMBlocks rows, so that
+// every K and V fragment loaded from shared memory feeds kMBlocks MMAs.
 #include <cstdint>
 
 #include "kernels/cuda/internal/common.cuh"
@@ -14,8 +15,8 @@ namespace strata::kernels::cuda_internal {
 namespace {
 
 constexpr int kBlockM = kFlashBlockM;
-constexpr int kBlockN = kFlashBlockN;
-constexpr int kWarps = kBlockM / 16;
+constexpr int kMBlocks = 2;                  // m16 row blocks per warp (K/V fragments reused)
+constexpr int kWarps = kBlockM / (16 * kMBlocks);
 constexpr int kThreads = kWarps * 32;
 constexpr int kMetaThreads = 128;
 constexpr int64_t kPosNone = INT64_MAX;          // padding keys: masked for every query
@@ -23,8 +24,9 @@ constexpr int64_t kPosAll = INT64_MAX - 1;       // non-causal queries: every re
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-static_assert(kBlockN == 64, "the row/position pass uses one thread per key of a tile");
-static_assert(kThreads >= kBlockN, "one thread per key of a tile");
+static_assert(kThreads >= kFlashMaxBlockN, "the row/position pass uses one thread per key");
+
+int g_block_n = 0;  // SetFlashPrefillBlockN
 
 // Per (KV head, key tile) metadata written by the pre-pass (arrays of num_kv_heads *
 // tiles_per_head, head-major).
@@ -33,6 +35,7 @@ struct TileMeta {
   int64_t* max_pos;     // largest key position (kPosNone when the tile is partial)
   int32_t* first_span;  // index into plan.spans of the span holding the tile's first key
   int tiles_per_head;
+  int block_n;          // keys per tile
 };
 
 __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
@@ -78,6 +81,13 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x (MUFU.EX2, about 2 ulp; 2^-inf = 0), well inside the bf16 rounding of the weights.
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -106,14 +116,15 @@ __global__ void __launch_bounds__(kMetaThreads)
     const int g = static_cast<int>(idx / meta.tiles_per_head);
     const int i = static_cast<int>(idx % meta.tiles_per_head);
     const int n = plan.head_tokens[g];
-    const int64_t j0 = static_cast<int64_t>(i) * kBlockN;
+    const int bn = meta.block_n;
+    const int64_t j0 = static_cast<int64_t>(i) * bn;
     if (j0 >= n) {
       meta.min_pos[idx] = kPosNone;
       meta.max_pos[idx] = kPosNone;
       meta.first_span[idx] = 0;
       continue;
     }
-    const int j1 = j0 + kBlockN < n ? static_cast<int>(j0) + kBlockN : n;
+    const int j1 = j0 + bn < n ? static_cast<int>(j0) + bn : n;
     const int end = plan.span_offsets[g + 1];
     int s = SearchSpan(plan.span_start, plan.span_offsets[g], end - 1, static_cast<int>(j0));
     meta.first_span[idx] = s;
@@ -126,7 +137,7 @@ __global__ void __launch_bounds__(kMetaThreads)
       mn = min(mn, static_cast<int64_t>(sp.position) + (a - st));
       mx = max(mx, static_cast<int64_t>(sp.position) + (b - 1 - st));
     }
-    if (j1 - j0 < kBlockN) mx = kPosNone;  // padding keys of a partial tile need the mask
+    if (j1 - j0 < bn) mx = kPosNone;  // padding keys of a partial tile need the mask
     meta.min_pos[idx] = mn;
     meta.max_pos[idx] = mx;
   }
@@ -143,22 +154,24 @@ __device__ __forceinline__ int64_t WarpMax64(int64_t v) {
   return v;
 }
 
-template <int D>
-__global__ void __launch_bounds__(kThreads)
+template <int D, int BN>
+__global__ void __launch_bounds__(kThreads, 2)
     FlashPrefillKernel(const float* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
                        const __nv_bfloat16* __restrict__ v_pool, AttentionShape shape,
                        AttentionPlan plan, TileMeta meta, float* __restrict__ out,
                        float* __restrict__ lse) {
   constexpr int kChunks = D / 8;   // 16-byte chunks per row
   constexpr int kDTiles = D / 8;   // n8 tiles of the output
-  constexpr int kSTiles = kBlockN / 8;
+  constexpr int kSTiles = BN / 8;
+  constexpr int kRows = 2 * kMBlocks;  // rows per thread: lane/4 and lane/4 + 8 of each m-block
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kBlockM][D]
-  __nv_bfloat16* k_s = q_s + kBlockM * D;                            // [2][kBlockN][D]
-  __nv_bfloat16* v_s = k_s + 2 * kBlockN * D;                        // [2][kBlockN][D]
-  __shared__ int64_t row_s[2][kBlockN];   // pool row of each key of the tile (-1: padding)
-  __shared__ int64_t kpos_s[2][kBlockN];  // its position (kPosNone: padding)
+  __nv_bfloat16* k_s = q_s + kBlockM * D;                            // [2][BN][D]
+  __nv_bfloat16* v_s = k_s + 2 * BN * D;                        // [2][BN][D]
+  __shared__ int64_t row_s[2][BN];   // pool row of each key of the tile (-1: padding)
+  __shared__ int64_t kpos_s[2][BN];  // its position (kPosNone: padding)
   __shared__ int64_t red_s[3][kWarps];
+  __shared__ int64_t qpos_s[kBlockM];     // position of each query row (INT64_MIN: padding)
 
   const int head = blockIdx.x;
   const int q_tile = gridDim.y - 1 - blockIdx.y;  // the longest causal rows start first
@@ -167,9 +180,10 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int t0 = q_tile * kBlockM;
   const int n_keys = plan.head_tokens[g];
-  const int n_tiles = (n_keys + kBlockN - 1) / kBlockN;
+  const int n_tiles = (n_keys + BN - 1) / BN;
   const int span_end = plan.span_offsets[g + 1];
   const int64_t meta_base = static_cast<int64_t>(g) * meta.tiles_per_head;
+  const int warp_row0 = warp * 16 * kMBlocks;  // this warp's first row in the block
 
   // Q tile: f32 -> bf16 (round to nearest), rows past num_tokens zero.
   for (int i = tid; i < kBlockM * kChunks; i += kThreads) {
@@ -186,20 +200,24 @@ __global__ void __launch_bounds__(kThreads)
     *reinterpret_cast<uint4*>(q_s + Swz<D>(r, c)) = packed;
   }
 
-  // Query positions: this thread's two rows, and the block's min / max over real tokens.
-  const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;
+  // Query positions: this thread's rows, and the block's min / max over real tokens.
   auto qpos_of = [&](int t) -> int64_t {
     if (t >= shape.num_tokens) return INT64_MIN;  // padding row: attends nothing
     return shape.causal ? static_cast<int64_t>(plan.q_positions[t]) : kPosAll;
   };
-  const int64_t qpos0 = qpos_of(t0 + r0), qpos1 = qpos_of(t0 + r1);
+  auto row_of = [&](int i) { return warp_row0 + (i >> 1) * 16 + (i & 1) * 8 + (lane >> 2); };
+  for (int i = tid; i < kBlockM; i += kThreads) qpos_s[i] = qpos_of(t0 + i);
   int64_t q_min = kPosNone, q_max = INT64_MIN;
-  if (tid < kBlockM && t0 + tid < shape.num_tokens) {
-    q_min = q_max = qpos_of(t0 + tid);
-  }
   // Last key tile that some query of the block attends (tiles beyond it are all masked).
   int last = -1;
   if (shape.causal) {
+    for (int i = tid; i < kBlockM; i += kThreads) {
+      if (t0 + i < shape.num_tokens) {
+        const int64_t p = qpos_of(t0 + i);
+        q_min = min(q_min, p);
+        q_max = max(q_max, p);
+      }
+    }
     q_min = WarpMin64(q_min);
     q_max = WarpMax64(q_max);
     if (lane == 0) {
@@ -238,12 +256,12 @@ __global__ void __launch_bounds__(kThreads)
   // Stages key tile i into buffer b: rows / positions (one thread per key), then cp.async of
   // K and V (padding keys zero-filled, so that 0-weight * V stays finite).
   auto load_tile = [&](int i, int b) {
-    if (tid < kBlockN) {
-      const int j = i * kBlockN + tid;
+    if (tid < BN) {
+      const int j = i * BN + tid;
       int64_t row = -1, pos = kPosNone;
       if (j < n_keys) {
         const int fs = meta.first_span[meta_base + i];
-        const int s = SearchSpan(plan.span_start, fs, min(fs + kBlockN, span_end) - 1, j);
+        const int s = SearchSpan(plan.span_start, fs, min(fs + BN, span_end) - 1, j);
         const DeviceSpan sp = plan.spans[s];
         const int in_span = j - plan.span_start[s];
         row = static_cast<int64_t>(sp.slot) * shape.page_size + sp.offset + in_span;
@@ -253,21 +271,29 @@ __global__ void __launch_bounds__(kThreads)
       kpos_s[b][tid] = pos;
     }
     __syncthreads();
-    for (int c = tid; c < kBlockN * kChunks; c += kThreads) {
+    for (int c = tid; c < BN * kChunks; c += kThreads) {
       const int r = c / kChunks, ch = c % kChunks;
       const int64_t row = row_s[b][r];
       const int64_t off = row >= 0 ? row * D + ch * 8 : 0;
-      const int dst = b * kBlockN * D + Swz<D>(r, ch);
+      const int dst = b * BN * D + Swz<D>(r, ch);
       CpAsync16(SmemAddr(k_s + dst), k_pool + off, row >= 0);
       CpAsync16(SmemAddr(v_s + dst), v_pool + off, row >= 0);
     }
     CpAsyncCommit();
   };
 
-  float o[kDTiles][4];
+  float o[kMBlocks][kDTiles][4];
 #pragma unroll
-  for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  float m0 = NegInf(), m1 = NegInf(), l0 = 0.0f, l1 = 0.0f;  // log2 domain
+  for (int mb = 0; mb < kMBlocks; ++mb) {
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) o[mb][j][0] = o[mb][j][1] = o[mb][j][2] = o[mb][j][3] = 0.0f;
+  }
+  float m[kRows], l[kRows];  // running max (log2 domain) and this thread's part of the sum
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    m[i] = NegInf();
+    l[i] = 0.0f;
+  }
   const float scale2 = shape.scale * kLog2e;
 
   int cur = next_tile(0);
@@ -283,91 +309,104 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // tile `cur` (and, first time, q_s) visible to every warp
 
-    const __nv_bfloat16* kb = k_s + buf * kBlockN * D;
-    const __nv_bfloat16* vb = v_s + buf * kBlockN * D;
-    // S = Q K^T for this warp's 16 rows x 64 keys.
-    float s[kSTiles][4];
+    const __nv_bfloat16* kb = k_s + buf * BN * D;
+    const __nv_bfloat16* vb = v_s + buf * BN * D;
+    // S = Q K^T for this warp's rows x 64 keys; each K fragment serves every m-block.
+    float s[kMBlocks][kSTiles][4];
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    for (int mb = 0; mb < kMBlocks; ++mb) {
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) s[mb][j][0] = s[mb][j][1] = s[mb][j][2] = s[mb][j][3] = 0.0f;
+    }
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      Ldsm4(a, SmemAddr(q_s + Swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))));
+      uint32_t a[kMBlocks][4];
+#pragma unroll
+      for (int mb = 0; mb < kMBlocks; ++mb) {
+        Ldsm4(a[mb], SmemAddr(q_s + Swz<D>(warp_row0 + mb * 16 + (lane & 15), 2 * kk + (lane >> 4))));
+      }
 #pragma unroll
       for (int np = 0; np < kSTiles / 2; ++np) {
         uint32_t b[4];
         Ldsm4(b, SmemAddr(kb + Swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
                                       2 * kk + ((lane >> 3) & 1))));
-        Mma(s[2 * np], a, b[0], b[1]);
-        Mma(s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mb = 0; mb < kMBlocks; ++mb) {
+          Mma(s[mb][2 * np], a[mb], b[0], b[1]);
+          Mma(s[mb][2 * np + 1], a[mb], b[2], b[3]);
+        }
       }
     }
     // Scale into the log2 domain; mask where some key may lie after some query.
     const bool need_mask = meta.max_pos[meta_base + cur] > q_min;
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-      const int col = j * 8 + 2 * (lane & 3);
+    for (int mb = 0; mb < kMBlocks; ++mb) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= scale2;
-      if (need_mask) {
-        const int64_t p0 = kpos_s[buf][col], p1 = kpos_s[buf][col + 1];
-        if (p0 > qpos0) s[j][0] = NegInf();
-        if (p1 > qpos0) s[j][1] = NegInf();
-        if (p0 > qpos1) s[j][2] = NegInf();
-        if (p1 > qpos1) s[j][3] = NegInf();
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mb][j][e] *= scale2;
+        if (need_mask) {
+          const int col = j * 8 + 2 * (lane & 3);
+          const int64_t p0 = kpos_s[buf][col], p1 = kpos_s[buf][col + 1];
+          const int64_t qa = qpos_s[row_of(2 * mb)], qb = qpos_s[row_of(2 * mb + 1)];
+          if (p0 > qa) s[mb][j][0] = NegInf();
+          if (p1 > qa) s[mb][j][1] = NegInf();
+          if (p0 > qb) s[mb][j][2] = NegInf();
+          if (p1 > qb) s[mb][j][3] = NegInf();
+        }
       }
     }
-    // Online softmax (rows r0 and r1; a quad of lanes shares a row).
-    float tm0 = m0, tm1 = m1;
+    // Online softmax per row (a quad of lanes shares a row).
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-      tm0 = fmaxf(tm0, fmaxf(s[j][0], s[j][1]));
-      tm1 = fmaxf(tm1, fmaxf(s[j][2], s[j][3]));
+    for (int mb = 0; mb < kMBlocks; ++mb) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * mb + h;
+        float tm = m[i];
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) tm = fmaxf(tm, fmaxf(s[mb][j][2 * h], s[mb][j][2 * h + 1]));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+        const float base = tm == NegInf() ? 0.0f : tm;
+        const float corr = Exp2(m[i] - base);  // 0 when m was -inf
+        m[i] = tm;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+          s[mb][j][2 * h] = Exp2(s[mb][j][2 * h] - base);
+          s[mb][j][2 * h + 1] = Exp2(s[mb][j][2 * h + 1] - base);
+          sum += s[mb][j][2 * h] + s[mb][j][2 * h + 1];
+        }
+        l[i] = l[i] * corr + sum;
+#pragma unroll
+        for (int j = 0; j < kDTiles; ++j) {
+          o[mb][j][2 * h] *= corr;
+          o[mb][j][2 * h + 1] *= corr;
+        }
+      }
     }
+    // O += P V: P as bf16 A fragments (16 keys each), V through ldmatrix.trans; each V
+    // fragment serves every m-block.
 #pragma unroll
-    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
-      tm0 = fmaxf(tm0, __shfl_xor_sync(0xffffffffu, tm0, o2));
-      tm1 = fmaxf(tm1, __shfl_xor_sync(0xffffffffu, tm1, o2));
-    }
-    const float base0 = tm0 == NegInf() ? 0.0f : tm0;
-    const float base1 = tm1 == NegInf() ? 0.0f : tm1;
-    const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);  // 0 when m was -inf
-    m0 = tm0;
-    m1 = tm1;
-    float sum0 = 0.0f, sum1 = 0.0f;
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      uint32_t a[kMBlocks][4];
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-      s[j][0] = exp2f(s[j][0] - base0);
-      s[j][1] = exp2f(s[j][1] - base0);
-      s[j][2] = exp2f(s[j][2] - base1);
-      s[j][3] = exp2f(s[j][3] - base1);
-      sum0 += s[j][0] + s[j][1];
-      sum1 += s[j][2] + s[j][3];
-    }
-    l0 = l0 * corr0 + sum0;
-    l1 = l1 * corr1 + sum1;
-#pragma unroll
-    for (int j = 0; j < kDTiles; ++j) {
-      o[j][0] *= corr0;
-      o[j][1] *= corr0;
-      o[j][2] *= corr1;
-      o[j][3] *= corr1;
-    }
-    // O += P V: P as bf16 A fragments (16 keys each), V through ldmatrix.trans.
-#pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) {
-      uint32_t a[4];
-      a[0] = PackBf16(s[2 * kc][0], s[2 * kc][1]);
-      a[1] = PackBf16(s[2 * kc][2], s[2 * kc][3]);
-      a[2] = PackBf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-      a[3] = PackBf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+      for (int mb = 0; mb < kMBlocks; ++mb) {
+        a[mb][0] = PackBf16(s[mb][2 * kc][0], s[mb][2 * kc][1]);
+        a[mb][1] = PackBf16(s[mb][2 * kc][2], s[mb][2 * kc][3]);
+        a[mb][2] = PackBf16(s[mb][2 * kc + 1][0], s[mb][2 * kc + 1][1]);
+        a[mb][3] = PackBf16(s[mb][2 * kc + 1][2], s[mb][2 * kc + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t b[4];
         Ldsm4T(b, SmemAddr(vb + Swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
                                        2 * dp + (lane >> 4))));
-        Mma(o[2 * dp], a, b[0], b[1]);
-        Mma(o[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mb = 0; mb < kMBlocks; ++mb) {
+          Mma(o[mb][2 * dp], a[mb], b[0], b[1]);
+          Mma(o[mb][2 * dp + 1], a[mb], b[2], b[3]);
+        }
       }
     }
     __syncthreads();  // buffer `buf` is refilled two tiles from now; row_s/kpos_s next tile
@@ -377,46 +416,55 @@ __global__ void __launch_bounds__(kThreads)
 
   // Normalise and write this thread's rows.
 #pragma unroll
-  for (int o2 = 1; o2 <= 2; o2 <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
-  }
-  const int ta = t0 + r0, tb = t0 + r1;
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-  const int64_t rowa = static_cast<int64_t>(ta) * shape.num_q_heads + head;
-  const int64_t rowb = static_cast<int64_t>(tb) * shape.num_q_heads + head;
+  for (int mb = 0; mb < kMBlocks; ++mb) {
 #pragma unroll
-  for (int j = 0; j < kDTiles; ++j) {
-    const int col = j * 8 + 2 * (lane & 3);
-    if (ta < shape.num_tokens) {
-      *reinterpret_cast<float2*>(out + rowa * D + col) = make_float2(o[j][0] * inv0, o[j][1] * inv0);
+    for (int h = 0; h < 2; ++h) {
+      const int i = 2 * mb + h;
+      float sum = l[i];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int t = t0 + row_of(i);
+      if (t >= shape.num_tokens) continue;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int64_t row = static_cast<int64_t>(t) * shape.num_q_heads + head;
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        const int col = j * 8 + 2 * (lane & 3);
+        *reinterpret_cast<float2*>(out + row * D + col) =
+            make_float2(o[mb][j][2 * h] * inv, o[mb][j][2 * h + 1] * inv);
+      }
+      if ((lane & 3) == 0) lse[row] = sum > 0.0f ? (m[i] + log2f(sum)) * kLn2 : NegInf();
     }
-    if (tb < shape.num_tokens) {
-      *reinterpret_cast<float2*>(out + rowb * D + col) = make_float2(o[j][2] * inv1, o[j][3] * inv1);
-    }
-  }
-  if ((lane & 3) == 0) {
-    if (ta < shape.num_tokens) lse[rowa] = l0 > 0.0f ? (m0 + log2f(l0)) * kLn2 : NegInf();
-    if (tb < shape.num_tokens) lse[rowb] = l1 > 0.0f ? (m1 + log2f(l1)) * kLn2 : NegInf();
   }
 }
 
-int64_t TilesPerHead(int64_t max_head_tokens) { return (max_head_tokens + kBlockN - 1) / kBlockN; }
+int64_t TilesPerHead(int64_t max_head_tokens, int block_n) {
+  return (max_head_tokens + block_n - 1) / block_n;
+}
 
-template <int D>
+template <int D, int BN>
 cudaError_t LaunchTyped(const float* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                         const AttentionShape& shape, const AttentionPlan& plan,
                         const TileMeta& meta, float* out, float* lse, cudaStream_t stream) {
-  constexpr int kSmem = (kBlockM + 4 * kBlockN) * D * static_cast<int>(sizeof(__nv_bfloat16));
-  cudaError_t e =
-      cudaFuncSetAttribute(FlashPrefillKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  constexpr int kSmem = (kBlockM + 4 * BN) * D * static_cast<int>(sizeof(__nv_bfloat16));
+  cudaError_t e = cudaFuncSetAttribute(FlashPrefillKernel<D, BN>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return e;
   const dim3 grid(shape.num_q_heads, (shape.num_tokens + kBlockM - 1) / kBlockM);
-  FlashPrefillKernel<D><<<grid, kThreads, kSmem, stream>>>(q, k, v, shape, plan, meta, out, lse);
+  FlashPrefillKernel<D, BN><<<grid, kThreads, kSmem, stream>>>(q, k, v, shape, plan, meta, out,
+                                                                lse);
   return cudaGetLastError();
 }
 
+// Keys per tile for head_dim D: the knob if set, else the default.
+int BlockN(int head_dim) {
+  if (g_block_n == 32 || g_block_n == 64) return g_block_n;
+  return head_dim == 128 ? kFlashDefaultBlockN128 : 64;
+}
+
 }  // namespace
+
+void SetFlashPrefillBlockN(int keys) { g_block_n = keys; }
 
 bool FlashPrefillSupports(const AttentionShape& shape, FloatType pool_type) {
   return pool_type == FloatType::kBF16 && (shape.head_dim == 64 || shape.head_dim == 128) &&
@@ -426,7 +474,9 @@ bool FlashPrefillSupports(const AttentionShape& shape, FloatType pool_type) {
 }
 
 int64_t FlashPrefillScratchBytes(const AttentionShape& shape, int64_t max_head_tokens) {
-  const int64_t n = static_cast<int64_t>(shape.num_kv_heads) * TilesPerHead(max_head_tokens);
+  // Sized for the smallest tile, so that any BlockN() fits.
+  const int64_t n =
+      static_cast<int64_t>(shape.num_kv_heads) * TilesPerHead(max_head_tokens, kFlashMinBlockN);
   return n * (2 * sizeof(int64_t) + sizeof(int32_t)) + 16;
 }
 
@@ -438,13 +488,15 @@ cudaError_t LaunchFlashPrefill(const float* q, const void* k_pool, const void* v
       max_head_tokens > INT32_MAX) {
     return cudaErrorInvalidValue;
   }
-  const int64_t tiles = TilesPerHead(max_head_tokens);
+  const int block_n = BlockN(shape.head_dim);
+  const int64_t tiles = TilesPerHead(max_head_tokens, block_n);
   const int64_t n = static_cast<int64_t>(shape.num_kv_heads) * tiles;
   TileMeta meta;
   meta.min_pos = static_cast<int64_t*>(scratch);
   meta.max_pos = meta.min_pos + n;
   meta.first_span = reinterpret_cast<int32_t*>(meta.max_pos + n);
   meta.tiles_per_head = static_cast<int>(tiles);
+  meta.block_n = block_n;
   if (n > 0) {
     FlashTileMetaKernel<<<GridFor(n, kMetaThreads), kMetaThreads, 0, stream>>>(
         plan, shape.num_kv_heads, meta);
@@ -453,8 +505,12 @@ cudaError_t LaunchFlashPrefill(const float* q, const void* k_pool, const void* v
   }
   const auto* k = static_cast<const __nv_bfloat16*>(k_pool);
   const auto* v = static_cast<const __nv_bfloat16*>(v_pool);
-  if (shape.head_dim == 64) return LaunchTyped<64>(q, k, v, shape, plan, meta, out, lse, stream);
-  return LaunchTyped<128>(q, k, v, shape, plan, meta, out, lse, stream);
+  if (shape.head_dim == 64) {
+    return block_n == 32 ? LaunchTyped<64, 32>(q, k, v, shape, plan, meta, out, lse, stream)
+                         : LaunchTyped<64, 64>(q, k, v, shape, plan, meta, out, lse, stream);
+  }
+  return block_n == 32 ? LaunchTyped<128, 32>(q, k, v, shape, plan, meta, out, lse, stream)
+                       : LaunchTyped<128, 64>(q, k, v, shape, plan, meta, out, lse, stream);
 }
 
 }  // namespace strata::kernels::cuda_internal

@@ -6,7 +6,7 @@
 // with NaN first, so an element the kernel does not write fails. The backend is forced onto the
 // flash path (CudaBackend::PrefillPath::kFlash) so that one-token calls take it too; shapes the
 // flash kernel does not cover (f32 pool, head_dim 96) check that the general fallback still
-// serves them. Tolerances: bf16 rounding of q and of the softmax weights (f32 accumulation) on
+// serves them. Every case runs with 32- and 64-key tiles (cuda_internal::SetFlashPrefillBlockN). Tolerances: bf16 rounding of q and of the softmax weights (f32 accumulation) on
 // the flash path; the general kernel's f32 tolerance otherwise. Without a GPU every test reports
 // "no CUDA GPU: skipped".
 #include <cuda_runtime_api.h>
@@ -26,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/internal/flash_prefill.h"
 #include "kernels/tensor.h"
 
 namespace strata::kernels {
@@ -270,17 +271,27 @@ TEST_P(FlashPrefillTest, MatchesCpu) {
   p.out = want_out.View(d_out->data());
   p.lse = want_lse.View(d_lse->data());
   STRATA_ASSERT_OK(gpu_->Supports(p));
-  STRATA_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
-  STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
   const bool flash = OnFlashPath(c);
   const double atol = flash ? 1e-2 : 2e-5, rtol = flash ? 1e-2 : 2e-4;
-  const std::string what = CaseName(::testing::TestParamInfo<FlashCase>(c, 0));
-  EXPECT_EQ(CountBad(Download(*d_out, c.num_tokens * c.num_q_heads * d), ref_out, atol, rtol,
-                     what + " out", seed),
-            0);
-  EXPECT_EQ(CountBad(Download(*d_lse, c.num_tokens * c.num_q_heads), ref_lse, atol,
-                     flash ? 1e-3 : 2e-5, what + " lse", seed),
-            0);
+  // Both tile sizes of the flash kernel, each on freshly poisoned outputs.
+  for (const int block_n : {32, 64}) {
+    cuda_internal::SetFlashPrefillBlockN(block_n);
+    STRATA_ASSERT_OK(gpu_->CopyToDevice(d_out->data(), poison_out.bytes.data(),
+                                        poison_out.bytes.size(), nullptr));
+    STRATA_ASSERT_OK(gpu_->CopyToDevice(d_lse->data(), poison_lse.bytes.data(),
+                                        poison_lse.bytes.size(), nullptr));
+    STRATA_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
+    STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
+    const std::string what =
+        absl::StrCat(CaseName(::testing::TestParamInfo<FlashCase>(c, 0)), " block_n ", block_n);
+    EXPECT_EQ(CountBad(Download(*d_out, c.num_tokens * c.num_q_heads * d), ref_out, atol, rtol,
+                       what + " out", seed),
+              0);
+    EXPECT_EQ(CountBad(Download(*d_lse, c.num_tokens * c.num_q_heads), ref_lse, atol,
+                       flash ? 1e-3 : 2e-5, what + " lse", seed),
+              0);
+  }
+  cuda_internal::SetFlashPrefillBlockN(0);
 }
 
 INSTANTIATE_TEST_SUITE_P(

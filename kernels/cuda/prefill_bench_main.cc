@@ -1,7 +1,8 @@
 // Times causal prefill attention through CudaBackend::PagedAttention (Llama-3.1-8B shape: 32
 // query heads, 8 KV heads, head_dim 128; one chunk of n tokens at positions 0..n-1 over a bf16
 // page pool of 64-token pages, spans = every page of the chunk, random data) and reports
-// TFLOP/s with the causal FLOP count 2 * 2 * n^2 / 2 * d per query head. Each figure is the
+// TFLOP/s with the causal FLOP count 2 * 2 * n^2 / 2 * d per query head, for the flash kernel
+// with 32- and 64-key tiles (cuda_internal::SetFlashPrefillBlockN) and its default. Each figure is the
 // median of CUDA-event times around single calls (plan copy, tile pre-pass and flash kernel;
 // q is read as f32 and out written as f32, as the op's interface has them).
 // With --general N it also times the general (scalar) kernel at contexts <= N once
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/internal/flash_prefill.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/tensor.h"
 
@@ -142,10 +144,15 @@ int Run(int argc, char** argv) {
     };
 
     cuda->SetPrefillPath(CudaBackend::PrefillPath::kAuto);
-    const double flash_ms = time_calls(2, runs);
-    std::printf("%-8lld %-8s %10.3f %10.1f\n", static_cast<long long>(n), "flash", flash_ms,
-                flops / (flash_ms * 1e-3) / 1e12);
-    std::fflush(stdout);
+    // The flash kernel with 32- and 64-key tiles, then the default (its output is kept).
+    for (const int block_n : {32, 64, 0}) {
+      cuda_internal::SetFlashPrefillBlockN(block_n);
+      const double flash_ms = time_calls(2, runs);
+      std::printf("%-8lld %-8s %10.3f %10.1f\n", static_cast<long long>(n),
+                  block_n == 32 ? "flash32" : block_n == 64 ? "flash64" : "flash", flash_ms,
+                  flops / (flash_ms * 1e-3) / 1e12);
+      std::fflush(stdout);
+    }
     std::vector<float> fo(q_elems), fl(n * kQHeads);
     BENCH_CHECK(cuda->CopyToHost(fo.data(), out.value()->data(), q_elems * 4, stream).ok(), "out");
     BENCH_CHECK(cuda->CopyToHost(fl.data(), lse.value()->data(), fl.size() * 4, stream).ok(), "lse");

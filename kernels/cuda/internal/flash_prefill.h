@@ -5,10 +5,10 @@
 // as the CPU reference (kernels/backend.h), with bf16 rounding of q and of the softmax weights
 // (f32 accumulation), so results match the reference to bf16 tolerance, not exactly.
 //
-// Algorithm (FlashAttention-2 forward): one 256-thread block per (query head, tile of
-// kFlashBlockM = 128 query tokens); each of the 8 warps owns 16 query rows. Keys of the head's
-// concatenated spans are streamed in tiles of kFlashBlockN = 64 through shared memory (cp.async,
-// double buffered); S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in, f32 accumulate)
+// Algorithm (FlashAttention-2 forward): one 128-thread block per (query head, tile of
+// kFlashBlockM = 128 query tokens); each of the 4 warps owns 32 query rows (two m16 blocks, so
+// every K/V fragment read from shared memory feeds two MMAs). Keys of the head's concatenated
+// spans are streamed in tiles of 32 or 64 keys through shared memory (cp.async, double buffered); S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in, f32 accumulate)
 // with an online softmax in registers. Causal masking is per key position (any span layout:
 // dense causal prefill and block-sparse selected pages alike); key tiles whose smallest position
 // lies after every query of the block are skipped, and tiles wholly before every query skip the
@@ -26,7 +26,14 @@
 namespace strata::kernels::cuda_internal {
 
 inline constexpr int kFlashBlockM = 128;  // query tokens per thread block
-inline constexpr int kFlashBlockN = 64;   // keys per shared-memory tile
+inline constexpr int kFlashMinBlockN = 32;  // keys per shared-memory tile: 32 or 64
+inline constexpr int kFlashMaxBlockN = 64;
+inline constexpr int kFlashDefaultBlockN128 = 64;  // default tile for head_dim 128 (64: 64)
+
+// Benchmark knob: keys per tile (32 or 64; anything else restores the defaults). Process-wide,
+// not synchronised: set it only while no flash launch is in flight on another thread. Affects
+// speed only (tests run both).
+void SetFlashPrefillBlockN(int keys);
 
 // True when the flash kernel handles this shape: bf16 pool, head_dim 64 or 128, at least one
 // token. (q, k_pool and v_pool must also be 16-byte aligned; the caller checks that.)
