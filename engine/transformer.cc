@@ -238,15 +238,18 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
   return absl::OkStatus();
 }
 
-absl::Status Transformer::MergeExternal(int64_t n, const std::vector<AttentionPartial>& parts) {
+absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
+                                        const std::vector<AttentionPartial>& parts) {
   kernels::Backend* be = backend_;
   const int64_t hq = config_.num_heads, d = config_.head_dim;
   const size_t o_elems = static_cast<size_t>(n * hq * d), l_elems = static_cast<size_t>(n * hq);
   const size_t max_o = static_cast<size_t>(options_.prefill_chunk_size * hq * d);
   const size_t max_l = static_cast<size_t>(options_.prefill_chunk_size * hq);
+  float* attn_rows = static_cast<float*>(attn_->data()) + row0 * hq * d;
+  float* lse_rows = static_cast<float*>(lse_->data()) + row0 * hq;
   std::vector<TensorView> outs, lses;
-  outs.emplace_back(attn_->data(), DType::kF32, std::initializer_list<int64_t>{n, hq, d});
-  lses.emplace_back(lse_->data(), DType::kF32, std::initializer_list<int64_t>{n, hq});
+  outs.emplace_back(attn_rows, DType::kF32, std::initializer_list<int64_t>{n, hq, d});
+  lses.emplace_back(lse_rows, DType::kF32, std::initializer_list<int64_t>{n, hq});
   for (size_t i = 0; i < parts.size(); ++i) {
     const AttentionPartial& p = parts[i];
     if (p.o.size() != o_elems || p.lse.size() != l_elems) {
@@ -279,24 +282,119 @@ absl::Status Transformer::MergeExternal(int64_t n, const std::vector<AttentionPa
   mp.outs = outs.data();
   mp.lses = lses.data();
   mp.num_parts = static_cast<int>(outs.size());
-  mp.out = TensorView(merged_->data(), DType::kF32, {n, hq, d});
-  mp.lse = TensorView(merged_lse_->data(), DType::kF32, {n, hq});
-  STRATA_RETURN_IF_ERROR(be->MergeAttention(mp, nullptr));
-  return absl::OkStatus();
+  mp.out = TensorView(static_cast<float*>(merged_->data()) + row0 * hq * d, DType::kF32, {n, hq, d});
+  mp.lse = TensorView(static_cast<float*>(merged_lse_->data()) + row0 * hq, DType::kF32, {n, hq});
+  return be->MergeAttention(mp, nullptr);
 }
 
 absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos,
                                        KvCache* cache, AttentionPolicy* policy,
                                        float* logits_out, bool all_logits,
                                        const ForwardOptions& fo) {
+  std::vector<Segment> segs(1);
+  segs[0].cache = cache;
+  segs[0].policy = policy;
+  segs[0].options = &fo;
+  segs[0].row0 = 0;
+  segs[0].n = n;
+  segs[0].start_pos = start_pos;
+  STRATA_RETURN_IF_ERROR(RunLayers(ids, n, segs));
+  if (logits_out == nullptr) return absl::OkStatus();
+  // Final norm and LM head: every row, or only the last one.
+  const int64_t rows = all_logits ? n : 1;
+  return Logits(n - rows, rows, logits_out);
+}
+
+absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out) {
   kernels::Backend* be = backend_;
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  float* x_rows = static_cast<float*>(x_->data()) + first * hidden;
+  const TensorView xr(x_rows, DType::kF32, {rows, hidden});
+  const TensorView xnr(xn_->data(), DType::kF32, {rows, hidden});
+  STRATA_RETURN_IF_ERROR(be->RmsNorm({xr, final_norm_, xnr, eps}, nullptr));
+  if (host_memory_) {
+    const TensorView lo(logits_out, DType::kF32, {rows, vocab});
+    STRATA_RETURN_IF_ERROR(be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr));
+  } else {
+    const TensorView lo(logits_->data(), DType::kF32, {rows, vocab});
+    STRATA_RETURN_IF_ERROR(be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr));
+    STRATA_RETURN_IF_ERROR(be->CopyToHost(logits_out, logits_->data(), rows * vocab * 4, nullptr));
+  }
+  return be->Synchronize(nullptr);
+}
+
+absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
+  const int64_t B = static_cast<int64_t>(items.size());
+  if (B < 1 || B > options_.prefill_chunk_size) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: ", B, " items, want 1..",
+                                                   options_.prefill_chunk_size));
+  }
+  std::vector<int32_t> ids(B);
+  std::vector<Segment> segs(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const BatchItem& it = items[b];
+    if (it.cache == nullptr || it.policy == nullptr || it.logits_out == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: item ", b,
+                                                     " needs a cache, a policy and logits_out"));
+    }
+    const KvCacheOptions& co = it.cache->options();
+    if (co.num_layers != config_.num_layers || co.num_kv_heads != config_.num_kv_heads ||
+        co.head_dim != config_.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: item ", b,
+                                                     ": the KV cache does not match the model"));
+    }
+    const int64_t base = it.options.cache_first_position;
+    if (base < 0 || base > it.pos || it.pos + 1 > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: item ", b, ": bad position"));
+    }
+    for (int l = 0; l < co.num_layers; ++l) {
+      if (it.cache->length(l) != it.pos - base) {
+        return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: item ", b, ": position ",
+                                                       it.pos, " but the cache holds ",
+                                                       it.cache->length(l), " tokens"));
+      }
+    }
+    if (it.id < 0 || it.id >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: item ", b, ": token id ",
+                                                     it.id, " out of range"));
+    }
+    for (int64_t c = 0; c < b; ++c) {
+      if (items[c].cache == it.cache) {
+        return absl::InvalidArgumentError("ForwardBatch: one cache appears twice");
+      }
+    }
+    ids[b] = it.id;
+    segs[b].cache = it.cache;
+    segs[b].policy = it.policy;
+    segs[b].options = &it.options;
+    segs[b].row0 = b;
+    segs[b].n = 1;
+    segs[b].start_pos = it.pos;
+  }
+  STRATA_RETURN_IF_ERROR(RunLayers(ids.data(), B, segs));
+  const int64_t vocab = config_.vocab_size;
+  batch_logits_.resize(static_cast<size_t>(B * vocab));
+  STRATA_RETURN_IF_ERROR(Logits(0, B, batch_logits_.data()));
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(items[b].logits_out, batch_logits_.data() + b * vocab, vocab * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::vector<Segment>& segs) {
+  kernels::Backend* be = backend_;
+  const int64_t hidden = config_.hidden_size;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
   const int64_t ffn = config_.intermediate_size;
   const float eps = static_cast<float>(config_.rms_norm_eps);
 
   positions_host_.resize(n);
-  for (int64_t i = 0; i < n; ++i) positions_host_[i] = static_cast<int32_t>(start_pos + i);
+  for (const Segment& sg : segs) {
+    for (int64_t i = 0; i < sg.n; ++i) {
+      positions_host_[sg.row0 + i] = static_cast<int32_t>(sg.start_pos + i);
+    }
+  }
   STRATA_RETURN_IF_ERROR(be->CopyToDevice(ids_->data(), ids, n * 4, nullptr));
   STRATA_RETURN_IF_ERROR(be->CopyToDevice(pos_->data(), positions_host_.data(), n * 4, nullptr));
   const int32_t* ids_dev = static_cast<const int32_t*>(ids_->data());
@@ -314,8 +412,12 @@ absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t st
   const TensorView q3(q_->data(), DType::kF32, {n, hq, d});
   const TensorView k3(k_->data(), DType::kF32, {n, hkv, d});
   const TensorView v3(v_->data(), DType::kF32, {n, hkv, d});
-  const TensorView attn3(attn_->data(), DType::kF32, {n, hq, d});
-  const TensorView lse(lse_->data(), DType::kF32, {n, hq});
+  float* const q_rows = static_cast<float*>(q_->data());
+  float* const k_rows = static_cast<float*>(k_->data());
+  float* const v_rows = static_cast<float*>(v_->data());
+  float* const attn_rows = static_cast<float*>(attn_->data());
+  float* const lse_rows = static_cast<float*>(lse_->data());
+  segment_parts_.resize(segs.size());
 
   STRATA_RETURN_IF_ERROR(be->Embedding({ids_dev, embed_tokens_, x}, nullptr));
   for (int layer = 0; layer < static_cast<int>(layers_.size()); ++layer) {
@@ -326,47 +428,65 @@ absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t st
     STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.v_proj, w.v_bias, v}, nullptr));
     STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
     STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
-    STRATA_RETURN_IF_ERROR(cache->Append(layer, k3, v3));
-    STRATA_RETURN_IF_ERROR(policy->OnAppend(layer, *cache, start_pos, start_pos + n));
-    const float* q_host = static_cast<const float*>(q_->data());
+    const float* q_host = q_rows;
     if (!host_memory_) {
       q_host_.resize(n * hq * d);
       STRATA_RETURN_IF_ERROR(be->CopyToHost(q_host_.data(), q_->data(), n * hq * d * 4, nullptr));
       q_host = q_host_.data();
     }
-    const int64_t base = fo.cache_first_position;
-    STRATA_RETURN_IF_ERROR(policy->Select(layer, q_host, static_cast<int>(n), static_cast<int>(hq),
-                                          start_pos - base, *cache, &selection_));
-    if (base != 0) {
-      for (kernels::KvSpan& s : selection_.spans) s.position += static_cast<int32_t>(base);
-    }
-    if (static_cast<int64_t>(selection_.offsets.size()) != hkv + 1) {
-      return absl::InternalError(absl::StrCat("policy ", policy->Name(), " returned ",
-                                              selection_.offsets.size(), " offsets for ", hkv,
-                                              " KV heads"));
-    }
-    kernels::PagedAttentionParams ap;
-    ap.q = q3;
-    ap.k_pool = cache->k_pool(layer);
-    ap.v_pool = cache->v_pool(layer);
-    ap.spans = selection_.spans.data();
-    ap.span_offsets = selection_.offsets.data();
-    ap.num_kv_heads = static_cast<int>(hkv);
-    ap.q_positions = positions_host_.data();
-    ap.causal = true;
-    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    ap.out = attn3;
-    ap.lse = lse;
-    STRATA_RETURN_IF_ERROR(be->PagedAttention(ap, nullptr));
-    TensorView attn_in = attn;
-    if (fo.external != nullptr) {
-      STRATA_RETURN_IF_ERROR(fo.external->Attend(layer, q_host, static_cast<int>(n),
-                                                 static_cast<int>(hq), start_pos,
-                                                 &external_parts_));
-      if (!external_parts_.empty()) {
-        STRATA_RETURN_IF_ERROR(MergeExternal(n, external_parts_));
-        attn_in = View2(merged_.get(), n, hq * d);
+    bool merge = false;
+    for (size_t si = 0; si < segs.size(); ++si) {
+      const Segment& sg = segs[si];
+      const int64_t r0 = sg.row0, m = sg.n;
+      const int64_t base = sg.options->cache_first_position;
+      KvCache* cache = sg.cache;
+      AttentionPolicy* policy = sg.policy;
+      const TensorView ks(k_rows + r0 * hkv * d, DType::kF32, {m, hkv, d});
+      const TensorView vs(v_rows + r0 * hkv * d, DType::kF32, {m, hkv, d});
+      STRATA_RETURN_IF_ERROR(cache->Append(layer, ks, vs));
+      STRATA_RETURN_IF_ERROR(
+          policy->OnAppend(layer, *cache, sg.start_pos - base, sg.start_pos - base + m));
+      const float* q_seg = q_host + r0 * hq * d;
+      STRATA_RETURN_IF_ERROR(policy->Select(layer, q_seg, static_cast<int>(m), static_cast<int>(hq),
+                                            sg.start_pos - base, *cache, &selection_));
+      if (static_cast<int64_t>(selection_.offsets.size()) != hkv + 1) {
+        return absl::InternalError(absl::StrCat("policy ", policy->Name(), " returned ",
+                                                selection_.offsets.size(), " offsets for ", hkv,
+                                                " KV heads"));
       }
+      if (base != 0) {
+        for (kernels::KvSpan& s : selection_.spans) s.position += static_cast<int32_t>(base);
+      }
+      kernels::PagedAttentionParams ap;
+      ap.q = TensorView(q_rows + r0 * hq * d, DType::kF32, {m, hq, d});
+      ap.k_pool = cache->k_pool(layer);
+      ap.v_pool = cache->v_pool(layer);
+      ap.spans = selection_.spans.data();
+      ap.span_offsets = selection_.offsets.data();
+      ap.num_kv_heads = static_cast<int>(hkv);
+      ap.q_positions = positions_host_.data() + r0;
+      ap.causal = true;
+      ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+      ap.out = TensorView(attn_rows + r0 * hq * d, DType::kF32, {m, hq, d});
+      ap.lse = TensorView(lse_rows + r0 * hq, DType::kF32, {m, hq});
+      STRATA_RETURN_IF_ERROR(be->PagedAttention(ap, nullptr));
+      std::vector<AttentionPartial>& parts = segment_parts_[si];
+      parts.clear();
+      if (sg.options->external != nullptr) {
+        STRATA_RETURN_IF_ERROR(sg.options->external->Attend(layer, q_seg, static_cast<int>(m),
+                                                            static_cast<int>(hq), sg.start_pos,
+                                                            &parts));
+        if (!parts.empty()) merge = true;
+      }
+    }
+    TensorView attn_in = attn;
+    if (merge) {
+      // Every segment goes through the merge (one part: a copy) so the O projection reads one
+      // buffer.
+      for (size_t si = 0; si < segs.size(); ++si) {
+        STRATA_RETURN_IF_ERROR(MergeExternal(segs[si].row0, segs[si].n, segment_parts_[si]));
+      }
+      attn_in = View2(merged_.get(), n, hq * d);
     }
     STRATA_RETURN_IF_ERROR(be->MatMul({attn_in, w.o_proj, TensorView(), o}, nullptr));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
@@ -377,24 +497,7 @@ absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t st
     STRATA_RETURN_IF_ERROR(be->MatMul({gate, w.down_proj, TensorView(), o}, nullptr));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
   }
-  if (logits_out == nullptr) return absl::OkStatus();
-
-  // Final norm and LM head: every row, or only the last one.
-  const int64_t rows = all_logits ? n : 1;
-  const int64_t first = n - rows;
-  float* x_rows = static_cast<float*>(x_->data()) + first * hidden;
-  const TensorView xr(x_rows, DType::kF32, {rows, hidden});
-  const TensorView xnr(xn_->data(), DType::kF32, {rows, hidden});
-  STRATA_RETURN_IF_ERROR(be->RmsNorm({xr, final_norm_, xnr, eps}, nullptr));
-  if (host_memory_) {
-    const TensorView lo(logits_out, DType::kF32, {rows, vocab});
-    STRATA_RETURN_IF_ERROR(be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr));
-  } else {
-    const TensorView lo(logits_->data(), DType::kF32, {rows, vocab});
-    STRATA_RETURN_IF_ERROR(be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->CopyToHost(logits_out, logits_->data(), rows * vocab * 4, nullptr));
-  }
-  return be->Synchronize(nullptr);
+  return absl::OkStatus();
 }
 
 }  // namespace strata::engine

@@ -110,6 +110,24 @@ class Transformer {
                        AttentionPolicy* policy, float* logits_out, bool all_logits,
                        const ForwardOptions& options);
 
+  // One decode step of several sequences at once (batched projections and MLP; attention per
+  // sequence through its own cache, policy and options). Each item's token `id` runs at position
+  // `pos` of its sequence (pos must equal cache_first_position + cache length) and its last-token
+  // logits [vocab] go to logits_out (host). Per row the arithmetic is that of Forward with n = 1
+  // except that the matrix products run over all rows together (the CPU backend may then round
+  // differently than its one-row path). InvalidArgument (nothing appended) for 0 or more than
+  // prefill_chunk_size items, an item that Forward would refuse, or a cache used twice; other
+  // errors may leave some caches with the token appended: discard those sequences.
+  struct BatchItem {
+    int32_t id = 0;
+    int64_t pos = 0;
+    KvCache* cache = nullptr;
+    AttentionPolicy* policy = nullptr;
+    ForwardOptions options;
+    float* logits_out = nullptr;
+  };
+  absl::Status ForwardBatch(std::vector<BatchItem>& items);
+
  private:
   Transformer(const model::ModelConfig& config, const TransformerOptions& options,
               kernels::Backend* backend);
@@ -118,8 +136,22 @@ class Transformer {
   absl::Status ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos, KvCache* cache,
                             AttentionPolicy* policy, float* logits_out, bool all_logits,
                             const ForwardOptions& options);
-  // Merges attn_/lse_ (the local attention) with the external partials into merged_ / merged_lse_.
-  absl::Status MergeExternal(int64_t n, const std::vector<AttentionPartial>& parts);
+  // Rows [row0, row0 + n) of the chunk belong to one sequence.
+  struct Segment {
+    KvCache* cache = nullptr;
+    AttentionPolicy* policy = nullptr;
+    const ForwardOptions* options = nullptr;
+    int64_t row0 = 0;
+    int64_t n = 0;
+    int64_t start_pos = 0;
+  };
+  // Embedding and every layer for `n` rows made of `segs`; the final hidden states stay in x_.
+  absl::Status RunLayers(const int32_t* ids, int64_t n, const std::vector<Segment>& segs);
+  // Final norm and LM head of rows [first, first + rows) of x_ into logits_out (host).
+  absl::Status Logits(int64_t first, int64_t rows, float* logits_out);
+  // Merges rows [row0, row0 + n) of attn_/lse_ (the local attention) with the external partials
+  // into the same rows of merged_ / merged_lse_.
+  absl::Status MergeExternal(int64_t row0, int64_t n, const std::vector<AttentionPartial>& parts);
 
   model::ModelConfig config_;
   TransformerOptions options_;
@@ -139,7 +171,8 @@ class Transformer {
   std::vector<int32_t> positions_host_;
   Selection selection_;
   // External attention (allocated on first use): partials in backend memory and the merge output.
-  std::vector<AttentionPartial> external_parts_;
+  std::vector<std::vector<AttentionPartial>> segment_parts_;
+  std::vector<float> batch_logits_;
   std::vector<std::unique_ptr<kernels::Buffer>> part_o_, part_lse_;
   std::unique_ptr<kernels::Buffer> merged_, merged_lse_;
 };

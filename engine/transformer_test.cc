@@ -268,6 +268,80 @@ TEST(TransformerExternalTest, PrefixThroughExternalAttentionMatchesTheWholeSeque
   EXPECT_GT(MaxAbsDiff(other.data(), want.data() + s * V, static_cast<int64_t>(n - s) * V), 1e-3);
 }
 
+TEST(TransformerBatchTest, BatchedDecodeStepMatchesOneSequenceAtATime) {
+  RefModel ref;
+  auto m = MakeModel(DType::kF32, false, false, &ref);
+  auto backend = kernels::MakeCpuBackend(1);
+  const int64_t V = m->config.vocab_size;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), {}));
+  // Three sequences of different lengths; the third one's cache starts at position 5 with the
+  // prefix through external attention.
+  const std::vector<int> lengths = {9, 23, 17};
+  std::vector<std::vector<int32_t>> seqs;
+  for (int i = 0; i < 3; ++i) seqs.push_back(RandomIds(lengths[i] + 1, V, kSeed + 10 + i));
+  std::vector<std::unique_ptr<KvCache>> caches, solo_caches;
+  std::vector<std::unique_ptr<AttentionPolicy>> policies, solo_policies;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto prefix, KvCache::Create(tf->MakeCacheOptions(16, 16), backend.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto solo_prefix, KvCache::Create(tf->MakeCacheOptions(16, 16), backend.get()));
+  PrefixAttention ext(backend.get(), prefix.get()), solo_ext(backend.get(), solo_prefix.get());
+  std::vector<float> scratch(static_cast<size_t>(V) * 32);
+  for (int i = 0; i < 3; ++i) {
+    for (int copy = 0; copy < 2; ++copy) {
+      STRATA_ASSERT_OK_AND_ASSIGN(auto c, KvCache::Create(tf->MakeCacheOptions(32, 16), backend.get()));
+      auto p = MakeDensePolicy();
+      ForwardOptions fo;
+      int64_t start = 0;
+      if (i == 2) {
+        KvCache* pre = copy == 0 ? prefix.get() : solo_prefix.get();
+        auto pp = MakeDensePolicy();
+        STRATA_ASSERT_OK(tf->Forward(seqs[i].data(), 5, 0, pre, pp.get(), scratch.data(), false));
+        fo.cache_first_position = 5;
+        fo.external = copy == 0 ? &ext : &solo_ext;
+        start = 5;
+      }
+      STRATA_ASSERT_OK(tf->Forward(seqs[i].data() + start, lengths[i] - start, start, c.get(), p.get(),
+                                   scratch.data(), false, fo));
+      (copy == 0 ? caches : solo_caches).push_back(std::move(c));
+      (copy == 0 ? policies : solo_policies).push_back(std::move(p));
+    }
+  }
+  std::vector<std::vector<float>> batched(3, std::vector<float>(V, NAN));
+  std::vector<Transformer::BatchItem> items(3);
+  for (int i = 0; i < 3; ++i) {
+    items[i].id = seqs[i][lengths[i]];
+    items[i].pos = lengths[i];
+    items[i].cache = caches[i].get();
+    items[i].policy = policies[i].get();
+    items[i].logits_out = batched[i].data();
+    if (i == 2) {
+      items[i].options.cache_first_position = 5;
+      items[i].options.external = &ext;
+    }
+  }
+  STRATA_ASSERT_OK(tf->ForwardBatch(items));
+  for (int i = 0; i < 3; ++i) {
+    std::vector<float> solo(V);
+    ForwardOptions fo;
+    if (i == 2) {
+      fo.cache_first_position = 5;
+      fo.external = &solo_ext;
+    }
+    STRATA_ASSERT_OK(tf->Forward(&seqs[i][lengths[i]], 1, lengths[i], solo_caches[i].get(),
+                                 solo_policies[i].get(), solo.data(), false, fo));
+    double worst = 0;
+    for (int64_t j = 0; j < V; ++j) worst = std::max(worst, std::fabs(double{solo[j]} - batched[i][j]));
+    EXPECT_LE(worst, 1e-4) << "sequence " << i;
+    EXPECT_EQ(caches[i]->length(0), solo_caches[i]->length(0));
+  }
+  // A cache used twice, or a position that does not match, is refused before anything runs.
+  std::vector<Transformer::BatchItem> twice = {items[0], items[0]};
+  twice[0].pos = twice[1].pos = lengths[0] + 1;
+  EXPECT_THAT(tf->ForwardBatch(twice), StatusIs(absl::StatusCode::kInvalidArgument));
+  std::vector<Transformer::BatchItem> stale = {items[1]};
+  EXPECT_THAT(tf->ForwardBatch(stale), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(caches[1]->length(0), lengths[1] + 1);
+}
+
 TEST(TransformerErrorsTest, RejectsBadInput) {
   RefModel ref;
   auto m = MakeModel(DType::kF32, false, false, &ref);

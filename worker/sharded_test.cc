@@ -108,11 +108,11 @@ class ShardedTest : public ::testing::Test {
     r.set_mode(mode);
     return r;
   }
-  v1::RunJobRequest Job(const std::string& id, int max_tokens) const {
+  v1::RunJobRequest Job(const std::string& id, int max_tokens, const std::vector<int32_t>* prompt = nullptr) const {
     v1::RunJobRequest r;
     r.set_job_id(id);
     *r.mutable_shard_map() = Map();
-    for (int32_t t : prompt_) r.add_prompt_token_ids(t);
+    for (int32_t t : prompt != nullptr ? *prompt : prompt_) r.add_prompt_token_ids(t);
     r.mutable_params()->set_max_tokens(max_tokens);
     r.mutable_params()->set_ignore_eos(true);
     return r;
@@ -128,9 +128,10 @@ class ShardedTest : public ::testing::Test {
       EXPECT_EQ(State(), i + 1 < kWorkers ? v1::DOCUMENT_STATE_WRITING : v1::DOCUMENT_STATE_READY) << "shard " << i;
     }
   }
-  std::vector<int32_t> Reference(int max_tokens) {
+  std::vector<int32_t> Reference(int max_tokens, const std::vector<int32_t>* prompt = nullptr) {
     std::vector<int32_t> all = doc_;
-    all.insert(all.end(), prompt_.begin(), prompt_.end());
+    const std::vector<int32_t>& pr = prompt != nullptr ? *prompt : prompt_;
+    all.insert(all.end(), pr.begin(), pr.end());
     engine::TransformerOptions topt;
     topt.prefill_chunk_size = 64;
     auto tf = engine::Transformer::Create(model_->config, model_->weights, backends_[0].get(), topt);
@@ -228,6 +229,30 @@ TEST_F(ShardedTest, ConcurrentJobsLedByDifferentWorkers) {
   ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
   EXPECT_EQ(Tokens(a), want);
   EXPECT_EQ(Tokens(b), want);
+}
+
+TEST_F(ShardedTest, ConcurrentJobsOfOneLeaderAreBatched) {
+  PrefillExact();
+  const int kJobs = 3, kTokens = 24;
+  std::vector<std::vector<int32_t>> prompts, want;
+  for (int j = 0; j < kJobs; ++j) {
+    prompts.push_back({static_cast<int32_t>(20 + j), static_cast<int32_t>(40 + 3 * j), 7});
+    want.push_back(Reference(kTokens, &prompts[j]));
+  }
+  std::vector<v1::JobInfo> got(kJobs);
+  std::vector<std::thread> threads;
+  for (int j = 0; j < kJobs; ++j) {
+    threads.emplace_back([&, j] { got[j] = Run(1, Job(absl::StrCat("batched-", j), kTokens, &prompts[j])); });
+  }
+  for (auto& t : threads) t.join();
+  for (int j = 0; j < kJobs; ++j) {
+    ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
+    EXPECT_EQ(Tokens(got[j]), want[j]) << "job " << j;
+  }
+  std::printf("decode steps %lld in %lld batched forwards\n", static_cast<long long>(workers_[1]->decode_steps()),
+              static_cast<long long>(workers_[1]->decode_batches()));
+  EXPECT_EQ(workers_[1]->decode_steps(), kJobs * (kTokens - 1));
+  EXPECT_LT(workers_[1]->decode_batches(), workers_[1]->decode_steps());  // some steps ran together
 }
 
 TEST_F(ShardedTest, SparsePolicySplitsTheBudgetOverShards) {

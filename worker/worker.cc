@@ -78,6 +78,7 @@ absl::Status WorkerOptions::Validate() const {
   if (prefill_chunk_size < 1) return absl::InvalidArgumentError("prefill_chunk_size >= 1");
   if (max_jobs < 1) return absl::InvalidArgumentError("max_jobs >= 1");
   if (mount_batch_pages < 1) return absl::InvalidArgumentError("mount_batch_pages >= 1");
+  if (max_decode_batch < 1) return absl::InvalidArgumentError("max_decode_batch >= 1");
   return absl::OkStatus();
 }
 
@@ -557,6 +558,60 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
   return session;
 }
 
+struct Worker::DecodeRequest {
+  engine::Transformer::BatchItem item;
+  absl::Status status;
+  bool done = false;
+};
+
+absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item) {
+  DecodeRequest me;
+  me.item = item;
+  const size_t limit = static_cast<size_t>(
+      std::max<int64_t>(1, std::min<int64_t>(options_.max_decode_batch, options_.prefill_chunk_size)));
+  absl::MutexLock lock(&batch_mu_);
+  pending_.push_back(&me);
+  while (!me.done) {
+    if (batch_running_) {
+      auto ready = [this, &me]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) { return me.done || !batch_running_; };
+      batch_mu_.Await(absl::Condition(&ready));
+      continue;
+    }
+    batch_running_ = true;
+    const size_t take = std::min(limit, pending_.size());
+    std::vector<DecodeRequest*> batch(pending_.begin(), pending_.begin() + take);
+    pending_.erase(pending_.begin(), pending_.begin() + take);
+    batch_mu_.Unlock();
+    std::vector<engine::Transformer::BatchItem> items;
+    for (DecodeRequest* r : batch) items.push_back(r->item);
+    absl::Status s;
+    {
+      absl::MutexLock engine(&engine_mu_);
+      s = transformer_->ForwardBatch(items);
+      if (s.ok()) {
+        for (DecodeRequest* r : batch) r->status = absl::OkStatus();
+      } else {
+        // Run alone every step whose cache did not take the token, so only bad steps fail.
+        for (DecodeRequest* r : batch) {
+          const engine::Transformer::BatchItem& it = r->item;
+          if (batch.size() > 1 && it.cache->length(0) == it.pos - it.options.cache_first_position) {
+            r->status = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out,
+                                              /*all_logits=*/false, it.options);
+          } else {
+            r->status = s;
+          }
+        }
+      }
+    }
+    decode_batches_ += 1;
+    decode_steps_ += static_cast<int64_t>(batch.size());
+    batch_mu_.Lock();
+    for (DecodeRequest* r : batch) r->done = true;
+    batch_running_ = false;
+  }
+  return me.status;
+}
+
 bool Worker::CancelJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
@@ -824,11 +879,14 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     if (!send(e)) return absl::CancelledError("receiver gone");
     if (done) break;
     const engine::SelectionCounters before = counters();
-    {
-      absl::MutexLock lock(&engine_mu_);
-      STRATA_RETURN_IF_ERROR(transformer_->Forward(&next, 1, pos, cache.get(), policy.get(), logits.data(),
-                                                   /*all_logits=*/false, fo));
-    }
+    engine::Transformer::BatchItem step;
+    step.id = next;
+    step.pos = pos;
+    step.cache = cache.get();
+    step.policy = policy.get();
+    step.options = fo;
+    step.logits_out = logits.data();
+    STRATA_RETURN_IF_ERROR(DecodeStep(step));
     AddCounters(metrics_, counters(), before);
     ++pos;
     ++steps;

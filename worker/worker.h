@@ -4,8 +4,9 @@
 // the prompt, decode, streamed events).
 //
 // One Transformer serves every call. A forward (one prefill chunk or one decode step) holds the
-// engine mutex, so concurrent jobs and prefills interleave chunk by chunk and step by step (no
-// batching of decode steps across jobs yet). Selection answers (ShardSession) do not take the
+// engine mutex, so concurrent jobs and prefills interleave chunk by chunk; decode steps of
+// concurrent jobs that wait at the same time run as one batched forward (DecodeStep,
+// WorkerOptions::max_decode_batch). Selection answers (ShardSession) do not take the
 // engine mutex: they use their own scratch buffers, so a leader blocked in a forward waiting for
 // a peer never deadlocks with that peer's own forward.
 //
@@ -109,6 +110,9 @@ struct WorkerOptions {
   uint64_t capacity_tokens = uint64_t{1} << 20;
   // Pages read from the store per GetPages call when mounting. Default 256.
   int mount_batch_pages = 256;
+  // Decode steps of concurrent jobs run as one batched forward, at most this many (and at most
+  // prefill_chunk_size) at a time; 1 runs every step alone. Default 16.
+  int max_decode_batch = 16;
 
   // InvalidArgument naming the bad field.
   absl::Status Validate() const;
@@ -193,6 +197,10 @@ class Worker {
 
   // Peer streams that failed during jobs led here and whose shard was mounted here instead.
   int64_t failovers() const { return failovers_.load(); }
+  // Batched decode forwards run, and the decode steps they carried (steps / batches is the mean
+  // batch size).
+  int64_t decode_batches() const { return decode_batches_.load(); }
+  int64_t decode_steps() const { return decode_steps_.load(); }
 
  private:
   struct JobResult;
@@ -200,6 +208,13 @@ class Worker {
          kvstore::PageStore* store, kvstore::DocumentCatalog* catalog, WorkerMetrics* metrics);
   absl::Status RunJobInner(const v1::RunJobRequest& request, const EventFn& on_event,
                            const std::atomic<bool>& cancelled, JobResult* result);
+  // One decode step of a job, batched with the steps of other jobs waiting at the same time:
+  // the first caller that finds no batch running takes every waiting step (up to the batch
+  // limit) and runs them with Transformer::ForwardBatch under the engine mutex; the others wait
+  // for their result. When a batch fails, each step whose cache is untouched is run alone so a
+  // bad step fails only its own job.
+  struct DecodeRequest;
+  absl::Status DecodeStep(const engine::Transformer::BatchItem& item);
   // The mount of `range` (existing, or loaded from the store now); adds the pages read to *pages.
   absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
                                                                  kvstore::TierCounts* pages,
@@ -227,6 +242,10 @@ class Worker {
   std::string address_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<const MountedShard>> mounted_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> failovers_{0};
+  absl::Mutex batch_mu_;
+  std::vector<DecodeRequest*> pending_ ABSL_GUARDED_BY(batch_mu_);
+  bool batch_running_ ABSL_GUARDED_BY(batch_mu_) = false;
+  std::atomic<int64_t> decode_batches_{0}, decode_steps_{0};
 };
 
 }  // namespace strata::worker
