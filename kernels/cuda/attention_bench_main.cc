@@ -10,8 +10,25 @@
 //            (the steady state: host-bound or device-bound, whichever is slower).
 // The budget case is also swept over the split-K items per SM (CudaBackend::SetDecodeItemsPerSm).
 //
-// Usage: cuda_attention_bench [--ncu] [context ...]   (default contexts: 32768 131072)
+// Then (unless --no-pipelines) the device-resident sparse pipelines, selection + attention for one
+// layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256, segments of 16 pages,
+// two-level above 512 pages keeping max(128, 4 * wanted / 16) segments; minmax page summaries in
+// f32, computed here from the keys):
+//   quest        ScoreSummaries (segments) -> VoteTopK -> ScoreSummaries (pages) -> VoteTopK
+//                (B / P pages) -> SelectedAttention (sinks + pages + window)
+//   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
+//                -> SelectedAttention (sinks + tokens + window)
+// each timed as: eager_us (ops enqueued back to back, event time / calls), graph_us (the pipeline
+// captured once in a CUDA graph and replayed back to back), cold_us (median of single graph
+// launches after a 256 MiB L2 flush), plus the bytes the pipeline must read (summaries scanned,
+// candidate keys, attended K and V, scores) and that figure over cold_us as a fraction of
+// 3.35 TB/s (H100 SXM HBM3).
+//
+// Usage: cuda_attention_bench [--ncu] [--no-sweep] [--no-pipelines] [--pipelines-only]
+//                             [context ...]   (default contexts: 32768 131072)
 //   --ncu: few iterations and no host gate, for running under Nsight Compute.
+//   --no-sweep: the budget case at the default items per SM only.
+//   --policy quest|tokenselect: only that pipeline.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -21,10 +38,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "base/status_macros.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda_backend.h"
 
@@ -34,6 +53,8 @@ namespace {
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kPage = 64, kBudget = 2048;
 int g_warmup = 5, g_runs = 50;
 bool g_ncu = false;
+bool g_sweep = true, g_pipelines = true, g_only_pipelines = false;
+std::string g_policy;  // --policy quest|tokenselect: only that pipeline
 
 #define BENCH_CHECK(cond, what)                          \
   do {                                                   \
@@ -54,9 +75,272 @@ struct Gate {
   }
 };
 
+double g_dense_us = 0;  // the dense row's gpu_us for the current context
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// ---- Device-resident pipelines ---------------------------------------------------------------
+
+constexpr int kSinks = 64, kWindow = 256, kSegPages = 16, kTwoLevelMinPages = 512;
+constexpr int kMinSegments = 128, kSegmentFactor = 4, kCandidateFactor = 4;
+constexpr double kHbmBytesPerSecond = 3.35e12;
+
+std::unique_ptr<Buffer> MustAllocate(Backend& b, size_t bytes) {
+  auto r = b.Allocate(std::max<size_t>(bytes, 256));
+  BENCH_CHECK(r.ok(), "allocation");
+  return std::move(r).value();
+}
+
+// Runs one layer's selection + attention for `policy` ("quest" or "tokenselect") over a context
+// of `len` tokens (query at position len - 1) and returns the bytes it must read.
+struct Pipeline {
+  Backend* b;
+  int64_t len;
+  bool token_level;
+  // Device buffers.
+  void *q, *k, *v, *table, *page_sums, *seg_sums, *seg_scores, *top_segs, *page_scores, *top_pages,
+      *tok_scores, *top_tokens, *out, *lse;
+  int64_t pages_per_head, segs_per_head;
+  // Derived sizes.
+  int64_t window_begin, p0, p1, s0, s1, keep_segs, page_cands, top_page_k, tok_cands;
+  bool two_level;
+
+  void Plan() {
+    window_begin = std::max<int64_t>(kSinks, len - 1 - kWindow);
+    p0 = kSinks / kPage;
+    p1 = (window_begin + kPage - 1) / kPage;
+    const int64_t wanted_tokens = token_level ? int64_t{kCandidateFactor} * kBudget : kBudget;
+    const int64_t wanted_pages = (wanted_tokens + kPage - 1) / kPage;
+    two_level = p1 - p0 > kTwoLevelMinPages;
+    s0 = p0 / kSegPages;
+    s1 = (p1 - 1) / kSegPages + 1;
+    keep_segs = std::min<int64_t>(s1 - s0, std::max<int64_t>(kMinSegments,
+        (kSegmentFactor * wanted_pages + kSegPages - 1) / kSegPages));
+    page_cands = two_level ? keep_segs * kSegPages : p1 - p0;
+    top_page_k = wanted_pages;
+    tok_cands = top_page_k * kPage;
+  }
+
+  int64_t BytesRead() const {
+    const int64_t group = kQHeads / kKvHeads;
+    int64_t bytes = 0;
+    if (two_level) bytes += kKvHeads * (s1 - s0) * 2 * kHeadDim * 4 + kKvHeads * group * (s1 - s0) * 4;
+    bytes += kKvHeads * page_cands * 2 * kHeadDim * 4 + kKvHeads * group * page_cands * 4;
+    if (token_level) bytes += kKvHeads * tok_cands * kHeadDim * 2 + kKvHeads * group * tok_cands * 4;
+    const int64_t attended = kSinks + (len - window_begin) + (token_level ? kBudget : top_page_k * kPage);
+    bytes += kKvHeads * attended * kHeadDim * 2 * 2;
+    return bytes;
+  }
+
+  // Runs the whole pipeline, or (only >= 0) just its op number `only` (0-based, in order), which
+  // then reads the outputs of the previous stages left by an earlier full run.
+  absl::Status Run(Stream s, int only = -1) const {
+    int stage = 0;
+    auto on = [&]() { return only < 0 || only == stage++; };
+    const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+    const int group = kQHeads / kKvHeads;
+    ScoreSummariesParams a;
+    a.q = TensorView(q, DType::kF32, {kQHeads, kHeadDim});
+    a.scale = scale;
+    VoteTopKParams t;
+    if (two_level) {
+      a.summaries = TensorView(seg_sums, DType::kF32, {kKvHeads, segs_per_head, 2 * kHeadDim});
+      a.candidates.begin = s0;
+      a.candidates.end = s1;
+      a.scores = TensorView(seg_scores, DType::kF32, {kKvHeads, group, s1 - s0});
+      if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
+      t.scores = a.scores;
+      t.candidates = a.candidates;
+      t.k = keep_segs;
+      t.selected = TensorView(top_segs, DType::kI32, {kKvHeads, keep_segs});
+      if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
+      a.candidates = CandidateList();
+      a.candidates.parents = t.selected;
+      a.candidates.fanout = kSegPages;
+    } else {
+      a.candidates = CandidateList();
+    }
+    a.summaries = TensorView(page_sums, DType::kF32, {kKvHeads, pages_per_head, 2 * kHeadDim});
+    a.candidates.begin = p0;
+    a.candidates.end = p1;
+    a.scores = TensorView(page_scores, DType::kF32, {kKvHeads, group, page_cands});
+    if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
+    t.scores = a.scores;
+    t.candidates = a.candidates;
+    t.k = top_page_k;
+    t.selected = TensorView(top_pages, DType::kI32, {kKvHeads, top_page_k});
+    if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
+    const TensorView k_pool(k, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
+    const TensorView pt(table, DType::kI32, {kKvHeads, pages_per_head});
+    CandidateList middle;
+    middle.parents = t.selected;
+    middle.fanout = kPage;
+    middle.begin = kSinks;
+    middle.end = window_begin;
+    if (token_level) {
+      ScoreKeysParams sk;
+      sk.q = a.q;
+      sk.k_pool = k_pool;
+      sk.page_table = pt;
+      sk.candidates = middle;
+      sk.scale = scale;
+      sk.scores = TensorView(tok_scores, DType::kF32, {kKvHeads, group, tok_cands});
+      if (on()) STRATA_RETURN_IF_ERROR(b->ScoreKeys(sk, s));
+      t.scores = sk.scores;
+      t.candidates = middle;
+      t.k = kBudget;
+      t.selected = TensorView(top_tokens, DType::kI32, {kKvHeads, kBudget});
+      if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
+      middle.parents = t.selected;
+      middle.fanout = 1;
+    }
+    SelectedAttentionParams at;
+    at.q = TensorView(q, DType::kF32, {1, kQHeads, kHeadDim});
+    at.k_pool = k_pool;
+    at.v_pool = TensorView(v, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
+    at.page_table = pt;
+    at.prefix_end = kSinks;
+    at.middle = middle;
+    at.suffix_begin = window_begin;
+    at.suffix_end = len;
+    at.scale = scale;
+    at.out = TensorView(out, DType::kF32, {1, kQHeads, kHeadDim});
+    at.lse = TensorView(lse, DType::kF32, {1, kQHeads});
+    if (on()) return b->SelectedAttention(at, s);
+    return absl::OkStatus();
+  }
+
+  int NumStages() const { return (two_level ? 2 : 0) + 2 + (token_level ? 2 : 0) + 1; }
+};
+
+void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t flush_bytes,
+                  int64_t context, const std::vector<uint16_t>& keys_bf16, Buffer& k, Buffer& v,
+                  Buffer& q, Buffer& out, Buffer& lse) {
+  const int64_t pages = context / kPage, segs = (pages + kSegPages - 1) / kSegPages;
+  // Minmax summaries of every page and segment of every head (slot g * pages + p holds page p).
+  std::vector<float> ps(static_cast<size_t>(kKvHeads) * pages * 2 * kHeadDim);
+  std::vector<float> ss(static_cast<size_t>(kKvHeads) * segs * 2 * kHeadDim);
+  for (int64_t r = 0; r < kKvHeads * pages; ++r) {
+    float* s = &ps[r * 2 * kHeadDim];
+    for (int e = 0; e < kHeadDim; ++e) s[e] = 1e30f, s[kHeadDim + e] = -1e30f;
+    for (int t = 0; t < kPage; ++t) {
+      const uint16_t* row = &keys_bf16[(r * kPage + t) * kHeadDim];
+      for (int e = 0; e < kHeadDim; ++e) {
+        const float x = BF16ToF32(row[e]);
+        s[e] = std::min(s[e], x);
+        s[kHeadDim + e] = std::max(s[kHeadDim + e], x);
+      }
+    }
+    const int64_t g = r / pages, p = r % pages;
+    float* sg = &ss[(g * segs + p / kSegPages) * 2 * kHeadDim];
+    if (p % kSegPages == 0) std::copy(s, s + 2 * kHeadDim, sg);
+    for (int e = 0; e < kHeadDim; ++e) {
+      sg[e] = std::min(sg[e], s[e]);
+      sg[kHeadDim + e] = std::max(sg[kHeadDim + e], s[kHeadDim + e]);
+    }
+  }
+  std::vector<int32_t> table(kKvHeads * pages);
+  for (int64_t i = 0; i < kKvHeads * pages; ++i) table[i] = static_cast<int32_t>(i);
+  auto d_ps = MustAllocate(cuda, ps.size() * 4), d_ss = MustAllocate(cuda, ss.size() * 4);
+  auto d_table = MustAllocate(cuda, table.size() * 4);
+  BENCH_CHECK(cuda.CopyToDevice(d_ps->data(), ps.data(), ps.size() * 4, stream).ok(), "ps");
+  BENCH_CHECK(cuda.CopyToDevice(d_ss->data(), ss.data(), ss.size() * 4, stream).ok(), "ss");
+  BENCH_CHECK(cuda.CopyToDevice(d_table->data(), table.data(), table.size() * 4, stream).ok(), "t");
+  const size_t big = static_cast<size_t>(kKvHeads) * kQHeads * 16384 * 4;  // any stage's scores
+  auto d_s1 = MustAllocate(cuda, big), d_s2 = MustAllocate(cuda, big), d_s3 = MustAllocate(cuda, big);
+  auto d_i1 = MustAllocate(cuda, kKvHeads * 16384 * 4), d_i2 = MustAllocate(cuda, kKvHeads * 16384 * 4);
+  auto d_i3 = MustAllocate(cuda, kKvHeads * 16384 * 4);
+
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  for (int policy = 0; policy < 2; ++policy) {
+    if (!g_policy.empty() && g_policy != (policy == 1 ? "tokenselect" : "quest")) continue;
+    Pipeline pl;
+    pl.b = &cuda;
+    pl.len = context;
+    pl.token_level = policy == 1;
+    pl.q = q.data(), pl.k = k.data(), pl.v = v.data(), pl.table = d_table->data();
+    pl.page_sums = d_ps->data(), pl.seg_sums = d_ss->data();
+    pl.seg_scores = d_s1->data(), pl.page_scores = d_s2->data(), pl.tok_scores = d_s3->data();
+    pl.top_segs = d_i1->data(), pl.top_pages = d_i2->data(), pl.top_tokens = d_i3->data();
+    pl.out = out.data(), pl.lse = lse.data();
+    pl.pages_per_head = pages;
+    pl.segs_per_head = segs;
+    pl.Plan();
+    BENCH_CHECK(pl.page_cands <= 16384 && pl.s1 - pl.s0 <= 16384, "score buffers too small");
+    for (int i = 0; i < 5; ++i) {
+      const absl::Status st = pl.Run(stream);
+      BENCH_CHECK(st.ok(), st.ToString().c_str());
+    }
+    BENCH_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "warm-up");
+    const int calls = 100;
+    // Eager, back to back.
+    cudaEventRecord(e0, stream);
+    for (int c = 0; c < calls; ++c) BENCH_CHECK(pl.Run(stream).ok(), "run");
+    cudaEventRecord(e1, stream);
+    BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "sync");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    const double eager = ms * 1000.0 / calls;
+    // Captured once, replayed.
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess, "capture");
+    const absl::Status cst = pl.Run(stream);
+    BENCH_CHECK(cudaStreamEndCapture(stream, &graph) == cudaSuccess, "end capture");
+    BENCH_CHECK(cst.ok(), cst.ToString().c_str());
+    BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess, "instantiate");
+    for (int i = 0; i < 5; ++i) cudaGraphLaunch(exec, stream);
+    cudaEventRecord(e0, stream);
+    for (int c = 0; c < calls; ++c) cudaGraphLaunch(exec, stream);
+    cudaEventRecord(e1, stream);
+    BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "graph sync");
+    cudaEventElapsedTime(&ms, e0, e1);
+    const double graph_us = ms * 1000.0 / calls;
+    std::vector<double> cold;
+    for (int it = 0; it < g_warmup + g_runs; ++it) {
+      cudaMemsetAsync(flush, it & 0xff, flush_bytes, stream);
+      cudaEventRecord(e0, stream);
+      cudaGraphLaunch(exec, stream);
+      cudaEventRecord(e1, stream);
+      BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "cold sync");
+      cudaEventElapsedTime(&ms, e0, e1);
+      if (it >= g_warmup) cold.push_back(ms * 1000.0);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    std::vector<float> o(kQHeads * kHeadDim);
+    BENCH_CHECK(cuda.CopyToHost(o.data(), out.data(), o.size() * 4, stream).ok(), "out");
+    for (float f : o) BENCH_CHECK(std::isfinite(f), "non-finite pipeline output");
+    const double cold_us = Median(cold);
+    const double mib = pl.BytesRead() / 1048576.0;
+    std::printf("PIPE %-8lld %-12s %9.1f %9.1f %9.1f %8.2f %9.2f %7.3f %s\n",
+                static_cast<long long>(context), pl.token_level ? "tokenselect" : "quest", eager,
+                graph_us, cold_us, g_dense_us > 0 ? cold_us / g_dense_us : 0.0, mib,
+                pl.BytesRead() / (cold_us * 1e-6) / kHbmBytesPerSecond,
+                pl.two_level ? "two-level" : "one-level");
+    std::fflush(stdout);
+    // Per-op breakdown: each op alone, back to back (inputs from the runs above).
+    std::printf("STAGES %-8lld %-12s", static_cast<long long>(context),
+                pl.token_level ? "tokenselect" : "quest");
+    for (int st = 0; st < pl.NumStages(); ++st) {
+      for (int i = 0; i < 3; ++i) BENCH_CHECK(pl.Run(stream, st).ok(), "stage");
+      cudaEventRecord(e0, stream);
+      for (int c = 0; c < calls; ++c) BENCH_CHECK(pl.Run(stream, st).ok(), "stage");
+      cudaEventRecord(e1, stream);
+      BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "stage sync");
+      cudaEventElapsedTime(&ms, e0, e1);
+      std::printf(" %7.1f", ms * 1000.0 / calls);
+    }
+    std::printf("   (us per op, in pipeline order)\n");
+    std::fflush(stdout);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
 }
 
 int Run(int argc, char** argv) {
@@ -66,6 +350,15 @@ int Run(int argc, char** argv) {
       g_ncu = true;
       g_warmup = 2;
       g_runs = 3;
+      g_pipelines = false;
+    } else if (std::string(argv[i]) == "--no-sweep") {
+      g_sweep = false;
+    } else if (std::string(argv[i]) == "--no-pipelines") {
+      g_pipelines = false;
+    } else if (std::string(argv[i]) == "--pipelines-only") {
+      g_only_pipelines = true;
+    } else if (std::string(argv[i]) == "--policy" && i + 1 < argc) {
+      g_policy = argv[++i];
     } else {
       contexts.push_back(std::atoll(argv[i]));
     }
@@ -95,6 +388,10 @@ int Run(int argc, char** argv) {
 
   std::printf("%-8s %-7s %8s %8s %9s %9s %9s %8s %7s\n", "context", "keys", "tokens/h",
               "items/SM", "gpu_us", "host_us", "b2b_us", "MiB", "GB/s");
+  if (g_pipelines) {
+    std::printf("pipeline rows: PIPE context policy eager_us graph_us cold_us cold/dense MiB "
+                "frac_of_3.35TB/s levels\n");
+  }
   std::mt19937 rng(1234);
   for (int64_t context : contexts) {
     const int64_t pages_per_head = context / kPage;
@@ -124,6 +421,7 @@ int Run(int argc, char** argv) {
 
     for (int mode = 0; mode < 2; ++mode) {
       const bool dense = mode == 0;
+      if (g_only_pipelines && !dense) continue;
       std::vector<KvSpan> spans;
       std::vector<int32_t> offsets(kKvHeads + 1, 0);
       for (int g = 0; g < kKvHeads; ++g) {
@@ -157,7 +455,7 @@ int Run(int argc, char** argv) {
       const double mib =
           static_cast<double>(tokens_per_head) * kKvHeads * kHeadDim * 2 * 2 / (1 << 20);
       std::vector<int> sweep = {4};
-      if (!dense && !g_ncu) sweep = {1, 2, 4, 8, 16};
+      if (!dense && !g_ncu && g_sweep) sweep = {1, 2, 4, 8, 16};
       for (int items_per_sm : sweep) {
         cuda->SetDecodeItemsPerSm(items_per_sm);
         // Ungated warm-up first: a call that has to grow the pinned staging ring (cudaMallocHost /
@@ -209,6 +507,7 @@ int Run(int argc, char** argv) {
                     "out");
         for (float f : o) BENCH_CHECK(std::isfinite(f), "non-finite output");
         const double med = Median(gpu_us);
+        if (dense) g_dense_us = med;
         std::printf("%-8lld %-7s %8lld %8d %9.1f %9.1f %9.1f %8.1f %7.0f\n",
                     static_cast<long long>(context), dense ? "dense" : "budget",
                     static_cast<long long>(tokens_per_head), items_per_sm, med, Median(host_us),
@@ -216,6 +515,10 @@ int Run(int argc, char** argv) {
         std::fflush(stdout);
       }
       cuda->SetDecodeItemsPerSm(0);
+    }
+    if (g_pipelines) {
+      RunPipelines(*cuda, stream, flush, flush_bytes, context, host, *k.value(), *v.value(),
+                   *q.value(), *out.value(), *lse.value());
     }
   }
   cudaFree(flush);
