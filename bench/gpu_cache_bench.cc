@@ -16,7 +16,9 @@
 // The host tier is a synthetic PageStore: every page key maps onto one of --distinct_pages encoded
 // bf16 pages held in host memory (default 16384 = 512 MiB, beyond the CPU caches), so that 64 GiB
 // of KV need not exist in host memory; the cache's gather and copy do the same work as with real
-// pages. After the run, --verify_pages resident slots are read back and compared byte for byte.
+// pages. With --in_place=1 (default) those pages live in Backend::AllocateHost memory
+// (BackendPageAllocator) and the fills read them in place; --in_place=0: plain memory, gathered
+// into the cache's staging buffer by memcpy. After the run, --verify_pages resident slots are read back and compared byte for byte.
 //
 // Fill throughput: PageCopy of N staged pages into random slots (one op), against one contiguous
 // CopyToDevice of the same bytes from pinned memory; medians of --copy_reps.
@@ -39,6 +41,7 @@
 #include "base/clock.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
+#include "kvstore/backend_page_allocator.h"
 #include "kvstore/gpu_cache.h"
 #include "kvstore/page_format.h"
 #include "kvstore/page_store.h"
@@ -62,6 +65,7 @@ struct Flags {
   double warmup_fills = 2.0;   // warm-up until this many times num_slots pages were filled
   int max_warmup_steps = 20000;
   int distinct_pages = 16384;
+  int in_place = 1;  // host-tier pages in AllocateHost memory, read in place by the fills
   int verify_pages = 256;
   std::string policy = "wait";
   std::string copy_pages = "64,410,1024,4096";
@@ -88,6 +92,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   else if (name == "warmup_fills") f->warmup_fills = std::atof(v.c_str());
   else if (name == "max_warmup_steps") f->max_warmup_steps = std::atoi(v.c_str());
   else if (name == "distinct_pages") f->distinct_pages = std::atoi(v.c_str());
+  else if (name == "in_place") f->in_place = std::atoi(v.c_str());
   else if (name == "verify_pages") f->verify_pages = std::atoi(v.c_str());
   else if (name == "policy") f->policy = v;
   else if (name == "copy_pages") f->copy_pages = v;
@@ -100,8 +105,9 @@ bool ParseFlag(const std::string& arg, Flags* f) {
 // Every key maps onto one of a fixed set of encoded pages (see the file comment).
 class SyntheticHostTier : public kvstore::PageStore {
  public:
-  static absl::StatusOr<std::unique_ptr<SyntheticHostTier>> Create(int distinct, int page_size,
-                                                                   int head_dim) {
+  // Page buffers come from `allocator` (null: plain memory).
+  static absl::StatusOr<std::unique_ptr<SyntheticHostTier>> Create(
+      int distinct, int page_size, int head_dim, kvstore::PageAllocator* allocator) {
     auto t = std::unique_ptr<SyntheticHostTier>(new SyntheticHostTier());
     kvstore::PageShape shape;
     shape.dtype = kernels::DType::kBF16;
@@ -118,13 +124,15 @@ class SyntheticHostTier : public kvstore::PageStore {
           shape, kernels::TensorView(k.data(), kernels::DType::kBF16, {page_size, head_dim}),
           kernels::TensorView(v.data(), kernels::DType::kBF16, {page_size, head_dim}));
       if (!page.ok()) return page.status();
-      absl::StatusOr<kvstore::PageRef> ref = kvstore::PageBuffer::Copy(*page);
+      absl::StatusOr<kvstore::PageRef> ref = kvstore::PageBuffer::Copy(*page, allocator);
       if (!ref.ok()) return ref.status();
       t->pages_.push_back(*std::move(ref));
     }
     return t;
   }
   const char* tier() const override { return "host"; }
+  size_t size() const { return pages_.size(); }
+  const kvstore::PageRef& page(size_t i) const { return pages_[i]; }
   size_t Which(const kvstore::PageKey& k) const {
     uint64_t h = (uint64_t{k.layer} * 1000003u + k.kv_head) * 1000033u + k.page_index;
     h ^= h >> 29;
@@ -201,8 +209,12 @@ int Run(const Flags& f) {
     return 2;
   }
 
-  absl::StatusOr<std::unique_ptr<SyntheticHostTier>> tier =
-      SyntheticHostTier::Create(f.distinct_pages, f.page_size, f.head_dim);
+  kvstore::PageShape shape;
+  shape.page_size = f.page_size;
+  shape.head_dim = f.head_dim;
+  kvstore::BackendPageAllocator pinned(backend, shape.EncodedBytes());
+  absl::StatusOr<std::unique_ptr<SyntheticHostTier>> tier = SyntheticHostTier::Create(
+      f.distinct_pages, f.page_size, f.head_dim, f.in_place ? &pinned : nullptr);
   if (!tier.ok()) {
     std::fprintf(stderr, "host tier: %s\n", tier.status().ToString().c_str());
     return 1;
@@ -224,7 +236,8 @@ int Run(const Flags& f) {
     auto staging = backend->AllocateHost(static_cast<size_t>(max_n) * page_bytes);
     auto slots = backend->AllocateHost(sizeof(int32_t) * max_n);
     auto dst = backend->Allocate(static_cast<size_t>(max_n) * page_bytes);
-    if (!k.ok() || !v.ok() || !staging.ok() || !slots.ok() || !dst.ok()) {
+    auto sources = backend->AllocateHost(sizeof(void*) * max_n);
+    if (!k.ok() || !v.ok() || !staging.ok() || !slots.ok() || !dst.ok() || !sources.ok()) {
       std::fprintf(stderr, "fill benchmark: allocation failed\n");
       return 1;
     }
@@ -234,10 +247,16 @@ int Run(const Flags& f) {
     std::mt19937_64 rng(f.seed);
     std::shuffle(perm.begin(), perm.end(), rng);
     std::memcpy((*slots)->data(), perm.data(), sizeof(int32_t) * max_n);
-    std::printf("\nfill op: PageCopy from pinned staging into random slots vs one contiguous "
-                "copy (median of %d)\n", f.copy_reps);
-    std::printf("%8s %10s %12s %12s %14s %12s\n", "pages", "MiB", "PageCopy us", "GB/s",
-                "contig. us", "GB/s");
+    // In place: random pages of the host tier (scattered over its pinned chunks).
+    auto* src = static_cast<const void**>((*sources)->data());
+    for (int i = 0; i < max_n; ++i) {
+      src[i] = kvstore::PageKBytes((*tier)->page(rng() % (*tier)->size())->view()).data();
+    }
+    std::printf("\nfill op: PageCopy from pinned staging into random slots, PageCopy reading "
+                "random host-tier pages in place%s, and one contiguous copy (median of %d)\n",
+                f.in_place ? "" : " (skipped: --in_place=0)", f.copy_reps);
+    std::printf("%8s %10s %12s %8s %14s %8s %12s %8s\n", "pages", "MiB", "staging us", "GB/s",
+                "in place us", "GB/s", "contig. us", "GB/s");
     for (int n : sizes) {
       kernels::PageCopyParams p;
       p.staging = (*staging)->data();
@@ -246,7 +265,7 @@ int Run(const Flags& f) {
       p.num_pages = n;
       p.k_pool = (*k)->View(kernels::DType::kBF16, {pool_slots, f.page_size, f.head_dim});
       p.v_pool = (*v)->View(kernels::DType::kBF16, {pool_slots, f.page_size, f.head_dim});
-      std::vector<double> t_copy, t_contig;
+      std::vector<double> t_copy, t_contig, t_place;
       for (int r = 0; r < f.copy_reps + 2; ++r) {
         Stopwatch w;
         absl::Status s = backend->PageCopy(p, nullptr);
@@ -263,11 +282,24 @@ int Run(const Flags& f) {
           return 1;
         }
         if (r >= 2) t_contig.push_back(w.ElapsedSeconds());
+        if (f.in_place) {
+          kernels::PageCopyParams q = p;
+          q.sources = src;
+          w.Reset();
+          s = backend->PageCopy(q, nullptr);
+          if (s.ok()) s = backend->Synchronize(nullptr);
+          if (!s.ok()) {
+            std::fprintf(stderr, "PageCopy in place: %s\n", s.ToString().c_str());
+            return 1;
+          }
+          if (r >= 2) t_place.push_back(w.ElapsedSeconds());
+        }
       }
       const double bytes = static_cast<double>(n) * page_bytes;
-      const double a = Median(t_copy), b = Median(t_contig);
-      std::printf("%8d %10.2f %12.1f %12.1f %14.1f %12.1f\n", n, bytes / (1 << 20), a * 1e6,
-                  bytes / a / 1e9, b * 1e6, bytes / b / 1e9);
+      const double a = Median(t_copy), b = Median(t_contig), c = Median(t_place);
+      std::printf("%8d %10.2f %12.1f %8.1f %14.1f %8.1f %12.1f %8.1f\n", n, bytes / (1 << 20),
+                  a * 1e6, bytes / a / 1e9, c * 1e6, c > 0 ? bytes / c / 1e9 : 0.0, b * 1e6,
+                  bytes / b / 1e9);
     }
   }
 
@@ -282,6 +314,7 @@ int Run(const Flags& f) {
   o.num_slots = num_slots;
   o.max_batch_pages = 4096;
   o.source = tier->get();
+  if (f.in_place) o.in_place_allocator = &pinned;
   absl::StatusOr<std::unique_ptr<kvstore::GpuPageCache>> cache_or =
       kvstore::GpuPageCache::Create(o, backend);
   if (!cache_or.ok()) {
@@ -402,7 +435,9 @@ int Run(const Flags& f) {
               (after.gather_seconds - before.gather_seconds) / n * 1e6);
   std::printf("    of which waiting       %.1f us (Synchronize on the fill stream)\n",
               (after.wait_seconds - before.wait_seconds) / n * 1e6);
-  std::printf("  fill batches per step    %.1f\n", (after.fill_batches - before.fill_batches) / n);
+  std::printf("  fill batches per step    %.1f; pages read in place per step %.1f\n",
+              (after.fill_batches - before.fill_batches) / n,
+              (after.in_place - before.in_place) / n);
   std::printf("  resident pages           %" PRId64 " of %" PRId64 " slots\n",
               cache.resident_pages(), num_slots);
 
@@ -437,10 +472,12 @@ int Run(const Flags& f) {
   }
   std::printf("  verify                   %d resident pages read back, %d halves differ\n",
               checked, bad);
-  std::printf("RESULT backend=%s drift=%.3f revisit=%.2f policy=%s resident=%.3f hit_ratio=%.4f "
+  std::printf("RESULT backend=%s in_place=%d drift=%.3f revisit=%.2f policy=%s resident=%.3f "
+              "hit_ratio=%.4f "
               "fills_per_step=%.1f fill_mib_per_step=%.2f acquire_us_per_step=%.1f "
               "gather_us=%.1f wait_us=%.1f verify_bad=%d\n",
-              backend->Name().c_str(), f.drift, f.revisit, f.policy.c_str(), f.resident,
+              backend->Name().c_str(), f.in_place, f.drift, f.revisit, f.policy.c_str(),
+              f.resident,
               lookups > 0 ? static_cast<double>(hits) / lookups : 0.0,
               (after.fills - before.fills) / n,
               (after.fill_bytes - before.fill_bytes) / n / (1 << 20), acquire_total / n * 1e6,

@@ -138,9 +138,13 @@ struct MergeAttentionParams {
 // name the same slot (or table index) which write lands is unspecified. InvalidArgument for
 // out-of-range slots or indices, a short staging buffer, or (CUDA) staging that is not
 // AllocateHost memory.
+// With `sources` set, page i is read from sources[i] instead (PageCopyBytes bytes, K then V, as a
+// staging page; e.g. a page of the host tier read in place) and `staging` is ignored: the array
+// and every page it points to must be AllocateHost memory, unchanged until the op completes.
 struct PageCopyParams {
   const void* staging = nullptr;          // AllocateHost memory, staging_bytes long
   size_t staging_bytes = 0;
+  const void* const* sources = nullptr;   // AllocateHost memory: [num_pages], or null
   const int32_t* slots = nullptr;         // AllocateHost memory: [num_pages], in [0, num_slots)
   int num_pages = 0;
   TensorView k_pool;                      // [num_slots, page_size, head_dim] f32|bf16

@@ -90,6 +90,7 @@ absl::Status GpuPageCache::Init() {
     STRATA_ASSIGN_OR_RETURN(s.slots, backend_->AllocateHost(batch * sizeof(int32_t)));
     STRATA_ASSIGN_OR_RETURN(s.index, backend_->AllocateHost(2 * batch * sizeof(int32_t)));
     STRATA_ASSIGN_OR_RETURN(s.value, backend_->AllocateHost(2 * batch * sizeof(int32_t)));
+    STRATA_ASSIGN_OR_RETURN(s.sources, backend_->AllocateHost(batch * sizeof(const void*)));
   }
   m_.capacity_bytes->Set(static_cast<double>(n * page_bytes_));
   m_.resident_bytes->Set(0);
@@ -185,7 +186,10 @@ absl::Status GpuPageCache::WaitLocked() {
   Stopwatch watch;
   absl::Status s = backend_->Synchronize(options_.stream);
   stats_.wait_seconds += watch.ElapsedSeconds();
-  if (s.ok()) completed_seq_ = issued_seq_;
+  if (s.ok()) {
+    completed_seq_ = issued_seq_;
+    for (Staging& st : staging_) st.hold.clear();  // no batch reads them any more
+  }
   return s;
 }
 
@@ -217,8 +221,10 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
     auto* slots = static_cast<int32_t*>(st.slots->data());
     auto* index = static_cast<int32_t*>(st.index->data());
     auto* value = static_cast<int32_t*>(st.value->data());
+    auto* sources = static_cast<const void**>(st.sources->data());
+    st.hold.clear();  // its previous batch has completed (waited for above)
     const size_t first = i;
-    int np = 0, nu = 0;
+    int np = 0, nu = 0, in_place = 0;
     int64_t evictions = 0;
     for (; i < ids.size() && np < options_.max_batch_pages; ++i) {
       const int32_t s = ClaimSlot();
@@ -243,10 +249,18 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
       held.push_back(s);
       fence_[s] = issued_seq_ + 1;
       const absl::string_view page = pages[i]->view();
-      std::memcpy(dst + static_cast<size_t>(np) * page_bytes_, PageKBytes(page).data(),
-                  half_bytes_);
-      std::memcpy(dst + static_cast<size_t>(np) * page_bytes_ + half_bytes_,
-                  PageVBytes(page).data(), half_bytes_);
+      if (options_.in_place_allocator != nullptr &&
+          pages[i]->allocator() == options_.in_place_allocator) {
+        // K and V lie back to back after the header (page_format.h): read them where they are.
+        sources[np] = PageKBytes(page).data();
+        st.hold.push_back(pages[i]);
+        ++in_place;
+      } else {
+        char* to = dst + static_cast<size_t>(np) * page_bytes_;
+        std::memcpy(to, PageKBytes(page).data(), half_bytes_);
+        std::memcpy(to + half_bytes_, PageVBytes(page).data(), half_bytes_);
+        sources[np] = to;
+      }
       slots[np] = s;
       index[nu] = static_cast<int32_t>(ids[i]);
       value[nu] = s;
@@ -261,6 +275,9 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
     kernels::PageCopyParams p;
     p.staging = st.pages->data();
     p.staging_bytes = st.pages->bytes();
+    // Per-page addresses only when some page is read in place (the CUDA backend then checks
+    // every address); otherwise the staging buffer in order.
+    if (in_place > 0) p.sources = sources;
     p.slots = slots;
     p.num_pages = np;
     p.k_pool = k_pool();
@@ -282,6 +299,7 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
         --resident_;
         (*slot_of)[j] = -1;
       }
+      st.hold.clear();
       unpin_held();
       PublishGauges();
       return copy;
@@ -290,6 +308,7 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
     stats_.fills += np;
     stats_.fill_bytes += static_cast<int64_t>(np) * static_cast<int64_t>(page_bytes_);
     ++stats_.fill_batches;
+    stats_.in_place += in_place;
     fetch_bytes_->Increment(static_cast<double>(np) * static_cast<double>(page_bytes_));
     *filled += np;
   }

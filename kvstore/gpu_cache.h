@@ -20,8 +20,9 @@
 //
 // Fills: the misses of a call are looked up in `source` (the host tier; pages in the page_format
 // encoding, bf16, this page_size and head_dim), their K and V bytes gathered into a staging buffer
-// from Backend::AllocateHost (pinned on CUDA), and copied into their slots with one
-// Backend::PageCopy on `stream` (batches of at most max_batch_pages; two staging buffers used in
+// from Backend::AllocateHost (pinned on CUDA) -- or, for pages held in `in_place_allocator`
+// memory, read where they lie -- and copied into their slots with one Backend::PageCopy on
+// `stream` (batches of at most max_batch_pages; two staging buffers used in
 // turn, one reused only after the copy out of it has completed). The copy is asynchronous; a call
 // that hands out a slot whose fill may still be in flight first waits for `stream`.
 //
@@ -71,6 +72,10 @@ struct GpuCacheOptions {
   // Most pages one PageCopy fills (size of each of the two staging buffers). Default: 1024.
   int max_batch_pages = 1024;
   PageStore* source = nullptr;  // the host tier; not owned; required
+  // Pages whose buffer came from this allocator are read in place by the fill op instead of being
+  // gathered into staging. It must hand out AllocateHost memory of the cache's backend
+  // (BackendPageAllocator, kvstore/backend_page_allocator.h). Default (null): gather every page.
+  PageAllocator* in_place_allocator = nullptr;
   KvMetrics* metrics = nullptr; // default (null): a private registry; not owned
   kernels::Stream stream = nullptr;  // where fills run (nullptr: the backend's default)
 
@@ -97,6 +102,7 @@ struct GpuCacheStats {
   int64_t fills = 0;          // pages copied into slots (Acquire and Prefetch)
   int64_t fill_bytes = 0;     // K+V bytes of those pages
   int64_t fill_batches = 0;   // PageCopy calls
+  int64_t in_place = 0;       // filled pages read in place (not gathered into staging)
   double gather_seconds = 0;  // host time: source lookups, checks, gathering into staging
   double wait_seconds = 0;    // host time blocked in Synchronize(stream)
 };
@@ -155,6 +161,8 @@ class GpuPageCache {
     std::unique_ptr<kernels::Buffer> slots;  // int32 [max_batch_pages]
     std::unique_ptr<kernels::Buffer> index;  // int32 [2 * max_batch_pages]
     std::unique_ptr<kernels::Buffer> value;  // int32 [2 * max_batch_pages]
+    std::unique_ptr<kernels::Buffer> sources;  // const void* [max_batch_pages]
+    std::vector<PageRef> hold;  // pages read in place by the batch: alive until it completes
     uint64_t seq = 0;                        // batch that last used it
   };
 

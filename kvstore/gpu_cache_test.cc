@@ -4,6 +4,8 @@
 // racing a decode thread.
 #include "kvstore/gpu_cache.h"
 
+#include <set>
+
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -16,6 +18,7 @@
 #include "base/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/metrics.h"
 #include "kvstore/page_format.h"
@@ -389,6 +392,87 @@ TEST_F(GpuCacheTest, WrongPageShapeIsRefused) {
   EXPECT_THAT(c->Acquire(Pages({0}), MissPolicy::kWait, &slots),
               StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_EQ(c->resident_pages(), 0);
+}
+
+TEST(BackendPageAllocatorTest, BlocksFromChunksAreReusedAndLargeRequestsOwnBuffers) {
+  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
+  BackendPageAllocator a(backend.get(), 100, 1000);  // blocks of 128 bytes, chunks of 8 blocks
+  EXPECT_EQ(a.block_bytes(), 128u);
+  std::set<void*> seen;
+  std::vector<void*> blocks;
+  for (int i = 0; i < 10; ++i) {
+    void* p = a.Allocate(100);
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+    EXPECT_TRUE(seen.insert(p).second);
+    std::memset(p, i, 128);
+    blocks.push_back(p);
+  }
+  EXPECT_EQ(a.reserved_bytes(), 2 * 1024u);  // two chunks of 8 x 128 bytes
+  a.Free(blocks[3], 100);
+  EXPECT_EQ(a.Allocate(50), blocks[3]);  // reused
+  void* big = a.Allocate(5000);
+  ASSERT_NE(big, nullptr);
+  std::memset(big, 1, 5000);
+  EXPECT_EQ(a.reserved_bytes(), 2 * 1024u + 5000u);
+  a.Free(big, 5000);
+  EXPECT_EQ(a.reserved_bytes(), 2 * 1024u);
+}
+
+TEST_F(GpuCacheTest, PagesInBackendHostMemoryAreReadInPlace) {
+  // A host tier whose buffers come from AllocateHost memory: the fills read them where they lie.
+  BackendPageAllocator alloc(backend_.get(), layout_.page.EncodedBytes(), 1 << 16);
+  HostCacheOptions ho;
+  ho.allocator = &alloc;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto pinned_host, HostCache::Create(ho));
+  std::vector<PageRef> all;
+  std::vector<PageKey> keys;
+  for (uint32_t p = 0; p < kPages; ++p) keys.push_back(PageKey{doc_, 1, 0, p});
+  STRATA_ASSERT_OK(host_->GetPages(keys, &all));
+  std::vector<PageWrite> writes;
+  for (uint32_t p = 0; p < kPages; p += 2) writes.push_back(PageWrite{keys[p], all[p]});
+  STRATA_ASSERT_OK(pinned_host->Put(writes, {}));  // even pages in pinned memory (copied)
+  // Odd pages stay in plain memory: a tier in front that serves them.
+  class Either : public PageStore {
+   public:
+    Either(PageStore* a, PageStore* b) : a_(a), b_(b) {}
+    const char* tier() const override { return "host"; }
+    absl::Status GetPages(absl::Span<const PageKey> k, std::vector<PageRef>* out) override {
+      STRATA_RETURN_IF_ERROR(a_->GetPages(k, out));
+      std::vector<PageRef> more;
+      STRATA_RETURN_IF_ERROR(b_->GetPages(k, &more));
+      for (size_t i = 0; i < k.size(); ++i) {
+        if ((*out)[i] == nullptr) (*out)[i] = more[i];
+      }
+      return absl::OkStatus();
+    }
+    absl::Status Put(absl::Span<const PageWrite>, absl::Span<const SummaryWrite>) override {
+      return absl::UnimplementedError("read-only");
+    }
+    absl::Status GetSummaries(absl::Span<const SummaryKey> k, std::vector<PageRef>* out) override {
+      out->assign(k.size(), nullptr);
+      return absl::OkStatus();
+    }
+    PageStore* a_;
+    PageStore* b_;
+  } either(pinned_host.get(), host_.get());
+  GpuCacheOptions o = Options(6);
+  o.source = &either;
+  o.in_place_allocator = &alloc;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto c, GpuPageCache::Create(o, backend_.get()));
+  std::vector<int32_t> slots;
+  for (int round = 0; round < 3; ++round) {
+    for (int p = 0; p < kPages; p += 3) {
+      const std::vector<GpuPageId> want = Pages({p, (p + 1) % kPages, (p + 5) % kPages}, 1, 0);
+      STRATA_ASSERT_OK(c->Acquire(want, MissPolicy::kWait, &slots));
+      for (size_t i = 0; i < want.size(); ++i) ExpectSlotHolds(*c, slots[i], want[i]);
+      STRATA_ASSERT_OK(c->Release(slots));
+    }
+  }
+  const GpuCacheStats s = c->stats();
+  EXPECT_GT(s.in_place, 0);
+  EXPECT_LT(s.in_place, s.fills);  // the odd pages were gathered
+  ExpectConsistent(*c);
 }
 
 TEST_F(GpuCacheTest, PrefetchThreadRacesDecodeThread) {

@@ -31,11 +31,18 @@ absl::Status CpuSupportsPageCopy(const PageCopyParams& p) {
   }
   const int64_t num_slots = k.dim(0);
   if (p.num_pages > 0) {
-    if (k.data == nullptr || v.data == nullptr || p.staging == nullptr || p.slots == nullptr) {
+    if (k.data == nullptr || v.data == nullptr || p.slots == nullptr ||
+        (p.staging == nullptr && p.sources == nullptr)) {
       return absl::InvalidArgumentError(absl::StrCat(kOp, ": null pool, staging or slots"));
     }
     const size_t page_bytes = PageCopyBytes(k.dim(1), k.dim(2), k.dtype);
-    if (page_bytes * static_cast<size_t>(p.num_pages) > p.staging_bytes) {
+    if (p.sources != nullptr) {
+      for (int i = 0; i < p.num_pages; ++i) {
+        if (p.sources[i] == nullptr) {
+          return absl::InvalidArgumentError(absl::StrCat(kOp, ": sources[", i, "] is null"));
+        }
+      }
+    } else if (page_bytes * static_cast<size_t>(p.num_pages) > p.staging_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(kOp, ": ", p.num_pages, " pages of ",
                                                      page_bytes, " bytes exceed staging of ",
                                                      p.staging_bytes, " bytes"));
@@ -73,8 +80,10 @@ absl::Status CpuPageCopy(const PageCopyParams& p) {
   char* v = static_cast<char*>(p.v_pool.data);
   for (int i = 0; i < p.num_pages; ++i) {
     const size_t slot = static_cast<size_t>(p.slots[i]);
-    std::memcpy(k + slot * half, src + 2 * half * i, half);
-    std::memcpy(v + slot * half, src + 2 * half * i + half, half);
+    const char* page = p.sources != nullptr ? static_cast<const char*>(p.sources[i])
+                                            : src + 2 * half * i;
+    std::memcpy(k + slot * half, page, half);
+    std::memcpy(v + slot * half, page + half, half);
   }
   for (int j = 0; j < p.num_table_updates; ++j) p.table[p.table_index[j]] = p.table_value[j];
   return absl::OkStatus();

@@ -710,11 +710,37 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
 
 // ---- PageCopy (GPU page cache fills) -------------------------------------------------------
 
+namespace {
+
+// The page sources of a PageCopy: the staging buffer, or (sources set) the array and every page it
+// names must be mapped host memory whose device address is its host address (true of
+// cudaHostAlloc memory under unified addressing), because the kernel reads sources[i] as is.
+// Returns whether every page address is 16-byte aligned.
+absl::StatusOr<bool> CheckPageSources(const PageCopyParams& p) {
+  if (p.sources == nullptr) {
+    STRATA_RETURN_IF_ERROR(MappedHostPointer(p.staging, "staging").status());
+    return true;
+  }
+  STRATA_RETURN_IF_ERROR(MappedHostPointer(p.sources, "sources").status());
+  bool aligned = true;
+  for (int i = 0; i < p.num_pages; ++i) {
+    STRATA_ASSIGN_OR_RETURN(const void* dev, MappedHostPointer(p.sources[i], "sources[i]"));
+    if (dev != p.sources[i]) {
+      return absl::InvalidArgumentError(
+          "PageCopy: sources[i] has a device address other than its host address");
+    }
+    aligned = aligned && (reinterpret_cast<uintptr_t>(p.sources[i]) & 15) == 0;
+  }
+  return aligned;
+}
+
+}  // namespace
+
 absl::Status CudaBackend::Supports(const PageCopyParams& p) const {
   STRATA_RETURN_IF_ERROR(CpuSupportsPageCopy(p));
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   if (p.num_pages > 0) {
-    STRATA_RETURN_IF_ERROR(MappedHostPointer(p.staging, "staging").status());
+    STRATA_RETURN_IF_ERROR(CheckPageSources(p).status());
     STRATA_RETURN_IF_ERROR(MappedHostPointer(p.slots, "slots").status());
   }
   if (p.num_table_updates > 0) {
@@ -729,7 +755,13 @@ absl::Status CudaBackend::PageCopy(const PageCopyParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   cuda_internal::PageCopyArgs a;
   if (p.num_pages > 0) {
-    STRATA_ASSIGN_OR_RETURN(a.staging, MappedHostPointer(p.staging, "staging"));
+    STRATA_ASSIGN_OR_RETURN(a.sources_aligned, CheckPageSources(p));
+    if (p.sources != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(const void* sources, MappedHostPointer(p.sources, "sources"));
+      a.sources = static_cast<const void* const*>(sources);
+    } else {
+      STRATA_ASSIGN_OR_RETURN(a.staging, MappedHostPointer(p.staging, "staging"));
+    }
     STRATA_ASSIGN_OR_RETURN(const void* slots, MappedHostPointer(p.slots, "slots"));
     a.slots = static_cast<const int32_t*>(slots);
     a.num_pages = p.num_pages;

@@ -19,14 +19,20 @@ constexpr int kUnroll = 4;
 // kThreads * kUnroll vectors. All loads of a chunk are issued before its stores.
 template <typename V>
 __global__ void __launch_bounds__(kThreads)
-    PageCopyKernel(const V* __restrict__ staging, const int32_t* __restrict__ slots,
-                   V* __restrict__ k_pool, V* __restrict__ v_pool, int64_t half_vecs) {
+    PageCopyKernel(const V* __restrict__ staging, const void* const* __restrict__ sources,
+                   const int32_t* __restrict__ slots, V* __restrict__ k_pool,
+                   V* __restrict__ v_pool, int64_t half_vecs) {
   __shared__ int32_t slot;
+  __shared__ const V* page_src;
   const int64_t page = blockIdx.x >> 1;
   const int half = blockIdx.x & 1;
-  if (threadIdx.x == 0) slot = slots[page];
+  if (threadIdx.x == 0) {
+    slot = slots[page];
+    page_src = sources != nullptr ? static_cast<const V*>(sources[page])
+                                  : staging + 2 * page * half_vecs;
+  }
   __syncthreads();
-  const V* src = staging + (2 * page + half) * half_vecs;
+  const V* src = page_src + half * half_vecs;
   V* dst = (half == 0 ? k_pool : v_pool) + static_cast<int64_t>(slot) * half_vecs;
   const int64_t chunk = static_cast<int64_t>(kThreads) * kUnroll;
   for (int64_t base = blockIdx.y * chunk; base < half_vecs;
@@ -63,7 +69,7 @@ cudaError_t Launch(const PageCopyArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>(2 * static_cast<int64_t>(a.num_pages)),
                   static_cast<unsigned int>(chunks));
   PageCopyKernel<V><<<grid, kThreads, 0, stream>>>(
-      static_cast<const V*>(a.staging), a.slots, static_cast<V*>(a.k_pool),
+      static_cast<const V*>(a.staging), a.sources, a.slots, static_cast<V*>(a.k_pool),
       static_cast<V*>(a.v_pool), half_vecs);
   return cudaGetLastError();
 }
@@ -72,7 +78,9 @@ cudaError_t Launch(const PageCopyArgs& a, cudaStream_t stream) {
 
 cudaError_t LaunchPageCopy(const PageCopyArgs& a, cudaStream_t stream) {
   if (a.num_pages > 0 && a.half_bytes > 0) {
-    const bool vec = a.half_bytes % 16 == 0 && Aligned16(a.staging) && Aligned16(a.k_pool) &&
+    // With sources, the host has checked every page address (sources_aligned).
+    const bool vec = a.half_bytes % 16 == 0 && a.sources_aligned &&
+                     (a.sources != nullptr || Aligned16(a.staging)) && Aligned16(a.k_pool) &&
                      Aligned16(a.v_pool);
     const cudaError_t e = vec ? Launch<uint4>(a, stream) : Launch<uint8_t>(a, stream);
     if (e != cudaSuccess) return e;

@@ -16,6 +16,8 @@ namespace strata::kernels::cuda_internal {
 // address) of one PageCopy. The host has validated every slot and table index.
 struct PageCopyArgs {
   const void* staging = nullptr;   // mapped host: num_pages x (K half, V half)
+  const void* const* sources = nullptr;  // mapped host: [num_pages] page addresses, or null
+  bool sources_aligned = true;     // every sources[i] is 16-byte aligned
   const int32_t* slots = nullptr;  // mapped host: [num_pages]
   int num_pages = 0;
   void* k_pool = nullptr;          // device
