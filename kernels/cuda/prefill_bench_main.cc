@@ -9,7 +9,11 @@
 // (CudaBackend::PrefillPath::kGeneral) and prints the largest |flash - general| difference of
 // out and lse there, a check of the flash kernel at the benchmark shape.
 //
-// Usage: cuda_prefill_bench [--general N] [--runs R] [context ...]   (default 8192 16384 32768)
+// With --chunk C it also times chunked prefill: the last C tokens of each context as the query
+// chunk over all of its keys (FLOPs 2 * 2 * d * (C * (n - C) + C^2 / 2) per query head).
+//
+// Usage: cuda_prefill_bench [--general N] [--chunk C] [--runs R] [context ...]
+//        (default contexts 8192 16384 32768)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -46,12 +50,14 @@ double Median(std::vector<double> v) {
 
 int Run(int argc, char** argv) {
   std::vector<int64_t> contexts;
-  int64_t general_max = 0;
+  int64_t general_max = 0, chunk = 0;
   int runs = 5;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--general" && i + 1 < argc) {
       general_max = std::atoll(argv[++i]);
+    } else if (a == "--chunk" && i + 1 < argc) {
+      chunk = std::atoll(argv[++i]);
     } else if (a == "--runs" && i + 1 < argc) {
       runs = std::max(1, std::atoi(argv[++i]));
     } else {
@@ -173,6 +179,29 @@ int Run(int argc, char** argv) {
                   d_out, d_lse);
       std::fflush(stdout);
       cuda->SetPrefillPath(CudaBackend::PrefillPath::kAuto);
+    }
+
+    if (chunk > 0 && chunk < n) {
+      // Chunked prefill: the last `chunk` tokens over every key of the context.
+      const int64_t skip = n - chunk;
+      PagedAttentionParams c = p;
+      c.q.data = static_cast<float*>(q.value()->data()) + skip * kQHeads * kHeadDim;
+      c.q.shape[0] = chunk;
+      c.out.data = static_cast<float*>(out.value()->data()) + skip * kQHeads * kHeadDim;
+      c.out.shape[0] = chunk;
+      c.lse.data = static_cast<float*>(lse.value()->data()) + skip * kQHeads;
+      c.lse.shape[0] = chunk;
+      c.q_positions = q_pos.data() + skip;
+      const double chunk_flops = 2.0 * 2.0 * kHeadDim * kQHeads *
+                                 (static_cast<double>(chunk) * skip + chunk * chunk / 2.0);
+      const PagedAttentionParams saved = p;
+      p = c;
+      const double chunk_ms = time_calls(2, runs);
+      p = saved;
+      std::printf("%-8lld %-8s %10.3f %10.1f   (last %lld tokens over the whole context)\n",
+                  static_cast<long long>(n), "chunk", chunk_ms,
+                  chunk_flops / (chunk_ms * 1e-3) / 1e12, static_cast<long long>(chunk));
+      std::fflush(stdout);
     }
   }
   BENCH_CHECK(cuda->DestroyStream(stream).ok(), "DestroyStream");
