@@ -26,6 +26,7 @@
 // Usage: gpu_cache_bench [--backend=auto|cpu|cuda] [--flag=value ...]; prints a table.
 #include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -66,6 +67,8 @@ struct Flags {
   int max_warmup_steps = 20000;
   int distinct_pages = 16384;
   int in_place = 1;  // host-tier pages in AllocateHost memory, read in place by the fills
+  int attend = 1;    // after each layer's Acquire, PagedAttention over the acquired slots
+  int q_per_kv = 4;  // query heads per KV head (Llama-3.1-8B: 32 / 8)
   int verify_pages = 256;
   std::string policy = "wait";
   std::string copy_pages = "64,410,1024,4096";
@@ -93,6 +96,8 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   else if (name == "max_warmup_steps") f->max_warmup_steps = std::atoi(v.c_str());
   else if (name == "distinct_pages") f->distinct_pages = std::atoi(v.c_str());
   else if (name == "in_place") f->in_place = std::atoi(v.c_str());
+  else if (name == "attend") f->attend = std::atoi(v.c_str());
+  else if (name == "q_per_kv") f->q_per_kv = std::atoi(v.c_str());
   else if (name == "verify_pages") f->verify_pages = std::atoi(v.c_str());
   else if (name == "policy") f->policy = v;
   else if (name == "copy_pages") f->copy_pages = v;
@@ -341,6 +346,26 @@ int Run(const Flags& f) {
   constexpr size_t kDroppedRing = 64;
   std::vector<kvstore::GpuPageId> want;
   std::vector<std::vector<int32_t>> step_slots(f.layers);
+  // Attention of one decode token per layer over the acquired slots (same stream as the fills).
+  const int q_heads = f.kv_heads * f.q_per_kv;
+  auto q_buf = backend->Allocate(sizeof(float) * q_heads * f.head_dim);
+  auto out_buf = backend->Allocate(sizeof(float) * q_heads * f.head_dim);
+  auto lse_buf = backend->Allocate(sizeof(float) * q_heads);
+  if (!q_buf.ok() || !out_buf.ok() || !lse_buf.ok()) return 1;
+  {
+    std::vector<float> q(static_cast<size_t>(q_heads) * f.head_dim);
+    std::mt19937 qr(3);
+    std::uniform_real_distribution<float> u(-1, 1);
+    for (float& x : q) x = u(qr);
+    if (!backend->CopyToDevice((*q_buf)->data(), q.data(), q.size() * sizeof(float), nullptr)
+             .ok()) {
+      return 1;
+    }
+  }
+  std::vector<kernels::KvSpan> spans;
+  std::vector<int32_t> span_offsets(f.kv_heads + 1);
+  const int32_t q_position = static_cast<int32_t>(f.context);
+  double attend_total = 0;
   int64_t lookups = 0, hits = 0, measured_steps = 0;
   kvstore::GpuCacheStats before{};
   std::vector<double> step_acquire;
@@ -398,11 +423,50 @@ int Run(const Flags& f) {
         std::fprintf(stderr, "step %d layer %d: %s\n", step, l, s.ToString().c_str());
         return 1;
       }
+      if (f.attend) {
+        Stopwatch attend_watch;
+        spans.clear();
+        const std::vector<int32_t>& got = step_slots[l];
+        for (int g = 0; g < f.kv_heads; ++g) {
+          span_offsets[g] = static_cast<int32_t>(spans.size());
+          const size_t per_head = want.size() / f.kv_heads;
+          for (size_t j = g * per_head; j < (g + 1) * per_head; ++j) {
+            if (got[j] < 0) continue;  // deferred miss: not attended this step
+            spans.push_back(kernels::KvSpan{got[j], 0, f.page_size, want[j].page * f.page_size});
+          }
+        }
+        span_offsets[f.kv_heads] = static_cast<int32_t>(spans.size());
+        kernels::PagedAttentionParams a;
+        a.q = (*q_buf)->View(kernels::DType::kF32, {1, q_heads, f.head_dim});
+        a.k_pool = cache.k_pool();
+        a.v_pool = cache.v_pool();
+        a.spans = spans.data();
+        a.span_offsets = span_offsets.data();
+        a.num_kv_heads = f.kv_heads;
+        a.q_positions = &q_position;
+        a.causal = true;
+        a.scale = 1.0f / std::sqrt(static_cast<float>(f.head_dim));
+        a.out = (*out_buf)->View(kernels::DType::kF32, {1, q_heads, f.head_dim});
+        a.lse = (*lse_buf)->View(kernels::DType::kF32, {1, q_heads});
+        if (absl::Status as = backend->PagedAttention(a, nullptr); !as.ok()) {
+          std::fprintf(stderr, "attention: %s\n", as.ToString().c_str());
+          return 1;
+        }
+        step_seconds += attend_watch.ElapsedSeconds();
+        if (measuring) attend_total += attend_watch.ElapsedSeconds();
+      }
       if (measuring) {
         const kvstore::GpuCacheStats s1 = cache.stats();
         lookups += s1.lookups - s0.lookups;
         hits += s1.hits - s0.hits;
       }
+    }
+    if (f.attend) {
+      // The step ends when its attention has run (the pins cover the reads until here).
+      Stopwatch sync_watch;
+      if (!backend->Synchronize(nullptr).ok()) return 1;
+      step_seconds += sync_watch.ElapsedSeconds();
+      if (measuring) attend_total += sync_watch.ElapsedSeconds();
     }
     for (int l = 0; l < f.layers; ++l) {
       if (absl::Status s = cache.Release(step_slots[l]); !s.ok()) {
@@ -429,8 +493,15 @@ int Run(const Flags& f) {
               (after.fills - before.fills) / n,
               (after.fill_bytes - before.fill_bytes) / n / (1 << 20));
   std::printf("  evictions per step       %.1f\n", (after.evictions - before.evictions) / n);
-  std::printf("  Acquire time per step    mean %.1f us, median %.1f us (all %d layers)\n",
-              acquire_total / n * 1e6, Median(step_acquire) * 1e6, f.layers);
+  std::printf("  step time                mean %.1f us, median %.1f us (all %d layers: Acquire%s)\n",
+              acquire_total / n * 1e6, Median(step_acquire) * 1e6, f.layers,
+              f.attend ? " + PagedAttention over the slots + one final synchronise" : "");
+  if (f.attend) {
+    std::printf("    of which attention     %.1f us (enqueue per layer, then the wait at the end)\n",
+                attend_total / n * 1e6);
+  }
+  std::printf("    of which PageCopy call %.1f us (host: checks, launch)\n",
+              (after.copy_seconds - before.copy_seconds) / n * 1e6);
   std::printf("    of which host gather   %.1f us (source lookup, checks, memcpy into staging)\n",
               (after.gather_seconds - before.gather_seconds) / n * 1e6);
   std::printf("    of which waiting       %.1f us (Synchronize on the fill stream)\n",
@@ -474,13 +545,14 @@ int Run(const Flags& f) {
               checked, bad);
   std::printf("RESULT backend=%s in_place=%d drift=%.3f revisit=%.2f policy=%s resident=%.3f "
               "hit_ratio=%.4f "
-              "fills_per_step=%.1f fill_mib_per_step=%.2f acquire_us_per_step=%.1f "
-              "gather_us=%.1f wait_us=%.1f verify_bad=%d\n",
+              "fills_per_step=%.1f fill_mib_per_step=%.2f step_us=%.1f attend_us=%.1f "
+              "copy_call_us=%.1f gather_us=%.1f wait_us=%.1f verify_bad=%d\n",
               backend->Name().c_str(), f.in_place, f.drift, f.revisit, f.policy.c_str(),
               f.resident,
               lookups > 0 ? static_cast<double>(hits) / lookups : 0.0,
               (after.fills - before.fills) / n,
               (after.fill_bytes - before.fill_bytes) / n / (1 << 20), acquire_total / n * 1e6,
+              attend_total / n * 1e6, (after.copy_seconds - before.copy_seconds) / n * 1e6,
               (after.gather_seconds - before.gather_seconds) / n * 1e6,
               (after.wait_seconds - before.wait_seconds) / n * 1e6, bad);
   return bad == 0 ? 0 : 3;

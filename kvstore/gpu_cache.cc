@@ -287,7 +287,9 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
     p.table_index = index;
     p.table_value = value;
     p.num_table_updates = nu;
+    Stopwatch copy_watch;
     absl::Status copy = backend_->PageCopy(p, options_.stream);
+    stats_.copy_seconds += copy_watch.ElapsedSeconds();
     if (!copy.ok()) {
       // The batch's pages never arrived: forget them (their slots become free for the clock).
       for (size_t j = first; j < i; ++j) {

@@ -105,6 +105,7 @@ struct GpuCacheStats {
   int64_t in_place = 0;       // filled pages read in place (not gathered into staging)
   double gather_seconds = 0;  // host time: source lookups, checks, gathering into staging
   double wait_seconds = 0;    // host time blocked in Synchronize(stream)
+  double copy_seconds = 0;    // host time in Backend::PageCopy calls (checks and launch)
 };
 
 class GpuPageCache {

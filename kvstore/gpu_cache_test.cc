@@ -475,6 +475,80 @@ TEST_F(GpuCacheTest, PagesInBackendHostMemoryAreReadInPlace) {
   ExpectConsistent(*c);
 }
 
+// Attention over cache slots equals attention over a pool holding every page at its own index:
+// the cache's pools are in the KvCache slot layout, so spans may name cache slots directly.
+TEST_F(GpuCacheTest, PagedAttentionOverCacheSlotsMatchesAFullPool) {
+  auto c = Make(7);
+  ASSERT_NE(c, nullptr);
+  const int layer = 1;
+  const size_t half = static_cast<size_t>(kP) * kD;
+  // The full pool: page p of head h at slot h * kPages + p.
+  std::vector<uint16_t> full_k(kHeads * kPages * half), full_v(full_k.size());
+  for (int h = 0; h < kHeads; ++h) {
+    std::vector<PageKey> keys;
+    for (int p = 0; p < kPages; ++p) {
+      keys.push_back(PageKey{doc_, static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
+                             static_cast<uint32_t>(p)});
+    }
+    std::vector<PageRef> pages;
+    STRATA_ASSERT_OK(host_->GetPages(keys, &pages));
+    for (int p = 0; p < kPages; ++p) {
+      std::memcpy(&full_k[(h * kPages + p) * half], PageKBytes(pages[p]->view()).data(), 2 * half);
+      std::memcpy(&full_v[(h * kPages + p) * half], PageVBytes(pages[p]->view()).data(), 2 * half);
+    }
+  }
+  // A selection per head (3 pages each), fetched into the cache (slots in miss order).
+  const std::vector<std::vector<int>> selected = {{7, 2, 9}, {0, 5, 8}};
+  std::vector<GpuPageId> want;
+  for (int h = 0; h < kHeads; ++h) {
+    for (int p : selected[h]) want.push_back(GpuPageId{layer, h, p});
+  }
+  std::vector<int32_t> slots;
+  STRATA_ASSERT_OK(c->Acquire(want, MissPolicy::kWait, &slots));
+  const int q_heads = 2 * kHeads;
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> q(q_heads * kD);
+  for (float& x : q) x = u(rng);
+  std::vector<kernels::KvSpan> via_cache, via_full;
+  std::vector<int32_t> offsets = {0};
+  for (int h = 0, i = 0; h < kHeads; ++h) {
+    for (int p : selected[h]) {
+      via_cache.push_back(kernels::KvSpan{slots[i++], 0, kP, p * kP});
+      via_full.push_back(kernels::KvSpan{h * kPages + p, 0, kP, p * kP});
+    }
+    offsets.push_back(static_cast<int32_t>(via_cache.size()));
+  }
+  const int32_t q_pos = kPages * kP;
+  auto attend = [&](kernels::TensorView k, kernels::TensorView v,
+                    const std::vector<kernels::KvSpan>& spans, std::vector<float>* out) {
+    std::vector<float> lse(q_heads);
+    out->assign(q_heads * kD, 0);
+    kernels::PagedAttentionParams a;
+    a.q = kernels::TensorView(q.data(), kernels::DType::kF32, {1, q_heads, kD});
+    a.k_pool = k;
+    a.v_pool = v;
+    a.spans = spans.data();
+    a.span_offsets = offsets.data();
+    a.num_kv_heads = kHeads;
+    a.q_positions = &q_pos;
+    a.scale = 0.25f;
+    a.out = kernels::TensorView(out->data(), kernels::DType::kF32, {1, q_heads, kD});
+    a.lse = kernels::TensorView(lse.data(), kernels::DType::kF32, {1, q_heads});
+    ASSERT_TRUE(backend_->PagedAttention(a, nullptr).ok());
+  };
+  std::vector<float> out_cache, out_full;
+  attend(c->k_pool(), c->v_pool(), via_cache, &out_cache);
+  attend(kernels::TensorView(full_k.data(), kernels::DType::kBF16, {kHeads * kPages, kP, kD}),
+         kernels::TensorView(full_v.data(), kernels::DType::kBF16, {kHeads * kPages, kP, kD}),
+         via_full, &out_full);
+  EXPECT_EQ(out_cache, out_full);
+  float norm = 0;
+  for (float x : out_full) norm += x * x;
+  EXPECT_GT(norm, 0);
+  STRATA_ASSERT_OK(c->Release(slots));
+}
+
 TEST_F(GpuCacheTest, PrefetchThreadRacesDecodeThread) {
   auto c = Make(12);
   ASSERT_NE(c, nullptr);
