@@ -7,7 +7,12 @@
 #include <cstring>
 #include <utility>
 
+#include <deque>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "engine/sparse/policy.h"
@@ -208,10 +213,44 @@ struct LeaderAttention::Part {
   std::unique_ptr<grpc::ClientContext> context;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SelectionRequest, v1::SelectionResponse>> stream;
   bool sent = false;  // a query of the current layer is in flight
+  // The reader thread queues the peer's answers, so the leader can wait for one with a deadline.
+  std::thread reader;
+  absl::Mutex mu;
+  std::deque<v1::SelectionResponse> answers ABSL_GUARDED_BY(mu);
+  bool closed ABSL_GUARDED_BY(mu) = false;
 
+  void StartReader() {
+    reader = std::thread([this] {
+      v1::SelectionResponse resp;
+      while (stream->Read(&resp)) {
+        absl::MutexLock lock(&mu);
+        answers.push_back(std::move(resp));
+        resp = v1::SelectionResponse();
+      }
+      absl::MutexLock lock(&mu);
+      closed = true;
+    });
+  }
+  // The next answer, or false (with *why) when the stream closed or nothing came by `deadline`.
+  bool NextAnswer(absl::Time deadline, v1::SelectionResponse* out, std::string* why) {
+    absl::MutexLock lock(&mu);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !answers.empty() || closed; };
+    if (!mu.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+      *why = "no answer before the deadline";
+      return false;
+    }
+    if (answers.empty()) {
+      *why = "stream closed";
+      return false;
+    }
+    *out = std::move(answers.front());
+    answers.pop_front();
+    return true;
+  }
   void CloseStream() {
     if (stream == nullptr) return;
     context->TryCancel();
+    if (reader.joinable()) reader.join();
     stream->Finish();  // status ignored: the stream is being abandoned
     stream.reset();
   }
@@ -268,7 +307,11 @@ absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const O
     o->set_budget_tokens(raw->budget_tokens);
     o->set_num_q_heads(static_cast<uint32_t>(options.config->num_heads));
     o->set_head_dim(static_cast<uint32_t>(options.config->head_dim));
-    if (!raw->stream->Write(open)) STRATA_RETURN_IF_ERROR(la->Failover(raw, "open failed"));
+    if (!raw->stream->Write(open)) {
+      STRATA_RETURN_IF_ERROR(la->Failover(raw, "open failed"));
+    } else {
+      raw->StartReader();
+    }
   }
   return la;
 }
@@ -327,7 +370,8 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
     if (p->local == nullptr) continue;
     STRATA_RETURN_IF_ERROR(p->local->Attend(layer, q, n, hq, q_begin, &(*parts)[i], &counters_));
   }
-  // 3. The peers' answers.
+  // 3. The peers' answers, all within one deadline.
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.peer_timeout_ms);
   const size_t lse_bytes = static_cast<size_t>(n) * hq * sizeof(float);
   for (size_t i = 0; i < parts_.size(); ++i) {
     Part* p = parts_[i].get();
@@ -335,10 +379,9 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
     p->sent = false;
     v1::SelectionResponse resp;
     std::string why;
-    if (!p->stream->Read(&resp)) {
-      why = "read failed";
-    } else if (resp.step() != step_ || resp.layer() != static_cast<uint32_t>(layer) || resp.o().size() != q_bytes ||
-               resp.lse().size() != lse_bytes) {
+    const bool answered = p->NextAnswer(deadline, &resp, &why);
+    if (answered && (resp.step() != step_ || resp.layer() != static_cast<uint32_t>(layer) ||
+                     resp.o().size() != q_bytes || resp.lse().size() != lse_bytes)) {
       why = absl::StrCat("malformed answer (step ", resp.step(), ", layer ", resp.layer(), ")");
     }
     if (!why.empty()) {

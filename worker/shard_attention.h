@@ -22,8 +22,9 @@
 //   the local shards, then reads the peers' answers, so peers work in parallel. When a peer's
 //   stream fails (write or read fails: UNAVAILABLE, EOF, cancelled, a malformed answer), the
 //   leader mounts that shard locally from the persisted pages (MountFn; no prefill) and
-//   recomputes the layer's partial itself; the shard stays local for the rest of the job.
-//   A peer that hangs without closing its connection is not detected (no per-read deadline).
+//   recomputes the layer's partial itself; the shard stays local for the rest of the job. A
+//   peer that does not answer within Options::peer_timeout_ms is failed over the same way (a
+//   reader thread per stream queues the answers so the leader can wait with a deadline).
 //
 // Tensors on the wire are little-endian f32 (internal.proto). Thread-compatible, except that
 // MountedShard is immutable and safe to share.
@@ -155,6 +156,9 @@ class LeaderAttention : public engine::ExternalAttention {
     const model::ModelConfig* config = nullptr;
     kernels::Backend* backend = nullptr;
     MountFn mount;
+    // A peer that does not answer a query within this time is failed over (its stream is
+    // cancelled). Default 60 s.
+    int64_t peer_timeout_ms = 60000;
   };
 
   // Opens the parts of every shard of `map` (local mounts for shards of self_worker_id or with

@@ -64,6 +64,7 @@ class ShardedTest : public ::testing::Test {
       WorkerOptions wo;
       wo.worker_id = absl::StrCat("w", i);
       wo.prefill_chunk_size = 48;  // chunks that do not align with pages or shards
+      wo.peer_timeout_ms = 20000;  // generous: a slow answer under load must not fail over
       STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(wo, model_.get(), backends_.back().get(), store_.get(),
                                                          store_.get(), metrics_.back().get()));
       STRATA_ASSERT_OK_AND_ASSIGN(auto s, WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0"}, w.get()));
@@ -294,6 +295,47 @@ TEST_F(ShardedTest, PeerLostMidDecodeFailsOverToPersistedPages) {
   ASSERT_EQ(again.state(), v1::JobInfo::DONE) << again.error_message();
   EXPECT_EQ(Tokens(again), want);
   EXPECT_EQ(workers_[1]->failovers(), 1);
+}
+
+// A ShardSelection peer that reads every query and never answers (a hung worker).
+class SilentSelection final : public v1::ShardSelection::Service {
+ public:
+  grpc::Status Select(grpc::ServerContext* context,
+                      grpc::ServerReaderWriter<v1::SelectionResponse, v1::SelectionRequest>* stream) override {
+    v1::SelectionRequest req;
+    while (stream->Read(&req)) {
+    }
+    return grpc::Status::OK;
+  }
+};
+
+TEST_F(ShardedTest, PeerThatNeverAnswersIsFailedOverAfterTheTimeout) {
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(8);
+  SilentSelection silent;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&silent);
+  std::unique_ptr<grpc::Server> hung = builder.BuildAndStart();
+  ASSERT_NE(hung, nullptr);
+  // A fourth worker leads with a short timeout; w2's shard is served by the silent peer.
+  WorkerOptions wo;
+  wo.worker_id = "leader";
+  wo.peer_timeout_ms = 300;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto leader, Worker::Create(wo, model_.get(), backends_[0].get(), store_.get(),
+                                                          store_.get(), nullptr));
+  v1::RunJobRequest req = Job("hung-1", 8);
+  req.mutable_shard_map()->mutable_shards(2)->set_worker_address(absl::StrCat("127.0.0.1:", port));
+  v1::JobInfo last;
+  STRATA_ASSERT_OK(leader->RunJob(req, [&](const v1::JobEvent& e) {
+    if (e.has_snapshot()) last = e.snapshot();
+    return true;
+  }));
+  ASSERT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
+  EXPECT_EQ(Tokens(last), want);
+  EXPECT_EQ(leader->failovers(), 1);
+  hung->Shutdown(std::chrono::system_clock::now());
 }
 
 TEST_F(ShardedTest, AnchorPrefillInParallelMakesTheDocumentReady) {

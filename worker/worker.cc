@@ -79,6 +79,7 @@ absl::Status WorkerOptions::Validate() const {
   if (max_jobs < 1) return absl::InvalidArgumentError("max_jobs >= 1");
   if (mount_batch_pages < 1) return absl::InvalidArgumentError("mount_batch_pages >= 1");
   if (max_decode_batch < 1) return absl::InvalidArgumentError("max_decode_batch >= 1");
+  if (peer_timeout_ms < 1) return absl::InvalidArgumentError("peer_timeout_ms >= 1");
   return absl::OkStatus();
 }
 
@@ -750,6 +751,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.policy = request.policy();
     lo.config = &c;
     lo.backend = backend_;
+    lo.peer_timeout_ms = options_.peer_timeout_ms;
     lo.mount = [this](const v1::ShardRange& r, kvstore::TierCounts* pages) { return GetOrMount(r, pages, false); };
     STRATA_ASSIGN_OR_RETURN(leader, LeaderAttention::Create(lo, map));
     policy = engine::MakeDensePolicy();  // over the prompt and generated tokens

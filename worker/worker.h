@@ -54,7 +54,8 @@
 //     the job's policy and each shard's share of the budget (proportional to its tokens); the
 //     partials are merged with Backend::MergeAttention. With the dense policy the merge is exact
 //     up to float rounding. A peer whose stream fails is replaced by a local mount of its shard
-//     from the persisted pages (no prefill); the job continues with the same result.
+//     from the persisted pages (no prefill); the job continues with the same result. So is a
+//     peer that does not answer within WorkerOptions::peer_timeout_ms.
 //     The shards must cover [0, ceil(num_tokens / P)) in order (INVALID_ARGUMENT otherwise).
 //
 // KV dtype: pages are persisted in bf16 (kvstore/page_format.h) and every KV cache here is bf16,
@@ -113,6 +114,9 @@ struct WorkerOptions {
   // Decode steps of concurrent jobs run as one batched forward, at most this many (and at most
   // prefill_chunk_size) at a time; 1 runs every step alone. Default 16.
   int max_decode_batch = 16;
+  // As leader: a peer that does not answer a selection query within this time is failed over
+  // (its shard mounted here from the store). Default 60 s.
+  int64_t peer_timeout_ms = 60000;
 
   // InvalidArgument naming the bad field.
   absl::Status Validate() const;
