@@ -102,12 +102,28 @@ class WorkerServer::SelectionImpl final : public v1::ShardSelection::Service {
   Worker* const worker_;
 };
 
+// PeerPages over Worker::GetPeerPages.
+class WorkerServer::PeerPagesImpl final : public v1::PeerPages::Service {
+ public:
+  explicit PeerPagesImpl(Worker* worker) : worker_(worker) {}
+
+  grpc::Status GetPages(grpc::ServerContext* context, const v1::GetPagesRequest* request,
+                        grpc::ServerWriter<v1::GetPagesResponse>* writer) override {
+    return proto::ToGrpcStatus(worker_->GetPeerPages(
+        *request, [&](const v1::GetPagesResponse& r) { return !context->IsCancelled() && writer->Write(r); }));
+  }
+
+ private:
+  Worker* const worker_;
+};
+
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerServerOptions& options,
                                                                   Worker* worker) {
   if (absl::Status s = options.Validate(); !s.ok()) return s;
   std::unique_ptr<WorkerServer> server(new WorkerServer());
   server->impl_ = std::make_unique<Impl>(worker);
   server->selection_ = std::make_unique<SelectionImpl>(worker);
+  server->peer_pages_ = std::make_unique<PeerPagesImpl>(worker);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -115,6 +131,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerSe
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.RegisterService(server->impl_.get());
   builder.RegisterService(server->selection_.get());
+  builder.RegisterService(server->peer_pages_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options.listen_address));
@@ -132,6 +149,7 @@ void WorkerServer::SetServing(bool serving) {
   health->SetServingStatus("", serving);
   health->SetServingStatus("strata.v1.Worker", serving);
   health->SetServingStatus("strata.v1.ShardSelection", serving);
+  health->SetServingStatus("strata.v1.PeerPages", serving);
 }
 
 void WorkerServer::Shutdown(absl::Duration grace) {

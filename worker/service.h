@@ -7,7 +7,8 @@
 // stream per job and peer, SelectionOpen first, then one SelectionResponse per LayerQuery, in
 // order; a bad first message or query ends the stream with INVALID_ARGUMENT, mount errors with
 // their code. MountShard / UnmountShard call Worker::MountShard / UnmountShard; heartbeats carry
-// Load() (mounted_tokens) and MountedShards(). PeerPages is not served yet.
+// Load() (mounted_tokens) and MountedShards(). PeerPages is served over Worker::GetPeerPages
+// (the worker's store: host cache, then its durable tiers).
 //
 // Thread-safe.
 #ifndef STRATA_WORKER_SERVICE_H_
@@ -52,12 +53,14 @@ class WorkerServer {
 
   class Impl;
   class SelectionImpl;
+  class PeerPagesImpl;
 
  private:
   WorkerServer() = default;
   int port_ = 0;
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<SelectionImpl> selection_;
+  std::unique_ptr<PeerPagesImpl> peer_pages_;
   std::unique_ptr<grpc::Server> server_;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -8,7 +8,8 @@
 //   the job completes with the same tokens (no prefill: prefill_tokens does not move);
 // - ANCHOR prefill of the shards in parallel makes the document READY; EXACT out of order and a
 //   too long anchor are refused;
-// - MountShard / UnmountShard / Load().mounted_tokens / MountedShards.
+// - MountShard / UnmountShard / Load().mounted_tokens / MountedShards, a selection stream, and
+//   PeerPages.
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -24,6 +25,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvstore/local_store.h"
+#include "kvstore/page_format.h"
 #include "model/random_model.h"
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
@@ -444,6 +446,42 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
     ASSERT_TRUE(stream->Write(q));  // no SelectionOpen first
     stream->WritesDone();
     EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+
+  // PeerPages: a stored page comes back decodable, a page past the document is absent.
+  {
+    auto pages = v1::PeerPages::NewStub(channel);
+    grpc::ClientContext ctx;
+    v1::GetPagesRequest req;
+    req.set_document_id(kDocId);
+    v1::PageKey* k = req.add_keys();
+    k->set_layer(1);
+    k->set_kv_head(1);
+    k->set_page_index(5);
+    k = req.add_keys();
+    k->set_page_index(9);
+    auto reader = pages->GetPages(&ctx, req);
+    v1::GetPagesResponse resp;
+    std::vector<v1::Page> got;
+    while (reader->Read(&resp)) got.insert(got.end(), resp.pages().begin(), resp.pages().end());
+    ASSERT_TRUE(reader->Finish().ok());
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_FALSE(got[0].absent());
+    EXPECT_EQ(got[0].key().page_index(), 5u);
+    std::vector<float> kd(kPage * c.head_dim), vd(kPage * c.head_dim);
+    STRATA_EXPECT_OK(kvstore::DecodePage(got[0].data(), kd.data(), vd.data()));
+    EXPECT_TRUE(got[1].absent());
+  }
+  {
+    auto pages = v1::PeerPages::NewStub(channel);
+    grpc::ClientContext ctx;
+    v1::GetPagesRequest req;
+    req.set_document_id("not-hex");
+    auto reader = pages->GetPages(&ctx, req);
+    v1::GetPagesResponse resp;
+    while (reader->Read(&resp)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
 
   v1::UnmountShardRequest unmount;

@@ -542,6 +542,42 @@ std::vector<v1::ShardRange> Worker::MountedShards() const {
   return out;
 }
 
+absl::Status Worker::GetPeerPages(const v1::GetPagesRequest& request,
+                                  const std::function<bool(const v1::GetPagesResponse&)>& write) {
+  constexpr int kMaxKeys = 65536, kPerMessage = 64;
+  STRATA_ASSIGN_OR_RETURN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(request.document_id()));
+  if (request.keys_size() > kMaxKeys) {
+    return absl::InvalidArgumentError(absl::StrCat(request.keys_size(), " page keys; at most ", kMaxKeys));
+  }
+  const model::ModelConfig& c = model_->config;
+  std::vector<kvstore::PageKey> keys;
+  keys.reserve(static_cast<size_t>(request.keys_size()));
+  for (const v1::PageKey& k : request.keys()) {
+    if (k.layer() >= static_cast<uint32_t>(c.num_layers) || k.kv_head() >= static_cast<uint32_t>(c.num_kv_heads)) {
+      return absl::InvalidArgumentError(absl::StrCat("page (", k.layer(), ", ", k.kv_head(), ", ", k.page_index(),
+                                                     ") outside the model's layers or KV heads"));
+    }
+    keys.push_back({id, k.layer(), k.kv_head(), k.page_index()});
+  }
+  for (size_t i = 0; i < keys.size(); i += kPerMessage) {
+    const size_t end = std::min(keys.size(), i + kPerMessage);
+    std::vector<kvstore::PageRef> pages;
+    STRATA_RETURN_IF_ERROR(store_->GetPages(absl::MakeConstSpan(keys.data() + i, end - i), &pages));
+    v1::GetPagesResponse resp;
+    for (size_t j = i; j < end; ++j) {
+      v1::Page* p = resp.add_pages();
+      *p->mutable_key() = request.keys(static_cast<int>(j));
+      if (pages[j - i] == nullptr) {
+        p->set_absent(true);
+      } else {
+        p->set_data(pages[j - i]->data(), pages[j - i]->size());
+      }
+    }
+    if (!write(resp)) return absl::CancelledError("the caller went away");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::SelectionOpen& open) {
   const model::ModelConfig& c = model_->config;
   if (open.num_q_heads() != static_cast<uint32_t>(c.num_heads) || open.head_dim() != static_cast<uint32_t>(c.head_dim)) {

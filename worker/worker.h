@@ -199,6 +199,14 @@ class Worker {
   // is bad; mount errors as MountShard.
   absl::StatusOr<std::unique_ptr<ShardSession>> OpenSelection(const v1::SelectionOpen& open);
 
+  // PeerPages: the pages of `request` through this worker's store (the host cache first, then
+  // its durable tiers), in request order, at most 64 pages per message; pages no tier holds are
+  // marked absent. `write` returns false when the caller went away (the call ends CANCELLED).
+  // INVALID_ARGUMENT: a bad document id, more than 65536 keys, a layer or KV head outside the
+  // model; store errors are passed through.
+  absl::Status GetPeerPages(const v1::GetPagesRequest& request,
+                            const std::function<bool(const v1::GetPagesResponse&)>& write);
+
   // Peer streams that failed during jobs led here and whose shard was mounted here instead.
   int64_t failovers() const { return failovers_.load(); }
   // Batched decode forwards run, and the decode steps they carried (steps / batches is the mean
