@@ -1,0 +1,140 @@
+#include "engine/gpu_cache_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace strata::engine {
+
+absl::StatusOr<std::unique_ptr<GpuCacheAttention>> GpuCacheAttention::Create(
+    const GpuCacheAttentionOptions& options, kvstore::GpuPageCache* cache,
+    kernels::Backend* backend) {
+  if (cache == nullptr || backend == nullptr) {
+    return absl::InvalidArgumentError("GpuCacheAttention: null cache or backend");
+  }
+  const kvstore::GpuCacheOptions& c = cache->options();
+  if (options.document_tokens <= 0 ||
+      options.document_tokens > c.pages_per_head * static_cast<int64_t>(c.page_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GpuCacheAttention: document_tokens ", options.document_tokens, " outside [1, ",
+        c.pages_per_head * c.page_size, "] (the cache's page table)"));
+  }
+  if (options.max_pages_per_chunk < 0) {
+    return absl::InvalidArgumentError("GpuCacheAttention: max_pages_per_chunk < 0");
+  }
+  return std::unique_ptr<GpuCacheAttention>(new GpuCacheAttention(options, cache, backend));
+}
+
+namespace {
+
+absl::Status Grow(kernels::Backend* backend, size_t bytes, std::unique_ptr<kernels::Buffer>* buf) {
+  if (*buf != nullptr && (*buf)->bytes() >= bytes) return absl::OkStatus();
+  STRATA_ASSIGN_OR_RETURN(*buf, backend->Allocate(bytes));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status GpuCacheAttention::Attend(int layer, const float* q, int num_tokens, int num_q_heads,
+                                       int64_t q_begin, std::vector<AttentionPartial>* parts) {
+  const kvstore::GpuCacheOptions& c = cache_->options();
+  const int hkv = c.num_kv_heads, d = c.head_dim, P = c.page_size;
+  if (num_tokens < 1 || num_q_heads <= 0 || num_q_heads % hkv != 0 || q == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("GpuCacheAttention: ", num_q_heads,
+                                                   " query heads for ", hkv, " KV heads"));
+  }
+  if (q_begin < options_.document_tokens) {
+    return absl::InvalidArgumentError("GpuCacheAttention: queries inside the document");
+  }
+  ++counters_.calls;
+  const int64_t num_pages = (options_.document_tokens + P - 1) / P;
+
+  // The pages of every head, in head order.
+  std::vector<kvstore::GpuPageId> ids;
+  std::vector<int32_t> chosen;
+  for (int g = 0; g < hkv; ++g) {
+    chosen.clear();
+    if (options_.chooser) {
+      options_.chooser(layer, g, q, num_tokens, num_q_heads, &chosen);
+    } else {
+      for (int64_t p = 0; p < num_pages; ++p) chosen.push_back(static_cast<int32_t>(p));
+    }
+    for (int32_t p : chosen) {
+      if (p < 0 || p >= num_pages) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("GpuCacheAttention: chooser picked page ", p, " of ", num_pages));
+      }
+      ids.push_back(kvstore::GpuPageId{layer, g, p});
+    }
+  }
+
+  // Host q into backend memory once; outputs per chunk come back to the partials.
+  const size_t q_floats = static_cast<size_t>(num_tokens) * num_q_heads * d;
+  const size_t lse_floats = static_cast<size_t>(num_tokens) * num_q_heads;
+  STRATA_RETURN_IF_ERROR(Grow(backend_, q_floats * sizeof(float), &q_buf_));
+  STRATA_RETURN_IF_ERROR(Grow(backend_, q_floats * sizeof(float), &out_buf_));
+  STRATA_RETURN_IF_ERROR(Grow(backend_, lse_floats * sizeof(float), &lse_buf_));
+  STRATA_RETURN_IF_ERROR(
+      backend_->CopyToDevice(q_buf_->data(), q, q_floats * sizeof(float), nullptr));
+  std::vector<int32_t> positions(num_tokens);
+  for (int i = 0; i < num_tokens; ++i) positions[i] = static_cast<int32_t>(q_begin + i);
+
+  const int64_t chunk =
+      options_.max_pages_per_chunk > 0 ? options_.max_pages_per_chunk : c.num_slots;
+  parts->clear();
+  std::vector<int32_t> slots;
+  std::vector<kernels::KvSpan> spans;
+  std::vector<int32_t> offsets(hkv + 1);
+  for (size_t begin = 0; begin < ids.size(); begin += static_cast<size_t>(chunk)) {
+    const size_t end = std::min(ids.size(), begin + static_cast<size_t>(chunk));
+    const absl::Span<const kvstore::GpuPageId> part(ids.data() + begin, end - begin);
+    STRATA_RETURN_IF_ERROR(cache_->Acquire(part, kvstore::MissPolicy::kWait, &slots));
+    spans.clear();
+    size_t j = 0;
+    for (int g = 0; g < hkv; ++g) {
+      offsets[g] = static_cast<int32_t>(spans.size());
+      for (; j < part.size() && part[j].kv_head == g; ++j) {
+        const int64_t first = static_cast<int64_t>(part[j].page) * P;
+        const int32_t len = static_cast<int32_t>(std::min<int64_t>(P, options_.document_tokens - first));
+        spans.push_back(kernels::KvSpan{slots[j], 0, len, static_cast<int32_t>(first)});
+      }
+    }
+    offsets[hkv] = static_cast<int32_t>(spans.size());
+    kernels::PagedAttentionParams a;
+    a.q = q_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads, d});
+    a.k_pool = cache_->k_pool();
+    a.v_pool = cache_->v_pool();
+    a.spans = spans.data();
+    a.span_offsets = offsets.data();
+    a.num_kv_heads = hkv;
+    a.q_positions = positions.data();
+    a.causal = true;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    a.out = out_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads, d});
+    a.lse = lse_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads});
+    absl::Status s = backend_->PagedAttention(a, nullptr);
+    AttentionPartial p;
+    if (s.ok()) {
+      p.o.resize(q_floats);
+      p.lse.resize(lse_floats);
+      // CopyToHost waits for the attention, so the pins may go afterwards.
+      s = backend_->CopyToHost(p.o.data(), out_buf_->data(), q_floats * sizeof(float), nullptr);
+      if (s.ok()) {
+        s = backend_->CopyToHost(p.lse.data(), lse_buf_->data(), lse_floats * sizeof(float),
+                                 nullptr);
+      }
+    }
+    const absl::Status r = cache_->Release(slots);
+    STRATA_RETURN_IF_ERROR(s);
+    STRATA_RETURN_IF_ERROR(r);
+    parts->push_back(std::move(p));
+    ++counters_.chunks;
+    counters_.pages_attended += static_cast<int64_t>(part.size());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,77 @@
+// Decode attention to a document whose KV lives in the host tier, read through the GPU page cache
+// (tier G, kvstore/gpu_cache.h): an engine::ExternalAttention for Transformer::Forward.
+//
+// The forward's own KvCache holds only the tokens after the document (prompt and generated ones,
+// ForwardOptions::cache_first_position = document_tokens); per layer, this hook attends the
+// document: the pages a PageChooser picks for each KV head (default: every page, which makes the
+// result exact) are acquired from the cache (MissPolicy::kWait, in chunks of at most
+// max_pages_per_chunk pages, so a document larger than the cache streams through it), attended
+// with Backend::PagedAttention over the cache's slots (one partial per chunk), and released. The
+// transformer merges the partials with its local attention (MergeAttention).
+//
+// Positions: page p holds document positions [p * page_size, min((p + 1) * page_size,
+// document_tokens)); every document token precedes the queries, so nothing is masked.
+// Thread-compatible (one forward at a time); the cache and backend must outlive it.
+#ifndef STRATA_ENGINE_GPU_CACHE_ATTENTION_H_
+#define STRATA_ENGINE_GPU_CACHE_ATTENTION_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/transformer.h"
+#include "kernels/backend.h"
+#include "kvstore/gpu_cache.h"
+
+namespace strata::engine {
+
+// The document pages (ascending, each in [0, num_pages)) that KV head `kv_head` of `layer` attends
+// for queries q (host f32 [num_tokens, num_q_heads, head_dim]). Appends to *pages (empty on entry).
+using PageChooser = std::function<void(int layer, int kv_head, const float* q, int num_tokens,
+                                       int num_q_heads, std::vector<int32_t>* pages)>;
+
+struct GpuCacheAttentionOptions {
+  int64_t document_tokens = 0;  // > 0; at most cache pages_per_head * page_size
+  // Pages acquired per chunk (one Acquire + one PagedAttention each). 0: the cache's slot count.
+  int64_t max_pages_per_chunk = 0;
+  PageChooser chooser;  // null: every page (exact)
+};
+
+// Totals over Attend calls.
+struct GpuCacheAttentionCounters {
+  int64_t calls = 0;
+  int64_t chunks = 0;
+  int64_t pages_attended = 0;
+};
+
+class GpuCacheAttention : public ExternalAttention {
+ public:
+  // InvalidArgument for a document that does not fit the cache's page table.
+  static absl::StatusOr<std::unique_ptr<GpuCacheAttention>> Create(
+      const GpuCacheAttentionOptions& options, kvstore::GpuPageCache* cache,
+      kernels::Backend* backend);
+
+  // InvalidArgument when q's head count does not divide by the cache's KV heads; ResourceExhausted
+  // when a chunk does not fit in the unpinned slots; errors of the cache and backend.
+  absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
+                      std::vector<AttentionPartial>* parts) override;
+
+  const GpuCacheAttentionCounters& counters() const { return counters_; }
+
+ private:
+  GpuCacheAttention(const GpuCacheAttentionOptions& options, kvstore::GpuPageCache* cache,
+                    kernels::Backend* backend)
+      : options_(options), cache_(cache), backend_(backend) {}
+
+  GpuCacheAttentionOptions options_;
+  kvstore::GpuPageCache* cache_;
+  kernels::Backend* backend_;
+  GpuCacheAttentionCounters counters_;
+  std::unique_ptr<kernels::Buffer> q_buf_, out_buf_, lse_buf_;  // grown on demand
+};
+
+}  // namespace strata::engine
+
+#endif  // STRATA_ENGINE_GPU_CACHE_ATTENTION_H_

@@ -1,0 +1,235 @@
+// A decode that reads the document's KV through the GPU page cache (CPU backend): the document is
+// prefilled, its pages persisted to a host tier, and the prompt/decode tokens run with a cache of
+// their own plus GpuCacheAttention over a page cache far smaller than the document's KV. Logits
+// must equal those of the whole sequence in one KvCache (both bf16 KV).
+#include "engine/gpu_cache_attention.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
+#include "base/testing/status_matchers.h"
+#include "engine/attention_policy.h"
+#include "engine/internal/test_model.h"
+#include "engine/kv_cache.h"
+#include "engine/transformer.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kvstore/host_cache.h"
+#include "kvstore/page_format.h"
+
+namespace strata::engine {
+namespace {
+
+using ::strata::testing::StatusIs;
+using test_model::DType;
+using test_model::MakeModel;
+using test_model::RefModel;
+
+constexpr int kPage = 16;
+
+float MaxDiff(const float* a, const float* b, int64_t n) {
+  float m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = std::fabs(a[i] - b[i]);
+    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
+  }
+  return m;
+}
+
+class GpuCacheAttentionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = MakeModel(DType::kF32, false, false, &ref_);
+    backend_ = kernels::MakeCpuBackend(1);
+    TransformerOptions opt;
+    opt.prefill_chunk_size = 16;
+    auto tf = Transformer::Create(model_->config, model_->weights, backend_.get(), opt);
+    ASSERT_TRUE(tf.ok()) << tf.status();
+    tf_ = *std::move(tf);
+    std::mt19937 rng(5);
+    ids_.resize(kTotal);
+    for (int32_t& id : ids_) id = static_cast<int32_t>(rng() % model_->config.vocab_size);
+    // Reference: the whole sequence in one bf16 cache.
+    const int64_t V = model_->config.vocab_size;
+    want_.assign(static_cast<size_t>(kTotal) * V, NAN);
+    STRATA_ASSERT_OK_AND_ASSIGN(
+        auto whole, KvCache::Create(tf_->MakeCacheOptions(kTotal, kPage, DType::kBF16),
+                                    backend_.get()));
+    auto dense = MakeDensePolicy();
+    STRATA_ASSERT_OK(tf_->Forward(ids_.data(), kTotal, 0, whole.get(), dense.get(), want_.data(),
+                                  true));
+    // The document alone, persisted page by page into the host tier.
+    STRATA_ASSERT_OK_AND_ASSIGN(
+        auto doc, KvCache::Create(tf_->MakeCacheOptions(kDoc, kPage, DType::kBF16),
+                                  backend_.get()));
+    std::vector<float> unused(static_cast<size_t>(kDoc) * V);
+    auto dense2 = MakeDensePolicy();
+    STRATA_ASSERT_OK(tf_->Forward(ids_.data(), kDoc, 0, doc.get(), dense2.get(), unused.data(),
+                                  true));
+    kvstore::HostCacheOptions ho;
+    STRATA_ASSERT_OK_AND_ASSIGN(host_, kvstore::HostCache::Create(ho));
+    document_.bytes.fill(7);
+    const int d = model_->config.head_dim;
+    kvstore::PageShape shape;
+    shape.page_size = kPage;
+    shape.head_dim = d;
+    std::vector<kvstore::PageWrite> writes;
+    for (int l = 0; l < model_->config.num_layers; ++l) {
+      for (int g = 0; g < model_->config.num_kv_heads; ++g) {
+        for (int p = 0; p * kPage < kDoc; ++p) {
+          const int valid = std::min(kPage, kDoc - p * kPage);
+          const size_t off = static_cast<size_t>(doc->SlotOf(l, g, p)) * kPage * d * 2;
+          kernels::TensorView k(static_cast<char*>(doc->k_pool(l).data) + off, DType::kBF16,
+                                {valid, d});
+          kernels::TensorView v(static_cast<char*>(doc->v_pool(l).data) + off, DType::kBF16,
+                                {valid, d});
+          STRATA_ASSERT_OK_AND_ASSIGN(std::string page, kvstore::EncodePage(shape, k, v));
+          kvstore::PageWrite w;
+          w.key = kvstore::PageKey{document_, static_cast<uint32_t>(l), static_cast<uint32_t>(g),
+                                   static_cast<uint32_t>(p)};
+          STRATA_ASSERT_OK_AND_ASSIGN(w.data, kvstore::PageBuffer::Copy(page));
+          writes.push_back(std::move(w));
+        }
+      }
+    }
+    STRATA_ASSERT_OK(host_->Put(writes, {}));
+  }
+
+  std::unique_ptr<kvstore::GpuPageCache> MakeCache(int64_t slots) {
+    kvstore::GpuCacheOptions o;
+    o.document = document_;
+    o.num_layers = model_->config.num_layers;
+    o.num_kv_heads = model_->config.num_kv_heads;
+    o.pages_per_head = (kDoc + kPage - 1) / kPage;
+    o.page_size = kPage;
+    o.head_dim = model_->config.head_dim;
+    o.num_slots = slots;
+    o.max_batch_pages = 2;
+    o.source = host_.get();
+    auto c = kvstore::GpuPageCache::Create(o, backend_.get());
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  // Runs tokens [kDoc, kTotal): the prompt as one chunk, then the rest one token at a time (decode).
+  void RunAfterDocument(ExternalAttention* ext, std::vector<float>* logits) {
+    const int64_t V = model_->config.vocab_size;
+    logits->assign(static_cast<size_t>(kTotal - kDoc) * V, NAN);
+    STRATA_ASSERT_OK_AND_ASSIGN(
+        auto local, KvCache::Create(tf_->MakeCacheOptions(kTotal - kDoc, kPage, DType::kBF16),
+                                    backend_.get()));
+    auto dense = MakeDensePolicy();
+    ForwardOptions fo;
+    fo.cache_first_position = kDoc;
+    fo.external = ext;
+    constexpr int kPrompt = 5;
+    STRATA_ASSERT_OK(tf_->Forward(ids_.data() + kDoc, kPrompt, kDoc, local.get(), dense.get(),
+                                  logits->data(), true, fo));
+    for (int t = kDoc + kPrompt; t < kTotal; ++t) {
+      STRATA_ASSERT_OK(tf_->Forward(ids_.data() + t, 1, t, local.get(), dense.get(),
+                                    logits->data() + (t - kDoc) * V, false, fo));
+    }
+  }
+
+  static constexpr int kDoc = 88;    // 6 pages per head, the last one partial
+  static constexpr int kTotal = 100;
+  RefModel ref_;
+  std::unique_ptr<test_model::TestModel> model_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<Transformer> tf_;
+  std::vector<int32_t> ids_;
+  std::vector<float> want_;
+  std::unique_ptr<kvstore::HostCache> host_;
+  kvstore::DocumentId document_;
+};
+
+TEST_F(GpuCacheAttentionTest, DecodeThroughTheCacheMatchesTheWholeSequence) {
+  // 2 layers x 2 KV heads x 6 pages = 24 document pages; the cache holds 5.
+  auto cache = MakeCache(5);
+  ASSERT_NE(cache, nullptr);
+  GpuCacheAttentionOptions o;
+  o.document_tokens = kDoc;
+  o.max_pages_per_chunk = 4;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ext, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  std::vector<float> got;
+  RunAfterDocument(ext.get(), &got);
+  const int64_t V = model_->config.vocab_size;
+  EXPECT_LE(MaxDiff(got.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
+  // 8 forwards x 2 layers; 12 pages per layer in chunks of 4.
+  EXPECT_EQ(ext->counters().calls, 16);
+  EXPECT_EQ(ext->counters().chunks, 48);
+  const kvstore::GpuCacheStats s = cache->stats();
+  EXPECT_EQ(s.lookups, 16 * 12);
+  EXPECT_GT(s.evictions, 0);
+  EXPECT_EQ(cache->pinned_slots(), 0);
+}
+
+TEST_F(GpuCacheAttentionTest, ChooserDecidesWhatIsAttended) {
+  auto cache = MakeCache(8);
+  ASSERT_NE(cache, nullptr);
+  // Choosing nothing equals a forward that cannot see the document.
+  GpuCacheAttentionOptions none;
+  none.document_tokens = kDoc;
+  none.chooser = [](int, int, const float*, int, int, std::vector<int32_t>*) {};
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ext, GpuCacheAttention::Create(none, cache.get(),
+                                                                  backend_.get()));
+  std::vector<float> with_none, blind;
+  RunAfterDocument(ext.get(), &with_none);
+  RunAfterDocument(nullptr, &blind);
+  EXPECT_EQ(with_none, blind);
+  EXPECT_EQ(cache->stats().lookups, 0);
+  // Every page, chosen explicitly (12 per layer: chunks of 8 and 4): the exact result.
+  GpuCacheAttentionOptions all;
+  all.document_tokens = kDoc;
+  all.chooser = [](int, int, const float*, int, int, std::vector<int32_t>* pages) {
+    for (int p = 0; p < 6; ++p) pages->push_back(p);
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ext2, GpuCacheAttention::Create(all, cache.get(),
+                                                                   backend_.get()));
+  std::vector<float> got;
+  RunAfterDocument(ext2.get(), &got);
+  const int64_t V = model_->config.vocab_size;
+  EXPECT_LE(MaxDiff(got.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
+  // A chooser that picks a page outside the document fails the forward.
+  GpuCacheAttentionOptions bad;
+  bad.document_tokens = kDoc;
+  bad.chooser = [](int, int, const float*, int, int, std::vector<int32_t>* pages) {
+    pages->push_back(6);
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ext3, GpuCacheAttention::Create(bad, cache.get(),
+                                                                   backend_.get()));
+  std::vector<AttentionPartial> parts;
+  std::vector<float> q(4 * 8, 0.5f);
+  EXPECT_THAT(ext3->Attend(0, q.data(), 1, 4, kDoc, &parts),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(GpuCacheAttentionTest, OptionsAreChecked) {
+  auto cache = MakeCache(4);
+  ASSERT_NE(cache, nullptr);
+  GpuCacheAttentionOptions o;
+  o.document_tokens = 6 * kPage + 1;  // beyond the cache's page table
+  EXPECT_THAT(GpuCacheAttention::Create(o, cache.get(), backend_.get()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  o.document_tokens = kDoc;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ext, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  std::vector<AttentionPartial> parts;
+  std::vector<float> q(3 * 8, 0.5f);
+  EXPECT_THAT(ext->Attend(0, q.data(), 1, 3, kDoc, &parts),  // 3 query heads for 2 KV heads
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // A chunk larger than the cache: ResourceExhausted from the cache, nothing left pinned.
+  o.max_pages_per_chunk = 5;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto big, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  std::vector<float> q4(4 * 8, 0.5f);
+  EXPECT_THAT(big->Attend(0, q4.data(), 1, 4, kDoc, &parts),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(cache->pinned_slots(), 0);
+}
+
+}  // namespace
+}  // namespace strata::engine
