@@ -130,6 +130,8 @@ class GpuPageCache {
 
   // Unpins the slots an Acquire returned (entries < 0 are ignored). InvalidArgument, with nothing
   // unpinned, when a slot is out of range or would be unpinned more often than it was pinned.
+  // An unpinned slot may be refilled by the next fill on `stream`: release only after the work
+  // reading it has completed, or when that work is on `stream` itself (stream order protects it).
   absl::Status Release(absl::Span<const int32_t> slots);
 
   // Issues the fills of the listed pages that are not resident, without waiting, pinning or
