@@ -23,6 +23,7 @@
 #include "engine/attention_policy.h"
 #include "engine/generator.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "gtest/gtest.h"
 #include "kvstore/local_store.h"
 #include "kvstore/page_format.h"
@@ -42,6 +43,15 @@ constexpr char kDocId[] = "00112233445566778899aabbccddeeff";
 constexpr int kPage = 64;
 constexpr int kWorkers = 3;
 
+// The CPU backend under another name: the transformer and the worker then treat its memory as
+// device memory (explicit copies; mounted shards on a separate host backend), which exercises the
+// GPU code paths without a GPU.
+class DeviceLikeBackend : public kernels::CpuBackend {
+ public:
+  DeviceLikeBackend() : kernels::CpuBackend(1) {}
+  std::string Name() const override { return "cuda:test"; }
+};
+
 class ShardedTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -60,7 +70,11 @@ class ShardedTest : public ::testing::Test {
     so.sync_writes = false;
     STRATA_ASSERT_OK_AND_ASSIGN(store_, kvstore::LocalStore::Open(so));
     for (int i = 0; i < kWorkers; ++i) {
-      backends_.push_back(kernels::MakeCpuBackend(1));
+      if (device_like_) {
+        backends_.push_back(std::make_unique<DeviceLikeBackend>());
+      } else {
+        backends_.push_back(kernels::MakeCpuBackend(1));
+      }
       registries_.push_back(std::make_unique<prometheus::Registry>());
       metrics_.push_back(std::make_unique<WorkerMetrics>(registries_.back().get()));
       WorkerOptions wo;
@@ -166,6 +180,7 @@ class ShardedTest : public ::testing::Test {
     return sum;
   }
 
+  bool device_like_ = false;
   std::string dir_;
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<kvstore::LocalStore> store_;
@@ -216,6 +231,28 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   const v1::JobInfo failed = Run(1, bad);
   EXPECT_EQ(failed.state(), v1::JobInfo::FAILED);
   EXPECT_EQ(failed.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+}
+
+class ShardedDeviceLikeTest : public ShardedTest {
+ protected:
+  void SetUp() override {
+    device_like_ = true;
+    ShardedTest::SetUp();
+  }
+};
+
+TEST_F(ShardedDeviceLikeTest, ExactPrefillAndBatchedDenseJobsMatchOneProcess) {
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(12);
+  v1::JobInfo a, b;
+  std::thread ta([&] { a = Run(1, Job("device-a", 12)); });
+  std::thread tb([&] { b = Run(1, Job("device-b", 12)); });
+  ta.join();
+  tb.join();
+  ASSERT_EQ(a.state(), v1::JobInfo::DONE) << a.error_message();
+  ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
+  EXPECT_EQ(Tokens(a), want);
+  EXPECT_EQ(Tokens(b), want);
 }
 
 TEST_F(ShardedTest, ConcurrentJobsLedByDifferentWorkers) {
@@ -359,6 +396,16 @@ TEST_F(ShardedTest, AnchorPrefillInParallelMakesTheDocumentReady) {
   for (const absl::Status& s : results) STRATA_EXPECT_OK(s);
   EXPECT_EQ(State(), v1::DOCUMENT_STATE_READY);
   const v1::JobInfo info = Run(2, Job("anchor-1", 6));
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(info.output_token_ids_size(), 6);
+}
+
+TEST_F(ShardedDeviceLikeTest, AnchorPrefillMakesTheDocumentReady) {
+  for (int i = kWorkers - 1; i >= 0; --i) {
+    STRATA_ASSERT_OK(workers_[i]->PrefillShard(Prefill(i, v1::PREFILL_MODE_ANCHOR), nullptr, nullptr));
+  }
+  EXPECT_EQ(State(), v1::DOCUMENT_STATE_READY);
+  const v1::JobInfo info = Run(0, Job("device-anchor", 6));
   ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
   EXPECT_EQ(info.output_token_ids_size(), 6);
 }

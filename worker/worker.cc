@@ -127,6 +127,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   engine::TransformerOptions topt;
   topt.prefill_chunk_size = options.prefill_chunk_size;
   STRATA_ASSIGN_OR_RETURN(w->transformer_, engine::Transformer::Create(model->config, model->weights, backend, topt));
+  if (backend->Name() != "cpu") w->host_backend_ = kernels::MakeCpuBackend(0);
   return w;
 }
 
@@ -197,9 +198,9 @@ void AddTiers(kvstore::TierCounts* to, const kvstore::TierCounts& from) {
 }  // namespace
 
 absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_tokens, int64_t first_page,
-                               int64_t end_page, engine::KvCache* cache, engine::AttentionPolicy* policy,
-                               const std::atomic<bool>* cancelled, absl::StatusCode missing_code,
-                               kvstore::TierCounts* pages_read) {
+                               int64_t end_page, kernels::Backend* backend, engine::KvCache* cache,
+                               engine::AttentionPolicy* policy, const std::atomic<bool>* cancelled,
+                               absl::StatusCode missing_code, kvstore::TierCounts* pages_read) {
   const model::ModelConfig& c = model_->config;
   const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads), d = static_cast<int>(c.head_dim);
   const int P = options_.page_size;
@@ -209,7 +210,7 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
   const int64_t batch_pages = options_.mount_batch_pages;
   std::vector<float> k_rows, v_rows;  // [tokens, H, d]
   std::unique_ptr<kernels::Buffer> kdev, vdev;
-  const bool host = backend_->Name() == "cpu";
+  const bool host = backend->Name() == "cpu";
   // With a tiered store (host cache in front of the durable tier) the counts say which tier
   // served each page; otherwise every page came from the store's own tier.
   auto* tiered = dynamic_cast<kvstore::TieredStore*>(store_);
@@ -255,10 +256,10 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
       kernels::TensorView vv(v_rows.data(), kernels::DType::kF32, {rows, H, d});
       if (!host) {
         const size_t bytes = k_rows.size() * sizeof(float);
-        STRATA_ASSIGN_OR_RETURN(kdev, backend_->Allocate(bytes));
-        STRATA_ASSIGN_OR_RETURN(vdev, backend_->Allocate(bytes));
-        STRATA_RETURN_IF_ERROR(FromHost(backend_, kdev->data(), k_rows.data(), bytes));
-        STRATA_RETURN_IF_ERROR(FromHost(backend_, vdev->data(), v_rows.data(), bytes));
+        STRATA_ASSIGN_OR_RETURN(kdev, backend->Allocate(bytes));
+        STRATA_ASSIGN_OR_RETURN(vdev, backend->Allocate(bytes));
+        STRATA_RETURN_IF_ERROR(FromHost(backend, kdev->data(), k_rows.data(), bytes));
+        STRATA_RETURN_IF_ERROR(FromHost(backend, vdev->data(), v_rows.data(), bytes));
         kv.data = kdev->data();
         vv.data = vdev->data();
       }
@@ -368,7 +369,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   std::unique_ptr<AnchorAttention> anchor_attention;
   if (exact && s0 > 0) {
     kvstore::TierCounts pages;
-    STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), cache.get(), nullptr,
+    STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), backend_, cache.get(), nullptr,
                                      cancelled, absl::StatusCode::kFailedPrecondition, &pages));
   } else if (!anchor.empty()) {
     const int64_t a = static_cast<int64_t>(anchor.size());
@@ -508,13 +509,15 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
     return absl::ResourceExhaustedError(absl::StrCat("mounting ", t1 - t0, " tokens beyond capacity_tokens ",
                                                      options_.capacity_tokens, " (", mounted_tokens, " mounted)"));
   }
+  kernels::Backend* const be = shard_backend();
   STRATA_ASSIGN_OR_RETURN(
       std::unique_ptr<engine::KvCache> cache,
-      engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, kernels::DType::kBF16), backend_));
+      engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, kernels::DType::kBF16), be));
   kvstore::TierCounts read;
   STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
-                                   static_cast<int64_t>(range.end_page()), cache.get(), nullptr, nullptr,
+                                   static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
                                    absl::StatusCode::kDataLoss, &read));
+  STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
   AddTiers(pages, read);
   auto shard = std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read);
   absl::MutexLock lock(&mu_);
@@ -590,7 +593,7 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
   kvstore::TierCounts pages;
   STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, GetOrMount(open.shard(), &pages, false));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<ShardSession> session,
-                          ShardSession::Create(std::move(m), open.policy(), open.budget_tokens(), c, backend_));
+                          ShardSession::Create(std::move(m), open.policy(), open.budget_tokens(), c, shard_backend()));
   if (pages.host + pages.local + pages.remote > 0) session->set_report_pages(pages);
   return session;
 }
@@ -786,7 +789,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.self_worker_id = options_.worker_id;
     lo.policy = request.policy();
     lo.config = &c;
-    lo.backend = backend_;
+    lo.backend = shard_backend();
     lo.peer_timeout_ms = options_.peer_timeout_ms;
     lo.mount = [this](const v1::ShardRange& r, kvstore::TierCounts* pages) { return GetOrMount(r, pages, false); };
     STRATA_ASSIGN_OR_RETURN(leader, LeaderAttention::Create(lo, map));
@@ -813,7 +816,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   // Mount: load every page of the document from the store into the cache, layer by layer.
   if (has_doc && !sharded) {
     kvstore::TierCounts served;
-    STRATA_RETURN_IF_ERROR(LoadPages(doc_id, doc_tokens, 0, (doc_tokens + P - 1) / P, cache.get(), policy.get(),
+    STRATA_RETURN_IF_ERROR(LoadPages(doc_id, doc_tokens, 0, (doc_tokens + P - 1) / P, backend_, cache.get(), policy.get(),
                                      &cancelled, absl::StatusCode::kDataLoss, &served));
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
     tiers->set_host(static_cast<uint64_t>(served.host));

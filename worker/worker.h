@@ -35,8 +35,12 @@
 // is idempotent. A document already READY is not prefilled again.
 //
 // Mounts: MountShard loads the shard's pages from the store (through the tiers: the host cache
-// serves pages read or written recently) into a bf16 KvCache in backend memory (MountedShard in
-// worker/shard_attention.h). No summaries are held at mount: a selection stream with a sparse
+// serves pages read or written recently) into a bf16 KvCache (MountedShard in
+// worker/shard_attention.h). Mounted shards and selection answers use the CPU backend: the
+// worker's own when it is the CPU backend, else a CPU backend of its own (host memory), because
+// selection answers run concurrently with forwards and must not share a GPU backend's state with
+// them (the CUDA backend is not thread-safe; taking the engine mutex instead would deadlock two
+// leaders waiting on each other). GPU-resident shards are not built yet. No summaries are held at mount: a selection stream with a sparse
 // policy builds them from the mounted keys when it opens (summary_bytes is 0). Mounted shards are
 // reported in Load().mounted_tokens and in the heartbeat's mounted_shards. A selection stream or
 // a leader that needs a shard that is not mounted mounts it on demand (not counted against
@@ -235,8 +239,12 @@ class Worker {
   // `id` from the store to `cache` (policy->OnAppend when policy is not null). A missing page is
   // an error with `missing_code`. Adds the pages read per tier to *pages.
   absl::Status LoadPages(const kvstore::DocumentId& id, int64_t doc_tokens, int64_t first_page, int64_t end_page,
-                         engine::KvCache* cache, engine::AttentionPolicy* policy, const std::atomic<bool>* cancelled,
-                         absl::StatusCode missing_code, kvstore::TierCounts* pages);
+                         kernels::Backend* backend, engine::KvCache* cache, engine::AttentionPolicy* policy,
+                         const std::atomic<bool>* cancelled, absl::StatusCode missing_code,
+                         kvstore::TierCounts* pages);
+  // The backend of mounted shards and selection answers: backend_ when it is the CPU backend,
+  // else host_backend_ (see the file comment).
+  kernels::Backend* shard_backend() const { return host_backend_ != nullptr ? host_backend_.get() : backend_; }
 
   const WorkerOptions options_;
   const model::Model* const model_;
@@ -245,6 +253,7 @@ class Worker {
   kvstore::DocumentCatalog* const catalog_;
   WorkerMetrics* const metrics_;
   std::unique_ptr<engine::Transformer> transformer_;
+  std::unique_ptr<kernels::Backend> host_backend_;  // null when backend_ is the CPU backend
 
   // Held for each forward.
   absl::Mutex engine_mu_;
