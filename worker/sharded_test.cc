@@ -107,8 +107,8 @@ class ShardedTest : public ::testing::Test {
     for (int i = 0; i < kWorkers; ++i) {
       v1::ShardAssignment* a = m.add_shards();
       a->mutable_range()->set_document_id(kDocId);
-      a->mutable_range()->set_first_page(2 * i);
-      a->mutable_range()->set_end_page(2 * i + 2);
+      a->mutable_range()->set_first_page(bounds_[i]);
+      a->mutable_range()->set_end_page(bounds_[i + 1]);
       a->set_worker_id(absl::StrCat("w", i));
       a->set_worker_address(workers_[i]->Info().address());
     }
@@ -118,8 +118,8 @@ class ShardedTest : public ::testing::Test {
     v1::PrefillShardRequest r;
     *r.mutable_shard_map() = Map();
     *r.mutable_shard() = r.shard_map().shards(shard).range();
-    const size_t t0 = static_cast<size_t>(shard) * 2 * kPage;
-    const size_t t1 = std::min(doc_.size(), t0 + 2 * kPage);
+    const size_t t0 = static_cast<size_t>(bounds_[shard]) * kPage;
+    const size_t t1 = std::min(doc_.size(), static_cast<size_t>(bounds_[shard + 1]) * kPage);
     r.mutable_token_ids()->Assign(doc_.begin() + t0, doc_.begin() + t1);
     r.mutable_anchor_token_ids()->Assign(doc_.begin(), doc_.begin() + kPage);
     r.set_mode(mode);
@@ -181,6 +181,8 @@ class ShardedTest : public ::testing::Test {
   }
 
   bool device_like_ = false;
+  // Shard i holds pages [bounds_[i], bounds_[i + 1]).
+  std::vector<int> bounds_ = {0, 2, 4, 6};
   std::string dir_;
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<kvstore::LocalStore> store_;
@@ -231,6 +233,18 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   const v1::JobInfo failed = Run(1, bad);
   EXPECT_EQ(failed.state(), v1::JobInfo::FAILED);
   EXPECT_EQ(failed.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(ShardedTest, LongerDocumentOverUnevenShards) {
+  // 1000 tokens (16 pages, the last partial) in shards of 3, 8 and 5 pages; 32 tokens.
+  doc_.clear();
+  for (int i = 0; i < 1000; ++i) doc_.push_back((i * 131 + 7) % 509);
+  bounds_ = {0, 3, 11, 16};
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(32);
+  const v1::JobInfo info = Run(2, Job("long-1", 32));
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(Tokens(info), want);
 }
 
 class ShardedDeviceLikeTest : public ShardedTest {
