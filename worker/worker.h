@@ -179,11 +179,14 @@ class Worker {
   absl::Status PrefillShard(const v1::PrefillShardRequest& request, const ProgressFn& on_progress,
                             const std::atomic<bool>* cancelled);
 
-  // Runs a job as its leader: mounts the document (READY in the store; pages loaded, not
-  // prefilled), runs the prompt, decodes and streams events: PrefillProgress, TokenDelta, and a
-  // final JobInfo snapshot (DONE / CANCELLED / FAILED) with usage. Returns the status of the
-  // call: OK after a terminal snapshot was sent (also for CANCELLED and FAILED jobs); an error
-  // only when no terminal snapshot could be sent.
+  // Runs a job as its leader: attends to the document (READY in the store; never prefilled
+  // here) as the file comment says for one-worker and sharded maps, runs the prompt, decodes and
+  // streams events: PrefillProgress, TokenDelta, and a final JobInfo snapshot (DONE / CANCELLED /
+  // FAILED) with usage (cached_tokens = the document's tokens; pages_fetched = pages read from
+  // the tiers for this job, by this worker and, for shards mounted on demand for it, by its
+  // peers). Returns the status of the call: OK after a terminal snapshot was sent (also for
+  // CANCELLED and FAILED jobs); an error only when no terminal snapshot could be sent. FAILED
+  // with INVALID_ARGUMENT for a sharded map that does not cover the document in order.
   absl::Status RunJob(const v1::RunJobRequest& request, const EventFn& on_event);
 
   // Stops a running job (it ends with a CANCELLED snapshot). False when unknown.
