@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -58,7 +59,7 @@ absl::Status GpuCacheAttention::Attend(int layer, const float* q, int num_tokens
   for (int g = 0; g < hkv; ++g) {
     chosen.clear();
     if (options_.chooser) {
-      options_.chooser(layer, g, q, num_tokens, num_q_heads, &chosen);
+      STRATA_RETURN_IF_ERROR(options_.chooser(layer, g, q, num_tokens, num_q_heads, &chosen));
     } else {
       for (int64_t p = 0; p < num_pages; ++p) chosen.push_back(static_cast<int32_t>(p));
     }
@@ -135,6 +136,83 @@ absl::Status GpuCacheAttention::Attend(int layer, const float* q, int num_tokens
     counters_.pages_attended += static_cast<int64_t>(part.size());
   }
   return absl::OkStatus();
+}
+
+PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
+  struct State {
+    MinMaxChooserOptions o;
+    std::vector<std::vector<float>> summaries;  // per (layer, kv head): [num_pages, 2 d]
+  };
+  auto st = std::make_shared<State>();
+  st->o = options;
+  st->summaries.resize(static_cast<size_t>(std::max(0, options.num_layers)) *
+                       std::max(0, options.num_kv_heads));
+  return [st](int layer, int kv_head, const float* q, int num_tokens, int num_q_heads,
+              std::vector<int32_t>* pages) -> absl::Status {
+    const MinMaxChooserOptions& o = st->o;
+    const int d = o.head_dim;
+    const int64_t n = o.num_pages;
+    if (layer < 0 || layer >= o.num_layers || kv_head < 0 || kv_head >= o.num_kv_heads ||
+        n <= 0 || d <= 0 || o.store == nullptr || num_q_heads % o.num_kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("MinMaxChooser: layer ", layer, ", kv head ",
+                                                     kv_head, " outside the options"));
+    }
+    std::vector<float>& sum = st->summaries[static_cast<size_t>(layer) * o.num_kv_heads + kv_head];
+    if (sum.empty()) {
+      std::vector<kvstore::SummaryKey> keys(static_cast<size_t>(n));
+      for (int64_t p = 0; p < n; ++p) {
+        keys[p] = kvstore::SummaryKey{o.document, static_cast<uint32_t>(layer),
+                                      static_cast<uint32_t>(kv_head), o.summary_kind,
+                                      static_cast<uint32_t>(p)};
+      }
+      std::vector<kvstore::PageRef> got;
+      STRATA_RETURN_IF_ERROR(o.store->GetSummaries(keys, &got));
+      sum.resize(static_cast<size_t>(n) * 2 * d);
+      for (int64_t p = 0; p < n; ++p) {
+        if (got[p] == nullptr || got[p]->size() != 2 * d * sizeof(float)) {
+          sum.clear();
+          return absl::NotFoundError(absl::StrCat("MinMaxChooser: no minmax summary of page ", p,
+                                                  " (layer ", layer, ", kv head ", kv_head, ")"));
+        }
+        std::memcpy(&sum[static_cast<size_t>(p) * 2 * d], got[p]->data(), 2 * d * sizeof(float));
+      }
+    }
+    // Always: page 0 and the window; the rest by soft vote.
+    const int64_t window_first = std::max<int64_t>(1, n - o.window_pages);
+    std::vector<double> vote(static_cast<size_t>(n), 0.0);
+    std::vector<float> score(static_cast<size_t>(n));
+    const int group = num_q_heads / o.num_kv_heads;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (int t = 0; t < num_tokens; ++t) {
+      for (int j = 0; j < group; ++j) {
+        const float* qh = q + (static_cast<size_t>(t) * num_q_heads + kv_head * group + j) * d;
+        float best = -INFINITY;
+        for (int64_t p = 0; p < n; ++p) {
+          const float* mn = &sum[static_cast<size_t>(p) * 2 * d];
+          const float* mx = mn + d;
+          float b = 0;
+          for (int i = 0; i < d; ++i) b += std::max(qh[i] * mn[i], qh[i] * mx[i]);
+          score[p] = b * scale;
+          best = std::max(best, score[p]);
+        }
+        double z = 0;
+        for (int64_t p = 0; p < n; ++p) z += std::exp(static_cast<double>(score[p] - best));
+        for (int64_t p = 0; p < n; ++p) vote[p] += std::exp(static_cast<double>(score[p] - best)) / z;
+      }
+    }
+    std::vector<int32_t> middle;
+    for (int64_t p = 1; p < window_first; ++p) middle.push_back(static_cast<int32_t>(p));
+    const size_t k = std::min<size_t>(middle.size(), static_cast<size_t>(std::max(0, o.budget_pages)));
+    std::partial_sort(middle.begin(), middle.begin() + k, middle.end(), [&](int32_t a, int32_t b) {
+      return vote[a] > vote[b] || (vote[a] == vote[b] && a < b);
+    });
+    middle.resize(k);
+    pages->push_back(0);
+    for (int32_t p : middle) pages->push_back(p);
+    for (int64_t p = window_first; p < n; ++p) pages->push_back(static_cast<int32_t>(p));
+    std::sort(pages->begin(), pages->end());
+    return absl::OkStatus();
+  };
 }
 
 }  // namespace strata::engine

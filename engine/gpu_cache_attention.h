@@ -28,9 +28,32 @@
 namespace strata::engine {
 
 // The document pages (ascending, each in [0, num_pages)) that KV head `kv_head` of `layer` attends
-// for queries q (host f32 [num_tokens, num_q_heads, head_dim]). Appends to *pages (empty on entry).
-using PageChooser = std::function<void(int layer, int kv_head, const float* q, int num_tokens,
-                                       int num_q_heads, std::vector<int32_t>* pages)>;
+// for queries q (host f32 [num_tokens, num_q_heads, head_dim]). Appends to *pages (empty on entry);
+// an error ends the forward.
+using PageChooser = std::function<absl::Status(int layer, int kv_head, const float* q,
+                                               int num_tokens, int num_q_heads,
+                                               std::vector<int32_t>* pages)>;
+
+// A PageChooser from minmax page summaries held in `store` (key (document, layer, kv_head, kind,
+// page); payload f32 min[head_dim] then max[head_dim] of the page's keys, as the worker persists
+// them): per KV head, page 0 (sinks), the last `window_pages` pages, and the `budget_pages` other
+// pages with the highest head soft vote (TokenSelect): the sum over the group's query heads and
+// the query tokens of the softmax over pages of the Quest bound
+// scale * sum_i max(q_i min_i, q_i max_i). Summaries are read from the store on first use of a
+// (layer, kv head) and kept. Errors: the store's; NotFound for a missing or malformed summary;
+// InvalidArgument for a layer or head outside the options.
+struct MinMaxChooserOptions {
+  kvstore::PageStore* store = nullptr;  // not owned
+  kvstore::DocumentId document;
+  uint32_t summary_kind = 1;
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t num_pages = 0;  // document pages per (layer, kv head)
+  int budget_pages = 32;
+  int window_pages = 1;
+};
+PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 
 struct GpuCacheAttentionOptions {
   int64_t document_tokens = 0;  // > 0; at most cache pages_per_head * page_size

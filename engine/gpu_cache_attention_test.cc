@@ -94,10 +94,44 @@ class GpuCacheAttentionTest : public ::testing::Test {
                                    static_cast<uint32_t>(p)};
           STRATA_ASSERT_OK_AND_ASSIGN(w.data, kvstore::PageBuffer::Copy(page));
           writes.push_back(std::move(w));
+          // The minmax summary, as the worker persists it (kind 1).
+          std::vector<float> kf(static_cast<size_t>(valid) * d), summary(2 * d);
+          kernels::ConvertToF32(k.data, DType::kBF16, kf.data(), valid * d);
+          for (int j = 0; j < d; ++j) {
+            summary[j] = INFINITY;
+            summary[d + j] = -INFINITY;
+          }
+          for (int t = 0; t < valid; ++t) {
+            for (int j = 0; j < d; ++j) {
+              summary[j] = std::min(summary[j], kf[t * d + j]);
+              summary[d + j] = std::max(summary[d + j], kf[t * d + j]);
+            }
+          }
+          kvstore::SummaryWrite sw;
+          sw.key = kvstore::SummaryKey{document_, static_cast<uint32_t>(l),
+                                       static_cast<uint32_t>(g), 1, static_cast<uint32_t>(p)};
+          STRATA_ASSERT_OK_AND_ASSIGN(
+              sw.data, kvstore::PageBuffer::Copy(absl::string_view(
+                           reinterpret_cast<const char*>(summary.data()), 2 * d * sizeof(float))));
+          summaries_.push_back(std::move(sw));
         }
       }
     }
-    STRATA_ASSERT_OK(host_->Put(writes, {}));
+    STRATA_ASSERT_OK(host_->Put(writes, summaries_));
+  }
+
+  MinMaxChooserOptions ChooserOptions(int budget, int window) {
+    MinMaxChooserOptions c;
+    c.store = host_.get();
+    c.document = document_;
+    c.summary_kind = 1;
+    c.num_layers = model_->config.num_layers;
+    c.num_kv_heads = model_->config.num_kv_heads;
+    c.head_dim = model_->config.head_dim;
+    c.num_pages = (kDoc + kPage - 1) / kPage;
+    c.budget_pages = budget;
+    c.window_pages = window;
+    return c;
   }
 
   std::unique_ptr<kvstore::GpuPageCache> MakeCache(int64_t slots) {
@@ -146,6 +180,7 @@ class GpuCacheAttentionTest : public ::testing::Test {
   std::vector<float> want_;
   std::unique_ptr<kvstore::HostCache> host_;
   kvstore::DocumentId document_;
+  std::vector<kvstore::SummaryWrite> summaries_;
 };
 
 TEST_F(GpuCacheAttentionTest, DecodeThroughTheCacheMatchesTheWholeSequence) {
@@ -175,7 +210,9 @@ TEST_F(GpuCacheAttentionTest, ChooserDecidesWhatIsAttended) {
   // Choosing nothing equals a forward that cannot see the document.
   GpuCacheAttentionOptions none;
   none.document_tokens = kDoc;
-  none.chooser = [](int, int, const float*, int, int, std::vector<int32_t>*) {};
+  none.chooser = [](int, int, const float*, int, int, std::vector<int32_t>*) {
+    return absl::OkStatus();
+  };
   STRATA_ASSERT_OK_AND_ASSIGN(auto ext, GpuCacheAttention::Create(none, cache.get(),
                                                                   backend_.get()));
   std::vector<float> with_none, blind;
@@ -188,6 +225,7 @@ TEST_F(GpuCacheAttentionTest, ChooserDecidesWhatIsAttended) {
   all.document_tokens = kDoc;
   all.chooser = [](int, int, const float*, int, int, std::vector<int32_t>* pages) {
     for (int p = 0; p < 6; ++p) pages->push_back(p);
+    return absl::OkStatus();
   };
   STRATA_ASSERT_OK_AND_ASSIGN(auto ext2, GpuCacheAttention::Create(all, cache.get(),
                                                                    backend_.get()));
@@ -200,12 +238,89 @@ TEST_F(GpuCacheAttentionTest, ChooserDecidesWhatIsAttended) {
   bad.document_tokens = kDoc;
   bad.chooser = [](int, int, const float*, int, int, std::vector<int32_t>* pages) {
     pages->push_back(6);
+    return absl::OkStatus();
   };
   STRATA_ASSERT_OK_AND_ASSIGN(auto ext3, GpuCacheAttention::Create(bad, cache.get(),
                                                                    backend_.get()));
   std::vector<AttentionPartial> parts;
   std::vector<float> q(4 * 8, 0.5f);
   EXPECT_THAT(ext3->Attend(0, q.data(), 1, 4, kDoc, &parts),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // A chooser's error ends the call with that error.
+  GpuCacheAttentionOptions failing;
+  failing.document_tokens = kDoc;
+  failing.chooser = [](int, int, const float*, int, int, std::vector<int32_t>*) {
+    return absl::DataLossError("summary checksum");
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ext4, GpuCacheAttention::Create(failing, cache.get(),
+                                                                   backend_.get()));
+  EXPECT_THAT(ext4->Attend(0, q.data(), 1, 4, kDoc, &parts),
+              StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_EQ(cache->pinned_slots(), 0);
+}
+
+TEST_F(GpuCacheAttentionTest, MinMaxChooserSelectsFromPersistedSummaries) {
+  auto cache = MakeCache(8);
+  ASSERT_NE(cache, nullptr);
+  const int64_t V = model_->config.vocab_size;
+  // A budget that covers every page: exact.
+  GpuCacheAttentionOptions o;
+  o.document_tokens = kDoc;
+  o.chooser = MakeMinMaxChooser(ChooserOptions(4, 1));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ext, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  std::vector<float> got;
+  RunAfterDocument(ext.get(), &got);
+  EXPECT_LE(MaxDiff(got.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
+  // Sink + 1 chosen + 1 window page per head: 3 of 6 pages attended, fewer lookups, finite logits
+  // that differ from the exact ones.
+  const int64_t lookups_before = cache->stats().lookups;
+  o.chooser = MakeMinMaxChooser(ChooserOptions(1, 1));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto sparse, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  RunAfterDocument(sparse.get(), &got);
+  EXPECT_EQ(sparse->counters().pages_attended, sparse->counters().calls * 2 * 3);
+  EXPECT_EQ(cache->stats().lookups - lookups_before, sparse->counters().calls * 2 * 3);
+  for (float x : got) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_GT(MaxDiff(got.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
+}
+
+TEST_F(GpuCacheAttentionTest, MinMaxChooserPicksTheHighestBoundAndReportsMissingSummaries) {
+  // Planted summaries: page 3's keys reach +4 in every channel, the others stay within 0.1.
+  constexpr int kD = 8, kN = 6;
+  kvstore::HostCacheOptions ho;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto store, kvstore::HostCache::Create(ho));
+  std::vector<kvstore::SummaryWrite> writes;
+  for (int p = 0; p < kN; ++p) {
+    std::vector<float> s(2 * kD);
+    for (int i = 0; i < kD; ++i) {
+      s[i] = -0.1f;
+      s[kD + i] = p == 3 ? 4.0f : 0.1f;
+    }
+    kvstore::SummaryWrite w;
+    w.key = kvstore::SummaryKey{document_, 0, 1, 1, static_cast<uint32_t>(p)};
+    STRATA_ASSERT_OK_AND_ASSIGN(w.data, kvstore::PageBuffer::Copy(absl::string_view(
+                                            reinterpret_cast<const char*>(s.data()),
+                                            s.size() * sizeof(float))));
+    writes.push_back(std::move(w));
+  }
+  STRATA_ASSERT_OK(store->Put({}, writes));
+  MinMaxChooserOptions c;
+  c.store = store.get();
+  c.document = document_;
+  c.num_layers = 1;
+  c.num_kv_heads = 2;
+  c.head_dim = kD;
+  c.num_pages = kN;
+  c.budget_pages = 1;
+  c.window_pages = 1;
+  PageChooser choose = MakeMinMaxChooser(c);
+  std::vector<float> q(4 * kD, 1.0f);  // 4 query heads, 2 per KV head, one token
+  std::vector<int32_t> pages;
+  STRATA_ASSERT_OK(choose(0, 1, q.data(), 1, 4, &pages));
+  EXPECT_EQ(pages, (std::vector<int32_t>{0, 3, 5}));
+  // KV head 0 has no summaries in this store; layer 1 is outside the options.
+  pages.clear();
+  EXPECT_THAT(choose(0, 0, q.data(), 1, 4, &pages), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(choose(1, 0, q.data(), 1, 4, &pages),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
