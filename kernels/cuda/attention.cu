@@ -549,7 +549,8 @@ cudaError_t LaunchMergeAttention(const MergeParts& parts, int64_t rows, int64_t 
 // items_per_head work items of `chunk` positions (uniform, so the launch needs no host plan and
 // no device-to-host copy); SelectedDecodeKernel is the split-K kernel above with each thread
 // mapping its position to a pool row through the page table (invalid ids score -inf and are not
-// read), and SelectedCombineKernel merges the items of each query head.
+// read) and V rows loaded in batches per warp (all loads of a batch in flight), and
+// SelectedCombineKernel merges the items of each query head (warps over items, batched loads).
 
 namespace strata::kernels::cuda_internal {
 namespace {
@@ -670,18 +671,33 @@ __global__ void __launch_bounds__(kThreads)
         for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] *= corr;
       }
     }
-#pragma unroll 4
-    for (int t = warp; t < cnt; t += kWarps) {
-      const int64_t r = row_s[t];
-      if (r < 0) continue;
-      float vf[kDimsPerLane];
-      LoadN<KV, kDimsPerLane>(v_pool + r * HEAD_DIM + lane * kDimsPerLane, vf);
+    // V rows in batches of kVBatch per warp, all loads of a batch in flight before the FMAs.
+    constexpr int kVBatch = 64 / kDimsPerLane;
+    for (int t0 = warp; t0 < cnt; t0 += kWarps * kVBatch) {
+      float vf[kVBatch][kDimsPerLane];
 #pragma unroll
-      for (int h = 0; h < kDecodeMaxGroup; ++h) {
-        if (h < group) {
-          const float p = p_s[h][t];
+      for (int u = 0; u < kVBatch; ++u) {
+        const int t = t0 + u * kWarps;
+        const int64_t r = t < cnt ? row_s[t] : -1;
+        if (r >= 0) {
+          LoadN<KV, kDimsPerLane>(v_pool + r * HEAD_DIM + lane * kDimsPerLane, vf[u]);
+        } else {
 #pragma unroll
-          for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] += p * vf[e];
+          for (int e = 0; e < kDimsPerLane; ++e) vf[u][e] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kVBatch; ++u) {
+        const int t = t0 + u * kWarps;
+        if (t < cnt) {
+#pragma unroll
+          for (int h = 0; h < kDecodeMaxGroup; ++h) {
+            if (h < group) {
+              const float p = p_s[h][t];
+#pragma unroll
+              for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] += p * vf[u][e];
+            }
+          }
         }
       }
     }
@@ -710,19 +726,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block per query head: merges its KV head's items_per_head partials.
+// One block per query head: merges its KV head's items_per_head partials. The block's max M is
+// found first; then warps take items round-robin (lanes split head_dim, several items' loads in
+// flight per warp) and their sums meet in shared memory.
 __global__ void __launch_bounds__(kThreads)
     SelectedCombineKernel(SelectedAttentionShape shape, const float* __restrict__ scratch,
                           float* __restrict__ out, float* __restrict__ lse) {
-  __shared__ float w_s[kThreads];
+  constexpr int kMaxDimsPerLane = 256 / 32;
   __shared__ float tmp_s[kWarps];
+  __shared__ float acc_s[kWarps][256];
+  __shared__ float l_s[kWarps];
   const int head = blockIdx.x;
   const int group = shape.num_q_heads / shape.num_kv_heads;
   const int g = head / group, hh = head % group;
   const int d = shape.head_dim, stride = group * (d + 2);
   const int n = shape.items_per_head;
   const float* base = scratch + static_cast<int64_t>(g) * n * stride + hh * (d + 2);
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   float m = NegInf();
   for (int i = tid; i < n; i += kThreads) m = fmaxf(m, base[static_cast<int64_t>(i) * stride + d]);
@@ -733,41 +753,51 @@ __global__ void __launch_bounds__(kThreads)
     if (tid == 0) lse[head] = NegInf();
     return;
   }
-  float l_part = 0.0f;
-  float acc[kCombineDimsPerThread];
+  const int dims = d / 32;  // d is 64, 128 or 256
+  float acc[kMaxDimsPerLane];
 #pragma unroll
-  for (int r = 0; r < kCombineDimsPerThread; ++r) acc[r] = 0.0f;
-  for (int tile = 0; tile < n; tile += kThreads) {
-    const int i = tile + tid;
-    float w = 0.0f;
-    if (i < n) {
-      const float* pi = base + static_cast<int64_t>(i) * stride;
-      const float mi = pi[d];
-      w = mi == NegInf() ? 0.0f : __expf(mi - big_m);
-      l_part += w * pi[d + 1];
-    }
-    w_s[tid] = w;
-    __syncthreads();
-    const int cnt = min(kThreads, n - tile);
+  for (int r = 0; r < kMaxDimsPerLane; ++r) acc[r] = 0.0f;
+  float l = 0.0f;
+  constexpr int kBatch = 4;  // items per warp with loads in flight together
+  for (int i0 = warp; i0 < n; i0 += kWarps * kBatch) {
+    float mi[kBatch], li[kBatch], ov[kBatch][kMaxDimsPerLane];
 #pragma unroll
-    for (int r = 0; r < kCombineDimsPerThread; ++r) {
-      const int e = tid + r * kThreads;
-      if (e < d) {
-        float a = acc[r];
-        for (int j = 0; j < cnt; ++j) {
-          if (w_s[j] != 0.0f) a += w_s[j] * base[static_cast<int64_t>(tile + j) * stride + e];
-        }
-        acc[r] = a;
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * kWarps;
+      mi[u] = NegInf();
+      li[u] = 0.0f;
+      if (i < n) {
+        const float* pi = base + static_cast<int64_t>(i) * stride;
+        mi[u] = pi[d];
+        li[u] = pi[d + 1];
+#pragma unroll
+        for (int r = 0; r < kMaxDimsPerLane; ++r) ov[u][r] = r < dims ? pi[lane * dims + r] : 0.0f;
       }
     }
-    __syncthreads();
-  }
-  const float big_l = BlockSum(l_part, tmp_s);
-  const float inv = 1.0f / big_l;
 #pragma unroll
-  for (int r = 0; r < kCombineDimsPerThread; ++r) {
-    const int e = tid + r * kThreads;
-    if (e < d) o[e] = acc[r] * inv;
+    for (int u = 0; u < kBatch; ++u) {
+      if (mi[u] == NegInf()) continue;
+      const float w = __expf(mi[u] - big_m);
+      l += w * li[u];
+#pragma unroll
+      for (int r = 0; r < kMaxDimsPerLane; ++r) acc[r] += w * ov[u][r];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxDimsPerLane; ++r) {
+    if (r < dims) acc_s[warp][lane * dims + r] = acc[r];
+  }
+  if (lane == 0) l_s[warp] = l;
+  __syncthreads();
+  float big_l = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) big_l += l_s[w];
+  const float inv = 1.0f / big_l;
+  for (int e = tid; e < d; e += kThreads) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += acc_s[w][e];
+    o[e] = sum * inv;
   }
   if (tid == 0) lse[head] = big_m + logf(big_l);
 }

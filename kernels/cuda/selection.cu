@@ -1,18 +1,22 @@
 // Device-resident sparse selection on the GPU (semantics in kernels/backend.h; CPU twin in
 // kernels/cpu/selection.cc).
 //
-// Scoring (ScoreSummaries, ScoreKeys): one warp per candidate; the block holds the scaled queries
-// of its KV head's group in shared memory, lanes split head_dim, and each query head's sum is a
-// warp reduction. Grid: (candidate blocks, KV heads).
+// Scoring (ScoreSummaries, ScoreKeys): for head_dim 64/128 (128 only for f32 keys) and 16-byte
+// aligned rows, FastScoreKernel gives each candidate 8 lanes that read 16-byte vectors (128
+// contiguous bytes per load across the 8 lanes, all of a lane's loads in flight before the FMAs)
+// and reduce in 3 shuffles; other shapes take a warp per candidate. The block holds the scaled
+// queries of its KV head's group in shared memory. Grid: (candidate blocks, KV heads).
 //
 // VoteTopK: one 1024-thread block per KV head. (1) per query head, max and sum of exp over the
-// candidates (online, block-reduced); (2) per candidate the vote and a 32-bit key that orders
-// candidates by vote (invalid ones get key 0, below every valid one); keys live in shared memory
-// when they fit, else in scratch; (3) a 4-pass radix select (8 bits per pass, warp-aggregated
-// shared-memory histograms) finds the k-th largest key T and how many keys equal to T are taken;
-// (4) each thread owns a contiguous run of candidates, and two block scans give every taken
+// candidates (online, each thread with a batch of loads in flight, block-reduced); (2) per
+// candidate the vote and a 32-bit key that orders candidates by vote (invalid ones get key 0,
+// below every valid one); keys live in shared memory when they fit (32K candidates), else in
+// scratch; (3) a 4-pass radix select (8 bits per pass, warp-aggregated shared-memory histograms,
+// the bin found by one warp's scan) finds the k-th largest key T and how many keys equal to T are
+// taken; (4) each thread owns a contiguous run of candidates, and two block scans give every taken
 // candidate its output slot, so ties at T go to the lowest indices and the output is in index
 // order.
+#include <algorithm>
 #include <cfloat>
 
 #include "kernels/cuda/internal/common.cuh"
@@ -128,8 +132,8 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
 }
 
-// Exclusive block scan over kTopKThreads threads; `warp_s` has kTopKWarps ints. Returns the
-// exclusive prefix and sets *total. Contains barriers.
+// Exclusive block scan over kTopKThreads (<= 1024) threads; `warp_s` has kTopKWarps ints.
+// Returns the exclusive prefix and sets *total. Contains barriers.
 __device__ __forceinline__ int BlockExclusiveScan(int v, int* warp_s, int* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int x = v;
@@ -142,13 +146,13 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* warp_s, int* total
   if (lane == 31) warp_s[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    int w = warp_s[lane];
+    int w = lane < kTopKWarps ? warp_s[lane] : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(0xffffffffu, w, o);
       if (lane >= o) w += y;
     }
-    warp_s[lane] = w;
+    if (lane < kTopKWarps) warp_s[lane] = w;
   }
   __syncthreads();
   *total = warp_s[kTopKWarps - 1];
@@ -178,18 +182,27 @@ __global__ void __launch_bounds__(kTopKThreads)
   uint32_t* keys = shared_keys ? keys_s : global_keys + static_cast<int64_t>(g) * n;
   const float* sg = scores + static_cast<int64_t>(g) * group * n;
 
-  // (1) max and sum of exp per query head.
+  // (1) max and sum of exp per query head; each thread loads kBatch scores before using them.
+  constexpr int kBatch = 8;
   for (int h = 0; h < group; ++h) {
     const float* s = sg + static_cast<int64_t>(h) * n;
     float m = NegInfF(), l = 0.0f;
-    for (int32_t i = tid; i < n; i += kTopKThreads) {
-      const float x = s[i];
-      if (x > NegInfF()) {  // NaN and -inf are skipped
-        if (x > m) {
-          l = m == NegInfF() ? 0.0f : l * expf(m - x);
-          m = x;
+    for (int32_t i0 = tid; i0 < n; i0 += kTopKThreads * kBatch) {
+      float x[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int32_t i = i0 + j * kTopKThreads;
+        x[j] = i < n ? s[i] : NegInfF();
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (x[j] > NegInfF()) {  // NaN and -inf are skipped
+          if (x[j] > m) {
+            l = m == NegInfF() ? 0.0f : l * expf(m - x[j]);
+            m = x[j];
+          }
+          l += expf(x[j] - m);
         }
-        l += expf(x - m);
       }
     }
 #pragma unroll
@@ -203,30 +216,56 @@ __global__ void __launch_bounds__(kTopKThreads)
       red_l[warp] = l;
     }
     __syncthreads();
-    if (tid == 0) {
-      float bm = red_m[0], bl = red_l[0];
-      for (int w = 1; w < kTopKWarps; ++w) MergeMl(bm, bl, red_m[w], red_l[w]);
-      m_s[h] = bm;
-      inv_s[h] = bm == NegInfF() ? 0.0f : 1.0f / bl;
+    if (warp == 0) {
+      float bm = red_m[lane], bl = red_l[lane];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, bm, o);
+        const float l2 = __shfl_xor_sync(0xffffffffu, bl, o);
+        MergeMl(bm, bl, m2, l2);
+      }
+      if (lane == 0) {
+        m_s[h] = bm;
+        inv_s[h] = bm == NegInfF() ? 0.0f : 1.0f / bl;
+      }
     }
     __syncthreads();
   }
 
-  // (2) votes and keys.
-  for (int32_t i = tid; i < n; i += kTopKThreads) {
-    float v = 0.0f;
-    bool valid = false;
+  // (2) votes and keys, kBatch candidates per thread at a time.
+  for (int32_t i0 = tid; i0 < n; i0 += kTopKThreads * kBatch) {
+    float v[kBatch];
+    bool valid[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) v[j] = 0.0f, valid[j] = false;
     for (int h = 0; h < group; ++h) {
-      const float x = sg[static_cast<int64_t>(h) * n + i];
-      if (x > NegInfF()) {
-        valid = true;
-        v += expf(x - m_s[h]) * inv_s[h];
+      const float* s = sg + static_cast<int64_t>(h) * n;
+      const float mh = m_s[h], ih = inv_s[h];
+      float x[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int32_t i = i0 + j * kTopKThreads;
+        x[j] = i < n ? s[i] : NegInfF();
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (x[j] > NegInfF()) {
+          valid[j] = true;
+          v[j] += expf(x[j] - mh) * ih;
+        }
       }
     }
-    if (!(v >= 0.0f)) v = 0.0f;  // NaN (from +inf scores) ranks as 0
-    valid = valid && CandidateIdAt(c, g, i) >= 0;
-    keys[i] = valid ? __float_as_uint(v) + 1u : 0u;
-    if (vote_out != nullptr) vote_out[static_cast<int64_t>(g) * n + i] = v;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int32_t i = i0 + j * kTopKThreads;
+      if (i < n) {
+        float vj = v[j];
+        if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
+        const bool ok = valid[j] && CandidateIdAt(c, g, i) >= 0;
+        keys[i] = ok ? __float_as_uint(vj) + 1u : 0u;
+        if (vote_out != nullptr) vote_out[static_cast<int64_t>(g) * n + i] = vj;
+      }
+    }
   }
   __syncthreads();
 
@@ -249,15 +288,37 @@ __global__ void __launch_bounds__(kTopKThreads)
         if (bin < 256 && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
       }
       __syncthreads();
-      if (tid == 0) {
-        uint32_t cum = 0;
-        int b = 255;
-        for (; b > 0; --b) {
-          if (cum + hist[b] >= remaining) break;
-          cum += hist[b];
+      if (warp == 0) {
+        // Lane L owns bins 255 - 8L .. 248 - 8L (descending); the first lane whose bins reach
+        // `remaining` (counting from the top) walks its bins.
+        uint32_t cb[8], own = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          cb[j] = hist[255 - 8 * lane - j];
+          own += cb[j];
         }
-        prefix_s = prefix | (static_cast<uint32_t>(b) << shift);
-        remaining_s = remaining - cum;
+        uint32_t incl = own;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += y;
+        }
+        const uint32_t before = incl - own;
+        const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
+        if (lane == __ffs(hit) - 1) {
+          uint32_t cum = before;
+          int b = 255 - 8 * lane;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (j == 7 || cum + cb[j] >= remaining) {
+              b = 255 - 8 * lane - j;
+              break;
+            }
+            cum += cb[j];
+          }
+          prefix_s = prefix | (static_cast<uint32_t>(b) << shift);
+          remaining_s = remaining - cum;
+        }
       }
       __syncthreads();
       prefix = prefix_s;
@@ -308,6 +369,113 @@ __global__ void __launch_bounds__(kTopKThreads)
   for (int32_t j = (kk > 0 ? taken_total : 0) + tid; j < k; j += kTopKThreads) out[j] = -1;
 }
 
+// Fast path of both scoring ops: 8 lanes per candidate (4 candidates per warp at a time), each
+// lane reading 16-byte vectors so that the 8 lanes of a candidate cover 128 contiguous bytes per
+// load, every load of a lane in flight before the FMAs; the 8 partial sums meet in 3 shuffles.
+// kMinMax: rows are f32 summaries [min(D), max(D)]; otherwise KV rows of D elements of T (keys).
+constexpr int kSubLanes = 8;
+constexpr int kFastCandidatesPerBlock = kScoreWarps * (32 / kSubLanes);
+
+template <typename T>
+__device__ __forceinline__ void Load16(const T* p, float (&f)[16 / sizeof(T)]);
+template <>
+__device__ __forceinline__ void Load16<float>(const float* p, float (&f)[4]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+}
+template <>
+__device__ __forceinline__ void Load16<__nv_bfloat16>(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 v = __bfloat1622float2(h[j]);
+    f[2 * j] = v.x;
+    f[2 * j + 1] = v.y;
+  }
+}
+
+template <typename T, int D, bool kMinMax>
+__global__ void __launch_bounds__(kScoreThreads)
+    FastScoreKernel(const float* __restrict__ q, const T* __restrict__ rows, int64_t num_items,
+                    int64_t num_slots, int page_size, const int32_t* __restrict__ table,
+                    int table_pages, int group, DeviceCandidates c, float scale,
+                    float* __restrict__ scores) {
+  constexpr int kEpl = 16 / sizeof(T);              // elements per lane per load
+  constexpr int kSteps = D / (kSubLanes * kEpl);    // loads per lane per row (per half for minmax)
+  static_assert(kSteps >= 1 && D % (kSubLanes * kEpl) == 0, "head_dim must fill the lanes");
+  __shared__ __align__(16) float qs[kSelectMaxGroup * D];
+  const int g = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane / kSubLanes, sl = lane % kSubLanes;
+  const float* qg = q + static_cast<int64_t>(g) * group * D;
+  for (int i = tid; i < group * D; i += kScoreThreads) qs[i] = scale * qg[i];
+  __syncthreads();
+  const int32_t per_iter = gridDim.x * kFastCandidatesPerBlock;
+  for (int32_t base = blockIdx.x * kFastCandidatesPerBlock; base < c.count; base += per_iter) {
+    const int32_t i = base + warp * (32 / kSubLanes) + sub;
+    const T* row = nullptr;
+    if (i < c.count) {
+      const int32_t id = CandidateIdAt(c, g, i);
+      if constexpr (kMinMax) {
+        if (id >= 0 && id < num_items) row = rows + (static_cast<int64_t>(g) * num_items + id) * 2 * D;
+      } else {
+        const int64_t r = TokenRow(table, table_pages, num_slots, page_size, g, id);
+        if (r >= 0) row = rows + r * D;
+      }
+    }
+    float a[kMinMax ? 2 * kSteps : kSteps][kEpl];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const int e = (j * kSubLanes + sl) * kEpl;
+      if (row != nullptr) {
+        Load16<T>(row + e, a[j]);
+        if constexpr (kMinMax) Load16<T>(row + D + e, a[kSteps + j]);
+      }
+    }
+    float acc[kSelectMaxGroup];
+#pragma unroll
+    for (int h = 0; h < kSelectMaxGroup; ++h) acc[h] = 0.0f;
+    if (row != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        const int e = (j * kSubLanes + sl) * kEpl;
+#pragma unroll
+        for (int h = 0; h < kSelectMaxGroup; ++h) {
+          if (h < group) {
+#pragma unroll
+            for (int x = 0; x < kEpl; ++x) {
+              const float v = qs[h * D + e + x];
+              if constexpr (kMinMax) {
+                acc[h] += fmaxf(v * a[j][x], v * a[kSteps + j][x]);
+              } else {
+                acc[h] += v * a[j][x];
+              }
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kSelectMaxGroup; ++h) {
+      if (h < group) {
+#pragma unroll
+        for (int o = kSubLanes / 2; o > 0; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+      }
+    }
+    if (i < c.count && sl == 0) {
+      for (int h = 0; h < group; ++h) {
+        scores[(static_cast<int64_t>(g) * group + h) * c.count + i] =
+            row != nullptr ? acc[h] : NegInfF();
+      }
+    }
+  }
+}
+
+unsigned FastScoreBlocks(int32_t count) {
+  int64_t blocks = (static_cast<int64_t>(count) + kFastCandidatesPerBlock - 1) / kFastCandidatesPerBlock;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, 256)));
+}
+
 unsigned ScoreBlocks(int32_t count) {
   int64_t blocks = (static_cast<int64_t>(count) + kScoreWarps * 2 - 1) / (kScoreWarps * 2);
   if (blocks < 1) blocks = 1;
@@ -325,9 +493,19 @@ cudaError_t LaunchScoreSummaries(const float* q, const float* summaries, int num
   if (group < 1 || group > kSelectMaxGroup || num_kv_heads > 65535) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(group) * head_dim * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  const dim3 grid(ScoreBlocks(c.count), num_kv_heads);
-  ScoreSummariesKernel<<<grid, kScoreThreads, smem, stream>>>(q, summaries, group, head_dim,
-                                                              num_items, c, scale, scores);
+  const bool aligned = reinterpret_cast<uintptr_t>(summaries) % 16 == 0;
+  const dim3 fast_grid(FastScoreBlocks(c.count), num_kv_heads);
+  if (aligned && head_dim == 128) {
+    FastScoreKernel<float, 128, true><<<fast_grid, kScoreThreads, 0, stream>>>(
+        q, summaries, num_items, 0, 1, nullptr, 0, group, c, scale, scores);
+  } else if (aligned && head_dim == 64) {
+    FastScoreKernel<float, 64, true><<<fast_grid, kScoreThreads, 0, stream>>>(
+        q, summaries, num_items, 0, 1, nullptr, 0, group, c, scale, scores);
+  } else {
+    const dim3 grid(ScoreBlocks(c.count), num_kv_heads);
+    ScoreSummariesKernel<<<grid, kScoreThreads, smem, stream>>>(q, summaries, group, head_dim,
+                                                                num_items, c, scale, scores);
+  }
   return cudaGetLastError();
 }
 
@@ -341,7 +519,21 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
   const size_t smem = static_cast<size_t>(group) * head_dim * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
   const dim3 grid(ScoreBlocks(c.count), num_kv_heads);
-  if (pool_type == FloatType::kBF16) {
+  const dim3 fast_grid(FastScoreBlocks(c.count), num_kv_heads);
+  const bool aligned = reinterpret_cast<uintptr_t>(k_pool) % 16 == 0;
+  if (aligned && pool_type == FloatType::kBF16 && head_dim == 128) {
+    FastScoreKernel<__nv_bfloat16, 128, false><<<fast_grid, kScoreThreads, 0, stream>>>(
+        q, static_cast<const __nv_bfloat16*>(k_pool), 0, num_slots, page_size, page_table,
+        table_pages, group, c, scale, scores);
+  } else if (aligned && pool_type == FloatType::kBF16 && head_dim == 64) {
+    FastScoreKernel<__nv_bfloat16, 64, false><<<fast_grid, kScoreThreads, 0, stream>>>(
+        q, static_cast<const __nv_bfloat16*>(k_pool), 0, num_slots, page_size, page_table,
+        table_pages, group, c, scale, scores);
+  } else if (aligned && pool_type == FloatType::kF32 && head_dim == 128) {
+    FastScoreKernel<float, 128, false><<<fast_grid, kScoreThreads, 0, stream>>>(
+        q, static_cast<const float*>(k_pool), 0, num_slots, page_size, page_table, table_pages,
+        group, c, scale, scores);
+  } else if (pool_type == FloatType::kBF16) {
     ScoreKeysKernel<__nv_bfloat16><<<grid, kScoreThreads, smem, stream>>>(
         q, static_cast<const __nv_bfloat16*>(k_pool), num_slots, page_size, page_table,
         table_pages, group, head_dim, c, scale, scores);

@@ -136,10 +136,13 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
   shape.suffix_begin = static_cast<int32_t>(p.suffix_begin);
   shape.suffix_len = static_cast<int32_t>(p.suffix_end - p.suffix_begin);
   shape.total = static_cast<int32_t>(total);
-  // Split-K: about decode_items_per_sm_ items per SM over all KV heads, at least 16 positions each.
+  // Split-K: about decode_items_per_sm_ items per SM over all KV heads, but at least one full
+  // tile of keys per item (a block's round trips to memory are the same for 16 or 128 keys, and
+  // fewer items make the merge cheaper).
   const int64_t target_per_head =
       std::max<int64_t>(1, (static_cast<int64_t>(num_sms_) * decode_items_per_sm_ + hkv - 1) / hkv);
-  const int64_t chunk = std::max<int64_t>(16, (total + target_per_head - 1) / target_per_head);
+  const int64_t chunk = std::max<int64_t>(cuda_internal::kDecodeTile,
+                                          (total + target_per_head - 1) / target_per_head);
   shape.chunk = static_cast<int32_t>(chunk);
   shape.items_per_head = static_cast<int32_t>(std::max<int64_t>(1, (total + chunk - 1) / chunk));
   shape.scale = p.scale;
