@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The Kubernetes-free path to the multi-process topology of deploy/ on one machine: runs
-# `strata kvstore`, `strata coordinator` and two `strata worker`s as separate processes on
-# 127.0.0.1, each on free ports (port 0, read back from --port-file), with their data under DATA_DIR.
+# `strata kvstore`, `strata coordinator` and N `strata worker`s (default 2) as separate processes
+# on 127.0.0.1, each on free ports (port 0, read back from --port-file), with their data under DATA_DIR.
 #
-#   scripts/local_cluster.sh [start] DATA_DIR [--model DIR] [--binary PATH] [--threads N]
+#   scripts/local_cluster.sh [start] DATA_DIR [--model DIR] [--binary PATH] [--threads N] [--workers N]
+#                            [--target-shard-tokens N] [--default-prefill-mode anchor|exact]
 #                            [--scrape-interval 5s] [--drain-timeout-seconds N]
 #   scripts/local_cluster.sh stop DATA_DIR
 #
@@ -13,11 +14,14 @@
 # tiny random model (`strata make-model --preset tiny`) in DATA_DIR/model once.
 # The strata binary: --binary, else $STRATA, else `strata` on PATH, else build/bin/strata.
 #
-# Once every process serves (the kvstore and coordinator have written their ports, both workers
-# have registered with the coordinator, every /metrics answers), it writes and prints:
+# --target-shard-tokens and --default-prefill-mode are passed to the coordinator (a small shard
+# size spreads a document over several workers; docs/api.md, "Sharded documents").
+#
+# Once every process serves (the kvstore and coordinator have written their ports, every worker
+# has registered with the coordinator, every /metrics answers), it writes and prints:
 #   DATA_DIR/endpoints.env   shell-sourceable COORDINATOR=127.0.0.1:P, COORDINATOR_METRICS=...,
 #                            KVSTORE=..., KVSTORE_METRICS=..., WORKER0=..., WORKER0_METRICS=...,
-#                            WORKER1=..., WORKER1_METRICS=..., MODEL=DIR
+#                            WORKER1=..., WORKER1_METRICS=..., (one pair per worker), MODEL=DIR
 #   DATA_DIR/prometheus.yml  a Prometheus configuration scraping the four /metrics endpoints every
 #                            --scrape-interval (labels component=coordinator|worker|kvstore, as in
 #                            deploy/prometheus/prometheus.yml) and loading deploy/prometheus/rules/
@@ -28,7 +32,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 usage() {
-  sed -n '7,8p' "$0" | sed 's/^# *//' >&2
+  sed -n '7,10p' "$0" | sed 's/^# *//' >&2
   exit 2
 }
 
@@ -59,6 +63,8 @@ BIN="${STRATA:-}"
 THREADS=1
 SCRAPE_INTERVAL=5s
 DRAIN=10
+WORKERS=2
+COORDINATOR_EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL="$2"; shift 2 ;;
@@ -66,6 +72,8 @@ while [ $# -gt 0 ]; do
     --threads) THREADS="$2"; shift 2 ;;
     --scrape-interval) SCRAPE_INTERVAL="$2"; shift 2 ;;
     --drain-timeout-seconds) DRAIN="$2"; shift 2 ;;
+    --workers) WORKERS="$2"; shift 2 ;;
+    --target-shard-tokens | --default-prefill-mode) COORDINATOR_EXTRA+=("$1" "$2"); shift 2 ;;
     *) echo "local_cluster: unknown argument $1" >&2; usage ;;
   esac
 done
@@ -74,6 +82,7 @@ if [ -z "$BIN" ]; then
 fi
 [ -x "$BIN" ] || { echo "local_cluster: strata binary $BIN not found (--binary PATH)" >&2; exit 1; }
 command -v curl >/dev/null || { echo "local_cluster: curl not found" >&2; exit 1; }
+[[ "$WORKERS" =~ ^[1-9][0-9]?$ ]] || { echo "local_cluster: --workers must be 1..99" >&2; exit 2; }
 
 mkdir -p "$DATA"
 DATA="$(cd "$DATA" && pwd)"
@@ -150,22 +159,23 @@ MODEL="$(cd "$MODEL" && pwd)"
 
 start kvstore kvstore --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data "$DATA/kvstore"
 start coordinator coordinator --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --data "$DATA/coordinator" \
-  --model "$MODEL" --drain-timeout-seconds "$DRAIN"
-for w in 0 1; do
+  --model "$MODEL" --drain-timeout-seconds "$DRAIN" ${COORDINATOR_EXTRA[@]+"${COORDINATOR_EXTRA[@]}"}
+WORKER_IDS=$(seq 0 $((WORKERS - 1)))
+for w in $WORKER_IDS; do
   start "worker$w" worker --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --worker-id "local-worker-$w" \
     --coordinator "127.0.0.1:$(grpc_port coordinator)" --kvstore "127.0.0.1:$(grpc_port kvstore)" \
     --model "$MODEL" --threads "$THREADS" --drain-timeout-seconds "$DRAIN"
 done
 
-# Health: both workers registered, every /metrics endpoint answers.
-for w in 0 1; do
+# Health: every worker registered, every /metrics endpoint answers.
+for w in $WORKER_IDS; do
   for i in $(seq 1 300); do
     grep -q "registered with" "$DATA/worker$w.log" && break
     [ "$i" = 300 ] && fail "worker$w did not register with the coordinator in 30 s (log: $DATA/worker$w.log)"
     sleep 0.1
   done
 done
-for name in kvstore coordinator worker0 worker1; do
+for name in kvstore coordinator $(for w in $WORKER_IDS; do echo "worker$w"; done); do
   curl -fsS -o /dev/null "http://127.0.0.1:$(metrics_port "$name")/metrics" || fail "/metrics of $name does not answer"
 done
 
@@ -174,7 +184,7 @@ done
   echo "COORDINATOR_METRICS=127.0.0.1:$(metrics_port coordinator)"
   echo "KVSTORE=127.0.0.1:$(grpc_port kvstore)"
   echo "KVSTORE_METRICS=127.0.0.1:$(metrics_port kvstore)"
-  for w in 0 1; do
+  for w in $WORKER_IDS; do
     echo "WORKER$w=127.0.0.1:$(grpc_port "worker$w")"
     echo "WORKER${w}_METRICS=127.0.0.1:$(metrics_port "worker$w")"
   done
@@ -197,7 +207,7 @@ scrape_configs:
         labels: {component: coordinator}
   - job_name: strata-worker
     static_configs:
-      - targets: ["127.0.0.1:$(metrics_port worker0)", "127.0.0.1:$(metrics_port worker1)"]
+      - targets: [$(for w in $WORKER_IDS; do printf '%s"127.0.0.1:%s"' "$([ "$w" = 0 ] || echo ', ')" "$(metrics_port "worker$w")"; done)]
         labels: {component: worker}
   - job_name: strata-kvstore
     static_configs:
