@@ -217,7 +217,9 @@ void RegistrationAgent::Loop() {
         interval_ms = resp.heartbeat_interval_ms() > 0 ? resp.heartbeat_interval_ms() : 1000;
         STRATA_LOG(INFO) << "worker " << worker_->options().worker_id << " registered with " << options_.coordinator
                          << " lease=" << lease;
-        registered_.Notify();
+        // A later registration (after NOT_FOUND, e.g. a restarted coordinator) must not notify
+        // again: absl::Notification aborts on a second Notify.
+        if (!registered_.HasBeenNotified()) registered_.Notify();
       } else {
         STRATA_LOG(WARNING) << "worker: registration with " << options_.coordinator << " failed: "
                             << s.error_message() << " (code " << s.error_code() << ")";

@@ -1,6 +1,7 @@
 // The worker's gRPC service driven through coordinator::GrpcWorkerClient (the coordinator's
 // transport), in one process on 127.0.0.1: prefill progress and completion, a job's events and
-// its single on_done, CancelJob of a running job, and an unreachable worker.
+// its single on_done, CancelJob of a running job, and an unreachable worker; the registration
+// agent registering again after NOT_FOUND and reporting mounted shards in heartbeats.
 #include "worker/service.h"
 
 #include <atomic>
@@ -13,8 +14,11 @@
 #include "absl/synchronization/notification.h"
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/grpc_worker_client.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "strata/v1/internal.grpc.pb.h"
 #include "kvstore/local_store.h"
 #include "model/random_model.h"
 #include "prometheus/registry.h"
@@ -126,6 +130,98 @@ TEST(WorkerServiceTest, GrpcWorkerClientDrivesTheWorker) {
   EXPECT_EQ(job_done.load(), 1);
   server->Shutdown(absl::Seconds(1));
   server.reset();
+  w.reset();
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+// A registry that forgets the worker once (its first heartbeat gets NOT_FOUND, as after a
+// coordinator restart) and records the mounted shards of later heartbeats.
+class ForgetfulRegistry final : public v1::WorkerRegistry::Service {
+ public:
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
+                        v1::RegisterWorkerResponse* response) override {
+    absl::MutexLock lock(&mu);
+    ++registrations;
+    response->set_lease_id(static_cast<uint64_t>(registrations));
+    response->set_heartbeat_interval_ms(20);
+    response->set_heartbeat_timeout_ms(1000);
+    return grpc::Status::OK;
+  }
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+                         v1::HeartbeatResponse*) override {
+    absl::MutexLock lock(&mu);
+    ++heartbeats;
+    if (heartbeats == 1) return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown worker");
+    mounted_tokens = request->load().mounted_tokens();
+    mounted_shards = request->mounted_shards_size();
+    return grpc::Status::OK;
+  }
+  grpc::Status Deregister(grpc::ServerContext*, const v1::DeregisterWorkerRequest*,
+                          v1::DeregisterWorkerResponse*) override {
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu;
+  int registrations = 0, heartbeats = 0, mounted_shards = 0;
+  uint64_t mounted_tokens = 0;
+};
+
+TEST(RegistrationAgentTest, RegistersAgainAfterNotFoundAndReportsMountedShards) {
+  char tmpl[] = "/tmp/strata_worker_registration_test_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  model::RandomModelOptions mo;
+  mo.seed = 12;
+  mo.write_tokenizer = false;
+  ASSERT_TRUE(model::WriteRandomModel(dir + "/model", mo).ok());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto m, model::LoadModel(dir + "/model"));
+  auto backend = kernels::MakeCpuBackend(1);
+  kvstore::LocalStoreOptions so;
+  so.path = dir + "/kv";
+  so.sync_writes = false;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto store, kvstore::LocalStore::Open(so));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(WorkerOptions(), m.get(), backend.get(), store.get(),
+                                                     store.get(), nullptr));
+  // A one-page document, mounted.
+  v1::PrefillShardRequest prefill;
+  prefill.mutable_shard()->set_document_id(kDocId);
+  prefill.mutable_shard()->set_end_page(1);
+  for (int i = 0; i < 40; ++i) prefill.add_token_ids(3 + i);
+  STRATA_ASSERT_OK(w->PrefillShard(prefill, nullptr, nullptr));
+  v1::MountShardRequest mount;
+  *mount.mutable_shard() = prefill.shard();
+  STRATA_ASSERT_OK(w->MountShard(mount).status());
+
+  ForgetfulRegistry registry;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&registry);
+  std::unique_ptr<grpc::Server> coordinator = builder.BuildAndStart();
+  ASSERT_NE(coordinator, nullptr);
+  RegistrationOptions ro;
+  ro.coordinator = absl::StrCat("127.0.0.1:", port);
+  ro.retry_interval_ms = 20;
+  RegistrationAgent agent(ro, w.get());
+  agent.Start();
+  ASSERT_TRUE(agent.WaitRegistered(absl::Seconds(10)));
+  // The first heartbeat is refused: the agent registers again (without aborting) and its later
+  // heartbeats report the mount.
+  bool done = false;
+  for (int i = 0; i < 500 && !done; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+    absl::MutexLock lock(&registry.mu);
+    done = registry.registrations >= 2 && registry.heartbeats >= 3;
+  }
+  agent.Stop();
+  coordinator->Shutdown(std::chrono::system_clock::now());
+  {
+    absl::MutexLock lock(&registry.mu);
+    EXPECT_GE(registry.registrations, 2);
+    EXPECT_GE(registry.heartbeats, 3);
+    EXPECT_EQ(registry.mounted_shards, 1);
+    EXPECT_EQ(registry.mounted_tokens, 40u);
+  }
   w.reset();
   store.reset();
   std::filesystem::remove_all(dir);
