@@ -183,6 +183,7 @@ absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResp
   engine::SelectionCounters counters;
   STRATA_RETURN_IF_ERROR(Attend(static_cast<int>(query.layer()), q.data(), static_cast<int>(n), hq,
                                 static_cast<int64_t>(query.q_begin()), &partial_, &counters));
+  if (on_answer_) on_answer_(counters);
   response->set_step(query.step());
   response->set_layer(query.layer());
   response->set_o(reinterpret_cast<const char*>(partial_.o.data()), partial_.o.size() * sizeof(float));

@@ -119,6 +119,9 @@ class ShardSession {
   // session also reports in pages_fetched the pages read from the tiers when the session's mount
   // was loaded for it (see set_report_pages).
   absl::Status Answer(const v1::LayerQuery& query, v1::SelectionResponse* response);
+  // Called by Answer with what each answer's selection did (e.g. to count selection-cache
+  // lookups where they happen; the leader counts candidate and selected tokens from the answer).
+  void set_on_answer(std::function<void(const engine::SelectionCounters&)> fn) { on_answer_ = std::move(fn); }
   void set_report_pages(const kvstore::TierCounts& pages) {
     report_pages_ = pages;
     has_report_pages_ = true;
@@ -141,6 +144,7 @@ class ShardSession {
   engine::AttentionPartial partial_;
   kvstore::TierCounts report_pages_;
   bool has_report_pages_ = false;
+  std::function<void(const engine::SelectionCounters&)> on_answer_;
 };
 
 class LeaderAttention : public engine::ExternalAttention {

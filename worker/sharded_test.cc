@@ -323,6 +323,9 @@ TEST_F(ShardedTest, SparsePolicySplitsTheBudgetOverShards) {
   // + the prompt and generated tokens, well below the 330-token document.
   EXPECT_GT(info.usage().mean_attended_tokens(), 0.0);
   EXPECT_LT(info.usage().mean_attended_tokens(), static_cast<double>(doc_.size()));
+  // The peers ran selections for the leader and counted their selection-cache lookups.
+  EXPECT_GT(metrics_[0]->selection_cache_lookups->Value(), 0.0);
+  EXPECT_GT(metrics_[2]->selection_cache_lookups->Value(), 0.0);
 }
 
 TEST_F(ShardedTest, PeerLostMidDecodeFailsOverToPersistedPages) {

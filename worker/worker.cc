@@ -595,6 +595,15 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<ShardSession> session,
                           ShardSession::Create(std::move(m), open.policy(), open.budget_tokens(), c, shard_backend()));
   if (pages.host + pages.local + pages.remote > 0) session->set_report_pages(pages);
+  if (metrics_ != nullptr) {
+    // Selection-cache lookups are counted where the selection runs; the leader counts the
+    // candidate and selected tokens of the answers.
+    WorkerMetrics* m = metrics_;
+    session->set_on_answer([m](const engine::SelectionCounters& c) {
+      Inc(m->selection_cache_lookups, static_cast<double>(c.cache_lookups));
+      Inc(m->selection_cache_hits, static_cast<double>(c.cache_hits));
+    });
+  }
   return session;
 }
 
