@@ -8,6 +8,7 @@
 //  - dense policy + EXACT prefill: the same greedy tokens as `strata generate` on one process;
 //    a second job on the same document does no prefill (every document token cached, worker
 //    prefill counters move by the prompt only) and its time to first token is lower.
+//  - ANCHOR prefill (the default): READY, jobs served from persisted KV.
 //  - a worker that is not the leader killed with SIGKILL in the middle of decoding: the job
 //    completes with the same greedy tokens, from persisted pages, without re-prefill; the dead
 //    worker's shard moves to a live worker and a later job on the document works too.
@@ -471,6 +472,28 @@ TEST_F(ShardedClusterTest, ExactDenseMatchesGenerateAndSecondJobReusesPersistedK
   EXPECT_TRUE(absl::StrContains(gen.Err(), absl::StrCat("generated_tokens=", first.tokens.size())) ||
               first.final.finish_reason() == v1::JobInfo::STOP)
       << gen.Err();
+}
+
+// ANCHOR mode (the coordinator's default here): the three shards are prefilled at the same time,
+// shards after the first attending to an anchor of the first shard's tokens; the document becomes
+// READY and jobs on it read every document token from persisted KV. (Its KV is approximate, so the
+// tokens are not compared with `strata generate`.)
+TEST_F(ShardedClusterTest, AnchorPrefillServesJobsFromPersistedKv) {
+  const std::vector<int32_t> doc = Document(700, 3);
+  v1::DocumentInfo info = UploadTokens(doc, v1::DocumentInfo::PREFILL_MODE_UNSPECIFIED);
+  EXPECT_EQ(info.prefill_mode(), v1::DocumentInfo::ANCHOR);
+  info = WaitReady(info.document_id(), std::chrono::seconds(120));
+  ASSERT_EQ(info.state(), v1::DocumentInfo::READY) << info.error_message();
+  EXPECT_EQ(info.num_shards(), 3u);
+  const std::vector<double> prefill0 = PrefillTokens();
+  JobRun first = Generate(DenseJob(info.document_id(), kPrompt, 8, /*ignore_eos=*/true));
+  ASSERT_EQ(first.final.state(), v1::JobInfo::DONE) << first.final.error_message();
+  EXPECT_EQ(first.tokens.size(), 8u);
+  EXPECT_EQ(first.final.usage().cached_tokens(), doc.size());
+  JobRun second = Generate(DenseJob(info.document_id(), kPrompt, 8, true));
+  ASSERT_EQ(second.final.state(), v1::JobInfo::DONE) << second.final.error_message();
+  EXPECT_EQ(second.tokens, first.tokens);
+  EXPECT_EQ(PrefilledSince(prefill0), 2.0 * kPrompt.size());
 }
 
 TEST_F(ShardedClusterTest, PeerKilledDuringDecodeJobCompletesWithoutPrefill) {
