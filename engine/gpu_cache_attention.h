@@ -7,7 +7,8 @@
 // result exact) are acquired from the cache (MissPolicy::kWait, in chunks of at most
 // max_pages_per_chunk pages, so a document larger than the cache streams through it), attended
 // with Backend::PagedAttention over the cache's slots (one partial per chunk), and released. The
-// transformer merges the partials with its local attention (MergeAttention).
+// transformer merges the partials with its local attention (MergeAttention; the CUDA backend
+// merges at most 64 parts, so keep the chunks of one call below 64 there).
 //
 // Positions: page p holds document positions [p * page_size, min((p + 1) * page_size,
 // document_tokens)); every document token precedes the queries, so nothing is masked.
