@@ -224,6 +224,23 @@ struct VoteTopKParams {
   TensorView vote;        // [num_kv_heads, n] f32 (output), or data == nullptr
 };
 
+// Minmax summaries (the input of ScoreSummaries) kept up to date on the backend as keys arrive.
+// For KV head g, page p holds tokens [p * P, (p + 1) * P) (P = page_size) read from pool row
+// page_table[g, p] * P + t % P. After tokens [first, end) were appended, every page holding one of
+// them gets its row recomputed from the keys of its tokens below `end`: per-channel min, then
+// max (a page none of whose tokens can be read, its slot being outside the pool, gets zeros); and
+// every segment (segment_pages consecutive pages) holding such a page gets the elementwise min /
+// max of the rows of its pages below ceil(end / P).
+struct UpdateSummariesParams {
+  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16
+  TensorView page_table;  // [num_kv_heads, table_pages] i32, table_pages * P >= end
+  int64_t first = 0;      // 0 <= first <= end
+  int64_t end = 0;
+  TensorView pages;       // [num_kv_heads, max_pages >= ceil(end / P), 2 * head_dim] f32 (in/out)
+  TensorView segments;    // [num_kv_heads, max_segments, 2 * head_dim] f32 (in/out), or null data
+  int segment_pages = 1;  // >= 1
+};
+
 // Decode attention (one query token) over a device-resident selection. KV head g attends to the
 // tokens [0, prefix_end), the valid ids of `middle` and [suffix_begin, suffix_end), each token t
 // read from pool row page_table[g, t / page_size] * page_size + t % page_size; tokens whose page is
@@ -290,6 +307,9 @@ class Backend {
   }
   virtual absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": SelectedAttention");
+  }
+  virtual absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": UpdateSummaries");
   }
   virtual absl::Status Supports(const PageCopyParams& p) const = 0;
   virtual absl::Status PageCopy(const PageCopyParams& p, Stream s) = 0;

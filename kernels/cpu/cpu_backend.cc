@@ -192,6 +192,9 @@ absl::Status CpuBackend::VoteTopK(const VoteTopKParams& p, Stream) { return CpuV
 absl::Status CpuBackend::SelectedAttention(const SelectedAttentionParams& p, Stream) {
   return CpuSelectedAttention(p);
 }
+absl::Status CpuBackend::UpdateSummaries(const UpdateSummariesParams& p, Stream) {
+  return CpuUpdateSummaries(p);
+}
 
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads) {
   return std::make_unique<CpuBackend>(num_threads);

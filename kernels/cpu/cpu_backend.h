@@ -61,6 +61,8 @@ absl::Status CpuScoreSummaries(const ScoreSummariesParams& p);
 absl::Status CpuScoreKeys(const ScoreKeysParams& p);
 absl::Status CpuVoteTopK(const VoteTopKParams& p);
 absl::Status CpuSelectedAttention(const SelectedAttentionParams& p);
+absl::Status CpuSupportsUpdateSummaries(const UpdateSummariesParams& p);
+absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p);
 // InvalidArgument unless `c` is well formed for `num_kv_heads` heads (fanout >= 1, range inside
 // [0, 2^31), parents i32 [num_kv_heads, *]); Unimplemented beyond 2^30 candidates per head.
 absl::Status CheckCandidateList(const CandidateList& c, int64_t num_kv_heads, const char* op);
@@ -116,6 +118,7 @@ class CpuBackend : public Backend {
   absl::Status ScoreKeys(const ScoreKeysParams& p, Stream s) override;
   absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
   absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
+  absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) override;
   absl::Status Supports(const PageCopyParams& p) const override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
 

@@ -365,4 +365,79 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status CpuSupportsUpdateSummaries(const UpdateSummariesParams& p) {
+  constexpr const char* kOp = "UpdateSummaries";
+  STRATA_RETURN_IF_ERROR(CheckPool(p.k_pool, kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.page_table, 2, kOp, "page_table"));
+  const int64_t hkv = p.page_table.dim(0), d = p.k_pool.dim(2), page = p.k_pool.dim(1);
+  STRATA_RETURN_IF_ERROR(CheckTable(p.page_table, hkv, kOp));
+  if (hkv <= 0 || d <= 0) return absl::InvalidArgumentError("UpdateSummaries: empty shape");
+  if (p.first < 0 || p.end < p.first || p.end > p.page_table.dim(1) * page ||
+      p.end > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat("UpdateSummaries: tokens [", p.first, ", ",
+                                                   p.end, ") outside the table"));
+  }
+  const int64_t pages = (p.end + page - 1) / page;
+  STRATA_RETURN_IF_ERROR(CheckRank(p.pages, 3, kOp, "pages"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.pages, DType::kF32, kOp, "pages"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.pages, 0, hkv, kOp, "pages"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.pages, 2, 2 * d, kOp, "pages"));
+  if (p.pages.dim(1) < pages) {
+    return absl::InvalidArgumentError(absl::StrCat("UpdateSummaries: ", p.pages.dim(1),
+                                                   " page rows < ", pages));
+  }
+  if (p.segment_pages < 1) return absl::InvalidArgumentError("UpdateSummaries: segment_pages < 1");
+  if (p.segments.data != nullptr) {
+    STRATA_RETURN_IF_ERROR(CheckRank(p.segments, 3, kOp, "segments"));
+    STRATA_RETURN_IF_ERROR(CheckDType(p.segments, DType::kF32, kOp, "segments"));
+    STRATA_RETURN_IF_ERROR(CheckDim(p.segments, 0, hkv, kOp, "segments"));
+    STRATA_RETURN_IF_ERROR(CheckDim(p.segments, 2, 2 * d, kOp, "segments"));
+    if (p.segments.dim(1) < (pages + p.segment_pages - 1) / p.segment_pages) {
+      return absl::InvalidArgumentError("UpdateSummaries: too few segment rows");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsUpdateSummaries(p));
+  if (p.first == p.end) return absl::OkStatus();
+  const int hkv = static_cast<int>(p.page_table.dim(0));
+  const int64_t d = p.k_pool.dim(2), page = p.k_pool.dim(1);
+  const int64_t total_pages = (p.end + page - 1) / page;
+  const int64_t pb = p.first / page, pe = total_pages;
+  float* rows = p.pages.As<float>();
+  for (int g = 0; g < hkv; ++g) {
+    for (int64_t pg = pb; pg < pe; ++pg) {
+      float* r = rows + (g * p.pages.dim(1) + pg) * 2 * d;
+      bool any = false;
+      for (int64_t t = pg * page; t < std::min(p.end, (pg + 1) * page); ++t) {
+        const int64_t row = RowOf(p.page_table, p.k_pool, g, t);
+        if (row < 0) continue;
+        for (int64_t e = 0; e < d; ++e) {
+          const float x = KvAt(p.k_pool, row * d + e);
+          if (!any || x < r[e]) r[e] = x;
+          if (!any || x > r[d + e]) r[d + e] = x;
+        }
+        any = true;
+      }
+      if (!any) std::fill(r, r + 2 * d, 0.0f);
+    }
+    if (p.segments.data == nullptr) continue;
+    const int64_t gs = p.segment_pages;
+    float* segs = p.segments.As<float>();
+    for (int64_t sg = pb / gs; sg < (pe + gs - 1) / gs; ++sg) {
+      float* r = segs + (g * p.segments.dim(1) + sg) * 2 * d;
+      for (int64_t pg = sg * gs; pg < std::min(pe, (sg + 1) * gs); ++pg) {
+        const float* q = rows + (g * p.pages.dim(1) + pg) * 2 * d;
+        for (int64_t e = 0; e < d; ++e) {
+          if (pg == sg * gs || q[e] < r[e]) r[e] = q[e];
+          if (pg == sg * gs || q[d + e] > r[d + e]) r[d + e] = q[d + e];
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace strata::kernels

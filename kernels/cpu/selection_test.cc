@@ -206,6 +206,66 @@ TEST(CpuSelectionTest, SummaryScoresBoundKeyScoresAndKeyScoresAreDots) {
   EXPECT_EQ(page_scores[pages - 1], kNegInf);
 }
 
+TEST(CpuSelectionTest, UpdateSummariesIncrementalEqualsBruteForce) {
+  std::mt19937 rng(9);
+  const int hkv = 2, d = 8, page = 4, table_pages = 30, seg = 3;
+  const int slots = hkv * table_pages;
+  std::vector<float> k = RandomF(rng, slots * page * d);
+  std::vector<int32_t> table(hkv * table_pages);
+  for (int i = 0; i < hkv * table_pages; ++i) table[i] = (i * 7) % slots;  // a permutation
+  const int64_t len = 101;
+  std::vector<float> pages(hkv * table_pages * 2 * d, -7.0f), segs(hkv * 10 * 2 * d, -7.0f);
+  UpdateSummariesParams p;
+  p.k_pool = TensorView(k.data(), DType::kF32, {slots, page, d});
+  p.page_table = TensorView(table.data(), DType::kI32, {hkv, table_pages});
+  p.pages = TensorView(pages.data(), DType::kF32, {hkv, table_pages, 2 * d});
+  p.segments = TensorView(segs.data(), DType::kF32, {hkv, 10, 2 * d});
+  p.segment_pages = seg;
+  for (int64_t first = 0; first < len;) {
+    const int64_t end = std::min<int64_t>(len, first + 1 + rng() % 9);
+    p.first = first;
+    p.end = end;
+    STRATA_ASSERT_OK(CpuUpdateSummaries(p));
+    first = end;
+  }
+  const int64_t np = (len + page - 1) / page;
+  for (int g = 0; g < hkv; ++g) {
+    for (int64_t pg = 0; pg < np; ++pg) {
+      for (int e = 0; e < d; ++e) {
+        float lo = INFINITY, hi = -INFINITY;
+        for (int64_t t = pg * page; t < std::min<int64_t>(len, (pg + 1) * page); ++t) {
+          const float x = k[(static_cast<int64_t>(table[g * table_pages + t / page]) * page + t % page) * d + e];
+          lo = std::min(lo, x);
+          hi = std::max(hi, x);
+        }
+        EXPECT_EQ(pages[(g * table_pages + pg) * 2 * d + e], lo);
+        EXPECT_EQ(pages[(g * table_pages + pg) * 2 * d + d + e], hi);
+        float& slo = segs[(g * 10 + pg / seg) * 2 * d + e];
+        float& shi = segs[(g * 10 + pg / seg) * 2 * d + d + e];
+        EXPECT_LE(slo, lo);
+        EXPECT_GE(shi, hi);
+      }
+    }
+    for (int64_t sg = 0; sg < (np + seg - 1) / seg; ++sg) {
+      for (int e = 0; e < d; ++e) {
+        float lo = INFINITY, hi = -INFINITY;
+        for (int64_t pg = sg * seg; pg < std::min<int64_t>(np, (sg + 1) * seg); ++pg) {
+          lo = std::min(lo, pages[(g * table_pages + pg) * 2 * d + e]);
+          hi = std::max(hi, pages[(g * table_pages + pg) * 2 * d + d + e]);
+        }
+        EXPECT_EQ(segs[(g * 10 + sg) * 2 * d + e], lo);
+        EXPECT_EQ(segs[(g * 10 + sg) * 2 * d + d + e], hi);
+      }
+    }
+    // Rows past the data are untouched.
+    EXPECT_EQ(pages[(g * table_pages + np) * 2 * d], -7.0f);
+  }
+  // Tokens beyond the table are rejected.
+  p.first = 0;
+  p.end = table_pages * page + 1;
+  EXPECT_THAT(CpuUpdateSummaries(p), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 TEST(CpuSelectionTest, MalformedParamsAreInvalidArgument) {
   std::vector<float> buf(256);
   VoteTopKParams p;

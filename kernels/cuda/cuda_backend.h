@@ -109,6 +109,7 @@ class CudaBackend : public Backend {
   absl::Status ScoreKeys(const ScoreKeysParams& p, Stream s) override;
   absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
   absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
+  absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) override;
   // PageCopy: the CPU checks, then every host array must be AllocateHost memory (checked with
   // cudaPointerGetAttributes; InvalidArgument otherwise); one launch reads them through the
   // mapping (kernels/cuda/page_copy.cu) and returns without waiting.

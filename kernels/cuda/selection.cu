@@ -483,6 +483,55 @@ unsigned ScoreBlocks(int32_t count) {
   return static_cast<unsigned>(blocks);
 }
 
+// UpdateSummaries: one block per (page, KV head), thread e owns channels e, e + 128, ...; then
+// one block per (segment, KV head) merges its pages' rows.
+constexpr int kSumThreads = 128;
+
+template <typename KV>
+__global__ void __launch_bounds__(kSumThreads)
+    PageSummaryKernel(const KV* __restrict__ k_pool, int64_t num_slots, int page_size, int d,
+                      const int32_t* __restrict__ table, int table_pages, int64_t end,
+                      int64_t page_begin, float* __restrict__ pages, int64_t max_pages) {
+  const int g = blockIdx.y;
+  const int64_t pg = page_begin + blockIdx.x;
+  float* r = pages + (static_cast<int64_t>(g) * max_pages + pg) * 2 * d;
+  const int64_t t0 = pg * page_size, t1 = min(end, t0 + page_size);
+  for (int e = threadIdx.x; e < d; e += kSumThreads) {
+    float lo = 0.0f, hi = 0.0f;
+    bool any = false;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t row = TokenRow(table, table_pages, num_slots, page_size, g, static_cast<int32_t>(t));
+      if (row < 0) continue;
+      const float x = LoadF<KV>(k_pool, row * d + e);
+      lo = any ? fminf(lo, x) : x;
+      hi = any ? fmaxf(hi, x) : x;
+      any = true;
+    }
+    r[e] = lo;
+    r[d + e] = hi;
+  }
+}
+
+__global__ void __launch_bounds__(kSumThreads)
+    SegmentSummaryKernel(const float* __restrict__ pages, int64_t max_pages, int d,
+                         int64_t seg_begin, int64_t total_pages, int segment_pages,
+                         float* __restrict__ segments, int64_t max_segments) {
+  const int g = blockIdx.y;
+  const int64_t sg = seg_begin + blockIdx.x;
+  float* r = segments + (static_cast<int64_t>(g) * max_segments + sg) * 2 * d;
+  const int64_t p0 = sg * segment_pages, p1 = min(total_pages, p0 + segment_pages);
+  for (int e = threadIdx.x; e < d; e += kSumThreads) {
+    float lo = 0.0f, hi = 0.0f;
+    for (int64_t pg = p0; pg < p1; ++pg) {
+      const float* q = pages + (static_cast<int64_t>(g) * max_pages + pg) * 2 * d;
+      lo = pg == p0 ? q[e] : fminf(lo, q[e]);
+      hi = pg == p0 ? q[d + e] : fmaxf(hi, q[d + e]);
+    }
+    r[e] = lo;
+    r[d + e] = hi;
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchScoreSummaries(const float* q, const float* summaries, int num_kv_heads,
@@ -567,6 +616,37 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
   }
   VoteTopKKernel<<<num_kv_heads, kTopKThreads, smem, stream>>>(
       scores, group, c, k, vote, selected, static_cast<uint32_t*>(scratch), shared_keys);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64_t num_slots,
+                                  int page_size, int head_dim, const int32_t* page_table,
+                                  int table_pages, int num_kv_heads, int64_t end,
+                                  int64_t page_begin, int64_t page_end, float* pages,
+                                  int64_t max_pages, float* segments, int64_t max_segments,
+                                  int segment_pages, cudaStream_t stream) {
+  if (page_end <= page_begin || num_kv_heads == 0) return cudaSuccess;
+  if (num_kv_heads > 65535 || page_end - page_begin > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(page_end - page_begin), num_kv_heads);
+  if (pool_type == FloatType::kBF16) {
+    PageSummaryKernel<__nv_bfloat16><<<grid, kSumThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(k_pool), num_slots, page_size, head_dim, page_table,
+        table_pages, end, page_begin, pages, max_pages);
+  } else if (pool_type == FloatType::kF32) {
+    PageSummaryKernel<float><<<grid, kSumThreads, 0, stream>>>(
+        static_cast<const float*>(k_pool), num_slots, page_size, head_dim, page_table,
+        table_pages, end, page_begin, pages, max_pages);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || segments == nullptr) return e;
+  const int64_t s0 = page_begin / segment_pages;
+  const int64_t s1 = (page_end + segment_pages - 1) / segment_pages;
+  const dim3 sgrid(static_cast<unsigned>(s1 - s0), num_kv_heads);
+  SegmentSummaryKernel<<<sgrid, kSumThreads, 0, stream>>>(pages, max_pages, head_dim, s0,
+                                                          page_end, segment_pages, segments,
+                                                          max_segments);
   return cudaGetLastError();
 }
 

@@ -158,4 +158,23 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::UpdateSummaries(const UpdateSummariesParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsUpdateSummaries(p));
+  if (p.first == p.end) return absl::OkStatus();
+  if (p.page_table.dim(0) > 65535 || p.k_pool.dim(1) > (int64_t{1} << 30) ||
+      p.page_table.dim(1) > (int64_t{1} << 30)) {
+    return absl::UnimplementedError("UpdateSummaries: > 65535 KV heads or 2^30 pages");
+  }
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  const int64_t page = p.k_pool.dim(1);
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchUpdateSummaries(
+      p.k_pool.data, PoolType(p.k_pool.dtype), p.k_pool.dim(0), static_cast<int>(page),
+      static_cast<int>(p.k_pool.dim(2)), p.page_table.As<const int32_t>(),
+      static_cast<int>(p.page_table.dim(1)), static_cast<int>(p.page_table.dim(0)), p.end,
+      p.first / page, (p.end + page - 1) / page, p.pages.As<float>(), p.pages.dim(1),
+      p.segments.data != nullptr ? p.segments.As<float>() : nullptr,
+      p.segments.data != nullptr ? p.segments.dim(1) : 0, p.segment_pages, ToCuda(s)));
+  return absl::OkStatus();
+}
+
 }  // namespace strata::kernels

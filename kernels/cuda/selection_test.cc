@@ -484,6 +484,45 @@ TEST_F(SelectionTest, SelectedAttentionMatchesCpu) {
   }
 }
 
+TEST_F(SelectionTest, UpdateSummariesMatchesCpu) {
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const int hkv = 3, d = 128, page = 16, table_pages = 40, seg = 5, max_segs = 8;
+    const int slots = hkv * table_pages + 1;
+    std::vector<uint8_t> pool = PoolBytes(RandomF(static_cast<int64_t>(slots) * page * d), dtype);
+    std::vector<int32_t> perm(slots);
+    for (int i = 0; i < slots; ++i) perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), rng_);
+    std::vector<int32_t> table(perm.begin(), perm.begin() + hkv * table_pages);
+    table[7] = slots + 5;  // a page whose slot is outside the pool: zeros
+    std::vector<float> pages(static_cast<size_t>(hkv) * table_pages * 2 * d, 3.0f);
+    std::vector<float> segs(static_cast<size_t>(hkv) * max_segs * 2 * d, 3.0f);
+    auto dpool = Dev(pool), dt = Dev(table), dp = Dev(pages), ds = Dev(segs);
+    UpdateSummariesParams h;
+    h.k_pool = TensorView(pool.data(), dtype, {slots, page, d});
+    h.page_table = TensorView(table.data(), DType::kI32, {hkv, table_pages});
+    h.pages = TensorView(pages.data(), DType::kF32, {hkv, table_pages, 2 * d});
+    h.segments = TensorView(segs.data(), DType::kF32, {hkv, max_segs, 2 * d});
+    h.segment_pages = seg;
+    UpdateSummariesParams dv = h;
+    dv.k_pool.data = dpool->data();
+    dv.page_table.data = dt->data();
+    dv.pages.data = dp->data();
+    dv.segments.data = ds->data();
+    const int64_t len = 37 * page - 3;
+    for (int64_t first = 0; first < len;) {
+      const int64_t end = std::min<int64_t>(len, first + 1 + rng_() % 100);
+      h.first = dv.first = first;
+      h.end = dv.end = end;
+      STRATA_ASSERT_OK(cpu_->UpdateSummaries(h, nullptr));
+      STRATA_ASSERT_OK(gpu_->UpdateSummaries(dv, nullptr));
+      first = end;
+    }
+    ExpectClose(Get<float>(*dp, static_cast<int64_t>(pages.size())), pages, 0, 0, "pages");
+    ExpectClose(Get<float>(*ds, static_cast<int64_t>(segs.size())), segs, 0, 0, "segments");
+  }
+}
+
 TEST_F(SelectionTest, BadParamsAreRejected) {
   std::vector<float> q(8 * 16), scores(8 * 16);
   auto dq = Dev(q), ds = Dev(scores);

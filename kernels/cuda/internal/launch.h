@@ -212,6 +212,14 @@ struct SelectedAttentionShape {
 bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim);
 // Floats of split-K partials: num_kv_heads * items_per_head * group * (head_dim + 2).
 int64_t SelectedAttentionScratchFloats(const SelectedAttentionShape& shape);
+// UpdateSummaries: pages [page_begin, page_end) and segments [seg_begin, seg_end) of every KV
+// head are recomputed (pages first, then segments from them); num_pages_total = ceil(end / P).
+cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64_t num_slots,
+                                  int page_size, int head_dim, const int32_t* page_table,
+                                  int table_pages, int num_kv_heads, int64_t end,
+                                  int64_t page_begin, int64_t page_end, float* pages,
+                                  int64_t max_pages, float* segments, int64_t max_segments,
+                                  int segment_pages, cudaStream_t stream);
 cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const void* v_pool,
                                     FloatType pool_type, const int32_t* page_table,
                                     const DeviceCandidates& middle,

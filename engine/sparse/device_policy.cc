@@ -1,0 +1,246 @@
+// DevicePolicy: see engine/sparse/device_policy.h.
+#include "engine/sparse/device_policy.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace strata::engine::sparse {
+
+using kernels::CandidateList;
+using kernels::DType;
+using kernels::TensorView;
+
+DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& cache,
+                           int num_q_heads, kernels::Backend* backend)
+    : options_(options),
+      cache_options_(cache),
+      hq_(num_q_heads),
+      hkv_(cache.num_kv_heads),
+      group_(cache.num_kv_heads > 0 ? num_q_heads / cache.num_kv_heads : 1),
+      d_(cache.head_dim),
+      page_(cache.page_size),
+      seg_pages_(options.segment_pages > 0 ? options.segment_pages
+                                           : std::max(1, 1024 / options.page_size)),
+      max_pages_((cache.max_tokens + cache.page_size - 1) / cache.page_size),
+      max_segs_(0),
+      wanted_pages_(0),
+      backend_(backend) {
+  max_segs_ = (max_pages_ + seg_pages_ - 1) / seg_pages_;
+  const int64_t wanted = options.kind == PolicyKind::kTokenSelect
+                             ? static_cast<int64_t>(options.token_budget) *
+                                   options.tokenselect_candidate_factor
+                             : options.token_budget;
+  wanted_pages_ = (wanted + page_ - 1) / page_;
+}
+
+DevicePolicy::~DevicePolicy() = default;
+
+absl::StatusOr<std::unique_ptr<DevicePolicy>> DevicePolicy::Create(const PolicyOptions& options,
+                                                                   const KvCacheOptions& cache,
+                                                                   int num_q_heads,
+                                                                   kernels::Backend* backend) {
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  STRATA_RETURN_IF_ERROR(cache.Validate());
+  if (backend == nullptr) return absl::InvalidArgumentError("DevicePolicy: null backend");
+  if (options.kind != PolicyKind::kQuest && options.kind != PolicyKind::kTokenSelect) {
+    return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: policy ",
+                                                   PolicyName(options.kind),
+                                                   " has no device version (quest|tokenselect)"));
+  }
+  if (options.EffectiveSummary() != SummaryKind::kMinMax) {
+    return absl::InvalidArgumentError("DevicePolicy: only minmax summaries run on the device");
+  }
+  if (options.page_size != cache.page_size) {
+    return absl::InvalidArgumentError("DevicePolicy: policy and cache page sizes differ");
+  }
+  if (num_q_heads <= 0 || num_q_heads % cache.num_kv_heads != 0) {
+    return absl::InvalidArgumentError("DevicePolicy: KV heads must divide query heads");
+  }
+  for (int l : options.dense_layers) {
+    if (l >= cache.num_layers) return absl::InvalidArgumentError("DevicePolicy: bad dense layer");
+  }
+  std::unique_ptr<DevicePolicy> p(new DevicePolicy(options, cache, num_q_heads, backend));
+  STRATA_RETURN_IF_ERROR(p->Init());
+  return p;
+}
+
+absl::Status DevicePolicy::Init() {
+  const int layers = cache_options_.num_layers;
+  dense_layer_.assign(layers, false);
+  for (int l : options_.dense_layers) dense_layer_[l] = true;
+  table_.resize(layers);
+  pages_.resize(layers);
+  segs_.resize(layers);
+  table_ready_.assign(layers, false);
+  const size_t row = static_cast<size_t>(2) * d_ * sizeof(float);
+  for (int l = 0; l < layers; ++l) {
+    STRATA_ASSIGN_OR_RETURN(table_[l], backend_->Allocate(sizeof(int32_t) * hkv_ * max_pages_));
+    STRATA_ASSIGN_OR_RETURN(pages_[l], backend_->Allocate(row * hkv_ * max_pages_));
+    STRATA_ASSIGN_OR_RETURN(segs_[l], backend_->Allocate(row * hkv_ * max_segs_));
+  }
+  const size_t f = sizeof(float);
+  STRATA_ASSIGN_OR_RETURN(seg_scores_, backend_->Allocate(f * hkv_ * group_ * max_segs_));
+  STRATA_ASSIGN_OR_RETURN(page_scores_,
+                          backend_->Allocate(f * hkv_ * group_ * max_segs_ * seg_pages_));
+  STRATA_ASSIGN_OR_RETURN(tok_scores_,
+                          backend_->Allocate(f * hkv_ * group_ * wanted_pages_ * page_));
+  STRATA_ASSIGN_OR_RETURN(top_segs_, backend_->Allocate(sizeof(int32_t) * hkv_ * max_segs_));
+  STRATA_ASSIGN_OR_RETURN(top_pages_, backend_->Allocate(sizeof(int32_t) * hkv_ * wanted_pages_));
+  STRATA_ASSIGN_OR_RETURN(top_tokens_,
+                          backend_->Allocate(sizeof(int32_t) * hkv_ * options_.token_budget));
+  return absl::OkStatus();
+}
+
+absl::Status DevicePolicy::CheckCache(int layer, const KvCache& cache) const {
+  const KvCacheOptions& c = cache.options();
+  if (layer < 0 || layer >= cache_options_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: layer ", layer, " out of range"));
+  }
+  if (c.num_layers != cache_options_.num_layers || c.num_kv_heads != hkv_ || c.head_dim != d_ ||
+      c.page_size != page_ || c.max_tokens > cache_options_.max_tokens) {
+    return absl::InvalidArgumentError("DevicePolicy: cache shape differs from the policy's");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DevicePolicy::OnAppend(int layer, const KvCache& cache, int64_t first, int64_t end,
+                                    kernels::Stream stream) {
+  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
+  if (first < 0 || end < first || end != cache.length(layer)) {
+    return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: append [", first, ", ", end,
+                                                   ") does not end at the cache length ",
+                                                   cache.length(layer)));
+  }
+  const int64_t table_pages = (cache.options().max_tokens + page_ - 1) / page_;
+  if (!table_ready_[layer]) {
+    std::vector<int32_t> t(static_cast<size_t>(hkv_) * max_pages_, -1);
+    for (int g = 0; g < hkv_; ++g) {
+      for (int64_t p = 0; p < table_pages; ++p) t[g * max_pages_ + p] = cache.SlotOf(layer, g, p);
+    }
+    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(table_[layer]->data(), t.data(),
+                                                  t.size() * sizeof(int32_t), stream));
+    table_ready_[layer] = true;
+  }
+  if (dense_layer_[layer]) return absl::OkStatus();
+  kernels::UpdateSummariesParams u;
+  u.k_pool = cache.k_pool(layer);
+  u.page_table = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
+  u.first = first;
+  u.end = end;
+  u.pages = pages_[layer]->View(DType::kF32, {hkv_, max_pages_, 2 * d_});
+  u.segments = segs_[layer]->View(DType::kF32, {hkv_, max_segs_, 2 * d_});
+  u.segment_pages = seg_pages_;
+  return backend_->UpdateSummaries(u, stream);
+}
+
+absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache& cache,
+                                  const TensorView& out, const TensorView& lse,
+                                  kernels::Stream stream) {
+  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
+  if (q.rank != 3 || q.dim(0) != 1 || q.dim(1) != hq_ || q.dim(2) != d_) {
+    return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: q must be f32 [1, ", hq_, ", ",
+                                                   d_, "], got ", q.DebugString()));
+  }
+  const int64_t len = cache.length(layer);
+  if (len < 1) return absl::InvalidArgumentError("DevicePolicy: empty cache");
+  if (!table_ready_[layer]) {
+    return absl::FailedPreconditionError("DevicePolicy: Attend before any OnAppend of the layer");
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
+  const int64_t sink_end = std::min<int64_t>(options_.sink_tokens, len);
+  const int64_t window_begin =
+      std::clamp<int64_t>(len - 1 - options_.window_tokens, sink_end, len);
+  const TensorView pt = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
+
+  kernels::SelectedAttentionParams at;
+  at.q = q;
+  at.k_pool = cache.k_pool(layer);
+  at.v_pool = cache.v_pool(layer);
+  at.page_table = pt;
+  at.scale = scale;
+  at.out = out;
+  at.lse = lse;
+  if (dense_layer_[layer] || window_begin - sink_end <= options_.token_budget) {
+    // Everything (the whole middle fits in the budget): exact attention.
+    at.prefix_end = len;
+    return backend_->SelectedAttention(at, stream);
+  }
+  TensorView q2 = q;
+  q2.rank = 2;
+  q2.shape[0] = hq_;
+  q2.shape[1] = d_;
+  q2.shape[2] = 0;
+  const int64_t p0 = sink_end / page_, p1 = (window_begin + page_ - 1) / page_;
+  const bool two_level = p1 - p0 > options_.two_level_min_pages && seg_pages_ > 1;
+
+  kernels::ScoreSummariesParams a;
+  a.q = q2;
+  a.scale = scale;
+  kernels::VoteTopKParams t;
+  int64_t page_cands = p1 - p0;
+  if (two_level) {
+    const int64_t s0 = p0 / seg_pages_, s1 = (p1 - 1) / seg_pages_ + 1;
+    const int64_t keep = std::min<int64_t>(
+        s1 - s0, std::max<int64_t>(options_.min_segments,
+                                   (options_.segment_factor * wanted_pages_ + seg_pages_ - 1) /
+                                       seg_pages_));
+    a.summaries = segs_[layer]->View(DType::kF32, {hkv_, max_segs_, 2 * d_});
+    a.candidates.begin = s0;
+    a.candidates.end = s1;
+    a.scores = seg_scores_->View(DType::kF32, {hkv_, group_, s1 - s0});
+    STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(a, stream));
+    t.scores = a.scores;
+    t.candidates = a.candidates;
+    t.k = keep;
+    t.selected = top_segs_->View(DType::kI32, {hkv_, keep});
+    STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
+    a.candidates = CandidateList();
+    a.candidates.parents = t.selected;
+    a.candidates.fanout = seg_pages_;
+    page_cands = keep * seg_pages_;
+  }
+  a.summaries = pages_[layer]->View(DType::kF32, {hkv_, max_pages_, 2 * d_});
+  a.candidates.begin = p0;
+  a.candidates.end = p1;
+  a.scores = page_scores_->View(DType::kF32, {hkv_, group_, page_cands});
+  STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(a, stream));
+  t.scores = a.scores;
+  t.candidates = a.candidates;
+  t.k = wanted_pages_;
+  t.selected = top_pages_->View(DType::kI32, {hkv_, wanted_pages_});
+  STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
+  CandidateList middle;
+  middle.parents = t.selected;
+  middle.fanout = page_;
+  middle.begin = sink_end;
+  middle.end = window_begin;
+  if (options_.kind == PolicyKind::kTokenSelect) {
+    kernels::ScoreKeysParams sk;
+    sk.q = q2;
+    sk.k_pool = cache.k_pool(layer);
+    sk.page_table = pt;
+    sk.candidates = middle;
+    sk.scale = scale;
+    sk.scores = tok_scores_->View(DType::kF32, {hkv_, group_, wanted_pages_ * page_});
+    STRATA_RETURN_IF_ERROR(backend_->ScoreKeys(sk, stream));
+    t.scores = sk.scores;
+    t.candidates = middle;
+    t.k = options_.token_budget;
+    t.selected = top_tokens_->View(DType::kI32, {hkv_, options_.token_budget});
+    STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
+    middle = CandidateList();
+    middle.parents = t.selected;
+    middle.begin = sink_end;
+    middle.end = window_begin;
+  }
+  at.prefix_end = sink_end;
+  at.middle = middle;
+  at.suffix_begin = window_begin;
+  at.suffix_end = len;
+  return backend_->SelectedAttention(at, stream);
+}
+
+}  // namespace strata::engine::sparse
