@@ -189,8 +189,7 @@ int Serve(const CoordinatorFlags& f) {
     }
   }
 
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = WaitForStopSignal(stop_signals);
   STRATA_LOG(INFO) << "coordinator: signal " << sig << ", draining (timeout " << f.drain_timeout_seconds << " s)";
   Stopwatch drain;
   const int64_t handed_back = coordinator::DrainAndShutdown(

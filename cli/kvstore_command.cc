@@ -76,8 +76,7 @@ int Serve(const KvstoreFlags& f) {
       return 1;
     }
   }
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = WaitForStopSignal(stop_signals);
   STRATA_LOG(INFO) << "kvstore: signal " << sig << ", shutting down";
   (*server)->Shutdown();
   server->reset();

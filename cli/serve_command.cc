@@ -187,8 +187,7 @@ int Serve(const ServeFlags& f) {
     }
   }
 
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = WaitForStopSignal(stop_signals);
   STRATA_LOG(INFO) << "serve: signal " << sig << ", draining (timeout " << f.drain_timeout_seconds << " s)";
   if (agent != nullptr) agent->SetDraining();
   const int64_t handed_back = coordinator::DrainAndShutdown(

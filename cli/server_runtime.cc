@@ -1,6 +1,9 @@
 #include "cli/server_runtime.h"
 
 #include <pthread.h>
+#include <unistd.h>
+
+#include <csignal>
 
 #include <cstdio>
 #include <vector>
@@ -91,6 +94,27 @@ sigset_t BlockStopSignals() {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   return set;
+}
+
+namespace {
+void NoteRepeatedStopSignal(int) {
+  static constexpr char kNote[] = "strata: already stopping (send SIGKILL to stop at once)\n";
+  ssize_t ignored = write(STDERR_FILENO, kNote, sizeof(kNote) - 1);
+  (void)ignored;
+}
+}  // namespace
+
+int WaitForStopSignal(const sigset_t& set) {
+  int sig = 0;
+  while (sigwait(&set, &sig) != 0) {
+  }
+  struct sigaction action = {};
+  action.sa_handler = NoteRepeatedStopSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  return sig;
 }
 
 }  // namespace strata::cli

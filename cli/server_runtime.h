@@ -53,6 +53,11 @@ class HostTier {
 // sigwait on.
 sigset_t BlockStopSignals();
 
+// Waits for the first stop signal of `set` (as blocked by BlockStopSignals) and returns it. From
+// then on SIGINT and SIGTERM only print a note to stderr ("already stopping"): a second signal
+// during a drain must not kill the process with half-finished work (send SIGKILL to stop at once).
+int WaitForStopSignal(const sigset_t& set);
+
 }  // namespace strata::cli
 
 #endif  // STRATA_CLI_SERVER_RUNTIME_H_

@@ -123,8 +123,7 @@ int Run(const WorkerFlags& f) {
       return Fail(s);
     }
   }
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = WaitForStopSignal(stop_signals);
   STRATA_LOG(INFO) << "worker: signal " << sig << ", draining (timeout " << f.drain_timeout_seconds << " s)";
   agent.SetDraining();
   (*server)->SetServing(false);
