@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "engine/sparse/device_policy.h"
 
 namespace strata::engine {
 
@@ -447,29 +448,42 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       STRATA_RETURN_IF_ERROR(
           policy->OnAppend(layer, *cache, sg.start_pos - base, sg.start_pos - base + m));
       const float* q_seg = q_host + r0 * hq * d;
-      STRATA_RETURN_IF_ERROR(policy->Select(layer, q_seg, static_cast<int>(m), static_cast<int>(hq),
-                                            sg.start_pos - base, *cache, &selection_));
-      if (static_cast<int64_t>(selection_.offsets.size()) != hkv + 1) {
-        return absl::InternalError(absl::StrCat("policy ", policy->Name(), " returned ",
-                                                selection_.offsets.size(), " offsets for ", hkv,
-                                                " KV heads"));
+      sparse::DevicePolicy* device = sg.options->device_policy;
+      if (device != nullptr) {
+        STRATA_RETURN_IF_ERROR(device->OnAppend(layer, *cache, sg.start_pos - base,
+                                                sg.start_pos - base + m, nullptr));
       }
-      if (base != 0) {
-        for (kernels::KvSpan& s : selection_.spans) s.position += static_cast<int32_t>(base);
+      if (device != nullptr && m == 1) {
+        STRATA_RETURN_IF_ERROR(device->Attend(
+            layer, TensorView(q_rows + r0 * hq * d, DType::kF32, {1, hq, d}), *cache,
+            TensorView(attn_rows + r0 * hq * d, DType::kF32, {1, hq, d}),
+            TensorView(lse_rows + r0 * hq, DType::kF32, {1, hq}), nullptr));
+      } else {
+        STRATA_RETURN_IF_ERROR(policy->Select(layer, q_seg, static_cast<int>(m),
+                                              static_cast<int>(hq), sg.start_pos - base, *cache,
+                                              &selection_));
+        if (static_cast<int64_t>(selection_.offsets.size()) != hkv + 1) {
+          return absl::InternalError(absl::StrCat("policy ", policy->Name(), " returned ",
+                                                  selection_.offsets.size(), " offsets for ", hkv,
+                                                  " KV heads"));
+        }
+        if (base != 0) {
+          for (kernels::KvSpan& s : selection_.spans) s.position += static_cast<int32_t>(base);
+        }
+        kernels::PagedAttentionParams ap;
+        ap.q = TensorView(q_rows + r0 * hq * d, DType::kF32, {m, hq, d});
+        ap.k_pool = cache->k_pool(layer);
+        ap.v_pool = cache->v_pool(layer);
+        ap.spans = selection_.spans.data();
+        ap.span_offsets = selection_.offsets.data();
+        ap.num_kv_heads = static_cast<int>(hkv);
+        ap.q_positions = positions_host_.data() + r0;
+        ap.causal = true;
+        ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+        ap.out = TensorView(attn_rows + r0 * hq * d, DType::kF32, {m, hq, d});
+        ap.lse = TensorView(lse_rows + r0 * hq, DType::kF32, {m, hq});
+        STRATA_RETURN_IF_ERROR(be->PagedAttention(ap, nullptr));
       }
-      kernels::PagedAttentionParams ap;
-      ap.q = TensorView(q_rows + r0 * hq * d, DType::kF32, {m, hq, d});
-      ap.k_pool = cache->k_pool(layer);
-      ap.v_pool = cache->v_pool(layer);
-      ap.spans = selection_.spans.data();
-      ap.span_offsets = selection_.offsets.data();
-      ap.num_kv_heads = static_cast<int>(hkv);
-      ap.q_positions = positions_host_.data() + r0;
-      ap.causal = true;
-      ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-      ap.out = TensorView(attn_rows + r0 * hq * d, DType::kF32, {m, hq, d});
-      ap.lse = TensorView(lse_rows + r0 * hq, DType::kF32, {m, hq});
-      STRATA_RETURN_IF_ERROR(be->PagedAttention(ap, nullptr));
       std::vector<AttentionPartial>& parts = segment_parts_[si];
       parts.clear();
       if (sg.options->external != nullptr) {

@@ -29,6 +29,10 @@
 
 namespace strata::engine {
 
+namespace sparse {
+class DevicePolicy;  // engine/sparse/device_policy.h
+}  // namespace sparse
+
 struct TransformerOptions {
   // Query tokens per prefill chunk. Larger chunks amortise weight reads (faster prefill) but
   // need scratch memory proportional to chunk * (hidden + intermediate). Default: 512.
@@ -72,6 +76,11 @@ struct ForwardOptions {
   int64_t cache_first_position = 0;
   // Null: attention is over the cache only (exactly the plain forward).
   ExternalAttention* external = nullptr;
+  // Null: every row attends through `policy` + PagedAttention. Set: the policy is told of every
+  // append, and a one-token segment (a decode step) attends through its device-side selection
+  // (engine/sparse/device_policy.h) instead; chunks of several tokens still use `policy` (on the
+  // CUDA backend, whose pools the host policies cannot read, that must be a dense policy).
+  sparse::DevicePolicy* device_policy = nullptr;
 };
 
 class Transformer {
