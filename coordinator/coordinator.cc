@@ -1,6 +1,8 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
+#include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -823,6 +825,26 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::RegisterWorker(const v1:
 
 absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
   STRATA_RETURN_IF_ERROR(registry_.Heartbeat(request));
+  // Reconcile the shards the worker says it has mounted with what it was asked to mount: a shard
+  // mounted well before this heartbeat was built (two heartbeat intervals) but missing from it was
+  // dropped by the worker, and is mounted again.
+  std::set<std::tuple<std::string, uint64_t, uint64_t>> reported;
+  for (const v1::ShardRange& r : request.mounted_shards()) reported.emplace(r.document_id(), r.first_page(), r.end_page());
+  absl::MutexLock lock(&mu_);
+  const int64_t settled_before = now_() - 2 * options_.registry.heartbeat_interval_nanos;
+  for (auto it = mounts_.begin(); it != mounts_.end();) {
+    const ShardMount& m = it->second;
+    if (m.worker_id == request.worker_id() && m.state == ShardMount::kMounted && m.reported &&
+        m.mounted_nanos < settled_before &&
+        reported.count({m.range.document_id(), m.range.first_page(), m.range.end_page()}) == 0) {
+      STRATA_LOG(WARNING) << "document " << it->first.first << " shard " << it->first.second << ": worker "
+                          << m.worker_id << " no longer reports it mounted; mounting it again";
+      it = mounts_.erase(it);
+      reconcile_needed_ = true;
+    } else {
+      ++it;
+    }
+  }
   v1::HeartbeatResponse response;
   return response;
 }
@@ -1054,6 +1076,7 @@ bool Coordinator::EnsureMounted(const v1::ShardMap& map, std::vector<Action>* ac
     if (!worker.ok()) continue;
     ShardMount& m = mounts_[key];
     m.worker_id = a.worker_id();
+    m.range = a.range();
     m.state = ShardMount::kInFlight;
     m.call = ++next_mount_call_;
     m.retry_after_nanos = 0;
@@ -1307,6 +1330,8 @@ void Coordinator::OnMountDone(const std::string& document_id, int shard, uint64_
     if (status.ok() || status.code() == absl::StatusCode::kUnimplemented) {
       // UNIMPLEMENTED: the worker loads the document itself when it runs a job.
       it->second.state = ShardMount::kMounted;
+      it->second.mounted_nanos = now_();
+      it->second.reported = status.ok();
       mounted = true;
       STRATA_LOG(INFO) << "document " << document_id << " shard " << shard << " mounted on " << it->second.worker_id;
     } else {

@@ -155,6 +155,8 @@ class Coordinator {
 
   // --- Workers (internal WorkerRegistry service) ---
   absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(const v1::RegisterWorkerRequest& request);
+  // Also reconciles the heartbeat's mounted_shards: a shard the worker was asked to mount (and
+  // said it did, two heartbeat intervals ago or earlier) but no longer reports is mounted again.
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
   absl::Status DeregisterWorker(const v1::DeregisterWorkerRequest& request);
 
@@ -192,9 +194,14 @@ class Coordinator {
   struct ShardMount {
     enum State { kInFlight, kMounted, kFailed };
     std::string worker_id;
+    v1::ShardRange range;
     State state = kInFlight;
     uint64_t call = 0;              // identifies the call: stale completions are ignored
     int64_t retry_after_nanos = 0;  // kFailed: not asked again before this
+    // kMounted: when the mount completed, and whether the worker reports it in its heartbeats
+    // (false when it answered UNIMPLEMENTED: it mounts only when it runs a job).
+    int64_t mounted_nanos = 0;
+    bool reported = true;
   };
   using MountKey = std::pair<std::string, int>;
 

@@ -96,10 +96,12 @@ class CoordinatorTest : public ::testing::Test {
     ASSERT_TRUE(response.ok()) << response.status();
     leases_[id] = response->lease_id();
   }
+  // A heartbeat reporting the shards whose MountShard calls FinishMounts completed with OK.
   void Beat(const std::string& id) {
     v1::HeartbeatRequest r;
     r.set_worker_id(id);
     r.set_lease_id(leases_[id]);
+    for (const v1::ShardRange& range : mounted_[id]) *r.add_mounted_shards() = range;
     ASSERT_TRUE(coordinator_->Heartbeat(r).ok());
   }
   // Completes every prefill call not completed yet.
@@ -117,7 +119,19 @@ class CoordinatorTest : public ::testing::Test {
   // Completes every MountShard / UnmountShard call not completed yet with `status`.
   void FinishMounts(const absl::Status& status = absl::OkStatus()) {
     auto calls = workers_.mounts();
-    for (size_t i = mounts_done_; i < calls.size(); ++i) calls[i].on_done(status);
+    for (size_t i = mounts_done_; i < calls.size(); ++i) {
+      if (status.ok()) {
+        std::vector<v1::ShardRange>& held = mounted_[calls[i].worker_id];
+        held.erase(std::remove_if(held.begin(), held.end(),
+                                  [&](const v1::ShardRange& r) {
+                                    return r.document_id() == calls[i].shard.document_id() &&
+                                           r.first_page() == calls[i].shard.first_page();
+                                  }),
+                   held.end());
+        if (calls[i].mount) held.push_back(calls[i].shard);
+      }
+      calls[i].on_done(status);
+    }
     mounts_done_ = calls.size();
   }
   // MountShard calls (not unmounts) made since index `from`.
@@ -153,6 +167,8 @@ class CoordinatorTest : public ::testing::Test {
   std::map<std::string, uint64_t> leases_;
   size_t prefills_done_ = 0;
   size_t mounts_done_ = 0;
+  // Shards each fake worker holds mounted (what its heartbeats report).
+  std::map<std::string, std::vector<v1::ShardRange>> mounted_;
 };
 
 TEST_F(CoordinatorTest, UploadIsContentAddressed) {
@@ -797,6 +813,32 @@ TEST_F(CoordinatorTest, FailedMountIsRetriedAndDeleteUnmounts) {
   EXPECT_EQ(calls.back().shard.document_id(), doc);
   EXPECT_EQ(calls.back().shard.end_page(), 7u);  // 100 tokens in pages of 16
   FinishMounts();
+}
+
+// Given a mounted shard, when the worker's heartbeats stop reporting it (after the settling
+// time of two heartbeat intervals), then the coordinator asks for the mount again.
+TEST_F(CoordinatorTest, ShardMissingFromHeartbeatsIsMountedAgain) {
+  RegisterWorker("w1");
+  Upload(100);
+  coordinator_->Tick();
+  FinishPrefills();
+  coordinator_->Tick();
+  ASSERT_EQ(MountsSince(0).size(), 1u);
+  FinishMounts();
+  for (int i = 0; i < 3; ++i) {
+    now_ += kSecond;
+    Beat("w1");  // reports the shard
+    coordinator_->Tick();
+  }
+  EXPECT_EQ(MountsSince(0).size(), 1u);
+  mounted_["w1"].clear();  // the worker dropped it
+  now_ += kSecond;
+  Beat("w1");
+  coordinator_->Tick();
+  auto mounts = MountsSince(0);
+  ASSERT_EQ(mounts.size(), 2u);
+  EXPECT_EQ(mounts[1].worker_id, "w1");
+  EXPECT_EQ(mounts[1].shard.end_page(), 7u);
 }
 
 }  // namespace
