@@ -46,6 +46,18 @@ constexpr int kBiasPair = kHalf - 1; // the lowest-frequency pair carries a shar
 constexpr double kTopicMeanRun = 512.0;
 constexpr float kHeadScale[kGroup] = {0.7f, 1.0f, 1.4f, 2.0f};
 constexpr int64_t kChunk = 8192;
+constexpr int64_t kCalibrationContext = 131072;  // where the background logit is calibrated
+constexpr float kQueryBias = 15.0f;  // query anti-alignment with the shared key bias direction
+
+// Rotary inverse frequencies for a workload of `context` tokens (see RopeRule).
+std::vector<double> Llama3InvFreq();
+std::vector<double> InvFreqFor(RopeRule rule, int64_t context) {
+  const double theta = RopeThetaFor(rule, context);
+  if (theta <= 0) return Llama3InvFreq();
+  std::vector<double> inv(kHalf);
+  for (int i = 0; i < kHalf; ++i) inv[i] = std::pow(theta, -2.0 * i / kD);
+  return inv;
+}
 
 // Llama 3.1 rotary inverse frequencies (theta 500000, llama3 scaling: factor 8, low 1, high 4,
 // original context 8192), as in transformers' _compute_llama3_parameters.
@@ -98,8 +110,18 @@ std::vector<float> SemanticUnit(std::mt19937_64& rng) {
 // The synthetic sequence of one KV head: keys/values are produced in order by Next().
 class HeadWorkload {
  public:
-  HeadWorkload(int64_t length, int64_t middle_begin, int64_t middle_end, uint64_t seed)
-      : length_(length), rng_(seed), inv_(Llama3InvFreq()) {
+  HeadWorkload(const WorkloadParams& params, int64_t length, int64_t middle_begin,
+               int64_t middle_end, uint64_t seed)
+      : length_(length),
+        rng_(seed),
+        inv_(InvFreqFor(params.rope, length)),
+        // Background logit at scale 1 = -key_bias * kQueryBias / sqrt(d).
+        key_bias_(static_cast<float>(-params.background_logit * std::sqrt(static_cast<double>(kD)) /
+                                     kQueryBias)) {
+    // Relative to the calibration point (128K), so every profile has the same logits there.
+    const float temperature =
+        static_cast<float>(QueryTemperature(params.length_rule, length) /
+                           QueryTemperature(params.length_rule, kCalibrationContext));
     std::normal_distribution<float> nd;
     for (int c = 0; c < kTopics; ++c) {
       topic_key_.push_back(SemanticUnit(rng_));
@@ -130,12 +152,15 @@ class HeadWorkload {
         for (int i = 0; i < kD; ++i) q[i] += w * dir[i];
       };
       add(sink_dir_, 5.7f);
-      add(bias_dir_, -15.0f);  // with the 3.0 bias of topic keys: logit shift of about -4
+      add(bias_dir_, -kQueryBias);  // with the key bias: background_logit
       for (int j = 0; j < kNeedlesPerQuery; ++j) add(needle_dir_[perm[j]], 9.0f);
       for (int r = 0; r < 2; ++r) {
         add(topic_key_[std::uniform_int_distribution<int>(0, kTopics - 1)(rng_)], 4.0f);
       }
       for (int i = 0; i < kD; ++i) q[i] = kHeadScale[h] * (q[i] + 0.3f * nd(rng_));
+      if (temperature != 1.0f) {
+        for (float& x : q) x *= temperature;
+      }
       Rope(q.data(), length - 1, inv_);
       queries_.insert(queries_.end(), q.begin(), q.end());
     }
@@ -167,7 +192,7 @@ class HeadWorkload {
       }
     } else {
       for (int i = 0; i < kD; ++i) {
-        k[i] = 6.0f * topic_key_[topic_][i] + 3.0f * bias_dir_[i] + 0.5f * nd(rng_);
+        k[i] = 6.0f * topic_key_[topic_][i] + key_bias_ * bias_dir_[i] + 0.5f * nd(rng_);
         v[i] = topic_value_[topic_][i] + nd(rng_);
       }
     }
@@ -180,6 +205,7 @@ class HeadWorkload {
   int64_t length_;
   std::mt19937_64 rng_;
   std::vector<double> inv_;
+  float key_bias_;
   std::vector<std::vector<float>> topic_key_, topic_value_, needle_dir_, needle_value_;
   std::vector<float> sink_dir_, bias_dir_;
   std::vector<std::pair<int64_t, int64_t>> needle_runs_;
@@ -238,6 +264,40 @@ struct Accum {
 
 }  // namespace
 
+absl::StatusOr<WorkloadParams> WorkloadProfile(const std::string& name) {
+  WorkloadParams p;
+  p.profile = name;
+  if (name == "calibrated") return p;
+  if (name == "calibrated-logtemp") {
+    p.length_rule = LengthRule::kLlama4;
+    return p;
+  }
+  if (name == "diffuse") {
+    p.background_logit = -3.0 * kQueryBias / std::sqrt(static_cast<double>(kD));
+    p.rope = RopeRule::kLlama31;
+    return p;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "fidelity: unknown workload profile '", name, "' (want calibrated|calibrated-logtemp|diffuse)"));
+}
+
+double RopeThetaFor(RopeRule rule, int64_t context) {
+  if (rule != RopeRule::kContextMatched || context <= kCalibrationContext) return 0.0;
+  // gradientai/Llama-3-8B-Instruct-Gradient-1048k / -4194k progressive training (model card):
+  // plain RoPE theta 207.1M at 262K, 1.06B at 524K, 2.80B at 1048K, 45.2B at 4191K.
+  if (context <= 262144) return 207.1e6;
+  if (context <= 524288) return 1.06e9;
+  if (context <= 1048576) return 2.80e9;
+  return 45.2e9;
+}
+
+double QueryTemperature(LengthRule rule, int64_t context) {
+  if (rule != LengthRule::kLlama4 || context <= 0) return 1.0;
+  // transformers Llama4TextAttention: log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1,
+  // for the query at position context - 1.
+  return 1.0 + 0.1 * std::log(std::floor(static_cast<double>(context) / 8192.0) + 1.0);
+}
+
 absl::Status FidelityOptions::Validate() const {
   if (contexts.empty() || budgets.empty() || page_sizes.empty() || policies.empty()) {
     return absl::InvalidArgumentError("fidelity: empty contexts, budgets, page sizes or policies");
@@ -253,6 +313,9 @@ absl::Status FidelityOptions::Validate() const {
   }
   if (kv_heads < 1 || kv_heads > kModelKvHeads) {
     return absl::InvalidArgumentError("fidelity: kv_heads must be in [1, 8]");
+  }
+  if (!(workload.background_logit <= 0.0) || workload.background_logit < -40.0) {
+    return absl::InvalidArgumentError("fidelity: background_logit must be in [-40, 0]");
   }
   if (sink_tokens < 0 || window_tokens < 0 || topk < 1 || rf_features < 1) {
     return absl::InvalidArgumentError("fidelity: bad sinks, window, topk or rf_features");
@@ -336,7 +399,7 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
         // Stream the sequence into the cache; policies build summaries as pages fill.
         const int64_t middle_begin = options.sink_tokens;
         const int64_t middle_end = std::max<int64_t>(middle_begin + 1, L - 1 - options.window_tokens);
-        HeadWorkload work(L, middle_begin, middle_end,
+        HeadWorkload work(options.workload, L, middle_begin, middle_end,
                           options.seed * 1000003u + static_cast<uint64_t>(g) * 7919u +
                               static_cast<uint64_t>(L));
         std::vector<float> kbuf(kChunk * kD), vbuf(kChunk * kD);
@@ -477,7 +540,13 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
             for (int i = sel.offsets[0]; i < sel.offsets[1]; ++i) {
               ranges.push_back({sel.spans[i].position, sel.spans[i].position + sel.spans[i].length});
             }
+            const double mass0 = a.mass, err0 = a.err;
             for (int h = 0; h < kGroup; ++h) add_metrics(h, ranges, a);
+            if (log != nullptr) {
+              *log << absl::StrFormat("    kv head %d %-18s B=%-6d mass %.4f err %.4f\n", g,
+                                      specs[inst.spec].label, options.budgets[b],
+                                      (a.mass - mass0) / kGroup, (a.err - err0) / kGroup);
+            }
             const engine::sparse::SelectionStats& ss = pol.stats();
             a.bytes += static_cast<double>(ss.summary_bytes + ss.key_bytes) +
                        static_cast<double>(attended) * kD * 2 /*K,V*/ * 2 /*bf16*/;
@@ -492,6 +561,7 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
           const Accum& a = acc[s][b];
           if (a.heads == 0) continue;  // skipped (subgen above its context limit)
           FidelityRow r;
+          r.profile = options.workload.profile;
           r.policy = specs[s].label;
           r.context = L;
           r.budget = options.budgets[b];
@@ -529,6 +599,7 @@ std::string FormatFidelityTable(const std::vector<FidelityRow>& rows) {
 
 std::string FidelityRowJson(const FidelityRow& r) {
   nlohmann::json j;
+  j["profile"] = r.profile;
   j["policy"] = r.policy;
   j["context"] = r.context;
   j["budget"] = r.budget;

@@ -1,6 +1,8 @@
 // A small run of the fidelity benchmark: exact when the budget covers the context, sane otherwise.
 #include "bench/fidelity.h"
 
+#include <cmath>
+
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -45,6 +47,52 @@ TEST(FidelityTest, SmallRun) {
   FidelityOptions bad = o;
   bad.policies = {"nope"};
   EXPECT_FALSE(RunFidelity(bad, nullptr).ok());
+}
+
+TEST(FidelityTest, WorkloadProfiles) {
+  auto calibrated = WorkloadProfile("calibrated");
+  ASSERT_TRUE(calibrated.ok());
+  EXPECT_EQ(calibrated->length_rule, LengthRule::kConstant);
+  auto logtemp = WorkloadProfile("calibrated-logtemp");
+  ASSERT_TRUE(logtemp.ok());
+  EXPECT_EQ(logtemp->length_rule, LengthRule::kLlama4);
+  EXPECT_EQ(logtemp->background_logit, calibrated->background_logit);
+  auto diffuse = WorkloadProfile("diffuse");
+  ASSERT_TRUE(diffuse.ok());
+  EXPECT_NEAR(diffuse->background_logit, -45.0 / std::sqrt(128.0), 1e-12);
+  EXPECT_LT(calibrated->background_logit, diffuse->background_logit);
+  EXPECT_FALSE(WorkloadProfile("sharp").ok());
+  // Llama 4: 1 + 0.1 ln(1 + floor(L / 8192)).
+  EXPECT_EQ(QueryTemperature(LengthRule::kConstant, 1 << 20), 1.0);
+  EXPECT_EQ(QueryTemperature(LengthRule::kLlama4, 4096), 1.0);
+  EXPECT_NEAR(QueryTemperature(LengthRule::kLlama4, 131072), 1.0 + 0.1 * std::log(17.0), 1e-12);
+  EXPECT_NEAR(QueryTemperature(LengthRule::kLlama4, 1 << 20), 1.0 + 0.1 * std::log(129.0), 1e-12);
+  FidelityOptions bad;
+  bad.workload.background_logit = 0.5;
+  EXPECT_FALSE(bad.Validate().ok());
+}
+
+// A lower background logit concentrates attention: the oracle's mass at a fixed budget rises.
+TEST(FidelityTest, BackgroundLogitControlsDiffuseness) {
+  FidelityOptions o;
+  o.contexts = {16384};
+  o.budgets = {512};
+  o.page_sizes = {64};
+  o.policies = {"oracle"};
+  o.kv_heads = 1;
+  double mass[2];
+  const char* profiles[2] = {"diffuse", "calibrated"};
+  for (int i = 0; i < 2; ++i) {
+    auto w = WorkloadProfile(profiles[i]);
+    ASSERT_TRUE(w.ok());
+    o.workload = *w;
+    auto rows = RunFidelity(o, nullptr);
+    ASSERT_TRUE(rows.ok()) << rows.status();
+    ASSERT_EQ(rows->size(), 1u);
+    EXPECT_EQ((*rows)[0].profile, profiles[i]);
+    mass[i] = (*rows)[0].mass_recall;
+  }
+  EXPECT_GT(mass[1], mass[0] + 0.01);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // `strata bench <name>`: runs a benchmark and prints its results.
 //   strata bench fidelity [--contexts 4096,32768,...] [--budgets ...] [--page-sizes 16,32,64]
-//                         [--policies quest,radar,...] [--json-out FILE] [--seed N] ...
+//                         [--policies quest,radar,...] [--json-out FILE] [--seed N]
+//                         [--profile calibrated|calibrated-logtemp|diffuse] [--background-logit X]
 // The fidelity table goes to stdout, progress to stderr, one JSON object per row to --json-out.
 #include <cstdio>
 #include <fstream>
@@ -43,6 +44,8 @@ int RunFidelityCommand(int argc, char** argv) {
   int64_t rf_features = o.rf_features;
   int64_t segment_pages = -1, two_level_min_pages = -1, min_segments = -1, segment_factor = -1;
   int64_t candidate_factor = -1;
+  std::string profile = o.workload.profile;
+  double background_logit = 1.0;  // > 0: the profile's value
   FlagSet flags("bench fidelity", "[flags]   attention fidelity of sparse policies vs dense");
   flags.String("contexts", &contexts, "context lengths (tokens), comma-separated");
   flags.String("budgets", &budgets, "token budgets B, comma-separated");
@@ -56,17 +59,31 @@ int RunFidelityCommand(int argc, char** argv) {
   flags.Int("topk", &topk, "k of topk_recall");
   flags.Int("subgen-max-context", &subgen_max, "skip subgen above this context");
   flags.Int("rf-features", &rf_features, "random features n of rf summaries");
-  flags.Int("segment-pages", &segment_pages, "pages per segment G (0 = 1024 / P; -1 = default)");
+  flags.Int("segment-pages", &segment_pages, "pages per segment G (0 = 512 / P; -1 = default)");
   flags.Int("two-level-min-pages", &two_level_min_pages,
             "two-level ranking above this many pages (-1 = default)");
   flags.Int("min-segments", &min_segments, "segments kept at the first level, at least (-1 = default)");
   flags.Int("segment-factor", &segment_factor, "segments kept = factor * B / (P * G) (-1 = default)");
   flags.Int("candidate-factor", &candidate_factor,
             "tokenselect with a summary: candidate tokens = factor * B (-1 = default)");
+  flags.String("profile", &profile,
+               "synthetic workload: calibrated (default), calibrated-logtemp or diffuse "
+               "(see bench/fidelity.h)");
+  flags.Double("background-logit", &background_logit,
+               "override the profile's background logit (<= 0; default: the profile's)");
   absl::Status st = flags.Parse(argc, argv);
   if (st.ok()) st = ParseList("contexts", contexts, &o.contexts);
   if (st.ok()) st = ParseList("budgets", budgets, &o.budgets);
   if (st.ok()) st = ParseList("page-sizes", pages, &o.page_sizes);
+  if (st.ok()) {
+    absl::StatusOr<bench::WorkloadParams> w = bench::WorkloadProfile(profile);
+    if (w.ok()) {
+      o.workload = *w;
+      if (background_logit <= 0.0) o.workload.background_logit = background_logit;
+    } else {
+      st = w.status();
+    }
+  }
   if (!st.ok() || flags.help_requested()) return ReportAndExit(flags, st);
   o.policies = absl::StrSplit(policies, ',', absl::SkipEmpty());
   o.seed = static_cast<uint64_t>(seed);
@@ -85,10 +102,12 @@ int RunFidelityCommand(int argc, char** argv) {
   if (!st.ok()) return ReportAndExit(flags, st);
   std::fprintf(stderr,
                "strata bench fidelity: contexts=%s budgets=%s page_sizes=%s policies=%s kv_heads=%d "
-               "sinks=%d window=%d topk=%d rf_features=%d seed=%llu\n",
+               "sinks=%d window=%d topk=%d rf_features=%d seed=%llu profile=%s "
+               "background_logit=%.3f\n",
                contexts.c_str(), budgets.c_str(), pages.c_str(), policies.c_str(), o.kv_heads,
                o.sink_tokens, o.window_tokens, o.topk, o.rf_features,
-               static_cast<unsigned long long>(o.seed));
+               static_cast<unsigned long long>(o.seed), o.workload.profile.c_str(),
+               o.workload.background_logit);
   absl::StatusOr<std::vector<bench::FidelityRow>> rows = bench::RunFidelity(o, &std::cerr);
   if (!rows.ok()) {
     std::fprintf(stderr, "strata bench fidelity: %s\n", rows.status().ToString().c_str());
