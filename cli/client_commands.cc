@@ -460,12 +460,13 @@ int RunJob(int argc, char** argv) { return Job(argc, argv); }
 int RunAsk(int argc, char** argv) {
   Common c;
   GenFlags g;
-  std::string doc_file, doc_ids;
+  std::string doc_file, doc_ids, prefill_mode;
   FlagSet flags("ask", "strata ask --doc FILE [--max-tokens N] \"question\"");
   AddCommon(&flags, &c);
   AddGen(&flags, &g);
   flags.String("doc", &doc_file, "the document (text file)");
   flags.String("doc-token-ids", &doc_ids, "the document as token ids (instead of --doc)");
+  flags.String("prefill-mode", &prefill_mode, "a new document's prefill: anchor or exact (default: the server's)");
   std::vector<std::string> args;
   const absl::Status parse = flags.Parse(argc, argv, &args);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
@@ -475,9 +476,12 @@ int RunAsk(int argc, char** argv) {
   std::vector<int32_t> ids;
   if (!doc_file.empty() && !ReadFile(doc_file, &text)) return Usage("ask", "cannot read " + doc_file);
   if (!doc_ids.empty() && !ParseIds(doc_ids, &ids)) return Usage("ask", "bad --doc-token-ids");
+  v1::DocumentInfo::PrefillMode mode;
+  if (!ParsePrefillMode(prefill_mode, &mode)) return Usage("ask", "--prefill-mode is anchor or exact");
   // Upload (content-addressed: an existing document comes back unchanged).
   v1::DocumentUploadOptions options;
   options.set_display_name(doc_file);
+  options.set_prefill_mode(mode);
   v1::DocumentUploadResponse up;
   grpc::Status s = Upload(c, text, ids, options, &up);
   if (!s.ok()) return RpcError("ask", s);
