@@ -1,6 +1,10 @@
-// `strata generate`: runs a model locally (CPU backend) on a prompt with an attention policy
-// (dense by default; any sparse policy of engine/sparse/policy.h) and streams the generated text
-// to stdout; statistics and the effective configuration go to stderr.
+// `strata generate`: runs a model locally on a prompt with an attention policy (dense by default;
+// any sparse policy of engine/sparse/policy.h) and streams the generated text to stdout;
+// statistics and the effective configuration go to stderr. The backend is the CPU one unless
+// --backend says otherwise; on the CUDA backend quest and tokenselect select on the device
+// (engine/sparse/device_policy.h: decode steps; prompt chunks attend densely), the other sparse
+// policies need the CPU backend. --device-selection runs the device selection on the CPU backend
+// too.
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -19,9 +23,11 @@
 #include "cli/flags.h"
 #include "engine/attention_policy.h"
 #include "engine/generator.h"
+#include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
+#include "kernels/backend_factory.h"
 #include "model/model.h"
 
 namespace strata::cli {
@@ -50,6 +56,8 @@ struct GenerateFlags {
   int64_t page_size = 64;
   double theta = 0.9;
   std::string dense_layers;
+  std::string backend = "cpu";
+  bool device_selection = false;
 };
 
 absl::StatusOr<std::vector<int>> ParseLayerList(const std::string& text) {
@@ -195,23 +203,55 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
     return absl::FailedPreconditionError("--stop needs a model with tokenizer.json");
   }
 
-  auto backend = kernels::MakeCpuBackend(static_cast<int>(f.threads));
+  kernels::BackendOptions bo;
+  STRATA_ASSIGN_OR_RETURN(bo.kind, kernels::ParseBackendKind(f.backend));
+  bo.cpu_threads = static_cast<int>(f.threads);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Backend> backend, kernels::MakeBackend(bo));
+  const bool on_cpu = backend->Name() == "cpu";
+  const bool device_kind = popt.kind == engine::sparse::PolicyKind::kQuest ||
+                           popt.kind == engine::sparse::PolicyKind::kTokenSelect;
+  const bool device_selection = device_kind && (f.device_selection || !on_cpu);
+  if (!on_cpu && popt.kind != engine::sparse::PolicyKind::kDense && !device_kind) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--policy ", f.policy, " reads keys on the host: use --backend cpu (quest and "
+        "tokenselect also run on ", backend->Name(), ")"));
+  }
+  if (f.device_selection && !device_kind) {
+    return absl::InvalidArgumentError("--device-selection needs --policy quest|tokenselect");
+  }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::Transformer> tf,
                           engine::Transformer::Create(m->config, m->weights, backend.get(), topt));
-  STRATA_ASSIGN_OR_RETURN(
-      std::unique_ptr<engine::AttentionPolicy> policy,
-      engine::sparse::MakeAttentionPolicy(popt, static_cast<int>(m->config.num_layers),
-                                          static_cast<int>(m->config.num_heads),
-                                          static_cast<int>(m->config.num_kv_heads),
-                                          static_cast<int>(m->config.head_dim)));
+  std::unique_ptr<engine::AttentionPolicy> policy;
+  if (on_cpu || !device_selection) {
+    STRATA_ASSIGN_OR_RETURN(
+        policy, engine::sparse::MakeAttentionPolicy(popt, static_cast<int>(m->config.num_layers),
+                                                    static_cast<int>(m->config.num_heads),
+                                                    static_cast<int>(m->config.num_kv_heads),
+                                                    static_cast<int>(m->config.head_dim)));
+  } else {
+    policy = engine::MakeDensePolicy();  // prompt chunks; decode steps select on the device
+  }
+  std::unique_ptr<engine::sparse::DevicePolicy> device_policy;
+  if (device_selection) {
+    STRATA_ASSIGN_OR_RETURN(
+        device_policy,
+        engine::sparse::DevicePolicy::Create(
+            popt,
+            tf->MakeCacheOptions(static_cast<int64_t>(prompt.size()) + gen.max_tokens,
+                                 gen.page_size, gen.kv_dtype),
+            static_cast<int>(m->config.num_heads), backend.get()));
+    gen.device_policy = device_policy.get();
+  }
   std::fprintf(stderr,
-               "strata generate: model=%s [%s] backend=cpu threads=%s policy=%s budget=%lld "
+               "strata generate: model=%s [%s] backend=%s selection=%s threads=%s policy=%s "
+               "budget=%lld "
                "sinks=%lld window=%lld page=%lld chunk=%lld "
                "max_tokens=%lld temperature=%g top_k=%lld top_p=%g seed=%lld stop=%zu "
                "ignore_eos=%s\n",
-               f.model.c_str(), m->config.DebugString().c_str(),
+               f.model.c_str(), m->config.DebugString().c_str(), backend->Name().c_str(),
+               device_selection ? "device" : "host",
                f.threads > 0 ? std::to_string(f.threads).c_str() : "all",
-               policy->Name().c_str(), static_cast<long long>(f.budget),
+               device_selection ? f.policy.c_str() : policy->Name().c_str(), static_cast<long long>(f.budget),
                static_cast<long long>(f.sinks), static_cast<long long>(f.window),
                static_cast<long long>(f.page_size), static_cast<long long>(f.chunk_size),
                static_cast<long long>(f.max_tokens), f.temperature,
@@ -282,6 +322,9 @@ int RunGenerate(int argc, char** argv) {
   flags.Int("page-size", &f.page_size, "KV page size (tokens)");
   flags.Double("theta", &f.theta, "selection-cache cosine threshold (> 1 disables the cache)");
   flags.String("dense-layers", &f.dense_layers, "comma-separated layers that always attend densely");
+  flags.String("backend", &f.backend, "compute backend: cpu|cuda|auto");
+  flags.Bool("device-selection", &f.device_selection,
+             "quest|tokenselect: select on the backend (always so on CUDA)");
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
   if ((flags.WasSet("prompt") && f.prompt.empty()) || (flags.WasSet("token-ids") && f.token_ids.empty())) {

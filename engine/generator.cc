@@ -125,9 +125,11 @@ absl::StatusOr<GenerateResult> Generate(Transformer* transformer,
     return on_text ? on_text(text) : absl::OkStatus();
   };
 
+  ForwardOptions fo;
+  fo.device_policy = options.device_policy;
   Stopwatch watch;
   STRATA_RETURN_IF_ERROR(
-      transformer->Forward(prompt.data(), n, 0, cache.get(), policy, logits.data(), false));
+      transformer->Forward(prompt.data(), n, 0, cache.get(), policy, logits.data(), false, fo));
   int64_t pos = n;
   bool done = false;
   while (!done) {
@@ -157,7 +159,7 @@ absl::StatusOr<GenerateResult> Generate(Transformer* transformer,
       break;
     }
     STRATA_RETURN_IF_ERROR(
-        transformer->Forward(&token, 1, pos, cache.get(), policy, logits.data(), false));
+        transformer->Forward(&token, 1, pos, cache.get(), policy, logits.data(), false, fo));
     ++pos;
     ++result.decode_steps;
   }

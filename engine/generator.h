@@ -38,6 +38,10 @@ struct GenerateOptions {
   // KV cache page size (tokens) and storage dtype (f32 exact, or bf16). Defaults: 64, f32.
   int page_size = 64;
   kernels::DType kv_dtype = kernels::DType::kF32;
+  // When set, decode steps attend through this backend-side selection (ForwardOptions::
+  // device_policy); it must be made for MakeCacheOptions(prompt + max_tokens, page_size,
+  // kv_dtype) and be fresh for this sequence. Default: null.
+  sparse::DevicePolicy* device_policy = nullptr;
 
   // InvalidArgument for out-of-range values.
   absl::Status Validate() const;
