@@ -3,7 +3,9 @@
 //
 // Workload (per context length and KV head; GQA group of 4 query heads per KV head, d = 128, the
 // Llama-3.1-8B shape has 32 query / 8 KV heads): keys and queries are built in a pre-RoPE space
-// and then rotated with Llama 3.1 RoPE (theta 500000, llama3 scaling factor 8) at their positions.
+// and then rotated at their positions with Llama 3.1 RoPE (theta 500000, llama3 scaling factor 8;
+// trained to 128K) or, above 128K with WorkloadParams::rope = kContextMatched, with the plain RoPE
+// theta of a Llama-3-8B trained for that context (Gradient's 262K/524K/1048K/4194K models).
 //   - semantic content (topics, sinks, needles) lives in the low-frequency rotary pairs 48..62,
 //     so it survives rotation over long distances better than the high-frequency pairs, which
 //     carry only noise;
@@ -23,20 +25,24 @@
 //   - values: the topic's value centre + unit Gaussian noise.
 // Profiles (WorkloadProfile; sources and measurements in bench/RESULTS.md, "Calibrating the
 // workload"):
-//   calibrated (default)  background_logit -6.0, no length rule. The background level is chosen so
-//                         that, at 128K tokens, the oracle's best 4096 tokens (sinks + window + 3776
-//                         middle) hold 0.97 of the attention mass, which is what MInference (Jiang
-//                         et al. 2024, sec. 2.1) measured for LLaMA-3-8B at 128K (top-4K columns:
-//                         96.8% of the attention). Logits do not change with the context length:
+//   calibrated (default)  background_logit -8.5, no length rule, context-matched RoPE. The
+//                         background level is chosen so that, at 128K tokens, the oracle's best
+//                         4096 tokens (sinks + window + 3776 middle) hold 0.967 of the attention
+//                         mass, which is what MInference (Jiang et al. 2024, sec. 2.1) measured for
+//                         LLaMA-3-8B at 128K (top-4K columns: 96.8% of the attention). Above 128K
+//                         the RoPE base follows the context (Men et al. 2024: a context L needs a
+//                         base of at least ~0.0424 L^1.628). Logits do not change with the length:
 //                         Llama 3.x has no length-dependent attention temperature, so the background
 //                         mass grows with N beyond 128K (an extrapolation: no published top-k mass
 //                         at 1M for a Llama-3-class model was found).
-//   calibrated-logtemp    the same at 128K and below 8K, plus Llama 4's shipped temperature rule
+//   calibrated-logtemp    calibrated plus Llama 4's shipped temperature rule relative to 128K
 //                         (transformers Llama4TextConfig.attn_temperature_tuning: attn_scale 0.1,
-//                         floor_scale 8192; Scalable-Softmax, Nakanishi 2025, measured that the
-//                         optimal logit scale grows like log n): a model that sharpens with length.
+//                         floor_scale 8192; Scalable-Softmax, Nakanishi 2025: softmax attention
+//                         fades as n grows and a learned scale grows like log n): the same logits at
+//                         128K, sharper above (x1.158 at 1M), flatter below (x0.78 under 8K).
 //   diffuse               the workload before calibration (background_logit -3.98 = -3 * 15 /
-//                         sqrt(128)), kept for comparison with the rows recorded before.
+//                         sqrt(128), Llama 3.1 RoPE at every length), kept for comparison with
+//                         the rows recorded before (it reproduces them exactly).
 // Every head of the suite is a retrieval-type head (planted needles). Real layers also hold many
 // streaming heads that attend to sinks and recent tokens only (DuoAttention, Xiao et al. 2024;
 // fewer than 5% of heads are retrieval heads, Wu et al. 2024); the suite does not model them, so
@@ -87,7 +93,7 @@ enum class RopeRule {
 struct WorkloadParams {
   std::string profile = "calibrated";
   // Logit of background tokens relative to a neutral key, at head scale 1 (before the per-head
-  // scale and the length rule). Must be <= 0. Default (calibrated): -6.0.
+  // scale and the length rule). In [-40, 0]. Default (calibrated): -8.5.
   double background_logit = -8.5;
   LengthRule length_rule = LengthRule::kConstant;
   RopeRule rope = RopeRule::kContextMatched;
