@@ -7,15 +7,19 @@
 // and reduce in 3 shuffles; other shapes take a warp per candidate. The block holds the scaled
 // queries of its KV head's group in shared memory. Grid: (candidate blocks, KV heads).
 //
-// VoteTopK: one 1024-thread block per KV head. (1) per query head, max and sum of exp over the
-// candidates (online, each thread with a batch of loads in flight, block-reduced); (2) per
-// candidate the vote and a 32-bit key that orders candidates by vote (invalid ones get key 0,
-// below every valid one); keys live in shared memory when they fit (32K candidates), else in
-// scratch; (3) a 4-pass radix select (8 bits per pass, warp-aggregated shared-memory histograms,
-// the bin found by one warp's scan) finds the k-th largest key T and how many keys equal to T are
-// taken; (4) each thread owns a contiguous run of candidates, and two block scans give every taken
-// candidate its output slot, so ties at T go to the lowest indices and the output is in index
-// order.
+// VoteTopK: one block per KV head of 64 to 1024 threads (about 8 candidates per thread); warp w
+// owns a contiguous range of 32-candidate chunks, lane l the candidate chunk * 32 + l. (1) per
+// query head the max score, (2) the sum of exp(score - max), each reduced per warp with shuffles
+// and across warps once for all heads (two barriers per step); (3) per candidate the vote and a
+// 32-bit key that orders candidates by vote (invalid ones get key 0, below every valid one), kept
+// in shared memory up to 32K candidates, else in scratch, and the histogram of the keys' top
+// bytes; (4) a radix select (8 bits per pass, warp-aggregated shared-memory histograms, double
+// buffered, the bin found by one warp's scan; it stops as soon as every key equal to the prefix
+// found so far is taken) gives the prefix of the k-th largest key and how many keys equal to it
+// are taken; (5) each warp counts its keys above and equal to the prefix, every warp scans those
+// per-warp counts, and ballots give every taken candidate its output slot, so ties go to the
+// lowest indices and the output is in index order. Every thread reads back only the keys it
+// wrote, so steps 3-5 need no barrier for the keys.
 #include <algorithm>
 #include <cfloat>
 
@@ -27,8 +31,10 @@ namespace {
 
 constexpr int kScoreThreads = 256;
 constexpr int kScoreWarps = kScoreThreads / 32;
-constexpr int kTopKThreads = 1024;
-constexpr int kTopKWarps = kTopKThreads / 32;
+constexpr int kTopKMaxThreads = 1024;
+constexpr int kTopKMaxWarps = kTopKMaxThreads / 32;
+// VoteTopK block size: about this many candidates per thread, 64 to 1024 threads.
+constexpr int kTopKPerThread = 8;
 // Keys of one head kept in shared memory up to this many candidates (128 KiB).
 constexpr int64_t kTopKSharedKeys = 32768;
 
@@ -132,123 +138,134 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
 }
 
-// Exclusive block scan over kTopKThreads (<= 1024) threads; `warp_s` has kTopKWarps ints.
-// Returns the exclusive prefix and sets *total. Contains barriers.
-__device__ __forceinline__ int BlockExclusiveScan(int v, int* warp_s, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
+// Warp-uniform inclusive scan of v over the 32 lanes.
+__device__ __forceinline__ int WarpInclusiveScan(int v) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
+    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
   }
-  __syncthreads();
-  if (lane == 31) warp_s[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < kTopKWarps ? warp_s[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    if (lane < kTopKWarps) warp_s[lane] = w;
-  }
-  __syncthreads();
-  *total = warp_s[kTopKWarps - 1];
-  return x - v + (warp > 0 ? warp_s[warp - 1] : 0);
+  return v;
 }
 
-// Merges an online-softmax pair (m, l) with (m2, l2).
-__device__ __forceinline__ void MergeMl(float& m, float& l, float m2, float l2) {
-  const float mm = fmaxf(m, m2);
-  if (mm == NegInfF()) return;
-  l = (m == NegInfF() ? 0.0f : l * expf(m - mm)) + (m2 == NegInfF() ? 0.0f : l2 * expf(m2 - mm));
-  m = mm;
+// Adds one to bin `bin` (< 256; 256 = none) of `hist` for every lane of the warp, one shared
+// atomic per distinct bin. Every lane of the warp must call it.
+__device__ __forceinline__ void WarpHistogramAdd(uint32_t* hist, uint32_t bin) {
+  const unsigned same = __match_any_sync(0xffffffffu, bin);
+  if (bin < 256 && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
 }
 
-__global__ void __launch_bounds__(kTopKThreads)
+// Block shape of VoteTopKKernel: one block per KV head; warp w owns the 32-candidate chunks
+// [w * cpw, (w + 1) * cpw), lane l candidate chunk * 32 + l (loads coalesced, and the warps'
+// ranges are in index order, which the compaction uses).
+struct TopKShape {
+  int32_t n, chunks, c0, c1;
+};
+
+__device__ __forceinline__ TopKShape MakeTopKShape(int32_t n) {
+  const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+  TopKShape s;
+  s.n = n;
+  s.chunks = (n + 31) / 32;
+  const int32_t cpw = (s.chunks + nwarps - 1) / nwarps;
+  s.c0 = min(s.chunks, warp * cpw);
+  s.c1 = min(s.chunks, s.c0 + cpw);
+  return s;
+}
+
+constexpr int kTopKBatch = 8;  // chunks whose loads a lane has in flight at once
+
+__global__ void __launch_bounds__(kTopKMaxThreads)
     VoteTopKKernel(const float* __restrict__ scores, int group, DeviceCandidates c, int k,
                    float* __restrict__ vote_out, int32_t* __restrict__ selected,
                    uint32_t* __restrict__ global_keys, bool shared_keys) {
   extern __shared__ uint32_t keys_s[];
+  __shared__ float red_s[kSelectMaxGroup][kTopKMaxWarps];
   __shared__ float m_s[kSelectMaxGroup], inv_s[kSelectMaxGroup];
-  __shared__ float red_m[kTopKWarps], red_l[kTopKWarps];
-  __shared__ uint32_t hist[256];
-  __shared__ int scan_s[kTopKWarps];
-  __shared__ uint32_t prefix_s, remaining_s;
+  __shared__ uint32_t hist[2][256];
+  __shared__ int cnt_s[2][kTopKMaxWarps];
+  __shared__ uint32_t prefix_s, mask_s, remaining_s;
+  __shared__ int done_s;
   const int g = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
   const int32_t n = c.count;
+  const TopKShape sh = MakeTopKShape(n);
   uint32_t* keys = shared_keys ? keys_s : global_keys + static_cast<int64_t>(g) * n;
   const float* sg = scores + static_cast<int64_t>(g) * group * n;
+  for (int b = tid; b < 256; b += blockDim.x) hist[0][b] = 0;  // first radix pass (step 3)
 
-  // (1) max and sum of exp per query head; each thread loads kBatch scores before using them.
-  constexpr int kBatch = 8;
+  // (1) max over the valid scores (> -inf; NaN never wins) of each query head: per warp, then
+  // across warps (no barrier between heads).
   for (int h = 0; h < group; ++h) {
     const float* s = sg + static_cast<int64_t>(h) * n;
-    float m = NegInfF(), l = 0.0f;
-    for (int32_t i0 = tid; i0 < n; i0 += kTopKThreads * kBatch) {
-      float x[kBatch];
+    float m = NegInfF();
+    for (int32_t ch = sh.c0; ch < sh.c1; ch += kTopKBatch) {
+      float x[kTopKBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int32_t i = i0 + j * kTopKThreads;
-        x[j] = i < n ? s[i] : NegInfF();
+      for (int j = 0; j < kTopKBatch; ++j) {
+        const int32_t i = (ch + j) * 32 + lane;
+        x[j] = ch + j < sh.c1 && i < n ? s[i] : NegInfF();
       }
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (x[j] > NegInfF()) {  // NaN and -inf are skipped
-          if (x[j] > m) {
-            l = m == NegInfF() ? 0.0f : l * expf(m - x[j]);
-            m = x[j];
-          }
-          l += expf(x[j] - m);
-        }
+      for (int j = 0; j < kTopKBatch; ++j) {
+        if (x[j] > m) m = x[j];
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-      const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
-      MergeMl(m, l, m2, l2);
-    }
-    if (lane == 0) {
-      red_m[warp] = m;
-      red_l[warp] = l;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      float bm = red_m[lane], bl = red_l[lane];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, bm, o);
-        const float l2 = __shfl_xor_sync(0xffffffffu, bl, o);
-        MergeMl(bm, bl, m2, l2);
-      }
-      if (lane == 0) {
-        m_s[h] = bm;
-        inv_s[h] = bm == NegInfF() ? 0.0f : 1.0f / bl;
-      }
-    }
-    __syncthreads();
+    m = WarpMax(m);
+    if (lane == 0) red_s[h][warp] = m;
   }
-
-  // (2) votes and keys, kBatch candidates per thread at a time.
-  for (int32_t i0 = tid; i0 < n; i0 += kTopKThreads * kBatch) {
-    float v[kBatch];
-    bool valid[kBatch];
+  __syncthreads();
+  for (int h = warp; h < group; h += nwarps) {
+    const float m = WarpMax(lane < nwarps ? red_s[h][lane] : NegInfF());
+    if (lane == 0) m_s[h] = m;
+  }
+  __syncthreads();
+  // (2) sum of exp(score - max) of each query head, the same way.
+  for (int h = 0; h < group; ++h) {
+    const float* s = sg + static_cast<int64_t>(h) * n;
+    const float mh = m_s[h];
+    float l = 0.0f;
+    for (int32_t ch = sh.c0; ch < sh.c1 && mh > NegInfF(); ch += kTopKBatch) {
+      float x[kTopKBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) v[j] = 0.0f, valid[j] = false;
+      for (int j = 0; j < kTopKBatch; ++j) {
+        const int32_t i = (ch + j) * 32 + lane;
+        x[j] = ch + j < sh.c1 && i < n ? s[i] : NegInfF();
+      }
+#pragma unroll
+      for (int j = 0; j < kTopKBatch; ++j) {
+        if (x[j] > NegInfF()) l += expf(x[j] - mh);
+      }
+    }
+    l = WarpSum(l);
+    if (lane == 0) red_s[h][warp] = l;
+  }
+  __syncthreads();
+  for (int h = warp; h < group; h += nwarps) {
+    const float l = WarpSum(lane < nwarps ? red_s[h][lane] : 0.0f);
+    if (lane == 0) inv_s[h] = m_s[h] == NegInfF() ? 0.0f : 1.0f / l;
+  }
+  __syncthreads();
+
+  // (3) votes and keys (a 32-bit key that orders candidates by vote; invalid ones get key 0,
+  // below every valid one), and the histogram of the keys' top bytes (first radix pass).
+  for (int32_t ch = sh.c0; ch < sh.c1; ch += kTopKBatch) {
+    float v[kTopKBatch];
+    bool valid[kTopKBatch];
+#pragma unroll
+    for (int j = 0; j < kTopKBatch; ++j) v[j] = 0.0f, valid[j] = false;
     for (int h = 0; h < group; ++h) {
       const float* s = sg + static_cast<int64_t>(h) * n;
       const float mh = m_s[h], ih = inv_s[h];
-      float x[kBatch];
+      float x[kTopKBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int32_t i = i0 + j * kTopKThreads;
-        x[j] = i < n ? s[i] : NegInfF();
+      for (int j = 0; j < kTopKBatch; ++j) {
+        const int32_t i = (ch + j) * 32 + lane;
+        x[j] = ch + j < sh.c1 && i < n ? s[i] : NegInfF();
       }
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
+      for (int j = 0; j < kTopKBatch; ++j) {
         if (x[j] > NegInfF()) {
           valid[j] = true;
           v[j] += expf(x[j] - mh) * ih;
@@ -256,117 +273,131 @@ __global__ void __launch_bounds__(kTopKThreads)
       }
     }
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int32_t i = i0 + j * kTopKThreads;
-      if (i < n) {
-        float vj = v[j];
-        if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
-        const bool ok = valid[j] && CandidateIdAt(c, g, i) >= 0;
-        keys[i] = ok ? __float_as_uint(vj) + 1u : 0u;
-        if (vote_out != nullptr) vote_out[static_cast<int64_t>(g) * n + i] = vj;
+    for (int j = 0; j < kTopKBatch; ++j) {
+      if (ch + j < sh.c1) {  // warp-uniform
+        const int32_t i = (ch + j) * 32 + lane;
+        uint32_t key = 0;
+        if (i < n) {
+          float vj = v[j];
+          if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
+          const bool ok = valid[j] && CandidateIdAt(c, g, i) >= 0;
+          key = ok ? __float_as_uint(vj) + 1u : 0u;
+          keys[i] = key;
+          if (vote_out != nullptr) vote_out[static_cast<int64_t>(g) * n + i] = vj;
+        }
+        WarpHistogramAdd(hist[0], key != 0 ? key >> 24 : 256u);
       }
     }
   }
-  __syncthreads();
 
-  // (3) radix select of the k-th largest key.
+  // (4) radix select over the non-zero keys, 8 bits per pass from the top: after a pass, the
+  // keys whose bits under `mask` exceed `prefix` are all taken, and `remaining` of those equal to
+  // `prefix` under `mask` are (the lowest indices). Stops early once every key equal to the
+  // prefix is taken (for instance when there are at most k valid keys).
   const int32_t kk = min(k, n);
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
-  if (kk > 0) {
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = tid; b < 256; b += kTopKThreads) hist[b] = 0;
-      __syncthreads();
-      // Warp-uniform trip count so that every lane joins __match_any_sync.
-      for (int32_t base = warp * 32; base < n; base += kTopKThreads) {
-        const int32_t i = base + lane;
-        uint32_t bin = 256;  // no bin
+  if (kk == 0) {
+    prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;  // nothing compares above
+  }
+  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+    const int shift = 24 - 8 * pass;
+    uint32_t* hc = hist[pass & 1];
+    if (pass > 0) {
+      // Each thread reads back only the keys it wrote in step 3: no barrier needed for them.
+      for (int32_t ch = sh.c0; ch < sh.c1; ++ch) {
+        const int32_t i = ch * 32 + lane;
+        uint32_t bin = 256;
         if (i < n) {
           const uint32_t key = keys[i];
-          if ((key & mask) == prefix) bin = (key >> shift) & 255u;
+          if (key != 0 && (key & mask) == prefix) bin = (key >> shift) & 255u;
         }
-        const unsigned same = __match_any_sync(0xffffffffu, bin);
-        if (bin < 256 && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+        WarpHistogramAdd(hc, bin);
       }
-      __syncthreads();
-      if (warp == 0) {
-        // Lane L owns bins 255 - 8L .. 248 - 8L (descending); the first lane whose bins reach
-        // `remaining` (counting from the top) walks its bins.
-        uint32_t cb[8], own = 0;
+    }
+    for (int b = tid; b < 256; b += blockDim.x) hist[(pass + 1) & 1][b] = 0;  // next pass
+    __syncthreads();
+    if (warp == 0) {
+      // Lane L owns bins 255 - 8L .. 248 - 8L (descending); the first lane whose bins reach
+      // `remaining` (counting from the top) walks its bins.
+      uint32_t cb[8], own = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        cb[j] = hc[255 - 8 * lane - j];
+        own += cb[j];
+      }
+      uint32_t incl = own;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const uint32_t total = __shfl_sync(0xffffffffu, incl, 31);
+      const uint32_t before = incl - own;
+      const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
+      if (total <= remaining) {
+        // Every key still in the running is taken (only in pass 0: at most k valid keys).
+        if (lane == 0) {
+          prefix_s = prefix, mask_s = mask, remaining_s = total, done_s = 1;
+        }
+      } else if (lane == __ffs(hit) - 1) {
+        uint32_t cum = before, count = cb[7];
+        int b = 248 - 8 * lane;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          cb[j] = hist[255 - 8 * lane - j];
-          own += cb[j];
-        }
-        uint32_t incl = own;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += y;
-        }
-        const uint32_t before = incl - own;
-        const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
-        if (lane == __ffs(hit) - 1) {
-          uint32_t cum = before;
-          int b = 255 - 8 * lane;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            if (j == 7 || cum + cb[j] >= remaining) {
-              b = 255 - 8 * lane - j;
-              break;
-            }
-            cum += cb[j];
+          if (cum + cb[j] >= remaining) {
+            b = 255 - 8 * lane - j;
+            count = cb[j];
+            break;
           }
-          prefix_s = prefix | (static_cast<uint32_t>(b) << shift);
-          remaining_s = remaining - cum;
+          cum += cb[j];
         }
+        prefix_s = prefix | (static_cast<uint32_t>(b) << shift);
+        mask_s = mask | (255u << shift);
+        remaining_s = remaining - cum;
+        done_s = count == remaining - cum || shift == 0;
       }
-      __syncthreads();
-      prefix = prefix_s;
-      remaining = remaining_s;
-      mask |= 255u << shift;
     }
+    __syncthreads();
+    prefix = prefix_s, mask = mask_s, remaining = remaining_s;
+    if (done_s) break;
   }
-  const uint32_t threshold = prefix;  // the k-th largest key (0 when kk == 0)
-  const uint32_t need_eq = remaining;  // keys equal to threshold to take (lowest indices first)
+  const int need_eq = static_cast<int>(remaining);
 
-  // (4) compaction in index order: thread tid owns [tid * per, (tid + 1) * per).
-  const int32_t per = (n + kTopKThreads - 1) / kTopKThreads;
-  const int32_t lo = min(n, tid * per), hi = min(n, lo + per);
-  int eq_count = 0;
-  if (threshold != 0) {
-    for (int32_t i = lo; i < hi; ++i) eq_count += keys[i] == threshold;
+  // (5) compaction in index order: per warp, the counts of keys above the prefix and equal to
+  // it; every warp scans the per-warp counts, then writes its taken candidates through ballots.
+  const unsigned lt = (1u << lane) - 1u;
+  int gt = 0, eq = 0;
+  for (int32_t ch = sh.c0; ch < sh.c1; ++ch) {
+    const int32_t i = ch * 32 + lane;
+    const uint32_t key = i < n ? keys[i] : 0u;
+    gt += __popc(__ballot_sync(0xffffffffu, key != 0 && (key & mask) > prefix));
+    eq += __popc(__ballot_sync(0xffffffffu, key != 0 && (key & mask) == prefix));
   }
-  int eq_total = 0;
-  int eq_before = BlockExclusiveScan(eq_count, scan_s, &eq_total);
-  int take_count = 0;
-  {
-    int e = eq_before;
-    for (int32_t i = lo; i < hi; ++i) {
-      const uint32_t key = keys[i];
-      if (key > threshold) {
-        ++take_count;
-      } else if (threshold != 0 && key == threshold) {
-        if (static_cast<uint32_t>(e) < need_eq) ++take_count;
-        ++e;
-      }
-    }
-  }
-  int taken_total = 0;
-  int pos = BlockExclusiveScan(take_count, scan_s, &taken_total);
+  if (lane == 0) cnt_s[0][warp] = gt, cnt_s[1][warp] = eq;
+  __syncthreads();
+  const int wgt = lane < nwarps ? cnt_s[0][lane] : 0, weq = lane < nwarps ? cnt_s[1][lane] : 0;
+  const int eq_incl = WarpInclusiveScan(weq);
+  const int eq_before = eq_incl - weq;
+  const int take_w = wgt + min(weq, max(0, need_eq - eq_before));
+  const int take_incl = WarpInclusiveScan(take_w);
+  const int taken_total = __shfl_sync(0xffffffffu, take_incl, 31);
+  int eq_run = __shfl_sync(0xffffffffu, eq_before, warp);
+  int pos = __shfl_sync(0xffffffffu, take_incl - take_w, warp);
   int32_t* out = selected + static_cast<int64_t>(g) * k;
-  if (kk > 0) {
-    int e = eq_before;
-    for (int32_t i = lo; i < hi; ++i) {
-      const uint32_t key = keys[i];
-      bool take = key > threshold;
-      if (!take && threshold != 0 && key == threshold) {
-        take = static_cast<uint32_t>(e) < need_eq;
-        ++e;
-      }
-      if (take && pos < k) out[pos++] = CandidateIdAt(c, g, i);
-    }
+  for (int32_t ch = sh.c0; ch < sh.c1; ++ch) {
+    const int32_t i = ch * 32 + lane;
+    const uint32_t key = i < n ? keys[i] : 0u;
+    const bool is_gt = key != 0 && (key & mask) > prefix;
+    const bool is_eq = key != 0 && (key & mask) == prefix;
+    const unsigned eq_mask = __ballot_sync(0xffffffffu, is_eq);
+    const bool take = is_gt || (is_eq && eq_run + __popc(eq_mask & lt) < need_eq);
+    const unsigned take_mask = __ballot_sync(0xffffffffu, take);
+    const int p = pos + __popc(take_mask & lt);
+    if (take && p < k) out[p] = CandidateIdAt(c, g, i);
+    eq_run += __popc(eq_mask);
+    pos += __popc(take_mask);
   }
-  for (int32_t j = (kk > 0 ? taken_total : 0) + tid; j < k; j += kTopKThreads) out[j] = -1;
+  for (int32_t j = taken_total + tid; j < k; j += blockDim.x) out[j] = -1;
 }
 
 // Fast path of both scoring ops: 8 lanes per candidate (4 candidates per warp at a time), each
@@ -614,7 +645,10 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
         VoteTopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  VoteTopKKernel<<<num_kv_heads, kTopKThreads, smem, stream>>>(
+  const int64_t wanted = (static_cast<int64_t>(c.count) + kTopKPerThread - 1) / kTopKPerThread;
+  const int threads = static_cast<int>(
+      std::clamp<int64_t>((wanted + 31) / 32 * 32, 64, kTopKMaxThreads));
+  VoteTopKKernel<<<num_kv_heads, threads, smem, stream>>>(
       scores, group, c, k, vote, selected, static_cast<uint32_t*>(scratch), shared_keys);
   return cudaGetLastError();
 }
