@@ -1,0 +1,758 @@
+// decode_e2e_bench: end-to-end sparse decode of a long document whose KV lives in the host tier,
+// read through the GPU page cache (issue #6, DESIGN.md section 9: tokens/s at 32K-512K for the
+// Llama-3.2-1B and Llama-3.1-8B shapes).
+//
+// Per (shape, context):
+//   Model: the preset's config (model::RandomModelConfig) with random bf16 weights made in memory:
+//     every matrix is a view into one shared pool of normal(0, 0.02) bf16 values (at different
+//     offsets; the pool is as large as the largest matrix) and every norm weight a view into a
+//     pool of 1 + normal(0, 0.02) values, so nothing is written to disk. The Transformer uploads
+//     them to the CUDA backend (the full parameter count is resident on the GPU).
+//   Document: `context` tokens of KV per layer and KV head, generated directly as encoded bf16
+//     pages (page_size 64) into a kvstore::HostCache whose buffers come from a
+//     BackendPageAllocator (pinned memory the cache's fills read in place). Keys of page p of a
+//     (layer, head): a per-page centre c_p (per channel, uniform in [-1.5, 1.5]) plus per-token
+//     triangular noise in [-1, 1]; values: triangular noise in [-1, 1]. Minmax summaries (per
+//     channel min then max of the page's keys) are computed on the host and uploaded to device
+//     memory ([layers][kv_heads, pages, 2 * head_dim] f32). Nothing is prefilled.
+//   Decode: a GpuPageCache with --cache_fraction of the document's pages as slots and
+//     GpuCacheAttention (MissPolicy::kWait) with a device chooser: per layer, the layer's query
+//     (host, as the hook receives it) is copied to the device, Backend::ScoreSummaries scores the
+//     middle pages [1, pages - window_pages) of every KV head, Backend::VoteTopK keeps
+//     budget_tokens / page_size of them per head, and the selection [kv_heads, k] is copied back
+//     to the host for the cache's Acquire; page 0 (sink) and the last window_pages pages are
+//     always attended. The local KvCache (bf16, dense policy) holds the prompt and generated
+//     tokens. The prompt (--prompt tokens) is fed one token at a time like a decode step; then
+//     tokens are generated greedily (argmax of the host logits). The first --warmup steps
+//     (prompt included) are not measured; the next --tokens are.
+//   Reported: tokens/s and ms per token split into: selection (the device chooser: q upload,
+//     ScoreSummaries, VoteTopK, selection copy back), cache fills (GpuCacheStats gather + copy +
+//     wait: host-side time of the fill path inside Acquire), attention hook rest (the rest of
+//     GpuCacheAttention::Attend: Acquire bookkeeping, PagedAttention, copies of the partials back
+//     to the host, Release), and the rest of the forward (projections, MLP, local attention,
+//     merge, LM head, logits copy). GPU memory used (cudaMemGetInfo total - free) before the
+//     backend, after the weights, after the summaries and cache, and after decode; the GPU page
+//     cache hit ratio over the measured steps.
+//   With --host_chooser_max_context >= context, the same decode is repeated with the host
+//     MinMaxChooser (summaries read from the host tier) for --host_tokens measured tokens.
+//
+// Usage: decode_e2e_bench [--shapes=llama-3.2-1b,llama-3.1-8b] [--contexts=32768,131072,524288]
+//   [--flag=value ...]. CUDA backend (--backend=cpu runs the same code on the CPU backend, for a
+//   smoke test with --shapes=tiny). Prints one line per run and a table at the end.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/clock.h"
+#include "base/status_macros.h"
+#include "engine/attention_policy.h"
+#include "engine/gpu_cache_attention.h"
+#include "engine/kv_cache.h"
+#include "engine/transformer.h"
+#include "kernels/backend.h"
+#include "kernels/backend_factory.h"
+#include "kvstore/backend_page_allocator.h"
+#include "kvstore/gpu_cache.h"
+#include "kvstore/host_cache.h"
+#include "kvstore/page_format.h"
+#include "model/config.h"
+#include "model/random_model.h"
+#include "model/weights.h"
+
+namespace strata {
+namespace {
+
+using kernels::DType;
+using kernels::TensorView;
+
+struct Flags {
+  std::string shapes = "llama-3.2-1b,llama-3.1-8b";
+  std::string contexts = "32768,131072,524288";
+  std::string backend = "cuda";  // "cpu" runs the same code on the CPU backend (a smoke test)
+  int page_size = 64;
+  int budget_tokens = 2048;
+  int window_pages = 2;
+  double cache_fraction = 0.05;
+  int prompt = 16;
+  int warmup = 16;  // steps not measured (the prompt steps count)
+  int tokens = 64;  // measured steps
+  int64_t host_chooser_max_context = 32768;
+  int host_tokens = 16;
+  int threads = 0;  // KV generation threads; 0: hardware concurrency
+  uint64_t seed = 1;
+};
+
+bool ParseFlag(const std::string& arg, Flags* f) {
+  const size_t eq = arg.find('=');
+  if (arg.rfind("--", 0) != 0 || eq == std::string::npos) return false;
+  const std::string k = arg.substr(2, eq - 2), v = arg.substr(eq + 1);
+  int64_t i = 0;
+  double x = 0;
+  if (k == "shapes") { f->shapes = v; return true; }
+  if (k == "contexts") { f->contexts = v; return true; }
+  if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
+  if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
+  if (!absl::SimpleAtoi(v, &i) || i < 0) return false;
+  if (k == "page_size") { f->page_size = static_cast<int>(i); return i > 0; }
+  if (k == "budget_tokens") { f->budget_tokens = static_cast<int>(i); return true; }
+  if (k == "window_pages") { f->window_pages = static_cast<int>(i); return true; }
+  if (k == "prompt") { f->prompt = static_cast<int>(i); return i > 0; }
+  if (k == "warmup") { f->warmup = static_cast<int>(i); return true; }
+  if (k == "tokens") { f->tokens = static_cast<int>(i); return i > 0; }
+  if (k == "host_chooser_max_context") { f->host_chooser_max_context = i; return true; }
+  if (k == "host_tokens") { f->host_tokens = static_cast<int>(i); return i > 0; }
+  if (k == "threads") { f->threads = static_cast<int>(i); return true; }
+  if (k == "seed") { f->seed = static_cast<uint64_t>(i); return true; }
+  return false;
+}
+
+double GpuUsedGiB() {
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return NAN;
+  return static_cast<double>(total_b - free_b) / (1 << 30);
+}
+
+// splitmix64: a fast, seedable stream for bulk random data.
+struct Rng {
+  uint64_t s;
+  uint64_t Next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1).
+  float Uniform() { return static_cast<float>(Next() >> 40) * (2.0f / 16777216.0f) - 1.0f; }
+};
+
+inline uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);  // round to nearest even (inputs are finite)
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float FromBf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+int NumThreads(const Flags& f) {
+  if (f.threads > 0) return f.threads;
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+template <typename Fn>
+void ParallelFor(int64_t n, int threads, Fn fn) {
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&] {
+      for (int64_t i = next++; i < n; i = next++) fn(i);
+    });
+  }
+  for (auto& t : ts) t.join();
+}
+
+// Fills `n` bf16 values: mean + std * (sum of 3 uniforms) * 1 (approximately normal).
+void FillNormalBf16(uint16_t* out, int64_t n, float mean, float std, uint64_t seed, int threads) {
+  const int64_t block = int64_t{1} << 20;
+  ParallelFor((n + block - 1) / block, threads, [&](int64_t b) {
+    Rng r{seed * 0x1234567ULL + static_cast<uint64_t>(b)};
+    const int64_t end = std::min(n, (b + 1) * block);
+    for (int64_t i = b * block; i < end; ++i) {
+      const float z = r.Uniform() + r.Uniform() + r.Uniform();  // variance 1
+      out[i] = ToBf16(mean + std * z);
+    }
+  });
+}
+
+// Random in-memory bf16 weights for `config` (see the file comment).
+struct RandomWeights {
+  std::vector<uint16_t> matrix_pool;
+  std::vector<uint16_t> norm_pool;
+  model::ModelWeights weights;
+};
+
+std::unique_ptr<RandomWeights> MakeWeights(const model::ModelConfig& c, uint64_t seed,
+                                           int threads) {
+  auto w = std::make_unique<RandomWeights>();
+  const int64_t H = c.hidden_size, I = c.intermediate_size, d = c.head_dim;
+  const int64_t qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+  const int64_t largest = std::max({c.vocab_size * H, I * H, qd * H});
+  const int64_t pool = largest + 4096 * 16;
+  w->matrix_pool.resize(static_cast<size_t>(pool));
+  FillNormalBf16(w->matrix_pool.data(), pool, 0.0f, 0.02f, seed, threads);
+  w->norm_pool.resize(static_cast<size_t>(H) + 4096);
+  FillNormalBf16(w->norm_pool.data(), H + 4096, 1.0f, 0.02f, seed + 1, threads);
+  int64_t salt = 0;
+  auto mat = [&](int64_t rows, int64_t cols) {
+    const int64_t span = pool - rows * cols;
+    const int64_t off = ((salt++ * 7919) % 16) * 4096 % (span + 1);
+    return TensorView(w->matrix_pool.data() + off, DType::kBF16, {rows, cols});
+  };
+  auto norm = [&](int64_t n) {
+    const int64_t off = (salt++ * 131) % 4096;
+    return TensorView(w->norm_pool.data() + off, DType::kBF16, {n});
+  };
+  model::ModelWeights& mw = w->weights;
+  mw.embed_tokens = mat(c.vocab_size, H);
+  mw.layers.resize(static_cast<size_t>(c.num_layers));
+  for (model::LayerWeights& l : mw.layers) {
+    l.input_norm = norm(H);
+    l.q_proj = mat(qd, H);
+    l.k_proj = mat(kvd, H);
+    l.v_proj = mat(kvd, H);
+    l.o_proj = mat(H, qd);
+    l.post_attention_norm = norm(H);
+    l.gate_proj = mat(I, H);
+    l.up_proj = mat(I, H);
+    l.down_proj = mat(H, I);
+  }
+  mw.final_norm = norm(H);
+  mw.lm_head = c.tie_word_embeddings ? mw.embed_tokens : mat(c.vocab_size, H);
+  return w;
+}
+
+// The document's KV in the host tier plus its summaries (host copy, layout per layer
+// [kv_heads, pages, 2 * d] f32).
+struct Document {
+  kvstore::DocumentId id;
+  int64_t tokens = 0;
+  int64_t pages = 0;
+  std::unique_ptr<kvstore::BackendPageAllocator> allocator;
+  std::unique_ptr<kvstore::HostCache> host;  // the pages (pinned, read in place by the fills)
+  // The summaries for the host MinMaxChooser (plain memory), when asked for.
+  std::unique_ptr<kvstore::HostCache> summary_host;
+  std::vector<float> summaries;  // [layers][kv_heads][pages][2 d]
+  double seconds = 0;
+};
+
+absl::StatusOr<std::unique_ptr<Document>> MakeDocument(const model::ModelConfig& c,
+                                                       kernels::Backend* backend, int64_t tokens,
+                                                       bool host_summaries, const Flags& f) {
+  Stopwatch sw;
+  auto doc = std::make_unique<Document>();
+  doc->id.bytes.fill(0x5a);
+  doc->tokens = tokens;
+  const int P = f.page_size, d = static_cast<int>(c.head_dim);
+  doc->pages = (tokens + P - 1) / P;
+  kvstore::PageShape shape;
+  shape.dtype = DType::kBF16;
+  shape.page_size = P;
+  shape.head_dim = d;
+  const size_t page_bytes = shape.EncodedBytes();
+  doc->allocator = std::make_unique<kvstore::BackendPageAllocator>(backend, page_bytes);
+  const int64_t heads = c.num_layers * c.num_kv_heads;
+  const int64_t total_pages = heads * doc->pages;
+  kvstore::HostCacheOptions ho;
+  ho.capacity_bytes = static_cast<int64_t>(total_pages * page_bytes + (int64_t{64} << 20));
+  ho.allocator = doc->allocator.get();
+  STRATA_ASSIGN_OR_RETURN(doc->host, kvstore::HostCache::Create(ho));
+  if (host_summaries) {
+    kvstore::HostCacheOptions so;
+    so.capacity_bytes =
+        static_cast<int64_t>(total_pages * 2 * d * sizeof(float) + (int64_t{64} << 20));
+    STRATA_ASSIGN_OR_RETURN(doc->summary_host, kvstore::HostCache::Create(so));
+  }
+  doc->summaries.resize(static_cast<size_t>(total_pages) * 2 * d);
+  std::atomic<bool> failed{false};
+  absl::Status first_error;
+  std::mutex error_mu;
+  ParallelFor(heads, NumThreads(f), [&](int64_t lh) {
+    if (failed) return;
+    const uint32_t layer = static_cast<uint32_t>(lh / c.num_kv_heads);
+    const uint32_t head = static_cast<uint32_t>(lh % c.num_kv_heads);
+    Rng r{f.seed * 0x9e3779b1ULL + static_cast<uint64_t>(lh) * 0x100000001b3ULL};
+    std::vector<uint16_t> k(static_cast<size_t>(P) * d), v(static_cast<size_t>(P) * d);
+    std::vector<float> centre(d);
+    std::vector<kvstore::PageWrite> writes;
+    std::vector<kvstore::SummaryWrite> sums;
+    auto flush = [&]() -> absl::Status {
+      absl::Status s = doc->host->Put(writes, {});
+      if (s.ok() && !sums.empty()) s = doc->summary_host->Put({}, sums);
+      writes.clear();
+      sums.clear();
+      return s;
+    };
+    for (int64_t p = 0; p < doc->pages; ++p) {
+      const int valid = static_cast<int>(std::min<int64_t>(P, tokens - p * P));
+      float* sum = &doc->summaries[(static_cast<size_t>(lh) * doc->pages + p) * 2 * d];
+      for (int j = 0; j < d; ++j) {
+        centre[j] = 1.5f * r.Uniform();
+        sum[j] = INFINITY;
+        sum[d + j] = -INFINITY;
+      }
+      for (int t = 0; t < valid; ++t) {
+        for (int j = 0; j < d; ++j) {
+          const uint16_t kb = ToBf16(centre[j] + 0.5f * (r.Uniform() + r.Uniform()));
+          k[static_cast<size_t>(t) * d + j] = kb;
+          v[static_cast<size_t>(t) * d + j] = ToBf16(0.5f * (r.Uniform() + r.Uniform()));
+          const float kf = FromBf16(kb);
+          sum[j] = std::min(sum[j], kf);
+          sum[d + j] = std::max(sum[d + j], kf);
+        }
+      }
+      absl::StatusOr<std::string> enc =
+          kvstore::EncodePage(shape, TensorView(k.data(), DType::kBF16, {valid, d}),
+                              TensorView(v.data(), DType::kBF16, {valid, d}));
+      absl::StatusOr<kvstore::PageRef> buf =
+          enc.ok() ? kvstore::PageBuffer::Copy(*enc, doc->allocator.get())
+                   : absl::StatusOr<kvstore::PageRef>(enc.status());
+      absl::Status s = buf.status();
+      if (s.ok()) {
+        writes.push_back(kvstore::PageWrite{kvstore::PageKey{doc->id, layer, head,
+                                                             static_cast<uint32_t>(p)},
+                                            *std::move(buf)});
+        if (host_summaries) {
+          absl::StatusOr<kvstore::PageRef> sb = kvstore::PageBuffer::Copy(absl::string_view(
+              reinterpret_cast<const char*>(sum), 2 * d * sizeof(float)));
+          s = sb.status();
+          if (s.ok()) {
+            sums.push_back(kvstore::SummaryWrite{
+                kvstore::SummaryKey{doc->id, layer, head, 1, static_cast<uint32_t>(p)},
+                *std::move(sb)});
+          }
+        }
+      }
+      if (s.ok() && writes.size() >= 1024) s = flush();
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> l(error_mu);
+        if (!failed.exchange(true)) first_error = s;
+        return;
+      }
+    }
+    absl::Status s = flush();
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> l(error_mu);
+      if (!failed.exchange(true)) first_error = s;
+    }
+  });
+  if (failed) return first_error;
+  if (doc->host->num_entries() != total_pages ||
+      (host_summaries && doc->summary_host->num_entries() != total_pages)) {
+    return absl::InternalError(absl::StrCat("host tier holds ", doc->host->num_entries(),
+                                            " entries, expected ", total_pages));
+  }
+  doc->seconds = sw.ElapsedSeconds();
+  return doc;
+}
+
+// The device chooser (see the file comment). Called by GpuCacheAttention for KV heads 0..hkv-1 of
+// a layer in turn with the same q: head 0 runs the selection of every head, the others read it.
+class DeviceChooser {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceChooser>> Create(const model::ModelConfig& c,
+                                                               kernels::Backend* backend,
+                                                               const Document& doc,
+                                                               const Flags& f) {
+    auto ch = std::unique_ptr<DeviceChooser>(new DeviceChooser);
+    ch->backend_ = backend;
+    ch->hkv_ = static_cast<int>(c.num_kv_heads);
+    ch->hq_ = static_cast<int>(c.num_heads);
+    ch->d_ = static_cast<int>(c.head_dim);
+    ch->pages_ = doc.pages;
+    ch->window_first_ = std::max<int64_t>(1, doc.pages - f.window_pages);
+    ch->k_ = std::max<int64_t>(1, f.budget_tokens / f.page_size);
+    const int64_t n = ch->window_first_ - 1;  // middle candidates
+    const size_t layer_floats = static_cast<size_t>(ch->hkv_) * doc.pages * 2 * ch->d_;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      STRATA_ASSIGN_OR_RETURN(auto buf, backend->Allocate(layer_floats * sizeof(float)));
+      STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buf->data(),
+                                                   doc.summaries.data() + l * layer_floats,
+                                                   layer_floats * sizeof(float), nullptr));
+      ch->summaries_.push_back(std::move(buf));
+    }
+    STRATA_ASSIGN_OR_RETURN(ch->q_, backend->Allocate(static_cast<size_t>(ch->hq_) * ch->d_ * 4));
+    STRATA_ASSIGN_OR_RETURN(
+        ch->scores_, backend->Allocate(static_cast<size_t>(ch->hq_) * std::max<int64_t>(1, n) * 4));
+    STRATA_ASSIGN_OR_RETURN(ch->selected_,
+                            backend->Allocate(static_cast<size_t>(ch->hkv_) * ch->k_ * 4));
+    ch->host_selected_.resize(static_cast<size_t>(ch->hkv_) * ch->k_);
+    STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+    return ch;
+  }
+
+  absl::Status Choose(int layer, int kv_head, const float* q, int num_tokens, int num_q_heads,
+                      std::vector<int32_t>* pages) {
+    if (num_tokens != 1 || num_q_heads != hq_ || layer < 0 ||
+        layer >= static_cast<int>(summaries_.size())) {
+      return absl::InvalidArgumentError("DeviceChooser: one query token of the model's heads only");
+    }
+    if (kv_head == 0) {
+      Stopwatch sw;
+      const int64_t n = window_first_ - 1;
+      const int group = hq_ / hkv_;
+      if (n > 0) {
+        STRATA_RETURN_IF_ERROR(
+            backend_->CopyToDevice(q_->data(), q, static_cast<size_t>(hq_) * d_ * 4, nullptr));
+        kernels::CandidateList cand;
+        cand.begin = 1;
+        cand.end = window_first_;
+        kernels::ScoreSummariesParams sp;
+        sp.q = q_->View(DType::kF32, {hq_, d_});
+        sp.summaries = summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_});
+        sp.candidates = cand;
+        sp.scale = 1.0f / std::sqrt(static_cast<float>(d_));
+        sp.scores = scores_->View(DType::kF32, {hkv_, group, n});
+        STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(sp, nullptr));
+        kernels::VoteTopKParams vp;
+        vp.scores = sp.scores;
+        vp.candidates = cand;
+        vp.k = k_;
+        vp.selected = selected_->View(DType::kI32, {hkv_, k_});
+        STRATA_RETURN_IF_ERROR(backend_->VoteTopK(vp, nullptr));
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), selected_->data(),
+                                                    host_selected_.size() * 4, nullptr));
+      } else {
+        std::fill(host_selected_.begin(), host_selected_.end(), -1);
+      }
+      seconds_ += sw.ElapsedSeconds();
+    }
+    if (kv_head < 0 || kv_head >= hkv_) return absl::InvalidArgumentError("DeviceChooser: head");
+    pages->push_back(0);
+    const int32_t* sel = &host_selected_[static_cast<size_t>(kv_head) * k_];
+    for (int64_t i = 0; i < k_; ++i) {
+      if (sel[i] < 1 || sel[i] >= window_first_) continue;  // -1 padding (or out of range)
+      pages->push_back(sel[i]);
+    }
+    for (int64_t p = window_first_; p < pages_; ++p) pages->push_back(static_cast<int32_t>(p));
+    std::sort(pages->begin(), pages->end());
+    pages->erase(std::unique(pages->begin(), pages->end()), pages->end());
+    return absl::OkStatus();
+  }
+
+  double seconds() const { return seconds_; }
+  int64_t device_bytes() const {
+    return static_cast<int64_t>(summaries_.size()) * hkv_ * pages_ * 2 * d_ * 4;
+  }
+
+ private:
+  DeviceChooser() = default;
+  kernels::Backend* backend_ = nullptr;
+  int hkv_ = 0, hq_ = 0, d_ = 0;
+  int64_t pages_ = 0, window_first_ = 0, k_ = 0;
+  std::vector<std::unique_ptr<kernels::Buffer>> summaries_;
+  std::unique_ptr<kernels::Buffer> q_, scores_, selected_;
+  std::vector<int32_t> host_selected_;
+  double seconds_ = 0;
+};
+
+// Times the hook's Attend calls.
+class TimedAttention : public engine::ExternalAttention {
+ public:
+  explicit TimedAttention(engine::ExternalAttention* inner) : inner_(inner) {}
+  absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
+                      std::vector<engine::AttentionPartial>* parts) override {
+    Stopwatch sw;
+    absl::Status s = inner_->Attend(layer, q, num_tokens, num_q_heads, q_begin, parts);
+    seconds_ += sw.ElapsedSeconds();
+    return s;
+  }
+  double seconds() const { return seconds_; }
+
+ private:
+  engine::ExternalAttention* inner_;
+  double seconds_ = 0;
+};
+
+struct RunResult {
+  std::string shape;
+  std::string chooser;
+  int64_t context = 0;
+  int tokens = 0;
+  double tok_s = 0;
+  double ms_total = 0, ms_select = 0, ms_fill = 0, ms_attend_rest = 0, ms_rest = 0;
+  double hit_ratio = 0;
+  double fill_mb_per_token = 0;
+  int64_t cache_slots = 0;
+  int64_t doc_pages_total = 0;
+  double gpu_weights_gib = 0, gpu_ready_gib = 0, gpu_end_gib = 0;
+  double host_kv_gib = 0;
+  double doc_seconds = 0;
+  int64_t pages_per_step = 0;
+  int32_t last_token = 0;
+  int64_t agree_same = 0, agree_total = 0;  // device vs host chooser, warm-up steps
+};
+
+absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
+                    kernels::Backend* backend, const Document& doc, bool device_chooser,
+                    int measured, const Flags& f, RunResult* res) {
+  const int P = f.page_size;
+  const int64_t heads = c.num_layers * c.num_kv_heads;
+  kvstore::GpuCacheOptions go;
+  go.document = doc.id;
+  go.num_layers = static_cast<int>(c.num_layers);
+  go.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  go.pages_per_head = doc.pages;
+  go.page_size = P;
+  go.head_dim = static_cast<int>(c.head_dim);
+  go.num_slots = std::max<int64_t>(1, static_cast<int64_t>(f.cache_fraction * heads * doc.pages));
+  go.source = doc.host.get();
+  go.in_place_allocator = doc.allocator.get();
+  STRATA_ASSIGN_OR_RETURN(auto cache, kvstore::GpuPageCache::Create(go, backend));
+  res->cache_slots = go.num_slots;
+  res->doc_pages_total = heads * doc.pages;
+
+  std::unique_ptr<DeviceChooser> dev;
+  engine::GpuCacheAttentionOptions ao;
+  ao.document_tokens = doc.tokens;
+  double host_chooser_seconds = 0;
+  engine::MinMaxChooserOptions mo;
+  mo.store = doc.summary_host.get();
+  mo.document = doc.id;
+  mo.summary_kind = 1;
+  mo.num_layers = static_cast<int>(c.num_layers);
+  mo.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  mo.head_dim = static_cast<int>(c.head_dim);
+  mo.num_pages = doc.pages;
+  mo.budget_pages = std::max(1, f.budget_tokens / P);
+  mo.window_pages = f.window_pages;
+  // With host summaries, the device selections of the warm-up steps are compared with the host
+  // MinMaxChooser's on the same queries (pages chosen by both / pages chosen).
+  struct Agreement {
+    bool on = false;
+    int64_t same = 0, total = 0;
+  };
+  auto agree = std::make_shared<Agreement>();
+  if (device_chooser) {
+    STRATA_ASSIGN_OR_RETURN(dev, DeviceChooser::Create(c, backend, doc, f));
+    DeviceChooser* d = dev.get();
+    engine::PageChooser check;
+    if (mo.store != nullptr) {
+      check = engine::MakeMinMaxChooser(mo);
+      agree->on = true;
+    }
+    ao.chooser = [d, check, agree](int layer, int g, const float* q, int nt, int nq,
+                                   std::vector<int32_t>* pages) -> absl::Status {
+      STRATA_RETURN_IF_ERROR(d->Choose(layer, g, q, nt, nq, pages));
+      if (agree->on) {
+        std::vector<int32_t> want;
+        STRATA_RETURN_IF_ERROR(check(layer, g, q, nt, nq, &want));
+        std::vector<int32_t> both;
+        std::set_intersection(pages->begin(), pages->end(), want.begin(), want.end(),
+                              std::back_inserter(both));
+        agree->same += static_cast<int64_t>(both.size());
+        agree->total += static_cast<int64_t>(want.size());
+      }
+      return absl::OkStatus();
+    };
+  } else {
+    if (mo.store == nullptr) return absl::FailedPreconditionError("no host summaries");
+    engine::PageChooser inner = engine::MakeMinMaxChooser(mo);
+    double* acc = &host_chooser_seconds;
+    ao.chooser = [inner, acc](int layer, int g, const float* q, int nt, int nq,
+                              std::vector<int32_t>* pages) {
+      Stopwatch sw;
+      absl::Status s = inner(layer, g, q, nt, nq, pages);
+      *acc += sw.ElapsedSeconds();
+      return s;
+    };
+  }
+  STRATA_ASSIGN_OR_RETURN(auto gca, engine::GpuCacheAttention::Create(ao, cache.get(), backend));
+  TimedAttention timed(gca.get());
+  res->gpu_ready_gib = GpuUsedGiB();
+
+  const int steps = f.warmup + measured;
+  STRATA_ASSIGN_OR_RETURN(
+      auto local, engine::KvCache::Create(tf->MakeCacheOptions(steps + 8, P, DType::kBF16),
+                                          backend));
+  auto dense = engine::MakeDensePolicy();
+  engine::ForwardOptions fo;
+  fo.cache_first_position = doc.tokens;
+  fo.external = &timed;
+  const int64_t V = c.vocab_size;
+  std::vector<float> logits(static_cast<size_t>(V));
+  int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
+  Stopwatch sw;
+  double t0 = 0, sel0 = 0, attend0 = 0, fill0 = 0;
+  kvstore::GpuCacheStats s0;
+  int64_t pages0 = 0;
+  for (int step = 0; step < steps; ++step) {
+    if (step == f.warmup) {
+      agree->on = false;  // the check is not part of the measured steps
+      STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+      t0 = sw.ElapsedSeconds();
+      sel0 = device_chooser ? dev->seconds() : host_chooser_seconds;
+      attend0 = timed.seconds();
+      s0 = cache->stats();
+      fill0 = s0.gather_seconds + s0.copy_seconds + s0.wait_seconds;
+      pages0 = gca->counters().pages_attended;
+    }
+    const int64_t pos = doc.tokens + step;
+    STRATA_RETURN_IF_ERROR(
+        tf->Forward(&token, 1, pos, local.get(), dense.get(), logits.data(), false, fo));
+    if (step + 1 >= f.prompt) {  // generated: greedy
+      token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                   logits.begin());
+    } else {  // prompt tokens: a fixed pseudo-random sequence
+      token = static_cast<int32_t>((static_cast<int64_t>(token) * 7919 + 13) % V);
+    }
+  }
+  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+  const double total = sw.ElapsedSeconds() - t0;
+  const kvstore::GpuCacheStats s1 = cache->stats();
+  const double sel = (device_chooser ? dev->seconds() : host_chooser_seconds) - sel0;
+  const double attend = timed.seconds() - attend0;
+  const double fill = s1.gather_seconds + s1.copy_seconds + s1.wait_seconds - fill0;
+  res->tokens = measured;
+  res->tok_s = measured / total;
+  res->ms_total = 1e3 * total / measured;
+  res->ms_select = 1e3 * sel / measured;
+  res->ms_fill = 1e3 * fill / measured;
+  res->ms_attend_rest = 1e3 * (attend - sel - fill) / measured;
+  res->ms_rest = 1e3 * (total - attend) / measured;
+  const int64_t lookups = s1.lookups - s0.lookups;
+  res->hit_ratio = lookups > 0 ? static_cast<double>(s1.hits - s0.hits) / lookups : NAN;
+  res->fill_mb_per_token = static_cast<double>(s1.fill_bytes - s0.fill_bytes) / measured / 1e6;
+  res->pages_per_step = (gca->counters().pages_attended - pages0) / measured;
+  res->gpu_end_gib = GpuUsedGiB();
+  res->last_token = token;
+  res->agree_same = agree->same;
+  res->agree_total = agree->total;
+  return absl::OkStatus();
+}
+
+void Print(const RunResult& r) {
+  std::printf(
+      "RESULT shape=%s chooser=%s context=%" PRId64 " tokens=%d tok/s=%.1f ms/token=%.2f "
+      "[select %.2f, fills %.2f, attend-hook rest %.2f, rest of forward %.2f] hit=%.4f "
+      "fill=%.1f MB/token pages/step=%" PRId64 " slots=%" PRId64 " of %" PRId64
+      " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f\n",
+      r.shape.c_str(), r.chooser.c_str(), r.context, r.tokens, r.tok_s, r.ms_total, r.ms_select,
+      r.ms_fill, r.ms_attend_rest, r.ms_rest, r.hit_ratio, r.fill_mb_per_token, r.pages_per_step,
+      r.cache_slots, r.doc_pages_total, r.gpu_weights_gib, r.gpu_ready_gib, r.gpu_end_gib,
+      r.host_kv_gib, r.doc_seconds);
+  if (r.agree_total > 0) {
+    std::printf("  device selection vs host MinMaxChooser (warm-up steps): %" PRId64 " of %" PRId64
+                " pages agree (%.4f)\n",
+                r.agree_same, r.agree_total, static_cast<double>(r.agree_same) / r.agree_total);
+  }
+  std::fflush(stdout);
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    if (!ParseFlag(argv[i], &f)) {
+      std::fprintf(stderr, "bad flag %s (see the file comment)\n", argv[i]);
+      return 2;
+    }
+  }
+  std::vector<int64_t> contexts;
+  for (absl::string_view s : absl::StrSplit(f.contexts, ',', absl::SkipEmpty())) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(s, &v) || v < f.page_size * 4) {
+      std::fprintf(stderr, "bad context %s\n", std::string(s).c_str());
+      return 2;
+    }
+    contexts.push_back(v);
+  }
+  const double gpu_before = GpuUsedGiB();
+  kernels::BackendOptions bo;
+  bo.kind = f.backend == "cpu" ? kernels::BackendKind::kCpu : kernels::BackendKind::kCuda;
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend_or = kernels::MakeBackend(bo);
+  if (!backend_or.ok()) {
+    std::fprintf(stderr, "decode_e2e_bench: no %s backend: %s\n", f.backend.c_str(),
+                 backend_or.status().ToString().c_str());
+    return 1;
+  }
+  kernels::Backend* backend = backend_or->get();
+  std::printf("backend: %s; GPU memory used before the backend: %.2f GiB\n",
+              backend->Name().c_str(), gpu_before);
+  std::vector<RunResult> results;
+  int failures = 0;
+  for (absl::string_view shape : absl::StrSplit(f.shapes, ',', absl::SkipEmpty())) {
+    model::RandomModelOptions mo;
+    mo.preset = std::string(shape);
+    mo.dtype = DType::kBF16;
+    absl::StatusOr<model::ModelConfig> config = model::RandomModelConfig(mo);
+    if (!config.ok()) {
+      std::fprintf(stderr, "%s: %s\n", mo.preset.c_str(), config.status().ToString().c_str());
+      return 1;
+    }
+    config->max_position_embeddings =
+        std::max<int64_t>(config->max_position_embeddings, contexts.back() + 4096);
+    Stopwatch wsw;
+    auto weights = MakeWeights(*config, f.seed, NumThreads(f));
+    engine::TransformerOptions to;
+    to.prefill_chunk_size = 16;
+    absl::StatusOr<std::unique_ptr<engine::Transformer>> tf =
+        engine::Transformer::Create(*config, weights->weights, backend, to);
+    if (!tf.ok()) {
+      std::fprintf(stderr, "%s: Transformer::Create: %s\n", mo.preset.c_str(),
+                   tf.status().ToString().c_str());
+      return 1;
+    }
+    const double gpu_weights = GpuUsedGiB();
+    std::printf("model %s: %s; weights made and uploaded in %.1f s; GPU used %.2f GiB\n",
+                mo.preset.c_str(), config->DebugString().c_str(), wsw.ElapsedSeconds(),
+                gpu_weights);
+    std::fflush(stdout);
+    for (int64_t ctx : contexts) {
+      const bool host_cmp = ctx <= f.host_chooser_max_context;
+      absl::StatusOr<std::unique_ptr<Document>> doc =
+          MakeDocument(*config, backend, ctx, host_cmp, f);
+      if (!doc.ok()) {
+        std::printf("FAILED shape=%s context=%" PRId64 ": document: %s\n", mo.preset.c_str(), ctx,
+                    doc.status().ToString().c_str());
+        ++failures;
+        continue;
+      }
+      for (int pass = 0; pass < (host_cmp ? 2 : 1); ++pass) {
+        RunResult r;
+        r.shape = mo.preset;
+        r.chooser = pass == 0 ? "device" : "host-minmax";
+        r.context = ctx;
+        r.gpu_weights_gib = gpu_weights;
+        r.host_kv_gib = static_cast<double>((*doc)->allocator->reserved_bytes()) / (1 << 30);
+        r.doc_seconds = (*doc)->seconds;
+        absl::Status s = Decode(*config, tf->get(), backend, **doc, pass == 0,
+                                pass == 0 ? f.tokens : f.host_tokens, f, &r);
+        if (!s.ok()) {
+          std::printf("FAILED shape=%s chooser=%s context=%" PRId64 ": %s\n", mo.preset.c_str(),
+                      r.chooser.c_str(), ctx, s.ToString().c_str());
+          std::fflush(stdout);
+          ++failures;
+          continue;
+        }
+        Print(r);
+        results.push_back(r);
+      }
+    }
+  }
+  std::printf("\n| shape | chooser | context | tok/s | ms/token | select | fills | attend rest | "
+              "rest | hit ratio | fill MB/tok | GPU GiB (weights / ready / end) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const RunResult& r : results) {
+    std::printf("| %s | %s | %" PRId64 " | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.3f | "
+                "%.1f | %.2f / %.2f / %.2f |\n",
+                r.shape.c_str(), r.chooser.c_str(), r.context, r.tok_s, r.ms_total, r.ms_select,
+                r.ms_fill, r.ms_attend_rest, r.ms_rest, r.hit_ratio, r.fill_mb_per_token,
+                r.gpu_weights_gib, r.gpu_ready_gib, r.gpu_end_gib);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace strata
+
+int main(int argc, char** argv) { return strata::Main(argc, argv); }
