@@ -117,7 +117,7 @@ class PolicyImpl : public SparsePolicy {
         group_(hq / hkv),
         d_(d),
         scale_(1.0f / std::sqrt(static_cast<float>(d))),
-        segment_pages_(o.segment_pages > 0 ? o.segment_pages : std::max(1, 512 / o.page_size)),
+        segment_pages_(o.EffectiveSegmentPages()),
         dense_layer_(num_layers, false),
         heads_(static_cast<size_t>(num_layers) * hkv) {
     for (int l : o.dense_layers) dense_layer_[l] = true;

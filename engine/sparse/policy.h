@@ -50,6 +50,7 @@
 #ifndef STRATA_ENGINE_SPARSE_POLICY_H_
 #define STRATA_ENGINE_SPARSE_POLICY_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -129,6 +130,10 @@ struct PolicyOptions {
   double subgen_radius = 0.5;
   uint64_t subgen_seed = 0x5b6e;
 
+  // Pages per segment actually used: segment_pages, or max(1, 512 / page_size) when it is 0.
+  int EffectiveSegmentPages() const {
+    return segment_pages > 0 ? segment_pages : (page_size > 0 ? std::max(1, 512 / page_size) : 1);
+  }
   // The effective summary: DefaultSummary(kind) for kDefault, else summary.
   SummaryKind EffectiveSummary() const {
     return summary == SummaryKind::kDefault ? DefaultSummary(kind) : summary;

@@ -151,6 +151,18 @@ TEST(PolicyOptionsTest, ParseAndValidate) {
 
 // Every policy whose budget covers the whole context is exact (equals dense), for decode and
 // for a prefill chunk, with f32 and bf16 pools.
+// 512-token first-level segments unless set (bench/RESULTS.md, fidelity: first-level segments).
+TEST(PolicyOptionsTest, EffectiveSegmentPages) {
+  PolicyOptions o;
+  EXPECT_EQ(o.EffectiveSegmentPages(), 8);  // P = 64
+  o.page_size = 16;
+  EXPECT_EQ(o.EffectiveSegmentPages(), 32);
+  o.page_size = 1024;
+  EXPECT_EQ(o.EffectiveSegmentPages(), 1);
+  o.segment_pages = 4;
+  EXPECT_EQ(o.EffectiveSegmentPages(), 4);
+}
+
 TEST(PolicyTest, FullBudgetEqualsDense) {
   std::mt19937 rng(kSeed);
   for (DType dtype : {DType::kF32, DType::kBF16}) {
