@@ -33,6 +33,8 @@
 //     merge, LM head, logits copy). GPU memory used (cudaMemGetInfo total - free) before the
 //     backend, after the weights, after the summaries and cache, and after decode; the GPU page
 //     cache hit ratio over the measured steps.
+//   With --no_document_pass=1, each shape first decodes the same way with no attention to the
+//     document (ForwardOptions::external null): the model's own cost per token.
 //   With --host_chooser_max_context >= context, the same decode is repeated with the host
 //     MinMaxChooser (summaries read from the host tier) for --host_tokens measured tokens.
 //
@@ -96,6 +98,7 @@ struct Flags {
   int64_t host_chooser_max_context = 32768;
   int host_tokens = 16;
   int threads = 0;  // KV generation threads; 0: hardware concurrency
+  int no_document_pass = 0;  // 1: also decode with no document attention (the model's floor)
   uint64_t seed = 1;
 };
 
@@ -119,6 +122,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "host_chooser_max_context") { f->host_chooser_max_context = i; return true; }
   if (k == "host_tokens") { f->host_tokens = static_cast<int>(i); return i > 0; }
   if (k == "threads") { f->threads = static_cast<int>(i); return true; }
+  if (k == "no_document_pass") { f->no_document_pass = static_cast<int>(i); return true; }
   if (k == "seed") { f->seed = static_cast<uint64_t>(i); return true; }
   return false;
 }
@@ -493,6 +497,43 @@ struct RunResult {
   int64_t agree_same = 0, agree_total = 0;  // device vs host chooser, warm-up steps
 };
 
+// The same decode steps (positions after the document, local cache, greedy tokens) with no
+// attention to the document at all: the model's own cost per token on this backend.
+absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* tf,
+                              kernels::Backend* backend, int64_t doc_tokens, int measured,
+                              const Flags& f, RunResult* res) {
+  const int steps = f.warmup + measured;
+  STRATA_ASSIGN_OR_RETURN(
+      auto local, engine::KvCache::Create(tf->MakeCacheOptions(steps + 8, f.page_size,
+                                                               DType::kBF16),
+                                          backend));
+  auto dense = engine::MakeDensePolicy();
+  engine::ForwardOptions fo;
+  fo.cache_first_position = doc_tokens;
+  std::vector<float> logits(static_cast<size_t>(c.vocab_size));
+  int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
+  Stopwatch sw;
+  double t0 = 0;
+  for (int step = 0; step < steps; ++step) {
+    if (step == f.warmup) {
+      STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+      t0 = sw.ElapsedSeconds();
+    }
+    STRATA_RETURN_IF_ERROR(tf->Forward(&token, 1, doc_tokens + step, local.get(), dense.get(),
+                                       logits.data(), false, fo));
+    token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                 logits.begin());
+  }
+  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+  const double total = sw.ElapsedSeconds() - t0;
+  res->tokens = measured;
+  res->tok_s = measured / total;
+  res->ms_total = res->ms_rest = 1e3 * total / measured;
+  res->hit_ratio = NAN;
+  res->gpu_ready_gib = res->gpu_end_gib = GpuUsedGiB();
+  return absl::OkStatus();
+}
+
 absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
                     kernels::Backend* backend, const Document& doc, bool device_chooser,
                     int measured, const Flags& f, RunResult* res) {
@@ -707,6 +748,23 @@ int Main(int argc, char** argv) {
                 mo.preset.c_str(), config->DebugString().c_str(), wsw.ElapsedSeconds(),
                 gpu_weights);
     std::fflush(stdout);
+    if (f.no_document_pass) {
+      RunResult r;
+      r.shape = mo.preset;
+      r.chooser = "no-document";
+      r.context = contexts.front();
+      r.gpu_weights_gib = gpu_weights;
+      absl::Status s = DecodeNoDocument(*config, tf->get(), backend, contexts.front(), f.tokens,
+                                        f, &r);
+      if (!s.ok()) {
+        std::printf("FAILED shape=%s no-document: %s\n", mo.preset.c_str(),
+                    s.ToString().c_str());
+        ++failures;
+      } else {
+        Print(r);
+        results.push_back(r);
+      }
+    }
     for (int64_t ctx : contexts) {
       const bool host_cmp = ctx <= f.host_chooser_max_context;
       absl::StatusOr<std::unique_ptr<Document>> doc =
