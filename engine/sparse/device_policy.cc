@@ -22,8 +22,7 @@ DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& c
       group_(cache.num_kv_heads > 0 ? num_q_heads / cache.num_kv_heads : 1),
       d_(cache.head_dim),
       page_(cache.page_size),
-      seg_pages_(options.segment_pages > 0 ? options.segment_pages
-                                           : std::max(1, 1024 / options.page_size)),
+      seg_pages_(options.EffectiveSegmentPages()),
       max_pages_((cache.max_tokens + cache.page_size - 1) / cache.page_size),
       max_segs_(0),
       wanted_pages_(0),
