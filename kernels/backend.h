@@ -261,6 +261,31 @@ struct SelectedAttentionParams {
   TensorView lse;         // [1, num_q_heads] f32
 };
 
+// ---- Token sampling on the backend (engine/sampler.h; kernels/cpu/sampling.cc) --------------
+// Per-row sampling options, in backend memory. The semantics are engine::Sampler's exactly
+// (engine/sampler.h), with the uniform draw supplied by the caller: temperature 0 (or NaN,
+// negative, infinite) is greedy and ignores u; otherwise u is the caller's
+// Pcg32::NextUniform() for this step (draw it only for rows with temperature > 0, as
+// engine::Sampler does, so the random stream stays the same). Out-of-range options are clamped as
+// engine::Sampler's constructor clamps them (top_k < 0 -> 0; top_p NaN/<= 0 -> 1e-9, > 1 -> 1).
+struct SampleRow {
+  double temperature = 0.0;
+  double top_p = 1.0;
+  double u = 0.0;     // in [0, 1)
+  int64_t top_k = 0;  // 0 = no limit
+};
+
+// tokens[r] = the token engine::Sampler picks from logits[r, :] with rows[r]'s options and u.
+// NaN and -inf logits are never picked; a row whose logits are all NaN / -inf gets -1 (where
+// engine::Sampler returns InvalidArgument). The CPU twin matches engine::Sampler bit for bit; the
+// CUDA one sums probabilities in another order, so it can differ only where u * mass or top_p
+// falls within double rounding of a cumulative probability.
+struct SampleParams {
+  TensorView logits;               // [num_rows, vocab] f32, vocab in [1, 2^31)
+  const SampleRow* rows = nullptr; // backend memory: [num_rows]
+  TensorView tokens;               // [num_rows] i32 (output)
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -310,6 +335,13 @@ class Backend {
   }
   virtual absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": UpdateSummaries");
+  }
+  // Token sampling (above). Backends without it return Unimplemented.
+  virtual absl::Status Supports(const SampleParams& p) const {
+    return absl::UnimplementedError(Name() + ": Sample");
+  }
+  virtual absl::Status Sample(const SampleParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": Sample");
   }
   virtual absl::Status Supports(const PageCopyParams& p) const = 0;
   virtual absl::Status PageCopy(const PageCopyParams& p, Stream s) = 0;

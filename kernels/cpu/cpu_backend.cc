@@ -196,6 +196,10 @@ absl::Status CpuBackend::UpdateSummaries(const UpdateSummariesParams& p, Stream)
   return CpuUpdateSummaries(p);
 }
 
+// Token sampling (kernels/cpu/sampling.cc): on the calling thread.
+absl::Status CpuBackend::Supports(const SampleParams& p) const { return CpuSupportsSample(p); }
+absl::Status CpuBackend::Sample(const SampleParams& p, Stream) { return CpuSample(p); }
+
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads) {
   return std::make_unique<CpuBackend>(num_threads);
 }

@@ -69,6 +69,12 @@ absl::Status CheckCandidateList(const CandidateList& c, int64_t num_kv_heads, co
 // The id of candidate i of KV head g (host-readable parents), or -1 when it is invalid.
 int64_t CandidateId(const CandidateList& c, int g, int64_t i);
 
+// Token sampling (kernels/cpu/sampling.cc; semantics in kernels/backend.h). CpuSupportsSample is
+// also the CUDA backend's validation. ClampSampleRow applies engine::Sampler's clamping.
+absl::Status CpuSupportsSample(const SampleParams& p);
+absl::Status CpuSample(const SampleParams& p);
+SampleRow ClampSampleRow(const SampleRow& row);
+
 // Host memory owned by a CpuBackend allocation (64-byte aligned).
 class CpuBuffer : public Buffer {
  public:
@@ -119,6 +125,8 @@ class CpuBackend : public Backend {
   absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
   absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
   absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) override;
+  absl::Status Supports(const SampleParams& p) const override;
+  absl::Status Sample(const SampleParams& p, Stream s) override;
   absl::Status Supports(const PageCopyParams& p) const override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
 
