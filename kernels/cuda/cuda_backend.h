@@ -116,6 +116,12 @@ class CudaBackend : public Backend {
   absl::Status Supports(const PageCopyParams& p) const override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
 
+  // Token sampling (kernels/cuda/sampling.cu, sampling_backend.cc): the CPU twin's validation,
+  // at most 65535 rows; scratch (8 bytes per logit) from the stream-ordered pool; capturable in a
+  // CUDA graph. A row with nothing to pick gets -1.
+  absl::Status Supports(const SampleParams& p) const override;
+  absl::Status Sample(const SampleParams& p, Stream s) override;
+
   // A new non-blocking stream on this device; the caller destroys it with DestroyStream.
   absl::StatusOr<Stream> CreateStream();
   absl::Status DestroyStream(Stream s);
