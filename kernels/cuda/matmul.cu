@@ -48,6 +48,7 @@ __device__ __forceinline__ void Unpack8<__half>(const uint4& raw, float (&f)[8])
 }
 
 constexpr int kGemvWarps = 8;
+constexpr int kGemvUnroll = 4;
 
 // One warp per output feature; each lane accumulates a strided part of the dot products of
 // every token, then the warp reduces. VEC: 8 weights per 16-byte load (k % 8 == 0, aligned).
@@ -65,16 +66,31 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   if (VEC) {
     const uint4* row4 = reinterpret_cast<const uint4*>(row);
     const int64_t k8 = k / 8;
-    for (int64_t c = lane; c < k8; c += 32) {
-      float wf[8];
-      Unpack8<T>(__ldg(row4 + c), wf);
+    // kGemvUnroll 16-byte weight loads in flight per lane before any is used (decode GEMVs are
+    // bound by weight bandwidth); each lane still visits its columns in the same order, so the
+    // sums are those of the one-load-at-a-time loop.
+    for (int64_t c0 = lane; c0 < k8; c0 += 32 * kGemvUnroll) {
+      uint4 raw[kGemvUnroll];
 #pragma unroll
-      for (int t = 0; t < kGemvMaxTokens; ++t) {
-        if (t < n) {
-          const float4* x4 = reinterpret_cast<const float4*>(in + t * k) + 2 * c;
-          const float4 a = x4[0], b = x4[1];
-          acc[t] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x +
-                    wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+      for (int u = 0; u < kGemvUnroll; ++u) {
+        const int64_t c = c0 + 32 * u;
+        raw[u] = c < k8 ? __ldg(row4 + c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kGemvUnroll; ++u) {
+        const int64_t c = c0 + 32 * u;
+        if (c < k8) {
+          float wf[8];
+          Unpack8<T>(raw[u], wf);
+#pragma unroll
+          for (int t = 0; t < kGemvMaxTokens; ++t) {
+            if (t < n) {
+              const float4* x4 = reinterpret_cast<const float4*>(in + t * k) + 2 * c;
+              const float4 a = x4[0], b = x4[1];
+              acc[t] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x +
+                        wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+            }
+          }
         }
       }
     }
