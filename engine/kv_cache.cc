@@ -46,7 +46,10 @@ absl::Status KvCacheOptions::Validate() const {
 KvCache::KvCache(const KvCacheOptions& options, kernels::Backend* backend)
     : options_(options), backend_(backend) {}
 
-KvCache::~KvCache() = default;
+KvCache::~KvCache() {
+  // A PageCopy may still read the mirror: let it finish before the buffers go (best effort).
+  if (tail_pages_ != nullptr) backend_->Synchronize(nullptr).IgnoreError();
+}
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& options,
                                                          kernels::Backend* backend) {
@@ -62,6 +65,19 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> v, backend->Allocate(bytes));
     cache->k_pools_.push_back(std::move(k));
     cache->v_pools_.push_back(std::move(v));
+  }
+  if (backend->Name() != "cpu") {
+    const size_t page_bytes =
+        kernels::PageCopyBytes(options.page_size, options.head_dim, options.dtype);
+    const size_t heads = static_cast<size_t>(options.num_layers) * options.num_kv_heads;
+    auto pages = backend->AllocateHost(heads * page_bytes);
+    auto slots = backend->AllocateHost(heads * sizeof(int32_t));
+    if (pages.ok() && slots.ok()) {  // else: the synchronous path for every page
+      std::memset((*pages)->data(), 0, heads * page_bytes);  // finite rows past the length
+      cache->tail_pages_ = *std::move(pages);
+      cache->tail_slots_ = *std::move(slots);
+      cache->tail_page_bytes_ = page_bytes;
+    }
   }
   return cache;
 }
@@ -90,32 +106,72 @@ absl::Status KvCache::Append(int layer, const TensorView& k, const TensorView& v
                                                      options_.max_tokens));
   }
   if (n == 0) return absl::OkStatus();
-  // Bring the new rows to the host (a copy for the CPU backend too; small next to attention).
+  // Bring the new rows to the host (a copy for the CPU backend too; small next to attention): one
+  // copy when v follows k. This copy waits for the stream, so any PageCopy of an earlier Append
+  // still reading this layer's mirror has finished before the mirror is rewritten below.
   const size_t elems = static_cast<size_t>(n) * hkv * d;
-  std::vector<float> hk(elems), hv(elems);
-  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(hk.data(), k.data, elems * sizeof(float), nullptr));
-  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(hv.data(), v.data, elems * sizeof(float), nullptr));
+  host_rows_.resize(2 * elems);
+  float* hk = host_rows_.data();
+  float* hv = hk + elems;
+  if (v.data == static_cast<const float*>(k.data) + elems) {
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(hk, k.data, 2 * elems * sizeof(float), nullptr));
+  } else {
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(hk, k.data, elems * sizeof(float), nullptr));
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(hv, v.data, elems * sizeof(float), nullptr));
+  }
   const size_t esize = kernels::DTypeSize(options_.dtype);
-  std::vector<uint8_t> sk(static_cast<size_t>(page) * d * esize), sv(sk.size());
+  const size_t row_bytes = static_cast<size_t>(d) * esize;
+  stage_k_.resize(static_cast<size_t>(page) * row_bytes);
+  stage_v_.resize(stage_k_.size());
   char* kpool = static_cast<char*>(k_pools_[layer]->data());
   char* vpool = static_cast<char*>(v_pools_[layer]->data());
+  const int64_t end = begin + n;
+  const int64_t last_page = (end - 1) / page;
   for (int g = 0; g < hkv; ++g) {
-    for (int64_t pos = begin; pos < begin + n;) {
+    char* mirror = tail_pages_ == nullptr
+                       ? nullptr
+                       : static_cast<char*>(tail_pages_->data()) +
+                             (static_cast<size_t>(layer) * hkv + g) * tail_page_bytes_;
+    for (int64_t pos = begin; pos < end;) {
       const int64_t p = pos / page, off = pos % page;
-      const int64_t run = std::min<int64_t>(page - off, begin + n - pos);
+      const int64_t run = std::min<int64_t>(page - off, end - pos);
+      // The run lands in the mirror when this is the page the append ends in (written by the
+      // PageCopy below), else in the staging rows (written now).
+      const bool tail = mirror != nullptr && p == last_page;
+      char* dk = tail ? mirror + off * row_bytes : reinterpret_cast<char*>(stage_k_.data());
+      char* dv = tail ? mirror + (static_cast<size_t>(page) + off) * row_bytes
+                      : reinterpret_cast<char*>(stage_v_.data());
       for (int64_t i = 0; i < run; ++i) {
         const size_t src = (static_cast<size_t>(pos - begin + i) * hkv + g) * d;
-        kernels::ConvertFromF32(&hk[src], sk.data() + i * d * esize, options_.dtype, d);
-        kernels::ConvertFromF32(&hv[src], sv.data() + i * d * esize, options_.dtype, d);
+        kernels::ConvertFromF32(hk + src, dk + i * row_bytes, options_.dtype, d);
+        kernels::ConvertFromF32(hv + src, dv + i * row_bytes, options_.dtype, d);
       }
-      const size_t dst = (static_cast<size_t>(SlotOf(layer, g, p)) * page + off) * d * esize;
-      const size_t bytes = static_cast<size_t>(run) * d * esize;
-      STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(kpool + dst, sk.data(), bytes, nullptr));
-      STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(vpool + dst, sv.data(), bytes, nullptr));
-      // The staging buffers are reused: wait for the copies before refilling them.
-      STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+      if (!tail) {
+        const size_t dst = (static_cast<size_t>(SlotOf(layer, g, p)) * page + off) * row_bytes;
+        const size_t bytes = static_cast<size_t>(run) * row_bytes;
+        STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(kpool + dst, dk, bytes, nullptr));
+        STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(vpool + dst, dv, bytes, nullptr));
+        // The staging rows are reused: wait for the copies before refilling them. (A page before
+        // the last is filled to its end here, so no later append continues it from the mirror.)
+        STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+      }
       pos += run;
     }
+  }
+  if (tail_pages_ != nullptr) {
+    // Every KV head's last page (its earlier rows are in the mirror from earlier appends; rows
+    // past `end` are stale and land in pool positions no span covers until they are written).
+    int32_t* slots = static_cast<int32_t*>(tail_slots_->data()) + static_cast<size_t>(layer) * hkv;
+    for (int g = 0; g < hkv; ++g) slots[g] = SlotOf(layer, g, last_page);
+    kernels::PageCopyParams pc;
+    pc.staging = static_cast<const char*>(tail_pages_->data()) +
+                 static_cast<size_t>(layer) * hkv * tail_page_bytes_;
+    pc.staging_bytes = static_cast<size_t>(hkv) * tail_page_bytes_;
+    pc.slots = slots;
+    pc.num_pages = hkv;
+    pc.k_pool = k_pool(layer);
+    pc.v_pool = v_pool(layer);
+    STRATA_RETURN_IF_ERROR(backend_->PageCopy(pc, nullptr));
   }
   lengths_[layer] = begin + n;
   return absl::OkStatus();

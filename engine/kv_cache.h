@@ -47,6 +47,12 @@ class KvCache {
 
   // Appends n tokens to `layer`. k, v: [n, num_kv_heads, head_dim] f32 in backend memory.
   // ResourceExhausted past max_tokens; InvalidArgument on shape mismatch.
+  // On a device backend (not "cpu") the rows are read back in one synchronous copy when v
+  // directly follows k in memory (two otherwise); the pages the append ends in are then written
+  // with one asynchronous PageCopy from a pinned mirror of each KV head's last page (queued on the
+  // default stream, no further synchronisation); pages the append fills and leaves are written
+  // with synchronous copies as before. The next Append of the same layer (whose read-back waits
+  // for the stream) is what makes the mirror safe to rewrite.
   absl::Status Append(int layer, const kernels::TensorView& k, const kernels::TensorView& v);
 
   // [num_slots, page_size, head_dim] views of the layer's pools.
@@ -66,6 +72,13 @@ class KvCache {
   int64_t pages_per_head_ = 0;  // ceil(max_tokens / page_size)
   std::vector<int64_t> lengths_;
   std::vector<std::unique_ptr<kernels::Buffer>> k_pools_, v_pools_;
+  // Device backends: per (layer, KV head) a copy of the head's last page in the PageCopy staging
+  // layout (K then V, pool dtype), and the slot of that page; AllocateHost memory. Null on the
+  // CPU backend (or if AllocateHost failed: then every page goes through synchronous copies).
+  std::unique_ptr<kernels::Buffer> tail_pages_, tail_slots_;
+  size_t tail_page_bytes_ = 0;  // kernels::PageCopyBytes(page_size, head_dim, dtype)
+  std::vector<float> host_rows_;  // read-back of the appended K and V rows
+  std::vector<uint8_t> stage_k_, stage_v_;  // converted rows of one page run (synchronous path)
 };
 
 }  // namespace strata::engine
