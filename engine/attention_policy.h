@@ -59,6 +59,9 @@ class AttentionPolicy {
                               int64_t q_begin, const KvCache& cache, Selection* out) = 0;
 
   virtual const SelectionCounters& counters() const = 0;
+
+  // Whether Select reads `q` (false lets the forward skip copying the query to the host).
+  virtual bool ReadsQuery() const { return true; }
 };
 
 // Attends every cached token (exact attention).

@@ -35,6 +35,7 @@ class DensePolicy : public AttentionPolicy {
   }
 
   const SelectionCounters& counters() const override { return counters_; }
+  bool ReadsQuery() const override { return false; }
 
  private:
   SelectionCounters counters_;

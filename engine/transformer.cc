@@ -84,6 +84,37 @@ absl::Status Transformer::Upload(const TensorView& host, TensorView* out) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> Transformer::UploadFused(const std::vector<const TensorView*>& parts,
+                                              const std::vector<TensorView*>& outs,
+                                              TensorView* fused) {
+  if (host_memory_ || parts.empty()) return false;
+  const TensorView& first = *parts[0];
+  if (first.rank < 1 || first.rank > 2) return false;
+  int64_t rows = 0;
+  for (const TensorView* p : parts) {
+    if (p->data == nullptr || p->dtype != first.dtype || p->rank != first.rank ||
+        (p->rank == 2 && p->dim(1) != first.dim(1))) {
+      return false;
+    }
+    rows += p->dim(0);
+  }
+  size_t bytes = 0;
+  for (const TensorView* p : parts) bytes += p->Bytes();
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> buf, backend_->Allocate(bytes));
+  char* at = static_cast<char*>(buf->data());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(at, parts[i]->data, parts[i]->Bytes(), nullptr));
+    *outs[i] = *parts[i];
+    outs[i]->data = at;
+    at += parts[i]->Bytes();
+  }
+  *fused = first;
+  fused->data = buf->data();
+  fused->shape[0] = rows;
+  weight_buffers_.push_back(std::move(buf));
+  return true;
+}
+
 absl::Status Transformer::Init(const model::ModelWeights& w) {
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
   const int64_t qdim = config_.num_heads * config_.head_dim;
@@ -123,18 +154,44 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
       STRATA_RETURN_IF_ERROR(CheckShape(s.v_bias, {kvdim}, p + "v_bias"));
     }
     STRATA_RETURN_IF_ERROR(Upload(s.input_norm, &d.input_norm));
-    STRATA_RETURN_IF_ERROR(Upload(s.q_proj, &d.q_proj));
-    STRATA_RETURN_IF_ERROR(Upload(s.k_proj, &d.k_proj));
-    STRATA_RETURN_IF_ERROR(Upload(s.v_proj, &d.v_proj));
+    FusedWeights& f = fused_.emplace_back();
+    bool qkv_fused = false;
+    if (!config_.attention_bias ||
+        (s.q_bias.dtype == s.k_bias.dtype && s.q_bias.dtype == s.v_bias.dtype)) {
+      STRATA_ASSIGN_OR_RETURN(qkv_fused, UploadFused({&s.q_proj, &s.k_proj, &s.v_proj},
+                                                     {&d.q_proj, &d.k_proj, &d.v_proj}, &f.qkv));
+    }
+    if (!qkv_fused) {
+      f.qkv = TensorView();
+      STRATA_RETURN_IF_ERROR(Upload(s.q_proj, &d.q_proj));
+      STRATA_RETURN_IF_ERROR(Upload(s.k_proj, &d.k_proj));
+      STRATA_RETURN_IF_ERROR(Upload(s.v_proj, &d.v_proj));
+    }
     if (config_.attention_bias) {
-      STRATA_RETURN_IF_ERROR(Upload(s.q_bias, &d.q_bias));
-      STRATA_RETURN_IF_ERROR(Upload(s.k_bias, &d.k_bias));
-      STRATA_RETURN_IF_ERROR(Upload(s.v_bias, &d.v_bias));
+      bool bias_fused = false;
+      if (qkv_fused) {
+        STRATA_ASSIGN_OR_RETURN(bias_fused,
+                                UploadFused({&s.q_bias, &s.k_bias, &s.v_bias},
+                                            {&d.q_bias, &d.k_bias, &d.v_bias}, &f.qkv_bias));
+      }
+      if (!bias_fused) {
+        f.qkv = TensorView();  // the fused matrix is still what q/k/v_proj view; just unused
+        f.qkv_bias = TensorView();
+        STRATA_RETURN_IF_ERROR(Upload(s.q_bias, &d.q_bias));
+        STRATA_RETURN_IF_ERROR(Upload(s.k_bias, &d.k_bias));
+        STRATA_RETURN_IF_ERROR(Upload(s.v_bias, &d.v_bias));
+      }
     }
     STRATA_RETURN_IF_ERROR(Upload(s.o_proj, &d.o_proj));
     STRATA_RETURN_IF_ERROR(Upload(s.post_attention_norm, &d.post_attention_norm));
-    STRATA_RETURN_IF_ERROR(Upload(s.gate_proj, &d.gate_proj));
-    STRATA_RETURN_IF_ERROR(Upload(s.up_proj, &d.up_proj));
+    STRATA_ASSIGN_OR_RETURN(const bool gu_fused,
+                            UploadFused({&s.gate_proj, &s.up_proj}, {&d.gate_proj, &d.up_proj},
+                                        &f.gate_up));
+    if (!gu_fused) {
+      f.gate_up = TensorView();
+      STRATA_RETURN_IF_ERROR(Upload(s.gate_proj, &d.gate_proj));
+      STRATA_RETURN_IF_ERROR(Upload(s.up_proj, &d.up_proj));
+    }
     STRATA_RETURN_IF_ERROR(Upload(s.down_proj, &d.down_proj));
   }
 
@@ -146,14 +203,11 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
   };
   STRATA_RETURN_IF_ERROR(alloc(&x_, c * hidden));
   STRATA_RETURN_IF_ERROR(alloc(&xn_, c * hidden));
-  STRATA_RETURN_IF_ERROR(alloc(&q_, c * qdim));
-  STRATA_RETURN_IF_ERROR(alloc(&k_, c * kvdim));
-  STRATA_RETURN_IF_ERROR(alloc(&v_, c * kvdim));
+  STRATA_RETURN_IF_ERROR(alloc(&qkv_, c * (qdim + 2 * kvdim)));
   STRATA_RETURN_IF_ERROR(alloc(&attn_, c * qdim));
   STRATA_RETURN_IF_ERROR(alloc(&lse_, c * config_.num_heads));
   STRATA_RETURN_IF_ERROR(alloc(&o_, c * hidden));
-  STRATA_RETURN_IF_ERROR(alloc(&gate_, c * ffn));
-  STRATA_RETURN_IF_ERROR(alloc(&up_, c * ffn));
+  STRATA_RETURN_IF_ERROR(alloc(&gate_up_, 2 * c * ffn));
   STRATA_RETURN_IF_ERROR(alloc(&ids_, c));
   STRATA_RETURN_IF_ERROR(alloc(&pos_, c));
   if (!host_memory_) STRATA_RETURN_IF_ERROR(alloc(&logits_, c * vocab));
@@ -403,19 +457,33 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
 
   const TensorView x = View2(x_.get(), n, hidden);
   const TensorView xn = View2(xn_.get(), n, hidden);
-  const TensorView q = View2(q_.get(), n, hq * d);
-  const TensorView k = View2(k_.get(), n, hkv * d);
-  const TensorView v = View2(v_.get(), n, hkv * d);
+  // Rows of this call: q [n, hq * d], then k and v [n, hkv * d] (see qkv_); gate then up.
+  float* const q_rows = static_cast<float*>(qkv_->data());
+  float* const k_rows = q_rows + n * hq * d;
+  float* const v_rows = k_rows + n * hkv * d;
+  float* const gate_rows = static_cast<float*>(gate_up_->data());
+  const TensorView q(q_rows, DType::kF32, {n, hq * d});
+  const TensorView k(k_rows, DType::kF32, {n, hkv * d});
+  const TensorView v(v_rows, DType::kF32, {n, hkv * d});
+  const TensorView qkv(q_rows, DType::kF32, {n, (hq + 2 * hkv) * d});
   const TensorView attn = View2(attn_.get(), n, hq * d);
   const TensorView o = View2(o_.get(), n, hidden);
-  const TensorView gate = View2(gate_.get(), n, ffn);
-  const TensorView up = View2(up_.get(), n, ffn);
-  const TensorView q3(q_->data(), DType::kF32, {n, hq, d});
-  const TensorView k3(k_->data(), DType::kF32, {n, hkv, d});
-  const TensorView v3(v_->data(), DType::kF32, {n, hkv, d});
-  float* const q_rows = static_cast<float*>(q_->data());
-  float* const k_rows = static_cast<float*>(k_->data());
-  float* const v_rows = static_cast<float*>(v_->data());
+  const TensorView gate(gate_rows, DType::kF32, {n, ffn});
+  const TensorView up(gate_rows + n * ffn, DType::kF32, {n, ffn});
+  const TensorView gate_up(gate_rows, DType::kF32, {n, 2 * ffn});
+  const TensorView q3(q_rows, DType::kF32, {n, hq, d});
+  const TensorView k3(k_rows, DType::kF32, {n, hkv, d});
+  // One token: q and k are adjacent heads of one row, roped in one call.
+  const TensorView qk3(q_rows, DType::kF32, {1, hq + hkv, d});
+  // Whether any segment's attention reads the query on the host (a host policy's Select, or an
+  // external attention); when none does, the per-layer copy of q to the host is skipped.
+  bool host_query = false;
+  for (const Segment& sg : segs) {
+    const bool device_attend = sg.options->device_policy != nullptr && sg.n == 1;
+    if (sg.options->external != nullptr || (!device_attend && sg.policy->ReadsQuery())) {
+      host_query = true;
+    }
+  }
   float* const attn_rows = static_cast<float*>(attn_->data());
   float* const lse_rows = static_cast<float*>(lse_->data());
   segment_parts_.resize(segs.size());
@@ -424,15 +492,22 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   for (int layer = 0; layer < static_cast<int>(layers_.size()); ++layer) {
     const model::LayerWeights& w = layers_[layer];
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.q_proj, w.q_bias, q}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.k_proj, w.k_bias, k}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.v_proj, w.v_bias, v}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
+    const FusedWeights& fw = fused_[layer];
+    if (n == 1 && fw.qkv.data != nullptr) {
+      // One token: [q | k | v] from one GEMV (each output row computed as by the separate ones).
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, fw.qkv, fw.qkv_bias, qkv}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
+    } else {
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.q_proj, w.q_bias, q}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.k_proj, w.k_bias, k}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.v_proj, w.v_bias, v}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
+    }
     const float* q_host = q_rows;
-    if (!host_memory_) {
+    if (!host_memory_ && host_query) {
       q_host_.resize(n * hq * d);
-      STRATA_RETURN_IF_ERROR(be->CopyToHost(q_host_.data(), q_->data(), n * hq * d * 4, nullptr));
+      STRATA_RETURN_IF_ERROR(be->CopyToHost(q_host_.data(), q_rows, n * hq * d * 4, nullptr));
       q_host = q_host_.data();
     }
     bool merge = false;
@@ -505,8 +580,12 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
     STRATA_RETURN_IF_ERROR(be->MatMul({attn_in, w.o_proj, TensorView(), o}, nullptr));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.gate_proj, TensorView(), gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.up_proj, TensorView(), up}, nullptr));
+    if (n == 1 && fw.gate_up.data != nullptr) {
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, fw.gate_up, TensorView(), gate_up}, nullptr));
+    } else {
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.gate_proj, TensorView(), gate}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.up_proj, TensorView(), up}, nullptr));
+    }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
     STRATA_RETURN_IF_ERROR(be->MatMul({gate, w.down_proj, TensorView(), o}, nullptr));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));

@@ -142,6 +142,12 @@ class Transformer {
               kernels::Backend* backend);
   absl::Status Init(const model::ModelWeights& weights);
   absl::Status Upload(const kernels::TensorView& host, kernels::TensorView* out);
+  // Uploads `parts` (same rank, dtype and trailing dimension) one after another into one buffer:
+  // *fused views it all ([sum of dim 0(, cols)]) and *outs[i] part i. Returns false (nothing
+  // uploaded) when the parts cannot be fused: host memory, a null part, or differing dtype/shape.
+  absl::StatusOr<bool> UploadFused(const std::vector<const kernels::TensorView*>& parts,
+                                   const std::vector<kernels::TensorView*>& outs,
+                                   kernels::TensorView* fused);
   absl::Status ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos, KvCache* cache,
                             AttentionPolicy* policy, float* logits_out, bool all_logits,
                             const ForwardOptions& options);
@@ -174,8 +180,19 @@ class Transformer {
 
   // Scratch for one chunk (backend memory).
   kernels::TensorView inv_freq_;
-  std::unique_ptr<kernels::Buffer> x_, xn_, q_, k_, v_, attn_, lse_, o_, gate_, up_, ids_, pos_,
+  // qkv_: the rows of one call as [n, q] then [n, k] then [n, v] (so for one token the fused
+  // projection's output [q | k | v], and v right after k for KvCache::Append's single read-back);
+  // gate_up_: [n, ffn] gate rows then [n, ffn] up rows likewise.
+  std::unique_ptr<kernels::Buffer> x_, xn_, qkv_, attn_, lse_, o_, gate_up_, ids_, pos_,
       logits_, inv_freq_buf_;
+  // Device backends: per layer, views of q_proj|k_proj|v_proj (and their biases) and of
+  // gate_proj|up_proj stored as one matrix each (the per-projection views in layers_ point into
+  // them), for one-token steps: one GEMV instead of three or two. data null when not fused
+  // (CPU backend, or differing dtypes / biases).
+  struct FusedWeights {
+    kernels::TensorView qkv, qkv_bias, gate_up;
+  };
+  std::vector<FusedWeights> fused_;
   std::vector<float> q_host_;  // query copy for the policy when backend memory is not host memory
   std::vector<int32_t> positions_host_;
   Selection selection_;
