@@ -34,7 +34,8 @@
 //     backend, after the weights, after the summaries and cache, and after decode; the GPU page
 //     cache hit ratio over the measured steps.
 //   With --no_document_pass=1, each shape first decodes the same way with no attention to the
-//     document (ForwardOptions::external null): the model's own cost per token.
+//     document (ForwardOptions::external null): the model's own cost per token. With 2, only
+//     that pass runs (no document is made).
 //   With --host_chooser_max_context >= context, the same decode is repeated with the host
 //     MinMaxChooser (summaries read from the host tier) for --host_tokens measured tokens.
 //
@@ -98,7 +99,8 @@ struct Flags {
   int64_t host_chooser_max_context = 32768;
   int host_tokens = 16;
   int threads = 0;  // KV generation threads; 0: hardware concurrency
-  int no_document_pass = 0;  // 1: also decode with no document attention (the model's floor)
+  int no_document_pass = 0;  // 1: also decode with no document attention (the model's floor);
+                             // 2: only that
   uint64_t seed = 1;
 };
 
@@ -766,6 +768,7 @@ int Main(int argc, char** argv) {
       }
     }
     for (int64_t ctx : contexts) {
+      if (f.no_document_pass == 2) break;
       const bool host_cmp = ctx <= f.host_chooser_max_context;
       absl::StatusOr<std::unique_ptr<Document>> doc =
           MakeDocument(*config, backend, ctx, host_cmp, f);
