@@ -106,6 +106,25 @@ absl::Status KvCache::Append(int layer, const TensorView& k, const TensorView& v
                                                      options_.max_tokens));
   }
   if (n == 0) return absl::OkStatus();
+  if (tail_pages_ != nullptr && device_append_) {
+    // Device backends: one conversion kernel straight into the pools.
+    kernels::AppendKvParams ap;
+    ap.k = k;
+    ap.v = v;
+    ap.k_pool = k_pool(layer);
+    ap.v_pool = v_pool(layer);
+    ap.first = begin;
+    ap.slots_per_head = pages_per_head_;
+    const absl::Status st = backend_->AppendKv(ap, nullptr);
+    if (st.ok()) {
+      lengths_[layer] = begin + n;
+      return absl::OkStatus();
+    }
+    if (!absl::IsUnimplemented(st)) return st;
+    // The backend lacks the op (for this pool dtype): then the first append already finds out,
+    // before AppendKv wrote anything, so the mirror below holds every page it continues.
+    device_append_ = false;
+  }
   // Bring the new rows to the host (a copy for the CPU backend too; small next to attention): one
   // copy when v follows k. This copy waits for the stream, so any PageCopy of an earlier Append
   // still reading this layer's mirror has finished before the mirror is rewritten below.

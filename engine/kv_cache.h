@@ -47,12 +47,14 @@ class KvCache {
 
   // Appends n tokens to `layer`. k, v: [n, num_kv_heads, head_dim] f32 in backend memory.
   // ResourceExhausted past max_tokens; InvalidArgument on shape mismatch.
-  // On a device backend (not "cpu") the rows are read back in one synchronous copy when v
-  // directly follows k in memory (two otherwise); the pages the append ends in are then written
-  // with one asynchronous PageCopy from a pinned mirror of each KV head's last page (queued on the
-  // default stream, no further synchronisation); pages the append fills and leaves are written
-  // with synchronous copies as before. The next Append of the same layer (whose read-back waits
-  // for the stream) is what makes the mirror safe to rewrite.
+  // On a device backend (not "cpu") the rows go straight into the pools with Backend::AppendKv
+  // (one kernel, stream-ordered, no host copy). When the backend lacks AppendKv: the rows are
+  // read back in one synchronous copy when v directly follows k in memory (two otherwise); the
+  // pages the append ends in are then written with one asynchronous PageCopy from a pinned mirror
+  // of each KV head's last page (queued on the default stream, no further synchronisation);
+  // pages the append fills and leaves are written with synchronous copies as before. The next
+  // Append of the same layer (whose read-back waits for the stream) is what makes the mirror safe
+  // to rewrite.
   absl::Status Append(int layer, const kernels::TensorView& k, const kernels::TensorView& v);
 
   // [num_slots, page_size, head_dim] views of the layer's pools.
@@ -77,6 +79,7 @@ class KvCache {
   // CPU backend (or if AllocateHost failed: then every page goes through synchronous copies).
   std::unique_ptr<kernels::Buffer> tail_pages_, tail_slots_;
   size_t tail_page_bytes_ = 0;  // kernels::PageCopyBytes(page_size, head_dim, dtype)
+  bool device_append_ = true;  // Backend::AppendKv not yet found Unimplemented
   std::vector<float> host_rows_;  // read-back of the appended K and V rows
   std::vector<uint8_t> stage_k_, stage_v_;  // converted rows of one page run (synchronous path)
 };

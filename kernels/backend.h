@@ -286,6 +286,20 @@ struct SampleParams {
   TensorView tokens;               // [num_rows] i32 (output)
 };
 
+// Appends the keys and values of n tokens to the pools of one layer laid out as engine::KvCache
+// does: token i (position first + i) of KV head g goes to row (first + i) % page_size of slot
+// g * slots_per_head + (first + i) / page_size, converted from f32 to the pool dtype exactly as
+// kernels::ConvertFromF32 does (bf16: round to nearest even). Stream-ordered, no host copy.
+// InvalidArgument for mismatched shapes or a slot outside the pools.
+struct AppendKvParams {
+  TensorView k;               // [n, num_kv_heads, head_dim] f32, backend memory
+  TensorView v;               // same shape
+  TensorView k_pool;          // [num_slots, page_size, head_dim] f32|bf16
+  TensorView v_pool;          // same shape and dtype as k_pool
+  int64_t first = 0;          // position of token 0 (>= 0)
+  int64_t slots_per_head = 0; // slots of KV head g start at g * slots_per_head
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -345,6 +359,11 @@ class Backend {
   }
   virtual absl::Status Supports(const PageCopyParams& p) const = 0;
   virtual absl::Status PageCopy(const PageCopyParams& p, Stream s) = 0;
+  // KV append on the device (above). Backends without it return Unimplemented (engine::KvCache
+  // then appends through host copies).
+  virtual absl::Status AppendKv(const AppendKvParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": AppendKv");
+  }
 };
 
 // The CPU reference backend. `num_threads` <= 0 means all cores (OpenMP default).

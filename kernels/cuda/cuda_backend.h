@@ -115,6 +115,8 @@ class CudaBackend : public Backend {
   // mapping (kernels/cuda/page_copy.cu) and returns without waiting.
   absl::Status Supports(const PageCopyParams& p) const override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
+  // AppendKv: one conversion kernel (kernels/cuda/kv_append.cu); validation on the host.
+  absl::Status AppendKv(const AppendKvParams& p, Stream s) override;
 
   // Token sampling (kernels/cuda/sampling.cu, sampling_backend.cc): the CPU twin's validation,
   // at most 65535 rows; scratch (8 bytes per logit) from the stream-ordered pool; capturable in a

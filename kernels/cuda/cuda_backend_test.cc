@@ -640,5 +640,58 @@ TEST_F(CudaBackendTest, MergeAttentionTooManyParts) {
   EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kUnimplemented));
 }
 
+// ---- AppendKv ----------------------------------------------------------------------------------
+
+// Rows land in the KvCache layout, converted exactly as ConvertFromF32; the rest of the pools is
+// untouched; out-of-range positions are refused.
+TEST_F(CudaBackendTest, AppendKvMatchesHostConversion) {
+  constexpr int64_t kHeads = 2, kDim = 5, kPage = 4, kPerHead = 3, kSlots = kHeads * kPerHead;
+  for (DType dt : {DType::kBF16, DType::kF32}) {
+    const size_t es = DTypeSize(dt);
+    const size_t pool_bytes = static_cast<size_t>(kSlots * kPage * kDim) * es;
+    std::vector<uint8_t> kpool(pool_bytes), vpool(pool_bytes);
+    for (size_t i = 0; i < pool_bytes; ++i) {
+      kpool[i] = static_cast<uint8_t>(rng_());
+      vpool[i] = static_cast<uint8_t>(rng_());
+    }
+    auto d_kp = UploadRaw(kpool.data(), pool_bytes);
+    auto d_vp = UploadRaw(vpool.data(), pool_bytes);
+    const int64_t first = 6, n = 5;  // positions 6..10: pages 1 and 2
+    HostTensor k = Random(rng_, DType::kF32, {n, kHeads, kDim}, -3, 3);
+    HostTensor v = Random(rng_, DType::kF32, {n, kHeads, kDim}, -3, 3);
+    auto d_k = Upload(k);
+    auto d_v = Upload(v);
+    AppendKvParams p;
+    p.k = k.View(d_k->data());
+    p.v = v.View(d_v->data());
+    p.k_pool = TensorView(d_kp->data(), dt, {kSlots, kPage, kDim});
+    p.v_pool = TensorView(d_vp->data(), dt, {kSlots, kPage, kDim});
+    p.first = first;
+    p.slots_per_head = kPerHead;
+    STRATA_ASSERT_OK(gpu_->AppendKv(p, nullptr));
+    const std::vector<float> kv = k.Values(), vv = v.Values();
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t g = 0; g < kHeads; ++g) {
+        const int64_t pos = first + i;
+        const size_t dst = static_cast<size_t>(((g * kPerHead + pos / kPage) * kPage + pos % kPage) * kDim) * es;
+        const size_t src = static_cast<size_t>((i * kHeads + g) * kDim);
+        ConvertFromF32(kv.data() + src, kpool.data() + dst, dt, kDim);
+        ConvertFromF32(vv.data() + src, vpool.data() + dst, dt, kDim);
+      }
+    }
+    std::vector<uint8_t> got_k(pool_bytes), got_v(pool_bytes);
+    STRATA_ASSERT_OK(gpu_->CopyToHost(got_k.data(), d_kp->data(), pool_bytes, nullptr));
+    STRATA_ASSERT_OK(gpu_->CopyToHost(got_v.data(), d_vp->data(), pool_bytes, nullptr));
+    EXPECT_EQ(got_k, kpool) << DTypeName(dt);
+    EXPECT_EQ(got_v, vpool) << DTypeName(dt);
+    // Position 12 is page 3: past a head's 3 slots.
+    p.first = 8;
+    EXPECT_THAT(gpu_->AppendKv(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+    p.first = 6;
+    p.slots_per_head = kPerHead + 1;  // head 1's pages would pass the last slot
+    EXPECT_THAT(gpu_->AppendKv(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels

@@ -1,0 +1,22 @@
+// Host-side entry point of kernels/cuda/kv_append.cu (private to kernels/cuda): the AppendKv op
+// of kernels/backend.h, kept out of launch.h.
+#ifndef STRATA_KERNELS_CUDA_INTERNAL_KV_APPEND_H_
+#define STRATA_KERNELS_CUDA_INTERNAL_KV_APPEND_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace strata::kernels::cuda_internal {
+
+// Writes k, v [n, heads, head_dim] f32 (device) into k_pool / v_pool [slots, page_size,
+// head_dim] (device; bf16 when bf16 is true, else f32): token i of head g to row
+// (first + i) % page_size of slot g * slots_per_head + (first + i) / page_size. The host has
+// validated every slot. One kernel on `stream`; returns the launch status.
+cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v_pool, bool bf16,
+                           int64_t n, int64_t heads, int64_t head_dim, int64_t page_size,
+                           int64_t first, int64_t slots_per_head, cudaStream_t stream);
+
+}  // namespace strata::kernels::cuda_internal
+
+#endif  // STRATA_KERNELS_CUDA_INTERNAL_KV_APPEND_H_
