@@ -225,7 +225,8 @@ TEST_P(CudaEmbeddingTest, MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Sizes, CudaEmbeddingTest,
                          ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
-                                            ::testing::Values(1, 3, 17, 129, 4096),
+                                            ::testing::Values(1, 3, 17, 129, 4096, 4098,
+                                                              8192),
                                             ::testing::Values(1, 3, 129)));
 
 TEST_F(CudaBackendTest, EmbeddingBadIdGivesNaNRow) {
@@ -273,7 +274,8 @@ TEST_P(CudaRmsNormTest, MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Sizes, CudaRmsNormTest,
                          ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
-                                            ::testing::Values(1, 3, 17, 129, 4096),
+                                            ::testing::Values(1, 3, 17, 129, 4096, 4098,
+                                                              8192),
                                             ::testing::Values(1, 3, 129)));
 
 // ---- MatMul ----------------------------------------------------------------------------------
@@ -320,6 +322,15 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                        ::testing::Values(1, 3, 8, 9, 129), ::testing::Values(0, 1, 17, 256, 1000),
                        ::testing::Values(1, 3, 129), ::testing::Bool()));
+
+// Decode-sized GEMVs with model-sized rows: one block of up to 256 threads per row splits the row
+// (4096: 128 threads; 14336: 256 threads, two passes; 4100: not a multiple of 8, scalar loads),
+// and the warps' partial sums are added across the block.
+INSTANTIATE_TEST_SUITE_P(
+    LongRows, CudaMatMulTest,
+    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16), ::testing::Values(1, 3, 8),
+                       ::testing::Values(4096, 4100, 14336), ::testing::Values(3, 129),
+                       ::testing::Bool()));
 
 // ---- Rope ------------------------------------------------------------------------------------
 

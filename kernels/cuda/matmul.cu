@@ -1,8 +1,9 @@
 // MatMul on the GPU: out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation.
 //
 // f32 weights: one cublasGemmEx in f32. bf16/f16 weights: for decode-sized batches
-// (num_tokens <= kGemvMaxTokens) GemvKernel reads each weight row once (16-byte loads when the
-// rows are aligned) and dots it with every token's f32 activations; for more tokens the
+// (num_tokens <= kGemvMaxTokens) GemvKernel reads each weight row once with one block per row
+// (16-byte loads when the rows are aligned, split over the block's threads) and dots it with
+// every token's f32 activations; for more tokens the
 // activations are split into hi + lo in the weight's type and two cuBLAS GEMMs (bf16/f16 inputs,
 // f32 accumulation and output) add up W·hi + W·lo, which keeps ~16 significant bits of each
 // activation instead of the 8 (bf16) or 11 (f16) of a single rounding.
@@ -47,43 +48,51 @@ __device__ __forceinline__ void Unpack8<__half>(const uint4& raw, float (&f)[8])
   }
 }
 
-constexpr int kGemvWarps = 8;
+constexpr int kGemvMaxThreads = 256;
 constexpr int kGemvUnroll = 4;
 
-// One warp per output feature; each lane accumulates a strided part of the dot products of
-// every token, then the warp reduces. VEC: 8 weights per 16-byte load (k % 8 == 0, aligned).
-template <typename T, bool VEC>
-__global__ void __launch_bounds__(kGemvWarps * 32)
+// One block per output feature (weight row). The block's threads split the row: thread j takes
+// the 16-byte chunks j, j + blockDim.x, ... (VEC: 8 weights per load; k % 8 == 0, aligned) or the
+// elements j, j + blockDim.x, ... (scalar), with kGemvUnroll loads in flight before any is used,
+// so a long row (k = 14336: 28 KB in bf16) is read by up to 256 threads at once instead of one
+// warp. Each thread keeps one f32 partial per token; the warps reduce by shuffles and thread t
+// adds token t's warp sums from shared memory (fixed order, so the result does not depend on
+// timing).
+// blockDim.x is a multiple of 32, at most kGemvMaxThreads. MAXN: tokens the kernel is compiled
+// for (n <= MAXN); the one-token decode step uses MAXN = 1, which needs fewer registers (more
+// blocks resident per SM) than MAXN = kGemvMaxTokens.
+template <typename T, bool VEC, int MAXN>
+__global__ void __launch_bounds__(kGemvMaxThreads)
     GemvKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
                FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m) {
-  const int lane = threadIdx.x & 31;
-  const int64_t o = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
-  if (o >= m) return;
+  __shared__ float warp_sums[MAXN][kGemvMaxThreads / 32];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int nthreads = blockDim.x;
+  const int64_t o = blockIdx.x;
   const T* row = w + o * k;
-  float acc[kGemvMaxTokens];
+  float acc[MAXN];
 #pragma unroll
-  for (int t = 0; t < kGemvMaxTokens; ++t) acc[t] = 0.0f;
+  for (int t = 0; t < MAXN; ++t) acc[t] = 0.0f;
   if (VEC) {
     const uint4* row4 = reinterpret_cast<const uint4*>(row);
     const int64_t k8 = k / 8;
-    // kGemvUnroll 16-byte weight loads in flight per lane before any is used (decode GEMVs are
-    // bound by weight bandwidth); each lane still visits its columns in the same order, so the
-    // sums are those of the one-load-at-a-time loop.
-    for (int64_t c0 = lane; c0 < k8; c0 += 32 * kGemvUnroll) {
+    for (int64_t c0 = tid; c0 < k8; c0 += static_cast<int64_t>(nthreads) * kGemvUnroll) {
       uint4 raw[kGemvUnroll];
 #pragma unroll
       for (int u = 0; u < kGemvUnroll; ++u) {
-        const int64_t c = c0 + 32 * u;
+        const int64_t c = c0 + static_cast<int64_t>(nthreads) * u;
         raw[u] = c < k8 ? __ldg(row4 + c) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kGemvUnroll; ++u) {
-        const int64_t c = c0 + 32 * u;
+        const int64_t c = c0 + static_cast<int64_t>(nthreads) * u;
         if (c < k8) {
           float wf[8];
           Unpack8<T>(raw[u], wf);
 #pragma unroll
-          for (int t = 0; t < kGemvMaxTokens; ++t) {
+          for (int t = 0; t < MAXN; ++t) {
             if (t < n) {
               const float4* x4 = reinterpret_cast<const float4*>(in + t * k) + 2 * c;
               const float4 a = x4[0], b = x4[1];
@@ -95,21 +104,60 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
       }
     }
   } else {
-    for (int64_t i = lane; i < k; i += 32) {
+    for (int64_t i = tid; i < k; i += nthreads) {
       const float wv = LoadAsFloat(row, i);
 #pragma unroll
-      for (int t = 0; t < kGemvMaxTokens; ++t) {
+      for (int t = 0; t < MAXN; ++t) {
         if (t < n) acc[t] += wv * in[t * k + i];
       }
     }
   }
-  const float b = bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f;
+  const int nwarps = nthreads >> 5;
 #pragma unroll
-  for (int t = 0; t < kGemvMaxTokens; ++t) {
+  for (int t = 0; t < MAXN; ++t) {
     if (t < n) {
       const float s = WarpSum(acc[t]);
-      if (lane == 0) out[t * m + o] = s + b;
+      if (lane == 0) warp_sums[t][warp] = s;
     }
+  }
+  __syncthreads();
+  if (tid < n) {
+    float s = 0.0f;
+    for (int j = 0; j < nwarps; ++j) s += warp_sums[tid][j];
+    const float b = bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f;
+    out[static_cast<int64_t>(tid) * m + o] = s + b;
+  }
+}
+
+// Threads per GEMV block for rows of k elements: enough that each thread has about kGemvUnroll
+// loads per row (16-byte chunks when vec, else elements / 8), a multiple of 32 in [32, 256].
+int GemvThreads(int64_t k, bool vec) {
+  const int64_t chunks = vec ? k / 8 : (k + 7) / 8;
+  int64_t t = (chunks + kGemvUnroll - 1) / kGemvUnroll;
+  t = (t + 31) / 32 * 32;
+  if (t < 32) t = 32;
+  if (t > kGemvMaxThreads) t = kGemvMaxThreads;
+  return static_cast<int>(t);
+}
+
+// Picks the GemvKernel instance for n tokens and vec (see GemvKernel).
+template <typename T>
+void LaunchGemv(const float* in, const T* w, const void* bias, FloatType bias_type, float* out,
+                int n, int64_t k, int64_t m, bool vec, unsigned blocks, int threads,
+                cudaStream_t stream) {
+  if (n == 1) {
+    if (vec) {
+      GemvKernel<T, true, 1><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out, n, k, m);
+    } else {
+      GemvKernel<T, false, 1><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out, n, k,
+                                                               m);
+    }
+  } else if (vec) {
+    GemvKernel<T, true, kGemvMaxTokens><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type,
+                                                                         out, n, k, m);
+  } else {
+    GemvKernel<T, false, kGemvMaxTokens><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type,
+                                                                          out, n, k, m);
   }
 }
 
@@ -210,26 +258,15 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
   if (weight_type != FloatType::kF32 && n <= kGemvMaxTokens) {
     const bool vec = k % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(in) % 16 == 0;
-    const unsigned blocks = static_cast<unsigned>((m + kGemvWarps - 1) / kGemvWarps);
-    const int threads = kGemvWarps * 32;
+    const unsigned blocks = static_cast<unsigned>(m);
+    const int threads = GemvThreads(k, vec);
+    const int nn = static_cast<int>(n);
     if (weight_type == FloatType::kBF16) {
-      const auto* w = static_cast<const __nv_bfloat16*>(weight);
-      if (vec) {
-        GemvKernel<__nv_bfloat16, true><<<blocks, threads, 0, stream>>>(
-            in, w, bias, bias_type, out, static_cast<int>(n), k, m);
-      } else {
-        GemvKernel<__nv_bfloat16, false><<<blocks, threads, 0, stream>>>(
-            in, w, bias, bias_type, out, static_cast<int>(n), k, m);
-      }
+      LaunchGemv(in, static_cast<const __nv_bfloat16*>(weight), bias, bias_type, out, nn, k, m,
+                 vec, blocks, threads, stream);
     } else {
-      const auto* w = static_cast<const __half*>(weight);
-      if (vec) {
-        GemvKernel<__half, true><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out,
-                                                                  static_cast<int>(n), k, m);
-      } else {
-        GemvKernel<__half, false><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out,
-                                                                   static_cast<int>(n), k, m);
-      }
+      LaunchGemv(in, static_cast<const __half*>(weight), bias, bias_type, out, nn, k, m, vec,
+                 blocks, threads, stream);
     }
     STRATA_GPU_RESULT_CUDA(cudaGetLastError());
     return GpuResult();
