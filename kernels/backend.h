@@ -259,6 +259,14 @@ struct SelectedAttentionParams {
   float scale = 0.0f;
   TensorView out;         // [1, num_q_heads, head_dim] f32
   TensorView lse;         // [1, num_q_heads] f32
+  // Optional, backend memory (one int32): when set, the prefix is
+  // [0, min(prefix_end, *prefix_len)) (a negative value: no prefix token), the value read when the
+  // op runs, in stream order. The
+  // launch shape then depends on prefix_end (the bound) only, so one call can be captured in a
+  // CUDA graph and replayed as the value changes: e.g. the dense decode step over an
+  // engine::KvCache, prefix_end = its capacity, *prefix_len = its length, page_table[g, p] =
+  // its SlotOf(layer, g, p).
+  const int32_t* prefix_len = nullptr;
 };
 
 // ---- Token sampling on the backend (engine/sampler.h; kernels/cpu/sampling.cc) --------------

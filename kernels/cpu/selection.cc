@@ -320,6 +320,11 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
   const float* q = p.q.As<const float>();
   float* out = p.out.As<float>();
   float* lse = p.lse.As<float>();
+  // The prefix read from memory when prefix_len is set (backend memory is host memory here).
+  const int64_t prefix_end =
+      p.prefix_len == nullptr
+          ? p.prefix_end
+          : std::clamp<int64_t>(static_cast<int64_t>(*p.prefix_len), 0, p.prefix_end);
   std::vector<int64_t> rows;
   std::vector<float> s, acc(d);
   for (int g = 0; g < hkv; ++g) {
@@ -328,7 +333,7 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       const int64_t r = RowOf(p.page_table, p.k_pool, g, t);
       if (r >= 0) rows.push_back(r);
     };
-    for (int64_t t = 0; t < p.prefix_end; ++t) add(t);
+    for (int64_t t = 0; t < prefix_end; ++t) add(t);
     for (int64_t i = 0; i < n_mid; ++i) {
       const int64_t t = CandidateId(p.middle, g, i);
       if (t >= 0) add(t);

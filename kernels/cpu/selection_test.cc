@@ -103,6 +103,76 @@ TEST(CpuSelectionTest, SelectedAttentionEqualsPagedAttentionOverSpans) {
   for (int i = 0; i < hq; ++i) EXPECT_NEAR(lse[i], lse2[i], 1e-5) << i;
 }
 
+// The dense decode step with its length read from memory (SelectedAttentionParams::prefix_len):
+// over pools laid out as engine::KvCache lays them out (page p of KV head g in slot
+// g * slots_per_head + p), prefix_end = the capacity and *prefix_len = len must equal
+// PagedAttention over the spans of tokens [0, len) with the query at position len - 1 (causal),
+// for every len, with the same params struct reused (only the int changes, as in a graph replay).
+// Pool rows past len hold random values, so attending one of them would change the result.
+TEST(CpuSelectionTest, DeviceLengthPrefixEqualsPagedAttentionOverCache) {
+  std::mt19937 rng(23);
+  const int hkv = 2, group = 3, hq = hkv * group, d = 16, page = 8, slots_per_head = 6;
+  const int slots = hkv * slots_per_head, capacity = slots_per_head * page;
+  std::vector<float> q = RandomF(rng, hq * d), k = RandomF(rng, slots * page * d),
+                     v = RandomF(rng, slots * page * d);
+  std::vector<int32_t> table(hkv * slots_per_head);
+  for (int i = 0; i < hkv * slots_per_head; ++i) table[i] = i;  // slot g * slots_per_head + p
+  int32_t len_value = 0;
+  std::vector<float> out(hq * d), lse(hq);
+  SelectedAttentionParams p;
+  p.q = TensorView(q.data(), DType::kF32, {1, hq, d});
+  p.k_pool = TensorView(k.data(), DType::kF32, {slots, page, d});
+  p.v_pool = TensorView(v.data(), DType::kF32, {slots, page, d});
+  p.page_table = TensorView(table.data(), DType::kI32, {hkv, slots_per_head});
+  p.prefix_end = capacity;
+  p.prefix_len = &len_value;
+  p.scale = 0.25f;
+  p.out = TensorView(out.data(), DType::kF32, {1, hq, d});
+  p.lse = TensorView(lse.data(), DType::kF32, {1, hq});
+  for (int len : {1, 2, 7, 8, 9, 16, 23, 40, capacity}) {
+    len_value = len;
+    STRATA_ASSERT_OK(CpuSelectedAttention(p));
+    std::vector<KvSpan> spans;
+    std::vector<int32_t> offsets = {0};
+    for (int g = 0; g < hkv; ++g) {
+      for (int t0 = 0; t0 < len; t0 += page) {
+        spans.push_back({g * slots_per_head + t0 / page, 0, std::min(page, len - t0), t0});
+      }
+      offsets.push_back(static_cast<int32_t>(spans.size()));
+    }
+    std::vector<float> out2(hq * d), lse2(hq);
+    const int32_t qpos = len - 1;
+    PagedAttentionParams a;
+    a.q = p.q;
+    a.k_pool = p.k_pool;
+    a.v_pool = p.v_pool;
+    a.spans = spans.data();
+    a.span_offsets = offsets.data();
+    a.num_kv_heads = hkv;
+    a.q_positions = &qpos;
+    a.causal = true;
+    a.scale = p.scale;
+    a.out = TensorView(out2.data(), DType::kF32, {1, hq, d});
+    a.lse = TensorView(lse2.data(), DType::kF32, {1, hq});
+    STRATA_ASSERT_OK(CpuPagedAttention(a));
+    for (int i = 0; i < hq * d; ++i) EXPECT_NEAR(out[i], out2[i], 1e-5) << "len " << len << " " << i;
+    for (int i = 0; i < hq; ++i) EXPECT_NEAR(lse[i], lse2[i], 1e-5) << "len " << len << " " << i;
+  }
+  // A length past the bound is clamped to it; zero or negative attends nothing (out 0, lse -inf).
+  len_value = capacity + 100;
+  STRATA_ASSERT_OK(CpuSelectedAttention(p));
+  const std::vector<float> full(out.begin(), out.end());
+  len_value = capacity;
+  STRATA_ASSERT_OK(CpuSelectedAttention(p));
+  for (int i = 0; i < hq * d; ++i) EXPECT_EQ(out[i], full[i]) << i;
+  for (int32_t none : {0, -3}) {
+    len_value = none;
+    STRATA_ASSERT_OK(CpuSelectedAttention(p));
+    for (int i = 0; i < hq * d; ++i) EXPECT_EQ(out[i], 0.0f) << i;
+    for (int i = 0; i < hq; ++i) EXPECT_EQ(lse[i], kNegInf) << i;
+  }
+}
+
 TEST(CpuSelectionTest, VoteTopKEqualsSortedVotes) {
   std::mt19937 rng(11);
   const int hkv = 2, group = 3;

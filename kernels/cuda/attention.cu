@@ -560,7 +560,7 @@ __global__ void __launch_bounds__(kThreads)
     SelectedDecodeKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
                          const KV* __restrict__ v_pool, const int32_t* __restrict__ table,
                          DeviceCandidates middle, SelectedAttentionShape shape,
-                         float* __restrict__ scratch) {
+                         const int32_t* __restrict__ prefix_len, float* __restrict__ scratch) {
   constexpr int kDimsPerLane = HEAD_DIM / 32;
   __shared__ float q_s[kDecodeMaxGroup][HEAD_DIM];
   __shared__ float p_s[kDecodeMaxGroup][kThreads];
@@ -573,8 +573,13 @@ __global__ void __launch_bounds__(kThreads)
   const int group = shape.num_q_heads / shape.num_kv_heads;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t begin = item * shape.chunk;
-  const int32_t end = min(shape.total, begin + shape.chunk);
+  int32_t end = min(shape.total, begin + shape.chunk);
   const int32_t mid_end = shape.prefix_end + middle.count;
+  // Prefix positions [0, prefix) are attended; with prefix_len set, the rest of [0, prefix_end)
+  // is skipped (and, when nothing follows the prefix, never visited).
+  const int32_t prefix =
+      prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
+  if (middle.count == 0 && shape.suffix_len == 0) end = min(end, prefix);
 
   const float* q_head = q + static_cast<int64_t>(g) * group * HEAD_DIM;
   for (int i = tid; i < group * HEAD_DIM; i += kThreads) q_s[i / HEAD_DIM][i % HEAD_DIM] = q_head[i];
@@ -601,13 +606,13 @@ __global__ void __launch_bounds__(kThreads)
       const int32_t v = tile + tid;
       int32_t t;
       if (v < shape.prefix_end) {
-        t = v;
+        t = v < prefix ? v : -1;
       } else if (v < mid_end) {
         t = CandidateIdAt(middle, g, v - shape.prefix_end);
       } else {
         t = shape.suffix_begin + (v - mid_end);
       }
-      row = TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
+      row = t < 0 ? -1 : TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
       if (row >= 0) {
         const KV* k = k_pool + row * HEAD_DIM;
 #pragma unroll 8
@@ -805,20 +810,23 @@ __global__ void __launch_bounds__(kThreads)
 template <typename KV>
 cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* v_pool,
                                 const int32_t* table, const DeviceCandidates& middle,
-                                const SelectedAttentionShape& shape, float* scratch,
-                                cudaStream_t stream) {
+                                const SelectedAttentionShape& shape, const int32_t* prefix_len,
+                                float* scratch, cudaStream_t stream) {
   const auto* k = static_cast<const KV*>(k_pool);
   const auto* v = static_cast<const KV*>(v_pool);
   const unsigned blocks = static_cast<unsigned>(shape.num_kv_heads) * shape.items_per_head;
   switch (shape.head_dim) {
     case 64:
-      SelectedDecodeKernel<KV, 64><<<blocks, kThreads, 0, stream>>>(q, k, v, table, middle, shape, scratch);
+      SelectedDecodeKernel<KV, 64><<<blocks, kThreads, 0, stream>>>(
+          q, k, v, table, middle, shape, prefix_len, scratch);
       break;
     case 128:
-      SelectedDecodeKernel<KV, 128><<<blocks, kThreads, 0, stream>>>(q, k, v, table, middle, shape, scratch);
+      SelectedDecodeKernel<KV, 128><<<blocks, kThreads, 0, stream>>>(
+          q, k, v, table, middle, shape, prefix_len, scratch);
       break;
     case 256:
-      SelectedDecodeKernel<KV, 256><<<blocks, kThreads, 0, stream>>>(q, k, v, table, middle, shape, scratch);
+      SelectedDecodeKernel<KV, 256><<<blocks, kThreads, 0, stream>>>(
+          q, k, v, table, middle, shape, prefix_len, scratch);
       break;
     default:
       return cudaErrorInvalidValue;
@@ -844,8 +852,9 @@ int64_t SelectedAttentionScratchFloats(const SelectedAttentionShape& shape) {
 cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const void* v_pool,
                                     FloatType pool_type, const int32_t* page_table,
                                     const DeviceCandidates& middle,
-                                    const SelectedAttentionShape& shape, float* scratch,
-                                    float* out, float* lse, cudaStream_t stream) {
+                                    const SelectedAttentionShape& shape,
+                                    const int32_t* prefix_len, float* scratch, float* out,
+                                    float* lse, cudaStream_t stream) {
   if (shape.num_q_heads == 0) return cudaSuccess;
   if (!SelectedAttentionSupports(shape.num_q_heads, shape.num_kv_heads, shape.head_dim) ||
       shape.items_per_head < 1 || shape.chunk < 1) {
@@ -853,10 +862,11 @@ cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const vo
   }
   cudaError_t e;
   if (pool_type == FloatType::kBF16) {
-    e = LaunchSelectedTyped<__nv_bfloat16>(q, k_pool, v_pool, page_table, middle, shape, scratch,
-                                           stream);
+    e = LaunchSelectedTyped<__nv_bfloat16>(q, k_pool, v_pool, page_table, middle, shape,
+                                           prefix_len, scratch, stream);
   } else if (pool_type == FloatType::kF32) {
-    e = LaunchSelectedTyped<float>(q, k_pool, v_pool, page_table, middle, shape, scratch, stream);
+    e = LaunchSelectedTyped<float>(q, k_pool, v_pool, page_table, middle, shape, prefix_len,
+                                   scratch, stream);
   } else {
     return cudaErrorInvalidValue;
   }

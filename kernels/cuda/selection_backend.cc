@@ -151,7 +151,8 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
   STRATA_ASSIGN_OR_RETURN(void* scratch, AllocScratch(scratch_bytes, stream));
   const cudaError_t e = cuda_internal::LaunchSelectedAttention(
       p.q.As<const float>(), p.k_pool.data, p.v_pool.data, PoolType(p.k_pool.dtype),
-      p.page_table.As<const int32_t>(), ToDevice(p.middle), shape, static_cast<float*>(scratch),
+      p.page_table.As<const int32_t>(), ToDevice(p.middle), shape, p.prefix_len,
+      static_cast<float*>(scratch),
       p.out.As<float>(), p.lse.As<float>(), stream);
   STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
   STRATA_CUDA_RETURN_IF_ERROR(e);

@@ -703,5 +703,78 @@ TEST_F(SelectionTest, TokenSelectPipelineMatchesCpuAndReplaysInAGraph) {
   STRATA_ASSERT_OK(cuda->DestroyStream(s));
 }
 
+// The dense decode step over an engine::KvCache-style layout with the cache length read from
+// device memory (SelectedAttentionParams::prefix_len): captured once in a CUDA graph with the
+// bound prefix_end = capacity, then replayed with the length changed between replays; every
+// replay must match the CPU twin at that length (which kernels/cpu/selection_test.cc checks
+// against PagedAttention). Outputs are poisoned before each replay.
+TEST_F(SelectionTest, DeviceLengthDecodeReplaysInAGraph) {
+  struct Case {
+    DType dtype;
+    int hkv, group, d, page, slots_per_head;
+  } cases[] = {{DType::kBF16, 8, 4, 128, 64, 40}, {DType::kF32, 4, 2, 64, 16, 33}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << " d " << c.d);
+    const int hq = c.hkv * c.group, slots = c.hkv * c.slots_per_head;
+    const int capacity = c.slots_per_head * c.page;
+    std::vector<float> q = RandomF(static_cast<int64_t>(hq) * c.d, -2.0f, 2.0f);
+    std::vector<uint8_t> kp = PoolBytes(RandomF(static_cast<int64_t>(slots) * c.page * c.d), c.dtype);
+    std::vector<uint8_t> vp = PoolBytes(RandomF(static_cast<int64_t>(slots) * c.page * c.d), c.dtype);
+    std::vector<int32_t> table(slots);
+    for (int i = 0; i < slots; ++i) table[i] = i;
+    int32_t len_host = 0;
+    std::vector<float> out(static_cast<size_t>(hq) * c.d), lse(hq);
+    SelectedAttentionParams h;
+    h.q = TensorView(q.data(), DType::kF32, {1, hq, c.d});
+    h.k_pool = TensorView(kp.data(), c.dtype, {slots, c.page, c.d});
+    h.v_pool = TensorView(vp.data(), c.dtype, {slots, c.page, c.d});
+    h.page_table = TensorView(table.data(), DType::kI32, {c.hkv, c.slots_per_head});
+    h.prefix_end = capacity;
+    h.prefix_len = &len_host;
+    h.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    h.out = TensorView(out.data(), DType::kF32, {1, hq, c.d});
+    h.lse = TensorView(lse.data(), DType::kF32, {1, hq});
+    auto dq = Dev(q), dk = Dev(kp), dv = Dev(vp), dt = Dev(table);
+    auto dlen = Dev(std::vector<int32_t>{1});
+    auto dout = Poisoned<float>(static_cast<int64_t>(hq) * c.d);
+    auto dlse = Poisoned<float>(hq);
+    SelectedAttentionParams p = h;
+    p.q.data = dq->data();
+    p.k_pool.data = dk->data();
+    p.v_pool.data = dv->data();
+    p.page_table.data = dt->data();
+    p.prefix_len = static_cast<const int32_t*>(dlen->data());
+    p.out.data = dout->data();
+    p.lse.data = dlse->data();
+
+    auto* cuda = static_cast<CudaBackend*>(gpu_);
+    STRATA_ASSERT_OK_AND_ASSIGN(Stream s, cuda->CreateStream());
+    cudaStream_t cs = static_cast<cudaStream_t>(s);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const absl::Status captured = gpu_->SelectedAttention(p, s);
+    ASSERT_EQ(cudaStreamEndCapture(cs, &graph), cudaSuccess);
+    STRATA_ASSERT_OK(captured);
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    std::vector<uint8_t> poison(out.size() * 4, 0xff);
+    for (int32_t len : {1, c.page - 1, c.page, c.page + 1, 1000, capacity - 3, capacity, 0}) {
+      SCOPED_TRACE(::testing::Message() << "len " << len);
+      len_host = len;
+      STRATA_ASSERT_OK(cpu_->SelectedAttention(h, nullptr));
+      STRATA_ASSERT_OK(gpu_->CopyToDevice(dlen->data(), &len_host, 4, s));
+      STRATA_ASSERT_OK(gpu_->CopyToDevice(dout->data(), poison.data(), poison.size(), s));
+      STRATA_ASSERT_OK(gpu_->CopyToDevice(dlse->data(), poison.data(), hq * 4, s));
+      ASSERT_EQ(cudaGraphLaunch(exec, cs), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(cs), cudaSuccess);
+      ExpectClose(Get<float>(*dout, static_cast<int64_t>(hq) * c.d), out, 2e-5, 1e-4, "out");
+      ExpectClose(Get<float>(*dlse, hq), lse, 2e-5, 1e-5, "lse");
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    STRATA_ASSERT_OK(cuda->DestroyStream(s));
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels

@@ -223,8 +223,10 @@ cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64
 cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const void* v_pool,
                                     FloatType pool_type, const int32_t* page_table,
                                     const DeviceCandidates& middle,
-                                    const SelectedAttentionShape& shape, float* scratch,
-                                    float* out, float* lse, cudaStream_t stream);
+                                    const SelectedAttentionShape& shape,
+                                    const int32_t* prefix_len,  // device int32 or null
+                                    float* scratch, float* out, float* lse,
+                                    cudaStream_t stream);
 
 }  // namespace strata::kernels::cuda_internal
 
