@@ -12,6 +12,7 @@
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "engine/attention_policy.h"
+#include "engine/gpu_cache_attention.h"
 #include "engine/kv_cache.h"
 #include "engine/sampler.h"
 #include "engine/sparse/policy.h"
@@ -22,6 +23,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "worker/lazy_attention.h"
 
 namespace strata::worker {
 namespace {
@@ -80,6 +82,7 @@ absl::Status WorkerOptions::Validate() const {
   if (mount_batch_pages < 1) return absl::InvalidArgumentError("mount_batch_pages >= 1");
   if (max_decode_batch < 1) return absl::InvalidArgumentError("max_decode_batch >= 1");
   if (peer_timeout_ms < 1) return absl::InvalidArgumentError("peer_timeout_ms >= 1");
+  if (lazy_cache_pages < 1) return absl::InvalidArgumentError("lazy_cache_pages >= 1");
   return absl::OkStatus();
 }
 
@@ -188,6 +191,12 @@ class AnchorAttention : public engine::ExternalAttention {
   engine::Selection selection_;
   AttendScratch scratch_;
 };
+
+// Policies a lazy mount serves: quest and tokenselect with minmax summaries (their default).
+bool LazyEligible(const v1::SelectionPolicy& p) {
+  if (p.name() != "quest" && p.name() != "tokenselect") return false;
+  return p.summary() == v1::SUMMARY_KIND_MINMAX || p.summary() == v1::SUMMARY_KIND_UNSPECIFIED;
+}
 
 void AddTiers(kvstore::TierCounts* to, const kvstore::TierCounts& from) {
   to->host += from.host;
@@ -806,8 +815,45 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     fo.cache_first_position = doc_tokens;
     fo.external = leader.get();
   }
+  // Lazy mount (WorkerOptions::lazy_mount): only the summaries load; pages come in as chosen.
+  std::unique_ptr<LazyDocumentAttention> lazy;
+  if (has_doc && !sharded && options_.lazy_mount && LazyEligible(request.policy())) {
+    const int64_t pages_per_head = (doc_tokens + P - 1) / P;
+    const v1::SelectionPolicy& sp = request.policy();
+    engine::sparse::PolicyOptions defaults;
+    const int64_t budget = sp.budget_tokens() > 0 ? sp.budget_tokens() : defaults.token_budget;
+    const int64_t window = sp.has_window_tokens() ? sp.window_tokens() : defaults.window_tokens;
+    engine::MinMaxChooserOptions co;
+    co.store = store_;
+    co.document = doc_id;
+    co.summary_kind = kMinMaxSummaryKind;
+    co.num_layers = L;
+    co.num_kv_heads = H;
+    co.head_dim = static_cast<int>(c.head_dim);
+    co.num_pages = pages_per_head;
+    co.budget_pages = static_cast<int>(std::min<int64_t>((budget + P - 1) / P, pages_per_head));
+    co.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
+    LazyAttentionOptions lo;
+    lo.store = store_;
+    lo.document = doc_id;
+    lo.document_tokens = doc_tokens;
+    lo.page_size = P;
+    lo.num_layers = L;
+    lo.num_kv_heads = H;
+    lo.head_dim = static_cast<int>(c.head_dim);
+    lo.chooser = engine::MakeMinMaxChooser(co);
+    lo.capacity_pages = options_.lazy_cache_pages;
+    STRATA_ASSIGN_OR_RETURN(lazy, LazyDocumentAttention::Create(lo, shard_backend()));
+    policy = engine::MakeDensePolicy();  // over the prompt and generated tokens
+    fo.cache_first_position = doc_tokens;
+    fo.external = lazy.get();
+  }
   auto counters = [&]() {
     engine::SelectionCounters sc = policy->counters();
+    if (lazy != nullptr) {
+      sc.candidate_tokens += lazy->counters().candidate_tokens;
+      sc.selected_tokens += lazy->counters().selected_tokens;
+    }
     if (leader != nullptr) {
       sc.candidate_tokens += leader->counters().candidate_tokens;
       sc.selected_tokens += leader->counters().selected_tokens;
@@ -823,7 +869,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
                               backend_));
 
   // Mount: load every page of the document from the store into the cache, layer by layer.
-  if (has_doc && !sharded) {
+  if (has_doc && !sharded && lazy == nullptr) {
     kvstore::TierCounts served;
     STRATA_RETURN_IF_ERROR(LoadPages(doc_id, doc_tokens, 0, (doc_tokens + P - 1) / P, backend_, cache.get(), policy.get(),
                                      &cancelled, absl::StatusCode::kDataLoss, &served));
@@ -942,6 +988,12 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     ++steps;
   }
   const engine::SelectionCounters end = counters();
+  if (lazy != nullptr) {  // every page-cache miss of this job, by the tier that served it
+    v1::PagesByTier* tiers = usage->mutable_pages_fetched();
+    tiers->set_host(static_cast<uint64_t>(lazy->pages().host));
+    tiers->set_disk(static_cast<uint64_t>(lazy->pages().local));
+    tiers->set_remote(static_cast<uint64_t>(lazy->pages().remote));
+  }
   if (leader != nullptr) {
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
     tiers->set_host(static_cast<uint64_t>(leader->pages().host));

@@ -121,6 +121,15 @@ struct WorkerOptions {
   // As leader: a peer that does not answer a selection query within this time is failed over
   // (its shard mounted here from the store). Default 60 s.
   int64_t peer_timeout_ms = 60000;
+  // Lazy mount (opt-in; worker/lazy_attention.h): a job whose shards all belong to this worker
+  // and whose policy is quest or tokenselect with minmax summaries (the default summary) loads
+  // only the document's persisted minmax summaries; per layer and step the chosen pages are
+  // fetched through the tiers into a bounded host page cache of lazy_cache_pages pages (LRU).
+  // Selection is MakeMinMaxChooser's (page 0, ceil(window_tokens / P) last pages and the
+  // ceil(budget_tokens / P) pages of highest head soft vote), not the engine policy's. Dense and
+  // other policies keep loading every page. Default false.
+  bool lazy_mount = false;
+  int64_t lazy_cache_pages = 8192;
 
   // InvalidArgument naming the bad field.
   absl::Status Validate() const;

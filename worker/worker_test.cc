@@ -210,5 +210,97 @@ TEST_F(WorkerTest, CancelJobEndsWithCancelledSnapshot) {
   EXPECT_LE(tokens, 4);
 }
 
+// Lazy mount (WorkerOptions::lazy_mount) over a 10-page document (640 tokens; the tiny model has
+// 2 layers x 2 KV heads, so 40 pages in all), prefilled by the fixture's worker; a second worker
+// on the same store mounts lazily.
+class LazyMountTest : public WorkerTest {
+ protected:
+  void SetUp() override {
+    WorkerTest::SetUp();
+    if (HasFatalFailure()) return;
+    doc_.clear();
+    for (int i = 0; i < 640; ++i) doc_.push_back((i * 37 + 11) % 500);
+    v1::PrefillShardRequest r = PrefillRequest();
+    r.mutable_shard()->set_end_page(10);
+    STRATA_ASSERT_OK(worker_->PrefillShard(r, nullptr, nullptr));
+  }
+  std::unique_ptr<Worker> LazyWorker(int64_t cache_pages) {
+    WorkerOptions wo;
+    wo.worker_id = "lazy";
+    wo.prefill_chunk_size = 64;
+    wo.lazy_mount = true;
+    wo.lazy_cache_pages = cache_pages;
+    auto w = Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(), nullptr);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  }
+  static v1::JobInfo Run(Worker* w, const v1::RunJobRequest& req) {
+    v1::JobInfo last;
+    EXPECT_TRUE(w->RunJob(req, [&](const v1::JobEvent& e) {
+      if (e.has_snapshot()) last = e.snapshot();
+      return true;
+    }).ok());
+    EXPECT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
+    return last;
+  }
+  static uint64_t Fetched(const v1::JobInfo& info) {
+    const v1::PagesByTier& t = info.usage().pages_fetched();
+    return t.host() + t.disk() + t.remote();
+  }
+  static std::vector<int32_t> Tokens(const v1::JobInfo& info) {
+    return std::vector<int32_t>(info.output_token_ids().begin(), info.output_token_ids().end());
+  }
+  v1::RunJobRequest Quest(const std::string& id, uint32_t budget, uint32_t window, int max_tokens) const {
+    v1::RunJobRequest req = JobRequest(id, {5, 6, 7, 8, 9});
+    req.mutable_policy()->set_name("quest");
+    req.mutable_policy()->set_budget_tokens(budget);
+    req.mutable_policy()->set_sink_tokens(64);
+    req.mutable_policy()->set_window_tokens(window);
+    req.mutable_params()->set_max_tokens(max_tokens);
+    return req;
+  }
+};
+
+TEST_F(LazyMountTest, EveryPageChosenGivesTheFullMountTokens) {
+  // A budget above the document: the full mount's quest attends the whole middle, the lazy
+  // chooser picks every page; both selections are the whole document.
+  const v1::JobInfo full = Run(worker_.get(), Quest("full", 1024, 64, 8));
+  EXPECT_EQ(Fetched(full), 40u);
+  std::unique_ptr<Worker> lazy = LazyWorker(8192);
+  ASSERT_NE(lazy, nullptr);
+  const v1::JobInfo got = Run(lazy.get(), Quest("lazy", 1024, 64, 8));
+  EXPECT_EQ(Tokens(got), Tokens(full));
+  EXPECT_EQ(Fetched(got), 40u);  // each page once: the page cache serves the later steps
+  EXPECT_EQ(got.usage().cached_tokens(), 640u);
+}
+
+TEST_F(LazyMountTest, SmallBudgetFetchesOnlyChosenPagesAndCacheSizeDoesNotChangeTokens) {
+  // Per forward and (layer, KV head): page 0, the last page and 1 middle page. 4 forwards
+  // (prompt + 3 decode steps) touch at most 2 + 4 pages of each (layer, KV head).
+  std::unique_ptr<Worker> big = LazyWorker(8192);
+  ASSERT_NE(big, nullptr);
+  const v1::JobInfo a = Run(big.get(), Quest("big", 64, 64, 4));
+  EXPECT_GE(Fetched(a), 12u);
+  EXPECT_LE(Fetched(a), 24u);
+  EXPECT_LT(Fetched(a), 40u);
+  EXPECT_LT(a.usage().mean_attended_tokens(), 640.0);
+  // A cache of 1 page grows to one call's need (2 heads x 3 pages) and evicts between layers:
+  // every call refetches its 6 pages (4 forwards x 2 layers x 6), and the tokens are the same.
+  std::unique_ptr<Worker> tiny = LazyWorker(1);
+  ASSERT_NE(tiny, nullptr);
+  const v1::JobInfo b = Run(tiny.get(), Quest("tiny", 64, 64, 4));
+  EXPECT_EQ(Tokens(b), Tokens(a));
+  EXPECT_EQ(Fetched(b), 48u);
+}
+
+TEST_F(LazyMountTest, DenseJobStillLoadsEveryPage) {
+  const v1::JobInfo full = Run(worker_.get(), JobRequest("full-dense", {5, 6, 7}));
+  std::unique_ptr<Worker> lazy = LazyWorker(8192);
+  ASSERT_NE(lazy, nullptr);
+  const v1::JobInfo got = Run(lazy.get(), JobRequest("lazy-dense", {5, 6, 7}));
+  EXPECT_EQ(Tokens(got), Tokens(full));
+  EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
+}
+
 }  // namespace
 }  // namespace strata::worker
