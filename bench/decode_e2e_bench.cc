@@ -36,6 +36,9 @@
 //   With --no_document_pass=1, each shape first decodes the same way with no attention to the
 //     document (ForwardOptions::external null): the model's own cost per token. With 2, only
 //     that pass runs (no document is made).
+//   With --decode_graph=1 (and --no_document_pass), the no-document pass is repeated with a
+//     second Transformer made with TransformerOptions::decode_graph (each one-token step a
+//     replayed CUDA graph), reported as chooser "no-document-graph".
 //   With --host_chooser_max_context >= context, the same decode is repeated with the host
 //     MinMaxChooser (summaries read from the host tier) for --host_tokens measured tokens.
 //
@@ -101,6 +104,7 @@ struct Flags {
   int threads = 0;  // KV generation threads; 0: hardware concurrency
   int no_document_pass = 0;  // 1: also decode with no document attention (the model's floor);
                              // 2: only that
+  int decode_graph = 0;      // 1: repeat the no-document pass with decode_graph
   uint64_t seed = 1;
 };
 
@@ -125,6 +129,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "host_tokens") { f->host_tokens = static_cast<int>(i); return i > 0; }
   if (k == "threads") { f->threads = static_cast<int>(i); return true; }
   if (k == "no_document_pass") { f->no_document_pass = static_cast<int>(i); return true; }
+  if (k == "decode_graph") { f->decode_graph = static_cast<int>(i); return true; }
   if (k == "seed") { f->seed = static_cast<uint64_t>(i); return true; }
   return false;
 }
@@ -763,6 +768,31 @@ int Main(int argc, char** argv) {
                     s.ToString().c_str());
         ++failures;
       } else {
+        Print(r);
+        results.push_back(r);
+      }
+    }
+    if (f.no_document_pass && f.decode_graph) {
+      engine::TransformerOptions tgo = to;
+      tgo.decode_graph = true;
+      absl::StatusOr<std::unique_ptr<engine::Transformer>> tg =
+          engine::Transformer::Create(*config, weights->weights, backend, tgo);
+      RunResult r;
+      r.shape = mo.preset;
+      r.chooser = "no-document-graph";
+      r.context = contexts.front();
+      r.gpu_weights_gib = gpu_weights;
+      absl::Status s = tg.status();
+      if (s.ok()) {
+        s = DecodeNoDocument(*config, tg->get(), backend, contexts.front(), f.tokens, f, &r);
+      }
+      if (!s.ok()) {
+        std::printf("FAILED shape=%s no-document-graph: %s\n", mo.preset.c_str(),
+                    s.ToString().c_str());
+        ++failures;
+      } else {
+        std::printf("  decode_graph: %" PRId64 " steps replayed as a graph\n",
+                    (*tg)->graph_steps());
         Print(r);
         results.push_back(r);
       }

@@ -86,6 +86,45 @@ int64_t KvCache::num_pages(int layer) const {
   return (lengths_[layer] + options_.page_size - 1) / options_.page_size;
 }
 
+absl::Status KvCache::EnqueueAppendAt(int layer, const TensorView& k, const TensorView& v,
+                                      const int32_t* index_device) {
+  if (layer < 0 || layer >= options_.num_layers || index_device == nullptr) {
+    return absl::InvalidArgumentError("kv cache: EnqueueAppendAt needs a layer and an index");
+  }
+  const int hkv = options_.num_kv_heads, d = options_.head_dim;
+  for (const TensorView* t : {&k, &v}) {
+    if (t->data == nullptr || t->rank != 3 || t->dtype != DType::kF32 || t->dim(0) != 1 ||
+        t->dim(1) != hkv || t->dim(2) != d) {
+      return absl::InvalidArgumentError(absl::StrCat("kv cache: EnqueueAppendAt wants f32 [1, ",
+                                                     hkv, ", ", d, "], got ", t->DebugString()));
+    }
+  }
+  if (tail_pages_ == nullptr) {
+    return absl::UnimplementedError("kv cache: EnqueueAppendAt needs a device backend");
+  }
+  kernels::AppendKvParams ap;
+  ap.k = k;
+  ap.v = v;
+  ap.k_pool = k_pool(layer);
+  ap.v_pool = v_pool(layer);
+  ap.first = options_.max_tokens - 1;  // the largest index the kernel may read
+  ap.slots_per_head = pages_per_head_;
+  ap.first_device = index_device;
+  return backend_->AppendKv(ap, nullptr);
+}
+
+absl::Status KvCache::CommitAppend(int64_t n) {
+  for (int64_t len : lengths_) {
+    if (n < 0 || len + n > options_.max_tokens) {
+      return absl::ResourceExhaustedError(absl::StrCat("kv cache: ", len, " + ", n,
+                                                       " tokens exceed max_tokens ",
+                                                       options_.max_tokens));
+    }
+  }
+  for (int64_t& len : lengths_) len += n;
+  return absl::OkStatus();
+}
+
 absl::Status KvCache::Append(int layer, const TensorView& k, const TensorView& v) {
   if (layer < 0 || layer >= options_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("kv cache: layer ", layer, " out of range"));

@@ -57,6 +57,20 @@ class KvCache {
   // to rewrite.
   absl::Status Append(int layer, const kernels::TensorView& k, const kernels::TensorView& v);
 
+  // Graph mode (TransformerOptions::decode_graph): queues on the default stream the append of one
+  // token's rows k, v ([1, num_kv_heads, head_dim] f32, backend memory) to `layer` with
+  // Backend::AppendKv, the token's cache index read from *index_device (backend memory) when the
+  // kernel runs; changes nothing on the host, so the launch can be captured in a graph and
+  // replayed. After each run, CommitAppend(1) records the token. Unimplemented when the backend
+  // lacks AppendKv (the CPU backend); InvalidArgument for a bad layer or shape.
+  absl::Status EnqueueAppendAt(int layer, const kernels::TensorView& k,
+                               const kernels::TensorView& v, const int32_t* index_device);
+  // Records n tokens appended to every layer outside Append (by EnqueueAppendAt launches that have
+  // run). ResourceExhausted (nothing changed) past max_tokens.
+  absl::Status CommitAppend(int64_t n);
+  // Pages per KV head: slots of KV head g are g * pages_per_head() + [0, pages_per_head()).
+  int64_t pages_per_head() const { return pages_per_head_; }
+
   // [num_slots, page_size, head_dim] views of the layer's pools.
   kernels::TensorView k_pool(int layer) const;
   kernels::TensorView v_pool(int layer) const;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -276,6 +277,11 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
   if (start_pos + n > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError("Forward: positions beyond int32");
   }
+  if (options_.decode_graph && n == 1) {
+    STRATA_ASSIGN_OR_RETURN(const bool done,
+                            ForwardGraphStep(ids[0], start_pos, cache, policy, logits_out, fo));
+    if (done) return absl::OkStatus();
+  }
   const int64_t chunk = options_.prefill_chunk_size;
   const int64_t vocab = config_.vocab_size;
   for (int64_t b = 0; b < n; b += chunk) {
@@ -340,6 +346,146 @@ absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
   mp.out = TensorView(static_cast<float*>(merged_->data()) + row0 * hq * d, DType::kF32, {n, hq, d});
   mp.lse = TensorView(static_cast<float*>(merged_lse_->data()) + row0 * hq, DType::kF32, {n, hq});
   return be->MergeAttention(mp, nullptr);
+}
+
+absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCache* cache,
+                                                   AttentionPolicy* policy, float* logits_out,
+                                                   const ForwardOptions& fo) {
+  if (host_memory_ || graph_unavailable_ || fo.external != nullptr ||
+      fo.device_policy != nullptr || policy->Name() != "dense") {
+    return false;
+  }
+  kernels::Backend* be = backend_;
+  const KvCacheOptions& co = cache->options();
+  const int64_t index = pos - fo.cache_first_position;
+  if (index + 1 > co.max_tokens) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv cache: ", index, " + 1 tokens exceed max_tokens ", co.max_tokens));
+  }
+  std::vector<int64_t> key = {co.page_size, co.max_tokens, static_cast<int64_t>(co.dtype)};
+  for (int l = 0; l < co.num_layers; ++l) {
+    key.push_back(reinterpret_cast<intptr_t>(cache->k_pool(l).data));
+    key.push_back(reinterpret_cast<intptr_t>(cache->v_pool(l).data));
+  }
+  if (graph_ == nullptr || key != graph_key_) {
+    graph_.reset();
+    // Allocations and copies before the capture (they may not run inside one).
+    if (step_ == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(step_, be->Allocate(4 * sizeof(int32_t)));
+    }
+    const int64_t hkv = config_.num_kv_heads, pages = cache->pages_per_head();
+    std::vector<int32_t> table(static_cast<size_t>(hkv * pages));
+    for (int64_t g = 0; g < hkv; ++g) {
+      for (int64_t p = 0; p < pages; ++p) {
+        table[g * pages + p] = cache->SlotOf(0, static_cast<int>(g), p);
+      }
+    }
+    STRATA_ASSIGN_OR_RETURN(page_table_, be->Allocate(table.size() * sizeof(int32_t)));
+    STRATA_RETURN_IF_ERROR(
+        be->CopyToDevice(page_table_->data(), table.data(), table.size() * sizeof(int32_t), nullptr));
+    const absl::Status begun = be->BeginCapture(nullptr);
+    if (!begun.ok()) {
+      graph_unavailable_ = true;
+      return false;
+    }
+    const absl::Status recorded = RecordGraphStep(cache);
+    absl::StatusOr<std::unique_ptr<kernels::Graph>> graph = be->EndCapture(nullptr);
+    if (!recorded.ok() || !graph.ok()) {
+      // Nothing ran and no host state changed: the normal path takes this step and the next.
+      graph_unavailable_ = true;
+      return false;
+    }
+    graph_ = *std::move(graph);
+    graph_key_ = std::move(key);
+  }
+  const int32_t step[4] = {id, static_cast<int32_t>(pos), static_cast<int32_t>(index),
+                           static_cast<int32_t>(index + 1)};
+  STRATA_RETURN_IF_ERROR(be->CopyToDevice(step_->data(), step, sizeof(step), nullptr));
+  STRATA_RETURN_IF_ERROR(graph_->Replay(nullptr));
+  STRATA_RETURN_IF_ERROR(
+      be->CopyToHost(logits_out, logits_->data(), config_.vocab_size * sizeof(float), nullptr));
+  STRATA_RETURN_IF_ERROR(cache->CommitAppend(1));
+  for (int layer = 0; layer < co.num_layers; ++layer) {
+    STRATA_RETURN_IF_ERROR(policy->OnAppend(layer, *cache, index, index + 1));
+  }
+  ++graph_steps_;
+  return true;
+}
+
+absl::Status Transformer::RecordGraphStep(KvCache* cache) {
+  kernels::Backend* be = backend_;
+  const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
+  const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
+  const int64_t ffn = config_.intermediate_size;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const int32_t* step = static_cast<const int32_t*>(step_->data());
+  const int32_t* id_dev = step;
+  const int32_t* pos_dev = step + 1;
+  const int32_t* index_dev = step + 2;
+  const int32_t* len_dev = step + 3;
+  const TensorView x = View2(x_.get(), 1, hidden);
+  const TensorView xn = View2(xn_.get(), 1, hidden);
+  float* const q_rows = static_cast<float*>(qkv_->data());
+  float* const k_rows = q_rows + hq * d;
+  float* const v_rows = k_rows + hkv * d;
+  float* const gate_rows = static_cast<float*>(gate_up_->data());
+  const TensorView q(q_rows, DType::kF32, {1, hq * d});
+  const TensorView k(k_rows, DType::kF32, {1, hkv * d});
+  const TensorView v(v_rows, DType::kF32, {1, hkv * d});
+  const TensorView qkv(q_rows, DType::kF32, {1, (hq + 2 * hkv) * d});
+  const TensorView q3(q_rows, DType::kF32, {1, hq, d});
+  const TensorView k3(k_rows, DType::kF32, {1, hkv, d});
+  const TensorView v3(v_rows, DType::kF32, {1, hkv, d});
+  const TensorView qk3(q_rows, DType::kF32, {1, hq + hkv, d});
+  const TensorView o = View2(o_.get(), 1, hidden);
+  const TensorView gate(gate_rows, DType::kF32, {1, ffn});
+  const TensorView up(gate_rows + ffn, DType::kF32, {1, ffn});
+  const TensorView gate_up(gate_rows, DType::kF32, {1, 2 * ffn});
+  kernels::SelectedAttentionParams ap;
+  ap.q = q3;
+  ap.page_table = TensorView(page_table_->data(), DType::kI32, {hkv, cache->pages_per_head()});
+  ap.prefix_end = cache->options().max_tokens;
+  ap.prefix_len = len_dev;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  ap.out = TensorView(attn_->data(), DType::kF32, {1, hq, d});
+  ap.lse = TensorView(lse_->data(), DType::kF32, {1, hq});
+  const TensorView attn = View2(attn_.get(), 1, hq * d);
+
+  STRATA_RETURN_IF_ERROR(be->Embedding({id_dev, embed_tokens_, x}, nullptr));
+  for (int layer = 0; layer < static_cast<int>(layers_.size()); ++layer) {
+    const model::LayerWeights& w = layers_[layer];
+    const FusedWeights& fw = fused_[layer];
+    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
+    if (fw.qkv.data != nullptr) {
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, fw.qkv, fw.qkv_bias, qkv}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
+    } else {
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.q_proj, w.q_bias, q}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.k_proj, w.k_bias, k}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.v_proj, w.v_bias, v}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
+    }
+    STRATA_RETURN_IF_ERROR(cache->EnqueueAppendAt(layer, k3, v3, index_dev));
+    ap.k_pool = cache->k_pool(layer);
+    ap.v_pool = cache->v_pool(layer);
+    STRATA_RETURN_IF_ERROR(be->SelectedAttention(ap, nullptr));
+    STRATA_RETURN_IF_ERROR(be->MatMul({attn, w.o_proj, TensorView(), o}, nullptr));
+    STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
+    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps}, nullptr));
+    if (fw.gate_up.data != nullptr) {
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, fw.gate_up, TensorView(), gate_up}, nullptr));
+    } else {
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.gate_proj, TensorView(), gate}, nullptr));
+      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.up_proj, TensorView(), up}, nullptr));
+    }
+    STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
+    STRATA_RETURN_IF_ERROR(be->MatMul({gate, w.down_proj, TensorView(), o}, nullptr));
+    STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
+  }
+  STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps}, nullptr));
+  const TensorView lo(logits_->data(), DType::kF32, {1, vocab});
+  return be->MatMul({xn, lm_head_, TensorView(), lo}, nullptr);
 }
 
 absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos,

@@ -38,6 +38,18 @@ struct TransformerOptions {
   // need scratch memory proportional to chunk * (hidden + intermediate). Default: 512.
   int64_t prefill_chunk_size = 512;
 
+  // Opt-in: one-token Forward calls on a device backend run as a replayed graph (issue #6). The
+  // step's inputs (token id, position, cache index and length) are written to backend memory that
+  // the graph reads; the whole step (embedding, every layer with KvCache::EnqueueAppendAt and a
+  // dense SelectedAttention over the cache's [0, length) with a device length, final norm and LM
+  // head) is captured on first use (Backend::BeginCapture / EndCapture) and replayed afterwards,
+  // then the logits are copied to the host. A graph belongs to one cache's pools (a call with
+  // another cache captures again). Only where the result is the plain forward's: the policy is
+  // "dense", no external attention, no device policy; other calls (and every call when the
+  // backend cannot capture, e.g. the CPU backend) take the normal path. Logits match the normal
+  // path to rounding (attention through another kernel), not bit for bit.
+  bool decode_graph = false;
+
   // InvalidArgument when prefill_chunk_size < 1.
   absl::Status Validate() const;
 };
@@ -99,6 +111,8 @@ class Transformer {
   const model::ModelConfig& config() const { return config_; }
   const TransformerOptions& options() const { return options_; }
   kernels::Backend* backend() const { return backend_; }
+  // One-token steps that ran as a graph replay (decode_graph), for tests and benchmarks.
+  int64_t graph_steps() const { return graph_steps_; }
 
   // KvCache options matching this model (layers, KV heads, head_dim).
   KvCacheOptions MakeCacheOptions(int64_t max_tokens, int page_size = 64,
@@ -167,6 +181,13 @@ class Transformer {
   // Merges rows [row0, row0 + n) of attn_/lse_ (the local attention) with the external partials
   // into the same rows of merged_ / merged_lse_.
   absl::Status MergeExternal(int64_t row0, int64_t n, const std::vector<AttentionPartial>& parts);
+  // decode_graph: runs the one-token step as a replayed graph. Returns false (nothing done) when
+  // the step cannot run as a graph (then the caller takes the normal path).
+  absl::StatusOr<bool> ForwardGraphStep(int32_t id, int64_t pos, KvCache* cache,
+                                        AttentionPolicy* policy, float* logits_out,
+                                        const ForwardOptions& options);
+  // Queues (or, while capturing, records) the one-token step reading step_ on the default stream.
+  absl::Status RecordGraphStep(KvCache* cache);
 
   model::ModelConfig config_;
   TransformerOptions options_;
@@ -201,6 +222,14 @@ class Transformer {
   std::vector<float> batch_logits_;
   std::vector<std::unique_ptr<kernels::Buffer>> part_o_, part_lse_;
   std::unique_ptr<kernels::Buffer> merged_, merged_lse_;
+  // decode_graph state: step_ holds int32 {token id, position, cache index, cache index + 1} in
+  // backend memory; page_table_ [num_kv_heads, pages_per_head] the cache's slot layout; graph_ the
+  // captured step for the cache whose pools and options graph_key_ lists.
+  std::unique_ptr<kernels::Buffer> step_, page_table_;
+  std::unique_ptr<kernels::Graph> graph_;
+  std::vector<int64_t> graph_key_;
+  bool graph_unavailable_ = false;  // a capture failed: normal path from then on
+  int64_t graph_steps_ = 0;
 };
 
 }  // namespace strata::engine

@@ -261,11 +261,10 @@ struct SelectedAttentionParams {
   TensorView lse;         // [1, num_q_heads] f32
   // Optional, backend memory (one int32): when set, the prefix is
   // [0, min(prefix_end, *prefix_len)) (a negative value: no prefix token), the value read when the
-  // op runs, in stream order. The
-  // launch shape then depends on prefix_end (the bound) only, so one call can be captured in a
-  // CUDA graph and replayed as the value changes: e.g. the dense decode step over an
-  // engine::KvCache, prefix_end = its capacity, *prefix_len = its length, page_table[g, p] =
-  // its SlotOf(layer, g, p).
+  // op runs, in stream order. The launch shape then depends on prefix_end (the bound) only, so
+  // one call can be captured in a CUDA graph and replayed as the value changes: e.g. the dense
+  // decode step over an engine::KvCache, prefix_end = its capacity, *prefix_len = its length,
+  // page_table[g, p] = its SlotOf(layer, g, p).
   const int32_t* prefix_len = nullptr;
 };
 
@@ -306,6 +305,21 @@ struct AppendKvParams {
   TensorView v_pool;          // same shape and dtype as k_pool
   int64_t first = 0;          // position of token 0 (>= 0)
   int64_t slots_per_head = 0; // slots of KV head g start at g * slots_per_head
+  // Optional, backend memory (one int32): when set, the position of token 0 is *first_device,
+  // read when the op runs (so the launch can be captured in a CUDA graph and replayed), and
+  // `first` is the largest value it may take (the checks above use it); when the value is
+  // negative or above `first`, nothing is written.
+  const int32_t* first_device = nullptr;
+};
+
+// A recorded sequence of ops (a CUDA graph), from Backend::EndCapture. Replay runs the recorded
+// ops again on stream `s` with the same views and params: values read from backend memory (ids,
+// positions, lengths passed by pointer) are read anew, host values are those of the capture.
+// Replay is queued on `s` and does not wait for it. Destroy it before the backend.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  virtual absl::Status Replay(Stream s) = 0;
 };
 
 class Backend {
@@ -371,6 +385,18 @@ class Backend {
   // then appends through host copies).
   virtual absl::Status AppendKv(const AppendKvParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": AppendKv");
+  }
+
+  // Graph capture (the one-token decode step, engine::TransformerOptions::decode_graph). Between
+  // BeginCapture(s) and EndCapture(s) the ops queued on `s` by this thread are recorded instead
+  // of run; ops that wait for the stream (Copy*, Synchronize) fail during a capture and make
+  // EndCapture fail too. EndCapture must follow every successful BeginCapture. Backends without
+  // graphs return Unimplemented.
+  virtual absl::Status BeginCapture(Stream s) {
+    return absl::UnimplementedError(Name() + ": BeginCapture");
+  }
+  virtual absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream s) {
+    return absl::UnimplementedError(Name() + ": EndCapture");
   }
 };
 

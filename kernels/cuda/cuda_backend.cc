@@ -819,8 +819,58 @@ absl::Status CudaBackend::AppendKv(const AppendKvParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchAppendKv(
       p.k.As<const float>(), p.v.As<const float>(), p.k_pool.data, p.v_pool.data,
-      p.k_pool.dtype == DType::kBF16, n, heads, d, page, p.first, p.slots_per_head, ToCuda(s)));
+      p.k_pool.dtype == DType::kBF16, n, heads, d, page, p.first, p.slots_per_head, ToCuda(s),
+      p.first_device));
   return absl::OkStatus();
+}
+
+// ---- Graph capture ---------------------------------------------------------------------------
+
+namespace {
+
+class CudaGraph : public Graph {
+ public:
+  CudaGraph(cudaGraph_t graph, cudaGraphExec_t exec, CudaBackend* backend)
+      : graph_(graph), exec_(exec), backend_(backend) {}
+  ~CudaGraph() override {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  absl::Status Replay(Stream s) override {
+    STRATA_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec_, backend_->ToCudaStream(s)));
+    return absl::OkStatus();
+  }
+
+ private:
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  CudaBackend* backend_;
+};
+
+}  // namespace
+
+absl::Status CudaBackend::BeginCapture(Stream s) {
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(ToCuda(s), cudaStreamCaptureModeThreadLocal));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Graph>> CudaBackend::EndCapture(Stream s) {
+  cudaGraph_t graph = nullptr;
+  const cudaError_t e = cudaStreamEndCapture(ToCuda(s), &graph);
+  if (e != cudaSuccess) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    cudaGetLastError();  // the capture's failure is reported here; clear it
+    return absl::InternalError(absl::StrCat("EndCapture: ", cudaGetErrorString(e)));
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t ie = cudaGraphInstantiate(&exec, graph, 0);
+  if (ie != cudaSuccess) {
+    cudaGraphDestroy(graph);
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(ie)));
+  }
+  return std::unique_ptr<Graph>(new CudaGraph(graph, exec, this));
 }
 
 }  // namespace strata::kernels

@@ -117,6 +117,13 @@ class CudaBackend : public Backend {
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
   // AppendKv: one conversion kernel (kernels/cuda/kv_append.cu); validation on the host.
   absl::Status AppendKv(const AppendKvParams& p, Stream s) override;
+  // Graph capture: cudaStreamBeginCapture (thread-local mode) on the stream of `s` (the
+  // backend's own stream for nullptr), cudaStreamEndCapture + cudaGraphInstantiate; Internal when
+  // the capture was invalidated (e.g. a synchronising op inside it).
+  absl::Status BeginCapture(Stream s) override;
+  absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream s) override;
+  // The cudaStream_t that ops given `s` run on.
+  cudaStream_t ToCudaStream(Stream s) const { return ToCuda(s); }
 
   // Token sampling (kernels/cuda/sampling.cu, sampling_backend.cc): the CPU twin's validation,
   // at most 65535 rows; scratch (8 bytes per logit) from the stream-ordered pool; capturable in a

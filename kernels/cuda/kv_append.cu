@@ -20,7 +20,13 @@ template <bool BF16>
 __global__ void AppendKvKernel(const float* __restrict__ k, const float* __restrict__ v,
                                void* k_pool, void* v_pool, int64_t total, int64_t heads,
                                int64_t head_dim, int64_t page_size, int64_t first,
-                               int64_t slots_per_head) {
+                               int64_t slots_per_head, const int32_t* first_device) {
+  if (first_device != nullptr) {
+    // The position read on the device; `first` is its largest allowed value.
+    const int64_t f = *first_device;
+    if (f < 0 || f > first) return;
+    first = f;
+  }
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < 2 * total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const bool is_v = e >= total;
@@ -44,7 +50,8 @@ __global__ void AppendKvKernel(const float* __restrict__ k, const float* __restr
 
 cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v_pool, bool bf16,
                            int64_t n, int64_t heads, int64_t head_dim, int64_t page_size,
-                           int64_t first, int64_t slots_per_head, cudaStream_t stream) {
+                           int64_t first, int64_t slots_per_head, cudaStream_t stream,
+                           const int32_t* first_device) {
   const int64_t total = n * heads * head_dim;
   if (total == 0) return cudaSuccess;
   constexpr int kThreads = 256;
@@ -53,11 +60,11 @@ cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v
   if (bf16) {
     AppendKvKernel<true><<<blocks, kThreads, 0, stream>>>(k, v, k_pool, v_pool, total, heads,
                                                           head_dim, page_size, first,
-                                                          slots_per_head);
+                                                          slots_per_head, first_device);
   } else {
     AppendKvKernel<false><<<blocks, kThreads, 0, stream>>>(k, v, k_pool, v_pool, total, heads,
                                                            head_dim, page_size, first,
-                                                           slots_per_head);
+                                                           slots_per_head, first_device);
   }
   return cudaGetLastError();
 }

@@ -15,7 +15,8 @@ namespace strata::kernels::cuda_internal {
 // validated every slot. One kernel on `stream`; returns the launch status.
 cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v_pool, bool bf16,
                            int64_t n, int64_t heads, int64_t head_dim, int64_t page_size,
-                           int64_t first, int64_t slots_per_head, cudaStream_t stream);
+                           int64_t first, int64_t slots_per_head, cudaStream_t stream,
+                           const int32_t* first_device = nullptr);  // see AppendKvParams
 
 }  // namespace strata::kernels::cuda_internal
 
