@@ -3,24 +3,17 @@
 // the internal WorkerRegistry, gRPC health and reflection, and the Prometheus endpoint.
 //
 // Every child is killed (SIGKILL if SIGTERM did not stop it) and waited for; every wait is bounded.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -30,13 +23,12 @@
 #include "gtest/gtest.h"
 #include "strata/v1/api.grpc.pb.h"
 #include "strata/v1/internal.grpc.pb.h"
+#include "tests/service/child_process.h"
 
 namespace strata {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// A `strata coordinator` child process.
+// A `strata coordinator` child process; stdout and stderr both go to one log file.
 class CoordinatorProcess {
  public:
   CoordinatorProcess(const std::string& data_dir, const std::string& work_dir, int index) {
@@ -48,72 +40,24 @@ class CoordinatorProcess {
                                      port_file_, "--vocab-size", "1000", "--max-document-tokens", "5000",
                                      "--max-prompt-tokens", "100", "--max-tokens-limit", "512",
                                      "--drain-timeout-seconds", "2", "--no-sync"};
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int fd = open(log_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-      }
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-  }
-  ~CoordinatorProcess() {
-    if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      int status = 0;
-      waitpid(pid_, &status, 0);
-    }
+    child_ = std::make_unique<tests::ChildProcess>(std::move(args), log_file_, log_file_);
   }
 
   // Waits (up to `timeout`) for the port file. False if the child exited or time ran out.
   bool WaitReady(std::chrono::seconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    while (Clock::now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        exited_ = true;
-        return false;
-      }
-      std::ifstream in(port_file_);
-      if (in >> grpc_port_ >> metrics_port_) return grpc_port_ > 0;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
+    return child_->WaitForPorts(port_file_, timeout, &grpc_port_, &metrics_port_);
   }
 
   // Sends `sig` and waits (up to `timeout`) for the exit; returns the exit code, or nullopt.
-  std::optional<int> StopWith(int sig, std::chrono::seconds timeout) {
-    kill(pid_, sig);
-    const auto deadline = Clock::now() + timeout;
-    while (Clock::now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        exited_ = true;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return std::nullopt;
-  }
+  std::optional<int> StopWith(int sig, std::chrono::seconds timeout) { return child_->StopWith(sig, timeout); }
 
-  std::string Log() const {
-    std::ifstream in(log_file_);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
+  std::string Log() const { return child_->Out(); }
 
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
 
  private:
-  pid_t pid_ = -1;
-  bool exited_ = false;
+  std::unique_ptr<tests::ChildProcess> child_;  // killed and waited for when still running
   std::string port_file_;
   std::string log_file_;
   int grpc_port_ = 0;
@@ -159,28 +103,7 @@ grpc::Status RawCall(const std::shared_ptr<grpc::Channel>& channel, const std::s
   return status;
 }
 
-// GET http://127.0.0.1:port/path; the whole response (headers and body), or "" on failure.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
-    }
-  }
-  close(fd);
-  return out;
-}
+using tests::HttpGet;
 
 class CoordinatorProcessTest : public ::testing::Test {
  protected:

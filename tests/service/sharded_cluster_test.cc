@@ -19,13 +19,7 @@
 // document and shard sizes of the first test (defaults 700 and 256).
 //
 // Every child is killed (SIGKILL if it did not stop) and waited for; every wait is bounded.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,10 +27,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
-#include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,125 +42,17 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "strata/v1/api.grpc.pb.h"
+#include "tests/service/child_process.h"
 
 namespace strata {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// A child process with stdout and stderr in files.
-class Child {
- public:
-  Child(std::vector<std::string> args, const std::string& out, const std::string& err) : out_(out), err_(err) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (o >= 0) dup2(o, 1);
-      if (e >= 0) dup2(e, 2);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-  }
-  ~Child() {
-    if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      int status = 0;
-      waitpid(pid_, &status, 0);
-    }
-  }
-  bool Exited() {
-    int status = 0;
-    if (!exited_ && waitpid(pid_, &status, WNOHANG) == pid_) {
-      exited_ = true;
-      code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    }
-    return exited_;
-  }
-  // Waits up to `timeout` for the exit; nullopt on timeout.
-  std::optional<int> Wait(std::chrono::seconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    while (Clock::now() < deadline) {
-      if (Exited()) return code_;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return std::nullopt;
-  }
-  std::optional<int> StopWith(int sig, std::chrono::seconds timeout) {
-    kill(pid_, sig);
-    return Wait(timeout);
-  }
-  std::string Out() const { return ReadAll(out_); }
-  std::string Err() const { return ReadAll(err_); }
-
- private:
-  pid_t pid_ = -1;
-  bool exited_ = false;
-  int code_ = -1;
-  std::string out_, err_;
-};
-
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    if (send(fd, req.data(), req.size(), 0) == static_cast<ssize_t>(req.size())) {
-      char buf[8192];
-      ssize_t n;
-      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-    }
-  }
-  close(fd);
-  return out;
-}
-
-// A port that was free a moment ago (prometheus-cpp's civetweb does not bind port 0 here; the
-// coordinator needs the same port again after its restart).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = 0;
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    socklen_t len = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
-// Value of the exposition line that starts with `series` followed by a space (0 when absent).
-double Metric(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      double v = 0;
-      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-    }
-  }
-  return 0;
-}
+using tests::ChildProcess;
+using tests::FreePort;
+using tests::HttpGet;
+using tests::Metric;
 
 constexpr int kWorkers = 3;
 
@@ -185,12 +69,12 @@ class ShardedClusterTest : public ::testing::Test {
     char tmpl[] = "/tmp/strata_sharded_cluster_XXXXXX";
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = new std::string(tmpl);
-    Child make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "5", "--out", *dir_ + "/model"},
+    ChildProcess make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "5", "--out", *dir_ + "/model"},
                *dir_ + "/make.out", *dir_ + "/make.err");
     auto code = make.Wait(std::chrono::seconds(60));
     ASSERT_TRUE(code.has_value() && *code == 0) << make.Err();
 
-    kvstore_ = new Child({STRATA_BINARY, "kvstore", "--listen", "127.0.0.1:0", "--data", *dir_ + "/kv",
+    kvstore_ = new ChildProcess({STRATA_BINARY, "kvstore", "--listen", "127.0.0.1:0", "--data", *dir_ + "/kv",
                           "--port-file", *dir_ + "/kvstore.ports", "--no-sync"},
                          *dir_ + "/kvstore.out", *dir_ + "/kvstore.err");
     int kv_metrics = 0;
@@ -200,7 +84,7 @@ class ShardedClusterTest : public ::testing::Test {
     ASSERT_GT(coordinator_port_, 0);
     for (int w = 0; w < kWorkers; ++w) {
       metrics_ports_[w] = FreePort();
-      workers_[w] = new Child(
+      workers_[w] = new ChildProcess(
           {STRATA_BINARY, "worker", "--listen", "127.0.0.1:0", "--metrics-listen",
            absl::StrCat("127.0.0.1:", metrics_ports_[w]), "--worker-id", WorkerId(w), "--coordinator",
            absl::StrCat("127.0.0.1:", coordinator_port_), "--kvstore", absl::StrCat("127.0.0.1:", kvstore_port_),
@@ -216,7 +100,7 @@ class ShardedClusterTest : public ::testing::Test {
     ASSERT_TRUE(WaitRegistered(std::chrono::seconds(60))) << coordinator_->Err();
   }
   static void TearDownTestSuite() {
-    for (Child*& w : workers_) {
+    for (ChildProcess*& w : workers_) {
       delete w;
       w = nullptr;
     }
@@ -242,7 +126,7 @@ class ShardedClusterTest : public ::testing::Test {
     delete coordinator_;
     ++coordinator_starts_;
     const std::string ports = absl::StrCat(*dir_, "/coordinator.ports.", coordinator_starts_);
-    coordinator_ = new Child(
+    coordinator_ = new ChildProcess(
         {STRATA_BINARY, "coordinator", "--listen", absl::StrCat("127.0.0.1:", coordinator_port_), "--data",
          *dir_ + "/catalog", "--model", *dir_ + "/model", "--port-file", ports, "--no-sync",
          "--target-shard-tokens", absl::StrCat(kShardTokens), "--max-tokens-limit", "512", "--heartbeat-interval-ms", "200",
@@ -254,15 +138,8 @@ class ShardedClusterTest : public ::testing::Test {
     ASSERT_EQ(grpc_port, coordinator_port_);
   }
 
-  static bool WaitPorts(Child* child, const std::string& file, int* grpc_port, int* metrics_port) {
-    const auto deadline = Clock::now() + std::chrono::seconds(60);
-    while (Clock::now() < deadline) {
-      if (child->Exited()) return false;
-      std::ifstream in(file);
-      if (in >> *grpc_port >> *metrics_port && *grpc_port > 0) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
+  static bool WaitPorts(ChildProcess* child, const std::string& file, int* grpc_port, int* metrics_port) {
+    return child->WaitForPorts(file, std::chrono::seconds(60), grpc_port, metrics_port);
   }
 
   // Waits until every live worker has registered with the current coordinator process.
@@ -405,18 +282,18 @@ class ShardedClusterTest : public ::testing::Test {
   }
 
   static std::string* dir_;
-  static Child* kvstore_;
-  static Child* coordinator_;
-  static Child* workers_[kWorkers];
+  static ChildProcess* kvstore_;
+  static ChildProcess* coordinator_;
+  static ChildProcess* workers_[kWorkers];
   static int metrics_ports_[kWorkers];
   static int kvstore_port_;
   static int coordinator_port_;
   static int coordinator_starts_;
 };
 std::string* ShardedClusterTest::dir_ = nullptr;
-Child* ShardedClusterTest::kvstore_ = nullptr;
-Child* ShardedClusterTest::coordinator_ = nullptr;
-Child* ShardedClusterTest::workers_[kWorkers] = {};
+ChildProcess* ShardedClusterTest::kvstore_ = nullptr;
+ChildProcess* ShardedClusterTest::coordinator_ = nullptr;
+ChildProcess* ShardedClusterTest::workers_[kWorkers] = {};
 int ShardedClusterTest::metrics_ports_[kWorkers] = {};
 int ShardedClusterTest::kvstore_port_ = 0;
 int ShardedClusterTest::coordinator_port_ = 0;
@@ -464,7 +341,7 @@ TEST_F(ShardedClusterTest, ExactDenseMatchesGenerateAndSecondJobReusesPersistedK
   // bench/RESULTS.md); worker/sharded_test.cc compares with a bf16-KV engine::Generate in process.
   std::vector<int32_t> all = doc;
   all.insert(all.end(), kPrompt.begin(), kPrompt.end());
-  Child gen({STRATA_BINARY, "generate", "--model", *dir_ + "/model", "--token-ids", absl::StrJoin(all, ","),
+  ChildProcess gen({STRATA_BINARY, "generate", "--model", *dir_ + "/model", "--token-ids", absl::StrJoin(all, ","),
              "--max-tokens", "12", "--chunk-size", "128", "--threads", "1"},
             *dir_ + "/gen.out", *dir_ + "/gen.err");
   auto code = gen.Wait(std::chrono::seconds(60));
@@ -570,13 +447,13 @@ TEST_F(ShardedClusterTest, CoordinatorRestartKeepsDocumentsAndJobs) {
   ASSERT_TRUE(code.has_value()) << "no exit within 30 s of SIGTERM";
   EXPECT_EQ(*code, 0) << coordinator_->Err();
   int alive_before = 0;
-  for (Child* w : workers_) alive_before += w != nullptr && !w->Exited() ? 1 : 0;
+  for (ChildProcess* w : workers_) alive_before += w != nullptr && !w->Exited() ? 1 : 0;
   StartCoordinator();
   ASSERT_TRUE(WaitRegistered(std::chrono::seconds(30))) << coordinator_->Err();
   // The workers registered again with the new process and keep running.
   std::this_thread::sleep_for(std::chrono::seconds(1));
   int alive_after = 0;
-  for (Child* w : workers_) alive_after += w != nullptr && !w->Exited() ? 1 : 0;
+  for (ChildProcess* w : workers_) alive_after += w != nullptr && !w->Exited() ? 1 : 0;
   ASSERT_EQ(alive_after, alive_before) << "a worker exited after registering with the restarted coordinator";
 
   auto got = GetDocument(info.document_id());

@@ -4,13 +4,7 @@
 // commands run as child processes.
 //
 // Every child is killed (SIGKILL if it did not stop) and waited for; every wait is bounded.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -19,7 +13,6 @@
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,124 +25,17 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "strata/v1/api.grpc.pb.h"
+#include "tests/service/child_process.h"
 
 namespace strata {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// A child process with stdout and stderr in files.
-class Child {
- public:
-  Child(std::vector<std::string> args, const std::string& out, const std::string& err) : out_(out), err_(err) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (o >= 0) dup2(o, 1);
-      if (e >= 0) dup2(e, 2);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-  }
-  ~Child() {
-    if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      int status = 0;
-      waitpid(pid_, &status, 0);
-    }
-  }
-  bool Exited() {
-    int status = 0;
-    if (!exited_ && waitpid(pid_, &status, WNOHANG) == pid_) {
-      exited_ = true;
-      code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    }
-    return exited_;
-  }
-  // Waits up to `timeout` for the exit; nullopt on timeout (the child is then killed).
-  std::optional<int> Wait(std::chrono::seconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    while (Clock::now() < deadline) {
-      if (Exited()) return code_;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return std::nullopt;
-  }
-  std::optional<int> StopWith(int sig, std::chrono::seconds timeout) {
-    kill(pid_, sig);
-    return Wait(timeout);
-  }
-  std::string Out() const { return ReadAll(out_); }
-  std::string Err() const { return ReadAll(err_); }
-
- private:
-  pid_t pid_ = -1;
-  bool exited_ = false;
-  int code_ = -1;
-  std::string out_, err_;
-};
-
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    if (send(fd, req.data(), req.size(), 0) == static_cast<ssize_t>(req.size())) {
-      char buf[8192];
-      ssize_t n;
-      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-    }
-  }
-  close(fd);
-  return out;
-}
-
-// A port that was free a moment ago (prometheus-cpp's civetweb does not bind port 0 here).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = 0;
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    socklen_t len = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
-// Value of the exposition line that starts with `series` followed by a space (0 when absent).
-double Metric(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      double v = 0;
-      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-    }
-  }
-  return 0;
-}
+using tests::ChildProcess;
+using tests::FreePort;
+using tests::HttpGet;
+using tests::Metric;
 
 class ServeTest : public ::testing::Test {
  protected:
@@ -157,24 +43,18 @@ class ServeTest : public ::testing::Test {
     char tmpl[] = "/tmp/strata_serve_test_XXXXXX";
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = new std::string(tmpl);
-    Child make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "3", "--out", *dir_ + "/model"},
+    ChildProcess make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "3", "--out", *dir_ + "/model"},
                *dir_ + "/make.out", *dir_ + "/make.err");
     std::printf("model seed=3 dir=%s\n", dir_->c_str());
     auto code = make.Wait(std::chrono::seconds(60));
     ASSERT_TRUE(code.has_value() && *code == 0) << make.Err();
-    server_ = new Child({STRATA_BINARY, "serve", "--model", *dir_ + "/model", "--data", *dir_ + "/data", "--listen",
+    server_ = new ChildProcess({STRATA_BINARY, "serve", "--model", *dir_ + "/model", "--data", *dir_ + "/data", "--listen",
                          "127.0.0.1:0", "--metrics-listen", absl::StrCat("127.0.0.1:", FreePort()), "--port-file", *dir_ + "/ports",
                          "--no-sync", "--prefill-chunk", "128", "--max-tokens-limit", "512",
                          "--drain-timeout-seconds", "2"},
                         *dir_ + "/serve.out", *dir_ + "/serve.err");
-    const auto deadline = Clock::now() + std::chrono::seconds(60);
-    while (Clock::now() < deadline) {
-      ASSERT_FALSE(server_->Exited()) << server_->Err();
-      std::ifstream in(*dir_ + "/ports");
-      if (in >> grpc_port_ >> metrics_port_ && grpc_port_ > 0) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    ASSERT_GT(grpc_port_, 0) << server_->Err();
+    ASSERT_TRUE(server_->WaitForPorts(*dir_ + "/ports", std::chrono::seconds(60), &grpc_port_, &metrics_port_))
+        << server_->Err();
   }
   static void TearDownTestSuite() {
     delete server_;
@@ -235,12 +115,12 @@ class ServeTest : public ::testing::Test {
   }
 
   static std::string* dir_;
-  static Child* server_;
+  static ChildProcess* server_;
   static int grpc_port_;
   static int metrics_port_;
 };
 std::string* ServeTest::dir_ = nullptr;
-Child* ServeTest::server_ = nullptr;
+ChildProcess* ServeTest::server_ = nullptr;
 int ServeTest::grpc_port_ = 0;
 int ServeTest::metrics_port_ = 0;
 
@@ -282,7 +162,7 @@ TEST_F(ServeTest, AnswersMatchLocalGenerateAndSecondJobReusesPersistedKv) {
   // The same tokens as `strata generate` on document + prompt.
   std::vector<int32_t> all = doc;
   all.insert(all.end(), prompt.begin(), prompt.end());
-  Child gen({STRATA_BINARY, "generate", "--model", *dir_ + "/model", "--token-ids", absl::StrJoin(all, ","),
+  ChildProcess gen({STRATA_BINARY, "generate", "--model", *dir_ + "/model", "--token-ids", absl::StrJoin(all, ","),
              "--max-tokens", "12", "--chunk-size", "128"},
             *dir_ + "/gen.out", *dir_ + "/gen.err");
   auto code = gen.Wait(std::chrono::seconds(60));
@@ -351,7 +231,7 @@ TEST_F(ServeTest, ClientCommands) {
     std::ofstream out(doc_file);
     for (int i = 0; i < 40; ++i) out << "The quick brown fox " << i << " jumps over the lazy dog. ";
   }
-  Child ask({STRATA_BINARY, "ask", "--server", Address(), "--doc", doc_file, "--max-tokens", "6", "What is it?"},
+  ChildProcess ask({STRATA_BINARY, "ask", "--server", Address(), "--doc", doc_file, "--max-tokens", "6", "What is it?"},
             *dir_ + "/ask.out", *dir_ + "/ask.err");
   auto code = ask.Wait(std::chrono::seconds(120));
   ASSERT_TRUE(code.has_value()) << ask.Err();
@@ -359,19 +239,19 @@ TEST_F(ServeTest, ClientCommands) {
   EXPECT_TRUE(absl::StrContains(ask.Err(), "cached_tokens=")) << ask.Err();
   EXPECT_TRUE(absl::StrContains(ask.Err(), "state=DONE")) << ask.Err();
 
-  Child ls({STRATA_BINARY, "doc", "ls", "--server", Address()}, *dir_ + "/ls.out", *dir_ + "/ls.err");
+  ChildProcess ls({STRATA_BINARY, "doc", "ls", "--server", Address()}, *dir_ + "/ls.out", *dir_ + "/ls.err");
   code = ls.Wait(std::chrono::seconds(30));
   ASSERT_TRUE(code.has_value() && *code == 0) << ls.Err();
   EXPECT_TRUE(absl::StrContains(ls.Out(), "state=READY")) << ls.Out();
 
-  Child get({STRATA_BINARY, "doc", "get", "--server", Address(), "ffffffffffffffffffffffffffffffff"},
+  ChildProcess get({STRATA_BINARY, "doc", "get", "--server", Address(), "ffffffffffffffffffffffffffffffff"},
             *dir_ + "/get.out", *dir_ + "/get.err");
   code = get.Wait(std::chrono::seconds(30));
   ASSERT_TRUE(code.has_value());
   EXPECT_EQ(*code, 1);
   EXPECT_TRUE(absl::StrContains(get.Err(), "NOT_FOUND")) << get.Err();
 
-  Child jobs({STRATA_BINARY, "job", "ls", "--server", Address(), "--state", "DONE"}, *dir_ + "/jobs.out",
+  ChildProcess jobs({STRATA_BINARY, "job", "ls", "--server", Address(), "--state", "DONE"}, *dir_ + "/jobs.out",
              *dir_ + "/jobs.err");
   code = jobs.Wait(std::chrono::seconds(30));
   ASSERT_TRUE(code.has_value() && *code == 0) << jobs.Err();
@@ -379,16 +259,9 @@ TEST_F(ServeTest, ClientCommands) {
 }
 
 // Reads "<grpc_port> <metrics_port>" from a port file, waiting up to 60 s; 0 on failure.
-int WaitPort(Child* child, const std::string& path) {
-  const auto deadline = Clock::now() + std::chrono::seconds(60);
-  while (Clock::now() < deadline) {
-    if (child->Exited()) return 0;
-    std::ifstream in(path);
-    int grpc = 0;
-    if (in >> grpc && grpc > 0) return grpc;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return 0;
+int WaitPort(ChildProcess* child, const std::string& path) {
+  int grpc = 0;
+  return child->WaitForPorts(path, std::chrono::seconds(60), &grpc, nullptr) ? grpc : 0;
 }
 
 // Separate processes: `strata kvstore`, `strata serve --no-worker` (the coordinator with the gRPC
@@ -402,22 +275,22 @@ TEST(WorkerProcessTest, WorkerWithRemoteKvStore) {
     ~Cleanup() { std::filesystem::remove_all(dir); }
   } cleanup{dir};
   {
-    Child make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "4", "--out", dir + "/model"},
+    ChildProcess make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "4", "--out", dir + "/model"},
                dir + "/make.out", dir + "/make.err");
     auto code = make.Wait(std::chrono::seconds(60));
     ASSERT_TRUE(code.has_value() && *code == 0) << make.Err();
   }
-  Child kv({STRATA_BINARY, "kvstore", "--listen", "127.0.0.1:0", "--data", dir + "/kv", "--port-file", dir + "/kv.ports",
+  ChildProcess kv({STRATA_BINARY, "kvstore", "--listen", "127.0.0.1:0", "--data", dir + "/kv", "--port-file", dir + "/kv.ports",
             "--no-sync"},
            dir + "/kv.out", dir + "/kv.err");
   const int kv_port = WaitPort(&kv, dir + "/kv.ports");
   ASSERT_GT(kv_port, 0) << kv.Err();
-  Child coord({STRATA_BINARY, "serve", "--no-worker", "--model", dir + "/model", "--data", dir + "/coord", "--listen",
+  ChildProcess coord({STRATA_BINARY, "serve", "--no-worker", "--model", dir + "/model", "--data", dir + "/coord", "--listen",
                "127.0.0.1:0", "--port-file", dir + "/coord.ports", "--no-sync", "--drain-timeout-seconds", "2"},
               dir + "/coord.out", dir + "/coord.err");
   const int coord_port = WaitPort(&coord, dir + "/coord.ports");
   ASSERT_GT(coord_port, 0) << coord.Err();
-  Child worker({STRATA_BINARY, "worker", "--listen", "127.0.0.1:0", "--coordinator",
+  ChildProcess worker({STRATA_BINARY, "worker", "--listen", "127.0.0.1:0", "--coordinator",
                 absl::StrCat("127.0.0.1:", coord_port), "--kvstore", absl::StrCat("127.0.0.1:", kv_port), "--model",
                 dir + "/model", "--worker-id", "w1", "--port-file", dir + "/worker.ports"},
                dir + "/worker.out", dir + "/worker.err");
@@ -428,7 +301,7 @@ TEST(WorkerProcessTest, WorkerWithRemoteKvStore) {
                               "62,63,64,65,66,67,68,69,70,71,72,73,74,75,76,77,78,79,80";
   const std::string server = absl::StrCat("127.0.0.1:", coord_port);
   for (int round = 0; round < 2; ++round) {
-    Child ask({STRATA_BINARY, "ask", "--server", server, "--doc-token-ids", doc_ids, "--max-tokens", "4",
+    ChildProcess ask({STRATA_BINARY, "ask", "--server", server, "--doc-token-ids", doc_ids, "--max-tokens", "4",
                "--ignore-eos", "hello"},
               dir + "/ask.out", dir + "/ask.err");
     auto code = ask.Wait(std::chrono::seconds(120));
