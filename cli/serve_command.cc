@@ -64,6 +64,8 @@ struct ServeFlags {
   int64_t host_cache_bytes = int64_t{1} << 30;
   int64_t threads = 0;
   int64_t drain_timeout_seconds = 30;
+  bool lazy_mount = false;
+  int64_t lazy_cache_pages = 8192;
   bool sync = true;
   bool worker = true;
 };
@@ -124,6 +126,8 @@ int Serve(const ServeFlags& f) {
     wo.page_size = static_cast<int>(f.page_size);
     wo.prefill_chunk_size = f.prefill_chunk;
     wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
+    wo.lazy_mount = f.lazy_mount;
+    wo.lazy_cache_pages = f.lazy_cache_pages;
     wo.capacity_tokens = static_cast<uint64_t>(f.max_document_tokens) * 4;
     auto created = worker::Worker::Create(wo, m.get(), backend.get(), pages, store.get(), &worker_metrics);
     if (!created.ok()) return Fail(created.status());
@@ -219,6 +223,9 @@ int RunServe(int argc, char** argv) {
             "host-memory page tier in front of RocksDB (bytes; 0: none)");
   flags.Int("threads", &f.threads, "CPU backend threads (0: all cores)");
   flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds, "on SIGTERM, how long running jobs may finish");
+  flags.Bool("lazy-mount", &f.lazy_mount,
+             "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen pages on demand (opt-in; page-level choice, see docs/design.md)");
+  flags.Int("lazy-cache-pages", &f.lazy_cache_pages, "with --lazy-mount: pages held per job (LRU)");
   flags.Bool("worker", &f.worker,
              "run the embedded worker and KV store (--no-worker: coordinator only, for `strata worker` processes)");
   flags.Bool("sync", &f.sync, "sync the RocksDB write-ahead logs on every write");

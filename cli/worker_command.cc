@@ -52,6 +52,8 @@ struct WorkerFlags {
   int64_t capacity_tokens = int64_t{1} << 22;
   int64_t threads = 0;
   int64_t drain_timeout_seconds = 30;
+  bool lazy_mount = false;
+  int64_t lazy_cache_pages = 8192;
 };
 
 int Fail(const absl::Status& s) {
@@ -97,6 +99,8 @@ int Run(const WorkerFlags& f) {
   wo.page_size = static_cast<int>(f.page_size);
   wo.prefill_chunk_size = f.prefill_chunk;
   wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
+  wo.lazy_mount = f.lazy_mount;
+  wo.lazy_cache_pages = f.lazy_cache_pages;
   wo.capacity_tokens = static_cast<uint64_t>(f.capacity_tokens);
   auto w = worker::Worker::Create(wo, m.get(), backend.get(), pages, store->get(), &worker_metrics);
   if (!w.ok()) return Fail(w.status());
@@ -160,6 +164,9 @@ int RunWorker(int argc, char** argv) {
   flags.Int("capacity-tokens", &f.capacity_tokens, "document tokens this worker can hold");
   flags.Int("threads", &f.threads, "CPU backend threads (0: all cores)");
   flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds, "on SIGTERM, how long running jobs may finish");
+  flags.Bool("lazy-mount", &f.lazy_mount,
+             "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen pages on demand (opt-in; page-level choice, see docs/design.md)");
+  flags.Int("lazy-cache-pages", &f.lazy_cache_pages, "with --lazy-mount: pages held per job (LRU)");
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
   return Run(f);
