@@ -56,16 +56,10 @@ struct ServeFlags {
   std::string listen = "127.0.0.1:7070";
   std::string metrics_listen;
   std::string port_file;
-  int64_t page_size = 64;
+  WorkerEngineFlags engine;
   int64_t max_document_tokens = int64_t{1} << 20;
   int64_t max_tokens_limit = 4096;
-  int64_t prefill_chunk = 512;
-  int64_t max_jobs = 4;
-  int64_t host_cache_bytes = int64_t{1} << 30;
-  int64_t threads = 0;
   int64_t drain_timeout_seconds = 30;
-  bool lazy_mount = false;
-  int64_t lazy_cache_pages = 8192;
   bool sync = true;
   bool worker = true;
 };
@@ -116,18 +110,14 @@ int Serve(const ServeFlags& f) {
     store = *std::move(opened);
     // Tier H (host memory) in front of tier D (RocksDB): pages persisted or read once stay in
     // memory for the next job, within --host-cache-bytes.
-    auto ht = HostTier::Create(f.host_cache_bytes, &kv_metrics, store.get(), nullptr);
+    auto ht = HostTier::Create(f.engine.host_cache_bytes, &kv_metrics, store.get(), nullptr);
     if (!ht.ok()) return Fail(ht.status());
     host_tier = *std::move(ht);
     kvstore::PageStore* pages = host_tier->store();
-    backend = MakeWorkerBackend(static_cast<int>(f.threads));
+    backend = MakeWorkerBackend(static_cast<int>(f.engine.threads));
     worker::WorkerOptions wo;
     wo.worker_id = "serve-worker-0";
-    wo.page_size = static_cast<int>(f.page_size);
-    wo.prefill_chunk_size = f.prefill_chunk;
-    wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
-    wo.lazy_mount = f.lazy_mount;
-    wo.lazy_cache_pages = f.lazy_cache_pages;
+    f.engine.ApplyTo(&wo);
     wo.capacity_tokens = static_cast<uint64_t>(f.max_document_tokens) * 4;
     auto created = worker::Worker::Create(wo, m.get(), backend.get(), pages, store.get(), &worker_metrics);
     if (!created.ok()) return Fail(created.status());
@@ -148,12 +138,12 @@ int Serve(const ServeFlags& f) {
   options.tokenizer = m->tokenizer.get();
   options.limits.vocab_size = m->config.vocab_size;
   options.limits.num_layers = m->config.num_layers;
-  options.limits.page_size = static_cast<uint32_t>(f.page_size);
+  options.limits.page_size = static_cast<uint32_t>(f.engine.page_size);
   options.limits.max_document_tokens = f.max_document_tokens;
   options.limits.max_max_tokens = static_cast<uint32_t>(f.max_tokens_limit);
   options.limits.default_max_tokens = std::min<uint32_t>(options.limits.default_max_tokens,
                                                          options.limits.max_max_tokens);
-  options.placement.page_size = f.page_size;
+  options.placement.page_size = f.engine.page_size;
   options.placement.target_shard_tokens = f.max_document_tokens;
   if (absl::Status s = options.Validate(); !s.ok()) return Fail(s);
   coordinator::CatalogOptions catalog_options;
@@ -184,7 +174,7 @@ int Serve(const ServeFlags& f) {
   const std::string host = f.listen.substr(0, f.listen.rfind(':'));
   STRATA_LOG(INFO) << "serve: grpc=" << host << ":" << (*server)->port() << " metrics_port=" << metrics_port
                    << " worker=" << worker_address << " backend=" << (backend != nullptr ? backend->Name() : "none") << " model=" << f.model
-                   << " fingerprint=" << m->fingerprint << " data=" << f.data << " page_size=" << f.page_size;
+                   << " fingerprint=" << m->fingerprint << " data=" << f.data << " page_size=" << f.engine.page_size;
   if (!f.port_file.empty()) {
     if (absl::Status s = WritePortFile(f.port_file, (*server)->port(), metrics_port); !s.ok()) {
       return Fail(s);
@@ -214,18 +204,10 @@ int RunServe(int argc, char** argv) {
   flags.String("listen", &f.listen, "public gRPC listen address (port 0: any free port)");
   flags.String("metrics-listen", &f.metrics_listen, "Prometheus /metrics listen address (empty: none)");
   flags.String("port-file", &f.port_file, "write '<grpc_port> <metrics_port>' here once serving");
-  flags.Int("page-size", &f.page_size, "tokens per KV page");
+  f.engine.Register(&flags, "RocksDB");
   flags.Int("max-document-tokens", &f.max_document_tokens, "largest document, tokens");
   flags.Int("max-tokens-limit", &f.max_tokens_limit, "largest accepted params.max_tokens");
-  flags.Int("prefill-chunk", &f.prefill_chunk, "prefill chunk size (tokens; progress is reported per chunk)");
-  flags.Int("max-jobs", &f.max_jobs, "jobs the worker leads at the same time");
-  flags.Int("host-cache-bytes", &f.host_cache_bytes,
-            "host-memory page tier in front of RocksDB (bytes; 0: none)");
-  flags.Int("threads", &f.threads, "CPU backend threads (0: all cores)");
   flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds, "on SIGTERM, how long running jobs may finish");
-  flags.Bool("lazy-mount", &f.lazy_mount,
-             "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen pages on demand (opt-in; page-level choice, see docs/design.md)");
-  flags.Int("lazy-cache-pages", &f.lazy_cache_pages, "with --lazy-mount: pages held per job (LRU)");
   flags.Bool("worker", &f.worker,
              "run the embedded worker and KV store (--no-worker: coordinator only, for `strata worker` processes)");
   flags.Bool("sync", &f.sync, "sync the RocksDB write-ahead logs on every write");

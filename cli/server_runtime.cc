@@ -87,6 +87,27 @@ absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(int64_t capacity_byte
   return tier;
 }
 
+void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier) {
+  flags->Int("page-size", &page_size, "tokens per KV page (must match the coordinator)");
+  flags->Int("prefill-chunk", &prefill_chunk, "prefill chunk size (tokens; progress is reported per chunk)");
+  flags->Int("max-jobs", &max_jobs, "jobs the worker leads at the same time");
+  flags->Int("host-cache-bytes", &host_cache_bytes,
+             absl::StrCat("host-memory page tier in front of ", durable_tier, " (bytes; 0: none)"));
+  flags->Int("threads", &threads, "CPU backend threads (0: all cores)");
+  flags->Bool("lazy-mount", &lazy_mount,
+              "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen "
+              "pages on demand (opt-in; page-level choice, see docs/design.md)");
+  flags->Int("lazy-cache-pages", &lazy_cache_pages, "with --lazy-mount: pages held per job (LRU)");
+}
+
+void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
+  options->page_size = static_cast<int>(page_size);
+  options->prefill_chunk_size = prefill_chunk;
+  options->max_jobs = static_cast<uint32_t>(max_jobs);
+  options->lazy_mount = lazy_mount;
+  options->lazy_cache_pages = lazy_cache_pages;
+}
+
 sigset_t BlockStopSignals() {
   sigset_t set;
   sigemptyset(&set);

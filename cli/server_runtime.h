@@ -9,14 +9,35 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cli/flags.h"
 #include "kernels/backend.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/metrics.h"
 #include "kvstore/tiered_store.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
+#include "worker/worker.h"
 
 namespace strata::cli {
+
+// The engine flags of a worker, shared by `strata worker` and `strata serve` (its embedded
+// worker): page size, prefill chunk, jobs, host tier, CPU threads, lazy mount.
+struct WorkerEngineFlags {
+  int64_t page_size = 64;
+  int64_t prefill_chunk = 512;
+  int64_t max_jobs = 4;
+  int64_t host_cache_bytes = int64_t{1} << 30;
+  int64_t threads = 0;
+  bool lazy_mount = false;
+  int64_t lazy_cache_pages = 8192;
+
+  // Registers --page-size, --prefill-chunk, --max-jobs, --host-cache-bytes (the tier in front of
+  // `durable_tier`, named in its help), --threads, --lazy-mount and --lazy-cache-pages.
+  void Register(FlagSet* flags, const std::string& durable_tier);
+  // Sets the WorkerOptions fields these flags control (the others are left as they are);
+  // WorkerOptions::Validate reports bad values.
+  void ApplyTo(worker::WorkerOptions* options) const;
+};
 
 // The CUDA backend on device 0 when the plugin libstrata_cuda.so loads and a GPU is present, else
 // the CPU backend (`threads` CPU threads; 0 = all cores). Logs the choice.

@@ -45,15 +45,9 @@ struct WorkerFlags {
   std::string worker_id;
   std::string advertise;
   std::string port_file;
-  int64_t page_size = 64;
-  int64_t prefill_chunk = 512;
-  int64_t max_jobs = 4;
-  int64_t host_cache_bytes = int64_t{1} << 30;
+  WorkerEngineFlags engine;
   int64_t capacity_tokens = int64_t{1} << 22;
-  int64_t threads = 0;
   int64_t drain_timeout_seconds = 30;
-  bool lazy_mount = false;
-  int64_t lazy_cache_pages = 8192;
 };
 
 int Fail(const absl::Status& s) {
@@ -87,20 +81,16 @@ int Run(const WorkerFlags& f) {
   auto store = kvstore::RemoteStore::Create(so);
   if (!store.ok()) return Fail(store.status());
   // Tier H (host memory) in front of tier R (the KV store service).
-  auto host_tier = HostTier::Create(f.host_cache_bytes, &kv_metrics, nullptr, store->get());
+  auto host_tier = HostTier::Create(f.engine.host_cache_bytes, &kv_metrics, nullptr, store->get());
   if (!host_tier.ok()) return Fail(host_tier.status());
   kvstore::PageStore* pages = (*host_tier)->store();
 
-  std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.threads));
+  std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.engine.threads));
   worker::WorkerOptions wo;
   char hostname[256] = {0};
   gethostname(hostname, sizeof(hostname) - 1);
   wo.worker_id = f.worker_id.empty() ? std::string(hostname) : f.worker_id;
-  wo.page_size = static_cast<int>(f.page_size);
-  wo.prefill_chunk_size = f.prefill_chunk;
-  wo.max_jobs = static_cast<uint32_t>(f.max_jobs);
-  wo.lazy_mount = f.lazy_mount;
-  wo.lazy_cache_pages = f.lazy_cache_pages;
+  f.engine.ApplyTo(&wo);
   wo.capacity_tokens = static_cast<uint64_t>(f.capacity_tokens);
   auto w = worker::Worker::Create(wo, m.get(), backend.get(), pages, store->get(), &worker_metrics);
   if (!w.ok()) return Fail(w.status());
@@ -156,17 +146,9 @@ int RunWorker(int argc, char** argv) {
   flags.String("worker-id", &f.worker_id, "stable worker id (default: the host name)");
   flags.String("advertise", &f.advertise, "address the coordinator dials (default: listen host and bound port)");
   flags.String("port-file", &f.port_file, "write '<grpc_port> <metrics_port>' here once serving");
-  flags.Int("page-size", &f.page_size, "tokens per KV page (must match the coordinator)");
-  flags.Int("prefill-chunk", &f.prefill_chunk, "prefill chunk size (tokens)");
-  flags.Int("max-jobs", &f.max_jobs, "jobs led at the same time");
-  flags.Int("host-cache-bytes", &f.host_cache_bytes,
-            "host-memory page tier in front of the KV store (bytes; 0: none)");
+  f.engine.Register(&flags, "the KV store");
   flags.Int("capacity-tokens", &f.capacity_tokens, "document tokens this worker can hold");
-  flags.Int("threads", &f.threads, "CPU backend threads (0: all cores)");
   flags.Int("drain-timeout-seconds", &f.drain_timeout_seconds, "on SIGTERM, how long running jobs may finish");
-  flags.Bool("lazy-mount", &f.lazy_mount,
-             "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen pages on demand (opt-in; page-level choice, see docs/design.md)");
-  flags.Int("lazy-cache-pages", &f.lazy_cache_pages, "with --lazy-mount: pages held per job (LRU)");
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
   return Run(f);
