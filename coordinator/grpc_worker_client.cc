@@ -85,38 +85,41 @@ void GrpcWorkerClient::PrefillShard(const v1::WorkerInfo& worker, const v1::Pref
   }).detach();
 }
 
-void GrpcWorkerClient::MountShard(const v1::WorkerInfo& worker, const v1::MountShardRequest& request,
-                                  DoneFn on_done) {
+void GrpcWorkerClient::CallUnary(const v1::WorkerInfo& worker, int64_t timeout_ms, UnaryFn call,
+                                 DoneFn on_done) {
   auto ctx = std::make_shared<grpc::ClientContext>();
-  ctx->set_deadline(DeadlineIn(options_.mount_timeout_ms));
+  ctx->set_deadline(DeadlineIn(timeout_ms));
   if (!Begin(ctx.get())) {
     on_done(absl::CancelledError("worker client shutting down"));
     return;
   }
   auto channel = ChannelTo(worker.address());
-  std::thread([this, channel, ctx, request, on_done = std::move(on_done)] {
-    auto stub = v1::Worker::NewStub(channel);
-    v1::MountShardResponse response;
-    on_done(proto::FromGrpcStatus(stub->MountShard(ctx.get(), request, &response)));
+  std::thread([this, channel, ctx, call = std::move(call), on_done = std::move(on_done)] {
+    on_done(call(channel, ctx.get()));
     End(ctx.get());
   }).detach();
 }
 
+void GrpcWorkerClient::MountShard(const v1::WorkerInfo& worker, const v1::MountShardRequest& request,
+                                  DoneFn on_done) {
+  CallUnary(
+      worker, options_.mount_timeout_ms,
+      [request](const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* ctx) {
+        v1::MountShardResponse response;
+        return proto::FromGrpcStatus(v1::Worker::NewStub(channel)->MountShard(ctx, request, &response));
+      },
+      std::move(on_done));
+}
+
 void GrpcWorkerClient::UnmountShard(const v1::WorkerInfo& worker, const v1::UnmountShardRequest& request,
                                     DoneFn on_done) {
-  auto ctx = std::make_shared<grpc::ClientContext>();
-  ctx->set_deadline(DeadlineIn(options_.unmount_timeout_ms));
-  if (!Begin(ctx.get())) {
-    on_done(absl::CancelledError("worker client shutting down"));
-    return;
-  }
-  auto channel = ChannelTo(worker.address());
-  std::thread([this, channel, ctx, request, on_done = std::move(on_done)] {
-    auto stub = v1::Worker::NewStub(channel);
-    v1::UnmountShardResponse response;
-    on_done(proto::FromGrpcStatus(stub->UnmountShard(ctx.get(), request, &response)));
-    End(ctx.get());
-  }).detach();
+  CallUnary(
+      worker, options_.unmount_timeout_ms,
+      [request](const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* ctx) {
+        v1::UnmountShardResponse response;
+        return proto::FromGrpcStatus(v1::Worker::NewStub(channel)->UnmountShard(ctx, request, &response));
+      },
+      std::move(on_done));
 }
 
 void GrpcWorkerClient::RunJob(const v1::WorkerInfo& worker, const v1::RunJobRequest& request,

@@ -9,6 +9,7 @@
 #ifndef STRATA_COORDINATOR_GRPC_WORKER_CLIENT_H_
 #define STRATA_COORDINATOR_GRPC_WORKER_CLIENT_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -61,6 +62,10 @@ class GrpcWorkerClient final : public WorkerClient {
   // Registers a call; false when shutting down.
   bool Begin(grpc::ClientContext* ctx);
   void End(grpc::ClientContext* ctx);
+  // A unary call to `worker` on its own thread with a deadline of `timeout_ms`: `call` issues
+  // the RPC over the channel; on_done gets its status (CANCELLED at once when shutting down).
+  using UnaryFn = std::function<absl::Status(const std::shared_ptr<grpc::Channel>&, grpc::ClientContext*)>;
+  void CallUnary(const v1::WorkerInfo& worker, int64_t timeout_ms, UnaryFn call, DoneFn on_done);
 
   const GrpcWorkerClientOptions options_;
   absl::Mutex mu_;
