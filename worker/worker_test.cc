@@ -302,5 +302,26 @@ TEST_F(LazyMountTest, DenseJobStillLoadsEveryPage) {
   EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
 }
 
+TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
+  STRATA_EXPECT_OK(WorkerOptions().Validate());
+  struct Case {
+    const char* field;
+    void (*set)(WorkerOptions*);
+  };
+  const Case cases[] = {
+      {"max_decode_batch", [](WorkerOptions* o) { o->max_decode_batch = 0; }},
+      {"peer_timeout_ms", [](WorkerOptions* o) { o->peer_timeout_ms = 0; }},
+      {"lazy_cache_pages", [](WorkerOptions* o) { o->lazy_cache_pages = 0; }},
+      {"page_size", [](WorkerOptions* o) { o->page_size = 0; }},
+  };
+  for (const Case& c : cases) {
+    WorkerOptions o;
+    c.set(&o);
+    const absl::Status s = o.Validate();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << s;
+  }
+}
+
 }  // namespace
 }  // namespace strata::worker
