@@ -33,6 +33,15 @@
 //     merge, LM head, logits copy). GPU memory used (cudaMemGetInfo total - free) before the
 //     backend, after the weights, after the summaries and cache, and after decode; the GPU page
 //     cache hit ratio over the measured steps.
+//   With --hooks=host,device (default: device) each document is decoded once per listed path of
+//     GpuCacheAttention: "host" (Attend: q copied to the host, the device chooser's q copied
+//     back up, fills waited for on the host, partials copied to the host and up again for the
+//     merge) and "device" (AttendOnDevice: q, selection scores and partials stay in backend
+//     memory; the selection [kv_heads, k] is the one copy to the host per layer, which also waits
+//     for the step's work queued so far; fills with MissPolicy::kOrdered, no host wait). In the
+//     device path the host-time split moves GPU time into "select" (its copy waits for the queued
+//     layers), so compare paths by ms/token. Fills are further split into source lookups (host
+//     tier), other gather work, PageCopy calls (pointer checks + launch) and host waits.
 //   With --no_document_pass=1, each shape first decodes the same way with no attention to the
 //     document (ForwardOptions::external null): the model's own cost per token. With 2, only
 //     that pass runs (no document is made).
@@ -105,6 +114,10 @@ struct Flags {
   int no_document_pass = 0;  // 1: also decode with no document attention (the model's floor);
                              // 2: only that
   int decode_graph = 0;      // 1: repeat the no-document pass with decode_graph
+  // Which GpuCacheAttention paths decode each document, in order: "host" (Attend: q and the
+  // partials through host memory, fills waited for) and/or "device" (AttendOnDevice: q and
+  // partials in backend memory, MissPolicy::kOrdered fills, one host sync per layer).
+  std::string hooks = "device";
   uint64_t seed = 1;
 };
 
@@ -116,6 +129,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   double x = 0;
   if (k == "shapes") { f->shapes = v; return true; }
   if (k == "contexts") { f->contexts = v; return true; }
+  if (k == "hooks") { f->hooks = v; return true; }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
   if (!absl::SimpleAtoi(v, &i) || i < 0) return false;
@@ -451,7 +465,62 @@ class DeviceChooser {
     return absl::OkStatus();
   }
 
+  // The device path: q is already in backend memory ([num_tokens = 1, hq, d]); one copy of the
+  // selection [hkv, k] to the host (which also waits for the step's queued work).
+  absl::Status ChooseDevice(int layer, const TensorView& q,
+                            std::vector<std::vector<int32_t>>* pages) {
+    if (q.rank != 3 || q.dim(0) != 1 || q.dim(1) != hq_ || q.dim(2) != d_ || layer < 0 ||
+        layer >= static_cast<int>(summaries_.size()) ||
+        static_cast<int>(pages->size()) != hkv_) {
+      return absl::InvalidArgumentError("DeviceChooser: one query token of the model's heads only");
+    }
+    Stopwatch sw;
+    const int64_t n = window_first_ - 1;
+    const int group = hq_ / hkv_;
+    if (n > 0) {
+      kernels::CandidateList cand;
+      cand.begin = 1;
+      cand.end = window_first_;
+      kernels::ScoreSummariesParams sp;
+      sp.q = TensorView(q.data, DType::kF32, {hq_, d_});
+      sp.summaries = summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_});
+      sp.candidates = cand;
+      sp.scale = 1.0f / std::sqrt(static_cast<float>(d_));
+      sp.scores = scores_->View(DType::kF32, {hkv_, group, n});
+      STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(sp, nullptr));
+      kernels::VoteTopKParams vp;
+      vp.scores = sp.scores;
+      vp.candidates = cand;
+      vp.k = k_;
+      vp.selected = selected_->View(DType::kI32, {hkv_, k_});
+      STRATA_RETURN_IF_ERROR(backend_->VoteTopK(vp, nullptr));
+      Stopwatch copy;
+      STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), selected_->data(),
+                                                  host_selected_.size() * 4, nullptr));
+      copy_seconds_ += copy.ElapsedSeconds();
+    } else {
+      std::fill(host_selected_.begin(), host_selected_.end(), -1);
+    }
+    for (int g = 0; g < hkv_; ++g) {
+      std::vector<int32_t>& out = (*pages)[g];
+      out.push_back(0);
+      const int32_t* sel = &host_selected_[static_cast<size_t>(g) * k_];
+      for (int64_t i = 0; i < k_; ++i) {
+        if (sel[i] < 1 || sel[i] >= window_first_) continue;  // -1 padding (or out of range)
+        out.push_back(sel[i]);
+      }
+      for (int64_t p = window_first_; p < pages_; ++p) out.push_back(static_cast<int32_t>(p));
+      std::sort(out.begin(), out.end());
+      out.erase(std::unique(out.begin(), out.end()), out.end());
+    }
+    seconds_ += sw.ElapsedSeconds();
+    return absl::OkStatus();
+  }
+
   double seconds() const { return seconds_; }
+  // Of seconds(): the selection copies to the host (in the device path, the wait for the step's
+  // queued GPU work up to this layer's selection).
+  double copy_seconds() const { return copy_seconds_; }
   int64_t device_bytes() const {
     return static_cast<int64_t>(summaries_.size()) * hkv_ * pages_ * 2 * d_ * 4;
   }
@@ -465,6 +534,7 @@ class DeviceChooser {
   std::unique_ptr<kernels::Buffer> q_, scores_, selected_;
   std::vector<int32_t> host_selected_;
   double seconds_ = 0;
+  double copy_seconds_ = 0;
 };
 
 // Times the hook's Attend calls.
@@ -475,6 +545,14 @@ class TimedAttention : public engine::ExternalAttention {
                       std::vector<engine::AttentionPartial>* parts) override {
     Stopwatch sw;
     absl::Status s = inner_->Attend(layer, q, num_tokens, num_q_heads, q_begin, parts);
+    seconds_ += sw.ElapsedSeconds();
+    return s;
+  }
+  bool AttendsOnDevice() const override { return inner_->AttendsOnDevice(); }
+  absl::Status AttendOnDevice(int layer, const TensorView& q, int64_t q_begin,
+                              const TensorView& out, const TensorView& lse) override {
+    Stopwatch sw;
+    absl::Status s = inner_->AttendOnDevice(layer, q, q_begin, out, lse);
     seconds_ += sw.ElapsedSeconds();
     return s;
   }
@@ -492,6 +570,11 @@ struct RunResult {
   int tokens = 0;
   double tok_s = 0;
   double ms_total = 0, ms_select = 0, ms_fill = 0, ms_attend_rest = 0, ms_rest = 0;
+  // Of ms_select: the selection copies to the host. Of ms_fill: source lookups, other gather
+  // work, PageCopy calls (checks + launch), host waits.
+  double ms_select_copy = 0, ms_fill_source = 0, ms_fill_gather = 0, ms_fill_copy = 0,
+         ms_fill_wait = 0;
+  std::string hook = "host";
   double hit_ratio = 0;
   double fill_mb_per_token = 0;
   int64_t cache_slots = 0;
@@ -543,7 +626,7 @@ absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* 
 
 absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
                     kernels::Backend* backend, const Document& doc, bool device_chooser,
-                    int measured, const Flags& f, RunResult* res) {
+                    bool device_hook, int measured, const Flags& f, RunResult* res) {
   const int P = f.page_size;
   const int64_t heads = c.num_layers * c.num_kv_heads;
   kvstore::GpuCacheOptions go;
@@ -563,6 +646,8 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   std::unique_ptr<DeviceChooser> dev;
   engine::GpuCacheAttentionOptions ao;
   ao.document_tokens = doc.tokens;
+  ao.device_path = device_hook;
+  res->hook = device_hook ? "device" : "host";
   double host_chooser_seconds = 0;
   engine::MinMaxChooserOptions mo;
   mo.store = doc.summary_host.get();
@@ -603,6 +688,15 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
       }
       return absl::OkStatus();
     };
+    if (device_hook) {
+      // q stays on the device (the agreement check needs host q: host hook only).
+      agree->on = false;
+      ao.chooser = nullptr;
+      ao.device_chooser = [d](int layer, const TensorView& q,
+                              std::vector<std::vector<int32_t>>* pages) {
+        return d->ChooseDevice(layer, q, pages);
+      };
+    }
   } else {
     if (mo.store == nullptr) return absl::FailedPreconditionError("no host summaries");
     engine::PageChooser inner = engine::MakeMinMaxChooser(mo);
@@ -631,7 +725,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   std::vector<float> logits(static_cast<size_t>(V));
   int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
   Stopwatch sw;
-  double t0 = 0, sel0 = 0, attend0 = 0, fill0 = 0;
+  double t0 = 0, sel0 = 0, attend0 = 0, fill0 = 0, selcopy0 = 0;
   kvstore::GpuCacheStats s0;
   int64_t pages0 = 0;
   for (int step = 0; step < steps; ++step) {
@@ -640,6 +734,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
       STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
       t0 = sw.ElapsedSeconds();
       sel0 = device_chooser ? dev->seconds() : host_chooser_seconds;
+      selcopy0 = device_chooser ? dev->copy_seconds() : 0;
       attend0 = timed.seconds();
       s0 = cache->stats();
       fill0 = s0.gather_seconds + s0.copy_seconds + s0.wait_seconds;
@@ -668,6 +763,12 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   res->ms_fill = 1e3 * fill / measured;
   res->ms_attend_rest = 1e3 * (attend - sel - fill) / measured;
   res->ms_rest = 1e3 * (total - attend) / measured;
+  res->ms_select_copy = 1e3 * ((device_chooser ? dev->copy_seconds() : 0) - selcopy0) / measured;
+  res->ms_fill_source = 1e3 * (s1.source_seconds - s0.source_seconds) / measured;
+  res->ms_fill_gather = 1e3 * (s1.gather_seconds - s0.gather_seconds -
+                               (s1.source_seconds - s0.source_seconds)) / measured;
+  res->ms_fill_copy = 1e3 * (s1.copy_seconds - s0.copy_seconds) / measured;
+  res->ms_fill_wait = 1e3 * (s1.wait_seconds - s0.wait_seconds) / measured;
   const int64_t lookups = s1.lookups - s0.lookups;
   res->hit_ratio = lookups > 0 ? static_cast<double>(s1.hits - s0.hits) / lookups : NAN;
   res->fill_mb_per_token = static_cast<double>(s1.fill_bytes - s0.fill_bytes) / measured / 1e6;
@@ -681,14 +782,17 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
 
 void Print(const RunResult& r) {
   std::printf(
-      "RESULT shape=%s chooser=%s context=%" PRId64 " tokens=%d tok/s=%.1f ms/token=%.2f "
-      "[select %.2f, fills %.2f, attend-hook rest %.2f, rest of forward %.2f] hit=%.4f "
+      "RESULT shape=%s chooser=%s hook=%s context=%" PRId64 " tokens=%d tok/s=%.1f ms/token=%.2f "
+      "[select %.2f (copy to host %.2f), fills %.2f (source %.2f, gather %.2f, PageCopy %.2f, "
+      "wait %.2f), attend-hook rest %.2f, rest of forward %.2f] hit=%.4f "
       "fill=%.1f MB/token pages/step=%" PRId64 " slots=%" PRId64 " of %" PRId64
-      " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f\n",
-      r.shape.c_str(), r.chooser.c_str(), r.context, r.tokens, r.tok_s, r.ms_total, r.ms_select,
-      r.ms_fill, r.ms_attend_rest, r.ms_rest, r.hit_ratio, r.fill_mb_per_token, r.pages_per_step,
-      r.cache_slots, r.doc_pages_total, r.gpu_weights_gib, r.gpu_ready_gib, r.gpu_end_gib,
-      r.host_kv_gib, r.doc_seconds);
+      " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f "
+      "last_token=%d\n",
+      r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tokens, r.tok_s,
+      r.ms_total, r.ms_select, r.ms_select_copy, r.ms_fill, r.ms_fill_source, r.ms_fill_gather,
+      r.ms_fill_copy, r.ms_fill_wait, r.ms_attend_rest, r.ms_rest, r.hit_ratio,
+      r.fill_mb_per_token, r.pages_per_step, r.cache_slots, r.doc_pages_total, r.gpu_weights_gib,
+      r.gpu_ready_gib, r.gpu_end_gib, r.host_kv_gib, r.doc_seconds, r.last_token);
   if (r.agree_total > 0) {
     std::printf("  device selection vs host MinMaxChooser (warm-up steps): %" PRId64 " of %" PRId64
                 " pages agree (%.4f)\n",
@@ -808,16 +912,21 @@ int Main(int argc, char** argv) {
         ++failures;
         continue;
       }
-      for (int pass = 0; pass < (host_cmp ? 2 : 1); ++pass) {
+      std::vector<std::pair<bool, bool>> passes;  // (device chooser, device hook)
+      for (absl::string_view h : absl::StrSplit(f.hooks, ',', absl::SkipEmpty())) {
+        passes.push_back({true, h == "device"});
+      }
+      if (host_cmp) passes.push_back({false, false});
+      for (const auto& [device_chooser, device_hook] : passes) {
         RunResult r;
         r.shape = mo.preset;
-        r.chooser = pass == 0 ? "device" : "host-minmax";
+        r.chooser = device_chooser ? "device" : "host-minmax";
         r.context = ctx;
         r.gpu_weights_gib = gpu_weights;
         r.host_kv_gib = static_cast<double>((*doc)->allocator->reserved_bytes()) / (1 << 30);
         r.doc_seconds = (*doc)->seconds;
-        absl::Status s = Decode(*config, tf->get(), backend, **doc, pass == 0,
-                                pass == 0 ? f.tokens : f.host_tokens, f, &r);
+        absl::Status s = Decode(*config, tf->get(), backend, **doc, device_chooser, device_hook,
+                                device_chooser ? f.tokens : f.host_tokens, f, &r);
         if (!s.ok()) {
           std::printf("FAILED shape=%s chooser=%s context=%" PRId64 ": %s\n", mo.preset.c_str(),
                       r.chooser.c_str(), ctx, s.ToString().c_str());
@@ -830,13 +939,14 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  std::printf("\n| shape | chooser | context | tok/s | ms/token | select | fills | attend rest | "
-              "rest | hit ratio | fill MB/tok | GPU GiB (weights / ready / end) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | chooser | hook | context | tok/s | ms/token | select | fills | "
+              "attend rest | rest | hit ratio | fill MB/tok | GPU GiB (weights / ready / end) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const RunResult& r : results) {
-    std::printf("| %s | %s | %" PRId64 " | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.3f | "
+    std::printf("| %s | %s | %s | %" PRId64 " | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.3f | "
                 "%.1f | %.2f / %.2f / %.2f |\n",
-                r.shape.c_str(), r.chooser.c_str(), r.context, r.tok_s, r.ms_total, r.ms_select,
+                r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tok_s,
+                r.ms_total, r.ms_select,
                 r.ms_fill, r.ms_attend_rest, r.ms_rest, r.hit_ratio, r.fill_mb_per_token,
                 r.gpu_weights_gib, r.gpu_ready_gib, r.gpu_end_gib);
   }

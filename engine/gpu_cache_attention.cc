@@ -39,10 +39,84 @@ absl::Status Grow(kernels::Backend* backend, size_t bytes, std::unique_ptr<kerne
 
 }  // namespace
 
+absl::Status GpuCacheAttention::ChoosePages(int layer, const float* q_host,
+                                            const kernels::TensorView* q_device, int num_tokens,
+                                            int num_q_heads,
+                                            std::vector<kvstore::GpuPageId>* ids) {
+  const int hkv = cache_->options().num_kv_heads;
+  const int64_t num_pages =
+      (options_.document_tokens + cache_->options().page_size - 1) / cache_->options().page_size;
+  ids->clear();
+  head_pages_.resize(hkv);
+  for (std::vector<int32_t>& v : head_pages_) v.clear();
+  if (q_device != nullptr && options_.device_chooser) {
+    STRATA_RETURN_IF_ERROR(options_.device_chooser(layer, *q_device, &head_pages_));
+    if (static_cast<int>(head_pages_.size()) != hkv) {
+      return absl::InvalidArgumentError(absl::StrCat("GpuCacheAttention: device chooser returned ",
+                                                     head_pages_.size(), " heads of ", hkv));
+    }
+  } else {
+    for (int g = 0; g < hkv; ++g) {
+      if (options_.chooser) {
+        STRATA_RETURN_IF_ERROR(
+            options_.chooser(layer, g, q_host, num_tokens, num_q_heads, &head_pages_[g]));
+      } else {
+        for (int64_t p = 0; p < num_pages; ++p) head_pages_[g].push_back(static_cast<int32_t>(p));
+      }
+    }
+  }
+  for (int g = 0; g < hkv; ++g) {
+    for (int32_t p : head_pages_[g]) {
+      if (p < 0 || p >= num_pages) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("GpuCacheAttention: chooser picked page ", p, " of ", num_pages));
+      }
+      ids->push_back(kvstore::GpuPageId{layer, g, p});
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuCacheAttention::AttendChunk(absl::Span<const kvstore::GpuPageId> part,
+                                            const std::vector<int32_t>& slots,
+                                            const kernels::TensorView& q,
+                                            const int32_t* positions,
+                                            const kernels::TensorView& out,
+                                            const kernels::TensorView& lse) {
+  const kvstore::GpuCacheOptions& c = cache_->options();
+  const int hkv = c.num_kv_heads, P = c.page_size;
+  spans_.clear();
+  offsets_.assign(hkv + 1, 0);
+  size_t j = 0;
+  for (int g = 0; g < hkv; ++g) {
+    offsets_[g] = static_cast<int32_t>(spans_.size());
+    for (; j < part.size() && part[j].kv_head == g; ++j) {
+      const int64_t first = static_cast<int64_t>(part[j].page) * P;
+      const int32_t len =
+          static_cast<int32_t>(std::min<int64_t>(P, options_.document_tokens - first));
+      spans_.push_back(kernels::KvSpan{slots[j], 0, len, static_cast<int32_t>(first)});
+    }
+  }
+  offsets_[hkv] = static_cast<int32_t>(spans_.size());
+  kernels::PagedAttentionParams a;
+  a.q = q;
+  a.k_pool = cache_->k_pool();
+  a.v_pool = cache_->v_pool();
+  a.spans = spans_.data();
+  a.span_offsets = offsets_.data();
+  a.num_kv_heads = hkv;
+  a.q_positions = positions;
+  a.causal = true;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  a.out = out;
+  a.lse = lse;
+  return backend_->PagedAttention(a, nullptr);
+}
+
 absl::Status GpuCacheAttention::Attend(int layer, const float* q, int num_tokens, int num_q_heads,
                                        int64_t q_begin, std::vector<AttentionPartial>* parts) {
   const kvstore::GpuCacheOptions& c = cache_->options();
-  const int hkv = c.num_kv_heads, d = c.head_dim, P = c.page_size;
+  const int hkv = c.num_kv_heads, d = c.head_dim;
   if (num_tokens < 1 || num_q_heads <= 0 || num_q_heads % hkv != 0 || q == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("GpuCacheAttention: ", num_q_heads,
                                                    " query heads for ", hkv, " KV heads"));
@@ -51,26 +125,10 @@ absl::Status GpuCacheAttention::Attend(int layer, const float* q, int num_tokens
     return absl::InvalidArgumentError("GpuCacheAttention: queries inside the document");
   }
   ++counters_.calls;
-  const int64_t num_pages = (options_.document_tokens + P - 1) / P;
 
   // The pages of every head, in head order.
   std::vector<kvstore::GpuPageId> ids;
-  std::vector<int32_t> chosen;
-  for (int g = 0; g < hkv; ++g) {
-    chosen.clear();
-    if (options_.chooser) {
-      STRATA_RETURN_IF_ERROR(options_.chooser(layer, g, q, num_tokens, num_q_heads, &chosen));
-    } else {
-      for (int64_t p = 0; p < num_pages; ++p) chosen.push_back(static_cast<int32_t>(p));
-    }
-    for (int32_t p : chosen) {
-      if (p < 0 || p >= num_pages) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("GpuCacheAttention: chooser picked page ", p, " of ", num_pages));
-      }
-      ids.push_back(kvstore::GpuPageId{layer, g, p});
-    }
-  }
+  STRATA_RETURN_IF_ERROR(ChoosePages(layer, q, nullptr, num_tokens, num_q_heads, &ids));
 
   // Host q into backend memory once; outputs per chunk come back to the partials.
   const size_t q_floats = static_cast<size_t>(num_tokens) * num_q_heads * d;
@@ -87,36 +145,14 @@ absl::Status GpuCacheAttention::Attend(int layer, const float* q, int num_tokens
       options_.max_pages_per_chunk > 0 ? options_.max_pages_per_chunk : c.num_slots;
   parts->clear();
   std::vector<int32_t> slots;
-  std::vector<kernels::KvSpan> spans;
-  std::vector<int32_t> offsets(hkv + 1);
   for (size_t begin = 0; begin < ids.size(); begin += static_cast<size_t>(chunk)) {
     const size_t end = std::min(ids.size(), begin + static_cast<size_t>(chunk));
     const absl::Span<const kvstore::GpuPageId> part(ids.data() + begin, end - begin);
     STRATA_RETURN_IF_ERROR(cache_->Acquire(part, kvstore::MissPolicy::kWait, &slots));
-    spans.clear();
-    size_t j = 0;
-    for (int g = 0; g < hkv; ++g) {
-      offsets[g] = static_cast<int32_t>(spans.size());
-      for (; j < part.size() && part[j].kv_head == g; ++j) {
-        const int64_t first = static_cast<int64_t>(part[j].page) * P;
-        const int32_t len = static_cast<int32_t>(std::min<int64_t>(P, options_.document_tokens - first));
-        spans.push_back(kernels::KvSpan{slots[j], 0, len, static_cast<int32_t>(first)});
-      }
-    }
-    offsets[hkv] = static_cast<int32_t>(spans.size());
-    kernels::PagedAttentionParams a;
-    a.q = q_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads, d});
-    a.k_pool = cache_->k_pool();
-    a.v_pool = cache_->v_pool();
-    a.spans = spans.data();
-    a.span_offsets = offsets.data();
-    a.num_kv_heads = hkv;
-    a.q_positions = positions.data();
-    a.causal = true;
-    a.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    a.out = out_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads, d});
-    a.lse = lse_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads});
-    absl::Status s = backend_->PagedAttention(a, nullptr);
+    absl::Status s = AttendChunk(
+        part, slots, q_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads, d}),
+        positions.data(), out_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads, d}),
+        lse_buf_->View(kernels::DType::kF32, {num_tokens, num_q_heads}));
     AttentionPartial p;
     if (s.ok()) {
       p.o.resize(q_floats);
@@ -132,6 +168,112 @@ absl::Status GpuCacheAttention::Attend(int layer, const float* q, int num_tokens
     STRATA_RETURN_IF_ERROR(s);
     STRATA_RETURN_IF_ERROR(r);
     parts->push_back(std::move(p));
+    ++counters_.chunks;
+    counters_.pages_attended += static_cast<int64_t>(part.size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorView& q,
+                                               int64_t q_begin, const kernels::TensorView& out,
+                                               const kernels::TensorView& lse) {
+  if (!options_.device_path) {
+    return absl::FailedPreconditionError("GpuCacheAttention: device_path is off");
+  }
+  const kvstore::GpuCacheOptions& c = cache_->options();
+  const int hkv = c.num_kv_heads, d = c.head_dim;
+  if (q.data == nullptr || q.dtype != kernels::DType::kF32 || q.rank != 3 || q.dim(2) != d ||
+      q.dim(0) < 1 || q.dim(1) < 1 || q.dim(1) % hkv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GpuCacheAttention: q must be f32 [tokens, heads (a multiple of ", hkv, "), ", d, "]"));
+  }
+  const int num_tokens = static_cast<int>(q.dim(0));
+  const int num_q_heads = static_cast<int>(q.dim(1));
+  if (out.data == nullptr || out.dtype != kernels::DType::kF32 || out.rank != 3 ||
+      out.dim(0) != num_tokens || out.dim(1) != num_q_heads || out.dim(2) != d ||
+      lse.data == nullptr || lse.dtype != kernels::DType::kF32 || lse.rank != 2 ||
+      lse.dim(0) != num_tokens || lse.dim(1) != num_q_heads) {
+    return absl::InvalidArgumentError("GpuCacheAttention: out / lse do not match q");
+  }
+  if (q_begin < options_.document_tokens) {
+    return absl::InvalidArgumentError("GpuCacheAttention: queries inside the document");
+  }
+  ++counters_.calls;
+
+  const size_t q_floats = static_cast<size_t>(num_tokens) * num_q_heads * d;
+  const size_t lse_floats = static_cast<size_t>(num_tokens) * num_q_heads;
+  const float* q_host = nullptr;
+  if (!options_.device_chooser && options_.chooser) {
+    q_host_.resize(q_floats);
+    STRATA_RETURN_IF_ERROR(
+        backend_->CopyToHost(q_host_.data(), q.data, q_floats * sizeof(float), nullptr));
+    q_host = q_host_.data();
+  }
+  std::vector<kvstore::GpuPageId> ids;
+  STRATA_RETURN_IF_ERROR(ChoosePages(layer, q_host, &q, num_tokens, num_q_heads, &ids));
+  positions_.resize(num_tokens);
+  for (int i = 0; i < num_tokens; ++i) positions_[i] = static_cast<int32_t>(q_begin + i);
+
+  // Fills on the default stream are ordered before the attention that reads them.
+  const bool ordered = c.stream == nullptr;
+  const kvstore::MissPolicy policy =
+      ordered ? kvstore::MissPolicy::kOrdered : kvstore::MissPolicy::kWait;
+  const int64_t chunk =
+      options_.max_pages_per_chunk > 0 ? options_.max_pages_per_chunk : c.num_slots;
+  const int64_t num_chunks =
+      std::max<int64_t>(1, (static_cast<int64_t>(ids.size()) + chunk - 1) / chunk);
+  auto o_view = [&](kernels::Buffer* b) {
+    return b->View(kernels::DType::kF32, {num_tokens, num_q_heads, d});
+  };
+  auto l_view = [&](kernels::Buffer* b) {
+    return b->View(kernels::DType::kF32, {num_tokens, num_q_heads});
+  };
+  if (num_chunks > 1) {
+    STRATA_RETURN_IF_ERROR(Grow(backend_, q_floats * sizeof(float), &chunk_o_));
+    STRATA_RETURN_IF_ERROR(Grow(backend_, lse_floats * sizeof(float), &chunk_lse_));
+    for (int i = 0; i < 2; ++i) {
+      STRATA_RETURN_IF_ERROR(Grow(backend_, q_floats * sizeof(float), &acc_o_[i]));
+      STRATA_RETURN_IF_ERROR(Grow(backend_, lse_floats * sizeof(float), &acc_lse_[i]));
+    }
+  }
+  if (ids.empty()) {
+    // Nothing attended: an empty selection over no keys (lse -inf, out 0) from the kernel itself.
+    std::vector<int32_t> none;
+    return AttendChunk({}, none, q, positions_.data(), out, lse);
+  }
+  std::vector<int32_t> slots;
+  int64_t index = 0;
+  int acc = 0;  // acc_o_[acc] holds the merge of the chunks so far (from the second chunk on)
+  for (size_t begin = 0; begin < ids.size(); begin += static_cast<size_t>(chunk), ++index) {
+    const size_t end = std::min(ids.size(), begin + static_cast<size_t>(chunk));
+    const absl::Span<const kvstore::GpuPageId> part(ids.data() + begin, end - begin);
+    STRATA_RETURN_IF_ERROR(cache_->Acquire(part, policy, &slots));
+    // Chunk 0 of several goes to acc_o_[0]; later ones to chunk_o_, then merged.
+    const bool single = num_chunks == 1;
+    kernels::TensorView co = single ? out : (index == 0 ? o_view(acc_o_[0].get())
+                                                        : o_view(chunk_o_.get()));
+    kernels::TensorView cl = single ? lse : (index == 0 ? l_view(acc_lse_[0].get())
+                                                        : l_view(chunk_lse_.get()));
+    absl::Status s = AttendChunk(part, slots, q, positions_.data(), co, cl);
+    if (s.ok() && index > 0) {
+      const bool last = index + 1 == num_chunks;
+      const kernels::TensorView outs[2] = {o_view(acc_o_[acc].get()), co};
+      const kernels::TensorView lses[2] = {l_view(acc_lse_[acc].get()), cl};
+      kernels::MergeAttentionParams mp;
+      mp.outs = outs;
+      mp.lses = lses;
+      mp.num_parts = 2;
+      mp.out = last ? out : o_view(acc_o_[acc ^ 1].get());
+      mp.lse = last ? lse : l_view(acc_lse_[acc ^ 1].get());
+      s = backend_->MergeAttention(mp, nullptr);
+      acc ^= 1;
+    }
+    // kOrdered: a later fill of a released slot is queued on the same stream after this
+    // attention. Otherwise the attention must have finished before the slots may be refilled.
+    if (s.ok() && !ordered) s = backend_->Synchronize(nullptr);
+    const absl::Status r = cache_->Release(slots);
+    STRATA_RETURN_IF_ERROR(s);
+    STRATA_RETURN_IF_ERROR(r);
     ++counters_.chunks;
     counters_.pages_attended += static_cast<int64_t>(part.size());
   }

@@ -56,11 +56,28 @@ struct MinMaxChooserOptions {
 };
 PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 
+// A chooser for the device path: the queries are backend memory (f32 [num_tokens, num_q_heads,
+// head_dim], queued on the backend's default stream); (*pages)[g] (sized num_kv_heads and cleared
+// by the caller) receives the pages KV head g attends, each in [0, num_pages). Selection may run
+// on the device; the page lists must be on the host when it returns (the cache's Acquire needs
+// them), so an implementation usually ends with one copy to the host.
+using DevicePageChooser = std::function<absl::Status(
+    int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages)>;
+
 struct GpuCacheAttentionOptions {
   int64_t document_tokens = 0;  // > 0; at most cache pages_per_head * page_size
   // Pages acquired per chunk (one Acquire + one PagedAttention each). 0: the cache's slot count.
   int64_t max_pages_per_chunk = 0;
   PageChooser chooser;  // null: every page (exact)
+  // Device path (ExternalAttention::AttendsOnDevice): q stays in backend memory and the partial
+  // is written there (chunks merged on the device), so the transformer copies nothing to the host
+  // for this hook. Pages come from `device_chooser` when set, else from `chooser` (q copied to the
+  // host for it), else every page. When the cache fills on the default stream (its options'
+  // stream is null), misses are acquired with MissPolicy::kOrdered and released right after the
+  // attention is queued: no host wait for fills. Otherwise kWait, and the hook waits for the
+  // attention before releasing. Default: false (Attend, the host path).
+  bool device_path = false;
+  DevicePageChooser device_chooser;
 };
 
 // Totals over Attend calls.
@@ -82,6 +99,13 @@ class GpuCacheAttention : public ExternalAttention {
   absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
                       std::vector<AttentionPartial>* parts) override;
 
+  bool AttendsOnDevice() const override { return options_.device_path; }
+  // The device path (see GpuCacheAttentionOptions::device_path). Errors as Attend, plus
+  // InvalidArgument for views that do not match and FailedPrecondition without device_path.
+  absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
+                              const kernels::TensorView& out,
+                              const kernels::TensorView& lse) override;
+
   const GpuCacheAttentionCounters& counters() const { return counters_; }
 
  private:
@@ -93,7 +117,23 @@ class GpuCacheAttention : public ExternalAttention {
   kvstore::GpuPageCache* cache_;
   kernels::Backend* backend_;
   GpuCacheAttentionCounters counters_;
+  // The pages of every KV head for one call, from the chooser, in head order (checked).
+  absl::Status ChoosePages(int layer, const float* q_host, const kernels::TensorView* q_device,
+                           int num_tokens, int num_q_heads,
+                           std::vector<kvstore::GpuPageId>* ids);
+  // Queues PagedAttention of `part` (slots from Acquire) into out / lse.
+  absl::Status AttendChunk(absl::Span<const kvstore::GpuPageId> part,
+                           const std::vector<int32_t>& slots, const kernels::TensorView& q,
+                           const int32_t* positions, const kernels::TensorView& out,
+                           const kernels::TensorView& lse);
+
   std::unique_ptr<kernels::Buffer> q_buf_, out_buf_, lse_buf_;  // grown on demand
+  // Device path scratch: chunk partials and the running merge (grown on demand).
+  std::unique_ptr<kernels::Buffer> chunk_o_, chunk_lse_, acc_o_[2], acc_lse_[2];
+  std::vector<float> q_host_;
+  std::vector<std::vector<int32_t>> head_pages_;
+  std::vector<kernels::KvSpan> spans_;
+  std::vector<int32_t> offsets_, positions_;
 };
 
 }  // namespace strata::engine

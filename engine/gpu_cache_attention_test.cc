@@ -324,6 +324,124 @@ TEST_F(GpuCacheAttentionTest, MinMaxChooserPicksTheHighestBoundAndReportsMissing
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+TEST_F(GpuCacheAttentionTest, DevicePathMatchesTheWholeSequence) {
+  // The device path (q and partials in backend memory, MissPolicy::kOrdered): 12 pages per layer
+  // in chunks of 4 through a cache of 5 slots, chunks merged on the device.
+  auto cache = MakeCache(5);
+  ASSERT_NE(cache, nullptr);
+  GpuCacheAttentionOptions o;
+  o.document_tokens = kDoc;
+  o.max_pages_per_chunk = 4;
+  o.device_path = true;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ext, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  ASSERT_TRUE(ext->AttendsOnDevice());
+  std::vector<float> got;
+  RunAfterDocument(ext.get(), &got);
+  const int64_t V = model_->config.vocab_size;
+  EXPECT_LE(MaxDiff(got.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
+  EXPECT_EQ(ext->counters().calls, 16);
+  EXPECT_EQ(ext->counters().chunks, 48);
+  EXPECT_EQ(cache->stats().lookups, 16 * 12);
+  EXPECT_GT(cache->stats().evictions, 0);
+  EXPECT_EQ(cache->pinned_slots(), 0);
+}
+
+TEST_F(GpuCacheAttentionTest, DevicePathGivesTheHostPathsLogitsForTheSameChooser) {
+  // Sparse: sink + 1 chosen + 1 window page per head. One chunk per call, so the device path
+  // merges exactly the values the host path merges: identical logits.
+  const int64_t V = model_->config.vocab_size;
+  auto cache_a = MakeCache(12);
+  auto cache_b = MakeCache(12);
+  auto cache_c = MakeCache(12);
+  ASSERT_NE(cache_c, nullptr);
+  GpuCacheAttentionOptions o;
+  o.document_tokens = kDoc;
+  o.chooser = MakeMinMaxChooser(ChooserOptions(1, 1));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, GpuCacheAttention::Create(o, cache_a.get(),
+                                                                   backend_.get()));
+  std::vector<float> want, got;
+  RunAfterDocument(host.get(), &want);
+  o.device_path = true;  // the host chooser, q copied to the host for it
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, GpuCacheAttention::Create(o, cache_b.get(),
+                                                                  backend_.get()));
+  RunAfterDocument(dev.get(), &got);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(cache_b->stats().hits, cache_a->stats().hits);
+  EXPECT_GT(MaxDiff(want.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
+  // A device chooser that reads q from backend memory and asks the host chooser: the same again,
+  // and it sees the same queries.
+  PageChooser inner = MakeMinMaxChooser(ChooserOptions(1, 1));
+  const int hkv = model_->config.num_kv_heads;
+  int device_calls = 0;
+  o.chooser = nullptr;
+  o.device_chooser = [&](int layer, const kernels::TensorView& q,
+                         std::vector<std::vector<int32_t>>* pages) -> absl::Status {
+    ++device_calls;
+    if (q.rank != 3 || static_cast<int>(pages->size()) != hkv) {
+      return absl::InternalError("unexpected shape");
+    }
+    std::vector<float> qh(static_cast<size_t>(q.NumElements()));
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(qh.data(), q.data, qh.size() * 4, nullptr));
+    for (int g = 0; g < hkv; ++g) {
+      STRATA_RETURN_IF_ERROR(inner(layer, g, qh.data(), static_cast<int>(q.dim(0)),
+                                   static_cast<int>(q.dim(1)), &(*pages)[g]));
+    }
+    return absl::OkStatus();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev2, GpuCacheAttention::Create(o, cache_c.get(),
+                                                                   backend_.get()));
+  // The prompt chunk (5 tokens) also goes through the device chooser.
+  RunAfterDocument(dev2.get(), &got);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(device_calls, dev2->counters().calls);
+  EXPECT_EQ(cache_c->pinned_slots(), 0);
+}
+
+TEST_F(GpuCacheAttentionTest, DevicePathChecksItsArguments) {
+  auto cache = MakeCache(8);
+  ASSERT_NE(cache, nullptr);
+  const int d = model_->config.head_dim;
+  std::vector<float> q(4 * d, 0.5f), out(4 * d), lse(4), q3(3 * d, 0.5f);
+  const kernels::TensorView qv(q.data(), DType::kF32, {1, 4, d});
+  const kernels::TensorView ov(out.data(), DType::kF32, {1, 4, d});
+  const kernels::TensorView lv(lse.data(), DType::kF32, {1, 4});
+  GpuCacheAttentionOptions o;
+  o.document_tokens = kDoc;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto off, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  EXPECT_FALSE(off->AttendsOnDevice());
+  EXPECT_THAT(off->AttendOnDevice(0, qv, kDoc, ov, lv),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  o.device_path = true;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto on, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  STRATA_EXPECT_OK(on->AttendOnDevice(0, qv, kDoc, ov, lv));
+  for (float x : lse) EXPECT_TRUE(std::isfinite(x));
+  EXPECT_THAT(on->AttendOnDevice(0, kernels::TensorView(q3.data(), DType::kF32, {1, 3, d}), kDoc,
+                                 ov, lv),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // 3 query heads for 2 KV heads
+  EXPECT_THAT(on->AttendOnDevice(0, qv, kDoc, kernels::TensorView(out.data(), DType::kF32,
+                                                                   {1, 2, d}), lv),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(on->AttendOnDevice(0, qv, kDoc - 1, ov, lv),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // A device chooser with the wrong number of heads, or an out-of-range page, fails the call.
+  o.device_chooser = [](int, const kernels::TensorView&, std::vector<std::vector<int32_t>>* p) {
+    p->resize(1);
+    return absl::OkStatus();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto bad, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
+  EXPECT_THAT(bad->AttendOnDevice(0, qv, kDoc, ov, lv),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  o.device_chooser = [](int, const kernels::TensorView&, std::vector<std::vector<int32_t>>* p) {
+    (*p)[0].push_back(6);
+    return absl::OkStatus();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto bad2, GpuCacheAttention::Create(o, cache.get(),
+                                                                   backend_.get()));
+  EXPECT_THAT(bad2->AttendOnDevice(0, qv, kDoc, ov, lv),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(cache->pinned_slots(), 0);
+}
+
 TEST_F(GpuCacheAttentionTest, OptionsAreChecked) {
   auto cache = MakeCache(4);
   ASSERT_NE(cache, nullptr);

@@ -348,6 +348,30 @@ absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
   return be->MergeAttention(mp, nullptr);
 }
 
+absl::Status Transformer::MergeDevicePartial(int64_t row0, int64_t n) {
+  kernels::Backend* be = backend_;
+  const int64_t hq = config_.num_heads, d = config_.head_dim;
+  const size_t max_o = static_cast<size_t>(options_.prefill_chunk_size * hq * d);
+  const size_t max_l = static_cast<size_t>(options_.prefill_chunk_size * hq);
+  if (merged_ == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(merged_, be->Allocate(max_o * 4));
+    STRATA_ASSIGN_OR_RETURN(merged_lse_, be->Allocate(max_l * 4));
+  }
+  const TensorView outs[2] = {
+      TensorView(static_cast<float*>(attn_->data()) + row0 * hq * d, DType::kF32, {n, hq, d}),
+      TensorView(static_cast<float*>(ext_o_->data()) + row0 * hq * d, DType::kF32, {n, hq, d})};
+  const TensorView lses[2] = {
+      TensorView(static_cast<float*>(lse_->data()) + row0 * hq, DType::kF32, {n, hq}),
+      TensorView(static_cast<float*>(ext_lse_->data()) + row0 * hq, DType::kF32, {n, hq})};
+  kernels::MergeAttentionParams mp;
+  mp.outs = outs;
+  mp.lses = lses;
+  mp.num_parts = 2;
+  mp.out = TensorView(static_cast<float*>(merged_->data()) + row0 * hq * d, DType::kF32, {n, hq, d});
+  mp.lse = TensorView(static_cast<float*>(merged_lse_->data()) + row0 * hq, DType::kF32, {n, hq});
+  return be->MergeAttention(mp, nullptr);
+}
+
 absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCache* cache,
                                                    AttentionPolicy* policy, float* logits_out,
                                                    const ForwardOptions& fo) {
@@ -626,13 +650,16 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   bool host_query = false;
   for (const Segment& sg : segs) {
     const bool device_attend = sg.options->device_policy != nullptr && sg.n == 1;
-    if (sg.options->external != nullptr || (!device_attend && sg.policy->ReadsQuery())) {
+    const bool external_host =
+        sg.options->external != nullptr && !sg.options->external->AttendsOnDevice();
+    if (external_host || (!device_attend && sg.policy->ReadsQuery())) {
       host_query = true;
     }
   }
   float* const attn_rows = static_cast<float*>(attn_->data());
   float* const lse_rows = static_cast<float*>(lse_->data());
   segment_parts_.resize(segs.size());
+  segment_device_part_.assign(segs.size(), 0);
 
   STRATA_RETURN_IF_ERROR(be->Embedding({ids_dev, embed_tokens_, x}, nullptr));
   for (int layer = 0; layer < static_cast<int>(layers_.size()); ++layer) {
@@ -707,7 +734,21 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       }
       std::vector<AttentionPartial>& parts = segment_parts_[si];
       parts.clear();
-      if (sg.options->external != nullptr) {
+      if (sg.options->external != nullptr && sg.options->external->AttendsOnDevice()) {
+        // Device path: q and the partial stay in backend memory.
+        if (ext_o_ == nullptr) {
+          const int64_t rows = options_.prefill_chunk_size;
+          STRATA_ASSIGN_OR_RETURN(ext_o_, be->Allocate(static_cast<size_t>(rows * hq * d) * 4));
+          STRATA_ASSIGN_OR_RETURN(ext_lse_, be->Allocate(static_cast<size_t>(rows * hq) * 4));
+        }
+        STRATA_RETURN_IF_ERROR(sg.options->external->AttendOnDevice(
+            layer, TensorView(q_rows + r0 * hq * d, DType::kF32, {m, hq, d}), sg.start_pos,
+            TensorView(static_cast<float*>(ext_o_->data()) + r0 * hq * d, DType::kF32,
+                       {m, hq, d}),
+            TensorView(static_cast<float*>(ext_lse_->data()) + r0 * hq, DType::kF32, {m, hq})));
+        segment_device_part_[si] = 1;
+        merge = true;
+      } else if (sg.options->external != nullptr) {
         STRATA_RETURN_IF_ERROR(sg.options->external->Attend(layer, q_seg, static_cast<int>(m),
                                                             static_cast<int>(hq), sg.start_pos,
                                                             &parts));
@@ -719,7 +760,11 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       // Every segment goes through the merge (one part: a copy) so the O projection reads one
       // buffer.
       for (size_t si = 0; si < segs.size(); ++si) {
-        STRATA_RETURN_IF_ERROR(MergeExternal(segs[si].row0, segs[si].n, segment_parts_[si]));
+        if (segment_device_part_[si]) {
+          STRATA_RETURN_IF_ERROR(MergeDevicePartial(segs[si].row0, segs[si].n));
+        } else {
+          STRATA_RETURN_IF_ERROR(MergeExternal(segs[si].row0, segs[si].n, segment_parts_[si]));
+        }
       }
       attn_in = View2(merged_.get(), n, hq * d);
     }

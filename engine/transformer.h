@@ -77,6 +77,19 @@ class ExternalAttention {
   // resizes it. Errors end the forward.
   virtual absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads,
                               int64_t q_begin, std::vector<AttentionPartial>* parts) = 0;
+
+  // Optional device path. When AttendsOnDevice() is true, Forward calls AttendOnDevice instead of
+  // Attend and nothing crosses to the host: q is backend memory f32 [num_tokens, num_q_heads,
+  // head_dim] (after RoPE) at positions [q_begin, q_begin + num_tokens); the implementation
+  // writes exactly one partial to `out` [num_tokens, num_q_heads, head_dim] and `lse`
+  // [num_tokens, num_q_heads] (backend memory f32; lse -inf where nothing was attended), queued
+  // on the backend's default stream, and Forward merges it on the device. Errors end the forward.
+  virtual bool AttendsOnDevice() const { return false; }
+  virtual absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
+                                      const kernels::TensorView& out,
+                                      const kernels::TensorView& lse) {
+    return absl::UnimplementedError("ExternalAttention::AttendOnDevice");
+  }
 };
 
 // Optional arguments of Transformer::Forward. The defaults give the plain forward.
@@ -181,6 +194,9 @@ class Transformer {
   // Merges rows [row0, row0 + n) of attn_/lse_ (the local attention) with the external partials
   // into the same rows of merged_ / merged_lse_.
   absl::Status MergeExternal(int64_t row0, int64_t n, const std::vector<AttentionPartial>& parts);
+  // The same for a partial already in backend memory (rows [row0, row0 + n) of ext_o_/ext_lse_,
+  // from ExternalAttention::AttendOnDevice).
+  absl::Status MergeDevicePartial(int64_t row0, int64_t n);
   // decode_graph: runs the one-token step as a replayed graph. Returns false (nothing done) when
   // the step cannot run as a graph (then the caller takes the normal path).
   absl::StatusOr<bool> ForwardGraphStep(int32_t id, int64_t pos, KvCache* cache,
@@ -222,6 +238,10 @@ class Transformer {
   std::vector<float> batch_logits_;
   std::vector<std::unique_ptr<kernels::Buffer>> part_o_, part_lse_;
   std::unique_ptr<kernels::Buffer> merged_, merged_lse_;
+  // ExternalAttention::AttendOnDevice partials (rows of the chunk), allocated on first use, and
+  // per segment whether its partial is there.
+  std::unique_ptr<kernels::Buffer> ext_o_, ext_lse_;
+  std::vector<uint8_t> segment_device_part_;
   // decode_graph state: step_ holds int32 {token id, position, cache index, cache index + 1} in
   // backend memory; page_table_ [num_kv_heads, pages_per_head] the cache's slot layout; graph_ the
   // captured step for the cache whose pools and options graph_key_ lists.

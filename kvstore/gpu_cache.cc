@@ -346,7 +346,9 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
       missing.push_back(id);
     }
   }
-  const bool wait = policy == MissPolicy::kWait;
+  // kWait and kOrdered are exact (every page gets a slot); only kWait waits on the host.
+  const bool wait = policy == MissPolicy::kWait || policy == MissPolicy::kOrdered;
+  const bool host_wait = policy == MissPolicy::kWait;
   if (wait) {
     const int64_t available = options_.num_slots - pinned_ - unpinned_hits;
     if (static_cast<int64_t>(missing.size()) > available) {
@@ -363,6 +365,7 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
   Stopwatch gather;
   absl::StatusOr<std::vector<PageRef>> fetched = FetchFromSource(missing);
   stats_.gather_seconds += gather.ElapsedSeconds();
+  stats_.source_seconds += gather.ElapsedSeconds();
   if (!fetched.ok()) return fetched.status();
 
   // From here on the call succeeds unless the backend fails.
@@ -382,8 +385,9 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
     }
     slots->assign(ids.size(), -1);
   };
-  if (in_flight) {
-    // A hit on a page whose fill (an earlier prefetch or deferred miss) may not have landed.
+  if (in_flight && policy != MissPolicy::kOrdered) {
+    // A hit on a page whose fill (an earlier prefetch or deferred miss) may not have landed
+    // (kOrdered: the caller's readers are queued behind it on `stream`).
     absl::Status w = WaitLocked();
     if (!w.ok()) {
       unpin_hits();
@@ -415,7 +419,7 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
         id_mark_[ids[i]] = used;
       }
     }
-    absl::Status w = WaitLocked();
+    absl::Status w = host_wait ? WaitLocked() : absl::OkStatus();
     if (!w.ok()) {
       // The pages may not have landed: unpin everything this call pinned.
       for (int32_t s : *slots) {
@@ -424,7 +428,7 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
       slots->assign(ids.size(), -1);
       return w;
     }
-    if (filled > 0) m_.fetch_duration->Observe(watch.ElapsedSeconds());
+    if (filled > 0 && host_wait) m_.fetch_duration->Observe(watch.ElapsedSeconds());
   }
   stats_.lookups += static_cast<int64_t>(ids.size());
   stats_.hits += hits;
@@ -481,6 +485,7 @@ absl::Status GpuPageCache::Prefetch(absl::Span<const GpuPageId> pages, int64_t* 
   Stopwatch gather;
   absl::StatusOr<std::vector<PageRef>> fetched = FetchFromSource(missing);
   stats_.gather_seconds += gather.ElapsedSeconds();
+  stats_.source_seconds += gather.ElapsedSeconds();
   if (!fetched.ok()) return fetched.status();
   std::vector<int32_t> slot_of;
   int64_t filled = 0;

@@ -27,8 +27,10 @@
 // that hands out a slot whose fill may still be in flight first waits for `stream`.
 //
 // Miss policy per call (DESIGN.md section 4): kWait fills every miss before returning (exact);
-// kDefer returns -1 for misses and issues their fills without waiting (best effort: as many as
-// there are unpinned slots), so the next step finds them. Prefetch() issues the fills of a
+// kOrdered hands out a slot for every page like kWait (exact) but returns as soon as the fills are
+// queued on `stream`, for readers queued on `stream` after the call (stream order makes them see
+// the bytes; no host wait); kDefer returns -1 for misses and issues their fills without waiting
+// (best effort: as many as there are unpinned slots), so the next step finds them. Prefetch() issues the fills of a
 // selection (e.g. step t's, as the guess for step t+1) without pinning or counting lookups.
 //
 // Metrics (kvstore/metrics.h, tier="gpu"): lookups and hits (pages asked for by Acquire, not by
@@ -91,6 +93,10 @@ struct GpuPageId {
 
 enum class MissPolicy {
   kWait,   // exact: every page is resident when Acquire returns
+  // Exact, stream-ordered: every page has a slot when Acquire returns, but its fill (or an
+  // earlier prefetch it hits) may still be in flight on `stream`: only work queued on `stream`
+  // after the call may read the slots (and Release may follow right after queuing that work).
+  kOrdered,
   kDefer,  // misses get slot -1 and are fetched for the next step
 };
 
@@ -104,6 +110,7 @@ struct GpuCacheStats {
   int64_t fill_batches = 0;   // PageCopy calls
   int64_t in_place = 0;       // filled pages read in place (not gathered into staging)
   double gather_seconds = 0;  // host time: source lookups, checks, gathering into staging
+  double source_seconds = 0;  // of which: the source lookups and page checks (FetchFromSource)
   double wait_seconds = 0;    // host time blocked in Synchronize(stream)
   double copy_seconds = 0;    // host time in Backend::PageCopy calls (checks and launch)
 };

@@ -273,6 +273,43 @@ TEST_F(GpuCacheTest, BytesExactAfterEvictionAndRefill) {
   ExpectConsistent(*c);
 }
 
+TEST_F(GpuCacheTest, OrderedMissesGetTheSameSlotsAndBytesAsWait) {
+  // kOrdered hands out exactly what kWait does (same slots, same evictions), only without the
+  // host wait; after the stream is drained the bytes are those of the source.
+  auto a = Make(5);
+  auto b = Make(5);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  std::mt19937 rng(11);
+  std::vector<int32_t> sa, sb;
+  for (int step = 0; step < 40; ++step) {
+    std::vector<GpuPageId> want;
+    for (int i = 0; i < 4; ++i) {
+      want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
+                               static_cast<int32_t>(rng() % kHeads),
+                               static_cast<int32_t>(rng() % kPages)});
+    }
+    STRATA_ASSERT_OK(a->Acquire(want, MissPolicy::kWait, &sa));
+    STRATA_ASSERT_OK(b->Acquire(want, MissPolicy::kOrdered, &sb));
+    ASSERT_EQ(sa, sb) << "step " << step;
+    STRATA_ASSERT_OK(backend_->Synchronize(nullptr));  // the reader's stream
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_GE(sb[i], 0);
+      ExpectSlotHolds(*b, sb[i], want[i]);
+    }
+    STRATA_ASSERT_OK(a->Release(sa));
+    STRATA_ASSERT_OK(b->Release(sb));
+  }
+  EXPECT_EQ(a->stats().evictions, b->stats().evictions);
+  EXPECT_EQ(a->stats().hits, b->stats().hits);
+  EXPECT_GT(b->stats().evictions, 20);
+  ExpectConsistent(*b);
+  // Exact like kWait: more distinct misses than unpinned slots is refused, nothing pinned.
+  EXPECT_THAT(b->Acquire(Pages({0, 1, 2, 3, 4, 5}), MissPolicy::kOrdered, &sb),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(b->pinned_slots(), 0);
+}
+
 TEST_F(GpuCacheTest, DuplicatesArePinnedPerEntry) {
   auto c = Make(4);
   ASSERT_NE(c, nullptr);
