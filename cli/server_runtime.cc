@@ -98,6 +98,9 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
               "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen "
               "pages on demand (opt-in; page-level choice, see docs/design.md)");
   flags->Int("lazy-cache-pages", &lazy_cache_pages, "with --lazy-mount: pages held per job (LRU)");
+  flags->String("device-selection", &device_selection,
+                "auto|on|off: quest/tokenselect decode steps select on the backend (auto: when it is not the "
+                "CPU backend; on: also on the CPU backend)");
 }
 
 void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
@@ -106,6 +109,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
   options->max_jobs = static_cast<uint32_t>(max_jobs);
   options->lazy_mount = lazy_mount;
   options->lazy_cache_pages = lazy_cache_pages;
+  options->device_selection = device_selection;
 }
 
 sigset_t BlockStopSignals() {

@@ -21,7 +21,7 @@
 namespace strata::cli {
 
 // The engine flags of a worker, shared by `strata worker` and `strata serve` (its embedded
-// worker): page size, prefill chunk, jobs, host tier, CPU threads, lazy mount.
+// worker): page size, prefill chunk, jobs, host tier, CPU threads, lazy mount, device selection.
 struct WorkerEngineFlags {
   int64_t page_size = 64;
   int64_t prefill_chunk = 512;
@@ -30,9 +30,11 @@ struct WorkerEngineFlags {
   int64_t threads = 0;
   bool lazy_mount = false;
   int64_t lazy_cache_pages = 8192;
+  std::string device_selection = "auto";
 
   // Registers --page-size, --prefill-chunk, --max-jobs, --host-cache-bytes (the tier in front of
-  // `durable_tier`, named in its help), --threads, --lazy-mount and --lazy-cache-pages.
+  // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages and
+  // --device-selection (auto|on|off: WorkerOptions::device_selection).
   void Register(FlagSet* flags, const std::string& durable_tier);
   // Sets the WorkerOptions fields these flags control (the others are left as they are);
   // WorkerOptions::Validate reports bad values.

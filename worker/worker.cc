@@ -15,6 +15,7 @@
 #include "engine/gpu_cache_attention.h"
 #include "engine/kv_cache.h"
 #include "engine/sampler.h"
+#include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
 #include "kvstore/document_id.h"
 #include "kvstore/page_format.h"
@@ -67,6 +68,109 @@ void AddCounters(WorkerMetrics* m, const engine::SelectionCounters& now, const e
   Inc(m->selection_cache_hits, static_cast<double>(now.cache_hits - before.cache_hits));
 }
 
+// The engine policy options of a job's policy (the mapping of MakeJobPolicy in
+// worker/shard_attention.cc, which builds the host policy from the same fields).
+absl::StatusOr<engine::sparse::PolicyOptions> JobPolicyOptions(const v1::SelectionPolicy& p, int page_size) {
+  engine::sparse::PolicyOptions o;
+  if (p.name().empty()) {
+    o.kind = engine::sparse::PolicyKind::kDense;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(o.kind, engine::sparse::ParsePolicyName(p.name()));
+  }
+  o.page_size = page_size;
+  if (p.budget_tokens() > 0) o.token_budget = static_cast<int>(p.budget_tokens());
+  if (p.has_sink_tokens()) o.sink_tokens = static_cast<int>(p.sink_tokens());
+  if (p.has_window_tokens()) o.window_tokens = static_cast<int>(p.window_tokens());
+  if (p.has_theta()) o.cache_theta = p.theta();
+  for (uint32_t l : p.dense_layers()) o.dense_layers.push_back(static_cast<int>(l));
+  switch (p.summary()) {
+    case v1::SUMMARY_KIND_MINMAX: o.summary = engine::sparse::SummaryKind::kMinMax; break;
+    case v1::SUMMARY_KIND_MEAN: o.summary = engine::sparse::SummaryKind::kMean; break;
+    case v1::SUMMARY_KIND_RF: o.summary = engine::sparse::SummaryKind::kRf; break;
+    default: break;
+  }
+  STRATA_RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
+// Policies DevicePolicy runs: quest and tokenselect with minmax summaries.
+bool DeviceKind(const engine::sparse::PolicyOptions& o) {
+  return (o.kind == engine::sparse::PolicyKind::kQuest || o.kind == engine::sparse::PolicyKind::kTokenSelect) &&
+         o.EffectiveSummary() == engine::sparse::SummaryKind::kMinMax;
+}
+
+// Whether a decode step over a cache of up to `max_len` tokens can attend less than everything:
+// some step's middle (between the sinks and the window) exceeds the budget on a layer that is
+// not dense. Prompt chunks select no more than the last decode step (their window starts W
+// tokens before their first query), so when this is false every policy is exact.
+bool CanSelect(const engine::sparse::PolicyOptions& o, int64_t max_len, int num_layers) {
+  if (static_cast<int>(o.dense_layers.size()) >= num_layers) {
+    std::vector<bool> dense(num_layers, false);
+    for (int l : o.dense_layers) {
+      if (l < num_layers) dense[l] = true;
+    }
+    if (std::all_of(dense.begin(), dense.end(), [](bool b) { return b; })) return false;
+  }
+  const int64_t sink_end = std::min<int64_t>(o.sink_tokens, max_len);
+  const int64_t window_begin = std::clamp<int64_t>(max_len - 1 - o.window_tokens, sink_end, max_len);
+  return window_begin - sink_end > o.token_budget;
+}
+
+// Runs one decode step of device tokenselect and of device quest (two-level, so every selection op
+// runs: UpdateSummaries, ScoreSummaries over segments and pages, ScoreKeys, VoteTopK,
+// SelectedAttention) with the model's shape over a 3-page bf16 cache on `backend`, and checks
+// that the lse came back finite. OK when the backend runs them; the first error otherwise (e.g.
+// UNIMPLEMENTED for a head_dim the CUDA SelectedAttention lacks).
+absl::Status ProbeDeviceSelection(const engine::Transformer& tf, int page_size, kernels::Backend* be) {
+  const model::ModelConfig& c = tf.config();
+  const int hq = static_cast<int>(c.num_heads), hkv = static_cast<int>(c.num_kv_heads);
+  const int d = static_cast<int>(c.head_dim), P = page_size;
+  const int64_t n = 3 * static_cast<int64_t>(P);
+  const engine::KvCacheOptions co = tf.MakeCacheOptions(n, P, kernels::DType::kBF16);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::KvCache> cache, engine::KvCache::Create(co, be));
+  std::vector<float> rows(static_cast<size_t>(n) * hkv * d);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = 0.25f * std::sin(0.37f * static_cast<float>(i));
+  std::vector<float> q(static_cast<size_t>(hq) * d);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = 0.5f * std::cos(0.11f * static_cast<float>(i));
+  const size_t row_bytes = rows.size() * sizeof(float), q_bytes = q.size() * sizeof(float);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> kv, be->Allocate(row_bytes));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> qb, be->Allocate(q_bytes));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> out, be->Allocate(q_bytes));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> lse, be->Allocate(sizeof(float) * hq));
+  STRATA_RETURN_IF_ERROR(FromHost(be, kv->data(), rows.data(), row_bytes));
+  STRATA_RETURN_IF_ERROR(FromHost(be, qb->data(), q.data(), q_bytes));
+  const kernels::TensorView rv(kv->data(), kernels::DType::kF32, {n, hkv, d});
+  for (int l = 0; l < c.num_layers; ++l) STRATA_RETURN_IF_ERROR(cache->Append(l, rv, rv));
+  for (engine::sparse::PolicyKind kind : {engine::sparse::PolicyKind::kTokenSelect, engine::sparse::PolicyKind::kQuest}) {
+    engine::sparse::PolicyOptions o;
+    o.kind = kind;
+    o.page_size = P;
+    o.token_budget = 1;
+    o.sink_tokens = 1;
+    o.window_tokens = 1;
+    o.segment_pages = 2;
+    o.two_level_min_pages = 1;
+    o.min_segments = 1;
+    o.segment_factor = 1;
+    o.tokenselect_candidate_factor = 1;
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::sparse::DevicePolicy> dp,
+                            engine::sparse::DevicePolicy::Create(o, co, hq, be));
+    for (int l = 0; l < c.num_layers; ++l) STRATA_RETURN_IF_ERROR(dp->OnAppend(l, *cache, 0, n, nullptr));
+    STRATA_RETURN_IF_ERROR(dp->Attend(0, kernels::TensorView(qb->data(), kernels::DType::kF32, {1, hq, d}), *cache,
+                                      kernels::TensorView(out->data(), kernels::DType::kF32, {1, hq, d}),
+                                      kernels::TensorView(lse->data(), kernels::DType::kF32, {1, hq}), nullptr));
+    std::vector<float> got(static_cast<size_t>(hq));
+    STRATA_RETURN_IF_ERROR(ToHost(be, got.data(), lse->data(), got.size() * sizeof(float)));
+    for (float x : got) {
+      if (!std::isfinite(x)) {
+        return absl::InternalError(absl::StrCat("device ", engine::sparse::PolicyName(kind),
+                                                " probe: non-finite attention lse"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status WorkerOptions::Validate() const {
@@ -83,6 +187,9 @@ absl::Status WorkerOptions::Validate() const {
   if (max_decode_batch < 1) return absl::InvalidArgumentError("max_decode_batch >= 1");
   if (peer_timeout_ms < 1) return absl::InvalidArgumentError("peer_timeout_ms >= 1");
   if (lazy_cache_pages < 1) return absl::InvalidArgumentError("lazy_cache_pages >= 1");
+  if (device_selection != "auto" && device_selection != "on" && device_selection != "off") {
+    return absl::InvalidArgumentError(absl::StrCat("device_selection: auto|on|off, got '", device_selection, "'"));
+  }
   return absl::OkStatus();
 }
 
@@ -131,7 +238,25 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   topt.prefill_chunk_size = options.prefill_chunk_size;
   STRATA_ASSIGN_OR_RETURN(w->transformer_, engine::Transformer::Create(model->config, model->weights, backend, topt));
   if (backend->Name() != "cpu") w->host_backend_ = kernels::MakeCpuBackend(0);
+  if (options.device_selection == "off" || (options.device_selection == "auto" && backend->Name() == "cpu")) {
+    w->device_selection_ = absl::FailedPreconditionError(
+        absl::StrCat("device selection is ", options.device_selection, " on backend ", backend->Name()));
+  } else {
+    w->device_selection_ = ProbeDeviceSelection(*w->transformer_, options.page_size, backend);
+    if (w->device_selection_.ok()) {
+      STRATA_LOG(INFO) << "worker: quest/tokenselect decode steps select on backend " << backend->Name();
+    } else {
+      STRATA_LOG(WARNING) << "worker: backend " << backend->Name()
+                          << " cannot run device selection for this model (" << w->device_selection_
+                          << "); quest/tokenselect jobs use the "
+                          << (backend->Name() == "cpu" ? "host policy" : "dense policy");
+    }
+  }
   return w;
+}
+
+void Worker::LogFallbackOnce(const std::string& what) {
+  if (!fallback_logged_.exchange(true)) STRATA_LOG(WARNING) << "worker: " << what << " (logged once)";
 }
 
 v1::WorkerInfo Worker::Info() const {
@@ -208,8 +333,9 @@ void AddTiers(kvstore::TierCounts* to, const kvstore::TierCounts& from) {
 
 absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_tokens, int64_t first_page,
                                int64_t end_page, kernels::Backend* backend, engine::KvCache* cache,
-                               engine::AttentionPolicy* policy, const std::atomic<bool>* cancelled,
-                               absl::StatusCode missing_code, kvstore::TierCounts* pages_read) {
+                               engine::AttentionPolicy* policy, engine::sparse::DevicePolicy* device,
+                               const std::atomic<bool>* cancelled, absl::StatusCode missing_code,
+                               kvstore::TierCounts* pages_read) {
   const model::ModelConfig& c = model_->config;
   const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads), d = static_cast<int>(c.head_dim);
   const int P = options_.page_size;
@@ -275,6 +401,7 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
       const int64_t first = cache->length(l);
       STRATA_RETURN_IF_ERROR(cache->Append(l, kv, vv));
       if (policy != nullptr) STRATA_RETURN_IF_ERROR(policy->OnAppend(l, *cache, first, first + rows));
+      if (device != nullptr) STRATA_RETURN_IF_ERROR(device->OnAppend(l, *cache, first, first + rows, nullptr));
     }
   }
   return absl::OkStatus();
@@ -379,7 +506,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   if (exact && s0 > 0) {
     kvstore::TierCounts pages;
     STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), backend_, cache.get(), nullptr,
-                                     cancelled, absl::StatusCode::kFailedPrecondition, &pages));
+                                     nullptr, cancelled, absl::StatusCode::kFailedPrecondition, &pages));
   } else if (!anchor.empty()) {
     const int64_t a = static_cast<int64_t>(anchor.size());
     STRATA_ASSIGN_OR_RETURN(
@@ -525,7 +652,7 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
   kvstore::TierCounts read;
   STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
                                    static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
-                                   absl::StatusCode::kDataLoss, &read));
+                                   nullptr, absl::StatusCode::kDataLoss, &read));
   STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
   AddTiers(pages, read);
   auto shard = std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read);
@@ -848,8 +975,52 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     fo.cache_first_position = doc_tokens;
     fo.external = lazy.get();
   }
+  // The job's cache holds the whole document (or there is none): device selection, or the
+  // policy's restrictions on a device backend (WorkerOptions::device_selection, worker.h).
+  const engine::KvCacheOptions cache_options =
+      transformer_->MakeCacheOptions(context - fo.cache_first_position + max_tokens, P, kernels::DType::kBF16);
+  std::unique_ptr<engine::sparse::DevicePolicy> device;
+  if (!sharded && lazy == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(engine::sparse::PolicyOptions popt, JobPolicyOptions(request.policy(), P));
+    const bool host_pools = backend_->Name() == "cpu";
+    const bool reads_pools =
+        popt.kind != engine::sparse::PolicyKind::kDense && popt.kind != engine::sparse::PolicyKind::kStreaming;
+    if (reads_pools && !DeviceKind(popt) && !host_pools) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "policy ", policy->Name(), " reads keys on the host, which backend ", backend_->Name(),
+          " cannot serve: use quest or tokenselect with minmax summaries, or a worker on the CPU backend"));
+    }
+    if (reads_pools && DeviceKind(popt)) {
+      if (!CanSelect(popt, cache_options.max_tokens, L)) {
+        // Every step attends everything: exact either way.
+        if (!host_pools) policy = engine::MakeDensePolicy();
+      } else {
+        if (device_selection_.ok()) {
+          absl::StatusOr<std::unique_ptr<engine::sparse::DevicePolicy>> created = engine::sparse::DevicePolicy::Create(
+              popt, cache_options, static_cast<int>(c.num_heads), backend_);
+          if (created.ok()) {
+            device = *std::move(created);
+            policy = engine::MakeDensePolicy();  // prompt chunks attend densely; decode steps select on the device
+            ++device_selection_jobs_;
+          } else {
+            LogFallbackOnce(absl::StrCat("device selection for a ", policy->Name(), " job failed (", created.status().ToString(),
+                                         "); using the ", host_pools ? "host policy" : "dense policy"));
+          }
+        } else if (!host_pools) {
+          LogFallbackOnce(absl::StrCat(policy->Name(), " jobs attend densely on backend ", backend_->Name(), ": ",
+                                       device_selection_.ToString()));
+        }
+        if (device == nullptr && !host_pools) policy = engine::MakeDensePolicy();
+      }
+    }
+  }
+  fo.device_policy = device.get();
   auto counters = [&]() {
     engine::SelectionCounters sc = policy->counters();
+    if (device != nullptr) {
+      sc.candidate_tokens += device->counters().candidate_tokens;
+      sc.selected_tokens += device->counters().selected_tokens;
+    }
     if (lazy != nullptr) {
       sc.candidate_tokens += lazy->counters().candidate_tokens;
       sc.selected_tokens += lazy->counters().selected_tokens;
@@ -862,17 +1033,13 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     }
     return sc;
   };
-  STRATA_ASSIGN_OR_RETURN(
-      std::unique_ptr<engine::KvCache> cache,
-      engine::KvCache::Create(transformer_->MakeCacheOptions(context - fo.cache_first_position + max_tokens, P,
-                                                             kernels::DType::kBF16),
-                              backend_));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::KvCache> cache, engine::KvCache::Create(cache_options, backend_));
 
   // Mount: load every page of the document from the store into the cache, layer by layer.
   if (has_doc && !sharded && lazy == nullptr) {
     kvstore::TierCounts served;
     STRATA_RETURN_IF_ERROR(LoadPages(doc_id, doc_tokens, 0, (doc_tokens + P - 1) / P, backend_, cache.get(), policy.get(),
-                                     &cancelled, absl::StatusCode::kDataLoss, &served));
+                                     device.get(), &cancelled, absl::StatusCode::kDataLoss, &served));
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
     tiers->set_host(static_cast<uint64_t>(served.host));
     tiers->set_disk(static_cast<uint64_t>(served.local));

@@ -50,7 +50,15 @@
 // RunJob, as leader:
 //   - a map whose shards all belong to this worker (worker_id equal to this worker's or empty),
 //     e.g. a one-shard document: the whole document is loaded into the job's KV cache and every
-//     layer attends through the job's AttentionPolicy (as a single process does).
+//     layer attends through the job's AttentionPolicy (as a single process does), or, with
+//     device selection (WorkerOptions::device_selection), decode steps select and attend with
+//     backend ops and prompt chunks attend densely. On a device backend (not "cpu") the host
+//     policies cannot read the cache: policies other than dense and streaming need device
+//     selection there (quest/tokenselect that cannot select on the device attend densely,
+//     logged once; radar, hip, subgen and non-minmax summaries fail the job with
+//     FAILED_PRECONDITION).
+//     Decode steps of concurrent jobs batch as usual (ForwardBatch honours each item's device
+//     policy).
 //   - a map with shards on other workers: the job's KV cache holds only the prompt and generated
 //     tokens (positions from num_tokens on), attended densely; every document shard is attended
 //     through LeaderAttention (worker/shard_attention.h): shards of this worker in process, the
@@ -130,6 +138,18 @@ struct WorkerOptions {
   // other policies keep loading every page. Default false.
   bool lazy_mount = false;
   int64_t lazy_cache_pages = 8192;
+  // Device selection (engine/sparse/device_policy.h): a job whose KV cache holds the whole
+  // document (one-worker map, not lazy) or that has no document, whose policy is quest or
+  // tokenselect with minmax summaries and whose context can outgrow sinks + window + budget,
+  // selects and attends each decode step with backend ops (minmax summaries kept in backend
+  // memory, built as the document's pages load and updated on every append; nothing read on the
+  // host); its prompt chunks attend densely. "auto": on when the backend is not the CPU backend
+  // (on the CPU the host policy is the reference); "on": also on the CPU backend (whose selection
+  // ops are the reference twins); "off": never. The backend is probed once at Create (one quest
+  // and one tokenselect step of the model's shape); when the probe or DevicePolicy::Create fails
+  // the job falls back (logged once): to the host policy on the CPU backend, to dense attention
+  // on a device backend (whose pools the host policies cannot read). Default "auto".
+  std::string device_selection = "auto";
 
   // InvalidArgument naming the bad field.
   absl::Status Validate() const;
@@ -229,6 +249,11 @@ class Worker {
   // batch size).
   int64_t decode_batches() const { return decode_batches_.load(); }
   int64_t decode_steps() const { return decode_steps_.load(); }
+  // OK when jobs may select on the backend (WorkerOptions::device_selection allows it here and
+  // the probe at Create passed); otherwise why not.
+  const absl::Status& device_selection_status() const { return device_selection_; }
+  // Jobs that ran their decode steps with device selection.
+  int64_t device_selection_jobs() const { return device_selection_jobs_.load(); }
 
  private:
   struct JobResult;
@@ -248,12 +273,14 @@ class Worker {
                                                                  kvstore::TierCounts* pages,
                                                                  bool check_capacity);
   // Appends tokens [first_page * P, min(end_page * P, doc_tokens)) of every layer of document
-  // `id` from the store to `cache` (policy->OnAppend when policy is not null). A missing page is
-  // an error with `missing_code`. Adds the pages read per tier to *pages.
+  // `id` from the store to `cache` (policy->OnAppend and device->OnAppend for those not null). A
+  // missing page is an error with `missing_code`. Adds the pages read per tier to *pages.
   absl::Status LoadPages(const kvstore::DocumentId& id, int64_t doc_tokens, int64_t first_page, int64_t end_page,
                          kernels::Backend* backend, engine::KvCache* cache, engine::AttentionPolicy* policy,
-                         const std::atomic<bool>* cancelled, absl::StatusCode missing_code,
-                         kvstore::TierCounts* pages);
+                         engine::sparse::DevicePolicy* device, const std::atomic<bool>* cancelled,
+                         absl::StatusCode missing_code, kvstore::TierCounts* pages);
+  // Logs `what` once per worker (the device-selection fallbacks).
+  void LogFallbackOnce(const std::string& what);
   // The backend of mounted shards and selection answers: backend_ when it is the CPU backend,
   // else host_backend_ (see the file comment).
   kernels::Backend* shard_backend() const { return host_backend_ != nullptr ? host_backend_.get() : backend_; }
@@ -279,6 +306,9 @@ class Worker {
   std::vector<DecodeRequest*> pending_ ABSL_GUARDED_BY(batch_mu_);
   bool batch_running_ ABSL_GUARDED_BY(batch_mu_) = false;
   std::atomic<int64_t> decode_batches_{0}, decode_steps_{0};
+  absl::Status device_selection_;  // set once in Create
+  std::atomic<int64_t> device_selection_jobs_{0};
+  std::atomic<bool> fallback_logged_{false};
 };
 
 }  // namespace strata::worker

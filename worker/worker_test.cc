@@ -1,18 +1,27 @@
 // Tests of worker::Worker on a tiny random model with an embedded LocalStore: prefill persists
 // every page and finalizes the document; a job on the READY document loads its KV (no prefill)
-// and generates the same greedy tokens as engine::Generate over document + prompt; cancellation.
+// and generates the same greedy tokens as engine::Generate over document + prompt; cancellation;
+// lazy mount; device selection (WorkerOptions::device_selection) on the CPU backend's selection
+// twins against engine::Generate with the same DevicePolicy, and its fallbacks.
 #include "worker/worker.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
 #include "engine/attention_policy.h"
 #include "engine/generator.h"
+#include "engine/sampler.h"
+#include "engine/sparse/device_policy.h"
+#include "engine/sparse/policy.h"
 #include "gtest/gtest.h"
 #include "kvstore/local_store.h"
 #include "kvstore/metrics.h"
@@ -302,6 +311,311 @@ TEST_F(LazyMountTest, DenseJobStillLoadsEveryPage) {
   EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
 }
 
+// A backend that runs every op of the CPU backend except the device selection ops (the Backend
+// defaults: UNIMPLEMENTED), under a name of the test's choice: "cpu" stands for a CPU backend
+// without them, another name for a device backend without them (host-memory buffers, but the
+// worker and the engine treat its pools as device memory).
+class NoSelectionBackend : public kernels::Backend {
+ public:
+  explicit NoSelectionBackend(std::string name) : name_(std::move(name)), cpu_(kernels::MakeCpuBackend(1)) {}
+  std::string Name() const override { return name_; }
+  absl::StatusOr<std::unique_ptr<kernels::Buffer>> Allocate(size_t bytes) override { return cpu_->Allocate(bytes); }
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, kernels::Stream s) override {
+    return cpu_->CopyToDevice(dst, src, bytes, s);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes, kernels::Stream s) override {
+    return cpu_->CopyToHost(dst, src, bytes, s);
+  }
+  absl::Status Synchronize(kernels::Stream s) override { return cpu_->Synchronize(s); }
+  absl::StatusOr<std::unique_ptr<kernels::Buffer>> AllocateHost(size_t bytes) override {
+    return cpu_->AllocateHost(bytes);
+  }
+#define STRATA_FORWARD_OP(Params, Op)                                                                   \
+  absl::Status Supports(const kernels::Params& p) const override { return cpu_->Supports(p); }         \
+  absl::Status Op(const kernels::Params& p, kernels::Stream s) override { return cpu_->Op(p, s); }
+  STRATA_FORWARD_OP(EmbeddingParams, Embedding)
+  STRATA_FORWARD_OP(RmsNormParams, RmsNorm)
+  STRATA_FORWARD_OP(MatMulParams, MatMul)
+  STRATA_FORWARD_OP(RopeParams, Rope)
+  STRATA_FORWARD_OP(SwiGluParams, SwiGlu)
+  STRATA_FORWARD_OP(AddParams, Add)
+  STRATA_FORWARD_OP(PagedAttentionParams, PagedAttention)
+  STRATA_FORWARD_OP(MergeAttentionParams, MergeAttention)
+  STRATA_FORWARD_OP(PageCopyParams, PageCopy)
+#undef STRATA_FORWARD_OP
+
+ private:
+  std::string name_;
+  std::unique_ptr<kernels::Backend> cpu_;
+};
+
+// Device selection over a 10-page document (640 tokens; 2 layers x 2 KV heads, so 40 pages),
+// prefilled densely by the fixture's worker; the job workers share its store.
+class DeviceSelectionTest : public WorkerTest {
+ protected:
+  static constexpr int kSinks = 64, kWindow = 64, kBudget = 64, kMaxTokens = 8;
+
+  void SetUp() override {
+    WorkerTest::SetUp();
+    if (HasFatalFailure()) return;
+    doc_.clear();
+    for (int i = 0; i < 640; ++i) doc_.push_back((i * 37 + 11) % 500);
+    v1::PrefillShardRequest r = PrefillRequest();
+    r.mutable_shard()->set_end_page(10);
+    STRATA_ASSERT_OK(worker_->PrefillShard(r, nullptr, nullptr));
+  }
+  std::unique_ptr<Worker> MakeWorker(const std::string& device_selection, kernels::Backend* backend) {
+    WorkerOptions wo;
+    wo.worker_id = "device-" + device_selection;
+    wo.prefill_chunk_size = 64;
+    wo.device_selection = device_selection;
+    auto w = Worker::Create(wo, model_.get(), backend, store_.get(), store_.get(), nullptr);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  }
+  static v1::JobInfo Run(Worker* w, const v1::RunJobRequest& req) {
+    v1::JobInfo last;
+    EXPECT_TRUE(w->RunJob(req, [&](const v1::JobEvent& e) {
+      if (e.has_snapshot()) last = e.snapshot();
+      return true;
+    }).ok());
+    return last;
+  }
+  static std::vector<int32_t> Tokens(const v1::JobInfo& info) {
+    return std::vector<int32_t>(info.output_token_ids().begin(), info.output_token_ids().end());
+  }
+  v1::RunJobRequest Job(const std::string& id, const std::string& policy, const std::vector<int32_t>& prompt,
+                        bool with_document = true, int max_tokens = kMaxTokens) const {
+    v1::RunJobRequest req = JobRequest(id, prompt);
+    if (!with_document) req.clear_shard_map();
+    req.mutable_policy()->set_name(policy);
+    req.mutable_policy()->set_budget_tokens(kBudget);
+    req.mutable_policy()->set_sink_tokens(kSinks);
+    req.mutable_policy()->set_window_tokens(kWindow);
+    req.mutable_params()->set_max_tokens(max_tokens);
+    return req;
+  }
+  engine::sparse::PolicyOptions Options(const std::string& policy) const {
+    engine::sparse::PolicyOptions o;
+    o.kind = *engine::sparse::ParsePolicyName(policy);
+    o.page_size = 64;
+    o.token_budget = kBudget;
+    o.sink_tokens = kSinks;
+    o.window_tokens = kWindow;
+    return o;
+  }
+  // Greedy tokens of what a device-selection job computes: engine::Generate over `context` (the
+  // document, if any, then the prompt) with prompt chunks attending densely and decode steps
+  // through a DevicePolicy of `policy` (bf16 KV, as the worker's).
+  std::vector<int32_t> DeviceReference(const std::string& policy, const std::vector<int32_t>& context,
+                                       int max_tokens = kMaxTokens) {
+    engine::TransformerOptions topt;
+    topt.prefill_chunk_size = 64;
+    auto tf = engine::Transformer::Create(model_->config, model_->weights, backend_.get(), topt);
+    EXPECT_TRUE(tf.ok()) << tf.status();
+    if (!tf.ok()) return {};
+    engine::GenerateOptions go;
+    go.max_tokens = max_tokens;
+    go.ignore_eos = true;
+    go.kv_dtype = kernels::DType::kBF16;
+    auto device = engine::sparse::DevicePolicy::Create(
+        Options(policy), (*tf)->MakeCacheOptions(static_cast<int64_t>(context.size()) + max_tokens, 64, kernels::DType::kBF16),
+        static_cast<int>(model_->config.num_heads), backend_.get());
+    EXPECT_TRUE(device.ok()) << device.status();
+    if (!device.ok()) return {};
+    go.device_policy = device->get();
+    auto dense = engine::MakeDensePolicy();
+    auto ref = engine::Generate(tf->get(), nullptr, context, go, dense.get(), nullptr);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    return ref.ok() ? ref->tokens : std::vector<int32_t>();
+  }
+  // Greedy tokens of a host-policy job: the document prefilled densely (as PrefillShard does),
+  // then the prompt and the decode steps through `policy` (MakeAttentionPolicy; an empty name is
+  // dense) on `backend`.
+  std::vector<int32_t> HostReference(const std::string& policy, const std::vector<int32_t>& prompt,
+                                     kernels::Backend* backend) {
+    engine::TransformerOptions topt;
+    topt.prefill_chunk_size = 64;
+    const model::ModelConfig& c = model_->config;
+    auto tf = engine::Transformer::Create(c, model_->weights, backend, topt);
+    EXPECT_TRUE(tf.ok()) << tf.status();
+    if (!tf.ok()) return {};
+    const int64_t n = static_cast<int64_t>(doc_.size() + prompt.size());
+    auto cache = engine::KvCache::Create((*tf)->MakeCacheOptions(n + kMaxTokens, 64, kernels::DType::kBF16), backend);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    if (!cache.ok()) return {};
+    std::unique_ptr<engine::AttentionPolicy> dense = engine::MakeDensePolicy(), sparse;
+    if (policy.empty()) {
+      sparse = engine::MakeDensePolicy();
+    } else {
+      auto made = engine::sparse::MakeAttentionPolicy(Options(policy), static_cast<int>(c.num_layers),
+                                                     static_cast<int>(c.num_heads), static_cast<int>(c.num_kv_heads),
+                                                     static_cast<int>(c.head_dim));
+      EXPECT_TRUE(made.ok()) << made.status();
+      if (!made.ok()) return {};
+      sparse = *std::move(made);
+    }
+    std::vector<float> logits(static_cast<size_t>(c.vocab_size));
+    absl::Status s = (*tf)->Forward(doc_.data(), static_cast<int64_t>(doc_.size()), 0, cache->get(), dense.get(),
+                                    logits.data(), false);
+    if (s.ok()) {
+      s = (*tf)->Forward(prompt.data(), static_cast<int64_t>(prompt.size()), static_cast<int64_t>(doc_.size()),
+                         cache->get(), sparse.get(), logits.data(), false);
+    }
+    engine::Sampler sampler{engine::SamplingOptions()};
+    std::vector<int32_t> out;
+    for (int64_t pos = n; s.ok() && static_cast<int>(out.size()) < kMaxTokens; ++pos) {
+      absl::StatusOr<int32_t> next = sampler.Sample(logits.data(), c.vocab_size);
+      if (!next.ok()) {
+        s = next.status();
+        break;
+      }
+      out.push_back(*next);
+      if (static_cast<int>(out.size()) < kMaxTokens) {
+        s = (*tf)->Forward(&out.back(), 1, pos, cache->get(), sparse.get(), logits.data(), false);
+      }
+    }
+    EXPECT_TRUE(s.ok()) << s;
+    return out;
+  }
+  std::vector<int32_t> WithDocument(const std::vector<int32_t>& prompt) const {
+    std::vector<int32_t> all = doc_;
+    all.insert(all.end(), prompt.begin(), prompt.end());
+    return all;
+  }
+};
+
+TEST_F(DeviceSelectionTest, ForcedOnMatchesGenerateWithTheSameDevicePolicy) {
+  std::unique_ptr<Worker> w = MakeWorker("on", backend_.get());
+  ASSERT_NE(w, nullptr);
+  STRATA_EXPECT_OK(w->device_selection_status());
+  const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
+  int64_t jobs = 0;
+  for (const std::string policy : {"tokenselect", "quest"}) {
+    SCOPED_TRACE(policy);
+    const v1::JobInfo got = Run(w.get(), Job("on-" + policy, policy, prompt));
+    ASSERT_EQ(got.state(), v1::JobInfo::DONE) << got.error_message();
+    EXPECT_EQ(w->device_selection_jobs(), ++jobs);
+    const std::vector<int32_t> want = DeviceReference(policy, WithDocument(prompt));
+    ASSERT_EQ(want.size(), static_cast<size_t>(kMaxTokens));
+    EXPECT_EQ(Tokens(got), want);
+    // Usage: every decode step attends sinks + budget + window + the new token per (layer, KV
+    // head) (the middle of 581+ tokens is cut to the budget; the budget is one page).
+    EXPECT_EQ(got.usage().cached_tokens(), 640u);
+    EXPECT_EQ(got.usage().prompt_tokens(), 645u);
+    EXPECT_EQ(got.usage().completion_tokens(), static_cast<uint64_t>(kMaxTokens));
+    EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
+    EXPECT_DOUBLE_EQ(got.usage().mean_attended_tokens(), kSinks + kBudget + kWindow + 1.0);
+  }
+  // A prompt-only job long enough to select.
+  std::vector<int32_t> long_prompt;
+  for (int i = 0; i < 300; ++i) long_prompt.push_back((i * 13 + 3) % 500);
+  const v1::JobInfo got = Run(w.get(), Job("on-prompt-only", "tokenselect", long_prompt, /*with_document=*/false));
+  ASSERT_EQ(got.state(), v1::JobInfo::DONE) << got.error_message();
+  EXPECT_EQ(w->device_selection_jobs(), ++jobs);
+  EXPECT_EQ(Tokens(got), DeviceReference("tokenselect", long_prompt));
+  EXPECT_DOUBLE_EQ(got.usage().mean_attended_tokens(), kSinks + kBudget + kWindow + 1.0);
+  // A budget beyond the context never selects: no device policy, the dense tokens.
+  v1::RunJobRequest wide = Job("on-wide", "quest", prompt);
+  wide.mutable_policy()->set_budget_tokens(4096);
+  const v1::JobInfo exact = Run(w.get(), wide);
+  ASSERT_EQ(exact.state(), v1::JobInfo::DONE) << exact.error_message();
+  EXPECT_EQ(w->device_selection_jobs(), jobs);
+  EXPECT_EQ(Tokens(exact), HostReference("", prompt, backend_.get()));
+}
+
+TEST_F(DeviceSelectionTest, OffMatchesTheHostPolicy) {
+  for (const std::string mode : {"off", "auto"}) {  // auto is off on the CPU backend
+    std::unique_ptr<Worker> w = MakeWorker(mode, backend_.get());
+    ASSERT_NE(w, nullptr);
+    EXPECT_FALSE(w->device_selection_status().ok());
+    const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
+    for (const std::string policy : {"quest", "tokenselect"}) {
+      SCOPED_TRACE(mode + " " + policy);
+      const v1::JobInfo got = Run(w.get(), Job(mode + "-" + policy, policy, prompt));
+      ASSERT_EQ(got.state(), v1::JobInfo::DONE) << got.error_message();
+      EXPECT_EQ(Tokens(got), HostReference(policy, prompt, backend_.get()));
+      EXPECT_LT(got.usage().mean_attended_tokens(), 645.0);
+    }
+    EXPECT_EQ(w->device_selection_jobs(), 0);
+  }
+}
+
+TEST_F(DeviceSelectionTest, ConcurrentDeviceJobsAreBatchedAndKeepTheirTokens) {
+  std::unique_ptr<Worker> w = MakeWorker("on", backend_.get());
+  ASSERT_NE(w, nullptr);
+  const int kJobs = 3, kTokens = 24;
+  const std::string policies[kJobs] = {"tokenselect", "quest", "tokenselect"};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<v1::JobInfo> got(kJobs);
+  for (int j = 0; j < kJobs; ++j) prompts.push_back({20 + j, 40 + 3 * j, 7});
+  // Each job waits at its first token until every job has one, so their decode steps overlap.
+  std::atomic<int> arrived{0};
+  std::vector<std::thread> threads;
+  for (int j = 0; j < kJobs; ++j) {
+    threads.emplace_back([&, j] {
+      bool first = true;
+      const absl::Status s = w->RunJob(Job("batched-" + std::to_string(j), policies[j], prompts[j], true, kTokens),
+                                       [&](const v1::JobEvent& e) {
+                                         if (e.has_tokens() && first) {
+                                           first = false;
+                                           ++arrived;
+                                           for (int i = 0; i < 10000 && arrived.load() < kJobs; ++i) {
+                                             std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                                           }
+                                         }
+                                         if (e.has_snapshot()) got[j] = e.snapshot();
+                                         return true;
+                                       });
+      EXPECT_TRUE(s.ok()) << s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int j = 0; j < kJobs; ++j) {
+    ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
+    EXPECT_EQ(Tokens(got[j]), DeviceReference(policies[j], WithDocument(prompts[j]), kTokens)) << "job " << j;
+  }
+  EXPECT_EQ(w->device_selection_jobs(), kJobs);
+  std::printf("decode steps %lld in %lld batched forwards\n", static_cast<long long>(w->decode_steps()),
+              static_cast<long long>(w->decode_batches()));
+  EXPECT_EQ(w->decode_steps(), kJobs * (kTokens - 1));
+  EXPECT_LT(w->decode_batches(), w->decode_steps());  // some steps ran together
+}
+
+TEST_F(DeviceSelectionTest, BackendWithoutSelectionOpsFallsBack) {
+  const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
+  {
+    // A CPU backend without the ops, forced on: the probe fails and jobs use the host policy.
+    NoSelectionBackend cpu("cpu");
+    std::unique_ptr<Worker> w = MakeWorker("on", &cpu);
+    ASSERT_NE(w, nullptr);
+    EXPECT_EQ(w->device_selection_status().code(), absl::StatusCode::kUnimplemented) << w->device_selection_status();
+    const v1::JobInfo got = Run(w.get(), Job("host-fallback", "quest", prompt));
+    ASSERT_EQ(got.state(), v1::JobInfo::DONE) << got.error_message();
+    EXPECT_EQ(Tokens(got), HostReference("quest", prompt, backend_.get()));
+    EXPECT_EQ(w->device_selection_jobs(), 0);
+  }
+  {
+    // A device backend without the ops: quest attends densely (the host policy cannot read
+    // device pools), and a policy with no device version fails the job instead of reading them.
+    NoSelectionBackend device("fake-device");
+    std::unique_ptr<Worker> w = MakeWorker("auto", &device);
+    ASSERT_NE(w, nullptr);
+    EXPECT_FALSE(w->device_selection_status().ok());
+    const v1::JobInfo got = Run(w.get(), Job("dense-fallback", "quest", prompt));
+    ASSERT_EQ(got.state(), v1::JobInfo::DONE) << got.error_message();
+    EXPECT_EQ(Tokens(got), HostReference("", prompt, &device));
+    EXPECT_EQ(w->device_selection_jobs(), 0);
+    // Dense decode steps attend the whole cache: 646, ..., 652 tokens.
+    EXPECT_DOUBLE_EQ(got.usage().mean_attended_tokens(), 649.0);
+    for (const std::string policy : {"radar", "hip"}) {
+      const v1::JobInfo refused = Run(w.get(), Job("refused-" + policy, policy, prompt));
+      EXPECT_EQ(refused.state(), v1::JobInfo::FAILED) << policy;
+      EXPECT_EQ(refused.error_code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << policy;
+    }
+  }
+}
+
 TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
   STRATA_EXPECT_OK(WorkerOptions().Validate());
   struct Case {
@@ -313,6 +627,7 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
       {"peer_timeout_ms", [](WorkerOptions* o) { o->peer_timeout_ms = 0; }},
       {"lazy_cache_pages", [](WorkerOptions* o) { o->lazy_cache_pages = 0; }},
       {"page_size", [](WorkerOptions* o) { o->page_size = 0; }},
+      {"device_selection", [](WorkerOptions* o) { o->device_selection = "always"; }},
   };
   for (const Case& c : cases) {
     WorkerOptions o;

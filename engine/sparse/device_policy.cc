@@ -165,7 +165,10 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   if (dense_layer_[layer] || window_begin - sink_end <= options_.token_budget) {
     // Everything (the whole middle fits in the budget): exact attention.
     at.prefix_end = len;
-    return backend_->SelectedAttention(at, stream);
+    STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(at, stream));
+    counters_.candidate_tokens += hkv_ * len;
+    counters_.selected_tokens += hkv_ * len;
+    return absl::OkStatus();
   }
   TensorView q2 = q;
   q2.rank = 2;
@@ -239,7 +242,14 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   at.middle = middle;
   at.suffix_begin = window_begin;
   at.suffix_end = len;
-  return backend_->SelectedAttention(at, stream);
+  STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(at, stream));
+  const int64_t planned =
+      options_.kind == PolicyKind::kTokenSelect
+          ? std::min<int64_t>(options_.token_budget, wanted_pages_ * page_)
+          : std::min<int64_t>(wanted_pages_ * page_, window_begin - sink_end);
+  counters_.candidate_tokens += hkv_ * len;
+  counters_.selected_tokens += hkv_ * (sink_end + planned + (len - window_begin));
+  return absl::OkStatus();
 }
 
 }  // namespace strata::engine::sparse

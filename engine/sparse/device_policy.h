@@ -12,7 +12,8 @@
 //   - decode only: one query token, at position cache.length(layer) - 1;
 //   - pages are taken as the top ceil(wanted / P) by vote, where the host policy's FillPages may
 //     add a boundary page that lies partly outside the middle and still fits the budget.
-// Not wired into engine/transformer yet (docs/design.md section 10).
+// Used by engine::Transformer through ForwardOptions::device_policy (one-token segments), by
+// `strata generate` and by the worker's jobs (worker/worker.h, WorkerOptions::device_selection).
 //
 // Thread-compatible. The backend and the caches passed in must outlive the policy.
 #ifndef STRATA_ENGINE_SPARSE_DEVICE_POLICY_H_
@@ -24,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/attention_policy.h"
 #include "engine/kv_cache.h"
 #include "engine/sparse/policy.h"
 #include "kernels/backend.h"
@@ -53,6 +55,15 @@ class DevicePolicy {
                       const kernels::TensorView& out, const kernels::TensorView& lse,
                       kernels::Stream stream);
 
+  // What the Attend calls that succeeded attended, per KV head, as planned on the host (nothing
+  // is read back from the backend): candidate_tokens += the cache length; selected_tokens += the
+  // cache length where attention is exact (dense layer, or the middle fits in the budget), else
+  // sinks + window + the middle's planned size: min(budget, ceil(budget * factor / P) * P) for
+  // tokenselect (the top-k size), and min(ceil(budget / P) * P, middle) for quest (an upper
+  // bound: a chosen page cut by the sink or window boundary attends fewer tokens). No selection
+  // cache, so cache_lookups and cache_hits stay 0.
+  const SelectionCounters& counters() const { return counters_; }
+
  private:
   DevicePolicy(const PolicyOptions& options, const KvCacheOptions& cache, int num_q_heads,
                kernels::Backend* backend);
@@ -72,6 +83,7 @@ class DevicePolicy {
   // Shared scratch of one Attend call.
   std::unique_ptr<kernels::Buffer> seg_scores_, page_scores_, tok_scores_, top_segs_, top_pages_,
       top_tokens_;
+  SelectionCounters counters_;
 };
 
 }  // namespace strata::engine::sparse
