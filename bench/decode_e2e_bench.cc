@@ -42,6 +42,10 @@
 //     device path the host-time split moves GPU time into "select" (its copy waits for the queued
 //     layers), so compare paths by ms/token. Fills are further split into source lookups (host
 //     tier), other gather work, PageCopy calls (pointer checks + launch) and host waits.
+//   --hold_source_pages=1: GpuCacheOptions::hold_source_pages (every page looked up once when the
+//     cache is made, reported as cache_create_s; misses then need no host-tier lookup).
+//   --device_sample=1 (default): greedy tokens are picked on the device (logits stay there);
+//     0: the logits are copied to the host for the argmax (the behaviour before).
 //   With --no_document_pass=1, each shape first decodes the same way with no attention to the
 //     document (ForwardOptions::external null): the model's own cost per token. With 2, only
 //     that pass runs (no document is made).
@@ -118,6 +122,12 @@ struct Flags {
   // partials through host memory, fills waited for) and/or "device" (AttendOnDevice: q and
   // partials in backend memory, MissPolicy::kOrdered fills, one host sync per layer).
   std::string hooks = "device";
+  // 1: GpuCacheOptions::hold_source_pages (every page looked up once at Create; misses need no
+  // host-tier lookup).
+  int hold_source_pages = 0;
+  // 1: greedy tokens picked on the device (ForwardOptions::logits_on_device + Backend::Sample);
+  // 0: logits copied to the host and argmax there.
+  int device_sample = 1;
   uint64_t seed = 1;
 };
 
@@ -143,6 +153,8 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "host_tokens") { f->host_tokens = static_cast<int>(i); return i > 0; }
   if (k == "threads") { f->threads = static_cast<int>(i); return true; }
   if (k == "no_document_pass") { f->no_document_pass = static_cast<int>(i); return true; }
+  if (k == "device_sample") { f->device_sample = static_cast<int>(i); return true; }
+  if (k == "hold_source_pages") { f->hold_source_pages = static_cast<int>(i); return true; }
   if (k == "decode_graph") { f->decode_graph = static_cast<int>(i); return true; }
   if (k == "seed") { f->seed = static_cast<uint64_t>(i); return true; }
   return false;
@@ -537,6 +549,50 @@ class DeviceChooser {
   double copy_seconds_ = 0;
 };
 
+// Greedy next token: on the device (Backend::Sample at temperature 0 over Transformer::
+// device_logits(), 4 bytes back) with --device_sample=1, else the host argmax of the copied
+// logits (lowest id on ties, as engine::Sampler).
+class NextToken {
+ public:
+  static absl::StatusOr<std::unique_ptr<NextToken>> Create(kernels::Backend* backend,
+                                                           bool device) {
+    auto nt = std::unique_ptr<NextToken>(new NextToken);
+    nt->backend_ = backend;
+    nt->device_ = device;
+    if (device) {
+      STRATA_ASSIGN_OR_RETURN(nt->row_, backend->Allocate(sizeof(kernels::SampleRow)));
+      STRATA_ASSIGN_OR_RETURN(nt->token_, backend->Allocate(sizeof(int32_t)));
+      const kernels::SampleRow greedy;  // temperature 0
+      STRATA_RETURN_IF_ERROR(backend->CopyToDevice(nt->row_->data(), &greedy, sizeof(greedy),
+                                                   nullptr));
+    }
+    return nt;
+  }
+  bool device() const { return device_; }
+  // After a Forward with ForwardOptions::logits_on_device = device().
+  absl::StatusOr<int32_t> Next(engine::Transformer* tf, const std::vector<float>& host_logits) {
+    if (!device_) {
+      return static_cast<int32_t>(std::max_element(host_logits.begin(), host_logits.end()) -
+                                  host_logits.begin());
+    }
+    kernels::SampleParams p;
+    p.logits = tf->device_logits();
+    p.rows = static_cast<const kernels::SampleRow*>(row_->data());
+    p.tokens = token_->View(DType::kI32, {1});
+    STRATA_RETURN_IF_ERROR(backend_->Sample(p, nullptr));
+    int32_t t = -1;
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(&t, token_->data(), sizeof(t), nullptr));
+    if (t < 0) return absl::InternalError("Sample: no finite logit");
+    return t;
+  }
+
+ private:
+  NextToken() = default;
+  kernels::Backend* backend_ = nullptr;
+  bool device_ = false;
+  std::unique_ptr<kernels::Buffer> row_, token_;
+};
+
 // Times the hook's Attend calls.
 class TimedAttention : public engine::ExternalAttention {
  public:
@@ -575,6 +631,7 @@ struct RunResult {
   double ms_select_copy = 0, ms_fill_source = 0, ms_fill_gather = 0, ms_fill_copy = 0,
          ms_fill_wait = 0;
   std::string hook = "host";
+  double cache_create_s = 0;  // GpuPageCache::Create (with hold_source_pages: every lookup)
   double hit_ratio = 0;
   double fill_mb_per_token = 0;
   int64_t cache_slots = 0;
@@ -600,6 +657,8 @@ absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* 
   auto dense = engine::MakeDensePolicy();
   engine::ForwardOptions fo;
   fo.cache_first_position = doc_tokens;
+  STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0));
+  fo.logits_on_device = next->device();
   std::vector<float> logits(static_cast<size_t>(c.vocab_size));
   int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
   Stopwatch sw;
@@ -611,8 +670,7 @@ absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* 
     }
     STRATA_RETURN_IF_ERROR(tf->Forward(&token, 1, doc_tokens + step, local.get(), dense.get(),
                                        logits.data(), false, fo));
-    token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                 logits.begin());
+    STRATA_ASSIGN_OR_RETURN(token, next->Next(tf, logits));
   }
   STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   const double total = sw.ElapsedSeconds() - t0;
@@ -639,7 +697,10 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   go.num_slots = std::max<int64_t>(1, static_cast<int64_t>(f.cache_fraction * heads * doc.pages));
   go.source = doc.host.get();
   go.in_place_allocator = doc.allocator.get();
+  go.hold_source_pages = f.hold_source_pages != 0;
+  Stopwatch create_watch;
   STRATA_ASSIGN_OR_RETURN(auto cache, kvstore::GpuPageCache::Create(go, backend));
+  res->cache_create_s = create_watch.ElapsedSeconds();
   res->cache_slots = go.num_slots;
   res->doc_pages_total = heads * doc.pages;
 
@@ -721,6 +782,8 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   engine::ForwardOptions fo;
   fo.cache_first_position = doc.tokens;
   fo.external = &timed;
+  STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0));
+  fo.logits_on_device = next->device();
   const int64_t V = c.vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
   int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
@@ -744,8 +807,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
     STRATA_RETURN_IF_ERROR(
         tf->Forward(&token, 1, pos, local.get(), dense.get(), logits.data(), false, fo));
     if (step + 1 >= f.prompt) {  // generated: greedy
-      token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                   logits.begin());
+      STRATA_ASSIGN_OR_RETURN(token, next->Next(tf, logits));
     } else {  // prompt tokens: a fixed pseudo-random sequence
       token = static_cast<int32_t>((static_cast<int64_t>(token) * 7919 + 13) % V);
     }
@@ -787,12 +849,13 @@ void Print(const RunResult& r) {
       "wait %.2f), attend-hook rest %.2f, rest of forward %.2f] hit=%.4f "
       "fill=%.1f MB/token pages/step=%" PRId64 " slots=%" PRId64 " of %" PRId64
       " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f "
-      "last_token=%d\n",
+      "last_token=%d cache_create_s=%.2f\n",
       r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tokens, r.tok_s,
       r.ms_total, r.ms_select, r.ms_select_copy, r.ms_fill, r.ms_fill_source, r.ms_fill_gather,
       r.ms_fill_copy, r.ms_fill_wait, r.ms_attend_rest, r.ms_rest, r.hit_ratio,
       r.fill_mb_per_token, r.pages_per_step, r.cache_slots, r.doc_pages_total, r.gpu_weights_gib,
-      r.gpu_ready_gib, r.gpu_end_gib, r.host_kv_gib, r.doc_seconds, r.last_token);
+      r.gpu_ready_gib, r.gpu_end_gib, r.host_kv_gib, r.doc_seconds, r.last_token,
+      r.cache_create_s);
   if (r.agree_total > 0) {
     std::printf("  device selection vs host MinMaxChooser (warm-up steps): %" PRId64 " of %" PRId64
                 " pages agree (%.4f)\n",

@@ -2,11 +2,13 @@
 #include "engine/generator.h"
 
 #include <algorithm>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
 #include "base/status_macros.h"
+#include "kernels/backend.h"
 
 namespace strata::engine {
 
@@ -81,6 +83,59 @@ class StopMatcher {
   std::string pending_;
 };
 
+// Token sampling on the backend: the row's options in backend memory, the draw from the same
+// PCG32 stream engine::Sampler uses (one uniform per step, only when temperature > 0).
+class DeviceSampler {
+ public:
+  // Null (and OK) when the backend has no Sample for these logits.
+  static absl::StatusOr<std::unique_ptr<DeviceSampler>> Create(kernels::Backend* backend,
+                                                               int64_t vocab,
+                                                               const SamplingOptions& o) {
+    auto ds = std::unique_ptr<DeviceSampler>(new DeviceSampler(backend, o));
+    STRATA_ASSIGN_OR_RETURN(ds->row_, backend->Allocate(sizeof(kernels::SampleRow)));
+    STRATA_ASSIGN_OR_RETURN(ds->token_, backend->Allocate(sizeof(int32_t)));
+    STRATA_ASSIGN_OR_RETURN(ds->probe_, backend->Allocate(static_cast<size_t>(vocab) * 4));
+    if (!backend->Supports(ds->Params(ds->probe_->View(kernels::DType::kF32, {1, vocab}))).ok()) {
+      return std::unique_ptr<DeviceSampler>();
+    }
+    ds->probe_.reset();
+    return ds;
+  }
+
+  // The token for `logits` ([1, vocab], backend memory); InvalidArgument as engine::Sampler.
+  absl::StatusOr<int32_t> Sample(const kernels::TensorView& logits) {
+    kernels::SampleRow row;
+    row.temperature = options_.temperature;
+    row.top_p = options_.top_p;
+    row.top_k = options_.top_k;
+    row.u = options_.temperature > 0.0 ? rng_.NextUniform() : 0.0;
+    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(row_->data(), &row, sizeof(row), nullptr));
+    STRATA_RETURN_IF_ERROR(backend_->Sample(Params(logits), nullptr));
+    int32_t token = -1;
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(&token, token_->data(), sizeof(token), nullptr));
+    if (token < 0 || token >= logits.dim(1)) {
+      return absl::InvalidArgumentError("Sample: every logit is NaN or -inf");
+    }
+    return token;
+  }
+
+ private:
+  DeviceSampler(kernels::Backend* backend, const SamplingOptions& o)
+      : backend_(backend), options_(o), rng_(o.seed) {}
+  kernels::SampleParams Params(const kernels::TensorView& logits) {
+    kernels::SampleParams p;
+    p.logits = logits;
+    p.rows = static_cast<const kernels::SampleRow*>(row_->data());
+    p.tokens = token_->View(kernels::DType::kI32, {1});
+    return p;
+  }
+
+  kernels::Backend* backend_;
+  SamplingOptions options_;
+  Pcg32 rng_;
+  std::unique_ptr<kernels::Buffer> row_, token_, probe_;
+};
+
 }  // namespace
 
 absl::StatusOr<GenerateResult> Generate(Transformer* transformer,
@@ -112,6 +167,11 @@ absl::StatusOr<GenerateResult> Generate(Transformer* transformer,
                                                     options.kv_dtype),
                       transformer->backend()));
   Sampler sampler(options.sampling);
+  std::unique_ptr<DeviceSampler> device_sampler;
+  if (options.device_sampling) {
+    STRATA_ASSIGN_OR_RETURN(device_sampler,
+                            DeviceSampler::Create(transformer->backend(), vocab, options.sampling));
+  }
   std::unique_ptr<model::StreamingDecoder> decoder;
   if (tokenizer != nullptr) decoder = std::make_unique<model::StreamingDecoder>(tokenizer);
   StopMatcher matcher(options.stop);
@@ -127,13 +187,19 @@ absl::StatusOr<GenerateResult> Generate(Transformer* transformer,
 
   ForwardOptions fo;
   fo.device_policy = options.device_policy;
+  fo.logits_on_device = device_sampler != nullptr;
+  result.sampled_on_device = device_sampler != nullptr;
+  auto sample = [&]() -> absl::StatusOr<int32_t> {
+    if (device_sampler != nullptr) return device_sampler->Sample(transformer->device_logits());
+    return sampler.Sample(logits.data(), vocab);
+  };
   Stopwatch watch;
   STRATA_RETURN_IF_ERROR(
       transformer->Forward(prompt.data(), n, 0, cache.get(), policy, logits.data(), false, fo));
   int64_t pos = n;
   bool done = false;
   while (!done) {
-    STRATA_ASSIGN_OR_RETURN(int32_t token, sampler.Sample(logits.data(), vocab));
+    STRATA_ASSIGN_OR_RETURN(int32_t token, sample());
     result.tokens.push_back(token);
     if (result.tokens.size() == 1) {
       result.prefill_seconds = watch.ElapsedSeconds();

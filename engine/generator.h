@@ -42,6 +42,12 @@ struct GenerateOptions {
   // device_policy); it must be made for MakeCacheOptions(prompt + max_tokens, page_size,
   // kv_dtype) and be fresh for this sequence. Default: null.
   sparse::DevicePolicy* device_policy = nullptr;
+  // Sample on the backend (Backend::Sample) when it supports it: the logits stay in backend
+  // memory (ForwardOptions::logits_on_device) and only the token comes back. The tokens are
+  // engine::Sampler's with the same seed (the CPU backend's Sample is bit-exact with it; the CUDA
+  // one may differ only where a draw falls within double rounding of a cumulative probability,
+  // kernels/backend.h). Backends without Sample use the host sampler. Default: true.
+  bool device_sampling = true;
 
   // InvalidArgument for out-of-range values.
   absl::Status Validate() const;
@@ -59,6 +65,7 @@ struct GenerateResult {
   double prefill_seconds = 0;    // prompt forward + first token
   double decode_seconds = 0;     // the remaining single-token forwards and sampling
   int64_t decode_steps = 0;      // single-token forwards run
+  bool sampled_on_device = false;  // Backend::Sample picked the tokens (device_sampling)
 };
 
 // Receives text as it becomes final. A non-OK return aborts generation with that status.

@@ -101,6 +101,31 @@ TEST_F(GeneratorTest, GreedyLengthStreamingAndChunkIndependence) {
   EXPECT_EQ(r2.tokens, r.tokens);
 }
 
+TEST_F(GeneratorTest, DeviceSamplingGivesTheHostSamplersTokens) {
+  // The CPU backend implements Backend::Sample (bit-exact with engine::Sampler): the same tokens
+  // with the logits left in backend memory as with the host copy + Sampler, greedy and random.
+  for (const double temperature : {0.0, 0.8, 1.5}) {
+    for (const double top_p : {1.0, 0.7}) {
+      GenerateOptions o;
+      o.max_tokens = 20;
+      o.ignore_eos = true;
+      o.sampling.temperature = temperature;
+      o.sampling.top_p = top_p;
+      o.sampling.top_k = top_p < 1.0 ? 0 : 12;
+      o.sampling.seed = 77;
+      o.device_sampling = false;
+      std::string s1, s2;
+      STRATA_ASSERT_OK_AND_ASSIGN(GenerateResult host, Run(o, &s1, /*chunk=*/4));
+      EXPECT_FALSE(host.sampled_on_device);
+      o.device_sampling = true;
+      STRATA_ASSERT_OK_AND_ASSIGN(GenerateResult device, Run(o, &s2, /*chunk=*/4));
+      EXPECT_TRUE(device.sampled_on_device);
+      EXPECT_EQ(device.tokens, host.tokens) << "temperature " << temperature << " top_p " << top_p;
+      EXPECT_EQ(device.text, host.text);
+    }
+  }
+}
+
 TEST_F(GeneratorTest, EosEndsGenerationUnlessIgnored) {
   GenerateOptions o;
   o.max_tokens = 24;

@@ -249,8 +249,11 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
                                                    fo.cache_first_position, " not in [0, ",
                                                    start_pos, "]"));
   }
-  if (n < 1 || ids == nullptr || logits_out == nullptr) {
+  if (n < 1 || ids == nullptr || (logits_out == nullptr && !fo.logits_on_device)) {
     return absl::InvalidArgumentError("Forward: needs n >= 1 tokens, ids and logits_out");
+  }
+  if (fo.logits_on_device && all_logits) {
+    return absl::InvalidArgumentError("Forward: logits_on_device keeps the last row only");
   }
   if (cache == nullptr || policy == nullptr) {
     return absl::InvalidArgumentError("Forward: null cache or policy");
@@ -288,8 +291,10 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
     const int64_t m = std::min(chunk, n - b);
     const bool last = b + m == n;
     if (!all_logits && !last) {
+      ForwardOptions no_logits = fo;  // no logits for this chunk, not even on the device
+      no_logits.logits_on_device = false;
       STRATA_RETURN_IF_ERROR(
-          ForwardChunk(ids + b, m, start_pos + b, cache, policy, nullptr, false, fo));
+          ForwardChunk(ids + b, m, start_pos + b, cache, policy, nullptr, false, no_logits));
     } else {
       STRATA_RETURN_IF_ERROR(ForwardChunk(ids + b, m, start_pos + b, cache, policy,
                                           all_logits ? logits_out + b * vocab : logits_out,
@@ -426,8 +431,10 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
                            static_cast<int32_t>(index + 1)};
   STRATA_RETURN_IF_ERROR(be->CopyToDevice(step_->data(), step, sizeof(step), nullptr));
   STRATA_RETURN_IF_ERROR(graph_->Replay(nullptr));
-  STRATA_RETURN_IF_ERROR(
-      be->CopyToHost(logits_out, logits_->data(), config_.vocab_size * sizeof(float), nullptr));
+  if (!fo.logits_on_device) {
+    STRATA_RETURN_IF_ERROR(
+        be->CopyToHost(logits_out, logits_->data(), config_.vocab_size * sizeof(float), nullptr));
+  }
   STRATA_RETURN_IF_ERROR(cache->CommitAppend(1));
   for (int layer = 0; layer < co.num_layers; ++layer) {
     STRATA_RETURN_IF_ERROR(policy->OnAppend(layer, *cache, index, index + 1));
@@ -524,10 +531,10 @@ absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t st
   segs[0].n = n;
   segs[0].start_pos = start_pos;
   STRATA_RETURN_IF_ERROR(RunLayers(ids, n, segs));
-  if (logits_out == nullptr) return absl::OkStatus();
+  if (logits_out == nullptr && !fo.logits_on_device) return absl::OkStatus();
   // Final norm and LM head: every row, or only the last one.
   const int64_t rows = all_logits ? n : 1;
-  return Logits(n - rows, rows, logits_out);
+  return Logits(n - rows, rows, fo.logits_on_device ? nullptr : logits_out);
 }
 
 absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out) {
@@ -538,6 +545,15 @@ absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out)
   const TensorView xr(x_rows, DType::kF32, {rows, hidden});
   const TensorView xnr(xn_->data(), DType::kF32, {rows, hidden});
   STRATA_RETURN_IF_ERROR(be->RmsNorm({xr, final_norm_, xnr, eps}, nullptr));
+  if (logits_out == nullptr) {
+    // logits_on_device: into logits_ (allocated here for host-memory backends), no copy, no wait.
+    if (rows != 1) return absl::InternalError("Logits: device logits of several rows");
+    if (logits_ == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(logits_, be->Allocate(static_cast<size_t>(vocab) * sizeof(float)));
+    }
+    const TensorView lo(logits_->data(), DType::kF32, {1, vocab});
+    return be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr);
+  }
   if (host_memory_) {
     const TensorView lo(logits_out, DType::kF32, {rows, vocab});
     STRATA_RETURN_IF_ERROR(be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr));
@@ -547,6 +563,11 @@ absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out)
     STRATA_RETURN_IF_ERROR(be->CopyToHost(logits_out, logits_->data(), rows * vocab * 4, nullptr));
   }
   return be->Synchronize(nullptr);
+}
+
+kernels::TensorView Transformer::device_logits() const {
+  if (logits_ == nullptr) return TensorView();
+  return TensorView(logits_->data(), DType::kF32, {1, config_.vocab_size});
 }
 
 absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {

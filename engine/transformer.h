@@ -106,6 +106,11 @@ struct ForwardOptions {
   // (engine/sparse/device_policy.h) instead; chunks of several tokens still use `policy` (on the
   // CUDA backend, whose pools the host policies cannot read, that must be a dense policy).
   sparse::DevicePolicy* device_policy = nullptr;
+  // Set (all_logits must be false): the last token's logits [1, vocab] f32 stay in backend
+  // memory, readable through Transformer::device_logits() until the next call (e.g. for
+  // Backend::Sample), and logits_out is not written (it may be null). The call then returns
+  // without waiting for the device.
+  bool logits_on_device = false;
 };
 
 class Transformer {
@@ -126,6 +131,9 @@ class Transformer {
   kernels::Backend* backend() const { return backend_; }
   // One-token steps that ran as a graph replay (decode_graph), for tests and benchmarks.
   int64_t graph_steps() const { return graph_steps_; }
+  // The logits of the last Forward with ForwardOptions::logits_on_device: [1, vocab] f32 in
+  // backend memory (an empty view before the first such call).
+  kernels::TensorView device_logits() const;
 
   // KvCache options matching this model (layers, KV heads, head_dim).
   KvCacheOptions MakeCacheOptions(int64_t max_tokens, int page_size = 64,

@@ -94,6 +94,21 @@ absl::Status GpuPageCache::Init() {
   }
   m_.capacity_bytes->Set(static_cast<double>(n * page_bytes_));
   m_.resident_bytes->Set(0);
+  if (options_.hold_source_pages) {
+    // Every page, looked up and checked once, in batches (FetchFromSource reads held_ only when
+    // it is complete).
+    std::vector<PageRef> held(static_cast<size_t>(table_size_));
+    constexpr int64_t kBatch = 65536;
+    std::vector<int64_t> ids;
+    for (int64_t first = 0; first < table_size_; first += kBatch) {
+      const int64_t end = std::min(table_size_, first + kBatch);
+      ids.resize(static_cast<size_t>(end - first));
+      for (int64_t i = first; i < end; ++i) ids[i - first] = i;
+      STRATA_ASSIGN_OR_RETURN(std::vector<PageRef> got, FetchFromSource(ids));
+      std::move(got.begin(), got.end(), held.begin() + first);
+    }
+    held_ = std::move(held);
+  }
   return absl::OkStatus();
 }
 
@@ -119,6 +134,11 @@ absl::StatusOr<int64_t> GpuPageCache::FlatIndex(const GpuPageId& p) const {
 
 absl::StatusOr<std::vector<PageRef>> GpuPageCache::FetchFromSource(
     const std::vector<int64_t>& missing) {
+  if (!held_.empty()) {  // hold_source_pages: every page was looked up and checked at Create
+    std::vector<PageRef> pages(missing.size());
+    for (size_t i = 0; i < missing.size(); ++i) pages[i] = held_[static_cast<size_t>(missing[i])];
+    return pages;
+  }
   std::vector<PageKey> keys(missing.size());
   for (size_t i = 0; i < missing.size(); ++i) {
     const int64_t id = missing[i];

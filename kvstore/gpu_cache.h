@@ -78,6 +78,12 @@ struct GpuCacheOptions {
   // gathered into staging. It must hand out AllocateHost memory of the cache's backend
   // (BackendPageAllocator, kvstore/backend_page_allocator.h). Default (null): gather every page.
   PageAllocator* in_place_allocator = nullptr;
+  // Opt-in, for a document held whole in the host tier: Create looks every page up in `source`
+  // once (and checks it) and the cache keeps the references, so a miss costs no source lookup or
+  // page check. The pages then stay alive while the cache lives even if the source evicts them,
+  // and later changes to the source are not seen. Create fails (NotFound, ...) when a page is
+  // missing. Memory: one PageRef (16 bytes) per page. Default: false (look misses up per call).
+  bool hold_source_pages = false;
   KvMetrics* metrics = nullptr; // default (null): a private registry; not owned
   kernels::Stream stream = nullptr;  // where fills run (nullptr: the backend's default)
 
@@ -202,6 +208,7 @@ class GpuPageCache {
   prometheus::Counter* fetch_bytes_ = nullptr;
 
   std::unique_ptr<kernels::Buffer> k_pool_, v_pool_, device_table_;
+  std::vector<PageRef> held_;  // hold_source_pages: flat index -> page (immutable after Init)
 
   mutable std::mutex mu_;
   std::vector<int32_t> table_;      // guarded by mu_: flat index -> slot or -1

@@ -310,6 +310,51 @@ TEST_F(GpuCacheTest, OrderedMissesGetTheSameSlotsAndBytesAsWait) {
   EXPECT_EQ(b->pinned_slots(), 0);
 }
 
+TEST_F(GpuCacheTest, HeldSourcePagesFillWithoutLookingUpTheSource) {
+  GpuCacheOptions o = Options(5);
+  o.hold_source_pages = true;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto held, GpuPageCache::Create(o, backend_.get()));
+  auto plain = Make(5);
+  ASSERT_NE(plain, nullptr);
+  std::mt19937 rng(5);
+  std::vector<int32_t> sa, sb;
+  for (int step = 0; step < 30; ++step) {
+    std::vector<GpuPageId> want;
+    for (int i = 0; i < 4; ++i) {
+      want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
+                               static_cast<int32_t>(rng() % kHeads),
+                               static_cast<int32_t>(rng() % kPages)});
+    }
+    STRATA_ASSERT_OK(plain->Acquire(want, MissPolicy::kWait, &sa));
+    STRATA_ASSERT_OK(held->Acquire(want, MissPolicy::kWait, &sb));
+    ASSERT_EQ(sa, sb);
+    for (size_t i = 0; i < want.size(); ++i) ExpectSlotHolds(*held, sb[i], want[i]);
+    STRATA_ASSERT_OK(plain->Release(sa));
+    STRATA_ASSERT_OK(held->Release(sb));
+  }
+  ExpectConsistent(*held);
+  // With the document gone from the source, the held cache still fills (from its references);
+  // the plain one reports the missing page.
+  std::vector<PageRef> keep;  // the bytes, for the comparison below
+  STRATA_ASSERT_OK(host_->GetPages({PageKey{doc_, 1, 1, 9}}, &keep));
+  host_->EraseDocument(doc_);
+  std::vector<int32_t> slots;
+  EXPECT_THAT(plain->Acquire({GpuPageId{1, 1, 9}, GpuPageId{1, 1, 8}, GpuPageId{1, 0, 7},
+                              GpuPageId{0, 0, 6}, GpuPageId{0, 1, 5}},
+                             MissPolicy::kWait, &slots),
+              StatusIs(absl::StatusCode::kNotFound));
+  STRATA_ASSERT_OK(held->Acquire({GpuPageId{1, 1, 9}}, MissPolicy::kWait, &slots));
+  ASSERT_GE(slots[0], 0);
+  const size_t half = static_cast<size_t>(kP) * kD * 2;
+  EXPECT_EQ(std::memcmp(static_cast<const char*>(held->k_pool().data) + half * slots[0],
+                        PageKBytes(keep[0]->view()).data(), half),
+            0);
+  STRATA_ASSERT_OK(held->Release(slots));
+  // Create fails when a page is missing from the source.
+  EXPECT_THAT(GpuPageCache::Create(o, backend_.get()).status(),
+              StatusIs(absl::StatusCode::kNotFound));
+}
+
 TEST_F(GpuCacheTest, DuplicatesArePinnedPerEntry) {
   auto c = Make(4);
   ASSERT_NE(c, nullptr);
