@@ -33,7 +33,8 @@
 //     merge, LM head, logits copy). GPU memory used (cudaMemGetInfo total - free) before the
 //     backend, after the weights, after the summaries and cache, and after decode; the GPU page
 //     cache hit ratio over the measured steps.
-//   With --hooks=host,device (default: device) each document is decoded once per listed path of
+//   With --hooks=host,device,device-selected (default: device) each document is decoded once per
+//   listed path ("device-selected" = "device" with --selected_attention=1) of
 //     GpuCacheAttention: "host" (Attend: q copied to the host, the device chooser's q copied
 //     back up, fills waited for on the host, partials copied to the host and up again for the
 //     merge) and "device" (AttendOnDevice: q, selection scores and partials stay in backend
@@ -44,6 +45,9 @@
 //     tier), other gather work, PageCopy calls (pointer checks + launch) and host waits.
 //   --hold_source_pages=1: GpuCacheOptions::hold_source_pages (every page looked up once when the
 //     cache is made, reported as cache_create_s; misses then need no host-tier lookup).
+//   --selected_attention=1 (device hook): the device chooser also returns its selection on the
+//     device, and GpuCacheAttention attends with Backend::SelectedAttention over the GPU cache's
+//     device page table instead of PagedAttention over a host-planned span list.
 //   --device_sample=1 (default): greedy tokens are picked on the device (logits stay there);
 //     0: the logits are copied to the host for the argmax (the behaviour before).
 //   With --no_document_pass=1, each shape first decodes the same way with no attention to the
@@ -128,6 +132,9 @@ struct Flags {
   // 1: greedy tokens picked on the device (ForwardOptions::logits_on_device + Backend::Sample);
   // 0: logits copied to the host and argmax there.
   int device_sample = 1;
+  // 1 (device hook only): the device chooser also hands its selection to GpuCacheAttention, which
+  // attends with Backend::SelectedAttention over the cache's device page table.
+  int selected_attention = 0;
   uint64_t seed = 1;
 };
 
@@ -153,6 +160,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "host_tokens") { f->host_tokens = static_cast<int>(i); return i > 0; }
   if (k == "threads") { f->threads = static_cast<int>(i); return true; }
   if (k == "no_document_pass") { f->no_document_pass = static_cast<int>(i); return true; }
+  if (k == "selected_attention") { f->selected_attention = static_cast<int>(i); return true; }
   if (k == "device_sample") { f->device_sample = static_cast<int>(i); return true; }
   if (k == "hold_source_pages") { f->hold_source_pages = static_cast<int>(i); return true; }
   if (k == "decode_graph") { f->decode_graph = static_cast<int>(i); return true; }
@@ -407,6 +415,8 @@ class DeviceChooser {
     ch->hq_ = static_cast<int>(c.num_heads);
     ch->d_ = static_cast<int>(c.head_dim);
     ch->pages_ = doc.pages;
+    ch->doc_tokens_ = doc.tokens;
+    ch->page_size_ = f.page_size;
     ch->window_first_ = std::max<int64_t>(1, doc.pages - f.window_pages);
     ch->k_ = std::max<int64_t>(1, f.budget_tokens / f.page_size);
     const int64_t n = ch->window_first_ - 1;  // middle candidates
@@ -479,8 +489,11 @@ class DeviceChooser {
 
   // The device path: q is already in backend memory ([num_tokens = 1, hq, d]); one copy of the
   // selection [hkv, k] to the host (which also waits for the step's queued work).
+  // With `sel`, also the selection for SelectedAttention: page 0, the selected pages (token ids
+  // through fanout page_size), the window pages.
   absl::Status ChooseDevice(int layer, const TensorView& q,
-                            std::vector<std::vector<int32_t>>* pages) {
+                            std::vector<std::vector<int32_t>>* pages,
+                            engine::DeviceTokenSelection* sel) {
     if (q.rank != 3 || q.dim(0) != 1 || q.dim(1) != hq_ || q.dim(2) != d_ || layer < 0 ||
         layer >= static_cast<int>(summaries_.size()) ||
         static_cast<int>(pages->size()) != hkv_) {
@@ -525,6 +538,20 @@ class DeviceChooser {
       std::sort(out.begin(), out.end());
       out.erase(std::unique(out.begin(), out.end()), out.end());
     }
+    if (sel != nullptr) {
+      sel->valid = true;
+      sel->prefix_end = std::min<int64_t>(doc_tokens_, page_size_);
+      sel->middle.parents = selected_->View(DType::kI32, {hkv_, k_});
+      sel->middle.fanout = page_size_;
+      sel->middle.begin = page_size_;
+      sel->middle.end = window_first_ * page_size_;
+      if (n <= 0) {  // no middle pages
+        sel->middle.parents = TensorView();
+        sel->middle.end = sel->middle.begin;
+      }
+      sel->suffix_begin = window_first_ * page_size_;
+      sel->suffix_end = doc_tokens_;
+    }
     seconds_ += sw.ElapsedSeconds();
     return absl::OkStatus();
   }
@@ -541,7 +568,7 @@ class DeviceChooser {
   DeviceChooser() = default;
   kernels::Backend* backend_ = nullptr;
   int hkv_ = 0, hq_ = 0, d_ = 0;
-  int64_t pages_ = 0, window_first_ = 0, k_ = 0;
+  int64_t pages_ = 0, window_first_ = 0, k_ = 0, doc_tokens_ = 0, page_size_ = 0;
   std::vector<std::unique_ptr<kernels::Buffer>> summaries_;
   std::unique_ptr<kernels::Buffer> q_, scores_, selected_;
   std::vector<int32_t> host_selected_;
@@ -631,7 +658,8 @@ struct RunResult {
   double ms_select_copy = 0, ms_fill_source = 0, ms_fill_gather = 0, ms_fill_copy = 0,
          ms_fill_wait = 0;
   std::string hook = "host";
-  double cache_create_s = 0;  // GpuPageCache::Create (with hold_source_pages: every lookup)
+  double cache_create_s = 0;
+  int64_t selected_calls = 0;  // hook calls attended through SelectedAttention  // GpuPageCache::Create (with hold_source_pages: every lookup)
   double hit_ratio = 0;
   double fill_mb_per_token = 0;
   int64_t cache_slots = 0;
@@ -708,7 +736,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   engine::GpuCacheAttentionOptions ao;
   ao.document_tokens = doc.tokens;
   ao.device_path = device_hook;
-  res->hook = device_hook ? "device" : "host";
+  res->hook = !device_hook ? "host" : f.selected_attention ? "device-selected" : "device";
   double host_chooser_seconds = 0;
   engine::MinMaxChooserOptions mo;
   mo.store = doc.summary_host.get();
@@ -753,9 +781,11 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
       // q stays on the device (the agreement check needs host q: host hook only).
       agree->on = false;
       ao.chooser = nullptr;
-      ao.device_chooser = [d](int layer, const TensorView& q,
-                              std::vector<std::vector<int32_t>>* pages) {
-        return d->ChooseDevice(layer, q, pages);
+      const bool selected = f.selected_attention != 0;
+      ao.device_chooser = [d, selected](int layer, const TensorView& q,
+                                        std::vector<std::vector<int32_t>>* pages,
+                                        engine::DeviceTokenSelection* sel) {
+        return d->ChooseDevice(layer, q, pages, selected ? sel : nullptr);
       };
     }
   } else {
@@ -837,6 +867,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   res->pages_per_step = (gca->counters().pages_attended - pages0) / measured;
   res->gpu_end_gib = GpuUsedGiB();
   res->last_token = token;
+  res->selected_calls = gca->counters().selected_attention;
   res->agree_same = agree->same;
   res->agree_total = agree->total;
   return absl::OkStatus();
@@ -849,13 +880,13 @@ void Print(const RunResult& r) {
       "wait %.2f), attend-hook rest %.2f, rest of forward %.2f] hit=%.4f "
       "fill=%.1f MB/token pages/step=%" PRId64 " slots=%" PRId64 " of %" PRId64
       " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f "
-      "last_token=%d cache_create_s=%.2f\n",
+      "last_token=%d cache_create_s=%.2f selected_attention_calls=%" PRId64 "\n",
       r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tokens, r.tok_s,
       r.ms_total, r.ms_select, r.ms_select_copy, r.ms_fill, r.ms_fill_source, r.ms_fill_gather,
       r.ms_fill_copy, r.ms_fill_wait, r.ms_attend_rest, r.ms_rest, r.hit_ratio,
       r.fill_mb_per_token, r.pages_per_step, r.cache_slots, r.doc_pages_total, r.gpu_weights_gib,
       r.gpu_ready_gib, r.gpu_end_gib, r.host_kv_gib, r.doc_seconds, r.last_token,
-      r.cache_create_s);
+      r.cache_create_s, r.selected_calls);
   if (r.agree_total > 0) {
     std::printf("  device selection vs host MinMaxChooser (warm-up steps): %" PRId64 " of %" PRId64
                 " pages agree (%.4f)\n",
@@ -975,12 +1006,18 @@ int Main(int argc, char** argv) {
         ++failures;
         continue;
       }
-      std::vector<std::pair<bool, bool>> passes;  // (device chooser, device hook)
+      struct Pass {
+        bool device_chooser, device_hook, selected;
+      };
+      std::vector<Pass> passes;
       for (absl::string_view h : absl::StrSplit(f.hooks, ',', absl::SkipEmpty())) {
-        passes.push_back({true, h == "device"});
+        const bool selected = h == "device-selected" || (h == "device" && f.selected_attention);
+        passes.push_back({true, h != "host", selected});
       }
-      if (host_cmp) passes.push_back({false, false});
-      for (const auto& [device_chooser, device_hook] : passes) {
+      if (host_cmp) passes.push_back({false, false, false});
+      for (const auto& [device_chooser, device_hook, selected] : passes) {
+        Flags pass_flags = f;
+        pass_flags.selected_attention = selected ? 1 : 0;
         RunResult r;
         r.shape = mo.preset;
         r.chooser = device_chooser ? "device" : "host-minmax";
@@ -989,7 +1026,7 @@ int Main(int argc, char** argv) {
         r.host_kv_gib = static_cast<double>((*doc)->allocator->reserved_bytes()) / (1 << 30);
         r.doc_seconds = (*doc)->seconds;
         absl::Status s = Decode(*config, tf->get(), backend, **doc, device_chooser, device_hook,
-                                device_chooser ? f.tokens : f.host_tokens, f, &r);
+                                device_chooser ? f.tokens : f.host_tokens, pass_flags, &r);
         if (!s.ok()) {
           std::printf("FAILED shape=%s chooser=%s context=%" PRId64 ": %s\n", mo.preset.c_str(),
                       r.chooser.c_str(), ctx, s.ToString().c_str());

@@ -42,15 +42,18 @@ absl::Status Grow(kernels::Backend* backend, size_t bytes, std::unique_ptr<kerne
 absl::Status GpuCacheAttention::ChoosePages(int layer, const float* q_host,
                                             const kernels::TensorView* q_device, int num_tokens,
                                             int num_q_heads,
-                                            std::vector<kvstore::GpuPageId>* ids) {
+                                            std::vector<kvstore::GpuPageId>* ids,
+                                            DeviceTokenSelection* selection) {
   const int hkv = cache_->options().num_kv_heads;
   const int64_t num_pages =
       (options_.document_tokens + cache_->options().page_size - 1) / cache_->options().page_size;
   ids->clear();
   head_pages_.resize(hkv);
   for (std::vector<int32_t>& v : head_pages_) v.clear();
+  DeviceTokenSelection unused;
   if (q_device != nullptr && options_.device_chooser) {
-    STRATA_RETURN_IF_ERROR(options_.device_chooser(layer, *q_device, &head_pages_));
+    STRATA_RETURN_IF_ERROR(options_.device_chooser(
+        layer, *q_device, &head_pages_, selection != nullptr ? selection : &unused));
     if (static_cast<int>(head_pages_.size()) != hkv) {
       return absl::InvalidArgumentError(absl::StrCat("GpuCacheAttention: device chooser returned ",
                                                      head_pages_.size(), " heads of ", hkv));
@@ -210,7 +213,9 @@ absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorV
     q_host = q_host_.data();
   }
   std::vector<kvstore::GpuPageId> ids;
-  STRATA_RETURN_IF_ERROR(ChoosePages(layer, q_host, &q, num_tokens, num_q_heads, &ids));
+  DeviceTokenSelection selection;
+  STRATA_RETURN_IF_ERROR(
+      ChoosePages(layer, q_host, &q, num_tokens, num_q_heads, &ids, &selection));
   positions_.resize(num_tokens);
   for (int i = 0; i < num_tokens; ++i) positions_[i] = static_cast<int32_t>(q_begin + i);
 
@@ -235,6 +240,36 @@ absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorV
       STRATA_RETURN_IF_ERROR(Grow(backend_, q_floats * sizeof(float), &acc_o_[i]));
       STRATA_RETURN_IF_ERROR(Grow(backend_, lse_floats * sizeof(float), &acc_lse_[i]));
     }
+  }
+  if (selection.valid && num_chunks == 1 && num_tokens == 1 && !ids.empty()) {
+    // The chooser's device selection over the cache's device page table for this layer (its
+    // entries for the acquired pages are written by fills queued before the attention).
+    kernels::SelectedAttentionParams sp;
+    sp.q = q;
+    sp.k_pool = cache_->k_pool();
+    sp.v_pool = cache_->v_pool();
+    sp.page_table = kernels::TensorView(
+        const_cast<int32_t*>(cache_->device_table()) +
+            static_cast<int64_t>(layer) * hkv * c.pages_per_head,
+        kernels::DType::kI32, {hkv, c.pages_per_head});
+    sp.prefix_end = selection.prefix_end;
+    sp.middle = selection.middle;
+    sp.suffix_begin = selection.suffix_begin;
+    sp.suffix_end = selection.suffix_end;
+    sp.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    sp.out = out;
+    sp.lse = lse;
+    std::vector<int32_t> slots;
+    STRATA_RETURN_IF_ERROR(cache_->Acquire(ids, policy, &slots));
+    absl::Status s = backend_->SelectedAttention(sp, nullptr);
+    if (s.ok() && !ordered) s = backend_->Synchronize(nullptr);
+    const absl::Status r = cache_->Release(slots);
+    STRATA_RETURN_IF_ERROR(s);
+    STRATA_RETURN_IF_ERROR(r);
+    ++counters_.chunks;
+    ++counters_.selected_attention;
+    counters_.pages_attended += static_cast<int64_t>(ids.size());
+    return absl::OkStatus();
   }
   if (ids.empty()) {
     // Nothing attended: an empty selection over no keys (lse -inf, out 0) from the kernel itself.

@@ -56,13 +56,30 @@ struct MinMaxChooserOptions {
 };
 PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 
+// The tokens a DevicePageChooser chose, as a device-side selection for Backend::SelectedAttention
+// (KV head g: document tokens [0, prefix_end), the valid token ids of `middle` -- backend memory --
+// and [suffix_begin, suffix_end)). It must name exactly the tokens of the pages in the chooser's
+// page lists, each once.
+struct DeviceTokenSelection {
+  bool valid = false;  // false: not given (attend through the page lists)
+  int64_t prefix_end = 0;
+  kernels::CandidateList middle;
+  int64_t suffix_begin = 0;
+  int64_t suffix_end = 0;
+};
+
 // A chooser for the device path: the queries are backend memory (f32 [num_tokens, num_q_heads,
 // head_dim], queued on the backend's default stream); (*pages)[g] (sized num_kv_heads and cleared
 // by the caller) receives the pages KV head g attends, each in [0, num_pages). Selection may run
 // on the device; the page lists must be on the host when it returns (the cache's Acquire needs
-// them), so an implementation usually ends with one copy to the host.
+// them), so an implementation usually ends with one copy to the host. It may also fill
+// *selection (valid = false on entry): then a one-token call whose pages fit one chunk attends
+// with Backend::SelectedAttention over the cache's device page table (no span list planned on the
+// host; the backend's errors, Unimplemented included, end the call); otherwise through
+// PagedAttention.
 using DevicePageChooser = std::function<absl::Status(
-    int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages)>;
+    int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
+    DeviceTokenSelection* selection)>;
 
 struct GpuCacheAttentionOptions {
   int64_t document_tokens = 0;  // > 0; at most cache pages_per_head * page_size
@@ -85,6 +102,7 @@ struct GpuCacheAttentionCounters {
   int64_t calls = 0;
   int64_t chunks = 0;
   int64_t pages_attended = 0;
+  int64_t selected_attention = 0;  // device-path calls attended through SelectedAttention
 };
 
 class GpuCacheAttention : public ExternalAttention {
@@ -120,7 +138,8 @@ class GpuCacheAttention : public ExternalAttention {
   // The pages of every KV head for one call, from the chooser, in head order (checked).
   absl::Status ChoosePages(int layer, const float* q_host, const kernels::TensorView* q_device,
                            int num_tokens, int num_q_heads,
-                           std::vector<kvstore::GpuPageId>* ids);
+                           std::vector<kvstore::GpuPageId>* ids,
+                           DeviceTokenSelection* selection = nullptr);
   // Queues PagedAttention of `part` (slots from Acquire) into out / lse.
   absl::Status AttendChunk(absl::Span<const kvstore::GpuPageId> part,
                            const std::vector<int32_t>& slots, const kernels::TensorView& q,

@@ -4,6 +4,7 @@
 // must equal those of the whole sequence in one KvCache (both bf16 KV).
 #include "engine/gpu_cache_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -375,7 +376,8 @@ TEST_F(GpuCacheAttentionTest, DevicePathGivesTheHostPathsLogitsForTheSameChooser
   int device_calls = 0;
   o.chooser = nullptr;
   o.device_chooser = [&](int layer, const kernels::TensorView& q,
-                         std::vector<std::vector<int32_t>>* pages) -> absl::Status {
+                         std::vector<std::vector<int32_t>>* pages,
+                         DeviceTokenSelection*) -> absl::Status {
     ++device_calls;
     if (q.rank != 3 || static_cast<int>(pages->size()) != hkv) {
       return absl::InternalError("unexpected shape");
@@ -395,6 +397,71 @@ TEST_F(GpuCacheAttentionTest, DevicePathGivesTheHostPathsLogitsForTheSameChooser
   EXPECT_EQ(got, want);
   EXPECT_EQ(device_calls, dev2->counters().calls);
   EXPECT_EQ(cache_c->pinned_slots(), 0);
+}
+
+TEST_F(GpuCacheAttentionTest, DeviceTokenSelectionAttendsThroughTheDevicePageTable) {
+  // Per KV head: page 0 (prefix), two chosen middle pages (a device CandidateList of page ids,
+  // fanout page_size, one -1 pad) and the last page (suffix, partial). The one-token steps attend
+  // with SelectedAttention over the cache's device table; the prompt chunk (5 tokens) through
+  // PagedAttention. Logits as the host path with the same pages, to rounding.
+  const int hkv = model_->config.num_kv_heads;
+  constexpr int kPagesPerHead = (kDoc + kPage - 1) / kPage;  // 6, the last partial
+  const std::vector<std::vector<int32_t>> middle = {{2, 4, -1}, {1, 3, -1}};
+  auto pages_of = [&](int g) {
+    std::vector<int32_t> v = {0};
+    for (int32_t p : middle[g]) {
+      if (p >= 0) v.push_back(p);
+    }
+    v.push_back(kPagesPerHead - 1);
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  std::vector<int32_t> parents;
+  for (const auto& m : middle) parents.insert(parents.end(), m.begin(), m.end());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto parents_buf, backend_->Allocate(parents.size() * 4));
+  STRATA_ASSERT_OK(backend_->CopyToDevice(parents_buf->data(), parents.data(),
+                                          parents.size() * 4, nullptr));
+  auto cache_a = MakeCache(12);
+  auto cache_b = MakeCache(12);
+  ASSERT_NE(cache_b, nullptr);
+  GpuCacheAttentionOptions o;
+  o.document_tokens = kDoc;
+  o.chooser = [&](int, int g, const float*, int, int, std::vector<int32_t>* p) {
+    *p = pages_of(g);
+    return absl::OkStatus();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, GpuCacheAttention::Create(o, cache_a.get(),
+                                                                   backend_.get()));
+  std::vector<float> want, got;
+  RunAfterDocument(host.get(), &want);
+  o.chooser = nullptr;
+  o.device_path = true;
+  o.device_chooser = [&](int, const kernels::TensorView& q,
+                         std::vector<std::vector<int32_t>>* pages, DeviceTokenSelection* sel) {
+    for (int g = 0; g < hkv; ++g) (*pages)[g] = pages_of(g);
+    if (q.dim(0) == 1) {
+      sel->valid = true;
+      sel->prefix_end = kPage;
+      sel->middle.parents = parents_buf->View(DType::kI32, {hkv, 3});
+      sel->middle.fanout = kPage;
+      sel->middle.begin = kPage;
+      sel->middle.end = (kPagesPerHead - 1) * kPage;
+      sel->suffix_begin = (kPagesPerHead - 1) * kPage;
+      sel->suffix_end = kDoc;
+    }
+    return absl::OkStatus();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, GpuCacheAttention::Create(o, cache_b.get(),
+                                                                  backend_.get()));
+  RunAfterDocument(dev.get(), &got);
+  // 7 one-token steps x 2 layers through SelectedAttention.
+  EXPECT_EQ(dev->counters().selected_attention, 14);
+  EXPECT_EQ(dev->counters().pages_attended, host->counters().pages_attended);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_LE(MaxDiff(got.data(), want.data(), static_cast<int64_t>(got.size())), 1e-4f);
+  const int64_t V = model_->config.vocab_size;
+  EXPECT_GT(MaxDiff(want.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
+  EXPECT_EQ(cache_b->pinned_slots(), 0);
 }
 
 TEST_F(GpuCacheAttentionTest, DevicePathChecksItsArguments) {
@@ -424,14 +491,16 @@ TEST_F(GpuCacheAttentionTest, DevicePathChecksItsArguments) {
   EXPECT_THAT(on->AttendOnDevice(0, qv, kDoc - 1, ov, lv),
               StatusIs(absl::StatusCode::kInvalidArgument));
   // A device chooser with the wrong number of heads, or an out-of-range page, fails the call.
-  o.device_chooser = [](int, const kernels::TensorView&, std::vector<std::vector<int32_t>>* p) {
+  o.device_chooser = [](int, const kernels::TensorView&, std::vector<std::vector<int32_t>>* p,
+                        DeviceTokenSelection*) {
     p->resize(1);
     return absl::OkStatus();
   };
   STRATA_ASSERT_OK_AND_ASSIGN(auto bad, GpuCacheAttention::Create(o, cache.get(), backend_.get()));
   EXPECT_THAT(bad->AttendOnDevice(0, qv, kDoc, ov, lv),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  o.device_chooser = [](int, const kernels::TensorView&, std::vector<std::vector<int32_t>>* p) {
+  o.device_chooser = [](int, const kernels::TensorView&, std::vector<std::vector<int32_t>>* p,
+                        DeviceTokenSelection*) {
     (*p)[0].push_back(6);
     return absl::OkStatus();
   };
