@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -430,11 +432,46 @@ absl::Status CudaBackend::CopyToHost(void* dst, const void* src, size_t bytes, S
 
 namespace {
 
+// The live AllocateHost buffers whose device address is their host address, so that PageCopy can
+// check a page address with a map lookup instead of a cudaPointerGetAttributes call per page
+// (about 0.4 us each on the H100 host; 7,400 pages per decode token of the 8B bench).
+std::mutex& HostRangesMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+std::map<uintptr_t, size_t>& HostRanges() {  // begin -> bytes; guarded by HostRangesMutex()
+  static auto* ranges = new std::map<uintptr_t, size_t>;
+  return *ranges;
+}
+// Whether p lies in one of those buffers.
+bool InIdentityMappedHostBuffer(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(HostRangesMutex());
+  const std::map<uintptr_t, size_t>& r = HostRanges();
+  auto it = r.upper_bound(a);
+  if (it == r.begin()) return false;
+  --it;
+  return a - it->first < it->second;
+}
+
 // Pinned, mapped host memory from cudaHostAlloc (CudaBackend::AllocateHost).
 class CudaHostBuffer : public Buffer {
  public:
-  CudaHostBuffer(void* data, size_t bytes) : data_(data), bytes_(bytes) {}
+  CudaHostBuffer(void* data, size_t bytes) : data_(data), bytes_(bytes) {
+    void* dev = nullptr;
+    if (data_ != nullptr && bytes_ > 0 &&
+        cudaHostGetDevicePointer(&dev, data_, 0) == cudaSuccess && dev == data_) {
+      std::lock_guard<std::mutex> lock(HostRangesMutex());
+      HostRanges()[reinterpret_cast<uintptr_t>(data_)] = bytes_;
+      registered_ = true;
+    }
+    cudaGetLastError();  // a failed query leaves no sticky error
+  }
   ~CudaHostBuffer() override {
+    if (registered_) {
+      std::lock_guard<std::mutex> lock(HostRangesMutex());
+      HostRanges().erase(reinterpret_cast<uintptr_t>(data_));
+    }
     if (data_ != nullptr) cudaFreeHost(data_);  // best effort: no caller to report to
   }
   CudaHostBuffer(const CudaHostBuffer&) = delete;
@@ -445,6 +482,7 @@ class CudaHostBuffer : public Buffer {
  private:
   void* data_;
   size_t bytes_;
+  bool registered_ = false;
 };
 
 // The device address of `p`, which must lie in pinned, mapped host memory. InvalidArgument for
@@ -725,12 +763,13 @@ absl::StatusOr<bool> CheckPageSources(const PageCopyParams& p) {
   STRATA_RETURN_IF_ERROR(MappedHostPointer(p.sources, "sources").status());
   bool aligned = true;
   for (int i = 0; i < p.num_pages; ++i) {
+    aligned = aligned && (reinterpret_cast<uintptr_t>(p.sources[i]) & 15) == 0;
+    if (InIdentityMappedHostBuffer(p.sources[i])) continue;  // a live AllocateHost buffer
     STRATA_ASSIGN_OR_RETURN(const void* dev, MappedHostPointer(p.sources[i], "sources[i]"));
     if (dev != p.sources[i]) {
       return absl::InvalidArgumentError(
           "PageCopy: sources[i] has a device address other than its host address");
     }
-    aligned = aligned && (reinterpret_cast<uintptr_t>(p.sources[i]) & 15) == 0;
   }
   return aligned;
 }
