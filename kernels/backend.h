@@ -104,7 +104,7 @@ struct KvSpan {
 // partials over disjoint key sets merge exactly with MergeAttention.
 struct PagedAttentionParams {
   TensorView q;                          // [num_tokens, num_q_heads, head_dim] f32
-  TensorView k_pool;                     // [num_slots, page_size, head_dim] f32|bf16
+  TensorView k_pool;                     // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3
   TensorView v_pool;                     // [num_slots, page_size, head_dim] same dtype as k_pool
   const KvSpan* spans = nullptr;         // host memory: spans of all KV heads, grouped by head
   const int32_t* span_offsets = nullptr; // host memory: [num_kv_heads + 1] CSR offsets into spans
@@ -114,7 +114,19 @@ struct PagedAttentionParams {
   float scale = 0.0f;                    // usually 1 / sqrt(head_dim)
   TensorView out;                        // [num_tokens, num_q_heads, head_dim] f32
   TensorView lse;                        // [num_tokens, num_q_heads] f32
+  // Per-tensor dequantisation scales of fp8 pools (see "fp8 KV pools" below): k_j and v_j above
+  // are stored * k_scale and stored * v_scale. Finite and > 0; ignored (must stay 1) for f32|bf16.
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
 };
+
+// fp8 KV pools (DType::kFP8E4M3, OCP e4m3fn). A pool element holds value / scale rounded to e4m3
+// (nearest even, saturated to +-448, NaN kept: kernels::F32ToFP8E4M3), one scale per pool (per
+// tensor, as vLLM's fp8 KV cache), and is read as stored * scale. Supported: PagedAttention
+// (CPU; CUDA decode fast path and the general kernel: the tensor-core prefill kernel is bf16 only,
+// so fp8 prefill runs the general kernel), SelectedAttention (CPU, CUDA), AppendKv (CUDA; writes
+// F32ToFP8E4M3(x / scale) bit for bit) and PageCopy (bytes). ScoreKeys and UpdateSummaries (and so
+// the sparse policies' key scoring) do not read fp8 pools and return Unimplemented.
 
 // Merges partial attention results over disjoint key sets:
 //   LSE = log(sum_s exp(lse_s)),  out = sum_s exp(lse_s - LSE) * out_s.
@@ -147,7 +159,7 @@ struct PageCopyParams {
   const void* const* sources = nullptr;   // AllocateHost memory: [num_pages], or null
   const int32_t* slots = nullptr;         // AllocateHost memory: [num_pages], in [0, num_slots)
   int num_pages = 0;
-  TensorView k_pool;                      // [num_slots, page_size, head_dim] f32|bf16
+  TensorView k_pool;                      // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3
   TensorView v_pool;                      // same shape and dtype as k_pool
   int32_t* table = nullptr;               // backend memory: [table_size] int32; may be null
   int64_t table_size = 0;                 //   when num_table_updates == 0
@@ -249,7 +261,7 @@ struct UpdateSummariesParams {
 // and lse -inf when nothing is attended); no causal mask (list only tokens the query may see).
 struct SelectedAttentionParams {
   TensorView q;           // [1, num_q_heads, head_dim] f32
-  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16
+  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3
   TensorView v_pool;      // same shape and dtype as k_pool
   TensorView page_table;  // [num_kv_heads, table_pages] i32
   int64_t prefix_end = 0;
@@ -266,6 +278,9 @@ struct SelectedAttentionParams {
   // decode step over an engine::KvCache, prefix_end = its capacity, *prefix_len = its length,
   // page_table[g, p] = its SlotOf(layer, g, p).
   const int32_t* prefix_len = nullptr;
+  // Dequantisation scales of fp8 pools, as PagedAttentionParams (finite, > 0; 1 for f32|bf16).
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
 };
 
 // ---- Token sampling on the backend (engine/sampler.h; kernels/cpu/sampling.cc) --------------
@@ -301,7 +316,7 @@ struct SampleParams {
 struct AppendKvParams {
   TensorView k;               // [n, num_kv_heads, head_dim] f32, backend memory
   TensorView v;               // same shape
-  TensorView k_pool;          // [num_slots, page_size, head_dim] f32|bf16
+  TensorView k_pool;          // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3
   TensorView v_pool;          // same shape and dtype as k_pool
   int64_t first = 0;          // position of token 0 (>= 0)
   int64_t slots_per_head = 0; // slots of KV head g start at g * slots_per_head
@@ -310,6 +325,10 @@ struct AppendKvParams {
   // `first` is the largest value it may take (the checks above use it); when the value is
   // negative or above `first`, nothing is written.
   const int32_t* first_device = nullptr;
+  // fp8 pools: k / k_scale and v / v_scale are stored (F32ToFP8E4M3 of the f32 quotient).
+  // Finite and > 0; must stay 1 for f32|bf16 pools.
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
 };
 
 // A recorded sequence of ops (a CUDA graph), from Backend::EndCapture. Replay runs the recorded

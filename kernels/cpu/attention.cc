@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace strata::kernels {
 namespace {
@@ -19,9 +20,15 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Loads row `row` (head_dim elements) of a pool as f32 into dst; returns a pointer to f32 data
-// (the pool itself for f32 pools, dst otherwise).
-inline const float* LoadRow(const TensorView& pool, int64_t row, int head_dim, float* dst) {
+// (the pool itself for f32 pools, dst otherwise). fp8 elements are dequantised: stored * scale.
+inline const float* LoadRow(const TensorView& pool, int64_t row, int head_dim, float* dst,
+                            float scale) {
   if (pool.dtype == DType::kF32) return pool.As<const float>() + row * head_dim;
+  if (pool.dtype == DType::kFP8E4M3) {
+    const uint8_t* src = pool.As<const uint8_t>() + row * head_dim;
+    for (int i = 0; i < head_dim; ++i) dst[i] = FP8E4M3ToF32(src[i]) * scale;
+    return dst;
+  }
   // bf16 -> f32 is exact: the 16 bits become the high half of the f32.
   const uint16_t* src = pool.As<const uint16_t>() + row * head_dim;
   for (int i = 0; i < head_dim; ++i) {
@@ -54,10 +61,13 @@ absl::Status ValidatePagedAttention(const PagedAttentionParams& p) {
         absl::StrCat("paged attention: q must be f32 [tokens, heads, dim], got ", p.q.DebugString()));
   }
   const int64_t num_tokens = p.q.dim(0), num_q_heads = p.q.dim(1), head_dim = p.q.dim(2);
-  if (p.k_pool.rank != 3 || (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "paged attention: k_pool must be f32|bf16 [slots, page, dim], got ", p.k_pool.DebugString()));
+  if (p.k_pool.rank != 3 || (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16 &&
+                             p.k_pool.dtype != DType::kFP8E4M3)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged attention: k_pool must be f32|bf16|fp8_e4m3 [slots, page, dim], got ",
+                     p.k_pool.DebugString()));
   }
+  STRATA_RETURN_IF_ERROR(CheckKvScales(p.k_pool.dtype, p.k_scale, p.v_scale, "paged attention"));
   if (p.v_pool.rank != 3 || p.v_pool.dtype != p.k_pool.dtype ||
       p.v_pool.dim(0) != p.k_pool.dim(0) || p.v_pool.dim(1) != p.k_pool.dim(1) ||
       p.v_pool.dim(2) != p.k_pool.dim(2)) {
@@ -114,6 +124,18 @@ absl::Status ValidatePagedAttention(const PagedAttentionParams& p) {
 
 }  // namespace
 
+absl::Status CheckKvScales(DType pool_dtype, float k_scale, float v_scale, const char* op) {
+  const bool fp8 = pool_dtype == DType::kFP8E4M3;
+  for (const float sc : {k_scale, v_scale}) {
+    if (fp8 ? !(std::isfinite(sc) && sc > 0.0f) : sc != 1.0f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": k_scale / v_scale must be finite and > 0 for fp8 pools and 1 for ",
+                       DTypeName(pool_dtype), " pools, got ", k_scale, " / ", v_scale));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
   absl::Status st = ValidatePagedAttention(p);
   if (!st.ok()) return st;
@@ -151,7 +173,7 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
         const int64_t base = static_cast<int64_t>(s.slot) * page_size + s.offset;
         float span_max = kNegInf;
         for (int j = 0; j < n; ++j) {
-          const float* kr = LoadRow(p.k_pool, base + j, head_dim, kbuf.data());
+          const float* kr = LoadRow(p.k_pool, base + j, head_dim, kbuf.data(), p.k_scale);
           scores[j] = Dot(qr, kr, head_dim) * p.scale;
           if (scores[j] > span_max) span_max = scores[j];
         }
@@ -163,7 +185,7 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
         for (int j = 0; j < n; ++j) {
           const float w = std::exp(scores[j] - new_m);
           l += w;
-          const float* vr = LoadRow(p.v_pool, base + j, head_dim, vbuf.data());
+          const float* vr = LoadRow(p.v_pool, base + j, head_dim, vbuf.data(), p.v_scale);
           for (int i = 0; i < head_dim; ++i) acc[i] += w * vr[i];
         }
         m = new_m;

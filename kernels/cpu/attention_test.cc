@@ -313,5 +313,121 @@ TEST(PagedAttentionTest, RejectsBadSpansAndShapes) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+
+// ---- fp8 pools (kernels/backend.h "fp8 KV pools") --------------------------------------------
+
+// Random fp8 codes (NaN codes 0x7f / 0xff excluded) and the f32 pool they stand for,
+// FP8E4M3ToF32(code) * scale.
+void RandomFp8(std::mt19937& rng, size_t n, float scale, std::vector<uint8_t>* codes,
+               std::vector<float>* values) {
+  codes->resize(n);
+  values->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t c;
+    do {
+      c = static_cast<uint8_t>(rng());
+    } while ((c & 0x7f) == 0x7f || (c & 0x78) == 0x78);  // no NaN, |x| < 256
+    (*codes)[i] = c;
+    (*values)[i] = FP8E4M3ToF32(c) * scale;
+  }
+}
+
+// PagedAttention over fp8 pools equals PagedAttention over the f32 pools of the dequantised
+// values (the CPU reads stored * scale into f32 and runs the same f32 math): bit for bit.
+TEST(PagedAttentionFp8Test, EqualsF32OnDequantisedValues) {
+  std::mt19937 rng(kSeed + 8);
+  for (int tokens : {1, 3, 17}) {
+    for (int d : {64, 128}) {
+      Problem f = MakeProblem(rng, tokens, 8, 2, d, DType::kF32, /*causal=*/true);
+      const size_t n = f.kf.size();
+      std::vector<uint8_t> k8, v8;
+      const float k_scale = 0.043f, v_scale = 1.7f;
+      RandomFp8(rng, n, k_scale, &k8, &f.kf);
+      RandomFp8(rng, n, v_scale, &v8, &f.vf);
+      const int64_t rows = static_cast<int64_t>(tokens) * f.num_q_heads;
+      std::vector<float> out32(rows * d), lse32(rows), out8(rows * d, NAN), lse8(rows, NAN);
+      PagedAttentionParams p;
+      p.q = TensorView(f.q.data(), DType::kF32, {tokens, f.num_q_heads, d});
+      p.k_pool = f.KPool();
+      p.v_pool = f.VPool();
+      p.spans = f.spans.data();
+      p.span_offsets = f.offsets.data();
+      p.num_kv_heads = f.num_kv_heads;
+      p.q_positions = f.q_positions.data();
+      p.causal = true;
+      p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+      p.out = TensorView(out32.data(), DType::kF32, {tokens, f.num_q_heads, d});
+      p.lse = TensorView(lse32.data(), DType::kF32, {tokens, f.num_q_heads});
+      ASSERT_TRUE(IsOk(CpuPagedAttention(p)));
+      PagedAttentionParams p8 = p;
+      p8.k_pool = TensorView(k8.data(), DType::kFP8E4M3, {f.num_slots, f.page_size, d});
+      p8.v_pool = TensorView(v8.data(), DType::kFP8E4M3, {f.num_slots, f.page_size, d});
+      p8.k_scale = k_scale;
+      p8.v_scale = v_scale;
+      p8.out = TensorView(out8.data(), DType::kF32, {tokens, f.num_q_heads, d});
+      p8.lse = TensorView(lse8.data(), DType::kF32, {tokens, f.num_q_heads});
+      ASSERT_TRUE(IsOk(CpuPagedAttention(p8)));
+      int attended = 0;
+      for (float x : lse32) attended += std::isfinite(x) ? 1 : 0;
+      EXPECT_GT(attended, 0) << "no row attended anything: the comparison would be vacuous";
+      EXPECT_EQ(out8, out32) << tokens << " tokens, d " << d;
+      EXPECT_EQ(lse8, lse32) << tokens << " tokens, d " << d;
+      // Scales: finite and > 0 for fp8; exactly 1 for f32|bf16.
+      p8.k_scale = 0.0f;
+      EXPECT_THAT(CpuPagedAttention(p8), StatusIs(absl::StatusCode::kInvalidArgument));
+      p8.k_scale = std::numeric_limits<float>::infinity();
+      EXPECT_THAT(CpuPagedAttention(p8), StatusIs(absl::StatusCode::kInvalidArgument));
+      p.v_scale = 2.0f;
+      EXPECT_THAT(CpuPagedAttention(p), StatusIs(absl::StatusCode::kInvalidArgument));
+    }
+  }
+}
+
+// SelectedAttention (CPU twin in kernels/cpu/selection.cc) over fp8 pools: the same bit-for-bit
+// equality with f32 pools of the dequantised values, through a page table with a missing page.
+TEST(SelectedAttentionFp8Test, EqualsF32OnDequantisedValues) {
+  std::mt19937 rng(kSeed + 9);
+  auto cpu = MakeCpuBackend(1);
+  for (int64_t d : {64, 128}) {
+    const int64_t hkv = 2, hq = 6, page = 16, slots = 9, pages = 4;
+    std::vector<float> q(hq * d);
+    std::uniform_real_distribution<float> u(-2, 2);
+    for (float& x : q) x = u(rng);
+    std::vector<uint8_t> k8, v8;
+    std::vector<float> kf, vf;
+    RandomFp8(rng, slots * page * d, 0.05f, &k8, &kf);
+    RandomFp8(rng, slots * page * d, 3.0f, &v8, &vf);
+    std::vector<int32_t> table = {3, 0, 7, -1, 8, 2, 99, 5};  // [hkv, pages]: gaps skipped
+    std::vector<float> out32(hq * d), lse32(hq), out8(hq * d, NAN), lse8(hq, NAN);
+    SelectedAttentionParams p;
+    p.q = TensorView(q.data(), DType::kF32, {1, hq, d});
+    p.k_pool = TensorView(kf.data(), DType::kF32, {slots, page, d});
+    p.v_pool = TensorView(vf.data(), DType::kF32, {slots, page, d});
+    p.page_table = TensorView(table.data(), DType::kI32, {hkv, pages});
+    p.prefix_end = 5;
+    p.middle.begin = 9;
+    p.middle.end = 40;
+    p.suffix_begin = 50;
+    p.suffix_end = 63;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    p.out = TensorView(out32.data(), DType::kF32, {1, hq, d});
+    p.lse = TensorView(lse32.data(), DType::kF32, {1, hq});
+    ASSERT_TRUE(IsOk(cpu->SelectedAttention(p, nullptr)));
+    SelectedAttentionParams p8 = p;
+    p8.k_pool = TensorView(k8.data(), DType::kFP8E4M3, {slots, page, d});
+    p8.v_pool = TensorView(v8.data(), DType::kFP8E4M3, {slots, page, d});
+    p8.k_scale = 0.05f;
+    p8.v_scale = 3.0f;
+    p8.out = TensorView(out8.data(), DType::kF32, {1, hq, d});
+    p8.lse = TensorView(lse8.data(), DType::kF32, {1, hq});
+    ASSERT_TRUE(IsOk(cpu->SelectedAttention(p8, nullptr)));
+    for (float x : lse32) EXPECT_TRUE(std::isfinite(x));
+    EXPECT_EQ(out8, out32) << "d " << d;
+    EXPECT_EQ(lse8, lse32) << "d " << d;
+    p8.v_scale = -1.0f;
+    EXPECT_THAT(cpu->SelectedAttention(p8, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels

@@ -110,7 +110,8 @@ absl::Status CpuBackend::Supports(const PagedAttentionParams& p) const {
   STRATA_RETURN_IF_ERROR(CheckDType(p.q, DType::kF32, kOp, "q"));
   STRATA_RETURN_IF_ERROR(CheckDType(p.out, DType::kF32, kOp, "out"));
   STRATA_RETURN_IF_ERROR(CheckDType(p.lse, DType::kF32, kOp, "lse"));
-  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16) {
+  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16 &&
+      p.k_pool.dtype != DType::kFP8E4M3) {
     return absl::UnimplementedError(
         absl::StrCat("PagedAttention: pool dtype ", DTypeName(p.k_pool.dtype), " unsupported"));
   }

@@ -44,6 +44,9 @@ absl::Status CpuAdd(const AddParams& p);
 // backend.h specifies. CpuBackend::Supports() for these two runs shape/dtype checks kept in
 // cpu_backend.cc.
 absl::Status CpuPagedAttention(const PagedAttentionParams& p);
+// The k_scale / v_scale check of the attention ops (kernels/backend.h, fp8 KV pools): finite and
+// > 0 for fp8 pools, exactly 1 otherwise; InvalidArgument naming `op` when not.
+absl::Status CheckKvScales(DType pool_dtype, float k_scale, float v_scale, const char* op);
 absl::Status CpuMergeAttention(const MergeAttentionParams& p);
 
 // PageCopy (kernels/cpu/page_copy.cc): the validation shared with the CUDA backend (shapes,

@@ -11,9 +11,9 @@ absl::Status CpuSupportsPageCopy(const PageCopyParams& p) {
   constexpr const char* kOp = "PageCopy";
   const TensorView& k = p.k_pool;
   const TensorView& v = p.v_pool;
-  if (k.dtype != DType::kF32 && k.dtype != DType::kBF16) {
-    return absl::UnimplementedError(
-        absl::StrCat(kOp, ": pool dtype ", DTypeName(k.dtype), " unsupported (f32|bf16)"));
+  if (k.dtype != DType::kF32 && k.dtype != DType::kBF16 && k.dtype != DType::kFP8E4M3) {
+    return absl::UnimplementedError(absl::StrCat(kOp, ": pool dtype ", DTypeName(k.dtype),
+                                                 " unsupported (f32|bf16|fp8_e4m3)"));
   }
   if (k.rank != 3 || v.rank != 3 || v.dtype != k.dtype) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": k_pool ", k.DebugString(), " and v_pool ",

@@ -27,6 +27,12 @@ float KvAt(const TensorView& pool, int64_t i) {
   return pool.As<const float>()[i];
 }
 
+// SelectedAttention's pool element as f32: also reads fp8 pools (stored * scale).
+float KvAtScaled(const TensorView& pool, int64_t i, float scale) {
+  if (pool.dtype == DType::kFP8E4M3) return FP8E4M3ToF32(pool.As<const uint8_t>()[i]) * scale;
+  return KvAt(pool, i);
+}
+
 // Pool row of token t of KV head g, or -1 when its page or slot is outside the table or pool.
 int64_t RowOf(const TensorView& table, const TensorView& pool, int g, int64_t t) {
   const int64_t page_size = pool.dim(1);
@@ -167,7 +173,14 @@ absl::Status CpuSupportsSelectedAttention(const SelectedAttentionParams& p) {
   STRATA_RETURN_IF_ERROR(CheckRank(p.q, 3, kOp, "q"));
   STRATA_RETURN_IF_ERROR(CheckDType(p.q, DType::kF32, kOp, "q"));
   if (p.q.dim(0) != 1) return absl::InvalidArgumentError("SelectedAttention: one query token only");
-  STRATA_RETURN_IF_ERROR(CheckPool(p.k_pool, kOp, "k_pool"));
+  if (p.k_pool.dtype == DType::kFP8E4M3) {  // fp8 pools: attention only (CheckPool: f32|bf16)
+    TensorView as_f32 = p.k_pool;
+    as_f32.dtype = DType::kF32;
+    STRATA_RETURN_IF_ERROR(CheckPool(as_f32, kOp, "k_pool"));
+  } else {
+    STRATA_RETURN_IF_ERROR(CheckPool(p.k_pool, kOp, "k_pool"));
+  }
+  STRATA_RETURN_IF_ERROR(CheckKvScales(p.k_pool.dtype, p.k_scale, p.v_scale, kOp));
   STRATA_RETURN_IF_ERROR(CheckRank(p.v_pool, 3, kOp, "v_pool"));
   STRATA_RETURN_IF_ERROR(CheckDType(p.v_pool, p.k_pool.dtype, kOp, "v_pool"));
   for (int i = 0; i < 3; ++i) {
@@ -346,7 +359,9 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       float m = kNegInf;
       for (size_t r = 0; r < rows.size(); ++r) {
         float dot = 0.0f;
-        for (int64_t e = 0; e < d; ++e) dot += qh[e] * KvAt(p.k_pool, rows[r] * d + e);
+        for (int64_t e = 0; e < d; ++e) {
+          dot += qh[e] * KvAtScaled(p.k_pool, rows[r] * d + e, p.k_scale);
+        }
         s[r] = p.scale * dot;
         m = std::max(m, s[r]);
       }
@@ -361,7 +376,9 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       for (size_t r = 0; r < rows.size(); ++r) {
         const float w = std::exp(s[r] - m);
         l += w;
-        for (int64_t e = 0; e < d; ++e) acc[e] += w * KvAt(p.v_pool, rows[r] * d + e);
+        for (int64_t e = 0; e < d; ++e) {
+          acc[e] += w * KvAtScaled(p.v_pool, rows[r] * d + e, p.v_scale);
+        }
       }
       for (int64_t e = 0; e < d; ++e) o[e] = static_cast<float>(acc[e] / l);
       lse[h] = m + static_cast<float>(std::log(l));

@@ -11,6 +11,9 @@
 //
 // General (any token count, head_dim <= 512): PagedAttentionGeneralKernel, one block per (token,
 // query head), tiles of 128 keys with an online softmax, causal mask per key position.
+#include <cuda_fp8.h>
+
+#include <algorithm>
 #include <cfloat>
 #include <type_traits>
 
@@ -40,25 +43,72 @@ __device__ __forceinline__ int FindSpan(const AttentionPlan& plan, int head, int
   return lo;
 }
 
-// 8 consecutive elements of a KV row as f32 (16 or 32 bytes, aligned).
+// 8 consecutive elements of a KV row: the raw registers of one aligned load (16 bytes of bf16,
+// 8 of fp8, 32 of f32), loaded by LoadRaw8 and converted to f32 by Unpack8 (fp8: exact, via
+// f16; the pool's scale is applied by the caller).
 template <typename KV>
-__device__ __forceinline__ void Load8(const KV* p, float (&f)[8]);
+struct Vec8;
 template <>
-__device__ __forceinline__ void Load8<__nv_bfloat16>(const __nv_bfloat16* p, float (&f)[8]) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 v = __bfloat1622float2(h[j]);
-    f[2 * j] = v.x;
-    f[2 * j + 1] = v.y;
+struct Vec8<__nv_bfloat16> {
+  using Raw = uint4;
+};
+template <>
+struct Vec8<__nv_fp8_e4m3> {
+  using Raw = uint2;
+};
+template <>
+struct Vec8<float> {
+  struct Raw {
+    float4 a, b;
+  };
+};
+
+template <typename KV>
+__device__ __forceinline__ typename Vec8<KV>::Raw LoadRaw8(const KV* p) {
+  if constexpr (std::is_same<KV, float>::value) {
+    const float4* v = reinterpret_cast<const float4*>(p);
+    return {__ldg(v), __ldg(v + 1)};
+  } else if constexpr (std::is_same<KV, __nv_bfloat16>::value) {
+    return __ldg(reinterpret_cast<const uint4*>(p));
+  } else {
+    return __ldg(reinterpret_cast<const uint2*>(p));
   }
 }
-template <>
-__device__ __forceinline__ void Load8<float>(const float* p, float (&f)[8]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+
+// Two e4m3 codes (low byte first) as f32.
+__device__ __forceinline__ float2 Fp8x2ToFloat2(unsigned short v) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+template <typename KV>
+__device__ __forceinline__ void Unpack8(const typename Vec8<KV>::Raw& raw, float (&f)[8]) {
+  if constexpr (std::is_same<KV, float>::value) {
+    f[0] = raw.a.x, f[1] = raw.a.y, f[2] = raw.a.z, f[3] = raw.a.w;
+    f[4] = raw.b.x, f[5] = raw.b.y, f[6] = raw.b.z, f[7] = raw.b.w;
+  } else if constexpr (std::is_same<KV, __nv_bfloat16>::value) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 v = __bfloat1622float2(h[j]);
+      f[2 * j] = v.x;
+      f[2 * j + 1] = v.y;
+    }
+  } else {
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 v = Fp8x2ToFloat2(h[j]);
+      f[2 * j] = v.x;
+      f[2 * j + 1] = v.y;
+    }
+  }
+}
+
+// 8 consecutive elements of a KV row as f32 (aligned).
+template <typename KV>
+__device__ __forceinline__ void Load8(const KV* p, float (&f)[8]) {
+  Unpack8<KV>(LoadRaw8<KV>(p), f);
 }
 
 // N consecutive elements (N = 2, 4 or 8) of a KV row as f32.
@@ -72,15 +122,142 @@ __device__ __forceinline__ void LoadN(const KV* p, float (&f)[N]) {
   } else if constexpr (std::is_same<KV, float>::value && N == 2) {
     const float2 a = __ldg(reinterpret_cast<const float2*>(p));
     f[0] = a.x, f[1] = a.y;
-  } else if constexpr (N == 4) {  // bf16
+  } else if constexpr (std::is_same<KV, __nv_bfloat16>::value && N == 4) {
     const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
     const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
     f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+  } else if constexpr (std::is_same<KV, __nv_fp8_e4m3>::value && N == 4) {
+    const unsigned int raw = __ldg(reinterpret_cast<const unsigned int*>(p));
+    const float2 a = Fp8x2ToFloat2(raw & 0xffffu), b = Fp8x2ToFloat2(raw >> 16);
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+  } else if constexpr (std::is_same<KV, __nv_fp8_e4m3>::value) {  // N == 2
+    const float2 a = Fp8x2ToFloat2(__ldg(reinterpret_cast<const unsigned short*>(p)));
+    f[0] = a.x, f[1] = a.y;
   } else {  // bf16, N == 2
     const unsigned int raw = __ldg(reinterpret_cast<const unsigned int*>(p));
     const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
     f[0] = a.x, f[1] = a.y;
+  }
+}
+
+// One step of an online softmax (every attention kernel here): a running max `old_m` meets a tile
+// whose largest score is tile_max. Returns the new max and the factor by which the running sum and
+// accumulator are rescaled (1 while nothing is attended, 0 on the first attended tile).
+struct SoftmaxRescale {
+  float m;
+  float corr;
+};
+__device__ __forceinline__ SoftmaxRescale OnlineSoftmaxRescale(float old_m, float tile_max) {
+  const float m = fmaxf(old_m, tile_max);
+  const float corr = old_m == NegInf() ? (m == NegInf() ? 1.0f : 0.0f) : __expf(old_m - m);
+  return {m, corr};
+}
+// The weight exp(s - m) of a score under running max m: 0 for a masked score (-inf) and while
+// nothing is attended (m = -inf).
+__device__ __forceinline__ float SoftmaxWeight(float s, float m) {
+  return (m == NegInf() || s == NegInf()) ? 0.0f : __expf(s - m);
+}
+
+// Phase B of the split-K decode kernels (PagedAttentionDecodeKernel, SelectedDecodeKernel) for one
+// tile of kThreads keys: per query head h < group (warps take heads round-robin), the tile's
+// scores p_s[h][:] (-inf: not attended) update the running max m_s[h] and sum l_s[h] of an online
+// softmax and are replaced by their weights exp(s - m); corr_s[h] receives the factor the head's
+// accumulator must be rescaled by. Call between barriers.
+__device__ __forceinline__ void SoftmaxTileUpdate(float (*p_s)[kThreads], float* m_s, float* l_s,
+                                                  float* corr_s, int group) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int h = warp; h < group; h += kWarps) {
+    float v[kThreads / 32];
+    float tile_m = NegInf();
+#pragma unroll
+    for (int r = 0; r < kThreads / 32; ++r) {
+      v[r] = p_s[h][lane + 32 * r];
+      tile_m = fmaxf(tile_m, v[r]);
+    }
+    const SoftmaxRescale step = OnlineSoftmaxRescale(m_s[h], WarpMax(tile_m));
+    float sum = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kThreads / 32; ++r) {
+      const float p = SoftmaxWeight(v[r], step.m);
+      p_s[h][lane + 32 * r] = p;
+      sum += p;
+    }
+    sum = WarpSum(sum);
+    __syncwarp();
+    if (lane == 0) {
+      corr_s[h] = step.corr;
+      l_s[h] = l_s[h] * step.corr + sum;
+      m_s[h] = step.m;
+    }
+  }
+}
+
+// The start of the split-K decode kernels: the queries of KV head g's group into q_s, running
+// max -inf and sum 0 per head (visible after the caller's next barrier), accumulators zeroed.
+template <int HEAD_DIM>
+__device__ __forceinline__ void StartDecodeBlock(const float* __restrict__ q, int g, int group,
+                                                 float (*q_s)[HEAD_DIM], float* m_s, float* l_s,
+                                                 float (&acc)[kDecodeMaxGroup][HEAD_DIM / 32]) {
+  const int tid = threadIdx.x;
+  const float* q_head = q + static_cast<int64_t>(g) * group * HEAD_DIM;
+  for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
+    q_s[i / HEAD_DIM][i % HEAD_DIM] = q_head[i];
+  }
+  if (tid < group) {
+    m_s[tid] = NegInf();
+    l_s[tid] = 0.0f;
+  }
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+#pragma unroll
+    for (int e = 0; e < HEAD_DIM / 32; ++e) acc[h][e] = 0.0f;
+  }
+}
+
+// Phase C's start in the split-K decode kernels: acc[h][:] *= corr_s[h] for h < group.
+template <int kDims>
+__device__ __forceinline__ void RescaleAccumulators(float (&acc)[kDecodeMaxGroup][kDims],
+                                                    const float* corr_s, int group) {
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+    if (h < group) {
+      const float corr = corr_s[h];
+#pragma unroll
+      for (int e = 0; e < kDims; ++e) acc[h][e] *= corr;
+    }
+  }
+}
+
+// The end of the split-K decode kernels: sums the warps' accumulators acc[h][:] (lane l holding
+// dims [l * D / 32, (l + 1) * D / 32)) through red_s and writes the block's partial for each head
+// h < group to part[h * (D + 2) ...]: the unnormalised output, then the running max and sum.
+// Contains a barrier: call from uniform control flow.
+template <int HEAD_DIM>
+__device__ __forceinline__ void WriteDecodePartial(
+    const float (&acc)[kDecodeMaxGroup][HEAD_DIM / 32],
+    float (*red_s)[kDecodeMaxGroup][HEAD_DIM], const float* m_s, const float* l_s, int group,
+    float* __restrict__ part) {
+  constexpr int kDimsPerLane = HEAD_DIM / 32;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+    if (h < group) {
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) red_s[warp][h][lane * kDimsPerLane + e] = acc[h][e];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
+    const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red_s[w][h][d];
+    part[h * (HEAD_DIM + 2) + d] = sum;
+  }
+  if (tid < group) {
+    part[tid * (HEAD_DIM + 2) + HEAD_DIM] = m_s[tid];
+    part[tid * (HEAD_DIM + 2) + HEAD_DIM + 1] = l_s[tid];
   }
 }
 
@@ -134,19 +311,8 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int span_end = plan.span_offsets[g + 1];
 
-  const float* q_head = q + static_cast<int64_t>(g) * group * HEAD_DIM;
-  for (int i = tid; i < group * HEAD_DIM; i += kThreads) q_s[i / HEAD_DIM][i % HEAD_DIM] = q_head[i];
-  if (tid < group) {
-    m_s[tid] = NegInf();
-    l_s[tid] = 0.0f;
-  }
-
   float acc[kDecodeMaxGroup][kDimsPerLane];
-#pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
-#pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = 0.0f;
-  }
+  StartDecodeBlock<HEAD_DIM>(q, g, group, q_s, m_s, l_s, acc);
 
   int span_base = item.first_span;  // span holding the tile's first token (block-uniform)
   for (int tile = 0; tile < item.count; tile += kThreads) {
@@ -201,44 +367,11 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
 
     // B: running max and sum per head; scores become weights exp(s - m).
-    for (int h = warp; h < group; h += kWarps) {
-      float v[kThreads / 32];
-      float tile_m = NegInf();
-#pragma unroll
-      for (int r = 0; r < kThreads / 32; ++r) {
-        v[r] = p_s[h][lane + 32 * r];
-        tile_m = fmaxf(tile_m, v[r]);
-      }
-      tile_m = WarpMax(tile_m);
-      const float old_m = m_s[h];
-      const float new_m = fmaxf(old_m, tile_m);
-      float sum = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kThreads / 32; ++r) {
-        const float p = (new_m == NegInf() || v[r] == NegInf()) ? 0.0f : __expf(v[r] - new_m);
-        p_s[h][lane + 32 * r] = p;
-        sum += p;
-      }
-      sum = WarpSum(sum);
-      __syncwarp();
-      if (lane == 0) {
-        const float corr = old_m == NegInf() ? 0.0f : __expf(old_m - new_m);
-        corr_s[h] = corr;
-        l_s[h] = l_s[h] * corr + sum;
-        m_s[h] = new_m;
-      }
-    }
+    SoftmaxTileUpdate(p_s, m_s, l_s, corr_s, group);
     __syncthreads();
 
     // C: rescale, then acc[h, :] += p[h, t] v_t; warps split the tile's keys, lanes split dims.
-#pragma unroll
-    for (int h = 0; h < kDecodeMaxGroup; ++h) {
-      if (h < group) {
-        const float corr = corr_s[h];
-#pragma unroll
-        for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] *= corr;
-      }
-    }
+    RescaleAccumulators(acc, corr_s, group);
 #pragma unroll 4
     for (int t = warp; t < cnt; t += kWarps) {
       float vf[kDimsPerLane];
@@ -257,26 +390,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Sum the warps' accumulators; write (o, m, l) per head.
-#pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
-    if (h < group) {
-#pragma unroll
-      for (int e = 0; e < kDimsPerLane; ++e) red_s[warp][h][lane * kDimsPerLane + e] = acc[h][e];
-    }
-  }
-  __syncthreads();
-  float* part = scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2);
-  for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
-    const int h = i / HEAD_DIM, d = i % HEAD_DIM;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red_s[w][h][d];
-    part[h * (HEAD_DIM + 2) + d] = sum;
-  }
-  if (tid < group) {
-    part[tid * (HEAD_DIM + 2) + HEAD_DIM] = m_s[tid];
-    part[tid * (HEAD_DIM + 2) + HEAD_DIM + 1] = l_s[tid];
-  }
+  WriteDecodePartial<HEAD_DIM>(acc, red_s, m_s, l_s, group,
+                               scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2));
 }
 
 constexpr int kCombineDimsPerThread = 256 / kThreads;  // decode head_dim <= 256
@@ -338,10 +453,20 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int r = 0; r < kCombineDimsPerThread; ++r) {
     const int e = tid + r * kThreads;
-    if (e < d) o[e] = acc[r] * inv;
+    if (e < d) o[e] = acc[r] * inv * shape.v_scale;
   }
   if (tid == 0) lse[head] = big_m + logf(big_l);
 }
+
+}  // namespace
+
+// fp8 pools in the general kernel (the f32/bf16/f16 versions are in common.cuh).
+template <>
+__device__ __forceinline__ float LoadAsFloat<__nv_fp8_e4m3>(const __nv_fp8_e4m3* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+namespace {
 
 constexpr int kGeneralDimsPerThread = kAttentionMaxHeadDim / kThreads;
 
@@ -387,13 +512,13 @@ __global__ void __launch_bounds__(kThreads)
         s = dot * shape.scale;
       }
     }
-    const float tile_m = BlockMax(s, tmp_s);
-    const float new_m = fmaxf(m, tile_m);
-    if (new_m == NegInf()) continue;  // uniform: nothing attended so far
-    const float p = s == NegInf() ? 0.0f : __expf(s - new_m);
+    const SoftmaxRescale step = OnlineSoftmaxRescale(m, BlockMax(s, tmp_s));
+    if (step.m == NegInf()) continue;  // uniform: nothing attended so far
+    const float p = SoftmaxWeight(s, step.m);
     p_s[tid] = p;
     const float tile_l = BlockSum(p, tmp_s);  // its barriers also publish p_s and row_s
-    const float corr = m == NegInf() ? 0.0f : __expf(m - new_m);
+    const float corr = step.corr;
+    const float new_m = step.m;
     l = l * corr + tile_l;
 #pragma unroll
     for (int r = 0; r < kGeneralDimsPerThread; ++r) {
@@ -411,7 +536,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // p_s and row_s are rewritten by the next tile
   }
   float* o = out + qrow * d;
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  const float inv = l > 0.0f ? shape.v_scale / l : 0.0f;
 #pragma unroll
   for (int r = 0; r < kGeneralDimsPerThread; ++r) {
     const int e = tid + r * kThreads;
@@ -494,6 +619,8 @@ cudaError_t LaunchPagedAttentionDecode(const float* q, const void* k_pool, const
     cudaError_t e;
     if (pool_type == FloatType::kBF16) {
       e = LaunchDecodeTyped<__nv_bfloat16>(q, k_pool, v_pool, shape, plan, scratch, stream);
+    } else if (pool_type == FloatType::kFP8E4M3) {
+      e = LaunchDecodeTyped<__nv_fp8_e4m3>(q, k_pool, v_pool, shape, plan, scratch, stream);
     } else if (pool_type == FloatType::kF32) {
       e = LaunchDecodeTyped<float>(q, k_pool, v_pool, shape, plan, scratch, stream);
     } else {
@@ -518,6 +645,10 @@ cudaError_t LaunchPagedAttentionGeneral(const float* q, const void* k_pool, cons
   if (pool_type == FloatType::kBF16) {
     PagedAttentionGeneralKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
         q, static_cast<const __nv_bfloat16*>(k_pool), static_cast<const __nv_bfloat16*>(v_pool),
+        shape, plan, out, lse);
+  } else if (pool_type == FloatType::kFP8E4M3) {
+    PagedAttentionGeneralKernel<__nv_fp8_e4m3><<<grid, kThreads, 0, stream>>>(
+        q, static_cast<const __nv_fp8_e4m3*>(k_pool), static_cast<const __nv_fp8_e4m3*>(v_pool),
         shape, plan, out, lse);
   } else if (pool_type == FloatType::kF32) {
     PagedAttentionGeneralKernel<float><<<grid, kThreads, 0, stream>>>(
@@ -581,18 +712,8 @@ __global__ void __launch_bounds__(kThreads)
       prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
   if (middle.count == 0 && shape.suffix_len == 0) end = min(end, prefix);
 
-  const float* q_head = q + static_cast<int64_t>(g) * group * HEAD_DIM;
-  for (int i = tid; i < group * HEAD_DIM; i += kThreads) q_s[i / HEAD_DIM][i % HEAD_DIM] = q_head[i];
-  if (tid < group) {
-    m_s[tid] = NegInf();
-    l_s[tid] = 0.0f;
-  }
   float acc[kDecodeMaxGroup][kDimsPerLane];
-#pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
-#pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = 0.0f;
-  }
+  StartDecodeBlock<HEAD_DIM>(q, g, group, q_s, m_s, l_s, acc);
   __syncthreads();
 
   for (int32_t tile = begin; tile < end; tile += kThreads) {
@@ -637,45 +758,11 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
 
     // B: running max and sum per head; scores become weights exp(s - m).
-    for (int h = warp; h < group; h += kWarps) {
-      float v[kThreads / 32];
-      float tile_m = NegInf();
-#pragma unroll
-      for (int r = 0; r < kThreads / 32; ++r) {
-        v[r] = p_s[h][lane + 32 * r];
-        tile_m = fmaxf(tile_m, v[r]);
-      }
-      tile_m = WarpMax(tile_m);
-      const float old_m = m_s[h];
-      const float new_m = fmaxf(old_m, tile_m);
-      float sum = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kThreads / 32; ++r) {
-        const float p = (new_m == NegInf() || v[r] == NegInf()) ? 0.0f : __expf(v[r] - new_m);
-        p_s[h][lane + 32 * r] = p;
-        sum += p;
-      }
-      sum = WarpSum(sum);
-      __syncwarp();
-      if (lane == 0) {
-        const float corr = old_m == NegInf() ? (new_m == NegInf() ? 1.0f : 0.0f)
-                                             : __expf(old_m - new_m);
-        corr_s[h] = corr;
-        l_s[h] = l_s[h] * corr + sum;
-        m_s[h] = new_m;
-      }
-    }
+    SoftmaxTileUpdate(p_s, m_s, l_s, corr_s, group);
     __syncthreads();
 
     // C: rescale, then acc[h, :] += p[h, t] v_t over the tile's valid rows.
-#pragma unroll
-    for (int h = 0; h < kDecodeMaxGroup; ++h) {
-      if (h < group) {
-        const float corr = corr_s[h];
-#pragma unroll
-        for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] *= corr;
-      }
-    }
+    RescaleAccumulators(acc, corr_s, group);
     // V rows in batches of kVBatch per warp, all loads of a batch in flight before the FMAs.
     constexpr int kVBatch = 64 / kDimsPerLane;
     for (int t0 = warp; t0 < cnt; t0 += kWarps * kVBatch) {
@@ -709,26 +796,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the next tile rewrites row_s and p_s
   }
 
-#pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
-    if (h < group) {
-#pragma unroll
-      for (int e = 0; e < kDimsPerLane; ++e) red_s[warp][h][lane * kDimsPerLane + e] = acc[h][e];
-    }
-  }
-  __syncthreads();
-  float* part = scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2);
-  for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
-    const int h = i / HEAD_DIM, d = i % HEAD_DIM;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red_s[w][h][d];
-    part[h * (HEAD_DIM + 2) + d] = sum;
-  }
-  if (tid < group) {
-    part[tid * (HEAD_DIM + 2) + HEAD_DIM] = m_s[tid];
-    part[tid * (HEAD_DIM + 2) + HEAD_DIM + 1] = l_s[tid];
-  }
+  WriteDecodePartial<HEAD_DIM>(acc, red_s, m_s, l_s, group,
+                               scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2));
 }
 
 // One block per query head: merges its KV head's items_per_head partials. The block's max M is
@@ -802,7 +871,7 @@ __global__ void __launch_bounds__(kThreads)
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += acc_s[w][e];
-    o[e] = sum * inv;
+    o[e] = sum * inv * shape.v_scale;
   }
   if (tid == 0) lse[head] = big_m + logf(big_l);
 }
@@ -863,6 +932,9 @@ cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const vo
   cudaError_t e;
   if (pool_type == FloatType::kBF16) {
     e = LaunchSelectedTyped<__nv_bfloat16>(q, k_pool, v_pool, page_table, middle, shape,
+                                           prefix_len, scratch, stream);
+  } else if (pool_type == FloatType::kFP8E4M3) {
+    e = LaunchSelectedTyped<__nv_fp8_e4m3>(q, k_pool, v_pool, page_table, middle, shape,
                                            prefix_len, scratch, stream);
   } else if (pool_type == FloatType::kF32) {
     e = LaunchSelectedTyped<float>(q, k_pool, v_pool, page_table, middle, shape, prefix_len,

@@ -41,6 +41,8 @@ FloatType ToFloatType(DType t) {
       return FloatType::kBF16;
     case DType::kF16:
       return FloatType::kF16;
+    case DType::kFP8E4M3:
+      return FloatType::kFP8E4M3;
     default:
       return FloatType::kF32;
   }
@@ -80,10 +82,12 @@ absl::Status CheckPagedAttentionShape(const PagedAttentionParams& p) {
   STRATA_RETURN_IF_ERROR(CheckView(p.q, 3, DType::kF32, kOp, "q"));
   STRATA_RETURN_IF_ERROR(CheckView(p.out, 3, DType::kF32, kOp, "out"));
   STRATA_RETURN_IF_ERROR(CheckView(p.lse, 2, DType::kF32, kOp, "lse"));
-  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16) {
+  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16 &&
+      p.k_pool.dtype != DType::kFP8E4M3) {
     return absl::UnimplementedError(
         absl::StrCat("PagedAttention: pool dtype ", DTypeName(p.k_pool.dtype), " unsupported"));
   }
+  STRATA_RETURN_IF_ERROR(CheckKvScales(p.k_pool.dtype, p.k_scale, p.v_scale, kOp));
   STRATA_RETURN_IF_ERROR(CheckView(p.k_pool, 3, p.k_pool.dtype, kOp, "k_pool"));
   STRATA_RETURN_IF_ERROR(CheckView(p.v_pool, 3, p.k_pool.dtype, kOp, "v_pool"));
   STRATA_RETURN_IF_ERROR(CheckSame(p.k_pool, p.v_pool, 3, kOp, "v_pool"));
@@ -658,7 +662,8 @@ absl::Status CudaBackend::PagedAttention(const PagedAttentionParams& p, Stream s
   shape.num_slots = p.k_pool.dim(0);
   shape.page_size = p.k_pool.dim(1);
   shape.causal = p.causal;
-  shape.scale = p.scale;
+  shape.scale = p.scale * p.k_scale;  // k_scale, v_scale: 1 unless the pools are fp8
+  shape.v_scale = p.v_scale;
   const bool aligned = reinterpret_cast<uintptr_t>(p.k_pool.data) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.v_pool.data) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
@@ -828,10 +833,12 @@ absl::Status CudaBackend::AppendKv(const AppendKvParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CheckView(p.k, 3, DType::kF32, kOp, "k"));
   STRATA_RETURN_IF_ERROR(CheckView(p.v, 3, DType::kF32, kOp, "v"));
   STRATA_RETURN_IF_ERROR(CheckSame(p.k, p.v, 3, kOp, "v"));
-  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16) {
+  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16 &&
+      p.k_pool.dtype != DType::kFP8E4M3) {
     return absl::UnimplementedError(
         absl::StrCat("AppendKv: pool dtype ", DTypeName(p.k_pool.dtype), " unsupported"));
   }
+  STRATA_RETURN_IF_ERROR(CheckKvScales(p.k_pool.dtype, p.k_scale, p.v_scale, kOp));
   STRATA_RETURN_IF_ERROR(CheckView(p.k_pool, 3, p.k_pool.dtype, kOp, "k_pool"));
   STRATA_RETURN_IF_ERROR(CheckView(p.v_pool, 3, p.k_pool.dtype, kOp, "v_pool"));
   STRATA_RETURN_IF_ERROR(CheckSame(p.k_pool, p.v_pool, 3, kOp, "v_pool"));
@@ -858,8 +865,8 @@ absl::Status CudaBackend::AppendKv(const AppendKvParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchAppendKv(
       p.k.As<const float>(), p.v.As<const float>(), p.k_pool.data, p.v_pool.data,
-      p.k_pool.dtype == DType::kBF16, n, heads, d, page, p.first, p.slots_per_head, ToCuda(s),
-      p.first_device));
+      ToFloatType(p.k_pool.dtype), n, heads, d, page, p.first, p.slots_per_head, ToCuda(s),
+      p.first_device, p.k_scale, p.v_scale));
   return absl::OkStatus();
 }
 

@@ -490,6 +490,10 @@ TEST_P(CudaPagedAttentionTest, MatchesCpu) {
   cp.q_positions = q_pos.data();
   cp.causal = c.causal;
   cp.scale = scale;
+  if (c.pool == DType::kFP8E4M3) {  // per-tensor scales (folded into the GPU kernels' math)
+    cp.k_scale = 0.37f;
+    cp.v_scale = 2.5f;
+  }
   cp.out = want_out.HostView();
   cp.lse = want_lse.HostView();
   STRATA_ASSERT_OK(cpu_->PagedAttention(cp, nullptr));
@@ -545,7 +549,14 @@ INSTANTIATE_TEST_SUITE_P(
         AttnCase{1, 2, 1, 64, 2, 200000, true, DType::kBF16},
         // General kernel with one token: head_dim off the fast path, or groups > 8.
         AttnCase{1, 4, 2, 16, 16, 300, true, DType::kF32},
-        AttnCase{1, 32, 2, 128, 16, 257, true, DType::kBF16}),
+        AttnCase{1, 32, 2, 128, 16, 257, true, DType::kBF16},
+        // fp8 e4m3 pools with k_scale / v_scale (decode fast path; general kernel for d 16).
+        AttnCase{1, 32, 8, 128, 16, 129, true, DType::kFP8E4M3},
+        AttnCase{1, 4, 1, 64, 16, 17, false, DType::kFP8E4M3},
+        AttnCase{1, 6, 2, 128, 64, 3, true, DType::kFP8E4M3},
+        AttnCase{1, 8, 1, 64, 16, 1, true, DType::kFP8E4M3},
+        AttnCase{1, 16, 2, 256, 64, 5000, false, DType::kFP8E4M3},
+        AttnCase{1, 4, 2, 16, 16, 300, true, DType::kFP8E4M3}),
     AttnName);
 
 INSTANTIATE_TEST_SUITE_P(
@@ -555,7 +566,10 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{129, 4, 1, 64, 16, 129, true, DType::kBF16},
                       AttnCase{9, 6, 3, 3, 5, 27, false, DType::kF32},
                       AttnCase{5, 2, 1, 512, 8, 40, true, DType::kF32},
-                      AttnCase{4, 4, 2, 128, 16, 0, true, DType::kF32}),
+                      AttnCase{4, 4, 2, 128, 16, 0, true, DType::kF32},
+                      // fp8 prefill runs the general kernel (the flash kernel is bf16 only).
+                      AttnCase{3, 4, 2, 64, 16, 81, true, DType::kFP8E4M3},
+                      AttnCase{17, 8, 2, 128, 64, 129, true, DType::kFP8E4M3}),
     AttnName);
 
 TEST_F(CudaBackendTest, PagedAttentionRejectsBadSpans) {
@@ -584,12 +598,25 @@ TEST_F(CudaBackendTest, PagedAttentionRejectsBadSpans) {
   STRATA_ASSERT_OK(gpu_->PagedAttention(p, nullptr));
   p.num_kv_heads = 3;
   EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  HostTensor f16 = pool;
+  f16.dtype = DType::kF16;
+  p.num_kv_heads = 1;
+  p.k_pool = f16.View(d_pool->data());
+  p.v_pool = f16.View(d_pool->data());
+  EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kUnimplemented));
+  // fp8 pools need finite scales > 0; other pools scales of exactly 1.
   HostTensor fp8 = pool;
   fp8.dtype = DType::kFP8E4M3;
-  p.num_kv_heads = 1;
   p.k_pool = fp8.View(d_pool->data());
   p.v_pool = fp8.View(d_pool->data());
-  EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kUnimplemented));
+  STRATA_EXPECT_OK(gpu_->Supports(p));
+  p.v_scale = 0.0f;
+  EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.v_scale = 1.0f;
+  p.k_pool = pool.View(d_pool->data());
+  p.v_pool = pool.View(d_pool->data());
+  p.k_scale = 0.5f;
+  EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 // ---- MergeAttention --------------------------------------------------------------------------
@@ -701,6 +728,196 @@ TEST_F(CudaBackendTest, AppendKvMatchesHostConversion) {
     p.first = 6;
     p.slots_per_head = kPerHead + 1;  // head 1's pages would pass the last slot
     EXPECT_THAT(gpu_->AppendKv(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+}
+
+
+// fp8 pools: x / scale rounded as F32ToFP8E4M3 (saturated to +-448, NaN -> 0x7f), bit for bit,
+// including out-of-range values, infinities, NaN, subnormals and ties.
+TEST_F(CudaBackendTest, AppendKvFp8MatchesHostConversion) {
+  constexpr int64_t kHeads = 3, kDim = 17, kPage = 5, kPerHead = 2, kSlots = kHeads * kPerHead;
+  const float k_scale = 0.3f, v_scale = 4.0f;
+  const size_t pool_bytes = static_cast<size_t>(kSlots * kPage * kDim);
+  std::vector<uint8_t> kpool(pool_bytes), vpool(pool_bytes);
+  for (size_t i = 0; i < pool_bytes; ++i) {
+    kpool[i] = static_cast<uint8_t>(rng_());
+    vpool[i] = static_cast<uint8_t>(rng_());
+  }
+  auto d_kp = UploadRaw(kpool.data(), pool_bytes);
+  auto d_vp = UploadRaw(vpool.data(), pool_bytes);
+  const int64_t first = 3, n = 7;  // positions 3..9: pages 0 and 1
+  HostTensor k = Random(rng_, DType::kF32, {n, kHeads, kDim}, -200, 200);
+  HostTensor v = Random(rng_, DType::kF32, {n, kHeads, kDim}, -3000, 3000);
+  const float specials[] = {kNaN, std::numeric_limits<float>::infinity(), -1e30f, 448.0f * 0.3f,
+                            464.0f * 0.3f, -0.0f, 1e-9f, 0.0019531f * 0.3f, 0.0029297f * 0.3f,
+                            1.0625f * 0.3f, 1.1875f * 0.3f};
+  for (size_t i = 0; i < std::size(specials); ++i) {
+    k.f32()[i * 5] = specials[i];
+    v.f32()[i * 5 + 1] = specials[i] * (v_scale / k_scale);
+  }
+  auto d_k = Upload(k);
+  auto d_v = Upload(v);
+  AppendKvParams p;
+  p.k = k.View(d_k->data());
+  p.v = v.View(d_v->data());
+  p.k_pool = TensorView(d_kp->data(), DType::kFP8E4M3, {kSlots, kPage, kDim});
+  p.v_pool = TensorView(d_vp->data(), DType::kFP8E4M3, {kSlots, kPage, kDim});
+  p.first = first;
+  p.slots_per_head = kPerHead;
+  p.k_scale = k_scale;
+  p.v_scale = v_scale;
+  STRATA_ASSERT_OK(gpu_->AppendKv(p, nullptr));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t g = 0; g < kHeads; ++g) {
+      const int64_t pos = first + i;
+      const size_t dst =
+          static_cast<size_t>(((g * kPerHead + pos / kPage) * kPage + pos % kPage) * kDim);
+      const size_t src = static_cast<size_t>((i * kHeads + g) * kDim);
+      for (int64_t c = 0; c < kDim; ++c) {
+        kpool[dst + c] = F32ToFP8E4M3(k.f32()[src + c] / k_scale);
+        vpool[dst + c] = F32ToFP8E4M3(v.f32()[src + c] / v_scale);
+      }
+    }
+  }
+  std::vector<uint8_t> got_k(pool_bytes), got_v(pool_bytes);
+  STRATA_ASSERT_OK(gpu_->CopyToHost(got_k.data(), d_kp->data(), pool_bytes, nullptr));
+  STRATA_ASSERT_OK(gpu_->CopyToHost(got_v.data(), d_vp->data(), pool_bytes, nullptr));
+  int bad = 0;
+  for (size_t i = 0; i < pool_bytes; ++i) {
+    if (got_k[i] != kpool[i] && ++bad <= 5) {
+      ADD_FAILURE() << "k byte " << i << " got " << int{got_k[i]} << " want " << int{kpool[i]};
+    }
+    if (got_v[i] != vpool[i] && ++bad <= 5) {
+      ADD_FAILURE() << "v byte " << i << " got " << int{got_v[i]} << " want " << int{vpool[i]};
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  p.k_scale = -1.0f;
+  EXPECT_THAT(gpu_->AppendKv(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// ---- SelectedAttention (kernels/cuda/attention.cu) against the CPU twin ----------------------
+
+struct SelCase {
+  DType pool;
+  int num_q_heads, num_kv_heads, head_dim, page_size;
+  int64_t prefix, mid_count, suffix;  // tokens of each part (middle: candidate count)
+  bool pages_middle;                  // middle = token ids of parent pages (else a plain range)
+  bool device_prefix;                 // prefix_len in device memory, below prefix_end
+};
+
+// Random pools and query; a page table with missing pages (-1) and a slot outside the pool; a
+// middle with negative parents and ids outside its range; outputs poisoned with NaN.
+TEST_F(CudaBackendTest, SelectedAttentionMatchesCpu) {
+  const SelCase cases[] = {
+      {DType::kBF16, 32, 8, 128, 64, 4, 2048, 64, true, false},
+      {DType::kBF16, 32, 8, 128, 16, 1, 0, 0, false, false},
+      {DType::kBF16, 24, 8, 128, 16, 3, 17, 0, false, false},
+      {DType::kBF16, 8, 1, 64, 16, 0, 129, 3, true, false},
+      {DType::kBF16, 16, 2, 256, 32, 16, 300, 17, true, false},
+      {DType::kBF16, 8, 2, 128, 64, 40000, 0, 0, false, true},
+      {DType::kF32, 20, 4, 64, 16, 3, 129, 1, false, false},
+      {DType::kF32, 4, 2, 128, 16, 17, 0, 0, false, true},
+      {DType::kF32, 14, 2, 256, 64, 0, 1000, 0, true, false},
+      {DType::kFP8E4M3, 32, 8, 128, 64, 4, 2048, 64, true, false},
+      {DType::kFP8E4M3, 12, 4, 128, 16, 1, 0, 0, false, false},
+      {DType::kFP8E4M3, 8, 1, 64, 16, 3, 17, 0, false, false},
+      {DType::kFP8E4M3, 16, 2, 128, 32, 129, 0, 0, false, true},
+      {DType::kFP8E4M3, 40, 5, 64, 16, 16, 4099, 129, true, false},
+      {DType::kFP8E4M3, 4, 1, 256, 64, 0, 129, 17, false, false},
+      {DType::kFP8E4M3, 8, 2, 128, 16, 0, 0, 0, false, false},  // nothing attended
+  };
+  for (const SelCase& c : cases) {
+    const std::string name =
+        absl::StrCat(DTypeName(c.pool), " q", c.num_q_heads, " kv", c.num_kv_heads, " d",
+                     c.head_dim, " p", c.page_size, " ", c.prefix, "+", c.mid_count, "+",
+                     c.suffix, c.pages_middle ? " pages" : "", c.device_prefix ? " dev" : "");
+    SCOPED_TRACE(name);
+    const int64_t hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim, P = c.page_size;
+    // Token space: prefix, then the middle's range, then the suffix.
+    const int64_t mid_begin = c.prefix + 5, mid_end = mid_begin + c.mid_count;
+    const int64_t suffix_begin = mid_end + 3, suffix_end = suffix_begin + c.suffix;
+    const int64_t table_pages = (suffix_end + P - 1) / P + 1;
+    const int64_t slots = hkv * table_pages + 2;
+    const float k_scale = c.pool == DType::kFP8E4M3 ? 0.25f : 1.0f;
+    const float v_scale = c.pool == DType::kFP8E4M3 ? 3.0f : 1.0f;
+    HostTensor k_pool = Random(rng_, c.pool, {slots, P, d}, -4, 4);
+    HostTensor v_pool = Random(rng_, c.pool, {slots, P, d}, -1, 1);
+    HostTensor q = Random(rng_, DType::kF32, {1, hq, d}, -1, 1);
+    HostTensor table;
+    table.dtype = DType::kI32;
+    table.dims = {hkv, table_pages};
+    table.bytes.resize(hkv * table_pages * 4);
+    std::vector<int32_t> perm(slots);
+    for (int64_t i = 0; i < slots; ++i) perm[i] = static_cast<int32_t>(i);
+    std::shuffle(perm.begin(), perm.end(), rng_);
+    auto* tab = reinterpret_cast<int32_t*>(table.bytes.data());
+    for (int64_t i = 0; i < hkv * table_pages; ++i) {
+      const uint32_t r = rng_() % 16;
+      tab[i] = r == 0 ? -1 : r == 1 ? static_cast<int32_t>(slots + 7) : perm[i];
+    }
+    CandidateList mid;
+    HostTensor parents;
+    mid.begin = mid_begin;
+    mid.end = mid_end;
+    if (c.pages_middle) {  // parents = pages, some negative, some outside the range
+      mid.fanout = static_cast<int>(P);
+      const int64_t np = (c.mid_count + P - 1) / P + 1;
+      parents.dtype = DType::kI32;
+      parents.dims = {hkv, np};
+      parents.bytes.resize(hkv * np * 4);
+      auto* par = reinterpret_cast<int32_t*>(parents.bytes.data());
+      for (int64_t g = 0; g < hkv; ++g) {
+        for (int64_t i = 0; i < np; ++i) {
+          const int64_t page = mid_begin / P + i;
+          par[g * np + i] = rng_() % 7 == 0 ? -1 : static_cast<int32_t>(page);
+        }
+      }
+    } else {
+      mid.begin = mid_begin;
+      mid.end = mid_end;
+    }
+    HostTensor want_out = Filled({1, hq, d}, kNaN), want_lse = Filled({1, hq}, kNaN);
+    int32_t prefix_len = static_cast<int32_t>(c.prefix * 2 / 3);
+    SelectedAttentionParams cp;
+    cp.q = q.HostView();
+    cp.k_pool = k_pool.HostView();
+    cp.v_pool = v_pool.HostView();
+    cp.page_table = table.HostView();
+    cp.prefix_end = c.prefix;
+    cp.middle = mid;
+    if (c.pages_middle) cp.middle.parents = parents.HostView();
+    cp.suffix_begin = suffix_begin;
+    cp.suffix_end = suffix_end;
+    cp.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    cp.k_scale = k_scale;
+    cp.v_scale = v_scale;
+    cp.out = want_out.HostView();
+    cp.lse = want_lse.HostView();
+    if (c.device_prefix) cp.prefix_len = &prefix_len;
+    STRATA_ASSERT_OK(cpu_->SelectedAttention(cp, nullptr));
+
+    auto d_k = Upload(k_pool), d_v = Upload(v_pool), d_q = Upload(q), d_t = Upload(table);
+    auto d_par = Upload(c.pages_middle ? parents : Filled({1}, 0));
+    auto d_plen = UploadRaw(&prefix_len, 4);
+    auto d_out = Upload(Filled({1, hq, d}, kNaN));
+    auto d_lse = Upload(Filled({1, hq}, kNaN));
+    SelectedAttentionParams p = cp;
+    p.q = q.View(d_q->data());
+    p.k_pool = k_pool.View(d_k->data());
+    p.v_pool = v_pool.View(d_v->data());
+    p.page_table = table.View(d_t->data());
+    if (c.pages_middle) p.middle.parents = parents.View(d_par->data());
+    p.out = want_out.View(d_out->data());
+    p.lse = want_lse.View(d_lse->data());
+    if (c.device_prefix) p.prefix_len = static_cast<const int32_t*>(d_plen->data());
+    for (int rep = 0; rep < 2; ++rep) {  // the second run reuses pooled scratch (counters)
+      STRATA_ASSERT_OK(gpu_->SelectedAttention(p, nullptr));
+      ExpectClose(Download(*d_out, hq * d), want_out.Values(), 2e-5, 2e-4,
+                  absl::StrCat(name, " out rep ", rep));
+      ExpectClose(Download(*d_lse, hq), want_lse.Values(), 2e-5, 2e-5,
+                  absl::StrCat(name, " lse rep ", rep));
+    }
   }
 }
 

@@ -1,5 +1,7 @@
 // AppendKv on the GPU: f32 K/V rows of new tokens converted into their KvCache pool rows, one
-// thread per element (K and V). The bf16 rounding is kernels::F32ToBF16's, bit for bit.
+// thread per element (K and V). The bf16 rounding is kernels::F32ToBF16's and the fp8 e4m3 one
+// kernels::F32ToFP8E4M3's (nearest even, saturated to +-448, NaN -> 0x7f), bit for bit.
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,11 +18,17 @@ __device__ __forceinline__ uint16_t F32ToBF16Bits(float v) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-template <bool BF16>
+__device__ __forceinline__ uint8_t F32ToFp8Bits(float v) {
+  if (isnan(v)) return 0x7f;
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+template <FloatType T>
 __global__ void AppendKvKernel(const float* __restrict__ k, const float* __restrict__ v,
                                void* k_pool, void* v_pool, int64_t total, int64_t heads,
                                int64_t head_dim, int64_t page_size, int64_t first,
-                               int64_t slots_per_head, const int32_t* first_device) {
+                               int64_t slots_per_head, const int32_t* first_device,
+                               float k_scale, float v_scale) {
   if (first_device != nullptr) {
     // The position read on the device; `first` is its largest allowed value.
     const int64_t f = *first_device;
@@ -38,33 +46,56 @@ __global__ void AppendKvKernel(const float* __restrict__ k, const float* __restr
     const int64_t dst = (slot * page_size + pos % page_size) * head_dim + c;
     const float x = is_v ? v[j] : k[j];
     void* pool = is_v ? v_pool : k_pool;
-    if (BF16) {
+    if constexpr (T == FloatType::kBF16) {
       static_cast<uint16_t*>(pool)[dst] = F32ToBF16Bits(x);
+    } else if constexpr (T == FloatType::kFP8E4M3) {
+      static_cast<uint8_t*>(pool)[dst] = F32ToFp8Bits(x / (is_v ? v_scale : k_scale));
     } else {
       static_cast<float*>(pool)[dst] = x;
     }
   }
 }
 
+template <FloatType T>
+void Launch(unsigned blocks, int threads, const float* k, const float* v, void* k_pool,
+            void* v_pool, int64_t total, int64_t heads, int64_t head_dim, int64_t page_size,
+            int64_t first, int64_t slots_per_head, const int32_t* first_device, float k_scale,
+            float v_scale, cudaStream_t stream) {
+  AppendKvKernel<T><<<blocks, threads, 0, stream>>>(k, v, k_pool, v_pool, total, heads, head_dim,
+                                                    page_size, first, slots_per_head,
+                                                    first_device, k_scale, v_scale);
+}
+
 }  // namespace
 
-cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v_pool, bool bf16,
-                           int64_t n, int64_t heads, int64_t head_dim, int64_t page_size,
-                           int64_t first, int64_t slots_per_head, cudaStream_t stream,
-                           const int32_t* first_device) {
+cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v_pool,
+                           FloatType pool_type, int64_t n, int64_t heads, int64_t head_dim,
+                           int64_t page_size, int64_t first, int64_t slots_per_head,
+                           cudaStream_t stream, const int32_t* first_device, float k_scale,
+                           float v_scale) {
   const int64_t total = n * heads * head_dim;
   if (total == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const int64_t want = (2 * total + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(want < 65535 ? want : 65535);
-  if (bf16) {
-    AppendKvKernel<true><<<blocks, kThreads, 0, stream>>>(k, v, k_pool, v_pool, total, heads,
-                                                          head_dim, page_size, first,
-                                                          slots_per_head, first_device);
-  } else {
-    AppendKvKernel<false><<<blocks, kThreads, 0, stream>>>(k, v, k_pool, v_pool, total, heads,
-                                                           head_dim, page_size, first,
-                                                           slots_per_head, first_device);
+  switch (pool_type) {
+    case FloatType::kBF16:
+      Launch<FloatType::kBF16>(blocks, kThreads, k, v, k_pool, v_pool, total, heads, head_dim,
+                               page_size, first, slots_per_head, first_device, k_scale, v_scale,
+                               stream);
+      break;
+    case FloatType::kFP8E4M3:
+      Launch<FloatType::kFP8E4M3>(blocks, kThreads, k, v, k_pool, v_pool, total, heads, head_dim,
+                                  page_size, first, slots_per_head, first_device, k_scale,
+                                  v_scale, stream);
+      break;
+    case FloatType::kF32:
+      Launch<FloatType::kF32>(blocks, kThreads, k, v, k_pool, v_pool, total, heads, head_dim,
+                              page_size, first, slots_per_head, first_device, k_scale, v_scale,
+                              stream);
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

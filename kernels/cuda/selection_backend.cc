@@ -18,7 +18,11 @@ namespace {
 using cuda_internal::DeviceCandidates;
 using cuda_internal::FloatType;
 
-FloatType PoolType(DType t) { return t == DType::kBF16 ? FloatType::kBF16 : FloatType::kF32; }
+FloatType PoolType(DType t) {
+  return t == DType::kBF16 ? FloatType::kBF16
+         : t == DType::kFP8E4M3 ? FloatType::kFP8E4M3  // SelectedAttention only
+                                : FloatType::kF32;
+}
 
 // Valid after CheckCandidateList (ids and counts fit in int32).
 DeviceCandidates ToDevice(const CandidateList& c) {
@@ -145,7 +149,8 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
                                           (total + target_per_head - 1) / target_per_head);
   shape.chunk = static_cast<int32_t>(chunk);
   shape.items_per_head = static_cast<int32_t>(std::max<int64_t>(1, (total + chunk - 1) / chunk));
-  shape.scale = p.scale;
+  shape.scale = p.scale * p.k_scale;  // k_scale, v_scale: 1 unless the pools are fp8
+  shape.v_scale = p.v_scale;
 
   const int64_t scratch_bytes = cuda_internal::SelectedAttentionScratchFloats(shape) * 4;
   STRATA_ASSIGN_OR_RETURN(void* scratch, AllocScratch(scratch_bytes, stream));

@@ -7,16 +7,22 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/internal/launch.h"
+
 namespace strata::kernels::cuda_internal {
 
 // Writes k, v [n, heads, head_dim] f32 (device) into k_pool / v_pool [slots, page_size,
-// head_dim] (device; bf16 when bf16 is true, else f32): token i of head g to row
-// (first + i) % page_size of slot g * slots_per_head + (first + i) / page_size. The host has
-// validated every slot. One kernel on `stream`; returns the launch status.
-cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v_pool, bool bf16,
-                           int64_t n, int64_t heads, int64_t head_dim, int64_t page_size,
-                           int64_t first, int64_t slots_per_head, cudaStream_t stream,
-                           const int32_t* first_device = nullptr);  // see AppendKvParams
+// head_dim] (device; f32, bf16 or fp8 e4m3 as pool_type says): token i of head g to row
+// (first + i) % page_size of slot g * slots_per_head + (first + i) / page_size. bf16 and fp8
+// conversions are kernels::F32ToBF16 / F32ToFP8E4M3 bit for bit; fp8 stores x / k_scale
+// (x / v_scale), the scales being ignored for other types. The host has validated every slot.
+// One kernel on `stream`; returns the launch status (cudaErrorInvalidValue for f16).
+cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v_pool,
+                           FloatType pool_type, int64_t n, int64_t heads, int64_t head_dim,
+                           int64_t page_size, int64_t first, int64_t slots_per_head,
+                           cudaStream_t stream,
+                           const int32_t* first_device = nullptr,  // see AppendKvParams
+                           float k_scale = 1.0f, float v_scale = 1.0f);
 
 }  // namespace strata::kernels::cuda_internal
 

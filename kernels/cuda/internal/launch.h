@@ -18,7 +18,8 @@
 namespace strata::kernels::cuda_internal {
 
 // Element type of a float tensor read by a kernel (mirrors kernels::DType's float members).
-enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// kFP8E4M3 (OCP e4m3fn) is read by the attention kernels only (KV pools, kernels/backend.h).
+enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kFP8E4M3 = 3 };
 
 // ---- embedding.cu --------------------------------------------------------------------------
 // out[i, :] = f32(table[ids[i], :]); rows whose id is outside [0, vocab) are filled with NaN
@@ -125,7 +126,8 @@ struct AttentionShape {
   int64_t num_slots = 0;
   int64_t page_size = 0;
   bool causal = true;
-  float scale = 0.0f;
+  float scale = 0.0f;    // the host folds an fp8 pool's k_scale into it
+  float v_scale = 1.0f;  // fp8 pools: outputs are multiplied by it (V dequantisation)
 };
 
 // True when the split-K decode kernel handles this shape (one query token, head_dim 64/128/256,
@@ -206,7 +208,8 @@ struct SelectedAttentionShape {
   int32_t total = 0;           // prefix_end + middle.count + suffix_len per KV head
   int32_t chunk = 0;           // virtual positions per work item (> 0)
   int32_t items_per_head = 0;  // ceil(total / chunk), >= 1
-  float scale = 0.0f;
+  float scale = 0.0f;          // the host folds an fp8 pool's k_scale into it
+  float v_scale = 1.0f;        // fp8 pools: outputs are multiplied by it
 };
 // True for head_dim 64/128/256 and at most kDecodeMaxGroup query heads per KV head.
 bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim);

@@ -1,0 +1,243 @@
+// Times CudaBackend::SelectedAttention alone (one decode token, Llama-3.1-8B shape: 32 query
+// heads, 8 KV heads, head_dim 128, 64-token pages) over bf16 and fp8 e4m3 pools, for
+//   sparse   sinks 64 + 32 pages of the middle (2048 tokens, parents = page ids) + window 256:
+//            2368 tokens per KV head, the selection of the sparse policies' defaults;
+//   dense    every token of the context as the prefix (the dense decode step's call).
+// at contexts of 128K and 1M tokens. Pools hold every page of the context (constant bytes; the
+// values do not change the work). Figures per row, medians:
+//   cold_us   one call after a 256 MiB memset that flushes L2, CUDA events around the call (a
+//             host function holds the stream until the call is enqueued, so no host time);
+//   b2b_us    100 calls enqueued back to back, event time / 100 (host-bound if the host is slower);
+//   graph_us  the call captured once in a CUDA graph, replayed 100 times back to back;
+// and the K and V bytes attended, with cold_us as a fraction of 3.35 TB/s (H100 SXM HBM3).
+//
+// Usage: cuda_selected_attention_bench [--ncu] [--contiguous] [--only sparse|dense]
+//                                      [--pool bf16|fp8] [context ...]  (default 131072 1048576)
+//   --ncu: a few calls only (for Nsight Compute).
+//   --contiguous: each KV head's pages in consecutive slots (as engine::KvCache lays them out);
+//                 default: a random permutation of the slots (as a page cache may hold them).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cuda_backend.h"
+
+namespace strata::kernels {
+namespace {
+
+constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kPage = 64;
+constexpr int kSinks = 64, kWindow = 256, kMiddlePages = 32;
+constexpr double kHbmBytesPerSecond = 3.35e12;
+bool g_ncu = false;
+bool g_contiguous = false;
+std::string g_only, g_pool;
+
+#define BENCH_CHECK(cond, what)                   \
+  do {                                            \
+    if (!(cond)) {                                \
+      std::fprintf(stderr, "failed: %s\n", what); \
+      std::exit(1);                               \
+    }                                             \
+  } while (0)
+
+struct Gate {
+  std::atomic<bool> open{false};
+  static void CUDART_CB Wait(void* self) {
+    auto* g = static_cast<Gate*>(self);
+    while (!g->open.load(std::memory_order_acquire)) {
+    }
+  }
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+std::unique_ptr<Buffer> MustAllocate(Backend& b, size_t bytes) {
+  auto r = b.Allocate(std::max<size_t>(bytes, 256));
+  BENCH_CHECK(r.ok(), "allocation");
+  return std::move(r).value();
+}
+
+struct Result {
+  double cold_us, b2b_us, graph_us;
+};
+
+Result Time(Backend& b, const SelectedAttentionParams& p, void* flush, size_t flush_bytes) {
+  cudaStream_t s;
+  BENCH_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess, "stream");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  const int cold_runs = g_ncu ? 2 : 30, b2b_calls = g_ncu ? 2 : 100;
+  for (int i = 0; i < 3; ++i) BENCH_CHECK(b.SelectedAttention(p, s).ok(), "warm-up");
+  BENCH_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "sync");
+  Result r{};
+  std::vector<double> cold;
+  for (int i = 0; i < cold_runs; ++i) {
+    cudaMemsetAsync(flush, i & 0xff, flush_bytes, s);
+    Gate gate;
+    cudaLaunchHostFunc(s, Gate::Wait, &gate);
+    cudaEventRecord(e0, s);
+    BENCH_CHECK(b.SelectedAttention(p, s).ok(), "call");
+    cudaEventRecord(e1, s);
+    gate.open.store(true, std::memory_order_release);
+    BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "cold run");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cold.push_back(ms * 1e3);
+  }
+  r.cold_us = Median(cold);
+  {
+    cudaEventRecord(e0, s);
+    for (int i = 0; i < b2b_calls; ++i) BENCH_CHECK(b.SelectedAttention(p, s).ok(), "b2b");
+    cudaEventRecord(e1, s);
+    BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "b2b run");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    r.b2b_us = ms * 1e3 / b2b_calls;
+  }
+  {
+    BENCH_CHECK(b.BeginCapture(s).ok(), "capture");
+    const absl::Status st = b.SelectedAttention(p, s);
+    auto g = b.EndCapture(s);
+    BENCH_CHECK(st.ok() && g.ok(), "captured call");
+    BENCH_CHECK((*g)->Replay(s).ok(), "replay");
+    BENCH_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "replay sync");
+    cudaEventRecord(e0, s);
+    for (int i = 0; i < b2b_calls; ++i) BENCH_CHECK((*g)->Replay(s).ok(), "replay");
+    cudaEventRecord(e1, s);
+    BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "graph run");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    r.graph_us = ms * 1e3 / b2b_calls;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(s);
+  return r;
+}
+
+void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
+  const int64_t pages = (len + kPage - 1) / kPage;
+  const int64_t slots = pages * kKvHeads;
+  std::mt19937 rng(7);
+  // Page table: a random permutation of the slots (pages of a head scattered over the pool).
+  std::vector<int32_t> table(slots);
+  for (int64_t i = 0; i < slots; ++i) table[i] = static_cast<int32_t>(i);
+  if (!g_contiguous) std::shuffle(table.begin(), table.end(), rng);
+  auto d_table = MustAllocate(b, slots * 4);
+  BENCH_CHECK(b.CopyToDevice(d_table->data(), table.data(), slots * 4, nullptr).ok(), "table");
+  // Middle: kMiddlePages random distinct pages of [sinks, window) per head, ascending.
+  const int64_t window_begin = len - kWindow;
+  const int64_t mp0 = kSinks / kPage, mp1 = window_begin / kPage;
+  std::vector<int32_t> parents(kKvHeads * kMiddlePages);
+  for (int g = 0; g < kKvHeads; ++g) {
+    std::vector<int32_t> all;
+    for (int64_t pg = mp0; pg < mp1; ++pg) all.push_back(static_cast<int32_t>(pg));
+    std::shuffle(all.begin(), all.end(), rng);
+    std::sort(all.begin(), all.begin() + kMiddlePages);
+    std::copy(all.begin(), all.begin() + kMiddlePages, parents.begin() + g * kMiddlePages);
+  }
+  auto d_parents = MustAllocate(b, parents.size() * 4);
+  BENCH_CHECK(b.CopyToDevice(d_parents->data(), parents.data(), parents.size() * 4, nullptr).ok(),
+              "parents");
+  std::vector<float> qh(kQHeads * kHeadDim);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (float& x : qh) x = u(rng);
+  auto d_q = MustAllocate(b, qh.size() * 4);
+  BENCH_CHECK(b.CopyToDevice(d_q->data(), qh.data(), qh.size() * 4, nullptr).ok(), "q");
+  auto d_out = MustAllocate(b, kQHeads * kHeadDim * 4);
+  auto d_lse = MustAllocate(b, kQHeads * 4);
+
+  for (DType dt : {DType::kBF16, DType::kFP8E4M3}) {
+    if (!g_pool.empty() && g_pool != (dt == DType::kBF16 ? "bf16" : "fp8")) continue;
+    const size_t pool_bytes = static_cast<size_t>(slots) * kPage * kHeadDim * DTypeSize(dt);
+    auto k = MustAllocate(b, pool_bytes);
+    auto v = MustAllocate(b, pool_bytes);
+    // Constant small values (bf16 0x3c3c ~ 0.0115, fp8 0x3c = 1.5).
+    BENCH_CHECK(cudaMemset(k->data(), 0x3c, pool_bytes) == cudaSuccess, "fill");
+    BENCH_CHECK(cudaMemset(v->data(), 0x3c, pool_bytes) == cudaSuccess, "fill");
+    for (const bool sparse : {true, false}) {
+      if (!g_only.empty() && g_only != (sparse ? "sparse" : "dense")) continue;
+      SelectedAttentionParams p;
+      p.q = TensorView(d_q->data(), DType::kF32, {1, kQHeads, kHeadDim});
+      p.k_pool = TensorView(k->data(), dt, {slots, kPage, kHeadDim});
+      p.v_pool = TensorView(v->data(), dt, {slots, kPage, kHeadDim});
+      p.page_table = TensorView(d_table->data(), DType::kI32, {kKvHeads, pages});
+      p.scale = 0.0884f;
+      if (dt == DType::kFP8E4M3) {
+        p.k_scale = 0.01f;
+        p.v_scale = 0.02f;
+      }
+      int64_t tokens;
+      if (sparse) {
+        p.prefix_end = kSinks;
+        p.middle.parents = TensorView(d_parents->data(), DType::kI32, {kKvHeads, kMiddlePages});
+        p.middle.fanout = kPage;
+        p.middle.begin = kSinks;
+        p.middle.end = window_begin;
+        p.suffix_begin = window_begin;
+        p.suffix_end = len;
+        tokens = kSinks + kMiddlePages * kPage + kWindow;
+      } else {
+        p.prefix_end = len;
+        tokens = len;
+      }
+      p.out = TensorView(d_out->data(), DType::kF32, {1, kQHeads, kHeadDim});
+      p.lse = TensorView(d_lse->data(), DType::kF32, {1, kQHeads});
+      const Result r = Time(b, p, flush, flush_bytes);
+      const double mib = static_cast<double>(tokens) * kKvHeads * 2 * kHeadDim * DTypeSize(dt);
+      std::printf("| %lldK | %s | %s | %lld | %.1f | %.1f | %.1f | %.2f | %.3f |\n",
+                  static_cast<long long>(len / 1024), sparse ? "sparse" : "dense", DTypeName(dt),
+                  static_cast<long long>(tokens), r.cold_us, r.b2b_us, r.graph_us,
+                  mib / (1 << 20), mib / (r.cold_us * 1e-6) / kHbmBytesPerSecond);
+      std::fflush(stdout);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::kernels
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> lens;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--ncu") {
+      strata::kernels::g_ncu = true;
+    } else if (a == "--contiguous") {
+      strata::kernels::g_contiguous = true;
+    } else if (a == "--only" && i + 1 < argc) {
+      strata::kernels::g_only = argv[++i];
+    } else if (a == "--pool" && i + 1 < argc) {
+      strata::kernels::g_pool = argv[++i];
+    } else {
+      lens.push_back(std::atoll(argv[i]));
+    }
+  }
+  if (lens.empty()) lens = {131072, 1048576};
+  auto b = strata::kernels::MakeCudaBackend(0);
+  if (!b.ok()) {
+    std::fprintf(stderr, "no CUDA backend: %s\n", b.status().ToString().c_str());
+    return 1;
+  }
+  constexpr size_t kFlush = size_t{256} << 20;
+  void* flush = nullptr;
+  BENCH_CHECK(cudaMalloc(&flush, kFlush) == cudaSuccess, "flush buffer");
+  std::printf("| context | selection | pool | tokens/head | cold_us | b2b_us | graph_us | MiB | "
+              "frac of 3.35 TB/s (cold) |\n|---|---|---|---|---|---|---|---|---|\n");
+  for (int64_t len : lens) strata::kernels::Run(**b, len, flush, kFlush);
+  cudaFree(flush);
+  return 0;
+}
