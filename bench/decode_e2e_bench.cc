@@ -58,6 +58,14 @@
 //     replayed CUDA graph), reported as chooser "no-document-graph".
 //   With --host_chooser_max_context >= context, the same decode is repeated with the host
 //     MinMaxChooser (summaries read from the host tier) for --host_tokens measured tokens.
+//   With --prefill_contexts=N1,N2,... each shape first prefills N random token ids into a fresh
+//     bf16 KvCache on the backend through Transformer::Forward (dense attention: chunks of
+//     --prefill_chunk tokens, each attending causally to itself and every earlier chunk with the
+//     backend's PagedAttention, i.e. the tensor-core flash kernel on CUDA), last-token logits only;
+//     reported: seconds (one timed pass after the weights are resident, backend synchronized),
+//     tokens/s, the attention FLOPs of causal dense attention 4 * layers * q_heads * head_dim *
+//     N^2 / 2 divided by the seconds (an effective rate for scale, not a kernel measurement), and
+//     GPU memory at the end. Runs before any document decode (--contexts still applies after).
 //
 // Usage: decode_e2e_bench [--shapes=llama-3.2-1b,llama-3.1-8b] [--contexts=32768,131072,524288]
 //   [--flag=value ...]. CUDA backend (--backend=cpu runs the same code on the CPU backend, for a
@@ -135,6 +143,9 @@ struct Flags {
   // 1 (device hook only): the device chooser also hands its selection to GpuCacheAttention, which
   // attends with Backend::SelectedAttention over the cache's device page table.
   int selected_attention = 0;
+  // Prefill pass (see the file comment): contexts, empty for none, and the chunk size.
+  std::string prefill_contexts;
+  int prefill_chunk = 8192;
   uint64_t seed = 1;
 };
 
@@ -147,6 +158,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "shapes") { f->shapes = v; return true; }
   if (k == "contexts") { f->contexts = v; return true; }
   if (k == "hooks") { f->hooks = v; return true; }
+  if (k == "prefill_contexts") { f->prefill_contexts = v; return true; }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
   if (!absl::SimpleAtoi(v, &i) || i < 0) return false;
@@ -164,6 +176,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "device_sample") { f->device_sample = static_cast<int>(i); return true; }
   if (k == "hold_source_pages") { f->hold_source_pages = static_cast<int>(i); return true; }
   if (k == "decode_graph") { f->decode_graph = static_cast<int>(i); return true; }
+  if (k == "prefill_chunk") { f->prefill_chunk = static_cast<int>(i); return i > 0; }
   if (k == "seed") { f->seed = static_cast<uint64_t>(i); return true; }
   return false;
 }
@@ -672,6 +685,50 @@ struct RunResult {
   int64_t agree_same = 0, agree_total = 0;  // device vs host chooser, warm-up steps
 };
 
+// Prefill of `tokens` random token ids from position 0 into a fresh bf16 KvCache with dense
+// attention (see the file comment). A warm-up Forward of one chunk into its own cache runs first
+// (kernel loading, cuBLAS handles), untimed.
+absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
+                     const model::ModelWeights& weights, kernels::Backend* backend, int64_t tokens,
+                     const Flags& f) {
+  engine::TransformerOptions to;
+  to.prefill_chunk_size = f.prefill_chunk;
+  STRATA_ASSIGN_OR_RETURN(auto tf, engine::Transformer::Create(c, weights, backend, to));
+  std::vector<int32_t> ids(static_cast<size_t>(tokens));
+  Rng r{f.seed * 31 + static_cast<uint64_t>(tokens)};
+  for (int32_t& id : ids) id = static_cast<int32_t>(r.Next() % static_cast<uint64_t>(c.vocab_size));
+  std::vector<float> logits(static_cast<size_t>(c.vocab_size));
+  auto dense = engine::MakeDensePolicy();
+  {
+    const int64_t w = std::min<int64_t>(tokens, f.prefill_chunk);
+    STRATA_ASSIGN_OR_RETURN(auto warm, engine::KvCache::Create(
+                                           tf->MakeCacheOptions(w, f.page_size, DType::kBF16), backend));
+    STRATA_RETURN_IF_ERROR(tf->Forward(ids.data(), w, 0, warm.get(), dense.get(), logits.data(), false));
+    STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+  }
+  STRATA_ASSIGN_OR_RETURN(auto cache, engine::KvCache::Create(
+                                          tf->MakeCacheOptions(tokens, f.page_size, DType::kBF16), backend));
+  const double gpu_ready = GpuUsedGiB();
+  Stopwatch sw;
+  STRATA_RETURN_IF_ERROR(tf->Forward(ids.data(), tokens, 0, cache.get(), dense.get(), logits.data(), false));
+  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+  const double s = sw.ElapsedSeconds();
+  double checksum = 0;
+  for (float x : logits) checksum += std::isfinite(x) ? x : 1e30;
+  const double n = static_cast<double>(tokens);
+  const double attn_flop = 4.0 * c.num_layers * c.num_heads * c.head_dim * n * n / 2;
+  std::printf("prefill shape=%s tokens=%" PRId64 " chunk=%d seconds=%.2f tok_s=%.0f "
+              "attention_tflop=%.1f effective_attention_tflops=%.1f gpu_used_GiB ready=%.2f "
+              "end=%.2f logits_sum=%.4g\n",
+              name.c_str(), tokens, f.prefill_chunk, s, n / s, attn_flop / 1e12,
+              attn_flop / 1e12 / s, gpu_ready, GpuUsedGiB(), checksum);
+  std::fflush(stdout);
+  if (!std::isfinite(checksum) || checksum >= 1e30) {
+    return absl::InternalError("prefill: non-finite logits");
+  }
+  return absl::OkStatus();
+}
+
 // The same decode steps (positions after the document, local cache, greedy tokens) with no
 // attention to the document at all: the model's own cost per token on this backend.
 absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* tf,
@@ -935,8 +992,13 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "%s: %s\n", mo.preset.c_str(), config.status().ToString().c_str());
       return 1;
     }
+    int64_t longest = contexts.back();
+    for (absl::string_view pc : absl::StrSplit(f.prefill_contexts, ',', absl::SkipEmpty())) {
+      int64_t n = 0;
+      if (absl::SimpleAtoi(pc, &n)) longest = std::max(longest, n);
+    }
     config->max_position_embeddings =
-        std::max<int64_t>(config->max_position_embeddings, contexts.back() + 4096);
+        std::max<int64_t>(config->max_position_embeddings, longest + 4096);
     Stopwatch wsw;
     auto weights = MakeWeights(*config, f.seed, NumThreads(f));
     engine::TransformerOptions to;
@@ -953,6 +1015,20 @@ int Main(int argc, char** argv) {
                 mo.preset.c_str(), config->DebugString().c_str(), wsw.ElapsedSeconds(),
                 gpu_weights);
     std::fflush(stdout);
+    for (absl::string_view pc : absl::StrSplit(f.prefill_contexts, ',', absl::SkipEmpty())) {
+      int64_t n = 0;
+      if (!absl::SimpleAtoi(pc, &n) || n < 1) {
+        std::fprintf(stderr, "bad prefill context %s\n", std::string(pc).c_str());
+        return 2;
+      }
+      absl::Status s = Prefill(mo.preset, *config, weights->weights, backend, n, f);
+      if (!s.ok()) {
+        std::printf("FAILED shape=%s prefill=%" PRId64 ": %s\n", mo.preset.c_str(), n,
+                    s.ToString().c_str());
+        std::fflush(stdout);
+        ++failures;
+      }
+    }
     if (f.no_document_pass) {
       RunResult r;
       r.shape = mo.preset;
