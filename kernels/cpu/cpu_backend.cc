@@ -183,6 +183,7 @@ absl::Status CpuBackend::MergeAttention(const MergeAttentionParams& p, Stream) {
 
 absl::Status CpuBackend::Supports(const PageCopyParams& p) const { return CpuSupportsPageCopy(p); }
 absl::Status CpuBackend::PageCopy(const PageCopyParams& p, Stream) { return CpuPageCopy(p); }
+absl::Status CpuBackend::AppendKv(const AppendKvParams& p, Stream) { return CpuAppendKv(p); }
 
 // Device-resident selection (kernels/cpu/selection.cc): run on the calling thread.
 absl::Status CpuBackend::ScoreSummaries(const ScoreSummariesParams& p, Stream) {

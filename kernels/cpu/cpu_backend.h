@@ -54,6 +54,11 @@ absl::Status CpuMergeAttention(const MergeAttentionParams& p);
 absl::Status CpuSupportsPageCopy(const PageCopyParams& p);
 absl::Status CpuPageCopy(const PageCopyParams& p);
 
+// AppendKv (kernels/cpu/kv_append.cc): the validation shared with the CUDA backend (shapes, dtypes,
+// scales, every slot inside the pools) and the op (ConvertFromF32 of each row; fp8: of x / scale).
+absl::Status CpuSupportsAppendKv(const AppendKvParams& p);
+absl::Status CpuAppendKv(const AppendKvParams& p);
+
 // Device-resident sparse selection (kernels/cpu/selection.cc; semantics in kernels/backend.h).
 // The CpuSupports* twins are also the validation of the CUDA backend's versions.
 absl::Status CpuSupportsScoreSummaries(const ScoreSummariesParams& p);
@@ -132,6 +137,7 @@ class CpuBackend : public Backend {
   absl::Status Sample(const SampleParams& p, Stream s) override;
   absl::Status Supports(const PageCopyParams& p) const override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
+  absl::Status AppendKv(const AppendKvParams& p, Stream s) override;
 
  private:
   // Sets the OpenMP thread count for the calling thread before an op of `work` elements (or

@@ -829,39 +829,9 @@ absl::Status CudaBackend::PageCopy(const PageCopyParams& p, Stream s) {
 // ---- AppendKv (KV cache appends) -------------------------------------------------------------
 
 absl::Status CudaBackend::AppendKv(const AppendKvParams& p, Stream s) {
-  constexpr const char* kOp = "AppendKv";
-  STRATA_RETURN_IF_ERROR(CheckView(p.k, 3, DType::kF32, kOp, "k"));
-  STRATA_RETURN_IF_ERROR(CheckView(p.v, 3, DType::kF32, kOp, "v"));
-  STRATA_RETURN_IF_ERROR(CheckSame(p.k, p.v, 3, kOp, "v"));
-  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16 &&
-      p.k_pool.dtype != DType::kFP8E4M3) {
-    return absl::UnimplementedError(
-        absl::StrCat("AppendKv: pool dtype ", DTypeName(p.k_pool.dtype), " unsupported"));
-  }
-  STRATA_RETURN_IF_ERROR(CheckKvScales(p.k_pool.dtype, p.k_scale, p.v_scale, kOp));
-  STRATA_RETURN_IF_ERROR(CheckView(p.k_pool, 3, p.k_pool.dtype, kOp, "k_pool"));
-  STRATA_RETURN_IF_ERROR(CheckView(p.v_pool, 3, p.k_pool.dtype, kOp, "v_pool"));
-  STRATA_RETURN_IF_ERROR(CheckSame(p.k_pool, p.v_pool, 3, kOp, "v_pool"));
-  const int64_t n = p.k.dim(0), heads = p.k.dim(1), d = p.k.dim(2);
-  const int64_t num_slots = p.k_pool.dim(0), page = p.k_pool.dim(1);
-  if (p.k_pool.dim(2) != d) {
-    return absl::InvalidArgumentError("AppendKv: pool head_dim differs from k head_dim");
-  }
+  STRATA_RETURN_IF_ERROR(CpuSupportsAppendKv(p));  // shapes, dtypes, scales, slots
+  const int64_t n = p.k.dim(0), heads = p.k.dim(1), d = p.k.dim(2), page = p.k_pool.dim(1);
   if (n == 0 || heads == 0 || d == 0) return absl::OkStatus();
-  if (page <= 0 || p.first < 0 || p.slots_per_head < 0 ||
-      p.first > std::numeric_limits<int64_t>::max() / 2 - n) {
-    return absl::InvalidArgumentError("AppendKv: bad page size, first position or slot stride");
-  }
-  const int64_t last_page = (p.first + n - 1) / page;
-  // Every slot g * slots_per_head + page, g < heads, page <= last_page, inside the pools, and a
-  // head's pages do not run into the next head's slots.
-  if ((heads > 1 && last_page >= p.slots_per_head) ||
-      (heads - 1) > (num_slots - 1 - last_page) / std::max<int64_t>(p.slots_per_head, 1) ||
-      last_page >= num_slots) {
-    return absl::InvalidArgumentError(absl::StrCat("AppendKv: positions up to ", p.first + n - 1,
-                                                   " of ", heads, " heads (", p.slots_per_head,
-                                                   " slots each) exceed ", num_slots, " slots"));
-  }
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchAppendKv(
       p.k.As<const float>(), p.v.As<const float>(), p.k_pool.data, p.v_pool.data,

@@ -1,0 +1,93 @@
+// AppendKv on the CPU: the specification of the KV-cache append op (kernels/backend.h) and the
+// validation the CUDA backend shares. Rows are converted with kernels::ConvertFromF32 (fp8 pools:
+// of x / scale), so the CUDA kernel's rounding is checked against this.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/internal/checks.h"
+
+namespace strata::kernels {
+
+using cpu_internal::CheckDim;
+using cpu_internal::CheckDType;
+using cpu_internal::CheckRank;
+
+absl::Status CpuSupportsAppendKv(const AppendKvParams& p) {
+  constexpr const char* kOp = "AppendKv";
+  STRATA_RETURN_IF_ERROR(CheckRank(p.k, 3, kOp, "k"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.k, DType::kF32, kOp, "k"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.v, 3, kOp, "v"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.v, DType::kF32, kOp, "v"));
+  for (int i = 0; i < 3; ++i) STRATA_RETURN_IF_ERROR(CheckDim(p.v, i, p.k.dim(i), kOp, "v"));
+  if (p.k_pool.dtype != DType::kF32 && p.k_pool.dtype != DType::kBF16 &&
+      p.k_pool.dtype != DType::kFP8E4M3) {
+    return absl::UnimplementedError(
+        absl::StrCat("AppendKv: pool dtype ", DTypeName(p.k_pool.dtype), " unsupported"));
+  }
+  STRATA_RETURN_IF_ERROR(CheckKvScales(p.k_pool.dtype, p.k_scale, p.v_scale, kOp));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.k_pool, 3, kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.v_pool, 3, kOp, "v_pool"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.v_pool, p.k_pool.dtype, kOp, "v_pool"));
+  for (int i = 0; i < 3; ++i) {
+    STRATA_RETURN_IF_ERROR(CheckDim(p.v_pool, i, p.k_pool.dim(i), kOp, "v_pool"));
+  }
+  const int64_t n = p.k.dim(0), heads = p.k.dim(1), d = p.k.dim(2);
+  const int64_t num_slots = p.k_pool.dim(0), page = p.k_pool.dim(1);
+  if (p.k_pool.dim(2) != d) {
+    return absl::InvalidArgumentError("AppendKv: pool head_dim differs from k head_dim");
+  }
+  if (n == 0 || heads == 0 || d == 0) return absl::OkStatus();
+  if (page <= 0 || p.first < 0 || p.slots_per_head < 0 ||
+      p.first > std::numeric_limits<int64_t>::max() / 2 - n) {
+    return absl::InvalidArgumentError("AppendKv: bad page size, first position or slot stride");
+  }
+  const int64_t last_page = (p.first + n - 1) / page;
+  // Every slot g * slots_per_head + page, g < heads, page <= last_page, inside the pools, and a
+  // head's pages do not run into the next head's slots.
+  if ((heads > 1 && last_page >= p.slots_per_head) ||
+      (heads - 1) > (num_slots - 1 - last_page) / std::max<int64_t>(p.slots_per_head, 1) ||
+      last_page >= num_slots) {
+    return absl::InvalidArgumentError(absl::StrCat("AppendKv: positions up to ", p.first + n - 1,
+                                                   " of ", heads, " heads (", p.slots_per_head,
+                                                   " slots each) exceed ", num_slots, " slots"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuAppendKv(const AppendKvParams& p) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsAppendKv(p));
+  const int64_t n = p.k.dim(0), heads = p.k.dim(1), d = p.k.dim(2), page = p.k_pool.dim(1);
+  if (n == 0 || heads == 0 || d == 0) return absl::OkStatus();
+  int64_t first = p.first;
+  if (p.first_device != nullptr) {  // backend memory is host memory here
+    const int64_t f = *p.first_device;
+    if (f < 0 || f > p.first) return absl::OkStatus();  // nothing written (backend.h)
+    first = f;
+  }
+  const size_t es = DTypeSize(p.k_pool.dtype);
+  const bool fp8 = p.k_pool.dtype == DType::kFP8E4M3;
+  std::vector<float> row(d);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = first + i;
+    for (int64_t g = 0; g < heads; ++g) {
+      const int64_t dst = ((g * p.slots_per_head + pos / page) * page + pos % page) * d;
+      const int64_t src = (i * heads + g) * d;
+      for (int kv = 0; kv < 2; ++kv) {
+        const float* x = (kv == 0 ? p.k : p.v).As<const float>() + src;
+        const float scale = kv == 0 ? p.k_scale : p.v_scale;
+        for (int64_t c = 0; c < d; ++c) row[c] = fp8 ? x[c] / scale : x[c];
+        ConvertFromF32(row.data(), static_cast<char*>((kv == 0 ? p.k_pool : p.v_pool).data) + dst * es,
+                       p.k_pool.dtype, d);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::kernels
