@@ -124,7 +124,7 @@ struct PagedAttentionParams {
 // (nearest even, saturated to +-448, NaN kept: kernels::F32ToFP8E4M3), one scale per pool (per
 // tensor, as vLLM's fp8 KV cache), and is read as stored * scale. Supported: PagedAttention
 // (CPU; CUDA decode fast path and the general kernel: the tensor-core prefill kernel is bf16 only,
-// so fp8 prefill runs the general kernel), SelectedAttention (CPU, CUDA), AppendKv (CUDA; writes
+// so fp8 prefill runs the general kernel), SelectedAttention (CPU, CUDA), AppendKv (CPU, CUDA; writes
 // F32ToFP8E4M3(x / scale) bit for bit) and PageCopy (bytes). ScoreKeys and UpdateSummaries (and so
 // the sparse policies' key scoring) do not read fp8 pools and return Unimplemented.
 
