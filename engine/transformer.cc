@@ -670,7 +670,8 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   // external attention); when none does, the per-layer copy of q to the host is skipped.
   bool host_query = false;
   for (const Segment& sg : segs) {
-    const bool device_attend = sg.options->device_policy != nullptr && sg.n == 1;
+    const bool device_attend = sg.options->device_policy != nullptr &&
+                               (sg.n == 1 || sg.options->device_prefill);
     const bool external_host =
         sg.options->external != nullptr && !sg.options->external->AttendsOnDevice();
     if (external_host || (!device_attend && sg.policy->ReadsQuery())) {
@@ -727,6 +728,11 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
             layer, TensorView(q_rows + r0 * hq * d, DType::kF32, {1, hq, d}), *cache,
             TensorView(attn_rows + r0 * hq * d, DType::kF32, {1, hq, d}),
             TensorView(lse_rows + r0 * hq, DType::kF32, {1, hq}), nullptr));
+      } else if (device != nullptr && sg.options->device_prefill) {
+        STRATA_RETURN_IF_ERROR(device->AttendChunk(
+            layer, TensorView(q_rows + r0 * hq * d, DType::kF32, {m, hq, d}), sg.start_pos - base,
+            *cache, base, TensorView(attn_rows + r0 * hq * d, DType::kF32, {m, hq, d}),
+            TensorView(lse_rows + r0 * hq, DType::kF32, {m, hq}), nullptr));
       } else {
         STRATA_RETURN_IF_ERROR(policy->Select(layer, q_seg, static_cast<int>(m),
                                               static_cast<int>(hq), sg.start_pos - base, *cache,

@@ -106,6 +106,12 @@ struct ForwardOptions {
   // (engine/sparse/device_policy.h) instead; chunks of several tokens still use `policy` (on the
   // CUDA backend, whose pools the host policies cannot read, that must be a dense policy).
   sparse::DevicePolicy* device_policy = nullptr;
+  // With device_policy set: segments of several tokens (prefill chunks) attend through
+  // DevicePolicy::AttendChunk too (selection with the chunk's mean query on the backend, one host
+  // wait per layer for the selection, then PagedAttention over its spans) instead of `policy`,
+  // which is then only told of appends. Off by default (chunks use `policy`, as the worker's
+  // prompt chunks do).
+  bool device_prefill = false;
   // Set (all_logits must be false): the last token's logits [1, vocab] f32 stay in backend
   // memory, readable through Transformer::device_logits() until the next call (e.g. for
   // Backend::Sample), and logits_out is not written (it may be null). The call then returns

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -11,6 +13,7 @@ namespace strata::engine::sparse {
 
 using kernels::CandidateList;
 using kernels::DType;
+using kernels::KvSpan;
 using kernels::TensorView;
 
 DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& cache,
@@ -175,6 +178,28 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   q2.shape[0] = hq_;
   q2.shape[1] = d_;
   q2.shape[2] = 0;
+  STRATA_ASSIGN_OR_RETURN(const CandidateList middle,
+                          SelectMiddle(layer, q2, cache, sink_end, window_begin, stream));
+  at.prefix_end = sink_end;
+  at.middle = middle;
+  at.suffix_begin = window_begin;
+  at.suffix_end = len;
+  STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(at, stream));
+  const int64_t planned =
+      options_.kind == PolicyKind::kTokenSelect
+          ? std::min<int64_t>(options_.token_budget, wanted_pages_ * page_)
+          : std::min<int64_t>(wanted_pages_ * page_, window_begin - sink_end);
+  counters_.candidate_tokens += hkv_ * len;
+  counters_.selected_tokens += hkv_ * (sink_end + planned + (len - window_begin));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const TensorView& q2,
+                                                         const KvCache& cache, int64_t sink_end,
+                                                         int64_t window_begin,
+                                                         kernels::Stream stream) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
+  const TensorView pt = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
   const int64_t p0 = sink_end / page_, p1 = (window_begin + page_ - 1) / page_;
   const bool two_level = p1 - p0 > options_.two_level_min_pages && seg_pages_ > 1;
 
@@ -238,17 +263,208 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
     middle.begin = sink_end;
     middle.end = window_begin;
   }
-  at.prefix_end = sink_end;
-  at.middle = middle;
-  at.suffix_begin = window_begin;
-  at.suffix_end = len;
-  STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(at, stream));
-  const int64_t planned =
-      options_.kind == PolicyKind::kTokenSelect
-          ? std::min<int64_t>(options_.token_budget, wanted_pages_ * page_)
-          : std::min<int64_t>(wanted_pages_ * page_, window_begin - sink_end);
+  return middle;
+}
+
+absl::StatusOr<TensorView> DevicePolicy::MeanQuery(const TensorView& q, kernels::Stream stream) {
+  const int64_t m = q.dim(0);
+  if (m == 1) return TensorView(q.data, DType::kF32, {hq_, d_});
+  constexpr int64_t kMaxParts = 64;  // MergeAttention's part limit on the CUDA backend
+  if (m != mean_rows_) {
+    // Plan: each level merges up to 64 parts of R consecutive rows (the last part shifted back to
+    // end at the last row, its rows already covered by the part before given lse -inf), so level
+    // output row r is the weighted mean of its owned input rows; an input row's lse is the log of
+    // the number of query rows it already averages, so the last level's row is the mean of all.
+    mean_plan_.clear();
+    std::vector<float> lse_host;
+    std::vector<double> weight(static_cast<size_t>(m), 1.0);
+    int64_t n = m;
+    int64_t widest = 1;
+    while (n > 1) {
+      MergeLevel lv;
+      lv.rows_in = n;
+      const int64_t k = std::min(kMaxParts, n);
+      const int64_t r_out = (n + k - 1) / k;
+      const int64_t parts = (n + r_out - 1) / r_out;
+      lv.rows_out = r_out;
+      lv.lse_offset = static_cast<int64_t>(lse_host.size());
+      std::vector<double> next(static_cast<size_t>(r_out), 0.0);
+      for (int64_t s = 0; s < parts; ++s) {
+        const int64_t start = std::min(s * r_out, n - r_out);
+        lv.starts.push_back(start);
+        for (int64_t r = 0; r < r_out; ++r) {
+          const int64_t row = start + r;
+          const bool owned = row >= s * r_out;
+          const float l = owned ? static_cast<float>(std::log(weight[row]))
+                                : -std::numeric_limits<float>::infinity();
+          for (int h = 0; h < hq_; ++h) lse_host.push_back(l);
+          if (owned) next[r] += weight[row];
+        }
+      }
+      widest = std::max(widest, r_out);
+      mean_plan_.push_back(std::move(lv));
+      weight = std::move(next);
+      n = r_out;
+    }
+    const size_t f = sizeof(float);
+    if (mean_lse_ == nullptr || mean_lse_->bytes() < lse_host.size() * f) {
+      STRATA_ASSIGN_OR_RETURN(mean_lse_, backend_->Allocate(lse_host.size() * f));
+    }
+    const size_t out_bytes = static_cast<size_t>(widest) * hq_ * d_ * f;
+    for (int i = 0; i < 2; ++i) {
+      if (mean_out_[i] == nullptr || mean_out_[i]->bytes() < out_bytes) {
+        STRATA_ASSIGN_OR_RETURN(mean_out_[i], backend_->Allocate(out_bytes));
+        STRATA_ASSIGN_OR_RETURN(mean_out_lse_[i],
+                                backend_->Allocate(static_cast<size_t>(widest) * hq_ * f));
+      }
+    }
+    mean_rows_ = 0;  // until the upload succeeded
+    STRATA_RETURN_IF_ERROR(
+        backend_->CopyToDevice(mean_lse_->data(), lse_host.data(), lse_host.size() * f, stream));
+    mean_rows_ = m;
+  }
+  const float* in = static_cast<const float*>(q.data);
+  const float* lse_base = static_cast<const float*>(mean_lse_->data());
+  std::vector<TensorView> outs, lses;
+  int buf = 0;
+  for (const MergeLevel& lv : mean_plan_) {
+    const int64_t r = lv.rows_out;
+    outs.clear();
+    lses.clear();
+    for (size_t s = 0; s < lv.starts.size(); ++s) {
+      outs.emplace_back(const_cast<float*>(in + lv.starts[s] * hq_ * d_), DType::kF32,
+                        std::initializer_list<int64_t>{r, hq_, d_});
+      lses.emplace_back(const_cast<float*>(lse_base + lv.lse_offset + s * r * hq_), DType::kF32,
+                        std::initializer_list<int64_t>{r, hq_});
+    }
+    kernels::MergeAttentionParams mp;
+    mp.outs = outs.data();
+    mp.lses = lses.data();
+    mp.num_parts = static_cast<int>(outs.size());
+    mp.out = mean_out_[buf]->View(DType::kF32, {r, hq_, d_});
+    mp.lse = mean_out_lse_[buf]->View(DType::kF32, {r, hq_});
+    STRATA_RETURN_IF_ERROR(backend_->MergeAttention(mp, stream));
+    in = static_cast<const float*>(mean_out_[buf]->data());
+    buf ^= 1;
+  }
+  return TensorView(const_cast<float*>(in), DType::kF32, {hq_, d_});
+}
+
+absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q_begin,
+                                       const KvCache& cache, int64_t position_offset,
+                                       const TensorView& out, const TensorView& lse,
+                                       kernels::Stream stream) {
+  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
+  if (q.dtype != DType::kF32 || q.rank != 3 || q.dim(0) < 1 || q.dim(1) != hq_ ||
+      q.dim(2) != d_ || q.data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: chunk q must be f32 [m >= 1, ",
+                                                   hq_, ", ", d_, "], got ", q.DebugString()));
+  }
+  const int64_t m = q.dim(0);
+  if (out.dtype != DType::kF32 || out.rank != 3 || out.dim(0) != m || out.dim(1) != hq_ ||
+      out.dim(2) != d_ || lse.dtype != DType::kF32 || lse.rank != 2 || lse.dim(0) != m ||
+      lse.dim(1) != hq_) {
+    return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: chunk out/lse must be f32 [",
+                                                   m, ", ", hq_, ", ", d_, "] / [", m, ", ", hq_,
+                                                   "], got ", out.DebugString(), " / ",
+                                                   lse.DebugString()));
+  }
+  const int64_t len = cache.length(layer);
+  if (q_begin < 0 || q_begin + m > len) {
+    return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: chunk [", q_begin, ", ",
+                                                   q_begin + m, ") not in the cache of length ",
+                                                   len));
+  }
+  if (position_offset < 0 ||
+      position_offset + len > static_cast<int64_t>(std::numeric_limits<int32_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: position offset ",
+                                                   position_offset, " out of range"));
+  }
+  if (!table_ready_[layer]) {
+    return absl::FailedPreconditionError("DevicePolicy: AttendChunk before any OnAppend");
+  }
+  const int64_t sink_end = std::min<int64_t>(options_.sink_tokens, len);
+  const int64_t window_begin =
+      std::clamp<int64_t>(q_begin - options_.window_tokens, sink_end, len);
+  const bool exact = dense_layer_[layer] || window_begin - sink_end <= options_.token_budget;
+  std::vector<KvSpan>& spans = chunk_selection_.spans;
+  chunk_selection_.Clear();
+  chunk_selection_.offsets.push_back(0);
+  int64_t attended = 0;
+  if (exact) {
+    for (int g = 0; g < hkv_; ++g) {
+      cache.AppendSpans(layer, g, 0, len, &spans);
+      chunk_selection_.offsets.push_back(static_cast<int32_t>(spans.size()));
+    }
+    attended = hkv_ * len;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(const TensorView qm, MeanQuery(q, stream));
+    STRATA_ASSIGN_OR_RETURN(const CandidateList middle,
+                            SelectMiddle(layer, qm, cache, sink_end, window_begin, stream));
+    const int64_t per_head = middle.parents.dim(1);
+    selected_host_.resize(static_cast<size_t>(hkv_ * per_head));
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(selected_host_.data(), middle.parents.data,
+                                                selected_host_.size() * sizeof(int32_t),
+                                                stream));
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (int g = 0; g < hkv_; ++g) {
+      // The middle's token runs: each valid parent id p covers [p * fanout, (p + 1) * fanout)
+      // clipped to [sink_end, window_begin); sorted and joined where adjacent.
+      ranges.clear();
+      for (int64_t i = 0; i < per_head; ++i) {
+        const int64_t p = selected_host_[g * per_head + i];
+        if (p < 0) continue;
+        const int64_t b = std::max(p * middle.fanout, sink_end);
+        const int64_t e = std::min((p + 1) * middle.fanout, window_begin);
+        if (b < e) ranges.emplace_back(b, e);
+      }
+      std::sort(ranges.begin(), ranges.end());
+      cache.AppendSpans(layer, g, 0, sink_end, &spans);
+      int64_t run_b = -1, run_e = -1, taken = 0;
+      for (const auto& [b, e] : ranges) {
+        if (b < run_e) return absl::InternalError("DevicePolicy: overlapping selection");
+        if (b == run_e) {
+          run_e = e;
+          continue;
+        }
+        if (run_b >= 0) {
+          cache.AppendSpans(layer, g, run_b, run_e, &spans);
+          taken += run_e - run_b;
+        }
+        run_b = b;
+        run_e = e;
+      }
+      if (run_b >= 0) {
+        cache.AppendSpans(layer, g, run_b, run_e, &spans);
+        taken += run_e - run_b;
+      }
+      cache.AppendSpans(layer, g, window_begin, len, &spans);
+      chunk_selection_.offsets.push_back(static_cast<int32_t>(spans.size()));
+      attended += sink_end + taken + (len - window_begin);
+    }
+  }
+  if (position_offset != 0) {
+    for (KvSpan& s : spans) s.position += static_cast<int32_t>(position_offset);
+  }
+  chunk_positions_.resize(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) {
+    chunk_positions_[i] = static_cast<int32_t>(position_offset + q_begin + i);
+  }
+  kernels::PagedAttentionParams ap;
+  ap.q = q;
+  ap.k_pool = cache.k_pool(layer);
+  ap.v_pool = cache.v_pool(layer);
+  ap.spans = spans.data();
+  ap.span_offsets = chunk_selection_.offsets.data();
+  ap.num_kv_heads = hkv_;
+  ap.q_positions = chunk_positions_.data();
+  ap.causal = true;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(d_));
+  ap.out = out;
+  ap.lse = lse;
+  STRATA_RETURN_IF_ERROR(backend_->PagedAttention(ap, stream));
   counters_.candidate_tokens += hkv_ * len;
-  counters_.selected_tokens += hkv_ * (sink_end + planned + (len - window_begin));
+  counters_.selected_tokens += attended;
   return absl::OkStatus();
 }
 

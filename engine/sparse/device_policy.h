@@ -15,6 +15,17 @@
 // Used by engine::Transformer through ForwardOptions::device_policy (one-token segments), by
 // `strata generate` and by the worker's jobs (worker/worker.h, WorkerOptions::device_selection).
 //
+// Prefill chunks (AttendChunk): the chunk of m queries selects once, with its mean query (the
+// host policy's chunk path, TokenSelect's chunk-wise selection), on the backend; the selection
+// (per KV head at most B token ids or ceil(B / P) page ids, a few KB) is copied to the host, which
+// waits for the stream once per call; the spans sinks + selected middle + [q_begin - W, length)
+// are then attended by Backend::PagedAttention with causal positions (on CUDA the tensor-core
+// flash kernel). Differences from the host policy's chunk path, besides those above:
+//   - the mean query is computed on the backend by a tree of MergeAttention calls (at most 64
+//     parts each, equal weights through the parts' lse), so it differs from the host's running
+//     sum in rounding (~1e-7 relative): a near-tie in a page or token vote may go the other way;
+//   - the chunk is not split (the host policy does not split it either).
+//
 // Thread-compatible. The backend and the caches passed in must outlive the policy.
 #ifndef STRATA_ENGINE_SPARSE_DEVICE_POLICY_H_
 #define STRATA_ENGINE_SPARSE_DEVICE_POLICY_H_
@@ -55,13 +66,29 @@ class DevicePolicy {
                       const kernels::TensorView& out, const kernels::TensorView& lse,
                       kernels::Stream stream);
 
+  // Prefill-chunk attention of `layer` for the m = q.dim(0) >= 1 queries at cache positions
+  // [q_begin, q_begin + m) (q_begin + m <= cache.length(layer): the cache already holds them):
+  // q [m, num_q_heads, head_dim] f32 in backend memory (after RoPE); writes out [m, num_q_heads,
+  // head_dim] and lse [m, num_q_heads] (backend memory) as PagedAttention over, per KV head,
+  //   sinks [0, S), the middle selected with the chunk's mean query (everything when the middle
+  //   [S, q_begin - W) fits in the budget, or on a dense layer), and [max(S, q_begin - W), length)
+  // with causal masking by position (query i at position_offset + q_begin + i; span positions
+  // are cache index + position_offset, as engine::ForwardOptions::cache_first_position). Waits
+  // for `stream` once (the selection's copy to the host); PagedAttention is enqueued on `stream`.
+  // InvalidArgument for malformed views or positions; errors of the backend are passed through.
+  absl::Status AttendChunk(int layer, const kernels::TensorView& q, int64_t q_begin,
+                           const KvCache& cache, int64_t position_offset,
+                           const kernels::TensorView& out, const kernels::TensorView& lse,
+                           kernels::Stream stream);
+
   // What the Attend calls that succeeded attended, per KV head, as planned on the host (nothing
   // is read back from the backend): candidate_tokens += the cache length; selected_tokens += the
   // cache length where attention is exact (dense layer, or the middle fits in the budget), else
   // sinks + window + the middle's planned size: min(budget, ceil(budget * factor / P) * P) for
   // tokenselect (the top-k size), and min(ceil(budget / P) * P, middle) for quest (an upper
   // bound: a chosen page cut by the sink or window boundary attends fewer tokens). No selection
-  // cache, so cache_lookups and cache_hits stay 0.
+  // cache, so cache_lookups and cache_hits stay 0. AttendChunk calls add the cache length and the
+  // tokens actually attended (the selection is read back there), per KV head.
   const SelectionCounters& counters() const { return counters_; }
 
  private:
@@ -69,6 +96,17 @@ class DevicePolicy {
                kernels::Backend* backend);
   absl::Status Init();
   absl::Status CheckCache(int layer, const KvCache& cache) const;
+  // Queues the middle selection of `layer` for the queries q [num_q_heads, head_dim] over
+  // [sink_end, window_begin) (which must exceed the budget) and returns the middle as
+  // SelectedAttention reads it (parents in top_pages_ or top_tokens_).
+  absl::StatusOr<kernels::CandidateList> SelectMiddle(int layer, const kernels::TensorView& q,
+                                                      const KvCache& cache, int64_t sink_end,
+                                                      int64_t window_begin,
+                                                      kernels::Stream stream);
+  // The mean over rows of q [m, num_q_heads, head_dim] (backend memory) as [num_q_heads,
+  // head_dim] in backend memory (q itself for m == 1), through MergeAttention.
+  absl::StatusOr<kernels::TensorView> MeanQuery(const kernels::TensorView& q,
+                                                kernels::Stream stream);
 
   PolicyOptions options_;
   KvCacheOptions cache_options_;
@@ -84,6 +122,20 @@ class DevicePolicy {
   std::unique_ptr<kernels::Buffer> seg_scores_, page_scores_, tok_scores_, top_segs_, top_pages_,
       top_tokens_;
   SelectionCounters counters_;
+  // AttendChunk state: the mean-query merge plan for mean_rows_ rows (per level: rows in, rows
+  // out, part starts; the parts' lse in mean_lse_, uploaded per plan), ping-pong outputs, the
+  // selection read back, the spans and query positions for PagedAttention.
+  struct MergeLevel {
+    int64_t rows_in = 0, rows_out = 0;
+    std::vector<int64_t> starts;
+    int64_t lse_offset = 0;  // floats into mean_lse_
+  };
+  int64_t mean_rows_ = 0;
+  std::vector<MergeLevel> mean_plan_;
+  std::unique_ptr<kernels::Buffer> mean_lse_, mean_out_[2], mean_out_lse_[2];
+  std::vector<int32_t> selected_host_;
+  Selection chunk_selection_;
+  std::vector<int32_t> chunk_positions_;
 };
 
 }  // namespace strata::engine::sparse

@@ -82,5 +82,72 @@ TEST(DevicePolicyForwardTest, DecodeThroughDevicePolicyMatchesHostPolicy) {
   EXPECT_GT(from_dense, 1e-3);
 }
 
+TEST(DevicePolicyForwardTest, PrefillChunksThroughDevicePolicyMatchHostPolicy) {
+  test_model::RefModel ref;
+  auto m = test_model::MakeModel(DType::kF32, false, false, &ref);
+  const model::ModelConfig& c = m->config;
+  auto backend = kernels::MakeCpuBackend(1);
+  TransformerOptions topt;
+  topt.prefill_chunk_size = 96;  // chunks of 96 and a last one of 41
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(c, m->weights, backend.get(), topt));
+  const int prompt = 617, page = 16;
+  PolicyOptions o;
+  o.kind = PolicyKind::kTokenSelect;
+  o.token_budget = 64;
+  o.sink_tokens = 16;
+  o.window_tokens = 32;
+  o.page_size = page;
+  o.segment_pages = 4;
+  o.min_segments = 4;
+  o.two_level_min_pages = 16;
+  o.cache_theta = 2.0;
+  std::mt19937 rng(7);
+  std::vector<int32_t> ids(prompt);
+  for (int32_t& x : ids) x = static_cast<int32_t>(rng() % c.vocab_size);
+  const int64_t V = c.vocab_size;
+
+  // All prompt logits: through the host policy, or the DevicePolicy (dense host policy told of
+  // appends only), or dense.
+  auto run = [&](const PolicyOptions& po, bool device, bool dense) -> std::vector<float> {
+    auto cache = std::move(KvCache::Create(tf->MakeCacheOptions(prompt, page),
+                                           backend.get())).value();
+    std::unique_ptr<AttentionPolicy> policy =
+        dense || device ? MakeDensePolicy()
+                        : std::move(MakeAttentionPolicy(po, c.num_layers, c.num_heads,
+                                                        c.num_kv_heads, c.head_dim)).value();
+    std::unique_ptr<DevicePolicy> dp;
+    ForwardOptions fo;
+    if (device) {
+      dp = std::move(DevicePolicy::Create(po, cache->options(), c.num_heads, backend.get()))
+               .value();
+      fo.device_policy = dp.get();
+      fo.device_prefill = true;
+    }
+    std::vector<float> logits(static_cast<size_t>(prompt) * V, NAN);
+    EXPECT_TRUE(tf->Forward(ids.data(), prompt, 0, cache.get(), policy.get(), logits.data(),
+                            true, fo).ok());
+    if (device && po.token_budget < prompt) {
+      EXPECT_GT(dp->counters().candidate_tokens, dp->counters().selected_tokens);
+    }
+    return logits;
+  };
+  const std::vector<float> host = run(o, false, false), device = run(o, true, false);
+  const std::vector<float> dense = run(o, false, true);
+  PolicyOptions all = o;
+  all.token_budget = prompt;
+  const std::vector<float> device_all = run(all, true, false);
+  double worst = 0, from_dense = 0, all_from_dense = 0;
+  for (size_t i = 0; i < host.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(device[i])) << i;
+    worst = std::max(worst, std::fabs(static_cast<double>(host[i]) - device[i]));
+    from_dense = std::max(from_dense, std::fabs(static_cast<double>(dense[i]) - device[i]));
+    all_from_dense =
+        std::max(all_from_dense, std::fabs(static_cast<double>(dense[i]) - device_all[i]));
+  }
+  EXPECT_LE(worst, 1e-4);
+  EXPECT_GT(from_dense, 1e-3);
+  EXPECT_LE(all_from_dense, 1e-5);
+}
+
 }  // namespace
 }  // namespace strata::engine::sparse

@@ -3,7 +3,10 @@
 // policies told), then several decode steps (one token appended, then attention) must give the
 // output of PagedAttention over the host policy's spans. Covers two-level and one-level ranking,
 // the short-context case (the middle fits in the budget), dense layers, f32 and bf16 caches, and
-// the errors.
+// the errors. Prefill chunks (AttendChunk): the same comparison for chunks of 1, 3, 17, 129 and
+// 700 queries (the mean query's merge tree with one, two and three levels, a shifted last part),
+// contexts that are not multiples of the page size, exactness when the budget covers the context,
+// and the errors.
 #include "engine/sparse/device_policy.h"
 
 #include <cmath>
@@ -165,6 +168,223 @@ TEST(DevicePolicyErrorsTest, RejectsWhatItCannotRun) {
   for (int i = 0; i < kHq * kD; ++i) EXPECT_NEAR(out[i], 0.5f, 1e-6);
   EXPECT_THAT(dev->Attend(1, qv, *cache, ov, lv, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));  // layer out of range
+}
+
+// ---- Prefill chunks (AttendChunk) ------------------------------------------------------------
+
+struct ChunkCase {
+  PolicyKind kind;
+  DType dtype;
+  int64_t context;  // tokens before the chunk
+  int64_t chunk;    // queries in the chunk
+};
+
+// Appends `n` random tokens to every layer of `cache`, telling `host` (when set) and `dev`.
+void AppendRandom(KvCache* cache, SparsePolicy* host, DevicePolicy* dev, int64_t n,
+                  std::mt19937* rng) {
+  std::normal_distribution<float> nd;
+  std::vector<float> k(static_cast<size_t>(n) * kHkv * kD), v(k.size());
+  for (float& x : k) x = nd(*rng);
+  for (float& x : v) x = nd(*rng);
+  for (int l = 0; l < kLayers; ++l) {
+    const int64_t first = cache->length(l);
+    STRATA_ASSERT_OK(cache->Append(l, TensorView(k.data(), DType::kF32, {n, kHkv, kD}),
+                                   TensorView(v.data(), DType::kF32, {n, kHkv, kD})));
+    if (host != nullptr) STRATA_ASSERT_OK(host->OnAppend(l, *cache, first, first + n));
+    STRATA_ASSERT_OK(dev->OnAppend(l, *cache, first, first + n, nullptr));
+  }
+}
+
+// PagedAttention of q [m, kHq, kD] at positions [q_begin, q_begin + m) over `sel`.
+void HostAttention(kernels::Backend* cpu, const KvCache& cache, int layer, const Selection& sel,
+                   const std::vector<float>& q, int64_t m, int64_t q_begin,
+                   std::vector<float>* out, std::vector<float>* lse) {
+  std::vector<int32_t> pos(m);
+  for (int64_t i = 0; i < m; ++i) pos[i] = static_cast<int32_t>(q_begin + i);
+  out->assign(static_cast<size_t>(m) * kHq * kD, NAN);
+  lse->assign(static_cast<size_t>(m) * kHq, NAN);
+  kernels::PagedAttentionParams pa;
+  pa.q = TensorView(const_cast<float*>(q.data()), DType::kF32, {m, kHq, kD});
+  pa.k_pool = cache.k_pool(layer);
+  pa.v_pool = cache.v_pool(layer);
+  pa.spans = sel.spans.data();
+  pa.span_offsets = sel.offsets.data();
+  pa.num_kv_heads = kHkv;
+  pa.q_positions = pos.data();
+  pa.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+  pa.out = TensorView(out->data(), DType::kF32, {m, kHq, kD});
+  pa.lse = TensorView(lse->data(), DType::kF32, {m, kHq});
+  STRATA_ASSERT_OK(cpu->PagedAttention(pa, nullptr));
+}
+
+class DevicePolicyChunkTest : public ::testing::TestWithParam<ChunkCase> {};
+
+// A chunk through AttendChunk gives the output of PagedAttention over the host policy's spans
+// for the same chunk (mean query, sinks, window before the chunk, the chunk causally), and (where
+// the middle exceeds the budget on a sparse layer) not the dense output.
+TEST_P(DevicePolicyChunkTest, ChunkMatchesHostPolicy) {
+  const ChunkCase c = GetParam();
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+  KvCacheOptions co;
+  co.num_layers = kLayers;
+  co.num_kv_heads = kHkv;
+  co.head_dim = kD;
+  co.page_size = kPage;
+  co.dtype = c.dtype;
+  co.max_tokens = c.context + c.chunk;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
+  const PolicyOptions o = Options(c.kind);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
+  std::unique_ptr<AttentionPolicy> dense = MakeDensePolicy();
+  std::mt19937 rng(5 + static_cast<int>(c.context * 31 + c.chunk) + static_cast<int>(c.kind));
+  for (int64_t t = 0; t < c.context;) {
+    const int64_t n = std::min<int64_t>(c.context - t, 1 + rng() % 300);
+    AppendRandom(cache.get(), host.get(), dev.get(), n, &rng);
+    t += n;
+  }
+  AppendRandom(cache.get(), host.get(), dev.get(), c.chunk, &rng);
+  const int64_t m = c.chunk, q_begin = c.context;
+  std::normal_distribution<float> nd;
+  std::vector<float> q(static_cast<size_t>(m) * kHq * kD);
+  for (float& x : q) x = 2.0f * nd(rng);
+  const bool sparse_case =
+      q_begin - o.window_tokens - o.sink_tokens > o.token_budget;  // the middle exceeds B
+  for (int l = 0; l < kLayers; ++l) {
+    SCOPED_TRACE(::testing::Message() << "layer " << l);
+    Selection sel, all;
+    STRATA_ASSERT_OK(host->Select(l, q.data(), static_cast<int>(m), kHq, q_begin, *cache, &sel));
+    STRATA_ASSERT_OK(dense->Select(l, q.data(), static_cast<int>(m), kHq, q_begin, *cache, &all));
+    std::vector<float> want, want_lse, exact, exact_lse;
+    HostAttention(cpu.get(), *cache, l, sel, q, m, q_begin, &want, &want_lse);
+    HostAttention(cpu.get(), *cache, l, all, q, m, q_begin, &exact, &exact_lse);
+    std::vector<float> got(want.size(), NAN), got_lse(want_lse.size(), NAN);
+    STRATA_ASSERT_OK(dev->AttendChunk(l, TensorView(q.data(), DType::kF32, {m, kHq, kD}),
+                                      q_begin, *cache, 0,
+                                      TensorView(got.data(), DType::kF32, {m, kHq, kD}),
+                                      TensorView(got_lse.data(), DType::kF32, {m, kHq}),
+                                      nullptr));
+    double from_dense = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << i;
+      ASSERT_NEAR(got[i], want[i], 1e-4) << i;
+      from_dense = std::max(from_dense, std::fabs(static_cast<double>(got[i]) - exact[i]));
+    }
+    for (size_t i = 0; i < want_lse.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got_lse[i])) << i;
+      ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
+    }
+    if (sparse_case && l == 0) {
+      EXPECT_GT(from_dense, 1e-3);  // layer 0 is sparse: really a selection
+    } else {
+      EXPECT_LE(from_dense, 1e-5);  // dense layer 1, or the middle fits: exact
+    }
+  }
+  EXPECT_EQ(dev->counters().candidate_tokens, host->counters().candidate_tokens);
+  EXPECT_EQ(dev->counters().selected_tokens, host->counters().selected_tokens);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DevicePolicyChunkTest,
+    ::testing::Values(ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 3000, 1},   // two-level
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 3001, 3},
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kBF16, 2999, 17},
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 3000, 129},
+                      ChunkCase{PolicyKind::kQuest, DType::kF32, 3003, 17},
+                      ChunkCase{PolicyKind::kQuest, DType::kBF16, 701, 129},       // one-level
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 701, 3},
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 400, 700},  // 3 levels
+                      ChunkCase{PolicyKind::kQuest, DType::kF32, 450, 700},
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 150, 129},  // middle fits
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 0, 17}));   // first chunk
+
+// With a budget that covers the whole middle every layer attends to everything: the output is
+// that of dense attention, whatever the chunk.
+TEST(DevicePolicyChunkExactTest, BudgetCoveringTheContextIsDense) {
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+  const int64_t context = 1000, m = 37;
+  KvCacheOptions co;
+  co.num_layers = kLayers;
+  co.num_kv_heads = kHkv;
+  co.head_dim = kD;
+  co.page_size = kPage;
+  co.max_tokens = context + 2 * m;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
+  PolicyOptions o = Options(PolicyKind::kTokenSelect);
+  o.dense_layers.clear();
+  o.token_budget = static_cast<int>(context + 2 * m);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
+  std::unique_ptr<AttentionPolicy> dense = MakeDensePolicy();
+  std::mt19937 rng(3);
+  AppendRandom(cache.get(), nullptr, dev.get(), context, &rng);
+  std::normal_distribution<float> nd;
+  for (int round = 0; round < 2; ++round) {
+    AppendRandom(cache.get(), nullptr, dev.get(), m, &rng);
+    const int64_t q_begin = cache->length(0) - m;
+    std::vector<float> q(static_cast<size_t>(m) * kHq * kD);
+    for (float& x : q) x = 2.0f * nd(rng);
+    for (int l = 0; l < kLayers; ++l) {
+      Selection all;
+      STRATA_ASSERT_OK(dense->Select(l, q.data(), static_cast<int>(m), kHq, q_begin, *cache, &all));
+      std::vector<float> exact, exact_lse;
+      HostAttention(cpu.get(), *cache, l, all, q, m, q_begin, &exact, &exact_lse);
+      std::vector<float> got(exact.size(), NAN), got_lse(exact_lse.size(), NAN);
+      STRATA_ASSERT_OK(dev->AttendChunk(l, TensorView(q.data(), DType::kF32, {m, kHq, kD}),
+                                        q_begin, *cache, 0,
+                                        TensorView(got.data(), DType::kF32, {m, kHq, kD}),
+                                        TensorView(got_lse.data(), DType::kF32, {m, kHq}),
+                                        nullptr));
+      for (size_t i = 0; i < exact.size(); ++i) ASSERT_EQ(got[i], exact[i]) << i;
+      for (size_t i = 0; i < exact_lse.size(); ++i) ASSERT_EQ(got_lse[i], exact_lse[i]) << i;
+    }
+  }
+  EXPECT_EQ(dev->counters().selected_tokens, dev->counters().candidate_tokens);
+}
+
+TEST(DevicePolicyChunkErrorsTest, RejectsMalformedChunks) {
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+  KvCacheOptions co;
+  co.num_layers = kLayers;
+  co.num_kv_heads = kHkv;
+  co.head_dim = kD;
+  co.page_size = kPage;
+  co.max_tokens = 256;
+  const PolicyOptions o = Options(PolicyKind::kTokenSelect);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
+  const int64_t m = 4;
+  std::vector<float> q(m * kHq * kD, 0.25f), out(q.size()), lse(m * kHq);
+  const TensorView qv(q.data(), DType::kF32, {m, kHq, kD});
+  const TensorView ov(out.data(), DType::kF32, {m, kHq, kD});
+  const TensorView lv(lse.data(), DType::kF32, {m, kHq});
+  EXPECT_THAT(dev->AttendChunk(0, qv, 0, *cache, 0, ov, lv, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // the cache does not hold them
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<float> kv(10 * kHkv * kD, 0.5f);
+    STRATA_ASSERT_OK(cache->Append(l, TensorView(kv.data(), DType::kF32, {10, kHkv, kD}),
+                                   TensorView(kv.data(), DType::kF32, {10, kHkv, kD})));
+  }
+  EXPECT_THAT(dev->AttendChunk(0, qv, 6, *cache, 0, ov, lv, nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition));  // no OnAppend yet
+  STRATA_ASSERT_OK(dev->OnAppend(0, *cache, 0, 10, nullptr));
+  EXPECT_THAT(dev->AttendChunk(0, qv, 7, *cache, 0, ov, lv, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // past the cache length
+  EXPECT_THAT(dev->AttendChunk(0, qv, -1, *cache, 0, ov, lv, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(dev->AttendChunk(0, qv, 6, *cache, -5, ov, lv, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // negative position offset
+  EXPECT_THAT(dev->AttendChunk(0, qv, 6, *cache, 0, TensorView(out.data(), DType::kF32,
+                                                                {m - 1, kHq, kD}),
+                               lv, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // out of another shape
+  EXPECT_THAT(dev->AttendChunk(0, TensorView(q.data(), DType::kF32, {m, kHq + 1, kD}), 6,
+                               *cache, 0, ov, lv, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(dev->AttendChunk(2, qv, 6, *cache, 0, ov, lv, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // layer out of range
+  // Equal keys and values: every query averages the same value, whatever it attends.
+  STRATA_ASSERT_OK(dev->AttendChunk(0, qv, 6, *cache, 100, ov, lv, nullptr));
+  for (float x : out) EXPECT_NEAR(x, 0.5f, 1e-6);
 }
 
 }  // namespace
