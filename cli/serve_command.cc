@@ -83,6 +83,7 @@ int Serve(const ServeFlags& f) {
   coordinator::CoordinatorMetrics coordinator_metrics(*registry);
   kvstore::KvMetrics kv_metrics(registry.get());
   worker::WorkerMetrics worker_metrics(registry.get());
+  worker_metrics.kv = &kv_metrics;  // lazy-mount jobs count their GPU page caches (tier "gpu")
   std::unique_ptr<prometheus::Exposer> exposer;
   int metrics_port = 0;
   if (absl::Status s = StartMetrics(f.metrics_listen, registry, &exposer, &metrics_port); !s.ok()) {

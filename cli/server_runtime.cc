@@ -97,7 +97,8 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->Bool("lazy-mount", &lazy_mount,
               "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen "
               "pages on demand (opt-in; page-level choice, see docs/design.md)");
-  flags->Int("lazy-cache-pages", &lazy_cache_pages, "with --lazy-mount: pages held per job (LRU)");
+  flags->Int("lazy-cache-pages", &lazy_cache_pages,
+             "with --lazy-mount: GPU page cache slots per job (clock eviction; at least one layer step's pages)");
   flags->String("device-selection", &device_selection,
                 "auto|on|off: quest/tokenselect decode steps select on the backend (auto: when it is not the "
                 "CPU backend; on: also on the CPU backend)");

@@ -68,6 +68,7 @@ int Run(const WorkerFlags& f) {
   auto registry = std::make_shared<prometheus::Registry>();
   kvstore::KvMetrics kv_metrics(registry.get());
   worker::WorkerMetrics worker_metrics(registry.get());
+  worker_metrics.kv = &kv_metrics;  // lazy-mount jobs count their GPU page caches (tier "gpu")
   std::unique_ptr<prometheus::Exposer> exposer;
   int metrics_port = 0;
   if (absl::Status s = StartMetrics(f.metrics_listen, registry, &exposer, &metrics_port); !s.ok()) {

@@ -92,8 +92,13 @@ absl::Status GpuPageCache::Init() {
     STRATA_ASSIGN_OR_RETURN(s.value, backend_->AllocateHost(2 * batch * sizeof(int32_t)));
     STRATA_ASSIGN_OR_RETURN(s.sources, backend_->AllocateHost(batch * sizeof(const void*)));
   }
-  m_.capacity_bytes->Set(static_cast<double>(n * page_bytes_));
-  m_.resident_bytes->Set(0);
+  if (options_.additive_gauges) {
+    published_capacity_ = static_cast<double>(n * page_bytes_);
+    m_.capacity_bytes->Increment(published_capacity_);
+  } else {
+    m_.capacity_bytes->Set(static_cast<double>(n * page_bytes_));
+    m_.resident_bytes->Set(0);
+  }
   if (options_.hold_source_pages) {
     // Every page, looked up and checked once, in batches (FetchFromSource reads held_ only when
     // it is complete).
@@ -116,7 +121,12 @@ GpuPageCache::~GpuPageCache() {
   std::lock_guard<std::mutex> lock(mu_);
   // Fills still in flight read the staging buffers freed below: let them land first.
   if (issued_seq_ > completed_seq_) (void)backend_->Synchronize(options_.stream);
-  m_.resident_bytes->Set(0);
+  if (options_.additive_gauges) {
+    m_.resident_bytes->Decrement(published_resident_);
+    m_.capacity_bytes->Decrement(published_capacity_);
+  } else {
+    m_.resident_bytes->Set(0);
+  }
 }
 
 absl::StatusOr<int64_t> GpuPageCache::FlatIndex(const GpuPageId& p) const {
@@ -555,7 +565,13 @@ GpuCacheStats GpuPageCache::stats() const {
 }
 
 void GpuPageCache::PublishGauges() {
-  m_.resident_bytes->Set(static_cast<double>(resident_) * static_cast<double>(page_bytes_));
+  const double resident = static_cast<double>(resident_) * static_cast<double>(page_bytes_);
+  if (options_.additive_gauges) {
+    m_.resident_bytes->Increment(resident - published_resident_);
+    published_resident_ = resident;
+  } else {
+    m_.resident_bytes->Set(resident);
+  }
 }
 
 }  // namespace strata::kvstore

@@ -85,6 +85,11 @@ struct GpuCacheOptions {
   // missing. Memory: one PageRef (16 bytes) per page. Default: false (look misses up per call).
   bool hold_source_pages = false;
   KvMetrics* metrics = nullptr; // default (null): a private registry; not owned
+  // For several caches sharing `metrics` (e.g. one per worker job): the resident and capacity
+  // gauges are changed by this cache's own amounts (added at Create and as pages come and go,
+  // taken back when the cache is destroyed), so they read the sum over the caches alive.
+  // Default: false (the gauges are set to this cache's values).
+  bool additive_gauges = false;
   kernels::Stream stream = nullptr;  // where fills run (nullptr: the backend's default)
 
   absl::Status Validate() const;
@@ -206,6 +211,8 @@ class GpuPageCache {
   std::unique_ptr<KvMetrics> own_metrics_;
   TierMetrics m_;
   prometheus::Counter* fetch_bytes_ = nullptr;
+  double published_capacity_ = 0;  // additive_gauges: what this cache added to the gauges
+  double published_resident_ = 0;  // guarded by mu_ (after Init)
 
   std::unique_ptr<kernels::Buffer> k_pool_, v_pool_, device_table_;
   std::vector<PageRef> held_;  // hold_source_pages: flat index -> page (immutable after Init)

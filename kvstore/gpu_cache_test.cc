@@ -436,6 +436,32 @@ TEST_F(GpuCacheTest, MetricsMoveUnderTierGpu) {
   EXPECT_EQ(fetched, 4 * page_bytes);
 }
 
+TEST_F(GpuCacheTest, AdditiveGaugesSumOverTheCachesAlive) {
+  // Two caches on one registry (e.g. two worker jobs): capacity and resident bytes add up, and a
+  // destroyed cache takes its own share back.
+  const double page_bytes = 2.0 * kP * kD * 2;
+  GpuCacheOptions o = Options(3);
+  o.additive_gauges = true;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto a, GpuPageCache::Create(o, backend_.get()));
+  o.num_slots = 5;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto b, GpuPageCache::Create(o, backend_.get()));
+  EXPECT_EQ(Counter("strata_kv_capacity_bytes", "gpu"), 8 * page_bytes);
+  std::vector<int32_t> slots;
+  STRATA_ASSERT_OK(a->Acquire(Pages({0, 1, 2}), MissPolicy::kWait, &slots));
+  STRATA_ASSERT_OK(a->Release(slots));
+  STRATA_ASSERT_OK(a->Acquire(Pages({3}), MissPolicy::kWait, &slots));  // evicts one: still 3
+  STRATA_ASSERT_OK(a->Release(slots));
+  STRATA_ASSERT_OK(b->Acquire(Pages({0, 1}), MissPolicy::kWait, &slots));
+  STRATA_ASSERT_OK(b->Release(slots));
+  EXPECT_EQ(Counter("strata_kv_resident_bytes", "gpu"), 5 * page_bytes);
+  a.reset();
+  EXPECT_EQ(Counter("strata_kv_capacity_bytes", "gpu"), 5 * page_bytes);
+  EXPECT_EQ(Counter("strata_kv_resident_bytes", "gpu"), 2 * page_bytes);
+  b.reset();
+  EXPECT_EQ(Counter("strata_kv_capacity_bytes", "gpu"), 0);
+  EXPECT_EQ(Counter("strata_kv_resident_bytes", "gpu"), 0);
+}
+
 TEST_F(GpuCacheTest, ErrorsChangeNothing) {
   auto c = Make(4);
   ASSERT_NE(c, nullptr);

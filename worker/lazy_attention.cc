@@ -1,172 +1,288 @@
-// Lazy mount of a READY document; see worker/lazy_attention.h.
+// Lazy mount of a READY document through the GPU page cache; see worker/lazy_attention.h.
 #include "worker/lazy_attention.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "kvstore/page_format.h"
 
 namespace strata::worker {
+namespace {
 
-absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Create(
-    const LazyAttentionOptions& o, kernels::Backend* backend) {
-  if (o.store == nullptr || !o.chooser || backend == nullptr) {
-    return absl::InvalidArgumentError("LazyDocumentAttention: store, chooser and backend are required");
+// The cache's source: the worker's page store, counting the pages each tier served. A page no
+// tier holds is DataLoss (the document is READY, so every page was persisted).
+class TierCountingStore final : public kvstore::PageStore {
+ public:
+  TierCountingStore(kvstore::PageStore* store, kvstore::DocumentId document)
+      : store_(store), tiered_(dynamic_cast<kvstore::TieredStore*>(store)), document_(document) {}
+  const char* tier() const override { return store_->tier(); }
+  absl::Status GetPages(absl::Span<const kvstore::PageKey> keys, std::vector<kvstore::PageRef>* out) override {
+    if (tiered_ != nullptr) {
+      STRATA_RETURN_IF_ERROR(tiered_->GetPages(keys, out, &counts_));
+    } else {
+      STRATA_RETURN_IF_ERROR(store_->GetPages(keys, out));
+      (std::string(store_->tier()) == "remote" ? counts_.remote : counts_.local) += static_cast<int64_t>(keys.size());
+    }
+    if (out->size() != keys.size()) return absl::InternalError("lazy mount: short GetPages answer");
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if ((*out)[i] != nullptr) continue;
+      const kvstore::PageKey& k = keys[i];
+      return absl::DataLossError(absl::StrCat("document ", document_.ToHex(), " page (layer ", k.layer, ", head ",
+                                              k.kv_head, ", page ", k.page_index, ") is missing from the store"));
+    }
+    return absl::OkStatus();
   }
-  if (backend->Name() != "cpu") {
-    return absl::InvalidArgumentError("LazyDocumentAttention: the page cache is host memory (CPU backend only)");
+  absl::Status Put(absl::Span<const kvstore::PageWrite>, absl::Span<const kvstore::SummaryWrite>) override {
+    return absl::FailedPreconditionError("lazy mount: the page cache's source is read-only");
   }
-  if (o.document_tokens <= 0 || o.page_size <= 0 || o.num_layers <= 0 || o.num_kv_heads <= 0 ||
-      o.num_kv_heads > 4096 || o.head_dim <= 0 || o.capacity_pages <= 0) {
-    return absl::InvalidArgumentError("LazyDocumentAttention: non-positive sizes");
+  absl::Status GetSummaries(absl::Span<const kvstore::SummaryKey> keys, std::vector<kvstore::PageRef>* out) override {
+    return store_->GetSummaries(keys, out);
   }
-  std::unique_ptr<LazyDocumentAttention> a(new LazyDocumentAttention(o, backend));
-  // Slots are allocated as pages arrive (a small document never takes capacity_pages of memory).
-  return a;
+  const kvstore::TierCounts& counts() const { return counts_; }
+
+ private:
+  kvstore::PageStore* const store_;
+  kvstore::TieredStore* const tiered_;
+  const kvstore::DocumentId document_;
+  kvstore::TierCounts counts_;
+};
+
+}  // namespace
+
+struct LazyDocumentAttention::State {
+  LazyAttentionOptions o;
+  kernels::Backend* backend = nullptr;
+  int64_t num_pages = 0;       // per (layer, KV head)
+  int64_t window_first = 1;    // first window page
+  int64_t k = 0;               // middle pages chosen per head
+  std::unique_ptr<TierCountingStore> source;
+  engine::PageChooser host_chooser;
+  std::unique_ptr<kvstore::GpuPageCache> cache;
+  std::unique_ptr<engine::GpuCacheAttention> hook;
+  engine::SelectionCounters counters;
+  int64_t device_choices = 0;
+  // Device chooser: per layer, summaries [hkv, pages, 2 d] f32 in backend memory (null until
+  // first used), scores, the selection and its host copy.
+  std::vector<std::unique_ptr<kernels::Buffer>> summaries;
+  std::unique_ptr<kernels::Buffer> scores, selected;
+  std::vector<int32_t> host_selected;
+  std::vector<float> q_host;
+
+  int32_t PageTokens(int64_t p) const {
+    return static_cast<int32_t>(std::min<int64_t>(o.page_size, o.document_tokens - p * o.page_size));
+  }
+  void Count(const std::vector<int32_t>& pages) {
+    counters.candidate_tokens += o.document_tokens;
+    for (int32_t p : pages) counters.selected_tokens += PageTokens(p);
+  }
+  absl::Status LoadSummaries(int layer);
+  absl::Status ChooseOnDevice(int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages);
+};
+
+absl::Status LazyDocumentAttention::State::LoadSummaries(int layer) {
+  const int hkv = o.num_kv_heads, d = o.head_dim;
+  const size_t row = static_cast<size_t>(2) * d;
+  std::vector<kvstore::SummaryKey> keys(static_cast<size_t>(hkv) * num_pages);
+  for (int g = 0; g < hkv; ++g) {
+    for (int64_t p = 0; p < num_pages; ++p) {
+      keys[static_cast<size_t>(g) * num_pages + p] = kvstore::SummaryKey{
+          o.document, static_cast<uint32_t>(layer), static_cast<uint32_t>(g), o.summary_kind, static_cast<uint32_t>(p)};
+    }
+  }
+  std::vector<kvstore::PageRef> got;
+  STRATA_RETURN_IF_ERROR(o.store->GetSummaries(keys, &got));
+  if (got.size() != keys.size()) return absl::InternalError("lazy mount: short GetSummaries answer");
+  std::vector<float> host(keys.size() * row);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (got[i] == nullptr || got[i]->size() != row * sizeof(float)) {
+      return absl::NotFoundError(absl::StrCat("lazy mount: no minmax summary of page ", keys[i].index, " (layer ",
+                                              layer, ", kv head ", keys[i].kv_head, ")"));
+    }
+    std::memcpy(&host[i * row], got[i]->data(), row * sizeof(float));
+  }
+  STRATA_ASSIGN_OR_RETURN(summaries[layer], backend->Allocate(host.size() * sizeof(float)));
+  STRATA_RETURN_IF_ERROR(backend->CopyToDevice(summaries[layer]->data(), host.data(), host.size() * sizeof(float), nullptr));
+  return absl::OkStatus();
 }
 
-absl::Status LazyDocumentAttention::Resident(const std::vector<kvstore::PageKey>& keys, std::vector<int32_t>* slots) {
-  const int P = options_.page_size, d = options_.head_dim;
-  const size_t page_floats = static_cast<size_t>(P) * d;
-  slots->assign(keys.size(), -1);
-  auto id_of = [&](const kvstore::PageKey& k) {
-    return ((static_cast<uint64_t>(k.layer) * options_.num_kv_heads + k.kv_head) << 32) | k.page_index;
-  };
-  // Hits first: they move to the front, so evictions below never take a page of this call.
-  std::vector<size_t> miss;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    auto it = map_.find(id_of(keys[i]));
-    if (it == map_.end()) {
-      miss.push_back(i);
-      continue;
-    }
-    lru_.splice(lru_.begin(), lru_, it->second.lru);
-    (*slots)[i] = it->second.slot;
-    ++hits_;
+absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kernels::TensorView& q,
+                                                          std::vector<std::vector<int32_t>>* pages) {
+  const int hkv = o.num_kv_heads, d = o.head_dim;
+  if (layer < 0 || layer >= o.num_layers || q.rank != 3 || q.dim(2) != d || q.dim(1) % hkv != 0 ||
+      static_cast<int>(pages->size()) != hkv) {
+    return absl::InvalidArgumentError("lazy mount: device chooser called with a bad layer or query shape");
   }
-  if (miss.empty()) return absl::OkStatus();
-  misses_ += static_cast<int64_t>(miss.size());
-  std::vector<kvstore::PageKey> fetch;
-  fetch.reserve(miss.size());
-  for (size_t i : miss) fetch.push_back(keys[i]);
-  std::vector<kvstore::PageRef> got;
-  if (auto* tiered = dynamic_cast<kvstore::TieredStore*>(options_.store); tiered != nullptr) {
-    STRATA_RETURN_IF_ERROR(tiered->GetPages(fetch, &got, &pages_));
+  const int num_tokens = static_cast<int>(q.dim(0));
+  const int hq = static_cast<int>(q.dim(1));
+  if (num_tokens != 1) {
+    // A prompt chunk: the host chooser (its vote sums over the chunk's tokens).
+    const size_t floats = static_cast<size_t>(num_tokens) * hq * d;
+    q_host.resize(floats);
+    STRATA_RETURN_IF_ERROR(backend->CopyToHost(q_host.data(), q.data, floats * sizeof(float), nullptr));
+    for (int g = 0; g < hkv; ++g) {
+      STRATA_RETURN_IF_ERROR(host_chooser(layer, g, q_host.data(), num_tokens, hq, &(*pages)[g]));
+      Count((*pages)[g]);
+    }
+    return absl::OkStatus();
+  }
+  const int64_t n = window_first - 1;  // middle candidates [1, window_first)
+  const int group = hq / hkv;
+  if (n > 0 && k > 0) {
+    if (summaries[layer] == nullptr) STRATA_RETURN_IF_ERROR(LoadSummaries(layer));
+    const size_t score_bytes = static_cast<size_t>(hq) * n * sizeof(float);
+    if (scores == nullptr || scores->bytes() < score_bytes) {
+      STRATA_ASSIGN_OR_RETURN(scores, backend->Allocate(score_bytes));
+    }
+    if (selected == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(selected, backend->Allocate(static_cast<size_t>(hkv) * k * sizeof(int32_t)));
+    }
+    kernels::CandidateList cand;
+    cand.begin = 1;
+    cand.end = window_first;
+    kernels::ScoreSummariesParams sp;
+    sp.q = kernels::TensorView(q.data, kernels::DType::kF32, {hq, d});
+    sp.summaries = summaries[layer]->View(kernels::DType::kF32, {hkv, num_pages, 2 * d});
+    sp.candidates = cand;
+    sp.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    sp.scores = scores->View(kernels::DType::kF32, {hkv, group, n});
+    STRATA_RETURN_IF_ERROR(backend->ScoreSummaries(sp, nullptr));
+    kernels::VoteTopKParams vp;
+    vp.scores = sp.scores;
+    vp.candidates = cand;
+    vp.k = k;
+    vp.selected = selected->View(kernels::DType::kI32, {hkv, k});
+    STRATA_RETURN_IF_ERROR(backend->VoteTopK(vp, nullptr));
+    host_selected.resize(static_cast<size_t>(hkv) * k);
+    STRATA_RETURN_IF_ERROR(
+        backend->CopyToHost(host_selected.data(), selected->data(), host_selected.size() * sizeof(int32_t), nullptr));
   } else {
-    STRATA_RETURN_IF_ERROR(options_.store->GetPages(fetch, &got));
-    (std::string(options_.store->tier()) == "remote" ? pages_.remote : pages_.local) +=
-        static_cast<int64_t>(fetch.size());
+    host_selected.assign(static_cast<size_t>(hkv) * std::max<int64_t>(k, 0), -1);
   }
-  if (got.size() != fetch.size()) return absl::InternalError("LazyDocumentAttention: short GetPages answer");
-  // Grow the pool when the capacity (or this call's need) allows more slots.
-  const int64_t need = static_cast<int64_t>(keys.size());
-  const int64_t want = std::min<int64_t>(std::max(options_.capacity_pages, need),
-                                         static_cast<int64_t>(map_.size() + miss.size()));
-  if (want > slots_) {
-    k_pool_.resize(static_cast<size_t>(want) * page_floats, 0.0f);
-    v_pool_.resize(static_cast<size_t>(want) * page_floats, 0.0f);
-    for (int64_t s = want - 1; s >= slots_; --s) free_.push_back(static_cast<int32_t>(s));
-    slots_ = want;
+  for (int g = 0; g < hkv; ++g) {
+    std::vector<int32_t>& out = (*pages)[g];
+    out.push_back(0);
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t p = host_selected[static_cast<size_t>(g) * k + i];
+      if (p >= 1 && p < window_first) out.push_back(p);  // -1 pads
+    }
+    for (int64_t p = window_first; p < num_pages; ++p) out.push_back(static_cast<int32_t>(p));
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    Count(out);
   }
-  for (size_t j = 0; j < miss.size(); ++j) {
-    const kvstore::PageKey& k = fetch[j];
-    if (got[j] == nullptr) {
-      return absl::DataLossError(absl::StrCat("document ", options_.document.ToHex(), " page (layer ", k.layer,
-                                              ", head ", k.kv_head, ", page ", k.page_index,
-                                              ") is missing from the store"));
-    }
-    int32_t slot;
-    if (!free_.empty()) {
-      slot = free_.back();
-      free_.pop_back();
-    } else {
-      // The least recently used page; never one of this call (those are at the front).
-      const uint64_t victim = lru_.back();
-      lru_.pop_back();
-      auto it = map_.find(victim);
-      slot = it->second.slot;
-      map_.erase(it);
-    }
-    absl::Status s = kvstore::DecodePage(got[j]->view(), &k_pool_[static_cast<size_t>(slot) * page_floats],
-                                         &v_pool_[static_cast<size_t>(slot) * page_floats]);
-    if (!s.ok()) {
-      free_.push_back(slot);
-      return s;
-    }
-    lru_.push_front(id_of(k));
-    map_[id_of(k)] = Entry{slot, lru_.begin()};
-    (*slots)[miss[j]] = slot;
-  }
+  ++device_choices;
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Create(const LazyAttentionOptions& o,
+                                                                                    kernels::Backend* backend) {
+  if (o.store == nullptr || backend == nullptr) {
+    return absl::InvalidArgumentError("LazyDocumentAttention: store and backend are required");
+  }
+  if (o.document_tokens <= 0 || o.page_size <= 0 || o.num_layers <= 0 || o.num_kv_heads <= 0 ||
+      o.num_kv_heads > 4096 || o.head_dim <= 0 || o.capacity_pages <= 0 || o.budget_pages < 0 || o.window_pages < 0) {
+    return absl::InvalidArgumentError("LazyDocumentAttention: non-positive sizes");
+  }
+  auto st = std::make_unique<State>();
+  st->o = o;
+  st->backend = backend;
+  st->num_pages = (o.document_tokens + o.page_size - 1) / o.page_size;
+  st->window_first = std::max<int64_t>(1, st->num_pages - o.window_pages);
+  st->k = std::min<int64_t>(o.budget_pages, st->window_first - 1);
+  st->source = std::make_unique<TierCountingStore>(o.store, o.document);
+
+  engine::MinMaxChooserOptions co;
+  co.store = o.store;
+  co.document = o.document;
+  co.summary_kind = o.summary_kind;
+  co.num_layers = o.num_layers;
+  co.num_kv_heads = o.num_kv_heads;
+  co.head_dim = o.head_dim;
+  co.num_pages = st->num_pages;
+  co.budget_pages = o.budget_pages;
+  co.window_pages = o.window_pages;
+  st->host_chooser = engine::MakeMinMaxChooser(co);
+
+  const int64_t total = static_cast<int64_t>(o.num_layers) * o.num_kv_heads * st->num_pages;
+  const int64_t per_call =
+      static_cast<int64_t>(o.num_kv_heads) *
+      std::min<int64_t>(st->num_pages, 1 + static_cast<int64_t>(o.budget_pages) + o.window_pages);
+  kvstore::GpuCacheOptions go;
+  go.document = o.document;
+  go.num_layers = o.num_layers;
+  go.num_kv_heads = o.num_kv_heads;
+  go.pages_per_head = st->num_pages;
+  go.page_size = o.page_size;
+  go.head_dim = o.head_dim;
+  go.num_slots = std::max(std::min(o.capacity_pages, total), per_call);
+  go.max_batch_pages = static_cast<int>(std::min<int64_t>(1024, go.num_slots));
+  go.source = st->source.get();
+  go.metrics = o.metrics;
+  go.additive_gauges = true;
+  STRATA_ASSIGN_OR_RETURN(st->cache, kvstore::GpuPageCache::Create(go, backend));
+
+  const bool device = o.device_path < 0 ? backend->Name() != "cpu" : o.device_path > 0;
+  engine::GpuCacheAttentionOptions ao;
+  ao.document_tokens = o.document_tokens;
+  ao.max_pages_per_chunk = 0;  // the cache's slots: one chunk per call (slots >= one call's need)
+  State* s = st.get();
+  ao.chooser = [s](int layer, int kv_head, const float* q, int num_tokens, int num_q_heads,
+                   std::vector<int32_t>* pages) -> absl::Status {
+    STRATA_RETURN_IF_ERROR(s->host_chooser(layer, kv_head, q, num_tokens, num_q_heads, pages));
+    s->Count(*pages);
+    return absl::OkStatus();
+  };
+  ao.device_path = device;
+  if (device) {
+    st->summaries.resize(static_cast<size_t>(o.num_layers));
+    ao.device_chooser = [s](int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
+                            engine::DeviceTokenSelection*) { return s->ChooseOnDevice(layer, q, pages); };
+  }
+  STRATA_ASSIGN_OR_RETURN(st->hook, engine::GpuCacheAttention::Create(ao, st->cache.get(), backend));
+  return std::unique_ptr<LazyDocumentAttention>(new LazyDocumentAttention(std::move(st)));
+}
+
+LazyDocumentAttention::LazyDocumentAttention(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+LazyDocumentAttention::~LazyDocumentAttention() {
+  if (state_ == nullptr) return;
+  // The hook and the cache go before the source they read from.
+  state_->hook.reset();
+  state_->cache.reset();
 }
 
 absl::Status LazyDocumentAttention::Attend(int layer, const float* q, int num_tokens, int num_q_heads,
                                            int64_t q_begin, std::vector<engine::AttentionPartial>* parts) {
-  const int hkv = options_.num_kv_heads, d = options_.head_dim, P = options_.page_size;
-  if (layer < 0 || layer >= options_.num_layers) {
+  const LazyAttentionOptions& o = state_->o;
+  if (layer < 0 || layer >= o.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("LazyDocumentAttention: layer ", layer, " out of range"));
   }
-  if (num_tokens < 1 || q == nullptr || num_q_heads <= 0 || num_q_heads % hkv != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("LazyDocumentAttention: ", num_q_heads, " query heads for ", hkv, " KV heads"));
-  }
-  if (q_begin < options_.document_tokens) {
-    return absl::InvalidArgumentError("LazyDocumentAttention: queries inside the document");
-  }
-  const int64_t num_pages = (options_.document_tokens + P - 1) / P;
-  std::vector<kvstore::PageKey> keys;
-  std::vector<int32_t> offsets(static_cast<size_t>(hkv) + 1, 0);
-  std::vector<int32_t> chosen;
-  for (int g = 0; g < hkv; ++g) {
-    chosen.clear();
-    STRATA_RETURN_IF_ERROR(options_.chooser(layer, g, q, num_tokens, num_q_heads, &chosen));
-    offsets[g] = static_cast<int32_t>(keys.size());
-    for (int32_t p : chosen) {
-      if (p < 0 || p >= num_pages) {
-        return absl::InvalidArgumentError(absl::StrCat("LazyDocumentAttention: chooser picked page ", p, " of ",
-                                                       num_pages));
-      }
-      keys.push_back(kvstore::PageKey{options_.document, static_cast<uint32_t>(layer), static_cast<uint32_t>(g),
-                                      static_cast<uint32_t>(p)});
-    }
-    counters_.candidate_tokens += options_.document_tokens;
-  }
-  offsets[hkv] = static_cast<int32_t>(keys.size());
-  std::vector<int32_t> slots;
-  STRATA_RETURN_IF_ERROR(Resident(keys, &slots));
-  std::vector<kernels::KvSpan> spans(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) {
-    const int64_t first = static_cast<int64_t>(keys[i].page_index) * P;
-    const int32_t len = static_cast<int32_t>(std::min<int64_t>(P, options_.document_tokens - first));
-    spans[i] = kernels::KvSpan{slots[i], 0, len, static_cast<int32_t>(first)};
-    counters_.selected_tokens += len;
-  }
-  const size_t q_floats = static_cast<size_t>(num_tokens) * num_q_heads * d;
-  const size_t lse_floats = static_cast<size_t>(num_tokens) * num_q_heads;
-  parts->resize(1);
-  engine::AttentionPartial& out = (*parts)[0];
-  out.o.resize(q_floats);
-  out.lse.resize(lse_floats);
-  positions_.resize(static_cast<size_t>(num_tokens));
-  for (int i = 0; i < num_tokens; ++i) positions_[i] = static_cast<int32_t>(q_begin + i);
-  kernels::PagedAttentionParams a;
-  a.q = kernels::TensorView(const_cast<float*>(q), kernels::DType::kF32, {num_tokens, num_q_heads, d});
-  a.k_pool = kernels::TensorView(k_pool_.data(), kernels::DType::kF32, {slots_, P, d});
-  a.v_pool = kernels::TensorView(v_pool_.data(), kernels::DType::kF32, {slots_, P, d});
-  a.spans = spans.data();
-  a.span_offsets = offsets.data();
-  a.num_kv_heads = hkv;
-  a.q_positions = positions_.data();
-  a.causal = true;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  a.out = kernels::TensorView(out.o.data(), kernels::DType::kF32, {num_tokens, num_q_heads, d});
-  a.lse = kernels::TensorView(out.lse.data(), kernels::DType::kF32, {num_tokens, num_q_heads});
-  STRATA_RETURN_IF_ERROR(backend_->PagedAttention(a, nullptr));
-  return backend_->Synchronize(nullptr);
+  return state_->hook->Attend(layer, q, num_tokens, num_q_heads, q_begin, parts);
 }
+
+bool LazyDocumentAttention::AttendsOnDevice() const { return state_->hook->AttendsOnDevice(); }
+
+absl::Status LazyDocumentAttention::AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
+                                                   const kernels::TensorView& out, const kernels::TensorView& lse) {
+  if (layer < 0 || layer >= state_->o.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("LazyDocumentAttention: layer ", layer, " out of range"));
+  }
+  return state_->hook->AttendOnDevice(layer, q, q_begin, out, lse);
+}
+
+const kvstore::TierCounts& LazyDocumentAttention::pages() const { return state_->source->counts(); }
+int64_t LazyDocumentAttention::cache_hits() const { return state_->cache->stats().hits; }
+int64_t LazyDocumentAttention::cache_misses() const {
+  const kvstore::GpuCacheStats s = state_->cache->stats();
+  return s.lookups - s.hits;
+}
+const engine::SelectionCounters& LazyDocumentAttention::counters() const { return state_->counters; }
+int64_t LazyDocumentAttention::slots() const { return state_->cache->options().num_slots; }
+int64_t LazyDocumentAttention::device_choices() const { return state_->device_choices; }
+const kvstore::GpuPageCache& LazyDocumentAttention::cache() const { return *state_->cache; }
 
 }  // namespace strata::worker

@@ -1,32 +1,42 @@
 // Lazy mount of a READY document for sparse jobs (DESIGN.md section 4: "only summaries load,
-// pages stream in as selected").
+// pages stream in as selected"), served through the GPU page cache (tier G).
 //
-// LazyDocumentAttention is an engine::ExternalAttention over the document's tokens [0,
-// document_tokens) whose KV stays in the page store. The forward's own KvCache holds only the
-// prompt and the generated tokens (ForwardOptions::cache_first_position = document_tokens), as
-// for a sharded job. Per layer and KV head, a PageChooser (worker.cc uses
-// engine::MakeMinMaxChooser, which reads the persisted minmax summaries on first use of a
-// (layer, KV head) and keeps them) picks the document pages to attend; the pages not resident in
-// the bounded page cache are fetched from the store (through the tiers: TieredStore::GetPages
-// with per-tier counts) in one batch per call, decoded to f32 into the cache's slots, and the
-// chosen pages are attended with Backend::PagedAttention over the cache's pools (one partial per
-// call). Nothing else of the document is read.
+// LazyDocumentAttention is a thin adapter that assembles the one page-cache mechanism of the
+// engine for a worker job: an engine::GpuCacheAttention (engine/gpu_cache_attention.h) over a
+// kvstore::GpuPageCache (kvstore/gpu_cache.h) on the job's own backend (CPU or CUDA), whose
+// source is the worker's page store seen through a tier-counting adapter. It is an
+// engine::ExternalAttention over the document's tokens [0, document_tokens) whose KV stays in the
+// page store; the forward's own KvCache holds only the prompt and the generated tokens
+// (ForwardOptions::cache_first_position = document_tokens), as for a sharded job.
 //
-// Page cache: a fixed pool of capacity_pages slots (each one (layer, KV head, page): K and V,
-// [page_size, head_dim] f32), least-recently-used eviction; pages are reused across layers'
-// calls and decode steps. When one call needs more pages than the capacity, the pool grows to
-// that call's need (so a too-small capacity costs memory, never correctness).
+// Selection: per layer and KV head, page 0, the last ceil(window / P) pages and the budget_pages
+// other pages of highest head soft vote over the persisted minmax summaries (the rule of
+// engine::MakeMinMaxChooser). On the CPU backend (the host path, GpuCacheAttention::Attend) the
+// host MakeMinMaxChooser picks them. With the device path (default on any other backend) a
+// one-token call picks them with Backend::ScoreSummaries + VoteTopK over the layer's summaries
+// held in backend memory (read from the store and uploaded on first use of the layer; one copy
+// of the selection to the host), and a call of several tokens (a prompt chunk) copies q to the
+// host and uses the host chooser. Attention: GpuCacheAttention (PagedAttention over the cache's
+// bf16 slots, merged with the local attention by the transformer).
+//
+// Page cache: max(min(capacity_pages, every page of the document), one call's largest need =
+// num_kv_heads * min(pages, 1 + budget_pages + window_pages)) slots, each one (layer, KV head,
+// page) in bf16, clock eviction with pins (kvstore/gpu_cache.h). A capacity below one call's need
+// is raised to it (a too-small capacity costs refetches, never correctness), so every call is one
+// chunk (one partial). Misses are fetched in one batch per call from the store: through a
+// kvstore::TieredStore the host tier is asked first and pages read from RocksDB / the remote KV
+// store are inserted into the host tier (the TieredStore's rule); pages() counts them by the tier
+// that served them. The cache's metrics (tier "gpu": lookups, hits, evictions, resident and
+// capacity bytes, fetch bytes host -> gpu) go to `metrics` with gauges that add up over the
+// caches alive at once.
 //
 // Positions: page p holds positions [p * P, min((p + 1) * P, document_tokens)); every document
-// token precedes the queries, so nothing is masked. The backend must read host memory (the CPU
-// backend). Thread-compatible (one forward at a time).
+// token precedes the queries, so nothing is masked. Thread-compatible (one forward at a time).
 #ifndef STRATA_WORKER_LAZY_ATTENTION_H_
 #define STRATA_WORKER_LAZY_ATTENTION_H_
 
 #include <cstdint>
-#include <list>
 #include <memory>
-#include <unordered_map>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +46,8 @@
 #include "engine/transformer.h"
 #include "kernels/backend.h"
 #include "kvstore/document_id.h"
+#include "kvstore/gpu_cache.h"
+#include "kvstore/metrics.h"
 #include "kvstore/page_store.h"
 #include "kvstore/tiered_store.h"
 
@@ -49,54 +61,53 @@ struct LazyAttentionOptions {
   int num_layers = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
-  engine::PageChooser chooser;  // required
+  // Selection (see the file comment); summaries of kind summary_kind (minmax) in the store.
+  uint32_t summary_kind = 1;
+  int budget_pages = 32;  // >= 0
+  int window_pages = 1;   // >= 0
   // Page-cache slots (one slot = one (layer, KV head, page)). Default 8192.
   int64_t capacity_pages = 8192;
+  // Where the cache's tier="gpu" metrics go; null: a private registry. Not owned.
+  kvstore::KvMetrics* metrics = nullptr;
+  // -1: the device path on a backend other than the CPU backend, the host path on it; 0: host
+  // path; 1: device path (also on the CPU backend, whose selection ops are the reference twins).
+  int device_path = -1;
 };
 
 class LazyDocumentAttention : public engine::ExternalAttention {
  public:
-  // InvalidArgument for missing store/chooser/backend, non-positive sizes, or a backend that is
-  // not the CPU backend.
+  // InvalidArgument for a missing store or backend or non-positive sizes; errors of the cache's
+  // allocations (ResourceExhausted).
   static absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> Create(const LazyAttentionOptions& options,
                                                                       kernels::Backend* backend);
+  ~LazyDocumentAttention() override;
 
   // InvalidArgument for a bad layer or head count or queries inside the document; DataLoss for a
-  // page missing from the store; errors of the chooser, store and backend are passed through.
+  // page missing from the store; errors of the chooser, store, cache and backend are passed through.
   absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
                       std::vector<engine::AttentionPartial>* parts) override;
+  bool AttendsOnDevice() const override;
+  absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
+                              const kernels::TensorView& out, const kernels::TensorView& lse) override;
 
   // Pages read from each tier (page-cache misses).
-  const kvstore::TierCounts& pages() const { return pages_; }
-  // Page-cache hits and misses over every call.
-  int64_t cache_hits() const { return hits_; }
-  int64_t cache_misses() const { return misses_; }
+  const kvstore::TierCounts& pages() const;
+  // Page-cache hits and misses over every call (GpuPageCache lookups - hits).
+  int64_t cache_hits() const;
+  int64_t cache_misses() const;
   // candidate_tokens: document tokens per (call, KV head); selected_tokens: tokens attended.
-  const engine::SelectionCounters& counters() const { return counters_; }
-  // Slots in the page cache now (capacity_pages, or more after a call that needed more).
-  int64_t slots() const { return slots_; }
+  const engine::SelectionCounters& counters() const;
+  // Slots in the page cache (see the file comment).
+  int64_t slots() const;
+  // One-token calls whose pages the backend chose (device path).
+  int64_t device_choices() const;
+  const kvstore::GpuPageCache& cache() const;
+
+  struct State;  // the source adapter, choosers, cache and hook (lazy_attention.cc)
 
  private:
-  LazyDocumentAttention(const LazyAttentionOptions& options, kernels::Backend* backend)
-      : options_(options), backend_(backend) {}
-  // Makes sure every page of `keys` is resident; fills (*slots)[i] with the slot of keys[i].
-  absl::Status Resident(const std::vector<kvstore::PageKey>& keys, std::vector<int32_t>* slots);
-
-  const LazyAttentionOptions options_;
-  kernels::Backend* const backend_;
-  int64_t slots_ = 0;
-  std::vector<float> k_pool_, v_pool_;  // [slots_, P, d]
-  std::vector<int32_t> free_;           // unused slots
-  struct Entry {
-    int32_t slot;
-    std::list<uint64_t>::iterator lru;
-  };
-  std::unordered_map<uint64_t, Entry> map_;  // (layer, head, page) -> slot
-  std::list<uint64_t> lru_;                  // most recent first
-  kvstore::TierCounts pages_;
-  int64_t hits_ = 0, misses_ = 0;
-  engine::SelectionCounters counters_;
-  std::vector<int32_t> positions_;
+  explicit LazyDocumentAttention(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
 };
 
 }  // namespace strata::worker

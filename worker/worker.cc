@@ -950,16 +950,6 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     engine::sparse::PolicyOptions defaults;
     const int64_t budget = sp.budget_tokens() > 0 ? sp.budget_tokens() : defaults.token_budget;
     const int64_t window = sp.has_window_tokens() ? sp.window_tokens() : defaults.window_tokens;
-    engine::MinMaxChooserOptions co;
-    co.store = store_;
-    co.document = doc_id;
-    co.summary_kind = kMinMaxSummaryKind;
-    co.num_layers = L;
-    co.num_kv_heads = H;
-    co.head_dim = static_cast<int>(c.head_dim);
-    co.num_pages = pages_per_head;
-    co.budget_pages = static_cast<int>(std::min<int64_t>((budget + P - 1) / P, pages_per_head));
-    co.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
     LazyAttentionOptions lo;
     lo.store = store_;
     lo.document = doc_id;
@@ -968,9 +958,13 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.num_layers = L;
     lo.num_kv_heads = H;
     lo.head_dim = static_cast<int>(c.head_dim);
-    lo.chooser = engine::MakeMinMaxChooser(co);
+    lo.summary_kind = kMinMaxSummaryKind;
+    lo.budget_pages = static_cast<int>(std::min<int64_t>((budget + P - 1) / P, pages_per_head));
+    lo.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
     lo.capacity_pages = options_.lazy_cache_pages;
-    STRATA_ASSIGN_OR_RETURN(lazy, LazyDocumentAttention::Create(lo, shard_backend()));
+    lo.metrics = metrics_ != nullptr ? metrics_->kv : nullptr;
+    // The page cache lives on the job's own backend (CPU or CUDA), like the job's KvCache.
+    STRATA_ASSIGN_OR_RETURN(lazy, LazyDocumentAttention::Create(lo, backend_));
     policy = engine::MakeDensePolicy();  // over the prompt and generated tokens
     fo.cache_first_position = doc_tokens;
     fo.external = lazy.get();

@@ -95,6 +95,7 @@
 #include "absl/synchronization/mutex.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
+#include "kvstore/metrics.h"
 #include "kvstore/page_store.h"
 #include "model/model.h"
 #include "strata/v1/internal.pb.h"
@@ -132,7 +133,11 @@ struct WorkerOptions {
   // Lazy mount (opt-in; worker/lazy_attention.h): a job whose shards all belong to this worker
   // and whose policy is quest or tokenselect with minmax summaries (the default summary) loads
   // only the document's persisted minmax summaries; per layer and step the chosen pages are
-  // fetched through the tiers into a bounded host page cache of lazy_cache_pages pages (LRU).
+  // fetched through the tiers (host tier first; pages read from the durable tier are inserted
+  // into it) into the job's GPU page cache (kvstore/gpu_cache.h) on the worker's backend, of
+  // lazy_cache_pages slots (clock eviction; raised to one layer call's need when smaller, and
+  // capped at the document's pages). On a backend other than the CPU backend the decode steps
+  // choose pages with the backend's selection ops over summaries held in its memory.
   // Selection is MakeMinMaxChooser's (page 0, ceil(window_tokens / P) last pages and the
   // ceil(budget_tokens / P) pages of highest head soft vote), not the engine policy's. Dense and
   // other policies keep loading every page. Default false.
@@ -170,6 +175,10 @@ struct WorkerMetrics {
   // consecutive tokens. Buckets as docs/metrics.md.
   prometheus::Histogram* time_to_first_token;
   prometheus::Histogram* inter_token_latency;
+  // The KV tier metrics (strata_kv_*) of the worker's registry, set by the owner after
+  // construction: lazy-mount jobs count their GPU page caches there (tier "gpu"). Null: each
+  // lazy job counts into a private registry. Not owned.
+  kvstore::KvMetrics* kv = nullptr;
 };
 
 class Worker {

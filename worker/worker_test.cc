@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,10 +24,13 @@
 #include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
 #include "gtest/gtest.h"
+#include "kvstore/host_cache.h"
 #include "kvstore/local_store.h"
+#include "kvstore/tiered_store.h"
 #include "kvstore/metrics.h"
 #include "model/random_model.h"
 #include "prometheus/registry.h"
+#include "worker/lazy_attention.h"
 
 namespace strata::worker {
 namespace {
@@ -309,6 +313,199 @@ TEST_F(LazyMountTest, DenseJobStillLoadsEveryPage) {
   const v1::JobInfo got = Run(lazy.get(), JobRequest("lazy-dense", {5, 6, 7}));
   EXPECT_EQ(Tokens(got), Tokens(full));
   EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
+}
+
+// Reads strata_kv_<name>{tier="gpu"} (a counter or gauge) from `registry`; 0 when absent.
+double GpuTierMetric(prometheus::Registry& registry, const std::string& name) {
+  for (const prometheus::MetricFamily& f : registry.Collect()) {
+    if (f.name != name) continue;
+    for (const prometheus::ClientMetric& m : f.metric) {
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        if (l.name == "tier" && l.value == "gpu") {
+          return f.type == prometheus::MetricType::Gauge ? m.gauge.value : m.counter.value;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+TEST_F(LazyMountTest, HostTierMissIsReadFromTheStoreAndKeptInTheHostTier) {
+  // Tier H (empty) in front of the disk tier: the first job's page-cache misses miss the host
+  // tier, are read from RocksDB and inserted into the host tier; a second job (a fresh GPU page
+  // cache) finds them there. The gpu-tier counters of the worker's registry move.
+  kvstore::HostCacheOptions ho;
+  ho.metrics = kv_metrics_.get();
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::HostCache> host, kvstore::HostCache::Create(ho));
+  kvstore::TieredStoreOptions to;
+  to.host = host.get();
+  to.local = store_.get();
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::TieredStore> tiered, kvstore::TieredStore::Create(to));
+  WorkerMetrics wm(&registry_);
+  wm.kv = kv_metrics_.get();
+  WorkerOptions wo;
+  wo.worker_id = "lazy-tiered";
+  wo.prefill_chunk_size = 64;
+  wo.lazy_mount = true;
+  wo.lazy_cache_pages = 8192;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), backend_.get(),
+                                                                        tiered.get(), store_.get(), &wm));
+  const double lookups0 = GpuTierMetric(registry_, "strata_kv_lookups_total");
+  const int64_t entries0 = host->num_entries();
+  const v1::JobInfo a = Run(w.get(), Quest("tiered-1", 64, 64, 4));
+  const v1::PagesByTier& ta = a.usage().pages_fetched();
+  EXPECT_EQ(ta.host(), 0u);
+  EXPECT_GE(ta.disk(), 12u);
+  EXPECT_LE(ta.disk(), 24u);
+  // Every page read from disk is now in the host tier (besides the summaries the chooser read).
+  EXPECT_GE(host->num_entries() - entries0, static_cast<int64_t>(ta.disk()));
+  const double lookups1 = GpuTierMetric(registry_, "strata_kv_lookups_total");
+  const double hits1 = GpuTierMetric(registry_, "strata_kv_hits_total");
+  // 4 forwards x 2 layers x 2 heads x 3 pages looked up in the GPU page cache; the misses are the
+  // pages fetched.
+  EXPECT_EQ(lookups1 - lookups0, 48.0);
+  EXPECT_EQ(lookups1 - lookups0 - hits1, static_cast<double>(ta.disk()));
+  EXPECT_EQ(GpuTierMetric(registry_, "strata_kv_resident_bytes"), 0.0);  // the job's cache is gone
+  EXPECT_EQ(GpuTierMetric(registry_, "strata_kv_capacity_bytes"), 0.0);
+
+  const v1::JobInfo b = Run(w.get(), Quest("tiered-2", 64, 64, 4));
+  EXPECT_EQ(Tokens(b), Tokens(a));
+  EXPECT_EQ(b.usage().pages_fetched().host(), ta.disk());
+  EXPECT_EQ(b.usage().pages_fetched().disk(), 0u);
+}
+
+// LazyDocumentAttention alone over the fixture's persisted document (2 layers x 2 KV heads x 10
+// pages; tiny model: 4 query heads of d 16).
+class LazyAttentionTest : public LazyMountTest {
+ protected:
+  LazyAttentionOptions Options(int64_t capacity, int device_path) const {
+    const model::ModelConfig& c = model_->config;
+    LazyAttentionOptions o;
+    o.store = store_.get();
+    o.document = *kvstore::DocumentId::FromHex(kDocId);  // a valid literal
+    o.document_tokens = 640;
+    o.page_size = 64;
+    o.num_layers = static_cast<int>(c.num_layers);
+    o.num_kv_heads = static_cast<int>(c.num_kv_heads);
+    o.head_dim = static_cast<int>(c.head_dim);
+    o.budget_pages = 2;
+    o.window_pages = 1;
+    o.capacity_pages = capacity;
+    o.device_path = device_path;
+    return o;
+  }
+  // Random queries [tokens, q heads, d], fixed seed.
+  std::vector<float> Queries(int tokens, uint32_t seed) const {
+    const model::ModelConfig& c = model_->config;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    std::vector<float> q(static_cast<size_t>(tokens) * c.num_heads * c.head_dim);
+    for (float& x : q) x = n(rng);
+    return q;
+  }
+  int hq() const { return static_cast<int>(model_->config.num_heads); }
+};
+
+TEST_F(LazyAttentionTest, SmallCacheEvictsAndGivesTheSameOutputsAsALargeOne) {
+  STRATA_ASSERT_OK_AND_ASSIGN(auto big, LazyDocumentAttention::Create(Options(8192, 0), backend_.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto small, LazyDocumentAttention::Create(Options(1, 0), backend_.get()));
+  EXPECT_EQ(big->slots(), 40);    // capped at the document's pages
+  EXPECT_EQ(small->slots(), 8);   // raised to one call's need: 2 heads x (1 + 2 + 1) pages
+  EXPECT_FALSE(big->AttendsOnDevice());
+  std::vector<engine::AttentionPartial> pb, ps;
+  for (int step = 0; step < 6; ++step) {
+    const std::vector<float> q = Queries(1, 100 + step);
+    for (int layer = 0; layer < 2; ++layer) {
+      STRATA_ASSERT_OK(big->Attend(layer, q.data(), 1, hq(), 640 + step, &pb));
+      STRATA_ASSERT_OK(small->Attend(layer, q.data(), 1, hq(), 640 + step, &ps));
+      ASSERT_EQ(pb.size(), 1u);
+      ASSERT_EQ(ps.size(), 1u);
+      EXPECT_EQ(pb[0].o, ps[0].o) << "step " << step << " layer " << layer;
+      EXPECT_EQ(pb[0].lse, ps[0].lse);
+    }
+  }
+  EXPECT_EQ(big->counters().selected_tokens, small->counters().selected_tokens);
+  EXPECT_EQ(big->counters().candidate_tokens, 6 * 2 * 2 * 640);
+  EXPECT_EQ(big->cache().stats().evictions, 0);
+  // The small cache holds one layer's pages: every call refetches (the layers alternate).
+  EXPECT_GT(small->cache().stats().evictions, 0);
+  EXPECT_EQ(small->cache_hits(), 0);
+  EXPECT_EQ(small->pages().local, small->cache_misses());
+  EXPECT_EQ(small->cache_misses(), 6 * 2 * 8);
+  EXPECT_LT(big->pages().local, small->pages().local);
+  EXPECT_EQ(big->pages().local + big->cache_hits(), small->pages().local);
+  EXPECT_LE(small->cache().resident_pages(), 8);
+}
+
+TEST_F(LazyAttentionTest, DevicePathOnTheCpuBackendMatchesTheHostPath) {
+  // device_path = 1 on the CPU backend: one-token calls choose with ScoreSummaries + VoteTopK over
+  // summaries in backend memory and attend through AttendOnDevice; a prompt chunk uses the host
+  // chooser. Same pages and outputs as the host path.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, LazyDocumentAttention::Create(Options(8192, 0), backend_.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, LazyDocumentAttention::Create(Options(8192, 1), backend_.get()));
+  ASSERT_TRUE(dev->AttendsOnDevice());
+  const int d = static_cast<int>(model_->config.head_dim);
+  std::vector<engine::AttentionPartial> parts;
+  for (int tokens : {5, 1, 1, 1}) {
+    const std::vector<float> q = Queries(tokens, 7 + tokens);
+    for (int layer = 0; layer < 2; ++layer) {
+      STRATA_ASSERT_OK(host->Attend(layer, q.data(), tokens, hq(), 700, &parts));
+      ASSERT_EQ(parts.size(), 1u);
+      std::vector<float> out(static_cast<size_t>(tokens) * hq() * d), lse(static_cast<size_t>(tokens) * hq());
+      STRATA_ASSERT_OK(dev->AttendOnDevice(
+          layer, kernels::TensorView(const_cast<float*>(q.data()), kernels::DType::kF32, {tokens, hq(), d}), 700,
+          kernels::TensorView(out.data(), kernels::DType::kF32, {tokens, hq(), d}),
+          kernels::TensorView(lse.data(), kernels::DType::kF32, {tokens, hq()})));
+      for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], parts[0].o[i], 1e-5) << i;
+      for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], parts[0].lse[i], 1e-5) << i;
+    }
+  }
+  EXPECT_EQ(dev->device_choices(), 3 * 2);
+  EXPECT_EQ(dev->counters().selected_tokens, host->counters().selected_tokens);
+  EXPECT_EQ(dev->pages().local, host->pages().local);
+}
+
+// A store that answers null for page 3 of every (layer, KV head).
+class HolePageStore final : public kvstore::PageStore {
+ public:
+  explicit HolePageStore(kvstore::PageStore* inner) : inner_(inner) {}
+  const char* tier() const override { return "disk"; }
+  absl::Status GetPages(absl::Span<const kvstore::PageKey> keys, std::vector<kvstore::PageRef>* out) override {
+    STRATA_RETURN_IF_ERROR(inner_->GetPages(keys, out));
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i].page_index == 3) (*out)[i] = nullptr;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Put(absl::Span<const kvstore::PageWrite> p, absl::Span<const kvstore::SummaryWrite> s) override {
+    return inner_->Put(p, s);
+  }
+  absl::Status GetSummaries(absl::Span<const kvstore::SummaryKey> keys, std::vector<kvstore::PageRef>* out) override {
+    return inner_->GetSummaries(keys, out);
+  }
+
+ private:
+  kvstore::PageStore* inner_;
+};
+
+TEST_F(LazyAttentionTest, PageMissingFromTheStoreIsDataLossAndBadCallsAreRefused) {
+  HolePageStore holes(store_.get());
+  LazyAttentionOptions o = Options(8192, 0);
+  o.store = &holes;
+  o.budget_pages = 8;  // every page of the middle, page 3 included
+  STRATA_ASSERT_OK_AND_ASSIGN(auto lazy, LazyDocumentAttention::Create(o, backend_.get()));
+  const std::vector<float> q = Queries(1, 3);
+  std::vector<engine::AttentionPartial> parts;
+  EXPECT_THAT(lazy->Attend(0, q.data(), 1, hq(), 640, &parts), testing::StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_EQ(lazy->cache().pinned_slots(), 0);
+  EXPECT_THAT(lazy->Attend(2, q.data(), 1, hq(), 640, &parts), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(lazy->Attend(0, q.data(), 1, hq(), 10, &parts), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(lazy->Attend(0, q.data(), 1, 3, 640, &parts), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  o.store = nullptr;
+  EXPECT_THAT(LazyDocumentAttention::Create(o, backend_.get()).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  o.store = store_.get();
+  o.document_tokens = 0;
+  EXPECT_THAT(LazyDocumentAttention::Create(o, backend_.get()).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 // A backend that runs every op of the CPU backend except the device selection ops (the Backend
