@@ -18,6 +18,8 @@
 //                (B / P pages) -> SelectedAttention (sinks + pages + window)
 //   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
 //                -> SelectedAttention (sinks + tokens + window)
+// Per op (each op alone, inputs left by the full runs): STAGES = 100 eager calls back to back
+// (can be bound by the host's launch cost), GSTAGES = a graph of 20 calls replayed.
 // each timed as: eager_us (ops enqueued back to back, event time / calls), graph_us (the pipeline
 // captured once in a CUDA graph and replayed back to back), cold_us (median of single graph
 // launches after a 256 MiB L2 flush), plus the bytes the pipeline must read (summaries scanned,
@@ -337,6 +339,32 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
       std::printf(" %7.1f", ms * 1000.0 / calls);
     }
     std::printf("   (us per op, in pipeline order)\n");
+    // The same per op from a CUDA graph of 20 calls of the op alone, replayed (device-bound: no
+    // host launch cost; the gaps between kernels are those of a graph).
+    std::printf("GSTAGES %-8lld %-12s", static_cast<long long>(context),
+                pl.token_level ? "tokenselect" : "quest");
+    for (int st = 0; st < pl.NumStages(); ++st) {
+      constexpr int kPerGraph = 20, kReplays = 10;
+      cudaGraph_t sg = nullptr;
+      cudaGraphExec_t sx = nullptr;
+      BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess,
+                  "stage capture");
+      absl::Status sst;
+      for (int c = 0; c < kPerGraph && sst.ok(); ++c) sst = pl.Run(stream, st);
+      BENCH_CHECK(cudaStreamEndCapture(stream, &sg) == cudaSuccess, "stage end capture");
+      BENCH_CHECK(sst.ok(), sst.ToString().c_str());
+      BENCH_CHECK(cudaGraphInstantiate(&sx, sg, 0) == cudaSuccess, "stage instantiate");
+      for (int i = 0; i < 3; ++i) cudaGraphLaunch(sx, stream);
+      cudaEventRecord(e0, stream);
+      for (int i = 0; i < kReplays; ++i) cudaGraphLaunch(sx, stream);
+      cudaEventRecord(e1, stream);
+      BENCH_CHECK(cudaEventSynchronize(e1) == cudaSuccess, "stage graph sync");
+      cudaEventElapsedTime(&ms, e0, e1);
+      std::printf(" %7.1f", ms * 1000.0 / (kPerGraph * kReplays));
+      cudaGraphExecDestroy(sx);
+      cudaGraphDestroy(sg);
+    }
+    std::printf("   (us per op from a graph of the op alone)\n");
     std::fflush(stdout);
   }
   cudaEventDestroy(e0);

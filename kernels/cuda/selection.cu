@@ -3,14 +3,18 @@
 //
 // Scoring (ScoreSummaries, ScoreKeys): for head_dim 64/128 (128 only for f32 keys) and 16-byte
 // aligned rows, FastScoreKernel gives each candidate 8 lanes that read 16-byte vectors (128
-// contiguous bytes per load across the 8 lanes, all of a lane's loads in flight before the FMAs)
-// and reduce in 3 shuffles; other shapes take a warp per candidate. The block holds the scaled
-// queries of its KV head's group in shared memory. Grid: (candidate blocks, KV heads).
+// contiguous bytes per load across the 8 lanes); a block of 256 threads takes 1 to 16 rounds of
+// 32 candidates and issues all their loads (up to 16 per lane) before the FMAs. Other shapes take
+// a warp per candidate. The block holds the scaled queries of its KV head's group in shared
+// memory. Grid: (candidate blocks, KV heads).
 //
-// VoteTopK: one block per KV head of 64 to 1024 threads (about 8 candidates per thread); warp w
-// owns a contiguous range of 32-candidate chunks, lane l the candidate chunk * 32 + l. (1) per
-// query head the max score, (2) the sum of exp(score - max), each reduced per warp with shuffles
-// and across warps once for all heads (two barriers per step); (3) per candidate the vote and a
+// VoteTopK: up to 65536 candidates per KV head, ClusterVoteTopKKernel (below): a cluster of 1 to
+// 8 blocks per KV head, candidates in registers, histograms and counts merged in the leader
+// block's shared memory (distributed shared memory), one cluster barrier per step. Beyond that,
+// VoteTopKKernel: one block per KV head of 64 to 1024 threads (about 8 candidates per thread);
+// warp w owns a contiguous range of 32-candidate chunks, lane l the candidate chunk * 32 + l.
+// (1) per query head the max score, (2) the sum of exp(score - max), each reduced per warp with
+// shuffles and across warps once for all heads (two barriers per step); (3) per candidate the vote and a
 // 32-bit key that orders candidates by vote (invalid ones get key 0, below every valid one), kept
 // in shared memory up to 32K candidates, else in scratch, and the histogram of the keys' top
 // bytes; (4) a radix select (8 bits per pass, warp-aggregated shared-memory histograms, double
@@ -20,8 +24,17 @@
 // per-warp counts, and ballots give every taken candidate its output slot, so ties go to the
 // lowest indices and the output is in index order. Every thread reads back only the keys it
 // wrote, so steps 3-5 need no barrier for the keys.
+//
+// The fast scoring kernels and the cluster top-k can be launched with programmatic dependent
+// launch (LaunchDependent, opt-in: STRATA_SELECTION_PDL=1): each may then be scheduled while the
+// previous kernel of the stream finishes and waits (griddepcontrol.wait) before its first global
+// access. Measured on the H100 it made the pipeline graphs slower, so it is off by default.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
+#include <string_view>
 
 #include "kernels/cuda/internal/common.cuh"
 #include "kernels/cuda/internal/selection.cuh"
@@ -39,6 +52,55 @@ constexpr int kTopKPerThread = 8;
 constexpr int64_t kTopKSharedKeys = 32768;
 
 __device__ __forceinline__ float NegInfF() { return __int_as_float(0xff800000); }
+
+// Programmatic dependent launch (sm_90): a kernel launched with LaunchDependent may start while
+// the previous kernel on the stream is finishing; GridDepWait blocks until that kernel has
+// completed and its writes are visible, so it must come before the first global access (it is
+// a no-op for a normal launch). GridDepLaunchDependents lets the next such kernel be scheduled
+// early; it still waits for this one to complete in its own GridDepWait.
+__device__ __forceinline__ void GridDepWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void GridDepLaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Launches `kernel` with programmatic stream serialization allowed and, for cluster > 1, thread
+// block clusters of `cluster` blocks along x.
+// Programmatic dependent launch is off unless STRATA_SELECTION_PDL=1 is in the environment (read
+// once): on the H100 it made the replayed pipeline graphs slower (bench/RESULTS.md).
+bool SelectionPdlEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("STRATA_SELECTION_PDL");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return enabled;
+}
+
+template <typename... KArgs, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, int cluster,
+                            cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  int na = 0;
+  if (SelectionPdlEnabled()) {
+    attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[na].val.programmaticStreamSerializationAllowed = 1;
+    ++na;
+  }
+  if (cluster > 1) {
+    attrs[na].id = cudaLaunchAttributeClusterDimension;
+    attrs[na].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attrs[na].val.clusterDim.y = 1;
+    attrs[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = na;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
 
 template <typename KV>
 __device__ __forceinline__ float LoadF(const KV* p, int64_t i);
@@ -400,23 +462,400 @@ __global__ void __launch_bounds__(kTopKMaxThreads)
   for (int32_t j = taken_total + tid; j < k; j += blockDim.x) out[j] = -1;
 }
 
-// Fast path of both scoring ops: 8 lanes per candidate (4 candidates per warp at a time), each
+// ---- VoteTopK over a thread-block cluster per KV head (sm_90) ----------------------------------
+// ClusterVoteTopKKernel<kPer>: grid (cluster, KV heads), one cluster of `cs` <= 8 blocks per KV
+// head; thread t of cluster block b owns the kPer consecutive candidates starting at
+// (b * blockDim + t) * kPer (so blocks, threads and a thread's candidates are in index order),
+// and keeps their keys in registers for the whole kernel. All remote (distributed shared memory)
+// traffic goes to the leader block (rank 0):
+//   (1) per query head, each block's (max, sum of exp(score - max)) of its scores (per warp:
+//       shuffles of the max, then of the sum; across warps one rescale) is written to the
+//       leader; after a cluster barrier every block merges the cs partials into the head's max
+//       and 1 / sum (exponentials in this kernel are __expf: relative error ~1e-6);
+//   (2) votes and keys as VoteTopKKernel (invalid candidates get key 0);
+//   (3) radix select, 8 bits per pass from the top: a block histogram in shared memory (one
+//       atomic per warp for the warp's most common bin), added bin by bin into the leader's
+//       histogram of the pass, a cluster barrier, then every block reads the leader's histogram
+//       and finds the same bin (so every block takes the same number of passes);
+//   (4) compaction: a block scan of each thread's (above, equal) counts, the block totals
+//       published to the leader, a cluster barrier; every thread then knows how many candidates
+//       lower blocks and lower threads take and writes its own in index order; ties (keys equal
+//       to the k-th) go to the lowest indices.
+// A last cluster barrier keeps the leader's shared memory alive until every block has read it.
+constexpr int kClusterMax = 8;
+constexpr int kClusterTopKMaxThreads = 512;
+constexpr int kClusterTopKMaxWarps = kClusterTopKMaxThreads / 32;
+// Candidates per KV head up to which VoteTopK takes the cluster kernel (8 blocks of 512 threads
+// with 16 candidates each); beyond, VoteTopKKernel.
+constexpr int64_t kClusterTopKMaxCandidates = int64_t{kClusterMax} * kClusterTopKMaxThreads * 16;
+
+__device__ __forceinline__ uint32_t WarpInclusiveScanU(uint32_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
+// Adds one to bin `bin` (< 256; 256 = none) of `hist` for every lane: one atomic for all lanes
+// that share the first active lane's bin (in the early passes most keys share a few bins), one
+// per lane for the others. Every lane of the warp must call it.
+__device__ __forceinline__ void WarpHistogramAddCommon(uint32_t* hist, uint32_t bin) {
+  const unsigned active = __ballot_sync(0xffffffffu, bin < 256);
+  if (active == 0) return;  // warp-uniform
+  const int leader = __ffs(active) - 1;
+  const uint32_t lb = __shfl_sync(0xffffffffu, bin, leader);
+  const unsigned same = __ballot_sync(0xffffffffu, bin == lb);
+  const int lane = threadIdx.x & 31;
+  if (lane == leader) {
+    atomicAdd(&hist[lb], static_cast<uint32_t>(__popc(same)));
+  } else if (bin < 256 && bin != lb) {
+    atomicAdd(&hist[bin], 1u);
+  }
+}
+
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// ids[j] = CandidateIdAt(c, g, first + j), or -1 for first + j >= c.count; one division for all.
+template <int kPer>
+__device__ __forceinline__ void ConsecutiveCandidateIds(const DeviceCandidates& c, int g,
+                                                        int32_t first, int32_t (&ids)[kPer]) {
+  if (c.parents == nullptr) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int64_t id = static_cast<int64_t>(c.begin) + first + j;
+      ids[j] = first + j < c.count && id < c.end ? static_cast<int32_t>(id) : -1;
+    }
+    return;
+  }
+  const int32_t* pr = c.parents + static_cast<int64_t>(g) * c.num_parents;
+  int32_t pi = first / c.fanout, off = first - pi * c.fanout;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    int32_t id = -1;
+    if (first + j < c.count) {
+      const int32_t parent = pr[pi];
+      const int64_t v = static_cast<int64_t>(parent) * c.fanout + off;
+      if (parent >= 0 && v >= c.begin && v < c.end) id = static_cast<int32_t>(v);
+    }
+    ids[j] = id;
+    if (++off == c.fanout) off = 0, ++pi;
+  }
+}
+
+template <int kPer>
+__global__ void __launch_bounds__(kClusterTopKMaxThreads)
+    ClusterVoteTopKKernel(const float* __restrict__ scores, int group, DeviceCandidates c, int k,
+                          float* __restrict__ vote_out, int32_t* __restrict__ selected) {
+  namespace cg = cooperative_groups;
+  __shared__ float red_m[kSelectMaxGroup][kClusterTopKMaxWarps];
+  __shared__ float red_l[kSelectMaxGroup][kClusterTopKMaxWarps];
+  __shared__ float part_m[kClusterMax * kSelectMaxGroup];  // leader: [rank][head]
+  __shared__ float part_l[kClusterMax * kSelectMaxGroup];
+  __shared__ float m_s[kSelectMaxGroup], inv_s[kSelectMaxGroup];
+  __shared__ uint32_t lhist[4 * 256];  // this block's histogram of each pass
+  __shared__ uint32_t chist[4 * 256];  // leader: the cluster's histogram of each pass
+  __shared__ uint32_t wsum_s[kClusterTopKMaxWarps];
+  __shared__ uint32_t ccount[kClusterMax];  // leader: (above << 16 | equal) of each block
+  __shared__ uint32_t rcount_s[kClusterMax];
+  __shared__ uint32_t prefix_s, mask_s, remaining_s;
+  __shared__ int done_s;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
+  const int g = blockIdx.y;
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int cs = static_cast<int>(cluster.num_blocks());
+  for (int b = tid; b < 4 * 256; b += blockDim.x) lhist[b] = 0, chist[b] = 0;
+  // Every block of the cluster must have started (and the leader zeroed its histograms) before
+  // any block touches the leader's shared memory: arrive here, wait before the first remote write.
+  ClusterArrive();
+  GridDepWait();
+  GridDepLaunchDependents();
+  const int32_t n = c.count;
+  const int32_t first = (rank * static_cast<int32_t>(blockDim.x) + tid) * kPer;
+  const float* sg = scores + static_cast<int64_t>(g) * group * n;
+  float* part_m0 = cluster.map_shared_rank(part_m, 0);
+  float* part_l0 = cluster.map_shared_rank(part_l, 0);
+  uint32_t* chist0 = cluster.map_shared_rank(chist, 0);
+  uint32_t* ccount0 = cluster.map_shared_rank(ccount, 0);
+
+  int32_t ids[kPer];  // ids of this thread's candidates, -1 when invalid or beyond n
+  ConsecutiveCandidateIds<kPer>(c, g, first, ids);
+  uint32_t id_ok = 0;  // bit j: ids[j] >= 0
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) id_ok |= ids[j] >= 0 ? 1u << j : 0u;
+
+  // (1) softmax statistics of each query head. With one or two warps per SM scheduler nothing
+  // hides latency, so the kernel's time is its longest dependent chain: heads go 4 at a time
+  // (independent chains interleave), a warp first takes its max (shuffles of fmaxf), then the
+  // sum of exp(x - max) (shuffles of adds); partials meet with __expf rescaling only across warps
+  // and blocks.
+  const float* mine = sg + first;
+#pragma unroll 1
+  for (int h0 = 0; h0 < group; h0 += 4) {
+    float x[4][kPer], m[4], l[4];
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        x[hh][j] = h0 + hh < group && first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j]
+                                                    : NegInfF();
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      m[hh] = NegInfF();
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (x[hh][j] > m[hh]) m[hh] = x[hh][j];  // NaN never wins
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
+    }
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      l[hh] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (x[hh][j] > NegInfF()) l[hh] += __expf(x[hh][j] - m[hh]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        if (h0 + hh < group) red_m[h0 + hh][warp] = m[hh], red_l[h0 + hh][warp] = l[hh];
+      }
+    }
+  }
+  __syncthreads();
+  ClusterWait();
+  // Across warps: warp w merges head w (and w + nwarps, ...) and writes it to the leader.
+  for (int h = warp; h < group; h += nwarps) {
+    const float mw = lane < nwarps ? red_m[h][lane] : NegInfF();
+    float lw = lane < nwarps ? red_l[h][lane] : 0.0f;
+    float mb = mw;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+    lw = mw > NegInfF() ? lw * __expf(mw - mb) : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) lw += __shfl_xor_sync(0xffffffffu, lw, o);
+    if (lane == 0) {
+      part_m0[rank * kSelectMaxGroup + h] = mb;
+      part_l0[rank * kSelectMaxGroup + h] = lw;
+    }
+  }
+  cluster.sync();
+  // Across blocks: warp 0, lane h * P + r (P = cs rounded up to a power of two) holds block r's
+  // partial of head h; a segmented max, rescale and sum over each P lanes.
+  if (warp == 0) {
+    int p2 = 1;
+    while (p2 < cs) p2 <<= 1;
+    const int r = lane % p2;
+    for (int hb = 0; hb < group; hb += 32 / p2) {
+      const int h = hb + lane / p2;
+      const bool have = h < group && r < cs;
+      const float mr = have ? part_m0[r * kSelectMaxGroup + h] : NegInfF();
+      float lr = have ? part_l0[r * kSelectMaxGroup + h] : 0.0f;
+      float mh = mr;
+      for (int o = p2 / 2; o > 0; o >>= 1) mh = fmaxf(mh, __shfl_xor_sync(0xffffffffu, mh, o));
+      lr = mr > NegInfF() ? lr * __expf(mr - mh) : 0.0f;
+      for (int o = p2 / 2; o > 0; o >>= 1) lr += __shfl_xor_sync(0xffffffffu, lr, o);
+      if (r == 0 && h < group) {
+        m_s[h] = mh;
+        inv_s[h] = mh == NegInfF() ? 0.0f : 1.0f / lr;
+      }
+    }
+  }
+  __syncthreads();
+
+  // (2) votes and keys.
+  float v[kPer];
+  uint32_t any = 0;  // bit j: some head's score of candidate j is > -inf
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) v[j] = 0.0f;
+#pragma unroll 1
+  for (int h0 = 0; h0 < group; h0 += 4) {
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      if (h0 + hh < group) {
+        const float mh = m_s[h0 + hh], ih = inv_s[h0 + hh];
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          const float x = first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j] : NegInfF();
+          if (x > NegInfF()) {
+            any |= 1u << j;
+            v[j] += __expf(x - mh) * ih;
+          }
+        }
+      }
+    }
+  }
+  uint32_t key[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    float vj = v[j];
+    if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
+    const bool ok = ((id_ok & any) >> j) & 1u;
+    key[j] = ok ? __float_as_uint(vj) + 1u : 0u;
+    if (vote_out != nullptr && first + j < n) {
+      vote_out[static_cast<int64_t>(g) * n + first + j] = vj;
+    }
+  }
+
+  // (3) radix select of the k-th largest key over the cluster (see VoteTopKKernel step 4).
+  const int32_t kk = min(k, n);
+  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
+  if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;  // nothing is taken
+#pragma unroll 1
+  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+    const int shift = 24 - 8 * pass;
+    uint32_t* lh = lhist + pass * 256;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const uint32_t bin =
+          key[j] != 0 && (key[j] & mask) == prefix ? (key[j] >> shift) & 255u : 256u;
+      WarpHistogramAddCommon(lh, bin);
+    }
+    __syncthreads();
+    for (int b = tid; b < 256; b += blockDim.x) {
+      const uint32_t cnt = lh[b];
+      if (cnt != 0) atomicAdd(&chist0[pass * 256 + b], cnt);
+    }
+    cluster.sync();
+    if (warp == 0) {
+      const uint32_t* hc = chist0 + pass * 256;
+      uint32_t cb[8], own = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        cb[j] = hc[255 - 8 * lane - j];
+        own += cb[j];
+      }
+      const uint32_t incl = WarpInclusiveScanU(own);
+      const uint32_t total = __shfl_sync(0xffffffffu, incl, 31);
+      const uint32_t before = incl - own;
+      const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
+      if (total <= remaining) {
+        if (lane == 0) prefix_s = prefix, mask_s = mask, remaining_s = total, done_s = 1;
+      } else if (lane == __ffs(hit) - 1) {
+        uint32_t cum = before, count = cb[7];
+        int b = 248 - 8 * lane;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (cum + cb[j] >= remaining) {
+            b = 255 - 8 * lane - j;
+            count = cb[j];
+            break;
+          }
+          cum += cb[j];
+        }
+        prefix_s = prefix | (static_cast<uint32_t>(b) << shift);
+        mask_s = mask | (255u << shift);
+        remaining_s = remaining - cum;
+        done_s = count == remaining - cum || shift == 0;
+      }
+    }
+    __syncthreads();
+    prefix = prefix_s, mask = mask_s, remaining = remaining_s;
+    if (done_s) break;
+  }
+  const uint32_t need_eq = remaining;
+
+  // (4) compaction in index order.
+  uint32_t gt = 0, eq = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (key[j] != 0) {
+      gt += (key[j] & mask) > prefix;
+      eq += (key[j] & mask) == prefix;
+    }
+  }
+  const uint32_t own = (gt << 16) | eq;  // per block at most 512 * 16 of each: no carry
+  const uint32_t incl = WarpInclusiveScanU(own);
+  if (lane == 31) wsum_s[warp] = incl;
+  __syncthreads();
+  const uint32_t wv = lane < nwarps ? wsum_s[lane] : 0u;
+  const uint32_t wincl = WarpInclusiveScanU(wv);
+  const uint32_t before = __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
+  const uint32_t block_total = __shfl_sync(0xffffffffu, wincl, 31);
+  if (tid == 0) ccount0[rank] = block_total;
+  cluster.sync();
+  if (tid < cs) rcount_s[tid] = ccount0[tid];
+  __syncthreads();
+  ClusterArrive();  // this block is done with the leader's shared memory
+  uint32_t eq_run = 0, eq_before_block = 0, take_before_block = 0, taken_total = 0;
+  for (int r = 0; r < cs; ++r) {
+    const uint32_t gr = rcount_s[r] >> 16, er = rcount_s[r] & 0xffffu;
+    const uint32_t take = gr + min(er, need_eq > eq_run ? need_eq - eq_run : 0u);
+    if (r < rank) take_before_block += take;
+    if (r == rank) eq_before_block = eq_run;
+    eq_run += er;
+    taken_total += take;
+  }
+  const uint32_t rem_block = need_eq > eq_before_block ? need_eq - eq_before_block : 0u;
+  uint32_t pos = take_before_block + (before >> 16) + min(before & 0xffffu, rem_block);
+  uint32_t eq_seen = eq_before_block + (before & 0xffffu);
+  int32_t* out = selected + static_cast<int64_t>(g) * k;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    bool take = false;
+    if (key[j] != 0) {
+      const uint32_t km = key[j] & mask;
+      if (km > prefix) {
+        take = true;
+      } else if (km == prefix) {
+        take = eq_seen < need_eq;
+        ++eq_seen;
+      }
+    }
+    if (take) {
+      if (pos < static_cast<uint32_t>(k)) out[pos] = ids[j];
+      ++pos;
+    }
+  }
+  const int64_t stride = static_cast<int64_t>(cs) * blockDim.x;
+  for (int64_t j = taken_total + static_cast<int64_t>(rank) * blockDim.x + tid; j < k;
+       j += stride) {
+    out[j] = -1;
+  }
+  ClusterWait();
+}
+
+// Fast path of both scoring ops: 8 lanes per candidate (4 candidates per warp and round), each
 // lane reading 16-byte vectors so that the 8 lanes of a candidate cover 128 contiguous bytes per
-// load, every load of a lane in flight before the FMAs; the 8 partial sums meet in 3 shuffles.
-// kMinMax: rows are f32 summaries [min(D), max(D)]; otherwise KV rows of D elements of T (keys).
+// load; a block takes kRounds rounds of 32 candidates at once and issues every load of every
+// round (ids, then page-table entries, then rows) before the first FMA, so a lane has up to 16
+// loads of 16 bytes in flight. The 8 partial sums of a candidate meet in 3 shuffles; lane h % 8
+// writes the score of head h. kMinMax: rows are f32 summaries [min(D), max(D)]; otherwise KV rows
+// of D elements of T (keys). Launched with programmatic dependent launch: the first global access
+// waits for the previous kernel (GridDepWait).
 constexpr int kSubLanes = 8;
 constexpr int kFastCandidatesPerBlock = kScoreWarps * (32 / kSubLanes);
 
 template <typename T>
-__device__ __forceinline__ void Load16(const T* p, float (&f)[16 / sizeof(T)]);
+__device__ __forceinline__ void Convert16(const uint4& raw, float (&f)[16 / sizeof(T)]);
 template <>
-__device__ __forceinline__ void Load16<float>(const float* p, float (&f)[4]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+__device__ __forceinline__ void Convert16<float>(const uint4& raw, float (&f)[4]) {
+  f[0] = __uint_as_float(raw.x), f[1] = __uint_as_float(raw.y);
+  f[2] = __uint_as_float(raw.z), f[3] = __uint_as_float(raw.w);
 }
 template <>
-__device__ __forceinline__ void Load16<__nv_bfloat16>(const __nv_bfloat16* p, float (&f)[8]) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void Convert16<__nv_bfloat16>(const uint4& raw, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -424,6 +863,16 @@ __device__ __forceinline__ void Load16<__nv_bfloat16>(const __nv_bfloat16* p, fl
     f[2 * j] = v.x;
     f[2 * j + 1] = v.y;
   }
+}
+
+// Loads per lane per candidate of FastScoreKernel, and rounds per block (up to 16 loads in flight).
+template <typename T, int D, bool kMinMax>
+constexpr int FastLoads() {
+  return (kMinMax ? 2 : 1) * D / (kSubLanes * (16 / static_cast<int>(sizeof(T))));
+}
+template <typename T, int D, bool kMinMax>
+constexpr int FastRounds() {
+  return FastLoads<T, D, kMinMax>() >= 16 ? 1 : 16 / FastLoads<T, D, kMinMax>();
 }
 
 template <typename T, int D, bool kMinMax>
@@ -435,76 +884,114 @@ __global__ void __launch_bounds__(kScoreThreads)
   constexpr int kEpl = 16 / sizeof(T);              // elements per lane per load
   constexpr int kSteps = D / (kSubLanes * kEpl);    // loads per lane per row (per half for minmax)
   static_assert(kSteps >= 1 && D % (kSubLanes * kEpl) == 0, "head_dim must fill the lanes");
+  constexpr int kLoads = FastLoads<T, D, kMinMax>();
+  constexpr int kRounds = FastRounds<T, D, kMinMax>();
+  constexpr int kPerBlock = kFastCandidatesPerBlock * kRounds;
   __shared__ __align__(16) float qs[kSelectMaxGroup * D];
   const int g = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane / kSubLanes, sl = lane % kSubLanes;
+  GridDepWait();
+  GridDepLaunchDependents();
   const float* qg = q + static_cast<int64_t>(g) * group * D;
   for (int i = tid; i < group * D; i += kScoreThreads) qs[i] = scale * qg[i];
-  __syncthreads();
-  const int32_t per_iter = gridDim.x * kFastCandidatesPerBlock;
-  for (int32_t base = blockIdx.x * kFastCandidatesPerBlock; base < c.count; base += per_iter) {
-    const int32_t i = base + warp * (32 / kSubLanes) + sub;
-    const T* row = nullptr;
-    if (i < c.count) {
-      const int32_t id = CandidateIdAt(c, g, i);
+  bool staged = false;  // qs is read only after the block's first barrier
+  for (int32_t base = blockIdx.x * kPerBlock; base < c.count; base += gridDim.x * kPerBlock) {
+    int32_t idx[kRounds];
+    int32_t id[kRounds];
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) {
+      idx[r] = base + r * kFastCandidatesPerBlock + warp * (32 / kSubLanes) + sub;
+      id[r] = idx[r] < c.count ? CandidateIdAt(c, g, idx[r]) : -1;
+    }
+    const T* row[kRounds];
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) {
+      row[r] = nullptr;
       if constexpr (kMinMax) {
-        if (id >= 0 && id < num_items) row = rows + (static_cast<int64_t>(g) * num_items + id) * 2 * D;
+        if (id[r] >= 0 && id[r] < num_items) {
+          row[r] = rows + (static_cast<int64_t>(g) * num_items + id[r]) * 2 * D;
+        }
       } else {
-        const int64_t r = TokenRow(table, table_pages, num_slots, page_size, g, id);
-        if (r >= 0) row = rows + r * D;
+        const int64_t rr = TokenRow(table, table_pages, num_slots, page_size, g, id[r]);
+        if (rr >= 0) row[r] = rows + rr * D;
       }
     }
-    float a[kMinMax ? 2 * kSteps : kSteps][kEpl];
+    uint4 raw[kRounds][kLoads];
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      const int e = (j * kSubLanes + sl) * kEpl;
-      if (row != nullptr) {
-        Load16<T>(row + e, a[j]);
-        if constexpr (kMinMax) Load16<T>(row + D + e, a[kSteps + j]);
-      }
-    }
-    float acc[kSelectMaxGroup];
-#pragma unroll
-    for (int h = 0; h < kSelectMaxGroup; ++h) acc[h] = 0.0f;
-    if (row != nullptr) {
+    for (int r = 0; r < kRounds; ++r) {
 #pragma unroll
       for (int j = 0; j < kSteps; ++j) {
         const int e = (j * kSubLanes + sl) * kEpl;
+        if (row[r] != nullptr) {
+          raw[r][j] = __ldg(reinterpret_cast<const uint4*>(row[r] + e));
+          if constexpr (kMinMax) raw[r][kSteps + j] = __ldg(reinterpret_cast<const uint4*>(row[r] + D + e));
+        } else {
+          raw[r][j] = make_uint4(0, 0, 0, 0);
+          if constexpr (kMinMax) raw[r][kSteps + j] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    if (!staged) {
+      __syncthreads();  // every thread of the block runs the same iterations
+      staged = true;
+    }
 #pragma unroll
-        for (int h = 0; h < kSelectMaxGroup; ++h) {
-          if (h < group) {
+    for (int r = 0; r < kRounds; ++r) {
+      float a[kSteps][kEpl], b[kMinMax ? kSteps : 1][kEpl];
 #pragma unroll
-            for (int x = 0; x < kEpl; ++x) {
-              const float v = qs[h * D + e + x];
+      for (int j = 0; j < kSteps; ++j) {
+        Convert16<T>(raw[r][j], a[j]);
+        if constexpr (kMinMax) Convert16<T>(raw[r][kSteps + j], b[j]);
+      }
+      // Heads in a loop, not unrolled (code size: see ClusterVoteTopKKernel).
+#pragma unroll 1
+      for (int h = 0; h < group; ++h) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kSteps; ++j) {
+          const float* qv = qs + h * D + (j * kSubLanes + sl) * kEpl;
+#pragma unroll
+          for (int x = 0; x < kEpl; x += 4) {
+            const float4 v4 = *reinterpret_cast<const float4*>(qv + x);
+            const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+            for (int y = 0; y < 4; ++y) {
               if constexpr (kMinMax) {
-                acc[h] += fmaxf(v * a[j][x], v * a[kSteps + j][x]);
+                acc += fmaxf(v[y] * a[j][x + y], v[y] * b[j][x + y]);
               } else {
-                acc[h] += v * a[j][x];
+                acc += v[y] * a[j][x + y];
               }
             }
           }
         }
-      }
-    }
 #pragma unroll
-    for (int h = 0; h < kSelectMaxGroup; ++h) {
-      if (h < group) {
-#pragma unroll
-        for (int o = kSubLanes / 2; o > 0; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
-      }
-    }
-    if (i < c.count && sl == 0) {
-      for (int h = 0; h < group; ++h) {
-        scores[(static_cast<int64_t>(g) * group + h) * c.count + i] =
-            row != nullptr ? acc[h] : NegInfF();
+        for (int o = kSubLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (idx[r] < c.count && (h % kSubLanes) == sl) {
+          scores[(static_cast<int64_t>(g) * group + h) * c.count + idx[r]] =
+              row[r] != nullptr ? acc : NegInfF();
+        }
       }
     }
   }
 }
 
+template <typename T, int D, bool kMinMax>
 unsigned FastScoreBlocks(int32_t count) {
-  int64_t blocks = (static_cast<int64_t>(count) + kFastCandidatesPerBlock - 1) / kFastCandidatesPerBlock;
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, 256)));
+  constexpr int kPerBlock = kFastCandidatesPerBlock * FastRounds<T, D, kMinMax>();
+  const int64_t blocks = (static_cast<int64_t>(count) + kPerBlock - 1) / kPerBlock;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, 65535)));
+}
+
+// Launches FastScoreKernel<T, D, kMinMax> with programmatic dependent launch.
+template <typename T, int D, bool kMinMax>
+cudaError_t LaunchFastScore(const float* q, const T* rows, int64_t num_items, int64_t num_slots,
+                            int page_size, const int32_t* table, int table_pages,
+                            int num_kv_heads, int group, const DeviceCandidates& c, float scale,
+                            float* scores, cudaStream_t stream) {
+  const dim3 grid(FastScoreBlocks<T, D, kMinMax>(c.count), num_kv_heads);
+  return LaunchDependent(FastScoreKernel<T, D, kMinMax>, grid, dim3(kScoreThreads), 1, stream, q,
+                         rows, num_items, num_slots, page_size, table, table_pages, group, c,
+                         scale, scores);
 }
 
 unsigned ScoreBlocks(int32_t count) {
@@ -574,13 +1061,12 @@ cudaError_t LaunchScoreSummaries(const float* q, const float* summaries, int num
   const size_t smem = static_cast<size_t>(group) * head_dim * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
   const bool aligned = reinterpret_cast<uintptr_t>(summaries) % 16 == 0;
-  const dim3 fast_grid(FastScoreBlocks(c.count), num_kv_heads);
   if (aligned && head_dim == 128) {
-    FastScoreKernel<float, 128, true><<<fast_grid, kScoreThreads, 0, stream>>>(
-        q, summaries, num_items, 0, 1, nullptr, 0, group, c, scale, scores);
+    return LaunchFastScore<float, 128, true>(q, summaries, num_items, 0, 1, nullptr, 0,
+                                             num_kv_heads, group, c, scale, scores, stream);
   } else if (aligned && head_dim == 64) {
-    FastScoreKernel<float, 64, true><<<fast_grid, kScoreThreads, 0, stream>>>(
-        q, summaries, num_items, 0, 1, nullptr, 0, group, c, scale, scores);
+    return LaunchFastScore<float, 64, true>(q, summaries, num_items, 0, 1, nullptr, 0,
+                                            num_kv_heads, group, c, scale, scores, stream);
   } else {
     const dim3 grid(ScoreBlocks(c.count), num_kv_heads);
     ScoreSummariesKernel<<<grid, kScoreThreads, smem, stream>>>(q, summaries, group, head_dim,
@@ -599,20 +1085,19 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
   const size_t smem = static_cast<size_t>(group) * head_dim * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
   const dim3 grid(ScoreBlocks(c.count), num_kv_heads);
-  const dim3 fast_grid(FastScoreBlocks(c.count), num_kv_heads);
   const bool aligned = reinterpret_cast<uintptr_t>(k_pool) % 16 == 0;
   if (aligned && pool_type == FloatType::kBF16 && head_dim == 128) {
-    FastScoreKernel<__nv_bfloat16, 128, false><<<fast_grid, kScoreThreads, 0, stream>>>(
+    return LaunchFastScore<__nv_bfloat16, 128, false>(
         q, static_cast<const __nv_bfloat16*>(k_pool), 0, num_slots, page_size, page_table,
-        table_pages, group, c, scale, scores);
+        table_pages, num_kv_heads, group, c, scale, scores, stream);
   } else if (aligned && pool_type == FloatType::kBF16 && head_dim == 64) {
-    FastScoreKernel<__nv_bfloat16, 64, false><<<fast_grid, kScoreThreads, 0, stream>>>(
+    return LaunchFastScore<__nv_bfloat16, 64, false>(
         q, static_cast<const __nv_bfloat16*>(k_pool), 0, num_slots, page_size, page_table,
-        table_pages, group, c, scale, scores);
+        table_pages, num_kv_heads, group, c, scale, scores, stream);
   } else if (aligned && pool_type == FloatType::kF32 && head_dim == 128) {
-    FastScoreKernel<float, 128, false><<<fast_grid, kScoreThreads, 0, stream>>>(
-        q, static_cast<const float*>(k_pool), 0, num_slots, page_size, page_table, table_pages,
-        group, c, scale, scores);
+    return LaunchFastScore<float, 128, false>(q, static_cast<const float*>(k_pool), 0, num_slots,
+                                              page_size, page_table, table_pages, num_kv_heads,
+                                              group, c, scale, scores, stream);
   } else if (pool_type == FloatType::kBF16) {
     ScoreKeysKernel<__nv_bfloat16><<<grid, kScoreThreads, smem, stream>>>(
         q, static_cast<const __nv_bfloat16*>(k_pool), num_slots, page_size, page_table,
@@ -627,8 +1112,29 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
   return cudaGetLastError();
 }
 
+// VoteTopK's kernel: ClusterVoteTopKKernel for kClusterTopKMinCandidates < n <=
+// kClusterTopKMaxCandidates, else VoteTopKKernel; STRATA_SELECTION_TOPK=cluster (or block) in the
+// environment forces the cluster kernel wherever it can run (or the block kernel), for A/B timing.
+// On the H100 the cluster kernel was as fast or faster at every pipeline size (128 to 8192
+// candidates; bench/RESULTS.md), so it is the default from 0 candidates up.
+constexpr int64_t kClusterTopKMinCandidates = 0;
+
+int TopKOverride() {  // 0 none, 1 cluster, 2 block; read at every launch (tests switch it)
+  const char* e = std::getenv("STRATA_SELECTION_TOPK");
+  if (e == nullptr) return 0;
+  const std::string_view s(e);
+  return s == "cluster" ? 1 : s == "block" ? 2 : 0;
+}
+
+bool UseClusterTopK(int64_t n) {
+  if (n > kClusterTopKMaxCandidates) return false;
+  const int o = TopKOverride();
+  return o == 1 || (o == 0 && n > kClusterTopKMinCandidates);
+}
+
 int64_t VoteTopKScratchBytes(int num_kv_heads, int64_t n) {
-  return n <= kTopKSharedKeys ? 0 : static_cast<int64_t>(num_kv_heads) * n * sizeof(uint32_t);
+  if (n <= kTopKSharedKeys || UseClusterTopK(n)) return 0;
+  return static_cast<int64_t>(num_kv_heads) * n * sizeof(uint32_t);
 }
 
 cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
@@ -637,6 +1143,23 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
   if (num_kv_heads == 0) return cudaSuccess;
   if (group < 1 || group > kSelectMaxGroup || k < 0) return cudaErrorInvalidValue;
   if (k == 0 && c.count == 0) return cudaSuccess;
+  if (UseClusterTopK(c.count)) {
+    // Cluster kernel: about 128 threads per block and 4 (n <= 16K) or 16 candidates per thread.
+    const int per = c.count <= 16384 ? 4 : 16;
+    const int64_t n = c.count;
+    const int cs = static_cast<int>(std::clamp<int64_t>((n + per * 128 - 1) / (per * 128), 1,
+                                                        kClusterMax));
+    const int64_t per_block = (n + cs - 1) / cs;
+    const int threads = static_cast<int>(std::clamp<int64_t>(
+        ((per_block + per - 1) / per + 31) / 32 * 32, 32, kClusterTopKMaxThreads));
+    const dim3 grid(cs, num_kv_heads);
+    if (per == 4) {
+      return LaunchDependent(ClusterVoteTopKKernel<4>, grid, dim3(threads), cs, stream, scores,
+                             group, c, k, vote, selected);
+    }
+    return LaunchDependent(ClusterVoteTopKKernel<16>, grid, dim3(threads), cs, stream, scores,
+                           group, c, k, vote, selected);
+  }
   const bool shared_keys = c.count <= kTopKSharedKeys;
   if (!shared_keys && scratch == nullptr) return cudaErrorInvalidValue;
   const size_t smem = shared_keys ? static_cast<size_t>(c.count) * sizeof(uint32_t) : 0;

@@ -5,6 +5,7 @@
 // allowing a swap only between candidates whose votes tie within float rounding. Without a GPU
 // every test reports "no CUDA GPU: skipped".
 #include <cuda_runtime_api.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <cmath>
@@ -111,6 +112,10 @@ class SelectionTest : public ::testing::Test {
     }
     EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.size() << " out of tolerance";
   }
+
+  // Bodies of the VoteTopK tests run once per kernel choice (below).
+  void ExactTiesAtEverySize();
+  void MatchesCpuThroughParents();
 
   static Backend* gpu_;
   static Backend* cpu_;
@@ -391,6 +396,136 @@ TEST_F(SelectionTest, VoteTopKTiesGoToLowerIndices) {
     if (i % 7 != 0) expect.push_back(static_cast<int32_t>(i));
   }
   EXPECT_EQ(std::vector<int32_t>(want.begin(), want.begin() + k), expect);
+}
+
+// VoteTopK's kernels by size: the cluster kernel with 4 (n <= 16384) or 16 candidates per thread
+// and 1 to 8 blocks per KV head, and the one-block kernel beyond 65536 candidates. Scores take
+// few distinct values shared by every query head of a candidate, so votes fall in well-separated
+// classes of exactly equal values: the GPU must return exactly the CPU's ids (ties to the lower
+// index, ascending, -1 padded), with k below, at and above the number of valid candidates.
+// Runs `body` once per VoteTopK kernel choice: the default, then each kernel forced through
+// STRATA_SELECTION_TOPK (kernels/cuda/selection.cu; the block kernel is the only one beyond
+// 65536 candidates).
+template <typename Body>
+void ForEachTopKKernel(Body body) {
+  for (const char* choice : {"", "cluster", "block"}) {
+    SCOPED_TRACE(::testing::Message() << "STRATA_SELECTION_TOPK=" << choice);
+    if (*choice == 0) {
+      unsetenv("STRATA_SELECTION_TOPK");
+    } else {
+      setenv("STRATA_SELECTION_TOPK", choice, 1);
+    }
+    body();
+  }
+  unsetenv("STRATA_SELECTION_TOPK");
+}
+
+TEST_F(SelectionTest, VoteTopKExactTiesAtEverySize) {
+  ForEachTopKKernel([&] { ExactTiesAtEverySize(); });
+}
+
+void SelectionTest::ExactTiesAtEverySize() {
+  const int64_t sizes[] = {1, 3, 17, 129, 1000, 8192, 20000, 70000};
+  for (int64_t n : sizes) {
+    for (int group : {4, 1}) {
+      const int hkv = 3;
+      std::uniform_int_distribution<int> cls(0, 5);
+      std::vector<float> scores(static_cast<size_t>(hkv) * group * n);
+      for (int g = 0; g < hkv; ++g) {
+        for (int64_t i = 0; i < n; ++i) {
+          const int c = cls(rng_);
+          // Class 0: invalid (-inf in every head); classes 1-5: score c / 2 in every head.
+          const float x = c == 0 ? kNegInf : 0.5f * c;
+          for (int h = 0; h < group; ++h) scores[(static_cast<size_t>(g) * group + h) * n + i] = x;
+        }
+      }
+      if (n >= 3) {
+        for (int h = 0; h < group; ++h) scores[static_cast<size_t>(h) * n + 1] = kNaN;  // invalid
+      }
+      for (int64_t k : {int64_t{1}, (n + 1) / 2, n - n / 7, n, n + 5}) {
+        SCOPED_TRACE(::testing::Message() << "n " << n << " group " << group << " k " << k);
+        CandidateList cl;
+        cl.begin = 7;
+        cl.end = 7 + n;
+        std::vector<int32_t> want(static_cast<size_t>(hkv) * k, 12345);
+        std::vector<float> vote(static_cast<size_t>(hkv) * n);
+        VoteTopKParams p;
+        p.scores = TensorView(scores.data(), DType::kF32, {hkv, group, n});
+        p.candidates = cl;
+        p.k = k;
+        p.selected = TensorView(want.data(), DType::kI32, {hkv, k});
+        p.vote = TensorView(vote.data(), DType::kF32, {hkv, n});
+        STRATA_ASSERT_OK(cpu_->VoteTopK(p, nullptr));
+        auto ds = Dev(scores);
+        auto dsel = Poisoned<int32_t>(static_cast<int64_t>(hkv) * k, 0x7f);
+        auto dvote = Poisoned<float>(static_cast<int64_t>(hkv) * n);
+        p.scores.data = ds->data();
+        p.selected.data = dsel->data();
+        p.vote.data = dvote->data();
+        STRATA_ASSERT_OK(gpu_->VoteTopK(p, nullptr));
+        EXPECT_EQ(Get<int32_t>(*dsel, static_cast<int64_t>(hkv) * k), want);
+        ExpectClose(Get<float>(*dvote, static_cast<int64_t>(hkv) * n), vote, 1e-6, 1e-5, "vote");
+      }
+    }
+  }
+}
+
+// Random scores at the sizes of the pipelines and awkward ones, through a parent list (fanout 16,
+// some parents -1) as the page level uses, compared with the CPU modulo float near-ties.
+TEST_F(SelectionTest, VoteTopKMatchesCpuThroughParents) {
+  ForEachTopKKernel([&] { MatchesCpuThroughParents(); });
+}
+
+void SelectionTest::MatchesCpuThroughParents() {
+  const int64_t sizes[] = {16, 48, 1024, 2048, 8192, 16384, 16400, 65536, 65552};
+  for (int64_t n : sizes) {
+    const int hkv = 2, group = 4, fanout = 16;
+    const int64_t np = n / fanout, k = std::max<int64_t>(1, n / 4);
+    SCOPED_TRACE(::testing::Message() << "n " << n << " k " << k);
+    std::vector<float> scores = RandomF(static_cast<int64_t>(hkv) * group * n, -6.0f, 6.0f);
+    std::vector<int32_t> parents(static_cast<size_t>(hkv) * np);
+    std::uniform_int_distribution<int> u(0, 99);
+    for (int g = 0; g < hkv; ++g) {
+      for (int64_t i = 0; i < np; ++i) parents[g * np + i] = u(rng_) < 5 ? -1 : static_cast<int32_t>(2 * i + 1);
+    }
+    CandidateList cl;
+    cl.fanout = fanout;
+    cl.begin = 3;
+    cl.end = 2 * np * fanout;
+    std::vector<int32_t> want(static_cast<size_t>(hkv) * k);
+    std::vector<float> vote(static_cast<size_t>(hkv) * n);
+    VoteTopKParams p;
+    p.scores = TensorView(scores.data(), DType::kF32, {hkv, group, n});
+    p.candidates = cl;
+    p.candidates.parents = TensorView(parents.data(), DType::kI32, {hkv, np});
+    p.k = k;
+    p.selected = TensorView(want.data(), DType::kI32, {hkv, k});
+    p.vote = TensorView(vote.data(), DType::kF32, {hkv, n});
+    STRATA_ASSERT_OK(cpu_->VoteTopK(p, nullptr));
+    auto ds = Dev(scores), dp = Dev(parents);
+    auto dsel = Poisoned<int32_t>(static_cast<int64_t>(hkv) * k, 0x7f);
+    auto dvote = Poisoned<float>(static_cast<int64_t>(hkv) * n);
+    p.scores.data = ds->data();
+    p.candidates.parents.data = dp->data();
+    p.selected.data = dsel->data();
+    p.vote.data = dvote->data();
+    STRATA_ASSERT_OK(gpu_->VoteTopK(p, nullptr));
+    ExpectClose(Get<float>(*dvote, static_cast<int64_t>(hkv) * n), vote, 1e-6, 1e-5, "vote");
+    // Votes by id (ids are unique per head here).
+    std::vector<float> vote_by_id(static_cast<size_t>(hkv) * cl.end, 0.0f);
+    std::vector<int64_t> identity(static_cast<size_t>(hkv) * (cl.end + 1));
+    for (int g = 0; g < hkv; ++g) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t parent = parents[g * np + i / fanout];
+        if (parent < 0) continue;
+        const int64_t id = static_cast<int64_t>(parent) * fanout + i % fanout;
+        if (id >= cl.begin && id < cl.end) vote_by_id[g * cl.end + id] = vote[g * n + i];
+      }
+      for (int64_t id = 0; id <= cl.end; ++id) identity[g * (cl.end + 1) + id] = id;
+    }
+    ExpectSameTopK(Get<int32_t>(*dsel, static_cast<int64_t>(hkv) * k), want, vote_by_id, identity,
+                   hkv, k, cl.end, seed_);
+  }
 }
 
 TEST_F(SelectionTest, SelectedAttentionMatchesCpu) {
