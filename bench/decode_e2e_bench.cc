@@ -66,6 +66,18 @@
 //     tokens/s, the attention FLOPs of causal dense attention 4 * layers * q_heads * head_dim *
 //     N^2 / 2 divided by the seconds (an effective rate for scale, not a kernel measurement), and
 //     GPU memory at the end. Runs before any document decode (--contexts still applies after).
+//     --prefill_policy=dense|quest|tokenselect (a comma list runs each in turn, per context):
+//     quest / tokenselect prefill through engine::sparse::DevicePolicy::AttendChunk (default
+//     PolicyOptions: B = 2048, 64 sinks, 256-token window; selection on the device with each
+//     chunk's mean query, one host wait per layer and chunk for the selection, then the same
+//     PagedAttention over the selected spans); the line then also gives the fraction of
+//     (layer, KV head, chunk) candidate tokens attended. The attention FLOPs stay those of dense
+//     causal attention (so effective_attention_tflops is "dense-equivalent"). Sparse warm-ups use
+//     two chunks so that the selection kernels load before the timed pass.
+//     --prefill_check=N (> 0): a correctness check on the backend: N tokens prefilled dense and
+//     through the DevicePolicy with tokenselect and a budget covering everything (must agree: the
+//     same spans), and with the default budget (differs: reported for scale); prints the largest
+//     absolute difference of the last-token logits to the dense ones.
 //
 // Usage: decode_e2e_bench [--shapes=llama-3.2-1b,llama-3.1-8b] [--contexts=32768,131072,524288]
 //   [--flag=value ...]. CUDA backend (--backend=cpu runs the same code on the CPU backend, for a
@@ -96,6 +108,8 @@
 #include "engine/attention_policy.h"
 #include "engine/gpu_cache_attention.h"
 #include "engine/kv_cache.h"
+#include "engine/sparse/device_policy.h"
+#include "engine/sparse/policy.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
@@ -146,6 +160,8 @@ struct Flags {
   // Prefill pass (see the file comment): contexts, empty for none, and the chunk size.
   std::string prefill_contexts;
   int prefill_chunk = 8192;
+  std::string prefill_policy = "dense";
+  int64_t prefill_check = 0;
   uint64_t seed = 1;
 };
 
@@ -159,6 +175,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "contexts") { f->contexts = v; return true; }
   if (k == "hooks") { f->hooks = v; return true; }
   if (k == "prefill_contexts") { f->prefill_contexts = v; return true; }
+  if (k == "prefill_policy") { f->prefill_policy = v; return true; }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
   if (!absl::SimpleAtoi(v, &i) || i < 0) return false;
@@ -177,6 +194,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "hold_source_pages") { f->hold_source_pages = static_cast<int>(i); return true; }
   if (k == "decode_graph") { f->decode_graph = static_cast<int>(i); return true; }
   if (k == "prefill_chunk") { f->prefill_chunk = static_cast<int>(i); return i > 0; }
+  if (k == "prefill_check") { f->prefill_check = i; return true; }
   if (k == "seed") { f->seed = static_cast<uint64_t>(i); return true; }
   return false;
 }
@@ -685,12 +703,15 @@ struct RunResult {
   int64_t agree_same = 0, agree_total = 0;  // device vs host chooser, warm-up steps
 };
 
-// Prefill of `tokens` random token ids from position 0 into a fresh bf16 KvCache with dense
-// attention (see the file comment). A warm-up Forward of one chunk into its own cache runs first
-// (kernel loading, cuBLAS handles), untimed.
+// Prefill of `tokens` random token ids from position 0 into a fresh bf16 KvCache (see the file
+// comment): dense attention when `policy` is "dense", else through a DevicePolicy of that kind
+// (default PolicyOptions, token_budget `budget` when > 0). A warm-up Forward of one chunk (two for
+// a sparse policy) into its own cache runs first (kernel loading, cuBLAS handles), untimed. The
+// last token's logits go to *logits_out when it is set.
 absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
                      const model::ModelWeights& weights, kernels::Backend* backend, int64_t tokens,
-                     const Flags& f) {
+                     const Flags& f, const std::string& policy, int budget = 0,
+                     std::vector<float>* logits_out = nullptr) {
   engine::TransformerOptions to;
   to.prefill_chunk_size = f.prefill_chunk;
   STRATA_ASSIGN_OR_RETURN(auto tf, engine::Transformer::Create(c, weights, backend, to));
@@ -699,32 +720,87 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
   for (int32_t& id : ids) id = static_cast<int32_t>(r.Next() % static_cast<uint64_t>(c.vocab_size));
   std::vector<float> logits(static_cast<size_t>(c.vocab_size));
   auto dense = engine::MakeDensePolicy();
+  const bool sparse = policy != "dense";
+  engine::sparse::PolicyOptions po;
+  if (sparse) {
+    STRATA_ASSIGN_OR_RETURN(po.kind, engine::sparse::ParsePolicyName(policy));
+    po.page_size = f.page_size;
+    if (budget > 0) po.token_budget = budget;
+  }
+  // The options of a Forward over `cache` (a DevicePolicy made for it when sparse).
+  std::unique_ptr<engine::sparse::DevicePolicy> dp;
+  auto options_for = [&](const engine::KvCache& cache) -> absl::StatusOr<engine::ForwardOptions> {
+    engine::ForwardOptions fo;
+    if (!sparse) return fo;
+    dp.reset();
+    STRATA_ASSIGN_OR_RETURN(dp, engine::sparse::DevicePolicy::Create(po, cache.options(),
+                                                                     c.num_heads, backend));
+    fo.device_policy = dp.get();
+    fo.device_prefill = true;
+    return fo;
+  };
   {
-    const int64_t w = std::min<int64_t>(tokens, f.prefill_chunk);
+    const int64_t w = std::min<int64_t>(tokens, (sparse ? 2 : 1) * int64_t{f.prefill_chunk});
     STRATA_ASSIGN_OR_RETURN(auto warm, engine::KvCache::Create(
                                            tf->MakeCacheOptions(w, f.page_size, DType::kBF16), backend));
-    STRATA_RETURN_IF_ERROR(tf->Forward(ids.data(), w, 0, warm.get(), dense.get(), logits.data(), false));
+    STRATA_ASSIGN_OR_RETURN(const engine::ForwardOptions fo, options_for(*warm));
+    STRATA_RETURN_IF_ERROR(
+        tf->Forward(ids.data(), w, 0, warm.get(), dense.get(), logits.data(), false, fo));
     STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   }
   STRATA_ASSIGN_OR_RETURN(auto cache, engine::KvCache::Create(
                                           tf->MakeCacheOptions(tokens, f.page_size, DType::kBF16), backend));
+  STRATA_ASSIGN_OR_RETURN(const engine::ForwardOptions fo, options_for(*cache));
   const double gpu_ready = GpuUsedGiB();
   Stopwatch sw;
-  STRATA_RETURN_IF_ERROR(tf->Forward(ids.data(), tokens, 0, cache.get(), dense.get(), logits.data(), false));
+  STRATA_RETURN_IF_ERROR(
+      tf->Forward(ids.data(), tokens, 0, cache.get(), dense.get(), logits.data(), false, fo));
   STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   const double s = sw.ElapsedSeconds();
   double checksum = 0;
   for (float x : logits) checksum += std::isfinite(x) ? x : 1e30;
   const double n = static_cast<double>(tokens);
   const double attn_flop = 4.0 * c.num_layers * c.num_heads * c.head_dim * n * n / 2;
-  std::printf("prefill shape=%s tokens=%" PRId64 " chunk=%d seconds=%.2f tok_s=%.0f "
-              "attention_tflop=%.1f effective_attention_tflops=%.1f gpu_used_GiB ready=%.2f "
-              "end=%.2f logits_sum=%.4g\n",
-              name.c_str(), tokens, f.prefill_chunk, s, n / s, attn_flop / 1e12,
-              attn_flop / 1e12 / s, gpu_ready, GpuUsedGiB(), checksum);
+  const double attended =
+      dp != nullptr && dp->counters().candidate_tokens > 0
+          ? static_cast<double>(dp->counters().selected_tokens) / dp->counters().candidate_tokens
+          : 1.0;
+  std::printf("prefill shape=%s policy=%s budget=%d tokens=%" PRId64 " chunk=%d seconds=%.2f "
+              "tok_s=%.0f attention_tflop=%.1f effective_attention_tflops=%.1f "
+              "attended_fraction=%.4f gpu_used_GiB ready=%.2f end=%.2f logits_sum=%.4g\n",
+              name.c_str(), policy.c_str(), sparse ? po.token_budget : 0, tokens, f.prefill_chunk,
+              s, n / s, attn_flop / 1e12, attn_flop / 1e12 / s, attended, gpu_ready, GpuUsedGiB(),
+              checksum);
   std::fflush(stdout);
   if (!std::isfinite(checksum) || checksum >= 1e30) {
     return absl::InternalError("prefill: non-finite logits");
+  }
+  if (logits_out != nullptr) *logits_out = logits;
+  return absl::OkStatus();
+}
+
+// --prefill_check: dense vs DevicePolicy prefill of the same tokens (see the file comment).
+absl::Status PrefillCheck(const std::string& name, const model::ModelConfig& c,
+                          const model::ModelWeights& weights, kernels::Backend* backend,
+                          int64_t tokens, const Flags& f) {
+  std::vector<float> dense, all, sparse;
+  STRATA_RETURN_IF_ERROR(Prefill(name, c, weights, backend, tokens, f, "dense", 0, &dense));
+  STRATA_RETURN_IF_ERROR(Prefill(name, c, weights, backend, tokens, f, "tokenselect",
+                                 static_cast<int>(tokens), &all));
+  STRATA_RETURN_IF_ERROR(Prefill(name, c, weights, backend, tokens, f, "tokenselect", 0, &sparse));
+  double d_all = 0, d_sparse = 0, scale = 0;
+  for (size_t i = 0; i < dense.size(); ++i) {
+    d_all = std::max(d_all, std::fabs(static_cast<double>(all[i]) - dense[i]));
+    d_sparse = std::max(d_sparse, std::fabs(static_cast<double>(sparse[i]) - dense[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(dense[i])));
+  }
+  std::printf("prefill_check shape=%s tokens=%" PRId64 " max_abs_dense_logit=%.4g "
+              "covering_budget_max_abs_diff=%.4g default_budget_max_abs_diff=%.4g %s\n",
+              name.c_str(), tokens, scale, d_all, d_sparse,
+              d_all <= 1e-2 * std::max(1.0, scale) ? "OK" : "MISMATCH");
+  std::fflush(stdout);
+  if (!(d_all <= 1e-2 * std::max(1.0, scale))) {
+    return absl::InternalError("prefill_check: covering budget differs from dense");
   }
   return absl::OkStatus();
 }
@@ -1021,10 +1097,23 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "bad prefill context %s\n", std::string(pc).c_str());
         return 2;
       }
-      absl::Status s = Prefill(mo.preset, *config, weights->weights, backend, n, f);
+      for (absl::string_view pp : absl::StrSplit(f.prefill_policy, ',', absl::SkipEmpty())) {
+        absl::Status s = Prefill(mo.preset, *config, weights->weights, backend, n, f,
+                                 std::string(pp));
+        if (!s.ok()) {
+          std::printf("FAILED shape=%s prefill=%" PRId64 " policy=%s: %s\n", mo.preset.c_str(),
+                      n, std::string(pp).c_str(), s.ToString().c_str());
+          std::fflush(stdout);
+          ++failures;
+        }
+      }
+    }
+    if (f.prefill_check > 0) {
+      absl::Status s =
+          PrefillCheck(mo.preset, *config, weights->weights, backend, f.prefill_check, f);
       if (!s.ok()) {
-        std::printf("FAILED shape=%s prefill=%" PRId64 ": %s\n", mo.preset.c_str(), n,
-                    s.ToString().c_str());
+        std::printf("FAILED shape=%s prefill_check=%" PRId64 ": %s\n", mo.preset.c_str(),
+                    f.prefill_check, s.ToString().c_str());
         std::fflush(stdout);
         ++failures;
       }
