@@ -11,9 +11,13 @@
 //
 // General (any token count, head_dim <= 512): PagedAttentionGeneralKernel, one block per (token,
 // query head), tiles of 128 keys with an online softmax, causal mask per key position.
+//
+// Pools: f32, bf16 or fp8 e4m3 (kernels/backend.h "fp8 KV pools"); for fp8 the host folds k_scale
+// into the score scale and the kernels multiply their outputs by v_scale. The split-K decode
+// kernels (here and SelectedDecodeKernel below) share their start, tile update (one online-softmax
+// step, OnlineSoftmaxRescale / SoftmaxWeight, also used by the general kernel) and partial write.
 #include <cuda_fp8.h>
 
-#include <algorithm>
 #include <cfloat>
 #include <type_traits>
 
