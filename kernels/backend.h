@@ -54,13 +54,30 @@ struct RmsNormParams {
   float eps = 1e-6f;
 };
 
+// What MatMul does with the f32 activations when the weight is bf16|f16 (f32 weights ignore it:
+// the product is always in f32).
+enum class MatMulPrecision : int {
+  // The activations are used as f32 (the default). The CPU backend multiplies in f32; the CUDA
+  // backend reads them as f32 in its decode GEMV and, for more tokens, splits each into hi + lo in
+  // the weight's type (two tensor-core GEMMs, ~16 significant bits kept).
+  kSplit = 0,
+  // Each activation is first rounded to the weight's type (bf16 or f16, round to nearest even;
+  // f16 overflows to +-inf beyond +-65504), then multiplied with f32 accumulation and f32 output:
+  // what inference engines run (one bf16 GEMM on the CUDA backend). Every backend and every
+  // token count rounds the same way, so backends agree to accumulation order.
+  kRoundActivations = 1,
+};
+
 // out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]); weight is stored as Hugging Face stores
-// nn.Linear weights. Accumulation in f32.
+// nn.Linear weights. Accumulation in f32. The bias is added in f32 after the product (never
+// rounded by `precision`).
 struct MatMulParams {
   TensorView in;      // [num_tokens, in_features] f32
   TensorView weight;  // [out_features, in_features] f32|bf16|f16
   TensorView bias;    // [out_features] f32|bf16|f16, or data == nullptr
   TensorView out;     // [num_tokens, out_features] f32
+  // See MatMulPrecision; a value outside the enum is InvalidArgument.
+  MatMulPrecision precision = MatMulPrecision::kSplit;
 };
 
 // Rotary embedding in place, "rotate half" convention (pairs (i, i + head_dim/2)) as in Hugging

@@ -257,6 +257,157 @@ TEST(CpuBackendTest, MatMulIsBitwiseIndependentOfThreadCount) {
   }
 }
 
+// `values` stored in `dtype` (rounded by ConvertFromF32); .values holds what was stored.
+HostTensor FromValues(DType dtype, std::vector<int64_t> dims, const std::vector<float>& raw) {
+  HostTensor t;
+  t.dtype = dtype;
+  t.dims = dims;
+  const int64_t n = static_cast<int64_t>(raw.size());
+  t.bytes.resize(n * DTypeSize(dtype) + 1);
+  ConvertFromF32(raw.data(), t.bytes.data(), dtype, n);
+  t.values.resize(n);
+  ConvertToF32(t.bytes.data(), dtype, t.values.data(), n);
+  return t;
+}
+
+// MatMulPrecision::kRoundActivations by hand. Weights {1, 2, 4} (exact in bf16 and f16), two
+// tokens (the same row twice, so the BLAS path runs a GEMM), bias 2^-20 (f32, added unrounded).
+// bf16 (8 significant bits): 1 + 2^-9 -> 1; 1 + 3 * 2^-8 is a tie -> 1 + 2^-6 (even);
+// -(2 + 2^-7) is a tie -> -2 (even). f16 (11 bits): 1 + 2^-12 -> 1; 1 + 3 * 2^-11 -> 1 + 2^-9;
+// -(2 + 2^-10) -> -2. Every partial sum below is exact in f32, so the results are exact.
+TEST(CpuBackendTest, MatMulRoundActivationsByHand) {
+  auto backend = MakeCpuBackend(1);
+  using cpu_internal::MatMulPath;
+  struct Case {
+    DType dt;
+    std::vector<float> x;
+    float round_want, split_want;
+  };
+  const float b = std::ldexp(1.0f, -20);
+  const std::vector<Case> cases = {
+      {DType::kBF16,
+       {1 + std::ldexp(1.0f, -9), 1 + 3 * std::ldexp(1.0f, -8), -(2 + std::ldexp(1.0f, -7))},
+       1 * 1.0f + 2 * (1 + std::ldexp(1.0f, -6)) + 4 * -2.0f + b,  // -4.96875 + 2^-20
+       -5.0f + std::ldexp(1.0f, -9) + 3 * std::ldexp(1.0f, -7) - std::ldexp(1.0f, -5) + b},
+      {DType::kF16,
+       {1 + std::ldexp(1.0f, -12), 1 + 3 * std::ldexp(1.0f, -11), -(2 + std::ldexp(1.0f, -10))},
+       1 * 1.0f + 2 * (1 + std::ldexp(1.0f, -9)) + 4 * -2.0f + b,  // -4.99609375 + 2^-20
+       -5.0f + std::ldexp(1.0f, -12) + 3 * std::ldexp(1.0f, -10) - std::ldexp(1.0f, -8) + b},
+  };
+  EXPECT_EQ(cases[0].round_want, -4.96875f + b);
+  EXPECT_EQ(cases[1].round_want, -4.99609375f + b);
+  for (const Case& c : cases) {
+    std::vector<float> x2 = c.x;
+    x2.insert(x2.end(), c.x.begin(), c.x.end());
+    HostTensor in = FromValues(DType::kF32, {2, 3}, x2);
+    HostTensor w = FromValues(c.dt, {1, 3}, {1, 2, 4});
+    HostTensor bias = FromValues(DType::kF32, {1}, {b});
+    for (MatMulPath path : {MatMulPath::kAuto, MatMulPath::kRowDot, MatMulPath::kBlockedBlas}) {
+      for (MatMulPrecision prec : {MatMulPrecision::kSplit, MatMulPrecision::kRoundActivations}) {
+        HostTensor out = Zeros({2, 1});
+        MatMulParams p{in.View(), w.View(), bias.View(), out.View(), prec};
+        if (path == MatMulPath::kAuto) {
+          STRATA_ASSERT_OK(backend->MatMul(p, nullptr));
+        } else {
+          STRATA_ASSERT_OK(cpu_internal::MatMulWithPath(p, path));
+        }
+        const float want =
+            prec == MatMulPrecision::kRoundActivations ? c.round_want : c.split_want;
+        for (int t = 0; t < 2; ++t) {
+          EXPECT_EQ(out.f32()[t], want) << DTypeName(c.dt) << " path "
+                                        << static_cast<int>(path) << " precision "
+                                        << static_cast<int>(prec) << " token " << t;
+        }
+      }
+      // The input is not modified by the rounding.
+      EXPECT_EQ(std::memcmp(in.f32(), x2.data(), x2.size() * 4), 0);
+    }
+  }
+}
+
+// f16 rounding overflows beyond 65504 (to inf); f32 weights ignore the precision (bit for bit).
+TEST(CpuBackendTest, MatMulRoundActivationsOverflowAndF32Weights) {
+  auto backend = MakeCpuBackend(1);
+  HostTensor in = FromValues(DType::kF32, {1, 2}, {70000.0f, 1.0f});
+  HostTensor w16 = FromValues(DType::kF16, {1, 2}, {1.0f, 1.0f});
+  HostTensor out = Zeros({1, 1});
+  STRATA_ASSERT_OK(backend->MatMul(
+      {in.View(), w16.View(), TensorView(), out.View(), MatMulPrecision::kRoundActivations},
+      nullptr));
+  EXPECT_TRUE(std::isinf(out.f32()[0]) && out.f32()[0] > 0) << out.f32()[0];
+  STRATA_ASSERT_OK(backend->MatMul({in.View(), w16.View(), TensorView(), out.View()}, nullptr));
+  EXPECT_EQ(out.f32()[0], 70001.0f);
+
+  Rng rng(kSeed + 40);
+  for (int64_t n : {1, 3, 129}) {
+    HostTensor x = Random(rng, DType::kF32, {n, 300});
+    HostTensor w = Random(rng, DType::kF32, {517, 300});
+    HostTensor a = Zeros({n, 517}), r = Zeros({n, 517});
+    STRATA_ASSERT_OK(backend->MatMul({x.View(), w.View(), TensorView(), a.View()}, nullptr));
+    STRATA_ASSERT_OK(backend->MatMul(
+        {x.View(), w.View(), TensorView(), r.View(), MatMulPrecision::kRoundActivations},
+        nullptr));
+    EXPECT_EQ(std::memcmp(a.f32(), r.f32(), n * 517 * 4), 0) << "n=" << n;
+  }
+}
+
+// kRoundActivations on random data, every path, dtype and awkward size: bit for bit the split
+// (f32-activation) product of the pre-rounded activations, and different from the product of the
+// raw activations somewhere once k >= 17.
+TEST(CpuBackendTest, MatMulRoundActivationsIsTheProductOfRoundedInputs) {
+  Rng rng(kSeed + 41);
+  auto backend = MakeCpuBackend();
+  using cpu_internal::MatMulPath;
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    for (int64_t n : kSizes) {
+      for (int64_t k : kSizes) {
+        for (int64_t m : {1, 3, 129}) {
+          HostTensor in = Random(rng, DType::kF32, {n, k}, -2, 2);
+          HostTensor w = Random(rng, dt, {m, k});
+          HostTensor bias = Random(rng, dt, {m});
+          HostTensor rounded = in;
+          cpu_internal::RoundActivations(in.f32(), dt, n * k, rounded.f32());
+          std::vector<float> hand(n * k);
+          for (int64_t i = 0; i < n * k; ++i) {
+            hand[i] = dt == DType::kBF16 ? BF16ToF32(F32ToBF16(in.f32()[i]))
+                                         : F16ToF32(F32ToF16(in.f32()[i]));
+          }
+          ASSERT_EQ(std::memcmp(rounded.f32(), hand.data(), n * k * 4), 0);
+          for (MatMulPath path :
+               {MatMulPath::kAuto, MatMulPath::kRowDot, MatMulPath::kBlockedBlas}) {
+            HostTensor got = Zeros({n, m}), want = Zeros({n, m}), raw = Zeros({n, m});
+            STRATA_ASSERT_OK(cpu_internal::MatMulWithPath(
+                {in.View(), w.View(), bias.View(), got.View(),
+                 MatMulPrecision::kRoundActivations},
+                path));
+            STRATA_ASSERT_OK(cpu_internal::MatMulWithPath(
+                {rounded.View(), w.View(), bias.View(), want.View()}, path));
+            STRATA_ASSERT_OK(cpu_internal::MatMulWithPath(
+                {in.View(), w.View(), bias.View(), raw.View()}, path));
+            const std::string what = std::string(DTypeName(dt)) + " n=" + std::to_string(n) +
+                                     " k=" + std::to_string(k) + " m=" + std::to_string(m) +
+                                     " path=" + std::to_string(static_cast<int>(path));
+            EXPECT_EQ(std::memcmp(got.f32(), want.f32(), n * m * 4), 0) << what;
+            if (k >= 17) {
+              EXPECT_NE(std::memcmp(got.f32(), raw.f32(), n * m * 4), 0) << what;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuBackendTest, MatMulRejectsUnknownPrecision) {
+  auto backend = MakeCpuBackend(1);
+  HostTensor in = FromValues(DType::kF32, {1, 2}, {1.0f, 1.0f});
+  HostTensor w = FromValues(DType::kBF16, {1, 2}, {1.0f, 1.0f});
+  HostTensor out = Zeros({1, 1});
+  MatMulParams p{in.View(), w.View(), TensorView(), out.View(), static_cast<MatMulPrecision>(7)};
+  EXPECT_THAT(backend->Supports(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(backend->MatMul(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 TEST(CpuBackendTest, Rope) {
   Rng rng(kSeed + 3);
   auto backend = MakeCpuBackend();

@@ -5,11 +5,17 @@
 // the weight is read once, at its storage width); for more tokens blocks of kBlockRows weight rows
 // are converted to f32 and multiplied with sgemm. Threads: OpenMP over blocks of output rows,
 // OpenBLAS single-threaded inside each.
+//
+// MatMulPrecision::kRoundActivations with bf16/f16 weights: the activations are first rounded to
+// the weight's type (RoundActivations, into a copy), then the same paths run on the rounded
+// values; every product is then exact in f32 (8 + 8 or 11 + 11 significant bits), so only the
+// accumulation order differs from any other backend.
 #include <cblas.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/internal/checks.h"
@@ -33,6 +39,11 @@ absl::Status CpuSupportsMatMul(const MatMulParams& p) {
   STRATA_RETURN_IF_ERROR(CheckDim(p.weight, 1, p.in.dim(1), kOp, "weight"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.out, 0, p.in.dim(0), kOp, "out"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.out, 1, p.weight.dim(0), kOp, "out"));
+  if (p.precision != MatMulPrecision::kSplit &&
+      p.precision != MatMulPrecision::kRoundActivations) {
+    return absl::InvalidArgumentError(absl::StrCat("MatMul: unknown precision ",
+                                                   static_cast<int>(p.precision)));
+  }
   if (p.bias.data != nullptr) {
     STRATA_RETURN_IF_ERROR(CheckRank(p.bias, 1, kOp, "bias"));
     STRATA_RETURN_IF_ERROR(CheckWeightDType(p.bias, kOp, "bias"));
@@ -127,6 +138,16 @@ void AddBias(const MatMulParams& p) {
 
 }  // namespace
 
+void RoundActivations(const float* in, DType weight_type, int64_t n, float* out) {
+  if (weight_type == DType::kBF16) {
+    for (int64_t i = 0; i < n; ++i) out[i] = BF16ToF32(F32ToBF16(in[i]));
+  } else if (weight_type == DType::kF16) {
+    for (int64_t i = 0; i < n; ++i) out[i] = F16ToF32(F32ToF16(in[i]));
+  } else if (out != in) {
+    std::copy(in, in + n, out);
+  }
+}
+
 absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path) {
   STRATA_RETURN_IF_ERROR(CpuSupportsMatMul(p));
   const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
@@ -142,12 +163,19 @@ absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path) {
                ? MatMulPath::kRowDot
                : MatMulPath::kBlockedBlas;
   }
-  if (path == MatMulPath::kRowDot) {
-    RowDot(p);
-  } else {
-    BlockedBlas(p);
+  MatMulParams q = p;
+  std::vector<float> rounded;
+  if (p.precision == MatMulPrecision::kRoundActivations && p.weight.dtype != DType::kF32) {
+    rounded.resize(static_cast<size_t>(n * k));
+    RoundActivations(p.in.As<const float>(), p.weight.dtype, n * k, rounded.data());
+    q.in = TensorView(rounded.data(), DType::kF32, {n, k});
   }
-  AddBias(p);
+  if (path == MatMulPath::kRowDot) {
+    RowDot(q);
+  } else {
+    BlockedBlas(q);
+  }
+  AddBias(q);
   return absl::OkStatus();
 }
 

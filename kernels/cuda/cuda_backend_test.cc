@@ -332,6 +332,104 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(4096, 4100, 14336), ::testing::Values(3, 129),
                        ::testing::Bool()));
 
+// MatMulPrecision::kRoundActivations against the CPU's: both round every activation to the
+// weight's type (RNE), so each product is exact and only the f32 accumulation order differs
+// (GEMV for <= kGemvMaxTokens tokens, rounding pass + one cuBLAS GEMM beyond; k % 4 picks the
+// rounding pass's vector or scalar loop, k % 8 the GEMV's). Also checks that the rounding really
+// happened: the worst GPU error against the CPU's kRoundActivations is smaller than the distance
+// between the CPU's kRoundActivations and kSplit results.
+// (weight dtype, tokens, in_features, out_features, with bias)
+class CudaMatMulRoundTest
+    : public CudaBackendTest,
+      public ::testing::WithParamInterface<std::tuple<DType, int64_t, int64_t, int64_t, bool>> {};
+
+TEST_P(CudaMatMulRoundTest, MatchesCpuRoundActivations) {
+  const auto [dt, n, k, m, with_bias] = GetParam();
+  HostTensor in = Random(rng_, DType::kF32, {n, k}, -2, 2);
+  HostTensor w = Random(rng_, dt, {m, k});
+  HostTensor bias = Random(rng_, dt, {m});
+  const TensorView no_bias;
+  HostTensor want = Filled({n, m}, kNaN), split = Filled({n, m}, kNaN);
+  STRATA_ASSERT_OK(cpu_->MatMul({in.HostView(), w.HostView(),
+                                 with_bias ? bias.HostView() : no_bias, want.HostView(),
+                                 MatMulPrecision::kRoundActivations},
+                                nullptr));
+  STRATA_ASSERT_OK(cpu_->MatMul(
+      {in.HostView(), w.HostView(), with_bias ? bias.HostView() : no_bias, split.HostView()},
+      nullptr));
+  auto d_in = Upload(in);
+  auto d_w = Upload(w);
+  auto d_b = Upload(bias);
+  auto d_out = Upload(Filled({n, m}, kNaN));
+  MatMulParams p{in.View(d_in->data()), w.View(d_w->data()),
+                 with_bias ? bias.View(d_b->data()) : no_bias, want.View(d_out->data()),
+                 MatMulPrecision::kRoundActivations};
+  STRATA_ASSERT_OK(gpu_->Supports(p));
+  STRATA_ASSERT_OK(gpu_->MatMul(p, nullptr));
+  const std::vector<float> got = Download(*d_out, n * m);
+  // The input must be left as it was (the rounding goes to scratch or registers).
+  EXPECT_EQ(Download(*d_in, n * k), in.Values());
+  const std::vector<float> wv = w.Values(), bv = bias.Values(), ref = want.Values(),
+                           sp = split.Values();
+  std::vector<double> scale(n * m);
+  const std::vector<float> iv = in.Values();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t o = 0; o < m; ++o) {
+      double a = with_bias ? std::fabs(bv[o]) : 0.0;
+      for (int64_t i = 0; i < k; ++i) a += std::fabs(double(iv[t * k + i]) * wv[o * k + i]);
+      scale[t * m + o] = a;
+    }
+  }
+  const std::string what = absl::StrCat("matmul round ", DTypeName(dt), " n=", n, " k=", k,
+                                        " m=", m, " bias=", with_bias);
+  ExpectClose(got, ref, 1e-6, 2e-5, what, &scale);
+  double worst_gpu = 0, worst_split = 0;
+  for (int64_t i = 0; i < n * m; ++i) {
+    worst_gpu = std::max(worst_gpu, std::fabs(double(got[i]) - ref[i]) / (scale[i] + 1e-30));
+    worst_split = std::max(worst_split, std::fabs(double(sp[i]) - ref[i]) / (scale[i] + 1e-30));
+  }
+  EXPECT_LT(worst_gpu, worst_split) << what << " (seed " << g_seed << ")";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, CudaMatMulRoundTest,
+    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16),
+                       ::testing::Values(1, 3, 8, 9, 17, 129),
+                       ::testing::Values(1, 17, 256, 1001, 4096), ::testing::Values(3, 129),
+                       ::testing::Bool()));
+
+TEST_F(CudaBackendTest, MatMulRoundActivationsF32WeightsEqualSplit) {
+  // f32 weights ignore the precision: the same cuBLAS f32 GEMM, bit for bit.
+  for (int64_t n : {1, 17, 129}) {
+    HostTensor in = Random(rng_, DType::kF32, {n, 257}, -2, 2);
+    HostTensor w = Random(rng_, DType::kF32, {131, 257});
+    auto d_in = Upload(in);
+    auto d_w = Upload(w);
+    auto d_a = Upload(Filled({n, 131}, kNaN));
+    auto d_r = Upload(Filled({n, 131}, kNaN));
+    STRATA_ASSERT_OK(gpu_->MatMul({in.View(d_in->data()), w.View(d_w->data()), TensorView(),
+                                   Filled({n, 131}, 0).View(d_a->data())},
+                                  nullptr));
+    STRATA_ASSERT_OK(gpu_->MatMul({in.View(d_in->data()), w.View(d_w->data()), TensorView(),
+                                   Filled({n, 131}, 0).View(d_r->data()),
+                                   MatMulPrecision::kRoundActivations},
+                                  nullptr));
+    EXPECT_EQ(Download(*d_a, n * 131), Download(*d_r, n * 131)) << "n=" << n;
+  }
+}
+
+TEST_F(CudaBackendTest, MatMulRejectsUnknownPrecision) {
+  HostTensor in = Random(rng_, DType::kF32, {2, 8});
+  HostTensor w = Random(rng_, DType::kBF16, {4, 8});
+  auto d_in = Upload(in);
+  auto d_w = Upload(w);
+  auto d_out = Upload(Filled({2, 4}, kNaN));
+  MatMulParams p{in.View(d_in->data()), w.View(d_w->data()), TensorView(),
+                 Filled({2, 4}, 0).View(d_out->data()), static_cast<MatMulPrecision>(5)};
+  EXPECT_THAT(gpu_->Supports(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(gpu_->MatMul(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 // ---- Rope ------------------------------------------------------------------------------------
 
 class CudaRopeTest : public CudaBackendTest,

@@ -7,6 +7,11 @@
 // activations are split into hi + lo in the weight's type and two cuBLAS GEMMs (bf16/f16 inputs,
 // f32 accumulation and output) add up W·hi + W·lo, which keeps ~16 significant bits of each
 // activation instead of the 8 (bf16) or 11 (f16) of a single rounding.
+//
+// MatMulPrecision::kRoundActivations (round_activations): the GEMV rounds each activation to the
+// weight's type as it loads it (GemvKernel's ROUND instance); more tokens take RoundKernel (f32 ->
+// the weight's type, once per activation, into scratch) and ONE cuBLAS GEMM, the single bf16 GEMM
+// of inference engines (half the tensor-core work of the split and half its scratch).
 #include <cublas_v2.h>
 
 #include "kernels/cuda/internal/common.cuh"
@@ -22,6 +27,35 @@ __device__ __forceinline__ float LoadAny(const void* p, FloatType t, int64_t i) 
       return __half2float(static_cast<const __half*>(p)[i]);
     default:
       return static_cast<const float*>(p)[i];
+  }
+}
+
+// x rounded to T (round to nearest even).
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+// x rounded to T and back to f32: what kRoundActivations multiplies.
+template <typename T>
+__device__ __forceinline__ float RoundTo(float x) {
+  const T r = FromFloat<T>(x);
+  return LoadAsFloat(&r, 0);
+}
+
+// The activation as the GEMV multiplies it: as is, or rounded to T (ROUND).
+template <typename T, bool ROUND>
+__device__ __forceinline__ float Act(float x) {
+  if constexpr (ROUND) {
+    return RoundTo<T>(x);
+  } else {
+    return x;
   }
 }
 
@@ -60,8 +94,9 @@ constexpr int kGemvUnroll = 4;
 // timing).
 // blockDim.x is a multiple of 32, at most kGemvMaxThreads. MAXN: tokens the kernel is compiled
 // for (n <= MAXN); the one-token decode step uses MAXN = 1, which needs fewer registers (more
-// blocks resident per SM) than MAXN = kGemvMaxTokens.
-template <typename T, bool VEC, int MAXN>
+// blocks resident per SM) than MAXN = kGemvMaxTokens. ROUND: each activation is rounded to T
+// before the product (MatMulPrecision::kRoundActivations).
+template <typename T, bool VEC, int MAXN, bool ROUND>
 __global__ void __launch_bounds__(kGemvMaxThreads)
     GemvKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
                FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m) {
@@ -96,8 +131,10 @@ __global__ void __launch_bounds__(kGemvMaxThreads)
             if (t < n) {
               const float4* x4 = reinterpret_cast<const float4*>(in + t * k) + 2 * c;
               const float4 a = x4[0], b = x4[1];
-              acc[t] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x +
-                        wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+              acc[t] += wf[0] * Act<T, ROUND>(a.x) + wf[1] * Act<T, ROUND>(a.y) +
+                        wf[2] * Act<T, ROUND>(a.z) + wf[3] * Act<T, ROUND>(a.w) +
+                        wf[4] * Act<T, ROUND>(b.x) + wf[5] * Act<T, ROUND>(b.y) +
+                        wf[6] * Act<T, ROUND>(b.z) + wf[7] * Act<T, ROUND>(b.w);
             }
           }
         }
@@ -108,7 +145,7 @@ __global__ void __launch_bounds__(kGemvMaxThreads)
       const float wv = LoadAsFloat(row, i);
 #pragma unroll
       for (int t = 0; t < MAXN; ++t) {
-        if (t < n) acc[t] += wv * in[t * k + i];
+        if (t < n) acc[t] += wv * Act<T, ROUND>(in[t * k + i]);
       }
     }
   }
@@ -141,23 +178,35 @@ int GemvThreads(int64_t k, bool vec) {
 }
 
 // Picks the GemvKernel instance for n tokens and vec (see GemvKernel).
-template <typename T>
+template <typename T, bool ROUND>
 void LaunchGemv(const float* in, const T* w, const void* bias, FloatType bias_type, float* out,
                 int n, int64_t k, int64_t m, bool vec, unsigned blocks, int threads,
                 cudaStream_t stream) {
   if (n == 1) {
     if (vec) {
-      GemvKernel<T, true, 1><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out, n, k, m);
+      GemvKernel<T, true, 1, ROUND><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out,
+                                                                     n, k, m);
     } else {
-      GemvKernel<T, false, 1><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out, n, k,
-                                                               m);
+      GemvKernel<T, false, 1, ROUND><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out,
+                                                                      n, k, m);
     }
   } else if (vec) {
-    GemvKernel<T, true, kGemvMaxTokens><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type,
-                                                                         out, n, k, m);
+    GemvKernel<T, true, kGemvMaxTokens, ROUND><<<blocks, threads, 0, stream>>>(
+        in, w, bias, bias_type, out, n, k, m);
   } else {
-    GemvKernel<T, false, kGemvMaxTokens><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type,
-                                                                          out, n, k, m);
+    GemvKernel<T, false, kGemvMaxTokens, ROUND><<<blocks, threads, 0, stream>>>(
+        in, w, bias, bias_type, out, n, k, m);
+  }
+}
+
+template <typename T>
+void LaunchGemvPrecision(const float* in, const T* w, const void* bias, FloatType bias_type,
+                         float* out, int n, int64_t k, int64_t m, bool vec, unsigned blocks,
+                         int threads, bool round, cudaStream_t stream) {
+  if (round) {
+    LaunchGemv<T, true>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
+  } else {
+    LaunchGemv<T, false>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
   }
 }
 
@@ -185,6 +234,29 @@ __global__ void SplitHiLoKernel<__half>(const float* __restrict__ in, __half* __
     const __half h = __float2half_rn(x);
     hi[i] = h;
     lo[i] = __float2half_rn(x - __half2float(h));
+  }
+}
+
+// out[i] = in[i] rounded to T (round to nearest even): the one-GEMM path of kRoundActivations.
+// Four elements per thread and iteration when in is 16-byte aligned and n % 4 == 0 (VEC).
+template <typename T, bool VEC>
+__global__ void RoundKernel(const float* __restrict__ in, T* __restrict__ out, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if constexpr (VEC) {
+    const float4* in4 = reinterpret_cast<const float4*>(in);
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n / 4;
+         i += stride) {
+      const float4 v = in4[i];
+      out[4 * i] = FromFloat<T>(v.x);
+      out[4 * i + 1] = FromFloat<T>(v.y);
+      out[4 * i + 2] = FromFloat<T>(v.z);
+      out[4 * i + 3] = FromFloat<T>(v.w);
+    }
+  } else {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += stride) {
+      out[i] = FromFloat<T>(in[i]);
+    }
   }
 }
 
@@ -233,15 +305,16 @@ cudaDataType_t CudaType(FloatType t) {
 
 }  // namespace
 
-int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features) {
+int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features,
+                           bool round_activations) {
   if (weight_type == FloatType::kF32 || num_tokens <= kGemvMaxTokens) return 0;
-  return 2 * num_tokens * in_features * 2;
+  return (round_activations ? 1 : 2) * num_tokens * in_features * 2;
 }
 
 GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
                        FloatType weight_type, const void* bias, FloatType bias_type, float* out,
                        int64_t num_tokens, int64_t in_features, int64_t out_features,
-                       void* scratch, cudaStream_t stream) {
+                       void* scratch, cudaStream_t stream, bool round_activations) {
   const int64_t n = num_tokens, k = in_features, m = out_features;
   if (n == 0 || m == 0) return GpuResult();
   if (n > 0x7fffffff || k > 0x7fffffff || m > 0x7fffffff) {
@@ -262,11 +335,11 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     const int threads = GemvThreads(k, vec);
     const int nn = static_cast<int>(n);
     if (weight_type == FloatType::kBF16) {
-      LaunchGemv(in, static_cast<const __nv_bfloat16*>(weight), bias, bias_type, out, nn, k, m,
-                 vec, blocks, threads, stream);
+      LaunchGemvPrecision(in, static_cast<const __nv_bfloat16*>(weight), bias, bias_type, out, nn,
+                          k, m, vec, blocks, threads, round_activations, stream);
     } else {
-      LaunchGemv(in, static_cast<const __half*>(weight), bias, bias_type, out, nn, k, m, vec,
-                 blocks, threads, stream);
+      LaunchGemvPrecision(in, static_cast<const __half*>(weight), bias, bias_type, out, nn, k, m,
+                          vec, blocks, threads, round_activations, stream);
     }
     STRATA_GPU_RESULT_CUDA(cudaGetLastError());
     return GpuResult();
@@ -278,6 +351,32 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
                                         static_cast<int>(n), static_cast<int>(k), &one, weight, wt,
                                         static_cast<int>(k), in, CUDA_R_32F, static_cast<int>(k),
+                                        &zero, out, CUDA_R_32F, static_cast<int>(m),
+                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  } else if (round_activations) {
+    const int64_t elems = n * k;
+    const bool vec4 = elems % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0;
+    const int64_t items = vec4 ? elems / 4 : elems;
+    const unsigned grid = GridFor(items, 256);
+    if (weight_type == FloatType::kBF16) {
+      auto* r = static_cast<__nv_bfloat16*>(scratch);
+      if (vec4) {
+        RoundKernel<__nv_bfloat16, true><<<grid, 256, 0, stream>>>(in, r, elems);
+      } else {
+        RoundKernel<__nv_bfloat16, false><<<grid, 256, 0, stream>>>(in, r, elems);
+      }
+    } else {
+      auto* r = static_cast<__half*>(scratch);
+      if (vec4) {
+        RoundKernel<__half, true><<<grid, 256, 0, stream>>>(in, r, elems);
+      } else {
+        RoundKernel<__half, false><<<grid, 256, 0, stream>>>(in, r, elems);
+      }
+    }
+    STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+    STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
+                                        static_cast<int>(n), static_cast<int>(k), &one, weight, wt,
+                                        static_cast<int>(k), scratch, wt, static_cast<int>(k),
                                         &zero, out, CUDA_R_32F, static_cast<int>(m),
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   } else {

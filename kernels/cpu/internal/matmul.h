@@ -19,7 +19,14 @@ enum class MatMulPath {
 // Tokens up to which kAuto uses kRowDot for bf16/f16 weights (decode-sized batches).
 inline constexpr int64_t kRowDotMaxTokens = 4;
 
+// Runs `path` (rounding the activations first when p.precision asks for it; see
+// MatMulPrecision).
 absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path);
+
+// out[i] = in[i] rounded to weight_type (bf16|f16, round to nearest even) and back to f32, for i
+// in [0, n): the activations MatMulPrecision::kRoundActivations multiplies. f32: a copy. `out`
+// may alias `in`.
+void RoundActivations(const float* in, DType weight_type, int64_t n, float* out);
 
 }  // namespace strata::kernels::cpu_internal
 

@@ -48,7 +48,8 @@ struct GpuResult {
 inline constexpr int64_t kGemvMaxTokens = 8;
 
 // Bytes of device scratch LaunchMatMul needs for these sizes (0 when it needs none).
-int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features);
+int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features,
+                           bool round_activations = false);
 
 // out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation (in_features 0:
 // out = bias or 0).
@@ -57,11 +58,15 @@ int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in
 //  - bf16/f16 weights, more tokens: the activations are split into hi + lo in the weight's
 //    type (x = hi + lo to ~16 significant bits) and two cublasGemmEx calls accumulate
 //    W·hi + W·lo in f32 (f16: activations beyond +-65504 overflow).
+//  - round_activations (MatMulPrecision::kRoundActivations; bf16/f16 weights only): every
+//    activation is rounded to the weight's type first (RNE), in the GEMV's loads or, for more
+//    tokens, by one rounding pass into `scratch` followed by ONE cublasGemmEx (f32 accumulation
+//    and output). f32 weights ignore it.
 // `scratch` holds MatMulScratchBytes() bytes. `blas` must be bound to `stream` by the caller.
 GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
                        FloatType weight_type, const void* bias, FloatType bias_type, float* out,
                        int64_t num_tokens, int64_t in_features, int64_t out_features,
-                       void* scratch, cudaStream_t stream);
+                       void* scratch, cudaStream_t stream, bool round_activations = false);
 
 // ---- rope.cu -------------------------------------------------------------------------------
 cudaError_t LaunchRope(float* x, const int32_t* positions, const float* inv_freq,
