@@ -23,7 +23,29 @@ absl::Status TransformerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill_chunk_size must be >= 1, got ", prefill_chunk_size));
   }
+  if (matmul_precision != kernels::MatMulPrecision::kSplit &&
+      matmul_precision != kernels::MatMulPrecision::kRoundActivations) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown matmul_precision ",
+                                                   static_cast<int>(matmul_precision)));
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<kernels::MatMulPrecision> ParseMatMulPrecision(absl::string_view name) {
+  if (name == "split") return kernels::MatMulPrecision::kSplit;
+  if (name == "bf16") return kernels::MatMulPrecision::kRoundActivations;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown matmul precision '", name, "' (want split or bf16)"));
+}
+
+const char* MatMulPrecisionName(kernels::MatMulPrecision p) {
+  switch (p) {
+    case kernels::MatMulPrecision::kSplit:
+      return "split";
+    case kernels::MatMulPrecision::kRoundActivations:
+      return "bf16";
+  }
+  return "unknown";
 }
 
 namespace {
@@ -66,6 +88,11 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(
   std::unique_ptr<Transformer> t(new Transformer(config, options, backend));
   STRATA_RETURN_IF_ERROR(t->Init(weights));
   return t;
+}
+
+absl::Status Transformer::MatMul(kernels::MatMulParams p) {
+  p.precision = options_.matmul_precision;
+  return backend_->MatMul(p, nullptr);
 }
 
 absl::Status Transformer::Upload(const TensorView& host, TensorView* out) {
@@ -488,12 +515,12 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache) {
     const FusedWeights& fw = fused_[layer];
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
     if (fw.qkv.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, fw.qkv, fw.qkv_bias, qkv}, nullptr));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
       STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
     } else {
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.q_proj, w.q_bias, q}, nullptr));
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.k_proj, w.k_bias, k}, nullptr));
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.v_proj, w.v_bias, v}, nullptr));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}));
       STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
       STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
     }
@@ -501,22 +528,22 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache) {
     ap.k_pool = cache->k_pool(layer);
     ap.v_pool = cache->v_pool(layer);
     STRATA_RETURN_IF_ERROR(be->SelectedAttention(ap, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({attn, w.o_proj, TensorView(), o}, nullptr));
+    STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps}, nullptr));
     if (fw.gate_up.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, fw.gate_up, TensorView(), gate_up}, nullptr));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}));
     } else {
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.gate_proj, TensorView(), gate}, nullptr));
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.up_proj, TensorView(), up}, nullptr));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}));
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({gate, w.down_proj, TensorView(), o}, nullptr));
+    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
   }
   STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps}, nullptr));
   const TensorView lo(logits_->data(), DType::kF32, {1, vocab});
-  return be->MatMul({xn, lm_head_, TensorView(), lo}, nullptr);
+  return MatMul({xn, lm_head_, TensorView(), lo});
 }
 
 absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos,
@@ -552,14 +579,14 @@ absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out)
       STRATA_ASSIGN_OR_RETURN(logits_, be->Allocate(static_cast<size_t>(vocab) * sizeof(float)));
     }
     const TensorView lo(logits_->data(), DType::kF32, {1, vocab});
-    return be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr);
+    return MatMul({xnr, lm_head_, TensorView(), lo});
   }
   if (host_memory_) {
     const TensorView lo(logits_out, DType::kF32, {rows, vocab});
-    STRATA_RETURN_IF_ERROR(be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr));
+    STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}));
   } else {
     const TensorView lo(logits_->data(), DType::kF32, {rows, vocab});
-    STRATA_RETURN_IF_ERROR(be->MatMul({xnr, lm_head_, TensorView(), lo}, nullptr));
+    STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}));
     STRATA_RETURN_IF_ERROR(be->CopyToHost(logits_out, logits_->data(), rows * vocab * 4, nullptr));
   }
   return be->Synchronize(nullptr);
@@ -690,12 +717,12 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
     const FusedWeights& fw = fused_[layer];
     if (n == 1 && fw.qkv.data != nullptr) {
       // One token: [q | k | v] from one GEMV (each output row computed as by the separate ones).
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, fw.qkv, fw.qkv_bias, qkv}, nullptr));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
       STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
     } else {
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.q_proj, w.q_bias, q}, nullptr));
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.k_proj, w.k_bias, k}, nullptr));
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.v_proj, w.v_bias, v}, nullptr));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}));
       STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
       STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
     }
@@ -795,17 +822,17 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       }
       attn_in = View2(merged_.get(), n, hq * d);
     }
-    STRATA_RETURN_IF_ERROR(be->MatMul({attn_in, w.o_proj, TensorView(), o}, nullptr));
+    STRATA_RETURN_IF_ERROR(MatMul({attn_in, w.o_proj, TensorView(), o}));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps}, nullptr));
     if (n == 1 && fw.gate_up.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, fw.gate_up, TensorView(), gate_up}, nullptr));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}));
     } else {
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.gate_proj, TensorView(), gate}, nullptr));
-      STRATA_RETURN_IF_ERROR(be->MatMul({xn, w.up_proj, TensorView(), up}, nullptr));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}));
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->MatMul({gate, w.down_proj, TensorView(), o}, nullptr));
+    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
   }
   return absl::OkStatus();

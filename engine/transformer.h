@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "engine/attention_policy.h"
 #include "engine/kv_cache.h"
 #include "kernels/backend.h"
@@ -50,9 +51,25 @@ struct TransformerOptions {
   // path to rounding (attention through another kernel), not bit for bit.
   bool decode_graph = false;
 
-  // InvalidArgument when prefill_chunk_size < 1.
+  // Precision of every MatMul of the forward (projections, MLP, LM head; prefill chunks, decode
+  // steps, ForwardBatch and the decode graph alike), for bf16/f16 checkpoints (f32 weights ignore
+  // it): kSplit (default) multiplies the f32 activations (the CUDA backend keeps ~16 bits of each
+  // through two GEMMs), kRoundActivations rounds each activation to the weight's type first and
+  // runs one bf16 GEMM on the CUDA backend (faster prefill; logits move by about the rounding of
+  // the activations, see kernels/backend.h MatMulPrecision). One setting for all token counts:
+  // decode steps round too (in the GEMV's loads, no extra pass), so a sequence sees one
+  // arithmetic from prefill to decode.
+  kernels::MatMulPrecision matmul_precision = kernels::MatMulPrecision::kSplit;
+
+  // InvalidArgument when prefill_chunk_size < 1 or matmul_precision is not one of the enum's.
   absl::Status Validate() const;
 };
+
+// Flag spellings of kernels::MatMulPrecision: "split" (kSplit) and "bf16" (kRoundActivations:
+// rounded to the weight's type, bf16 for bf16 checkpoints and f16 for f16 ones).
+// InvalidArgument for any other name.
+absl::StatusOr<kernels::MatMulPrecision> ParseMatMulPrecision(absl::string_view name);
+const char* MatMulPrecisionName(kernels::MatMulPrecision p);
 
 // One partial attention result over a set of keys (host memory, f32): o [n, num_q_heads,
 // head_dim] and lse [n, num_q_heads] with -inf where nothing was attended (the form of
@@ -184,6 +201,8 @@ class Transformer {
               kernels::Backend* backend);
   absl::Status Init(const model::ModelWeights& weights);
   absl::Status Upload(const kernels::TensorView& host, kernels::TensorView* out);
+  // backend_->MatMul on the default stream with options_.matmul_precision.
+  absl::Status MatMul(kernels::MatMulParams p);
   // Uploads `parts` (same rank, dtype and trailing dimension) one after another into one buffer:
   // *fused views it all ([sum of dim 0(, cols)]) and *outs[i] part i. Returns false (nothing
   // uploaded) when the parts cannot be fused: host memory, a null part, or differing dtype/shape.

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <iostream>
 #include <random>
 #include <vector>
 
@@ -26,9 +27,20 @@ using test_model::RefModel;
 
 constexpr uint32_t kSeed = test_model::kTestModelSeed;
 
+// x through f32 rounded to `t` (bf16|f16); f32: x unchanged.
+double RoundTo(double x, DType t) {
+  const float f = static_cast<float>(x);
+  if (t == DType::kBF16) return kernels::BF16ToF32(kernels::F32ToBF16(f));
+  if (t == DType::kF16) return kernels::F16ToF32(kernels::F32ToF16(f));
+  return x;
+}
+
 // Naive full-sequence forward in double: the specification of Llama/Qwen2 inference.
+// round_to bf16|f16: every linear layer's input is first rounded (through f32) to that type, the
+// specification of TransformerOptions::matmul_precision = kRoundActivations.
 std::vector<double> ReferenceLogits(const model::ModelConfig& c, const RefModel& r,
-                                    const std::vector<int32_t>& ids) {
+                                    const std::vector<int32_t>& ids,
+                                    DType round_to = DType::kF32) {
   const int64_t n = ids.size(), h = c.hidden_size, hq = c.num_heads, hkv = c.num_kv_heads;
   const int64_t d = c.head_dim, f = c.intermediate_size, V = c.vocab_size;
   const std::vector<float> inv_freq = c.RopeInvFreq();
@@ -48,7 +60,7 @@ std::vector<double> ReferenceLogits(const model::ModelConfig& c, const RefModel&
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t o = 0; o < out; ++o) {
         double s = b ? (*b)[o] : 0.0;
-        for (int64_t i = 0; i < in; ++i) s += x[t * in + i] * w[o * in + i];
+        for (int64_t i = 0; i < in; ++i) s += RoundTo(x[t * in + i], round_to) * w[o * in + i];
         y[t * out + o] = s;
       }
     }
@@ -340,6 +352,100 @@ TEST(TransformerBatchTest, BatchedDecodeStepMatchesOneSequenceAtATime) {
   std::vector<Transformer::BatchItem> stale = {items[1]};
   EXPECT_THAT(tf->ForwardBatch(stale), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(caches[1]->length(0), lengths[1] + 1);
+}
+
+// TransformerOptions::matmul_precision reaches every MatMul: with kRoundActivations the logits
+// of a bf16 / f16 model follow the reference whose linear inputs are rounded to the weight type
+// (prefill in chunks of 512 and 7, and token-by-token decode), they differ from the kSplit logits
+// (which follow the unrounded reference) by more than either's distance to its own reference,
+// and stay close to them. f32 weights ignore the option (bit-for-bit the same logits).
+// The rounded reference is not exact: where an activation lies within its f32 error of a rounding
+// tie, the double reference may round it the other way. With bf16 (8 bits) that did not happen
+// here (1e-6); with f16 (11 bits, ties 8x denser) a few activations flip, each worth about one
+// element's rounding error, so f16 is only held to a fraction of the round-vs-split distance.
+TEST(TransformerMatMulPrecisionTest, RoundActivationsReachesTheBackend) {
+  for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+    SCOPED_TRACE(::testing::Message() << "dtype " << kernels::DTypeName(dt));
+    RefModel ref;
+    auto m = MakeModel(dt, dt == DType::kF16, false, &ref);
+    auto backend = kernels::MakeCpuBackend(2);
+    const int n = 37;
+    const int64_t V = m->config.vocab_size;
+    const std::vector<int32_t> ids = RandomIds(n, V, kSeed + 11);
+    const std::vector<double> want_split = ReferenceLogits(m->config, ref, ids);
+    const std::vector<double> want_round = ReferenceLogits(m->config, ref, ids, dt);
+    double prefill_apart = 0;
+    for (int64_t chunk : {512, 7}) {
+      std::vector<float> split(n * V, NAN), round(n * V, NAN);
+      for (auto prec : {kernels::MatMulPrecision::kSplit,
+                        kernels::MatMulPrecision::kRoundActivations}) {
+        TransformerOptions opt;
+        opt.prefill_chunk_size = chunk;
+        opt.matmul_precision = prec;
+        STRATA_ASSERT_OK_AND_ASSIGN(auto tf,
+                                    Transformer::Create(m->config, m->weights, backend.get(), opt));
+        STRATA_ASSERT_OK_AND_ASSIGN(auto cache,
+                                    KvCache::Create(tf->MakeCacheOptions(64, 16), backend.get()));
+        auto policy = MakeDensePolicy();
+        std::vector<float>& out =
+            prec == kernels::MatMulPrecision::kSplit ? split : round;
+        STRATA_ASSERT_OK(
+            tf->Forward(ids.data(), n, 0, cache.get(), policy.get(), out.data(), true));
+      }
+      const double split_err = MaxAbsDiff(split.data(), want_split.data(), n * V);
+      const double round_err = MaxAbsDiff(round.data(), want_round.data(), n * V);
+      std::vector<double> split_d(split.begin(), split.end());
+      const double apart = MaxAbsDiff(round.data(), split_d.data(), n * V);
+      EXPECT_LE(split_err, 1e-4) << "chunk " << chunk;
+      if (dt == DType::kF32) {
+        EXPECT_EQ(apart, 0.0) << "chunk " << chunk;
+        continue;
+      }
+      EXPECT_LE(round_err, dt == DType::kBF16 ? 1e-4 : apart / 2) << "chunk " << chunk;
+      EXPECT_GT(apart, 100 * split_err) << "chunk " << chunk;
+      EXPECT_GT(apart, dt == DType::kBF16 ? 100 * round_err : 2 * round_err) << "chunk " << chunk;
+      EXPECT_LE(apart, 0.1) << "chunk " << chunk;
+      if (chunk == 512) prefill_apart = apart;
+      std::cout << kernels::DTypeName(dt) << " chunk " << chunk << ": split err " << split_err
+                << ", round err " << round_err << ", round vs split " << apart << "\n";
+    }
+    // Decode token by token with kRoundActivations (the one-token path) follows the rounded
+    // reference too.
+    if (dt == DType::kF32) continue;
+    TransformerOptions opt;
+    opt.matmul_precision = kernels::MatMulPrecision::kRoundActivations;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto tf,
+                                Transformer::Create(m->config, m->weights, backend.get(), opt));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache,
+                                KvCache::Create(tf->MakeCacheOptions(64, 16), backend.get()));
+    auto policy = MakeDensePolicy();
+    std::vector<float> step(V);
+    double worst = 0;
+    for (int t = 0; t < n; ++t) {
+      STRATA_ASSERT_OK(tf->Forward(&ids[t], 1, t, cache.get(), policy.get(), step.data(), false));
+      worst = std::max(worst, MaxAbsDiff(step.data(), want_round.data() + t * V, V));
+    }
+    EXPECT_LE(worst, dt == DType::kBF16 ? 1e-4 : prefill_apart / 2);
+  }
+}
+
+TEST(TransformerMatMulPrecisionTest, ParseAndValidate) {
+  STRATA_ASSERT_OK_AND_ASSIGN(auto p, ParseMatMulPrecision("split"));
+  EXPECT_EQ(p, kernels::MatMulPrecision::kSplit);
+  STRATA_ASSERT_OK_AND_ASSIGN(p, ParseMatMulPrecision("bf16"));
+  EXPECT_EQ(p, kernels::MatMulPrecision::kRoundActivations);
+  EXPECT_STREQ(MatMulPrecisionName(p), "bf16");
+  EXPECT_STREQ(MatMulPrecisionName(kernels::MatMulPrecision::kSplit), "split");
+  EXPECT_THAT(ParseMatMulPrecision("fp8").status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseMatMulPrecision("").status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  TransformerOptions bad;
+  bad.matmul_precision = static_cast<kernels::MatMulPrecision>(9);
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+  RefModel ref;
+  auto m = MakeModel(DType::kBF16, false, false, &ref);
+  auto backend = kernels::MakeCpuBackend(1);
+  EXPECT_THAT(Transformer::Create(m->config, m->weights, backend.get(), bad),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(TransformerErrorsTest, RejectsBadInput) {
