@@ -78,6 +78,13 @@
 //     through the DevicePolicy with tokenselect and a budget covering everything (must agree: the
 //     same spans), and with the default budget (differs: reported for scale); prints the largest
 //     absolute difference of the last-token logits to the dense ones.
+//   --matmul_precision=split|bf16 (default split; a comma list runs each prefill once per listed
+//     precision, per policy and context): engine::TransformerOptions::matmul_precision of the
+//     prefill Transformer ("bf16": kernels::MatMulPrecision::kRoundActivations, activations
+//     rounded to bf16 and one cuBLAS GEMM per projection instead of the hi/lo split's two). The
+//     prefill line also gives linear_tflops: 2 * (projection + MLP weights) FLOPs per token (LM
+//     head once) times tokens over the seconds, an effective rate that includes attention time.
+//     The decode passes and --prefill_check use the first listed precision.
 //
 // Usage: decode_e2e_bench [--shapes=llama-3.2-1b,llama-3.1-8b] [--contexts=32768,131072,524288]
 //   [--flag=value ...]. CUDA backend (--backend=cpu runs the same code on the CPU backend, for a
@@ -162,6 +169,7 @@ struct Flags {
   int prefill_chunk = 8192;
   std::string prefill_policy = "dense";
   int64_t prefill_check = 0;
+  std::string matmul_precision = "split";  // comma list of split|bf16
   uint64_t seed = 1;
 };
 
@@ -176,6 +184,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "hooks") { f->hooks = v; return true; }
   if (k == "prefill_contexts") { f->prefill_contexts = v; return true; }
   if (k == "prefill_policy") { f->prefill_policy = v; return true; }
+  if (k == "matmul_precision") { f->matmul_precision = v; return true; }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
   if (!absl::SimpleAtoi(v, &i) || i < 0) return false;
@@ -711,9 +720,11 @@ struct RunResult {
 absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
                      const model::ModelWeights& weights, kernels::Backend* backend, int64_t tokens,
                      const Flags& f, const std::string& policy, int budget = 0,
-                     std::vector<float>* logits_out = nullptr) {
+                     std::vector<float>* logits_out = nullptr,
+                     kernels::MatMulPrecision precision = kernels::MatMulPrecision::kSplit) {
   engine::TransformerOptions to;
   to.prefill_chunk_size = f.prefill_chunk;
+  to.matmul_precision = precision;
   STRATA_ASSIGN_OR_RETURN(auto tf, engine::Transformer::Create(c, weights, backend, to));
   std::vector<int32_t> ids(static_cast<size_t>(tokens));
   Rng r{f.seed * 31 + static_cast<uint64_t>(tokens)};
@@ -761,15 +772,25 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
   for (float x : logits) checksum += std::isfinite(x) ? x : 1e30;
   const double n = static_cast<double>(tokens);
   const double attn_flop = 4.0 * c.num_layers * c.num_heads * c.head_dim * n * n / 2;
+  const double q_dim = static_cast<double>(c.num_heads) * c.head_dim;
+  const double kv_dim = static_cast<double>(c.num_kv_heads) * c.head_dim;
+  const double h = static_cast<double>(c.hidden_size);
+  const double linear_flop =
+      2.0 * c.num_layers * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3.0 * h * c.intermediate_size) *
+          n +
+      2.0 * h * c.vocab_size;  // LM head of the last token only
   const double attended =
       dp != nullptr && dp->counters().candidate_tokens > 0
           ? static_cast<double>(dp->counters().selected_tokens) / dp->counters().candidate_tokens
           : 1.0;
-  std::printf("prefill shape=%s policy=%s budget=%d tokens=%" PRId64 " chunk=%d seconds=%.2f "
+  std::printf("prefill shape=%s policy=%s matmul=%s budget=%d tokens=%" PRId64
+              " chunk=%d seconds=%.2f "
               "tok_s=%.0f attention_tflop=%.1f effective_attention_tflops=%.1f "
+              "linear_tflops=%.1f "
               "attended_fraction=%.4f gpu_used_GiB ready=%.2f end=%.2f logits_sum=%.4g\n",
-              name.c_str(), policy.c_str(), sparse ? po.token_budget : 0, tokens, f.prefill_chunk,
-              s, n / s, attn_flop / 1e12, attn_flop / 1e12 / s, attended, gpu_ready, GpuUsedGiB(),
+              name.c_str(), policy.c_str(), engine::MatMulPrecisionName(precision),
+              sparse ? po.token_budget : 0, tokens, f.prefill_chunk, s, n / s, attn_flop / 1e12,
+              attn_flop / 1e12 / s, linear_flop / 1e12 / s, attended, gpu_ready, GpuUsedGiB(),
               checksum);
   std::fflush(stdout);
   if (!std::isfinite(checksum) || checksum >= 1e30) {
@@ -782,12 +803,14 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
 // --prefill_check: dense vs DevicePolicy prefill of the same tokens (see the file comment).
 absl::Status PrefillCheck(const std::string& name, const model::ModelConfig& c,
                           const model::ModelWeights& weights, kernels::Backend* backend,
-                          int64_t tokens, const Flags& f) {
+                          int64_t tokens, const Flags& f, kernels::MatMulPrecision precision) {
   std::vector<float> dense, all, sparse;
-  STRATA_RETURN_IF_ERROR(Prefill(name, c, weights, backend, tokens, f, "dense", 0, &dense));
+  STRATA_RETURN_IF_ERROR(
+      Prefill(name, c, weights, backend, tokens, f, "dense", 0, &dense, precision));
   STRATA_RETURN_IF_ERROR(Prefill(name, c, weights, backend, tokens, f, "tokenselect",
-                                 static_cast<int>(tokens), &all));
-  STRATA_RETURN_IF_ERROR(Prefill(name, c, weights, backend, tokens, f, "tokenselect", 0, &sparse));
+                                 static_cast<int>(tokens), &all, precision));
+  STRATA_RETURN_IF_ERROR(
+      Prefill(name, c, weights, backend, tokens, f, "tokenselect", 0, &sparse, precision));
   double d_all = 0, d_sparse = 0, scale = 0;
   for (size_t i = 0; i < dense.size(); ++i) {
     d_all = std::max(d_all, std::fabs(static_cast<double>(all[i]) - dense[i]));
@@ -1045,6 +1068,19 @@ int Main(int argc, char** argv) {
     }
     contexts.push_back(v);
   }
+  std::vector<kernels::MatMulPrecision> precisions;
+  for (absl::string_view s : absl::StrSplit(f.matmul_precision, ',', absl::SkipEmpty())) {
+    absl::StatusOr<kernels::MatMulPrecision> p = engine::ParseMatMulPrecision(s);
+    if (!p.ok()) {
+      std::fprintf(stderr, "bad --matmul_precision: %s\n", p.status().ToString().c_str());
+      return 2;
+    }
+    precisions.push_back(*p);
+  }
+  if (precisions.empty()) {
+    std::fprintf(stderr, "bad --matmul_precision: empty\n");
+    return 2;
+  }
   const double gpu_before = GpuUsedGiB();
   kernels::BackendOptions bo;
   bo.kind = f.backend == "cpu" ? kernels::BackendKind::kCpu : kernels::BackendKind::kCuda;
@@ -1079,6 +1115,7 @@ int Main(int argc, char** argv) {
     auto weights = MakeWeights(*config, f.seed, NumThreads(f));
     engine::TransformerOptions to;
     to.prefill_chunk_size = 16;
+    to.matmul_precision = precisions.front();  // decode passes: the first listed precision
     absl::StatusOr<std::unique_ptr<engine::Transformer>> tf =
         engine::Transformer::Create(*config, weights->weights, backend, to);
     if (!tf.ok()) {
@@ -1087,9 +1124,10 @@ int Main(int argc, char** argv) {
       return 1;
     }
     const double gpu_weights = GpuUsedGiB();
-    std::printf("model %s: %s; weights made and uploaded in %.1f s; GPU used %.2f GiB\n",
+    std::printf("model %s: %s; weights made and uploaded in %.1f s; GPU used %.2f GiB; "
+                "decode matmul precision %s\n",
                 mo.preset.c_str(), config->DebugString().c_str(), wsw.ElapsedSeconds(),
-                gpu_weights);
+                gpu_weights, engine::MatMulPrecisionName(to.matmul_precision));
     std::fflush(stdout);
     for (absl::string_view pc : absl::StrSplit(f.prefill_contexts, ',', absl::SkipEmpty())) {
       int64_t n = 0;
@@ -1097,20 +1135,23 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "bad prefill context %s\n", std::string(pc).c_str());
         return 2;
       }
-      for (absl::string_view pp : absl::StrSplit(f.prefill_policy, ',', absl::SkipEmpty())) {
-        absl::Status s = Prefill(mo.preset, *config, weights->weights, backend, n, f,
-                                 std::string(pp));
-        if (!s.ok()) {
-          std::printf("FAILED shape=%s prefill=%" PRId64 " policy=%s: %s\n", mo.preset.c_str(),
-                      n, std::string(pp).c_str(), s.ToString().c_str());
-          std::fflush(stdout);
-          ++failures;
+      for (kernels::MatMulPrecision prec : precisions) {
+        for (absl::string_view pp : absl::StrSplit(f.prefill_policy, ',', absl::SkipEmpty())) {
+          absl::Status s = Prefill(mo.preset, *config, weights->weights, backend, n, f,
+                                   std::string(pp), 0, nullptr, prec);
+          if (!s.ok()) {
+            std::printf("FAILED shape=%s prefill=%" PRId64 " policy=%s matmul=%s: %s\n",
+                        mo.preset.c_str(), n, std::string(pp).c_str(),
+                        engine::MatMulPrecisionName(prec), s.ToString().c_str());
+            std::fflush(stdout);
+            ++failures;
+          }
         }
       }
     }
     if (f.prefill_check > 0) {
-      absl::Status s =
-          PrefillCheck(mo.preset, *config, weights->weights, backend, f.prefill_check, f);
+      absl::Status s = PrefillCheck(mo.preset, *config, weights->weights, backend,
+                                    f.prefill_check, f, precisions.front());
       if (!s.ok()) {
         std::printf("FAILED shape=%s prefill_check=%" PRId64 ": %s\n", mo.preset.c_str(),
                     f.prefill_check, s.ToString().c_str());
