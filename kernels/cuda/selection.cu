@@ -8,8 +8,11 @@
 // a warp per candidate. The block holds the scaled queries of its KV head's group in shared
 // memory. Grid: (candidate blocks, KV heads).
 //
-// VoteTopK: up to 65536 candidates per KV head, ClusterVoteTopKKernel (below): a cluster of 1 to
-// 8 blocks per KV head, candidates in registers, histograms and counts merged in the leader
+// VoteTopK (kernel by size: TopKKernelFor, near the end): up to 1024 candidates per KV head,
+// BitonicVoteTopKKernel (below): one block per KV head, votes in registers, a bitonic sort of
+// unique 64-bit (vote key, index) keys, the first k flagged and compacted in index order. Up to
+// 65536, ClusterVoteTopKKernel (below; as one block up to 2048): a cluster of 1 to 8 blocks per
+// KV head, candidates in registers, histograms and counts merged in the leader
 // block's shared memory (distributed shared memory), one cluster barrier per step. Beyond that,
 // VoteTopKKernel: one block per KV head of 64 to 1024 threads (about 8 candidates per thread);
 // warp w owns a contiguous range of 32-candidate chunks, lane l the candidate chunk * 32 + l.
@@ -836,6 +839,240 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
   ClusterWait();
 }
 
+// ---- VoteTopK by a bitonic sort of unique 64-bit keys (n <= 8192) ------------------------------
+// BitonicVoteTopKKernel<E>: one block of T = N / E threads per KV head (E = 2, 4 or 8 candidates
+// per thread; N = n rounded up to a power of two, at least 32 * E, T <= 1024), thread t owns
+// candidates [Et, Et + E) in registers:
+//   (1) per query head the max and the sum of exp(score - max) of the valid scores (heads 4 at a
+//       time, per warp with shuffles, across warps through shared memory, one barrier), then
+//       votes and the 32-bit vote keys exactly as the other kernels (invalid candidates: key 0);
+//   (2) composite keys (vote key << 32 | 0xffffffff - index) are unique, and descending order is
+//       vote descending with ties to the lower index; padding entries (index >= n) are 0, below
+//       every candidate. A bitonic sort into descending order over the N keys: partner strides
+//       below E inside a thread's registers, E to 16E through warp shuffles, 32E and up through
+//       shared memory (double buffered, one barrier per stride; rows padded by one entry per E so
+//       that a warp's accesses are free of bank conflicts);
+//   (3) sorted entry r is taken when r < k and its vote key is not 0 (so min(k, valid) entries):
+//       its index gets a flag in shared memory; after a barrier each thread counts its own E
+//       flags, a block scan (warp shuffles, one barrier) gives its output slot, and it writes its
+//       taken ids in index order; then -1 up to k.
+constexpr int kBitonicMaxCandidates = 8192;
+constexpr int kBitonicMaxThreads = 1024;
+constexpr int kBitonicMaxWarps = kBitonicMaxThreads / 32;
+
+__host__ __device__ constexpr int BitonicPadded(int i, int per) { return i + i / per; }
+
+// Dynamic shared memory of BitonicVoteTopKKernel<per> for N sorted entries: two padded key
+// buffers (only when N > 32 * per, for the strides from 32 * per up) and N flag bytes.
+int64_t BitonicSmemBytes(int nsort, int per) {
+  const int64_t bufs = nsort > 32 * per ? 2 * int64_t{BitonicPadded(nsort, per)} * 8 : 0;
+  return bufs + nsort;
+}
+
+// Compare-exchange so that the entry of the lower index holds the larger key when `desc`.
+__device__ __forceinline__ void BitonicCx(uint64_t& a, uint64_t& b, bool desc) {
+  const bool swap = desc ? a < b : a > b;
+  const uint64_t lo = swap ? b : a, hi = swap ? a : b;
+  a = lo, b = hi;
+}
+
+template <int kPer>
+__global__ void __launch_bounds__(kBitonicMaxThreads)
+    BitonicVoteTopKKernel(const float* __restrict__ scores, int group, DeviceCandidates c, int k,
+                          int nsort, float* __restrict__ vote_out, int32_t* __restrict__ selected) {
+  extern __shared__ __align__(16) unsigned char bit_smem[];
+  __shared__ float red_m[kSelectMaxGroup][kBitonicMaxWarps];
+  __shared__ float red_l[kSelectMaxGroup][kBitonicMaxWarps];
+  __shared__ float m_s[kSelectMaxGroup], inv_s[kSelectMaxGroup];
+  __shared__ uint32_t wsum_s[kBitonicMaxWarps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
+  const int g = blockIdx.x;
+  const int32_t n = c.count;
+  const int32_t first = tid * kPer;
+  constexpr int kWarpSpan = 32 * kPer;  // strides below it stay inside a warp
+  const bool bufs = nsort > kWarpSpan;
+  uint64_t* buf0 = reinterpret_cast<uint64_t*>(bit_smem);
+  uint64_t* buf1 = buf0 + BitonicPadded(nsort, kPer);
+  unsigned char* flags = bit_smem + (bufs ? 2 * int64_t{BitonicPadded(nsort, kPer)} * 8 : 0);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) flags[first + j] = 0;
+  const float* mine = scores + static_cast<int64_t>(g) * group * n + first;
+
+  int32_t ids[kPer];
+  ConsecutiveCandidateIds<kPer>(c, g, first, ids);
+
+  // (1) softmax statistics (as ClusterVoteTopKKernel, one block).
+#pragma unroll 1
+  for (int h0 = 0; h0 < group; h0 += 4) {
+    float x[4][kPer], m[4], l[4];
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        x[hh][j] = h0 + hh < group && first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j]
+                                                    : NegInfF();
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      m[hh] = NegInfF();
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (x[hh][j] > m[hh]) m[hh] = x[hh][j];  // NaN never wins
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
+    }
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      l[hh] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (x[hh][j] > NegInfF()) l[hh] += __expf(x[hh][j] - m[hh]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        if (h0 + hh < group) red_m[h0 + hh][warp] = m[hh], red_l[h0 + hh][warp] = l[hh];
+      }
+    }
+  }
+  __syncthreads();
+  for (int h = warp; h < group; h += nwarps) {
+    const float mw = lane < nwarps ? red_m[h][lane] : NegInfF();
+    float lw = lane < nwarps ? red_l[h][lane] : 0.0f;
+    float mb = mw;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+    lw = mw > NegInfF() ? lw * __expf(mw - mb) : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) lw += __shfl_xor_sync(0xffffffffu, lw, o);
+    if (lane == 0) {
+      m_s[h] = mb;
+      inv_s[h] = mb == NegInfF() ? 0.0f : 1.0f / lw;
+    }
+  }
+  __syncthreads();
+  float v[kPer];
+  uint32_t any = 0;  // bit j: some head's score of candidate j is > -inf
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) v[j] = 0.0f;
+#pragma unroll 1
+  for (int h0 = 0; h0 < group; h0 += 4) {
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      if (h0 + hh < group) {
+        const float mh = m_s[h0 + hh], ih = inv_s[h0 + hh];
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          const float x = first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j] : NegInfF();
+          if (x > NegInfF()) {
+            any |= 1u << j;
+            v[j] += __expf(x - mh) * ih;
+          }
+        }
+      }
+    }
+  }
+  uint64_t key[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    float vj = v[j];
+    if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
+    const bool ok = ((any >> j) & 1u) && ids[j] >= 0;
+    const uint32_t vk = ok ? __float_as_uint(vj) + 1u : 0u;
+    key[j] = first + j < n ? (static_cast<uint64_t>(vk) << 32) |
+                                 (0xffffffffu - static_cast<uint32_t>(first + j))
+                           : 0ull;
+    if (vote_out != nullptr && first + j < n) {
+      vote_out[static_cast<int64_t>(g) * n + first + j] = vj;
+    }
+  }
+
+  // (2) bitonic sort, descending. Entry i = kPer * tid + j pairs with i ^ stride.
+  int parity = 0;
+#pragma unroll 1
+  for (int size = 2; size <= nsort; size <<= 1) {
+#pragma unroll 1
+    for (int stride = size >> 1; stride >= kWarpSpan; stride >>= 1) {
+      uint64_t* b = parity ? buf1 : buf0;
+      parity ^= 1;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) b[BitonicPadded(first + j, kPer)] = key[j];
+      __syncthreads();
+      const int pfirst = first ^ stride;
+      const bool desc = (first & size) == 0, lower = (first & stride) == 0;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const uint64_t y = b[BitonicPadded(pfirst + j, kPer)];
+        const bool keep_max = desc == lower;
+        key[j] = keep_max ? (key[j] > y ? key[j] : y) : (key[j] < y ? key[j] : y);
+      }
+    }
+#pragma unroll 1
+    for (int stride = min(size >> 1, kWarpSpan / 2); stride >= kPer; stride >>= 1) {
+      const int lm = stride / kPer;
+      const bool desc = (first & size) == 0, lower = (first & stride) == 0;
+      const bool keep_max = desc == lower;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const uint64_t y = __shfl_xor_sync(0xffffffffu, key[j], lm);
+        key[j] = keep_max ? (key[j] > y ? key[j] : y) : (key[j] < y ? key[j] : y);
+      }
+    }
+    // size >= kPer: the direction is the same for the thread's entries; size < kPer: entry i's
+    // direction is (i & size) == 0, i.e. (j & size) == 0.
+    const bool desc = (first & size) == 0;
+#pragma unroll
+    for (int stride = kPer / 2; stride > 0; stride >>= 1) {
+      if (stride < size) {
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          if ((j & stride) == 0) {
+            BitonicCx(key[j], key[j | stride], size < kPer ? ((j & size) == 0) : desc);
+          }
+        }
+      }
+    }
+  }
+
+  // (3) flags of the taken entries, then compaction in index order.
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (first + j < k && (key[j] >> 32) != 0) {
+      flags[0xffffffffu - static_cast<uint32_t>(key[j])] = 1;
+    }
+  }
+  __syncthreads();
+  uint32_t fl = 0;  // bit j: entry first + j is taken
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) fl |= static_cast<uint32_t>(flags[first + j]) << j;
+  const uint32_t own = __popc(fl);
+  const uint32_t incl = WarpInclusiveScanU(own);
+  if (lane == 31) wsum_s[warp] = incl;
+  __syncthreads();
+  const uint32_t wv = lane < nwarps ? wsum_s[lane] : 0u;
+  const uint32_t wincl = WarpInclusiveScanU(wv);
+  uint32_t pos = __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
+  const uint32_t taken_total = __shfl_sync(0xffffffffu, wincl, 31);
+  int32_t* out = selected + static_cast<int64_t>(g) * k;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if ((fl >> j) & 1u) out[pos++] = ids[j];
+  }
+  for (int64_t j = taken_total + tid; j < k; j += blockDim.x) out[j] = -1;
+}
+
 // Fast path of both scoring ops: 8 lanes per candidate (4 candidates per warp and round), each
 // lane reading 16-byte vectors so that the 8 lanes of a candidate cover 128 contiguous bytes per
 // load; a block takes kRounds rounds of 32 candidates at once and issues every load of every
@@ -1112,28 +1349,59 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
   return cudaGetLastError();
 }
 
-// VoteTopK's kernel: ClusterVoteTopKKernel for kClusterTopKMinCandidates < n <=
-// kClusterTopKMaxCandidates, else VoteTopKKernel; STRATA_SELECTION_TOPK=cluster (or block) in the
-// environment forces the cluster kernel wherever it can run (or the block kernel), for A/B timing.
-// On the H100 the cluster kernel was as fast or faster at every pipeline size (128 to 8192
-// candidates; bench/RESULTS.md), so it is the default from 0 candidates up.
-constexpr int64_t kClusterTopKMinCandidates = 0;
+// VoteTopK's kernel by size, from the H100 graph timings of each op (bench/RESULTS.md, "VoteTopK
+// by size: bitonic sort and the cluster kernel as one block"): BitonicVoteTopKKernel up to
+// kBitonicDefaultMaxCandidates (128 candidates: 4.9 us against 7.9; 1024: 9.9 against 15.0 for
+// the 2-block cluster), ClusterVoteTopKKernel as a single block of up to 512 threads up to
+// kClusterOneBlockDefaultMaxCandidates (2048: 10.8-11.7 us against 15.5-17.3 for the 4-block
+// cluster and 17.2 for the bitonic kernel), the cluster kernel up to kClusterTopKMaxCandidates
+// (8192: 21.0 us against 36.3 as one block and 70 bitonic), VoteTopKKernel beyond.
+// STRATA_SELECTION_TOPK=bitonic (or cluster, cluster1, block) in the environment forces that
+// kernel wherever it can run (bitonic and cluster1: n <= 8192; cluster: n <= 65536), for A/B
+// timing; cluster1 is the cluster kernel as one block.
+constexpr int64_t kBitonicDefaultMaxCandidates = 1024;
+constexpr int64_t kClusterOneBlockDefaultMaxCandidates = 2048;
 
-int TopKOverride() {  // 0 none, 1 cluster, 2 block; read at every launch (tests switch it)
+// 0 none, 1 cluster, 2 block, 3 bitonic, 4 cluster1; read at every launch (tests switch it).
+int TopKOverride() {
   const char* e = std::getenv("STRATA_SELECTION_TOPK");
   if (e == nullptr) return 0;
   const std::string_view s(e);
-  return s == "cluster" ? 1 : s == "block" ? 2 : 0;
+  return s == "cluster" ? 1 : s == "block" ? 2 : s == "bitonic" ? 3 : s == "cluster1" ? 4 : 0;
 }
 
-bool UseClusterTopK(int64_t n) {
-  if (n > kClusterTopKMaxCandidates) return false;
+// Candidates per thread of the bitonic kernel: 2 up to 1024 candidates (H100: 4.9 us at 128
+// against 7.2 with 4 and 10.1 with 8; 9.9 / 10.0 / 11.0 at 1024), 4 up to 4096 (2048: 17.2 us
+// against 19.6 with 2), else 8 (the block stays within 1024 threads);
+// STRATA_SELECTION_BITONIC_PER=2|4|8 asks for more (A/B timing).
+int BitonicPerFor(int64_t n) {
+  int per = n <= 1024 ? 2 : n <= 4096 ? 4 : 8;
+  if (const char* e = std::getenv("STRATA_SELECTION_BITONIC_PER")) {
+    const std::string_view s(e);
+    const int want = s == "2" ? 2 : s == "4" ? 4 : s == "8" ? 8 : 0;
+    per = std::max(per, want);
+  }
+  return per;
+}
+
+// The cluster kernel as a single block (no cluster barriers) can run up to this many candidates
+// (512 threads of 16 candidates).
+constexpr int64_t kClusterOneBlockMaxCandidates = int64_t{kClusterTopKMaxThreads} * 16;
+
+// 0 block, 1 cluster, 2 bitonic, 3 cluster kernel as one block.
+int TopKKernelFor(int64_t n) {
   const int o = TopKOverride();
-  return o == 1 || (o == 0 && n > kClusterTopKMinCandidates);
+  if (o == 3 && n <= kBitonicMaxCandidates) return 2;
+  if (o == 4 && n <= kClusterOneBlockMaxCandidates) return 3;
+  if (o == 2) return 0;
+  if (o == 1) return n <= kClusterTopKMaxCandidates ? 1 : 0;
+  if (n <= kBitonicDefaultMaxCandidates) return 2;
+  if (n <= kClusterOneBlockDefaultMaxCandidates) return 3;
+  return n <= kClusterTopKMaxCandidates ? 1 : 0;
 }
 
 int64_t VoteTopKScratchBytes(int num_kv_heads, int64_t n) {
-  if (n <= kTopKSharedKeys || UseClusterTopK(n)) return 0;
+  if (n <= kTopKSharedKeys || TopKKernelFor(n) != 0) return 0;
   return static_cast<int64_t>(num_kv_heads) * n * sizeof(uint32_t);
 }
 
@@ -1143,12 +1411,31 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
   if (num_kv_heads == 0) return cudaSuccess;
   if (group < 1 || group > kSelectMaxGroup || k < 0) return cudaErrorInvalidValue;
   if (k == 0 && c.count == 0) return cudaSuccess;
-  if (UseClusterTopK(c.count)) {
-    // Cluster kernel: about 128 threads per block and 4 (n <= 16K) or 16 candidates per thread.
-    const int per = c.count <= 16384 ? 4 : 16;
+  const int kernel = TopKKernelFor(c.count);
+  if (kernel == 2) {
+    const int per = BitonicPerFor(c.count);
+    int nsort = 32 * per;
+    while (nsort < c.count) nsort <<= 1;
+    const int64_t smem = BitonicSmemBytes(nsort, per);
+    auto* kernel_fn = per == 2 ? BitonicVoteTopKKernel<2>
+                      : per == 4 ? BitonicVoteTopKKernel<4> : BitonicVoteTopKKernel<8>;
+    if (smem > 48 * 1024) {
+      const cudaError_t e = cudaFuncSetAttribute(
+          kernel_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (e != cudaSuccess) return e;
+    }
+    kernel_fn<<<num_kv_heads, nsort / per, smem, stream>>>(scores, group, c, k, nsort, vote,
+                                                          selected);
+    return cudaGetLastError();
+  }
+  if (kernel == 1 || kernel == 3) {
+    // Cluster kernel: about 128 threads per block and 4 (n <= 16K) or 16 candidates per thread;
+    // as one block (kernel 3, n <= 8192): 4 (n <= 2048) or 16 candidates per thread.
     const int64_t n = c.count;
-    const int cs = static_cast<int>(std::clamp<int64_t>((n + per * 128 - 1) / (per * 128), 1,
-                                                        kClusterMax));
+    int per = n <= 16384 ? 4 : 16;
+    int cs = static_cast<int>(std::clamp<int64_t>((n + per * 128 - 1) / (per * 128), 1,
+                                                  kClusterMax));
+    if (kernel == 3) per = n <= 2048 ? 4 : 16, cs = 1;
     const int64_t per_block = (n + cs - 1) / cs;
     const int threads = static_cast<int>(std::clamp<int64_t>(
         ((per_block + per - 1) / per + 31) / 32 * 32, 32, kClusterTopKMaxThreads));

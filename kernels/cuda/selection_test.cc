@@ -114,7 +114,9 @@ class SelectionTest : public ::testing::Test {
   }
 
   // Bodies of the VoteTopK tests run once per kernel choice (below).
-  void ExactTiesAtEverySize();
+  // Sizes default to 1 .. 70000 (every kernel's range and boundaries).
+  void ExactTiesAtEverySize(std::vector<int64_t> sizes = {1, 3, 17, 129, 255, 256, 257, 1000,
+                                                           2047, 8191, 8192, 20000, 70000});
   void MatchesCpuThroughParents();
 
   static Backend* gpu_;
@@ -284,91 +286,137 @@ void ExpectSameTopK(const std::vector<int32_t>& got, const std::vector<int32_t>&
   }
 }
 
+// VoteTopK's kernels by size: the bitonic kernel (n <= 8192, one block of n / 8 threads rounded
+// up to a power of two), the cluster kernel with 4 (n <= 16384) or 16 candidates per thread and 1
+// to 8 blocks per KV head, and the one-block kernel beyond 65536 candidates. Scores take
+// few distinct values shared by every query head of a candidate, so votes fall in well-separated
+// classes of exactly equal values: the GPU must return exactly the CPU's ids (ties to the lower
+// index, ascending, -1 padded), with k below, at and above the number of valid candidates.
+// Runs `body` once per VoteTopK kernel choice: the default, then each kernel forced through
+// STRATA_SELECTION_TOPK (kernels/cuda/selection.cu; beyond 8192 candidates `bitonic` and
+// `cluster1` (the cluster kernel as one block) run the default, beyond 65536 every choice runs
+// the block kernel).
+template <typename Body>
+void ForEachTopKKernel(Body body) {
+  for (const char* choice : {"", "bitonic", "cluster", "cluster1", "block"}) {
+    SCOPED_TRACE(::testing::Message() << "STRATA_SELECTION_TOPK=" << choice);
+    if (*choice == 0) {
+      unsetenv("STRATA_SELECTION_TOPK");
+    } else {
+      setenv("STRATA_SELECTION_TOPK", choice, 1);
+    }
+    body();
+  }
+  unsetenv("STRATA_SELECTION_TOPK");
+}
+
 TEST_F(SelectionTest, VoteTopKMatchesCpu) {
   struct Case {
     int hkv, group;
     int64_t n, k;
     bool parents;
-  } cases[] = {{1, 1, 1, 1, false},       {3, 4, 17, 5, false},    {8, 4, 1000, 64, true},
-               {2, 5, 129, 200, false},   {8, 4, 8192, 2048, false}, {2, 4, 40000, 300, false},
-               {1, 16, 3000, 0, false},   {4, 1, 500, 499, true},  {2, 4, 20000, 1000, false}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(::testing::Message() << "hkv " << c.hkv << " group " << c.group << " n " << c.n
-                                      << " k " << c.k);
-    std::vector<float> scores = RandomF(static_cast<int64_t>(c.hkv) * c.group * c.n, -8.0f, 8.0f);
-    std::uniform_int_distribution<int> u(0, 99);
-    for (float& x : scores) {
-      const int r = u(rng_);
-      if (r < 5) x = kNegInf;
-      if (r == 5) x = kNaN;
-    }
-    // A whole candidate column of -inf (invalid) and one head fully -inf.
-    if (c.n > 3) {
-      for (int g = 0; g < c.hkv; ++g) {
-        for (int h = 0; h < c.group; ++h) scores[(static_cast<int64_t>(g) * c.group + h) * c.n + 2] = kNegInf;
+  } cases[] = {{1, 1, 1, 1, false},       {3, 4, 17, 5, false},
+               {8, 4, 1000, 64, true},    {2, 5, 129, 200, false},
+               {8, 4, 8192, 2048, false}, {2, 4, 40000, 300, false},
+               {1, 16, 3000, 0, false},   {4, 1, 500, 499, true},
+               {2, 4, 20000, 1000, false}};
+  ForEachTopKKernel([&] {
+    for (const Case &c : cases) {
+      SCOPED_TRACE(::testing::Message()
+                   << "hkv " << c.hkv << " group " << c.group << " n " << c.n
+                   << " k " << c.k);
+      std::vector<float> scores =
+          RandomF(static_cast<int64_t>(c.hkv) * c.group * c.n, -8.0f, 8.0f);
+      std::uniform_int_distribution<int> u(0, 99);
+      for (float &x : scores) {
+        const int r = u(rng_);
+        if (r < 5)
+          x = kNegInf;
+        if (r == 5)
+          x = kNaN;
       }
-    }
-    if (c.group > 1) {
-      for (int64_t i = 0; i < c.n; ++i) scores[i] = kNegInf;  // head 0 of KV head 0
-    }
-    CandidateList cl;
-    std::vector<int32_t> parents;
-    if (c.parents) {
-      // fanout 1 list of ids: parents[g, i] = id; some -1.
-      parents.resize(static_cast<size_t>(c.hkv) * c.n);
-      for (int g = 0; g < c.hkv; ++g) {
-        for (int64_t i = 0; i < c.n; ++i) parents[g * c.n + i] = u(rng_) < 10 ? -1 : static_cast<int32_t>(3 * i + 1);
+      // A whole candidate column of -inf (invalid) and one head fully -inf.
+      if (c.n > 3) {
+        for (int g = 0; g < c.hkv; ++g) {
+          for (int h = 0; h < c.group; ++h)
+            scores[(static_cast<int64_t>(g) * c.group + h) * c.n + 2] = kNegInf;
+        }
       }
-      cl.begin = 0;
-      cl.end = 3 * c.n;
-    } else {
-      cl.begin = 5;
-      cl.end = 5 + c.n;
-    }
-    std::vector<int32_t> want(static_cast<size_t>(c.hkv) * c.k, 12345);
-    std::vector<float> vote(static_cast<size_t>(c.hkv) * c.n, kNaN);
-    VoteTopKParams p;
-    p.scores = TensorView(scores.data(), DType::kF32, {c.hkv, c.group, c.n});
-    p.candidates = cl;
-    if (c.parents) p.candidates.parents = TensorView(parents.data(), DType::kI32, {c.hkv, c.n});
-    p.k = c.k;
-    p.selected = TensorView(want.data(), DType::kI32, {c.hkv, c.k});
-    p.vote = TensorView(vote.data(), DType::kF32, {c.hkv, c.n});
-    STRATA_ASSERT_OK(cpu_->VoteTopK(p, nullptr));
+      if (c.group > 1) {
+        for (int64_t i = 0; i < c.n; ++i)
+          scores[i] = kNegInf; // head 0 of KV head 0
+      }
+      CandidateList cl;
+      std::vector<int32_t> parents;
+      if (c.parents) {
+        // fanout 1 list of ids: parents[g, i] = id; some -1.
+        parents.resize(static_cast<size_t>(c.hkv) * c.n);
+        for (int g = 0; g < c.hkv; ++g) {
+          for (int64_t i = 0; i < c.n; ++i)
+            parents[g * c.n + i] =
+                u(rng_) < 10 ? -1 : static_cast<int32_t>(3 * i + 1);
+        }
+        cl.begin = 0;
+        cl.end = 3 * c.n;
+      } else {
+        cl.begin = 5;
+        cl.end = 5 + c.n;
+      }
+      std::vector<int32_t> want(static_cast<size_t>(c.hkv) * c.k, 12345);
+      std::vector<float> vote(static_cast<size_t>(c.hkv) * c.n, kNaN);
+      VoteTopKParams p;
+      p.scores = TensorView(scores.data(), DType::kF32, {c.hkv, c.group, c.n});
+      p.candidates = cl;
+      if (c.parents)
+        p.candidates.parents =
+            TensorView(parents.data(), DType::kI32, {c.hkv, c.n});
+      p.k = c.k;
+      p.selected = TensorView(want.data(), DType::kI32, {c.hkv, c.k});
+      p.vote = TensorView(vote.data(), DType::kF32, {c.hkv, c.n});
+      STRATA_ASSERT_OK(cpu_->VoteTopK(p, nullptr));
 
-    auto ds = Dev(scores), dp = Dev(parents);
-    auto dsel = Poisoned<int32_t>(static_cast<int64_t>(c.hkv) * c.k, 0x7f);
-    auto dvote = Poisoned<float>(static_cast<int64_t>(c.hkv) * c.n);
-    p.scores.data = ds->data();
-    if (c.parents) p.candidates.parents.data = dp->data();
-    p.selected.data = dsel->data();
-    p.vote.data = dvote->data();
-    STRATA_ASSERT_OK(gpu_->VoteTopK(p, nullptr));
-    ExpectClose(Get<float>(*dvote, static_cast<int64_t>(c.hkv) * c.n), vote, 1e-6, 1e-5, "vote");
-    // id -> candidate index, per head.
-    std::vector<int64_t> index_of_id(static_cast<size_t>(c.hkv) * (cl.end + 1), 0);
-    for (int g = 0; g < c.hkv; ++g) {
-      for (int64_t i = 0; i < c.n; ++i) {
-        const int64_t id = c.parents ? parents[g * c.n + i] : cl.begin + i;
-        if (id >= 0) index_of_id[g * (cl.end + 1) + id] = i;
+      auto ds = Dev(scores), dp = Dev(parents);
+      auto dsel = Poisoned<int32_t>(static_cast<int64_t>(c.hkv) * c.k, 0x7f);
+      auto dvote = Poisoned<float>(static_cast<int64_t>(c.hkv) * c.n);
+      p.scores.data = ds->data();
+      if (c.parents)
+        p.candidates.parents.data = dp->data();
+      p.selected.data = dsel->data();
+      p.vote.data = dvote->data();
+      STRATA_ASSERT_OK(gpu_->VoteTopK(p, nullptr));
+      ExpectClose(Get<float>(*dvote, static_cast<int64_t>(c.hkv) * c.n), vote,
+                  1e-6, 1e-5, "vote");
+      // id -> candidate index, per head.
+      std::vector<int64_t> index_of_id(
+          static_cast<size_t>(c.hkv) * (cl.end + 1), 0);
+      for (int g = 0; g < c.hkv; ++g) {
+        for (int64_t i = 0; i < c.n; ++i) {
+          const int64_t id = c.parents ? parents[g * c.n + i] : cl.begin + i;
+          if (id >= 0)
+            index_of_id[g * (cl.end + 1) + id] = i;
+        }
       }
-    }
-    // ExpectSameTopK indexes ids by g * (n + 1); pass the id range as n.
-    std::vector<float> vote_by_range(static_cast<size_t>(c.hkv) * cl.end, 0.0f);
-    std::vector<int64_t> identity(static_cast<size_t>(c.hkv) * (cl.end + 1));
-    for (int g = 0; g < c.hkv; ++g) {
-      for (int64_t id = 0; id <= cl.end; ++id) identity[g * (cl.end + 1) + id] = id;
-      for (int64_t id = 0; id < cl.end; ++id) {
-        vote_by_range[g * cl.end + id] = vote[g * c.n + index_of_id[g * (cl.end + 1) + id]];
+      // ExpectSameTopK indexes ids by g * (n + 1); pass the id range as n.
+      std::vector<float> vote_by_range(static_cast<size_t>(c.hkv) * cl.end,
+                                       0.0f);
+      std::vector<int64_t> identity(static_cast<size_t>(c.hkv) * (cl.end + 1));
+      for (int g = 0; g < c.hkv; ++g) {
+        for (int64_t id = 0; id <= cl.end; ++id)
+          identity[g * (cl.end + 1) + id] = id;
+        for (int64_t id = 0; id < cl.end; ++id) {
+          vote_by_range[g * cl.end + id] =
+              vote[g * c.n + index_of_id[g * (cl.end + 1) + id]];
+        }
       }
+      ExpectSameTopK(Get<int32_t>(*dsel, static_cast<int64_t>(c.hkv) * c.k),
+                     want, vote_by_range, identity, c.hkv, c.k, cl.end, seed_);
     }
-    ExpectSameTopK(Get<int32_t>(*dsel, static_cast<int64_t>(c.hkv) * c.k), want, vote_by_range,
-                   identity, c.hkv, c.k, cl.end, seed_);
-  }
+  });
 }
 
 TEST_F(SelectionTest, VoteTopKTiesGoToLowerIndices) {
-  // Equal scores everywhere: both backends must pick exactly the first k valid candidates.
+  // Equal scores everywhere: both backends must pick exactly the first k valid
+  // candidates.
   const int hkv = 2, group = 3;
   const int64_t n = 5000, k = 777;
   std::vector<float> scores(static_cast<size_t>(hkv) * group * n, 0.25f);
@@ -398,34 +446,24 @@ TEST_F(SelectionTest, VoteTopKTiesGoToLowerIndices) {
   EXPECT_EQ(std::vector<int32_t>(want.begin(), want.begin() + k), expect);
 }
 
-// VoteTopK's kernels by size: the cluster kernel with 4 (n <= 16384) or 16 candidates per thread
-// and 1 to 8 blocks per KV head, and the one-block kernel beyond 65536 candidates. Scores take
-// few distinct values shared by every query head of a candidate, so votes fall in well-separated
-// classes of exactly equal values: the GPU must return exactly the CPU's ids (ties to the lower
-// index, ascending, -1 padded), with k below, at and above the number of valid candidates.
-// Runs `body` once per VoteTopK kernel choice: the default, then each kernel forced through
-// STRATA_SELECTION_TOPK (kernels/cuda/selection.cu; the block kernel is the only one beyond
-// 65536 candidates).
-template <typename Body>
-void ForEachTopKKernel(Body body) {
-  for (const char* choice : {"", "cluster", "block"}) {
-    SCOPED_TRACE(::testing::Message() << "STRATA_SELECTION_TOPK=" << choice);
-    if (*choice == 0) {
-      unsetenv("STRATA_SELECTION_TOPK");
-    } else {
-      setenv("STRATA_SELECTION_TOPK", choice, 1);
-    }
-    body();
-  }
-  unsetenv("STRATA_SELECTION_TOPK");
-}
-
 TEST_F(SelectionTest, VoteTopKExactTiesAtEverySize) {
   ForEachTopKKernel([&] { ExactTiesAtEverySize(); });
 }
 
-void SelectionTest::ExactTiesAtEverySize() {
-  const int64_t sizes[] = {1, 3, 17, 129, 1000, 8192, 20000, 70000};
+// The bitonic kernel alone at its sizes, with each of its shapes (2, 4 or 8 candidates per
+// thread, STRATA_SELECTION_BITONIC_PER; kernels/cuda/selection.cu): small enough for racecheck.
+TEST_F(SelectionTest, VoteTopKBitonicExactTies) {
+  setenv("STRATA_SELECTION_TOPK", "bitonic", 1);
+  for (const char* per : {"2", "4", "8"}) {
+    SCOPED_TRACE(::testing::Message() << "STRATA_SELECTION_BITONIC_PER=" << per);
+    setenv("STRATA_SELECTION_BITONIC_PER", per, 1);
+    ExactTiesAtEverySize({1, 63, 64, 65, 1000, 2048, 4097, 8192});
+  }
+  unsetenv("STRATA_SELECTION_BITONIC_PER");
+  unsetenv("STRATA_SELECTION_TOPK");
+}
+
+void SelectionTest::ExactTiesAtEverySize(std::vector<int64_t> sizes) {
   for (int64_t n : sizes) {
     for (int group : {4, 1}) {
       const int hkv = 3;

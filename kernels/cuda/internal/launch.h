@@ -193,7 +193,11 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
                             cudaStream_t stream);
 // Bytes of device scratch LaunchVoteTopK needs (0 when the per-head keys fit in shared memory).
 int64_t VoteTopKScratchBytes(int num_kv_heads, int64_t n);
-// One block per KV head: soft vote, radix select of the k-th key, compaction in index order.
+// Soft vote and top-k per KV head (kernels/backend.h VoteTopKParams), by size of c.count: up to
+// 1024 one block per KV head (bitonic sort of unique (vote, index) keys), up to 2048 one block per
+// KV head (radix select), up to 65536 a cluster of up to 8 blocks per KV head (radix select),
+// beyond one block per KV head (radix select, keys in `scratch` beyond 32768);
+// STRATA_SELECTION_TOPK=bitonic|cluster1|cluster|block forces one where it can run.
 cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group, const DeviceCandidates& c,
                            int k, float* vote, int32_t* selected, void* scratch,
                            cudaStream_t stream);
