@@ -102,6 +102,9 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->String("device-selection", &device_selection,
                 "auto|on|off: quest/tokenselect decode steps select on the backend (auto: when it is not the "
                 "CPU backend; on: also on the CPU backend)");
+  flags->String("matmul-precision", &matmul_precision,
+                "split|bf16: split keeps f32 activations (two GEMMs per projection on the GPU); bf16 rounds "
+                "them to bf16 for one GEMM (faster prefill, logits move slightly)");
 }
 
 void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
@@ -111,6 +114,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
   options->lazy_mount = lazy_mount;
   options->lazy_cache_pages = lazy_cache_pages;
   options->device_selection = device_selection;
+  options->matmul_precision = matmul_precision;
 }
 
 sigset_t BlockStopSignals() {

@@ -190,6 +190,9 @@ absl::Status WorkerOptions::Validate() const {
   if (device_selection != "auto" && device_selection != "on" && device_selection != "off") {
     return absl::InvalidArgumentError(absl::StrCat("device_selection: auto|on|off, got '", device_selection, "'"));
   }
+  if (!engine::ParseMatMulPrecision(matmul_precision).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul_precision: split|bf16, got '", matmul_precision, "'"));
+  }
   return absl::OkStatus();
 }
 
@@ -236,6 +239,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   std::unique_ptr<Worker> w(new Worker(options, model, backend, store, catalog, metrics));
   engine::TransformerOptions topt;
   topt.prefill_chunk_size = options.prefill_chunk_size;
+  STRATA_ASSIGN_OR_RETURN(topt.matmul_precision, engine::ParseMatMulPrecision(options.matmul_precision));
   STRATA_ASSIGN_OR_RETURN(w->transformer_, engine::Transformer::Create(model->config, model->weights, backend, topt));
   if (backend->Name() != "cpu") w->host_backend_ = kernels::MakeCpuBackend(0);
   if (options.device_selection == "off" || (options.device_selection == "auto" && backend->Name() == "cpu")) {

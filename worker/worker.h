@@ -155,6 +155,10 @@ struct WorkerOptions {
   // the job falls back (logged once): to the host policy on the CPU backend, to dense attention
   // on a device backend (whose pools the host policies cannot read). Default "auto".
   std::string device_selection = "auto";
+  // Precision of the model's matrix products (engine::TransformerOptions::matmul_precision):
+  // "split" (default: f32 activations, two GEMMs on the CUDA backend) or "bf16" (activations
+  // rounded to the weight type, one GEMM; faster prefill, logits move by the rounding).
+  std::string matmul_precision = "split";
 
   // InvalidArgument naming the bad field.
   absl::Status Validate() const;

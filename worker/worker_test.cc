@@ -825,6 +825,7 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
       {"lazy_cache_pages", [](WorkerOptions* o) { o->lazy_cache_pages = 0; }},
       {"page_size", [](WorkerOptions* o) { o->page_size = 0; }},
       {"device_selection", [](WorkerOptions* o) { o->device_selection = "always"; }},
+      {"matmul_precision", [](WorkerOptions* o) { o->matmul_precision = "fp8"; }},
   };
   for (const Case& c : cases) {
     WorkerOptions o;
