@@ -13,6 +13,8 @@
 # What is bundled (.gpu/):
 #   bin/            the test binaries with ctest label `gpu`, cuda_attention_bench, the CUDA plugin
 #                   libstrata_cuda.so, strata (if built), stripped
+#   bin.tar.gz      instead of bin/ when the binaries exceed 40 MiB (the device tool carries at
+#                   most 64 MiB; scripts/gpu_remote.sh unpacks it)
 #   libs.tar.gz     the shared libraries they link that the GPU machine lacks (Abseil, gRPC,
 #                   RocksDB, prometheus-cpp, OpenBLAS, PCRE2, ...), gzip-compressed (the device
 #                   tool carries at most 64 MiB)
@@ -70,6 +72,11 @@ done | sort -u | while read -r name path; do
 done
 tar -C "$BUNDLE" -czf "$BUNDLE/libs.tar.gz" lib
 rm -rf "$BUNDLE/lib"
+# Test binaries link the CUDA kernels statically (~10 MiB each): pack them when they are many.
+if [ "$(du -sm "$BUNDLE/bin" | cut -f1)" -gt 40 ]; then
+  tar -C "$BUNDLE" -czf "$BUNDLE/bin.tar.gz" bin
+  rm -rf "$BUNDLE/bin"
+fi
 cp scripts/gpu_remote.sh "$BUNDLE/"
 echo "bundled into $BUNDLE/:"
 ls -la "$BUNDLE/bin"
