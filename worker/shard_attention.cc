@@ -21,13 +21,13 @@
 
 namespace strata::worker {
 
-absl::StatusOr<std::unique_ptr<engine::AttentionPolicy>> MakeJobPolicy(const v1::SelectionPolicy& p,
-                                                                       const model::ModelConfig& c,
-                                                                       int page_size) {
-  if (IsDensePolicy(p)) return engine::MakeDensePolicy();
-  STRATA_ASSIGN_OR_RETURN(engine::sparse::PolicyKind kind, engine::sparse::ParsePolicyName(p.name()));
+absl::StatusOr<engine::sparse::PolicyOptions> JobPolicyOptions(const v1::SelectionPolicy& p, int page_size) {
   engine::sparse::PolicyOptions o;
-  o.kind = kind;
+  if (p.name().empty()) {
+    o.kind = engine::sparse::PolicyKind::kDense;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(o.kind, engine::sparse::ParsePolicyName(p.name()));
+  }
   o.page_size = page_size;
   if (p.budget_tokens() > 0) o.token_budget = static_cast<int>(p.budget_tokens());
   if (p.has_sink_tokens()) o.sink_tokens = static_cast<int>(p.sink_tokens());
@@ -41,6 +41,14 @@ absl::StatusOr<std::unique_ptr<engine::AttentionPolicy>> MakeJobPolicy(const v1:
     default: break;
   }
   STRATA_RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
+absl::StatusOr<std::unique_ptr<engine::AttentionPolicy>> MakeJobPolicy(const v1::SelectionPolicy& p,
+                                                                       const model::ModelConfig& c,
+                                                                       int page_size) {
+  if (IsDensePolicy(p)) return engine::MakeDensePolicy();
+  STRATA_ASSIGN_OR_RETURN(engine::sparse::PolicyOptions o, JobPolicyOptions(p, page_size));
   return engine::sparse::MakeAttentionPolicy(o, static_cast<int>(c.num_layers), static_cast<int>(c.num_heads),
                                              static_cast<int>(c.num_kv_heads), static_cast<int>(c.head_dim));
 }

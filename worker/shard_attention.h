@@ -41,6 +41,7 @@
 #include "absl/status/statusor.h"
 #include "engine/attention_policy.h"
 #include "engine/kv_cache.h"
+#include "engine/sparse/policy.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
 #include "kvstore/document_id.h"
@@ -50,7 +51,10 @@
 
 namespace strata::worker {
 
-// The policy of a job (an empty name is dense) for a model; page_size is the KV page size.
+// The engine policy options of a job's policy (an empty name is dense); page_size is the KV page
+// size. InvalidArgument for unknown names or invalid options.
+absl::StatusOr<engine::sparse::PolicyOptions> JobPolicyOptions(const v1::SelectionPolicy& policy, int page_size);
+// The host policy of a job (an empty name is dense) for a model, built from JobPolicyOptions.
 // InvalidArgument for unknown names or invalid options.
 absl::StatusOr<std::unique_ptr<engine::AttentionPolicy>> MakeJobPolicy(const v1::SelectionPolicy& policy,
                                                                        const model::ModelConfig& config,

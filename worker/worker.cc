@@ -68,31 +68,6 @@ void AddCounters(WorkerMetrics* m, const engine::SelectionCounters& now, const e
   Inc(m->selection_cache_hits, static_cast<double>(now.cache_hits - before.cache_hits));
 }
 
-// The engine policy options of a job's policy (the mapping of MakeJobPolicy in
-// worker/shard_attention.cc, which builds the host policy from the same fields).
-absl::StatusOr<engine::sparse::PolicyOptions> JobPolicyOptions(const v1::SelectionPolicy& p, int page_size) {
-  engine::sparse::PolicyOptions o;
-  if (p.name().empty()) {
-    o.kind = engine::sparse::PolicyKind::kDense;
-  } else {
-    STRATA_ASSIGN_OR_RETURN(o.kind, engine::sparse::ParsePolicyName(p.name()));
-  }
-  o.page_size = page_size;
-  if (p.budget_tokens() > 0) o.token_budget = static_cast<int>(p.budget_tokens());
-  if (p.has_sink_tokens()) o.sink_tokens = static_cast<int>(p.sink_tokens());
-  if (p.has_window_tokens()) o.window_tokens = static_cast<int>(p.window_tokens());
-  if (p.has_theta()) o.cache_theta = p.theta();
-  for (uint32_t l : p.dense_layers()) o.dense_layers.push_back(static_cast<int>(l));
-  switch (p.summary()) {
-    case v1::SUMMARY_KIND_MINMAX: o.summary = engine::sparse::SummaryKind::kMinMax; break;
-    case v1::SUMMARY_KIND_MEAN: o.summary = engine::sparse::SummaryKind::kMean; break;
-    case v1::SUMMARY_KIND_RF: o.summary = engine::sparse::SummaryKind::kRf; break;
-    default: break;
-  }
-  STRATA_RETURN_IF_ERROR(o.Validate());
-  return o;
-}
-
 // Policies DevicePolicy runs: quest and tokenselect with minmax summaries.
 bool DeviceKind(const engine::sparse::PolicyOptions& o) {
   return (o.kind == engine::sparse::PolicyKind::kQuest || o.kind == engine::sparse::PolicyKind::kTokenSelect) &&

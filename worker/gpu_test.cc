@@ -1,0 +1,318 @@
+// Worker jobs on the CUDA backend against the same jobs on the CPU backend (issue #6), over a
+// document prefilled and persisted by a CUDA worker into a LocalStore. The model is a random
+// "small" model (hidden 768, 12 layers, 12 query / 4 KV heads, head_dim 64, bf16 weights); every
+// job has a 16-token prompt and decodes greedily. Each test prints a table (time to first token,
+// decode rate, attended tokens, tokens) and skips with "no CUDA GPU" without one.
+//
+// WorkerDeviceSelectionGpuTest (WorkerOptions::device_selection): the same jobs (tokenselect,
+// quest and dense) on the CUDA worker (device selection auto) and on a CPU worker with device
+// selection forced on (the CPU twins of the selection ops). The tokens must be equal; also the
+// CUDA decode rate of tokenselect against the same job with device selection off (which attends
+// densely on a device backend). Env: STRATA_WORKER_GPU_DOC_TOKENS (default 40960: a middle of more
+// than 512 pages, so the selection runs two-level), STRATA_WORKER_GPU_MAX_TOKENS (default 32).
+//
+// WorkerLazyMountGpuTest (WorkerOptions::lazy_mount): the job's GPU page cache lives on the CUDA
+// backend and the decode steps choose their pages with the backend's selection ops over summaries
+// held in GPU memory (worker/lazy_attention.h). The same quest job (defaults: budget 2048, window
+// 256) on lazy-mount workers on the CUDA backend and on the CPU backend (host chooser,
+// PagedAttention on the CPU). The tokens must be equal, and a CUDA worker whose cache is too small
+// for one decode step's pages of every layer (it evicts every call) must give the CUDA tokens
+// again. Env: STRATA_LAZY_GPU_DOC_TOKENS (default 16384), STRATA_LAZY_GPU_MAX_TOKENS (default 32).
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/backend_factory.h"
+#include "kvstore/local_store.h"
+#include "kvstore/metrics.h"
+#include "model/random_model.h"
+#include "prometheus/registry.h"
+#include "worker/worker.h"
+
+namespace strata::worker {
+namespace {
+
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoll(v) : fallback;
+}
+
+std::unique_ptr<kernels::Backend> CudaBackendOrNull(std::string* why) {
+  kernels::BackendOptions options;
+  options.kind = kernels::BackendKind::kCuda;
+  const char* env = std::getenv("STRATA_CUDA_PLUGIN");
+  options.cuda_plugin = env != nullptr && *env != '\0' ? env : STRATA_CUDA_PLUGIN_PATH;
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> b = kernels::MakeBackend(options);
+  if (!b.ok()) {
+    *why = b.status().ToString();
+    return nullptr;
+  }
+  return std::move(b).value();
+}
+
+// A temporary folder with the random small model and a LocalStore, removed on destruction.
+struct JobEnv {
+  std::string dir;
+  std::unique_ptr<model::Model> model;
+  std::unique_ptr<kvstore::LocalStore> store;
+  ~JobEnv() {
+    store.reset();
+    if (!dir.empty()) std::filesystem::remove_all(dir);
+  }
+};
+
+absl::Status MakeJobEnv(const char* name, JobEnv* env) {
+  std::string tmpl = std::string("/tmp/") + name + "_XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) return absl::InternalError("mkdtemp failed");
+  env->dir = tmpl;
+  model::RandomModelOptions mo;
+  mo.preset = "small";
+  mo.dtype = kernels::DType::kBF16;
+  mo.seed = 11;
+  mo.write_tokenizer = false;
+  STRATA_RETURN_IF_ERROR(model::WriteRandomModel(env->dir + "/model", mo).status());
+  STRATA_ASSIGN_OR_RETURN(env->model, model::LoadModel(env->dir + "/model"));
+  kvstore::LocalStoreOptions so;
+  so.path = env->dir + "/kv";
+  STRATA_ASSIGN_OR_RETURN(env->store, kvstore::LocalStore::Open(so));
+  return absl::OkStatus();
+}
+
+// Prefills and persists a document of `tokens` tokens (64-token pages) through `w`.
+absl::Status PrefillDocument(Worker* w, const char* doc_id, int64_t tokens, const std::string& backend) {
+  std::vector<int32_t> doc;
+  for (int64_t i = 0; i < tokens; ++i) doc.push_back(static_cast<int32_t>((i * 7919 + 13) % 8000));
+  v1::PrefillShardRequest pr;
+  pr.mutable_shard()->set_document_id(doc_id);
+  pr.mutable_shard()->set_first_page(0);
+  pr.mutable_shard()->set_end_page(static_cast<uint64_t>((tokens + 63) / 64));
+  pr.mutable_shard_map()->set_document_id(doc_id);
+  pr.mutable_shard_map()->set_page_size(64);
+  pr.mutable_shard_map()->set_num_tokens(static_cast<uint64_t>(tokens));
+  pr.mutable_token_ids()->Assign(doc.begin(), doc.end());
+  const auto p0 = std::chrono::steady_clock::now();
+  STRATA_RETURN_IF_ERROR(w->PrefillShard(pr, nullptr, nullptr));
+  std::printf("document: %lld tokens prefilled and persisted on %s in %.2f s\n", static_cast<long long>(tokens),
+              backend.c_str(), std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count());
+  return absl::OkStatus();
+}
+
+// A job over the whole document with a 16-token prompt, greedy, EOS ignored; the policy's other
+// fields are left at their defaults (budget 2048, sinks 64, window 256).
+v1::RunJobRequest JobRequest(const std::string& id, const char* doc_id, int64_t doc_tokens, int64_t max_tokens,
+                             const std::string& policy) {
+  v1::RunJobRequest r;
+  r.set_job_id(id);
+  r.mutable_shard_map()->set_document_id(doc_id);
+  r.mutable_shard_map()->set_page_size(64);
+  r.mutable_shard_map()->set_num_tokens(static_cast<uint64_t>(doc_tokens));
+  r.mutable_shard_map()->add_shards()->mutable_range()->set_document_id(doc_id);
+  for (int i = 0; i < 16; ++i) r.add_prompt_token_ids(100 + 17 * i);
+  r.mutable_params()->set_max_tokens(static_cast<uint32_t>(max_tokens));
+  r.mutable_params()->set_ignore_eos(true);
+  r.mutable_policy()->set_name(policy);
+  return r;
+}
+
+struct Timed {
+  v1::JobInfo info;
+  double ttft_s = 0;        // RunJob start to the first token
+  double decode_tps = 0;    // tokens after the first / time from the first token to the last
+};
+
+Timed RunTimed(Worker* w, const v1::RunJobRequest& req) {
+  Timed t;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  Clock::time_point first, last;
+  int tokens = 0;
+  const absl::Status s = w->RunJob(req, [&](const v1::JobEvent& e) {
+    if (e.has_tokens()) {
+      last = Clock::now();
+      if (tokens == 0) first = last;
+      tokens += e.tokens().token_ids_size();
+    }
+    if (e.has_snapshot()) t.info = e.snapshot();
+    return true;
+  });
+  EXPECT_TRUE(s.ok()) << s;
+  if (tokens > 0) t.ttft_s = std::chrono::duration<double>(first - start).count();
+  if (tokens > 1) t.decode_tps = (tokens - 1) / std::chrono::duration<double>(last - first).count();
+  return t;
+}
+
+std::vector<int32_t> Tokens(const v1::JobInfo& info) {
+  return std::vector<int32_t>(info.output_token_ids().begin(), info.output_token_ids().end());
+}
+
+// How many leading tokens two jobs share.
+size_t CommonPrefix(const v1::JobInfo& a, const v1::JobInfo& b) {
+  const std::vector<int32_t> x = Tokens(a), y = Tokens(b);
+  size_t same = 0;
+  while (same < x.size() && same < y.size() && x[same] == y[same]) ++same;
+  return same;
+}
+
+double GpuTier(prometheus::Registry& registry, const std::string& name) {
+  for (const prometheus::MetricFamily& f : registry.Collect()) {
+    if (f.name != name) continue;
+    for (const prometheus::ClientMetric& m : f.metric) {
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        if (l.name == "tier" && l.value == "gpu") return m.counter.value;
+      }
+    }
+  }
+  return 0;
+}
+
+constexpr char kSelectionDocId[] = "00112233445566778899aabbccddeeff";
+constexpr char kLazyDocId[] = "00112233445566778899aabbccddee01";
+
+TEST(WorkerDeviceSelectionGpuTest, CudaJobMatchesCpuDeviceSelection) {
+  std::string why;
+  std::unique_ptr<kernels::Backend> cuda = CudaBackendOrNull(&why);
+  if (cuda == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  const int64_t doc_tokens = EnvInt("STRATA_WORKER_GPU_DOC_TOKENS", 40960);
+  const int64_t max_tokens = EnvInt("STRATA_WORKER_GPU_MAX_TOKENS", 32);
+  JobEnv env;
+  STRATA_ASSERT_OK(MakeJobEnv("strata_worker_gpu_test", &env));
+  model::Model* m = env.model.get();
+  kvstore::LocalStore* store = env.store.get();
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
+
+  auto make = [&](const std::string& id, const std::string& mode, kernels::Backend* be) {
+    WorkerOptions wo;
+    wo.worker_id = id;
+    wo.device_selection = mode;
+    auto w = Worker::Create(wo, m, be, store, store, nullptr);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  };
+  std::unique_ptr<Worker> gpu = make("gpu", "auto", cuda.get());
+  std::unique_ptr<Worker> gpu_off = make("gpu-off", "off", cuda.get());
+  std::unique_ptr<Worker> host = make("cpu", "on", cpu.get());
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_NE(gpu_off, nullptr);
+  ASSERT_NE(host, nullptr);
+  STRATA_ASSERT_OK(gpu->device_selection_status());
+  STRATA_ASSERT_OK(host->device_selection_status());
+
+  STRATA_ASSERT_OK(PrefillDocument(gpu.get(), kSelectionDocId, doc_tokens, cuda->Name()));
+
+  auto job = [&](const std::string& id, const std::string& policy) {
+    return JobRequest(id, kSelectionDocId, doc_tokens, max_tokens, policy);
+  };
+  std::printf("%-12s %-22s %9s %12s %9s  %s\n", "policy", "run", "TTFT s", "decode tok/s", "attended", "tokens");
+  auto row = [&](const std::string& policy, const std::string& run, const Timed& t) {
+    std::string toks;
+    for (int32_t x : Tokens(t.info)) toks += std::to_string(x) + " ";
+    std::printf("%-12s %-22s %9.3f %12.1f %9.1f  %s\n", policy.c_str(), run.c_str(), t.ttft_s, t.decode_tps,
+                t.info.usage().mean_attended_tokens(), toks.c_str());
+  };
+  int64_t gpu_device_jobs = 0;
+  for (const std::string policy : {"tokenselect", "quest", "dense"}) {
+    SCOPED_TRACE(policy);
+    const Timed g = RunTimed(gpu.get(), job("gpu-" + policy, policy));
+    const Timed c = RunTimed(host.get(), job("cpu-" + policy, policy));
+    ASSERT_EQ(g.info.state(), v1::JobInfo::DONE) << g.info.error_message();
+    ASSERT_EQ(c.info.state(), v1::JobInfo::DONE) << c.info.error_message();
+    row(policy, "cuda, device selection", g);
+    row(policy, "cpu, device selection", c);
+    if (policy != "dense") {
+      EXPECT_EQ(gpu->device_selection_jobs(), ++gpu_device_jobs);
+      EXPECT_LT(g.info.usage().mean_attended_tokens(), static_cast<double>(doc_tokens) / 4);
+    }
+    EXPECT_EQ(Tokens(g.info), Tokens(c.info));
+    EXPECT_EQ(g.info.usage().mean_attended_tokens(), c.info.usage().mean_attended_tokens());
+    const size_t same = CommonPrefix(g.info, c.info);
+    std::printf("%-12s cuda and cpu agree on the first %zu of %d tokens\n", policy.c_str(), same,
+                g.info.output_token_ids_size());
+  }
+  // Device selection off on the CUDA backend: tokenselect attends densely (the host policy cannot
+  // read device pools).
+  const Timed off = RunTimed(gpu_off.get(), job("gpu-off-tokenselect", "tokenselect"));
+  ASSERT_EQ(off.info.state(), v1::JobInfo::DONE) << off.info.error_message();
+  row("tokenselect", "cuda, selection off", off);
+  EXPECT_EQ(gpu_off->device_selection_jobs(), 0);
+  EXPECT_GT(off.info.usage().mean_attended_tokens(), static_cast<double>(doc_tokens));
+}
+
+TEST(WorkerLazyMountGpuTest, CudaLazyJobMatchesCpuLazyJob) {
+  std::string why;
+  std::unique_ptr<kernels::Backend> cuda = CudaBackendOrNull(&why);
+  if (cuda == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  const int64_t doc_tokens = EnvInt("STRATA_LAZY_GPU_DOC_TOKENS", 16384);
+  const int64_t max_tokens = EnvInt("STRATA_LAZY_GPU_MAX_TOKENS", 32);
+  JobEnv env;
+  STRATA_ASSERT_OK(MakeJobEnv("strata_lazy_gpu_test", &env));
+  model::Model* m = env.model.get();
+  kvstore::LocalStore* store = env.store.get();
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
+  prometheus::Registry registry;
+  kvstore::KvMetrics kv(&registry);
+  WorkerMetrics metrics(&registry);
+  metrics.kv = &kv;
+
+  auto make = [&](const std::string& id, bool lazy, int64_t cache_pages, kernels::Backend* be) {
+    WorkerOptions wo;
+    wo.worker_id = id;
+    wo.lazy_mount = lazy;
+    wo.lazy_cache_pages = cache_pages;
+    auto w = Worker::Create(wo, m, be, store, store, &metrics);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  };
+  std::unique_ptr<Worker> prefill = make("prefill", false, 8192, cuda.get());
+  std::unique_ptr<Worker> gpu = make("gpu-lazy", true, 8192, cuda.get());
+  std::unique_ptr<Worker> gpu_small = make("gpu-lazy-small", true, 1, cuda.get());
+  std::unique_ptr<Worker> host = make("cpu-lazy", true, 8192, cpu.get());
+  ASSERT_NE(prefill, nullptr);
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_NE(gpu_small, nullptr);
+  ASSERT_NE(host, nullptr);
+
+  STRATA_ASSERT_OK(PrefillDocument(prefill.get(), kLazyDocId, doc_tokens, cuda->Name()));
+
+  auto job = [&](const std::string& id) { return JobRequest(id, kLazyDocId, doc_tokens, max_tokens, "quest"); };
+  std::printf("%-26s %9s %12s %9s %8s  %s\n", "run", "TTFT s", "decode tok/s", "attended", "fetched", "tokens");
+  auto row = [&](const std::string& run, const Timed& t) {
+    std::string toks;
+    for (int32_t x : Tokens(t.info)) toks += std::to_string(x) + " ";
+    const v1::PagesByTier& f = t.info.usage().pages_fetched();
+    std::printf("%-26s %9.3f %12.1f %9.1f %8llu  %s\n", run.c_str(), t.ttft_s, t.decode_tps,
+                t.info.usage().mean_attended_tokens(),
+                static_cast<unsigned long long>(f.host() + f.disk() + f.remote()), toks.c_str());
+  };
+  const double lookups0 = GpuTier(registry, "strata_kv_lookups_total");
+  const Timed g = RunTimed(gpu.get(), job("gpu"));
+  const double lookups1 = GpuTier(registry, "strata_kv_lookups_total");
+  const Timed s = RunTimed(gpu_small.get(), job("gpu-small"));
+  const Timed c = RunTimed(host.get(), job("cpu"));
+  ASSERT_EQ(g.info.state(), v1::JobInfo::DONE) << g.info.error_message();
+  ASSERT_EQ(s.info.state(), v1::JobInfo::DONE) << s.info.error_message();
+  ASSERT_EQ(c.info.state(), v1::JobInfo::DONE) << c.info.error_message();
+  row("cuda lazy, 8192 slots", g);
+  row("cuda lazy, 1 -> 1 step", s);
+  row("cpu lazy, 8192 slots", c);
+  EXPECT_GT(lookups1, lookups0);  // the CUDA job's page cache counted under tier "gpu"
+  EXPECT_LT(g.info.usage().mean_attended_tokens(), static_cast<double>(doc_tokens) / 4);
+  EXPECT_EQ(Tokens(s.info), Tokens(g.info));
+  EXPECT_GT(s.info.usage().pages_fetched().disk(), g.info.usage().pages_fetched().disk());
+  EXPECT_EQ(Tokens(g.info), Tokens(c.info));
+  const size_t same = CommonPrefix(g.info, c.info);
+  std::printf("cuda and cpu lazy jobs agree on the first %zu of %d tokens; pages fetched cuda %llu, cpu %llu\n", same,
+              g.info.output_token_ids_size(),
+              static_cast<unsigned long long>(g.info.usage().pages_fetched().disk()),
+              static_cast<unsigned long long>(c.info.usage().pages_fetched().disk()));
+}
+
+}  // namespace
+}  // namespace strata::worker
