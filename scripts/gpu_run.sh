@@ -79,5 +79,5 @@ if [ "$(du -sm "$BUNDLE/bin" | cut -f1)" -gt 40 ]; then
 fi
 cp scripts/gpu_remote.sh "$BUNDLE/"
 echo "bundled into $BUNDLE/:"
-ls -la "$BUNDLE/bin"
+if [ -d "$BUNDLE/bin" ]; then ls -la "$BUNDLE/bin"; else tar -tzvf "$BUNDLE/bin.tar.gz"; fi
 du -sh "$BUNDLE" "$BUNDLE/libs.tar.gz"
