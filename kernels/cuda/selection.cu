@@ -553,6 +553,84 @@ __device__ __forceinline__ void ConsecutiveCandidateIds(const DeviceCandidates& 
   }
 }
 
+// Step (1) of the one-block and cluster top-k kernels, per warp: for every query head h of the
+// group, the max and the sum of exp(x - max) of the scores the warp's lanes hold (lane l: kPer
+// consecutive scores from `mine`, row h at mine + h * n; entries at first + j >= n count as
+// -inf), written to red_m[h * stride + warp] and red_l[h * stride + warp] by lane 0. With one or
+// two warps per SM scheduler nothing hides latency, so the kernel's time is its longest dependent
+// chain: heads go 4 at a time (independent chains interleave), a warp first takes its max
+// (shuffles of fmaxf), then the sum of exp(x - max) (shuffles of adds).
+template <int kPer>
+__device__ __forceinline__ void WarpSoftmaxStats(const float* mine, int32_t n, int32_t first,
+                                                 int group, int lane, int warp, int stride,
+                                                 float* red_m, float* red_l) {
+#pragma unroll 1
+  for (int h0 = 0; h0 < group; h0 += 4) {
+    float x[4][kPer], m[4], l[4];
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        x[hh][j] = h0 + hh < group && first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j]
+                                                    : NegInfF();
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      m[hh] = NegInfF();
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (x[hh][j] > m[hh]) m[hh] = x[hh][j];  // NaN never wins
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
+    }
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      l[hh] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (x[hh][j] > NegInfF()) l[hh] += __expf(x[hh][j] - m[hh]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        if (h0 + hh < group) {
+          red_m[(h0 + hh) * stride + warp] = m[hh];
+          red_l[(h0 + hh) * stride + warp] = l[hh];
+        }
+      }
+    }
+  }
+}
+
+// The statistics of head h merged across the block's warps (red_* as WarpSoftmaxStats wrote them;
+// call after a barrier): every lane of the calling warp gets the block's max in *m and the sum of
+// exp(x - *m) in *l.
+__device__ __forceinline__ void MergeWarpSoftmaxStats(const float* red_m, const float* red_l,
+                                                      int stride, int h, int lane, int nwarps,
+                                                      float* m, float* l) {
+  const float mw = lane < nwarps ? red_m[h * stride + lane] : NegInfF();
+  float lw = lane < nwarps ? red_l[h * stride + lane] : 0.0f;
+  float mb = mw;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+  lw = mw > NegInfF() ? lw * __expf(mw - mb) : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) lw += __shfl_xor_sync(0xffffffffu, lw, o);
+  *m = mb;
+  *l = lw;
+}
+
 template <int kPer>
 __global__ void __launch_bounds__(kClusterTopKMaxThreads)
     ClusterVoteTopKKernel(const float* __restrict__ scores, int group, DeviceCandidates c, int k,
@@ -596,68 +674,18 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
 #pragma unroll
   for (int j = 0; j < kPer; ++j) id_ok |= ids[j] >= 0 ? 1u << j : 0u;
 
-  // (1) softmax statistics of each query head. With one or two warps per SM scheduler nothing
-  // hides latency, so the kernel's time is its longest dependent chain: heads go 4 at a time
-  // (independent chains interleave), a warp first takes its max (shuffles of fmaxf), then the
-  // sum of exp(x - max) (shuffles of adds); partials meet with __expf rescaling only across warps
-  // and blocks.
+  // (1) softmax statistics of each query head (WarpSoftmaxStats); partials meet with __expf
+  // rescaling only across warps and blocks.
   const float* mine = sg + first;
-#pragma unroll 1
-  for (int h0 = 0; h0 < group; h0 += 4) {
-    float x[4][kPer], m[4], l[4];
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        x[hh][j] = h0 + hh < group && first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j]
-                                                    : NegInfF();
-      }
-    }
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-      m[hh] = NegInfF();
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        if (x[hh][j] > m[hh]) m[hh] = x[hh][j];  // NaN never wins
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
-    }
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-      l[hh] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        if (x[hh][j] > NegInfF()) l[hh] += __expf(x[hh][j] - m[hh]);
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) {
-        if (h0 + hh < group) red_m[h0 + hh][warp] = m[hh], red_l[h0 + hh][warp] = l[hh];
-      }
-    }
-  }
+  WarpSoftmaxStats<kPer>(mine, n, first, group, lane, warp, kClusterTopKMaxWarps, &red_m[0][0],
+                         &red_l[0][0]);
   __syncthreads();
   ClusterWait();
   // Across warps: warp w merges head w (and w + nwarps, ...) and writes it to the leader.
   for (int h = warp; h < group; h += nwarps) {
-    const float mw = lane < nwarps ? red_m[h][lane] : NegInfF();
-    float lw = lane < nwarps ? red_l[h][lane] : 0.0f;
-    float mb = mw;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
-    lw = mw > NegInfF() ? lw * __expf(mw - mb) : 0.0f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) lw += __shfl_xor_sync(0xffffffffu, lw, o);
+    float mb, lw;
+    MergeWarpSoftmaxStats(&red_m[0][0], &red_l[0][0], kClusterTopKMaxWarps, h, lane, nwarps, &mb,
+                          &lw);
     if (lane == 0) {
       part_m0[rank * kSelectMaxGroup + h] = mb;
       part_l0[rank * kSelectMaxGroup + h] = lw;
@@ -903,60 +931,13 @@ __global__ void __launch_bounds__(kBitonicMaxThreads)
   ConsecutiveCandidateIds<kPer>(c, g, first, ids);
 
   // (1) softmax statistics (as ClusterVoteTopKKernel, one block).
-#pragma unroll 1
-  for (int h0 = 0; h0 < group; h0 += 4) {
-    float x[4][kPer], m[4], l[4];
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        x[hh][j] = h0 + hh < group && first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j]
-                                                    : NegInfF();
-      }
-    }
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-      m[hh] = NegInfF();
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        if (x[hh][j] > m[hh]) m[hh] = x[hh][j];  // NaN never wins
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) m[hh] = fmaxf(m[hh], __shfl_xor_sync(0xffffffffu, m[hh], o));
-    }
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-      l[hh] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        if (x[hh][j] > NegInfF()) l[hh] += __expf(x[hh][j] - m[hh]);
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) {
-        if (h0 + hh < group) red_m[h0 + hh][warp] = m[hh], red_l[h0 + hh][warp] = l[hh];
-      }
-    }
-  }
+  WarpSoftmaxStats<kPer>(mine, n, first, group, lane, warp, kBitonicMaxWarps, &red_m[0][0],
+                         &red_l[0][0]);
   __syncthreads();
   for (int h = warp; h < group; h += nwarps) {
-    const float mw = lane < nwarps ? red_m[h][lane] : NegInfF();
-    float lw = lane < nwarps ? red_l[h][lane] : 0.0f;
-    float mb = mw;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
-    lw = mw > NegInfF() ? lw * __expf(mw - mb) : 0.0f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) lw += __shfl_xor_sync(0xffffffffu, lw, o);
+    float mb, lw;
+    MergeWarpSoftmaxStats(&red_m[0][0], &red_l[0][0], kBitonicMaxWarps, h, lane, nwarps, &mb,
+                          &lw);
     if (lane == 0) {
       m_s[h] = mb;
       inv_s[h] = mb == NegInfF() ? 0.0f : 1.0f / lw;
