@@ -105,6 +105,12 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->String("matmul-precision", &matmul_precision,
                 "split|bf16: split keeps f32 activations (two GEMMs per projection on the GPU); bf16 rounds "
                 "them to bf16 for one GEMM (faster prefill, logits move slightly)");
+  flags->String("prefill-policy", &prefill_policy,
+                "dense|quest|tokenselect: attention of document prefill (dense: exact; quest/tokenselect: each "
+                "chunk selects --prefill-budget-tokens earlier tokens per layer and KV head with its mean query; "
+                "the persisted KV is approximate)");
+  flags->Int("prefill-budget-tokens", &prefill_budget_tokens,
+             "token budget of a sparse --prefill-policy (per layer and KV head, besides sinks and window)");
 }
 
 void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
@@ -115,6 +121,10 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
   options->lazy_cache_pages = lazy_cache_pages;
   options->device_selection = device_selection;
   options->matmul_precision = matmul_precision;
+  options->prefill_policy = prefill_policy;
+  // Out-of-int range values become 0 here, which WorkerOptions::Validate rejects.
+  options->prefill_budget_tokens =
+      prefill_budget_tokens >= 1 && prefill_budget_tokens <= (int64_t{1} << 30) ? static_cast<int>(prefill_budget_tokens) : 0;
 }
 
 sigset_t BlockStopSignals() {

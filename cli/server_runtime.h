@@ -32,11 +32,14 @@ struct WorkerEngineFlags {
   int64_t lazy_cache_pages = 8192;
   std::string device_selection = "auto";
   std::string matmul_precision = "split";
+  std::string prefill_policy = "dense";
+  int64_t prefill_budget_tokens = 2048;
 
   // Registers --page-size, --prefill-chunk, --max-jobs, --host-cache-bytes (the tier in front of
   // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages and
   // --device-selection (auto|on|off: WorkerOptions::device_selection) and --matmul-precision
-  // (split|bf16: WorkerOptions::matmul_precision).
+  // (split|bf16: WorkerOptions::matmul_precision), --prefill-policy (dense|quest|tokenselect:
+  // WorkerOptions::prefill_policy) and --prefill-budget-tokens.
   void Register(FlagSet* flags, const std::string& durable_tier);
   // Sets the WorkerOptions fields these flags control (the others are left as they are);
   // WorkerOptions::Validate reports bad values.

@@ -168,6 +168,13 @@ absl::Status WorkerOptions::Validate() const {
   if (!engine::ParseMatMulPrecision(matmul_precision).ok()) {
     return absl::InvalidArgumentError(absl::StrCat("matmul_precision: split|bf16, got '", matmul_precision, "'"));
   }
+  if (prefill_policy != "dense" && prefill_policy != "quest" && prefill_policy != "tokenselect") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_policy: dense|quest|tokenselect, got '", prefill_policy, "'"));
+  }
+  if (prefill_budget_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("prefill_budget_tokens >= 1, got ", prefill_budget_tokens));
+  }
   return absl::OkStatus();
 }
 
@@ -217,11 +224,18 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   STRATA_ASSIGN_OR_RETURN(topt.matmul_precision, engine::ParseMatMulPrecision(options.matmul_precision));
   STRATA_ASSIGN_OR_RETURN(w->transformer_, engine::Transformer::Create(model->config, model->weights, backend, topt));
   if (backend->Name() != "cpu") w->host_backend_ = kernels::MakeCpuBackend(0);
-  if (options.device_selection == "off" || (options.device_selection == "auto" && backend->Name() == "cpu")) {
+  const bool selection_wanted =
+      !(options.device_selection == "off" || (options.device_selection == "auto" && backend->Name() == "cpu"));
+  // One probe serves both: decode steps (device_selection) and sparse prefill on a device backend.
+  absl::Status probe = absl::FailedPreconditionError("not probed");
+  const bool prefill_wanted = options.prefill_policy != "dense" && backend->Name() != "cpu";
+  if (selection_wanted || prefill_wanted) probe = ProbeDeviceSelection(*w->transformer_, options.page_size, backend);
+  if (prefill_wanted) w->device_prefill_ = probe;
+  if (!selection_wanted) {
     w->device_selection_ = absl::FailedPreconditionError(
         absl::StrCat("device selection is ", options.device_selection, " on backend ", backend->Name()));
   } else {
-    w->device_selection_ = ProbeDeviceSelection(*w->transformer_, options.page_size, backend);
+    w->device_selection_ = probe;
     if (w->device_selection_.ok()) {
       STRATA_LOG(INFO) << "worker: quest/tokenselect decode steps select on backend " << backend->Name();
     } else {
@@ -234,8 +248,51 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   return w;
 }
 
-void Worker::LogFallbackOnce(const std::string& what) {
-  if (!fallback_logged_.exchange(true)) STRATA_LOG(WARNING) << "worker: " << what << " (logged once)";
+void Worker::LogFallbackOnce(const std::string& what, std::atomic<bool>* flag) {
+  if (flag == nullptr) flag = &fallback_logged_;
+  if (!flag->exchange(true)) STRATA_LOG(WARNING) << "worker: " << what << " (logged once)";
+}
+
+void Worker::MakePrefillAttention(const engine::KvCacheOptions& cache_options,
+                                  std::unique_ptr<engine::AttentionPolicy>* policy,
+                                  std::unique_ptr<engine::sparse::DevicePolicy>* device) {
+  *policy = engine::MakeDensePolicy();
+  device->reset();
+  if (options_.prefill_policy == "dense") return;
+  const model::ModelConfig& c = model_->config;
+  engine::sparse::PolicyOptions popt;
+  popt.kind = options_.prefill_policy == "quest" ? engine::sparse::PolicyKind::kQuest
+                                                 : engine::sparse::PolicyKind::kTokenSelect;
+  popt.token_budget = options_.prefill_budget_tokens;
+  popt.page_size = options_.page_size;
+  popt.cache_theta = 2.0;  // no selection cache: every chunk selects (as the DevicePolicy does)
+  auto fall_back = [&](const std::string& why) {
+    LogFallbackOnce(absl::StrCat("prefill_policy ", options_.prefill_policy, " on backend ", backend_->Name(),
+                                 " cannot be used (", why, "); documents are prefilled densely"),
+                    &prefill_fallback_logged_);
+  };
+  if (backend_->Name() == "cpu") {
+    absl::StatusOr<std::unique_ptr<engine::AttentionPolicy>> host = engine::sparse::MakeAttentionPolicy(
+        popt, static_cast<int>(c.num_layers), static_cast<int>(c.num_heads), static_cast<int>(c.num_kv_heads),
+        static_cast<int>(c.head_dim));
+    if (host.ok()) {
+      *policy = *std::move(host);
+    } else {
+      fall_back(host.status().ToString());
+    }
+    return;
+  }
+  if (!device_prefill_.ok()) {
+    fall_back(device_prefill_.ToString());
+    return;
+  }
+  absl::StatusOr<std::unique_ptr<engine::sparse::DevicePolicy>> created =
+      engine::sparse::DevicePolicy::Create(popt, cache_options, static_cast<int>(c.num_heads), backend_);
+  if (created.ok()) {
+    *device = *std::move(created);
+  } else {
+    fall_back(created.status().ToString());
+  }
 }
 
 v1::WorkerInfo Worker::Info() const {
@@ -474,18 +531,33 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   // The cache: EXACT holds tokens [0, s1) (earlier shards loaded from the store); otherwise it
   // holds the shard's tokens only (cache index i = position s0 + i).
   const int64_t cache_first = exact ? 0 : s0;
-  STRATA_ASSIGN_OR_RETURN(
-      std::unique_ptr<engine::KvCache> cache,
-      engine::KvCache::Create(transformer_->MakeCacheOptions(s1 - cache_first, P, kernels::DType::kBF16), backend_));
-  auto policy = engine::MakeDensePolicy();
+  const engine::KvCacheOptions cache_options =
+      transformer_->MakeCacheOptions(s1 - cache_first, P, kernels::DType::kBF16);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::KvCache> cache, engine::KvCache::Create(cache_options, backend_));
+  // The shard's attention (WorkerOptions::prefill_policy): dense, a host policy's chunk path, or
+  // device chunk selection (policy then dense and only told of appends).
+  std::unique_ptr<engine::AttentionPolicy> policy;
+  std::unique_ptr<engine::sparse::DevicePolicy> device;
+  MakePrefillAttention(cache_options, &policy, &device);
   engine::ForwardOptions fo;
   fo.cache_first_position = cache_first;
+  fo.device_policy = device.get();
+  fo.device_prefill = device != nullptr;
+  auto counters = [&]() {
+    engine::SelectionCounters sc = policy->counters();
+    if (device != nullptr) {
+      sc.candidate_tokens += device->counters().candidate_tokens;
+      sc.selected_tokens += device->counters().selected_tokens;
+    }
+    return sc;
+  };
   std::unique_ptr<engine::KvCache> anchor_cache;
   std::unique_ptr<AnchorAttention> anchor_attention;
   if (exact && s0 > 0) {
     kvstore::TierCounts pages;
-    STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), backend_, cache.get(), nullptr,
-                                     nullptr, cancelled, absl::StatusCode::kFailedPrecondition, &pages));
+    STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), backend_, cache.get(),
+                                     policy.get(), device.get(), cancelled, absl::StatusCode::kFailedPrecondition,
+                                     &pages));
   } else if (!anchor.empty()) {
     const int64_t a = static_cast<int64_t>(anchor.size());
     STRATA_ASSIGN_OR_RETURN(
@@ -514,13 +586,13 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   while (done_tokens < n) {
     if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("prefill cancelled");
     const int64_t chunk = std::min<int64_t>(options_.prefill_chunk_size, n - done_tokens);
-    const engine::SelectionCounters before = policy->counters();
+    const engine::SelectionCounters before = counters();
     {
       absl::MutexLock lock(&engine_mu_);
       STRATA_RETURN_IF_ERROR(transformer_->Forward(ids.data() + done_tokens, chunk, s0 + done_tokens, cache.get(),
                                                    policy.get(), logits.data(), /*all_logits=*/false, fo));
     }
-    AddCounters(metrics_, policy->counters(), before);
+    AddCounters(metrics_, counters(), before);
     done_tokens += chunk;
     if (metrics_ != nullptr) metrics_->prefill_tokens->Increment(static_cast<double>(chunk));
     // Persist the shard's pages that are now complete (all of them at the end).
@@ -589,7 +661,9 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   progress.set_complete(true);
   if (on_progress) on_progress(progress);
   STRATA_LOG(INFO) << "worker: document " << id.ToHex() << " shard [" << first_page << ", " << end_page
-                   << ") prefilled (" << (exact ? "exact" : "anchor") << "): tokens=" << n
+                   << ") prefilled (" << (exact ? "exact" : "anchor") << ", attention "
+                   << (device != nullptr ? absl::StrCat(options_.prefill_policy, " on the device") : policy->Name())
+                   << "): tokens=" << n
                    << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds();
   return absl::OkStatus();
 }

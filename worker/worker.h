@@ -25,6 +25,10 @@
 //           tokens at their absolute positions attend to the anchor and to themselves (Star
 //           Attention phase 1). The anchor's KV is discarded. An empty anchor: the shard attends
 //           only to itself.
+// The shard's tokens attend densely (exact), or with WorkerOptions::prefill_policy quest or
+// tokenselect through a chunk-wise sparse selection over the cache (in EXACT mode the loaded
+// earlier shards and the shard's own earlier chunks; in ANCHOR mode the shard's own earlier
+// chunks, the anchor still attended entirely); the KV is then approximate.
 // Only the shard's own pages (and their minmax summaries) are persisted. Every call first
 // creates the document in the catalog (CreateDocument with the whole document's num_tokens and
 // one summary per page: idempotent across the shards' workers). READY: after its shard is
@@ -159,6 +163,18 @@ struct WorkerOptions {
   // "split" (default: f32 activations, two GEMMs on the CUDA backend) or "bf16" (activations
   // rounded to the weight type, one GEMM; faster prefill, logits move by the rounding).
   std::string matmul_precision = "split";
+  // Attention of document prefill (PrefillShard, the shard's own tokens): "dense" (default:
+  // exact), "quest" or "tokenselect" (DESIGN.md section 3: each chunk selects, per layer and KV
+  // head, at most prefill_budget_tokens middle tokens of the earlier context with the chunk's mean
+  // query; sinks and window as the PolicyOptions defaults, no selection cache). On the CPU backend
+  // the host policy's chunk path (engine::sparse::MakeAttentionPolicy); on another backend a
+  // DevicePolicy with ForwardOptions::device_prefill, when the device-selection probe at Create
+  // passed (run for this even with device_selection "off"); otherwise, or when the policy cannot
+  // be made, the prefill is dense (logged once). A sparse-prefilled document's KV is approximate;
+  // the store does not record how it was prefilled, and every later job reads the same bytes.
+  std::string prefill_policy = "dense";
+  // Token budget B of a sparse prefill_policy (>= 1). Default: 2048 (PolicyOptions default).
+  int prefill_budget_tokens = 2048;
 
   // InvalidArgument naming the bad field.
   absl::Status Validate() const;
@@ -292,8 +308,17 @@ class Worker {
                          kernels::Backend* backend, engine::KvCache* cache, engine::AttentionPolicy* policy,
                          engine::sparse::DevicePolicy* device, const std::atomic<bool>* cancelled,
                          absl::StatusCode missing_code, kvstore::TierCounts* pages);
-  // Logs `what` once per worker (the device-selection fallbacks).
-  void LogFallbackOnce(const std::string& what);
+  // Logs `what` once per worker (the device-selection fallbacks; `flag`: the once-flag, null for
+  // fallback_logged_).
+  void LogFallbackOnce(const std::string& what, std::atomic<bool>* flag = nullptr);
+  // The attention of a document prefill over a cache made with `cache_options` (the cache of
+  // cache_first_position 0 or the shard's first token), per WorkerOptions::prefill_policy: sets
+  // *policy (dense, or the host policy on the CPU backend) and *device (null, or the DevicePolicy
+  // whose AttendChunk the chunks use). Falls back to dense (logged once) when the sparse policy
+  // cannot be made here. Never fails for a valid WorkerOptions.
+  void MakePrefillAttention(const engine::KvCacheOptions& cache_options,
+                            std::unique_ptr<engine::AttentionPolicy>* policy,
+                            std::unique_ptr<engine::sparse::DevicePolicy>* device);
   // The backend of mounted shards and selection answers: backend_ when it is the CPU backend,
   // else host_backend_ (see the file comment).
   kernels::Backend* shard_backend() const { return host_backend_ != nullptr ? host_backend_.get() : backend_; }
@@ -320,6 +345,10 @@ class Worker {
   bool batch_running_ ABSL_GUARDED_BY(batch_mu_) = false;
   std::atomic<int64_t> decode_batches_{0}, decode_steps_{0};
   absl::Status device_selection_;  // set once in Create
+  // Whether a sparse prefill_policy may use a DevicePolicy here (the probe's result on a backend
+  // other than the CPU backend; set once in Create).
+  absl::Status device_prefill_ = absl::FailedPreconditionError("prefill_policy is dense");
+  std::atomic<bool> prefill_fallback_logged_{false};
   std::atomic<int64_t> device_selection_jobs_{0};
   std::atomic<bool> fallback_logged_{false};
 };

@@ -813,6 +813,167 @@ TEST_F(DeviceSelectionTest, BackendWithoutSelectionOpsFallsBack) {
   }
 }
 
+// Sparse document prefill (WorkerOptions::prefill_policy) on the CPU backend's host policies,
+// over a 640-token document (10 pages of 64, chunks of 64): with the default sinks (64) and window
+// (256) the chunks from token 384 on have a middle of 64 or more tokens to select from. Each
+// document id is prefilled by a worker of its own policy into the fixture's store.
+class SparsePrefillTest : public WorkerTest {
+ protected:
+  static constexpr int64_t kTokens = 640, kPages = 10;
+  void SetUp() override {
+    WorkerTest::SetUp();
+    doc_.clear();
+    for (int64_t i = 0; i < kTokens; ++i) doc_.push_back(static_cast<int32_t>((i * 37 + 11) % 500));
+  }
+  std::unique_ptr<Worker> MakeWorker(const std::string& policy, int budget) {
+    WorkerOptions wo;
+    wo.worker_id = "prefill-" + policy;
+    wo.prefill_chunk_size = 64;
+    wo.prefill_policy = policy;
+    wo.prefill_budget_tokens = budget;
+    absl::StatusOr<std::unique_ptr<Worker>> w =
+        Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(), metrics_.get());
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? *std::move(w) : nullptr;
+  }
+  // Shard pages [first, end) of document `doc` (an anchor of the first page in ANCHOR mode).
+  v1::PrefillShardRequest Shard(const std::string& doc, int64_t first, int64_t end, v1::PrefillMode mode) const {
+    v1::PrefillShardRequest r;
+    r.mutable_shard()->set_document_id(doc);
+    r.mutable_shard()->set_first_page(first);
+    r.mutable_shard()->set_end_page(end);
+    r.mutable_shard_map()->set_document_id(doc);
+    r.mutable_shard_map()->set_page_size(64);
+    r.mutable_shard_map()->set_num_tokens(kTokens);
+    r.set_mode(mode);
+    r.mutable_token_ids()->Assign(doc_.begin() + first * 64, doc_.begin() + std::min(kTokens, end * 64));
+    if (mode == v1::PREFILL_MODE_ANCHOR && first > 0) r.mutable_anchor_token_ids()->Assign(doc_.begin(), doc_.begin() + 64);
+    return r;
+  }
+  void Prefill(Worker* w, const std::string& doc) {
+    STRATA_ASSERT_OK(w->PrefillShard(Shard(doc, 0, kPages, v1::PREFILL_MODE_UNSPECIFIED), nullptr, nullptr));
+    ExpectReady(doc);
+  }
+  void ExpectReady(const std::string& doc) {
+    STRATA_ASSERT_OK_AND_ASSIGN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(doc));
+    STRATA_ASSERT_OK_AND_ASSIGN(v1::Document d, store_->GetDocument(id));
+    EXPECT_EQ(d.state(), v1::DOCUMENT_STATE_READY) << doc;
+  }
+  // The persisted pages of layer `layer` (both KV heads, every page), encoded bytes.
+  std::vector<std::string> Pages(const std::string& doc, int layer) {
+    absl::StatusOr<kvstore::DocumentId> id = kvstore::DocumentId::FromHex(doc);
+    EXPECT_TRUE(id.ok());
+    std::vector<kvstore::PageKey> keys;
+    for (int g = 0; g < 2; ++g) {
+      for (uint32_t p = 0; p < kPages; ++p) keys.push_back({*id, static_cast<uint32_t>(layer), static_cast<uint32_t>(g), p});
+    }
+    std::vector<kvstore::PageRef> refs;
+    EXPECT_TRUE(store_->GetPages(keys, &refs).ok());
+    std::vector<std::string> out;
+    for (const kvstore::PageRef& r : refs) {
+      EXPECT_NE(r, nullptr);
+      out.push_back(r == nullptr ? std::string() : std::string(r->view()));
+    }
+    return out;
+  }
+  // Greedy tokens of a dense job on `doc` led by the fixture's worker (DONE expected).
+  std::vector<int32_t> JobTokens(const std::string& doc) {
+    v1::RunJobRequest r;
+    r.set_job_id("job-" + doc);
+    r.mutable_shard_map()->set_document_id(doc);
+    r.mutable_shard_map()->set_page_size(64);
+    r.mutable_shard_map()->set_num_tokens(kTokens);
+    r.mutable_shard_map()->add_shards()->mutable_range()->set_document_id(doc);
+    const std::vector<int32_t> prompt = {5, 6, 7};
+    r.mutable_prompt_token_ids()->Assign(prompt.begin(), prompt.end());
+    r.mutable_params()->set_max_tokens(8);
+    r.mutable_params()->set_ignore_eos(true);
+    v1::JobInfo last;
+    EXPECT_TRUE(worker_->RunJob(r, [&](const v1::JobEvent& e) {
+      if (e.has_snapshot()) last = e.snapshot();
+      return true;
+    }).ok());
+    EXPECT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
+    EXPECT_EQ(last.output_token_ids_size(), 8);
+    return std::vector<int32_t>(last.output_token_ids().begin(), last.output_token_ids().end());
+  }
+  static constexpr char kDense[] = "00000000000000000000000000000001";
+  static constexpr char kDoc2[] = "00000000000000000000000000000002";
+  static constexpr char kDoc3[] = "00000000000000000000000000000003";
+  static constexpr char kDoc4[] = "00000000000000000000000000000004";
+};
+
+TEST_F(SparsePrefillTest, CoveringBudgetPersistsTheDenseBytes) {
+  Prefill(worker_.get(), kDense);
+  std::unique_ptr<Worker> ts = MakeWorker("tokenselect", 1024);
+  std::unique_ptr<Worker> quest = MakeWorker("quest", 1024);
+  ASSERT_NE(ts, nullptr);
+  ASSERT_NE(quest, nullptr);
+  Prefill(ts.get(), kDoc2);
+  Prefill(quest.get(), kDoc3);
+  for (int layer = 0; layer < 2; ++layer) {
+    EXPECT_EQ(Pages(kDoc2, layer), Pages(kDense, layer)) << "tokenselect layer " << layer;
+    EXPECT_EQ(Pages(kDoc3, layer), Pages(kDense, layer)) << "quest layer " << layer;
+  }
+  const std::vector<int32_t> dense = JobTokens(kDense);
+  EXPECT_EQ(JobTokens(kDoc2), dense);
+  EXPECT_EQ(JobTokens(kDoc3), dense);
+}
+
+TEST_F(SparsePrefillTest, SmallBudgetSelectsAndTheDocumentServesJobs) {
+  Prefill(worker_.get(), kDense);
+  const double selected0 = metrics_->selected_tokens->Value(), candidates0 = metrics_->candidate_tokens->Value();
+  std::unique_ptr<Worker> ts = MakeWorker("tokenselect", 16);
+  ASSERT_NE(ts, nullptr);
+  Prefill(ts.get(), kDoc2);
+  // The prefill attended fewer tokens than it could have.
+  EXPECT_GT(metrics_->candidate_tokens->Value() - candidates0, 0.0);
+  EXPECT_LT(metrics_->selected_tokens->Value() - selected0, metrics_->candidate_tokens->Value() - candidates0);
+  std::unique_ptr<Worker> quest = MakeWorker("quest", 16);
+  ASSERT_NE(quest, nullptr);
+  Prefill(quest.get(), kDoc3);
+  // Layer 0's keys and values do not depend on attention; layer 1's do, from the first chunk
+  // that selects on.
+  EXPECT_EQ(Pages(kDoc2, 0), Pages(kDense, 0));
+  EXPECT_NE(Pages(kDoc2, 1), Pages(kDense, 1));
+  EXPECT_NE(Pages(kDoc3, 1), Pages(kDense, 1));
+  // Pages before the first selecting chunk (tokens [0, 384)) are the dense ones.
+  const std::vector<std::string> dense1 = Pages(kDense, 1), ts1 = Pages(kDoc2, 1);
+  for (int p = 0; p < 6; ++p) EXPECT_EQ(ts1[p], dense1[p]) << "page " << p;
+  JobTokens(kDoc2);
+  JobTokens(kDoc3);
+}
+
+// Multi-shard prefill with a sparse policy: EXACT shards (the second loads the first from the
+// store and selects over it) persist the same bytes as one whole-document prefill with the same
+// policy; ANCHOR shards (each selects over its own tokens, the anchor attended entirely) make a
+// READY document that serves jobs.
+TEST_F(SparsePrefillTest, ExactAndAnchorShardsWithASparsePolicy) {
+  std::unique_ptr<Worker> ts = MakeWorker("tokenselect", 16);
+  ASSERT_NE(ts, nullptr);
+  Prefill(ts.get(), kDoc2);
+  STRATA_ASSERT_OK(ts->PrefillShard(Shard(kDoc3, 0, 5, v1::PREFILL_MODE_EXACT), nullptr, nullptr));
+  STRATA_ASSERT_OK(ts->PrefillShard(Shard(kDoc3, 5, kPages, v1::PREFILL_MODE_EXACT), nullptr, nullptr));
+  ExpectReady(kDoc3);
+  for (int layer = 0; layer < 2; ++layer) EXPECT_EQ(Pages(kDoc3, layer), Pages(kDoc2, layer)) << "layer " << layer;
+  EXPECT_EQ(JobTokens(kDoc3), JobTokens(kDoc2));
+
+  // ANCHOR shards of 8 and 2 pages (the second one prefilled first): the first shard's chunks at
+  // 384 and 448 select; the second one's cache holds only its own 128 tokens (the anchor is
+  // attended through the external attention), so it never selects.
+  std::unique_ptr<Worker> ts2 = MakeWorker("tokenselect", 16);
+  ASSERT_NE(ts2, nullptr);
+  STRATA_ASSERT_OK(ts2->PrefillShard(Shard(kDoc4, 8, kPages, v1::PREFILL_MODE_ANCHOR), nullptr, nullptr));
+  STRATA_ASSERT_OK(ts->PrefillShard(Shard(kDoc4, 0, 8, v1::PREFILL_MODE_ANCHOR), nullptr, nullptr));
+  ExpectReady(kDoc4);
+  // The first 8 pages are those of the whole-document sparse prefill (same tokens, same chunks).
+  const std::vector<std::string> whole = Pages(kDoc2, 1), anchored = Pages(kDoc4, 1);
+  for (int g = 0; g < 2; ++g) {
+    for (int p = 0; p < 8; ++p) EXPECT_EQ(anchored[g * kPages + p], whole[g * kPages + p]) << g << " " << p;
+  }
+  JobTokens(kDoc4);
+}
+
 TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
   STRATA_EXPECT_OK(WorkerOptions().Validate());
   struct Case {
@@ -826,6 +987,9 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
       {"page_size", [](WorkerOptions* o) { o->page_size = 0; }},
       {"device_selection", [](WorkerOptions* o) { o->device_selection = "always"; }},
       {"matmul_precision", [](WorkerOptions* o) { o->matmul_precision = "fp8"; }},
+      {"prefill_policy", [](WorkerOptions* o) { o->prefill_policy = "radar"; }},
+      {"prefill_policy", [](WorkerOptions* o) { o->prefill_policy = ""; }},
+      {"prefill_budget_tokens", [](WorkerOptions* o) { o->prefill_budget_tokens = 0; }},
   };
   for (const Case& c : cases) {
     WorkerOptions o;
