@@ -225,6 +225,10 @@ struct ScoreSummariesParams {
   CandidateList candidates;
   float scale = 0.0f;
   TensorView scores;      // [num_kv_heads, group, candidates.Count()] f32
+  // Optional, backend memory: [num_kv_heads] i32 (e.g. SelectionCacheCheckParams::reuse). A KV
+  // head g with skip_heads[g] != 0 is left untouched: its rows of the outputs keep the values they
+  // had (the previous step's). nullptr = every head is computed.
+  const int32_t* skip_heads = nullptr;
 };
 
 // Key scores (TokenSelect): candidate ids are token positions; token t of KV head g is row
@@ -238,6 +242,10 @@ struct ScoreKeysParams {
   CandidateList candidates;
   float scale = 0.0f;
   TensorView scores;      // [num_kv_heads, group, candidates.Count()] f32
+  // Optional, backend memory: [num_kv_heads] i32 (e.g. SelectionCacheCheckParams::reuse). A KV
+  // head g with skip_heads[g] != 0 is left untouched: its rows of the outputs keep the values they
+  // had (the previous step's). nullptr = every head is computed.
+  const int32_t* skip_heads = nullptr;
 };
 
 // Head soft vote and top-k, per KV head g (engine/sparse's SoftVote):
@@ -251,6 +259,10 @@ struct VoteTopKParams {
   int64_t k = 0;          // >= 0
   TensorView selected;    // [num_kv_heads, k] i32 (output)
   TensorView vote;        // [num_kv_heads, n] f32 (output), or data == nullptr
+  // Optional, backend memory: [num_kv_heads] i32 (e.g. SelectionCacheCheckParams::reuse). A KV
+  // head g with skip_heads[g] != 0 is left untouched: its rows of the outputs (selected, vote) keep the values they
+  // had (the previous step's). nullptr = every head is computed.
+  const int32_t* skip_heads = nullptr;
 };
 
 // Minmax summaries (the input of ScoreSummaries) kept up to date on the backend as keys arrive.
@@ -276,6 +288,10 @@ struct UpdateSummariesParams {
 // outside the table or whose slot is outside the pool are skipped. The caller keeps the three sets
 // disjoint (a token listed twice is attended twice). Math, out and lse as PagedAttention (out 0
 // and lse -inf when nothing is attended); no causal mask (list only tokens the query may see).
+// Middle ids are clipped: an id outside [middle.begin, middle.end) is invalid (CandidateList) and
+// skipped, so a selection made for an earlier, wider middle (a reused selection, see
+// SelectionCacheCheckParams) attends exactly its ids inside the current middle (for page parents:
+// the page's tokens inside it), as the host policy's ClipRanges does for token ids.
 struct SelectedAttentionParams {
   TensorView q;           // [1, num_q_heads, head_dim] f32
   TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3
@@ -298,6 +314,26 @@ struct SelectedAttentionParams {
   // Dequantisation scales of fp8 pools, as PagedAttentionParams (finite, > 0; 1 for f32|bf16).
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+};
+
+// The selection cache (TokenSelect's query-similarity reuse; engine/sparse/policy.h cache_theta),
+// per KV head g with q_g = q[g * group : (g + 1) * group, :] flattened ([group * head_dim]):
+//   hit = valid[g] != 0 && cos(q_g, cached_q[g]) >= theta
+// where cos = q.c / sqrt(|q|^2 |c|^2) (0 when either norm is 0; NaN is not a hit). Then
+//   reuse[g] = hit ? 1 : 0;  if !hit: cached_q[g] = q_g and valid[g] = 1;  if hit_count: += hits.
+// The caller runs its selection with skip_heads = reuse right after, so a head that missed selects
+// (and its new selection belongs to the query just cached) and a head that hit keeps last step's
+// selection. valid = 0 (e.g. zeroed by CopyToDevice) forces the next call to select. Reads and
+// writes backend memory only (capturable in a CUDA graph). The CPU twin accumulates in double;
+// CUDA in double too, in another order (a cosine within ~1e-12 of theta may go either way).
+struct SelectionCacheCheckParams {
+  TensorView q;                  // [num_q_heads, head_dim] f32
+  TensorView cached_q;           // [num_kv_heads, group * head_dim] f32 (in/out)
+  TensorView valid;              // [num_kv_heads] i32 (in/out)
+  float theta = 0.9f;            // finite
+  TensorView reuse;              // [num_kv_heads] i32 (output)
+  // Optional, backend memory: one int64 incremented by the number of hits of the call.
+  int64_t* hit_count = nullptr;
 };
 
 // ---- Token sampling on the backend (engine/sampler.h; kernels/cpu/sampling.cc) --------------
@@ -407,6 +443,9 @@ class Backend {
   }
   virtual absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": UpdateSummaries");
+  }
+  virtual absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": SelectionCacheCheck");
   }
   // Token sampling (above). Backends without it return Unimplemented.
   virtual absl::Status Supports(const SampleParams& p) const {

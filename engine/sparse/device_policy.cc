@@ -30,6 +30,7 @@ DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& c
       max_segs_(0),
       wanted_pages_(0),
       backend_(backend) {
+  cache_on_ = options.cache_theta <= 1.0;
   max_segs_ = (max_pages_ + seg_pages_ - 1) / seg_pages_;
   const int64_t wanted = options.kind == PolicyKind::kTokenSelect
                              ? static_cast<int64_t>(options.token_budget) *
@@ -93,6 +94,41 @@ absl::Status DevicePolicy::Init() {
   STRATA_ASSIGN_OR_RETURN(top_pages_, backend_->Allocate(sizeof(int32_t) * hkv_ * wanted_pages_));
   STRATA_ASSIGN_OR_RETURN(top_tokens_,
                           backend_->Allocate(sizeof(int32_t) * hkv_ * options_.token_budget));
+  if (cache_on_) {
+    // Per layer: the cached queries, their valid flags (zeroed: the first step selects), the
+    // reuse flags of the step and the layer's own final selection (kept across steps).
+    cached_q_.resize(layers);
+    cache_valid_.resize(layers);
+    reuse_.resize(layers);
+    kept_.resize(layers);
+    const int64_t kept = options_.kind == PolicyKind::kTokenSelect ? options_.token_budget
+                                                                   : wanted_pages_;
+    const std::vector<int32_t> zeros(static_cast<size_t>(hkv_), 0);
+    for (int l = 0; l < layers; ++l) {
+      STRATA_ASSIGN_OR_RETURN(cached_q_[l],
+                              backend_->Allocate(sizeof(float) * hkv_ * group_ * d_));
+      STRATA_ASSIGN_OR_RETURN(cache_valid_[l], backend_->Allocate(sizeof(int32_t) * hkv_));
+      STRATA_ASSIGN_OR_RETURN(reuse_[l], backend_->Allocate(sizeof(int32_t) * hkv_));
+      STRATA_ASSIGN_OR_RETURN(kept_[l],
+                              backend_->Allocate(sizeof(int32_t) * hkv_ * std::max<int64_t>(1, kept)));
+      STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(cache_valid_[l]->data(), zeros.data(),
+                                                    zeros.size() * sizeof(int32_t), nullptr));
+    }
+    STRATA_ASSIGN_OR_RETURN(hit_count_, backend_->Allocate(sizeof(int64_t)));
+    const int64_t zero = 0;
+    STRATA_RETURN_IF_ERROR(
+        backend_->CopyToDevice(hit_count_->data(), &zero, sizeof(zero), nullptr));
+    STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DevicePolicy::ReadCacheHits(kernels::Stream stream) {
+  if (!cache_on_) return absl::OkStatus();
+  int64_t hits = 0;
+  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(&hits, hit_count_->data(), sizeof(hits), stream));
+  STRATA_RETURN_IF_ERROR(backend_->Synchronize(stream));
+  counters_.cache_hits = hits;
   return absl::OkStatus();
 }
 
@@ -178,8 +214,21 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   q2.shape[0] = hq_;
   q2.shape[1] = d_;
   q2.shape[2] = 0;
+  const int32_t* skip = nullptr;
+  if (cache_on_) {
+    kernels::SelectionCacheCheckParams cc;
+    cc.q = q2;
+    cc.cached_q = cached_q_[layer]->View(DType::kF32, {hkv_, group_ * d_});
+    cc.valid = cache_valid_[layer]->View(DType::kI32, {hkv_});
+    cc.theta = static_cast<float>(options_.cache_theta);
+    cc.reuse = reuse_[layer]->View(DType::kI32, {hkv_});
+    cc.hit_count = static_cast<int64_t*>(hit_count_->data());
+    STRATA_RETURN_IF_ERROR(backend_->SelectionCacheCheck(cc, stream));
+    skip = static_cast<const int32_t*>(reuse_[layer]->data());
+    counters_.cache_lookups += hkv_;
+  }
   STRATA_ASSIGN_OR_RETURN(const CandidateList middle,
-                          SelectMiddle(layer, q2, cache, sink_end, window_begin, stream));
+                          SelectMiddle(layer, q2, cache, sink_end, window_begin, skip, stream));
   at.prefix_end = sink_end;
   at.middle = middle;
   at.suffix_begin = window_begin;
@@ -197,6 +246,7 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
 absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const TensorView& q2,
                                                          const KvCache& cache, int64_t sink_end,
                                                          int64_t window_begin,
+                                                         const int32_t* skip,
                                                          kernels::Stream stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
   const TensorView pt = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
@@ -206,7 +256,12 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   kernels::ScoreSummariesParams a;
   a.q = q2;
   a.scale = scale;
+  a.skip_heads = skip;
   kernels::VoteTopKParams t;
+  t.skip_heads = skip;
+  // With skip set (the selection cache), the final top-k goes to the layer's own buffer so that a
+  // head that reuses keeps it across steps; the intermediate stages use the shared scratch.
+  const bool keep_final = skip != nullptr;
   int64_t page_cands = p1 - p0;
   if (two_level) {
     const int64_t s0 = p0 / seg_pages_, s1 = (p1 - 1) / seg_pages_ + 1;
@@ -237,7 +292,8 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   t.scores = a.scores;
   t.candidates = a.candidates;
   t.k = wanted_pages_;
-  t.selected = top_pages_->View(DType::kI32, {hkv_, wanted_pages_});
+  t.selected = (keep_final && options_.kind == PolicyKind::kQuest ? kept_[layer] : top_pages_)
+                   ->View(DType::kI32, {hkv_, wanted_pages_});
   STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
   CandidateList middle;
   middle.parents = t.selected;
@@ -251,12 +307,14 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
     sk.page_table = pt;
     sk.candidates = middle;
     sk.scale = scale;
+    sk.skip_heads = skip;
     sk.scores = tok_scores_->View(DType::kF32, {hkv_, group_, wanted_pages_ * page_});
     STRATA_RETURN_IF_ERROR(backend_->ScoreKeys(sk, stream));
     t.scores = sk.scores;
     t.candidates = middle;
     t.k = options_.token_budget;
-    t.selected = top_tokens_->View(DType::kI32, {hkv_, options_.token_budget});
+    t.selected = (keep_final ? kept_[layer] : top_tokens_)
+                     ->View(DType::kI32, {hkv_, options_.token_budget});
     STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
     middle = CandidateList();
     middle.parents = t.selected;
@@ -383,6 +441,12 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
   if (!table_ready_[layer]) {
     return absl::FailedPreconditionError("DevicePolicy: AttendChunk before any OnAppend");
   }
+  if (cache_on_) {
+    // The chunk path neither uses nor fills the selection cache: the next decode step selects.
+    const std::vector<int32_t> zeros(static_cast<size_t>(hkv_), 0);
+    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(cache_valid_[layer]->data(), zeros.data(),
+                                                  zeros.size() * sizeof(int32_t), stream));
+  }
   const int64_t sink_end = std::min<int64_t>(options_.sink_tokens, len);
   const int64_t window_begin =
       std::clamp<int64_t>(q_begin - options_.window_tokens, sink_end, len);
@@ -400,7 +464,8 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
   } else {
     STRATA_ASSIGN_OR_RETURN(const TensorView qm, MeanQuery(q, stream));
     STRATA_ASSIGN_OR_RETURN(const CandidateList middle,
-                            SelectMiddle(layer, qm, cache, sink_end, window_begin, stream));
+                            SelectMiddle(layer, qm, cache, sink_end, window_begin, nullptr,
+                                         stream));
     const int64_t per_head = middle.parents.dim(1);
     selected_host_.resize(static_cast<size_t>(hkv_ * per_head));
     STRATA_RETURN_IF_ERROR(backend_->CopyToHost(selected_host_.data(), middle.parents.data,

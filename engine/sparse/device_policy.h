@@ -8,7 +8,16 @@
 // Semantics are those of MakeSparsePolicy with the same PolicyOptions (sinks, window, budget,
 // segments, two-level threshold, candidate factor, dense layers; see engine/sparse/policy.h and
 // sparse_device_pipeline_test / device_policy_test), except:
-//   - no selection cache (cache_theta is ignored: every call selects);
+//   - the selection cache (options.cache_theta <= 1; > 1 disables it) runs on the backend
+//     (Backend::SelectionCacheCheck, then the selection ops with skip_heads): per layer and KV head
+//     a decode step whose group query has cosine >= theta with the query of that head's last
+//     selection reuses that selection, clipped to the current middle by SelectedAttention. For
+//     tokenselect (token ids) this is the host policy's ClipRanges exactly; for quest the kept
+//     page ids are expanded to their tokens inside the current middle, so a kept page that held
+//     the old window start also attends its tokens that have since left the window (the host
+//     keeps the ranges clipped at selection time). Prefill chunks (AttendChunk) neither use nor
+//     fill the cache and invalidate it for the layer (the host chunk path looks it up with the
+//     chunk's mean query); the next decode step selects;
 //   - decode only: one query token, at position cache.length(layer) - 1;
 //   - pages are taken as the top ceil(wanted / P) by vote, where the host policy's FillPages may
 //     add a boundary page that lies partly outside the middle and still fits the budget.
@@ -87,9 +96,15 @@ class DevicePolicy {
   // sinks + window + the middle's planned size: min(budget, ceil(budget * factor / P) * P) for
   // tokenselect (the top-k size), and min(ceil(budget / P) * P, middle) for quest (an upper
   // bound: a chosen page cut by the sink or window boundary attends fewer tokens). No selection
-  // cache, so cache_lookups and cache_hits stay 0. AttendChunk calls add the cache length and the
-  // tokens actually attended (the selection is read back there), per KV head.
+  // cache: cache_lookups += num_kv_heads per selecting decode step (the host counts the same);
+  // cache_hits is counted on the backend and is only brought to counters() by ReadCacheHits
+  // (selected_tokens stays the planned size on hits too). AttendChunk calls add the cache length
+  // and the tokens actually attended (the selection is read back there), per KV head.
   const SelectionCounters& counters() const { return counters_; }
+
+  // Copies the backend's count of selection-cache hits into counters().cache_hits; waits for
+  // `stream` (not for use inside a graph capture). No-op when the cache is off.
+  absl::Status ReadCacheHits(kernels::Stream stream);
 
  private:
   DevicePolicy(const PolicyOptions& options, const KvCacheOptions& cache, int num_q_heads,
@@ -98,10 +113,13 @@ class DevicePolicy {
   absl::Status CheckCache(int layer, const KvCache& cache) const;
   // Queues the middle selection of `layer` for the queries q [num_q_heads, head_dim] over
   // [sink_end, window_begin) (which must exceed the budget) and returns the middle as
-  // SelectedAttention reads it (parents in top_pages_ or top_tokens_).
+  // SelectedAttention reads it (parents in top_pages_ or top_tokens_; with `skip` (the selection
+  // cache's reuse flags, backend memory) the heads flagged are not recomputed and the result is
+  // in kept_[layer]).
   absl::StatusOr<kernels::CandidateList> SelectMiddle(int layer, const kernels::TensorView& q,
                                                       const KvCache& cache, int64_t sink_end,
                                                       int64_t window_begin,
+                                                      const int32_t* skip,
                                                       kernels::Stream stream);
   // The mean over rows of q [m, num_q_heads, head_dim] (backend memory) as [num_q_heads,
   // head_dim] in backend memory (q itself for m == 1), through MergeAttention.
@@ -122,6 +140,13 @@ class DevicePolicy {
   std::unique_ptr<kernels::Buffer> seg_scores_, page_scores_, tok_scores_, top_segs_, top_pages_,
       top_tokens_;
   SelectionCounters counters_;
+  // Selection cache (cache_on_): per layer the cached group queries [hkv, group * d] f32, their
+  // valid flags [hkv] i32, the step's reuse flags [hkv] i32 and the layer's kept selection
+  // (quest: [hkv, wanted_pages_] page ids; tokenselect: [hkv, budget] token ids); one int64 hit
+  // count.
+  bool cache_on_ = false;
+  std::vector<std::unique_ptr<kernels::Buffer>> cached_q_, cache_valid_, reuse_, kept_;
+  std::unique_ptr<kernels::Buffer> hit_count_;
   // AttendChunk state: the mean-query merge plan for mean_rows_ rows (per level: rows in, rows
   // out, part starts; the parts' lse in mean_lse_, uploaded per plan), ping-pong outputs, the
   // selection read back, the spans and query positions for PagedAttention.

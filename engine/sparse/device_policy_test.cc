@@ -128,6 +128,123 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{PolicyKind::kTokenSelect, DType::kF32, 700},
                       Case{PolicyKind::kTokenSelect, DType::kF32, 150}));  // middle fits
 
+// The selection cache (cache_theta 0.9) against the host policy's: decode steps whose queries
+// repeat (scaled), drift a little, turn away, and change for one KV head only; each step's output
+// must equal PagedAttention over the host policy's spans (for tokenselect; quest's kept pages
+// also attend the tokens that left the window since, see device_policy.h, so for quest the
+// outputs are compared only on selecting steps), and the lookups and hits must be the host's.
+struct CacheCase {
+  PolicyKind kind;
+  int64_t len;
+};
+
+class DevicePolicyCacheTest : public ::testing::TestWithParam<CacheCase> {};
+
+TEST_P(DevicePolicyCacheTest, ReuseMatchesHostSelectionCache) {
+  const CacheCase c = GetParam();
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+  const int steps = 7;
+  KvCacheOptions co;
+  co.num_layers = kLayers;
+  co.num_kv_heads = kHkv;
+  co.head_dim = kD;
+  co.page_size = kPage;
+  co.dtype = DType::kF32;
+  co.max_tokens = c.len + steps;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
+  PolicyOptions o = Options(c.kind);
+  o.cache_theta = 0.9;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
+  std::mt19937 rng(91 + static_cast<int>(c.len) + static_cast<int>(c.kind));
+  std::normal_distribution<float> nd;
+  auto append = [&](int64_t n) {
+    std::vector<float> k(static_cast<size_t>(n) * kHkv * kD), v(k.size());
+    for (float& x : k) x = nd(rng);
+    for (float& x : v) x = nd(rng);
+    for (int l = 0; l < kLayers; ++l) {
+      const int64_t first = cache->length(l);
+      STRATA_ASSERT_OK(cache->Append(l, TensorView(k.data(), DType::kF32, {n, kHkv, kD}),
+                                     TensorView(v.data(), DType::kF32, {n, kHkv, kD})));
+      STRATA_ASSERT_OK(host->OnAppend(l, *cache, first, first + n));
+      STRATA_ASSERT_OK(dev->OnAppend(l, *cache, first, first + n, nullptr));
+    }
+  };
+  for (int64_t t = 0; t < c.len;) {
+    const int64_t n = std::min<int64_t>(c.len - t, 1 + rng() % 300);
+    append(n);
+    t += n;
+  }
+  const int group_len = kHq / kHkv * kD;
+  std::vector<float> q(kHq * kD);
+  auto fresh = [&](int g) {
+    for (int i = 0; i < group_len; ++i) q[g * group_len + i] = 2.0f * nd(rng);
+  };
+  int64_t host_hits_before = 0;
+  for (int step = 0; step < steps; ++step) {
+    // 0: new; 1: scaled repeat (hit); 2: small drift (hit); 3: turned away (miss); 4: head 0
+    // repeats, head 1 new; 5: repeat (hit); 6: new.
+    switch (step) {
+      case 0: case 3: case 6:
+        for (int g = 0; g < kHkv; ++g) fresh(g);
+        if (step == 3) for (float& x : q) x = -x;
+        break;
+      case 1:
+        for (float& x : q) x *= 1.5f;
+        break;
+      case 2:
+        for (float& x : q) x += 0.05f * nd(rng);
+        break;
+      case 4:
+        fresh(1);
+        break;
+      default:
+        break;
+    }
+    append(1);
+    const int64_t len = cache->length(0);
+    for (int l = 0; l < kLayers; ++l) {
+      SCOPED_TRACE(::testing::Message() << "step " << step << " layer " << l);
+      Selection sel;
+      STRATA_ASSERT_OK(host->Select(l, q.data(), 1, kHq, len - 1, *cache, &sel));
+      std::vector<float> want(kHq * kD), want_lse(kHq), got(kHq * kD, NAN), got_lse(kHq, NAN);
+      const int32_t qpos = static_cast<int32_t>(len - 1);
+      kernels::PagedAttentionParams pa;
+      pa.q = TensorView(q.data(), DType::kF32, {1, kHq, kD});
+      pa.k_pool = cache->k_pool(l);
+      pa.v_pool = cache->v_pool(l);
+      pa.spans = sel.spans.data();
+      pa.span_offsets = sel.offsets.data();
+      pa.num_kv_heads = kHkv;
+      pa.q_positions = &qpos;
+      pa.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+      pa.out = TensorView(want.data(), DType::kF32, {1, kHq, kD});
+      pa.lse = TensorView(want_lse.data(), DType::kF32, {1, kHq});
+      STRATA_ASSERT_OK(cpu->PagedAttention(pa, nullptr));
+      STRATA_ASSERT_OK(dev->Attend(l, pa.q, *cache,
+                                   TensorView(got.data(), DType::kF32, {1, kHq, kD}),
+                                   TensorView(got_lse.data(), DType::kF32, {1, kHq}), nullptr));
+      const bool hit_step = host->counters().cache_hits > host_hits_before;
+      host_hits_before = host->counters().cache_hits;
+      if (c.kind == PolicyKind::kQuest && hit_step) continue;
+      for (int i = 0; i < kHq * kD; ++i) ASSERT_NEAR(got[i], want[i], 1e-4) << i;
+      for (int i = 0; i < kHq; ++i) ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
+    }
+  }
+  STRATA_ASSERT_OK(dev->ReadCacheHits(nullptr));
+  EXPECT_EQ(dev->counters().cache_lookups, host->counters().cache_lookups);
+  EXPECT_EQ(dev->counters().cache_hits, host->counters().cache_hits);
+  // Per selecting layer (layer 1 is dense): steps 1, 2, 5 hit both heads, step 4 head 0.
+  EXPECT_EQ(host->counters().cache_lookups, steps * kHkv);
+  EXPECT_EQ(host->counters().cache_hits, 3 * kHkv + 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyCacheTest,
+                         ::testing::Values(CacheCase{PolicyKind::kTokenSelect, 3000},  // two-level
+                                           CacheCase{PolicyKind::kTokenSelect, 700},
+                                           CacheCase{PolicyKind::kQuest, 3000},
+                                           CacheCase{PolicyKind::kQuest, 700}));
+
 TEST(DevicePolicyErrorsTest, RejectsWhatItCannotRun) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   KvCacheOptions co;

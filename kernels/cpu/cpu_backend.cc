@@ -197,6 +197,9 @@ absl::Status CpuBackend::SelectedAttention(const SelectedAttentionParams& p, Str
 absl::Status CpuBackend::UpdateSummaries(const UpdateSummariesParams& p, Stream) {
   return CpuUpdateSummaries(p);
 }
+absl::Status CpuBackend::SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream) {
+  return CpuSelectionCacheCheck(p);
+}
 
 // Token sampling (kernels/cpu/sampling.cc): on the calling thread.
 absl::Status CpuBackend::Supports(const SampleParams& p) const { return CpuSupportsSample(p); }

@@ -71,6 +71,8 @@ absl::Status CpuVoteTopK(const VoteTopKParams& p);
 absl::Status CpuSelectedAttention(const SelectedAttentionParams& p);
 absl::Status CpuSupportsUpdateSummaries(const UpdateSummariesParams& p);
 absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p);
+absl::Status CpuSupportsSelectionCacheCheck(const SelectionCacheCheckParams& p);
+absl::Status CpuSelectionCacheCheck(const SelectionCacheCheckParams& p);
 // InvalidArgument unless `c` is well formed for `num_kv_heads` heads (fanout >= 1, range inside
 // [0, 2^31), parents i32 [num_kv_heads, *]); Unimplemented beyond 2^30 candidates per head.
 absl::Status CheckCandidateList(const CandidateList& c, int64_t num_kv_heads, const char* op);
@@ -133,6 +135,7 @@ class CpuBackend : public Backend {
   absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
   absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
   absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) override;
+  absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) override;
   absl::Status Supports(const SampleParams& p) const override;
   absl::Status Sample(const SampleParams& p, Stream s) override;
   absl::Status Supports(const PageCopyParams& p) const override;

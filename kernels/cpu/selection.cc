@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -224,6 +225,7 @@ absl::Status CpuScoreSummaries(const ScoreSummariesParams& p) {
   float* out = p.scores.As<float>();
   std::vector<float> v(d);
   for (int g = 0; g < hkv; ++g) {
+    if (p.skip_heads != nullptr && p.skip_heads[g] != 0) continue;
     for (int j = 0; j < group; ++j) {
       const float* qh = q + (static_cast<int64_t>(g) * group + j) * d;
       for (int64_t e = 0; e < d; ++e) v[e] = p.scale * qh[e];
@@ -253,6 +255,7 @@ absl::Status CpuScoreKeys(const ScoreKeysParams& p) {
   float* out = p.scores.As<float>();
   std::vector<float> v(d), k(d);
   for (int g = 0; g < hkv; ++g) {
+    if (p.skip_heads != nullptr && p.skip_heads[g] != 0) continue;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = CandidateId(p.candidates, g, i);
       const int64_t row = t < 0 ? -1 : RowOf(p.page_table, p.k_pool, g, t);
@@ -285,6 +288,7 @@ absl::Status CpuVoteTopK(const VoteTopKParams& p) {
   std::vector<char> valid(n);
   std::vector<int64_t> order;
   for (int g = 0; g < hkv; ++g) {
+    if (p.skip_heads != nullptr && p.skip_heads[g] != 0) continue;
     std::fill(vote.begin(), vote.end(), 0.0f);
     std::fill(valid.begin(), valid.end(), 0);
     for (int j = 0; j < group; ++j) {
@@ -384,6 +388,59 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       lse[h] = m + static_cast<float>(std::log(l));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status CpuSupportsSelectionCacheCheck(const SelectionCacheCheckParams& p) {
+  constexpr const char* kOp = "SelectionCacheCheck";
+  STRATA_RETURN_IF_ERROR(CheckRank(p.cached_q, 2, kOp, "cached_q"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.cached_q, DType::kF32, kOp, "cached_q"));
+  const int64_t hkv = p.cached_q.dim(0);
+  STRATA_RETURN_IF_ERROR(CheckQuery(p.q, hkv, kOp));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.cached_q, 1, p.q.dim(0) / hkv * p.q.dim(1), kOp, "cached_q"));
+  for (const auto& [v, name] : {std::pair<const TensorView*, const char*>{&p.valid, "valid"},
+                                {&p.reuse, "reuse"}}) {
+    STRATA_RETURN_IF_ERROR(CheckRank(*v, 1, kOp, name));
+    STRATA_RETURN_IF_ERROR(CheckDType(*v, DType::kI32, kOp, name));
+    STRATA_RETURN_IF_ERROR(CheckDim(*v, 0, hkv, kOp, name));
+  }
+  if (!std::isfinite(p.theta)) {
+    return absl::InvalidArgumentError("SelectionCacheCheck: theta not finite");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuSelectionCacheCheck(const SelectionCacheCheckParams& p) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsSelectionCacheCheck(p));
+  const int64_t hkv = p.cached_q.dim(0), n = p.cached_q.dim(1);
+  const float* q = p.q.As<const float>();
+  float* cached = p.cached_q.As<float>();
+  int32_t* valid = p.valid.As<int32_t>();
+  int32_t* reuse = p.reuse.As<int32_t>();
+  int64_t hits = 0;
+  for (int64_t g = 0; g < hkv; ++g) {
+    const float* a = q + g * n;
+    float* c = cached + g * n;
+    bool hit = false;
+    if (valid[g] != 0) {
+      double ab = 0, aa = 0, bb = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        ab += static_cast<double>(a[i]) * c[i];
+        aa += static_cast<double>(a[i]) * a[i];
+        bb += static_cast<double>(c[i]) * c[i];
+      }
+      const double cosine = aa == 0 || bb == 0 ? 0.0 : ab / std::sqrt(aa * bb);
+      hit = cosine >= p.theta;  // NaN: false
+    }
+    reuse[g] = hit ? 1 : 0;
+    if (hit) {
+      ++hits;
+    } else {
+      std::copy(a, a + n, c);
+      valid[g] = 1;
+    }
+  }
+  if (p.hit_count != nullptr) *p.hit_count += hits;
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
@@ -356,6 +357,181 @@ TEST(CpuSelectionTest, MalformedParamsAreInvalidArgument) {
   // The same checks through the Backend interface.
   std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
   EXPECT_THAT(cpu->VoteTopK(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// SelectionCacheCheck: the first call selects every head (valid 0), a repeated query hits, a query
+// whose cosine falls below theta misses and is cached, zero queries never hit, valid = 0 forces a
+// miss, and hit_count adds the hits.
+TEST(CpuSelectionTest, SelectionCacheCheckFlagsAndCaches) {
+  std::mt19937 rng(21);
+  const int hkv = 3, group = 2, d = 8, n = group * d;
+  std::vector<float> q = RandomF(rng, hkv * n), cached(hkv * n, 7.0f);
+  std::vector<int32_t> valid(hkv, 0), reuse(hkv, 5);
+  int64_t hits = 0;
+  SelectionCacheCheckParams p;
+  p.q = TensorView(q.data(), DType::kF32, {hkv * group, d});
+  p.cached_q = TensorView(cached.data(), DType::kF32, {hkv, n});
+  p.valid = TensorView(valid.data(), DType::kI32, {hkv});
+  p.reuse = TensorView(reuse.data(), DType::kI32, {hkv});
+  p.theta = 0.9f;
+  p.hit_count = &hits;
+  STRATA_ASSERT_OK(CpuSelectionCacheCheck(p));
+  EXPECT_EQ(reuse, std::vector<int32_t>({0, 0, 0}));
+  EXPECT_EQ(valid, std::vector<int32_t>({1, 1, 1}));
+  EXPECT_EQ(cached, q);
+  EXPECT_EQ(hits, 0);
+  // Head 0 repeats (scaled: cosine 1), head 1 drifts slightly (cosine > 0.9), head 2 turns away.
+  std::vector<float> q2 = q;
+  for (int i = 0; i < n; ++i) q2[i] *= 3.0f;
+  for (int i = 0; i < n; ++i) q2[n + i] += 0.02f * (i % 2 ? 1.0f : -1.0f);
+  for (int i = 0; i < n; ++i) q2[2 * n + i] = -q[2 * n + i];
+  const std::vector<float> before = cached;
+  p.q.data = q2.data();
+  STRATA_ASSERT_OK(CpuSelectionCacheCheck(p));
+  EXPECT_EQ(reuse, std::vector<int32_t>({1, 1, 0}));
+  EXPECT_EQ(hits, 2);
+  // Hits keep the cached query of the selection; the miss caches the new one.
+  EXPECT_EQ(std::vector<float>(cached.begin(), cached.begin() + 2 * n),
+            std::vector<float>(before.begin(), before.begin() + 2 * n));
+  EXPECT_EQ(std::vector<float>(cached.begin() + 2 * n, cached.end()),
+            std::vector<float>(q2.begin() + 2 * n, q2.end()));
+  // theta 1: only an exactly parallel query hits; valid 0 forces a miss; a zero query never hits.
+  p.theta = 1.0f;
+  valid[1] = 0;
+  std::vector<float> q3 = q2;
+  for (int i = 0; i < n; ++i) q3[2 * n + i] = 0.0f;
+  p.q.data = q3.data();
+  STRATA_ASSERT_OK(CpuSelectionCacheCheck(p));
+  EXPECT_EQ(reuse[1], 0);
+  EXPECT_EQ(reuse[2], 0);
+  EXPECT_EQ(valid[1], 1);
+  EXPECT_EQ(std::vector<float>(cached.begin() + n, cached.begin() + 2 * n),
+            std::vector<float>(q3.begin() + n, q3.begin() + 2 * n));
+  STRATA_ASSERT_OK(CpuSelectionCacheCheck(p));  // head 2's cached query is now zero: no hit
+  EXPECT_EQ(reuse[2], 0);
+  // Malformed: wrong cached shape, non-finite theta.
+  p.theta = NAN;
+  EXPECT_THAT(CpuSelectionCacheCheck(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.theta = 0.9f;
+  p.cached_q = TensorView(cached.data(), DType::kF32, {hkv, n - 1});
+  EXPECT_THAT(CpuSelectionCacheCheck(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.cached_q = TensorView(cached.data(), DType::kF32, {hkv, n});
+  p.reuse = TensorView(reuse.data(), DType::kI32, {hkv - 1});
+  EXPECT_THAT(CpuSelectionCacheCheck(p), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// skip_heads: a flagged head's rows of the outputs keep their previous values, the other heads
+// equal a call without skip_heads.
+TEST(CpuSelectionTest, SkipHeadsLeaveFlaggedHeadsUntouched) {
+  std::mt19937 rng(23);
+  const int hkv = 3, group = 2, hq = hkv * group, d = 16, page = 4, pages = 10;
+  const int64_t nk = pages * page, k = 5;
+  std::vector<float> kpool = RandomF(rng, hkv * pages * page * d);
+  std::vector<float> sums = RandomF(rng, hkv * pages * 2 * d);
+  std::vector<int32_t> table(hkv * pages);
+  for (int i = 0; i < hkv * pages; ++i) table[i] = i;
+  const std::vector<int32_t> skip = {0, 1, 0};
+  struct Out {
+    std::vector<float> page_scores, key_scores, vote;
+    std::vector<int32_t> sel;
+  };
+  auto run = [&](const std::vector<float>& q, const int32_t* skip_heads, Out* o) {
+    ScoreSummariesParams s;
+    s.q = TensorView(const_cast<float*>(q.data()), DType::kF32, {hq, d});
+    s.summaries = TensorView(sums.data(), DType::kF32, {hkv, pages, 2 * d});
+    s.candidates.end = pages;
+    s.scale = 0.5f;
+    s.scores = TensorView(o->page_scores.data(), DType::kF32, {hkv, group, pages});
+    s.skip_heads = skip_heads;
+    STRATA_ASSERT_OK(CpuScoreSummaries(s));
+    ScoreKeysParams kp;
+    kp.q = s.q;
+    kp.k_pool = TensorView(kpool.data(), DType::kF32, {hkv * pages, page, d});
+    kp.page_table = TensorView(table.data(), DType::kI32, {hkv, pages});
+    kp.candidates.end = nk;
+    kp.scale = 0.5f;
+    kp.scores = TensorView(o->key_scores.data(), DType::kF32, {hkv, group, nk});
+    kp.skip_heads = skip_heads;
+    STRATA_ASSERT_OK(CpuScoreKeys(kp));
+    VoteTopKParams t;
+    t.scores = kp.scores;
+    t.candidates = kp.candidates;
+    t.k = k;
+    t.selected = TensorView(o->sel.data(), DType::kI32, {hkv, k});
+    t.vote = TensorView(o->vote.data(), DType::kF32, {hkv, nk});
+    t.skip_heads = skip_heads;
+    STRATA_ASSERT_OK(CpuVoteTopK(t));
+  };
+  auto fresh = [&]() {
+    return Out{std::vector<float>(hq * pages), std::vector<float>(hq * nk),
+               std::vector<float>(hkv * nk), std::vector<int32_t>(hkv * k)};
+  };
+  const std::vector<float> q1 = RandomF(rng, hq * d), q2 = RandomF(rng, hq * d);
+  Out first = fresh(), plain2 = fresh();
+  run(q1, nullptr, &first);
+  run(q2, nullptr, &plain2);
+  Out skipped = first;  // step 2 over step 1's outputs, head 1 skipped
+  run(q2, skip.data(), &skipped);
+  auto rows = [](const auto& v, int g, int64_t per_head) {
+    return std::vector<std::decay_t<decltype(v[0])>>(v.begin() + g * per_head,
+                                                     v.begin() + (g + 1) * per_head);
+  };
+  for (int g = 0; g < hkv; ++g) {
+    const Out& want = skip[g] ? first : plain2;
+    EXPECT_EQ(rows(skipped.page_scores, g, group * pages), rows(want.page_scores, g, group * pages))
+        << g;
+    EXPECT_EQ(rows(skipped.key_scores, g, group * nk), rows(want.key_scores, g, group * nk)) << g;
+    EXPECT_EQ(rows(skipped.vote, g, nk), rows(want.vote, g, nk)) << g;
+    EXPECT_EQ(rows(skipped.sel, g, k), rows(want.sel, g, k)) << g;
+  }
+  EXPECT_NE(rows(first.sel, 1, k), rows(plain2.sel, 1, k));  // the skip is observable
+}
+
+// SelectedAttention clips middle ids to [middle.begin, middle.end): a token list holding ids that
+// the suffix now covers, or below the prefix end, and page parents straddling both ends attend
+// exactly as the lists with those ids removed (the host policy's ClipRanges).
+TEST(CpuSelectionTest, SelectedAttentionClipsStaleMiddleIds) {
+  std::mt19937 rng(29);
+  const int hkv = 2, group = 2, hq = hkv * group, d = 16, page = 4, pages = 20;
+  const int slots = hkv * pages;
+  std::vector<float> q = RandomF(rng, hq * d), kp = RandomF(rng, slots * page * d),
+                     vp = RandomF(rng, slots * page * d);
+  std::vector<int32_t> table(slots);
+  for (int i = 0; i < slots; ++i) table[i] = i;
+  const int64_t prefix = 6, mid_end = 50, len = 70;
+  auto attend = [&](const std::vector<int32_t>& parents, int fanout, std::vector<float>* out,
+                    std::vector<float>* lse) {
+    const int64_t m = static_cast<int64_t>(parents.size()) / hkv;
+    SelectedAttentionParams p;
+    p.q = TensorView(q.data(), DType::kF32, {1, hq, d});
+    p.k_pool = TensorView(kp.data(), DType::kF32, {slots, page, d});
+    p.v_pool = TensorView(vp.data(), DType::kF32, {slots, page, d});
+    p.page_table = TensorView(table.data(), DType::kI32, {hkv, pages});
+    p.prefix_end = prefix;
+    p.middle.parents = TensorView(const_cast<int32_t*>(parents.data()), DType::kI32, {hkv, m});
+    p.middle.fanout = fanout;
+    p.middle.begin = prefix;
+    p.middle.end = mid_end;
+    p.suffix_begin = mid_end;
+    p.suffix_end = len;
+    p.scale = 0.25f;
+    out->assign(hq * d, NAN);
+    lse->assign(hq, NAN);
+    p.out = TensorView(out->data(), DType::kF32, {1, hq, d});
+    p.lse = TensorView(lse->data(), DType::kF32, {1, hq});
+    STRATA_ASSERT_OK(CpuSelectedAttention(p));
+  };
+  std::vector<float> o1, l1, o2, l2;
+  // Tokens: 3 and 52, 55 are outside the middle (52, 55 are in the suffix now).
+  attend({3, 10, 20, 52, 55, /*head 1*/ 7, 49, 50, 51, -1}, 1, &o1, &l1);
+  attend({-1, 10, 20, -1, -1, /*head 1*/ 7, 49, -1, -1, -1}, 1, &o2, &l2);
+  for (int i = 0; i < hq * d; ++i) ASSERT_EQ(o1[i], o2[i]) << i;
+  for (int i = 0; i < hq; ++i) ASSERT_EQ(l1[i], l2[i]) << i;
+  // Pages of 4: page 1 = tokens 4..7 (6, 7 in the middle), page 12 = 48..51 (48, 49 in it).
+  attend({1, 12, 5, /*head 1*/ 12, 13, -1}, page, &o1, &l1);
+  attend({6, 7, 48, 49, 20, 21, 22, 23, /*head 1*/ 48, 49, -1, -1, -1, -1, -1, -1}, 1, &o2, &l2);
+  for (int i = 0; i < hq * d; ++i) ASSERT_NEAR(o1[i], o2[i], 1e-6) << i;
+  for (int i = 0; i < hq; ++i) ASSERT_NEAR(l1[i], l2[i], 1e-6) << i;
 }
 
 }  // namespace

@@ -18,6 +18,10 @@
 //                (B / P pages) -> SelectedAttention (sinks + pages + window)
 //   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
 //                -> SelectedAttention (sinks + tokens + window)
+// each also as "+miss" (SelectionCacheCheck first, theta 2: every KV head selects) and "+hit"
+// (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels exit
+// at the top and only the check and the attention do work); the MiB column is the selecting
+// step's bytes in every row.
 // Per op (each op alone, inputs left by the full runs): STAGES = 100 eager calls back to back
 // (can be bound by the host's launch cost), GSTAGES = a graph of 20 calls replayed.
 // each timed as: eager_us (ops enqueued back to back, event time / calls), graph_us (the pipeline
@@ -109,6 +113,10 @@ struct Pipeline {
   // Derived sizes.
   int64_t window_begin, p0, p1, s0, s1, keep_segs, page_cands, top_page_k, tok_cands;
   bool two_level;
+  // Selection cache (cache_mode 1 = every head misses: theta 2; 2 = every head hits: theta 0.5
+  // and q unchanged): SelectionCacheCheck first, then the selection ops with skip_heads.
+  int cache_mode = 0;
+  void *cache_q = nullptr, *cache_valid = nullptr, *reuse = nullptr;
 
   void Plan() {
     window_begin = std::max<int64_t>(kSinks, len - 1 - kWindow);
@@ -148,6 +156,19 @@ struct Pipeline {
     a.q = TensorView(q, DType::kF32, {kQHeads, kHeadDim});
     a.scale = scale;
     VoteTopKParams t;
+    const int32_t* skip = nullptr;
+    if (cache_mode != 0) {
+      SelectionCacheCheckParams cc;
+      cc.q = a.q;
+      cc.cached_q = TensorView(cache_q, DType::kF32, {kKvHeads, group * kHeadDim});
+      cc.valid = TensorView(cache_valid, DType::kI32, {kKvHeads});
+      cc.theta = cache_mode == 1 ? 2.0f : 0.5f;
+      cc.reuse = TensorView(reuse, DType::kI32, {kKvHeads});
+      if (on()) STRATA_RETURN_IF_ERROR(b->SelectionCacheCheck(cc, s));
+      skip = static_cast<const int32_t*>(reuse);
+    }
+    a.skip_heads = skip;
+    t.skip_heads = skip;
     if (two_level) {
       a.summaries = TensorView(seg_sums, DType::kF32, {kKvHeads, segs_per_head, 2 * kHeadDim});
       a.candidates.begin = s0;
@@ -189,6 +210,7 @@ struct Pipeline {
       sk.page_table = pt;
       sk.candidates = middle;
       sk.scale = scale;
+      sk.skip_heads = skip;
       sk.scores = TensorView(tok_scores, DType::kF32, {kKvHeads, group, tok_cands});
       if (on()) STRATA_RETURN_IF_ERROR(b->ScoreKeys(sk, s));
       t.scores = sk.scores;
@@ -215,7 +237,9 @@ struct Pipeline {
     return absl::OkStatus();
   }
 
-  int NumStages() const { return (two_level ? 2 : 0) + 2 + (token_level ? 2 : 0) + 1; }
+  int NumStages() const {
+    return (cache_mode != 0 ? 1 : 0) + (two_level ? 2 : 0) + 2 + (token_level ? 2 : 0) + 1;
+  }
 };
 
 void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t flush_bytes,
@@ -255,13 +279,21 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   auto d_s1 = MustAllocate(cuda, big), d_s2 = MustAllocate(cuda, big), d_s3 = MustAllocate(cuda, big);
   auto d_i1 = MustAllocate(cuda, kKvHeads * 16384 * 4), d_i2 = MustAllocate(cuda, kKvHeads * 16384 * 4);
   auto d_i3 = MustAllocate(cuda, kKvHeads * 16384 * 4);
+  auto d_cq = MustAllocate(cuda, kQHeads * kHeadDim * 4);
+  auto d_cv = MustAllocate(cuda, kKvHeads * 4), d_reuse = MustAllocate(cuda, kKvHeads * 4);
 
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  for (int policy = 0; policy < 2; ++policy) {
+  for (int run = 0; run < 6; ++run) {
+    const int policy = run / 3, cache_mode = run % 3;
     if (!g_policy.empty() && g_policy != (policy == 1 ? "tokenselect" : "quest")) continue;
+    const std::string label = std::string(policy == 1 ? "tokenselect" : "quest") +
+                              (cache_mode == 1 ? "+miss" : cache_mode == 2 ? "+hit" : "");
     Pipeline pl;
+    pl.cache_mode = cache_mode;
+    pl.cache_q = d_cq->data(), pl.cache_valid = d_cv->data(), pl.reuse = d_reuse->data();
+    BENCH_CHECK(cudaMemsetAsync(d_cv->data(), 0, kKvHeads * 4, stream) == cudaSuccess, "valid");
     pl.b = &cuda;
     pl.len = context;
     pl.token_level = policy == 1;
@@ -321,14 +353,13 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     const double cold_us = Median(cold);
     const double mib = pl.BytesRead() / 1048576.0;
     std::printf("PIPE %-8lld %-12s %9.1f %9.1f %9.1f %8.2f %9.2f %7.3f %s\n",
-                static_cast<long long>(context), pl.token_level ? "tokenselect" : "quest", eager,
+                static_cast<long long>(context), label.c_str(), eager,
                 graph_us, cold_us, g_dense_us > 0 ? cold_us / g_dense_us : 0.0, mib,
                 pl.BytesRead() / (cold_us * 1e-6) / kHbmBytesPerSecond,
                 pl.two_level ? "two-level" : "one-level");
     std::fflush(stdout);
     // Per-op breakdown: each op alone, back to back (inputs from the runs above).
-    std::printf("STAGES %-8lld %-12s", static_cast<long long>(context),
-                pl.token_level ? "tokenselect" : "quest");
+    std::printf("STAGES %-8lld %-12s", static_cast<long long>(context), label.c_str());
     for (int st = 0; st < pl.NumStages(); ++st) {
       for (int i = 0; i < 3; ++i) BENCH_CHECK(pl.Run(stream, st).ok(), "stage");
       cudaEventRecord(e0, stream);
@@ -341,8 +372,7 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     std::printf("   (us per op, in pipeline order)\n");
     // The same per op from a CUDA graph of 20 calls of the op alone, replayed (device-bound: no
     // host launch cost; the gaps between kernels are those of a graph).
-    std::printf("GSTAGES %-8lld %-12s", static_cast<long long>(context),
-                pl.token_level ? "tokenselect" : "quest");
+    std::printf("GSTAGES %-8lld %-12s", static_cast<long long>(context), label.c_str());
     for (int st = 0; st < pl.NumStages(); ++st) {
       constexpr int kPerGraph = 20, kReplays = 10;
       cudaGraph_t sg = nullptr;

@@ -110,6 +110,9 @@ class CudaBackend : public Backend {
   absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
   absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
   absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) override;
+  // SelectionCacheCheck: one block per KV head (kernels/cuda/selection.cu); skip_heads of the
+  // scoring and top-k ops make the flagged heads' blocks (clusters) exit at the top.
+  absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) override;
   // PageCopy: the CPU checks, then every host array must be AllocateHost memory (checked with
   // cudaPointerGetAttributes; InvalidArgument otherwise); one launch reads them through the
   // mapping (kernels/cuda/page_copy.cu) and returns without waiting.

@@ -134,6 +134,7 @@ __global__ void __launch_bounds__(kScoreThreads)
                          float* __restrict__ scores) {
   extern __shared__ float qs[];  // [group, d], scaled
   const int g = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (c.skip != nullptr && c.skip[g] != 0) return;  // a reused head: whole block
   const float* qg = q + static_cast<int64_t>(g) * group * d;
   for (int i = tid; i < group * d; i += kScoreThreads) qs[i] = scale * qg[i];
   __syncthreads();
@@ -173,6 +174,7 @@ __global__ void __launch_bounds__(kScoreThreads)
                     int d, DeviceCandidates c, float scale, float* __restrict__ scores) {
   extern __shared__ float qs[];
   const int g = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (c.skip != nullptr && c.skip[g] != 0) return;  // a reused head: whole block
   const float* qg = q + static_cast<int64_t>(g) * group * d;
   for (int i = tid; i < group * d; i += kScoreThreads) qs[i] = scale * qg[i];
   __syncthreads();
@@ -256,6 +258,7 @@ __global__ void __launch_bounds__(kTopKMaxThreads)
   const int nwarps = blockDim.x >> 5;
   const int32_t n = c.count;
   const TopKShape sh = MakeTopKShape(n);
+  if (c.skip != nullptr && c.skip[g] != 0) return;  // a reused head: whole block
   uint32_t* keys = shared_keys ? keys_s : global_keys + static_cast<int64_t>(g) * n;
   const float* sg = scores + static_cast<int64_t>(g) * group * n;
   for (int b = tid; b < 256; b += blockDim.x) hist[0][b] = 0;  // first radix pass (step 3)
@@ -660,6 +663,10 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
   ClusterArrive();
   GridDepWait();
   GridDepLaunchDependents();
+  if (c.skip != nullptr && c.skip[g] != 0) {  // a reused head: the whole cluster (same g)
+    ClusterWait();  // matches the arrive above; every block of the cluster arrived
+    return;
+  }
   const int32_t n = c.count;
   const int32_t first = (rank * static_cast<int32_t>(blockDim.x) + tid) * kPer;
   const float* sg = scores + static_cast<int64_t>(g) * group * n;
@@ -918,6 +925,7 @@ __global__ void __launch_bounds__(kBitonicMaxThreads)
   const int g = blockIdx.x;
   const int32_t n = c.count;
   const int32_t first = tid * kPer;
+  if (c.skip != nullptr && c.skip[g] != 0) return;  // a reused head: whole block
   constexpr int kWarpSpan = 32 * kPer;  // strides below it stay inside a warp
   const bool bufs = nsort > kWarpSpan;
   uint64_t* buf0 = reinterpret_cast<uint64_t*>(bit_smem);
@@ -1110,6 +1118,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int sub = lane / kSubLanes, sl = lane % kSubLanes;
   GridDepWait();
   GridDepLaunchDependents();
+  if (c.skip != nullptr && c.skip[g] != 0) return;  // a reused head: whole block
   const float* qg = q + static_cast<int64_t>(g) * group * D;
   for (int i = tid; i < group * D; i += kScoreThreads) qs[i] = scale * qg[i];
   bool staged = false;  // qs is read only after the block's first barrier
@@ -1441,6 +1450,76 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
       std::clamp<int64_t>((wanted + 31) / 32 * 32, 64, kTopKMaxThreads));
   VoteTopKKernel<<<num_kv_heads, threads, smem, stream>>>(
       scores, group, c, k, vote, selected, static_cast<uint32_t*>(scratch), shared_keys);
+  return cudaGetLastError();
+}
+
+namespace {
+
+// One block per KV head g: the cosine of q_g with cached_q[g] (double sums, block reduction),
+// then reuse[g], and on a miss the copy of q_g and valid[g] = 1 (kernels/backend.h
+// SelectionCacheCheckParams). Every thread reads the decision from shared memory after the
+// reduction's barrier.
+constexpr int kCacheCheckThreads = 256;
+__global__ void __launch_bounds__(kCacheCheckThreads)
+    SelectionCacheCheckKernel(const float* __restrict__ q, float* __restrict__ cached,
+                              int32_t* __restrict__ valid, int32_t* __restrict__ reuse,
+                              unsigned long long* hit_count, int n, float theta) {
+  __shared__ double red[3][kCacheCheckThreads / 32];
+  __shared__ int hit_s;
+  const int g = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* a = q + static_cast<int64_t>(g) * n;
+  float* c = cached + static_cast<int64_t>(g) * n;
+  const bool was_valid = valid[g] != 0;
+  double ab = 0, aa = 0, bb = 0;
+  if (was_valid) {
+    for (int i = tid; i < n; i += kCacheCheckThreads) {
+      const double x = a[i], y = c[i];
+      ab += x * y;
+      aa += x * x;
+      bb += y * y;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    ab += __shfl_xor_sync(0xffffffffu, ab, o);
+    aa += __shfl_xor_sync(0xffffffffu, aa, o);
+    bb += __shfl_xor_sync(0xffffffffu, bb, o);
+  }
+  if (lane == 0) {
+    red[0][warp] = ab;
+    red[1][warp] = aa;
+    red[2][warp] = bb;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    double sab = 0, saa = 0, sbb = 0;
+    for (int w = 0; w < kCacheCheckThreads / 32; ++w) {
+      sab += red[0][w];
+      saa += red[1][w];
+      sbb += red[2][w];
+    }
+    const double cosine = saa == 0 || sbb == 0 ? 0.0 : sab / sqrt(saa * sbb);
+    const bool hit = was_valid && cosine >= static_cast<double>(theta);  // NaN: false
+    hit_s = hit ? 1 : 0;
+    reuse[g] = hit ? 1 : 0;
+    if (hit && hit_count != nullptr) atomicAdd(hit_count, 1ull);
+  }
+  __syncthreads();
+  if (hit_s == 0) {
+    for (int i = tid; i < n; i += kCacheCheckThreads) c[i] = a[i];
+    if (tid == 0) valid[g] = 1;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchSelectionCacheCheck(const float* q, float* cached_q, int32_t* valid,
+                                      int32_t* reuse, int64_t* hit_count, int num_kv_heads,
+                                      int n, float theta, cudaStream_t stream) {
+  if (num_kv_heads == 0) return cudaSuccess;
+  if (num_kv_heads < 0 || num_kv_heads > 0x7fffffff || n < 0) return cudaErrorInvalidValue;
+  SelectionCacheCheckKernel<<<num_kv_heads, kCacheCheckThreads, 0, stream>>>(
+      q, cached_q, valid, reuse, reinterpret_cast<unsigned long long*>(hit_count), n, theta);
   return cudaGetLastError();
 }
 

@@ -25,8 +25,9 @@ FloatType PoolType(DType t) {
 }
 
 // Valid after CheckCandidateList (ids and counts fit in int32).
-DeviceCandidates ToDevice(const CandidateList& c) {
+DeviceCandidates ToDevice(const CandidateList& c, const int32_t* skip = nullptr) {
   DeviceCandidates d;
+  d.skip = skip;
   d.parents = c.parents.data != nullptr ? c.parents.As<const int32_t>() : nullptr;
   d.num_parents = c.parents.data != nullptr ? static_cast<int32_t>(c.parents.dim(1)) : 0;
   d.fanout = c.fanout;
@@ -63,7 +64,8 @@ absl::Status CudaBackend::ScoreSummaries(const ScoreSummariesParams& p, Stream s
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchScoreSummaries(
       p.q.As<const float>(), p.summaries.As<const float>(), static_cast<int>(hkv),
-      static_cast<int>(group), static_cast<int>(d), p.summaries.dim(1), ToDevice(p.candidates),
+      static_cast<int>(group), static_cast<int>(d), p.summaries.dim(1),
+      ToDevice(p.candidates, p.skip_heads),
       p.scale, p.scores.As<float>(), ToCuda(s)));
   return absl::OkStatus();
 }
@@ -80,7 +82,8 @@ absl::Status CudaBackend::ScoreKeys(const ScoreKeysParams& p, Stream s) {
       p.q.As<const float>(), p.k_pool.data, PoolType(p.k_pool.dtype), p.k_pool.dim(0),
       static_cast<int>(p.k_pool.dim(1)), p.page_table.As<const int32_t>(),
       static_cast<int>(p.page_table.dim(1)), static_cast<int>(hkv), static_cast<int>(group),
-      static_cast<int>(d), ToDevice(p.candidates), p.scale, p.scores.As<float>(), ToCuda(s)));
+      static_cast<int>(d), ToDevice(p.candidates, p.skip_heads), p.scale, p.scores.As<float>(),
+      ToCuda(s)));
   return absl::OkStatus();
 }
 
@@ -91,7 +94,7 @@ absl::Status CudaBackend::VoteTopK(const VoteTopKParams& p, Stream s) {
   if (hkv > 65535) return absl::UnimplementedError("VoteTopK: > 65535 KV heads");
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   const cudaStream_t stream = ToCuda(s);
-  const DeviceCandidates c = ToDevice(p.candidates);
+  const DeviceCandidates c = ToDevice(p.candidates, p.skip_heads);
   const int64_t scratch_bytes = cuda_internal::VoteTopKScratchBytes(static_cast<int>(hkv), c.count);
   void* scratch = nullptr;
   if (scratch_bytes > 0) {
@@ -161,6 +164,19 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
       p.out.As<float>(), p.lse.As<float>(), stream);
   STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
   STRATA_CUDA_RETURN_IF_ERROR(e);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsSelectionCacheCheck(p));
+  const int64_t hkv = p.cached_q.dim(0), n = p.cached_q.dim(1);
+  if (hkv > 0x7fffffff || n > 0x7fffffff) {
+    return absl::UnimplementedError("SelectionCacheCheck: more than 2^31 heads or elements");
+  }
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchSelectionCacheCheck(
+      p.q.As<const float>(), p.cached_q.As<float>(), p.valid.As<int32_t>(), p.reuse.As<int32_t>(),
+      p.hit_count, static_cast<int>(hkv), static_cast<int>(n), p.theta, ToCuda(s)));
   return absl::OkStatus();
 }
 

@@ -949,5 +949,187 @@ TEST_F(SelectionTest, DeviceLengthDecodeReplaysInAGraph) {
   }
 }
 
+// SelectionCacheCheck on the GPU equals the CPU twin (flags, valid, cached queries, hit count) on
+// heads that hit by scaling, by a small drift, miss by turning away, and miss because not valid.
+TEST_F(SelectionTest, SelectionCacheCheckMatchesCpu) {
+  const int hkv = 5, group = 4, d = 128, n = group * d;
+  std::vector<float> q = RandomF(static_cast<int64_t>(hkv) * n);
+  std::vector<float> cached = RandomF(static_cast<int64_t>(hkv) * n);
+  for (int i = 0; i < n; ++i) {
+    cached[1 * n + i] = 2.0f * q[1 * n + i];                       // cosine 1
+    cached[2 * n + i] = q[2 * n + i] + 0.05f * ((i * 7) % 5 - 2);  // cosine ~0.98
+    cached[4 * n + i] = q[4 * n + i];                              // but not valid
+  }
+  const std::vector<int32_t> valid0 = {0, 1, 1, 1, 0};
+  for (float theta : {0.9f, 1.0f}) {
+    SCOPED_TRACE(::testing::Message() << "theta " << theta);
+    std::vector<float> want_cached = cached;
+    std::vector<int32_t> want_valid = valid0, want_reuse(hkv, 7);
+    int64_t want_hits = 3;
+    SelectionCacheCheckParams p;
+    p.q = TensorView(q.data(), DType::kF32, {hkv * group, d});
+    p.cached_q = TensorView(want_cached.data(), DType::kF32, {hkv, n});
+    p.valid = TensorView(want_valid.data(), DType::kI32, {hkv});
+    p.reuse = TensorView(want_reuse.data(), DType::kI32, {hkv});
+    p.theta = theta;
+    p.hit_count = &want_hits;
+    STRATA_ASSERT_OK(cpu_->SelectionCacheCheck(p, nullptr));
+    auto dq = Dev(q), dc = Dev(cached), dv = Dev(valid0), dr = Poisoned<int32_t>(hkv);
+    auto dh = Dev(std::vector<int64_t>{3});
+    p.q.data = dq->data();
+    p.cached_q.data = dc->data();
+    p.valid.data = dv->data();
+    p.reuse.data = dr->data();
+    p.hit_count = static_cast<int64_t*>(dh->data());
+    STRATA_ASSERT_OK(gpu_->SelectionCacheCheck(p, nullptr));
+    EXPECT_EQ(Get<int32_t>(*dr, hkv), want_reuse);
+    EXPECT_EQ(Get<int32_t>(*dv, hkv), want_valid);
+    EXPECT_EQ(Get<float>(*dc, static_cast<int64_t>(hkv) * n), want_cached);
+    EXPECT_EQ(Get<int64_t>(*dh, 1)[0], want_hits);
+    if (theta == 0.9f) {
+      EXPECT_EQ(want_reuse, std::vector<int32_t>({0, 1, 1, 0, 0}));
+    }
+  }
+}
+
+// skip_heads on the GPU: the flagged heads' outputs keep their bytes (poison here), the other
+// heads equal the same call without skip_heads, for the fast and general scoring kernels and
+// every VoteTopK kernel (bitonic, cluster as one block, cluster, block).
+TEST_F(SelectionTest, SkipHeadsLeaveFlaggedHeadsUntouched) {
+  const int hkv = 4, group = 4, hq = hkv * group;
+  const std::vector<int32_t> skip = {0, 1, 1, 0};
+  auto dskip = Dev(skip);
+  auto check = [&](Buffer& with, Buffer& without, int64_t per_head_bytes, const char* what) {
+    const std::vector<uint8_t> a = Get<uint8_t>(with, hkv * per_head_bytes);
+    const std::vector<uint8_t> b = Get<uint8_t>(without, hkv * per_head_bytes);
+    for (int g = 0; g < hkv; ++g) {
+      const auto ra = std::vector<uint8_t>(a.begin() + g * per_head_bytes,
+                                           a.begin() + (g + 1) * per_head_bytes);
+      if (skip[g]) {
+        EXPECT_EQ(ra, std::vector<uint8_t>(per_head_bytes, 0xff)) << what << " head " << g;
+      } else {
+        EXPECT_EQ(ra, std::vector<uint8_t>(b.begin() + g * per_head_bytes,
+                                           b.begin() + (g + 1) * per_head_bytes))
+            << what << " head " << g;
+      }
+    }
+  };
+  for (int d : {128, 33}) {  // the fast minmax kernel, the general one
+    SCOPED_TRACE(::testing::Message() << "d " << d);
+    const int items = 300;
+    auto dq = Dev(RandomF(static_cast<int64_t>(hq) * d));
+    auto ds = Dev(RandomF(static_cast<int64_t>(hkv) * items * 2 * d));
+    ScoreSummariesParams p;
+    p.q = TensorView(dq->data(), DType::kF32, {hq, d});
+    p.summaries = TensorView(ds->data(), DType::kF32, {hkv, items, 2 * d});
+    p.candidates.end = items;
+    p.scale = 0.1f;
+    auto with = Poisoned<float>(static_cast<int64_t>(hq) * items);
+    auto without = Poisoned<float>(static_cast<int64_t>(hq) * items);
+    p.scores = TensorView(without->data(), DType::kF32, {hkv, group, items});
+    STRATA_ASSERT_OK(gpu_->ScoreSummaries(p, nullptr));
+    p.scores.data = with->data();
+    p.skip_heads = static_cast<const int32_t*>(dskip->data());
+    STRATA_ASSERT_OK(gpu_->ScoreSummaries(p, nullptr));
+    check(*with, *without, int64_t{4} * group * items, "summary scores");
+  }
+  for (DType dtype : {DType::kBF16, DType::kF32}) {  // bf16 d 128: fast kernel; f32 d 17: general
+    const int d = dtype == DType::kBF16 ? 128 : 17, page = 16, pages = 12;
+    SCOPED_TRACE(::testing::Message() << DTypeName(dtype));
+    auto dq = Dev(RandomF(static_cast<int64_t>(hq) * d));
+    auto dpool = Dev(PoolBytes(RandomF(static_cast<int64_t>(hkv) * pages * page * d), dtype));
+    std::vector<int32_t> table(static_cast<size_t>(hkv) * pages);
+    for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(i);
+    auto dt = Dev(table);
+    const int64_t n = static_cast<int64_t>(pages) * page;
+    ScoreKeysParams p;
+    p.q = TensorView(dq->data(), DType::kF32, {hq, d});
+    p.k_pool = TensorView(dpool->data(), dtype, {hkv * pages, page, d});
+    p.page_table = TensorView(dt->data(), DType::kI32, {hkv, pages});
+    p.candidates.end = n;
+    p.scale = 0.1f;
+    auto with = Poisoned<float>(hq * n);
+    auto without = Poisoned<float>(hq * n);
+    p.scores = TensorView(without->data(), DType::kF32, {hkv, group, n});
+    STRATA_ASSERT_OK(gpu_->ScoreKeys(p, nullptr));
+    p.scores.data = with->data();
+    p.skip_heads = static_cast<const int32_t*>(dskip->data());
+    STRATA_ASSERT_OK(gpu_->ScoreKeys(p, nullptr));
+    check(*with, *without, int64_t{4} * group * n, "key scores");
+  }
+  ForEachTopKKernel([&] {
+    for (int64_t n : {int64_t{1000}, int64_t{2000}, int64_t{40000}, int64_t{70000}}) {
+      SCOPED_TRACE(::testing::Message() << "n " << n);
+      const int64_t k = 64;
+      auto dsc = Dev(RandomF(hkv * group * n, -4.0f, 4.0f));
+      VoteTopKParams p;
+      p.scores = TensorView(dsc->data(), DType::kF32, {hkv, group, n});
+      p.candidates.end = n;
+      p.k = k;
+      auto sel_with = Poisoned<int32_t>(hkv * k), sel_without = Poisoned<int32_t>(hkv * k);
+      auto vote_with = Poisoned<float>(hkv * n), vote_without = Poisoned<float>(hkv * n);
+      p.selected = TensorView(sel_without->data(), DType::kI32, {hkv, k});
+      p.vote = TensorView(vote_without->data(), DType::kF32, {hkv, n});
+      STRATA_ASSERT_OK(gpu_->VoteTopK(p, nullptr));
+      p.selected.data = sel_with->data();
+      p.vote.data = vote_with->data();
+      p.skip_heads = static_cast<const int32_t*>(dskip->data());
+      STRATA_ASSERT_OK(gpu_->VoteTopK(p, nullptr));
+      check(*sel_with, *sel_without, 4 * k, "selected");
+      check(*vote_with, *vote_without, 4 * n, "vote");
+    }
+  });
+}
+
+// SelectedAttention on the GPU clips stale middle ids (outside [middle.begin, middle.end), e.g.
+// tokens the window now covers) exactly as the CPU twin.
+TEST_F(SelectionTest, SelectedAttentionClipsStaleMiddleIdsAsCpu) {
+  const int hkv = 2, group = 4, hq = hkv * group, d = 128, page = 16, pages = 16;
+  const int slots = hkv * pages;
+  std::vector<float> q = RandomF(static_cast<int64_t>(hq) * d, -2.0f, 2.0f);
+  std::vector<uint8_t> kp = PoolBytes(RandomF(static_cast<int64_t>(slots) * page * d), DType::kBF16);
+  std::vector<uint8_t> vp = PoolBytes(RandomF(static_cast<int64_t>(slots) * page * d), DType::kBF16);
+  std::vector<int32_t> table(slots);
+  for (int i = 0; i < slots; ++i) table[i] = i;
+  const int64_t prefix = 8, mid_end = 200, len = 256;
+  for (int fanout : {1, page}) {
+    SCOPED_TRACE(::testing::Message() << "fanout " << fanout);
+    // Ids below the prefix end and at or past the middle end (now in the suffix) among valid ones.
+    std::vector<int32_t> parents =
+        fanout == 1 ? std::vector<int32_t>{3, 20, 100, 199, 200, 230, 7, 8, 150, 201, 255, -1}
+                    : std::vector<int32_t>{0, 5, 12, 15, 1, 13};
+    const int64_t m = static_cast<int64_t>(parents.size()) / hkv;
+    std::vector<float> want(hq * d), want_lse(hq);
+    SelectedAttentionParams p;
+    p.q = TensorView(q.data(), DType::kF32, {1, hq, d});
+    p.k_pool = TensorView(kp.data(), DType::kBF16, {slots, page, d});
+    p.v_pool = TensorView(vp.data(), DType::kBF16, {slots, page, d});
+    p.page_table = TensorView(table.data(), DType::kI32, {hkv, pages});
+    p.prefix_end = prefix;
+    p.middle.parents = TensorView(parents.data(), DType::kI32, {hkv, m});
+    p.middle.fanout = fanout;
+    p.middle.begin = prefix;
+    p.middle.end = mid_end;
+    p.suffix_begin = mid_end;
+    p.suffix_end = len;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    p.out = TensorView(want.data(), DType::kF32, {1, hq, d});
+    p.lse = TensorView(want_lse.data(), DType::kF32, {1, hq});
+    STRATA_ASSERT_OK(cpu_->SelectedAttention(p, nullptr));
+    auto dq = Dev(q), dk = Dev(kp), dv = Dev(vp), dt = Dev(table), dp = Dev(parents);
+    auto out = Poisoned<float>(hq * d), lse = Poisoned<float>(hq);
+    p.q.data = dq->data();
+    p.k_pool.data = dk->data();
+    p.v_pool.data = dv->data();
+    p.page_table.data = dt->data();
+    p.middle.parents.data = dp->data();
+    p.out.data = out->data();
+    p.lse.data = lse->data();
+    STRATA_ASSERT_OK(gpu_->SelectedAttention(p, nullptr));
+    ExpectClose(Get<float>(*out, hq * d), want, 2e-5, 2e-4, "out");
+    ExpectClose(Get<float>(*lse, hq), want_lse, 2e-5, 2e-5, "lse");
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels

@@ -178,6 +178,10 @@ struct DeviceCandidates {
   int32_t begin = 0;
   int32_t end = 0;
   int32_t count = 0;  // candidates per KV head
+  // The selection kernels (ScoreSummaries, ScoreKeys, VoteTopK): [num_kv_heads] flags in device
+  // memory, a head with a nonzero flag is left untouched (whole blocks / clusters exit before
+  // any barrier); nullptr = none. SelectedAttention ignores it.
+  const int32_t* skip = nullptr;
 };
 
 inline constexpr int kSelectMaxGroup = 16;  // query heads per KV head for the scoring kernels
@@ -226,6 +230,11 @@ bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim);
 int64_t SelectedAttentionScratchFloats(const SelectedAttentionShape& shape);
 // UpdateSummaries: pages [page_begin, page_end) and segments [seg_begin, seg_end) of every KV
 // head are recomputed (pages first, then segments from them); num_pages_total = ceil(end / P).
+// The selection cache check (kernels/backend.h SelectionCacheCheckParams): one block per KV
+// head; n = group * head_dim; hit_count may be null.
+cudaError_t LaunchSelectionCacheCheck(const float* q, float* cached_q, int32_t* valid,
+                                      int32_t* reuse, int64_t* hit_count, int num_kv_heads,
+                                      int n, float theta, cudaStream_t stream);
 cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64_t num_slots,
                                   int page_size, int head_dim, const int32_t* page_table,
                                   int table_pages, int num_kv_heads, int64_t end,
