@@ -128,6 +128,7 @@ absl::Status DevicePolicy::ReadCacheHits(kernels::Stream stream) {
   int64_t hits = 0;
   STRATA_RETURN_IF_ERROR(backend_->CopyToHost(&hits, hit_count_->data(), sizeof(hits), stream));
   STRATA_RETURN_IF_ERROR(backend_->Synchronize(stream));
+  counters_.cache_lookups = cache_lookups_;
   counters_.cache_hits = hits;
   return absl::OkStatus();
 }
@@ -225,7 +226,7 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
     cc.hit_count = static_cast<int64_t*>(hit_count_->data());
     STRATA_RETURN_IF_ERROR(backend_->SelectionCacheCheck(cc, stream));
     skip = static_cast<const int32_t*>(reuse_[layer]->data());
-    counters_.cache_lookups += hkv_;
+    cache_lookups_ += hkv_;
   }
   STRATA_ASSIGN_OR_RETURN(const CandidateList middle,
                           SelectMiddle(layer, q2, cache, sink_end, window_begin, skip, stream));

@@ -96,14 +96,15 @@ class DevicePolicy {
   // sinks + window + the middle's planned size: min(budget, ceil(budget * factor / P) * P) for
   // tokenselect (the top-k size), and min(ceil(budget / P) * P, middle) for quest (an upper
   // bound: a chosen page cut by the sink or window boundary attends fewer tokens). No selection
-  // cache: cache_lookups += num_kv_heads per selecting decode step (the host counts the same);
-  // cache_hits is counted on the backend and is only brought to counters() by ReadCacheHits
-  // (selected_tokens stays the planned size on hits too). AttendChunk calls add the cache length
+  // cache: lookups (num_kv_heads per selecting decode step, as the host counts them) are counted
+  // on the host and hits on the backend; both reach counters() only through ReadCacheHits, so
+  // until then cache_lookups and cache_hits stay as last read (0 at first) and a hit ratio is
+  // never half updated (selected_tokens stays the planned size on hits too). AttendChunk calls add the cache length
   // and the tokens actually attended (the selection is read back there), per KV head.
   const SelectionCounters& counters() const { return counters_; }
 
-  // Copies the backend's count of selection-cache hits into counters().cache_hits; waits for
-  // `stream` (not for use inside a graph capture). No-op when the cache is off.
+  // Copies the lookups so far and the backend's count of selection-cache hits into counters();
+  // waits for `stream` (not for use inside a graph capture). No-op when the cache is off.
   absl::Status ReadCacheHits(kernels::Stream stream);
 
  private:
@@ -147,6 +148,7 @@ class DevicePolicy {
   bool cache_on_ = false;
   std::vector<std::unique_ptr<kernels::Buffer>> cached_q_, cache_valid_, reuse_, kept_;
   std::unique_ptr<kernels::Buffer> hit_count_;
+  int64_t cache_lookups_ = 0;
   // AttendChunk state: the mean-query merge plan for mean_rows_ rows (per level: rows in, rows
   // out, part starts; the parts' lse in mean_lse_, uploaded per plan), ping-pong outputs, the
   // selection read back, the spans and query positions for PagedAttention.

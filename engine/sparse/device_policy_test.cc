@@ -231,6 +231,8 @@ TEST_P(DevicePolicyCacheTest, ReuseMatchesHostSelectionCache) {
       for (int i = 0; i < kHq; ++i) ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
     }
   }
+  EXPECT_EQ(dev->counters().cache_lookups, 0);  // until read, with the hits
+  EXPECT_EQ(dev->counters().cache_hits, 0);
   STRATA_ASSERT_OK(dev->ReadCacheHits(nullptr));
   EXPECT_EQ(dev->counters().cache_lookups, host->counters().cache_lookups);
   EXPECT_EQ(dev->counters().cache_hits, host->counters().cache_hits);
