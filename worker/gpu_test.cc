@@ -18,6 +18,13 @@
 // PagedAttention on the CPU). The tokens must be equal, and a CUDA worker whose cache is too small
 // for one decode step's pages of every layer (it evicts every call) must give the CUDA tokens
 // again. Env: STRATA_LAZY_GPU_DOC_TOKENS (default 16384), STRATA_LAZY_GPU_MAX_TOKENS (default 32).
+//
+// WorkerSparsePrefillGpuTest (WorkerOptions::prefill_policy): the same document prefilled on the
+// CUDA backend densely, with tokenselect at a budget covering the whole document (device chunk
+// selection that attends everything) and with tokenselect at B = 2048. The covering budget must
+// give the dense job tokens (the pages are compared and the count of equal pages printed); B = 2048
+// must make a READY document whose pages differ from the dense ones and a job that runs to DONE.
+// Prints the three prefill times. Env: STRATA_SPARSE_PREFILL_GPU_DOC_TOKENS (default 16384).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -312,6 +319,88 @@ TEST(WorkerLazyMountGpuTest, CudaLazyJobMatchesCpuLazyJob) {
               g.info.output_token_ids_size(),
               static_cast<unsigned long long>(g.info.usage().pages_fetched().disk()),
               static_cast<unsigned long long>(c.info.usage().pages_fetched().disk()));
+}
+
+// The encoded pages of every layer, KV head and page of document `doc_id` (empty strings for
+// pages the store lacks).
+std::vector<std::string> AllPages(kvstore::LocalStore* store, const model::ModelConfig& c, const char* doc_id,
+                                  int64_t doc_tokens) {
+  std::vector<std::string> out;
+  absl::StatusOr<kvstore::DocumentId> id = kvstore::DocumentId::FromHex(doc_id);
+  if (!id.ok()) return out;
+  std::vector<kvstore::PageKey> keys;
+  for (uint32_t l = 0; l < c.num_layers; ++l) {
+    for (uint32_t g = 0; g < c.num_kv_heads; ++g) {
+      for (uint32_t p = 0; p < static_cast<uint32_t>((doc_tokens + 63) / 64); ++p) keys.push_back({*id, l, g, p});
+    }
+  }
+  std::vector<kvstore::PageRef> refs;
+  if (!store->GetPages(keys, &refs).ok()) return out;
+  for (const kvstore::PageRef& r : refs) out.push_back(r == nullptr ? std::string() : std::string(r->view()));
+  return out;
+}
+
+TEST(WorkerSparsePrefillGpuTest, CoveringBudgetMatchesDenseAndSmallBudgetSelects) {
+  std::string why;
+  std::unique_ptr<kernels::Backend> cuda = CudaBackendOrNull(&why);
+  if (cuda == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  const int64_t doc_tokens = EnvInt("STRATA_SPARSE_PREFILL_GPU_DOC_TOKENS", 16384);
+  JobEnv env;
+  STRATA_ASSERT_OK(MakeJobEnv("strata_sparse_prefill_gpu_test", &env));
+  model::Model* m = env.model.get();
+  kvstore::LocalStore* store = env.store.get();
+  auto make = [&](const std::string& id, const std::string& policy, int budget) {
+    WorkerOptions wo;
+    wo.worker_id = id;
+    wo.prefill_chunk_size = 2048;
+    wo.prefill_policy = policy;
+    wo.prefill_budget_tokens = budget;
+    auto w = Worker::Create(wo, m, cuda.get(), store, store, nullptr);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  };
+  std::unique_ptr<Worker> dense = make("dense", "dense", 2048);
+  std::unique_ptr<Worker> covering = make("covering", "tokenselect", static_cast<int>(doc_tokens));
+  std::unique_ptr<Worker> sparse = make("sparse", "tokenselect", 2048);
+  ASSERT_NE(dense, nullptr);
+  ASSERT_NE(covering, nullptr);
+  ASSERT_NE(sparse, nullptr);
+  constexpr char kDense[] = "5000000000000000000000000000000d", kCovering[] = "5000000000000000000000000000000c",
+                 kSparse[] = "50000000000000000000000000000005";
+  std::printf("dense prefill: ");
+  STRATA_ASSERT_OK(PrefillDocument(dense.get(), kDense, doc_tokens, cuda->Name()));
+  std::printf("tokenselect prefill, B = %lld (covering): ", static_cast<long long>(doc_tokens));
+  STRATA_ASSERT_OK(PrefillDocument(covering.get(), kCovering, doc_tokens, cuda->Name()));
+  std::printf("tokenselect prefill, B = 2048: ");
+  STRATA_ASSERT_OK(PrefillDocument(sparse.get(), kSparse, doc_tokens, cuda->Name()));
+  for (const char* doc : {kDense, kCovering, kSparse}) {
+    STRATA_ASSERT_OK_AND_ASSIGN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(doc));
+    STRATA_ASSERT_OK_AND_ASSIGN(v1::Document d, store->GetDocument(id));
+    EXPECT_EQ(d.state(), v1::DOCUMENT_STATE_READY) << doc;
+  }
+  const std::vector<std::string> pd = AllPages(store, m->config, kDense, doc_tokens),
+                                 pc = AllPages(store, m->config, kCovering, doc_tokens),
+                                 ps = AllPages(store, m->config, kSparse, doc_tokens);
+  ASSERT_EQ(pd.size(), pc.size());
+  ASSERT_EQ(pd.size(), ps.size());
+  size_t covering_equal = 0, sparse_equal = 0;
+  for (size_t i = 0; i < pd.size(); ++i) {
+    covering_equal += pd[i] == pc[i];
+    sparse_equal += pd[i] == ps[i];
+  }
+  std::printf("pages equal to the dense prefill's: covering budget %zu of %zu, B = 2048 %zu of %zu\n",
+              covering_equal, pd.size(), sparse_equal, pd.size());
+  EXPECT_LT(sparse_equal, pd.size());
+  const Timed jd = RunTimed(dense.get(), JobRequest("job-dense", kDense, doc_tokens, 16, "dense"));
+  const Timed jc = RunTimed(dense.get(), JobRequest("job-covering", kCovering, doc_tokens, 16, "dense"));
+  const Timed js = RunTimed(dense.get(), JobRequest("job-sparse", kSparse, doc_tokens, 16, "dense"));
+  ASSERT_EQ(jd.info.state(), v1::JobInfo::DONE) << jd.info.error_message();
+  ASSERT_EQ(jc.info.state(), v1::JobInfo::DONE) << jc.info.error_message();
+  ASSERT_EQ(js.info.state(), v1::JobInfo::DONE) << js.info.error_message();
+  EXPECT_EQ(Tokens(jc.info), Tokens(jd.info));
+  std::printf("job tokens: covering budget agrees with dense on %zu of %d, B = 2048 on %zu of %d\n",
+              CommonPrefix(jc.info, jd.info), jd.info.output_token_ids_size(), CommonPrefix(js.info, jd.info),
+              jd.info.output_token_ids_size());
 }
 
 }  // namespace
