@@ -579,7 +579,9 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   }
 
   std::vector<int32_t> ids(request.token_ids().begin(), request.token_ids().end());
-  std::vector<uint16_t> kbuf(static_cast<size_t>(P) * d), vbuf(static_cast<size_t>(P) * d);
+  // Host copies of one layer's newly complete pages, [H][pages][P][d] bf16 for K and for V: one
+  // copy per (layer, KV head) and one wait per layer (a head's pages are consecutive cache slots).
+  std::vector<uint16_t> kbuf, vbuf;
   std::vector<float> summary(2 * static_cast<size_t>(d));
   int64_t persisted = static_cast<int64_t>(first_page);  // next document page to persist
   int64_t done_tokens = 0;
@@ -599,20 +601,30 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     const int64_t complete = done_tokens == n ? end_page : (s0 + done_tokens) / P;
     std::vector<kvstore::PageWrite> pages;
     std::vector<kvstore::SummaryWrite> summaries;
-    for (int64_t p = persisted; p < complete; ++p) {
-      const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
-      const int64_t cache_page = p - cache_first / P;
-      for (int l = 0; l < L; ++l) {
-        const kernels::TensorView kp = cache->k_pool(l), vp = cache->v_pool(l);
+    const int64_t count = complete - persisted;
+    const size_t page_elems = static_cast<size_t>(P) * d, page_bytes = page_elems * sizeof(uint16_t);
+    if (count > 0) {
+      kbuf.resize(static_cast<size_t>(H) * count * page_elems);
+      vbuf.resize(kbuf.size());
+    }
+    for (int l = 0; l < L && count > 0; ++l) {
+      const kernels::TensorView kp = cache->k_pool(l), vp = cache->v_pool(l);
+      for (int g = 0; g < H; ++g) {
+        const int32_t slot = cache->SlotOf(l, g, persisted - cache_first / P);
+        const size_t off = static_cast<size_t>(slot) * page_bytes, n_bytes = static_cast<size_t>(count) * page_bytes;
+        uint16_t* kdst = kbuf.data() + static_cast<size_t>(g) * count * page_elems;
+        uint16_t* vdst = vbuf.data() + static_cast<size_t>(g) * count * page_elems;
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(kdst, static_cast<const char*>(kp.data) + off, n_bytes, nullptr));
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(vdst, static_cast<const char*>(vp.data) + off, n_bytes, nullptr));
+      }
+      STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+      for (int64_t p = persisted; p < complete; ++p) {
+        const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
         for (int g = 0; g < H; ++g) {
-          const int32_t slot = cache->SlotOf(l, g, cache_page);
-          const size_t page_bytes = static_cast<size_t>(P) * d * sizeof(uint16_t);
-          const char* ksrc = static_cast<const char*>(kp.data) + static_cast<size_t>(slot) * page_bytes;
-          const char* vsrc = static_cast<const char*>(vp.data) + static_cast<size_t>(slot) * page_bytes;
-          STRATA_RETURN_IF_ERROR(ToHost(backend_, kbuf.data(), ksrc, page_bytes));
-          STRATA_RETURN_IF_ERROR(ToHost(backend_, vbuf.data(), vsrc, page_bytes));
-          kernels::TensorView kv(kbuf.data(), kernels::DType::kBF16, {valid, d});
-          kernels::TensorView vv(vbuf.data(), kernels::DType::kBF16, {valid, d});
+          const size_t at = (static_cast<size_t>(g) * count + static_cast<size_t>(p - persisted)) * page_elems;
+          uint16_t* kpage = kbuf.data() + at;
+          kernels::TensorView kv(kpage, kernels::DType::kBF16, {valid, d});
+          kernels::TensorView vv(vbuf.data() + at, kernels::DType::kBF16, {valid, d});
           STRATA_ASSIGN_OR_RETURN(std::string encoded, kvstore::EncodePage(layout.page, kv, vv));
           kvstore::PageWrite pw;
           pw.key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
@@ -625,7 +637,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
           }
           for (int t = 0; t < valid; ++t) {
             for (int j = 0; j < d; ++j) {
-              const float x = kernels::BF16ToF32(kbuf[static_cast<size_t>(t) * d + j]);
+              const float x = kernels::BF16ToF32(kpage[static_cast<size_t>(t) * d + j]);
               summary[j] = std::min(summary[j], x);
               summary[d + j] = std::max(summary[d + j], x);
             }
