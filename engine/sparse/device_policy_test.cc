@@ -43,6 +43,53 @@ PolicyOptions Options(PolicyKind kind) {
   return o;
 }
 
+// A KV cache (kLayers x kHkv x kD, kPage-token pages) with the host policy and the DevicePolicy
+// of the same options over it, both told of every append of random keys and values.
+struct PolicyPair {
+  std::unique_ptr<KvCache> cache;
+  std::unique_ptr<SparsePolicy> host;
+  std::unique_ptr<DevicePolicy> dev;
+  std::mt19937 rng;
+  std::normal_distribution<float> nd;
+
+  absl::Status Init(const PolicyOptions& o, DType dtype, int64_t max_tokens, kernels::Backend* be,
+                    int seed) {
+    KvCacheOptions co;
+    co.num_layers = kLayers;
+    co.num_kv_heads = kHkv;
+    co.head_dim = kD;
+    co.page_size = kPage;
+    co.dtype = dtype;
+    co.max_tokens = max_tokens;
+    STRATA_ASSIGN_OR_RETURN(cache, KvCache::Create(co, be));
+    STRATA_ASSIGN_OR_RETURN(host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
+    STRATA_ASSIGN_OR_RETURN(dev, DevicePolicy::Create(o, co, kHq, be));
+    rng.seed(static_cast<uint32_t>(seed));
+    return absl::OkStatus();
+  }
+  // Appends n random tokens to every layer.
+  void Append(int64_t n) {
+    std::vector<float> k(static_cast<size_t>(n) * kHkv * kD), v(k.size());
+    for (float& x : k) x = nd(rng);
+    for (float& x : v) x = nd(rng);
+    for (int l = 0; l < kLayers; ++l) {
+      const int64_t first = cache->length(l);
+      STRATA_ASSERT_OK(cache->Append(l, TensorView(k.data(), DType::kF32, {n, kHkv, kD}),
+                                     TensorView(v.data(), DType::kF32, {n, kHkv, kD})));
+      STRATA_ASSERT_OK(host->OnAppend(l, *cache, first, first + n));
+      STRATA_ASSERT_OK(dev->OnAppend(l, *cache, first, first + n, nullptr));
+    }
+  }
+  // Appends `len` tokens in pieces of 1 to 300.
+  void Fill(int64_t len) {
+    for (int64_t t = 0; t < len;) {
+      const int64_t n = std::min<int64_t>(len - t, 1 + rng() % 300);
+      Append(n);
+      t += n;
+    }
+  }
+};
+
 struct Case {
   PolicyKind kind;
   DType dtype;
@@ -55,36 +102,17 @@ TEST_P(DevicePolicyTest, DecodeMatchesHostPolicy) {
   const Case c = GetParam();
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   const int steps = 3;
-  KvCacheOptions co;
-  co.num_layers = kLayers;
-  co.num_kv_heads = kHkv;
-  co.head_dim = kD;
-  co.page_size = kPage;
-  co.dtype = c.dtype;
-  co.max_tokens = c.len + steps;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
   const PolicyOptions o = Options(c.kind);
-  STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
-  std::mt19937 rng(77 + static_cast<int>(c.len) + static_cast<int>(c.kind));
-  std::normal_distribution<float> nd;
-  auto append = [&](int64_t n) {
-    std::vector<float> k(static_cast<size_t>(n) * kHkv * kD), v(k.size());
-    for (float& x : k) x = nd(rng);
-    for (float& x : v) x = nd(rng);
-    for (int l = 0; l < kLayers; ++l) {
-      const int64_t first = cache->length(l);
-      STRATA_ASSERT_OK(cache->Append(l, TensorView(k.data(), DType::kF32, {n, kHkv, kD}),
-                                     TensorView(v.data(), DType::kF32, {n, kHkv, kD})));
-      STRATA_ASSERT_OK(host->OnAppend(l, *cache, first, first + n));
-      STRATA_ASSERT_OK(dev->OnAppend(l, *cache, first, first + n, nullptr));
-    }
-  };
-  for (int64_t t = 0; t < c.len;) {
-    const int64_t n = std::min<int64_t>(c.len - t, 1 + rng() % 300);
-    append(n);
-    t += n;
-  }
+  PolicyPair pp;
+  STRATA_ASSERT_OK(pp.Init(o, c.dtype, c.len + steps, cpu.get(),
+                           77 + static_cast<int>(c.len) + static_cast<int>(c.kind)));
+  KvCache* cache = pp.cache.get();
+  SparsePolicy* host = pp.host.get();
+  DevicePolicy* dev = pp.dev.get();
+  std::mt19937& rng = pp.rng;
+  std::normal_distribution<float>& nd = pp.nd;
+  auto append = [&](int64_t n) { pp.Append(n); };
+  pp.Fill(c.len);
   for (int step = 0; step < steps; ++step) {
     append(1);
     const int64_t len = cache->length(0);
@@ -144,37 +172,18 @@ TEST_P(DevicePolicyCacheTest, ReuseMatchesHostSelectionCache) {
   const CacheCase c = GetParam();
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   const int steps = 7;
-  KvCacheOptions co;
-  co.num_layers = kLayers;
-  co.num_kv_heads = kHkv;
-  co.head_dim = kD;
-  co.page_size = kPage;
-  co.dtype = DType::kF32;
-  co.max_tokens = c.len + steps;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
   PolicyOptions o = Options(c.kind);
   o.cache_theta = 0.9;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
-  std::mt19937 rng(91 + static_cast<int>(c.len) + static_cast<int>(c.kind));
-  std::normal_distribution<float> nd;
-  auto append = [&](int64_t n) {
-    std::vector<float> k(static_cast<size_t>(n) * kHkv * kD), v(k.size());
-    for (float& x : k) x = nd(rng);
-    for (float& x : v) x = nd(rng);
-    for (int l = 0; l < kLayers; ++l) {
-      const int64_t first = cache->length(l);
-      STRATA_ASSERT_OK(cache->Append(l, TensorView(k.data(), DType::kF32, {n, kHkv, kD}),
-                                     TensorView(v.data(), DType::kF32, {n, kHkv, kD})));
-      STRATA_ASSERT_OK(host->OnAppend(l, *cache, first, first + n));
-      STRATA_ASSERT_OK(dev->OnAppend(l, *cache, first, first + n, nullptr));
-    }
-  };
-  for (int64_t t = 0; t < c.len;) {
-    const int64_t n = std::min<int64_t>(c.len - t, 1 + rng() % 300);
-    append(n);
-    t += n;
-  }
+  PolicyPair pp;
+  STRATA_ASSERT_OK(pp.Init(o, DType::kF32, c.len + steps, cpu.get(),
+                           91 + static_cast<int>(c.len) + static_cast<int>(c.kind)));
+  KvCache* cache = pp.cache.get();
+  SparsePolicy* host = pp.host.get();
+  DevicePolicy* dev = pp.dev.get();
+  std::mt19937& rng = pp.rng;
+  std::normal_distribution<float>& nd = pp.nd;
+  auto append = [&](int64_t n) { pp.Append(n); };
+  pp.Fill(c.len);
   const int group_len = kHq / kHkv * kD;
   std::vector<float> q(kHq * kD);
   auto fresh = [&](int g) {
