@@ -491,22 +491,11 @@ class DeviceChooser {
       if (n > 0) {
         STRATA_RETURN_IF_ERROR(
             backend_->CopyToDevice(q_->data(), q, static_cast<size_t>(hq_) * d_ * 4, nullptr));
-        kernels::CandidateList cand;
-        cand.begin = 1;
-        cand.end = window_first_;
-        kernels::ScoreSummariesParams sp;
-        sp.q = q_->View(DType::kF32, {hq_, d_});
-        sp.summaries = summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_});
-        sp.candidates = cand;
-        sp.scale = 1.0f / std::sqrt(static_cast<float>(d_));
-        sp.scores = scores_->View(DType::kF32, {hkv_, group, n});
-        STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(sp, nullptr));
-        kernels::VoteTopKParams vp;
-        vp.scores = sp.scores;
-        vp.candidates = cand;
-        vp.k = k_;
-        vp.selected = selected_->View(DType::kI32, {hkv_, k_});
-        STRATA_RETURN_IF_ERROR(backend_->VoteTopK(vp, nullptr));
+        STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
+            backend_, q_->View(DType::kF32, {hq_, d_}),
+            summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_}), window_first_, k_,
+            scores_->View(DType::kF32, {hkv_, group, n}),
+            selected_->View(DType::kI32, {hkv_, k_})));
         STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), selected_->data(),
                                                     host_selected_.size() * 4, nullptr));
       } else {
@@ -515,15 +504,8 @@ class DeviceChooser {
       seconds_ += sw.ElapsedSeconds();
     }
     if (kv_head < 0 || kv_head >= hkv_) return absl::InvalidArgumentError("DeviceChooser: head");
-    pages->push_back(0);
-    const int32_t* sel = &host_selected_[static_cast<size_t>(kv_head) * k_];
-    for (int64_t i = 0; i < k_; ++i) {
-      if (sel[i] < 1 || sel[i] >= window_first_) continue;  // -1 padding (or out of range)
-      pages->push_back(sel[i]);
-    }
-    for (int64_t p = window_first_; p < pages_; ++p) pages->push_back(static_cast<int32_t>(p));
-    std::sort(pages->begin(), pages->end());
-    pages->erase(std::unique(pages->begin(), pages->end()), pages->end());
+    engine::AppendChosenPages(&host_selected_[static_cast<size_t>(kv_head) * k_], k_, window_first_,
+                              pages_, pages);
     return absl::OkStatus();
   }
 
@@ -543,22 +525,10 @@ class DeviceChooser {
     const int64_t n = window_first_ - 1;
     const int group = hq_ / hkv_;
     if (n > 0) {
-      kernels::CandidateList cand;
-      cand.begin = 1;
-      cand.end = window_first_;
-      kernels::ScoreSummariesParams sp;
-      sp.q = TensorView(q.data, DType::kF32, {hq_, d_});
-      sp.summaries = summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_});
-      sp.candidates = cand;
-      sp.scale = 1.0f / std::sqrt(static_cast<float>(d_));
-      sp.scores = scores_->View(DType::kF32, {hkv_, group, n});
-      STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(sp, nullptr));
-      kernels::VoteTopKParams vp;
-      vp.scores = sp.scores;
-      vp.candidates = cand;
-      vp.k = k_;
-      vp.selected = selected_->View(DType::kI32, {hkv_, k_});
-      STRATA_RETURN_IF_ERROR(backend_->VoteTopK(vp, nullptr));
+      STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
+          backend_, TensorView(q.data, DType::kF32, {hq_, d_}),
+          summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_}), window_first_, k_,
+          scores_->View(DType::kF32, {hkv_, group, n}), selected_->View(DType::kI32, {hkv_, k_})));
       Stopwatch copy;
       STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), selected_->data(),
                                                   host_selected_.size() * 4, nullptr));
@@ -567,16 +537,8 @@ class DeviceChooser {
       std::fill(host_selected_.begin(), host_selected_.end(), -1);
     }
     for (int g = 0; g < hkv_; ++g) {
-      std::vector<int32_t>& out = (*pages)[g];
-      out.push_back(0);
-      const int32_t* sel = &host_selected_[static_cast<size_t>(g) * k_];
-      for (int64_t i = 0; i < k_; ++i) {
-        if (sel[i] < 1 || sel[i] >= window_first_) continue;  // -1 padding (or out of range)
-        out.push_back(sel[i]);
-      }
-      for (int64_t p = window_first_; p < pages_; ++p) out.push_back(static_cast<int32_t>(p));
-      std::sort(out.begin(), out.end());
-      out.erase(std::unique(out.begin(), out.end()), out.end());
+      engine::AppendChosenPages(&host_selected_[static_cast<size_t>(g) * k_], k_, window_first_,
+                                pages_, &(*pages)[g]);
     }
     if (sel != nullptr) {
       sel->valid = true;

@@ -315,6 +315,41 @@ absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorV
   return absl::OkStatus();
 }
 
+absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
+                                   const kernels::TensorView& summaries, int64_t window_first,
+                                   int64_t k, const kernels::TensorView& scores,
+                                   const kernels::TensorView& selected) {
+  kernels::CandidateList cand;
+  cand.begin = 1;
+  cand.end = window_first;
+  kernels::ScoreSummariesParams sp;
+  sp.q = q;
+  sp.summaries = summaries;
+  sp.candidates = cand;
+  sp.scale = 1.0f / std::sqrt(static_cast<float>(q.dim(1)));
+  sp.scores = scores;
+  STRATA_RETURN_IF_ERROR(backend->ScoreSummaries(sp, nullptr));
+  kernels::VoteTopKParams vp;
+  vp.scores = scores;
+  vp.candidates = cand;
+  vp.k = k;
+  vp.selected = selected;
+  return backend->VoteTopK(vp, nullptr);
+}
+
+void AppendChosenPages(const int32_t* selected, int64_t k, int64_t window_first,
+                       int64_t num_pages, std::vector<int32_t>* pages) {
+  const size_t start = pages->size();
+  pages->push_back(0);
+  for (int64_t i = 0; i < k; ++i) {
+    if (selected[i] >= 1 && selected[i] < window_first) pages->push_back(selected[i]);  // -1 pads
+  }
+  for (int64_t p = window_first; p < num_pages; ++p) pages->push_back(static_cast<int32_t>(p));
+  std::sort(pages->begin() + static_cast<std::ptrdiff_t>(start), pages->end());
+  pages->erase(std::unique(pages->begin() + static_cast<std::ptrdiff_t>(start), pages->end()),
+               pages->end());
+}
+
 PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
   struct State {
     MinMaxChooserOptions o;

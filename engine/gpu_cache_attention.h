@@ -56,6 +56,23 @@ struct MinMaxChooserOptions {
 };
 PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 
+// The device side of the same choice for one query token, enqueued on the backend's default
+// stream (nothing read on the host): scores the middle pages [1, window_first) of every KV head
+// by their minmax summaries (Backend::ScoreSummaries, scale 1 / sqrt(d)) and keeps the k pages of
+// highest head soft vote (Backend::VoteTopK). q: [hq, d] f32; summaries: [hkv, pages, 2d] f32;
+// scores: scratch [hkv, hq / hkv, window_first - 1] f32; selected: [hkv, k] i32 (out, ascending
+// page ids, -1 pads); all backend memory. The caller adds page 0 and the window pages.
+absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
+                                   const kernels::TensorView& summaries, int64_t window_first,
+                                   int64_t k, const kernels::TensorView& scores,
+                                   const kernels::TensorView& selected);
+
+// The pages of one KV head from a `selected` row of EnqueueMinMaxPageTopK (k ids, -1 pads) as the
+// chooser returns them: page 0, the selected middle pages in [1, window_first), and the window
+// pages [window_first, num_pages), appended to `pages` sorted and without repeats.
+void AppendChosenPages(const int32_t* selected, int64_t k, int64_t window_first,
+                       int64_t num_pages, std::vector<int32_t>* pages);
+
 // The tokens a DevicePageChooser chose, as a device-side selection for Backend::SelectedAttention
 // (KV head g: document tokens [0, prefix_end), the valid token ids of `middle` -- backend memory --
 // and [suffix_begin, suffix_end)). It must name exactly the tokens of the pages in the chooser's

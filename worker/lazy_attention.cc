@@ -140,22 +140,10 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
     if (selected == nullptr) {
       STRATA_ASSIGN_OR_RETURN(selected, backend->Allocate(static_cast<size_t>(hkv) * k * sizeof(int32_t)));
     }
-    kernels::CandidateList cand;
-    cand.begin = 1;
-    cand.end = window_first;
-    kernels::ScoreSummariesParams sp;
-    sp.q = kernels::TensorView(q.data, kernels::DType::kF32, {hq, d});
-    sp.summaries = summaries[layer]->View(kernels::DType::kF32, {hkv, num_pages, 2 * d});
-    sp.candidates = cand;
-    sp.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    sp.scores = scores->View(kernels::DType::kF32, {hkv, group, n});
-    STRATA_RETURN_IF_ERROR(backend->ScoreSummaries(sp, nullptr));
-    kernels::VoteTopKParams vp;
-    vp.scores = sp.scores;
-    vp.candidates = cand;
-    vp.k = k;
-    vp.selected = selected->View(kernels::DType::kI32, {hkv, k});
-    STRATA_RETURN_IF_ERROR(backend->VoteTopK(vp, nullptr));
+    STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
+        backend, kernels::TensorView(q.data, kernels::DType::kF32, {hq, d}),
+        summaries[layer]->View(kernels::DType::kF32, {hkv, num_pages, 2 * d}), window_first, k,
+        scores->View(kernels::DType::kF32, {hkv, group, n}), selected->View(kernels::DType::kI32, {hkv, k})));
     host_selected.resize(static_cast<size_t>(hkv) * k);
     STRATA_RETURN_IF_ERROR(
         backend->CopyToHost(host_selected.data(), selected->data(), host_selected.size() * sizeof(int32_t), nullptr));
@@ -164,14 +152,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
   }
   for (int g = 0; g < hkv; ++g) {
     std::vector<int32_t>& out = (*pages)[g];
-    out.push_back(0);
-    for (int64_t i = 0; i < k; ++i) {
-      const int32_t p = host_selected[static_cast<size_t>(g) * k + i];
-      if (p >= 1 && p < window_first) out.push_back(p);  // -1 pads
-    }
-    for (int64_t p = window_first; p < num_pages; ++p) out.push_back(static_cast<int32_t>(p));
-    std::sort(out.begin(), out.end());
-    out.erase(std::unique(out.begin(), out.end()), out.end());
+    engine::AppendChosenPages(host_selected.data() + static_cast<size_t>(g) * k, k, window_first, num_pages, &out);
     Count(out);
   }
   ++device_choices;

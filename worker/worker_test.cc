@@ -213,7 +213,9 @@ TEST_F(WorkerTest, CancelJobEndsWithCancelledSnapshot) {
   int tokens = 0;
   v1::JobInfo last;
   absl::Status s = worker_->RunJob(req, [&](const v1::JobEvent& e) {
-    if (e.has_tokens() && ++tokens == 3) EXPECT_TRUE(worker_->CancelJob("job-4"));
+    if (e.has_tokens() && ++tokens == 3) {
+      EXPECT_TRUE(worker_->CancelJob("job-4"));
+    }
     if (e.has_snapshot()) last = e.snapshot();
     return true;
   });
