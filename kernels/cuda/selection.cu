@@ -634,6 +634,46 @@ __device__ __forceinline__ void MergeWarpSoftmaxStats(const float* red_m, const 
   *l = lw;
 }
 
+// Step (2) of the one-block and cluster top-k kernels: the head soft vote of the lane's kPer
+// candidates (row h of the scores at mine + h * n; m_s[h] / inv_s[h]: head h's max and 1 / sum of
+// exp(x - max)) and its 32-bit key, which orders candidates by vote: the vote's bits + 1, or 0 for
+// a candidate that no head scores above -inf or whose bit in id_ok is clear (an invalid id), or
+// that lies at or beyond n. The votes go to vote_out[j] (j < n - first) when vote_out is set.
+template <int kPer>
+__device__ __forceinline__ void VoteKeys(const float* mine, int32_t n, int32_t first, int group,
+                                         const float* m_s, const float* inv_s, uint32_t id_ok,
+                                         float* vote_out, uint32_t (&key)[kPer]) {
+  float v[kPer];
+  uint32_t any = 0;  // bit j: some head's score of candidate j is > -inf
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) v[j] = 0.0f;
+#pragma unroll 1
+  for (int h0 = 0; h0 < group; h0 += 4) {
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      if (h0 + hh < group) {
+        const float mh = m_s[h0 + hh], ih = inv_s[h0 + hh];
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          const float x = first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j] : NegInfF();
+          if (x > NegInfF()) {
+            any |= 1u << j;
+            v[j] += __expf(x - mh) * ih;
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    float vj = v[j];
+    if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
+    const bool ok = ((id_ok & any) >> j) & 1u;
+    key[j] = ok ? __float_as_uint(vj) + 1u : 0u;
+    if (vote_out != nullptr && first + j < n) vote_out[j] = vj;
+  }
+}
+
 template <int kPer>
 __global__ void __launch_bounds__(kClusterTopKMaxThreads)
     ClusterVoteTopKKernel(const float* __restrict__ scores, int group, DeviceCandidates c, int k,
@@ -723,38 +763,10 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
   __syncthreads();
 
   // (2) votes and keys.
-  float v[kPer];
-  uint32_t any = 0;  // bit j: some head's score of candidate j is > -inf
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) v[j] = 0.0f;
-#pragma unroll 1
-  for (int h0 = 0; h0 < group; h0 += 4) {
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-      if (h0 + hh < group) {
-        const float mh = m_s[h0 + hh], ih = inv_s[h0 + hh];
-#pragma unroll
-        for (int j = 0; j < kPer; ++j) {
-          const float x = first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j] : NegInfF();
-          if (x > NegInfF()) {
-            any |= 1u << j;
-            v[j] += __expf(x - mh) * ih;
-          }
-        }
-      }
-    }
-  }
   uint32_t key[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    float vj = v[j];
-    if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
-    const bool ok = ((id_ok & any) >> j) & 1u;
-    key[j] = ok ? __float_as_uint(vj) + 1u : 0u;
-    if (vote_out != nullptr && first + j < n) {
-      vote_out[static_cast<int64_t>(g) * n + first + j] = vj;
-    }
-  }
+  VoteKeys<kPer>(mine, n, first, group, m_s, inv_s, id_ok,
+                 vote_out == nullptr ? nullptr : vote_out + static_cast<int64_t>(g) * n + first,
+                 key);
 
   // (3) radix select of the k-th largest key over the cluster (see VoteTopKKernel step 4).
   const int32_t kk = min(k, n);
@@ -952,40 +964,19 @@ __global__ void __launch_bounds__(kBitonicMaxThreads)
     }
   }
   __syncthreads();
-  float v[kPer];
-  uint32_t any = 0;  // bit j: some head's score of candidate j is > -inf
+  uint32_t id_ok = 0;  // bit j: ids[j] >= 0
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) v[j] = 0.0f;
-#pragma unroll 1
-  for (int h0 = 0; h0 < group; h0 += 4) {
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-      if (h0 + hh < group) {
-        const float mh = m_s[h0 + hh], ih = inv_s[h0 + hh];
-#pragma unroll
-        for (int j = 0; j < kPer; ++j) {
-          const float x = first + j < n ? mine[static_cast<int64_t>(h0 + hh) * n + j] : NegInfF();
-          if (x > NegInfF()) {
-            any |= 1u << j;
-            v[j] += __expf(x - mh) * ih;
-          }
-        }
-      }
-    }
-  }
-  uint64_t key[kPer];
+  for (int j = 0; j < kPer; ++j) id_ok |= ids[j] >= 0 ? 1u << j : 0u;
+  uint32_t vkey[kPer];
+  VoteKeys<kPer>(mine, n, first, group, m_s, inv_s, id_ok,
+                 vote_out == nullptr ? nullptr : vote_out + static_cast<int64_t>(g) * n + first,
+                 vkey);
+  uint64_t key[kPer];  // unique: the vote key, then the index reversed (ties to the lower index)
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    float vj = v[j];
-    if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
-    const bool ok = ((any >> j) & 1u) && ids[j] >= 0;
-    const uint32_t vk = ok ? __float_as_uint(vj) + 1u : 0u;
-    key[j] = first + j < n ? (static_cast<uint64_t>(vk) << 32) |
+    key[j] = first + j < n ? (static_cast<uint64_t>(vkey[j]) << 32) |
                                  (0xffffffffu - static_cast<uint32_t>(first + j))
                            : 0ull;
-    if (vote_out != nullptr && first + j < n) {
-      vote_out[static_cast<int64_t>(g) * n + first + j] = vj;
-    }
   }
 
   // (2) bitonic sort, descending. Entry i = kPer * tid + j pairs with i ^ stride.
