@@ -336,6 +336,78 @@ struct SelectionCacheCheckParams {
   int64_t* hit_count = nullptr;
 };
 
+// ---- The GPU page cache on the device (kvstore/gpu_cache.h, device-managed mode) -------------
+// The whole state of a page cache in backend memory, so that a decode step makes the pages its
+// selection names resident with no host round trip (and can be captured in a CUDA graph).
+// Pages have flat indices in [0, table_size) (kvstore::GpuPageCache: (layer * num_kv_heads +
+// kv_head) * pages_per_head + page); slots are [0, num_slots). Every pointer is backend memory
+// except `sources`' targets (see below). The CPU twin is kernels/cpu/page_cache.cc.
+struct PageCacheState {
+  int32_t* table = nullptr;        // [table_size]: the slot holding each page, or -1
+  int64_t table_size = 0;
+  int32_t* slot_page = nullptr;    // [num_slots]: the page (flat index) in each slot, or -1
+  uint32_t* slot_stamp = nullptr;  // [num_slots]: the last call (counters[kEpoch]) that pinned it
+  uint8_t* slot_ref = nullptr;     // [num_slots]: clock reference bits
+  int64_t num_slots = 0;
+  int64_t* counters = nullptr;     // [PageCacheCounter::kCount], see below
+  // One call's misses: [1 + 2 * scratch_pages] int32 (count, pages, victims). A call with more
+  // distinct misses than scratch_pages leaves the rest unresolved.
+  int32_t* scratch = nullptr;
+  int64_t scratch_pages = 0;
+  // [table_size]: the address of each page's bytes (K [page_size, head_dim] then V, the pools'
+  // dtype, as a PageCopy staging page), readable by the backend: AllocateHost memory on CUDA
+  // (read through the host mapping over PCIe; its device address must equal its host address).
+  const void* const* sources = nullptr;
+  TensorView k_pool;  // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3
+  TensorView v_pool;  // same shape and dtype
+};
+
+// The int64 counters of PageCacheState, running totals since they were zeroed.
+enum PageCacheCounter : int {
+  kPageCacheEpoch = 0,     // ResolvePages calls (the stamp of the current call)
+  kPageCacheHand = 1,      // the clock hand, in [0, num_slots)
+  kPageCacheLookups = 2,   // distinct pages named, per call
+  kPageCacheHits = 3,      // of which resident when the call began
+  kPageCacheFills = 4,     // pages copied into slots
+  kPageCacheEvictions = 5, // resident pages replaced
+  kPageCacheUnresolved = 6,  // misses left without a slot (every slot pinned, or scratch full)
+  kPageCacheCounterCount = 7,
+};
+
+// Makes resident the pages of one layer that a selection names, as one stream-ordered op: for
+// KV head g, the pages t / page_size (those < pages_per_head) of the tokens SelectedAttention
+// would attend with the same prefix_end / middle / suffix (kernels/backend.h
+// SelectedAttentionParams; no prefix_len), flat index table_base + g * pages_per_head + page.
+// Afterwards state.table maps every such page to a slot holding its bytes (except unresolved
+// ones), so a SelectedAttention queued after it over the table rows of the layer reads them.
+// Semantics (the CPU twin, in this order):
+//   1. epoch = ++counters[kEpoch]. Each distinct page named counts one lookup; a resident one
+//      (table[page] = s >= 0) counts a hit and gets slot_stamp[s] = epoch (pinned for this call)
+//      and slot_ref[s] = 1; the others are the misses.
+//   2. Each miss takes the next victim of the clock: the hand passes slots in order from
+//      counters[kHand] (wrapping); a slot with slot_stamp = epoch is skipped, a slot with its
+//      reference bit set has it cleared and is passed, the first other slot is the victim (the
+//      hand stops just past it). After 2 * num_slots slots passed without a victim, the misses
+//      left are unresolved (counted; their table entries stay -1). A victim's old page (if any)
+//      gets table entry -1 (an eviction); the victim gets the miss: table, slot_page, stamp =
+//      epoch, ref = 1, and its K and V bytes copied from sources[page] (a fill).
+// The victims are the same whatever the order of the misses, so backends agree on which pages
+// are resident, the counters and the hand; which miss lands in which of the call's victims may
+// differ (the CUDA backend pairs them in the order its threads found the misses; and when the
+// misses exceed scratch_pages, which of them stay unresolved). Reads and
+// writes backend memory only (capturable in a CUDA graph; no host wait).
+struct ResolvePagesParams {
+  PageCacheState state;
+  int64_t table_base = 0;      // flat index of (layer, head 0, page 0); rows within table_size
+  int num_kv_heads = 0;
+  int64_t pages_per_head = 0;
+  int page_size = 0;           // tokens per page (the pools' dim(1))
+  int64_t prefix_end = 0;
+  CandidateList middle;
+  int64_t suffix_begin = 0;
+  int64_t suffix_end = 0;
+};
+
 // ---- Token sampling on the backend (engine/sampler.h; kernels/cpu/sampling.cc) --------------
 // Per-row sampling options, in backend memory. The semantics are engine::Sampler's exactly
 // (engine/sampler.h), with the uniform draw supplied by the caller: temperature 0 (or NaN,
@@ -446,6 +518,10 @@ class Backend {
   }
   virtual absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": SelectionCacheCheck");
+  }
+  // The GPU page cache on the device (above). Backends without it return Unimplemented.
+  virtual absl::Status ResolvePages(const ResolvePagesParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": ResolvePages");
   }
   // Token sampling (above). Backends without it return Unimplemented.
   virtual absl::Status Supports(const SampleParams& p) const {

@@ -183,6 +183,9 @@ absl::Status CpuBackend::MergeAttention(const MergeAttentionParams& p, Stream) {
 
 absl::Status CpuBackend::Supports(const PageCopyParams& p) const { return CpuSupportsPageCopy(p); }
 absl::Status CpuBackend::PageCopy(const PageCopyParams& p, Stream) { return CpuPageCopy(p); }
+absl::Status CpuBackend::ResolvePages(const ResolvePagesParams& p, Stream) {
+  return CpuResolvePages(p);
+}
 absl::Status CpuBackend::AppendKv(const AppendKvParams& p, Stream) { return CpuAppendKv(p); }
 
 // Device-resident selection (kernels/cpu/selection.cc): run on the calling thread.

@@ -54,6 +54,12 @@ absl::Status CpuMergeAttention(const MergeAttentionParams& p);
 absl::Status CpuSupportsPageCopy(const PageCopyParams& p);
 absl::Status CpuPageCopy(const PageCopyParams& p);
 
+// ResolvePages (kernels/cpu/page_cache.cc): the validation shared with the CUDA backend (state
+// arrays present, pools [num_slots, page_size, d], the layer's rows inside the table, the
+// selection well formed; it reads no state values) and the op.
+absl::Status CpuSupportsResolvePages(const ResolvePagesParams& p);
+absl::Status CpuResolvePages(const ResolvePagesParams& p);
+
 // AppendKv (kernels/cpu/kv_append.cc): the validation shared with the CUDA backend (shapes, dtypes,
 // scales, every slot inside the pools) and the op (ConvertFromF32 of each row; fp8: of x / scale).
 absl::Status CpuSupportsAppendKv(const AppendKvParams& p);
@@ -140,6 +146,7 @@ class CpuBackend : public Backend {
   absl::Status Sample(const SampleParams& p, Stream s) override;
   absl::Status Supports(const PageCopyParams& p) const override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
+  absl::Status ResolvePages(const ResolvePagesParams& p, Stream s) override;
   absl::Status AppendKv(const AppendKvParams& p, Stream s) override;
 
  private:
