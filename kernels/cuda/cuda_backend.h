@@ -118,6 +118,12 @@ class CudaBackend : public Backend {
   // mapping (kernels/cuda/page_copy.cu) and returns without waiting.
   absl::Status Supports(const PageCopyParams& p) const override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
+  // ResolvePages (kernels/cuda/page_cache.cu, page_cache_backend.cc): the CPU twin's validation,
+  // 16-byte aligned pools; then one block for the naming, the clock and the table, and a fixed
+  // grid that copies the missed pages from their sources through the host mapping (16-byte loads
+  // when a page half is a multiple of 16 bytes: the sources must then be 16-byte aligned, which
+  // kvstore::GpuPageCache checks when it builds them; not checked per call). Capturable.
+  absl::Status ResolvePages(const ResolvePagesParams& p, Stream s) override;
   // AppendKv: one conversion kernel (kernels/cuda/kv_append.cu); validation on the host.
   absl::Status AppendKv(const AppendKvParams& p, Stream s) override;
   // Graph capture: cudaStreamBeginCapture (thread-local mode) on the stream of `s` (the

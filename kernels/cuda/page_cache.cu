@@ -1,0 +1,272 @@
+// ResolvePages on the GPU (kernels/backend.h, "The GPU page cache on the device"): the step of
+// the device-managed GPU page cache, with no host involvement.
+//
+// Kernel 1 (one block of 1024 threads):
+//   a. every thread names pages of the selection (head by head: prefix, middle, suffix; a middle
+//      candidate whose predecessor in the same run lies in the same page is skipped); a resident
+//      page is a hit (the first thread to stamp its slot with this call's epoch counts it); a
+//      missing page is claimed by swapping its table entry from -1 to -2 (one thread wins) and
+//      appended to the miss list in scratch;
+//   b. victims from the clock, 1024 slots at a time: every thread loads one slot's pin and
+//      reference bit into shared memory, then warp 0 walks the window 32 slots per step with
+//      ballots, taking the first unpinned slots with a clear bit in order and clearing the bits
+//      it passes (exactly the sequential clock of the CPU twin);
+//   c. each miss gets its victim (the old page's entry -1, the new one the slot), and the
+//      counters and hand are written.
+// Kernel 2 (a fixed grid): copies the pages of the call's misses from sources[page] into their
+//   slots, 16-byte loads through the host mapping when aligned, several in flight per thread.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/internal/page_cache.h"
+#include "kernels/cuda/internal/selection.cuh"
+
+namespace strata::kernels::cuda_internal {
+namespace {
+
+constexpr int kResolveThreads = 1024;
+constexpr int kCopyThreads = 256;
+constexpr int kCopyUnroll = 4;
+constexpr int kCopyBlocks = 528;  // 4 per SM on an H100
+
+// Counter indices (kernels::PageCacheCounter).
+constexpr int kEpoch = 0, kHand = 1, kLookups = 2, kHits = 3, kFills = 4, kEvictions = 5,
+              kUnresolved = 6;
+
+__global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) {
+  __shared__ uint32_t epoch_s;
+  __shared__ int n_miss_s;
+  __shared__ unsigned long long lookups_s, hits_s, unresolved_s, evictions_s;
+  __shared__ uint8_t pinned_s[kResolveThreads];
+  __shared__ uint8_t ref_s[kResolveThreads];
+  __shared__ long long hand_s, passed_s, last_hand_s;
+  __shared__ int taken_s;
+  __shared__ int done_s;
+  const int tid = threadIdx.x;
+  const int64_t n = a.num_slots;
+  if (tid == 0) {
+    const long long e = a.counters[kEpoch] + 1;
+    a.counters[kEpoch] = e;
+    epoch_s = static_cast<uint32_t>(e);
+    long long h = a.counters[kHand];
+    hand_s = h >= 0 && h < n ? h : 0;
+    last_hand_s = hand_s;
+    n_miss_s = 0;
+    lookups_s = hits_s = unresolved_s = evictions_s = 0;
+    passed_s = 0;
+    taken_s = 0;
+    done_s = 0;
+  }
+  __syncthreads();
+  const uint32_t epoch = epoch_s;
+  const int P = a.page_size;
+  const int64_t pph = a.pages_per_head;
+
+  // a. Naming.
+  const int64_t prefix_pages = (a.prefix_end + P - 1) / P;
+  const int64_t suffix_first = a.suffix_begin / P;
+  const int64_t suffix_pages =
+      a.suffix_end > a.suffix_begin ? (a.suffix_end - 1) / P - suffix_first + 1 : 0;
+  const int64_t per_head = prefix_pages + a.middle.count + suffix_pages;
+  const int64_t total = per_head * a.num_kv_heads;
+  int32_t* misses = a.scratch + 1;
+  for (int64_t idx = tid; idx < total; idx += kResolveThreads) {
+    const int g = static_cast<int>(idx / per_head);
+    const int64_t r = idx - static_cast<int64_t>(g) * per_head;
+    int64_t page;
+    if (r < prefix_pages) {
+      page = r;
+    } else if (r < prefix_pages + a.middle.count) {
+      const int32_t i = static_cast<int32_t>(r - prefix_pages);
+      const int32_t id = CandidateIdAt(a.middle, g, i);
+      if (id < 0) continue;
+      // The previous candidate of the same run names the same page: leave it to that one.
+      if (id % P != 0 && id - 1 >= a.middle.begin && i > 0 &&
+          (a.middle.parents == nullptr || i % a.middle.fanout != 0)) {
+        continue;
+      }
+      page = id / P;
+    } else {
+      page = suffix_first + (r - prefix_pages - a.middle.count);
+    }
+    if (page < 0 || page >= pph) continue;
+    const int64_t flat = a.table_base + static_cast<int64_t>(g) * pph + page;
+    const int32_t slot = *(volatile int32_t*)&a.table[flat];
+    if (slot >= 0) {
+      a.slot_ref[slot] = 1;
+      if (atomicExch(&a.slot_stamp[slot], epoch) != epoch) {
+        atomicAdd(&lookups_s, 1ull);
+        atomicAdd(&hits_s, 1ull);
+      }
+    } else if (slot == -1 && atomicCAS(&a.table[flat], -1, -2) == -1) {
+      atomicAdd(&lookups_s, 1ull);
+      const int pos = atomicAdd(&n_miss_s, 1);
+      if (pos < a.scratch_pages) {
+        misses[pos] = static_cast<int32_t>(flat);
+      } else {
+        atomicAdd(&unresolved_s, 1ull);
+        a.table[flat] = -1;
+      }
+    }
+  }
+  __syncthreads();
+  const int m = n_miss_s < a.scratch_pages ? n_miss_s : static_cast<int>(a.scratch_pages);
+
+  // b. Victims, a window of up to 1024 slots at a time. A victim is stamped at once, so a later
+  // window (after the hand wraps) sees it pinned.
+  int32_t* victims = a.scratch + 1 + a.scratch_pages;
+  const int window = n < kResolveThreads ? static_cast<int>(n) : kResolveThreads;
+  while (!done_s && taken_s < m) {  // uniform: shared values read after a barrier
+    const long long start = hand_s;
+    if (tid < window) {
+      long long s = start + tid;
+      if (s >= n) s -= n;
+      pinned_s[tid] = a.slot_stamp[s] == epoch;
+      ref_s[tid] = a.slot_ref[s];
+    }
+    __syncthreads();
+    if (tid < 32) {
+      const int lane = tid;
+      int taken = taken_s;
+      long long passed = passed_s;
+      long long after_victim = last_hand_s;
+      bool served = false, pinned_out = false;
+      int stop = window;
+      for (int c = 0; c < window; c += 32) {
+        const int j = c + lane;
+        const bool in = j < window;
+        const bool cand = in && !pinned_s[j] && !ref_s[j];
+        unsigned mask = __ballot_sync(0xffffffffu, cand);
+        const int len = window - c < 32 ? window - c : 32;
+        int last = -1;
+        while (mask != 0 && taken < m) {
+          const int l = __ffs(mask) - 1;
+          mask &= mask - 1;
+          long long s = start + c + l;
+          if (s >= n) s -= n;
+          if (lane == 0) {
+            victims[taken] = static_cast<int32_t>(s);
+            a.slot_stamp[s] = epoch;
+          }
+          ++taken;
+          last = l;
+          after_victim = s + 1 == n ? 0 : s + 1;
+        }
+        passed = last >= 0 ? len - last - 1 : passed + len;
+        if (taken >= m) {
+          served = true;
+          stop = c + last + 1;
+        } else if (passed >= 2 * n) {
+          pinned_out = true;  // every slot pinned: the hand has gone round twice
+        }
+        // The reference bits the hand passed in this chunk are cleared.
+        const int limit = served ? stop : c + len;
+        if (in && j < limit && !pinned_s[j] && ref_s[j]) {
+          long long s = start + j;
+          if (s >= n) s -= n;
+          a.slot_ref[s] = 0;
+        }
+        if (served || pinned_out) break;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        taken_s = taken;
+        passed_s = passed;
+        last_hand_s = after_victim;
+        if (pinned_out) {
+          // The sequential clock stops 2n slots after its last victim: the same position.
+          hand_s = after_victim;
+          done_s = 1;
+        } else {
+          long long h = start + stop;
+          if (h >= n) h -= n;
+          hand_s = h;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // c. Assignment.
+  const int taken = taken_s;
+  for (int k = tid; k < m; k += kResolveThreads) {
+    const int32_t flat = misses[k];
+    if (k < taken) {
+      const int32_t s = victims[k];
+      const int32_t old = a.slot_page[s];
+      if (old >= 0) {
+        a.table[old] = -1;
+        atomicAdd(&evictions_s, 1ull);
+      }
+      a.slot_page[s] = flat;
+      a.table[flat] = s;
+      a.slot_stamp[s] = epoch;
+      a.slot_ref[s] = 1;
+    } else {
+      a.table[flat] = -1;
+      atomicAdd(&unresolved_s, 1ull);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    a.scratch[0] = taken;
+    a.counters[kHand] = hand_s;
+    a.counters[kLookups] += static_cast<long long>(lookups_s);
+    a.counters[kHits] += static_cast<long long>(hits_s);
+    a.counters[kFills] += taken;
+    a.counters[kEvictions] += static_cast<long long>(evictions_s);
+    a.counters[kUnresolved] += static_cast<long long>(unresolved_s);
+  }
+}
+
+// Work item w: page w / (2 * chunks), half (w / chunks) % 2, chunk w % chunks of
+// kCopyThreads * kCopyUnroll vectors.
+template <typename V>
+__global__ void __launch_bounds__(kCopyThreads) ResolveCopyKernel(ResolveArgs a) {
+  const int taken = a.scratch[0];
+  const int32_t* pages = a.scratch + 1;
+  const int32_t* victims = a.scratch + 1 + a.scratch_pages;
+  const int64_t half_vecs = a.half_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t per_chunk = static_cast<int64_t>(kCopyThreads) * kCopyUnroll;
+  const int64_t chunks = (half_vecs + per_chunk - 1) / per_chunk;
+  const int64_t items = static_cast<int64_t>(taken) * 2 * chunks;
+  for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+    const int64_t k = w / (2 * chunks);
+    const int half = static_cast<int>((w / chunks) & 1);
+    const int64_t chunk = w % chunks;
+    const V* src = static_cast<const V*>(a.sources[pages[k]]) + half * half_vecs;
+    V* dst = static_cast<V*>(half == 0 ? a.k_pool : a.v_pool) +
+             static_cast<int64_t>(victims[k]) * half_vecs;
+    const int64_t base = chunk * per_chunk;
+    V r[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * kCopyThreads + threadIdx.x;
+      if (i < half_vecs) r[u] = src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + u * kCopyThreads + threadIdx.x;
+      if (i < half_vecs) dst[i] = r[u];
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchResolvePages(const ResolveArgs& a, cudaStream_t stream) {
+  ResolveKernel<<<1, kResolveThreads, 0, stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  // 16-byte vectors when the page halves allow (the host checked the source addresses when the
+  // cache was made: sources_aligned below is part of the contract of the state).
+  if (a.half_bytes % 16 == 0) {
+    ResolveCopyKernel<uint4><<<kCopyBlocks, kCopyThreads, 0, stream>>>(a);
+  } else {
+    ResolveCopyKernel<uint8_t><<<kCopyBlocks, kCopyThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace strata::kernels::cuda_internal
