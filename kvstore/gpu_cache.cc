@@ -39,6 +39,10 @@ absl::Status GpuCacheOptions::Validate() const {
         absl::StrCat("gpu cache: max_batch_pages must be > 0, got ", max_batch_pages));
   }
   if (source == nullptr) return absl::InvalidArgumentError("gpu cache: source is null");
+  if (device_managed && (!hold_source_pages || in_place_allocator == nullptr)) {
+    return absl::InvalidArgumentError(
+        "gpu cache: device_managed needs hold_source_pages and an in_place_allocator");
+  }
   return absl::OkStatus();
 }
 
@@ -114,6 +118,139 @@ absl::Status GpuPageCache::Init() {
     }
     held_ = std::move(held);
   }
+  if (options_.device_managed) STRATA_RETURN_IF_ERROR(InitDeviceState());
+  return absl::OkStatus();
+}
+
+absl::Status GpuPageCache::InitDeviceState() {
+  // Every page must be readable by the device where it lies.
+  std::vector<const void*> sources(static_cast<size_t>(table_size_));
+  const bool vec16 = half_bytes_ % 16 == 0;
+  for (int64_t i = 0; i < table_size_; ++i) {
+    const PageRef& page = held_[static_cast<size_t>(i)];
+    if (page->allocator() != options_.in_place_allocator) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "gpu cache: device_managed needs every page in the in-place allocator's memory; page ",
+          i, " is not"));
+    }
+    const char* k = PageKBytes(page->view()).data();
+    if (vec16 && (reinterpret_cast<uintptr_t>(k) & 15) != 0) {
+      return absl::FailedPreconditionError("gpu cache: device_managed needs 16-byte aligned pages");
+    }
+    sources[static_cast<size_t>(i)] = k;
+  }
+  const size_t n = static_cast<size_t>(options_.num_slots);
+  const int64_t scratch_pages = options_.num_slots;
+  STRATA_ASSIGN_OR_RETURN(d_slot_page_, backend_->Allocate(n * sizeof(int32_t)));
+  STRATA_ASSIGN_OR_RETURN(d_stamp_, backend_->Allocate(n * sizeof(uint32_t)));
+  STRATA_ASSIGN_OR_RETURN(d_ref_, backend_->Allocate(n));
+  STRATA_ASSIGN_OR_RETURN(d_counters_,
+                          backend_->Allocate(kernels::kPageCacheCounterCount * sizeof(int64_t)));
+  STRATA_ASSIGN_OR_RETURN(d_scratch_, backend_->Allocate(
+                                          static_cast<size_t>(1 + 2 * scratch_pages) * 4));
+  STRATA_ASSIGN_OR_RETURN(d_sources_, backend_->Allocate(sources.size() * sizeof(void*)));
+  const std::vector<int32_t> minus(n, -1);
+  const std::vector<uint32_t> zeros(n, 0);
+  const std::vector<int64_t> counters(kernels::kPageCacheCounterCount, 0);
+  kernels::Stream st = options_.stream;
+  STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(d_slot_page_->data(), minus.data(), n * 4, st));
+  STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(d_stamp_->data(), zeros.data(), n * 4, st));
+  STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(d_ref_->data(), zeros.data(), n, st));
+  STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(d_counters_->data(), counters.data(),
+                                                counters.size() * sizeof(int64_t), st));
+  STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(d_sources_->data(), sources.data(),
+                                                sources.size() * sizeof(void*), st));
+  STRATA_RETURN_IF_ERROR(backend_->Synchronize(st));
+  kernels::PageCacheState& d = device_state_;
+  d.table = static_cast<int32_t*>(device_table_->data());
+  d.table_size = table_size_;
+  d.slot_page = static_cast<int32_t*>(d_slot_page_->data());
+  d.slot_stamp = static_cast<uint32_t*>(d_stamp_->data());
+  d.slot_ref = static_cast<uint8_t*>(d_ref_->data());
+  d.num_slots = options_.num_slots;
+  d.counters = static_cast<int64_t*>(d_counters_->data());
+  d.scratch = static_cast<int32_t*>(d_scratch_->data());
+  d.scratch_pages = scratch_pages;
+  d.sources = static_cast<const void* const*>(d_sources_->data());
+  d.k_pool = k_pool();
+  d.v_pool = v_pool();
+  synced_counters_ = counters;
+  return absl::OkStatus();
+}
+
+absl::Status GpuPageCache::EnqueueResolve(int layer, int64_t prefix_end,
+                                          const kernels::CandidateList& middle,
+                                          int64_t suffix_begin, int64_t suffix_end) {
+  if (!options_.device_managed) {
+    return absl::FailedPreconditionError("gpu cache: EnqueueResolve needs device_managed");
+  }
+  if (layer < 0 || layer >= options_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("gpu cache: layer ", layer, " of ",
+                                                   options_.num_layers));
+  }
+  // The most distinct pages one head's selection can name; every one must find a victim.
+  const int64_t P = options_.page_size, pph = options_.pages_per_head;
+  const int64_t prefix_pages = std::min(pph, (std::max<int64_t>(0, prefix_end) + P - 1) / P);
+  const int64_t suffix_pages =
+      suffix_end > suffix_begin && suffix_begin >= 0 ? (suffix_end - 1) / P - suffix_begin / P + 1
+                                                     : 0;
+  // A run of f consecutive token ids spans at most ceil(f / P) + 1 pages (f / P when aligned).
+  int64_t middle_pages = 0;
+  if (middle.parents.data == nullptr) {
+    middle_pages = middle.end > middle.begin ? (middle.end - 1) / P - middle.begin / P + 1 : 0;
+  } else if (middle.parents.rank == 2) {
+    const int64_t f = middle.fanout;
+    const int64_t per_parent = f % P == 0 ? f / P : std::min<int64_t>(f, (f + P - 1) / P + 1);
+    middle_pages = middle.parents.dim(1) * per_parent;
+  }
+  const int64_t per_head =
+      std::min(pph, prefix_pages + std::min(pph, middle_pages) + std::min(pph, suffix_pages));
+  if (per_head * options_.num_kv_heads > options_.num_slots) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "gpu cache: a selection of up to ", per_head * options_.num_kv_heads,
+        " pages per layer does not fit ", options_.num_slots, " slots"));
+  }
+  kernels::ResolvePagesParams p;
+  std::lock_guard<std::mutex> lock(mu_);
+  p.state = device_state_;
+  p.table_base = static_cast<int64_t>(layer) * options_.num_kv_heads * pph;
+  p.num_kv_heads = options_.num_kv_heads;
+  p.pages_per_head = pph;
+  p.page_size = options_.page_size;
+  p.prefix_end = prefix_end;
+  p.middle = middle;
+  p.suffix_begin = suffix_begin;
+  p.suffix_end = suffix_end;
+  return backend_->ResolvePages(p, options_.stream);
+}
+
+absl::Status GpuPageCache::SyncDeviceStats() {
+  if (!options_.device_managed) {
+    return absl::FailedPreconditionError("gpu cache: SyncDeviceStats needs device_managed");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> c(kernels::kPageCacheCounterCount);
+  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(c.data(), d_counters_->data(),
+                                              c.size() * sizeof(int64_t), options_.stream));
+  STRATA_RETURN_IF_ERROR(backend_->Synchronize(options_.stream));
+  auto delta = [&](kernels::PageCacheCounter k) { return c[k] - synced_counters_[k]; };
+  const int64_t lookups = delta(kernels::kPageCacheLookups);
+  const int64_t hits = delta(kernels::kPageCacheHits);
+  const int64_t fills = delta(kernels::kPageCacheFills);
+  const int64_t evictions = delta(kernels::kPageCacheEvictions);
+  stats_.lookups += lookups;
+  stats_.hits += hits;
+  stats_.fills += fills;
+  stats_.fill_bytes += fills * static_cast<int64_t>(page_bytes_);
+  stats_.evictions += evictions;
+  stats_.in_place += fills;
+  m_.lookups->Increment(static_cast<double>(lookups));
+  m_.hits->Increment(static_cast<double>(hits));
+  m_.evictions->Increment(static_cast<double>(evictions));
+  fetch_bytes_->Increment(static_cast<double>(fills) * static_cast<double>(page_bytes_));
+  resident_ = c[kernels::kPageCacheFills] - c[kernels::kPageCacheEvictions];
+  synced_counters_ = std::move(c);
+  PublishGauges();
   return absl::OkStatus();
 }
 
@@ -352,6 +489,9 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
 
 absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy policy,
                                    std::vector<int32_t>* slots) {
+  if (options_.device_managed) {
+    return absl::FailedPreconditionError("gpu cache: Status GpuPageCache is host-managed only (device_managed)");
+  }
   if (slots == nullptr) return absl::InvalidArgumentError("gpu cache: slots is null");
   Stopwatch watch;
   std::lock_guard<std::mutex> lock(mu_);
@@ -468,6 +608,9 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
 }
 
 absl::Status GpuPageCache::Release(absl::Span<const int32_t> slots) {
+  if (options_.device_managed) {
+    return absl::FailedPreconditionError("gpu cache: Status GpuPageCache is host-managed only (device_managed)");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   // release_count_ is all zero between calls.
   absl::Status error;
@@ -499,6 +642,9 @@ absl::Status GpuPageCache::Release(absl::Span<const int32_t> slots) {
 }
 
 absl::Status GpuPageCache::Prefetch(absl::Span<const GpuPageId> pages, int64_t* issued) {
+  if (options_.device_managed) {
+    return absl::FailedPreconditionError("gpu cache: Status GpuPageCache is host-managed only (device_managed)");
+  }
   if (issued != nullptr) *issued = 0;
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> missing;
@@ -530,6 +676,9 @@ absl::Status GpuPageCache::WaitForFills() {
 }
 
 absl::StatusOr<int32_t> GpuPageCache::SlotOf(const GpuPageId& page) const {
+  if (options_.device_managed) {
+    return absl::FailedPreconditionError("gpu cache: StatusOr<int32_t> GpuPageCache is host-managed only (device_managed)");
+  }
   STRATA_ASSIGN_OR_RETURN(int64_t id, FlatIndex(page));
   std::lock_guard<std::mutex> lock(mu_);
   return table_[id];

@@ -38,6 +38,14 @@
 // fetch duration (one Acquire that filled pages with kWait, including the wait), and
 // strata_kv_fetch_bytes_total{src="host",dst="gpu"} (bytes filled).
 //
+// Device-managed mode (GpuCacheOptions::device_managed): the clock, pins, page table and counters
+// live in backend memory and EnqueueResolve makes a selection's pages resident with one
+// stream-ordered op (Backend::ResolvePages): the misses are read by the device from the host
+// tier's pinned pages in place, nothing waits on the host and the call can be captured in a CUDA
+// graph with the attention that reads the slots. The host-side Acquire / Release / Prefetch /
+// SlotOf are then FailedPrecondition; stats(), the metrics and resident_pages() follow the device
+// counters as of the last SyncDeviceStats().
+//
 // Not yet: one cache serves one document (a worker with several documents needs one per document
 // or a shared pool); fp8 pages are refused (Unimplemented) rather than dequantised on the fly;
 // waits are host-side Synchronize calls on `stream` (no events between streams).
@@ -91,6 +99,11 @@ struct GpuCacheOptions {
   // Default: false (the gauges are set to this cache's values).
   bool additive_gauges = false;
   kernels::Stream stream = nullptr;  // where fills run (nullptr: the backend's default)
+  // Device-managed mode (see the file comment). Needs hold_source_pages and in_place_allocator,
+  // every page of the document allocated by it (so that the device can read it in place) and,
+  // when a page half is a multiple of 16 bytes, 16-byte aligned page bytes: Create fails
+  // (FailedPrecondition) otherwise. Costs 13 bytes per slot and 8 per page of backend memory.
+  bool device_managed = false;
 
   absl::Status Validate() const;
 };
@@ -160,6 +173,25 @@ class GpuPageCache {
   // Waits until every issued fill has landed.
   absl::Status WaitForFills();
 
+  // Device-managed mode: queues on `stream` the op that makes resident, for every KV head of
+  // `layer`, the pages of the tokens a SelectedAttention over the same prefix_end / middle /
+  // suffix attends (Backend::ResolvePages; the middle's parents, if any, are read on the device
+  // when the op runs). A SelectedAttention queued after it on `stream`, over k_pool(), v_pool() and
+  // the layer's rows of device_table() ([num_kv_heads, pages_per_head] from
+  // device_table() + layer * num_kv_heads * pages_per_head), reads every such page. Each call
+  // pins its own pages only (against its own evictions); the slots of earlier calls may be
+  // refilled by later ones, so queue the reading attention before the next call, on `stream`.
+  // FailedPrecondition without device_managed; InvalidArgument for a layer or selection out of
+  // range; ResourceExhausted when the selection can name more pages than there are slots (a call
+  // must never run out of victims).
+  absl::Status EnqueueResolve(int layer, int64_t prefix_end, const kernels::CandidateList& middle,
+                              int64_t suffix_begin, int64_t suffix_end);
+
+  // Device-managed mode: waits for `stream`, reads the device counters and brings stats(), the
+  // metrics and resident_pages() up to date. FailedPrecondition without device_managed. Not
+  // during a graph capture.
+  absl::Status SyncDeviceStats();
+
   // The slot of a page on the host (-1 when absent); InvalidArgument out of range.
   absl::StatusOr<int32_t> SlotOf(const GpuPageId& page) const;
 
@@ -216,6 +248,12 @@ class GpuPageCache {
 
   std::unique_ptr<kernels::Buffer> k_pool_, v_pool_, device_table_;
   std::vector<PageRef> held_;  // hold_source_pages: flat index -> page (immutable after Init)
+  // device_managed: the state of kernels::PageCacheState in backend memory.
+  std::unique_ptr<kernels::Buffer> d_slot_page_, d_stamp_, d_ref_, d_counters_, d_scratch_,
+      d_sources_;
+  kernels::PageCacheState device_state_;
+  std::vector<int64_t> synced_counters_;  // guarded by mu_: the counters at the last sync
+  absl::Status InitDeviceState();
 
   mutable std::mutex mu_;
   std::vector<int32_t> table_;      // guarded by mu_: flat index -> slot or -1

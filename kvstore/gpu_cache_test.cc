@@ -583,6 +583,99 @@ TEST_F(GpuCacheTest, PagesInBackendHostMemoryAreReadInPlace) {
   ExpectConsistent(*c);
 }
 
+// Device-managed mode (on the CPU backend, whose ResolvePages is the specification): a host tier
+// in AllocateHost memory, selections made resident by EnqueueResolve, the table rows read back,
+// the counters synced into stats() and the metrics, and the host-managed calls refused.
+TEST_F(GpuCacheTest, DeviceManagedResolvesSelectionsWithoutHostBookkeeping) {
+  BackendPageAllocator alloc(backend_.get(), layout_.page.EncodedBytes(), 1 << 16);
+  HostCacheOptions ho;
+  ho.allocator = &alloc;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto pinned_host, HostCache::Create(ho));
+  std::vector<PageKey> keys;
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (uint32_t h = 0; h < kHeads; ++h) {
+      for (uint32_t p = 0; p < kPages; ++p) keys.push_back(PageKey{doc_, l, h, p});
+    }
+  }
+  std::vector<PageRef> all;
+  STRATA_ASSERT_OK(host_->GetPages(keys, &all));
+  std::vector<PageWrite> writes;
+  for (size_t i = 0; i < keys.size(); ++i) writes.push_back(PageWrite{keys[i], all[i]});
+  STRATA_ASSERT_OK(pinned_host->Put(writes, {}));  // copied into the allocator's memory
+
+  GpuCacheOptions o = Options(10);
+  o.device_managed = true;
+  o.source = pinned_host.get();
+  EXPECT_THAT(GpuPageCache::Create(o, backend_.get()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // needs held pages in place
+  o.hold_source_pages = true;
+  o.in_place_allocator = &alloc;
+  GpuCacheOptions plain = o;
+  plain.source = host_.get();  // pages outside the allocator
+  EXPECT_THAT(GpuPageCache::Create(plain, backend_.get()).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto c, GpuPageCache::Create(o, backend_.get()));
+
+  std::vector<int32_t> parents = {3, 7, -1, /*head 1:*/ 7, 2, 9};
+  kernels::CandidateList mid;
+  mid.parents = kernels::TensorView(parents.data(), kernels::DType::kI32, {kHeads, 3});
+  mid.fanout = kP;
+  mid.begin = kP;  // page 0 comes from the prefix
+  mid.end = kPages * kP;
+  auto check_layer = [&](int layer, const std::vector<std::vector<int>>& want) {
+    std::vector<int32_t> table(c->table_size());
+    STRATA_ASSERT_OK(backend_->CopyToHost(table.data(), c->device_table(),
+                                          table.size() * sizeof(int32_t), nullptr));
+    for (int h = 0; h < kHeads; ++h) {
+      for (int p : want[h]) {
+        const int32_t s = table[(layer * kHeads + h) * kPages + p];
+        ASSERT_GE(s, 0) << "layer " << layer << " head " << h << " page " << p;
+        ExpectSlotHolds(*c, s, GpuPageId{layer, h, p});
+      }
+    }
+  };
+  STRATA_ASSERT_OK(c->EnqueueResolve(1, /*prefix_end=*/kP, mid, 0, 0));
+  check_layer(1, {{0, 3, 7}, {0, 7, 2, 9}});
+  STRATA_ASSERT_OK(c->SyncDeviceStats());
+  GpuCacheStats s = c->stats();
+  EXPECT_EQ(s.lookups, 7);
+  EXPECT_EQ(s.hits, 0);
+  EXPECT_EQ(s.fills, 7);
+  EXPECT_EQ(c->resident_pages(), 7);
+  // Same selection on layer 1 again: all hits. Then layer 0 needs 8 slots: the 3 never used,
+  // then (every reference bit cleared by the hand) 5 evictions.
+  STRATA_ASSERT_OK(c->EnqueueResolve(1, kP, mid, 0, 0));
+  STRATA_ASSERT_OK(c->EnqueueResolve(0, kP, mid, /*suffix=*/(kPages - 1) * kP, kPages * kP));
+  check_layer(0, {{0, 3, 7, 9}, {0, 7, 2, 9}});
+  STRATA_ASSERT_OK(c->SyncDeviceStats());
+  s = c->stats();
+  EXPECT_EQ(s.lookups, 7 + 7 + 8);
+  EXPECT_EQ(s.hits, 7);
+  EXPECT_EQ(s.fills, 15);
+  EXPECT_EQ(s.evictions, 5);
+  EXPECT_EQ(c->resident_pages(), 10);
+  EXPECT_EQ(s.fill_bytes, 15 * c->page_bytes());
+  EXPECT_EQ(registry_.Collect().empty(), false);
+
+  // A selection that could name more pages than there are slots is refused; host calls too.
+  kernels::CandidateList wide = mid;
+  std::vector<int32_t> many(kHeads * 5, 1);
+  wide.parents = kernels::TensorView(many.data(), kernels::DType::kI32, {kHeads, 5});
+  EXPECT_THAT(c->EnqueueResolve(0, kP, wide, 0, 0),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(c->EnqueueResolve(kLayers, kP, mid, 0, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  std::vector<int32_t> slots;
+  EXPECT_THAT(c->Acquire(Pages({1}, 0, 0), MissPolicy::kWait, &slots),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(c->Prefetch(Pages({1}, 0, 0)), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(c->SlotOf(GpuPageId{0, 0, 1}).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  auto host_managed = Make(4);
+  EXPECT_THAT(host_managed->EnqueueResolve(0, kP, mid, 0, 0),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
 // Attention over cache slots equals attention over a pool holding every page at its own index:
 // the cache's pools are in the KvCache slot layout, so spans may name cache slots directly.
 TEST_F(GpuCacheTest, PagedAttentionOverCacheSlotsMatchesAFullPool) {
