@@ -160,6 +160,140 @@ TEST(DecodeGraphTest, ReplayMatchesNormalPathOnGpu) {
   }
 }
 
+// A document attended on the device by a capturable hook: SelectedAttention over every token of
+// a KvCache prefilled with the document (its page table in backend memory), as a device-managed
+// GpuCacheAttention does through its cache's table.
+class DocumentHook : public ExternalAttention {
+ public:
+  static absl::StatusOr<std::unique_ptr<DocumentHook>> Create(kernels::Backend* be, KvCache* doc,
+                                                              int64_t doc_len) {
+    auto h = std::unique_ptr<DocumentHook>(new DocumentHook);
+    h->be_ = be;
+    h->doc_ = doc;
+    h->doc_len_ = doc_len;
+    const KvCacheOptions& o = doc->options();
+    for (int l = 0; l < o.num_layers; ++l) {
+      std::vector<int32_t> t;
+      for (int g = 0; g < o.num_kv_heads; ++g) {
+        for (int64_t p = 0; p < doc->pages_per_head(); ++p) t.push_back(doc->SlotOf(l, g, p));
+      }
+      STRATA_ASSIGN_OR_RETURN(auto buf, be->Allocate(t.size() * 4));
+      STRATA_RETURN_IF_ERROR(be->CopyToDevice(buf->data(), t.data(), t.size() * 4, nullptr));
+      h->tables_.push_back(std::move(buf));
+    }
+    return h;
+  }
+  absl::Status Attend(int, const float*, int, int, int64_t,
+                      std::vector<AttentionPartial>*) override {
+    return absl::UnimplementedError("device only");
+  }
+  bool AttendsOnDevice() const override { return true; }
+  bool CapturableOnDevice() const override { return true; }
+  absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t,
+                              const kernels::TensorView& out,
+                              const kernels::TensorView& lse) override {
+    ++calls;
+    const KvCacheOptions& o = doc_->options();
+    for (int64_t t = 0; t < q.dim(0); ++t) {  // rows are independent: the document precedes
+      const int64_t hq = q.dim(1), d = q.dim(2);
+      kernels::SelectedAttentionParams p;
+      p.q = kernels::TensorView(static_cast<float*>(q.data) + t * hq * d, DType::kF32, {1, hq, d});
+      p.k_pool = doc_->k_pool(layer);
+      p.v_pool = doc_->v_pool(layer);
+      p.page_table = tables_[layer]->View(DType::kI32, {o.num_kv_heads, doc_->pages_per_head()});
+      p.prefix_end = doc_len_;
+      p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+      p.out = kernels::TensorView(static_cast<float*>(out.data) + t * hq * d, DType::kF32,
+                                  {1, hq, d});
+      p.lse = kernels::TensorView(static_cast<float*>(lse.data) + t * hq, DType::kF32, {1, hq});
+      STRATA_RETURN_IF_ERROR(be_->SelectedAttention(p, nullptr));
+    }
+    return absl::OkStatus();
+  }
+  int calls = 0;
+
+ private:
+  DocumentHook() = default;
+  kernels::Backend* be_ = nullptr;
+  KvCache* doc_ = nullptr;
+  int64_t doc_len_ = 0;
+  std::vector<std::unique_ptr<kernels::Buffer>> tables_;
+};
+
+// decode_graph with a capturable ExternalAttention: the hook is recorded in the step graph (one
+// AttendOnDevice per layer at capture, none after), and the logits and greedy tokens follow the
+// normal path with the same hook; both also follow one cache holding document and prompt.
+TEST(DecodeGraphTest, ReplayWithACapturableDocumentHookMatchesNormalPath) {
+  std::string why;
+  std::unique_ptr<kernels::Backend> backend = CudaBackendOrNull(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  std::unique_ptr<TestModel> m = MakeWideModel(128, DType::kBF16);
+  const model::ModelConfig& c = m->config;
+  TransformerOptions plain_o, graph_o;
+  graph_o.decode_graph = true;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto plain,
+                              Transformer::Create(c, m->weights, backend.get(), plain_o));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto graph,
+                              Transformer::Create(c, m->weights, backend.get(), graph_o));
+  const int doc_len = 83, prompt_len = 5, steps = 24;
+  std::mt19937 rng(17);
+  std::vector<int32_t> tokens(doc_len + prompt_len);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % c.vocab_size);
+  std::vector<float> la(c.vocab_size), lb(c.vocab_size), lw(c.vocab_size);
+  STRATA_ASSERT_OK_AND_ASSIGN(
+      auto doc, KvCache::Create(plain->MakeCacheOptions(doc_len, 16, DType::kF32), backend.get()));
+  auto dense = MakeDensePolicy();
+  STRATA_ASSERT_OK(plain->Forward(tokens.data(), doc_len, 0, doc.get(), dense.get(), la.data(),
+                                  false));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto hook_a, DocumentHook::Create(backend.get(), doc.get(), doc_len));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto hook_b, DocumentHook::Create(backend.get(), doc.get(), doc_len));
+  const int64_t local_tokens = prompt_len + steps + 3;
+  STRATA_ASSERT_OK_AND_ASSIGN(
+      auto ca, KvCache::Create(plain->MakeCacheOptions(local_tokens, 16, DType::kF32), backend.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(
+      auto cb, KvCache::Create(graph->MakeCacheOptions(local_tokens, 16, DType::kF32), backend.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(
+      auto cw, KvCache::Create(plain->MakeCacheOptions(doc_len + local_tokens, 16, DType::kF32),
+                               backend.get()));
+  auto pa = MakeDensePolicy(), pb = MakeDensePolicy(), pw = MakeDensePolicy();
+  ForwardOptions fa, fb;
+  fa.cache_first_position = fb.cache_first_position = doc_len;
+  fa.external = hook_a.get();
+  fb.external = hook_b.get();
+  const int32_t* prompt = tokens.data() + doc_len;
+  STRATA_ASSERT_OK(plain->Forward(prompt, prompt_len, doc_len, ca.get(), pa.get(), la.data(),
+                                  false, fa));
+  STRATA_ASSERT_OK(graph->Forward(prompt, prompt_len, doc_len, cb.get(), pb.get(), lb.data(),
+                                  false, fb));
+  STRATA_ASSERT_OK(plain->Forward(tokens.data(), doc_len + prompt_len, 0, cw.get(), pw.get(),
+                                  lw.data(), false));
+  int32_t ta = Argmax(la), tb = Argmax(lb), tw = Argmax(lw);
+  const int calls_before = hook_b->calls;
+  double worst = 0, worst_whole = 0;
+  for (int s = 0; s < steps; ++s) {
+    ASSERT_EQ(ta, tb) << "step " << s;
+    ASSERT_EQ(ta, tw) << "step " << s;
+    const int64_t pos = doc_len + prompt_len + s;
+    STRATA_ASSERT_OK(plain->Forward(&ta, 1, pos, ca.get(), pa.get(), la.data(), false, fa));
+    STRATA_ASSERT_OK(graph->Forward(&tb, 1, pos, cb.get(), pb.get(), lb.data(), false, fb));
+    STRATA_ASSERT_OK(plain->Forward(&tw, 1, pos, cw.get(), pw.get(), lw.data(), false));
+    for (int i = 0; i < c.vocab_size; ++i) {
+      worst = std::max(worst, std::fabs(static_cast<double>(la[i]) - lb[i]));
+      worst_whole = std::max(worst_whole, std::fabs(static_cast<double>(la[i]) - lw[i]));
+    }
+    ta = Argmax(la);
+    tb = Argmax(lb);
+    tw = Argmax(lw);
+  }
+  EXPECT_LE(worst, 1e-4);
+  EXPECT_LE(worst_whole, 1e-3);
+  EXPECT_EQ(graph->graph_steps(), steps);
+  // Recorded once per layer at the capture, never called again.
+  EXPECT_EQ(hook_b->calls - calls_before, c.num_layers);
+  std::printf("  document hook in the graph: %d steps, max |logit diff| %.3g (whole cache %.3g)\n",
+              steps, worst, worst_whole);
+}
+
 TEST(DecodeGraphTest, CpuBackendIgnoresTheOption) {
   std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
   std::unique_ptr<TestModel> m = MakeWideModel(64, DType::kF32);

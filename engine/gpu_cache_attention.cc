@@ -26,6 +26,11 @@ absl::StatusOr<std::unique_ptr<GpuCacheAttention>> GpuCacheAttention::Create(
   if (options.max_pages_per_chunk < 0) {
     return absl::InvalidArgumentError("GpuCacheAttention: max_pages_per_chunk < 0");
   }
+  if (c.device_managed && (!options.device_path || !options.device_chooser || c.stream != nullptr)) {
+    return absl::InvalidArgumentError(
+        "GpuCacheAttention: a device-managed cache needs device_path, a device_chooser and the "
+        "cache on the default stream");
+  }
   return std::unique_ptr<GpuCacheAttention>(new GpuCacheAttention(options, cache, backend));
 }
 
@@ -202,6 +207,7 @@ absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorV
     return absl::InvalidArgumentError("GpuCacheAttention: queries inside the document");
   }
   ++counters_.calls;
+  if (c.device_managed) return AttendDeviceManaged(layer, q, out, lse);
 
   const size_t q_floats = static_cast<size_t>(num_tokens) * num_q_heads * d;
   const size_t lse_floats = static_cast<size_t>(num_tokens) * num_q_heads;
@@ -311,6 +317,47 @@ absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorV
     STRATA_RETURN_IF_ERROR(r);
     ++counters_.chunks;
     counters_.pages_attended += static_cast<int64_t>(part.size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuCacheAttention::AttendDeviceManaged(int layer, const kernels::TensorView& q,
+                                                    const kernels::TensorView& out,
+                                                    const kernels::TensorView& lse) {
+  const kvstore::GpuCacheOptions& c = cache_->options();
+  const int64_t hkv = c.num_kv_heads, d = c.head_dim;
+  const int64_t num_tokens = q.dim(0), hq = q.dim(1);
+  // One token at a time: every document token precedes every query, so rows are independent.
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const kernels::TensorView qt(static_cast<float*>(q.data) + t * hq * d, kernels::DType::kF32,
+                                 {1, hq, d});
+    DeviceTokenSelection sel;
+    STRATA_RETURN_IF_ERROR(options_.device_chooser(layer, qt, nullptr, &sel));
+    if (!sel.valid) {
+      return absl::InvalidArgumentError(
+          "GpuCacheAttention: the device chooser gave no device selection (device-managed cache)");
+    }
+    STRATA_RETURN_IF_ERROR(cache_->EnqueueResolve(layer, sel.prefix_end, sel.middle,
+                                                  sel.suffix_begin, sel.suffix_end));
+    kernels::SelectedAttentionParams sp;
+    sp.q = qt;
+    sp.k_pool = cache_->k_pool();
+    sp.v_pool = cache_->v_pool();
+    sp.page_table = kernels::TensorView(
+        const_cast<int32_t*>(cache_->device_table()) + layer * hkv * c.pages_per_head,
+        kernels::DType::kI32, {hkv, c.pages_per_head});
+    sp.prefix_end = sel.prefix_end;
+    sp.middle = sel.middle;
+    sp.suffix_begin = sel.suffix_begin;
+    sp.suffix_end = sel.suffix_end;
+    sp.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    sp.out = kernels::TensorView(static_cast<float*>(out.data) + t * hq * d, kernels::DType::kF32,
+                                 {1, hq, d});
+    sp.lse = kernels::TensorView(static_cast<float*>(lse.data) + t * hq, kernels::DType::kF32,
+                                 {1, hq});
+    STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(sp, nullptr));
+    ++counters_.chunks;
+    ++counters_.selected_attention;
   }
   return absl::OkStatus();
 }

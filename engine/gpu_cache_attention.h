@@ -94,6 +94,9 @@ struct DeviceTokenSelection {
 // with Backend::SelectedAttention over the cache's device page table (no span list planned on the
 // host; the backend's errors, Unimplemented included, end the call); otherwise through
 // PagedAttention.
+// With a device-managed cache (kvstore::GpuCacheOptions::device_managed) `pages` is null: only
+// *selection is wanted (it must be filled and valid), nothing needs to reach the host, and the
+// call must queue device work only (no host reads or waits) so that it can be captured in a graph.
 using DevicePageChooser = std::function<absl::Status(
     int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
     DeviceTokenSelection* selection)>;
@@ -110,6 +113,9 @@ struct GpuCacheAttentionOptions {
   // stream is null), misses are acquired with MissPolicy::kOrdered and released right after the
   // attention is queued: no host wait for fills. Otherwise kWait, and the hook waits for the
   // attention before releasing. Default: false (Attend, the host path).
+  // With a device-managed cache (kvstore::GpuCacheOptions::device_managed, on the default
+  // stream) the device path is the only one: Create requires device_path and device_chooser, and
+  // each query token attends with EnqueueResolve + SelectedAttention, no host round trip.
   bool device_path = false;
   DevicePageChooser device_chooser;
 };
@@ -141,6 +147,14 @@ class GpuCacheAttention : public ExternalAttention {
                               const kernels::TensorView& out,
                               const kernels::TensorView& lse) override;
 
+  // True with a device-managed cache (kvstore::GpuCacheOptions::device_managed): AttendOnDevice
+  // then queues device work only (the chooser's selection, GpuPageCache::EnqueueResolve,
+  // SelectedAttention), reads nothing on the host and does not depend on q_begin beyond its
+  // check, so a decode step that calls it can be captured in a CUDA graph and replayed.
+  bool CapturableOnDevice() const override {
+    return options_.device_path && cache_->options().device_managed;
+  }
+
   const GpuCacheAttentionCounters& counters() const { return counters_; }
 
  private:
@@ -157,6 +171,10 @@ class GpuCacheAttention : public ExternalAttention {
                            int num_tokens, int num_q_heads,
                            std::vector<kvstore::GpuPageId>* ids,
                            DeviceTokenSelection* selection = nullptr);
+  // The device-managed path of AttendOnDevice: per query token, the chooser's device selection,
+  // the cache's EnqueueResolve and SelectedAttention over the cache's table rows of `layer`.
+  absl::Status AttendDeviceManaged(int layer, const kernels::TensorView& q,
+                                   const kernels::TensorView& out, const kernels::TensorView& lse);
   // Queues PagedAttention of `part` (slots from Acquire) into out / lse.
   absl::Status AttendChunk(absl::Span<const kvstore::GpuPageId> part,
                            const std::vector<int32_t>& slots, const kernels::TensorView& q,

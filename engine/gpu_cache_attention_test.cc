@@ -20,6 +20,7 @@
 #include "engine/transformer.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/page_format.h"
 
@@ -462,6 +463,107 @@ TEST_F(GpuCacheAttentionTest, DeviceTokenSelectionAttendsThroughTheDevicePageTab
   const int64_t V = model_->config.vocab_size;
   EXPECT_GT(MaxDiff(want.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
   EXPECT_EQ(cache_b->pinned_slots(), 0);
+}
+
+TEST_F(GpuCacheAttentionTest, DeviceManagedCacheGivesTheHostPathsLogits) {
+  // The selection of the test above, through a device-managed cache (kvstore::GpuCacheOptions::
+  // device_managed: ResolvePages + SelectedAttention per query token, the prompt chunk included,
+  // no host page lists): the logits of the host path with the same pages, to rounding.
+  const int hkv = model_->config.num_kv_heads;
+  constexpr int kPagesPerHead = (kDoc + kPage - 1) / kPage;
+  const std::vector<std::vector<int32_t>> middle = {{2, 4, -1}, {1, 3, -1}};
+  auto pages_of = [&](int g) {
+    std::vector<int32_t> v = {0};
+    for (int32_t p : middle[g]) {
+      if (p >= 0) v.push_back(p);
+    }
+    v.push_back(kPagesPerHead - 1);
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  std::vector<int32_t> parents;
+  for (const auto& m : middle) parents.insert(parents.end(), m.begin(), m.end());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto parents_buf, backend_->Allocate(parents.size() * 4));
+  STRATA_ASSERT_OK(backend_->CopyToDevice(parents_buf->data(), parents.data(),
+                                          parents.size() * 4, nullptr));
+  auto cache_a = MakeCache(12);
+  ASSERT_NE(cache_a, nullptr);
+  GpuCacheAttentionOptions o;
+  o.document_tokens = kDoc;
+  o.chooser = [&](int, int g, const float*, int, int, std::vector<int32_t>* p) {
+    *p = pages_of(g);
+    return absl::OkStatus();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, GpuCacheAttention::Create(o, cache_a.get(),
+                                                                   backend_.get()));
+  std::vector<float> want, got;
+  RunAfterDocument(host.get(), &want);
+
+  // The document's pages copied into a host tier in backend host memory (read in place).
+  kvstore::PageShape shape;
+  shape.page_size = kPage;
+  shape.head_dim = model_->config.head_dim;
+  kvstore::BackendPageAllocator alloc(backend_.get(), shape.EncodedBytes(), 1 << 16);
+  kvstore::HostCacheOptions ho;
+  ho.allocator = &alloc;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto pinned, kvstore::HostCache::Create(ho));
+  std::vector<kvstore::PageKey> keys;
+  for (int l = 0; l < model_->config.num_layers; ++l) {
+    for (int g = 0; g < hkv; ++g) {
+      for (int p = 0; p < kPagesPerHead; ++p) {
+        keys.push_back(kvstore::PageKey{document_, static_cast<uint32_t>(l),
+                                        static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
+      }
+    }
+  }
+  std::vector<kvstore::PageRef> refs;
+  STRATA_ASSERT_OK(host_->GetPages(keys, &refs));
+  std::vector<kvstore::PageWrite> writes;
+  for (size_t i = 0; i < keys.size(); ++i) writes.push_back(kvstore::PageWrite{keys[i], refs[i]});
+  STRATA_ASSERT_OK(pinned->Put(writes, {}));
+  kvstore::GpuCacheOptions co = cache_a->options();
+  co.source = pinned.get();
+  co.in_place_allocator = &alloc;
+  co.hold_source_pages = true;
+  co.device_managed = true;
+  co.metrics = nullptr;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache_b, kvstore::GpuPageCache::Create(co, backend_.get()));
+
+  EXPECT_THAT(GpuCacheAttention::Create(o, cache_b.get(), backend_.get()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // host path on a device cache
+  o.chooser = nullptr;
+  o.device_path = true;
+  int calls = 0;
+  o.device_chooser = [&](int, const kernels::TensorView& q,
+                         std::vector<std::vector<int32_t>>* pages, DeviceTokenSelection* sel) {
+    ++calls;
+    if (pages != nullptr || q.dim(0) != 1) return absl::InternalError("host pages asked for");
+    sel->valid = true;
+    sel->prefix_end = kPage;
+    sel->middle.parents = parents_buf->View(DType::kI32, {hkv, 3});
+    sel->middle.fanout = kPage;
+    sel->middle.begin = kPage;
+    sel->middle.end = (kPagesPerHead - 1) * kPage;
+    sel->suffix_begin = (kPagesPerHead - 1) * kPage;
+    sel->suffix_end = kDoc;
+    return absl::OkStatus();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, GpuCacheAttention::Create(o, cache_b.get(),
+                                                                  backend_.get()));
+  EXPECT_TRUE(dev->CapturableOnDevice());
+  EXPECT_FALSE(host->CapturableOnDevice());
+  RunAfterDocument(dev.get(), &got);
+  // 5 prompt tokens and 7 decode steps, per layer, one token at a time.
+  const int L = model_->config.num_layers;
+  EXPECT_EQ(dev->counters().selected_attention, 12 * L);
+  EXPECT_EQ(calls, 12 * L);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_LE(MaxDiff(got.data(), want.data(), static_cast<int64_t>(got.size())), 1e-4f);
+  STRATA_ASSERT_OK(cache_b->SyncDeviceStats());
+  const kvstore::GpuCacheStats st = cache_b->stats();
+  EXPECT_EQ(st.lookups, 12 * L * 4 * hkv);  // 4 distinct pages per head and call
+  EXPECT_EQ(st.hits + st.fills, st.lookups);
+  EXPECT_GE(st.fills, L * 4 * hkv);
 }
 
 TEST_F(GpuCacheAttentionTest, DevicePathChecksItsArguments) {

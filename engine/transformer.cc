@@ -407,8 +407,12 @@ absl::Status Transformer::MergeDevicePartial(int64_t row0, int64_t n) {
 absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCache* cache,
                                                    AttentionPolicy* policy, float* logits_out,
                                                    const ForwardOptions& fo) {
-  if (host_memory_ || graph_unavailable_ || fo.external != nullptr ||
-      fo.device_policy != nullptr || policy->Name() != "dense") {
+  ExternalAttention* external = fo.external;
+  if (external != nullptr && !(external->AttendsOnDevice() && external->CapturableOnDevice())) {
+    return false;
+  }
+  if (host_memory_ || graph_unavailable_ || fo.device_policy != nullptr ||
+      policy->Name() != "dense") {
     return false;
   }
   kernels::Backend* be = backend_;
@@ -423,6 +427,7 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
     key.push_back(reinterpret_cast<intptr_t>(cache->k_pool(l).data));
     key.push_back(reinterpret_cast<intptr_t>(cache->v_pool(l).data));
   }
+  key.push_back(reinterpret_cast<intptr_t>(external));
   if (graph_ == nullptr || key != graph_key_) {
     graph_.reset();
     // Allocations and copies before the capture (they may not run inside one).
@@ -439,12 +444,25 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
     STRATA_ASSIGN_OR_RETURN(page_table_, be->Allocate(table.size() * sizeof(int32_t)));
     STRATA_RETURN_IF_ERROR(
         be->CopyToDevice(page_table_->data(), table.data(), table.size() * sizeof(int32_t), nullptr));
+    if (external != nullptr) {
+      // The hook's partial and the merge output, allocated before the capture.
+      const int64_t rows = options_.prefill_chunk_size, hq = config_.num_heads;
+      const int64_t d = config_.head_dim;
+      if (ext_o_ == nullptr) {
+        STRATA_ASSIGN_OR_RETURN(ext_o_, be->Allocate(static_cast<size_t>(rows * hq * d) * 4));
+        STRATA_ASSIGN_OR_RETURN(ext_lse_, be->Allocate(static_cast<size_t>(rows * hq) * 4));
+      }
+      if (merged_ == nullptr) {
+        STRATA_ASSIGN_OR_RETURN(merged_, be->Allocate(static_cast<size_t>(rows * hq * d) * 4));
+        STRATA_ASSIGN_OR_RETURN(merged_lse_, be->Allocate(static_cast<size_t>(rows * hq) * 4));
+      }
+    }
     const absl::Status begun = be->BeginCapture(nullptr);
     if (!begun.ok()) {
       graph_unavailable_ = true;
       return false;
     }
-    const absl::Status recorded = RecordGraphStep(cache);
+    const absl::Status recorded = RecordGraphStep(cache, external, pos);
     absl::StatusOr<std::unique_ptr<kernels::Graph>> graph = be->EndCapture(nullptr);
     if (!recorded.ok() || !graph.ok()) {
       // Nothing ran and no host state changed: the normal path takes this step and the next.
@@ -470,7 +488,8 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
   return true;
 }
 
-absl::Status Transformer::RecordGraphStep(KvCache* cache) {
+absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* external,
+                                          int64_t pos) {
   kernels::Backend* be = backend_;
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
@@ -528,7 +547,16 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache) {
     ap.k_pool = cache->k_pool(layer);
     ap.v_pool = cache->v_pool(layer);
     STRATA_RETURN_IF_ERROR(be->SelectedAttention(ap, nullptr));
-    STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}));
+    if (external != nullptr) {
+      STRATA_RETURN_IF_ERROR(external->AttendOnDevice(
+          layer, q3, pos, TensorView(ext_o_->data(), DType::kF32, {1, hq, d}),
+          TensorView(ext_lse_->data(), DType::kF32, {1, hq})));
+      STRATA_RETURN_IF_ERROR(MergeDevicePartial(0, 1));
+      STRATA_RETURN_IF_ERROR(
+          MatMul({View2(merged_.get(), 1, hq * d), w.o_proj, TensorView(), o}));
+    } else {
+      STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}));
+    }
     STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps}, nullptr));
     if (fw.gate_up.data != nullptr) {

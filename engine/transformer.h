@@ -46,7 +46,9 @@ struct TransformerOptions {
   // head) is captured on first use (Backend::BeginCapture / EndCapture) and replayed afterwards,
   // then the logits are copied to the host. A graph belongs to one cache's pools (a call with
   // another cache captures again). Only where the result is the plain forward's: the policy is
-  // "dense", no external attention, no device policy; other calls (and every call when the
+  // "dense", no device policy, and no external attention unless it is on the device and
+  // capturable (ExternalAttention::CapturableOnDevice: its AttendOnDevice is recorded once per
+  // layer with the step, its partial merged on the device); other calls (and every call when the
   // backend cannot capture, e.g. the CPU backend) take the normal path. Logits match the normal
   // path to rounding (attention through another kernel), not bit for bit.
   bool decode_graph = false;
@@ -102,6 +104,10 @@ class ExternalAttention {
   // [num_tokens, num_q_heads] (backend memory f32; lse -inf where nothing was attended), queued
   // on the backend's default stream, and Forward merges it on the device. Errors end the forward.
   virtual bool AttendsOnDevice() const { return false; }
+  // Whether AttendOnDevice queues device work only -- no host reads, waits or allocations, and
+  // nothing that depends on q_begin -- so that the one-token decode step can be captured in a
+  // graph with it (TransformerOptions::decode_graph) and replayed for later tokens.
+  virtual bool CapturableOnDevice() const { return false; }
   virtual absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
                                       const kernels::TensorView& out,
                                       const kernels::TensorView& lse) {
@@ -237,7 +243,9 @@ class Transformer {
                                         AttentionPolicy* policy, float* logits_out,
                                         const ForwardOptions& options);
   // Queues (or, while capturing, records) the one-token step reading step_ on the default stream.
-  absl::Status RecordGraphStep(KvCache* cache);
+  // `external`: a CapturableOnDevice hook attended (and merged) after the local attention of
+  // every layer, or null.
+  absl::Status RecordGraphStep(KvCache* cache, ExternalAttention* external, int64_t pos);
 
   model::ModelConfig config_;
   TransformerOptions options_;
