@@ -43,6 +43,14 @@
 //     device path the host-time split moves GPU time into "select" (its copy waits for the queued
 //     layers), so compare paths by ms/token. Fills are further split into source lookups (host
 //     tier), other gather work, PageCopy calls (pointer checks + launch) and host waits.
+//   Hooks "managed" and "managed-graph": the GPU page cache in device-managed mode
+//     (GpuCacheOptions::device_managed, hold_source_pages implied): per layer the device chooser's
+//     selection stays on the device (no copy to the host), GpuPageCache::EnqueueResolve makes its
+//     pages resident (Backend::ResolvePages: the clock on the device, misses read by the GPU from
+//     the pinned host tier in place) and SelectedAttention reads them: no host wait per layer.
+//     "managed-graph" also runs each one-token step as one replayed CUDA graph
+//     (TransformerOptions::decode_graph with the hook recorded in it). Hit ratio and fill bytes
+//     come from the device counters (GpuPageCache::SyncDeviceStats, outside the timed steps).
 //   --hold_source_pages=1: GpuCacheOptions::hold_source_pages (every page looked up once when the
 //     cache is made, reported as cache_create_s; misses then need no host-tier lookup).
 //   --selected_attention=1 (device hook): the device chooser also returns its selection on the
@@ -518,7 +526,7 @@ class DeviceChooser {
                             engine::DeviceTokenSelection* sel) {
     if (q.rank != 3 || q.dim(0) != 1 || q.dim(1) != hq_ || q.dim(2) != d_ || layer < 0 ||
         layer >= static_cast<int>(summaries_.size()) ||
-        static_cast<int>(pages->size()) != hkv_) {
+        (pages != nullptr && static_cast<int>(pages->size()) != hkv_)) {
       return absl::InvalidArgumentError("DeviceChooser: one query token of the model's heads only");
     }
     Stopwatch sw;
@@ -529,14 +537,16 @@ class DeviceChooser {
           backend_, TensorView(q.data, DType::kF32, {hq_, d_}),
           summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_}), window_first_, k_,
           scores_->View(DType::kF32, {hkv_, group, n}), selected_->View(DType::kI32, {hkv_, k_})));
-      Stopwatch copy;
-      STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), selected_->data(),
-                                                  host_selected_.size() * 4, nullptr));
-      copy_seconds_ += copy.ElapsedSeconds();
+      if (pages != nullptr) {  // null: a device-managed cache, nothing goes to the host
+        Stopwatch copy;
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), selected_->data(),
+                                                    host_selected_.size() * 4, nullptr));
+        copy_seconds_ += copy.ElapsedSeconds();
+      }
     } else {
       std::fill(host_selected_.begin(), host_selected_.end(), -1);
     }
-    for (int g = 0; g < hkv_; ++g) {
+    for (int g = 0; pages != nullptr && g < hkv_; ++g) {
       engine::AppendChosenPages(&host_selected_[static_cast<size_t>(g) * k_], k_, window_first_,
                                 pages_, &(*pages)[g]);
     }
@@ -634,6 +644,7 @@ class TimedAttention : public engine::ExternalAttention {
     return s;
   }
   bool AttendsOnDevice() const override { return inner_->AttendsOnDevice(); }
+  bool CapturableOnDevice() const override { return inner_->CapturableOnDevice(); }
   absl::Status AttendOnDevice(int layer, const TensorView& q, int64_t q_begin,
                               const TensorView& out, const TensorView& lse) override {
     Stopwatch sw;
@@ -661,6 +672,7 @@ struct RunResult {
          ms_fill_wait = 0;
   std::string hook = "host";
   double cache_create_s = 0;
+  int64_t graph_steps = 0;  // one-token steps replayed as a CUDA graph
   int64_t selected_calls = 0;  // hook calls attended through SelectedAttention  // GpuPageCache::Create (with hold_source_pages: every lookup)
   double hit_ratio = 0;
   double fill_mb_per_token = 0;
@@ -830,7 +842,8 @@ absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* 
 
 absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
                     kernels::Backend* backend, const Document& doc, bool device_chooser,
-                    bool device_hook, int measured, const Flags& f, RunResult* res) {
+                    bool device_hook, int measured, const Flags& f, RunResult* res,
+                    bool managed = false) {
   const int P = f.page_size;
   const int64_t heads = c.num_layers * c.num_kv_heads;
   kvstore::GpuCacheOptions go;
@@ -843,7 +856,8 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   go.num_slots = std::max<int64_t>(1, static_cast<int64_t>(f.cache_fraction * heads * doc.pages));
   go.source = doc.host.get();
   go.in_place_allocator = doc.allocator.get();
-  go.hold_source_pages = f.hold_source_pages != 0;
+  go.hold_source_pages = f.hold_source_pages != 0 || managed;
+  go.device_managed = managed;
   Stopwatch create_watch;
   STRATA_ASSIGN_OR_RETURN(auto cache, kvstore::GpuPageCache::Create(go, backend));
   res->cache_create_s = create_watch.ElapsedSeconds();
@@ -854,7 +868,10 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   engine::GpuCacheAttentionOptions ao;
   ao.document_tokens = doc.tokens;
   ao.device_path = device_hook;
-  res->hook = !device_hook ? "host" : f.selected_attention ? "device-selected" : "device";
+  res->hook = !device_hook           ? "host"
+              : managed               ? (tf->options().decode_graph ? "managed-graph" : "managed")
+              : f.selected_attention ? "device-selected"
+                                     : "device";
   double host_chooser_seconds = 0;
   engine::MinMaxChooserOptions mo;
   mo.store = doc.summary_host.get();
@@ -899,7 +916,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
       // q stays on the device (the agreement check needs host q: host hook only).
       agree->on = false;
       ao.chooser = nullptr;
-      const bool selected = f.selected_attention != 0;
+      const bool selected = f.selected_attention != 0 || managed;
       ao.device_chooser = [d, selected](int layer, const TensorView& q,
                                         std::vector<std::vector<int32_t>>* pages,
                                         engine::DeviceTokenSelection* sel) {
@@ -947,6 +964,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
       sel0 = device_chooser ? dev->seconds() : host_chooser_seconds;
       selcopy0 = device_chooser ? dev->copy_seconds() : 0;
       attend0 = timed.seconds();
+      if (managed) STRATA_RETURN_IF_ERROR(cache->SyncDeviceStats());
       s0 = cache->stats();
       fill0 = s0.gather_seconds + s0.copy_seconds + s0.wait_seconds;
       pages0 = gca->counters().pages_attended;
@@ -962,6 +980,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   }
   STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   const double total = sw.ElapsedSeconds() - t0;
+  if (managed) STRATA_RETURN_IF_ERROR(cache->SyncDeviceStats());
   const kvstore::GpuCacheStats s1 = cache->stats();
   const double sel = (device_chooser ? dev->seconds() : host_chooser_seconds) - sel0;
   const double attend = timed.seconds() - attend0;
@@ -986,6 +1005,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   res->gpu_end_gib = GpuUsedGiB();
   res->last_token = token;
   res->selected_calls = gca->counters().selected_attention;
+  res->graph_steps = tf->graph_steps();
   res->agree_same = agree->same;
   res->agree_total = agree->total;
   return absl::OkStatus();
@@ -998,13 +1018,14 @@ void Print(const RunResult& r) {
       "wait %.2f), attend-hook rest %.2f, rest of forward %.2f] hit=%.4f "
       "fill=%.1f MB/token pages/step=%" PRId64 " slots=%" PRId64 " of %" PRId64
       " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f "
-      "last_token=%d cache_create_s=%.2f selected_attention_calls=%" PRId64 "\n",
+      "last_token=%d cache_create_s=%.2f selected_attention_calls=%" PRId64
+      " graph_steps=%" PRId64 "\n",
       r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tokens, r.tok_s,
       r.ms_total, r.ms_select, r.ms_select_copy, r.ms_fill, r.ms_fill_source, r.ms_fill_gather,
       r.ms_fill_copy, r.ms_fill_wait, r.ms_attend_rest, r.ms_rest, r.hit_ratio,
       r.fill_mb_per_token, r.pages_per_step, r.cache_slots, r.doc_pages_total, r.gpu_weights_gib,
       r.gpu_ready_gib, r.gpu_end_gib, r.host_kv_gib, r.doc_seconds, r.last_token,
-      r.cache_create_s, r.selected_calls);
+      r.cache_create_s, r.selected_calls, r.graph_steps);
   if (r.agree_total > 0) {
     std::printf("  device selection vs host MinMaxChooser (warm-up steps): %" PRId64 " of %" PRId64
                 " pages agree (%.4f)\n",
@@ -1175,15 +1196,16 @@ int Main(int argc, char** argv) {
         continue;
       }
       struct Pass {
-        bool device_chooser, device_hook, selected;
+        bool device_chooser, device_hook, selected, managed, graph;
       };
       std::vector<Pass> passes;
       for (absl::string_view h : absl::StrSplit(f.hooks, ',', absl::SkipEmpty())) {
         const bool selected = h == "device-selected" || (h == "device" && f.selected_attention);
-        passes.push_back({true, h != "host", selected});
+        const bool managed = h == "managed" || h == "managed-graph";
+        passes.push_back({true, h != "host", selected, managed, h == "managed-graph"});
       }
-      if (host_cmp) passes.push_back({false, false, false});
-      for (const auto& [device_chooser, device_hook, selected] : passes) {
+      if (host_cmp) passes.push_back({false, false, false, false, false});
+      for (const auto& [device_chooser, device_hook, selected, managed, graph] : passes) {
         Flags pass_flags = f;
         pass_flags.selected_attention = selected ? 1 : 0;
         RunResult r;
@@ -1193,8 +1215,24 @@ int Main(int argc, char** argv) {
         r.gpu_weights_gib = gpu_weights;
         r.host_kv_gib = static_cast<double>((*doc)->allocator->reserved_bytes()) / (1 << 30);
         r.doc_seconds = (*doc)->seconds;
-        absl::Status s = Decode(*config, tf->get(), backend, **doc, device_chooser, device_hook,
-                                device_chooser ? f.tokens : f.host_tokens, pass_flags, &r);
+        engine::Transformer* run_tf = tf->get();
+        std::unique_ptr<engine::Transformer> graph_tf;
+        absl::Status s;
+        if (graph) {  // a Transformer of its own: each managed-graph pass captures afresh
+          engine::TransformerOptions tgo = to;
+          tgo.decode_graph = true;
+          absl::StatusOr<std::unique_ptr<engine::Transformer>> tg =
+              engine::Transformer::Create(*config, weights->weights, backend, tgo);
+          s = tg.status();
+          if (s.ok()) {
+            graph_tf = *std::move(tg);
+            run_tf = graph_tf.get();
+          }
+        }
+        if (s.ok()) {
+          s = Decode(*config, run_tf, backend, **doc, device_chooser, device_hook,
+                     device_chooser ? f.tokens : f.host_tokens, pass_flags, &r, managed);
+        }
         if (!s.ok()) {
           std::printf("FAILED shape=%s chooser=%s context=%" PRId64 ": %s\n", mo.preset.c_str(),
                       r.chooser.c_str(), ctx, s.ToString().c_str());
