@@ -10,7 +10,10 @@
 #      STRATA_GPU_SANITIZER_FILTER (gtest filter for the memcheck run; default all tests),
 #      STRATA_GPU_SANITIZER_TIMEOUT (seconds, default 170), STRATA_GPU_BENCH_ARGS (contexts for
 #      cuda_attention_bench; default 32768 131072), STRATA_GPU_SKIP_BENCH=1, STRATA_GPU_BENCH_TIMEOUT (seconds,
-#      default 120), STRATA_GPU_SKIP_NCU=1.
+#      default 120), STRATA_GPU_SKIP_NCU=1,
+#      STRATA_GPU_SANITIZE (more compute-sanitizer runs, space-separated BIN:TOOL:FILTER items, e.g.
+#      "cuda_page_cache_test:racecheck:*"; each time-boxed like the memcheck run),
+#      STRATA_GPU_AFTER (a command run last, in the same environment: e.g. a benchmark).
 set -uo pipefail
 ROOT="$(pwd)"
 BUNDLE="$ROOT/${STRATA_GPU_BUNDLE:-.gpu}"
@@ -80,6 +83,18 @@ if [ -x "$BUNDLE/bin/cuda_backend_test" ] && command -v compute-sanitizer >/dev/
   grep -E 'ERROR SUMMARY|Invalid|========= [A-Z]' "$LOGS/memcheck.log" | head -20
 fi
 
+for item in ${STRATA_GPU_SANITIZE:-}; do
+  IFS=: read -r sbin stool sfilter <<<"$item"
+  [ -x "$BUNDLE/bin/$sbin" ] || { echo "no $sbin in the bundle"; continue; }
+  start=$(date +%s)
+  timeout "${STRATA_GPU_SANITIZER_TIMEOUT:-170}" compute-sanitizer --tool "$stool" \
+    --error-exitcode 99 --print-limit 20 "$BUNDLE/bin/$sbin" --gtest_brief=1 \
+    --gtest_filter="${sfilter:-*}" >"$LOGS/${stool}_${sbin}.log" 2>&1
+  rc=$?
+  summarize "$stool $sbin" "$LOGS/${stool}_${sbin}.log" "$rc" "$(( $(date +%s) - start ))"
+  grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Invalid|========= [A-Z]' "$LOGS/${stool}_${sbin}.log" | head -10
+done
+
 # Per-kernel device time of the decode path at 128K context (Nsight Compute; dense calls first,
 # then budget calls: 5 calls x 2 kernels each in --ncu mode).
 if [ -x "$BUNDLE/bin/cuda_attention_bench" ] && command -v ncu >/dev/null && \
@@ -91,6 +106,11 @@ if [ -x "$BUNDLE/bin/cuda_attention_bench" ] && command -v ncu >/dev/null && \
     echo "ncu ${mode%%:*} 131072:"
     grep -E "PagedAttention|gpu__time_duration" "$LOGS/ncu_${mode%%:*}.txt" | sed 's/(strata::kernels[^)]*)//' | cut -c1-150 | head -8
   done
+fi
+
+if [ -n "${STRATA_GPU_AFTER:-}" ]; then
+  echo "==== after: $STRATA_GPU_AFTER ===="
+  BUNDLE="$BUNDLE" LOGS="$LOGS" bash -c "$STRATA_GPU_AFTER"
 fi
 
 echo "==== summary ===="
