@@ -252,7 +252,19 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
   const TensorView pt = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
   const int64_t p0 = sink_end / page_, p1 = (window_begin + page_ - 1) / page_;
-  const bool two_level = p1 - p0 > options_.two_level_min_pages && seg_pages_ > 1;
+  bool two_level = p1 - p0 > options_.two_level_min_pages && seg_pages_ > 1;
+  int64_t s0 = 0, s1 = 0, keep = 0;
+  if (two_level) {
+    s0 = p0 / seg_pages_;
+    s1 = (p1 - 1) / seg_pages_ + 1;
+    keep = std::min<int64_t>(
+        s1 - s0, std::max<int64_t>(options_.min_segments,
+                                   (options_.segment_factor * wanted_pages_ + seg_pages_ - 1) /
+                                       seg_pages_));
+    // Keeping every segment makes every page of the middle a candidate, which is what scoring
+    // the pages directly does: the segment stage (two launches) is skipped, same candidates.
+    if (keep >= s1 - s0) two_level = false;
+  }
 
   kernels::ScoreSummariesParams a;
   a.q = q2;
@@ -265,11 +277,6 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   const bool keep_final = skip != nullptr;
   int64_t page_cands = p1 - p0;
   if (two_level) {
-    const int64_t s0 = p0 / seg_pages_, s1 = (p1 - 1) / seg_pages_ + 1;
-    const int64_t keep = std::min<int64_t>(
-        s1 - s0, std::max<int64_t>(options_.min_segments,
-                                   (options_.segment_factor * wanted_pages_ + seg_pages_ - 1) /
-                                       seg_pages_));
     a.summaries = segs_[layer]->View(DType::kF32, {hkv_, max_segs_, 2 * d_});
     a.candidates.begin = s0;
     a.candidates.end = s1;

@@ -151,6 +151,11 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, DevicePolicyTest,
     ::testing::Values(Case{PolicyKind::kTokenSelect, DType::kF32, 3000},  // two-level
                       Case{PolicyKind::kTokenSelect, DType::kBF16, 3000},
+                      // Above two_level_min_pages but every segment kept (22-23 of 32): the
+                      // device policy scores the pages directly, the host policy goes through
+                      // the segments.
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 1500},
+                      Case{PolicyKind::kTokenSelect, DType::kBF16, 1500},
                       Case{PolicyKind::kQuest, DType::kF32, 3000},
                       Case{PolicyKind::kQuest, DType::kBF16, 700},        // one-level
                       Case{PolicyKind::kTokenSelect, DType::kF32, 700},
