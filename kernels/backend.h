@@ -391,11 +391,9 @@ enum PageCacheCounter : int {
 //      left are unresolved (counted; their table entries stay -1). A victim's old page (if any)
 //      gets table entry -1 (an eviction); the victim gets the miss: table, slot_page, stamp =
 //      epoch, ref = 1, and its K and V bytes copied from sources[page] (a fill).
-// The victims are the same whatever the order of the misses, so backends agree on which pages
-// are resident, the counters and the hand; which miss lands in which of the call's victims may
-// differ (the CUDA backend pairs them in the order its threads found the misses; and when the
-// misses exceed scratch_pages, which of them stay unresolved). Reads and
-// writes backend memory only (capturable in a CUDA graph; no host wait).
+// Every backend follows these steps exactly (the CUDA kernel orders its misses by naming order
+// with a scan), so the state after a call is the same bit for bit. Reads and writes backend
+// memory only (capturable in a CUDA graph; no host wait).
 struct ResolvePagesParams {
   PageCacheState state;
   int64_t table_base = 0;      // flat index of (layer, head 0, page 0); rows within table_size
