@@ -34,6 +34,30 @@ constexpr int kCopyBlocks = 528;  // 4 per SM on an H100
 constexpr int kEpoch = 0, kHand = 1, kLookups = 2, kHits = 3, kFills = 4, kEvictions = 5,
               kUnresolved = 6;
 
+// The number of threads of the block below this one with `flag` set (an exclusive scan of 0/1
+// over the 1024 threads); `warp_sums` is shared scratch of 32 ints. Every thread must call it.
+__device__ __forceinline__ int BlockExclusiveCount(bool flag, int* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  const int in_warp = __popc(ballot & ((1u << lane) - 1));
+  if (lane == 0) warp_sums[warp] = __popc(ballot);
+  __syncthreads();
+  if (warp == 0) {
+    const int v = warp_sums[lane];
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    warp_sums[lane] = x - v;  // exclusive
+  }
+  __syncthreads();
+  const int r = warp_sums[warp] + in_warp;
+  __syncthreads();  // warp_sums may be reused by the next call
+  return r;
+}
+
 __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) {
   __shared__ uint32_t epoch_s;
   __shared__ int n_miss_s;
@@ -43,6 +67,7 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
   __shared__ long long hand_s, passed_s, last_hand_s;
   __shared__ int taken_s;
   __shared__ int done_s;
+  __shared__ int scan_s[32];
   const int tid = threadIdx.x;
   const int64_t n = a.num_slots;
   if (tid == 0) {
@@ -63,15 +88,16 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
   const int P = a.page_size;
   const int64_t pph = a.pages_per_head;
 
-  // a. Naming.
+  // a. Naming. Item idx (head by head: prefix pages, middle candidates, suffix pages, the CPU
+  // twin's order) names page NamedPage(idx), or -1.
   const int64_t prefix_pages = (a.prefix_end + P - 1) / P;
   const int64_t suffix_first = a.suffix_begin / P;
   const int64_t suffix_pages =
       a.suffix_end > a.suffix_begin ? (a.suffix_end - 1) / P - suffix_first + 1 : 0;
   const int64_t per_head = prefix_pages + a.middle.count + suffix_pages;
   const int64_t total = per_head * a.num_kv_heads;
-  int32_t* misses = a.scratch + 1;
-  for (int64_t idx = tid; idx < total; idx += kResolveThreads) {
+  // The flat index named by item idx, or -1.
+  auto named = [&](int64_t idx) -> int64_t {
     const int g = static_cast<int>(idx / per_head);
     const int64_t r = idx - static_cast<int64_t>(g) * per_head;
     int64_t page;
@@ -80,18 +106,24 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
     } else if (r < prefix_pages + a.middle.count) {
       const int32_t i = static_cast<int32_t>(r - prefix_pages);
       const int32_t id = CandidateIdAt(a.middle, g, i);
-      if (id < 0) continue;
-      // The previous candidate of the same run names the same page: leave it to that one.
+      if (id < 0) return -1;
+      // The previous candidate of the same run names the same page (and comes first).
       if (id % P != 0 && id - 1 >= a.middle.begin && i > 0 &&
           (a.middle.parents == nullptr || i % a.middle.fanout != 0)) {
-        continue;
+        return -1;
       }
       page = id / P;
     } else {
       page = suffix_first + (r - prefix_pages - a.middle.count);
     }
-    if (page < 0 || page >= pph) continue;
-    const int64_t flat = a.table_base + static_cast<int64_t>(g) * pph + page;
+    if (page < 0 || page >= pph) return -1;
+    return a.table_base + static_cast<int64_t>(g) * pph + page;
+  };
+  // a1. Hits are stamped and counted once (the first thread to stamp the slot); a missing page's
+  // entry becomes -2 - (the smallest item naming it).
+  for (int64_t idx = tid; idx < total; idx += kResolveThreads) {
+    const int64_t flat = named(idx);
+    if (flat < 0) continue;
     const int32_t slot = *(volatile int32_t*)&a.table[flat];
     if (slot >= 0) {
       a.slot_ref[slot] = 1;
@@ -99,16 +131,35 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
         atomicAdd(&lookups_s, 1ull);
         atomicAdd(&hits_s, 1ull);
       }
-    } else if (slot == -1 && atomicCAS(&a.table[flat], -1, -2) == -1) {
-      atomicAdd(&lookups_s, 1ull);
-      const int pos = atomicAdd(&n_miss_s, 1);
+    } else {
+      const int32_t mark = static_cast<int32_t>(-2 - idx);
+      const int32_t old = atomicCAS(&a.table[flat], -1, mark);
+      if (old != -1) atomicMax(&a.table[flat], mark);
+    }
+  }
+  __syncthreads();
+  // a2. The misses in naming order (a block scan over the items, 1024 at a time): each page at
+  // its first item. Beyond scratch_pages they stay unresolved, as in the CPU twin.
+  int32_t* misses = a.scratch + 1;
+  for (int64_t base = 0; base < total; base += kResolveThreads) {
+    const int64_t idx = base + tid;
+    int64_t flat = idx < total ? named(idx) : -1;
+    const bool first = flat >= 0 && a.table[flat] == static_cast<int32_t>(-2 - idx);
+    const int pos = n_miss_s + BlockExclusiveCount(first, scan_s);
+    if (first) {
       if (pos < a.scratch_pages) {
         misses[pos] = static_cast<int32_t>(flat);
       } else {
-        atomicAdd(&unresolved_s, 1ull);
         a.table[flat] = -1;
       }
     }
+    __syncthreads();
+    if (tid == kResolveThreads - 1) n_miss_s = pos + (first ? 1 : 0);
+    __syncthreads();
+  }
+  if (tid == 0) {
+    lookups_s += static_cast<unsigned long long>(n_miss_s);
+    if (n_miss_s > a.scratch_pages) unresolved_s += n_miss_s - a.scratch_pages;
   }
   __syncthreads();
   const int m = n_miss_s < a.scratch_pages ? n_miss_s : static_cast<int>(a.scratch_pages);

@@ -34,6 +34,16 @@ absl::Status CudaBackend::ResolvePages(const ResolvePagesParams& p, Stream s) {
                                   reinterpret_cast<uintptr_t>(a.v_pool)) & 15) != 0) {
     return absl::InvalidArgumentError("ResolvePages: pools not 16-byte aligned");
   }
+  // Items named per call (pages of the prefix and suffix, middle candidates): the kernel marks a
+  // missing page with -2 - item in its table entry.
+  const int64_t P = p.page_size;
+  const int64_t items =
+      p.num_kv_heads * ((p.prefix_end + P - 1) / P + p.middle.Count() +
+                        (p.suffix_end > p.suffix_begin ? (p.suffix_end - 1) / P - p.suffix_begin / P + 1
+                                                       : 0));
+  if (items > (int64_t{1} << 31) - 3) {
+    return absl::UnimplementedError(absl::StrCat("ResolvePages: ", items, " items per call"));
+  }
   a.table_base = p.table_base;
   a.num_kv_heads = p.num_kv_heads;
   a.pages_per_head = p.pages_per_head;

@@ -1,12 +1,11 @@
 // ResolvePages on the CUDA backend against the CPU twin: the same random sequence of calls (page
-// and token selections, prefixes and suffixes, pinned-out calls with more pages than slots) on
-// both, for f32 / bf16 pools with 16-byte and odd page halves, caches smaller and larger than the
-// kernel's 1024-slot window. After every call the counters, the hand, every slot's stamp and
-// reference bit, which pages are resident and which slots are used must be equal (which miss got
-// which of a call's victims may differ: the set of pages in the call's victims must be equal),
-// and every used slot of the GPU pools must hold its page's bytes. Also: the op captured in a CUDA
-// graph and replayed with new selections gives the same sequence. Without a GPU every test
-// reports "no CUDA GPU: skipped".
+// and token selections, prefixes and suffixes) on both, for f32 / bf16 pools with 16-byte and odd
+// page halves, caches smaller and larger than the kernel's 1024-slot window. After every call the
+// whole state must be equal bit for bit (counters, hand, table, slot owners, stamps, reference
+// bits, the call's miss and victim lists) and every used slot of the GPU pools must hold its
+// page's bytes. Also: a pinned-out call (more pages than slots) and the op captured in a CUDA
+// graph and replayed with new selections. Without a GPU every test reports "no CUDA GPU:
+// skipped".
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -111,8 +110,8 @@ struct Call {
   int64_t begin = 0, end = 0;
 };
 
-// Calls name at most `slots` pages (every miss finds a victim: which misses stay unresolved in
-// a pinned-out call depends on the order the backend found them, see kernels/backend.h).
+// Calls name at most `slots` pages (every miss finds a victim); PinnedOutCallLeavesTheRestUnresolved
+// covers calls that name more.
 Call RandomCall(std::mt19937& rng, int P, int slots) {
   Call c;
   const int cap = std::max(1, std::min(300, slots / kHeads - 10));
@@ -173,6 +172,7 @@ void Compare(State& cpu, State& gpu, const std::vector<uint8_t>& bytes, int call
   ASSERT_EQ(cpu.Read<uint8_t>(cpu.ref.get(), n), gpu.Read<uint8_t>(gpu.ref.get(), n))
       << "reference bits, call " << call;
   const auto ctab = cpu.Read<int32_t>(cpu.table.get(), t), gtab = gpu.Read<int32_t>(gpu.table.get(), t);
+  ASSERT_EQ(ctab, gtab) << "table, call " << call;
   for (int64_t f = 0; f < t; ++f) {
     ASSERT_EQ(ctab[f] >= 0, gtab[f] >= 0) << "page " << f << " resident, call " << call;
     ASSERT_GE(gtab[f], -1);
@@ -182,6 +182,11 @@ void Compare(State& cpu, State& gpu, const std::vector<uint8_t>& bytes, int call
   const auto cscr = cpu.Read<int32_t>(cpu.scratch.get(), 1 + 2 * n);
   const auto gscr = gpu.Read<int32_t>(gpu.scratch.get(), 1 + 2 * n);
   ASSERT_EQ(cscr[0], gscr[0]) << "fills of call " << call;
+  ASSERT_EQ(csp, gsp) << "slot owners, call " << call;
+  for (int i = 0; i < cscr[0]; ++i) {
+    ASSERT_EQ(cscr[1 + i], gscr[1 + i]) << "miss " << i << ", call " << call;
+    ASSERT_EQ(cscr[1 + n + i], gscr[1 + n + i]) << "victim " << i << ", call " << call;
+  }
   std::vector<bool> victim(n, false);
   std::vector<int32_t> cv, gv;
   for (int i = 0; i < cscr[0]; ++i) {
@@ -330,9 +335,9 @@ TEST_F(CudaPageCacheTest, PinnedOutCallLeavesTheRestUnresolved) {
     STRATA_ASSERT_OK(gpu_->ResolvePages(
         MakeParams(g.st, k, P, static_cast<int32_t*>(dev_parents->data())), nullptr));
     STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
-    const auto cc = c.Read<int64_t>(c.counters.get(), kPageCacheCounterCount);
+    Compare(c, g, bytes, call);  // the same pages left unresolved as the CPU twin
+    if (::testing::Test::HasFatalFailure()) return;
     const auto gc = g.Read<int64_t>(g.counters.get(), kPageCacheCounterCount);
-    EXPECT_EQ(cc, gc) << "call " << call;
     // The first call fills every slot; in the second the 8 resident pages are hits, pinned, and
     // the other 12 find no victim.
     EXPECT_EQ(gc[kPageCacheFills], 8);
