@@ -12,8 +12,9 @@
 //
 // Then (unless --no-pipelines) the device-resident sparse pipelines, selection + attention for one
 // layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256, segments of 16 pages,
-// two-level above 512 pages keeping max(128, 4 * wanted / 16) segments; minmax page summaries in
-// f32, computed here from the keys):
+// two-level above 512 pages keeping max(128, 4 * wanted / 16) segments, one-level where that
+// keeps every segment, as DevicePolicy (STRATA_BENCH_KEEP_SEGMENT_STAGE=1: two-level there too);
+// minmax page summaries in f32, computed here from the keys):
 //   quest        ScoreSummaries (segments) -> VoteTopK -> ScoreSummaries (pages) -> VoteTopK
 //                (B / P pages) -> SelectedAttention (sinks + pages + window)
 //   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
@@ -129,6 +130,11 @@ struct Pipeline {
     s1 = (p1 - 1) / kSegPages + 1;
     keep_segs = std::min<int64_t>(s1 - s0, std::max<int64_t>(kMinSegments,
         (kSegmentFactor * wanted_pages + kSegPages - 1) / kSegPages));
+    // Every segment kept (128K: 128 of 128): the pages are scored directly, as DevicePolicy
+    // does (same candidates); STRATA_BENCH_KEEP_SEGMENT_STAGE=1 keeps the segment stage.
+    if (keep_segs >= s1 - s0 && std::getenv("STRATA_BENCH_KEEP_SEGMENT_STAGE") == nullptr) {
+      two_level = false;
+    }
     page_cands = two_level ? keep_segs * kSegPages : p1 - p0;
     top_page_k = wanted_pages;
     tok_cands = top_page_k * kPage;

@@ -6,9 +6,14 @@
 // contiguous bytes per load across the 8 lanes); a block of 256 threads takes 1 to 16 rounds of
 // 32 candidates and issues all their loads (up to 16 per lane) before the FMAs. Other shapes take
 // a warp per candidate. The block holds the scaled queries of its KV head's group in shared
-// memory. Grid: (candidate blocks, KV heads).
+// memory. Grid: (candidate blocks, KV heads). ScoreKeys on bf16 keys of head_dim 128 with group
+// <= 4 and power-of-two page size and fanout (the tokenselect shape) takes PagedKeyScoreKernel
+// instead: the queries in registers, ids and rows by shifts, no barrier.
 //
-// VoteTopK (kernel by size: TopKKernelFor, near the end): up to 1024 candidates per KV head,
+// VoteTopK (kernel by size: TopKKernelFor, near the end): for group <= 4 up to 2048 candidates,
+// RegisterVoteTopKKernel (one block per KV head, everything in registers, one barrier per step),
+// up to 8192 its cluster form ClusterRegisterVoteTopKKernel. Otherwise up to 1024 candidates per
+// KV head,
 // BitonicVoteTopKKernel (below): one block per KV head, votes in registers, a bitonic sort of
 // unique 64-bit (vote key, index) keys, the first k flagged and compacted in index order. Up to
 // 65536, ClusterVoteTopKKernel (below; as one block up to 2048): a cluster of 1 to 8 blocks per
@@ -37,6 +42,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdlib>
+#include <string>
 #include <string_view>
 
 #include "kernels/cuda/internal/common.cuh"
@@ -886,6 +892,433 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
   ClusterWait();
 }
 
+// ---- VoteTopK with everything in registers (group <= 4): one block or a cluster per KV head ---
+// RegisterVoteTopKKernel<kPer> (one block of T = n / kPer threads, rounded up to a warp, at most
+// 1024) and ClusterRegisterVoteTopKKernel<kPer> (the same over a cluster of cs = 2 to 8 blocks,
+// grid (cs, KV heads)): thread t of block b owns candidates [kPer (b T + t), + kPer) and keeps
+// their scores (up to 4 query heads), ids and keys in registers for the whole kernel. Written
+// for a short chain of dependent steps and few instructions (the older one-block kernels reload
+// scores and merge partials in one warp, then broadcast through extra barriers):
+//   (1) per warp, the max and the sum of exp(x - max) of every query head (shuffles, heads
+//       interleaved); one barrier (cluster: a cluster barrier); then EVERY warp merges all the
+//       per-warp partials itself (cluster: read from every block's shared memory), so no
+//       broadcast barrier;
+//   (2) votes and 32-bit keys from the registers, exactly as VoteKeys (invalid: key 0);
+//   (3) radix select, 8 bits per pass from the top, one histogram per pass in shared memory
+//       (zeroed before the first barrier, so a pass never waits for the previous pass's
+//       readers): shared atomics (RegHistAdd), one barrier, every warp scans the 256 bins (8 per
+//       lane, two 16-byte loads) and finds the same bin; the cluster kernel adds a cluster
+//       barrier and thread b sums bin b over the blocks into the block's own copy first. Stops
+//       as soon as every key equal to the prefix is taken;
+//   (4) compaction in index order: per-thread (above, equal) counts, a warp scan, one barrier,
+//       a scan of the per-warp totals (cluster: and of the lower blocks' totals, after a cluster
+//       barrier); a thread writes its taken ids from gt_before + min(eq_before, need_eq) on, so
+//       ties (keys equal to the k-th) go to the lowest indices. The cluster kernel ends with a
+//       cluster barrier so that no block's shared memory goes away while another reads it.
+// Nothing is written to another block's shared memory.
+constexpr int kRegTopKMaxGroup = 4;
+constexpr int kRegTopKMaxThreads = 1024;
+constexpr int kRegTopKMaxWarps = kRegTopKMaxThreads / 32;
+constexpr int64_t kRegTopKMaxCandidates = int64_t{kRegTopKMaxThreads} * 8;
+// The default takes RegisterVoteTopKKernel up to kRegTopKDefaultMaxCandidates and
+// ClusterRegisterVoteTopKKernel up to kRegClusterDefaultMaxCandidates (timings: TopKKernelFor).
+constexpr int64_t kRegTopKDefaultMaxCandidates = 2048;
+constexpr int64_t kRegClusterDefaultMaxCandidates = 8192;
+constexpr int kRegClusterMaxThreads = 512;
+constexpr int kRegClusterMaxWarps = kRegClusterMaxThreads / 32;
+constexpr int64_t kRegClusterMaxCandidates = int64_t{kClusterMax} * kRegClusterMaxThreads * 8;
+
+// Histogram add of the register kernels: 0 WarpHistogramAddCommon (one atomic for the first
+// active lane's bin, one per lane for the others), 1 warp-aggregated through __match_any_sync,
+// 2 aggregated in passes 0-1 (most keys still in the running) and one plain atomic per key from
+// pass 2 on (few keys left). Chosen by STRATA_SELECTION_REG_HIST (A/B timing). Every lane of the
+// warp must call it.
+__device__ __forceinline__ void RegHistAdd(uint32_t* hp, uint32_t bin, int mode, int pass) {
+  if (mode == 1 || (mode == 2 && pass < 2)) {
+    if (__ballot_sync(0xffffffffu, bin < 256) == 0) return;  // warp-uniform
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    if (bin < 256 && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
+      atomicAdd(&hp[bin], static_cast<uint32_t>(__popc(peers)));
+    }
+  } else if (mode == 2) {
+    if (bin < 256) atomicAdd(&hp[bin], 1u);
+  } else {
+    WarpHistogramAddCommon(hp, bin);
+  }
+}
+
+// (m, l) and another partial softmax statistic (m2, l2) merged into (m, l), l rescaled to the
+// larger max.
+__device__ __forceinline__ void MergeSoftmaxPair(float& m, float& l, float m2, float l2) {
+  const float mn = fmaxf(m, m2);
+  if (!(mn > NegInfF())) return;  // both empty
+  l = (m > NegInfF() ? l * __expf(m - mn) : 0.0f) + (m2 > NegInfF() ? l2 * __expf(m2 - mn) : 0.0f);
+  m = mn;
+}
+
+// Step (1a): x[h][j] = score of query head h (< group) of candidate first + j (< n; -inf
+// beyond), then the warp's max and sum of exp(x - max) of every head in m[h] / l[h] (every lane).
+template <int kPer>
+__device__ __forceinline__ void RegLoadAndWarpStats(const float* mine, int32_t n, int32_t first,
+                                                    int group, float (&x)[kRegTopKMaxGroup][kPer],
+                                                    float (&m)[kRegTopKMaxGroup],
+                                                    float (&l)[kRegTopKMaxGroup]) {
+  constexpr int G = kRegTopKMaxGroup;
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      x[h][j] = h < group && first + j < n ? mine[static_cast<int64_t>(h) * n + j] : NegInfF();
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = NegInfF();
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (x[h][j] > m[h]) m[h] = x[h][j];  // NaN never wins
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], o));
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    l[h] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (x[h][j] > NegInfF()) l[h] += __expf(x[h][j] - m[h]);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) l[h] += __shfl_xor_sync(0xffffffffu, l[h], o);
+  }
+}
+
+// Step (1b): each lane holds some partials (m[h], l[h]; -inf / 0 for none); every lane gets the
+// merged max in mb[h] and 1 / (sum of exp(x - mb)) in inv[h] (0 for a head without a valid
+// score).
+__device__ __forceinline__ void RegWarpMerge(const float (&m)[kRegTopKMaxGroup],
+                                             float (&l)[kRegTopKMaxGroup],
+                                             float (&mb)[kRegTopKMaxGroup],
+                                             float (&inv)[kRegTopKMaxGroup]) {
+  constexpr int G = kRegTopKMaxGroup;
+#pragma unroll
+  for (int h = 0; h < G; ++h) mb[h] = m[h];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) mb[h] = fmaxf(mb[h], __shfl_xor_sync(0xffffffffu, mb[h], o));
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) l[h] = m[h] > NegInfF() ? l[h] * __expf(m[h] - mb[h]) : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) l[h] += __shfl_xor_sync(0xffffffffu, l[h], o);
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) inv[h] = mb[h] == NegInfF() ? 0.0f : 1.0f / l[h];
+}
+
+// Step (2): the head soft vote of each candidate and its key (VoteKeys' order of operations: heads
+// in order; NaN votes rank as 0; no valid score or an invalid id: key 0); votes to
+// vote_out[j] (j < n - first) when vote_out is set.
+template <int kPer>
+__device__ __forceinline__ void RegVoteKeys(const float (&x)[kRegTopKMaxGroup][kPer],
+                                            const float (&mb)[kRegTopKMaxGroup],
+                                            const float (&inv)[kRegTopKMaxGroup],
+                                            const int32_t (&ids)[kPer], int32_t n, int32_t first,
+                                            float* vote_out, uint32_t (&key)[kPer]) {
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    float v = 0.0f;
+    bool any = false;
+#pragma unroll
+    for (int h = 0; h < kRegTopKMaxGroup; ++h) {
+      if (x[h][j] > NegInfF()) {
+        any = true;
+        v += __expf(x[h][j] - mb[h]) * inv[h];
+      }
+    }
+    if (!(v >= 0.0f)) v = 0.0f;
+    key[j] = any && ids[j] >= 0 ? __float_as_uint(v) + 1u : 0u;
+    if (vote_out != nullptr && first + j < n) vote_out[j] = v;
+  }
+}
+
+// Bins of pass `pass` (shift 24 - 8 pass) of the keys still in the running (key != 0 and equal
+// to prefix under mask) added to hp.
+template <int kPer>
+__device__ __forceinline__ void RegHistogram(const uint32_t (&key)[kPer], uint32_t prefix,
+                                             uint32_t mask, int pass, int hist_mode,
+                                             uint32_t* hp) {
+  const int shift = 24 - 8 * pass;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const uint32_t bin =
+        key[j] != 0 && (key[j] & mask) == prefix ? (key[j] >> shift) & 255u : 256u;
+    RegHistAdd(hp, bin, hist_mode, pass);
+  }
+}
+
+// Step (3), after pass `pass`'s histogram hp (256 bins, 16-byte aligned) is complete: every lane
+// of the calling warp finds the same bin. Returns true when the select is over (every key in the
+// running is taken, or every key equal to the new prefix is); *remaining is then the number of
+// keys equal to *prefix under *mask that are taken.
+__device__ __forceinline__ bool RegFindBin(const uint32_t* hp, int pass, uint32_t* prefix,
+                                           uint32_t* mask, uint32_t* remaining) {
+  const int lane = threadIdx.x & 31;
+  // Lane L owns bins 255 - 8L .. 248 - 8L (descending): cb[j] = bin 255 - 8L - j.
+  const uint4 lo = *reinterpret_cast<const uint4*>(hp + 248 - 8 * lane);
+  const uint4 hi = *reinterpret_cast<const uint4*>(hp + 252 - 8 * lane);
+  const uint32_t cb[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
+  uint32_t own = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) own += cb[j];
+  const uint32_t incl = WarpInclusiveScanU(own);
+  const uint32_t total = __shfl_sync(0xffffffffu, incl, 31);
+  if (total <= *remaining) {  // every key still in the running is taken (warp-uniform)
+    *remaining = total;
+    return true;
+  }
+  const unsigned hit = __ballot_sync(0xffffffffu, incl >= *remaining);
+  const int src = __ffs(hit) - 1;
+  uint32_t cum = incl - own, count = 0;
+  int b = 0;
+  bool found = false;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (!found) {
+      if (cum + cb[j] >= *remaining) {
+        b = 255 - 8 * lane - j;
+        count = cb[j];
+        found = true;
+      } else {
+        cum += cb[j];
+      }
+    }
+  }
+  b = __shfl_sync(0xffffffffu, b, src);
+  count = __shfl_sync(0xffffffffu, count, src);
+  cum = __shfl_sync(0xffffffffu, cum, src);
+  const int shift = 24 - 8 * pass;
+  *prefix |= static_cast<uint32_t>(b) << shift;
+  *mask |= 255u << shift;
+  *remaining -= cum;
+  return count == *remaining || pass == 3;
+}
+
+// (above << 16 | equal) counts of the thread's keys against prefix under mask.
+template <int kPer>
+__device__ __forceinline__ uint32_t RegCounts(const uint32_t (&key)[kPer], uint32_t prefix,
+                                              uint32_t mask) {
+  uint32_t gt = 0, eq = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (key[j] != 0) {
+      gt += (key[j] & mask) > prefix;
+      eq += (key[j] & mask) == prefix;
+    }
+  }
+  return (gt << 16) | eq;
+}
+
+// Step (4): `before` = (above << 16 | equal) counts of every candidate before the thread's: its
+// taken ids go to out from gt_before + min(eq_before, need_eq) on, in index order.
+template <int kPer>
+__device__ __forceinline__ void RegWriteTaken(const uint32_t (&key)[kPer],
+                                              const int32_t (&ids)[kPer], uint32_t prefix,
+                                              uint32_t mask, uint32_t need_eq, uint32_t before,
+                                              int k, int32_t* out) {
+  uint32_t eq_seen = before & 0xffffu;
+  uint32_t pos = (before >> 16) + min(eq_seen, need_eq);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    bool take = false;
+    if (key[j] != 0) {
+      const uint32_t km = key[j] & mask;
+      if (km > prefix) {
+        take = true;
+      } else if (km == prefix) {
+        take = eq_seen < need_eq;
+        ++eq_seen;
+      }
+    }
+    if (take) {
+      if (pos < static_cast<uint32_t>(k)) out[pos] = ids[j];
+      ++pos;
+    }
+  }
+}
+
+template <int kPer>
+__global__ void __launch_bounds__(kRegTopKMaxThreads)
+    RegisterVoteTopKKernel(const float* __restrict__ scores, int group, DeviceCandidates c, int k,
+                           float* __restrict__ vote_out, int32_t* __restrict__ selected,
+                           int hist_mode) {
+  constexpr int G = kRegTopKMaxGroup;
+  __shared__ float red_m[G][kRegTopKMaxWarps], red_l[G][kRegTopKMaxWarps];
+  __shared__ __align__(16) uint32_t hist[4][256];
+  __shared__ uint32_t wsum_s[kRegTopKMaxWarps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
+  const int g = blockIdx.x;
+  if (c.skip != nullptr && c.skip[g] != 0) return;  // a reused head: whole block
+  for (int b = tid; b < 4 * 256; b += blockDim.x) (&hist[0][0])[b] = 0;
+  const int32_t n = c.count;
+  const int32_t first = tid * kPer;
+  float x[G][kPer], m[G], l[G];
+  RegLoadAndWarpStats<kPer>(scores + static_cast<int64_t>(g) * group * n + first, n, first, group,
+                            x, m, l);
+  int32_t ids[kPer];  // -1 when invalid or beyond n
+  ConsecutiveCandidateIds<kPer>(c, g, first, ids);
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) red_m[h][warp] = m[h], red_l[h][warp] = l[h];
+  }
+  __syncthreads();  // also orders the histogram zeroing before any pass
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = lane < nwarps ? red_m[h][lane] : NegInfF();
+    l[h] = lane < nwarps ? red_l[h][lane] : 0.0f;
+  }
+  float mb[G], inv[G];
+  RegWarpMerge(m, l, mb, inv);
+  uint32_t key[kPer];
+  RegVoteKeys<kPer>(x, mb, inv, ids, n, first,
+                    vote_out == nullptr ? nullptr : vote_out + static_cast<int64_t>(g) * n + first,
+                    key);
+
+  const int32_t kk = min(k, n);
+  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
+  if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;  // nothing is taken
+#pragma unroll 1
+  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+    RegHistogram<kPer>(key, prefix, mask, pass, hist_mode, hist[pass]);
+    __syncthreads();
+    if (RegFindBin(hist[pass], pass, &prefix, &mask, &remaining)) break;
+  }
+
+  const uint32_t own = RegCounts<kPer>(key, prefix, mask);  // <= 8192 of each: no carry
+  const uint32_t incl = WarpInclusiveScanU(own);
+  if (lane == 31) wsum_s[warp] = incl;
+  __syncthreads();
+  const uint32_t wv = lane < nwarps ? wsum_s[lane] : 0u;
+  const uint32_t wincl = WarpInclusiveScanU(wv);
+  const uint32_t before = __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
+  const uint32_t total = __shfl_sync(0xffffffffu, wincl, 31);
+  const uint32_t taken_total = (total >> 16) + min(total & 0xffffu, remaining);
+  int32_t* out = selected + static_cast<int64_t>(g) * k;
+  RegWriteTaken<kPer>(key, ids, prefix, mask, remaining, before, k, out);
+  for (int64_t j = taken_total + tid; j < k; j += blockDim.x) out[j] = -1;
+}
+
+__device__ __forceinline__ void ClusterSync() {
+  ClusterArrive();
+  ClusterWait();
+}
+
+template <int kPer>
+__global__ void __launch_bounds__(kRegClusterMaxThreads)
+    ClusterRegisterVoteTopKKernel(const float* __restrict__ scores, int group, DeviceCandidates c,
+                                  int k, float* __restrict__ vote_out,
+                                  int32_t* __restrict__ selected, int hist_mode) {
+  namespace cg = cooperative_groups;
+  constexpr int G = kRegTopKMaxGroup;
+  constexpr int W = kRegClusterMaxWarps;
+  __shared__ float red_m[G][W], red_l[G][W];
+  __shared__ __align__(16) uint32_t hist[4][256];  // this block's histogram of each pass
+  __shared__ __align__(16) uint32_t hsum[4][256];  // the cluster's (this block's copy)
+  __shared__ uint32_t wsum_s[W];
+  __shared__ uint32_t btot_s;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
+  const int g = blockIdx.y;
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int cs = static_cast<int>(cluster.num_blocks());
+  GridDepWait();
+  GridDepLaunchDependents();
+  // A reused head: every block of the cluster (same g) returns before any cluster barrier.
+  if (c.skip != nullptr && c.skip[g] != 0) return;
+  for (int b = tid; b < 4 * 256; b += blockDim.x) (&hist[0][0])[b] = 0;
+  const int32_t n = c.count;
+  const int32_t first = (rank * static_cast<int32_t>(blockDim.x) + tid) * kPer;
+  float x[G][kPer], m[G], l[G];
+  RegLoadAndWarpStats<kPer>(scores + static_cast<int64_t>(g) * group * n + first, n, first, group,
+                            x, m, l);
+  int32_t ids[kPer];
+  ConsecutiveCandidateIds<kPer>(c, g, first, ids);
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) red_m[h][warp] = m[h], red_l[h][warp] = l[h];
+  }
+  ClusterSync();  // every block started, zeroed its histograms and wrote its partials
+  // Lane e merges the partials e, e + 32, ... of the cs x nwarps (block-major), then the warp.
+#pragma unroll
+  for (int h = 0; h < G; ++h) m[h] = NegInfF(), l[h] = 0.0f;
+  for (int e = lane; e < cs * nwarps; e += 32) {
+    const int r = e / nwarps, w = e - r * nwarps;
+    const float* rm = cluster.map_shared_rank(&red_m[0][0], r);
+    const float* rl = cluster.map_shared_rank(&red_l[0][0], r);
+#pragma unroll
+    for (int h = 0; h < G; ++h) MergeSoftmaxPair(m[h], l[h], rm[h * W + w], rl[h * W + w]);
+  }
+  float mb[G], inv[G];
+  RegWarpMerge(m, l, mb, inv);
+  uint32_t key[kPer];
+  RegVoteKeys<kPer>(x, mb, inv, ids, n, first,
+                    vote_out == nullptr ? nullptr : vote_out + static_cast<int64_t>(g) * n + first,
+                    key);
+
+  const int32_t kk = min(k, n);
+  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
+  if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;
+#pragma unroll 1
+  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+    RegHistogram<kPer>(key, prefix, mask, pass, hist_mode, hist[pass]);
+    ClusterSync();
+    for (int b = tid; b < 256; b += blockDim.x) {
+      uint32_t s = 0;
+      for (int r = 0; r < cs; ++r) s += cluster.map_shared_rank(&hist[pass][0], r)[b];
+      hsum[pass][b] = s;
+    }
+    __syncthreads();
+    if (RegFindBin(hsum[pass], pass, &prefix, &mask, &remaining)) break;
+  }
+
+  // <= 32768 of each over the cluster: no carry.
+  const uint32_t own = RegCounts<kPer>(key, prefix, mask);
+  const uint32_t incl = WarpInclusiveScanU(own);
+  if (lane == 31) wsum_s[warp] = incl;
+  __syncthreads();
+  const uint32_t wv = lane < nwarps ? wsum_s[lane] : 0u;
+  const uint32_t wincl = WarpInclusiveScanU(wv);
+  const uint32_t block_total = __shfl_sync(0xffffffffu, wincl, 31);
+  if (tid == 0) btot_s = block_total;
+  ClusterSync();
+  const uint32_t bt = lane < cs ? *cluster.map_shared_rank(&btot_s, lane) : 0u;
+  ClusterArrive();  // this block is done reading the others' shared memory
+  const uint32_t bincl = WarpInclusiveScanU(bt);
+  const uint32_t total = __shfl_sync(0xffffffffu, bincl, 31);
+  const uint32_t before = __shfl_sync(0xffffffffu, bincl - bt, rank) +
+                          __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
+  const uint32_t taken_total = (total >> 16) + min(total & 0xffffu, remaining);
+  int32_t* out = selected + static_cast<int64_t>(g) * k;
+  RegWriteTaken<kPer>(key, ids, prefix, mask, remaining, before, k, out);
+  const int64_t stride = static_cast<int64_t>(cs) * blockDim.x;
+  for (int64_t j = taken_total + static_cast<int64_t>(rank) * blockDim.x + tid; j < k;
+       j += stride) {
+    out[j] = -1;
+  }
+  ClusterWait();
+}
+
 // ---- VoteTopK by a bitonic sort of unique 64-bit keys (n <= 8192) ------------------------------
 // BitonicVoteTopKKernel<E>: one block of T = N / E threads per KV head (E = 2, 4 or 8 candidates
 // per thread; N = n rounded up to a power of two, at least 32 * E, T <= 1024), thread t owns
@@ -1212,6 +1645,136 @@ cudaError_t LaunchFastScore(const float* q, const T* rows, int64_t num_items, in
                          scale, scores);
 }
 
+// ScoreKeys fast path for bf16 keys of head_dim 128, group <= 4 and power-of-two page size and
+// fanout (the tokenselect shape): PagedKeyScoreKernel. 8 lanes per candidate, lane s of a
+// candidate owns dims [8s, 8s + 8) and [64 + 8s, 64 + 8s + 8) (two 16-byte loads, 128 contiguous
+// bytes per load across the 8 lanes) and keeps the scaled query of every head of the group for
+// those 16 dims in registers (no shared memory, no barrier); candidate ids and page-table
+// entries come from shifts and masks instead of divisions (Nsight counted 3,300 instructions
+// per warp in FastScoreKernel for 8192 keys, IMAD/ISETP more than the FFMAs). A block of 256
+// threads takes kKeyRounds rounds of 32 candidates and issues all their loads before the FMAs.
+// The 4 heads' partial sums meet in 4 shuffles (a transposing reduction: lane s ends with head
+// 2 * (s >> 2 & 1) + (s >> 1 & 1)), and even lanes write.
+// kKeyRounds: 8 (H100, 8192 keys x 8 KV heads, graph of the op alone: 7.3-7.4 us against 8.9
+// with 4 and 12.2 with 2; STRATA_SELECTION_KEY_ROUNDS=2|4 for A/B timing).
+template <int kKeyRounds>
+__global__ void __launch_bounds__(kScoreThreads, 2)
+    PagedKeyScoreKernel(const float* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+                        int64_t num_slots, int page_shift, const int32_t* __restrict__ table,
+                        int table_pages, int group, DeviceCandidates c, int fanout_shift,
+                        float scale, float* __restrict__ scores) {
+  constexpr int D = 128;
+  constexpr int kKeyCandidatesPerBlock = kScoreWarps * (32 / kSubLanes) * kKeyRounds;
+  const int g = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane / kSubLanes, sl = lane % kSubLanes;
+  GridDepWait();
+  GridDepLaunchDependents();
+  if (c.skip != nullptr && c.skip[g] != 0) return;  // a reused head: whole block
+  // Scaled query of each head for the lane's 16 dims (heads >= group: zeros, never written).
+  float qr[4][16];
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    const float* qh = q + (static_cast<int64_t>(g) * group + h) * D;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        float4 f = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (h < group) f = *reinterpret_cast<const float4*>(qh + half * 64 + sl * 8 + v * 4);
+        qr[h][half * 8 + v * 4 + 0] = scale * f.x;
+        qr[h][half * 8 + v * 4 + 1] = scale * f.y;
+        qr[h][half * 8 + v * 4 + 2] = scale * f.z;
+        qr[h][half * 8 + v * 4 + 3] = scale * f.w;
+      }
+    }
+  }
+  const int32_t page_mask = (1 << page_shift) - 1, fanout_mask = (1 << fanout_shift) - 1;
+  const int hsel = ((sl >> 2) & 1) * 2 + ((sl >> 1) & 1);  // head this lane ends with
+  const bool writer = (sl & 1) == 0 && hsel < group;
+  for (int32_t base = blockIdx.x * kKeyCandidatesPerBlock; base < c.count;
+       base += gridDim.x * kKeyCandidatesPerBlock) {
+    int32_t idx[kKeyRounds];
+    const __nv_bfloat16* row[kKeyRounds];
+#pragma unroll
+    for (int r = 0; r < kKeyRounds; ++r) {
+      idx[r] = base + r * (kScoreWarps * (32 / kSubLanes)) + warp * (32 / kSubLanes) + sub;
+      int64_t id = -1;
+      if (idx[r] < c.count) {
+        if (c.parents == nullptr) {
+          id = static_cast<int64_t>(c.begin) + idx[r];
+        } else {
+          const int32_t parent =
+              c.parents[static_cast<int64_t>(g) * c.num_parents + (idx[r] >> fanout_shift)];
+          if (parent >= 0) {
+            id = (static_cast<int64_t>(parent) << fanout_shift) + (idx[r] & fanout_mask);
+          }
+        }
+        if (id < c.begin || id >= c.end) id = -1;
+      }
+      row[r] = nullptr;
+      if (id >= 0) {
+        const int32_t page = static_cast<int32_t>(id >> page_shift);
+        if (page < table_pages) {
+          const int32_t slot = table[static_cast<int64_t>(g) * table_pages + page];
+          if (slot >= 0 && slot < num_slots) {
+            row[r] = k_pool + ((static_cast<int64_t>(slot) << page_shift) +
+                               (static_cast<int32_t>(id) & page_mask)) * D;
+          }
+        }
+      }
+    }
+    uint4 raw[kKeyRounds][2];
+#pragma unroll
+    for (int r = 0; r < kKeyRounds; ++r) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        raw[r][half] = row[r] != nullptr
+                           ? __ldg(reinterpret_cast<const uint4*>(row[r] + half * 64 + sl * 8))
+                           : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kKeyRounds; ++r) {
+      float kf[16];
+      Convert16<__nv_bfloat16>(raw[r][0], *reinterpret_cast<float(*)[8]>(&kf[0]));
+      Convert16<__nv_bfloat16>(raw[r][1], *reinterpret_cast<float(*)[8]>(&kf[8]));
+      float a[4];
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        a[h] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) a[h] = fmaf(qr[h][e], kf[e], a[h]);
+      }
+      // Transposing reduction over the candidate's 8 lanes.
+      const bool upper = (sl & 4) != 0, mid = (sl & 2) != 0;
+      const float s0 = upper ? a[0] : a[2], s1 = upper ? a[1] : a[3];
+      float b0 = (upper ? a[2] : a[0]) + __shfl_xor_sync(0xffffffffu, s0, 4);
+      float b1 = (upper ? a[3] : a[1]) + __shfl_xor_sync(0xffffffffu, s1, 4);
+      float cc = (mid ? b1 : b0) + __shfl_xor_sync(0xffffffffu, mid ? b0 : b1, 2);
+      cc += __shfl_xor_sync(0xffffffffu, cc, 1);
+      if (writer && idx[r] < c.count) {
+        scores[(static_cast<int64_t>(g) * group + hsel) * c.count + idx[r]] =
+            row[r] != nullptr ? cc : NegInfF();
+      }
+    }
+  }
+}
+
+// log2(v) for a power of two v >= 1, else -1.
+int Log2Exact(int64_t v) {
+  if (v < 1 || (v & (v - 1)) != 0) return -1;
+  int s = 0;
+  while ((int64_t{1} << s) < v) ++s;
+  return s;
+}
+
+// PagedKeyScoreKernel for ScoreKeys where it applies, unless STRATA_SELECTION_KEYS=generic (A/B
+// timing and tests of FastScoreKernel); read at every launch.
+bool PagedKeyScoreEnabled() {
+  const char* e = std::getenv("STRATA_SELECTION_KEYS");
+  return e == nullptr || std::string_view(e) != "generic";
+}
+
 unsigned ScoreBlocks(int32_t count) {
   int64_t blocks = (static_cast<int64_t>(count) + kScoreWarps * 2 - 1) / (kScoreWarps * 2);
   if (blocks < 1) blocks = 1;
@@ -1304,6 +1867,26 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
   const dim3 grid(ScoreBlocks(c.count), num_kv_heads);
   const bool aligned = reinterpret_cast<uintptr_t>(k_pool) % 16 == 0;
+  const int page_shift = Log2Exact(page_size);
+  const int fanout_shift = c.parents == nullptr ? 0 : Log2Exact(c.fanout);
+  if (aligned && pool_type == FloatType::kBF16 && head_dim == 128 && group <= 4 &&
+      page_shift >= 0 && fanout_shift >= 0 && PagedKeyScoreEnabled()) {
+    int rounds = 8;
+    if (const char* e = std::getenv("STRATA_SELECTION_KEY_ROUNDS")) {
+      const std::string_view v(e);
+      rounds = v == "2" ? 2 : v == "4" ? 4 : 8;
+    }
+    const int64_t per_block = int64_t{kScoreWarps} * (32 / kSubLanes) * rounds;
+    const int64_t blocks =
+        std::min<int64_t>((static_cast<int64_t>(c.count) + per_block - 1) / per_block, 65535);
+    auto* kernel_fn = rounds == 2   ? PagedKeyScoreKernel<2>
+                      : rounds == 8 ? PagedKeyScoreKernel<8>
+                                    : PagedKeyScoreKernel<4>;
+    return LaunchDependent(kernel_fn, dim3(static_cast<unsigned>(blocks), num_kv_heads),
+                           dim3(kScoreThreads), 1, stream, q,
+                           static_cast<const __nv_bfloat16*>(k_pool), num_slots, page_shift,
+                           page_table, table_pages, group, c, fanout_shift, scale, scores);
+  }
   if (aligned && pool_type == FloatType::kBF16 && head_dim == 128) {
     return LaunchFastScore<__nv_bfloat16, 128, false>(
         q, static_cast<const __nv_bfloat16*>(k_pool), 0, num_slots, page_size, page_table,
@@ -1336,19 +1919,87 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
 // the 2-block cluster), ClusterVoteTopKKernel as a single block of up to 512 threads up to
 // kClusterOneBlockDefaultMaxCandidates (2048: 10.8-11.7 us against 15.5-17.3 for the 4-block
 // cluster and 17.2 for the bitonic kernel), the cluster kernel up to kClusterTopKMaxCandidates
-// (8192: 21.0 us against 36.3 as one block and 70 bitonic), VoteTopKKernel beyond.
+// (8192: 21.0 us against 36.3 as one block and 70 bitonic), VoteTopKKernel beyond. For group <= 4
+// (bench/RESULTS.md, "Selection ops: register top-k"): RegisterVoteTopKKernel up to 2048
+// (1024: 7.1 us against 9.8 bitonic; 2048: 8.7-9.2 against 10.8-11.6, and against 12.0-25.4
+// for its 2- and 4-block cluster form), ClusterRegisterVoteTopKKernel from 2049 to 8192
+// candidates (8192: 15.2-15.4 us with 8 blocks against 20.9-21.1 for the cluster kernel, 17.0
+// with 4 blocks and 22.3 with 2; only 8192 was measured in that range).
 // STRATA_SELECTION_TOPK=bitonic (or cluster, cluster1, block) in the environment forces that
 // kernel wherever it can run (bitonic and cluster1: n <= 8192; cluster: n <= 65536), for A/B
 // timing; cluster1 is the cluster kernel as one block.
 constexpr int64_t kBitonicDefaultMaxCandidates = 1024;
 constexpr int64_t kClusterOneBlockDefaultMaxCandidates = 2048;
 
-// 0 none, 1 cluster, 2 block, 3 bitonic, 4 cluster1; read at every launch (tests switch it).
-int TopKOverride() {
+// 0 none, 1 cluster, 2 block, 3 bitonic, 4 cluster1, 5 reg, 6 regcluster.
+int TopKChoiceByName(std::string_view s) {
+  return s == "cluster" ? 1 : s == "block" ? 2 : s == "bitonic" ? 3 : s == "cluster1" ? 4
+         : s == "reg" ? 5 : s == "regcluster" ? 6 : 0;
+}
+
+// The kernel forced for n candidates (TopKChoiceByName; 0 none), read at every launch (tests
+// switch it): STRATA_SELECTION_TOPK_MAP="N1:choice[:blocks],N2:..." (the first entry with n <= N
+// decides; blocks: the cluster size of regcluster), else STRATA_SELECTION_TOPK=choice
+// everywhere. For A/B timing of mixed choices in one pipeline. *cluster_blocks (when set) gets
+// the entry's blocks, or is left alone.
+int TopKOverride(int64_t n, int* cluster_blocks = nullptr) {
+  if (const char* m = std::getenv("STRATA_SELECTION_TOPK_MAP")) {
+    std::string_view s(m);
+    while (!s.empty()) {
+      const size_t comma = s.find(',');
+      const std::string_view e = s.substr(0, comma);
+      s = comma == std::string_view::npos ? std::string_view() : s.substr(comma + 1);
+      const size_t c1 = e.find(':');
+      if (c1 == std::string_view::npos) continue;
+      if (n > std::strtoll(std::string(e.substr(0, c1)).c_str(), nullptr, 10)) continue;
+      const std::string_view rest = e.substr(c1 + 1);
+      const size_t c2 = rest.find(':');
+      if (cluster_blocks != nullptr && c2 != std::string_view::npos) {
+        *cluster_blocks = std::atoi(std::string(rest.substr(c2 + 1)).c_str());
+      }
+      return TopKChoiceByName(rest.substr(0, c2));
+    }
+  }
   const char* e = std::getenv("STRATA_SELECTION_TOPK");
-  if (e == nullptr) return 0;
+  return e == nullptr ? 0 : TopKChoiceByName(e);
+}
+
+// The register kernels' histogram add (RegHistAdd): STRATA_SELECTION_REG_HIST=0|1|2, default 2
+// (H100, graph of the op alone: 1024 candidates 7.1 us against 7.6 with 0 and 7.7 with 1; 2048:
+// 8.7 / 9.5 / 9.0 at 1M).
+int RegHistMode() {
+  const char* e = std::getenv("STRATA_SELECTION_REG_HIST");
+  if (e == nullptr) return 2;
   const std::string_view s(e);
-  return s == "cluster" ? 1 : s == "block" ? 2 : s == "bitonic" ? 3 : s == "cluster1" ? 4 : 0;
+  return s == "0" ? 0 : s == "1" ? 1 : 2;
+}
+
+// Blocks per cluster of ClusterRegisterVoteTopKKernel: about 256 threads of 4 candidates per
+// block, 2 to 8 blocks; STRATA_SELECTION_REG_CLUSTER=2|4|8 asks for that many (A/B timing).
+// STRATA_SELECTION_TOPK_MAP's blocks take precedence.
+int RegClusterBlocksFor(int64_t n) {
+  int cs = static_cast<int>(std::clamp<int64_t>((n + 1023) / 1024, 2, kClusterMax));
+  if (const char* e = std::getenv("STRATA_SELECTION_REG_CLUSTER")) {
+    const std::string_view s(e);
+    cs = s == "2" ? 2 : s == "4" ? 4 : s == "8" ? 8 : cs;
+  }
+  int mapped = 0;
+  TopKOverride(n, &mapped);
+  if (mapped == 2 || mapped == 4 || mapped == 8) cs = mapped;
+  return cs;
+}
+
+// Candidates per thread of RegisterVoteTopKKernel: the fewest of 2, 4, 8 that keep the block
+// within 1024 threads, at least 4 from 1025 candidates on;
+// STRATA_SELECTION_REG_PER=2|4|8 asks for more (A/B timing).
+int RegisterPerFor(int64_t n) {
+  int per = n <= 1024 ? 2 : n <= 4096 ? 4 : 8;
+  if (const char* e = std::getenv("STRATA_SELECTION_REG_PER")) {
+    const std::string_view s(e);
+    const int want = s == "2" ? 2 : s == "4" ? 4 : s == "8" ? 8 : 0;
+    per = std::max(per, want);
+  }
+  return per;
 }
 
 // Candidates per thread of the bitonic kernel: 2 up to 1024 candidates (H100: 4.9 us at 128
@@ -1369,9 +2020,15 @@ int BitonicPerFor(int64_t n) {
 // (512 threads of 16 candidates).
 constexpr int64_t kClusterOneBlockMaxCandidates = int64_t{kClusterTopKMaxThreads} * 16;
 
-// 0 block, 1 cluster, 2 bitonic, 3 cluster kernel as one block.
-int TopKKernelFor(int64_t n) {
-  const int o = TopKOverride();
+// 0 block, 1 cluster, 2 bitonic, 3 cluster kernel as one block, 4 register kernel, 5 register
+// cluster kernel (4 and 5: group <= 4 only).
+int TopKKernelFor(int64_t n, int group = kSelectMaxGroup) {
+  const int o = TopKOverride(n);
+  const bool reg_ok = group <= kRegTopKMaxGroup && n <= kRegTopKMaxCandidates;
+  if (o == 5 && reg_ok) return 4;
+  if (o == 6 && group <= kRegTopKMaxGroup && n <= kRegClusterMaxCandidates && n > 1) return 5;
+  if (o == 0 && reg_ok && n <= kRegTopKDefaultMaxCandidates) return 4;
+  if (o == 0 && group <= kRegTopKMaxGroup && n <= kRegClusterDefaultMaxCandidates) return 5;
   if (o == 3 && n <= kBitonicMaxCandidates) return 2;
   if (o == 4 && n <= kClusterOneBlockMaxCandidates) return 3;
   if (o == 2) return 0;
@@ -1392,7 +2049,44 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
   if (num_kv_heads == 0) return cudaSuccess;
   if (group < 1 || group > kSelectMaxGroup || k < 0) return cudaErrorInvalidValue;
   if (k == 0 && c.count == 0) return cudaSuccess;
-  const int kernel = TopKKernelFor(c.count);
+  const int kernel = TopKKernelFor(c.count, group);
+  if (kernel == 4) {
+    const int per = RegisterPerFor(c.count);
+    const int threads = static_cast<int>(
+        std::clamp<int64_t>((c.count + per * 32 - 1) / (per * 32) * 32, 32, kRegTopKMaxThreads));
+    auto* kernel_fn = per == 2   ? RegisterVoteTopKKernel<2>
+                      : per == 4 ? RegisterVoteTopKKernel<4>
+                                 : RegisterVoteTopKKernel<8>;
+    kernel_fn<<<num_kv_heads, threads, 0, stream>>>(scores, group, c, k, vote, selected,
+                                                    RegHistMode());
+    return cudaGetLastError();
+  }
+  if (kernel == 5) {
+    const int64_t n = c.count;
+    int cs = RegClusterBlocksFor(n);
+    int per = 4;
+    if (const char* e = std::getenv("STRATA_SELECTION_REG_PER")) {
+      const std::string_view s(e);
+      per = s == "2" ? 2 : s == "8" ? 8 : 4;
+    }
+    // Fit the block limit: more candidates per thread, then more blocks.
+    while ((n + int64_t{cs} * per - 1) / (int64_t{cs} * per) > kRegClusterMaxThreads &&
+           (per < 8 || cs < kClusterMax)) {
+      if (per < 8) {
+        per *= 2;
+      } else {
+        cs = std::min(cs * 2, kClusterMax);
+      }
+    }
+    const int64_t per_block = (n + cs - 1) / cs;
+    const int threads = static_cast<int>(std::clamp<int64_t>(
+        ((per_block + per - 1) / per + 31) / 32 * 32, 32, kRegClusterMaxThreads));
+    auto* kernel_fn = per == 2   ? ClusterRegisterVoteTopKKernel<2>
+                      : per == 4 ? ClusterRegisterVoteTopKKernel<4>
+                                 : ClusterRegisterVoteTopKKernel<8>;
+    return LaunchDependent(kernel_fn, dim3(cs, num_kv_heads), dim3(threads), cs, stream, scores,
+                           group, c, k, vote, selected, RegHistMode());
+  }
   if (kernel == 2) {
     const int per = BitonicPerFor(c.count);
     int nsort = 32 * per;

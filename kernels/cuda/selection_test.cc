@@ -16,6 +16,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
@@ -205,53 +206,73 @@ TEST_F(SelectionTest, ScoreKeysMatchesCpu) {
   } cases[] = {{DType::kBF16, 8, 4, 128, 64, 40, 300, true},
                {DType::kF32, 3, 5, 17, 7, 13, 30, false},
                {DType::kBF16, 1, 1, 64, 16, 9, 12, true},
-               {DType::kF32, 2, 16, 128, 64, 5, 11, true}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << " d " << c.d << " page " << c.page);
-    const int hq = c.hkv * c.group;
-    std::vector<float> q = RandomF(static_cast<int64_t>(hq) * c.d);
-    std::vector<uint8_t> pool =
-        PoolBytes(RandomF(static_cast<int64_t>(c.slots) * c.page * c.d), c.dtype);
-    // Page table: mostly valid slots, some -1 and some beyond the pool.
-    std::vector<int32_t> table(static_cast<size_t>(c.hkv) * c.table_pages);
-    std::uniform_int_distribution<int> slot(-1, c.slots + 2);
-    for (int32_t& t : table) t = slot(rng_);
-    const int64_t tokens = static_cast<int64_t>(c.table_pages + 2) * c.page;
-    CandidateList cl;
-    std::vector<int32_t> parents;
-    int64_t n;
-    if (c.parents) {
-      parents = RandomParents(rng_, c.hkv, 7, c.table_pages + 2);
-      cl.fanout = c.page;
-      cl.begin = 3;
-      cl.end = tokens - 5;
-      n = 7 * c.page;
-    } else {
-      cl.begin = 1;
-      cl.end = tokens;
-      n = tokens - 1;
+               {DType::kF32, 2, 16, 128, 64, 5, 11, true},
+               // PagedKeyScoreKernel's shapes (bf16, d 128, group <= 4, power-of-two page and
+               // fanout), also run through FastScoreKernel below.
+               {DType::kBF16, 2, 3, 128, 16, 9, 20, false},
+               {DType::kBF16, 3, 2, 128, 32, 6, 10, true},
+               {DType::kBF16, 2, 1, 128, 8, 11, 40, true},
+               {DType::kBF16, 2, 4, 128, 48, 7, 12, true}};  // page 48: FastScoreKernel
+  // The default kernels (PagedKeyScoreKernel with 8 rounds), PagedKeyScoreKernel with 2 and 4
+  // rounds, then FastScoreKernel where PagedKeyScoreKernel would run.
+  for (const char* keys : {"", "2", "4", "generic"}) {
+    unsetenv("STRATA_SELECTION_KEYS");
+    unsetenv("STRATA_SELECTION_KEY_ROUNDS");
+    if (std::string_view(keys) == "generic") {
+      setenv("STRATA_SELECTION_KEYS", keys, 1);
+    } else if (*keys != 0) {
+      setenv("STRATA_SELECTION_KEY_ROUNDS", keys, 1);
     }
-    const float scale = 0.125f;
-    std::vector<float> want(static_cast<size_t>(hq) * n, kNaN);
-    ScoreKeysParams p;
-    p.q = TensorView(q.data(), DType::kF32, {hq, c.d});
-    p.k_pool = TensorView(pool.data(), c.dtype, {c.slots, c.page, c.d});
-    p.page_table = TensorView(table.data(), DType::kI32, {c.hkv, c.table_pages});
-    p.candidates = cl;
-    if (c.parents) p.candidates.parents = TensorView(parents.data(), DType::kI32, {c.hkv, 7});
-    p.scale = scale;
-    p.scores = TensorView(want.data(), DType::kF32, {c.hkv, c.group, n});
-    STRATA_ASSERT_OK(cpu_->ScoreKeys(p, nullptr));
-    auto dq = Dev(q), dpool = Dev(pool), dt = Dev(table), dp = Dev(parents);
-    auto out = Poisoned<float>(static_cast<int64_t>(hq) * n);
-    p.q.data = dq->data();
-    p.k_pool.data = dpool->data();
-    p.page_table.data = dt->data();
-    if (c.parents) p.candidates.parents.data = dp->data();
-    p.scores.data = out->data();
-    STRATA_ASSERT_OK(gpu_->ScoreKeys(p, nullptr));
-    ExpectClose(Get<float>(*out, static_cast<int64_t>(hq) * n), want, 1e-5, 1e-5, "key scores");
+    for (const Case& c : cases) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << " d " << c.d << " page " << c.page
+                                        << " group " << c.group << " keys " << keys);
+      const int hq = c.hkv * c.group;
+      std::vector<float> q = RandomF(static_cast<int64_t>(hq) * c.d);
+      std::vector<uint8_t> pool =
+          PoolBytes(RandomF(static_cast<int64_t>(c.slots) * c.page * c.d), c.dtype);
+      // Page table: mostly valid slots, some -1 and some beyond the pool.
+      std::vector<int32_t> table(static_cast<size_t>(c.hkv) * c.table_pages);
+      std::uniform_int_distribution<int> slot(-1, c.slots + 2);
+      for (int32_t& t : table) t = slot(rng_);
+      const int64_t tokens = static_cast<int64_t>(c.table_pages + 2) * c.page;
+      CandidateList cl;
+      std::vector<int32_t> parents;
+      int64_t n;
+      if (c.parents) {
+        parents = RandomParents(rng_, c.hkv, 7, c.table_pages + 2);
+        cl.fanout = c.page;
+        cl.begin = 3;
+        cl.end = tokens - 5;
+        n = 7 * c.page;
+      } else {
+        cl.begin = 1;
+        cl.end = tokens;
+        n = tokens - 1;
+      }
+      const float scale = 0.125f;
+      std::vector<float> want(static_cast<size_t>(hq) * n, kNaN);
+      ScoreKeysParams p;
+      p.q = TensorView(q.data(), DType::kF32, {hq, c.d});
+      p.k_pool = TensorView(pool.data(), c.dtype, {c.slots, c.page, c.d});
+      p.page_table = TensorView(table.data(), DType::kI32, {c.hkv, c.table_pages});
+      p.candidates = cl;
+      if (c.parents) p.candidates.parents = TensorView(parents.data(), DType::kI32, {c.hkv, 7});
+      p.scale = scale;
+      p.scores = TensorView(want.data(), DType::kF32, {c.hkv, c.group, n});
+      STRATA_ASSERT_OK(cpu_->ScoreKeys(p, nullptr));
+      auto dq = Dev(q), dpool = Dev(pool), dt = Dev(table), dp = Dev(parents);
+      auto out = Poisoned<float>(static_cast<int64_t>(hq) * n);
+      p.q.data = dq->data();
+      p.k_pool.data = dpool->data();
+      p.page_table.data = dt->data();
+      if (c.parents) p.candidates.parents.data = dp->data();
+      p.scores.data = out->data();
+      STRATA_ASSERT_OK(gpu_->ScoreKeys(p, nullptr));
+      ExpectClose(Get<float>(*out, static_cast<int64_t>(hq) * n), want, 1e-5, 1e-5, "key scores");
+    }
   }
+  unsetenv("STRATA_SELECTION_KEYS");
+  unsetenv("STRATA_SELECTION_KEY_ROUNDS");
 }
 
 // Compares GPU top-k ids with the CPU's: same -1 padding, and ids may differ only where the two
@@ -286,8 +307,9 @@ void ExpectSameTopK(const std::vector<int32_t>& got, const std::vector<int32_t>&
   }
 }
 
-// VoteTopK's kernels by size: the bitonic kernel (n <= 8192, one block of n / 8 threads rounded
-// up to a power of two), the cluster kernel with 4 (n <= 16384) or 16 candidates per thread and 1
+// VoteTopK's kernels by size: the register kernel (group <= 4, n <= 8192; `reg`) and its
+// cluster form (n <= 32768; `regcluster`), the bitonic kernel (n <= 8192, one block of n / 8
+// threads rounded up to a power of two), the cluster kernel with 4 (n <= 16384) or 16 candidates per thread and 1
 // to 8 blocks per KV head, and the one-block kernel beyond 65536 candidates. Scores take
 // few distinct values shared by every query head of a candidate, so votes fall in well-separated
 // classes of exactly equal values: the GPU must return exactly the CPU's ids (ties to the lower
@@ -298,7 +320,7 @@ void ExpectSameTopK(const std::vector<int32_t>& got, const std::vector<int32_t>&
 // the block kernel).
 template <typename Body>
 void ForEachTopKKernel(Body body) {
-  for (const char* choice : {"", "bitonic", "cluster", "cluster1", "block"}) {
+  for (const char* choice : {"", "bitonic", "cluster", "cluster1", "block", "reg", "regcluster"}) {
     SCOPED_TRACE(::testing::Message() << "STRATA_SELECTION_TOPK=" << choice);
     if (*choice == 0) {
       unsetenv("STRATA_SELECTION_TOPK");
@@ -461,6 +483,56 @@ TEST_F(SelectionTest, VoteTopKBitonicExactTies) {
   }
   unsetenv("STRATA_SELECTION_BITONIC_PER");
   unsetenv("STRATA_SELECTION_TOPK");
+}
+
+// The register kernel (one block, scores and keys in registers, group <= 4) with each of its
+// shapes (2, 4 or 8 candidates per thread, STRATA_SELECTION_REG_PER; more where the block would
+// exceed 1024 threads): small enough for racecheck.
+TEST_F(SelectionTest, VoteTopKRegisterExactTies) {
+  setenv("STRATA_SELECTION_TOPK", "reg", 1);
+  for (const char* per : {"2", "4", "8"}) {
+    SCOPED_TRACE(::testing::Message() << "STRATA_SELECTION_REG_PER=" << per);
+    setenv("STRATA_SELECTION_REG_PER", per, 1);
+    ExactTiesAtEverySize({1, 31, 63, 64, 65, 1000, 2048, 2049, 4097, 8192});
+  }
+  // The other histogram adds (STRATA_SELECTION_REG_HIST; the default 2 ran above).
+  setenv("STRATA_SELECTION_REG_PER", "4", 1);
+  for (const char* hist : {"0", "1"}) {
+    SCOPED_TRACE(::testing::Message() << "STRATA_SELECTION_REG_HIST=" << hist);
+    setenv("STRATA_SELECTION_REG_HIST", hist, 1);
+    ExactTiesAtEverySize({65, 2048, 8192});
+  }
+  unsetenv("STRATA_SELECTION_REG_HIST");
+  unsetenv("STRATA_SELECTION_REG_PER");
+  unsetenv("STRATA_SELECTION_TOPK");
+}
+
+// The register kernel over a cluster of 2, 4 and 8 blocks (STRATA_SELECTION_REG_CLUSTER), with
+// each histogram add.
+TEST_F(SelectionTest, VoteTopKRegisterClusterExactTies) {
+  setenv("STRATA_SELECTION_TOPK", "regcluster", 1);
+  for (const char* cs : {"2", "4", "8"}) {
+    for (const char* hist : {"0", "1", "2"}) {
+      SCOPED_TRACE(::testing::Message() << "STRATA_SELECTION_REG_CLUSTER=" << cs
+                                        << " STRATA_SELECTION_REG_HIST=" << hist);
+      setenv("STRATA_SELECTION_REG_CLUSTER", cs, 1);
+      setenv("STRATA_SELECTION_REG_HIST", hist, 1);
+      ExactTiesAtEverySize({31, 2048, 8192});
+    }
+  }
+  unsetenv("STRATA_SELECTION_REG_HIST");
+  unsetenv("STRATA_SELECTION_REG_CLUSTER");
+  unsetenv("STRATA_SELECTION_TOPK");
+}
+
+// Mixed choices by size (STRATA_SELECTION_TOPK_MAP, as the A/B timing of the pipelines uses it),
+// against the CPU on exact ties and on random scores through parents.
+TEST_F(SelectionTest, VoteTopKSizeMapMatchesCpu) {
+  setenv("STRATA_SELECTION_TOPK_MAP", "100:bitonic,1024:reg,2048:regcluster:4,8192:regcluster:8",
+         1);
+  ExactTiesAtEverySize({17, 1000, 2048, 8192, 20000});
+  MatchesCpuThroughParents();
+  unsetenv("STRATA_SELECTION_TOPK_MAP");
 }
 
 void SelectionTest::ExactTiesAtEverySize(std::vector<int64_t> sizes) {
