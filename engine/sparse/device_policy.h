@@ -20,7 +20,9 @@
 //     chunk's mean query); the next decode step selects;
 //   - decode only: one query token, at position cache.length(layer) - 1;
 //   - pages are taken as the top ceil(wanted / P) by vote, where the host policy's FillPages may
-//     add a boundary page that lies partly outside the middle and still fits the budget.
+//     add a boundary page that lies partly outside the middle and still fits the budget;
+//   - where the two-level stage would keep every segment, the pages are scored directly (the
+//     same candidates; the host policy goes through the segments), saving two launches.
 // Used by engine::Transformer through ForwardOptions::device_policy (one-token segments), by
 // `strata generate` and by the worker's jobs (worker/worker.h, WorkerOptions::device_selection).
 //
