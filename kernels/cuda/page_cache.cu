@@ -34,26 +34,33 @@ constexpr int kCopyBlocks = 528;  // 4 per SM on an H100
 constexpr int kEpoch = 0, kHand = 1, kLookups = 2, kHits = 3, kFills = 4, kEvictions = 5,
               kUnresolved = 6;
 
-// The number of threads of the block below this one with `flag` set (an exclusive scan of 0/1
-// over the 1024 threads); `warp_sums` is shared scratch of 32 ints. Every thread must call it.
-__device__ __forceinline__ int BlockExclusiveCount(bool flag, int* warp_sums) {
+// The sum of `v` over the threads of the block below this one (an exclusive scan over the 1024
+// threads); *total receives the sum over all. `warp_sums` is shared scratch of 32 ints. Every
+// thread must call it.
+__device__ __forceinline__ int BlockExclusiveSum(int v, int* warp_sums, int* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  const int in_warp = __popc(ballot & ((1u << lane) - 1));
-  if (lane == 0) warp_sums[warp] = __popc(ballot);
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;  // the warp's total
   __syncthreads();
   if (warp == 0) {
-    const int v = warp_sums[lane];
-    int x = v;
+    const int w = warp_sums[lane];
+    int t = w;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
+      const int y = __shfl_up_sync(0xffffffffu, t, o);
+      if (lane >= o) t += y;
     }
-    warp_sums[lane] = x - v;  // exclusive
+    warp_sums[lane] = t - w;  // exclusive prefix of the warp totals
+    if (lane == 31) warp_sums[32] = t;
   }
   __syncthreads();
-  const int r = warp_sums[warp] + in_warp;
+  const int r = warp_sums[warp] + x - v;
+  *total = warp_sums[32];
   __syncthreads();  // warp_sums may be reused by the next call
   return r;
 }
@@ -67,7 +74,7 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
   __shared__ long long hand_s, passed_s, last_hand_s;
   __shared__ int taken_s;
   __shared__ int done_s;
-  __shared__ int scan_s[32];
+  __shared__ int scan_s[33];
   const int tid = threadIdx.x;
   const int64_t n = a.num_slots;
   if (tid == 0) {
@@ -121,7 +128,11 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
   };
   // a1. Hits are stamped and counted once (the first thread to stamp the slot); a missing page's
   // entry becomes -2 - (the smallest item naming it).
-  for (int64_t idx = tid; idx < total; idx += kResolveThreads) {
+  // Contiguous ranges of items per thread (a run's candidates share their parent's load).
+  const int64_t span = (total + kResolveThreads - 1) / kResolveThreads;
+  const int64_t lo = tid * span < total ? tid * span : total;
+  const int64_t hi = lo + span < total ? lo + span : total;
+  for (int64_t idx = lo; idx < hi; ++idx) {
     const int64_t flat = named(idx);
     if (flat < 0) continue;
     const int32_t slot = *(volatile int32_t*)&a.table[flat];
@@ -138,25 +149,32 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
     }
   }
   __syncthreads();
-  // a2. The misses in naming order (a block scan over the items, 1024 at a time): each page at
-  // its first item. Beyond scratch_pages they stay unresolved, as in the CPU twin.
+  // a2. The misses in naming order, each page at its first item: every thread takes a
+  // contiguous range of items, counts its first items, and one block scan gives its offset.
+  // Beyond scratch_pages they stay unresolved, as in the CPU twin.
   int32_t* misses = a.scratch + 1;
-  for (int64_t base = 0; base < total; base += kResolveThreads) {
-    const int64_t idx = base + tid;
-    int64_t flat = idx < total ? named(idx) : -1;
-    const bool first = flat >= 0 && a.table[flat] == static_cast<int32_t>(-2 - idx);
-    const int pos = n_miss_s + BlockExclusiveCount(first, scan_s);
-    if (first) {
+  {
+    int count = 0;
+    for (int64_t idx = lo; idx < hi; ++idx) {
+      const int64_t flat = named(idx);
+      if (flat >= 0 && a.table[flat] == static_cast<int32_t>(-2 - idx)) ++count;
+    }
+    int all = 0;
+    int pos = BlockExclusiveSum(count, scan_s, &all);
+    for (int64_t idx = lo; idx < hi && count > 0; ++idx) {
+      const int64_t flat = named(idx);
+      if (flat < 0 || a.table[flat] != static_cast<int32_t>(-2 - idx)) continue;
       if (pos < a.scratch_pages) {
         misses[pos] = static_cast<int32_t>(flat);
       } else {
         a.table[flat] = -1;
       }
+      ++pos;
+      --count;
     }
-    __syncthreads();
-    if (tid == kResolveThreads - 1) n_miss_s = pos + (first ? 1 : 0);
-    __syncthreads();
+    if (tid == 0) n_miss_s = all;
   }
+  __syncthreads();
   if (tid == 0) {
     lookups_s += static_cast<unsigned long long>(n_miss_s);
     if (n_miss_s > a.scratch_pages) unresolved_s += n_miss_s - a.scratch_pages;
