@@ -20,6 +20,13 @@
 // (BackendPageAllocator) and the fills read them in place; --in_place=0: plain memory, gathered
 // into the cache's staging buffer by memcpy. After the run, --verify_pages resident slots are read back and compared byte for byte.
 //
+// --policy=device: the cache in device-managed mode (GpuCacheOptions::device_managed, pages held
+// in place, so --in_place=1): per layer one GpuPageCache::EnqueueResolve of the same selection
+// (sink page, selected pages as a device parents array uploaded once per step for all layers,
+// window pages) and, with --attend, SelectedAttention over the cache's device table; the step
+// ends with one synchronise. Hits and fills come from the device counters (SyncDeviceStats at the
+// measurement boundaries), the verify reads the device table.
+//
 // Fill throughput: PageCopy of N staged pages into random slots (one op), against one contiguous
 // CopyToDevice of the same bytes from pinned memory; medians of --copy_reps.
 //
@@ -320,6 +327,13 @@ int Run(const Flags& f) {
   o.max_batch_pages = 4096;
   o.source = tier->get();
   if (f.in_place) o.in_place_allocator = &pinned;
+  const bool device = f.policy == "device";
+  if (device && !f.in_place) {
+    std::fprintf(stderr, "--policy=device needs --in_place=1\n");
+    return 2;
+  }
+  o.device_managed = device;
+  o.hold_source_pages = device;
   absl::StatusOr<std::unique_ptr<kvstore::GpuPageCache>> cache_or =
       kvstore::GpuPageCache::Create(o, backend);
   if (!cache_or.ok()) {
@@ -362,6 +376,19 @@ int Run(const Flags& f) {
       return 1;
     }
   }
+  // --policy=device: every layer's selected pages of the step, uploaded once per step.
+  std::unique_ptr<kernels::Buffer> parents_buf;
+  std::vector<int32_t> parents_host;
+  if (device) {
+    auto b = backend->Allocate(sizeof(int32_t) * f.layers * f.kv_heads * middle);
+    if (!b.ok()) return 1;
+    parents_buf = *std::move(b);
+    parents_host.resize(static_cast<size_t>(f.layers) * f.kv_heads * middle);
+  }
+  auto stats_now = [&]() -> kvstore::GpuCacheStats {
+    if (device && !cache.SyncDeviceStats().ok()) std::fprintf(stderr, "SyncDeviceStats failed\n");
+    return cache.stats();
+  };
   std::vector<kernels::KvSpan> spans;
   std::vector<int32_t> span_offsets(f.kv_heads + 1);
   const int32_t q_position = static_cast<int32_t>(f.context);
@@ -373,10 +400,10 @@ int Run(const Flags& f) {
   bool measuring = false;
   int warmup_steps = 0;
   for (int step = 0; measured_steps < f.steps; ++step) {
-    if (!measuring && (cache.stats().fills >= f.warmup_fills * num_slots ||
+    if (!measuring && (stats_now().fills >= f.warmup_fills * num_slots ||
                        step >= f.max_warmup_steps)) {
       if (!cache.WaitForFills().ok()) return 1;
-      before = cache.stats();
+      before = stats_now();
       measuring = true;
       warmup_steps = step;
     }
@@ -405,6 +432,68 @@ int Run(const Flags& f) {
       }
     }
     double step_seconds = 0;
+    if (device) {
+      for (int l = 0; l < f.layers; ++l) {
+        for (int g = 0; g < f.kv_heads; ++g) {
+          const HeadTrace& h = heads[static_cast<size_t>(l) * f.kv_heads + g];
+          std::copy(h.selected.begin(), h.selected.end(),
+                    parents_host.begin() + (static_cast<size_t>(l) * f.kv_heads + g) * middle);
+        }
+      }
+      if (!backend->CopyToDevice(parents_buf->data(), parents_host.data(),
+                                 parents_host.size() * sizeof(int32_t), nullptr)
+               .ok() ||
+          !backend->Synchronize(nullptr).ok()) {
+        return 1;
+      }
+      const kvstore::GpuCacheStats s0 = measuring ? stats_now() : kvstore::GpuCacheStats{};
+      Stopwatch watch;
+      const int64_t P = f.page_size;
+      for (int l = 0; l < f.layers; ++l) {
+        kernels::CandidateList mid;
+        mid.parents = kernels::TensorView(
+            static_cast<int32_t*>(parents_buf->data()) + static_cast<int64_t>(l) * f.kv_heads * middle,
+            kernels::DType::kI32, {f.kv_heads, middle});
+        mid.fanout = f.page_size;
+        mid.begin = P;
+        mid.end = end_middle * P;
+        const int64_t suffix_begin = end_middle * P, suffix_end = pages_per_head * P;
+        absl::Status s = cache.EnqueueResolve(l, P, mid, suffix_begin, suffix_end);
+        if (s.ok() && f.attend) {
+          kernels::SelectedAttentionParams a;
+          a.q = (*q_buf)->View(kernels::DType::kF32, {1, q_heads, f.head_dim});
+          a.k_pool = cache.k_pool();
+          a.v_pool = cache.v_pool();
+          a.page_table = kernels::TensorView(
+              const_cast<int32_t*>(cache.device_table()) +
+                  static_cast<int64_t>(l) * f.kv_heads * pages_per_head,
+              kernels::DType::kI32, {f.kv_heads, pages_per_head});
+          a.prefix_end = P;
+          a.middle = mid;
+          a.suffix_begin = suffix_begin;
+          a.suffix_end = suffix_end;
+          a.scale = 1.0f / std::sqrt(static_cast<float>(f.head_dim));
+          a.out = (*out_buf)->View(kernels::DType::kF32, {1, q_heads, f.head_dim});
+          a.lse = (*lse_buf)->View(kernels::DType::kF32, {1, q_heads});
+          s = backend->SelectedAttention(a, nullptr);
+        }
+        if (!s.ok()) {
+          std::fprintf(stderr, "step %d layer %d: %s\n", step, l, s.ToString().c_str());
+          return 1;
+        }
+      }
+      if (!backend->Synchronize(nullptr).ok()) return 1;
+      step_seconds = watch.ElapsedSeconds();
+      if (measuring) {
+        const kvstore::GpuCacheStats s1 = stats_now();
+        lookups += s1.lookups - s0.lookups;
+        hits += s1.hits - s0.hits;
+        ++measured_steps;
+        acquire_total += step_seconds;
+        step_acquire.push_back(step_seconds);
+      }
+      continue;
+    }
     for (int l = 0; l < f.layers; ++l) {
       want.clear();
       for (int g = 0; g < f.kv_heads; ++g) {
@@ -481,7 +570,7 @@ int Run(const Flags& f) {
     }
   }
   if (!cache.WaitForFills().ok()) return 1;
-  const kvstore::GpuCacheStats after = cache.stats();
+  const kvstore::GpuCacheStats after = stats_now();
   const double n = std::max<int64_t>(1, measured_steps);
   std::printf("\ntrace: %d warm-up steps (until %.1f x the slots were filled), then %" PRId64
               " measured; %d Acquire calls per step (one per layer)\n",
@@ -493,9 +582,12 @@ int Run(const Flags& f) {
               (after.fills - before.fills) / n,
               (after.fill_bytes - before.fill_bytes) / n / (1 << 20));
   std::printf("  evictions per step       %.1f\n", (after.evictions - before.evictions) / n);
-  std::printf("  step time                mean %.1f us, median %.1f us (all %d layers: Acquire%s)\n",
+  std::printf("  step time                mean %.1f us, median %.1f us (all %d layers: %s%s)\n",
               acquire_total / n * 1e6, Median(step_acquire) * 1e6, f.layers,
-              f.attend ? " + PagedAttention over the slots + one final synchronise" : "");
+              device ? "EnqueueResolve" : "Acquire",
+              !f.attend ? ""
+              : device  ? " + SelectedAttention over the device table + one final synchronise"
+                        : " + PagedAttention over the slots + one final synchronise");
   if (f.attend) {
     std::printf("    of which attention     %.1f us (enqueue per layer, then the wait at the end)\n",
                 attend_total / n * 1e6);
@@ -520,7 +612,16 @@ int Run(const Flags& f) {
     kvstore::GpuPageId id{static_cast<int32_t>(vr() % f.layers),
                           static_cast<int32_t>(vr() % f.kv_heads),
                           static_cast<int32_t>(vr() % pages_per_head)};
-    absl::StatusOr<int32_t> slot = cache.SlotOf(id);
+    absl::StatusOr<int32_t> slot = -1;
+    if (device) {
+      int32_t v = -1;
+      const int64_t flat = (static_cast<int64_t>(id.layer) * f.kv_heads + id.kv_head) *
+                               pages_per_head + id.page;
+      if (!backend->CopyToHost(&v, cache.device_table() + flat, sizeof(v), nullptr).ok()) return 1;
+      slot = v;
+    } else {
+      slot = cache.SlotOf(id);
+    }
     if (!slot.ok() || *slot < 0) continue;
     kvstore::PageKey key{o.document, static_cast<uint32_t>(id.layer),
                          static_cast<uint32_t>(id.kv_head), static_cast<uint32_t>(id.page)};
