@@ -15,10 +15,16 @@
 // Pools: f32, bf16 or fp8 e4m3 (kernels/backend.h "fp8 KV pools"); for fp8 the host folds k_scale
 // into the score scale and the kernels multiply their outputs by v_scale. The split-K decode
 // kernels (here and SelectedDecodeKernel below) share their start, tile update (one online-softmax
-// step, OnlineSoftmaxRescale / SoftmaxWeight, also used by the general kernel) and partial write.
+// step, OnlineSoftmaxRescale / SoftmaxWeight, also used by the general kernel and
+// SelectedClusterKernel) and partial write.
+#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cfloat>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "kernels/cuda/internal/common.cuh"
@@ -680,8 +686,10 @@ cudaError_t LaunchMergeAttention(const MergeParts& parts, int64_t rows, int64_t 
 
 // ---- Decode attention over a device-resident selection (SelectedAttention) -------------------
 // Per KV head the attended tokens are a virtual list: [0, prefix_end), the ids of the middle
-// CandidateList, then [suffix_begin, suffix_begin + suffix_len). The list is cut into
-// items_per_head work items of `chunk` positions (uniform, so the launch needs no host plan and
+// CandidateList, then [suffix_begin, suffix_begin + suffix_len). Two kernels, chosen by the list's
+// length (UsesClusterKernel): short lists (the sparse decode step) run SelectedClusterKernel
+// below, one thread-block cluster per KV head, one launch; long ones (the dense decode step) the
+// split-K kernels here. Split-K: the list is cut into items_per_head work items of `chunk` positions (uniform, so the launch needs no host plan and
 // no device-to-host copy); SelectedDecodeKernel is the split-K kernel above with each thread
 // mapping its position to a pool row through the page table (invalid ids score -inf and are not
 // read) and V rows loaded in batches per warp (all loads of a batch in flight), and
@@ -880,6 +888,533 @@ __global__ void __launch_bounds__(kThreads)
   if (tid == 0) lse[head] = big_m + logf(big_l);
 }
 
+// ---- SelectedAttention, cluster path: one thread-block cluster per KV head --------------------
+// SelectedClusterKernel<KV, HEAD_DIM, THREADS>: grid = num_kv_heads clusters of `cluster_size`
+// (1 to 16) blocks of THREADS (kClusterThreads = 256 is launched; 512 was measured slower on the
+// H100: bench/RESULTS.md "SelectedAttention on one cluster per KV head"); block r of KV head g's cluster attends the positions
+// [r * per, (r + 1) * per) of the head's list (per = ceil(n / cluster_size), n = total, or the
+// device prefix length when nothing follows the prefix). The block works in tiles of
+// ClusterTile::kKeys keys held in a ring of kClusterStages shared-memory stages: the prologue
+// resolves the rows of the first kClusterStages tiles (one position per thread, parents -> page
+// table) and issues every 16-byte piece of their K and V rows as cp.async copies at once (invalid
+// rows are zero-filled, not read), so a block of the sparse decode step has all its bytes in
+// flight after two dependent loads. Per tile: scores (kThreadsPerKey threads per key, the
+// query heads of the group from shared memory, K chunks XOR-swizzled per key so a warp's
+// shared loads do not conflict), one warp per query head updates the online softmax, then
+// every thread accumulates weights * V for 8 dims of every head over its slice of the keys; the
+// stage is refilled with the tile kClusterStages ahead. At the end the block's partial (m, l,
+// unnormalised o per head) sits in its shared memory and, after a cluster barrier, block r
+// merges query heads r, r + cluster_size, ... of the KV head: one warp reads every block's
+// (m, l) (distributed shared memory, one lane per block), then the block's threads read the
+// blocks' o at once and sum them; out and lse are written there. One launch, no global scratch.
+constexpr int kClusterStages = 3;
+// Auto path choice: the cluster kernel up to this many positions per KV head (16 blocks of at most
+// 3 tiles of 64 keys: every position of a bf16/fp8 d <= 128 call is in flight after the
+// prologue), the split-K kernel beyond (many more blocks for long lists). Measured on the H100:
+// the cluster kernel is faster at 64 and 2368 positions, slower at 8192 (bench/RESULTS.md).
+constexpr int32_t kClusterMaxTotal = 3072;
+constexpr int kClusterThreads = 256;
+constexpr int kClusterRedSlots = 8;  // per-warp partial sums of o kept at once (reduction)
+
+template <typename KV, int HEAD_DIM, int THREADS>
+struct ClusterTile {
+  static constexpr int kWarps = THREADS / 32;
+  static constexpr int kRowBytes = HEAD_DIM * static_cast<int>(sizeof(KV));
+  static constexpr int kKeys = 16384 / kRowBytes < 64 ? 16384 / kRowBytes : 64;  // 16 to 64
+  static constexpr int kTileBytes = kKeys * kRowBytes;                           // <= 16 KiB
+  static constexpr int kChunkBytes = 8 * static_cast<int>(sizeof(KV));  // 8 elements
+  static constexpr int kChunks = HEAD_DIM / 8;                          // chunks per row
+  // Scores: kThreadsPerKey consecutive threads per key, each kChunksPerThread chunks.
+  static constexpr int kThreadsPerKey = THREADS / kKeys;
+  static constexpr int kChunksPerThread = kChunks / kThreadsPerKey;
+  // weights * V: thread = (chunk, slice), slice s takes keys s, s + kSlices, ...
+  static constexpr int kSlices = THREADS / kChunks;
+  static constexpr int kKeysPerSlice = kKeys / kSlices;
+  static constexpr int kUnitsPerRow = kRowBytes / 16;  // 16-byte copies per row
+  static constexpr int kUnits = kTileBytes / 16;
+  static constexpr size_t kSmemBytes =
+      2 * kClusterStages * kTileBytes +                     // K and V stages
+      kDecodeMaxGroup * HEAD_DIM * sizeof(float) +          // q (then the block's o)
+      kDecodeMaxGroup * kKeys * sizeof(float) +             // scores / weights
+      kClusterStages * kKeys * sizeof(int64_t) +            // rows of the staged tiles
+      3 * kDecodeMaxGroup * sizeof(float);                  // m, l, corr
+  static_assert(kChunksPerThread >= 1 && (kChunksPerThread & (kChunksPerThread - 1)) == 0);
+  static_assert(kKeysPerSlice >= 1 && kKeys % kSlices == 0);
+  static_assert(kThreadsPerKey <= 32 && kChunks <= 32 && kClusterStages * kKeys <= THREADS);
+  static_assert(kWarps >= kDecodeMaxGroup && kWarps <= 2 * kClusterRedSlots);
+  // The block's reduction of o over warps and the cluster merge reuse the stages.
+  static_assert(2 * kClusterStages * kTileBytes >=
+                kClusterRedSlots * kDecodeMaxGroup * HEAD_DIM * static_cast<int>(sizeof(float)));
+  static_assert(2 * kClusterStages * kTileBytes >=
+                (32 + 16 * HEAD_DIM) * static_cast<int>(sizeof(float)));
+
+  // Chunk c of key t's K row sits at chunk c ^ Swizzle(t) of its stage row: the threads of a key
+  // read chunks p + kThreadsPerKey * j, so consecutive keys read different j at once.
+  __device__ static __forceinline__ int Swizzle(int t) {
+    return kThreadsPerKey * (t & (kChunksPerThread - 1));
+  }
+};
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// 8 consecutive elements of a KV row in shared memory (aligned), as raw registers.
+template <typename KV>
+__device__ __forceinline__ typename Vec8<KV>::Raw LoadShared8(const unsigned char* p) {
+  if constexpr (std::is_same<KV, float>::value) {
+    const float4* v = reinterpret_cast<const float4*>(p);
+    return {v[0], v[1]};
+  } else if constexpr (std::is_same<KV, __nv_bfloat16>::value) {
+    return *reinterpret_cast<const uint4*>(p);
+  } else {
+    return *reinterpret_cast<const uint2*>(p);
+  }
+}
+
+template <typename KV, int HEAD_DIM, int THREADS>
+__global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
+    SelectedClusterKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
+                          const KV* __restrict__ v_pool, const int32_t* __restrict__ table,
+                          DeviceCandidates middle, SelectedAttentionShape shape,
+                          const int32_t* __restrict__ prefix_len, int cluster_size,
+                          float* __restrict__ out, float* __restrict__ lse) {
+  using T = ClusterTile<KV, HEAD_DIM, THREADS>;
+  constexpr int S = kClusterStages, kKeys = T::kKeys;
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* kbuf = smem;
+  unsigned char* vbuf = kbuf + S * T::kTileBytes;
+  float* q_s = reinterpret_cast<float*>(vbuf + S * T::kTileBytes);  // [group][HEAD_DIM]
+  float* p_s = q_s + kDecodeMaxGroup * HEAD_DIM;                      // [group][kKeys]
+  int64_t* row_s = reinterpret_cast<int64_t*>(p_s + kDecodeMaxGroup * kKeys);  // [S][kKeys]
+  float* m_s = reinterpret_cast<float*>(row_s + S * kKeys);
+  float* l_s = m_s + kDecodeMaxGroup;
+  float* corr_s = l_s + kDecodeMaxGroup;
+
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int g = blockIdx.x / cluster_size;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int32_t mid_end = shape.prefix_end + middle.count;
+  const int32_t prefix =
+      prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
+  int32_t n = shape.total;
+  if (middle.count == 0 && shape.suffix_len == 0) n = min(n, prefix);
+  const int64_t per = (static_cast<int64_t>(n) + cluster_size - 1) / cluster_size;
+  const int32_t begin = static_cast<int32_t>(rank * per < n ? rank * per : n);
+  const int32_t end = static_cast<int32_t>(begin + per < n ? begin + per : n);
+  const int num_tiles = (end - begin + kKeys - 1) / kKeys;
+
+  // Pool row of position v of the head's list, -1 when not attended (or beyond the block's part).
+  auto row_of = [&](int32_t v) -> int64_t {
+    if (v >= end) return -1;
+    int32_t t;
+    if (v < shape.prefix_end) {
+      t = v < prefix ? v : -1;
+    } else if (v < mid_end) {
+      t = CandidateIdAt(middle, g, v - shape.prefix_end);
+    } else {
+      t = shape.suffix_begin + (v - mid_end);
+    }
+    return t < 0 ? -1 : TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
+  };
+  // cp.async of the K and V rows listed in row_s[stage] into `stage`.
+  auto issue = [&](int stage) {
+    unsigned char* kd = kbuf + stage * T::kTileBytes;
+    unsigned char* vd = vbuf + stage * T::kTileBytes;
+    const int64_t* rows = row_s + stage * kKeys;
+    const unsigned char* kp = reinterpret_cast<const unsigned char*>(k_pool);
+    const unsigned char* vp = reinterpret_cast<const unsigned char*>(v_pool);
+#pragma unroll 4
+    for (int u = tid; u < T::kUnits; u += THREADS) {
+      const int t = u / T::kUnitsPerRow, b = (u % T::kUnitsPerRow) * 16;
+      const int64_t row = rows[t];
+      const int64_t off = row >= 0 ? row * T::kRowBytes + b : 0;
+      const int c = b / T::kChunkBytes, within = b % T::kChunkBytes;
+      CpAsync16(kd + t * T::kRowBytes + (c ^ T::Swizzle(t)) * T::kChunkBytes + within, kp + off,
+                row >= 0);
+      CpAsync16(vd + t * T::kRowBytes + b, vp + off, row >= 0);
+    }
+  };
+
+  // Prologue: q, running statistics, rows of the first S tiles, then all their copies.
+  const float* q_head = q + static_cast<int64_t>(g) * group * HEAD_DIM;
+  for (int i = tid; i < group * HEAD_DIM / 4; i += THREADS) {
+    CpAsync16(q_s + 4 * i, q_head + 4 * i, true);
+  }
+  if (tid < group) {
+    m_s[tid] = NegInf();
+    l_s[tid] = 0.0f;
+  }
+  if (tid < S * kKeys) row_s[tid] = row_of(begin + tid);
+  __syncthreads();
+#pragma unroll
+  for (int st = 0; st < S; ++st) {
+    if (st < num_tiles) issue(st);
+    CpAsyncCommit();
+  }
+
+  float acc[kDecodeMaxGroup][8];
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[h][e] = 0.0f;
+  }
+  const int qk_t = tid / T::kThreadsPerKey, qk_p = tid % T::kThreadsPerKey;
+  const int pv_c = tid % T::kChunks, pv_slice = tid / T::kChunks;
+
+  for (int i = 0; i < num_tiles; ++i) {
+    const int st = i % S;
+    CpAsyncWait<S - 1>();
+    __syncthreads();  // tile i (and q) visible to every thread
+
+    // Scores of key qk_t against every head of the group (the key's chunks loaded first).
+    {
+      const unsigned char* kt = kbuf + st * T::kTileBytes + qk_t * T::kRowBytes;
+      float kf[T::kChunksPerThread][8];
+#pragma unroll
+      for (int j = 0; j < T::kChunksPerThread; ++j) {
+        const int c = qk_p + T::kThreadsPerKey * j;
+        Unpack8<KV>(LoadShared8<KV>(kt + (c ^ T::Swizzle(qk_t)) * T::kChunkBytes), kf[j]);
+      }
+      float s[kDecodeMaxGroup];
+#pragma unroll
+      for (int h = 0; h < kDecodeMaxGroup; ++h) {
+        s[h] = 0.0f;
+        if (h < group) {
+#pragma unroll
+          for (int j = 0; j < T::kChunksPerThread; ++j) {
+            const float* qc = q_s + h * HEAD_DIM + (qk_p + T::kThreadsPerKey * j) * 8;
+            const float4 qa = *reinterpret_cast<const float4*>(qc);
+            const float4 qb = *reinterpret_cast<const float4*>(qc + 4);
+            s[h] += qa.x * kf[j][0] + qa.y * kf[j][1] + qa.z * kf[j][2] + qa.w * kf[j][3] +
+                    qb.x * kf[j][4] + qb.y * kf[j][5] + qb.z * kf[j][6] + qb.w * kf[j][7];
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kDecodeMaxGroup; ++h) {
+        if (h < group) {
+#pragma unroll
+          for (int o = T::kThreadsPerKey / 2; o > 0; o >>= 1) {
+            s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+          }
+        }
+      }
+      if (qk_p == 0) {
+        const bool ok = row_s[st * kKeys + qk_t] >= 0;
+#pragma unroll
+        for (int h = 0; h < kDecodeMaxGroup; ++h) {
+          if (h < group) p_s[h * kKeys + qk_t] = ok ? s[h] * shape.scale : NegInf();
+        }
+      }
+    }
+    __syncthreads();
+
+    // Online softmax, one warp per query head.
+    if (warp < group) {
+      constexpr int kPerLane = (kKeys + 31) / 32;
+      float v[kPerLane];
+      float tile_m = NegInf();
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int idx = lane + 32 * r;
+        v[r] = idx < kKeys ? p_s[warp * kKeys + idx] : NegInf();
+        tile_m = fmaxf(tile_m, v[r]);
+      }
+      const SoftmaxRescale step = OnlineSoftmaxRescale(m_s[warp], WarpMax(tile_m));
+      float sum = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int idx = lane + 32 * r;
+        const float w = SoftmaxWeight(v[r], step.m);
+        if (idx < kKeys) p_s[warp * kKeys + idx] = w;
+        sum += w;
+      }
+      sum = WarpSum(sum);
+      __syncwarp();  // every lane has read m_s[warp]
+      if (lane == 0) {
+        corr_s[warp] = step.corr;
+        l_s[warp] = l_s[warp] * step.corr + sum;
+        m_s[warp] = step.m;
+      }
+    }
+    __syncthreads();
+
+    // acc[h][:] = acc[h][:] * corr + sum over the slice's keys of w[h][t] * V[t, 8 dims], the
+    // V chunks of up to 4 keys loaded first.
+#pragma unroll
+    for (int h = 0; h < kDecodeMaxGroup; ++h) {
+      if (h < group) {
+        const float corr = corr_s[h];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[h][e] *= corr;
+      }
+    }
+    {
+      const unsigned char* vt = vbuf + st * T::kTileBytes + pv_c * T::kChunkBytes;
+      constexpr int kBatch = T::kKeysPerSlice < 4 ? T::kKeysPerSlice : 4;
+#pragma unroll
+      for (int k0 = 0; k0 < T::kKeysPerSlice; k0 += kBatch) {
+        float vf[kBatch][8];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          Unpack8<KV>(LoadShared8<KV>(vt + (pv_slice + T::kSlices * (k0 + k)) * T::kRowBytes),
+                      vf[k]);
+        }
+#pragma unroll
+        for (int h = 0; h < kDecodeMaxGroup; ++h) {
+          if (h < group) {
+#pragma unroll
+            for (int k = 0; k < kBatch; ++k) {
+              const float w = p_s[h * kKeys + pv_slice + T::kSlices * (k0 + k)];
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[h][e] += w * vf[k][e];
+            }
+          }
+        }
+      }
+    }
+    // Refill this stage with tile i + S.
+    const int next = i + S;
+    if (next < num_tiles && tid < kKeys) {
+      row_s[st * kKeys + tid] = row_of(begin + next * kKeys + tid);
+    }
+    __syncthreads();  // the stage's K, V, rows and the weights are no longer read
+    if (next < num_tiles) issue(st);
+    CpAsyncCommit();
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+
+  // The block's o per head: the slices of a warp meet by shuffles, the warps in the stages
+  // (kClusterRedSlots slots: warps beyond write first, the others add theirs).
+#pragma unroll
+  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+    if (h < group) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+#pragma unroll
+        for (int o = T::kChunks; o < 32; o <<= 1) {
+          acc[h][e] += __shfl_xor_sync(0xffffffffu, acc[h][e], o);
+        }
+      }
+    }
+  }
+  float* red = reinterpret_cast<float*>(kbuf);  // [kClusterRedSlots][group][HEAD_DIM]
+  auto write_red = [&](bool add) {
+    if (lane < T::kChunks) {
+      const int slot = warp % kClusterRedSlots;
+#pragma unroll
+      for (int h = 0; h < kDecodeMaxGroup; ++h) {
+        if (h < group) {
+          float* r = red + (slot * group + h) * HEAD_DIM + lane * 8;
+          float4 a = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+          float4 b = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+          if (add) {
+            const float4 ra = *reinterpret_cast<const float4*>(r);
+            const float4 rb = *reinterpret_cast<const float4*>(r + 4);
+            a = make_float4(a.x + ra.x, a.y + ra.y, a.z + ra.z, a.w + ra.w);
+            b = make_float4(b.x + rb.x, b.y + rb.y, b.z + rb.z, b.w + rb.w);
+          }
+          *reinterpret_cast<float4*>(r) = a;
+          *reinterpret_cast<float4*>(r + 4) = b;
+        }
+      }
+    }
+  };
+  if constexpr (T::kWarps > kClusterRedSlots) {
+    if (warp >= kClusterRedSlots) write_red(false);
+    __syncthreads();
+    if (warp < kClusterRedSlots) write_red(true);
+  } else {
+    write_red(false);
+  }
+  __syncthreads();
+  float* o_s = q_s;  // q is no longer read
+  for (int i = tid; i < group * HEAD_DIM; i += THREADS) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kClusterRedSlots; ++w) {
+      if (w < T::kWarps) sum += red[w * group * HEAD_DIM + i];
+    }
+    o_s[i] = sum;
+  }
+  cluster.sync();  // every block's (m, l, o) visible to the cluster; the stages are free
+
+  float* w_s = reinterpret_cast<float*>(kbuf);  // [cluster_size] weights e^(m_r - M)
+  float* stat_s = w_s + 16;                      // M, L
+  float* part_s = w_s + 32;                      // [cluster_size][HEAD_DIM] weighted o_r
+  for (int h = rank; h < group; h += cluster_size) {  // uniform in the block
+    if (warp == 0) {
+      const float mr = lane < cluster_size ? *cluster.map_shared_rank(m_s + h, lane) : NegInf();
+      const float lr = lane < cluster_size ? *cluster.map_shared_rank(l_s + h, lane) : 0.0f;
+      const float big_m = WarpMax(mr);
+      const float w = mr == NegInf() ? 0.0f : __expf(mr - big_m);
+      const float big_l = WarpSum(w * lr);
+      if (lane < cluster_size) w_s[lane] = w;
+      if (lane == 0) {
+        stat_s[0] = big_m;
+        stat_s[1] = big_l;
+      }
+    }
+    __syncthreads();
+    constexpr int kPieces = HEAD_DIM / 4;  // float4 pieces of a head's o
+    for (int i = tid; i < cluster_size * kPieces; i += THREADS) {
+      const int r = i / kPieces, c = i % kPieces;
+      const float w = w_s[r];
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (w != 0.0f) {
+        v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(o_s + h * HEAD_DIM + 4 * c, r));
+        v = make_float4(v.x * w, v.y * w, v.z * w, v.w * w);
+      }
+      *reinterpret_cast<float4*>(part_s + r * HEAD_DIM + 4 * c) = v;
+    }
+    __syncthreads();
+    const float big_m = stat_s[0], big_l = stat_s[1];
+    const int head = g * group + h;
+    if (tid < HEAD_DIM) {
+      float sum = 0.0f;
+      for (int r = 0; r < cluster_size; ++r) sum += part_s[r * HEAD_DIM + tid];
+      out[static_cast<int64_t>(head) * HEAD_DIM + tid] =
+          big_m == NegInf() ? 0.0f : sum * (1.0f / big_l) * shape.v_scale;
+    }
+    if (tid == 0) lse[head] = big_m == NegInf() ? NegInf() : big_m + logf(big_l);
+    __syncthreads();  // w_s, stat_s and part_s are rewritten for the next head
+  }
+  cluster.sync();  // no block leaves while another reads its shared memory
+}
+
+// Which kernel runs a call: STRATA_SELECTED_ATTENTION=split|cluster|cluster8|cluster16 (read
+// once) forces one (cluster8/16 also the cluster size); otherwise the cluster kernel up to
+// kClusterMaxTotal positions per KV head.
+enum class SelectedPath { kAuto, kSplit, kCluster, kCluster8, kCluster16 };
+SelectedPath ForcedSelectedPath() {
+  static const SelectedPath path = [] {
+    const char* v = std::getenv("STRATA_SELECTED_ATTENTION");
+    const std::string_view s = v == nullptr ? "" : v;
+    return s == "split"       ? SelectedPath::kSplit
+           : s == "cluster"   ? SelectedPath::kCluster
+           : s == "cluster8"  ? SelectedPath::kCluster8
+           : s == "cluster16" ? SelectedPath::kCluster16
+                              : SelectedPath::kAuto;
+  }();
+  return path;
+}
+bool UsesClusterKernel(const SelectedAttentionShape& shape) {
+  const SelectedPath p = ForcedSelectedPath();
+  if (p == SelectedPath::kSplit) return false;
+  if (p != SelectedPath::kAuto) return true;
+  return shape.total <= kClusterMaxTotal;
+}
+
+constexpr int kMaxDevices = 64;
+
+template <typename KV, int HEAD_DIM, int THREADS>
+cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v_pool,
+                               const int32_t* table, const DeviceCandidates& middle,
+                               const SelectedAttentionShape& shape, const int32_t* prefix_len,
+                               float* out, float* lse, cudaStream_t stream) {
+  using T = ClusterTile<KV, HEAD_DIM, THREADS>;
+  auto* kernel = SelectedClusterKernel<KV, HEAD_DIM, THREADS>;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  // Per device, once: the shared-memory and cluster-size attributes, and how many 16-block
+  // clusters fit at once (0: use 8-block clusters). Racing first calls set the same values.
+  static std::atomic<int> max_clusters16[kMaxDevices];  // 0: unknown, else count + 1
+  if (max_clusters16[device].load(std::memory_order_acquire) == 0) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(T::kSmemBytes));
+    if (e != cudaSuccess) return e;
+    int count = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+        cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(16 * 16);
+      cfg.blockDim = dim3(THREADS);
+      cfg.dynamicSmemBytes = T::kSmemBytes;
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 16;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&count, kernel, &cfg) != cudaSuccess) count = 0;
+    }
+    cudaGetLastError();  // a refused non-portable size is not this call's error
+    max_clusters16[device].store(count + 1, std::memory_order_release);
+  }
+  const int fit16 = max_clusters16[device].load(std::memory_order_acquire) - 1;
+  // Blocks per KV head: about one tile of keys per block, at most 16 (8 unless 16-block clusters
+  // of every KV head fit on the device at once).
+  const SelectedPath forced = ForcedSelectedPath();
+  int max_size = fit16 >= shape.num_kv_heads ? 16 : 8;
+  if (forced == SelectedPath::kCluster8) max_size = 8;
+  if (forced == SelectedPath::kCluster16 && fit16 > 0) max_size = 16;
+  const int64_t want = (static_cast<int64_t>(shape.total) + T::kKeys - 1) / T::kKeys;
+  const int size = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_size, want)));
+
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(shape.num_kv_heads) * size);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = T::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(size);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, q, static_cast<const KV*>(k_pool),
+                            static_cast<const KV*>(v_pool), table, middle, shape, prefix_len, size,
+                            out, lse);
+}
+
+template <typename KV, int THREADS>
+cudaError_t LaunchClusterDims(const float* q, const void* k_pool, const void* v_pool,
+                              const int32_t* table, const DeviceCandidates& middle,
+                              const SelectedAttentionShape& shape, const int32_t* prefix_len,
+                              float* out, float* lse, cudaStream_t stream) {
+  switch (shape.head_dim) {
+    case 64:
+      return LaunchClusterTyped<KV, 64, THREADS>(q, k_pool, v_pool, table, middle, shape,
+                                                 prefix_len, out, lse, stream);
+    case 128:
+      return LaunchClusterTyped<KV, 128, THREADS>(q, k_pool, v_pool, table, middle, shape,
+                                                  prefix_len, out, lse, stream);
+    case 256:
+      return LaunchClusterTyped<KV, 256, THREADS>(q, k_pool, v_pool, table, middle, shape,
+                                                  prefix_len, out, lse, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <typename KV>
+cudaError_t LaunchCluster(const float* q, const void* k_pool, const void* v_pool,
+                          const int32_t* table, const DeviceCandidates& middle,
+                          const SelectedAttentionShape& shape, const int32_t* prefix_len,
+                          float* out, float* lse, cudaStream_t stream) {
+  return LaunchClusterDims<KV, kClusterThreads>(q, k_pool, v_pool, table, middle, shape,
+                                                prefix_len, out, lse, stream);
+}
+
 template <typename KV>
 cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* v_pool,
                                 const int32_t* table, const DeviceCandidates& middle,
@@ -917,6 +1452,7 @@ bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim) 
 }
 
 int64_t SelectedAttentionScratchFloats(const SelectedAttentionShape& shape) {
+  if (UsesClusterKernel(shape)) return 0;
   const int group = shape.num_q_heads / shape.num_kv_heads;
   return static_cast<int64_t>(shape.num_kv_heads) * shape.items_per_head * group *
          (shape.head_dim + 2);
@@ -931,6 +1467,19 @@ cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const vo
   if (shape.num_q_heads == 0) return cudaSuccess;
   if (!SelectedAttentionSupports(shape.num_q_heads, shape.num_kv_heads, shape.head_dim) ||
       shape.items_per_head < 1 || shape.chunk < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (UsesClusterKernel(shape)) {
+    if (pool_type == FloatType::kBF16) {
+      return LaunchCluster<__nv_bfloat16>(q, k_pool, v_pool, page_table, middle, shape,
+                                          prefix_len, out, lse, stream);
+    } else if (pool_type == FloatType::kFP8E4M3) {
+      return LaunchCluster<__nv_fp8_e4m3>(q, k_pool, v_pool, page_table, middle, shape,
+                                          prefix_len, out, lse, stream);
+    } else if (pool_type == FloatType::kF32) {
+      return LaunchCluster<float>(q, k_pool, v_pool, page_table, middle, shape, prefix_len,
+                                  out, lse, stream);
+    }
     return cudaErrorInvalidValue;
   }
   cudaError_t e;

@@ -924,6 +924,12 @@ TEST_F(CudaBackendTest, SelectedAttentionMatchesCpu) {
       {DType::kFP8E4M3, 40, 5, 64, 16, 16, 4099, 129, true, false},
       {DType::kFP8E4M3, 4, 1, 256, 64, 0, 129, 17, false, false},
       {DType::kFP8E4M3, 8, 2, 128, 16, 0, 0, 0, false, false},  // nothing attended
+      // Long lists: the split-K kernel by default (the cluster kernel runs up to 3072 positions
+      // per KV head); with STRATA_SELECTED_ATTENTION=cluster8|cluster16 the cluster kernel, whose
+      // ring of stages then wraps many times.
+      {DType::kBF16, 32, 8, 128, 64, 0, 16384, 0, false, false},
+      {DType::kFP8E4M3, 16, 2, 128, 32, 12000, 0, 0, false, true},
+      {DType::kF32, 16, 2, 256, 16, 5, 16380, 7, true, false},
   };
   for (const SelCase& c : cases) {
     const std::string name =

@@ -2,7 +2,8 @@
 // heads, 8 KV heads, head_dim 128, 64-token pages) over bf16 and fp8 e4m3 pools, for
 //   sparse   sinks 64 + 32 pages of the middle (2048 tokens, parents = page ids) + window 256:
 //            2368 tokens per KV head, the selection of the sparse policies' defaults;
-//   dense    every token of the context as the prefix (the dense decode step's call).
+//   dense    every token of the context as the prefix (the dense decode step's call);
+//   sinks    the 64 sinks alone (one page per KV head: the fixed cost of a call).
 // at contexts of 128K and 1M tokens. Pools hold every page of the context (constant bytes; the
 // values do not change the work). Figures per row, medians:
 //   cold_us   one call after a 256 MiB memset that flushes L2, CUDA events around the call (a
@@ -11,7 +12,7 @@
 //   graph_us  the call captured once in a CUDA graph, replayed 100 times back to back;
 // and the K and V bytes attended, with cold_us as a fraction of 3.35 TB/s (H100 SXM HBM3).
 //
-// Usage: cuda_selected_attention_bench [--ncu] [--contiguous] [--only sparse|dense]
+// Usage: cuda_selected_attention_bench [--ncu] [--contiguous] [--only sparse|dense|sinks]
 //                                      [--pool bf16|fp8] [context ...]  (default 131072 1048576)
 //   --ncu: a few calls only (for Nsight Compute).
 //   --contiguous: each KV head's pages in consecutive slots (as engine::KvCache lays them out);
@@ -168,8 +169,9 @@ void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
     // Constant small values (bf16 0x3c3c ~ 0.0115, fp8 0x3c = 1.5).
     BENCH_CHECK(cudaMemset(k->data(), 0x3c, pool_bytes) == cudaSuccess, "fill");
     BENCH_CHECK(cudaMemset(v->data(), 0x3c, pool_bytes) == cudaSuccess, "fill");
-    for (const bool sparse : {true, false}) {
-      if (!g_only.empty() && g_only != (sparse ? "sparse" : "dense")) continue;
+    for (const std::string kind : {"sparse", "sinks", "dense"}) {
+      if (!g_only.empty() && g_only != kind) continue;
+      const bool sparse = kind == "sparse";
       SelectedAttentionParams p;
       p.q = TensorView(d_q->data(), DType::kF32, {1, kQHeads, kHeadDim});
       p.k_pool = TensorView(k->data(), dt, {slots, kPage, kHeadDim});
@@ -190,6 +192,9 @@ void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
         p.suffix_begin = window_begin;
         p.suffix_end = len;
         tokens = kSinks + kMiddlePages * kPage + kWindow;
+      } else if (kind == "sinks") {
+        p.prefix_end = kSinks;
+        tokens = kSinks;
       } else {
         p.prefix_end = len;
         tokens = len;
@@ -199,7 +204,7 @@ void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
       const Result r = Time(b, p, flush, flush_bytes);
       const double mib = static_cast<double>(tokens) * kKvHeads * 2 * kHeadDim * DTypeSize(dt);
       std::printf("| %lldK | %s | %s | %lld | %.1f | %.1f | %.1f | %.2f | %.3f |\n",
-                  static_cast<long long>(len / 1024), sparse ? "sparse" : "dense", DTypeName(dt),
+                  static_cast<long long>(len / 1024), kind.c_str(), DTypeName(dt),
                   static_cast<long long>(tokens), r.cold_us, r.b2b_us, r.graph_us,
                   mib / (1 << 20), mib / (r.cold_us * 1e-6) / kHbmBytesPerSecond);
       std::fflush(stdout);
@@ -235,6 +240,8 @@ int main(int argc, char** argv) {
   constexpr size_t kFlush = size_t{256} << 20;
   void* flush = nullptr;
   BENCH_CHECK(cudaMalloc(&flush, kFlush) == cudaSuccess, "flush buffer");
+  const char* path = std::getenv("STRATA_SELECTED_ATTENTION");
+  std::printf("kernel: STRATA_SELECTED_ATTENTION=%s\n", path != nullptr ? path : "(auto)");
   std::printf("| context | selection | pool | tokens/head | cold_us | b2b_us | graph_us | MiB | "
               "frac of 3.35 TB/s (cold) |\n|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t len : lens) strata::kernels::Run(**b, len, flush, kFlush);

@@ -155,14 +155,18 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
   shape.scale = p.scale * p.k_scale;  // k_scale, v_scale: 1 unless the pools are fp8
   shape.v_scale = p.v_scale;
 
+  // The split-K kernel's partials; the cluster kernel (short lists) needs none.
   const int64_t scratch_bytes = cuda_internal::SelectedAttentionScratchFloats(shape) * 4;
-  STRATA_ASSIGN_OR_RETURN(void* scratch, AllocScratch(scratch_bytes, stream));
+  void* scratch = nullptr;
+  if (scratch_bytes > 0) {
+    STRATA_ASSIGN_OR_RETURN(scratch, AllocScratch(scratch_bytes, stream));
+  }
   const cudaError_t e = cuda_internal::LaunchSelectedAttention(
       p.q.As<const float>(), p.k_pool.data, p.v_pool.data, PoolType(p.k_pool.dtype),
       p.page_table.As<const int32_t>(), ToDevice(p.middle), shape, p.prefix_len,
       static_cast<float*>(scratch),
       p.out.As<float>(), p.lse.As<float>(), stream);
-  STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
+  if (scratch != nullptr) STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
   STRATA_CUDA_RETURN_IF_ERROR(e);
   return absl::OkStatus();
 }
