@@ -101,27 +101,53 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
   const int64_t suffix_first = a.suffix_begin / P;
   const int64_t suffix_pages =
       a.suffix_end > a.suffix_begin ? (a.suffix_end - 1) / P - suffix_first + 1 : 0;
-  const int64_t per_head = prefix_pages + a.middle.count + suffix_pages;
-  const int64_t total = per_head * a.num_kv_heads;
+  // The middle's items. Page runs (parents with a fanout of whole pages) and a plain range are
+  // named a page at a time, in the order their first candidates come; other lists (token ids)
+  // a candidate at a time, a candidate whose predecessor in the same run names the same page
+  // being skipped. The order of the pages' first items is the CPU twin's either way.
+  const DeviceCandidates& mc = a.middle;
+  const bool page_runs = mc.parents != nullptr && mc.fanout % P == 0;
+  const int32_t run_pages = page_runs ? mc.fanout / P : 0;
+  const int64_t range_first = mc.begin / P;
+  int64_t mid_items;
+  if (page_runs) {
+    mid_items = static_cast<int64_t>(mc.num_parents) * run_pages;
+  } else if (mc.parents == nullptr) {
+    mid_items = mc.end > mc.begin ? (mc.end - 1) / P - range_first + 1 : 0;
+  } else {
+    mid_items = mc.count;
+  }
+  // Item counts fit in int32 (checked on the host), so the per-item arithmetic is 32-bit.
+  const int32_t per_head = static_cast<int32_t>(prefix_pages + mid_items + suffix_pages);
+  const int32_t total = per_head * a.num_kv_heads;
+  const int32_t n_prefix = static_cast<int32_t>(prefix_pages);
+  const int32_t n_mid = static_cast<int32_t>(mid_items);
   // The flat index named by item idx, or -1.
-  auto named = [&](int64_t idx) -> int64_t {
-    const int g = static_cast<int>(idx / per_head);
-    const int64_t r = idx - static_cast<int64_t>(g) * per_head;
+  auto named = [&](int32_t idx) -> int64_t {
+    const int g = idx / per_head;
+    const int32_t r = idx - g * per_head;
     int64_t page;
-    if (r < prefix_pages) {
+    if (r < n_prefix) {
       page = r;
-    } else if (r < prefix_pages + a.middle.count) {
-      const int32_t i = static_cast<int32_t>(r - prefix_pages);
-      const int32_t id = CandidateIdAt(a.middle, g, i);
-      if (id < 0) return -1;
-      // The previous candidate of the same run names the same page (and comes first).
-      if (id % P != 0 && id - 1 >= a.middle.begin && i > 0 &&
-          (a.middle.parents == nullptr || i % a.middle.fanout != 0)) {
-        return -1;
+    } else if (r < n_prefix + n_mid) {
+      const int32_t m = r - n_prefix;
+      if (page_runs) {
+        const int32_t j = m / run_pages;
+        const int32_t parent = mc.parents[static_cast<int64_t>(g) * mc.num_parents + j];
+        if (parent < 0) return -1;
+        page = static_cast<int64_t>(parent) * run_pages + (m - j * run_pages);
+        // Named when one of its tokens is inside [begin, end).
+        if (page * P + P <= mc.begin || page * P >= mc.end) return -1;
+      } else if (mc.parents == nullptr) {
+        page = range_first + m;
+      } else {
+        const int32_t id = CandidateIdAt(mc, g, m);
+        if (id < 0) return -1;
+        if (id % P != 0 && id - 1 >= mc.begin && m > 0 && m % mc.fanout != 0) return -1;
+        page = id / P;
       }
-      page = id / P;
     } else {
-      page = suffix_first + (r - prefix_pages - a.middle.count);
+      page = suffix_first + (r - n_prefix - n_mid);
     }
     if (page < 0 || page >= pph) return -1;
     return a.table_base + static_cast<int64_t>(g) * pph + page;
@@ -129,10 +155,10 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
   // a1. Hits are stamped and counted once (the first thread to stamp the slot); a missing page's
   // entry becomes -2 - (the smallest item naming it).
   // Contiguous ranges of items per thread (a run's candidates share their parent's load).
-  const int64_t span = (total + kResolveThreads - 1) / kResolveThreads;
-  const int64_t lo = tid * span < total ? tid * span : total;
-  const int64_t hi = lo + span < total ? lo + span : total;
-  for (int64_t idx = lo; idx < hi; ++idx) {
+  const int32_t span = (total + kResolveThreads - 1) / kResolveThreads;
+  const int32_t lo = tid * span < total ? tid * span : total;
+  const int32_t hi = lo + span < total ? lo + span : total;
+  for (int32_t idx = lo; idx < hi; ++idx) {
     const int64_t flat = named(idx);
     if (flat < 0) continue;
     const int32_t slot = *(volatile int32_t*)&a.table[flat];
@@ -155,15 +181,15 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
   int32_t* misses = a.scratch + 1;
   {
     int count = 0;
-    for (int64_t idx = lo; idx < hi; ++idx) {
+    for (int32_t idx = lo; idx < hi; ++idx) {
       const int64_t flat = named(idx);
-      if (flat >= 0 && a.table[flat] == static_cast<int32_t>(-2 - idx)) ++count;
+      if (flat >= 0 && a.table[flat] == -2 - idx) ++count;
     }
     int all = 0;
     int pos = BlockExclusiveSum(count, scan_s, &all);
-    for (int64_t idx = lo; idx < hi && count > 0; ++idx) {
+    for (int32_t idx = lo; idx < hi && count > 0; ++idx) {
       const int64_t flat = named(idx);
-      if (flat < 0 || a.table[flat] != static_cast<int32_t>(-2 - idx)) continue;
+      if (flat < 0 || a.table[flat] != -2 - idx) continue;
       if (pos < a.scratch_pages) {
         misses[pos] = static_cast<int32_t>(flat);
       } else {
