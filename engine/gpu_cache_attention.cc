@@ -250,21 +250,7 @@ absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorV
   if (selection.valid && num_chunks == 1 && num_tokens == 1 && !ids.empty()) {
     // The chooser's device selection over the cache's device page table for this layer (its
     // entries for the acquired pages are written by fills queued before the attention).
-    kernels::SelectedAttentionParams sp;
-    sp.q = q;
-    sp.k_pool = cache_->k_pool();
-    sp.v_pool = cache_->v_pool();
-    sp.page_table = kernels::TensorView(
-        const_cast<int32_t*>(cache_->device_table()) +
-            static_cast<int64_t>(layer) * hkv * c.pages_per_head,
-        kernels::DType::kI32, {hkv, c.pages_per_head});
-    sp.prefix_end = selection.prefix_end;
-    sp.middle = selection.middle;
-    sp.suffix_begin = selection.suffix_begin;
-    sp.suffix_end = selection.suffix_end;
-    sp.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    sp.out = out;
-    sp.lse = lse;
+    const kernels::SelectedAttentionParams sp = SelectedOverTable(layer, selection, q, out, lse);
     std::vector<int32_t> slots;
     STRATA_RETURN_IF_ERROR(cache_->Acquire(ids, policy, &slots));
     absl::Status s = backend_->SelectedAttention(sp, nullptr);
@@ -321,11 +307,33 @@ absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorV
   return absl::OkStatus();
 }
 
+kernels::SelectedAttentionParams GpuCacheAttention::SelectedOverTable(
+    int layer, const DeviceTokenSelection& sel, const kernels::TensorView& q,
+    const kernels::TensorView& out, const kernels::TensorView& lse) const {
+  const kvstore::GpuCacheOptions& c = cache_->options();
+  const int64_t hkv = c.num_kv_heads;
+  kernels::SelectedAttentionParams sp;
+  sp.q = q;
+  sp.k_pool = cache_->k_pool();
+  sp.v_pool = cache_->v_pool();
+  sp.page_table = kernels::TensorView(
+      const_cast<int32_t*>(cache_->device_table()) + layer * hkv * c.pages_per_head,
+      kernels::DType::kI32, {hkv, c.pages_per_head});
+  sp.prefix_end = sel.prefix_end;
+  sp.middle = sel.middle;
+  sp.suffix_begin = sel.suffix_begin;
+  sp.suffix_end = sel.suffix_end;
+  sp.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  sp.out = out;
+  sp.lse = lse;
+  return sp;
+}
+
 absl::Status GpuCacheAttention::AttendDeviceManaged(int layer, const kernels::TensorView& q,
                                                     const kernels::TensorView& out,
                                                     const kernels::TensorView& lse) {
   const kvstore::GpuCacheOptions& c = cache_->options();
-  const int64_t hkv = c.num_kv_heads, d = c.head_dim;
+  const int64_t d = c.head_dim;
   const int64_t num_tokens = q.dim(0), hq = q.dim(1);
   // One token at a time: every document token precedes every query, so rows are independent.
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -339,23 +347,12 @@ absl::Status GpuCacheAttention::AttendDeviceManaged(int layer, const kernels::Te
     }
     STRATA_RETURN_IF_ERROR(cache_->EnqueueResolve(layer, sel.prefix_end, sel.middle,
                                                   sel.suffix_begin, sel.suffix_end));
-    kernels::SelectedAttentionParams sp;
-    sp.q = qt;
-    sp.k_pool = cache_->k_pool();
-    sp.v_pool = cache_->v_pool();
-    sp.page_table = kernels::TensorView(
-        const_cast<int32_t*>(cache_->device_table()) + layer * hkv * c.pages_per_head,
-        kernels::DType::kI32, {hkv, c.pages_per_head});
-    sp.prefix_end = sel.prefix_end;
-    sp.middle = sel.middle;
-    sp.suffix_begin = sel.suffix_begin;
-    sp.suffix_end = sel.suffix_end;
-    sp.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    sp.out = kernels::TensorView(static_cast<float*>(out.data) + t * hq * d, kernels::DType::kF32,
+    const kernels::TensorView ot(static_cast<float*>(out.data) + t * hq * d, kernels::DType::kF32,
                                  {1, hq, d});
-    sp.lse = kernels::TensorView(static_cast<float*>(lse.data) + t * hq, kernels::DType::kF32,
+    const kernels::TensorView lt(static_cast<float*>(lse.data) + t * hq, kernels::DType::kF32,
                                  {1, hq});
-    STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(sp, nullptr));
+    STRATA_RETURN_IF_ERROR(
+        backend_->SelectedAttention(SelectedOverTable(layer, sel, qt, ot, lt), nullptr));
     ++counters_.chunks;
     ++counters_.selected_attention;
   }

@@ -171,6 +171,12 @@ class GpuCacheAttention : public ExternalAttention {
                            int num_tokens, int num_q_heads,
                            std::vector<kvstore::GpuPageId>* ids,
                            DeviceTokenSelection* selection = nullptr);
+  // SelectedAttention of one query token over `sel`, reading the cache's pools through its
+  // device table rows of `layer`.
+  kernels::SelectedAttentionParams SelectedOverTable(int layer, const DeviceTokenSelection& sel,
+                                                     const kernels::TensorView& q,
+                                                     const kernels::TensorView& out,
+                                                     const kernels::TensorView& lse) const;
   // The device-managed path of AttendOnDevice: per query token, the chooser's device selection,
   // the cache's EnqueueResolve and SelectedAttention over the cache's table rows of `layer`.
   absl::Status AttendDeviceManaged(int layer, const kernels::TensorView& q,
