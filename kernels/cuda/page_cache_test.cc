@@ -101,6 +101,29 @@ struct State {
   PageCacheState st;
 };
 
+// A CPU and a GPU cache state over the same random source pages (AllocateHost memory of the GPU
+// backend, which the CPU reads too).
+struct Pair {
+  absl::Status Init(Backend* gpu, DType dtype, int P, int d, int slots, std::mt19937& rng) {
+    cpu = MakeCpuBackend(1);
+    const int64_t n = static_cast<int64_t>(kLayers) * kHeads * kPages;
+    const size_t half = static_cast<size_t>(P) * d * DTypeSize(dtype);
+    STRATA_ASSIGN_OR_RETURN(host, gpu->AllocateHost(n * 2 * half));
+    uint8_t* base = static_cast<uint8_t*>(host->data());
+    bytes.resize(n * 2 * half);
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+    std::memcpy(base, bytes.data(), bytes.size());
+    std::vector<const void*> src(n);
+    for (int64_t f = 0; f < n; ++f) src[f] = base + f * 2 * half;
+    STRATA_RETURN_IF_ERROR(c.Init(cpu.get(), dtype, P, d, slots, src.data()));
+    return g.Init(gpu, dtype, P, d, slots, src.data());
+  }
+  std::unique_ptr<Backend> cpu;
+  std::unique_ptr<Buffer> host;
+  std::vector<uint8_t> bytes;
+  State c, g;
+};
+
 // One call's selection, in host vectors; Params() points into `dev_parents` (backend memory).
 struct Call {
   int layer = 0;
@@ -215,20 +238,12 @@ void Compare(State& cpu, State& gpu, const std::vector<uint8_t>& bytes, int call
 TEST_P(CudaPageCacheTest, MatchesCpuOverRandomCalls) {
   const auto [dtype, P, d, slots] = GetParam();
   std::mt19937 rng(static_cast<uint32_t>(P * 31 + d * 7 + slots));
-  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
-  const int64_t n = static_cast<int64_t>(kLayers) * kHeads * kPages;
-  const size_t half = static_cast<size_t>(P) * d * DTypeSize(dtype);
-  // Source pages in AllocateHost memory of the GPU backend (the CPU reads the same bytes).
-  STRATA_ASSERT_OK_AND_ASSIGN(auto host, gpu_->AllocateHost(n * 2 * half + 64));
-  uint8_t* base = static_cast<uint8_t*>(host->data());
-  std::vector<uint8_t> bytes(n * 2 * half);
-  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
-  std::memcpy(base, bytes.data(), bytes.size());
-  std::vector<const void*> src(n);
-  for (int64_t f = 0; f < n; ++f) src[f] = base + f * 2 * half;
-  State c, g;
-  STRATA_ASSERT_OK(c.Init(cpu.get(), dtype, P, d, slots, src.data()));
-  STRATA_ASSERT_OK(g.Init(gpu_, dtype, P, d, slots, src.data()));
+  Pair t;
+  STRATA_ASSERT_OK(t.Init(gpu_, dtype, P, d, slots, rng));
+  Backend* cpu = t.cpu.get();
+  State& c = t.c;
+  State& g = t.g;
+  const std::vector<uint8_t>& bytes = t.bytes;
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev_parents, gpu_->Allocate(kHeads * 300 * 4));
   for (int call = 0; call < 60; ++call) {
     const Call k = RandomCall(rng, P, slots);
@@ -260,19 +275,12 @@ INSTANTIATE_TEST_SUITE_P(
 TEST_F(CudaPageCacheTest, CapturedInAGraphReplaysNewSelections) {
   const int P = 16, d = 8, slots = 64;
   std::mt19937 rng(5);
-  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
-  const int64_t n = static_cast<int64_t>(kLayers) * kHeads * kPages;
-  const size_t half = static_cast<size_t>(P) * d * 4;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto host, gpu_->AllocateHost(n * 2 * half));
-  uint8_t* base = static_cast<uint8_t*>(host->data());
-  std::vector<uint8_t> bytes(n * 2 * half);
-  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
-  std::memcpy(base, bytes.data(), bytes.size());
-  std::vector<const void*> src(n);
-  for (int64_t f = 0; f < n; ++f) src[f] = base + f * 2 * half;
-  State c, g;
-  STRATA_ASSERT_OK(c.Init(cpu.get(), DType::kF32, P, d, slots, src.data()));
-  STRATA_ASSERT_OK(g.Init(gpu_, DType::kF32, P, d, slots, src.data()));
+  Pair t;
+  STRATA_ASSERT_OK(t.Init(gpu_, DType::kF32, P, d, slots, rng));
+  Backend* cpu = t.cpu.get();
+  State& c = t.c;
+  State& g = t.g;
+  const std::vector<uint8_t>& bytes = t.bytes;
   const int width = 12;
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev_parents, gpu_->Allocate(kHeads * width * 4));
   Call k;
@@ -307,19 +315,14 @@ TEST_F(CudaPageCacheTest, CapturedInAGraphReplaysNewSelections) {
 TEST_F(CudaPageCacheTest, PinnedOutCallLeavesTheRestUnresolved) {
   const int P = 8, d = 4, slots = 8;
   std::mt19937 rng(3);
-  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
+  Pair t;
+  STRATA_ASSERT_OK(t.Init(gpu_, DType::kF32, P, d, slots, rng));
+  Backend* cpu = t.cpu.get();
+  State& c = t.c;
+  State& g = t.g;
+  const std::vector<uint8_t>& bytes = t.bytes;
   const int64_t n = static_cast<int64_t>(kLayers) * kHeads * kPages;
-  const size_t half = static_cast<size_t>(P) * d * 4;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto host, gpu_->AllocateHost(n * 2 * half));
-  uint8_t* base = static_cast<uint8_t*>(host->data());
-  std::vector<uint8_t> bytes(n * 2 * half);
-  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
-  std::memcpy(base, bytes.data(), bytes.size());
-  std::vector<const void*> src(n);
-  for (int64_t f = 0; f < n; ++f) src[f] = base + f * 2 * half;
-  State c, g;
-  STRATA_ASSERT_OK(c.Init(cpu.get(), DType::kF32, P, d, slots, src.data()));
-  STRATA_ASSERT_OK(g.Init(gpu_, DType::kF32, P, d, slots, src.data()));
+  const size_t half = g.half;
   Call k;
   k.layer = 2;
   k.width = 10;  // 20 distinct pages for 8 slots
