@@ -1205,3 +1205,150 @@ TEST_F(SelectionTest, SelectedAttentionClipsStaleMiddleIdsAsCpu) {
 
 }  // namespace
 }  // namespace strata::kernels
+
+namespace strata::kernels {
+namespace {
+
+// ScoreSummariesTopK (the fused kernel where it applies, else the two ops) against the CUDA
+// ScoreSummaries + VoteTopK run separately (bitwise: the fused kernel scores with the same
+// arithmetic) and against the CPU twin (scores and votes within tolerance; selections exactly
+// where every row is equal: exact ties, which both rank by index).
+struct FusedCase {
+  int hkv, group, d, n;  // n: candidates per KV head
+  bool parents;          // candidates through parents (fanout 16, some -1) or a plain range
+  bool skip;             // skip_heads with heads 1 and 3 flagged (when they exist)
+  bool special;          // NaN / -inf summaries in some rows
+  bool ties;             // every summary row equal (exact ties everywhere)
+  int k;
+};
+
+TEST_F(SelectionTest, ScoreSummariesTopKMatchesTwoOpsAndCpu) {
+  std::vector<FusedCase> cases;
+  for (int n : {1, 3, 17, 129, 1024, 2048, 4096, 5000}) {
+    for (int group = 1; group <= 5; ++group) {
+      const int k = n == 1 ? 1 : n == 3 ? 5 : n <= 129 ? 7 : 32;
+      cases.push_back({8, group, group % 2 == 0 ? 128 : 64, n, false, group == 3, group == 2,
+                       false, k});
+    }
+    cases.push_back({8, 4, 128, n, true, true, true, false, n <= 17 ? 2 : 128});
+    cases.push_back({3, 4, 128, n, n >= 16, false, false, true, n <= 3 ? 3 : 20});
+  }
+  for (const FusedCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "hkv " << c.hkv << " group " << c.group << " d " << c.d
+                                      << " n " << c.n << " parents " << c.parents << " skip "
+                                      << c.skip << " special " << c.special << " ties " << c.ties
+                                      << " k " << c.k);
+    const int hq = c.hkv * c.group;
+    const int fanout = c.parents ? 16 : 1;
+    // Plain range [5, 5 + n): the last 2 ids are >= items (invalid through num_items).
+    const int items = c.parents ? c.n + 64 : c.n + 3;
+    std::vector<float> q = RandomF(static_cast<int64_t>(hq) * c.d);
+    std::vector<float> sums = RandomF(static_cast<int64_t>(c.hkv) * items * 2 * c.d);
+    for (int64_t r = 0; r < static_cast<int64_t>(c.hkv) * items; ++r) {
+      float* s = &sums[r * 2 * c.d];
+      if (c.ties) std::copy(sums.begin(), sums.begin() + 2 * c.d, s);
+      for (int e = 0; e < c.d; ++e) {
+        if (s[e] > s[c.d + e]) std::swap(s[e], s[c.d + e]);
+      }
+      if (c.special && r % 7 == 3) s[r % c.d] = kNaN;
+      if (c.special && r % 11 == 5) {
+        for (int e = 0; e < 2 * c.d; ++e) s[e] = kNegInf;
+      }
+    }
+    CandidateList cl;
+    std::vector<int32_t> parents;
+    if (c.parents) {
+      const int np = (c.n + fanout - 1) / fanout;
+      parents = RandomParents(rng_, c.hkv, np, items / fanout + 2);  // some beyond num_items
+      cl.fanout = fanout;
+      cl.begin = 2;
+      cl.end = items + fanout;
+    } else {
+      cl.begin = 5;
+      cl.end = 5 + c.n;
+    }
+    const int64_t n = c.parents ? static_cast<int64_t>(parents.size() / c.hkv) * fanout : c.n;
+    std::vector<int32_t> skip(c.hkv, 0);
+    if (c.skip) {
+      for (int g = 1; g < c.hkv; g += 2) skip[g] = 1;
+    }
+    const int64_t ns = static_cast<int64_t>(hq) * n;
+    const int64_t nsel = static_cast<int64_t>(c.hkv) * c.k;
+    const int64_t nv = static_cast<int64_t>(c.hkv) * n;
+
+    // CPU twin (the backend's default: the two CPU ops).
+    std::vector<float> cs(ns, kNaN), cv(nv, kNaN);
+    std::vector<int32_t> csel(nsel, -7);
+    ScoreSummariesTopKParams p;
+    p.score.q = TensorView(q.data(), DType::kF32, {hq, c.d});
+    p.score.summaries = TensorView(sums.data(), DType::kF32, {c.hkv, items, 2 * c.d});
+    p.score.candidates = cl;
+    if (c.parents) {
+      p.score.candidates.parents = TensorView(parents.data(), DType::kI32, {c.hkv, n / fanout});
+    }
+    p.score.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    p.score.scores = TensorView(cs.data(), DType::kF32, {c.hkv, c.group, n});
+    p.score.skip_heads = c.skip ? skip.data() : nullptr;
+    p.k = c.k;
+    p.selected = TensorView(csel.data(), DType::kI32, {c.hkv, c.k});
+    p.vote = TensorView(cv.data(), DType::kF32, {c.hkv, n});
+    STRATA_ASSERT_OK(cpu_->ScoreSummariesTopK(p, nullptr));
+
+    auto dq = Dev(q), ds = Dev(sums), dp = Dev(parents), dskip = Dev(skip);
+    p.score.q.data = dq->data();
+    p.score.summaries.data = ds->data();
+    if (c.parents) p.score.candidates.parents.data = dp->data();
+    p.score.skip_heads = c.skip ? static_cast<const int32_t*>(dskip->data()) : nullptr;
+    // Fused.
+    auto fs = Poisoned<float>(ns), fv = Poisoned<float>(nv);
+    auto fsel = Poisoned<int32_t>(nsel);
+    p.score.scores.data = fs->data();
+    p.vote.data = fv->data();
+    p.selected.data = fsel->data();
+    STRATA_ASSERT_OK(gpu_->ScoreSummariesTopK(p, nullptr));
+    // Two ops.
+    auto ts = Poisoned<float>(ns), tv = Poisoned<float>(nv);
+    auto tsel = Poisoned<int32_t>(nsel);
+    p.score.scores.data = ts->data();
+    p.vote.data = tv->data();
+    p.selected.data = tsel->data();
+    STRATA_ASSERT_OK(gpu_->ScoreSummaries(p.score, nullptr));
+    STRATA_ASSERT_OK(gpu_->VoteTopK(VoteTopKPartOf(p), nullptr));
+
+    EXPECT_EQ(Get<uint32_t>(*fs, ns), Get<uint32_t>(*ts, ns)) << "scores (bits)";
+    EXPECT_EQ(Get<uint32_t>(*fv, nv), Get<uint32_t>(*tv, nv)) << "vote (bits)";
+    const std::vector<int32_t> got = Get<int32_t>(*fsel, nsel);
+    EXPECT_EQ(got, Get<int32_t>(*tsel, nsel)) << "selected";
+    // Against the CPU twin, heads not skipped (skipped ones keep the poison on the GPU).
+    const std::vector<float> gs = Get<float>(*fs, ns), gv = Get<float>(*fv, nv);
+    for (int g = 0; g < c.hkv; ++g) {
+      if (skip[g]) {
+        // Untouched: still the poison (0xff bytes).
+        for (int64_t j = 0; j < c.k; ++j) EXPECT_EQ(got[g * c.k + j], -1) << "skipped head " << g;
+        continue;
+      }
+      const int64_t rows = static_cast<int64_t>(c.group) * n;
+      std::vector<float> a(gs.begin() + g * rows, gs.begin() + (g + 1) * rows);
+      std::vector<float> b(cs.begin() + g * rows, cs.begin() + (g + 1) * rows);
+      for (size_t i = 0; i < a.size(); ++i) {
+        if (std::isnan(b[i])) {
+          EXPECT_TRUE(std::isnan(a[i])) << "score " << i << " head " << g;
+          a[i] = b[i] = 0.0f;
+        }
+      }
+      ExpectClose(a, b, 1e-5, 1e-5, "scores vs CPU");
+      ExpectClose(std::vector<float>(gv.begin() + g * n, gv.begin() + (g + 1) * n),
+                  std::vector<float>(cv.begin() + g * n, cv.begin() + (g + 1) * n), 1e-5, 1e-4,
+                  "vote vs CPU");
+      if (c.ties) {
+        EXPECT_EQ(std::vector<int32_t>(got.begin() + g * c.k, got.begin() + (g + 1) * c.k),
+                  std::vector<int32_t>(csel.begin() + g * c.k, csel.begin() + (g + 1) * c.k))
+            << "selected vs CPU, head " << g;
+      }
+    }
+    if (HasFailure()) return;
+  }
+}
+
+}  // namespace
+}  // namespace strata::kernels
