@@ -174,6 +174,42 @@ class GpuCacheAttentionTest : public ::testing::Test {
 
   static constexpr int kDoc = 88;    // 6 pages per head, the last one partial
   static constexpr int kTotal = 100;
+
+  // A fixed selection per KV head: page 0 (prefix), two middle pages (a device CandidateList of
+  // page ids, fanout kPage, one -1 pad) and the last page (suffix, partial).
+  static constexpr int kPagesPerHead = (kDoc + kPage - 1) / kPage;  // 6, the last partial
+  const std::vector<std::vector<int32_t>> fixed_middle_ = {{2, 4, -1}, {1, 3, -1}};
+  std::unique_ptr<kernels::Buffer> fixed_parents_;
+  // The pages of KV head g, sorted (as a PageChooser returns them).
+  std::vector<int32_t> FixedPages(int g) const {
+    std::vector<int32_t> v = {0};
+    for (int32_t p : fixed_middle_[g]) {
+      if (p >= 0) v.push_back(p);
+    }
+    v.push_back(kPagesPerHead - 1);
+    std::sort(v.begin(), v.end());
+    return v;
+  }
+  // The same as a device selection (the parents uploaded on first use).
+  absl::Status FixedSelection(DeviceTokenSelection* sel) {
+    const int hkv = model_->config.num_kv_heads;
+    if (fixed_parents_ == nullptr) {
+      std::vector<int32_t> parents;
+      for (const auto& m : fixed_middle_) parents.insert(parents.end(), m.begin(), m.end());
+      STRATA_ASSIGN_OR_RETURN(fixed_parents_, backend_->Allocate(parents.size() * 4));
+      STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(fixed_parents_->data(), parents.data(),
+                                                    parents.size() * 4, nullptr));
+    }
+    sel->valid = true;
+    sel->prefix_end = kPage;
+    sel->middle.parents = fixed_parents_->View(DType::kI32, {hkv, 3});
+    sel->middle.fanout = kPage;
+    sel->middle.begin = kPage;
+    sel->middle.end = (kPagesPerHead - 1) * kPage;
+    sel->suffix_begin = (kPagesPerHead - 1) * kPage;
+    sel->suffix_end = kDoc;
+    return absl::OkStatus();
+  }
   RefModel ref_;
   std::unique_ptr<test_model::TestModel> model_;
   std::unique_ptr<kernels::Backend> backend_;
@@ -406,29 +442,13 @@ TEST_F(GpuCacheAttentionTest, DeviceTokenSelectionAttendsThroughTheDevicePageTab
   // with SelectedAttention over the cache's device table; the prompt chunk (5 tokens) through
   // PagedAttention. Logits as the host path with the same pages, to rounding.
   const int hkv = model_->config.num_kv_heads;
-  constexpr int kPagesPerHead = (kDoc + kPage - 1) / kPage;  // 6, the last partial
-  const std::vector<std::vector<int32_t>> middle = {{2, 4, -1}, {1, 3, -1}};
-  auto pages_of = [&](int g) {
-    std::vector<int32_t> v = {0};
-    for (int32_t p : middle[g]) {
-      if (p >= 0) v.push_back(p);
-    }
-    v.push_back(kPagesPerHead - 1);
-    std::sort(v.begin(), v.end());
-    return v;
-  };
-  std::vector<int32_t> parents;
-  for (const auto& m : middle) parents.insert(parents.end(), m.begin(), m.end());
-  STRATA_ASSERT_OK_AND_ASSIGN(auto parents_buf, backend_->Allocate(parents.size() * 4));
-  STRATA_ASSERT_OK(backend_->CopyToDevice(parents_buf->data(), parents.data(),
-                                          parents.size() * 4, nullptr));
   auto cache_a = MakeCache(12);
   auto cache_b = MakeCache(12);
   ASSERT_NE(cache_b, nullptr);
   GpuCacheAttentionOptions o;
   o.document_tokens = kDoc;
   o.chooser = [&](int, int g, const float*, int, int, std::vector<int32_t>* p) {
-    *p = pages_of(g);
+    *p = FixedPages(g);
     return absl::OkStatus();
   };
   STRATA_ASSERT_OK_AND_ASSIGN(auto host, GpuCacheAttention::Create(o, cache_a.get(),
@@ -439,18 +459,8 @@ TEST_F(GpuCacheAttentionTest, DeviceTokenSelectionAttendsThroughTheDevicePageTab
   o.device_path = true;
   o.device_chooser = [&](int, const kernels::TensorView& q,
                          std::vector<std::vector<int32_t>>* pages, DeviceTokenSelection* sel) {
-    for (int g = 0; g < hkv; ++g) (*pages)[g] = pages_of(g);
-    if (q.dim(0) == 1) {
-      sel->valid = true;
-      sel->prefix_end = kPage;
-      sel->middle.parents = parents_buf->View(DType::kI32, {hkv, 3});
-      sel->middle.fanout = kPage;
-      sel->middle.begin = kPage;
-      sel->middle.end = (kPagesPerHead - 1) * kPage;
-      sel->suffix_begin = (kPagesPerHead - 1) * kPage;
-      sel->suffix_end = kDoc;
-    }
-    return absl::OkStatus();
+    for (int g = 0; g < hkv; ++g) (*pages)[g] = FixedPages(g);
+    return q.dim(0) == 1 ? FixedSelection(sel) : absl::OkStatus();
   };
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev, GpuCacheAttention::Create(o, cache_b.get(),
                                                                   backend_.get()));
@@ -470,28 +480,12 @@ TEST_F(GpuCacheAttentionTest, DeviceManagedCacheGivesTheHostPathsLogits) {
   // device_managed: ResolvePages + SelectedAttention per query token, the prompt chunk included,
   // no host page lists): the logits of the host path with the same pages, to rounding.
   const int hkv = model_->config.num_kv_heads;
-  constexpr int kPagesPerHead = (kDoc + kPage - 1) / kPage;
-  const std::vector<std::vector<int32_t>> middle = {{2, 4, -1}, {1, 3, -1}};
-  auto pages_of = [&](int g) {
-    std::vector<int32_t> v = {0};
-    for (int32_t p : middle[g]) {
-      if (p >= 0) v.push_back(p);
-    }
-    v.push_back(kPagesPerHead - 1);
-    std::sort(v.begin(), v.end());
-    return v;
-  };
-  std::vector<int32_t> parents;
-  for (const auto& m : middle) parents.insert(parents.end(), m.begin(), m.end());
-  STRATA_ASSERT_OK_AND_ASSIGN(auto parents_buf, backend_->Allocate(parents.size() * 4));
-  STRATA_ASSERT_OK(backend_->CopyToDevice(parents_buf->data(), parents.data(),
-                                          parents.size() * 4, nullptr));
   auto cache_a = MakeCache(12);
   ASSERT_NE(cache_a, nullptr);
   GpuCacheAttentionOptions o;
   o.document_tokens = kDoc;
   o.chooser = [&](int, int g, const float*, int, int, std::vector<int32_t>* p) {
-    *p = pages_of(g);
+    *p = FixedPages(g);
     return absl::OkStatus();
   };
   STRATA_ASSERT_OK_AND_ASSIGN(auto host, GpuCacheAttention::Create(o, cache_a.get(),
@@ -538,15 +532,7 @@ TEST_F(GpuCacheAttentionTest, DeviceManagedCacheGivesTheHostPathsLogits) {
                          std::vector<std::vector<int32_t>>* pages, DeviceTokenSelection* sel) {
     ++calls;
     if (pages != nullptr || q.dim(0) != 1) return absl::InternalError("host pages asked for");
-    sel->valid = true;
-    sel->prefix_end = kPage;
-    sel->middle.parents = parents_buf->View(DType::kI32, {hkv, 3});
-    sel->middle.fanout = kPage;
-    sel->middle.begin = kPage;
-    sel->middle.end = (kPagesPerHead - 1) * kPage;
-    sel->suffix_begin = (kPagesPerHead - 1) * kPage;
-    sel->suffix_end = kDoc;
-    return absl::OkStatus();
+    return FixedSelection(sel);
   };
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev, GpuCacheAttention::Create(o, cache_b.get(),
                                                                   backend_.get()));
