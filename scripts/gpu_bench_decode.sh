@@ -11,17 +11,8 @@
 #      device,managed,managed-graph), STRATA_DECODE_FRACTIONS (GPU cache fractions, one run each,
 #      default 0.05).
 set -uo pipefail
-ROOT="$(pwd)"
-BUNDLE="${BUNDLE:-$ROOT/${STRATA_GPU_BUNDLE:-.gpu}}"
-LOGS="${LOGS:-${OUT:-/tmp/strata-gpu-out}}"
-mkdir -p "$LOGS"
-if [ -f "$BUNDLE/bin.tar.gz" ] && [ ! -d "$BUNDLE/bin" ]; then
-  tar -C "$BUNDLE" -xzf "$BUNDLE/bin.tar.gz"
-fi
-WORK="/tmp/strata-gpu-$(basename "$BUNDLE")"
-mkdir -p "$WORK" && tar -C "$WORK" -xzf "$BUNDLE/libs.tar.gz"
-export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-export STRATA_CUDA_PLUGIN="$BUNDLE/bin/libstrata_cuda.so"
+# shellcheck source=scripts/gpu_bundle_env.sh
+source "$(dirname "$0")/gpu_bundle_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
   | tee -a "$LOGS/decode.log"
 rc=0

@@ -9,17 +9,8 @@
 #      STRATA_PREFILL_CONTEXTS (default 524288), STRATA_PREFILL_POLICY (default tokenselect),
 #      STRATA_PREFILL_PRECISION (default bf16,split).
 set -uo pipefail
-ROOT="$(pwd)"
-BUNDLE="$ROOT/${STRATA_GPU_BUNDLE:-.gpu}"
-LOGS="${OUT:-/tmp/strata-gpu-out}"
-mkdir -p "$LOGS"
-if [ -f "$BUNDLE/bin.tar.gz" ] && [ ! -d "$BUNDLE/bin" ]; then
-  tar -C "$BUNDLE" -xzf "$BUNDLE/bin.tar.gz"
-fi
-WORK="/tmp/strata-gpu-$(basename "$BUNDLE")"
-mkdir -p "$WORK" && tar -C "$WORK" -xzf "$BUNDLE/libs.tar.gz"
-export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-export STRATA_CUDA_PLUGIN="$BUNDLE/bin/libstrata_cuda.so"
+# shellcheck source=scripts/gpu_bundle_env.sh
+source "$(dirname "$0")/gpu_bundle_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
   | tee "$LOGS/prefill.log"
 "$BUNDLE/bin/decode_e2e_bench" --shapes="${STRATA_PREFILL_SHAPE:-llama-3.1-8b}" \
