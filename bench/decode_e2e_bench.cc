@@ -1001,7 +1001,10 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   const int64_t lookups = s1.lookups - s0.lookups;
   res->hit_ratio = lookups > 0 ? static_cast<double>(s1.hits - s0.hits) / lookups : NAN;
   res->fill_mb_per_token = static_cast<double>(s1.fill_bytes - s0.fill_bytes) / measured / 1e6;
-  res->pages_per_step = (gca->counters().pages_attended - pages0) / measured;
+  // Device-managed: the hook does not see the page lists; the cache counts one lookup per
+  // distinct page a layer's selection names (the same pages here).
+  res->pages_per_step = managed ? lookups / measured
+                                : (gca->counters().pages_attended - pages0) / measured;
   res->gpu_end_gib = GpuUsedGiB();
   res->last_token = token;
   res->selected_calls = gca->counters().selected_attention;
