@@ -337,6 +337,14 @@ struct SelectedAttentionParams {
   // Dequantisation scales of fp8 pools, as PagedAttentionParams (finite, > 0; 1 for f32|bf16).
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+  // Optional, backend memory [num_slots, 2] f32, fp8 pools only: per-slot dequantisation scales
+  // (K, V), multiplied into k_scale / v_scale for the rows of that slot: k_j = stored * k_scale *
+  // slot_scales[2 * slot_j], v_j = stored * v_scale * slot_scales[2 * slot_j + 1] (slot_j = the
+  // pool slot token j is read from). For pools filled with pages that carry their own scales (the
+  // kvstore fp8 page format, through ResolvePages with page_scales). nullptr = none. Each value
+  // must be finite and > 0 (not checked: read on the device). InvalidArgument with f32|bf16 pools.
+  // CPU only so far (the CUDA backend does not read them yet).
+  const float* slot_scales = nullptr;
 };
 
 // The selection cache (TokenSelect's query-similarity reuse; engine/sparse/policy.h cache_theta),
@@ -383,6 +391,12 @@ struct PageCacheState {
   const void* const* sources = nullptr;
   TensorView k_pool;  // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3
   TensorView v_pool;  // same shape and dtype
+  // Optional, for pages with scales of their own (fp8 pages of the kvstore page format): the
+  // (K, V) scale pair of each page, [table_size, 2] f32, and of each slot, [num_slots, 2] f32
+  // (SelectedAttentionParams::slot_scales). A fill also copies its page's pair into its slot's.
+  // Both or neither.
+  const float* page_scales = nullptr;
+  float* slot_scales = nullptr;
 };
 
 // The int64 counters of PageCacheState, running totals since they were zeroed.

@@ -212,6 +212,9 @@ absl::Status CpuSupportsSelectedAttention(const SelectedAttentionParams& p) {
   if (!std::isfinite(p.scale)) {
     return absl::InvalidArgumentError("SelectedAttention: scale not finite");
   }
+  if (p.slot_scales != nullptr && p.k_pool.dtype != DType::kFP8E4M3) {
+    return absl::InvalidArgumentError("SelectedAttention: slot_scales need fp8 pools");
+  }
   return absl::OkStatus();
 }
 
@@ -342,6 +345,15 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       p.prefix_len == nullptr
           ? p.prefix_end
           : std::clamp<int64_t>(static_cast<int64_t>(*p.prefix_len), 0, p.prefix_end);
+  // The scales of pool row r (slot r / page_size): the pool's, times the slot's (slot_scales).
+  const int64_t page_rows = p.k_pool.dim(1);
+  auto k_scale_of = [&](int64_t r) {
+    return p.slot_scales == nullptr ? p.k_scale : p.k_scale * p.slot_scales[2 * (r / page_rows)];
+  };
+  auto v_scale_of = [&](int64_t r) {
+    return p.slot_scales == nullptr ? p.v_scale
+                                    : p.v_scale * p.slot_scales[2 * (r / page_rows) + 1];
+  };
   std::vector<int64_t> rows;
   std::vector<float> s, acc(d);
   for (int g = 0; g < hkv; ++g) {
@@ -364,7 +376,7 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       for (size_t r = 0; r < rows.size(); ++r) {
         float dot = 0.0f;
         for (int64_t e = 0; e < d; ++e) {
-          dot += qh[e] * KvAtScaled(p.k_pool, rows[r] * d + e, p.k_scale);
+          dot += qh[e] * KvAtScaled(p.k_pool, rows[r] * d + e, k_scale_of(rows[r]));
         }
         s[r] = p.scale * dot;
         m = std::max(m, s[r]);
@@ -381,7 +393,7 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
         const float w = std::exp(s[r] - m);
         l += w;
         for (int64_t e = 0; e < d; ++e) {
-          acc[e] += w * KvAtScaled(p.v_pool, rows[r] * d + e, p.v_scale);
+          acc[e] += w * KvAtScaled(p.v_pool, rows[r] * d + e, v_scale_of(rows[r]));
         }
       }
       for (int64_t e = 0; e < d; ++e) o[e] = static_cast<float>(acc[e] / l);

@@ -536,3 +536,66 @@ TEST(CpuSelectionTest, SelectedAttentionClipsStaleMiddleIds) {
 
 }  // namespace
 }  // namespace strata::kernels
+
+namespace strata::kernels {
+namespace {
+
+// Per-slot scales (SelectedAttentionParams::slot_scales) on fp8 pools: the same as an f32 pool
+// holding every element dequantised with its slot's scales (times the pool's k_scale / v_scale).
+TEST(CpuSelectionTest, SlotScalesDequantiseEachSlot) {
+  std::mt19937 rng(21);
+  const int hkv = 2, group = 2, hq = hkv * group, d = 16, page = 4, table_pages = 5;
+  const int slots = hkv * table_pages;
+  const int64_t n = static_cast<int64_t>(slots) * page * d;
+  std::vector<uint8_t> k8(n), v8(n);
+  std::vector<float> kf(n), vf(n), scales(2 * slots);
+  std::uniform_real_distribution<float> u(-3, 3), sc(0.01f, 2.0f);
+  for (float& x : scales) x = sc(rng);
+  const float k_scale = 0.5f, v_scale = 1.5f;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = i / (page * d);
+    k8[i] = F32ToFP8E4M3(u(rng));
+    v8[i] = F32ToFP8E4M3(u(rng));
+    kf[i] = FP8E4M3ToF32(k8[i]) * (k_scale * scales[2 * slot]);
+    vf[i] = FP8E4M3ToF32(v8[i]) * (v_scale * scales[2 * slot + 1]);
+  }
+  std::vector<int32_t> table(hkv * table_pages);
+  for (int i = 0; i < hkv * table_pages; ++i) table[i] = (i * 7) % slots;  // a permutation
+  std::vector<float> q = RandomF(rng, hq * d);
+  std::vector<int32_t> parents = {1, 3, -1, 2, 0, 3};
+  SelectedAttentionParams p;
+  p.q = TensorView(q.data(), DType::kF32, {1, hq, d});
+  p.page_table = TensorView(table.data(), DType::kI32, {hkv, table_pages});
+  p.prefix_end = 2;
+  p.middle.parents = TensorView(parents.data(), DType::kI32, {hkv, 3});
+  p.middle.fanout = page;
+  p.middle.begin = page;
+  p.middle.end = 4 * page;
+  p.suffix_begin = 4 * page + 1;
+  p.suffix_end = 5 * page;
+  p.scale = 0.25f;
+  std::vector<float> o8(hq * d, NAN), l8(hq, NAN), of(hq * d, NAN), lf(hq, NAN);
+  SelectedAttentionParams a = p;
+  a.k_pool = TensorView(k8.data(), DType::kFP8E4M3, {slots, page, d});
+  a.v_pool = TensorView(v8.data(), DType::kFP8E4M3, {slots, page, d});
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
+  a.slot_scales = scales.data();
+  a.out = TensorView(o8.data(), DType::kF32, {1, hq, d});
+  a.lse = TensorView(l8.data(), DType::kF32, {1, hq});
+  STRATA_ASSERT_OK(CpuSelectedAttention(a));
+  SelectedAttentionParams b = p;
+  b.k_pool = TensorView(kf.data(), DType::kF32, {slots, page, d});
+  b.v_pool = TensorView(vf.data(), DType::kF32, {slots, page, d});
+  b.out = TensorView(of.data(), DType::kF32, {1, hq, d});
+  b.lse = TensorView(lf.data(), DType::kF32, {1, hq});
+  STRATA_ASSERT_OK(CpuSelectedAttention(b));
+  for (int i = 0; i < hq * d; ++i) EXPECT_NEAR(o8[i], of[i], 1e-5f * (1 + std::fabs(of[i]))) << i;
+  for (int h = 0; h < hq; ++h) EXPECT_NEAR(l8[h], lf[h], 1e-5f * (1 + std::fabs(lf[h]))) << h;
+  // Slot scales on a non-fp8 pool are refused.
+  b.slot_scales = scales.data();
+  EXPECT_THAT(CpuSelectedAttention(b), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace strata::kernels
