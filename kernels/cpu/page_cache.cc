@@ -47,6 +47,10 @@ absl::Status CpuSupportsResolvePages(const ResolvePagesParams& p) {
         kOp, ": ", p.num_kv_heads, " heads x ", p.pages_per_head, " pages from table entry ",
         p.table_base, " do not fit a table of ", st.table_size));
   }
+  if ((st.page_scales == nullptr) != (st.slot_scales == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": page_scales and slot_scales go together"));
+  }
   STRATA_RETURN_IF_ERROR(CheckCandidateList(p.middle, p.num_kv_heads, kOp));
   if (p.prefix_end < 0 || p.suffix_begin < 0 || p.suffix_end < p.suffix_begin ||
       p.prefix_end > (int64_t{1} << 31) - 1 || p.suffix_end > (int64_t{1} << 31) - 1) {
@@ -143,6 +147,10 @@ absl::Status CpuResolvePages(const ResolvePagesParams& p) {
     const char* src = static_cast<const char*>(st.sources[flat]);
     std::memcpy(k_pool + victim * half, src, half);
     std::memcpy(v_pool + victim * half, src + half, half);
+    if (st.page_scales != nullptr) {
+      st.slot_scales[2 * victim] = st.page_scales[2 * flat];
+      st.slot_scales[2 * victim + 1] = st.page_scales[2 * flat + 1];
+    }
     pages_out[taken] = static_cast<int32_t>(flat);
     victims_out[taken] = static_cast<int32_t>(victim);
     ++taken;

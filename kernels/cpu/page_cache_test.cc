@@ -51,6 +51,11 @@ struct Cache {
     state.scratch = scratch.data();
     state.scratch_pages = slots;
     state.sources = sources.data();
+    page_scales.resize(2 * n);
+    for (int64_t f = 0; f < 2 * n; ++f) page_scales[f] = 0.5f + static_cast<float>(f);
+    slot_scales.assign(2 * slots, -1.0f);
+    state.page_scales = page_scales.data();
+    state.slot_scales = slot_scales.data();
     state.k_pool = TensorView(k.data(), DType::kF32, {slots, P, d});
     state.v_pool = TensorView(v.data(), DType::kF32, {slots, P, d});
   }
@@ -95,6 +100,8 @@ struct Cache {
       const int32_t f = slot_page[s];
       if (f < 0) continue;
       EXPECT_EQ(table[f], static_cast<int32_t>(s));
+      EXPECT_EQ(slot_scales[2 * s], page_scales[2 * f]) << s;
+      EXPECT_EQ(slot_scales[2 * s + 1], page_scales[2 * f + 1]) << s;
       EXPECT_EQ(std::memcmp(&k[s * P * d], &bytes[f * 2 * P * d], P * d * sizeof(float)), 0) << s;
       EXPECT_EQ(std::memcmp(&v[s * P * d], &bytes[f * 2 * P * d + P * d], P * d * sizeof(float)),
                 0)
@@ -108,7 +115,7 @@ struct Cache {
   std::vector<uint32_t> stamp;
   std::vector<uint8_t> ref;
   std::vector<int64_t> counters;
-  std::vector<float> k, v, bytes;
+  std::vector<float> k, v, bytes, page_scales, slot_scales;
   std::vector<const void*> sources;
   PageCacheState state;
 };
@@ -245,6 +252,9 @@ TEST(CpuPageCacheTest, BadParamsAreInvalidArgument) {
   EXPECT_THAT(CpuResolvePages(p), StatusIs(absl::StatusCode::kInvalidArgument));
   p = c.Params(0, nullptr);
   p.page_size = 8;  // pools hold 4-token pages
+  EXPECT_THAT(CpuResolvePages(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  p = c.Params(0, nullptr);
+  p.state.slot_scales = nullptr;  // page_scales without slot_scales
   EXPECT_THAT(CpuResolvePages(p), StatusIs(absl::StatusCode::kInvalidArgument));
   p = c.Params(0, nullptr);
   p.suffix_end = -1;

@@ -298,6 +298,10 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
       a.table[flat] = s;
       a.slot_stamp[s] = epoch;
       a.slot_ref[s] = 1;
+      if (a.page_scales != nullptr) {
+        a.slot_scales[2 * s] = a.page_scales[2 * static_cast<int64_t>(flat)];
+        a.slot_scales[2 * s + 1] = a.page_scales[2 * static_cast<int64_t>(flat) + 1];
+      }
     } else {
       a.table[flat] = -1;
       atomicAdd(&unresolved_s, 1ull);

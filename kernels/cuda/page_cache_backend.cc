@@ -26,6 +26,8 @@ absl::Status CudaBackend::ResolvePages(const ResolvePagesParams& p, Stream s) {
   a.scratch = st.scratch;
   a.scratch_pages = st.scratch_pages;
   a.sources = st.sources;
+  a.page_scales = st.page_scales;
+  a.slot_scales = st.slot_scales;
   a.k_pool = st.k_pool.data;
   a.v_pool = st.v_pool.data;
   a.half_bytes = st.k_pool.dim(1) * st.k_pool.dim(2) *

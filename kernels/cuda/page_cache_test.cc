@@ -63,6 +63,14 @@ struct State {
     STRATA_ASSIGN_OR_RETURN(counters, be->Allocate(kPageCacheCounterCount * 8));
     STRATA_ASSIGN_OR_RETURN(scratch, be->Allocate((1 + 2 * slots) * 4));
     STRATA_ASSIGN_OR_RETURN(sources, be->Allocate(n * sizeof(void*)));
+    STRATA_ASSIGN_OR_RETURN(page_scales, be->Allocate(n * 2 * sizeof(float)));
+    STRATA_ASSIGN_OR_RETURN(slot_scales, be->Allocate(slots * 2 * sizeof(float)));
+    {
+      std::vector<float> ps(2 * n), ss(2 * slots, -1.0f);
+      for (int64_t f = 0; f < 2 * n; ++f) ps[f] = 0.25f + static_cast<float>(f % 977);
+      STRATA_RETURN_IF_ERROR(be->CopyToDevice(page_scales->data(), ps.data(), ps.size() * 4, nullptr));
+      STRATA_RETURN_IF_ERROR(be->CopyToDevice(slot_scales->data(), ss.data(), ss.size() * 4, nullptr));
+    }
     STRATA_ASSIGN_OR_RETURN(k, be->Allocate(slots * half));
     STRATA_ASSIGN_OR_RETURN(v, be->Allocate(slots * half));
     const std::vector<int32_t> minus(static_cast<size_t>(std::max<int64_t>(n, slots)), -1);
@@ -84,6 +92,8 @@ struct State {
     st.scratch = static_cast<int32_t*>(scratch->data());
     st.scratch_pages = slots;
     st.sources = static_cast<const void* const*>(sources->data());
+    st.page_scales = static_cast<const float*>(page_scales->data());
+    st.slot_scales = static_cast<float*>(slot_scales->data());
     st.k_pool = TensorView(k->data(), dtype, {slots, P, d});
     st.v_pool = TensorView(v->data(), dtype, {slots, P, d});
     return be->Synchronize(nullptr);
@@ -97,7 +107,8 @@ struct State {
   Backend* backend = nullptr;
   int num_slots = 0;
   size_t half = 0;
-  std::unique_ptr<Buffer> table, slot_page, stamp, ref, counters, scratch, sources, k, v;
+  std::unique_ptr<Buffer> table, slot_page, stamp, ref, counters, scratch, sources, k, v,
+      page_scales, slot_scales;
   PageCacheState st;
 };
 
@@ -206,6 +217,8 @@ void Compare(State& cpu, State& gpu, const std::vector<uint8_t>& bytes, int call
   const auto gscr = gpu.Read<int32_t>(gpu.scratch.get(), 1 + 2 * n);
   ASSERT_EQ(cscr[0], gscr[0]) << "fills of call " << call;
   ASSERT_EQ(csp, gsp) << "slot owners, call " << call;
+  ASSERT_EQ(cpu.Read<float>(cpu.slot_scales.get(), 2 * n), gpu.Read<float>(gpu.slot_scales.get(), 2 * n))
+      << "slot scales, call " << call;
   for (int i = 0; i < cscr[0]; ++i) {
     ASSERT_EQ(cscr[1 + i], gscr[1 + i]) << "miss " << i << ", call " << call;
     ASSERT_EQ(cscr[1 + n + i], gscr[1 + n + i]) << "victim " << i << ", call " << call;

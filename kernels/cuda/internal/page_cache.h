@@ -25,6 +25,8 @@ struct ResolveArgs {
   int32_t* scratch = nullptr;
   int64_t scratch_pages = 0;
   const void* const* sources = nullptr;
+  const float* page_scales = nullptr;  // [table_size, 2] or null (then slot_scales is null)
+  float* slot_scales = nullptr;        // [num_slots, 2]
   void* k_pool = nullptr;
   void* v_pool = nullptr;
   int64_t half_bytes = 0;  // K (or V) bytes of one page
