@@ -265,29 +265,6 @@ struct VoteTopKParams {
   const int32_t* skip_heads = nullptr;
 };
 
-// ScoreSummaries then VoteTopK in one op: exactly `score` (all its outputs: score.scores is
-// written), then VoteTopK with scores = score.scores, candidates = score.candidates, skip_heads =
-// score.skip_heads and the k / selected / vote below. A backend may fuse the two (CUDA: one
-// kernel for small candidate counts, kernels/cuda/selection.cu); the default runs the two ops.
-struct ScoreSummariesTopKParams {
-  ScoreSummariesParams score;
-  int64_t k = 0;          // >= 0
-  TensorView selected;    // [num_kv_heads, k] i32 (output)
-  TensorView vote;        // [num_kv_heads, n] f32 (output), or data == nullptr
-};
-
-// The VoteTopK half of p.
-inline VoteTopKParams VoteTopKPartOf(const ScoreSummariesTopKParams& p) {
-  VoteTopKParams t;
-  t.scores = p.score.scores;
-  t.candidates = p.score.candidates;
-  t.k = p.k;
-  t.selected = p.selected;
-  t.vote = p.vote;
-  t.skip_heads = p.score.skip_heads;
-  return t;
-}
-
 // Minmax summaries (the input of ScoreSummaries) kept up to date on the backend as keys arrive.
 // For KV head g, page p holds tokens [p * P, (p + 1) * P) (P = page_size) read from pool row
 // page_table[g, p] * P + t % P. After tokens [first, end) were appended, every page holding one of
@@ -544,12 +521,6 @@ class Backend {
   }
   virtual absl::Status VoteTopK(const VoteTopKParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": VoteTopK");
-  }
-  // ScoreSummaries then VoteTopK (ScoreSummariesTopKParams); by default the two ops in turn.
-  virtual absl::Status ScoreSummariesTopK(const ScoreSummariesTopKParams& p, Stream s) {
-    absl::Status st = ScoreSummaries(p.score, s);
-    if (!st.ok()) return st;
-    return VoteTopK(VoteTopKPartOf(p), s);
   }
   virtual absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": SelectedAttention");

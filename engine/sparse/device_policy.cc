@@ -16,22 +16,6 @@ using kernels::DType;
 using kernels::KvSpan;
 using kernels::TensorView;
 
-namespace {
-
-// A summary stage: scoring a, then t's top-k of those scores, as one backend op (the CUDA backend
-// runs it as one kernel for the usual sizes).
-kernels::ScoreSummariesTopKParams ScoreThenTopK(const kernels::ScoreSummariesParams& a,
-                                                const kernels::VoteTopKParams& t) {
-  kernels::ScoreSummariesTopKParams f;
-  f.score = a;
-  f.k = t.k;
-  f.selected = t.selected;
-  f.vote = t.vote;
-  return f;
-}
-
-}  // namespace
-
 DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& cache,
                            int num_q_heads, kernels::Backend* backend)
     : options_(options),
@@ -297,11 +281,12 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
     a.candidates.begin = s0;
     a.candidates.end = s1;
     a.scores = seg_scores_->View(DType::kF32, {hkv_, group_, s1 - s0});
+    STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(a, stream));
     t.scores = a.scores;
     t.candidates = a.candidates;
     t.k = keep;
     t.selected = top_segs_->View(DType::kI32, {hkv_, keep});
-    STRATA_RETURN_IF_ERROR(backend_->ScoreSummariesTopK(ScoreThenTopK(a, t), stream));
+    STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
     a.candidates = CandidateList();
     a.candidates.parents = t.selected;
     a.candidates.fanout = seg_pages_;
@@ -311,12 +296,13 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   a.candidates.begin = p0;
   a.candidates.end = p1;
   a.scores = page_scores_->View(DType::kF32, {hkv_, group_, page_cands});
+  STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(a, stream));
   t.scores = a.scores;
   t.candidates = a.candidates;
   t.k = wanted_pages_;
   t.selected = (keep_final && options_.kind == PolicyKind::kQuest ? kept_[layer] : top_pages_)
                    ->View(DType::kI32, {hkv_, wanted_pages_});
-  STRATA_RETURN_IF_ERROR(backend_->ScoreSummariesTopK(ScoreThenTopK(a, t), stream));
+  STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
   CandidateList middle;
   middle.parents = t.selected;
   middle.fanout = page_;

@@ -48,7 +48,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "base/status_macros.h"
@@ -181,16 +180,12 @@ struct Pipeline {
       a.candidates.begin = s0;
       a.candidates.end = s1;
       a.scores = TensorView(seg_scores, DType::kF32, {kKvHeads, group, s1 - s0});
+      if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
       t.scores = a.scores;
       t.candidates = a.candidates;
       t.k = keep_segs;
       t.selected = TensorView(top_segs, DType::kI32, {kKvHeads, keep_segs});
-      if (fused) {
-        if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummariesTopK(Fused(a, t), s));
-      } else {
-        if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
-        if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
-      }
+      if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
       a.candidates = CandidateList();
       a.candidates.parents = t.selected;
       a.candidates.fanout = kSegPages;
@@ -201,16 +196,12 @@ struct Pipeline {
     a.candidates.begin = p0;
     a.candidates.end = p1;
     a.scores = TensorView(page_scores, DType::kF32, {kKvHeads, group, page_cands});
+    if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
     t.scores = a.scores;
     t.candidates = a.candidates;
     t.k = top_page_k;
     t.selected = TensorView(top_pages, DType::kI32, {kKvHeads, top_page_k});
-    if (fused) {
-      if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummariesTopK(Fused(a, t), s));
-    } else {
-      if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
-      if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
-    }
+    if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
     const TensorView k_pool(k, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
     const TensorView pt(table, DType::kI32, {kKvHeads, pages_per_head});
     CandidateList middle;
@@ -253,25 +244,8 @@ struct Pipeline {
   }
 
   int NumStages() const {
-    const int per_summary_stage = fused ? 1 : 2;
-    return (cache_mode != 0 ? 1 : 0) + (two_level ? per_summary_stage : 0) + per_summary_stage +
-           (token_level ? 2 : 0) + 1;
+    return (cache_mode != 0 ? 1 : 0) + (two_level ? 2 : 0) + 2 + (token_level ? 2 : 0) + 1;
   }
-  // ScoreSummaries a then VoteTopK t as one ScoreSummariesTopK op.
-  static ScoreSummariesTopKParams Fused(const ScoreSummariesParams& a, const VoteTopKParams& t) {
-    ScoreSummariesTopKParams f;
-    f.score = a;
-    f.k = t.k;
-    f.selected = t.selected;
-    f.vote = t.vote;
-    return f;
-  }
-  // Summary stages as ScoreSummariesTopK (one op each; the CUDA backend fuses them into one
-  // kernel unless STRATA_SELECTION_FUSED=0) unless STRATA_BENCH_FUSED=0 (two ops each).
-  bool fused = [] {
-    const char* v = std::getenv("STRATA_BENCH_FUSED");
-    return v == nullptr || std::string_view(v) != "0";
-  }();
 };
 
 void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t flush_bytes,

@@ -108,9 +108,6 @@ class CudaBackend : public Backend {
   absl::Status ScoreSummaries(const ScoreSummariesParams& p, Stream s) override;
   absl::Status ScoreKeys(const ScoreKeysParams& p, Stream s) override;
   absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
-  // One kernel when cuda_internal::ScoreSummariesTopKFusable (group <= 4, head_dim 64/128, up to
-  // 4096 candidates per KV head), else ScoreSummaries then VoteTopK.
-  absl::Status ScoreSummariesTopK(const ScoreSummariesTopKParams& p, Stream s) override;
   absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
   absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) override;
   // SelectionCacheCheck: one block per KV head (kernels/cuda/selection.cu); skip_heads of the

@@ -956,11 +956,6 @@ __device__ __forceinline__ void MergeSoftmaxPair(float& m, float& l, float m2, f
   m = mn;
 }
 
-template <int kPer>
-__device__ __forceinline__ void RegWarpStats(const float (&x)[kRegTopKMaxGroup][kPer],
-                                             float (&m)[kRegTopKMaxGroup],
-                                             float (&l)[kRegTopKMaxGroup]);
-
 // Step (1a): x[h][j] = score of query head h (< group) of candidate first + j (< n; -inf
 // beyond), then the warp's max and sum of exp(x - max) of every head in m[h] / l[h] (every lane).
 template <int kPer>
@@ -976,15 +971,6 @@ __device__ __forceinline__ void RegLoadAndWarpStats(const float* mine, int32_t n
       x[h][j] = h < group && first + j < n ? mine[static_cast<int64_t>(h) * n + j] : NegInfF();
     }
   }
-  RegWarpStats<kPer>(x, m, l);
-}
-
-// The warp's max and sum of exp(x - max) of every head of x in m[h] / l[h] (every lane).
-template <int kPer>
-__device__ __forceinline__ void RegWarpStats(const float (&x)[kRegTopKMaxGroup][kPer],
-                                             float (&m)[kRegTopKMaxGroup],
-                                             float (&l)[kRegTopKMaxGroup]) {
-  constexpr int G = kRegTopKMaxGroup;
 #pragma unroll
   for (int h = 0; h < G; ++h) {
     m[h] = NegInfF();
@@ -1845,198 +1831,6 @@ __global__ void __launch_bounds__(kSumThreads)
   }
 }
 
-// ---- ScoreSummaries + VoteTopK in one kernel ---------------------------------------------------
-// FusedSummaryTopKKernel<D>: minmax summaries of head_dim D (64 or 128, 16-byte aligned), group
-// <= 4, up to kFusedMaxCandidates candidates per KV head. A cluster of cs (<= 16) blocks of
-// kFusedThreads per KV head; block r owns candidates [r * B, (r + 1) * B) (B = per_block, a
-// multiple of 32, <= kFusedThreads). (1) The block scores them exactly as FastScoreKernel does (8
-// lanes per candidate, the same order of operations, so the scores are bitwise those of
-// ScoreSummaries' fast path) into shared memory and `scores`; (2) thread t < B takes candidate
-// r * B + t from shared memory and the cluster runs ClusterRegisterVoteTopKKernel's steps with
-// one candidate per thread (threads t >= B hold none). Saves a launch and the global round trip
-// of the scores between the two ops.
-constexpr int kFusedThreads = 256;
-constexpr int kFusedWarps = kFusedThreads / 32;
-constexpr int kFusedMaxCluster = 16;
-constexpr int64_t kFusedMaxCandidates = int64_t{kFusedMaxCluster} * kFusedThreads;
-
-template <int D>
-__global__ void __launch_bounds__(kFusedThreads)
-    FusedSummaryTopKKernel(const float* __restrict__ q, const float* __restrict__ rows,
-                           int64_t num_items, int group, DeviceCandidates c, float scale,
-                           int per_block, int k, float* __restrict__ scores,
-                           float* __restrict__ vote_out, int32_t* __restrict__ selected,
-                           int hist_mode) {
-  namespace cg = cooperative_groups;
-  constexpr int kEpl = 4;                          // f32 elements per 16-byte load
-  constexpr int kSteps = D / (kSubLanes * kEpl);   // loads per lane per half row
-  static_assert(kSteps >= 1 && D % (kSubLanes * kEpl) == 0, "head_dim must fill the lanes");
-  constexpr int kLoads = FastLoads<float, D, true>();
-  constexpr int kRounds = FastRounds<float, D, true>();
-  constexpr int kChunk = kFastCandidatesPerBlock * kRounds;
-  static_assert(kFastCandidatesPerBlock * kSubLanes == kFusedThreads, "one candidate per 8 lanes");
-  constexpr int G = kRegTopKMaxGroup;
-  constexpr int W = kFusedWarps;
-  __shared__ __align__(16) float qs[G * D];
-  __shared__ float sc[G][kFusedThreads];
-  __shared__ float red_m[G][W], red_l[G][W];
-  __shared__ __align__(16) uint32_t hist[4][256];
-  __shared__ __align__(16) uint32_t hsum[4][256];
-  __shared__ uint32_t wsum_s[W];
-  __shared__ uint32_t btot_s;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int sub = lane / kSubLanes, sl = lane % kSubLanes;
-  const int g = blockIdx.y;
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int cs = static_cast<int>(cluster.num_blocks());
-  GridDepWait();
-  GridDepLaunchDependents();
-  // A reused head: every block of the cluster (same g) returns before any cluster barrier.
-  if (c.skip != nullptr && c.skip[g] != 0) return;
-  for (int b = tid; b < 4 * 256; b += kFusedThreads) (&hist[0][0])[b] = 0;
-  const float* qg = q + static_cast<int64_t>(g) * group * D;
-  for (int i = tid; i < group * D; i += kFusedThreads) qs[i] = scale * qg[i];
-  const int32_t n = c.count;
-  const int32_t block_first = rank * per_block;
-  __syncthreads();  // qs staged
-
-  // (1) Scores of the block's candidates (FastScoreKernel's arithmetic).
-  for (int base = 0; base < per_block; base += kChunk) {
-    int32_t loc[kRounds], idx[kRounds];
-    const float* row[kRounds];
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) {
-      loc[r] = base + r * kFastCandidatesPerBlock + warp * (32 / kSubLanes) + sub;
-      idx[r] = block_first + loc[r];
-      const int32_t id = loc[r] < per_block && idx[r] < n ? CandidateIdAt(c, g, idx[r]) : -1;
-      row[r] = id >= 0 && id < num_items
-                   ? rows + (static_cast<int64_t>(g) * num_items + id) * 2 * D
-                   : nullptr;
-    }
-    uint4 raw[kRounds][kLoads];
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) {
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        const int e = (j * kSubLanes + sl) * kEpl;
-        if (row[r] != nullptr) {
-          raw[r][j] = __ldg(reinterpret_cast<const uint4*>(row[r] + e));
-          raw[r][kSteps + j] = __ldg(reinterpret_cast<const uint4*>(row[r] + D + e));
-        } else {
-          raw[r][j] = make_uint4(0, 0, 0, 0);
-          raw[r][kSteps + j] = make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) {
-      float a[kSteps][kEpl], b[kSteps][kEpl];
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        Convert16<float>(raw[r][j], a[j]);
-        Convert16<float>(raw[r][kSteps + j], b[j]);
-      }
-#pragma unroll 1
-      for (int h = 0; h < group; ++h) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kSteps; ++j) {
-          const float* qv = qs + h * D + (j * kSubLanes + sl) * kEpl;
-#pragma unroll
-          for (int x = 0; x < kEpl; x += 4) {
-            const float4 v4 = *reinterpret_cast<const float4*>(qv + x);
-            const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-            for (int y = 0; y < 4; ++y) acc += fmaxf(v[y] * a[j][x + y], v[y] * b[j][x + y]);
-          }
-        }
-#pragma unroll
-        for (int o = kSubLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (loc[r] < per_block && (h % kSubLanes) == sl) {
-          const float s = idx[r] < n && row[r] != nullptr ? acc : NegInfF();
-          sc[h][loc[r]] = s;
-          if (idx[r] < n) scores[(static_cast<int64_t>(g) * group + h) * n + idx[r]] = s;
-        }
-      }
-    }
-  }
-  __syncthreads();  // sc complete
-
-  // (2) ClusterRegisterVoteTopKKernel's steps, one candidate per thread.
-  const bool owns = tid < per_block;
-  const int32_t first = block_first + tid;
-  float x[G][1], m[G], l[G];
-#pragma unroll
-  for (int h = 0; h < G; ++h) x[h][0] = owns && h < group ? sc[h][tid] : NegInfF();
-  RegWarpStats<1>(x, m, l);
-  int32_t ids[1] = {-1};
-  if (owns) ConsecutiveCandidateIds<1>(c, g, first, ids);
-  if (lane == 0) {
-#pragma unroll
-    for (int h = 0; h < G; ++h) red_m[h][warp] = m[h], red_l[h][warp] = l[h];
-  }
-  ClusterSync();  // every block started, zeroed its histograms and wrote its partials
-#pragma unroll
-  for (int h = 0; h < G; ++h) m[h] = NegInfF(), l[h] = 0.0f;
-  for (int e = lane; e < cs * W; e += 32) {
-    const int r = e / W, w = e - r * W;
-    const float* rm = cluster.map_shared_rank(&red_m[0][0], r);
-    const float* rl = cluster.map_shared_rank(&red_l[0][0], r);
-#pragma unroll
-    for (int h = 0; h < G; ++h) MergeSoftmaxPair(m[h], l[h], rm[h * W + w], rl[h * W + w]);
-  }
-  float mb[G], inv[G];
-  RegWarpMerge(m, l, mb, inv);
-  uint32_t key[1];
-  RegVoteKeys<1>(x, mb, inv, ids, n, first,
-                 vote_out == nullptr || !owns ? nullptr
-                                              : vote_out + static_cast<int64_t>(g) * n + first,
-                 key);
-
-  const int32_t kk = min(k, n);
-  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
-  if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;
-#pragma unroll 1
-  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
-    RegHistogram<1>(key, prefix, mask, pass, hist_mode, hist[pass]);
-    ClusterSync();
-    for (int b = tid; b < 256; b += kFusedThreads) {
-      uint32_t s = 0;
-      for (int r = 0; r < cs; ++r) s += cluster.map_shared_rank(&hist[pass][0], r)[b];
-      hsum[pass][b] = s;
-    }
-    __syncthreads();
-    if (RegFindBin(hsum[pass], pass, &prefix, &mask, &remaining)) break;
-  }
-
-  // <= 4096 of each over the cluster: no carry.
-  const uint32_t own = RegCounts<1>(key, prefix, mask);
-  const uint32_t incl = WarpInclusiveScanU(own);
-  if (lane == 31) wsum_s[warp] = incl;
-  __syncthreads();
-  const uint32_t wv = lane < W ? wsum_s[lane] : 0u;
-  const uint32_t wincl = WarpInclusiveScanU(wv);
-  const uint32_t block_total = __shfl_sync(0xffffffffu, wincl, 31);
-  if (tid == 0) btot_s = block_total;
-  ClusterSync();
-  const uint32_t bt = lane < cs ? *cluster.map_shared_rank(&btot_s, lane) : 0u;
-  ClusterArrive();  // this block is done reading the others' shared memory
-  const uint32_t bincl = WarpInclusiveScanU(bt);
-  const uint32_t total = __shfl_sync(0xffffffffu, bincl, 31);
-  const uint32_t before = __shfl_sync(0xffffffffu, bincl - bt, rank) +
-                          __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
-  const uint32_t taken_total = (total >> 16) + min(total & 0xffffu, remaining);
-  int32_t* out = selected + static_cast<int64_t>(g) * k;
-  RegWriteTaken<1>(key, ids, prefix, mask, remaining, before, k, out);
-  const int64_t stride = static_cast<int64_t>(cs) * kFusedThreads;
-  for (int64_t j = taken_total + static_cast<int64_t>(rank) * kFusedThreads + tid; j < k;
-       j += stride) {
-    out[j] = -1;
-  }
-  ClusterWait();
-}
-
 }  // namespace
 
 cudaError_t LaunchScoreSummaries(const float* q, const float* summaries, int num_kv_heads,
@@ -2242,46 +2036,6 @@ int TopKKernelFor(int64_t n, int group = kSelectMaxGroup) {
   if (n <= kBitonicDefaultMaxCandidates) return 2;
   if (n <= kClusterOneBlockDefaultMaxCandidates) return 3;
   return n <= kClusterTopKMaxCandidates ? 1 : 0;
-}
-
-bool ScoreSummariesTopKFusable(int group, int head_dim, int64_t n, const void* summaries) {
-  static const bool disabled = [] {
-    const char* v = std::getenv("STRATA_SELECTION_FUSED");
-    return v != nullptr && std::string_view(v) == "0";
-  }();
-  return !disabled && group >= 1 && group <= kRegTopKMaxGroup &&
-         (head_dim == 64 || head_dim == 128) && n >= 1 && n <= kFusedMaxCandidates &&
-         reinterpret_cast<uintptr_t>(summaries) % 16 == 0;
-}
-
-cudaError_t LaunchScoreSummariesTopK(const float* q, const float* summaries, int num_kv_heads,
-                                     int group, int head_dim, int64_t num_items,
-                                     const DeviceCandidates& c, float scale, int k, float* scores,
-                                     float* vote, int32_t* selected, cudaStream_t stream) {
-  if (!ScoreSummariesTopKFusable(group, head_dim, c.count, summaries) || k < 0 ||
-      num_kv_heads > 65535) {
-    return cudaErrorInvalidValue;
-  }
-  if (num_kv_heads == 0) return cudaSuccess;
-  auto* kernel_fn =
-      head_dim == 128 ? FusedSummaryTopKKernel<128> : FusedSummaryTopKKernel<64>;
-  // Clusters of more than 8 blocks are a non-portable size: allowed once per kernel.
-  static const bool big128 = cudaFuncSetAttribute(FusedSummaryTopKKernel<128>,
-                                                  cudaFuncAttributeNonPortableClusterSizeAllowed,
-                                                  1) == cudaSuccess;
-  static const bool big64 = cudaFuncSetAttribute(FusedSummaryTopKKernel<64>,
-                                                 cudaFuncAttributeNonPortableClusterSizeAllowed,
-                                                 1) == cudaSuccess;
-  (void)cudaGetLastError();
-  const int max_cs = (head_dim == 128 ? big128 : big64) ? kFusedMaxCluster : 8;
-  // About 32 to 256 candidates per block, as many blocks as allowed (more SMs reading).
-  const int64_t n = c.count;
-  const int cs = static_cast<int>(std::clamp<int64_t>((n + 31) / 32, 1, max_cs));
-  const int64_t per_block = ((n + cs - 1) / cs + 31) / 32 * 32;
-  if (per_block > kFusedThreads) return cudaErrorInvalidValue;
-  return LaunchDependent(kernel_fn, dim3(cs, num_kv_heads), dim3(kFusedThreads), cs, stream, q,
-                         summaries, num_items, group, c, scale, static_cast<int>(per_block), k,
-                         scores, vote, selected, RegHistMode());
 }
 
 int64_t VoteTopKScratchBytes(int num_kv_heads, int64_t n) {

@@ -109,29 +109,6 @@ absl::Status CudaBackend::VoteTopK(const VoteTopKParams& p, Stream s) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::ScoreSummariesTopK(const ScoreSummariesTopKParams& p, Stream s) {
-  const VoteTopKParams t = VoteTopKPartOf(p);
-  STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(p.score));
-  STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(t));
-  const int64_t hkv = p.score.summaries.dim(0), group = p.score.q.dim(0) / hkv;
-  const int64_t d = p.score.q.dim(1);
-  const DeviceCandidates c = ToDevice(p.score.candidates, p.score.skip_heads);
-  if (hkv > 65535 || p.k > 0x7fffffff ||
-      !cuda_internal::ScoreSummariesTopKFusable(static_cast<int>(group), static_cast<int>(d),
-                                                c.count, p.score.summaries.data)) {
-    STRATA_RETURN_IF_ERROR(ScoreSummaries(p.score, s));
-    return VoteTopK(t, s);
-  }
-  STRATA_RETURN_IF_ERROR(MakeCurrent());
-  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchScoreSummariesTopK(
-      p.score.q.As<const float>(), p.score.summaries.As<const float>(), static_cast<int>(hkv),
-      static_cast<int>(group), static_cast<int>(d), p.score.summaries.dim(1), c, p.score.scale,
-      static_cast<int>(p.k), p.score.scores.As<float>(),
-      p.vote.data != nullptr ? p.vote.As<float>() : nullptr, p.selected.As<int32_t>(),
-      ToCuda(s)));
-  return absl::OkStatus();
-}
-
 absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(p));
   const int64_t hkv = p.page_table.dim(0), hq = p.q.dim(1), d = p.q.dim(2);

@@ -195,15 +195,6 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
                             int table_pages, int num_kv_heads, int group, int head_dim,
                             const DeviceCandidates& c, float scale, float* scores,
                             cudaStream_t stream);
-// ScoreSummaries then VoteTopK in one kernel (kernels/backend.h ScoreSummariesTopKParams): true
-// when it can run (group <= 4, head_dim 64/128, 1 to 4096 candidates per KV head, 16-byte aligned
-// summaries, and STRATA_SELECTION_FUSED is not 0); LaunchScoreSummariesTopK returns
-// cudaErrorInvalidValue otherwise. scores is always written; vote may be nullptr.
-bool ScoreSummariesTopKFusable(int group, int head_dim, int64_t n, const void* summaries);
-cudaError_t LaunchScoreSummariesTopK(const float* q, const float* summaries, int num_kv_heads,
-                                     int group, int head_dim, int64_t num_items,
-                                     const DeviceCandidates& c, float scale, int k, float* scores,
-                                     float* vote, int32_t* selected, cudaStream_t stream);
 // Bytes of device scratch LaunchVoteTopK needs (0 when the per-head keys fit in shared memory).
 int64_t VoteTopKScratchBytes(int num_kv_heads, int64_t n);
 // Soft vote and top-k per KV head (kernels/backend.h VoteTopKParams), by size of c.count: up to
