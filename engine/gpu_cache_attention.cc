@@ -324,6 +324,7 @@ kernels::SelectedAttentionParams GpuCacheAttention::SelectedOverTable(
   sp.suffix_begin = sel.suffix_begin;
   sp.suffix_end = sel.suffix_end;
   sp.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  sp.slot_scales = cache_->slot_scales();  // fp8 pages: each slot's own scales
   sp.out = out;
   sp.lse = lse;
   return sp;

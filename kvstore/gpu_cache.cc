@@ -57,6 +57,7 @@ absl::StatusOr<std::unique_ptr<GpuPageCache>> GpuPageCache::Create(const GpuCach
 
 GpuPageCache::GpuPageCache(const GpuCacheOptions& options, kernels::Backend* backend)
     : options_(options), backend_(backend) {
+  pool_dtype_known_ = !options_.device_managed;  // host-managed pools are bf16
   half_bytes_ = static_cast<size_t>(options_.page_size) * options_.head_dim *
                 kernels::DTypeSize(kernels::DType::kBF16);
   page_bytes_ = 2 * half_bytes_;
@@ -73,6 +74,26 @@ GpuPageCache::GpuPageCache(const GpuCacheOptions& options, kernels::Backend* bac
 }
 
 absl::Status GpuPageCache::Init() {
+  if (options_.hold_source_pages) {
+    // Every page, looked up and checked once, in batches (FetchFromSource reads held_ only when
+    // it is complete).
+    std::vector<PageRef> held(static_cast<size_t>(table_size_));
+    constexpr int64_t kBatch = 65536;
+    std::vector<int64_t> ids;
+    for (int64_t first = 0; first < table_size_; first += kBatch) {
+      const int64_t end = std::min(table_size_, first + kBatch);
+      ids.resize(static_cast<size_t>(end - first));
+      for (int64_t i = first; i < end; ++i) ids[i - first] = i;
+      STRATA_ASSIGN_OR_RETURN(std::vector<PageRef> got, FetchFromSource(ids));
+      std::move(got.begin(), got.end(), held.begin() + first);
+    }
+    held_ = std::move(held);
+  }
+  // A device-managed cache takes the dtype of its pages (bf16 or fp8: FetchFromSource set it from
+  // the first page and checked every other against it); a host-managed one is bf16.
+  half_bytes_ = static_cast<size_t>(options_.page_size) * options_.head_dim *
+                kernels::DTypeSize(pool_dtype_);
+  page_bytes_ = 2 * half_bytes_;
   const size_t n = static_cast<size_t>(options_.num_slots);
   STRATA_ASSIGN_OR_RETURN(k_pool_, backend_->Allocate(n * half_bytes_));
   STRATA_ASSIGN_OR_RETURN(v_pool_, backend_->Allocate(n * half_bytes_));
@@ -102,21 +123,6 @@ absl::Status GpuPageCache::Init() {
   } else {
     m_.capacity_bytes->Set(static_cast<double>(n * page_bytes_));
     m_.resident_bytes->Set(0);
-  }
-  if (options_.hold_source_pages) {
-    // Every page, looked up and checked once, in batches (FetchFromSource reads held_ only when
-    // it is complete).
-    std::vector<PageRef> held(static_cast<size_t>(table_size_));
-    constexpr int64_t kBatch = 65536;
-    std::vector<int64_t> ids;
-    for (int64_t first = 0; first < table_size_; first += kBatch) {
-      const int64_t end = std::min(table_size_, first + kBatch);
-      ids.resize(static_cast<size_t>(end - first));
-      for (int64_t i = first; i < end; ++i) ids[i - first] = i;
-      STRATA_ASSIGN_OR_RETURN(std::vector<PageRef> got, FetchFromSource(ids));
-      std::move(got.begin(), got.end(), held.begin() + first);
-    }
-    held_ = std::move(held);
   }
   if (options_.device_managed) STRATA_RETURN_IF_ERROR(InitDeviceState());
   return absl::OkStatus();
@@ -174,8 +180,31 @@ absl::Status GpuPageCache::InitDeviceState() {
   d.sources = static_cast<const void* const*>(d_sources_->data());
   d.k_pool = k_pool();
   d.v_pool = v_pool();
+  if (pool_dtype_ == kernels::DType::kFP8E4M3) {
+    // Each fp8 page carries its own (K, V) scales (page_format.h); fills copy them per slot.
+    std::vector<float> page_scales(static_cast<size_t>(2 * table_size_));
+    for (int64_t i = 0; i < table_size_; ++i) {
+      STRATA_ASSIGN_OR_RETURN(PageHeader h, ParsePageHeader(held_[static_cast<size_t>(i)]->view()));
+      page_scales[2 * i] = h.k_scale;
+      page_scales[2 * i + 1] = h.v_scale;
+    }
+    const std::vector<float> ones(2 * n, 1.0f);
+    STRATA_ASSIGN_OR_RETURN(d_page_scales_, backend_->Allocate(page_scales.size() * 4));
+    STRATA_ASSIGN_OR_RETURN(d_slot_scales_, backend_->Allocate(ones.size() * 4));
+    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(d_page_scales_->data(), page_scales.data(),
+                                                  page_scales.size() * 4, st));
+    STRATA_RETURN_IF_ERROR(
+        backend_->CopyToDevice(d_slot_scales_->data(), ones.data(), ones.size() * 4, st));
+    STRATA_RETURN_IF_ERROR(backend_->Synchronize(st));
+    d.page_scales = static_cast<const float*>(d_page_scales_->data());
+    d.slot_scales = static_cast<float*>(d_slot_scales_->data());
+  }
   synced_counters_ = counters;
   return absl::OkStatus();
+}
+
+const float* GpuPageCache::slot_scales() const {
+  return d_slot_scales_ != nullptr ? static_cast<const float*>(d_slot_scales_->data()) : nullptr;
 }
 
 absl::Status GpuPageCache::EnqueueResolve(int layer, int64_t prefix_end,
@@ -310,9 +339,20 @@ absl::StatusOr<std::vector<PageRef>> GpuPageCache::FetchFromSource(
                                               " tier"));
     }
     STRATA_ASSIGN_OR_RETURN(PageHeader h, ParsePageHeader(pages[i]->view()));
-    if (h.shape.dtype != kernels::DType::kBF16) {
-      return absl::UnimplementedError(absl::StrCat("gpu cache: ", kernels::DTypeName(h.shape.dtype),
-                                                   " pages are not supported (bf16 only)"));
+    if (h.shape.dtype != kernels::DType::kBF16 &&
+        !(options_.device_managed && h.shape.dtype == kernels::DType::kFP8E4M3)) {
+      return absl::UnimplementedError(
+          absl::StrCat("gpu cache: ", kernels::DTypeName(h.shape.dtype),
+                       " pages are not supported (bf16; fp8 in device-managed mode)"));
+    }
+    if (!pool_dtype_known_) {
+      pool_dtype_ = h.shape.dtype;
+      pool_dtype_known_ = true;
+    }
+    if (h.shape.dtype != pool_dtype_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("gpu cache: a ", kernels::DTypeName(h.shape.dtype), " page among ",
+                       kernels::DTypeName(pool_dtype_), " pages"));
     }
     if (h.shape.page_size != options_.page_size || h.shape.head_dim != options_.head_dim) {
       return absl::FailedPreconditionError(
@@ -685,12 +725,12 @@ absl::StatusOr<int32_t> GpuPageCache::SlotOf(const GpuPageId& page) const {
 }
 
 kernels::TensorView GpuPageCache::k_pool() const {
-  return kernels::TensorView(k_pool_->data(), kernels::DType::kBF16,
+  return kernels::TensorView(k_pool_->data(), pool_dtype_,
                              {options_.num_slots, options_.page_size, options_.head_dim});
 }
 
 kernels::TensorView GpuPageCache::v_pool() const {
-  return kernels::TensorView(v_pool_->data(), kernels::DType::kBF16,
+  return kernels::TensorView(v_pool_->data(), pool_dtype_,
                              {options_.num_slots, options_.page_size, options_.head_dim});
 }
 

@@ -47,7 +47,8 @@
 // counters as of the last SyncDeviceStats().
 //
 // Not yet: one cache serves one document (a worker with several documents needs one per document
-// or a shared pool); fp8 pages are refused (Unimplemented) rather than dequantised on the fly;
+// or a shared pool); fp8 pages are refused (Unimplemented) by a host-managed cache (a
+// device-managed one keeps them as fp8 with per-slot scales);
 // waits are host-side Synchronize calls on `stream` (no events between streams).
 //
 // Thread-safe: every method takes one mutex, and backend calls are made under it (so one thread
@@ -99,10 +100,12 @@ struct GpuCacheOptions {
   // Default: false (the gauges are set to this cache's values).
   bool additive_gauges = false;
   kernels::Stream stream = nullptr;  // where fills run (nullptr: the backend's default)
-  // Device-managed mode (see the file comment). Needs hold_source_pages and in_place_allocator,
-  // every page of the document allocated by it (so that the device can read it in place) and,
-  // when a page half is a multiple of 16 bytes, 16-byte aligned page bytes: Create fails
-  // (FailedPrecondition) otherwise. Costs 13 bytes per slot and 8 per page of backend memory.
+  // Device-managed mode (see the file comment). The pools take the pages' dtype: bf16, or fp8
+  // e4m3 with each page's scales kept per slot (slot_scales()). Needs hold_source_pages and
+  // in_place_allocator, every page of the document allocated by it (so that the device can read
+  // it in place) and, when a page half is a multiple of 16 bytes, 16-byte aligned page bytes:
+  // Create fails (FailedPrecondition) otherwise. Costs 13 bytes per slot and 8 per page of
+  // backend memory (fp8: 8 more per slot and per page for the scales).
   bool device_managed = false;
 
   absl::Status Validate() const;
@@ -195,9 +198,13 @@ class GpuPageCache {
   // The slot of a page on the host (-1 when absent); InvalidArgument out of range.
   absl::StatusOr<int32_t> SlotOf(const GpuPageId& page) const;
 
-  kernels::TensorView k_pool() const;  // [num_slots, page_size, head_dim] bf16
+  // [num_slots, page_size, head_dim] bf16 (fp8_e4m3 for a device-managed cache of fp8 pages)
+  kernels::TensorView k_pool() const;
   kernels::TensorView v_pool() const;
   const int32_t* device_table() const;  // backend memory, see the file comment
+  // Device-managed cache of fp8 pages: backend memory [num_slots, 2] f32, the (K, V) scales of the
+  // page in each slot (kernels::SelectedAttentionParams::slot_scales); null otherwise.
+  const float* slot_scales() const;
   int64_t table_size() const { return table_size_; }
   const GpuCacheOptions& options() const { return options_; }
   int64_t page_bytes() const { return static_cast<int64_t>(page_bytes_); }  // K+V of one page
@@ -250,7 +257,10 @@ class GpuPageCache {
   std::vector<PageRef> held_;  // hold_source_pages: flat index -> page (immutable after Init)
   // device_managed: the state of kernels::PageCacheState in backend memory.
   std::unique_ptr<kernels::Buffer> d_slot_page_, d_stamp_, d_ref_, d_counters_, d_scratch_,
-      d_sources_;
+      d_sources_, d_page_scales_, d_slot_scales_;
+  // The pools' dtype: bf16, or (device-managed) the pages' dtype, set from the first page seen.
+  kernels::DType pool_dtype_ = kernels::DType::kBF16;
+  bool pool_dtype_known_ = false;
   kernels::PageCacheState device_state_;
   std::vector<int64_t> synced_counters_;  // guarded by mu_: the counters at the last sync
   absl::Status InitDeviceState();
