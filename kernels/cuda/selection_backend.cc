@@ -111,6 +111,10 @@ absl::Status CudaBackend::VoteTopK(const VoteTopKParams& p, Stream s) {
 
 absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(p));
+  // CpuSupportsSelectedAttention refuses slot_scales with f32|bf16 pools (InvalidArgument).
+  if (p.slot_scales != nullptr) {
+    return absl::UnimplementedError("SelectedAttention: slot_scales not read on CUDA yet");
+  }
   const int64_t hkv = p.page_table.dim(0), hq = p.q.dim(1), d = p.q.dim(2);
   if (!cuda_internal::SelectedAttentionSupports(static_cast<int>(hq), static_cast<int>(hkv),
                                                 static_cast<int>(d))) {
