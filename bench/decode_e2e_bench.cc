@@ -51,6 +51,10 @@
 //     "managed-graph" also runs each one-token step as one replayed CUDA graph
 //     (TransformerOptions::decode_graph with the hook recorded in it). Hit ratio and fill bytes
 //     come from the device counters (GpuPageCache::SyncDeviceStats, outside the timed steps).
+//   --page_dtype=fp8: the document's pages are encoded fp8 e4m3 (page_format.h: per-page K and
+//     V scales, amax / 448; half the bytes of bf16), for the managed hooks only (a host-managed
+//     cache refuses fp8 pages; the other hooks then fail): the device-managed cache's pools are
+//     fp8 and SelectedAttention reads each slot's scales.
 //   --hold_source_pages=1: GpuCacheOptions::hold_source_pages (every page looked up once when the
 //     cache is made, reported as cache_create_s; misses then need no host-tier lookup).
 //   --selected_attention=1 (device hook): the device chooser also returns its selection on the
@@ -163,6 +167,7 @@ struct Flags {
   // partials through host memory, fills waited for) and/or "device" (AttendOnDevice: q and
   // partials in backend memory, MissPolicy::kOrdered fills, one host sync per layer).
   std::string hooks = "device";
+  std::string page_dtype = "bf16";  // bf16 | fp8 (fp8: the managed hooks only)
   // 1: GpuCacheOptions::hold_source_pages (every page looked up once at Create; misses need no
   // host-tier lookup).
   int hold_source_pages = 0;
@@ -190,6 +195,10 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "shapes") { f->shapes = v; return true; }
   if (k == "contexts") { f->contexts = v; return true; }
   if (k == "hooks") { f->hooks = v; return true; }
+  if (k == "page_dtype") {
+    f->page_dtype = v;
+    return v == "bf16" || v == "fp8";
+  }
   if (k == "prefill_contexts") { f->prefill_contexts = v; return true; }
   if (k == "prefill_policy") { f->prefill_policy = v; return true; }
   if (k == "matmul_precision") { f->matmul_precision = v; return true; }
@@ -349,7 +358,7 @@ absl::StatusOr<std::unique_ptr<Document>> MakeDocument(const model::ModelConfig&
   const int P = f.page_size, d = static_cast<int>(c.head_dim);
   doc->pages = (tokens + P - 1) / P;
   kvstore::PageShape shape;
-  shape.dtype = DType::kBF16;
+  shape.dtype = f.page_dtype == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
   shape.page_size = P;
   shape.head_dim = d;
   const size_t page_bytes = shape.EncodedBytes();
