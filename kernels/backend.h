@@ -320,7 +320,6 @@ struct SelectedAttentionParams {
   // pool slot token j is read from). For pools filled with pages that carry their own scales (the
   // kvstore fp8 page format, through ResolvePages with page_scales). nullptr = none. Each value
   // must be finite and > 0 (not checked: read on the device). InvalidArgument with f32|bf16 pools.
-  // CPU only so far (the CUDA backend does not read them yet).
   const float* slot_scales = nullptr;
 };
 

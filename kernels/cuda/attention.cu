@@ -698,7 +698,22 @@ cudaError_t LaunchMergeAttention(const MergeParts& parts, int64_t rows, int64_t 
 namespace strata::kernels::cuda_internal {
 namespace {
 
-template <typename KV, int HEAD_DIM>
+// TokenRow (kernels/cuda/internal/selection.cuh) that also gives the row's slot (for its scales).
+__device__ __forceinline__ int64_t TokenRowAndSlot(const int32_t* table, int table_pages,
+                                                   int64_t num_slots, int page_size, int g,
+                                                   int32_t t, int32_t& slot) {
+  if (t < 0) return -1;
+  const int32_t page = t / page_size;
+  if (page >= table_pages) return -1;
+  slot = table[static_cast<int64_t>(g) * table_pages + page];
+  if (slot < 0 || slot >= num_slots) return -1;
+  return static_cast<int64_t>(slot) * page_size + t % page_size;
+}
+
+// kSlotScales (fp8 pools with SelectedAttentionShape::slot_scales): each thread reads its row's slot
+// pair once in A, the K scale goes into its scores, the V scale into vs_s for C (the weight of
+// the row's V); without it the code is the same as before the option existed.
+template <typename KV, int HEAD_DIM, bool kSlotScales>
 __global__ void __launch_bounds__(kThreads)
     SelectedDecodeKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
                          const KV* __restrict__ v_pool, const int32_t* __restrict__ table,
@@ -708,6 +723,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float q_s[kDecodeMaxGroup][HEAD_DIM];
   __shared__ float p_s[kDecodeMaxGroup][kThreads];
   __shared__ int64_t row_s[kThreads];
+  __shared__ float vs_s[kSlotScales ? kThreads : 1];  // the rows' slot V scales
   __shared__ float m_s[kDecodeMaxGroup], l_s[kDecodeMaxGroup], corr_s[kDecodeMaxGroup];
   __shared__ float red_s[kWarps][kDecodeMaxGroup][HEAD_DIM];
 
@@ -735,6 +751,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int h = 0; h < kDecodeMaxGroup; ++h) s[h] = 0.0f;
     int64_t row = -1;
+    float ks = 1.0f;  // the row's slot K scale (kSlotScales)
     if (tid < cnt) {
       const int32_t v = tile + tid;
       int32_t t;
@@ -745,8 +762,20 @@ __global__ void __launch_bounds__(kThreads)
       } else {
         t = shape.suffix_begin + (v - mid_end);
       }
-      row = t < 0 ? -1 : TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
+      int32_t slot = 0;
+      if constexpr (kSlotScales) {
+        row = TokenRowAndSlot(table, shape.table_pages, shape.num_slots, shape.page_size, g, t,
+                              slot);
+      } else {
+        row = t < 0 ? -1
+                    : TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
+      }
       if (row >= 0) {
+        if constexpr (kSlotScales) {
+          const float* sc = shape.slot_scales + 2 * static_cast<int64_t>(slot);
+          ks = __ldg(sc);
+          vs_s[tid] = __ldg(sc + 1);
+        }
         const KV* k = k_pool + row * HEAD_DIM;
 #pragma unroll 8
         for (int c = 0; c < HEAD_DIM; c += 8) {
@@ -765,7 +794,11 @@ __global__ void __launch_bounds__(kThreads)
     row_s[tid] = row;
 #pragma unroll
     for (int h = 0; h < kDecodeMaxGroup; ++h) {
-      if (h < group) p_s[h][tid] = row >= 0 ? s[h] * shape.scale : NegInf();
+      if (h < group) {
+        float sc = s[h] * shape.scale;
+        if constexpr (kSlotScales) sc *= ks;
+        p_s[h][tid] = row >= 0 ? sc : NegInf();
+      }
     }
     __syncthreads();
 
@@ -773,7 +806,8 @@ __global__ void __launch_bounds__(kThreads)
     SoftmaxTileUpdate(p_s, m_s, l_s, corr_s, group);
     __syncthreads();
 
-    // C: rescale, then acc[h, :] += p[h, t] v_t over the tile's valid rows.
+    // C: rescale, then acc[h, :] += p[h, t] v_t (kSlotScales: times the row's V scale) over the
+    // tile's valid rows.
     RescaleAccumulators(acc, corr_s, group);
     // V rows in batches of kVBatch per warp, all loads of a batch in flight before the FMAs.
     constexpr int kVBatch = 64 / kDimsPerLane;
@@ -794,10 +828,14 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kVBatch; ++u) {
         const int t = t0 + u * kWarps;
         if (t < cnt) {
+          // Invalid rows: weight 0 and V zeroed; vs_s was not written for them.
+          float vs = 1.0f;
+          if constexpr (kSlotScales) vs = row_s[t] >= 0 ? vs_s[t] : 0.0f;
 #pragma unroll
           for (int h = 0; h < kDecodeMaxGroup; ++h) {
             if (h < group) {
-              const float p = p_s[h][t];
+              float p = p_s[h][t];
+              if constexpr (kSlotScales) p *= vs;
 #pragma unroll
               for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] += p * vf[u][e];
             }
@@ -982,7 +1020,11 @@ __device__ __forceinline__ typename Vec8<KV>::Raw LoadShared8(const unsigned cha
   }
 }
 
-template <typename KV, int HEAD_DIM, int THREADS>
+// kSlotScales (fp8 pools with SelectedAttentionShape::slot_scales): the slot (K, V) scale pair of
+// each staged row sits in scale_s[stage] (kSlotScaleBytes more dynamic shared memory), read after
+// the row's copies are issued (so the pair's load overlaps them); the K scale goes into the
+// row's scores, the V scale into its weights for weights * V. Without it the code is unchanged.
+template <typename KV, int HEAD_DIM, int THREADS, bool kSlotScales>
 __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     SelectedClusterKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
                           const KV* __restrict__ v_pool, const int32_t* __restrict__ table,
@@ -1000,6 +1042,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
   float* m_s = reinterpret_cast<float*>(row_s + S * kKeys);
   float* l_s = m_s + kDecodeMaxGroup;
   float* corr_s = l_s + kDecodeMaxGroup;
+  float2* scale_s = reinterpret_cast<float2*>(corr_s + kDecodeMaxGroup);  // [S][kKeys] (k, v)
 
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -1058,13 +1101,29 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     m_s[tid] = NegInf();
     l_s[tid] = 0.0f;
   }
-  if (tid < S * kKeys) row_s[tid] = row_of(begin + tid);
+  // The slot (K, V) scales of `row` into scale_s[i] (kSlotScales; (0, 0) for no row).
+  auto stage_scales = [&](int i, int64_t row) {
+    if constexpr (kSlotScales) {
+      float2 sc = make_float2(0.0f, 0.0f);
+      if (row >= 0) {
+        const float* p = shape.slot_scales + 2 * (row / shape.page_size);
+        sc = make_float2(__ldg(p), __ldg(p + 1));
+      }
+      scale_s[i] = sc;
+    }
+  };
+  int64_t my_row = -1;
+  if (tid < S * kKeys) {
+    my_row = row_of(begin + tid);
+    row_s[tid] = my_row;
+  }
   __syncthreads();
 #pragma unroll
   for (int st = 0; st < S; ++st) {
     if (st < num_tiles) issue(st);
     CpAsyncCommit();
   }
+  if (tid < S * kKeys) stage_scales(tid, my_row);  // visible after the loop's first barrier
 
   float acc[kDecodeMaxGroup][8];
 #pragma unroll
@@ -1115,9 +1174,11 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
       }
       if (qk_p == 0) {
         const bool ok = row_s[st * kKeys + qk_t] >= 0;
+        float scale = shape.scale;
+        if constexpr (kSlotScales) scale *= scale_s[st * kKeys + qk_t].x;
 #pragma unroll
         for (int h = 0; h < kDecodeMaxGroup; ++h) {
-          if (h < group) p_s[h * kKeys + qk_t] = ok ? s[h] * shape.scale : NegInf();
+          if (h < group) p_s[h * kKeys + qk_t] = ok ? s[h] * scale : NegInf();
         }
       }
     }
@@ -1174,12 +1235,21 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
           Unpack8<KV>(LoadShared8<KV>(vt + (pv_slice + T::kSlices * (k0 + k)) * T::kRowBytes),
                       vf[k]);
         }
+        float vs[kBatch];  // the keys' slot V scales (kSlotScales)
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          vs[k] = 1.0f;
+          if constexpr (kSlotScales) {
+            vs[k] = scale_s[st * kKeys + pv_slice + T::kSlices * (k0 + k)].y;
+          }
+        }
 #pragma unroll
         for (int h = 0; h < kDecodeMaxGroup; ++h) {
           if (h < group) {
 #pragma unroll
             for (int k = 0; k < kBatch; ++k) {
-              const float w = p_s[h * kKeys + pv_slice + T::kSlices * (k0 + k)];
+              float w = p_s[h * kKeys + pv_slice + T::kSlices * (k0 + k)];
+              if constexpr (kSlotScales) w *= vs[k];
 #pragma unroll
               for (int e = 0; e < 8; ++e) acc[h][e] += w * vf[k][e];
             }
@@ -1189,12 +1259,15 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     }
     // Refill this stage with tile i + S.
     const int next = i + S;
+    int64_t next_row = -1;
     if (next < num_tiles && tid < kKeys) {
-      row_s[st * kKeys + tid] = row_of(begin + next * kKeys + tid);
+      next_row = row_of(begin + next * kKeys + tid);
+      row_s[st * kKeys + tid] = next_row;
     }
-    __syncthreads();  // the stage's K, V, rows and the weights are no longer read
+    __syncthreads();  // the stage's K, V, rows, scales and the weights are no longer read
     if (next < num_tiles) issue(st);
     CpAsyncCommit();
+    if (next < num_tiles && tid < kKeys) stage_scales(st * kKeys + tid, next_row);
   }
   CpAsyncWait<0>();
   __syncthreads();
@@ -1322,13 +1395,16 @@ bool UsesClusterKernel(const SelectedAttentionShape& shape) {
 
 constexpr int kMaxDevices = 64;
 
-template <typename KV, int HEAD_DIM, int THREADS>
+template <typename KV, int HEAD_DIM, int THREADS, bool kSlotScales>
 cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v_pool,
                                const int32_t* table, const DeviceCandidates& middle,
                                const SelectedAttentionShape& shape, const int32_t* prefix_len,
                                float* out, float* lse, cudaStream_t stream) {
   using T = ClusterTile<KV, HEAD_DIM, THREADS>;
-  auto* kernel = SelectedClusterKernel<KV, HEAD_DIM, THREADS>;
+  auto* kernel = SelectedClusterKernel<KV, HEAD_DIM, THREADS, kSlotScales>;
+  // The slot scale pairs of the staged rows (kSlotScales) follow T's layout.
+  constexpr size_t kSmemBytes =
+      T::kSmemBytes + (kSlotScales ? kClusterStages * T::kKeys * sizeof(float2) : 0);
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
@@ -1338,7 +1414,7 @@ cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v
   static std::atomic<int> max_clusters16[kMaxDevices];  // 0: unknown, else count + 1
   if (max_clusters16[device].load(std::memory_order_acquire) == 0) {
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(T::kSmemBytes));
+                             static_cast<int>(kSmemBytes));
     if (e != cudaSuccess) return e;
     int count = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
@@ -1346,7 +1422,7 @@ cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = dim3(16 * 16);
       cfg.blockDim = dim3(THREADS);
-      cfg.dynamicSmemBytes = T::kSmemBytes;
+      cfg.dynamicSmemBytes = kSmemBytes;
       cudaLaunchAttribute attr;
       attr.id = cudaLaunchAttributeClusterDimension;
       attr.val.clusterDim.x = 16;
@@ -1372,7 +1448,7 @@ cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(shape.num_kv_heads) * size);
   cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = T::kSmemBytes;
+  cfg.dynamicSmemBytes = kSmemBytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -1386,36 +1462,36 @@ cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v
                             out, lse);
 }
 
-template <typename KV, int THREADS>
+template <typename KV, int THREADS, bool kSlotScales>
 cudaError_t LaunchClusterDims(const float* q, const void* k_pool, const void* v_pool,
                               const int32_t* table, const DeviceCandidates& middle,
                               const SelectedAttentionShape& shape, const int32_t* prefix_len,
                               float* out, float* lse, cudaStream_t stream) {
   switch (shape.head_dim) {
     case 64:
-      return LaunchClusterTyped<KV, 64, THREADS>(q, k_pool, v_pool, table, middle, shape,
+      return LaunchClusterTyped<KV, 64, THREADS, kSlotScales>(q, k_pool, v_pool, table, middle, shape,
                                                  prefix_len, out, lse, stream);
     case 128:
-      return LaunchClusterTyped<KV, 128, THREADS>(q, k_pool, v_pool, table, middle, shape,
+      return LaunchClusterTyped<KV, 128, THREADS, kSlotScales>(q, k_pool, v_pool, table, middle, shape,
                                                   prefix_len, out, lse, stream);
     case 256:
-      return LaunchClusterTyped<KV, 256, THREADS>(q, k_pool, v_pool, table, middle, shape,
+      return LaunchClusterTyped<KV, 256, THREADS, kSlotScales>(q, k_pool, v_pool, table, middle, shape,
                                                   prefix_len, out, lse, stream);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
-template <typename KV>
+template <typename KV, bool kSlotScales = false>
 cudaError_t LaunchCluster(const float* q, const void* k_pool, const void* v_pool,
                           const int32_t* table, const DeviceCandidates& middle,
                           const SelectedAttentionShape& shape, const int32_t* prefix_len,
                           float* out, float* lse, cudaStream_t stream) {
-  return LaunchClusterDims<KV, kClusterThreads>(q, k_pool, v_pool, table, middle, shape,
+  return LaunchClusterDims<KV, kClusterThreads, kSlotScales>(q, k_pool, v_pool, table, middle, shape,
                                                 prefix_len, out, lse, stream);
 }
 
-template <typename KV>
+template <typename KV, bool kSlotScales = false>
 cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* v_pool,
                                 const int32_t* table, const DeviceCandidates& middle,
                                 const SelectedAttentionShape& shape, const int32_t* prefix_len,
@@ -1425,15 +1501,15 @@ cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* 
   const unsigned blocks = static_cast<unsigned>(shape.num_kv_heads) * shape.items_per_head;
   switch (shape.head_dim) {
     case 64:
-      SelectedDecodeKernel<KV, 64><<<blocks, kThreads, 0, stream>>>(
+      SelectedDecodeKernel<KV, 64, kSlotScales><<<blocks, kThreads, 0, stream>>>(
           q, k, v, table, middle, shape, prefix_len, scratch);
       break;
     case 128:
-      SelectedDecodeKernel<KV, 128><<<blocks, kThreads, 0, stream>>>(
+      SelectedDecodeKernel<KV, 128, kSlotScales><<<blocks, kThreads, 0, stream>>>(
           q, k, v, table, middle, shape, prefix_len, scratch);
       break;
     case 256:
-      SelectedDecodeKernel<KV, 256><<<blocks, kThreads, 0, stream>>>(
+      SelectedDecodeKernel<KV, 256, kSlotScales><<<blocks, kThreads, 0, stream>>>(
           q, k, v, table, middle, shape, prefix_len, scratch);
       break;
     default:
@@ -1469,7 +1545,14 @@ cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const vo
       shape.items_per_head < 1 || shape.chunk < 1) {
     return cudaErrorInvalidValue;
   }
+  // Per-slot scales: fp8 pools only, through their own instantiations (the others unchanged).
+  const bool slot_scales = shape.slot_scales != nullptr;
+  if (slot_scales && pool_type != FloatType::kFP8E4M3) return cudaErrorInvalidValue;
   if (UsesClusterKernel(shape)) {
+    if (slot_scales) {
+      return LaunchCluster<__nv_fp8_e4m3, true>(q, k_pool, v_pool, page_table, middle, shape,
+                                                prefix_len, out, lse, stream);
+    }
     if (pool_type == FloatType::kBF16) {
       return LaunchCluster<__nv_bfloat16>(q, k_pool, v_pool, page_table, middle, shape,
                                           prefix_len, out, lse, stream);
@@ -1483,7 +1566,10 @@ cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const vo
     return cudaErrorInvalidValue;
   }
   cudaError_t e;
-  if (pool_type == FloatType::kBF16) {
+  if (slot_scales) {
+    e = LaunchSelectedTyped<__nv_fp8_e4m3, true>(q, k_pool, v_pool, page_table, middle, shape,
+                                                 prefix_len, scratch, stream);
+  } else if (pool_type == FloatType::kBF16) {
     e = LaunchSelectedTyped<__nv_bfloat16>(q, k_pool, v_pool, page_table, middle, shape,
                                            prefix_len, scratch, stream);
   } else if (pool_type == FloatType::kFP8E4M3) {

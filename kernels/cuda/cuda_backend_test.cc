@@ -106,6 +106,8 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, 
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.size() << " elements out of tolerance";
 }
 
+struct SelCase;  // a SelectedAttention test case (below)
+
 class CudaBackendTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -152,6 +154,9 @@ class CudaBackendTest : public ::testing::Test {
     EXPECT_TRUE(gpu_->CopyToHost(v.data(), b.data(), n * 4, nullptr).ok());
     return v;
   }
+
+  // One SelectedAttention case on both backends (defined with SelCase below).
+  void RunSelectedCase(const SelCase& c);
 
   static Backend* gpu_;
   static Backend* cpu_;
@@ -902,6 +907,7 @@ struct SelCase {
   int64_t prefix, mid_count, suffix;  // tokens of each part (middle: candidate count)
   bool pages_middle;                  // middle = token ids of parent pages (else a plain range)
   bool device_prefix;                 // prefix_len in device memory, below prefix_end
+  bool slot_scales = false;           // fp8: random per-slot (K, V) scales in [0.01, 2]
 };
 
 // Random pools and query; a page table with missing pages (-1) and a slot outside the pool; a
@@ -931,97 +937,172 @@ TEST_F(CudaBackendTest, SelectedAttentionMatchesCpu) {
       {DType::kFP8E4M3, 16, 2, 128, 32, 12000, 0, 0, false, true},
       {DType::kF32, 16, 2, 256, 16, 5, 16380, 7, true, false},
   };
-  for (const SelCase& c : cases) {
-    const std::string name =
-        absl::StrCat(DTypeName(c.pool), " q", c.num_q_heads, " kv", c.num_kv_heads, " d",
-                     c.head_dim, " p", c.page_size, " ", c.prefix, "+", c.mid_count, "+",
-                     c.suffix, c.pages_middle ? " pages" : "", c.device_prefix ? " dev" : "");
-    SCOPED_TRACE(name);
-    const int64_t hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim, P = c.page_size;
-    // Token space: prefix, then the middle's range, then the suffix.
-    const int64_t mid_begin = c.prefix + 5, mid_end = mid_begin + c.mid_count;
-    const int64_t suffix_begin = mid_end + 3, suffix_end = suffix_begin + c.suffix;
-    const int64_t table_pages = (suffix_end + P - 1) / P + 1;
-    const int64_t slots = hkv * table_pages + 2;
-    const float k_scale = c.pool == DType::kFP8E4M3 ? 0.25f : 1.0f;
-    const float v_scale = c.pool == DType::kFP8E4M3 ? 3.0f : 1.0f;
-    HostTensor k_pool = Random(rng_, c.pool, {slots, P, d}, -4, 4);
-    HostTensor v_pool = Random(rng_, c.pool, {slots, P, d}, -1, 1);
-    HostTensor q = Random(rng_, DType::kF32, {1, hq, d}, -1, 1);
-    HostTensor table;
-    table.dtype = DType::kI32;
-    table.dims = {hkv, table_pages};
-    table.bytes.resize(hkv * table_pages * 4);
-    std::vector<int32_t> perm(slots);
-    for (int64_t i = 0; i < slots; ++i) perm[i] = static_cast<int32_t>(i);
-    std::shuffle(perm.begin(), perm.end(), rng_);
-    auto* tab = reinterpret_cast<int32_t*>(table.bytes.data());
-    for (int64_t i = 0; i < hkv * table_pages; ++i) {
-      const uint32_t r = rng_() % 16;
-      tab[i] = r == 0 ? -1 : r == 1 ? static_cast<int32_t>(slots + 7) : perm[i];
+  for (const SelCase& c : cases) RunSelectedCase(c);
+}
+
+void CudaBackendTest::RunSelectedCase(const SelCase& c) {
+  const std::string name =
+      absl::StrCat(DTypeName(c.pool), " q", c.num_q_heads, " kv", c.num_kv_heads, " d",
+                   c.head_dim, " p", c.page_size, " ", c.prefix, "+", c.mid_count, "+",
+                   c.suffix, c.pages_middle ? " pages" : "", c.device_prefix ? " dev" : "",
+                   c.slot_scales ? " slot_scales" : "");
+  SCOPED_TRACE(name);
+  const int64_t hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim, P = c.page_size;
+  // Token space: prefix, then the middle's range, then the suffix.
+  const int64_t mid_begin = c.prefix + 5, mid_end = mid_begin + c.mid_count;
+  const int64_t suffix_begin = mid_end + 3, suffix_end = suffix_begin + c.suffix;
+  const int64_t table_pages = (suffix_end + P - 1) / P + 1;
+  const int64_t slots = hkv * table_pages + 2;
+  const float k_scale = c.pool == DType::kFP8E4M3 ? 0.25f : 1.0f;
+  const float v_scale = c.pool == DType::kFP8E4M3 ? 3.0f : 1.0f;
+  HostTensor k_pool = Random(rng_, c.pool, {slots, P, d}, -4, 4);
+  HostTensor v_pool = Random(rng_, c.pool, {slots, P, d}, -1, 1);
+  HostTensor q = Random(rng_, DType::kF32, {1, hq, d}, -1, 1);
+  // Per-slot (K, V) scales: [slots, 2] in [0.01, 2] (drawn only when used: the other cases keep
+  // their random streams).
+  HostTensor slot_scales = c.slot_scales ? Random(rng_, DType::kF32, {slots, 2}, 0.01f, 2.0f)
+                                         : Filled({slots, 2}, 1.0f);
+  HostTensor table;
+  table.dtype = DType::kI32;
+  table.dims = {hkv, table_pages};
+  table.bytes.resize(hkv * table_pages * 4);
+  std::vector<int32_t> perm(slots);
+  for (int64_t i = 0; i < slots; ++i) perm[i] = static_cast<int32_t>(i);
+  std::shuffle(perm.begin(), perm.end(), rng_);
+  auto* tab = reinterpret_cast<int32_t*>(table.bytes.data());
+  for (int64_t i = 0; i < hkv * table_pages; ++i) {
+    const uint32_t r = rng_() % 16;
+    tab[i] = r == 0 ? -1 : r == 1 ? static_cast<int32_t>(slots + 7) : perm[i];
+  }
+  CandidateList mid;
+  HostTensor parents;
+  mid.begin = mid_begin;
+  mid.end = mid_end;
+  if (c.pages_middle) {  // parents = pages, some negative, some outside the range
+    mid.fanout = static_cast<int>(P);
+    const int64_t np = (c.mid_count + P - 1) / P + 1;
+    parents.dtype = DType::kI32;
+    parents.dims = {hkv, np};
+    parents.bytes.resize(hkv * np * 4);
+    auto* par = reinterpret_cast<int32_t*>(parents.bytes.data());
+    for (int64_t g = 0; g < hkv; ++g) {
+      for (int64_t i = 0; i < np; ++i) {
+        const int64_t page = mid_begin / P + i;
+        par[g * np + i] = rng_() % 7 == 0 ? -1 : static_cast<int32_t>(page);
+      }
     }
-    CandidateList mid;
-    HostTensor parents;
+  } else {
     mid.begin = mid_begin;
     mid.end = mid_end;
-    if (c.pages_middle) {  // parents = pages, some negative, some outside the range
-      mid.fanout = static_cast<int>(P);
-      const int64_t np = (c.mid_count + P - 1) / P + 1;
-      parents.dtype = DType::kI32;
-      parents.dims = {hkv, np};
-      parents.bytes.resize(hkv * np * 4);
-      auto* par = reinterpret_cast<int32_t*>(parents.bytes.data());
-      for (int64_t g = 0; g < hkv; ++g) {
-        for (int64_t i = 0; i < np; ++i) {
-          const int64_t page = mid_begin / P + i;
-          par[g * np + i] = rng_() % 7 == 0 ? -1 : static_cast<int32_t>(page);
-        }
-      }
-    } else {
-      mid.begin = mid_begin;
-      mid.end = mid_end;
-    }
-    HostTensor want_out = Filled({1, hq, d}, kNaN), want_lse = Filled({1, hq}, kNaN);
-    int32_t prefix_len = static_cast<int32_t>(c.prefix * 2 / 3);
+  }
+  HostTensor want_out = Filled({1, hq, d}, kNaN), want_lse = Filled({1, hq}, kNaN);
+  int32_t prefix_len = static_cast<int32_t>(c.prefix * 2 / 3);
+  SelectedAttentionParams cp;
+  cp.q = q.HostView();
+  cp.k_pool = k_pool.HostView();
+  cp.v_pool = v_pool.HostView();
+  cp.page_table = table.HostView();
+  cp.prefix_end = c.prefix;
+  cp.middle = mid;
+  if (c.pages_middle) cp.middle.parents = parents.HostView();
+  cp.suffix_begin = suffix_begin;
+  cp.suffix_end = suffix_end;
+  cp.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  cp.k_scale = k_scale;
+  cp.v_scale = v_scale;
+  cp.out = want_out.HostView();
+  cp.lse = want_lse.HostView();
+  if (c.device_prefix) cp.prefix_len = &prefix_len;
+  if (c.slot_scales) cp.slot_scales = slot_scales.f32();
+  STRATA_ASSERT_OK(cpu_->SelectedAttention(cp, nullptr));
+
+  auto d_k = Upload(k_pool), d_v = Upload(v_pool), d_q = Upload(q), d_t = Upload(table);
+  auto d_par = Upload(c.pages_middle ? parents : Filled({1}, 0));
+  auto d_plen = UploadRaw(&prefix_len, 4);
+  auto d_scales = Upload(slot_scales);
+  auto d_out = Upload(Filled({1, hq, d}, kNaN));
+  auto d_lse = Upload(Filled({1, hq}, kNaN));
+  SelectedAttentionParams p = cp;
+  p.q = q.View(d_q->data());
+  p.k_pool = k_pool.View(d_k->data());
+  p.v_pool = v_pool.View(d_v->data());
+  p.page_table = table.View(d_t->data());
+  if (c.pages_middle) p.middle.parents = parents.View(d_par->data());
+  p.out = want_out.View(d_out->data());
+  p.lse = want_lse.View(d_lse->data());
+  if (c.device_prefix) p.prefix_len = static_cast<const int32_t*>(d_plen->data());
+  if (c.slot_scales) p.slot_scales = static_cast<const float*>(d_scales->data());
+  for (int rep = 0; rep < 2; ++rep) {  // the second run reuses pooled scratch (counters)
+    STRATA_ASSERT_OK(gpu_->SelectedAttention(p, nullptr));
+    ExpectClose(Download(*d_out, hq * d), want_out.Values(), 2e-5, 2e-4,
+                absl::StrCat(name, " out rep ", rep));
+    ExpectClose(Download(*d_lse, hq), want_lse.Values(), 2e-5, 2e-5,
+                absl::StrCat(name, " lse rep ", rep));
+  }
+}
+
+// Per-slot scales (SelectedAttentionParams::slot_scales) on fp8 pools: 1, 3, 17, 129, 2368 and
+// 4099 positions per KV head, head_dim 64/128/256, groups 1 to 8, random page tables (missing
+// pages, a slot outside the pool), random scales in [0.01, 2]. By default 2368 positions run the
+// cluster kernel and 4099 the split-K one; STRATA_SELECTED_ATTENTION=split|cluster (read once per
+// process) runs every case through one of them.
+TEST_F(CudaBackendTest, SelectedAttentionSlotScalesMatchCpu) {
+  const SelCase cases[] = {
+      {DType::kFP8E4M3, 8, 8, 64, 16, 1, 0, 0, false, false, true},        // 1 token, group 1
+      {DType::kFP8E4M3, 12, 4, 128, 16, 0, 3, 0, true, false, true},       // 3, group 3
+      {DType::kFP8E4M3, 16, 2, 64, 16, 0, 17, 0, false, false, true},      // 17, group 8
+      {DType::kFP8E4M3, 24, 8, 128, 32, 129, 0, 0, false, true, true},     // 129 (86 on device)
+      {DType::kFP8E4M3, 8, 4, 64, 64, 0, 0, 129, false, false, true},      // 129, group 2
+      {DType::kFP8E4M3, 32, 8, 128, 64, 64, 2240, 64, true, false, true},  // 2368, group 4
+      {DType::kFP8E4M3, 40, 5, 64, 16, 16, 4067, 16, false, false, true},  // 4099, group 8
+      {DType::kFP8E4M3, 7, 7, 128, 16, 4000, 99, 0, true, false, true},    // 4099, group 1
+      {DType::kFP8E4M3, 12, 2, 256, 64, 0, 2368, 0, false, false, true},   // d 256, group 6
+      {DType::kFP8E4M3, 8, 2, 128, 16, 0, 0, 0, false, false, true},       // nothing attended
+  };
+  for (const SelCase& c : cases) RunSelectedCase(c);
+}
+
+// slot_scales need fp8 pools: InvalidArgument with f32|bf16 ones, on both backends, and nothing
+// written.
+TEST_F(CudaBackendTest, SelectedAttentionSlotScalesNeedFp8Pools) {
+  for (DType pool : {DType::kBF16, DType::kF32}) {
+    SCOPED_TRACE(DTypeName(pool));
+    const int64_t hq = 4, hkv = 2, d = 64, P = 16, slots = 4;
+    HostTensor k_pool = Random(rng_, pool, {slots, P, d});
+    HostTensor v_pool = Random(rng_, pool, {slots, P, d});
+    HostTensor q = Random(rng_, DType::kF32, {1, hq, d});
+    HostTensor table = Filled({hkv, 2}, 0.0f);  // 0.0f bytes: i32 zeros
+    table.dtype = DType::kI32;
+    HostTensor scales = Filled({slots, 2}, 1.0f);
+    HostTensor out = Filled({1, hq, d}, kNaN), lse = Filled({1, hq}, kNaN);
     SelectedAttentionParams cp;
     cp.q = q.HostView();
     cp.k_pool = k_pool.HostView();
     cp.v_pool = v_pool.HostView();
     cp.page_table = table.HostView();
-    cp.prefix_end = c.prefix;
-    cp.middle = mid;
-    if (c.pages_middle) cp.middle.parents = parents.HostView();
-    cp.suffix_begin = suffix_begin;
-    cp.suffix_end = suffix_end;
-    cp.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    cp.k_scale = k_scale;
-    cp.v_scale = v_scale;
-    cp.out = want_out.HostView();
-    cp.lse = want_lse.HostView();
-    if (c.device_prefix) cp.prefix_len = &prefix_len;
-    STRATA_ASSERT_OK(cpu_->SelectedAttention(cp, nullptr));
-
+    cp.prefix_end = 20;
+    cp.scale = 0.125f;
+    cp.out = out.HostView();
+    cp.lse = lse.HostView();
+    cp.slot_scales = scales.f32();
+    EXPECT_THAT(cpu_->SelectedAttention(cp, nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument));
     auto d_k = Upload(k_pool), d_v = Upload(v_pool), d_q = Upload(q), d_t = Upload(table);
-    auto d_par = Upload(c.pages_middle ? parents : Filled({1}, 0));
-    auto d_plen = UploadRaw(&prefix_len, 4);
-    auto d_out = Upload(Filled({1, hq, d}, kNaN));
-    auto d_lse = Upload(Filled({1, hq}, kNaN));
+    auto d_s = Upload(scales), d_out = Upload(out), d_lse = Upload(lse);
     SelectedAttentionParams p = cp;
     p.q = q.View(d_q->data());
     p.k_pool = k_pool.View(d_k->data());
     p.v_pool = v_pool.View(d_v->data());
     p.page_table = table.View(d_t->data());
-    if (c.pages_middle) p.middle.parents = parents.View(d_par->data());
-    p.out = want_out.View(d_out->data());
-    p.lse = want_lse.View(d_lse->data());
-    if (c.device_prefix) p.prefix_len = static_cast<const int32_t*>(d_plen->data());
-    for (int rep = 0; rep < 2; ++rep) {  // the second run reuses pooled scratch (counters)
-      STRATA_ASSERT_OK(gpu_->SelectedAttention(p, nullptr));
-      ExpectClose(Download(*d_out, hq * d), want_out.Values(), 2e-5, 2e-4,
-                  absl::StrCat(name, " out rep ", rep));
-      ExpectClose(Download(*d_lse, hq), want_lse.Values(), 2e-5, 2e-5,
-                  absl::StrCat(name, " lse rep ", rep));
-    }
+    p.out = out.View(d_out->data());
+    p.lse = lse.View(d_lse->data());
+    p.slot_scales = static_cast<const float*>(d_s->data());
+    EXPECT_THAT(gpu_->SelectedAttention(p, nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+    for (float x : Download(*d_out, hq * d)) ASSERT_TRUE(std::isnan(x));
+    p.slot_scales = nullptr;  // the same call without them runs
+    STRATA_EXPECT_OK(gpu_->SelectedAttention(p, nullptr));
+    STRATA_EXPECT_OK(gpu_->Synchronize(nullptr));
   }
 }
 

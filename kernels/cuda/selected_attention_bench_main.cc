@@ -13,7 +13,9 @@
 // and the K and V bytes attended, with cold_us as a fraction of 3.35 TB/s (H100 SXM HBM3).
 //
 // Usage: cuda_selected_attention_bench [--ncu] [--contiguous] [--only sparse|dense|sinks]
-//                                      [--pool bf16|fp8] [context ...]  (default 131072 1048576)
+//                                      [--pool bf16|fp8|fp8s] [context ...]  (default 131072 1048576)
+//   --pool fp8s: fp8 pools with per-slot scales (slot_scales, all 1; the rows say
+//                fp8_e4m3+slot_scales); without --pool every pool kind is timed.
 //   --ncu: a few calls only (for Nsight Compute).
 //   --contiguous: each KV head's pages in consecutive slots (as engine::KvCache lays them out);
 //                 default: a random permutation of the slots (as a page cache may hold them).
@@ -161,8 +163,15 @@ void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
   auto d_out = MustAllocate(b, kQHeads * kHeadDim * 4);
   auto d_lse = MustAllocate(b, kQHeads * 4);
 
-  for (DType dt : {DType::kBF16, DType::kFP8E4M3}) {
-    if (!g_pool.empty() && g_pool != (dt == DType::kBF16 ? "bf16" : "fp8")) continue;
+  // Per-slot scales (SelectedAttentionParams::slot_scales) of the fp8s rows: all 1.
+  const std::vector<float> ones(static_cast<size_t>(slots) * 2, 1.0f);
+  auto d_slot_scales = MustAllocate(b, ones.size() * 4);
+  BENCH_CHECK(b.CopyToDevice(d_slot_scales->data(), ones.data(), ones.size() * 4, nullptr).ok(),
+              "slot scales");
+  // Pools: bf16, fp8, fp8 with per-slot scales ("fp8s").
+  for (const std::string pool : {"bf16", "fp8", "fp8s"}) {
+    if (!g_pool.empty() && g_pool != pool) continue;
+    const DType dt = pool == "bf16" ? DType::kBF16 : DType::kFP8E4M3;
     const size_t pool_bytes = static_cast<size_t>(slots) * kPage * kHeadDim * DTypeSize(dt);
     auto k = MustAllocate(b, pool_bytes);
     auto v = MustAllocate(b, pool_bytes);
@@ -182,6 +191,7 @@ void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
         p.k_scale = 0.01f;
         p.v_scale = 0.02f;
       }
+      if (pool == "fp8s") p.slot_scales = static_cast<const float*>(d_slot_scales->data());
       int64_t tokens;
       if (sparse) {
         p.prefix_end = kSinks;
@@ -204,7 +214,8 @@ void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
       const Result r = Time(b, p, flush, flush_bytes);
       const double mib = static_cast<double>(tokens) * kKvHeads * 2 * kHeadDim * DTypeSize(dt);
       std::printf("| %lldK | %s | %s | %lld | %.1f | %.1f | %.1f | %.2f | %.3f |\n",
-                  static_cast<long long>(len / 1024), kind.c_str(), DTypeName(dt),
+                  static_cast<long long>(len / 1024), kind.c_str(),
+                  pool == "fp8s" ? "fp8_e4m3+slot_scales" : DTypeName(dt),
                   static_cast<long long>(tokens), r.cold_us, r.b2b_us, r.graph_us,
                   mib / (1 << 20), mib / (r.cold_us * 1e-6) / kHbmBytesPerSecond);
       std::fflush(stdout);

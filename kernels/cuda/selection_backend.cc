@@ -112,9 +112,6 @@ absl::Status CudaBackend::VoteTopK(const VoteTopKParams& p, Stream s) {
 absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(p));
   // CpuSupportsSelectedAttention refuses slot_scales with f32|bf16 pools (InvalidArgument).
-  if (p.slot_scales != nullptr) {
-    return absl::UnimplementedError("SelectedAttention: slot_scales not read on CUDA yet");
-  }
   const int64_t hkv = p.page_table.dim(0), hq = p.q.dim(1), d = p.q.dim(2);
   if (!cuda_internal::SelectedAttentionSupports(static_cast<int>(hq), static_cast<int>(hkv),
                                                 static_cast<int>(d))) {
@@ -158,6 +155,7 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
   shape.items_per_head = static_cast<int32_t>(std::max<int64_t>(1, (total + chunk - 1) / chunk));
   shape.scale = p.scale * p.k_scale;  // k_scale, v_scale: 1 unless the pools are fp8
   shape.v_scale = p.v_scale;
+  shape.slot_scales = p.slot_scales;  // fp8 pools only (checked above); per row on the device
 
   // The split-K kernel's partials; the cluster kernel (short lists) needs none.
   const int64_t scratch_bytes = cuda_internal::SelectedAttentionScratchFloats(shape) * 4;

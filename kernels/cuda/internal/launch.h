@@ -223,6 +223,9 @@ struct SelectedAttentionShape {
   int32_t items_per_head = 0;  // ceil(total / chunk), >= 1
   float scale = 0.0f;          // the host folds an fp8 pool's k_scale into it
   float v_scale = 1.0f;        // fp8 pools: outputs are multiplied by it
+  // fp8 pools only, or null: [num_slots, 2] f32 per-slot (K, V) scales (SelectedAttentionParams::
+  // slot_scales), multiplied into the score of (K) and the weight of (V) each row of that slot.
+  const float* slot_scales = nullptr;
 };
 // True for head_dim 64/128/256 and at most kDecodeMaxGroup query heads per KV head.
 bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim);
