@@ -136,6 +136,54 @@ class GpuCacheAttentionTest : public ::testing::Test {
     return c;
   }
 
+  // A device-managed cache of 12 slots over the document's pages re-encoded in `shape` (bf16 or
+  // fp8) into a new host tier `*tier` whose buffers come from `alloc` (read in place).
+  absl::StatusOr<std::unique_ptr<kvstore::GpuPageCache>> MakeDeviceManagedCache(
+      const kvstore::PageShape& shape, kvstore::BackendPageAllocator* alloc,
+      std::unique_ptr<kvstore::HostCache>* tier) {
+    const int hkv = model_->config.num_kv_heads, d = model_->config.head_dim;
+  kvstore::HostCacheOptions ho;
+  ho.allocator = alloc;
+  STRATA_ASSIGN_OR_RETURN(*tier, kvstore::HostCache::Create(ho));
+  std::vector<kvstore::PageKey> keys;
+  for (int l = 0; l < model_->config.num_layers; ++l) {
+    for (int g = 0; g < hkv; ++g) {
+      for (int p = 0; p < kPagesPerHead; ++p) {
+        keys.push_back(kvstore::PageKey{document_, static_cast<uint32_t>(l),
+                                        static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
+      }
+    }
+  }
+  std::vector<kvstore::PageRef> refs;
+  STRATA_RETURN_IF_ERROR(host_->GetPages(keys, &refs));
+  std::vector<kvstore::PageWrite> writes;
+  std::vector<float> k(kPage * d), v(kPage * d);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    STRATA_RETURN_IF_ERROR(kvstore::DecodePage(refs[i]->view(), k.data(), v.data()));
+    STRATA_ASSIGN_OR_RETURN(kvstore::PageHeader h, kvstore::ParsePageHeader(refs[i]->view()));
+    STRATA_ASSIGN_OR_RETURN(
+        std::string page,
+        kvstore::EncodePage(shape, kernels::TensorView(k.data(), DType::kF32, {h.num_tokens, d}),
+                            kernels::TensorView(v.data(), DType::kF32, {h.num_tokens, d})));
+    STRATA_ASSIGN_OR_RETURN(kvstore::PageRef buf, kvstore::PageBuffer::Copy(page, alloc));
+    writes.push_back(kvstore::PageWrite{keys[i], std::move(buf)});
+  }
+  STRATA_RETURN_IF_ERROR((*tier)->Put(writes, {}));
+  kvstore::GpuCacheOptions co;
+  co.document = document_;
+  co.num_layers = model_->config.num_layers;
+  co.num_kv_heads = hkv;
+  co.pages_per_head = kPagesPerHead;
+  co.page_size = kPage;
+  co.head_dim = d;
+  co.num_slots = 12;
+  co.source = tier->get();
+  co.in_place_allocator = alloc;
+  co.hold_source_pages = true;
+  co.device_managed = true;
+  return kvstore::GpuPageCache::Create(co, backend_.get());
+  }
+
   std::unique_ptr<kvstore::GpuPageCache> MakeCache(int64_t slots) {
     kvstore::GpuCacheOptions o;
     o.document = document_;
@@ -498,30 +546,8 @@ TEST_F(GpuCacheAttentionTest, DeviceManagedCacheGivesTheHostPathsLogits) {
   shape.page_size = kPage;
   shape.head_dim = model_->config.head_dim;
   kvstore::BackendPageAllocator alloc(backend_.get(), shape.EncodedBytes(), 1 << 16);
-  kvstore::HostCacheOptions ho;
-  ho.allocator = &alloc;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto pinned, kvstore::HostCache::Create(ho));
-  std::vector<kvstore::PageKey> keys;
-  for (int l = 0; l < model_->config.num_layers; ++l) {
-    for (int g = 0; g < hkv; ++g) {
-      for (int p = 0; p < kPagesPerHead; ++p) {
-        keys.push_back(kvstore::PageKey{document_, static_cast<uint32_t>(l),
-                                        static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
-      }
-    }
-  }
-  std::vector<kvstore::PageRef> refs;
-  STRATA_ASSERT_OK(host_->GetPages(keys, &refs));
-  std::vector<kvstore::PageWrite> writes;
-  for (size_t i = 0; i < keys.size(); ++i) writes.push_back(kvstore::PageWrite{keys[i], refs[i]});
-  STRATA_ASSERT_OK(pinned->Put(writes, {}));
-  kvstore::GpuCacheOptions co = cache_a->options();
-  co.source = pinned.get();
-  co.in_place_allocator = &alloc;
-  co.hold_source_pages = true;
-  co.device_managed = true;
-  co.metrics = nullptr;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto cache_b, kvstore::GpuPageCache::Create(co, backend_.get()));
+  std::unique_ptr<kvstore::HostCache> pinned;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache_b, MakeDeviceManagedCache(shape, &alloc, &pinned));
 
   EXPECT_THAT(GpuCacheAttention::Create(o, cache_b.get(), backend_.get()).status(),
               StatusIs(absl::StatusCode::kInvalidArgument));  // host path on a device cache
@@ -557,60 +583,17 @@ TEST_F(GpuCacheAttentionTest, DeviceManagedCacheOfFp8PagesUsesEachPagesScales) {
   // cache: the pools are fp8, SelectedAttention reads each slot's scales, and the logits stay
   // within fp8 rounding of the bf16 pages' (without the scales they would not: the stored values
   // are the keys / scale, up to 448).
-  const int hkv = model_->config.num_kv_heads, d = model_->config.head_dim;
+  const int d = model_->config.head_dim;
   kvstore::PageShape bf16_shape, fp8_shape;
   bf16_shape.page_size = fp8_shape.page_size = kPage;
   bf16_shape.head_dim = fp8_shape.head_dim = d;
   fp8_shape.dtype = DType::kFP8E4M3;
-  auto make_cache = [&](const kvstore::PageShape& shape, kvstore::BackendPageAllocator* alloc,
-                        std::unique_ptr<kvstore::HostCache>* tier)
-      -> absl::StatusOr<std::unique_ptr<kvstore::GpuPageCache>> {
-    kvstore::HostCacheOptions ho;
-    ho.allocator = alloc;
-    STRATA_ASSIGN_OR_RETURN(*tier, kvstore::HostCache::Create(ho));
-    std::vector<kvstore::PageKey> keys;
-    for (int l = 0; l < model_->config.num_layers; ++l) {
-      for (int g = 0; g < hkv; ++g) {
-        for (int p = 0; p < kPagesPerHead; ++p) {
-          keys.push_back(kvstore::PageKey{document_, static_cast<uint32_t>(l),
-                                          static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
-        }
-      }
-    }
-    std::vector<kvstore::PageRef> refs;
-    STRATA_RETURN_IF_ERROR(host_->GetPages(keys, &refs));
-    std::vector<kvstore::PageWrite> writes;
-    std::vector<float> k(kPage * d), v(kPage * d);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      STRATA_RETURN_IF_ERROR(kvstore::DecodePage(refs[i]->view(), k.data(), v.data()));
-      STRATA_ASSIGN_OR_RETURN(kvstore::PageHeader h, kvstore::ParsePageHeader(refs[i]->view()));
-      STRATA_ASSIGN_OR_RETURN(
-          std::string page,
-          kvstore::EncodePage(shape, kernels::TensorView(k.data(), DType::kF32, {h.num_tokens, d}),
-                              kernels::TensorView(v.data(), DType::kF32, {h.num_tokens, d})));
-      STRATA_ASSIGN_OR_RETURN(kvstore::PageRef buf, kvstore::PageBuffer::Copy(page, alloc));
-      writes.push_back(kvstore::PageWrite{keys[i], std::move(buf)});
-    }
-    STRATA_RETURN_IF_ERROR((*tier)->Put(writes, {}));
-    kvstore::GpuCacheOptions co;
-    co.document = document_;
-    co.num_layers = model_->config.num_layers;
-    co.num_kv_heads = hkv;
-    co.pages_per_head = kPagesPerHead;
-    co.page_size = kPage;
-    co.head_dim = d;
-    co.num_slots = 12;
-    co.source = tier->get();
-    co.in_place_allocator = alloc;
-    co.hold_source_pages = true;
-    co.device_managed = true;
-    return kvstore::GpuPageCache::Create(co, backend_.get());
-  };
   kvstore::BackendPageAllocator alloc16(backend_.get(), bf16_shape.EncodedBytes(), 1 << 16);
   kvstore::BackendPageAllocator alloc8(backend_.get(), fp8_shape.EncodedBytes(), 1 << 16);
   std::unique_ptr<kvstore::HostCache> tier16, tier8;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto cache16, make_cache(bf16_shape, &alloc16, &tier16));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto cache8, make_cache(fp8_shape, &alloc8, &tier8));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache16,
+                              MakeDeviceManagedCache(bf16_shape, &alloc16, &tier16));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache8, MakeDeviceManagedCache(fp8_shape, &alloc8, &tier8));
   EXPECT_EQ(cache16->k_pool().dtype, DType::kBF16);
   EXPECT_EQ(cache8->k_pool().dtype, DType::kFP8E4M3);
   EXPECT_EQ(cache16->slot_scales(), nullptr);

@@ -530,7 +530,8 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
 absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy policy,
                                    std::vector<int32_t>* slots) {
   if (options_.device_managed) {
-    return absl::FailedPreconditionError("gpu cache: Status GpuPageCache is host-managed only (device_managed)");
+    return absl::FailedPreconditionError(
+        "gpu cache: Acquire is for host-managed caches (this one is device_managed)");
   }
   if (slots == nullptr) return absl::InvalidArgumentError("gpu cache: slots is null");
   Stopwatch watch;
@@ -649,7 +650,8 @@ absl::Status GpuPageCache::Acquire(absl::Span<const GpuPageId> pages, MissPolicy
 
 absl::Status GpuPageCache::Release(absl::Span<const int32_t> slots) {
   if (options_.device_managed) {
-    return absl::FailedPreconditionError("gpu cache: Status GpuPageCache is host-managed only (device_managed)");
+    return absl::FailedPreconditionError(
+        "gpu cache: Release is for host-managed caches (this one is device_managed)");
   }
   std::lock_guard<std::mutex> lock(mu_);
   // release_count_ is all zero between calls.
@@ -683,7 +685,8 @@ absl::Status GpuPageCache::Release(absl::Span<const int32_t> slots) {
 
 absl::Status GpuPageCache::Prefetch(absl::Span<const GpuPageId> pages, int64_t* issued) {
   if (options_.device_managed) {
-    return absl::FailedPreconditionError("gpu cache: Status GpuPageCache is host-managed only (device_managed)");
+    return absl::FailedPreconditionError(
+        "gpu cache: Prefetch is for host-managed caches (this one is device_managed)");
   }
   if (issued != nullptr) *issued = 0;
   std::lock_guard<std::mutex> lock(mu_);
@@ -717,7 +720,8 @@ absl::Status GpuPageCache::WaitForFills() {
 
 absl::StatusOr<int32_t> GpuPageCache::SlotOf(const GpuPageId& page) const {
   if (options_.device_managed) {
-    return absl::FailedPreconditionError("gpu cache: StatusOr<int32_t> GpuPageCache is host-managed only (device_managed)");
+    return absl::FailedPreconditionError(
+        "gpu cache: SlotOf is for host-managed caches (this one is device_managed)");
   }
   STRATA_ASSIGN_OR_RETURN(int64_t id, FlatIndex(page));
   std::lock_guard<std::mutex> lock(mu_);

@@ -23,23 +23,21 @@ absl::Status CpuSupportsResolvePages(const ResolvePagesParams& p) {
       st.num_slots > (int64_t{1} << 31) - 1 || st.scratch_pages < 0 ||
       st.scratch_pages > (int64_t{1} << 30)) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": table_size ", st.table_size,
-                                                   ", num_slots ", st.num_slots,
-                                                   ", scratch_pages ", st.scratch_pages,
-                                                   " out of range"));
+                                                   ", num_slots ", st.num_slots, ", scratch_pages ",
+                                                   st.scratch_pages, " out of range"));
   }
   const TensorView& k = st.k_pool;
   const TensorView& v = st.v_pool;
   if (k.dtype != DType::kF32 && k.dtype != DType::kBF16 && k.dtype != DType::kFP8E4M3) {
-    return absl::UnimplementedError(absl::StrCat(kOp, ": pool dtype ", DTypeName(k.dtype),
-                                                 " unsupported (f32|bf16|fp8_e4m3)"));
+    return absl::UnimplementedError(
+        absl::StrCat(kOp, ": pool dtype ", DTypeName(k.dtype), " unsupported (f32|bf16|fp8_e4m3)"));
   }
-  if (k.data == nullptr || v.data == nullptr || k.rank != 3 || v.rank != 3 ||
-      v.dtype != k.dtype || k.dim(0) != st.num_slots || v.dim(0) != st.num_slots ||
-      k.dim(1) != v.dim(1) || k.dim(2) != v.dim(2) || k.dim(1) != p.page_size ||
-      k.dim(2) <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kOp, ": pools ", k.DebugString(), " / ", v.DebugString(), " must be [", st.num_slots,
-        ", ", p.page_size, ", head_dim], same dtype"));
+  if (k.data == nullptr || v.data == nullptr || k.rank != 3 || v.rank != 3 || v.dtype != k.dtype ||
+      k.dim(0) != st.num_slots || v.dim(0) != st.num_slots || k.dim(1) != v.dim(1) ||
+      k.dim(2) != v.dim(2) || k.dim(1) != p.page_size || k.dim(2) <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": pools ", k.DebugString(), " / ",
+                                                   v.DebugString(), " must be [", st.num_slots,
+                                                   ", ", p.page_size, ", head_dim], same dtype"));
   }
   if (p.num_kv_heads <= 0 || p.pages_per_head <= 0 || p.page_size <= 0 || p.table_base < 0 ||
       p.table_base + p.num_kv_heads * p.pages_per_head > st.table_size) {

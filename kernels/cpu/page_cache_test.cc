@@ -75,8 +75,8 @@ struct Cache {
     if (mid != nullptr && !mid->empty()) {
       parents.clear();
       for (int g = 0; g < heads; ++g) parents.insert(parents.end(), mid->begin(), mid->end());
-      p.middle.parents = TensorView(parents.data(), DType::kI32,
-                                    {heads, static_cast<int64_t>(mid->size())});
+      p.middle.parents =
+          TensorView(parents.data(), DType::kI32, {heads, static_cast<int64_t>(mid->size())});
       p.middle.fanout = P;
       p.middle.begin = 0;
       p.middle.end = static_cast<int64_t>(pages) * P;
@@ -103,8 +103,7 @@ struct Cache {
       EXPECT_EQ(slot_scales[2 * s], page_scales[2 * f]) << s;
       EXPECT_EQ(slot_scales[2 * s + 1], page_scales[2 * f + 1]) << s;
       EXPECT_EQ(std::memcmp(&k[s * P * d], &bytes[f * 2 * P * d], P * d * sizeof(float)), 0) << s;
-      EXPECT_EQ(std::memcmp(&v[s * P * d], &bytes[f * 2 * P * d + P * d], P * d * sizeof(float)),
-                0)
+      EXPECT_EQ(std::memcmp(&v[s * P * d], &bytes[f * 2 * P * d + P * d], P * d * sizeof(float)), 0)
           << s;
     }
   }

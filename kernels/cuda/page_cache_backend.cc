@@ -30,19 +30,19 @@ absl::Status CudaBackend::ResolvePages(const ResolvePagesParams& p, Stream s) {
   a.slot_scales = st.slot_scales;
   a.k_pool = st.k_pool.data;
   a.v_pool = st.v_pool.data;
-  a.half_bytes = st.k_pool.dim(1) * st.k_pool.dim(2) *
-                 static_cast<int64_t>(DTypeSize(st.k_pool.dtype));
-  if (a.half_bytes % 16 == 0 && ((reinterpret_cast<uintptr_t>(a.k_pool) |
-                                  reinterpret_cast<uintptr_t>(a.v_pool)) & 15) != 0) {
+  a.half_bytes =
+      st.k_pool.dim(1) * st.k_pool.dim(2) * static_cast<int64_t>(DTypeSize(st.k_pool.dtype));
+  if (a.half_bytes % 16 == 0 &&
+      ((reinterpret_cast<uintptr_t>(a.k_pool) | reinterpret_cast<uintptr_t>(a.v_pool)) & 15) != 0) {
     return absl::InvalidArgumentError("ResolvePages: pools not 16-byte aligned");
   }
   // Items named per call (pages of the prefix and suffix, middle candidates): the kernel marks a
   // missing page with -2 - item in its table entry.
   const int64_t P = p.page_size;
   const int64_t items =
-      p.num_kv_heads * ((p.prefix_end + P - 1) / P + p.middle.Count() +
-                        (p.suffix_end > p.suffix_begin ? (p.suffix_end - 1) / P - p.suffix_begin / P + 1
-                                                       : 0));
+      p.num_kv_heads *
+      ((p.prefix_end + P - 1) / P + p.middle.Count() +
+       (p.suffix_end > p.suffix_begin ? (p.suffix_end - 1) / P - p.suffix_begin / P + 1 : 0));
   if (items > (int64_t{1} << 31) - 3) {
     return absl::UnimplementedError(absl::StrCat("ResolvePages: ", items, " items per call"));
   }

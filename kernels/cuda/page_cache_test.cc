@@ -68,8 +68,10 @@ struct State {
     {
       std::vector<float> ps(2 * n), ss(2 * slots, -1.0f);
       for (int64_t f = 0; f < 2 * n; ++f) ps[f] = 0.25f + static_cast<float>(f % 977);
-      STRATA_RETURN_IF_ERROR(be->CopyToDevice(page_scales->data(), ps.data(), ps.size() * 4, nullptr));
-      STRATA_RETURN_IF_ERROR(be->CopyToDevice(slot_scales->data(), ss.data(), ss.size() * 4, nullptr));
+      STRATA_RETURN_IF_ERROR(
+          be->CopyToDevice(page_scales->data(), ps.data(), ps.size() * 4, nullptr));
+      STRATA_RETURN_IF_ERROR(
+          be->CopyToDevice(slot_scales->data(), ss.data(), ss.size() * 4, nullptr));
     }
     STRATA_ASSIGN_OR_RETURN(k, be->Allocate(slots * half));
     STRATA_ASSIGN_OR_RETURN(v, be->Allocate(slots * half));
@@ -144,8 +146,8 @@ struct Call {
   int64_t begin = 0, end = 0;
 };
 
-// Calls name at most `slots` pages (every miss finds a victim); PinnedOutCallLeavesTheRestUnresolved
-// covers calls that name more.
+// Calls name at most `slots` pages (every miss finds a victim);
+// PinnedOutCallLeavesTheRestUnresolved covers calls that name more.
 Call RandomCall(std::mt19937& rng, int P, int slots) {
   Call c;
   const int cap = std::max(1, std::min(300, slots / kHeads - 10));
@@ -157,7 +159,8 @@ Call RandomCall(std::mt19937& rng, int P, int slots) {
     c.begin = P;
     c.end = static_cast<int64_t>(kPages - 4) * P;
     for (int i = 0; i < kHeads * c.width; ++i) {
-      c.parents.push_back(static_cast<int32_t>(rng() % (kPages * P)) - (rng() % 9 == 0 ? 99999 : 0));
+      c.parents.push_back(static_cast<int32_t>(rng() % (kPages * P)) -
+                          (rng() % 9 == 0 ? 99999 : 0));
     }
   } else {  // pages (fanout P), a few -1; the biggest calls exceed small caches
     c.width = 1 + static_cast<int>(rng() % (kind == 3 ? cap : std::min(cap, 40)));
@@ -167,7 +170,8 @@ Call RandomCall(std::mt19937& rng, int P, int slots) {
     // A hot set (hits) and cold pages.
     for (int i = 0; i < kHeads * c.width; ++i) {
       const bool hot = rng() % 3 != 0;
-      c.parents.push_back(rng() % 17 == 0 ? -1 : static_cast<int32_t>(hot ? rng() % 60 : rng() % kPages));
+      c.parents.push_back(
+          rng() % 17 == 0 ? -1 : static_cast<int32_t>(hot ? rng() % 60 : rng() % kPages));
     }
   }
   c.prefix_end = static_cast<int64_t>(rng() % (2 * P + 1));
@@ -178,7 +182,8 @@ Call RandomCall(std::mt19937& rng, int P, int slots) {
   return c;
 }
 
-ResolvePagesParams MakeParams(const PageCacheState& st, const Call& c, int P, const int32_t* parents) {
+ResolvePagesParams MakeParams(const PageCacheState& st, const Call& c, int P,
+                              const int32_t* parents) {
   ResolvePagesParams p;
   p.state = st;
   p.table_base = static_cast<int64_t>(c.layer) * kHeads * kPages;
@@ -205,7 +210,8 @@ void Compare(State& cpu, State& gpu, const std::vector<uint8_t>& bytes, int call
       << "stamps, call " << call;
   ASSERT_EQ(cpu.Read<uint8_t>(cpu.ref.get(), n), gpu.Read<uint8_t>(gpu.ref.get(), n))
       << "reference bits, call " << call;
-  const auto ctab = cpu.Read<int32_t>(cpu.table.get(), t), gtab = gpu.Read<int32_t>(gpu.table.get(), t);
+  const auto ctab = cpu.Read<int32_t>(cpu.table.get(), t),
+             gtab = gpu.Read<int32_t>(gpu.table.get(), t);
   ASSERT_EQ(ctab, gtab) << "table, call " << call;
   for (int64_t f = 0; f < t; ++f) {
     ASSERT_EQ(ctab[f] >= 0, gtab[f] >= 0) << "page " << f << " resident, call " << call;
@@ -217,7 +223,8 @@ void Compare(State& cpu, State& gpu, const std::vector<uint8_t>& bytes, int call
   const auto gscr = gpu.Read<int32_t>(gpu.scratch.get(), 1 + 2 * n);
   ASSERT_EQ(cscr[0], gscr[0]) << "fills of call " << call;
   ASSERT_EQ(csp, gsp) << "slot owners, call " << call;
-  ASSERT_EQ(cpu.Read<float>(cpu.slot_scales.get(), 2 * n), gpu.Read<float>(gpu.slot_scales.get(), 2 * n))
+  ASSERT_EQ(cpu.Read<float>(cpu.slot_scales.get(), 2 * n),
+            gpu.Read<float>(gpu.slot_scales.get(), 2 * n))
       << "slot scales, call " << call;
   for (int i = 0; i < cscr[0]; ++i) {
     ASSERT_EQ(cscr[1 + i], gscr[1 + i]) << "miss " << i << ", call " << call;
@@ -244,7 +251,8 @@ void Compare(State& cpu, State& gpu, const std::vector<uint8_t>& bytes, int call
     ASSERT_EQ(gtab[gsp[s]], s);
     const uint8_t* src = bytes.data() + static_cast<size_t>(gsp[s]) * 2 * gpu.half;
     ASSERT_EQ(std::memcmp(gk.data() + s * gpu.half, src, gpu.half), 0) << "K of slot " << s;
-    ASSERT_EQ(std::memcmp(gvv.data() + s * gpu.half, src + gpu.half, gpu.half), 0) << "V of slot " << s;
+    ASSERT_EQ(std::memcmp(gvv.data() + s * gpu.half, src + gpu.half, gpu.half), 0)
+        << "V of slot " << s;
   }
 }
 
@@ -261,8 +269,8 @@ TEST_P(CudaPageCacheTest, MatchesCpuOverRandomCalls) {
   for (int call = 0; call < 60; ++call) {
     const Call k = RandomCall(rng, P, slots);
     STRATA_ASSERT_OK(cpu->ResolvePages(MakeParams(c.st, k, P, k.parents.data()), nullptr));
-    STRATA_ASSERT_OK(gpu_->CopyToDevice(dev_parents->data(), k.parents.data(),
-                                        k.parents.size() * 4, nullptr));
+    STRATA_ASSERT_OK(
+        gpu_->CopyToDevice(dev_parents->data(), k.parents.data(), k.parents.size() * 4, nullptr));
     STRATA_ASSERT_OK(gpu_->ResolvePages(
         MakeParams(g.st, k, P, static_cast<int32_t*>(dev_parents->data())), nullptr));
     STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
@@ -304,8 +312,8 @@ TEST_F(CudaPageCacheTest, CapturedInAGraphReplaysNewSelections) {
   k.end = static_cast<int64_t>(kPages) * P;
   k.prefix_end = P;
   k.parents.assign(kHeads * width, -1);
-  STRATA_ASSERT_OK(gpu_->CopyToDevice(dev_parents->data(), k.parents.data(), k.parents.size() * 4,
-                                      nullptr));
+  STRATA_ASSERT_OK(
+      gpu_->CopyToDevice(dev_parents->data(), k.parents.data(), k.parents.size() * 4, nullptr));
   STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
   STRATA_ASSERT_OK(gpu_->BeginCapture(nullptr));
   const absl::Status recorded = gpu_->ResolvePages(
@@ -316,8 +324,8 @@ TEST_F(CudaPageCacheTest, CapturedInAGraphReplaysNewSelections) {
   for (int step = 0; step < 20; ++step) {
     for (int32_t& p : k.parents) p = static_cast<int32_t>(1 + rng() % 40);
     STRATA_ASSERT_OK(cpu->ResolvePages(MakeParams(c.st, k, P, k.parents.data()), nullptr));
-    STRATA_ASSERT_OK(gpu_->CopyToDevice(dev_parents->data(), k.parents.data(),
-                                        k.parents.size() * 4, nullptr));
+    STRATA_ASSERT_OK(
+        gpu_->CopyToDevice(dev_parents->data(), k.parents.data(), k.parents.size() * 4, nullptr));
     STRATA_ASSERT_OK((*graph)->Replay(nullptr));
     STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
     Compare(c, g, bytes, step);
@@ -344,8 +352,8 @@ TEST_F(CudaPageCacheTest, PinnedOutCallLeavesTheRestUnresolved) {
   k.end = static_cast<int64_t>(kPages) * P;
   for (int i = 0; i < kHeads * k.width; ++i) k.parents.push_back(100 + i % k.width);
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev_parents, gpu_->Allocate(k.parents.size() * 4));
-  STRATA_ASSERT_OK(gpu_->CopyToDevice(dev_parents->data(), k.parents.data(), k.parents.size() * 4,
-                                      nullptr));
+  STRATA_ASSERT_OK(
+      gpu_->CopyToDevice(dev_parents->data(), k.parents.data(), k.parents.size() * 4, nullptr));
   for (int call = 0; call < 2; ++call) {
     STRATA_ASSERT_OK(cpu->ResolvePages(MakeParams(c.st, k, P, k.parents.data()), nullptr));
     STRATA_ASSERT_OK(gpu_->ResolvePages(
