@@ -154,6 +154,17 @@ std::vector<GpuPageId> Pages(std::initializer_list<int> pages, int layer = 0, in
   return v;
 }
 
+// n pages drawn uniformly from the whole document (layer, head, page, in that order per page).
+std::vector<GpuPageId> RandomPages(std::mt19937& rng, int n) {
+  std::vector<GpuPageId> v;
+  for (int i = 0; i < n; ++i) {
+    v.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
+                          static_cast<int32_t>(rng() % kHeads),
+                          static_cast<int32_t>(rng() % kPages)});
+  }
+  return v;
+}
+
 TEST_F(GpuCacheTest, OptionsAreValidated) {
   GpuCacheOptions o = Options(4);
   o.num_slots = 0;
@@ -256,12 +267,7 @@ TEST_F(GpuCacheTest, BytesExactAfterEvictionAndRefill) {
   std::mt19937 rng(3);
   std::vector<int32_t> slots;
   for (int step = 0; step < 40; ++step) {
-    std::vector<GpuPageId> want;
-    for (int i = 0; i < 4; ++i) {
-      want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
-                               static_cast<int32_t>(rng() % kHeads),
-                               static_cast<int32_t>(rng() % kPages)});
-    }
+    const std::vector<GpuPageId> want = RandomPages(rng, 4);
     STRATA_ASSERT_OK(c->Acquire(want, MissPolicy::kWait, &slots));
     for (size_t i = 0; i < want.size(); ++i) {
       ASSERT_GE(slots[i], 0);
@@ -283,12 +289,7 @@ TEST_F(GpuCacheTest, OrderedMissesGetTheSameSlotsAndBytesAsWait) {
   std::mt19937 rng(11);
   std::vector<int32_t> sa, sb;
   for (int step = 0; step < 40; ++step) {
-    std::vector<GpuPageId> want;
-    for (int i = 0; i < 4; ++i) {
-      want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
-                               static_cast<int32_t>(rng() % kHeads),
-                               static_cast<int32_t>(rng() % kPages)});
-    }
+    const std::vector<GpuPageId> want = RandomPages(rng, 4);
     STRATA_ASSERT_OK(a->Acquire(want, MissPolicy::kWait, &sa));
     STRATA_ASSERT_OK(b->Acquire(want, MissPolicy::kOrdered, &sb));
     ASSERT_EQ(sa, sb) << "step " << step;
@@ -319,12 +320,7 @@ TEST_F(GpuCacheTest, HeldSourcePagesFillWithoutLookingUpTheSource) {
   std::mt19937 rng(5);
   std::vector<int32_t> sa, sb;
   for (int step = 0; step < 30; ++step) {
-    std::vector<GpuPageId> want;
-    for (int i = 0; i < 4; ++i) {
-      want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
-                               static_cast<int32_t>(rng() % kHeads),
-                               static_cast<int32_t>(rng() % kPages)});
-    }
+    const std::vector<GpuPageId> want = RandomPages(rng, 4);
     STRATA_ASSERT_OK(plain->Acquire(want, MissPolicy::kWait, &sa));
     STRATA_ASSERT_OK(held->Acquire(want, MissPolicy::kWait, &sb));
     ASSERT_EQ(sa, sb);
@@ -757,24 +753,14 @@ TEST_F(GpuCacheTest, PrefetchThreadRacesDecodeThread) {
   std::thread prefetcher([&] {
     std::mt19937 rng(11);
     while (!stop.load()) {
-      std::vector<GpuPageId> want;
-      for (int i = 0; i < 5; ++i) {
-        want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
-                                 static_cast<int32_t>(rng() % kHeads),
-                                 static_cast<int32_t>(rng() % kPages)});
-      }
+      const std::vector<GpuPageId> want = RandomPages(rng, 5);
       EXPECT_TRUE(c->Prefetch(want).ok());
     }
   });
   std::mt19937 rng(5);
   std::vector<int32_t> slots;
   for (int step = 0; step < 300; ++step) {
-    std::vector<GpuPageId> want;
-    for (int i = 0; i < 6; ++i) {
-      want.push_back(GpuPageId{static_cast<int32_t>(rng() % kLayers),
-                               static_cast<int32_t>(rng() % kHeads),
-                               static_cast<int32_t>(rng() % kPages)});
-    }
+    const std::vector<GpuPageId> want = RandomPages(rng, 6);
     const MissPolicy policy = step % 2 == 0 ? MissPolicy::kWait : MissPolicy::kDefer;
     STRATA_ASSERT_OK(c->Acquire(want, policy, &slots));
     for (size_t i = 0; i < want.size(); ++i) {
