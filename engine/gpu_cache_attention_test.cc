@@ -200,6 +200,20 @@ class GpuCacheAttentionTest : public ::testing::Test {
     return c.ok() ? *std::move(c) : nullptr;
   }
 
+  // The reference of the device-selection tests: the host path over FixedPages through `cache`
+  // (*host: the hook, for its counters; *logits as RunAfterDocument).
+  void RunFixedPagesOnHost(kvstore::GpuPageCache* cache, std::unique_ptr<GpuCacheAttention>* host,
+                           std::vector<float>* logits) {
+    GpuCacheAttentionOptions o;
+    o.document_tokens = kDoc;
+    o.chooser = [this](int, int g, const float*, int, int, std::vector<int32_t>* p) {
+      *p = FixedPages(g);
+      return absl::OkStatus();
+    };
+    STRATA_ASSERT_OK_AND_ASSIGN(*host, GpuCacheAttention::Create(o, cache, backend_.get()));
+    RunAfterDocument(host->get(), logits);
+  }
+
   // Runs tokens [kDoc, kTotal): the prompt as one chunk, then the rest one token at a time (decode).
   void RunAfterDocument(ExternalAttention* ext, std::vector<float>* logits) {
     const int64_t V = model_->config.vocab_size;
@@ -495,14 +509,9 @@ TEST_F(GpuCacheAttentionTest, DeviceTokenSelectionAttendsThroughTheDevicePageTab
   ASSERT_NE(cache_b, nullptr);
   GpuCacheAttentionOptions o;
   o.document_tokens = kDoc;
-  o.chooser = [&](int, int g, const float*, int, int, std::vector<int32_t>* p) {
-    *p = FixedPages(g);
-    return absl::OkStatus();
-  };
-  STRATA_ASSERT_OK_AND_ASSIGN(auto host, GpuCacheAttention::Create(o, cache_a.get(),
-                                                                   backend_.get()));
+  std::unique_ptr<GpuCacheAttention> host;
   std::vector<float> want, got;
-  RunAfterDocument(host.get(), &want);
+  RunFixedPagesOnHost(cache_a.get(), &host, &want);
   o.chooser = nullptr;
   o.device_path = true;
   o.device_chooser = [&](int, const kernels::TensorView& q,
@@ -532,14 +541,9 @@ TEST_F(GpuCacheAttentionTest, DeviceManagedCacheGivesTheHostPathsLogits) {
   ASSERT_NE(cache_a, nullptr);
   GpuCacheAttentionOptions o;
   o.document_tokens = kDoc;
-  o.chooser = [&](int, int g, const float*, int, int, std::vector<int32_t>* p) {
-    *p = FixedPages(g);
-    return absl::OkStatus();
-  };
-  STRATA_ASSERT_OK_AND_ASSIGN(auto host, GpuCacheAttention::Create(o, cache_a.get(),
-                                                                   backend_.get()));
+  std::unique_ptr<GpuCacheAttention> host;
   std::vector<float> want, got;
-  RunAfterDocument(host.get(), &want);
+  RunFixedPagesOnHost(cache_a.get(), &host, &want);
 
   // The document's pages copied into a host tier in backend host memory (read in place).
   kvstore::PageShape shape;
