@@ -67,6 +67,35 @@ struct PolicyPair {
     rng.seed(static_cast<uint32_t>(seed));
     return absl::OkStatus();
   }
+  // One decode step of layer l for query q [kHq, kD] at the cache's last position: the host
+  // policy's selection attended by `cpu`'s PagedAttention (want), and the device policy's
+  // Attend (got; poisoned with NaN first).
+  absl::Status AttendBoth(int l, const std::vector<float>& q, kernels::Backend* cpu,
+                          std::vector<float>* want, std::vector<float>* want_lse,
+                          std::vector<float>* got, std::vector<float>* got_lse) {
+    const int64_t len = cache->length(0);
+    Selection sel;
+    STRATA_RETURN_IF_ERROR(host->Select(l, q.data(), 1, kHq, len - 1, *cache, &sel));
+    want->assign(kHq * kD, 0.0f);
+    want_lse->assign(kHq, 0.0f);
+    got->assign(kHq * kD, NAN);
+    got_lse->assign(kHq, NAN);
+    const int32_t qpos = static_cast<int32_t>(len - 1);
+    kernels::PagedAttentionParams pa;
+    pa.q = TensorView(const_cast<float*>(q.data()), DType::kF32, {1, kHq, kD});
+    pa.k_pool = cache->k_pool(l);
+    pa.v_pool = cache->v_pool(l);
+    pa.spans = sel.spans.data();
+    pa.span_offsets = sel.offsets.data();
+    pa.num_kv_heads = kHkv;
+    pa.q_positions = &qpos;
+    pa.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+    pa.out = TensorView(want->data(), DType::kF32, {1, kHq, kD});
+    pa.lse = TensorView(want_lse->data(), DType::kF32, {1, kHq});
+    STRATA_RETURN_IF_ERROR(cpu->PagedAttention(pa, nullptr));
+    return dev->Attend(l, pa.q, *cache, TensorView(got->data(), DType::kF32, {1, kHq, kD}),
+                       TensorView(got_lse->data(), DType::kF32, {1, kHq}), nullptr);
+  }
   // Appends n random tokens to every layer.
   void Append(int64_t n) {
     std::vector<float> k(static_cast<size_t>(n) * kHkv * kD), v(k.size());
@@ -106,38 +135,17 @@ TEST_P(DevicePolicyTest, DecodeMatchesHostPolicy) {
   PolicyPair pp;
   STRATA_ASSERT_OK(pp.Init(o, c.dtype, c.len + steps, cpu.get(),
                            77 + static_cast<int>(c.len) + static_cast<int>(c.kind)));
-  KvCache* cache = pp.cache.get();
-  SparsePolicy* host = pp.host.get();
-  DevicePolicy* dev = pp.dev.get();
   std::mt19937& rng = pp.rng;
   std::normal_distribution<float>& nd = pp.nd;
-  auto append = [&](int64_t n) { pp.Append(n); };
   pp.Fill(c.len);
   for (int step = 0; step < steps; ++step) {
-    append(1);
-    const int64_t len = cache->length(0);
+    pp.Append(1);
     std::vector<float> q(kHq * kD);
     for (float& x : q) x = 2.0f * nd(rng);
     for (int l = 0; l < kLayers; ++l) {
       SCOPED_TRACE(::testing::Message() << "step " << step << " layer " << l);
-      Selection sel;
-      STRATA_ASSERT_OK(host->Select(l, q.data(), 1, kHq, len - 1, *cache, &sel));
-      std::vector<float> want(kHq * kD), want_lse(kHq), got(kHq * kD, NAN), got_lse(kHq, NAN);
-      const int32_t qpos = static_cast<int32_t>(len - 1);
-      kernels::PagedAttentionParams pa;
-      pa.q = TensorView(q.data(), DType::kF32, {1, kHq, kD});
-      pa.k_pool = cache->k_pool(l);
-      pa.v_pool = cache->v_pool(l);
-      pa.spans = sel.spans.data();
-      pa.span_offsets = sel.offsets.data();
-      pa.num_kv_heads = kHkv;
-      pa.q_positions = &qpos;
-      pa.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-      pa.out = TensorView(want.data(), DType::kF32, {1, kHq, kD});
-      pa.lse = TensorView(want_lse.data(), DType::kF32, {1, kHq});
-      STRATA_ASSERT_OK(cpu->PagedAttention(pa, nullptr));
-      STRATA_ASSERT_OK(dev->Attend(l, pa.q, *cache, TensorView(got.data(), DType::kF32, {1, kHq, kD}),
-                                   TensorView(got_lse.data(), DType::kF32, {1, kHq}), nullptr));
+      std::vector<float> want, want_lse, got, got_lse;
+      STRATA_ASSERT_OK(pp.AttendBoth(l, q, cpu.get(), &want, &want_lse, &got, &got_lse));
       for (int i = 0; i < kHq * kD; ++i) ASSERT_NEAR(got[i], want[i], 1e-4) << i;
       for (int i = 0; i < kHq; ++i) ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
     }
@@ -182,7 +190,6 @@ TEST_P(DevicePolicyCacheTest, ReuseMatchesHostSelectionCache) {
   PolicyPair pp;
   STRATA_ASSERT_OK(pp.Init(o, DType::kF32, c.len + steps, cpu.get(),
                            91 + static_cast<int>(c.len) + static_cast<int>(c.kind)));
-  KvCache* cache = pp.cache.get();
   SparsePolicy* host = pp.host.get();
   DevicePolicy* dev = pp.dev.get();
   std::mt19937& rng = pp.rng;
@@ -216,28 +223,10 @@ TEST_P(DevicePolicyCacheTest, ReuseMatchesHostSelectionCache) {
         break;
     }
     append(1);
-    const int64_t len = cache->length(0);
     for (int l = 0; l < kLayers; ++l) {
       SCOPED_TRACE(::testing::Message() << "step " << step << " layer " << l);
-      Selection sel;
-      STRATA_ASSERT_OK(host->Select(l, q.data(), 1, kHq, len - 1, *cache, &sel));
-      std::vector<float> want(kHq * kD), want_lse(kHq), got(kHq * kD, NAN), got_lse(kHq, NAN);
-      const int32_t qpos = static_cast<int32_t>(len - 1);
-      kernels::PagedAttentionParams pa;
-      pa.q = TensorView(q.data(), DType::kF32, {1, kHq, kD});
-      pa.k_pool = cache->k_pool(l);
-      pa.v_pool = cache->v_pool(l);
-      pa.spans = sel.spans.data();
-      pa.span_offsets = sel.offsets.data();
-      pa.num_kv_heads = kHkv;
-      pa.q_positions = &qpos;
-      pa.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-      pa.out = TensorView(want.data(), DType::kF32, {1, kHq, kD});
-      pa.lse = TensorView(want_lse.data(), DType::kF32, {1, kHq});
-      STRATA_ASSERT_OK(cpu->PagedAttention(pa, nullptr));
-      STRATA_ASSERT_OK(dev->Attend(l, pa.q, *cache,
-                                   TensorView(got.data(), DType::kF32, {1, kHq, kD}),
-                                   TensorView(got_lse.data(), DType::kF32, {1, kHq}), nullptr));
+      std::vector<float> want, want_lse, got, got_lse;
+      STRATA_ASSERT_OK(pp.AttendBoth(l, q, cpu.get(), &want, &want_lse, &got, &got_lse));
       const bool hit_step = host->counters().cache_hits > host_hits_before;
       host_hits_before = host->counters().cache_hits;
       if (c.kind == PolicyKind::kQuest && hit_step) continue;
