@@ -22,15 +22,9 @@ namespace {
 
 using kernels::DType;
 
-TEST(DevicePolicyForwardTest, DecodeThroughDevicePolicyMatchesHostPolicy) {
-  test_model::RefModel ref;
-  auto m = test_model::MakeModel(DType::kF32, false, false, &ref);
-  const model::ModelConfig& c = m->config;
-  auto backend = kernels::MakeCpuBackend(1);
-  TransformerOptions topt;
-  topt.prefill_chunk_size = 64;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(c, m->weights, backend.get(), topt));
-  const int prompt = 700, steps = 4, page = 16;
+// TokenSelect with a 64-token budget, 16 sinks, a 32-token window, segments of 4 pages (two-level
+// from 16 pages) and no selection cache: small enough to select on a short test sequence.
+PolicyOptions SmallTokenSelect(int page) {
   PolicyOptions o;
   o.kind = PolicyKind::kTokenSelect;
   o.token_budget = 64;
@@ -41,6 +35,19 @@ TEST(DevicePolicyForwardTest, DecodeThroughDevicePolicyMatchesHostPolicy) {
   o.min_segments = 4;
   o.two_level_min_pages = 16;
   o.cache_theta = 2.0;
+  return o;
+}
+
+TEST(DevicePolicyForwardTest, DecodeThroughDevicePolicyMatchesHostPolicy) {
+  test_model::RefModel ref;
+  auto m = test_model::MakeModel(DType::kF32, false, false, &ref);
+  const model::ModelConfig& c = m->config;
+  auto backend = kernels::MakeCpuBackend(1);
+  TransformerOptions topt;
+  topt.prefill_chunk_size = 64;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(c, m->weights, backend.get(), topt));
+  const int prompt = 700, steps = 4, page = 16;
+  const PolicyOptions o = SmallTokenSelect(page);
   std::mt19937 rng(99);
   std::vector<int32_t> ids(prompt + steps);
   for (int32_t& x : ids) x = static_cast<int32_t>(rng() % c.vocab_size);
@@ -91,16 +98,7 @@ TEST(DevicePolicyForwardTest, PrefillChunksThroughDevicePolicyMatchHostPolicy) {
   topt.prefill_chunk_size = 96;  // chunks of 96 and a last one of 41
   STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(c, m->weights, backend.get(), topt));
   const int prompt = 617, page = 16;
-  PolicyOptions o;
-  o.kind = PolicyKind::kTokenSelect;
-  o.token_budget = 64;
-  o.sink_tokens = 16;
-  o.window_tokens = 32;
-  o.page_size = page;
-  o.segment_pages = 4;
-  o.min_segments = 4;
-  o.two_level_min_pages = 16;
-  o.cache_theta = 2.0;
+  const PolicyOptions o = SmallTokenSelect(page);
   std::mt19937 rng(7);
   std::vector<int32_t> ids(prompt);
   for (int32_t& x : ids) x = static_cast<int32_t>(rng() % c.vocab_size);
