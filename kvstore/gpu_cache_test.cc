@@ -670,6 +670,20 @@ TEST_F(GpuCacheTest, DeviceManagedResolvesSelectionsWithoutHostBookkeeping) {
   auto host_managed = Make(4);
   EXPECT_THAT(host_managed->EnqueueResolve(0, kP, mid, 0, 0),
               StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(host_managed->SyncDeviceStats(), StatusIs(absl::StatusCode::kFailedPrecondition));
+
+  // One fp8 page among bf16 ones: the pools cannot hold both.
+  std::vector<float> k(kP * kD), v(kP * kD);
+  STRATA_ASSERT_OK(DecodePage(all[5]->view(), k.data(), v.data()));
+  PageShape fp8 = layout_.page;
+  fp8.dtype = kernels::DType::kFP8E4M3;
+  const kernels::TensorView kf(k.data(), kernels::DType::kF32, {kP, kD});
+  const kernels::TensorView vf(v.data(), kernels::DType::kF32, {kP, kD});
+  STRATA_ASSERT_OK_AND_ASSIGN(std::string page, EncodePage(fp8, kf, vf));
+  STRATA_ASSERT_OK_AND_ASSIGN(PageRef fp8_page, PageBuffer::Copy(page, &alloc));
+  STRATA_ASSERT_OK(pinned_host->Put({PageWrite{keys[5], fp8_page}}, {}));
+  EXPECT_THAT(GpuPageCache::Create(o, backend_.get()).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 // Attention over cache slots equals attention over a pool holding every page at its own index:
