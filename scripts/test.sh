@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 scripts/build.sh -DSTRATA_BUILD_TESTS=ON
+# The pinned npm tools of the deploy tests, installed once before ctest starts them in parallel.
+deploy/tools/install.sh
 BUILD_DIR="${STRATA_BUILD_DIR:-build}"
 # GPU tests (label gpu) report themselves skipped when no GPU is present.
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)" --timeout 600 "$@"
