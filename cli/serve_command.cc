@@ -96,8 +96,8 @@ int Serve(const ServeFlags& f) {
   std::filesystem::create_directories(f.data, mkdir_error);
   if (mkdir_error) return Fail(absl::InternalError(absl::StrCat("cannot create ", f.data, ": ", mkdir_error.message())));
   std::unique_ptr<kvstore::LocalStore> store;
+  std::unique_ptr<kernels::Backend> backend;  // declared before (destroyed after) tier H, whose pages it holds
   std::unique_ptr<HostTier> host_tier;
-  std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<worker::Worker> w;
   std::unique_ptr<worker::WorkerServer> worker_server;
   std::string worker_address = "none";
@@ -111,11 +111,12 @@ int Serve(const ServeFlags& f) {
     store = *std::move(opened);
     // Tier H (host memory) in front of tier D (RocksDB): pages persisted or read once stay in
     // memory for the next job, within --host-cache-bytes.
-    auto ht = HostTier::Create(f.engine.host_cache_bytes, &kv_metrics, store.get(), nullptr);
+    backend = MakeWorkerBackend(static_cast<int>(f.engine.threads));
+    auto ht = HostTier::Create(f.engine.host_cache_bytes, &kv_metrics, store.get(), nullptr, backend.get(),
+                               WorkerPageBytes(m->config, f.engine.page_size));
     if (!ht.ok()) return Fail(ht.status());
     host_tier = *std::move(ht);
     kvstore::PageStore* pages = host_tier->store();
-    backend = MakeWorkerBackend(static_cast<int>(f.engine.threads));
     worker::WorkerOptions wo;
     wo.worker_id = "serve-worker-0";
     f.engine.ApplyTo(&wo);

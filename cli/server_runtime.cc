@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "kernels/backend_factory.h"
+#include "kvstore/page_format.h"
 
 namespace strata::cli {
 
@@ -63,16 +65,32 @@ absl::Status StartMetrics(const std::string& listen, std::shared_ptr<prometheus:
   return absl::OkStatus();
 }
 
+size_t WorkerPageBytes(const model::ModelConfig& config, int64_t page_size) {
+  kvstore::PageShape shape;
+  shape.dtype = kernels::DType::kBF16;
+  shape.page_size = page_size >= 1 && page_size <= 65535 ? static_cast<int>(page_size) : 0;
+  shape.head_dim = config.head_dim >= 1 && config.head_dim <= 65535 ? static_cast<int>(config.head_dim) : 0;
+  return shape.Validate().ok() ? shape.EncodedBytes() : 0;
+}
+
 absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(int64_t capacity_bytes,
                                                            kvstore::KvMetrics* metrics,
                                                            kvstore::PageStore* local,
-                                                           kvstore::PageStore* remote) {
+                                                           kvstore::PageStore* remote,
+                                                           kernels::Backend* backend,
+                                                           size_t page_bytes) {
   auto tier = std::make_unique<HostTier>();
   tier->store_ = local != nullptr ? local : remote;
   if (capacity_bytes <= 0) return tier;
   kvstore::HostCacheOptions hco;
   hco.capacity_bytes = capacity_bytes;
   hco.metrics = metrics;
+  if (backend != nullptr && page_bytes > 0) {
+    // Pinned chunks of at most 256 MiB, and none larger than the tier.
+    const size_t chunk = std::min<size_t>(size_t{256} << 20, static_cast<size_t>(capacity_bytes));
+    tier->allocator_ = std::make_unique<kvstore::BackendPageAllocator>(backend, page_bytes, chunk);
+    hco.allocator = tier->allocator_.get();
+  }
   absl::StatusOr<std::unique_ptr<kvstore::HostCache>> cache = kvstore::HostCache::Create(hco);
   if (!cache.ok()) return cache.status();
   tier->cache_ = *std::move(cache);

@@ -11,9 +11,11 @@
 #include "absl/status/statusor.h"
 #include "cli/flags.h"
 #include "kernels/backend.h"
+#include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/metrics.h"
 #include "kvstore/tiered_store.h"
+#include "model/config.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 #include "worker/worker.h"
@@ -62,16 +64,28 @@ absl::Status StartMetrics(const std::string& listen, std::shared_ptr<prometheus:
 
 // Tier H of a worker: a host cache of `capacity_bytes` in front of the durable tier (`local` or
 // `remote`; the other null). store() is what the worker reads and writes through: the tiered
-// store, or `durable` itself when capacity_bytes is 0 (no host tier).
+// store, or `durable` itself when capacity_bytes is 0 (no host tier). With `backend` (not null;
+// it must outlive the tier), the cached pages live in its AllocateHost memory -- pinned on CUDA
+// -- carved in blocks of `page_bytes` (the encoded bytes of one of the worker's pages): the GPU
+// page cache of a lazy-mount job then reads them in place, and a job whose document is whole in
+// the tier runs the device-managed cache (worker/lazy_attention.h).
+// The encoded bytes of one KV page of a worker serving `config` with pages of `page_size` tokens
+// (bf16, as the worker persists them); 0 for sizes a page cannot have (HostTier then keeps the
+// default allocator and the worker refuses the page size itself).
+size_t WorkerPageBytes(const model::ModelConfig& config, int64_t page_size);
+
 class HostTier {
  public:
   static absl::StatusOr<std::unique_ptr<HostTier>> Create(int64_t capacity_bytes,
                                                           kvstore::KvMetrics* metrics,
                                                           kvstore::PageStore* local,
-                                                          kvstore::PageStore* remote);
+                                                          kvstore::PageStore* remote,
+                                                          kernels::Backend* backend = nullptr,
+                                                          size_t page_bytes = 0);
   kvstore::PageStore* store() const { return store_; }
 
  private:
+  std::unique_ptr<kvstore::BackendPageAllocator> allocator_;  // outlives the cache
   std::unique_ptr<kvstore::HostCache> cache_;
   std::unique_ptr<kvstore::TieredStore> tiered_;
   kvstore::PageStore* store_ = nullptr;

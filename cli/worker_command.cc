@@ -81,12 +81,13 @@ int Run(const WorkerFlags& f) {
   so.metrics = &kv_metrics;
   auto store = kvstore::RemoteStore::Create(so);
   if (!store.ok()) return Fail(store.status());
+  // The backend first: tier H's pages live in its host memory (pinned on CUDA) and go before it.
+  std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.engine.threads));
   // Tier H (host memory) in front of tier R (the KV store service).
-  auto host_tier = HostTier::Create(f.engine.host_cache_bytes, &kv_metrics, nullptr, store->get());
+  auto host_tier = HostTier::Create(f.engine.host_cache_bytes, &kv_metrics, nullptr, store->get(), backend.get(),
+                                    WorkerPageBytes(m->config, f.engine.page_size));
   if (!host_tier.ok()) return Fail(host_tier.status());
   kvstore::PageStore* pages = (*host_tier)->store();
-
-  std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.engine.threads));
   worker::WorkerOptions wo;
   char hostname[256] = {0};
   gethostname(hostname, sizeof(hostname) - 1);

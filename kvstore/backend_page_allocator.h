@@ -37,6 +37,9 @@ class BackendPageAllocator final : public PageAllocator {
   void Free(void* p, size_t bytes) override;
 
   size_t block_bytes() const { return block_bytes_; }
+  // The backend whose AllocateHost memory this is (a device-managed GPU page cache on the same
+  // backend can read it in place).
+  kernels::Backend* backend() const { return backend_; }
   // Bytes obtained from AllocateHost so far (chunks and large buffers).
   size_t reserved_bytes() const;
 

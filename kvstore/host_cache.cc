@@ -78,15 +78,26 @@ absl::Status HostCache::GetSummaries(absl::Span<const SummaryKey> keys,
   return absl::OkStatus();
 }
 
-absl::Status HostCache::Insert(std::string key, const DocumentId& doc, const PageRef& data) {
+void HostCache::PeekPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) const {
+  out->assign(keys.size(), nullptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto it = map_.find(CachePageKey(keys[i]));
+    if (it != map_.end()) (*out)[i] = it->second->data;
+  }
+}
+
+absl::Status HostCache::Insert(std::string key, const DocumentId& doc, const PageRef& data,
+                               PageAllocator* allocator) {
   if (data == nullptr) return absl::InvalidArgumentError("host cache: null page");
   const int64_t size = static_cast<int64_t>(data->size());
   if (size > options_.capacity_bytes) return absl::OkStatus();  // never fits; not cached
   PageRef ref = data;
-  if (data->allocator() != options_.allocator) {
-    absl::StatusOr<PageRef> copy = PageBuffer::Copy(data->view(), options_.allocator);
-    if (!copy.ok()) return copy.status();
-    ref = *std::move(copy);
+  if (allocator != nullptr && data->allocator() != allocator) {
+    // When the allocator fails (pinned memory can run out), the page stays in the memory it
+    // arrived in: still cached, only not readable in place by a device.
+    absl::StatusOr<PageRef> copy = PageBuffer::Copy(data->view(), allocator);
+    if (copy.ok()) ref = *std::move(copy);
   }
   std::vector<PageRef> evicted;  // released outside the lock
   std::lock_guard<std::mutex> lock(mu_);
@@ -117,10 +128,15 @@ absl::Status HostCache::Insert(std::string key, const DocumentId& doc, const Pag
 absl::Status HostCache::Put(absl::Span<const PageWrite> pages,
                             absl::Span<const SummaryWrite> summaries) {
   for (const PageWrite& w : pages) {
-    if (absl::Status s = Insert(CachePageKey(w.key), w.key.document, w.data); !s.ok()) return s;
+    if (absl::Status s = Insert(CachePageKey(w.key), w.key.document, w.data, options_.allocator);
+        !s.ok()) {
+      return s;
+    }
   }
   for (const SummaryWrite& w : summaries) {
-    if (absl::Status s = Insert(CacheSummaryKey(w.key), w.key.document, w.data); !s.ok()) return s;
+    if (absl::Status s = Insert(CacheSummaryKey(w.key), w.key.document, w.data, nullptr); !s.ok()) {
+      return s;
+    }
   }
   return absl::OkStatus();
 }

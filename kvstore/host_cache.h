@@ -1,7 +1,10 @@
 // Tier H: a byte-budgeted LRU cache of pages and summaries in host memory.
 //
-// Holds PageRefs whose memory comes from the configured PageAllocator (the CUDA backend can pass
-// a pinned-memory allocator); pages inserted from another allocator are copied. Entries larger
+// Holds page PageRefs whose memory comes from the configured PageAllocator (the CUDA backend can
+// pass a pinned-memory allocator, kvstore/backend_page_allocator.h); pages inserted from another
+// allocator are copied (or, when the allocator fails, kept where they are). Summaries stay in the memory they arrive in (they are read by the host
+// and uploaded whole, never read in place by the device, and are much smaller than the page
+// blocks of such an allocator). Entries larger
 // than the whole budget are not cached. Not durable: Put succeeds as soon as the entries are in
 // memory. Counts lookups, hits, evictions and resident/capacity bytes under tier "host".
 // Thread-safe (one mutex; the critical sections are hash-map and list operations). Standard
@@ -42,22 +45,32 @@ class HostCache final : public PageStore {
 
   const char* tier() const override { return "host"; }
   absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) override;
-  // Inserts (or refreshes) the entries, evicting least recently used ones to stay in budget.
-  // ResourceExhausted only when the allocator fails.
+  // Inserts (or refreshes) the entries, evicting least recently used ones to stay in budget. A
+  // page the allocator cannot take (pinned memory can run out) is cached in the memory it arrived
+  // in. InvalidArgument for a null entry.
   absl::Status Put(absl::Span<const PageWrite> pages,
                    absl::Span<const SummaryWrite> summaries) override;
   absl::Status GetSummaries(absl::Span<const SummaryKey> keys, std::vector<PageRef>* out) override;
+
+  // The cached pages of `keys` (null where absent) without counting lookups or hits and without
+  // refreshing their LRU positions: for a caller asking whether the tier holds a whole document
+  // before deciding how to read it (worker/lazy_attention.h).
+  void PeekPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) const;
 
   // Drops every entry of `document`.
   void EraseDocument(const DocumentId& document);
 
   int64_t resident_bytes() const;
   int64_t capacity_bytes() const { return options_.capacity_bytes; }
+  // Where cached pages live (the option, or DefaultPageAllocator()).
+  PageAllocator* allocator() const { return options_.allocator; }
   int64_t num_entries() const;
 
  private:
   explicit HostCache(const HostCacheOptions& options);
-  absl::Status Insert(std::string key, const DocumentId& doc, const PageRef& data);
+  // Inserts `data`, copied into `allocator` memory unless it is already there (null: kept as is).
+  absl::Status Insert(std::string key, const DocumentId& doc, const PageRef& data,
+                      PageAllocator* allocator);
   void Lookup(const std::vector<std::string>& keys, std::vector<PageRef>* out);
 
   struct Entry {

@@ -124,6 +124,68 @@ TEST(HostCacheTest, UsesItsAllocatorAndFreesEverything) {
   EXPECT_EQ(alloc.live(), 0);
 }
 
+class FailingAllocator final : public PageAllocator {
+ public:
+  void* Allocate(size_t) override { return nullptr; }
+  void Free(void*, size_t) override {}
+};
+
+TEST(HostCacheTest, SummariesKeepTheirMemoryAndAFailingAllocatorStillCaches) {
+  CountingAllocator alloc;
+  {
+    HostCacheOptions o;
+    o.allocator = &alloc;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache, HostCache::Create(o));
+    SummaryKey sk;
+    sk.document = Key(0).document;
+    STRATA_ASSERT_OK(cache->Put({}, {SummaryWrite{sk, Buf(64, 's')}}));
+    EXPECT_EQ(alloc.live(), 0);  // summaries are not copied into the page allocator
+    std::vector<PageRef> out;
+    const std::vector<SummaryKey> keys = {sk};
+    STRATA_ASSERT_OK(cache->GetSummaries(keys, &out));
+    ASSERT_NE(out[0], nullptr);
+    EXPECT_EQ(out[0]->view(), std::string(64, 's'));
+  }
+  FailingAllocator failing;
+  HostCacheOptions o;
+  o.allocator = &failing;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, HostCache::Create(o));
+  STRATA_ASSERT_OK(cache->Put({PageWrite{Key(0), Buf(100, 'a')}}, {}));
+  std::vector<PageRef> out;
+  const std::vector<PageKey> keys = {Key(0)};
+  STRATA_ASSERT_OK(cache->GetPages(keys, &out));
+  ASSERT_NE(out[0], nullptr);
+  EXPECT_NE(out[0]->allocator(), &failing);
+  EXPECT_EQ(out[0]->view(), std::string(100, 'a'));
+}
+
+TEST(HostCacheTest, PeekPagesCountsNothingAndKeepsTheLruOrder) {
+  prometheus::Registry registry;
+  KvMetrics metrics(&registry);
+  HostCacheOptions o;
+  o.capacity_bytes = 200;
+  o.metrics = &metrics;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, HostCache::Create(o));
+  STRATA_ASSERT_OK(cache->Put({PageWrite{Key(0), Buf(100, 'a')}}, {}));
+  STRATA_ASSERT_OK(cache->Put({PageWrite{Key(1), Buf(100, 'b')}}, {}));
+  std::vector<PageRef> out;
+  const std::vector<PageKey> keys = {Key(0), Key(2), Key(1)};
+  cache->PeekPages(keys, &out);
+  ASSERT_EQ(out.size(), 3u);
+  ASSERT_NE(out[0], nullptr);
+  EXPECT_EQ(out[0]->view(), std::string(100, 'a'));
+  EXPECT_EQ(out[1], nullptr);
+  ASSERT_NE(out[2], nullptr);
+  EXPECT_EQ(Value(registry, "strata_kv_lookups_total", "host"), 0);
+  EXPECT_EQ(Value(registry, "strata_kv_hits_total", "host"), 0);
+  // Page 0 is still the least recently used: a third page evicts it, not page 1.
+  STRATA_ASSERT_OK(cache->Put({PageWrite{Key(2), Buf(100, 'c')}}, {}));
+  cache->PeekPages(keys, &out);
+  EXPECT_EQ(out[0], nullptr);
+  EXPECT_NE(out[1], nullptr);
+  EXPECT_NE(out[2], nullptr);
+}
+
 TEST(HostCacheTest, ConcurrentGetAndPutStayWithinBudget) {
   HostCacheOptions o;
   o.capacity_bytes = 64 * 100;

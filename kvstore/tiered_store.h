@@ -49,6 +49,9 @@ class TieredStore final : public PageStore {
                    absl::Span<const SummaryWrite> summaries) override;
   absl::Status GetSummaries(absl::Span<const SummaryKey> keys, std::vector<PageRef>* out) override;
 
+  // Tier H, or null.
+  HostCache* host() const { return options_.host; }
+
  private:
   explicit TieredStore(const TieredStoreOptions& options) : options_(options) {}
   template <typename Key, typename Write>

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "kvstore/backend_page_allocator.h"
 
 namespace strata::worker {
 namespace {
@@ -51,6 +52,75 @@ class TierCountingStore final : public kvstore::PageStore {
   kvstore::TierCounts counts_;
 };
 
+// The source of a device-managed cache: every page of the document, peeked from the host tier
+// once (HostCache::PeekPages) and served from those references, so that the cache's one lookup
+// of each page at Create neither counts as host-tier traffic nor reorders its LRU.
+class HeldPagesStore final : public kvstore::PageStore {
+ public:
+  HeldPagesStore(kvstore::DocumentId document, int num_kv_heads, int64_t num_pages, std::vector<kvstore::PageRef> pages)
+      : document_(document), num_kv_heads_(num_kv_heads), num_pages_(num_pages), pages_(std::move(pages)) {}
+  const char* tier() const override { return "host"; }
+  absl::Status GetPages(absl::Span<const kvstore::PageKey> keys, std::vector<kvstore::PageRef>* out) override {
+    out->assign(keys.size(), nullptr);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const kvstore::PageKey& k = keys[i];
+      if (!(k.document == document_) || k.kv_head >= static_cast<uint32_t>(num_kv_heads_) ||
+          static_cast<int64_t>(k.page_index) >= num_pages_) {
+        continue;
+      }
+      const size_t flat = (static_cast<size_t>(k.layer) * num_kv_heads_ + k.kv_head) * num_pages_ + k.page_index;
+      if (flat < pages_.size()) (*out)[i] = pages_[flat];
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Put(absl::Span<const kvstore::PageWrite>, absl::Span<const kvstore::SummaryWrite>) override {
+    return absl::FailedPreconditionError("lazy mount: the page cache's source is read-only");
+  }
+  absl::Status GetSummaries(absl::Span<const kvstore::SummaryKey> keys, std::vector<kvstore::PageRef>* out) override {
+    out->assign(keys.size(), nullptr);
+    return absl::OkStatus();
+  }
+  void Release() { pages_.clear(); }  // the cache holds its own references after Create
+
+ private:
+  const kvstore::DocumentId document_;
+  const int num_kv_heads_;
+  const int64_t num_pages_;
+  std::vector<kvstore::PageRef> pages_;  // flat (layer, kv head, page)
+};
+
+// Every page of the document in flat (layer, kv head, page) order when `store`'s host tier holds
+// all of them in memory of a BackendPageAllocator on `backend` (so the device can read them in
+// place); an empty vector otherwise. Stops at the first page that is absent.
+std::vector<kvstore::PageRef> PeekWholeDocument(kvstore::PageStore* store, kernels::Backend* backend,
+                                                const kvstore::DocumentId& document, int num_layers,
+                                                int num_kv_heads, int64_t num_pages,
+                                                kvstore::PageAllocator** allocator) {
+  auto* tiered = dynamic_cast<kvstore::TieredStore*>(store);
+  kvstore::HostCache* host = tiered != nullptr ? tiered->host() : nullptr;
+  auto* alloc = host != nullptr ? dynamic_cast<kvstore::BackendPageAllocator*>(host->allocator()) : nullptr;
+  if (alloc == nullptr || alloc->backend() != backend) return {};
+  std::vector<kvstore::PageRef> all;
+  all.reserve(static_cast<size_t>(num_layers) * num_kv_heads * num_pages);
+  std::vector<kvstore::PageKey> keys(static_cast<size_t>(num_pages));
+  std::vector<kvstore::PageRef> got;
+  for (int l = 0; l < num_layers; ++l) {
+    for (int g = 0; g < num_kv_heads; ++g) {
+      for (int64_t p = 0; p < num_pages; ++p) {
+        keys[static_cast<size_t>(p)] =
+            kvstore::PageKey{document, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
+      }
+      host->PeekPages(keys, &got);
+      for (const kvstore::PageRef& r : got) {
+        if (r == nullptr || r->allocator() != alloc) return {};
+        all.push_back(r);
+      }
+    }
+  }
+  *allocator = alloc;
+  return all;
+}
+
 }  // namespace
 
 struct LazyDocumentAttention::State {
@@ -60,6 +130,11 @@ struct LazyDocumentAttention::State {
   int64_t window_first = 1;    // first window page
   int64_t k = 0;               // middle pages chosen per head
   std::unique_ptr<TierCountingStore> source;
+  // Device-managed cache (resident mode): the held pages its Create read, and the pages the job
+  // filled from the host tier (SyncStats).
+  bool managed = false;
+  std::unique_ptr<HeldPagesStore> held;
+  kvstore::TierCounts managed_counts;
   engine::PageChooser host_chooser;
   std::unique_ptr<kvstore::GpuPageCache> cache;
   std::unique_ptr<engine::GpuCacheAttention> hook;
@@ -80,8 +155,31 @@ struct LazyDocumentAttention::State {
     for (int32_t p : pages) counters.selected_tokens += PageTokens(p);
   }
   absl::Status LoadSummaries(int layer);
-  absl::Status ChooseOnDevice(int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages);
+  absl::Status ChooseOnDevice(int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
+                              engine::DeviceTokenSelection* selection);
+  // The device selection of a one-token choice for a device-managed cache: page 0, the `selected`
+  // middle pages (token ids through fanout page_size; none when `middle` is false) and the
+  // window pages; counts the tokens they name per KV head (every middle page is full, and
+  // EnqueueMinMaxPageTopK keeps k <= window_first - 1 distinct valid pages).
+  void FillSelection(bool middle, engine::DeviceTokenSelection* selection);
 };
+
+void LazyDocumentAttention::State::FillSelection(bool middle, engine::DeviceTokenSelection* sel) {
+  const int64_t P = o.page_size;
+  sel->valid = true;
+  sel->prefix_end = std::min<int64_t>(o.document_tokens, P);
+  if (middle) {
+    sel->middle.parents = selected->View(kernels::DType::kI32, {o.num_kv_heads, k});
+    sel->middle.fanout = static_cast<int>(P);
+  }
+  sel->middle.begin = P;
+  sel->middle.end = middle ? window_first * P : P;
+  sel->suffix_begin = std::min<int64_t>(window_first * P, o.document_tokens);
+  sel->suffix_end = o.document_tokens;
+  const int64_t per_head = sel->prefix_end + (middle ? k * P : 0) + (sel->suffix_end - sel->suffix_begin);
+  counters.candidate_tokens += o.num_kv_heads * o.document_tokens;
+  counters.selected_tokens += o.num_kv_heads * per_head;
+}
 
 absl::Status LazyDocumentAttention::State::LoadSummaries(int layer) {
   const int hkv = o.num_kv_heads, d = o.head_dim;
@@ -110,10 +208,11 @@ absl::Status LazyDocumentAttention::State::LoadSummaries(int layer) {
 }
 
 absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kernels::TensorView& q,
-                                                          std::vector<std::vector<int32_t>>* pages) {
+                                                          std::vector<std::vector<int32_t>>* pages,
+                                                          engine::DeviceTokenSelection* selection) {
   const int hkv = o.num_kv_heads, d = o.head_dim;
   if (layer < 0 || layer >= o.num_layers || q.rank != 3 || q.dim(2) != d || q.dim(1) % hkv != 0 ||
-      static_cast<int>(pages->size()) != hkv) {
+      (pages != nullptr && static_cast<int>(pages->size()) != hkv) || (pages == nullptr && q.dim(0) != 1)) {
     return absl::InvalidArgumentError("lazy mount: device chooser called with a bad layer or query shape");
   }
   const int num_tokens = static_cast<int>(q.dim(0));
@@ -144,11 +243,22 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
         backend, kernels::TensorView(q.data, kernels::DType::kF32, {hq, d}),
         summaries[layer]->View(kernels::DType::kF32, {hkv, num_pages, 2 * d}), window_first, k,
         scores->View(kernels::DType::kF32, {hkv, group, n}), selected->View(kernels::DType::kI32, {hkv, k})));
+    if (pages == nullptr) {
+      // Device-managed cache: the selection stays on the device (nothing read on the host).
+      FillSelection(true, selection);
+      ++device_choices;
+      return absl::OkStatus();
+    }
     host_selected.resize(static_cast<size_t>(hkv) * k);
     STRATA_RETURN_IF_ERROR(
         backend->CopyToHost(host_selected.data(), selected->data(), host_selected.size() * sizeof(int32_t), nullptr));
   } else {
     host_selected.assign(static_cast<size_t>(hkv) * std::max<int64_t>(k, 0), -1);
+    if (pages == nullptr) {
+      FillSelection(false, selection);
+      ++device_choices;
+      return absl::OkStatus();
+    }
   }
   for (int g = 0; g < hkv; ++g) {
     std::vector<int32_t>& out = (*pages)[g];
@@ -189,6 +299,23 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   st->host_chooser = engine::MakeMinMaxChooser(co);
 
   const int64_t total = static_cast<int64_t>(o.num_layers) * o.num_kv_heads * st->num_pages;
+  const bool device = o.device_path < 0 ? backend->Name() != "cpu" : o.device_path > 0;
+  // Resident mode: the host tier holds the whole document where the device can read it.
+  kvstore::PageAllocator* in_place = nullptr;
+  if (device && o.device_managed != 0) {
+    std::vector<kvstore::PageRef> all =
+        PeekWholeDocument(o.store, backend, o.document, o.num_layers, o.num_kv_heads, st->num_pages, &in_place);
+    if (static_cast<int64_t>(all.size()) == total) {
+      st->managed = true;
+      st->held = std::make_unique<HeldPagesStore>(o.document, o.num_kv_heads, st->num_pages, std::move(all));
+    } else if (o.device_managed > 0) {
+      return absl::FailedPreconditionError(
+          "LazyDocumentAttention: device_managed needs every page of the document in the host tier, in memory "
+          "of a BackendPageAllocator on this backend");
+    }
+  } else if (o.device_managed > 0) {
+    return absl::FailedPreconditionError("LazyDocumentAttention: device_managed needs the device path");
+  }
   const int64_t per_call =
       static_cast<int64_t>(o.num_kv_heads) *
       std::min<int64_t>(st->num_pages, 1 + static_cast<int64_t>(o.budget_pages) + o.window_pages);
@@ -204,9 +331,15 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   go.source = st->source.get();
   go.metrics = o.metrics;
   go.additive_gauges = true;
+  if (st->managed) {
+    go.source = st->held.get();
+    go.hold_source_pages = true;
+    go.in_place_allocator = in_place;
+    go.device_managed = true;
+  }
   STRATA_ASSIGN_OR_RETURN(st->cache, kvstore::GpuPageCache::Create(go, backend));
+  if (st->managed) st->held->Release();  // the cache holds the pages now
 
-  const bool device = o.device_path < 0 ? backend->Name() != "cpu" : o.device_path > 0;
   engine::GpuCacheAttentionOptions ao;
   ao.document_tokens = o.document_tokens;
   ao.max_pages_per_chunk = 0;  // the cache's slots: one chunk per call (slots >= one call's need)
@@ -221,7 +354,15 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   if (device) {
     st->summaries.resize(static_cast<size_t>(o.num_layers));
     ao.device_chooser = [s](int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
-                            engine::DeviceTokenSelection*) { return s->ChooseOnDevice(layer, q, pages); };
+                            engine::DeviceTokenSelection* selection) {
+      return s->ChooseOnDevice(layer, q, pages, selection);
+    };
+    if (st->managed) {
+      // Every layer's summaries up front: a decode step then queues device work only.
+      if (st->k > 0 && st->window_first > 1) {
+        for (int l = 0; l < o.num_layers; ++l) STRATA_RETURN_IF_ERROR(st->LoadSummaries(l));
+      }
+    }
   }
   STRATA_ASSIGN_OR_RETURN(st->hook, engine::GpuCacheAttention::Create(ao, st->cache.get(), backend));
   return std::unique_ptr<LazyDocumentAttention>(new LazyDocumentAttention(std::move(st)));
@@ -246,6 +387,15 @@ absl::Status LazyDocumentAttention::Attend(int layer, const float* q, int num_to
 }
 
 bool LazyDocumentAttention::AttendsOnDevice() const { return state_->hook->AttendsOnDevice(); }
+bool LazyDocumentAttention::CapturableOnDevice() const { return state_->hook->CapturableOnDevice(); }
+bool LazyDocumentAttention::device_managed() const { return state_->managed; }
+
+absl::Status LazyDocumentAttention::SyncStats() {
+  if (!state_->managed) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(state_->cache->SyncDeviceStats());
+  state_->managed_counts.host = state_->cache->stats().fills;  // every fill read a host-tier page
+  return absl::OkStatus();
+}
 
 absl::Status LazyDocumentAttention::AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
                                                    const kernels::TensorView& out, const kernels::TensorView& lse) {
@@ -255,7 +405,9 @@ absl::Status LazyDocumentAttention::AttendOnDevice(int layer, const kernels::Ten
   return state_->hook->AttendOnDevice(layer, q, q_begin, out, lse);
 }
 
-const kvstore::TierCounts& LazyDocumentAttention::pages() const { return state_->source->counts(); }
+const kvstore::TierCounts& LazyDocumentAttention::pages() const {
+  return state_->managed ? state_->managed_counts : state_->source->counts();
+}
 int64_t LazyDocumentAttention::cache_hits() const { return state_->cache->stats().hits; }
 int64_t LazyDocumentAttention::cache_misses() const {
   const kvstore::GpuCacheStats s = state_->cache->stats();

@@ -30,6 +30,19 @@
 // capacity bytes, fetch bytes host -> gpu) go to `metrics` with gauges that add up over the
 // caches alive at once.
 //
+// Resident mode (device-managed cache): with the device path, when the store is a
+// kvstore::TieredStore whose host tier keeps its pages in a kvstore::BackendPageAllocator of the
+// job's backend (pinned host memory on CUDA; cli/server_runtime.h sets this up) and holds every
+// page of the document at Create (HostCache::PeekPages: counted nowhere, LRU untouched), the cache
+// is device-managed (GpuCacheOptions::device_managed; it keeps references to the pages, so they
+// stay alive for the job even if the tier evicts them): every layer's summaries are uploaded at
+// Create, and each query token's selection (EnqueueMinMaxPageTopK), page-cache step
+// (GpuPageCache::EnqueueResolve, fills copied by the device from the pinned pages) and
+// SelectedAttention over the cache's table are queued on the device with nothing read on the
+// host (CapturableOnDevice). A prompt chunk then chooses per token, not by the chunk's summed
+// vote. Otherwise (some page only on disk or remote, a CPU-memory host tier, the host path) the
+// host-managed cache above. pages().host then counts the cache's fills (after SyncStats).
+//
 // Positions: page p holds positions [p * P, min((p + 1) * P, document_tokens)); every document
 // token precedes the queries, so nothing is masked. Thread-compatible (one forward at a time).
 #ifndef STRATA_WORKER_LAZY_ATTENTION_H_
@@ -72,6 +85,9 @@ struct LazyAttentionOptions {
   // -1: the device path on a backend other than the CPU backend, the host path on it; 0: host
   // path; 1: device path (also on the CPU backend, whose selection ops are the reference twins).
   int device_path = -1;
+  // -1: resident mode when possible (see the file comment); 0: never; 1: required
+  // (FailedPrecondition from Create when it is not possible).
+  int device_managed = -1;
 };
 
 class LazyDocumentAttention : public engine::ExternalAttention {
@@ -87,11 +103,19 @@ class LazyDocumentAttention : public engine::ExternalAttention {
   absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
                       std::vector<engine::AttentionPartial>* parts) override;
   bool AttendsOnDevice() const override;
+  bool CapturableOnDevice() const override;
   absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
                               const kernels::TensorView& out, const kernels::TensorView& lse) override;
 
-  // Pages read from each tier (page-cache misses).
+  // Pages read from each tier (page-cache misses; resident mode: the fills from the host tier as
+  // of the last SyncStats).
   const kvstore::TierCounts& pages() const;
+  // Resident mode: waits for the queued work and brings pages(), cache_hits(), cache_misses() and
+  // the cache's metrics up to date (GpuPageCache::SyncDeviceStats); nothing otherwise. Not during
+  // a graph capture.
+  absl::Status SyncStats();
+  // True in resident mode (a device-managed cache; see the file comment).
+  bool device_managed() const;
   // Page-cache hits and misses over every call (GpuPageCache lookups - hits).
   int64_t cache_hits() const;
   int64_t cache_misses() const;

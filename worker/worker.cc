@@ -1028,8 +1028,13 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
     lo.capacity_pages = options_.lazy_cache_pages;
     lo.metrics = metrics_ != nullptr ? metrics_->kv : nullptr;
+    // device_selection "on" takes the device path on the CPU backend too (its twins); otherwise
+    // the device path on a device backend. There, a document whole in a pinned host tier runs the
+    // device-managed cache (resident mode, worker/lazy_attention.h).
+    lo.device_path = options_.device_selection == "on" ? 1 : -1;
     // The page cache lives on the job's own backend (CPU or CUDA), like the job's KvCache.
     STRATA_ASSIGN_OR_RETURN(lazy, LazyDocumentAttention::Create(lo, backend_));
+    if (lazy->device_managed()) ++resident_lazy_jobs_;
     policy = engine::MakeDensePolicy();  // over the prompt and generated tokens
     fo.cache_first_position = doc_tokens;
     fo.external = lazy.get();
@@ -1215,6 +1220,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   }
   const engine::SelectionCounters end = counters();
   if (lazy != nullptr) {  // every page-cache miss of this job, by the tier that served it
+    STRATA_RETURN_IF_ERROR(lazy->SyncStats());  // resident mode: the device's counters
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
     tiers->set_host(static_cast<uint64_t>(lazy->pages().host));
     tiers->set_disk(static_cast<uint64_t>(lazy->pages().local));

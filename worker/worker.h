@@ -144,7 +144,11 @@ struct WorkerOptions {
   // choose pages with the backend's selection ops over summaries held in its memory.
   // Selection is MakeMinMaxChooser's (page 0, ceil(window_tokens / P) last pages and the
   // ceil(budget_tokens / P) pages of highest head soft vote), not the engine policy's. Dense and
-  // other policies keep loading every page. Default false.
+  // other policies keep loading every page. The selection runs on the backend on a device
+  // backend (and on the CPU backend with device_selection "on"); there, when the host tier
+  // (a TieredStore's HostCache in a BackendPageAllocator of this backend: pinned on CUDA) holds
+  // every page of the document, the job's page cache is device-managed: no per-layer host round
+  // trip (worker/lazy_attention.h, resident mode). Default false.
   bool lazy_mount = false;
   int64_t lazy_cache_pages = 8192;
   // Device selection (engine/sparse/device_policy.h): a job whose KV cache holds the whole
@@ -283,6 +287,9 @@ class Worker {
   const absl::Status& device_selection_status() const { return device_selection_; }
   // Jobs that ran their decode steps with device selection.
   int64_t device_selection_jobs() const { return device_selection_jobs_.load(); }
+  // Lazy-mount jobs whose document was whole in the host tier: device-managed page cache
+  // (worker/lazy_attention.h, resident mode).
+  int64_t resident_lazy_jobs() const { return resident_lazy_jobs_.load(); }
 
  private:
   struct JobResult;
@@ -350,6 +357,7 @@ class Worker {
   absl::Status device_prefill_ = absl::FailedPreconditionError("prefill_policy is dense");
   std::atomic<bool> prefill_fallback_logged_{false};
   std::atomic<int64_t> device_selection_jobs_{0};
+  std::atomic<int64_t> resident_lazy_jobs_{0};
   std::atomic<bool> fallback_logged_{false};
 };
 

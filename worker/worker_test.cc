@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -24,7 +25,9 @@
 #include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
 #include "gtest/gtest.h"
+#include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
+#include "kvstore/page_format.h"
 #include "kvstore/local_store.h"
 #include "kvstore/tiered_store.h"
 #include "kvstore/metrics.h"
@@ -508,6 +511,208 @@ TEST_F(LazyAttentionTest, PageMissingFromTheStoreIsDataLossAndBadCallsAreRefused
   o.store = store_.get();
   o.document_tokens = 0;
   EXPECT_THAT(LazyDocumentAttention::Create(o, backend_.get()).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// Reads strata_kv_<name>{tier=`tier`} (a counter or gauge) from `registry`; 0 when absent.
+double TierMetric(prometheus::Registry& registry, const std::string& name, const std::string& tier) {
+  for (const prometheus::MetricFamily& f : registry.Collect()) {
+    if (f.name != name) continue;
+    for (const prometheus::ClientMetric& m : f.metric) {
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        if (l.name == "tier" && l.value == tier) {
+          return f.type == prometheus::MetricType::Gauge ? m.gauge.value : m.counter.value;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+// Tier H in front of the fixture's store, its pages in backend memory (a BackendPageAllocator on
+// `backend`, as cli/server_runtime.h sets up a worker's tier) or, with backend null, in the
+// default allocator's; `warm` reads the listed pages (layer, kv head, page) of the document
+// through it first, so that they are cached.
+struct HostTierFixture {
+  std::unique_ptr<kvstore::BackendPageAllocator> alloc;
+  std::unique_ptr<kvstore::HostCache> host;
+  std::unique_ptr<kvstore::TieredStore> tiered;
+};
+HostTierFixture MakeHostTier(kvstore::PageStore* durable, kernels::Backend* backend, int head_dim,
+                             kvstore::KvMetrics* metrics, const std::vector<kvstore::PageKey>& warm) {
+  HostTierFixture t;
+  kvstore::HostCacheOptions ho;
+  ho.metrics = metrics;
+  if (backend != nullptr) {
+    kvstore::PageShape shape;
+    shape.page_size = 64;
+    shape.head_dim = head_dim;
+    t.alloc = std::make_unique<kvstore::BackendPageAllocator>(backend, shape.EncodedBytes(), size_t{1} << 20);
+    ho.allocator = t.alloc.get();
+  }
+  t.host = *kvstore::HostCache::Create(ho);
+  kvstore::TieredStoreOptions to;
+  to.host = t.host.get();
+  to.local = durable;
+  t.tiered = *kvstore::TieredStore::Create(to);
+  std::vector<kvstore::PageRef> got;
+  EXPECT_TRUE(t.tiered->GetPages(warm, &got).ok());
+  return t;
+}
+
+// Every page of the fixture's document (2 layers x 2 KV heads x 10 pages), but `skip`.
+std::vector<kvstore::PageKey> DocumentPages(int skip = -1) {
+  std::vector<kvstore::PageKey> keys;
+  for (uint32_t l = 0; l < 2; ++l) {
+    for (uint32_t g = 0; g < 2; ++g) {
+      for (uint32_t p = 0; p < 10; ++p) {
+        if (static_cast<int>(keys.size()) == skip) {
+          skip = -2;  // skipped once: the numbering below moves on
+          continue;
+        }
+        keys.push_back(kvstore::PageKey{*kvstore::DocumentId::FromHex(kDocId), l, g, p});
+      }
+    }
+  }
+  return keys;
+}
+
+TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
+  // The whole document in a backend-memory host tier: the cache is device-managed (selection,
+  // page-cache step and attention queued on the backend), and every call gives the outputs of the
+  // host-managed device path over the store (a prompt chunk: those of its tokens one by one, as
+  // the resident mode chooses per token).
+  const int d = static_cast<int>(model_->config.head_dim);
+  HostTierFixture tier = MakeHostTier(store_.get(), backend_.get(), d, kv_metrics_.get(), DocumentPages());
+  ASSERT_EQ(tier.host->num_entries(), 40);
+  const double host_lookups = TierMetric(registry_, "strata_kv_lookups_total", "host");
+  LazyAttentionOptions o = Options(8192, 1);
+  o.store = tier.tiered.get();
+  o.device_managed = 1;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto res, LazyDocumentAttention::Create(o, backend_.get()));
+  // Create looked up the 40 minmax summaries (uploaded up front in resident mode) in the host
+  // tier, not the 40 pages (peeked).
+  const double host_lookups_created = TierMetric(registry_, "strata_kv_lookups_total", "host");
+  EXPECT_EQ(host_lookups_created - host_lookups, 40.0);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ref, LazyDocumentAttention::Create(Options(8192, 1), backend_.get()));
+  ASSERT_TRUE(res->device_managed());
+  EXPECT_TRUE(res->CapturableOnDevice());
+  EXPECT_FALSE(ref->device_managed());  // the plain store has no host tier
+  EXPECT_FALSE(ref->CapturableOnDevice());
+  auto view = [](float* p, std::initializer_list<int64_t> dims) {
+    return kernels::TensorView(p, kernels::DType::kF32, dims);
+  };
+  for (int tokens : {1, 1, 5, 1, 1}) {
+    std::vector<float> q = Queries(tokens, 40 + tokens);
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<float> out(static_cast<size_t>(tokens) * hq() * d, -7.0f), lse(static_cast<size_t>(tokens) * hq(), -7.0f);
+      STRATA_ASSERT_OK(res->AttendOnDevice(layer, view(q.data(), {tokens, hq(), d}), 700,
+                                           view(out.data(), {tokens, hq(), d}), view(lse.data(), {tokens, hq()})));
+      for (int t = 0; t < tokens; ++t) {
+        std::vector<float> want(static_cast<size_t>(hq()) * d), want_lse(static_cast<size_t>(hq()));
+        STRATA_ASSERT_OK(ref->AttendOnDevice(layer, view(q.data() + static_cast<size_t>(t) * hq() * d, {1, hq(), d}),
+                                             700 + t, view(want.data(), {1, hq(), d}), view(want_lse.data(), {1, hq()})));
+        for (size_t i = 0; i < want.size(); ++i) {
+          ASSERT_NEAR(out[static_cast<size_t>(t) * hq() * d + i], want[i], 1e-5) << "layer " << layer << " token " << t;
+        }
+        for (size_t i = 0; i < want_lse.size(); ++i) {
+          ASSERT_NEAR(lse[static_cast<size_t>(t) * hq() + i], want_lse[i], 1e-5);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(res->counters().selected_tokens, ref->counters().selected_tokens);
+  EXPECT_EQ(res->counters().candidate_tokens, ref->counters().candidate_tokens);
+  EXPECT_EQ(res->device_choices(), 9 * 2);
+  // Before SyncStats the device's counters have not been read.
+  EXPECT_EQ(res->pages().host, 0);
+  STRATA_ASSERT_OK(res->SyncStats());
+  // Each distinct page once (no evictions in 40 slots), from the host tier instead of the disk.
+  EXPECT_EQ(res->pages().host, ref->pages().local);
+  EXPECT_EQ(res->pages().local, 0);
+  EXPECT_EQ(res->pages().host, res->cache().stats().fills);
+  EXPECT_EQ(res->cache_hits() + res->cache_misses(), res->cache().stats().lookups);
+  EXPECT_EQ(res->cache_misses(), res->pages().host);
+  EXPECT_GT(res->cache_hits(), 0);
+  STRATA_ASSERT_OK(ref->SyncStats());  // a no-op for a host-managed cache
+  // The calls did not touch the host tier's counters: fills read the held pages.
+  EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "host"), host_lookups_created);
+}
+
+TEST_F(LazyAttentionTest, ResidentModeNeedsTheWholeDocumentInABackendHostTier) {
+  const int d = static_cast<int>(model_->config.head_dim);
+  auto create = [&](kvstore::PageStore* store, int device_path, int device_managed) {
+    LazyAttentionOptions o = Options(8192, device_path);
+    o.store = store;
+    o.device_managed = device_managed;
+    return LazyDocumentAttention::Create(o, backend_.get());
+  };
+  // The tiers go after the caches that hold their pages (declared first).
+  HostTierFixture holed = MakeHostTier(store_.get(), backend_.get(), d, nullptr, DocumentPages(23));
+  HostTierFixture plain = MakeHostTier(store_.get(), nullptr, d, nullptr, DocumentPages());
+  HostTierFixture whole = MakeHostTier(store_.get(), backend_.get(), d, nullptr, DocumentPages());
+  // One page (layer 1, KV head 0, page 3) only on disk: the host-managed cache, or an error when
+  // resident mode is required.
+  ASSERT_EQ(holed.host->num_entries(), 39);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto lazy, create(holed.tiered.get(), 1, -1));
+  EXPECT_FALSE(lazy->device_managed());
+  EXPECT_THAT(create(holed.tiered.get(), 1, 1).status(), testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  // Whole, but in memory the backend did not allocate (the default allocator).
+  ASSERT_EQ(plain.host->num_entries(), 40);
+  STRATA_ASSERT_OK_AND_ASSIGN(lazy, create(plain.tiered.get(), 1, -1));
+  EXPECT_FALSE(lazy->device_managed());
+  // Whole and in backend memory, but resident mode is off, or the host path is asked for.
+  STRATA_ASSERT_OK_AND_ASSIGN(lazy, create(whole.tiered.get(), 1, 0));
+  EXPECT_FALSE(lazy->device_managed());
+  STRATA_ASSERT_OK_AND_ASSIGN(lazy, create(whole.tiered.get(), 0, -1));
+  EXPECT_FALSE(lazy->device_managed());
+  EXPECT_THAT(create(whole.tiered.get(), 0, 1).status(), testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  // The tier evicting the pages later does not free them under the cache: it holds them.
+  STRATA_ASSERT_OK_AND_ASSIGN(lazy, create(whole.tiered.get(), 1, 1));
+  ASSERT_TRUE(lazy->device_managed());
+  whole.host->EraseDocument(*kvstore::DocumentId::FromHex(kDocId));
+  ASSERT_EQ(whole.host->num_entries(), 0);
+  std::vector<float> q = Queries(1, 5), out(static_cast<size_t>(hq()) * d), lse(static_cast<size_t>(hq()));
+  STRATA_ASSERT_OK(lazy->AttendOnDevice(0, kernels::TensorView(q.data(), kernels::DType::kF32, {1, hq(), d}), 700,
+                                        kernels::TensorView(out.data(), kernels::DType::kF32, {1, hq(), d}),
+                                        kernels::TensorView(lse.data(), kernels::DType::kF32, {1, hq()})));
+  STRATA_ASSERT_OK(lazy->SyncStats());
+  EXPECT_EQ(lazy->pages().host, 2 * (1 + 2 + 1));  // 2 heads x (page 0, 2 chosen, the window page)
+  for (float x : lse) EXPECT_TRUE(std::isfinite(x));
+}
+
+TEST_F(LazyMountTest, DocumentWholeInABackendHostTierRunsTheDeviceManagedCache) {
+  // A worker whose host tier is in backend memory and holds the whole document (read once, as a
+  // dense job or the prefill would leave it): quest jobs with device selection run the
+  // device-managed cache, serve every page from the host tier, and a budget covering the
+  // document gives the full mount's tokens.
+  const int d = static_cast<int>(model_->config.head_dim);
+  HostTierFixture tier = MakeHostTier(store_.get(), backend_.get(), d, kv_metrics_.get(), DocumentPages());
+  WorkerMetrics wm(&registry_);
+  wm.kv = kv_metrics_.get();
+  WorkerOptions wo;
+  wo.worker_id = "lazy-resident";
+  wo.prefill_chunk_size = 64;
+  wo.lazy_mount = true;
+  wo.device_selection = "on";
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), backend_.get(),
+                                                                        tier.tiered.get(), store_.get(), &wm));
+  const v1::JobInfo full = Run(worker_.get(), Quest("full", 1024, 64, 8));
+  const double gpu_lookups = GpuTierMetric(registry_, "strata_kv_lookups_total");
+  const v1::JobInfo got = Run(w.get(), Quest("resident", 1024, 64, 8));
+  EXPECT_EQ(w->resident_lazy_jobs(), 1);
+  EXPECT_EQ(Tokens(got), Tokens(full));
+  EXPECT_EQ(got.usage().pages_fetched().host(), 40u);  // each page once
+  EXPECT_EQ(got.usage().pages_fetched().disk(), 0u);
+  // Synced at the job's end: (5 prompt tokens + 7 decode steps) x 2 layers x 2 heads x 10 pages.
+  EXPECT_EQ(GpuTierMetric(registry_, "strata_kv_lookups_total") - gpu_lookups, 12 * 2 * 2 * 10);
+
+  const v1::JobInfo small = Run(w.get(), Quest("resident-small", 64, 64, 4));
+  EXPECT_EQ(w->resident_lazy_jobs(), 2);
+  EXPECT_GT(small.usage().pages_fetched().host(), 0u);
+  EXPECT_LT(small.usage().pages_fetched().host(), 40u);
+  EXPECT_EQ(small.usage().pages_fetched().disk(), 0u);
+  EXPECT_LT(small.usage().mean_attended_tokens(), 640.0);
+  EXPECT_EQ(small.output_token_ids_size(), 4);
 }
 
 // A backend that runs every op of the CPU backend except the device selection ops (the Backend
