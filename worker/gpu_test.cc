@@ -31,6 +31,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/status_macros.h"
@@ -38,7 +39,11 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
+#include "kvstore/backend_page_allocator.h"
+#include "kvstore/host_cache.h"
 #include "kvstore/local_store.h"
+#include "kvstore/page_format.h"
+#include "kvstore/tiered_store.h"
 #include "kvstore/metrics.h"
 #include "model/random_model.h"
 #include "prometheus/registry.h"
@@ -319,6 +324,106 @@ TEST(WorkerLazyMountGpuTest, CudaLazyJobMatchesCpuLazyJob) {
               g.info.output_token_ids_size(),
               static_cast<unsigned long long>(g.info.usage().pages_fetched().disk()),
               static_cast<unsigned long long>(c.info.usage().pages_fetched().disk()));
+}
+
+TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
+  // A worker whose host tier is pinned CUDA memory holding the whole document (the prefill went
+  // through it) runs lazy jobs with the device-managed page cache (resident mode): the same tokens
+  // as a lazy worker over the bare store (host-managed cache, same backend), and as the CPU
+  // backend's resident mode. A one-token prompt, so that both modes choose the same pages for it
+  // (resident mode chooses per token, the host-managed path by the chunk's vote).
+  std::string why;
+  std::unique_ptr<kernels::Backend> cuda = CudaBackendOrNull(&why);
+  if (cuda == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  const int64_t doc_tokens = EnvInt("STRATA_LAZY_GPU_DOC_TOKENS", 16384);
+  const int64_t max_tokens = EnvInt("STRATA_LAZY_GPU_MAX_TOKENS", 32);
+  constexpr char kDoc[] = "00112233445566778899aabbccddee02";
+  JobEnv env;
+  STRATA_ASSERT_OK(MakeJobEnv("strata_resident_gpu_test", &env));
+  model::Model* m = env.model.get();
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
+  kvstore::PageShape shape;
+  shape.page_size = 64;
+  shape.head_dim = static_cast<int>(m->config.head_dim);
+  // Tier H in pinned CUDA memory (as cli/server_runtime.h sets up a worker's), and one in the CPU
+  // backend's memory for the CPU resident worker.
+  struct Tier {
+    std::unique_ptr<kvstore::BackendPageAllocator> alloc;
+    std::unique_ptr<kvstore::HostCache> host;
+    std::unique_ptr<kvstore::TieredStore> tiered;
+  };
+  auto make_tier = [&](kernels::Backend* be, Tier* t) {
+    t->alloc = std::make_unique<kvstore::BackendPageAllocator>(be, shape.EncodedBytes(), size_t{64} << 20);
+    kvstore::HostCacheOptions ho;
+    ho.capacity_bytes = int64_t{2} << 30;
+    ho.allocator = t->alloc.get();
+    STRATA_ASSIGN_OR_RETURN(t->host, kvstore::HostCache::Create(ho));
+    kvstore::TieredStoreOptions to;
+    to.host = t->host.get();
+    to.local = env.store.get();
+    STRATA_ASSIGN_OR_RETURN(t->tiered, kvstore::TieredStore::Create(to));
+    return absl::OkStatus();
+  };
+  Tier pinned, plain;
+  STRATA_ASSERT_OK(make_tier(cuda.get(), &pinned));
+  STRATA_ASSERT_OK(make_tier(cpu.get(), &plain));
+  auto make = [&](const std::string& id, kvstore::PageStore* store, kernels::Backend* be) {
+    WorkerOptions wo;
+    wo.worker_id = id;
+    wo.lazy_mount = true;
+    wo.device_selection = "on";
+    auto w = Worker::Create(wo, m, be, store, env.store.get(), nullptr);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  };
+  std::unique_ptr<Worker> resident = make("cuda-resident", pinned.tiered.get(), cuda.get());
+  std::unique_ptr<Worker> managed = make("cuda-host-managed", env.store.get(), cuda.get());
+  std::unique_ptr<Worker> cpu_resident = make("cpu-resident", plain.tiered.get(), cpu.get());
+  ASSERT_NE(resident, nullptr);
+  ASSERT_NE(managed, nullptr);
+  ASSERT_NE(cpu_resident, nullptr);
+  STRATA_ASSERT_OK(PrefillDocument(resident.get(), kDoc, doc_tokens, cuda->Name()));
+  // The CPU tier gets the pages by reading them once (as a full-mount job would).
+  std::vector<kvstore::PageKey> keys;
+  for (uint32_t l = 0; l < m->config.num_layers; ++l) {
+    for (uint32_t g = 0; g < m->config.num_kv_heads; ++g) {
+      for (uint32_t p = 0; p < static_cast<uint32_t>((doc_tokens + 63) / 64); ++p) {
+        keys.push_back({*kvstore::DocumentId::FromHex(kDoc), l, g, p});
+      }
+    }
+  }
+  std::vector<kvstore::PageRef> got;
+  STRATA_ASSERT_OK(plain.tiered->GetPages(keys, &got));
+  ASSERT_EQ(pinned.host->num_entries() >= static_cast<int64_t>(keys.size()), true);
+
+  v1::RunJobRequest req = JobRequest("resident", kDoc, doc_tokens, max_tokens, "quest");
+  req.clear_prompt_token_ids();
+  req.add_prompt_token_ids(100);
+  const Timed r = RunTimed(resident.get(), req);
+  req.set_job_id("host-managed");
+  const Timed h = RunTimed(managed.get(), req);
+  req.set_job_id("cpu-resident");
+  const Timed c = RunTimed(cpu_resident.get(), req);
+  ASSERT_EQ(r.info.state(), v1::JobInfo::DONE) << r.info.error_message();
+  ASSERT_EQ(h.info.state(), v1::JobInfo::DONE) << h.info.error_message();
+  ASSERT_EQ(c.info.state(), v1::JobInfo::DONE) << c.info.error_message();
+  EXPECT_EQ(resident->resident_lazy_jobs(), 1);
+  EXPECT_EQ(managed->resident_lazy_jobs(), 0);
+  EXPECT_EQ(cpu_resident->resident_lazy_jobs(), 1);
+  for (const auto& [name, t] : {std::pair<const char*, const Timed*>{"cuda resident", &r},
+                                {"cuda host-managed", &h}, {"cpu resident", &c}}) {
+    const v1::PagesByTier& f = t->info.usage().pages_fetched();
+    std::printf("%-18s TTFT %.3f s, decode %.1f tok/s, pages host %llu disk %llu, first tokens %d %d %d\n", name,
+                t->ttft_s, t->decode_tps, static_cast<unsigned long long>(f.host()),
+                static_cast<unsigned long long>(f.disk()), t->info.output_token_ids(0), t->info.output_token_ids(1),
+                t->info.output_token_ids(2));
+  }
+  EXPECT_EQ(r.info.usage().pages_fetched().disk(), 0u);
+  EXPECT_GT(r.info.usage().pages_fetched().host(), 0u);
+  std::printf("resident vs host-managed: first %zu of %d tokens agree; resident cuda vs cpu: %zu\n",
+              CommonPrefix(r.info, h.info), r.info.output_token_ids_size(), CommonPrefix(r.info, c.info));
+  EXPECT_EQ(Tokens(r.info), Tokens(h.info));
+  EXPECT_EQ(Tokens(r.info), Tokens(c.info));
 }
 
 // The encoded pages of every layer, KV head and page of document `doc_id` (empty strings for
