@@ -14,6 +14,7 @@ namespace strata::kvstore {
 
 namespace {
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr size_t kPageDtypeOffset = 6;  // page_format.h: the header's dtype byte
 }  // namespace
 
 absl::Status GpuCacheOptions::Validate() const {
@@ -339,17 +340,16 @@ absl::StatusOr<std::vector<PageRef>> GpuPageCache::FetchFromSource(
                                               " tier"));
     }
     STRATA_ASSIGN_OR_RETURN(PageHeader h, ParsePageHeader(pages[i]->view()));
-    if (h.shape.dtype != kernels::DType::kBF16 &&
-        !(options_.device_managed && h.shape.dtype == kernels::DType::kFP8E4M3)) {
-      return absl::UnimplementedError(
-          absl::StrCat("gpu cache: ", kernels::DTypeName(h.shape.dtype),
-                       " pages are not supported (bf16; fp8 in device-managed mode)"));
+    if (h.shape.dtype != kernels::DType::kBF16 && h.shape.dtype != kernels::DType::kFP8E4M3) {
+      return absl::UnimplementedError(absl::StrCat(
+          "gpu cache: ", kernels::DTypeName(h.shape.dtype), " pages are not supported (bf16, fp8)"));
     }
     if (!pool_dtype_known_) {
       pool_dtype_ = h.shape.dtype;
       pool_dtype_known_ = true;
     }
-    if (h.shape.dtype != pool_dtype_) {
+    // A host-managed cache's pools are bf16: its fp8 pages are dequantised into the staging.
+    if (options_.device_managed && h.shape.dtype != pool_dtype_) {
       return absl::FailedPreconditionError(
           absl::StrCat("gpu cache: a ", kernels::DTypeName(h.shape.dtype), " page among ",
                        kernels::DTypeName(pool_dtype_), " pages"));
@@ -456,8 +456,15 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
       held.push_back(s);
       fence_[s] = issued_seq_ + 1;
       const absl::string_view page = pages[i]->view();
-      if (options_.in_place_allocator != nullptr &&
-          pages[i]->allocator() == options_.in_place_allocator) {
+      if (static_cast<kernels::DType>(page[kPageDtypeOffset]) == kernels::DType::kFP8E4M3) {
+        // Host-managed pools are bf16: K and V decoded with the page's scales, rounded to bf16
+        // (FetchFromSource parsed the header, so this cannot fail).
+        char* to = dst + static_cast<size_t>(np) * page_bytes_;
+        PageToBf16(page, reinterpret_cast<uint16_t*>(to), reinterpret_cast<uint16_t*>(to + half_bytes_))
+            .IgnoreError();
+        sources[np] = to;
+      } else if (options_.in_place_allocator != nullptr &&
+                 pages[i]->allocator() == options_.in_place_allocator) {
         // K and V lie back to back after the header (page_format.h): read them where they are.
         sources[np] = PageKBytes(page).data();
         st.hold.push_back(pages[i]);

@@ -47,8 +47,9 @@
 // counters as of the last SyncDeviceStats().
 //
 // Not yet: one cache serves one document (a worker with several documents needs one per document
-// or a shared pool); fp8 pages are refused (Unimplemented) by a host-managed cache (a
-// device-managed one keeps them as fp8 with per-slot scales);
+// or a shared pool); a host-managed cache dequantises fp8 pages into bf16 staging (host work, bf16
+// bytes over PCIe, never read in place; a device-managed one keeps them as fp8 with per-slot
+// scales);
 // waits are host-side Synchronize calls on `stream` (no events between streams).
 //
 // Thread-safe: every method takes one mutex, and backend calls are made under it (so one thread
@@ -157,8 +158,8 @@ class GpuPageCache {
   // listed twice is pinned twice. Counts one lookup per entry.
   // Errors leave pins and residency as they were: InvalidArgument (page out of range),
   // ResourceExhausted (kWait, more distinct misses than unpinned slots), NotFound (a missed page
-  // is not in the source), FailedPrecondition / Unimplemented (a source page of another shape /
-  // fp8), or the source's and backend's errors.
+  // is not in the source), FailedPrecondition (a source page of another shape), Unimplemented (a
+  // page dtype other than bf16 / fp8), or the source's and backend's errors.
   absl::Status Acquire(absl::Span<const GpuPageId> pages, MissPolicy policy,
                        std::vector<int32_t>* slots);
 

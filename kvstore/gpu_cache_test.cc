@@ -498,6 +498,48 @@ TEST_F(GpuCacheTest, WrongPageShapeIsRefused) {
   EXPECT_EQ(c->resident_pages(), 0);
 }
 
+TEST_F(GpuCacheTest, HostManagedCacheDequantisesFp8PagesIntoBf16Slots) {
+  // The same document as fp8 pages (per-page scales) in a host tier of backend memory: the
+  // host-managed cache's pools stay bf16, and each slot holds its page dequantised (fp8 * scale
+  // rounded to bf16: PageToBf16), never read in place.
+  BackendPageAllocator alloc(backend_.get(), 4096);
+  HostCacheOptions ho;
+  ho.allocator = &alloc;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto fp8_host, HostCache::Create(ho));
+  KvLayout fp8 = layout_;
+  fp8.page.dtype = kernels::DType::kFP8E4M3;
+  std::vector<PageWrite> writes;
+  for (uint32_t p = 0; p < kPages; ++p) {
+    PageWrite w;
+    w.key = PageKey{doc_, 1, 0, p};
+    STRATA_ASSERT_OK_AND_ASSIGN(w.data, PageBuffer::Copy(testing::MakePage(fp8, kPages * kP - 1, 1, 0, p, 7)));
+    writes.push_back(std::move(w));
+  }
+  STRATA_ASSERT_OK(fp8_host->Put(writes, {}));
+  GpuCacheOptions o = Options(4);
+  o.source = fp8_host.get();
+  o.in_place_allocator = &alloc;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto c, GpuPageCache::Create(o, backend_.get()));
+  EXPECT_EQ(c->k_pool().dtype, kernels::DType::kBF16);
+  std::vector<int32_t> slots;
+  const std::vector<GpuPageId> ids = Pages({0, 3, 9}, 1, 0);
+  STRATA_ASSERT_OK(c->Acquire(ids, MissPolicy::kWait, &slots));
+  EXPECT_EQ(c->stats().in_place, 0);
+  const size_t half = static_cast<size_t>(kP) * kD;
+  std::vector<uint16_t> k(half), v(half);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const absl::string_view page = writes[static_cast<size_t>(ids[i].page)].data->view();
+    STRATA_ASSERT_OK(PageToBf16(page, k.data(), v.data()));
+    const auto* sk = static_cast<const uint16_t*>(c->k_pool().data) + half * slots[i];
+    const auto* sv = static_cast<const uint16_t*>(c->v_pool().data) + half * slots[i];
+    EXPECT_EQ(std::memcmp(sk, k.data(), half * 2), 0) << "page " << ids[i].page;
+    EXPECT_EQ(std::memcmp(sv, v.data(), half * 2), 0) << "page " << ids[i].page;
+    // Not the fp8 bytes themselves: the slot holds values, not codes.
+    EXPECT_NE(std::memcmp(sk, PageKBytes(page).data(), half), 0);
+  }
+  STRATA_ASSERT_OK(c->Release(slots));
+}
+
 TEST(BackendPageAllocatorTest, BlocksFromChunksAreReusedAndLargeRequestsOwnBuffers) {
   std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
   BackendPageAllocator a(backend.get(), 100, 1000);  // blocks of 128 bytes, chunks of 8 blocks

@@ -191,6 +191,25 @@ absl::Status DecodePage(absl::string_view bytes, float* k, float* v) {
   return absl::OkStatus();
 }
 
+absl::Status PageToBf16(absl::string_view bytes, uint16_t* k, uint16_t* v) {
+  absl::StatusOr<PageHeader> h = ParsePageHeader(bytes);
+  if (!h.ok()) return h.status();
+  const size_t elems = static_cast<size_t>(h->shape.page_size) * h->shape.head_dim;
+  const absl::string_view kb = PageKBytes(bytes), vb = PageVBytes(bytes);
+  if (h->shape.dtype == kernels::DType::kBF16) {
+    std::memcpy(k, kb.data(), elems * sizeof(uint16_t));
+    std::memcpy(v, vb.data(), elems * sizeof(uint16_t));
+    return absl::OkStatus();
+  }
+  const auto* k8 = reinterpret_cast<const uint8_t*>(kb.data());
+  const auto* v8 = reinterpret_cast<const uint8_t*>(vb.data());
+  for (size_t i = 0; i < elems; ++i) {
+    k[i] = kernels::F32ToBF16(kernels::FP8E4M3ToF32(k8[i]) * h->k_scale);
+    v[i] = kernels::F32ToBF16(kernels::FP8E4M3ToF32(v8[i]) * h->v_scale);
+  }
+  return absl::OkStatus();
+}
+
 absl::string_view PageKBytes(absl::string_view bytes) {
   const size_t half = (bytes.size() - kPageHeaderBytes) / 2;
   return bytes.substr(kPageHeaderBytes, half);

@@ -82,6 +82,12 @@ absl::Status DecodePage(absl::string_view bytes, float* k, float* v);
 absl::string_view PageKBytes(absl::string_view bytes);
 absl::string_view PageVBytes(absl::string_view bytes);
 
+// K and V of a page that ParsePageHeader accepted as bf16, each [P, d] (uint16 bf16 bits): bf16
+// pages copied, fp8 pages dequantised with their scales (fp8 * scale in f32, rounded to bf16).
+// For a bf16 consumer of fp8 pages (the host-managed GPU page cache). Does not verify the checksum.
+// InvalidArgument when the header does not parse.
+absl::Status PageToBf16(absl::string_view bytes, uint16_t* k, uint16_t* v);
+
 // Summary framing: 8-byte checksum + payload.
 std::string EncodeSummary(absl::string_view payload);
 // Returns the payload. DataLoss on checksum mismatch or a value shorter than 8 bytes.

@@ -110,6 +110,33 @@ TEST(PageFormatTest, Fp8RandomErrorIsWithinE4M3Precision) {
   }
 }
 
+TEST(PageFormatTest, PageToBf16CopiesBf16AndRoundsDequantisedFp8) {
+  SCOPED_TRACE(::testing::Message() << "seed " << kSeed);
+  std::mt19937 rng(kSeed + 2);
+  const size_t n = 16 * 32;
+  std::vector<float> k = RandomF32(n, &rng, 4.0f), v = RandomF32(n, &rng, 0.5f), kd(n), vd(n);
+  std::vector<uint16_t> kb(n), vb(n);
+  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    const PageShape shape{dtype, 16, 32};
+    STRATA_ASSERT_OK_AND_ASSIGN(std::string page,
+                                (EncodePage(shape, TensorView(k.data(), DType::kF32, {13, 32}),
+                                           TensorView(v.data(), DType::kF32, {13, 32}))));
+    STRATA_ASSERT_OK(PageToBf16(page, kb.data(), vb.data()));
+    STRATA_ASSERT_OK(DecodePage(page, kd.data(), vd.data()));
+    if (dtype == DType::kBF16) {
+      EXPECT_EQ(std::memcmp(kb.data(), PageKBytes(page).data(), n * 2), 0);
+      EXPECT_EQ(std::memcmp(vb.data(), PageVBytes(page).data(), n * 2), 0);
+    }
+    // Either way: the bf16 rounding of the decoded f32 values (rows past the 13 valid ones are 0).
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(kb[i], kernels::F32ToBF16(kd[i])) << kernels::DTypeName(dtype) << " K " << i;
+      ASSERT_EQ(vb[i], kernels::F32ToBF16(vd[i])) << kernels::DTypeName(dtype) << " V " << i;
+    }
+    EXPECT_EQ(kb[n - 1], kernels::F32ToBF16(0.0f));
+  }
+  EXPECT_THAT(PageToBf16("not a page", kb.data(), vb.data()), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 TEST(PageFormatTest, PartialPageIsZeroPadded) {
   const PageShape shape{DType::kBF16, 8, 4};
   std::vector<float> k(3 * 4, 1.5f), v(3 * 4, -2.0f), kd(8 * 4, 7.0f), vd(8 * 4, 7.0f);
