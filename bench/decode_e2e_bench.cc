@@ -52,9 +52,9 @@
 //     (TransformerOptions::decode_graph with the hook recorded in it). Hit ratio and fill bytes
 //     come from the device counters (GpuPageCache::SyncDeviceStats, outside the timed steps).
 //   --page_dtype=fp8: the document's pages are encoded fp8 e4m3 (page_format.h: per-page K and
-//     V scales, amax / 448; half the bytes of bf16), for the managed hooks only (a host-managed
-//     cache refuses fp8 pages; the other hooks then fail): the device-managed cache's pools are
-//     fp8 and SelectedAttention reads each slot's scales.
+//     V scales, amax / 448; half the bytes of bf16): the device-managed cache's pools are fp8
+//     and SelectedAttention reads each slot's scales; a host-managed cache (the other hooks)
+//     dequantises the pages into bf16 staging on the host (bf16 bytes over PCIe).
 //   --hold_source_pages=1: GpuCacheOptions::hold_source_pages (every page looked up once when the
 //     cache is made, reported as cache_create_s; misses then need no host-tier lookup).
 //   --selected_attention=1 (device hook): the device chooser also returns its selection on the
@@ -167,7 +167,7 @@ struct Flags {
   // partials through host memory, fills waited for) and/or "device" (AttendOnDevice: q and
   // partials in backend memory, MissPolicy::kOrdered fills, one host sync per layer).
   std::string hooks = "device";
-  std::string page_dtype = "bf16";  // bf16 | fp8 (fp8: the managed hooks only)
+  std::string page_dtype = "bf16";  // bf16 | fp8
   // 1: GpuCacheOptions::hold_source_pages (every page looked up once at Create; misses need no
   // host-tier lookup).
   int hold_source_pages = 0;

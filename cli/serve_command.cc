@@ -113,7 +113,7 @@ int Serve(const ServeFlags& f) {
     // memory for the next job, within --host-cache-bytes.
     backend = MakeWorkerBackend(static_cast<int>(f.engine.threads));
     auto ht = HostTier::Create(f.engine.host_cache_bytes, &kv_metrics, store.get(), nullptr, backend.get(),
-                               WorkerPageBytes(m->config, f.engine.page_size));
+                               WorkerPageBytes(m->config, f.engine.page_size, f.engine.kv_page_dtype));
     if (!ht.ok()) return Fail(ht.status());
     host_tier = *std::move(ht);
     kvstore::PageStore* pages = host_tier->store();

@@ -65,9 +65,9 @@ absl::Status StartMetrics(const std::string& listen, std::shared_ptr<prometheus:
   return absl::OkStatus();
 }
 
-size_t WorkerPageBytes(const model::ModelConfig& config, int64_t page_size) {
+size_t WorkerPageBytes(const model::ModelConfig& config, int64_t page_size, const std::string& page_dtype) {
   kvstore::PageShape shape;
-  shape.dtype = kernels::DType::kBF16;
+  shape.dtype = page_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
   shape.page_size = page_size >= 1 && page_size <= 65535 ? static_cast<int>(page_size) : 0;
   shape.head_dim = config.head_dim >= 1 && config.head_dim <= 65535 ? static_cast<int>(config.head_dim) : 0;
   return shape.Validate().ok() ? shape.EncodedBytes() : 0;
@@ -127,6 +127,9 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
                 "dense|quest|tokenselect: attention of document prefill (dense: exact; quest/tokenselect: each "
                 "chunk selects --prefill-budget-tokens earlier tokens per layer and KV head with its mean query; "
                 "the persisted KV is approximate)");
+  flags->String("kv-page-dtype", &kv_page_dtype,
+                "bf16|fp8: element type of the KV pages the worker persists (fp8: e4m3 with per-page scales, half "
+                "the bytes in every tier, lossy; must match across the workers of a cluster, like --page-size)");
   flags->Int("prefill-budget-tokens", &prefill_budget_tokens,
              "token budget of a sparse --prefill-policy (per layer and KV head, besides sinks and window)");
 }
@@ -140,6 +143,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
   options->device_selection = device_selection;
   options->matmul_precision = matmul_precision;
   options->prefill_policy = prefill_policy;
+  options->kv_page_dtype = kv_page_dtype;
   // Out-of-int range values become 0 here, which WorkerOptions::Validate rejects.
   options->prefill_budget_tokens =
       prefill_budget_tokens >= 1 && prefill_budget_tokens <= (int64_t{1} << 30) ? static_cast<int>(prefill_budget_tokens) : 0;

@@ -36,12 +36,14 @@ struct WorkerEngineFlags {
   std::string matmul_precision = "split";
   std::string prefill_policy = "dense";
   int64_t prefill_budget_tokens = 2048;
+  std::string kv_page_dtype = "bf16";
 
   // Registers --page-size, --prefill-chunk, --max-jobs, --host-cache-bytes (the tier in front of
   // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages and
   // --device-selection (auto|on|off: WorkerOptions::device_selection) and --matmul-precision
   // (split|bf16: WorkerOptions::matmul_precision), --prefill-policy (dense|quest|tokenselect:
-  // WorkerOptions::prefill_policy) and --prefill-budget-tokens.
+  // WorkerOptions::prefill_policy), --prefill-budget-tokens and --kv-page-dtype (bf16|fp8:
+  // WorkerOptions::kv_page_dtype).
   void Register(FlagSet* flags, const std::string& durable_tier);
   // Sets the WorkerOptions fields these flags control (the others are left as they are);
   // WorkerOptions::Validate reports bad values.
@@ -70,9 +72,9 @@ absl::Status StartMetrics(const std::string& listen, std::shared_ptr<prometheus:
 // page cache of a lazy-mount job then reads them in place, and a job whose document is whole in
 // the tier runs the device-managed cache (worker/lazy_attention.h).
 // The encoded bytes of one KV page of a worker serving `config` with pages of `page_size` tokens
-// (bf16, as the worker persists them); 0 for sizes a page cannot have (HostTier then keeps the
+// (`page_dtype`: bf16 or fp8, WorkerOptions::kv_page_dtype); 0 for sizes a page cannot have (HostTier then keeps the
 // default allocator and the worker refuses the page size itself).
-size_t WorkerPageBytes(const model::ModelConfig& config, int64_t page_size);
+size_t WorkerPageBytes(const model::ModelConfig& config, int64_t page_size, const std::string& page_dtype);
 
 class HostTier {
  public:

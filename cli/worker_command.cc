@@ -85,7 +85,7 @@ int Run(const WorkerFlags& f) {
   std::unique_ptr<kernels::Backend> backend = MakeWorkerBackend(static_cast<int>(f.engine.threads));
   // Tier H (host memory) in front of tier R (the KV store service).
   auto host_tier = HostTier::Create(f.engine.host_cache_bytes, &kv_metrics, nullptr, store->get(), backend.get(),
-                                    WorkerPageBytes(m->config, f.engine.page_size));
+                                    WorkerPageBytes(m->config, f.engine.page_size, f.engine.kv_page_dtype));
   if (!host_tier.ok()) return Fail(host_tier.status());
   kvstore::PageStore* pages = (*host_tier)->store();
   worker::WorkerOptions wo;

@@ -50,14 +50,27 @@ absl::Status FromHost(kernels::Backend* backend, void* dst, const void* src, siz
   return backend->Synchronize(nullptr);
 }
 
-kvstore::KvLayout LayoutOf(const model::ModelConfig& c, int page_size) {
+kvstore::KvLayout LayoutOf(const model::ModelConfig& c, int page_size, const std::string& page_dtype) {
   kvstore::KvLayout layout;
   layout.num_layers = static_cast<int>(c.num_layers);
   layout.num_kv_heads = static_cast<int>(c.num_kv_heads);
-  layout.page.dtype = kernels::DType::kBF16;
+  layout.page.dtype = page_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
   layout.page.page_size = page_size;
   layout.page.head_dim = static_cast<int>(c.head_dim);
   return layout;
+}
+
+// FailedPrecondition naming both layouts when a document's KV layout is not this worker's (its
+// model, --page-size and --kv-page-dtype).
+absl::Status CheckLayout(const v1::KvLayout& document, const kvstore::KvLayout& mine) {
+  const v1::KvLayout want = kvstore::LayoutToProto(mine);
+  if (want.SerializeAsString() == document.SerializeAsString()) return absl::OkStatus();
+  auto text = [](const v1::KvLayout& l) {
+    return absl::StrCat(l.num_layers(), " layers x ", l.num_kv_heads(), " KV heads, head_dim ", l.head_dim(),
+                        ", page_size ", l.page_size(), ", ", v1::PageDType_Name(l.dtype()));
+  };
+  return absl::FailedPreconditionError(absl::StrCat("the document's KV layout (", text(document),
+                                                    ") does not match this worker's (", text(want), ")"));
 }
 
 void AddCounters(WorkerMetrics* m, const engine::SelectionCounters& now, const engine::SelectionCounters& before) {
@@ -174,6 +187,9 @@ absl::Status WorkerOptions::Validate() const {
   }
   if (prefill_budget_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("prefill_budget_tokens >= 1, got ", prefill_budget_tokens));
+  }
+  if (kv_page_dtype != "bf16" && kv_page_dtype != "fp8") {
+    return absl::InvalidArgumentError(absl::StrCat("kv_page_dtype: bf16|fp8, got '", kv_page_dtype, "'"));
   }
   return absl::OkStatus();
 }
@@ -303,7 +319,7 @@ v1::WorkerInfo Worker::Info() const {
     info.set_address(address_.empty() ? options_.address : address_);
   }
   info.set_model_fingerprint(model_->fingerprint);
-  *info.mutable_layout() = kvstore::LayoutToProto(LayoutOf(model_->config, options_.page_size));
+  *info.mutable_layout() = kvstore::LayoutToProto(LayoutOf(model_->config, options_.page_size, options_.kv_page_dtype));
   info.set_capacity_tokens(options_.capacity_tokens);
   info.set_max_jobs(options_.max_jobs);
   info.set_backend(backend_->Name());
@@ -492,7 +508,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   }
   const int64_t total_pages = (num_tokens + P - 1) / P;
   const int64_t shard_pages = end_page - static_cast<int64_t>(first_page);
-  const kvstore::KvLayout layout = LayoutOf(c, P);
+  const kvstore::KvLayout layout = LayoutOf(c, P, options_.kv_page_dtype);
 
   v1::CreateDocumentRequest create;
   create.set_document_id(id.ToHex());
@@ -583,6 +599,11 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   // copy per (layer, KV head) and one wait per layer (a head's pages are consecutive cache slots).
   std::vector<uint16_t> kbuf, vbuf;
   std::vector<float> summary(2 * static_cast<size_t>(d));
+  std::vector<float> kstored, vstored;  // fp8 pages: the stored K and V (DecodePage), [P, d]
+  if (layout.page.dtype != kernels::DType::kBF16) {
+    kstored.resize(static_cast<size_t>(P) * d);
+    vstored.resize(kstored.size());
+  }
   int64_t persisted = static_cast<int64_t>(first_page);  // next document page to persist
   int64_t done_tokens = 0;
   while (done_tokens < n) {
@@ -626,6 +647,13 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
           kernels::TensorView kv(kpage, kernels::DType::kBF16, {valid, d});
           kernels::TensorView vv(vbuf.data() + at, kernels::DType::kBF16, {valid, d});
           STRATA_ASSIGN_OR_RETURN(std::string encoded, kvstore::EncodePage(layout.page, kv, vv));
+          // An fp8 page's summary bounds the keys it stores (fp8 * scale), not the bf16 keys
+          // it was encoded from: those are what every later job attends.
+          const float* stored = nullptr;
+          if (layout.page.dtype != kernels::DType::kBF16) {
+            STRATA_RETURN_IF_ERROR(kvstore::DecodePage(encoded, kstored.data(), vstored.data()));
+            stored = kstored.data();
+          }
           kvstore::PageWrite pw;
           pw.key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
           STRATA_ASSIGN_OR_RETURN(pw.data, kvstore::PageBuffer::Copy(encoded));
@@ -637,7 +665,8 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
           }
           for (int t = 0; t < valid; ++t) {
             for (int j = 0; j < d; ++j) {
-              const float x = kernels::BF16ToF32(kpage[static_cast<size_t>(t) * d + j]);
+              const size_t at = static_cast<size_t>(t) * d + j;
+              const float x = stored != nullptr ? stored[at] : kernels::BF16ToF32(kpage[at]);
               summary[j] = std::min(summary[j], x);
               summary[d + j] = std::max(summary[d + j], x);
             }
@@ -695,8 +724,8 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
   const int P = options_.page_size;
   STRATA_ASSIGN_OR_RETURN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(range.document_id()));
   STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->GetDocument(id));
-  if (!(kvstore::LayoutToProto(LayoutOf(c, P)).SerializeAsString() == doc.layout().SerializeAsString())) {
-    return absl::FailedPreconditionError("the document's KV layout does not match this worker's model");
+  if (absl::Status s = CheckLayout(doc.layout(), LayoutOf(c, P, options_.kv_page_dtype)); !s.ok()) {
+    return s;
   }
   const int64_t doc_tokens = static_cast<int64_t>(doc.num_tokens());
   const int64_t total_pages = (doc_tokens + P - 1) / P;
@@ -952,8 +981,8 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     if (doc.state() != v1::DOCUMENT_STATE_READY) {
       return absl::FailedPreconditionError(absl::StrCat("document ", doc_id.ToHex(), " is not READY in the store"));
     }
-    if (!(kvstore::LayoutToProto(LayoutOf(c, P)).SerializeAsString() == doc.layout().SerializeAsString())) {
-      return absl::FailedPreconditionError("the document's KV layout does not match this worker's model");
+    if (absl::Status s = CheckLayout(doc.layout(), LayoutOf(c, P, options_.kv_page_dtype)); !s.ok()) {
+      return s;
     }
     doc_tokens = static_cast<int64_t>(doc.num_tokens());
   }
@@ -1034,7 +1063,11 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.device_path = options_.device_selection == "on" ? 1 : -1;
     // The page cache lives on the job's own backend (CPU or CUDA), like the job's KvCache.
     STRATA_ASSIGN_OR_RETURN(lazy, LazyDocumentAttention::Create(lo, backend_));
-    if (lazy->device_managed()) ++resident_lazy_jobs_;
+    if (lazy->device_managed()) {
+      ++resident_lazy_jobs_;
+      STRATA_LOG(INFO) << "worker: job " << request.job_id() << ": document " << doc_id.ToHex()
+                       << " whole in the host tier: device-managed page cache (" << lazy->slots() << " slots)";
+    }
     policy = engine::MakeDensePolicy();  // over the prompt and generated tokens
     fo.cache_first_position = doc_tokens;
     fo.external = lazy.get();

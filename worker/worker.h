@@ -179,6 +179,14 @@ struct WorkerOptions {
   std::string prefill_policy = "dense";
   // Token budget B of a sparse prefill_policy (>= 1). Default: 2048 (PolicyOptions default).
   int prefill_budget_tokens = 2048;
+  // Element type of the KV pages this worker persists (the document's KvLayout; a job's document
+  // must have this worker's layout, as for page_size): "bf16" (default, exact for the bf16 KV the
+  // engine computes) or "fp8" (e4m3 with per-page K and V scales, kvstore/page_format.h: half the
+  // bytes in every tier and over PCIe, lossy). fp8 pages are decoded to bf16 where a job loads them
+  // into its KvCache (full mount) or into a host-managed page cache (lazy mount); a resident lazy
+  // job's device-managed cache keeps them as fp8 with per-slot scales. Their minmax summaries bound
+  // the stored (dequantised) keys.
+  std::string kv_page_dtype = "bf16";
 
   // InvalidArgument naming the bad field.
   absl::Status Validate() const;

@@ -5,6 +5,7 @@
 // twins against engine::Generate with the same DevicePolicy, and its fallbacks.
 #include "worker/worker.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
 #include "engine/attention_policy.h"
@@ -715,6 +717,170 @@ TEST_F(LazyMountTest, DocumentWholeInABackendHostTierRunsTheDeviceManagedCache) 
   EXPECT_EQ(small.output_token_ids_size(), 4);
 }
 
+// Workers with kv_page_dtype "fp8" over a store of their own: the fixture's 640-token document
+// prefilled as fp8 pages.
+class Fp8PagesTest : public LazyMountTest {
+ protected:
+  void SetUp() override {
+    LazyMountTest::SetUp();
+    if (HasFatalFailure()) return;
+    kvstore::LocalStoreOptions so;
+    so.path = dir_ + "/kv8";
+    STRATA_ASSERT_OK_AND_ASSIGN(store8_, kvstore::LocalStore::Open(so));
+    prefill8_ = Fp8Worker("fp8-prefill", store8_.get(), false);
+    ASSERT_NE(prefill8_, nullptr);
+    v1::PrefillShardRequest r = PrefillRequest();
+    r.mutable_shard()->set_end_page(10);
+    STRATA_ASSERT_OK(prefill8_->PrefillShard(r, nullptr, nullptr));
+  }
+  void TearDown() override {
+    prefill8_.reset();
+    store8_.reset();
+    LazyMountTest::TearDown();
+  }
+  std::unique_ptr<Worker> Fp8Worker(const std::string& id, kvstore::PageStore* pages, bool lazy) {
+    WorkerOptions wo;
+    wo.worker_id = id;
+    wo.prefill_chunk_size = 64;
+    wo.kv_page_dtype = "fp8";
+    wo.lazy_mount = lazy;
+    wo.device_selection = "on";
+    auto w = Worker::Create(wo, model_.get(), backend_.get(), pages, store8_.get(), nullptr);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  }
+  std::unique_ptr<kvstore::LocalStore> store8_;
+  std::unique_ptr<Worker> prefill8_;
+};
+
+TEST_F(Fp8PagesTest, PagesAreFp8AndSummariesBoundTheStoredKeys) {
+  const int d = static_cast<int>(model_->config.head_dim);
+  std::vector<kvstore::PageRef> pages, sums;
+  const std::vector<kvstore::PageKey> keys = DocumentPages();
+  STRATA_ASSERT_OK(store8_->GetPages(keys, &pages));
+  std::vector<kvstore::SummaryKey> skeys;
+  for (const kvstore::PageKey& k : keys) skeys.push_back({k.document, k.layer, k.kv_head, 1, k.page_index});
+  STRATA_ASSERT_OK(store8_->GetSummaries(skeys, &sums));
+  std::vector<float> kd(static_cast<size_t>(64) * d), vd(kd.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_NE(pages[i], nullptr);
+    ASSERT_NE(sums[i], nullptr);
+    STRATA_ASSERT_OK_AND_ASSIGN(kvstore::PageHeader h, kvstore::VerifyPage(pages[i]->view()));
+    EXPECT_EQ(h.shape.dtype, kernels::DType::kFP8E4M3);
+    EXPECT_EQ(pages[i]->size(), static_cast<size_t>(32 + 2 * 64 * d));  // half a bf16 page's K and V
+    STRATA_ASSERT_OK(kvstore::DecodePage(pages[i]->view(), kd.data(), vd.data()));
+    ASSERT_EQ(sums[i]->size(), 2 * d * sizeof(float));
+    const float* sum = reinterpret_cast<const float*>(sums[i]->data());
+    for (int j = 0; j < d; ++j) {
+      float lo = INFINITY, hi = -INFINITY;
+      for (int t = 0; t < h.num_tokens; ++t) {
+        lo = std::min(lo, kd[static_cast<size_t>(t) * d + j]);
+        hi = std::max(hi, kd[static_cast<size_t>(t) * d + j]);
+      }
+      ASSERT_EQ(sum[j], lo) << "page " << i << " channel " << j;
+      ASSERT_EQ(sum[d + j], hi) << "page " << i << " channel " << j;
+    }
+  }
+}
+
+TEST_F(Fp8PagesTest, FullLazyAndResidentJobsServeTheDocumentAndABf16WorkerRefusesIt) {
+  // Budget covering the document: the full mount and the lazy (host-managed) job attend the same
+  // pages decoded to the same bf16 values, so their tokens are equal; the resident job reads the
+  // fp8 pools with their scales (f32 products, not rounded to bf16) and its outputs are within
+  // that rounding of the host-managed one's (checked per call below, LazyDocumentAttention).
+  const v1::JobInfo full = Run(prefill8_.get(), Quest("fp8-full", 1024, 64, 8));
+  std::unique_ptr<Worker> lazy = Fp8Worker("fp8-lazy", store8_.get(), true);
+  ASSERT_NE(lazy, nullptr);
+  const v1::JobInfo got = Run(lazy.get(), Quest("fp8-lazy", 1024, 64, 8));
+  EXPECT_EQ(Tokens(got), Tokens(full));
+  EXPECT_EQ(lazy->resident_lazy_jobs(), 0);
+  EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
+
+  const int d = static_cast<int>(model_->config.head_dim);
+  kvstore::HostCacheOptions ho;
+  kvstore::PageShape shape;
+  shape.dtype = kernels::DType::kFP8E4M3;
+  shape.page_size = 64;
+  shape.head_dim = d;
+  kvstore::BackendPageAllocator alloc(backend_.get(), shape.EncodedBytes(), size_t{1} << 20);
+  ho.allocator = &alloc;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::HostCache> host, kvstore::HostCache::Create(ho));
+  kvstore::TieredStoreOptions to;
+  to.host = host.get();
+  to.local = store8_.get();
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::TieredStore> tiered, kvstore::TieredStore::Create(to));
+  std::vector<kvstore::PageRef> warm;
+  STRATA_ASSERT_OK(tiered->GetPages(DocumentPages(), &warm));
+  {
+    std::unique_ptr<Worker> resident = Fp8Worker("fp8-resident", tiered.get(), true);
+    ASSERT_NE(resident, nullptr);
+    const v1::JobInfo r = Run(resident.get(), Quest("fp8-resident", 1024, 64, 8));
+    EXPECT_EQ(resident->resident_lazy_jobs(), 1);
+    EXPECT_EQ(r.usage().pages_fetched().host(), 40u);
+    EXPECT_EQ(r.output_token_ids_size(), 8);
+    const std::vector<int32_t> rt = Tokens(r), gt = Tokens(got);
+    size_t same = 0;
+    while (same < rt.size() && same < gt.size() && rt[same] == gt[same]) ++same;
+    std::printf("fp8 resident job: the first %zu of %zu tokens equal the host-managed job's\n", same, rt.size());
+  }
+
+  // One call each through LazyDocumentAttention: resident (fp8 pools, slot scales) against
+  // host-managed (bf16 slots), the same pages.
+  LazyAttentionOptions o;
+  o.store = tiered.get();
+  o.document = *kvstore::DocumentId::FromHex(kDocId);
+  o.document_tokens = 640;
+  o.page_size = 64;
+  o.num_layers = static_cast<int>(model_->config.num_layers);
+  o.num_kv_heads = static_cast<int>(model_->config.num_kv_heads);
+  o.head_dim = d;
+  o.budget_pages = 2;
+  o.device_path = 1;
+  o.device_managed = 1;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto res, LazyDocumentAttention::Create(o, backend_.get()));
+  o.store = store8_.get();
+  o.device_managed = 0;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ref, LazyDocumentAttention::Create(o, backend_.get()));
+  const int hq = static_cast<int>(model_->config.num_heads);
+  std::mt19937 rng(99);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(hq) * d), a(q.size()), b(q.size()), la(hq), lb(hq);
+  for (float& x : q) x = n(rng);
+  auto view = [](float* p, std::initializer_list<int64_t> dims) {
+    return kernels::TensorView(p, kernels::DType::kF32, dims);
+  };
+  double max_diff = 0, max_abs = 0;
+  for (int layer = 0; layer < 2; ++layer) {
+    STRATA_ASSERT_OK(res->AttendOnDevice(layer, view(q.data(), {1, hq, d}), 700, view(a.data(), {1, hq, d}),
+                                         view(la.data(), {1, hq})));
+    STRATA_ASSERT_OK(ref->AttendOnDevice(layer, view(q.data(), {1, hq, d}), 700, view(b.data(), {1, hq, d}),
+                                         view(lb.data(), {1, hq})));
+    for (size_t i = 0; i < a.size(); ++i) {
+      max_diff = std::max(max_diff, static_cast<double>(std::fabs(a[i] - b[i])));
+      max_abs = std::max(max_abs, static_cast<double>(std::fabs(b[i])));
+    }
+    for (int h = 0; h < hq; ++h) EXPECT_NEAR(la[h], lb[h], 1e-2) << "layer " << layer << " head " << h;
+  }
+  EXPECT_GT(max_abs, 0.0);
+  EXPECT_LE(max_diff, 1e-2 * max_abs);  // bf16 rounding of the dequantised values: ~2^-9 relative
+  std::printf("fp8 resident vs host-managed outputs: max |diff| %.3g of max |out| %.3g\n", max_diff, max_abs);
+
+  // A worker persisting bf16 pages (the default) refuses the fp8 document.
+  WorkerOptions wo;
+  wo.worker_id = "bf16-worker";
+  wo.prefill_chunk_size = 64;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> bf16, Worker::Create(wo, model_.get(), backend_.get(),
+                                                                           store8_.get(), store8_.get(), nullptr));
+  v1::JobInfo last;
+  const absl::Status s = bf16->RunJob(Quest("bf16-on-fp8", 1024, 64, 4), [&](const v1::JobEvent& e) {
+    if (e.has_snapshot()) last = e.snapshot();
+    return true;
+  });
+  EXPECT_TRUE(!s.ok() || last.state() == v1::JobInfo::FAILED) << s;
+  EXPECT_TRUE(absl::StrContains(s.ok() ? last.error_message() : std::string(s.message()), "layout"))
+      << s << " " << last.error_message();
+}
+
 // A backend that runs every op of the CPU backend except the device selection ops (the Backend
 // defaults: UNIMPLEMENTED), under a name of the test's choice: "cpu" stands for a CPU backend
 // without them, another name for a device backend without them (host-memory buffers, but the
@@ -1197,6 +1363,7 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
       {"prefill_policy", [](WorkerOptions* o) { o->prefill_policy = "radar"; }},
       {"prefill_policy", [](WorkerOptions* o) { o->prefill_policy = ""; }},
       {"prefill_budget_tokens", [](WorkerOptions* o) { o->prefill_budget_tokens = 0; }},
+      {"kv_page_dtype", [](WorkerOptions* o) { o->kv_page_dtype = "fp16"; }},
   };
   for (const Case& c : cases) {
     WorkerOptions o;
