@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/clock.h"
 #include "base/status_macros.h"
 #include "kvstore/backend_page_allocator.h"
 
@@ -135,6 +136,7 @@ struct LazyDocumentAttention::State {
   bool managed = false;
   std::unique_ptr<HeldPagesStore> held;
   kvstore::TierCounts managed_counts;
+  double setup_seconds = 0;  // Create: the residency check, the cache, the summaries
   engine::PageChooser host_chooser;
   std::unique_ptr<kvstore::GpuPageCache> cache;
   std::unique_ptr<engine::GpuCacheAttention> hook;
@@ -302,6 +304,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   const bool device = o.device_path < 0 ? backend->Name() != "cpu" : o.device_path > 0;
   // Resident mode: the host tier holds the whole document where the device can read it.
   kvstore::PageAllocator* in_place = nullptr;
+  const Stopwatch setup;
   if (device && o.device_managed != 0) {
     std::vector<kvstore::PageRef> all =
         PeekWholeDocument(o.store, backend, o.document, o.num_layers, o.num_kv_heads, st->num_pages, &in_place);
@@ -365,6 +368,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     }
   }
   STRATA_ASSIGN_OR_RETURN(st->hook, engine::GpuCacheAttention::Create(ao, st->cache.get(), backend));
+  st->setup_seconds = setup.ElapsedSeconds();
   return std::unique_ptr<LazyDocumentAttention>(new LazyDocumentAttention(std::move(st)));
 }
 
@@ -389,6 +393,7 @@ absl::Status LazyDocumentAttention::Attend(int layer, const float* q, int num_to
 bool LazyDocumentAttention::AttendsOnDevice() const { return state_->hook->AttendsOnDevice(); }
 bool LazyDocumentAttention::CapturableOnDevice() const { return state_->hook->CapturableOnDevice(); }
 bool LazyDocumentAttention::device_managed() const { return state_->managed; }
+double LazyDocumentAttention::setup_seconds() const { return state_->setup_seconds; }
 
 absl::Status LazyDocumentAttention::SyncStats() {
   if (!state_->managed) return absl::OkStatus();

@@ -116,6 +116,9 @@ class LazyDocumentAttention : public engine::ExternalAttention {
   absl::Status SyncStats();
   // True in resident mode (a device-managed cache; see the file comment).
   bool device_managed() const;
+  // Host time of Create after the checks: the residency check (one PeekPages per page), the
+  // cache (resident mode: per-page addresses uploaded) and, in resident mode, the summaries.
+  double setup_seconds() const;
   // Page-cache hits and misses over every call (GpuPageCache lookups - hits).
   int64_t cache_hits() const;
   int64_t cache_misses() const;

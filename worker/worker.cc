@@ -1066,7 +1066,8 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     if (lazy->device_managed()) {
       ++resident_lazy_jobs_;
       STRATA_LOG(INFO) << "worker: job " << request.job_id() << ": document " << doc_id.ToHex()
-                       << " whole in the host tier: device-managed page cache (" << lazy->slots() << " slots)";
+                       << " whole in the host tier: device-managed page cache (" << lazy->slots()
+                       << " slots, set up in " << lazy->setup_seconds() << " s)";
     }
     policy = engine::MakeDensePolicy();  // over the prompt and generated tokens
     fo.cache_first_position = doc_tokens;

@@ -322,13 +322,13 @@ TEST_F(LazyMountTest, DenseJobStillLoadsEveryPage) {
   EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
 }
 
-// Reads strata_kv_<name>{tier="gpu"} (a counter or gauge) from `registry`; 0 when absent.
-double GpuTierMetric(prometheus::Registry& registry, const std::string& name) {
+// Reads strata_kv_<name>{tier=`tier`} (a counter or gauge) from `registry`; 0 when absent.
+double TierMetric(prometheus::Registry& registry, const std::string& name, const std::string& tier) {
   for (const prometheus::MetricFamily& f : registry.Collect()) {
     if (f.name != name) continue;
     for (const prometheus::ClientMetric& m : f.metric) {
       for (const prometheus::ClientMetric::Label& l : m.label) {
-        if (l.name == "tier" && l.value == "gpu") {
+        if (l.name == "tier" && l.value == tier) {
           return f.type == prometheus::MetricType::Gauge ? m.gauge.value : m.counter.value;
         }
       }
@@ -357,7 +357,7 @@ TEST_F(LazyMountTest, HostTierMissIsReadFromTheStoreAndKeptInTheHostTier) {
   wo.lazy_cache_pages = 8192;
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), backend_.get(),
                                                                         tiered.get(), store_.get(), &wm));
-  const double lookups0 = GpuTierMetric(registry_, "strata_kv_lookups_total");
+  const double lookups0 = TierMetric(registry_, "strata_kv_lookups_total", "gpu");
   const int64_t entries0 = host->num_entries();
   const v1::JobInfo a = Run(w.get(), Quest("tiered-1", 64, 64, 4));
   const v1::PagesByTier& ta = a.usage().pages_fetched();
@@ -366,14 +366,14 @@ TEST_F(LazyMountTest, HostTierMissIsReadFromTheStoreAndKeptInTheHostTier) {
   EXPECT_LE(ta.disk(), 24u);
   // Every page read from disk is now in the host tier (besides the summaries the chooser read).
   EXPECT_GE(host->num_entries() - entries0, static_cast<int64_t>(ta.disk()));
-  const double lookups1 = GpuTierMetric(registry_, "strata_kv_lookups_total");
-  const double hits1 = GpuTierMetric(registry_, "strata_kv_hits_total");
+  const double lookups1 = TierMetric(registry_, "strata_kv_lookups_total", "gpu");
+  const double hits1 = TierMetric(registry_, "strata_kv_hits_total", "gpu");
   // 4 forwards x 2 layers x 2 heads x 3 pages looked up in the GPU page cache; the misses are the
   // pages fetched.
   EXPECT_EQ(lookups1 - lookups0, 48.0);
   EXPECT_EQ(lookups1 - lookups0 - hits1, static_cast<double>(ta.disk()));
-  EXPECT_EQ(GpuTierMetric(registry_, "strata_kv_resident_bytes"), 0.0);  // the job's cache is gone
-  EXPECT_EQ(GpuTierMetric(registry_, "strata_kv_capacity_bytes"), 0.0);
+  EXPECT_EQ(TierMetric(registry_, "strata_kv_resident_bytes", "gpu"), 0.0);  // the job's cache is gone
+  EXPECT_EQ(TierMetric(registry_, "strata_kv_capacity_bytes", "gpu"), 0.0);
 
   const v1::JobInfo b = Run(w.get(), Quest("tiered-2", 64, 64, 4));
   EXPECT_EQ(Tokens(b), Tokens(a));
@@ -513,21 +513,6 @@ TEST_F(LazyAttentionTest, PageMissingFromTheStoreIsDataLossAndBadCallsAreRefused
   o.store = store_.get();
   o.document_tokens = 0;
   EXPECT_THAT(LazyDocumentAttention::Create(o, backend_.get()).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
-}
-
-// Reads strata_kv_<name>{tier=`tier`} (a counter or gauge) from `registry`; 0 when absent.
-double TierMetric(prometheus::Registry& registry, const std::string& name, const std::string& tier) {
-  for (const prometheus::MetricFamily& f : registry.Collect()) {
-    if (f.name != name) continue;
-    for (const prometheus::ClientMetric& m : f.metric) {
-      for (const prometheus::ClientMetric::Label& l : m.label) {
-        if (l.name == "tier" && l.value == tier) {
-          return f.type == prometheus::MetricType::Gauge ? m.gauge.value : m.counter.value;
-        }
-      }
-    }
-  }
-  return 0;
 }
 
 // Tier H in front of the fixture's store, its pages in backend memory (a BackendPageAllocator on
@@ -699,14 +684,14 @@ TEST_F(LazyMountTest, DocumentWholeInABackendHostTierRunsTheDeviceManagedCache) 
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), backend_.get(),
                                                                         tier.tiered.get(), store_.get(), &wm));
   const v1::JobInfo full = Run(worker_.get(), Quest("full", 1024, 64, 8));
-  const double gpu_lookups = GpuTierMetric(registry_, "strata_kv_lookups_total");
+  const double gpu_lookups = TierMetric(registry_, "strata_kv_lookups_total", "gpu");
   const v1::JobInfo got = Run(w.get(), Quest("resident", 1024, 64, 8));
   EXPECT_EQ(w->resident_lazy_jobs(), 1);
   EXPECT_EQ(Tokens(got), Tokens(full));
   EXPECT_EQ(got.usage().pages_fetched().host(), 40u);  // each page once
   EXPECT_EQ(got.usage().pages_fetched().disk(), 0u);
   // Synced at the job's end: (5 prompt tokens + 7 decode steps) x 2 layers x 2 heads x 10 pages.
-  EXPECT_EQ(GpuTierMetric(registry_, "strata_kv_lookups_total") - gpu_lookups, 12 * 2 * 2 * 10);
+  EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "gpu") - gpu_lookups, 12 * 2 * 2 * 10);
 
   const v1::JobInfo small = Run(w.get(), Quest("resident-small", 64, 64, 4));
   EXPECT_EQ(w->resident_lazy_jobs(), 2);
