@@ -337,17 +337,62 @@ double TierMetric(prometheus::Registry& registry, const std::string& name, const
   return 0;
 }
 
+// Tier H in front of the fixture's store, its pages in backend memory (a BackendPageAllocator on
+// `backend`, as cli/server_runtime.h sets up a worker's tier) or, with backend null, in the
+// default allocator's; `warm` reads the listed pages (layer, kv head, page) of the document
+// through it first, so that they are cached.
+struct HostTierFixture {
+  std::unique_ptr<kvstore::BackendPageAllocator> alloc;
+  std::unique_ptr<kvstore::HostCache> host;
+  std::unique_ptr<kvstore::TieredStore> tiered;
+};
+HostTierFixture MakeHostTier(kvstore::PageStore* durable, kernels::Backend* backend, int head_dim,
+                             kvstore::KvMetrics* metrics, const std::vector<kvstore::PageKey>& warm) {
+  HostTierFixture t;
+  kvstore::HostCacheOptions ho;
+  ho.metrics = metrics;
+  if (backend != nullptr) {
+    kvstore::PageShape shape;
+    shape.page_size = 64;
+    shape.head_dim = head_dim;
+    t.alloc = std::make_unique<kvstore::BackendPageAllocator>(backend, shape.EncodedBytes(), size_t{1} << 20);
+    ho.allocator = t.alloc.get();
+  }
+  t.host = *kvstore::HostCache::Create(ho);
+  kvstore::TieredStoreOptions to;
+  to.host = t.host.get();
+  to.local = durable;
+  t.tiered = *kvstore::TieredStore::Create(to);
+  std::vector<kvstore::PageRef> got;
+  EXPECT_TRUE(t.tiered->GetPages(warm, &got).ok());
+  return t;
+}
+
+// Every page of the fixture's document (2 layers x 2 KV heads x 10 pages), but `skip`.
+std::vector<kvstore::PageKey> DocumentPages(int skip = -1) {
+  std::vector<kvstore::PageKey> keys;
+  for (uint32_t l = 0; l < 2; ++l) {
+    for (uint32_t g = 0; g < 2; ++g) {
+      for (uint32_t p = 0; p < 10; ++p) {
+        if (static_cast<int>(keys.size()) == skip) {
+          skip = -2;  // skipped once: the numbering below moves on
+          continue;
+        }
+        keys.push_back(kvstore::PageKey{*kvstore::DocumentId::FromHex(kDocId), l, g, p});
+      }
+    }
+  }
+  return keys;
+}
+
 TEST_F(LazyMountTest, HostTierMissIsReadFromTheStoreAndKeptInTheHostTier) {
   // Tier H (empty) in front of the disk tier: the first job's page-cache misses miss the host
   // tier, are read from RocksDB and inserted into the host tier; a second job (a fresh GPU page
   // cache) finds them there. The gpu-tier counters of the worker's registry move.
-  kvstore::HostCacheOptions ho;
-  ho.metrics = kv_metrics_.get();
-  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::HostCache> host, kvstore::HostCache::Create(ho));
-  kvstore::TieredStoreOptions to;
-  to.host = host.get();
-  to.local = store_.get();
-  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::TieredStore> tiered, kvstore::TieredStore::Create(to));
+  HostTierFixture tier = MakeHostTier(store_.get(), nullptr, static_cast<int>(model_->config.head_dim),
+                                      kv_metrics_.get(), {});
+  kvstore::HostCache* host = tier.host.get();
+  kvstore::TieredStore* tiered = tier.tiered.get();
   WorkerMetrics wm(&registry_);
   wm.kv = kv_metrics_.get();
   WorkerOptions wo;
@@ -356,7 +401,7 @@ TEST_F(LazyMountTest, HostTierMissIsReadFromTheStoreAndKeptInTheHostTier) {
   wo.lazy_mount = true;
   wo.lazy_cache_pages = 8192;
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), backend_.get(),
-                                                                        tiered.get(), store_.get(), &wm));
+                                                                        tiered, store_.get(), &wm));
   const double lookups0 = TierMetric(registry_, "strata_kv_lookups_total", "gpu");
   const int64_t entries0 = host->num_entries();
   const v1::JobInfo a = Run(w.get(), Quest("tiered-1", 64, 64, 4));
@@ -513,54 +558,6 @@ TEST_F(LazyAttentionTest, PageMissingFromTheStoreIsDataLossAndBadCallsAreRefused
   o.store = store_.get();
   o.document_tokens = 0;
   EXPECT_THAT(LazyDocumentAttention::Create(o, backend_.get()).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
-}
-
-// Tier H in front of the fixture's store, its pages in backend memory (a BackendPageAllocator on
-// `backend`, as cli/server_runtime.h sets up a worker's tier) or, with backend null, in the
-// default allocator's; `warm` reads the listed pages (layer, kv head, page) of the document
-// through it first, so that they are cached.
-struct HostTierFixture {
-  std::unique_ptr<kvstore::BackendPageAllocator> alloc;
-  std::unique_ptr<kvstore::HostCache> host;
-  std::unique_ptr<kvstore::TieredStore> tiered;
-};
-HostTierFixture MakeHostTier(kvstore::PageStore* durable, kernels::Backend* backend, int head_dim,
-                             kvstore::KvMetrics* metrics, const std::vector<kvstore::PageKey>& warm) {
-  HostTierFixture t;
-  kvstore::HostCacheOptions ho;
-  ho.metrics = metrics;
-  if (backend != nullptr) {
-    kvstore::PageShape shape;
-    shape.page_size = 64;
-    shape.head_dim = head_dim;
-    t.alloc = std::make_unique<kvstore::BackendPageAllocator>(backend, shape.EncodedBytes(), size_t{1} << 20);
-    ho.allocator = t.alloc.get();
-  }
-  t.host = *kvstore::HostCache::Create(ho);
-  kvstore::TieredStoreOptions to;
-  to.host = t.host.get();
-  to.local = durable;
-  t.tiered = *kvstore::TieredStore::Create(to);
-  std::vector<kvstore::PageRef> got;
-  EXPECT_TRUE(t.tiered->GetPages(warm, &got).ok());
-  return t;
-}
-
-// Every page of the fixture's document (2 layers x 2 KV heads x 10 pages), but `skip`.
-std::vector<kvstore::PageKey> DocumentPages(int skip = -1) {
-  std::vector<kvstore::PageKey> keys;
-  for (uint32_t l = 0; l < 2; ++l) {
-    for (uint32_t g = 0; g < 2; ++g) {
-      for (uint32_t p = 0; p < 10; ++p) {
-        if (static_cast<int>(keys.size()) == skip) {
-          skip = -2;  // skipped once: the numbering below moves on
-          continue;
-        }
-        keys.push_back(kvstore::PageKey{*kvstore::DocumentId::FromHex(kDocId), l, g, p});
-      }
-    }
-  }
-  return keys;
 }
 
 TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
