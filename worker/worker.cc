@@ -1254,7 +1254,10 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   }
   const engine::SelectionCounters end = counters();
   if (lazy != nullptr) {  // every page-cache miss of this job, by the tier that served it
-    STRATA_RETURN_IF_ERROR(lazy->SyncStats());  // resident mode: the device's counters
+    {
+      absl::MutexLock lock(&engine_mu_);  // the backend is shared with the forwards of other jobs
+      STRATA_RETURN_IF_ERROR(lazy->SyncStats());  // resident mode: the device's counters
+    }
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
     tiers->set_host(static_cast<uint64_t>(lazy->pages().host));
     tiers->set_disk(static_cast<uint64_t>(lazy->pages().local));
