@@ -117,6 +117,9 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
               "pages on demand (opt-in; page-level choice, see docs/design.md)");
   flags->Int("lazy-cache-pages", &lazy_cache_pages,
              "with --lazy-mount: GPU page cache slots per job (clock eviction; at least one layer step's pages)");
+  flags->Int("lazy-shared-documents", &lazy_shared_documents,
+             "with --lazy-mount: documents whose device state (summaries, resident page cache) stays between "
+             "questions while no job uses it (0: none; jobs on one document share it while > 0)");
   flags->String("device-selection", &device_selection,
                 "auto|on|off: quest/tokenselect decode steps select on the backend (auto: when it is not the "
                 "CPU backend; on: also on the CPU backend)");
@@ -140,6 +143,10 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
   options->max_jobs = static_cast<uint32_t>(max_jobs);
   options->lazy_mount = lazy_mount;
   options->lazy_cache_pages = lazy_cache_pages;
+  // Out-of-int range values become -1 here, which WorkerOptions::Validate rejects.
+  options->lazy_shared_documents = lazy_shared_documents >= 0 && lazy_shared_documents <= (int64_t{1} << 20)
+                                       ? static_cast<int>(lazy_shared_documents)
+                                       : -1;
   options->device_selection = device_selection;
   options->matmul_precision = matmul_precision;
   options->prefill_policy = prefill_policy;

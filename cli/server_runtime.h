@@ -32,6 +32,7 @@ struct WorkerEngineFlags {
   int64_t threads = 0;
   bool lazy_mount = false;
   int64_t lazy_cache_pages = 8192;
+  int64_t lazy_shared_documents = 1;
   std::string device_selection = "auto";
   std::string matmul_precision = "split";
   std::string prefill_policy = "dense";
@@ -39,7 +40,8 @@ struct WorkerEngineFlags {
   std::string kv_page_dtype = "bf16";
 
   // Registers --page-size, --prefill-chunk, --max-jobs, --host-cache-bytes (the tier in front of
-  // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages and
+  // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages,
+  // --lazy-shared-documents and
   // --device-selection (auto|on|off: WorkerOptions::device_selection) and --matmul-precision
   // (split|bf16: WorkerOptions::matmul_precision), --prefill-policy (dense|quest|tokenselect:
   // WorkerOptions::prefill_policy), --prefill-budget-tokens and --kv-page-dtype (bf16|fp8:

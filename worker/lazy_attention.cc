@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -124,6 +125,39 @@ std::vector<kvstore::PageRef> PeekWholeDocument(kvstore::PageStore* store, kerne
 
 }  // namespace
 
+struct LazyDocumentShare::Impl {
+  std::mutex mu;
+  // The document and shapes of the first job (every later job must match).
+  bool keyed = false;
+  kvstore::DocumentId document;
+  int64_t document_tokens = 0;
+  int page_size = 0, num_layers = 0, num_kv_heads = 0, head_dim = 0;
+  uint32_t summary_kind = 0;
+  kernels::Backend* backend = nullptr;
+  std::vector<std::unique_ptr<kernels::Buffer>> summaries;  // per layer, null until loaded
+  int64_t summary_bytes = 0;
+  std::unique_ptr<HeldPagesStore> held;           // resident mode: what the cache's Create read
+  std::unique_ptr<kvstore::GpuPageCache> cache;   // resident mode: the device-managed cache
+  int64_t synced_fills = 0;                       // cache fills as of the last SyncStats
+};
+
+LazyDocumentShare::LazyDocumentShare() : impl_(std::make_unique<Impl>()) {}
+LazyDocumentShare::~LazyDocumentShare() {
+  if (impl_ == nullptr) return;
+  impl_->cache.reset();  // before the source it was made from
+  impl_->held.reset();
+}
+bool LazyDocumentShare::resident() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->cache != nullptr;
+}
+int64_t LazyDocumentShare::device_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  int64_t bytes = impl_->summary_bytes;
+  if (impl_->cache != nullptr) bytes += impl_->cache->page_bytes() * impl_->cache->options().num_slots;
+  return bytes;
+}
+
 struct LazyDocumentAttention::State {
   LazyAttentionOptions o;
   kernels::Backend* backend = nullptr;
@@ -131,20 +165,23 @@ struct LazyDocumentAttention::State {
   int64_t window_first = 1;    // first window page
   int64_t k = 0;               // middle pages chosen per head
   std::unique_ptr<TierCountingStore> source;
-  // Device-managed cache (resident mode): the held pages its Create read, and the pages the job
-  // filled from the host tier (SyncStats).
+  // Summaries and, in resident mode, the device-managed cache: shared with the document's other
+  // jobs (LazyAttentionOptions::share) or private.
+  std::shared_ptr<LazyDocumentShare> share;
+  // Resident mode: `cache` is the share's device-managed cache; the pages this job filled from the
+  // host tier (SyncStats: the cache's fills since the share's last sync before this job).
   bool managed = false;
-  std::unique_ptr<HeldPagesStore> held;
+  int64_t start_fills = 0;
   kvstore::TierCounts managed_counts;
+  std::unique_ptr<kvstore::GpuPageCache> own_cache;  // host-managed: this job's cache
+  kvstore::GpuPageCache* cache = nullptr;            // own_cache or the share's
   double setup_seconds = 0;  // Create: the residency check, the cache, the summaries
   engine::PageChooser host_chooser;
-  std::unique_ptr<kvstore::GpuPageCache> cache;
   std::unique_ptr<engine::GpuCacheAttention> hook;
   engine::SelectionCounters counters;
   int64_t device_choices = 0;
-  // Device chooser: per layer, summaries [hkv, pages, 2 d] f32 in backend memory (null until
-  // first used), scores, the selection and its host copy.
-  std::vector<std::unique_ptr<kernels::Buffer>> summaries;
+  // Device chooser: scores, the selection and its host copy (the layers' summaries [hkv, pages,
+  // 2 d] f32 are in the share, loaded on first use).
   std::unique_ptr<kernels::Buffer> scores, selected;
   std::vector<int32_t> host_selected;
   std::vector<float> q_host;
@@ -156,7 +193,9 @@ struct LazyDocumentAttention::State {
     counters.candidate_tokens += o.document_tokens;
     for (int32_t p : pages) counters.selected_tokens += PageTokens(p);
   }
-  absl::Status LoadSummaries(int layer);
+  // The summaries of `layer` in backend memory, read from the store and uploaded on first use
+  // by any job of the share. The buffer lives as long as the share.
+  absl::StatusOr<kernels::Buffer*> Summaries(int layer);
   absl::Status ChooseOnDevice(int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
                               engine::DeviceTokenSelection* selection);
   // The device selection of a one-token choice for a device-managed cache: page 0, the `selected`
@@ -183,7 +222,10 @@ void LazyDocumentAttention::State::FillSelection(bool middle, engine::DeviceToke
   counters.selected_tokens += o.num_kv_heads * per_head;
 }
 
-absl::Status LazyDocumentAttention::State::LoadSummaries(int layer) {
+absl::StatusOr<kernels::Buffer*> LazyDocumentAttention::State::Summaries(int layer) {
+  LazyDocumentShare::Impl& sh = *share->impl_;
+  std::lock_guard<std::mutex> lock(sh.mu);
+  if (sh.summaries[layer] != nullptr) return sh.summaries[layer].get();
   const int hkv = o.num_kv_heads, d = o.head_dim;
   const size_t row = static_cast<size_t>(2) * d;
   std::vector<kvstore::SummaryKey> keys(static_cast<size_t>(hkv) * num_pages);
@@ -204,9 +246,11 @@ absl::Status LazyDocumentAttention::State::LoadSummaries(int layer) {
     }
     std::memcpy(&host[i * row], got[i]->data(), row * sizeof(float));
   }
-  STRATA_ASSIGN_OR_RETURN(summaries[layer], backend->Allocate(host.size() * sizeof(float)));
-  STRATA_RETURN_IF_ERROR(backend->CopyToDevice(summaries[layer]->data(), host.data(), host.size() * sizeof(float), nullptr));
-  return absl::OkStatus();
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> buffer, backend->Allocate(host.size() * sizeof(float)));
+  STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buffer->data(), host.data(), host.size() * sizeof(float), nullptr));
+  sh.summary_bytes += static_cast<int64_t>(host.size() * sizeof(float));
+  sh.summaries[layer] = std::move(buffer);
+  return sh.summaries[layer].get();
 }
 
 absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kernels::TensorView& q,
@@ -233,7 +277,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
   const int64_t n = window_first - 1;  // middle candidates [1, window_first)
   const int group = hq / hkv;
   if (n > 0 && k > 0) {
-    if (summaries[layer] == nullptr) STRATA_RETURN_IF_ERROR(LoadSummaries(layer));
+    STRATA_ASSIGN_OR_RETURN(kernels::Buffer* layer_summaries, Summaries(layer));
     const size_t score_bytes = static_cast<size_t>(hq) * n * sizeof(float);
     if (scores == nullptr || scores->bytes() < score_bytes) {
       STRATA_ASSIGN_OR_RETURN(scores, backend->Allocate(score_bytes));
@@ -243,7 +287,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
     }
     STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
         backend, kernels::TensorView(q.data, kernels::DType::kF32, {hq, d}),
-        summaries[layer]->View(kernels::DType::kF32, {hkv, num_pages, 2 * d}), window_first, k,
+        layer_summaries->View(kernels::DType::kF32, {hkv, num_pages, 2 * d}), window_first, k,
         scores->View(kernels::DType::kF32, {hkv, group, n}), selected->View(kernels::DType::kI32, {hkv, k})));
     if (pages == nullptr) {
       // Device-managed cache: the selection stays on the device (nothing read on the host).
@@ -302,23 +346,6 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
 
   const int64_t total = static_cast<int64_t>(o.num_layers) * o.num_kv_heads * st->num_pages;
   const bool device = o.device_path < 0 ? backend->Name() != "cpu" : o.device_path > 0;
-  // Resident mode: the host tier holds the whole document where the device can read it.
-  kvstore::PageAllocator* in_place = nullptr;
-  const Stopwatch setup;
-  if (device && o.device_managed != 0) {
-    std::vector<kvstore::PageRef> all =
-        PeekWholeDocument(o.store, backend, o.document, o.num_layers, o.num_kv_heads, st->num_pages, &in_place);
-    if (static_cast<int64_t>(all.size()) == total) {
-      st->managed = true;
-      st->held = std::make_unique<HeldPagesStore>(o.document, o.num_kv_heads, st->num_pages, std::move(all));
-    } else if (o.device_managed > 0) {
-      return absl::FailedPreconditionError(
-          "LazyDocumentAttention: device_managed needs every page of the document in the host tier, in memory "
-          "of a BackendPageAllocator on this backend");
-    }
-  } else if (o.device_managed > 0) {
-    return absl::FailedPreconditionError("LazyDocumentAttention: device_managed needs the device path");
-  }
   const int64_t per_call =
       static_cast<int64_t>(o.num_kv_heads) *
       std::min<int64_t>(st->num_pages, 1 + static_cast<int64_t>(o.budget_pages) + o.window_pages);
@@ -334,14 +361,69 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   go.source = st->source.get();
   go.metrics = o.metrics;
   go.additive_gauges = true;
-  if (st->managed) {
-    go.source = st->held.get();
-    go.hold_source_pages = true;
-    go.in_place_allocator = in_place;
-    go.device_managed = true;
+
+  const Stopwatch setup;
+  st->share = o.share != nullptr ? o.share : std::make_shared<LazyDocumentShare>();
+  {
+    LazyDocumentShare::Impl& sh = *st->share->impl_;
+    std::lock_guard<std::mutex> lock(sh.mu);
+    if (!sh.keyed) {
+      sh.keyed = true;
+      sh.document = o.document;
+      sh.document_tokens = o.document_tokens;
+      sh.page_size = o.page_size;
+      sh.num_layers = o.num_layers;
+      sh.num_kv_heads = o.num_kv_heads;
+      sh.head_dim = o.head_dim;
+      sh.summary_kind = o.summary_kind;
+      sh.backend = backend;
+      sh.summaries.resize(static_cast<size_t>(o.num_layers));
+    } else if (!(sh.document == o.document) || sh.document_tokens != o.document_tokens ||
+               sh.page_size != o.page_size || sh.num_layers != o.num_layers || sh.num_kv_heads != o.num_kv_heads ||
+               sh.head_dim != o.head_dim || sh.summary_kind != o.summary_kind || sh.backend != backend) {
+      return absl::InvalidArgumentError("LazyDocumentAttention: the share belongs to another document or shape");
+    }
+    // Resident mode: the share's device-managed cache when it has one large enough for this job's
+    // calls; otherwise, when the host tier holds the whole document where the device can read
+    // it, a new one for the share.
+    if (device && o.device_managed != 0) {
+      if (sh.cache == nullptr) {
+        kvstore::PageAllocator* in_place = nullptr;
+        std::vector<kvstore::PageRef> all =
+            PeekWholeDocument(o.store, backend, o.document, o.num_layers, o.num_kv_heads, st->num_pages, &in_place);
+        if (static_cast<int64_t>(all.size()) == total) {
+          sh.held = std::make_unique<HeldPagesStore>(o.document, o.num_kv_heads, st->num_pages, std::move(all));
+          kvstore::GpuCacheOptions mo = go;
+          mo.source = sh.held.get();
+          mo.hold_source_pages = true;
+          mo.in_place_allocator = in_place;
+          mo.device_managed = true;
+          absl::StatusOr<std::unique_ptr<kvstore::GpuPageCache>> made = kvstore::GpuPageCache::Create(mo, backend);
+          sh.held->Release();  // the cache holds the pages now (or failed)
+          if (!made.ok()) return made.status();
+          sh.cache = *std::move(made);
+          sh.synced_fills = 0;
+        }
+      }
+      if (sh.cache != nullptr && sh.cache->options().num_slots >= per_call) {
+        st->managed = true;
+        st->cache = sh.cache.get();
+        st->start_fills = sh.synced_fills;
+      } else if (o.device_managed > 0) {
+        return absl::FailedPreconditionError(
+            sh.cache == nullptr
+                ? "LazyDocumentAttention: device_managed needs every page of the document in the host tier, in "
+                  "memory of a BackendPageAllocator on this backend"
+                : "LazyDocumentAttention: the share's device-managed cache has fewer slots than one call needs");
+      }
+    } else if (o.device_managed > 0) {
+      return absl::FailedPreconditionError("LazyDocumentAttention: device_managed needs the device path");
+    }
   }
-  STRATA_ASSIGN_OR_RETURN(st->cache, kvstore::GpuPageCache::Create(go, backend));
-  if (st->managed) st->held->Release();  // the cache holds the pages now
+  if (!st->managed) {
+    STRATA_ASSIGN_OR_RETURN(st->own_cache, kvstore::GpuPageCache::Create(go, backend));
+    st->cache = st->own_cache.get();
+  }
 
   engine::GpuCacheAttentionOptions ao;
   ao.document_tokens = o.document_tokens;
@@ -355,7 +437,6 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   };
   ao.device_path = device;
   if (device) {
-    st->summaries.resize(static_cast<size_t>(o.num_layers));
     ao.device_chooser = [s](int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
                             engine::DeviceTokenSelection* selection) {
       return s->ChooseOnDevice(layer, q, pages, selection);
@@ -363,11 +444,11 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     if (st->managed) {
       // Every layer's summaries up front: a decode step then queues device work only.
       if (st->k > 0 && st->window_first > 1) {
-        for (int l = 0; l < o.num_layers; ++l) STRATA_RETURN_IF_ERROR(st->LoadSummaries(l));
+        for (int l = 0; l < o.num_layers; ++l) STRATA_RETURN_IF_ERROR(st->Summaries(l).status());
       }
     }
   }
-  STRATA_ASSIGN_OR_RETURN(st->hook, engine::GpuCacheAttention::Create(ao, st->cache.get(), backend));
+  STRATA_ASSIGN_OR_RETURN(st->hook, engine::GpuCacheAttention::Create(ao, st->cache, backend));
   st->setup_seconds = setup.ElapsedSeconds();
   return std::unique_ptr<LazyDocumentAttention>(new LazyDocumentAttention(std::move(st)));
 }
@@ -378,7 +459,7 @@ LazyDocumentAttention::~LazyDocumentAttention() {
   if (state_ == nullptr) return;
   // The hook and the cache go before the source they read from.
   state_->hook.reset();
-  state_->cache.reset();
+  state_->own_cache.reset();
 }
 
 absl::Status LazyDocumentAttention::Attend(int layer, const float* q, int num_tokens, int num_q_heads,
@@ -397,8 +478,13 @@ double LazyDocumentAttention::setup_seconds() const { return state_->setup_secon
 
 absl::Status LazyDocumentAttention::SyncStats() {
   if (!state_->managed) return absl::OkStatus();
+  LazyDocumentShare::Impl& sh = *state_->share->impl_;
+  std::lock_guard<std::mutex> lock(sh.mu);
   STRATA_RETURN_IF_ERROR(state_->cache->SyncDeviceStats());
-  state_->managed_counts.host = state_->cache->stats().fills;  // every fill read a host-tier page
+  // Every fill read a host-tier page. Exact while the share's jobs run one after another; jobs
+  // running at once on the document count each other's fills too.
+  sh.synced_fills = state_->cache->stats().fills;
+  state_->managed_counts.host = sh.synced_fills - state_->start_fills;
   return absl::OkStatus();
 }
 

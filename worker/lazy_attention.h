@@ -19,6 +19,10 @@
 // host and uses the host chooser. Attention: GpuCacheAttention (PagedAttention over the cache's
 // bf16 slots, merged with the local attention by the transformer).
 //
+// Sharing (LazyAttentionOptions::share, WorkerOptions::lazy_shared_documents): the jobs on one
+// document use one LazyDocumentShare for the layers' summaries in backend memory and the resident
+// mode's device-managed cache; host-managed caches and the choosers' scratch are per job.
+//
 // Page cache: max(min(capacity_pages, every page of the document), one call's largest need =
 // num_kv_heads * min(pages, 1 + budget_pages + window_pages)) slots, each one (layer, KV head,
 // page) in bf16, clock eviction with pins (kvstore/gpu_cache.h). A capacity below one call's need
@@ -66,6 +70,32 @@
 
 namespace strata::worker {
 
+// What the lazy jobs on one document share on the device, kept by the worker between jobs
+// (WorkerOptions::lazy_shared_documents): the layers' minmax summaries in backend memory (each
+// uploaded on first use by any job) and, in resident mode, the device-managed page cache with its
+// references to the document's host-tier pages, so that a later question on the document neither
+// re-uploads summaries nor re-reads the page table, and finds the pages earlier questions left in
+// the slots. Host-managed caches stay per job. Thread-safe (one mutex); jobs using it must
+// serialize their backend work, as the worker's engine lock does.
+class LazyDocumentShare {
+ public:
+  LazyDocumentShare();
+  ~LazyDocumentShare();
+  LazyDocumentShare(const LazyDocumentShare&) = delete;
+  LazyDocumentShare& operator=(const LazyDocumentShare&) = delete;
+
+  // True once a job made the share's device-managed cache.
+  bool resident() const;
+  // Backend memory it holds: the summaries loaded so far and the cache's slot pools.
+  int64_t device_bytes() const;
+
+  struct Impl;
+
+ private:
+  friend class LazyDocumentAttention;
+  std::unique_ptr<Impl> impl_;
+};
+
 struct LazyAttentionOptions {
   kvstore::PageStore* store = nullptr;  // not owned; a TieredStore counts pages per tier
   kvstore::DocumentId document;
@@ -88,6 +118,9 @@ struct LazyAttentionOptions {
   // -1: resident mode when possible (see the file comment); 0: never; 1: required
   // (FailedPrecondition from Create when it is not possible).
   int device_managed = -1;
+  // State shared with the document's other jobs (see LazyDocumentShare); null: a private one.
+  // InvalidArgument from Create when it was made for another document or shape.
+  std::shared_ptr<LazyDocumentShare> share;
 };
 
 class LazyDocumentAttention : public engine::ExternalAttention {
@@ -119,7 +152,8 @@ class LazyDocumentAttention : public engine::ExternalAttention {
   // Host time of Create after the checks: the residency check (one PeekPages per page), the
   // cache (resident mode: per-page addresses uploaded) and, in resident mode, the summaries.
   double setup_seconds() const;
-  // Page-cache hits and misses over every call (GpuPageCache lookups - hits).
+  // Page-cache hits and misses over every call (GpuPageCache lookups - hits; resident mode: of the
+  // share's cache since it was made).
   int64_t cache_hits() const;
   int64_t cache_misses() const;
   // candidate_tokens: document tokens per (call, KV head); selected_tokens: tokens attended.

@@ -175,6 +175,7 @@ absl::Status WorkerOptions::Validate() const {
   if (max_decode_batch < 1) return absl::InvalidArgumentError("max_decode_batch >= 1");
   if (peer_timeout_ms < 1) return absl::InvalidArgumentError("peer_timeout_ms >= 1");
   if (lazy_cache_pages < 1) return absl::InvalidArgumentError("lazy_cache_pages >= 1");
+  if (lazy_shared_documents < 0) return absl::InvalidArgumentError("lazy_shared_documents >= 0");
   if (device_selection != "auto" && device_selection != "on" && device_selection != "off") {
     return absl::InvalidArgumentError(absl::StrCat("device_selection: auto|on|off, got '", device_selection, "'"));
   }
@@ -709,6 +710,40 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   return absl::OkStatus();
 }
 
+std::shared_ptr<LazyDocumentShare> Worker::AcquireLazyShare(const std::string& key) {
+  if (options_.lazy_shared_documents <= 0) return nullptr;
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<LazyDocumentShare> share;
+  for (auto it = lazy_shares_.begin(); it != lazy_shares_.end(); ++it) {
+    if (it->first == key) {
+      share = it->second;
+      lazy_shares_.erase(it);
+      break;
+    }
+  }
+  if (share == nullptr) share = std::make_shared<LazyDocumentShare>();
+  lazy_shares_.emplace_front(key, share);
+  TrimLazyShares();
+  return share;
+}
+
+void Worker::TrimLazyShares() {
+  // Keep every share a job holds, and the `lazy_shared_documents` most recently used idle ones.
+  int64_t idle = 0;
+  for (auto it = lazy_shares_.begin(); it != lazy_shares_.end();) {
+    if (it->second.use_count() > 1 || ++idle <= options_.lazy_shared_documents) {
+      ++it;
+    } else {
+      it = lazy_shares_.erase(it);
+    }
+  }
+}
+
+int64_t Worker::lazy_shared_documents() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(lazy_shares_.size());
+}
+
 absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1::ShardRange& range,
                                                                        kvstore::TierCounts* pages,
                                                                        bool check_capacity) {
@@ -1037,6 +1072,14 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     fo.external = leader.get();
   }
   // Lazy mount (WorkerOptions::lazy_mount): only the summaries load; pages come in as chosen.
+  // Declared before `lazy` (so run after it is gone): the idle shares beyond the limit go.
+  struct TrimShares {
+    Worker* w;
+    ~TrimShares() {
+      absl::MutexLock lock(&w->mu_);
+      w->TrimLazyShares();
+    }
+  } trim_shares{this};
   std::unique_ptr<LazyDocumentAttention> lazy;
   if (has_doc && !sharded && options_.lazy_mount && LazyEligible(request.policy())) {
     const int64_t pages_per_head = (doc_tokens + P - 1) / P;
@@ -1056,6 +1099,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.budget_pages = static_cast<int>(std::min<int64_t>((budget + P - 1) / P, pages_per_head));
     lo.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
     lo.capacity_pages = options_.lazy_cache_pages;
+    lo.share = AcquireLazyShare(absl::StrCat(doc_id.ToHex(), ":", doc_tokens));
     lo.metrics = metrics_ != nullptr ? metrics_->kv : nullptr;
     // device_selection "on" takes the device path on the CPU backend too (its twins); otherwise
     // the device path on a device backend. There, a document whole in a pinned host tier runs the

@@ -88,6 +88,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <string>
@@ -103,6 +104,7 @@
 #include "kvstore/page_store.h"
 #include "model/model.h"
 #include "strata/v1/internal.pb.h"
+#include "worker/lazy_attention.h"
 #include "worker/shard_attention.h"
 
 namespace prometheus {
@@ -151,6 +153,12 @@ struct WorkerOptions {
   // trip (worker/lazy_attention.h, resident mode). Default false.
   bool lazy_mount = false;
   int64_t lazy_cache_pages = 8192;
+  // Documents whose lazy-job device state (worker/lazy_attention.h LazyDocumentShare: summaries in
+  // backend memory, the resident mode's device-managed cache) the worker keeps while no job uses
+  // them, most recently used first, so that the next question on the document starts warm
+  // (>= 0; 0: every job builds its own). Jobs running on a document share its state either way
+  // when this is > 0. Default 1.
+  int lazy_shared_documents = 1;
   // Device selection (engine/sparse/device_policy.h): a job whose KV cache holds the whole
   // document (one-worker map, not lazy) or that has no document, whose policy is quest or
   // tokenselect with minmax summaries and whose context can outgrow sinks + window + budget,
@@ -298,6 +306,8 @@ class Worker {
   // Lazy-mount jobs whose document was whole in the host tier: device-managed page cache
   // (worker/lazy_attention.h, resident mode).
   int64_t resident_lazy_jobs() const { return resident_lazy_jobs_.load(); }
+  // Documents whose lazy-job device state the worker holds now (in use or kept idle).
+  int64_t lazy_shared_documents() const;
 
  private:
   struct JobResult;
@@ -366,6 +376,13 @@ class Worker {
   std::atomic<bool> prefill_fallback_logged_{false};
   std::atomic<int64_t> device_selection_jobs_{0};
   std::atomic<int64_t> resident_lazy_jobs_{0};
+  // Lazy-job device state per document (WorkerOptions::lazy_shared_documents), most recently
+  // used first; "document hex:tokens" -> share.
+  std::list<std::pair<std::string, std::shared_ptr<LazyDocumentShare>>> lazy_shares_ ABSL_GUARDED_BY(mu_);
+  // The share of a document for a new lazy job (null when sharing is off); drops the idle shares
+  // beyond the limit.
+  std::shared_ptr<LazyDocumentShare> AcquireLazyShare(const std::string& key);
+  void TrimLazyShares() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::atomic<bool> fallback_logged_{false};
 };
 

@@ -622,6 +622,70 @@ TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
   EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "host"), host_lookups_created);
 }
 
+TEST_F(LazyAttentionTest, JobsSharingADocumentShareItsSummariesAndItsResidentCache) {
+  // Two jobs on one LazyDocumentShare: the second neither re-reads the summaries nor makes a cache;
+  // it attends through the first one's slots, and each counts only its own fills.
+  const int d = static_cast<int>(model_->config.head_dim);
+  HostTierFixture tier = MakeHostTier(store_.get(), backend_.get(), d, kv_metrics_.get(), DocumentPages());
+  auto share = std::make_shared<LazyDocumentShare>();
+  EXPECT_FALSE(share->resident());
+  LazyAttentionOptions o = Options(8192, 1);
+  o.store = tier.tiered.get();
+  o.share = share;
+  const double lookups0 = TierMetric(registry_, "strata_kv_lookups_total", "host");
+  STRATA_ASSERT_OK_AND_ASSIGN(auto a, LazyDocumentAttention::Create(o, backend_.get()));
+  const double lookups1 = TierMetric(registry_, "strata_kv_lookups_total", "host");
+  EXPECT_EQ(lookups1 - lookups0, 40.0);  // the summaries, once
+  ASSERT_TRUE(a->device_managed());
+  EXPECT_TRUE(share->resident());
+  // 40 slots of K+V (2 x 64 x 16 bf16) and 2 layers x 2 heads x 10 pages of 2 x 16 f32.
+  EXPECT_EQ(share->device_bytes(), 40 * 2 * 64 * 16 * 2 + 40 * 2 * 16 * 4);
+  auto view = [](float* p, std::initializer_list<int64_t> dims) {
+    return kernels::TensorView(p, kernels::DType::kF32, dims);
+  };
+  std::vector<float> q = Queries(1, 77), out(static_cast<size_t>(hq()) * d), lse(static_cast<size_t>(hq()));
+  std::vector<float> out_b(out.size()), lse_b(lse.size());
+  STRATA_ASSERT_OK(a->AttendOnDevice(0, view(q.data(), {1, hq(), d}), 700, view(out.data(), {1, hq(), d}),
+                                     view(lse.data(), {1, hq()})));
+  STRATA_ASSERT_OK(a->SyncStats());
+  EXPECT_EQ(a->pages().host, 2 * 4);  // 2 heads x (page 0, 2 chosen, the window page)
+
+  STRATA_ASSERT_OK_AND_ASSIGN(auto b, LazyDocumentAttention::Create(o, backend_.get()));
+  EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "host"), lookups1);
+  ASSERT_TRUE(b->device_managed());
+  EXPECT_EQ(&a->cache(), &b->cache());
+  STRATA_ASSERT_OK(b->AttendOnDevice(0, view(q.data(), {1, hq(), d}), 700, view(out_b.data(), {1, hq(), d}),
+                                     view(lse_b.data(), {1, hq()})));
+  STRATA_ASSERT_OK(b->AttendOnDevice(1, view(q.data(), {1, hq(), d}), 700, view(out_b.data(), {1, hq(), d}),
+                                     view(lse_b.data(), {1, hq()})));
+  STRATA_ASSERT_OK(b->SyncStats());
+  EXPECT_EQ(b->pages().host, 2 * 4);  // layer 0's pages were resident; layer 1's were filled
+  EXPECT_EQ(a->pages().host, 2 * 4);  // unchanged until a syncs again
+
+  // A share is for one document and shape.
+  LazyAttentionOptions other = o;
+  other.document_tokens = 600;
+  EXPECT_THAT(LazyDocumentAttention::Create(other, backend_.get()).status(),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  // A job whose calls need more slots than the share's cache has (made by a job with 1 page of
+  // capacity: one call's need, 2 x (1 + 2 + 1) = 8 slots): its own host-managed cache, or an
+  // error when resident mode is required.
+  LazyAttentionOptions small = o;
+  small.share = std::make_shared<LazyDocumentShare>();
+  small.capacity_pages = 1;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto s8, LazyDocumentAttention::Create(small, backend_.get()));
+  ASSERT_TRUE(s8->device_managed());
+  EXPECT_EQ(s8->slots(), 8);
+  LazyAttentionOptions big = small;
+  big.budget_pages = 8;  // 2 x (1 + 8 + 1) = 20 slots per call
+  STRATA_ASSERT_OK_AND_ASSIGN(auto c, LazyDocumentAttention::Create(big, backend_.get()));
+  EXPECT_FALSE(c->device_managed());
+  EXPECT_EQ(c->slots(), 20);
+  big.device_managed = 1;
+  EXPECT_THAT(LazyDocumentAttention::Create(big, backend_.get()).status(),
+              testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
 TEST_F(LazyAttentionTest, ResidentModeNeedsTheWholeDocumentInABackendHostTier) {
   const int d = static_cast<int>(model_->config.head_dim);
   auto create = [&](kvstore::PageStore* store, int device_path, int device_managed) {
@@ -690,13 +754,27 @@ TEST_F(LazyMountTest, DocumentWholeInABackendHostTierRunsTheDeviceManagedCache) 
   // Synced at the job's end: (5 prompt tokens + 7 decode steps) x 2 layers x 2 heads x 10 pages.
   EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "gpu") - gpu_lookups, 12 * 2 * 2 * 10);
 
+  // The document's device state stays for the next question (lazy_shared_documents = 1): the
+  // second job finds every page it chooses in the slots the first one filled.
+  EXPECT_EQ(w->lazy_shared_documents(), 1);
   const v1::JobInfo small = Run(w.get(), Quest("resident-small", 64, 64, 4));
   EXPECT_EQ(w->resident_lazy_jobs(), 2);
-  EXPECT_GT(small.usage().pages_fetched().host(), 0u);
-  EXPECT_LT(small.usage().pages_fetched().host(), 40u);
+  EXPECT_EQ(small.usage().pages_fetched().host(), 0u);
   EXPECT_EQ(small.usage().pages_fetched().disk(), 0u);
   EXPECT_LT(small.usage().mean_attended_tokens(), 640.0);
   EXPECT_EQ(small.output_token_ids_size(), 4);
+
+  // Without sharing each job builds its own: a small budget fills only the pages it chooses.
+  wo.worker_id = "lazy-resident-unshared";
+  wo.lazy_shared_documents = 0;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w0, Worker::Create(wo, model_.get(), backend_.get(),
+                                                                         tier.tiered.get(), store_.get(), &wm));
+  const v1::JobInfo own = Run(w0.get(), Quest("resident-unshared", 64, 64, 4));
+  EXPECT_EQ(w0->resident_lazy_jobs(), 1);
+  EXPECT_EQ(w0->lazy_shared_documents(), 0);
+  EXPECT_GT(own.usage().pages_fetched().host(), 0u);
+  EXPECT_LT(own.usage().pages_fetched().host(), 40u);
+  EXPECT_EQ(Tokens(own), Tokens(small));  // the same pages, wherever they were filled
 }
 
 // Workers with kv_page_dtype "fp8" over a store of their own: the fixture's 640-token document
@@ -1339,6 +1417,7 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
       {"max_decode_batch", [](WorkerOptions* o) { o->max_decode_batch = 0; }},
       {"peer_timeout_ms", [](WorkerOptions* o) { o->peer_timeout_ms = 0; }},
       {"lazy_cache_pages", [](WorkerOptions* o) { o->lazy_cache_pages = 0; }},
+      {"lazy_shared_documents", [](WorkerOptions* o) { o->lazy_shared_documents = -1; }},
       {"page_size", [](WorkerOptions* o) { o->page_size = 0; }},
       {"device_selection", [](WorkerOptions* o) { o->device_selection = "always"; }},
       {"matmul_precision", [](WorkerOptions* o) { o->matmul_precision = "fp8"; }},
