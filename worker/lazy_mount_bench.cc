@@ -3,14 +3,22 @@
 // only, chosen pages on demand), on a generated model and a LocalStore (disk tier) in a temp dir.
 //
 //   lazy_mount_bench [--preset tiny] [--doc 32768] [--shard 4096] [--budget 2048] [--reps 3]
-//                    [--threads 1]
+//                    [--threads 1] [--tokens 1] [--modes full,lazy,lazy-dev,resident]
 //
 // The document is persisted once by ANCHOR prefill of --shard-token shards with an empty anchor
-// (each shard attends to itself; cheap at any length; the KV is then what the jobs read). Each
-// question runs on a fresh Worker over the same store (nothing held from earlier jobs; the OS
-// file cache is warm after the first read). The job: quest with --budget tokens, a 16-token
-// prompt, one generated token. Prints per mode and repetition: TTFT (RunJob start to the first
-// token event), pages fetched, and whether the first token equals the full mount's.
+// (each shard attends to itself; cheap at any length; the KV is then what the jobs read). Modes:
+//   full      a fresh Worker per question, every page loaded (the default mount);
+//   lazy      a fresh Worker per question, lazy mount, the host path (CPU backend default);
+//   lazy-dev  the same with device_selection "on": the device path through the CPU backend's
+//             twins, host-managed page cache, summaries uploaded per question;
+//   resident  one Worker for every question, lazy mount with device_selection "on", a host tier in
+//             BackendPageAllocator memory holding the whole document (read through it once before
+//             the first question): the device-managed page cache, and the document's device state
+//             kept between questions (WorkerOptions::lazy_shared_documents = 1).
+// Nothing else is held between questions (the OS file cache is warm after the first read). The
+// job: quest with --budget tokens, a 16-token prompt, --tokens generated tokens. Prints per mode
+// and repetition: TTFT (RunJob start to the first token event), the decode rate after the first
+// token (--tokens > 1), pages fetched, and whether the first token equals the full mount's.
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -18,7 +26,11 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "kvstore/backend_page_allocator.h"
+#include "kvstore/host_cache.h"
 #include "kvstore/local_store.h"
+#include "kvstore/page_format.h"
+#include "kvstore/tiered_store.h"
 #include "model/random_model.h"
 #include "worker/worker.h"
 
@@ -30,7 +42,8 @@ constexpr char kDocId[] = "0123456789abcdef0123456789abcdef";
 int Run(int argc, char** argv) {
   std::string preset = "tiny";
   int64_t doc_tokens = 32768, shard = 4096;
-  int budget = 2048, reps = 3, threads = 1;
+  int budget = 2048, reps = 3, threads = 1, tokens = 1;
+  std::string modes = "full,lazy,lazy-dev,resident";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const char* v = argv[i + 1];
@@ -40,13 +53,15 @@ int Run(int argc, char** argv) {
     else if (flag == "--budget") budget = std::atoi(v);
     else if (flag == "--reps") reps = std::atoi(v);
     else if (flag == "--threads") threads = std::atoi(v);
+    else if (flag == "--tokens") tokens = std::atoi(v);
+    else if (flag == "--modes") modes = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
     }
   }
   const int P = 64;
-  if (doc_tokens < P || shard < P || shard % P != 0 || reps < 1) {
+  if (doc_tokens < P || shard < P || shard % P != 0 || reps < 1 || tokens < 1) {
     std::fprintf(stderr, "bad sizes\n");
     return 2;
   }
@@ -68,13 +83,14 @@ int Run(int argc, char** argv) {
   std::vector<int32_t> doc(static_cast<size_t>(doc_tokens));
   for (int64_t i = 0; i < doc_tokens; ++i) doc[i] = static_cast<int32_t>((i * 37 + 11) % vocab);
 
-  auto make = [&](bool lazy) {
+  auto make = [&](const std::string& mode, kvstore::PageStore* pages) {
     WorkerOptions wo;
-    wo.lazy_mount = lazy;
-    return Worker::Create(wo, model->get(), backend.get(), store->get(), store->get(), nullptr);
+    wo.lazy_mount = mode != "full";
+    if (mode == "lazy-dev" || mode == "resident") wo.device_selection = "on";
+    return Worker::Create(wo, model->get(), backend.get(), pages, store->get(), nullptr);
   };
   {
-    auto w = make(false);
+    auto w = make("full", store->get());
     if (!w.ok()) return 1;
     const int64_t t0 = MonotonicNanos();
     for (int64_t s0 = 0; s0 < doc_tokens; s0 += shard) {
@@ -97,11 +113,42 @@ int Run(int argc, char** argv) {
     std::printf("persisted %lld tokens (%s) in %.1f s\n", static_cast<long long>(doc_tokens), preset.c_str(),
                 (MonotonicNanos() - t0) * 1e-9);
   }
+  // The resident mode's host tier (pages in backend host memory), warmed with every page.
+  const model::ModelConfig& c = (*model)->config;
+  kvstore::PageShape shape;
+  shape.page_size = P;
+  shape.head_dim = static_cast<int>(c.head_dim);
+  kvstore::BackendPageAllocator alloc(backend.get(), shape.EncodedBytes(), size_t{64} << 20);
+  kvstore::HostCacheOptions ho;
+  ho.capacity_bytes = int64_t{16} << 30;
+  ho.allocator = &alloc;
+  auto host = kvstore::HostCache::Create(ho);
+  if (!host.ok()) return 1;
+  kvstore::TieredStoreOptions to;
+  to.host = host->get();
+  to.local = store->get();
+  auto tiered = kvstore::TieredStore::Create(to);
+  if (!tiered.ok()) return 1;
+  {
+    std::vector<kvstore::PageKey> keys;
+    auto id = kvstore::DocumentId::FromHex(kDocId);
+    for (uint32_t l = 0; l < c.num_layers; ++l) {
+      for (uint32_t g = 0; g < c.num_kv_heads; ++g) {
+        for (uint32_t p = 0; p < static_cast<uint32_t>((doc_tokens + P - 1) / P); ++p) keys.push_back({*id, l, g, p});
+      }
+    }
+    std::vector<kvstore::PageRef> got;
+    if (!(*tiered)->GetPages(keys, &got).ok()) return 1;
+  }
+  auto resident = make("resident", tiered->get());
+  if (!resident.ok()) return 1;
   int32_t full_first = -1;
   for (int rep = 0; rep < reps; ++rep) {
-    for (bool lazy : {false, true}) {
-      auto w = make(lazy);
-      if (!w.ok()) return 1;
+    for (const std::string mode : {"full", "lazy", "lazy-dev", "resident"}) {
+      if (("," + modes + ",").find("," + mode + ",") == std::string::npos) continue;
+      auto fresh = mode == "resident" ? nullptr : make(mode, store->get());
+      if (mode != "resident" && !fresh.ok()) return 1;
+      Worker* w = mode == "resident" ? resident->get() : fresh->get();
       v1::RunJobRequest r;
       r.set_job_id("q2");
       r.mutable_shard_map()->set_document_id(kDocId);
@@ -109,15 +156,23 @@ int Run(int argc, char** argv) {
       r.mutable_shard_map()->set_num_tokens(static_cast<uint64_t>(doc_tokens));
       r.mutable_shard_map()->add_shards()->mutable_range()->set_document_id(kDocId);
       for (int i = 0; i < 16; ++i) r.add_prompt_token_ids((i * 13 + 5) % vocab);
-      r.mutable_params()->set_max_tokens(1);
+      r.mutable_params()->set_max_tokens(static_cast<uint32_t>(tokens));
       r.mutable_params()->set_ignore_eos(true);
       r.mutable_policy()->set_name("quest");
       r.mutable_policy()->set_budget_tokens(static_cast<uint32_t>(budget));
+      r.set_job_id(mode + "-" + std::to_string(rep));
       const int64_t t0 = MonotonicNanos();
       double ttft = -1;
+      int64_t first_ns = 0, last_ns = 0;
       v1::JobInfo last;
-      absl::Status s = (*w)->RunJob(r, [&](const v1::JobEvent& e) {
-        if (e.has_tokens() && ttft < 0) ttft = (MonotonicNanos() - t0) * 1e-9;
+      absl::Status s = w->RunJob(r, [&](const v1::JobEvent& e) {
+        if (e.has_tokens()) {
+          last_ns = MonotonicNanos();
+          if (ttft < 0) {
+            ttft = (last_ns - t0) * 1e-9;
+            first_ns = last_ns;
+          }
+        }
         if (e.has_snapshot()) last = e.snapshot();
         return true;
       });
@@ -126,13 +181,17 @@ int Run(int argc, char** argv) {
         return 1;
       }
       const int32_t first = last.output_token_ids(0);
-      if (!lazy) full_first = first;
+      if (mode == "full") full_first = first;
       const v1::PagesByTier& t = last.usage().pages_fetched();
-      std::printf("rep %d %-4s ttft %.3f s  pages fetched %llu  first token %d%s\n", rep, lazy ? "lazy" : "full",
-                  ttft, static_cast<unsigned long long>(t.host() + t.disk() + t.remote()), first,
-                  lazy ? (first == full_first ? " (= full)" : " (!= full)") : "");
+      const int n = last.output_token_ids_size();
+      char rate[64] = "";
+      if (n > 1 && last_ns > first_ns) std::snprintf(rate, sizeof(rate), "  decode %.1f tok/s", (n - 1) / ((last_ns - first_ns) * 1e-9));
+      std::printf("rep %d %-8s ttft %.3f s%s  pages fetched %llu  first token %d%s\n", rep, mode.c_str(), ttft, rate,
+                  static_cast<unsigned long long>(t.host() + t.disk() + t.remote()), first,
+                  mode == "full" ? "" : (first == full_first ? " (= full)" : " (!= full)"));
     }
   }
+  resident->reset();
   std::filesystem::remove_all(dir);
   return 0;
 }

@@ -355,7 +355,7 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
                                     : p.v_scale * p.slot_scales[2 * (r / page_rows) + 1];
   };
   std::vector<int64_t> rows;
-  std::vector<float> s, acc(d);
+  std::vector<float> s, acc(d), kf, vf;
   for (int g = 0; g < hkv; ++g) {
     rows.clear();
     auto add = [&](int64_t t) {
@@ -369,15 +369,25 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
     }
     for (int64_t t = p.suffix_begin; t < p.suffix_end; ++t) add(t);
     s.resize(rows.size());
+    // The group's rows as scaled f32, converted once for its query heads (the same values
+    // KvAtScaled gives element by element).
+    kf.resize(rows.size() * d);
+    vf.resize(rows.size() * d);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const float ks = k_scale_of(rows[r]), vs = v_scale_of(rows[r]);
+      for (int64_t e = 0; e < d; ++e) {
+        kf[r * d + e] = KvAtScaled(p.k_pool, rows[r] * d + e, ks);
+        vf[r * d + e] = KvAtScaled(p.v_pool, rows[r] * d + e, vs);
+      }
+    }
     for (int j = 0; j < group; ++j) {
       const int h = g * group + j;
       const float* qh = q + static_cast<int64_t>(h) * d;
       float m = kNegInf;
       for (size_t r = 0; r < rows.size(); ++r) {
         float dot = 0.0f;
-        for (int64_t e = 0; e < d; ++e) {
-          dot += qh[e] * KvAtScaled(p.k_pool, rows[r] * d + e, k_scale_of(rows[r]));
-        }
+        const float* kr = &kf[r * d];
+        for (int64_t e = 0; e < d; ++e) dot += qh[e] * kr[e];
         s[r] = p.scale * dot;
         m = std::max(m, s[r]);
       }
@@ -392,9 +402,8 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       for (size_t r = 0; r < rows.size(); ++r) {
         const float w = std::exp(s[r] - m);
         l += w;
-        for (int64_t e = 0; e < d; ++e) {
-          acc[e] += w * KvAtScaled(p.v_pool, rows[r] * d + e, v_scale_of(rows[r]));
-        }
+        const float* vr = &vf[r * d];
+        for (int64_t e = 0; e < d; ++e) acc[e] += w * vr[e];
       }
       for (int64_t e = 0; e < d; ++e) o[e] = static_cast<float>(acc[e] / l);
       lse[h] = m + static_cast<float>(std::log(l));
