@@ -118,6 +118,12 @@ struct GpuCacheAttentionOptions {
   // each query token attends with EnqueueResolve + SelectedAttention, no host round trip.
   bool device_path = false;
   DevicePageChooser device_chooser;
+  // Device-managed cache: a call of several query tokens (a prompt chunk) asks device_chooser
+  // once with all of them (q [num_tokens, hq, d], pages null) for one selection that serves the
+  // whole chunk (one EnqueueResolve, then SelectedAttention per token); the chooser may read q on
+  // the host for it (prompt chunks are not captured in graphs). Default false: every token is
+  // chosen for by itself.
+  bool chunk_selection = false;
 };
 
 // Totals over Attend calls.

@@ -329,9 +329,8 @@ TEST(WorkerLazyMountGpuTest, CudaLazyJobMatchesCpuLazyJob) {
 TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
   // A worker whose host tier is pinned CUDA memory holding the whole document (the prefill went
   // through it) runs lazy jobs with the device-managed page cache (resident mode): the same tokens
-  // as a lazy worker over the bare store (host-managed cache, same backend), and as the CPU
-  // backend's resident mode. A one-token prompt, so that both modes choose the same pages for it
-  // (resident mode chooses per token, the host-managed path by the chunk's vote).
+  // as a lazy worker over the bare store (host-managed cache, same backend; the prompt chunk is
+  // chosen by the host chooser's vote in both), and as the CPU backend's resident mode.
   std::string why;
   std::unique_ptr<kernels::Backend> cuda = CudaBackendOrNull(&why);
   if (cuda == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
@@ -397,8 +396,6 @@ TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
   ASSERT_EQ(pinned.host->num_entries() >= static_cast<int64_t>(keys.size()), true);
 
   v1::RunJobRequest req = JobRequest("resident", kDoc, doc_tokens, max_tokens, "quest");
-  req.clear_prompt_token_ids();
-  req.add_prompt_token_ids(100);
   const Timed r = RunTimed(resident.get(), req);
   req.set_job_id("host-managed");
   const Timed h = RunTimed(managed.get(), req);

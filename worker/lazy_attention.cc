@@ -200,12 +200,12 @@ struct LazyDocumentAttention::State {
                               engine::DeviceTokenSelection* selection);
   // The device selection of a one-token choice for a device-managed cache: page 0, the `selected`
   // middle pages (token ids through fanout page_size; none when `middle` is false) and the
-  // window pages; counts the tokens they name per KV head (every middle page is full, and
-  // EnqueueMinMaxPageTopK keeps k <= window_first - 1 distinct valid pages).
-  void FillSelection(bool middle, engine::DeviceTokenSelection* selection);
+  // window pages; with `count`, counts the tokens they name per KV head (every middle page is
+  // full, and EnqueueMinMaxPageTopK keeps k <= window_first - 1 distinct valid pages).
+  void FillSelection(bool middle, engine::DeviceTokenSelection* selection, bool count);
 };
 
-void LazyDocumentAttention::State::FillSelection(bool middle, engine::DeviceTokenSelection* sel) {
+void LazyDocumentAttention::State::FillSelection(bool middle, engine::DeviceTokenSelection* sel, bool count) {
   const int64_t P = o.page_size;
   sel->valid = true;
   sel->prefix_end = std::min<int64_t>(o.document_tokens, P);
@@ -217,6 +217,7 @@ void LazyDocumentAttention::State::FillSelection(bool middle, engine::DeviceToke
   sel->middle.end = middle ? window_first * P : P;
   sel->suffix_begin = std::min<int64_t>(window_first * P, o.document_tokens);
   sel->suffix_end = o.document_tokens;
+  if (!count) return;
   const int64_t per_head = sel->prefix_end + (middle ? k * P : 0) + (sel->suffix_end - sel->suffix_begin);
   counters.candidate_tokens += o.num_kv_heads * o.document_tokens;
   counters.selected_tokens += o.num_kv_heads * per_head;
@@ -258,11 +259,40 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
                                                           engine::DeviceTokenSelection* selection) {
   const int hkv = o.num_kv_heads, d = o.head_dim;
   if (layer < 0 || layer >= o.num_layers || q.rank != 3 || q.dim(2) != d || q.dim(1) % hkv != 0 ||
-      (pages != nullptr && static_cast<int>(pages->size()) != hkv) || (pages == nullptr && q.dim(0) != 1)) {
+      (pages != nullptr && static_cast<int>(pages->size()) != hkv) || (pages == nullptr && selection == nullptr)) {
     return absl::InvalidArgumentError("lazy mount: device chooser called with a bad layer or query shape");
   }
   const int num_tokens = static_cast<int>(q.dim(0));
   const int hq = static_cast<int>(q.dim(1));
+  if (num_tokens != 1 && pages == nullptr) {
+    // A prompt chunk of a device-managed cache (GpuCacheAttentionOptions::chunk_selection): the
+    // host chooser's pages (the vote summed over the chunk, as the host-managed path), handed
+    // over as one device selection for every token of the chunk.
+    const size_t floats = static_cast<size_t>(num_tokens) * hq * d;
+    q_host.resize(floats);
+    STRATA_RETURN_IF_ERROR(backend->CopyToHost(q_host.data(), q.data, floats * sizeof(float), nullptr));
+    const bool middle = k > 0 && window_first > 1;
+    host_selected.assign(static_cast<size_t>(hkv) * std::max<int64_t>(k, 0), -1);
+    std::vector<int32_t> chosen;
+    for (int g = 0; g < hkv; ++g) {
+      chosen.clear();
+      STRATA_RETURN_IF_ERROR(host_chooser(layer, g, q_host.data(), num_tokens, hq, &chosen));
+      Count(chosen);
+      int64_t n = 0;
+      for (int32_t p : chosen) {
+        if (p >= 1 && p < window_first && n < k) host_selected[static_cast<size_t>(g) * k + n++] = p;
+      }
+    }
+    if (middle) {
+      if (selected == nullptr) {
+        STRATA_ASSIGN_OR_RETURN(selected, backend->Allocate(static_cast<size_t>(hkv) * k * sizeof(int32_t)));
+      }
+      STRATA_RETURN_IF_ERROR(backend->CopyToDevice(selected->data(), host_selected.data(),
+                                                   host_selected.size() * sizeof(int32_t), nullptr));
+    }
+    FillSelection(middle, selection, /*count=*/false);
+    return absl::OkStatus();
+  }
   if (num_tokens != 1) {
     // A prompt chunk: the host chooser (its vote sums over the chunk's tokens).
     const size_t floats = static_cast<size_t>(num_tokens) * hq * d;
@@ -291,7 +321,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
         scores->View(kernels::DType::kF32, {hkv, group, n}), selected->View(kernels::DType::kI32, {hkv, k})));
     if (pages == nullptr) {
       // Device-managed cache: the selection stays on the device (nothing read on the host).
-      FillSelection(true, selection);
+      FillSelection(true, selection, /*count=*/true);
       ++device_choices;
       return absl::OkStatus();
     }
@@ -301,7 +331,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
   } else {
     host_selected.assign(static_cast<size_t>(hkv) * std::max<int64_t>(k, 0), -1);
     if (pages == nullptr) {
-      FillSelection(false, selection);
+      FillSelection(false, selection, /*count=*/true);
       ++device_choices;
       return absl::OkStatus();
     }
@@ -436,6 +466,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     return absl::OkStatus();
   };
   ao.device_path = device;
+  ao.chunk_selection = st->managed;  // prompt chunks: the host chooser's vote, as the host-managed path
   if (device) {
     ao.device_chooser = [s](int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
                             engine::DeviceTokenSelection* selection) {

@@ -143,6 +143,7 @@ int Run(int argc, char** argv) {
   auto resident = make("resident", tiered->get());
   if (!resident.ok()) return 1;
   int32_t full_first = -1;
+  std::vector<int32_t> lazy_dev_tokens;
   for (int rep = 0; rep < reps; ++rep) {
     for (const std::string mode : {"full", "lazy", "lazy-dev", "resident"}) {
       if (("," + modes + ",").find("," + mode + ",") == std::string::npos) continue;
@@ -184,11 +185,19 @@ int Run(int argc, char** argv) {
       if (mode == "full") full_first = first;
       const v1::PagesByTier& t = last.usage().pages_fetched();
       const int n = last.output_token_ids_size();
+      const std::vector<int32_t> ids(last.output_token_ids().begin(), last.output_token_ids().end());
+      if (mode == "lazy-dev") lazy_dev_tokens = ids;
+      size_t same = 0;
+      while (same < ids.size() && same < lazy_dev_tokens.size() && ids[same] == lazy_dev_tokens[same]) ++same;
+      char agree[64] = "";
+      if (mode == "resident" && !lazy_dev_tokens.empty()) {
+        std::snprintf(agree, sizeof(agree), "  first %zu of %zu tokens = lazy-dev", same, ids.size());
+      }
       char rate[64] = "";
       if (n > 1 && last_ns > first_ns) std::snprintf(rate, sizeof(rate), "  decode %.1f tok/s", (n - 1) / ((last_ns - first_ns) * 1e-9));
-      std::printf("rep %d %-8s ttft %.3f s%s  pages fetched %llu  first token %d%s\n", rep, mode.c_str(), ttft, rate,
-                  static_cast<unsigned long long>(t.host() + t.disk() + t.remote()), first,
-                  mode == "full" ? "" : (first == full_first ? " (= full)" : " (!= full)"));
+      std::printf("rep %d %-8s ttft %.3f s%s  pages fetched %llu  first token %d%s%s\n", rep, mode.c_str(), ttft,
+                  rate, static_cast<unsigned long long>(t.host() + t.disk() + t.remote()), first,
+                  mode == "full" ? "" : (first == full_first ? " (= full)" : " (!= full)"), agree);
     }
   }
   resident->reset();

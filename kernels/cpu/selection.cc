@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -28,10 +29,22 @@ float KvAt(const TensorView& pool, int64_t i) {
   return pool.As<const float>()[i];
 }
 
-// SelectedAttention's pool element as f32: also reads fp8 pools (stored * scale).
-float KvAtScaled(const TensorView& pool, int64_t i, float scale) {
-  if (pool.dtype == DType::kFP8E4M3) return FP8E4M3ToF32(pool.As<const uint8_t>()[i]) * scale;
-  return KvAt(pool, i);
+// SelectedAttention's row `row` ([d] elements) of a pool as f32: bf16 widened, f32 copied, fp8
+// pools read as stored * scale; the dtype is looked at once per row.
+void RowToF32(const TensorView& pool, int64_t row, int64_t d, float scale, float* out) {
+  const int64_t at = row * d;
+  if (pool.dtype == DType::kBF16) {
+    const uint16_t* src = pool.As<const uint16_t>() + at;
+    for (int64_t e = 0; e < d; ++e) {
+      const uint32_t bits = static_cast<uint32_t>(src[e]) << 16;
+      std::memcpy(&out[e], &bits, sizeof(float));
+    }
+  } else if (pool.dtype == DType::kFP8E4M3) {
+    const uint8_t* src = pool.As<const uint8_t>() + at;
+    for (int64_t e = 0; e < d; ++e) out[e] = FP8E4M3ToF32(src[e]) * scale;
+  } else {
+    std::memcpy(out, pool.As<const float>() + at, sizeof(float) * d);
+  }
 }
 
 // Pool row of token t of KV head g, or -1 when its page or slot is outside the table or pool.
@@ -369,16 +382,12 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
     }
     for (int64_t t = p.suffix_begin; t < p.suffix_end; ++t) add(t);
     s.resize(rows.size());
-    // The group's rows as scaled f32, converted once for its query heads (the same values
-    // KvAtScaled gives element by element).
+    // The group's rows as scaled f32, converted once for its query heads.
     kf.resize(rows.size() * d);
     vf.resize(rows.size() * d);
     for (size_t r = 0; r < rows.size(); ++r) {
-      const float ks = k_scale_of(rows[r]), vs = v_scale_of(rows[r]);
-      for (int64_t e = 0; e < d; ++e) {
-        kf[r * d + e] = KvAtScaled(p.k_pool, rows[r] * d + e, ks);
-        vf[r * d + e] = KvAtScaled(p.v_pool, rows[r] * d + e, vs);
-      }
+      RowToF32(p.k_pool, rows[r], d, k_scale_of(rows[r]), &kf[r * d]);
+      RowToF32(p.v_pool, rows[r], d, v_scale_of(rows[r]), &vf[r * d]);
     }
     for (int j = 0; j < group; ++j) {
       const int h = g * group + j;
