@@ -580,6 +580,30 @@ TEST_F(GpuCacheAttentionTest, DeviceManagedCacheGivesTheHostPathsLogits) {
   EXPECT_EQ(st.lookups, 12 * L * 4 * hkv);  // 4 distinct pages per head and call
   EXPECT_EQ(st.hits + st.fills, st.lookups);
   EXPECT_GE(st.fills, L * 4 * hkv);
+
+  // chunk_selection: the prompt chunk asks the chooser once with all 5 tokens and resolves once;
+  // the same logits (the selection does not depend on q here).
+  auto cache_c = MakeDeviceManagedCache(shape, &alloc, &pinned);
+  ASSERT_TRUE(cache_c.ok()) << cache_c.status();
+  o.chunk_selection = true;
+  std::vector<int64_t> tokens_seen;
+  o.device_chooser = [&](int, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
+                         DeviceTokenSelection* sel) {
+    if (pages != nullptr) return absl::InternalError("host pages asked for");
+    tokens_seen.push_back(q.dim(0));
+    return FixedSelection(sel);
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto chunked, GpuCacheAttention::Create(o, cache_c->get(), backend_.get()));
+  std::vector<float> got_c;
+  RunAfterDocument(chunked.get(), &got_c);
+  ASSERT_EQ(tokens_seen.size(), static_cast<size_t>(8 * L));  // the chunk + 7 decode steps
+  EXPECT_EQ(tokens_seen[0], 5);
+  EXPECT_EQ(tokens_seen.back(), 1);
+  EXPECT_EQ(chunked->counters().selected_attention, 12 * L);  // still one attention per token
+  ASSERT_EQ(got_c.size(), want.size());
+  EXPECT_LE(MaxDiff(got_c.data(), want.data(), static_cast<int64_t>(got_c.size())), 1e-4f);
+  STRATA_ASSERT_OK((*cache_c)->SyncDeviceStats());
+  EXPECT_EQ((*cache_c)->stats().lookups, 8 * L * 4 * hkv);
 }
 
 TEST_F(GpuCacheAttentionTest, DeviceManagedCacheOfFp8PagesUsesEachPagesScales) {
