@@ -783,6 +783,56 @@ TEST_F(LazyMountTest, DocumentWholeInABackendHostTierRunsTheDeviceManagedCache) 
   EXPECT_EQ(Tokens(own), Tokens(small));  // the same pages, wherever they were filled
 }
 
+TEST_F(LazyMountTest, ConcurrentResidentJobsOnOneDocumentShareItsCacheAndKeepTheirTokens) {
+  // Three resident jobs on one document at once (their decode steps batched together, each
+  // resolving pages in the one shared device-managed cache): each gives the tokens it gives alone.
+  const int d = static_cast<int>(model_->config.head_dim);
+  HostTierFixture tier = MakeHostTier(store_.get(), backend_.get(), d, nullptr, DocumentPages());
+  WorkerOptions wo;
+  wo.worker_id = "lazy-resident-concurrent";
+  wo.prefill_chunk_size = 64;
+  wo.lazy_mount = true;
+  wo.device_selection = "on";
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), backend_.get(),
+                                                                        tier.tiered.get(), store_.get(), nullptr));
+  const int kJobs = 3, kTokens = 12;
+  auto request = [&](int j) {
+    v1::RunJobRequest r = Quest("concurrent-" + std::to_string(j), 64 * (1 + j), 64, kTokens);
+    r.mutable_prompt_token_ids()->Set(0, 30 + 7 * j);
+    return r;
+  };
+  std::vector<std::vector<int32_t>> alone;
+  for (int j = 0; j < kJobs; ++j) alone.push_back(Tokens(Run(w.get(), request(j))));
+  std::vector<v1::JobInfo> got(kJobs);
+  std::atomic<int> arrived{0};
+  std::vector<std::thread> threads;
+  for (int j = 0; j < kJobs; ++j) {
+    threads.emplace_back([&, j] {
+      bool first = true;
+      const absl::Status s = w->RunJob(request(j), [&](const v1::JobEvent& e) {
+        if (e.has_tokens() && first) {  // wait for every job's first token: the steps overlap
+          first = false;
+          ++arrived;
+          for (int i = 0; i < 10000 && arrived.load() < kJobs; ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+        }
+        if (e.has_snapshot()) got[j] = e.snapshot();
+        return true;
+      });
+      EXPECT_TRUE(s.ok()) << s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int j = 0; j < kJobs; ++j) {
+    ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
+    EXPECT_EQ(Tokens(got[j]), alone[j]) << "job " << j;
+  }
+  EXPECT_EQ(w->resident_lazy_jobs(), 2 * kJobs);
+  EXPECT_EQ(w->lazy_shared_documents(), 1);
+  EXPECT_LT(w->decode_batches(), w->decode_steps());  // some steps ran together
+}
+
 // Workers with kv_page_dtype "fp8" over a store of their own: the fixture's 640-token document
 // prefilled as fp8 pages.
 class Fp8PagesTest : public LazyMountTest {
