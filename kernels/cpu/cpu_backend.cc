@@ -4,6 +4,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -188,13 +189,20 @@ absl::Status CpuBackend::ResolvePages(const ResolvePagesParams& p, Stream) {
 }
 absl::Status CpuBackend::AppendKv(const AppendKvParams& p, Stream) { return CpuAppendKv(p); }
 
-// Device-resident selection (kernels/cpu/selection.cc): run on the calling thread.
+// Device-resident selection (kernels/cpu/selection.cc): run on the calling thread, except
+// SelectedAttention (KV heads in parallel when the work is large enough).
 absl::Status CpuBackend::ScoreSummaries(const ScoreSummariesParams& p, Stream) {
   return CpuScoreSummaries(p);
 }
 absl::Status CpuBackend::ScoreKeys(const ScoreKeysParams& p, Stream) { return CpuScoreKeys(p); }
 absl::Status CpuBackend::VoteTopK(const VoteTopKParams& p, Stream) { return CpuVoteTopK(p); }
 absl::Status CpuBackend::SelectedAttention(const SelectedAttentionParams& p, Stream) {
+  // Work: query heads x attended tokens (at most) x head_dim; KV heads run in parallel.
+  if (p.q.rank == 3) {
+    const int64_t tokens = std::max<int64_t>(0, p.prefix_end) + p.middle.Count() +
+                           std::max<int64_t>(0, p.suffix_end - p.suffix_begin);
+    ApplyThreads(p.q.dim(1) * tokens * p.q.dim(2));
+  }
   return CpuSelectedAttention(p);
 }
 absl::Status CpuBackend::UpdateSummaries(const UpdateSummariesParams& p, Stream) {

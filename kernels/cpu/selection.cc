@@ -367,8 +367,12 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
     return p.slot_scales == nullptr ? p.v_scale
                                     : p.v_scale * p.slot_scales[2 * (r / page_rows) + 1];
   };
+  // KV heads are independent: one per OpenMP iteration (the team the backend set up).
+#pragma omp parallel
+  {
   std::vector<int64_t> rows;
   std::vector<float> s, acc(d), kf, vf;
+#pragma omp for schedule(static)
   for (int g = 0; g < hkv; ++g) {
     rows.clear();
     auto add = [&](int64_t t) {
@@ -418,6 +422,7 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       lse[h] = m + static_cast<float>(std::log(l));
     }
   }
+  }  // omp parallel
   return absl::OkStatus();
 }
 
