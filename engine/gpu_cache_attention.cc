@@ -338,29 +338,23 @@ absl::Status GpuCacheAttention::AttendDeviceManaged(int layer, const kernels::Te
   const int64_t num_tokens = q.dim(0), hq = q.dim(1);
   const bool one_choice = options_.chunk_selection && num_tokens > 1;
   DeviceTokenSelection sel;
-  if (one_choice) {
-    STRATA_RETURN_IF_ERROR(options_.device_chooser(layer, q, nullptr, &sel));
+  // The chooser's device selection for `queries`, made resident by the cache.
+  auto choose = [&](const kernels::TensorView& queries) -> absl::Status {
+    sel = DeviceTokenSelection();
+    STRATA_RETURN_IF_ERROR(options_.device_chooser(layer, queries, nullptr, &sel));
     if (!sel.valid) {
       return absl::InvalidArgumentError(
           "GpuCacheAttention: the device chooser gave no device selection (device-managed cache)");
     }
-    STRATA_RETURN_IF_ERROR(cache_->EnqueueResolve(layer, sel.prefix_end, sel.middle,
-                                                  sel.suffix_begin, sel.suffix_end));
-  }
+    return cache_->EnqueueResolve(layer, sel.prefix_end, sel.middle, sel.suffix_begin,
+                                  sel.suffix_end);
+  };
+  if (one_choice) STRATA_RETURN_IF_ERROR(choose(q));
   // One token at a time: every document token precedes every query, so rows are independent.
   for (int64_t t = 0; t < num_tokens; ++t) {
     const kernels::TensorView qt(static_cast<float*>(q.data) + t * hq * d, kernels::DType::kF32,
                                  {1, hq, d});
-    if (!one_choice) {
-      sel = DeviceTokenSelection();
-      STRATA_RETURN_IF_ERROR(options_.device_chooser(layer, qt, nullptr, &sel));
-      if (!sel.valid) {
-        return absl::InvalidArgumentError(
-            "GpuCacheAttention: the device chooser gave no device selection (device-managed cache)");
-      }
-      STRATA_RETURN_IF_ERROR(cache_->EnqueueResolve(layer, sel.prefix_end, sel.middle,
-                                                    sel.suffix_begin, sel.suffix_end));
-    }
+    if (!one_choice) STRATA_RETURN_IF_ERROR(choose(qt));
     const kernels::TensorView ot(static_cast<float*>(out.data) + t * hq * d, kernels::DType::kF32,
                                  {1, hq, d});
     const kernels::TensorView lt(static_cast<float*>(lse.data) + t * hq, kernels::DType::kF32,

@@ -230,6 +230,34 @@ TEST_F(WorkerTest, CancelJobEndsWithCancelledSnapshot) {
   EXPECT_LE(tokens, 4);
 }
 
+// Runs `requests` on `w` at once, each job waiting at its first token until every job has one, so
+// that their decode steps overlap (batched); the final snapshots, in order.
+std::vector<v1::JobInfo> RunOverlapping(Worker* w, const std::vector<v1::RunJobRequest>& requests) {
+  const int n = static_cast<int>(requests.size());
+  std::vector<v1::JobInfo> got(requests.size());
+  std::atomic<int> arrived{0};
+  std::vector<std::thread> threads;
+  for (int j = 0; j < n; ++j) {
+    threads.emplace_back([&, j] {
+      bool first = true;
+      const absl::Status s = w->RunJob(requests[j], [&](const v1::JobEvent& e) {
+        if (e.has_tokens() && first) {
+          first = false;
+          ++arrived;
+          for (int i = 0; i < 10000 && arrived.load() < n; ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+        }
+        if (e.has_snapshot()) got[j] = e.snapshot();
+        return true;
+      });
+      EXPECT_TRUE(s.ok()) << s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  return got;
+}
+
 // Lazy mount (WorkerOptions::lazy_mount) over a 10-page document (640 tokens; the tiny model has
 // 2 layers x 2 KV heads, so 40 pages in all), prefilled by the fixture's worker; a second worker
 // on the same store mounts lazily.
@@ -802,28 +830,12 @@ TEST_F(LazyMountTest, ConcurrentResidentJobsOnOneDocumentShareItsCacheAndKeepThe
     return r;
   };
   std::vector<std::vector<int32_t>> alone;
-  for (int j = 0; j < kJobs; ++j) alone.push_back(Tokens(Run(w.get(), request(j))));
-  std::vector<v1::JobInfo> got(kJobs);
-  std::atomic<int> arrived{0};
-  std::vector<std::thread> threads;
+  std::vector<v1::RunJobRequest> requests;
   for (int j = 0; j < kJobs; ++j) {
-    threads.emplace_back([&, j] {
-      bool first = true;
-      const absl::Status s = w->RunJob(request(j), [&](const v1::JobEvent& e) {
-        if (e.has_tokens() && first) {  // wait for every job's first token: the steps overlap
-          first = false;
-          ++arrived;
-          for (int i = 0; i < 10000 && arrived.load() < kJobs; ++i) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          }
-        }
-        if (e.has_snapshot()) got[j] = e.snapshot();
-        return true;
-      });
-      EXPECT_TRUE(s.ok()) << s;
-    });
+    requests.push_back(request(j));
+    alone.push_back(Tokens(Run(w.get(), requests.back())));
   }
-  for (auto& t : threads) t.join();
+  const std::vector<v1::JobInfo> got = RunOverlapping(w.get(), requests);
   for (int j = 0; j < kJobs; ++j) {
     ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
     EXPECT_EQ(Tokens(got[j]), alone[j]) << "job " << j;
@@ -1233,30 +1245,12 @@ TEST_F(DeviceSelectionTest, ConcurrentDeviceJobsAreBatchedAndKeepTheirTokens) {
   const int kJobs = 3, kTokens = 24;
   const std::string policies[kJobs] = {"tokenselect", "quest", "tokenselect"};
   std::vector<std::vector<int32_t>> prompts;
-  std::vector<v1::JobInfo> got(kJobs);
-  for (int j = 0; j < kJobs; ++j) prompts.push_back({20 + j, 40 + 3 * j, 7});
-  // Each job waits at its first token until every job has one, so their decode steps overlap.
-  std::atomic<int> arrived{0};
-  std::vector<std::thread> threads;
+  std::vector<v1::RunJobRequest> requests;
   for (int j = 0; j < kJobs; ++j) {
-    threads.emplace_back([&, j] {
-      bool first = true;
-      const absl::Status s = w->RunJob(Job("batched-" + std::to_string(j), policies[j], prompts[j], true, kTokens),
-                                       [&](const v1::JobEvent& e) {
-                                         if (e.has_tokens() && first) {
-                                           first = false;
-                                           ++arrived;
-                                           for (int i = 0; i < 10000 && arrived.load() < kJobs; ++i) {
-                                             std::this_thread::sleep_for(std::chrono::milliseconds(1));
-                                           }
-                                         }
-                                         if (e.has_snapshot()) got[j] = e.snapshot();
-                                         return true;
-                                       });
-      EXPECT_TRUE(s.ok()) << s;
-    });
+    prompts.push_back({20 + j, 40 + 3 * j, 7});
+    requests.push_back(Job("batched-" + std::to_string(j), policies[j], prompts[j], true, kTokens));
   }
-  for (auto& t : threads) t.join();
+  const std::vector<v1::JobInfo> got = RunOverlapping(w.get(), requests);
   for (int j = 0; j < kJobs; ++j) {
     ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
     EXPECT_EQ(Tokens(got[j]), DeviceReference(policies[j], WithDocument(prompts[j]), kTokens)) << "job " << j;
