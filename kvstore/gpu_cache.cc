@@ -14,7 +14,11 @@ namespace strata::kvstore {
 
 namespace {
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-constexpr size_t kPageDtypeOffset = 6;  // page_format.h: the header's dtype byte
+
+bool IsBf16Page(absl::string_view page) {
+  absl::StatusOr<PageHeader> h = ParsePageHeader(page);
+  return h.ok() && h->shape.dtype == kernels::DType::kBF16;
+}
 }  // namespace
 
 absl::Status GpuCacheOptions::Validate() const {
@@ -456,9 +460,9 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
       held.push_back(s);
       fence_[s] = issued_seq_ + 1;
       const absl::string_view page = pages[i]->view();
-      if (static_cast<kernels::DType>(page[kPageDtypeOffset]) == kernels::DType::kFP8E4M3) {
-        // Host-managed pools are bf16: K and V decoded with the page's scales, rounded to bf16
-        // (FetchFromSource parsed the header, so this cannot fail).
+      if (pool_dtype_ == kernels::DType::kBF16 && !IsBf16Page(page)) {
+        // Host-managed pools are bf16: an fp8 page's K and V decoded with its scales, rounded
+        // to bf16 (FetchFromSource parsed and checked the header, so this cannot fail).
         char* to = dst + static_cast<size_t>(np) * page_bytes_;
         PageToBf16(page, reinterpret_cast<uint16_t*>(to), reinterpret_cast<uint16_t*>(to + half_bytes_))
             .IgnoreError();
