@@ -204,6 +204,13 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r) {
                                "Context tokens attended, summed over (step, layer, KV head).");
   selection_cache_lookups = NewCounter(r, "strata_selection_cache_lookups_total", "Selection-cache lookups.");
   selection_cache_hits = NewCounter(r, "strata_selection_cache_hits_total", "Selection-cache hits.");
+  auto& lazy_jobs = prometheus::BuildCounter()
+                        .Name("strata_lazy_jobs_total")
+                        .Help("Lazy-mount jobs by page cache: host_managed, or resident (device-managed, the "
+                              "document whole in the host tier).")
+                        .Register(*r);
+  lazy_jobs_host_managed = &lazy_jobs.Add({{"cache", "host_managed"}});
+  lazy_jobs_resident = &lazy_jobs.Add({{"cache", "resident"}});
   time_to_first_token = &prometheus::BuildHistogram()
                              .Name("strata_time_to_first_token_seconds")
                              .Help("Time to the first generated token of a job.")
@@ -1107,6 +1114,9 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.device_path = options_.device_selection == "on" ? 1 : -1;
     // The page cache lives on the job's own backend (CPU or CUDA), like the job's KvCache.
     STRATA_ASSIGN_OR_RETURN(lazy, LazyDocumentAttention::Create(lo, backend_));
+    if (metrics_ != nullptr) {
+      Inc(lazy->device_managed() ? metrics_->lazy_jobs_resident : metrics_->lazy_jobs_host_managed, 1);
+    }
     if (lazy->device_managed()) {
       ++resident_lazy_jobs_;
       STRATA_LOG(INFO) << "worker: job " << request.job_id() << ": document " << doc_id.ToHex()

@@ -210,6 +210,9 @@ struct WorkerMetrics {
   prometheus::Counter* selected_tokens;
   prometheus::Counter* selection_cache_lookups;
   prometheus::Counter* selection_cache_hits;
+  // strata_lazy_jobs_total{cache="host_managed"|"resident"}: lazy-mount jobs by their page cache.
+  prometheus::Counter* lazy_jobs_host_managed;
+  prometheus::Counter* lazy_jobs_resident;
   // strata_time_to_first_token_seconds / strata_inter_token_latency_seconds as the leader sees
   // them: from the start of RunJob (mount + prompt; no queueing) to the first token, and between
   // consecutive tokens. Buckets as docs/metrics.md.

@@ -350,19 +350,25 @@ TEST_F(LazyMountTest, DenseJobStillLoadsEveryPage) {
   EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
 }
 
-// Reads strata_kv_<name>{tier=`tier`} (a counter or gauge) from `registry`; 0 when absent.
-double TierMetric(prometheus::Registry& registry, const std::string& name, const std::string& tier) {
+// Reads <name>{<label>=`value`} (a counter or gauge) from `registry`; 0 when absent.
+double LabeledMetric(prometheus::Registry& registry, const std::string& name, const std::string& label,
+                     const std::string& value) {
   for (const prometheus::MetricFamily& f : registry.Collect()) {
     if (f.name != name) continue;
     for (const prometheus::ClientMetric& m : f.metric) {
       for (const prometheus::ClientMetric::Label& l : m.label) {
-        if (l.name == "tier" && l.value == tier) {
+        if (l.name == label && l.value == value) {
           return f.type == prometheus::MetricType::Gauge ? m.gauge.value : m.counter.value;
         }
       }
     }
   }
   return 0;
+}
+
+// strata_kv_<name>{tier=`tier`}.
+double TierMetric(prometheus::Registry& registry, const std::string& name, const std::string& tier) {
+  return LabeledMetric(registry, name, "tier", tier);
 }
 
 // Tier H in front of the fixture's store, its pages in backend memory (a BackendPageAllocator on
@@ -797,6 +803,9 @@ TEST_F(LazyMountTest, DocumentWholeInABackendHostTierRunsTheDeviceManagedCache) 
   const v1::JobInfo managed = Run(hm.get(), Quest("host-managed-small", 64, 64, 4));
   EXPECT_EQ(hm->resident_lazy_jobs(), 0);
   EXPECT_EQ(Tokens(managed), Tokens(small));
+  // Both workers count into wm: two resident jobs, one host-managed.
+  EXPECT_EQ(LabeledMetric(registry_, "strata_lazy_jobs_total", "cache", "resident"), 2.0);
+  EXPECT_EQ(LabeledMetric(registry_, "strata_lazy_jobs_total", "cache", "host_managed"), 1.0);
 
   // Without sharing each job builds its own: a small budget fills only the pages it chooses.
   wo.worker_id = "lazy-resident-unshared";
