@@ -37,6 +37,57 @@ using tests::FreePort;
 using tests::HttpGet;
 using tests::Metric;
 
+std::shared_ptr<grpc::Channel> ChannelTo(const std::string& address) {
+  return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+}
+void Deadline(grpc::ClientContext* ctx, int seconds) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+}
+
+// Uploads token ids to the server at `address`; returns the document.
+v1::DocumentInfo UploadTokensTo(const std::string& address, const std::vector<int32_t>& ids) {
+  auto stub = v1::DocumentService::NewStub(ChannelTo(address));
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 30);
+  v1::DocumentUploadResponse resp;
+  auto writer = stub->Upload(&ctx, &resp);
+  v1::DocumentUploadRequest req;
+  req.mutable_tokens()->mutable_ids()->Assign(ids.begin(), ids.end());
+  writer->Write(req);
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return resp.document();
+}
+
+struct JobRun {
+  v1::JobInfo final;
+  double ttft_seconds = -1;
+  std::vector<int32_t> tokens;
+  grpc::Status status;
+};
+
+// One Generate call on the server at `address`, read to its end.
+JobRun GenerateOn(const std::string& address, const v1::JobSubmitRequest& req) {
+  auto stub = v1::JobService::NewStub(ChannelTo(address));
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 120);
+  JobRun run;
+  const auto start = Clock::now();
+  auto reader = stub->Generate(&ctx, req);
+  v1::JobEvent e;
+  while (reader->Read(&e)) {
+    if (e.has_tokens()) {
+      if (run.ttft_seconds < 0) run.ttft_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      for (int32_t t : e.tokens().token_ids()) run.tokens.push_back(t);
+    } else if (e.has_snapshot()) {
+      run.final = e.snapshot();
+    }
+  }
+  run.status = reader->Finish();
+  return run;
+}
+
 class ServeTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -65,54 +116,9 @@ class ServeTest : public ::testing::Test {
   }
 
   std::string Address() const { return absl::StrCat("127.0.0.1:", grpc_port_); }
-  std::shared_ptr<grpc::Channel> Channel() const {
-    return grpc::CreateChannel(Address(), grpc::InsecureChannelCredentials());
-  }
-  static void Deadline(grpc::ClientContext* ctx, int seconds) {
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
-  }
-
-  // Uploads token ids; returns the document.
-  v1::DocumentInfo UploadTokens(const std::vector<int32_t>& ids) {
-    auto stub = v1::DocumentService::NewStub(Channel());
-    grpc::ClientContext ctx;
-    Deadline(&ctx, 30);
-    v1::DocumentUploadResponse resp;
-    auto writer = stub->Upload(&ctx, &resp);
-    v1::DocumentUploadRequest req;
-    req.mutable_tokens()->mutable_ids()->Assign(ids.begin(), ids.end());
-    writer->Write(req);
-    writer->WritesDone();
-    grpc::Status s = writer->Finish();
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return resp.document();
-  }
-
-  struct JobRun {
-    v1::JobInfo final;
-    double ttft_seconds = -1;
-    std::vector<int32_t> tokens;
-    grpc::Status status;
-  };
-  JobRun Generate(const v1::JobSubmitRequest& req) {
-    auto stub = v1::JobService::NewStub(Channel());
-    grpc::ClientContext ctx;
-    Deadline(&ctx, 120);
-    JobRun run;
-    const auto start = Clock::now();
-    auto reader = stub->Generate(&ctx, req);
-    v1::JobEvent e;
-    while (reader->Read(&e)) {
-      if (e.has_tokens()) {
-        if (run.ttft_seconds < 0) run.ttft_seconds = std::chrono::duration<double>(Clock::now() - start).count();
-        for (int32_t t : e.tokens().token_ids()) run.tokens.push_back(t);
-      } else if (e.has_snapshot()) {
-        run.final = e.snapshot();
-      }
-    }
-    run.status = reader->Finish();
-    return run;
-  }
+  std::shared_ptr<grpc::Channel> Channel() const { return ChannelTo(Address()); }
+  v1::DocumentInfo UploadTokens(const std::vector<int32_t>& ids) { return UploadTokensTo(Address(), ids); }
+  JobRun Generate(const v1::JobSubmitRequest& req) { return GenerateOn(Address(), req); }
 
   static std::string* dir_;
   static ChildProcess* server_;
@@ -319,6 +325,64 @@ TEST(WorkerProcessTest, WorkerWithRemoteKvStore) {
   ASSERT_TRUE(code.has_value());
   EXPECT_EQ(*code, 0) << coord.Err();
   kv.StopWith(SIGTERM, std::chrono::seconds(30));
+}
+
+// `strata serve` with fp8 pages, the lazy mount and selection on the backend (the CPU twins): the
+// prefill leaves the whole document in the worker's host tier (pages in backend host memory, as
+// the command sets it up), so quest jobs run the device-managed page cache; the second question
+// finds its pages in the document's kept GPU state and fetches none.
+TEST(ResidentServeTest, Fp8LazyJobsRunTheDeviceManagedCacheAndTheSecondFetchesNothing) {
+  char tmpl[] = "/tmp/strata_resident_serve_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  ChildProcess make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "5", "--out", dir + "/model"},
+                    dir + "/make.out", dir + "/make.err");
+  auto made = make.Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(made.has_value() && *made == 0) << make.Err();
+  ChildProcess server({STRATA_BINARY, "serve", "--model", dir + "/model", "--data", dir + "/data", "--listen",
+                       "127.0.0.1:0", "--metrics-listen", absl::StrCat("127.0.0.1:", FreePort()), "--port-file",
+                       dir + "/ports", "--no-sync", "--prefill-chunk", "128", "--kv-page-dtype", "fp8",
+                       "--lazy-mount", "--device-selection", "on", "--drain-timeout-seconds", "2"},
+                      dir + "/serve.out", dir + "/serve.err");
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_TRUE(server.WaitForPorts(dir + "/ports", std::chrono::seconds(60), &grpc_port, &metrics_port))
+      << server.Err();
+  const std::string address = absl::StrCat("127.0.0.1:", grpc_port);
+  std::vector<int32_t> doc;
+  for (int i = 0; i < 900; ++i) doc.push_back(3 + (i * 89 + 7) % 480);
+  const v1::DocumentInfo info = UploadTokensTo(address, doc);
+  ASSERT_EQ(info.num_tokens(), doc.size());
+  v1::JobSubmitRequest req;
+  req.set_document_id(info.document_id());
+  for (int32_t t : {40, 41, 42, 43}) req.mutable_prompt_tokens()->add_ids(t);
+  req.mutable_params()->set_max_tokens(8);
+  req.mutable_params()->set_temperature(0);
+  req.mutable_params()->set_ignore_eos(true);
+  req.mutable_policy()->set_name("quest");
+  req.mutable_policy()->set_budget_tokens(128);
+  req.mutable_policy()->set_window_tokens(64);
+  const JobRun first = GenerateOn(address, req);
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message() << server.Err();
+  ASSERT_EQ(first.final.state(), v1::JobInfo::DONE) << first.final.error_message();
+  const JobRun second = GenerateOn(address, req);
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  ASSERT_EQ(second.final.state(), v1::JobInfo::DONE) << second.final.error_message();
+  EXPECT_EQ(second.tokens, first.tokens);
+  EXPECT_EQ(first.tokens.size(), 8u);
+  const v1::PagesByTier& f1 = first.final.usage().pages_fetched();
+  const v1::PagesByTier& f2 = second.final.usage().pages_fetched();
+  EXPECT_GT(f1.host(), 0u);  // every fill from the host tier
+  EXPECT_EQ(f1.disk(), 0u);
+  EXPECT_EQ(f2.host() + f2.disk() + f2.remote(), 0u);  // all still in the document's kept cache
+  EXPECT_LT(first.final.usage().mean_attended_tokens(), 900.0);
+  const std::string metrics = HttpGet(metrics_port, "/metrics");
+  EXPECT_EQ(Metric(metrics, "strata_lazy_jobs_total{cache=\"resident\"}"), 2.0) << metrics;
+  EXPECT_EQ(Metric(metrics, "strata_lazy_jobs_total{cache=\"host_managed\"}"), 0.0);
+  EXPECT_TRUE(absl::StrContains(server.Err(), "device-managed page cache")) << server.Err();
+  auto code = server.StopWith(SIGTERM, std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value()) << server.Err();
+  EXPECT_EQ(*code, 0) << server.Err();
+  std::filesystem::remove_all(dir);
 }
 
 // Runs last (gtest runs tests in declaration order): SIGTERM drains and exits 0.
