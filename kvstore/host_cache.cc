@@ -1,16 +1,37 @@
 #include "kvstore/host_cache.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
-#include "kvstore/internal/keys.h"
 
 namespace strata::kvstore {
 namespace {
 
-std::string CachePageKey(const PageKey& k) { return "p" + internal::PageKeyBytes(k); }
-std::string CacheSummaryKey(const SummaryKey& k) { return "s" + internal::SummaryKeyBytes(k); }
+void Put32(uint8_t* at, uint32_t v) { std::memcpy(at, &v, sizeof(v)); }
 
 }  // namespace
+
+HostCache::Key HostCache::PageCacheKey(const PageKey& k) {
+  Key key;
+  key.bytes[0] = 'p';
+  std::memcpy(&key.bytes[1], k.document.bytes.data(), 16);
+  Put32(&key.bytes[17], k.layer);
+  Put32(&key.bytes[21], k.kv_head);
+  Put32(&key.bytes[25], k.page_index);
+  return key;
+}
+
+HostCache::Key HostCache::SummaryCacheKey(const SummaryKey& k) {
+  Key key;
+  key.bytes[0] = 's';
+  std::memcpy(&key.bytes[1], k.document.bytes.data(), 16);
+  Put32(&key.bytes[17], k.layer);
+  Put32(&key.bytes[21], k.kv_head);
+  Put32(&key.bytes[25], k.kind);
+  Put32(&key.bytes[29], k.index);
+  return key;
+}
 
 absl::Status HostCacheOptions::Validate() const {
   if (capacity_bytes <= 0) {
@@ -42,7 +63,7 @@ HostCache::~HostCache() {
   m_.resident_bytes->Set(0);
 }
 
-void HostCache::Lookup(const std::vector<std::string>& keys, std::vector<PageRef>* out) {
+void HostCache::Lookup(const std::vector<Key>& keys, std::vector<PageRef>* out) {
   Stopwatch watch;
   out->assign(keys.size(), nullptr);
   int64_t hits = 0;
@@ -62,18 +83,18 @@ void HostCache::Lookup(const std::vector<std::string>& keys, std::vector<PageRef
 }
 
 absl::Status HostCache::GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) {
-  std::vector<std::string> k;
+  std::vector<Key> k;
   k.reserve(keys.size());
-  for (const PageKey& key : keys) k.push_back(CachePageKey(key));
+  for (const PageKey& key : keys) k.push_back(PageCacheKey(key));
   Lookup(k, out);
   return absl::OkStatus();
 }
 
 absl::Status HostCache::GetSummaries(absl::Span<const SummaryKey> keys,
                                      std::vector<PageRef>* out) {
-  std::vector<std::string> k;
+  std::vector<Key> k;
   k.reserve(keys.size());
-  for (const SummaryKey& key : keys) k.push_back(CacheSummaryKey(key));
+  for (const SummaryKey& key : keys) k.push_back(SummaryCacheKey(key));
   Lookup(k, out);
   return absl::OkStatus();
 }
@@ -82,12 +103,12 @@ void HostCache::PeekPages(absl::Span<const PageKey> keys, std::vector<PageRef>* 
   out->assign(keys.size(), nullptr);
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto it = map_.find(CachePageKey(keys[i]));
+    auto it = map_.find(PageCacheKey(keys[i]));
     if (it != map_.end()) (*out)[i] = it->second->data;
   }
 }
 
-absl::Status HostCache::Insert(std::string key, const DocumentId& doc, const PageRef& data,
+absl::Status HostCache::Insert(const Key& key, const DocumentId& doc, const PageRef& data,
                                PageAllocator* allocator) {
   if (data == nullptr) return absl::InvalidArgumentError("host cache: null page");
   const int64_t size = static_cast<int64_t>(data->size());
@@ -118,7 +139,7 @@ absl::Status HostCache::Insert(std::string key, const DocumentId& doc, const Pag
     ++evictions;
   }
   lru_.push_front(Entry{key, doc, std::move(ref)});
-  map_.emplace(std::move(key), lru_.begin());
+  map_.emplace(key, lru_.begin());
   resident_ += size;
   m_.evictions->Increment(static_cast<double>(evictions));
   m_.resident_bytes->Set(static_cast<double>(resident_));
@@ -128,13 +149,13 @@ absl::Status HostCache::Insert(std::string key, const DocumentId& doc, const Pag
 absl::Status HostCache::Put(absl::Span<const PageWrite> pages,
                             absl::Span<const SummaryWrite> summaries) {
   for (const PageWrite& w : pages) {
-    if (absl::Status s = Insert(CachePageKey(w.key), w.key.document, w.data, options_.allocator);
+    if (absl::Status s = Insert(PageCacheKey(w.key), w.key.document, w.data, options_.allocator);
         !s.ok()) {
       return s;
     }
   }
   for (const SummaryWrite& w : summaries) {
-    if (absl::Status s = Insert(CacheSummaryKey(w.key), w.key.document, w.data, nullptr); !s.ok()) {
+    if (absl::Status s = Insert(SummaryCacheKey(w.key), w.key.document, w.data, nullptr); !s.ok()) {
       return s;
     }
   }

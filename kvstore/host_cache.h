@@ -12,6 +12,7 @@
 #ifndef STRATA_KVSTORE_HOST_CACHE_H_
 #define STRATA_KVSTORE_HOST_CACHE_H_
 
+#include <array>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -69,12 +70,24 @@ class HostCache final : public PageStore {
  private:
   explicit HostCache(const HostCacheOptions& options);
   // Inserts `data`, copied into `allocator` memory unless it is already there (null: kept as is).
-  absl::Status Insert(std::string key, const DocumentId& doc, const PageRef& data,
+  // A page's or summary's key in the map: a tag byte, the document and four 32-bit fields, in a
+  // fixed array (no allocation per lookup).
+  struct Key {
+    std::array<uint8_t, 33> bytes{};
+    bool operator==(const Key& o) const { return bytes == o.bytes; }
+    template <typename H>
+    friend H AbslHashValue(H h, const Key& k) {
+      return H::combine_contiguous(std::move(h), k.bytes.data(), k.bytes.size());
+    }
+  };
+  static Key PageCacheKey(const PageKey& k);
+  static Key SummaryCacheKey(const SummaryKey& k);
+  absl::Status Insert(const Key& key, const DocumentId& doc, const PageRef& data,
                       PageAllocator* allocator);
-  void Lookup(const std::vector<std::string>& keys, std::vector<PageRef>* out);
+  void Lookup(const std::vector<Key>& keys, std::vector<PageRef>* out);
 
   struct Entry {
-    std::string key;
+    Key key;
     DocumentId document;
     PageRef data;
   };
@@ -87,7 +100,7 @@ class HostCache final : public PageStore {
 
   mutable std::mutex mu_;
   Lru lru_;                                               // guarded by mu_
-  absl::flat_hash_map<std::string, Lru::iterator> map_;  // guarded by mu_
+  absl::flat_hash_map<Key, Lru::iterator> map_;  // guarded by mu_
   int64_t resident_ = 0;                                  // guarded by mu_
 };
 
