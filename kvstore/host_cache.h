@@ -2,10 +2,10 @@
 //
 // Holds page PageRefs whose memory comes from the configured PageAllocator (the CUDA backend can
 // pass a pinned-memory allocator, kvstore/backend_page_allocator.h); pages inserted from another
-// allocator are copied (or, when the allocator fails, kept where they are). Summaries stay in the memory they arrive in (they are read by the host
-// and uploaded whole, never read in place by the device, and are much smaller than the page
-// blocks of such an allocator). Entries larger
-// than the whole budget are not cached. Not durable: Put succeeds as soon as the entries are in
+// allocator are copied (or, when the allocator fails, kept where they are). Summaries stay in the
+// memory they arrive in (they are read by the host and uploaded whole, never read in place by the
+// device, and are much smaller than the page blocks of such an allocator). Entries larger than
+// the whole budget are not cached. Not durable: Put succeeds as soon as the entries are in
 // memory. Counts lookups, hits, evictions and resident/capacity bytes under tier "host".
 // Thread-safe (one mutex; the critical sections are hash-map and list operations). Standard
 // library locks are used so that TSan sees them (Debian's Abseil is not TSan-instrumented).

@@ -45,8 +45,9 @@
 // SelectedAttention over the cache's table are queued on the device with nothing read on the
 // host (CapturableOnDevice). A prompt chunk is chosen for as on the host-managed path (q copied to
 // the host, the chooser's vote summed over the chunk) and handed over as one device selection for
-// all its tokens (GpuCacheAttentionOptions::chunk_selection). Otherwise (some page only on disk or remote, a CPU-memory host tier, the host path) the
-// host-managed cache above. pages().host then counts the cache's fills (after SyncStats).
+// all its tokens (GpuCacheAttentionOptions::chunk_selection). Otherwise (some page only on disk
+// or remote, a CPU-memory host tier, the host path) the host-managed cache above. In resident
+// mode pages().host counts the cache's fills (after SyncStats).
 //
 // Positions: page p holds positions [p * P, min((p + 1) * P, document_tokens)); every document
 // token precedes the queries, so nothing is masked. Thread-compatible (one forward at a time).

@@ -194,7 +194,9 @@ int Run(int argc, char** argv) {
         std::snprintf(agree, sizeof(agree), "  first %zu of %zu tokens = lazy-dev", same, ids.size());
       }
       char rate[64] = "";
-      if (n > 1 && last_ns > first_ns) std::snprintf(rate, sizeof(rate), "  decode %.1f tok/s", (n - 1) / ((last_ns - first_ns) * 1e-9));
+      if (n > 1 && last_ns > first_ns) {
+        std::snprintf(rate, sizeof(rate), "  decode %.1f tok/s", (n - 1) / ((last_ns - first_ns) * 1e-9));
+      }
       std::printf("rep %d %-8s ttft %.3f s%s  pages fetched %llu  first token %d%s%s\n", rep, mode.c_str(), ttft,
                   rate, static_cast<unsigned long long>(t.host() + t.disk() + t.remote()), first,
                   mode == "full" ? "" : (first == full_first ? " (= full)" : " (!= full)"), agree);

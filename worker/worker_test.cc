@@ -622,12 +622,14 @@ TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
   for (int tokens : {1, 1, 5, 1, 1}) {
     std::vector<float> q = Queries(tokens, 40 + tokens);
     for (int layer = 0; layer < 2; ++layer) {
-      std::vector<float> out(static_cast<size_t>(tokens) * hq() * d, -7.0f), lse(static_cast<size_t>(tokens) * hq(), -7.0f);
+      std::vector<float> out(static_cast<size_t>(tokens) * hq() * d, -7.0f);
+      std::vector<float> lse(static_cast<size_t>(tokens) * hq(), -7.0f);
       STRATA_ASSERT_OK(res->AttendOnDevice(layer, view(q.data(), {tokens, hq(), d}), 700,
                                            view(out.data(), {tokens, hq(), d}), view(lse.data(), {tokens, hq()})));
       std::vector<float> want(out.size()), want_lse(lse.size());
       STRATA_ASSERT_OK(ref->AttendOnDevice(layer, view(q.data(), {tokens, hq(), d}), 700,
-                                           view(want.data(), {tokens, hq(), d}), view(want_lse.data(), {tokens, hq()})));
+                                           view(want.data(), {tokens, hq(), d}),
+                                           view(want_lse.data(), {tokens, hq()})));
       for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(out[i], want[i], 1e-5) << "layer " << layer << " at " << i;
       for (size_t i = 0; i < want_lse.size(); ++i) ASSERT_NEAR(lse[i], want_lse[i], 1e-5);
     }
