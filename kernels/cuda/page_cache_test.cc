@@ -19,33 +19,14 @@
 #include "base/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/testing/cuda_test_base.h"
 #include "kernels/cuda_backend.h"
 
 namespace strata::kernels {
 namespace {
 
-class CudaPageCacheTest : public ::testing::TestWithParam<std::tuple<DType, int, int, int>> {
- protected:
-  static void SetUpTestSuite() {
-    auto b = MakeCudaBackend(0);
-    if (b.ok()) {
-      gpu_ = b->release();
-    } else {
-      why_ = new std::string(b.status().ToString());
-    }
-  }
-  static void TearDownTestSuite() {
-    delete gpu_;
-    gpu_ = nullptr;
-  }
-  void SetUp() override {
-    if (gpu_ == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << (why_ ? *why_ : "") << ")";
-  }
-  static Backend* gpu_;
-  static std::string* why_;
-};
-Backend* CudaPageCacheTest::gpu_ = nullptr;
-std::string* CudaPageCacheTest::why_ = nullptr;
+class CudaPageCacheTest
+    : public CudaTestBase<::testing::TestWithParam<std::tuple<DType, int, int, int>>> {};
 
 constexpr int kLayers = 3, kHeads = 2, kPages = 700;
 

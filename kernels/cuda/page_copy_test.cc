@@ -17,6 +17,7 @@
 #include "base/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/testing/cuda_test_base.h"
 #include "kernels/cuda_backend.h"
 
 namespace strata::kernels {
@@ -24,28 +25,8 @@ namespace {
 
 using ::strata::testing::StatusIs;
 
-class CudaPageCopyTest : public ::testing::TestWithParam<std::tuple<DType, int, int, int>> {
- protected:
-  static void SetUpTestSuite() {
-    auto b = MakeCudaBackend(0);
-    if (b.ok()) {
-      gpu_ = b->release();
-    } else {
-      why_ = new std::string(b.status().ToString());
-    }
-  }
-  static void TearDownTestSuite() {
-    delete gpu_;
-    gpu_ = nullptr;
-  }
-  void SetUp() override {
-    if (gpu_ == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << (why_ ? *why_ : "") << ")";
-  }
-  static Backend* gpu_;
-  static std::string* why_;
-};
-Backend* CudaPageCopyTest::gpu_ = nullptr;
-std::string* CudaPageCopyTest::why_ = nullptr;
+class CudaPageCopyTest
+    : public CudaTestBase<::testing::TestWithParam<std::tuple<DType, int, int, int>>> {};
 
 TEST_P(CudaPageCopyTest, MatchesCpuByteForByte) {
   const auto [dtype, page_size, head_dim, num_pages] = GetParam();

@@ -23,29 +23,14 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/testing/cuda_test_base.h"
 #include "kernels/cuda_backend.h"
 
 namespace strata::kernels {
 namespace {
 
-class CudaSampleTest : public ::testing::Test {
+class CudaSampleTest : public CudaTestBase<::testing::Test> {
  protected:
-  static void SetUpTestSuite() {
-    auto b = MakeCudaBackend(0);
-    if (b.ok()) {
-      gpu_ = b->release();
-    } else {
-      why_ = new std::string(b.status().ToString());
-    }
-  }
-  static void TearDownTestSuite() {
-    delete gpu_;
-    gpu_ = nullptr;
-  }
-  void SetUp() override {
-    if (gpu_ == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << (why_ ? *why_ : "") << ")";
-  }
-
   // Runs Sample on the GPU for host logits [rows, vocab] and host options; returns the tokens.
   static std::vector<int32_t> RunGpu(const std::vector<float>& logits, int64_t vocab,
                                      const std::vector<SampleRow>& rows) {
@@ -69,11 +54,7 @@ class CudaSampleTest : public ::testing::Test {
     return out;
   }
 
-  static Backend* gpu_;
-  static std::string* why_;
 };
-Backend* CudaSampleTest::gpu_ = nullptr;
-std::string* CudaSampleTest::why_ = nullptr;
 
 std::vector<int32_t> RunCpu(const std::vector<float>& logits, int64_t vocab,
                             const std::vector<SampleRow>& rows) {
