@@ -42,6 +42,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "strata/v1/api.grpc.pb.h"
+#include "tests/service/api_client.h"
 #include "tests/service/child_process.h"
 
 namespace strata {
@@ -49,10 +50,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+using tests::ChannelTo;
 using tests::ChildProcess;
+using tests::Deadline;
 using tests::FreePort;
+using tests::GenerateOn;
 using tests::HttpGet;
+using tests::JobRun;
 using tests::Metric;
+using tests::UploadTokensTo;
 
 constexpr int kWorkers = 3;
 
@@ -161,12 +167,8 @@ class ShardedClusterTest : public ::testing::Test {
     return false;
   }
 
-  static std::shared_ptr<grpc::Channel> Channel() {
-    return grpc::CreateChannel(absl::StrCat("127.0.0.1:", coordinator_port_), grpc::InsecureChannelCredentials());
-  }
-  static void Deadline(grpc::ClientContext* ctx, int seconds) {
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
-  }
+  static std::string Address() { return absl::StrCat("127.0.0.1:", coordinator_port_); }
+  static std::shared_ptr<grpc::Channel> Channel() { return ChannelTo(Address()); }
 
   static std::vector<int32_t> Document(int n, int salt) {
     std::vector<int32_t> doc;
@@ -175,19 +177,7 @@ class ShardedClusterTest : public ::testing::Test {
   }
 
   v1::DocumentInfo UploadTokens(const std::vector<int32_t>& ids, v1::DocumentInfo::PrefillMode mode) {
-    auto stub = v1::DocumentService::NewStub(Channel());
-    grpc::ClientContext ctx;
-    Deadline(&ctx, 30);
-    v1::DocumentUploadResponse resp;
-    auto writer = stub->Upload(&ctx, &resp);
-    v1::DocumentUploadRequest req;
-    req.mutable_options()->set_prefill_mode(mode);
-    req.mutable_tokens()->mutable_ids()->Assign(ids.begin(), ids.end());
-    writer->Write(req);
-    writer->WritesDone();
-    grpc::Status s = writer->Finish();
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return resp.document();
+    return UploadTokensTo(Address(), ids, mode);
   }
 
   absl::StatusOr<v1::DocumentInfo> GetDocument(const std::string& id) {
@@ -217,37 +207,10 @@ class ShardedClusterTest : public ::testing::Test {
     return info;
   }
 
-  struct JobRun {
-    v1::JobInfo final;
-    std::string job_id;
-    std::string leader;  // from the snapshots
-    double ttft_seconds = -1;
-    std::vector<int32_t> tokens;
-    grpc::Status status;
-  };
   // Runs a job through Generate. `on_tokens` (optional) is called after every token event with
   // the run so far.
   JobRun Generate(const v1::JobSubmitRequest& req, const std::function<void(const JobRun&)>& on_tokens = nullptr) {
-    auto stub = v1::JobService::NewStub(Channel());
-    grpc::ClientContext ctx;
-    Deadline(&ctx, 90);
-    JobRun run;
-    const auto start = Clock::now();
-    auto reader = stub->Generate(&ctx, req);
-    v1::JobEvent e;
-    while (reader->Read(&e)) {
-      if (run.job_id.empty()) run.job_id = e.job_id();
-      if (e.has_tokens()) {
-        if (run.ttft_seconds < 0) run.ttft_seconds = std::chrono::duration<double>(Clock::now() - start).count();
-        for (int32_t t : e.tokens().token_ids()) run.tokens.push_back(t);
-        if (on_tokens) on_tokens(run);
-      } else if (e.has_snapshot()) {
-        run.final = e.snapshot();
-        if (!e.snapshot().leader_worker_id().empty()) run.leader = e.snapshot().leader_worker_id();
-      }
-    }
-    run.status = reader->Finish();
-    return run;
+    return GenerateOn(Address(), req, 90, on_tokens);
   }
 
   static v1::JobSubmitRequest DenseJob(const std::string& document_id, const std::vector<int32_t>& prompt,

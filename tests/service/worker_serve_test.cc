@@ -25,68 +25,21 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "strata/v1/api.grpc.pb.h"
+#include "tests/service/api_client.h"
 #include "tests/service/child_process.h"
 
 namespace strata {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
+using tests::ChannelTo;
 using tests::ChildProcess;
+using tests::Deadline;
 using tests::FreePort;
+using tests::GenerateOn;
 using tests::HttpGet;
+using tests::JobRun;
 using tests::Metric;
-
-std::shared_ptr<grpc::Channel> ChannelTo(const std::string& address) {
-  return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
-}
-void Deadline(grpc::ClientContext* ctx, int seconds) {
-  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
-}
-
-// Uploads token ids to the server at `address`; returns the document.
-v1::DocumentInfo UploadTokensTo(const std::string& address, const std::vector<int32_t>& ids) {
-  auto stub = v1::DocumentService::NewStub(ChannelTo(address));
-  grpc::ClientContext ctx;
-  Deadline(&ctx, 30);
-  v1::DocumentUploadResponse resp;
-  auto writer = stub->Upload(&ctx, &resp);
-  v1::DocumentUploadRequest req;
-  req.mutable_tokens()->mutable_ids()->Assign(ids.begin(), ids.end());
-  writer->Write(req);
-  writer->WritesDone();
-  grpc::Status s = writer->Finish();
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return resp.document();
-}
-
-struct JobRun {
-  v1::JobInfo final;
-  double ttft_seconds = -1;
-  std::vector<int32_t> tokens;
-  grpc::Status status;
-};
-
-// One Generate call on the server at `address`, read to its end.
-JobRun GenerateOn(const std::string& address, const v1::JobSubmitRequest& req) {
-  auto stub = v1::JobService::NewStub(ChannelTo(address));
-  grpc::ClientContext ctx;
-  Deadline(&ctx, 120);
-  JobRun run;
-  const auto start = Clock::now();
-  auto reader = stub->Generate(&ctx, req);
-  v1::JobEvent e;
-  while (reader->Read(&e)) {
-    if (e.has_tokens()) {
-      if (run.ttft_seconds < 0) run.ttft_seconds = std::chrono::duration<double>(Clock::now() - start).count();
-      for (int32_t t : e.tokens().token_ids()) run.tokens.push_back(t);
-    } else if (e.has_snapshot()) {
-      run.final = e.snapshot();
-    }
-  }
-  run.status = reader->Finish();
-  return run;
-}
+using tests::UploadTokensTo;
 
 class ServeTest : public ::testing::Test {
  protected:
@@ -118,7 +71,7 @@ class ServeTest : public ::testing::Test {
   std::string Address() const { return absl::StrCat("127.0.0.1:", grpc_port_); }
   std::shared_ptr<grpc::Channel> Channel() const { return ChannelTo(Address()); }
   v1::DocumentInfo UploadTokens(const std::vector<int32_t>& ids) { return UploadTokensTo(Address(), ids); }
-  JobRun Generate(const v1::JobSubmitRequest& req) { return GenerateOn(Address(), req); }
+  JobRun Generate(const v1::JobSubmitRequest& req) { return GenerateOn(Address(), req, 120); }
 
   static std::string* dir_;
   static ChildProcess* server_;
@@ -361,10 +314,10 @@ TEST(ResidentServeTest, Fp8LazyJobsRunTheDeviceManagedCacheAndTheSecondFetchesNo
   req.mutable_policy()->set_name("quest");
   req.mutable_policy()->set_budget_tokens(128);
   req.mutable_policy()->set_window_tokens(64);
-  const JobRun first = GenerateOn(address, req);
+  const JobRun first = GenerateOn(address, req, 120);
   ASSERT_TRUE(first.status.ok()) << first.status.error_message() << server.Err();
   ASSERT_EQ(first.final.state(), v1::JobInfo::DONE) << first.final.error_message();
-  const JobRun second = GenerateOn(address, req);
+  const JobRun second = GenerateOn(address, req, 120);
   ASSERT_TRUE(second.status.ok()) << second.status.error_message();
   ASSERT_EQ(second.final.state(), v1::JobInfo::DONE) << second.final.error_message();
   EXPECT_EQ(second.tokens, first.tokens);
