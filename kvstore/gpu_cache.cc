@@ -14,11 +14,6 @@ namespace strata::kvstore {
 
 namespace {
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-
-bool IsBf16Page(absl::string_view page) {
-  absl::StatusOr<PageHeader> h = ParsePageHeader(page);
-  return h.ok() && h->shape.dtype == kernels::DType::kBF16;
-}
 }  // namespace
 
 absl::Status GpuCacheOptions::Validate() const {
@@ -460,9 +455,10 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
       held.push_back(s);
       fence_[s] = issued_seq_ + 1;
       const absl::string_view page = pages[i]->view();
-      if (pool_dtype_ == kernels::DType::kBF16 && !IsBf16Page(page)) {
-        // Host-managed pools are bf16: an fp8 page's K and V decoded with its scales, rounded
-        // to bf16 (FetchFromSource parsed and checked the header, so this cannot fail).
+      if (PageKBytes(page).size() != half_bytes_) {
+        // An fp8 page in bf16 pools (FetchFromSource checked the shape and that the dtype is
+        // bf16 or fp8, so a K half of another size is fp8): K and V decoded with the page's
+        // scales, rounded to bf16.
         char* to = dst + static_cast<size_t>(np) * page_bytes_;
         PageToBf16(page, reinterpret_cast<uint16_t*>(to), reinterpret_cast<uint16_t*>(to + half_bytes_))
             .IgnoreError();
