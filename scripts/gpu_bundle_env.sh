@@ -1,16 +1,16 @@
 # Sourced (not run) by the scripts that run ON the GPU machine over a bundle made by
 # scripts/gpu_run.sh (scripts/gpu_bench_prefill.sh, scripts/gpu_bench_decode.sh): sets ROOT, BUNDLE
 # (unless set: $ROOT/$STRATA_GPU_BUNDLE, default .gpu) and LOGS (unless set: $OUT, else
-# /tmp/strata-gpu-out), unpacks bin.tar.gz and the bundled libraries, and exports
+# /tmp/strata-gpu-out), unpacks bin.tar.xz and the bundled libraries, and exports
 # LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN.
 ROOT="$(pwd)"
 BUNDLE="${BUNDLE:-$ROOT/${STRATA_GPU_BUNDLE:-.gpu}}"
 LOGS="${LOGS:-${OUT:-/tmp/strata-gpu-out}}"
 mkdir -p "$LOGS"
-if [ -f "$BUNDLE/bin.tar.gz" ] && [ ! -d "$BUNDLE/bin" ]; then
-  tar -C "$BUNDLE" -xzf "$BUNDLE/bin.tar.gz"
+if [ -f "$BUNDLE/bin.tar.xz" ] && [ ! -d "$BUNDLE/bin" ]; then
+  tar -C "$BUNDLE" -xJf "$BUNDLE/bin.tar.xz"
 fi
 WORK="/tmp/strata-gpu-$(basename "$BUNDLE")"
-mkdir -p "$WORK" && tar -C "$WORK" -xzf "$BUNDLE/libs.tar.gz"
+mkdir -p "$WORK" && tar -C "$WORK" -xJf "$BUNDLE/libs.tar.xz"
 export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export STRATA_CUDA_PLUGIN="$BUNDLE/bin/libstrata_cuda.so"

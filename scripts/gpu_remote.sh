@@ -20,12 +20,12 @@ BUNDLE="$ROOT/${STRATA_GPU_BUNDLE:-.gpu}"
 LOGS="${OUT:-/tmp/strata-gpu-out}"
 mkdir -p "$LOGS"
 WORK="/tmp/strata-gpu-$(basename "$BUNDLE")"
-# Binaries packed by scripts/gpu_run.sh (bin.tar.gz) are unpacked into the bundle first.
-if [ -f "$BUNDLE/bin.tar.gz" ] && [ ! -d "$BUNDLE/bin" ]; then
-  tar -C "$BUNDLE" -xzf "$BUNDLE/bin.tar.gz"
+# Binaries packed by scripts/gpu_run.sh (bin.tar.xz) are unpacked into the bundle first.
+if [ -f "$BUNDLE/bin.tar.xz" ] && [ ! -d "$BUNDLE/bin" ]; then
+  tar -C "$BUNDLE" -xJf "$BUNDLE/bin.tar.xz"
 fi
 rm -rf "$WORK" && mkdir -p "$WORK"
-tar -C "$WORK" -xzf "$BUNDLE/libs.tar.gz"
+tar -C "$WORK" -xJf "$BUNDLE/libs.tar.xz"
 export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
 export PATH="/usr/local/cuda/bin:$PATH"
 # The CUDA backend plugin that kernels::MakeBackend loads (golden_gpu_test, strata).

@@ -13,10 +13,10 @@
 # What is bundled (.gpu/):
 #   bin/            the test binaries with ctest label `gpu`, cuda_attention_bench, the CUDA plugin
 #                   libstrata_cuda.so, strata (if built), stripped
-#   bin.tar.gz      instead of bin/ when the binaries exceed 40 MiB (the device tool carries at
+#   bin.tar.xz      instead of bin/ when the binaries exceed 40 MiB (the device tool carries at
 #                   most 64 MiB; scripts/gpu_remote.sh unpacks it)
-#   libs.tar.gz     the shared libraries they link that the GPU machine lacks (Abseil, gRPC,
-#                   RocksDB, prometheus-cpp, OpenBLAS, PCRE2, ...), gzip-compressed (the device
+#   libs.tar.xz     the shared libraries they link that the GPU machine lacks (Abseil, gRPC,
+#                   RocksDB, prometheus-cpp, OpenBLAS, PCRE2, ...), xz-compressed (the device
 #                   tool carries at most 64 MiB)
 # Not bundled, because the GPU machine has them (Ubuntu 24.04, CUDA 13.0; see notes/GPU.md): glibc,
 # libstdc++/libgcc_s, the CUDA driver and toolkit libraries (cudart, cuBLAS/cuBLASLt, NCCL), and
@@ -70,14 +70,14 @@ done | sort -u | while read -r name path; do
   cp -L "$path" "$BUNDLE/lib/$name"
   strip --strip-unneeded "$BUNDLE/lib/$name" 2>/dev/null || true
 done
-tar -C "$BUNDLE" -czf "$BUNDLE/libs.tar.gz" lib
+XZ_OPT=-6T2 tar -C "$BUNDLE" -cJf "$BUNDLE/libs.tar.xz" lib
 rm -rf "$BUNDLE/lib"
 # Test binaries link the CUDA kernels statically (~10 MiB each): pack them when they are many.
 if [ "$(du -sm "$BUNDLE/bin" | cut -f1)" -gt 40 ]; then
-  tar -C "$BUNDLE" -czf "$BUNDLE/bin.tar.gz" bin
+  XZ_OPT=-6T2 tar -C "$BUNDLE" -cJf "$BUNDLE/bin.tar.xz" bin
   rm -rf "$BUNDLE/bin"
 fi
 cp scripts/gpu_remote.sh "$BUNDLE/"
 echo "bundled into $BUNDLE/:"
-if [ -d "$BUNDLE/bin" ]; then ls -la "$BUNDLE/bin"; else tar -tzvf "$BUNDLE/bin.tar.gz"; fi
-du -sh "$BUNDLE" "$BUNDLE/libs.tar.gz"
+if [ -d "$BUNDLE/bin" ]; then ls -la "$BUNDLE/bin"; else tar -tJvf "$BUNDLE/bin.tar.xz"; fi
+du -sh "$BUNDLE" "$BUNDLE/libs.tar.xz"

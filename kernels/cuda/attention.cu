@@ -710,6 +710,16 @@ __device__ __forceinline__ int64_t TokenRowAndSlot(const int32_t* table, int tab
   return static_cast<int64_t>(slot) * page_size + t % page_size;
 }
 
+// SetSelectedAttentionPhaseStamps (launch.h): where the cluster kernel's blocks write their
+// phase stamps, null when off.
+__device__ unsigned long long* g_selected_phase_stamps = nullptr;
+__device__ int g_selected_phase_blocks = 0;
+__device__ __forceinline__ unsigned long long GlobalTimerNs() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // kSlotScales (fp8 pools with SelectedAttentionShape::slot_scales): each thread reads its row's slot
 // pair once in A, the K scale goes into its scores, the V scale into vs_s for C (the weight of
 // the row's V); without it the code is the same as before the option existed.
@@ -927,24 +937,30 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- SelectedAttention, cluster path: one thread-block cluster per KV head --------------------
-// SelectedClusterKernel<KV, HEAD_DIM, THREADS>: grid = num_kv_heads clusters of `cluster_size`
-// (1 to 16) blocks of THREADS (kClusterThreads = 256 is launched; 512 was measured slower on the
-// H100: bench/RESULTS.md "SelectedAttention on one cluster per KV head"); block r of KV head g's cluster attends the positions
-// [r * per, (r + 1) * per) of the head's list (per = ceil(n / cluster_size), n = total, or the
-// device prefix length when nothing follows the prefix). The block works in tiles of
-// ClusterTile::kKeys keys held in a ring of kClusterStages shared-memory stages: the prologue
-// resolves the rows of the first kClusterStages tiles (one position per thread, parents -> page
-// table) and issues every 16-byte piece of their K and V rows as cp.async copies at once (invalid
-// rows are zero-filled, not read), so a block of the sparse decode step has all its bytes in
-// flight after two dependent loads. Per tile: scores (kThreadsPerKey threads per key, the
-// query heads of the group from shared memory, K chunks XOR-swizzled per key so a warp's
-// shared loads do not conflict), one warp per query head updates the online softmax, then
-// every thread accumulates weights * V for 8 dims of every head over its slice of the keys; the
-// stage is refilled with the tile kClusterStages ahead. At the end the block's partial (m, l,
-// unnormalised o per head) sits in its shared memory and, after a cluster barrier, block r
-// merges query heads r, r + cluster_size, ... of the KV head: one warp reads every block's
-// (m, l) (distributed shared memory, one lane per block), then the block's threads read the
-// blocks' o at once and sum them; out and lse are written there. One launch, no global scratch.
+// SelectedClusterKernel<KV, HEAD_DIM, THREADS, kSlotScales, kGroup>: grid = num_kv_heads clusters
+// of `cluster_size` (1 to 16) blocks of THREADS (kClusterThreads = 256 is launched; 512 was
+// measured slower on the H100: bench/RESULTS.md "SelectedAttention on one cluster per KV head");
+// block r of KV head g's cluster attends the positions [r * per, (r + 1) * per) of the head's
+// list (per = ceil(n / cluster_size), n = total, or the device prefix length when nothing follows
+// the prefix). The block's keys go through a ring of kClusterStages shared-memory stages of
+// ClusterTile::kKeys keys: the prologue resolves the rows of the first kClusterStages tiles (one
+// position per thread, parents -> page table) and issues every 16-byte piece of their K and V rows
+// as cp.async copies at once (invalid rows are zero-filled, not read), so a block of the sparse
+// decode step has all its bytes in flight after two dependent loads.
+//   Scores: kThreadsPerKey threads per key, the query heads of the group from shared memory, K
+// chunks XOR-swizzled per key so a warp's shared loads do not conflict; softmax: one warp per query
+// head; weights * V: every thread accumulates 8 dims of every head over its slice of the keys.
+//   When every key of the block is staged at once (at most kClusterStages tiles, as in the sparse
+// decode step) and the kernel is compiled for its group (kGroup > 0), the block scores all its
+// keys, takes one softmax and one weights * V pass: three barriers in all. Otherwise it walks the
+// ring tile by tile with an online softmax, refilling each stage with the tile kClusterStages
+// ahead.
+//   The merge: every block pushes its partial per query head h (m, l, unnormalised o) into the
+// receive area of block h % cluster_size (distributed shared memory, after a split cluster barrier
+// begun at entry that tells every block of the cluster has started), one cluster barrier makes
+// the pushes visible, and each block merges its heads from its own shared memory and writes out
+// and lse; no block reads another's shared memory, so none waits for the merge to end. One
+// launch, no global scratch.
 constexpr int kClusterStages = 3;
 // Auto path choice: the cluster kernel up to this many positions per KV head (16 blocks of at most
 // 3 tiles of 64 keys: every position of a bf16/fp8 d <= 128 call is in flight after the
@@ -953,8 +969,15 @@ constexpr int kClusterStages = 3;
 constexpr int32_t kClusterMaxTotal = 3072;
 constexpr int kClusterThreads = 256;
 constexpr int kClusterRedSlots = 8;  // per-warp partial sums of o kept at once (reduction)
+constexpr int kClusterMaxSize = 16;  // blocks per cluster
+// Partials a block receives: ceil(group / size) heads of `size` blocks, at most 16 for group <= 8
+// and size <= 16 (size >= group: size; size < group: fewer than 2 * group).
+constexpr int kClusterRecvSlots = 16;
+static_assert(kDecodeMaxGroup <= 8 && kClusterMaxSize <= kClusterRecvSlots);
 
-template <typename KV, int HEAD_DIM, int THREADS>
+// kMaxG: the query heads per KV head the block's registers and buffers are sized for; kOneShot:
+// scores of every staged key kept at once (kClusterStages * kKeys per head).
+template <typename KV, int HEAD_DIM, int THREADS, int kMaxG, bool kOneShot>
 struct ClusterTile {
   static constexpr int kWarps = THREADS / 32;
   static constexpr int kRowBytes = HEAD_DIM * static_cast<int>(sizeof(KV));
@@ -970,21 +993,23 @@ struct ClusterTile {
   static constexpr int kKeysPerSlice = kKeys / kSlices;
   static constexpr int kUnitsPerRow = kRowBytes / 16;  // 16-byte copies per row
   static constexpr int kUnits = kTileBytes / 16;
+  static constexpr int kPKeys = kOneShot ? kClusterStages * kKeys : kKeys;  // scores per head
+  static constexpr int kRecvStride = HEAD_DIM + 4;  // a pushed partial: o, m, l, 2 floats pad
   static constexpr size_t kSmemBytes =
-      2 * kClusterStages * kTileBytes +                     // K and V stages
-      kDecodeMaxGroup * HEAD_DIM * sizeof(float) +          // q (then the block's o)
-      kDecodeMaxGroup * kKeys * sizeof(float) +             // scores / weights
-      kClusterStages * kKeys * sizeof(int64_t) +            // rows of the staged tiles
-      3 * kDecodeMaxGroup * sizeof(float);                  // m, l, corr
+      2 * kClusterStages * kTileBytes +                        // K and V stages
+      kMaxG * HEAD_DIM * sizeof(float) +                       // q (then the block's o)
+      kMaxG * kPKeys * sizeof(float) +                         // scores / weights
+      kClusterStages * kKeys * sizeof(int64_t) +               // rows of the staged tiles
+      3 * kMaxG * sizeof(float) +                              // m, l, corr
+      kClusterRecvSlots * kRecvStride * sizeof(float);         // partials pushed here
   static_assert(kChunksPerThread >= 1 && (kChunksPerThread & (kChunksPerThread - 1)) == 0);
   static_assert(kKeysPerSlice >= 1 && kKeys % kSlices == 0);
   static_assert(kThreadsPerKey <= 32 && kChunks <= 32 && kClusterStages * kKeys <= THREADS);
-  static_assert(kWarps >= kDecodeMaxGroup && kWarps <= 2 * kClusterRedSlots);
-  // The block's reduction of o over warps and the cluster merge reuse the stages.
+  static_assert(kWarps >= kMaxG && kWarps <= 2 * kClusterRedSlots && kMaxG <= kDecodeMaxGroup);
+  static_assert((3 * kMaxG) % 4 == 0);  // the receive area stays 16-byte aligned
+  // The block's reduction of o over warps reuses the stages.
   static_assert(2 * kClusterStages * kTileBytes >=
-                kClusterRedSlots * kDecodeMaxGroup * HEAD_DIM * static_cast<int>(sizeof(float)));
-  static_assert(2 * kClusterStages * kTileBytes >=
-                (32 + 16 * HEAD_DIM) * static_cast<int>(sizeof(float)));
+                kClusterRedSlots * kMaxG * HEAD_DIM * static_cast<int>(sizeof(float)));
 
   // Chunk c of key t's K row sits at chunk c ^ Swizzle(t) of its stage row: the threads of a key
   // read chunks p + kThreadsPerKey * j, so consecutive keys read different j at once.
@@ -1024,32 +1049,56 @@ __device__ __forceinline__ typename Vec8<KV>::Raw LoadShared8(const unsigned cha
 // each staged row sits in scale_s[stage] (kSlotScaleBytes more dynamic shared memory), read after
 // the row's copies are issued (so the pair's load overlaps them); the K scale goes into the
 // row's scores, the V scale into its weights for weights * V. Without it the code is unchanged.
-template <typename KV, int HEAD_DIM, int THREADS, bool kSlotScales>
+// kGroup > 0: compiled for exactly kGroup query heads per KV head (the per-head registers and
+// buffers sized to it, and the one-pass path); 0: any group up to kDecodeMaxGroup, from the shape.
+template <typename KV, int HEAD_DIM, int THREADS, bool kSlotScales, int kGroup = 0>
 __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     SelectedClusterKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
                           const KV* __restrict__ v_pool, const int32_t* __restrict__ table,
                           DeviceCandidates middle, SelectedAttentionShape shape,
                           const int32_t* __restrict__ prefix_len, int cluster_size,
                           float* __restrict__ out, float* __restrict__ lse) {
-  using T = ClusterTile<KV, HEAD_DIM, THREADS>;
-  constexpr int S = kClusterStages, kKeys = T::kKeys;
+  constexpr int kMaxG = kGroup > 0 ? kGroup : kDecodeMaxGroup;
+  using T = ClusterTile<KV, HEAD_DIM, THREADS, kMaxG, (kGroup > 0)>;
+  constexpr int S = kClusterStages, kKeys = T::kKeys, kPKeys = T::kPKeys;
+  // Every block of the cluster has started once this split barrier completes (before the push).
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* kbuf = smem;
   unsigned char* vbuf = kbuf + S * T::kTileBytes;
   float* q_s = reinterpret_cast<float*>(vbuf + S * T::kTileBytes);  // [group][HEAD_DIM]
-  float* p_s = q_s + kDecodeMaxGroup * HEAD_DIM;                      // [group][kKeys]
-  int64_t* row_s = reinterpret_cast<int64_t*>(p_s + kDecodeMaxGroup * kKeys);  // [S][kKeys]
+  float* p_s = q_s + kMaxG * HEAD_DIM;                                // [group][kPKeys]
+  int64_t* row_s = reinterpret_cast<int64_t*>(p_s + kMaxG * kPKeys);  // [S][kKeys]
   float* m_s = reinterpret_cast<float*>(row_s + S * kKeys);
-  float* l_s = m_s + kDecodeMaxGroup;
-  float* corr_s = l_s + kDecodeMaxGroup;
-  float2* scale_s = reinterpret_cast<float2*>(corr_s + kDecodeMaxGroup);  // [S][kKeys] (k, v)
+  float* l_s = m_s + kMaxG;
+  float* corr_s = l_s + kMaxG;
+  float* recv_s = corr_s + kMaxG;  // [kClusterRecvSlots][kRecvStride]
+  float2* scale_s = reinterpret_cast<float2*>(recv_s + kClusterRecvSlots * T::kRecvStride);
 
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int g = blockIdx.x / cluster_size;
-  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int group = kGroup > 0 ? kGroup : shape.num_q_heads / shape.num_kv_heads;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Phase stamps (profiling, SetSelectedAttentionPhaseStamps): thread 0 only, off by default;
+  // the block's pointer sits in shared memory so no register holds it through the kernel.
+  __shared__ unsigned long long* stamps_s;
+  if (tid == 0) {
+    unsigned long long* p = nullptr;
+    if (static_cast<int>(blockIdx.x) < g_selected_phase_blocks) p = g_selected_phase_stamps;
+    stamps_s = p == nullptr ? nullptr : p + 2 * kSelectedPhases * blockIdx.x;
+  }
+  auto stamp = [&](int phase) {
+    if (tid == 0) {
+      unsigned long long* p = stamps_s;
+      if (p != nullptr) {
+        p[2 * phase] = GlobalTimerNs();
+        p[2 * phase + 1] = clock64();
+      }
+    }
+  };
+  stamp(0);
   const int32_t mid_end = shape.prefix_end + middle.count;
   const int32_t prefix =
       prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
@@ -1124,75 +1173,72 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     CpAsyncCommit();
   }
   if (tid < S * kKeys) stage_scales(tid, my_row);  // visible after the loop's first barrier
+  stamp(1);
 
-  float acc[kDecodeMaxGroup][8];
+  float acc[kMaxG][8];
 #pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+  for (int h = 0; h < kMaxG; ++h) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[h][e] = 0.0f;
   }
   const int qk_t = tid / T::kThreadsPerKey, qk_p = tid % T::kThreadsPerKey;
   const int pv_c = tid % T::kChunks, pv_slice = tid / T::kChunks;
 
-  for (int i = 0; i < num_tiles; ++i) {
-    const int st = i % S;
-    CpAsyncWait<S - 1>();
-    __syncthreads();  // tile i (and q) visible to every thread
-
-    // Scores of key qk_t against every head of the group (the key's chunks loaded first).
-    {
-      const unsigned char* kt = kbuf + st * T::kTileBytes + qk_t * T::kRowBytes;
-      float kf[T::kChunksPerThread][8];
+  // Scores of key qk_t of stage `st` against every head of the group into p_s[h][pofs + qk_t]
+  // (the key's chunks loaded first).
+  auto score_stage = [&](int st, int pofs) {
+    const unsigned char* kt = kbuf + st * T::kTileBytes + qk_t * T::kRowBytes;
+    float kf[T::kChunksPerThread][8];
 #pragma unroll
-      for (int j = 0; j < T::kChunksPerThread; ++j) {
-        const int c = qk_p + T::kThreadsPerKey * j;
-        Unpack8<KV>(LoadShared8<KV>(kt + (c ^ T::Swizzle(qk_t)) * T::kChunkBytes), kf[j]);
-      }
-      float s[kDecodeMaxGroup];
+    for (int j = 0; j < T::kChunksPerThread; ++j) {
+      const int c = qk_p + T::kThreadsPerKey * j;
+      Unpack8<KV>(LoadShared8<KV>(kt + (c ^ T::Swizzle(qk_t)) * T::kChunkBytes), kf[j]);
+    }
+    float s[kMaxG];
 #pragma unroll
-      for (int h = 0; h < kDecodeMaxGroup; ++h) {
-        s[h] = 0.0f;
-        if (h < group) {
+    for (int h = 0; h < kMaxG; ++h) {
+      s[h] = 0.0f;
+      if (h < group) {
 #pragma unroll
-          for (int j = 0; j < T::kChunksPerThread; ++j) {
-            const float* qc = q_s + h * HEAD_DIM + (qk_p + T::kThreadsPerKey * j) * 8;
-            const float4 qa = *reinterpret_cast<const float4*>(qc);
-            const float4 qb = *reinterpret_cast<const float4*>(qc + 4);
-            s[h] += qa.x * kf[j][0] + qa.y * kf[j][1] + qa.z * kf[j][2] + qa.w * kf[j][3] +
-                    qb.x * kf[j][4] + qb.y * kf[j][5] + qb.z * kf[j][6] + qb.w * kf[j][7];
-          }
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < kDecodeMaxGroup; ++h) {
-        if (h < group) {
-#pragma unroll
-          for (int o = T::kThreadsPerKey / 2; o > 0; o >>= 1) {
-            s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
-          }
-        }
-      }
-      if (qk_p == 0) {
-        const bool ok = row_s[st * kKeys + qk_t] >= 0;
-        float scale = shape.scale;
-        if constexpr (kSlotScales) scale *= scale_s[st * kKeys + qk_t].x;
-#pragma unroll
-        for (int h = 0; h < kDecodeMaxGroup; ++h) {
-          if (h < group) p_s[h * kKeys + qk_t] = ok ? s[h] * scale : NegInf();
+        for (int j = 0; j < T::kChunksPerThread; ++j) {
+          const float* qc = q_s + h * HEAD_DIM + (qk_p + T::kThreadsPerKey * j) * 8;
+          const float4 qa = *reinterpret_cast<const float4*>(qc);
+          const float4 qb = *reinterpret_cast<const float4*>(qc + 4);
+          s[h] += qa.x * kf[j][0] + qa.y * kf[j][1] + qa.z * kf[j][2] + qa.w * kf[j][3] +
+                  qb.x * kf[j][4] + qb.y * kf[j][5] + qb.z * kf[j][6] + qb.w * kf[j][7];
         }
       }
     }
-    __syncthreads();
-
-    // Online softmax, one warp per query head.
+#pragma unroll
+    for (int h = 0; h < kMaxG; ++h) {
+      if (h < group) {
+#pragma unroll
+        for (int o = T::kThreadsPerKey / 2; o > 0; o >>= 1) {
+          s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+        }
+      }
+    }
+    if (qk_p == 0) {
+      const bool ok = row_s[st * kKeys + qk_t] >= 0;
+      float scale = shape.scale;
+      if constexpr (kSlotScales) scale *= scale_s[st * kKeys + qk_t].x;
+#pragma unroll
+      for (int h = 0; h < kMaxG; ++h) {
+        if (h < group) p_s[h * kPKeys + pofs + qk_t] = ok ? s[h] * scale : NegInf();
+      }
+    }
+  };
+  // Online softmax over p_s[h][0, count), one warp per query head: the scores become weights under
+  // the new running max; corr_s[h] gets the factor for the head's accumulator.
+  auto softmax = [&](int count) {
     if (warp < group) {
-      constexpr int kPerLane = (kKeys + 31) / 32;
+      constexpr int kPerLane = (kPKeys + 31) / 32;
       float v[kPerLane];
       float tile_m = NegInf();
 #pragma unroll
       for (int r = 0; r < kPerLane; ++r) {
         const int idx = lane + 32 * r;
-        v[r] = idx < kKeys ? p_s[warp * kKeys + idx] : NegInf();
+        v[r] = idx < count ? p_s[warp * kPKeys + idx] : NegInf();
         tile_m = fmaxf(tile_m, v[r]);
       }
       const SoftmaxRescale step = OnlineSoftmaxRescale(m_s[warp], WarpMax(tile_m));
@@ -1201,7 +1247,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
       for (int r = 0; r < kPerLane; ++r) {
         const int idx = lane + 32 * r;
         const float w = SoftmaxWeight(v[r], step.m);
-        if (idx < kKeys) p_s[warp * kKeys + idx] = w;
+        if (idx < count) p_s[warp * kPKeys + idx] = w;
         sum += w;
       }
       sum = WarpSum(sum);
@@ -1212,70 +1258,156 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
         m_s[warp] = step.m;
       }
     }
-    __syncthreads();
-
-    // acc[h][:] = acc[h][:] * corr + sum over the slice's keys of w[h][t] * V[t, 8 dims], the
-    // V chunks of up to 4 keys loaded first.
+  };
+  // acc[h][:] += sum over the slice's keys of stage `st` of w[h][pofs + t] * V[t, 8 dims], the V
+  // chunks of up to 4 keys loaded first.
+  auto pv_stage = [&](int st, int pofs) {
+    const unsigned char* vt = vbuf + st * T::kTileBytes + pv_c * T::kChunkBytes;
+    constexpr int kBatch = T::kKeysPerSlice < 4 ? T::kKeysPerSlice : 4;
 #pragma unroll
-    for (int h = 0; h < kDecodeMaxGroup; ++h) {
-      if (h < group) {
-        const float corr = corr_s[h];
+    for (int k0 = 0; k0 < T::kKeysPerSlice; k0 += kBatch) {
+      float vf[kBatch][8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[h][e] *= corr;
+      for (int k = 0; k < kBatch; ++k) {
+        Unpack8<KV>(LoadShared8<KV>(vt + (pv_slice + T::kSlices * (k0 + k)) * T::kRowBytes),
+                    vf[k]);
+      }
+      float vs[kBatch];  // the keys' slot V scales (kSlotScales)
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        vs[k] = 1.0f;
+        if constexpr (kSlotScales) {
+          vs[k] = scale_s[st * kKeys + pv_slice + T::kSlices * (k0 + k)].y;
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kMaxG; ++h) {
+        if (h < group) {
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            float w = p_s[h * kPKeys + pofs + pv_slice + T::kSlices * (k0 + k)];
+            if constexpr (kSlotScales) w *= vs[k];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[h][e] += w * vf[k][e];
+          }
+        }
       }
     }
+  };
+
+  if (T::kPKeys >= S * kKeys && num_tiles <= S) {
+    // One pass: every key of the block is staged; one softmax (its corr is 0 or 1 on a zero acc).
+    CpAsyncWait<0>();
+    __syncthreads();  // every tile (and q) visible to every thread
+    stamp(2);
+    // Scores of key qk_t of every stage: each q chunk is read from shared memory once for the
+    // S keys (shared-memory bandwidth, not FMAs, bounds this step).
     {
-      const unsigned char* vt = vbuf + st * T::kTileBytes + pv_c * T::kChunkBytes;
-      constexpr int kBatch = T::kKeysPerSlice < 4 ? T::kKeysPerSlice : 4;
+      float sc[S][kMaxG];
 #pragma unroll
-      for (int k0 = 0; k0 < T::kKeysPerSlice; k0 += kBatch) {
-        float vf[kBatch][8];
+      for (int st = 0; st < S; ++st) {
 #pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          Unpack8<KV>(LoadShared8<KV>(vt + (pv_slice + T::kSlices * (k0 + k)) * T::kRowBytes),
-                      vf[k]);
-        }
-        float vs[kBatch];  // the keys' slot V scales (kSlotScales)
+        for (int h = 0; h < kMaxG; ++h) sc[st][h] = 0.0f;
+      }
 #pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          vs[k] = 1.0f;
-          if constexpr (kSlotScales) {
-            vs[k] = scale_s[st * kKeys + pv_slice + T::kSlices * (k0 + k)].y;
+      for (int j = 0; j < T::kChunksPerThread; ++j) {
+        const int c = qk_p + T::kThreadsPerKey * j;
+        float kf[S][8];
+#pragma unroll
+        for (int st = 0; st < S; ++st) {
+          if (st < num_tiles) {
+            const unsigned char* kt = kbuf + st * T::kTileBytes + qk_t * T::kRowBytes;
+            Unpack8<KV>(LoadShared8<KV>(kt + (c ^ T::Swizzle(qk_t)) * T::kChunkBytes), kf[st]);
           }
         }
 #pragma unroll
-        for (int h = 0; h < kDecodeMaxGroup; ++h) {
+        for (int h = 0; h < kMaxG; ++h) {
           if (h < group) {
+            const float* qc = q_s + h * HEAD_DIM + c * 8;
+            const float4 qa = *reinterpret_cast<const float4*>(qc);
+            const float4 qb = *reinterpret_cast<const float4*>(qc + 4);
 #pragma unroll
-            for (int k = 0; k < kBatch; ++k) {
-              float w = p_s[h * kKeys + pv_slice + T::kSlices * (k0 + k)];
-              if constexpr (kSlotScales) w *= vs[k];
+            for (int st = 0; st < S; ++st) {
+              if (st < num_tiles) {
+                sc[st][h] += qa.x * kf[st][0] + qa.y * kf[st][1] + qa.z * kf[st][2] +
+                             qa.w * kf[st][3] + qb.x * kf[st][4] + qb.y * kf[st][5] +
+                             qb.z * kf[st][6] + qb.w * kf[st][7];
+              }
+            }
+          }
+        }
+      }
 #pragma unroll
-              for (int e = 0; e < 8; ++e) acc[h][e] += w * vf[k][e];
+      for (int st = 0; st < S; ++st) {
+        if (st < num_tiles) {
+#pragma unroll
+          for (int h = 0; h < kMaxG; ++h) {
+            if (h < group) {
+#pragma unroll
+              for (int o = T::kThreadsPerKey / 2; o > 0; o >>= 1) {
+                sc[st][h] += __shfl_xor_sync(0xffffffffu, sc[st][h], o);
+              }
+            }
+          }
+          if (qk_p == 0) {
+            const bool ok = row_s[st * kKeys + qk_t] >= 0;
+            float scale = shape.scale;
+            if constexpr (kSlotScales) scale *= scale_s[st * kKeys + qk_t].x;
+#pragma unroll
+            for (int h = 0; h < kMaxG; ++h) {
+              if (h < group) p_s[h * kPKeys + st * kKeys + qk_t] = ok ? sc[st][h] * scale : NegInf();
             }
           }
         }
       }
     }
-    // Refill this stage with tile i + S.
-    const int next = i + S;
-    int64_t next_row = -1;
-    if (next < num_tiles && tid < kKeys) {
-      next_row = row_of(begin + next * kKeys + tid);
-      row_s[st * kKeys + tid] = next_row;
+    __syncthreads();
+    softmax(num_tiles * kKeys);
+    __syncthreads();
+#pragma unroll
+    for (int st = 0; st < S; ++st) {
+      if (st < num_tiles) pv_stage(st, st * kKeys);
     }
-    __syncthreads();  // the stage's K, V, rows, scales and the weights are no longer read
-    if (next < num_tiles) issue(st);
-    CpAsyncCommit();
-    if (next < num_tiles && tid < kKeys) stage_scales(st * kKeys + tid, next_row);
+  } else {
+    for (int i = 0; i < num_tiles; ++i) {
+      const int st = i % S;
+      CpAsyncWait<S - 1>();
+      __syncthreads();  // tile i (and q) visible to every thread
+      if (i == 0) stamp(2);
+      score_stage(st, 0);
+      __syncthreads();
+      softmax(kKeys);
+      __syncthreads();
+#pragma unroll
+      for (int h = 0; h < kMaxG; ++h) {
+        if (h < group) {
+          const float corr = corr_s[h];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[h][e] *= corr;
+        }
+      }
+      pv_stage(st, 0);
+      // Refill this stage with tile i + S.
+      const int next = i + S;
+      int64_t next_row = -1;
+      if (next < num_tiles && tid < kKeys) {
+        next_row = row_of(begin + next * kKeys + tid);
+        row_s[st * kKeys + tid] = next_row;
+      }
+      __syncthreads();  // the stage's K, V, rows, scales and the weights are no longer read
+      if (next < num_tiles) issue(st);
+      CpAsyncCommit();
+      if (next < num_tiles && tid < kKeys) stage_scales(st * kKeys + tid, next_row);
+    }
   }
   CpAsyncWait<0>();
   __syncthreads();
+  stamp(3);
 
   // The block's o per head: the slices of a warp meet by shuffles, the warps in the stages
   // (kClusterRedSlots slots: warps beyond write first, the others add theirs).
 #pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+  for (int h = 0; h < kMaxG; ++h) {
     if (h < group) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -1291,7 +1423,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     if (lane < T::kChunks) {
       const int slot = warp % kClusterRedSlots;
 #pragma unroll
-      for (int h = 0; h < kDecodeMaxGroup; ++h) {
+      for (int h = 0; h < kMaxG; ++h) {
         if (h < group) {
           float* r = red + (slot * group + h) * HEAD_DIM + lane * 8;
           float4 a = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
@@ -1325,49 +1457,59 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     }
     o_s[i] = sum;
   }
-  cluster.sync();  // every block's (m, l, o) visible to the cluster; the stages are free
+  __syncthreads();
+  stamp(4);
 
-  float* w_s = reinterpret_cast<float*>(kbuf);  // [cluster_size] weights e^(m_r - M)
-  float* stat_s = w_s + 16;                      // M, L
-  float* part_s = w_s + 32;                      // [cluster_size][HEAD_DIM] weighted o_r
-  for (int h = rank; h < group; h += cluster_size) {  // uniform in the block
-    if (warp == 0) {
-      const float mr = lane < cluster_size ? *cluster.map_shared_rank(m_s + h, lane) : NegInf();
-      const float lr = lane < cluster_size ? *cluster.map_shared_rank(l_s + h, lane) : 0.0f;
-      const float big_m = WarpMax(mr);
-      const float w = mr == NegInf() ? 0.0f : __expf(mr - big_m);
-      const float big_l = WarpSum(w * lr);
-      if (lane < cluster_size) w_s[lane] = w;
-      if (lane == 0) {
-        stat_s[0] = big_m;
-        stat_s[1] = big_l;
-      }
-    }
-    __syncthreads();
-    constexpr int kPieces = HEAD_DIM / 4;  // float4 pieces of a head's o
-    for (int i = tid; i < cluster_size * kPieces; i += THREADS) {
-      const int r = i / kPieces, c = i % kPieces;
-      const float w = w_s[r];
-      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (w != 0.0f) {
-        v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(o_s + h * HEAD_DIM + 4 * c, r));
-        v = make_float4(v.x * w, v.y * w, v.z * w, v.w * w);
-      }
-      *reinterpret_cast<float4*>(part_s + r * HEAD_DIM + 4 * c) = v;
-    }
-    __syncthreads();
-    const float big_m = stat_s[0], big_l = stat_s[1];
-    const int head = g * group + h;
-    if (tid < HEAD_DIM) {
-      float sum = 0.0f;
-      for (int r = 0; r < cluster_size; ++r) sum += part_s[r * HEAD_DIM + tid];
-      out[static_cast<int64_t>(head) * HEAD_DIM + tid] =
-          big_m == NegInf() ? 0.0f : sum * (1.0f / big_l) * shape.v_scale;
-    }
-    if (tid == 0) lse[head] = big_m == NegInf() ? NegInf() : big_m + logf(big_l);
-    __syncthreads();  // w_s, stat_s and part_s are rewritten for the next head
+  // Push: head h's partial (o, m, l) goes to slot (h / cluster_size) * cluster_size + rank of
+  // block h % cluster_size's receive area.
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block has started
+  constexpr int kPieces = HEAD_DIM / 4;  // float4 pieces of a head's o
+  for (int i = tid; i < group * (kPieces + 1); i += THREADS) {
+    const int h = i / (kPieces + 1), c = i % (kPieces + 1);
+    const int slot = (h / cluster_size) * cluster_size + rank;
+    float* dst = cluster.map_shared_rank(recv_s + slot * T::kRecvStride, h % cluster_size);
+    const float4 v = c < kPieces ? *reinterpret_cast<const float4*>(o_s + h * HEAD_DIM + 4 * c)
+                                 : make_float4(m_s[h], l_s[h], 0.0f, 0.0f);
+    *reinterpret_cast<float4*>(dst + 4 * c) = v;
   }
-  cluster.sync();  // no block leaves while another reads its shared memory
+  cluster.sync();  // every push visible to its block; no shared memory is read across blocks after
+  stamp(5);
+
+  // Merge heads rank, rank + cluster_size, ... from the receive area: warp j < mine weighs head
+  // j's partials (one lane per block: e^(m_r - M), into the partial's m slot; M, L), then thread =
+  // (head, dim) sums the weighted o. The stages are free for M and L.
+  const int mine = rank < group ? (group - rank + cluster_size - 1) / cluster_size : 0;
+  float* stat_s = reinterpret_cast<float*>(kbuf);  // [mine][2]: M, L
+  if (warp < mine) {
+    float* part = recv_s + warp * cluster_size * T::kRecvStride;
+    const float mr = lane < cluster_size ? part[lane * T::kRecvStride + HEAD_DIM] : NegInf();
+    const float lr = lane < cluster_size ? part[lane * T::kRecvStride + HEAD_DIM + 1] : 0.0f;
+    const float big_m = WarpMax(mr);
+    const float w = mr == NegInf() ? 0.0f : __expf(mr - big_m);
+    const float big_l = WarpSum(w * lr);
+    if (lane < cluster_size) part[lane * T::kRecvStride + HEAD_DIM] = w;
+    if (lane == 0) {
+      stat_s[2 * warp] = big_m;
+      stat_s[2 * warp + 1] = big_l;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < mine * HEAD_DIM; i += THREADS) {
+    const int j = i / HEAD_DIM, d = i % HEAD_DIM;
+    const float* part = recv_s + j * cluster_size * T::kRecvStride;
+    float sum = 0.0f;
+    for (int r = 0; r < cluster_size; ++r) {
+      const float w = part[r * T::kRecvStride + HEAD_DIM];
+      if (w != 0.0f) sum += w * part[r * T::kRecvStride + d];
+    }
+    const float big_m = stat_s[2 * j], big_l = stat_s[2 * j + 1];
+    const int head = g * group + rank + j * cluster_size;
+    out[static_cast<int64_t>(head) * HEAD_DIM + d] =
+        big_m == NegInf() ? 0.0f : sum * (1.0f / big_l) * shape.v_scale;
+    if (d == 0) lse[head] = big_m == NegInf() ? NegInf() : big_m + logf(big_l);
+  }
+  stamp(6);
+  stamp(7);
 }
 
 // Which kernel runs a call: STRATA_SELECTED_ATTENTION=split|cluster|cluster8|cluster16 (read
@@ -1386,6 +1528,15 @@ SelectedPath ForcedSelectedPath() {
   }();
   return path;
 }
+// The cluster kernel compiled for group 4 (head_dim 64 and 128) runs those calls unless
+// STRATA_SELECTED_GROUP_KERNELS=0 (read once; for A/B timing).
+bool GroupClusterKernels() {
+  static const bool on = [] {
+    const char* v = std::getenv("STRATA_SELECTED_GROUP_KERNELS");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on;
+}
 bool UsesClusterKernel(const SelectedAttentionShape& shape) {
   const SelectedPath p = ForcedSelectedPath();
   if (p == SelectedPath::kSplit) return false;
@@ -1395,13 +1546,14 @@ bool UsesClusterKernel(const SelectedAttentionShape& shape) {
 
 constexpr int kMaxDevices = 64;
 
-template <typename KV, int HEAD_DIM, int THREADS, bool kSlotScales>
+template <typename KV, int HEAD_DIM, int THREADS, bool kSlotScales, int kGroup = 0>
 cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v_pool,
                                const int32_t* table, const DeviceCandidates& middle,
                                const SelectedAttentionShape& shape, const int32_t* prefix_len,
                                float* out, float* lse, cudaStream_t stream) {
-  using T = ClusterTile<KV, HEAD_DIM, THREADS>;
-  auto* kernel = SelectedClusterKernel<KV, HEAD_DIM, THREADS, kSlotScales>;
+  using T =
+      ClusterTile<KV, HEAD_DIM, THREADS, (kGroup > 0 ? kGroup : kDecodeMaxGroup), (kGroup > 0)>;
+  auto* kernel = SelectedClusterKernel<KV, HEAD_DIM, THREADS, kSlotScales, kGroup>;
   // The slot scale pairs of the staged rows (kSlotScales) follow T's layout.
   constexpr size_t kSmemBytes =
       T::kSmemBytes + (kSlotScales ? kClusterStages * T::kKeys * sizeof(float2) : 0);
@@ -1469,9 +1621,18 @@ cudaError_t LaunchClusterDims(const float* q, const void* k_pool, const void* v_
                               float* out, float* lse, cudaStream_t stream) {
   switch (shape.head_dim) {
     case 64:
+      // Group 4 (Llama-3.2 1B and 3B, Llama-3.1 8B, Mistral 7B): builds of their own.
+      if (shape.num_q_heads == 4 * shape.num_kv_heads && GroupClusterKernels()) {
+        return LaunchClusterTyped<KV, 64, THREADS, kSlotScales, 4>(
+            q, k_pool, v_pool, table, middle, shape, prefix_len, out, lse, stream);
+      }
       return LaunchClusterTyped<KV, 64, THREADS, kSlotScales>(q, k_pool, v_pool, table, middle, shape,
                                                  prefix_len, out, lse, stream);
     case 128:
+      if (shape.num_q_heads == 4 * shape.num_kv_heads && GroupClusterKernels()) {
+        return LaunchClusterTyped<KV, 128, THREADS, kSlotScales, 4>(
+            q, k_pool, v_pool, table, middle, shape, prefix_len, out, lse, stream);
+      }
       return LaunchClusterTyped<KV, 128, THREADS, kSlotScales>(q, k_pool, v_pool, table, middle, shape,
                                                   prefix_len, out, lse, stream);
     case 256:
@@ -1519,6 +1680,13 @@ cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* 
 }
 
 }  // namespace
+
+cudaError_t SetSelectedAttentionPhaseStamps(unsigned long long* stamps, int max_blocks) {
+  cudaError_t e = cudaMemcpyToSymbol(g_selected_phase_stamps, &stamps, sizeof(stamps));
+  if (e != cudaSuccess) return e;
+  const int blocks = stamps == nullptr ? 0 : max_blocks;
+  return cudaMemcpyToSymbol(g_selected_phase_blocks, &blocks, sizeof(blocks));
+}
 
 bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim) {
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return false;

@@ -19,6 +19,10 @@
 //   --ncu: a few calls only (for Nsight Compute).
 //   --contiguous: each KV head's pages in consecutive slots (as engine::KvCache lays them out);
 //                 default: a random permutation of the slots (as a page cache may hold them).
+//   --phases: after each row that runs the cluster kernel, one more graph replay with phase stamps
+//             on (cuda_internal::SetSelectedAttentionPhaseStamps) and a PHASES line: per phase the
+//             median / max over blocks of its cycles in µs, and the span of the call seen by the
+//             device (first block entry to last block exit, %globaltimer).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -32,6 +36,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/internal/launch.h"
 #include "kernels/cuda_backend.h"
 
 namespace strata::kernels {
@@ -42,6 +47,7 @@ constexpr int kSinks = 64, kWindow = 256, kMiddlePages = 32;
 constexpr double kHbmBytesPerSecond = 3.35e12;
 bool g_ncu = false;
 bool g_contiguous = false;
+bool g_phases = false;
 std::string g_only, g_pool;
 
 #define BENCH_CHECK(cond, what)                   \
@@ -131,6 +137,62 @@ Result Time(Backend& b, const SelectedAttentionParams& p, void* flush, size_t fl
   return r;
 }
 
+// One graph replay of the call with phase stamps on (after 20 replays without), then a PHASES
+// line: phase i = stamps i-1 -> i of a block (entry, rows + copies issued, first tile resident,
+// tiles done, partial written, cluster barrier, merge, exit), cycles at the SM clock.
+void PrintPhases(Backend& b, const SelectedAttentionParams& p, const std::string& label) {
+  namespace ci = cuda_internal;
+  constexpr int kMaxBlocks = 1024, kP = ci::kSelectedPhases;
+  const size_t bytes = sizeof(unsigned long long) * 2 * kP * kMaxBlocks;
+  auto buf = MustAllocate(b, bytes);
+  BENCH_CHECK(cudaMemset(buf->data(), 0, bytes) == cudaSuccess, "stamps");
+  cudaStream_t s;
+  BENCH_CHECK(cudaStreamCreate(&s) == cudaSuccess, "stream");
+  BENCH_CHECK(b.BeginCapture(s).ok(), "capture");
+  const absl::Status st = b.SelectedAttention(p, s);
+  auto g = b.EndCapture(s);
+  BENCH_CHECK(st.ok() && g.ok(), "captured call");
+  for (int i = 0; i < 20; ++i) BENCH_CHECK((*g)->Replay(s).ok(), "replay");
+  BENCH_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "replay sync");
+  auto* stamps = static_cast<unsigned long long*>(buf->data());
+  BENCH_CHECK(ci::SetSelectedAttentionPhaseStamps(stamps, kMaxBlocks) == cudaSuccess, "on");
+  BENCH_CHECK((*g)->Replay(s).ok(), "replay");
+  BENCH_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "stamped replay");
+  BENCH_CHECK(ci::SetSelectedAttentionPhaseStamps(nullptr, 0) == cudaSuccess, "off");
+  cudaStreamDestroy(s);
+  std::vector<unsigned long long> h(2 * kP * kMaxBlocks);
+  BENCH_CHECK(cudaMemcpy(h.data(), stamps, bytes, cudaMemcpyDeviceToHost) == cudaSuccess, "copy");
+  int khz = 0;
+  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
+  const double us_per_cycle = 1e3 / std::max(khz, 1);
+  int blocks = 0;
+  while (blocks < kMaxBlocks && h[2 * kP * blocks] != 0) ++blocks;
+  if (blocks == 0) {
+    std::printf("PHASES %s: no stamps (split-K kernel)\n", label.c_str());
+    return;
+  }
+  unsigned long long first = ~0ull, last = 0, last_entry = 0;
+  std::printf("PHASES %s blocks=%d sm_clock=%d MHz, phase median/max us:", label.c_str(), blocks,
+              khz / 1000);
+  for (int ph = 1; ph < kP; ++ph) {
+    std::vector<double> d;
+    for (int blk = 0; blk < blocks; ++blk) {
+      const unsigned long long* r = h.data() + 2 * kP * blk;
+      d.push_back(static_cast<double>(r[2 * ph + 1] - r[2 * (ph - 1) + 1]) * us_per_cycle);
+    }
+    std::sort(d.begin(), d.end());
+    std::printf(" %d:%.2f/%.2f", ph, d[d.size() / 2], d.back());
+  }
+  for (int blk = 0; blk < blocks; ++blk) {
+    const unsigned long long* r = h.data() + 2 * kP * blk;
+    first = std::min(first, r[0]);
+    last_entry = std::max(last_entry, r[0]);
+    last = std::max(last, r[2 * (kP - 1)]);
+  }
+  std::printf(" | span %.2f us, entry skew %.2f us\n", (last - first) * 1e-3,
+              (last_entry - first) * 1e-3);
+}
+
 void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
   const int64_t pages = (len + kPage - 1) / kPage;
   const int64_t slots = pages * kKvHeads;
@@ -212,6 +274,9 @@ void Run(Backend& b, int64_t len, void* flush, size_t flush_bytes) {
       p.out = TensorView(d_out->data(), DType::kF32, {1, kQHeads, kHeadDim});
       p.lse = TensorView(d_lse->data(), DType::kF32, {1, kQHeads});
       const Result r = Time(b, p, flush, flush_bytes);
+      if (g_phases) {
+        PrintPhases(b, p, std::to_string(len / 1024) + "K " + kind + " " + pool);
+      }
       const double mib = static_cast<double>(tokens) * kKvHeads * 2 * kHeadDim * DTypeSize(dt);
       std::printf("| %lldK | %s | %s | %lld | %.1f | %.1f | %.1f | %.2f | %.3f |\n",
                   static_cast<long long>(len / 1024), kind.c_str(),
@@ -234,6 +299,8 @@ int main(int argc, char** argv) {
       strata::kernels::g_ncu = true;
     } else if (a == "--contiguous") {
       strata::kernels::g_contiguous = true;
+    } else if (a == "--phases") {
+      strata::kernels::g_phases = true;
     } else if (a == "--only" && i + 1 < argc) {
       strata::kernels::g_only = argv[++i];
     } else if (a == "--pool" && i + 1 < argc) {

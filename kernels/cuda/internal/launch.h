@@ -244,6 +244,14 @@ cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64
                                   int64_t page_begin, int64_t page_end, float* pages,
                                   int64_t max_pages, float* segments, int64_t max_segments,
                                   int segment_pages, cudaStream_t stream);
+// Profiling (cuda_selected_attention_bench --phases): while `stamps` (device memory) is set,
+// thread 0 of each of the first `max_blocks` blocks of the cluster SelectedAttention kernel writes
+// kSelectedPhases (%globaltimer ns, clock64) pairs to stamps[block * 2 * kSelectedPhases ...]:
+// entry, rows resolved and copies issued, first tile resident, tiles done, block partial written,
+// partials pushed (cluster barrier passed), merge done, exit. nullptr turns it off (the default). Not thread-safe
+// against concurrent launches; a profiling switch, not an API.
+constexpr int kSelectedPhases = 8;
+cudaError_t SetSelectedAttentionPhaseStamps(unsigned long long* stamps, int max_blocks);
 cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const void* v_pool,
                                     FloatType pool_type, const int32_t* page_table,
                                     const DeviceCandidates& middle,
