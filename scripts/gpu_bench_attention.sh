@@ -8,8 +8,12 @@
 #   2. compute-sanitizer on the SelectedAttention tests: memcheck (automatic path and forced
 #      16-block clusters), racecheck (automatic path);
 #   3. cuda_selected_attention_bench --phases (per-phase stamps of the cluster kernel), with the
-#      group-specialised kernels on (default) and off (STRATA_SELECTED_GROUP_KERNELS=0);
-#   4. cuda_attention_bench --pipelines-only at 128K and 1M, both ways.
+#      group-specialised kernels on and off (STRATA_AB_PHASES, default "1 0": values of
+#      STRATA_SELECTED_GROUP_KERNELS);
+#   4. cuda_attention_bench --pipelines-only at 128K and 1M under each variant of STRATA_AB_PIPES
+#      (space-separated; a variant is comma-joined VAR=value settings, "-" for the defaults;
+#      default "- STRATA_SELECTED_GROUP_KERNELS=0").
+# STRATA_AB_SKIP_TESTS=1 skips 1 and 2.
 # Full logs in $OUT (else /tmp/strata-gpu-out); the PIPE / PHASES / table lines and test summaries
 # are printed.
 # Usage: STRATA_GPU_BUNDLE=.gpu-mine scripts/gpu_bench_attention.sh [contexts...]
@@ -23,6 +27,7 @@ export PATH="/usr/local/cuda/bin:$PATH"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }
 
+if [ "${STRATA_AB_SKIP_TESTS:-0}" != 1 ]; then
 echo "== tests"
 "$B/cuda_backend_test" > "$LOGS/backend.log" 2>&1; echo "cuda_backend_test rc=$? $(summary "$LOGS/backend.log")"
 STRATA_SELECTED_GROUP_KERNELS=0 "$B/cuda_backend_test" --gtest_filter='*Selected*' \
@@ -42,8 +47,10 @@ for run in memcheck:auto memcheck:cluster16 racecheck:auto; do
   echo "$tool SelectedAttention ($path) rc=$? $(summary "$LOGS/${tool}_$path.log")"
 done
 
+fi
+
 echo "== SelectedAttention alone (bf16 and fp8 pools), phases"
-for g in 1 0; do
+for g in ${STRATA_AB_PHASES:-1 0}; do
   echo "-- STRATA_SELECTED_GROUP_KERNELS=$g"
   STRATA_SELECTED_GROUP_KERNELS=$g timeout 200 "$B/cuda_selected_attention_bench" --phases \
     --only sparse "${CTX[@]}" > "$LOGS/selected_g$g.log" 2>&1
@@ -53,9 +60,14 @@ for g in 1 0; do
 done
 
 echo "== pipelines"
-for g in 1 0; do
-  echo "-- STRATA_SELECTED_GROUP_KERNELS=$g"
-  STRATA_SELECTED_GROUP_KERNELS=$g timeout 200 "$B/cuda_attention_bench" --pipelines-only \
-    --no-sweep "${CTX[@]}" > "$LOGS/pipelines_g$g.log" 2>&1
-  grep -E '^PIPE|^GSTAGES' "$LOGS/pipelines_g$g.log" | grep -v -- '+miss'
+# Each variant: space-free env assignments joined by commas ("-" for none).
+i=0
+for variant in ${STRATA_AB_PIPES:-- STRATA_SELECTED_GROUP_KERNELS=0}; do
+  i=$((i + 1))
+  echo "-- ${variant}"
+  env_args=()
+  [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
+  env "${env_args[@]}" timeout 200 "$B/cuda_attention_bench" --pipelines-only --no-sweep \
+    "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
+  grep -E '^PIPE|^GSTAGES' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
 done

@@ -1063,6 +1063,11 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
   constexpr int S = kClusterStages, kKeys = T::kKeys, kPKeys = T::kPKeys;
   // Every block of the cluster has started once this split barrier completes (before the push).
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  // Programmatic dependent launch (SelectedPdl): the launch and the block setup overlap the
+  // previous kernel's tail; every global read below waits for its completion here (a no-op for
+  // a normal launch). The next kernel may be scheduled early too.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* kbuf = smem;
   unsigned char* vbuf = kbuf + S * T::kTileBytes;
@@ -1528,6 +1533,15 @@ SelectedPath ForcedSelectedPath() {
   }();
   return path;
 }
+// The cluster kernel is launched with programmatic stream serialization when
+// STRATA_SELECTED_PDL=1 (read once; off by default until measured in the pipelines).
+bool SelectedPdl() {
+  static const bool on = [] {
+    const char* v = std::getenv("STRATA_SELECTED_PDL");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return on;
+}
 // The cluster kernel compiled for group 4 (head_dim 64 and 128) runs those calls unless
 // STRATA_SELECTED_GROUP_KERNELS=0 (read once; for A/B timing).
 bool GroupClusterKernels() {
@@ -1602,13 +1616,15 @@ cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v
   cfg.blockDim = dim3(THREADS);
   cfg.dynamicSmemBytes = kSmemBytes;
   cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(size);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = static_cast<unsigned>(size);
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = SelectedPdl() ? 2 : 1;
   return cudaLaunchKernelEx(&cfg, kernel, q, static_cast<const KV*>(k_pool),
                             static_cast<const KV*>(v_pool), table, middle, shape, prefix_len, size,
                             out, lse);
