@@ -123,6 +123,9 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->String("device-selection", &device_selection,
                 "auto|on|off: quest/tokenselect decode steps select on the backend (auto: when it is not the "
                 "CPU backend; on: also on the CPU backend)");
+  flags->String("decode-graph", &decode_graph,
+                "auto|on|off: a job's decode steps run as one replayed CUDA graph when alone in their batch and "
+                "capturable (auto: when the backend is not the CPU backend)");
   flags->String("matmul-precision", &matmul_precision,
                 "split|bf16: split keeps f32 activations (two GEMMs per projection on the GPU); bf16 rounds "
                 "them to bf16 for one GEMM (faster prefill, logits move slightly)");
@@ -148,6 +151,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
                                        ? static_cast<int>(lazy_shared_documents)
                                        : -1;
   options->device_selection = device_selection;
+  options->decode_graph = decode_graph;
   options->matmul_precision = matmul_precision;
   options->prefill_policy = prefill_policy;
   options->kv_page_dtype = kv_page_dtype;

@@ -34,6 +34,7 @@ struct WorkerEngineFlags {
   int64_t lazy_cache_pages = 8192;
   int64_t lazy_shared_documents = 1;
   std::string device_selection = "auto";
+  std::string decode_graph = "auto";
   std::string matmul_precision = "split";
   std::string prefill_policy = "dense";
   int64_t prefill_budget_tokens = 2048;
@@ -42,7 +43,8 @@ struct WorkerEngineFlags {
   // Registers --page-size, --prefill-chunk, --max-jobs, --host-cache-bytes (the tier in front of
   // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages,
   // --lazy-shared-documents and
-  // --device-selection (auto|on|off: WorkerOptions::device_selection) and --matmul-precision
+  // --device-selection (auto|on|off: WorkerOptions::device_selection), --decode-graph (auto|on|off:
+  // WorkerOptions::decode_graph) and --matmul-precision
   // (split|bf16: WorkerOptions::matmul_precision), --prefill-policy (dense|quest|tokenselect:
   // WorkerOptions::prefill_policy), --prefill-budget-tokens and --kv-page-dtype (bf16|fp8:
   // WorkerOptions::kv_page_dtype).

@@ -160,6 +160,75 @@ TEST(DecodeGraphTest, ReplayMatchesNormalPathOnGpu) {
   }
 }
 
+// Sequences decoding in turn on one Transformer (as a worker's concurrent jobs do) each replay
+// their own graph: two caches alternating step by step capture twice in all and follow the normal
+// path; a cache made after one of them is destroyed (its pools may reuse the freed addresses)
+// captures again instead of replaying the dead cache's graph.
+TEST(DecodeGraphTest, CachesDecodingInTurnKeepTheirGraphs) {
+  std::string why;
+  std::unique_ptr<kernels::Backend> backend = CudaBackendOrNull(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  std::unique_ptr<TestModel> m = MakeWideModel(128, DType::kBF16);
+  const model::ModelConfig& c = m->config;
+  TransformerOptions plain_o, graph_o;
+  graph_o.decode_graph = true;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto plain, Transformer::Create(c, m->weights, backend.get(), plain_o));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto graph, Transformer::Create(c, m->weights, backend.get(), graph_o));
+  constexpr int kPrompt = 29, kSteps = 12;
+  const DType kv = DType::kF32;
+  struct Seq {
+    std::unique_ptr<KvCache> a, b;  // plain's and graph's
+    std::unique_ptr<AttentionPolicy> pa = MakeDensePolicy(), pb = MakeDensePolicy();
+    std::vector<float> la, lb;
+    int32_t ta = 0, tb = 0;
+  };
+  auto start = [&](Seq* s, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::vector<int32_t> prompt(kPrompt);
+    for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % c.vocab_size);
+    auto a = KvCache::Create(plain->MakeCacheOptions(kPrompt + kSteps + 4, 16, kv), backend.get());
+    auto b = KvCache::Create(graph->MakeCacheOptions(kPrompt + kSteps + 4, 16, kv), backend.get());
+    ASSERT_TRUE(a.ok() && b.ok());
+    s->a = *std::move(a);
+    s->b = *std::move(b);
+    s->la.resize(c.vocab_size);
+    s->lb.resize(c.vocab_size);
+    STRATA_ASSERT_OK(plain->Forward(prompt.data(), kPrompt, 0, s->a.get(), s->pa.get(), s->la.data(), false));
+    STRATA_ASSERT_OK(graph->Forward(prompt.data(), kPrompt, 0, s->b.get(), s->pb.get(), s->lb.data(), false));
+    s->ta = Argmax(s->la);
+    s->tb = Argmax(s->lb);
+  };
+  auto step = [&](Seq* s, int i) {
+    ASSERT_EQ(s->ta, s->tb) << "step " << i;
+    STRATA_ASSERT_OK(plain->Forward(&s->ta, 1, kPrompt + i, s->a.get(), s->pa.get(), s->la.data(), false));
+    STRATA_ASSERT_OK(graph->Forward(&s->tb, 1, kPrompt + i, s->b.get(), s->pb.get(), s->lb.data(), false));
+    for (int v = 0; v < c.vocab_size; ++v) {
+      ASSERT_LE(std::fabs(static_cast<double>(s->la[v]) - s->lb[v]), 1e-4) << "step " << i << " logit " << v;
+    }
+    s->ta = Argmax(s->la);
+    s->tb = Argmax(s->lb);
+  };
+  Seq x, y;
+  start(&x, 5u);
+  start(&y, 6u);
+  for (int i = 0; i < kSteps; ++i) {
+    step(&x, i);
+    step(&y, i);
+  }
+  EXPECT_EQ(graph->graph_steps(), 2 * kSteps);
+  EXPECT_EQ(graph->graph_captures(), 2);
+  // x's caches go; z's may land on their addresses: z must capture its own graph.
+  x = Seq();
+  Seq z;
+  start(&z, 7u);
+  for (int i = 0; i < 3; ++i) {
+    step(&z, i);
+    step(&y, kSteps + i);  // y still replays its graph
+  }
+  EXPECT_EQ(graph->graph_steps(), 2 * kSteps + 6);
+  EXPECT_EQ(graph->graph_captures(), 3);
+}
+
 // A document attended on the device by a capturable hook: SelectedAttention over every token of
 // a KvCache prefilled with the document (its page table in backend memory), as a device-managed
 // GpuCacheAttention does through its cache's table.

@@ -7,6 +7,7 @@
 #include "engine/kv_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -43,8 +44,12 @@ absl::Status KvCacheOptions::Validate() const {
   return absl::OkStatus();
 }
 
+namespace {
+std::atomic<uint64_t> next_cache_id{1};
+}  // namespace
+
 KvCache::KvCache(const KvCacheOptions& options, kernels::Backend* backend)
-    : options_(options), backend_(backend) {}
+    : options_(options), backend_(backend), id_(next_cache_id.fetch_add(1)) {}
 
 KvCache::~KvCache() {
   // A PageCopy may still read the mirror: let it finish before the buffers go (best effort).

@@ -41,6 +41,9 @@ class KvCache {
   ~KvCache();
 
   const KvCacheOptions& options() const { return options_; }
+  // A number no other KvCache of this process has had (for keying state tied to this cache's
+  // lifetime, e.g. Transformer's decode graphs: addresses may be reused by a later cache).
+  uint64_t id() const { return id_; }
   // Tokens stored in `layer`.
   int64_t length(int layer) const { return lengths_[layer]; }
   int64_t num_pages(int layer) const;  // pages touched: ceil(length / page_size)
@@ -85,6 +88,7 @@ class KvCache {
 
   KvCacheOptions options_;
   kernels::Backend* backend_;
+  uint64_t id_;
   int64_t pages_per_head_ = 0;  // ceil(max_tokens / page_size)
   std::vector<int64_t> lengths_;
   std::vector<std::unique_ptr<kernels::Buffer>> k_pools_, v_pools_;

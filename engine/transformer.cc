@@ -2,6 +2,7 @@
 #include "engine/transformer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,12 @@
 #include "engine/sparse/device_policy.h"
 
 namespace strata::engine {
+
+namespace {
+std::atomic<uint64_t> next_external_attention_id{1};
+}  // namespace
+
+ExternalAttention::ExternalAttention() : instance_id_(next_external_attention_id.fetch_add(1)) {}
 
 using kernels::DType;
 using kernels::TensorView;
@@ -422,18 +429,22 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
     return absl::ResourceExhaustedError(
         absl::StrCat("kv cache: ", index, " + 1 tokens exceed max_tokens ", co.max_tokens));
   }
-  std::vector<int64_t> key = {co.page_size, co.max_tokens, static_cast<int64_t>(co.dtype)};
-  for (int l = 0; l < co.num_layers; ++l) {
-    key.push_back(reinterpret_cast<intptr_t>(cache->k_pool(l).data));
-    key.push_back(reinterpret_cast<intptr_t>(cache->v_pool(l).data));
-  }
-  key.push_back(reinterpret_cast<intptr_t>(external));
-  if (graph_ == nullptr || key != graph_key_) {
-    graph_.reset();
+  // The graph records the cache's pools and the hook's device buffers: keyed by their lifetimes
+  // (ids are never reused, addresses may be).
+  std::vector<int64_t> key = {static_cast<int64_t>(cache->id()),
+                              external == nullptr ? 0 : static_cast<int64_t>(external->instance_id())};
+  bool captured = false;
+  auto found = std::find_if(graphs_.begin(), graphs_.end(),
+                            [&key](const DecodeGraph& e) { return e.key == key; });
+  if (found != graphs_.end()) {
+    std::rotate(found, found + 1, graphs_.end());  // most recently used last
+  } else {
     // Allocations and copies before the capture (they may not run inside one).
     if (step_ == nullptr) {
       STRATA_ASSIGN_OR_RETURN(step_, be->Allocate(4 * sizeof(int32_t)));
     }
+    DecodeGraph entry;
+    entry.key = std::move(key);
     const int64_t hkv = config_.num_kv_heads, pages = cache->pages_per_head();
     std::vector<int32_t> table(static_cast<size_t>(hkv * pages));
     for (int64_t g = 0; g < hkv; ++g) {
@@ -441,9 +452,9 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
         table[g * pages + p] = cache->SlotOf(0, static_cast<int>(g), p);
       }
     }
-    STRATA_ASSIGN_OR_RETURN(page_table_, be->Allocate(table.size() * sizeof(int32_t)));
-    STRATA_RETURN_IF_ERROR(
-        be->CopyToDevice(page_table_->data(), table.data(), table.size() * sizeof(int32_t), nullptr));
+    STRATA_ASSIGN_OR_RETURN(entry.page_table, be->Allocate(table.size() * sizeof(int32_t)));
+    STRATA_RETURN_IF_ERROR(be->CopyToDevice(entry.page_table->data(), table.data(),
+                                            table.size() * sizeof(int32_t), nullptr));
     if (external != nullptr) {
       // The hook's partial and the merge output, allocated before the capture.
       const int64_t rows = options_.prefill_chunk_size, hq = config_.num_heads;
@@ -457,25 +468,32 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
         STRATA_ASSIGN_OR_RETURN(merged_lse_, be->Allocate(static_cast<size_t>(rows * hq) * 4));
       }
     }
+    if (external != nullptr && !external->PrepareCapture(static_cast<int>(config_.num_heads)).ok()) {
+      return false;
+    }
     const absl::Status begun = be->BeginCapture(nullptr);
     if (!begun.ok()) {
       graph_unavailable_ = true;
       return false;
     }
-    const absl::Status recorded = RecordGraphStep(cache, external, pos);
+    const absl::Status recorded = RecordGraphStep(cache, external, pos, entry.page_table.get());
     absl::StatusOr<std::unique_ptr<kernels::Graph>> graph = be->EndCapture(nullptr);
     if (!recorded.ok() || !graph.ok()) {
       // Nothing ran and no host state changed: the normal path takes this step and the next.
       graph_unavailable_ = true;
       return false;
     }
-    graph_ = *std::move(graph);
-    graph_key_ = std::move(key);
+    entry.graph = *std::move(graph);
+    captured = true;  // AttendOnDevice ran (on the host) while recording: its accounting is done
+    ++graph_captures_;
+    if (graphs_.size() >= kMaxDecodeGraphs) graphs_.erase(graphs_.begin());
+    graphs_.push_back(std::move(entry));
   }
+  kernels::Graph* graph = graphs_.back().graph.get();
   const int32_t step[4] = {id, static_cast<int32_t>(pos), static_cast<int32_t>(index),
                            static_cast<int32_t>(index + 1)};
   STRATA_RETURN_IF_ERROR(be->CopyToDevice(step_->data(), step, sizeof(step), nullptr));
-  STRATA_RETURN_IF_ERROR(graph_->Replay(nullptr));
+  STRATA_RETURN_IF_ERROR(graph->Replay(nullptr));
   if (!fo.logits_on_device) {
     STRATA_RETURN_IF_ERROR(
         be->CopyToHost(logits_out, logits_->data(), config_.vocab_size * sizeof(float), nullptr));
@@ -483,13 +501,18 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
   STRATA_RETURN_IF_ERROR(cache->CommitAppend(1));
   for (int layer = 0; layer < co.num_layers; ++layer) {
     STRATA_RETURN_IF_ERROR(policy->OnAppend(layer, *cache, index, index + 1));
+    // The dense policy's spans are not used (the graph attends [0, length) on the device); the
+    // call keeps its counters those of the normal path.
+    STRATA_RETURN_IF_ERROR(policy->Select(layer, nullptr, 1, static_cast<int>(config_.num_heads), index,
+                                          *cache, &selection_));
   }
+  if (external != nullptr && !captured) external->OnReplayedStep(pos);
   ++graph_steps_;
   return true;
 }
 
 absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* external,
-                                          int64_t pos) {
+                                          int64_t pos, kernels::Buffer* page_table) {
   kernels::Backend* be = backend_;
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
@@ -520,7 +543,7 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
   const TensorView gate_up(gate_rows, DType::kF32, {1, 2 * ffn});
   kernels::SelectedAttentionParams ap;
   ap.q = q3;
-  ap.page_table = TensorView(page_table_->data(), DType::kI32, {hkv, cache->pages_per_head()});
+  ap.page_table = TensorView(page_table->data(), DType::kI32, {hkv, cache->pages_per_head()});
   ap.prefix_end = cache->options().max_tokens;
   ap.prefix_len = len_dev;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(d));

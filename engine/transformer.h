@@ -44,8 +44,9 @@ struct TransformerOptions {
   // the graph reads; the whole step (embedding, every layer with KvCache::EnqueueAppendAt and a
   // dense SelectedAttention over the cache's [0, length) with a device length, final norm and LM
   // head) is captured on first use (Backend::BeginCapture / EndCapture) and replayed afterwards,
-  // then the logits are copied to the host. A graph belongs to one cache's pools (a call with
-  // another cache captures again). Only where the result is the plain forward's: the policy is
+  // then the logits are copied to the host. A graph belongs to one cache (and external hook):
+  // the graphs of the 8 most recently used caches are kept, so concurrent sequences decoding in
+  // turn replay their own; a new cache captures again. Only where the result is the plain forward's: the policy is
   // "dense", no device policy, and no external attention unless it is on the device and
   // capturable (ExternalAttention::CapturableOnDevice: its AttendOnDevice is recorded once per
   // layer with the step, its partial merged on the device); other calls (and every call when the
@@ -89,7 +90,13 @@ struct AttentionPartial {
 // be exact. Implementations are called from inside Forward (one call per layer per chunk).
 class ExternalAttention {
  public:
+  ExternalAttention();
+  ExternalAttention(const ExternalAttention&) : ExternalAttention() {}  // a copy is another hook
+  ExternalAttention& operator=(const ExternalAttention&) { return *this; }
   virtual ~ExternalAttention() = default;
+  // A number no other ExternalAttention of this process has had (decode graphs record the hook's
+  // device buffers, so a graph is keyed by the hook's lifetime, not its address).
+  uint64_t instance_id() const { return instance_id_; }
   // q: host f32 [num_tokens, num_q_heads, head_dim] at absolute positions [q_begin, q_begin +
   // num_tokens). Appends zero or more partials to `parts` (each sized for num_tokens x
   // num_q_heads); `parts` may hold vectors from an earlier call to reuse: the implementation
@@ -113,6 +120,17 @@ class ExternalAttention {
                                       const kernels::TensorView& lse) {
     return absl::UnimplementedError("ExternalAttention::AttendOnDevice");
   }
+  // Graph mode (CapturableOnDevice hooks): PrepareCapture runs before a one-token step of a model
+  // with num_q_heads query heads is recorded with AttendOnDevice in it, and allocates and uploads what AttendOnDevice would on first use
+  // (nothing may be allocated or copied synchronously while capturing); an error leaves the step
+  // to the normal path. OnReplayedStep runs after each later replay of the recorded step, for a
+  // token at q_begin: the host-side accounting AttendOnDevice does per layer (counters), as if it
+  // had run for every layer.
+  virtual absl::Status PrepareCapture(int num_q_heads) { return absl::OkStatus(); }
+  virtual void OnReplayedStep(int64_t q_begin) {}
+
+ private:
+  uint64_t instance_id_;
 };
 
 // Optional arguments of Transformer::Forward. The defaults give the plain forward.
@@ -161,6 +179,9 @@ class Transformer {
   kernels::Backend* backend() const { return backend_; }
   // One-token steps that ran as a graph replay (decode_graph), for tests and benchmarks.
   int64_t graph_steps() const { return graph_steps_; }
+  // Steps captured into a graph (decode_graph): one per cache, again when a cache's graph was
+  // dropped for more recently used ones (the most recent kMaxDecodeGraphs caches keep theirs).
+  int64_t graph_captures() const { return graph_captures_; }
   // The logits of the last Forward with ForwardOptions::logits_on_device: [1, vocab] f32 in
   // backend memory (an empty view before the first such call).
   kernels::TensorView device_logits() const;
@@ -245,7 +266,8 @@ class Transformer {
   // Queues (or, while capturing, records) the one-token step reading step_ on the default stream.
   // `external`: a CapturableOnDevice hook attended (and merged) after the local attention of
   // every layer, or null.
-  absl::Status RecordGraphStep(KvCache* cache, ExternalAttention* external, int64_t pos);
+  absl::Status RecordGraphStep(KvCache* cache, ExternalAttention* external, int64_t pos,
+                               kernels::Buffer* page_table);
 
   model::ModelConfig config_;
   TransformerOptions options_;
@@ -285,13 +307,21 @@ class Transformer {
   std::unique_ptr<kernels::Buffer> ext_o_, ext_lse_;
   std::vector<uint8_t> segment_device_part_;
   // decode_graph state: step_ holds int32 {token id, position, cache index, cache index + 1} in
-  // backend memory; page_table_ [num_kv_heads, pages_per_head] the cache's slot layout; graph_ the
-  // captured step for the cache whose pools and options graph_key_ lists.
-  std::unique_ptr<kernels::Buffer> step_, page_table_;
-  std::unique_ptr<kernels::Graph> graph_;
-  std::vector<int64_t> graph_key_;
+  // backend memory (shared by every graph: replays are serial on the default stream). graphs_: the
+  // captured steps of the most recently used caches (least recent first, at most
+  // kMaxDecodeGraphs), each for the cache whose pools, options and external hook `key` lists,
+  // with that cache's slot layout [num_kv_heads, pages_per_head] in `page_table`.
+  struct DecodeGraph {
+    std::vector<int64_t> key;
+    std::unique_ptr<kernels::Buffer> page_table;
+    std::unique_ptr<kernels::Graph> graph;
+  };
+  static constexpr size_t kMaxDecodeGraphs = 8;
+  std::unique_ptr<kernels::Buffer> step_;
+  std::vector<DecodeGraph> graphs_;
   bool graph_unavailable_ = false;  // a capture failed: normal path from then on
   int64_t graph_steps_ = 0;
+  int64_t graph_captures_ = 0;
 };
 
 }  // namespace strata::engine

@@ -366,18 +366,23 @@ TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
   Tier pinned, plain;
   STRATA_ASSERT_OK(make_tier(cuda.get(), &pinned));
   STRATA_ASSERT_OK(make_tier(cpu.get(), &plain));
-  auto make = [&](const std::string& id, kvstore::PageStore* store, kernels::Backend* be) {
+  // decode_graph off for the three compared bit for bit; a fourth resident worker replays its
+  // decode steps as a graph (WorkerOptions::decode_graph, the default on a GPU).
+  auto make = [&](const std::string& id, kvstore::PageStore* store, kernels::Backend* be, const char* graph) {
     WorkerOptions wo;
     wo.worker_id = id;
     wo.lazy_mount = true;
     wo.device_selection = "on";
+    wo.decode_graph = graph;
     auto w = Worker::Create(wo, m, be, store, env.store.get(), nullptr);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;
   };
-  std::unique_ptr<Worker> resident = make("cuda-resident", pinned.tiered.get(), cuda.get());
-  std::unique_ptr<Worker> managed = make("cuda-host-managed", env.store.get(), cuda.get());
-  std::unique_ptr<Worker> cpu_resident = make("cpu-resident", plain.tiered.get(), cpu.get());
+  std::unique_ptr<Worker> resident = make("cuda-resident", pinned.tiered.get(), cuda.get(), "off");
+  std::unique_ptr<Worker> managed = make("cuda-host-managed", env.store.get(), cuda.get(), "off");
+  std::unique_ptr<Worker> cpu_resident = make("cpu-resident", plain.tiered.get(), cpu.get(), "off");
+  std::unique_ptr<Worker> graphed = make("cuda-resident-graph", pinned.tiered.get(), cuda.get(), "auto");
+  ASSERT_NE(graphed, nullptr);
   ASSERT_NE(resident, nullptr);
   ASSERT_NE(managed, nullptr);
   ASSERT_NE(cpu_resident, nullptr);
@@ -401,6 +406,12 @@ TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
   const Timed h = RunTimed(managed.get(), req);
   req.set_job_id("cpu-resident");
   const Timed c = RunTimed(cpu_resident.get(), req);
+  req.set_job_id("resident-graph");
+  const Timed gr = RunTimed(graphed.get(), req);
+  req.set_job_id("resident-graph-2");  // a second question: its own cache, captured again
+  const Timed gr2 = RunTimed(graphed.get(), req);
+  ASSERT_EQ(gr.info.state(), v1::JobInfo::DONE) << gr.info.error_message();
+  ASSERT_EQ(gr2.info.state(), v1::JobInfo::DONE) << gr2.info.error_message();
   ASSERT_EQ(r.info.state(), v1::JobInfo::DONE) << r.info.error_message();
   ASSERT_EQ(h.info.state(), v1::JobInfo::DONE) << h.info.error_message();
   ASSERT_EQ(c.info.state(), v1::JobInfo::DONE) << c.info.error_message();
@@ -408,7 +419,8 @@ TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
   EXPECT_EQ(managed->resident_lazy_jobs(), 0);
   EXPECT_EQ(cpu_resident->resident_lazy_jobs(), 1);
   for (const auto& [name, t] : {std::pair<const char*, const Timed*>{"cuda resident", &r},
-                                {"cuda host-managed", &h}, {"cpu resident", &c}}) {
+                                {"cuda host-managed", &h}, {"cpu resident", &c},
+                                {"cuda resident graph", &gr}, {"... 2nd question", &gr2}}) {
     const v1::PagesByTier& f = t->info.usage().pages_fetched();
     std::printf("%-18s TTFT %.3f s, decode %.1f tok/s, pages host %llu disk %llu, first tokens %d %d %d\n", name,
                 t->ttft_s, t->decode_tps, static_cast<unsigned long long>(f.host()),
@@ -421,6 +433,20 @@ TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
               CommonPrefix(r.info, h.info), r.info.output_token_ids_size(), CommonPrefix(r.info, c.info));
   EXPECT_EQ(Tokens(r.info), Tokens(h.info));
   EXPECT_EQ(Tokens(r.info), Tokens(c.info));
+  // The graph worker: every decode step after the first token replayed (one capture per job), the
+  // greedy tokens of the normal path (logits equal to float rounding).
+  std::printf("resident graph: %lld decode steps replayed, %lld captures; tokens agree with the normal path on "
+              "the first %zu of %d\n",
+              static_cast<long long>(graphed->decode_graph_steps()),
+              static_cast<long long>(graphed->decode_graph_captures()), CommonPrefix(gr.info, r.info),
+              r.info.output_token_ids_size());
+  EXPECT_EQ(graphed->decode_graph_captures(), 2);
+  EXPECT_EQ(graphed->decode_graph_steps(), 2 * (max_tokens - 1));
+  EXPECT_EQ(resident->decode_graph_steps(), 0);
+  EXPECT_EQ(Tokens(gr.info), Tokens(r.info));
+  EXPECT_EQ(Tokens(gr2.info), Tokens(r.info));
+  // Replayed steps are accounted as the normal path accounts its steps.
+  EXPECT_EQ(gr.info.usage().mean_attended_tokens(), r.info.usage().mean_attended_tokens());
 }
 
 // The encoded pages of every layer, KV head and page of document `doc_id` (empty strings for

@@ -203,7 +203,20 @@ struct LazyDocumentAttention::State {
   // window pages; with `count`, counts the tokens they name per KV head (every middle page is
   // full, and EnqueueMinMaxPageTopK keeps k <= window_first - 1 distinct valid pages).
   void FillSelection(bool middle, engine::DeviceTokenSelection* selection, bool count);
+  // The counters of one token's device choice (FillSelection with count).
+  void CountOneToken(bool middle);
+  // Backend buffers of the device chooser (scores [hq, middle candidates], the selection [hkv, k]).
+  absl::Status EnsureChooserBuffers(int hq);
 };
+
+void LazyDocumentAttention::State::CountOneToken(bool middle) {
+  const int64_t P = o.page_size;
+  const int64_t prefix_end = std::min<int64_t>(o.document_tokens, P);
+  const int64_t suffix_begin = std::min<int64_t>(window_first * P, o.document_tokens);
+  const int64_t per_head = prefix_end + (middle ? k * P : 0) + (o.document_tokens - suffix_begin);
+  counters.candidate_tokens += o.num_kv_heads * o.document_tokens;
+  counters.selected_tokens += o.num_kv_heads * per_head;
+}
 
 void LazyDocumentAttention::State::FillSelection(bool middle, engine::DeviceTokenSelection* sel, bool count) {
   const int64_t P = o.page_size;
@@ -217,10 +230,19 @@ void LazyDocumentAttention::State::FillSelection(bool middle, engine::DeviceToke
   sel->middle.end = middle ? window_first * P : P;
   sel->suffix_begin = std::min<int64_t>(window_first * P, o.document_tokens);
   sel->suffix_end = o.document_tokens;
-  if (!count) return;
-  const int64_t per_head = sel->prefix_end + (middle ? k * P : 0) + (sel->suffix_end - sel->suffix_begin);
-  counters.candidate_tokens += o.num_kv_heads * o.document_tokens;
-  counters.selected_tokens += o.num_kv_heads * per_head;
+  if (count) CountOneToken(middle);
+}
+
+absl::Status LazyDocumentAttention::State::EnsureChooserBuffers(int hq) {
+  const int64_t n = window_first - 1;
+  const size_t score_bytes = static_cast<size_t>(hq) * std::max<int64_t>(n, 0) * sizeof(float);
+  if (score_bytes > 0 && (scores == nullptr || scores->bytes() < score_bytes)) {
+    STRATA_ASSIGN_OR_RETURN(scores, backend->Allocate(score_bytes));
+  }
+  if (selected == nullptr && k > 0) {
+    STRATA_ASSIGN_OR_RETURN(selected, backend->Allocate(static_cast<size_t>(o.num_kv_heads) * k * sizeof(int32_t)));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<kernels::Buffer*> LazyDocumentAttention::State::Summaries(int layer) {
@@ -308,13 +330,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
   const int group = hq / hkv;
   if (n > 0 && k > 0) {
     STRATA_ASSIGN_OR_RETURN(kernels::Buffer* layer_summaries, Summaries(layer));
-    const size_t score_bytes = static_cast<size_t>(hq) * n * sizeof(float);
-    if (scores == nullptr || scores->bytes() < score_bytes) {
-      STRATA_ASSIGN_OR_RETURN(scores, backend->Allocate(score_bytes));
-    }
-    if (selected == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(selected, backend->Allocate(static_cast<size_t>(hkv) * k * sizeof(int32_t)));
-    }
+    STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
     STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
         backend, kernels::TensorView(q.data, kernels::DType::kF32, {hq, d}),
         layer_summaries->View(kernels::DType::kF32, {hkv, num_pages, 2 * d}), window_first, k,
@@ -525,6 +541,24 @@ absl::Status LazyDocumentAttention::AttendOnDevice(int layer, const kernels::Ten
     return absl::InvalidArgumentError(absl::StrCat("LazyDocumentAttention: layer ", layer, " out of range"));
   }
   return state_->hook->AttendOnDevice(layer, q, q_begin, out, lse);
+}
+
+absl::Status LazyDocumentAttention::PrepareCapture(int num_q_heads) {
+  State& s = *state_;
+  if (!s.managed) return absl::FailedPreconditionError("LazyDocumentAttention: graph mode needs resident mode");
+  if (s.window_first - 1 > 0 && s.k > 0) {
+    for (int l = 0; l < s.o.num_layers; ++l) STRATA_RETURN_IF_ERROR(s.Summaries(l).status());
+    STRATA_RETURN_IF_ERROR(s.EnsureChooserBuffers(num_q_heads));
+  }
+  return absl::OkStatus();
+}
+
+void LazyDocumentAttention::OnReplayedStep(int64_t /*q_begin*/) {
+  State& s = *state_;
+  for (int l = 0; l < s.o.num_layers; ++l) {
+    s.CountOneToken(s.window_first - 1 > 0 && s.k > 0);
+    ++s.device_choices;
+  }
 }
 
 const kvstore::TierCounts& LazyDocumentAttention::pages() const {

@@ -141,6 +141,11 @@ class LazyDocumentAttention : public engine::ExternalAttention {
   bool CapturableOnDevice() const override;
   absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
                               const kernels::TensorView& out, const kernels::TensorView& lse) override;
+  // Graph mode (resident mode only): PrepareCapture loads every layer's summaries into backend
+  // memory and allocates the device chooser's buffers; OnReplayedStep counts a replayed one-token
+  // step as AttendOnDevice counts one (counters(), device_choices()) for every layer.
+  absl::Status PrepareCapture(int num_q_heads) override;
+  void OnReplayedStep(int64_t q_begin) override;
 
   // Pages read from each tier (page-cache misses; resident mode: the fills from the host tier as
   // of the last SyncStats).

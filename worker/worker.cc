@@ -176,6 +176,9 @@ absl::Status WorkerOptions::Validate() const {
   if (peer_timeout_ms < 1) return absl::InvalidArgumentError("peer_timeout_ms >= 1");
   if (lazy_cache_pages < 1) return absl::InvalidArgumentError("lazy_cache_pages >= 1");
   if (lazy_shared_documents < 0) return absl::InvalidArgumentError("lazy_shared_documents >= 0");
+  if (decode_graph != "auto" && decode_graph != "on" && decode_graph != "off") {
+    return absl::InvalidArgumentError(absl::StrCat("decode_graph: auto|on|off, got '", decode_graph, "'"));
+  }
   if (device_selection != "auto" && device_selection != "on" && device_selection != "off") {
     return absl::InvalidArgumentError(absl::StrCat("device_selection: auto|on|off, got '", device_selection, "'"));
   }
@@ -246,6 +249,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   engine::TransformerOptions topt;
   topt.prefill_chunk_size = options.prefill_chunk_size;
   STRATA_ASSIGN_OR_RETURN(topt.matmul_precision, engine::ParseMatMulPrecision(options.matmul_precision));
+  topt.decode_graph = options.decode_graph == "on" || (options.decode_graph == "auto" && backend->Name() != "cpu");
   STRATA_ASSIGN_OR_RETURN(w->transformer_, engine::Transformer::Create(model->config, model->weights, backend, topt));
   if (backend->Name() != "cpu") w->host_backend_ = kernels::MakeCpuBackend(0);
   const bool selection_wanted =
@@ -908,7 +912,14 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item) {
     absl::Status s;
     {
       absl::MutexLock engine(&engine_mu_);
-      s = transformer_->ForwardBatch(items);
+      if (items.size() == 1 && transformer_->options().decode_graph) {
+        // Alone in its batch: Forward may replay the step as a graph (WorkerOptions::decode_graph).
+        const engine::Transformer::BatchItem& it = items[0];
+        s = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out, /*all_logits=*/false,
+                                  it.options);
+      } else {
+        s = transformer_->ForwardBatch(items);
+      }
       if (s.ok()) {
         for (DecodeRequest* r : batch) r->status = absl::OkStatus();
       } else {
@@ -931,6 +942,16 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item) {
     batch_running_ = false;
   }
   return me.status;
+}
+
+int64_t Worker::decode_graph_steps() {
+  absl::MutexLock lock(&engine_mu_);
+  return transformer_->graph_steps();
+}
+
+int64_t Worker::decode_graph_captures() {
+  absl::MutexLock lock(&engine_mu_);
+  return transformer_->graph_captures();
 }
 
 bool Worker::CancelJob(const std::string& job_id) {

@@ -171,6 +171,14 @@ struct WorkerOptions {
   // the job falls back (logged once): to the host policy on the CPU backend, to dense attention
   // on a device backend (whose pools the host policies cannot read). Default "auto".
   std::string device_selection = "auto";
+  // One-token decode steps as replayed CUDA graphs (engine::TransformerOptions::decode_graph):
+  // "auto" (default): on when the backend is not the CPU backend; "on"; "off". A step runs as a
+  // graph when it is the only step of its decode batch and its attention can be captured: the
+  // dense policy over the job's own tokens plus, for a lazy-mount job in resident mode, the
+  // device-managed page cache of its document; other steps (device selection over a full mount,
+  // host-managed page caches, batches of concurrent jobs) take the normal path. Each job's cache
+  // is captured once, at its first decode step; logits follow the normal path to float rounding.
+  std::string decode_graph = "auto";
   // Precision of the model's matrix products (engine::TransformerOptions::matmul_precision):
   // "split" (default: f32 activations, two GEMMs on the CUDA backend) or "bf16" (activations
   // rounded to the weight type, one GEMM; faster prefill, logits move by the rounding).
@@ -311,6 +319,9 @@ class Worker {
   int64_t resident_lazy_jobs() const { return resident_lazy_jobs_.load(); }
   // Documents whose lazy-job device state the worker holds now (in use or kept idle).
   int64_t lazy_shared_documents() const;
+  // Decode steps that ran as a replayed graph, and graphs captured (WorkerOptions::decode_graph).
+  int64_t decode_graph_steps();
+  int64_t decode_graph_captures();
 
  private:
   struct JobResult;

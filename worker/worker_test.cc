@@ -160,6 +160,34 @@ TEST_F(WorkerTest, PrefillPersistsAndJobMatchesLocalGenerate) {
   EXPECT_TRUE(progress[0].complete());
 }
 
+// decode_graph "on" sends a job's lone decode steps through Transformer::Forward (where a device
+// backend replays them as a graph); the CPU backend cannot capture, so they run the normal path:
+// the same tokens as the batched path, no graph step.
+TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
+  ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), [](const v1::PrefillShardProgress&) {}, nullptr).ok());
+  WorkerOptions wo;
+  wo.prefill_chunk_size = 64;
+  wo.decode_graph = "on";
+  STRATA_ASSERT_OK_AND_ASSIGN(auto graphed, Worker::Create(wo, model_.get(), backend_.get(), store_.get(),
+                                                           store_.get(), nullptr));
+  const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
+  std::vector<int32_t> tokens[2];
+  Worker* workers[2] = {worker_.get(), graphed.get()};
+  for (int i = 0; i < 2; ++i) {
+    v1::JobInfo info;
+    ASSERT_TRUE(workers[i]->RunJob(JobRequest("job-" + std::to_string(i), prompt), [&](const v1::JobEvent& e) {
+      if (e.has_snapshot()) info = e.snapshot();
+      return true;
+    }).ok());
+    ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+    tokens[i].assign(info.output_token_ids().begin(), info.output_token_ids().end());
+  }
+  EXPECT_EQ(tokens[1], tokens[0]);
+  EXPECT_EQ(tokens[1].size(), 8u);
+  EXPECT_EQ(graphed->decode_graph_steps(), 0);
+  EXPECT_EQ(graphed->decode_graph_captures(), 0);
+}
+
 TEST_F(WorkerTest, UnknownDocumentFailsTheJob) {
   std::vector<v1::JobEvent> events;
   ASSERT_TRUE(worker_->RunJob(JobRequest("job-2", {1, 2}), [&](const v1::JobEvent& e) {
@@ -1484,6 +1512,7 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
       {"lazy_shared_documents", [](WorkerOptions* o) { o->lazy_shared_documents = -1; }},
       {"page_size", [](WorkerOptions* o) { o->page_size = 0; }},
       {"device_selection", [](WorkerOptions* o) { o->device_selection = "always"; }},
+      {"decode_graph", [](WorkerOptions* o) { o->decode_graph = "yes"; }},
       {"matmul_precision", [](WorkerOptions* o) { o->matmul_precision = "fp8"; }},
       {"prefill_policy", [](WorkerOptions* o) { o->prefill_policy = "radar"; }},
       {"prefill_policy", [](WorkerOptions* o) { o->prefill_policy = ""; }},
