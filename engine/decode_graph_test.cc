@@ -135,6 +135,30 @@ std::unique_ptr<kernels::Backend> CudaBackendOrNull(std::string* why) {
   return std::move(b).value();
 }
 
+// A CUDA backend, a head_dim-128 model with bf16 weights and two Transformers over it, without
+// and with decode_graph. False (the reason in *why) without a GPU or when something fails.
+struct GraphPair {
+  std::unique_ptr<kernels::Backend> backend;
+  std::unique_ptr<TestModel> model;
+  std::unique_ptr<Transformer> plain, graph;
+};
+bool MakeGraphPair(GraphPair* p, std::string* why) {
+  p->backend = CudaBackendOrNull(why);
+  if (p->backend == nullptr) return false;
+  p->model = MakeWideModel(128, DType::kBF16);
+  TransformerOptions plain_o, graph_o;
+  graph_o.decode_graph = true;
+  auto plain = Transformer::Create(p->model->config, p->model->weights, p->backend.get(), plain_o);
+  auto graph = Transformer::Create(p->model->config, p->model->weights, p->backend.get(), graph_o);
+  if (!plain.ok() || !graph.ok()) {
+    *why = (plain.ok() ? graph.status() : plain.status()).ToString();
+    return false;
+  }
+  p->plain = *std::move(plain);
+  p->graph = *std::move(graph);
+  return true;
+}
+
 TEST(DecodeGraphTest, ReplayMatchesNormalPathOnGpu) {
   std::string why;
   std::unique_ptr<kernels::Backend> backend = CudaBackendOrNull(&why);
@@ -166,14 +190,12 @@ TEST(DecodeGraphTest, ReplayMatchesNormalPathOnGpu) {
 // captures again instead of replaying the dead cache's graph.
 TEST(DecodeGraphTest, CachesDecodingInTurnKeepTheirGraphs) {
   std::string why;
-  std::unique_ptr<kernels::Backend> backend = CudaBackendOrNull(&why);
-  if (backend == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
-  std::unique_ptr<TestModel> m = MakeWideModel(128, DType::kBF16);
-  const model::ModelConfig& c = m->config;
-  TransformerOptions plain_o, graph_o;
-  graph_o.decode_graph = true;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto plain, Transformer::Create(c, m->weights, backend.get(), plain_o));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto graph, Transformer::Create(c, m->weights, backend.get(), graph_o));
+  GraphPair pair;
+  if (!MakeGraphPair(&pair, &why)) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  kernels::Backend* backend = pair.backend.get();
+  const model::ModelConfig& c = pair.model->config;
+  Transformer* plain = pair.plain.get();
+  Transformer* graph = pair.graph.get();
   constexpr int kPrompt = 29, kSteps = 12;
   const DType kv = DType::kF32;
   struct Seq {
@@ -186,8 +208,8 @@ TEST(DecodeGraphTest, CachesDecodingInTurnKeepTheirGraphs) {
     std::mt19937 rng(seed);
     std::vector<int32_t> prompt(kPrompt);
     for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % c.vocab_size);
-    auto a = KvCache::Create(plain->MakeCacheOptions(kPrompt + kSteps + 4, 16, kv), backend.get());
-    auto b = KvCache::Create(graph->MakeCacheOptions(kPrompt + kSteps + 4, 16, kv), backend.get());
+    auto a = KvCache::Create(plain->MakeCacheOptions(kPrompt + kSteps + 4, 16, kv), backend);
+    auto b = KvCache::Create(graph->MakeCacheOptions(kPrompt + kSteps + 4, 16, kv), backend);
     ASSERT_TRUE(a.ok() && b.ok());
     s->a = *std::move(a);
     s->b = *std::move(b);
@@ -294,16 +316,12 @@ class DocumentHook : public ExternalAttention {
 // normal path with the same hook; both also follow one cache holding document and prompt.
 TEST(DecodeGraphTest, ReplayWithACapturableDocumentHookMatchesNormalPath) {
   std::string why;
-  std::unique_ptr<kernels::Backend> backend = CudaBackendOrNull(&why);
-  if (backend == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
-  std::unique_ptr<TestModel> m = MakeWideModel(128, DType::kBF16);
-  const model::ModelConfig& c = m->config;
-  TransformerOptions plain_o, graph_o;
-  graph_o.decode_graph = true;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto plain,
-                              Transformer::Create(c, m->weights, backend.get(), plain_o));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto graph,
-                              Transformer::Create(c, m->weights, backend.get(), graph_o));
+  GraphPair pair;
+  if (!MakeGraphPair(&pair, &why)) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  std::unique_ptr<kernels::Backend>& backend = pair.backend;
+  const model::ModelConfig& c = pair.model->config;
+  std::unique_ptr<Transformer>& plain = pair.plain;
+  std::unique_ptr<Transformer>& graph = pair.graph;
   const int doc_len = 83, prompt_len = 5, steps = 24;
   std::mt19937 rng(17);
   std::vector<int32_t> tokens(doc_len + prompt_len);
