@@ -368,13 +368,16 @@ TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
   STRATA_ASSERT_OK(make_tier(cpu.get(), &plain));
   // decode_graph off for the three compared bit for bit; a fourth resident worker replays its
   // decode steps as a graph (WorkerOptions::decode_graph, the default on a GPU).
+  prometheus::Registry registry;
+  WorkerMetrics graph_metrics(&registry);  // the graph worker's
   auto make = [&](const std::string& id, kvstore::PageStore* store, kernels::Backend* be, const char* graph) {
     WorkerOptions wo;
     wo.worker_id = id;
     wo.lazy_mount = true;
     wo.device_selection = "on";
     wo.decode_graph = graph;
-    auto w = Worker::Create(wo, m, be, store, env.store.get(), nullptr);
+    auto w = Worker::Create(wo, m, be, store, env.store.get(),
+                            std::string(graph) == "off" ? nullptr : &graph_metrics);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;
   };
@@ -442,6 +445,7 @@ TEST(WorkerLazyMountGpuTest, ResidentCudaJobMatchesHostManagedCudaJob) {
               r.info.output_token_ids_size());
   EXPECT_EQ(graphed->decode_graph_captures(), 2);
   EXPECT_EQ(graphed->decode_graph_steps(), 2 * (max_tokens - 1));
+  EXPECT_EQ(graph_metrics.decode_graph_steps->Value(), static_cast<double>(2 * (max_tokens - 1)));
   EXPECT_EQ(resident->decode_graph_steps(), 0);
   EXPECT_EQ(Tokens(gr.info), Tokens(r.info));
   EXPECT_EQ(Tokens(gr2.info), Tokens(r.info));

@@ -218,6 +218,8 @@ struct WorkerMetrics {
   prometheus::Counter* selected_tokens;
   prometheus::Counter* selection_cache_lookups;
   prometheus::Counter* selection_cache_hits;
+  // strata_decode_graph_steps_total: decode steps replayed as a CUDA graph (WorkerOptions::decode_graph).
+  prometheus::Counter* decode_graph_steps;
   // strata_lazy_jobs_total{cache="host_managed"|"resident"}: lazy-mount jobs by their page cache.
   prometheus::Counter* lazy_jobs_host_managed;
   prometheus::Counter* lazy_jobs_resident;
