@@ -7,9 +7,8 @@
 #      and with each forced SelectedAttention path (STRATA_SELECTED_ATTENTION);
 #   2. compute-sanitizer on the SelectedAttention tests: memcheck (automatic path and forced
 #      16-block clusters), racecheck (automatic path);
-#   3. cuda_selected_attention_bench --phases (per-phase stamps of the cluster kernel), with the
-#      group-specialised kernels on and off (STRATA_AB_PHASES, default "1 0": values of
-#      STRATA_SELECTED_GROUP_KERNELS);
+#   3. cuda_selected_attention_bench --phases (per-phase stamps of the cluster kernel) under each
+#      variant of STRATA_AB_PHASES (as STRATA_AB_PIPES; default "- STRATA_SELECTED_GROUP_KERNELS=0");
 #   4. cuda_attention_bench --pipelines-only at 128K and 1M under each variant of STRATA_AB_PIPES
 #      (space-separated; a variant is comma-joined VAR=value settings, "-" for the defaults;
 #      default "- STRATA_SELECTED_GROUP_KERNELS=0").
@@ -50,13 +49,18 @@ done
 fi
 
 echo "== SelectedAttention alone (bf16 and fp8 pools), phases"
-for g in ${STRATA_AB_PHASES:-1 0}; do
-  echo "-- STRATA_SELECTED_GROUP_KERNELS=$g"
-  STRATA_SELECTED_GROUP_KERNELS=$g timeout 200 "$B/cuda_selected_attention_bench" --phases \
-    --only sparse "${CTX[@]}" > "$LOGS/selected_g$g.log" 2>&1
-  STRATA_SELECTED_GROUP_KERNELS=$g timeout 200 "$B/cuda_selected_attention_bench" --phases \
-    --only sinks --pool bf16 "${CTX[@]}" >> "$LOGS/selected_g$g.log" 2>&1
-  grep -E '^\| [0-9]+K|^PHASES' "$LOGS/selected_g$g.log"
+# Each variant as in STRATA_AB_PIPES below.
+i=0
+for variant in ${STRATA_AB_PHASES:-- STRATA_SELECTED_GROUP_KERNELS=0}; do
+  i=$((i + 1))
+  echo "-- ${variant}"
+  env_args=()
+  [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
+  env "${env_args[@]}" timeout 200 "$B/cuda_selected_attention_bench" --phases \
+    --only sparse "${CTX[@]}" > "$LOGS/selected_$i.log" 2>&1
+  env "${env_args[@]}" timeout 200 "$B/cuda_selected_attention_bench" --phases \
+    --only sinks --pool bf16 "${CTX[@]}" >> "$LOGS/selected_$i.log" 2>&1
+  grep -E '^\| [0-9]+K|^PHASES' "$LOGS/selected_$i.log"
 done
 
 echo "== pipelines"
