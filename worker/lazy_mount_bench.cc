@@ -4,6 +4,11 @@
 //
 //   lazy_mount_bench [--preset tiny] [--doc 32768] [--shard 4096] [--budget 2048] [--reps 3]
 //                    [--threads 1] [--tokens 1] [--modes full,lazy,lazy-dev,resident]
+//                    [--backend cpu|cuda] [--decode-graph auto|on|off]
+//
+// --backend cuda runs every worker on the CUDA backend (the plugin from $STRATA_CUDA_PLUGIN or
+// next to the binary; then the resident mode's host tier is pinned memory); --decode-graph sets
+// WorkerOptions::decode_graph of every worker (default auto: on for CUDA).
 //
 // The document is persisted once by ANCHOR prefill of --shard-token shards with an empty anchor
 // (each shard attends to itself; cheap at any length; the KV is then what the jobs read). Modes:
@@ -26,6 +31,7 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "kernels/backend_factory.h"
 #include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/local_store.h"
@@ -44,6 +50,7 @@ int Run(int argc, char** argv) {
   int64_t doc_tokens = 32768, shard = 4096;
   int budget = 2048, reps = 3, threads = 1, tokens = 1;
   std::string modes = "full,lazy,lazy-dev,resident";
+  std::string backend_name = "cpu", decode_graph = "auto";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const char* v = argv[i + 1];
@@ -55,6 +62,8 @@ int Run(int argc, char** argv) {
     else if (flag == "--threads") threads = std::atoi(v);
     else if (flag == "--tokens") tokens = std::atoi(v);
     else if (flag == "--modes") modes = v;
+    else if (flag == "--backend") backend_name = v;
+    else if (flag == "--decode-graph") decode_graph = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -74,7 +83,23 @@ int Run(int argc, char** argv) {
   if (!model::WriteRandomModel(dir + "/model", mo).ok()) return 1;
   auto model = model::LoadModel(dir + "/model");
   if (!model.ok()) return 1;
-  auto backend = kernels::MakeCpuBackend(threads);
+  std::unique_ptr<kernels::Backend> backend;
+  if (backend_name == "cpu") {
+    backend = kernels::MakeCpuBackend(threads);
+  } else if (backend_name == "cuda") {
+    kernels::BackendOptions bo;
+    bo.kind = kernels::BackendKind::kCuda;
+    auto made = kernels::MakeBackend(bo);
+    if (!made.ok()) {
+      std::fprintf(stderr, "cuda backend: %s\n", made.status().ToString().c_str());
+      return 1;
+    }
+    backend = *std::move(made);
+  } else {
+    std::fprintf(stderr, "--backend cpu|cuda\n");
+    return 2;
+  }
+  std::printf("backend %s, decode graph %s\n", backend->Name().c_str(), decode_graph.c_str());
   kvstore::LocalStoreOptions so;
   so.path = dir + "/kv";
   auto store = kvstore::LocalStore::Open(so);
@@ -87,6 +112,7 @@ int Run(int argc, char** argv) {
     WorkerOptions wo;
     wo.lazy_mount = mode != "full";
     if (mode == "lazy-dev" || mode == "resident") wo.device_selection = "on";
+    wo.decode_graph = decode_graph;
     return Worker::Create(wo, model->get(), backend.get(), pages, store->get(), nullptr);
   };
   {
