@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 #include "engine/sparse/device_policy.h"
 
@@ -473,6 +474,8 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
     }
     const absl::Status begun = be->BeginCapture(nullptr);
     if (!begun.ok()) {
+      STRATA_LOG(WARNING) << "decode_graph: capture refused (" << begun
+                          << "); one-token steps take the normal path from now on";
       graph_unavailable_ = true;
       return false;
     }
@@ -480,6 +483,9 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
     absl::StatusOr<std::unique_ptr<kernels::Graph>> graph = be->EndCapture(nullptr);
     if (!recorded.ok() || !graph.ok()) {
       // Nothing ran and no host state changed: the normal path takes this step and the next.
+      STRATA_LOG(WARNING) << "decode_graph: the step could not be recorded ("
+                          << (recorded.ok() ? graph.status() : recorded)
+                          << "); one-token steps take the normal path from now on";
       graph_unavailable_ = true;
       return false;
     }
