@@ -48,30 +48,34 @@ done
 
 fi
 
-echo "== SelectedAttention alone (bf16 and fp8 pools), phases"
-# Each variant as in STRATA_AB_PIPES below.
-i=0
-for variant in ${STRATA_AB_PHASES:-- STRATA_SELECTED_GROUP_KERNELS=0}; do
-  i=$((i + 1))
-  echo "-- ${variant}"
-  env_args=()
-  [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
-  env "${env_args[@]}" timeout 200 "$B/cuda_selected_attention_bench" --phases \
-    --only sparse "${CTX[@]}" > "$LOGS/selected_$i.log" 2>&1
-  env "${env_args[@]}" timeout 200 "$B/cuda_selected_attention_bench" --phases \
-    --only sinks --pool bf16 "${CTX[@]}" >> "$LOGS/selected_$i.log" 2>&1
-  grep -E '^\| [0-9]+K|^PHASES' "$LOGS/selected_$i.log"
-done
+# Runs `$2 <log> <env args...>` once per variant of the list $1: space-separated variants, each
+# space-free VAR=value settings joined by commas ("-" for the defaults); logs $LOGS/$3_<n>.log.
+for_each_variant() {
+  local i=0 variant env_args
+  for variant in $1; do
+    i=$((i + 1))
+    echo "-- ${variant}"
+    env_args=()
+    [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
+    "$2" "$LOGS/$3_$i.log" "${env_args[@]}"
+  done
+}
+phases() {
+  local log=$1
+  shift
+  env "$@" timeout 200 "$B/cuda_selected_attention_bench" --phases --only sparse "${CTX[@]}" > "$log" 2>&1
+  env "$@" timeout 200 "$B/cuda_selected_attention_bench" --phases --only sinks --pool bf16 "${CTX[@]}" \
+    >> "$log" 2>&1
+  grep -E '^\| [0-9]+K|^PHASES' "$log"
+}
+pipelines() {
+  local log=$1
+  shift
+  env "$@" timeout 200 "$B/cuda_attention_bench" --pipelines-only --no-sweep "${CTX[@]}" > "$log" 2>&1
+  grep -E '^PIPE|^GSTAGES' "$log" | grep -v -- '+miss'
+}
 
+echo "== SelectedAttention alone (bf16 and fp8 pools), phases"
+for_each_variant "${STRATA_AB_PHASES:-- STRATA_SELECTED_GROUP_KERNELS=0}" phases selected
 echo "== pipelines"
-# Each variant: space-free env assignments joined by commas ("-" for none).
-i=0
-for variant in ${STRATA_AB_PIPES:-- STRATA_SELECTED_GROUP_KERNELS=0}; do
-  i=$((i + 1))
-  echo "-- ${variant}"
-  env_args=()
-  [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
-  env "${env_args[@]}" timeout 200 "$B/cuda_attention_bench" --pipelines-only --no-sweep \
-    "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
-  grep -E '^PIPE|^GSTAGES' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
-done
+for_each_variant "${STRATA_AB_PIPES:-- STRATA_SELECTED_GROUP_KERNELS=0}" pipelines pipelines
