@@ -402,45 +402,89 @@ void AppendChosenPages(const int32_t* selected, int64_t k, int64_t window_first,
                pages->end());
 }
 
+MinMaxSummaryCache::MinMaxSummaryCache(kvstore::PageStore* store, kvstore::DocumentId document,
+                                       uint32_t summary_kind, int num_layers, int num_kv_heads,
+                                       int head_dim, int64_t num_pages)
+    : store_(store),
+      document_(document),
+      summary_kind_(summary_kind),
+      num_layers_(std::max(0, num_layers)),
+      num_kv_heads_(std::max(0, num_kv_heads)),
+      head_dim_(head_dim),
+      num_pages_(num_pages),
+      entries_(static_cast<size_t>(num_layers_) * num_kv_heads_) {}
+
+bool MinMaxSummaryCache::Matches(int num_layers, int num_kv_heads, int head_dim,
+                                 int64_t num_pages) const {
+  return num_layers == num_layers_ && num_kv_heads == num_kv_heads_ && head_dim == head_dim_ &&
+         num_pages == num_pages_;
+}
+
+int64_t MinMaxSummaryCache::bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_;
+}
+
+absl::StatusOr<const std::vector<float>*> MinMaxSummaryCache::Get(int layer, int kv_head) {
+  const int d = head_dim_;
+  const int64_t n = num_pages_;
+  if (layer < 0 || layer >= num_layers_ || kv_head < 0 || kv_head >= num_kv_heads_ || n <= 0 ||
+      d <= 0 || store_ == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("MinMaxSummaryCache: layer ", layer,
+                                                   ", kv head ", kv_head, " outside the shape"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);  // held while reading: one read per (layer, kv head)
+  std::vector<float>& sum = entries_[static_cast<size_t>(layer) * num_kv_heads_ + kv_head];
+  if (!sum.empty()) return &sum;
+  std::vector<kvstore::SummaryKey> keys(static_cast<size_t>(n));
+  for (int64_t p = 0; p < n; ++p) {
+    keys[p] = kvstore::SummaryKey{document_, static_cast<uint32_t>(layer),
+                                  static_cast<uint32_t>(kv_head), summary_kind_,
+                                  static_cast<uint32_t>(p)};
+  }
+  std::vector<kvstore::PageRef> got;
+  STRATA_RETURN_IF_ERROR(store_->GetSummaries(keys, &got));
+  if (got.size() != keys.size()) return absl::InternalError("MinMaxSummaryCache: short answer");
+  std::vector<float> read(static_cast<size_t>(n) * 2 * d);
+  for (int64_t p = 0; p < n; ++p) {
+    if (got[p] == nullptr || got[p]->size() != 2 * d * sizeof(float)) {
+      return absl::NotFoundError(absl::StrCat("MinMaxChooser: no minmax summary of page ", p,
+                                              " (layer ", layer, ", kv head ", kv_head, ")"));
+    }
+    std::memcpy(&read[static_cast<size_t>(p) * 2 * d], got[p]->data(), 2 * d * sizeof(float));
+  }
+  sum = std::move(read);
+  bytes_ += static_cast<int64_t>(sum.size() * sizeof(float));
+  return &sum;
+}
+
 PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
   struct State {
     MinMaxChooserOptions o;
-    std::vector<std::vector<float>> summaries;  // per (layer, kv head): [num_pages, 2 d]
+    std::shared_ptr<MinMaxSummaryCache> summaries;
   };
   auto st = std::make_shared<State>();
   st->o = options;
-  st->summaries.resize(static_cast<size_t>(std::max(0, options.num_layers)) *
-                       std::max(0, options.num_kv_heads));
+  st->summaries = options.summaries != nullptr
+                      ? options.summaries
+                      : std::make_shared<MinMaxSummaryCache>(
+                            options.store, options.document, options.summary_kind,
+                            options.num_layers, options.num_kv_heads, options.head_dim,
+                            options.num_pages);
   return [st](int layer, int kv_head, const float* q, int num_tokens, int num_q_heads,
               std::vector<int32_t>* pages) -> absl::Status {
     const MinMaxChooserOptions& o = st->o;
     const int d = o.head_dim;
     const int64_t n = o.num_pages;
     if (layer < 0 || layer >= o.num_layers || kv_head < 0 || kv_head >= o.num_kv_heads ||
-        n <= 0 || d <= 0 || o.store == nullptr || num_q_heads % o.num_kv_heads != 0) {
+        n <= 0 || d <= 0 || num_q_heads % o.num_kv_heads != 0 ||
+        (o.summaries == nullptr && o.store == nullptr) ||
+        !st->summaries->Matches(o.num_layers, o.num_kv_heads, d, n)) {
       return absl::InvalidArgumentError(absl::StrCat("MinMaxChooser: layer ", layer, ", kv head ",
                                                      kv_head, " outside the options"));
     }
-    std::vector<float>& sum = st->summaries[static_cast<size_t>(layer) * o.num_kv_heads + kv_head];
-    if (sum.empty()) {
-      std::vector<kvstore::SummaryKey> keys(static_cast<size_t>(n));
-      for (int64_t p = 0; p < n; ++p) {
-        keys[p] = kvstore::SummaryKey{o.document, static_cast<uint32_t>(layer),
-                                      static_cast<uint32_t>(kv_head), o.summary_kind,
-                                      static_cast<uint32_t>(p)};
-      }
-      std::vector<kvstore::PageRef> got;
-      STRATA_RETURN_IF_ERROR(o.store->GetSummaries(keys, &got));
-      sum.resize(static_cast<size_t>(n) * 2 * d);
-      for (int64_t p = 0; p < n; ++p) {
-        if (got[p] == nullptr || got[p]->size() != 2 * d * sizeof(float)) {
-          sum.clear();
-          return absl::NotFoundError(absl::StrCat("MinMaxChooser: no minmax summary of page ", p,
-                                                  " (layer ", layer, ", kv head ", kv_head, ")"));
-        }
-        std::memcpy(&sum[static_cast<size_t>(p) * 2 * d], got[p]->data(), 2 * d * sizeof(float));
-      }
-    }
+    STRATA_ASSIGN_OR_RETURN(const std::vector<float>* got, st->summaries->Get(layer, kv_head));
+    const std::vector<float>& sum = *got;
     // Always: page 0 and the window; the rest by soft vote.
     const int64_t window_first = std::max<int64_t>(1, n - o.window_pages);
     std::vector<double> vote(static_cast<size_t>(n), 0.0);

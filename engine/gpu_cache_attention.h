@@ -19,9 +19,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
 #include "kvstore/gpu_cache.h"
@@ -43,6 +45,32 @@ using PageChooser = std::function<absl::Status(int layer, int kv_head, const flo
 // scale * sum_i max(q_i min_i, q_i max_i). Summaries are read from the store on first use of a
 // (layer, kv head) and kept. Errors: the store's; NotFound for a missing or malformed summary;
 // InvalidArgument for a layer or head outside the options.
+// The minmax page summaries of one document, per (layer, kv head) [num_pages, 2 head_dim] f32 as the
+// worker persists them, read from `store` on first use of a (layer, kv head) and kept (a failed read
+// is retried on the next Get). Shared by the choosers of the jobs on one document and by the device
+// upload of the same summaries, so each is read from the store once. Thread-safe.
+class MinMaxSummaryCache {
+ public:
+  MinMaxSummaryCache(kvstore::PageStore* store, kvstore::DocumentId document, uint32_t summary_kind,
+                     int num_layers, int num_kv_heads, int head_dim, int64_t num_pages);
+  // The summaries of (layer, kv_head), valid as long as the cache. InvalidArgument for a layer or
+  // head outside the shape; NotFound for a missing or malformed summary; the store's errors.
+  absl::StatusOr<const std::vector<float>*> Get(int layer, int kv_head);
+  // Whether this cache serves choosers of the given shape (document pages, layers, heads, dims).
+  bool Matches(int num_layers, int num_kv_heads, int head_dim, int64_t num_pages) const;
+  int64_t bytes() const;  // summaries held
+
+ private:
+  kvstore::PageStore* store_;
+  kvstore::DocumentId document_;
+  uint32_t summary_kind_;
+  int num_layers_, num_kv_heads_, head_dim_;
+  int64_t num_pages_;
+  mutable std::mutex mu_;
+  std::vector<std::vector<float>> entries_;  // per (layer, kv head); empty until read
+  int64_t bytes_ = 0;
+};
+
 struct MinMaxChooserOptions {
   kvstore::PageStore* store = nullptr;  // not owned
   kvstore::DocumentId document;
@@ -53,6 +81,10 @@ struct MinMaxChooserOptions {
   int64_t num_pages = 0;  // document pages per (layer, kv head)
   int budget_pages = 32;
   int window_pages = 1;
+  // Where the summaries come from: null (the chooser reads `store` into its own cache), or a cache
+  // shared with other choosers of the document (its shape must match these options; `store` and
+  // `summary_kind` are then unused).
+  std::shared_ptr<MinMaxSummaryCache> summaries;
 };
 PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 

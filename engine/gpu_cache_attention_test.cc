@@ -10,6 +10,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
@@ -422,6 +423,59 @@ TEST_F(GpuCacheAttentionTest, MinMaxChooserPicksTheHighestBoundAndReportsMissing
   EXPECT_THAT(choose(0, 0, q.data(), 1, 4, &pages), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(choose(1, 0, q.data(), 1, 4, &pages),
               StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// Choosers of one document with different budgets share a MinMaxSummaryCache: each (layer, kv head)
+// is held once (bytes of one copy), and they choose what choosers with their own caches choose;
+// concurrent first reads of one entry return the same copy; a cache of another shape is refused.
+TEST_F(GpuCacheAttentionTest, ChoosersSharingASummaryCacheHoldOneCopy) {
+  const model::ModelConfig& c = model_->config;
+  MinMaxChooserOptions base = ChooserOptions(1, 1);
+  auto shared = std::make_shared<MinMaxSummaryCache>(host_.get(), document_, 1, base.num_layers,
+                                                     base.num_kv_heads, base.head_dim, base.num_pages);
+  {  // four threads read one entry first at once
+    std::vector<const std::vector<float>*> seen(4, nullptr);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        absl::StatusOr<const std::vector<float>*> got = shared->Get(1, 0);
+        if (got.ok()) seen[t] = *got;
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int t = 0; t < 4; ++t) {
+      ASSERT_NE(seen[t], nullptr);
+      EXPECT_EQ(seen[t], seen[0]);
+    }
+    EXPECT_EQ(shared->bytes(), static_cast<int64_t>(base.num_pages) * 2 * base.head_dim * 4);
+  }
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(3) * c.num_heads * c.head_dim);
+  for (float& x : q) x = nd(rng);
+  for (int budget : {1, 3}) {
+    MinMaxChooserOptions own = ChooserOptions(budget, 1), with = own;
+    with.summaries = shared;
+    with.store = nullptr;  // unused with a shared cache
+    PageChooser a = MakeMinMaxChooser(own), b = MakeMinMaxChooser(with);
+    for (int layer = 0; layer < c.num_layers; ++layer) {
+      for (int g = 0; g < c.num_kv_heads; ++g) {
+        std::vector<int32_t> pa, pb;
+        STRATA_ASSERT_OK(a(layer, g, q.data(), 3, static_cast<int>(c.num_heads), &pa));
+        STRATA_ASSERT_OK(b(layer, g, q.data(), 3, static_cast<int>(c.num_heads), &pb));
+        EXPECT_EQ(pa, pb) << "budget " << budget << " layer " << layer << " head " << g;
+      }
+    }
+  }
+  EXPECT_EQ(shared->bytes(),
+            static_cast<int64_t>(c.num_layers) * c.num_kv_heads * base.num_pages * 2 * base.head_dim * 4);
+  MinMaxChooserOptions wrong = base;
+  wrong.num_pages = base.num_pages + 1;
+  wrong.summaries = shared;
+  std::vector<int32_t> pages;
+  EXPECT_THAT(MakeMinMaxChooser(wrong)(0, 0, q.data(), 1, static_cast<int>(c.num_heads), &pages),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(shared->Get(c.num_layers, 0).status(), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST_F(GpuCacheAttentionTest, DevicePathMatchesTheWholeSequence) {

@@ -136,6 +136,8 @@ struct LazyDocumentShare::Impl {
   kernels::Backend* backend = nullptr;
   std::vector<std::unique_ptr<kernels::Buffer>> summaries;  // per layer, null until loaded
   int64_t summary_bytes = 0;
+  // The summaries on the host, read once for the jobs' host choosers and the device upload.
+  std::shared_ptr<engine::MinMaxSummaryCache> host_summaries;
   std::unique_ptr<HeldPagesStore> held;           // resident mode: what the cache's Create read
   std::unique_ptr<kvstore::GpuPageCache> cache;   // resident mode: the device-managed cache
   int64_t synced_fills = 0;                       // cache fills as of the last SyncStats
@@ -250,24 +252,11 @@ absl::StatusOr<kernels::Buffer*> LazyDocumentAttention::State::Summaries(int lay
   std::lock_guard<std::mutex> lock(sh.mu);
   if (sh.summaries[layer] != nullptr) return sh.summaries[layer].get();
   const int hkv = o.num_kv_heads, d = o.head_dim;
-  const size_t row = static_cast<size_t>(2) * d;
-  std::vector<kvstore::SummaryKey> keys(static_cast<size_t>(hkv) * num_pages);
-  for (int g = 0; g < hkv; ++g) {
-    for (int64_t p = 0; p < num_pages; ++p) {
-      keys[static_cast<size_t>(g) * num_pages + p] = kvstore::SummaryKey{
-          o.document, static_cast<uint32_t>(layer), static_cast<uint32_t>(g), o.summary_kind, static_cast<uint32_t>(p)};
-    }
-  }
-  std::vector<kvstore::PageRef> got;
-  STRATA_RETURN_IF_ERROR(o.store->GetSummaries(keys, &got));
-  if (got.size() != keys.size()) return absl::InternalError("lazy mount: short GetSummaries answer");
-  std::vector<float> host(keys.size() * row);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (got[i] == nullptr || got[i]->size() != row * sizeof(float)) {
-      return absl::NotFoundError(absl::StrCat("lazy mount: no minmax summary of page ", keys[i].index, " (layer ",
-                                              layer, ", kv head ", keys[i].kv_head, ")"));
-    }
-    std::memcpy(&host[i * row], got[i]->data(), row * sizeof(float));
+  const size_t head_floats = static_cast<size_t>(num_pages) * 2 * d;
+  std::vector<float> host(static_cast<size_t>(hkv) * head_floats);
+  for (int g = 0; g < hkv; ++g) {  // [hkv, pages, 2 d], each head read once for the share
+    STRATA_ASSIGN_OR_RETURN(const std::vector<float>* head, sh.host_summaries->Get(layer, g));
+    std::memcpy(&host[static_cast<size_t>(g) * head_floats], head->data(), head_floats * sizeof(float));
   }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> buffer, backend->Allocate(host.size() * sizeof(float)));
   STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buffer->data(), host.data(), host.size() * sizeof(float), nullptr));
@@ -378,18 +367,6 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   st->k = std::min<int64_t>(o.budget_pages, st->window_first - 1);
   st->source = std::make_unique<TierCountingStore>(o.store, o.document);
 
-  engine::MinMaxChooserOptions co;
-  co.store = o.store;
-  co.document = o.document;
-  co.summary_kind = o.summary_kind;
-  co.num_layers = o.num_layers;
-  co.num_kv_heads = o.num_kv_heads;
-  co.head_dim = o.head_dim;
-  co.num_pages = st->num_pages;
-  co.budget_pages = o.budget_pages;
-  co.window_pages = o.window_pages;
-  st->host_chooser = engine::MakeMinMaxChooser(co);
-
   const int64_t total = static_cast<int64_t>(o.num_layers) * o.num_kv_heads * st->num_pages;
   const bool device = o.device_path < 0 ? backend->Name() != "cpu" : o.device_path > 0;
   const int64_t per_call =
@@ -424,11 +401,23 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
       sh.summary_kind = o.summary_kind;
       sh.backend = backend;
       sh.summaries.resize(static_cast<size_t>(o.num_layers));
+      sh.host_summaries = std::make_shared<engine::MinMaxSummaryCache>(
+          o.store, o.document, o.summary_kind, o.num_layers, o.num_kv_heads, o.head_dim, st->num_pages);
     } else if (!(sh.document == o.document) || sh.document_tokens != o.document_tokens ||
                sh.page_size != o.page_size || sh.num_layers != o.num_layers || sh.num_kv_heads != o.num_kv_heads ||
                sh.head_dim != o.head_dim || sh.summary_kind != o.summary_kind || sh.backend != backend) {
       return absl::InvalidArgumentError("LazyDocumentAttention: the share belongs to another document or shape");
     }
+    // The host chooser (prompt chunks; every step of the host path) reads the share's summaries.
+    engine::MinMaxChooserOptions co;
+    co.num_layers = o.num_layers;
+    co.num_kv_heads = o.num_kv_heads;
+    co.head_dim = o.head_dim;
+    co.num_pages = st->num_pages;
+    co.budget_pages = o.budget_pages;
+    co.window_pages = o.window_pages;
+    co.summaries = sh.host_summaries;
+    st->host_chooser = engine::MakeMinMaxChooser(co);
     // Resident mode: the share's device-managed cache when it has one large enough for this job's
     // calls; otherwise, when the host tier holds the whole document where the device can read
     // it, a new one for the share.

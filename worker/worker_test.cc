@@ -677,9 +677,9 @@ TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
   EXPECT_EQ(res->cache_misses(), res->pages().host);
   EXPECT_GT(res->cache_hits(), 0);
   STRATA_ASSERT_OK(ref->SyncStats());  // a no-op for a host-managed cache
-  // The calls looked up no page in the host tier (fills read the held pages); only the host
-  // chooser read its own copy of the 40 summaries for the prompt chunk.
-  EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "host") - host_lookups_created, 40.0);
+  // The calls looked up nothing in the host tier: fills read the held pages, and the prompt
+  // chunk's host chooser read the summaries the setup had read (the share's MinMaxSummaryCache).
+  EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "host") - host_lookups_created, 0.0);
 }
 
 TEST_F(LazyAttentionTest, JobsSharingADocumentShareItsSummariesAndItsResidentCache) {
@@ -721,6 +721,11 @@ TEST_F(LazyAttentionTest, JobsSharingADocumentShareItsSummariesAndItsResidentCac
   STRATA_ASSERT_OK(b->SyncStats());
   EXPECT_EQ(b->pages().host, 2 * 4);  // layer 0's pages were resident; layer 1's were filled
   EXPECT_EQ(a->pages().host, 2 * 4);  // unchanged until a syncs again
+  // A prompt chunk of b: its host chooser reads the share's summaries, nothing from the store.
+  std::vector<float> qc = Queries(3, 78), oc(static_cast<size_t>(3) * hq() * d), lc(static_cast<size_t>(3) * hq());
+  STRATA_ASSERT_OK(b->AttendOnDevice(1, view(qc.data(), {3, hq(), d}), 700, view(oc.data(), {3, hq(), d}),
+                                     view(lc.data(), {3, hq()})));
+  EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "host"), lookups1);
 
   // A share is for one document and shape.
   LazyAttentionOptions other = o;
