@@ -52,10 +52,15 @@
 
 #include "base/status_macros.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/testing/bench_util.h"
 #include "kernels/cuda_backend.h"
 
 namespace strata::kernels {
 namespace {
+
+using bench::Gate;
+using bench::Median;
+using bench::MustAllocate;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kPage = 64, kBudget = 2048;
 int g_warmup = 5, g_runs = 50;
@@ -63,43 +68,13 @@ bool g_ncu = false;
 bool g_sweep = true, g_pipelines = true, g_only_pipelines = false;
 std::string g_policy;  // --policy quest|tokenselect: only that pipeline
 
-#define BENCH_CHECK(cond, what)                          \
-  do {                                                   \
-    if (!(cond)) {                                       \
-      std::fprintf(stderr, "failed: %s\n", what);        \
-      std::exit(1);                                      \
-    }                                                    \
-  } while (0)
-
-// Holds a stream (cudaLaunchHostFunc) until Open(): the calls enqueued behind it then run back
-// to back on the device.
-struct Gate {
-  std::atomic<bool> open{false};
-  static void CUDART_CB Wait(void* self) {
-    auto* g = static_cast<Gate*>(self);
-    while (!g->open.load(std::memory_order_acquire)) {
-    }
-  }
-};
-
 double g_dense_us = 0;  // the dense row's gpu_us for the current context
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 // ---- Device-resident pipelines ---------------------------------------------------------------
 
 constexpr int kSinks = 64, kWindow = 256, kSegPages = 16, kTwoLevelMinPages = 512;
 constexpr int kMinSegments = 128, kSegmentFactor = 4, kCandidateFactor = 4;
 constexpr double kHbmBytesPerSecond = 3.35e12;
-
-std::unique_ptr<Buffer> MustAllocate(Backend& b, size_t bytes) {
-  auto r = b.Allocate(std::max<size_t>(bytes, 256));
-  BENCH_CHECK(r.ok(), "allocation");
-  return std::move(r).value();
-}
 
 // Runs one layer's selection + attention for `policy` ("quest" or "tokenselect") over a context
 // of `len` tokens (query at position len - 1) and returns the bytes it must read.

@@ -27,26 +27,16 @@
 
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/internal/flash_prefill.h"
+#include "kernels/cuda/testing/bench_util.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/tensor.h"
 
 namespace strata::kernels {
 namespace {
 
+using bench::Median;
+
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kPage = 64;
-
-#define BENCH_CHECK(cond, what)                   \
-  do {                                            \
-    if (!(cond)) {                                \
-      std::fprintf(stderr, "failed: %s\n", what); \
-      std::exit(1);                               \
-    }                                             \
-  } while (0)
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 int Run(int argc, char** argv) {
   std::vector<int64_t> contexts;

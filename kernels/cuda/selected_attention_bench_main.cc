@@ -37,10 +37,15 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/internal/launch.h"
+#include "kernels/cuda/testing/bench_util.h"
 #include "kernels/cuda_backend.h"
 
 namespace strata::kernels {
 namespace {
+
+using bench::Gate;
+using bench::Median;
+using bench::MustAllocate;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kPage = 64;
 constexpr int kSinks = 64, kWindow = 256, kMiddlePages = 32;
@@ -49,34 +54,6 @@ bool g_ncu = false;
 bool g_contiguous = false;
 bool g_phases = false;
 std::string g_only, g_pool;
-
-#define BENCH_CHECK(cond, what)                   \
-  do {                                            \
-    if (!(cond)) {                                \
-      std::fprintf(stderr, "failed: %s\n", what); \
-      std::exit(1);                               \
-    }                                             \
-  } while (0)
-
-struct Gate {
-  std::atomic<bool> open{false};
-  static void CUDART_CB Wait(void* self) {
-    auto* g = static_cast<Gate*>(self);
-    while (!g->open.load(std::memory_order_acquire)) {
-    }
-  }
-};
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-std::unique_ptr<Buffer> MustAllocate(Backend& b, size_t bytes) {
-  auto r = b.Allocate(std::max<size_t>(bytes, 256));
-  BENCH_CHECK(r.ok(), "allocation");
-  return std::move(r).value();
-}
 
 struct Result {
   double cold_us, b2b_us, graph_us;
