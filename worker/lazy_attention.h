@@ -72,9 +72,11 @@
 
 namespace strata::worker {
 
-// What the lazy jobs on one document share on the device, kept by the worker between jobs
-// (WorkerOptions::lazy_shared_documents): the layers' minmax summaries in backend memory (each
-// uploaded on first use by any job) and, in resident mode, the device-managed page cache with its
+// What the lazy jobs on one document share, kept by the worker between jobs
+// (WorkerOptions::lazy_shared_documents): the minmax summaries read once from the store into host
+// memory (engine::MinMaxSummaryCache, for the jobs' host choosers and the upload), the layers'
+// summaries in backend memory (each uploaded on first use by any job) and, in resident mode, the
+// device-managed page cache with its
 // references to the document's host-tier pages, so that a later question on the document neither
 // re-uploads summaries nor re-reads the page table, and finds the pages earlier questions left in
 // the slots. Host-managed caches stay per job. Thread-safe (one mutex); jobs using it must

@@ -153,8 +153,9 @@ struct WorkerOptions {
   // trip (worker/lazy_attention.h, resident mode). Default false.
   bool lazy_mount = false;
   int64_t lazy_cache_pages = 8192;
-  // Documents whose lazy-job device state (worker/lazy_attention.h LazyDocumentShare: summaries in
-  // backend memory, the resident mode's device-managed cache) the worker keeps while no job uses
+  // Documents whose lazy-job state (worker/lazy_attention.h LazyDocumentShare: summaries in
+  // backend memory and one host copy for the choosers, the resident mode's device-managed cache)
+  // the worker keeps while no job uses
   // them, most recently used first, so that the next question on the document starts warm
   // (>= 0; 0: every job builds its own). Jobs running on a document share its state either way
   // when this is > 0. Default 1.
