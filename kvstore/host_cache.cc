@@ -1,35 +1,21 @@
 #include "kvstore/host_cache.h"
 
-#include <cstring>
-
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
+#include "kvstore/internal/keys.h"
 
 namespace strata::kvstore {
-namespace {
-
-void Put32(uint8_t* at, uint32_t v) { std::memcpy(at, &v, sizeof(v)); }
-
-}  // namespace
-
 HostCache::Key HostCache::PageCacheKey(const PageKey& k) {
   Key key;
   key.bytes[0] = 'p';
-  std::memcpy(&key.bytes[1], k.document.bytes.data(), 16);
-  Put32(&key.bytes[17], k.layer);
-  Put32(&key.bytes[21], k.kv_head);
-  Put32(&key.bytes[25], k.page_index);
+  internal::WritePageKey(k, &key.bytes[1]);
   return key;
 }
 
 HostCache::Key HostCache::SummaryCacheKey(const SummaryKey& k) {
   Key key;
   key.bytes[0] = 's';
-  std::memcpy(&key.bytes[1], k.document.bytes.data(), 16);
-  Put32(&key.bytes[17], k.layer);
-  Put32(&key.bytes[21], k.kv_head);
-  Put32(&key.bytes[25], k.kind);
-  Put32(&key.bytes[29], k.index);
+  internal::WriteSummaryKey(k, &key.bytes[1]);
   return key;
 }
 

@@ -16,12 +16,13 @@
 #include <cstdint>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include <mutex>
+#include "kvstore/internal/keys.h"
 #include "kvstore/metrics.h"
 #include "kvstore/page_store.h"
 
@@ -69,11 +70,10 @@ class HostCache final : public PageStore {
 
  private:
   explicit HostCache(const HostCacheOptions& options);
-  // Inserts `data`, copied into `allocator` memory unless it is already there (null: kept as is).
-  // A page's or summary's key in the map: a tag byte, the document and four 32-bit fields, in a
-  // fixed array (no allocation per lookup).
+  // A page's or summary's key in the map: a tag byte ('p' / 's'), then the store's key bytes
+  // (kvstore/internal/keys.h), in a fixed array (no allocation per lookup).
   struct Key {
-    std::array<uint8_t, 33> bytes{};
+    std::array<uint8_t, 1 + internal::kSummaryKeySize> bytes{};
     bool operator==(const Key& o) const { return bytes == o.bytes; }
     template <typename H>
     friend H AbslHashValue(H h, const Key& k) {
@@ -82,6 +82,7 @@ class HostCache final : public PageStore {
   };
   static Key PageCacheKey(const PageKey& k);
   static Key SummaryCacheKey(const SummaryKey& k);
+  // Inserts `data`, copied into `allocator` memory unless it is already there (null: kept as is).
   absl::Status Insert(const Key& key, const DocumentId& doc, const PageRef& data,
                       PageAllocator* allocator);
   void Lookup(const std::vector<Key>& keys, std::vector<PageRef>* out);

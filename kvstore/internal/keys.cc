@@ -1,5 +1,7 @@
 #include "kvstore/internal/keys.h"
 
+#include <cstring>
+
 namespace strata::kvstore::internal {
 namespace {
 
@@ -21,18 +23,37 @@ void SummarySuffix(std::string* s, const SummaryKey& k) {
   PutU32(s, k.kind);
   PutU32(s, k.index);
 }
+uint8_t* WriteU16(uint8_t* at, uint32_t v) {
+  at[0] = static_cast<uint8_t>((v >> 8) & 0xff);
+  at[1] = static_cast<uint8_t>(v & 0xff);
+  return at + 2;
+}
+uint8_t* WriteU32(uint8_t* at, uint32_t v) {
+  for (int shift = 24; shift >= 0; shift -= 8) *at++ = static_cast<uint8_t>((v >> shift) & 0xff);
+  return at;
+}
 
 }  // namespace
 
+void WritePageKey(const PageKey& k, uint8_t* out) {
+  std::memcpy(out, k.document.bytes.data(), 16);
+  WriteU32(WriteU16(WriteU16(out + 16, k.layer), k.kv_head), k.page_index);
+}
+
+void WriteSummaryKey(const SummaryKey& k, uint8_t* out) {
+  std::memcpy(out, k.document.bytes.data(), 16);
+  WriteU32(WriteU32(WriteU16(WriteU16(out + 16, k.layer), k.kv_head), k.kind), k.index);
+}
+
 std::string PageKeyBytes(const PageKey& k) {
-  std::string s(k.document.AsBytes());
-  PageSuffix(&s, k);
+  std::string s(kPageKeySize, '\0');
+  WritePageKey(k, reinterpret_cast<uint8_t*>(s.data()));
   return s;
 }
 
 std::string SummaryKeyBytes(const SummaryKey& k) {
-  std::string s(k.document.AsBytes());
-  SummarySuffix(&s, k);
+  std::string s(kSummaryKeySize, '\0');
+  WriteSummaryKey(k, reinterpret_cast<uint8_t*>(s.data()));
   return s;
 }
 

@@ -11,14 +11,23 @@
 #ifndef STRATA_KVSTORE_INTERNAL_KEYS_H_
 #define STRATA_KVSTORE_INTERNAL_KEYS_H_
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "kvstore/page_store.h"
 
 namespace strata::kvstore::internal {
 
+inline constexpr size_t kPageKeySize = 24;
+inline constexpr size_t kSummaryKeySize = 28;
+
 std::string PageKeyBytes(const PageKey& k);
 std::string SummaryKeyBytes(const SummaryKey& k);
+// The same bytes written to out[0, kPageKeySize) / out[0, kSummaryKeySize), no allocation (the host
+// cache's fixed-size map keys).
+void WritePageKey(const PageKey& k, uint8_t* out);
+void WriteSummaryKey(const SummaryKey& k, uint8_t* out);
 std::string PageIndexKey(const PageKey& k);
 std::string SummaryIndexKey(const SummaryKey& k);
 // Prefixes of one document's index entries ('p' pages, 's' summaries).
