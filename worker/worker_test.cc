@@ -300,13 +300,18 @@ class LazyMountTest : public WorkerTest {
     r.mutable_shard()->set_end_page(10);
     STRATA_ASSERT_OK(worker_->PrefillShard(r, nullptr, nullptr));
   }
-  std::unique_ptr<Worker> LazyWorker(int64_t cache_pages) {
+  // A lazy-mount worker reading pages through `pages` (null: the store) with `device_selection`.
+  std::unique_ptr<Worker> LazyWorker(int64_t cache_pages, kvstore::PageStore* pages = nullptr,
+                                     const std::string& device_selection = "auto", WorkerMetrics* metrics = nullptr,
+                                     const std::string& id = "lazy") {
     WorkerOptions wo;
-    wo.worker_id = "lazy";
+    wo.worker_id = id;
     wo.prefill_chunk_size = 64;
     wo.lazy_mount = true;
     wo.lazy_cache_pages = cache_pages;
-    auto w = Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(), nullptr);
+    wo.device_selection = device_selection;
+    auto w = Worker::Create(wo, model_.get(), backend_.get(), pages != nullptr ? pages : store_.get(), store_.get(),
+                            metrics);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;
   }
@@ -457,13 +462,8 @@ TEST_F(LazyMountTest, HostTierMissIsReadFromTheStoreAndKeptInTheHostTier) {
   kvstore::TieredStore* tiered = tier.tiered.get();
   WorkerMetrics wm(&registry_);
   wm.kv = kv_metrics_.get();
-  WorkerOptions wo;
-  wo.worker_id = "lazy-tiered";
-  wo.prefill_chunk_size = 64;
-  wo.lazy_mount = true;
-  wo.lazy_cache_pages = 8192;
-  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), backend_.get(),
-                                                                        tiered, store_.get(), &wm));
+  std::unique_ptr<Worker> w = LazyWorker(8192, tiered, "auto", &wm, "lazy-tiered");
+  ASSERT_NE(w, nullptr);
   const double lookups0 = TierMetric(registry_, "strata_kv_lookups_total", "gpu");
   const int64_t entries0 = host->num_entries();
   const v1::JobInfo a = Run(w.get(), Quest("tiered-1", 64, 64, 4));
@@ -861,13 +861,8 @@ TEST_F(LazyMountTest, ConcurrentResidentJobsOnOneDocumentShareItsCacheAndKeepThe
   // it gives alone.
   const int d = static_cast<int>(model_->config.head_dim);
   HostTierFixture tier = MakeHostTier(store_.get(), backend_.get(), d, nullptr, DocumentPages());
-  WorkerOptions wo;
-  wo.worker_id = "lazy-resident-concurrent";
-  wo.prefill_chunk_size = 64;
-  wo.lazy_mount = true;
-  wo.device_selection = "on";
-  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), backend_.get(),
-                                                                        tier.tiered.get(), store_.get(), nullptr));
+  std::unique_ptr<Worker> w = LazyWorker(8192, tier.tiered.get(), "on", nullptr, "lazy-resident-concurrent");
+  ASSERT_NE(w, nullptr);
   const int kJobs = 3, kTokens = 12;
   auto request = [&](int j) {
     v1::RunJobRequest r = Quest("concurrent-" + std::to_string(j), 64 * (1 + j), 64, kTokens);
