@@ -188,6 +188,8 @@ struct LazyDocumentAttention::State {
   std::vector<int32_t> host_selected;
   std::vector<float> q_host;
 
+  // Whether a choice has middle pages to pick: candidates [1, window_first) and a budget.
+  bool HasMiddle() const { return k > 0 && window_first > 1; }
   int32_t PageTokens(int64_t p) const {
     return static_cast<int32_t>(std::min<int64_t>(o.page_size, o.document_tokens - p * o.page_size));
   }
@@ -282,7 +284,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
     const size_t floats = static_cast<size_t>(num_tokens) * hq * d;
     q_host.resize(floats);
     STRATA_RETURN_IF_ERROR(backend->CopyToHost(q_host.data(), q.data, floats * sizeof(float), nullptr));
-    const bool middle = k > 0 && window_first > 1;
+    const bool middle = HasMiddle();
     host_selected.assign(static_cast<size_t>(hkv) * std::max<int64_t>(k, 0), -1);
     std::vector<int32_t> chosen;
     for (int g = 0; g < hkv; ++g) {
@@ -295,9 +297,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
       }
     }
     if (middle) {
-      if (selected == nullptr) {
-        STRATA_ASSIGN_OR_RETURN(selected, backend->Allocate(static_cast<size_t>(hkv) * k * sizeof(int32_t)));
-      }
+      STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
       STRATA_RETURN_IF_ERROR(backend->CopyToDevice(selected->data(), host_selected.data(),
                                                    host_selected.size() * sizeof(int32_t), nullptr));
     }
@@ -317,7 +317,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
   }
   const int64_t n = window_first - 1;  // middle candidates [1, window_first)
   const int group = hq / hkv;
-  if (n > 0 && k > 0) {
+  if (HasMiddle()) {
     STRATA_ASSIGN_OR_RETURN(kernels::Buffer* layer_summaries, Summaries(layer));
     STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
     STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
@@ -479,7 +479,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     };
     if (st->managed) {
       // Every layer's summaries up front: a decode step then queues device work only.
-      if (st->k > 0 && st->window_first > 1) {
+      if (st->HasMiddle()) {
         for (int l = 0; l < o.num_layers; ++l) STRATA_RETURN_IF_ERROR(st->Summaries(l).status());
       }
     }
@@ -535,17 +535,15 @@ absl::Status LazyDocumentAttention::AttendOnDevice(int layer, const kernels::Ten
 absl::Status LazyDocumentAttention::PrepareCapture(int num_q_heads) {
   State& s = *state_;
   if (!s.managed) return absl::FailedPreconditionError("LazyDocumentAttention: graph mode needs resident mode");
-  if (s.window_first - 1 > 0 && s.k > 0) {
-    for (int l = 0; l < s.o.num_layers; ++l) STRATA_RETURN_IF_ERROR(s.Summaries(l).status());
-    STRATA_RETURN_IF_ERROR(s.EnsureChooserBuffers(num_q_heads));
-  }
-  return absl::OkStatus();
+  // Create uploaded every layer's summaries (resident mode); the chooser's buffers are sized by
+  // the query heads, known only here.
+  return s.HasMiddle() ? s.EnsureChooserBuffers(num_q_heads) : absl::OkStatus();
 }
 
 void LazyDocumentAttention::OnReplayedStep(int64_t /*q_begin*/) {
   State& s = *state_;
   for (int l = 0; l < s.o.num_layers; ++l) {
-    s.CountOneToken(s.window_first - 1 > 0 && s.k > 0);
+    s.CountOneToken(s.HasMiddle());
     ++s.device_choices;
   }
 }

@@ -143,8 +143,8 @@ class LazyDocumentAttention : public engine::ExternalAttention {
   bool CapturableOnDevice() const override;
   absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
                               const kernels::TensorView& out, const kernels::TensorView& lse) override;
-  // Graph mode (resident mode only): PrepareCapture loads every layer's summaries into backend
-  // memory and allocates the device chooser's buffers; OnReplayedStep counts a replayed one-token
+  // Graph mode (resident mode only; Create has uploaded every layer's summaries): PrepareCapture
+  // allocates the device chooser's buffers; OnReplayedStep counts a replayed one-token
   // step as AttendOnDevice counts one (counters(), device_choices()) for every layer.
   absl::Status PrepareCapture(int num_q_heads) override;
   void OnReplayedStep(int64_t q_begin) override;
