@@ -432,8 +432,7 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
   }
   // The graph records the cache's pools and the hook's device buffers: keyed by their lifetimes
   // (ids are never reused, addresses may be).
-  std::vector<int64_t> key = {static_cast<int64_t>(cache->id()),
-                              external == nullptr ? 0 : static_cast<int64_t>(external->instance_id())};
+  const DecodeGraphKey key{cache->id(), external == nullptr ? 0 : external->instance_id()};
   bool captured = false;
   auto found = std::find_if(graphs_.begin(), graphs_.end(),
                             [&key](const DecodeGraph& e) { return e.key == key; });
@@ -445,7 +444,7 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
       STRATA_ASSIGN_OR_RETURN(step_, be->Allocate(4 * sizeof(int32_t)));
     }
     DecodeGraph entry;
-    entry.key = std::move(key);
+    entry.key = key;
     const int64_t hkv = config_.num_kv_heads, pages = cache->pages_per_head();
     std::vector<int32_t> table(static_cast<size_t>(hkv * pages));
     for (int64_t g = 0; g < hkv; ++g) {
@@ -500,10 +499,7 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
                            static_cast<int32_t>(index + 1)};
   STRATA_RETURN_IF_ERROR(be->CopyToDevice(step_->data(), step, sizeof(step), nullptr));
   STRATA_RETURN_IF_ERROR(graph->Replay(nullptr));
-  if (!fo.logits_on_device) {
-    STRATA_RETURN_IF_ERROR(
-        be->CopyToHost(logits_out, logits_->data(), config_.vocab_size * sizeof(float), nullptr));
-  }
+  // Host bookkeeping while the step runs on the device, then the logits.
   STRATA_RETURN_IF_ERROR(cache->CommitAppend(1));
   for (int layer = 0; layer < co.num_layers; ++layer) {
     STRATA_RETURN_IF_ERROR(policy->OnAppend(layer, *cache, index, index + 1));
@@ -513,6 +509,10 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
                                           *cache, &selection_));
   }
   if (external != nullptr && !captured) external->OnReplayedStep(pos);
+  if (!fo.logits_on_device) {
+    STRATA_RETURN_IF_ERROR(
+        be->CopyToHost(logits_out, logits_->data(), config_.vocab_size * sizeof(float), nullptr));
+  }
   ++graph_steps_;
   return true;
 }

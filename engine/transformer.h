@@ -309,10 +309,16 @@ class Transformer {
   // decode_graph state: step_ holds int32 {token id, position, cache index, cache index + 1} in
   // backend memory (shared by every graph: replays are serial on the default stream). graphs_: the
   // captured steps of the most recently used caches (least recent first, at most
-  // kMaxDecodeGraphs), each for the cache whose pools, options and external hook `key` lists,
-  // with that cache's slot layout [num_kv_heads, pages_per_head] in `page_table`.
+  // kMaxDecodeGraphs), each for the cache and external hook `key` names (by ids never reused), with
+  // that cache's slot layout [num_kv_heads, pages_per_head] in `page_table`.
+  struct DecodeGraphKey {
+    uint64_t cache_id = 0, external_id = 0;  // KvCache::id(), ExternalAttention::instance_id() or 0
+    bool operator==(const DecodeGraphKey& o) const {
+      return cache_id == o.cache_id && external_id == o.external_id;
+    }
+  };
   struct DecodeGraph {
-    std::vector<int64_t> key;
+    DecodeGraphKey key;
     std::unique_ptr<kernels::Buffer> page_table;
     std::unique_ptr<kernels::Graph> graph;
   };
