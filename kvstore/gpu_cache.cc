@@ -14,6 +14,21 @@ namespace strata::kvstore {
 
 namespace {
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// An fp8 page as the bf16 page of its dequantised K and V (fp8 * scale, rounded to bf16).
+absl::StatusOr<PageRef> Fp8PageAsBf16(absl::string_view page) {
+  STRATA_ASSIGN_OR_RETURN(PageHeader h, ParsePageHeader(page));
+  PageShape shape = h.shape;
+  shape.dtype = kernels::DType::kBF16;
+  const int64_t elems = static_cast<int64_t>(shape.page_size) * shape.head_dim;
+  std::vector<uint16_t> k(static_cast<size_t>(elems)), v(k.size());
+  STRATA_RETURN_IF_ERROR(PageToBf16(page, k.data(), v.data()));
+  STRATA_ASSIGN_OR_RETURN(
+      std::string encoded,
+      EncodePage(shape, kernels::TensorView(k.data(), kernels::DType::kBF16, {shape.page_size, shape.head_dim}),
+                 kernels::TensorView(v.data(), kernels::DType::kBF16, {shape.page_size, shape.head_dim})));
+  return PageBuffer::Copy(encoded);
+}
 }  // namespace
 
 absl::Status GpuCacheOptions::Validate() const {
@@ -347,7 +362,6 @@ absl::StatusOr<std::vector<PageRef>> GpuPageCache::FetchFromSource(
       pool_dtype_ = h.shape.dtype;
       pool_dtype_known_ = true;
     }
-    // A host-managed cache's pools are bf16: its fp8 pages are dequantised into the staging.
     if (options_.device_managed && h.shape.dtype != pool_dtype_) {
       return absl::FailedPreconditionError(
           absl::StrCat("gpu cache: a ", kernels::DTypeName(h.shape.dtype), " page among ",
@@ -357,6 +371,10 @@ absl::StatusOr<std::vector<PageRef>> GpuPageCache::FetchFromSource(
       return absl::FailedPreconditionError(
           absl::StrCat("gpu cache: source page of ", h.shape.page_size, " x ", h.shape.head_dim,
                        ", cache pages are ", options_.page_size, " x ", options_.head_dim));
+    }
+    if (pool_dtype_ == kernels::DType::kBF16 && h.shape.dtype == kernels::DType::kFP8E4M3) {
+      // A host-managed cache's pools are bf16: the page dequantised with its scales, as a bf16 page.
+      STRATA_ASSIGN_OR_RETURN(pages[i], Fp8PageAsBf16(pages[i]->view()));
     }
   }
   return pages;
@@ -455,15 +473,7 @@ absl::Status GpuPageCache::Fill(const std::vector<int64_t>& ids,
       held.push_back(s);
       fence_[s] = issued_seq_ + 1;
       const absl::string_view page = pages[i]->view();
-      if (PageKBytes(page).size() != half_bytes_) {
-        // An fp8 page in bf16 pools (FetchFromSource checked the shape and that the dtype is
-        // bf16 or fp8, so a K half of another size is fp8): K and V decoded with the page's
-        // scales, rounded to bf16.
-        char* to = dst + static_cast<size_t>(np) * page_bytes_;
-        PageToBf16(page, reinterpret_cast<uint16_t*>(to), reinterpret_cast<uint16_t*>(to + half_bytes_))
-            .IgnoreError();
-        sources[np] = to;
-      } else if (options_.in_place_allocator != nullptr &&
+      if (options_.in_place_allocator != nullptr &&
                  pages[i]->allocator() == options_.in_place_allocator) {
         // K and V lie back to back after the header (page_format.h): read them where they are.
         sources[np] = PageKBytes(page).data();

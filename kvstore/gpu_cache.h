@@ -47,9 +47,9 @@
 // counters as of the last SyncDeviceStats().
 //
 // Not yet: one cache serves one document (a worker with several documents needs one per document
-// or a shared pool); a host-managed cache dequantises fp8 pages into bf16 staging (host work, bf16
-// bytes over PCIe, never read in place; a device-managed one keeps them as fp8 with per-slot
-// scales);
+// or a shared pool); a host-managed cache dequantises each fp8 page it fetches into a bf16 page
+// (host work and a copy, bf16 bytes over PCIe, never read in place; a device-managed one keeps
+// them as fp8 with per-slot scales);
 // waits are host-side Synchronize calls on `stream` (no events between streams).
 //
 // Thread-safe: every method takes one mutex, and backend calls are made under it (so one thread
