@@ -13,30 +13,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "kernels/cpu/internal/checks.h"
 
 namespace strata::kernels {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Loads row `row` (head_dim elements) of a pool as f32 into dst; returns a pointer to f32 data
-// (the pool itself for f32 pools, dst otherwise). fp8 elements are dequantised: stored * scale.
-inline const float* LoadRow(const TensorView& pool, int64_t row, int head_dim, float* dst,
-                            float scale) {
-  if (pool.dtype == DType::kF32) return pool.As<const float>() + row * head_dim;
-  if (pool.dtype == DType::kFP8E4M3) {
-    const uint8_t* src = pool.As<const uint8_t>() + row * head_dim;
-    for (int i = 0; i < head_dim; ++i) dst[i] = FP8E4M3ToF32(src[i]) * scale;
-    return dst;
-  }
-  // bf16 -> f32 is exact: the 16 bits become the high half of the f32.
-  const uint16_t* src = pool.As<const uint16_t>() + row * head_dim;
-  for (int i = 0; i < head_dim; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(&dst[i], &bits, sizeof(float));
-  }
-  return dst;
-}
 
 // q . k with 8 independent partial sums (lets the compiler vectorise without reassociating a
 // single chain); the result differs from a sequential sum only by f32 rounding.
@@ -173,7 +155,7 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
         const int64_t base = static_cast<int64_t>(s.slot) * page_size + s.offset;
         float span_max = kNegInf;
         for (int j = 0; j < n; ++j) {
-          const float* kr = LoadRow(p.k_pool, base + j, head_dim, kbuf.data(), p.k_scale);
+          const float* kr = cpu_internal::LoadPoolRow(p.k_pool, base + j, head_dim, kbuf.data(), p.k_scale);
           scores[j] = Dot(qr, kr, head_dim) * p.scale;
           if (scores[j] > span_max) span_max = scores[j];
         }
@@ -185,7 +167,7 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
         for (int j = 0; j < n; ++j) {
           const float w = std::exp(scores[j] - new_m);
           l += w;
-          const float* vr = LoadRow(p.v_pool, base + j, head_dim, vbuf.data(), p.v_scale);
+          const float* vr = cpu_internal::LoadPoolRow(p.v_pool, base + j, head_dim, vbuf.data(), p.v_scale);
           for (int i = 0; i < head_dim; ++i) acc[i] += w * vr[i];
         }
         m = new_m;

@@ -29,24 +29,6 @@ float KvAt(const TensorView& pool, int64_t i) {
   return pool.As<const float>()[i];
 }
 
-// SelectedAttention's row `row` ([d] elements) of a pool as f32: bf16 widened, f32 copied, fp8
-// pools read as stored * scale; the dtype is looked at once per row.
-void RowToF32(const TensorView& pool, int64_t row, int64_t d, float scale, float* out) {
-  const int64_t at = row * d;
-  if (pool.dtype == DType::kBF16) {
-    const uint16_t* src = pool.As<const uint16_t>() + at;
-    for (int64_t e = 0; e < d; ++e) {
-      const uint32_t bits = static_cast<uint32_t>(src[e]) << 16;
-      std::memcpy(&out[e], &bits, sizeof(float));
-    }
-  } else if (pool.dtype == DType::kFP8E4M3) {
-    const uint8_t* src = pool.As<const uint8_t>() + at;
-    for (int64_t e = 0; e < d; ++e) out[e] = FP8E4M3ToF32(src[e]) * scale;
-  } else {
-    std::memcpy(out, pool.As<const float>() + at, sizeof(float) * d);
-  }
-}
-
 // Pool row of token t of KV head g, or -1 when its page or slot is outside the table or pool.
 int64_t RowOf(const TensorView& table, const TensorView& pool, int g, int64_t t) {
   const int64_t page_size = pool.dim(1);
@@ -372,6 +354,7 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
   {
   std::vector<int64_t> rows;
   std::vector<float> s, acc(d), kf, vf;
+  std::vector<const float*> krow, vrow;
 #pragma omp for schedule(static)
   for (int g = 0; g < hkv; ++g) {
     rows.clear();
@@ -386,12 +369,14 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
     }
     for (int64_t t = p.suffix_begin; t < p.suffix_end; ++t) add(t);
     s.resize(rows.size());
-    // The group's rows as scaled f32, converted once for its query heads.
+    // The group's rows as scaled f32, converted once for its query heads (f32 pools: in place).
     kf.resize(rows.size() * d);
     vf.resize(rows.size() * d);
+    krow.resize(rows.size());
+    vrow.resize(rows.size());
     for (size_t r = 0; r < rows.size(); ++r) {
-      RowToF32(p.k_pool, rows[r], d, k_scale_of(rows[r]), &kf[r * d]);
-      RowToF32(p.v_pool, rows[r], d, v_scale_of(rows[r]), &vf[r * d]);
+      krow[r] = cpu_internal::LoadPoolRow(p.k_pool, rows[r], static_cast<int>(d), &kf[r * d], k_scale_of(rows[r]));
+      vrow[r] = cpu_internal::LoadPoolRow(p.v_pool, rows[r], static_cast<int>(d), &vf[r * d], v_scale_of(rows[r]));
     }
     for (int j = 0; j < group; ++j) {
       const int h = g * group + j;
@@ -399,7 +384,7 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       float m = kNegInf;
       for (size_t r = 0; r < rows.size(); ++r) {
         float dot = 0.0f;
-        const float* kr = &kf[r * d];
+        const float* kr = krow[r];
         for (int64_t e = 0; e < d; ++e) dot += qh[e] * kr[e];
         s[r] = p.scale * dot;
         m = std::max(m, s[r]);
@@ -415,7 +400,7 @@ absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
       for (size_t r = 0; r < rows.size(); ++r) {
         const float w = std::exp(s[r] - m);
         l += w;
-        const float* vr = &vf[r * d];
+        const float* vr = vrow[r];
         for (int64_t e = 0; e < d; ++e) acc[e] += w * vr[e];
       }
       for (int64_t e = 0; e < d; ++e) o[e] = static_cast<float>(acc[e] / l);

@@ -64,6 +64,25 @@ inline absl::Status CheckDim(const TensorView& v, int i, int64_t want, const cha
   return absl::OkStatus();
 }
 
+// Loads row `row` (head_dim elements) of a KV pool (f32|bf16|fp8) as f32 into dst; returns a pointer to f32 data
+// (the pool itself for f32 pools, dst otherwise). fp8 elements are dequantised: stored * scale.
+inline const float* LoadPoolRow(const TensorView& pool, int64_t row, int head_dim, float* dst,
+                            float scale) {
+  if (pool.dtype == DType::kF32) return pool.As<const float>() + row * head_dim;
+  if (pool.dtype == DType::kFP8E4M3) {
+    const uint8_t* src = pool.As<const uint8_t>() + row * head_dim;
+    for (int i = 0; i < head_dim; ++i) dst[i] = FP8E4M3ToF32(src[i]) * scale;
+    return dst;
+  }
+  // bf16 -> f32 is exact: the 16 bits become the high half of the f32.
+  const uint16_t* src = pool.As<const uint16_t>() + row * head_dim;
+  for (int i = 0; i < head_dim; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&dst[i], &bits, sizeof(float));
+  }
+  return dst;
+}
+
 // Converts `n` elements starting at element `offset` of a float tensor (f32|bf16|f16) to f32.
 inline void LoadF32(const TensorView& v, int64_t offset, int64_t n, float* dst) {
   const char* base = static_cast<const char*>(v.data) + offset * static_cast<int64_t>(DTypeSize(v.dtype));
