@@ -1189,47 +1189,67 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
   const int qk_t = tid / T::kThreadsPerKey, qk_p = tid % T::kThreadsPerKey;
   const int pv_c = tid % T::kChunks, pv_slice = tid / T::kChunks;
 
-  // Scores of key qk_t of stage `st` against every head of the group into p_s[h][pofs + qk_t]
-  // (the key's chunks loaded first).
-  auto score_stage = [&](int st, int pofs) {
-    const unsigned char* kt = kbuf + st * T::kTileBytes + qk_t * T::kRowBytes;
-    float kf[T::kChunksPerThread][8];
+  // Scores of key qk_t of stages st0 + s (s < min(NS, count)) against every head of the group
+  // into p_s[h][s * pofs_step + qk_t]; each q chunk is read from shared memory once for the NS
+  // stages (shared-memory bandwidth, not FMAs, bounds this step). NS: a std::integral_constant.
+  auto score_stages = [&](auto ns, int st0, int count, int pofs_step) {
+    constexpr int NS = decltype(ns)::value;
+    float sc[NS][kMaxG];
+#pragma unroll
+    for (int st = 0; st < NS; ++st) {
+#pragma unroll
+      for (int h = 0; h < kMaxG; ++h) sc[st][h] = 0.0f;
+    }
 #pragma unroll
     for (int j = 0; j < T::kChunksPerThread; ++j) {
       const int c = qk_p + T::kThreadsPerKey * j;
-      Unpack8<KV>(LoadShared8<KV>(kt + (c ^ T::Swizzle(qk_t)) * T::kChunkBytes), kf[j]);
-    }
-    float s[kMaxG];
+      float kf[NS][8];
 #pragma unroll
-    for (int h = 0; h < kMaxG; ++h) {
-      s[h] = 0.0f;
-      if (h < group) {
-#pragma unroll
-        for (int j = 0; j < T::kChunksPerThread; ++j) {
-          const float* qc = q_s + h * HEAD_DIM + (qk_p + T::kThreadsPerKey * j) * 8;
-          const float4 qa = *reinterpret_cast<const float4*>(qc);
-          const float4 qb = *reinterpret_cast<const float4*>(qc + 4);
-          s[h] += qa.x * kf[j][0] + qa.y * kf[j][1] + qa.z * kf[j][2] + qa.w * kf[j][3] +
-                  qb.x * kf[j][4] + qb.y * kf[j][5] + qb.z * kf[j][6] + qb.w * kf[j][7];
+      for (int st = 0; st < NS; ++st) {
+        if (st < count) {
+          const unsigned char* kt = kbuf + (st0 + st) * T::kTileBytes + qk_t * T::kRowBytes;
+          Unpack8<KV>(LoadShared8<KV>(kt + (c ^ T::Swizzle(qk_t)) * T::kChunkBytes), kf[st]);
         }
       }
-    }
-#pragma unroll
-    for (int h = 0; h < kMaxG; ++h) {
-      if (h < group) {
-#pragma unroll
-        for (int o = T::kThreadsPerKey / 2; o > 0; o >>= 1) {
-          s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
-        }
-      }
-    }
-    if (qk_p == 0) {
-      const bool ok = row_s[st * kKeys + qk_t] >= 0;
-      float scale = shape.scale;
-      if constexpr (kSlotScales) scale *= scale_s[st * kKeys + qk_t].x;
 #pragma unroll
       for (int h = 0; h < kMaxG; ++h) {
-        if (h < group) p_s[h * kPKeys + pofs + qk_t] = ok ? s[h] * scale : NegInf();
+        if (h < group) {
+          const float* qc = q_s + h * HEAD_DIM + c * 8;
+          const float4 qa = *reinterpret_cast<const float4*>(qc);
+          const float4 qb = *reinterpret_cast<const float4*>(qc + 4);
+#pragma unroll
+          for (int st = 0; st < NS; ++st) {
+            if (st < count) {
+              sc[st][h] += qa.x * kf[st][0] + qa.y * kf[st][1] + qa.z * kf[st][2] +
+                           qa.w * kf[st][3] + qb.x * kf[st][4] + qb.y * kf[st][5] +
+                           qb.z * kf[st][6] + qb.w * kf[st][7];
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int st = 0; st < NS; ++st) {
+      if (st < count) {
+#pragma unroll
+        for (int h = 0; h < kMaxG; ++h) {
+          if (h < group) {
+#pragma unroll
+            for (int o = T::kThreadsPerKey / 2; o > 0; o >>= 1) {
+              sc[st][h] += __shfl_xor_sync(0xffffffffu, sc[st][h], o);
+            }
+          }
+        }
+        if (qk_p == 0) {
+          const int row = (st0 + st) * kKeys + qk_t;
+          const bool ok = row_s[row] >= 0;
+          float scale = shape.scale;
+          if constexpr (kSlotScales) scale *= scale_s[row].x;
+#pragma unroll
+          for (int h = 0; h < kMaxG; ++h) {
+            if (h < group) p_s[h * kPKeys + st * pofs_step + qk_t] = ok ? sc[st][h] * scale : NegInf();
+          }
+        }
       }
     }
   };
@@ -1305,67 +1325,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     CpAsyncWait<0>();
     __syncthreads();  // every tile (and q) visible to every thread
     stamp(2);
-    // Scores of key qk_t of every stage: each q chunk is read from shared memory once for the
-    // S keys (shared-memory bandwidth, not FMAs, bounds this step).
-    {
-      float sc[S][kMaxG];
-#pragma unroll
-      for (int st = 0; st < S; ++st) {
-#pragma unroll
-        for (int h = 0; h < kMaxG; ++h) sc[st][h] = 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < T::kChunksPerThread; ++j) {
-        const int c = qk_p + T::kThreadsPerKey * j;
-        float kf[S][8];
-#pragma unroll
-        for (int st = 0; st < S; ++st) {
-          if (st < num_tiles) {
-            const unsigned char* kt = kbuf + st * T::kTileBytes + qk_t * T::kRowBytes;
-            Unpack8<KV>(LoadShared8<KV>(kt + (c ^ T::Swizzle(qk_t)) * T::kChunkBytes), kf[st]);
-          }
-        }
-#pragma unroll
-        for (int h = 0; h < kMaxG; ++h) {
-          if (h < group) {
-            const float* qc = q_s + h * HEAD_DIM + c * 8;
-            const float4 qa = *reinterpret_cast<const float4*>(qc);
-            const float4 qb = *reinterpret_cast<const float4*>(qc + 4);
-#pragma unroll
-            for (int st = 0; st < S; ++st) {
-              if (st < num_tiles) {
-                sc[st][h] += qa.x * kf[st][0] + qa.y * kf[st][1] + qa.z * kf[st][2] +
-                             qa.w * kf[st][3] + qb.x * kf[st][4] + qb.y * kf[st][5] +
-                             qb.z * kf[st][6] + qb.w * kf[st][7];
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int st = 0; st < S; ++st) {
-        if (st < num_tiles) {
-#pragma unroll
-          for (int h = 0; h < kMaxG; ++h) {
-            if (h < group) {
-#pragma unroll
-              for (int o = T::kThreadsPerKey / 2; o > 0; o >>= 1) {
-                sc[st][h] += __shfl_xor_sync(0xffffffffu, sc[st][h], o);
-              }
-            }
-          }
-          if (qk_p == 0) {
-            const bool ok = row_s[st * kKeys + qk_t] >= 0;
-            float scale = shape.scale;
-            if constexpr (kSlotScales) scale *= scale_s[st * kKeys + qk_t].x;
-#pragma unroll
-            for (int h = 0; h < kMaxG; ++h) {
-              if (h < group) p_s[h * kPKeys + st * kKeys + qk_t] = ok ? sc[st][h] * scale : NegInf();
-            }
-          }
-        }
-      }
-    }
+    score_stages(std::integral_constant<int, S>{}, 0, num_tiles, kKeys);
     __syncthreads();
     softmax(num_tiles * kKeys);
     __syncthreads();
@@ -1379,7 +1339,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
       CpAsyncWait<S - 1>();
       __syncthreads();  // tile i (and q) visible to every thread
       if (i == 0) stamp(2);
-      score_stage(st, 0);
+      score_stages(std::integral_constant<int, 1>{}, st, 1, 0);
       __syncthreads();
       softmax(kKeys);
       __syncthreads();
