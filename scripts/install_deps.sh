@@ -5,6 +5,7 @@ set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git curl
+  xz-utils  # scripts/gpu_run.sh packs the GPU bundle with xz
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev

@@ -682,6 +682,33 @@ TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
   EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "host") - host_lookups_created, 0.0);
 }
 
+TEST_F(LazyAttentionTest, GraphModeHooksNeedResidentModeAndCountAReplayAsTheCallsWould) {
+  // PrepareCapture: FailedPrecondition for a host-managed job (it is not capturable); OK in
+  // resident mode. OnReplayedStep adds what one one-token AttendOnDevice per layer adds.
+  const int d = static_cast<int>(model_->config.head_dim);
+  HostTierFixture tier = MakeHostTier(store_.get(), backend_.get(), d, kv_metrics_.get(), DocumentPages());
+  LazyAttentionOptions o = Options(8192, 1);
+  o.store = tier.tiered.get();
+  o.device_managed = 1;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto res, LazyDocumentAttention::Create(o, backend_.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto ref, LazyDocumentAttention::Create(Options(8192, 1), backend_.get()));
+  EXPECT_THAT(ref->PrepareCapture(hq()), testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  STRATA_ASSERT_OK(res->PrepareCapture(hq()));
+  std::vector<float> q = Queries(1, 91), out(static_cast<size_t>(hq()) * d), lse(static_cast<size_t>(hq()));
+  for (int layer = 0; layer < 2; ++layer) {
+    STRATA_ASSERT_OK(res->AttendOnDevice(layer, kernels::TensorView(q.data(), kernels::DType::kF32, {1, hq(), d}), 700,
+                                         kernels::TensorView(out.data(), kernels::DType::kF32, {1, hq(), d}),
+                                         kernels::TensorView(lse.data(), kernels::DType::kF32, {1, hq()})));
+  }
+  const engine::SelectionCounters one_step = res->counters();
+  const int64_t choices = res->device_choices();
+  ASSERT_GT(one_step.selected_tokens, 0);
+  res->OnReplayedStep(701);
+  EXPECT_EQ(res->counters().candidate_tokens, 2 * one_step.candidate_tokens);
+  EXPECT_EQ(res->counters().selected_tokens, 2 * one_step.selected_tokens);
+  EXPECT_EQ(res->device_choices(), 2 * choices);
+}
+
 TEST_F(LazyAttentionTest, JobsSharingADocumentShareItsSummariesAndItsResidentCache) {
   // Two jobs on one LazyDocumentShare: the second neither re-reads the summaries nor makes a cache;
   // it attends through the first one's slots, and each counts only its own fills.
