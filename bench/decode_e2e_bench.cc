@@ -55,6 +55,16 @@
 //     V scales, amax / 448; half the bytes of bf16): the device-managed cache's pools are fp8
 //     and SelectedAttention reads each slot's scales; a host-managed cache (the other hooks)
 //     dequantises the pages into bf16 staging on the host (bf16 bytes over PCIe).
+//   --query_correlation=rho (0 <= rho < 1; default 0): the document's attention sees a correlated
+//     query stream q'_t = rho q'_{t-1} + sqrt(1 - rho^2) q_t per layer instead of the random
+//     model's queries, which are unrelated from one token to the next where a real model's are
+//     similar (TokenSelect Fig. 3a; papers/DIGEST.md's query-similarity study): the workload model
+//     for page-cache locality and selection reuse (CorrelatedQueries below). Use a warm-up of
+//     several 1 / (1 - rho^2) steps (q'_{-1} = 0).
+//   --cache_theta=theta (default 2: off): the device chooser keeps TokenSelect's selection cache
+//     (engine::DeviceSelectionCache, as the worker's lazy jobs do): a KV head whose group query has
+//     cosine >= theta with the one it last selected for reuses that selection. Reported as
+//     selection_reuse (hits per (layer, KV head) choice over the measured steps).
 //   --hold_source_pages=1: GpuCacheOptions::hold_source_pages (every page looked up once when the
 //     cache is made, reported as cache_create_s; misses then need no host-tier lookup).
 //   --selected_attention=1 (device hook): the device chooser also returns its selection on the
@@ -127,6 +137,7 @@
 #include "engine/attention_policy.h"
 #include "engine/gpu_cache_attention.h"
 #include "engine/kv_cache.h"
+#include "engine/selection_cache.h"
 #include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
 #include "engine/transformer.h"
@@ -183,6 +194,10 @@ struct Flags {
   std::string prefill_policy = "dense";
   int64_t prefill_check = 0;
   std::string matmul_precision = "split";  // comma list of split|bf16
+  // Document passes: rho of the correlated query stream (0: the model's queries as they are) and
+  // the device chooser's selection cache threshold (> 1: off). See the file comment.
+  double query_correlation = 0.0;
+  double cache_theta = 2.0;
   uint64_t seed = 1;
 };
 
@@ -204,6 +219,12 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "matmul_precision") { f->matmul_precision = v; return true; }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
+  if (k == "query_correlation") {
+    return absl::SimpleAtod(v, &x) && x >= 0 && x < 1 && ((f->query_correlation = x), true);
+  }
+  if (k == "cache_theta") {
+    return absl::SimpleAtod(v, &x) && x > 0 && ((f->cache_theta = x), true);
+  }
   if (!absl::SimpleAtoi(v, &i) || i < 0) return false;
   if (k == "page_size") { f->page_size = static_cast<int>(i); return i > 0; }
   if (k == "budget_tokens") { f->budget_tokens = static_cast<int>(i); return true; }
@@ -491,6 +512,11 @@ class DeviceChooser {
     STRATA_ASSIGN_OR_RETURN(ch->selected_,
                             backend->Allocate(static_cast<size_t>(ch->hkv_) * ch->k_ * 4));
     ch->host_selected_.resize(static_cast<size_t>(ch->hkv_) * ch->k_);
+    if (f.cache_theta <= 1.0) {
+      STRATA_ASSIGN_OR_RETURN(ch->cache_, engine::DeviceSelectionCache::Create(
+                                              backend, static_cast<int>(c.num_layers), ch->hkv_,
+                                              ch->hq_ / ch->hkv_, ch->d_, ch->k_, f.cache_theta));
+    }
     STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
     return ch;
   }
@@ -508,12 +534,9 @@ class DeviceChooser {
       if (n > 0) {
         STRATA_RETURN_IF_ERROR(
             backend_->CopyToDevice(q_->data(), q, static_cast<size_t>(hq_) * d_ * 4, nullptr));
-        STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
-            backend_, q_->View(DType::kF32, {hq_, d_}),
-            summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_}), window_first_, k_,
-            scores_->View(DType::kF32, {hkv_, group, n}),
-            selected_->View(DType::kI32, {hkv_, k_})));
-        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), selected_->data(),
+        STRATA_ASSIGN_OR_RETURN(const TensorView chosen,
+                                Enqueue(layer, q_->View(DType::kF32, {hq_, d_}), group, n));
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), chosen.data,
                                                     host_selected_.size() * 4, nullptr));
       } else {
         std::fill(host_selected_.begin(), host_selected_.end(), -1);
@@ -541,14 +564,13 @@ class DeviceChooser {
     Stopwatch sw;
     const int64_t n = window_first_ - 1;
     const int group = hq_ / hkv_;
+    TensorView chosen;
     if (n > 0) {
-      STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
-          backend_, TensorView(q.data, DType::kF32, {hq_, d_}),
-          summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_}), window_first_, k_,
-          scores_->View(DType::kF32, {hkv_, group, n}), selected_->View(DType::kI32, {hkv_, k_})));
+      STRATA_ASSIGN_OR_RETURN(chosen,
+                              Enqueue(layer, TensorView(q.data, DType::kF32, {hq_, d_}), group, n));
       if (pages != nullptr) {  // null: a device-managed cache, nothing goes to the host
         Stopwatch copy;
-        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), selected_->data(),
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), chosen.data,
                                                     host_selected_.size() * 4, nullptr));
         copy_seconds_ += copy.ElapsedSeconds();
       }
@@ -562,7 +584,7 @@ class DeviceChooser {
     if (sel != nullptr) {
       sel->valid = true;
       sel->prefix_end = std::min<int64_t>(doc_tokens_, page_size_);
-      sel->middle.parents = selected_->View(DType::kI32, {hkv_, k_});
+      sel->middle.parents = chosen;
       sel->middle.fanout = page_size_;
       sel->middle.begin = page_size_;
       sel->middle.end = window_first_ * page_size_;
@@ -577,6 +599,11 @@ class DeviceChooser {
     return absl::OkStatus();
   }
 
+  // Selection-cache hits so far (the device's count; waits for the queued work); 0 without it.
+  absl::StatusOr<int64_t> CacheHits() {
+    if (cache_ == nullptr) return 0;
+    return cache_->ReadHits(nullptr);
+  }
   double seconds() const { return seconds_; }
   // Of seconds(): the selection copies to the host (in the device path, the wait for the step's
   // queued GPU work up to this layer's selection).
@@ -591,7 +618,23 @@ class DeviceChooser {
   int hkv_ = 0, hq_ = 0, d_ = 0;
   int64_t pages_ = 0, window_first_ = 0, k_ = 0, doc_tokens_ = 0, page_size_ = 0;
   std::vector<std::unique_ptr<kernels::Buffer>> summaries_;
+  // The selection of `layer` for q [hq, d] (backend memory): through the selection cache when it
+  // is on (its kept rows; heads whose query is similar keep last step's), else into selected_.
+  absl::StatusOr<TensorView> Enqueue(int layer, const TensorView& q, int group, int64_t n) {
+    const int32_t* skip = nullptr;
+    TensorView chosen = selected_->View(DType::kI32, {hkv_, k_});
+    if (cache_ != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(skip, cache_->Check(layer, q, nullptr));
+      chosen = cache_->kept(layer);
+    }
+    STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
+        backend_, q, summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_}), window_first_,
+        k_, scores_->View(DType::kF32, {hkv_, group, n}), chosen, skip));
+    return chosen;
+  }
+
   std::unique_ptr<kernels::Buffer> q_, scores_, selected_;
+  std::unique_ptr<engine::DeviceSelectionCache> cache_;
   std::vector<int32_t> host_selected_;
   double seconds_ = 0;
   double copy_seconds_ = 0;
@@ -668,6 +711,80 @@ class TimedAttention : public engine::ExternalAttention {
   double seconds_ = 0;
 };
 
+// The correlated query stream of the document passes (--query_correlation=rho > 0; papers/DIGEST.md,
+// TokenSelect's query-similarity study): the hook sees, per layer, q'_t = rho q'_{t-1} +
+// sqrt(1 - rho^2) q_t instead of the model's query q_t (q'_{-1} = 0), so consecutive queries
+// have cosine ~rho, as a real model's do (TokenSelect Fig. 3a), where random weights give
+// unrelated queries. One scaled Backend::Add per layer on the device path (capturable in the
+// step's graph); the same arithmetic on the host for the host path. Only the document's
+// attention sees q'; the local cache's attention keeps q_t.
+class CorrelatedQueries : public engine::ExternalAttention {
+ public:
+  static absl::StatusOr<std::unique_ptr<CorrelatedQueries>> Create(engine::ExternalAttention* inner,
+                                                                   kernels::Backend* backend,
+                                                                   const model::ModelConfig& c,
+                                                                   double rho) {
+    auto cq = std::unique_ptr<CorrelatedQueries>(new CorrelatedQueries);
+    cq->inner_ = inner;
+    cq->backend_ = backend;
+    cq->rho_ = static_cast<float>(rho);
+    cq->fresh_ = static_cast<float>(std::sqrt(1.0 - rho * rho));
+    cq->n_ = c.num_heads * c.head_dim;
+    cq->hq_ = c.num_heads;
+    cq->d_ = c.head_dim;
+    const std::vector<float> zeros(static_cast<size_t>(cq->n_), 0.0f);
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      STRATA_ASSIGN_OR_RETURN(auto buf, backend->Allocate(zeros.size() * sizeof(float)));
+      STRATA_RETURN_IF_ERROR(
+          backend->CopyToDevice(buf->data(), zeros.data(), zeros.size() * sizeof(float), nullptr));
+      cq->device_.push_back(std::move(buf));
+      cq->host_.push_back(zeros);
+    }
+    STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+    return cq;
+  }
+  absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
+                      std::vector<engine::AttentionPartial>* parts) override {
+    if (num_tokens != 1 || layer < 0 || layer >= static_cast<int>(host_.size()) ||
+        static_cast<int64_t>(num_q_heads) * d_ != n_) {
+      return inner_->Attend(layer, q, num_tokens, num_q_heads, q_begin, parts);
+    }
+    std::vector<float>& s = host_[static_cast<size_t>(layer)];
+    for (int64_t i = 0; i < n_; ++i) s[i] = std::fma(rho_, s[i], fresh_ * q[i]);
+    return inner_->Attend(layer, s.data(), num_tokens, num_q_heads, q_begin, parts);
+  }
+  bool AttendsOnDevice() const override { return inner_->AttendsOnDevice(); }
+  bool CapturableOnDevice() const override { return inner_->CapturableOnDevice(); }
+  absl::Status AttendOnDevice(int layer, const TensorView& q, int64_t q_begin,
+                              const TensorView& out, const TensorView& lse) override {
+    if (layer < 0 || layer >= static_cast<int>(device_.size()) || q.NumElements() != n_) {
+      return absl::InvalidArgumentError("CorrelatedQueries: one query token of the model's heads");
+    }
+    const TensorView s = device_[static_cast<size_t>(layer)]->View(DType::kF32, {1, hq_, d_});
+    kernels::AddParams p;
+    p.a = s;
+    p.b = TensorView(q.data, DType::kF32, {1, hq_, d_});
+    p.out = s;
+    p.a_scale = rho_;
+    p.b_scale = fresh_;
+    STRATA_RETURN_IF_ERROR(backend_->Add(p, nullptr));
+    return inner_->AttendOnDevice(layer, s, q_begin, out, lse);
+  }
+  absl::Status PrepareCapture(int num_q_heads) override {
+    return inner_->PrepareCapture(num_q_heads);
+  }
+  void OnReplayedStep(int64_t q_begin) override { inner_->OnReplayedStep(q_begin); }
+
+ private:
+  CorrelatedQueries() = default;
+  engine::ExternalAttention* inner_ = nullptr;
+  kernels::Backend* backend_ = nullptr;
+  float rho_ = 0, fresh_ = 1;
+  int64_t n_ = 0, hq_ = 0, d_ = 0;
+  std::vector<std::unique_ptr<kernels::Buffer>> device_;
+  std::vector<std::vector<float>> host_;
+};
+
 struct RunResult {
   std::string shape;
   std::string chooser;
@@ -693,6 +810,8 @@ struct RunResult {
   int64_t pages_per_step = 0;
   int32_t last_token = 0;
   int64_t agree_same = 0, agree_total = 0;  // device vs host chooser, warm-up steps
+  // Selection-cache hits over (layer, KV head) choices of the measured steps (NaN: no cache).
+  double selection_reuse = NAN;
 };
 
 // Prefill of `tokens` random token ids from position 0 into a fresh bf16 KvCache (see the file
@@ -946,6 +1065,11 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   }
   STRATA_ASSIGN_OR_RETURN(auto gca, engine::GpuCacheAttention::Create(ao, cache.get(), backend));
   TimedAttention timed(gca.get());
+  std::unique_ptr<CorrelatedQueries> correlated;
+  if (f.query_correlation > 0) {
+    STRATA_ASSIGN_OR_RETURN(correlated,
+                            CorrelatedQueries::Create(&timed, backend, c, f.query_correlation));
+  }
   res->gpu_ready_gib = GpuUsedGiB();
 
   const int steps = f.warmup + measured;
@@ -955,7 +1079,8 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   auto dense = engine::MakeDensePolicy();
   engine::ForwardOptions fo;
   fo.cache_first_position = doc.tokens;
-  fo.external = &timed;
+  fo.external = correlated != nullptr ? static_cast<engine::ExternalAttention*>(correlated.get())
+                                      : &timed;
   STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0));
   fo.logits_on_device = next->device();
   const int64_t V = c.vocab_size;
@@ -964,11 +1089,14 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   Stopwatch sw;
   double t0 = 0, sel0 = 0, attend0 = 0, fill0 = 0, selcopy0 = 0;
   kvstore::GpuCacheStats s0;
-  int64_t pages0 = 0;
+  int64_t pages0 = 0, reuse0 = 0;
   for (int step = 0; step < steps; ++step) {
     if (step == f.warmup) {
       agree->on = false;  // the check is not part of the measured steps
       STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+      if (device_chooser) {
+        STRATA_ASSIGN_OR_RETURN(reuse0, dev->CacheHits());
+      }
       t0 = sw.ElapsedSeconds();
       sel0 = device_chooser ? dev->seconds() : host_chooser_seconds;
       selcopy0 = device_chooser ? dev->copy_seconds() : 0;
@@ -1018,6 +1146,11 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   res->last_token = token;
   res->selected_calls = gca->counters().selected_attention;
   res->graph_steps = tf->graph_steps();
+  if (device_chooser && f.cache_theta <= 1.0) {
+    STRATA_ASSIGN_OR_RETURN(const int64_t reuse1, dev->CacheHits());
+    res->selection_reuse = static_cast<double>(reuse1 - reuse0) /
+                           (static_cast<double>(measured) * c.num_layers * c.num_kv_heads);
+  }
   res->agree_same = agree->same;
   res->agree_total = agree->total;
   return absl::OkStatus();
@@ -1031,13 +1164,13 @@ void Print(const RunResult& r) {
       "fill=%.1f MB/token pages/step=%" PRId64 " slots=%" PRId64 " of %" PRId64
       " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f "
       "last_token=%d cache_create_s=%.2f selected_attention_calls=%" PRId64
-      " graph_steps=%" PRId64 "\n",
+      " graph_steps=%" PRId64 " selection_reuse=%.4f\n",
       r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tokens, r.tok_s,
       r.ms_total, r.ms_select, r.ms_select_copy, r.ms_fill, r.ms_fill_source, r.ms_fill_gather,
       r.ms_fill_copy, r.ms_fill_wait, r.ms_attend_rest, r.ms_rest, r.hit_ratio,
       r.fill_mb_per_token, r.pages_per_step, r.cache_slots, r.doc_pages_total, r.gpu_weights_gib,
       r.gpu_ready_gib, r.gpu_end_gib, r.host_kv_gib, r.doc_seconds, r.last_token,
-      r.cache_create_s, r.selected_calls, r.graph_steps);
+      r.cache_create_s, r.selected_calls, r.graph_steps, r.selection_reuse);
   if (r.agree_total > 0) {
     std::printf("  device selection vs host MinMaxChooser (warm-up steps): %" PRId64 " of %" PRId64
                 " pages agree (%.4f)\n",

@@ -370,7 +370,8 @@ absl::Status GpuCacheAttention::AttendDeviceManaged(int layer, const kernels::Te
 absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
                                    const kernels::TensorView& summaries, int64_t window_first,
                                    int64_t k, const kernels::TensorView& scores,
-                                   const kernels::TensorView& selected) {
+                                   const kernels::TensorView& selected,
+                                   const int32_t* skip_heads) {
   kernels::CandidateList cand;
   cand.begin = 1;
   cand.end = window_first;
@@ -380,12 +381,14 @@ absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::Ten
   sp.candidates = cand;
   sp.scale = 1.0f / std::sqrt(static_cast<float>(q.dim(1)));
   sp.scores = scores;
+  sp.skip_heads = skip_heads;
   STRATA_RETURN_IF_ERROR(backend->ScoreSummaries(sp, nullptr));
   kernels::VoteTopKParams vp;
   vp.scores = scores;
   vp.candidates = cand;
   vp.k = k;
   vp.selected = selected;
+  vp.skip_heads = skip_heads;
   return backend->VoteTopK(vp, nullptr);
 }
 
@@ -459,12 +462,21 @@ absl::StatusOr<const std::vector<float>*> MinMaxSummaryCache::Get(int layer, int
 }
 
 PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
+  struct Cached {  // selection cache entry of one (layer, kv head)
+    bool valid = false;
+    std::vector<float> q;        // the group query chosen for
+    std::vector<int32_t> pages;  // what was chosen
+  };
   struct State {
     MinMaxChooserOptions o;
     std::shared_ptr<MinMaxSummaryCache> summaries;
+    std::vector<Cached> cached;  // [layer * num_kv_heads + kv head] when the cache is on
   };
   auto st = std::make_shared<State>();
   st->o = options;
+  if (options.cache_theta <= 1.0 && options.num_layers > 0 && options.num_kv_heads > 0) {
+    st->cached.resize(static_cast<size_t>(options.num_layers) * options.num_kv_heads);
+  }
   st->summaries = options.summaries != nullptr
                       ? options.summaries
                       : std::make_shared<MinMaxSummaryCache>(
@@ -483,13 +495,35 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
       return absl::InvalidArgumentError(absl::StrCat("MinMaxChooser: layer ", layer, ", kv head ",
                                                      kv_head, " outside the options"));
     }
+    const int group = num_q_heads / o.num_kv_heads;
+    Cached* entry = st->cached.empty()
+                        ? nullptr
+                        : &st->cached[static_cast<size_t>(layer) * o.num_kv_heads + kv_head];
+    const float* qg = q + static_cast<size_t>(kv_head) * group * d;  // token 0's group query
+    const size_t qg_len = static_cast<size_t>(group) * d;
+    if (entry != nullptr && num_tokens == 1) {
+      if (o.cache_counters != nullptr) ++o.cache_counters->cache_lookups;
+      if (entry->valid && entry->q.size() == qg_len) {
+        double ab = 0, aa = 0, bb = 0;
+        for (size_t i = 0; i < qg_len; ++i) {
+          ab += static_cast<double>(qg[i]) * entry->q[i];
+          aa += static_cast<double>(qg[i]) * qg[i];
+          bb += static_cast<double>(entry->q[i]) * entry->q[i];
+        }
+        const double cosine = aa == 0 || bb == 0 ? 0.0 : ab / std::sqrt(aa * bb);
+        if (cosine >= o.cache_theta) {  // NaN: false
+          if (o.cache_counters != nullptr) ++o.cache_counters->cache_hits;
+          pages->insert(pages->end(), entry->pages.begin(), entry->pages.end());
+          return absl::OkStatus();
+        }
+      }
+    }
     STRATA_ASSIGN_OR_RETURN(const std::vector<float>* got, st->summaries->Get(layer, kv_head));
     const std::vector<float>& sum = *got;
     // Always: page 0 and the window; the rest by soft vote.
     const int64_t window_first = std::max<int64_t>(1, n - o.window_pages);
     std::vector<double> vote(static_cast<size_t>(n), 0.0);
     std::vector<float> score(static_cast<size_t>(n));
-    const int group = num_q_heads / o.num_kv_heads;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     for (int t = 0; t < num_tokens; ++t) {
       for (int j = 0; j < group; ++j) {
@@ -515,10 +549,18 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
       return vote[a] > vote[b] || (vote[a] == vote[b] && a < b);
     });
     middle.resize(k);
+    const size_t start = pages->size();
     pages->push_back(0);
     for (int32_t p : middle) pages->push_back(p);
     for (int64_t p = window_first; p < n; ++p) pages->push_back(static_cast<int32_t>(p));
-    std::sort(pages->begin(), pages->end());
+    std::sort(pages->begin() + static_cast<std::ptrdiff_t>(start), pages->end());
+    if (entry != nullptr) {
+      entry->valid = num_tokens == 1;
+      if (entry->valid) {
+        entry->q.assign(qg, qg + qg_len);
+        entry->pages.assign(pages->begin() + static_cast<std::ptrdiff_t>(start), pages->end());
+      }
+    }
     return absl::OkStatus();
   };
 }

@@ -85,6 +85,15 @@ struct MinMaxChooserOptions {
   // shared with other choosers of the document (its shape must match these options; `store` and
   // `summary_kind` are then unused).
   std::shared_ptr<MinMaxSummaryCache> summaries;
+  // Selection cache (TokenSelect; the host twin of DeviceSelectionCache): a one-token call for a
+  // (layer, kv head) whose group query q_g (the group's query heads, [group * head_dim]) has
+  // cos(q_g, c) >= cache_theta with the query c that (layer, kv head) last chose for returns the
+  // pages chosen then (cos = q.c / sqrt(|q|^2 |c|^2) in double, 0 when a norm is 0, NaN no hit);
+  // otherwise it chooses and caches q_g. A call of several tokens chooses and forgets the entry.
+  // > 1 (the default): off. With cache_counters, every one-token call adds one cache_lookups and
+  // a hit one cache_hits (not owned; the chooser's caller serializes the calls).
+  double cache_theta = 2.0;
+  SelectionCounters* cache_counters = nullptr;
 };
 PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 
@@ -94,10 +103,13 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 // highest head soft vote (Backend::VoteTopK). q: [hq, d] f32; summaries: [hkv, pages, 2d] f32;
 // scores: scratch [hkv, hq / hkv, window_first - 1] f32; selected: [hkv, k] i32 (out, ascending
 // page ids, -1 pads); all backend memory. The caller adds page 0 and the window pages.
+// With skip_heads (backend memory, [hkv] i32: DeviceSelectionCache::Check's reuse flags) a KV
+// head flagged keeps its row of `selected` (and of `scores`) as it was.
 absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
                                    const kernels::TensorView& summaries, int64_t window_first,
                                    int64_t k, const kernels::TensorView& scores,
-                                   const kernels::TensorView& selected);
+                                   const kernels::TensorView& selected,
+                                   const int32_t* skip_heads = nullptr);
 
 // The pages of one KV head from a `selected` row of EnqueueMinMaxPageTopK (k ids, -1 pads) as the
 // chooser returns them: page 0, the selected middle pages in [1, window_first), and the window

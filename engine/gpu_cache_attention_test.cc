@@ -18,6 +18,7 @@
 #include "engine/attention_policy.h"
 #include "engine/internal/test_model.h"
 #include "engine/kv_cache.h"
+#include "engine/selection_cache.h"
 #include "engine/transformer.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -422,6 +423,113 @@ TEST_F(GpuCacheAttentionTest, MinMaxChooserPicksTheHighestBoundAndReportsMissing
   pages.clear();
   EXPECT_THAT(choose(0, 0, q.data(), 1, 4, &pages), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(choose(1, 0, q.data(), 1, 4, &pages),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// The selection cache, host chooser and device twin (DeviceSelectionCache + EnqueueMinMaxPageTopK
+// on the CPU backend): planted summaries where page 3 bounds channels 0-3 high and page 2
+// channels 4-7. q1 (channels 0-3) picks page 3; q2 (q1 plus channels 4-7 at 1.5) would pick page 2
+// but has cosine 0.55 with q1, so at theta 0.5 it reuses page 3; q3 (cosine < 0 with q1) picks
+// page 2 afresh; a call of several tokens (host) or Invalidate (device) forgets the entry.
+TEST_F(GpuCacheAttentionTest, SelectionCacheReusesTheSelectionOfASimilarQuery) {
+  constexpr int kD = 8, kN = 6, kHeads = 2, kGroup = 2;
+  kvstore::HostCacheOptions ho;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto store, kvstore::HostCache::Create(ho));
+  std::vector<kvstore::SummaryWrite> writes;
+  std::vector<float> device_summaries;  // [kHeads, kN, 2 kD]
+  for (int g = 0; g < kHeads; ++g) {
+    for (int p = 0; p < kN; ++p) {
+      std::vector<float> s(2 * kD);
+      for (int i = 0; i < kD; ++i) {
+        s[i] = -0.1f;
+        s[kD + i] = (p == 3 && i < 4) || (p == 2 && i >= 4) ? 4.0f : 0.1f;
+      }
+      device_summaries.insert(device_summaries.end(), s.begin(), s.end());
+      kvstore::SummaryWrite w;
+      w.key = kvstore::SummaryKey{document_, 0, static_cast<uint32_t>(g), 1, static_cast<uint32_t>(p)};
+      STRATA_ASSERT_OK_AND_ASSIGN(w.data, kvstore::PageBuffer::Copy(absl::string_view(
+                                              reinterpret_cast<const char*>(s.data()),
+                                              s.size() * sizeof(float))));
+      writes.push_back(std::move(w));
+    }
+  }
+  STRATA_ASSERT_OK(store->Put({}, writes));
+  auto query = [&](float a, float b) {  // every query head: channels 0-3 = a, 4-7 = b
+    std::vector<float> q(static_cast<size_t>(kHeads) * kGroup * kD);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = i % kD < 4 ? a : b;
+    return q;
+  };
+  const std::vector<float> q1 = query(1, 0), q2 = query(1, 1.5f), q3 = query(-1, 1);
+  MinMaxChooserOptions c;
+  c.store = store.get();
+  c.document = document_;
+  c.num_layers = 1;
+  c.num_kv_heads = kHeads;
+  c.head_dim = kD;
+  c.num_pages = kN;
+  c.budget_pages = 1;
+  c.window_pages = 1;
+  PageChooser plain = MakeMinMaxChooser(c);
+  SelectionCounters counts;
+  c.cache_theta = 0.5;
+  c.cache_counters = &counts;
+  PageChooser cached = MakeMinMaxChooser(c);
+  auto pick = [&](PageChooser& ch, const std::vector<float>& q, int tokens, int g) {
+    std::vector<int32_t> pages;
+    EXPECT_TRUE(ch(0, g, q.data(), tokens, kHeads * kGroup, &pages).ok());
+    return pages;
+  };
+  using Pages = std::vector<int32_t>;
+  std::vector<float> q11 = q1;
+  q11.insert(q11.end(), q1.begin(), q1.end());  // two tokens
+  for (int g = 0; g < kHeads; ++g) {
+    EXPECT_EQ(pick(plain, q2, 1, g), (Pages{0, 2, 5}));  // q2 alone picks page 2
+    EXPECT_EQ(pick(cached, q1, 1, g), (Pages{0, 3, 5}));
+    EXPECT_EQ(pick(cached, q2, 1, g), (Pages{0, 3, 5})) << "a hit keeps q1's pages";
+    EXPECT_EQ(pick(cached, q3, 1, g), (Pages{0, 2, 5}));
+    EXPECT_EQ(pick(cached, q11, 2, g), (Pages{0, 3, 5}));  // forgets the entry
+    EXPECT_EQ(pick(cached, q3, 1, g), (Pages{0, 2, 5}));   // a miss
+  }
+  EXPECT_EQ(counts.cache_lookups, 4 * kHeads);
+  EXPECT_EQ(counts.cache_hits, 1 * kHeads);
+  EXPECT_TRUE(pick(plain, q1, 1, 0) == (Pages{0, 3, 5}));
+
+  // The device twin on the CPU backend.
+  kernels::Backend* be = backend_.get();
+  EXPECT_THAT(DeviceSelectionCache::Create(be, 1, kHeads, kGroup, kD, 1, 1.5).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(DeviceSelectionCache::Create(be, 0, kHeads, kGroup, kD, 1, 0.5).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache,
+                              DeviceSelectionCache::Create(be, 1, kHeads, kGroup, kD, 1, 0.5));
+  std::vector<float> scores(static_cast<size_t>(kHeads) * kGroup * (kN - 2));
+  const kernels::TensorView sums(device_summaries.data(), DType::kF32, {kHeads, kN, 2 * kD});
+  auto device_pick = [&](const std::vector<float>& q) {
+    const kernels::TensorView qv(const_cast<float*>(q.data()), DType::kF32, {kHeads * kGroup, kD});
+    absl::StatusOr<const int32_t*> skip = cache->Check(0, qv, nullptr);
+    EXPECT_TRUE(skip.ok()) << skip.status();
+    EXPECT_TRUE(EnqueueMinMaxPageTopK(be, qv, sums, kN - 1, 1,
+                                      kernels::TensorView(scores.data(), DType::kF32,
+                                                          {kHeads, kGroup, kN - 2}),
+                                      cache->kept(0), skip.ok() ? *skip : nullptr)
+                    .ok());
+    const int32_t* kept = cache->kept(0).As<const int32_t>();
+    return Pages(kept, kept + kHeads);
+  };
+  EXPECT_EQ(device_pick(q1), (Pages{3, 3}));
+  EXPECT_EQ(device_pick(q2), (Pages{3, 3}));  // hits on both heads
+  EXPECT_EQ(device_pick(q3), (Pages{2, 2}));
+  STRATA_ASSERT_OK(cache->Invalidate(0, nullptr));
+  EXPECT_EQ(device_pick(q3), (Pages{2, 2}));  // a miss
+  EXPECT_EQ(cache->lookups(), 4 * kHeads);
+  STRATA_ASSERT_OK_AND_ASSIGN(const int64_t hits, cache->ReadHits(nullptr));
+  EXPECT_EQ(hits, 1 * kHeads);
+  cache->CountReplayedChecks(3);
+  EXPECT_EQ(cache->lookups(), 7 * kHeads);
+  EXPECT_THAT(cache->Check(1, kernels::TensorView(const_cast<float*>(q1.data()), DType::kF32,
+                                                   {kHeads * kGroup, kD}),
+                           nullptr)
+                  .status(),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 

@@ -98,10 +98,13 @@ struct SwiGluParams {
 };
 
 // out = a + b, elementwise.
+// out = a_scale * a + b_scale * b, elementwise (f32; with both scales 1, the plain sum a + b).
 struct AddParams {
   TensorView a;    // [n...] f32
   TensorView b;    // same shape, f32
   TensorView out;  // same shape, f32 (may alias a or b)
+  float a_scale = 1.0f;  // finite
+  float b_scale = 1.0f;  // finite
 };
 
 // A run of consecutive tokens of one KV head held in one page slot of the pool.

@@ -186,6 +186,10 @@ struct LazyDocumentAttention::State {
   // 2 d] f32 are in the share, loaded on first use).
   std::unique_ptr<kernels::Buffer> scores, selected;
   std::vector<int32_t> host_selected;
+  // The device chooser's selection cache (LazyAttentionOptions::cache_theta <= 1): the layers'
+  // kept selections replace `selected` for one-token choices.
+  std::unique_ptr<engine::DeviceSelectionCache> selection_cache;
+  int64_t synced_cache_hits = 0, synced_cache_lookups = 0;  // of selection_cache, in `counters`
   std::vector<float> q_host;
 
   // Whether a choice has middle pages to pick: candidates [1, window_first) and a budget.
@@ -206,11 +210,27 @@ struct LazyDocumentAttention::State {
   // middle pages (token ids through fanout page_size; none when `middle` is false) and the
   // window pages; with `count`, counts the tokens they name per KV head (every middle page is
   // full, and EnqueueMinMaxPageTopK keeps k <= window_first - 1 distinct valid pages).
-  void FillSelection(bool middle, engine::DeviceTokenSelection* selection, bool count);
+  void FillSelection(bool middle, const kernels::TensorView& chosen, engine::DeviceTokenSelection* selection,
+                     bool count);
   // The counters of one token's device choice (FillSelection with count).
   void CountOneToken(bool middle);
-  // Backend buffers of the device chooser (scores [hq, middle candidates], the selection [hkv, k]).
+  // Backend buffers of the device chooser (scores [hq, middle candidates], the selection [hkv, k],
+  // the selection cache).
   absl::Status EnsureChooserBuffers(int hq);
+  // Where the device chooser's one-token selection of `layer` goes: the selection cache's kept
+  // rows of the layer, or the shared `selected`.
+  kernels::TensorView Chosen(int layer) const {
+    return selection_cache != nullptr ? selection_cache->kept(layer)
+                                      : selected->View(kernels::DType::kI32, {o.num_kv_heads, k});
+  }
+  // Counts the selection-cache lookups of `checks` replayed one-token choices.
+  void CountReplayedChecks(int64_t checks) {
+    if (selection_cache != nullptr) selection_cache->CountReplayedChecks(checks);
+  }
+  // A prompt chunk selects without the selection cache: the layer's next one-token choice selects.
+  absl::Status InvalidateSelectionCache(int layer) {
+    return selection_cache != nullptr ? selection_cache->Invalidate(layer, nullptr) : absl::OkStatus();
+  }
 };
 
 void LazyDocumentAttention::State::CountOneToken(bool middle) {
@@ -222,12 +242,13 @@ void LazyDocumentAttention::State::CountOneToken(bool middle) {
   counters.selected_tokens += o.num_kv_heads * per_head;
 }
 
-void LazyDocumentAttention::State::FillSelection(bool middle, engine::DeviceTokenSelection* sel, bool count) {
+void LazyDocumentAttention::State::FillSelection(bool middle, const kernels::TensorView& chosen,
+                                                 engine::DeviceTokenSelection* sel, bool count) {
   const int64_t P = o.page_size;
   sel->valid = true;
   sel->prefix_end = std::min<int64_t>(o.document_tokens, P);
   if (middle) {
-    sel->middle.parents = selected->View(kernels::DType::kI32, {o.num_kv_heads, k});
+    sel->middle.parents = chosen;
     sel->middle.fanout = static_cast<int>(P);
   }
   sel->middle.begin = P;
@@ -245,6 +266,11 @@ absl::Status LazyDocumentAttention::State::EnsureChooserBuffers(int hq) {
   }
   if (selected == nullptr && k > 0) {
     STRATA_ASSIGN_OR_RETURN(selected, backend->Allocate(static_cast<size_t>(o.num_kv_heads) * k * sizeof(int32_t)));
+  }
+  if (selection_cache == nullptr && k > 0 && o.cache_theta <= 1.0) {
+    STRATA_ASSIGN_OR_RETURN(selection_cache,
+                            engine::DeviceSelectionCache::Create(backend, o.num_layers, o.num_kv_heads,
+                                                                 hq / o.num_kv_heads, o.head_dim, k, o.cache_theta));
   }
   return absl::OkStatus();
 }
@@ -296,12 +322,15 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
         if (p >= 1 && p < window_first && n < k) host_selected[static_cast<size_t>(g) * k + n++] = p;
       }
     }
+    kernels::TensorView chunk_pages;
     if (middle) {
       STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
+      STRATA_RETURN_IF_ERROR(InvalidateSelectionCache(layer));
       STRATA_RETURN_IF_ERROR(backend->CopyToDevice(selected->data(), host_selected.data(),
                                                    host_selected.size() * sizeof(int32_t), nullptr));
+      chunk_pages = selected->View(kernels::DType::kI32, {hkv, k});
     }
-    FillSelection(middle, selection, /*count=*/false);
+    FillSelection(middle, chunk_pages, selection, /*count=*/false);
     return absl::OkStatus();
   }
   if (num_tokens != 1) {
@@ -313,30 +342,35 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
       STRATA_RETURN_IF_ERROR(host_chooser(layer, g, q_host.data(), num_tokens, hq, &(*pages)[g]));
       Count((*pages)[g]);
     }
-    return absl::OkStatus();
+    return InvalidateSelectionCache(layer);
   }
   const int64_t n = window_first - 1;  // middle candidates [1, window_first)
   const int group = hq / hkv;
   if (HasMiddle()) {
     STRATA_ASSIGN_OR_RETURN(kernels::Buffer* layer_summaries, Summaries(layer));
     STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
+    const kernels::TensorView q2(q.data, kernels::DType::kF32, {hq, d});
+    const int32_t* skip = nullptr;
+    if (selection_cache != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(skip, selection_cache->Check(layer, q2, nullptr));
+    }
+    const kernels::TensorView chosen = Chosen(layer);
     STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
-        backend, kernels::TensorView(q.data, kernels::DType::kF32, {hq, d}),
-        layer_summaries->View(kernels::DType::kF32, {hkv, num_pages, 2 * d}), window_first, k,
-        scores->View(kernels::DType::kF32, {hkv, group, n}), selected->View(kernels::DType::kI32, {hkv, k})));
+        backend, q2, layer_summaries->View(kernels::DType::kF32, {hkv, num_pages, 2 * d}), window_first, k,
+        scores->View(kernels::DType::kF32, {hkv, group, n}), chosen, skip));
     if (pages == nullptr) {
       // Device-managed cache: the selection stays on the device (nothing read on the host).
-      FillSelection(true, selection, /*count=*/true);
+      FillSelection(true, chosen, selection, /*count=*/true);
       ++device_choices;
       return absl::OkStatus();
     }
     host_selected.resize(static_cast<size_t>(hkv) * k);
     STRATA_RETURN_IF_ERROR(
-        backend->CopyToHost(host_selected.data(), selected->data(), host_selected.size() * sizeof(int32_t), nullptr));
+        backend->CopyToHost(host_selected.data(), chosen.data, host_selected.size() * sizeof(int32_t), nullptr));
   } else {
     host_selected.assign(static_cast<size_t>(hkv) * std::max<int64_t>(k, 0), -1);
     if (pages == nullptr) {
-      FillSelection(false, selection, /*count=*/true);
+      FillSelection(false, kernels::TensorView(), selection, /*count=*/true);
       ++device_choices;
       return absl::OkStatus();
     }
@@ -358,6 +392,9 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   if (o.document_tokens <= 0 || o.page_size <= 0 || o.num_layers <= 0 || o.num_kv_heads <= 0 ||
       o.num_kv_heads > 4096 || o.head_dim <= 0 || o.capacity_pages <= 0 || o.budget_pages < 0 || o.window_pages < 0) {
     return absl::InvalidArgumentError("LazyDocumentAttention: non-positive sizes");
+  }
+  if (!(o.cache_theta > 0.0)) {
+    return absl::InvalidArgumentError("LazyDocumentAttention: cache_theta must be > 0 (> 1: no selection cache)");
   }
   auto st = std::make_unique<State>();
   st->o = o;
@@ -417,6 +454,8 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     co.budget_pages = o.budget_pages;
     co.window_pages = o.window_pages;
     co.summaries = sh.host_summaries;
+    co.cache_theta = o.cache_theta;
+    co.cache_counters = &st->counters;
     st->host_chooser = engine::MakeMinMaxChooser(co);
     // Resident mode: the share's device-managed cache when it has one large enough for this job's
     // calls; otherwise, when the host tier holds the whole document where the device can read
@@ -513,6 +552,15 @@ bool LazyDocumentAttention::device_managed() const { return state_->managed; }
 double LazyDocumentAttention::setup_seconds() const { return state_->setup_seconds; }
 
 absl::Status LazyDocumentAttention::SyncStats() {
+  State& s = *state_;
+  if (s.selection_cache != nullptr) {  // the device chooser's selection cache since the last sync
+    STRATA_ASSIGN_OR_RETURN(const int64_t hits, s.selection_cache->ReadHits(nullptr));
+    const int64_t lookups = s.selection_cache->lookups();
+    s.counters.cache_hits += hits - s.synced_cache_hits;
+    s.counters.cache_lookups += lookups - s.synced_cache_lookups;
+    s.synced_cache_hits = hits;
+    s.synced_cache_lookups = lookups;
+  }
   if (!state_->managed) return absl::OkStatus();
   LazyDocumentShare::Impl& sh = *state_->share->impl_;
   std::lock_guard<std::mutex> lock(sh.mu);
@@ -546,6 +594,7 @@ void LazyDocumentAttention::OnReplayedStep(int64_t /*q_begin*/) {
     s.CountOneToken(s.HasMiddle());
     ++s.device_choices;
   }
+  if (s.HasMiddle()) s.CountReplayedChecks(s.o.num_layers);
 }
 
 const kvstore::TierCounts& LazyDocumentAttention::pages() const {

@@ -62,6 +62,7 @@
 #include "absl/status/statusor.h"
 #include "engine/attention_policy.h"
 #include "engine/gpu_cache_attention.h"
+#include "engine/selection_cache.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
 #include "kvstore/document_id.h"
@@ -122,6 +123,13 @@ struct LazyAttentionOptions {
   // -1: resident mode when possible (see the file comment); 0: never; 1: required
   // (FailedPrecondition from Create when it is not possible).
   int device_managed = -1;
+  // Selection cache (TokenSelect's query-similarity reuse, engine/selection_cache.h): a one-token
+  // choice whose group query has cosine >= cache_theta with the query a KV head last selected for
+  // keeps that head's pages (the device chooser: DeviceSelectionCache; the host chooser:
+  // MinMaxChooserOptions::cache_theta). Prompt chunks select without it and make the layer's next
+  // one-token choice select. > 1 (the default): off. Lookups and hits go to counters() (the
+  // device chooser's as of the last SyncStats).
+  double cache_theta = 2.0;
   // State shared with the document's other jobs (see LazyDocumentShare); null: a private one.
   // InvalidArgument from Create when it was made for another document or shape.
   std::shared_ptr<LazyDocumentShare> share;
@@ -152,9 +160,9 @@ class LazyDocumentAttention : public engine::ExternalAttention {
   // Pages read from each tier (page-cache misses; resident mode: the fills from the host tier as
   // of the last SyncStats).
   const kvstore::TierCounts& pages() const;
-  // Resident mode: waits for the queued work and brings pages(), cache_hits(), cache_misses() and
-  // the cache's metrics up to date (GpuPageCache::SyncDeviceStats); nothing otherwise. Not during
-  // a graph capture.
+  // Brings the device chooser's selection-cache counts in counters() up to date (waits for the
+  // queued work); in resident mode also pages(), cache_hits(), cache_misses() and the cache's
+  // metrics (GpuPageCache::SyncDeviceStats). Not during a graph capture.
   absl::Status SyncStats();
   // True in resident mode (a device-managed cache; see the file comment).
   bool device_managed() const;

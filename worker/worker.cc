@@ -1133,6 +1133,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.budget_pages = static_cast<int>(std::min<int64_t>((budget + P - 1) / P, pages_per_head));
     lo.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
     lo.capacity_pages = options_.lazy_cache_pages;
+    lo.cache_theta = sp.has_theta() ? sp.theta() : defaults.cache_theta;
     lo.share = AcquireLazyShare(absl::StrCat(doc_id.ToHex(), ":", doc_tokens));
     lo.metrics = metrics_ != nullptr ? metrics_->kv : nullptr;
     // device_selection "on" takes the device path on the CPU backend too (its twins); otherwise
@@ -1334,11 +1335,27 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     ++steps;
   }
   const engine::SelectionCounters end = counters();
-  if (lazy != nullptr) {  // every page-cache miss of this job, by the tier that served it
+  int64_t device_cache_lookups = 0, device_cache_hits = 0;
+  if (device != nullptr || lazy != nullptr) {
+    // The selection cache's counts of this job: hits are counted on the device, read once here
+    // (the counters() above leave them out, so each is added once).
     {
       absl::MutexLock lock(&engine_mu_);  // the backend is shared with the forwards of other jobs
-      STRATA_RETURN_IF_ERROR(lazy->SyncStats());  // resident mode: the device's counters
+      if (device != nullptr) STRATA_RETURN_IF_ERROR(device->ReadCacheHits(nullptr));
+      // The lazy hook's device counters; in resident mode also the page cache's.
+      if (lazy != nullptr) STRATA_RETURN_IF_ERROR(lazy->SyncStats());
     }
+    const engine::SelectionCounters& sc = device != nullptr ? device->counters() : lazy->counters();
+    if (metrics_ != nullptr) {
+      Inc(metrics_->selection_cache_lookups, static_cast<double>(sc.cache_lookups));
+      Inc(metrics_->selection_cache_hits, static_cast<double>(sc.cache_hits));
+    }
+    device_cache_lookups = sc.cache_lookups;
+    device_cache_hits = sc.cache_hits;
+  }
+  usage->set_selection_cache_lookups(static_cast<uint64_t>(end.cache_lookups + device_cache_lookups));
+  usage->set_selection_cache_hits(static_cast<uint64_t>(end.cache_hits + device_cache_hits));
+  if (lazy != nullptr) {  // every page-cache miss of this job, by the tier that served it
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
     tiers->set_host(static_cast<uint64_t>(lazy->pages().host));
     tiers->set_disk(static_cast<uint64_t>(lazy->pages().local));

@@ -579,6 +579,55 @@ TEST_F(LazyAttentionTest, DevicePathOnTheCpuBackendMatchesTheHostPath) {
   EXPECT_EQ(dev->pages().local, host->pages().local);
 }
 
+TEST_F(LazyAttentionTest, SelectionCacheReusesPagesOnBothPathsAlike) {
+  // cache_theta 0.9 on the host path and the device path (CPU twins): a prompt chunk, then one-token
+  // queries qa, qa + small noise (cosine ~0.99: reuses qa's pages), qb (unrelated: selects), qb +
+  // small noise (reuses). Both paths attend the same and count the same lookups and hits.
+  LazyAttentionOptions ho = Options(8192, 0), dopt = Options(8192, 1);
+  ho.cache_theta = dopt.cache_theta = 0.9;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, LazyDocumentAttention::Create(ho, backend_.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, LazyDocumentAttention::Create(dopt, backend_.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto off, LazyDocumentAttention::Create(Options(8192, 1), backend_.get()));
+  const int d = static_cast<int>(model_->config.head_dim);
+  auto near = [&](const std::vector<float>& q, uint32_t seed) {
+    std::vector<float> r = Queries(1, seed);
+    for (size_t i = 0; i < r.size(); ++i) r[i] = q[i] + 0.05f * r[i];
+    return r;
+  };
+  const std::vector<float> qa = Queries(1, 31), qb = Queries(1, 32);
+  const std::vector<std::vector<float>> calls = {Queries(5, 30), qa, near(qa, 33), qb, near(qb, 34)};
+  std::vector<engine::AttentionPartial> parts;
+  for (const std::vector<float>& q : calls) {
+    const int tokens = static_cast<int>(q.size() / (static_cast<size_t>(hq()) * d));
+    for (int layer = 0; layer < 2; ++layer) {
+      STRATA_ASSERT_OK(host->Attend(layer, q.data(), tokens, hq(), 700, &parts));
+      ASSERT_EQ(parts.size(), 1u);
+      std::vector<float> out(static_cast<size_t>(tokens) * hq() * d), lse(static_cast<size_t>(tokens) * hq());
+      for (LazyDocumentAttention* a : {dev.get(), off.get()}) {
+        STRATA_ASSERT_OK(a->AttendOnDevice(
+            layer, kernels::TensorView(const_cast<float*>(q.data()), kernels::DType::kF32, {tokens, hq(), d}), 700,
+            kernels::TensorView(out.data(), kernels::DType::kF32, {tokens, hq(), d}),
+            kernels::TensorView(lse.data(), kernels::DType::kF32, {tokens, hq()})));
+        if (a != dev.get()) continue;
+        for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], parts[0].o[i], 1e-5) << i;
+        for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], parts[0].lse[i], 1e-5) << i;
+      }
+    }
+  }
+  STRATA_ASSERT_OK(dev->SyncStats());
+  STRATA_ASSERT_OK(off->SyncStats());
+  // 4 one-token calls x 2 layers x 2 KV heads; the two near queries hit on every (layer, head).
+  EXPECT_EQ(host->counters().cache_lookups, 16);
+  EXPECT_EQ(host->counters().cache_hits, 8);
+  EXPECT_EQ(dev->counters().cache_lookups, 16);
+  EXPECT_EQ(dev->counters().cache_hits, 8);
+  EXPECT_EQ(off->counters().cache_lookups, 0);
+  EXPECT_EQ(dev->counters().selected_tokens, host->counters().selected_tokens);
+  LazyAttentionOptions bad = Options(8192, 1);
+  bad.cache_theta = 0;
+  EXPECT_EQ(LazyDocumentAttention::Create(bad, backend_.get()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // A store that answers null for page 3 of every (layer, KV head).
 class HolePageStore final : public kvstore::PageStore {
  public:
@@ -1273,6 +1322,13 @@ TEST_F(DeviceSelectionTest, ForcedOnMatchesGenerateWithTheSameDevicePolicy) {
     EXPECT_EQ(got.usage().completion_tokens(), static_cast<uint64_t>(kMaxTokens));
     EXPECT_EQ(got.usage().pages_fetched().disk(), 40u);
     EXPECT_DOUBLE_EQ(got.usage().mean_attended_tokens(), kSinks + kBudget + kWindow + 1.0);
+    // The device's selection cache, read back at the end of the job: one lookup per decode step,
+    // layer and KV head.
+    const uint64_t per_step = static_cast<uint64_t>(model_->config.num_layers * model_->config.num_kv_heads);
+    EXPECT_GT(got.usage().selection_cache_lookups(), 0u);
+    EXPECT_EQ(got.usage().selection_cache_lookups() % per_step, 0u);
+    EXPECT_LE(got.usage().selection_cache_lookups(), static_cast<uint64_t>(kMaxTokens) * per_step);
+    EXPECT_LE(got.usage().selection_cache_hits(), got.usage().selection_cache_lookups());
   }
   // A prompt-only job long enough to select.
   std::vector<int32_t> long_prompt;

@@ -95,40 +95,21 @@ absl::Status DevicePolicy::Init() {
   STRATA_ASSIGN_OR_RETURN(top_tokens_,
                           backend_->Allocate(sizeof(int32_t) * hkv_ * options_.token_budget));
   if (cache_on_) {
-    // Per layer: the cached queries, their valid flags (zeroed: the first step selects), the
-    // reuse flags of the step and the layer's own final selection (kept across steps).
-    cached_q_.resize(layers);
-    cache_valid_.resize(layers);
-    reuse_.resize(layers);
-    kept_.resize(layers);
+    // Per layer: the cached queries (invalid: the first step selects), the step's reuse flags
+    // and the layer's own final selection (kept across steps).
     const int64_t kept = options_.kind == PolicyKind::kTokenSelect ? options_.token_budget
                                                                    : wanted_pages_;
-    const std::vector<int32_t> zeros(static_cast<size_t>(hkv_), 0);
-    for (int l = 0; l < layers; ++l) {
-      STRATA_ASSIGN_OR_RETURN(cached_q_[l],
-                              backend_->Allocate(sizeof(float) * hkv_ * group_ * d_));
-      STRATA_ASSIGN_OR_RETURN(cache_valid_[l], backend_->Allocate(sizeof(int32_t) * hkv_));
-      STRATA_ASSIGN_OR_RETURN(reuse_[l], backend_->Allocate(sizeof(int32_t) * hkv_));
-      STRATA_ASSIGN_OR_RETURN(kept_[l],
-                              backend_->Allocate(sizeof(int32_t) * hkv_ * std::max<int64_t>(1, kept)));
-      STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(cache_valid_[l]->data(), zeros.data(),
-                                                    zeros.size() * sizeof(int32_t), nullptr));
-    }
-    STRATA_ASSIGN_OR_RETURN(hit_count_, backend_->Allocate(sizeof(int64_t)));
-    const int64_t zero = 0;
-    STRATA_RETURN_IF_ERROR(
-        backend_->CopyToDevice(hit_count_->data(), &zero, sizeof(zero), nullptr));
-    STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+    STRATA_ASSIGN_OR_RETURN(sel_cache_, DeviceSelectionCache::Create(
+                                            backend_, layers, hkv_, group_, d_,
+                                            std::max<int64_t>(1, kept), options_.cache_theta));
   }
   return absl::OkStatus();
 }
 
 absl::Status DevicePolicy::ReadCacheHits(kernels::Stream stream) {
   if (!cache_on_) return absl::OkStatus();
-  int64_t hits = 0;
-  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(&hits, hit_count_->data(), sizeof(hits), stream));
-  STRATA_RETURN_IF_ERROR(backend_->Synchronize(stream));
-  counters_.cache_lookups = cache_lookups_;
+  STRATA_ASSIGN_OR_RETURN(const int64_t hits, sel_cache_->ReadHits(stream));
+  counters_.cache_lookups = sel_cache_->lookups();
   counters_.cache_hits = hits;
   return absl::OkStatus();
 }
@@ -217,16 +198,7 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   q2.shape[2] = 0;
   const int32_t* skip = nullptr;
   if (cache_on_) {
-    kernels::SelectionCacheCheckParams cc;
-    cc.q = q2;
-    cc.cached_q = cached_q_[layer]->View(DType::kF32, {hkv_, group_ * d_});
-    cc.valid = cache_valid_[layer]->View(DType::kI32, {hkv_});
-    cc.theta = static_cast<float>(options_.cache_theta);
-    cc.reuse = reuse_[layer]->View(DType::kI32, {hkv_});
-    cc.hit_count = static_cast<int64_t*>(hit_count_->data());
-    STRATA_RETURN_IF_ERROR(backend_->SelectionCacheCheck(cc, stream));
-    skip = static_cast<const int32_t*>(reuse_[layer]->data());
-    cache_lookups_ += hkv_;
+    STRATA_ASSIGN_OR_RETURN(skip, sel_cache_->Check(layer, q2, stream));
   }
   STRATA_ASSIGN_OR_RETURN(const CandidateList middle,
                           SelectMiddle(layer, q2, cache, sink_end, window_begin, skip, stream));
@@ -300,8 +272,9 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   t.scores = a.scores;
   t.candidates = a.candidates;
   t.k = wanted_pages_;
-  t.selected = (keep_final && options_.kind == PolicyKind::kQuest ? kept_[layer] : top_pages_)
-                   ->View(DType::kI32, {hkv_, wanted_pages_});
+  t.selected = keep_final && options_.kind == PolicyKind::kQuest
+                   ? sel_cache_->kept(layer)
+                   : top_pages_->View(DType::kI32, {hkv_, wanted_pages_});
   STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
   CandidateList middle;
   middle.parents = t.selected;
@@ -321,8 +294,8 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
     t.scores = sk.scores;
     t.candidates = middle;
     t.k = options_.token_budget;
-    t.selected = (keep_final ? kept_[layer] : top_tokens_)
-                     ->View(DType::kI32, {hkv_, options_.token_budget});
+    t.selected = keep_final ? sel_cache_->kept(layer)
+                            : top_tokens_->View(DType::kI32, {hkv_, options_.token_budget});
     STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
     middle = CandidateList();
     middle.parents = t.selected;
@@ -451,9 +424,7 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
   }
   if (cache_on_) {
     // The chunk path neither uses nor fills the selection cache: the next decode step selects.
-    const std::vector<int32_t> zeros(static_cast<size_t>(hkv_), 0);
-    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(cache_valid_[layer]->data(), zeros.data(),
-                                                  zeros.size() * sizeof(int32_t), stream));
+    STRATA_RETURN_IF_ERROR(sel_cache_->Invalidate(layer, stream));
   }
   const int64_t sink_end = std::min<int64_t>(options_.sink_tokens, len);
   const int64_t window_begin =

@@ -49,6 +49,7 @@
 #include "absl/status/statusor.h"
 #include "engine/attention_policy.h"
 #include "engine/kv_cache.h"
+#include "engine/selection_cache.h"
 #include "engine/sparse/policy.h"
 #include "kernels/backend.h"
 
@@ -118,7 +119,7 @@ class DevicePolicy {
   // [sink_end, window_begin) (which must exceed the budget) and returns the middle as
   // SelectedAttention reads it (parents in top_pages_ or top_tokens_; with `skip` (the selection
   // cache's reuse flags, backend memory) the heads flagged are not recomputed and the result is
-  // in kept_[layer]).
+  // in the selection cache's kept(layer)).
   absl::StatusOr<kernels::CandidateList> SelectMiddle(int layer, const kernels::TensorView& q,
                                                       const KvCache& cache, int64_t sink_end,
                                                       int64_t window_begin,
@@ -143,14 +144,10 @@ class DevicePolicy {
   std::unique_ptr<kernels::Buffer> seg_scores_, page_scores_, tok_scores_, top_segs_, top_pages_,
       top_tokens_;
   SelectionCounters counters_;
-  // Selection cache (cache_on_): per layer the cached group queries [hkv, group * d] f32, their
-  // valid flags [hkv] i32, the step's reuse flags [hkv] i32 and the layer's kept selection
-  // (quest: [hkv, wanted_pages_] page ids; tokenselect: [hkv, budget] token ids); one int64 hit
-  // count.
+  // Selection cache (cache_on_), whose kept selection per layer is quest: [hkv, wanted_pages_]
+  // page ids; tokenselect: [hkv, budget] token ids.
   bool cache_on_ = false;
-  std::vector<std::unique_ptr<kernels::Buffer>> cached_q_, cache_valid_, reuse_, kept_;
-  std::unique_ptr<kernels::Buffer> hit_count_;
-  int64_t cache_lookups_ = 0;
+  std::unique_ptr<DeviceSelectionCache> sel_cache_;
   // AttendChunk state: the mean-query merge plan for mean_rows_ rows (per level: rows in, rows
   // out, part starts; the parts' lse in mean_lse_, uploaded per plan), ping-pong outputs, the
   // selection read back, the spans and query positions for PagedAttention.

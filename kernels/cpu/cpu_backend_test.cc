@@ -464,6 +464,15 @@ TEST(CpuBackendTest, SwiGluAndAdd) {
       STRATA_ASSERT_OK(backend->Supports(ap));
       STRATA_ASSERT_OK(backend->Add(ap, nullptr));
       ExpectClose(out.f32(), sum, 0, 1e-7, "add");
+      // Scaled: out = 0.75 a - 1.5 b.
+      std::vector<double> scaled(n * m);
+      for (int64_t i = 0; i < n * m; ++i) scaled[i] = 0.75 * g.values[i] - 1.5 * double(u.values[i]);
+      ap.a_scale = 0.75f;
+      ap.b_scale = -1.5f;
+      STRATA_ASSERT_OK(backend->Add(ap, nullptr));
+      ExpectClose(out.f32(), scaled, 1e-6, 1e-6, "scaled add");
+      ap.b_scale = NAN;
+      EXPECT_EQ(backend->Supports(ap).code(), absl::StatusCode::kInvalidArgument);
       // In place: out aliases gate / a.
       sp.out = g.View();
       STRATA_ASSERT_OK(backend->SwiGlu(sp, nullptr));

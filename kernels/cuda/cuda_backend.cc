@@ -636,7 +636,8 @@ absl::Status CudaBackend::Add(const AddParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchAdd(p.a.As<const float>(),
                                                        p.b.As<const float>(), p.out.As<float>(),
-                                                       p.a.NumElements(), ToCuda(s)));
+                                                       p.a.NumElements(), p.a_scale, p.b_scale,
+                                                       ToCuda(s)));
   return absl::OkStatus();
 }
 

@@ -506,6 +506,27 @@ TEST_P(CudaElementwiseTest, AddMatchesCpu) {
   ExpectClose(Download(*d_a, n * width), want.Values(), 0, 0, "add in place");
 }
 
+// out = a_scale * a + b_scale * b: the same bits as the CPU twin (one fma, then rounding).
+TEST_P(CudaElementwiseTest, ScaledAddMatchesCpu) {
+  const auto [n, width] = GetParam();
+  HostTensor a = Random(rng_, DType::kF32, {n, width}, -5, 5);
+  HostTensor b = Random(rng_, DType::kF32, {n, width}, -5, 5);
+  HostTensor want = Filled({n, width}, kNaN);
+  AddParams cp{a.HostView(), b.HostView(), want.HostView(), 0.9f, 0.43588989f};
+  STRATA_ASSERT_OK(cpu_->Add(cp, nullptr));
+  auto d_a = Upload(a);
+  auto d_b = Upload(b);
+  auto d_o = Upload(Filled({n, width}, kNaN));
+  STRATA_ASSERT_OK(gpu_->Add(
+      {a.View(d_a->data()), b.View(d_b->data()), want.View(d_o->data()), 0.9f, 0.43588989f},
+      nullptr));
+  ExpectClose(Download(*d_o, n * width), want.Values(), 0, 0, "scaled add");
+  STRATA_ASSERT_OK(gpu_->Add(
+      {a.View(d_a->data()), b.View(d_b->data()), a.View(d_a->data()), 0.9f, 0.43588989f},
+      nullptr));
+  ExpectClose(Download(*d_a, n * width), want.Values(), 0, 0, "scaled add in place");
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, CudaElementwiseTest,
                          ::testing::Combine(::testing::Values(1, 3, 17, 129),
                                             ::testing::Values(1, 3, 129, 14336)));

@@ -76,7 +76,8 @@ cudaError_t LaunchRope(float* x, const int32_t* positions, const float* inv_freq
 // ---- swiglu.cu / add.cu --------------------------------------------------------------------
 cudaError_t LaunchSwiGlu(const float* gate, const float* up, float* out, int64_t n,
                          cudaStream_t stream);
-cudaError_t LaunchAdd(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
+cudaError_t LaunchAdd(const float* a, const float* b, float* out, int64_t n, float a_scale,
+                      float b_scale, cudaStream_t stream);
 
 // ---- attention.cu --------------------------------------------------------------------------
 // A span as the kernels read it: the same fields as kernels::KvSpan (16 bytes).
