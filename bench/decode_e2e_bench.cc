@@ -55,16 +55,17 @@
 //     V scales, amax / 448; half the bytes of bf16): the device-managed cache's pools are fp8
 //     and SelectedAttention reads each slot's scales; a host-managed cache (the other hooks)
 //     dequantises the pages into bf16 staging on the host (bf16 bytes over PCIe).
-//   --query_correlation=rho (0 <= rho < 1; default 0): the document's attention sees a correlated
+//   --query_correlation=rho[,rho...] (0 <= rho < 1; default 0): the document's attention sees a correlated
 //     query stream q'_t = rho q'_{t-1} + sqrt(1 - rho^2) q_t per layer instead of the random
 //     model's queries, which are unrelated from one token to the next where a real model's are
 //     similar (TokenSelect Fig. 3a; papers/DIGEST.md's query-similarity study): the workload model
 //     for page-cache locality and selection reuse (CorrelatedQueries below). Use a warm-up of
 //     several 1 / (1 - rho^2) steps (q'_{-1} = 0).
-//   --cache_theta=theta (default 2: off): the device chooser keeps TokenSelect's selection cache
+//   --cache_theta=theta[,theta...] (default 2: off): the device chooser keeps TokenSelect's selection cache
 //     (engine::DeviceSelectionCache, as the worker's lazy jobs do): a KV head whose group query has
 //     cosine >= theta with the one it last selected for reuses that selection. Reported as
-//     selection_reuse (hits per (layer, KV head) choice over the measured steps).
+//     selection_reuse (hits per (layer, KV head) choice over the measured steps). Each document
+//     pass runs once per listed (hook, rho, theta), in that order.
 //   --hold_source_pages=1: GpuCacheOptions::hold_source_pages (every page looked up once when the
 //     cache is made, reported as cache_create_s; misses then need no host-tier lookup).
 //   --selected_attention=1 (device hook): the device chooser also returns its selection on the
@@ -196,8 +197,11 @@ struct Flags {
   std::string matmul_precision = "split";  // comma list of split|bf16
   // Document passes: rho of the correlated query stream (0: the model's queries as they are) and
   // the device chooser's selection cache threshold (> 1: off). See the file comment.
-  double query_correlation = 0.0;
-  double cache_theta = 2.0;
+  // Comma lists: each document pass runs once per (hook, rho, theta).
+  std::string query_correlations = "0";
+  std::string cache_thetas = "2";
+  double query_correlation = 0.0;  // of the current pass
+  double cache_theta = 2.0;        // of the current pass
   uint64_t seed = 1;
 };
 
@@ -219,11 +223,13 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "matmul_precision") { f->matmul_precision = v; return true; }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
-  if (k == "query_correlation") {
-    return absl::SimpleAtod(v, &x) && x >= 0 && x < 1 && ((f->query_correlation = x), true);
-  }
-  if (k == "cache_theta") {
-    return absl::SimpleAtod(v, &x) && x > 0 && ((f->cache_theta = x), true);
+  if (k == "query_correlation" || k == "cache_theta") {
+    for (absl::string_view e : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+      if (!absl::SimpleAtod(e, &x)) return false;
+      if (k == "query_correlation" ? !(x >= 0 && x < 1) : !(x > 0)) return false;
+    }
+    (k == "query_correlation" ? f->query_correlations : f->cache_thetas) = v;
+    return !v.empty();
   }
   if (!absl::SimpleAtoi(v, &i) || i < 0) return false;
   if (k == "page_size") { f->page_size = static_cast<int>(i); return i > 0; }
@@ -812,6 +818,7 @@ struct RunResult {
   int64_t agree_same = 0, agree_total = 0;  // device vs host chooser, warm-up steps
   // Selection-cache hits over (layer, KV head) choices of the measured steps (NaN: no cache).
   double selection_reuse = NAN;
+  double rho = 0, theta = 2;  // the pass's query correlation and cache threshold
 };
 
 // Prefill of `tokens` random token ids from position 0 into a fresh bf16 KvCache (see the file
@@ -1164,13 +1171,13 @@ void Print(const RunResult& r) {
       "fill=%.1f MB/token pages/step=%" PRId64 " slots=%" PRId64 " of %" PRId64
       " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f "
       "last_token=%d cache_create_s=%.2f selected_attention_calls=%" PRId64
-      " graph_steps=%" PRId64 " selection_reuse=%.4f\n",
+      " graph_steps=%" PRId64 " rho=%.3f theta=%.3f selection_reuse=%.4f\n",
       r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tokens, r.tok_s,
       r.ms_total, r.ms_select, r.ms_select_copy, r.ms_fill, r.ms_fill_source, r.ms_fill_gather,
       r.ms_fill_copy, r.ms_fill_wait, r.ms_attend_rest, r.ms_rest, r.hit_ratio,
       r.fill_mb_per_token, r.pages_per_step, r.cache_slots, r.doc_pages_total, r.gpu_weights_gib,
       r.gpu_ready_gib, r.gpu_end_gib, r.host_kv_gib, r.doc_seconds, r.last_token,
-      r.cache_create_s, r.selected_calls, r.graph_steps, r.selection_reuse);
+      r.cache_create_s, r.selected_calls, r.graph_steps, r.rho, r.theta, r.selection_reuse);
   if (r.agree_total > 0) {
     std::printf("  device selection vs host MinMaxChooser (warm-up steps): %" PRId64 " of %" PRId64
                 " pages agree (%.4f)\n",
@@ -1342,21 +1349,39 @@ int Main(int argc, char** argv) {
       }
       struct Pass {
         bool device_chooser, device_hook, selected, managed, graph;
+        double rho = 0, theta = 2;
       };
       std::vector<Pass> passes;
+      std::vector<double> rhos, thetas;
+      for (absl::string_view e : absl::StrSplit(f.query_correlations, ',', absl::SkipEmpty())) {
+        rhos.push_back(0);
+        (void)absl::SimpleAtod(e, &rhos.back());  // checked by ParseFlag
+      }
+      for (absl::string_view e : absl::StrSplit(f.cache_thetas, ',', absl::SkipEmpty())) {
+        thetas.push_back(2);
+        (void)absl::SimpleAtod(e, &thetas.back());
+      }
       for (absl::string_view h : absl::StrSplit(f.hooks, ',', absl::SkipEmpty())) {
         const bool selected = h == "device-selected" || (h == "device" && f.selected_attention);
         const bool managed = h == "managed" || h == "managed-graph";
-        passes.push_back({true, h != "host", selected, managed, h == "managed-graph"});
+        for (double rho : rhos) {
+          for (double theta : thetas) {
+            passes.push_back({true, h != "host", selected, managed, h == "managed-graph", rho, theta});
+          }
+        }
       }
       if (host_cmp) passes.push_back({false, false, false, false, false});
-      for (const auto& [device_chooser, device_hook, selected, managed, graph] : passes) {
+      for (const auto& [device_chooser, device_hook, selected, managed, graph, rho, theta] : passes) {
         Flags pass_flags = f;
         pass_flags.selected_attention = selected ? 1 : 0;
+        pass_flags.query_correlation = rho;
+        pass_flags.cache_theta = theta;
         RunResult r;
         r.shape = mo.preset;
         r.chooser = device_chooser ? "device" : "host-minmax";
         r.context = ctx;
+        r.rho = rho;
+        r.theta = theta;
         r.gpu_weights_gib = gpu_weights;
         r.host_kv_gib = static_cast<double>((*doc)->allocator->reserved_bytes()) / (1 << 30);
         r.doc_seconds = (*doc)->seconds;
@@ -1390,13 +1415,15 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  std::printf("\n| shape | chooser | hook | context | tok/s | ms/token | select | fills | "
-              "attend rest | rest | hit ratio | fill MB/tok | GPU GiB (weights / ready / end) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | chooser | hook | rho | theta | reuse | context | tok/s | ms/token | "
+              "select | fills | attend rest | rest | hit ratio | fill MB/tok | GPU GiB (weights / "
+              "ready / end) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const RunResult& r : results) {
-    std::printf("| %s | %s | %s | %" PRId64 " | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.3f | "
-                "%.1f | %.2f / %.2f / %.2f |\n",
-                r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tok_s,
+    std::printf("| %s | %s | %s | %.2f | %.2f | %.3f | %" PRId64 " | %.1f | %.2f | %.2f | %.2f | "
+                "%.2f | %.2f | %.3f | %.1f | %.2f / %.2f / %.2f |\n",
+                r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.rho, r.theta,
+                r.selection_reuse, r.context, r.tok_s,
                 r.ms_total, r.ms_select,
                 r.ms_fill, r.ms_attend_rest, r.ms_rest, r.hit_ratio, r.fill_mb_per_token,
                 r.gpu_weights_gib, r.gpu_ready_gib, r.gpu_end_gib);

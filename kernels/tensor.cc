@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 namespace strata::kernels {
 
@@ -119,44 +120,44 @@ uint16_t F32ToF16(float v) {
 }
 
 float FP8E4M3ToF32(uint8_t v) {
-  uint32_t sign = v >> 7;
-  uint32_t exp = (v >> 3) & 0xfu;
-  uint32_t mant = v & 0x7u;
-  float out;
+  const uint32_t sign = static_cast<uint32_t>(v >> 7) << 31;
+  const uint32_t exp = (v >> 3) & 0xfu;
+  const uint32_t mant = v & 0x7u;
+  uint32_t bits;
   if (exp == 0xf && mant == 0x7) {
-    out = NAN;
+    bits = sign | 0x7fc00000u;  // NaN
   } else if (exp == 0) {
-    out = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant/8 * 2^-6
+    float f = static_cast<float>(mant) * (1.0f / 512.0f);  // subnormal: mant * 2^-9, exact
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
   } else {
-    out = std::ldexp(1.0f + mant / 8.0f, static_cast<int>(exp) - 7);
+    bits = sign | ((exp + 120u) << 23) | (mant << 20);  // 2^(exp - 7) * (1 + mant / 8)
   }
-  return sign ? -out : out;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
 }
 
+// Nearest e4m3 code (ties to the even code), saturated to +-448 (no infinities in e4m3fn).
 uint8_t F32ToFP8E4M3(float v) {
   if (std::isnan(v)) return 0x7f;
-  uint8_t sign = std::signbit(v) ? 0x80 : 0;
-  float a = std::fabs(v);
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const float a = std::fabs(v);
   if (a >= 448.0f) return sign | 0x7e;  // saturate to max finite
-  // Find the nearest representable value by search over the 127 non-negative finite codes.
-  // Codes are monotonic in value, so a binary search on the code suffices.
-  int lo = 0, hi = 0x7e;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (FP8E4M3ToF32(static_cast<uint8_t>(mid)) <= a) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
+  if (a < 0.015625f) {
+    // Subnormal codes (and 8, the smallest normal): code = a * 2^9 (exact) to the nearest integer,
+    // ties to even (the default rounding mode).
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
   }
-  int best = lo;
-  if (lo < 0x7e) {
-    float below = FP8E4M3ToF32(static_cast<uint8_t>(lo));
-    float above = FP8E4M3ToF32(static_cast<uint8_t>(lo + 1));
-    float db = a - below, da = above - a;
-    if (da < db || (da == db && (lo & 1))) best = lo + 1;  // ties to even code
-  }
-  return sign | static_cast<uint8_t>(best);
+  uint32_t bits;
+  std::memcpy(&bits, &a, 4);
+  // Exponent e4m3 = f32 exponent - 127 + 7 (1..15 here); keep 3 of the 23 mantissa bits, rounding
+  // the 20 dropped ones to nearest even (a carry moves into the exponent). a < 448 never rounds
+  // past 0x7e (448).
+  uint32_t code = (((bits >> 23) - 120u) << 3) | ((bits >> 20) & 0x7u);
+  const uint32_t rest = bits & 0xfffffu;
+  if (rest > 0x80000u || (rest == 0x80000u && (code & 1u))) ++code;
+  return sign | static_cast<uint8_t>(code);
 }
 
 void ConvertToF32(const void* src, DType src_type, float* dst, int64_t n) {

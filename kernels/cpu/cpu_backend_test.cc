@@ -481,6 +481,54 @@ TEST(CpuBackendTest, SwiGluAndAdd) {
   }
 }
 
+// The e4m3 conversions (bit arithmetic) against a definition written out: decode by ldexp, encode
+// by searching the nearest of the 127 non-negative finite codes (ties to the even code), saturated
+// at 448, NaN -> 0x7f.
+TEST(CpuBackendTest, Fp8ConversionsMatchTheNearestCodeDefinition) {
+  auto decode = [](int code) {
+    const int e = (code >> 3) & 15, m = code & 7;
+    if (e == 15 && m == 7) return NAN;
+    const float a = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+    return code & 0x80 ? -a : a;
+  };
+  auto encode = [&](float v) -> uint8_t {
+    if (std::isnan(v)) return 0x7f;
+    const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+    const float a = std::fabs(v);
+    if (a >= 448.0f) return sign | 0x7e;
+    int best = 0;
+    for (int c = 1; c <= 0x7e; ++c) {
+      const double dc = std::fabs(double(decode(c)) - a), db = std::fabs(double(decode(best)) - a);
+      if (dc < db || (dc == db && c % 2 == 0)) best = c;
+    }
+    return sign | static_cast<uint8_t>(best);
+  };
+  for (int c = 0; c < 256; ++c) {
+    const float want = decode(c), got = FP8E4M3ToF32(static_cast<uint8_t>(c));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << c;
+    } else {
+      EXPECT_EQ(std::memcmp(&want, &got, 4), 0) << c << ": " << want << " vs " << got;
+    }
+  }
+  std::vector<float> inputs = {0.0f, -0.0f, NAN, INFINITY, -INFINITY, 448.0f, 447.9f, 464.0f, 1e30f,
+                               1e-45f, 1e-30f, 0.015625f, 0.0146484375f};
+  for (int c = 0; c < 0x7e; ++c) {  // every code, the midpoints and their neighbours
+    const float lo = decode(c), hi = decode(c + 1), mid = 0.5f * (lo + hi);
+    for (float x : {lo, hi, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) {
+      inputs.push_back(x);
+      inputs.push_back(-x);
+    }
+  }
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> ex(-14, 10);
+  for (int i = 0; i < 20000; ++i) inputs.push_back((i % 2 ? -1.0f : 1.0f) * std::ldexp(mant(rng), ex(rng)));
+  for (float x : inputs) {
+    EXPECT_EQ(F32ToFP8E4M3(x), encode(x)) << x;
+  }
+}
+
 TEST(CpuBackendTest, SupportsRejectsBadShapesAndDtypes) {
   Rng rng(kSeed + 5);
   auto backend = MakeCpuBackend();
