@@ -35,13 +35,24 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_BUILD_TESTS=ON \
     -DSTRATA_ENABLE_CUDA=ON
 fi
-targets=(cuda_backend_test golden_gpu_test cuda_attention_bench strata_cuda "${extra[@]}")
+# Every gpu-labelled test ctest knows about is built (a test binary left from an older build would
+# be bundled stale: it may not match the plugin's structs), plus the bench, the plugin and extras.
+# A test's target has its binary's name (strata_cc_test).
+mapfile -t gpu_test_targets < <(ctest --test-dir "$BUILD_DIR" -L gpu -N --show-only=json-v1 2>/dev/null |
+  python3 -c '
+import json, os, sys
+seen = set()
+for t in json.load(sys.stdin).get("tests", []):
+    cmd = t.get("command") or []
+    if cmd and os.path.basename(cmd[0]) not in seen:
+        seen.add(os.path.basename(cmd[0])); print(os.path.basename(cmd[0]))')
+targets=("${gpu_test_targets[@]}" cuda_attention_bench strata_cuda "${extra[@]}")
 ninja -C "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
 if [ "$WITH_CLI" = 1 ]; then
   ninja -C "$BUILD_DIR" -j "$JOBS" strata
 fi
 
-# Every gpu-labelled test binary ctest knows about (built ones only).
+# Every gpu-labelled test binary ctest knows about (all built above).
 mapfile -t gpu_tests < <(ctest --test-dir "$BUILD_DIR" -L gpu -N --show-only=json-v1 2>/dev/null |
   python3 -c '
 import json, os, sys
