@@ -558,10 +558,12 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
   const TensorView attn = View2(attn_.get(), 1, hq * d);
 
   STRATA_RETURN_IF_ERROR(be->Embedding({id_dev, embed_tokens_, x}, nullptr));
-  for (int layer = 0; layer < static_cast<int>(layers_.size()); ++layer) {
+  const int num_layers = static_cast<int>(layers_.size());
+  for (int layer = 0; layer < num_layers; ++layer) {
     const model::LayerWeights& w = layers_[layer];
     const FusedWeights& fw = fused_[layer];
-    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
+    // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
+    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
     if (fw.qkv.data != nullptr) {
       STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
       STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
@@ -586,8 +588,7 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
     } else {
       STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}));
     }
-    STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps}, nullptr));
+    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));
     if (fw.gate_up.data != nullptr) {
       STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}));
     } else {
@@ -596,9 +597,8 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
     STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
-    STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
   }
-  STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps}, nullptr));
+  STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps, num_layers > 0 ? o : TensorView()}, nullptr));
   const TensorView lo(logits_->data(), DType::kF32, {1, vocab});
   return MatMul({xn, lm_head_, TensorView(), lo});
 }
@@ -768,9 +768,11 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   segment_device_part_.assign(segs.size(), 0);
 
   STRATA_RETURN_IF_ERROR(be->Embedding({ids_dev, embed_tokens_, x}, nullptr));
-  for (int layer = 0; layer < static_cast<int>(layers_.size()); ++layer) {
+  const int num_layers = static_cast<int>(layers_.size());
+  for (int layer = 0; layer < num_layers; ++layer) {
     const model::LayerWeights& w = layers_[layer];
-    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
+    // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
+    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
     const FusedWeights& fw = fused_[layer];
     if (n == 1 && fw.qkv.data != nullptr) {
       // One token: [q | k | v] from one GEMV (each output row computed as by the separate ones).
@@ -880,8 +882,7 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       attn_in = View2(merged_.get(), n, hq * d);
     }
     STRATA_RETURN_IF_ERROR(MatMul({attn_in, w.o_proj, TensorView(), o}));
-    STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
-    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps}, nullptr));
+    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));
     if (n == 1 && fw.gate_up.data != nullptr) {
       STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}));
     } else {
@@ -890,7 +891,9 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
     STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
-    STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
+    // The next layer's input norm adds o to x; after the last layer x is completed here (Logits
+    // reads some of its rows).
+    if (layer + 1 == num_layers) STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
   }
   return absl::OkStatus();
 }

@@ -46,12 +46,16 @@ struct EmbeddingParams {
   TensorView out;                // [num_tokens, hidden] f32
 };
 
-// out = in / sqrt(mean(in^2) + eps) * weight, row by row.
+// out = in / sqrt(mean(in^2) + eps) * weight, row by row. With `residual` (the residual add of a
+// transformer block fused into the next norm) in += residual first, elementwise in f32 and written
+// back to in, then in is normalised: the results of Add({in, residual, in}) then RmsNorm, bit for
+// bit on each backend.
 struct RmsNormParams {
-  TensorView in;      // [num_tokens, hidden] f32
+  TensorView in;      // [num_tokens, hidden] f32 (written when residual is set)
   TensorView weight;  // [hidden] f32|bf16|f16
   TensorView out;     // [num_tokens, hidden] f32 (may alias in)
   float eps = 1e-6f;
+  TensorView residual;  // [num_tokens, hidden] f32, or data == nullptr (none); must not alias out
 };
 
 // What MatMul does with the f32 activations when the weight is bf16|f16 (f32 weights ignore it:

@@ -174,6 +174,18 @@ TEST(CpuBackendTest, RmsNorm) {
         p.out = in.View();
         STRATA_ASSERT_OK(backend->RmsNorm(p, nullptr));
         ExpectClose(in.f32(), want, 1e-6, 2e-5, "rmsnorm in place");
+        // With a residual: the same bits as Add then RmsNorm, and in holds the sum.
+        HostTensor a = Random(rng, DType::kF32, {n, hidden}, -3, 3);
+        HostTensor r = Random(rng, DType::kF32, {n, hidden}, -1, 1);
+        HostTensor a2 = a, sep = Zeros({n, hidden}), fused = Zeros({n, hidden});
+        STRATA_ASSERT_OK(backend->Add({a2.View(), r.View(), a2.View()}, nullptr));
+        STRATA_ASSERT_OK(backend->RmsNorm({a2.View(), w.View(), sep.View(), 1e-5f}, nullptr));
+        RmsNormParams pr{a.View(), w.View(), fused.View(), 1e-5f, r.View()};
+        STRATA_ASSERT_OK(backend->RmsNorm(pr, nullptr));
+        ASSERT_EQ(a.f32(), a2.f32());
+        ASSERT_EQ(fused.f32(), sep.f32());
+        pr.residual = fused.View();  // aliasing out
+        EXPECT_THAT(backend->Supports(pr), StatusIs(absl::StatusCode::kInvalidArgument));
       }
     }
   }

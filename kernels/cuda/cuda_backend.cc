@@ -568,8 +568,8 @@ absl::Status CudaBackend::RmsNorm(const RmsNormParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(Supports(p));
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchRmsNorm(
-      p.in.As<const float>(), p.weight.data, ToFloatType(p.weight.dtype), p.out.As<float>(),
-      p.in.dim(0), p.in.dim(1), p.eps, ToCuda(s)));
+      p.in.As<float>(), p.residual.As<const float>(), p.weight.data, ToFloatType(p.weight.dtype),
+      p.out.As<float>(), p.in.dim(0), p.in.dim(1), p.eps, ToCuda(s)));
   return absl::OkStatus();
 }
 

@@ -277,6 +277,31 @@ TEST_P(CudaRmsNormTest, MatchesCpu) {
   ExpectClose(Download(*d_in, n * hidden), want.Values(), 1e-6, 2e-5, "rmsnorm in place");
 }
 
+// With a residual: in += residual (bit for bit the CPU twin's sum), then the norm of the sum (as
+// the CPU twin, to tolerance), out separate and in place.
+TEST_P(CudaRmsNormTest, ResidualMatchesCpu) {
+  const auto [dt, hidden, n] = GetParam();
+  HostTensor in = Random(rng_, DType::kF32, {n, hidden}, -3, 3);
+  HostTensor res = Random(rng_, DType::kF32, {n, hidden}, -1, 1);
+  HostTensor w = Random(rng_, dt, {hidden}, 0.5, 1.5);
+  HostTensor sum = in, want = Filled({n, hidden}, kNaN);
+  STRATA_ASSERT_OK(cpu_->RmsNorm(
+      {sum.HostView(), w.HostView(), want.HostView(), 1e-5f, res.HostView()}, nullptr));
+  for (bool in_place : {false, true}) {
+    auto d_in = Upload(in);
+    auto d_res = Upload(res);
+    auto d_w = Upload(w);
+    auto d_out = Upload(Filled({n, hidden}, kNaN));
+    RmsNormParams p{in.View(d_in->data()), w.View(d_w->data()), want.View(d_out->data()), 1e-5f,
+                    res.View(d_res->data())};
+    if (in_place) p.out = p.in;
+    STRATA_ASSERT_OK(gpu_->RmsNorm(p, nullptr));
+    ExpectClose(Download(in_place ? *d_in : *d_out, n * hidden), want.Values(), 1e-6, 2e-5,
+                absl::StrCat("rmsnorm residual ", DTypeName(dt), in_place ? " in place" : ""));
+    if (!in_place) ExpectClose(Download(*d_in, n * hidden), sum.Values(), 0, 0, "in + residual");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, CudaRmsNormTest,
                          ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                                             ::testing::Values(1, 3, 17, 129, 4096, 4098,

@@ -2,7 +2,9 @@
 // The block has up to 1024 threads, sized so that each thread handles about four elements of the
 // row (at batch 1 the one block is the whole kernel, so a wide block shortens its serial loop),
 // with 16-byte loads and stores when the row is float4-aligned. Each thread writes only the
-// elements it read, so out may alias in.
+// elements it read, so out may alias in. With a residual, each thread first adds it to its
+// elements of in (written back; the same f32 add as the Add kernel), so the residual add of a
+// transformer block costs no launch of its own.
 #include "kernels/cuda/internal/common.cuh"
 
 namespace strata::kernels::cuda_internal {
@@ -14,21 +16,38 @@ constexpr int kMaxThreads = 1024;
 // ... of the row.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kMaxThreads)
-    RmsNormKernel(const float* in, const T* __restrict__ weight, float* out, int64_t hidden,
-                  float eps) {
+    RmsNormKernel(float* in, const float* __restrict__ residual, const T* __restrict__ weight,
+                  float* out, int64_t hidden, float eps) {
   __shared__ float warp_sums[kMaxThreads / 32];
   const int nthreads = blockDim.x;
-  const float* x = in + static_cast<int64_t>(blockIdx.x) * hidden;
+  float* x = in + static_cast<int64_t>(blockIdx.x) * hidden;
+  const float* r = residual != nullptr ? residual + static_cast<int64_t>(blockIdx.x) * hidden
+                                       : nullptr;
   float* y = out + static_cast<int64_t>(blockIdx.x) * hidden;
   float sum = 0.0f;
   if (VEC) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
+    float4* x4 = reinterpret_cast<float4*>(x);
     for (int64_t i = threadIdx.x; i < hidden / 4; i += nthreads) {
-      const float4 v = x4[i];
+      float4 v = x4[i];
+      if (r != nullptr) {
+        const float4 a = reinterpret_cast<const float4*>(r)[i];
+        v.x = __fadd_rn(v.x, a.x);
+        v.y = __fadd_rn(v.y, a.y);
+        v.z = __fadd_rn(v.z, a.z);
+        v.w = __fadd_rn(v.w, a.w);
+        x4[i] = v;
+      }
       sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
   } else {
-    for (int64_t i = threadIdx.x; i < hidden; i += nthreads) sum += x[i] * x[i];
+    for (int64_t i = threadIdx.x; i < hidden; i += nthreads) {
+      float v = x[i];
+      if (r != nullptr) {
+        v = __fadd_rn(v, r[i]);
+        x[i] = v;
+      }
+      sum += v * v;
+    }
   }
   sum = WarpSum(sum);
   if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum;
@@ -58,12 +77,14 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 }  // namespace
 
-cudaError_t LaunchRmsNorm(const float* in, const void* weight, FloatType weight_type, float* out,
-                          int64_t num_tokens, int64_t hidden, float eps, cudaStream_t stream) {
+cudaError_t LaunchRmsNorm(float* in, const float* residual, const void* weight,
+                          FloatType weight_type, float* out, int64_t num_tokens, int64_t hidden,
+                          float eps, cudaStream_t stream) {
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
   if (num_tokens > 0x7fffffff) return cudaErrorInvalidValue;
   const bool vec = hidden % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(residual) % 16 == 0;
   int64_t threads = ((hidden + 3) / 4 + 31) / 32 * 32;
   if (threads < 32) threads = 32;
   if (threads > kMaxThreads) threads = kMaxThreads;
@@ -72,11 +93,11 @@ cudaError_t LaunchRmsNorm(const float* in, const void* weight, FloatType weight_
   if (vec) {
     STRATA_DISPATCH_FLOAT_TYPE(weight_type, T,
         RmsNormKernel<T, true><<<blocks, nt, 0, stream>>>(
-            in, static_cast<const T*>(weight), out, hidden, eps));
+            in, residual, static_cast<const T*>(weight), out, hidden, eps));
   } else {
     STRATA_DISPATCH_FLOAT_TYPE(weight_type, T,
         RmsNormKernel<T, false><<<blocks, nt, 0, stream>>>(
-            in, static_cast<const T*>(weight), out, hidden, eps));
+            in, residual, static_cast<const T*>(weight), out, hidden, eps));
   }
   return cudaGetLastError();
 }

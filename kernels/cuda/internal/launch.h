@@ -29,9 +29,10 @@ cudaError_t LaunchEmbedding(const int32_t* ids, const void* table, FloatType tab
                             cudaStream_t stream);
 
 // ---- rms_norm.cu ---------------------------------------------------------------------------
-// out may alias in.
-cudaError_t LaunchRmsNorm(const float* in, const void* weight, FloatType weight_type, float* out,
-                          int64_t num_tokens, int64_t hidden, float eps, cudaStream_t stream);
+// out may alias in; residual (nullptr: none) is added to in first (in is written).
+cudaError_t LaunchRmsNorm(float* in, const float* residual, const void* weight,
+                          FloatType weight_type, float* out, int64_t num_tokens, int64_t hidden,
+                          float eps, cudaStream_t stream);
 
 // ---- matmul.cu -----------------------------------------------------------------------------
 // Outcome of LaunchMatMul: the first CUDA or cuBLAS error and where it happened.
