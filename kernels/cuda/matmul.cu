@@ -14,6 +14,9 @@
 // of inference engines (half the tensor-core work of the split and half its scratch).
 #include <cublas_v2.h>
 
+#include <cstdlib>
+#include <string_view>
+
 #include "kernels/cuda/internal/common.cuh"
 
 namespace strata::kernels::cuda_internal {
@@ -99,7 +102,8 @@ constexpr int kGemvUnroll = 4;
 template <typename T, bool VEC, int MAXN, bool ROUND>
 __global__ void __launch_bounds__(kGemvMaxThreads)
     GemvKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
-               FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m) {
+               FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m,
+               bool dependent) {
   __shared__ float warp_sums[MAXN][kGemvMaxThreads / 32];
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -107,6 +111,18 @@ __global__ void __launch_bounds__(kGemvMaxThreads)
   const int nthreads = blockDim.x;
   const int64_t o = blockIdx.x;
   const T* row = w + o * k;
+  // The weights do not depend on the previous kernel: with a dependent launch (GemvPdlEnabled)
+  // this block's row streams into L2 while that kernel finishes; then wait for its output (the
+  // activations).
+  if (dependent) {
+    const char* bytes = reinterpret_cast<const char*>(row);
+    const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
+    for (int64_t b = static_cast<int64_t>(tid) * 128; b < row_bytes;
+         b += static_cast<int64_t>(nthreads) * 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(bytes + b));
+    }
+    GridDepWait();
+  }
   float acc[MAXN];
 #pragma unroll
   for (int t = 0; t < MAXN; ++t) acc[t] = 0.0f;
@@ -177,37 +193,41 @@ int GemvThreads(int64_t k, bool vec) {
   return static_cast<int>(t);
 }
 
+// GEMVs are launched as programmatic dependents (GemvKernel's weight prefetch overlaps the
+// previous kernel, whose RmsNorm / SwiGlu trigger their dependents at entry) only with
+// STRATA_GEMV_PDL=1 in the environment (read once). Measured on the H100 (bench/RESULTS.md,
+// session 7): the eager 8B step 6.83 -> 6.70 ms, but the replayed CUDA graph of the step, the
+// decode path, 6.00 -> 6.14 ms, so it is off by default.
+bool GemvPdlEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("STRATA_GEMV_PDL");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return enabled;
+}
+
 // Picks the GemvKernel instance for n tokens and vec (see GemvKernel).
 template <typename T, bool ROUND>
-void LaunchGemv(const float* in, const T* w, const void* bias, FloatType bias_type, float* out,
-                int n, int64_t k, int64_t m, bool vec, unsigned blocks, int threads,
-                cudaStream_t stream) {
-  if (n == 1) {
-    if (vec) {
-      GemvKernel<T, true, 1, ROUND><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out,
-                                                                     n, k, m);
-    } else {
-      GemvKernel<T, false, 1, ROUND><<<blocks, threads, 0, stream>>>(in, w, bias, bias_type, out,
-                                                                      n, k, m);
-    }
-  } else if (vec) {
-    GemvKernel<T, true, kGemvMaxTokens, ROUND><<<blocks, threads, 0, stream>>>(
-        in, w, bias, bias_type, out, n, k, m);
-  } else {
-    GemvKernel<T, false, kGemvMaxTokens, ROUND><<<blocks, threads, 0, stream>>>(
-        in, w, bias, bias_type, out, n, k, m);
-  }
+cudaError_t LaunchGemv(const float* in, const T* w, const void* bias, FloatType bias_type,
+                       float* out, int n, int64_t k, int64_t m, bool vec, unsigned blocks,
+                       int threads, cudaStream_t stream) {
+  auto* kernel = n == 1 ? (vec ? GemvKernel<T, true, 1, ROUND> : GemvKernel<T, false, 1, ROUND>)
+                        : (vec ? GemvKernel<T, true, kGemvMaxTokens, ROUND>
+                               : GemvKernel<T, false, kGemvMaxTokens, ROUND>);
+  const bool dependent = GemvPdlEnabled();
+  return LaunchDependent(kernel, dim3(blocks), dim3(static_cast<unsigned>(threads)), 1, dependent,
+                         stream, in, w, bias, bias_type, out, n, k, m, dependent);
 }
 
 template <typename T>
-void LaunchGemvPrecision(const float* in, const T* w, const void* bias, FloatType bias_type,
-                         float* out, int n, int64_t k, int64_t m, bool vec, unsigned blocks,
-                         int threads, bool round, cudaStream_t stream) {
+cudaError_t LaunchGemvPrecision(const float* in, const T* w, const void* bias,
+                                FloatType bias_type, float* out, int n, int64_t k, int64_t m,
+                                bool vec, unsigned blocks, int threads, bool round,
+                                cudaStream_t stream) {
   if (round) {
-    LaunchGemv<T, true>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
-  } else {
-    LaunchGemv<T, false>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
+    return LaunchGemv<T, true>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
   }
+  return LaunchGemv<T, false>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
 }
 
 template <typename T>
@@ -335,13 +355,14 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     const int threads = GemvThreads(k, vec);
     const int nn = static_cast<int>(n);
     if (weight_type == FloatType::kBF16) {
-      LaunchGemvPrecision(in, static_cast<const __nv_bfloat16*>(weight), bias, bias_type, out, nn,
-                          k, m, vec, blocks, threads, round_activations, stream);
+      STRATA_GPU_RESULT_CUDA(LaunchGemvPrecision(in, static_cast<const __nv_bfloat16*>(weight),
+                                                 bias, bias_type, out, nn, k, m, vec, blocks,
+                                                 threads, round_activations, stream));
     } else {
-      LaunchGemvPrecision(in, static_cast<const __half*>(weight), bias, bias_type, out, nn, k, m,
-                          vec, blocks, threads, round_activations, stream);
+      STRATA_GPU_RESULT_CUDA(LaunchGemvPrecision(in, static_cast<const __half*>(weight), bias,
+                                                 bias_type, out, nn, k, m, vec, blocks, threads,
+                                                 round_activations, stream));
     }
-    STRATA_GPU_RESULT_CUDA(cudaGetLastError());
     return GpuResult();
   }
 

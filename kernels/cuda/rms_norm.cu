@@ -19,6 +19,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     RmsNormKernel(float* in, const float* __restrict__ residual, const T* __restrict__ weight,
                   float* out, int64_t hidden, float eps) {
   __shared__ float warp_sums[kMaxThreads / 32];
+  // The next kernel (a GEMV launched as a programmatic dependent) may start prefetching its
+  // weights now; it waits for this kernel's output before reading it.
+  GridDepLaunchDependents();
   const int nthreads = blockDim.x;
   float* x = in + static_cast<int64_t>(blockIdx.x) * hidden;
   const float* r = residual != nullptr ? residual + static_cast<int64_t>(blockIdx.x) * hidden

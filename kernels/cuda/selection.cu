@@ -62,18 +62,6 @@ constexpr int64_t kTopKSharedKeys = 32768;
 
 __device__ __forceinline__ float NegInfF() { return __int_as_float(0xff800000); }
 
-// Programmatic dependent launch (sm_90): a kernel launched with LaunchDependent may start while
-// the previous kernel on the stream is finishing; GridDepWait blocks until that kernel has
-// completed and its writes are visible, so it must come before the first global access (it is
-// a no-op for a normal launch). GridDepLaunchDependents lets the next such kernel be scheduled
-// early; it still waits for this one to complete in its own GridDepWait.
-__device__ __forceinline__ void GridDepWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void GridDepLaunchDependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-// Launches `kernel` with programmatic stream serialization allowed and, for cluster > 1, thread
-// block clusters of `cluster` blocks along x.
 // Programmatic dependent launch is off unless STRATA_SELECTION_PDL=1 is in the environment (read
 // once): on the H100 it made the replayed pipeline graphs slower (bench/RESULTS.md).
 bool SelectionPdlEnabled() {
@@ -84,31 +72,11 @@ bool SelectionPdlEnabled() {
   return enabled;
 }
 
+// LaunchDependent (common.cuh) with programmatic serialization when SelectionPdlEnabled().
 template <typename... KArgs, typename... Args>
-cudaError_t LaunchDependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, int cluster,
+cudaError_t LaunchSelection(void (*kernel)(KArgs...), dim3 grid, dim3 block, int cluster,
                             cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  int na = 0;
-  if (SelectionPdlEnabled()) {
-    attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[na].val.programmaticStreamSerializationAllowed = 1;
-    ++na;
-  }
-  if (cluster > 1) {
-    attrs[na].id = cudaLaunchAttributeClusterDimension;
-    attrs[na].val.clusterDim.x = static_cast<unsigned>(cluster);
-    attrs[na].val.clusterDim.y = 1;
-    attrs[na].val.clusterDim.z = 1;
-    ++na;
-  }
-  cfg.attrs = attrs;
-  cfg.numAttrs = na;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+  return LaunchDependent(kernel, grid, block, cluster, SelectionPdlEnabled(), stream, args...);
 }
 
 template <typename KV>
@@ -1640,7 +1608,7 @@ cudaError_t LaunchFastScore(const float* q, const T* rows, int64_t num_items, in
                             int num_kv_heads, int group, const DeviceCandidates& c, float scale,
                             float* scores, cudaStream_t stream) {
   const dim3 grid(FastScoreBlocks<T, D, kMinMax>(c.count), num_kv_heads);
-  return LaunchDependent(FastScoreKernel<T, D, kMinMax>, grid, dim3(kScoreThreads), 1, stream, q,
+  return LaunchSelection(FastScoreKernel<T, D, kMinMax>, grid, dim3(kScoreThreads), 1, stream, q,
                          rows, num_items, num_slots, page_size, table, table_pages, group, c,
                          scale, scores);
 }
@@ -1882,7 +1850,7 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
     auto* kernel_fn = rounds == 2   ? PagedKeyScoreKernel<2>
                       : rounds == 8 ? PagedKeyScoreKernel<8>
                                     : PagedKeyScoreKernel<4>;
-    return LaunchDependent(kernel_fn, dim3(static_cast<unsigned>(blocks), num_kv_heads),
+    return LaunchSelection(kernel_fn, dim3(static_cast<unsigned>(blocks), num_kv_heads),
                            dim3(kScoreThreads), 1, stream, q,
                            static_cast<const __nv_bfloat16*>(k_pool), num_slots, page_shift,
                            page_table, table_pages, group, c, fanout_shift, scale, scores);
@@ -2084,7 +2052,7 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
     auto* kernel_fn = per == 2   ? ClusterRegisterVoteTopKKernel<2>
                       : per == 4 ? ClusterRegisterVoteTopKKernel<4>
                                  : ClusterRegisterVoteTopKKernel<8>;
-    return LaunchDependent(kernel_fn, dim3(cs, num_kv_heads), dim3(threads), cs, stream, scores,
+    return LaunchSelection(kernel_fn, dim3(cs, num_kv_heads), dim3(threads), cs, stream, scores,
                            group, c, k, vote, selected, RegHistMode());
   }
   if (kernel == 2) {
@@ -2116,10 +2084,10 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
         ((per_block + per - 1) / per + 31) / 32 * 32, 32, kClusterTopKMaxThreads));
     const dim3 grid(cs, num_kv_heads);
     if (per == 4) {
-      return LaunchDependent(ClusterVoteTopKKernel<4>, grid, dim3(threads), cs, stream, scores,
+      return LaunchSelection(ClusterVoteTopKKernel<4>, grid, dim3(threads), cs, stream, scores,
                              group, c, k, vote, selected);
     }
-    return LaunchDependent(ClusterVoteTopKKernel<16>, grid, dim3(threads), cs, stream, scores,
+    return LaunchSelection(ClusterVoteTopKKernel<16>, grid, dim3(threads), cs, stream, scores,
                            group, c, k, vote, selected);
   }
   const bool shared_keys = c.count <= kTopKSharedKeys;

@@ -5,6 +5,7 @@ namespace strata::kernels::cuda_internal {
 namespace {
 
 __global__ void SwiGluKernel(const float* gate, const float* up, float* out, int64_t n) {
+  GridDepLaunchDependents();  // the down projection's GEMV may start prefetching its weights
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = gate[i];

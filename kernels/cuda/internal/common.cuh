@@ -28,6 +28,46 @@ __device__ __forceinline__ float LoadAsFloat<__half>(const __half* p, int64_t i)
   return __half2float(p[i]);
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization
+// (LaunchDependent) may be scheduled while the previous kernel on the stream is still running;
+// GridDepWait blocks until that kernel has completed and its writes are visible, so everything
+// before it must touch only memory the previous kernel does not write (it is a no-op after a
+// normal launch). GridDepLaunchDependents lets such a next kernel be scheduled before this one
+// ends (the next one still waits for this one's completion in its own GridDepWait).
+__device__ __forceinline__ void GridDepWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void GridDepLaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Launches `kernel` on `stream`, with programmatic stream serialization allowed when `dependent`
+// (see GridDepWait) and, for cluster > 1, thread block clusters of `cluster` blocks along x.
+template <typename... KArgs, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, int cluster,
+                            bool dependent, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  int na = 0;
+  if (dependent) {
+    attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[na].val.programmaticStreamSerializationAllowed = 1;
+    ++na;
+  }
+  if (cluster > 1) {
+    attrs[na].id = cudaLaunchAttributeClusterDimension;
+    attrs[na].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attrs[na].val.clusterDim.y = 1;
+    attrs[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = na;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
