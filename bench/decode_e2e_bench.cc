@@ -66,6 +66,9 @@
 //     cosine >= theta with the one it last selected for reuses that selection. Reported as
 //     selection_reuse (hits per (layer, KV head) choice over the measured steps). Each document
 //     pass runs once per listed (hook, rho, theta), in that order.
+//   --summary_dtype=bf16 (default f32): the device chooser's summaries in bf16, rounded outward
+//     (kernels::MinMaxRowsToBF16, as the worker's lazy jobs keep them): half the device memory and
+//     half the bytes each selection reads.
 //   --hold_source_pages=1: GpuCacheOptions::hold_source_pages (every page looked up once when the
 //     cache is made, reported as cache_create_s; misses then need no host-tier lookup).
 //   --selected_attention=1 (device hook): the device chooser also returns its selection on the
@@ -180,6 +183,9 @@ struct Flags {
   // partials in backend memory, MissPolicy::kOrdered fills, one host sync per layer).
   std::string hooks = "device";
   std::string page_dtype = "bf16";  // bf16 | fp8
+  // The device chooser's summaries: f32 as computed, or bf16 rounded outward
+  // (kernels::MinMaxRowsToBF16; what the worker's lazy jobs use).
+  std::string summary_dtype = "f32";
   // 1: GpuCacheOptions::hold_source_pages (every page looked up once at Create; misses need no
   // host-tier lookup).
   int hold_source_pages = 0;
@@ -217,6 +223,10 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "page_dtype") {
     f->page_dtype = v;
     return v == "bf16" || v == "fp8";
+  }
+  if (k == "summary_dtype") {
+    f->summary_dtype = v;
+    return v == "f32" || v == "bf16";
   }
   if (k == "prefill_contexts") { f->prefill_contexts = v; return true; }
   if (k == "prefill_policy") { f->prefill_policy = v; return true; }
@@ -505,11 +515,21 @@ class DeviceChooser {
     ch->k_ = std::max<int64_t>(1, f.budget_tokens / f.page_size);
     const int64_t n = ch->window_first_ - 1;  // middle candidates
     const size_t layer_floats = static_cast<size_t>(ch->hkv_) * doc.pages * 2 * ch->d_;
+    ch->summary_dtype_ = f.summary_dtype == "bf16" ? DType::kBF16 : DType::kF32;
+    std::vector<uint16_t> rounded;
     for (int64_t l = 0; l < c.num_layers; ++l) {
-      STRATA_ASSIGN_OR_RETURN(auto buf, backend->Allocate(layer_floats * sizeof(float)));
-      STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buf->data(),
-                                                   doc.summaries.data() + l * layer_floats,
-                                                   layer_floats * sizeof(float), nullptr));
+      const void* src = doc.summaries.data() + l * layer_floats;
+      size_t bytes = layer_floats * sizeof(float);
+      if (ch->summary_dtype_ == DType::kBF16) {
+        rounded.resize(layer_floats);
+        kernels::MinMaxRowsToBF16(doc.summaries.data() + l * layer_floats,
+                                  static_cast<int64_t>(ch->hkv_) * doc.pages, ch->d_,
+                                  rounded.data());
+        src = rounded.data();
+        bytes = layer_floats * sizeof(uint16_t);
+      }
+      STRATA_ASSIGN_OR_RETURN(auto buf, backend->Allocate(bytes));
+      STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buf->data(), src, bytes, nullptr));
       ch->summaries_.push_back(std::move(buf));
     }
     STRATA_ASSIGN_OR_RETURN(ch->q_, backend->Allocate(static_cast<size_t>(ch->hq_) * ch->d_ * 4));
@@ -615,7 +635,8 @@ class DeviceChooser {
   // queued GPU work up to this layer's selection).
   double copy_seconds() const { return copy_seconds_; }
   int64_t device_bytes() const {
-    return static_cast<int64_t>(summaries_.size()) * hkv_ * pages_ * 2 * d_ * 4;
+    return static_cast<int64_t>(summaries_.size()) * hkv_ * pages_ * 2 * d_ *
+           static_cast<int64_t>(kernels::DTypeSize(summary_dtype_));
   }
 
  private:
@@ -634,12 +655,13 @@ class DeviceChooser {
       chosen = cache_->kept(layer);
     }
     STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
-        backend_, q, summaries_[layer]->View(DType::kF32, {hkv_, pages_, 2 * d_}), window_first_,
+        backend_, q, summaries_[layer]->View(summary_dtype_, {hkv_, pages_, 2 * d_}), window_first_,
         k_, scores_->View(DType::kF32, {hkv_, group, n}), chosen, skip));
     return chosen;
   }
 
   std::unique_ptr<kernels::Buffer> q_, scores_, selected_;
+  DType summary_dtype_ = DType::kF32;
   std::unique_ptr<engine::DeviceSelectionCache> cache_;
   std::vector<int32_t> host_selected_;
   double seconds_ = 0;

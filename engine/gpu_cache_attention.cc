@@ -407,7 +407,7 @@ void AppendChosenPages(const int32_t* selected, int64_t k, int64_t window_first,
 
 MinMaxSummaryCache::MinMaxSummaryCache(kvstore::PageStore* store, kvstore::DocumentId document,
                                        uint32_t summary_kind, int num_layers, int num_kv_heads,
-                                       int head_dim, int64_t num_pages)
+                                       int head_dim, int64_t num_pages, bool bf16_bounds)
     : store_(store),
       document_(document),
       summary_kind_(summary_kind),
@@ -415,6 +415,7 @@ MinMaxSummaryCache::MinMaxSummaryCache(kvstore::PageStore* store, kvstore::Docum
       num_kv_heads_(std::max(0, num_kv_heads)),
       head_dim_(head_dim),
       num_pages_(num_pages),
+      bf16_bounds_(bf16_bounds),
       entries_(static_cast<size_t>(num_layers_) * num_kv_heads_) {}
 
 bool MinMaxSummaryCache::Matches(int num_layers, int num_kv_heads, int head_dim,
@@ -455,6 +456,11 @@ absl::StatusOr<const std::vector<float>*> MinMaxSummaryCache::Get(int layer, int
                                               " (layer ", layer, ", kv head ", kv_head, ")"));
     }
     std::memcpy(&read[static_cast<size_t>(p) * 2 * d], got[p]->data(), 2 * d * sizeof(float));
+  }
+  if (bf16_bounds_) {
+    std::vector<uint16_t> rounded(read.size());
+    kernels::MinMaxRowsToBF16(read.data(), n, d, rounded.data());
+    for (size_t i = 0; i < read.size(); ++i) read[i] = kernels::BF16ToF32(rounded[i]);
   }
   sum = std::move(read);
   bytes_ += static_cast<int64_t>(sum.size() * sizeof(float));

@@ -51,14 +51,19 @@ using PageChooser = std::function<absl::Status(int layer, int kv_head, const flo
 // upload of the same summaries, so each is read from the store once. Thread-safe.
 class MinMaxSummaryCache {
  public:
+  // bf16_bounds: each summary row is rounded outward to bf16 values as it is read
+  // (kernels::MinMaxRowsToBF16; still f32 here, now exactly bf16-representable), so that the
+  // host choosers and a bf16 device copy of the summaries choose from the same bounds.
   MinMaxSummaryCache(kvstore::PageStore* store, kvstore::DocumentId document, uint32_t summary_kind,
-                     int num_layers, int num_kv_heads, int head_dim, int64_t num_pages);
+                     int num_layers, int num_kv_heads, int head_dim, int64_t num_pages,
+                     bool bf16_bounds = false);
   // The summaries of (layer, kv_head), valid as long as the cache. InvalidArgument for a layer or
   // head outside the shape; NotFound for a missing or malformed summary; the store's errors.
   absl::StatusOr<const std::vector<float>*> Get(int layer, int kv_head);
   // Whether this cache serves choosers of the given shape (document pages, layers, heads, dims).
   bool Matches(int num_layers, int num_kv_heads, int head_dim, int64_t num_pages) const;
   int64_t bytes() const;  // summaries held
+  bool bf16_bounds() const { return bf16_bounds_; }
 
  private:
   kvstore::PageStore* store_;
@@ -66,6 +71,7 @@ class MinMaxSummaryCache {
   uint32_t summary_kind_;
   int num_layers_, num_kv_heads_, head_dim_;
   int64_t num_pages_;
+  bool bf16_bounds_;
   mutable std::mutex mu_;
   std::vector<std::vector<float>> entries_;  // per (layer, kv head); empty until read
   int64_t bytes_ = 0;

@@ -225,10 +225,11 @@ struct CandidateList {
 // h = g * group + j (group = num_q_heads / num_kv_heads) and candidate i with id c,
 //   scores[g, j, i] = sum_e max(v_e * min[g, c, e], v_e * max[g, c, e]),  v = scale * q[h]
 // (the upper bound of scale * q.k over the keys summarised), or -inf when i is invalid or
-// c >= num_items.
+// c >= num_items. bf16 summaries take half the bytes; rounded outward (min toward -inf, max toward
+// +inf: engine::MinMaxSummariesToBf16) they still bound every key, a little more loosely.
 struct ScoreSummariesParams {
   TensorView q;           // [num_q_heads, head_dim] f32
-  TensorView summaries;   // [num_kv_heads, num_items, 2 * head_dim] f32: per-channel min, then max
+  TensorView summaries;   // [num_kv_heads, num_items, 2 * head_dim] f32|bf16: per-channel min, then max
   CandidateList candidates;
   float scale = 0.0f;
   TensorView scores;      // [num_kv_heads, group, candidates.Count()] f32

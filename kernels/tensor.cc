@@ -75,6 +75,28 @@ uint16_t F32ToBF16(float v) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
+uint16_t F32ToBF16Directed(float v, bool up) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  uint16_t t = static_cast<uint16_t>(bits >> 16);  // truncation: toward zero
+  const bool negative = (bits >> 31) != 0;
+  // Away from zero by one bf16 ulp when bits were dropped and the direction is away from zero.
+  if ((bits & 0xffffu) != 0 && up != negative) ++t;
+  return t;
+}
+
+void MinMaxRowsToBF16(const float* rows, int64_t num_rows, int64_t head_dim, uint16_t* out) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const float* in = rows + r * 2 * head_dim;
+    uint16_t* o = out + r * 2 * head_dim;
+    for (int64_t e = 0; e < head_dim; ++e) {
+      o[e] = F32ToBF16Directed(in[e], /*up=*/false);
+      o[head_dim + e] = F32ToBF16Directed(in[head_dim + e], /*up=*/true);
+    }
+  }
+}
+
 float F16ToF32(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;

@@ -57,6 +57,13 @@ float F16ToF32(uint16_t v);
 uint16_t F32ToF16(float v);
 float FP8E4M3ToF32(uint8_t v);
 uint8_t F32ToFP8E4M3(float v);
+// bf16 rounded toward +inf (up) or -inf (!up); NaN stays NaN, values beyond the largest finite bf16
+// round to +-inf on their side.
+uint16_t F32ToBF16Directed(float v, bool up);
+// Minmax summary rows [min(head_dim), max(head_dim)] f32 to bf16 rounded outward (every min toward
+// -inf, every max toward +inf), so each row still bounds the keys it summarises
+// (ScoreSummariesParams).
+void MinMaxRowsToBF16(const float* rows, int64_t num_rows, int64_t head_dim, uint16_t* out);
 
 // Converts `n` elements of `src_type` at `src` to f32 at `dst`.
 void ConvertToF32(const void* src, DType src_type, float* dst, int64_t n);

@@ -133,6 +133,7 @@ struct LazyDocumentShare::Impl {
   int64_t document_tokens = 0;
   int page_size = 0, num_layers = 0, num_kv_heads = 0, head_dim = 0;
   uint32_t summary_kind = 0;
+  kernels::DType summary_dtype = kernels::DType::kF32;
   kernels::Backend* backend = nullptr;
   std::vector<std::unique_ptr<kernels::Buffer>> summaries;  // per layer, null until loaded
   int64_t summary_bytes = 0;
@@ -286,9 +287,19 @@ absl::StatusOr<kernels::Buffer*> LazyDocumentAttention::State::Summaries(int lay
     STRATA_ASSIGN_OR_RETURN(const std::vector<float>* head, sh.host_summaries->Get(layer, g));
     std::memcpy(&host[static_cast<size_t>(g) * head_floats], head->data(), head_floats * sizeof(float));
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> buffer, backend->Allocate(host.size() * sizeof(float)));
-  STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buffer->data(), host.data(), host.size() * sizeof(float), nullptr));
-  sh.summary_bytes += static_cast<int64_t>(host.size() * sizeof(float));
+  // bf16: the host cache already rounded every row outward, so the conversion is exact.
+  std::vector<uint16_t> host16;
+  const void* src = host.data();
+  size_t bytes = host.size() * sizeof(float);
+  if (o.summary_dtype == kernels::DType::kBF16) {
+    host16.resize(host.size());
+    for (size_t i = 0; i < host.size(); ++i) host16[i] = kernels::F32ToBF16(host[i]);
+    src = host16.data();
+    bytes = host16.size() * sizeof(uint16_t);
+  }
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> buffer, backend->Allocate(bytes));
+  STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buffer->data(), src, bytes, nullptr));
+  sh.summary_bytes += static_cast<int64_t>(bytes);
   sh.summaries[layer] = std::move(buffer);
   return sh.summaries[layer].get();
 }
@@ -356,7 +367,7 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
     }
     const kernels::TensorView chosen = Chosen(layer);
     STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
-        backend, q2, layer_summaries->View(kernels::DType::kF32, {hkv, num_pages, 2 * d}), window_first, k,
+        backend, q2, layer_summaries->View(o.summary_dtype, {hkv, num_pages, 2 * d}), window_first, k,
         scores->View(kernels::DType::kF32, {hkv, group, n}), chosen, skip));
     if (pages == nullptr) {
       // Device-managed cache: the selection stays on the device (nothing read on the host).
@@ -392,6 +403,9 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   if (o.document_tokens <= 0 || o.page_size <= 0 || o.num_layers <= 0 || o.num_kv_heads <= 0 ||
       o.num_kv_heads > 4096 || o.head_dim <= 0 || o.capacity_pages <= 0 || o.budget_pages < 0 || o.window_pages < 0) {
     return absl::InvalidArgumentError("LazyDocumentAttention: non-positive sizes");
+  }
+  if (o.summary_dtype != kernels::DType::kF32 && o.summary_dtype != kernels::DType::kBF16) {
+    return absl::InvalidArgumentError("LazyDocumentAttention: summary_dtype must be f32 or bf16");
   }
   if (!(o.cache_theta > 0.0)) {
     return absl::InvalidArgumentError("LazyDocumentAttention: cache_theta must be > 0 (> 1: no selection cache)");
@@ -436,13 +450,16 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
       sh.num_kv_heads = o.num_kv_heads;
       sh.head_dim = o.head_dim;
       sh.summary_kind = o.summary_kind;
+      sh.summary_dtype = o.summary_dtype;
       sh.backend = backend;
       sh.summaries.resize(static_cast<size_t>(o.num_layers));
       sh.host_summaries = std::make_shared<engine::MinMaxSummaryCache>(
-          o.store, o.document, o.summary_kind, o.num_layers, o.num_kv_heads, o.head_dim, st->num_pages);
+          o.store, o.document, o.summary_kind, o.num_layers, o.num_kv_heads, o.head_dim, st->num_pages,
+          /*bf16_bounds=*/o.summary_dtype == kernels::DType::kBF16);
     } else if (!(sh.document == o.document) || sh.document_tokens != o.document_tokens ||
                sh.page_size != o.page_size || sh.num_layers != o.num_layers || sh.num_kv_heads != o.num_kv_heads ||
-               sh.head_dim != o.head_dim || sh.summary_kind != o.summary_kind || sh.backend != backend) {
+               sh.head_dim != o.head_dim || sh.summary_kind != o.summary_kind || sh.backend != backend ||
+               sh.summary_dtype != o.summary_dtype) {
       return absl::InvalidArgumentError("LazyDocumentAttention: the share belongs to another document or shape");
     }
     // The host chooser (prompt chunks; every step of the host path) reads the share's summaries.

@@ -130,6 +130,11 @@ struct LazyAttentionOptions {
   // one-token choice select. > 1 (the default): off. Lookups and hits go to counters() (the
   // device chooser's as of the last SyncStats).
   double cache_theta = 2.0;
+  // The summaries the choosers score: f32 as persisted, or bf16 (the default) rounded outward
+  // (kernels::MinMaxRowsToBF16: every bound still holds, a little more loosely), half the backend
+  // memory and half the bytes each selection reads. The host chooser uses the same rounded
+  // values (MinMaxSummaryCache bf16_bounds), so the host and device paths choose alike.
+  kernels::DType summary_dtype = kernels::DType::kBF16;
   // State shared with the document's other jobs (see LazyDocumentShare); null: a private one.
   // InvalidArgument from Create when it was made for another document or shape.
   std::shared_ptr<LazyDocumentShare> share;

@@ -774,8 +774,15 @@ TEST_F(LazyAttentionTest, JobsSharingADocumentShareItsSummariesAndItsResidentCac
   EXPECT_EQ(lookups1 - lookups0, 40.0);  // the summaries, once
   ASSERT_TRUE(a->device_managed());
   EXPECT_TRUE(share->resident());
-  // 40 slots of K+V (2 x 64 x 16 bf16) and 2 layers x 2 heads x 10 pages of 2 x 16 f32.
-  EXPECT_EQ(share->device_bytes(), 40 * 2 * 64 * 16 * 2 + 40 * 2 * 16 * 4);
+  // 40 slots of K+V (2 x 64 x 16 bf16) and 2 layers x 2 heads x 10 pages of 2 x 16 bf16 summaries
+  // (LazyAttentionOptions::summary_dtype's default; f32 would be twice that).
+  EXPECT_EQ(share->device_bytes(), 40 * 2 * 64 * 16 * 2 + 40 * 2 * 16 * 2);
+  LazyAttentionOptions f32 = o;
+  f32.summary_dtype = kernels::DType::kF32;  // the share keeps bf16 summaries: refused
+  EXPECT_EQ(LazyDocumentAttention::Create(f32, backend_.get()).status().code(), absl::StatusCode::kInvalidArgument);
+  f32.share = nullptr;
+  f32.summary_dtype = kernels::DType::kFP8E4M3;
+  EXPECT_EQ(LazyDocumentAttention::Create(f32, backend_.get()).status().code(), absl::StatusCode::kInvalidArgument);
   auto view = [](float* p, std::initializer_list<int64_t> dims) {
     return kernels::TensorView(p, kernels::DType::kF32, dims);
   };

@@ -114,7 +114,9 @@ int64_t CandidateId(const CandidateList& c, int g, int64_t i) {
 absl::Status CpuSupportsScoreSummaries(const ScoreSummariesParams& p) {
   constexpr const char* kOp = "ScoreSummaries";
   STRATA_RETURN_IF_ERROR(CheckRank(p.summaries, 3, kOp, "summaries"));
-  STRATA_RETURN_IF_ERROR(CheckDType(p.summaries, DType::kF32, kOp, "summaries"));
+  if (p.summaries.dtype != DType::kBF16) {
+    STRATA_RETURN_IF_ERROR(CheckDType(p.summaries, DType::kF32, kOp, "summaries"));
+  }
   const int64_t hkv = p.summaries.dim(0);
   STRATA_RETURN_IF_ERROR(CheckQuery(p.q, hkv, kOp));
   STRATA_RETURN_IF_ERROR(CheckDim(p.summaries, 2, 2 * p.q.dim(1), kOp, "summaries"));
@@ -219,9 +221,8 @@ absl::Status CpuScoreSummaries(const ScoreSummariesParams& p) {
   const int group = static_cast<int>(p.q.dim(0) / hkv);
   const int64_t d = p.q.dim(1), items = p.summaries.dim(1), n = p.candidates.Count();
   const float* q = p.q.As<const float>();
-  const float* sum = p.summaries.As<const float>();
   float* out = p.scores.As<float>();
-  std::vector<float> v(d);
+  std::vector<float> v(d), s(2 * d);
   for (int g = 0; g < hkv; ++g) {
     if (p.skip_heads != nullptr && p.skip_heads[g] != 0) continue;
     for (int j = 0; j < group; ++j) {
@@ -234,7 +235,7 @@ absl::Status CpuScoreSummaries(const ScoreSummariesParams& p) {
           o[i] = kNegInf;
           continue;
         }
-        const float* s = sum + (static_cast<int64_t>(g) * items + c) * 2 * d;
+        cpu_internal::LoadF32(p.summaries, (static_cast<int64_t>(g) * items + c) * 2 * d, 2 * d, s.data());
         float acc = 0.0f;
         for (int64_t e = 0; e < d; ++e) acc += std::max(v[e] * s[e], v[e] * s[d + e]);
         o[i] = acc;

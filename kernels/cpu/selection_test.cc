@@ -277,6 +277,62 @@ TEST(CpuSelectionTest, SummaryScoresBoundKeyScoresAndKeyScoresAreDots) {
   EXPECT_EQ(page_scores[pages - 1], kNegInf);
 }
 
+// bf16 summaries rounded outward: each min / max is the nearest bf16 at or below / above the f32
+// value, and the scores are those of the f32 rows the bf16 ones hold, never below the exact bound.
+TEST(CpuSelectionTest, Bf16SummariesRoundOutwardAndStillBound) {
+  std::mt19937 rng(21);
+  const int hkv = 2, group = 2, hq = hkv * group, d = 16, items = 9;
+  std::vector<float> q = RandomF(rng, hq * d), sums = RandomF(rng, hkv * items * 2 * d);
+  for (int r = 0; r < hkv * items; ++r) {
+    for (int e = 0; e < d; ++e) {
+      float& lo = sums[r * 2 * d + e];
+      float& hi = sums[r * 2 * d + d + e];
+      if (lo > hi) std::swap(lo, hi);
+    }
+  }
+  sums[0] = 1.0f;  // exactly representable: unchanged
+  sums[d] = 1.0f;
+  std::vector<uint16_t> s16(sums.size());
+  MinMaxRowsToBF16(sums.data(), hkv * items, d, s16.data());
+  std::vector<float> back(sums.size());
+  for (size_t i = 0; i < sums.size(); ++i) {
+    back[i] = BF16ToF32(s16[i]);
+    const bool is_max = (i / d) % 2 == 1;
+    const float x = sums[i], ulp = std::ldexp(1.0f, std::ilogb(x) - 7);
+    if (is_max) {
+      EXPECT_GE(back[i], x) << i;
+      EXPECT_LT(back[i] - x, ulp) << i;
+    } else {
+      EXPECT_LE(back[i], x) << i;
+      EXPECT_LT(x - back[i], ulp) << i;
+    }
+  }
+  EXPECT_EQ(back[0], 1.0f);
+  EXPECT_EQ(back[d], 1.0f);
+  EXPECT_EQ(F32ToBF16Directed(3.4e38f, true), 0x7f80);  // beyond the largest finite bf16: +inf
+  EXPECT_EQ(F32ToBF16Directed(-3.4e38f, false), 0xff80);
+  EXPECT_EQ(F32ToBF16Directed(-3.4e38f, true), 0xff7f);
+  std::vector<float> got(hq * items), want(hq * items), exact(hq * items);
+  ScoreSummariesParams s;
+  s.q = TensorView(q.data(), DType::kF32, {hq, d});
+  s.candidates.end = items;
+  s.scale = 0.25f;
+  s.summaries = TensorView(s16.data(), DType::kBF16, {hkv, items, 2 * d});
+  s.scores = TensorView(got.data(), DType::kF32, {hkv, group, items});
+  STRATA_ASSERT_OK(CpuScoreSummaries(s));
+  s.summaries = TensorView(back.data(), DType::kF32, {hkv, items, 2 * d});
+  s.scores = TensorView(want.data(), DType::kF32, {hkv, group, items});
+  STRATA_ASSERT_OK(CpuScoreSummaries(s));
+  s.summaries = TensorView(sums.data(), DType::kF32, {hkv, items, 2 * d});
+  s.scores = TensorView(exact.data(), DType::kF32, {hkv, group, items});
+  STRATA_ASSERT_OK(CpuScoreSummaries(s));
+  EXPECT_EQ(got, want);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_GE(got[i], exact[i] - 1e-6f) << i;
+  // fp8 summaries are refused.
+  s.summaries.dtype = DType::kFP8E4M3;
+  EXPECT_FALSE(CpuScoreSummaries(s).ok());
+}
+
 TEST(CpuSelectionTest, UpdateSummariesIncrementalEqualsBruteForce) {
   std::mt19937 rng(9);
   const int hkv = 2, d = 8, page = 4, table_pages = 30, seg = 3;

@@ -14,7 +14,8 @@
 // layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256, segments of 16 pages,
 // two-level above 512 pages keeping max(128, 4 * wanted / 16) segments, one-level where that
 // keeps every segment, as DevicePolicy (STRATA_BENCH_KEEP_SEGMENT_STAGE=1: two-level there too);
-// minmax page summaries in f32, computed here from the keys):
+// minmax page summaries in f32, computed here from the keys; with STRATA_BENCH_SUMMARY_BF16=1 in
+// bf16 rounded outward, kernels::MinMaxRowsToBF16):
 //   quest        ScoreSummaries (segments) -> VoteTopK -> ScoreSummaries (pages) -> VoteTopK
 //                (B / P pages) -> SelectedAttention (sinks + pages + window)
 //   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
@@ -45,6 +46,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -86,6 +88,7 @@ struct Pipeline {
   void *q, *k, *v, *table, *page_sums, *seg_sums, *seg_scores, *top_segs, *page_scores, *top_pages,
       *tok_scores, *top_tokens, *out, *lse;
   int64_t pages_per_head, segs_per_head;
+  DType summary_dtype = DType::kF32;  // of page_sums and seg_sums
   // Derived sizes.
   int64_t window_begin, p0, p1, s0, s1, keep_segs, page_cands, top_page_k, tok_cands;
   bool two_level;
@@ -118,8 +121,9 @@ struct Pipeline {
   int64_t BytesRead() const {
     const int64_t group = kQHeads / kKvHeads;
     int64_t bytes = 0;
-    if (two_level) bytes += kKvHeads * (s1 - s0) * 2 * kHeadDim * 4 + kKvHeads * group * (s1 - s0) * 4;
-    bytes += kKvHeads * page_cands * 2 * kHeadDim * 4 + kKvHeads * group * page_cands * 4;
+    const int64_t sb = static_cast<int64_t>(DTypeSize(summary_dtype));
+    if (two_level) bytes += kKvHeads * (s1 - s0) * 2 * kHeadDim * sb + kKvHeads * group * (s1 - s0) * 4;
+    bytes += kKvHeads * page_cands * 2 * kHeadDim * sb + kKvHeads * group * page_cands * 4;
     if (token_level) bytes += kKvHeads * tok_cands * kHeadDim * 2 + kKvHeads * group * tok_cands * 4;
     const int64_t attended = kSinks + (len - window_begin) + (token_level ? kBudget : top_page_k * kPage);
     bytes += kKvHeads * attended * kHeadDim * 2 * 2;
@@ -151,7 +155,7 @@ struct Pipeline {
     a.skip_heads = skip;
     t.skip_heads = skip;
     if (two_level) {
-      a.summaries = TensorView(seg_sums, DType::kF32, {kKvHeads, segs_per_head, 2 * kHeadDim});
+      a.summaries = TensorView(seg_sums, summary_dtype, {kKvHeads, segs_per_head, 2 * kHeadDim});
       a.candidates.begin = s0;
       a.candidates.end = s1;
       a.scores = TensorView(seg_scores, DType::kF32, {kKvHeads, group, s1 - s0});
@@ -167,7 +171,7 @@ struct Pipeline {
     } else {
       a.candidates = CandidateList();
     }
-    a.summaries = TensorView(page_sums, DType::kF32, {kKvHeads, pages_per_head, 2 * kHeadDim});
+    a.summaries = TensorView(page_sums, summary_dtype, {kKvHeads, pages_per_head, 2 * kHeadDim});
     a.candidates.begin = p0;
     a.candidates.end = p1;
     a.scores = TensorView(page_scores, DType::kF32, {kKvHeads, group, page_cands});
@@ -251,6 +255,17 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   }
   std::vector<int32_t> table(kKvHeads * pages);
   for (int64_t i = 0; i < kKvHeads * pages; ++i) table[i] = static_cast<int32_t>(i);
+  const char* sum_env = std::getenv("STRATA_BENCH_SUMMARY_BF16");
+  const bool sum_bf16 = sum_env != nullptr && std::string(sum_env) == "1";
+  if (sum_bf16) {  // outward-rounded bf16 rows, packed into the front of the f32 vectors
+    std::vector<uint16_t> tmp(ps.size());
+    MinMaxRowsToBF16(ps.data(), kKvHeads * pages, kHeadDim, tmp.data());
+    std::memcpy(ps.data(), tmp.data(), tmp.size() * 2);
+    tmp.assign(ss.size(), 0);
+    MinMaxRowsToBF16(ss.data(), kKvHeads * segs, kHeadDim, tmp.data());
+    std::memcpy(ss.data(), tmp.data(), tmp.size() * 2);
+    std::printf("summaries: bf16, rounded outward\n");
+  }
   auto d_ps = MustAllocate(cuda, ps.size() * 4), d_ss = MustAllocate(cuda, ss.size() * 4);
   auto d_table = MustAllocate(cuda, table.size() * 4);
   BENCH_CHECK(cuda.CopyToDevice(d_ps->data(), ps.data(), ps.size() * 4, stream).ok(), "ps");
@@ -280,6 +295,7 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     pl.token_level = policy == 1;
     pl.q = q.data(), pl.k = k.data(), pl.v = v.data(), pl.table = d_table->data();
     pl.page_sums = d_ps->data(), pl.seg_sums = d_ss->data();
+    pl.summary_dtype = sum_bf16 ? DType::kBF16 : DType::kF32;
     pl.seg_scores = d_s1->data(), pl.page_scores = d_s2->data(), pl.tok_scores = d_s3->data();
     pl.top_segs = d_i1->data(), pl.top_pages = d_i2->data(), pl.top_tokens = d_i3->data();
     pl.out = out.data(), pl.lse = lse.data();

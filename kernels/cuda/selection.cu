@@ -102,8 +102,9 @@ __device__ __forceinline__ void WriteScores(const float (&acc)[kSelectMaxGroup],
   }
 }
 
+template <typename T>
 __global__ void __launch_bounds__(kScoreThreads)
-    ScoreSummariesKernel(const float* __restrict__ q, const float* __restrict__ summaries,
+    ScoreSummariesKernel(const float* __restrict__ q, const T* __restrict__ summaries,
                          int group, int d, int64_t num_items, DeviceCandidates c, float scale,
                          float* __restrict__ scores) {
   extern __shared__ float qs[];  // [group, d], scaled
@@ -121,9 +122,9 @@ __global__ void __launch_bounds__(kScoreThreads)
     } else {
 #pragma unroll
       for (int h = 0; h < kSelectMaxGroup; ++h) acc[h] = 0.0f;
-      const float* s = summaries + (static_cast<int64_t>(g) * num_items + id) * 2 * d;
+      const T* s = summaries + (static_cast<int64_t>(g) * num_items + id) * 2 * d;
       for (int e = lane; e < d; e += 32) {
-        const float mn = __ldg(s + e), mx = __ldg(s + d + e);
+        const float mn = LoadAsFloat(s, e), mx = LoadAsFloat(s, d + e);
 #pragma unroll
         for (int h = 0; h < kSelectMaxGroup; ++h) {
           if (h < group) {
@@ -1459,7 +1460,7 @@ __global__ void __launch_bounds__(kBitonicMaxThreads)
 // load; a block takes kRounds rounds of 32 candidates at once and issues every load of every
 // round (ids, then page-table entries, then rows) before the first FMA, so a lane has up to 16
 // loads of 16 bytes in flight. The 8 partial sums of a candidate meet in 3 shuffles; lane h % 8
-// writes the score of head h. kMinMax: rows are f32 summaries [min(D), max(D)]; otherwise KV rows
+// writes the score of head h. kMinMax: rows are f32 or bf16 summaries [min(D), max(D)]; otherwise KV rows
 // of D elements of T (keys). Launched with programmatic dependent launch: the first global access
 // waits for the previous kernel (GridDepWait).
 constexpr int kSubLanes = 8;
@@ -1801,27 +1802,40 @@ __global__ void __launch_bounds__(kSumThreads)
 
 }  // namespace
 
-cudaError_t LaunchScoreSummaries(const float* q, const float* summaries, int num_kv_heads,
-                                 int group, int head_dim, int64_t num_items,
+template <typename T>
+cudaError_t LaunchScoreSummariesOf(const float* q, const T* summaries, int num_kv_heads,
+                                   int group, int head_dim, int64_t num_items,
+                                   const DeviceCandidates& c, float scale, float* scores,
+                                   size_t smem, cudaStream_t stream) {
+  const bool aligned = reinterpret_cast<uintptr_t>(summaries) % 16 == 0;
+  if (aligned && head_dim == 128) {
+    return LaunchFastScore<T, 128, true>(q, summaries, num_items, 0, 1, nullptr, 0, num_kv_heads,
+                                         group, c, scale, scores, stream);
+  } else if (aligned && head_dim == 64) {
+    return LaunchFastScore<T, 64, true>(q, summaries, num_items, 0, 1, nullptr, 0, num_kv_heads,
+                                        group, c, scale, scores, stream);
+  }
+  const dim3 grid(ScoreBlocks(c.count), num_kv_heads);
+  ScoreSummariesKernel<T><<<grid, kScoreThreads, smem, stream>>>(q, summaries, group, head_dim,
+                                                                 num_items, c, scale, scores);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScoreSummaries(const float* q, const void* summaries, FloatType summary_type,
+                                 int num_kv_heads, int group, int head_dim, int64_t num_items,
                                  const DeviceCandidates& c, float scale, float* scores,
                                  cudaStream_t stream) {
   if (c.count == 0 || num_kv_heads == 0) return cudaSuccess;
   if (group < 1 || group > kSelectMaxGroup || num_kv_heads > 65535) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(group) * head_dim * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  const bool aligned = reinterpret_cast<uintptr_t>(summaries) % 16 == 0;
-  if (aligned && head_dim == 128) {
-    return LaunchFastScore<float, 128, true>(q, summaries, num_items, 0, 1, nullptr, 0,
-                                             num_kv_heads, group, c, scale, scores, stream);
-  } else if (aligned && head_dim == 64) {
-    return LaunchFastScore<float, 64, true>(q, summaries, num_items, 0, 1, nullptr, 0,
-                                            num_kv_heads, group, c, scale, scores, stream);
-  } else {
-    const dim3 grid(ScoreBlocks(c.count), num_kv_heads);
-    ScoreSummariesKernel<<<grid, kScoreThreads, smem, stream>>>(q, summaries, group, head_dim,
-                                                                num_items, c, scale, scores);
+  if (summary_type == FloatType::kBF16) {
+    return LaunchScoreSummariesOf(q, static_cast<const __nv_bfloat16*>(summaries), num_kv_heads,
+                                  group, head_dim, num_items, c, scale, scores, smem, stream);
   }
-  return cudaGetLastError();
+  if (summary_type != FloatType::kF32) return cudaErrorInvalidValue;
+  return LaunchScoreSummariesOf(q, static_cast<const float*>(summaries), num_kv_heads, group,
+                                head_dim, num_items, c, scale, scores, smem, stream);
 }
 
 cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_type,

@@ -63,7 +63,7 @@ absl::Status CudaBackend::ScoreSummaries(const ScoreSummariesParams& p, Stream s
   STRATA_RETURN_IF_ERROR(CheckScoreShape(hkv, group, d, "ScoreSummaries"));
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchScoreSummaries(
-      p.q.As<const float>(), p.summaries.As<const float>(), static_cast<int>(hkv),
+      p.q.As<const float>(), p.summaries.data, PoolType(p.summaries.dtype), static_cast<int>(hkv),
       static_cast<int>(group), static_cast<int>(d), p.summaries.dim(1),
       ToDevice(p.candidates, p.skip_heads),
       p.scale, p.scores.As<float>(), ToCuda(s)));

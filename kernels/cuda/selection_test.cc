@@ -195,6 +195,29 @@ TEST_F(SelectionTest, ScoreSummariesMatchesCpu) {
     p.scores.data = out->data();
     STRATA_ASSERT_OK(gpu_->ScoreSummaries(p, nullptr));
     ExpectClose(Get<float>(*out, static_cast<int64_t>(hq) * n), want, 1e-5, 1e-5, "scores");
+
+    // bf16 summaries rounded outward (MinMaxRowsToBF16): the CPU twin over the same bf16 rows,
+    // and every bound at least the f32 summaries' bound.
+    std::vector<uint16_t> sums16(sums.size());
+    MinMaxRowsToBF16(sums.data(), static_cast<int64_t>(c.hkv) * c.items, c.d, sums16.data());
+    std::vector<float> want16(want.size(), kNaN);
+    p.q.data = q.data();
+    p.summaries = TensorView(sums16.data(), DType::kBF16, {c.hkv, c.items, 2 * c.d});
+    if (c.use_parents) p.candidates.parents.data = parents.data();
+    p.scores.data = want16.data();
+    STRATA_ASSERT_OK(cpu_->ScoreSummaries(p, nullptr));
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (want[i] != kNegInf) ASSERT_GE(want16[i], want[i] - 1e-5f * (1 + std::fabs(want[i]))) << i;
+    }
+    auto ds16 = Dev(sums16);
+    p.q.data = dq->data();
+    p.summaries.data = ds16->data();
+    if (c.use_parents) p.candidates.parents.data = dp->data();
+    auto out16 = Poisoned<float>(static_cast<int64_t>(hq) * n);
+    p.scores.data = out16->data();
+    STRATA_ASSERT_OK(gpu_->ScoreSummaries(p, nullptr));
+    ExpectClose(Get<float>(*out16, static_cast<int64_t>(hq) * n), want16, 1e-5, 1e-5,
+                "bf16 summaries");
   }
 }
 

@@ -188,7 +188,9 @@ struct DeviceCandidates {
 
 inline constexpr int kSelectMaxGroup = 16;  // query heads per KV head for the scoring kernels
 
-cudaError_t LaunchScoreSummaries(const float* q, const float* summaries, int num_kv_heads,
+// summaries: f32 or bf16 (summary_type).
+cudaError_t LaunchScoreSummaries(const float* q, const void* summaries, FloatType summary_type,
+                                 int num_kv_heads,
                                  int group, int head_dim, int64_t num_items,
                                  const DeviceCandidates& c, float scale, float* scores,
                                  cudaStream_t stream);
