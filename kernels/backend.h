@@ -279,14 +279,15 @@ struct VoteTopKParams {
 // them gets its row recomputed from the keys of its tokens below `end`: per-channel min, then
 // max (a page none of whose tokens can be read, its slot being outside the pool, gets zeros); and
 // every segment (segment_pages consecutive pages) holding such a page gets the elementwise min /
-// max of the rows of its pages below ceil(end / P).
+// max of the rows of its pages below ceil(end / P). bf16 rows are rounded outward (min toward
+// -inf, max toward +inf; F32ToBF16Directed), which is exact for a bf16 pool.
 struct UpdateSummariesParams {
   TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16
   TensorView page_table;  // [num_kv_heads, table_pages] i32, table_pages * P >= end
   int64_t first = 0;      // 0 <= first <= end
   int64_t end = 0;
-  TensorView pages;       // [num_kv_heads, max_pages >= ceil(end / P), 2 * head_dim] f32 (in/out)
-  TensorView segments;    // [num_kv_heads, max_segments, 2 * head_dim] f32 (in/out), or null data
+  TensorView pages;       // [num_kv_heads, max_pages >= ceil(end / P), 2 * head_dim] f32|bf16 (in/out)
+  TensorView segments;    // [num_kv_heads, max_segments, 2 * head_dim], pages' dtype (in/out), or null data
   int segment_pages = 1;  // >= 1
 };
 

@@ -78,7 +78,10 @@ absl::Status DevicePolicy::Init() {
   pages_.resize(layers);
   segs_.resize(layers);
   table_ready_.assign(layers, false);
-  const size_t row = static_cast<size_t>(2) * d_ * sizeof(float);
+  // bf16 pools: bf16 summaries (the min and max of bf16 keys are bf16 values: the same bounds in
+  // half the bytes); f32 pools keep f32 summaries.
+  summary_dtype_ = cache_options_.dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+  const size_t row = static_cast<size_t>(2) * d_ * kernels::DTypeSize(summary_dtype_);
   for (int l = 0; l < layers; ++l) {
     STRATA_ASSIGN_OR_RETURN(table_[l], backend_->Allocate(sizeof(int32_t) * hkv_ * max_pages_));
     STRATA_ASSIGN_OR_RETURN(pages_[l], backend_->Allocate(row * hkv_ * max_pages_));
@@ -150,8 +153,8 @@ absl::Status DevicePolicy::OnAppend(int layer, const KvCache& cache, int64_t fir
   u.page_table = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
   u.first = first;
   u.end = end;
-  u.pages = pages_[layer]->View(DType::kF32, {hkv_, max_pages_, 2 * d_});
-  u.segments = segs_[layer]->View(DType::kF32, {hkv_, max_segs_, 2 * d_});
+  u.pages = pages_[layer]->View(summary_dtype_, {hkv_, max_pages_, 2 * d_});
+  u.segments = segs_[layer]->View(summary_dtype_, {hkv_, max_segs_, 2 * d_});
   u.segment_pages = seg_pages_;
   return backend_->UpdateSummaries(u, stream);
 }
@@ -249,7 +252,7 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   const bool keep_final = skip != nullptr;
   int64_t page_cands = p1 - p0;
   if (two_level) {
-    a.summaries = segs_[layer]->View(DType::kF32, {hkv_, max_segs_, 2 * d_});
+    a.summaries = segs_[layer]->View(summary_dtype_, {hkv_, max_segs_, 2 * d_});
     a.candidates.begin = s0;
     a.candidates.end = s1;
     a.scores = seg_scores_->View(DType::kF32, {hkv_, group_, s1 - s0});
@@ -264,7 +267,7 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
     a.candidates.fanout = seg_pages_;
     page_cands = keep * seg_pages_;
   }
-  a.summaries = pages_[layer]->View(DType::kF32, {hkv_, max_pages_, 2 * d_});
+  a.summaries = pages_[layer]->View(summary_dtype_, {hkv_, max_pages_, 2 * d_});
   a.candidates.begin = p0;
   a.candidates.end = p1;
   a.scores = page_scores_->View(DType::kF32, {hkv_, group_, page_cands});

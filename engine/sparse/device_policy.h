@@ -148,6 +148,8 @@ class DevicePolicy {
   // page ids; tokenselect: [hkv, budget] token ids.
   bool cache_on_ = false;
   std::unique_ptr<DeviceSelectionCache> sel_cache_;
+  // Element type of the page and segment summaries: bf16 for a bf16 cache (exact), else f32.
+  kernels::DType summary_dtype_ = kernels::DType::kF32;
   // AttendChunk state: the mean-query merge plan for mean_rows_ rows (per level: rows in, rows
   // out, part starts; the parts' lse in mean_lse_, uploaded per plan), ping-pong outputs, the
   // selection read back, the spans and query positions for PagedAttention.

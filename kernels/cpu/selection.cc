@@ -479,7 +479,7 @@ absl::Status CpuSupportsUpdateSummaries(const UpdateSummariesParams& p) {
   }
   const int64_t pages = (p.end + page - 1) / page;
   STRATA_RETURN_IF_ERROR(CheckRank(p.pages, 3, kOp, "pages"));
-  STRATA_RETURN_IF_ERROR(CheckDType(p.pages, DType::kF32, kOp, "pages"));
+  if (p.pages.dtype != DType::kBF16) STRATA_RETURN_IF_ERROR(CheckDType(p.pages, DType::kF32, kOp, "pages"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.pages, 0, hkv, kOp, "pages"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.pages, 2, 2 * d, kOp, "pages"));
   if (p.pages.dim(1) < pages) {
@@ -489,7 +489,7 @@ absl::Status CpuSupportsUpdateSummaries(const UpdateSummariesParams& p) {
   if (p.segment_pages < 1) return absl::InvalidArgumentError("UpdateSummaries: segment_pages < 1");
   if (p.segments.data != nullptr) {
     STRATA_RETURN_IF_ERROR(CheckRank(p.segments, 3, kOp, "segments"));
-    STRATA_RETURN_IF_ERROR(CheckDType(p.segments, DType::kF32, kOp, "segments"));
+    STRATA_RETURN_IF_ERROR(CheckDType(p.segments, p.pages.dtype, kOp, "segments"));
     STRATA_RETURN_IF_ERROR(CheckDim(p.segments, 0, hkv, kOp, "segments"));
     STRATA_RETURN_IF_ERROR(CheckDim(p.segments, 2, 2 * d, kOp, "segments"));
     if (p.segments.dim(1) < (pages + p.segment_pages - 1) / p.segment_pages) {
@@ -506,10 +506,24 @@ absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p) {
   const int64_t d = p.k_pool.dim(2), page = p.k_pool.dim(1);
   const int64_t total_pages = (p.end + page - 1) / page;
   const int64_t pb = p.first / page, pe = total_pages;
-  float* rows = p.pages.As<float>();
+  const bool bf16 = p.pages.dtype == DType::kBF16;
+  // A row [min(d), max(d)] to its place in a f32 or bf16 (rounded outward) tensor.
+  auto store = [&](const TensorView& t, int64_t row, const float* r) {
+    if (!bf16) {
+      std::copy(r, r + 2 * d, t.As<float>() + row * 2 * d);
+      return;
+    }
+    uint16_t* o = t.As<uint16_t>() + row * 2 * d;
+    for (int64_t e = 0; e < d; ++e) {
+      o[e] = F32ToBF16Directed(r[e], /*up=*/false);
+      o[d + e] = F32ToBF16Directed(r[d + e], /*up=*/true);
+    }
+  };
+  std::vector<float> rv(2 * d), qv(2 * d);
+  float* const r = rv.data();
+  const float* const q = qv.data();
   for (int g = 0; g < hkv; ++g) {
     for (int64_t pg = pb; pg < pe; ++pg) {
-      float* r = rows + (g * p.pages.dim(1) + pg) * 2 * d;
       bool any = false;
       for (int64_t t = pg * page; t < std::min(p.end, (pg + 1) * page); ++t) {
         const int64_t row = RowOf(p.page_table, p.k_pool, g, t);
@@ -522,19 +536,19 @@ absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p) {
         any = true;
       }
       if (!any) std::fill(r, r + 2 * d, 0.0f);
+      store(p.pages, g * p.pages.dim(1) + pg, r);
     }
     if (p.segments.data == nullptr) continue;
     const int64_t gs = p.segment_pages;
-    float* segs = p.segments.As<float>();
     for (int64_t sg = pb / gs; sg < (pe + gs - 1) / gs; ++sg) {
-      float* r = segs + (g * p.segments.dim(1) + sg) * 2 * d;
       for (int64_t pg = sg * gs; pg < std::min(pe, (sg + 1) * gs); ++pg) {
-        const float* q = rows + (g * p.pages.dim(1) + pg) * 2 * d;
+        cpu_internal::LoadF32(p.pages, (g * p.pages.dim(1) + pg) * 2 * d, 2 * d, qv.data());
         for (int64_t e = 0; e < d; ++e) {
           if (pg == sg * gs || q[e] < r[e]) r[e] = q[e];
           if (pg == sg * gs || q[d + e] > r[d + e]) r[d + e] = q[d + e];
         }
       }
+      store(p.segments, g * p.segments.dim(1) + sg, r);
     }
   }
   return absl::OkStatus();

@@ -391,6 +391,27 @@ TEST(CpuSelectionTest, UpdateSummariesIncrementalEqualsBruteForce) {
   p.first = 0;
   p.end = table_pages * page + 1;
   EXPECT_THAT(CpuUpdateSummaries(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  // bf16 rows: the f32 rows rounded outward (this pool is f32, so inexact), pages and segments.
+  std::vector<uint16_t> pages16(pages.size(), 0), segs16(segs.size(), 0);
+  p.pages = TensorView(pages16.data(), DType::kBF16, {hkv, table_pages, 2 * d});
+  p.segments = TensorView(segs16.data(), DType::kBF16, {hkv, 10, 2 * d});
+  p.first = 0;
+  p.end = len;
+  STRATA_ASSERT_OK(CpuUpdateSummaries(p));
+  for (int64_t r = 0; r < hkv * table_pages; ++r) {
+    if (r % table_pages >= np) continue;
+    for (int e = 0; e < 2 * d; ++e) {
+      EXPECT_EQ(pages16[r * 2 * d + e], F32ToBF16Directed(pages[r * 2 * d + e], e >= d)) << r << " " << e;
+    }
+  }
+  for (int64_t r = 0; r < hkv * 10; ++r) {
+    if (r % 10 >= (np + seg - 1) / seg) continue;
+    for (int e = 0; e < 2 * d; ++e) {
+      EXPECT_EQ(segs16[r * 2 * d + e], F32ToBF16Directed(segs[r * 2 * d + e], e >= d)) << r << " " << e;
+    }
+  }
+  p.segments = TensorView(segs.data(), DType::kF32, {hkv, 10, 2 * d});  // mixed types: refused
+  EXPECT_THAT(CpuUpdateSummaries(p), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(CpuSelectionTest, MalformedParamsAreInvalidArgument) {

@@ -1763,14 +1763,29 @@ unsigned ScoreBlocks(int32_t count) {
 // one block per (segment, KV head) merges its pages' rows.
 constexpr int kSumThreads = 128;
 
-template <typename KV>
+// A summary row's min (rounded toward -inf) and max (toward +inf) stored as S.
+template <typename S>
+__device__ __forceinline__ void StoreMinMax(S* r, int d, int e, float lo, float hi);
+template <>
+__device__ __forceinline__ void StoreMinMax<float>(float* r, int d, int e, float lo, float hi) {
+  r[e] = lo;
+  r[d + e] = hi;
+}
+template <>
+__device__ __forceinline__ void StoreMinMax<__nv_bfloat16>(__nv_bfloat16* r, int d, int e,
+                                                           float lo, float hi) {
+  r[e] = __float2bfloat16_rd(lo);
+  r[d + e] = __float2bfloat16_ru(hi);
+}
+
+template <typename KV, typename S>
 __global__ void __launch_bounds__(kSumThreads)
     PageSummaryKernel(const KV* __restrict__ k_pool, int64_t num_slots, int page_size, int d,
                       const int32_t* __restrict__ table, int table_pages, int64_t end,
-                      int64_t page_begin, float* __restrict__ pages, int64_t max_pages) {
+                      int64_t page_begin, S* __restrict__ pages, int64_t max_pages) {
   const int g = blockIdx.y;
   const int64_t pg = page_begin + blockIdx.x;
-  float* r = pages + (static_cast<int64_t>(g) * max_pages + pg) * 2 * d;
+  S* r = pages + (static_cast<int64_t>(g) * max_pages + pg) * 2 * d;
   const int64_t t0 = pg * page_size, t1 = min(end, t0 + page_size);
   for (int e = threadIdx.x; e < d; e += kSumThreads) {
     float lo = 0.0f, hi = 0.0f;
@@ -1783,28 +1798,28 @@ __global__ void __launch_bounds__(kSumThreads)
       hi = any ? fmaxf(hi, x) : x;
       any = true;
     }
-    r[e] = lo;
-    r[d + e] = hi;
+    StoreMinMax(r, d, e, lo, hi);
   }
 }
 
+template <typename S>
 __global__ void __launch_bounds__(kSumThreads)
-    SegmentSummaryKernel(const float* __restrict__ pages, int64_t max_pages, int d,
+    SegmentSummaryKernel(const S* __restrict__ pages, int64_t max_pages, int d,
                          int64_t seg_begin, int64_t total_pages, int segment_pages,
-                         float* __restrict__ segments, int64_t max_segments) {
+                         S* __restrict__ segments, int64_t max_segments) {
   const int g = blockIdx.y;
   const int64_t sg = seg_begin + blockIdx.x;
-  float* r = segments + (static_cast<int64_t>(g) * max_segments + sg) * 2 * d;
+  S* r = segments + (static_cast<int64_t>(g) * max_segments + sg) * 2 * d;
   const int64_t p0 = sg * segment_pages, p1 = min(total_pages, p0 + segment_pages);
   for (int e = threadIdx.x; e < d; e += kSumThreads) {
     float lo = 0.0f, hi = 0.0f;
     for (int64_t pg = p0; pg < p1; ++pg) {
-      const float* q = pages + (static_cast<int64_t>(g) * max_pages + pg) * 2 * d;
-      lo = pg == p0 ? q[e] : fminf(lo, q[e]);
-      hi = pg == p0 ? q[d + e] : fmaxf(hi, q[d + e]);
+      const S* q = pages + (static_cast<int64_t>(g) * max_pages + pg) * 2 * d;
+      const float a = LoadAsFloat(q, e), b = LoadAsFloat(q, d + e);
+      lo = pg == p0 ? a : fminf(lo, a);
+      hi = pg == p0 ? b : fmaxf(hi, b);
     }
-    r[e] = lo;
-    r[d + e] = hi;
+    StoreMinMax(r, d, e, lo, hi);  // exact: the rows are S already
   }
 }
 
@@ -2198,21 +2213,20 @@ cudaError_t LaunchSelectionCacheCheck(const float* q, float* cached_q, int32_t* 
   return cudaGetLastError();
 }
 
-cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64_t num_slots,
-                                  int page_size, int head_dim, const int32_t* page_table,
-                                  int table_pages, int num_kv_heads, int64_t end,
-                                  int64_t page_begin, int64_t page_end, float* pages,
-                                  int64_t max_pages, float* segments, int64_t max_segments,
-                                  int segment_pages, cudaStream_t stream) {
-  if (page_end <= page_begin || num_kv_heads == 0) return cudaSuccess;
-  if (num_kv_heads > 65535 || page_end - page_begin > 0x7fffffff) return cudaErrorInvalidValue;
+template <typename S>
+cudaError_t LaunchUpdateSummariesOf(const void* k_pool, FloatType pool_type, int64_t num_slots,
+                                    int page_size, int head_dim, const int32_t* page_table,
+                                    int table_pages, int num_kv_heads, int64_t end,
+                                    int64_t page_begin, int64_t page_end, S* pages,
+                                    int64_t max_pages, S* segments, int64_t max_segments,
+                                    int segment_pages, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(page_end - page_begin), num_kv_heads);
   if (pool_type == FloatType::kBF16) {
-    PageSummaryKernel<__nv_bfloat16><<<grid, kSumThreads, 0, stream>>>(
+    PageSummaryKernel<__nv_bfloat16, S><<<grid, kSumThreads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(k_pool), num_slots, page_size, head_dim, page_table,
         table_pages, end, page_begin, pages, max_pages);
   } else if (pool_type == FloatType::kF32) {
-    PageSummaryKernel<float><<<grid, kSumThreads, 0, stream>>>(
+    PageSummaryKernel<float, S><<<grid, kSumThreads, 0, stream>>>(
         static_cast<const float*>(k_pool), num_slots, page_size, head_dim, page_table,
         table_pages, end, page_begin, pages, max_pages);
   } else {
@@ -2223,10 +2237,33 @@ cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64
   const int64_t s0 = page_begin / segment_pages;
   const int64_t s1 = (page_end + segment_pages - 1) / segment_pages;
   const dim3 sgrid(static_cast<unsigned>(s1 - s0), num_kv_heads);
-  SegmentSummaryKernel<<<sgrid, kSumThreads, 0, stream>>>(pages, max_pages, head_dim, s0,
-                                                          page_end, segment_pages, segments,
-                                                          max_segments);
+  SegmentSummaryKernel<S><<<sgrid, kSumThreads, 0, stream>>>(pages, max_pages, head_dim, s0,
+                                                             page_end, segment_pages, segments,
+                                                             max_segments);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64_t num_slots,
+                                  int page_size, int head_dim, const int32_t* page_table,
+                                  int table_pages, int num_kv_heads, int64_t end,
+                                  int64_t page_begin, int64_t page_end, void* pages,
+                                  FloatType summary_type, int64_t max_pages, void* segments,
+                                  int64_t max_segments, int segment_pages, cudaStream_t stream) {
+  if (page_end <= page_begin || num_kv_heads == 0) return cudaSuccess;
+  if (num_kv_heads > 65535 || page_end - page_begin > 0x7fffffff) return cudaErrorInvalidValue;
+  if (summary_type == FloatType::kBF16) {
+    return LaunchUpdateSummariesOf(k_pool, pool_type, num_slots, page_size, head_dim, page_table,
+                                   table_pages, num_kv_heads, end, page_begin, page_end,
+                                   static_cast<__nv_bfloat16*>(pages), max_pages,
+                                   static_cast<__nv_bfloat16*>(segments), max_segments,
+                                   segment_pages, stream);
+  }
+  if (summary_type != FloatType::kF32) return cudaErrorInvalidValue;
+  return LaunchUpdateSummariesOf(k_pool, pool_type, num_slots, page_size, head_dim, page_table,
+                                 table_pages, num_kv_heads, end, page_begin, page_end,
+                                 static_cast<float*>(pages), max_pages,
+                                 static_cast<float*>(segments), max_segments, segment_pages,
+                                 stream);
 }
 
 }  // namespace strata::kernels::cuda_internal

@@ -199,8 +199,8 @@ absl::Status CudaBackend::UpdateSummaries(const UpdateSummariesParams& p, Stream
       p.k_pool.data, PoolType(p.k_pool.dtype), p.k_pool.dim(0), static_cast<int>(page),
       static_cast<int>(p.k_pool.dim(2)), p.page_table.As<const int32_t>(),
       static_cast<int>(p.page_table.dim(1)), static_cast<int>(p.page_table.dim(0)), p.end,
-      p.first / page, (p.end + page - 1) / page, p.pages.As<float>(), p.pages.dim(1),
-      p.segments.data != nullptr ? p.segments.As<float>() : nullptr,
+      p.first / page, (p.end + page - 1) / page, p.pages.data, PoolType(p.pages.dtype),
+      p.pages.dim(1), p.segments.data,
       p.segments.data != nullptr ? p.segments.dim(1) : 0, p.segment_pages, ToCuda(s)));
   return absl::OkStatus();
 }

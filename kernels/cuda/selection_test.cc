@@ -788,6 +788,20 @@ TEST_F(SelectionTest, UpdateSummariesMatchesCpu) {
     }
     ExpectClose(Get<float>(*dp, static_cast<int64_t>(pages.size())), pages, 0, 0, "pages");
     ExpectClose(Get<float>(*ds, static_cast<int64_t>(segs.size())), segs, 0, 0, "segments");
+
+    // bf16 rows (rounded outward; exact for the bf16 pool): the same bits as the CPU twin.
+    std::vector<uint16_t> pages16(pages.size(), 0x4040), segs16(segs.size(), 0x4040);
+    auto dp16 = Dev(pages16), ds16 = Dev(segs16);
+    h.pages = TensorView(pages16.data(), DType::kBF16, {hkv, table_pages, 2 * d});
+    h.segments = TensorView(segs16.data(), DType::kBF16, {hkv, max_segs, 2 * d});
+    dv.pages = TensorView(dp16->data(), DType::kBF16, {hkv, table_pages, 2 * d});
+    dv.segments = TensorView(ds16->data(), DType::kBF16, {hkv, max_segs, 2 * d});
+    h.first = dv.first = 0;
+    h.end = dv.end = len;
+    STRATA_ASSERT_OK(cpu_->UpdateSummaries(h, nullptr));
+    STRATA_ASSERT_OK(gpu_->UpdateSummaries(dv, nullptr));
+    EXPECT_EQ(Get<uint16_t>(*dp16, static_cast<int64_t>(pages16.size())), pages16);
+    EXPECT_EQ(Get<uint16_t>(*ds16, static_cast<int64_t>(segs16.size())), segs16);
   }
 }
 

@@ -245,9 +245,9 @@ cudaError_t LaunchSelectionCacheCheck(const float* q, float* cached_q, int32_t* 
 cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64_t num_slots,
                                   int page_size, int head_dim, const int32_t* page_table,
                                   int table_pages, int num_kv_heads, int64_t end,
-                                  int64_t page_begin, int64_t page_end, float* pages,
-                                  int64_t max_pages, float* segments, int64_t max_segments,
-                                  int segment_pages, cudaStream_t stream);
+                                  int64_t page_begin, int64_t page_end, void* pages,
+                                  FloatType summary_type, int64_t max_pages, void* segments,
+                                  int64_t max_segments, int segment_pages, cudaStream_t stream);
 // Profiling (cuda_selected_attention_bench --phases): while `stamps` (device memory) is set,
 // thread 0 of each of the first `max_blocks` blocks of the cluster SelectedAttention kernel writes
 // kSelectedPhases (%globaltimer ns, clock64) pairs to stamps[block * 2 * kSelectedPhases ...]:
