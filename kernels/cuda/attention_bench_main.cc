@@ -14,8 +14,8 @@
 // layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256, segments of 16 pages,
 // two-level above 512 pages keeping max(128, 4 * wanted / 16) segments, one-level where that
 // keeps every segment, as DevicePolicy (STRATA_BENCH_KEEP_SEGMENT_STAGE=1: two-level there too);
-// minmax page summaries in f32, computed here from the keys; with STRATA_BENCH_SUMMARY_BF16=1 in
-// bf16 rounded outward, kernels::MinMaxRowsToBF16):
+// minmax page summaries computed here from the bf16 keys, in bf16 as DevicePolicy keeps them for
+// a bf16 cache (kernels::MinMaxRowsToBF16, exact here); STRATA_BENCH_SUMMARY_BF16=0: in f32):
 //   quest        ScoreSummaries (segments) -> VoteTopK -> ScoreSummaries (pages) -> VoteTopK
 //                (B / P pages) -> SelectedAttention (sinks + pages + window)
 //   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
@@ -256,7 +256,7 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   std::vector<int32_t> table(kKvHeads * pages);
   for (int64_t i = 0; i < kKvHeads * pages; ++i) table[i] = static_cast<int32_t>(i);
   const char* sum_env = std::getenv("STRATA_BENCH_SUMMARY_BF16");
-  const bool sum_bf16 = sum_env != nullptr && std::string(sum_env) == "1";
+  const bool sum_bf16 = sum_env == nullptr || std::string(sum_env) != "0";
   if (sum_bf16) {  // outward-rounded bf16 rows, packed into the front of the f32 vectors
     std::vector<uint16_t> tmp(ps.size());
     MinMaxRowsToBF16(ps.data(), kKvHeads * pages, kHeadDim, tmp.data());
