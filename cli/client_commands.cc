@@ -141,7 +141,8 @@ std::string UsageLine(const v1::Usage& u) {
   return absl::StrCat("prompt_tokens=", u.prompt_tokens(), " cached_tokens=", u.cached_tokens(),
                       " completion_tokens=", u.completion_tokens(), " mean_attended_tokens=", u.mean_attended_tokens(),
                       " pages_fetched(gpu/host/disk/remote)=", u.pages_fetched().gpu(), "/", u.pages_fetched().host(),
-                      "/", u.pages_fetched().disk(), "/", u.pages_fetched().remote());
+                      "/", u.pages_fetched().disk(), "/", u.pages_fetched().remote(),
+                      " selection_cache(hits/lookups)=", u.selection_cache_hits(), "/", u.selection_cache_lookups());
 }
 
 std::string JobLine(const v1::JobInfo& j) {

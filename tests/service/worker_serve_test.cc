@@ -270,6 +270,8 @@ TEST(WorkerProcessTest, WorkerWithRemoteKvStore) {
     // 2 pages x 2 layers x 2 KV heads. The prefill put them into the worker's host tier on the
     // way to the KV store service, so both jobs find them in host memory.
     EXPECT_TRUE(absl::StrContains(ask.Err(), "pages_fetched(gpu/host/disk/remote)=0/8/0/0")) << ask.Err();
+    // The job's selection-cache counts (Usage) are printed with the rest of its usage.
+    EXPECT_TRUE(absl::StrContains(ask.Err(), "selection_cache(hits/lookups)=")) << ask.Err();
   }
   auto code = worker.StopWith(SIGTERM, std::chrono::seconds(30));
   ASSERT_TRUE(code.has_value());
