@@ -116,7 +116,8 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
               "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen "
               "pages on demand (opt-in; page-level choice, see docs/design.md)");
   flags->Int("lazy-cache-pages", &lazy_cache_pages,
-             "with --lazy-mount: GPU page cache slots per job (clock eviction; at least one layer step's pages)");
+             "with --lazy-mount: GPU page cache slots per job (0: four decode steps' pages for the model and "
+             "budget; clock eviction; at least one layer step's pages)");
   flags->Int("lazy-shared-documents", &lazy_shared_documents,
              "with --lazy-mount: documents whose device state (summaries, resident page cache) stays between "
              "questions while no job uses it (0: none; jobs on one document share it while > 0)");

@@ -31,7 +31,7 @@ struct WorkerEngineFlags {
   int64_t host_cache_bytes = int64_t{1} << 30;
   int64_t threads = 0;
   bool lazy_mount = false;
-  int64_t lazy_cache_pages = 8192;
+  int64_t lazy_cache_pages = 0;
   int64_t lazy_shared_documents = 1;
   std::string device_selection = "auto";
   std::string decode_graph = "auto";

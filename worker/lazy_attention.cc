@@ -401,7 +401,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     return absl::InvalidArgumentError("LazyDocumentAttention: store and backend are required");
   }
   if (o.document_tokens <= 0 || o.page_size <= 0 || o.num_layers <= 0 || o.num_kv_heads <= 0 ||
-      o.num_kv_heads > 4096 || o.head_dim <= 0 || o.capacity_pages <= 0 || o.budget_pages < 0 || o.window_pages < 0) {
+      o.num_kv_heads > 4096 || o.head_dim <= 0 || o.capacity_pages < 0 || o.budget_pages < 0 || o.window_pages < 0) {
     return absl::InvalidArgumentError("LazyDocumentAttention: non-positive sizes");
   }
   if (o.summary_dtype != kernels::DType::kF32 && o.summary_dtype != kernels::DType::kBF16) {
@@ -430,7 +430,8 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   go.pages_per_head = st->num_pages;
   go.page_size = o.page_size;
   go.head_dim = o.head_dim;
-  go.num_slots = std::max(std::min(o.capacity_pages, total), per_call);
+  const int64_t capacity = o.capacity_pages > 0 ? o.capacity_pages : kAutoCacheSteps * o.num_layers * per_call;
+  go.num_slots = std::max(std::min(capacity, total), per_call);
   go.max_batch_pages = static_cast<int>(std::min<int64_t>(1024, go.num_slots));
   go.source = st->source.get();
   go.metrics = o.metrics;

@@ -174,7 +174,7 @@ absl::Status WorkerOptions::Validate() const {
   if (mount_batch_pages < 1) return absl::InvalidArgumentError("mount_batch_pages >= 1");
   if (max_decode_batch < 1) return absl::InvalidArgumentError("max_decode_batch >= 1");
   if (peer_timeout_ms < 1) return absl::InvalidArgumentError("peer_timeout_ms >= 1");
-  if (lazy_cache_pages < 1) return absl::InvalidArgumentError("lazy_cache_pages >= 1");
+  if (lazy_cache_pages < 0) return absl::InvalidArgumentError("lazy_cache_pages >= 0 (0: four decode steps' pages)");
   if (lazy_shared_documents < 0) return absl::InvalidArgumentError("lazy_shared_documents >= 0");
   if (decode_graph != "auto" && decode_graph != "on" && decode_graph != "off") {
     return absl::InvalidArgumentError(absl::StrCat("decode_graph: auto|on|off, got '", decode_graph, "'"));

@@ -141,8 +141,9 @@ struct WorkerOptions {
   // only the document's persisted minmax summaries; per layer and step the chosen pages are
   // fetched through the tiers (host tier first; pages read from the durable tier are inserted
   // into it) into the job's GPU page cache (kvstore/gpu_cache.h) on the worker's backend, of
-  // lazy_cache_pages slots (clock eviction; raised to one layer call's need when smaller, and
-  // capped at the document's pages). On a backend other than the CPU backend the decode steps
+  // lazy_cache_pages slots (0, the default: four decode steps' pages for the job's model and
+  // budget; clock eviction; raised to one layer call's need when smaller, and capped at the
+  // document's pages). On a backend other than the CPU backend the decode steps
   // choose pages with the backend's selection ops over summaries held in its memory.
   // Selection is MakeMinMaxChooser's (page 0, ceil(window_tokens / P) last pages and the
   // ceil(budget_tokens / P) pages of highest head soft vote), not the engine policy's. Dense and
@@ -152,7 +153,7 @@ struct WorkerOptions {
   // every page of the document, the job's page cache is device-managed: no per-layer host round
   // trip (worker/lazy_attention.h, resident mode). Default false.
   bool lazy_mount = false;
-  int64_t lazy_cache_pages = 8192;
+  int64_t lazy_cache_pages = 0;
   // Documents whose lazy-job state (worker/lazy_attention.h LazyDocumentShare: summaries in
   // backend memory and one host copy for the choosers, the resident mode's device-managed cache)
   // the worker keeps while no job uses

@@ -551,6 +551,22 @@ TEST_F(LazyAttentionTest, SmallCacheEvictsAndGivesTheSameOutputsAsALargeOne) {
   EXPECT_LE(small->cache().resident_pages(), 8);
 }
 
+TEST_F(LazyAttentionTest, DefaultCacheHoldsFourDecodeStepsOfPages) {
+  // capacity_pages 0: kAutoCacheSteps steps x 2 layers x one call's need, capped at the document.
+  LazyAttentionOptions o = Options(0, 0);
+  o.budget_pages = 0;  // one call: 2 heads x (page 0 + 1 window page) = 4 pages; 4 steps: 32
+  STRATA_ASSERT_OK_AND_ASSIGN(auto small, LazyDocumentAttention::Create(o, backend_.get()));
+  EXPECT_EQ(small->slots(), kAutoCacheSteps * 2 * 4);
+  o.budget_pages = 2;  // 2 x 4 = 8 per call; 4 steps: 64 > the document's 40 pages
+  STRATA_ASSERT_OK_AND_ASSIGN(auto capped, LazyDocumentAttention::Create(o, backend_.get()));
+  EXPECT_EQ(capped->slots(), 40);
+  o.capacity_pages = 12;  // an explicit count is kept (one call needs 8)
+  STRATA_ASSERT_OK_AND_ASSIGN(auto explicit_count, LazyDocumentAttention::Create(o, backend_.get()));
+  EXPECT_EQ(explicit_count->slots(), 12);
+  o.capacity_pages = -1;
+  EXPECT_EQ(LazyDocumentAttention::Create(o, backend_.get()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(LazyAttentionTest, DevicePathOnTheCpuBackendMatchesTheHostPath) {
   // device_path = 1 on the CPU backend: one-token calls choose with ScoreSummaries + VoteTopK over
   // summaries in backend memory and attend through AttendOnDevice; a prompt chunk uses the host
@@ -1598,7 +1614,7 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
   const Case cases[] = {
       {"max_decode_batch", [](WorkerOptions* o) { o->max_decode_batch = 0; }},
       {"peer_timeout_ms", [](WorkerOptions* o) { o->peer_timeout_ms = 0; }},
-      {"lazy_cache_pages", [](WorkerOptions* o) { o->lazy_cache_pages = 0; }},
+      {"lazy_cache_pages", [](WorkerOptions* o) { o->lazy_cache_pages = -1; }},
       {"lazy_shared_documents", [](WorkerOptions* o) { o->lazy_shared_documents = -1; }},
       {"page_size", [](WorkerOptions* o) { o->page_size = 0; }},
       {"device_selection", [](WorkerOptions* o) { o->device_selection = "always"; }},
