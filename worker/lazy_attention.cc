@@ -144,6 +144,10 @@ struct LazyDocumentShare::Impl {
   int64_t synced_fills = 0;                       // cache fills as of the last SyncStats
 };
 
+int64_t AutoCachePages(int num_layers, int64_t per_call) {
+  return std::max(kAutoCacheMinPages, kAutoCacheSteps * std::max(num_layers, 0) * std::max<int64_t>(per_call, 0));
+}
+
 LazyDocumentShare::LazyDocumentShare() : impl_(std::make_unique<Impl>()) {}
 LazyDocumentShare::~LazyDocumentShare() {
   if (impl_ == nullptr) return;
@@ -430,7 +434,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   go.pages_per_head = st->num_pages;
   go.page_size = o.page_size;
   go.head_dim = o.head_dim;
-  const int64_t capacity = o.capacity_pages > 0 ? o.capacity_pages : kAutoCacheSteps * o.num_layers * per_call;
+  const int64_t capacity = o.capacity_pages > 0 ? o.capacity_pages : AutoCachePages(o.num_layers, per_call);
   go.num_slots = std::max(std::min(capacity, total), per_call);
   go.max_batch_pages = static_cast<int>(std::min<int64_t>(1024, go.num_slots));
   go.source = st->source.get();

@@ -25,7 +25,7 @@
 //
 // Page cache: max(min(capacity_pages, every page of the document), one call's largest need =
 // num_kv_heads * min(pages, 1 + budget_pages + window_pages)) slots (capacity_pages 0, the
-// default: kAutoCacheSteps decode steps' pages, num_layers calls each), each one (layer, KV head,
+// default: AutoCachePages), each one (layer, KV head,
 // page) in bf16, clock eviction with pins (kvstore/gpu_cache.h). A capacity below one call's need
 // is raised to it (a too-small capacity costs refetches, never correctness), so every call is one
 // chunk (one partial). Misses are fetched in one batch per call from the store: through a
@@ -102,8 +102,12 @@ class LazyDocumentShare {
   std::unique_ptr<Impl> impl_;
 };
 
-// Decode steps whose pages the default page cache holds (LazyAttentionOptions::capacity_pages 0).
+// The default page cache (LazyAttentionOptions::capacity_pages 0): the larger of
+// kAutoCacheMinPages slots and kAutoCacheSteps decode steps' pages (num_layers calls of
+// `per_call` pages each).
 inline constexpr int64_t kAutoCacheSteps = 4;
+inline constexpr int64_t kAutoCacheMinPages = 8192;
+int64_t AutoCachePages(int num_layers, int64_t per_call);
 
 struct LazyAttentionOptions {
   kvstore::PageStore* store = nullptr;  // not owned; a TieredStore counts pages per tier
@@ -117,10 +121,10 @@ struct LazyAttentionOptions {
   uint32_t summary_kind = 1;
   int budget_pages = 32;  // >= 0
   int window_pages = 1;   // >= 0
-  // Page-cache slots (one slot = one (layer, KV head, page)); 0 (default): the pages of
-  // kAutoCacheSteps decode steps (num_layers * one call's need each), so that a step's pages can
-  // still be resident at the next steps whatever the model's size (a fixed count smaller than one
-  // step, 8192 before session 7, refetched every page of an 8B model's step).
+  // Page-cache slots (one slot = one (layer, KV head, page)); 0 (default): AutoCachePages, at least
+  // the pages of kAutoCacheSteps decode steps, so that a step's pages can still be resident at the
+  // next steps whatever the model's size (the fixed 8192 of before session 7 is smaller than one
+  // step of an 8B model: every page was refetched each step).
   int64_t capacity_pages = 0;
   // Where the cache's tier="gpu" metrics go; null: a private registry. Not owned.
   kvstore::KvMetrics* metrics = nullptr;

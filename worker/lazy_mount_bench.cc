@@ -4,7 +4,9 @@
 //
 //   lazy_mount_bench [--preset tiny] [--doc 32768] [--shard 4096] [--budget 2048] [--reps 3]
 //                    [--threads 1] [--tokens 1] [--modes full,lazy,lazy-dev,resident]
-//                    [--backend cpu|cuda] [--decode-graph auto|on|off]
+//                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--cache-pages N]
+//
+// --cache-pages sets WorkerOptions::lazy_cache_pages (default 0: the worker's automatic size).
 //
 // --backend cuda runs every worker on the CUDA backend (the plugin from $STRATA_CUDA_PLUGIN or
 // next to the binary; then the resident mode's host tier is pinned memory); --decode-graph sets
@@ -47,6 +49,7 @@ constexpr char kDocId[] = "0123456789abcdef0123456789abcdef";
 
 int Run(int argc, char** argv) {
   std::string preset = "tiny";
+  int64_t cache_pages = 0;
   int64_t doc_tokens = 32768, shard = 4096;
   int budget = 2048, reps = 3, threads = 1, tokens = 1;
   std::string modes = "full,lazy,lazy-dev,resident";
@@ -64,6 +67,7 @@ int Run(int argc, char** argv) {
     else if (flag == "--modes") modes = v;
     else if (flag == "--backend") backend_name = v;
     else if (flag == "--decode-graph") decode_graph = v;
+    else if (flag == "--cache-pages") cache_pages = std::atoll(v);
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -113,6 +117,7 @@ int Run(int argc, char** argv) {
     wo.lazy_mount = mode != "full";
     if (mode == "lazy-dev" || mode == "resident") wo.device_selection = "on";
     wo.decode_graph = decode_graph;
+    wo.lazy_cache_pages = cache_pages;
     return Worker::Create(wo, model->get(), backend.get(), pages, store->get(), nullptr);
   };
   {

@@ -552,12 +552,12 @@ TEST_F(LazyAttentionTest, SmallCacheEvictsAndGivesTheSameOutputsAsALargeOne) {
 }
 
 TEST_F(LazyAttentionTest, DefaultCacheHoldsFourDecodeStepsOfPages) {
-  // capacity_pages 0: kAutoCacheSteps steps x 2 layers x one call's need, capped at the document.
+  // The rule: the larger of 8192 slots and 4 decode steps (layers x one call's need each).
+  EXPECT_EQ(AutoCachePages(2, 4), kAutoCacheMinPages);
+  EXPECT_EQ(AutoCachePages(32, 8 * 35), kAutoCacheSteps * 32 * 8 * 35);  // 8B, 2K budget: 35,840
+  EXPECT_GT(AutoCachePages(32, 8 * 35), 32 * 8 * 35);                   // more than one step
+  // capacity_pages 0 here: capped at the document's 40 pages.
   LazyAttentionOptions o = Options(0, 0);
-  o.budget_pages = 0;  // one call: 2 heads x (page 0 + 1 window page) = 4 pages; 4 steps: 32
-  STRATA_ASSERT_OK_AND_ASSIGN(auto small, LazyDocumentAttention::Create(o, backend_.get()));
-  EXPECT_EQ(small->slots(), kAutoCacheSteps * 2 * 4);
-  o.budget_pages = 2;  // 2 x 4 = 8 per call; 4 steps: 64 > the document's 40 pages
   STRATA_ASSERT_OK_AND_ASSIGN(auto capped, LazyDocumentAttention::Create(o, backend_.get()));
   EXPECT_EQ(capped->slots(), 40);
   o.capacity_pages = 12;  // an explicit count is kept (one call needs 8)
