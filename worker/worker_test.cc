@@ -260,14 +260,20 @@ TEST_F(WorkerTest, CancelJobEndsWithCancelledSnapshot) {
 
 // Runs `requests` on `w` at once, each job waiting at its first token until every job has one, so
 // that their decode steps overlap (batched); the final snapshots, in order.
-std::vector<v1::JobInfo> RunOverlapping(Worker* w, const std::vector<v1::RunJobRequest>& requests) {
+// With `lockstep`, every job also waits (spinning, at most 2 s) after each of its token events
+// until every job has had as many, so that their next decode steps are submitted together.
+std::vector<v1::JobInfo> RunOverlapping(Worker* w, const std::vector<v1::RunJobRequest>& requests,
+                                        bool lockstep = false) {
   const int n = static_cast<int>(requests.size());
   std::vector<v1::JobInfo> got(requests.size());
   std::atomic<int> arrived{0};
+  constexpr int kMaxEvents = 1024;
+  std::vector<std::atomic<int>> at_event(kMaxEvents);
   std::vector<std::thread> threads;
   for (int j = 0; j < n; ++j) {
     threads.emplace_back([&, j] {
       bool first = true;
+      int events = 0;
       const absl::Status s = w->RunJob(requests[j], [&](const v1::JobEvent& e) {
         if (e.has_tokens() && first) {
           first = false;
@@ -275,6 +281,12 @@ std::vector<v1::JobInfo> RunOverlapping(Worker* w, const std::vector<v1::RunJobR
           for (int i = 0; i < 10000 && arrived.load() < n; ++i) {
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
           }
+        } else if (e.has_tokens() && lockstep && events < kMaxEvents) {
+          // Spin (yielding) rather than sleep: a sleep's wake-up spread exceeds a tiny model's step.
+          std::atomic<int>& here = at_event[events++];
+          ++here;
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+          while (here.load() < n && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
         }
         if (e.has_snapshot()) got[j] = e.snapshot();
         return true;
@@ -1390,24 +1402,40 @@ TEST_F(DeviceSelectionTest, OffMatchesTheHostPolicy) {
 TEST_F(DeviceSelectionTest, ConcurrentDeviceJobsAreBatchedAndKeepTheirTokens) {
   std::unique_ptr<Worker> w = MakeWorker("on", backend_.get());
   ASSERT_NE(w, nullptr);
+  // Whether steps meet in a batch depends on the threads' timing on this 2-core machine (a
+  // fresh-clone CI run saw 69 steps in 69 forwards once): the jobs run in lockstep, token by token,
+  // so their steps are submitted together, and the run is repeated (at most 3 times) until some
+  // steps ran together. Every run must give the reference tokens.
   const int kJobs = 3, kTokens = 24;
   const std::string policies[kJobs] = {"tokenselect", "quest", "tokenselect"};
   std::vector<std::vector<int32_t>> prompts;
-  std::vector<v1::RunJobRequest> requests;
+  std::vector<std::vector<int32_t>> want;
   for (int j = 0; j < kJobs; ++j) {
     prompts.push_back({20 + j, 40 + 3 * j, 7});
-    requests.push_back(Job("batched-" + std::to_string(j), policies[j], prompts[j], true, kTokens));
+    want.push_back(DeviceReference(policies[j], WithDocument(prompts[j]), kTokens));
   }
-  const std::vector<v1::JobInfo> got = RunOverlapping(w.get(), requests);
-  for (int j = 0; j < kJobs; ++j) {
-    ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
-    EXPECT_EQ(Tokens(got[j]), DeviceReference(policies[j], WithDocument(prompts[j]), kTokens)) << "job " << j;
+  int64_t steps = 0, batches = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::vector<v1::RunJobRequest> requests;
+    for (int j = 0; j < kJobs; ++j) {
+      requests.push_back(Job("batched-" + std::to_string(attempt) + "-" + std::to_string(j), policies[j],
+                             prompts[j], true, kTokens));
+    }
+    const int64_t steps0 = w->decode_steps(), batches0 = w->decode_batches();
+    const std::vector<v1::JobInfo> got = RunOverlapping(w.get(), requests, /*lockstep=*/true);
+    for (int j = 0; j < kJobs; ++j) {
+      ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
+      EXPECT_EQ(Tokens(got[j]), want[j]) << "attempt " << attempt << " job " << j;
+    }
+    EXPECT_EQ(w->device_selection_jobs(), kJobs * (attempt + 1));
+    steps = w->decode_steps() - steps0;
+    batches = w->decode_batches() - batches0;
+    std::printf("decode steps %lld in %lld batched forwards\n", static_cast<long long>(steps),
+                static_cast<long long>(batches));
+    EXPECT_EQ(steps, kJobs * (kTokens - 1));
+    if (batches < steps) break;
   }
-  EXPECT_EQ(w->device_selection_jobs(), kJobs);
-  std::printf("decode steps %lld in %lld batched forwards\n", static_cast<long long>(w->decode_steps()),
-              static_cast<long long>(w->decode_batches()));
-  EXPECT_EQ(w->decode_steps(), kJobs * (kTokens - 1));
-  EXPECT_LT(w->decode_batches(), w->decode_steps());  // some steps ran together
+  EXPECT_LT(batches, steps);  // some steps ran together
 }
 
 TEST_F(DeviceSelectionTest, BackendWithoutSelectionOpsFallsBack) {
