@@ -460,7 +460,8 @@ absl::StatusOr<const std::vector<float>*> MinMaxSummaryCache::Get(int layer, int
   if (bf16_bounds_) {
     std::vector<uint16_t> rounded(read.size());
     kernels::MinMaxRowsToBF16(read.data(), n, d, rounded.data());
-    for (size_t i = 0; i < read.size(); ++i) read[i] = kernels::BF16ToF32(rounded[i]);
+    kernels::ConvertToF32(rounded.data(), kernels::DType::kBF16, read.data(),
+                          static_cast<int64_t>(read.size()));
   }
   sum = std::move(read);
   bytes_ += static_cast<int64_t>(sum.size() * sizeof(float));
@@ -509,19 +510,12 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
     const size_t qg_len = static_cast<size_t>(group) * d;
     if (entry != nullptr && num_tokens == 1) {
       if (o.cache_counters != nullptr) ++o.cache_counters->cache_lookups;
-      if (entry->valid && entry->q.size() == qg_len) {
-        double ab = 0, aa = 0, bb = 0;
-        for (size_t i = 0; i < qg_len; ++i) {
-          ab += static_cast<double>(qg[i]) * entry->q[i];
-          aa += static_cast<double>(qg[i]) * qg[i];
-          bb += static_cast<double>(entry->q[i]) * entry->q[i];
-        }
-        const double cosine = aa == 0 || bb == 0 ? 0.0 : ab / std::sqrt(aa * bb);
-        if (cosine >= o.cache_theta) {  // NaN: false
-          if (o.cache_counters != nullptr) ++o.cache_counters->cache_hits;
-          pages->insert(pages->end(), entry->pages.begin(), entry->pages.end());
-          return absl::OkStatus();
-        }
+      if (entry->valid && entry->q.size() == qg_len &&
+          kernels::SelectionCacheCosine(qg, entry->q.data(), static_cast<int64_t>(qg_len)) >=
+              o.cache_theta) {  // NaN: false
+        if (o.cache_counters != nullptr) ++o.cache_counters->cache_hits;
+        pages->insert(pages->end(), entry->pages.begin(), entry->pages.end());
+        return absl::OkStatus();
       }
     }
     STRATA_ASSIGN_OR_RETURN(const std::vector<float>* got, st->summaries->Get(layer, kv_head));

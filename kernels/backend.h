@@ -351,6 +351,9 @@ struct SelectionCacheCheckParams {
   // Optional, backend memory: one int64 incremented by the number of hits of the call.
   int64_t* hit_count = nullptr;
 };
+// The cosine above over n host floats, as the CPU twin computes it (double accumulation; 0 when a
+// norm is 0; NaN when an input is). For host-side twins of the cache (engine::MakeMinMaxChooser).
+double SelectionCacheCosine(const float* q, const float* cached, int64_t n);
 
 // ---- The GPU page cache on the device (kvstore/gpu_cache.h, device-managed mode) -------------
 // The whole state of a page cache in backend memory, so that a decode step makes the pages its

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -126,15 +127,22 @@ std::vector<kvstore::PageRef> PeekWholeDocument(kvstore::PageStore* store, kerne
 }  // namespace
 
 struct LazyDocumentShare::Impl {
+  // What a share is made for: the document and shapes of its first job (every later job must match).
+  struct Key {
+    kvstore::DocumentId document;
+    int64_t document_tokens;
+    int page_size, num_layers, num_kv_heads, head_dim;
+    uint32_t summary_kind;
+    kernels::DType summary_dtype;
+    kernels::Backend* backend;
+    bool operator==(const Key& k) const {
+      return document == k.document && document_tokens == k.document_tokens && page_size == k.page_size &&
+             num_layers == k.num_layers && num_kv_heads == k.num_kv_heads && head_dim == k.head_dim &&
+             summary_kind == k.summary_kind && summary_dtype == k.summary_dtype && backend == k.backend;
+    }
+  };
   std::mutex mu;
-  // The document and shapes of the first job (every later job must match).
-  bool keyed = false;
-  kvstore::DocumentId document;
-  int64_t document_tokens = 0;
-  int page_size = 0, num_layers = 0, num_kv_heads = 0, head_dim = 0;
-  uint32_t summary_kind = 0;
-  kernels::DType summary_dtype = kernels::DType::kF32;
-  kernels::Backend* backend = nullptr;
+  std::optional<Key> key;  // set by the first job
   std::vector<std::unique_ptr<kernels::Buffer>> summaries;  // per layer, null until loaded
   int64_t summary_bytes = 0;
   // The summaries on the host, read once for the jobs' host choosers and the device upload.
@@ -297,7 +305,7 @@ absl::StatusOr<kernels::Buffer*> LazyDocumentAttention::State::Summaries(int lay
   size_t bytes = host.size() * sizeof(float);
   if (o.summary_dtype == kernels::DType::kBF16) {
     host16.resize(host.size());
-    for (size_t i = 0; i < host.size(); ++i) host16[i] = kernels::F32ToBF16(host[i]);
+    kernels::ConvertFromF32(host.data(), host16.data(), kernels::DType::kBF16, static_cast<int64_t>(host.size()));
     src = host16.data();
     bytes = host16.size() * sizeof(uint16_t);
   }
@@ -446,25 +454,16 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   {
     LazyDocumentShare::Impl& sh = *st->share->impl_;
     std::lock_guard<std::mutex> lock(sh.mu);
-    if (!sh.keyed) {
-      sh.keyed = true;
-      sh.document = o.document;
-      sh.document_tokens = o.document_tokens;
-      sh.page_size = o.page_size;
-      sh.num_layers = o.num_layers;
-      sh.num_kv_heads = o.num_kv_heads;
-      sh.head_dim = o.head_dim;
-      sh.summary_kind = o.summary_kind;
-      sh.summary_dtype = o.summary_dtype;
-      sh.backend = backend;
+    const LazyDocumentShare::Impl::Key key{o.document,     o.document_tokens, o.page_size,
+                                           o.num_layers,   o.num_kv_heads,    o.head_dim,
+                                           o.summary_kind, o.summary_dtype,   backend};
+    if (!sh.key.has_value()) {
+      sh.key = key;
       sh.summaries.resize(static_cast<size_t>(o.num_layers));
       sh.host_summaries = std::make_shared<engine::MinMaxSummaryCache>(
           o.store, o.document, o.summary_kind, o.num_layers, o.num_kv_heads, o.head_dim, st->num_pages,
           /*bf16_bounds=*/o.summary_dtype == kernels::DType::kBF16);
-    } else if (!(sh.document == o.document) || sh.document_tokens != o.document_tokens ||
-               sh.page_size != o.page_size || sh.num_layers != o.num_layers || sh.num_kv_heads != o.num_kv_heads ||
-               sh.head_dim != o.head_dim || sh.summary_kind != o.summary_kind || sh.backend != backend ||
-               sh.summary_dtype != o.summary_dtype) {
+    } else if (!(*sh.key == key)) {
       return absl::InvalidArgumentError("LazyDocumentAttention: the share belongs to another document or shape");
     }
     // The host chooser (prompt chunks; every step of the host path) reads the share's summaries.

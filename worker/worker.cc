@@ -1117,10 +1117,9 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   std::unique_ptr<LazyDocumentAttention> lazy;
   if (has_doc && !sharded && options_.lazy_mount && LazyEligible(request.policy())) {
     const int64_t pages_per_head = (doc_tokens + P - 1) / P;
-    const v1::SelectionPolicy& sp = request.policy();
-    engine::sparse::PolicyOptions defaults;
-    const int64_t budget = sp.budget_tokens() > 0 ? sp.budget_tokens() : defaults.token_budget;
-    const int64_t window = sp.has_window_tokens() ? sp.window_tokens() : defaults.window_tokens;
+    // The job's budget, window and selection-cache theta, defaults applied as for a full mount.
+    STRATA_ASSIGN_OR_RETURN(const engine::sparse::PolicyOptions popt, JobPolicyOptions(request.policy(), P));
+    const int64_t budget = popt.token_budget, window = popt.window_tokens;
     LazyAttentionOptions lo;
     lo.store = store_;
     lo.document = doc_id;
@@ -1133,7 +1132,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.budget_pages = static_cast<int>(std::min<int64_t>((budget + P - 1) / P, pages_per_head));
     lo.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
     lo.capacity_pages = options_.lazy_cache_pages;
-    lo.cache_theta = sp.has_theta() ? sp.theta() : defaults.cache_theta;
+    lo.cache_theta = popt.cache_theta;
     lo.share = AcquireLazyShare(absl::StrCat(doc_id.ToHex(), ":", doc_tokens));
     lo.metrics = metrics_ != nullptr ? metrics_->kv : nullptr;
     // device_selection "on" takes the device path on the CPU backend too (its twins); otherwise

@@ -431,6 +431,16 @@ absl::Status CpuSupportsSelectionCacheCheck(const SelectionCacheCheckParams& p) 
   return absl::OkStatus();
 }
 
+double SelectionCacheCosine(const float* q, const float* cached, int64_t n) {
+  double ab = 0, aa = 0, bb = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    ab += static_cast<double>(q[i]) * cached[i];
+    aa += static_cast<double>(q[i]) * q[i];
+    bb += static_cast<double>(cached[i]) * cached[i];
+  }
+  return aa == 0 || bb == 0 ? 0.0 : ab / std::sqrt(aa * bb);
+}
+
 absl::Status CpuSelectionCacheCheck(const SelectionCacheCheckParams& p) {
   STRATA_RETURN_IF_ERROR(CpuSupportsSelectionCacheCheck(p));
   const int64_t hkv = p.cached_q.dim(0), n = p.cached_q.dim(1);
@@ -442,17 +452,7 @@ absl::Status CpuSelectionCacheCheck(const SelectionCacheCheckParams& p) {
   for (int64_t g = 0; g < hkv; ++g) {
     const float* a = q + g * n;
     float* c = cached + g * n;
-    bool hit = false;
-    if (valid[g] != 0) {
-      double ab = 0, aa = 0, bb = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        ab += static_cast<double>(a[i]) * c[i];
-        aa += static_cast<double>(a[i]) * a[i];
-        bb += static_cast<double>(c[i]) * c[i];
-      }
-      const double cosine = aa == 0 || bb == 0 ? 0.0 : ab / std::sqrt(aa * bb);
-      hit = cosine >= p.theta;  // NaN: false
-    }
+    const bool hit = valid[g] != 0 && SelectionCacheCosine(a, c, n) >= p.theta;  // NaN: false
     reuse[g] = hit ? 1 : 0;
     if (hit) {
       ++hits;
@@ -513,11 +513,7 @@ absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p) {
       std::copy(r, r + 2 * d, t.As<float>() + row * 2 * d);
       return;
     }
-    uint16_t* o = t.As<uint16_t>() + row * 2 * d;
-    for (int64_t e = 0; e < d; ++e) {
-      o[e] = F32ToBF16Directed(r[e], /*up=*/false);
-      o[d + e] = F32ToBF16Directed(r[d + e], /*up=*/true);
-    }
+    MinMaxRowsToBF16(r, 1, d, t.As<uint16_t>() + row * 2 * d);
   };
   std::vector<float> rv(2 * d), qv(2 * d);
   float* const r = rv.data();

@@ -46,7 +46,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -257,19 +256,25 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   for (int64_t i = 0; i < kKvHeads * pages; ++i) table[i] = static_cast<int32_t>(i);
   const char* sum_env = std::getenv("STRATA_BENCH_SUMMARY_BF16");
   const bool sum_bf16 = sum_env == nullptr || std::string(sum_env) != "0";
-  if (sum_bf16) {  // outward-rounded bf16 rows, packed into the front of the f32 vectors
-    std::vector<uint16_t> tmp(ps.size());
-    MinMaxRowsToBF16(ps.data(), kKvHeads * pages, kHeadDim, tmp.data());
-    std::memcpy(ps.data(), tmp.data(), tmp.size() * 2);
-    tmp.assign(ss.size(), 0);
-    MinMaxRowsToBF16(ss.data(), kKvHeads * segs, kHeadDim, tmp.data());
-    std::memcpy(ss.data(), tmp.data(), tmp.size() * 2);
+  // The summaries as the pipelines read them: f32, or bf16 rounded outward.
+  std::vector<uint16_t> ps16, ss16;
+  const void* ps_src = ps.data();
+  const void* ss_src = ss.data();
+  size_t elem = sizeof(float);
+  if (sum_bf16) {
+    ps16.resize(ps.size());
+    ss16.resize(ss.size());
+    MinMaxRowsToBF16(ps.data(), kKvHeads * pages, kHeadDim, ps16.data());
+    MinMaxRowsToBF16(ss.data(), kKvHeads * segs, kHeadDim, ss16.data());
+    ps_src = ps16.data();
+    ss_src = ss16.data();
+    elem = sizeof(uint16_t);
     std::printf("summaries: bf16, rounded outward\n");
   }
-  auto d_ps = MustAllocate(cuda, ps.size() * 4), d_ss = MustAllocate(cuda, ss.size() * 4);
+  auto d_ps = MustAllocate(cuda, ps.size() * elem), d_ss = MustAllocate(cuda, ss.size() * elem);
   auto d_table = MustAllocate(cuda, table.size() * 4);
-  BENCH_CHECK(cuda.CopyToDevice(d_ps->data(), ps.data(), ps.size() * 4, stream).ok(), "ps");
-  BENCH_CHECK(cuda.CopyToDevice(d_ss->data(), ss.data(), ss.size() * 4, stream).ok(), "ss");
+  BENCH_CHECK(cuda.CopyToDevice(d_ps->data(), ps_src, ps.size() * elem, stream).ok(), "ps");
+  BENCH_CHECK(cuda.CopyToDevice(d_ss->data(), ss_src, ss.size() * elem, stream).ok(), "ss");
   BENCH_CHECK(cuda.CopyToDevice(d_table->data(), table.data(), table.size() * 4, stream).ok(), "t");
   const size_t big = static_cast<size_t>(kKvHeads) * kQHeads * 16384 * 4;  // any stage's scores
   auto d_s1 = MustAllocate(cuda, big), d_s2 = MustAllocate(cuda, big), d_s3 = MustAllocate(cuda, big);
