@@ -531,6 +531,7 @@ TEST_F(GpuCacheAttentionTest, SelectionCacheReusesTheSelectionOfASimilarQuery) {
                            nullptr)
                   .status(),
               StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(cache->Invalidate(-1, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 // Choosers of one document with different budgets share a MinMaxSummaryCache: each (layer, kv head)
