@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "engine/query_mean.h"
 
 namespace strata::engine {
 
@@ -525,22 +526,27 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
     std::vector<double> vote(static_cast<size_t>(n), 0.0);
     std::vector<float> score(static_cast<size_t>(n));
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    for (int t = 0; t < num_tokens; ++t) {
-      for (int j = 0; j < group; ++j) {
-        const float* qh = q + (static_cast<size_t>(t) * num_q_heads + kv_head * group + j) * d;
-        float best = -INFINITY;
-        for (int64_t p = 0; p < n; ++p) {
-          const float* mn = &sum[static_cast<size_t>(p) * 2 * d];
-          const float* mx = mn + d;
-          float b = 0;
-          for (int i = 0; i < d; ++i) b += std::max(qh[i] * mn[i], qh[i] * mx[i]);
-          score[p] = b * scale;
-          best = std::max(best, score[p]);
-        }
-        double z = 0;
-        for (int64_t p = 0; p < n; ++p) z += std::exp(static_cast<double>(score[p] - best));
-        for (int64_t p = 0; p < n; ++p) vote[p] += std::exp(static_cast<double>(score[p] - best)) / z;
+    // Several tokens (a prompt chunk) choose once with the chunk's mean query.
+    std::vector<float> mean;
+    const float* qc = q;
+    if (num_tokens > 1) {
+      MeanQuery(q, num_tokens, static_cast<int64_t>(num_q_heads) * d, &mean);
+      qc = mean.data();
+    }
+    for (int j = 0; j < group; ++j) {
+      const float* qh = qc + (static_cast<size_t>(kv_head) * group + j) * d;
+      float best = -INFINITY;
+      for (int64_t p = 0; p < n; ++p) {
+        const float* mn = &sum[static_cast<size_t>(p) * 2 * d];
+        const float* mx = mn + d;
+        float b = 0;
+        for (int i = 0; i < d; ++i) b += std::max(qh[i] * mn[i], qh[i] * mx[i]);
+        score[p] = b * scale;
+        best = std::max(best, score[p]);
       }
+      double z = 0;
+      for (int64_t p = 0; p < n; ++p) z += std::exp(static_cast<double>(score[p] - best));
+      for (int64_t p = 0; p < n; ++p) vote[p] += std::exp(static_cast<double>(score[p] - best)) / z;
     }
     std::vector<int32_t> middle;
     for (int64_t p = 1; p < window_first; ++p) middle.push_back(static_cast<int32_t>(p));

@@ -40,9 +40,10 @@ using PageChooser = std::function<absl::Status(int layer, int kv_head, const flo
 // A PageChooser from minmax page summaries held in `store` (key (document, layer, kv_head, kind,
 // page); payload f32 min[head_dim] then max[head_dim] of the page's keys, as the worker persists
 // them): per KV head, page 0 (sinks), the last `window_pages` pages, and the `budget_pages` other
-// pages with the highest head soft vote (TokenSelect): the sum over the group's query heads and
-// the query tokens of the softmax over pages of the Quest bound
-// scale * sum_i max(q_i min_i, q_i max_i). Summaries are read from the store on first use of a
+// pages with the highest head soft vote (TokenSelect): the sum over the group's query heads of
+// the softmax over pages of the Quest bound scale * sum_i max(q_i min_i, q_i max_i). A call of
+// several query tokens (a prompt chunk) chooses once with the chunk's mean query (MeanQuery,
+// engine/query_mean.h), as every chunk chooser of the engine does. Summaries are read from the store on first use of a
 // (layer, kv head) and kept. Errors: the store's; NotFound for a missing or malformed summary;
 // InvalidArgument for a layer or head outside the options.
 // The minmax page summaries of one document, per (layer, kv head) [num_pages, 2 head_dim] f32 as the
@@ -170,8 +171,8 @@ struct GpuCacheAttentionOptions {
   DevicePageChooser device_chooser;
   // Device-managed cache: a call of several query tokens (a prompt chunk) asks device_chooser
   // once with all of them (q [num_tokens, hq, d], pages null) for one selection that serves the
-  // whole chunk (one EnqueueResolve, then SelectedAttention per token); the chooser may read q on
-  // the host for it (prompt chunks are not captured in graphs). Default false: every token is
+  // whole chunk (one EnqueueResolve, then SelectedAttention per token); the chooser may wait
+  // for the device for it (prompt chunks are not captured in graphs). Default false: every token is
   // chosen for by itself.
   bool chunk_selection = false;
 };

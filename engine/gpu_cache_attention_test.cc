@@ -385,7 +385,7 @@ TEST_F(GpuCacheAttentionTest, MinMaxChooserSelectsFromPersistedSummaries) {
   EXPECT_GT(MaxDiff(got.data(), want_.data() + kDoc * V, (kTotal - kDoc) * V), 1e-4f);
 }
 
-TEST_F(GpuCacheAttentionTest, MinMaxChooserPicksTheHighestBoundAndReportsMissingSummaries) {
+TEST_F(GpuCacheAttentionTest, MinMaxChooserPicksTheHighestBoundChunksByTheirMeanQueryAndReportsMissingSummaries) {
   // Planted summaries: page 3's keys reach +4 in every channel, the others stay within 0.1.
   constexpr int kD = 8, kN = 6;
   kvstore::HostCacheOptions ho;
@@ -418,6 +418,19 @@ TEST_F(GpuCacheAttentionTest, MinMaxChooserPicksTheHighestBoundAndReportsMissing
   std::vector<float> q(4 * kD, 1.0f);  // 4 query heads, 2 per KV head, one token
   std::vector<int32_t> pages;
   STRATA_ASSERT_OK(choose(0, 1, q.data(), 1, 4, &pages));
+  EXPECT_EQ(pages, (std::vector<int32_t>{0, 3, 5}));
+  // A chunk chooses once with its mean query. Tokens (-3, 1) x q: the mean -q bounds every middle
+  // page alike (0.1 per channel), so the tie goes to page 1; a vote summed over the tokens would
+  // have taken page 3 (token 1 alone puts almost all of its vote there).
+  std::vector<float> chunk(2 * 4 * kD);
+  for (int i = 0; i < 4 * kD; ++i) chunk[i] = -3.0f, chunk[4 * kD + i] = 1.0f;
+  pages.clear();
+  STRATA_ASSERT_OK(choose(0, 1, chunk.data(), 2, 4, &pages));
+  EXPECT_EQ(pages, (std::vector<int32_t>{0, 1, 5}));
+  // Tokens (3, -1) x q: the mean q, the one-token choice.
+  for (int i = 0; i < 4 * kD; ++i) chunk[i] = 3.0f, chunk[4 * kD + i] = -1.0f;
+  pages.clear();
+  STRATA_ASSERT_OK(choose(0, 1, chunk.data(), 2, 4, &pages));
   EXPECT_EQ(pages, (std::vector<int32_t>{0, 3, 5}));
   // KV head 0 has no summaries in this store; layer 1 is outside the options.
   pages.clear();

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
 #include "base/status_macros.h"
+#include "engine/query_mean.h"
 #include "kvstore/backend_page_allocator.h"
 
 namespace strata::worker {
@@ -203,7 +204,8 @@ struct LazyDocumentAttention::State {
   // kept selections replace `selected` for one-token choices.
   std::unique_ptr<engine::DeviceSelectionCache> selection_cache;
   int64_t synced_cache_hits = 0, synced_cache_lookups = 0;  // of selection_cache, in `counters`
-  std::vector<float> q_host;
+  // The device chooser's chunk query (a prompt chunk's mean query), made on first use.
+  std::unique_ptr<engine::DeviceQueryMean> query_mean;
 
   // Whether a choice has middle pages to pick: candidates [1, window_first) and a budget.
   bool HasMiddle() const { return k > 0 && window_first > 1; }
@@ -326,84 +328,54 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
   }
   const int num_tokens = static_cast<int>(q.dim(0));
   const int hq = static_cast<int>(q.dim(1));
-  if (num_tokens != 1 && pages == nullptr) {
-    // A prompt chunk of a device-managed cache (GpuCacheAttentionOptions::chunk_selection): the
-    // host chooser's pages (the vote summed over the chunk, as the host-managed path), handed
-    // over as one device selection for every token of the chunk.
-    const size_t floats = static_cast<size_t>(num_tokens) * hq * d;
-    q_host.resize(floats);
-    STRATA_RETURN_IF_ERROR(backend->CopyToHost(q_host.data(), q.data, floats * sizeof(float), nullptr));
-    const bool middle = HasMiddle();
-    host_selected.assign(static_cast<size_t>(hkv) * std::max<int64_t>(k, 0), -1);
-    std::vector<int32_t> chosen;
-    for (int g = 0; g < hkv; ++g) {
-      chosen.clear();
-      STRATA_RETURN_IF_ERROR(host_chooser(layer, g, q_host.data(), num_tokens, hq, &chosen));
-      Count(chosen);
-      int64_t n = 0;
-      for (int32_t p : chosen) {
-        if (p >= 1 && p < window_first && n < k) host_selected[static_cast<size_t>(g) * k + n++] = p;
-      }
-    }
-    kernels::TensorView chunk_pages;
-    if (middle) {
-      STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
-      STRATA_RETURN_IF_ERROR(InvalidateSelectionCache(layer));
-      STRATA_RETURN_IF_ERROR(backend->CopyToDevice(selected->data(), host_selected.data(),
-                                                   host_selected.size() * sizeof(int32_t), nullptr));
-      chunk_pages = selected->View(kernels::DType::kI32, {hkv, k});
-    }
-    FillSelection(middle, chunk_pages, selection, /*count=*/false);
-    return absl::OkStatus();
-  }
-  if (num_tokens != 1) {
-    // A prompt chunk: the host chooser (its vote sums over the chunk's tokens).
-    const size_t floats = static_cast<size_t>(num_tokens) * hq * d;
-    q_host.resize(floats);
-    STRATA_RETURN_IF_ERROR(backend->CopyToHost(q_host.data(), q.data, floats * sizeof(float), nullptr));
-    for (int g = 0; g < hkv; ++g) {
-      STRATA_RETURN_IF_ERROR(host_chooser(layer, g, q_host.data(), num_tokens, hq, &(*pages)[g]));
-      Count((*pages)[g]);
-    }
-    return InvalidateSelectionCache(layer);
-  }
+  // A prompt chunk chooses once, on the device, with its mean query (engine/query_mean.h; the host
+  // chooser does the same), without the selection cache, whose layer entries it invalidates; with
+  // a device-managed cache its selection serves every token of the chunk
+  // (GpuCacheAttentionOptions::chunk_selection).
+  const bool chunk = num_tokens != 1;
   const int64_t n = window_first - 1;  // middle candidates [1, window_first)
   const int group = hq / hkv;
+  kernels::TensorView chosen;
   if (HasMiddle()) {
     STRATA_ASSIGN_OR_RETURN(kernels::Buffer* layer_summaries, Summaries(layer));
     STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
-    const kernels::TensorView q2(q.data, kernels::DType::kF32, {hq, d});
+    kernels::TensorView q2(q.data, kernels::DType::kF32, {hq, d});
     const int32_t* skip = nullptr;
-    if (selection_cache != nullptr) {
-      STRATA_ASSIGN_OR_RETURN(skip, selection_cache->Check(layer, q2, nullptr));
+    if (chunk) {
+      if (query_mean == nullptr) query_mean = std::make_unique<engine::DeviceQueryMean>(backend, hq, d);
+      STRATA_ASSIGN_OR_RETURN(q2, query_mean->Mean(q, nullptr));
+      STRATA_RETURN_IF_ERROR(InvalidateSelectionCache(layer));
+      chosen = selected->View(kernels::DType::kI32, {hkv, k});
+    } else {
+      if (selection_cache != nullptr) {
+        STRATA_ASSIGN_OR_RETURN(skip, selection_cache->Check(layer, q2, nullptr));
+      }
+      chosen = Chosen(layer);
     }
-    const kernels::TensorView chosen = Chosen(layer);
     STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
         backend, q2, layer_summaries->View(o.summary_dtype, {hkv, num_pages, 2 * d}), window_first, k,
         scores->View(kernels::DType::kF32, {hkv, group, n}), chosen, skip));
-    if (pages == nullptr) {
-      // Device-managed cache: the selection stays on the device (nothing read on the host).
-      FillSelection(true, chosen, selection, /*count=*/true);
-      ++device_choices;
-      return absl::OkStatus();
-    }
+  } else if (chunk) {
+    STRATA_RETURN_IF_ERROR(InvalidateSelectionCache(layer));
+  }
+  if (!chunk) ++device_choices;
+  if (pages == nullptr) {
+    // Device-managed cache: the selection stays on the device (nothing read on the host).
+    FillSelection(HasMiddle(), chosen, selection, /*count=*/true);
+    return absl::OkStatus();
+  }
+  if (HasMiddle()) {
     host_selected.resize(static_cast<size_t>(hkv) * k);
     STRATA_RETURN_IF_ERROR(
         backend->CopyToHost(host_selected.data(), chosen.data, host_selected.size() * sizeof(int32_t), nullptr));
   } else {
     host_selected.assign(static_cast<size_t>(hkv) * std::max<int64_t>(k, 0), -1);
-    if (pages == nullptr) {
-      FillSelection(false, kernels::TensorView(), selection, /*count=*/true);
-      ++device_choices;
-      return absl::OkStatus();
-    }
   }
   for (int g = 0; g < hkv; ++g) {
     std::vector<int32_t>& out = (*pages)[g];
     engine::AppendChosenPages(host_selected.data() + static_cast<size_t>(g) * k, k, window_first, num_pages, &out);
     Count(out);
   }
-  ++device_choices;
   return absl::OkStatus();
 }
 
@@ -466,7 +438,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     } else if (!(*sh.key == key)) {
       return absl::InvalidArgumentError("LazyDocumentAttention: the share belongs to another document or shape");
     }
-    // The host chooser (prompt chunks; every step of the host path) reads the share's summaries.
+    // The host chooser (every call of the host path) reads the share's summaries.
     engine::MinMaxChooserOptions co;
     co.num_layers = o.num_layers;
     co.num_kv_heads = o.num_kv_heads;
@@ -531,7 +503,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     return absl::OkStatus();
   };
   ao.device_path = device;
-  ao.chunk_selection = st->managed;  // prompt chunks: the host chooser's vote, as the host-managed path
+  ao.chunk_selection = st->managed;  // a prompt chunk: one device choice for all its tokens
   if (device) {
     ao.device_chooser = [s](int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
                             engine::DeviceTokenSelection* selection) {

@@ -12,11 +12,12 @@
 // Selection: per layer and KV head, page 0, the last ceil(window / P) pages and the budget_pages
 // other pages of highest head soft vote over the persisted minmax summaries (the rule of
 // engine::MakeMinMaxChooser). On the CPU backend (the host path, GpuCacheAttention::Attend) the
-// host MakeMinMaxChooser picks them. With the device path (default on any other backend) a
-// one-token call picks them with Backend::ScoreSummaries + VoteTopK over the layer's summaries
-// held in backend memory (read from the store and uploaded on first use of the layer; one copy
-// of the selection to the host), and a call of several tokens (a prompt chunk) copies q to the
-// host and uses the host chooser. Attention: GpuCacheAttention (PagedAttention over the cache's
+// host MakeMinMaxChooser picks them. With the device path (default on any other backend) every
+// call picks them with Backend::ScoreSummaries + VoteTopK over the layer's summaries held in
+// backend memory (read from the store and uploaded on first use of the layer; one copy of the
+// selection to the host); a call of several tokens (a prompt chunk) chooses once with the
+// chunk's mean query, computed on the device (engine::DeviceQueryMean), as the host chooser does
+// on the host. Attention: GpuCacheAttention (PagedAttention over the cache's
 // bf16 slots, merged with the local attention by the transformer).
 //
 // Sharing (LazyAttentionOptions::share, WorkerOptions::lazy_shared_documents): the jobs on one
@@ -44,9 +45,8 @@
 // Create, and each query token's selection (EnqueueMinMaxPageTopK), page-cache step
 // (GpuPageCache::EnqueueResolve, fills copied by the device from the pinned pages) and
 // SelectedAttention over the cache's table are queued on the device with nothing read on the
-// host (CapturableOnDevice). A prompt chunk is chosen for as on the host-managed path (q copied to
-// the host, the chooser's vote summed over the chunk) and handed over as one device selection for
-// all its tokens (GpuCacheAttentionOptions::chunk_selection). Otherwise (some page only on disk
+// host (CapturableOnDevice). A prompt chunk is chosen for once on the device (its mean query) and
+// that selection serves all its tokens (GpuCacheAttentionOptions::chunk_selection). Otherwise (some page only on disk
 // or remote, a CPU-memory host tier, the host path) the host-managed cache above. In resident
 // mode pages().host counts the cache's fills (after SyncStats).
 //

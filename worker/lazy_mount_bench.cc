@@ -5,8 +5,12 @@
 //   lazy_mount_bench [--preset tiny] [--doc 32768] [--shard 4096] [--budget 2048] [--reps 3]
 //                    [--threads 1] [--tokens 1] [--modes full,lazy,lazy-dev,resident]
 //                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--cache-pages N]
+//                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16]
 //
 // --cache-pages sets WorkerOptions::lazy_cache_pages (default 0: the worker's automatic size).
+// --kv-page-dtype sets WorkerOptions::kv_page_dtype of every worker (the persisted pages' format);
+// --host-gib the resident mode's host tier capacity (it must hold the whole document);
+// --prompt the question's length in tokens.
 //
 // --backend cuda runs every worker on the CUDA backend (the plugin from $STRATA_CUDA_PLUGIN or
 // next to the binary; then the resident mode's host tier is pinned memory); --decode-graph sets
@@ -23,7 +27,7 @@
 //             the first question): the device-managed page cache, and the document's device state
 //             kept between questions (WorkerOptions::lazy_shared_documents = 1).
 // Nothing else is held between questions (the OS file cache is warm after the first read). The
-// job: quest with --budget tokens, a 16-token prompt, --tokens generated tokens. Prints per mode
+// job: quest with --budget tokens, a --prompt-token prompt, --tokens generated tokens. Prints per mode
 // and repetition: TTFT (RunJob start to the first token event), the decode rate after the first
 // token (--tokens > 1), pages fetched, and whether the first token equals the full mount's.
 #include <cstdio>
@@ -53,7 +57,9 @@ int Run(int argc, char** argv) {
   int64_t doc_tokens = 32768, shard = 4096;
   int budget = 2048, reps = 3, threads = 1, tokens = 1;
   std::string modes = "full,lazy,lazy-dev,resident";
-  std::string backend_name = "cpu", decode_graph = "auto";
+  std::string backend_name = "cpu", decode_graph = "auto", page_dtype = "bf16";
+  double host_gib = 16;
+  int prompt_tokens = 16;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const char* v = argv[i + 1];
@@ -68,13 +74,17 @@ int Run(int argc, char** argv) {
     else if (flag == "--backend") backend_name = v;
     else if (flag == "--decode-graph") decode_graph = v;
     else if (flag == "--cache-pages") cache_pages = std::atoll(v);
+    else if (flag == "--kv-page-dtype") page_dtype = v;
+    else if (flag == "--host-gib") host_gib = std::atof(v);
+    else if (flag == "--prompt") prompt_tokens = std::atoi(v);
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
     }
   }
   const int P = 64;
-  if (doc_tokens < P || shard < P || shard % P != 0 || reps < 1 || tokens < 1) {
+  if (doc_tokens < P || shard < P || shard % P != 0 || reps < 1 || tokens < 1 || prompt_tokens < 1 ||
+      !(host_gib > 0) || (page_dtype != "bf16" && page_dtype != "fp8")) {
     std::fprintf(stderr, "bad sizes\n");
     return 2;
   }
@@ -118,6 +128,7 @@ int Run(int argc, char** argv) {
     if (mode == "lazy-dev" || mode == "resident") wo.device_selection = "on";
     wo.decode_graph = decode_graph;
     wo.lazy_cache_pages = cache_pages;
+    wo.kv_page_dtype = page_dtype;
     return Worker::Create(wo, model->get(), backend.get(), pages, store->get(), nullptr);
   };
   {
@@ -149,9 +160,10 @@ int Run(int argc, char** argv) {
   kvstore::PageShape shape;
   shape.page_size = P;
   shape.head_dim = static_cast<int>(c.head_dim);
+  shape.dtype = page_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
   kvstore::BackendPageAllocator alloc(backend.get(), shape.EncodedBytes(), size_t{64} << 20);
   kvstore::HostCacheOptions ho;
-  ho.capacity_bytes = int64_t{16} << 30;
+  ho.capacity_bytes = static_cast<int64_t>(host_gib * (int64_t{1} << 30));
   ho.allocator = &alloc;
   auto host = kvstore::HostCache::Create(ho);
   if (!host.ok()) return 1;
@@ -169,7 +181,9 @@ int Run(int argc, char** argv) {
       }
     }
     std::vector<kvstore::PageRef> got;
+    const int64_t t0 = MonotonicNanos();
     if (!(*tiered)->GetPages(keys, &got).ok()) return 1;
+    std::printf("host tier: %zu pages read in %.1f s\n", keys.size(), (MonotonicNanos() - t0) * 1e-9);
   }
   auto resident = make("resident", tiered->get());
   if (!resident.ok()) return 1;
@@ -187,7 +201,7 @@ int Run(int argc, char** argv) {
       r.mutable_shard_map()->set_page_size(P);
       r.mutable_shard_map()->set_num_tokens(static_cast<uint64_t>(doc_tokens));
       r.mutable_shard_map()->add_shards()->mutable_range()->set_document_id(kDocId);
-      for (int i = 0; i < 16; ++i) r.add_prompt_token_ids((i * 13 + 5) % vocab);
+      for (int i = 0; i < prompt_tokens; ++i) r.add_prompt_token_ids((i * 13 + 5) % vocab);
       r.mutable_params()->set_max_tokens(static_cast<uint32_t>(tokens));
       r.mutable_params()->set_ignore_eos(true);
       r.mutable_policy()->set_name("quest");

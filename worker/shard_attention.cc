@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
+#include "engine/query_mean.h"
 #include "engine/sparse/policy.h"
 #include "grpcpp/grpcpp.h"
 #include "strata/v1/internal.grpc.pb.h"
@@ -156,12 +157,7 @@ absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int6
     }
   } else {
     // The mean query of the call, placed on the shard's last token (see the header).
-    const size_t row = static_cast<size_t>(hq) * d;
-    qmean_.assign(row, 0.0f);
-    for (int t = 0; t < n; ++t) {
-      for (size_t i = 0; i < row; ++i) qmean_[i] += q[static_cast<size_t>(t) * row + i];
-    }
-    for (float& x : qmean_) x /= static_cast<float>(n);
+    engine::MeanQuery(q, n, static_cast<int64_t>(hq) * d, &qmean_);
     const engine::SelectionCounters before = policy_->counters();
     STRATA_RETURN_IF_ERROR(policy_->Select(layer, qmean_.data(), 1, hq, len - 1, cache, &selection_));
     if (counters != nullptr) {

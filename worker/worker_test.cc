@@ -581,8 +581,9 @@ TEST_F(LazyAttentionTest, DefaultCacheHoldsFourDecodeStepsOfPages) {
 
 TEST_F(LazyAttentionTest, DevicePathOnTheCpuBackendMatchesTheHostPath) {
   // device_path = 1 on the CPU backend: one-token calls choose with ScoreSummaries + VoteTopK over
-  // summaries in backend memory and attend through AttendOnDevice; a prompt chunk uses the host
-  // chooser. Same pages and outputs as the host path.
+  // summaries in backend memory and attend through AttendOnDevice; a prompt chunk chooses once
+  // with its mean query on the backend (the host chooser's rule). Same pages and outputs as the
+  // host path.
   STRATA_ASSERT_OK_AND_ASSIGN(auto host, LazyDocumentAttention::Create(Options(8192, 0), backend_.get()));
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev, LazyDocumentAttention::Create(Options(8192, 1), backend_.get()));
   ASSERT_TRUE(dev->AttendsOnDevice());
@@ -702,8 +703,8 @@ TEST_F(LazyAttentionTest, PageMissingFromTheStoreIsDataLossAndBadCallsAreRefused
 TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
   // The whole document in a backend-memory host tier: the cache is device-managed (selection,
   // page-cache step and attention queued on the backend), and every call gives the outputs of the
-  // host-managed device path over the store (a prompt chunk too: both take the host chooser's
-  // vote over the chunk).
+  // host-managed device path over the store (a prompt chunk too: both choose on the backend with
+  // the chunk's mean query).
   const int d = static_cast<int>(model_->config.head_dim);
   HostTierFixture tier = MakeHostTier(store_.get(), backend_.get(), d, kv_metrics_.get(), DocumentPages());
   ASSERT_EQ(tier.host->num_entries(), 40);
@@ -741,7 +742,7 @@ TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
   }
   EXPECT_EQ(res->counters().selected_tokens, ref->counters().selected_tokens);
   EXPECT_EQ(res->counters().candidate_tokens, ref->counters().candidate_tokens);
-  EXPECT_EQ(res->device_choices(), 4 * 2);  // one-token calls (the chunk: the host chooser, as ref's)
+  EXPECT_EQ(res->device_choices(), 4 * 2);  // one-token calls (the chunk is not counted there)
   EXPECT_EQ(ref->device_choices(), 4 * 2);
   // Before SyncStats the device's counters have not been read.
   EXPECT_EQ(res->pages().host, 0);
@@ -754,8 +755,8 @@ TEST_F(LazyAttentionTest, ResidentModeMatchesTheHostManagedDevicePath) {
   EXPECT_EQ(res->cache_misses(), res->pages().host);
   EXPECT_GT(res->cache_hits(), 0);
   STRATA_ASSERT_OK(ref->SyncStats());  // a no-op for a host-managed cache
-  // The calls looked up nothing in the host tier: fills read the held pages, and the prompt
-  // chunk's host chooser read the summaries the setup had read (the share's MinMaxSummaryCache).
+  // The calls looked up nothing in the host tier: fills read the held pages, and the choices read
+  // the summaries the setup had uploaded.
   EXPECT_EQ(TierMetric(registry_, "strata_kv_lookups_total", "host") - host_lookups_created, 0.0);
 }
 
@@ -832,7 +833,7 @@ TEST_F(LazyAttentionTest, JobsSharingADocumentShareItsSummariesAndItsResidentCac
   STRATA_ASSERT_OK(b->SyncStats());
   EXPECT_EQ(b->pages().host, 2 * 4);  // layer 0's pages were resident; layer 1's were filled
   EXPECT_EQ(a->pages().host, 2 * 4);  // unchanged until a syncs again
-  // A prompt chunk of b: its host chooser reads the share's summaries, nothing from the store.
+  // A prompt chunk of b: its choice reads the share's summaries, nothing from the store.
   std::vector<float> qc = Queries(3, 78), oc(static_cast<size_t>(3) * hq() * d), lc(static_cast<size_t>(3) * hq());
   STRATA_ASSERT_OK(b->AttendOnDevice(1, view(qc.data(), {3, hq(), d}), 700, view(oc.data(), {3, hq(), d}),
                                      view(lc.data(), {3, hq()})));
@@ -941,7 +942,7 @@ TEST_F(LazyMountTest, DocumentWholeInABackendHostTierRunsTheDeviceManagedCache) 
   EXPECT_EQ(small.output_token_ids_size(), 4);
 
   // The host-managed device path over the bare store chooses the same pages (the prompt chunk by
-  // the host chooser's vote in both) and gives the same tokens.
+  // its mean query in both) and gives the same tokens.
   WorkerOptions ho = wo;
   ho.worker_id = "lazy-host-managed";
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> hm, Worker::Create(ho, model_.get(), backend_.get(),

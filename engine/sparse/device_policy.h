@@ -49,6 +49,7 @@
 #include "absl/status/statusor.h"
 #include "engine/attention_policy.h"
 #include "engine/kv_cache.h"
+#include "engine/query_mean.h"
 #include "engine/selection_cache.h"
 #include "engine/sparse/policy.h"
 #include "kernels/backend.h"
@@ -125,11 +126,6 @@ class DevicePolicy {
                                                       int64_t window_begin,
                                                       const int32_t* skip,
                                                       kernels::Stream stream);
-  // The mean over rows of q [m, num_q_heads, head_dim] (backend memory) as [num_q_heads,
-  // head_dim] in backend memory (q itself for m == 1), through MergeAttention.
-  absl::StatusOr<kernels::TensorView> MeanQuery(const kernels::TensorView& q,
-                                                kernels::Stream stream);
-
   PolicyOptions options_;
   KvCacheOptions cache_options_;
   int hq_, hkv_, group_, d_, page_, seg_pages_;
@@ -150,17 +146,9 @@ class DevicePolicy {
   std::unique_ptr<DeviceSelectionCache> sel_cache_;
   // Element type of the page and segment summaries: bf16 for a bf16 cache (exact), else f32.
   kernels::DType summary_dtype_ = kernels::DType::kF32;
-  // AttendChunk state: the mean-query merge plan for mean_rows_ rows (per level: rows in, rows
-  // out, part starts; the parts' lse in mean_lse_, uploaded per plan), ping-pong outputs, the
-  // selection read back, the spans and query positions for PagedAttention.
-  struct MergeLevel {
-    int64_t rows_in = 0, rows_out = 0;
-    std::vector<int64_t> starts;
-    int64_t lse_offset = 0;  // floats into mean_lse_
-  };
-  int64_t mean_rows_ = 0;
-  std::vector<MergeLevel> mean_plan_;
-  std::unique_ptr<kernels::Buffer> mean_lse_, mean_out_[2], mean_out_lse_[2];
+  // AttendChunk state: the chunk's mean query (engine/query_mean.h), the selection read back,
+  // the spans and query positions for PagedAttention.
+  DeviceQueryMean mean_query_;
   std::vector<int32_t> selected_host_;
   Selection chunk_selection_;
   std::vector<int32_t> chunk_positions_;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "engine/query_mean.h"
 #include "engine/sparse/internal/common.h"
 #include "engine/sparse/internal/hip.h"
 #include "engine/sparse/internal/subgen.h"
@@ -165,11 +166,8 @@ class PolicyImpl : public SparsePolicy {
                                                      ") not in the cache of length ", len));
     }
     // Mean query of the chunk, [hq, d].
-    std::vector<float> qm(static_cast<size_t>(hq_) * d_, 0.0f);
-    for (int t = 0; t < num_tokens; ++t) {
-      for (size_t i = 0; i < qm.size(); ++i) qm[i] += q[static_cast<size_t>(t) * qm.size() + i];
-    }
-    for (float& x : qm) x /= static_cast<float>(num_tokens);
+    std::vector<float> qm;
+    MeanQuery(q, num_tokens, static_cast<int64_t>(hq_) * d_, &qm);
 
     const bool dense = dense_layer_[layer] || options_.kind == PolicyKind::kDense;
     const int64_t sink_end = std::min<int64_t>(options_.sink_tokens, len);
