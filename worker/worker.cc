@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -82,6 +83,38 @@ void AddCounters(WorkerMetrics* m, const engine::SelectionCounters& now, const e
 }
 
 // Policies DevicePolicy runs: quest and tokenselect with minmax summaries.
+// One persisted page of a prefill shard: k and v ([valid, d] bf16, host) encoded in `shape`
+// into pw->data, and the page's minmax summary (f32 min[d] then max[d]) into sw->data. The summary
+// bounds the keys as stored: an fp8 page's decoded keys, which are what every later job attends.
+absl::Status EncodePersistedPage(const kvstore::PageShape& shape, const uint16_t* k, const uint16_t* v, int valid,
+                                 int d, kvstore::PageWrite* pw, kvstore::SummaryWrite* sw) {
+  const kernels::TensorView kv(const_cast<uint16_t*>(k), kernels::DType::kBF16, {valid, d});
+  const kernels::TensorView vv(const_cast<uint16_t*>(v), kernels::DType::kBF16, {valid, d});
+  STRATA_ASSIGN_OR_RETURN(std::string encoded, kvstore::EncodePage(shape, kv, vv));
+  std::vector<float> stored;  // fp8: the stored K and V as DecodePage gives them, [P, d] each
+  if (shape.dtype != kernels::DType::kBF16) {
+    stored.resize(2 * static_cast<size_t>(shape.page_size) * d);
+    STRATA_RETURN_IF_ERROR(kvstore::DecodePage(encoded, stored.data(), stored.data() + stored.size() / 2));
+  }
+  STRATA_ASSIGN_OR_RETURN(pw->data, kvstore::PageBuffer::Copy(encoded));
+  std::vector<float> summary(2 * static_cast<size_t>(d));
+  for (int j = 0; j < d; ++j) {
+    summary[j] = std::numeric_limits<float>::infinity();
+    summary[d + j] = -std::numeric_limits<float>::infinity();
+  }
+  for (int t = 0; t < valid; ++t) {
+    for (int j = 0; j < d; ++j) {
+      const size_t at = static_cast<size_t>(t) * d + j;
+      const float x = stored.empty() ? kernels::BF16ToF32(k[at]) : stored[at];
+      summary[j] = std::min(summary[j], x);
+      summary[d + j] = std::max(summary[d + j], x);
+    }
+  }
+  STRATA_ASSIGN_OR_RETURN(sw->data, kvstore::PageBuffer::Copy(absl::string_view(
+                                        reinterpret_cast<const char*>(summary.data()), summary.size() * sizeof(float))));
+  return absl::OkStatus();
+}
+
 bool DeviceKind(const engine::sparse::PolicyOptions& o) {
   return (o.kind == engine::sparse::PolicyKind::kQuest || o.kind == engine::sparse::PolicyKind::kTokenSelect) &&
          o.EffectiveSummary() == engine::sparse::SummaryKind::kMinMax;
@@ -612,37 +645,53 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   // Host copies of one layer's newly complete pages, [H][pages][P][d] bf16 for K and for V: one
   // copy per (layer, KV head) and one wait per layer (a head's pages are consecutive cache slots).
   std::vector<uint16_t> kbuf, vbuf;
-  std::vector<float> summary(2 * static_cast<size_t>(d));
-  std::vector<float> kstored, vstored;  // fp8 pages: the stored K and V (DecodePage), [P, d]
-  if (layout.page.dtype != kernels::DType::kBF16) {
-    kstored.resize(static_cast<size_t>(P) * d);
-    vstored.resize(kstored.size());
-  }
+  // Where the shard's time goes (logged at the end): the forward, the copies of new pages to the
+  // host, their encoding and summaries (in parallel over pages), and the waits for the store.
+  double forward_s = 0, copy_s = 0, encode_s = 0, store_wait_s = 0;
+  // The store's Put of one chunk's pages runs while the next chunk is computed and encoded; at
+  // most one is in flight (so at most two chunks' pages are held), and its result is taken before
+  // the next Put and before the document is finalized (an early return waits for it too: the
+  // destructor of a std::async future does).
+  std::future<absl::Status> put_in_flight;
+  auto wait_put = [&]() -> absl::Status {
+    if (!put_in_flight.valid()) return absl::OkStatus();
+    const Stopwatch wait;
+    absl::Status s = put_in_flight.get();
+    store_wait_s += wait.ElapsedSeconds();
+    return s;
+  };
   int64_t persisted = static_cast<int64_t>(first_page);  // next document page to persist
+  int64_t durable = persisted, in_flight_end = persisted;  // pages [first_page, durable) are in the store
   int64_t done_tokens = 0;
   while (done_tokens < n) {
     if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("prefill cancelled");
     const int64_t chunk = std::min<int64_t>(options_.prefill_chunk_size, n - done_tokens);
     const engine::SelectionCounters before = counters();
     {
+      const Stopwatch fw;
       absl::MutexLock lock(&engine_mu_);
       STRATA_RETURN_IF_ERROR(transformer_->Forward(ids.data() + done_tokens, chunk, s0 + done_tokens, cache.get(),
                                                    policy.get(), logits.data(), /*all_logits=*/false, fo));
+      forward_s += fw.ElapsedSeconds();
     }
     AddCounters(metrics_, counters(), before);
     done_tokens += chunk;
     if (metrics_ != nullptr) metrics_->prefill_tokens->Increment(static_cast<double>(chunk));
     // Persist the shard's pages that are now complete (all of them at the end).
     const int64_t complete = done_tokens == n ? end_page : (s0 + done_tokens) / P;
-    std::vector<kvstore::PageWrite> pages;
-    std::vector<kvstore::SummaryWrite> summaries;
     const int64_t count = complete - persisted;
     const size_t page_elems = static_cast<size_t>(P) * d, page_bytes = page_elems * sizeof(uint16_t);
+    // Item (l, p, g) at ((l * count) + p - persisted) * H + g: the order of the batch.
+    const int64_t items_per_layer = count * H;
+    std::vector<kvstore::PageWrite> pages(static_cast<size_t>(std::max<int64_t>(0, L * items_per_layer)));
+    std::vector<kvstore::SummaryWrite> summaries(pages.size());
     if (count > 0) {
       kbuf.resize(static_cast<size_t>(H) * count * page_elems);
       vbuf.resize(kbuf.size());
     }
+    std::vector<absl::Status> item_status(static_cast<size_t>(std::max<int64_t>(0, items_per_layer)));
     for (int l = 0; l < L && count > 0; ++l) {
+      const Stopwatch cp;
       const kernels::TensorView kp = cache->k_pool(l), vp = cache->v_pool(l);
       for (int g = 0; g < H; ++g) {
         const int32_t slot = cache->SlotOf(l, g, persisted - cache_first / P);
@@ -653,54 +702,41 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
         STRATA_RETURN_IF_ERROR(backend_->CopyToHost(vdst, static_cast<const char*>(vp.data) + off, n_bytes, nullptr));
       }
       STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
-      for (int64_t p = persisted; p < complete; ++p) {
+      copy_s += cp.ElapsedSeconds();
+      const Stopwatch enc;
+#pragma omp parallel for schedule(dynamic, 4)
+      for (int64_t i = 0; i < items_per_layer; ++i) {
+        const int64_t p = persisted + i / H;
+        const int g = static_cast<int>(i % H);
         const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
-        for (int g = 0; g < H; ++g) {
-          const size_t at = (static_cast<size_t>(g) * count + static_cast<size_t>(p - persisted)) * page_elems;
-          uint16_t* kpage = kbuf.data() + at;
-          kernels::TensorView kv(kpage, kernels::DType::kBF16, {valid, d});
-          kernels::TensorView vv(vbuf.data() + at, kernels::DType::kBF16, {valid, d});
-          STRATA_ASSIGN_OR_RETURN(std::string encoded, kvstore::EncodePage(layout.page, kv, vv));
-          // An fp8 page's summary bounds the keys it stores (fp8 * scale), not the bf16 keys
-          // it was encoded from: those are what every later job attends.
-          const float* stored = nullptr;
-          if (layout.page.dtype != kernels::DType::kBF16) {
-            STRATA_RETURN_IF_ERROR(kvstore::DecodePage(encoded, kstored.data(), vstored.data()));
-            stored = kstored.data();
-          }
-          kvstore::PageWrite pw;
-          pw.key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
-          STRATA_ASSIGN_OR_RETURN(pw.data, kvstore::PageBuffer::Copy(encoded));
-          pages.push_back(std::move(pw));
-          // minmax summary: f32 min[d] then max[d] over the page's valid keys.
-          for (int j = 0; j < d; ++j) {
-            summary[j] = std::numeric_limits<float>::infinity();
-            summary[d + j] = -std::numeric_limits<float>::infinity();
-          }
-          for (int t = 0; t < valid; ++t) {
-            for (int j = 0; j < d; ++j) {
-              const size_t at = static_cast<size_t>(t) * d + j;
-              const float x = stored != nullptr ? stored[at] : kernels::BF16ToF32(kpage[at]);
-              summary[j] = std::min(summary[j], x);
-              summary[d + j] = std::max(summary[d + j], x);
-            }
-          }
-          kvstore::SummaryWrite sw;
-          sw.key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
-                    static_cast<uint32_t>(p)};
-          STRATA_ASSIGN_OR_RETURN(
-              sw.data, kvstore::PageBuffer::Copy(absl::string_view(reinterpret_cast<const char*>(summary.data()),
-                                                                   summary.size() * sizeof(float))));
-          summaries.push_back(std::move(sw));
-        }
+        const size_t at = (static_cast<size_t>(g) * count + static_cast<size_t>(p - persisted)) * page_elems;
+        const size_t out = static_cast<size_t>(l * items_per_layer + i);
+        pages[out].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
+        summaries[out].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
+                              static_cast<uint32_t>(p)};
+        item_status[static_cast<size_t>(i)] =
+            EncodePersistedPage(layout.page, kbuf.data() + at, vbuf.data() + at, valid, d, &pages[out], &summaries[out]);
       }
+      encode_s += enc.ElapsedSeconds();
+      for (const absl::Status& st : item_status) STRATA_RETURN_IF_ERROR(st);
     }
-    if (!pages.empty()) STRATA_RETURN_IF_ERROR(store_->Put(pages, summaries));
+    STRATA_RETURN_IF_ERROR(wait_put());
+    durable = in_flight_end;
+    if (!pages.empty()) {
+      kvstore::PageStore* store = store_;
+      put_in_flight = std::async(std::launch::async, [store, pw = std::move(pages), sw = std::move(summaries)]() {
+        return store->Put(pw, sw);
+      });
+    }
     persisted = std::max(persisted, complete);
+    in_flight_end = persisted;
     progress.set_tokens_prefilled(static_cast<uint64_t>(done_tokens));
-    progress.set_pages_persisted(static_cast<uint64_t>(persisted - static_cast<int64_t>(first_page)));
+    // Pages whose Put has returned (the chunk in flight is counted when it has).
+    progress.set_pages_persisted(static_cast<uint64_t>(durable - static_cast<int64_t>(first_page)));
     if (on_progress && done_tokens < n) on_progress(progress);
   }
+  STRATA_RETURN_IF_ERROR(wait_put());
+  progress.set_pages_persisted(static_cast<uint64_t>(persisted - static_cast<int64_t>(first_page)));
   // READY once every shard is durable: the last shard to get here finalizes the document.
   absl::StatusOr<v1::Document> ready = catalog_->FinalizeDocument(id);
   if (ready.ok()) {
@@ -719,7 +755,8 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                    << ") prefilled (" << (exact ? "exact" : "anchor") << ", attention "
                    << (device != nullptr ? absl::StrCat(options_.prefill_policy, " on the device") : policy->Name())
                    << "): tokens=" << n
-                   << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds();
+                   << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds() << " (forward " << forward_s
+                   << ", copy " << copy_s << ", encode " << encode_s << ", store wait " << store_wait_s << ")";
   return absl::OkStatus();
 }
 
@@ -1214,6 +1251,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   };
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::KvCache> cache, engine::KvCache::Create(cache_options, backend_));
 
+  const int64_t setup_end = MonotonicNanos();
   // Mount: load every page of the document from the store into the cache, layer by layer.
   if (has_doc && !sharded && lazy == nullptr) {
     kvstore::TierCounts served;
@@ -1226,6 +1264,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   }
 
   // Prompt.
+  const int64_t prompt_start = MonotonicNanos();
   const engine::SelectionCounters start = counters();
   std::vector<float> logits(static_cast<size_t>(c.vocab_size));
   {
@@ -1249,6 +1288,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     if (metrics_ != nullptr) metrics_->prefill_tokens->Increment(static_cast<double>(chunk));
   }
   AddCounters(metrics_, counters(), start);
+  const int64_t prompt_end = MonotonicNanos();
 
   // Decode.
   engine::SamplingOptions so;
@@ -1276,13 +1316,21 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     STRATA_ASSIGN_OR_RETURN(int32_t next, sampler.Sample(logits.data(), c.vocab_size));
     info.add_output_token_ids(next);
     pending_ids.push_back(next);
-    if (metrics_ != nullptr) {
-      metrics_->decode_tokens->Increment();
+    {
       const int64_t now = MonotonicNanos();
       if (last_token == 0) {
-        metrics_->time_to_first_token->Observe((now - job_start) * 1e-9);
-      } else {
-        metrics_->inter_token_latency->Observe((now - last_token) * 1e-9);
+        STRATA_LOG(INFO) << "worker: job " << request.job_id() << ": first token after " << (now - job_start) * 1e-9
+                         << " s (setup " << (setup_end - job_start) * 1e-9 << ", mount "
+                         << (prompt_start - setup_end) * 1e-9 << ", prompt of " << prompt.size() << " tokens "
+                         << (prompt_end - prompt_start) * 1e-9 << ")";
+      }
+      if (metrics_ != nullptr) {
+        metrics_->decode_tokens->Increment();
+        if (last_token == 0) {
+          metrics_->time_to_first_token->Observe((now - job_start) * 1e-9);
+        } else {
+          metrics_->inter_token_latency->Observe((now - last_token) * 1e-9);
+        }
       }
       last_token = now;
     }
