@@ -454,6 +454,8 @@ absl::StatusOr<v1::Document> LocalStore::FinalizeDocument(const DocumentId& id) 
   return doc;
 }
 
+absl::StatusOr<v1::Document> LocalStore::GetDocumentInfo(const DocumentId& id) { return GetDocumentMetadata(id); }
+
 absl::StatusOr<v1::Document> LocalStore::GetDocument(const DocumentId& id) {
   absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
   if (!doc.ok()) return doc.status();

@@ -76,6 +76,7 @@ class LocalStore final : public PageStore, public DocumentCatalog {
                                               bool* created) override;
   absl::StatusOr<v1::Document> FinalizeDocument(const DocumentId& id) override;
   absl::StatusOr<v1::Document> GetDocument(const DocumentId& id) override;
+  absl::StatusOr<v1::Document> GetDocumentInfo(const DocumentId& id) override;
   absl::StatusOr<std::vector<v1::Document>> ListDocuments(
       const v1::ListDocumentsRequest& request) override;
   absl::StatusOr<v1::Document> PinDocument(const DocumentId& id, bool pinned,

@@ -96,6 +96,16 @@ TEST_F(LocalStoreTest, WriteFinalizeReadBackBitExactAcrossReopen) {
   EXPECT_EQ(scanned_keys.size(), 12u);
   STRATA_ASSERT_OK_AND_ASSIGN(v1::Document again, store_->GetDocument(id));
   EXPECT_EQ(again.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_GT(again.stored_pages(), 0u);
+  // The metadata alone: the same document without the counts (no index scan).
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document info, store_->GetDocumentInfo(id));
+  EXPECT_EQ(info.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(info.num_tokens(), again.num_tokens());
+  EXPECT_EQ(info.layout().SerializeAsString(), again.layout().SerializeAsString());
+  EXPECT_EQ(info.stored_pages(), 0u);
+  EXPECT_EQ(info.stored_summaries(), 0u);
+  EXPECT_THAT(store_->GetDocumentInfo(*DocumentId::FromHex("00000000000000000000000000000abc")),
+              StatusIs(absl::StatusCode::kNotFound));
 
   // READY documents are immutable.
   EXPECT_THAT(store_->Put(absl::MakeSpan(pages).subspan(0, 1), {}),

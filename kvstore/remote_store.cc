@@ -277,11 +277,16 @@ absl::StatusOr<v1::Document> RemoteStore::FinalizeDocument(const DocumentId& id)
   return response;
 }
 
-absl::StatusOr<v1::Document> RemoteStore::GetDocument(const DocumentId& id) {
+absl::StatusOr<v1::Document> RemoteStore::GetDocument(const DocumentId& id) { return Get(id, false); }
+
+absl::StatusOr<v1::Document> RemoteStore::GetDocumentInfo(const DocumentId& id) { return Get(id, true); }
+
+absl::StatusOr<v1::Document> RemoteStore::Get(const DocumentId& id, bool skip_counts) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::GetDocumentRequest request;
   request.set_document_id(id.ToHex());
+  request.set_skip_counts(skip_counts);
   v1::Document response;
   grpc::Status s = stub_->GetDocument(&ctx, request, &response);
   if (!s.ok()) return FromGrpcStatus(s);

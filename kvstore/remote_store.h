@@ -52,6 +52,7 @@ class RemoteStore final : public PageStore, public DocumentCatalog {
                                               bool* created) override;
   absl::StatusOr<v1::Document> FinalizeDocument(const DocumentId& id) override;
   absl::StatusOr<v1::Document> GetDocument(const DocumentId& id) override;
+  absl::StatusOr<v1::Document> GetDocumentInfo(const DocumentId& id) override;
   absl::StatusOr<std::vector<v1::Document>> ListDocuments(
       const v1::ListDocumentsRequest& request) override;
   absl::StatusOr<v1::Document> PinDocument(const DocumentId& id, bool pinned,
@@ -64,6 +65,7 @@ class RemoteStore final : public PageStore, public DocumentCatalog {
  private:
   explicit RemoteStore(const RemoteStoreOptions& options);
   void SetDeadline(grpc::ClientContext* ctx) const;
+  absl::StatusOr<v1::Document> Get(const DocumentId& id, bool skip_counts);  // the GetDocument RPC
   absl::Status GetPagesOfDocument(const DocumentId& doc, absl::Span<const PageKey> keys,
                                   absl::Span<const size_t> positions, std::vector<PageRef>* out);
 

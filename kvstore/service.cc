@@ -376,7 +376,7 @@ grpc::ServerUnaryReactor* KvStoreService::GetDocument(grpc::CallbackServerContex
   return RunUnary(ctx, shared_.executor.get(), [store, request, response]() -> absl::Status {
     absl::StatusOr<DocumentId> id = ParseId(request->document_id());
     if (!id.ok()) return id.status();
-    absl::StatusOr<v1::Document> doc = store->GetDocument(*id);
+    absl::StatusOr<v1::Document> doc = request->skip_counts() ? store->GetDocumentInfo(*id) : store->GetDocument(*id);
     if (!doc.ok()) return doc.status();
     *response = *std::move(doc);
     return absl::OkStatus();

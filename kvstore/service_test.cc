@@ -220,6 +220,13 @@ TEST_F(ServiceTest, BadInputGetsCanonicalCodesAndStoresNothing) {
   // Complete it; then writes to the READY document fail.
   STRATA_ASSERT_OK(remote_->Put(pages, summaries));
   STRATA_ASSERT_OK(remote_->FinalizeDocument(id).status());
+  // GetDocument counts the stored pages on the server; GetDocumentInfo (skip_counts) does not.
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document counted, remote_->GetDocument(id));
+  EXPECT_EQ(counted.stored_pages(), pages.size());
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document info, remote_->GetDocumentInfo(id));
+  EXPECT_EQ(info.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(info.num_tokens(), counted.num_tokens());
+  EXPECT_EQ(info.stored_pages(), 0u);
   EXPECT_THAT(remote_->Put({pages[0]}, {}), StatusIs(absl::StatusCode::kFailedPrecondition));
 
   // A flipped byte in a stored page is DATA_LOSS, never served.

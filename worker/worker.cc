@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include <omp.h>
+
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
 #include "base/logging.h"
@@ -704,7 +706,10 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
       STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
       copy_s += cp.ElapsedSeconds();
       const Stopwatch enc;
-#pragma omp parallel for schedule(dynamic, 4)
+      // The team size is explicit: the CPU backend sets the calling thread's default to one
+      // thread for its small ops (kernels/cpu/cpu_backend.cc), and this thread may have run one.
+      const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_num_procs(), items_per_layer)));
+#pragma omp parallel for schedule(dynamic, 4) num_threads(team)
       for (int64_t i = 0; i < items_per_layer; ++i) {
         const int64_t p = persisted + i / H;
         const int g = static_cast<int>(i % H);
@@ -808,7 +813,7 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
   const model::ModelConfig& c = model_->config;
   const int P = options_.page_size;
   STRATA_ASSIGN_OR_RETURN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(range.document_id()));
-  STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->GetDocument(id));
+  STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->GetDocumentInfo(id));
   if (absl::Status s = CheckLayout(doc.layout(), LayoutOf(c, P, options_.kv_page_dtype)); !s.ok()) {
     return s;
   }
@@ -1083,7 +1088,8 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   kvstore::DocumentId doc_id;
   if (has_doc) {
     STRATA_ASSIGN_OR_RETURN(doc_id, kvstore::DocumentId::FromHex(request.shard_map().document_id()));
-    STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->GetDocument(doc_id));
+    // Metadata only: the stored counts would scan the document's index, a cost growing with it.
+    STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->GetDocumentInfo(doc_id));
     if (doc.state() != v1::DOCUMENT_STATE_READY) {
       return absl::FailedPreconditionError(absl::StrCat("document ", doc_id.ToHex(), " is not READY in the store"));
     }
