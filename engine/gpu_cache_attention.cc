@@ -417,7 +417,7 @@ MinMaxSummaryCache::MinMaxSummaryCache(kvstore::PageStore* store, kvstore::Docum
       head_dim_(head_dim),
       num_pages_(num_pages),
       bf16_bounds_(bf16_bounds),
-      entries_(static_cast<size_t>(num_layers_) * num_kv_heads_) {}
+      entries_(std::make_unique<Entry[]>(static_cast<size_t>(num_layers_) * num_kv_heads_)) {}
 
 bool MinMaxSummaryCache::Matches(int num_layers, int num_kv_heads, int head_dim,
                                  int64_t num_pages) const {
@@ -425,10 +425,7 @@ bool MinMaxSummaryCache::Matches(int num_layers, int num_kv_heads, int head_dim,
          num_pages == num_pages_;
 }
 
-int64_t MinMaxSummaryCache::bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return bytes_;
-}
+int64_t MinMaxSummaryCache::bytes() const { return bytes_.load(); }
 
 absl::StatusOr<const std::vector<float>*> MinMaxSummaryCache::Get(int layer, int kv_head) {
   const int d = head_dim_;
@@ -438,8 +435,10 @@ absl::StatusOr<const std::vector<float>*> MinMaxSummaryCache::Get(int layer, int
     return absl::InvalidArgumentError(absl::StrCat("MinMaxSummaryCache: layer ", layer,
                                                    ", kv head ", kv_head, " outside the shape"));
   }
-  std::lock_guard<std::mutex> lock(mu_);  // held while reading: one read per (layer, kv head)
-  std::vector<float>& sum = entries_[static_cast<size_t>(layer) * num_kv_heads_ + kv_head];
+  // The entry's lock is held while reading: one read per (layer, kv head); others read at once.
+  Entry& entry = entries_[static_cast<size_t>(layer) * num_kv_heads_ + kv_head];
+  std::lock_guard<std::mutex> lock(entry.mu);
+  std::vector<float>& sum = entry.data;
   if (!sum.empty()) return &sum;
   std::vector<kvstore::SummaryKey> keys(static_cast<size_t>(n));
   for (int64_t p = 0; p < n; ++p) {

@@ -16,6 +16,7 @@
 #ifndef STRATA_ENGINE_GPU_CACHE_ATTENTION_H_
 #define STRATA_ENGINE_GPU_CACHE_ATTENTION_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -49,7 +50,8 @@ using PageChooser = std::function<absl::Status(int layer, int kv_head, const flo
 // The minmax page summaries of one document, per (layer, kv head) [num_pages, 2 head_dim] f32 as the
 // worker persists them, read from `store` on first use of a (layer, kv head) and kept (a failed read
 // is retried on the next Get). Shared by the choosers of the jobs on one document and by the device
-// upload of the same summaries, so each is read from the store once. Thread-safe.
+// upload of the same summaries, so each is read from the store once. Thread-safe: one lock per
+// (layer, kv head), so different ones are read at once.
 class MinMaxSummaryCache {
  public:
   // bf16_bounds: each summary row is rounded outward to bf16 values as it is read
@@ -73,9 +75,12 @@ class MinMaxSummaryCache {
   int num_layers_, num_kv_heads_, head_dim_;
   int64_t num_pages_;
   bool bf16_bounds_;
-  mutable std::mutex mu_;
-  std::vector<std::vector<float>> entries_;  // per (layer, kv head); empty until read
-  int64_t bytes_ = 0;
+  struct Entry {
+    std::mutex mu;            // held while the entry is read from the store
+    std::vector<float> data;  // empty until read
+  };
+  std::unique_ptr<Entry[]> entries_;  // per (layer, kv head)
+  std::atomic<int64_t> bytes_{0};
 };
 
 struct MinMaxChooserOptions {

@@ -9,8 +9,11 @@
 #include <string>
 #include <utility>
 
+#include <omp.h>
+
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
+#include "base/logging.h"
 #include "base/status_macros.h"
 #include "engine/query_mean.h"
 #include "kvstore/backend_page_allocator.h"
@@ -422,6 +425,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
   go.additive_gauges = true;
 
   const Stopwatch setup;
+  double peek_seconds = 0, cache_seconds = 0, summary_seconds = 0;  // resident mode's first job
   st->share = o.share != nullptr ? o.share : std::make_shared<LazyDocumentShare>();
   {
     LazyDocumentShare::Impl& sh = *st->share->impl_;
@@ -456,9 +460,12 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
     if (device && o.device_managed != 0) {
       if (sh.cache == nullptr) {
         kvstore::PageAllocator* in_place = nullptr;
+        const Stopwatch peek;
         std::vector<kvstore::PageRef> all =
             PeekWholeDocument(o.store, backend, o.document, o.num_layers, o.num_kv_heads, st->num_pages, &in_place);
+        peek_seconds = peek.ElapsedSeconds();
         if (static_cast<int64_t>(all.size()) == total) {
+          const Stopwatch made_in;
           sh.held = std::make_unique<HeldPagesStore>(o.document, o.num_kv_heads, st->num_pages, std::move(all));
           kvstore::GpuCacheOptions mo = go;
           mo.source = sh.held.get();
@@ -470,6 +477,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
           if (!made.ok()) return made.status();
           sh.cache = *std::move(made);
           sh.synced_fills = 0;
+          cache_seconds = made_in.ElapsedSeconds();
         }
       }
       if (sh.cache != nullptr && sh.cache->options().num_slots >= per_call) {
@@ -509,15 +517,33 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
                             engine::DeviceTokenSelection* selection) {
       return s->ChooseOnDevice(layer, q, pages, selection);
     };
-    if (st->managed) {
-      // Every layer's summaries up front: a decode step then queues device work only.
-      if (st->HasMiddle()) {
-        for (int l = 0; l < o.num_layers; ++l) STRATA_RETURN_IF_ERROR(st->Summaries(l).status());
+    if (st->managed && st->HasMiddle()) {
+      // Every layer's summaries up front: a decode step then queues device work only. The reads
+      // from the store (most of the time at long documents) run in parallel over (layer, head).
+      const Stopwatch sums;
+      std::shared_ptr<engine::MinMaxSummaryCache> host = st->share->impl_->host_summaries;
+      const int64_t entries = static_cast<int64_t>(o.num_layers) * o.num_kv_heads;
+      std::vector<absl::Status> read(static_cast<size_t>(entries));
+      // An explicit team: the CPU backend may have set this thread's default to one thread.
+      const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_num_procs(), entries)));
+#pragma omp parallel for schedule(dynamic) num_threads(team)
+      for (int64_t i = 0; i < entries; ++i) {
+        read[static_cast<size_t>(i)] =
+            host->Get(static_cast<int>(i / o.num_kv_heads), static_cast<int>(i % o.num_kv_heads)).status();
       }
+      for (const absl::Status& s : read) STRATA_RETURN_IF_ERROR(s);
+      for (int l = 0; l < o.num_layers; ++l) STRATA_RETURN_IF_ERROR(st->Summaries(l).status());
+      summary_seconds = sums.ElapsedSeconds();
     }
   }
   STRATA_ASSIGN_OR_RETURN(st->hook, engine::GpuCacheAttention::Create(ao, st->cache, backend));
   st->setup_seconds = setup.ElapsedSeconds();
+  if (cache_seconds > 0) {
+    STRATA_LOG(INFO) << "lazy mount: device-managed cache for document " << o.document.ToHex() << " made in "
+                     << st->setup_seconds << " s (" << total << " host-tier pages peeked in " << peek_seconds
+                     << " s, cache " << cache_seconds << " s, summaries of " << o.num_layers << " layers "
+                     << summary_seconds << " s)";
+  }
   return std::unique_ptr<LazyDocumentAttention>(new LazyDocumentAttention(std::move(st)));
 }
 
