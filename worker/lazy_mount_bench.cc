@@ -5,12 +5,13 @@
 //   lazy_mount_bench [--preset tiny] [--doc 32768] [--shard 4096] [--budget 2048] [--reps 3]
 //                    [--threads 1] [--tokens 1] [--modes full,lazy,lazy-dev,resident]
 //                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--cache-pages N]
-//                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16]
+//                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16] [--dir /tmp]
 //
 // --cache-pages sets WorkerOptions::lazy_cache_pages (default 0: the worker's automatic size).
 // --kv-page-dtype sets WorkerOptions::kv_page_dtype of every worker (the persisted pages' format);
 // --host-gib the resident mode's host tier capacity (it must hold the whole document);
-// --prompt the question's length in tokens.
+// --prompt the question's length in tokens; --dir where the model and the LocalStore go (a
+// temporary folder made there and removed at the end).
 //
 // --backend cuda runs every worker on the CUDA backend (the plugin from $STRATA_CUDA_PLUGIN or
 // next to the binary; then the resident mode's host tier is pinned memory); --decode-graph sets
@@ -62,6 +63,7 @@ int Run(int argc, char** argv) {
   std::string backend_name = "cpu", decode_graph = "auto", page_dtype = "bf16";
   double host_gib = 16;
   int prompt_tokens = 16;
+  std::string parent = "/tmp";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const char* v = argv[i + 1];
@@ -79,6 +81,7 @@ int Run(int argc, char** argv) {
     else if (flag == "--kv-page-dtype") page_dtype = v;
     else if (flag == "--host-gib") host_gib = std::atof(v);
     else if (flag == "--prompt") prompt_tokens = std::atoi(v);
+    else if (flag == "--dir") parent = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -90,9 +93,19 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "bad sizes\n");
     return 2;
   }
-  char tmpl[] = "/tmp/strata_lazy_bench_XXXXXX";
-  if (mkdtemp(tmpl) == nullptr) return 1;
+  std::string tmpl = parent + "/strata_lazy_bench_XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    std::fprintf(stderr, "cannot make a folder in %s\n", parent.c_str());
+    return 1;
+  }
   const std::string dir = tmpl;
+  struct RemoveAtExit {  // declared first, so it runs after the store and workers are gone
+    std::string dir;
+    ~RemoveAtExit() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } remove_at_exit{dir};
   model::RandomModelOptions mo;
   mo.preset = preset;
   mo.write_tokenizer = false;
@@ -239,8 +252,6 @@ int Run(int argc, char** argv) {
                   mode == "full" ? "" : (first == full_first ? " (= full)" : " (!= full)"), agree);
     }
   }
-  resident->reset();
-  std::filesystem::remove_all(dir);
   return 0;
 }
 
