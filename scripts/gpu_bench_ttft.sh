@@ -21,7 +21,7 @@ for flags in "${list[@]}"; do
   echo "== lazy_mount_bench --backend cuda $flags" | tee -a "$LOGS/ttft.log"
   # shellcheck disable=SC2086
   "$BUNDLE/bin/lazy_mount_bench" --backend cuda $flags 2>&1 \
-    | grep -E "^[^IW]|first token after|prefilled|device-managed page cache" | tee -a "$LOGS/ttft.log"
+    | grep -E "^[^IW]|first token after|prefilled|device-managed page cache|device-managed cache for" | tee -a "$LOGS/ttft.log"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 exit "$rc"

@@ -650,6 +650,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   // Where the shard's time goes (logged at the end): the forward, the copies of new pages to the
   // host, their encoding and summaries (in parallel over pages), and the waits for the store.
   double forward_s = 0, copy_s = 0, encode_s = 0, store_wait_s = 0;
+  int encode_threads = 0;  // the largest team the encoding ran on
   // The store's Put of one chunk's pages runs while the next chunk is computed and encoded; at
   // most one is in flight (so at most two chunks' pages are held), and its result is taken before
   // the next Put and before the document is finalized (an early return waits for it too: the
@@ -721,6 +722,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                               static_cast<uint32_t>(p)};
         item_status[static_cast<size_t>(i)] =
             EncodePersistedPage(layout.page, kbuf.data() + at, vbuf.data() + at, valid, d, &pages[out], &summaries[out]);
+        if (i == 0) encode_threads = std::max(encode_threads, omp_get_num_threads());
       }
       encode_s += enc.ElapsedSeconds();
       for (const absl::Status& st : item_status) STRATA_RETURN_IF_ERROR(st);
@@ -761,7 +763,8 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                    << (device != nullptr ? absl::StrCat(options_.prefill_policy, " on the device") : policy->Name())
                    << "): tokens=" << n
                    << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds() << " (forward " << forward_s
-                   << ", copy " << copy_s << ", encode " << encode_s << ", store wait " << store_wait_s << ")";
+                   << ", copy " << copy_s << ", encode " << encode_s << " on " << encode_threads << " threads of " << omp_get_num_procs()
+                   << " processors, store wait " << store_wait_s << ")";
   return absl::OkStatus();
 }
 
