@@ -93,13 +93,16 @@ absl::Status EncodePersistedPage(const kvstore::PageShape& shape, const uint16_t
   const kernels::TensorView kv(const_cast<uint16_t*>(k), kernels::DType::kBF16, {valid, d});
   const kernels::TensorView vv(const_cast<uint16_t*>(v), kernels::DType::kBF16, {valid, d});
   STRATA_ASSIGN_OR_RETURN(std::string encoded, kvstore::EncodePage(shape, kv, vv));
-  std::vector<float> stored;  // fp8: the stored K and V as DecodePage gives them, [P, d] each
-  if (shape.dtype != kernels::DType::kBF16) {
+  // Scratch kept per thread (the encoding runs on a team, page after page).
+  thread_local std::vector<float> stored;  // fp8: the stored K and V as DecodePage gives them
+  thread_local std::vector<float> summary;
+  const bool decoded = shape.dtype != kernels::DType::kBF16;
+  if (decoded) {
     stored.resize(2 * static_cast<size_t>(shape.page_size) * d);
     STRATA_RETURN_IF_ERROR(kvstore::DecodePage(encoded, stored.data(), stored.data() + stored.size() / 2));
   }
   STRATA_ASSIGN_OR_RETURN(pw->data, kvstore::PageBuffer::Copy(encoded));
-  std::vector<float> summary(2 * static_cast<size_t>(d));
+  summary.resize(2 * static_cast<size_t>(d));
   for (int j = 0; j < d; ++j) {
     summary[j] = std::numeric_limits<float>::infinity();
     summary[d + j] = -std::numeric_limits<float>::infinity();
@@ -107,7 +110,7 @@ absl::Status EncodePersistedPage(const kvstore::PageShape& shape, const uint16_t
   for (int t = 0; t < valid; ++t) {
     for (int j = 0; j < d; ++j) {
       const size_t at = static_cast<size_t>(t) * d + j;
-      const float x = stored.empty() ? kernels::BF16ToF32(k[at]) : stored[at];
+      const float x = decoded ? stored[at] : kernels::BF16ToF32(k[at]);
       summary[j] = std::min(summary[j], x);
       summary[d + j] = std::max(summary[d + j], x);
     }
