@@ -94,12 +94,14 @@ absl::Status EncodePersistedPage(const kvstore::PageShape& shape, const uint16_t
   const kernels::TensorView vv(const_cast<uint16_t*>(v), kernels::DType::kBF16, {valid, d});
   STRATA_ASSIGN_OR_RETURN(std::string encoded, kvstore::EncodePage(shape, kv, vv));
   // Scratch kept per thread (the encoding runs on a team, page after page).
-  thread_local std::vector<float> stored;  // fp8: the stored K and V as DecodePage gives them
+  // The keys as stored, f32 (K then V for fp8, as DecodePage gives them; K for bf16).
+  thread_local std::vector<float> stored;
   thread_local std::vector<float> summary;
-  const bool decoded = shape.dtype != kernels::DType::kBF16;
-  if (decoded) {
-    stored.resize(2 * static_cast<size_t>(shape.page_size) * d);
+  stored.resize(2 * static_cast<size_t>(shape.page_size) * d);
+  if (shape.dtype != kernels::DType::kBF16) {
     STRATA_RETURN_IF_ERROR(kvstore::DecodePage(encoded, stored.data(), stored.data() + stored.size() / 2));
+  } else {
+    kernels::ConvertToF32(k, kernels::DType::kBF16, stored.data(), static_cast<int64_t>(valid) * d);
   }
   STRATA_ASSIGN_OR_RETURN(pw->data, kvstore::PageBuffer::Copy(encoded));
   summary.resize(2 * static_cast<size_t>(d));
@@ -110,7 +112,7 @@ absl::Status EncodePersistedPage(const kvstore::PageShape& shape, const uint16_t
   for (int t = 0; t < valid; ++t) {
     for (int j = 0; j < d; ++j) {
       const size_t at = static_cast<size_t>(t) * d + j;
-      const float x = decoded ? stored[at] : kernels::BF16ToF32(k[at]);
+      const float x = stored[at];
       summary[j] = std::min(summary[j], x);
       summary[d + j] = std::max(summary[d + j], x);
     }

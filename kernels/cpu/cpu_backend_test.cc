@@ -539,6 +539,17 @@ TEST(CpuBackendTest, Fp8ConversionsMatchTheNearestCodeDefinition) {
   for (float x : inputs) {
     EXPECT_EQ(F32ToFP8E4M3(x), encode(x)) << x;
   }
+  // The array conversions (a table for decoding, the branch-free encoder inline) give the same.
+  std::vector<uint8_t> codes(256), coded(inputs.size());
+  for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
+  std::vector<float> decoded(256);
+  ConvertToF32(codes.data(), DType::kFP8E4M3, decoded.data(), 256);
+  for (int c = 0; c < 256; ++c) {
+    const float want = FP8E4M3ToF32(static_cast<uint8_t>(c));
+    EXPECT_EQ(std::memcmp(&want, &decoded[c], 4), 0) << c;
+  }
+  ConvertFromF32(inputs.data(), coded.data(), DType::kFP8E4M3, static_cast<int64_t>(inputs.size()));
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_EQ(coded[i], encode(inputs[i])) << inputs[i];
 }
 
 TEST(CpuBackendTest, SupportsRejectsBadShapesAndDtypes) {
