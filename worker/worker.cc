@@ -649,8 +649,8 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   }
 
   std::vector<int32_t> ids(request.token_ids().begin(), request.token_ids().end());
-  // Host copies of one layer's newly complete pages, [H][pages][P][d] bf16 for K and for V: one
-  // copy per (layer, KV head) and one wait per layer (a head's pages are consecutive cache slots).
+  // Host copies of a chunk's newly complete pages, [L][H][pages][P][d] bf16 for K and for V (a
+  // head's pages are consecutive cache slots).
   std::vector<uint16_t> kbuf, vbuf;
   // Where the shard's time goes (logged at the end): the forward, the copies of new pages to the
   // host, their encoding and summaries (in parallel over pages), and the waits for the store.
@@ -693,40 +693,49 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     const int64_t items_per_layer = count * H;
     std::vector<kvstore::PageWrite> pages(static_cast<size_t>(std::max<int64_t>(0, L * items_per_layer)));
     std::vector<kvstore::SummaryWrite> summaries(pages.size());
+    // Every layer's new pages are copied to the host ([L][H][count][P][d] for K and for V, one
+    // copy per (layer, KV head), one wait), then encoded by one parallel region over all of them:
+    // one team wake-up per chunk instead of one per layer (on the GPU machine the encoding in
+    // per-layer regions of 64 pages did not speed up with the team; bench/RESULTS.md).
+    const size_t layer_elems = static_cast<size_t>(H) * static_cast<size_t>(std::max<int64_t>(count, 0)) * page_elems;
     if (count > 0) {
-      kbuf.resize(static_cast<size_t>(H) * count * page_elems);
+      kbuf.resize(static_cast<size_t>(L) * layer_elems);
       vbuf.resize(kbuf.size());
-    }
-    std::vector<absl::Status> item_status(static_cast<size_t>(std::max<int64_t>(0, items_per_layer)));
-    for (int l = 0; l < L && count > 0; ++l) {
       const Stopwatch cp;
-      const kernels::TensorView kp = cache->k_pool(l), vp = cache->v_pool(l);
-      for (int g = 0; g < H; ++g) {
-        const int32_t slot = cache->SlotOf(l, g, persisted - cache_first / P);
-        const size_t off = static_cast<size_t>(slot) * page_bytes, n_bytes = static_cast<size_t>(count) * page_bytes;
-        uint16_t* kdst = kbuf.data() + static_cast<size_t>(g) * count * page_elems;
-        uint16_t* vdst = vbuf.data() + static_cast<size_t>(g) * count * page_elems;
-        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(kdst, static_cast<const char*>(kp.data) + off, n_bytes, nullptr));
-        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(vdst, static_cast<const char*>(vp.data) + off, n_bytes, nullptr));
+      for (int l = 0; l < L; ++l) {
+        const kernels::TensorView kp = cache->k_pool(l), vp = cache->v_pool(l);
+        for (int g = 0; g < H; ++g) {
+          const int32_t slot = cache->SlotOf(l, g, persisted - cache_first / P);
+          const size_t off = static_cast<size_t>(slot) * page_bytes, n_bytes = static_cast<size_t>(count) * page_bytes;
+          const size_t at = static_cast<size_t>(l) * layer_elems + static_cast<size_t>(g) * count * page_elems;
+          STRATA_RETURN_IF_ERROR(
+              backend_->CopyToHost(kbuf.data() + at, static_cast<const char*>(kp.data) + off, n_bytes, nullptr));
+          STRATA_RETURN_IF_ERROR(
+              backend_->CopyToHost(vbuf.data() + at, static_cast<const char*>(vp.data) + off, n_bytes, nullptr));
+        }
       }
       STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
       copy_s += cp.ElapsedSeconds();
       const Stopwatch enc;
+      const int64_t items = L * items_per_layer;
+      std::vector<absl::Status> item_status(static_cast<size_t>(items));
       // The team size is explicit: the CPU backend sets the calling thread's default to one
       // thread for its small ops (kernels/cpu/cpu_backend.cc), and this thread may have run one.
-      const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_num_procs(), items_per_layer)));
+      const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_num_procs(), items)));
 #pragma omp parallel for schedule(dynamic, 4) num_threads(team)
-      for (int64_t i = 0; i < items_per_layer; ++i) {
-        const int64_t p = persisted + i / H;
-        const int g = static_cast<int>(i % H);
+      for (int64_t i = 0; i < items; ++i) {
+        const int l = static_cast<int>(i / items_per_layer);
+        const int64_t r = i % items_per_layer;
+        const int64_t p = persisted + r / H;
+        const int g = static_cast<int>(r % H);
         const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
-        const size_t at = (static_cast<size_t>(g) * count + static_cast<size_t>(p - persisted)) * page_elems;
-        const size_t out = static_cast<size_t>(l * items_per_layer + i);
-        pages[out].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
-        summaries[out].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
-                              static_cast<uint32_t>(p)};
+        const size_t at = static_cast<size_t>(l) * layer_elems +
+                          (static_cast<size_t>(g) * count + static_cast<size_t>(p - persisted)) * page_elems;
+        pages[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
+        summaries[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
+                            static_cast<uint32_t>(p)};
         item_status[static_cast<size_t>(i)] =
-            EncodePersistedPage(layout.page, kbuf.data() + at, vbuf.data() + at, valid, d, &pages[out], &summaries[out]);
+            EncodePersistedPage(layout.page, kbuf.data() + at, vbuf.data() + at, valid, d, &pages[i], &summaries[i]);
         if (i == 0) encode_threads = std::max(encode_threads, omp_get_num_threads());
       }
       encode_s += enc.ElapsedSeconds();
