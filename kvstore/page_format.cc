@@ -203,11 +203,17 @@ absl::Status PageToBf16(absl::string_view bytes, uint16_t* k, uint16_t* v) {
     std::memcpy(v, vb.data(), elems * sizeof(uint16_t));
     return absl::OkStatus();
   }
-  const auto* k8 = reinterpret_cast<const uint8_t*>(kb.data());
-  const auto* v8 = reinterpret_cast<const uint8_t*>(vb.data());
-  for (size_t i = 0; i < elems; ++i) {
-    k[i] = kernels::F32ToBF16(kernels::FP8E4M3ToF32(k8[i]) * h->k_scale);
-    v[i] = kernels::F32ToBF16(kernels::FP8E4M3ToF32(v8[i]) * h->v_scale);
+  // fp8 -> f32 (the table), * scale, -> bf16 through the array conversions (vectorized; the same
+  // values as the element functions).
+  thread_local std::vector<float> f;
+  f.resize(elems);
+  const absl::string_view halves[2] = {kb, vb};
+  uint16_t* outs[2] = {k, v};
+  const float scales[2] = {h->k_scale, h->v_scale};
+  for (int i = 0; i < 2; ++i) {
+    kernels::ConvertToF32(halves[i].data(), kernels::DType::kFP8E4M3, f.data(), static_cast<int64_t>(elems));
+    for (float& x : f) x *= scales[i];
+    kernels::ConvertFromF32(f.data(), outs[i], kernels::DType::kBF16, static_cast<int64_t>(elems));
   }
   return absl::OkStatus();
 }
