@@ -525,15 +525,16 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
     std::vector<double> vote(static_cast<size_t>(n), 0.0);
     std::vector<float> score(static_cast<size_t>(n));
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    // Several tokens (a prompt chunk) choose once with the chunk's mean query.
+    // Several tokens (a prompt chunk) choose once with the chunk's mean query (of this KV head's
+    // query heads only).
     std::vector<float> mean;
-    const float* qc = q;
+    const float* qc = qg;  // the group's rows [group, d]
     if (num_tokens > 1) {
-      MeanQuery(q, num_tokens, static_cast<int64_t>(num_q_heads) * d, &mean);
+      MeanQuery(qg, num_tokens, static_cast<int64_t>(qg_len), &mean, static_cast<int64_t>(num_q_heads) * d);
       qc = mean.data();
     }
     for (int j = 0; j < group; ++j) {
-      const float* qh = qc + (static_cast<size_t>(kv_head) * group + j) * d;
+      const float* qh = qc + static_cast<size_t>(j) * d;
       float best = -INFINITY;
       for (int64_t p = 0; p < n; ++p) {
         const float* mn = &sum[static_cast<size_t>(p) * 2 * d];

@@ -15,10 +15,11 @@ namespace strata::engine {
 using kernels::DType;
 using kernels::TensorView;
 
-void MeanQuery(const float* q, int num_tokens, int64_t row, std::vector<float>* out) {
+void MeanQuery(const float* q, int num_tokens, int64_t row, std::vector<float>* out, int64_t stride) {
+  if (stride == 0) stride = row;
   out->assign(static_cast<size_t>(row), 0.0f);
   for (int t = 0; t < num_tokens; ++t) {
-    const float* qt = q + static_cast<size_t>(t) * row;
+    const float* qt = q + static_cast<size_t>(t) * stride;
     for (int64_t i = 0; i < row; ++i) (*out)[i] += qt[i];
   }
   for (float& x : *out) x /= static_cast<float>(num_tokens);
@@ -45,7 +46,6 @@ absl::StatusOr<TensorView> DeviceQueryMean::Mean(const TensorView& q, kernels::S
     int64_t widest = 1;
     while (n > 1) {
       MergeLevel lv;
-      lv.rows_in = n;
       const int64_t k = std::min(kMaxParts, n);
       const int64_t r_out = (n + k - 1) / k;
       const int64_t parts = (n + r_out - 1) / r_out;

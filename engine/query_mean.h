@@ -21,8 +21,10 @@
 
 namespace strata::engine {
 
-// out = the mean over num_tokens >= 1 rows of q [num_tokens, row] (host f32).
-void MeanQuery(const float* q, int num_tokens, int64_t row, std::vector<float>* out);
+// out = the mean over num_tokens >= 1 rows of `row` floats of q (host f32), row t starting at
+// q + t * stride (stride 0: rows back to back, stride = row), e.g. one KV head's query heads of a
+// chunk [num_tokens, num_q_heads, head_dim].
+void MeanQuery(const float* q, int num_tokens, int64_t row, std::vector<float>* out, int64_t stride = 0);
 
 // The mean over the rows of q [m, num_q_heads, head_dim] f32 in backend memory, kept in buffers
 // of its own (reused while m stays the same). Thread-compatible.
@@ -37,8 +39,8 @@ class DeviceQueryMean {
   absl::StatusOr<kernels::TensorView> Mean(const kernels::TensorView& q, kernels::Stream stream);
 
  private:
-  struct MergeLevel {  // rows in, rows out, part starts; the parts' lse at lse_offset floats
-    int64_t rows_in = 0, rows_out = 0;
+  struct MergeLevel {  // rows out, part starts; the parts' lse at lse_offset floats
+    int64_t rows_out = 0;
     std::vector<int64_t> starts;
     int64_t lse_offset = 0;
   };

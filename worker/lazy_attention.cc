@@ -9,14 +9,13 @@
 #include <string>
 #include <utility>
 
-#include <omp.h>
-
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "engine/query_mean.h"
 #include "kvstore/backend_page_allocator.h"
+#include "worker/internal/host_parallel.h"
 
 namespace strata::worker {
 namespace {
@@ -524,9 +523,7 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
       std::shared_ptr<engine::MinMaxSummaryCache> host = st->share->impl_->host_summaries;
       const int64_t entries = static_cast<int64_t>(o.num_layers) * o.num_kv_heads;
       std::vector<absl::Status> read(static_cast<size_t>(entries));
-      // An explicit team: the CPU backend may have set this thread's default to one thread.
-      const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_num_procs(), entries)));
-#pragma omp parallel for schedule(dynamic) num_threads(team)
+#pragma omp parallel for schedule(dynamic) num_threads(internal::HostTeam(entries))
       for (int64_t i = 0; i < entries; ++i) {
         read[static_cast<size_t>(i)] =
             host->Get(static_cast<int>(i / o.num_kv_heads), static_cast<int>(i % o.num_kv_heads)).status();

@@ -27,6 +27,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "worker/internal/host_parallel.h"
 #include "worker/lazy_attention.h"
 
 namespace strata::worker {
@@ -669,7 +670,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     return s;
   };
   int64_t persisted = static_cast<int64_t>(first_page);  // next document page to persist
-  int64_t durable = persisted, in_flight_end = persisted;  // pages [first_page, durable) are in the store
+  int64_t durable = persisted;  // pages [first_page, durable) are in the store
   int64_t done_tokens = 0;
   while (done_tokens < n) {
     if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("prefill cancelled");
@@ -719,10 +720,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
       const Stopwatch enc;
       const int64_t items = L * items_per_layer;
       std::vector<absl::Status> item_status(static_cast<size_t>(items));
-      // The team size is explicit: the CPU backend sets the calling thread's default to one
-      // thread for its small ops (kernels/cpu/cpu_backend.cc), and this thread may have run one.
-      const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_num_procs(), items)));
-#pragma omp parallel for schedule(dynamic, 4) num_threads(team)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(internal::HostTeam(items))
       for (int64_t i = 0; i < items; ++i) {
         const int l = static_cast<int>(i / items_per_layer);
         const int64_t r = i % items_per_layer;
@@ -742,7 +740,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
       for (const absl::Status& st : item_status) STRATA_RETURN_IF_ERROR(st);
     }
     STRATA_RETURN_IF_ERROR(wait_put());
-    durable = in_flight_end;
+    durable = persisted;  // every page before this chunk's was in the Put just waited for
     if (!pages.empty()) {
       kvstore::PageStore* store = store_;
       put_in_flight = std::async(std::launch::async, [store, pw = std::move(pages), sw = std::move(summaries)]() {
@@ -750,7 +748,6 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
       });
     }
     persisted = std::max(persisted, complete);
-    in_flight_end = persisted;
     progress.set_tokens_prefilled(static_cast<uint64_t>(done_tokens));
     // Pages whose Put has returned (the chunk in flight is counted when it has).
     progress.set_pages_persisted(static_cast<uint64_t>(durable - static_cast<int64_t>(first_page)));
