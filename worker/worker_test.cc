@@ -163,6 +163,52 @@ TEST_F(WorkerTest, PrefillPersistsAndJobMatchesLocalGenerate) {
 // decode_graph "on" sends a job's lone decode steps through Transformer::Forward (where a device
 // backend replays them as a graph); the CPU backend cannot capture, so they run the normal path:
 // the same tokens as the batched path, no graph step.
+// A store whose Put fails from its `fail_from`-th call on (1-based); the rest passes through.
+class FailingPutStore final : public kvstore::PageStore {
+ public:
+  FailingPutStore(kvstore::PageStore* inner, int fail_from) : inner_(inner), fail_from_(fail_from) {}
+  const char* tier() const override { return inner_->tier(); }
+  absl::Status GetPages(absl::Span<const kvstore::PageKey> keys, std::vector<kvstore::PageRef>* out) override {
+    return inner_->GetPages(keys, out);
+  }
+  absl::Status Put(absl::Span<const kvstore::PageWrite> p, absl::Span<const kvstore::SummaryWrite> s) override {
+    if (++puts_ >= fail_from_) return absl::UnavailableError("disk gone");
+    return inner_->Put(p, s);
+  }
+  absl::Status GetSummaries(absl::Span<const kvstore::SummaryKey> keys, std::vector<kvstore::PageRef>* out) override {
+    return inner_->GetSummaries(keys, out);
+  }
+  int puts() const { return puts_; }
+
+ private:
+  kvstore::PageStore* inner_;
+  const int fail_from_;
+  std::atomic<int> puts_{0};
+};
+
+TEST_F(WorkerTest, StoreFailureWhilePersistingFailsThePrefillAndNothingIsReady) {
+  // Chunks of 64 tokens complete pages 0, 1, 2 in turn, one Put each; the second Put fails while
+  // the third chunk is computed (Puts overlap the next chunk), and the prefill returns its error.
+  FailingPutStore failing(store_.get(), 2);
+  WorkerOptions wo;
+  wo.prefill_chunk_size = 64;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(wo, model_.get(), backend_.get(), &failing, store_.get(), nullptr));
+  std::vector<v1::PrefillShardProgress> progress;
+  EXPECT_THAT(w->PrefillShard(PrefillRequest(), [&](const v1::PrefillShardProgress& p) { progress.push_back(p); },
+                              nullptr),
+              testing::StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(failing.puts(), 2);  // nothing more was handed to the store after the failure
+  // Progress never counted a page whose Put had not returned OK (only the first one did).
+  for (const v1::PrefillShardProgress& p : progress) {
+    EXPECT_LE(p.pages_persisted(), 1u);
+    EXPECT_FALSE(p.complete());
+  }
+  STRATA_ASSERT_OK_AND_ASSIGN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(kDocId));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store_->GetDocument(id));
+  EXPECT_NE(doc.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(doc.stored_pages(), 2u * 2);  // page 0 of each (layer, KV head)
+}
+
 TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
   ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), [](const v1::PrefillShardProgress&) {}, nullptr).ok());
   WorkerOptions wo;
