@@ -4,7 +4,9 @@
 // (blob files, LZ4) for the local store. Results: bench/RESULTS.md.
 //
 //   build/bin/kvstore_benchmark --benchmark_min_time=1
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -337,6 +339,64 @@ void BM_LocalWriteAmplification(benchmark::State& state) {
 }
 BENCHMARK(BM_LocalWriteAmplification)->ArgName("blob")->Arg(0)->Arg(1)->Iterations(1)
     ->UseRealTime()->Unit(benchmark::kSecond);
+
+// A document persisted the way the worker's PrefillShard writes it: per prefill chunk one batch of
+// the chunk's new pages of every (layer, KV head) (32 layers x 8 KV heads, 8 pages each: 2048
+// pages, 64 MiB), 8 chunks (512 MiB), optionally split over several writer threads, then a
+// flush. Arg: writer threads. Counter: MB/s of page bytes. STRATA_BENCH_DIR picks the parent
+// folder (default /tmp; /dev/shm takes the disk out).
+void BM_LocalPrefillLoad(benchmark::State& state) {
+  const int writers = static_cast<int>(state.range(0));
+  const uint32_t layers = 32, heads = 8, chunk_pages = 8, chunks = 8;
+  const char* parent = std::getenv("STRATA_BENCH_DIR");
+  (void)Pages();  // made before the clock starts
+  for (auto _ : state) {
+    std::string tmpl = std::string(parent != nullptr ? parent : "/tmp") + "/strata_prefill_load.XXXXXX";
+    STRATA_CHECK(mkdtemp(tmpl.data()) != nullptr);
+    const std::string dir = tmpl;
+    LocalStoreOptions o;
+    o.path = dir;
+    auto store = *LocalStore::Open(o);
+    std::vector<int32_t> tokens(static_cast<size_t>(chunk_pages * chunks) * kPageTokens, 7);
+    KvLayout layout = Layout();
+    layout.num_layers = layers;
+    layout.num_kv_heads = heads;
+    const DocumentId doc = ComputeDocumentIdentity("bench-model", layout, tokens)->id;
+    v1::CreateDocumentRequest r;
+    r.set_document_id(doc.ToHex());
+    r.set_model_fingerprint("bench-model");
+    *r.mutable_layout() = LayoutToProto(layout);
+    r.set_num_tokens(tokens.size());
+    bool created = false;
+    STRATA_CHECK(store->CreateDocument(r, &created).ok());
+    const auto t0 = std::chrono::steady_clock::now();
+    for (uint32_t c = 0; c < chunks; ++c) {
+      std::vector<std::vector<PageWrite>> parts(static_cast<size_t>(writers));
+      uint32_t i = 0;
+      for (uint32_t l = 0; l < layers; ++l) {
+        for (uint32_t h = 0; h < heads; ++h) {
+          for (uint32_t p = c * chunk_pages; p < (c + 1) * chunk_pages; ++p, ++i) {
+            parts[i % writers].push_back(PageWrite{PageKey{doc, l, h, p}, Pages()[i % kPages]});
+          }
+        }
+      }
+      std::vector<std::thread> threads;
+      for (int w = 1; w < writers; ++w) {
+        threads.emplace_back([&, w]() { STRATA_CHECK(store->Put(parts[w], {}).ok()); });
+      }
+      STRATA_CHECK(store->Put(parts[0], {}).ok());
+      for (std::thread& t : threads) t.join();
+    }
+    STRATA_CHECK(store->Flush().ok());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double bytes = static_cast<double>(layers) * heads * chunk_pages * chunks * Pages()[0]->size();
+    state.counters["MB_per_s"] = bytes / s / 1e6;
+    store.reset();
+    std::filesystem::remove_all(dir);
+  }
+}
+BENCHMARK(BM_LocalPrefillLoad)->ArgName("writers")->Arg(1)->Arg(4)->Iterations(1)->UseRealTime()
+    ->Unit(benchmark::kSecond);
 
 // ---- remote: KV store service over loopback ----
 

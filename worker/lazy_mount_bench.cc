@@ -6,12 +6,19 @@
 //                    [--threads 1] [--tokens 1] [--modes full,lazy,lazy-dev,resident]
 //                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--cache-pages N]
 //                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16] [--dir /tmp]
+//                    [--prefill-chunk 512] [--prefill-policy dense] [--matmul-precision split]
+//                    [--model DIR] [--weights bf16|f32]
 //
 // --cache-pages sets WorkerOptions::lazy_cache_pages (default 0: the worker's automatic size).
 // --kv-page-dtype sets WorkerOptions::kv_page_dtype of every worker (the persisted pages' format);
 // --host-gib the resident mode's host tier capacity (it must hold the whole document);
 // --prompt the question's length in tokens; --dir where the model and the LocalStore go (a
-// temporary folder made there and removed at the end).
+// temporary folder made there and removed at the end). --prefill-chunk, --prefill-policy and
+// --matmul-precision set the WorkerOptions of the same names for every worker (the defaults are
+// WorkerOptions'); --modes none persists the document and asks nothing. --model loads that model
+// folder (e.g. from `strata make-model`) instead of writing a random one of --preset, whose
+// weights are --weights (default bf16, as Llama checkpoints ship; the benchmark's runs before
+// session 9 used f32 weights, which make the GPU's prefill GEMMs f32 ones).
 //
 // --backend cuda runs every worker on the CUDA backend (the plugin from $STRATA_CUDA_PLUGIN or
 // next to the binary; then the resident mode's host tier is pinned memory); --decode-graph sets
@@ -63,7 +70,10 @@ int Run(int argc, char** argv) {
   std::string backend_name = "cpu", decode_graph = "auto", page_dtype = "bf16";
   double host_gib = 16;
   int prompt_tokens = 16;
-  std::string parent = "/tmp";
+  std::string parent = "/tmp", model_dir, weights = "bf16";
+  WorkerOptions defaults;
+  int64_t prefill_chunk = defaults.prefill_chunk_size;
+  std::string prefill_policy = defaults.prefill_policy, precision = defaults.matmul_precision;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const char* v = argv[i + 1];
@@ -82,6 +92,11 @@ int Run(int argc, char** argv) {
     else if (flag == "--host-gib") host_gib = std::atof(v);
     else if (flag == "--prompt") prompt_tokens = std::atoi(v);
     else if (flag == "--dir") parent = v;
+    else if (flag == "--prefill-chunk") prefill_chunk = std::atoll(v);
+    else if (flag == "--prefill-policy") prefill_policy = v;
+    else if (flag == "--matmul-precision") precision = v;
+    else if (flag == "--model") model_dir = v;
+    else if (flag == "--weights") weights = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -89,7 +104,8 @@ int Run(int argc, char** argv) {
   }
   const int P = 64;
   if (doc_tokens < P || shard < P || shard % P != 0 || reps < 1 || tokens < 1 || prompt_tokens < 1 ||
-      !(host_gib > 0) || (page_dtype != "bf16" && page_dtype != "fp8")) {
+      !(host_gib > 0) || (page_dtype != "bf16" && page_dtype != "fp8") ||
+      (weights != "bf16" && weights != "f32")) {
     std::fprintf(stderr, "bad sizes\n");
     return 2;
   }
@@ -106,12 +122,19 @@ int Run(int argc, char** argv) {
       std::filesystem::remove_all(dir, ec);
     }
   } remove_at_exit{dir};
-  model::RandomModelOptions mo;
-  mo.preset = preset;
-  mo.write_tokenizer = false;
-  if (!model::WriteRandomModel(dir + "/model", mo).ok()) return 1;
-  auto model = model::LoadModel(dir + "/model");
-  if (!model.ok()) return 1;
+  if (model_dir.empty()) {
+    model::RandomModelOptions mo;
+    mo.preset = preset;
+    mo.write_tokenizer = false;
+    mo.dtype = weights == "bf16" ? kernels::DType::kBF16 : kernels::DType::kF32;
+    if (!model::WriteRandomModel(dir + "/model", mo).ok()) return 1;
+    model_dir = dir + "/model";
+  }
+  auto model = model::LoadModel(model_dir);
+  if (!model.ok()) {
+    std::fprintf(stderr, "model: %s\n", model.status().ToString().c_str());
+    return 1;
+  }
   std::unique_ptr<kernels::Backend> backend;
   if (backend_name == "cpu") {
     backend = kernels::MakeCpuBackend(threads);
@@ -144,6 +167,9 @@ int Run(int argc, char** argv) {
     wo.decode_graph = decode_graph;
     wo.lazy_cache_pages = cache_pages;
     wo.kv_page_dtype = page_dtype;
+    wo.prefill_chunk_size = prefill_chunk;
+    wo.prefill_policy = prefill_policy;
+    wo.matmul_precision = precision;
     return Worker::Create(wo, model->get(), backend.get(), pages, store->get(), nullptr);
   };
   // The resident mode's host tier (pages in backend host memory). The document is persisted
@@ -167,7 +193,10 @@ int Run(int argc, char** argv) {
   if (!tiered.ok()) return 1;
   {
     auto w = make("full", tiered->get());
-    if (!w.ok()) return 1;
+    if (!w.ok()) {
+      std::fprintf(stderr, "worker: %s\n", w.status().ToString().c_str());
+      return 1;
+    }
     const int64_t t0 = MonotonicNanos();
     for (int64_t s0 = 0; s0 < doc_tokens; s0 += shard) {
       const int64_t s1 = std::min(doc_tokens, s0 + shard);
@@ -186,10 +215,14 @@ int Run(int argc, char** argv) {
         return 1;
       }
     }
-    std::printf("persisted %lld tokens (%s) in %.1f s; the host tier holds %lld entries (pages, summaries)\n",
+    std::printf("persisted %lld tokens (%s) in %.1f s (shards of %lld, prefill chunk %lld, policy %s, "
+                "matmul %s, %s pages); the host tier holds %lld entries (pages, summaries)\n",
                 static_cast<long long>(doc_tokens), preset.c_str(), (MonotonicNanos() - t0) * 1e-9,
+                static_cast<long long>(shard), static_cast<long long>(prefill_chunk),
+                prefill_policy.c_str(), precision.c_str(), page_dtype.c_str(),
                 static_cast<long long>((*host)->num_entries()));
   }
+  if (modes == "none") return 0;
   auto resident = make("resident", tiered->get());
   if (!resident.ok()) return 1;
   int32_t full_first = -1;
