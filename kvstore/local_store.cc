@@ -137,6 +137,9 @@ absl::Status LocalStore::OpenDb() {
   db_options.create_missing_column_families = true;
   db_options.max_background_jobs = 4;
   db_options.bytes_per_sync = 1 << 20;
+  // PutDeferred's batches have no WAL: flushing every column family together keeps a batch's
+  // pages and index entries in or out of the files together.
+  db_options.atomic_flush = true;
 
   std::shared_ptr<rocksdb::Cache> cache =
       rocksdb::NewLRUCache(static_cast<size_t>(options_.block_cache_bytes));
@@ -266,6 +269,16 @@ absl::Status LocalStore::GetSummaries(absl::Span<const SummaryKey> keys,
 
 absl::Status LocalStore::Put(absl::Span<const PageWrite> pages,
                              absl::Span<const SummaryWrite> summaries) {
+  return Write(pages, summaries, /*deferred=*/false);
+}
+
+absl::Status LocalStore::PutDeferred(absl::Span<const PageWrite> pages,
+                                     absl::Span<const SummaryWrite> summaries) {
+  return Write(pages, summaries, /*deferred=*/true);
+}
+
+absl::Status LocalStore::Write(absl::Span<const PageWrite> pages,
+                               absl::Span<const SummaryWrite> summaries, bool deferred) {
   if (pages.empty() && summaries.empty()) return absl::OkStatus();
   // Lock the stripes of every document in the batch, shared, in stripe order (no deadlock with
   // the exclusive single-stripe holders).
@@ -324,7 +337,9 @@ absl::Status LocalStore::Put(absl::Span<const PageWrite> pages,
     batch.Put(index_, internal::SummaryIndexKey(w.key), rocksdb::Slice());
   }
   rocksdb::WriteOptions wo;
-  wo.sync = options_.sync_writes;
+  wo.sync = options_.sync_writes && !deferred;
+  wo.disableWAL = deferred;
+  if (deferred) deferred_writes_.fetch_add(1);  // before the write: a Finalize after it flushes
   rocksdb::Status s = db_->Write(wo, &batch);
   unlock();
   return FromRocksDb(s, "write pages");
@@ -448,6 +463,10 @@ absl::StatusOr<v1::Document> LocalStore::FinalizeDocument(const DocumentId& id) 
     return absl::FailedPreconditionError(absl::StrCat(
         "document ", id.ToHex(), " is incomplete: ", doc->stored_pages(), "/", want_pages,
         " pages, ", doc->stored_summaries(), "/", want_summaries, " summaries stored"));
+  }
+  // Deferred batches (no WAL) reach the files before any document is READY.
+  if (deferred_writes_.load() > 0) {
+    if (absl::Status s = Flush(); !s.ok()) return s;
   }
   doc->set_state(v1::DOCUMENT_STATE_READY);
   if (absl::Status s = WriteDocument(*doc); !s.ok()) return s;

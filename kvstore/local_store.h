@@ -5,7 +5,11 @@
 // "documents" (strata.v1.Document metadata), "index" (one empty entry per stored page and summary,
 // so completeness is checked without reading page bytes). Key encodings: kvstore/internal/keys.h.
 // Writes are WriteBatches with the WAL synced before Put returns (WriteOptions::sync), so an
-// acknowledged batch survives SIGKILL and power loss; a batch is atomic. A document becomes READY
+// acknowledged batch survives SIGKILL and power loss; a batch is atomic. PutDeferred (a document's
+// bulk writes while it is prefilled) skips the WAL: its batches reach the SST and blob files when
+// the memtables are flushed, and FinalizeDocument flushes them before it marks any document READY.
+// The column families are flushed together (atomic flush), so after a crash a batch without WAL is
+// either wholly present (pages and index entries) or wholly absent. A document becomes READY
 // only in FinalizeDocument, after its pages and summaries are counted complete; deletes are range
 // deletes over the document's key range in every column family.
 //
@@ -19,6 +23,7 @@
 #ifndef STRATA_KVSTORE_LOCAL_STORE_H_
 #define STRATA_KVSTORE_LOCAL_STORE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -70,6 +75,8 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) override;
   absl::Status Put(absl::Span<const PageWrite> pages,
                    absl::Span<const SummaryWrite> summaries) override;
+  absl::Status PutDeferred(absl::Span<const PageWrite> pages,
+                           absl::Span<const SummaryWrite> summaries) override;
   absl::Status GetSummaries(absl::Span<const SummaryKey> keys, std::vector<PageRef>* out) override;
 
   absl::StatusOr<v1::Document> CreateDocument(const v1::CreateDocumentRequest& request,
@@ -95,8 +102,8 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   // and summaries column families. Returns the value.
   int64_t UpdateResidentBytes();
 
-  // Flushes the memtables to SST and blob files (the WAL already makes writes durable; this
-  // shortens recovery and puts the bytes in their final files).
+  // Flushes the memtables to SST and blob files (the WAL already makes Put's writes durable; this
+  // makes PutDeferred's durable, shortens recovery and puts the bytes in their final files).
   absl::Status Flush();
 
   // Test hooks: raw access to stored page bytes (e.g. to corrupt one).
@@ -106,6 +113,8 @@ class LocalStore final : public PageStore, public DocumentCatalog {
  private:
   explicit LocalStore(const LocalStoreOptions& options);
   absl::Status OpenDb();
+  absl::Status Write(absl::Span<const PageWrite> pages, absl::Span<const SummaryWrite> summaries,
+                     bool deferred);
   absl::Status WriteDocument(const v1::Document& doc);
   absl::Status DeleteDocumentLocked(const DocumentId& id);  // caller holds the stripe
   absl::StatusOr<uint64_t> CountIndex(const DocumentId& doc, char type);
@@ -127,6 +136,8 @@ class LocalStore final : public PageStore, public DocumentCatalog {
 
   static constexpr int kStripes = 64;
   std::shared_mutex stripes_[kStripes];  // std locks: visible to TSan
+  // PutDeferred batches written so far (FinalizeDocument flushes once there are any).
+  std::atomic<uint64_t> deferred_writes_{0};
 };
 
 }  // namespace strata::kvstore

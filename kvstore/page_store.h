@@ -128,6 +128,16 @@ class PageStore {
   // document), InvalidArgument (wrong size, layout or index), DataLoss (bad checksum).
   virtual absl::Status Put(absl::Span<const PageWrite> pages,
                            absl::Span<const SummaryWrite> summaries) = 0;
+  // Put for a document being written (WRITING), whose pages matter only once it is READY: a
+  // durable tier may keep the batch in memory only (LocalStore: no write-ahead log) until the
+  // document's FinalizeDocument, which makes every such batch durable before the document becomes
+  // READY. A crash before that may lose deferred batches; the document then stays WRITING with
+  // those pages (and their index entries) missing, so it cannot be finalized until they are
+  // written again. Errors as Put. The default is Put.
+  virtual absl::Status PutDeferred(absl::Span<const PageWrite> pages,
+                                   absl::Span<const SummaryWrite> summaries) {
+    return Put(pages, summaries);
+  }
   // Looks up summaries; (*out)[i] is the payload of keys[i] or null.
   virtual absl::Status GetSummaries(absl::Span<const SummaryKey> keys,
                                     std::vector<PageRef>* out) = 0;

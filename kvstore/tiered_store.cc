@@ -90,9 +90,20 @@ absl::Status TieredStore::GetSummaries(absl::Span<const SummaryKey> keys,
 
 absl::Status TieredStore::Put(absl::Span<const PageWrite> pages,
                               absl::Span<const SummaryWrite> summaries) {
+  return Write(pages, summaries, /*deferred=*/false);
+}
+
+absl::Status TieredStore::PutDeferred(absl::Span<const PageWrite> pages,
+                                      absl::Span<const SummaryWrite> summaries) {
+  return Write(pages, summaries, /*deferred=*/true);
+}
+
+absl::Status TieredStore::Write(absl::Span<const PageWrite> pages,
+                                absl::Span<const SummaryWrite> summaries, bool deferred) {
   for (PageStore* tier : {options_.local, options_.remote}) {
     if (tier == nullptr) continue;
-    if (absl::Status s = tier->Put(pages, summaries); !s.ok()) return s;
+    absl::Status s = deferred ? tier->PutDeferred(pages, summaries) : tier->Put(pages, summaries);
+    if (!s.ok()) return s;
   }
   if (options_.host != nullptr) return options_.host->Put(pages, summaries);
   return absl::OkStatus();

@@ -4,8 +4,9 @@
 // what the tiers before it missed, and pages found below the host tier are inserted into the
 // host cache (fetch bytes counted src=<tier>, dst=host). A key no tier holds stays null.
 // Writes go to every durable tier configured (local and/or remote) and return once all of them
-// acknowledged the batch durable; only then are the pages inserted into the host cache. Any tier
-// may be absent (null), but at least one must be set.
+// acknowledged the batch durable (PutDeferred: acknowledged it, durable at FinalizeDocument; see
+// PageStore); only then are the pages inserted into the host cache. Any tier may be absent (null),
+// but at least one must be set.
 //
 // Thread-safe when its tiers are (all of ours are). The tiers are not owned.
 #ifndef STRATA_KVSTORE_TIERED_STORE_H_
@@ -47,6 +48,8 @@ class TieredStore final : public PageStore {
                         TierCounts* counts);
   absl::Status Put(absl::Span<const PageWrite> pages,
                    absl::Span<const SummaryWrite> summaries) override;
+  absl::Status PutDeferred(absl::Span<const PageWrite> pages,
+                           absl::Span<const SummaryWrite> summaries) override;
   absl::Status GetSummaries(absl::Span<const SummaryKey> keys, std::vector<PageRef>* out) override;
 
   // Tier H, or null.
@@ -54,6 +57,8 @@ class TieredStore final : public PageStore {
 
  private:
   explicit TieredStore(const TieredStoreOptions& options) : options_(options) {}
+  absl::Status Write(absl::Span<const PageWrite> pages, absl::Span<const SummaryWrite> summaries,
+                     bool deferred);
   template <typename Key, typename Write>
   absl::Status Get(absl::Span<const Key> keys, std::vector<PageRef>* out,
                    absl::Status (PageStore::*get)(absl::Span<const Key>, std::vector<PageRef>*),

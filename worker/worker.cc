@@ -657,15 +657,23 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   // host, their encoding and summaries (in parallel over pages), and the waits for the store.
   double forward_s = 0, copy_s = 0, encode_s = 0, store_wait_s = 0;
   int encode_threads = 0;  // the largest team the encoding ran on
-  // The store's Put of one chunk's pages runs while the next chunk is computed and encoded; at
-  // most one is in flight (so at most two chunks' pages are held), and its result is taken before
-  // the next Put and before the document is finalized (an early return waits for it too: the
-  // destructor of a std::async future does).
-  std::future<absl::Status> put_in_flight;
+  // The store's writes of one chunk's pages run while the next chunk is computed and encoded: at
+  // most one chunk in flight (so at most two chunks' pages are held), split into up to
+  // kPersistWriters batches written at once (PutDeferred: the document is WRITING, and
+  // FinalizeDocument makes the batches durable before it is READY; a local store skips its
+  // write-ahead log). Their results are taken before the next chunk's writes and before the
+  // document is finalized (an early return waits for them too: the destructor of a std::async
+  // future does).
+  constexpr int64_t kPersistWriters = 4, kPagesPerWriter = 256;
+  std::vector<std::future<absl::Status>> put_in_flight;
   auto wait_put = [&]() -> absl::Status {
-    if (!put_in_flight.valid()) return absl::OkStatus();
     const Stopwatch wait;
-    absl::Status s = put_in_flight.get();
+    absl::Status s;
+    for (std::future<absl::Status>& f : put_in_flight) {
+      absl::Status one = f.get();
+      if (s.ok()) s = std::move(one);
+    }
+    put_in_flight.clear();
     store_wait_s += wait.ElapsedSeconds();
     return s;
   };
@@ -742,10 +750,21 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     STRATA_RETURN_IF_ERROR(wait_put());
     durable = persisted;  // every page before this chunk's was in the Put just waited for
     if (!pages.empty()) {
-      kvstore::PageStore* store = store_;
-      put_in_flight = std::async(std::launch::async, [store, pw = std::move(pages), sw = std::move(summaries)]() {
-        return store->Put(pw, sw);
-      });
+      // Item i's page and summary go to the same batch: contiguous ranges of the (layer, page,
+      // KV head) order.
+      const int64_t total = static_cast<int64_t>(pages.size());
+      const int64_t writers = std::clamp<int64_t>(total / kPagesPerWriter, 1, kPersistWriters);
+      for (int64_t w = 0; w < writers; ++w) {
+        const int64_t b = total * w / writers, e = total * (w + 1) / writers;
+        std::vector<kvstore::PageWrite> pw(std::make_move_iterator(pages.begin() + b),
+                                           std::make_move_iterator(pages.begin() + e));
+        std::vector<kvstore::SummaryWrite> sw(std::make_move_iterator(summaries.begin() + b),
+                                              std::make_move_iterator(summaries.begin() + e));
+        kvstore::PageStore* store = store_;
+        put_in_flight.push_back(std::async(std::launch::async, [store, pw = std::move(pw), sw = std::move(sw)]() {
+          return store->PutDeferred(pw, sw);
+        }));
+      }
     }
     persisted = std::max(persisted, complete);
     progress.set_tokens_prefilled(static_cast<uint64_t>(done_tokens));

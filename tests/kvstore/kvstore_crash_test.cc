@@ -3,8 +3,14 @@
 //    complete and bit-exact, every acknowledged batch is there, unfinished documents are reported
 //    WRITING, refuse to finalize, and can be deleted;
 //  - corruption: a flipped byte in a stored page (through RocksDB, and on disk) is DATA_LOSS and
-//    the page is never served.
+//    the page is never served;
+//  - deferred writes: a LocalStore written with PutDeferred (no WAL) by a child process that is
+//    SIGKILLed before FinalizeDocument keeps the batches flushed before the kill, each whole, and
+//    loses the later ones whole (pages, summaries and index entries together); written again,
+//    the document finalizes and survives a reopen.
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
@@ -28,6 +34,11 @@
 namespace strata::tests {
 namespace {
 
+// The deferred-writes test: the document tests/kvstore/deferred_writer_main.cc writes.
+constexpr uint64_t kDeferredTokens = 2560;  // 40 pages per (layer, head): 320 pages, 10 MiB
+constexpr uint64_t kDeferredSeed = 77;
+constexpr size_t kDeferredBatch = 8, kFlushedBatches = 20;
+
 using kvstore::DocumentId;
 using kvstore::PageKey;
 using kvstore::PageRef;
@@ -36,7 +47,8 @@ using kvstore::SummaryKey;
 using kvstore::SummaryWrite;
 using ::strata::testing::StatusIs;
 
-// 4 layers x 2 KV heads, 64-token bf16 pages of head dim 128 (32 KiB + header per page).
+// 4 layers x 2 KV heads, 64-token bf16 pages of head dim 128 (32 KiB + header per page); the
+// deferred writer uses the same layout.
 kvstore::KvLayout Layout() { return kvstore::testing::SmallLayout(4, 2, 64, 128); }
 constexpr uint64_t kTokens = 640;  // 10 pages per (layer, head): 80 pages per document
 
@@ -274,6 +286,121 @@ TEST(KvstoreCrashTest, FlippedBytesAreDataLossNeverServed) {
   }
   remote.reset();
   EXPECT_TRUE(ExitedCleanly(server.Stop(SIGTERM)));
+}
+
+// Runs the deferred writer (tests/kvstore/deferred_writer_main.cc) on `dir` with this file's
+// document constants and `last` (a batch count, or "finalize") and SIGKILLs it once it reports
+// its writes done.
+void RunDeferredWriterUntilKilled(const std::string& dir, const std::string& last) {
+  std::vector<std::string> args = {STRATA_DEFERRED_WRITER, dir, std::to_string(kDeferredTokens),
+                                   std::to_string(kDeferredSeed), std::to_string(kDeferredBatch), last};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  const int64_t deadline = MonotonicNanos() + int64_t{60} * 1000000000;
+  bool written = false;
+  int status = 0;
+  while (!written && MonotonicNanos() < deadline) {
+    std::ifstream progress(dir + "/progress");
+    std::string line;
+    written = static_cast<bool>(std::getline(progress, line)) && line == "written";
+    if (!written) {
+      ASSERT_EQ(waitpid(pid, &status, WNOHANG), 0) << "the writer exited early, status " << status;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  kill(pid, SIGKILL);
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(written) << "the writer did not write its batches within 60 s";
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+}
+
+TEST(KvstoreCrashTest, SigkillBeforeFinalizeLosesUnflushedDeferredBatchesWhole) {
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path().empty());
+  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), std::to_string(kFlushedBatches)));
+  kvstore::LocalStoreOptions o;
+  o.path = tmp.path() + "/db";
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::LocalStore> store, kvstore::LocalStore::Open(o));
+  const v1::CreateDocumentRequest r =
+      kvstore::testing::MakeDocumentRequest(Layout(), kDeferredTokens, kDeferredSeed);
+  const DocumentId id = *DocumentId::FromHex(r.document_id());
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  kvstore::testing::MakeDocumentWrites(r, kDeferredSeed, &pages, &summaries);
+  const size_t kept = kFlushedBatches * kDeferredBatch;
+  ASSERT_GT(pages.size(), kept);
+  // The index agrees with the pages: exactly the flushed batches are counted.
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store->GetDocument(id));
+  EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_WRITING);
+  EXPECT_EQ(doc.stored_pages(), kept);
+  EXPECT_EQ(doc.stored_summaries(), kept);
+  std::vector<PageKey> keys;
+  for (const PageWrite& w : pages) keys.push_back(w.key);
+  std::vector<SummaryKey> skeys;
+  for (const SummaryWrite& w : summaries) skeys.push_back(w.key);
+  std::vector<PageRef> out, sout;
+  STRATA_ASSERT_OK(store->GetPages(keys, &out));
+  STRATA_ASSERT_OK(store->GetSummaries(skeys, &sout));
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (i < kept) {
+      ASSERT_NE(out[i], nullptr) << "flushed page " << i;
+      ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+      ASSERT_NE(sout[i], nullptr) << "flushed summary " << i;
+    } else {
+      ASSERT_EQ(out[i], nullptr) << "unflushed page " << i << " survived without a WAL";
+      ASSERT_EQ(sout[i], nullptr) << "unflushed summary " << i;
+    }
+  }
+  EXPECT_THAT(store->FinalizeDocument(id), StatusIs(absl::StatusCode::kFailedPrecondition));
+  // Written again, the document finalizes; READY means durable: it survives a reopen.
+  STRATA_ASSERT_OK(store->PutDeferred(absl::MakeSpan(pages).subspan(kept),
+                                      absl::MakeSpan(summaries).subspan(kept)));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, store->FinalizeDocument(id));
+  EXPECT_EQ(ready.state(), v1::DOCUMENT_STATE_READY);
+  store.reset();
+  STRATA_ASSERT_OK_AND_ASSIGN(store, kvstore::LocalStore::Open(o));
+  STRATA_ASSERT_OK(store->GetPages(keys, &out));
+  for (size_t i = 0; i < pages.size(); ++i) {
+    ASSERT_NE(out[i], nullptr) << i;
+    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+  }
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document again, store->GetDocument(id));
+  EXPECT_EQ(again.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(again.stored_pages(), pages.size());
+}
+
+TEST(KvstoreCrashTest, DeferredBatchesAreDurableOnceFinalized) {
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path().empty());
+  // Every batch deferred, then FinalizeDocument, then SIGKILL with no clean close.
+  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), "finalize"));
+  kvstore::LocalStoreOptions o;
+  o.path = tmp.path() + "/db";
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::LocalStore> store, kvstore::LocalStore::Open(o));
+  const v1::CreateDocumentRequest r =
+      kvstore::testing::MakeDocumentRequest(Layout(), kDeferredTokens, kDeferredSeed);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  kvstore::testing::MakeDocumentWrites(r, kDeferredSeed, &pages, &summaries);
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store->GetDocument(*DocumentId::FromHex(r.document_id())));
+  EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(doc.stored_pages(), pages.size());
+  EXPECT_EQ(doc.stored_summaries(), summaries.size());
+  std::vector<PageKey> keys;
+  for (const PageWrite& w : pages) keys.push_back(w.key);
+  std::vector<PageRef> out;
+  STRATA_ASSERT_OK(store->GetPages(keys, &out));
+  for (size_t i = 0; i < pages.size(); ++i) {
+    ASSERT_NE(out[i], nullptr) << "page " << i << " of a READY document lost";
+    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+  }
 }
 
 }  // namespace
