@@ -342,11 +342,13 @@ BENCHMARK(BM_LocalWriteAmplification)->ArgName("blob")->Arg(0)->Arg(1)->Iteratio
 
 // A document persisted the way the worker's PrefillShard writes it: per prefill chunk one batch of
 // the chunk's new pages of every (layer, KV head) (32 layers x 8 KV heads, 8 pages each: 2048
-// pages, 64 MiB), 8 chunks (512 MiB), optionally split over several writer threads, then a
-// flush. Arg: writer threads. Counter: MB/s of page bytes. STRATA_BENCH_DIR picks the parent
-// folder (default /tmp; /dev/shm takes the disk out).
+// pages, 64 MiB), 8 chunks (512 MiB), split over several writer threads, with PutDeferred (as
+// the worker) or Put, then a flush. Args: writer threads, values in blob files (0/1), deferred
+// (0/1). Counter: MB/s of page bytes. STRATA_BENCH_DIR picks the parent folder (default /tmp;
+// /dev/shm takes the disk out).
 void BM_LocalPrefillLoad(benchmark::State& state) {
   const int writers = static_cast<int>(state.range(0));
+  const bool blob = state.range(1) != 0, deferred = state.range(2) != 0;
   const uint32_t layers = 32, heads = 8, chunk_pages = 8, chunks = 8;
   const char* parent = std::getenv("STRATA_BENCH_DIR");
   (void)Pages();  // made before the clock starts
@@ -356,7 +358,11 @@ void BM_LocalPrefillLoad(benchmark::State& state) {
     const std::string dir = tmpl;
     LocalStoreOptions o;
     o.path = dir;
+    o.blob_files = blob;
     auto store = *LocalStore::Open(o);
+    auto put = [&](const std::vector<PageWrite>& w) {
+      STRATA_CHECK((deferred ? store->PutDeferred(w, {}) : store->Put(w, {})).ok());
+    };
     std::vector<int32_t> tokens(static_cast<size_t>(chunk_pages * chunks) * kPageTokens, 7);
     KvLayout layout = Layout();
     layout.num_layers = layers;
@@ -382,9 +388,9 @@ void BM_LocalPrefillLoad(benchmark::State& state) {
       }
       std::vector<std::thread> threads;
       for (int w = 1; w < writers; ++w) {
-        threads.emplace_back([&, w]() { STRATA_CHECK(store->Put(parts[w], {}).ok()); });
+        threads.emplace_back([&, w]() { put(parts[w]); });
       }
-      STRATA_CHECK(store->Put(parts[0], {}).ok());
+      put(parts[0]);
       for (std::thread& t : threads) t.join();
     }
     STRATA_CHECK(store->Flush().ok());
@@ -395,7 +401,9 @@ void BM_LocalPrefillLoad(benchmark::State& state) {
     std::filesystem::remove_all(dir);
   }
 }
-BENCHMARK(BM_LocalPrefillLoad)->ArgName("writers")->Arg(1)->Arg(4)->Iterations(1)->UseRealTime()
+BENCHMARK(BM_LocalPrefillLoad)->ArgNames({"writers", "blob", "deferred"})
+    ->Args({1, 1, 0})->Args({1, 1, 1})->Args({4, 1, 1})->Args({8, 1, 1})
+    ->Args({1, 0, 1})->Args({4, 0, 1})->Args({8, 0, 1})->Iterations(1)->UseRealTime()
     ->Unit(benchmark::kSecond);
 
 // ---- remote: KV store service over loopback ----

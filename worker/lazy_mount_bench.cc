@@ -7,7 +7,7 @@
 //                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--cache-pages N]
 //                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16] [--dir /tmp]
 //                    [--prefill-chunk 512] [--prefill-policy dense] [--matmul-precision split]
-//                    [--model DIR] [--weights bf16|f32]
+//                    [--model DIR] [--weights bf16|f32] [--blob-files 1|0]
 //
 // --cache-pages sets WorkerOptions::lazy_cache_pages (default 0: the worker's automatic size).
 // --kv-page-dtype sets WorkerOptions::kv_page_dtype of every worker (the persisted pages' format);
@@ -18,7 +18,8 @@
 // WorkerOptions'); --modes none persists the document and asks nothing. --model loads that model
 // folder (e.g. from `strata make-model`) instead of writing a random one of --preset, whose
 // weights are --weights (default bf16, as Llama checkpoints ship; the benchmark's runs before
-// session 9 used f32 weights, which make the GPU's prefill GEMMs f32 ones).
+// session 9 used f32 weights, which make the GPU's prefill GEMMs f32 ones). --blob-files sets
+// LocalStoreOptions::blob_files.
 //
 // --backend cuda runs every worker on the CUDA backend (the plugin from $STRATA_CUDA_PLUGIN or
 // next to the binary; then the resident mode's host tier is pinned memory); --decode-graph sets
@@ -71,6 +72,7 @@ int Run(int argc, char** argv) {
   double host_gib = 16;
   int prompt_tokens = 16;
   std::string parent = "/tmp", model_dir, weights = "bf16";
+  bool blob_files = kvstore::LocalStoreOptions().blob_files;
   WorkerOptions defaults;
   int64_t prefill_chunk = defaults.prefill_chunk_size;
   std::string prefill_policy = defaults.prefill_policy, precision = defaults.matmul_precision;
@@ -97,6 +99,7 @@ int Run(int argc, char** argv) {
     else if (flag == "--matmul-precision") precision = v;
     else if (flag == "--model") model_dir = v;
     else if (flag == "--weights") weights = v;
+    else if (flag == "--blob-files") blob_files = std::atoi(v) != 0;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -154,6 +157,7 @@ int Run(int argc, char** argv) {
   std::printf("backend %s, decode graph %s\n", backend->Name().c_str(), decode_graph.c_str());
   kvstore::LocalStoreOptions so;
   so.path = dir + "/kv";
+  so.blob_files = blob_files;
   auto store = kvstore::LocalStore::Open(so);
   if (!store.ok()) return 1;
   const int vocab = static_cast<int>((*model)->config.vocab_size);
