@@ -26,7 +26,7 @@ namespace strata::cli {
 // worker): page size, prefill chunk, jobs, host tier, CPU threads, lazy mount, device selection.
 struct WorkerEngineFlags {
   int64_t page_size = 64;
-  int64_t prefill_chunk = 512;
+  int64_t prefill_chunk = 0;
   int64_t max_jobs = 4;
   int64_t host_cache_bytes = int64_t{1} << 30;
   int64_t threads = 0;

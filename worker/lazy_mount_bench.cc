@@ -222,7 +222,7 @@ int Run(int argc, char** argv) {
     std::printf("persisted %lld tokens (%s) in %.1f s (shards of %lld, prefill chunk %lld, policy %s, "
                 "matmul %s, %s pages); the host tier holds %lld entries (pages, summaries)\n",
                 static_cast<long long>(doc_tokens), preset.c_str(), (MonotonicNanos() - t0) * 1e-9,
-                static_cast<long long>(shard), static_cast<long long>(prefill_chunk),
+                static_cast<long long>(shard), static_cast<long long>(prefill_chunk),  // 0: the worker's automatic size
                 prefill_policy.c_str(), precision.c_str(), page_dtype.c_str(),
                 static_cast<long long>((*host)->num_entries()));
   }

@@ -210,7 +210,9 @@ absl::Status WorkerOptions::Validate() const {
     }
   }
   if (page_size < 1 || page_size > 4096) return absl::InvalidArgumentError("page_size in [1, 4096]");
-  if (prefill_chunk_size < 1) return absl::InvalidArgumentError("prefill_chunk_size >= 1");
+  if (prefill_chunk_size < 0) {
+    return absl::InvalidArgumentError("prefill_chunk_size >= 0 (0: 512 on the CPU backend, 4096 on others)");
+  }
   if (max_jobs < 1) return absl::InvalidArgumentError("max_jobs >= 1");
   if (mount_batch_pages < 1) return absl::InvalidArgumentError("mount_batch_pages >= 1");
   if (max_decode_batch < 1) return absl::InvalidArgumentError("max_decode_batch >= 1");
@@ -288,9 +290,11 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   if (model == nullptr || backend == nullptr || store == nullptr || catalog == nullptr) {
     return absl::InvalidArgumentError("Worker::Create: model, backend, store and catalog are required");
   }
-  std::unique_ptr<Worker> w(new Worker(options, model, backend, store, catalog, metrics));
+  WorkerOptions resolved = options;
+  if (resolved.prefill_chunk_size == 0) resolved.prefill_chunk_size = backend->Name() == "cpu" ? 512 : 4096;
+  std::unique_ptr<Worker> w(new Worker(resolved, model, backend, store, catalog, metrics));
   engine::TransformerOptions topt;
-  topt.prefill_chunk_size = options.prefill_chunk_size;
+  topt.prefill_chunk_size = w->options_.prefill_chunk_size;
   STRATA_ASSIGN_OR_RETURN(topt.matmul_precision, engine::ParseMatMulPrecision(options.matmul_precision));
   topt.decode_graph = options.decode_graph == "on" || (options.decode_graph == "auto" && backend->Name() != "cpu");
   STRATA_ASSIGN_OR_RETURN(w->transformer_, engine::Transformer::Create(model->config, model->weights, backend, topt));
@@ -650,22 +654,103 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   }
 
   std::vector<int32_t> ids(request.token_ids().begin(), request.token_ids().end());
+  // Persistence runs as a pipeline beside the forward of the next chunk: chunk c's new pages are
+  // copied to the host right after its forward, encoded and summarized on another thread while
+  // chunk c + 1 is computed, and written to the store while chunk c + 2 is (each stage at most one
+  // chunk in flight, so at most three chunks' pages are held).
+  //
   // Host copies of a chunk's newly complete pages, [L][H][pages][P][d] bf16 for K and for V (a
-  // head's pages are consecutive cache slots).
-  std::vector<uint16_t> kbuf, vbuf;
-  // Where the shard's time goes (logged at the end): the forward, the copies of new pages to the
-  // host, their encoding and summaries (in parallel over pages), and the waits for the store.
-  double forward_s = 0, copy_s = 0, encode_s = 0, store_wait_s = 0;
+  // head's pages are consecutive cache slots): two sets, alternating chunks, so that a chunk is
+  // copied while the previous one is encoded. Backend host memory (pinned on CUDA: the copies run
+  // at the link's speed), plain memory where that is not available.
+  const size_t page_elems = static_cast<size_t>(P) * d, page_bytes = page_elems * sizeof(uint16_t);
+  const int64_t max_chunk_pages =
+      std::min<int64_t>((options_.prefill_chunk_size + P - 1) / P + 1, end_page - static_cast<int64_t>(first_page));
+  const size_t set_elems = static_cast<size_t>(L) * H * static_cast<size_t>(std::max<int64_t>(max_chunk_pages, 1)) * page_elems;
+  struct HostPages {
+    std::unique_ptr<kernels::Buffer> pinned;
+    std::vector<uint16_t> plain;
+    uint16_t* k = nullptr;
+    uint16_t* v = nullptr;
+  };
+  HostPages host_pages[2];
+  for (HostPages& h : host_pages) {
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> b = backend_->AllocateHost(2 * set_elems * sizeof(uint16_t));
+    if (b.ok()) {
+      h.pinned = *std::move(b);
+      h.k = static_cast<uint16_t*>(h.pinned->data());
+    } else {
+      h.plain.resize(2 * set_elems);
+      h.k = h.plain.data();
+    }
+    h.v = h.k + set_elems;
+  }
+  // Where the shard's time goes (logged at the end), on this thread: the forward, the copies of
+  // new pages to the host, and the waits for the encoder and the store; the encoder's own time
+  // (in parallel over pages) is encode_s.
+  double forward_s = 0, copy_s = 0, encode_s = 0, encode_wait_s = 0, store_wait_s = 0;
   int encode_threads = 0;  // the largest team the encoding ran on
-  // The store's writes of one chunk's pages run while the next chunk is computed and encoded: at
-  // most one chunk in flight (so at most two chunks' pages are held), split into up to
-  // kPersistWriters batches written at once (PutDeferred: the document is WRITING, and
-  // FinalizeDocument makes the batches durable before it is READY; a local store skips its
-  // write-ahead log). Their results are taken before the next chunk's writes and before the
-  // document is finalized (an early return waits for them too: the destructor of a std::async
-  // future does).
+  // One chunk's pages encoded for the store: items (l, p, g) at ((l * count) + p - first) * H + g.
+  struct EncodedChunk {
+    absl::Status status;
+    std::vector<kvstore::PageWrite> pages;
+    std::vector<kvstore::SummaryWrite> summaries;
+    int64_t end = 0;  // pages before this one are in it or in earlier chunks
+    double seconds = 0;
+    int threads = 0;
+  };
+  // Encodes and summarizes pages [first, first + count) from a host set, by one parallel region
+  // over every layer's pages (one team wake-up per chunk: per-layer regions of 64 pages did not
+  // speed up with the team on the GPU machine; bench/RESULTS.md).
+  auto encode = [&layout, id, num_tokens, L, H, P, d, page_elems](const uint16_t* kb, const uint16_t* vb,
+                                                                   int64_t first, int64_t count) {
+    const Stopwatch enc;
+    EncodedChunk out;
+    out.end = first + count;
+    const int64_t items_per_layer = count * H, items = L * items_per_layer;
+    const size_t layer_elems = static_cast<size_t>(H) * static_cast<size_t>(count) * page_elems;
+    out.pages.resize(static_cast<size_t>(items));
+    out.summaries.resize(static_cast<size_t>(items));
+    std::vector<absl::Status> item_status(static_cast<size_t>(items));
+    int threads = 0;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(internal::HostTeam(items))
+    for (int64_t i = 0; i < items; ++i) {
+      const int l = static_cast<int>(i / items_per_layer);
+      const int64_t r = i % items_per_layer;
+      const int64_t p = first + r / H;
+      const int g = static_cast<int>(r % H);
+      const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
+      const size_t at = static_cast<size_t>(l) * layer_elems +
+                        (static_cast<size_t>(g) * count + static_cast<size_t>(p - first)) * page_elems;
+      out.pages[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
+      out.summaries[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
+                              static_cast<uint32_t>(p)};
+      item_status[static_cast<size_t>(i)] =
+          EncodePersistedPage(layout.page, kb + at, vb + at, valid, d, &out.pages[i], &out.summaries[i]);
+      if (i == 0) threads = omp_get_num_threads();
+    }
+    for (absl::Status& st : item_status) {
+      if (!st.ok()) {
+        out.status = std::move(st);
+        break;
+      }
+    }
+    out.seconds = enc.ElapsedSeconds();
+    out.threads = threads;
+    return out;
+  };
+  // The chunk being encoded (reads host set `encoding_set`), and the store's writes of the chunk
+  // before it, split into up to kPersistWriters batches written at once (PutDeferred: the
+  // document is WRITING, and FinalizeDocument makes the batches durable before it is READY; a
+  // local store skips its write-ahead log). Each is waited for before the next of its kind starts
+  // and before the document is finalized; the futures are declared after the host sets, so an
+  // early return waits for them (the destructor of a std::async future does) before the sets go.
   constexpr int64_t kPersistWriters = 4, kPagesPerWriter = 256;
+  std::future<EncodedChunk> encoding;
   std::vector<std::future<absl::Status>> put_in_flight;
+  int64_t in_flight_end = static_cast<int64_t>(first_page);  // pages before it are written or writing
+  int64_t persisted = static_cast<int64_t>(first_page);       // next document page to copy
+  int64_t durable = persisted;  // pages [first_page, durable) are in the store
   auto wait_put = [&]() -> absl::Status {
     const Stopwatch wait;
     absl::Status s;
@@ -675,11 +760,39 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     }
     put_in_flight.clear();
     store_wait_s += wait.ElapsedSeconds();
+    if (s.ok()) durable = in_flight_end;
     return s;
   };
-  int64_t persisted = static_cast<int64_t>(first_page);  // next document page to persist
-  int64_t durable = persisted;  // pages [first_page, durable) are in the store
+  // Waits for the chunk being encoded and starts its writes (after the previous writes returned).
+  auto write_encoded = [&]() -> absl::Status {
+    if (!encoding.valid()) return absl::OkStatus();
+    const Stopwatch wait;
+    EncodedChunk done = encoding.get();
+    encode_wait_s += wait.ElapsedSeconds();
+    encode_s += done.seconds;
+    encode_threads = std::max(encode_threads, done.threads);
+    STRATA_RETURN_IF_ERROR(done.status);
+    STRATA_RETURN_IF_ERROR(wait_put());
+    // Item i's page and summary go to the same batch: contiguous ranges of the (layer, page, KV
+    // head) order.
+    const int64_t total = static_cast<int64_t>(done.pages.size());
+    const int64_t writers = std::clamp<int64_t>(total / kPagesPerWriter, 1, kPersistWriters);
+    for (int64_t w = 0; w < writers && total > 0; ++w) {
+      const int64_t b = total * w / writers, e = total * (w + 1) / writers;
+      std::vector<kvstore::PageWrite> pw(std::make_move_iterator(done.pages.begin() + b),
+                                         std::make_move_iterator(done.pages.begin() + e));
+      std::vector<kvstore::SummaryWrite> sw(std::make_move_iterator(done.summaries.begin() + b),
+                                            std::make_move_iterator(done.summaries.begin() + e));
+      kvstore::PageStore* store = store_;
+      put_in_flight.push_back(std::async(std::launch::async, [store, pw = std::move(pw), sw = std::move(sw)]() {
+        return store->PutDeferred(pw, sw);
+      }));
+    }
+    in_flight_end = done.end;
+    return absl::OkStatus();
+  };
   int64_t done_tokens = 0;
+  int chunk_index = 0;
   while (done_tokens < n) {
     if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("prefill cancelled");
     const int64_t chunk = std::min<int64_t>(options_.prefill_chunk_size, n - done_tokens);
@@ -694,22 +807,14 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     AddCounters(metrics_, counters(), before);
     done_tokens += chunk;
     if (metrics_ != nullptr) metrics_->prefill_tokens->Increment(static_cast<double>(chunk));
-    // Persist the shard's pages that are now complete (all of them at the end).
+    // The shard's pages that are now complete (all of them at the end) are copied into this
+    // chunk's host set (its last reader, the encoding of two chunks ago, has finished: the
+    // previous iteration waited for it).
     const int64_t complete = done_tokens == n ? end_page : (s0 + done_tokens) / P;
     const int64_t count = complete - persisted;
-    const size_t page_elems = static_cast<size_t>(P) * d, page_bytes = page_elems * sizeof(uint16_t);
-    // Item (l, p, g) at ((l * count) + p - persisted) * H + g: the order of the batch.
-    const int64_t items_per_layer = count * H;
-    std::vector<kvstore::PageWrite> pages(static_cast<size_t>(std::max<int64_t>(0, L * items_per_layer)));
-    std::vector<kvstore::SummaryWrite> summaries(pages.size());
-    // Every layer's new pages are copied to the host ([L][H][count][P][d] for K and for V, one
-    // copy per (layer, KV head), one wait), then encoded by one parallel region over all of them:
-    // one team wake-up per chunk instead of one per layer (on the GPU machine the encoding in
-    // per-layer regions of 64 pages did not speed up with the team; bench/RESULTS.md).
-    const size_t layer_elems = static_cast<size_t>(H) * static_cast<size_t>(std::max<int64_t>(count, 0)) * page_elems;
+    HostPages& set = host_pages[chunk_index++ % 2];
     if (count > 0) {
-      kbuf.resize(static_cast<size_t>(L) * layer_elems);
-      vbuf.resize(kbuf.size());
+      const size_t layer_elems = static_cast<size_t>(H) * static_cast<size_t>(count) * page_elems;
       const Stopwatch cp;
       for (int l = 0; l < L; ++l) {
         const kernels::TensorView kp = cache->k_pool(l), vp = cache->v_pool(l);
@@ -718,61 +823,30 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
           const size_t off = static_cast<size_t>(slot) * page_bytes, n_bytes = static_cast<size_t>(count) * page_bytes;
           const size_t at = static_cast<size_t>(l) * layer_elems + static_cast<size_t>(g) * count * page_elems;
           STRATA_RETURN_IF_ERROR(
-              backend_->CopyToHost(kbuf.data() + at, static_cast<const char*>(kp.data) + off, n_bytes, nullptr));
+              backend_->CopyToHost(set.k + at, static_cast<const char*>(kp.data) + off, n_bytes, nullptr));
           STRATA_RETURN_IF_ERROR(
-              backend_->CopyToHost(vbuf.data() + at, static_cast<const char*>(vp.data) + off, n_bytes, nullptr));
+              backend_->CopyToHost(set.v + at, static_cast<const char*>(vp.data) + off, n_bytes, nullptr));
         }
       }
       STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
       copy_s += cp.ElapsedSeconds();
-      const Stopwatch enc;
-      const int64_t items = L * items_per_layer;
-      std::vector<absl::Status> item_status(static_cast<size_t>(items));
-#pragma omp parallel for schedule(dynamic, 4) num_threads(internal::HostTeam(items))
-      for (int64_t i = 0; i < items; ++i) {
-        const int l = static_cast<int>(i / items_per_layer);
-        const int64_t r = i % items_per_layer;
-        const int64_t p = persisted + r / H;
-        const int g = static_cast<int>(r % H);
-        const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
-        const size_t at = static_cast<size_t>(l) * layer_elems +
-                          (static_cast<size_t>(g) * count + static_cast<size_t>(p - persisted)) * page_elems;
-        pages[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
-        summaries[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
-                            static_cast<uint32_t>(p)};
-        item_status[static_cast<size_t>(i)] =
-            EncodePersistedPage(layout.page, kbuf.data() + at, vbuf.data() + at, valid, d, &pages[i], &summaries[i]);
-        if (i == 0) encode_threads = std::max(encode_threads, omp_get_num_threads());
-      }
-      encode_s += enc.ElapsedSeconds();
-      for (const absl::Status& st : item_status) STRATA_RETURN_IF_ERROR(st);
     }
-    STRATA_RETURN_IF_ERROR(wait_put());
-    durable = persisted;  // every page before this chunk's was in the Put just waited for
-    if (!pages.empty()) {
-      // Item i's page and summary go to the same batch: contiguous ranges of the (layer, page,
-      // KV head) order.
-      const int64_t total = static_cast<int64_t>(pages.size());
-      const int64_t writers = std::clamp<int64_t>(total / kPagesPerWriter, 1, kPersistWriters);
-      for (int64_t w = 0; w < writers; ++w) {
-        const int64_t b = total * w / writers, e = total * (w + 1) / writers;
-        std::vector<kvstore::PageWrite> pw(std::make_move_iterator(pages.begin() + b),
-                                           std::make_move_iterator(pages.begin() + e));
-        std::vector<kvstore::SummaryWrite> sw(std::make_move_iterator(summaries.begin() + b),
-                                              std::make_move_iterator(summaries.begin() + e));
-        kvstore::PageStore* store = store_;
-        put_in_flight.push_back(std::async(std::launch::async, [store, pw = std::move(pw), sw = std::move(sw)]() {
-          return store->PutDeferred(pw, sw);
-        }));
-      }
+    // The previous chunk's encoding is done: its writes start; this chunk's encoding starts.
+    STRATA_RETURN_IF_ERROR(write_encoded());
+    if (count > 0) {
+      encoding = std::async(std::launch::async, encode, set.k, set.v, persisted, count);
     }
     persisted = std::max(persisted, complete);
     progress.set_tokens_prefilled(static_cast<uint64_t>(done_tokens));
-    // Pages whose Put has returned (the chunk in flight is counted when it has).
+    // Pages whose writes have returned (the chunks being encoded and written count once they have).
     progress.set_pages_persisted(static_cast<uint64_t>(durable - static_cast<int64_t>(first_page)));
     if (on_progress && done_tokens < n) on_progress(progress);
   }
+  STRATA_RETURN_IF_ERROR(write_encoded());
   STRATA_RETURN_IF_ERROR(wait_put());
+  if (durable != persisted) {
+    return absl::InternalError(absl::StrCat("prefill: pages [", durable, ", ", persisted, ") not written"));
+  }
   progress.set_pages_persisted(static_cast<uint64_t>(persisted - static_cast<int64_t>(first_page)));
   // READY once every shard is durable: the last shard to get here finalizes the document.
   absl::StatusOr<v1::Document> ready = catalog_->FinalizeDocument(id);
@@ -794,7 +868,8 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                    << "): tokens=" << n
                    << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds() << " (forward " << forward_s
                    << ", copy " << copy_s << ", encode " << encode_s << " on " << encode_threads << " threads of " << omp_get_num_procs()
-                   << " processors, store wait " << store_wait_s << ")";
+                   << " processors beside the forward, encode wait " << encode_wait_s << ", store wait " << store_wait_s
+                   << ")";
   return absl::OkStatus();
 }
 
