@@ -186,7 +186,37 @@ absl::Status LocalStore::OpenDb() {
   documents_ = handles_[3];
   index_ = handles_[4];
   m_.capacity_bytes->Set(0);
-  return absl::OkStatus();
+  return CheckFormat();
+}
+
+namespace {
+constexpr char kFormatKey[] = "strata.store_format";
+constexpr char kFormat[] = "2";
+}  // namespace
+
+// The key encodings' version (kvstore/internal/keys.h), in the default column family. A store
+// without it is new (it gets the current one) or of format 1 (it has documents; its page keys
+// would not be found): refused.
+absl::Status LocalStore::CheckFormat() {
+  std::string value;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), handles_[0], kFormatKey, &value);
+  if (s.ok()) {
+    if (value == kFormat) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat("local store ", options_.path, " has store format ", value,
+                                                      "; this build reads format ", kFormat));
+  }
+  if (!s.IsNotFound()) return FromRocksDb(s, "read the store format");
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), documents_));
+  it->SeekToFirst();
+  if (it->Valid()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "local store ", options_.path, " was written by an older Strata (store format 1: page keys ordered by "
+        "layer first); this build reads format ", kFormat, ": prefill its documents into a new data directory"));
+  }
+  if (!it->status().ok()) return FromRocksDb(it->status(), "read the store format");
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return FromRocksDb(db_->Put(wo, handles_[0], kFormatKey, kFormat), "write the store format");
 }
 
 std::shared_mutex& LocalStore::StripeFor(const DocumentId& id) {
@@ -631,6 +661,13 @@ absl::StatusOr<std::string> LocalStore::RawPageForTesting(const PageKey& key) {
       db_->Get(rocksdb::ReadOptions(), pages_, internal::PageKeyBytes(key), &value);
   if (!s.ok()) return FromRocksDb(s, "raw page");
   return value;
+}
+
+absl::Status LocalStore::WriteFormatForTesting(const std::string& value) {
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  if (value.empty()) return FromRocksDb(db_->Delete(wo, handles_[0], kFormatKey), "delete the store format");
+  return FromRocksDb(db_->Put(wo, handles_[0], kFormatKey, value), "write the store format");
 }
 
 absl::Status LocalStore::OverwriteRawPageForTesting(const PageKey& key, const std::string& bytes) {

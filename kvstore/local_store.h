@@ -109,10 +109,13 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   // Test hooks: raw access to stored page bytes (e.g. to corrupt one).
   absl::StatusOr<std::string> RawPageForTesting(const PageKey& key);
   absl::Status OverwriteRawPageForTesting(const PageKey& key, const std::string& bytes);
+  // Sets the stored format marker to `value` ("" removes it), as another build would have left it.
+  absl::Status WriteFormatForTesting(const std::string& value);
 
  private:
   explicit LocalStore(const LocalStoreOptions& options);
   absl::Status OpenDb();
+  absl::Status CheckFormat();
   absl::Status Write(absl::Span<const PageWrite> pages, absl::Span<const SummaryWrite> summaries,
                      bool deferred);
   absl::Status WriteDocument(const v1::Document& doc);

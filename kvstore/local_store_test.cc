@@ -116,6 +116,28 @@ TEST_F(LocalStoreTest, WriteFinalizeReadBackBitExactAcrossReopen) {
   EXPECT_EQ(out[0], nullptr);
 }
 
+TEST_F(LocalStoreTest, StoresOfAnotherKeyFormatAreRefused) {
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(SmallLayout(), 40, kSeed);
+  Create(r);
+  Open();  // a store of this build reopens
+  ASSERT_NE(store_, nullptr);
+  // Documents but no format marker: written by a build of format 1.
+  STRATA_ASSERT_OK(store_->WriteFormatForTesting(""));
+  store_.reset();
+  LocalStoreOptions o;
+  o.path = dir_;
+  EXPECT_THAT(LocalStore::Open(o), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                            ::testing::HasSubstr("store format 1")));
+  // A marker of another format, on an empty store.
+  o.path = dir_ + "/other";
+  {
+    STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<LocalStore> other, LocalStore::Open(o));
+    STRATA_ASSERT_OK(other->WriteFormatForTesting("3"));
+  }
+  EXPECT_THAT(LocalStore::Open(o), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                            ::testing::HasSubstr("has store format 3")));
+}
+
 TEST_F(LocalStoreTest, BadWritesStoreNothing) {
   const KvLayout layout = SmallLayout();
   const v1::CreateDocumentRequest r = MakeDocumentRequest(layout, 40, kSeed);

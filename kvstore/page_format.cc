@@ -34,12 +34,11 @@ uint64_t PageChecksum(absl::string_view bytes) {
   return XXH3_64bits_digest(&state);
 }
 
-// Converts rows [n, d] of `src` (f32 or bf16) to f32, zero-padding to `rows`.
-std::vector<float> ToF32(const kernels::TensorView& t, int rows) {
+// Converts rows [n, d] of `src` (f32 or bf16) to f32 in *out, zero-padding to `rows`.
+void ToF32(const kernels::TensorView& t, int rows, std::vector<float>* out) {
   const int64_t n = t.dim(0), d = t.dim(1);
-  std::vector<float> out(static_cast<size_t>(rows) * d, 0.0f);
-  kernels::ConvertToF32(t.data, t.dtype, out.data(), n * d);
-  return out;
+  out->assign(static_cast<size_t>(rows) * d, 0.0f);
+  kernels::ConvertToF32(t.data, t.dtype, out->data(), n * d);
 }
 
 float AbsMax(const std::vector<float>& x) {
@@ -88,6 +87,14 @@ size_t PageShape::EncodedBytes() const {
 absl::StatusOr<std::string> EncodePage(const PageShape& shape, const kernels::TensorView& k,
                                        const kernels::TensorView& v) {
   if (absl::Status s = shape.Validate(); !s.ok()) return s;
+  std::string out(shape.EncodedBytes(), '\0');
+  if (absl::Status s = EncodePageTo(shape, k, v, out.data()); !s.ok()) return s;
+  return out;
+}
+
+absl::Status EncodePageTo(const PageShape& shape, const kernels::TensorView& k,
+                          const kernels::TensorView& v, char* out) {
+  if (absl::Status s = shape.Validate(); !s.ok()) return s;
   if (absl::Status s = CheckInput(shape, k, "K"); !s.ok()) return s;
   if (absl::Status s = CheckInput(shape, v, "V"); !s.ok()) return s;
   if (k.dim(0) != v.dim(0)) {
@@ -97,8 +104,8 @@ absl::StatusOr<std::string> EncodePage(const PageShape& shape, const kernels::Te
   const int n = static_cast<int>(k.dim(0));
   const size_t elems = static_cast<size_t>(shape.page_size) * shape.head_dim;
   const size_t esize = kernels::DTypeSize(shape.dtype);
-  std::string out(shape.EncodedBytes(), '\0');
-  char* p = out.data();
+  char* p = out;
+  std::memset(p, 0, shape.EncodedBytes());
   std::memcpy(p, kMagic, 4);
   Store<uint16_t>(p + 4, kPageFormatVersion);
   Store<uint8_t>(p + 6, static_cast<uint8_t>(shape.dtype));
@@ -116,7 +123,8 @@ absl::StatusOr<std::string> EncodePage(const PageShape& shape, const kernels::Te
       std::memcpy(dsts[i], src.data, static_cast<size_t>(n) * shape.head_dim * esize);
       continue;
     }
-    std::vector<float> f = ToF32(src, shape.page_size);
+    thread_local std::vector<float> f;  // scratch: pages are encoded one after another
+    ToF32(src, shape.page_size, &f);
     if (shape.dtype == kernels::DType::kFP8E4M3) {
       const float amax = AbsMax(f);
       const float scale = (std::isfinite(amax) && amax > 0.0f) ? amax / kFp8Max : 1.0f;
@@ -127,8 +135,8 @@ absl::StatusOr<std::string> EncodePage(const PageShape& shape, const kernels::Te
   }
   Store<float>(p + 16, scales[0]);
   Store<float>(p + 20, scales[1]);
-  Store<uint64_t>(p + kChecksumOffset, PageChecksum(out));
-  return out;
+  Store<uint64_t>(p + kChecksumOffset, PageChecksum(absl::string_view(p, shape.EncodedBytes())));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PageHeader> ParsePageHeader(absl::string_view bytes) {

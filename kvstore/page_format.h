@@ -66,6 +66,9 @@ struct PageHeader {
 // conversion does (fp8 saturates; NaN stays NaN; a NaN amax gives scale 1).
 absl::StatusOr<std::string> EncodePage(const PageShape& shape, const kernels::TensorView& k,
                                        const kernels::TensorView& v);
+// The same bytes written to out[0, shape.EncodedBytes()) (e.g. a page buffer being filled).
+absl::Status EncodePageTo(const PageShape& shape, const kernels::TensorView& k,
+                          const kernels::TensorView& v, char* out);
 
 // Parses the header of `bytes` and checks its size against it. InvalidArgument: too short, bad
 // magic, unknown version or dtype, size mismatch. Does not verify the checksum.

@@ -32,6 +32,15 @@ absl::StatusOr<PageRef> PageBuffer::Copy(absl::string_view bytes, PageAllocator*
   return PageRef(new PageBuffer(p, bytes.size(), allocator));
 }
 
+absl::StatusOr<std::shared_ptr<PageBuffer>> PageBuffer::Allocate(size_t bytes, PageAllocator* allocator) {
+  if (allocator == nullptr) allocator = DefaultPageAllocator();
+  char* p = static_cast<char*>(allocator->Allocate(bytes));
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("page allocator: no memory for ", bytes, " bytes"));
+  }
+  return std::shared_ptr<PageBuffer>(new PageBuffer(p, bytes, allocator));
+}
+
 PageBuffer::~PageBuffer() { allocator_->Free(data_, size_); }
 
 v1::KvLayout LayoutToProto(const KvLayout& layout) {

@@ -85,11 +85,15 @@ class PageBuffer {
   // ResourceExhausted when the allocator returns nullptr.
   static absl::StatusOr<std::shared_ptr<const PageBuffer>> Copy(absl::string_view bytes,
                                                                 PageAllocator* allocator = nullptr);
+  // `bytes` of uninitialized memory from `allocator`, for the caller to fill through
+  // mutable_data() before it shares the buffer (as a PageRef). ResourceExhausted as Copy.
+  static absl::StatusOr<std::shared_ptr<PageBuffer>> Allocate(size_t bytes, PageAllocator* allocator = nullptr);
   ~PageBuffer();
   PageBuffer(const PageBuffer&) = delete;
   PageBuffer& operator=(const PageBuffer&) = delete;
 
   const char* data() const { return data_; }
+  char* mutable_data() { return data_; }
   size_t size() const { return size_; }
   absl::string_view view() const { return absl::string_view(data_, size_); }
   PageAllocator* allocator() const { return allocator_; }

@@ -93,18 +93,24 @@ absl::Status EncodePersistedPage(const kvstore::PageShape& shape, const uint16_t
                                  int d, kvstore::PageWrite* pw, kvstore::SummaryWrite* sw) {
   const kernels::TensorView kv(const_cast<uint16_t*>(k), kernels::DType::kBF16, {valid, d});
   const kernels::TensorView vv(const_cast<uint16_t*>(v), kernels::DType::kBF16, {valid, d});
-  STRATA_ASSIGN_OR_RETURN(std::string encoded, kvstore::EncodePage(shape, kv, vv));
+  // Encoded straight into the page's buffer (no intermediate string).
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<kvstore::PageBuffer> page, kvstore::PageBuffer::Allocate(shape.EncodedBytes()));
+  STRATA_RETURN_IF_ERROR(kvstore::EncodePageTo(shape, kv, vv, page->mutable_data()));
   // Scratch kept per thread (the encoding runs on a team, page after page).
-  // The keys as stored, f32 (K then V for fp8, as DecodePage gives them; K for bf16).
+  // The keys as stored, f32: for fp8 what DecodePage gives (codes times the page's K scale), for
+  // bf16 the keys themselves. Only K is decoded; the page was just encoded, so its checksum is
+  // not verified again.
   thread_local std::vector<float> stored;
   thread_local std::vector<float> summary;
-  stored.resize(2 * static_cast<size_t>(shape.page_size) * d);
+  stored.resize(static_cast<size_t>(valid) * d);
   if (shape.dtype != kernels::DType::kBF16) {
-    STRATA_RETURN_IF_ERROR(kvstore::DecodePage(encoded, stored.data(), stored.data() + stored.size() / 2));
+    STRATA_ASSIGN_OR_RETURN(const kvstore::PageHeader header, kvstore::ParsePageHeader(page->view()));
+    kernels::ConvertToF32(kvstore::PageKBytes(page->view()).data(), shape.dtype, stored.data(), static_cast<int64_t>(valid) * d);
+    for (float& x : stored) x *= header.k_scale;
   } else {
     kernels::ConvertToF32(k, kernels::DType::kBF16, stored.data(), static_cast<int64_t>(valid) * d);
   }
-  STRATA_ASSIGN_OR_RETURN(pw->data, kvstore::PageBuffer::Copy(encoded));
+  pw->data = std::move(page);
   summary.resize(2 * static_cast<size_t>(d));
   for (int j = 0; j < d; ++j) {
     summary[j] = std::numeric_limits<float>::infinity();

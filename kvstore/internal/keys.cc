@@ -13,9 +13,9 @@ void PutU32(std::string* s, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) s->push_back(static_cast<char>((v >> shift) & 0xff));
 }
 void PageSuffix(std::string* s, const PageKey& k) {
+  PutU32(s, k.page_index);
   PutU16(s, k.layer);
   PutU16(s, k.kv_head);
-  PutU32(s, k.page_index);
 }
 void SummarySuffix(std::string* s, const SummaryKey& k) {
   PutU16(s, k.layer);
@@ -37,7 +37,7 @@ uint8_t* WriteU32(uint8_t* at, uint32_t v) {
 
 void WritePageKey(const PageKey& k, uint8_t* out) {
   std::memcpy(out, k.document.bytes.data(), 16);
-  WriteU32(WriteU16(WriteU16(out + 16, k.layer), k.kv_head), k.page_index);
+  WriteU16(WriteU16(WriteU32(out + 16, k.page_index), k.layer), k.kv_head);
 }
 
 void WriteSummaryKey(const SummaryKey& k, uint8_t* out) {

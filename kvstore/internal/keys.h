@@ -1,9 +1,12 @@
 // Key encodings of the KV store (RocksDB column families and the host cache).
 //
 // All integers are big-endian so that bytewise order is numeric order, and every key starts with
-// the 16 document-id bytes, so one document's keys form one contiguous range (range deletes) and
-// a document's pages of one layer and KV head are adjacent, in page order:
-//   pages:      doc(16) | layer(u16) | kv_head(u16) | page_index(u32)              24 bytes
+// the 16 document-id bytes, so one document's keys form one contiguous range (range deletes).
+// Page keys put the page index before the layer and KV head: a prefill writes a document's pages
+// in page order (each chunk's new pages of every layer and head), so successive memtable flushes
+// cover disjoint, increasing key ranges and RocksDB moves the files down the levels without
+// rewriting them (store format 2; format 1 had layer | kv_head | page_index).
+//   pages:      doc(16) | page_index(u32) | layer(u16) | kv_head(u16)              24 bytes
 //   summaries:  doc(16) | layer(u16) | kv_head(u16) | kind(u32) | index(u32)        28 bytes
 //   index:      doc(16) | 'p' | page key suffix (8)   or   doc(16) | 's' | summary suffix (12)
 //   documents:  doc(16)
