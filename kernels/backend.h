@@ -479,6 +479,30 @@ struct AppendKvParams {
   float v_scale = 1.0f;
 };
 
+// The fp8 e4m3 encoding of persisted KV pages (the payload and scales of kvstore/page_format.h)
+// and the minmax summary of their keys as stored, read from bf16 pool pages of one layer. Item
+// (g, j), g < num_heads, j < count, at index g * count + j, is the page in slot
+// first_slot + g * head_slot_stride + j of k_pool / v_pool; its first `valid` rows count (P for
+// every item but each head's last, which has last_valid) and the rest read as 0. For K (and V):
+//   scale = amax / 448 over the page's P x d values, or 1 when amax is 0, infinite or NaN;
+//   codes = F32ToFP8E4M3(x / scale) for every row (rows past valid: 0);
+//   summary (K only) = per channel the min, then the max, over the valid rows of
+//     FP8E4M3ToF32(code) * scale, compared as std::min / std::max do (NaN never wins).
+// Bit for bit kvstore::EncodePage's bytes and the worker's summary of them. InvalidArgument for
+// mismatched shapes or a slot outside the pools.
+struct EncodeFp8PagesParams {
+  TensorView k_pool;               // [num_slots, page_size, head_dim] bf16
+  TensorView v_pool;               // same shape and dtype
+  int64_t first_slot = 0;
+  int64_t head_slot_stride = 0;
+  int num_heads = 0;
+  int64_t count = 0;               // pages per head
+  int last_valid = 0;              // 1..page_size
+  TensorView codes;                // [num_heads * count, 2, page_size, head_dim] fp8_e4m3: K, V
+  TensorView scales;               // [num_heads * count, 2] f32: K, V
+  TensorView summaries;            // [num_heads * count, 2 * head_dim] f32: min, max
+};
+
 // A recorded sequence of ops (a CUDA graph), from Backend::EndCapture. Replay runs the recorded
 // ops again on stream `s` with the same views and params: values read from backend memory (ids,
 // positions, lengths passed by pointer) are read anew, host values are those of the capture.
@@ -559,6 +583,11 @@ class Backend {
   // then appends through host copies).
   virtual absl::Status AppendKv(const AppendKvParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": AppendKv");
+  }
+  // Persisted fp8 page encoding (above). Backends without it return Unimplemented (the worker then
+  // copies bf16 pages to the host and encodes them there).
+  virtual absl::Status EncodeFp8Pages(const EncodeFp8PagesParams& p, Stream s) {
+    return absl::UnimplementedError(Name() + ": EncodeFp8Pages");
   }
 
   // Graph capture (the one-token decode step, engine::TransformerOptions::decode_graph). Between

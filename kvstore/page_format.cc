@@ -139,6 +139,29 @@ absl::Status EncodePageTo(const PageShape& shape, const kernels::TensorView& k,
   return absl::OkStatus();
 }
 
+absl::Status AssemblePage(const PageShape& shape, int num_tokens, float k_scale, float v_scale,
+                          const void* k, const void* v, char* out) {
+  if (absl::Status s = shape.Validate(); !s.ok()) return s;
+  if (num_tokens < 0 || num_tokens > shape.page_size) {
+    return absl::InvalidArgumentError(absl::StrCat("page: num_tokens ", num_tokens, " not in [0, ", shape.page_size, "]"));
+  }
+  const size_t half = static_cast<size_t>(shape.page_size) * shape.head_dim * kernels::DTypeSize(shape.dtype);
+  char* p = out;
+  std::memset(p, 0, kPageHeaderBytes);
+  std::memcpy(p, kMagic, 4);
+  Store<uint16_t>(p + 4, kPageFormatVersion);
+  Store<uint8_t>(p + 6, static_cast<uint8_t>(shape.dtype));
+  Store<uint16_t>(p + 8, static_cast<uint16_t>(shape.page_size));
+  Store<uint16_t>(p + 10, static_cast<uint16_t>(shape.head_dim));
+  Store<uint16_t>(p + 12, static_cast<uint16_t>(num_tokens));
+  Store<float>(p + 16, k_scale);
+  Store<float>(p + 20, v_scale);
+  std::memcpy(p + kPageHeaderBytes, k, half);
+  std::memcpy(p + kPageHeaderBytes + half, v, half);
+  Store<uint64_t>(p + kChecksumOffset, PageChecksum(absl::string_view(p, shape.EncodedBytes())));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PageHeader> ParsePageHeader(absl::string_view bytes) {
   if (bytes.size() < kPageHeaderBytes) {
     return absl::InvalidArgumentError(

@@ -69,6 +69,11 @@ absl::StatusOr<std::string> EncodePage(const PageShape& shape, const kernels::Te
 // The same bytes written to out[0, shape.EncodedBytes()) (e.g. a page buffer being filled).
 absl::Status EncodePageTo(const PageShape& shape, const kernels::TensorView& k,
                           const kernels::TensorView& v, char* out);
+// A page whose elements were encoded elsewhere (e.g. by kernels::Backend::EncodeFp8Pages): the
+// header, K and V ([P, d] each, elements of shape.dtype) and the checksum written to
+// out[0, shape.EncodedBytes()). InvalidArgument for a bad shape or num_tokens.
+absl::Status AssemblePage(const PageShape& shape, int num_tokens, float k_scale, float v_scale,
+                          const void* k, const void* v, char* out);
 
 // Parses the header of `bytes` and checks its size against it. InvalidArgument: too short, bad
 // magic, unknown version or dtype, size mismatch. Does not verify the checksum.

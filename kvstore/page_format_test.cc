@@ -8,6 +8,7 @@
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
 
 namespace strata::kvstore {
 namespace {
@@ -188,6 +189,83 @@ TEST(PageFormatTest, MalformedInputIsRejected) {
   EXPECT_THAT(ParsePageHeader(page + "x"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParsePageHeader(page.substr(0, page.size() - 2)),
               StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// kernels' EncodeFp8Pages (the CPU twin; the CUDA one is checked against it in cuda_backend_test)
+// assembled with AssemblePage gives EncodePage's bytes, and its summary bounds the decoded keys as
+// the worker's host path computes them: awkward values (NaN, inf, zeros of both signs, values in
+// e4m3's subnormal range, rows past the valid ones holding garbage), two heads with interleaved
+// slots, a partial last page.
+TEST(PageFormatTest, EncodeFp8PagesOpGivesEncodePageBytes) {
+  for (const auto [page, d] : {std::pair<int, int>{16, 32}, std::pair<int, int>{64, 128}}) {
+    SCOPED_TRACE(::testing::Message() << "page " << page << " d " << d << " seed " << kSeed);
+    std::mt19937 rng(kSeed + page);
+    const int slots = 12, heads = 2, count = 4, last_valid = page / 2 - 1;
+    const size_t pe = static_cast<size_t>(page) * d;
+    std::vector<uint16_t> kpool(slots * pe), vpool(slots * pe);
+    for (std::vector<uint16_t>* pool : {&kpool, &vpool}) {
+      std::vector<float> f = RandomF32(pool->size(), &rng);
+      for (size_t s = 0; s < static_cast<size_t>(slots); ++s) {
+        const float mul = s % 3 == 0 ? 1e-3f : s % 3 == 1 ? 1.0f : 300.0f;
+        for (size_t e = 0; e < pe; ++e) f[s * pe + e] *= mul;
+      }
+      f[3 * pe + 5] = NAN;                          // slot 3: a NaN (scale 1)
+      f[6 * pe + 9] = INFINITY;                     // slot 6: inf (scale 1, saturates)
+      std::fill(f.begin() + 7 * pe, f.begin() + 8 * pe, 0.0f);  // slot 7: all zero
+      for (size_t e = 0; e < pe; e += 3) f[8 * pe + e] = e % 2 ? -0.0f : 0.0f;  // slot 8: signed zeros
+      f[8 * pe + 1] = 1e-9f;                        // and e4m3 subnormals after scaling
+      kernels::ConvertFromF32(f.data(), pool->data(), DType::kBF16, static_cast<int64_t>(f.size()));
+    }
+    kernels::EncodeFp8PagesParams p;
+    p.k_pool = TensorView(kpool.data(), DType::kBF16, {slots, page, d});
+    p.v_pool = TensorView(vpool.data(), DType::kBF16, {slots, page, d});
+    p.first_slot = 1;
+    p.head_slot_stride = 5;  // head 0: slots 1-4, head 1: slots 6-9 (last page partial)
+    p.num_heads = heads;
+    p.count = count;
+    p.last_valid = last_valid;
+    const int items = heads * count;
+    std::vector<uint8_t> codes(items * 2 * pe);
+    std::vector<float> scales(items * 2), sums(items * 2 * d);
+    p.codes = TensorView(codes.data(), DType::kFP8E4M3, {items, 2, page, d});
+    p.scales = TensorView(scales.data(), DType::kF32, {items, 2});
+    p.summaries = TensorView(sums.data(), DType::kF32, {items, 2 * d});
+    STRATA_ASSERT_OK(kernels::CpuEncodeFp8Pages(p));
+    const PageShape shape{DType::kFP8E4M3, page, d};
+    for (int i = 0; i < items; ++i) {
+      const int g = i / count, j = i % count;
+      const int slot = 1 + 5 * g + j, valid = j == count - 1 ? last_valid : page;
+      STRATA_ASSERT_OK_AND_ASSIGN(
+          const std::string want,
+          EncodePage(shape, TensorView(kpool.data() + slot * pe, DType::kBF16, {valid, d}),
+                     TensorView(vpool.data() + slot * pe, DType::kBF16, {valid, d})));
+      std::string got(shape.EncodedBytes(), '\0');
+      STRATA_ASSERT_OK(AssemblePage(shape, valid, scales[2 * i], scales[2 * i + 1], codes.data() + 2 * i * pe,
+                                    codes.data() + (2 * i + 1) * pe, got.data()));
+      ASSERT_EQ(got, want) << "item " << i << " (slot " << slot << ")";
+      std::vector<float> kd(pe), vd(pe);
+      STRATA_ASSERT_OK(DecodePage(got, kd.data(), vd.data()));
+      for (int c = 0; c < d; ++c) {
+        float lo = INFINITY, hi = -INFINITY;
+        for (int t = 0; t < valid; ++t) {
+          lo = std::min(lo, kd[t * d + c]);
+          hi = std::max(hi, kd[t * d + c]);
+        }
+        ASSERT_EQ(std::memcmp(&sums[i * 2 * d + c], &lo, 4), 0) << "item " << i << " min " << c;
+        ASSERT_EQ(std::memcmp(&sums[i * 2 * d + d + c], &hi, 4), 0) << "item " << i << " max " << c;
+      }
+    }
+    // Refused: a slot outside the pools, a last page with no row, a codes view of the wrong size.
+    kernels::EncodeFp8PagesParams bad = p;
+    bad.head_slot_stride = 9;
+    EXPECT_THAT(kernels::CpuEncodeFp8Pages(bad), StatusIs(absl::StatusCode::kInvalidArgument));
+    bad = p;
+    bad.last_valid = 0;
+    EXPECT_THAT(kernels::CpuEncodeFp8Pages(bad), StatusIs(absl::StatusCode::kInvalidArgument));
+    bad = p;
+    bad.count = 3;
+    EXPECT_THAT(kernels::CpuEncodeFp8Pages(bad), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
 }
 
 TEST(PageFormatTest, SummaryFramingDetectsCorruption) {

@@ -672,23 +672,47 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   const size_t page_elems = static_cast<size_t>(P) * d, page_bytes = page_elems * sizeof(uint16_t);
   const int64_t max_chunk_pages =
       std::min<int64_t>((options_.prefill_chunk_size + P - 1) / P + 1, end_page - static_cast<int64_t>(first_page));
-  const size_t set_elems = static_cast<size_t>(L) * H * static_cast<size_t>(std::max<int64_t>(max_chunk_pages, 1)) * page_elems;
+  const int64_t max_items = static_cast<int64_t>(L) * H * std::max<int64_t>(max_chunk_pages, 1);
+  const size_t set_elems = static_cast<size_t>(max_items) * page_elems;
+  // fp8 pages are encoded on the backend when it can (Backend::EncodeFp8Pages: the fp8 codes,
+  // scales and key summaries of every new page of a layer in one op, into `encoded_*` in backend
+  // memory, items [l][g][page]); only those are copied to the host (half a bf16 page's bytes),
+  // where the encoder thread frames each page (header, checksum). Otherwise the bf16 pages are
+  // copied and encoded on the host.
+  std::unique_ptr<kernels::Buffer> encoded_codes, encoded_scales, encoded_sums;
+  if (layout.page.dtype == kernels::DType::kFP8E4M3) {
+    auto codes = backend_->Allocate(static_cast<size_t>(max_items) * 2 * page_elems);
+    auto scales = backend_->Allocate(static_cast<size_t>(max_items) * 2 * sizeof(float));
+    auto sums = backend_->Allocate(static_cast<size_t>(max_items) * 2 * d * sizeof(float));
+    if (codes.ok() && scales.ok() && sums.ok()) {
+      encoded_codes = *std::move(codes), encoded_scales = *std::move(scales), encoded_sums = *std::move(sums);
+    }
+  }
+  bool device_encode = encoded_codes != nullptr;  // cleared if the backend lacks the op
+  const size_t codes_bytes = static_cast<size_t>(max_items) * 2 * page_elems;
+  const size_t scales_bytes = static_cast<size_t>(max_items) * 2 * sizeof(float);
+  const size_t set_bytes =
+      std::max(2 * set_elems * sizeof(uint16_t), codes_bytes + scales_bytes + static_cast<size_t>(max_items) * 2 * d * sizeof(float));
   struct HostPages {
     std::unique_ptr<kernels::Buffer> pinned;
-    std::vector<uint16_t> plain;
+    std::vector<char> plain;
+    char* base = nullptr;
+    // bf16 pages: K and V [L][H][pages][P][d]; device-encoded fp8 pages: codes [L][H][pages][2][P][d],
+    // then scales [..][2] f32, then summaries [..][2d] f32.
     uint16_t* k = nullptr;
     uint16_t* v = nullptr;
   };
   HostPages host_pages[2];
   for (HostPages& h : host_pages) {
-    absl::StatusOr<std::unique_ptr<kernels::Buffer>> b = backend_->AllocateHost(2 * set_elems * sizeof(uint16_t));
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> b = backend_->AllocateHost(set_bytes);
     if (b.ok()) {
       h.pinned = *std::move(b);
-      h.k = static_cast<uint16_t*>(h.pinned->data());
+      h.base = static_cast<char*>(h.pinned->data());
     } else {
-      h.plain.resize(2 * set_elems);
-      h.k = h.plain.data();
+      h.plain.resize(set_bytes);
+      h.base = h.plain.data();
     }
+    h.k = reinterpret_cast<uint16_t*>(h.base);
     h.v = h.k + set_elems;
   }
   // Where the shard's time goes (logged at the end), on this thread: the forward, the copies of
@@ -733,6 +757,63 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                               static_cast<uint32_t>(p)};
       item_status[static_cast<size_t>(i)] =
           EncodePersistedPage(layout.page, kb + at, vb + at, valid, d, &out.pages[i], &out.summaries[i]);
+      if (i == 0) threads = omp_get_num_threads();
+    }
+    for (absl::Status& st : item_status) {
+      if (!st.ok()) {
+        out.status = std::move(st);
+        break;
+      }
+    }
+    out.seconds = enc.ElapsedSeconds();
+    out.threads = threads;
+    return out;
+  };
+  // The device-encoded variant: frames pages [first, first + count) of every layer and KV head from
+  // a host set's codes, scales and summaries (items [l][g][page], as EncodeFp8Pages wrote them).
+  auto frame = [&layout, id, num_tokens, L, H, P, d, page_elems, codes_bytes, scales_bytes](
+                   const char* base, int64_t first, int64_t count) {
+    const Stopwatch enc;
+    EncodedChunk out;
+    out.end = first + count;
+    const int64_t items = static_cast<int64_t>(L) * H * count;
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(base);
+    const float* scales = reinterpret_cast<const float*>(base + codes_bytes);
+    const float* sums = reinterpret_cast<const float*>(base + codes_bytes + scales_bytes);
+    out.pages.resize(static_cast<size_t>(items));
+    out.summaries.resize(static_cast<size_t>(items));
+    std::vector<absl::Status> item_status(static_cast<size_t>(items));
+    int threads = 0;
+#pragma omp parallel for schedule(dynamic, 16) num_threads(internal::HostTeam(items))
+    for (int64_t i = 0; i < items; ++i) {
+      const int l = static_cast<int>(i / (H * count));
+      const int64_t r = i % (H * count);
+      const int g = static_cast<int>(r / count);
+      const int64_t p = first + r % count;
+      const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
+      out.pages[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
+      out.summaries[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
+                              static_cast<uint32_t>(p)};
+      absl::Status st;
+      absl::StatusOr<std::shared_ptr<kvstore::PageBuffer>> page = kvstore::PageBuffer::Allocate(layout.page.EncodedBytes());
+      if (!page.ok()) {
+        st = page.status();
+      } else {
+        const uint8_t* k = codes + static_cast<size_t>(i) * 2 * page_elems;
+        st = kvstore::AssemblePage(layout.page, valid, scales[2 * i], scales[2 * i + 1], k, k + page_elems,
+                                   (*page)->mutable_data());
+        out.pages[i].data = *std::move(page);
+      }
+      if (st.ok()) {
+        absl::StatusOr<kvstore::PageRef> sum = kvstore::PageBuffer::Copy(absl::string_view(
+            reinterpret_cast<const char*>(sums + static_cast<size_t>(i) * 2 * d), 2 * d * sizeof(float)));
+        if (sum.ok()) {
+          out.summaries[i].data = *std::move(sum);
+        } else {
+          st = sum.status();
+        }
+      }
+      item_status[static_cast<size_t>(i)] = std::move(st);
       if (i == 0) threads = omp_get_num_threads();
     }
     for (absl::Status& st : item_status) {
@@ -819,7 +900,52 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     const int64_t complete = done_tokens == n ? end_page : (s0 + done_tokens) / P;
     const int64_t count = complete - persisted;
     HostPages& set = host_pages[chunk_index++ % 2];
-    if (count > 0) {
+    if (count > 0 && device_encode) {
+      // Every layer's new pages encoded on the backend (items [l][g][page]), then one copy each of
+      // the codes, scales and summaries of this chunk's items.
+      const Stopwatch cp;
+      const int64_t items = static_cast<int64_t>(L) * H * count;
+      const int64_t rel = persisted - cache_first / P;  // the chunk's first page in the cache
+      for (int l = 0; l < L && device_encode; ++l) {
+        kernels::EncodeFp8PagesParams ep;
+        ep.k_pool = cache->k_pool(l);
+        ep.v_pool = cache->v_pool(l);
+        ep.first_slot = cache->SlotOf(l, 0, rel);
+        ep.head_slot_stride = H > 1 ? cache->SlotOf(l, 1, rel) - ep.first_slot : 0;
+        for (int g = 0; g < H; ++g) {
+          if (cache->SlotOf(l, g, rel) != ep.first_slot + g * ep.head_slot_stride) {
+            return absl::InternalError("prefill: the KV cache's head slots are not evenly spaced");
+          }
+        }
+        ep.num_heads = H;
+        ep.count = count;
+        ep.last_valid = static_cast<int>(std::min<int64_t>(P, num_tokens - (persisted + count - 1) * P));
+        const int64_t at = static_cast<int64_t>(l) * H * count;
+        ep.codes = kernels::TensorView(static_cast<uint8_t*>(encoded_codes->data()) + at * 2 * page_elems,
+                                       kernels::DType::kFP8E4M3, {H * count, 2, P, d});
+        ep.scales = kernels::TensorView(static_cast<float*>(encoded_scales->data()) + at * 2, kernels::DType::kF32,
+                                        {H * count, 2});
+        ep.summaries = kernels::TensorView(static_cast<float*>(encoded_sums->data()) + at * 2 * d,
+                                           kernels::DType::kF32, {H * count, 2 * d});
+        absl::Status st = backend_->EncodeFp8Pages(ep, nullptr);
+        if (st.code() == absl::StatusCode::kUnimplemented && l == 0 && persisted == static_cast<int64_t>(first_page)) {
+          device_encode = false;  // the backend lacks the op: the host path from the first chunk on
+          break;
+        }
+        STRATA_RETURN_IF_ERROR(st);
+      }
+      if (device_encode) {
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base, encoded_codes->data(),
+                                                    static_cast<size_t>(items) * 2 * page_elems, nullptr));
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base + codes_bytes, encoded_scales->data(),
+                                                    static_cast<size_t>(items) * 2 * sizeof(float), nullptr));
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base + codes_bytes + scales_bytes, encoded_sums->data(),
+                                                    static_cast<size_t>(items) * 2 * d * sizeof(float), nullptr));
+        STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+        copy_s += cp.ElapsedSeconds();
+      }
+    }
+    if (count > 0 && !device_encode) {
       const size_t layer_elems = static_cast<size_t>(H) * static_cast<size_t>(count) * page_elems;
       const Stopwatch cp;
       for (int l = 0; l < L; ++l) {
@@ -840,7 +966,8 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     // The previous chunk's encoding is done: its writes start; this chunk's encoding starts.
     STRATA_RETURN_IF_ERROR(write_encoded());
     if (count > 0) {
-      encoding = std::async(std::launch::async, encode, set.k, set.v, persisted, count);
+      encoding = device_encode ? std::async(std::launch::async, frame, set.base, persisted, count)
+                               : std::async(std::launch::async, encode, set.k, set.v, persisted, count);
     }
     persisted = std::max(persisted, complete);
     progress.set_tokens_prefilled(static_cast<uint64_t>(done_tokens));
@@ -873,7 +1000,8 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                    << (device != nullptr ? absl::StrCat(options_.prefill_policy, " on the device") : policy->Name())
                    << "): tokens=" << n
                    << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds() << " (forward " << forward_s
-                   << ", copy " << copy_s << ", encode " << encode_s << " on " << encode_threads << " threads of " << omp_get_num_procs()
+                   << ", copy " << copy_s << (device_encode ? ", fp8 pages encoded on the backend, framed " : ", encode ")
+                   << encode_s << " on " << encode_threads << " threads of " << omp_get_num_procs()
                    << " processors beside the forward, encode wait " << encode_wait_s << ", store wait " << store_wait_s
                    << ")";
   return absl::OkStatus();

@@ -188,6 +188,7 @@ absl::Status CpuBackend::ResolvePages(const ResolvePagesParams& p, Stream) {
   return CpuResolvePages(p);
 }
 absl::Status CpuBackend::AppendKv(const AppendKvParams& p, Stream) { return CpuAppendKv(p); }
+absl::Status CpuBackend::EncodeFp8Pages(const EncodeFp8PagesParams& p, Stream) { return CpuEncodeFp8Pages(p); }
 
 // Device-resident selection (kernels/cpu/selection.cc): run on the calling thread, except
 // SelectedAttention (KV heads in parallel when the work is large enough).

@@ -64,6 +64,9 @@ absl::Status CpuResolvePages(const ResolvePagesParams& p);
 // scales, every slot inside the pools) and the op (ConvertFromF32 of each row; fp8: of x / scale).
 absl::Status CpuSupportsAppendKv(const AppendKvParams& p);
 absl::Status CpuAppendKv(const AppendKvParams& p);
+// EncodeFp8Pages (kernels/cpu/kv_append.cc): the validation shared with the CUDA backend and the op.
+absl::Status CpuSupportsEncodeFp8Pages(const EncodeFp8PagesParams& p);
+absl::Status CpuEncodeFp8Pages(const EncodeFp8PagesParams& p);
 
 // Device-resident sparse selection (kernels/cpu/selection.cc; semantics in kernels/backend.h).
 // The CpuSupports* twins are also the validation of the CUDA backend's versions.
@@ -148,6 +151,7 @@ class CpuBackend : public Backend {
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
   absl::Status ResolvePages(const ResolvePagesParams& p, Stream s) override;
   absl::Status AppendKv(const AppendKvParams& p, Stream s) override;
+  absl::Status EncodeFp8Pages(const EncodeFp8PagesParams& p, Stream s) override;
 
  private:
   // Sets the OpenMP thread count for the calling thread before an op of `work` elements (or

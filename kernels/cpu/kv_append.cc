@@ -1,6 +1,7 @@
-// AppendKv on the CPU: the specification of the KV-cache append op (kernels/backend.h) and the
-// validation the CUDA backend shares. Rows are converted with kernels::ConvertFromF32 (fp8 pools:
-// of x / scale), so the CUDA kernel's rounding is checked against this.
+// AppendKv and EncodeFp8Pages on the CPU: the specification of the KV-cache append op and of the
+// persisted fp8 page encoding (kernels/backend.h) and the validation the CUDA backend shares. Rows
+// are converted with kernels::ConvertFromF32 / F32ToFP8E4M3, so the CUDA kernels' rounding is
+// checked against these.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -84,6 +85,93 @@ absl::Status CpuAppendKv(const AppendKvParams& p) {
         for (int64_t c = 0; c < d; ++c) row[c] = fp8 ? x[c] / scale : x[c];
         ConvertFromF32(row.data(), static_cast<char*>((kv == 0 ? p.k_pool : p.v_pool).data) + dst * es,
                        p.k_pool.dtype, d);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuSupportsEncodeFp8Pages(const EncodeFp8PagesParams& p) {
+  constexpr const char* kOp = "EncodeFp8Pages";
+  STRATA_RETURN_IF_ERROR(CheckRank(p.k_pool, 3, kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.k_pool, DType::kBF16, kOp, "k_pool"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.v_pool, 3, kOp, "v_pool"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.v_pool, DType::kBF16, kOp, "v_pool"));
+  for (int i = 0; i < 3; ++i) STRATA_RETURN_IF_ERROR(CheckDim(p.v_pool, i, p.k_pool.dim(i), kOp, "v_pool"));
+  const int64_t slots = p.k_pool.dim(0), page = p.k_pool.dim(1), d = p.k_pool.dim(2);
+  if (p.num_heads < 0 || p.count < 0) return absl::InvalidArgumentError("EncodeFp8Pages: negative num_heads or count");
+  const int64_t items = static_cast<int64_t>(p.num_heads) * p.count;
+  if (items > 0) {
+    if (p.last_valid < 1 || p.last_valid > page) {
+      return absl::InvalidArgumentError(absl::StrCat("EncodeFp8Pages: last_valid ", p.last_valid, " not in [1, ", page, "]"));
+    }
+    const int64_t last_head = p.head_slot_stride * (p.num_heads - 1);
+    const int64_t lo = p.first_slot + std::min<int64_t>(0, last_head);
+    const int64_t hi = p.first_slot + std::max<int64_t>(0, last_head) + p.count - 1;
+    if (lo < 0 || hi >= slots) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("EncodeFp8Pages: slots [", lo, ", ", hi, "] outside the pools' ", slots));
+    }
+  }
+  STRATA_RETURN_IF_ERROR(CheckRank(p.codes, 4, kOp, "codes"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.codes, DType::kFP8E4M3, kOp, "codes"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.codes, 0, items, kOp, "codes"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.codes, 1, 2, kOp, "codes"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.codes, 2, page, kOp, "codes"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.codes, 3, d, kOp, "codes"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.scales, 2, kOp, "scales"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.scales, DType::kF32, kOp, "scales"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.scales, 0, items, kOp, "scales"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.scales, 1, 2, kOp, "scales"));
+  STRATA_RETURN_IF_ERROR(CheckRank(p.summaries, 2, kOp, "summaries"));
+  STRATA_RETURN_IF_ERROR(CheckDType(p.summaries, DType::kF32, kOp, "summaries"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.summaries, 0, items, kOp, "summaries"));
+  STRATA_RETURN_IF_ERROR(CheckDim(p.summaries, 1, 2 * d, kOp, "summaries"));
+  return absl::OkStatus();
+}
+
+absl::Status CpuEncodeFp8Pages(const EncodeFp8PagesParams& p) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsEncodeFp8Pages(p));
+  const int64_t page = p.k_pool.dim(1), d = p.k_pool.dim(2), elems = page * d;
+  const int64_t items = static_cast<int64_t>(p.num_heads) * p.count;
+  const uint16_t* pools[2] = {static_cast<const uint16_t*>(p.k_pool.data), static_cast<const uint16_t*>(p.v_pool.data)};
+  uint8_t* codes = static_cast<uint8_t*>(p.codes.data);
+  float* scales = static_cast<float*>(p.scales.data);
+  float* summaries = static_cast<float*>(p.summaries.data);
+#pragma omp parallel for schedule(dynamic, 4)
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t g = i / p.count, j = i % p.count;
+    const int64_t slot = p.first_slot + g * p.head_slot_stride + j;
+    const int64_t valid = j == p.count - 1 ? p.last_valid : page;
+    std::vector<float> x(static_cast<size_t>(elems));
+    for (int h = 0; h < 2; ++h) {
+      ConvertToF32(pools[h] + slot * elems, DType::kBF16, x.data(), valid * d);
+      std::fill(x.begin() + valid * d, x.end(), 0.0f);
+      float amax = 0.0f;
+      bool nan = false;
+      for (float f : x) {
+        nan |= std::isnan(f);
+        amax = std::max(amax, std::fabs(f));
+      }
+      if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+      const float scale = (std::isfinite(amax) && amax > 0.0f) ? amax / 448.0f : 1.0f;
+      scales[i * 2 + h] = scale;
+      uint8_t* out = codes + (i * 2 + h) * elems;
+      for (int64_t e = 0; e < elems; ++e) out[e] = F32ToFP8E4M3(x[e] / scale);
+      if (h == 0) {
+        float* lo = summaries + i * 2 * d;
+        float* hi = lo + d;
+        for (int64_t c = 0; c < d; ++c) {
+          lo[c] = std::numeric_limits<float>::infinity();
+          hi[c] = -std::numeric_limits<float>::infinity();
+        }
+        for (int64_t t = 0; t < valid; ++t) {
+          for (int64_t c = 0; c < d; ++c) {
+            const float v = FP8E4M3ToF32(out[t * d + c]) * scale;
+            lo[c] = std::min(lo[c], v);
+            hi[c] = std::max(hi[c], v);
+          }
+        }
       }
     }
   }

@@ -842,6 +842,19 @@ absl::Status CudaBackend::AppendKv(const AppendKvParams& p, Stream s) {
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::EncodeFp8Pages(const EncodeFp8PagesParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CpuSupportsEncodeFp8Pages(p));  // shapes, dtypes, slots
+  const int64_t page = p.k_pool.dim(1), d = p.k_pool.dim(2);
+  if (static_cast<int64_t>(p.num_heads) * p.count == 0) return absl::OkStatus();
+  if (d > 1024) return absl::UnimplementedError("EncodeFp8Pages: head_dim above 1024");
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchEncodeFp8Pages(
+      p.k_pool.As<const uint16_t>(), p.v_pool.As<const uint16_t>(), page, d, p.first_slot, p.head_slot_stride,
+      p.num_heads, p.count, p.last_valid, p.codes.As<uint8_t>(), p.scales.As<float>(), p.summaries.As<float>(),
+      ToCuda(s)));
+  return absl::OkStatus();
+}
+
 // ---- Graph capture ---------------------------------------------------------------------------
 
 namespace {

@@ -126,6 +126,9 @@ class CudaBackend : public Backend {
   absl::Status ResolvePages(const ResolvePagesParams& p, Stream s) override;
   // AppendKv: one conversion kernel (kernels/cuda/kv_append.cu); validation on the host.
   absl::Status AppendKv(const AppendKvParams& p, Stream s) override;
+  // EncodeFp8Pages: one block per page (kernels/cuda/kv_append.cu); validation on the host
+  // (CpuSupportsEncodeFp8Pages), head_dim at most 1024.
+  absl::Status EncodeFp8Pages(const EncodeFp8PagesParams& p, Stream s) override;
   // Graph capture: cudaStreamBeginCapture (thread-local mode) on the stream of `s` (the
   // backend's own stream for nullptr), cudaStreamEndCapture + cudaGraphInstantiate; Internal when
   // the capture was invalidated (e.g. a synchronising op inside it).

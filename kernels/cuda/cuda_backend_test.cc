@@ -881,6 +881,73 @@ TEST_F(CudaBackendTest, AppendKvMatchesHostConversion) {
 }
 
 
+// EncodeFp8Pages against the CPU twin, bit for bit (codes, scales, summaries): random bf16 bits
+// (NaN, inf, subnormals, both zeros among them) scaled per slot, an all-zero page, head dims 17,
+// 64 and 128 (block sizes 255, 256 and 256 threads), interleaved head slots, a partial last page.
+TEST_F(CudaBackendTest, EncodeFp8PagesMatchesCpu) {
+  struct Case {
+    int64_t page, dim, slots, first, stride;
+    int heads;
+    int64_t count;
+    int last_valid;
+  };
+  for (const Case c : {Case{4, 17, 9, 1, 4, 2, 3, 1}, Case{64, 128, 12, 0, 6, 2, 5, 37}, Case{16, 64, 20, 19, -6, 3, 1, 16}}) {
+    SCOPED_TRACE(::testing::Message() << "page " << c.page << " dim " << c.dim);
+    const size_t pe = static_cast<size_t>(c.page * c.dim);
+    std::vector<uint16_t> kpool(c.slots * pe), vpool(c.slots * pe);
+    for (std::vector<uint16_t>* pool : {&kpool, &vpool}) {
+      for (size_t i = 0; i < pool->size(); ++i) {
+        const int64_t slot = static_cast<int64_t>(i / pe);
+        uint16_t b = static_cast<uint16_t>(rng_());
+        // Mostly moderate values (exponent 110..140), some raw bits (NaN, inf, subnormals).
+        if (rng_() % 8 != 0) b = static_cast<uint16_t>((b & 0x807f) | ((110 + rng_() % 31) << 7));
+        if (slot == 2) b = 0;  // an all-zero page (scale 1)
+        (*pool)[i] = b;
+      }
+    }
+    const size_t pool_bytes = kpool.size() * 2;
+    auto d_kp = UploadRaw(kpool.data(), pool_bytes);
+    auto d_vp = UploadRaw(vpool.data(), pool_bytes);
+    const int64_t items = c.heads * c.count;
+    std::vector<uint8_t> codes(items * 2 * pe, 0xab), got_codes(codes.size());
+    std::vector<float> scales(items * 2, -1.0f), got_scales(scales.size());
+    std::vector<float> sums(items * 2 * c.dim, -1.0f), got_sums(sums.size());
+    auto d_codes = UploadRaw(codes.data(), codes.size());
+    auto d_scales = UploadRaw(scales.data(), scales.size() * 4);
+    auto d_sums = UploadRaw(sums.data(), sums.size() * 4);
+    EncodeFp8PagesParams p;
+    p.first_slot = c.first;
+    p.head_slot_stride = c.stride;
+    p.num_heads = c.heads;
+    p.count = c.count;
+    p.last_valid = c.last_valid;
+    p.k_pool = TensorView(kpool.data(), DType::kBF16, {c.slots, c.page, c.dim});
+    p.v_pool = TensorView(vpool.data(), DType::kBF16, {c.slots, c.page, c.dim});
+    p.codes = TensorView(codes.data(), DType::kFP8E4M3, {items, 2, c.page, c.dim});
+    p.scales = TensorView(scales.data(), DType::kF32, {items, 2});
+    p.summaries = TensorView(sums.data(), DType::kF32, {items, 2 * c.dim});
+    STRATA_ASSERT_OK(cpu_->EncodeFp8Pages(p, nullptr));
+    p.k_pool.data = d_kp->data();
+    p.v_pool.data = d_vp->data();
+    p.codes.data = d_codes->data();
+    p.scales.data = d_scales->data();
+    p.summaries.data = d_sums->data();
+    STRATA_ASSERT_OK(gpu_->EncodeFp8Pages(p, nullptr));
+    STRATA_ASSERT_OK(gpu_->CopyToHost(got_codes.data(), d_codes->data(), codes.size(), nullptr));
+    STRATA_ASSERT_OK(gpu_->CopyToHost(got_scales.data(), d_scales->data(), scales.size() * 4, nullptr));
+    STRATA_ASSERT_OK(gpu_->CopyToHost(got_sums.data(), d_sums->data(), sums.size() * 4, nullptr));
+    EXPECT_EQ(got_codes, codes);
+    EXPECT_EQ(std::memcmp(got_scales.data(), scales.data(), scales.size() * 4), 0);
+    for (size_t i = 0; i < sums.size(); ++i) {
+      ASSERT_EQ(std::memcmp(&got_sums[i], &sums[i], 4), 0) << "summary value " << i << ": " << got_sums[i]
+                                                             << " vs " << sums[i];
+    }
+    // A slot outside the pools is refused before any launch.
+    p.head_slot_stride = c.slots;
+    EXPECT_THAT(gpu_->EncodeFp8Pages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+}
+
 // fp8 pools: x / scale rounded as F32ToFP8E4M3 (saturated to +-448, NaN -> 0x7f), bit for bit,
 // including out-of-range values, infinities, NaN, subnormals and ties.
 TEST_F(CudaBackendTest, AppendKvFp8MatchesHostConversion) {

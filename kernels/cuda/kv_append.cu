@@ -1,9 +1,14 @@
 // AppendKv on the GPU: f32 K/V rows of new tokens converted into their KvCache pool rows, one
 // thread per element (K and V). The bf16 rounding is kernels::F32ToBF16's and the fp8 e4m3 one
 // kernels::F32ToFP8E4M3's (nearest even, saturated to +-448, NaN -> 0x7f), bit for bit.
+//
+// EncodeFp8Pages: the persisted fp8 pages of bf16 pool pages (kernels/backend.h), one block per
+// page; the CPU twin is kernels/cpu/kv_append.cc.
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "kernels/cuda/internal/kv_append.h"
@@ -97,6 +102,106 @@ cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v
     default:
       return cudaErrorInvalidValue;
   }
+  return cudaGetLastError();
+}
+
+namespace {
+
+__device__ __forceinline__ float Bf16Bits(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+
+__device__ __forceinline__ float Fp8Value(uint8_t c) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(c), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// One block per item; blockDim.x is a multiple of d, so thread t reads channel t % d in every
+// row it visits (rows t / d, t / d + blockDim.x / d, ...). Pass 1: amax and NaN of K and V (block
+// reductions); pass 2: the codes, and for K the decoded values' min / max per channel, kept with
+// the row they came from so that the combination across threads picks what a sequential
+// std::min / std::max over the rows keeps (the first row among equal values: +0 and -0).
+__global__ void EncodeFp8PagesKernel(const uint16_t* __restrict__ k_pool, const uint16_t* __restrict__ v_pool,
+                                     int64_t page, int64_t d, int64_t first_slot, int64_t head_stride,
+                                     int64_t count, int last_valid, uint8_t* __restrict__ codes,
+                                     float* __restrict__ scales, float* __restrict__ summaries) {
+  __shared__ float red_amax[2][32];
+  __shared__ int red_nan[2][32];
+  __shared__ float s_scale[2];
+  __shared__ float lo_v[1024], hi_v[1024];
+  __shared__ int lo_r[1024], hi_r[1024];
+  const int64_t i = blockIdx.x;
+  const int64_t g = i / count, j = i % count;
+  const int64_t slot = first_slot + g * head_stride + j;
+  const int64_t valid = j == count - 1 ? last_valid : page;
+  const int64_t elems = page * d;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const uint16_t* src[2] = {k_pool + slot * elems, v_pool + slot * elems};
+  for (int h = 0; h < 2; ++h) {
+    float amax = 0.0f;
+    int nan = 0;
+    for (int64_t e = tid; e < valid * d; e += nt) {
+      const float x = Bf16Bits(src[h][e]);
+      nan |= isnan(x) ? 1 : 0;
+      amax = fmaxf(amax, fabsf(x));
+    }
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    nan = __any_sync(0xffffffffu, nan) ? 1 : 0;
+    if (lane == 0) red_amax[h][warp] = amax, red_nan[h][warp] = nan;
+  }
+  __syncthreads();
+  if (tid < 2) {
+    float amax = 0.0f;
+    int nan = 0;
+    for (int w = 0; w < (nt + 31) / 32; ++w) amax = fmaxf(amax, red_amax[tid][w]), nan |= red_nan[tid][w];
+    const float a = nan ? __int_as_float(0x7fc00000) : amax;
+    const float scale = (isfinite(a) && a > 0.0f) ? a / 448.0f : 1.0f;
+    s_scale[tid] = scale;
+    scales[i * 2 + tid] = scale;
+  }
+  __syncthreads();
+  float lo = __int_as_float(0x7f800000), hi = __int_as_float(0xff800000);
+  int lo_row = INT_MAX, hi_row = INT_MAX;
+  for (int h = 0; h < 2; ++h) {
+    const float scale = s_scale[h];
+    uint8_t* out = codes + (i * 2 + h) * elems;
+    for (int64_t e = tid; e < elems; e += nt) {
+      const int64_t t = e / d;
+      const float x = t < valid ? Bf16Bits(src[h][e]) : 0.0f;
+      const uint8_t c = F32ToFp8Bits(x / scale);
+      out[e] = c;
+      if (h == 0 && t < valid) {
+        const float v = Fp8Value(c) * scale;
+        if (v < lo) lo = v, lo_row = static_cast<int>(t);
+        if (hi < v) hi = v, hi_row = static_cast<int>(t);
+      }
+    }
+  }
+  lo_v[tid] = lo, hi_v[tid] = hi, lo_r[tid] = lo_row, hi_r[tid] = hi_row;
+  __syncthreads();
+  if (tid < d) {
+    float l = __int_as_float(0x7f800000), u = __int_as_float(0xff800000);
+    int lr = INT_MAX, ur = INT_MAX;
+    for (int k = tid; k < nt; k += static_cast<int>(d)) {
+      if (lo_v[k] < l || (lo_v[k] == l && lo_r[k] < lr)) l = lo_v[k], lr = lo_r[k];
+      if (u < hi_v[k] || (hi_v[k] == u && hi_r[k] < ur)) u = hi_v[k], ur = hi_r[k];
+    }
+    summaries[i * 2 * d + tid] = l;
+    summaries[i * 2 * d + d + tid] = u;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchEncodeFp8Pages(const uint16_t* k_pool, const uint16_t* v_pool, int64_t page_size,
+                                 int64_t head_dim, int64_t first_slot, int64_t head_slot_stride,
+                                 int num_heads, int64_t count, int last_valid, uint8_t* codes,
+                                 float* scales, float* summaries, cudaStream_t stream) {
+  const int64_t items = static_cast<int64_t>(num_heads) * count;
+  if (items == 0) return cudaSuccess;
+  if (head_dim < 1 || head_dim > 1024 || items > 0x7fffffff) return cudaErrorInvalidValue;
+  const int threads = static_cast<int>(head_dim * (head_dim >= 256 ? 1 : 256 / head_dim));
+  EncodeFp8PagesKernel<<<static_cast<unsigned>(items), threads, 0, stream>>>(
+      k_pool, v_pool, page_size, head_dim, first_slot, head_slot_stride, count, last_valid, codes, scales,
+      summaries);
   return cudaGetLastError();
 }
 

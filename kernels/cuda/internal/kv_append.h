@@ -24,6 +24,16 @@ cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v
                            const int32_t* first_device = nullptr,  // see AppendKvParams
                            float k_scale = 1.0f, float v_scale = 1.0f);
 
+// EncodeFp8Pages of kernels/backend.h over bf16 pools [slots, page_size, head_dim] (device):
+// codes [items, 2, page_size, head_dim], scales [items, 2], summaries [items, 2 * head_dim]
+// (device), item g * count + j the page in slot first_slot + g * head_slot_stride + j. The host
+// has validated the shapes and slots. One kernel on `stream`; cudaErrorInvalidValue for a head_dim
+// above 1024.
+cudaError_t LaunchEncodeFp8Pages(const uint16_t* k_pool, const uint16_t* v_pool, int64_t page_size,
+                                 int64_t head_dim, int64_t first_slot, int64_t head_slot_stride,
+                                 int num_heads, int64_t count, int last_valid, uint8_t* codes,
+                                 float* scales, float* summaries, cudaStream_t stream);
+
 }  // namespace strata::kernels::cuda_internal
 
 #endif  // STRATA_KERNELS_CUDA_INTERNAL_KV_APPEND_H_
