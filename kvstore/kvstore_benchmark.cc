@@ -290,6 +290,23 @@ int64_t ProcessWriteBytes() {
 // successive batches interleave in key order. Reported: storage bytes written by the process
 // (/proc/self/io write_bytes: WAL + flushes + compactions, after compactions settle) per page
 // byte. A small write buffer makes the LSM tree grow levels as a large store does.
+// Creates (WRITING) a document of `layers` x `heads` and pages_per_head pages of Layout()'s shape.
+DocumentId CreateBenchDocument(LocalStore* store, uint32_t layers, uint32_t heads, uint32_t pages_per_head) {
+  std::vector<int32_t> tokens(static_cast<size_t>(pages_per_head) * kPageTokens, 7);
+  KvLayout layout = Layout();
+  layout.num_layers = layers;
+  layout.num_kv_heads = heads;
+  const DocumentId doc = ComputeDocumentIdentity("bench-model", layout, tokens)->id;
+  v1::CreateDocumentRequest r;
+  r.set_document_id(doc.ToHex());
+  r.set_model_fingerprint("bench-model");
+  *r.mutable_layout() = LayoutToProto(layout);
+  r.set_num_tokens(tokens.size());
+  bool created = false;
+  STRATA_CHECK(store->CreateDocument(r, &created).ok());
+  return doc;
+}
+
 void BM_LocalWriteAmplification(benchmark::State& state) {
   const bool blob = state.range(0) != 0;
   const uint32_t layers = 8, heads = 8, pages_per_head = 512;  // 32768 pages, 1 GiB
@@ -300,18 +317,7 @@ void BM_LocalWriteAmplification(benchmark::State& state) {
     o.blob_files = blob;
     o.write_buffer_bytes = 4 << 20;
     auto store = *LocalStore::Open(o);
-    std::vector<int32_t> tokens(static_cast<size_t>(pages_per_head) * kPageTokens, 7);
-    KvLayout layout = Layout();
-    layout.num_layers = layers;
-    layout.num_kv_heads = heads;
-    const DocumentId doc = ComputeDocumentIdentity("bench-model", layout, tokens)->id;
-    v1::CreateDocumentRequest r;
-    r.set_document_id(doc.ToHex());
-    r.set_model_fingerprint("bench-model");
-    *r.mutable_layout() = LayoutToProto(layout);
-    r.set_num_tokens(tokens.size());
-    bool created = false;
-    STRATA_CHECK(store->CreateDocument(r, &created).ok());
+    const DocumentId doc = CreateBenchDocument(store.get(), layers, heads, pages_per_head);
     const uint32_t total = layers * heads * pages_per_head;
     const int64_t before = ProcessWriteBytes();
     for (uint32_t p = 0; p < pages_per_head; ++p) {
@@ -363,18 +369,7 @@ void BM_LocalPrefillLoad(benchmark::State& state) {
     auto put = [&](const std::vector<PageWrite>& w) {
       STRATA_CHECK((deferred ? store->PutDeferred(w, {}) : store->Put(w, {})).ok());
     };
-    std::vector<int32_t> tokens(static_cast<size_t>(chunk_pages * chunks) * kPageTokens, 7);
-    KvLayout layout = Layout();
-    layout.num_layers = layers;
-    layout.num_kv_heads = heads;
-    const DocumentId doc = ComputeDocumentIdentity("bench-model", layout, tokens)->id;
-    v1::CreateDocumentRequest r;
-    r.set_document_id(doc.ToHex());
-    r.set_model_fingerprint("bench-model");
-    *r.mutable_layout() = LayoutToProto(layout);
-    r.set_num_tokens(tokens.size());
-    bool created = false;
-    STRATA_CHECK(store->CreateDocument(r, &created).ok());
+    const DocumentId doc = CreateBenchDocument(store.get(), layers, heads, chunk_pages * chunks);
     const auto t0 = std::chrono::steady_clock::now();
     for (uint32_t c = 0; c < chunks; ++c) {
       std::vector<std::vector<PageWrite>> parts(static_cast<size_t>(writers));

@@ -34,6 +34,20 @@ uint64_t PageChecksum(absl::string_view bytes) {
   return XXH3_64bits_digest(&state);
 }
 
+// Writes the header of a page whose K and V are in place at p + kPageHeaderBytes, then its checksum.
+void FinishPage(const PageShape& shape, int num_tokens, float k_scale, float v_scale, char* p) {
+  std::memset(p, 0, kPageHeaderBytes);
+  std::memcpy(p, kMagic, 4);
+  Store<uint16_t>(p + 4, kPageFormatVersion);
+  Store<uint8_t>(p + 6, static_cast<uint8_t>(shape.dtype));
+  Store<uint16_t>(p + 8, static_cast<uint16_t>(shape.page_size));
+  Store<uint16_t>(p + 10, static_cast<uint16_t>(shape.head_dim));
+  Store<uint16_t>(p + 12, static_cast<uint16_t>(num_tokens));
+  Store<float>(p + 16, k_scale);
+  Store<float>(p + 20, v_scale);
+  Store<uint64_t>(p + kChecksumOffset, PageChecksum(absl::string_view(p, shape.EncodedBytes())));
+}
+
 // Converts rows [n, d] of `src` (f32 or bf16) to f32 in *out, zero-padding to `rows`.
 void ToF32(const kernels::TensorView& t, int rows, std::vector<float>* out) {
   const int64_t n = t.dim(0), d = t.dim(1);
@@ -106,12 +120,6 @@ absl::Status EncodePageTo(const PageShape& shape, const kernels::TensorView& k,
   const size_t esize = kernels::DTypeSize(shape.dtype);
   char* p = out;
   std::memset(p, 0, shape.EncodedBytes());
-  std::memcpy(p, kMagic, 4);
-  Store<uint16_t>(p + 4, kPageFormatVersion);
-  Store<uint8_t>(p + 6, static_cast<uint8_t>(shape.dtype));
-  Store<uint16_t>(p + 8, static_cast<uint16_t>(shape.page_size));
-  Store<uint16_t>(p + 10, static_cast<uint16_t>(shape.head_dim));
-  Store<uint16_t>(p + 12, static_cast<uint16_t>(n));
   char* kdst = p + kPageHeaderBytes;
   char* vdst = kdst + elems * esize;
   float scales[2] = {1.0f, 1.0f};
@@ -133,9 +141,7 @@ absl::Status EncodePageTo(const PageShape& shape, const kernels::TensorView& k,
     }
     kernels::ConvertFromF32(f.data(), dsts[i], shape.dtype, static_cast<int64_t>(elems));
   }
-  Store<float>(p + 16, scales[0]);
-  Store<float>(p + 20, scales[1]);
-  Store<uint64_t>(p + kChecksumOffset, PageChecksum(absl::string_view(p, shape.EncodedBytes())));
+  FinishPage(shape, n, scales[0], scales[1], p);
   return absl::OkStatus();
 }
 
@@ -146,19 +152,9 @@ absl::Status AssemblePage(const PageShape& shape, int num_tokens, float k_scale,
     return absl::InvalidArgumentError(absl::StrCat("page: num_tokens ", num_tokens, " not in [0, ", shape.page_size, "]"));
   }
   const size_t half = static_cast<size_t>(shape.page_size) * shape.head_dim * kernels::DTypeSize(shape.dtype);
-  char* p = out;
-  std::memset(p, 0, kPageHeaderBytes);
-  std::memcpy(p, kMagic, 4);
-  Store<uint16_t>(p + 4, kPageFormatVersion);
-  Store<uint8_t>(p + 6, static_cast<uint8_t>(shape.dtype));
-  Store<uint16_t>(p + 8, static_cast<uint16_t>(shape.page_size));
-  Store<uint16_t>(p + 10, static_cast<uint16_t>(shape.head_dim));
-  Store<uint16_t>(p + 12, static_cast<uint16_t>(num_tokens));
-  Store<float>(p + 16, k_scale);
-  Store<float>(p + 20, v_scale);
-  std::memcpy(p + kPageHeaderBytes, k, half);
-  std::memcpy(p + kPageHeaderBytes + half, v, half);
-  Store<uint64_t>(p + kChecksumOffset, PageChecksum(absl::string_view(p, shape.EncodedBytes())));
+  std::memcpy(out + kPageHeaderBytes, k, half);
+  std::memcpy(out + kPageHeaderBytes + half, v, half);
+  FinishPage(shape, num_tokens, k_scale, v_scale, out);
   return absl::OkStatus();
 }
 

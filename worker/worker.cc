@@ -129,6 +129,22 @@ absl::Status EncodePersistedPage(const kvstore::PageShape& shape, const uint16_t
   return absl::OkStatus();
 }
 
+// One persisted fp8 page of a prefill shard encoded on the backend (Backend::EncodeFp8Pages): its
+// K then V codes ([P, d] each), scales (K, V) and key summary (min[d] then max[d]) framed into
+// pw->data and sw->data.
+absl::Status FramePersistedPage(const kvstore::PageShape& shape, const uint8_t* codes, const float* scales,
+                                const float* summary, int valid, int d, kvstore::PageWrite* pw,
+                                kvstore::SummaryWrite* sw) {
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<kvstore::PageBuffer> page, kvstore::PageBuffer::Allocate(shape.EncodedBytes()));
+  const size_t half = static_cast<size_t>(shape.page_size) * d;
+  STRATA_RETURN_IF_ERROR(
+      kvstore::AssemblePage(shape, valid, scales[0], scales[1], codes, codes + half, page->mutable_data()));
+  pw->data = std::move(page);
+  STRATA_ASSIGN_OR_RETURN(sw->data, kvstore::PageBuffer::Copy(absl::string_view(
+                                        reinterpret_cast<const char*>(summary), 2 * static_cast<size_t>(d) * sizeof(float))));
+  return absl::OkStatus();
+}
+
 bool DeviceKind(const engine::sparse::PolicyOptions& o) {
   return (o.kind == engine::sparse::PolicyKind::kQuest || o.kind == engine::sparse::PolicyKind::kTokenSelect) &&
          o.EffectiveSummary() == engine::sparse::SummaryKind::kMinMax;
@@ -720,7 +736,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   // (in parallel over pages) is encode_s.
   double forward_s = 0, copy_s = 0, encode_s = 0, encode_wait_s = 0, store_wait_s = 0;
   int encode_threads = 0;  // the largest team the encoding ran on
-  // One chunk's pages encoded for the store: items (l, p, g) at ((l * count) + p - first) * H + g.
+  // One chunk's pages encoded for the store: item i = (l * H + g) * count + page - first.
   struct EncodedChunk {
     absl::Status status;
     std::vector<kvstore::PageWrite> pages;
@@ -729,91 +745,38 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     double seconds = 0;
     int threads = 0;
   };
-  // Encodes and summarizes pages [first, first + count) from a host set, by one parallel region
-  // over every layer's pages (one team wake-up per chunk: per-layer regions of 64 pages did not
-  // speed up with the team on the GPU machine; bench/RESULTS.md).
-  auto encode = [&layout, id, num_tokens, L, H, P, d, page_elems](const uint16_t* kb, const uint16_t* vb,
-                                                                   int64_t first, int64_t count) {
+  // Encodes and summarizes pages [first, first + count) of every layer and KV head from a host
+  // set, item i from its slot i: bf16 pages encoded here, or (device_set) the backend's fp8 codes,
+  // scales and summaries framed. One parallel region over every layer's pages (one team wake-up
+  // per chunk: per-layer regions of 64 pages did not speed up with the team on the GPU machine;
+  // bench/RESULTS.md).
+  auto encode = [&layout, id, num_tokens, L, H, P, d, page_elems, codes_bytes, scales_bytes](
+                    const HostPages* set, bool device_set, int64_t first, int64_t count) {
     const Stopwatch enc;
     EncodedChunk out;
     out.end = first + count;
-    const int64_t items_per_layer = count * H, items = L * items_per_layer;
-    const size_t layer_elems = static_cast<size_t>(H) * static_cast<size_t>(count) * page_elems;
+    const int64_t items = static_cast<int64_t>(L) * H * count;
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(set->base);
+    const float* scales = reinterpret_cast<const float*>(set->base + codes_bytes);
+    const float* sums = reinterpret_cast<const float*>(set->base + codes_bytes + scales_bytes);
     out.pages.resize(static_cast<size_t>(items));
     out.summaries.resize(static_cast<size_t>(items));
     std::vector<absl::Status> item_status(static_cast<size_t>(items));
     int threads = 0;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(internal::HostTeam(items))
     for (int64_t i = 0; i < items; ++i) {
-      const int l = static_cast<int>(i / items_per_layer);
-      const int64_t r = i % items_per_layer;
-      const int64_t p = first + r / H;
-      const int g = static_cast<int>(r % H);
+      const int64_t lg = i / count, p = first + i % count;
+      const int l = static_cast<int>(lg / H), g = static_cast<int>(lg % H);
       const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
-      const size_t at = static_cast<size_t>(l) * layer_elems +
-                        (static_cast<size_t>(g) * count + static_cast<size_t>(p - first)) * page_elems;
       out.pages[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
       out.summaries[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
                               static_cast<uint32_t>(p)};
+      const size_t at = static_cast<size_t>(i) * page_elems;
       item_status[static_cast<size_t>(i)] =
-          EncodePersistedPage(layout.page, kb + at, vb + at, valid, d, &out.pages[i], &out.summaries[i]);
-      if (i == 0) threads = omp_get_num_threads();
-    }
-    for (absl::Status& st : item_status) {
-      if (!st.ok()) {
-        out.status = std::move(st);
-        break;
-      }
-    }
-    out.seconds = enc.ElapsedSeconds();
-    out.threads = threads;
-    return out;
-  };
-  // The device-encoded variant: frames pages [first, first + count) of every layer and KV head from
-  // a host set's codes, scales and summaries (items [l][g][page], as EncodeFp8Pages wrote them).
-  auto frame = [&layout, id, num_tokens, L, H, P, d, page_elems, codes_bytes, scales_bytes](
-                   const char* base, int64_t first, int64_t count) {
-    const Stopwatch enc;
-    EncodedChunk out;
-    out.end = first + count;
-    const int64_t items = static_cast<int64_t>(L) * H * count;
-    const uint8_t* codes = reinterpret_cast<const uint8_t*>(base);
-    const float* scales = reinterpret_cast<const float*>(base + codes_bytes);
-    const float* sums = reinterpret_cast<const float*>(base + codes_bytes + scales_bytes);
-    out.pages.resize(static_cast<size_t>(items));
-    out.summaries.resize(static_cast<size_t>(items));
-    std::vector<absl::Status> item_status(static_cast<size_t>(items));
-    int threads = 0;
-#pragma omp parallel for schedule(dynamic, 16) num_threads(internal::HostTeam(items))
-    for (int64_t i = 0; i < items; ++i) {
-      const int l = static_cast<int>(i / (H * count));
-      const int64_t r = i % (H * count);
-      const int g = static_cast<int>(r / count);
-      const int64_t p = first + r % count;
-      const int valid = static_cast<int>(std::min<int64_t>(P, num_tokens - p * P));
-      out.pages[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)};
-      out.summaries[i].key = {id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), kMinMaxSummaryKind,
-                              static_cast<uint32_t>(p)};
-      absl::Status st;
-      absl::StatusOr<std::shared_ptr<kvstore::PageBuffer>> page = kvstore::PageBuffer::Allocate(layout.page.EncodedBytes());
-      if (!page.ok()) {
-        st = page.status();
-      } else {
-        const uint8_t* k = codes + static_cast<size_t>(i) * 2 * page_elems;
-        st = kvstore::AssemblePage(layout.page, valid, scales[2 * i], scales[2 * i + 1], k, k + page_elems,
-                                   (*page)->mutable_data());
-        out.pages[i].data = *std::move(page);
-      }
-      if (st.ok()) {
-        absl::StatusOr<kvstore::PageRef> sum = kvstore::PageBuffer::Copy(absl::string_view(
-            reinterpret_cast<const char*>(sums + static_cast<size_t>(i) * 2 * d), 2 * d * sizeof(float)));
-        if (sum.ok()) {
-          out.summaries[i].data = *std::move(sum);
-        } else {
-          st = sum.status();
-        }
-      }
-      item_status[static_cast<size_t>(i)] = std::move(st);
+          device_set ? FramePersistedPage(layout.page, codes + 2 * at, scales + 2 * i, sums + 2 * d * i, valid, d,
+                                          &out.pages[i], &out.summaries[i])
+                     : EncodePersistedPage(layout.page, set->k + at, set->v + at, valid, d, &out.pages[i],
+                                           &out.summaries[i]);
       if (i == 0) threads = omp_get_num_threads();
     }
     for (absl::Status& st : item_status) {
@@ -966,8 +929,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     // The previous chunk's encoding is done: its writes start; this chunk's encoding starts.
     STRATA_RETURN_IF_ERROR(write_encoded());
     if (count > 0) {
-      encoding = device_encode ? std::async(std::launch::async, frame, set.base, persisted, count)
-                               : std::async(std::launch::async, encode, set.k, set.v, persisted, count);
+      encoding = std::async(std::launch::async, encode, &set, device_encode, persisted, count);
     }
     persisted = std::max(persisted, complete);
     progress.set_tokens_prefilled(static_cast<uint64_t>(done_tokens));
