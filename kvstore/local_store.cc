@@ -135,9 +135,7 @@ absl::Status LocalStore::OpenDb() {
   rocksdb::DBOptions db_options;
   db_options.create_if_missing = true;
   db_options.create_missing_column_families = true;
-  // Flushes and compactions in parallel (two flush threads at 8): a prefill's writes took 1.0-1.3
-  // GB/s with 8 against 0.9-1.25 with 4 on the H100 machine's 16 processors (bench/RESULTS.md).
-  db_options.max_background_jobs = 8;
+  db_options.max_background_jobs = 4;
   db_options.bytes_per_sync = 1 << 20;
   // PutDeferred's batches have no WAL: flushing every column family together keeps a batch's
   // pages and index entries in or out of the files together.

@@ -795,7 +795,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   // local store skips its write-ahead log). Each is waited for before the next of its kind starts
   // and before the document is finalized; the futures are declared after the host sets, so an
   // early return waits for them (the destructor of a std::async future does) before the sets go.
-  constexpr int64_t kPersistWriters = 8, kPagesPerWriter = 256;
+  constexpr int64_t kPersistWriters = 4, kPagesPerWriter = 256;
   std::future<EncodedChunk> encoding;
   std::vector<std::future<absl::Status>> put_in_flight;
   int64_t in_flight_end = static_cast<int64_t>(first_page);  // pages before it are written or writing
