@@ -288,6 +288,9 @@ TEST_F(ShardedTest, ConcurrentJobsLedByDifferentWorkers) {
 TEST_F(ShardedTest, ConcurrentJobsOfOneLeaderAreBatched) {
   PrefillExact();
   const int kJobs = 3, kTokens = 24;
+  // A batch waits until every job's step is pending (at most 2 s), so that the batching does not
+  // depend on the threads' timing on a loaded 2-core machine.
+  workers_[1]->SetDecodeBatchGateForTesting(kJobs);
   std::vector<std::vector<int32_t>> prompts, want;
   for (int j = 0; j < kJobs; ++j) {
     prompts.push_back({static_cast<int32_t>(20 + j), static_cast<int32_t>(40 + 3 * j), 7});

@@ -1150,6 +1150,13 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item) {
       batch_mu_.Await(absl::Condition(&ready));
       continue;
     }
+    if (const int gate = batch_gate_for_testing_.load(); gate > 1 && pending_.size() < static_cast<size_t>(gate)) {
+      auto enough = [this, gate]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) {
+        return batch_running_ || pending_.size() >= static_cast<size_t>(gate);
+      };
+      batch_mu_.AwaitWithTimeout(absl::Condition(&enough), absl::Seconds(2));
+      if (batch_running_) continue;
+    }
     batch_running_ = true;
     const size_t take = std::min(limit, pending_.size());
     std::vector<DecodeRequest*> batch(pending_.begin(), pending_.begin() + take);

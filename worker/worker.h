@@ -315,6 +315,9 @@ class Worker {
   // batch size).
   int64_t decode_batches() const { return decode_batches_.load(); }
   int64_t decode_steps() const { return decode_steps_.load(); }
+  // Test hook: a decode batch starts only once `steps` steps are pending, or after 2 s (0, the
+  // default: at once), so that tests of batching do not depend on the threads' timing.
+  void SetDecodeBatchGateForTesting(int steps) { batch_gate_for_testing_.store(steps); }
   // OK when jobs may select on the backend (WorkerOptions::device_selection allows it here and
   // the probe at Create passed); otherwise why not.
   const absl::Status& device_selection_status() const { return device_selection_; }
@@ -388,6 +391,7 @@ class Worker {
   absl::Mutex batch_mu_;
   std::vector<DecodeRequest*> pending_ ABSL_GUARDED_BY(batch_mu_);
   bool batch_running_ ABSL_GUARDED_BY(batch_mu_) = false;
+  std::atomic<int> batch_gate_for_testing_{0};
   std::atomic<int64_t> decode_batches_{0}, decode_steps_{0};
   absl::Status device_selection_;  // set once in Create
   // Whether a sparse prefill_policy may use a DevicePolicy here (the probe's result on a backend

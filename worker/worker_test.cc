@@ -1449,11 +1449,12 @@ TEST_F(DeviceSelectionTest, OffMatchesTheHostPolicy) {
 TEST_F(DeviceSelectionTest, ConcurrentDeviceJobsAreBatchedAndKeepTheirTokens) {
   std::unique_ptr<Worker> w = MakeWorker("on", backend_.get());
   ASSERT_NE(w, nullptr);
-  // Whether steps meet in a batch depends on the threads' timing on this 2-core machine (a
-  // fresh-clone CI run saw 69 steps in 69 forwards once): the jobs run in lockstep, token by token,
-  // so their steps are submitted together, and the run is repeated (at most 3 times) until some
-  // steps ran together. Every run must give the reference tokens.
+  // Whether steps meet in a batch depended on the threads' timing on the 2-core CI machine (fresh
+  // clones saw 69 steps in 69 forwards, once even in three runs in a row under load): the jobs
+  // run in lockstep, token by token, and a batch waits until every job's step is pending (the
+  // test gate; at most 2 s). Every run must give the reference tokens.
   const int kJobs = 3, kTokens = 24;
+  w->SetDecodeBatchGateForTesting(kJobs);
   const std::string policies[kJobs] = {"tokenselect", "quest", "tokenselect"};
   std::vector<std::vector<int32_t>> prompts;
   std::vector<std::vector<int32_t>> want;
