@@ -21,17 +21,6 @@ PageAllocator* DefaultPageAllocator() {
   return allocator;
 }
 
-absl::StatusOr<PageRef> PageBuffer::Copy(absl::string_view bytes, PageAllocator* allocator) {
-  if (allocator == nullptr) allocator = DefaultPageAllocator();
-  char* p = static_cast<char*>(allocator->Allocate(bytes.size()));
-  if (p == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("page allocator: no memory for ", bytes.size(), " bytes"));
-  }
-  if (!bytes.empty()) std::memcpy(p, bytes.data(), bytes.size());
-  return PageRef(new PageBuffer(p, bytes.size(), allocator));
-}
-
 absl::StatusOr<std::shared_ptr<PageBuffer>> PageBuffer::Allocate(size_t bytes, PageAllocator* allocator) {
   if (allocator == nullptr) allocator = DefaultPageAllocator();
   char* p = static_cast<char*>(allocator->Allocate(bytes));
@@ -39,6 +28,13 @@ absl::StatusOr<std::shared_ptr<PageBuffer>> PageBuffer::Allocate(size_t bytes, P
     return absl::ResourceExhaustedError(absl::StrCat("page allocator: no memory for ", bytes, " bytes"));
   }
   return std::shared_ptr<PageBuffer>(new PageBuffer(p, bytes, allocator));
+}
+
+absl::StatusOr<PageRef> PageBuffer::Copy(absl::string_view bytes, PageAllocator* allocator) {
+  absl::StatusOr<std::shared_ptr<PageBuffer>> buffer = Allocate(bytes.size(), allocator);
+  if (!buffer.ok()) return buffer.status();
+  if (!bytes.empty()) std::memcpy((*buffer)->mutable_data(), bytes.data(), bytes.size());
+  return PageRef(*std::move(buffer));
 }
 
 PageBuffer::~PageBuffer() { allocator_->Free(data_, size_); }

@@ -695,20 +695,30 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   // memory, items [l][g][page]); only those are copied to the host (half a bf16 page's bytes),
   // where the encoder thread frames each page (header, checksum). Otherwise the bf16 pages are
   // copied and encoded on the host.
-  std::unique_ptr<kernels::Buffer> encoded_codes, encoded_scales, encoded_sums;
-  if (layout.page.dtype == kernels::DType::kFP8E4M3) {
-    auto codes = backend_->Allocate(static_cast<size_t>(max_items) * 2 * page_elems);
-    auto scales = backend_->Allocate(static_cast<size_t>(max_items) * 2 * sizeof(float));
-    auto sums = backend_->Allocate(static_cast<size_t>(max_items) * 2 * d * sizeof(float));
-    if (codes.ok() && scales.ok() && sums.ok()) {
-      encoded_codes = *std::move(codes), encoded_scales = *std::move(scales), encoded_sums = *std::move(sums);
-    }
-  }
-  bool device_encode = encoded_codes != nullptr;  // cleared if the backend lacks the op
   const size_t codes_bytes = static_cast<size_t>(max_items) * 2 * page_elems;
   const size_t scales_bytes = static_cast<size_t>(max_items) * 2 * sizeof(float);
-  const size_t set_bytes =
-      std::max(2 * set_elems * sizeof(uint16_t), codes_bytes + scales_bytes + static_cast<size_t>(max_items) * 2 * d * sizeof(float));
+  const size_t sums_bytes = static_cast<size_t>(max_items) * 2 * d * sizeof(float);
+  std::unique_ptr<kernels::Buffer> encoded_codes, encoded_scales, encoded_sums;
+  if (layout.page.dtype == kernels::DType::kFP8E4M3) {
+    // Whether the backend has the op: a call over no pages.
+    kernels::EncodeFp8PagesParams probe;
+    probe.k_pool = cache->k_pool(0);
+    probe.v_pool = cache->v_pool(0);
+    probe.num_heads = H;
+    probe.codes = kernels::TensorView(nullptr, kernels::DType::kFP8E4M3, {0, 2, P, d});
+    probe.scales = kernels::TensorView(nullptr, kernels::DType::kF32, {0, 2});
+    probe.summaries = kernels::TensorView(nullptr, kernels::DType::kF32, {0, 2 * d});
+    if (backend_->EncodeFp8Pages(probe, nullptr).ok()) {
+      auto codes = backend_->Allocate(codes_bytes);
+      auto scales = backend_->Allocate(scales_bytes);
+      auto sums = backend_->Allocate(sums_bytes);
+      if (codes.ok() && scales.ok() && sums.ok()) {
+        encoded_codes = *std::move(codes), encoded_scales = *std::move(scales), encoded_sums = *std::move(sums);
+      }
+    }
+  }
+  const bool device_encode = encoded_codes != nullptr;
+  const size_t set_bytes = std::max(2 * set_elems * sizeof(uint16_t), codes_bytes + scales_bytes + sums_bytes);
   struct HostPages {
     std::unique_ptr<kernels::Buffer> pinned;
     std::vector<char> plain;
@@ -869,17 +879,12 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
       const Stopwatch cp;
       const int64_t items = static_cast<int64_t>(L) * H * count;
       const int64_t rel = persisted - cache_first / P;  // the chunk's first page in the cache
-      for (int l = 0; l < L && device_encode; ++l) {
+      for (int l = 0; l < L; ++l) {
         kernels::EncodeFp8PagesParams ep;
         ep.k_pool = cache->k_pool(l);
         ep.v_pool = cache->v_pool(l);
         ep.first_slot = cache->SlotOf(l, 0, rel);
-        ep.head_slot_stride = H > 1 ? cache->SlotOf(l, 1, rel) - ep.first_slot : 0;
-        for (int g = 0; g < H; ++g) {
-          if (cache->SlotOf(l, g, rel) != ep.first_slot + g * ep.head_slot_stride) {
-            return absl::InternalError("prefill: the KV cache's head slots are not evenly spaced");
-          }
-        }
+        ep.head_slot_stride = cache->pages_per_head();  // KvCache's layout: head g's pages from g * pages_per_head
         ep.num_heads = H;
         ep.count = count;
         ep.last_valid = static_cast<int>(std::min<int64_t>(P, num_tokens - (persisted + count - 1) * P));
@@ -890,23 +895,16 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                                         {H * count, 2});
         ep.summaries = kernels::TensorView(static_cast<float*>(encoded_sums->data()) + at * 2 * d,
                                            kernels::DType::kF32, {H * count, 2 * d});
-        absl::Status st = backend_->EncodeFp8Pages(ep, nullptr);
-        if (st.code() == absl::StatusCode::kUnimplemented && l == 0 && persisted == static_cast<int64_t>(first_page)) {
-          device_encode = false;  // the backend lacks the op: the host path from the first chunk on
-          break;
-        }
-        STRATA_RETURN_IF_ERROR(st);
+        STRATA_RETURN_IF_ERROR(backend_->EncodeFp8Pages(ep, nullptr));
       }
-      if (device_encode) {
-        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base, encoded_codes->data(),
-                                                    static_cast<size_t>(items) * 2 * page_elems, nullptr));
-        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base + codes_bytes, encoded_scales->data(),
-                                                    static_cast<size_t>(items) * 2 * sizeof(float), nullptr));
-        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base + codes_bytes + scales_bytes, encoded_sums->data(),
-                                                    static_cast<size_t>(items) * 2 * d * sizeof(float), nullptr));
-        STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
-        copy_s += cp.ElapsedSeconds();
-      }
+      STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base, encoded_codes->data(),
+                                                  static_cast<size_t>(items) * 2 * page_elems, nullptr));
+      STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base + codes_bytes, encoded_scales->data(),
+                                                  static_cast<size_t>(items) * 2 * sizeof(float), nullptr));
+      STRATA_RETURN_IF_ERROR(backend_->CopyToHost(set.base + codes_bytes + scales_bytes, encoded_sums->data(),
+                                                  static_cast<size_t>(items) * 2 * d * sizeof(float), nullptr));
+      STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+      copy_s += cp.ElapsedSeconds();
     }
     if (count > 0 && !device_encode) {
       const size_t layer_elems = static_cast<size_t>(H) * static_cast<size_t>(count) * page_elems;

@@ -143,7 +143,7 @@ absl::Status CpuEncodeFp8Pages(const EncodeFp8PagesParams& p) {
     const int64_t g = i / p.count, j = i % p.count;
     const int64_t slot = p.first_slot + g * p.head_slot_stride + j;
     const int64_t valid = j == p.count - 1 ? p.last_valid : page;
-    std::vector<float> x(static_cast<size_t>(elems));
+    std::vector<float> x(static_cast<size_t>(elems)), decoded(static_cast<size_t>(valid * d));
     for (int h = 0; h < 2; ++h) {
       ConvertToF32(pools[h] + slot * elems, DType::kBF16, x.data(), valid * d);
       std::fill(x.begin() + valid * d, x.end(), 0.0f);
@@ -157,8 +157,10 @@ absl::Status CpuEncodeFp8Pages(const EncodeFp8PagesParams& p) {
       const float scale = (std::isfinite(amax) && amax > 0.0f) ? amax / 448.0f : 1.0f;
       scales[i * 2 + h] = scale;
       uint8_t* out = codes + (i * 2 + h) * elems;
-      for (int64_t e = 0; e < elems; ++e) out[e] = F32ToFP8E4M3(x[e] / scale);
+      for (float& f : x) f /= scale;
+      ConvertFromF32(x.data(), out, DType::kFP8E4M3, elems);  // F32ToFP8E4M3 of each element
       if (h == 0) {
+        ConvertToF32(out, DType::kFP8E4M3, decoded.data(), valid * d);
         float* lo = summaries + i * 2 * d;
         float* hi = lo + d;
         for (int64_t c = 0; c < d; ++c) {
@@ -167,7 +169,7 @@ absl::Status CpuEncodeFp8Pages(const EncodeFp8PagesParams& p) {
         }
         for (int64_t t = 0; t < valid; ++t) {
           for (int64_t c = 0; c < d; ++c) {
-            const float v = FP8E4M3ToF32(out[t * d + c]) * scale;
+            const float v = decoded[t * d + c] * scale;
             lo[c] = std::min(lo[c], v);
             hi[c] = std::max(hi[c], v);
           }
