@@ -110,6 +110,8 @@ TEST_F(LocalStoreTest, WriteFinalizeReadBackBitExactAcrossReopen) {
   // READY documents are immutable.
   EXPECT_THAT(store_->Put(absl::MakeSpan(pages).subspan(0, 1), {}),
               StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(store_->PutDeferred(absl::MakeSpan(pages).subspan(0, 1), {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
   // Missing pages are misses, not errors.
   const std::vector<PageKey> missing = {PageKey{id, 0, 0, 99}};
   STRATA_ASSERT_OK(store_->GetPages(missing, &out));

@@ -9,6 +9,7 @@
 #include "base/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kvstore/page_store.h"
 
 namespace strata::kvstore {
 namespace {
@@ -266,6 +267,30 @@ TEST(PageFormatTest, EncodeFp8PagesOpGivesEncodePageBytes) {
     bad.count = 3;
     EXPECT_THAT(kernels::CpuEncodeFp8Pages(bad), StatusIs(absl::StatusCode::kInvalidArgument));
   }
+}
+
+TEST(PageFormatTest, AssemblePageRefusesBadInputAndAllocatorExhaustionIsReported) {
+  const PageShape shape{DType::kFP8E4M3, 4, 8};
+  std::vector<uint8_t> codes(2 * 4 * 8, 0x38);
+  std::string out(shape.EncodedBytes(), '\0');
+  for (int bad : {-1, 5}) {
+    EXPECT_THAT(AssemblePage(shape, bad, 1.0f, 1.0f, codes.data(), codes.data() + 32, out.data()),
+                StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+  }
+  EXPECT_THAT(AssemblePage(PageShape{DType::kF32, 4, 8}, 4, 1.0f, 1.0f, codes.data(), codes.data(), out.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK(AssemblePage(shape, 3, 0.5f, 2.0f, codes.data(), codes.data() + 32, out.data()));
+  STRATA_ASSERT_OK_AND_ASSIGN(const PageHeader h, VerifyPage(out));
+  EXPECT_EQ(h.num_tokens, 3);
+  EXPECT_EQ(h.k_scale, 0.5f);
+  EXPECT_EQ(h.v_scale, 2.0f);
+  // An allocator with no memory: Allocate and Copy say so.
+  struct Empty : PageAllocator {
+    void* Allocate(size_t) override { return nullptr; }
+    void Free(void*, size_t) override {}
+  } empty;
+  EXPECT_THAT(PageBuffer::Allocate(64, &empty), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(PageBuffer::Copy("bytes", &empty), StatusIs(absl::StatusCode::kResourceExhausted));
 }
 
 TEST(PageFormatTest, SummaryFramingDetectsCorruption) {

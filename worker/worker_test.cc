@@ -1700,6 +1700,7 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
       {"prefill_policy", [](WorkerOptions* o) { o->prefill_policy = ""; }},
       {"prefill_budget_tokens", [](WorkerOptions* o) { o->prefill_budget_tokens = 0; }},
       {"kv_page_dtype", [](WorkerOptions* o) { o->kv_page_dtype = "fp16"; }},
+      {"prefill_chunk_size", [](WorkerOptions* o) { o->prefill_chunk_size = -1; }},
   };
   for (const Case& c : cases) {
     WorkerOptions o;
