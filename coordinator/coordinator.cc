@@ -1082,6 +1082,8 @@ bool Coordinator::EnsureMounted(const v1::ShardMap& map, std::vector<Action>* ac
     m.retry_after_nanos = 0;
     v1::MountShardRequest request;
     *request.mutable_shard() = a.range();
+    request.set_whole_document(std::all_of(map.shards().begin(), map.shards().end(),
+                                           [&](const v1::ShardAssignment& s) { return s.worker_id() == a.worker_id(); }));
     const v1::WorkerInfo info = worker->info;
     const std::string document_id = map.document_id();
     const uint64_t call = m.call;

@@ -334,7 +334,9 @@ TEST_F(CoordinatorTest, FullLifeWithAFakeWorker) {
   EXPECT_EQ(doc_watcher.infos.back().state(), v1::DocumentInfo::READY);
   // READY: the holder mounts its shards before the job runs.
   EXPECT_TRUE(workers_.runs().empty());
-  EXPECT_EQ(MountsSince(0).size(), 3u);
+  ASSERT_EQ(MountsSince(0).size(), 3u);
+  // w1 holds every shard: its jobs read the document themselves, so the mounts say so.
+  for (const auto& m : MountsSince(0)) EXPECT_TRUE(m.whole_document);
   FinishMounts();
   auto runs = workers_.runs();
   ASSERT_EQ(runs.size(), 1u);
@@ -640,6 +642,8 @@ TEST_F(CoordinatorTest, ExactPrefillIsSequentialAndJobsWaitForMounts) {
   std::set<std::string> holders;
   for (const auto& m : mounts) holders.insert(m.worker_id);
   EXPECT_EQ(holders, (std::set<std::string>{"w1", "w2", "w3"}));
+  // Each holder has one shard of three: its pages serve the other leaders' selection streams.
+  for (const auto& m : mounts) EXPECT_FALSE(m.whole_document);
   // One mount done is not enough.
   mounts[0].on_done(absl::OkStatus());
   coordinator_->Tick();

@@ -169,6 +169,10 @@ bool LazyDocumentShare::resident() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->cache != nullptr;
 }
+int64_t LazyDocumentShare::summary_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->summary_bytes;
+}
 int64_t LazyDocumentShare::device_bytes() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   int64_t bytes = impl_->summary_bytes;

@@ -94,6 +94,8 @@ class LazyDocumentShare {
   bool resident() const;
   // Backend memory it holds: the summaries loaded so far and the cache's slot pools.
   int64_t device_bytes() const;
+  // Of which the summaries.
+  int64_t summary_bytes() const;
 
   struct Impl;
 

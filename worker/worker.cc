@@ -10,6 +10,7 @@
 
 #include <omp.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
 #include "base/logging.h"
@@ -421,6 +422,7 @@ v1::WorkerLoad Worker::Load() const {
   load.set_prefilling_shards(static_cast<uint32_t>(prefilling_));
   uint64_t mounted = 0;
   for (const auto& [k, m] : mounted_) mounted += static_cast<uint64_t>(m->num_tokens());
+  mounted += HeldTokens();
   load.set_mounted_tokens(mounted);
   return load;
 }
@@ -967,6 +969,55 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   return absl::OkStatus();
 }
 
+absl::StatusOr<LazyAttentionOptions> Worker::LazyOptions(const kvstore::DocumentId& doc_id, int64_t doc_tokens,
+                                                          const v1::SelectionPolicy& policy) {
+  const model::ModelConfig& c = model_->config;
+  const int P = options_.page_size;
+  const int64_t pages_per_head = (doc_tokens + P - 1) / P;
+  // The job's budget, window and selection-cache theta, defaults applied as for a full mount.
+  STRATA_ASSIGN_OR_RETURN(const engine::sparse::PolicyOptions popt, JobPolicyOptions(policy, P));
+  const int64_t budget = popt.token_budget, window = popt.window_tokens;
+  LazyAttentionOptions lo;
+  lo.store = store_;
+  lo.document = doc_id;
+  lo.document_tokens = doc_tokens;
+  lo.page_size = P;
+  lo.num_layers = static_cast<int>(c.num_layers);
+  lo.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  lo.head_dim = static_cast<int>(c.head_dim);
+  lo.summary_kind = kMinMaxSummaryKind;
+  lo.budget_pages = static_cast<int>(std::min<int64_t>((budget + P - 1) / P, pages_per_head));
+  lo.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
+  lo.capacity_pages = options_.lazy_cache_pages;
+  lo.cache_theta = popt.cache_theta;
+  lo.share = AcquireLazyShare(LazyShareKey(doc_id, doc_tokens));
+  lo.metrics = metrics_ != nullptr ? metrics_->kv : nullptr;
+  // device_selection "on" takes the device path on the CPU backend too (its twins); otherwise
+  // the device path on a device backend. There, a document whole in a pinned host tier runs the
+  // device-managed cache (resident mode, worker/lazy_attention.h).
+  lo.device_path = options_.device_selection == "on" ? 1 : -1;
+  return lo;
+}
+
+std::string Worker::LazyShareKey(const kvstore::DocumentId& doc_id, int64_t doc_tokens) {
+  return absl::StrCat(doc_id.ToHex(), ":", doc_tokens);
+}
+
+absl::StatusOr<int64_t> Worker::PrepareLazyDocument(const kvstore::DocumentId& doc_id, int64_t doc_tokens) {
+  // What a job of the default sparse policy (quest, default budget and window) makes on its first
+  // question: the share keeps it (lazy_shared_documents) when the attention object goes.
+  v1::SelectionPolicy policy;
+  policy.set_name("quest");
+  STRATA_ASSIGN_OR_RETURN(const LazyAttentionOptions lo, LazyOptions(doc_id, doc_tokens, policy));
+  if (lo.share == nullptr) return 0;  // sharing is off: every job builds its own
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LazyDocumentAttention> lazy, LazyDocumentAttention::Create(lo, backend_));
+  STRATA_LOG(INFO) << "worker: document " << doc_id.ToHex() << " prepared for lazy jobs in " << lazy->setup_seconds()
+                   << " s (" << (lazy->device_managed() ? "device-managed page cache of " : "no resident cache; ")
+                   << (lazy->device_managed() ? absl::StrCat(lazy->slots(), " slots, ") : std::string())
+                   << lo.share->summary_bytes() << " bytes of summaries on the backend)";
+  return lo.share->summary_bytes();
+}
+
 std::shared_ptr<LazyDocumentShare> Worker::AcquireLazyShare(const std::string& key) {
   if (options_.lazy_shared_documents <= 0) return nullptr;
   absl::MutexLock lock(&mu_);
@@ -1001,36 +1052,59 @@ int64_t Worker::lazy_shared_documents() const {
   return static_cast<int64_t>(lazy_shares_.size());
 }
 
-absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1::ShardRange& range,
-                                                                       kvstore::TierCounts* pages,
-                                                                       bool check_capacity) {
-  const std::string key = ShardKey(range);
-  int64_t mounted_tokens = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = mounted_.find(key);
-    if (it != mounted_.end()) return it->second;
-    for (const auto& [k, m] : mounted_) mounted_tokens += m->num_tokens();
+uint64_t Worker::HeldTokens() const {
+  uint64_t tokens = 0;
+  for (const auto& [k, h] : held_) {
+    if (mounted_.count(k) == 0) tokens += static_cast<uint64_t>(h.tokens);
   }
+  return tokens;
+}
+
+absl::StatusOr<Worker::ShardSpan> Worker::CheckShard(const v1::ShardRange& range, bool check_capacity) {
   const model::ModelConfig& c = model_->config;
   const int P = options_.page_size;
-  STRATA_ASSIGN_OR_RETURN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(range.document_id()));
-  STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->GetDocumentInfo(id));
+  ShardSpan span;
+  STRATA_ASSIGN_OR_RETURN(span.id, kvstore::DocumentId::FromHex(range.document_id()));
+  STRATA_ASSIGN_OR_RETURN(v1::Document doc, catalog_->GetDocumentInfo(span.id));
   if (absl::Status s = CheckLayout(doc.layout(), LayoutOf(c, P, options_.kv_page_dtype)); !s.ok()) {
     return s;
   }
-  const int64_t doc_tokens = static_cast<int64_t>(doc.num_tokens());
-  const int64_t total_pages = (doc_tokens + P - 1) / P;
+  span.doc_tokens = static_cast<int64_t>(doc.num_tokens());
+  const int64_t total_pages = (span.doc_tokens + P - 1) / P;
   if (range.first_page() >= range.end_page() || range.end_page() > static_cast<uint64_t>(total_pages)) {
     return absl::InvalidArgumentError(absl::StrCat("shard pages [", range.first_page(), ", ", range.end_page(),
                                                    ") outside the document's ", total_pages, " pages"));
   }
-  const int64_t t0 = static_cast<int64_t>(range.first_page()) * P;
-  const int64_t t1 = std::min<int64_t>(static_cast<int64_t>(range.end_page()) * P, doc_tokens);
-  if (check_capacity && static_cast<uint64_t>(mounted_tokens + (t1 - t0)) > options_.capacity_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat("mounting ", t1 - t0, " tokens beyond capacity_tokens ",
-                                                     options_.capacity_tokens, " (", mounted_tokens, " mounted)"));
+  span.t0 = static_cast<int64_t>(range.first_page()) * P;
+  span.t1 = std::min<int64_t>(static_cast<int64_t>(range.end_page()) * P, span.doc_tokens);
+  if (check_capacity) {
+    int64_t mounted_tokens = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [k, m] : mounted_) mounted_tokens += m->num_tokens();
+      mounted_tokens += static_cast<int64_t>(HeldTokens());
+    }
+    if (static_cast<uint64_t>(mounted_tokens + (span.t1 - span.t0)) > options_.capacity_tokens) {
+      return absl::ResourceExhaustedError(absl::StrCat("mounting ", span.t1 - span.t0, " tokens beyond capacity_tokens ",
+                                                       options_.capacity_tokens, " (", mounted_tokens, " mounted)"));
+    }
   }
+  return span;
+}
+
+absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1::ShardRange& range,
+                                                                       kvstore::TierCounts* pages,
+                                                                       bool check_capacity) {
+  const std::string key = ShardKey(range);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = mounted_.find(key);
+    if (it != mounted_.end()) return it->second;
+  }
+  STRATA_ASSIGN_OR_RETURN(const ShardSpan span, CheckShard(range, check_capacity));
+  const kvstore::DocumentId id = span.id;
+  const int64_t doc_tokens = span.doc_tokens, t0 = span.t0, t1 = span.t1;
+  const int P = options_.page_size;
   kernels::Backend* const be = shard_backend();
   STRATA_ASSIGN_OR_RETURN(
       std::unique_ptr<engine::KvCache> cache,
@@ -1048,15 +1122,53 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
 }
 
 absl::StatusOr<v1::MountShardResponse> Worker::MountShard(const v1::MountShardRequest& request) {
+  if (request.whole_document()) return HoldWholeDocument(request.shard());
   kvstore::TierCounts pages;
   STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, GetOrMount(request.shard(), &pages, true));
   STRATA_LOG(INFO) << "worker: mounted shard " << ShardKey(request.shard()) << " tokens=" << m->num_tokens();
   return v1::MountShardResponse();  // summary_bytes = 0: no summaries are held at mount
 }
 
+absl::StatusOr<v1::MountShardResponse> Worker::HoldWholeDocument(const v1::ShardRange& range) {
+  const std::string key = ShardKey(range);
+  {
+    absl::MutexLock lock(&mu_);
+    if (held_.count(key) > 0) return v1::MountShardResponse();  // idempotent
+  }
+  STRATA_ASSIGN_OR_RETURN(const ShardSpan span, CheckShard(range, /*check_capacity=*/true));
+  v1::MountShardResponse response;
+  if (options_.lazy_mount) {
+    // Best effort: a job that finds no prepared state builds it itself, as before.
+    absl::StatusOr<int64_t> summary_bytes = PrepareLazyDocument(span.id, span.doc_tokens);
+    if (summary_bytes.ok()) {
+      response.set_summary_bytes(static_cast<uint64_t>(*summary_bytes));
+    } else {
+      STRATA_LOG(WARNING) << "worker: document " << span.id.ToHex()
+                          << ": lazy state not prepared at mount (the first job makes it): " << summary_bytes.status();
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  held_.emplace(key, HeldShard{range, span.t1 - span.t0});
+  STRATA_LOG(INFO) << "worker: holds shard " << key << " of a document whole on this worker, tokens="
+                   << span.t1 - span.t0 << " (no pages loaded for the mount)";
+  return response;
+}
+
 absl::Status Worker::UnmountShard(const v1::UnmountShardRequest& request) {
   absl::MutexLock lock(&mu_);
-  mounted_.erase(ShardKey(request.shard()));
+  const std::string key = ShardKey(request.shard());
+  mounted_.erase(key);
+  if (held_.erase(key) > 0) {
+    // The document's lazy state goes when no job uses it and no other shard of it is held here.
+    const std::string& doc = request.shard().document_id();
+    bool other = false;
+    for (const auto& [k, h] : held_) other |= h.range.document_id() == doc;
+    if (!other) {
+      lazy_shares_.remove_if([&](const auto& e) {
+        return e.second.use_count() == 1 && absl::StartsWith(e.first, absl::StrCat(doc, ":"));
+      });
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -1064,6 +1176,9 @@ std::vector<v1::ShardRange> Worker::MountedShards() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::ShardRange> out;
   for (const auto& [k, m] : mounted_) out.push_back(m->range());
+  for (const auto& [k, h] : held_) {
+    if (mounted_.count(k) == 0) out.push_back(h.range);
+  }
   return out;
 }
 
@@ -1368,29 +1483,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   } trim_shares{this};
   std::unique_ptr<LazyDocumentAttention> lazy;
   if (has_doc && !sharded && options_.lazy_mount && LazyEligible(request.policy())) {
-    const int64_t pages_per_head = (doc_tokens + P - 1) / P;
-    // The job's budget, window and selection-cache theta, defaults applied as for a full mount.
-    STRATA_ASSIGN_OR_RETURN(const engine::sparse::PolicyOptions popt, JobPolicyOptions(request.policy(), P));
-    const int64_t budget = popt.token_budget, window = popt.window_tokens;
-    LazyAttentionOptions lo;
-    lo.store = store_;
-    lo.document = doc_id;
-    lo.document_tokens = doc_tokens;
-    lo.page_size = P;
-    lo.num_layers = L;
-    lo.num_kv_heads = H;
-    lo.head_dim = static_cast<int>(c.head_dim);
-    lo.summary_kind = kMinMaxSummaryKind;
-    lo.budget_pages = static_cast<int>(std::min<int64_t>((budget + P - 1) / P, pages_per_head));
-    lo.window_pages = static_cast<int>(std::min<int64_t>((window + P - 1) / P, pages_per_head));
-    lo.capacity_pages = options_.lazy_cache_pages;
-    lo.cache_theta = popt.cache_theta;
-    lo.share = AcquireLazyShare(absl::StrCat(doc_id.ToHex(), ":", doc_tokens));
-    lo.metrics = metrics_ != nullptr ? metrics_->kv : nullptr;
-    // device_selection "on" takes the device path on the CPU backend too (its twins); otherwise
-    // the device path on a device backend. There, a document whole in a pinned host tier runs the
-    // device-managed cache (resident mode, worker/lazy_attention.h).
-    lo.device_path = options_.device_selection == "on" ? 1 : -1;
+    STRATA_ASSIGN_OR_RETURN(const LazyAttentionOptions lo, LazyOptions(doc_id, doc_tokens, request.policy()));
     // The page cache lives on the job's own backend (CPU or CUDA), like the job's KvCache.
     STRATA_ASSIGN_OR_RETURN(lazy, LazyDocumentAttention::Create(lo, backend_));
     if (metrics_ != nullptr) {

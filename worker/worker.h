@@ -49,7 +49,16 @@
 // reported in Load().mounted_tokens and in the heartbeat's mounted_shards. A selection stream or
 // a leader that needs a shard that is not mounted mounts it on demand (not counted against
 // capacity_tokens; MountShard itself refuses mounts beyond capacity_tokens with
-// RESOURCE_EXHAUSTED).
+// RESOURCE_EXHAUSTED). A MountShard with whole_document (the coordinator sets it when every shard
+// of the document is on this worker) loads nothing: the jobs on such a document read it
+// themselves (below), so a loaded copy would only cost host memory and mount time (at 512K on an
+// 8B model, 64 GB of bf16 keys and values). The shard is held: checked and counted as a mount
+// (Load, heartbeats, capacity_tokens), and with the lazy mount the document's lazy state is
+// prepared then, as a first default-policy (quest) job would make it, into the share kept for
+// its jobs (LazyDocumentShare: summaries on the backend and, when the host tier holds every
+// page, the device-managed page cache), so that the first question starts warm; a failure there
+// is logged and the first job makes it. UnmountShard of the document's last held shard drops
+// its idle share.
 //
 // RunJob, as leader:
 //   - a map whose shards all belong to this worker (worker_id equal to this worker's or empty),
@@ -290,6 +299,9 @@ class Worker {
   // Mounts the shard (file comment). Idempotent. NOT_FOUND: unknown document;
   // FAILED_PRECONDITION: layout mismatch; INVALID_ARGUMENT: a range outside the document;
   // DATA_LOSS: a page missing from the store; RESOURCE_EXHAUSTED beyond capacity_tokens.
+  // With request.whole_document (every shard of the document is on this worker) no page is
+  // loaded: the shard is held (reported and counted as mounted) and, with the lazy mount, the
+  // document's lazy state is prepared for its first job (file comment, "Mounts").
   absl::StatusOr<v1::MountShardResponse> MountShard(const v1::MountShardRequest& request);
   // Forgets the mount (streams still using it keep it until they end). OK when not mounted.
   absl::Status UnmountShard(const v1::UnmountShardRequest& request);
@@ -387,6 +399,22 @@ class Worker {
   int prefilling_ ABSL_GUARDED_BY(mu_) = 0;
   std::string address_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<const MountedShard>> mounted_ ABSL_GUARDED_BY(mu_);
+  // Shards of documents whole on this worker, held without pages (MountShard's whole_document).
+  struct HeldShard {
+    v1::ShardRange range;
+    int64_t tokens = 0;
+  };
+  std::map<std::string, HeldShard> held_ ABSL_GUARDED_BY(mu_);
+  // Tokens of held_ not also in mounted_.
+  uint64_t HeldTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A shard range checked against the catalog (document known, layout, pages inside it) and,
+  // with check_capacity, against capacity_tokens.
+  struct ShardSpan {
+    kvstore::DocumentId id;
+    int64_t doc_tokens = 0, t0 = 0, t1 = 0;  // the document's tokens; the shard's [t0, t1)
+  };
+  absl::StatusOr<ShardSpan> CheckShard(const v1::ShardRange& range, bool check_capacity);
+  absl::StatusOr<v1::MountShardResponse> HoldWholeDocument(const v1::ShardRange& range);
   std::atomic<int64_t> failovers_{0};
   absl::Mutex batch_mu_;
   std::vector<DecodeRequest*> pending_ ABSL_GUARDED_BY(batch_mu_);
@@ -406,6 +434,14 @@ class Worker {
   // The share of a document for a new lazy job (null when sharing is off); drops the idle shares
   // beyond the limit.
   std::shared_ptr<LazyDocumentShare> AcquireLazyShare(const std::string& key);
+  static std::string LazyShareKey(const kvstore::DocumentId& doc_id, int64_t doc_tokens);
+  // A lazy job's options on the document for `policy` (its budget, window and theta; the share
+  // acquired).
+  absl::StatusOr<LazyAttentionOptions> LazyOptions(const kvstore::DocumentId& doc_id, int64_t doc_tokens,
+                                                   const v1::SelectionPolicy& policy);
+  // Makes the document's lazy state as the first default-policy job would and keeps it in its
+  // share; the share's summary bytes (0 when sharing is off).
+  absl::StatusOr<int64_t> PrepareLazyDocument(const kvstore::DocumentId& doc_id, int64_t doc_tokens);
   void TrimLazyShares() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::atomic<bool> fallback_logged_{false};
 };

@@ -1045,6 +1045,87 @@ TEST_F(LazyMountTest, ConcurrentResidentJobsOnOneDocumentShareItsCacheAndKeepThe
               static_cast<long long>(w->decode_batches()));
 }
 
+v1::MountShardRequest MountRequest(bool whole_document) {
+  v1::MountShardRequest m;
+  m.mutable_shard()->set_document_id(kDocId);
+  m.mutable_shard()->set_first_page(0);
+  m.mutable_shard()->set_end_page(10);
+  m.set_whole_document(whole_document);
+  return m;
+}
+
+TEST_F(LazyMountTest, WholeDocumentMountLoadsNoPageAndCountsAsMounted) {
+  // A document whose shards are all on this worker (the coordinator's whole_document): its jobs
+  // read the document themselves, so the mount loads nothing. A store missing a page fails the
+  // loading mount with DATA_LOSS and not this one, which is still reported and counted.
+  HolePageStore holes(store_.get());
+  WorkerOptions wo;
+  wo.worker_id = "holder";
+  wo.prefill_chunk_size = 64;
+  wo.capacity_tokens = 900;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w,
+                              Worker::Create(wo, model_.get(), backend_.get(), &holes, store_.get(), nullptr));
+  EXPECT_THAT(w->MountShard(MountRequest(false)).status(), testing::StatusIs(absl::StatusCode::kDataLoss));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::MountShardResponse r, w->MountShard(MountRequest(true)));
+  EXPECT_EQ(r.summary_bytes(), 0u);  // not a lazy-mount worker: nothing prepared
+  ASSERT_EQ(w->MountedShards().size(), 1u);
+  EXPECT_EQ(w->MountedShards()[0].end_page(), 10u);
+  EXPECT_EQ(w->Load().mounted_tokens(), 640u);
+  STRATA_ASSERT_OK(w->MountShard(MountRequest(true)).status());  // idempotent
+  EXPECT_EQ(w->Load().mounted_tokens(), 640u);
+  // The checks of a mount still apply: capacity, pages outside the document, unknown documents.
+  v1::MountShardRequest other = MountRequest(true);
+  other.mutable_shard()->set_end_page(5);
+  EXPECT_THAT(w->MountShard(other).status(), testing::StatusIs(absl::StatusCode::kResourceExhausted));
+  other.mutable_shard()->set_end_page(11);
+  EXPECT_THAT(w->MountShard(other).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  other.mutable_shard()->set_document_id(std::string(32, 'a'));
+  other.mutable_shard()->set_end_page(1);
+  EXPECT_THAT(w->MountShard(other).status(), testing::StatusIs(absl::StatusCode::kNotFound));
+  v1::UnmountShardRequest u;
+  *u.mutable_shard() = MountRequest(true).shard();
+  STRATA_ASSERT_OK(w->UnmountShard(u));
+  EXPECT_TRUE(w->MountedShards().empty());
+  EXPECT_EQ(w->Load().mounted_tokens(), 0u);
+}
+
+TEST_F(LazyMountTest, WholeDocumentMountPreparesTheLazyStateForTheFirstJob) {
+  // On a lazy-mount worker whose host tier holds the document, the whole-document mount makes
+  // the document's share (summaries on the backend, the device-managed cache) as the first
+  // quest job would: that job then reads no summary, and gives the tokens it gives without the
+  // mount.
+  const int d = static_cast<int>(model_->config.head_dim);
+  HostTierFixture tier = MakeHostTier(store_.get(), backend_.get(), d, kv_metrics_.get(), DocumentPages());
+  std::unique_ptr<Worker> cold = LazyWorker(8192, tier.tiered.get(), "on", nullptr, "lazy-cold");
+  std::unique_ptr<Worker> warm = LazyWorker(8192, tier.tiered.get(), "on", nullptr, "lazy-warm");
+  ASSERT_NE(cold, nullptr);
+  ASSERT_NE(warm, nullptr);
+  auto host_lookups = [&] { return TierMetric(registry_, "strata_kv_lookups_total", "host"); };
+  double before = host_lookups();
+  const v1::JobInfo cold_job = Run(cold.get(), Quest("cold", 128, 64, 6));
+  const double cold_lookups = host_lookups() - before;
+
+  before = host_lookups();
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::MountShardResponse r, warm->MountShard(MountRequest(true)));
+  EXPECT_EQ(host_lookups() - before, 40.0);  // the 2 layers x 2 KV heads x 10 summaries
+  EXPECT_EQ(r.summary_bytes(), 40u * 2 * d * 2);  // bf16 minmax rows
+  EXPECT_EQ(warm->lazy_shared_documents(), 1);
+  EXPECT_EQ(warm->resident_lazy_jobs(), 0);  // preparing is not a job
+  before = host_lookups();
+  const v1::JobInfo warm_job = Run(warm.get(), Quest("warm", 128, 64, 6));
+  EXPECT_EQ(cold_lookups - (host_lookups() - before), 40.0);  // the job read no summary
+  EXPECT_EQ(warm->resident_lazy_jobs(), 1);
+  EXPECT_EQ(Tokens(warm_job), Tokens(cold_job));
+  EXPECT_EQ(warm->lazy_shared_documents(), 1);
+
+  // Unmounting the document's last held shard drops its idle share.
+  v1::UnmountShardRequest u;
+  *u.mutable_shard() = MountRequest(true).shard();
+  STRATA_ASSERT_OK(warm->UnmountShard(u));
+  EXPECT_EQ(warm->lazy_shared_documents(), 0);
+  EXPECT_TRUE(warm->MountedShards().empty());
+}
+
 // Workers with kv_page_dtype "fp8" over a store of their own: the fixture's 640-token document
 // prefilled as fp8 pages.
 class Fp8PagesTest : public LazyMountTest {

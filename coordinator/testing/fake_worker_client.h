@@ -25,6 +25,7 @@ class FakeWorkerClient : public WorkerClient {
     v1::ShardRange shard;
     bool mount = true;  // false: UnmountShard
     DoneFn on_done;
+    bool whole_document = false;  // MountShardRequest::whole_document
   };
   struct RunCall {
     std::string worker_id;
@@ -40,7 +41,7 @@ class FakeWorkerClient : public WorkerClient {
   }
   void MountShard(const v1::WorkerInfo& worker, const v1::MountShardRequest& request, DoneFn on_done) override {
     absl::MutexLock lock(&mu_);
-    mounts_.push_back({worker.worker_id(), request.shard(), true, std::move(on_done)});
+    mounts_.push_back({worker.worker_id(), request.shard(), true, std::move(on_done), request.whole_document()});
   }
   void UnmountShard(const v1::WorkerInfo& worker, const v1::UnmountShardRequest& request,
                     DoneFn on_done) override {
