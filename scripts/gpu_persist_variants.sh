@@ -8,7 +8,9 @@
 # Env: STRATA_GPU_BUNDLE (default .gpu); STRATA_PERSIST_MODEL ("preset dtype", default
 #      "llama-3.1-8b bf16"); STRATA_PERSIST_RUNS: runs separated by ';', each
 #      "tokens chunk policy precision [more lazy_mount_bench flags]" (default: 64K with the
-#      serve defaults, then larger chunks, bf16 GEMMs and tokenselect prefill).
+#      serve defaults, then larger chunks, bf16 GEMMs and tokenselect prefill). Flags after the
+#      four fields override the ones above (e.g. "--shard 262144 --modes resident --mount 1" to
+#      ask questions after persisting; lazy_mount_bench takes the last value of a flag).
 set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
@@ -28,7 +30,8 @@ for run in "${list[@]}"; do
   "$BUNDLE/bin/lazy_mount_bench" --backend cuda --model "$model" --doc "$tokens" --shard "$tokens" \
     --modes none --kv-page-dtype fp8 --dir /dev/shm --host-gib 40 --prefill-chunk "$chunk" \
     --prefill-policy "$policy" --matmul-precision "$precision" ${more:-} 2>&1 \
-    | grep -E "persisted|prefilled|rror|^rep " | sed 's/^.*worker: document [0-9a-f]* //' | cut -c1-330
+    | grep -E "persisted|prefilled|rror|^rep |^mounted|prepared for lazy|set up in" \
+    | sed 's/^.*worker: document [0-9a-f]* //' | cut -c1-330
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   echo "  wall $(( $(date +%s) - t0 )) s"
 done

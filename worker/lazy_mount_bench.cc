@@ -44,6 +44,7 @@
 // job: quest with --budget tokens, a --prompt-token prompt, --tokens generated tokens. Prints per mode
 // and repetition: TTFT (RunJob start to the first token event), the decode rate after the first
 // token (--tokens > 1), pages fetched, and whether the first token equals the full mount's.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -130,6 +131,7 @@ int Run(int argc, char** argv) {
       std::filesystem::remove_all(dir, ec);
     }
   } remove_at_exit{dir};
+  const std::string model_name = model_dir.empty() ? preset : model_dir;
   if (model_dir.empty()) {
     model::RandomModelOptions mo;
     mo.preset = preset;
@@ -226,7 +228,7 @@ int Run(int argc, char** argv) {
     }
     std::printf("persisted %lld tokens (%s) in %.1f s (shards of %lld, prefill chunk %lld, policy %s, "
                 "matmul %s, %s pages); the host tier holds %lld entries (pages, summaries)\n",
-                static_cast<long long>(doc_tokens), preset.c_str(), (MonotonicNanos() - t0) * 1e-9,
+                static_cast<long long>(doc_tokens), model_name.c_str(), (MonotonicNanos() - t0) * 1e-9,
                 static_cast<long long>(shard), static_cast<long long>(prefill_chunk),  // 0: the worker's automatic size
                 prefill_policy.c_str(), precision.c_str(), page_dtype.c_str(),
                 static_cast<long long>((*host)->num_entries()));
@@ -248,9 +250,10 @@ int Run(int argc, char** argv) {
         std::fprintf(stderr, "mount: %s\n", r.status().ToString().c_str());
         return 1;
       }
-      summary_bytes += r->summary_bytes();
+      summary_bytes = std::max<uint64_t>(summary_bytes, r->summary_bytes());  // each reports the document's
     }
-    std::printf("mounted (whole document on the resident worker) in %.3f s: %.1f MiB of summaries on the backend\n",
+    std::printf("mounted (whole document on the resident worker) in %.3f s: the document's summaries on the backend, "
+                "%.2f MiB\n",
                 (MonotonicNanos() - t0) * 1e-9, summary_bytes / 1048576.0);
   }
   int32_t full_first = -1;
