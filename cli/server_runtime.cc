@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/clock.h"
 #include "base/logging.h"
 #include "kernels/backend_factory.h"
 #include "kvstore/page_format.h"
@@ -90,6 +91,21 @@ absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(int64_t capacity_byte
     const size_t chunk = std::min<size_t>(size_t{256} << 20, static_cast<size_t>(capacity_bytes));
     tier->allocator_ = std::make_unique<kvstore::BackendPageAllocator>(backend, page_bytes, chunk);
     hco.allocator = tier->allocator_.get();
+    if (backend->Name() != "cpu") {
+      kvstore::BackendPageAllocator* alloc = tier->allocator_.get();
+      std::atomic<bool>* stop = &tier->stop_pinning_;
+      tier->pinner_ = std::thread([alloc, stop, capacity_bytes] {
+        const int64_t t0 = MonotonicNanos();
+        const absl::Status s = alloc->Reserve(static_cast<size_t>(capacity_bytes), stop);
+        const double gib = static_cast<double>(alloc->reserved_bytes()) / (1 << 30);
+        if (s.ok()) {
+          STRATA_LOG(INFO) << "host tier: " << gib << " GiB pinned in " << (MonotonicNanos() - t0) * 1e-9 << " s";
+        } else if (!absl::IsCancelled(s)) {
+          STRATA_LOG(WARNING) << "host tier: " << gib << " GiB pinned up front, then " << s
+                              << "; the rest is pinned as pages arrive";
+        }
+      });
+    }
   }
   absl::StatusOr<std::unique_ptr<kvstore::HostCache>> cache = kvstore::HostCache::Create(hco);
   if (!cache.ok()) return cache.status();
@@ -105,13 +121,20 @@ absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(int64_t capacity_byte
   return tier;
 }
 
+HostTier::~HostTier() {
+  stop_pinning_ = true;
+  if (pinner_.joinable()) pinner_.join();
+}
+
 void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier) {
   flags->Int("page-size", &page_size, "tokens per KV page (must match the coordinator)");
   flags->Int("prefill-chunk", &prefill_chunk,
              "prefill chunk size (tokens; progress is reported per chunk; 0: 512 on the CPU backend, 4096 on a GPU)");
   flags->Int("max-jobs", &max_jobs, "jobs the worker leads at the same time");
   flags->Int("host-cache-bytes", &host_cache_bytes,
-             absl::StrCat("host-memory page tier in front of ", durable_tier, " (bytes; 0: none)"));
+             absl::StrCat("host-memory page tier in front of ", durable_tier,
+                          " (bytes; 0: none; on a GPU worker pinned memory, all of it pinned from the start on a "
+                          "thread of its own)"));
   flags->Int("threads", &threads, "CPU backend threads (0: all cores)");
   flags->Bool("lazy-mount", &lazy_mount,
               "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen "

@@ -3,9 +3,11 @@
 #ifndef STRATA_CLI_SERVER_RUNTIME_H_
 #define STRATA_CLI_SERVER_RUNTIME_H_
 
+#include <atomic>
 #include <csignal>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -89,12 +91,20 @@ class HostTier {
                                                           kernels::Backend* backend = nullptr,
                                                           size_t page_bytes = 0);
   kvstore::PageStore* store() const { return store_; }
+  // Stops and joins the pinning thread (below).
+  ~HostTier();
 
  private:
   std::unique_ptr<kvstore::BackendPageAllocator> allocator_;  // outlives the cache
   std::unique_ptr<kvstore::HostCache> cache_;
   std::unique_ptr<kvstore::TieredStore> tiered_;
   kvstore::PageStore* store_ = nullptr;
+  // On a device backend the tier's whole capacity is pinned by this thread from the start
+  // (BackendPageAllocator::Reserve): pinning holds up the device work enqueued meanwhile, so
+  // pinning page by page while a prefill writes through the tier slowed the prefill's forward by
+  // ~80% on the H100 (bench/RESULTS.md). The worker serves meanwhile.
+  std::atomic<bool> stop_pinning_{false};
+  std::thread pinner_;
 };
 
 // Blocks SIGINT and SIGTERM in this thread and every thread started after it; returns the set to

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace strata::kvstore {
 
 BackendPageAllocator::BackendPageAllocator(kernels::Backend* backend, size_t block_bytes,
@@ -24,19 +26,46 @@ void* BackendPageAllocator::Allocate(size_t bytes) {
     return p;
   }
   if (free_.empty()) {
-    absl::StatusOr<std::unique_ptr<kernels::Buffer>> chunk = backend_->AllocateHost(chunk_bytes_);
-    if (!chunk.ok() || (*chunk)->data() == nullptr) return nullptr;
-    char* base = static_cast<char*>((*chunk)->data());
-    // AllocateHost memory is at least 64-byte aligned on both backends; blocks are multiples of 64.
-    for (size_t off = chunk_bytes_; off >= block_bytes_; off -= block_bytes_) {
-      free_.push_back(base + off - block_bytes_);  // lowest address handed out first
-    }
-    reserved_ += chunk_bytes_;
-    chunks_.push_back(*std::move(chunk));
+    std::unique_ptr<kernels::Buffer> chunk = NewChunk();
+    if (chunk == nullptr) return nullptr;
+    AddChunk(std::move(chunk));
   }
   void* p = free_.back();
   free_.pop_back();
   return p;
+}
+
+std::unique_ptr<kernels::Buffer> BackendPageAllocator::NewChunk() {
+  absl::StatusOr<std::unique_ptr<kernels::Buffer>> chunk = backend_->AllocateHost(chunk_bytes_);
+  if (!chunk.ok() || (*chunk)->data() == nullptr) return nullptr;
+  return *std::move(chunk);
+}
+
+void BackendPageAllocator::AddChunk(std::unique_ptr<kernels::Buffer> chunk) {
+  char* base = static_cast<char*>(chunk->data());
+  // AllocateHost memory is at least 64-byte aligned on both backends; blocks are multiples of 64.
+  for (size_t off = chunk_bytes_; off >= block_bytes_; off -= block_bytes_) {
+    free_.push_back(base + off - block_bytes_);  // the chunk's lowest address handed out first
+  }
+  reserved_ += chunk_bytes_;
+  chunks_.push_back(std::move(chunk));
+}
+
+absl::Status BackendPageAllocator::Reserve(size_t bytes, const std::atomic<bool>* stop) {
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reserved_ >= bytes) return absl::OkStatus();
+    }
+    if (stop != nullptr && stop->load()) return absl::CancelledError("host page allocator: reservation stopped");
+    std::unique_ptr<kernels::Buffer> chunk = NewChunk();  // pinned outside the lock
+    std::lock_guard<std::mutex> lock(mu_);
+    if (chunk == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("host page allocator: ", reserved_, " of ", bytes,
+                                                       " bytes reserved; the backend's AllocateHost failed"));
+    }
+    AddChunk(std::move(chunk));
+  }
 }
 
 void BackendPageAllocator::Free(void* p, size_t bytes) {

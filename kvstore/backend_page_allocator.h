@@ -14,6 +14,7 @@
 #ifndef STRATA_KVSTORE_BACKEND_PAGE_ALLOCATOR_H_
 #define STRATA_KVSTORE_BACKEND_PAGE_ALLOCATOR_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "kernels/backend.h"
 #include "kvstore/page_store.h"
 
@@ -40,6 +42,14 @@ class BackendPageAllocator final : public PageAllocator {
   // The backend whose AllocateHost memory this is (a device-managed GPU page cache on the same
   // backend can read it in place).
   kernels::Backend* backend() const { return backend_; }
+  // Obtains chunks now until at least `bytes` are reserved (blocks then come from them without
+  // pinning anything). On CUDA, pinning (cudaHostAlloc) runs at a few GB/s and holds up the
+  // device work other threads enqueue meanwhile, so a host tier filled while the GPU prefills
+  // slows the prefill; reserving its capacity before (at worker start) moves that cost there.
+  // ResourceExhausted when AllocateHost fails (what was obtained stays reserved); Cancelled when
+  // *stop turns true between chunks. Pins without holding the allocator's lock, so Allocate and
+  // Free go on meanwhile (a thread can reserve while the tier fills).
+  absl::Status Reserve(size_t bytes, const std::atomic<bool>* stop = nullptr);
   // Bytes obtained from AllocateHost so far (chunks and large buffers).
   size_t reserved_bytes() const;
 
@@ -52,6 +62,10 @@ class BackendPageAllocator final : public PageAllocator {
   std::vector<void*> free_;                                                // guarded by mu_
   absl::flat_hash_map<void*, std::unique_ptr<kernels::Buffer>> large_;    // guarded by mu_
   size_t reserved_ = 0;                                                    // guarded by mu_
+  // Obtains one chunk (mu_ not held) or nullptr when AllocateHost failed.
+  std::unique_ptr<kernels::Buffer> NewChunk();
+  // Adds a chunk's blocks to the free list (mu_ held).
+  void AddChunk(std::unique_ptr<kernels::Buffer> chunk);
 };
 
 }  // namespace strata::kvstore

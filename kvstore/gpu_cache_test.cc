@@ -565,6 +565,24 @@ TEST(BackendPageAllocatorTest, BlocksFromChunksAreReusedAndLargeRequestsOwnBuffe
   EXPECT_EQ(a.reserved_bytes(), 2 * 1024u);
 }
 
+TEST(BackendPageAllocatorTest, ReserveObtainsWholeChunksUpFront) {
+  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
+  BackendPageAllocator a(backend.get(), 100, 1000);  // blocks of 128 bytes, chunks of 8 blocks
+  STRATA_ASSERT_OK(a.Reserve(2500));                  // three chunks
+  EXPECT_EQ(a.reserved_bytes(), 3 * 1024u);
+  STRATA_ASSERT_OK(a.Reserve(1000));  // already there
+  EXPECT_EQ(a.reserved_bytes(), 3 * 1024u);
+  std::set<void*> seen;
+  for (int i = 0; i < 24; ++i) {  // every reserved block, none pinned on the way
+    void* p = a.Allocate(128);
+    ASSERT_NE(p, nullptr);
+    EXPECT_TRUE(seen.insert(p).second);
+  }
+  EXPECT_EQ(a.reserved_bytes(), 3 * 1024u);
+  ASSERT_NE(a.Allocate(1), nullptr);  // the 25th block needs a fourth chunk
+  EXPECT_EQ(a.reserved_bytes(), 4 * 1024u);
+}
+
 TEST_F(GpuCacheTest, PagesInBackendHostMemoryAreReadInPlace) {
   // A host tier whose buffers come from AllocateHost memory: the fills read them where they lie.
   BackendPageAllocator alloc(backend_.get(), layout_.page.EncodedBytes(), 1 << 16);

@@ -1,6 +1,7 @@
 #include "kvstore/local_store.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <set>
 
 #include "absl/container/flat_hash_map.h"
@@ -15,6 +16,7 @@
 #include "rocksdb/db.h"
 #include "rocksdb/filter_policy.h"
 #include "rocksdb/options.h"
+#include "rocksdb/sst_file_writer.h"
 #include "rocksdb/table.h"
 #include "rocksdb/write_batch.h"
 
@@ -177,10 +179,18 @@ absl::Status LocalStore::OpenDb() {
       {"summaries", large},
       {"documents", small},
       {"index", small}};
+  large_options_ = std::make_unique<rocksdb::Options>(db_options, large);
+  small_options_ = std::make_unique<rocksdb::Options>(db_options, small);
   rocksdb::DB* db = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(db_options, options_.path, cfs, &handles_, &db);
   if (!s.ok()) return FromRocksDb(s, absl::StrCat("open ", options_.path));
   db_.reset(db);
+  // Files a PutDeferred was building when the process stopped were never ingested: gone.
+  ingest_dir_ = options_.path + "/ingest";
+  std::error_code ec;
+  std::filesystem::remove_all(ingest_dir_, ec);
+  std::filesystem::create_directories(ingest_dir_, ec);
+  if (ec) return absl::InternalError(absl::StrCat("local store: cannot make ", ingest_dir_, ": ", ec.message()));
   pages_ = handles_[1];
   summaries_ = handles_[2];
   documents_ = handles_[3];
@@ -350,15 +360,12 @@ absl::Status LocalStore::Write(absl::Span<const PageWrite> pages,
     meta.emplace(std::string(d.AsBytes()), std::make_pair(*std::move(doc), *layout));
   }
 
-  rocksdb::WriteBatch batch;
   for (const PageWrite& w : pages) {
     const auto& [doc, layout] = meta.at(std::string(w.key.document.AsBytes()));
     if (absl::Status s = CheckPage(doc, layout, w); !s.ok()) {
       unlock();
       return s;
     }
-    batch.Put(pages_, internal::PageKeyBytes(w.key), ToSlice(w.data->view()));
-    batch.Put(index_, internal::PageIndexKey(w.key), rocksdb::Slice());
   }
   for (const SummaryWrite& w : summaries) {
     const auto& entry = meta.at(std::string(w.key.document.AsBytes()));
@@ -366,6 +373,18 @@ absl::Status LocalStore::Write(absl::Span<const PageWrite> pages,
       unlock();
       return s;
     }
+  }
+  if (deferred && options_.ingest_deferred) {
+    absl::Status s = Ingest(pages, summaries);
+    unlock();
+    return s;
+  }
+  rocksdb::WriteBatch batch;
+  for (const PageWrite& w : pages) {
+    batch.Put(pages_, internal::PageKeyBytes(w.key), ToSlice(w.data->view()));
+    batch.Put(index_, internal::PageIndexKey(w.key), rocksdb::Slice());
+  }
+  for (const SummaryWrite& w : summaries) {
     batch.Put(summaries_, internal::SummaryKeyBytes(w.key), EncodeSummary(w.data->view()));
     batch.Put(index_, internal::SummaryIndexKey(w.key), rocksdb::Slice());
   }
@@ -376,6 +395,63 @@ absl::Status LocalStore::Write(absl::Span<const PageWrite> pages,
   rocksdb::Status s = db_->Write(wo, &batch);
   unlock();
   return FromRocksDb(s, "write pages");
+}
+
+absl::Status LocalStore::Ingest(absl::Span<const PageWrite> pages, absl::Span<const SummaryWrite> summaries) {
+  struct Entry {
+    std::string key;
+    rocksdb::Slice value;
+  };
+  std::vector<Entry> page_entries, summary_entries, index_entries;
+  std::vector<std::string> summary_values;
+  summary_values.reserve(summaries.size());  // no reallocation: the entries point into it
+  page_entries.reserve(pages.size());
+  summary_entries.reserve(summaries.size());
+  index_entries.reserve(pages.size() + summaries.size());
+  for (const PageWrite& w : pages) {
+    page_entries.push_back({internal::PageKeyBytes(w.key), ToSlice(w.data->view())});
+    index_entries.push_back({internal::PageIndexKey(w.key), rocksdb::Slice()});
+  }
+  for (const SummaryWrite& w : summaries) {
+    summary_values.push_back(EncodeSummary(w.data->view()));
+    summary_entries.push_back({internal::SummaryKeyBytes(w.key), rocksdb::Slice(summary_values.back())});
+    index_entries.push_back({internal::SummaryIndexKey(w.key), rocksdb::Slice()});
+  }
+  const uint64_t n = ingest_files_.fetch_add(1);
+  std::vector<std::string> made;
+  auto remove_made = [&made] {
+    std::error_code ec;  // ingested files were moved (their names here are gone); others are dropped
+    for (const std::string& f : made) std::filesystem::remove(f, ec);
+  };
+  std::vector<rocksdb::IngestExternalFileArg> args;
+  // One sorted file per column family; of equal keys the batch's last wins, as in a WriteBatch.
+  auto build = [&](std::vector<Entry>* entries, rocksdb::ColumnFamilyHandle* cf, const rocksdb::Options& cf_options,
+                   const char* name) -> absl::Status {
+    if (entries->empty()) return absl::OkStatus();
+    std::stable_sort(entries->begin(), entries->end(), [](const Entry& a, const Entry& b) { return a.key < b.key; });
+    const std::string path = absl::StrCat(ingest_dir_, "/", n, "-", name, ".sst");
+    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), cf_options, cf, /*invalidate_page_cache=*/false);
+    STRATA_RETURN_IF_ERROR(FromRocksDb(writer.Open(path), "ingest: open a file"));
+    made.push_back(path);
+    for (size_t i = 0; i < entries->size(); ++i) {
+      if (i + 1 < entries->size() && (*entries)[i + 1].key == (*entries)[i].key) continue;
+      STRATA_RETURN_IF_ERROR(FromRocksDb(writer.Put((*entries)[i].key, (*entries)[i].value), "ingest: write"));
+    }
+    STRATA_RETURN_IF_ERROR(FromRocksDb(writer.Finish(), "ingest: finish a file"));
+    rocksdb::IngestExternalFileArg arg;
+    arg.column_family = cf;
+    arg.external_files = {path};
+    arg.options.move_files = true;
+    arg.options.write_global_seqno = false;
+    args.push_back(std::move(arg));
+    return absl::OkStatus();
+  };
+  absl::Status s = build(&page_entries, pages_, *large_options_, "pages");
+  if (s.ok()) s = build(&summary_entries, summaries_, *large_options_, "summaries");
+  if (s.ok()) s = build(&index_entries, index_, *small_options_, "index");
+  if (s.ok() && !args.empty()) s = FromRocksDb(db_->IngestExternalFiles(args), "ingest pages");
+  remove_made();
+  return s;
 }
 
 absl::StatusOr<v1::Document> LocalStore::GetDocumentMetadata(const DocumentId& id) {

@@ -6,10 +6,13 @@
 // so completeness is checked without reading page bytes). Key encodings: kvstore/internal/keys.h.
 // Writes are WriteBatches with the WAL synced before Put returns (WriteOptions::sync), so an
 // acknowledged batch survives SIGKILL and power loss; a batch is atomic. PutDeferred (a document's
-// bulk writes while it is prefilled) skips the WAL: its batches reach the SST and blob files when
-// the memtables are flushed, and FinalizeDocument flushes them before it marks any document READY.
-// The column families are flushed together (atomic flush), so after a crash a batch without WAL is
-// either wholly present (pages and index entries) or wholly absent. A document becomes READY
+// bulk writes while it is prefilled) builds each batch as sorted SST files and ingests them, every
+// column family in one atomic ingestion, so a batch is durable and whole when PutDeferred returns
+// and its page bytes are written once (LocalStoreOptions::ingest_deferred). Otherwise it skips
+// the WAL: its batches reach the SST files when the memtables are flushed, and FinalizeDocument
+// flushes them before it marks any document READY; the column families are flushed together
+// (atomic flush), so after a crash such a batch is either wholly present (pages and index
+// entries) or wholly absent. A document becomes READY
 // only in FinalizeDocument, after its pages and summaries are counted complete; deletes are range
 // deletes over the document's key range in every column family.
 //
@@ -38,6 +41,7 @@
 namespace rocksdb {
 class DB;
 class ColumnFamilyHandle;
+struct Options;
 }  // namespace rocksdb
 
 namespace strata::kvstore {
@@ -54,6 +58,13 @@ struct LocalStoreOptions {
   // build machine), took a prefill's writes at 0.9-1.0 GB/s against 0.46-0.54 on the H100
   // machine's 16 cores, and served batched cold reads about 3x faster (bench/RESULTS.md).
   bool blob_files = false;
+  // PutDeferred builds each batch's pages, summaries and index entries as SST files beside the
+  // database (SstFileWriter, keys sorted) and ingests them together (IngestExternalFiles: atomic
+  // across the column families, durable when it returns), instead of writing them through the
+  // memtables. A batch of one contiguous page range lands below every other file without
+  // overlapping any, so its page bytes are written once and never compacted. False: WAL-less
+  // WriteBatches, made durable by the memtable flush at FinalizeDocument. Default: true.
+  bool ingest_deferred = true;
   // Compress SST and blob files with LZ4. KV pages are nearly incompressible (see
   // bench/RESULTS.md), so this costs CPU for no space. Default: false.
   bool compression = false;
@@ -123,6 +134,9 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   absl::Status CheckFormat();
   absl::Status Write(absl::Span<const PageWrite> pages, absl::Span<const SummaryWrite> summaries,
                      bool deferred);
+  // PutDeferred's batch as ingested SST files (LocalStoreOptions::ingest_deferred); the pages and
+  // summaries are checked, and the caller holds their documents' stripes.
+  absl::Status Ingest(absl::Span<const PageWrite> pages, absl::Span<const SummaryWrite> summaries);
   absl::Status WriteDocument(const v1::Document& doc);
   absl::Status DeleteDocumentLocked(const DocumentId& id);  // caller holds the stripe
   absl::StatusOr<uint64_t> CountIndex(const DocumentId& doc, char type);
@@ -141,6 +155,11 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   rocksdb::ColumnFamilyHandle* summaries_ = nullptr;
   rocksdb::ColumnFamilyHandle* documents_ = nullptr;
   rocksdb::ColumnFamilyHandle* index_ = nullptr;
+  // The options the column families were opened with (SstFileWriter builds files of the same
+  // format): large values (pages, summaries) and small ones (index).
+  std::unique_ptr<rocksdb::Options> large_options_, small_options_;
+  std::string ingest_dir_;  // where Ingest builds its files (emptied at open)
+  std::atomic<uint64_t> ingest_files_{0};
 
   static constexpr int kStripes = 64;
   std::shared_mutex stripes_[kStripes];  // std locks: visible to TSan

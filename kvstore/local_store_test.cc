@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,59 @@ TEST_F(LocalStoreTest, WriteFinalizeReadBackBitExactAcrossReopen) {
   const std::vector<PageKey> missing = {PageKey{id, 0, 0, 99}};
   STRATA_ASSERT_OK(store_->GetPages(missing, &out));
   EXPECT_EQ(out[0], nullptr);
+}
+
+TEST_F(LocalStoreTest, IngestedDeferredBatchesReadBackAndTheLastWriteOfAKeyWins) {
+  // PutDeferred ingests each batch as SST files (LocalStoreOptions::ingest_deferred, the default):
+  // readable and counted as soon as it returns, with no flush; of two writes of one key the later
+  // wins, within a batch, over a memtable write and over an earlier ingested file.
+  const KvLayout layout = SmallLayout();
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(layout, 40, kSeed);  // 3 pages, last 8
+  const DocumentId id = Create(r);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  MakeDocumentWrites(r, kSeed, &pages, &summaries);
+  auto other = [&](const PageKey& k, uint64_t seed) {
+    return PageWrite{k, *PageBuffer::Copy(MakePage(layout, 40, k.layer, k.kv_head, k.page_index, seed))};
+  };
+  const PageKey first = pages[0].key;
+  STRATA_ASSERT_OK(store_->Put({other(first, 1)}, {}));  // through the WAL and the memtable
+  // The first batch: every page, page 0's key twice (its own bytes last); the second: the
+  // summaries and page 1 again with other bytes, then its own.
+  std::vector<PageWrite> batch = {other(first, 2)};
+  batch.insert(batch.end(), pages.begin(), pages.end());
+  STRATA_ASSERT_OK(store_->PutDeferred(batch, {}));
+  std::vector<PageRef> out;
+  STRATA_ASSERT_OK(store_->GetPages({first}, &out));
+  ASSERT_NE(out[0], nullptr);
+  EXPECT_EQ(out[0]->view(), pages[0].data->view());
+  STRATA_ASSERT_OK(store_->PutDeferred({other(pages[1].key, 3)}, summaries));
+  STRATA_ASSERT_OK(store_->GetPages({pages[1].key}, &out));
+  EXPECT_NE(out[0]->view(), pages[1].data->view());
+  STRATA_ASSERT_OK(store_->PutDeferred({pages[1]}, {}));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store_->GetDocument(id));
+  EXPECT_EQ(doc.stored_pages(), pages.size());
+  EXPECT_EQ(doc.stored_summaries(), summaries.size());
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, store_->FinalizeDocument(id));
+  EXPECT_EQ(ready.state(), v1::DOCUMENT_STATE_READY);
+  // Nothing of the ingestion stays beside the database; a file left there by an interrupted
+  // batch is removed at open.
+  EXPECT_TRUE(std::filesystem::is_empty(dir_ + "/ingest"));
+  { std::ofstream(dir_ + "/ingest/7-pages.sst") << "partial"; }
+  Open();
+  ASSERT_NE(store_, nullptr);
+  EXPECT_TRUE(std::filesystem::is_empty(dir_ + "/ingest"));
+  std::vector<PageKey> keys;
+  for (const PageWrite& w : pages) keys.push_back(w.key);
+  STRATA_ASSERT_OK(store_->GetPages(keys, &out));
+  for (size_t i = 0; i < pages.size(); ++i) {
+    ASSERT_NE(out[i], nullptr) << i;
+    EXPECT_EQ(out[i]->view(), pages[i].data->view()) << i;
+  }
+  // Deleting the document removes the ingested pages too (range deletes).
+  STRATA_ASSERT_OK(store_->DeleteDocument(id));
+  STRATA_ASSERT_OK(store_->GetPages(keys, &out));
+  for (const PageRef& p : out) EXPECT_EQ(p, nullptr);
 }
 
 TEST_F(LocalStoreTest, StoresOfAnotherKeyFormatAreRefused) {

@@ -30,7 +30,7 @@ for run in "${list[@]}"; do
   "$BUNDLE/bin/lazy_mount_bench" --backend cuda --model "$model" --doc "$tokens" --shard "$tokens" \
     --modes none --kv-page-dtype fp8 --dir /dev/shm --host-gib 40 --prefill-chunk "$chunk" \
     --prefill-policy "$policy" --matmul-precision "$precision" ${more:-} 2>&1 \
-    | grep -E "persisted|prefilled|rror|^rep |^mounted|prepared for lazy|set up in" \
+    | grep -E "persisted|prefilled|rror|^rep |^mounted|prepared for lazy|set up in|pinned up front" \
     | sed 's/^.*worker: document [0-9a-f]* //' | cut -c1-330
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   echo "  wall $(( $(date +%s) - t0 )) s"

@@ -7,7 +7,8 @@
 //                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--cache-pages N]
 //                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16] [--dir /tmp]
 //                    [--prefill-chunk 512] [--prefill-policy dense] [--matmul-precision split]
-//                    [--model DIR] [--weights bf16|f32] [--blob-files 1|0] [--mount 0|1]
+//                    [--model DIR] [--weights bf16|f32] [--blob-files 1|0] [--ingest 1|0]
+//                    [--mount 0|1] [--prepin 0|1]
 //
 // --cache-pages sets WorkerOptions::lazy_cache_pages (default 0: the worker's automatic size).
 // --kv-page-dtype sets WorkerOptions::kv_page_dtype of every worker (the persisted pages' format);
@@ -19,7 +20,10 @@
 // folder (e.g. from `strata make-model`) instead of writing a random one of --preset, whose
 // weights are --weights (default bf16, as Llama checkpoints ship; the benchmark's runs before
 // session 9 used f32 weights, which make the GPU's prefill GEMMs f32 ones). --blob-files sets
-// LocalStoreOptions::blob_files. --mount 1 sends the resident worker, before its first question,
+// LocalStoreOptions::blob_files, --ingest LocalStoreOptions::ingest_deferred; --prepin 1 pins the
+// host tier's whole capacity before the prefill (BackendPageAllocator::Reserve, as `strata serve`
+// does from its start on a device backend: the default there) and prints how long it took;
+// --prepin 0 pins as pages arrive. --mount 1 sends the resident worker, before its first question,
 // the MountShard calls the coordinator makes when the document becomes READY (one per shard, with
 // whole_document: every shard on this worker), which prepare the document's lazy state there,
 // and prints their time; the first question then starts warm.
@@ -77,7 +81,9 @@ int Run(int argc, char** argv) {
   int prompt_tokens = 16;
   std::string parent = "/tmp", model_dir, weights = "bf16";
   bool blob_files = kvstore::LocalStoreOptions().blob_files;
+  bool ingest = kvstore::LocalStoreOptions().ingest_deferred;
   bool mount = false;
+  int prepin = -1;  // -1: as `strata serve` (on a device backend)
   WorkerOptions defaults;
   int64_t prefill_chunk = defaults.prefill_chunk_size;
   std::string prefill_policy = defaults.prefill_policy, precision = defaults.matmul_precision;
@@ -106,6 +112,8 @@ int Run(int argc, char** argv) {
     else if (flag == "--weights") weights = v;
     else if (flag == "--blob-files") blob_files = std::atoi(v) != 0;
     else if (flag == "--mount") mount = std::atoi(v) != 0;
+    else if (flag == "--ingest") ingest = std::atoi(v) != 0;
+    else if (flag == "--prepin") prepin = std::atoi(v) != 0 ? 1 : 0;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -165,6 +173,7 @@ int Run(int argc, char** argv) {
   kvstore::LocalStoreOptions so;
   so.path = dir + "/kv";
   so.blob_files = blob_files;
+  so.ingest_deferred = ingest;
   auto store = kvstore::LocalStore::Open(so);
   if (!store.ok()) return 1;
   const int vocab = static_cast<int>((*model)->config.vocab_size);
@@ -191,12 +200,19 @@ int Run(int argc, char** argv) {
   shape.page_size = P;
   shape.head_dim = static_cast<int>(c.head_dim);
   shape.dtype = page_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
-  kvstore::BackendPageAllocator alloc(backend.get(), shape.EncodedBytes(), size_t{64} << 20);
+  kvstore::BackendPageAllocator alloc(backend.get(), shape.EncodedBytes(), size_t{256} << 20);  // as serve
   kvstore::HostCacheOptions ho;
   ho.capacity_bytes = static_cast<int64_t>(host_gib * (int64_t{1} << 30));
   ho.allocator = &alloc;
   auto host = kvstore::HostCache::Create(ho);
   if (!host.ok()) return 1;
+  if (prepin < 0) prepin = backend->Name() != "cpu" ? 1 : 0;
+  if (prepin == 1) {
+    const int64_t t0 = MonotonicNanos();
+    const absl::Status s = alloc.Reserve(static_cast<size_t>(ho.capacity_bytes));
+    std::printf("host tier: %.1f GiB pinned up front in %.2f s%s\n", alloc.reserved_bytes() / 1073741824.0,
+                (MonotonicNanos() - t0) * 1e-9, s.ok() ? "" : (" (" + s.ToString() + ")").c_str());
+  }
   kvstore::TieredStoreOptions to;
   to.host = host->get();
   to.local = store->get();
@@ -227,10 +243,11 @@ int Run(int argc, char** argv) {
       }
     }
     std::printf("persisted %lld tokens (%s) in %.1f s (shards of %lld, prefill chunk %lld, policy %s, "
-                "matmul %s, %s pages); the host tier holds %lld entries (pages, summaries)\n",
+                "matmul %s, %s pages, %s); the host tier holds %lld entries (pages, summaries)\n",
                 static_cast<long long>(doc_tokens), model_name.c_str(), (MonotonicNanos() - t0) * 1e-9,
                 static_cast<long long>(shard), static_cast<long long>(prefill_chunk),  // 0: the worker's automatic size
                 prefill_policy.c_str(), precision.c_str(), page_dtype.c_str(),
+                ingest ? "batches ingested as SST files" : "batches through the memtables",
                 static_cast<long long>((*host)->num_entries()));
   }
   if (modes == "none") return 0;

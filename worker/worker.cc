@@ -835,16 +835,28 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     encode_threads = std::max(encode_threads, done.threads);
     STRATA_RETURN_IF_ERROR(done.status);
     STRATA_RETURN_IF_ERROR(wait_put());
-    // Item i's page and summary go to the same batch: contiguous ranges of the (layer, page, KV
-    // head) order.
+    // Item i's page and summary go to the same batch. Batch w takes a contiguous range of the
+    // chunk's page indices (every layer and KV head of them): in the store's page-first key
+    // order the batches and the chunks cover disjoint key ranges, so a local store ingests each
+    // batch's page file below the others without overlap (LocalStoreOptions::ingest_deferred).
     const int64_t total = static_cast<int64_t>(done.pages.size());
-    const int64_t writers = std::clamp<int64_t>(total / kPagesPerWriter, 1, kPersistWriters);
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+    for (const kvstore::PageWrite& w : done.pages) {
+      lo = std::min<int64_t>(lo, w.key.page_index);
+      hi = std::max<int64_t>(hi, w.key.page_index);
+    }
+    const int64_t span = hi - lo + 1;
+    const int64_t writers = std::clamp<int64_t>(std::min(total / kPagesPerWriter, span), 1, kPersistWriters);
+    std::vector<std::vector<kvstore::PageWrite>> pws(static_cast<size_t>(writers));
+    std::vector<std::vector<kvstore::SummaryWrite>> sws(static_cast<size_t>(writers));
+    for (int64_t i = 0; i < total; ++i) {
+      const int64_t w = (static_cast<int64_t>(done.pages[i].key.page_index) - lo) * writers / span;
+      pws[w].push_back(std::move(done.pages[i]));
+      sws[w].push_back(std::move(done.summaries[i]));
+    }
     for (int64_t w = 0; w < writers && total > 0; ++w) {
-      const int64_t b = total * w / writers, e = total * (w + 1) / writers;
-      std::vector<kvstore::PageWrite> pw(std::make_move_iterator(done.pages.begin() + b),
-                                         std::make_move_iterator(done.pages.begin() + e));
-      std::vector<kvstore::SummaryWrite> sw(std::make_move_iterator(done.summaries.begin() + b),
-                                            std::make_move_iterator(done.summaries.begin() + e));
+      std::vector<kvstore::PageWrite> pw = std::move(pws[w]);
+      std::vector<kvstore::SummaryWrite> sw = std::move(sws[w]);
       kvstore::PageStore* store = store_;
       put_in_flight.push_back(std::async(std::launch::async, [store, pw = std::move(pw), sw = std::move(sw)]() {
         return store->PutDeferred(pw, sw);

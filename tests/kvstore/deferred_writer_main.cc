@@ -1,13 +1,15 @@
 // Child of kvstore_crash_test's deferred-writes test: writes a document into a LocalStore with
 // PutDeferred (no WAL), flushing once on the way, then waits to be killed.
 //
-//   strata_deferred_writer DIR TOKENS SEED BATCH FLUSHED_BATCHES|finalize
+//   strata_deferred_writer DIR TOKENS SEED BATCH FLUSHED_BATCHES|finalize ingest|memtable
 //
 // Opens the store at DIR/db, creates the document of kvstore::testing::MakeDocumentRequest(4 x 2
 // layout of 64-token bf16 pages of head dim 128, TOKENS, SEED), writes its pages and summaries in
 // batches of BATCH writes: batches [0, FLUSHED_BATCHES), a Flush, the rest (which stay in the
 // memtables: far below the write buffer). With "finalize" instead of a count: every batch, then
-// FinalizeDocument (no Flush of its own). Then writes "written" to DIR/progress and pauses.
+// FinalizeDocument (no Flush of its own). "ingest" writes with LocalStoreOptions::ingest_deferred
+// (each batch ingested as SST files), "memtable" without it (WAL-less memtable writes). Then
+// writes "written" to DIR/progress and pauses.
 // Exit codes: 1 usage, 2 open, 3 create, 4 flush, 5 write, 6 finalize.
 #include <unistd.h>
 
@@ -24,7 +26,9 @@
 
 int main(int argc, char** argv) {
   using namespace strata;  // NOLINT: a test program
-  if (argc != 6) return 1;
+  if (argc != 7) return 1;
+  const std::string mode = argv[6];
+  if (mode != "ingest" && mode != "memtable") return 1;
   const std::string dir = argv[1];
   const uint64_t tokens = std::strtoull(argv[2], nullptr, 10), seed = std::strtoull(argv[3], nullptr, 10);
   const bool finalize = std::string(argv[5]) == "finalize";
@@ -33,6 +37,7 @@ int main(int argc, char** argv) {
   if (batch == 0) return 1;
   kvstore::LocalStoreOptions o;
   o.path = dir + "/db";
+  o.ingest_deferred = mode == "ingest";
   absl::StatusOr<std::unique_ptr<kvstore::LocalStore>> store = kvstore::LocalStore::Open(o);
   if (!store.ok()) return 2;
   const v1::CreateDocumentRequest r =

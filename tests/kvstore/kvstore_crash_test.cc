@@ -4,10 +4,11 @@
 //    WRITING, refuse to finalize, and can be deleted;
 //  - corruption: a flipped byte in a stored page (through RocksDB, and on disk) is DATA_LOSS and
 //    the page is never served;
-//  - deferred writes: a LocalStore written with PutDeferred (no WAL) by a child process that is
-//    SIGKILLed before FinalizeDocument keeps the batches flushed before the kill, each whole, and
-//    loses the later ones whole (pages, summaries and index entries together); written again,
-//    the document finalizes and survives a reopen.
+//  - deferred writes: a LocalStore written with PutDeferred by a child process that is SIGKILLed
+//    before FinalizeDocument keeps every batch when the batches are ingested as SST files (the
+//    default), and, written through the memtables without WAL, keeps the batches flushed before
+//    the kill, each whole, and loses the later ones whole (pages, summaries and index entries
+//    together); written again, the document finalizes and survives a reopen.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -289,11 +290,12 @@ TEST(KvstoreCrashTest, FlippedBytesAreDataLossNeverServed) {
 }
 
 // Runs the deferred writer (tests/kvstore/deferred_writer_main.cc) on `dir` with this file's
-// document constants and `last` (a batch count, or "finalize") and SIGKILLs it once it reports
-// its writes done.
-void RunDeferredWriterUntilKilled(const std::string& dir, const std::string& last) {
-  std::vector<std::string> args = {STRATA_DEFERRED_WRITER, dir, std::to_string(kDeferredTokens),
-                                   std::to_string(kDeferredSeed), std::to_string(kDeferredBatch), last};
+// document constants, `last` (a batch count, or "finalize") and `mode` ("ingest" or "memtable")
+// and SIGKILLs it once it reports its writes done.
+void RunDeferredWriterUntilKilled(const std::string& dir, const std::string& last, const std::string& mode) {
+  std::vector<std::string> args = {STRATA_DEFERRED_WRITER,      dir,  std::to_string(kDeferredTokens),
+                                   std::to_string(kDeferredSeed), std::to_string(kDeferredBatch), last,
+                                   mode};
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -324,7 +326,7 @@ void RunDeferredWriterUntilKilled(const std::string& dir, const std::string& las
 TEST(KvstoreCrashTest, SigkillBeforeFinalizeLosesUnflushedDeferredBatchesWhole) {
   TempDir tmp;
   ASSERT_FALSE(tmp.path().empty());
-  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), std::to_string(kFlushedBatches)));
+  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), std::to_string(kFlushedBatches), "memtable"));
   kvstore::LocalStoreOptions o;
   o.path = tmp.path() + "/db";
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::LocalStore> store, kvstore::LocalStore::Open(o));
@@ -376,11 +378,53 @@ TEST(KvstoreCrashTest, SigkillBeforeFinalizeLosesUnflushedDeferredBatchesWhole) 
   EXPECT_EQ(again.stored_pages(), pages.size());
 }
 
-TEST(KvstoreCrashTest, DeferredBatchesAreDurableOnceFinalized) {
+TEST(KvstoreCrashTest, SigkillBeforeFinalizeKeepsEveryIngestedBatch) {
+  TempDir tmp;
+  ASSERT_FALSE(tmp.path().empty());
+  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), std::to_string(kFlushedBatches), "ingest"));
+  kvstore::LocalStoreOptions o;
+  o.path = tmp.path() + "/db";
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::LocalStore> store, kvstore::LocalStore::Open(o));
+  const v1::CreateDocumentRequest r =
+      kvstore::testing::MakeDocumentRequest(Layout(), kDeferredTokens, kDeferredSeed);
+  const DocumentId id = *DocumentId::FromHex(r.document_id());
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  kvstore::testing::MakeDocumentWrites(r, kDeferredSeed, &pages, &summaries);
+  // Every batch whose PutDeferred returned is durable, flushed or not, and the index counts it.
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store->GetDocument(id));
+  EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_WRITING);
+  EXPECT_EQ(doc.stored_pages(), pages.size());
+  EXPECT_EQ(doc.stored_summaries(), summaries.size());
+  std::vector<PageKey> keys;
+  for (const PageWrite& w : pages) keys.push_back(w.key);
+  std::vector<SummaryKey> skeys;
+  for (const SummaryWrite& w : summaries) skeys.push_back(w.key);
+  std::vector<PageRef> out, sout;
+  STRATA_ASSERT_OK(store->GetPages(keys, &out));
+  STRATA_ASSERT_OK(store->GetSummaries(skeys, &sout));
+  for (size_t i = 0; i < pages.size(); ++i) {
+    ASSERT_NE(out[i], nullptr) << "ingested page " << i << " lost";
+    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+    ASSERT_NE(sout[i], nullptr) << "ingested summary " << i << " lost";
+  }
+  // Nothing to write again: the document finalizes as it is, and survives a reopen.
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, store->FinalizeDocument(id));
+  EXPECT_EQ(ready.state(), v1::DOCUMENT_STATE_READY);
+  store.reset();
+  STRATA_ASSERT_OK_AND_ASSIGN(store, kvstore::LocalStore::Open(o));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document again, store->GetDocument(id));
+  EXPECT_EQ(again.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(again.stored_pages(), pages.size());
+}
+
+class DeferredModeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DeferredModeTest, DeferredBatchesAreDurableOnceFinalized) {
   TempDir tmp;
   ASSERT_FALSE(tmp.path().empty());
   // Every batch deferred, then FinalizeDocument, then SIGKILL with no clean close.
-  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), "finalize"));
+  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), "finalize", GetParam()));
   kvstore::LocalStoreOptions o;
   o.path = tmp.path() + "/db";
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::LocalStore> store, kvstore::LocalStore::Open(o));
@@ -402,6 +446,8 @@ TEST(KvstoreCrashTest, DeferredBatchesAreDurableOnceFinalized) {
     ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(KvstoreCrashTest, DeferredModeTest, ::testing::Values("ingest", "memtable"));
 
 }  // namespace
 }  // namespace strata::tests
