@@ -170,6 +170,24 @@ TEST_F(LocalStoreTest, IngestedDeferredBatchesReadBackAndTheLastWriteOfAKeyWins)
   STRATA_ASSERT_OK(store_->DeleteDocument(id));
   STRATA_ASSERT_OK(store_->GetPages(keys, &out));
   for (const PageRef& p : out) EXPECT_EQ(p, nullptr);
+
+  // One batch over two documents (their index entries in one file): both complete.
+  const v1::CreateDocumentRequest r1 = MakeDocumentRequest(layout, 40, kSeed + 1);
+  const v1::CreateDocumentRequest r2 = MakeDocumentRequest(layout, 20, kSeed + 2);
+  const DocumentId id1 = Create(r1), id2 = Create(r2);
+  std::vector<PageWrite> p1, p2;
+  std::vector<SummaryWrite> s1, s2;
+  MakeDocumentWrites(r1, kSeed + 1, &p1, &s1);
+  MakeDocumentWrites(r2, kSeed + 2, &p2, &s2);
+  p1.insert(p1.end(), p2.begin(), p2.end());
+  s1.insert(s1.end(), s2.begin(), s2.end());
+  STRATA_ASSERT_OK(store_->PutDeferred(p1, s1));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document d1, store_->FinalizeDocument(id1));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document d2, store_->FinalizeDocument(id2));
+  EXPECT_EQ(d1.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(d2.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(d1.stored_pages() + d2.stored_pages(), p1.size());
+  EXPECT_EQ(d1.stored_summaries() + d2.stored_summaries(), s1.size());
 }
 
 TEST_F(LocalStoreTest, StoresOfAnotherKeyFormatAreRefused) {
