@@ -22,6 +22,9 @@
 #include "kvstore/page_format.h"
 #include "kvstore/remote_store.h"
 #include "kvstore/service.h"
+#ifdef STRATA_BENCH_TEST_PAGES
+#include "kvstore/testing/test_pages.h"
+#endif
 #include "prometheus/registry.h"
 #include "rocksdb/db.h"
 
@@ -408,6 +411,64 @@ BENCHMARK(BM_LocalPrefillLoad)->ArgNames({"writers", "blob", "deferred"})
     ->Args({1, 0, 1})->Args({4, 0, 1})->Args({8, 0, 1})
     ->Args({1, 0, 2})->Args({4, 0, 2})->Args({8, 0, 2})->Iterations(1)->UseRealTime()
     ->Unit(benchmark::kSecond);
+
+#ifdef STRATA_BENCH_TEST_PAGES
+// A prefill's writes and its FinalizeDocument at the scale of a 256K-token shard's index: 32
+// layers x 8 KV heads x 8192 pages of 16 tokens, head dim 16 (small pages: 2.1M pages and 2.1M
+// summaries in ~3 GB), written as the worker writes them (chunks of 64 pages, each as four
+// concurrent PutDeferred batches of contiguous page ranges with their summaries), then
+// FinalizeDocument (the completeness count of the document's index entries) timed alone.
+// Arg: 1 batches ingested as SST files (the default), 0 through the memtables.
+void BM_LocalPrefillFinalize(benchmark::State& state) {
+  const bool ingest = state.range(0) != 0;
+  const uint32_t pages_per_head = 8192, chunk_pages = 64, writers = 4;
+  const KvLayout layout = testing::SmallLayout(32, 8, 16, 16);
+  const v1::CreateDocumentRequest r = testing::MakeDocumentRequest(layout, uint64_t{pages_per_head} * 16, 5);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  testing::MakeDocumentWrites(r, 5, &pages, &summaries);  // (layer, head, page) order
+  const char* parent = std::getenv("STRATA_BENCH_DIR");
+  for (auto _ : state) {
+    std::string tmpl = std::string(parent != nullptr ? parent : "/tmp") + "/strata_prefill_finalize.XXXXXX";
+    STRATA_CHECK(mkdtemp(tmpl.data()) != nullptr);
+    const std::string dir = tmpl;
+    LocalStoreOptions o;
+    o.path = dir;
+    o.ingest_deferred = ingest;
+    auto store = *LocalStore::Open(o);
+    bool created = false;
+    STRATA_CHECK(store->CreateDocument(r, &created).ok());
+    const auto t0 = std::chrono::steady_clock::now();
+    for (uint32_t c = 0; c < pages_per_head / chunk_pages; ++c) {
+      std::vector<std::vector<PageWrite>> pw(writers);
+      std::vector<std::vector<SummaryWrite>> sw(writers);
+      for (uint32_t lh = 0; lh < 32 * 8; ++lh) {
+        for (uint32_t p = c * chunk_pages; p < (c + 1) * chunk_pages; ++p) {
+          const size_t i = size_t{lh} * pages_per_head + p;
+          const uint32_t w = (p - c * chunk_pages) * writers / chunk_pages;
+          pw[w].push_back(pages[i]);
+          sw[w].push_back(summaries[i]);
+        }
+      }
+      std::vector<std::thread> threads;
+      for (uint32_t w = 0; w < writers; ++w) {
+        threads.emplace_back([&, w] { STRATA_CHECK(store->PutDeferred(pw[w], sw[w]).ok()); });
+      }
+      for (std::thread& t : threads) t.join();
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    auto ready = store->FinalizeDocument(*DocumentId::FromHex(r.document_id()));
+    const auto t2 = std::chrono::steady_clock::now();
+    STRATA_CHECK(ready.ok()) << ready.status();
+    state.counters["write_s"] = std::chrono::duration<double>(t1 - t0).count();
+    state.counters["finalize_s"] = std::chrono::duration<double>(t2 - t1).count();
+    store.reset();
+    std::filesystem::remove_all(dir);
+  }
+}
+BENCHMARK(BM_LocalPrefillFinalize)->ArgNames({"ingest"})->Arg(1)->Arg(0)->Iterations(1)->UseRealTime()
+    ->Unit(benchmark::kSecond);
+#endif  // STRATA_BENCH_TEST_PAGES
 
 // ---- remote: KV store service over loopback ----
 
