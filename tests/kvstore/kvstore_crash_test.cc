@@ -323,99 +323,98 @@ void RunDeferredWriterUntilKilled(const std::string& dir, const std::string& las
   ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
 }
 
+// What a killed deferred writer left: its store reopened, and the document it was writing (every
+// page and summary, in write order, with their keys).
+struct AfterKill {
+  kvstore::LocalStoreOptions options;
+  std::unique_ptr<kvstore::LocalStore> store;
+  DocumentId id;
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  std::vector<PageKey> keys;
+  std::vector<SummaryKey> skeys;
+};
+void RunWriterAndReopen(const std::string& dir, const std::string& last, const std::string& mode, AfterKill* a) {
+  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(dir, last, mode));
+  a->options.path = dir + "/db";
+  STRATA_ASSERT_OK_AND_ASSIGN(a->store, kvstore::LocalStore::Open(a->options));
+  const v1::CreateDocumentRequest r =
+      kvstore::testing::MakeDocumentRequest(Layout(), kDeferredTokens, kDeferredSeed);
+  a->id = *DocumentId::FromHex(r.document_id());
+  kvstore::testing::MakeDocumentWrites(r, kDeferredSeed, &a->pages, &a->summaries);
+  for (const PageWrite& w : a->pages) a->keys.push_back(w.key);
+  for (const SummaryWrite& w : a->summaries) a->skeys.push_back(w.key);
+}
+
 TEST(KvstoreCrashTest, SigkillBeforeFinalizeLosesUnflushedDeferredBatchesWhole) {
   TempDir tmp;
   ASSERT_FALSE(tmp.path().empty());
-  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), std::to_string(kFlushedBatches), "memtable"));
-  kvstore::LocalStoreOptions o;
-  o.path = tmp.path() + "/db";
-  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::LocalStore> store, kvstore::LocalStore::Open(o));
-  const v1::CreateDocumentRequest r =
-      kvstore::testing::MakeDocumentRequest(Layout(), kDeferredTokens, kDeferredSeed);
-  const DocumentId id = *DocumentId::FromHex(r.document_id());
-  std::vector<PageWrite> pages;
-  std::vector<SummaryWrite> summaries;
-  kvstore::testing::MakeDocumentWrites(r, kDeferredSeed, &pages, &summaries);
+  AfterKill k;
+  ASSERT_NO_FATAL_FAILURE(RunWriterAndReopen(tmp.path(), std::to_string(kFlushedBatches), "memtable", &k));
   const size_t kept = kFlushedBatches * kDeferredBatch;
-  ASSERT_GT(pages.size(), kept);
+  ASSERT_GT(k.pages.size(), kept);
   // The index agrees with the pages: exactly the flushed batches are counted.
-  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store->GetDocument(id));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, k.store->GetDocument(k.id));
   EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_WRITING);
   EXPECT_EQ(doc.stored_pages(), kept);
   EXPECT_EQ(doc.stored_summaries(), kept);
-  std::vector<PageKey> keys;
-  for (const PageWrite& w : pages) keys.push_back(w.key);
-  std::vector<SummaryKey> skeys;
-  for (const SummaryWrite& w : summaries) skeys.push_back(w.key);
   std::vector<PageRef> out, sout;
-  STRATA_ASSERT_OK(store->GetPages(keys, &out));
-  STRATA_ASSERT_OK(store->GetSummaries(skeys, &sout));
-  for (size_t i = 0; i < pages.size(); ++i) {
+  STRATA_ASSERT_OK(k.store->GetPages(k.keys, &out));
+  STRATA_ASSERT_OK(k.store->GetSummaries(k.skeys, &sout));
+  for (size_t i = 0; i < k.pages.size(); ++i) {
     if (i < kept) {
       ASSERT_NE(out[i], nullptr) << "flushed page " << i;
-      ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+      ASSERT_EQ(out[i]->view(), k.pages[i].data->view()) << i;
       ASSERT_NE(sout[i], nullptr) << "flushed summary " << i;
     } else {
       ASSERT_EQ(out[i], nullptr) << "unflushed page " << i << " survived without a WAL";
       ASSERT_EQ(sout[i], nullptr) << "unflushed summary " << i;
     }
   }
-  EXPECT_THAT(store->FinalizeDocument(id), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(k.store->FinalizeDocument(k.id), StatusIs(absl::StatusCode::kFailedPrecondition));
   // Written again, the document finalizes; READY means durable: it survives a reopen.
-  STRATA_ASSERT_OK(store->PutDeferred(absl::MakeSpan(pages).subspan(kept),
-                                      absl::MakeSpan(summaries).subspan(kept)));
-  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, store->FinalizeDocument(id));
+  STRATA_ASSERT_OK(k.store->PutDeferred(absl::MakeSpan(k.pages).subspan(kept),
+                                        absl::MakeSpan(k.summaries).subspan(kept)));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, k.store->FinalizeDocument(k.id));
   EXPECT_EQ(ready.state(), v1::DOCUMENT_STATE_READY);
-  store.reset();
-  STRATA_ASSERT_OK_AND_ASSIGN(store, kvstore::LocalStore::Open(o));
-  STRATA_ASSERT_OK(store->GetPages(keys, &out));
-  for (size_t i = 0; i < pages.size(); ++i) {
+  k.store.reset();
+  STRATA_ASSERT_OK_AND_ASSIGN(k.store, kvstore::LocalStore::Open(k.options));
+  STRATA_ASSERT_OK(k.store->GetPages(k.keys, &out));
+  for (size_t i = 0; i < k.pages.size(); ++i) {
     ASSERT_NE(out[i], nullptr) << i;
-    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+    ASSERT_EQ(out[i]->view(), k.pages[i].data->view()) << i;
   }
-  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document again, store->GetDocument(id));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document again, k.store->GetDocument(k.id));
   EXPECT_EQ(again.state(), v1::DOCUMENT_STATE_READY);
-  EXPECT_EQ(again.stored_pages(), pages.size());
+  EXPECT_EQ(again.stored_pages(), k.pages.size());
 }
 
 TEST(KvstoreCrashTest, SigkillBeforeFinalizeKeepsEveryIngestedBatch) {
   TempDir tmp;
   ASSERT_FALSE(tmp.path().empty());
-  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), std::to_string(kFlushedBatches), "ingest"));
-  kvstore::LocalStoreOptions o;
-  o.path = tmp.path() + "/db";
-  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::LocalStore> store, kvstore::LocalStore::Open(o));
-  const v1::CreateDocumentRequest r =
-      kvstore::testing::MakeDocumentRequest(Layout(), kDeferredTokens, kDeferredSeed);
-  const DocumentId id = *DocumentId::FromHex(r.document_id());
-  std::vector<PageWrite> pages;
-  std::vector<SummaryWrite> summaries;
-  kvstore::testing::MakeDocumentWrites(r, kDeferredSeed, &pages, &summaries);
+  AfterKill k;
+  ASSERT_NO_FATAL_FAILURE(RunWriterAndReopen(tmp.path(), std::to_string(kFlushedBatches), "ingest", &k));
   // Every batch whose PutDeferred returned is durable, flushed or not, and the index counts it.
-  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store->GetDocument(id));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, k.store->GetDocument(k.id));
   EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_WRITING);
-  EXPECT_EQ(doc.stored_pages(), pages.size());
-  EXPECT_EQ(doc.stored_summaries(), summaries.size());
-  std::vector<PageKey> keys;
-  for (const PageWrite& w : pages) keys.push_back(w.key);
-  std::vector<SummaryKey> skeys;
-  for (const SummaryWrite& w : summaries) skeys.push_back(w.key);
+  EXPECT_EQ(doc.stored_pages(), k.pages.size());
+  EXPECT_EQ(doc.stored_summaries(), k.summaries.size());
   std::vector<PageRef> out, sout;
-  STRATA_ASSERT_OK(store->GetPages(keys, &out));
-  STRATA_ASSERT_OK(store->GetSummaries(skeys, &sout));
-  for (size_t i = 0; i < pages.size(); ++i) {
+  STRATA_ASSERT_OK(k.store->GetPages(k.keys, &out));
+  STRATA_ASSERT_OK(k.store->GetSummaries(k.skeys, &sout));
+  for (size_t i = 0; i < k.pages.size(); ++i) {
     ASSERT_NE(out[i], nullptr) << "ingested page " << i << " lost";
-    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+    ASSERT_EQ(out[i]->view(), k.pages[i].data->view()) << i;
     ASSERT_NE(sout[i], nullptr) << "ingested summary " << i << " lost";
   }
   // Nothing to write again: the document finalizes as it is, and survives a reopen.
-  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, store->FinalizeDocument(id));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, k.store->FinalizeDocument(k.id));
   EXPECT_EQ(ready.state(), v1::DOCUMENT_STATE_READY);
-  store.reset();
-  STRATA_ASSERT_OK_AND_ASSIGN(store, kvstore::LocalStore::Open(o));
-  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document again, store->GetDocument(id));
+  k.store.reset();
+  STRATA_ASSERT_OK_AND_ASSIGN(k.store, kvstore::LocalStore::Open(k.options));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document again, k.store->GetDocument(k.id));
   EXPECT_EQ(again.state(), v1::DOCUMENT_STATE_READY);
-  EXPECT_EQ(again.stored_pages(), pages.size());
+  EXPECT_EQ(again.stored_pages(), k.pages.size());
 }
 
 class DeferredModeTest : public ::testing::TestWithParam<std::string> {};
@@ -424,26 +423,17 @@ TEST_P(DeferredModeTest, DeferredBatchesAreDurableOnceFinalized) {
   TempDir tmp;
   ASSERT_FALSE(tmp.path().empty());
   // Every batch deferred, then FinalizeDocument, then SIGKILL with no clean close.
-  ASSERT_NO_FATAL_FAILURE(RunDeferredWriterUntilKilled(tmp.path(), "finalize", GetParam()));
-  kvstore::LocalStoreOptions o;
-  o.path = tmp.path() + "/db";
-  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvstore::LocalStore> store, kvstore::LocalStore::Open(o));
-  const v1::CreateDocumentRequest r =
-      kvstore::testing::MakeDocumentRequest(Layout(), kDeferredTokens, kDeferredSeed);
-  std::vector<PageWrite> pages;
-  std::vector<SummaryWrite> summaries;
-  kvstore::testing::MakeDocumentWrites(r, kDeferredSeed, &pages, &summaries);
-  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store->GetDocument(*DocumentId::FromHex(r.document_id())));
+  AfterKill k;
+  ASSERT_NO_FATAL_FAILURE(RunWriterAndReopen(tmp.path(), "finalize", GetParam(), &k));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, k.store->GetDocument(k.id));
   EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_READY);
-  EXPECT_EQ(doc.stored_pages(), pages.size());
-  EXPECT_EQ(doc.stored_summaries(), summaries.size());
-  std::vector<PageKey> keys;
-  for (const PageWrite& w : pages) keys.push_back(w.key);
+  EXPECT_EQ(doc.stored_pages(), k.pages.size());
+  EXPECT_EQ(doc.stored_summaries(), k.summaries.size());
   std::vector<PageRef> out;
-  STRATA_ASSERT_OK(store->GetPages(keys, &out));
-  for (size_t i = 0; i < pages.size(); ++i) {
+  STRATA_ASSERT_OK(k.store->GetPages(k.keys, &out));
+  for (size_t i = 0; i < k.pages.size(); ++i) {
     ASSERT_NE(out[i], nullptr) << "page " << i << " of a READY document lost";
-    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+    ASSERT_EQ(out[i]->view(), k.pages[i].data->view()) << i;
   }
 }
 
