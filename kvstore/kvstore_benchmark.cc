@@ -418,10 +418,12 @@ BENCHMARK(BM_LocalPrefillLoad)->ArgNames({"writers", "blob", "deferred"})
 // summaries in ~3 GB), written as the worker writes them (chunks of 64 pages, each as four
 // concurrent PutDeferred batches of contiguous page ranges with their summaries), then
 // FinalizeDocument (the completeness count of the document's index entries) timed alone.
-// Arg: 1 batches ingested as SST files (the default), 0 through the memtables.
+// Arg: 1 batches ingested as SST files (the default), 0 through the memtables. Env
+// STRATA_BENCH_WRITERS: batches per chunk (default 4, as the worker).
 void BM_LocalPrefillFinalize(benchmark::State& state) {
   const bool ingest = state.range(0) != 0;
-  const uint32_t pages_per_head = 8192, chunk_pages = 64, writers = 4;
+  const uint32_t pages_per_head = 8192, chunk_pages = 64;
+  const uint32_t writers = std::getenv("STRATA_BENCH_WRITERS") != nullptr ? std::atoi(std::getenv("STRATA_BENCH_WRITERS")) : 4;
   const KvLayout layout = testing::SmallLayout(32, 8, 16, 16);
   const v1::CreateDocumentRequest r = testing::MakeDocumentRequest(layout, uint64_t{pages_per_head} * 16, 5);
   std::vector<PageWrite> pages;
