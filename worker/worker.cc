@@ -10,7 +10,6 @@
 
 #include <omp.h>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
 #include "base/logging.h"
@@ -420,10 +419,7 @@ v1::WorkerLoad Worker::Load() const {
   v1::WorkerLoad load;
   load.set_running_jobs(static_cast<uint32_t>(jobs_.size()));
   load.set_prefilling_shards(static_cast<uint32_t>(prefilling_));
-  uint64_t mounted = 0;
-  for (const auto& [k, m] : mounted_) mounted += static_cast<uint64_t>(m->num_tokens());
-  mounted += HeldTokens();
-  load.set_mounted_tokens(mounted);
+  load.set_mounted_tokens(MountedTokens());
   return load;
 }
 
@@ -1064,8 +1060,9 @@ int64_t Worker::lazy_shared_documents() const {
   return static_cast<int64_t>(lazy_shares_.size());
 }
 
-uint64_t Worker::HeldTokens() const {
+uint64_t Worker::MountedTokens() const {
   uint64_t tokens = 0;
+  for (const auto& [k, m] : mounted_) tokens += static_cast<uint64_t>(m->num_tokens());
   for (const auto& [k, h] : held_) {
     if (mounted_.count(k) == 0) tokens += static_cast<uint64_t>(h.tokens);
   }
@@ -1093,8 +1090,7 @@ absl::StatusOr<Worker::ShardSpan> Worker::CheckShard(const v1::ShardRange& range
     int64_t mounted_tokens = 0;
     {
       absl::MutexLock lock(&mu_);
-      for (const auto& [k, m] : mounted_) mounted_tokens += m->num_tokens();
-      mounted_tokens += static_cast<int64_t>(HeldTokens());
+      mounted_tokens = static_cast<int64_t>(MountedTokens());
     }
     if (static_cast<uint64_t>(mounted_tokens + (span.t1 - span.t0)) > options_.capacity_tokens) {
       return absl::ResourceExhaustedError(absl::StrCat("mounting ", span.t1 - span.t0, " tokens beyond capacity_tokens ",
@@ -1160,7 +1156,7 @@ absl::StatusOr<v1::MountShardResponse> Worker::HoldWholeDocument(const v1::Shard
     }
   }
   absl::MutexLock lock(&mu_);
-  held_.emplace(key, HeldShard{range, span.t1 - span.t0});
+  held_.emplace(key, HeldShard{range, span.t1 - span.t0, LazyShareKey(span.id, span.doc_tokens)});
   STRATA_LOG(INFO) << "worker: holds shard " << key << " of a document whole on this worker, tokens="
                    << span.t1 - span.t0 << " (no pages loaded for the mount)";
   return response;
@@ -1170,15 +1166,15 @@ absl::Status Worker::UnmountShard(const v1::UnmountShardRequest& request) {
   absl::MutexLock lock(&mu_);
   const std::string key = ShardKey(request.shard());
   mounted_.erase(key);
-  if (held_.erase(key) > 0) {
+  auto it = held_.find(key);
+  if (it != held_.end()) {
     // The document's lazy state goes when no job uses it and no other shard of it is held here.
-    const std::string& doc = request.shard().document_id();
+    const std::string share_key = it->second.share_key;
+    held_.erase(it);
     bool other = false;
-    for (const auto& [k, h] : held_) other |= h.range.document_id() == doc;
+    for (const auto& [k, h] : held_) other |= h.share_key == share_key;
     if (!other) {
-      lazy_shares_.remove_if([&](const auto& e) {
-        return e.second.use_count() == 1 && absl::StartsWith(e.first, absl::StrCat(doc, ":"));
-      });
+      lazy_shares_.remove_if([&](const auto& e) { return e.second.use_count() == 1 && e.first == share_key; });
     }
   }
   return absl::OkStatus();

@@ -402,11 +402,12 @@ class Worker {
   // Shards of documents whole on this worker, held without pages (MountShard's whole_document).
   struct HeldShard {
     v1::ShardRange range;
-    int64_t tokens = 0;
+    int64_t tokens = 0;     // the shard's
+    std::string share_key;  // LazyShareKey of its document
   };
   std::map<std::string, HeldShard> held_ ABSL_GUARDED_BY(mu_);
-  // Tokens of held_ not also in mounted_.
-  uint64_t HeldTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tokens of mounted_ and of held_ shards not also in mounted_.
+  uint64_t MountedTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A shard range checked against the catalog (document known, layout, pages inside it) and,
   // with check_capacity, against capacity_tokens.
   struct ShardSpan {
