@@ -18,6 +18,7 @@
 #include "base/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/testing/forwarding_backend.h"
 #include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/metrics.h"
@@ -581,6 +582,45 @@ TEST(BackendPageAllocatorTest, ReserveObtainsWholeChunksUpFront) {
   EXPECT_EQ(a.reserved_bytes(), 3 * 1024u);
   ASSERT_NE(a.Allocate(1), nullptr);  // the 25th block needs a fourth chunk
   EXPECT_EQ(a.reserved_bytes(), 4 * 1024u);
+}
+
+// The CPU backend whose AllocateHost succeeds `allowed` times, then returns ResourceExhausted (as
+// cudaHostAlloc does when no more memory can be pinned).
+class LimitedHostBackend : public kernels::testing::ForwardingBackend {
+ public:
+  explicit LimitedHostBackend(int allowed)
+      : ForwardingBackend("limited-host", kernels::MakeCpuBackend(1)), allowed_(allowed) {}
+  absl::StatusOr<std::unique_ptr<kernels::Buffer>> AllocateHost(size_t bytes) override {
+    if (allowed_-- <= 0) return absl::ResourceExhaustedError("no more pinned memory");
+    return ForwardingBackend::AllocateHost(bytes);
+  }
+
+ private:
+  int allowed_;
+};
+
+TEST(BackendPageAllocatorTest, ReserveStopsAtTheFirstFailedChunkAndKeepsWhatItHas) {
+  LimitedHostBackend backend(2);
+  BackendPageAllocator a(&backend, 100, 1000);  // blocks of 128 bytes, chunks of 8 blocks
+  EXPECT_THAT(a.Reserve(4000), StatusIs(absl::StatusCode::kResourceExhausted,
+                                        ::testing::HasSubstr("2048 of 4000 bytes reserved")));
+  EXPECT_EQ(a.reserved_bytes(), 2 * 1024u);
+  std::set<void*> seen;
+  for (int i = 0; i < 16; ++i) {  // the two chunks it got are there to use
+    void* p = a.Allocate(128);
+    ASSERT_NE(p, nullptr) << i;
+    EXPECT_TRUE(seen.insert(p).second);
+  }
+  EXPECT_EQ(a.Allocate(128), nullptr);   // a third chunk cannot be had
+  EXPECT_EQ(a.Allocate(5000), nullptr);  // nor a large buffer
+  EXPECT_EQ(a.reserved_bytes(), 2 * 1024u);
+
+  // A stop already requested: nothing is pinned.
+  LimitedHostBackend more(100);
+  BackendPageAllocator b(&more, 100, 1000);
+  std::atomic<bool> stop{true};
+  EXPECT_THAT(b.Reserve(4000, &stop), StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_EQ(b.reserved_bytes(), 0u);
 }
 
 TEST_F(GpuCacheTest, PagesInBackendHostMemoryAreReadInPlace) {

@@ -11,6 +11,7 @@
 #include "base/status_macros.h"
 #include "kvstore/internal/keys.h"
 #include "kvstore/internal/rocksdb_status.h"
+#include "kvstore/internal/write_tally.h"
 #include "kvstore/page_format.h"
 #include "rocksdb/cache.h"
 #include "rocksdb/db.h"
@@ -201,7 +202,7 @@ absl::Status LocalStore::OpenDb() {
 
 namespace {
 constexpr char kFormatKey[] = "strata.store_format";
-constexpr char kFormat[] = "2";
+constexpr char kFormat[] = "3";
 }  // namespace
 
 // The key encodings' version (kvstore/internal/keys.h), in the default column family. A store
@@ -213,7 +214,8 @@ absl::Status LocalStore::CheckFormat() {
   if (s.ok()) {
     if (value == kFormat) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat("local store ", options_.path, " has store format ", value,
-                                                      "; this build reads format ", kFormat));
+                                                      "; this build reads format ", kFormat,
+                                                      ": prefill its documents into a new data directory"));
   }
   if (!s.IsNotFound()) return FromRocksDb(s, "read the store format");
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), documents_));
@@ -374,8 +376,25 @@ absl::Status LocalStore::Write(absl::Span<const PageWrite> pages,
       return s;
     }
   }
+  // Counts the batch's entries in their documents' tallies once it is stored (before the stripes
+  // are released, so a FinalizeDocument that follows sees them).
+  auto tally = [&] {
+    absl::flat_hash_map<std::string, std::shared_ptr<internal::WriteTally>> tallies;
+    auto of = [&](const DocumentId& d) -> internal::WriteTally* {
+      auto [it, inserted] = tallies.try_emplace(std::string(d.AsBytes()));
+      if (inserted) it->second = TallyFor(d);
+      return it->second.get();
+    };
+    for (const PageWrite& w : pages) {
+      if (internal::WriteTally* t = of(w.key.document)) t->AddPage(w.key);
+    }
+    for (const SummaryWrite& w : summaries) {
+      if (internal::WriteTally* t = of(w.key.document)) t->AddSummary(w.key);
+    }
+  };
   if (deferred && options_.ingest_deferred) {
     absl::Status s = Ingest(pages, summaries);
+    if (s.ok()) tally();
     unlock();
     return s;
   }
@@ -393,6 +412,7 @@ absl::Status LocalStore::Write(absl::Span<const PageWrite> pages,
   wo.disableWAL = deferred;
   if (deferred) deferred_writes_.fetch_add(1);  // before the write: a Finalize after it flushes
   rocksdb::Status s = db_->Write(wo, &batch);
+  if (s.ok()) tally();
   unlock();
   return FromRocksDb(s, "write pages");
 }
@@ -402,20 +422,23 @@ absl::Status LocalStore::Ingest(absl::Span<const PageWrite> pages, absl::Span<co
     std::string key;
     rocksdb::Slice value;
   };
-  std::vector<Entry> page_entries, summary_entries, index_entries;
+  // Index entries as two files, the pages' and the summaries': each covers the batch's page range
+  // of its kind of entry, so neither overlaps another batch's.
+  std::vector<Entry> page_entries, summary_entries, page_index_entries, summary_index_entries;
   std::vector<std::string> summary_values;
   summary_values.reserve(summaries.size());  // no reallocation: the entries point into it
   page_entries.reserve(pages.size());
   summary_entries.reserve(summaries.size());
-  index_entries.reserve(pages.size() + summaries.size());
+  page_index_entries.reserve(pages.size());
+  summary_index_entries.reserve(summaries.size());
   for (const PageWrite& w : pages) {
     page_entries.push_back({internal::PageKeyBytes(w.key), ToSlice(w.data->view())});
-    index_entries.push_back({internal::PageIndexKey(w.key), rocksdb::Slice()});
+    page_index_entries.push_back({internal::PageIndexKey(w.key), rocksdb::Slice()});
   }
   for (const SummaryWrite& w : summaries) {
     summary_values.push_back(EncodeSummary(w.data->view()));
     summary_entries.push_back({internal::SummaryKeyBytes(w.key), rocksdb::Slice(summary_values.back())});
-    index_entries.push_back({internal::SummaryIndexKey(w.key), rocksdb::Slice()});
+    summary_index_entries.push_back({internal::SummaryIndexKey(w.key), rocksdb::Slice()});
   }
   const uint64_t n = ingest_files_.fetch_add(1);
   std::vector<std::string> made;
@@ -424,7 +447,8 @@ absl::Status LocalStore::Ingest(absl::Span<const PageWrite> pages, absl::Span<co
     for (const std::string& f : made) std::filesystem::remove(f, ec);
   };
   std::vector<rocksdb::IngestExternalFileArg> args;
-  // One sorted file per column family; of equal keys the batch's last wins, as in a WriteBatch.
+  // Sorted files, one per column family (two for the index: they do not overlap, 'p' < 's'); of
+  // equal keys the batch's last wins, as in a WriteBatch.
   auto build = [&](std::vector<Entry>* entries, rocksdb::ColumnFamilyHandle* cf, const rocksdb::Options& cf_options,
                    const char* name) -> absl::Status {
     if (entries->empty()) return absl::OkStatus();
@@ -438,6 +462,10 @@ absl::Status LocalStore::Ingest(absl::Span<const PageWrite> pages, absl::Span<co
       STRATA_RETURN_IF_ERROR(FromRocksDb(writer.Put((*entries)[i].key, (*entries)[i].value), "ingest: write"));
     }
     STRATA_RETURN_IF_ERROR(FromRocksDb(writer.Finish(), "ingest: finish a file"));
+    if (!args.empty() && args.back().column_family == cf) {  // one argument per column family
+      args.back().external_files.push_back(path);
+      return absl::OkStatus();
+    }
     rocksdb::IngestExternalFileArg arg;
     arg.column_family = cf;
     arg.external_files = {path};
@@ -448,7 +476,8 @@ absl::Status LocalStore::Ingest(absl::Span<const PageWrite> pages, absl::Span<co
   };
   absl::Status s = build(&page_entries, pages_, *large_options_, "pages");
   if (s.ok()) s = build(&summary_entries, summaries_, *large_options_, "summaries");
-  if (s.ok()) s = build(&index_entries, index_, *small_options_, "index");
+  if (s.ok()) s = build(&page_index_entries, index_, *small_options_, "page-index");
+  if (s.ok()) s = build(&summary_index_entries, index_, *small_options_, "summary-index");
   if (s.ok() && !args.empty()) s = FromRocksDb(db_->IngestExternalFiles(args), "ingest pages");
   remove_made();
   return s;
@@ -496,6 +525,15 @@ absl::StatusOr<uint64_t> LocalStore::CountIndex(const DocumentId& doc, char type
 absl::Status LocalStore::FillCounts(v1::Document* doc) {
   absl::StatusOr<DocumentId> id = DocumentId::FromHex(doc->document_id());
   if (!id.ok()) return id.status();
+  // The tally of this instance's acknowledged writes, when it created the document, stands for
+  // the count (every index entry the document has went through it); otherwise count the index.
+  if (doc->state() == v1::DOCUMENT_STATE_WRITING) {
+    if (const std::shared_ptr<internal::WriteTally> tally = TallyFor(*id)) {
+      doc->set_stored_pages(tally->pages());
+      doc->set_stored_summaries(tally->summaries());
+      return absl::OkStatus();
+    }
+  }
   absl::StatusOr<uint64_t> pages = CountIndex(*id, 'p');
   if (!pages.ok()) return pages.status();
   absl::StatusOr<uint64_t> summaries = CountIndex(*id, 's');
@@ -558,6 +596,10 @@ absl::StatusOr<v1::Document> LocalStore::CreateDocument(const v1::CreateDocument
   if (request.ttl_seconds() > 0) doc.set_expire_time_micros(now + request.ttl_seconds() * 1000000);
   if (absl::Status s = WriteDocument(doc); !s.ok()) return s;
   *created = true;
+  if (std::unique_ptr<internal::WriteTally> t = internal::WriteTally::Make(doc)) {
+    std::lock_guard<std::mutex> l(tallies_mu_);
+    tallies_[std::string(id->AsBytes())] = std::move(t);
+  }
   return doc;
 }
 
@@ -565,9 +607,9 @@ absl::StatusOr<v1::Document> LocalStore::FinalizeDocument(const DocumentId& id) 
   std::unique_lock<std::shared_mutex> lock(StripeFor(id));
   absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
   if (!doc.ok()) return doc.status();
+  const uint64_t want_pages = ExpectedPages(*doc), want_summaries = ExpectedSummaries(*doc);
   if (absl::Status s = FillCounts(&*doc); !s.ok()) return s;
   if (doc->state() == v1::DOCUMENT_STATE_READY) return doc;
-  const uint64_t want_pages = ExpectedPages(*doc), want_summaries = ExpectedSummaries(*doc);
   if (doc->stored_pages() != want_pages || doc->stored_summaries() != want_summaries) {
     return absl::FailedPreconditionError(absl::StrCat(
         "document ", id.ToHex(), " is incomplete: ", doc->stored_pages(), "/", want_pages,
@@ -579,7 +621,19 @@ absl::StatusOr<v1::Document> LocalStore::FinalizeDocument(const DocumentId& id) 
   }
   doc->set_state(v1::DOCUMENT_STATE_READY);
   if (absl::Status s = WriteDocument(*doc); !s.ok()) return s;
+  DropTally(id);  // READY: no more writes
   return doc;
+}
+
+std::shared_ptr<internal::WriteTally> LocalStore::TallyFor(const DocumentId& id) {
+  std::lock_guard<std::mutex> l(tallies_mu_);
+  auto it = tallies_.find(id.AsBytes());
+  return it == tallies_.end() ? nullptr : it->second;
+}
+
+void LocalStore::DropTally(const DocumentId& id) {
+  std::lock_guard<std::mutex> l(tallies_mu_);
+  tallies_.erase(id.AsBytes());
 }
 
 absl::StatusOr<v1::Document> LocalStore::GetDocumentInfo(const DocumentId& id) { return GetDocumentMetadata(id); }
@@ -646,6 +700,8 @@ absl::Status LocalStore::DeleteDocumentLocked(const DocumentId& id) {
   batch.DeleteRange(index_, begin, end);
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
+  // Dropped even when the delete fails: a later finalize then counts what is there.
+  DropTally(id);
   return FromRocksDb(db_->Write(wo, &batch), "delete document");
 }
 
@@ -666,7 +722,7 @@ absl::Status LocalStore::ScanSummaries(const DocumentId& doc, absl::Span<const u
       return static_cast<uint32_t>(static_cast<uint8_t>(k[o])) << 8 | static_cast<uint8_t>(k[o + 1]);
     };
     auto u32 = [&k, &u16](size_t o) { return u16(o) << 16 | u16(o + 2); };
-    SummaryKey key{doc, u16(16), u16(18), u32(20), u32(24)};
+    SummaryKey key{doc, u16(24), u16(26), u32(20), u32(16)};  // index | kind | layer | kv_head
     if (!kinds.empty() && std::find(kinds.begin(), kinds.end(), key.kind) == kinds.end()) continue;
     absl::StatusOr<absl::string_view> payload =
         DecodeSummary(absl::string_view(it->value().data(), it->value().size()));
@@ -737,6 +793,20 @@ absl::StatusOr<std::string> LocalStore::RawPageForTesting(const PageKey& key) {
       db_->Get(rocksdb::ReadOptions(), pages_, internal::PageKeyBytes(key), &value);
   if (!s.ok()) return FromRocksDb(s, "raw page");
   return value;
+}
+
+int LocalStore::FilesAtLevelForTesting(const std::string& cf, int level) {
+  rocksdb::ColumnFamilyHandle* h = cf == "pages"       ? pages_
+                                   : cf == "summaries" ? summaries_
+                                   : cf == "index"     ? index_
+                                   : cf == "documents" ? documents_
+                                                       : nullptr;
+  std::string value;
+  if (h == nullptr ||
+      !db_->GetProperty(h, absl::StrCat("rocksdb.num-files-at-level", level), &value)) {
+    return -1;
+  }
+  return std::atoi(value.c_str());
 }
 
 absl::Status LocalStore::WriteFormatForTesting(const std::string& value) {

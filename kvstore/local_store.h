@@ -13,8 +13,9 @@
 // flushes them before it marks any document READY; the column families are flushed together
 // (atomic flush), so after a crash such a batch is either wholly present (pages and index
 // entries) or wholly absent. A document becomes READY
-// only in FinalizeDocument, after its pages and summaries are counted complete; deletes are range
-// deletes over the document's key range in every column family.
+// only in FinalizeDocument, after its pages and summaries are counted complete (from the tally of
+// the writes this instance acknowledged when it created the document, else by counting the index
+// column family); deletes are range deletes over the document's key range in every column family.
 //
 // RocksDB settings for large incompressible values (see LocalStoreOptions and bench/RESULTS.md):
 // no compression, pages in SST files with XXH3 block checksums (the page-first key order of
@@ -34,7 +35,10 @@
 #include <string>
 #include <vector>
 
+#include <mutex>
 #include <shared_mutex>
+
+#include "absl/container/flat_hash_map.h"
 #include "kvstore/metrics.h"
 #include "kvstore/page_store.h"
 
@@ -45,6 +49,9 @@ struct Options;
 }  // namespace rocksdb
 
 namespace strata::kvstore {
+namespace internal {
+class WriteTally;
+}  // namespace internal
 
 struct LocalStoreOptions {
   // Data directory; created when missing. Required. Not reloadable.
@@ -125,6 +132,9 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   // Test hooks: raw access to stored page bytes (e.g. to corrupt one).
   absl::StatusOr<std::string> RawPageForTesting(const PageKey& key);
   absl::Status OverwriteRawPageForTesting(const PageKey& key, const std::string& bytes);
+  // The number of SST files at `level` of column family `cf` ("pages", "summaries", "index",
+  // "documents"); -1 for an unknown family or level.
+  int FilesAtLevelForTesting(const std::string& cf, int level);
   // Sets the stored format marker to `value` ("" removes it), as another build would have left it.
   absl::Status WriteFormatForTesting(const std::string& value);
 
@@ -140,7 +150,13 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   absl::Status WriteDocument(const v1::Document& doc);
   absl::Status DeleteDocumentLocked(const DocumentId& id);  // caller holds the stripe
   absl::StatusOr<uint64_t> CountIndex(const DocumentId& doc, char type);
+  // stored_pages / stored_summaries of `doc`: from its write tally while it is WRITING and has
+  // one, else counted in the index column family.
   absl::Status FillCounts(v1::Document* doc);
+  // The write tally of a document this instance created and has not finalized or deleted; null
+  // when there is none.
+  std::shared_ptr<internal::WriteTally> TallyFor(const DocumentId& id);
+  void DropTally(const DocumentId& id);
   std::shared_mutex& StripeFor(const DocumentId& id);
 
   LocalStoreOptions options_;
@@ -165,6 +181,10 @@ class LocalStore final : public PageStore, public DocumentCatalog {
   std::shared_mutex stripes_[kStripes];  // std locks: visible to TSan
   // PutDeferred batches written so far (FinalizeDocument flushes once there are any).
   std::atomic<uint64_t> deferred_writes_{0};
+  // Write tallies of the WRITING documents this instance created (internal/write_tally.h), by
+  // document id bytes: FinalizeDocument takes a complete one instead of counting the index.
+  std::mutex tallies_mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<internal::WriteTally>> tallies_;
 };
 
 }  // namespace strata::kvstore

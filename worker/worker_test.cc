@@ -27,6 +27,7 @@
 #include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
 #include "gtest/gtest.h"
+#include "kernels/testing/forwarding_backend.h"
 #include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/page_format.h"
@@ -1294,38 +1295,10 @@ TEST_F(Fp8PagesTest, FullLazyAndResidentJobsServeTheDocumentAndABf16WorkerRefuse
 // defaults: UNIMPLEMENTED), under a name of the test's choice: "cpu" stands for a CPU backend
 // without them, another name for a device backend without them (host-memory buffers, but the
 // worker and the engine treat its pools as device memory).
-class NoSelectionBackend : public kernels::Backend {
+class NoSelectionBackend : public kernels::testing::ForwardingBackend {
  public:
-  explicit NoSelectionBackend(std::string name) : name_(std::move(name)), cpu_(kernels::MakeCpuBackend(1)) {}
-  std::string Name() const override { return name_; }
-  absl::StatusOr<std::unique_ptr<kernels::Buffer>> Allocate(size_t bytes) override { return cpu_->Allocate(bytes); }
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, kernels::Stream s) override {
-    return cpu_->CopyToDevice(dst, src, bytes, s);
-  }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes, kernels::Stream s) override {
-    return cpu_->CopyToHost(dst, src, bytes, s);
-  }
-  absl::Status Synchronize(kernels::Stream s) override { return cpu_->Synchronize(s); }
-  absl::StatusOr<std::unique_ptr<kernels::Buffer>> AllocateHost(size_t bytes) override {
-    return cpu_->AllocateHost(bytes);
-  }
-#define STRATA_FORWARD_OP(Params, Op)                                                                   \
-  absl::Status Supports(const kernels::Params& p) const override { return cpu_->Supports(p); }         \
-  absl::Status Op(const kernels::Params& p, kernels::Stream s) override { return cpu_->Op(p, s); }
-  STRATA_FORWARD_OP(EmbeddingParams, Embedding)
-  STRATA_FORWARD_OP(RmsNormParams, RmsNorm)
-  STRATA_FORWARD_OP(MatMulParams, MatMul)
-  STRATA_FORWARD_OP(RopeParams, Rope)
-  STRATA_FORWARD_OP(SwiGluParams, SwiGlu)
-  STRATA_FORWARD_OP(AddParams, Add)
-  STRATA_FORWARD_OP(PagedAttentionParams, PagedAttention)
-  STRATA_FORWARD_OP(MergeAttentionParams, MergeAttention)
-  STRATA_FORWARD_OP(PageCopyParams, PageCopy)
-#undef STRATA_FORWARD_OP
-
- private:
-  std::string name_;
-  std::unique_ptr<kernels::Backend> cpu_;
+  explicit NoSelectionBackend(std::string name)
+      : ForwardingBackend(std::move(name), kernels::MakeCpuBackend(1)) {}
 };
 
 // Device selection over a 10-page document (640 tokens; 2 layers x 2 KV heads, so 40 pages),

@@ -18,10 +18,10 @@ void PageSuffix(std::string* s, const PageKey& k) {
   PutU16(s, k.kv_head);
 }
 void SummarySuffix(std::string* s, const SummaryKey& k) {
+  PutU32(s, k.index);
+  PutU32(s, k.kind);
   PutU16(s, k.layer);
   PutU16(s, k.kv_head);
-  PutU32(s, k.kind);
-  PutU32(s, k.index);
 }
 uint8_t* WriteU16(uint8_t* at, uint32_t v) {
   at[0] = static_cast<uint8_t>((v >> 8) & 0xff);
@@ -42,7 +42,7 @@ void WritePageKey(const PageKey& k, uint8_t* out) {
 
 void WriteSummaryKey(const SummaryKey& k, uint8_t* out) {
   std::memcpy(out, k.document.bytes.data(), 16);
-  WriteU32(WriteU32(WriteU16(WriteU16(out + 16, k.layer), k.kv_head), k.kind), k.index);
+  WriteU16(WriteU16(WriteU32(WriteU32(out + 16, k.index), k.kind), k.layer), k.kv_head);
 }
 
 std::string PageKeyBytes(const PageKey& k) {

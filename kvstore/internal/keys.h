@@ -2,12 +2,17 @@
 //
 // All integers are big-endian so that bytewise order is numeric order, and every key starts with
 // the 16 document-id bytes, so one document's keys form one contiguous range (range deletes).
-// Page keys put the page index before the layer and KV head: a prefill writes a document's pages
-// in page order (each chunk's new pages of every layer and head), so successive memtable flushes
-// cover disjoint, increasing key ranges and RocksDB moves the files down the levels without
-// rewriting them (store format 2; format 1 had layer | kv_head | page_index).
+// Page and summary keys put the page (summary) index before the layer and KV head: a prefill
+// writes a document's pages in page order (each chunk's new pages of every layer and head, with
+// their page summaries), so successive memtable flushes cover disjoint, increasing key ranges, and
+// a batch of one contiguous page range ingested as SST files overlaps no other batch's files in any
+// column family (its index entries as two files, pages' and summaries'); RocksDB puts such files
+// at the bottom level and never rewrites them. Store format 3; format 2 had summary keys ordered
+// layer | kv_head | kind | index (every batch's summary and index files overlapped, piled up in
+// level 0 and stalled writes while compactions merged them); format 1 had page keys ordered
+// layer | kv_head | page_index.
 //   pages:      doc(16) | page_index(u32) | layer(u16) | kv_head(u16)              24 bytes
-//   summaries:  doc(16) | layer(u16) | kv_head(u16) | kind(u32) | index(u32)        28 bytes
+//   summaries:  doc(16) | index(u32) | kind(u32) | layer(u16) | kv_head(u16)        28 bytes
 //   index:      doc(16) | 'p' | page key suffix (8)   or   doc(16) | 's' | summary suffix (12)
 //   documents:  doc(16)
 // Stateless; thread-safe.
