@@ -1,6 +1,7 @@
 #include "worker/worker.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <future>
@@ -34,6 +35,18 @@ namespace strata::worker {
 namespace {
 
 constexpr uint32_t kMinMaxSummaryKind = 1;  // v1::SUMMARY_KIND_MINMAX
+
+// Concurrent PutDeferred batches of a prefill chunk's pages: 8, or STRATA_PERSIST_WRITERS (1 to 16,
+// read once; for A/B timing). H100 machine (16 cores), 512K on the 8B shape, ingested batches:
+// persisted in 27.2 / 28.6 s with 8, 28.3-31.7 s with 4, 29.2 s with 12 (bench/RESULTS.md).
+int64_t PersistWriters() {
+  static const int64_t writers = [] {
+    const char* e = std::getenv("STRATA_PERSIST_WRITERS");
+    const int64_t v = e == nullptr ? 8 : std::atoll(e);
+    return v >= 1 && v <= 16 ? v : int64_t{8};
+  }();
+  return writers;
+}
 
 prometheus::Counter* NewCounter(prometheus::Registry* r, const std::string& name, const std::string& help) {
   return &prometheus::BuildCounter().Name(name).Help(help).Register(*r).Add({});
@@ -798,12 +811,13 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     return out;
   };
   // The chunk being encoded (reads host set `encoding_set`), and the store's writes of the chunk
-  // before it, split into up to kPersistWriters batches written at once (PutDeferred: the
+  // before it, split into up to PersistWriters() batches written at once (PutDeferred: the
   // document is WRITING, and FinalizeDocument makes the batches durable before it is READY; a
   // local store skips its write-ahead log). Each is waited for before the next of its kind starts
   // and before the document is finalized; the futures are declared after the host sets, so an
   // early return waits for them (the destructor of a std::async future does) before the sets go.
-  constexpr int64_t kPersistWriters = 4, kPagesPerWriter = 256;
+  const int64_t persist_writers = PersistWriters();
+  constexpr int64_t kPagesPerWriter = 256;
   std::future<EncodedChunk> encoding;
   std::vector<std::future<absl::Status>> put_in_flight;
   int64_t in_flight_end = static_cast<int64_t>(first_page);  // pages before it are written or writing
@@ -842,7 +856,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
       hi = std::max<int64_t>(hi, w.key.page_index);
     }
     const int64_t span = hi - lo + 1;
-    const int64_t writers = std::clamp<int64_t>(std::min(total / kPagesPerWriter, span), 1, kPersistWriters);
+    const int64_t writers = std::clamp<int64_t>(std::min(total / kPagesPerWriter, span), 1, persist_writers);
     std::vector<std::vector<kvstore::PageWrite>> pws(static_cast<size_t>(writers));
     std::vector<std::vector<kvstore::SummaryWrite>> sws(static_cast<size_t>(writers));
     for (int64_t i = 0; i < total; ++i) {
