@@ -1996,13 +1996,14 @@ int RegClusterBlocksFor(int64_t n) {
 
 // Candidates per thread of RegisterVoteTopKKernel: the fewest of 2, 4, 8 that keep the block
 // within 1024 threads, at least 4 from 1025 candidates on;
-// STRATA_SELECTION_REG_PER=2|4|8 asks for more (A/B timing).
+// STRATA_SELECTION_REG_PER=2|4|8 asks for that many where the block stays within 1024 threads
+// (A/B timing).
 int RegisterPerFor(int64_t n) {
   int per = n <= 1024 ? 2 : n <= 4096 ? 4 : 8;
   if (const char* e = std::getenv("STRATA_SELECTION_REG_PER")) {
     const std::string_view s(e);
     const int want = s == "2" ? 2 : s == "4" ? 4 : s == "8" ? 8 : 0;
-    per = std::max(per, want);
+    if (want != 0 && (n + want - 1) / want <= kRegTopKMaxThreads) per = want;
   }
   return per;
 }
