@@ -223,8 +223,12 @@ struct LazyDocumentAttention::State {
     for (int32_t p : pages) counters.selected_tokens += PageTokens(p);
   }
   // The summaries of `layer` in backend memory, read from the store and uploaded on first use
-  // by any job of the share. The buffer lives as long as the share.
-  absl::StatusOr<kernels::Buffer*> Summaries(int layer);
+  // by any job of the share. The buffer lives as long as the share. `assembled`: the layer's
+  // AssembleSummaries, when the caller made it already (otherwise made here, under the share's lock).
+  absl::StatusOr<kernels::Buffer*> Summaries(int layer, std::vector<uint8_t>* assembled = nullptr);
+  // The summaries of `layer` as the device keeps them, [hkv, pages, 2 d] in o.summary_dtype, from
+  // the share's host summaries (thread-safe; no lock of the share held).
+  absl::StatusOr<std::vector<uint8_t>> AssembleSummaries(int layer);
   absl::Status ChooseOnDevice(int layer, const kernels::TensorView& q, std::vector<std::vector<int32_t>>* pages,
                               engine::DeviceTokenSelection* selection);
   // The device selection of a one-token choice for a device-managed cache: page 0, the `selected`
@@ -296,29 +300,37 @@ absl::Status LazyDocumentAttention::State::EnsureChooserBuffers(int hq) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<kernels::Buffer*> LazyDocumentAttention::State::Summaries(int layer) {
+absl::StatusOr<std::vector<uint8_t>> LazyDocumentAttention::State::AssembleSummaries(int layer) {
+  engine::MinMaxSummaryCache* host_summaries = share->impl_->host_summaries.get();  // set at creation
+  const int hkv = o.num_kv_heads, d = o.head_dim;
+  const size_t head_floats = static_cast<size_t>(num_pages) * 2 * d;
+  const bool bf16 = o.summary_dtype == kernels::DType::kBF16;
+  std::vector<uint8_t> out(static_cast<size_t>(hkv) * head_floats * (bf16 ? sizeof(uint16_t) : sizeof(float)));
+  for (int g = 0; g < hkv; ++g) {  // [hkv, pages, 2 d], each head read once for the share
+    STRATA_ASSIGN_OR_RETURN(const std::vector<float>* head, host_summaries->Get(layer, g));
+    if (bf16) {
+      // The host cache already rounded every row outward, so the conversion is exact.
+      kernels::ConvertFromF32(head->data(), reinterpret_cast<uint16_t*>(out.data()) + g * head_floats,
+                              kernels::DType::kBF16, static_cast<int64_t>(head_floats));
+    } else {
+      std::memcpy(out.data() + g * head_floats * sizeof(float), head->data(), head_floats * sizeof(float));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<kernels::Buffer*> LazyDocumentAttention::State::Summaries(int layer, std::vector<uint8_t>* assembled) {
   LazyDocumentShare::Impl& sh = *share->impl_;
   std::lock_guard<std::mutex> lock(sh.mu);
   if (sh.summaries[layer] != nullptr) return sh.summaries[layer].get();
-  const int hkv = o.num_kv_heads, d = o.head_dim;
-  const size_t head_floats = static_cast<size_t>(num_pages) * 2 * d;
-  std::vector<float> host(static_cast<size_t>(hkv) * head_floats);
-  for (int g = 0; g < hkv; ++g) {  // [hkv, pages, 2 d], each head read once for the share
-    STRATA_ASSIGN_OR_RETURN(const std::vector<float>* head, sh.host_summaries->Get(layer, g));
-    std::memcpy(&host[static_cast<size_t>(g) * head_floats], head->data(), head_floats * sizeof(float));
+  std::vector<uint8_t> made;
+  if (assembled == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(made, AssembleSummaries(layer));
+    assembled = &made;
   }
-  // bf16: the host cache already rounded every row outward, so the conversion is exact.
-  std::vector<uint16_t> host16;
-  const void* src = host.data();
-  size_t bytes = host.size() * sizeof(float);
-  if (o.summary_dtype == kernels::DType::kBF16) {
-    host16.resize(host.size());
-    kernels::ConvertFromF32(host.data(), host16.data(), kernels::DType::kBF16, static_cast<int64_t>(host.size()));
-    src = host16.data();
-    bytes = host16.size() * sizeof(uint16_t);
-  }
+  const size_t bytes = assembled->size();
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> buffer, backend->Allocate(bytes));
-  STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buffer->data(), src, bytes, nullptr));
+  STRATA_RETURN_IF_ERROR(backend->CopyToDevice(buffer->data(), assembled->data(), bytes, nullptr));
   sh.summary_bytes += static_cast<int64_t>(bytes);
   sh.summaries[layer] = std::move(buffer);
   return sh.summaries[layer].get();
@@ -533,7 +545,15 @@ absl::StatusOr<std::unique_ptr<LazyDocumentAttention>> LazyDocumentAttention::Cr
             host->Get(static_cast<int>(i / o.num_kv_heads), static_cast<int>(i % o.num_kv_heads)).status();
       }
       for (const absl::Status& s : read) STRATA_RETURN_IF_ERROR(s);
-      for (int l = 0; l < o.num_layers; ++l) STRATA_RETURN_IF_ERROR(st->Summaries(l).status());
+      // Each layer's device form assembled in parallel (conversion to bf16: most of the host
+      // work), uploaded one at a time under the share's lock.
+      std::vector<absl::Status> uploaded(static_cast<size_t>(o.num_layers));
+#pragma omp parallel for schedule(dynamic) num_threads(internal::HostTeam(o.num_layers))
+      for (int l = 0; l < o.num_layers; ++l) {
+        absl::StatusOr<std::vector<uint8_t>> layer = st->AssembleSummaries(l);
+        uploaded[static_cast<size_t>(l)] = layer.ok() ? st->Summaries(l, &*layer).status() : layer.status();
+      }
+      for (const absl::Status& s : uploaded) STRATA_RETURN_IF_ERROR(s);
       summary_seconds = sums.ElapsedSeconds();
     }
   }
