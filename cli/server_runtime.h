@@ -91,6 +91,8 @@ class HostTier {
                                                           kernels::Backend* backend = nullptr,
                                                           size_t page_bytes = 0);
   kvstore::PageStore* store() const { return store_; }
+  // The tier's allocator of backend host memory; null without one (no backend or page size).
+  const kvstore::BackendPageAllocator* allocator() const { return allocator_.get(); }
   // Stops and joins the pinning thread (below).
   ~HostTier();
 

@@ -1,0 +1,110 @@
+// The host tier of the server commands (cli/server_runtime.h): on a device backend its whole
+// capacity is pinned from the start by a thread of its own, which the tier stops and joins when it
+// goes; on the CPU backend nothing is reserved up front.
+#include "cli/server_runtime.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/testing/forwarding_backend.h"
+#include "kvstore/local_store.h"
+
+namespace strata::cli {
+namespace {
+
+// The CPU backend under a device's name, counting AllocateHost calls and taking `delay` for each
+// (pinning is slow on a GPU machine). The CPU backend's host memory is allocated, not touched, so
+// large capacities cost address space only.
+class SlowHostBackend : public kernels::testing::ForwardingBackend {
+ public:
+  explicit SlowHostBackend(std::chrono::milliseconds delay)
+      : ForwardingBackend("fake-device", kernels::MakeCpuBackend(1)), delay_(delay) {}
+  absl::StatusOr<std::unique_ptr<kernels::Buffer>> AllocateHost(size_t bytes) override {
+    calls_.fetch_add(1);
+    std::this_thread::sleep_for(delay_);
+    return ForwardingBackend::AllocateHost(bytes);
+  }
+  int calls() const { return calls_.load(); }
+
+ private:
+  std::chrono::milliseconds delay_;
+  std::atomic<int> calls_{0};
+};
+
+class HostTierTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/strata_server_runtime_test.XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    kvstore::LocalStoreOptions o;
+    o.path = dir_;
+    STRATA_ASSERT_OK_AND_ASSIGN(local_, kvstore::LocalStore::Open(o));
+  }
+  void TearDown() override {
+    local_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  std::string dir_;
+  std::unique_ptr<kvstore::LocalStore> local_;
+};
+
+constexpr int64_t kChunk = int64_t{256} << 20;  // the tier pins chunks of at most 256 MiB
+
+TEST_F(HostTierTest, DeviceBackendPinsTheWholeCapacityFromTheStart) {
+  SlowHostBackend backend(std::chrono::milliseconds(1));
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostTier> tier,
+                              HostTier::Create(3 * kChunk, nullptr, local_.get(), nullptr, &backend, 4096));
+  ASSERT_NE(tier->allocator(), nullptr);
+  EXPECT_NE(tier->store(), local_.get());  // the tiered store in front of the local one
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (tier->allocator()->reserved_bytes() < static_cast<size_t>(3 * kChunk) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(tier->allocator()->reserved_bytes(), static_cast<size_t>(3 * kChunk));
+  EXPECT_EQ(backend.calls(), 3);  // three chunks, nothing else
+  tier.reset();
+}
+
+TEST_F(HostTierTest, GoingAwayStopsAndJoinsThePinningThread) {
+  // 16 chunks at 100 ms each would take 1.6 s; the tier goes after the first.
+  SlowHostBackend backend(std::chrono::milliseconds(100));
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostTier> tier,
+                              HostTier::Create(16 * kChunk, nullptr, local_.get(), nullptr, &backend, 4096));
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  const auto t0 = std::chrono::steady_clock::now();
+  tier.reset();  // joins the thread: no access to the backend after this
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int calls = backend.calls();
+  EXPECT_LT(seconds, 1.0);
+  EXPECT_GE(calls, 1);
+  EXPECT_LT(calls, 16);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  EXPECT_EQ(backend.calls(), calls);
+}
+
+TEST_F(HostTierTest, CpuBackendReservesNothingUpFront) {
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostTier> tier,
+                              HostTier::Create(3 * kChunk, nullptr, local_.get(), nullptr, cpu.get(), 4096));
+  ASSERT_NE(tier->allocator(), nullptr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(tier->allocator()->reserved_bytes(), 0u);
+  // No tier at all: the local store serves directly.
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostTier> none,
+                              HostTier::Create(0, nullptr, local_.get(), nullptr, cpu.get(), 4096));
+  EXPECT_EQ(none->store(), local_.get());
+  EXPECT_EQ(none->allocator(), nullptr);
+}
+
+}  // namespace
+}  // namespace strata::cli
