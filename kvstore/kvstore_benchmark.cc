@@ -415,13 +415,13 @@ BENCHMARK(BM_LocalPrefillLoad)->ArgNames({"writers", "blob", "deferred"})
 #ifdef STRATA_BENCH_TEST_PAGES
 // A prefill's writes and its FinalizeDocument at the scale of a 256K-token shard's index: 32
 // layers x 8 KV heads x 8192 pages of 16 tokens, head dim 16 (small pages: 2.1M pages and 2.1M
-// summaries in ~3 GB), written as the worker writes them (chunks of 64 pages, each as four
+// summaries in ~3 GB), written as the worker writes them (chunks of 64 pages, each as four (by default)
 // concurrent PutDeferred batches of contiguous page ranges with their summaries), then
 // FinalizeDocument timed alone (its completeness check: the store's write tally since session 11,
 // a count of the document's index entries before), then a count of the index entries
 // (GetDocument of the READY document: what FinalizeDocument did before; count_s).
 // Arg: 1 batches ingested as SST files (the default), 0 through the memtables. Env
-// STRATA_BENCH_WRITERS: batches per chunk (default 4, as the worker).
+// STRATA_BENCH_WRITERS: batches per chunk (default 4; the worker writes up to 8 since session 11).
 void BM_LocalPrefillFinalize(benchmark::State& state) {
   const bool ingest = state.range(0) != 0;
   const uint32_t pages_per_head = 8192, chunk_pages = 64;
