@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -309,6 +310,41 @@ TEST_F(LocalStoreTest, FinalizeCountsEveryAcknowledgedEntryOnceAndNothingElse) {
   STRATA_ASSERT_OK_AND_ASSIGN(v1::Document d2, store_->FinalizeDocument(id2));
   EXPECT_EQ(d2.state(), v1::DOCUMENT_STATE_READY);
   EXPECT_EQ(d2.stored_pages(), p2.size());
+}
+
+TEST_F(LocalStoreTest, ConcurrentBatchesOfOneDocumentCountEachEntryOnce) {
+  // Four writers at once, their batches overlapping (each page written by two of them), every
+  // page but the last: the tally counts 11 distinct pages; the last page makes it complete.
+  const KvLayout layout = SmallLayout();
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(layout, 40, kSeed);
+  const DocumentId id = Create(r);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  MakeDocumentWrites(r, kSeed, &pages, &summaries);
+  ASSERT_EQ(pages.size(), 12u);
+  std::vector<std::thread> writers;
+  std::vector<absl::Status> status(4);
+  for (int t = 0; t < 4; ++t) {
+    writers.emplace_back([&, t] {
+      std::vector<PageWrite> pw;
+      for (int i = 0; i < 6; ++i) {
+        const size_t p = static_cast<size_t>((t * 3 + i) % 12);
+        if (p != 11) pw.push_back(pages[p]);
+      }
+      for (int rep = 0; rep < 5 && status[t].ok(); ++rep) {
+        status[t] = t % 2 == 0 ? store_->PutDeferred(pw, summaries) : store_->Put(pw, summaries);
+      }
+    });
+  }
+  for (std::thread& w : writers) w.join();
+  for (const absl::Status& s : status) STRATA_ASSERT_OK(s);
+  EXPECT_THAT(store_->FinalizeDocument(id),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("11/12 pages, 12/12 summaries")));
+  STRATA_ASSERT_OK(store_->PutDeferred(absl::MakeSpan(pages).subspan(11, 1), {}));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store_->FinalizeDocument(id));
+  EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(doc.stored_pages(), 12u);
+  EXPECT_EQ(doc.stored_summaries(), 12u);
 }
 
 TEST_F(LocalStoreTest, StoresOfAnotherKeyFormatAreRefused) {
