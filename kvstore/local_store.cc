@@ -607,9 +607,9 @@ absl::StatusOr<v1::Document> LocalStore::FinalizeDocument(const DocumentId& id) 
   std::unique_lock<std::shared_mutex> lock(StripeFor(id));
   absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
   if (!doc.ok()) return doc.status();
-  const uint64_t want_pages = ExpectedPages(*doc), want_summaries = ExpectedSummaries(*doc);
   if (absl::Status s = FillCounts(&*doc); !s.ok()) return s;
   if (doc->state() == v1::DOCUMENT_STATE_READY) return doc;
+  const uint64_t want_pages = ExpectedPages(*doc), want_summaries = ExpectedSummaries(*doc);
   if (doc->stored_pages() != want_pages || doc->stored_summaries() != want_summaries) {
     return absl::FailedPreconditionError(absl::StrCat(
         "document ", id.ToHex(), " is incomplete: ", doc->stored_pages(), "/", want_pages,
@@ -716,13 +716,10 @@ absl::Status LocalStore::ScanSummaries(const DocumentId& doc, absl::Span<const u
   ro.iterate_upper_bound = &upper;
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, summaries_));
   for (it->Seek(begin); it->Valid(); it->Next()) {
-    const rocksdb::Slice k = it->key();
-    if (k.size() != 28) return absl::DataLossError("summary key of unexpected length");
-    auto u16 = [&k](size_t o) {
-      return static_cast<uint32_t>(static_cast<uint8_t>(k[o])) << 8 | static_cast<uint8_t>(k[o + 1]);
-    };
-    auto u32 = [&k, &u16](size_t o) { return u16(o) << 16 | u16(o + 2); };
-    SummaryKey key{doc, u16(24), u16(26), u32(20), u32(16)};  // index | kind | layer | kv_head
+    SummaryKey key;
+    if (!internal::ReadSummaryKey(doc, reinterpret_cast<const uint8_t*>(it->key().data()), it->key().size(), &key)) {
+      return absl::DataLossError("summary key of unexpected length");
+    }
     if (!kinds.empty() && std::find(kinds.begin(), kinds.end(), key.kind) == kinds.end()) continue;
     absl::StatusOr<absl::string_view> payload =
         DecodeSummary(absl::string_view(it->value().data(), it->value().size()));

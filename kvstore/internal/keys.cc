@@ -5,24 +5,6 @@
 namespace strata::kvstore::internal {
 namespace {
 
-void PutU16(std::string* s, uint32_t v) {
-  s->push_back(static_cast<char>((v >> 8) & 0xff));
-  s->push_back(static_cast<char>(v & 0xff));
-}
-void PutU32(std::string* s, uint32_t v) {
-  for (int shift = 24; shift >= 0; shift -= 8) s->push_back(static_cast<char>((v >> shift) & 0xff));
-}
-void PageSuffix(std::string* s, const PageKey& k) {
-  PutU32(s, k.page_index);
-  PutU16(s, k.layer);
-  PutU16(s, k.kv_head);
-}
-void SummarySuffix(std::string* s, const SummaryKey& k) {
-  PutU32(s, k.index);
-  PutU32(s, k.kind);
-  PutU16(s, k.layer);
-  PutU16(s, k.kv_head);
-}
 uint8_t* WriteU16(uint8_t* at, uint32_t v) {
   at[0] = static_cast<uint8_t>((v >> 8) & 0xff);
   at[1] = static_cast<uint8_t>(v & 0xff);
@@ -31,6 +13,15 @@ uint8_t* WriteU16(uint8_t* at, uint32_t v) {
 uint8_t* WriteU32(uint8_t* at, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) *at++ = static_cast<uint8_t>((v >> shift) & 0xff);
   return at;
+}
+uint32_t ReadU16(const uint8_t* at) { return uint32_t{at[0]} << 8 | at[1]; }
+uint32_t ReadU32(const uint8_t* at) { return ReadU16(at) << 16 | ReadU16(at + 2); }
+
+// doc | type | key[16, size): the index entry of the page or summary whose key bytes are key.
+std::string IndexKey(const DocumentId& doc, char type, const uint8_t* key, size_t size) {
+  std::string s = IndexPrefix(doc, type);
+  s.append(reinterpret_cast<const char*>(key) + 16, size - 16);
+  return s;
 }
 
 }  // namespace
@@ -57,16 +48,22 @@ std::string SummaryKeyBytes(const SummaryKey& k) {
   return s;
 }
 
+bool ReadSummaryKey(const DocumentId& doc, const uint8_t* bytes, size_t size, SummaryKey* k) {
+  if (size != kSummaryKeySize) return false;
+  *k = SummaryKey{doc, ReadU16(bytes + 24), ReadU16(bytes + 26), ReadU32(bytes + 20), ReadU32(bytes + 16)};
+  return true;
+}
+
 std::string PageIndexKey(const PageKey& k) {
-  std::string s = IndexPrefix(k.document, 'p');
-  PageSuffix(&s, k);
-  return s;
+  uint8_t key[kPageKeySize];
+  WritePageKey(k, key);
+  return IndexKey(k.document, 'p', key, kPageKeySize);
 }
 
 std::string SummaryIndexKey(const SummaryKey& k) {
-  std::string s = IndexPrefix(k.document, 's');
-  SummarySuffix(&s, k);
-  return s;
+  uint8_t key[kSummaryKeySize];
+  WriteSummaryKey(k, key);
+  return IndexKey(k.document, 's', key, kSummaryKeySize);
 }
 
 std::string IndexPrefix(const DocumentId& doc, char type) {

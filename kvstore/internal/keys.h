@@ -36,6 +36,10 @@ std::string SummaryKeyBytes(const SummaryKey& k);
 // cache's fixed-size map keys).
 void WritePageKey(const PageKey& k, uint8_t* out);
 void WriteSummaryKey(const SummaryKey& k, uint8_t* out);
+// The summary key of document `doc` whose stored bytes are bytes[0, size) (as WriteSummaryKey
+// wrote them; the document id bytes are not read). False when size is not kSummaryKeySize.
+bool ReadSummaryKey(const DocumentId& doc, const uint8_t* bytes, size_t size, SummaryKey* k);
+// Index entries: IndexPrefix, then the page (summary) key's bytes after the document id.
 std::string PageIndexKey(const PageKey& k);
 std::string SummaryIndexKey(const SummaryKey& k);
 // Prefixes of one document's index entries ('p' pages, 's' summaries).
