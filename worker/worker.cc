@@ -762,7 +762,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     absl::Status status;
     std::vector<kvstore::PageWrite> pages;
     std::vector<kvstore::SummaryWrite> summaries;
-    int64_t end = 0;  // pages before this one are in it or in earlier chunks
+    int64_t first = 0, end = 0;  // its pages [first, end); pages before `first` are in earlier chunks
     double seconds = 0;
     int threads = 0;
   };
@@ -775,6 +775,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                     const HostPages* set, bool device_set, int64_t first, int64_t count) {
     const Stopwatch enc;
     EncodedChunk out;
+    out.first = first;
     out.end = first + count;
     const int64_t items = static_cast<int64_t>(L) * H * count;
     const uint8_t* codes = reinterpret_cast<const uint8_t*>(set->base);
@@ -850,12 +851,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     // order the batches and the chunks cover disjoint key ranges, so a local store ingests each
     // batch's page file below the others without overlap (LocalStoreOptions::ingest_deferred).
     const int64_t total = static_cast<int64_t>(done.pages.size());
-    int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
-    for (const kvstore::PageWrite& w : done.pages) {
-      lo = std::min<int64_t>(lo, w.key.page_index);
-      hi = std::max<int64_t>(hi, w.key.page_index);
-    }
-    const int64_t span = hi - lo + 1;
+    const int64_t lo = done.first, span = std::max<int64_t>(done.end - done.first, 1);
     const int64_t writers = std::clamp<int64_t>(std::min(total / kPagesPerWriter, span), 1, persist_writers);
     std::vector<std::vector<kvstore::PageWrite>> pws(static_cast<size_t>(writers));
     std::vector<std::vector<kvstore::SummaryWrite>> sws(static_cast<size_t>(writers));
