@@ -5,13 +5,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <thread>
 
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
+#include "base/testing/temp_dir.h"
 #include "gtest/gtest.h"
 #include "kernels/testing/forwarding_backend.h"
 #include "kvstore/local_store.h"
@@ -41,20 +40,14 @@ class SlowHostBackend : public kernels::testing::ForwardingBackend {
 class HostTierTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/strata_server_runtime_test.XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
+    ASSERT_FALSE(dir_.path().empty());
     kvstore::LocalStoreOptions o;
-    o.path = dir_;
+    o.path = dir_.path();
     STRATA_ASSERT_OK_AND_ASSIGN(local_, kvstore::LocalStore::Open(o));
   }
-  void TearDown() override {
-    local_.reset();
-    std::filesystem::remove_all(dir_);
-  }
 
-  std::string dir_;
-  std::unique_ptr<kvstore::LocalStore> local_;
+  strata::testing::TempDir dir_{"strata_server_runtime_test"};
+  std::unique_ptr<kvstore::LocalStore> local_;  // closed before dir_ goes
 };
 
 constexpr int64_t kChunk = int64_t{256} << 20;  // the tier pins chunks of at most 256 MiB

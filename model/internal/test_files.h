@@ -3,37 +3,18 @@
 #ifndef STRATA_MODEL_INTERNAL_TEST_FILES_H_
 #define STRATA_MODEL_INTERNAL_TEST_FILES_H_
 
-#include <stdlib.h>
-
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 
+#include "base/testing/temp_dir.h"
+
 namespace strata::model::testing {
 
-// A fresh directory under $TMPDIR (or /tmp), removed with its contents on destruction.
-class TempDir {
+// A fresh directory, removed with its contents on destruction (base/testing/temp_dir.h).
+class TempDir : public ::strata::testing::TempDir {
  public:
-  TempDir() {
-    const char* base = getenv("TMPDIR");
-    std::string tmpl =
-        std::string(base != nullptr && *base ? base : "/tmp") + "/strata_model_XXXXXX";
-    char* made = mkdtemp(tmpl.data());
-    path_ = made != nullptr ? made : "";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  const std::string& path() const { return path_; }
-  std::string Join(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
+  TempDir() : ::strata::testing::TempDir("strata_model") {}
 };
 
 inline bool WriteFileBytes(const std::string& path, const std::string& bytes) {
