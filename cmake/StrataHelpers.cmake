@@ -42,6 +42,11 @@ function(strata_cc_test)
     DISCOVERY_TIMEOUT 60)
   # Extra labels (e.g. gpu): gtest_discover_tests flattens a list-valued LABELS into separate
   # arguments, so a ctest include file read after the discovered tests sets them instead.
+  if("gpu" IN_LIST A_LABELS)
+    # scripts/gpu_run.sh builds and bundles these (build dir gpu_test_targets.txt, written by
+    # the top-level CMakeLists): ctest lists discovered tests only once their binaries exist.
+    set_property(GLOBAL APPEND PROPERTY STRATA_GPU_TEST_TARGETS ${A_NAME})
+  endif()
   if(A_LABELS)
     set(labels unit ${A_LABELS})
     set(inc ${CMAKE_CURRENT_BINARY_DIR}/${A_NAME}_labels.cmake)

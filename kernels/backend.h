@@ -355,6 +355,36 @@ struct SelectionCacheCheckParams {
 // norm is 0; NaN when an input is). For host-side twins of the cache (engine::MakeMinMaxChooser).
 double SelectionCacheCosine(const float* q, const float* cached, int64_t n);
 
+// A chain of selection stages as one op (a decode step's middle selection: segments -> pages ->
+// tokens). Stage s scores its candidates, as ScoreSummaries over `summaries` or, when
+// summaries.data is null, as ScoreKeys over `k_pool` through `page_table`, into `scores`, then
+// keeps the top k by head soft vote into `selected` as VoteTopK does (no vote output). Stage
+// s > 0's candidates must be stage s - 1's selection: candidates.parents is a view of stage s - 1's
+// `selected` (same data, [num_kv_heads, k of s - 1]); fanout and [begin, end) are the stage's.
+// The result is that of those ScoreSummaries / ScoreKeys and VoteTopK calls in order with the
+// same params (SelectStagesOpByOp, the default), except that `scores` is scratch: its contents
+// afterwards are unspecified. skip_heads as in those ops. The CUDA backend runs the whole chain as
+// one kernel where the shape allows (kernels/cuda/selection.cu SelectStagesKernel), which merges
+// the softmax statistics of the vote in another order: as between VoteTopK kernels, a vote may
+// differ in the last bits, so a near-tie at the k-th place may go the other way.
+inline constexpr int kMaxSelectStages = 3;
+struct SelectStage {
+  TensorView summaries;   // ScoreSummaries' summaries, or data == nullptr for a key stage
+  TensorView k_pool;      // key stage: ScoreKeys' k_pool and page_table
+  TensorView page_table;
+  CandidateList candidates;
+  int64_t k = 0;          // >= 0
+  TensorView scores;      // [num_kv_heads, group, candidates.Count()] f32 (scratch)
+  TensorView selected;    // [num_kv_heads, k] i32 (output)
+};
+struct SelectStagesParams {
+  TensorView q;           // [num_q_heads, head_dim] f32
+  float scale = 0.0f;
+  SelectStage stages[kMaxSelectStages];
+  int num_stages = 0;     // 1 to kMaxSelectStages
+  const int32_t* skip_heads = nullptr;
+};
+
 // ---- The GPU page cache on the device (kvstore/gpu_cache.h, device-managed mode) -------------
 // The whole state of a page cache in backend memory, so that a decode step makes the pages its
 // selection names resident with no host round trip (and can be captured in a CUDA graph).
@@ -566,6 +596,8 @@ class Backend {
   virtual absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": SelectionCacheCheck");
   }
+  // Default: SelectStagesOpByOp (below).
+  virtual absl::Status SelectStages(const SelectStagesParams& p, Stream s);
   // The GPU page cache on the device (above). Backends without it return Unimplemented.
   virtual absl::Status ResolvePages(const ResolvePagesParams& p, Stream s) {
     return absl::UnimplementedError(Name() + ": ResolvePages");
@@ -602,6 +634,14 @@ class Backend {
     return absl::UnimplementedError(Name() + ": EndCapture");
   }
 };
+
+// Backend::SelectStages as the calls it stands for: checks the chain (1 to kMaxSelectStages
+// stages; stage s > 0's candidates.parents the data and shape of stage s - 1's selected;
+// InvalidArgument otherwise), then per stage ScoreSummaries or ScoreKeys and VoteTopK on `b`,
+// returning the first error.
+absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s);
+// The chain checks of SelectStagesOpByOp alone (the ops check the rest).
+absl::Status CheckSelectStagesChain(const SelectStagesParams& p);
 
 // The CPU reference backend. `num_threads` <= 0 means all cores (OpenMP default).
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads = 0);

@@ -35,32 +35,20 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_BUILD_TESTS=ON \
     -DSTRATA_ENABLE_CUDA=ON
 fi
-# Every gpu-labelled test ctest knows about is built (a test binary left from an older build would
-# be bundled stale: it may not match the plugin's structs), plus the bench, the plugin and extras.
-# A test's target has its binary's name (strata_cc_test).
-mapfile -t gpu_test_targets < <(ctest --test-dir "$BUILD_DIR" -L gpu -N --show-only=json-v1 2>/dev/null |
-  python3 -c '
-import json, os, sys
-seen = set()
-for t in json.load(sys.stdin).get("tests", []):
-    cmd = t.get("command") or []
-    if cmd and os.path.basename(cmd[0]) not in seen:
-        seen.add(os.path.basename(cmd[0])); print(os.path.basename(cmd[0]))')
+# Every gpu-labelled test binary is built (a test binary left from an older build would be bundled
+# stale: it may not match the plugin's structs), plus the bench, the plugin and extras. CMake
+# writes their targets to gpu_test_targets.txt at configure time (ctest lists discovered tests
+# only once their binaries exist, so a fresh build directory would bundle none).
+cmake "$BUILD_DIR" > /dev/null  # refresh the list
+mapfile -t gpu_test_targets < <(grep -v '^$' "$BUILD_DIR/gpu_test_targets.txt")
 targets=("${gpu_test_targets[@]}" cuda_attention_bench strata_cuda "${extra[@]}")
 ninja -C "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
 if [ "$WITH_CLI" = 1 ]; then
   ninja -C "$BUILD_DIR" -j "$JOBS" strata
 fi
 
-# Every gpu-labelled test binary ctest knows about (all built above).
-mapfile -t gpu_tests < <(ctest --test-dir "$BUILD_DIR" -L gpu -N --show-only=json-v1 2>/dev/null |
-  python3 -c '
-import json, os, sys
-seen = set()
-for t in json.load(sys.stdin).get("tests", []):
-    cmd = t.get("command") or []
-    if cmd and os.path.exists(cmd[0]) and cmd[0] not in seen:
-        seen.add(cmd[0]); print(cmd[0])')
+gpu_tests=()
+for t in "${gpu_test_targets[@]}"; do gpu_tests+=("$BUILD_DIR/tests/$t"); done
 binaries=("${gpu_tests[@]}" "$BUILD_DIR/bin/cuda_attention_bench" "$BUILD_DIR/bin/libstrata_cuda.so")
 for t in "${extra[@]}"; do
   [ -x "$BUILD_DIR/bin/$t" ] && binaries+=("$BUILD_DIR/bin/$t")

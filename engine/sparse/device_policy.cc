@@ -242,70 +242,60 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
     if (keep >= s1 - s0) two_level = false;
   }
 
-  kernels::ScoreSummariesParams a;
-  a.q = q2;
-  a.scale = scale;
-  a.skip_heads = skip;
-  kernels::VoteTopKParams t;
-  t.skip_heads = skip;
+  // The stages as one backend op (on CUDA one kernel): [segments ->] pages [-> tokens].
+  kernels::SelectStagesParams sp;
+  sp.q = q2;
+  sp.scale = scale;
+  sp.skip_heads = skip;
   // With skip set (the selection cache), the final top-k goes to the layer's own buffer so that a
   // head that reuses keeps it across steps; the intermediate stages use the shared scratch.
   const bool keep_final = skip != nullptr;
   int64_t page_cands = p1 - p0;
+  int n = 0;
   if (two_level) {
-    a.summaries = segs_[layer]->View(summary_dtype_, {hkv_, max_segs_, 2 * d_});
-    a.candidates.begin = s0;
-    a.candidates.end = s1;
-    a.scores = seg_scores_->View(DType::kF32, {hkv_, group_, s1 - s0});
-    STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(a, stream));
-    t.scores = a.scores;
-    t.candidates = a.candidates;
-    t.k = keep;
-    t.selected = top_segs_->View(DType::kI32, {hkv_, keep});
-    STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
-    a.candidates = CandidateList();
-    a.candidates.parents = t.selected;
-    a.candidates.fanout = seg_pages_;
+    kernels::SelectStage& st = sp.stages[n++];
+    st.summaries = segs_[layer]->View(summary_dtype_, {hkv_, max_segs_, 2 * d_});
+    st.candidates.begin = s0;
+    st.candidates.end = s1;
+    st.k = keep;
+    st.scores = seg_scores_->View(DType::kF32, {hkv_, group_, s1 - s0});
+    st.selected = top_segs_->View(DType::kI32, {hkv_, keep});
     page_cands = keep * seg_pages_;
   }
-  a.summaries = pages_[layer]->View(summary_dtype_, {hkv_, max_pages_, 2 * d_});
-  a.candidates.begin = p0;
-  a.candidates.end = p1;
-  a.scores = page_scores_->View(DType::kF32, {hkv_, group_, page_cands});
-  STRATA_RETURN_IF_ERROR(backend_->ScoreSummaries(a, stream));
-  t.scores = a.scores;
-  t.candidates = a.candidates;
-  t.k = wanted_pages_;
-  t.selected = keep_final && options_.kind == PolicyKind::kQuest
-                   ? sel_cache_->kept(layer)
-                   : top_pages_->View(DType::kI32, {hkv_, wanted_pages_});
-  STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
+  kernels::SelectStage& pages = sp.stages[n++];
+  pages.summaries = pages_[layer]->View(summary_dtype_, {hkv_, max_pages_, 2 * d_});
+  if (two_level) {
+    pages.candidates.parents = sp.stages[0].selected;
+    pages.candidates.fanout = seg_pages_;
+  }
+  pages.candidates.begin = p0;
+  pages.candidates.end = p1;
+  pages.k = wanted_pages_;
+  pages.scores = page_scores_->View(DType::kF32, {hkv_, group_, page_cands});
+  pages.selected = keep_final && options_.kind == PolicyKind::kQuest
+                       ? sel_cache_->kept(layer)
+                       : top_pages_->View(DType::kI32, {hkv_, wanted_pages_});
   CandidateList middle;
-  middle.parents = t.selected;
+  middle.parents = pages.selected;
   middle.fanout = page_;
   middle.begin = sink_end;
   middle.end = window_begin;
   if (options_.kind == PolicyKind::kTokenSelect) {
-    kernels::ScoreKeysParams sk;
-    sk.q = q2;
-    sk.k_pool = cache.k_pool(layer);
-    sk.page_table = pt;
-    sk.candidates = middle;
-    sk.scale = scale;
-    sk.skip_heads = skip;
-    sk.scores = tok_scores_->View(DType::kF32, {hkv_, group_, wanted_pages_ * page_});
-    STRATA_RETURN_IF_ERROR(backend_->ScoreKeys(sk, stream));
-    t.scores = sk.scores;
-    t.candidates = middle;
-    t.k = options_.token_budget;
-    t.selected = keep_final ? sel_cache_->kept(layer)
-                            : top_tokens_->View(DType::kI32, {hkv_, options_.token_budget});
-    STRATA_RETURN_IF_ERROR(backend_->VoteTopK(t, stream));
+    kernels::SelectStage& keys = sp.stages[n++];
+    keys.k_pool = cache.k_pool(layer);
+    keys.page_table = pt;
+    keys.candidates = middle;
+    keys.k = options_.token_budget;
+    keys.scores = tok_scores_->View(DType::kF32, {hkv_, group_, wanted_pages_ * page_});
+    keys.selected = keep_final ? sel_cache_->kept(layer)
+                               : top_tokens_->View(DType::kI32, {hkv_, options_.token_budget});
     middle = CandidateList();
-    middle.parents = t.selected;
+    middle.parents = keys.selected;
     middle.begin = sink_end;
     middle.end = window_begin;
   }
+  sp.num_stages = n;
+  STRATA_RETURN_IF_ERROR(backend_->SelectStages(sp, stream));
   return middle;
 }
 

@@ -20,6 +20,8 @@
 //                (B / P pages) -> SelectedAttention (sinks + pages + window)
 //   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
 //                -> SelectedAttention (sinks + tokens + window)
+// with the selection stages (everything before SelectedAttention) as one Backend::SelectStages op
+// (one kernel on CUDA; STRATA_BENCH_FUSED=0: the ops one by one, as listed);
 // each also as "+miss" (SelectionCacheCheck first, theta 2: every KV head selects) and "+hit"
 // (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels exit
 // at the top and only the check and the attention do work); the MiB column is the selecting
@@ -37,6 +39,7 @@
 //   --ncu: few iterations and no host gate, for running under Nsight Compute.
 //   --no-sweep: the budget case at the default items per SM only.
 //   --policy quest|tokenselect: only that pipeline.
+//   --stage-phases: after each fused row, the selection kernel's phases (PHASES lines).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -53,6 +56,7 @@
 
 #include "base/status_macros.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/internal/launch.h"
 #include "kernels/cuda/testing/bench_util.h"
 #include "kernels/cuda_backend.h"
 
@@ -68,6 +72,7 @@ int g_warmup = 5, g_runs = 50;
 bool g_ncu = false;
 bool g_sweep = true, g_pipelines = true, g_only_pipelines = false;
 std::string g_policy;  // --policy quest|tokenselect: only that pipeline
+bool g_stage_phases = false;  // --stage-phases: SelectStagesKernel's phase stamps
 
 double g_dense_us = 0;  // the dense row's gpu_us for the current context
 
@@ -95,6 +100,8 @@ struct Pipeline {
   // and q unchanged): SelectionCacheCheck first, then the selection ops with skip_heads.
   int cache_mode = 0;
   void *cache_q = nullptr, *cache_valid = nullptr, *reuse = nullptr;
+  // The selection as one SelectStages op (default) or op by op (STRATA_BENCH_FUSED=0).
+  bool fused = true;
 
   void Plan() {
     window_begin = std::max<int64_t>(kSinks, len - 1 - kWindow);
@@ -153,6 +160,7 @@ struct Pipeline {
     }
     a.skip_heads = skip;
     t.skip_heads = skip;
+    if (fused) return RunFused(s, only, stage, skip);
     if (two_level) {
       a.summaries = TensorView(seg_sums, summary_dtype, {kKvHeads, segs_per_head, 2 * kHeadDim});
       a.candidates.begin = s0;
@@ -221,10 +229,123 @@ struct Pipeline {
     return absl::OkStatus();
   }
 
+  // The selection as one Backend::SelectStages op (one kernel on CUDA), then the attention;
+  // `stage` counts the ops already passed (the cache check).
+  absl::Status RunFused(Stream s, int only, int stage, const int32_t* skip) const {
+    auto on = [&]() { return only < 0 || only == stage++; };
+    const int group = kQHeads / kKvHeads;
+    SelectStagesParams sp;
+    sp.q = TensorView(q, DType::kF32, {kQHeads, kHeadDim});
+    sp.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+    sp.skip_heads = skip;
+    int n = 0;
+    if (two_level) {
+      SelectStage& st = sp.stages[n++];
+      st.summaries = TensorView(seg_sums, summary_dtype, {kKvHeads, segs_per_head, 2 * kHeadDim});
+      st.candidates.begin = s0;
+      st.candidates.end = s1;
+      st.k = keep_segs;
+      st.scores = TensorView(seg_scores, DType::kF32, {kKvHeads, group, s1 - s0});
+      st.selected = TensorView(top_segs, DType::kI32, {kKvHeads, keep_segs});
+    }
+    SelectStage& pg = sp.stages[n++];
+    pg.summaries = TensorView(page_sums, summary_dtype, {kKvHeads, pages_per_head, 2 * kHeadDim});
+    if (two_level) {
+      pg.candidates.parents = sp.stages[0].selected;
+      pg.candidates.fanout = kSegPages;
+    }
+    pg.candidates.begin = p0;
+    pg.candidates.end = p1;
+    pg.k = top_page_k;
+    pg.scores = TensorView(page_scores, DType::kF32, {kKvHeads, group, page_cands});
+    pg.selected = TensorView(top_pages, DType::kI32, {kKvHeads, top_page_k});
+    const TensorView k_pool(k, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
+    const TensorView pt(table, DType::kI32, {kKvHeads, pages_per_head});
+    CandidateList middle;
+    middle.parents = pg.selected;
+    middle.fanout = kPage;
+    middle.begin = kSinks;
+    middle.end = window_begin;
+    if (token_level) {
+      SelectStage& kt = sp.stages[n++];
+      kt.k_pool = k_pool;
+      kt.page_table = pt;
+      kt.candidates = middle;
+      kt.k = kBudget;
+      kt.scores = TensorView(tok_scores, DType::kF32, {kKvHeads, group, tok_cands});
+      kt.selected = TensorView(top_tokens, DType::kI32, {kKvHeads, kBudget});
+      middle = CandidateList();
+      middle.parents = kt.selected;
+      middle.begin = kSinks;
+      middle.end = window_begin;
+    }
+    sp.num_stages = n;
+    if (on()) STRATA_RETURN_IF_ERROR(b->SelectStages(sp, s));
+    SelectedAttentionParams at;
+    at.q = TensorView(q, DType::kF32, {1, kQHeads, kHeadDim});
+    at.k_pool = k_pool;
+    at.v_pool = TensorView(v, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
+    at.page_table = pt;
+    at.prefix_end = kSinks;
+    at.middle = middle;
+    at.suffix_begin = window_begin;
+    at.suffix_end = len;
+    at.scale = sp.scale;
+    at.out = TensorView(out, DType::kF32, {1, kQHeads, kHeadDim});
+    at.lse = TensorView(lse, DType::kF32, {1, kQHeads});
+    if (on()) return b->SelectedAttention(at, s);
+    return absl::OkStatus();
+  }
+
   int NumStages() const {
+    if (fused) return (cache_mode != 0 ? 1 : 0) + 1 + 1;
     return (cache_mode != 0 ? 1 : 0) + (two_level ? 2 : 0) + 2 + (token_level ? 2 : 0) + 1;
   }
 };
+
+// --stage-phases: one more call of the fused selection op with SelectStagesKernel's phase stamps
+// on (cuda_internal::SetSelectStagesPhaseStamps), printed per stage as the median over blocks of
+// each phase's clock64 cycles and its microseconds at 1.98 GHz (the H100 / H200 boost clock).
+void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
+                 const std::string& label) {
+  constexpr int P = cuda_internal::kSelectStagesPhases;
+  constexpr int kMaxBlocks = 16 * kKvHeads;
+  long long* d = nullptr;
+  BENCH_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(long long) * P * kMaxBlocks) ==
+                  cudaSuccess,
+              "stamps");
+  BENCH_CHECK(cudaMemset(d, 0, sizeof(long long) * P * kMaxBlocks) == cudaSuccess, "stamps");
+  BENCH_CHECK(cuda_internal::SetSelectStagesPhaseStamps(d, kMaxBlocks) == cudaSuccess, "set");
+  BENCH_CHECK(pl.Run(stream, 0).ok(), "phase run");  // op 0: the selection
+  BENCH_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "phase sync");
+  BENCH_CHECK(cuda_internal::SetSelectStagesPhaseStamps(nullptr, 0) == cudaSuccess, "unset");
+  std::vector<long long> h(static_cast<size_t>(P) * kMaxBlocks);
+  BENCH_CHECK(cudaMemcpy(h.data(), d, h.size() * sizeof(long long), cudaMemcpyDeviceToHost) ==
+                  cudaSuccess, "stamps back");
+  cudaFree(d);
+  const char* names[cuda_internal::kSelectStagesPhasesPerStage] = {
+      "start", "scored", "stats", "pass0", "pass1", "pass2", "pass3", "end"};
+  for (int st = 0; st < cuda_internal::kSelectStagesMax; ++st) {
+    std::printf("PHASES %-8lld %-12s stage %d:", static_cast<long long>(context), label.c_str(), st);
+    bool any = false;
+    for (int ph = 0; ph < cuda_internal::kSelectStagesPhasesPerStage; ++ph) {
+      const int idx = 1 + st * cuda_internal::kSelectStagesPhasesPerStage + ph;
+      std::vector<double> dt;
+      for (int b = 0; b < kMaxBlocks; ++b) {
+        const long long* row = &h[static_cast<size_t>(b) * P];
+        if (row[0] == 0 || row[idx] == 0) continue;
+        long long prev = 0;  // the last stamp written before this one
+        for (int j = idx - 1; j >= 0 && prev == 0; --j) prev = row[j];
+        dt.push_back(static_cast<double>(row[idx] - prev));
+      }
+      if (dt.empty()) continue;
+      any = true;
+      const double med = Median(dt);
+      std::printf(" %s %.0f (%.2f us)", names[ph], med, med / 1980.0);
+    }
+    std::printf(any ? "\n" : " (not run)\n");
+  }
+}
 
 void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t flush_bytes,
                   int64_t context, const std::vector<uint16_t>& keys_bf16, Buffer& k, Buffer& v,
@@ -271,6 +392,13 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     elem = sizeof(uint16_t);
     std::printf("summaries: bf16, rounded outward\n");
   }
+  {
+    const char* fe = std::getenv("STRATA_BENCH_FUSED");
+    std::printf("selection: %s (SelectStagesKernel: clusters of %d blocks)\n",
+                fe != nullptr && std::string(fe) == "0" ? "op by op (STRATA_BENCH_FUSED=0)"
+                                                        : "one SelectStages op",
+                cuda_internal::SelectStagesClusterBlocks(kKvHeads));
+  }
   auto d_ps = MustAllocate(cuda, ps.size() * elem), d_ss = MustAllocate(cuda, ss.size() * elem);
   auto d_table = MustAllocate(cuda, table.size() * 4);
   BENCH_CHECK(cuda.CopyToDevice(d_ps->data(), ps_src, ps.size() * elem, stream).ok(), "ps");
@@ -293,6 +421,8 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
                               (cache_mode == 1 ? "+miss" : cache_mode == 2 ? "+hit" : "");
     Pipeline pl;
     pl.cache_mode = cache_mode;
+    const char* fused_env = std::getenv("STRATA_BENCH_FUSED");
+    pl.fused = fused_env == nullptr || std::string(fused_env) != "0";
     pl.cache_q = d_cq->data(), pl.cache_valid = d_cv->data(), pl.reuse = d_reuse->data();
     BENCH_CHECK(cudaMemsetAsync(d_cv->data(), 0, kKvHeads * 4, stream) == cudaSuccess, "valid");
     pl.b = &cuda;
@@ -397,6 +527,7 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
       cudaGraphDestroy(sg);
     }
     std::printf("   (us per op from a graph of the op alone)\n");
+    if (g_stage_phases && pl.fused && cache_mode == 0) StagePhases(pl, stream, context, label);
     std::fflush(stdout);
   }
   cudaEventDestroy(e0);
@@ -411,6 +542,8 @@ int Run(int argc, char** argv) {
       g_warmup = 2;
       g_runs = 3;
       g_pipelines = false;
+    } else if (std::string(argv[i]) == "--stage-phases") {
+      g_stage_phases = true;
     } else if (std::string(argv[i]) == "--no-sweep") {
       g_sweep = false;
     } else if (std::string(argv[i]) == "--no-pipelines") {

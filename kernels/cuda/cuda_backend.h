@@ -113,6 +113,12 @@ class CudaBackend : public Backend {
   // SelectionCacheCheck: one block per KV head (kernels/cuda/selection.cu); skip_heads of the
   // scoring and top-k ops make the flagged heads' blocks (clusters) exit at the top.
   absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) override;
+  // SelectStages: one cluster kernel for the whole chain (kernels/cuda/selection.cu
+  // SelectStagesKernel) for head_dim 128, at most 4 query heads per KV head, bf16 summaries,
+  // bf16 keys with power-of-two page size and fanout, 16-byte aligned q and rows, and at most
+  // 16 x 1024 candidates per stage (8 x 1024 where 16-block clusters do not fit); otherwise the
+  // ops one by one. The checks and errors are those of the ops.
+  absl::Status SelectStages(const SelectStagesParams& p, Stream s) override;
   // PageCopy: the CPU checks, then every host array must be AllocateHost memory (checked with
   // cudaPointerGetAttributes; InvalidArgument otherwise); one launch reads them through the
   // mapping (kernels/cuda/page_copy.cu) and returns without waiting.

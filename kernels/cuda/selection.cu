@@ -33,6 +33,10 @@
 // lowest indices and the output is in index order. Every thread reads back only the keys it
 // wrote, so steps 3-5 need no barrier for the keys.
 //
+// SelectStages (a decode step's whole chain of scoring and top-k stages) runs as one kernel,
+// SelectStagesKernel (near the end): one thread-block cluster per KV head, each stage scored
+// across the cluster's blocks and selected by a radix select over the cluster.
+//
 // The fast scoring kernels and the cluster top-k can be launched with programmatic dependent
 // launch (LaunchDependent, opt-in: STRATA_SELECTION_PDL=1): each may then be scheduled while the
 // previous kernel of the stream finishes and waits (griddepcontrol.wait) before its first global
@@ -40,6 +44,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdlib>
 #include <string>
@@ -902,15 +907,39 @@ constexpr int64_t kRegClusterMaxCandidates = int64_t{kClusterMax} * kRegClusterM
 // 2 aggregated in passes 0-1 (most keys still in the running) and one plain atomic per key from
 // pass 2 on (few keys left). Chosen by STRATA_SELECTION_REG_HIST (A/B timing). Every lane of the
 // warp must call it.
+// kPacked: hp holds 128 words, bin b in the 16-bit half b & 1 of word b / 2 (counts < 65536).
+template <bool kPacked = false>
+__device__ __forceinline__ void HistAddAt(uint32_t* hp, uint32_t bin, uint32_t count) {
+  if constexpr (kPacked) {
+    atomicAdd(&hp[bin >> 1], count << (16 * (bin & 1u)));
+  } else {
+    atomicAdd(&hp[bin], count);
+  }
+}
+
+template <bool kPacked = false>
 __device__ __forceinline__ void RegHistAdd(uint32_t* hp, uint32_t bin, int mode, int pass) {
   if (mode == 1 || (mode == 2 && pass < 2)) {
     if (__ballot_sync(0xffffffffu, bin < 256) == 0) return;  // warp-uniform
     const unsigned peers = __match_any_sync(0xffffffffu, bin);
     if (bin < 256 && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
-      atomicAdd(&hp[bin], static_cast<uint32_t>(__popc(peers)));
+      HistAddAt<kPacked>(hp, bin, static_cast<uint32_t>(__popc(peers)));
     }
   } else if (mode == 2) {
-    if (bin < 256) atomicAdd(&hp[bin], 1u);
+    if (bin < 256) HistAddAt<kPacked>(hp, bin, 1u);
+  } else if constexpr (kPacked) {
+    // WarpHistogramAddCommon's aggregation into packed bins.
+    const unsigned active = __ballot_sync(0xffffffffu, bin < 256);
+    if (active == 0) return;  // warp-uniform
+    const int leader = __ffs(active) - 1;
+    const uint32_t lb = __shfl_sync(0xffffffffu, bin, leader);
+    const unsigned same = __ballot_sync(0xffffffffu, bin == lb);
+    const int lane = threadIdx.x & 31;
+    if (lane == leader) {
+      HistAddAt<true>(hp, lb, static_cast<uint32_t>(__popc(same)));
+    } else if (bin < 256 && bin != lb) {
+      HistAddAt<true>(hp, bin, 1u);
+    }
   } else {
     WarpHistogramAddCommon(hp, bin);
   }
@@ -928,6 +957,11 @@ __device__ __forceinline__ void MergeSoftmaxPair(float& m, float& l, float m2, f
 // Step (1a): x[h][j] = score of query head h (< group) of candidate first + j (< n; -inf
 // beyond), then the warp's max and sum of exp(x - max) of every head in m[h] / l[h] (every lane).
 template <int kPer>
+__device__ __forceinline__ void RegWarpStats(const float (&x)[kRegTopKMaxGroup][kPer],
+                                             float (&m)[kRegTopKMaxGroup],
+                                             float (&l)[kRegTopKMaxGroup]);
+
+template <int kPer>
 __device__ __forceinline__ void RegLoadAndWarpStats(const float* mine, int32_t n, int32_t first,
                                                     int group, float (&x)[kRegTopKMaxGroup][kPer],
                                                     float (&m)[kRegTopKMaxGroup],
@@ -940,6 +974,16 @@ __device__ __forceinline__ void RegLoadAndWarpStats(const float* mine, int32_t n
       x[h][j] = h < group && first + j < n ? mine[static_cast<int64_t>(h) * n + j] : NegInfF();
     }
   }
+  RegWarpStats<kPer>(x, m, l);
+}
+
+// The warp's max and sum of exp(x - max) of every head of x in m[h] / l[h] (every lane; -inf
+// entries count for nothing).
+template <int kPer>
+__device__ __forceinline__ void RegWarpStats(const float (&x)[kRegTopKMaxGroup][kPer],
+                                             float (&m)[kRegTopKMaxGroup],
+                                             float (&l)[kRegTopKMaxGroup]) {
+  constexpr int G = kRegTopKMaxGroup;
 #pragma unroll
   for (int h = 0; h < G; ++h) {
     m[h] = NegInfF();
@@ -1022,7 +1066,7 @@ __device__ __forceinline__ void RegVoteKeys(const float (&x)[kRegTopKMaxGroup][k
 
 // Bins of pass `pass` (shift 24 - 8 pass) of the keys still in the running (key != 0 and equal
 // to prefix under mask) added to hp.
-template <int kPer>
+template <int kPer, bool kPacked = false>
 __device__ __forceinline__ void RegHistogram(const uint32_t (&key)[kPer], uint32_t prefix,
                                              uint32_t mask, int pass, int hist_mode,
                                              uint32_t* hp) {
@@ -1031,21 +1075,15 @@ __device__ __forceinline__ void RegHistogram(const uint32_t (&key)[kPer], uint32
   for (int j = 0; j < kPer; ++j) {
     const uint32_t bin =
         key[j] != 0 && (key[j] & mask) == prefix ? (key[j] >> shift) & 255u : 256u;
-    RegHistAdd(hp, bin, hist_mode, pass);
+    RegHistAdd<kPacked>(hp, bin, hist_mode, pass);
   }
 }
 
-// Step (3), after pass `pass`'s histogram hp (256 bins, 16-byte aligned) is complete: every lane
-// of the calling warp finds the same bin. Returns true when the select is over (every key in the
-// running is taken, or every key equal to the new prefix is); *remaining is then the number of
-// keys equal to *prefix under *mask that are taken.
-__device__ __forceinline__ bool RegFindBin(const uint32_t* hp, int pass, uint32_t* prefix,
-                                           uint32_t* mask, uint32_t* remaining) {
+// RegFindBin (below) with the bins already in registers: lane L holds cb[j] = the count of bin
+// 255 - 8L - j (descending).
+__device__ __forceinline__ bool RegFindBinOf(const uint32_t (&cb)[8], int pass, uint32_t* prefix,
+                                             uint32_t* mask, uint32_t* remaining) {
   const int lane = threadIdx.x & 31;
-  // Lane L owns bins 255 - 8L .. 248 - 8L (descending): cb[j] = bin 255 - 8L - j.
-  const uint4 lo = *reinterpret_cast<const uint4*>(hp + 248 - 8 * lane);
-  const uint4 hi = *reinterpret_cast<const uint4*>(hp + 252 - 8 * lane);
-  const uint32_t cb[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
   uint32_t own = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) own += cb[j];
@@ -1080,6 +1118,20 @@ __device__ __forceinline__ bool RegFindBin(const uint32_t* hp, int pass, uint32_
   *mask |= 255u << shift;
   *remaining -= cum;
   return count == *remaining || pass == 3;
+}
+
+// Step (3), after pass `pass`'s histogram hp (256 bins, 16-byte aligned) is complete: every lane
+// of the calling warp finds the same bin. Returns true when the select is over (every key in the
+// running is taken, or every key equal to the new prefix is); *remaining is then the number of
+// keys equal to *prefix under *mask that are taken.
+__device__ __forceinline__ bool RegFindBin(const uint32_t* hp, int pass, uint32_t* prefix,
+                                           uint32_t* mask, uint32_t* remaining) {
+  const int lane = threadIdx.x & 31;
+  // Lane L owns bins 255 - 8L .. 248 - 8L (descending): cb[j] = bin 255 - 8L - j.
+  const uint4 lo = *reinterpret_cast<const uint4*>(hp + 248 - 8 * lane);
+  const uint4 hi = *reinterpret_cast<const uint4*>(hp + 252 - 8 * lane);
+  const uint32_t cb[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
+  return RegFindBinOf(cb, pass, prefix, mask, remaining);
 }
 
 // (above << 16 | equal) counts of the thread's keys against prefix under mask.
@@ -1823,6 +1875,508 @@ __global__ void __launch_bounds__(kSumThreads)
   }
 }
 
+// ---- SelectStages: every stage of a decode step's selection in one kernel -------------------
+// SelectStagesKernel: grid (cs, KV heads), one cluster of cs (8 or 16) blocks of 256 threads per
+// KV head g (kernels/backend.h SelectStagesParams). For each stage in order, block r owns the
+// stage's candidates [r * per, (r + 1) * per) (per = ceil(n / cs) <= 512) and
+//   (1) scores them into shared memory on tensor cores (StageScoreMma below: bf16 rows, the
+//       query split into three bf16 parts, f32 accumulation), within f32 rounding of the
+//       scores of ScoreSummaries / ScoreKeys;
+//   (2) thread t takes the block's candidates [2t, 2t + 2): per query head the block's max and
+//       sum of exp(x - max) (warps, then warp 0) go to shared memory; one cluster barrier; every
+//       warp merges the cs block partials in block order (every block gets the same bits), then
+//       votes and 32-bit keys as RegisterVoteTopKKernel;
+//   (3) radix select, 8 bits per pass from the top: the block's histogram of the pass as 128
+//       words of two 16-bit counts (a block holds <= 512 keys, the cluster <= 8192), a cluster
+//       barrier, then warp 0 reads every block's words (lane L: bins 248 - 8L .. 255 - 8L, one
+//       16-byte load per block: 8 KiB per pass from 16 blocks) and finds the bin from registers
+//       (RegFindBinOf); the result reaches the block's other warps through shared memory;
+//   (4) compaction as ClusterRegisterVoteTopKKernel: per-thread (above, equal) counts, a block
+//       scan, block totals exchanged after a cluster barrier, taken ids written to the stage's
+//       `selected` in index order (ties to the lowest indices), -1 up to k; a last cluster
+//       barrier makes them visible to every block of the cluster (the next stage reads its
+//       parents there, past L1) and ends every read of another block's shared memory.
+// The H200 measured 190 ns per cluster barrier and 100 ns per dependent read of another block's
+// shared memory (cuda_cluster_latency_bench): a stage takes 6 or 7 barriers.
+constexpr int kStagesThreads = 256;
+constexpr int kStagesWarps = kStagesThreads / 32;
+constexpr int kStagesPer = 4;  // candidates per thread
+constexpr int kStagesMaxPerBlock = kStagesThreads * kStagesPer;
+constexpr int kStagesMaxCluster = 16;
+static_assert(kStagesWarps == kScoreWarps, "the scoring rounds assume 8 warps");
+
+// CandidateIdAt with the KV head's parents at `parents` (nullptr: a plain range): the first
+// stage's from global memory, a later stage's from the block's copy in shared memory.
+__device__ __forceinline__ int32_t StageCandidateId(const DeviceCandidates& c,
+                                                    const int32_t* parents, int32_t i) {
+  int64_t id;
+  if (parents == nullptr) {
+    id = static_cast<int64_t>(c.begin) + i;
+  } else {
+    const int32_t parent = parents[i / c.fanout];
+    if (parent < 0) return -1;
+    id = static_cast<int64_t>(parent) * c.fanout + i % c.fanout;
+  }
+  return id >= c.begin && id < c.end ? static_cast<int32_t>(id) : -1;
+}
+
+// ---- Stage scoring on tensor cores ---------------------------------------------------------
+// A stage's scores are one small matrix product per block: scores[h, i] = Q'[h, :] . R[i, :] over
+// K columns, R[i, :] the candidate's bf16 row. Keys (K = 128): Q' = v = scale * q of head h.
+// Minmax summaries (K = 256, the row [min | max]): since max(v min, v max) = min(v, 0) min +
+// max(v, 0) max whenever min <= max, Q' = [min(v, 0) | max(v, 0)] (the bound is a dot product).
+// Q' is f32: it is split into three bf16 parts (hi, mid, lo; x = hi + mid + lo exactly for
+// normal values), rows 4s + h of the 16-row A operand of mma.m16n8k16 (rows 12-15 zero), so each
+// product with a bf16 row element is exact and the f32 accumulation leaves a score within f32
+// rounding of the CUDA-core one. Each warp takes tiles of 8 candidates: lane l loads 16 bytes at
+// columns 32p + 8(l % 4) of candidate l / 4's row for every 32-column group p, which are the B
+// fragments of the group's two mmas once the K order inside the group is permuted (A and B alike:
+// a dot product does not depend on the order of its terms). Non-finite summary values (a row with
+// inf or NaN) are not supported: 0 * inf is NaN here where the CUDA-core bound ignores it.
+constexpr int kStagesTileN = 8;  // candidates per mma tile
+
+__device__ __forceinline__ void MmaBf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A operands of a kernel's stages in shared memory, built once per block: bf16 rows
+// 4 * part + h (part 0 hi, 1 mid, 2 lo of head h; rows 12-15 zero) of Q' for summaries (K = 256)
+// and for keys (K = 128), rows padded so that the 16-byte fragment loads of a warp do not
+// conflict.
+constexpr int kStagesSumStride = 256 + 32, kStagesKeyStride = 128 + 32;  // bf16 per row
+
+__device__ __forceinline__ void StageATables(const float* q, float scale, int g, int group,
+                                             __nv_bfloat16* sum_a, __nv_bfloat16* key_a) {
+  constexpr int D = 128;
+  const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
+  for (int i = threadIdx.x; i < 4 * D; i += kStagesThreads) {
+    const int h = i / D, dim = i % D;
+    const float x = h < group ? scale * q[(static_cast<int64_t>(g) * group + h) * D + dim] : 0.0f;
+    // Summaries: column dim pairs with min (min(x, 0)), column D + dim with max (max(x, 0)).
+    const float xs[3] = {fminf(x, 0.0f), fmaxf(x, 0.0f), x};
+    const int col[3] = {dim, D + dim, dim};
+#pragma unroll
+    for (int w = 0; w < 3; ++w) {
+      const __nv_bfloat16 hi = __float2bfloat16_rn(xs[w]);
+      const float r1 = xs[w] - __bfloat162float(hi);
+      const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
+      const __nv_bfloat16 lo = __float2bfloat16_rn(r1 - __bfloat162float(mid));
+      __nv_bfloat16* t = w < 2 ? sum_a : key_a;
+      const int stride = w < 2 ? kStagesSumStride : kStagesKeyStride;
+      t[(0 * 4 + h) * stride + col[w]] = hi;
+      t[(1 * 4 + h) * stride + col[w]] = mid;
+      t[(2 * 4 + h) * stride + col[w]] = lo;
+      t[(3 * 4 + h) * stride + col[w]] = zero;
+    }
+  }
+}
+
+// The lane's A fragments of column group p (K columns 32p .. 32p + 31, two mmas: a[0], a[1])
+// from a table of StageATables: row r = lane / 4 and row r + 8, columns 32p + 8(lane % 4) + 0..7
+// (mma 0: k 2t, 2t + 1 -> +0, +1 and k 8 + 2t, 9 + 2t -> +2, +3; mma 1: +4 .. +7).
+__device__ __forceinline__ void StageAFragments(const __nv_bfloat16* table, int stride, int p,
+                                                uint32_t (&a)[2][4]) {
+  const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3;
+  const uint4 u = *reinterpret_cast<const uint4*>(table + r * stride + 32 * p + 8 * t);
+  const uint4 v = *reinterpret_cast<const uint4*>(table + (r + 8) * stride + 32 * p + 8 * t);
+  a[0][0] = u.x, a[0][1] = v.x, a[0][2] = u.y, a[0][3] = v.y;
+  a[1][0] = u.z, a[1][1] = v.z, a[1][2] = u.w, a[1][3] = v.w;
+}
+
+// Scores of candidates [first, first + count) of the stage into sc[h][i - first]: row_of(i) is
+// the bf16 row of candidate i (nullptr: invalid, score -inf). K = 32 * kGroups; the A operand
+// comes from `table` (StageATables) one column group at a time, so the registers hold the row
+// loads of kTiles tiles (32 16-byte loads in flight per lane) instead.
+template <int kGroups, typename RowOf>
+__device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int stride, int group,
+                                              int32_t count, RowOf row_of,
+                                              float (*sc)[kStagesMaxPerBlock]) {
+  constexpr int kTiles = 32 / kGroups;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, t = lane & 3;
+  const int32_t tiles = (count + kStagesTileN - 1) / kStagesTileN;
+  for (int32_t t0 = warp * kTiles; t0 < tiles; t0 += kStagesWarps * kTiles) {
+    uint4 b[kTiles][kGroups];
+    bool ok[kTiles];
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) {
+      const int32_t i = (t0 + u) * kStagesTileN + r;
+      const __nv_bfloat16* row = i < count ? row_of(i) : nullptr;
+      ok[u] = row != nullptr;
+#pragma unroll
+      for (int p = 0; p < kGroups; ++p) {
+        b[u][p] = row != nullptr ? __ldg(reinterpret_cast<const uint4*>(row + 32 * p + 8 * t))
+                                 : make_uint4(0, 0, 0, 0);
+      }
+    }
+    float c[kTiles][2][4];
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[u][0][e] = 0.0f, c[u][1][e] = 0.0f;
+    }
+#pragma unroll
+    for (int p = 0; p < kGroups; ++p) {
+      uint32_t a[2][4];
+      StageAFragments(table, stride, p, a);
+#pragma unroll
+      for (int u = 0; u < kTiles; ++u) {
+        MmaBf16(c[u][0], a[0], b[u][p].x, b[u][p].y);
+        MmaBf16(c[u][1], a[1], b[u][p].z, b[u][p].w);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) {
+      float cc[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cc[e] = c[u][0][e] + c[u][1][e];
+      // Lane l < 16: head r, candidates 2t and 2t + 1 of the tile: part 0 (row r, here), part 1
+      // (row r + 4, lane l + 16's cc[0 / 1]), part 2 (row r + 8, here).
+      const float mid0 = __shfl_down_sync(0xffffffffu, cc[0], 16);
+      const float mid1 = __shfl_down_sync(0xffffffffu, cc[1], 16);
+      const bool ok0 = __shfl_sync(0xffffffffu, ok[u], 4 * (2 * t)) != 0;
+      const bool ok1 = __shfl_sync(0xffffffffu, ok[u], 4 * (2 * t + 1)) != 0;
+      const int32_t i0 = (t0 + u) * kStagesTileN + 2 * t;
+      if (lane < 16 && r < group) {
+        if (i0 < count) sc[r][i0] = ok0 ? cc[0] + (mid0 + cc[2]) : NegInfF();
+        if (i0 + 1 < count) sc[r][i0 + 1] = ok1 ? cc[1] + (mid1 + cc[3]) : NegInfF();
+      }
+    }
+  }
+}
+
+// Exchanges between the blocks of a cluster without a cluster barrier (whose release compiles to
+// a GPU-scope memory barrier and whose acquire invalidates L1): each block pushes its data into
+// every block's receive slot with st.async, which completes bytes on the receiver's mbarrier; the
+// receiver's wait (acquire) then sees them. Addresses are shared::cta (u32) of this block; the
+// remote ones come from mapa.
+__device__ __forceinline__ uint32_t SharedAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t MapToRank(uint32_t addr, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// The local arrival of a use of `bar` that expects `bytes` from st.async.
+__device__ __forceinline__ void MbarExpect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void StAsync16(uint32_t remote, uint4 v, uint32_t remote_bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+      "[%5];" ::"r"(remote),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_bar)
+      : "memory");
+}
+__device__ __forceinline__ void StAsync4(uint32_t remote, uint32_t v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                   remote),
+               "r"(v), "r"(remote_bar)
+               : "memory");
+}
+
+// SetSelectStagesPhaseStamps (launch.h).
+__device__ long long* g_stages_phase_stamps = nullptr;
+__device__ int g_stages_phase_blocks = 0;
+
+__global__ void __launch_bounds__(kStagesThreads, 1)
+    SelectStagesKernel(const float* __restrict__ q, float scale, int group,
+                       const __grid_constant__ DeviceSelectStages st,
+                       const int32_t* __restrict__ skip, int hist_mode) {
+  namespace cg = cooperative_groups;
+  constexpr int G = kRegTopKMaxGroup, P = kStagesPer, W = kStagesWarps;
+  __shared__ float sc[G][kStagesMaxPerBlock];  // the block's scores of the stage
+  __shared__ __align__(16) __nv_bfloat16 sum_a[16 * kStagesSumStride];  // StageATables
+  __shared__ __align__(16) __nv_bfloat16 key_a[16 * kStagesKeyStride];
+  __shared__ __align__(16) float part_s[2 * G];  // the block's max per head, then its sum
+  __shared__ __align__(16) uint32_t hist[4][128];  // per pass, bins 2i | 2i + 1 << 16
+  __shared__ uint32_t wsum_s[W];
+  // Receive slots, one per block of the cluster: partials, and block totals; the pass
+  // histograms (double buffered: a block pushes pass p + 2 only after every block pushed pass
+  // p + 1, which each does after reading pass p) are in dynamic shared memory.
+  __shared__ __align__(16) float recv_part[kStagesMaxCluster][2 * G];
+  __shared__ uint32_t recv_tot[kStagesMaxCluster];
+  // The last stage's selection, the next stage's parents (every block pushes its taken ids).
+  __shared__ int32_t parents_s[kSelectStagesMaxParents];
+  // mbarriers: 0-3 the passes, 4 the partials, 5 the totals, 6 the selection.
+  __shared__ __align__(8) uint64_t mbar[7];
+  extern __shared__ __align__(16) uint4 recv_hist[];  // [2][kStagesMaxCluster][32]
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = blockIdx.y;
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int cs = static_cast<int>(cluster.num_blocks());
+  GridDepWait();
+  GridDepLaunchDependents();
+  // A reused head: every block of the cluster (same g) returns before any cluster barrier.
+  if (skip != nullptr && skip[g] != 0) return;
+  // Phase stamps (profiling): thread 0 only; the pointer is null unless SetSelectStagesPhaseStamps.
+  long long* stamps = nullptr;
+  if (tid == 0) {
+    const int b = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+    if (b < g_stages_phase_blocks) stamps = g_stages_phase_stamps + b * kSelectStagesPhases;
+  }
+  auto stamp = [&](int phase) {
+    if (stamps != nullptr) stamps[phase] = clock64();
+  };
+  stamp(0);
+  StageATables(q, scale, g, group, sum_a, key_a);  // read after the first stage's barrier
+  if (tid == 0) {
+    for (int i = 0; i < 7; ++i) MbarInit(SharedAddr(&mbar[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Every block's mbarriers must be initialised before any block pushes to them: the barrier is
+  // split (the fence above releases the initialisation), its wait comes before the first push.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  uint32_t phases = 0;  // bit i: the parity of mbar[i]'s current phase
+  // Waits for the current use of mbar[i] (every thread), then flips its parity.
+  auto wait_bar = [&](int i) {
+    MbarWait(SharedAddr(&mbar[i]), (phases >> i) & 1u);
+    phases ^= 1u << i;
+  };
+
+#pragma unroll 1
+  for (int si = 0; si < st.num_stages; ++si) {
+    const DeviceSelectStage& stage = st.stage[si];
+    const int32_t n = stage.c.count;
+    const int32_t per = (n + cs - 1) / cs;
+    const int32_t block_first = min(n, rank * per);
+    const int32_t block_count = min(n, block_first + per) - block_first;
+    for (int i = tid; i < 4 * 128; i += kStagesThreads) (&hist[0][0])[i] = 0;
+    __syncthreads();  // the scores of the last stage read; parents_s's -1 tail written
+    const DeviceCandidates& c = stage.c;
+    // The parents: the first stage's from global memory, a later one's pushed by every block at
+    // the end of the last stage.
+    const int32_t* parents = c.parents == nullptr ? nullptr
+                             : si == 0 ? c.parents + static_cast<int64_t>(g) * c.num_parents
+                                       : parents_s;
+    if (si > 0) wait_bar(6);
+    const int phase0 = 1 + si * kSelectStagesPhasesPerStage;
+    stamp(phase0);
+    if (stage.kind == SelectStageKind::kKeysBF16) {
+      const __nv_bfloat16* k_pool = static_cast<const __nv_bfloat16*>(stage.rows);
+      const int page_shift = stage.page_shift, fanout_shift = stage.fanout_shift;
+      const int32_t page_mask = (1 << page_shift) - 1, fanout_mask = (1 << fanout_shift) - 1;
+      StageScoreMma<4>(key_a, kStagesKeyStride, group, block_count,
+                       [&](int32_t i) -> const __nv_bfloat16* {
+        const int32_t idx = block_first + i;
+        int64_t id;
+        if (parents == nullptr) {
+          id = static_cast<int64_t>(c.begin) + idx;
+        } else {
+          const int32_t parent = parents[idx >> fanout_shift];
+          if (parent < 0) return nullptr;
+          id = (static_cast<int64_t>(parent) << fanout_shift) + (idx & fanout_mask);
+        }
+        if (id < c.begin || id >= c.end) return nullptr;
+        const int32_t page = static_cast<int32_t>(id >> page_shift);
+        if (page >= stage.table_pages) return nullptr;
+        const int32_t slot = stage.table[static_cast<int64_t>(g) * stage.table_pages + page];
+        if (slot < 0 || slot >= stage.num_items) return nullptr;
+        return k_pool + ((static_cast<int64_t>(slot) << page_shift) +
+                         (static_cast<int32_t>(id) & page_mask)) * 128;
+      }, sc);
+    } else {
+      const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(stage.rows);
+      StageScoreMma<8>(sum_a, kStagesSumStride, group, block_count,
+                       [&](int32_t i) -> const __nv_bfloat16* {
+        const int32_t id = StageCandidateId(c, parents, block_first + i);
+        return id >= 0 && id < stage.num_items
+                   ? rows + (static_cast<int64_t>(g) * stage.num_items + id) * 256
+                   : nullptr;
+      }, sc);
+    }
+    __syncthreads();  // sc complete
+    stamp(phase0 + 1);
+
+    // (2) The block's softmax statistics: warp h < 4 takes head h over the block's scores
+    // (lanes stride 32), max then sum of exp(x - max), into part_s; one cluster barrier; then
+    // every warp merges the cs block partials in block order (every block gets the same bits).
+    if (warp < G) {
+      const int h = warp;
+      const bool on = h < group;
+      float bm = NegInfF();
+      for (int32_t i = lane; on && i < block_count; i += 32) {
+        bm = fmaxf(bm, sc[h][i]);  // NaN never wins
+      }
+      bm = WarpMax(bm);
+      float bl = 0.0f;
+      for (int32_t i = lane; on && i < block_count; i += 32) {
+        const float x = sc[h][i];
+        if (x > NegInfF()) bl += __expf(x - bm);
+      }
+      bl = WarpSum(bl);
+      if (lane == 0) part_s[h] = bm, part_s[G + h] = bl;
+    }
+    __syncthreads();  // part_s complete
+    if (si == 0) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // mbarriers ready
+    if (tid == 0) MbarExpect(SharedAddr(&mbar[4]), cs * 2 * G * sizeof(float));
+    if (warp == 0 && lane < 2 * cs) {  // lane 2r + j: half j of the partials to block r
+      const int r = lane >> 1, j = lane & 1;
+      const uint4 v = reinterpret_cast<const uint4*>(part_s)[j];
+      StAsync16(MapToRank(SharedAddr(&recv_part[rank][4 * j]), r),
+                v, MapToRank(SharedAddr(&mbar[4]), r));
+    }
+    // The thread's candidates (scores and ids) meanwhile.
+    const int32_t lfirst = tid * P;
+    float x[G][P];
+    int32_t ids[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const bool in = lfirst + j < block_count;
+#pragma unroll
+      for (int h = 0; h < G; ++h) x[h][j] = in && h < group ? sc[h][lfirst + j] : NegInfF();
+      ids[j] = in ? StageCandidateId(c, parents, block_first + lfirst + j) : -1;
+    }
+    wait_bar(4);  // every block's partials received
+    // Lane L holds block L % cs's partials, so each segment of cs lanes merges all of them in the
+    // same order (log2(cs) shuffle steps instead of 5).
+    float mb[G], inv[G];
+    {
+      const float4* rp = reinterpret_cast<const float4*>(recv_part[lane % cs]);
+      const float4 a = rp[0], b = rp[1];
+      const float m[G] = {a.x, a.y, a.z, a.w};
+      float l[G] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int h = 0; h < G; ++h) mb[h] = m[h];
+      for (int o = cs >> 1; o > 0; o >>= 1) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) mb[h] = fmaxf(mb[h], __shfl_xor_sync(0xffffffffu, mb[h], o));
+      }
+#pragma unroll
+      for (int h = 0; h < G; ++h) l[h] = m[h] > NegInfF() ? l[h] * __expf(m[h] - mb[h]) : 0.0f;
+      for (int o = cs >> 1; o > 0; o >>= 1) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) l[h] += __shfl_xor_sync(0xffffffffu, l[h], o);
+      }
+#pragma unroll
+      for (int h = 0; h < G; ++h) inv[h] = mb[h] == NegInfF() ? 0.0f : 1.0f / l[h];
+    }
+    uint32_t key[P];
+    RegVoteKeys<P>(x, mb, inv, ids, n, block_first + lfirst, nullptr, key);
+    stamp(phase0 + 2);
+
+    // (3) Radix select over the cluster.
+    const int32_t kk = min(stage.k, n);
+    uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
+    if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;  // nothing is taken
+#pragma unroll 1
+    for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+      RegHistogram<P, true>(key, prefix, mask, pass, hist_mode, hist[pass]);
+      __syncthreads();  // the block's histogram of the pass complete
+      uint4* slots = recv_hist + (pass & 1) * kStagesMaxCluster * 32;
+      if (tid == 0) MbarExpect(SharedAddr(&mbar[pass]), cs * 32 * sizeof(uint4));
+      if (warp == 0) {  // lane L pushes its 16 bytes (bins 8L .. 8L + 7) to every block
+        const uint4 v = reinterpret_cast<const uint4*>(hist[pass])[lane];
+        const uint32_t dst = SharedAddr(&slots[rank * 32 + lane]);
+        const uint32_t bar = SharedAddr(&mbar[pass]);
+        for (int r = 0; r < cs; ++r) StAsync16(MapToRank(dst, r), v, MapToRank(bar, r));
+      }
+      wait_bar(pass);  // every block's histogram received
+      // Every warp sums the blocks' bins 248 - 8L .. 255 - 8L (words 124 - 4L ..) and finds the
+      // same bin (same data, same order).
+      uint32_t w[4] = {0u, 0u, 0u, 0u};
+      for (int r = 0; r < cs; ++r) {
+        const uint4 v = slots[r * 32 + 31 - lane];
+        w[0] += v.x, w[1] += v.y, w[2] += v.z, w[3] += v.w;
+      }
+      const uint32_t cb[8] = {w[3] >> 16, w[3] & 0xffffu, w[2] >> 16, w[2] & 0xffffu,
+                              w[1] >> 16, w[1] & 0xffffu, w[0] >> 16, w[0] & 0xffffu};
+      const bool done = RegFindBinOf(cb, pass, &prefix, &mask, &remaining);
+      stamp(phase0 + 3 + pass);
+      if (done) break;  // the same in every warp and block
+    }
+
+    // (4) Compaction in index order over the cluster; <= 8192 of each: no carry.
+    const uint32_t own = RegCounts<P>(key, prefix, mask);
+    const uint32_t incl = WarpInclusiveScanU(own);
+    if (lane == 31) wsum_s[warp] = incl;
+    __syncthreads();
+    const uint32_t wv = lane < W ? wsum_s[lane] : 0u;
+    const uint32_t wincl = WarpInclusiveScanU(wv);
+    const uint32_t block_total = __shfl_sync(0xffffffffu, wincl, 31);
+    if (tid == 0) MbarExpect(SharedAddr(&mbar[5]), cs * sizeof(uint32_t));
+    if (warp == 0 && lane < cs) {
+      StAsync4(MapToRank(SharedAddr(&recv_tot[rank]), lane), block_total,
+               MapToRank(SharedAddr(&mbar[5]), lane));
+    }
+    wait_bar(5);  // every block's total received
+    const uint32_t bt = lane < cs ? recv_tot[lane] : 0u;
+    const uint32_t bincl = WarpInclusiveScanU(bt);
+    const uint32_t total = __shfl_sync(0xffffffffu, bincl, 31);
+    const uint32_t before = __shfl_sync(0xffffffffu, bincl - bt, rank) +
+                            __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
+    const uint32_t taken_total = (total >> 16) + min(total & 0xffffu, remaining);
+    int32_t* out = stage.selected + static_cast<int64_t>(g) * stage.k;
+    const bool last = si + 1 == st.num_stages;
+    // The taken ids to `selected` in index order (ties to the lowest indices) and, for the next
+    // stage, to every block's parents_s (RegWriteTaken's walk).
+    if (!last && tid == 0) MbarExpect(SharedAddr(&mbar[6]), taken_total * sizeof(int32_t));
+    {
+      uint32_t eq_seen = before & 0xffffu;
+      uint32_t pos = (before >> 16) + min(eq_seen, remaining);
+#pragma unroll
+      for (int j = 0; j < P; ++j) {
+        bool take = false;
+        if (key[j] != 0) {
+          const uint32_t km = key[j] & mask;
+          if (km > prefix) {
+            take = true;
+          } else if (km == prefix) {
+            take = eq_seen < remaining;
+            ++eq_seen;
+          }
+        }
+        if (take) {
+          if (pos < static_cast<uint32_t>(stage.k)) {
+            out[pos] = ids[j];
+            if (!last) {
+              const uint32_t dst = SharedAddr(&parents_s[pos]), bar = SharedAddr(&mbar[6]);
+              for (int r = 0; r < cs; ++r) {
+                StAsync4(MapToRank(dst, r), static_cast<uint32_t>(ids[j]), MapToRank(bar, r));
+              }
+            }
+          }
+          ++pos;
+        }
+      }
+    }
+    for (int64_t j = taken_total + static_cast<int64_t>(rank) * kStagesThreads + tid; j < stage.k;
+         j += static_cast<int64_t>(cs) * kStagesThreads) {
+      out[j] = -1;
+    }
+    if (!last) {
+      for (int32_t j = static_cast<int32_t>(taken_total) + tid; j < stage.k; j += kStagesThreads) {
+        parents_s[j] = -1;  // visible after the next stage's first barrier
+      }
+    }
+    stamp(phase0 + 7);
+  }
+  // No block leaves while another may still push to it or read what it pushed.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+
 }  // namespace
 
 template <typename T>
@@ -2142,6 +2696,101 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
   VoteTopKKernel<<<num_kv_heads, threads, smem, stream>>>(
       scores, group, c, k, vote, selected, static_cast<uint32_t*>(scratch), shared_keys);
   return cudaGetLastError();
+}
+
+namespace {
+constexpr int kStagesMaxDevices = 64;
+// SelectStagesKernel's dynamic shared memory: the double-buffered pass histogram slots.
+constexpr int kStagesDynamicSmem = 2 * kStagesMaxCluster * 32 * sizeof(uint4);
+}  // namespace
+
+int SelectStagesClusterBlocks(int num_kv_heads) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kStagesMaxDevices) {
+    cudaGetLastError();
+    return 0;
+  }
+  // Per device, once: whether the kernel can have its shared memory (else 0 blocks: the caller
+  // runs the ops one by one) and how many 16-block clusters fit at once. Racing first calls
+  // store the same value.
+  static std::atomic<int> fit16[kStagesMaxDevices];  // 0: unknown, 1: unusable, else count + 2
+  if (fit16[device].load(std::memory_order_acquire) == 0) {
+    int count = 0;
+    // Static plus dynamic shared memory is above the default 48 KiB.
+    const bool smem_ok = cudaFuncSetAttribute(SelectStagesKernel,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              kStagesDynamicSmem) == cudaSuccess;
+    if (smem_ok && cudaFuncSetAttribute(SelectStagesKernel,
+                                        cudaFuncAttributeNonPortableClusterSizeAllowed,
+                                        1) == cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(16 * 16);
+      cfg.blockDim = dim3(kStagesThreads);
+      cfg.dynamicSmemBytes = kStagesDynamicSmem;
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 16;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&count, SelectStagesKernel, &cfg) != cudaSuccess) {
+        count = 0;
+      }
+    }
+    cudaGetLastError();  // a refused attribute is not the caller's error
+    fit16[device].store(smem_ok ? count + 2 : 1, std::memory_order_release);
+  }
+  const int state = fit16[device].load(std::memory_order_acquire);
+  if (state == 1) return 0;
+  const char* e = std::getenv("STRATA_SELECT_STAGES_CLUSTER");
+  if (e != nullptr && std::string_view(e) == "8") return 8;
+  return state - 2 >= num_kv_heads ? 16 : 8;
+}
+
+cudaError_t SetSelectStagesPhaseStamps(long long* stamps, int max_blocks) {
+  cudaError_t e = cudaMemcpyToSymbol(g_stages_phase_stamps, &stamps, sizeof(stamps));
+  if (e != cudaSuccess) return e;
+  const int blocks = stamps == nullptr ? 0 : max_blocks;
+  return cudaMemcpyToSymbol(g_stages_phase_blocks, &blocks, sizeof(blocks));
+}
+
+int64_t SelectStagesMaxCandidates(int num_kv_heads) {
+  return int64_t{SelectStagesClusterBlocks(num_kv_heads)} * kStagesMaxPerBlock;
+}
+
+cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, int group,
+                               const DeviceSelectStages& stages, const int32_t* skip,
+                               cudaStream_t stream) {
+  if (num_kv_heads == 0 || stages.num_stages == 0) return cudaSuccess;
+  if (group < 1 || group > kRegTopKMaxGroup || num_kv_heads > 65535 || stages.num_stages < 0 ||
+      stages.num_stages > kSelectStagesMax) {
+    return cudaErrorInvalidValue;
+  }
+  const int cs = SelectStagesClusterBlocks(num_kv_heads);
+  if (cs == 0) return cudaErrorInvalidValue;
+  for (int s = 0; s < stages.num_stages; ++s) {
+    const DeviceSelectStage& st = stages.stage[s];
+    if (st.c.count < 0 || st.c.count > int64_t{cs} * kStagesMaxPerBlock || st.k < 0 ||
+        (s + 1 < stages.num_stages && st.k > kSelectStagesMaxParents) ||
+        reinterpret_cast<uintptr_t>(st.rows) % 16 != 0) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(cs, num_kv_heads);
+  cfg.blockDim = dim3(kStagesThreads);
+  cfg.dynamicSmemBytes = kStagesDynamicSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(cs);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, SelectStagesKernel, q, scale, group, stages, skip,
+                            RegHistMode());
 }
 
 namespace {

@@ -4,6 +4,8 @@
 // Nothing here reads device memory on the host, so every op can be captured in a CUDA graph.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -35,6 +37,11 @@ DeviceCandidates ToDevice(const CandidateList& c, const int32_t* skip = nullptr)
   d.end = static_cast<int32_t>(c.end);
   d.count = static_cast<int32_t>(c.Count());
   return d;
+}
+
+// log2(v) for a power of two v >= 1, else -1.
+int ShiftOf(int64_t v) {
+  return v >= 1 && (v & (v - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(v)) : -1;
 }
 
 absl::Status CheckGroup(int64_t group, const char* op) {
@@ -183,6 +190,98 @@ absl::Status CudaBackend::SelectionCacheCheck(const SelectionCacheCheckParams& p
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchSelectionCacheCheck(
       p.q.As<const float>(), p.cached_q.As<float>(), p.valid.As<int32_t>(), p.reuse.As<int32_t>(),
       p.hit_count, static_cast<int>(hkv), static_cast<int>(n), p.theta, ToCuda(s)));
+  return absl::OkStatus();
+}
+
+// SelectStages runs as one kernel (cuda_internal::LaunchSelectStages) unless
+// STRATA_SELECT_STAGES=opbyop (read at every call: A/B timing and tests) or the shape is not one it
+// runs; then as the ops it stands for (STRATA_SELECT_STAGES=require_fused: FailedPrecondition
+// instead, for tests that must run the kernel).
+absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
+  const char* env = std::getenv("STRATA_SELECT_STAGES");
+  bool fused = env == nullptr || std::string_view(env) != "opbyop";
+  // Each stage's own checks, as the op-by-op calls make them (the same errors either way).
+  const SelectStage& first = p.stages[0];
+  const int64_t hkv = first.summaries.data != nullptr ? first.summaries.dim(0)
+                                                      : first.page_table.dim(0);
+  cuda_internal::DeviceSelectStages d;
+  d.num_stages = p.num_stages;
+  for (int i = 0; i < p.num_stages; ++i) {
+    const SelectStage& st = p.stages[i];
+    cuda_internal::DeviceSelectStage& ds = d.stage[i];
+    int64_t stage_hkv = 0;
+    if (st.summaries.data != nullptr) {
+      ScoreSummariesParams a;
+      a.q = p.q;
+      a.summaries = st.summaries;
+      a.candidates = st.candidates;
+      a.scale = p.scale;
+      a.scores = st.scores;
+      STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(a));
+      stage_hkv = st.summaries.dim(0);
+      fused = fused && st.summaries.dtype == DType::kBF16;
+      ds.kind = cuda_internal::SelectStageKind::kSummariesBF16;
+      ds.rows = st.summaries.data;
+      ds.num_items = st.summaries.dim(1);
+    } else {
+      ScoreKeysParams k;
+      k.q = p.q;
+      k.k_pool = st.k_pool;
+      k.page_table = st.page_table;
+      k.candidates = st.candidates;
+      k.scale = p.scale;
+      k.scores = st.scores;
+      STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(k));
+      stage_hkv = st.page_table.dim(0);
+      const int page_shift = ShiftOf(st.k_pool.dim(1));
+      const int fanout_shift = st.candidates.parents.data == nullptr
+                                   ? 0
+                                   : ShiftOf(st.candidates.fanout);
+      fused = fused && st.k_pool.dtype == DType::kBF16 && page_shift >= 0 && fanout_shift >= 0 &&
+              st.page_table.dim(1) <= (int64_t{1} << 30);
+      ds.kind = cuda_internal::SelectStageKind::kKeysBF16;
+      ds.rows = st.k_pool.data;
+      ds.num_items = st.k_pool.dim(0);
+      ds.table = st.page_table.As<const int32_t>();
+      ds.table_pages = static_cast<int>(std::min<int64_t>(st.page_table.dim(1), 1 << 30));
+      ds.page_shift = page_shift;
+      ds.fanout_shift = fanout_shift;
+    }
+    VoteTopKParams t;
+    t.scores = st.scores;
+    t.candidates = st.candidates;
+    t.k = st.k;
+    t.selected = st.selected;
+    STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(t));
+    fused = fused && stage_hkv == hkv &&
+            reinterpret_cast<uintptr_t>(ds.rows) % 16 == 0 && st.k <= (int64_t{1} << 30);
+    ds.c = ToDevice(st.candidates);
+    ds.k = static_cast<int>(std::min<int64_t>(st.k, int64_t{1} << 30));
+    ds.selected = st.selected.As<int32_t>();
+  }
+  const int64_t group = hkv > 0 ? p.q.dim(0) / hkv : 0;
+  fused = fused && hkv >= 1 && hkv <= 65535 && group >= 1 && group <= 4 && p.q.dim(1) == 128 &&
+          reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
+  if (fused) {
+    STRATA_RETURN_IF_ERROR(MakeCurrent());
+    const int64_t max_count = cuda_internal::SelectStagesMaxCandidates(static_cast<int>(hkv));
+    for (int i = 0; i < p.num_stages; ++i) {
+      fused = fused && d.stage[i].c.count <= max_count &&
+              (i + 1 == p.num_stages || d.stage[i].k <= cuda_internal::kSelectStagesMaxParents);
+    }
+  }
+  if (!fused) {
+    if (env != nullptr && std::string_view(env) == "require_fused") {
+      return absl::FailedPreconditionError(
+          "SelectStages: STRATA_SELECT_STAGES=require_fused and the shape is not one the fused "
+          "kernel runs");
+    }
+    return SelectStagesOpByOp(*this, p, s);
+  }
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchSelectStages(
+      p.q.As<const float>(), p.scale, static_cast<int>(hkv), static_cast<int>(group), d,
+      p.skip_heads, ToCuda(s)));
   return absl::OkStatus();
 }
 

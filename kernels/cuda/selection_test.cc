@@ -1240,5 +1240,433 @@ TEST_F(SelectionTest, SelectedAttentionClipsStaleMiddleIdsAsCpu) {
   }
 }
 
+// ---- SelectStages: the whole chain as one kernel -------------------------------------------
+
+// One chain of selection stages: [segments ->] pages [-> keys], with its data on the host.
+struct ChainCase {
+  const char* name;
+  int hkv, group;
+  DType sum_dtype;           // page and segment summaries
+  int page;                  // tokens per page
+  int seg_pages;             // 0: no segment stage
+  int64_t pages;             // summary rows (and page-table entries) per KV head
+  int64_t keep_segs;         // k of the segment stage
+  int64_t k_pages;
+  bool keys;                 // a key stage after the pages
+  int64_t k_tokens;
+  int64_t p_begin, p_end;    // the page stage's [begin, end)
+  int64_t t_begin, t_end;    // the key stage's [begin, end)
+  bool identical_rows = false;  // every page summary the same (exact ties everywhere)
+  bool fusable = true;          // a shape SelectStagesKernel runs (else the ops one by one)
+};
+
+// Host and device data of a ChainCase and the params of its SelectStages call.
+struct Chain {
+  static constexpr int kD = 128;
+  ChainCase c;
+  int64_t segs = 0, slots = 0;
+  std::vector<float> q;
+  std::vector<uint8_t> page_sums, seg_sums, pool;
+  std::vector<int32_t> table;
+  // Per stage: candidate count and k, in order.
+  std::vector<int64_t> counts, ks;
+
+  // The params over the given buffers: q, summaries, pool, table, then per stage scores and
+  // selected.
+  SelectStagesParams Params(void* dq, void* dps, void* dss, void* dpool, void* dtable,
+                            const std::vector<void*>& scores,
+                            const std::vector<void*>& selected) const {
+    SelectStagesParams p;
+    p.q = TensorView(dq, DType::kF32, {c.hkv * c.group, kD});
+    p.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+    int i = 0;
+    if (c.seg_pages > 0) {
+      SelectStage& s = p.stages[i];
+      s.summaries = TensorView(dss, c.sum_dtype, {c.hkv, segs, 2 * kD});
+      s.candidates.begin = c.p_begin / c.seg_pages;
+      s.candidates.end = (c.p_end - 1) / c.seg_pages + 1;
+      ++i;
+    }
+    {
+      SelectStage& s = p.stages[i];
+      s.summaries = TensorView(dps, c.sum_dtype, {c.hkv, c.pages, 2 * kD});
+      if (i > 0) s.candidates.fanout = c.seg_pages;
+      s.candidates.begin = c.p_begin;
+      s.candidates.end = c.p_end;
+      ++i;
+    }
+    if (c.keys) {
+      SelectStage& s = p.stages[i];
+      s.k_pool = TensorView(dpool, DType::kBF16, {slots, c.page, kD});
+      s.page_table = TensorView(dtable, DType::kI32, {c.hkv, c.pages});
+      s.candidates.fanout = c.page;
+      s.candidates.begin = c.t_begin;
+      s.candidates.end = c.t_end;
+      ++i;
+    }
+    p.num_stages = i;
+    for (int j = 0; j < i; ++j) {
+      SelectStage& s = p.stages[j];
+      s.k = ks[j];
+      if (j > 0) s.candidates.parents = p.stages[j - 1].selected;
+      s.scores = TensorView(scores[j], DType::kF32, {c.hkv, c.group, counts[j]});
+      s.selected = TensorView(selected[j], DType::kI32, {c.hkv, ks[j]});
+    }
+    return p;
+  }
+};
+
+Chain MakeChain(const ChainCase& c, std::mt19937& rng) {
+  Chain ch;
+  ch.c = c;
+  constexpr int d = Chain::kD;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), uq(-2.0f, 2.0f);
+  ch.q.resize(static_cast<size_t>(c.hkv) * c.group * d);
+  for (float& x : ch.q) x = uq(rng);
+  std::vector<float> ps(static_cast<size_t>(c.hkv) * c.pages * 2 * d);
+  for (float& x : ps) x = u(rng);
+  // Minmax rows hold min <= max per channel (what the sign-split bound of the fused kernel relies
+  // on, and what summaries of keys are).
+  for (size_t r = 0; r < ps.size() / (2 * d); ++r) {
+    for (int e = 0; e < d; ++e) {
+      float& lo = ps[r * 2 * d + e];
+      float& hi = ps[r * 2 * d + d + e];
+      if (lo > hi) std::swap(lo, hi);
+    }
+  }
+  if (c.identical_rows) {
+    for (size_t r = 1; r < ps.size() / (2 * d); ++r) {
+      std::copy(ps.begin(), ps.begin() + 2 * d, ps.begin() + r * 2 * d);
+    }
+  }
+  ch.page_sums.resize(ps.size() * DTypeSize(c.sum_dtype));
+  ConvertFromF32(ps.data(), ch.page_sums.data(), c.sum_dtype, static_cast<int64_t>(ps.size()));
+  if (c.seg_pages > 0) {
+    ch.segs = (c.pages + c.seg_pages - 1) / c.seg_pages;
+    std::vector<float> ss(static_cast<size_t>(c.hkv) * ch.segs * 2 * d);
+    for (float& x : ss) x = u(rng);
+    for (size_t r = 0; r < ss.size() / (2 * d); ++r) {
+      for (int e = 0; e < d; ++e) {
+        if (ss[r * 2 * d + e] > ss[r * 2 * d + d + e]) std::swap(ss[r * 2 * d + e], ss[r * 2 * d + d + e]);
+      }
+    }
+    ch.seg_sums.resize(ss.size() * DTypeSize(c.sum_dtype));
+    ConvertFromF32(ss.data(), ch.seg_sums.data(), c.sum_dtype, static_cast<int64_t>(ss.size()));
+  }
+  if (c.keys) {
+    // A pool smaller than the table: pages share slots; a few entries are -1 or past the pool.
+    ch.slots = std::min<int64_t>(int64_t{c.hkv} * c.pages, 509);
+    std::vector<float> k(static_cast<size_t>(ch.slots) * c.page * d);
+    for (float& x : k) x = u(rng);
+    ch.pool.resize(k.size() * 2);
+    ConvertFromF32(k.data(), ch.pool.data(), DType::kBF16, static_cast<int64_t>(k.size()));
+    ch.table.resize(static_cast<size_t>(c.hkv) * c.pages);
+    for (size_t i = 0; i < ch.table.size(); ++i) {
+      ch.table[i] = i % 97 == 13 ? -1 : i % 101 == 7 ? static_cast<int32_t>(ch.slots)
+                                                     : static_cast<int32_t>((i * 7) % ch.slots);
+    }
+  }
+  if (c.seg_pages > 0) {
+    const int64_t s0 = c.p_begin / c.seg_pages, s1 = (c.p_end - 1) / c.seg_pages + 1;
+    ch.counts.push_back(s1 - s0);
+    ch.ks.push_back(c.keep_segs);
+  }
+  ch.counts.push_back(c.seg_pages > 0 ? c.keep_segs * c.seg_pages : c.p_end - c.p_begin);
+  ch.ks.push_back(c.k_pages);
+  if (c.keys) {
+    ch.counts.push_back(c.k_pages * c.page);
+    ch.ks.push_back(c.k_tokens);
+  }
+  return ch;
+}
+
+// The CPU op-by-op run of a chain: each stage's selection and its votes by candidate id (id space
+// [0, end) of the stage), for the near-tie check.
+struct ChainRef {
+  std::vector<std::vector<int32_t>> selected;
+  std::vector<std::vector<float>> vote_by_id;
+  std::vector<int64_t> id_space;
+};
+
+ChainRef RunChainOnCpu(Backend* cpu, Chain& ch) {
+  const ChainCase& c = ch.c;
+  ChainRef r;
+  std::vector<std::vector<float>> scores, votes;
+  std::vector<void*> sp, sel;
+  const int n = static_cast<int>(ch.counts.size());
+  r.selected.resize(n);
+  for (int i = 0; i < n; ++i) {
+    scores.emplace_back(static_cast<size_t>(c.hkv) * c.group * std::max<int64_t>(1, ch.counts[i]));
+    r.selected[i].assign(static_cast<size_t>(c.hkv) * std::max<int64_t>(1, ch.ks[i]), -7);
+    sp.push_back(scores.back().data());
+    sel.push_back(r.selected[i].data());
+  }
+  const SelectStagesParams p = ch.Params(ch.q.data(), ch.page_sums.data(), ch.seg_sums.data(),
+                                         ch.pool.data(), ch.table.data(), sp, sel);
+  // Stage by stage with vote outputs (SelectStagesOpByOp without them).
+  for (int i = 0; i < n; ++i) {
+    const SelectStage& st = p.stages[i];
+    if (st.summaries.data != nullptr) {
+      ScoreSummariesParams a;
+      a.q = p.q;
+      a.summaries = st.summaries;
+      a.candidates = st.candidates;
+      a.scale = p.scale;
+      a.scores = st.scores;
+      EXPECT_TRUE(cpu->ScoreSummaries(a, nullptr).ok());
+    } else {
+      ScoreKeysParams k;
+      k.q = p.q;
+      k.k_pool = st.k_pool;
+      k.page_table = st.page_table;
+      k.candidates = st.candidates;
+      k.scale = p.scale;
+      k.scores = st.scores;
+      EXPECT_TRUE(cpu->ScoreKeys(k, nullptr).ok());
+    }
+    std::vector<float> vote(static_cast<size_t>(c.hkv) * std::max<int64_t>(1, ch.counts[i]));
+    VoteTopKParams t;
+    t.scores = st.scores;
+    t.candidates = st.candidates;
+    t.k = st.k;
+    t.selected = st.selected;
+    t.vote = TensorView(vote.data(), DType::kF32, {c.hkv, ch.counts[i]});
+    EXPECT_TRUE(cpu->VoteTopK(t, nullptr).ok());
+    const int64_t end = st.candidates.end;
+    r.id_space.push_back(end);
+    std::vector<float> by_id(static_cast<size_t>(c.hkv) * (end + 1), 0.0f);
+    for (int g = 0; g < c.hkv; ++g) {
+      for (int64_t j = 0; j < ch.counts[i]; ++j) {
+        int64_t id;
+        if (st.candidates.parents.data == nullptr) {
+          id = st.candidates.begin + j;
+        } else {
+          const int32_t parent = static_cast<const int32_t*>(
+              st.candidates.parents.data)[g * st.candidates.parents.dim(1) + j / st.candidates.fanout];
+          if (parent < 0) continue;
+          id = static_cast<int64_t>(parent) * st.candidates.fanout + j % st.candidates.fanout;
+        }
+        if (id >= st.candidates.begin && id < end) by_id[g * (end + 1) + id] = vote[g * ch.counts[i] + j];
+      }
+    }
+    r.vote_by_id.push_back(std::move(by_id));
+  }
+  // Trimmed to [hkv, k] once no later stage reads them (k may be 0).
+  for (int i = 0; i < n; ++i) r.selected[i].resize(static_cast<size_t>(c.hkv) * ch.ks[i]);
+  return r;
+}
+
+class SelectStagesTest : public SelectionTest {
+ protected:
+  // Runs `ch` on the GPU (poisoned outputs, optionally skip flags) and returns each stage's
+  // selection.
+  std::vector<std::vector<int32_t>> RunOnGpu(const Chain& ch, const int32_t* skip = nullptr) {
+    auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+    auto dt = Dev(ch.table);
+    std::vector<std::unique_ptr<Buffer>> bufs;
+    std::vector<void*> sp, sel;
+    for (size_t i = 0; i < ch.counts.size(); ++i) {
+      bufs.push_back(Poisoned<float>(int64_t{ch.c.hkv} * ch.c.group * ch.counts[i]));
+      sp.push_back(bufs.back()->data());
+      bufs.push_back(Poisoned<int32_t>(int64_t{ch.c.hkv} * ch.ks[i], 0x7f));
+      sel.push_back(bufs.back()->data());
+    }
+    SelectStagesParams p =
+        ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+    p.skip_heads = skip;
+    const absl::Status st = gpu_->SelectStages(p, nullptr);
+    std::vector<std::vector<int32_t>> out;
+    if (!st.ok()) {
+      ADD_FAILURE() << st;
+      return out;
+    }
+    for (size_t i = 0; i < ch.counts.size(); ++i) {
+      out.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{ch.c.hkv} * ch.ks[i]));
+    }
+    return out;
+  }
+
+  // Compares the GPU's selections with the CPU's stage by stage while the stages before agree
+  // exactly (a near-tie swap changes the next stage's candidates); returns the stages compared.
+  int Compare(const Chain& ch, const ChainRef& ref, const std::vector<std::vector<int32_t>>& got) {
+    int compared = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "stage " << i);
+      const int64_t end = ref.id_space[i];
+      const auto bad = std::find_if(got[i].begin(), got[i].end(),
+                                    [&](int32_t id) { return id < -1 || id >= end; });
+      if (bad != got[i].end()) {
+        ADD_FAILURE() << "id " << *bad << " outside [-1, " << end << ")";
+        break;
+      }
+      std::vector<int64_t> identity(static_cast<size_t>(ch.c.hkv) * (end + 2));
+      for (int g = 0; g < ch.c.hkv; ++g) {
+        for (int64_t id = 0; id <= end; ++id) identity[g * (end + 2) + id] = id;
+      }
+      ExpectSameTopK(got[i], ref.selected[i], ref.vote_by_id[i], identity, ch.c.hkv, ch.ks[i],
+                     end + 1, seed_);
+      ++compared;
+      if (got[i] != ref.selected[i]) break;
+    }
+    return compared;
+  }
+};
+
+// The chain as one kernel (STRATA_SELECT_STAGES=require_fused: the backend fails rather than fall
+// back to the ops) and op by op on the GPU, each against the CPU twin's ops, at the shapes of the
+// decode step (quest one- and two-level, tokenselect) and awkward ones (group 1-3, three stages,
+// k of 0, k above the candidates, 8192 candidates, exact ties everywhere, page-table entries -1
+// or past the pool, pages sharing slots), and two shapes the kernel does not run (f32 summaries,
+// too many candidates), which must fall back to the ops.
+TEST_F(SelectStagesTest, MatchesCpuOps) {
+  const ChainCase cases[] = {
+      {"quest 128K", 8, 4, DType::kBF16, 64, 0, 2048, 0, 32, false, 0, 1, 2044, 0, 0},
+      {"quest two-level", 4, 4, DType::kBF16, 64, 16, 16384, 128, 32, false, 0, 1, 16380, 0, 0},
+      {"tokenselect 128K", 8, 4, DType::kBF16, 64, 0, 2048, 0, 128, true, 2048, 1, 2044, 64,
+       2044 * 64 - 5},
+      {"three stages", 3, 3, DType::kBF16, 16, 4, 3000, 100, 50, true, 300, 2, 2990, 40, 47000},
+      {"group 1 tiny", 2, 1, DType::kBF16, 16, 0, 3, 0, 5, true, 7, 0, 3, 0, 48},
+      {"group 2 k 0", 1, 2, DType::kBF16, 16, 0, 17, 0, 0, true, 4, 0, 17, 0, 272},
+      {"8192 candidates", 2, 4, DType::kBF16, 16, 0, 8192, 0, 4000, false, 0, 0, 8192, 0, 0},
+      {"k above n", 2, 4, DType::kBF16, 16, 0, 129, 0, 129, true, 2100, 0, 129, 0, 129 * 16},
+      {"ties", 3, 4, DType::kBF16, 64, 0, 2048, 0, 32, false, 0, 3, 2048, 0, 0, true},
+      // f32 summaries: not the fused kernel's (the ops one by one).
+      {"f32 summaries", 2, 4, DType::kF32, 16, 4, 1000, 50, 40, true, 300, 1, 990, 20, 15800,
+       false, false},
+      // 2 * 16 * 1024 candidates: more than any cluster holds (the ops one by one).
+      {"too many", 1, 4, DType::kBF16, 16, 0, 32768, 0, 100, false, 0, 0, 32768, 0, 0, false,
+       false},
+  };
+  int stages = 0, compared = 0;
+  for (const ChainCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    Chain ch = MakeChain(c, rng_);
+    const ChainRef ref = RunChainOnCpu(cpu_, ch);
+    if (c.identical_rows) {
+      // Every valid candidate ties: the lowest ids win, in order (the NaN-free rows).
+      for (int g = 0; g < c.hkv; ++g) {
+        for (int64_t j = 0; j < c.k_pages; ++j) {
+          ASSERT_EQ(ref.selected[0][g * c.k_pages + j], c.p_begin + j);
+        }
+      }
+    }
+    if (c.fusable) {
+      setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+    } else {
+      unsetenv("STRATA_SELECT_STAGES");
+    }
+    const auto fused = RunOnGpu(ch);
+    setenv("STRATA_SELECT_STAGES", "opbyop", 1);
+    const auto ops = RunOnGpu(ch);
+    unsetenv("STRATA_SELECT_STAGES");
+    stages += 2 * static_cast<int>(ch.counts.size());
+    {
+      SCOPED_TRACE("fused");
+      compared += Compare(ch, ref, fused);
+    }
+    {
+      SCOPED_TRACE("op by op");
+      compared += Compare(ch, ref, ops);
+    }
+    if (c.identical_rows) {
+      EXPECT_EQ(fused, ref.selected) << "exact ties must match exactly";
+    }
+  }
+  // Near-ties that cut a comparison short are rare on random data.
+  EXPECT_GE(compared, stages - 2);
+}
+
+// Heads flagged in skip_heads keep their outputs (here the poison); the others are as without
+// flags.
+TEST_F(SelectStagesTest, SkipHeadsLeaveFlaggedHeadsUntouched) {
+  const ChainCase c = {"tokenselect", 4, 4, DType::kBF16, 64, 0, 600, 0, 64, true, 512, 1, 590,
+                       64, 590 * 64 - 3};
+  Chain ch = MakeChain(c, rng_);
+  const std::vector<int32_t> skip = {0, 1, 1, 0};
+  auto dskip = Dev(skip);
+  setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+  const auto without = RunOnGpu(ch);
+  const auto with = RunOnGpu(ch, static_cast<const int32_t*>(dskip->data()));
+  unsetenv("STRATA_SELECT_STAGES");
+  for (size_t i = 0; i < with.size(); ++i) {
+    const int64_t k = ch.ks[i];
+    for (int g = 0; g < c.hkv; ++g) {
+      for (int64_t j = 0; j < k; ++j) {
+        if (skip[g]) {
+          EXPECT_EQ(with[i][g * k + j], 0x7f7f7f7f) << "stage " << i << " head " << g;
+        } else {
+          EXPECT_EQ(with[i][g * k + j], without[i][g * k + j]) << "stage " << i << " head " << g;
+        }
+      }
+    }
+  }
+}
+
+// The fused op captured in a CUDA graph and replayed gives the eager result, bit for bit, with
+// the outputs poisoned before the replays.
+TEST_F(SelectStagesTest, ReplaysInAGraph) {
+  const ChainCase c = {"two-level tokenselect", 8, 4, DType::kBF16, 64, 16, 8192, 128, 128, true,
+                       2048, 1, 8190, 64, 8190 * 64 - 300};
+  Chain ch = MakeChain(c, rng_);
+  setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+  const auto eager = RunOnGpu(ch);
+  auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+  auto dt = Dev(ch.table);
+  std::vector<std::unique_ptr<Buffer>> bufs;
+  std::vector<void*> sp, sel;
+  for (size_t i = 0; i < ch.counts.size(); ++i) {
+    bufs.push_back(Poisoned<float>(int64_t{c.hkv} * c.group * ch.counts[i]));
+    sp.push_back(bufs.back()->data());
+    bufs.push_back(Poisoned<int32_t>(int64_t{c.hkv} * ch.ks[i], 0x7f));
+    sel.push_back(bufs.back()->data());
+  }
+  const SelectStagesParams p =
+      ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+  auto* cuda = static_cast<CudaBackend*>(gpu_);
+  STRATA_ASSERT_OK_AND_ASSIGN(Stream s, cuda->CreateStream());
+  cudaStream_t cs = static_cast<cudaStream_t>(s);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const absl::Status captured = gpu_->SelectStages(p, s);
+  ASSERT_EQ(cudaStreamEndCapture(cs, &graph), cudaSuccess);
+  STRATA_ASSERT_OK(captured);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, cs), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(cs), cudaSuccess);
+  for (size_t i = 0; i < ch.counts.size(); ++i) {
+    EXPECT_EQ(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]), eager[i])
+        << "stage " << i;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  STRATA_ASSERT_OK(cuda->DestroyStream(s));
+  unsetenv("STRATA_SELECT_STAGES");
+}
+
+// A chain whose stage does not take the previous stage's selection is refused, on both backends,
+// and so is a chain of no stages or more than kMaxSelectStages.
+TEST_F(SelectStagesTest, RefusesABrokenChain) {
+  const ChainCase c = {"quest", 2, 4, DType::kBF16, 64, 16, 256, 8, 4, false, 0, 0, 256, 0, 0};
+  Chain ch = MakeChain(c, rng_);
+  std::vector<float> s1(2 * 4 * 16), s2(2 * 4 * 128);
+  std::vector<int32_t> t1(2 * 8), t2(2 * 4), other(2 * 8);
+  SelectStagesParams p = ch.Params(ch.q.data(), ch.page_sums.data(), ch.seg_sums.data(), nullptr,
+                                   nullptr, {s1.data(), s2.data()}, {t1.data(), t2.data()});
+  p.stages[1].candidates.parents.data = other.data();
+  for (Backend* b : {cpu_, gpu_}) {
+    EXPECT_THAT(b->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+  p.stages[1].candidates.parents.data = t1.data();
+  p.num_stages = 0;
+  for (Backend* b : {cpu_, gpu_}) {
+    EXPECT_THAT(b->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+  p.num_stages = kMaxSelectStages + 1;
+  for (Backend* b : {cpu_, gpu_}) {
+    EXPECT_THAT(b->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels

@@ -210,6 +210,52 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group, con
                            int k, float* vote, int32_t* selected, void* scratch,
                            cudaStream_t stream);
 
+// SelectStages (kernels/backend.h SelectStagesParams) as one kernel, SelectStagesKernel in
+// selection.cu: one thread-block cluster per KV head runs every stage (scores, soft vote, top-k)
+// with no global round trip but the stages' selected ids. Head_dim 128, group <= 4; bf16
+// summaries, bf16 keys with power-of-two page size and fanout; rows 16-byte aligned.
+inline constexpr int kSelectStagesMax = 3;
+// The largest k of a stage that has a stage after it (its selection is copied to every block).
+inline constexpr int kSelectStagesMaxParents = 2048;
+enum class SelectStageKind : int { kSummariesBF16 = 0, kKeysBF16 = 1 };
+struct DeviceSelectStage {
+  SelectStageKind kind = SelectStageKind::kSummariesBF16;
+  // bf16 summaries [num_kv_heads, num_items, 2 * 128] (min, then max), or the K pool
+  // [num_items slots, page_size, 128].
+  const void* rows = nullptr;
+  int64_t num_items = 0;
+  const int32_t* table = nullptr;  // keys: page table [num_kv_heads, table_pages]
+  int table_pages = 0;
+  int page_shift = 0;    // keys: log2(page size)
+  int fanout_shift = 0;  // keys: log2(c.fanout)
+  DeviceCandidates c;    // stage s > 0: c.parents is stage s - 1's `selected`
+  int k = 0;
+  int32_t* selected = nullptr;  // [num_kv_heads, k]
+};
+struct DeviceSelectStages {
+  DeviceSelectStage stage[kSelectStagesMax];
+  int num_stages = 0;
+};
+// Blocks per cluster LaunchSelectStages uses for num_kv_heads clusters on the current device:
+// 16 where that many 16-block clusters fit at once, else 8 (STRATA_SELECT_STAGES_CLUSTER=8 asks
+// for 8), 0 where the kernel cannot run (its shared memory refused); and the candidates per KV
+// head one stage may have: that many blocks of 1024 (0: none).
+int SelectStagesClusterBlocks(int num_kv_heads);
+int64_t SelectStagesMaxCandidates(int num_kv_heads);
+// Profiling (cuda_attention_bench --stage-phases): while `stamps` (device memory) is set, thread
+// 0 of each of the first `max_blocks` blocks of SelectStagesKernel writes clock64() at
+// kSelectStagesPhases points to stamps[block * kSelectStagesPhases ...]: entry, then per stage
+// (kSelectStagesMax of them, 8 each; a stage not run leaves its slots alone): start, scored,
+// statistics merged, radix passes 0 to 3 done (a pass not run leaves its slot alone), end.
+// nullptr turns it off (the default). Not thread-safe against concurrent launches.
+inline constexpr int kSelectStagesPhasesPerStage = 8;
+inline constexpr int kSelectStagesPhases = 1 + kSelectStagesMax * kSelectStagesPhasesPerStage;
+cudaError_t SetSelectStagesPhaseStamps(long long* stamps, int max_blocks);
+// The whole chain on `stream`; cudaErrorInvalidValue for a shape it does not run (the caller
+// checks first; see CudaBackend::SelectStages).
+cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, int group,
+                               const DeviceSelectStages& stages, const int32_t* skip,
+                               cudaStream_t stream);
 // Decode attention over [0, prefix_end) + middle + [suffix_begin, suffix_begin + suffix_len) per
 // KV head, split into items_per_head work items of `chunk` virtual positions each.
 struct SelectedAttentionShape {

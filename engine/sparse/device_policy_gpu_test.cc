@@ -1,0 +1,179 @@
+// DevicePolicy on the CUDA backend, whose selection runs as one SelectStages kernel
+// (kernels/cuda/selection.cu SelectStagesKernel; STRATA_SELECT_STAGES=require_fused makes a
+// fallback to the ops an error), against DevicePolicy on the CPU backend (the ops one by one),
+// at the decode shape of an 8B model (4 query heads per KV head, head_dim 128, 64-token pages,
+// bf16 cache, the default budget): the same cache contents, one-level (48K tokens) and two-level
+// (140K tokens) page ranking, quest and tokenselect, several decode steps. Page scales vary so
+// the ranking has clear winners; a query head whose output differs counts as a near-tie swap,
+// and at most a few may. Label gpu: skipped without a GPU.
+#include <stdlib.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/status_macros.h"
+#include "base/testing/status_matchers.h"
+#include "engine/kv_cache.h"
+#include "engine/sparse/device_policy.h"
+#include "gtest/gtest.h"
+#include "kernels/backend_factory.h"
+
+namespace strata::engine::sparse {
+namespace {
+
+using kernels::DType;
+using kernels::TensorView;
+
+constexpr int kHq = 16, kHkv = 4, kD = 128, kPage = 64;
+
+std::unique_ptr<kernels::Backend> CudaBackendOrNull(std::string* why) {
+  kernels::BackendOptions options;
+  options.kind = kernels::BackendKind::kCuda;
+  const char* env = std::getenv("STRATA_CUDA_PLUGIN");
+  options.cuda_plugin = env != nullptr && *env != '\0' ? env : STRATA_CUDA_PLUGIN_PATH;
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> b = kernels::MakeBackend(options);
+  if (!b.ok()) {
+    *why = b.status().ToString();
+    return nullptr;
+  }
+  return std::move(b).value();
+}
+
+// A one-layer bf16 cache and the DevicePolicy over it, on one backend.
+struct Side {
+  kernels::Backend* backend = nullptr;
+  std::unique_ptr<KvCache> cache;
+  std::unique_ptr<DevicePolicy> policy;
+
+  absl::Status Init(kernels::Backend* b, const PolicyOptions& o, int64_t max_tokens) {
+    backend = b;
+    KvCacheOptions co;
+    co.num_layers = 1;
+    co.num_kv_heads = kHkv;
+    co.head_dim = kD;
+    co.page_size = kPage;
+    co.dtype = DType::kBF16;
+    co.max_tokens = max_tokens;
+    STRATA_ASSIGN_OR_RETURN(cache, KvCache::Create(co, b));
+    STRATA_ASSIGN_OR_RETURN(policy, DevicePolicy::Create(o, co, kHq, b));
+    return absl::OkStatus();
+  }
+  // Appends the host rows k, v [n, kHkv, kD].
+  absl::Status Append(const std::vector<float>& k, const std::vector<float>& v, int64_t n) {
+    const size_t bytes = k.size() * sizeof(float);
+    STRATA_ASSIGN_OR_RETURN(auto dk, backend->Allocate(bytes));
+    STRATA_ASSIGN_OR_RETURN(auto dv, backend->Allocate(bytes));
+    STRATA_RETURN_IF_ERROR(backend->CopyToDevice(dk->data(), k.data(), bytes, nullptr));
+    STRATA_RETURN_IF_ERROR(backend->CopyToDevice(dv->data(), v.data(), bytes, nullptr));
+    const int64_t first = cache->length(0);
+    STRATA_RETURN_IF_ERROR(cache->Append(0, TensorView(dk->data(), DType::kF32, {n, kHkv, kD}),
+                                         TensorView(dv->data(), DType::kF32, {n, kHkv, kD})));
+    STRATA_RETURN_IF_ERROR(policy->OnAppend(0, *cache, first, first + n, nullptr));
+    return backend->Synchronize(nullptr);
+  }
+  // Decode attention for q [kHq, kD] (host) into out / lse (host).
+  absl::Status Attend(const std::vector<float>& q, std::vector<float>* out,
+                      std::vector<float>* lse) {
+    STRATA_ASSIGN_OR_RETURN(auto dq, backend->Allocate(q.size() * sizeof(float)));
+    STRATA_ASSIGN_OR_RETURN(auto dout, backend->Allocate(q.size() * sizeof(float)));
+    STRATA_ASSIGN_OR_RETURN(auto dlse, backend->Allocate(kHq * sizeof(float)));
+    STRATA_RETURN_IF_ERROR(
+        backend->CopyToDevice(dq->data(), q.data(), q.size() * sizeof(float), nullptr));
+    STRATA_RETURN_IF_ERROR(policy->Attend(0, TensorView(dq->data(), DType::kF32, {1, kHq, kD}),
+                                          *cache,
+                                          TensorView(dout->data(), DType::kF32, {1, kHq, kD}),
+                                          TensorView(dlse->data(), DType::kF32, {1, kHq}),
+                                          nullptr));
+    out->assign(q.size(), NAN);
+    lse->assign(kHq, NAN);
+    STRATA_RETURN_IF_ERROR(
+        backend->CopyToHost(out->data(), dout->data(), out->size() * sizeof(float), nullptr));
+    STRATA_RETURN_IF_ERROR(
+        backend->CopyToHost(lse->data(), dlse->data(), lse->size() * sizeof(float), nullptr));
+    return backend->Synchronize(nullptr);
+  }
+};
+
+struct Case {
+  PolicyKind kind;
+  int64_t len;  // tokens before the decode steps
+};
+
+class DevicePolicyGpuTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
+  std::string why;
+  std::unique_ptr<kernels::Backend> gpu = CudaBackendOrNull(&why);
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
+  const Case c = GetParam();
+  PolicyOptions o;  // the defaults: B 2048, sinks 64, window 256, segments of 16 pages
+  o.kind = c.kind;
+  o.page_size = kPage;
+  o.cache_theta = 2.0;  // every step selects
+  const int steps = 4;
+  Side g, h;
+  STRATA_ASSERT_OK(g.Init(gpu.get(), o, c.len + steps));
+  STRATA_ASSERT_OK(h.Init(cpu.get(), o, c.len + steps));
+  std::mt19937 rng(20261128u + static_cast<uint32_t>(c.len) + static_cast<uint32_t>(c.kind));
+  std::normal_distribution<float> nd;
+  std::lognormal_distribution<float> page_scale(0.0f, 0.5f);
+  // Keys scaled per (page, head), so page bounds and token scores have clear winners.
+  auto append = [&](int64_t n) {
+    std::vector<float> k(static_cast<size_t>(n) * kHkv * kD), v(k.size());
+    std::vector<float> scale(kHkv);
+    const int64_t first = g.cache->length(0);
+    for (int64_t t = 0; t < n; ++t) {
+      if (t == 0 || (first + t) % kPage == 0) {
+        for (float& s : scale) s = page_scale(rng);
+      }
+      for (int hh = 0; hh < kHkv; ++hh) {
+        for (int e = 0; e < kD; ++e) {
+          k[(t * kHkv + hh) * kD + e] = scale[hh] * nd(rng);
+          v[(t * kHkv + hh) * kD + e] = nd(rng);
+        }
+      }
+    }
+    STRATA_ASSERT_OK(g.Append(k, v, n));
+    STRATA_ASSERT_OK(h.Append(k, v, n));
+  };
+  for (int64_t t = 0; t < c.len; t += 8192) append(std::min<int64_t>(8192, c.len - t));
+  setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+  int heads = 0, differ = 0;
+  for (int step = 0; step < steps; ++step) {
+    append(1);
+    std::vector<float> q(kHq * kD);
+    for (float& x : q) x = nd(rng);
+    std::vector<float> go, gl, ho, hl;
+    const absl::Status st = g.Attend(q, &go, &gl);
+    ASSERT_TRUE(st.ok()) << st;
+    STRATA_ASSERT_OK(h.Attend(q, &ho, &hl));
+    for (int hq = 0; hq < kHq; ++hq) {
+      ++heads;
+      bool same = std::fabs(gl[hq] - hl[hq]) <= 2e-3f * (1.0f + std::fabs(hl[hq]));
+      for (int e = 0; e < kD; ++e) {
+        ASSERT_TRUE(std::isfinite(go[hq * kD + e])) << "step " << step << " head " << hq;
+        same = same && std::fabs(go[hq * kD + e] - ho[hq * kD + e]) <= 2e-3f;
+      }
+      differ += same ? 0 : 1;
+    }
+  }
+  unsetenv("STRATA_SELECT_STAGES");
+  std::printf("  %s %lld tokens: %d of %d query-head outputs differ from the CPU ops\n",
+              c.kind == PolicyKind::kQuest ? "quest" : "tokenselect",
+              static_cast<long long>(c.len), differ, heads);
+  EXPECT_LE(differ, heads / 16) << "more outputs differ than near-ties explain";
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyGpuTest,
+                         ::testing::Values(Case{PolicyKind::kQuest, 48 * 1024},
+                                           Case{PolicyKind::kTokenSelect, 48 * 1024},
+                                           Case{PolicyKind::kQuest, 140 * 1024},
+                                           Case{PolicyKind::kTokenSelect, 140 * 1024}));
+
+}  // namespace
+}  // namespace strata::engine::sparse

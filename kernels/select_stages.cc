@@ -1,0 +1,68 @@
+// Backend::SelectStages' default: the chain checked, then ScoreSummaries / ScoreKeys and VoteTopK
+// per stage (semantics in kernels/backend.h SelectStagesParams).
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/backend.h"
+
+namespace strata::kernels {
+
+absl::Status CheckSelectStagesChain(const SelectStagesParams& p) {
+  if (p.num_stages < 1 || p.num_stages > kMaxSelectStages) {
+    return absl::InvalidArgumentError(absl::StrCat("SelectStages: num_stages must be 1 to ",
+                                                   kMaxSelectStages, ", got ", p.num_stages));
+  }
+  for (int i = 1; i < p.num_stages; ++i) {
+    const TensorView& parents = p.stages[i].candidates.parents;
+    const TensorView& prev = p.stages[i - 1].selected;
+    if (parents.data == nullptr || parents.data != prev.data || parents.rank != 2 ||
+        prev.rank != 2 || parents.dim(0) != prev.dim(0) || parents.dim(1) != prev.dim(1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectStages: stage ", i, "'s candidates must have stage ", i - 1,
+          "'s selected as parents, got parents ", parents.DebugString(), " and selected ",
+          prev.DebugString()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
+  for (int i = 0; i < p.num_stages; ++i) {
+    const SelectStage& st = p.stages[i];
+    if (st.summaries.data != nullptr) {
+      ScoreSummariesParams a;
+      a.q = p.q;
+      a.summaries = st.summaries;
+      a.candidates = st.candidates;
+      a.scale = p.scale;
+      a.scores = st.scores;
+      a.skip_heads = p.skip_heads;
+      STRATA_RETURN_IF_ERROR(b.ScoreSummaries(a, s));
+    } else {
+      ScoreKeysParams k;
+      k.q = p.q;
+      k.k_pool = st.k_pool;
+      k.page_table = st.page_table;
+      k.candidates = st.candidates;
+      k.scale = p.scale;
+      k.scores = st.scores;
+      k.skip_heads = p.skip_heads;
+      STRATA_RETURN_IF_ERROR(b.ScoreKeys(k, s));
+    }
+    VoteTopKParams t;
+    t.scores = st.scores;
+    t.candidates = st.candidates;
+    t.k = st.k;
+    t.selected = st.selected;
+    t.skip_heads = p.skip_heads;
+    STRATA_RETURN_IF_ERROR(b.VoteTopK(t, s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Backend::SelectStages(const SelectStagesParams& p, Stream s) {
+  return SelectStagesOpByOp(*this, p, s);
+}
+
+}  // namespace strata::kernels

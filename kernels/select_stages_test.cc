@@ -1,0 +1,184 @@
+// Backend::SelectStages' default (SelectStagesOpByOp) on the CPU backend: the same selections as
+// the ScoreSummaries / ScoreKeys and VoteTopK calls it stands for, the chain checks, errors of
+// the ops passed through, and skip_heads.
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
+#include "base/testing/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+
+namespace strata::kernels {
+namespace {
+
+using ::strata::testing::StatusIs;
+
+constexpr int kHkv = 3, kGroup = 2, kD = 16, kPage = 8, kSegPages = 4, kPages = 40;
+constexpr int kSegs = kPages / kSegPages;
+constexpr int64_t kKeepSegs = 4, kKPages = 6, kKTokens = 20;
+
+// A three-stage chain (segments -> pages -> tokens) over random host data.
+class SelectStagesOpByOpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    cpu_ = MakeCpuBackend(1);
+    std::mt19937 rng(20261128);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    auto fill = [&](std::vector<float>& v, size_t n) {
+      v.resize(n);
+      for (float& x : v) x = u(rng);
+    };
+    fill(q_, kHkv * kGroup * kD);
+    fill(segs_, kHkv * kSegs * 2 * kD);
+    fill(pages_, kHkv * kPages * 2 * kD);
+    fill(pool_, kHkv * kPages * kPage * kD);
+    table_.resize(kHkv * kPages);
+    for (int i = 0; i < kHkv * kPages; ++i) table_[i] = i;
+    seg_scores_.assign(kHkv * kGroup * kSegs, 0.0f);
+    page_scores_.assign(kHkv * kGroup * kKeepSegs * kSegPages, 0.0f);
+    tok_scores_.assign(kHkv * kGroup * kKPages * kPage, 0.0f);
+    top_segs_.assign(kHkv * kKeepSegs, -7);
+    top_pages_.assign(kHkv * kKPages, -7);
+    top_tokens_.assign(kHkv * kKTokens, -7);
+  }
+
+  SelectStagesParams Params() {
+    SelectStagesParams p;
+    p.q = TensorView(q_.data(), DType::kF32, {kHkv * kGroup, kD});
+    p.scale = 0.25f;
+    p.num_stages = 3;
+    SelectStage& s = p.stages[0];
+    s.summaries = TensorView(segs_.data(), DType::kF32, {kHkv, kSegs, 2 * kD});
+    s.candidates.begin = 0;
+    s.candidates.end = kSegs;
+    s.k = kKeepSegs;
+    s.scores = TensorView(seg_scores_.data(), DType::kF32, {kHkv, kGroup, kSegs});
+    s.selected = TensorView(top_segs_.data(), DType::kI32, {kHkv, kKeepSegs});
+    SelectStage& pg = p.stages[1];
+    pg.summaries = TensorView(pages_.data(), DType::kF32, {kHkv, kPages, 2 * kD});
+    pg.candidates.parents = s.selected;
+    pg.candidates.fanout = kSegPages;
+    pg.candidates.begin = 1;
+    pg.candidates.end = kPages - 1;
+    pg.k = kKPages;
+    pg.scores = TensorView(page_scores_.data(), DType::kF32, {kHkv, kGroup, kKeepSegs * kSegPages});
+    pg.selected = TensorView(top_pages_.data(), DType::kI32, {kHkv, kKPages});
+    SelectStage& kt = p.stages[2];
+    kt.k_pool = TensorView(pool_.data(), DType::kF32, {kHkv * kPages, kPage, kD});
+    kt.page_table = TensorView(table_.data(), DType::kI32, {kHkv, kPages});
+    kt.candidates.parents = pg.selected;
+    kt.candidates.fanout = kPage;
+    kt.candidates.begin = 3;
+    kt.candidates.end = kPages * kPage - 5;
+    kt.k = kKTokens;
+    kt.scores = TensorView(tok_scores_.data(), DType::kF32, {kHkv, kGroup, kKPages * kPage});
+    kt.selected = TensorView(top_tokens_.data(), DType::kI32, {kHkv, kKTokens});
+    return p;
+  }
+
+  std::unique_ptr<Backend> cpu_;
+  std::vector<float> q_, segs_, pages_, pool_, seg_scores_, page_scores_, tok_scores_;
+  std::vector<int32_t> table_, top_segs_, top_pages_, top_tokens_;
+};
+
+TEST_F(SelectStagesOpByOpTest, SelectsAsTheOpsOneByOne) {
+  const SelectStagesParams p = Params();
+  // The ops by hand first.
+  for (int i = 0; i < p.num_stages; ++i) {
+    const SelectStage& st = p.stages[i];
+    if (st.summaries.data != nullptr) {
+      ScoreSummariesParams a;
+      a.q = p.q;
+      a.summaries = st.summaries;
+      a.candidates = st.candidates;
+      a.scale = p.scale;
+      a.scores = st.scores;
+      STRATA_ASSERT_OK(cpu_->ScoreSummaries(a, nullptr));
+    } else {
+      ScoreKeysParams k;
+      k.q = p.q;
+      k.k_pool = st.k_pool;
+      k.page_table = st.page_table;
+      k.candidates = st.candidates;
+      k.scale = p.scale;
+      k.scores = st.scores;
+      STRATA_ASSERT_OK(cpu_->ScoreKeys(k, nullptr));
+    }
+    VoteTopKParams t;
+    t.scores = st.scores;
+    t.candidates = st.candidates;
+    t.k = st.k;
+    t.selected = st.selected;
+    STRATA_ASSERT_OK(cpu_->VoteTopK(t, nullptr));
+  }
+  const std::vector<int32_t> want_segs = top_segs_, want_pages = top_pages_,
+                             want_tokens = top_tokens_;
+  // Every stage selected something real (the test data is not degenerate).
+  for (int g = 0; g < kHkv; ++g) {
+    EXPECT_GE(want_tokens[g * kKTokens], 0) << "head " << g;
+  }
+  top_segs_.assign(top_segs_.size(), -7);
+  top_pages_.assign(top_pages_.size(), -7);
+  top_tokens_.assign(top_tokens_.size(), -7);
+  STRATA_ASSERT_OK(cpu_->SelectStages(p, nullptr));
+  EXPECT_EQ(top_segs_, want_segs);
+  EXPECT_EQ(top_pages_, want_pages);
+  EXPECT_EQ(top_tokens_, want_tokens);
+}
+
+TEST_F(SelectStagesOpByOpTest, RefusesABrokenChain) {
+  SelectStagesParams p = Params();
+  std::vector<int32_t> other(top_pages_.size(), 0);
+  p.stages[2].candidates.parents.data = other.data();  // not stage 1's selection
+  EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  p = Params();
+  p.stages[1].candidates.parents = TensorView();  // a plain range after stage 0
+  p.stages[1].candidates.end = kPages;
+  EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  p = Params();
+  p.stages[1].candidates.parents.shape[1] = kKeepSegs - 1;  // a narrower view of it
+  EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  for (int n : {0, -1, kMaxSelectStages + 1}) {
+    p = Params();
+    p.num_stages = n;
+    EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument))
+        << n;
+  }
+  // Nothing was written by a refused call.
+  EXPECT_EQ(top_segs_, std::vector<int32_t>(top_segs_.size(), -7));
+}
+
+TEST_F(SelectStagesOpByOpTest, PassesTheOpsErrorsThrough) {
+  SelectStagesParams p = Params();
+  p.stages[1].scores.shape[2] = 3;  // the page stage's scores too small: ScoreSummaries refuses
+  EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  p = Params();
+  p.stages[2].k = -1;  // VoteTopK refuses
+  EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(SelectStagesOpByOpTest, SkippedHeadsKeepTheirSelections) {
+  const SelectStagesParams p = Params();
+  STRATA_ASSERT_OK(cpu_->SelectStages(p, nullptr));
+  const std::vector<int32_t> fresh_pages = top_pages_, fresh_tokens = top_tokens_;
+  top_pages_.assign(top_pages_.size(), -7);
+  top_tokens_.assign(top_tokens_.size(), -7);
+  const std::vector<int32_t> skip = {0, 1, 0};
+  SelectStagesParams ps = p;
+  ps.skip_heads = skip.data();
+  STRATA_ASSERT_OK(cpu_->SelectStages(ps, nullptr));
+  for (int g = 0; g < kHkv; ++g) {
+    for (int64_t j = 0; j < kKTokens; ++j) {
+      EXPECT_EQ(top_tokens_[g * kKTokens + j], skip[g] ? -7 : fresh_tokens[g * kKTokens + j]);
+    }
+    for (int64_t j = 0; j < kKPages; ++j) {
+      EXPECT_EQ(top_pages_[g * kKPages + j], skip[g] ? -7 : fresh_pages[g * kKPages + j]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::kernels

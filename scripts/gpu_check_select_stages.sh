@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine, from the repo root, over a bundle made by scripts/gpu_run.sh (with
+# cuda_cluster_latency_bench in STRATA_GPU_EXTRA_TARGETS): the fused selection op
+# (Backend::SelectStages, kernels/cuda/selection.cu SelectStagesKernel) checked, then timed:
+#   1. cuda_selection_test's SelectStages tests (the kernel against the CPU twin's ops);
+#   2. cuda_attention_bench --pipelines-only --no-sweep at the contexts given (default 128K and
+#      1M) once per variant of STRATA_AB_PIPES (space-separated; a variant is comma-joined
+#      VAR=value settings, "-" for the defaults; default: fused, op by op, fused on 8-block
+#      clusters);
+#   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it), compute-sanitizer
+#      memcheck and racecheck on the SelectStages tests (STRATA_CHECK_SKIP_SANITIZE=1 skips
+#      them), and with STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench (cluster barrier and
+#      shared-memory read latencies).
+# Full logs in $OUT (else /tmp/strata-gpu-out); test summaries and PIPE / GSTAGES lines printed.
+# Usage: STRATA_GPU_BUNDLE=.gpu scripts/gpu_check_select_stages.sh [contexts...]
+set -uo pipefail
+source "$(dirname "$0")/gpu_bundle_env.sh"
+B="$BUNDLE/bin"
+CTX=("${@:-131072 1048576}")
+# shellcheck disable=SC2206
+CTX=(${CTX[*]})
+export PATH="/usr/local/cuda/bin:$PATH"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }
+
+echo "== SelectStages tests"
+"$B/cuda_selection_test" --gtest_filter='SelectStages*' > "$LOGS/select_stages.log" 2>&1
+echo "cuda_selection_test SelectStages* rc=$? $(summary "$LOGS/select_stages.log")"
+grep -E 'Failure|error|Expected|Which is|seed' "$LOGS/select_stages.log" | head -30
+
+echo "== pipelines"
+i=0
+for variant in ${STRATA_AB_PIPES:-- STRATA_BENCH_FUSED=0 STRATA_SELECT_STAGES_CLUSTER=8}; do
+  i=$((i + 1))
+  echo "-- ${variant}"
+  env_args=()
+  [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
+  env "${env_args[@]}" timeout 200 "$B/cuda_attention_bench" --pipelines-only --no-sweep \
+    "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
+  grep -E '^PIPE|^GSTAGES|^selection' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
+done
+
+if [ "${STRATA_CHECK_SKIP_TESTS:-0}" != 1 ]; then
+  echo "== every gpu test"
+  for bin in "$B"/*_test; do
+    [ -x "$bin" ] || continue
+    name=$(basename "$bin")
+    timeout 400 "$bin" --gtest_brief=1 > "$LOGS/$name.log" 2>&1
+    echo "$name rc=$? $(summary "$LOGS/$name.log")"
+    grep -E '^\[  FAILED  \]' "$LOGS/$name.log" | head -10
+  done
+fi
+if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
+  echo "== compute-sanitizer"
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
+      "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter='SelectStages*' \
+      > "$LOGS/${tool}_select_stages.log" 2>&1
+    echo "$tool SelectStages* rc=$? $(summary "$LOGS/${tool}_select_stages.log")"
+  done
+fi
+if [ "${STRATA_CHECK_LATENCY:-0}" = 1 ] && [ -x "$B/cuda_cluster_latency_bench" ]; then
+  echo "== cluster latencies"
+  "$B/cuda_cluster_latency_bench" 256 > "$LOGS/cluster_latency.txt" 2>&1
+  cat "$LOGS/cluster_latency.txt"
+fi
