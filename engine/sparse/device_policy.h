@@ -1,9 +1,9 @@
 // The quest and tokenselect policies with every step on the compute backend (the selection ops
 // of kernels/backend.h). Minmax page and segment summaries live in backend memory and are
 // refreshed by UpdateSummaries on each append; a decode step's selection (two-level page ranking,
-// token soft vote, top-k) and its attention run as backend ops chained through CandidateList, with
-// nothing read on the host, so on the CUDA backend a layer's decode attention can be captured in
-// a CUDA graph.
+// token soft vote, top-k) runs as one Backend::SelectStages op (on CUDA one kernel) and its
+// attention as SelectedAttention over the selection's CandidateList, with nothing read on the
+// host, so on the CUDA backend a layer's decode attention can be captured in a CUDA graph.
 //
 // Semantics are those of MakeSparsePolicy with the same PolicyOptions (sinks, window, budget,
 // segments, two-level threshold, candidate factor, dense layers; see engine/sparse/policy.h and
