@@ -26,7 +26,7 @@
 #include "engine/transformer.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kernels/backend_factory.h"
+#include "kernels/testing/cuda_plugin_backend.h"
 
 namespace strata::engine {
 namespace {
@@ -123,16 +123,7 @@ void CompareSequences(Transformer* plain, Transformer* graph, DType kv_dtype, in
 }
 
 std::unique_ptr<kernels::Backend> CudaBackendOrNull(std::string* why) {
-  kernels::BackendOptions options;
-  options.kind = kernels::BackendKind::kCuda;
-  const char* env = std::getenv("STRATA_CUDA_PLUGIN");
-  options.cuda_plugin = env != nullptr && *env != '\0' ? env : STRATA_CUDA_PLUGIN_PATH;
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> b = kernels::MakeBackend(options);
-  if (!b.ok()) {
-    *why = b.status().ToString();
-    return nullptr;
-  }
-  return std::move(b).value();
+  return kernels::testing::CudaPluginBackendOrNull(STRATA_CUDA_PLUGIN_PATH, why);
 }
 
 // A CUDA backend, a head_dim-128 model with bf16 weights and two Transformers over it, without

@@ -7,7 +7,7 @@
 // The test fails when no case is found. Run from the repository root (ctest sets it).
 //
 // Built twice: golden_test on the CPU backend, and golden_gpu_test (STRATA_GOLDEN_CUDA, ctest
-// label gpu) on the CUDA backend loaded through kernels::MakeBackend, which must reproduce the
+// label gpu) on the CUDA backend loaded as the plugin (kernels::MakeBackend), which must reproduce the
 // same logits within the same tolerance and the greedy tokens exactly; it is skipped, saying so,
 // where no GPU is present.
 #include <algorithm>
@@ -28,7 +28,7 @@
 #include "engine/transformer.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kernels/backend_factory.h"
+#include "kernels/testing/cuda_plugin_backend.h"
 #include "model/model.h"
 #include "nlohmann/json.hpp"
 
@@ -179,13 +179,11 @@ TEST(GoldenTest, DenseCpuPathReproducesTransformers) {
 }
 #else
 TEST(GoldenTest, DenseCudaPathReproducesTransformers) {
-  kernels::BackendOptions options;
-  options.kind = kernels::BackendKind::kCuda;
-  const char* env = std::getenv("STRATA_CUDA_PLUGIN");
-  options.cuda_plugin = env != nullptr && *env != '\0' ? env : STRATA_CUDA_PLUGIN_PATH;
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend = kernels::MakeBackend(options);
-  if (!backend.ok()) GTEST_SKIP() << "no CUDA GPU: skipped (" << backend.status() << ")";
-  RunGoldenCases(backend->get());
+  std::string why;
+  std::unique_ptr<kernels::Backend> backend =
+      kernels::testing::CudaPluginBackendOrNull(STRATA_CUDA_PLUGIN_PATH, &why);
+  if (backend == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  RunGoldenCases(backend.get());
 }
 #endif
 

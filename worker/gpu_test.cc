@@ -38,7 +38,7 @@
 #include "base/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kernels/backend_factory.h"
+#include "kernels/testing/cuda_plugin_backend.h"
 #include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
 #include "kvstore/local_store.h"
@@ -58,16 +58,7 @@ int64_t EnvInt(const char* name, int64_t fallback) {
 }
 
 std::unique_ptr<kernels::Backend> CudaBackendOrNull(std::string* why) {
-  kernels::BackendOptions options;
-  options.kind = kernels::BackendKind::kCuda;
-  const char* env = std::getenv("STRATA_CUDA_PLUGIN");
-  options.cuda_plugin = env != nullptr && *env != '\0' ? env : STRATA_CUDA_PLUGIN_PATH;
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> b = kernels::MakeBackend(options);
-  if (!b.ok()) {
-    *why = b.status().ToString();
-    return nullptr;
-  }
-  return std::move(b).value();
+  return kernels::testing::CudaPluginBackendOrNull(STRATA_CUDA_PLUGIN_PATH, why);
 }
 
 // A temporary folder with the random small model and a LocalStore, removed on destruction.

@@ -20,7 +20,7 @@
 #include "engine/kv_cache.h"
 #include "engine/sparse/device_policy.h"
 #include "gtest/gtest.h"
-#include "kernels/backend_factory.h"
+#include "kernels/testing/cuda_plugin_backend.h"
 
 namespace strata::engine::sparse {
 namespace {
@@ -29,19 +29,6 @@ using kernels::DType;
 using kernels::TensorView;
 
 constexpr int kHq = 16, kHkv = 4, kD = 128, kPage = 64;
-
-std::unique_ptr<kernels::Backend> CudaBackendOrNull(std::string* why) {
-  kernels::BackendOptions options;
-  options.kind = kernels::BackendKind::kCuda;
-  const char* env = std::getenv("STRATA_CUDA_PLUGIN");
-  options.cuda_plugin = env != nullptr && *env != '\0' ? env : STRATA_CUDA_PLUGIN_PATH;
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> b = kernels::MakeBackend(options);
-  if (!b.ok()) {
-    *why = b.status().ToString();
-    return nullptr;
-  }
-  return std::move(b).value();
-}
 
 // A one-layer bf16 cache and the DevicePolicy over it, on one backend.
 struct Side {
@@ -107,7 +94,8 @@ class DevicePolicyGpuTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   std::string why;
-  std::unique_ptr<kernels::Backend> gpu = CudaBackendOrNull(&why);
+  std::unique_ptr<kernels::Backend> gpu =
+      kernels::testing::CudaPluginBackendOrNull(STRATA_CUDA_PLUGIN_PATH, &why);
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
   const Case c = GetParam();

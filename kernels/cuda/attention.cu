@@ -1542,23 +1542,7 @@ cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(kSmemBytes));
     if (e != cudaSuccess) return e;
-    int count = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-        cudaSuccess) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(16 * 16);
-      cfg.blockDim = dim3(THREADS);
-      cfg.dynamicSmemBytes = kSmemBytes;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 16;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&count, kernel, &cfg) != cudaSuccess) count = 0;
-    }
-    cudaGetLastError();  // a refused non-portable size is not this call's error
+    const int count = MaxActiveClusters(kernel, 16, THREADS, kSmemBytes);
     max_clusters16[device].store(count + 1, std::memory_order_release);
   }
   const int fit16 = max_clusters16[device].load(std::memory_order_acquire) - 1;

@@ -136,103 +136,8 @@ struct Pipeline {
     return bytes;
   }
 
-  // Runs the whole pipeline, or (only >= 0) just its op number `only` (0-based, in order), which
-  // then reads the outputs of the previous stages left by an earlier full run.
-  absl::Status Run(Stream s, int only = -1) const {
-    int stage = 0;
-    auto on = [&]() { return only < 0 || only == stage++; };
-    const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
-    const int group = kQHeads / kKvHeads;
-    ScoreSummariesParams a;
-    a.q = TensorView(q, DType::kF32, {kQHeads, kHeadDim});
-    a.scale = scale;
-    VoteTopKParams t;
-    const int32_t* skip = nullptr;
-    if (cache_mode != 0) {
-      SelectionCacheCheckParams cc;
-      cc.q = a.q;
-      cc.cached_q = TensorView(cache_q, DType::kF32, {kKvHeads, group * kHeadDim});
-      cc.valid = TensorView(cache_valid, DType::kI32, {kKvHeads});
-      cc.theta = cache_mode == 1 ? 2.0f : 0.5f;
-      cc.reuse = TensorView(reuse, DType::kI32, {kKvHeads});
-      if (on()) STRATA_RETURN_IF_ERROR(b->SelectionCacheCheck(cc, s));
-      skip = static_cast<const int32_t*>(reuse);
-    }
-    a.skip_heads = skip;
-    t.skip_heads = skip;
-    if (fused) return RunFused(s, only, stage, skip);
-    if (two_level) {
-      a.summaries = TensorView(seg_sums, summary_dtype, {kKvHeads, segs_per_head, 2 * kHeadDim});
-      a.candidates.begin = s0;
-      a.candidates.end = s1;
-      a.scores = TensorView(seg_scores, DType::kF32, {kKvHeads, group, s1 - s0});
-      if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
-      t.scores = a.scores;
-      t.candidates = a.candidates;
-      t.k = keep_segs;
-      t.selected = TensorView(top_segs, DType::kI32, {kKvHeads, keep_segs});
-      if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
-      a.candidates = CandidateList();
-      a.candidates.parents = t.selected;
-      a.candidates.fanout = kSegPages;
-    } else {
-      a.candidates = CandidateList();
-    }
-    a.summaries = TensorView(page_sums, summary_dtype, {kKvHeads, pages_per_head, 2 * kHeadDim});
-    a.candidates.begin = p0;
-    a.candidates.end = p1;
-    a.scores = TensorView(page_scores, DType::kF32, {kKvHeads, group, page_cands});
-    if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
-    t.scores = a.scores;
-    t.candidates = a.candidates;
-    t.k = top_page_k;
-    t.selected = TensorView(top_pages, DType::kI32, {kKvHeads, top_page_k});
-    if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
-    const TensorView k_pool(k, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
-    const TensorView pt(table, DType::kI32, {kKvHeads, pages_per_head});
-    CandidateList middle;
-    middle.parents = t.selected;
-    middle.fanout = kPage;
-    middle.begin = kSinks;
-    middle.end = window_begin;
-    if (token_level) {
-      ScoreKeysParams sk;
-      sk.q = a.q;
-      sk.k_pool = k_pool;
-      sk.page_table = pt;
-      sk.candidates = middle;
-      sk.scale = scale;
-      sk.skip_heads = skip;
-      sk.scores = TensorView(tok_scores, DType::kF32, {kKvHeads, group, tok_cands});
-      if (on()) STRATA_RETURN_IF_ERROR(b->ScoreKeys(sk, s));
-      t.scores = sk.scores;
-      t.candidates = middle;
-      t.k = kBudget;
-      t.selected = TensorView(top_tokens, DType::kI32, {kKvHeads, kBudget});
-      if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
-      middle.parents = t.selected;
-      middle.fanout = 1;
-    }
-    SelectedAttentionParams at;
-    at.q = TensorView(q, DType::kF32, {1, kQHeads, kHeadDim});
-    at.k_pool = k_pool;
-    at.v_pool = TensorView(v, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
-    at.page_table = pt;
-    at.prefix_end = kSinks;
-    at.middle = middle;
-    at.suffix_begin = window_begin;
-    at.suffix_end = len;
-    at.scale = scale;
-    at.out = TensorView(out, DType::kF32, {1, kQHeads, kHeadDim});
-    at.lse = TensorView(lse, DType::kF32, {1, kQHeads});
-    if (on()) return b->SelectedAttention(at, s);
-    return absl::OkStatus();
-  }
-
-  // The selection as one Backend::SelectStages op (one kernel on CUDA), then the attention;
-  // `stage` counts the ops already passed (the cache check).
-  absl::Status RunFused(Stream s, int only, int stage, const int32_t* skip) const {
-    auto on = [&]() { return only < 0 || only == stage++; };
+  // The selection stages over the pipeline's buffers: [segments ->] pages [-> tokens].
+  SelectStagesParams Stages(const int32_t* skip) const {
     const int group = kQHeads / kKvHeads;
     SelectStagesParams sp;
     sp.q = TensorView(q, DType::kF32, {kQHeads, kHeadDim});
@@ -259,33 +164,88 @@ struct Pipeline {
     pg.k = top_page_k;
     pg.scores = TensorView(page_scores, DType::kF32, {kKvHeads, group, page_cands});
     pg.selected = TensorView(top_pages, DType::kI32, {kKvHeads, top_page_k});
-    const TensorView k_pool(k, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
-    const TensorView pt(table, DType::kI32, {kKvHeads, pages_per_head});
-    CandidateList middle;
-    middle.parents = pg.selected;
-    middle.fanout = kPage;
-    middle.begin = kSinks;
-    middle.end = window_begin;
     if (token_level) {
       SelectStage& kt = sp.stages[n++];
-      kt.k_pool = k_pool;
-      kt.page_table = pt;
-      kt.candidates = middle;
+      kt.k_pool = KPool();
+      kt.page_table = TensorView(table, DType::kI32, {kKvHeads, pages_per_head});
+      kt.candidates.parents = pg.selected;
+      kt.candidates.fanout = kPage;
+      kt.candidates.begin = kSinks;
+      kt.candidates.end = window_begin;
       kt.k = kBudget;
       kt.scores = TensorView(tok_scores, DType::kF32, {kKvHeads, group, tok_cands});
       kt.selected = TensorView(top_tokens, DType::kI32, {kKvHeads, kBudget});
-      middle = CandidateList();
-      middle.parents = kt.selected;
-      middle.begin = kSinks;
-      middle.end = window_begin;
     }
     sp.num_stages = n;
-    if (on()) STRATA_RETURN_IF_ERROR(b->SelectStages(sp, s));
+    return sp;
+  }
+  TensorView KPool() const {
+    return TensorView(k, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
+  }
+
+  // Runs the whole pipeline, or (only >= 0) just its op number `only` (0-based, in order), which
+  // then reads the outputs of the previous stages left by an earlier full run.
+  absl::Status Run(Stream s, int only = -1) const {
+    int stage = 0;
+    auto on = [&]() { return only < 0 || only == stage++; };
+    const int group = kQHeads / kKvHeads;
+    const int32_t* skip = nullptr;
+    if (cache_mode != 0) {
+      SelectionCacheCheckParams cc;
+      cc.q = TensorView(q, DType::kF32, {kQHeads, kHeadDim});
+      cc.cached_q = TensorView(cache_q, DType::kF32, {kKvHeads, group * kHeadDim});
+      cc.valid = TensorView(cache_valid, DType::kI32, {kKvHeads});
+      cc.theta = cache_mode == 1 ? 2.0f : 0.5f;
+      cc.reuse = TensorView(reuse, DType::kI32, {kKvHeads});
+      if (on()) STRATA_RETURN_IF_ERROR(b->SelectionCacheCheck(cc, s));
+      skip = static_cast<const int32_t*>(reuse);
+    }
+    const SelectStagesParams sp = Stages(skip);
+    if (fused) {
+      if (on()) STRATA_RETURN_IF_ERROR(b->SelectStages(sp, s));
+    } else {
+      // The ops SelectStages stands for, one by one (kernels::SelectStagesOpByOp's calls).
+      for (int i = 0; i < sp.num_stages; ++i) {
+        const SelectStage& st = sp.stages[i];
+        if (st.summaries.data != nullptr) {
+          ScoreSummariesParams a;
+          a.q = sp.q;
+          a.summaries = st.summaries;
+          a.candidates = st.candidates;
+          a.scale = sp.scale;
+          a.scores = st.scores;
+          a.skip_heads = skip;
+          if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
+        } else {
+          ScoreKeysParams sk;
+          sk.q = sp.q;
+          sk.k_pool = st.k_pool;
+          sk.page_table = st.page_table;
+          sk.candidates = st.candidates;
+          sk.scale = sp.scale;
+          sk.scores = st.scores;
+          sk.skip_heads = skip;
+          if (on()) STRATA_RETURN_IF_ERROR(b->ScoreKeys(sk, s));
+        }
+        VoteTopKParams t;
+        t.scores = st.scores;
+        t.candidates = st.candidates;
+        t.k = st.k;
+        t.selected = st.selected;
+        t.skip_heads = skip;
+        if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
+      }
+    }
+    CandidateList middle;
+    middle.parents = sp.stages[sp.num_stages - 1].selected;
+    middle.fanout = token_level ? 1 : kPage;
+    middle.begin = kSinks;
+    middle.end = window_begin;
     SelectedAttentionParams at;
     at.q = TensorView(q, DType::kF32, {1, kQHeads, kHeadDim});
-    at.k_pool = k_pool;
+    at.k_pool = KPool();
     at.v_pool = TensorView(v, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
-    at.page_table = pt;
+    at.page_table = TensorView(table, DType::kI32, {kKvHeads, pages_per_head});
     at.prefix_end = kSinks;
     at.middle = middle;
     at.suffix_begin = window_begin;

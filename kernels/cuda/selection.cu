@@ -1150,12 +1150,13 @@ __device__ __forceinline__ uint32_t RegCounts(const uint32_t (&key)[kPer], uint3
 }
 
 // Step (4): `before` = (above << 16 | equal) counts of every candidate before the thread's: its
-// taken ids go to out from gt_before + min(eq_before, need_eq) on, in index order.
-template <int kPer>
-__device__ __forceinline__ void RegWriteTaken(const uint32_t (&key)[kPer],
-                                              const int32_t (&ids)[kPer], uint32_t prefix,
-                                              uint32_t mask, uint32_t need_eq, uint32_t before,
-                                              int k, int32_t* out) {
+// taken ids get the output positions gt_before + min(eq_before, need_eq) on, in index order;
+// emit(pos, id) is called for each one with pos < k.
+template <int kPer, typename Emit>
+__device__ __forceinline__ void RegForEachTaken(const uint32_t (&key)[kPer],
+                                                const int32_t (&ids)[kPer], uint32_t prefix,
+                                                uint32_t mask, uint32_t need_eq, uint32_t before,
+                                                int k, Emit emit) {
   uint32_t eq_seen = before & 0xffffu;
   uint32_t pos = (before >> 16) + min(eq_seen, need_eq);
 #pragma unroll
@@ -1171,10 +1172,20 @@ __device__ __forceinline__ void RegWriteTaken(const uint32_t (&key)[kPer],
       }
     }
     if (take) {
-      if (pos < static_cast<uint32_t>(k)) out[pos] = ids[j];
+      if (pos < static_cast<uint32_t>(k)) emit(pos, ids[j]);
       ++pos;
     }
   }
+}
+
+// RegForEachTaken writing the ids to out.
+template <int kPer>
+__device__ __forceinline__ void RegWriteTaken(const uint32_t (&key)[kPer],
+                                              const int32_t (&ids)[kPer], uint32_t prefix,
+                                              uint32_t mask, uint32_t need_eq, uint32_t before,
+                                              int k, int32_t* out) {
+  RegForEachTaken<kPer>(key, ids, prefix, mask, need_eq, before, k,
+                        [&](uint32_t pos, int32_t id) { out[pos] = id; });
 }
 
 template <int kPer>
@@ -2330,37 +2341,20 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     int32_t* out = stage.selected + static_cast<int64_t>(g) * stage.k;
     const bool last = si + 1 == st.num_stages;
     // The taken ids to `selected` in index order (ties to the lowest indices) and, for the next
-    // stage, to every block's parents_s (RegWriteTaken's walk).
+    // stage, to every block's parents_s.
     if (!last && tid == 0) MbarExpect(SharedAddr(&mbar[6]), taken_total * sizeof(int32_t));
-    {
-      uint32_t eq_seen = before & 0xffffu;
-      uint32_t pos = (before >> 16) + min(eq_seen, remaining);
-#pragma unroll
-      for (int j = 0; j < P; ++j) {
-        bool take = false;
-        if (key[j] != 0) {
-          const uint32_t km = key[j] & mask;
-          if (km > prefix) {
-            take = true;
-          } else if (km == prefix) {
-            take = eq_seen < remaining;
-            ++eq_seen;
-          }
-        }
-        if (take) {
-          if (pos < static_cast<uint32_t>(stage.k)) {
-            out[pos] = ids[j];
-            if (!last) {
-              const uint32_t dst = SharedAddr(&parents_s[pos]), bar = SharedAddr(&mbar[6]);
-              for (int r = 0; r < cs; ++r) {
-                StAsync4(MapToRank(dst, r), static_cast<uint32_t>(ids[j]), MapToRank(bar, r));
-              }
-            }
-          }
-          ++pos;
-        }
-      }
-    }
+    RegForEachTaken<P>(key, ids, prefix, mask, remaining, before, stage.k,
+                       [&](uint32_t pos, int32_t id) {
+                         out[pos] = id;
+                         if (!last) {
+                           const uint32_t dst = SharedAddr(&parents_s[pos]);
+                           const uint32_t bar = SharedAddr(&mbar[6]);
+                           for (int r = 0; r < cs; ++r) {
+                             StAsync4(MapToRank(dst, r), static_cast<uint32_t>(id),
+                                      MapToRank(bar, r));
+                           }
+                         }
+                       });
     for (int64_t j = taken_total + static_cast<int64_t>(rank) * kStagesThreads + tid; j < stage.k;
          j += static_cast<int64_t>(cs) * kStagesThreads) {
       out[j] = -1;
@@ -2715,30 +2709,14 @@ int SelectStagesClusterBlocks(int num_kv_heads) {
   // store the same value.
   static std::atomic<int> fit16[kStagesMaxDevices];  // 0: unknown, 1: unusable, else count + 2
   if (fit16[device].load(std::memory_order_acquire) == 0) {
-    int count = 0;
     // Static plus dynamic shared memory is above the default 48 KiB.
     const bool smem_ok = cudaFuncSetAttribute(SelectStagesKernel,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               kStagesDynamicSmem) == cudaSuccess;
-    if (smem_ok && cudaFuncSetAttribute(SelectStagesKernel,
-                                        cudaFuncAttributeNonPortableClusterSizeAllowed,
-                                        1) == cudaSuccess) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(16 * 16);
-      cfg.blockDim = dim3(kStagesThreads);
-      cfg.dynamicSmemBytes = kStagesDynamicSmem;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 16;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&count, SelectStagesKernel, &cfg) != cudaSuccess) {
-        count = 0;
-      }
-    }
     cudaGetLastError();  // a refused attribute is not the caller's error
+    const int count =
+        smem_ok ? MaxActiveClusters(SelectStagesKernel, 16, kStagesThreads, kStagesDynamicSmem)
+                : 0;
     fit16[device].store(smem_ok ? count + 2 : 1, std::memory_order_release);
   }
   const int state = fit16[device].load(std::memory_order_acquire);

@@ -68,6 +68,31 @@ cudaError_t LaunchDependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, int
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
 }
 
+// How many clusters of `size` blocks of `kernel` (`threads` per block, `smem` bytes of dynamic
+// shared memory) fit on the current device at once, once the non-portable cluster size is
+// allowed; 0 when it is refused. Clears the error a refusal leaves.
+template <typename... KArgs>
+int MaxActiveClusters(void (*kernel)(KArgs...), int size, int threads, size_t smem) {
+  int count = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+      cudaSuccess) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(size) * 16);
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(size);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&count, kernel, &cfg) != cudaSuccess) count = 0;
+  }
+  cudaGetLastError();
+  return count;
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
