@@ -642,6 +642,11 @@ class Backend {
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s);
 // The chain checks of SelectStagesOpByOp alone (the ops check the rest).
 absl::Status CheckSelectStagesChain(const SelectStagesParams& p);
+// The params of the ops stage i of p stands for (SelectStagesOpByOp's calls): ScoreSummaries
+// (summaries.data set) or ScoreKeys, then VoteTopK (no vote output).
+ScoreSummariesParams StageScoreSummariesParams(const SelectStagesParams& p, int i);
+ScoreKeysParams StageScoreKeysParams(const SelectStagesParams& p, int i);
+VoteTopKParams StageVoteTopKParams(const SelectStagesParams& p, int i);
 
 // The CPU reference backend. `num_threads` <= 0 means all cores (OpenMP default).
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads = 0);

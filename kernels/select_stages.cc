@@ -26,37 +26,51 @@ absl::Status CheckSelectStagesChain(const SelectStagesParams& p) {
   return absl::OkStatus();
 }
 
+ScoreSummariesParams StageScoreSummariesParams(const SelectStagesParams& p, int i) {
+  const SelectStage& st = p.stages[i];
+  ScoreSummariesParams a;
+  a.q = p.q;
+  a.summaries = st.summaries;
+  a.candidates = st.candidates;
+  a.scale = p.scale;
+  a.scores = st.scores;
+  a.skip_heads = p.skip_heads;
+  return a;
+}
+
+ScoreKeysParams StageScoreKeysParams(const SelectStagesParams& p, int i) {
+  const SelectStage& st = p.stages[i];
+  ScoreKeysParams k;
+  k.q = p.q;
+  k.k_pool = st.k_pool;
+  k.page_table = st.page_table;
+  k.candidates = st.candidates;
+  k.scale = p.scale;
+  k.scores = st.scores;
+  k.skip_heads = p.skip_heads;
+  return k;
+}
+
+VoteTopKParams StageVoteTopKParams(const SelectStagesParams& p, int i) {
+  const SelectStage& st = p.stages[i];
+  VoteTopKParams t;
+  t.scores = st.scores;
+  t.candidates = st.candidates;
+  t.k = st.k;
+  t.selected = st.selected;
+  t.skip_heads = p.skip_heads;
+  return t;
+}
+
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
   for (int i = 0; i < p.num_stages; ++i) {
-    const SelectStage& st = p.stages[i];
-    if (st.summaries.data != nullptr) {
-      ScoreSummariesParams a;
-      a.q = p.q;
-      a.summaries = st.summaries;
-      a.candidates = st.candidates;
-      a.scale = p.scale;
-      a.scores = st.scores;
-      a.skip_heads = p.skip_heads;
-      STRATA_RETURN_IF_ERROR(b.ScoreSummaries(a, s));
+    if (p.stages[i].summaries.data != nullptr) {
+      STRATA_RETURN_IF_ERROR(b.ScoreSummaries(StageScoreSummariesParams(p, i), s));
     } else {
-      ScoreKeysParams k;
-      k.q = p.q;
-      k.k_pool = st.k_pool;
-      k.page_table = st.page_table;
-      k.candidates = st.candidates;
-      k.scale = p.scale;
-      k.scores = st.scores;
-      k.skip_heads = p.skip_heads;
-      STRATA_RETURN_IF_ERROR(b.ScoreKeys(k, s));
+      STRATA_RETURN_IF_ERROR(b.ScoreKeys(StageScoreKeysParams(p, i), s));
     }
-    VoteTopKParams t;
-    t.scores = st.scores;
-    t.candidates = st.candidates;
-    t.k = st.k;
-    t.selected = st.selected;
-    t.skip_heads = p.skip_heads;
-    STRATA_RETURN_IF_ERROR(b.VoteTopK(t, s));
+    STRATA_RETURN_IF_ERROR(b.VoteTopK(StageVoteTopKParams(p, i), s));
   }
   return absl::OkStatus();
 }

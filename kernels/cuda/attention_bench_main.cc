@@ -206,34 +206,12 @@ struct Pipeline {
     } else {
       // The ops SelectStages stands for, one by one (kernels::SelectStagesOpByOp's calls).
       for (int i = 0; i < sp.num_stages; ++i) {
-        const SelectStage& st = sp.stages[i];
-        if (st.summaries.data != nullptr) {
-          ScoreSummariesParams a;
-          a.q = sp.q;
-          a.summaries = st.summaries;
-          a.candidates = st.candidates;
-          a.scale = sp.scale;
-          a.scores = st.scores;
-          a.skip_heads = skip;
-          if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(a, s));
+        if (sp.stages[i].summaries.data != nullptr) {
+          if (on()) STRATA_RETURN_IF_ERROR(b->ScoreSummaries(StageScoreSummariesParams(sp, i), s));
         } else {
-          ScoreKeysParams sk;
-          sk.q = sp.q;
-          sk.k_pool = st.k_pool;
-          sk.page_table = st.page_table;
-          sk.candidates = st.candidates;
-          sk.scale = sp.scale;
-          sk.scores = st.scores;
-          sk.skip_heads = skip;
-          if (on()) STRATA_RETURN_IF_ERROR(b->ScoreKeys(sk, s));
+          if (on()) STRATA_RETURN_IF_ERROR(b->ScoreKeys(StageScoreKeysParams(sp, i), s));
         }
-        VoteTopKParams t;
-        t.scores = st.scores;
-        t.candidates = st.candidates;
-        t.k = st.k;
-        t.selected = st.selected;
-        t.skip_heads = skip;
-        if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(t, s));
+        if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(StageVoteTopKParams(sp, i), s));
       }
     }
     CandidateList middle;

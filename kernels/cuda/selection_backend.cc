@@ -212,27 +212,14 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
     cuda_internal::DeviceSelectStage& ds = d.stage[i];
     int64_t stage_hkv = 0;
     if (st.summaries.data != nullptr) {
-      ScoreSummariesParams a;
-      a.q = p.q;
-      a.summaries = st.summaries;
-      a.candidates = st.candidates;
-      a.scale = p.scale;
-      a.scores = st.scores;
-      STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(a));
+      STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(StageScoreSummariesParams(p, i)));
       stage_hkv = st.summaries.dim(0);
       fused = fused && st.summaries.dtype == DType::kBF16;
       ds.kind = cuda_internal::SelectStageKind::kSummariesBF16;
       ds.rows = st.summaries.data;
       ds.num_items = st.summaries.dim(1);
     } else {
-      ScoreKeysParams k;
-      k.q = p.q;
-      k.k_pool = st.k_pool;
-      k.page_table = st.page_table;
-      k.candidates = st.candidates;
-      k.scale = p.scale;
-      k.scores = st.scores;
-      STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(k));
+      STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(StageScoreKeysParams(p, i)));
       stage_hkv = st.page_table.dim(0);
       const int page_shift = ShiftOf(st.k_pool.dim(1));
       const int fanout_shift = st.candidates.parents.data == nullptr
@@ -248,12 +235,7 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
       ds.page_shift = page_shift;
       ds.fanout_shift = fanout_shift;
     }
-    VoteTopKParams t;
-    t.scores = st.scores;
-    t.candidates = st.candidates;
-    t.k = st.k;
-    t.selected = st.selected;
-    STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(t));
+    STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(StageVoteTopKParams(p, i)));
     fused = fused && stage_hkv == hkv &&
             reinterpret_cast<uintptr_t>(ds.rows) % 16 == 0 && st.k <= (int64_t{1} << 30);
     ds.c = ToDevice(st.candidates);

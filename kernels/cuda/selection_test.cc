@@ -1407,29 +1407,12 @@ ChainRef RunChainOnCpu(Backend* cpu, Chain& ch) {
   for (int i = 0; i < n; ++i) {
     const SelectStage& st = p.stages[i];
     if (st.summaries.data != nullptr) {
-      ScoreSummariesParams a;
-      a.q = p.q;
-      a.summaries = st.summaries;
-      a.candidates = st.candidates;
-      a.scale = p.scale;
-      a.scores = st.scores;
-      EXPECT_TRUE(cpu->ScoreSummaries(a, nullptr).ok());
+      EXPECT_TRUE(cpu->ScoreSummaries(StageScoreSummariesParams(p, i), nullptr).ok());
     } else {
-      ScoreKeysParams k;
-      k.q = p.q;
-      k.k_pool = st.k_pool;
-      k.page_table = st.page_table;
-      k.candidates = st.candidates;
-      k.scale = p.scale;
-      k.scores = st.scores;
-      EXPECT_TRUE(cpu->ScoreKeys(k, nullptr).ok());
+      EXPECT_TRUE(cpu->ScoreKeys(StageScoreKeysParams(p, i), nullptr).ok());
     }
     std::vector<float> vote(static_cast<size_t>(c.hkv) * std::max<int64_t>(1, ch.counts[i]));
-    VoteTopKParams t;
-    t.scores = st.scores;
-    t.candidates = st.candidates;
-    t.k = st.k;
-    t.selected = st.selected;
+    VoteTopKParams t = StageVoteTopKParams(p, i);
     t.vote = TensorView(vote.data(), DType::kF32, {c.hkv, ch.counts[i]});
     EXPECT_TRUE(cpu->VoteTopK(t, nullptr).ok());
     const int64_t end = st.candidates.end;
