@@ -1888,27 +1888,32 @@ __global__ void __launch_bounds__(kSumThreads)
 
 // ---- SelectStages: every stage of a decode step's selection in one kernel -------------------
 // SelectStagesKernel: grid (cs, KV heads), one cluster of cs (8 or 16) blocks of 256 threads per
-// KV head g (kernels/backend.h SelectStagesParams). For each stage in order, block r owns the
-// stage's candidates [r * per, (r + 1) * per) (per = ceil(n / cs) <= 512) and
+// KV head g (kernels/backend.h SelectStagesParams). At the start each block builds the query's
+// tensor-core operands (StageATables) and initialises its mbarriers. For each stage in order,
+// block r owns the stage's candidates [r * per, (r + 1) * per) (per = ceil(n / cs) <= 1024) and
 //   (1) scores them into shared memory on tensor cores (StageScoreMma below: bf16 rows, the
 //       query split into three bf16 parts, f32 accumulation), within f32 rounding of the
 //       scores of ScoreSummaries / ScoreKeys;
-//   (2) thread t takes the block's candidates [2t, 2t + 2): per query head the block's max and
-//       sum of exp(x - max) (warps, then warp 0) go to shared memory; one cluster barrier; every
-//       warp merges the cs block partials in block order (every block gets the same bits), then
-//       votes and 32-bit keys as RegisterVoteTopKKernel;
+//   (2) warp h < 4 takes head h's max and sum of exp(x - max) over the block's scores; the
+//       block's partials go to every block (st.async onto its mbarrier); every warp merges the
+//       cs partials in block order (every block gets the same bits); thread t takes the block's
+//       candidates [4t, 4t + 4) and computes votes and 32-bit keys as RegisterVoteTopKKernel;
 //   (3) radix select, 8 bits per pass from the top: the block's histogram of the pass as 128
-//       words of two 16-bit counts (a block holds <= 512 keys, the cluster <= 8192), a cluster
-//       barrier, then warp 0 reads every block's words (lane L: bins 248 - 8L .. 255 - 8L, one
-//       16-byte load per block: 8 KiB per pass from 16 blocks) and finds the bin from registers
-//       (RegFindBinOf); the result reaches the block's other warps through shared memory;
+//       words of two 16-bit counts (a block holds <= 1024 keys, the cluster <= 16384), pushed by
+//       warp 0 to every block (16 bytes per lane and block, double-buffered slots); every warp
+//       sums the cs copies of its lane's bins (248 - 8L .. 255 - 8L) and finds the same bin
+//       from registers (RegFindBinOf);
 //   (4) compaction as ClusterRegisterVoteTopKKernel: per-thread (above, equal) counts, a block
-//       scan, block totals exchanged after a cluster barrier, taken ids written to the stage's
-//       `selected` in index order (ties to the lowest indices), -1 up to k; a last cluster
-//       barrier makes them visible to every block of the cluster (the next stage reads its
-//       parents there, past L1) and ends every read of another block's shared memory.
-// The H200 measured 190 ns per cluster barrier and 100 ns per dependent read of another block's
-// shared memory (cuda_cluster_latency_bench): a stage takes 6 or 7 barriers.
+//       scan, block totals pushed to every block; the taken ids go to the stage's `selected` in
+//       index order (ties to the lowest indices), -1 up to k, and, when a stage follows, to
+//       every block's shared memory as that stage's parents (RegForEachTaken).
+// Why pushes and not cluster barriers: on Hopper barrier.cluster.arrive.release compiles to a
+// GPU-scope memory barrier (MEMBAR.ALL.GPU) and wait.acquire invalidates L1; the H200 measured
+// 190 ns per cluster barrier without memory traffic and 700-900 ns after a global store
+// (cuda_cluster_latency_bench). The kernel keeps one split relaxed barrier at the start (the
+// mbarriers initialised before any push) and one at the end (no block leaves while another may
+// still push to it). A receive slot is written again only after its reader has pushed something
+// the writer waited for since (the per-stage order of pushes), so no barrier guards reuse.
 constexpr int kStagesThreads = 256;
 constexpr int kStagesWarps = kStagesThreads / 32;
 constexpr int kStagesPer = 4;  // candidates per thread
