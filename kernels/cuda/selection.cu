@@ -485,9 +485,20 @@ __device__ __forceinline__ uint32_t WarpInclusiveScanU(uint32_t v) {
   return v;
 }
 
+// kPacked: hp holds 128 words, bin b in the 16-bit half b & 1 of word b / 2 (counts < 65536).
+template <bool kPacked = false>
+__device__ __forceinline__ void HistAddAt(uint32_t* hp, uint32_t bin, uint32_t count) {
+  if constexpr (kPacked) {
+    atomicAdd(&hp[bin >> 1], count << (16 * (bin & 1u)));
+  } else {
+    atomicAdd(&hp[bin], count);
+  }
+}
+
 // Adds one to bin `bin` (< 256; 256 = none) of `hist` for every lane: one atomic for all lanes
 // that share the first active lane's bin (in the early passes most keys share a few bins), one
 // per lane for the others. Every lane of the warp must call it.
+template <bool kPacked = false>
 __device__ __forceinline__ void WarpHistogramAddCommon(uint32_t* hist, uint32_t bin) {
   const unsigned active = __ballot_sync(0xffffffffu, bin < 256);
   if (active == 0) return;  // warp-uniform
@@ -496,9 +507,9 @@ __device__ __forceinline__ void WarpHistogramAddCommon(uint32_t* hist, uint32_t 
   const unsigned same = __ballot_sync(0xffffffffu, bin == lb);
   const int lane = threadIdx.x & 31;
   if (lane == leader) {
-    atomicAdd(&hist[lb], static_cast<uint32_t>(__popc(same)));
+    HistAddAt<kPacked>(hist, lb, static_cast<uint32_t>(__popc(same)));
   } else if (bin < 256 && bin != lb) {
-    atomicAdd(&hist[bin], 1u);
+    HistAddAt<kPacked>(hist, bin, 1u);
   }
 }
 
@@ -907,16 +918,6 @@ constexpr int64_t kRegClusterMaxCandidates = int64_t{kClusterMax} * kRegClusterM
 // 2 aggregated in passes 0-1 (most keys still in the running) and one plain atomic per key from
 // pass 2 on (few keys left). Chosen by STRATA_SELECTION_REG_HIST (A/B timing). Every lane of the
 // warp must call it.
-// kPacked: hp holds 128 words, bin b in the 16-bit half b & 1 of word b / 2 (counts < 65536).
-template <bool kPacked = false>
-__device__ __forceinline__ void HistAddAt(uint32_t* hp, uint32_t bin, uint32_t count) {
-  if constexpr (kPacked) {
-    atomicAdd(&hp[bin >> 1], count << (16 * (bin & 1u)));
-  } else {
-    atomicAdd(&hp[bin], count);
-  }
-}
-
 template <bool kPacked = false>
 __device__ __forceinline__ void RegHistAdd(uint32_t* hp, uint32_t bin, int mode, int pass) {
   if (mode == 1 || (mode == 2 && pass < 2)) {
@@ -927,21 +928,8 @@ __device__ __forceinline__ void RegHistAdd(uint32_t* hp, uint32_t bin, int mode,
     }
   } else if (mode == 2) {
     if (bin < 256) HistAddAt<kPacked>(hp, bin, 1u);
-  } else if constexpr (kPacked) {
-    // WarpHistogramAddCommon's aggregation into packed bins.
-    const unsigned active = __ballot_sync(0xffffffffu, bin < 256);
-    if (active == 0) return;  // warp-uniform
-    const int leader = __ffs(active) - 1;
-    const uint32_t lb = __shfl_sync(0xffffffffu, bin, leader);
-    const unsigned same = __ballot_sync(0xffffffffu, bin == lb);
-    const int lane = threadIdx.x & 31;
-    if (lane == leader) {
-      HistAddAt<true>(hp, lb, static_cast<uint32_t>(__popc(same)));
-    } else if (bin < 256 && bin != lb) {
-      HistAddAt<true>(hp, bin, 1u);
-    }
   } else {
-    WarpHistogramAddCommon(hp, bin);
+    WarpHistogramAddCommon<kPacked>(hp, bin);
   }
 }
 
