@@ -373,24 +373,22 @@ absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::Ten
                                    int64_t k, const kernels::TensorView& scores,
                                    const kernels::TensorView& selected,
                                    const int32_t* skip_heads) {
-  kernels::CandidateList cand;
-  cand.begin = 1;
-  cand.end = window_first;
-  kernels::ScoreSummariesParams sp;
+  // One SelectStages stage: ScoreSummaries then VoteTopK, which the CUDA backend runs as one
+  // kernel for bf16 summaries (kernels/cuda/selection.cu SelectStagesKernel) and as the two ops
+  // otherwise.
+  kernels::SelectStagesParams sp;
   sp.q = q;
-  sp.summaries = summaries;
-  sp.candidates = cand;
   sp.scale = 1.0f / std::sqrt(static_cast<float>(q.dim(1)));
-  sp.scores = scores;
+  sp.num_stages = 1;
+  kernels::SelectStage& st = sp.stages[0];
+  st.summaries = summaries;
+  st.candidates.begin = 1;
+  st.candidates.end = window_first;
+  st.k = k;
+  st.scores = scores;
+  st.selected = selected;
   sp.skip_heads = skip_heads;
-  STRATA_RETURN_IF_ERROR(backend->ScoreSummaries(sp, nullptr));
-  kernels::VoteTopKParams vp;
-  vp.scores = scores;
-  vp.candidates = cand;
-  vp.k = k;
-  vp.selected = selected;
-  vp.skip_heads = skip_heads;
-  return backend->VoteTopK(vp, nullptr);
+  return backend->SelectStages(sp, nullptr);
 }
 
 void AppendChosenPages(const int32_t* selected, int64_t k, int64_t window_first,

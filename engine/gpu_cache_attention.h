@@ -111,12 +111,13 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 
 // The device side of the same choice for one query token, enqueued on the backend's default
 // stream (nothing read on the host): scores the middle pages [1, window_first) of every KV head
-// by their minmax summaries (Backend::ScoreSummaries, scale 1 / sqrt(d)) and keeps the k pages of
-// highest head soft vote (Backend::VoteTopK). q: [hq, d] f32; summaries: [hkv, pages, 2d] f32;
-// scores: scratch [hkv, hq / hkv, window_first - 1] f32; selected: [hkv, k] i32 (out, ascending
-// page ids, -1 pads); all backend memory. The caller adds page 0 and the window pages.
-// With skip_heads (backend memory, [hkv] i32: DeviceSelectionCache::Check's reuse flags) a KV
-// head flagged keeps its row of `selected` (and of `scores`) as it was.
+// by their minmax summaries (ScoreSummaries, scale 1 / sqrt(d)) and keeps the k pages of highest
+// head soft vote (VoteTopK), as one Backend::SelectStages stage (on CUDA with bf16 summaries one
+// kernel). q: [hq, d] f32; summaries: [hkv, pages, 2d] f32 or bf16; scores: scratch
+// [hkv, hq / hkv, window_first - 1] f32 (contents unspecified after the call); selected: [hkv, k]
+// i32 (out, ascending page ids, -1 pads); all backend memory. The caller adds page 0 and the
+// window pages. With skip_heads (backend memory, [hkv] i32: DeviceSelectionCache::Check's reuse
+// flags) a KV head flagged keeps its row of `selected` as it was.
 absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
                                    const kernels::TensorView& summaries, int64_t window_first,
                                    int64_t k, const kernels::TensorView& scores,
