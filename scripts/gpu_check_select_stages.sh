@@ -2,11 +2,14 @@
 # Runs ON the GPU machine, from the repo root, over a bundle made by scripts/gpu_run.sh (with
 # cuda_cluster_latency_bench in STRATA_GPU_EXTRA_TARGETS): the fused selection op
 # (Backend::SelectStages, kernels/cuda/selection.cu SelectStagesKernel) checked, then timed:
-#   1. cuda_selection_test's SelectStages tests (the kernel against the CPU twin's ops);
+#   1. cuda_selection_test's SelectStages tests (the kernel against the CPU twin's ops), with the
+#      defaults and once per variant of STRATA_CHECK_TEST_VARIANTS (as STRATA_AB_PIPES below);
 #   2. cuda_attention_bench --pipelines-only --no-sweep at the contexts given (default 128K and
 #      1M) once per variant of STRATA_AB_PIPES (space-separated; a variant is comma-joined
 #      VAR=value settings, "-" for the defaults; default: fused, op by op, fused on 8-block
 #      clusters);
+#   2b. with STRATA_CHECK_PHASES (variants as STRATA_AB_PIPES) the selection kernel's phase
+#      stamps per variant (cuda_attention_bench --stage-phases);
 #   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it), compute-sanitizer
 #      memcheck and racecheck on the SelectStages tests (STRATA_CHECK_SKIP_SANITIZE=1 skips
 #      them), and with STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench (cluster barrier and
@@ -24,9 +27,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }
 
 echo "== SelectStages tests"
-"$B/cuda_selection_test" --gtest_filter='SelectStages*' > "$LOGS/select_stages.log" 2>&1
-echo "cuda_selection_test SelectStages* rc=$? $(summary "$LOGS/select_stages.log")"
-grep -E 'Failure|error|Expected|Which is|seed' "$LOGS/select_stages.log" | head -30
+j=0
+for variant in - ${STRATA_CHECK_TEST_VARIANTS:-}; do
+  j=$((j + 1))
+  env_args=()
+  [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
+  env "${env_args[@]}" "$B/cuda_selection_test" --gtest_filter='SelectStages*' \
+    > "$LOGS/select_stages_$j.log" 2>&1
+  echo "cuda_selection_test SelectStages* [$variant] rc=$? $(summary "$LOGS/select_stages_$j.log")"
+  grep -E 'Failure|error|Expected|Which is|seed' "$LOGS/select_stages_$j.log" | head -30
+done
 
 echo "== pipelines"
 i=0
@@ -39,6 +49,17 @@ for variant in ${STRATA_AB_PIPES:-- STRATA_BENCH_FUSED=0 STRATA_SELECT_STAGES_CL
     "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
   grep -E '^PIPE|^GSTAGES|^selection' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
 done
+
+if [ -n "${STRATA_CHECK_PHASES:-}" ]; then
+  echo "== selection kernel phases"
+  for variant in ${STRATA_CHECK_PHASES}; do
+    echo "-- ${variant}"
+    env_args=()
+    [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
+    env "${env_args[@]}" timeout 200 "$B/cuda_attention_bench" --pipelines-only --no-sweep \
+      --stage-phases "${CTX[@]}" 2>&1 | grep -E '^PHASES' | grep -v 'not run'
+  done
+fi
 
 if [ "${STRATA_CHECK_SKIP_TESTS:-0}" != 1 ]; then
   echo "== every gpu test"
