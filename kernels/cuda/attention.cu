@@ -956,11 +956,13 @@ __global__ void __launch_bounds__(kThreads)
 // ring tile by tile with an online softmax, refilling each stage with the tile kClusterStages
 // ahead.
 //   The merge: every block pushes its partial per query head h (m, l, unnormalised o) into the
-// receive area of block h % cluster_size (distributed shared memory, after a split cluster barrier
-// begun at entry that tells every block of the cluster has started), one cluster barrier makes
-// the pushes visible, and each block merges its heads from its own shared memory and writes out
-// and lse; no block reads another's shared memory, so none waits for the merge to end. One
-// launch, no global scratch.
+// receive area of block h % cluster_size with st.async (distributed shared memory, after a split
+// cluster barrier begun at entry that tells every block of the cluster has started and has
+// initialised its mbarrier); a block with heads to merge waits on its mbarrier for their bytes
+// from every block, merges them from its own shared memory and writes out and lse. A relaxed
+// cluster barrier (no memory ordering: on Hopper a release one is a GPU-scope memory barrier)
+// only keeps every block until no push can be in flight. No block reads another's shared
+// memory. One launch, no global scratch.
 constexpr int kClusterStages = 3;
 // Auto path choice: the cluster kernel up to this many positions per KV head (16 blocks of at most
 // 3 tiles of 64 keys: every position of a bf16/fp8 d <= 128 call is in flight after the
@@ -1061,7 +1063,14 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
   constexpr int kMaxG = kGroup > 0 ? kGroup : kDecodeMaxGroup;
   using T = ClusterTile<KV, HEAD_DIM, THREADS, kMaxG, (kGroup > 0)>;
   constexpr int S = kClusterStages, kKeys = T::kKeys, kPKeys = T::kPKeys;
-  // Every block of the cluster has started once this split barrier completes (before the push).
+  // The mbarrier on which the partials pushed to this block complete (one use per launch). Every
+  // block of the cluster has started, and initialised it, once this split barrier completes
+  // (before the push; the fence releases the initialisation to the cluster).
+  __shared__ __align__(8) uint64_t merge_bar;
+  if (threadIdx.x == 0) {
+    MbarInit(SharedAddr(&merge_bar), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   // Programmatic dependent launch (SelectedPdl): the launch and the block setup overlap the
   // previous kernel's tail; every global read below waits for its completion here (a no-op for
@@ -1426,24 +1435,55 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
   stamp(4);
 
   // Push: head h's partial (o, m, l) goes to slot (h / cluster_size) * cluster_size + rank of
-  // block h % cluster_size's receive area.
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block has started
+  // block h % cluster_size's receive area, by st.async completing on that block's merge_bar (no
+  // cluster barrier with memory ordering: on Hopper its release is a GPU-scope memory barrier);
+  // a merging block waits on merge_bar for the bytes of its `mine` heads from every block.
+  const int mine = rank < group ? (group - rank + cluster_size - 1) / cluster_size : 0;
   constexpr int kPieces = HEAD_DIM / 4;  // float4 pieces of a head's o
-  for (int i = tid; i < group * (kPieces + 1); i += THREADS) {
-    const int h = i / (kPieces + 1), c = i % (kPieces + 1);
-    const int slot = (h / cluster_size) * cluster_size + rank;
-    float* dst = cluster.map_shared_rank(recv_s + slot * T::kRecvStride, h % cluster_size);
-    const float4 v = c < kPieces ? *reinterpret_cast<const float4*>(o_s + h * HEAD_DIM + 4 * c)
-                                 : make_float4(m_s[h], l_s[h], 0.0f, 0.0f);
-    *reinterpret_cast<float4*>(dst + 4 * c) = v;
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block has started
+  if (tid == 0 && mine > 0 && cluster_size > 1) {
+    MbarExpect(SharedAddr(&merge_bar), mine * cluster_size * (kPieces + 1) * sizeof(float4));
   }
-  cluster.sync();  // every push visible to its block; no shared memory is read across blocks after
+  if (cluster_size == 1) {
+    // A cluster of one block (st.async needs a cluster of at least two): plain stores.
+    for (int i = tid; i < group * (kPieces + 1); i += THREADS) {
+      const int h = i / (kPieces + 1), c = i % (kPieces + 1);
+      const float4 v = c < kPieces ? *reinterpret_cast<const float4*>(o_s + h * HEAD_DIM + 4 * c)
+                                   : make_float4(m_s[h], l_s[h], 0.0f, 0.0f);
+      *reinterpret_cast<float4*>(recv_s + h * T::kRecvStride + 4 * c) = v;
+    }
+    __syncthreads();
+  } else {
+    for (int i = tid; i < group * (kPieces + 1); i += THREADS) {
+      const int h = i / (kPieces + 1), c = i % (kPieces + 1);
+      const int slot = (h / cluster_size) * cluster_size + rank;
+      const int to = h % cluster_size;
+      const float4 v = c < kPieces ? *reinterpret_cast<const float4*>(o_s + h * HEAD_DIM + 4 * c)
+                                   : make_float4(m_s[h], l_s[h], 0.0f, 0.0f);
+      StAsync16(MapToRank(SharedAddr(recv_s + slot * T::kRecvStride + 4 * c), to),
+                make_uint4(__float_as_uint(v.x), __float_as_uint(v.y), __float_as_uint(v.z),
+                           __float_as_uint(v.w)),
+                MapToRank(SharedAddr(&merge_bar), to));
+    }
+    // No block leaves while pushes to another may be in flight: every block arrives at a
+    // relaxed cluster barrier once nothing more can reach it (a merging block after its bytes
+    // arrived) and waits for it just before leaving, by when the others have long arrived.
+    if (mine == 0) {
+      asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+      asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+      stamp(5);
+      stamp(6);
+      stamp(7);
+      return;
+    }
+    MbarWait(SharedAddr(&merge_bar), 0);  // every partial of this block's heads received
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  }
   stamp(5);
 
   // Merge heads rank, rank + cluster_size, ... from the receive area: warp j < mine weighs head
   // j's partials (one lane per block: e^(m_r - M), into the partial's m slot; M, L), then thread =
   // (head, dim) sums the weighted o. The stages are free for M and L.
-  const int mine = rank < group ? (group - rank + cluster_size - 1) / cluster_size : 0;
   float* stat_s = reinterpret_cast<float*>(kbuf);  // [mine][2]: M, L
   if (warp < mine) {
     float* part = recv_s + warp * cluster_size * T::kRecvStride;
@@ -1474,6 +1514,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     if (d == 0) lse[head] = big_m == NegInf() ? NegInf() : big_m + logf(big_l);
   }
   stamp(6);
+  if (cluster_size > 1) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
   stamp(7);
 }
 

@@ -68,6 +68,52 @@ cudaError_t LaunchDependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, int
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
 }
 
+// Exchanges between the blocks of a cluster without a cluster barrier (whose release compiles to
+// a GPU-scope memory barrier and whose acquire invalidates L1): each block pushes its data into
+// every block's receive slot with st.async, which completes bytes on the receiver's mbarrier; the
+// receiver's wait (acquire) then sees them. Addresses are shared::cta (u32) of this block; the
+// remote ones come from mapa.
+__device__ __forceinline__ uint32_t SharedAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t MapToRank(uint32_t addr, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// The local arrival of a use of `bar` that expects `bytes` from st.async.
+__device__ __forceinline__ void MbarExpect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void StAsync16(uint32_t remote, uint4 v, uint32_t remote_bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+      "[%5];" ::"r"(remote),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_bar)
+      : "memory");
+}
+__device__ __forceinline__ void StAsync4(uint32_t remote, uint32_t v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                   remote),
+               "r"(v), "r"(remote_bar)
+               : "memory");
+}
+
 // How many clusters of `size` blocks of `kernel` (`threads` per block, `smem` bytes of dynamic
 // shared memory) fit on the current device at once, once the non-portable cluster size is
 // allowed; 0 when it is refused. Clears the error a refusal leaves.
