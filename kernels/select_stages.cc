@@ -26,28 +26,30 @@ absl::Status CheckSelectStagesChain(const SelectStagesParams& p) {
   return absl::OkStatus();
 }
 
-ScoreSummariesParams StageScoreSummariesParams(const SelectStagesParams& p, int i) {
-  const SelectStage& st = p.stages[i];
-  ScoreSummariesParams a;
+namespace {
+// The fields ScoreSummariesParams and ScoreKeysParams share, from stage i of p.
+template <typename ScoreParams>
+ScoreParams StageScoreCommon(const SelectStagesParams& p, int i) {
+  ScoreParams a;
   a.q = p.q;
-  a.summaries = st.summaries;
-  a.candidates = st.candidates;
+  a.candidates = p.stages[i].candidates;
   a.scale = p.scale;
-  a.scores = st.scores;
+  a.scores = p.stages[i].scores;
   a.skip_heads = p.skip_heads;
+  return a;
+}
+}  // namespace
+
+ScoreSummariesParams StageScoreSummariesParams(const SelectStagesParams& p, int i) {
+  ScoreSummariesParams a = StageScoreCommon<ScoreSummariesParams>(p, i);
+  a.summaries = p.stages[i].summaries;
   return a;
 }
 
 ScoreKeysParams StageScoreKeysParams(const SelectStagesParams& p, int i) {
-  const SelectStage& st = p.stages[i];
-  ScoreKeysParams k;
-  k.q = p.q;
-  k.k_pool = st.k_pool;
-  k.page_table = st.page_table;
-  k.candidates = st.candidates;
-  k.scale = p.scale;
-  k.scores = st.scores;
-  k.skip_heads = p.skip_heads;
+  ScoreKeysParams k = StageScoreCommon<ScoreKeysParams>(p, i);
+  k.k_pool = p.stages[i].k_pool;
+  k.page_table = p.stages[i].page_table;
   return k;
 }
 
