@@ -17,6 +17,7 @@
 # are printed.
 # Usage: STRATA_GPU_BUNDLE=.gpu-mine scripts/gpu_bench_attention.sh [contexts...]
 set -uo pipefail
+# shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
 B="$BUNDLE/bin"
 CTX=("${@:-131072 1048576}")
@@ -24,7 +25,6 @@ CTX=("${@:-131072 1048576}")
 CTX=(${CTX[*]})
 export PATH="/usr/local/cuda/bin:$PATH"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }
 
 if [ "${STRATA_AB_SKIP_TESTS:-0}" != 1 ]; then
 echo "== tests"

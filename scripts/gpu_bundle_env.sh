@@ -2,7 +2,7 @@
 # scripts/gpu_run.sh (scripts/gpu_bench_prefill.sh, scripts/gpu_bench_decode.sh): sets ROOT, BUNDLE
 # (unless set: $ROOT/$STRATA_GPU_BUNDLE, default .gpu) and LOGS (unless set: $OUT, else
 # /tmp/strata-gpu-out), unpacks bin.tar.xz and the bundled libraries, and exports
-# LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN.
+# LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN; defines summary (a log's test and sanitizer summary lines).
 ROOT="$(pwd)"
 BUNDLE="${BUNDLE:-$ROOT/${STRATA_GPU_BUNDLE:-.gpu}}"
 LOGS="${LOGS:-${OUT:-/tmp/strata-gpu-out}}"
@@ -14,3 +14,5 @@ WORK="/tmp/strata-gpu-$(basename "$BUNDLE")"
 mkdir -p "$WORK" && tar -C "$WORK" -xJf "$BUNDLE/libs.tar.xz"
 export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export STRATA_CUDA_PLUGIN="$BUNDLE/bin/libstrata_cuda.so"
+# The gtest and compute-sanitizer summary lines of a log, on one line.
+summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }

@@ -17,6 +17,7 @@
 # Full logs in $OUT (else /tmp/strata-gpu-out); test summaries and PIPE / GSTAGES lines printed.
 # Usage: STRATA_GPU_BUNDLE=.gpu scripts/gpu_check_select_stages.sh [contexts...]
 set -uo pipefail
+# shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
 B="$BUNDLE/bin"
 CTX=("${@:-131072 1048576}")
@@ -24,7 +25,6 @@ CTX=("${@:-131072 1048576}")
 CTX=(${CTX[*]})
 export PATH="/usr/local/cuda/bin:$PATH"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }
 
 echo "== SelectStages tests"
 j=0
