@@ -383,6 +383,14 @@ struct SelectStagesParams {
   SelectStage stages[kMaxSelectStages];
   int num_stages = 0;     // 1 to kMaxSelectStages
   const int32_t* skip_heads = nullptr;
+  // Optional: the decode step's attention over the selection. When set, the op then runs
+  // SelectedAttention(*attend) in stream order (skip_heads does not apply to it: a skipped head
+  // attends the selection it kept), with the same result as that call after this op;
+  // attend->middle.parents is normally the last stage's `selected`. The CUDA backend runs it in
+  // the selection's kernel where the shape allows (the middle the last stage's selection, the
+  // stages' q and scale, bf16 pools, head_dim 128, no prefix_len or slot_scales, a bounded share
+  // of positions per block; kernels/cuda/selection.cu), else as the separate op.
+  const SelectedAttentionParams* attend = nullptr;
 };
 
 // ---- The GPU page cache on the device (kvstore/gpu_cache.h, device-managed mode) -------------
@@ -638,7 +646,7 @@ class Backend {
 // Backend::SelectStages as the calls it stands for: checks the chain (1 to kMaxSelectStages
 // stages; stage s > 0's candidates.parents the data and shape of stage s - 1's selected;
 // InvalidArgument otherwise), then per stage ScoreSummaries or ScoreKeys and VoteTopK on `b`,
-// returning the first error.
+// then SelectedAttention(*attend) when set, returning the first error.
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s);
 // The chain checks of SelectStagesOpByOp alone (the ops check the rest).
 absl::Status CheckSelectStagesChain(const SelectStagesParams& p);

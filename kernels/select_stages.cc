@@ -74,6 +74,7 @@ absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream 
     }
     STRATA_RETURN_IF_ERROR(b.VoteTopK(StageVoteTopKParams(p, i), s));
   }
+  if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(b.SelectedAttention(*p.attend, s));
   return absl::OkStatus();
 }
 

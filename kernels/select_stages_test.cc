@@ -1,6 +1,6 @@
 // Backend::SelectStages' default (SelectStagesOpByOp) on the CPU backend: the same selections as
 // the ScoreSummaries / ScoreKeys and VoteTopK calls it stands for, the chain checks, errors of
-// the ops passed through, and skip_heads.
+// the ops passed through, skip_heads, and the attention after the stages (`attend`).
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -127,6 +127,40 @@ TEST_F(SelectStagesOpByOpTest, SelectsAsTheOpsOneByOne) {
   EXPECT_EQ(top_segs_, want_segs);
   EXPECT_EQ(top_pages_, want_pages);
   EXPECT_EQ(top_tokens_, want_tokens);
+}
+
+// With `attend` the op ends with that SelectedAttention over the selection: out and lse are the
+// separate call's, bit for bit, and an attention the op refuses fails the op.
+TEST_F(SelectStagesOpByOpTest, AttendsAfterTheStages) {
+  std::vector<float> v(pool_.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.37f * static_cast<float>(i));
+  std::vector<float> out(kHkv * kGroup * kD, -7.0f), lse(kHkv * kGroup, -7.0f);
+  SelectStagesParams p = Params();
+  SelectedAttentionParams at;
+  at.q = TensorView(q_.data(), DType::kF32, {1, kHkv * kGroup, kD});
+  at.k_pool = p.stages[2].k_pool;
+  at.v_pool = TensorView(v.data(), DType::kF32, {kHkv * kPages, kPage, kD});
+  at.page_table = p.stages[2].page_table;
+  at.prefix_end = 3;
+  at.middle.parents = p.stages[2].selected;
+  at.middle.begin = 3;
+  at.middle.end = kPages * kPage - 5;
+  at.suffix_begin = kPages * kPage - 5;
+  at.suffix_end = kPages * kPage;
+  at.scale = p.scale;
+  at.out = TensorView(out.data(), DType::kF32, {1, kHkv * kGroup, kD});
+  at.lse = TensorView(lse.data(), DType::kF32, {1, kHkv * kGroup});
+  p.attend = &at;
+  STRATA_ASSERT_OK(cpu_->SelectStages(p, nullptr));
+  const std::vector<float> got_out = out, got_lse = lse;
+  for (float x : got_lse) EXPECT_TRUE(std::isfinite(x));
+  out.assign(out.size(), -7.0f);
+  lse.assign(lse.size(), -7.0f);
+  STRATA_ASSERT_OK(cpu_->SelectedAttention(at, nullptr));
+  EXPECT_EQ(got_out, out);
+  EXPECT_EQ(got_lse, lse);
+  at.suffix_end = at.suffix_begin - 1;  // a broken suffix: SelectedAttention refuses
+  EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST_F(SelectStagesOpByOpTest, RefusesABrokenChain) {

@@ -204,13 +204,12 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   if (cache_on_) {
     STRATA_ASSIGN_OR_RETURN(skip, sel_cache_->Check(layer, q2, stream));
   }
-  STRATA_ASSIGN_OR_RETURN(const CandidateList middle,
-                          SelectMiddle(layer, q2, cache, sink_end, window_begin, skip, stream));
+  // The selection and the attention over it as one op (on CUDA one kernel where it fits).
   at.prefix_end = sink_end;
-  at.middle = middle;
   at.suffix_begin = window_begin;
   at.suffix_end = len;
-  STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(at, stream));
+  STRATA_RETURN_IF_ERROR(
+      SelectMiddle(layer, q2, cache, sink_end, window_begin, skip, &at, stream).status());
   const int64_t planned =
       options_.kind == PolicyKind::kTokenSelect
           ? std::min<int64_t>(options_.token_budget, wanted_pages_ * page_)
@@ -224,6 +223,7 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
                                                          const KvCache& cache, int64_t sink_end,
                                                          int64_t window_begin,
                                                          const int32_t* skip,
+                                                         kernels::SelectedAttentionParams* attend,
                                                          kernels::Stream stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
   const TensorView pt = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
@@ -295,6 +295,10 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
     middle.end = window_begin;
   }
   sp.num_stages = n;
+  if (attend != nullptr) {
+    attend->middle = middle;
+    sp.attend = attend;
+  }
   STRATA_RETURN_IF_ERROR(backend_->SelectStages(sp, stream));
   return middle;
 }
@@ -354,7 +358,7 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
     STRATA_ASSIGN_OR_RETURN(const TensorView qm, mean_query_.Mean(q, stream));
     STRATA_ASSIGN_OR_RETURN(const CandidateList middle,
                             SelectMiddle(layer, qm, cache, sink_end, window_begin, nullptr,
-                                         stream));
+                                         nullptr, stream));
     const int64_t per_head = middle.parents.dim(1);
     selected_host_.resize(static_cast<size_t>(hkv_ * per_head));
     STRATA_RETURN_IF_ERROR(backend_->CopyToHost(selected_host_.data(), middle.parents.data,

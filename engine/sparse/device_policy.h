@@ -121,10 +121,13 @@ class DevicePolicy {
   // SelectedAttention reads it (parents in top_pages_ or top_tokens_; with `skip` (the selection
   // cache's reuse flags, backend memory) the heads flagged are not recomputed and the result is
   // in the selection cache's kept(layer)).
+  // attend (optional): the step's attention, whose middle is set to the selection and which
+  // runs in the same SelectStages op (SelectStagesParams::attend).
   absl::StatusOr<kernels::CandidateList> SelectMiddle(int layer, const kernels::TensorView& q,
                                                       const KvCache& cache, int64_t sink_end,
                                                       int64_t window_begin,
                                                       const int32_t* skip,
+                                                      kernels::SelectedAttentionParams* attend,
                                                       kernels::Stream stream);
   PolicyOptions options_;
   KvCacheOptions cache_options_;

@@ -1020,20 +1020,6 @@ struct ClusterTile {
   }
 };
 
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // 8 consecutive elements of a KV row in shared memory (aligned), as raw registers.
 template <typename KV>
 __device__ __forceinline__ typename Vec8<KV>::Raw LoadShared8(const unsigned char* p) {

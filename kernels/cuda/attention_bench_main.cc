@@ -20,8 +20,9 @@
 //                (B / P pages) -> SelectedAttention (sinks + pages + window)
 //   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
 //                -> SelectedAttention (sinks + tokens + window)
-// with the selection stages (everything before SelectedAttention) as one Backend::SelectStages op
-// (one kernel on CUDA; STRATA_BENCH_FUSED=0: the ops one by one, as listed);
+// with the selection stages and the attention as one Backend::SelectStages op with `attend` set
+// (one kernel on CUDA where the shape allows; STRATA_BENCH_ATTEND=op: the selection stages as one
+// op and SelectedAttention after it; STRATA_BENCH_FUSED=0: the ops one by one, as listed);
 // each also as "+miss" (SelectionCacheCheck first, theta 2: every KV head selects) and "+hit"
 // (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels exit
 // at the top and only the check and the attention do work); the MiB column is the selecting
@@ -102,6 +103,7 @@ struct Pipeline {
   void *cache_q = nullptr, *cache_valid = nullptr, *reuse = nullptr;
   // The selection as one SelectStages op (default) or op by op (STRATA_BENCH_FUSED=0).
   bool fused = true;
+  bool attend_in_op = true;  // with `fused`: the attention inside the SelectStages op
 
   void Plan() {
     window_begin = std::max<int64_t>(kSinks, len - 1 - kWindow);
@@ -200,7 +202,13 @@ struct Pipeline {
       if (on()) STRATA_RETURN_IF_ERROR(b->SelectionCacheCheck(cc, s));
       skip = static_cast<const int32_t*>(reuse);
     }
-    const SelectStagesParams sp = Stages(skip);
+    SelectStagesParams sp = Stages(skip);
+    const SelectedAttentionParams at = Attention(sp);
+    if (fused && attend_in_op) {
+      sp.attend = &at;
+      if (on()) STRATA_RETURN_IF_ERROR(b->SelectStages(sp, s));
+      return absl::OkStatus();
+    }
     if (fused) {
       if (on()) STRATA_RETURN_IF_ERROR(b->SelectStages(sp, s));
     } else {
@@ -214,6 +222,12 @@ struct Pipeline {
         if (on()) STRATA_RETURN_IF_ERROR(b->VoteTopK(StageVoteTopKParams(sp, i), s));
       }
     }
+    if (on()) return b->SelectedAttention(at, s);
+    return absl::OkStatus();
+  }
+
+  // The attention over the last stage's selection (sinks + middle + window).
+  SelectedAttentionParams Attention(const SelectStagesParams& sp) const {
     CandidateList middle;
     middle.parents = sp.stages[sp.num_stages - 1].selected;
     middle.fanout = token_level ? 1 : kPage;
@@ -231,11 +245,11 @@ struct Pipeline {
     at.scale = sp.scale;
     at.out = TensorView(out, DType::kF32, {1, kQHeads, kHeadDim});
     at.lse = TensorView(lse, DType::kF32, {1, kQHeads});
-    if (on()) return b->SelectedAttention(at, s);
-    return absl::OkStatus();
+    return at;
   }
 
   int NumStages() const {
+    if (fused && attend_in_op) return (cache_mode != 0 ? 1 : 0) + 1;
     if (fused) return (cache_mode != 0 ? 1 : 0) + 1 + 1;
     return (cache_mode != 0 ? 1 : 0) + (two_level ? 2 : 0) + 2 + (token_level ? 2 : 0) + 1;
   }
@@ -263,11 +277,13 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
   cudaFree(d);
   const char* names[cuda_internal::kSelectStagesPhasesPerStage] = {
       "start", "scored", "stats", "pass0", "pass1", "pass2", "pass3", "end"};
-  for (int st = 0; st < cuda_internal::kSelectStagesMax; ++st) {
-    std::printf("PHASES %-8lld %-12s stage %d:", static_cast<long long>(context), label.c_str(), st);
+  // One PHASES line: the phases at stamp indices [first, first + count).
+  auto print_line = [&](const std::string& what, int first, int count, const char* const* names) {
+    std::printf("PHASES %-8lld %-12s %s:", static_cast<long long>(context), label.c_str(),
+                what.c_str());
     bool any = false;
-    for (int ph = 0; ph < cuda_internal::kSelectStagesPhasesPerStage; ++ph) {
-      const int idx = 1 + st * cuda_internal::kSelectStagesPhasesPerStage + ph;
+    for (int ph = 0; ph < count; ++ph) {
+      const int idx = first + ph;
       std::vector<double> dt;
       for (int b = 0; b < kMaxBlocks; ++b) {
         const long long* row = &h[static_cast<size_t>(b) * P];
@@ -282,7 +298,17 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
       std::printf(" %s %.0f (%.2f us)", names[ph], med, med / 1980.0);
     }
     std::printf(any ? "\n" : " (not run)\n");
+  };
+  for (int st = 0; st < cuda_internal::kSelectStagesMax; ++st) {
+    print_line("stage " + std::to_string(st), 1 + st * cuda_internal::kSelectStagesPhasesPerStage,
+               cuda_internal::kSelectStagesPhasesPerStage, names);
   }
+  // The attention's phases when it ran in the kernel.
+  const char* anames[cuda_internal::kSelectStagesAttendPhases] = {
+      "rows", "fixed-in", "fixed", "t0-in", "t0", "t1-in", "t1", "t2-in", "t2", "t3-in", "t3",
+      "merged"};
+  print_line("attend", 1 + cuda_internal::kSelectStagesMax * cuda_internal::kSelectStagesPhasesPerStage,
+             cuda_internal::kSelectStagesAttendPhases, anames);
 }
 
 void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t flush_bytes,
@@ -361,6 +387,8 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     pl.cache_mode = cache_mode;
     const char* fused_env = std::getenv("STRATA_BENCH_FUSED");
     pl.fused = fused_env == nullptr || std::string(fused_env) != "0";
+    const char* attend_env = std::getenv("STRATA_BENCH_ATTEND");
+    pl.attend_in_op = attend_env == nullptr || std::string(attend_env) != "op";
     pl.cache_q = d_cq->data(), pl.cache_valid = d_cv->data(), pl.reuse = d_reuse->data();
     BENCH_CHECK(cudaMemsetAsync(d_cv->data(), 0, kKvHeads * 4, stream) == cudaSuccess, "valid");
     pl.b = &cuda;

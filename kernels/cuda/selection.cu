@@ -35,7 +35,9 @@
 //
 // SelectStages (a decode step's whole chain of scoring and top-k stages) runs as one kernel,
 // SelectStagesKernel (near the end): one thread-block cluster per KV head, each stage scored
-// across the cluster's blocks and selected by a radix select over the cluster.
+// across the cluster's blocks and selected by a radix select over the cluster; with
+// SelectStagesParams::attend, the decode step's attention over the selection follows in the same
+// kernel.
 //
 // The fast scoring kernels and the cluster top-k can be launched with programmatic dependent
 // launch (LaunchDependent, opt-in: STRATA_SELECTION_PDL=1): each may then be scheduled while the
@@ -1893,8 +1895,10 @@ __global__ void __launch_bounds__(kSumThreads)
 //       from registers (RegFindBinOf);
 //   (4) compaction as ClusterRegisterVoteTopKKernel: per-thread (above, equal) counts, a block
 //       scan, block totals pushed to every block; the taken ids go to the stage's `selected` in
-//       index order (ties to the lowest indices), -1 up to k, and, when a stage follows, to
-//       every block's shared memory as that stage's parents (RegForEachTaken).
+//       index order (ties to the lowest indices), -1 up to k, and, when a stage or the attention
+//       follows, to every block's shared memory as that stage's parents (RegForEachTaken).
+// SelectStagesKernel<true> then attends the last stage's selection (DeviceSelectAttend; the
+// section before the kernel); a skipped head skips the stages and attends its kept selection.
 // Why pushes and not cluster barriers: on Hopper barrier.cluster.arrive.release compiles to a
 // GPU-scope memory barrier (MEMBAR.ALL.GPU) and wait.acquire invalidates L1; the H200 measured
 // 190 ns per cluster barrier without memory traffic and 700-900 ns after a global store
@@ -2053,13 +2057,183 @@ __device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int st
   }
 }
 
+// ---- The attention after the stages (SelectStagesKernel<true>, DeviceSelectAttend) ----------
+// Block r stages its share of the fixed positions (prefix, then suffix) in rows
+// [0, kSelectAttendMaxFixed) and of the middle in the rows after, K and V rows of 128 bf16
+// kAttendPitch apart (bulk copies, one pair per row; rows of invalid positions zero-filled). The
+// fixed rows are copied during the first stage (DeviceSelectAttend::fixed_early, the default;
+// else, and for a skipped head, while the last stage's ids arrive), the middle's once those ids
+// are in every block's shared memory, in tiles of kAttendTile rows, each completing on its own
+// mbarrier. Warp w attends rows [16w, 16w + 16) of each tile on tensor cores with an online
+// softmax per head (AttendRows); the warps' partials merge in shared memory, the blocks' in
+// block h's shared memory for query head h (st.async onto its mbarrier), which writes out and
+// lse. Measured on the H200 against the separate SelectedAttention kernel (bench/RESULTS.md,
+// session 14): 25.2 against 29.1 us per layer at 128K quest; the same code with CUDA-core
+// arithmetic was no faster than the separate kernel (half the blocks per KV head).
+constexpr int kAttendRows = kSelectAttendMaxFixed + kSelectAttendMaxMiddle;
+constexpr int kAttendGroups = 2;                                 // 8-row groups per warp and tile
+constexpr int kAttendTile = 8 * kAttendGroups * kStagesWarps;    // middle rows per mbarrier
+constexpr int kAttendPitch = 128 + 8;  // bf16 per staging row: ldmatrix rows on distinct banks
+constexpr int kAttendMidTiles = kSelectAttendMaxMiddle / kAttendTile;
+constexpr int kAttendPartStride = 132;  // floats per partial: o[128], m, l, 2 unused
+// SelectStagesKernel's dynamic shared memory: the double-buffered pass histogram slots (after the
+// stages, the attention's receive area); with the attention, then its staging area (K rows, V
+// rows, their pool rows).
+constexpr int kStagesDynamicSmem = 2 * kStagesMaxCluster * 32 * sizeof(uint4);
+constexpr int kStagesAttendSmem = kStagesDynamicSmem + 2 * kAttendRows * kAttendPitch * 2 +
+                                  kAttendRows * 8;
+static_assert(kStagesMaxCluster * kAttendPartStride * 4 <= kStagesDynamicSmem,
+              "the attention's receive area fits the histogram slots");
+static_assert(kStagesWarps * kRegTopKMaxGroup * kAttendPartStride * 4 <=
+                  kAttendRows * kAttendPitch * 2,
+              "the warps' partials fit the K rows");
+static_assert(kAttendGroups == 2, "AttendRows takes 16 rows");
+static_assert(kSelectAttendMaxMiddle % kAttendTile == 0 && kSelectAttendMaxFixed <= kAttendTile &&
+                  kSelectAttendMaxFixed % (8 * kAttendGroups) == 0,
+              "the attention's tiles give each warp whole row groups");
+
+// A warp's online-softmax state: m and l of head h = (lane / 4) % 4 (the same in the lanes of
+// a head), and acc[j] the mma accumulator of dims 8j .. 8j + 7: c[0], c[1] hold row lane / 4
+// (part (lane / 16) of head h: the weights are split in two bf16 parts), dims 8j + 2(lane % 4)
+// and + 1; c[2], c[3] rows 8-15 of A, which are zero.
+struct AttendState {
+  float m, l;
+  float acc[16][4];
+};
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Rows [r0, r0 + 16) of the staging area (rows of kAttendPitch bf16; rows >= end or with
+// row_s < 0 are not attended, and their K and V are zero, not garbage) into the warp's state, on
+// tensor cores. Scores: as StageScoreMma (the query split in three bf16 parts, key_a of
+// StageATables, so they are the CUDA-core products within f32 rounding), two tiles of 8 rows;
+// lanes 4h + t and 16 + 4h + t then hold head h's scores of rows 2t, 2t + 1, 8 + 2t, 9 + 2t. One
+// online-softmax step; the weights, split in two bf16 parts (hi in rows 0-3 of A, lo in rows
+// 4-7), times V (ldmatrix.trans of the V rows, 16 dims at a time) into acc.
+__device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_bfloat16* v_s,
+                                           const int64_t* row_s, int r0, int end,
+                                           const __nv_bfloat16* key_a, int group,
+                                           AttendState& st) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, t = lane & 3;
+  // Scores: c[n][m] for tile n (rows r0 + 8n ..), the group's two mmas m.
+  float c[2][2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[n][0][e] = 0.0f, c[n][1][e] = 0.0f;
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    uint32_t a[2][4];
+    StageAFragments(key_a, kStagesKeyStride, p, a);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const uint4 b = *reinterpret_cast<const uint4*>(k_s + (r0 + 8 * n + g8) * kAttendPitch +
+                                                       32 * p + 8 * t);
+      MmaBf16(c[n][0], a[0], b.x, b.y);
+      MmaBf16(c[n][1], a[1], b.z, b.w);
+    }
+  }
+  const int h = g8 & 3;
+  float sc[4];  // rows 2t, 2t + 1, 8 + 2t, 9 + 2t of the 16
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    float cc[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) cc[e] = c[n][0][e] + c[n][1][e];
+    const float mid0 = __shfl_down_sync(0xffffffffu, cc[0], 16);
+    const float mid1 = __shfl_down_sync(0xffffffffu, cc[1], 16);
+    const float s0 = cc[0] + (mid0 + cc[2]), s1 = cc[1] + (mid1 + cc[3]);  // lanes < 16
+    sc[2 * n] = __shfl_sync(0xffffffffu, s0, lane & 15);
+    sc[2 * n + 1] = __shfl_sync(0xffffffffu, s1, lane & 15);
+  }
+  float tmax = NegInfF();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = r0 + 8 * (i >> 1) + 2 * t + (i & 1);
+    if (!(r < end && h < group && row_s[r] >= 0)) sc[i] = NegInfF();
+    tmax = fmaxf(tmax, sc[i]);
+  }
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+  const float m_new = fmaxf(st.m, tmax);
+  const float corr = st.m == NegInfF() ? (m_new == NegInfF() ? 1.0f : 0.0f) : __expf(st.m - m_new);
+  float w[4], tsum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = (sc[i] == NegInfF() || m_new == NegInfF()) ? 0.0f : __expf(sc[i] - m_new);
+    tsum += w[i];
+  }
+  tsum += __shfl_xor_sync(0xffffffffu, tsum, 1);
+  tsum += __shfl_xor_sync(0xffffffffu, tsum, 2);
+  st.l = st.l * corr + tsum;
+  st.m = m_new;
+  // A: row g8 = 4 * part + h, k = the 16 rows: a0 = rows 2t, 2t + 1; a2 = 8 + 2t, 9 + 2t.
+  const bool lo = lane >= 16;
+  float wp[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float hi = __bfloat162float(__float2bfloat16_rn(w[i]));
+    wp[i] = lo ? w[i] - hi : w[i];
+  }
+  const uint32_t a[4] = {PackBf16(wp[0], wp[1]), 0u, PackBf16(wp[2], wp[3]), 0u};
+  // ldmatrix.x4.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the 16, dims + 8 (l >> 4).
+  const uint32_t vrow = SharedAddr(v_s + (r0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kAttendPitch +
+                                   8 * (lane >> 4));
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st.acc[j][e] *= corr;
+  }
+#pragma unroll
+  for (int d = 0; d < 8; ++d) {  // dims 16d .. 16d + 15
+    uint32_t b0, b1, b2, b3;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                 : "r"(vrow + 32 * d));
+    MmaBf16(st.acc[2 * d], a, b0, b1);
+    MmaBf16(st.acc[2 * d + 1], a, b2, b3);
+  }
+}
+
+// The pool row of fixed position f of KV head g (prefix, then suffix), or -1.
+__device__ __forceinline__ int64_t AttendFixedRow(const DeviceSelectAttend& at, int g, int32_t f) {
+  const int32_t t = f < at.prefix_end ? f : at.suffix_begin + (f - at.prefix_end);
+  return TokenRow(at.table, at.table_pages, at.num_slots, at.page_size, g, t);
+}
+
+// Staging row r gets pool row `row` by two bulk copies (K, V: 256 bytes each) completing on
+// `bar` (whose tx-count the calling thread raises by their bytes), or zeros (row < 0: the row is
+// not attended, but AttendRows still reads its K and V).
+__device__ __forceinline__ void AttendIssueRow(const DeviceSelectAttend& at, __nv_bfloat16* k_s,
+                                               __nv_bfloat16* v_s, int r, int64_t row,
+                                               uint32_t bar) {
+  if (row >= 0) {
+    MbarExpectTx(bar, 2 * 128 * sizeof(__nv_bfloat16));
+    BulkCopyToShared(SharedAddr(k_s + r * kAttendPitch),
+                     static_cast<const __nv_bfloat16*>(at.k_pool) + row * 128, 256, bar);
+    BulkCopyToShared(SharedAddr(v_s + r * kAttendPitch),
+                     static_cast<const __nv_bfloat16*>(at.v_pool) + row * 128, 256, bar);
+  } else {
+    uint4* k = reinterpret_cast<uint4*>(k_s + r * kAttendPitch);
+    uint4* v = reinterpret_cast<uint4*>(v_s + r * kAttendPitch);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) k[i] = make_uint4(0, 0, 0, 0), v[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // SetSelectStagesPhaseStamps (launch.h).
 __device__ long long* g_stages_phase_stamps = nullptr;
 __device__ int g_stages_phase_blocks = 0;
 
+template <bool kAttend>
 __global__ void __launch_bounds__(kStagesThreads, 1)
     SelectStagesKernel(const float* __restrict__ q, float scale, int group,
                        const __grid_constant__ DeviceSelectStages st,
+                       const __grid_constant__ DeviceSelectAttend at,
                        const int32_t* __restrict__ skip, int hist_mode) {
   namespace cg = cooperative_groups;
   constexpr int G = kRegTopKMaxGroup, P = kStagesPer, W = kStagesWarps;
@@ -2076,9 +2250,13 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   __shared__ uint32_t recv_tot[kStagesMaxCluster];
   // The last stage's selection, the next stage's parents (every block pushes its taken ids).
   __shared__ int32_t parents_s[kSelectStagesMaxParents];
-  // mbarriers: 0-3 the passes, 4 the partials, 5 the totals, 6 the selection.
-  __shared__ __align__(8) uint64_t mbar[7];
-  extern __shared__ __align__(16) uint4 recv_hist[];  // [2][kStagesMaxCluster][32]
+  // mbarriers: 0-3 the passes, 4 the partials, 5 the totals, 6 the selection; the attention's:
+  // 7 the blocks' partials, 8 the queries and fixed rows, 9 to 12 the middle's tiles.
+  constexpr int kFixedBar = 8, kTileBar = 9, kBars = kTileBar + kAttendMidTiles;
+  __shared__ __align__(8) uint64_t mbar[kBars];
+  // [2][kStagesMaxCluster][32]; kAttend: after the stages, the attention's receive area
+  // [cs][kAttendPartStride] f32, then the attention's staging area (below).
+  extern __shared__ __align__(16) uint4 recv_hist[];
   cg::cluster_group cluster = cg::this_cluster();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = blockIdx.y;
@@ -2086,8 +2264,10 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   const int cs = static_cast<int>(cluster.num_blocks());
   GridDepWait();
   GridDepLaunchDependents();
-  // A reused head: every block of the cluster (same g) returns before any cluster barrier.
-  if (skip != nullptr && skip[g] != 0) return;
+  // A reused head: every block of the cluster (same g) returns before any cluster barrier, or,
+  // with an attention, skips the stages and attends the kept selection.
+  const bool skipped = skip != nullptr && skip[g] != 0;
+  if (!kAttend && skipped) return;
   // Phase stamps (profiling): thread 0 only; the pointer is null unless SetSelectStagesPhaseStamps.
   long long* stamps = nullptr;
   if (tid == 0) {
@@ -2098,9 +2278,35 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     if (stamps != nullptr) stamps[phase] = clock64();
   };
   stamp(0);
-  StageATables(q, scale, g, group, sum_a, key_a);  // read after the first stage's barrier
+  // The attention's staging area: K rows, V rows (kAttendPitch bf16 apart), the rows' pool rows.
+  __nv_bfloat16* const k_s =
+      reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<unsigned char*>(recv_hist) +
+                                       kStagesDynamicSmem);
+  __nv_bfloat16* const v_s = k_s + kAttendRows * kAttendPitch;
+  int64_t* const row_s = reinterpret_cast<int64_t*>(v_s + kAttendRows * kAttendPitch);
+  // The block's fixed positions: with at.fixed_early copied during the first stage (the
+  // page-table entry loaded at the start), else before the wait for the middle's ids.
+  auto fixed_row_of = [&]() -> int64_t {
+    const int32_t nf = at.prefix_end + at.suffix_len;
+    const int32_t fc = (nf + cs - 1) / cs, f0 = min(nf, rank * fc);
+    return tid < min(nf, f0 + fc) - f0 ? AttendFixedRow(at, g, f0 + tid) : -1;
+  };
+  const bool fixed_early = kAttend && at.fixed_early != 0 && !skipped;
+  int64_t fixed_row = -1;
+  if (fixed_early) fixed_row = fixed_row_of();
+  // The fixed rows' copies onto mbar[kFixedBar] (row_s and the tx-counts before a barrier after
+  // which thread 0 arrives).
+  auto fixed_rows = [&](int64_t row) {
+    if (tid < kSelectAttendMaxFixed) {
+      row_s[tid] = row;
+      AttendIssueRow(at, k_s, v_s, tid, row, SharedAddr(&mbar[kFixedBar]));
+    }
+  };
+  // The split query (also the attention's: same q and scale), read after the first stage's
+  // barrier (the attention's: after its own).
+  StageATables(q, scale, g, group, sum_a, key_a);
   if (tid == 0) {
-    for (int i = 0; i < 7; ++i) MbarInit(SharedAddr(&mbar[i]), 1);
+    for (int i = 0; i < kBars; ++i) MbarInit(SharedAddr(&mbar[i]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Every block's mbarriers must be initialised before any block pushes to them: the barrier is
@@ -2113,8 +2319,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     phases ^= 1u << i;
   };
 
+  const int num_stages = kAttend && skipped ? 0 : st.num_stages;
 #pragma unroll 1
-  for (int si = 0; si < st.num_stages; ++si) {
+  for (int si = 0; si < num_stages; ++si) {
     const DeviceSelectStage& stage = st.stage[si];
     const int32_t n = stage.c.count;
     const int32_t per = (n + cs - 1) / cs;
@@ -2164,7 +2371,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                    : nullptr;
       }, sc);
     }
+    if (fixed_early && si == 0) fixed_rows(fixed_row);
     __syncthreads();  // sc complete
+    if (fixed_early && si == 0 && tid == 0) MbarArrive(SharedAddr(&mbar[kFixedBar]));
     stamp(phase0 + 1);
 
     // (2) The block's softmax statistics: warp h < 4 takes head h over the block's scores
@@ -2286,9 +2495,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                             __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
     const uint32_t taken_total = (total >> 16) + min(total & 0xffffu, remaining);
     int32_t* out = stage.selected + static_cast<int64_t>(g) * stage.k;
-    const bool last = si + 1 == st.num_stages;
     // The taken ids to `selected` in index order (ties to the lowest indices) and, for the next
-    // stage, to every block's parents_s.
+    // stage or the attention, to every block's parents_s.
+    const bool last = !kAttend && si + 1 == st.num_stages;
     if (!last && tid == 0) MbarExpect(SharedAddr(&mbar[6]), taken_total * sizeof(int32_t));
     RegForEachTaken<P>(key, ids, prefix, mask, remaining, before, stage.k,
                        [&](uint32_t pos, int32_t id) {
@@ -2308,10 +2517,150 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     }
     if (!last) {
       for (int32_t j = static_cast<int32_t>(taken_total) + tid; j < stage.k; j += kStagesThreads) {
-        parents_s[j] = -1;  // visible after the next stage's first barrier
+        parents_s[j] = -1;  // visible after the next stage's (or the attention's) first barrier
       }
     }
     stamp(phase0 + 7);
+  }
+
+  if constexpr (kAttend) {
+    // The ids of the middle: the last stage's in parents_s, or a skipped head's kept ones. The
+    // fixed rows (unless copied during the first stage) while the ids arrive; a skipped head's
+    // after the start barrier (which orders thread 0's mbarrier initialisation before them).
+    const int32_t* ids = parents_s;
+    if (skipped) {
+      ids = at.middle.parents + static_cast<int64_t>(g) * at.middle.num_parents;
+      asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // mbarriers ready
+    }
+    if (!fixed_early) fixed_rows(fixed_row_of());
+    if (!skipped) {
+      wait_bar(6);
+      __syncthreads();  // parents_s's -1 tail written
+    }
+    const int32_t nm = at.middle.count, mc = (nm + cs - 1) / cs;
+    const int32_t m0 = min(nm, rank * mc), m_count = min(nm, m0 + mc) - m0;
+    if (tid < kSelectAttendMaxMiddle) {  // staging row kSelectAttendMaxFixed + tid
+      int64_t row = -1;
+      if (tid < m_count) {
+        const int32_t i = m0 + tid;
+        const int32_t parent = ids[i >> at.fanout_shift];
+        if (parent >= 0) {
+          const int64_t id = (static_cast<int64_t>(parent) << at.fanout_shift) +
+                             (i & ((1 << at.fanout_shift) - 1));
+          if (id >= at.middle.begin && id < at.middle.end) {
+            row = TokenRow(at.table, at.table_pages, at.num_slots, at.page_size, g,
+                           static_cast<int32_t>(id));
+          }
+        }
+      }
+      row_s[kSelectAttendMaxFixed + tid] = row;
+      AttendIssueRow(at, k_s, v_s, kSelectAttendMaxFixed + tid, row,
+                     SharedAddr(&mbar[kTileBar + tid / kAttendTile]));
+    }
+    __syncthreads();  // row_s and every tx-count complete
+    if (tid == 0) {
+      if (!fixed_early) MbarArrive(SharedAddr(&mbar[kFixedBar]));
+      for (int t = 0; t < kAttendMidTiles; ++t) MbarArrive(SharedAddr(&mbar[kTileBar + t]));
+    }
+    constexpr int A0 = 1 + kSelectStagesMax * kSelectStagesPhasesPerStage;  // attention's stamps
+    stamp(A0);
+    wait_bar(kFixedBar);  // the fixed rows
+    stamp(A0 + 1);
+    AttendState ast;
+    ast.m = NegInfF();
+    ast.l = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ast.acc[j][e] = 0.0f;
+    }
+    {
+      const int32_t nf = at.prefix_end + at.suffix_len;
+      const int32_t fc = (nf + cs - 1) / cs, f0 = min(nf, rank * fc);
+      const int f_count = min(nf, f0 + fc) - f0;
+      const int r0 = 8 * kAttendGroups * warp;
+      if (r0 < f_count) AttendRows(k_s, v_s, row_s, r0, f_count, key_a, group, ast);
+    }
+    stamp(A0 + 2);
+#pragma unroll
+    for (int t = 0; t < kAttendMidTiles; ++t) {
+      wait_bar(kTileBar + t);  // tile t resident
+      stamp(A0 + 3 + 2 * t);
+      const int r0 = kSelectAttendMaxFixed + t * kAttendTile + 8 * kAttendGroups * warp;
+      if (r0 < kSelectAttendMaxFixed + m_count) {
+        AttendRows(k_s, v_s, row_s, r0, kSelectAttendMaxFixed + m_count, key_a, group, ast);
+      }
+      stamp(A0 + 4 + 2 * t);
+    }
+    // The warps' partials (over the K rows, no longer read), then the block's per head pushed to
+    // block h (cs >= group) with st.async; block h merges the cs partials of head h.
+    __syncthreads();
+    float* part_w = reinterpret_cast<float*>(k_s);  // [W][G][kAttendPartStride]
+    {
+      // Lane 4h + t (< 16) adds the lo part (lane + 16's) to the hi part of head h's dims
+      // 8j + 2t, + 1.
+      float* pw = part_w + (warp * G + (lane >> 2 & 3)) * kAttendPartStride;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float o0 = ast.acc[j][0] + __shfl_down_sync(0xffffffffu, ast.acc[j][0], 16);
+        const float o1 = ast.acc[j][1] + __shfl_down_sync(0xffffffffu, ast.acc[j][1], 16);
+        if (lane < 16) {
+          *reinterpret_cast<float2*>(pw + 8 * j + 2 * (lane & 3)) = make_float2(o0, o1);
+        }
+      }
+      if (lane < 16 && (lane & 3) == 0) pw[128] = ast.m, pw[129] = ast.l;
+    }
+    float* recv = reinterpret_cast<float*>(recv_hist);  // [cs][kAttendPartStride]
+    if (tid == 0 && rank < group) {
+      MbarExpect(SharedAddr(&mbar[7]), cs * 130 * sizeof(float));
+    }
+    __syncthreads();
+    {
+      const int h = tid >> 6, pair = tid & 63;
+      if (h < group) {
+        float mx = NegInfF();
+#pragma unroll
+        for (int w = 0; w < W; ++w) mx = fmaxf(mx, part_w[(w * G + h) * kAttendPartStride + 128]);
+        float o0 = 0.0f, o1 = 0.0f, l = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          const float* pw = part_w + (w * G + h) * kAttendPartStride;
+          const float mw = pw[128];
+          if (mw > NegInfF()) {
+            const float e = __expf(mw - mx);
+            const float2 ov = *reinterpret_cast<const float2*>(pw + 2 * pair);
+            o0 += e * ov.x, o1 += e * ov.y, l += e * pw[129];
+          }
+        }
+        const uint32_t bar = MapToRank(SharedAddr(&mbar[7]), h);
+        StAsync8(MapToRank(SharedAddr(recv + rank * kAttendPartStride + 2 * pair), h),
+                 make_float2(o0, o1), bar);
+        if (pair == 0) {
+          StAsync8(MapToRank(SharedAddr(recv + rank * kAttendPartStride + 128), h),
+                   make_float2(mx, l), bar);
+        }
+      }
+    }
+    if (rank < group) {
+      wait_bar(7);  // every block's partial of head `rank`
+      if (tid < 128) {
+        float mx = NegInfF();
+        for (int b = 0; b < cs; ++b) mx = fmaxf(mx, recv[b * kAttendPartStride + 128]);
+        float o = 0.0f, l = 0.0f;
+        for (int b = 0; b < cs; ++b) {
+          const float mb = recv[b * kAttendPartStride + 128];
+          if (mb > NegInfF()) {
+            const float e = __expf(mb - mx);
+            o += e * recv[b * kAttendPartStride + tid];
+            l += e * recv[b * kAttendPartStride + 129];
+          }
+        }
+        const int64_t qh = static_cast<int64_t>(g) * group + rank;
+        at.out[qh * 128 + tid] = l > 0.0f ? o / l * at.v_scale : 0.0f;
+        if (tid == 0) at.lse[qh] = l > 0.0f ? mx + logf(l) : NegInfF();
+      }
+    }
+    stamp(A0 + 11);
   }
   // No block leaves while another may still push to it or read what it pushed.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -2641,8 +2990,10 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
 
 namespace {
 constexpr int kStagesMaxDevices = 64;
-// SelectStagesKernel's dynamic shared memory: the double-buffered pass histogram slots.
-constexpr int kStagesDynamicSmem = 2 * kStagesMaxCluster * 32 * sizeof(uint4);
+// Whether SelectStagesKernel<true> may have its shared memory, per device (0: unknown, 1: no,
+// else 2 + how many 16-block clusters of it fit at once); set with fit16 in
+// SelectStagesClusterBlocks.
+std::atomic<int> g_stages_attend_ok[kStagesMaxDevices];
 }  // namespace
 
 int SelectStagesClusterBlocks(int num_kv_heads) {
@@ -2657,13 +3008,22 @@ int SelectStagesClusterBlocks(int num_kv_heads) {
   static std::atomic<int> fit16[kStagesMaxDevices];  // 0: unknown, 1: unusable, else count + 2
   if (fit16[device].load(std::memory_order_acquire) == 0) {
     // Static plus dynamic shared memory is above the default 48 KiB.
-    const bool smem_ok = cudaFuncSetAttribute(SelectStagesKernel,
+    const bool smem_ok = cudaFuncSetAttribute(SelectStagesKernel<false>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               kStagesDynamicSmem) == cudaSuccess;
     cudaGetLastError();  // a refused attribute is not the caller's error
-    const int count =
-        smem_ok ? MaxActiveClusters(SelectStagesKernel, 16, kStagesThreads, kStagesDynamicSmem)
-                : 0;
+    const bool attend_ok = smem_ok && cudaFuncSetAttribute(
+                                          SelectStagesKernel<true>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kStagesAttendSmem) == cudaSuccess;
+    cudaGetLastError();
+    const int count = smem_ok ? MaxActiveClusters(SelectStagesKernel<false>, 16, kStagesThreads,
+                                                  kStagesDynamicSmem)
+                              : 0;
+    const int attend_count = attend_ok ? MaxActiveClusters(SelectStagesKernel<true>, 16,
+                                                           kStagesThreads, kStagesAttendSmem)
+                                       : 0;
+    g_stages_attend_ok[device].store(attend_ok ? attend_count + 2 : 1, std::memory_order_release);
     fit16[device].store(smem_ok ? count + 2 : 1, std::memory_order_release);
   }
   const int state = fit16[device].load(std::memory_order_acquire);
@@ -2684,9 +3044,22 @@ int64_t SelectStagesMaxCandidates(int num_kv_heads) {
   return int64_t{SelectStagesClusterBlocks(num_kv_heads)} * kStagesMaxPerBlock;
 }
 
+bool SelectStagesCanAttend(int num_kv_heads, int64_t fixed, int64_t middle) {
+  const int cs = SelectStagesClusterBlocks(num_kv_heads);
+  int device = 0;
+  if (cs == 0 || cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const int state = g_stages_attend_ok[device].load(std::memory_order_acquire);
+  return state >= 2 && (cs == 8 || state - 2 >= num_kv_heads) && fixed >= 0 &&
+         middle >= 0 && (fixed + cs - 1) / cs <= kSelectAttendMaxFixed &&
+         (middle + cs - 1) / cs <= kSelectAttendMaxMiddle;
+}
+
 cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, int group,
                                const DeviceSelectStages& stages, const int32_t* skip,
-                               cudaStream_t stream) {
+                               const DeviceSelectAttend* attend, cudaStream_t stream) {
   if (num_kv_heads == 0 || stages.num_stages == 0) return cudaSuccess;
   if (group < 1 || group > kRegTopKMaxGroup || num_kv_heads > 65535 || stages.num_stages < 0 ||
       stages.num_stages > kSelectStagesMax) {
@@ -2702,10 +3075,25 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
       return cudaErrorInvalidValue;
     }
   }
+  if (attend != nullptr) {
+    const DeviceSelectAttend& a = *attend;
+    const DeviceSelectStage& last = stages.stage[stages.num_stages - 1];
+    if (a.out == nullptr || a.lse == nullptr || a.table == nullptr ||
+        a.page_size < 1 || a.prefix_end < 0 || a.suffix_len < 0 || a.fanout_shift < 0 ||
+        a.fanout_shift > 20 || a.middle.parents != last.selected ||
+        a.middle.num_parents != last.k || last.k > kSelectStagesMaxParents ||
+        a.middle.count != (int64_t{last.k} << a.fanout_shift) ||
+        !SelectStagesCanAttend(num_kv_heads, int64_t{a.prefix_end} + a.suffix_len,
+                               a.middle.count) ||
+        reinterpret_cast<uintptr_t>(a.k_pool) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(a.v_pool) % 16 != 0) {
+      return cudaErrorInvalidValue;
+    }
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(cs, num_kv_heads);
   cfg.blockDim = dim3(kStagesThreads);
-  cfg.dynamicSmemBytes = kStagesDynamicSmem;
+  cfg.dynamicSmemBytes = attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem;
   cfg.stream = stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -2714,8 +3102,12 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
   attr.val.clusterDim.z = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, SelectStagesKernel, q, scale, group, stages, skip,
-                            RegHistMode());
+  if (attend != nullptr) {
+    return cudaLaunchKernelEx(&cfg, SelectStagesKernel<true>, q, scale, group, stages, *attend,
+                              skip, RegHistMode());
+  }
+  return cudaLaunchKernelEx(&cfg, SelectStagesKernel<false>, q, scale, group, stages,
+                            DeviceSelectAttend{}, skip, RegHistMode());
 }
 
 namespace {

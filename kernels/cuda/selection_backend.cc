@@ -193,6 +193,58 @@ absl::Status CudaBackend::SelectionCacheCheck(const SelectionCacheCheckParams& p
   return absl::OkStatus();
 }
 
+namespace {
+
+// Whether SelectStagesKernel can run p.attend after the stages (kernels/cuda/internal/launch.h
+// DeviceSelectAttend: bf16 pools, head_dim 128, the stages' group, the middle the last stage's
+// selection by a power-of-two fanout, no prefix_len or slot_scales, each block's share of the
+// positions within its staging area); if so fills *d. p.attend passed CpuSupportsSelectedAttention.
+bool SelectAttendInKernel(const SelectStagesParams& p, int64_t hkv, int64_t group,
+                          cuda_internal::DeviceSelectAttend* d) {
+  const SelectedAttentionParams& a = *p.attend;
+  const SelectStage& last = p.stages[p.num_stages - 1];
+  const int fanout_shift = ShiftOf(a.middle.fanout);
+  // The kernel attends with the stages' split query: the same q and scale.
+  if (a.q.data != p.q.data || a.scale * a.k_scale != p.scale ||
+      a.k_pool.dtype != DType::kBF16 || a.v_pool.dtype != DType::kBF16 || a.q.dim(2) != 128 ||
+      a.q.dim(1) != hkv * group || a.page_table.dim(0) != hkv || a.prefix_len != nullptr ||
+      a.slot_scales != nullptr || a.middle.parents.data == nullptr ||
+      a.middle.parents.data != last.selected.data || a.middle.parents.dim(1) != last.k ||
+      fanout_shift < 0 || last.k > cuda_internal::kSelectStagesMaxParents ||
+      a.k_pool.dim(0) * a.k_pool.dim(1) > (int64_t{1} << 40) ||
+      a.page_table.dim(1) > (int64_t{1} << 30) || a.prefix_end > (int64_t{1} << 30) ||
+      a.suffix_begin > (int64_t{1} << 30) || a.suffix_end - a.suffix_begin > (int64_t{1} << 30) ||
+      a.middle.begin < 0 || a.middle.end > (int64_t{1} << 30) ||
+      reinterpret_cast<uintptr_t>(a.q.data) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.k_pool.data) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.v_pool.data) % 16 != 0) {
+    return false;
+  }
+  const int64_t fixed = a.prefix_end + (a.suffix_end - a.suffix_begin);
+  if (!cuda_internal::SelectStagesCanAttend(static_cast<int>(hkv), fixed, a.middle.Count())) {
+    return false;
+  }
+  d->k_pool = a.k_pool.data;
+  d->v_pool = a.v_pool.data;
+  d->table = a.page_table.As<const int32_t>();
+  d->table_pages = static_cast<int>(a.page_table.dim(1));
+  d->page_size = static_cast<int>(a.k_pool.dim(1));
+  d->num_slots = a.k_pool.dim(0);
+  d->prefix_end = static_cast<int32_t>(a.prefix_end);
+  d->suffix_begin = static_cast<int32_t>(a.suffix_begin);
+  d->suffix_len = static_cast<int32_t>(a.suffix_end - a.suffix_begin);
+  d->fanout_shift = fanout_shift;
+  d->middle = ToDevice(a.middle);
+  d->v_scale = a.v_scale;
+  d->out = a.out.As<float>();
+  d->lse = a.lse.As<float>();
+  const char* e = std::getenv("STRATA_SELECT_ATTEND_FIXED");
+  d->fixed_early = e != nullptr && std::string_view(e) == "late" ? 0 : 1;
+  return true;
+}
+
+}  // namespace
+
 // SelectStages runs as one kernel (cuda_internal::LaunchSelectStages) unless
 // STRATA_SELECT_STAGES=opbyop (read at every call: A/B timing and tests) or the shape is not one it
 // runs; then as the ops it stands for (STRATA_SELECT_STAGES=require_fused: FailedPrecondition
@@ -261,9 +313,26 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
     }
     return SelectStagesOpByOp(*this, p, s);
   }
+  // The attention in the same kernel where it can run there (SelectAttendInKernel), else after it
+  // as its own op. STRATA_SELECT_ATTEND=separate (read at every call: A/B timing and tests)
+  // always runs it as its own op; =require_fused fails instead of doing so.
+  cuda_internal::DeviceSelectAttend da;
+  bool attend_fused = false;
+  if (p.attend != nullptr) {
+    STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
+    const char* ae = std::getenv("STRATA_SELECT_ATTEND");
+    const std::string_view mode = ae == nullptr ? "" : ae;
+    attend_fused = mode != "separate" && SelectAttendInKernel(p, hkv, group, &da);
+    if (!attend_fused && mode == "require_fused") {
+      return absl::FailedPreconditionError(
+          "SelectStages: STRATA_SELECT_ATTEND=require_fused and the attention is not one the "
+          "selection kernel runs");
+    }
+  }
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchSelectStages(
       p.q.As<const float>(), p.scale, static_cast<int>(hkv), static_cast<int>(group), d,
-      p.skip_heads, ToCuda(s)));
+      p.skip_heads, attend_fused ? &da : nullptr, ToCuda(s)));
+  if (p.attend != nullptr && !attend_fused) return SelectedAttention(*p.attend, s);
   return absl::OkStatus();
 }
 

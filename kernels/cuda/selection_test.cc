@@ -1316,6 +1316,23 @@ struct Chain {
   }
 };
 
+// The chain's bf16 K pool and page table (a key stage's, or an attention's): a pool smaller than
+// the table, so pages share slots; a few entries are -1 or past the pool.
+void AddChainPool(Chain& ch, std::mt19937& rng) {
+  const ChainCase& c = ch.c;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  ch.slots = std::min<int64_t>(int64_t{c.hkv} * c.pages, 509);
+  std::vector<float> k(static_cast<size_t>(ch.slots) * c.page * Chain::kD);
+  for (float& x : k) x = u(rng);
+  ch.pool.resize(k.size() * 2);
+  ConvertFromF32(k.data(), ch.pool.data(), DType::kBF16, static_cast<int64_t>(k.size()));
+  ch.table.resize(static_cast<size_t>(c.hkv) * c.pages);
+  for (size_t i = 0; i < ch.table.size(); ++i) {
+    ch.table[i] = i % 97 == 13 ? -1 : i % 101 == 7 ? static_cast<int32_t>(ch.slots)
+                                                   : static_cast<int32_t>((i * 7) % ch.slots);
+  }
+}
+
 Chain MakeChain(const ChainCase& c, std::mt19937& rng) {
   Chain ch;
   ch.c = c;
@@ -1353,19 +1370,7 @@ Chain MakeChain(const ChainCase& c, std::mt19937& rng) {
     ch.seg_sums.resize(ss.size() * DTypeSize(c.sum_dtype));
     ConvertFromF32(ss.data(), ch.seg_sums.data(), c.sum_dtype, static_cast<int64_t>(ss.size()));
   }
-  if (c.keys) {
-    // A pool smaller than the table: pages share slots; a few entries are -1 or past the pool.
-    ch.slots = std::min<int64_t>(int64_t{c.hkv} * c.pages, 509);
-    std::vector<float> k(static_cast<size_t>(ch.slots) * c.page * d);
-    for (float& x : k) x = u(rng);
-    ch.pool.resize(k.size() * 2);
-    ConvertFromF32(k.data(), ch.pool.data(), DType::kBF16, static_cast<int64_t>(k.size()));
-    ch.table.resize(static_cast<size_t>(c.hkv) * c.pages);
-    for (size_t i = 0; i < ch.table.size(); ++i) {
-      ch.table[i] = i % 97 == 13 ? -1 : i % 101 == 7 ? static_cast<int32_t>(ch.slots)
-                                                     : static_cast<int32_t>((i * 7) % ch.slots);
-    }
-  }
+  if (c.keys) AddChainPool(ch, rng);
   if (c.seg_pages > 0) {
     const int64_t s0 = c.p_begin / c.seg_pages, s1 = (c.p_end - 1) / c.seg_pages + 1;
     ch.counts.push_back(s1 - s0);
@@ -1441,6 +1446,18 @@ ChainRef RunChainOnCpu(Backend* cpu, Chain& ch) {
 
 class SelectStagesTest : public SelectionTest {
  protected:
+  // Per stage of `ch` a poisoned scores and selected buffer in *bufs (in that order), their
+  // pointers in *sp and *sel.
+  void StageBuffers(const Chain& ch, std::vector<std::unique_ptr<Buffer>>* bufs,
+                    std::vector<void*>* sp, std::vector<void*>* sel) {
+    for (size_t i = 0; i < ch.counts.size(); ++i) {
+      bufs->push_back(Poisoned<float>(int64_t{ch.c.hkv} * ch.c.group * ch.counts[i]));
+      sp->push_back(bufs->back()->data());
+      bufs->push_back(Poisoned<int32_t>(int64_t{ch.c.hkv} * ch.ks[i], 0x7f));
+      sel->push_back(bufs->back()->data());
+    }
+  }
+
   // Runs `ch` on the GPU (poisoned outputs, optionally skip flags) and returns each stage's
   // selection.
   std::vector<std::vector<int32_t>> RunOnGpu(const Chain& ch, const int32_t* skip = nullptr) {
@@ -1448,12 +1465,7 @@ class SelectStagesTest : public SelectionTest {
     auto dt = Dev(ch.table);
     std::vector<std::unique_ptr<Buffer>> bufs;
     std::vector<void*> sp, sel;
-    for (size_t i = 0; i < ch.counts.size(); ++i) {
-      bufs.push_back(Poisoned<float>(int64_t{ch.c.hkv} * ch.c.group * ch.counts[i]));
-      sp.push_back(bufs.back()->data());
-      bufs.push_back(Poisoned<int32_t>(int64_t{ch.c.hkv} * ch.ks[i], 0x7f));
-      sel.push_back(bufs.back()->data());
-    }
+    StageBuffers(ch, &bufs, &sp, &sel);
     SelectStagesParams p =
         ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
     p.skip_heads = skip;
@@ -1585,6 +1597,134 @@ TEST_F(SelectStagesTest, SkipHeadsLeaveFlaggedHeadsUntouched) {
   }
 }
 
+// SelectStages with `attend` (the decode step's attention over the last stage's selection): the
+// attention inside the selection kernel (STRATA_SELECT_ATTEND=require_fused) and as its own op
+// after the kernel (=separate), against the CPU: every stage's selection as in MatchesCpuOps, and
+// out / lse against the CPU's SelectedAttention over the GPU's final selection (so a near-tie at
+// the k-th place does not change what is compared), with sinks, the window, page-table entries
+// -1 or past the pool, -1 ids (k above the candidates) and groups 1-4. Then skip_heads on a
+// second query: flagged heads keep their selection and attend it with the new query.
+TEST_F(SelectStagesTest, AttendMatchesCpu) {
+  struct AttendCase {
+    ChainCase c;
+    int64_t window;
+  };
+  const AttendCase cases[] = {
+      {{"quest 128K", 8, 4, DType::kBF16, 64, 0, 2048, 0, 32, false, 0, 1, 2044, 0, 0}, 256},
+      {{"tokenselect 128K", 8, 4, DType::kBF16, 64, 0, 2048, 0, 128, true, 2048, 1, 2044, 64,
+        2044 * 64 - 5},
+       250},
+      {{"quest two-level", 4, 4, DType::kBF16, 64, 16, 16384, 128, 32, false, 0, 1, 16380, 0, 0},
+       200},
+      {{"three stages", 3, 3, DType::kBF16, 16, 4, 3000, 100, 50, true, 300, 2, 2990, 40, 47000},
+       37},
+      {{"group 1 tiny", 2, 1, DType::kBF16, 16, 0, 3, 0, 5, true, 7, 0, 3, 0, 48}, 0},
+      {{"group 2 k 0", 1, 2, DType::kBF16, 16, 0, 17, 0, 0, true, 4, 0, 17, 0, 272}, 0},
+  };
+  constexpr int kD = Chain::kD;
+  for (const AttendCase& ac : cases) {
+    const ChainCase& c = ac.c;
+    SCOPED_TRACE(c.name);
+    Chain ch = MakeChain(c, rng_);
+    if (ch.pool.empty()) AddChainPool(ch, rng_);
+    const ChainRef ref = RunChainOnCpu(cpu_, ch);
+    std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD);
+    const std::vector<uint8_t> vpool = PoolBytes(vf, DType::kBF16);
+    const int hq = c.hkv * c.group;
+    // The attended positions: sinks [0, mid_begin), the middle, the window after it.
+    const int64_t mid_begin = c.keys ? c.t_begin : c.p_begin * c.page;
+    const int64_t mid_end = c.keys ? c.t_end : c.p_end * c.page;
+    const int64_t suffix_end = std::min<int64_t>(c.pages * c.page, mid_end + ac.window);
+    auto attention = [&](void* q, void* k, void* v, void* table, const TensorView& parents,
+                         void* out, void* lse) {
+      SelectedAttentionParams at;
+      at.q = TensorView(q, DType::kF32, {1, hq, kD});
+      at.k_pool = TensorView(k, DType::kBF16, {ch.slots, c.page, kD});
+      at.v_pool = TensorView(v, DType::kBF16, {ch.slots, c.page, kD});
+      at.page_table = TensorView(table, DType::kI32, {c.hkv, c.pages});
+      at.prefix_end = mid_begin;
+      at.middle.parents = parents;
+      at.middle.fanout = c.keys ? 1 : c.page;
+      at.middle.begin = mid_begin;
+      at.middle.end = mid_end;
+      at.suffix_begin = mid_end;
+      at.suffix_end = suffix_end;
+      at.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+      at.out = TensorView(out, DType::kF32, {1, hq, kD});
+      at.lse = TensorView(lse, DType::kF32, {1, hq});
+      return at;
+    };
+    const int last = static_cast<int>(ch.counts.size()) - 1;
+    auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+    auto dv = Dev(vpool), dt = Dev(ch.table);
+    std::vector<std::unique_ptr<Buffer>> bufs;
+    std::vector<void*> sp, sel;
+    StageBuffers(ch, &bufs, &sp, &sel);
+    auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
+    // The CPU's attention over a selection `final` (host) with query `q` (host).
+    auto cpu_attention = [&](std::vector<float>& q, std::vector<int32_t>& final,
+                             std::vector<float>* out, std::vector<float>* lse) {
+      out->assign(static_cast<size_t>(hq) * kD, 0.0f);
+      lse->assign(hq, 0.0f);
+      const SelectedAttentionParams at = attention(
+          q.data(), ch.pool.data(), const_cast<uint8_t*>(vpool.data()), ch.table.data(),
+          TensorView(final.data(), DType::kI32, {c.hkv, ch.ks[last]}), out->data(), lse->data());
+      ASSERT_TRUE(cpu_->SelectedAttention(at, nullptr).ok());
+    };
+    for (const char* mode : {"require_fused", "separate"}) {
+      SCOPED_TRACE(mode);
+      setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+      setenv("STRATA_SELECT_ATTEND", mode, 1);
+      SelectStagesParams p =
+          ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+      const SelectedAttentionParams at =
+          attention(dq->data(), dpool->data(), dv->data(), dt->data(), p.stages[last].selected,
+                    dout->data(), dlse->data());
+      p.attend = &at;
+      const absl::Status st = gpu_->SelectStages(p, nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      std::vector<std::vector<int32_t>> got;
+      for (size_t i = 0; i < ch.counts.size(); ++i) {
+        got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
+      }
+      Compare(ch, ref, got);
+      std::vector<float> want_out, want_lse;
+      cpu_attention(ch.q, got[last], &want_out, &want_lse);
+      ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
+      ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
+
+      // A second query with every other head flagged: those keep `got`'s selection and attend
+      // it with the new query; the others select again.
+      std::vector<float> q2 = RandomF(static_cast<int64_t>(ch.q.size()), -2.0f, 2.0f);
+      auto dq2 = Dev(q2);
+      std::vector<int32_t> skip(c.hkv);
+      for (int g = 0; g < c.hkv; ++g) skip[g] = g % 2;
+      auto dskip = Dev(skip);
+      SelectStagesParams p2 =
+          ch.Params(dq2->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+      p2.skip_heads = static_cast<const int32_t*>(dskip->data());
+      const SelectedAttentionParams at2 =
+          attention(dq2->data(), dpool->data(), dv->data(), dt->data(),
+                    p2.stages[last].selected, dout->data(), dlse->data());
+      p2.attend = &at2;
+      const absl::Status st2 = gpu_->SelectStages(p2, nullptr);
+      ASSERT_TRUE(st2.ok()) << st2;
+      std::vector<int32_t> final2 = Get<int32_t>(*bufs[2 * last + 1], int64_t{c.hkv} * ch.ks[last]);
+      for (int g = 0; g < c.hkv; ++g) {
+        if (!skip[g]) continue;
+        for (int64_t j = 0; j < ch.ks[last]; ++j) {
+          ASSERT_EQ(final2[g * ch.ks[last] + j], got[last][g * ch.ks[last] + j]) << "head " << g;
+        }
+      }
+      cpu_attention(q2, final2, &want_out, &want_lse);
+      ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
+      ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
+    }
+    unsetenv("STRATA_SELECT_STAGES");
+    unsetenv("STRATA_SELECT_ATTEND");
+  }
+}
+
 // The fused op captured in a CUDA graph and replayed gives the eager result, bit for bit, with
 // the outputs poisoned before the replays.
 TEST_F(SelectStagesTest, ReplaysInAGraph) {
@@ -1597,12 +1737,7 @@ TEST_F(SelectStagesTest, ReplaysInAGraph) {
   auto dt = Dev(ch.table);
   std::vector<std::unique_ptr<Buffer>> bufs;
   std::vector<void*> sp, sel;
-  for (size_t i = 0; i < ch.counts.size(); ++i) {
-    bufs.push_back(Poisoned<float>(int64_t{c.hkv} * c.group * ch.counts[i]));
-    sp.push_back(bufs.back()->data());
-    bufs.push_back(Poisoned<int32_t>(int64_t{c.hkv} * ch.ks[i], 0x7f));
-    sel.push_back(bufs.back()->data());
-  }
+  StageBuffers(ch, &bufs, &sp, &sel);
   const SelectStagesParams p =
       ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
   auto* cuda = static_cast<CudaBackend*>(gpu_);

@@ -116,6 +116,52 @@ __device__ __forceinline__ void StAsync4(uint32_t remote, uint32_t v, uint32_t r
                : "memory");
 }
 
+__device__ __forceinline__ void StAsync8(uint32_t remote, float2 v, uint32_t remote_bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+          remote),
+      "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(remote_bar)
+      : "memory");
+}
+
+// The tx-count of `bar` raised by `bytes` without an arrival (a thread's share of a use whose
+// single arrival comes later), and a plain arrival.
+__device__ __forceinline__ void MbarExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// One bulk copy (the TMA unit) of `bytes` (a multiple of 16; both addresses 16-byte aligned) from
+// global memory to this block's shared memory at `dst`, completing on the mbarrier `bar`.
+__device__ __forceinline__ void BulkCopyToShared(uint32_t dst, const void* src, uint32_t bytes,
+                                                 uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// Asynchronous 16-byte copies global -> shared (cp.async.cg: L2 only); valid == false
+// zero-fills the destination and reads nothing. Commit groups and wait for all but the newest N.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  CpAsync16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // How many clusters of `size` blocks of `kernel` (`threads` per block, `smem` bytes of dynamic
 // shared memory) fit on the current device at once, once the non-portable cluster size is
 // allowed; 0 when it is refused. Clears the error a refusal leaves.

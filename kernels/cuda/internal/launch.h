@@ -236,6 +236,35 @@ struct DeviceSelectStages {
   DeviceSelectStage stage[kSelectStagesMax];
   int num_stages = 0;
 };
+// SelectedAttention over the last stage's selection inside the same kernel
+// (SelectStagesParams::attend, kernels/backend.h): bf16 pools, head_dim 128, the group of the
+// stages, no prefix_len and no slot scales; middle.parents is the last stage's `selected`
+// (num_parents its k <= kSelectStagesMaxParents, fanout a power of two). Block r of KV head g's
+// cluster attends its share of the fixed positions (the prefix, then the suffix: at most
+// kSelectAttendMaxFixed) and of the middle (at most kSelectAttendMaxMiddle). out == nullptr: none.
+inline constexpr int kSelectAttendMaxFixed = 48;
+inline constexpr int kSelectAttendMaxMiddle = 256;
+// The attention's query and scale are the stages' (q, scale of LaunchSelectStages: the same
+// values as SelectedAttentionParams' q and scale * k_scale).
+struct DeviceSelectAttend {
+  const void* k_pool = nullptr;    // bf16 [num_slots, page_size, 128]
+  const void* v_pool = nullptr;
+  const int32_t* table = nullptr;  // [num_kv_heads, table_pages]
+  int table_pages = 0;
+  int page_size = 0;
+  int64_t num_slots = 0;
+  int32_t prefix_end = 0;
+  int32_t suffix_begin = 0;
+  int32_t suffix_len = 0;
+  int fanout_shift = 0;            // log2(middle.fanout)
+  DeviceCandidates middle;
+  float v_scale = 1.0f;
+  float* out = nullptr;            // [num_kv_heads * group, 128] f32
+  float* lse = nullptr;            // [num_kv_heads * group] f32
+  // Nonzero: the fixed rows are copied during the first stage, else while the last stage's ids
+  // arrive (STRATA_SELECT_ATTEND_FIXED=late; A/B timing); a skipped head's always the latter.
+  int fixed_early = 1;
+};
 // Blocks per cluster LaunchSelectStages uses for num_kv_heads clusters on the current device:
 // 16 where that many 16-block clusters fit at once, else 8 (STRATA_SELECT_STAGES_CLUSTER=8 asks
 // for 8), 0 where the kernel cannot run (its shared memory refused); and the candidates per KV
@@ -249,13 +278,21 @@ int64_t SelectStagesMaxCandidates(int num_kv_heads);
 // statistics merged, radix passes 0 to 3 done (a pass not run leaves its slot alone), end.
 // nullptr turns it off (the default). Not thread-safe against concurrent launches.
 inline constexpr int kSelectStagesPhasesPerStage = 8;
-inline constexpr int kSelectStagesPhases = 1 + kSelectStagesMax * kSelectStagesPhasesPerStage;
+// With an attention (DeviceSelectAttend), kSelectStagesAttendPhases more stamps follow the
+// stages': rows resolved and copies issued, fixed rows landed, attended, then per middle tile
+// landed and attended, and the partials merged.
+inline constexpr int kSelectStagesAttendPhases = 12;
+inline constexpr int kSelectStagesPhases =
+    1 + kSelectStagesMax * kSelectStagesPhasesPerStage + kSelectStagesAttendPhases;
 cudaError_t SetSelectStagesPhaseStamps(long long* stamps, int max_blocks);
-// The whole chain on `stream`; cudaErrorInvalidValue for a shape it does not run (the caller
-// checks first; see CudaBackend::SelectStages).
+// Whether LaunchSelectStages can attend `fixed` prefix + suffix and `middle` positions per KV
+// head (the per-block limits above at the cluster size it would use).
+bool SelectStagesCanAttend(int num_kv_heads, int64_t fixed, int64_t middle);
+// The whole chain on `stream`, then the attention when `attend` is set; cudaErrorInvalidValue
+// for a shape it does not run (the caller checks first; see CudaBackend::SelectStages).
 cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, int group,
                                const DeviceSelectStages& stages, const int32_t* skip,
-                               cudaStream_t stream);
+                               const DeviceSelectAttend* attend, cudaStream_t stream);
 // Decode attention over [0, prefix_end) + middle + [suffix_begin, suffix_begin + suffix_len) per
 // KV head, split into items_per_head work items of `chunk` virtual positions each.
 struct SelectedAttentionShape {
