@@ -2068,7 +2068,7 @@ __device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int st
 // softmax per head (AttendRows); the warps' partials merge in shared memory, the blocks' in
 // block h's shared memory for query head h (st.async onto its mbarrier), which writes out and
 // lse. Measured on the H200 against the separate SelectedAttention kernel (bench/RESULTS.md,
-// session 14): 25.2 against 29.1 us per layer at 128K quest; the same code with CUDA-core
+// session 14): 24.3 against 29.1 us per layer at 128K quest; the same code with CUDA-core
 // arithmetic was no faster than the separate kernel (half the blocks per KV head).
 constexpr int kAttendRows = kSelectAttendMaxFixed + kSelectAttendMaxMiddle;
 constexpr int kAttendGroups = 2;                                 // 8-row groups per warp and tile
@@ -2285,11 +2285,15 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   __nv_bfloat16* const v_s = k_s + kAttendRows * kAttendPitch;
   int64_t* const row_s = reinterpret_cast<int64_t*>(v_s + kAttendRows * kAttendPitch);
   // The block's fixed positions: with at.fixed_early copied during the first stage (the
-  // page-table entry loaded at the start), else before the wait for the middle's ids.
+  // page-table entry loaded at the start), else before the wait for the middle's ids. Thread
+  // kFixedThread0 + i copies fixed row i: warps the first stage's statistics leave idle.
+  constexpr int kFixedThread0 = G * 32;
+  static_assert(kFixedThread0 + kSelectAttendMaxFixed <= kStagesThreads, "fixed-row threads");
+  const int ft = tid - kFixedThread0;
   auto fixed_row_of = [&]() -> int64_t {
     const int32_t nf = at.prefix_end + at.suffix_len;
     const int32_t fc = (nf + cs - 1) / cs, f0 = min(nf, rank * fc);
-    return tid < min(nf, f0 + fc) - f0 ? AttendFixedRow(at, g, f0 + tid) : -1;
+    return ft >= 0 && ft < min(nf, f0 + fc) - f0 ? AttendFixedRow(at, g, f0 + ft) : -1;
   };
   const bool fixed_early = kAttend && at.fixed_early != 0 && !skipped;
   int64_t fixed_row = -1;
@@ -2297,9 +2301,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // The fixed rows' copies onto mbar[kFixedBar] (row_s and the tx-counts before a barrier after
   // which thread 0 arrives).
   auto fixed_rows = [&](int64_t row) {
-    if (tid < kSelectAttendMaxFixed) {
-      row_s[tid] = row;
-      AttendIssueRow(at, k_s, v_s, tid, row, SharedAddr(&mbar[kFixedBar]));
+    if (ft >= 0 && ft < kSelectAttendMaxFixed) {
+      row_s[ft] = row;
+      AttendIssueRow(at, k_s, v_s, ft, row, SharedAddr(&mbar[kFixedBar]));
     }
   };
   // The split query (also the attention's: same q and scale), read after the first stage's
@@ -2371,9 +2375,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                    : nullptr;
       }, sc);
     }
-    if (fixed_early && si == 0) fixed_rows(fixed_row);
     __syncthreads();  // sc complete
-    if (fixed_early && si == 0 && tid == 0) MbarArrive(SharedAddr(&mbar[kFixedBar]));
     stamp(phase0 + 1);
 
     // (2) The block's softmax statistics: warp h < 4 takes head h over the block's scores
@@ -2395,7 +2397,10 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       bl = WarpSum(bl);
       if (lane == 0) part_s[h] = bm, part_s[G + h] = bl;
     }
+    // The attention's fixed rows copied by warps the statistics leave idle.
+    if (fixed_early && si == 0 && warp >= G) fixed_rows(fixed_row);
     __syncthreads();  // part_s complete
+    if (fixed_early && si == 0 && tid == 0) MbarArrive(SharedAddr(&mbar[kFixedBar]));
     if (si == 0) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // mbarriers ready
     if (tid == 0) MbarExpect(SharedAddr(&mbar[4]), cs * 2 * G * sizeof(float));
     if (warp == 0 && lane < 2 * cs) {  // lane 2r + j: half j of the partials to block r
