@@ -207,7 +207,9 @@ TEST_F(SelectionTest, ScoreSummariesMatchesCpu) {
     p.scores.data = want16.data();
     STRATA_ASSERT_OK(cpu_->ScoreSummaries(p, nullptr));
     for (size_t i = 0; i < want.size(); ++i) {
-      if (want[i] != kNegInf) ASSERT_GE(want16[i], want[i] - 1e-5f * (1 + std::fabs(want[i]))) << i;
+      if (want[i] != kNegInf) {
+        ASSERT_GE(want16[i], want[i] - 1e-5f * (1 + std::fabs(want[i]))) << i;
+      }
     }
     auto ds16 = Dev(sums16);
     p.q.data = dq->data();
