@@ -646,7 +646,9 @@ class Backend {
 // Backend::SelectStages as the calls it stands for: checks the chain (1 to kMaxSelectStages
 // stages; stage s > 0's candidates.parents the data and shape of stage s - 1's selected;
 // InvalidArgument otherwise), then per stage ScoreSummaries or ScoreKeys and VoteTopK on `b`,
-// then SelectedAttention(*attend) when set, returning the first error.
+// then SelectedAttention(*attend) when set, returning the first error (an attention `b` refuses
+// fails the op after the stages have written their selections; the CUDA backend checks it
+// before it launches anything).
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s);
 // The chain checks of SelectStagesOpByOp alone (the ops check the rest).
 absl::Status CheckSelectStagesChain(const SelectStagesParams& p);
