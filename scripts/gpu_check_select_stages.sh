@@ -7,13 +7,15 @@
 #   2. cuda_attention_bench --pipelines-only --no-sweep at the contexts given (default 128K and
 #      1M) once per variant of STRATA_AB_PIPES (space-separated; a variant is comma-joined
 #      VAR=value settings, "-" for the defaults; default: fused, op by op, fused on 8-block
-#      clusters);
+#      clusters; a setting BENCH=path runs that cuda_attention_bench instead of the bundle's, e.g.
+#      an older build's for a baseline in the same call);
 #   2b. with STRATA_CHECK_PHASES (variants as STRATA_AB_PIPES) the selection kernel's phase
 #      stamps per variant (cuda_attention_bench --stage-phases);
-#   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it), compute-sanitizer
-#      memcheck and racecheck on the SelectStages tests (STRATA_CHECK_SKIP_SANITIZE=1 skips
-#      them), and with STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench (cluster barrier and
-#      shared-memory read latencies).
+#   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it; STRATA_CHECK_TESTS
+#      names the ones to run instead), compute-sanitizer memcheck and racecheck on the
+#      SelectStages tests (STRATA_CHECK_SKIP_SANITIZE=1 skips them; STRATA_CHECK_SANITIZE_TIMEOUT
+#      seconds each, default 200), and with STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench
+#      (cluster barrier and shared-memory read latencies).
 # Full logs in $OUT (else /tmp/strata-gpu-out); test summaries and PIPE / GSTAGES lines printed.
 # Usage: STRATA_GPU_BUNDLE=.gpu scripts/gpu_check_select_stages.sh [contexts...]
 set -uo pipefail
@@ -40,12 +42,25 @@ done
 
 echo "== pipelines"
 i=0
+# The variant's settings in env_args, its bench binary in bench (BENCH=path, else the bundle's).
+variant_args() {
+  env_args=()
+  bench="$B/cuda_attention_bench"
+  [ "$1" = "-" ] && return
+  local parts p
+  IFS=, read -r -a parts <<< "$1"
+  for p in "${parts[@]}"; do
+    case "$p" in
+      BENCH=*) bench="${p#BENCH=}" ;;
+      *) env_args+=("$p") ;;
+    esac
+  done
+}
 for variant in ${STRATA_AB_PIPES:-- STRATA_BENCH_FUSED=0 STRATA_SELECT_STAGES_CLUSTER=8}; do
   i=$((i + 1))
   echo "-- ${variant}"
-  env_args=()
-  [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
-  env "${env_args[@]}" timeout 200 "$B/cuda_attention_bench" --pipelines-only --no-sweep \
+  variant_args "$variant"
+  env "${env_args[@]}" timeout 200 "$bench" --pipelines-only --no-sweep \
     "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
   grep -E '^PIPE|^GSTAGES|^selection' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
 done
@@ -54,16 +69,20 @@ if [ -n "${STRATA_CHECK_PHASES:-}" ]; then
   echo "== selection kernel phases"
   for variant in ${STRATA_CHECK_PHASES}; do
     echo "-- ${variant}"
-    env_args=()
-    [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
-    env "${env_args[@]}" timeout 200 "$B/cuda_attention_bench" --pipelines-only --no-sweep \
+    variant_args "$variant"
+    env "${env_args[@]}" timeout 200 "$bench" --pipelines-only --no-sweep \
       --stage-phases "${CTX[@]}" 2>&1 | grep -E '^PHASES' | grep -v 'not run'
   done
 fi
 
 if [ "${STRATA_CHECK_SKIP_TESTS:-0}" != 1 ]; then
   echo "== every gpu test"
-  for bin in "$B"/*_test; do
+  tests=("$B"/*_test)
+  if [ -n "${STRATA_CHECK_TESTS:-}" ]; then
+    tests=()
+    for t in ${STRATA_CHECK_TESTS}; do tests+=("$B/$t"); done
+  fi
+  for bin in "${tests[@]}"; do
     [ -x "$bin" ] || continue
     name=$(basename "$bin")
     timeout 400 "$bin" --gtest_brief=1 > "$LOGS/$name.log" 2>&1
@@ -74,7 +93,7 @@ fi
 if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== compute-sanitizer"
   for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
+    timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
       "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter='SelectStages*' \
       > "$LOGS/${tool}_select_stages.log" 2>&1
     echo "$tool SelectStages* rc=$? $(summary "$LOGS/${tool}_select_stages.log")"

@@ -305,8 +305,7 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
   }
   // The attention's phases when it ran in the kernel.
   const char* anames[cuda_internal::kSelectStagesAttendPhases] = {
-      "rows", "fixed-in", "fixed", "t0-in", "t0", "t1-in", "t1", "t2-in", "t2", "t3-in", "t3",
-      "merged"};
+      "rows", "fixed-in", "fixed", "t0-in", "t0", "t1-in", "t1", "merged"};
   print_line("attend", 1 + cuda_internal::kSelectStagesMax * cuda_internal::kSelectStagesPhasesPerStage,
              cuda_internal::kSelectStagesAttendPhases, anames);
 }

@@ -46,7 +46,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <atomic>
+#include <mutex>
 #include <cfloat>
 #include <cstdlib>
 #include <string>
@@ -1996,6 +1996,29 @@ __device__ __forceinline__ void StageAFragments(const __nv_bfloat16* table, int 
   a[1][0] = u.z, a[1][1] = v.z, a[1][2] = u.w, a[1][3] = v.w;
 }
 
+// One tile's scores from its two mma accumulators (c[0], c[1]: the column group's two halves of
+// K) into sc[h][first + i] (i < 8, first + i < count; -inf where the row is invalid). `ok`: the
+// lane's row (candidate first + lane / 4) is valid.
+__device__ __forceinline__ void StageStoreTile(const float (&c)[2][4], bool ok, int32_t first,
+                                               int32_t count, int group,
+                                               float (*sc)[kStagesMaxPerBlock]) {
+  const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3;
+  float cc[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) cc[e] = c[0][e] + c[1][e];
+  // Lane l < 16: head r, candidates 2t and 2t + 1 of the tile: part 0 (row r, here), part 1
+  // (row r + 4, lane l + 16's cc[0 / 1]), part 2 (row r + 8, here).
+  const float mid0 = __shfl_down_sync(0xffffffffu, cc[0], 16);
+  const float mid1 = __shfl_down_sync(0xffffffffu, cc[1], 16);
+  const bool ok0 = __shfl_sync(0xffffffffu, ok, 4 * (2 * t)) != 0;
+  const bool ok1 = __shfl_sync(0xffffffffu, ok, 4 * (2 * t + 1)) != 0;
+  const int32_t i0 = first + 2 * t;
+  if (lane < 16 && r < group) {
+    if (i0 < count) sc[r][i0] = ok0 ? cc[0] + (mid0 + cc[2]) : NegInfF();
+    if (i0 + 1 < count) sc[r][i0 + 1] = ok1 ? cc[1] + (mid1 + cc[3]) : NegInfF();
+  }
+}
+
 // Scores of candidates [first, first + count) of the stage into sc[h][i - first]: row_of(i) is
 // the bf16 row of candidate i (nullptr: invalid, score -inf). K = 32 * kGroups; the A operand
 // comes from `table` (StageATables) one column group at a time, so the registers hold the row
@@ -2039,21 +2062,52 @@ __device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int st
     }
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) {
-      float cc[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) cc[e] = c[u][0][e] + c[u][1][e];
-      // Lane l < 16: head r, candidates 2t and 2t + 1 of the tile: part 0 (row r, here), part 1
-      // (row r + 4, lane l + 16's cc[0 / 1]), part 2 (row r + 8, here).
-      const float mid0 = __shfl_down_sync(0xffffffffu, cc[0], 16);
-      const float mid1 = __shfl_down_sync(0xffffffffu, cc[1], 16);
-      const bool ok0 = __shfl_sync(0xffffffffu, ok[u], 4 * (2 * t)) != 0;
-      const bool ok1 = __shfl_sync(0xffffffffu, ok[u], 4 * (2 * t + 1)) != 0;
-      const int32_t i0 = (t0 + u) * kStagesTileN + 2 * t;
-      if (lane < 16 && r < group) {
-        if (i0 < count) sc[r][i0] = ok0 ? cc[0] + (mid0 + cc[2]) : NegInfF();
-        if (i0 + 1 < count) sc[r][i0 + 1] = ok1 ? cc[1] + (mid1 + cc[3]) : NegInfF();
-      }
+      StageStoreTile(c[u], ok[u], (t0 + u) * kStagesTileN, count, group, sc);
     }
+  }
+}
+
+// Scores of 32 of the block's candidates, [first, first + 32), whose bf16 key rows are rows 0-31
+// of `buf` in shared memory (bulk-copied, 256 bytes apart; the ring of DeviceSelectStage::bulk),
+// into sc as StageScoreMma<4> scores them (A from key_a). Bit j of `valid`: candidate first + j
+// has a row. Rows 256 bytes apart put the 8 rows of a tile on the same 16 banks; odd rows read
+// the column groups of each pair in the other order, so each load's rows cover all 32 banks, and
+// the lanes swap them back in registers.
+constexpr int kRingRows = 32;  // rows per StageScoreSharedRows call
+__device__ __forceinline__ void StageScoreSharedRows(const __nv_bfloat16* buf,
+                                                     const __nv_bfloat16* key_a, uint32_t valid,
+                                                     int32_t first, int32_t count, int group,
+                                                     float (*sc)[kStagesMaxPerBlock]) {
+  constexpr int kGroups = 4, kT = kRingRows / kStagesTileN, K = 32 * kGroups;
+  const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3;
+  const int odd = r & 1;
+  float c[kT][2][4];
+#pragma unroll
+  for (int u = 0; u < kT; ++u) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[u][0][e] = 0.0f, c[u][1][e] = 0.0f;
+  }
+#pragma unroll
+  for (int pp = 0; pp < kGroups / 2; ++pp) {
+    uint32_t a0[2][4], a1[2][4];
+    StageAFragments(key_a, kStagesKeyStride, 2 * pp, a0);
+    StageAFragments(key_a, kStagesKeyStride, 2 * pp + 1, a1);
+#pragma unroll
+    for (int u = 0; u < kT; ++u) {
+      const __nv_bfloat16* row = buf + (kStagesTileN * u + r) * K + 8 * t;
+      const uint4 x = *reinterpret_cast<const uint4*>(row + 32 * (2 * pp + odd));
+      const uint4 y = *reinterpret_cast<const uint4*>(row + 32 * (2 * pp + 1 - odd));
+      const uint4 b0 = odd ? y : x, b1 = odd ? x : y;  // column groups 2pp and 2pp + 1
+      MmaBf16(c[u][0], a0[0], b0.x, b0.y);
+      MmaBf16(c[u][1], a0[1], b0.z, b0.w);
+      MmaBf16(c[u][0], a1[0], b1.x, b1.y);
+      MmaBf16(c[u][1], a1[1], b1.z, b1.w);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kT; ++u) {
+    StageStoreTile(c[u], ((valid >> (kStagesTileN * u + r)) & 1u) != 0, first + kStagesTileN * u,
+                   count, group, sc);
   }
 }
 
@@ -2076,6 +2130,101 @@ constexpr int kAttendTile = 8 * kAttendGroups * kStagesWarps;    // middle rows 
 constexpr int kAttendPitch = 128 + 8;  // bf16 per staging row: ldmatrix rows on distinct banks
 constexpr int kAttendMidTiles = kSelectAttendMaxMiddle / kAttendTile;
 constexpr int kAttendPartStride = 132;  // floats per partial: o[128], m, l, 2 unused
+// The ring of DeviceSelectStage::bulk: one buffer of 16 KiB (a chunk of 64 key rows) per warp,
+// half in the middle's K staging rows, half in its V rows, which the attention fills only after
+// the stages.
+constexpr int kKeyRing = kStagesWarps;
+constexpr int kRingBufferElems = 8192;  // bf16 per buffer
+constexpr int kKeyChunk = kRingBufferElems / 128;
+static_assert(kKeyRing / 2 * kRingBufferElems <= kSelectAttendMaxMiddle * kAttendPitch &&
+                  (kSelectAttendMaxFixed * kAttendPitch * 2) % 16 == 0 &&
+                  kKeyChunk == 2 * kRingRows,
+              "the ring fits the middle's staging rows, 16-byte aligned; a chunk is two calls of "
+              "StageScoreSharedRows");
+
+// The block's share of a key stage with DeviceSelectStage::bulk, scored into sc (called by every
+// warp; buf: the warp's ring buffer, bar: its mbarrier, whose current phase has parity `parity`).
+// Warp w scores chunks w and w + kKeyRing of 64 candidates: lane j < 2R (R runs of L rows per
+// chunk: a run is one parent's candidates, or 64 of them, all in one page) resolves run j % R of
+// chunk w + kKeyRing (j / R) first, so the page-table loads of both rounds are one latency; the
+// first round's runs are copied at once, the second's into the same buffer once the warp has
+// scored the first. Returns how many phases of bar the warp waited for. Not inlined: the
+// kernel's other phases keep their register allocation and code layout (inlined, the kernel was
+// slower on every stage; bench/RESULTS.md, session 15).
+__device__ __noinline__ int StageScoreKeyRing(const DeviceSelectStage& stage,
+                                              const int32_t* parents, int g, int32_t block_first,
+                                              int32_t block_count, int group,
+                                              const __nv_bfloat16* key_a, __nv_bfloat16* buf,
+                                              uint32_t bar, uint32_t parity,
+                                              float (*sc)[kStagesMaxPerBlock]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const DeviceCandidates& c = stage.c;
+  const __nv_bfloat16* k_pool = static_cast<const __nv_bfloat16*>(stage.rows);
+  const int fs = stage.fanout_shift, ps = stage.page_shift, ls = min(fs, 6);
+  const int runs = kKeyChunk >> ls;
+  const int32_t fanout_mask = (1 << fs) - 1, page_mask = (1 << ps) - 1;
+  int64_t run_row = -1;  // the pool row of the lane's run's first candidate, or -1
+  if (lane < 2 * runs) {
+    const int32_t i = (warp + kKeyRing * (lane / runs)) * kKeyChunk + ((lane % runs) << ls);
+    if (i < block_count) {
+      const int32_t idx = block_first + i;
+      const int32_t parent = parents[idx >> fs];
+      const int64_t id0 = (static_cast<int64_t>(parent) << fs) + (idx & fanout_mask);
+      const int64_t page = id0 >> ps;
+      if (parent >= 0 && id0 < c.end && id0 + (1 << ls) > c.begin && page < stage.table_pages) {
+        const int32_t slot = stage.table[static_cast<int64_t>(g) * stage.table_pages + page];
+        if (slot >= 0 && slot < stage.num_items) {
+          run_row = (static_cast<int64_t>(slot) << ps) + (id0 & page_mask);
+        }
+      }
+    }
+  }
+  int waits = 0;
+#pragma unroll 1
+  for (int round = 0; round < 2; ++round) {
+    const int32_t first = (warp + kKeyRing * round) * kKeyChunk;
+    if (first >= block_count) break;  // warp-uniform
+    if (round > 0) {  // the buffer's reads (generic proxy) before the bulk copy's writes
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncwarp();
+    }
+    if (lane / runs == round && lane < 2 * runs && run_row >= 0) {
+      MbarExpectTx(bar, 256u << ls);
+      BulkCopyToShared(SharedAddr(buf + ((lane % runs) << ls) * 128), k_pool + run_row * 128,
+                       256u << ls, bar);
+    }
+    __syncwarp();  // every tx-count raised before the arrival
+    if (lane == 0) MbarArrive(bar);
+    // Which candidates have rows: the id in [begin, end) and the run's row resolved.
+    uint64_t valid = 0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int32_t i = first + 32 * half + lane;
+      const int64_t rr =
+          __shfl_sync(0xffffffffu, run_row, round * runs + ((32 * half + lane) >> ls));
+      bool v = false;
+      if (i < block_count && rr >= 0) {
+        const int32_t idx = block_first + i;
+        const int32_t parent = parents[idx >> fs];
+        const int64_t id = (static_cast<int64_t>(parent) << fs) + (idx & fanout_mask);
+        v = parent >= 0 && id >= c.begin && id < c.end;
+      }
+      valid |= static_cast<uint64_t>(__ballot_sync(0xffffffffu, v)) << (32 * half);
+    }
+    MbarWait(bar, parity ^ static_cast<uint32_t>(waits & 1));
+    ++waits;
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      StageScoreSharedRows(buf + half * kRingRows * 128, key_a,
+                           static_cast<uint32_t>(valid >> (kRingRows * half)),
+                           first + kRingRows * half, block_count, group, sc);
+    }
+  }
+  // The ring's reads before any later bulk copy into it (a later key stage, the attention).
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  return waits;
+}
+
 // SelectStagesKernel's dynamic shared memory: the double-buffered pass histogram slots (after the
 // stages, the attention's receive area); with the attention, then its staging area (K rows, V
 // rows, their pool rows).
@@ -2199,6 +2348,20 @@ __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_
   }
 }
 
+static_assert(3 + 2 * kAttendMidTiles + 1 == kSelectStagesAttendPhases,
+              "the attention's phase stamps: rows, fixed landed and attended, each tile landed and "
+              "attended, merged");
+
+// The first of block `rank`'s share of the fixed positions (prefix, then suffix) over cs blocks
+// in *f0, and how many there are.
+__device__ __forceinline__ int32_t AttendFixedShare(const DeviceSelectAttend& at, int cs, int rank,
+                                                    int32_t* f0) {
+  const int32_t nf = at.prefix_end + at.suffix_len;
+  const int32_t fc = (nf + cs - 1) / cs;
+  *f0 = min(nf, rank * fc);
+  return min(nf, *f0 + fc) - *f0;
+}
+
 // The pool row of fixed position f of KV head g (prefix, then suffix), or -1.
 __device__ __forceinline__ int64_t AttendFixedRow(const DeviceSelectAttend& at, int g, int32_t f) {
   const int32_t t = f < at.prefix_end ? f : at.suffix_begin + (f - at.prefix_end);
@@ -2251,8 +2414,10 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // The last stage's selection, the next stage's parents (every block pushes its taken ids).
   __shared__ int32_t parents_s[kSelectStagesMaxParents];
   // mbarriers: 0-3 the passes, 4 the partials, 5 the totals, 6 the selection; the attention's:
-  // 7 the blocks' partials, 8 the queries and fixed rows, 9 to 12 the middle's tiles.
-  constexpr int kFixedBar = 8, kTileBar = 9, kBars = kTileBar + kAttendMidTiles;
+  // 7 the blocks' partials, 8 the fixed rows, then one per middle tile; then one per buffer of
+  // the key stages' ring (DeviceSelectStage::bulk).
+  constexpr int kFixedBar = 8, kTileBar = 9, kRingBar = kTileBar + kAttendMidTiles;
+  constexpr int kBars = kRingBar + kKeyRing;
   __shared__ __align__(8) uint64_t mbar[kBars];
   // [2][kStagesMaxCluster][32]; kAttend: after the stages, the attention's receive area
   // [cs][kAttendPartStride] f32, then the attention's staging area (below).
@@ -2284,6 +2449,12 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                                        kStagesDynamicSmem);
   __nv_bfloat16* const v_s = k_s + kAttendRows * kAttendPitch;
   int64_t* const row_s = reinterpret_cast<int64_t*>(v_s + kAttendRows * kAttendPitch);
+  // The ring of DeviceSelectStage::bulk: buffer b in the middle's K rows (b < 4), then its V
+  // rows.
+  auto ring_buf = [&](int b) {
+    return (b < kKeyRing / 2 ? k_s : v_s) + kSelectAttendMaxFixed * kAttendPitch +
+           (b % (kKeyRing / 2)) * kRingBufferElems;
+  };
   // The block's fixed positions: with at.fixed_early copied during the first stage (the
   // page-table entry loaded at the start), else before the wait for the middle's ids. Thread
   // kFixedThread0 + i copies fixed row i: warps the first stage's statistics leave idle.
@@ -2291,9 +2462,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   static_assert(kFixedThread0 + kSelectAttendMaxFixed <= kStagesThreads, "fixed-row threads");
   const int ft = tid - kFixedThread0;
   auto fixed_row_of = [&]() -> int64_t {
-    const int32_t nf = at.prefix_end + at.suffix_len;
-    const int32_t fc = (nf + cs - 1) / cs, f0 = min(nf, rank * fc);
-    return ft >= 0 && ft < min(nf, f0 + fc) - f0 ? AttendFixedRow(at, g, f0 + ft) : -1;
+    int32_t f0 = 0;
+    const int32_t f_count = AttendFixedShare(at, cs, rank, &f0);
+    return ft >= 0 && ft < f_count ? AttendFixedRow(at, g, f0 + ft) : -1;
   };
   const bool fixed_early = kAttend && at.fixed_early != 0 && !skipped;
   int64_t fixed_row = -1;
@@ -2309,12 +2480,14 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // The split query (also the attention's: same q and scale), read after the first stage's
   // barrier (the attention's: after its own).
   StageATables(q, scale, g, group, sum_a, key_a);
-  if (tid == 0) {
-    for (int i = 0; i < kBars; ++i) MbarInit(SharedAddr(&mbar[i]), 1);
+  static_assert(kBars <= 32, "one lane of warp 0 per mbarrier");
+  if (tid < kBars) {
+    MbarInit(SharedAddr(&mbar[tid]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Every block's mbarriers must be initialised before any block pushes to them: the barrier is
-  // split (the fence above releases the initialisation), its wait comes before the first push.
+  // split (the fences above release the initialisation), its wait comes before the first push;
+  // the block's own first uses come after the first stage's __syncthreads.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   uint32_t phases = 0;  // bit i: the parity of mbar[i]'s current phase
   // Waits for the current use of mbar[i] (every thread), then flips its parity.
@@ -2328,7 +2501,10 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   for (int si = 0; si < num_stages; ++si) {
     const DeviceSelectStage& stage = st.stage[si];
     const int32_t n = stage.c.count;
-    const int32_t per = (n + cs - 1) / cs;
+    // A bulk key stage gives each block whole chunks (per <= 1024 still: 1024 is a multiple).
+    const int32_t per = stage.bulk != 0
+                            ? ((n + cs - 1) / cs + kKeyChunk - 1) / kKeyChunk * kKeyChunk
+                            : (n + cs - 1) / cs;
     const int32_t block_first = min(n, rank * per);
     const int32_t block_count = min(n, block_first + per) - block_first;
     for (int i = tid; i < 4 * 128; i += kStagesThreads) (&hist[0][0])[i] = 0;
@@ -2342,7 +2518,13 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     if (si > 0) wait_bar(6);
     const int phase0 = 1 + si * kSelectStagesPhasesPerStage;
     stamp(phase0);
-    if (stage.kind == SelectStageKind::kKeysBF16) {
+    if (stage.bulk != 0) {
+      const int bar = kRingBar + warp;
+      const int waits = StageScoreKeyRing(stage, parents, g, block_first, block_count, group,
+                                          key_a, ring_buf(warp), SharedAddr(&mbar[bar]),
+                                          (phases >> bar) & 1u, sc);
+      phases ^= static_cast<uint32_t>(waits & 1) << bar;
+    } else if (stage.kind == SelectStageKind::kKeysBF16) {
       const __nv_bfloat16* k_pool = static_cast<const __nv_bfloat16*>(stage.rows);
       const int page_shift = stage.page_shift, fanout_shift = stage.fanout_shift;
       const int32_t page_mask = (1 << page_shift) - 1, fanout_mask = (1 << fanout_shift) - 1;
@@ -2580,9 +2762,8 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       for (int e = 0; e < 4; ++e) ast.acc[j][e] = 0.0f;
     }
     {
-      const int32_t nf = at.prefix_end + at.suffix_len;
-      const int32_t fc = (nf + cs - 1) / cs, f0 = min(nf, rank * fc);
-      const int f_count = min(nf, f0 + fc) - f0;
+      int32_t f0 = 0;
+      const int32_t f_count = AttendFixedShare(at, cs, rank, &f0);
       const int r0 = 8 * kAttendGroups * warp;
       if (r0 < f_count) AttendRows(k_s, v_s, row_s, r0, f_count, key_a, group, ast);
     }
@@ -2665,7 +2846,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
         if (tid == 0) at.lse[qh] = l > 0.0f ? mx + logf(l) : NegInfF();
       }
     }
-    stamp(A0 + 11);
+    stamp(A0 + 3 + 2 * kAttendMidTiles);
   }
   // No block leaves while another may still push to it or read what it pushed.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -2995,47 +3176,70 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
 
 namespace {
 constexpr int kStagesMaxDevices = 64;
-// Whether SelectStagesKernel<true> may have its shared memory, per device (0: unknown, 1: no,
-// else 2 + how many 16-block clusters of it fit at once); set with fit16 in
-// SelectStagesClusterBlocks.
-std::atomic<int> g_stages_attend_ok[kStagesMaxDevices];
-}  // namespace
+// What SelectStagesKernel can do on a device, found once per device: whether <false> can have
+// its shared memory (else the callers run the ops one by one), and the staging area as well (the
+// key stages' ring); whether <true> can; how many 16-block clusters of each fit at once.
+struct StagesDeviceInfo {
+  bool usable = false;
+  bool ring = false;
+  bool attend = false;
+  int fit16 = 0;
+  int attend_fit16 = 0;
+};
+std::once_flag g_stages_once[kStagesMaxDevices];
+StagesDeviceInfo g_stages_info[kStagesMaxDevices];
 
-int SelectStagesClusterBlocks(int num_kv_heads) {
+// The current device's StagesDeviceInfo, or nullptr (no device, or past kStagesMaxDevices).
+const StagesDeviceInfo* StagesInfo() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kStagesMaxDevices) {
     cudaGetLastError();
-    return 0;
+    return nullptr;
   }
-  // Per device, once: whether the kernel can have its shared memory (else 0 blocks: the caller
-  // runs the ops one by one) and how many 16-block clusters fit at once. Racing first calls
-  // store the same value.
-  static std::atomic<int> fit16[kStagesMaxDevices];  // 0: unknown, 1: unusable, else count + 2
-  if (fit16[device].load(std::memory_order_acquire) == 0) {
-    // Static plus dynamic shared memory is above the default 48 KiB.
-    const bool smem_ok = cudaFuncSetAttribute(SelectStagesKernel<false>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              kStagesDynamicSmem) == cudaSuccess;
-    cudaGetLastError();  // a refused attribute is not the caller's error
-    const bool attend_ok = smem_ok && cudaFuncSetAttribute(
-                                          SelectStagesKernel<true>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          kStagesAttendSmem) == cudaSuccess;
-    cudaGetLastError();
-    const int count = smem_ok ? MaxActiveClusters(SelectStagesKernel<false>, 16, kStagesThreads,
-                                                  kStagesDynamicSmem)
-                              : 0;
-    const int attend_count = attend_ok ? MaxActiveClusters(SelectStagesKernel<true>, 16,
-                                                           kStagesThreads, kStagesAttendSmem)
-                                       : 0;
-    g_stages_attend_ok[device].store(attend_ok ? attend_count + 2 : 1, std::memory_order_release);
-    fit16[device].store(smem_ok ? count + 2 : 1, std::memory_order_release);
-  }
-  const int state = fit16[device].load(std::memory_order_acquire);
-  if (state == 1) return 0;
+  std::call_once(g_stages_once[device], [device] {
+    StagesDeviceInfo& in = g_stages_info[device];
+    // Static plus dynamic shared memory is above the default 48 KiB. A refused attribute is not
+    // the caller's error.
+    auto allow = [](const void* kernel, int bytes) {
+      const bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           bytes) == cudaSuccess;
+      cudaGetLastError();
+      return ok;
+    };
+    const void* plain = reinterpret_cast<const void*>(SelectStagesKernel<false>);
+    in.ring = allow(plain, kStagesAttendSmem);
+    in.usable = in.ring || allow(plain, kStagesDynamicSmem);
+    in.attend = in.usable && allow(reinterpret_cast<const void*>(SelectStagesKernel<true>),
+                                   kStagesAttendSmem);
+    in.fit16 = in.usable ? MaxActiveClusters(SelectStagesKernel<false>, 16, kStagesThreads,
+                                             kStagesDynamicSmem)
+                         : 0;
+    in.attend_fit16 = in.attend ? MaxActiveClusters(SelectStagesKernel<true>, 16, kStagesThreads,
+                                                    kStagesAttendSmem)
+                                : 0;
+  });
+  return &g_stages_info[device];
+}
+
+// Blocks per cluster on a device described by `in` (SelectStagesClusterBlocks).
+int ClusterBlocksOf(const StagesDeviceInfo* in, int num_kv_heads) {
+  if (in == nullptr || !in->usable) return 0;
   const char* e = std::getenv("STRATA_SELECT_STAGES_CLUSTER");
   if (e != nullptr && std::string_view(e) == "8") return 8;
-  return state - 2 >= num_kv_heads ? 16 : 8;
+  return in->fit16 >= num_kv_heads ? 16 : 8;
+}
+
+// Whether the attention's shares fit cs-block clusters (SelectStagesCanAttend).
+bool AttendFits(const StagesDeviceInfo* in, int cs, int num_kv_heads, int64_t fixed,
+                int64_t middle) {
+  return in != nullptr && in->attend && cs > 0 && (cs == 8 || in->attend_fit16 >= num_kv_heads) &&
+         fixed >= 0 && middle >= 0 && (fixed + cs - 1) / cs <= kSelectAttendMaxFixed &&
+         (middle + cs - 1) / cs <= kSelectAttendMaxMiddle;
+}
+}  // namespace
+
+int SelectStagesClusterBlocks(int num_kv_heads) {
+  return ClusterBlocksOf(StagesInfo(), num_kv_heads);
 }
 
 cudaError_t SetSelectStagesPhaseStamps(long long* stamps, int max_blocks) {
@@ -3050,16 +3254,8 @@ int64_t SelectStagesMaxCandidates(int num_kv_heads) {
 }
 
 bool SelectStagesCanAttend(int num_kv_heads, int64_t fixed, int64_t middle) {
-  const int cs = SelectStagesClusterBlocks(num_kv_heads);
-  int device = 0;
-  if (cs == 0 || cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  const int state = g_stages_attend_ok[device].load(std::memory_order_acquire);
-  return state >= 2 && (cs == 8 || state - 2 >= num_kv_heads) && fixed >= 0 &&
-         middle >= 0 && (fixed + cs - 1) / cs <= kSelectAttendMaxFixed &&
-         (middle + cs - 1) / cs <= kSelectAttendMaxMiddle;
+  const StagesDeviceInfo* in = StagesInfo();
+  return AttendFits(in, ClusterBlocksOf(in, num_kv_heads), num_kv_heads, fixed, middle);
 }
 
 cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, int group,
@@ -3070,15 +3266,28 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
       stages.num_stages > kSelectStagesMax) {
     return cudaErrorInvalidValue;
   }
-  const int cs = SelectStagesClusterBlocks(num_kv_heads);
+  const StagesDeviceInfo* info = StagesInfo();
+  const int cs = ClusterBlocksOf(info, num_kv_heads);
   if (cs == 0) return cudaErrorInvalidValue;
-  for (int s = 0; s < stages.num_stages; ++s) {
-    const DeviceSelectStage& st = stages.stage[s];
+  // The stages' ring (DeviceSelectStage::bulk) unless STRATA_SELECT_STAGES_RING=0 (read at every
+  // call: A/B timing and tests).
+  const char* ring_env = std::getenv("STRATA_SELECT_STAGES_RING");
+  const bool ring_on = info->ring && (ring_env == nullptr || std::string_view(ring_env) != "0");
+  DeviceSelectStages run = stages;
+  bool ring = false;
+  for (int s = 0; s < run.num_stages; ++s) {
+    DeviceSelectStage& st = run.stage[s];
     if (st.c.count < 0 || st.c.count > int64_t{cs} * kStagesMaxPerBlock || st.k < 0 ||
-        (s + 1 < stages.num_stages && st.k > kSelectStagesMaxParents) ||
+        (s + 1 < run.num_stages && st.k > kSelectStagesMaxParents) ||
         reinterpret_cast<uintptr_t>(st.rows) % 16 != 0) {
       return cudaErrorInvalidValue;
     }
+    const int run_shift = std::min(st.fanout_shift, 6);  // log2 of a run's rows
+    st.bulk = ring_on && st.kind == SelectStageKind::kKeysBF16 && st.c.parents != nullptr &&
+                      run_shift >= 4 && run_shift <= st.page_shift
+                  ? 1
+                  : 0;
+    ring = ring || st.bulk != 0;
   }
   if (attend != nullptr) {
     const DeviceSelectAttend& a = *attend;
@@ -3088,8 +3297,8 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
         a.fanout_shift > 20 || a.middle.parents != last.selected ||
         a.middle.num_parents != last.k || last.k > kSelectStagesMaxParents ||
         a.middle.count != (int64_t{last.k} << a.fanout_shift) ||
-        !SelectStagesCanAttend(num_kv_heads, int64_t{a.prefix_end} + a.suffix_len,
-                               a.middle.count) ||
+        !AttendFits(info, cs, num_kv_heads, int64_t{a.prefix_end} + a.suffix_len,
+                    a.middle.count) ||
         reinterpret_cast<uintptr_t>(a.k_pool) % 16 != 0 ||
         reinterpret_cast<uintptr_t>(a.v_pool) % 16 != 0) {
       return cudaErrorInvalidValue;
@@ -3098,7 +3307,7 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(cs, num_kv_heads);
   cfg.blockDim = dim3(kStagesThreads);
-  cfg.dynamicSmemBytes = attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem;
+  cfg.dynamicSmemBytes = attend != nullptr || ring ? kStagesAttendSmem : kStagesDynamicSmem;
   cfg.stream = stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -3108,10 +3317,10 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   if (attend != nullptr) {
-    return cudaLaunchKernelEx(&cfg, SelectStagesKernel<true>, q, scale, group, stages, *attend,
+    return cudaLaunchKernelEx(&cfg, SelectStagesKernel<true>, q, scale, group, run, *attend,
                               skip, RegHistMode());
   }
-  return cudaLaunchKernelEx(&cfg, SelectStagesKernel<false>, q, scale, group, stages,
+  return cudaLaunchKernelEx(&cfg, SelectStagesKernel<false>, q, scale, group, run,
                             DeviceSelectAttend{}, skip, RegHistMode());
 }
 

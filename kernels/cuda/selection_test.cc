@@ -1527,6 +1527,14 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
       {"8192 candidates", 2, 4, DType::kBF16, 16, 0, 8192, 0, 4000, false, 0, 0, 8192, 0, 0},
       {"k above n", 2, 4, DType::kBF16, 16, 0, 129, 0, 129, true, 2100, 0, 129, 0, 129 * 16},
       {"ties", 3, 4, DType::kBF16, 64, 0, 2048, 0, 32, false, 0, 3, 2048, 0, 0, true},
+      // Key stages copied a chunk of 64 keys at a time (DeviceSelectStage::bulk): a page of 128
+      // (a chunk is half a page), pages of 32 (two runs per chunk, 400 candidates per block
+      // rounded up to 448), and pages of 8 (too short a run: rows loaded one by one).
+      {"keys page 128", 2, 4, DType::kBF16, 128, 0, 300, 0, 40, true, 1500, 3, 297, 100,
+       297 * 128 - 7},
+      {"keys page 32", 3, 2, DType::kBF16, 32, 0, 500, 0, 100, true, 700, 0, 500, 33,
+       500 * 32 - 40},
+      {"keys page 8", 2, 4, DType::kBF16, 8, 0, 400, 0, 60, true, 200, 0, 400, 0, 3200},
       // f32 summaries: not the fused kernel's (the ops one by one).
       {"f32 summaries", 2, 4, DType::kF32, 16, 4, 1000, 50, 40, true, 300, 1, 990, 20, 15800,
        false, false},
@@ -1725,6 +1733,90 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
     unsetenv("STRATA_SELECT_STAGES");
     unsetenv("STRATA_SELECT_ATTEND");
   }
+}
+
+// An attention the selection kernel cannot hold (more sink positions than its blocks stage) runs
+// as its own op after the kernel, and matches the CPU, unless STRATA_SELECT_ATTEND=require_fused,
+// which fails; an attention the backend refuses fails the call before anything runs (the stages'
+// outputs keep their poison).
+TEST_F(SelectStagesTest, AttendOutsideTheKernel) {
+  constexpr int kD = Chain::kD;
+  const ChainCase c = {"quest, 1120 sinks", 2, 4, DType::kBF16, 16, 0, 200, 0, 8, false, 0, 70,
+                       190, 0, 0};
+  Chain ch = MakeChain(c, rng_);
+  if (ch.pool.empty()) AddChainPool(ch, rng_);
+  const std::vector<uint8_t> vpool =
+      PoolBytes(RandomF(static_cast<int64_t>(ch.slots) * c.page * kD), DType::kBF16);
+  const int hq = c.hkv * c.group;
+  auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+  auto dv = Dev(vpool), dt = Dev(ch.table);
+  auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
+  auto attention = [&](void* q, void* k, void* v, void* table, const TensorView& parents,
+                       void* out, void* lse) {
+    SelectedAttentionParams at;
+    at.q = TensorView(q, DType::kF32, {1, hq, kD});
+    at.k_pool = TensorView(k, DType::kBF16, {ch.slots, c.page, kD});
+    at.v_pool = TensorView(v, DType::kBF16, {ch.slots, c.page, kD});
+    at.page_table = TensorView(table, DType::kI32, {c.hkv, c.pages});
+    at.prefix_end = c.p_begin * c.page;  // 1120 sink positions: more than 16 blocks stage
+    at.middle.parents = parents;
+    at.middle.fanout = c.page;
+    at.middle.begin = c.p_begin * c.page;
+    at.middle.end = c.p_end * c.page;
+    at.suffix_begin = c.p_end * c.page;
+    at.suffix_end = c.pages * c.page;
+    at.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+    at.out = TensorView(out, DType::kF32, {1, hq, kD});
+    at.lse = TensorView(lse, DType::kF32, {1, hq});
+    return at;
+  };
+  setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+  for (const char* mode : {"require_fused", ""}) {
+    SCOPED_TRACE(mode);
+    setenv("STRATA_SELECT_ATTEND", mode, 1);
+    std::vector<std::unique_ptr<Buffer>> bufs;
+    std::vector<void*> sp, sel;
+    StageBuffers(ch, &bufs, &sp, &sel);
+    SelectStagesParams p =
+        ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+    const SelectedAttentionParams at = attention(dq->data(), dpool->data(), dv->data(),
+                                                 dt->data(), p.stages[0].selected, dout->data(),
+                                                 dlse->data());
+    p.attend = &at;
+    const absl::Status st = gpu_->SelectStages(p, nullptr);
+    if (std::string_view(mode) == "require_fused") {
+      EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
+      continue;
+    }
+    ASSERT_TRUE(st.ok()) << st;
+    std::vector<int32_t> got = Get<int32_t>(*bufs[1], int64_t{c.hkv} * c.k_pages);
+    Compare(ch, RunChainOnCpu(cpu_, ch), {got});
+    std::vector<float> want_out(static_cast<size_t>(hq) * kD), want_lse(hq);
+    const SelectedAttentionParams ref = attention(
+        ch.q.data(), ch.pool.data(), const_cast<uint8_t*>(vpool.data()), ch.table.data(),
+        TensorView(got.data(), DType::kI32, {c.hkv, c.k_pages}), want_out.data(),
+        want_lse.data());
+    ASSERT_TRUE(cpu_->SelectedAttention(ref, nullptr).ok());
+    ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
+    ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
+
+    // A refused attention (lse one head short): nothing runs.
+    std::vector<std::unique_ptr<Buffer>> bufs2;
+    std::vector<void*> sp2, sel2;
+    StageBuffers(ch, &bufs2, &sp2, &sel2);
+    SelectStagesParams p2 =
+        ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp2, sel2);
+    SelectedAttentionParams bad = attention(dq->data(), dpool->data(), dv->data(), dt->data(),
+                                            p2.stages[0].selected, dout->data(), dlse->data());
+    bad.lse = TensorView(dlse->data(), DType::kF32, {1, hq - 1});
+    p2.attend = &bad;
+    EXPECT_THAT(gpu_->SelectStages(p2, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+    for (int32_t id : Get<int32_t>(*bufs2[1], int64_t{c.hkv} * c.k_pages)) {
+      ASSERT_EQ(id, 0x7f7f7f7f) << "a refused call wrote a selection";
+    }
+  }
+  unsetenv("STRATA_SELECT_STAGES");
+  unsetenv("STRATA_SELECT_ATTEND");
 }
 
 // The fused op captured in a CUDA graph and replayed gives the eager result, bit for bit, with

@@ -229,6 +229,11 @@ struct DeviceSelectStage {
   int page_shift = 0;    // keys: log2(page size)
   int fanout_shift = 0;  // keys: log2(c.fanout)
   DeviceCandidates c;    // stage s > 0: c.parents is stage s - 1's `selected`
+  // Set by LaunchSelectStages: a key stage whose block shares are bulk-copied (cp.async.bulk)
+  // into shared memory 64 candidates (16 KiB) per warp at a time, one copy per run of a
+  // parent's candidates (c.parents set, 16 <= min(fanout, 64) <= page size), instead of loaded
+  // row by row.
+  int bulk = 0;
   int k = 0;
   int32_t* selected = nullptr;  // [num_kv_heads, k]
 };
@@ -280,8 +285,8 @@ int64_t SelectStagesMaxCandidates(int num_kv_heads);
 inline constexpr int kSelectStagesPhasesPerStage = 8;
 // With an attention (DeviceSelectAttend), kSelectStagesAttendPhases more stamps follow the
 // stages': rows resolved and copies issued, fixed rows landed, attended, then per middle tile
-// landed and attended, and the partials merged.
-inline constexpr int kSelectStagesAttendPhases = 12;
+// landed and attended (two tiles of 128), and the partials merged.
+inline constexpr int kSelectStagesAttendPhases = 8;
 inline constexpr int kSelectStagesPhases =
     1 + kSelectStagesMax * kSelectStagesPhasesPerStage + kSelectStagesAttendPhases;
 cudaError_t SetSelectStagesPhaseStamps(long long* stamps, int max_blocks);
