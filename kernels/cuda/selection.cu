@@ -46,9 +46,9 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <mutex>
 #include <cfloat>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -2067,50 +2067,6 @@ __device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int st
   }
 }
 
-// Scores of 32 of the block's candidates, [first, first + 32), whose bf16 key rows are rows 0-31
-// of `buf` in shared memory (bulk-copied, 256 bytes apart; the ring of DeviceSelectStage::bulk),
-// into sc as StageScoreMma<4> scores them (A from key_a). Bit j of `valid`: candidate first + j
-// has a row. Rows 256 bytes apart put the 8 rows of a tile on the same 16 banks; odd rows read
-// the column groups of each pair in the other order, so each load's rows cover all 32 banks, and
-// the lanes swap them back in registers.
-constexpr int kRingRows = 32;  // rows per StageScoreSharedRows call
-__device__ __forceinline__ void StageScoreSharedRows(const __nv_bfloat16* buf,
-                                                     const __nv_bfloat16* key_a, uint32_t valid,
-                                                     int32_t first, int32_t count, int group,
-                                                     float (*sc)[kStagesMaxPerBlock]) {
-  constexpr int kGroups = 4, kT = kRingRows / kStagesTileN, K = 32 * kGroups;
-  const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3;
-  const int odd = r & 1;
-  float c[kT][2][4];
-#pragma unroll
-  for (int u = 0; u < kT; ++u) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[u][0][e] = 0.0f, c[u][1][e] = 0.0f;
-  }
-#pragma unroll
-  for (int pp = 0; pp < kGroups / 2; ++pp) {
-    uint32_t a0[2][4], a1[2][4];
-    StageAFragments(key_a, kStagesKeyStride, 2 * pp, a0);
-    StageAFragments(key_a, kStagesKeyStride, 2 * pp + 1, a1);
-#pragma unroll
-    for (int u = 0; u < kT; ++u) {
-      const __nv_bfloat16* row = buf + (kStagesTileN * u + r) * K + 8 * t;
-      const uint4 x = *reinterpret_cast<const uint4*>(row + 32 * (2 * pp + odd));
-      const uint4 y = *reinterpret_cast<const uint4*>(row + 32 * (2 * pp + 1 - odd));
-      const uint4 b0 = odd ? y : x, b1 = odd ? x : y;  // column groups 2pp and 2pp + 1
-      MmaBf16(c[u][0], a0[0], b0.x, b0.y);
-      MmaBf16(c[u][1], a0[1], b0.z, b0.w);
-      MmaBf16(c[u][0], a1[0], b1.x, b1.y);
-      MmaBf16(c[u][1], a1[1], b1.z, b1.w);
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kT; ++u) {
-    StageStoreTile(c[u], ((valid >> (kStagesTileN * u + r)) & 1u) != 0, first + kStagesTileN * u,
-                   count, group, sc);
-  }
-}
-
 // ---- The attention after the stages (SelectStagesKernel<true>, DeviceSelectAttend) ----------
 // Block r stages its share of the fixed positions (prefix, then suffix) in rows
 // [0, kSelectAttendMaxFixed) and of the middle in the rows after, K and V rows of 128 bf16
@@ -2130,101 +2086,6 @@ constexpr int kAttendTile = 8 * kAttendGroups * kStagesWarps;    // middle rows 
 constexpr int kAttendPitch = 128 + 8;  // bf16 per staging row: ldmatrix rows on distinct banks
 constexpr int kAttendMidTiles = kSelectAttendMaxMiddle / kAttendTile;
 constexpr int kAttendPartStride = 132;  // floats per partial: o[128], m, l, 2 unused
-// The ring of DeviceSelectStage::bulk: one buffer of 16 KiB (a chunk of 64 key rows) per warp,
-// half in the middle's K staging rows, half in its V rows, which the attention fills only after
-// the stages.
-constexpr int kKeyRing = kStagesWarps;
-constexpr int kRingBufferElems = 8192;  // bf16 per buffer
-constexpr int kKeyChunk = kRingBufferElems / 128;
-static_assert(kKeyRing / 2 * kRingBufferElems <= kSelectAttendMaxMiddle * kAttendPitch &&
-                  (kSelectAttendMaxFixed * kAttendPitch * 2) % 16 == 0 &&
-                  kKeyChunk == 2 * kRingRows,
-              "the ring fits the middle's staging rows, 16-byte aligned; a chunk is two calls of "
-              "StageScoreSharedRows");
-
-// The block's share of a key stage with DeviceSelectStage::bulk, scored into sc (called by every
-// warp; buf: the warp's ring buffer, bar: its mbarrier, whose current phase has parity `parity`).
-// Warp w scores chunks w and w + kKeyRing of 64 candidates: lane j < 2R (R runs of L rows per
-// chunk: a run is one parent's candidates, or 64 of them, all in one page) resolves run j % R of
-// chunk w + kKeyRing (j / R) first, so the page-table loads of both rounds are one latency; the
-// first round's runs are copied at once, the second's into the same buffer once the warp has
-// scored the first. Returns how many phases of bar the warp waited for. Not inlined: the
-// kernel's other phases keep their register allocation and code layout (inlined, the kernel was
-// slower on every stage; bench/RESULTS.md, session 15).
-__device__ __noinline__ int StageScoreKeyRing(const DeviceSelectStage& stage,
-                                              const int32_t* parents, int g, int32_t block_first,
-                                              int32_t block_count, int group,
-                                              const __nv_bfloat16* key_a, __nv_bfloat16* buf,
-                                              uint32_t bar, uint32_t parity,
-                                              float (*sc)[kStagesMaxPerBlock]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const DeviceCandidates& c = stage.c;
-  const __nv_bfloat16* k_pool = static_cast<const __nv_bfloat16*>(stage.rows);
-  const int fs = stage.fanout_shift, ps = stage.page_shift, ls = min(fs, 6);
-  const int runs = kKeyChunk >> ls;
-  const int32_t fanout_mask = (1 << fs) - 1, page_mask = (1 << ps) - 1;
-  int64_t run_row = -1;  // the pool row of the lane's run's first candidate, or -1
-  if (lane < 2 * runs) {
-    const int32_t i = (warp + kKeyRing * (lane / runs)) * kKeyChunk + ((lane % runs) << ls);
-    if (i < block_count) {
-      const int32_t idx = block_first + i;
-      const int32_t parent = parents[idx >> fs];
-      const int64_t id0 = (static_cast<int64_t>(parent) << fs) + (idx & fanout_mask);
-      const int64_t page = id0 >> ps;
-      if (parent >= 0 && id0 < c.end && id0 + (1 << ls) > c.begin && page < stage.table_pages) {
-        const int32_t slot = stage.table[static_cast<int64_t>(g) * stage.table_pages + page];
-        if (slot >= 0 && slot < stage.num_items) {
-          run_row = (static_cast<int64_t>(slot) << ps) + (id0 & page_mask);
-        }
-      }
-    }
-  }
-  int waits = 0;
-#pragma unroll 1
-  for (int round = 0; round < 2; ++round) {
-    const int32_t first = (warp + kKeyRing * round) * kKeyChunk;
-    if (first >= block_count) break;  // warp-uniform
-    if (round > 0) {  // the buffer's reads (generic proxy) before the bulk copy's writes
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncwarp();
-    }
-    if (lane / runs == round && lane < 2 * runs && run_row >= 0) {
-      MbarExpectTx(bar, 256u << ls);
-      BulkCopyToShared(SharedAddr(buf + ((lane % runs) << ls) * 128), k_pool + run_row * 128,
-                       256u << ls, bar);
-    }
-    __syncwarp();  // every tx-count raised before the arrival
-    if (lane == 0) MbarArrive(bar);
-    // Which candidates have rows: the id in [begin, end) and the run's row resolved.
-    uint64_t valid = 0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int32_t i = first + 32 * half + lane;
-      const int64_t rr =
-          __shfl_sync(0xffffffffu, run_row, round * runs + ((32 * half + lane) >> ls));
-      bool v = false;
-      if (i < block_count && rr >= 0) {
-        const int32_t idx = block_first + i;
-        const int32_t parent = parents[idx >> fs];
-        const int64_t id = (static_cast<int64_t>(parent) << fs) + (idx & fanout_mask);
-        v = parent >= 0 && id >= c.begin && id < c.end;
-      }
-      valid |= static_cast<uint64_t>(__ballot_sync(0xffffffffu, v)) << (32 * half);
-    }
-    MbarWait(bar, parity ^ static_cast<uint32_t>(waits & 1));
-    ++waits;
-#pragma unroll 1
-    for (int half = 0; half < 2; ++half) {
-      StageScoreSharedRows(buf + half * kRingRows * 128, key_a,
-                           static_cast<uint32_t>(valid >> (kRingRows * half)),
-                           first + kRingRows * half, block_count, group, sc);
-    }
-  }
-  // The ring's reads before any later bulk copy into it (a later key stage, the attention).
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  return waits;
-}
-
 // SelectStagesKernel's dynamic shared memory: the double-buffered pass histogram slots (after the
 // stages, the attention's receive area); with the attention, then its staging area (K rows, V
 // rows, their pool rows).
@@ -2414,10 +2275,8 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // The last stage's selection, the next stage's parents (every block pushes its taken ids).
   __shared__ int32_t parents_s[kSelectStagesMaxParents];
   // mbarriers: 0-3 the passes, 4 the partials, 5 the totals, 6 the selection; the attention's:
-  // 7 the blocks' partials, 8 the fixed rows, then one per middle tile; then one per buffer of
-  // the key stages' ring (DeviceSelectStage::bulk).
-  constexpr int kFixedBar = 8, kTileBar = 9, kRingBar = kTileBar + kAttendMidTiles;
-  constexpr int kBars = kRingBar + kKeyRing;
+  // 7 the blocks' partials, 8 the fixed rows, then one per middle tile.
+  constexpr int kFixedBar = 8, kTileBar = 9, kBars = kTileBar + kAttendMidTiles;
   __shared__ __align__(8) uint64_t mbar[kBars];
   // [2][kStagesMaxCluster][32]; kAttend: after the stages, the attention's receive area
   // [cs][kAttendPartStride] f32, then the attention's staging area (below).
@@ -2449,12 +2308,6 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                                        kStagesDynamicSmem);
   __nv_bfloat16* const v_s = k_s + kAttendRows * kAttendPitch;
   int64_t* const row_s = reinterpret_cast<int64_t*>(v_s + kAttendRows * kAttendPitch);
-  // The ring of DeviceSelectStage::bulk: buffer b in the middle's K rows (b < 4), then its V
-  // rows.
-  auto ring_buf = [&](int b) {
-    return (b < kKeyRing / 2 ? k_s : v_s) + kSelectAttendMaxFixed * kAttendPitch +
-           (b % (kKeyRing / 2)) * kRingBufferElems;
-  };
   // The block's fixed positions: with at.fixed_early copied during the first stage (the
   // page-table entry loaded at the start), else before the wait for the middle's ids. Thread
   // kFixedThread0 + i copies fixed row i: warps the first stage's statistics leave idle.
@@ -2501,10 +2354,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   for (int si = 0; si < num_stages; ++si) {
     const DeviceSelectStage& stage = st.stage[si];
     const int32_t n = stage.c.count;
-    // A bulk key stage gives each block whole chunks (per <= 1024 still: 1024 is a multiple).
-    const int32_t per = stage.bulk != 0
-                            ? ((n + cs - 1) / cs + kKeyChunk - 1) / kKeyChunk * kKeyChunk
-                            : (n + cs - 1) / cs;
+    const int32_t per = (n + cs - 1) / cs;
     const int32_t block_first = min(n, rank * per);
     const int32_t block_count = min(n, block_first + per) - block_first;
     for (int i = tid; i < 4 * 128; i += kStagesThreads) (&hist[0][0])[i] = 0;
@@ -2518,13 +2368,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     if (si > 0) wait_bar(6);
     const int phase0 = 1 + si * kSelectStagesPhasesPerStage;
     stamp(phase0);
-    if (stage.bulk != 0) {
-      const int bar = kRingBar + warp;
-      const int waits = StageScoreKeyRing(stage, parents, g, block_first, block_count, group,
-                                          key_a, ring_buf(warp), SharedAddr(&mbar[bar]),
-                                          (phases >> bar) & 1u, sc);
-      phases ^= static_cast<uint32_t>(waits & 1) << bar;
-    } else if (stage.kind == SelectStageKind::kKeysBF16) {
+    if (stage.kind == SelectStageKind::kKeysBF16) {
       const __nv_bfloat16* k_pool = static_cast<const __nv_bfloat16*>(stage.rows);
       const int page_shift = stage.page_shift, fanout_shift = stage.fanout_shift;
       const int32_t page_mask = (1 << page_shift) - 1, fanout_mask = (1 << fanout_shift) - 1;
@@ -3177,11 +3021,10 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
 namespace {
 constexpr int kStagesMaxDevices = 64;
 // What SelectStagesKernel can do on a device, found once per device: whether <false> can have
-// its shared memory (else the callers run the ops one by one), and the staging area as well (the
-// key stages' ring); whether <true> can; how many 16-block clusters of each fit at once.
+// its shared memory (else the callers run the ops one by one); whether <true> can; how many
+// 16-block clusters of each fit at once.
 struct StagesDeviceInfo {
   bool usable = false;
-  bool ring = false;
   bool attend = false;
   int fit16 = 0;
   int attend_fit16 = 0;
@@ -3206,9 +3049,8 @@ const StagesDeviceInfo* StagesInfo() {
       cudaGetLastError();
       return ok;
     };
-    const void* plain = reinterpret_cast<const void*>(SelectStagesKernel<false>);
-    in.ring = allow(plain, kStagesAttendSmem);
-    in.usable = in.ring || allow(plain, kStagesDynamicSmem);
+    in.usable = allow(reinterpret_cast<const void*>(SelectStagesKernel<false>),
+                      kStagesDynamicSmem);
     in.attend = in.usable && allow(reinterpret_cast<const void*>(SelectStagesKernel<true>),
                                    kStagesAttendSmem);
     in.fit16 = in.usable ? MaxActiveClusters(SelectStagesKernel<false>, 16, kStagesThreads,
@@ -3269,25 +3111,13 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
   const StagesDeviceInfo* info = StagesInfo();
   const int cs = ClusterBlocksOf(info, num_kv_heads);
   if (cs == 0) return cudaErrorInvalidValue;
-  // The stages' ring (DeviceSelectStage::bulk) unless STRATA_SELECT_STAGES_RING=0 (read at every
-  // call: A/B timing and tests).
-  const char* ring_env = std::getenv("STRATA_SELECT_STAGES_RING");
-  const bool ring_on = info->ring && (ring_env == nullptr || std::string_view(ring_env) != "0");
-  DeviceSelectStages run = stages;
-  bool ring = false;
-  for (int s = 0; s < run.num_stages; ++s) {
-    DeviceSelectStage& st = run.stage[s];
+  for (int s = 0; s < stages.num_stages; ++s) {
+    const DeviceSelectStage& st = stages.stage[s];
     if (st.c.count < 0 || st.c.count > int64_t{cs} * kStagesMaxPerBlock || st.k < 0 ||
-        (s + 1 < run.num_stages && st.k > kSelectStagesMaxParents) ||
+        (s + 1 < stages.num_stages && st.k > kSelectStagesMaxParents) ||
         reinterpret_cast<uintptr_t>(st.rows) % 16 != 0) {
       return cudaErrorInvalidValue;
     }
-    const int run_shift = std::min(st.fanout_shift, 6);  // log2 of a run's rows
-    st.bulk = ring_on && st.kind == SelectStageKind::kKeysBF16 && st.c.parents != nullptr &&
-                      run_shift >= 4 && run_shift <= st.page_shift
-                  ? 1
-                  : 0;
-    ring = ring || st.bulk != 0;
   }
   if (attend != nullptr) {
     const DeviceSelectAttend& a = *attend;
@@ -3307,7 +3137,7 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(cs, num_kv_heads);
   cfg.blockDim = dim3(kStagesThreads);
-  cfg.dynamicSmemBytes = attend != nullptr || ring ? kStagesAttendSmem : kStagesDynamicSmem;
+  cfg.dynamicSmemBytes = attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem;
   cfg.stream = stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -3317,10 +3147,10 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   if (attend != nullptr) {
-    return cudaLaunchKernelEx(&cfg, SelectStagesKernel<true>, q, scale, group, run, *attend,
+    return cudaLaunchKernelEx(&cfg, SelectStagesKernel<true>, q, scale, group, stages, *attend,
                               skip, RegHistMode());
   }
-  return cudaLaunchKernelEx(&cfg, SelectStagesKernel<false>, q, scale, group, run,
+  return cudaLaunchKernelEx(&cfg, SelectStagesKernel<false>, q, scale, group, stages,
                             DeviceSelectAttend{}, skip, RegHistMode());
 }
 

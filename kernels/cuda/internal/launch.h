@@ -229,11 +229,6 @@ struct DeviceSelectStage {
   int page_shift = 0;    // keys: log2(page size)
   int fanout_shift = 0;  // keys: log2(c.fanout)
   DeviceCandidates c;    // stage s > 0: c.parents is stage s - 1's `selected`
-  // Set by LaunchSelectStages: a key stage whose block shares are bulk-copied (cp.async.bulk)
-  // into shared memory 64 candidates (16 KiB) per warp at a time, one copy per run of a
-  // parent's candidates (c.parents set, 16 <= min(fanout, 64) <= page size), instead of loaded
-  // row by row.
-  int bulk = 0;
   int k = 0;
   int32_t* selected = nullptr;  // [num_kv_heads, k]
 };
