@@ -1446,6 +1446,35 @@ ChainRef RunChainOnCpu(Backend* cpu, Chain& ch) {
   return r;
 }
 
+// The decode step's attention over a chain's last selection (`parents`): sinks [0, middle
+// begin), the middle (the key stage's tokens, else the page stage's pages), and a window of
+// `window` positions after it, over the chain's pool (k, v, table) with query q.
+SelectedAttentionParams ChainAttention(const Chain& ch, int64_t window, void* q, void* k, void* v,
+                                       void* table, const TensorView& parents, void* out,
+                                       void* lse) {
+  constexpr int kD = Chain::kD;
+  const ChainCase& c = ch.c;
+  const int hq = c.hkv * c.group;
+  const int64_t mid_begin = c.keys ? c.t_begin : c.p_begin * c.page;
+  const int64_t mid_end = c.keys ? c.t_end : c.p_end * c.page;
+  SelectedAttentionParams at;
+  at.q = TensorView(q, DType::kF32, {1, hq, kD});
+  at.k_pool = TensorView(k, DType::kBF16, {ch.slots, c.page, kD});
+  at.v_pool = TensorView(v, DType::kBF16, {ch.slots, c.page, kD});
+  at.page_table = TensorView(table, DType::kI32, {c.hkv, c.pages});
+  at.prefix_end = mid_begin;
+  at.middle.parents = parents;
+  at.middle.fanout = c.keys ? 1 : c.page;
+  at.middle.begin = mid_begin;
+  at.middle.end = mid_end;
+  at.suffix_begin = mid_end;
+  at.suffix_end = std::min<int64_t>(c.pages * c.page, mid_end + window);
+  at.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+  at.out = TensorView(out, DType::kF32, {1, hq, kD});
+  at.lse = TensorView(lse, DType::kF32, {1, hq});
+  return at;
+}
+
 class SelectStagesTest : public SelectionTest {
  protected:
   // Per stage of `ch` a poisoned scores and selected buffer in *bufs (in that order), their
@@ -1641,28 +1670,9 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
     std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD);
     const std::vector<uint8_t> vpool = PoolBytes(vf, DType::kBF16);
     const int hq = c.hkv * c.group;
-    // The attended positions: sinks [0, mid_begin), the middle, the window after it.
-    const int64_t mid_begin = c.keys ? c.t_begin : c.p_begin * c.page;
-    const int64_t mid_end = c.keys ? c.t_end : c.p_end * c.page;
-    const int64_t suffix_end = std::min<int64_t>(c.pages * c.page, mid_end + ac.window);
     auto attention = [&](void* q, void* k, void* v, void* table, const TensorView& parents,
                          void* out, void* lse) {
-      SelectedAttentionParams at;
-      at.q = TensorView(q, DType::kF32, {1, hq, kD});
-      at.k_pool = TensorView(k, DType::kBF16, {ch.slots, c.page, kD});
-      at.v_pool = TensorView(v, DType::kBF16, {ch.slots, c.page, kD});
-      at.page_table = TensorView(table, DType::kI32, {c.hkv, c.pages});
-      at.prefix_end = mid_begin;
-      at.middle.parents = parents;
-      at.middle.fanout = c.keys ? 1 : c.page;
-      at.middle.begin = mid_begin;
-      at.middle.end = mid_end;
-      at.suffix_begin = mid_end;
-      at.suffix_end = suffix_end;
-      at.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-      at.out = TensorView(out, DType::kF32, {1, hq, kD});
-      at.lse = TensorView(lse, DType::kF32, {1, hq});
-      return at;
+      return ChainAttention(ch, ac.window, q, k, v, table, parents, out, lse);
     };
     const int last = static_cast<int>(ch.counts.size()) - 1;
     auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
@@ -1751,24 +1761,10 @@ TEST_F(SelectStagesTest, AttendOutsideTheKernel) {
   auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
   auto dv = Dev(vpool), dt = Dev(ch.table);
   auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
+  // 1120 sink positions and a window of 160: more than 16 blocks stage.
   auto attention = [&](void* q, void* k, void* v, void* table, const TensorView& parents,
                        void* out, void* lse) {
-    SelectedAttentionParams at;
-    at.q = TensorView(q, DType::kF32, {1, hq, kD});
-    at.k_pool = TensorView(k, DType::kBF16, {ch.slots, c.page, kD});
-    at.v_pool = TensorView(v, DType::kBF16, {ch.slots, c.page, kD});
-    at.page_table = TensorView(table, DType::kI32, {c.hkv, c.pages});
-    at.prefix_end = c.p_begin * c.page;  // 1120 sink positions: more than 16 blocks stage
-    at.middle.parents = parents;
-    at.middle.fanout = c.page;
-    at.middle.begin = c.p_begin * c.page;
-    at.middle.end = c.p_end * c.page;
-    at.suffix_begin = c.p_end * c.page;
-    at.suffix_end = c.pages * c.page;
-    at.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-    at.out = TensorView(out, DType::kF32, {1, hq, kD});
-    at.lse = TensorView(lse, DType::kF32, {1, hq});
-    return at;
+    return ChainAttention(ch, 160, q, k, v, table, parents, out, lse);
   };
   setenv("STRATA_SELECT_STAGES", "require_fused", 1);
   for (const char* mode : {"require_fused", ""}) {
