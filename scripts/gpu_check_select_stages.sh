@@ -93,8 +93,9 @@ fi
 if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== compute-sanitizer"
   for tool in memcheck racecheck; do
-    timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
-      "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter='SelectStages*' \
+    timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool "$tool" \
+      --error-exitcode 99 --print-limit 20 "$B/cuda_selection_test" --gtest_brief=1 \
+      --gtest_filter='SelectStages*' \
       > "$LOGS/${tool}_select_stages.log" 2>&1
     echo "$tool SelectStages* rc=$? $(summary "$LOGS/${tool}_select_stages.log")"
   done
