@@ -28,20 +28,6 @@ CTX=(${CTX[*]})
 export PATH="/usr/local/cuda/bin:$PATH"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
-echo "== SelectStages tests"
-j=0
-for variant in - ${STRATA_CHECK_TEST_VARIANTS:-}; do
-  j=$((j + 1))
-  env_args=()
-  [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
-  env "${env_args[@]}" "$B/cuda_selection_test" --gtest_filter='SelectStages*' \
-    > "$LOGS/select_stages_$j.log" 2>&1
-  echo "cuda_selection_test SelectStages* [$variant] rc=$? $(summary "$LOGS/select_stages_$j.log")"
-  grep -E 'Failure|error|Expected|Which is|seed' "$LOGS/select_stages_$j.log" | head -30
-done
-
-echo "== pipelines"
-i=0
 # The variant's settings in env_args, its bench binary in bench (BENCH=path, else the bundle's).
 variant_args() {
   env_args=()
@@ -56,6 +42,20 @@ variant_args() {
     esac
   done
 }
+
+echo "== SelectStages tests"
+j=0
+for variant in - ${STRATA_CHECK_TEST_VARIANTS:-}; do
+  j=$((j + 1))
+  variant_args "$variant"
+  env "${env_args[@]}" "$B/cuda_selection_test" --gtest_filter='SelectStages*' \
+    > "$LOGS/select_stages_$j.log" 2>&1
+  echo "cuda_selection_test SelectStages* [$variant] rc=$? $(summary "$LOGS/select_stages_$j.log")"
+  grep -E 'Failure|error|Expected|Which is|seed' "$LOGS/select_stages_$j.log" | head -30
+done
+
+echo "== pipelines"
+i=0
 for variant in ${STRATA_AB_PIPES:-- STRATA_BENCH_FUSED=0 STRATA_SELECT_STAGES_CLUSTER=8}; do
   i=$((i + 1))
   echo "-- ${variant}"

@@ -306,7 +306,8 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
   // The attention's phases when it ran in the kernel.
   const char* anames[cuda_internal::kSelectStagesAttendPhases] = {
       "rows", "fixed-in", "fixed", "t0-in", "t0", "t1-in", "t1", "merged"};
-  print_line("attend", 1 + cuda_internal::kSelectStagesMax * cuda_internal::kSelectStagesPhasesPerStage,
+  print_line("attend",
+             1 + cuda_internal::kSelectStagesMax * cuda_internal::kSelectStagesPhasesPerStage,
              cuda_internal::kSelectStagesAttendPhases, anames);
 }
 
