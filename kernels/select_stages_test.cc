@@ -1,6 +1,7 @@
-// Backend::SelectStages' default (SelectStagesOpByOp) on the CPU backend: the same selections as
-// the ScoreSummaries / ScoreKeys and VoteTopK calls it stands for, the chain checks, errors of
-// the ops passed through, skip_heads, and the attention after the stages (`attend`).
+// Backend::SelectStages on the CPU backend (SelectStagesOpByOp, the attention checked first): the
+// same selections as the ScoreSummaries / ScoreKeys and VoteTopK calls it stands for, the chain
+// checks, errors of the ops passed through, skip_heads, and the attention after the stages
+// (`attend`; one the backend refuses fails the op before any stage writes).
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -79,6 +80,27 @@ class SelectStagesOpByOpTest : public ::testing::Test {
     return p;
   }
 
+  // The step's attention over the last stage of p: sinks [0, 3), p's selected tokens in the
+  // middle, the last 5 tokens as the window; V from `v`, outputs into `out` and `lse`.
+  SelectedAttentionParams Attention(const SelectStagesParams& p, std::vector<float>& v,
+                                    std::vector<float>& out, std::vector<float>& lse) {
+    SelectedAttentionParams at;
+    at.q = TensorView(q_.data(), DType::kF32, {1, kHkv * kGroup, kD});
+    at.k_pool = p.stages[2].k_pool;
+    at.v_pool = TensorView(v.data(), DType::kF32, {kHkv * kPages, kPage, kD});
+    at.page_table = p.stages[2].page_table;
+    at.prefix_end = 3;
+    at.middle.parents = p.stages[2].selected;
+    at.middle.begin = 3;
+    at.middle.end = kPages * kPage - 5;
+    at.suffix_begin = kPages * kPage - 5;
+    at.suffix_end = kPages * kPage;
+    at.scale = p.scale;
+    at.out = TensorView(out.data(), DType::kF32, {1, kHkv * kGroup, kD});
+    at.lse = TensorView(lse.data(), DType::kF32, {1, kHkv * kGroup});
+    return at;
+  }
+
   std::unique_ptr<Backend> cpu_;
   std::vector<float> q_, segs_, pages_, pool_, seg_scores_, page_scores_, tok_scores_;
   std::vector<int32_t> table_, top_segs_, top_pages_, top_tokens_;
@@ -136,20 +158,7 @@ TEST_F(SelectStagesOpByOpTest, AttendsAfterTheStages) {
   for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.37f * static_cast<float>(i));
   std::vector<float> out(kHkv * kGroup * kD, -7.0f), lse(kHkv * kGroup, -7.0f);
   SelectStagesParams p = Params();
-  SelectedAttentionParams at;
-  at.q = TensorView(q_.data(), DType::kF32, {1, kHkv * kGroup, kD});
-  at.k_pool = p.stages[2].k_pool;
-  at.v_pool = TensorView(v.data(), DType::kF32, {kHkv * kPages, kPage, kD});
-  at.page_table = p.stages[2].page_table;
-  at.prefix_end = 3;
-  at.middle.parents = p.stages[2].selected;
-  at.middle.begin = 3;
-  at.middle.end = kPages * kPage - 5;
-  at.suffix_begin = kPages * kPage - 5;
-  at.suffix_end = kPages * kPage;
-  at.scale = p.scale;
-  at.out = TensorView(out.data(), DType::kF32, {1, kHkv * kGroup, kD});
-  at.lse = TensorView(lse.data(), DType::kF32, {1, kHkv * kGroup});
+  SelectedAttentionParams at = Attention(p, v, out, lse);
   p.attend = &at;
   STRATA_ASSERT_OK(cpu_->SelectStages(p, nullptr));
   const std::vector<float> got_out = out, got_lse = lse;
@@ -161,6 +170,37 @@ TEST_F(SelectStagesOpByOpTest, AttendsAfterTheStages) {
   EXPECT_EQ(got_lse, lse);
   at.suffix_end = at.suffix_begin - 1;  // a broken suffix: SelectedAttention refuses
   EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// An attention the backend refuses (lse one head short) fails the op before any stage runs: the
+// stages' selections and scores, out and lse all keep their poison.
+TEST_F(SelectStagesOpByOpTest, RefusedAttentionWritesNothing) {
+  constexpr int32_t kPoison = 0x7eadbeef;
+  constexpr float kPoisonF = -7.0f;
+  std::vector<float> v(pool_.size(), 0.5f);
+  std::vector<float> out(kHkv * kGroup * kD, kPoisonF), lse(kHkv * kGroup, kPoisonF);
+  for (std::vector<int32_t>* sel : {&top_segs_, &top_pages_, &top_tokens_}) {
+    sel->assign(sel->size(), kPoison);
+  }
+  for (std::vector<float>* sc : {&seg_scores_, &page_scores_, &tok_scores_}) {
+    sc->assign(sc->size(), kPoisonF);
+  }
+  SelectStagesParams p = Params();
+  SelectedAttentionParams at = Attention(p, v, out, lse);
+  at.lse = TensorView(lse.data(), DType::kF32, {1, kHkv * kGroup - 1});
+  p.attend = &at;
+  EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  for (const std::vector<int32_t>* sel : {&top_segs_, &top_pages_, &top_tokens_}) {
+    EXPECT_EQ(*sel, std::vector<int32_t>(sel->size(), kPoison));
+  }
+  for (const std::vector<float>* sc : {&seg_scores_, &page_scores_, &tok_scores_, &out, &lse}) {
+    EXPECT_EQ(*sc, std::vector<float>(sc->size(), kPoisonF));
+  }
+  // The same attention with the whole lse runs, and writes them all.
+  at.lse = TensorView(lse.data(), DType::kF32, {1, kHkv * kGroup});
+  STRATA_ASSERT_OK(cpu_->SelectStages(p, nullptr));
+  EXPECT_NE(top_tokens_, std::vector<int32_t>(top_tokens_.size(), kPoison));
+  for (float x : lse) EXPECT_TRUE(std::isfinite(x) && x != kPoisonF);
 }
 
 TEST_F(SelectStagesOpByOpTest, RefusesABrokenChain) {

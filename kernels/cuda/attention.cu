@@ -1582,21 +1582,10 @@ cudaError_t LaunchClusterTyped(const float* q, const void* k_pool, const void* v
   const int64_t want = (static_cast<int64_t>(shape.total) + T::kKeys - 1) / T::kKeys;
   const int size = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_size, want)));
 
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(shape.num_kv_heads) * size);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = static_cast<unsigned>(size);
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attrs;
-  cfg.numAttrs = SelectedPdl() ? 2 : 1;
-  return cudaLaunchKernelEx(&cfg, kernel, q, static_cast<const KV*>(k_pool),
+  // The cluster dimension is set for size 1 too (the kernel reads its rank in the cluster).
+  const ClusterLaunchConfig launch(dim3(static_cast<unsigned>(shape.num_kv_heads) * size),
+                                   dim3(THREADS), kSmemBytes, stream, size, SelectedPdl());
+  return cudaLaunchKernelEx(&launch.cfg, kernel, q, static_cast<const KV*>(k_pool),
                             static_cast<const KV*>(v_pool), table, middle, shape, prefix_len, size,
                             out, lse);
 }

@@ -3134,23 +3134,14 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
       return cudaErrorInvalidValue;
     }
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(cs, num_kv_heads);
-  cfg.blockDim = dim3(kStagesThreads);
-  cfg.dynamicSmemBytes = attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(cs);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  const ClusterLaunchConfig launch(dim3(cs, num_kv_heads), dim3(kStagesThreads),
+                                   attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem,
+                                   stream, cs, /*dependent=*/false);
   if (attend != nullptr) {
-    return cudaLaunchKernelEx(&cfg, SelectStagesKernel<true>, q, scale, group, stages, *attend,
-                              skip, RegHistMode());
+    return cudaLaunchKernelEx(&launch.cfg, SelectStagesKernel<true>, q, scale, group, stages,
+                              *attend, skip, RegHistMode());
   }
-  return cudaLaunchKernelEx(&cfg, SelectStagesKernel<false>, q, scale, group, stages,
+  return cudaLaunchKernelEx(&launch.cfg, SelectStagesKernel<false>, q, scale, group, stages,
                             DeviceSelectAttend{}, skip, RegHistMode());
 }
 

@@ -198,25 +198,30 @@ namespace {
 // Whether SelectStagesKernel can run p.attend after the stages (kernels/cuda/internal/launch.h
 // DeviceSelectAttend: bf16 pools, head_dim 128, the stages' group, the middle the last stage's
 // selection by a power-of-two fanout, no prefix_len or slot_scales, each block's share of the
-// positions within its staging area); if so fills *d. p.attend passed CpuSupportsSelectedAttention.
+// positions within its staging area); if so fills *d. Called by SelectStages once the stages
+// take the kernel and p.attend passed CpuSupportsSelectedAttention, which between them guarantee
+// what is not checked again here:
+//  - CpuSupportsSelectedAttention: v_pool has k_pool's dtype and shape (so bf16 with it);
+//    slot_scales is null with bf16 pools; 0 <= prefix_end <= 2^30; 0 <= suffix_begin <=
+//    suffix_end < 2^31 and suffix_end - suffix_begin <= 2^30; 0 <= middle.begin <= middle.end
+//    < 2^31; middle.parents, when set, an i32 [page_table.dim(0), *] view.
+//  - SelectStages' kernel conditions: p.q.data 16-byte aligned (a.q.data is p.q.data).
+// LaunchSelectStages repeats some of the conditions below, but as errors (cudaErrorInvalidValue)
+// where this falls back to the separate op, so they stay here.
 bool SelectAttendInKernel(const SelectStagesParams& p, int64_t hkv, int64_t group,
                           cuda_internal::DeviceSelectAttend* d) {
   const SelectedAttentionParams& a = *p.attend;
   const SelectStage& last = p.stages[p.num_stages - 1];
   const int fanout_shift = ShiftOf(a.middle.fanout);
   // The kernel attends with the stages' split query: the same q and scale.
-  if (a.q.data != p.q.data || a.scale * a.k_scale != p.scale ||
-      a.k_pool.dtype != DType::kBF16 || a.v_pool.dtype != DType::kBF16 || a.q.dim(2) != 128 ||
-      a.q.dim(1) != hkv * group || a.page_table.dim(0) != hkv || a.prefix_len != nullptr ||
-      a.slot_scales != nullptr || a.middle.parents.data == nullptr ||
+  if (a.q.data != p.q.data || a.scale * a.k_scale != p.scale || a.k_pool.dtype != DType::kBF16 ||
+      a.q.dim(2) != 128 || a.q.dim(1) != hkv * group || a.page_table.dim(0) != hkv ||
+      a.prefix_len != nullptr || a.middle.parents.data == nullptr ||
       a.middle.parents.data != last.selected.data || a.middle.parents.dim(1) != last.k ||
       fanout_shift < 0 || last.k > cuda_internal::kSelectStagesMaxParents ||
       a.k_pool.dim(0) * a.k_pool.dim(1) > (int64_t{1} << 40) ||
-      a.page_table.dim(1) > (int64_t{1} << 30) || a.prefix_end > (int64_t{1} << 30) ||
-      a.suffix_begin > (int64_t{1} << 30) || a.suffix_end - a.suffix_begin > (int64_t{1} << 30) ||
-      a.middle.begin < 0 || a.middle.end > (int64_t{1} << 30) ||
-      reinterpret_cast<uintptr_t>(a.q.data) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(a.k_pool.data) % 16 != 0 ||
+      a.page_table.dim(1) > (int64_t{1} << 30) || a.suffix_begin > (int64_t{1} << 30) ||
+      a.middle.end > (int64_t{1} << 30) || reinterpret_cast<uintptr_t>(a.k_pool.data) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(a.v_pool.data) % 16 != 0) {
     return false;
   }
@@ -248,7 +253,8 @@ bool SelectAttendInKernel(const SelectStagesParams& p, int64_t hkv, int64_t grou
 // SelectStages runs as one kernel (cuda_internal::LaunchSelectStages) unless
 // STRATA_SELECT_STAGES=opbyop (read at every call: A/B timing and tests) or the shape is not one it
 // runs; then as the ops it stands for (STRATA_SELECT_STAGES=require_fused: FailedPrecondition
-// instead, for tests that must run the kernel).
+// instead, for tests that must run the kernel). Either way every stage's checks and the
+// attention's CpuSupportsSelectedAttention come first, so a call they refuse writes nothing.
 absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
   const char* env = std::getenv("STRATA_SELECT_STAGES");
@@ -294,6 +300,9 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
     ds.k = static_cast<int>(std::min<int64_t>(st.k, int64_t{1} << 30));
     ds.selected = st.selected.As<int32_t>();
   }
+  // The attention's params too, before anything runs on either path: a refused attention writes
+  // nothing (this backend's own limits of the separate op are checked where it runs).
+  if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
   const int64_t group = hkv > 0 ? p.q.dim(0) / hkv : 0;
   fused = fused && hkv >= 1 && hkv <= 65535 && group >= 1 && group <= 4 && p.q.dim(1) == 128 &&
           reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
@@ -319,7 +328,6 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
   cuda_internal::DeviceSelectAttend da;
   bool attend_fused = false;
   if (p.attend != nullptr) {
-    STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
     const char* ae = std::getenv("STRATA_SELECT_ATTEND");
     const std::string_view mode = ae == nullptr ? "" : ae;
     attend_fused = mode != "separate" && SelectAttendInKernel(p, hkv, group, &da);

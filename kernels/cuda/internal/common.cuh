@@ -39,33 +39,48 @@ __device__ __forceinline__ void GridDepLaunchDependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// The launch configuration of a cudaLaunchKernelEx call (host code): `grid`, `block`, `smem` bytes
+// of dynamic shared memory on `stream`, as thread block clusters of `cluster` blocks along x when
+// cluster >= 1 (0: no cluster attribute), with programmatic stream serialization allowed when
+// `dependent` (see GridDepWait). cfg.attrs points into this object, so it is neither copied nor
+// moved: make it where the launch is, then cudaLaunchKernelEx(&launch.cfg, kernel, ...).
+struct ClusterLaunchConfig {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attrs[2] = {};
+
+  ClusterLaunchConfig(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster,
+                      bool dependent) {
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    unsigned n = 0;
+    if (cluster >= 1) {
+      attrs[n].id = cudaLaunchAttributeClusterDimension;
+      attrs[n].val.clusterDim.x = static_cast<unsigned>(cluster);
+      attrs[n].val.clusterDim.y = 1;
+      attrs[n].val.clusterDim.z = 1;
+      ++n;
+    }
+    if (dependent) {
+      attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attrs[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    cfg.attrs = attrs;
+    cfg.numAttrs = n;
+  }
+  ClusterLaunchConfig(const ClusterLaunchConfig&) = delete;
+  ClusterLaunchConfig& operator=(const ClusterLaunchConfig&) = delete;
+};
+
 // Launches `kernel` on `stream`, with programmatic stream serialization allowed when `dependent`
 // (see GridDepWait) and, for cluster > 1, thread block clusters of `cluster` blocks along x.
 template <typename... KArgs, typename... Args>
 cudaError_t LaunchDependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, int cluster,
                             bool dependent, cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  int na = 0;
-  if (dependent) {
-    attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[na].val.programmaticStreamSerializationAllowed = 1;
-    ++na;
-  }
-  if (cluster > 1) {
-    attrs[na].id = cudaLaunchAttributeClusterDimension;
-    attrs[na].val.clusterDim.x = static_cast<unsigned>(cluster);
-    attrs[na].val.clusterDim.y = 1;
-    attrs[na].val.clusterDim.z = 1;
-    ++na;
-  }
-  cfg.attrs = attrs;
-  cfg.numAttrs = na;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+  const ClusterLaunchConfig launch(grid, block, 0, stream, cluster > 1 ? cluster : 0, dependent);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<KArgs>(args)...);
 }
 
 // Exchanges between the blocks of a cluster without a cluster barrier (whose release compiles to
@@ -170,18 +185,10 @@ int MaxActiveClusters(void (*kernel)(KArgs...), int size, int threads, size_t sm
   int count = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
       cudaSuccess) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(size) * 16);
-    cfg.blockDim = dim3(static_cast<unsigned>(threads));
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(size);
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&count, kernel, &cfg) != cudaSuccess) count = 0;
+    const ClusterLaunchConfig launch(dim3(static_cast<unsigned>(size) * 16),
+                                     dim3(static_cast<unsigned>(threads)), smem, nullptr, size,
+                                     false);
+    if (cudaOccupancyMaxActiveClusters(&count, kernel, &launch.cfg) != cudaSuccess) count = 0;
   }
   cudaGetLastError();
   return count;
