@@ -8,11 +8,13 @@
 //      missing page is claimed by swapping its table entry from -1 to -2 (one thread wins) and
 //      appended to the miss list in scratch;
 //   b. victims from the clock, 1024 slots at a time: every thread loads one slot's pin and
-//      reference bit into shared memory, then warp 0 walks the window 32 slots per step with
-//      ballots, taking the first unpinned slots with a clear bit in order and clearing the bits
-//      it passes (exactly the sequential clock of the CPU twin);
-//   c. each miss gets its victim (the old page's entry -1, the new one the slot), and the
-//      counters and hand are written.
+//      reference bit, one block scan ranks the window's candidates (unpinned, bit clear) in
+//      hand order, the first ones needed become the next misses' victims and the bits of the
+//      unpinned slots before the last victim are cleared (exactly the sequential clock of the
+//      CPU twin); each victim's thread assigns it to its miss (the old page's entry -1, the new
+//      one the slot);
+//   c. misses left without a victim are unresolved, and the counters and hand are written
+//      (counts summed per warp, no per-item atomics on shared counters).
 // Kernel 2 (a fixed grid): copies the pages of the call's misses from sources[page] into their
 //   slots, 16-byte loads through the host mapping when aligned, several in flight per thread.
 #include <cuda_runtime.h>
@@ -66,32 +68,21 @@ __device__ __forceinline__ int BlockExclusiveSum(int v, int* warp_sums, int* tot
 }
 
 __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) {
-  __shared__ uint32_t epoch_s;
   __shared__ int n_miss_s;
-  __shared__ unsigned long long lookups_s, hits_s, unresolved_s, evictions_s;
-  __shared__ uint8_t pinned_s[kResolveThreads];
-  __shared__ uint8_t ref_s[kResolveThreads];
-  __shared__ long long hand_s, passed_s, last_hand_s;
-  __shared__ int taken_s;
-  __shared__ int done_s;
+  __shared__ int count_s[2];  // hits, evictions (warp-aggregated adds)
+  __shared__ int last_s;      // the window's last victim
   __shared__ int scan_s[33];
   const int tid = threadIdx.x;
   const int64_t n = a.num_slots;
-  if (tid == 0) {
-    const long long e = a.counters[kEpoch] + 1;
-    a.counters[kEpoch] = e;
-    epoch_s = static_cast<uint32_t>(e);
-    long long h = a.counters[kHand];
-    hand_s = h >= 0 && h < n ? h : 0;
-    last_hand_s = hand_s;
-    n_miss_s = 0;
-    lookups_s = hits_s = unresolved_s = evictions_s = 0;
-    passed_s = 0;
-    taken_s = 0;
-    done_s = 0;
+  // Every thread reads the epoch and hand (thread 0 writes them back at the end); no barrier.
+  const long long e = a.counters[kEpoch] + 1;
+  const uint32_t epoch = static_cast<uint32_t>(e);
+  long long hand;
+  {
+    const long long h = a.counters[kHand];
+    hand = h >= 0 && h < n ? h : 0;
   }
-  __syncthreads();
-  const uint32_t epoch = epoch_s;
+  if (tid < 2) count_s[tid] = 0;
   const int P = a.page_size;
   const int64_t pph = a.pages_per_head;
 
@@ -152,29 +143,33 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
     if (page < 0 || page >= pph) return -1;
     return a.table_base + static_cast<int64_t>(g) * pph + page;
   };
+  // A per-thread count added to count_s[i] once per warp (every thread of the block calls it).
+  auto add_count = [&](int i, int v) {
+    v = __reduce_add_sync(0xffffffffu, v);
+    if ((tid & 31) == 0 && v != 0) atomicAdd(&count_s[i], v);
+  };
   // a1. Hits are stamped and counted once (the first thread to stamp the slot); a missing page's
   // entry becomes -2 - (the smallest item naming it).
   // Contiguous ranges of items per thread (a run's candidates share their parent's load).
   const int32_t span = (total + kResolveThreads - 1) / kResolveThreads;
   const int32_t lo = tid * span < total ? tid * span : total;
   const int32_t hi = lo + span < total ? lo + span : total;
+  int hits = 0;
   for (int32_t idx = lo; idx < hi; ++idx) {
     const int64_t flat = named(idx);
     if (flat < 0) continue;
     const int32_t slot = *(volatile int32_t*)&a.table[flat];
     if (slot >= 0) {
       a.slot_ref[slot] = 1;
-      if (atomicExch(&a.slot_stamp[slot], epoch) != epoch) {
-        atomicAdd(&lookups_s, 1ull);
-        atomicAdd(&hits_s, 1ull);
-      }
+      if (atomicExch(&a.slot_stamp[slot], epoch) != epoch) ++hits;
     } else {
       const int32_t mark = static_cast<int32_t>(-2 - idx);
       const int32_t old = atomicCAS(&a.table[flat], -1, mark);
       if (old != -1) atomicMax(&a.table[flat], mark);
     }
   }
-  __syncthreads();
+  __syncthreads();  // count_s zeroed; every claim made
+  add_count(0, hits);
   // a2. The misses in naming order, each page at its first item: every thread takes a
   // contiguous range of items, counts its first items, and one block scan gives its offset.
   // Beyond scratch_pages they stay unresolved, as in the CPU twin.
@@ -201,121 +196,97 @@ __global__ void __launch_bounds__(kResolveThreads) ResolveKernel(ResolveArgs a) 
     if (tid == 0) n_miss_s = all;
   }
   __syncthreads();
-  if (tid == 0) {
-    lookups_s += static_cast<unsigned long long>(n_miss_s);
-    if (n_miss_s > a.scratch_pages) unresolved_s += n_miss_s - a.scratch_pages;
-  }
-  __syncthreads();
-  const int m = n_miss_s < a.scratch_pages ? n_miss_s : static_cast<int>(a.scratch_pages);
+  const int n_miss = n_miss_s;
+  const int m = n_miss < a.scratch_pages ? n_miss : static_cast<int>(a.scratch_pages);
 
-  // b. Victims, a window of up to 1024 slots at a time. A victim is stamped at once, so a later
-  // window (after the hand wraps) sees it pinned.
+  // b. Victims from the clock, a window of up to 1024 slots at a time, exactly as the sequential
+  // clock takes them: in hand order, an unpinned slot (stamp != epoch) with a clear reference
+  // bit is the next miss's victim, an unpinned slot with its bit set has it cleared and is
+  // passed; the rank of a slot among the window's candidates (one block scan) gives its miss.
+  // The window stops after the last victim it needs. A victim is stamped at once, so a later
+  // window (after the hand wraps) sees it pinned. Each victim is assigned by its thread.
   int32_t* victims = a.scratch + 1 + a.scratch_pages;
   const int window = n < kResolveThreads ? static_cast<int>(n) : kResolveThreads;
-  while (!done_s && taken_s < m) {  // uniform: shared values read after a barrier
-    const long long start = hand_s;
+  int taken = 0, evictions = 0;
+  long long passed = 0;       // slots passed since the last victim (or the call's start)
+  long long after_victim = hand;
+  bool pinned_out = false;
+  while (taken < m && !pinned_out) {  // uniform: every thread computes the same values
+    long long s = hand + tid;
+    if (s >= n) s -= n;
+    bool pinned = true, ref = false;
     if (tid < window) {
-      long long s = start + tid;
-      if (s >= n) s -= n;
-      pinned_s[tid] = a.slot_stamp[s] == epoch;
-      ref_s[tid] = a.slot_ref[s];
+      pinned = a.slot_stamp[s] == epoch;
+      ref = a.slot_ref[s] != 0;
     }
+    const bool cand = !pinned && !ref;
+    int found = 0;
+    const int rank = BlockExclusiveSum(cand ? 1 : 0, scan_s, &found);
+    const int need = m - taken;
+    if (cand && rank == (found < need ? found : need) - 1) last_s = tid;
     __syncthreads();
-    if (tid < 32) {
-      const int lane = tid;
-      int taken = taken_s;
-      long long passed = passed_s;
-      long long after_victim = last_hand_s;
-      bool served = false, pinned_out = false;
-      int stop = window;
-      for (int c = 0; c < window; c += 32) {
-        const int j = c + lane;
-        const bool in = j < window;
-        const bool cand = in && !pinned_s[j] && !ref_s[j];
-        unsigned mask = __ballot_sync(0xffffffffu, cand);
-        const int len = window - c < 32 ? window - c : 32;
-        int last = -1;
-        while (mask != 0 && taken < m) {
-          const int l = __ffs(mask) - 1;
-          mask &= mask - 1;
-          long long s = start + c + l;
-          if (s >= n) s -= n;
-          if (lane == 0) {
-            victims[taken] = static_cast<int32_t>(s);
-            a.slot_stamp[s] = epoch;
-          }
-          ++taken;
-          last = l;
-          after_victim = s + 1 == n ? 0 : s + 1;
-        }
-        passed = last >= 0 ? len - last - 1 : passed + len;
-        if (taken >= m) {
-          served = true;
-          stop = c + last + 1;
-        } else if (passed >= 2 * n) {
-          pinned_out = true;  // every slot pinned: the hand has gone round twice
-        }
-        // The reference bits the hand passed in this chunk are cleared.
-        const int limit = served ? stop : c + len;
-        if (in && j < limit && !pinned_s[j] && ref_s[j]) {
-          long long s = start + j;
-          if (s >= n) s -= n;
-          a.slot_ref[s] = 0;
-        }
-        if (served || pinned_out) break;
-      }
-      __syncwarp();
-      if (lane == 0) {
-        taken_s = taken;
-        passed_s = passed;
-        last_hand_s = after_victim;
-        if (pinned_out) {
-          // The sequential clock stops 2n slots after its last victim: the same position.
-          hand_s = after_victim;
-          done_s = 1;
-        } else {
-          long long h = start + stop;
-          if (h >= n) h -= n;
-          hand_s = h;
-        }
-      }
-    }
-    __syncthreads();
-  }
-
-  // c. Assignment.
-  const int taken = taken_s;
-  for (int k = tid; k < m; k += kResolveThreads) {
-    const int32_t flat = misses[k];
-    if (k < taken) {
-      const int32_t s = victims[k];
+    const bool served = found >= need;
+    const int stop = served ? last_s + 1 : window;
+    if (cand && rank < need) {
+      const int k = taken + rank;
+      const int32_t flat = misses[k];
       const int32_t old = a.slot_page[s];
+      victims[k] = static_cast<int32_t>(s);
       if (old >= 0) {
         a.table[old] = -1;
-        atomicAdd(&evictions_s, 1ull);
+        ++evictions;
       }
       a.slot_page[s] = flat;
-      a.table[flat] = s;
+      a.table[flat] = static_cast<int32_t>(s);
       a.slot_stamp[s] = epoch;
       a.slot_ref[s] = 1;
       if (a.page_scales != nullptr) {
         a.slot_scales[2 * s] = a.page_scales[2 * static_cast<int64_t>(flat)];
         a.slot_scales[2 * s + 1] = a.page_scales[2 * static_cast<int64_t>(flat) + 1];
       }
-    } else {
-      a.table[flat] = -1;
-      atomicAdd(&unresolved_s, 1ull);
+    } else if (tid < stop && !pinned && ref) {
+      a.slot_ref[s] = 0;  // passed by the hand
     }
+    if (found > 0) {
+      const int last = last_s;
+      long long v = hand + last + 1;
+      if (v >= n) v -= n;
+      after_victim = v;
+      passed = served ? 0 : window - last - 1;
+    } else {
+      passed += window;
+      pinned_out = passed >= 2 * n;  // every slot pinned: the hand has gone round twice
+    }
+    taken += found < need ? found : need;
+    if (pinned_out) {
+      hand = after_victim;  // the sequential clock stops 2n slots after its last victim
+    } else {
+      hand += stop;
+      if (hand >= n) hand -= n;
+    }
+    __syncthreads();  // last_s read; the window's stamps and bits before the next window
   }
+  add_count(1, evictions);
+
+  // c. Misses left without a victim stay unresolved.
+  for (int k = taken + tid; k < m; k += kResolveThreads) a.table[misses[k]] = -1;
   __syncthreads();
   if (tid == 0) {
+    const int hits_all = count_s[0];
+    const int unresolved = n_miss - taken;
     a.scratch[0] = taken;
-    a.counters[kHand] = hand_s;
-    a.counters[kLookups] += static_cast<long long>(lookups_s);
-    a.counters[kHits] += static_cast<long long>(hits_s);
-    a.counters[kFills] += taken;
-    a.counters[kEvictions] += static_cast<long long>(evictions_s);
-    a.counters[kUnresolved] += static_cast<long long>(unresolved_s);
+    a.counters[kEpoch] = e;
+    a.counters[kHand] = hand;
+    atomicAdd(reinterpret_cast<unsigned long long*>(&a.counters[kLookups]),
+              static_cast<unsigned long long>(hits_all + n_miss));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&a.counters[kHits]),
+              static_cast<unsigned long long>(hits_all));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&a.counters[kFills]),
+              static_cast<unsigned long long>(taken));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&a.counters[kEvictions]),
+              static_cast<unsigned long long>(count_s[1]));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&a.counters[kUnresolved]),
+              static_cast<unsigned long long>(unresolved));
   }
 }
 
