@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -577,15 +578,32 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
     STRATA_RETURN_IF_ERROR(cache->EnqueueAppendAt(layer, k3, v3, index_dev));
     ap.k_pool = cache->k_pool(layer);
     ap.v_pool = cache->v_pool(layer);
-    STRATA_RETURN_IF_ERROR(be->SelectedAttention(ap, nullptr));
     if (external != nullptr) {
-      STRATA_RETURN_IF_ERROR(external->AttendOnDevice(
-          layer, q3, pos, TensorView(ext_o_->data(), DType::kF32, {1, hq, d}),
-          TensorView(ext_lse_->data(), DType::kF32, {1, hq})));
+      // The local attention on a forked branch, beside the document's (its selection, page
+      // fills and attention); both only read q, and the merge waits for both.
+      // STRATA_DECODE_GRAPH_FORK=0 queues it in line instead (A/B).
+      static const bool fork = [] {
+        const char* v = std::getenv("STRATA_DECODE_GRAPH_FORK");
+        return v == nullptr || std::string(v) != "0";
+      }();
+      kernels::Stream side = nullptr;
+      if (fork) {
+        STRATA_ASSIGN_OR_RETURN(side, be->ForkStream(nullptr));
+      }
+      absl::Status s = be->SelectedAttention(ap, side);
+      if (s.ok()) {
+        s = external->AttendOnDevice(layer, q3, pos,
+                                     TensorView(ext_o_->data(), DType::kF32, {1, hq, d}),
+                                     TensorView(ext_lse_->data(), DType::kF32, {1, hq}));
+      }
+      const absl::Status joined = fork ? be->JoinStream(side, nullptr) : absl::OkStatus();
+      STRATA_RETURN_IF_ERROR(s);
+      STRATA_RETURN_IF_ERROR(joined);
       STRATA_RETURN_IF_ERROR(MergeDevicePartial(0, 1));
       STRATA_RETURN_IF_ERROR(
           MatMul({View2(merged_.get(), 1, hq * d), w.o_proj, TensorView(), o}));
     } else {
+      STRATA_RETURN_IF_ERROR(be->SelectedAttention(ap, nullptr));
       STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}));
     }
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));

@@ -386,10 +386,14 @@ struct SelectStagesParams {
   // Optional: the decode step's attention over the selection. When set, the op then runs
   // SelectedAttention(*attend) in stream order (skip_heads does not apply to it: a skipped head
   // attends the selection it kept), with the same result as that call after this op;
-  // attend->middle.parents is normally the last stage's `selected`. The CUDA backend runs it in
-  // the selection's kernel where the shape allows (the middle the last stage's selection, the
-  // stages' q and scale, bf16 pools, head_dim 128, no prefix_len or slot_scales, a bounded share
-  // of positions per block; kernels/cuda/selection.cu), else as the separate op.
+  // attend->middle.parents is normally the last stage's `selected`. The CPU and CUDA backends
+  // check attend's params first (CpuSupportsSelectedAttention; none of its checks depends on the
+  // stages' results): params it refuses fail the op with its error (e.g. InvalidArgument) before
+  // any stage runs, and nothing is written; CUDA's own limits of the separate op (Unimplemented)
+  // are checked where it runs, after the stages. The CUDA backend runs it in the selection's
+  // kernel where the shape allows (the middle the last stage's selection, the stages' q and
+  // scale, bf16 pools, head_dim 128, no prefix_len or slot_scales, a bounded share of positions
+  // per block; kernels/cuda/selection.cu), else as the separate op.
   const SelectedAttentionParams* attend = nullptr;
 };
 
@@ -641,14 +645,23 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream s) {
     return absl::UnimplementedError(Name() + ": EndCapture");
   }
+
+  // Concurrent branches of one stream's work (and of a captured graph). ForkStream(s) returns a
+  // stream whose ops start after everything queued on `s` so far and may run beside the ops
+  // queued on `s` afterwards; JoinStream(side, s) makes the ops queued on `s` afterwards wait for
+  // everything queued on `side`, and ends the fork (`side` must not be used after it). Every fork
+  // must be joined, on its error paths too, before `s` is synchronized or its capture ends.
+  // Default (the CPU backend): `s` itself and nothing to join, so the ops run in order.
+  virtual absl::StatusOr<Stream> ForkStream(Stream s) { return s; }
+  virtual absl::Status JoinStream(Stream side, Stream s) { return absl::OkStatus(); }
 };
 
 // Backend::SelectStages as the calls it stands for: checks the chain (1 to kMaxSelectStages
 // stages; stage s > 0's candidates.parents the data and shape of stage s - 1's selected;
 // InvalidArgument otherwise), then per stage ScoreSummaries or ScoreKeys and VoteTopK on `b`,
-// then SelectedAttention(*attend) when set, returning the first error (an attention `b` refuses
-// fails the op after the stages have written their selections; the CUDA backend checks it
-// before it launches anything).
+// then SelectedAttention(*attend) when set, returning the first error (here an attention `b`
+// refuses fails the op after the stages have written their selections; the CPU and CUDA
+// backends' SelectStages check its params, CpuSupportsSelectedAttention, before any stage runs).
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s);
 // The chain checks of SelectStagesOpByOp alone (the ops check the rest).
 absl::Status CheckSelectStagesChain(const SelectStagesParams& p);

@@ -327,7 +327,14 @@ CudaBackend::CudaBackend(int device, int num_sms) : device_(device), num_sms_(nu
 
 absl::Status CudaBackend::Init() {
   plan_cache_ = std::make_unique<AttentionPlanCache>();
-  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  // The backend's own stream at the device's greatest priority, ForkStream's side streams at its
+  // least: where both branches of a fork have blocks waiting, the block scheduler places the
+  // main branch's first (a cluster kernel there is not held up by a small kernel beside it).
+  int least = 0, greatest = 0;
+  STRATA_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  side_priority_ = least;
+  STRATA_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
   STRATA_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas_));
   cudaMemPoolProps props;
   std::memset(&props, 0, sizeof(props));
@@ -365,6 +372,11 @@ CudaBackend::~CudaBackend() {
     cudaDeviceSynchronize();  // scratch freed on other streams returns to the pool first
     cudaMemPoolDestroy(pool_);
   }
+  for (cudaStream_t side : side_streams_) {
+    cudaStreamSynchronize(side);
+    cudaStreamDestroy(side);
+  }
+  if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -895,13 +907,49 @@ absl::StatusOr<std::unique_ptr<Graph>> CudaBackend::EndCapture(Stream s) {
     return absl::InternalError(absl::StrCat("EndCapture: ", cudaGetErrorString(e)));
   }
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t ie = cudaGraphInstantiate(&exec, graph, 0);
+  // Each node keeps the priority of the stream it was captured on (ForkStream's branches).
+  const cudaError_t ie =
+      cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority);
   if (ie != cudaSuccess) {
     cudaGraphDestroy(graph);
     cudaGetLastError();
     return absl::InternalError(absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(ie)));
   }
   return std::unique_ptr<Graph>(new CudaGraph(graph, exec, this));
+}
+
+// ---- Forked streams ----------------------------------------------------------------------------
+
+absl::StatusOr<Stream> CudaBackend::ForkStream(Stream s) {
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  if (fork_event_ == nullptr) {
+    STRATA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
+  }
+  if (side_free_.empty()) {
+    cudaStream_t side = nullptr;
+    STRATA_CUDA_RETURN_IF_ERROR(
+        cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, side_priority_));
+    side_streams_.push_back(side);
+    side_free_.push_back(side);
+  }
+  cudaStream_t side = side_free_.back();
+  STRATA_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_event_, ToCuda(s)));
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, fork_event_, 0));
+  side_free_.pop_back();
+  return static_cast<Stream>(side);
+}
+
+absl::Status CudaBackend::JoinStream(Stream side, Stream s) {
+  cudaStream_t cs = static_cast<cudaStream_t>(side);
+  if (std::find(side_streams_.begin(), side_streams_.end(), cs) == side_streams_.end() ||
+      std::find(side_free_.begin(), side_free_.end(), cs) != side_free_.end()) {
+    return absl::InvalidArgumentError("JoinStream: not a stream forked by this backend");
+  }
+  side_free_.push_back(cs);  // joined even if the calls below fail: the fork is over
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_event_, cs));
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ToCuda(s), fork_event_, 0));
+  return absl::OkStatus();
 }
 
 }  // namespace strata::kernels

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -117,7 +118,8 @@ class CudaBackend : public Backend {
   // SelectStagesKernel) for head_dim 128, at most 4 query heads per KV head, bf16 summaries,
   // bf16 keys with power-of-two page size and fanout, 16-byte aligned q and rows, and at most
   // 16 x 1024 candidates per stage (8 x 1024 where 16-block clusters do not fit); otherwise the
-  // ops one by one. The checks and errors are those of the ops.
+  // ops one by one. The checks and errors are those of the ops; the stages' CPU-twin checks and
+  // attend's (CpuSupportsSelectedAttention) are made before anything runs, on either path.
   absl::Status SelectStages(const SelectStagesParams& p, Stream s) override;
   // PageCopy: the CPU checks, then every host array must be AllocateHost memory (checked with
   // cudaPointerGetAttributes; InvalidArgument otherwise); one launch reads them through the
@@ -140,6 +142,12 @@ class CudaBackend : public Backend {
   // the capture was invalidated (e.g. a synchronising op inside it).
   absl::Status BeginCapture(Stream s) override;
   absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream s) override;
+  // Fork: a non-blocking side stream of this backend (kept for reuse after its join; the device's
+  // least stream priority, the backend's own stream has its greatest) that waits on an event
+  // recorded on `s`; Join: an event recorded on the side stream that `s` waits on. In a capture
+  // the two become the graph's fork and join edges, and graphs run with each node's priority.
+  absl::StatusOr<Stream> ForkStream(Stream s) override;
+  absl::Status JoinStream(Stream side, Stream s) override;
   // The cudaStream_t that ops given `s` run on.
   cudaStream_t ToCudaStream(Stream s) const { return ToCuda(s); }
 
@@ -187,6 +195,12 @@ class CudaBackend : public Backend {
   int device_;
   int num_sms_;
   cudaStream_t stream_ = nullptr;
+  // ForkStream's side streams: all it made, and those not forked now; one event for every fork
+  // and join (each record is waited on at once, so one event serves them all).
+  std::vector<cudaStream_t> side_streams_;
+  std::vector<cudaStream_t> side_free_;
+  cudaEvent_t fork_event_ = nullptr;
+  int side_priority_ = 0;
   cublasHandle_t blas_ = nullptr;
   cudaMemPool_t pool_ = nullptr;
   // Staging for PagedAttention plans: a ring of pinned buffers, so that the host can plan a few

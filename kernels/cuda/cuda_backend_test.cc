@@ -204,6 +204,70 @@ TEST_F(CudaBackendTest, MemoryRoundTripAndErrors) {
   STRATA_ASSERT_OK(cuda->DestroyStream(s));
 }
 
+// ---- Forked streams --------------------------------------------------------------------------
+
+// A fork's branch sees the work queued before the fork, the work after the join sees the
+// branch's, eagerly and in a captured graph replayed on new inputs; a stream that is not a live
+// fork cannot be joined. The CPU backend's fork is the stream itself.
+TEST_F(CudaBackendTest, ForkJoinOrdersBranches) {
+  const int64_t n = 1 << 20;  // long enough for the branches to overlap
+  HostTensor a = Random(rng_, DType::kF32, {n}, -5, 5);
+  HostTensor b = Random(rng_, DType::kF32, {n}, -5, 5);
+  auto d_a = Upload(a), d_b = Upload(b);
+  auto d_t = Upload(Filled({n}, kNaN)), d_x = Upload(Filled({n}, kNaN));
+  auto d_y = Upload(Filled({n}, kNaN)), d_z = Upload(Filled({n}, kNaN));
+  const TensorView va = a.View(d_a->data()), vb = a.View(d_b->data()), vt = a.View(d_t->data());
+  const TensorView vx = a.View(d_x->data()), vy = a.View(d_y->data()), vz = a.View(d_z->data());
+  // t = a + a; fork: x = t + b on the branch, y = t - b here; join; z = x + y.
+  auto run = [&](Backend* be, const TensorView& ta, const TensorView& tb, const TensorView& tt,
+                 const TensorView& tx, const TensorView& ty, const TensorView& tz) -> absl::Status {
+    STRATA_RETURN_IF_ERROR(be->Add({ta, ta, tt}, nullptr));
+    STRATA_ASSIGN_OR_RETURN(Stream side, be->ForkStream(nullptr));
+    absl::Status s = be->Add({tt, tb, tx}, side);
+    if (s.ok()) s = be->Add({tt, tb, ty, 1.0f, -1.0f}, nullptr);
+    const absl::Status joined = be->JoinStream(side, nullptr);
+    STRATA_RETURN_IF_ERROR(s);
+    STRATA_RETURN_IF_ERROR(joined);
+    return be->Add({tx, ty, tz}, nullptr);
+  };
+  auto want_of = [&](HostTensor& ha, HostTensor& hb) {
+    HostTensor t = Filled({n}, kNaN), x = Filled({n}, kNaN), y = Filled({n}, kNaN);
+    HostTensor z = Filled({n}, kNaN);
+    EXPECT_TRUE(run(cpu_, ha.HostView(), hb.HostView(), t.HostView(), x.HostView(), y.HostView(),
+                    z.HostView())
+                    .ok());
+    return z.Values();
+  };
+  STRATA_ASSERT_OK(run(gpu_, va, vb, vt, vx, vy, vz));
+  ExpectClose(Download(*d_z, n), want_of(a, b), 0, 0, "eager");
+
+  auto d_z2 = Upload(Filled({n}, kNaN));
+  const TensorView vz2 = a.View(d_z2->data());
+  STRATA_ASSERT_OK(gpu_->BeginCapture(nullptr));
+  const absl::Status recorded = run(gpu_, va, vb, vt, vx, vy, vz2);
+  auto graph = gpu_->EndCapture(nullptr);
+  STRATA_ASSERT_OK(recorded);
+  STRATA_ASSERT_OK(graph.status());
+  HostTensor a2 = Random(rng_, DType::kF32, {n}, -5, 5);
+  STRATA_ASSERT_OK(gpu_->CopyToDevice(d_a->data(), a2.bytes.data(), a2.bytes.size(), nullptr));
+  STRATA_ASSERT_OK(graph.value()->Replay(nullptr));
+  ExpectClose(Download(*d_z2, n), want_of(a2, b), 0, 0, "graph replay");
+
+  // Joining a stream that is not a live fork.
+  auto* cuda = static_cast<CudaBackend*>(gpu_);
+  STRATA_ASSERT_OK_AND_ASSIGN(Stream own, cuda->CreateStream());
+  EXPECT_THAT(gpu_->JoinStream(own, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK(cuda->DestroyStream(own));
+  STRATA_ASSERT_OK_AND_ASSIGN(Stream side, gpu_->ForkStream(nullptr));
+  STRATA_ASSERT_OK(gpu_->JoinStream(side, nullptr));
+  EXPECT_THAT(gpu_->JoinStream(side, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
+  // The CPU backend runs a fork's ops in order.
+  STRATA_ASSERT_OK_AND_ASSIGN(Stream cpu_side, cpu_->ForkStream(nullptr));
+  EXPECT_EQ(cpu_side, nullptr);
+  STRATA_ASSERT_OK(cpu_->JoinStream(cpu_side, nullptr));
+}
+
 // ---- Embedding -------------------------------------------------------------------------------
 
 class CudaEmbeddingTest : public CudaBackendTest,
