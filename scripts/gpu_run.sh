@@ -8,7 +8,8 @@
 # Env: STRATA_GPU_BUILD_DIR (default build-cuda), STRATA_JOBS (default 2), STRATA_GPU_BUNDLE
 #      (bundle folder, default .gpu; any .gpu* name is gitignored; carry it to the GPU machine and
 #      run it there with STRATA_GPU_BUNDLE set to the same name),
-#      STRATA_GPU_EXTRA_TARGETS (more targets to build and bundle, space-separated, e.g. a bench).
+#      STRATA_GPU_EXTRA_TARGETS (more targets to build and bundle, space-separated, e.g. a bench,
+#      or strata_kernel_trace: the CUPTI kernel tracer, bundled as bin/libstrata_kernel_trace.so).
 #
 # What is bundled (.gpu/):
 #   bin/            the test binaries with ctest label `gpu`, cuda_attention_bench, the CUDA plugin
@@ -52,6 +53,8 @@ for t in "${gpu_test_targets[@]}"; do gpu_tests+=("$BUILD_DIR/tests/$t"); done
 binaries=("${gpu_tests[@]}" "$BUILD_DIR/bin/cuda_attention_bench" "$BUILD_DIR/bin/libstrata_cuda.so")
 for t in "${extra[@]}"; do
   [ -x "$BUILD_DIR/bin/$t" ] && binaries+=("$BUILD_DIR/bin/$t")
+  # A shared-library extra (strata_kernel_trace: bench/kernel_trace.cc) is bundled into bin/ too.
+  [ -f "$BUILD_DIR/lib/lib$t.so" ] && binaries+=("$BUILD_DIR/lib/lib$t.so")
 done
 [ -x "$BUILD_DIR/bin/strata" ] && binaries+=("$BUILD_DIR/bin/strata")
 
