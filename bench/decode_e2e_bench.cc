@@ -76,6 +76,9 @@
 //     device page table instead of PagedAttention over a host-planned span list.
 //   --device_sample=1 (default): greedy tokens are picked on the device (logits stay there);
 //     0: the logits are copied to the host for the argmax (the behaviour before).
+//   --pipeline=1 (with device_sample; default 0): a generated step's token id is read on the
+//     device by the next step (ForwardOptions::device_token) and reaches the host one step later,
+//     so the host queues (launches) step t + 1 while step t runs; the same tokens.
 //   With --no_document_pass=1, each shape first decodes the same way with no attention to the
 //     document (ForwardOptions::external null): the model's own cost per token. With 2, only
 //     that pass runs (no document is made).
@@ -192,6 +195,10 @@ struct Flags {
   // 1: greedy tokens picked on the device (ForwardOptions::logits_on_device + Backend::Sample);
   // 0: logits copied to the host and argmax there.
   int device_sample = 1;
+  // 1 (with device_sample): each step's pick stays on the device for the next step
+  // (ForwardOptions::device_token) and reaches the host one step later, so the host queues step
+  // t + 1 before step t ends; 0: the host waits for each pick before the next step.
+  int pipeline = 0;
   // 1 (device hook only): the device chooser also hands its selection to GpuCacheAttention, which
   // attends with Backend::SelectedAttention over the cache's device page table.
   int selected_attention = 0;
@@ -254,6 +261,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "no_document_pass") { f->no_document_pass = static_cast<int>(i); return true; }
   if (k == "selected_attention") { f->selected_attention = static_cast<int>(i); return true; }
   if (k == "device_sample") { f->device_sample = static_cast<int>(i); return true; }
+  if (k == "pipeline") { f->pipeline = static_cast<int>(i); return true; }
   if (k == "hold_source_pages") { f->hold_source_pages = static_cast<int>(i); return true; }
   if (k == "decode_graph") { f->decode_graph = static_cast<int>(i); return true; }
   if (k == "prefill_chunk") { f->prefill_chunk = static_cast<int>(i); return i > 0; }
@@ -704,12 +712,49 @@ class NextToken {
     if (t < 0) return absl::InternalError("Sample: no finite logit");
     return t;
   }
+  // Pipelined picks (--pipeline=1, device picks only): Queue samples the last Forward's device
+  // logits into the device token, which the next Forward reads through
+  // ForwardOptions::device_token, and copies it to a host slot behind a mark, without waiting;
+  // Take waits for the oldest queued pick and returns it. At most two picks are pending.
+  const int32_t* device_token() const {
+    return token_ != nullptr ? static_cast<const int32_t*>(token_->data()) : nullptr;
+  }
+  int pending() const { return pending_; }
+  absl::Status Queue(engine::Transformer* tf) {
+    if (!device_ || pending_ >= 2) return absl::FailedPreconditionError("NextToken::Queue");
+    if (host_ == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(host_, backend_->AllocateHost(2 * sizeof(int32_t)));
+    }
+    kernels::SampleParams p;
+    p.logits = tf->device_logits();
+    p.rows = static_cast<const kernels::SampleRow*>(row_->data());
+    p.tokens = token_->View(DType::kI32, {1});
+    STRATA_RETURN_IF_ERROR(backend_->Sample(p, nullptr));
+    const int slot = (first_ + pending_) % 2;
+    int32_t* h = static_cast<int32_t*>(host_->data()) + slot;
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHostAsync(h, token_->data(), sizeof(int32_t), nullptr));
+    STRATA_ASSIGN_OR_RETURN(marks_[slot], backend_->RecordMark(nullptr));
+    ++pending_;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int32_t> Take() {
+    if (pending_ == 0) return absl::FailedPreconditionError("NextToken::Take: nothing queued");
+    const int slot = first_;
+    first_ = (first_ + 1) % 2;
+    --pending_;
+    STRATA_RETURN_IF_ERROR(backend_->WaitMark(marks_[slot]));
+    const int32_t t = static_cast<const int32_t*>(host_->data())[slot];
+    if (t < 0) return absl::InternalError("Sample: no finite logit");
+    return t;
+  }
 
  private:
   NextToken() = default;
   kernels::Backend* backend_ = nullptr;
   bool device_ = false;
-  std::unique_ptr<kernels::Buffer> row_, token_;
+  std::unique_ptr<kernels::Buffer> row_, token_, host_;
+  int64_t marks_[2] = {0, 0};
+  int first_ = 0, pending_ = 0;
 };
 
 // Times the hook's Attend calls.
@@ -978,14 +1023,27 @@ absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* 
   int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
   Stopwatch sw;
   double t0 = 0;
+  const bool pipelined = f.pipeline != 0 && next->device();
   for (int step = 0; step < steps; ++step) {
     if (step == f.warmup) {
       STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
       t0 = sw.ElapsedSeconds();
     }
+    engine::ForwardOptions fs = fo;
+    if (pipelined && step > 0) fs.device_token = next->device_token();
     STRATA_RETURN_IF_ERROR(tf->Forward(&token, 1, doc_tokens + step, local.get(), dense.get(),
-                                       logits.data(), false, fo));
-    STRATA_ASSIGN_OR_RETURN(token, next->Next(tf, logits));
+                                       logits.data(), false, fs));
+    if (pipelined) {
+      STRATA_RETURN_IF_ERROR(next->Queue(tf));
+      if (next->pending() > 1) {
+        STRATA_ASSIGN_OR_RETURN(token, next->Take());
+      }
+    } else {
+      STRATA_ASSIGN_OR_RETURN(token, next->Next(tf, logits));
+    }
+  }
+  while (next->pending() > 0) {
+    STRATA_ASSIGN_OR_RETURN(token, next->Take());
   }
   STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   const double total = sw.ElapsedSeconds() - t0;
@@ -1112,6 +1170,7 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
                                       : &timed;
   STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0));
   fo.logits_on_device = next->device();
+  const bool pipelined = f.pipeline != 0 && next->device();
   const int64_t V = c.vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
   int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
@@ -1136,13 +1195,25 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
       pages0 = gca->counters().pages_attended;
     }
     const int64_t pos = doc.tokens + step;
+    engine::ForwardOptions fs = fo;
+    if (pipelined && step >= f.prompt) fs.device_token = next->device_token();
     STRATA_RETURN_IF_ERROR(
-        tf->Forward(&token, 1, pos, local.get(), dense.get(), logits.data(), false, fo));
+        tf->Forward(&token, 1, pos, local.get(), dense.get(), logits.data(), false, fs));
     if (step + 1 >= f.prompt) {  // generated: greedy
-      STRATA_ASSIGN_OR_RETURN(token, next->Next(tf, logits));
+      if (pipelined) {  // the next step reads the pick on the device; the host takes it later
+        STRATA_RETURN_IF_ERROR(next->Queue(tf));
+        if (next->pending() > 1) {
+          STRATA_ASSIGN_OR_RETURN(token, next->Take());
+        }
+      } else {
+        STRATA_ASSIGN_OR_RETURN(token, next->Next(tf, logits));
+      }
     } else {  // prompt tokens: a fixed pseudo-random sequence
       token = static_cast<int32_t>((static_cast<int64_t>(token) * 7919 + 13) % V);
     }
+  }
+  while (next->pending() > 0) {
+    STRATA_ASSIGN_OR_RETURN(token, next->Take());
   }
   STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   const double total = sw.ElapsedSeconds() - t0;

@@ -33,6 +33,7 @@ namespace {
 
 using kernels::DType;
 using test_model::TestModel;
+using ::strata::testing::StatusIs;
 
 // A random Llama-shaped model with the given head_dim (4 query heads, 2 KV heads, 2 layers).
 std::unique_ptr<TestModel> MakeWideModel(int head_dim, DType dtype) {
@@ -120,6 +121,82 @@ void CompareSequences(Transformer* plain, Transformer* graph, DType kv_dtype, in
   EXPECT_EQ((*cache_b)->length(0), prompt_len + steps);
   std::printf("  head_dim %d kv %s: %d steps, max |logit diff| %.3g\n",
               static_cast<int>(c.head_dim), kernels::DTypeName(kv_dtype), steps, worst);
+}
+
+// ForwardOptions::device_token: `piped` runs the prompt and `steps` greedy steps with each pick
+// made on the device (Backend::Sample over device_logits) and read by the next step there, the
+// next step queued before the host has the pick (picks copied back behind marks, read one step
+// late); `plain` runs them fed with host ids. The same tokens.
+void CompareDeviceTokens(Transformer* plain, Transformer* piped, DType kv_dtype, int prompt_len,
+                         int steps, uint32_t seed) {
+  const model::ModelConfig& c = plain->config();
+  kernels::Backend* be = piped->backend();
+  std::mt19937 rng(seed);
+  std::vector<int32_t> prompt(prompt_len);
+  for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % c.vocab_size);
+  const int64_t max_tokens = prompt_len + steps + 5;
+  auto cache_a = KvCache::Create(plain->MakeCacheOptions(max_tokens, 16, kv_dtype), plain->backend());
+  auto cache_b = KvCache::Create(piped->MakeCacheOptions(max_tokens, 16, kv_dtype), be);
+  ASSERT_TRUE(cache_a.ok() && cache_b.ok());
+  std::unique_ptr<AttentionPolicy> pol_a = MakeDensePolicy(), pol_b = MakeDensePolicy();
+  // The host-fed sequence: the prompt's pick, then each step's.
+  std::vector<float> la(c.vocab_size);
+  STRATA_ASSERT_OK(plain->Forward(prompt.data(), prompt_len, 0, cache_a->get(), pol_a.get(),
+                                  la.data(), false));
+  std::vector<int32_t> want;
+  int32_t ta = Argmax(la);
+  for (int s = 0; s < steps; ++s) {
+    want.push_back(ta);
+    STRATA_ASSERT_OK(
+        plain->Forward(&ta, 1, prompt_len + s, cache_a->get(), pol_a.get(), la.data(), false));
+    ta = Argmax(la);
+  }
+  want.push_back(ta);
+  // The piped sequence.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto row, be->Allocate(sizeof(kernels::SampleRow)));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto token, be->Allocate(sizeof(int32_t)));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, be->AllocateHost(2 * sizeof(int32_t)));
+  const kernels::SampleRow greedy;
+  STRATA_ASSERT_OK(be->CopyToDevice(row->data(), &greedy, sizeof(greedy), nullptr));
+  int32_t* slots = static_cast<int32_t*>(host->data());
+  int64_t marks[2] = {-1, -1};
+  std::vector<int32_t> got;
+  auto pick = [&](int i) -> absl::Status {  // pick i into the device token and host slot i % 2
+    kernels::SampleParams sp;
+    sp.logits = piped->device_logits();
+    sp.rows = static_cast<const kernels::SampleRow*>(row->data());
+    sp.tokens = token->View(DType::kI32, {1});
+    STRATA_RETURN_IF_ERROR(be->Sample(sp, nullptr));
+    STRATA_RETURN_IF_ERROR(
+        be->CopyToHostAsync(&slots[i % 2], token->data(), sizeof(int32_t), nullptr));
+    STRATA_ASSIGN_OR_RETURN(marks[i % 2], be->RecordMark(nullptr));
+    return absl::OkStatus();
+  };
+  auto take = [&](int i) -> absl::Status {
+    STRATA_RETURN_IF_ERROR(be->WaitMark(marks[i % 2]));
+    got.push_back(slots[i % 2]);
+    return absl::OkStatus();
+  };
+  ForwardOptions fo;
+  fo.logits_on_device = true;
+  STRATA_ASSERT_OK(piped->Forward(prompt.data(), prompt_len, 0, cache_b->get(), pol_b.get(),
+                                  nullptr, false, fo));
+  STRATA_ASSERT_OK(pick(0));
+  fo.device_token = static_cast<const int32_t*>(token->data());
+  for (int s = 0; s < steps; ++s) {
+    STRATA_ASSERT_OK(piped->Forward(nullptr, 1, prompt_len + s, cache_b->get(), pol_b.get(),
+                                    nullptr, false, fo));
+    STRATA_ASSERT_OK(pick(s + 1));
+    STRATA_ASSERT_OK(take(s));  // the pick before this step's, while this step may still run
+  }
+  STRATA_ASSERT_OK(take(steps));
+  EXPECT_EQ(got, want);
+  EXPECT_EQ((*cache_b)->length(0), prompt_len + steps);
+  // device_token is for one-token calls.
+  int32_t two[2] = {1, 2};
+  EXPECT_THAT(piped->Forward(two, 2, prompt_len + steps, cache_b->get(), pol_b.get(), nullptr,
+                             false, fo),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 std::unique_ptr<kernels::Backend> CudaBackendOrNull(std::string* why) {
@@ -372,6 +449,17 @@ TEST(DecodeGraphTest, ReplayWithACapturableDocumentHookMatchesNormalPath) {
               steps, worst, worst_whole);
 }
 
+TEST(DecodeGraphTest, DeviceTokenStepsMatchHostIdsOnGpu) {
+  std::string why;
+  GraphPair p;
+  if (!MakeGraphPair(&p, &why)) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  CompareDeviceTokens(p.plain.get(), p.graph.get(), DType::kBF16, 21, 24, 7u);
+  EXPECT_EQ(p.graph->graph_steps(), 24);  // every step replayed, reading the id on the device
+  // Without decode_graph the id is read back to the host first: the same tokens.
+  CompareDeviceTokens(p.plain.get(), p.plain.get(), DType::kBF16, 21, 8, 8u);
+  EXPECT_EQ(p.plain->graph_steps(), 0);
+}
+
 TEST(DecodeGraphTest, CpuBackendIgnoresTheOption) {
   std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
   std::unique_ptr<TestModel> m = MakeWideModel(64, DType::kF32);
@@ -382,6 +470,9 @@ TEST(DecodeGraphTest, CpuBackendIgnoresTheOption) {
   STRATA_ASSERT_OK_AND_ASSIGN(auto graph,
                               Transformer::Create(m->config, m->weights, backend.get(), graph_o));
   CompareSequences(plain.get(), graph.get(), DType::kF32, 9, 4, 5u, 0.0);
+  EXPECT_EQ(graph->graph_steps(), 0);
+  // ForwardOptions::device_token there: the id is read back to the host, the same tokens.
+  CompareDeviceTokens(plain.get(), graph.get(), DType::kF32, 9, 5, 6u);
   EXPECT_EQ(graph->graph_steps(), 0);
 }
 

@@ -86,7 +86,13 @@ Transformer::Transformer(const model::ModelConfig& config, const TransformerOpti
                          kernels::Backend* backend)
     : config_(config), options_(options), backend_(backend), host_memory_(backend->Name() == "cpu") {}
 
-Transformer::~Transformer() = default;
+Transformer::~Transformer() {
+  // Marks still pending end with the backend; waiting here keeps the step slots' copies done.
+  for (int64_t& m : step_mark_) {
+    if (m >= 0) backend_->WaitMark(m).IgnoreError();
+    m = -1;
+  }
+}
 
 absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(
     const model::ModelConfig& config, const model::ModelWeights& weights,
@@ -285,7 +291,11 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
                                                    fo.cache_first_position, " not in [0, ",
                                                    start_pos, "]"));
   }
-  if (n < 1 || ids == nullptr || (logits_out == nullptr && !fo.logits_on_device)) {
+  if (fo.device_token != nullptr && n != 1) {
+    return absl::InvalidArgumentError("Forward: device_token is for one-token calls");
+  }
+  if (n < 1 || (ids == nullptr && fo.device_token == nullptr) ||
+      (logits_out == nullptr && !fo.logits_on_device)) {
     return absl::InvalidArgumentError("Forward: needs n >= 1 tokens, ids and logits_out");
   }
   if (fo.logits_on_device && all_logits) {
@@ -307,16 +317,28 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
                                                      fo.cache_first_position));
     }
   }
+  if (start_pos + n > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("Forward: positions beyond int32");
+  }
+  int32_t device_id = -1;
+  if (fo.device_token != nullptr) {
+    // The replayed graph reads the id on the device; any other path needs it on the host.
+    if (options_.decode_graph) {
+      STRATA_ASSIGN_OR_RETURN(const bool done,
+                              ForwardGraphStep(-1, start_pos, cache, policy, logits_out, fo));
+      if (done) return absl::OkStatus();
+    }
+    STRATA_RETURN_IF_ERROR(
+        backend_->CopyToHost(&device_id, fo.device_token, sizeof(device_id), nullptr));
+    ids = &device_id;
+  }
   for (int64_t i = 0; i < n; ++i) {
     if (ids[i] < 0 || ids[i] >= config_.vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat("Forward: token id ", ids[i], " at ", i,
                                                      " is outside [0, ", config_.vocab_size, ")"));
     }
   }
-  if (start_pos + n > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError("Forward: positions beyond int32");
-  }
-  if (options_.decode_graph && n == 1) {
+  if (options_.decode_graph && n == 1 && fo.device_token == nullptr) {
     STRATA_ASSIGN_OR_RETURN(const bool done,
                             ForwardGraphStep(ids[0], start_pos, cache, policy, logits_out, fo));
     if (done) return absl::OkStatus();
@@ -433,7 +455,8 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
   }
   // The graph records the cache's pools and the hook's device buffers: keyed by their lifetimes
   // (ids are never reused, addresses may be).
-  const DecodeGraphKey key{cache->id(), external == nullptr ? 0 : external->instance_id()};
+  const DecodeGraphKey key{cache->id(), external == nullptr ? 0 : external->instance_id(),
+                           fo.device_token};
   bool captured = false;
   auto found = std::find_if(graphs_.begin(), graphs_.end(),
                             [&key](const DecodeGraph& e) { return e.key == key; });
@@ -443,6 +466,9 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
     // Allocations and copies before the capture (they may not run inside one).
     if (step_ == nullptr) {
       STRATA_ASSIGN_OR_RETURN(step_, be->Allocate(4 * sizeof(int32_t)));
+    }
+    if (step_host_ == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(step_host_, be->AllocateHost(2 * 4 * sizeof(int32_t)));
     }
     DecodeGraph entry;
     entry.key = key;
@@ -479,7 +505,8 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
       graph_unavailable_ = true;
       return false;
     }
-    const absl::Status recorded = RecordGraphStep(cache, external, pos, entry.page_table.get());
+    const absl::Status recorded =
+        RecordGraphStep(cache, external, pos, entry.page_table.get(), fo.device_token);
     absl::StatusOr<std::unique_ptr<kernels::Graph>> graph = be->EndCapture(nullptr);
     if (!recorded.ok() || !graph.ok()) {
       // Nothing ran and no host state changed: the normal path takes this step and the next.
@@ -496,9 +523,23 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
     graphs_.push_back(std::move(entry));
   }
   kernels::Graph* graph = graphs_.back().graph.get();
-  const int32_t step[4] = {id, static_cast<int32_t>(pos), static_cast<int32_t>(index),
-                           static_cast<int32_t>(index + 1)};
-  STRATA_RETURN_IF_ERROR(be->CopyToDevice(step_->data(), step, sizeof(step), nullptr));
+  // The step's values through the next host slot, without waiting for the device (a device_token
+  // graph does not read step_[0]).
+  int64_t& slot_mark = step_mark_[step_slot_];
+  if (slot_mark >= 0) {
+    const int64_t m = slot_mark;
+    slot_mark = -1;
+    STRATA_RETURN_IF_ERROR(be->WaitMark(m));
+  }
+  int32_t* slot = static_cast<int32_t*>(step_host_->data()) + 4 * step_slot_;
+  slot[0] = id;
+  slot[1] = static_cast<int32_t>(pos);
+  slot[2] = static_cast<int32_t>(index);
+  slot[3] = static_cast<int32_t>(index + 1);
+  STRATA_RETURN_IF_ERROR(
+      be->CopyToDeviceAsync(step_->data(), slot, 4 * sizeof(int32_t), nullptr));
+  STRATA_ASSIGN_OR_RETURN(slot_mark, be->RecordMark(nullptr));
+  step_slot_ ^= 1;
   STRATA_RETURN_IF_ERROR(graph->Replay(nullptr));
   // Host bookkeeping while the step runs on the device, then the logits.
   STRATA_RETURN_IF_ERROR(cache->CommitAppend(1));
@@ -519,14 +560,15 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
 }
 
 absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* external,
-                                          int64_t pos, kernels::Buffer* page_table) {
+                                          int64_t pos, kernels::Buffer* page_table,
+                                          const int32_t* device_token) {
   kernels::Backend* be = backend_;
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
   const int64_t ffn = config_.intermediate_size;
   const float eps = static_cast<float>(config_.rms_norm_eps);
   const int32_t* step = static_cast<const int32_t*>(step_->data());
-  const int32_t* id_dev = step;
+  const int32_t* id_dev = device_token != nullptr ? device_token : step;
   const int32_t* pos_dev = step + 1;
   const int32_t* index_dev = step + 2;
   const int32_t* len_dev = step + 3;

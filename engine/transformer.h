@@ -159,6 +159,13 @@ struct ForwardOptions {
   // Backend::Sample), and logits_out is not written (it may be null). The call then returns
   // without waiting for the device.
   bool logits_on_device = false;
+  // Set (one-token calls only): the token id is read from backend memory at this address when the
+  // step runs, e.g. the output of the previous step's Backend::Sample, and `ids` is not read (it
+  // may be null). The caller can then queue the next step before the sampled token reaches the
+  // host. With decode_graph the replayed step reads it on the device (no host wait; an id outside
+  // the vocabulary then gives the backend's Embedding result, NaN rows on CUDA); otherwise the id
+  // is first copied to the host (a wait) and checked as `ids` are.
+  const int32_t* device_token = nullptr;
 };
 
 class Transformer {
@@ -267,7 +274,7 @@ class Transformer {
   // `external`: a CapturableOnDevice hook attended (and merged) after the local attention of
   // every layer, or null.
   absl::Status RecordGraphStep(KvCache* cache, ExternalAttention* external, int64_t pos,
-                               kernels::Buffer* page_table);
+                               kernels::Buffer* page_table, const int32_t* id_dev);
 
   model::ModelConfig config_;
   TransformerOptions options_;
@@ -313,8 +320,10 @@ class Transformer {
   // that cache's slot layout [num_kv_heads, pages_per_head] in `page_table`.
   struct DecodeGraphKey {
     uint64_t cache_id = 0, external_id = 0;  // KvCache::id(), ExternalAttention::instance_id() or 0
+    const int32_t* device_token = nullptr;   // ForwardOptions::device_token the graph reads
     bool operator==(const DecodeGraphKey& o) const {
-      return cache_id == o.cache_id && external_id == o.external_id;
+      return cache_id == o.cache_id && external_id == o.external_id &&
+             device_token == o.device_token;
     }
   };
   struct DecodeGraph {
@@ -324,6 +333,12 @@ class Transformer {
   };
   static constexpr size_t kMaxDecodeGraphs = 8;
   std::unique_ptr<kernels::Buffer> step_;
+  // The step's values go to step_ by a copy that does not wait (Backend::CopyToDeviceAsync) from
+  // one of two host slots (AllocateHost memory), used in turn; a slot is rewritten only after the
+  // mark recorded behind its last copy (step_mark_, -1: none pending) has been waited for.
+  std::unique_ptr<kernels::Buffer> step_host_;
+  int64_t step_mark_[2] = {-1, -1};
+  int step_slot_ = 0;
   std::vector<DecodeGraph> graphs_;
   bool graph_unavailable_ = false;  // a capture failed: normal path from then on
   int64_t graph_steps_ = 0;

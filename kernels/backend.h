@@ -571,6 +571,29 @@ class Backend {
   // Host memory the device can read directly (PageCopy staging): pinned and mapped on CUDA
   // (cudaHostAlloc), plain memory on the CPU. ResourceExhausted when not available.
   virtual absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t bytes) = 0;
+  // Copies that do not wait: queued on `s` after the work queued there before (capturable on
+  // CUDA). The host side (src of CopyToDeviceAsync, dst of CopyToHostAsync) should be AllocateHost
+  // memory; the caller leaves src unchanged, and reads dst only, once a mark recorded after the
+  // copy has been waited for. Default: the waiting copies above.
+  virtual absl::Status CopyToDeviceAsync(void* dst, const void* src, size_t bytes, Stream s) {
+    return CopyToDevice(dst, src, bytes, s);
+  }
+  virtual absl::Status CopyToHostAsync(void* dst, const void* src, size_t bytes, Stream s) {
+    return CopyToHost(dst, src, bytes, s);
+  }
+  // A point in the work queued on `s`: WaitMark(mark) returns once everything queued on `s`
+  // before RecordMark(s) is done, and ends the mark (each mark is waited for once; a mark never
+  // waited for is released with the backend). InvalidArgument for a mark that is not pending.
+  // Default: RecordMark waits for `s` itself (for backends whose ops may run later) and returns 0,
+  // which WaitMark accepts at once.
+  virtual absl::StatusOr<int64_t> RecordMark(Stream s) {
+    absl::Status st = Synchronize(s);
+    if (!st.ok()) return st;
+    return int64_t{0};
+  }
+  virtual absl::Status WaitMark(int64_t mark) {
+    return mark == 0 ? absl::OkStatus() : absl::InvalidArgumentError("WaitMark: not a mark");
+  }
 
   virtual absl::Status Supports(const EmbeddingParams& p) const = 0;
   virtual absl::Status Embedding(const EmbeddingParams& p, Stream s) = 0;

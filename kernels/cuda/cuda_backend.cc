@@ -377,6 +377,8 @@ CudaBackend::~CudaBackend() {
     cudaStreamDestroy(side);
   }
   if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
+  for (auto& [id, ev] : marks_) cudaEventDestroy(ev);
+  for (cudaEvent_t ev : free_events_) cudaEventDestroy(ev);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -428,21 +430,62 @@ absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
   return std::unique_ptr<Buffer>(new CudaBuffer(device_, p, bytes));
 }
 
-absl::Status CudaBackend::CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) {
+// One copy on the stream of `s` (any direction, cudaMemcpyDefault), waited for when `wait`.
+absl::Status CudaBackend::QueueCopy(const char* op, void* dst, const void* src, size_t bytes,
+                                    Stream s, bool wait) {
   if (bytes == 0) return absl::OkStatus();
-  if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("CopyToDevice: null");
+  if (dst == nullptr || src == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": null"));
+  }
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCuda(s)));
-  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(s)));
+  if (wait) STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(s)));
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) {
+  return QueueCopy("CopyToDevice", dst, src, bytes, s, /*wait=*/true);
+}
+
 absl::Status CudaBackend::CopyToHost(void* dst, const void* src, size_t bytes, Stream s) {
-  if (bytes == 0) return absl::OkStatus();
-  if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("CopyToHost: null");
+  return QueueCopy("CopyToHost", dst, src, bytes, s, /*wait=*/true);
+}
+
+absl::Status CudaBackend::CopyToDeviceAsync(void* dst, const void* src, size_t bytes, Stream s) {
+  return QueueCopy("CopyToDeviceAsync", dst, src, bytes, s, /*wait=*/false);
+}
+
+absl::Status CudaBackend::CopyToHostAsync(void* dst, const void* src, size_t bytes, Stream s) {
+  return QueueCopy("CopyToHostAsync", dst, src, bytes, s, /*wait=*/false);
+}
+
+absl::StatusOr<int64_t> CudaBackend::RecordMark(Stream s) {
   STRATA_RETURN_IF_ERROR(MakeCurrent());
-  STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCuda(s)));
-  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(s)));
+  cudaEvent_t ev = nullptr;
+  if (free_events_.empty()) {
+    STRATA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  } else {
+    ev = free_events_.back();
+    free_events_.pop_back();
+  }
+  const cudaError_t e = cudaEventRecord(ev, ToCuda(s));
+  if (e != cudaSuccess) {
+    free_events_.push_back(ev);
+    STRATA_CUDA_RETURN_IF_ERROR(e);
+  }
+  const int64_t id = next_mark_++;
+  marks_.emplace(id, ev);
+  return id;
+}
+
+absl::Status CudaBackend::WaitMark(int64_t mark) {
+  auto it = marks_.find(mark);
+  if (it == marks_.end()) return absl::InvalidArgumentError("WaitMark: not a pending mark");
+  const cudaEvent_t ev = it->second;
+  marks_.erase(it);
+  free_events_.push_back(ev);  // ended even if the wait fails
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(ev));
   return absl::OkStatus();
 }
 

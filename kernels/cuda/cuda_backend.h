@@ -38,6 +38,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,6 +84,13 @@ class CudaBackend : public Backend {
   // Pinned host memory mapped into the device's address space (cudaHostAlloc, portable and
   // mapped); freed with cudaFreeHost. What PageCopy reads its staging and index arrays from.
   absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t bytes) override;
+  // cudaMemcpyAsync on the stream of `s`, no synchronisation.
+  absl::Status CopyToDeviceAsync(void* dst, const void* src, size_t bytes, Stream s) override;
+  absl::Status CopyToHostAsync(void* dst, const void* src, size_t bytes, Stream s) override;
+  // A mark is an event recorded on the stream of `s` (kept for reuse once waited for; ids count
+  // up from 1); WaitMark is cudaEventSynchronize.
+  absl::StatusOr<int64_t> RecordMark(Stream s) override;
+  absl::Status WaitMark(int64_t mark) override;
 
   absl::Status Supports(const EmbeddingParams& p) const override;
   absl::Status Embedding(const EmbeddingParams& p, Stream s) override;
@@ -180,6 +188,8 @@ class CudaBackend : public Backend {
  private:
   CudaBackend(int device, int num_sms);
   absl::Status Init();
+  absl::Status QueueCopy(const char* op, void* dst, const void* src, size_t bytes, Stream s,
+                         bool wait);
   cudaStream_t ToCuda(Stream s) const {
     return s == nullptr ? stream_ : static_cast<cudaStream_t>(s);
   }
@@ -201,6 +211,10 @@ class CudaBackend : public Backend {
   std::vector<cudaStream_t> side_free_;
   cudaEvent_t fork_event_ = nullptr;
   int side_priority_ = 0;
+  // RecordMark's events: pending marks by id, and events free for reuse.
+  std::map<int64_t, cudaEvent_t> marks_;
+  std::vector<cudaEvent_t> free_events_;
+  int64_t next_mark_ = 1;
   cublasHandle_t blas_ = nullptr;
   cudaMemPool_t pool_ = nullptr;
   // Staging for PagedAttention plans: a ring of pinned buffers, so that the host can plan a few

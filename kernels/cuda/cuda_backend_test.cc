@@ -268,6 +268,42 @@ TEST_F(CudaBackendTest, ForkJoinOrdersBranches) {
   STRATA_ASSERT_OK(cpu_->JoinStream(cpu_side, nullptr));
 }
 
+// Copies that do not wait, read back behind marks: a device buffer filled from pinned host memory
+// and copied out again arrives once the mark after the copies is waited for, with another op
+// queued in between; each mark is waited for once. The CPU backend's copies are done at once.
+TEST_F(CudaBackendTest, AsyncCopiesAndMarks) {
+  const size_t n = 1 << 20;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto src, gpu_->AllocateHost(n * 4));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dst, gpu_->AllocateHost(n * 4));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, gpu_->Allocate(n * 4));
+  float* s = static_cast<float*>(src->data());
+  float* d = static_cast<float*>(dst->data());
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<float>(rng_() % 1000) - 500.0f, d[i] = kNaN;
+  const TensorView v(dev->data(), DType::kF32, {static_cast<int64_t>(n)});
+  STRATA_ASSERT_OK(gpu_->CopyToDeviceAsync(dev->data(), s, n * 4, nullptr));
+  STRATA_ASSERT_OK(gpu_->Add({v, v, v}, nullptr));  // doubled on the device
+  STRATA_ASSERT_OK(gpu_->CopyToHostAsync(d, dev->data(), n * 4, nullptr));
+  STRATA_ASSERT_OK_AND_ASSIGN(int64_t mark, gpu_->RecordMark(nullptr));
+  STRATA_ASSERT_OK(gpu_->WaitMark(mark));
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(d[i], 2.0f * s[i]) << i;
+  EXPECT_THAT(gpu_->WaitMark(mark), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(gpu_->WaitMark(-3), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(gpu_->CopyToDeviceAsync(nullptr, s, 4, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // Marks recorded and waited for out of order.
+  STRATA_ASSERT_OK_AND_ASSIGN(int64_t m1, gpu_->RecordMark(nullptr));
+  STRATA_ASSERT_OK_AND_ASSIGN(int64_t m2, gpu_->RecordMark(nullptr));
+  EXPECT_NE(m1, m2);
+  STRATA_ASSERT_OK(gpu_->WaitMark(m2));
+  STRATA_ASSERT_OK(gpu_->WaitMark(m1));
+  // The CPU backend.
+  float x[3] = {1, 2, 3}, y[3] = {0, 0, 0};
+  STRATA_ASSERT_OK(cpu_->CopyToHostAsync(y, x, sizeof(x), nullptr));
+  STRATA_ASSERT_OK_AND_ASSIGN(int64_t cm, cpu_->RecordMark(nullptr));
+  STRATA_ASSERT_OK(cpu_->WaitMark(cm));
+  EXPECT_EQ(y[2], 3.0f);
+}
+
 // ---- Embedding -------------------------------------------------------------------------------
 
 class CudaEmbeddingTest : public CudaBackendTest,
