@@ -386,10 +386,10 @@ struct SelectStagesParams {
   // Optional: the decode step's attention over the selection. When set, the op then runs
   // SelectedAttention(*attend) in stream order (skip_heads does not apply to it: a skipped head
   // attends the selection it kept), with the same result as that call after this op;
-  // attend->middle.parents is normally the last stage's `selected`. The CPU and CUDA backends
-  // check attend's params first (CpuSupportsSelectedAttention; none of its checks depends on the
-  // stages' results): params it refuses fail the op with its error (e.g. InvalidArgument) before
-  // any stage runs, and nothing is written; CUDA's own limits of the separate op (Unimplemented)
+  // attend->middle.parents is normally the last stage's `selected`. attend's params are checked
+  // first (CpuSupportsSelectedAttention, by SelectStagesOpByOp and the CUDA kernel path; none of
+  // its checks depends on the stages' results): params it refuses fail the op with its error
+  // (e.g. InvalidArgument) before any stage runs, and nothing is written; CUDA's own limits of the separate op (Unimplemented)
   // are checked where it runs, after the stages. The CUDA backend runs it in the selection's
   // kernel where the shape allows (the middle the last stage's selection, the stages' q and
   // scale, bf16 pools, head_dim 128, no prefix_len or slot_scales, a bounded share of positions
@@ -682,9 +682,9 @@ class Backend {
 // Backend::SelectStages as the calls it stands for: checks the chain (1 to kMaxSelectStages
 // stages; stage s > 0's candidates.parents the data and shape of stage s - 1's selected;
 // InvalidArgument otherwise), then per stage ScoreSummaries or ScoreKeys and VoteTopK on `b`,
-// then SelectedAttention(*attend) when set, returning the first error (here an attention `b`
-// refuses fails the op after the stages have written their selections; the CPU and CUDA
-// backends' SelectStages check its params, CpuSupportsSelectedAttention, before any stage runs).
+// then SelectedAttention(*attend) when set, returning the first error. attend's params are
+// checked (CpuSupportsSelectedAttention) before any stage runs, so an attention those checks
+// refuse writes nothing; a refusal of `b`'s own (e.g. Unimplemented) comes after the stages.
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s);
 // The chain checks of SelectStagesOpByOp alone (the ops check the rest).
 absl::Status CheckSelectStagesChain(const SelectStagesParams& p);

@@ -1,9 +1,11 @@
-// Backend::SelectStages' default: the chain checked, then ScoreSummaries / ScoreKeys and VoteTopK
-// per stage (semantics in kernels/backend.h SelectStagesParams).
+// Backend::SelectStages' default: the chain and the attention's params checked, then
+// ScoreSummaries / ScoreKeys and VoteTopK per stage, then the attention (semantics in
+// kernels/backend.h SelectStagesParams).
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
 
 namespace strata::kernels {
 
@@ -66,6 +68,9 @@ VoteTopKParams StageVoteTopKParams(const SelectStagesParams& p, int i) {
 
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
+  // The attention's params before any stage runs (none of the checks reads the stages' results),
+  // so that an attention they refuse fails the op and every output keeps what it had.
+  if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
   for (int i = 0; i < p.num_stages; ++i) {
     if (p.stages[i].summaries.data != nullptr) {
       STRATA_RETURN_IF_ERROR(b.ScoreSummaries(StageScoreSummariesParams(p, i), s));

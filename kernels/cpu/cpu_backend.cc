@@ -212,14 +212,6 @@ absl::Status CpuBackend::UpdateSummaries(const UpdateSummariesParams& p, Stream)
 absl::Status CpuBackend::SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream) {
   return CpuSelectionCacheCheck(p);
 }
-// The chain first, as SelectStagesOpByOp (which checks it again); then the attention before any
-// stage runs, so that an attention SelectedAttention would refuse fails the op with its error
-// and every output keeps what it had.
-absl::Status CpuBackend::SelectStages(const SelectStagesParams& p, Stream s) {
-  STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
-  if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
-  return SelectStagesOpByOp(*this, p, s);
-}
 
 // Token sampling (kernels/cpu/sampling.cc): on the calling thread.
 absl::Status CpuBackend::Supports(const SampleParams& p) const { return CpuSupportsSample(p); }

@@ -145,9 +145,6 @@ class CpuBackend : public Backend {
   absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
   absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) override;
   absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) override;
-  // SelectStagesOpByOp, with p.attend's params checked first (CpuSupportsSelectedAttention: none
-  // of its checks reads the stages' results), so a refused attention writes nothing.
-  absl::Status SelectStages(const SelectStagesParams& p, Stream s) override;
   absl::Status Supports(const SampleParams& p) const override;
   absl::Status Sample(const SampleParams& p, Stream s) override;
   absl::Status Supports(const PageCopyParams& p) const override;

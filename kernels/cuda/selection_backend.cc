@@ -300,9 +300,6 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
     ds.k = static_cast<int>(std::min<int64_t>(st.k, int64_t{1} << 30));
     ds.selected = st.selected.As<int32_t>();
   }
-  // The attention's params too, before anything runs on either path: a refused attention writes
-  // nothing (this backend's own limits of the separate op are checked where it runs).
-  if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
   const int64_t group = hkv > 0 ? p.q.dim(0) / hkv : 0;
   fused = fused && hkv >= 1 && hkv <= 65535 && group >= 1 && group <= 4 && p.q.dim(1) == 128 &&
           reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
@@ -320,8 +317,12 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
           "SelectStages: STRATA_SELECT_STAGES=require_fused and the shape is not one the fused "
           "kernel runs");
     }
-    return SelectStagesOpByOp(*this, p, s);
+    return SelectStagesOpByOp(*this, p, s);  // checks the attention's params first
   }
+  // The attention's params before the kernel runs, as SelectStagesOpByOp checks them: a refused
+  // attention writes nothing (this backend's own limits of the separate op are checked where it
+  // runs).
+  if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
   // The attention in the same kernel where it can run there (SelectAttendInKernel), else after it
   // as its own op. STRATA_SELECT_ATTEND=separate (read at every call: A/B timing and tests)
   // always runs it as its own op; =require_fused fails instead of doing so.
