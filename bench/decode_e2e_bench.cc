@@ -682,13 +682,17 @@ class DeviceChooser {
 class NextToken {
  public:
   static absl::StatusOr<std::unique_ptr<NextToken>> Create(kernels::Backend* backend,
-                                                           bool device) {
+                                                           bool device, bool pipelined) {
     auto nt = std::unique_ptr<NextToken>(new NextToken);
     nt->backend_ = backend;
     nt->device_ = device;
+    nt->pipelined_ = device && pipelined;
     if (device) {
       STRATA_ASSIGN_OR_RETURN(nt->row_, backend->Allocate(sizeof(kernels::SampleRow)));
       STRATA_ASSIGN_OR_RETURN(nt->token_, backend->Allocate(sizeof(int32_t)));
+      if (nt->pipelined_) {
+        STRATA_ASSIGN_OR_RETURN(nt->host_, backend->AllocateHost(2 * sizeof(int32_t)));
+      }
       const kernels::SampleRow greedy;  // temperature 0
       STRATA_RETURN_IF_ERROR(backend->CopyToDevice(nt->row_->data(), &greedy, sizeof(greedy),
                                                    nullptr));
@@ -696,62 +700,57 @@ class NextToken {
     return nt;
   }
   bool device() const { return device_; }
-  // After a Forward with ForwardOptions::logits_on_device = device().
-  absl::StatusOr<int32_t> Next(engine::Transformer* tf, const std::vector<float>& host_logits) {
-    if (!device_) {
-      return static_cast<int32_t>(std::max_element(host_logits.begin(), host_logits.end()) -
-                                  host_logits.begin());
-    }
-    kernels::SampleParams p;
-    p.logits = tf->device_logits();
-    p.rows = static_cast<const kernels::SampleRow*>(row_->data());
-    p.tokens = token_->View(DType::kI32, {1});
-    STRATA_RETURN_IF_ERROR(backend_->Sample(p, nullptr));
-    int32_t t = -1;
-    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(&t, token_->data(), sizeof(t), nullptr));
-    if (t < 0) return absl::InternalError("Sample: no finite logit");
-    return t;
-  }
-  // Pipelined picks (--pipeline=1, device picks only): Queue samples the last Forward's device
-  // logits into the device token, which the next Forward reads through
-  // ForwardOptions::device_token, and copies it to a host slot behind a mark, without waiting;
-  // Take waits for the oldest queued pick and returns it. At most two picks are pending.
+  // With pipelining (--pipeline=1, device picks only) a pick stays on the device for the next
+  // step, which reads it through ForwardOptions::device_token; it reaches the host one step later.
+  bool pipelined() const { return pipelined_; }
   const int32_t* device_token() const {
     return token_ != nullptr ? static_cast<const int32_t*>(token_->data()) : nullptr;
   }
-  int pending() const { return pending_; }
-  absl::Status Queue(engine::Transformer* tf) {
-    if (!device_ || pending_ >= 2) return absl::FailedPreconditionError("NextToken::Queue");
-    if (host_ == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(host_, backend_->AllocateHost(2 * sizeof(int32_t)));
+  // After a Forward with ForwardOptions::logits_on_device = device(): the greedy pick into
+  // *token, or, pipelined, the pick is queued (into the device token and a host slot behind a
+  // mark, without waiting) and *token becomes the pick before it, once two are queued.
+  absl::Status Advance(engine::Transformer* tf, const std::vector<float>& host_logits,
+                       int32_t* token) {
+    if (!device_) {
+      *token = static_cast<int32_t>(std::max_element(host_logits.begin(), host_logits.end()) -
+                                    host_logits.begin());
+      return absl::OkStatus();
     }
     kernels::SampleParams p;
     p.logits = tf->device_logits();
     p.rows = static_cast<const kernels::SampleRow*>(row_->data());
     p.tokens = token_->View(DType::kI32, {1});
     STRATA_RETURN_IF_ERROR(backend_->Sample(p, nullptr));
+    if (!pipelined_) {
+      STRATA_RETURN_IF_ERROR(backend_->CopyToHost(token, token_->data(), sizeof(int32_t), nullptr));
+      return *token < 0 ? absl::InternalError("Sample: no finite logit") : absl::OkStatus();
+    }
     const int slot = (first_ + pending_) % 2;
     int32_t* h = static_cast<int32_t*>(host_->data()) + slot;
     STRATA_RETURN_IF_ERROR(backend_->CopyToHostAsync(h, token_->data(), sizeof(int32_t), nullptr));
     STRATA_ASSIGN_OR_RETURN(marks_[slot], backend_->RecordMark(nullptr));
     ++pending_;
-    return absl::OkStatus();
+    return pending_ > 1 ? Take(token) : absl::OkStatus();
   }
-  absl::StatusOr<int32_t> Take() {
-    if (pending_ == 0) return absl::FailedPreconditionError("NextToken::Take: nothing queued");
-    const int slot = first_;
-    first_ = (first_ + 1) % 2;
-    --pending_;
-    STRATA_RETURN_IF_ERROR(backend_->WaitMark(marks_[slot]));
-    const int32_t t = static_cast<const int32_t*>(host_->data())[slot];
-    if (t < 0) return absl::InternalError("Sample: no finite logit");
-    return t;
+  // The picks still queued, in order, the last into *token.
+  absl::Status Drain(int32_t* token) {
+    while (pending_ > 0) STRATA_RETURN_IF_ERROR(Take(token));
+    return absl::OkStatus();
   }
 
  private:
   NextToken() = default;
+  // The oldest queued pick into *token (waits for its mark).
+  absl::Status Take(int32_t* token) {
+    const int slot = first_;
+    first_ = (first_ + 1) % 2;
+    --pending_;
+    STRATA_RETURN_IF_ERROR(backend_->WaitMark(marks_[slot]));
+    *token = static_cast<const int32_t*>(host_->data())[slot];
+    return *token < 0 ? absl::InternalError("Sample: no finite logit") : absl::OkStatus();
+  }
   kernels::Backend* backend_ = nullptr;
-  bool device_ = false;
+  bool device_ = false, pipelined_ = false;
   std::unique_ptr<kernels::Buffer> row_, token_, host_;
   int64_t marks_[2] = {0, 0};
   int first_ = 0, pending_ = 0;
@@ -1017,34 +1016,25 @@ absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* 
   auto dense = engine::MakeDensePolicy();
   engine::ForwardOptions fo;
   fo.cache_first_position = doc_tokens;
-  STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0));
+  STRATA_ASSIGN_OR_RETURN(auto next,
+                          NextToken::Create(backend, f.device_sample != 0, f.pipeline != 0));
   fo.logits_on_device = next->device();
   std::vector<float> logits(static_cast<size_t>(c.vocab_size));
   int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
   Stopwatch sw;
   double t0 = 0;
-  const bool pipelined = f.pipeline != 0 && next->device();
   for (int step = 0; step < steps; ++step) {
     if (step == f.warmup) {
       STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
       t0 = sw.ElapsedSeconds();
     }
     engine::ForwardOptions fs = fo;
-    if (pipelined && step > 0) fs.device_token = next->device_token();
+    if (next->pipelined() && step > 0) fs.device_token = next->device_token();
     STRATA_RETURN_IF_ERROR(tf->Forward(&token, 1, doc_tokens + step, local.get(), dense.get(),
                                        logits.data(), false, fs));
-    if (pipelined) {
-      STRATA_RETURN_IF_ERROR(next->Queue(tf));
-      if (next->pending() > 1) {
-        STRATA_ASSIGN_OR_RETURN(token, next->Take());
-      }
-    } else {
-      STRATA_ASSIGN_OR_RETURN(token, next->Next(tf, logits));
-    }
+    STRATA_RETURN_IF_ERROR(next->Advance(tf, logits, &token));
   }
-  while (next->pending() > 0) {
-    STRATA_ASSIGN_OR_RETURN(token, next->Take());
-  }
+  STRATA_RETURN_IF_ERROR(next->Drain(&token));
   STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   const double total = sw.ElapsedSeconds() - t0;
   res->tokens = measured;
@@ -1168,9 +1158,9 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
   fo.cache_first_position = doc.tokens;
   fo.external = correlated != nullptr ? static_cast<engine::ExternalAttention*>(correlated.get())
                                       : &timed;
-  STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0));
+  STRATA_ASSIGN_OR_RETURN(auto next,
+                          NextToken::Create(backend, f.device_sample != 0, f.pipeline != 0));
   fo.logits_on_device = next->device();
-  const bool pipelined = f.pipeline != 0 && next->device();
   const int64_t V = c.vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
   int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
@@ -1196,25 +1186,16 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
     }
     const int64_t pos = doc.tokens + step;
     engine::ForwardOptions fs = fo;
-    if (pipelined && step >= f.prompt) fs.device_token = next->device_token();
+    if (next->pipelined() && step >= f.prompt) fs.device_token = next->device_token();
     STRATA_RETURN_IF_ERROR(
         tf->Forward(&token, 1, pos, local.get(), dense.get(), logits.data(), false, fs));
     if (step + 1 >= f.prompt) {  // generated: greedy
-      if (pipelined) {  // the next step reads the pick on the device; the host takes it later
-        STRATA_RETURN_IF_ERROR(next->Queue(tf));
-        if (next->pending() > 1) {
-          STRATA_ASSIGN_OR_RETURN(token, next->Take());
-        }
-      } else {
-        STRATA_ASSIGN_OR_RETURN(token, next->Next(tf, logits));
-      }
+      STRATA_RETURN_IF_ERROR(next->Advance(tf, logits, &token));
     } else {  // prompt tokens: a fixed pseudo-random sequence
       token = static_cast<int32_t>((static_cast<int64_t>(token) * 7919 + 13) % V);
     }
   }
-  while (next->pending() > 0) {
-    STRATA_ASSIGN_OR_RETURN(token, next->Take());
-  }
+  STRATA_RETURN_IF_ERROR(next->Drain(&token));
   STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   const double total = sw.ElapsedSeconds() - t0;
   if (managed) STRATA_RETURN_IF_ERROR(cache->SyncDeviceStats());
