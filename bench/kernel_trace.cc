@@ -57,7 +57,19 @@ std::unordered_map<const char*, uint32_t>& NameIndex() {
 bool g_skip_nongraph = false;
 uint64_t g_dropped = 0;
 
-// Mangled names are interned by pointer (CUPTI keeps one string per function).
+// A record's name as an index into Names(), one entry per distinct text.
+uint32_t InternText(const std::string& text) {
+  static auto* idx = new std::unordered_map<std::string, uint32_t>;
+  auto it = idx->find(text);
+  if (it != idx->end()) return it->second;
+  const uint32_t i = static_cast<uint32_t>(Names().size());
+  Names().push_back(text);
+  idx->emplace(text, i);
+  return i;
+}
+
+// A kernel's mangled name, demangled and cut once per pointer (CUPTI keeps one string per
+// function).
 uint32_t Intern(const char* mangled) {
   auto& idx = NameIndex();
   auto it = idx.find(mangled);
@@ -71,20 +83,8 @@ uint32_t Intern(const char* mangled) {
   for (char& c : name) {
     if (c == '\t' || c == '\n') c = ' ';
   }
-  const uint32_t i = static_cast<uint32_t>(Names().size());
-  Names().push_back(std::move(name));
+  const uint32_t i = InternText(name);
   idx.emplace(mangled, i);
-  return i;
-}
-
-// Names that are not CUPTI's function names (memcpy and API records), interned by text.
-uint32_t InternText(const std::string& text) {
-  static auto* idx = new std::unordered_map<std::string, uint32_t>;
-  auto it = idx->find(text);
-  if (it != idx->end()) return it->second;
-  const uint32_t i = static_cast<uint32_t>(Names().size());
-  Names().push_back(text);
-  idx->emplace(text, i);
   return i;
 }
 

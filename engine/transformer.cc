@@ -88,9 +88,8 @@ Transformer::Transformer(const model::ModelConfig& config, const TransformerOpti
 
 Transformer::~Transformer() {
   // Marks still pending end with the backend; waiting here keeps the step slots' copies done.
-  for (int64_t& m : step_mark_) {
+  for (const int64_t m : step_mark_) {
     if (m >= 0) backend_->WaitMark(m).IgnoreError();
-    m = -1;
   }
 }
 

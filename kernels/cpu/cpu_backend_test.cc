@@ -112,6 +112,27 @@ TEST(CpuBackendTest, Memory) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// The defaults of the stream helpers: copies that do not wait are the waiting ones (and refuse
+// null the same way), a mark is 0 and done at once (any other id is refused), a fork is the
+// stream itself and its join does nothing.
+TEST(CpuBackendTest, StreamHelperDefaults) {
+  auto backend = MakeCpuBackend(1);
+  std::vector<uint8_t> src(100, 3), dst(100, 0);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto buf, backend->Allocate(100));
+  STRATA_ASSERT_OK(backend->CopyToDeviceAsync(buf->data(), src.data(), 100, nullptr));
+  STRATA_ASSERT_OK(backend->CopyToHostAsync(dst.data(), buf->data(), 100, nullptr));
+  EXPECT_EQ(src, dst);
+  EXPECT_THAT(backend->CopyToHostAsync(nullptr, buf->data(), 4, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK_AND_ASSIGN(const int64_t mark, backend->RecordMark(nullptr));
+  EXPECT_EQ(mark, 0);
+  STRATA_ASSERT_OK(backend->WaitMark(mark));
+  EXPECT_THAT(backend->WaitMark(5), StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK_AND_ASSIGN(Stream side, backend->ForkStream(nullptr));
+  EXPECT_EQ(side, nullptr);
+  STRATA_ASSERT_OK(backend->JoinStream(side, nullptr));
+}
+
 TEST(CpuBackendTest, Embedding) {
   Rng rng(kSeed);
   auto backend = MakeCpuBackend();
