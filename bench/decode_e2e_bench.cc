@@ -78,7 +78,8 @@
 //     0: the logits are copied to the host for the argmax (the behaviour before).
 //   --pipeline=1 (with device_sample; default 0): a generated step's token id is read on the
 //     device by the next step (ForwardOptions::device_token) and reaches the host one step later,
-//     so the host queues (launches) step t + 1 while step t runs; the same tokens.
+//     so the host queues (launches) step t + 1 while step t runs; the same tokens. A comma list
+//     (0,1) runs each document pass and the no-document-graph pass once per value.
 //   With --no_document_pass=1, each shape first decodes the same way with no attention to the
 //     document (ForwardOptions::external null): the model's own cost per token. With 2, only
 //     that pass runs (no document is made).
@@ -198,7 +199,8 @@ struct Flags {
   // 1 (with device_sample): each step's pick stays on the device for the next step
   // (ForwardOptions::device_token) and reaches the host one step later, so the host queues step
   // t + 1 before step t ends; 0: the host waits for each pick before the next step.
-  int pipeline = 0;
+  int pipeline = 0;                  // of the current pass
+  std::string pipelines = "0";       // comma list
   // 1 (device hook only): the device chooser also hands its selection to GpuCacheAttention, which
   // attends with Backend::SelectedAttention over the cache's device page table.
   int selected_attention = 0;
@@ -248,6 +250,13 @@ bool ParseFlag(const std::string& arg, Flags* f) {
     (k == "query_correlation" ? f->query_correlations : f->cache_thetas) = v;
     return !v.empty();
   }
+  if (k == "pipeline") {
+    for (absl::string_view e : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+      if (!absl::SimpleAtoi(e, &i) || i < 0 || i > 1) return false;
+    }
+    f->pipelines = v;
+    return !v.empty();
+  }
   if (!absl::SimpleAtoi(v, &i) || i < 0) return false;
   if (k == "page_size") { f->page_size = static_cast<int>(i); return i > 0; }
   if (k == "budget_tokens") { f->budget_tokens = static_cast<int>(i); return true; }
@@ -261,7 +270,6 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "no_document_pass") { f->no_document_pass = static_cast<int>(i); return true; }
   if (k == "selected_attention") { f->selected_attention = static_cast<int>(i); return true; }
   if (k == "device_sample") { f->device_sample = static_cast<int>(i); return true; }
-  if (k == "pipeline") { f->pipeline = static_cast<int>(i); return true; }
   if (k == "hold_source_pages") { f->hold_source_pages = static_cast<int>(i); return true; }
   if (k == "decode_graph") { f->decode_graph = static_cast<int>(i); return true; }
   if (k == "prefill_chunk") { f->prefill_chunk = static_cast<int>(i); return i > 0; }
@@ -885,6 +893,7 @@ struct RunResult {
   // Selection-cache hits over (layer, KV head) choices of the measured steps (NaN: no cache).
   double selection_reuse = NAN;
   double rho = 0, theta = 2;  // the pass's query correlation and cache threshold
+  int pipeline = 0;  // the pass's --pipeline
 };
 
 // Prefill of `tokens` random token ids from position 0 into a fresh bf16 KvCache (see the file
@@ -1245,13 +1254,14 @@ void Print(const RunResult& r) {
       "fill=%.1f MB/token pages/step=%" PRId64 " slots=%" PRId64 " of %" PRId64
       " pages gpu_used_GiB weights=%.2f ready=%.2f end=%.2f host_kv_GiB=%.2f doc_gen_s=%.1f "
       "last_token=%d cache_create_s=%.2f selected_attention_calls=%" PRId64
-      " graph_steps=%" PRId64 " rho=%.3f theta=%.3f selection_reuse=%.4f\n",
+      " graph_steps=%" PRId64 " rho=%.3f theta=%.3f selection_reuse=%.4f pipeline=%d\n",
       r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.context, r.tokens, r.tok_s,
       r.ms_total, r.ms_select, r.ms_select_copy, r.ms_fill, r.ms_fill_source, r.ms_fill_gather,
       r.ms_fill_copy, r.ms_fill_wait, r.ms_attend_rest, r.ms_rest, r.hit_ratio,
       r.fill_mb_per_token, r.pages_per_step, r.cache_slots, r.doc_pages_total, r.gpu_weights_gib,
       r.gpu_ready_gib, r.gpu_end_gib, r.host_kv_gib, r.doc_seconds, r.last_token,
-      r.cache_create_s, r.selected_calls, r.graph_steps, r.rho, r.theta, r.selection_reuse);
+      r.cache_create_s, r.selected_calls, r.graph_steps, r.rho, r.theta, r.selection_reuse,
+      r.pipeline);
   if (r.agree_total > 0) {
     std::printf("  device selection vs host MinMaxChooser (warm-up steps): %" PRId64 " of %" PRId64
                 " pages agree (%.4f)\n",
@@ -1268,6 +1278,12 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
+  std::vector<int> pipelines;  // checked by ParseFlag
+  for (absl::string_view e : absl::StrSplit(f.pipelines, ',', absl::SkipEmpty())) {
+    pipelines.push_back(0);
+    (void)absl::SimpleAtoi(e, &pipelines.back());
+  }
+  f.pipeline = pipelines.front();  // of the passes without a list
   std::vector<int64_t> contexts;
   for (absl::string_view s : absl::StrSplit(f.contexts, ',', absl::SkipEmpty())) {
     int64_t v = 0;
@@ -1385,7 +1401,8 @@ int Main(int argc, char** argv) {
         results.push_back(r);
       }
     }
-    if (f.no_document_pass && f.decode_graph) {
+    for (int pipeline : pipelines) {
+      if (!(f.no_document_pass && f.decode_graph)) break;
       engine::TransformerOptions tgo = to;
       tgo.decode_graph = true;
       absl::StatusOr<std::unique_ptr<engine::Transformer>> tg =
@@ -1394,10 +1411,14 @@ int Main(int argc, char** argv) {
       r.shape = mo.preset;
       r.chooser = "no-document-graph";
       r.context = contexts.front();
+      r.pipeline = pipeline;
       r.gpu_weights_gib = gpu_weights;
+      Flags pass_flags = f;
+      pass_flags.pipeline = pipeline;
       absl::Status s = tg.status();
       if (s.ok()) {
-        s = DecodeNoDocument(*config, tg->get(), backend, contexts.front(), f.tokens, f, &r);
+        s = DecodeNoDocument(*config, tg->get(), backend, contexts.front(), f.tokens, pass_flags,
+                             &r);
       }
       if (!s.ok()) {
         std::printf("FAILED shape=%s no-document-graph: %s\n", mo.preset.c_str(),
@@ -1424,6 +1445,7 @@ int Main(int argc, char** argv) {
       struct Pass {
         bool device_chooser, device_hook, selected, managed, graph;
         double rho = 0, theta = 2;
+        int pipeline = 0;
       };
       std::vector<Pass> passes;
       std::vector<double> rhos, thetas;
@@ -1440,22 +1462,28 @@ int Main(int argc, char** argv) {
         const bool managed = h == "managed" || h == "managed-graph";
         for (double rho : rhos) {
           for (double theta : thetas) {
-            passes.push_back({true, h != "host", selected, managed, h == "managed-graph", rho, theta});
+            for (int pipeline : pipelines) {
+              passes.push_back({true, h != "host", selected, managed, h == "managed-graph", rho,
+                                theta, pipeline});
+            }
           }
         }
       }
       if (host_cmp) passes.push_back({false, false, false, false, false});
-      for (const auto& [device_chooser, device_hook, selected, managed, graph, rho, theta] : passes) {
+      for (const auto& [device_chooser, device_hook, selected, managed, graph, rho, theta,
+                        pipeline] : passes) {
         Flags pass_flags = f;
         pass_flags.selected_attention = selected ? 1 : 0;
         pass_flags.query_correlation = rho;
         pass_flags.cache_theta = theta;
+        pass_flags.pipeline = pipeline;
         RunResult r;
         r.shape = mo.preset;
         r.chooser = device_chooser ? "device" : "host-minmax";
         r.context = ctx;
         r.rho = rho;
         r.theta = theta;
+        r.pipeline = pipeline;
         r.gpu_weights_gib = gpu_weights;
         r.host_kv_gib = static_cast<double>((*doc)->allocator->reserved_bytes()) / (1 << 30);
         r.doc_seconds = (*doc)->seconds;
@@ -1489,15 +1517,15 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  std::printf("\n| shape | chooser | hook | rho | theta | reuse | context | tok/s | ms/token | "
-              "select | fills | attend rest | rest | hit ratio | fill MB/tok | GPU GiB (weights / "
-              "ready / end) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | chooser | hook | rho | theta | reuse | pipeline | context | tok/s | "
+              "ms/token | select | fills | attend rest | rest | hit ratio | fill MB/tok | GPU GiB "
+              "(weights / ready / end) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const RunResult& r : results) {
-    std::printf("| %s | %s | %s | %.2f | %.2f | %.3f | %" PRId64 " | %.1f | %.2f | %.2f | %.2f | "
-                "%.2f | %.2f | %.3f | %.1f | %.2f / %.2f / %.2f |\n",
+    std::printf("| %s | %s | %s | %.2f | %.2f | %.3f | %d | %" PRId64 " | %.1f | %.2f | "
+                "%.2f | %.2f | %.2f | %.2f | %.3f | %.1f | %.2f / %.2f / %.2f |\n",
                 r.shape.c_str(), r.chooser.c_str(), r.hook.c_str(), r.rho, r.theta,
-                r.selection_reuse, r.context, r.tok_s,
+                r.selection_reuse, r.pipeline, r.context, r.tok_s,
                 r.ms_total, r.ms_select,
                 r.ms_fill, r.ms_attend_rest, r.ms_rest, r.hit_ratio, r.fill_mb_per_token,
                 r.gpu_weights_gib, r.gpu_ready_gib, r.gpu_end_gib);

@@ -453,14 +453,30 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(1, 3, 8, 9, 129), ::testing::Values(0, 1, 17, 256, 1000),
                        ::testing::Values(1, 3, 129), ::testing::Bool()));
 
-// Decode-sized GEMVs with model-sized rows: one block of up to 256 threads per row splits the row
-// (4096: 128 threads; 14336: 256 threads, two passes; 4100: not a multiple of 8, scalar loads),
-// and the warps' partial sums are added across the block.
+// Decode-sized GEMVs with model-sized rows: for several tokens one block of up to 256 threads
+// per row splits the row (4096: 128 threads; 14336: 256 threads, two passes; 4100: not a multiple
+// of 8, scalar loads), and the warps' partial sums are added across the block; one token with
+// 16-byte rows of a weight up to 64 MiB takes a warp per row (4096: 16 loads per lane in two
+// rounds; 14336: 56 in seven).
 INSTANTIATE_TEST_SUITE_P(
     LongRows, CudaMatMulTest,
     ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16), ::testing::Values(1, 3, 8),
                        ::testing::Values(4096, 4100, 14336), ::testing::Values(3, 129),
                        ::testing::Bool()));
+
+// One token over a weight above the warp-per-row kernel's size limit (64 MiB; 8200 x 4096 x 2
+// bytes is 64.06 MiB): a block per row, as for several tokens.
+INSTANTIATE_TEST_SUITE_P(
+    LargeWeight, CudaMatMulTest,
+    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16), ::testing::Values(1),
+                       ::testing::Values(4096), ::testing::Values(8200), ::testing::Bool()));
+
+// One token over more rows than the warp-per-row grid has warps (at most SMs x resident blocks x
+// 8): each warp takes several rows in turn. k = 8: one 16-byte chunk per row (lane 0 only).
+INSTANTIATE_TEST_SUITE_P(
+    ManyRows, CudaMatMulTest,
+    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16), ::testing::Values(1),
+                       ::testing::Values(8, 264), ::testing::Values(20011), ::testing::Bool()));
 
 // MatMulPrecision::kRoundActivations against the CPU's: both round every activation to the
 // weight's type (RNE), so each product is exact and only the f32 accumulation order differs

@@ -3,7 +3,8 @@
 // f32 weights: one cublasGemmEx in f32. bf16/f16 weights: for decode-sized batches
 // (num_tokens <= kGemvMaxTokens) GemvKernel reads each weight row once with one block per row
 // (16-byte loads when the rows are aligned, split over the block's threads) and dots it with
-// every token's f32 activations; for more tokens the
+// every token's f32 activations (one token with aligned rows of a small weight: GemvRowsKernel, a
+// warp per row on a grid that fills the GPU once); for more tokens the
 // activations are split into hi + lo in the weight's type and two cuBLAS GEMMs (bf16/f16 inputs,
 // f32 accumulation and output) add up W·hi + W·lo, which keeps ~16 significant bits of each
 // activation instead of the 8 (bf16) or 11 (f16) of a single rounding.
@@ -182,6 +183,120 @@ __global__ void __launch_bounds__(kGemvMaxThreads)
   }
 }
 
+constexpr int kGemvRowThreads = 256;
+constexpr int kGemvRowUnroll = 8;
+
+// A weight chunk that is read once: not kept in L1 (the activations are), fetched from DRAM in
+// 256-byte L2 requests.
+__device__ __forceinline__ uint4 LoadWeightChunk(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+// The one-token GEMV with 16-byte rows (n = 1, VEC): one warp per weight row, the rows handed
+// out in turn to a grid sized to fill the GPU once (every warp resident, each taking rows
+// o, o + warps, ...), each lane with kGemvRowUnroll 16-byte loads in flight. No block barrier, no
+// shared memory: a warp's shuffle sum is the row's (fixed order). For the 8B step's small
+// projections (4096 or 6144 rows of 8 KB) a block per row left short-lived blocks and a tail;
+// here each SM streams its rows back to back. ROUND as GemvKernel.
+template <typename T, bool ROUND>
+__global__ void __launch_bounds__(kGemvRowThreads)
+    GemvRowsKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
+                   FloatType bias_type, float* __restrict__ out, int64_t k, int64_t m,
+                   bool dependent) {
+  constexpr int kWarps = kGemvRowThreads / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t k8 = k / 8;
+  if (dependent) {
+    // As GemvKernel: the warp's first row into L2 while the previous kernel finishes.
+    if (first < m) {
+      const char* bytes = reinterpret_cast<const char*>(w + first * k);
+      const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = static_cast<int64_t>(lane) * 128; b < row_bytes; b += 32 * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(bytes + b));
+      }
+    }
+    GridDepWait();
+  }
+  const float4* x4 = reinterpret_cast<const float4*>(in);
+  for (int64_t o = first; o < m; o += warps) {
+    const uint4* row4 = reinterpret_cast<const uint4*>(w + o * k);
+    float acc = 0.0f;
+    for (int64_t c0 = lane; c0 < k8; c0 += 32 * kGemvRowUnroll) {
+      uint4 raw[kGemvRowUnroll];
+#pragma unroll
+      for (int u = 0; u < kGemvRowUnroll; ++u) {
+        const int64_t c = c0 + 32 * u;
+        raw[u] = c < k8 ? LoadWeightChunk(row4 + c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kGemvRowUnroll; ++u) {
+        const int64_t c = c0 + 32 * u;
+        if (c < k8) {
+          float wf[8];
+          Unpack8<T>(raw[u], wf);
+          const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
+          acc += wf[0] * Act<T, ROUND>(a.x) + wf[1] * Act<T, ROUND>(a.y) +
+                 wf[2] * Act<T, ROUND>(a.z) + wf[3] * Act<T, ROUND>(a.w) +
+                 wf[4] * Act<T, ROUND>(b.x) + wf[5] * Act<T, ROUND>(b.y) +
+                 wf[6] * Act<T, ROUND>(b.z) + wf[7] * Act<T, ROUND>(b.w);
+        }
+      }
+    }
+    acc = WarpSum(acc);
+    if (lane == 0) out[o] = acc + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
+  }
+}
+
+// Environment integer `name` (read once by the caller's static), `fallback` when unset or bad.
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return *end == '\0' ? static_cast<int64_t>(x) : fallback;
+}
+
+// GemvRowsKernel serves the one-token 16-byte case for weights of at most
+// STRATA_GEMV_ROWS_MAX_MIB MiB (read once; default 64: the 8B step's q|k|v and o, the 1B step's
+// all but gate|up and the LM head). Measured on the H200 (bench/RESULTS.md, session 17): q|k|v
+// 15.9 -> 14.8 us, o 12.1 -> 11.3 us, but gate|up 57 -> 63 us and the LM head 236 -> 257 us, so
+// the larger weights keep a block per row; 0: never (A/B). Launched as a programmatic dependent
+// (STRATA_GEMV_PDL=1 for both kernels) it was slower in the replayed step.
+bool GemvRowsFor(int64_t weight_bytes) {
+  static const int64_t max_bytes = EnvInt("STRATA_GEMV_ROWS_MAX_MIB", 64) << 20;
+  return weight_bytes <= max_bytes;
+}
+
+// GemvRowsKernel's grid: every warp resident once (SMs x resident blocks), fewer for few rows.
+template <typename T, bool ROUND>
+unsigned GemvRowsBlocks(int64_t m) {
+  static const int per_sm = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, GemvRowsKernel<T, ROUND>,
+                                                      kGemvRowThreads, 0) != cudaSuccess) {
+      cudaGetLastError();
+      n = 1;
+    }
+    return n < 1 ? 1 : n;
+  }();
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    sms = 1;
+  }
+  const int64_t warps = kGemvRowThreads / 32;
+  const int64_t want = (m + warps - 1) / warps;
+  const int64_t full = static_cast<int64_t>(sms) * per_sm;
+  return static_cast<unsigned>(want < full ? want : full);
+}
+
 // Threads per GEMV block for rows of k elements: enough that each thread has about kGemvUnroll
 // loads per row (16-byte chunks when vec, else elements / 8), a multiple of 32 in [32, 256].
 int GemvThreads(int64_t k, bool vec) {
@@ -215,6 +330,11 @@ cudaError_t LaunchGemv(const float* in, const T* w, const void* bias, FloatType 
                         : (vec ? GemvKernel<T, true, kGemvMaxTokens, ROUND>
                                : GemvKernel<T, false, kGemvMaxTokens, ROUND>);
   const bool dependent = GemvPdlEnabled();
+  if (n == 1 && vec && GemvRowsFor(m * k * static_cast<int64_t>(sizeof(T)))) {
+    return LaunchDependent(GemvRowsKernel<T, ROUND>, dim3(GemvRowsBlocks<T, ROUND>(m)),
+                           dim3(kGemvRowThreads), 1, dependent, stream, in, w, bias, bias_type,
+                           out, k, m, dependent);
+  }
   return LaunchDependent(kernel, dim3(blocks), dim3(static_cast<unsigned>(threads)), 1, dependent,
                          stream, in, w, bias, bias_type, out, n, k, m, dependent);
 }
