@@ -1264,13 +1264,42 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
 
 struct Worker::DecodeRequest {
   engine::Transformer::BatchItem item;
+  bool greedy = false;
+  int32_t device_token = -1;
   absl::Status status;
   bool done = false;
 };
 
-absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item) {
+absl::Status Worker::PickOnDevice(int32_t* token, float* host_logits) {
+  const kernels::TensorView logits = transformer_->device_logits();
+  if (pick_row_ == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(pick_row_, backend_->Allocate(sizeof(kernels::SampleRow)));
+    STRATA_ASSIGN_OR_RETURN(pick_token_, backend_->Allocate(sizeof(int32_t)));
+    const kernels::SampleRow greedy;  // temperature 0
+    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(pick_row_->data(), &greedy, sizeof(greedy), nullptr));
+  }
+  kernels::SampleParams p;
+  p.logits = logits;
+  p.rows = static_cast<const kernels::SampleRow*>(pick_row_->data());
+  p.tokens = pick_token_->View(kernels::DType::kI32, {1});
+  if (!backend_->Supports(p).ok()) {  // the logits to the host instead: the job samples there
+    *token = -1;
+    return backend_->CopyToHost(host_logits, logits.data, logits.Bytes(), nullptr);
+  }
+  STRATA_RETURN_IF_ERROR(backend_->Sample(p, nullptr));
+  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(token, pick_token_->data(), sizeof(int32_t), nullptr));
+  // As engine::Sampler: no token when every logit is NaN or -inf.
+  if (*token < 0) return absl::InvalidArgumentError("Sample: every logit is NaN or -inf");
+  device_picks_ += 1;
+  return absl::OkStatus();
+}
+
+absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool greedy,
+                                int32_t* device_token) {
+  *device_token = -1;
   DecodeRequest me;
   me.item = item;
+  me.greedy = greedy && options_.device_greedy;
   const size_t limit = static_cast<size_t>(
       std::max<int64_t>(1, std::min<int64_t>(options_.max_decode_batch, options_.prefill_chunk_size)));
   absl::MutexLock lock(&batch_mu_);
@@ -1302,8 +1331,11 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item) {
         // Alone in its batch: Forward may replay the step as a graph (WorkerOptions::decode_graph).
         const engine::Transformer::BatchItem& it = items[0];
         const int64_t replayed = transformer_->graph_steps();
+        engine::ForwardOptions fo = it.options;
+        fo.logits_on_device = batch[0]->greedy;  // WorkerOptions::device_greedy: 4 bytes back
         s = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out, /*all_logits=*/false,
-                                  it.options);
+                                  fo);
+        if (s.ok() && fo.logits_on_device) s = PickOnDevice(&batch[0]->device_token, it.logits_out);
         if (metrics_ != nullptr) {
           Inc(metrics_->decode_graph_steps, static_cast<double>(transformer_->graph_steps() - replayed));
         }
@@ -1331,6 +1363,7 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item) {
     for (DecodeRequest* r : batch) r->done = true;
     batch_running_ = false;
   }
+  *device_token = me.device_token;
   return me.status;
 }
 
@@ -1637,9 +1670,15 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   int64_t steps = 0;
   engine::SelectionCounters decode_start = counters();
   bool done = false;
+  int32_t device_next = -1;
   while (!done) {
     if (cancelled.load()) return absl::CancelledError("cancelled");
-    STRATA_ASSIGN_OR_RETURN(int32_t next, sampler.Sample(logits.data(), c.vocab_size));
+    // A step that picked its greedy token on the device (WorkerOptions::device_greedy) left it in
+    // device_next; otherwise the logits are on the host.
+    int32_t next = device_next;
+    if (next < 0) {
+      STRATA_ASSIGN_OR_RETURN(next, sampler.Sample(logits.data(), c.vocab_size));
+    }
     info.add_output_token_ids(next);
     pending_ids.push_back(next);
     {
@@ -1702,7 +1741,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     step.policy = policy.get();
     step.options = fo;
     step.logits_out = logits.data();
-    STRATA_RETURN_IF_ERROR(DecodeStep(step));
+    STRATA_RETURN_IF_ERROR(DecodeStep(step, so.temperature == 0.0, &device_next));
     AddCounters(metrics_, counters(), before);
     ++pos;
     ++steps;

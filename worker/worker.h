@@ -192,6 +192,10 @@ struct WorkerOptions {
   // host-managed page caches, batches of concurrent jobs) take the normal path. Each job's cache
   // is captured once, at its first decode step; logits follow the normal path to float rounding.
   std::string decode_graph = "auto";
+  // Greedy decode steps (temperature 0) that run alone with decode_graph on pick their token on
+  // the backend (Backend::Sample over the step's device logits, the argmax engine::Sampler takes;
+  // 4 bytes come back instead of the vocabulary's logits); other steps sample on the host.
+  bool device_greedy = true;
   // Precision of the model's matrix products (engine::TransformerOptions::matmul_precision):
   // "split" (default: f32 activations, two GEMMs on the CUDA backend) or "bf16" (activations
   // rounded to the weight type, one GEMM; faster prefill, logits move by the rounding).
@@ -343,6 +347,8 @@ class Worker {
   // Decode steps that ran as a replayed graph, and graphs captured (WorkerOptions::decode_graph).
   int64_t decode_graph_steps();
   int64_t decode_graph_captures();
+  // Decode steps whose token was picked on the backend (WorkerOptions::device_greedy).
+  int64_t device_picks() const { return device_picks_.load(); }
 
  private:
   struct JobResult;
@@ -355,8 +361,15 @@ class Worker {
   // limit) and runs them with Transformer::ForwardBatch under the engine mutex; the others wait
   // for their result. When a batch fails, each step whose cache is untouched is run alone so a
   // bad step fails only its own job.
+  // With greedy (the job samples at temperature 0) a step that runs alone as in
+  // WorkerOptions::device_greedy leaves its token in *device_token (else -1: sample the host
+  // logits).
   struct DecodeRequest;
-  absl::Status DecodeStep(const engine::Transformer::BatchItem& item);
+  absl::Status DecodeStep(const engine::Transformer::BatchItem& item, bool greedy,
+                          int32_t* device_token);
+  // Backend::Sample's greedy pick over the transformer's device logits into *token (engine_mu_
+  // held); where the backend cannot sample them, *token = -1 and the logits go to host_logits.
+  absl::Status PickOnDevice(int32_t* token, float* host_logits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(engine_mu_);
   // The mount of `range` (existing, or loaded from the store now); adds the pages read to *pages.
   absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
                                                                  kvstore::TierCounts* pages,
@@ -394,6 +407,9 @@ class Worker {
 
   // Held for each forward.
   absl::Mutex engine_mu_;
+  // PickOnDevice's greedy row and token (backend memory), made at its first call.
+  std::unique_ptr<kernels::Buffer> pick_row_ ABSL_GUARDED_BY(engine_mu_);
+  std::unique_ptr<kernels::Buffer> pick_token_ ABSL_GUARDED_BY(engine_mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<std::atomic<bool>>> jobs_ ABSL_GUARDED_BY(mu_);
   int prefilling_ ABSL_GUARDED_BY(mu_) = 0;
@@ -421,7 +437,7 @@ class Worker {
   std::vector<DecodeRequest*> pending_ ABSL_GUARDED_BY(batch_mu_);
   bool batch_running_ ABSL_GUARDED_BY(batch_mu_) = false;
   std::atomic<int> batch_gate_for_testing_{0};
-  std::atomic<int64_t> decode_batches_{0}, decode_steps_{0};
+  std::atomic<int64_t> decode_batches_{0}, decode_steps_{0}, device_picks_{0};
   absl::Status device_selection_;  // set once in Create
   // Whether a sparse prefill_policy may use a DevicePolicy here (the probe's result on a backend
   // other than the CPU backend; set once in Create).

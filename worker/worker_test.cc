@@ -161,9 +161,6 @@ TEST_F(WorkerTest, PrefillPersistsAndJobMatchesLocalGenerate) {
   EXPECT_TRUE(progress[0].complete());
 }
 
-// decode_graph "on" sends a job's lone decode steps through Transformer::Forward (where a device
-// backend replays them as a graph); the CPU backend cannot capture, so they run the normal path:
-// the same tokens as the batched path, no graph step.
 // A store whose Put fails from its `fail_from`-th call on (1-based); the rest passes through.
 class FailingPutStore final : public kvstore::PageStore {
  public:
@@ -210,6 +207,12 @@ TEST_F(WorkerTest, StoreFailureWhilePersistingFailsThePrefillAndNothingIsReady) 
   EXPECT_EQ(doc.stored_pages(), 2u * 2);  // page 0 of each (layer, KV head)
 }
 
+// decode_graph "on" sends a job's lone decode steps through Transformer::Forward (where a device
+// backend replays them as a graph); the CPU backend cannot capture, so they run the normal path:
+// the same tokens as the batched path, no graph step. Those greedy steps pick their token with
+// Backend::Sample (WorkerOptions::device_greedy; here the CPU twin): one pick per decode step
+// (the first token comes from the prompt's host logits), the same tokens as a worker whose
+// lone steps copy the logits to the host sampler.
 TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
   ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), [](const v1::PrefillShardProgress&) {}, nullptr).ok());
   WorkerOptions wo;
@@ -217,10 +220,13 @@ TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
   wo.decode_graph = "on";
   STRATA_ASSERT_OK_AND_ASSIGN(auto graphed, Worker::Create(wo, model_.get(), backend_.get(), store_.get(),
                                                            store_.get(), nullptr));
+  wo.device_greedy = false;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host_picks, Worker::Create(wo, model_.get(), backend_.get(), store_.get(),
+                                                              store_.get(), nullptr));
   const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
-  std::vector<int32_t> tokens[2];
-  Worker* workers[2] = {worker_.get(), graphed.get()};
-  for (int i = 0; i < 2; ++i) {
+  std::vector<int32_t> tokens[3];
+  Worker* workers[3] = {worker_.get(), graphed.get(), host_picks.get()};
+  for (int i = 0; i < 3; ++i) {
     v1::JobInfo info;
     ASSERT_TRUE(workers[i]->RunJob(JobRequest("job-" + std::to_string(i), prompt), [&](const v1::JobEvent& e) {
       if (e.has_snapshot()) info = e.snapshot();
@@ -230,9 +236,13 @@ TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
     tokens[i].assign(info.output_token_ids().begin(), info.output_token_ids().end());
   }
   EXPECT_EQ(tokens[1], tokens[0]);
+  EXPECT_EQ(tokens[2], tokens[0]);
   EXPECT_EQ(tokens[1].size(), 8u);
   EXPECT_EQ(graphed->decode_graph_steps(), 0);
   EXPECT_EQ(graphed->decode_graph_captures(), 0);
+  EXPECT_EQ(graphed->device_picks(), 7);
+  EXPECT_EQ(host_picks->device_picks(), 0);
+  EXPECT_EQ(worker_->device_picks(), 0);  // decode_graph off (the CPU default): batched steps
 }
 
 TEST_F(WorkerTest, UnknownDocumentFailsTheJob) {
