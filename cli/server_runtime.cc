@@ -151,6 +151,9 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->String("decode-graph", &decode_graph,
                 "auto|on|off: a job's decode steps run as one replayed CUDA graph when alone in their batch and "
                 "capturable (auto: when the backend is not the CPU backend)");
+  flags->Bool("device-greedy", &device_greedy,
+              "greedy (temperature 0) decode steps run as a lone forward pick their token on the backend, "
+              "so only the token comes back instead of the vocabulary's logits (with --decode-graph on)");
   flags->String("matmul-precision", &matmul_precision,
                 "split|bf16: split keeps f32 activations (two GEMMs per projection on the GPU); bf16 rounds "
                 "them to bf16 for one GEMM (faster prefill, logits move slightly)");
@@ -177,6 +180,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
                                        : -1;
   options->device_selection = device_selection;
   options->decode_graph = decode_graph;
+  options->device_greedy = device_greedy;
   options->matmul_precision = matmul_precision;
   options->prefill_policy = prefill_policy;
   options->kv_page_dtype = kv_page_dtype;
