@@ -152,8 +152,8 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
                 "auto|on|off: a job's decode steps run as one replayed CUDA graph when alone in their batch and "
                 "capturable (auto: when the backend is not the CPU backend)");
   flags->Bool("device-greedy", &device_greedy,
-              "greedy (temperature 0) decode steps run as a lone forward pick their token on the backend, "
-              "so only the token comes back instead of the vocabulary's logits (with --decode-graph on)");
+              "greedy (temperature 0) decode steps pick their token on the backend, alone or batched, so "
+              "only the token comes back instead of the vocabulary's logits");
   flags->String("matmul-precision", &matmul_precision,
                 "split|bf16: split keeps f32 activations (two GEMMs per projection on the GPU); bf16 rounds "
                 "them to bf16 for one GEMM (faster prefill, logits move slightly)");

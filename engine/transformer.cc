@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
+#include "engine/sampler.h"
 #include "engine/sparse/device_policy.h"
 
 namespace strata::engine {
@@ -723,9 +724,10 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
   std::vector<Segment> segs(B);
   for (int64_t b = 0; b < B; ++b) {
     const BatchItem& it = items[b];
-    if (it.cache == nullptr || it.policy == nullptr || it.logits_out == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: item ", b,
-                                                     " needs a cache, a policy and logits_out"));
+    if (it.cache == nullptr || it.policy == nullptr ||
+        (it.logits_out == nullptr && it.greedy_token == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ForwardBatch: item ", b, " needs a cache, a policy and logits_out or greedy_token"));
     }
     const KvCacheOptions& co = it.cache->options();
     if (co.num_layers != config_.num_layers || co.num_kv_heads != config_.num_kv_heads ||
@@ -763,12 +765,75 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
   }
   STRATA_RETURN_IF_ERROR(RunLayers(ids.data(), B, segs));
   const int64_t vocab = config_.vocab_size;
+  bool greedy = false;
+  for (const BatchItem& it : items) greedy = greedy || it.greedy_token != nullptr;
+  if (greedy) {
+    // The logits stay on the backend: the greedy items get their picks, the others their rows.
+    STRATA_RETURN_IF_ERROR(PickBatchOnDevice(B));
+    const float* rows = static_cast<const float*>(
+        (host_memory_ ? batch_device_logits_ : logits_)->data());
+    for (int64_t b = 0; b < B; ++b) {
+      if (items[b].greedy_token != nullptr) {
+        *items[b].greedy_token = greedy_host_[b];
+      } else {
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(items[b].logits_out, rows + b * vocab,
+                                                    vocab * sizeof(float), nullptr));
+      }
+    }
+    return absl::OkStatus();
+  }
   batch_logits_.resize(static_cast<size_t>(B * vocab));
   STRATA_RETURN_IF_ERROR(Logits(0, B, batch_logits_.data()));
   for (int64_t b = 0; b < B; ++b) {
     std::memcpy(items[b].logits_out, batch_logits_.data() + b * vocab, vocab * sizeof(float));
   }
   return absl::OkStatus();
+}
+
+absl::Status Transformer::PickBatchOnDevice(int64_t rows) {
+  kernels::Backend* be = backend_;
+  const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
+  const int64_t max_rows = options_.prefill_chunk_size;
+  if (greedy_rows_ == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(greedy_rows_,
+                            be->Allocate(static_cast<size_t>(max_rows) * sizeof(kernels::SampleRow)));
+    STRATA_ASSIGN_OR_RETURN(greedy_tokens_,
+                            be->Allocate(static_cast<size_t>(max_rows) * sizeof(int32_t)));
+    const std::vector<kernels::SampleRow> greedy(static_cast<size_t>(max_rows));  // temperature 0
+    STRATA_RETURN_IF_ERROR(be->CopyToDevice(greedy_rows_->data(), greedy.data(),
+                                            greedy.size() * sizeof(kernels::SampleRow), nullptr));
+    if (host_memory_) {  // logits_ is one row there (Logits); the batch's rows get their own
+      STRATA_ASSIGN_OR_RETURN(batch_device_logits_,
+                              be->Allocate(static_cast<size_t>(max_rows * vocab) * sizeof(float)));
+    }
+  }
+  float* out = static_cast<float*>((host_memory_ ? batch_device_logits_ : logits_)->data());
+  const TensorView xr(x_->data(), DType::kF32, {rows, hidden});
+  const TensorView xnr(xn_->data(), DType::kF32, {rows, hidden});
+  STRATA_RETURN_IF_ERROR(
+      be->RmsNorm({xr, final_norm_, xnr, static_cast<float>(config_.rms_norm_eps)}, nullptr));
+  const TensorView lo(out, DType::kF32, {rows, vocab});
+  STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}));
+  kernels::SampleParams p;
+  p.logits = lo;
+  p.rows = static_cast<const kernels::SampleRow*>(greedy_rows_->data());
+  p.tokens = greedy_tokens_->View(DType::kI32, {rows});
+  greedy_host_.resize(static_cast<size_t>(rows));
+  if (!be->Supports(p).ok()) {
+    // A backend that cannot sample: the rows to the host and engine::Sampler's greedy pick.
+    batch_logits_.resize(static_cast<size_t>(rows * vocab));
+    STRATA_RETURN_IF_ERROR(
+        be->CopyToHost(batch_logits_.data(), out, rows * vocab * sizeof(float), nullptr));
+    Sampler greedy{SamplingOptions()};  // temperature 0
+    for (int64_t b = 0; b < rows; ++b) {
+      absl::StatusOr<int32_t> t = greedy.Sample(batch_logits_.data() + b * vocab, vocab);
+      greedy_host_[b] = t.ok() ? *t : -1;  // -1: every logit NaN or -inf, as Sample's
+    }
+    return absl::OkStatus();
+  }
+  STRATA_RETURN_IF_ERROR(be->Sample(p, nullptr));
+  return be->CopyToHost(greedy_host_.data(), greedy_tokens_->data(), rows * sizeof(int32_t),
+                        nullptr);
 }
 
 absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::vector<Segment>& segs) {

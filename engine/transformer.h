@@ -220,6 +220,11 @@ class Transformer {
   // differently than its one-row path). InvalidArgument (nothing appended) for 0 or more than
   // prefill_chunk_size items, an item that Forward would refuse, or a cache used twice; other
   // errors may leave some caches with the token appended: discard those sequences.
+  // An item with greedy_token set gets its greedy token instead of its logits: the highest logit
+  // (lowest id on ties; what engine::Sampler takes at temperature 0) picked on the backend
+  // (Backend::Sample over the batch's logits, which stay in backend memory; only the tokens come
+  // back; a backend without Sample copies the rows to the host for engine::Sampler), -1 where
+  // every logit is NaN or -inf; its logits_out may be null and is not written.
   struct BatchItem {
     int32_t id = 0;
     int64_t pos = 0;
@@ -227,6 +232,7 @@ class Transformer {
     AttentionPolicy* policy = nullptr;
     ForwardOptions options;
     float* logits_out = nullptr;
+    int32_t* greedy_token = nullptr;
   };
   absl::Status ForwardBatch(std::vector<BatchItem>& items);
 
@@ -307,6 +313,13 @@ class Transformer {
   // External attention (allocated on first use): partials in backend memory and the merge output.
   std::vector<std::vector<AttentionPartial>> segment_parts_;
   std::vector<float> batch_logits_;
+  // ForwardBatch's greedy picks (BatchItem::greedy_token): the batch's logits on the backend
+  // ([rows, vocab]; host-memory backends), one greedy SampleRow per row and the tokens, sized for
+  // prefill_chunk_size rows at first use.
+  std::unique_ptr<kernels::Buffer> batch_device_logits_, greedy_rows_, greedy_tokens_;
+  std::vector<int32_t> greedy_host_;
+  // The last B rows' logits left in backend memory, their greedy picks into greedy_host_.
+  absl::Status PickBatchOnDevice(int64_t rows);
   std::vector<std::unique_ptr<kernels::Buffer>> part_o_, part_lse_;
   std::unique_ptr<kernels::Buffer> merged_, merged_lse_;
   // ExternalAttention::AttendOnDevice partials (rows of the chunk), allocated on first use, and

@@ -354,6 +354,66 @@ TEST(TransformerBatchTest, BatchedDecodeStepMatchesOneSequenceAtATime) {
   EXPECT_EQ(caches[1]->length(0), lengths[1] + 1);
 }
 
+// BatchItem::greedy_token: the greedy rows of a batched step get the argmax of the logits the
+// same batch gives without it (lowest id on ties), picked by Backend::Sample; the other rows get
+// the same logits bit for bit. Two identical sets of caches take the same calls; an item with
+// neither logits_out nor greedy_token is refused.
+TEST(TransformerBatchTest, GreedyTokensAreTheArgmaxOfTheBatchLogits) {
+  RefModel ref;
+  auto m = MakeModel(DType::kBF16, false, false, &ref);
+  auto backend = kernels::MakeCpuBackend(1);
+  const int64_t V = m->config.vocab_size;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), {}));
+  const std::vector<int> lengths = {7, 19, 12};
+  std::vector<std::unique_ptr<KvCache>> caches[2];
+  std::vector<std::unique_ptr<AttentionPolicy>> policies[2];
+  std::vector<float> scratch(static_cast<size_t>(V));
+  std::vector<std::vector<int32_t>> seqs;
+  for (int i = 0; i < 3; ++i) seqs.push_back(RandomIds(lengths[i] + 2, V, kSeed + 40 + i));
+  for (int set = 0; set < 2; ++set) {
+    for (int i = 0; i < 3; ++i) {
+      STRATA_ASSERT_OK_AND_ASSIGN(auto c, KvCache::Create(tf->MakeCacheOptions(32, 16), backend.get()));
+      auto p = MakeDensePolicy();
+      STRATA_ASSERT_OK(tf->Forward(seqs[i].data(), lengths[i], 0, c.get(), p.get(), scratch.data(), false));
+      caches[set].push_back(std::move(c));
+      policies[set].push_back(std::move(p));
+    }
+  }
+  for (int step = 0; step < 2; ++step) {
+    std::vector<std::vector<float>> logits(3, std::vector<float>(V, NAN));
+    std::vector<float> unused(V, NAN);
+    int32_t picks[3] = {-7, -7, -7};
+    std::vector<Transformer::BatchItem> items[2];
+    for (int set = 0; set < 2; ++set) {
+      for (int i = 0; i < 3; ++i) {
+        Transformer::BatchItem it;
+        it.id = seqs[i][lengths[i] + step];
+        it.pos = lengths[i] + step;
+        it.cache = caches[set][i].get();
+        it.policy = policies[set][i].get();
+        const bool greedy = set == 1 && i != 1;  // the second set: rows 0 and 2 greedy
+        it.logits_out = set == 0 ? logits[i].data() : (greedy ? nullptr : unused.data());
+        it.greedy_token = greedy ? &picks[i] : nullptr;
+        items[set].push_back(it);
+      }
+      STRATA_ASSERT_OK(tf->ForwardBatch(items[set]));
+    }
+    for (int i : {0, 2}) {
+      const int32_t argmax = static_cast<int32_t>(
+          std::max_element(logits[i].begin(), logits[i].end()) - logits[i].begin());
+      EXPECT_EQ(picks[i], argmax) << "step " << step << " row " << i;
+    }
+    EXPECT_EQ(picks[1], -7);  // not a greedy row: untouched
+    for (int64_t j = 0; j < V; ++j) ASSERT_EQ(unused[j], logits[1][j]) << "step " << step << " logit " << j;
+  }
+  std::vector<Transformer::BatchItem> bare(1);
+  bare[0].id = seqs[0][lengths[0] + 2];
+  bare[0].pos = lengths[0] + 2;
+  bare[0].cache = caches[0][0].get();
+  bare[0].policy = policies[0][0].get();
+  EXPECT_THAT(tf->ForwardBatch(bare), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 // TransformerOptions::matmul_precision reaches every MatMul: with kRoundActivations the logits
 // of a bf16 / f16 model follow the reference whose linear inputs are rounded to the weight type
 // (prefill in chunks of 512 and 7, and token-by-token decode), they differ from the kSplit logits

@@ -1335,20 +1335,37 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool
         fo.logits_on_device = batch[0]->greedy;  // WorkerOptions::device_greedy: 4 bytes back
         s = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out, /*all_logits=*/false,
                                   fo);
-        if (s.ok() && fo.logits_on_device) s = PickOnDevice(&batch[0]->device_token, it.logits_out);
+        if (s.ok() && fo.logits_on_device) {
+          s = PickOnDevice(&batch[0]->device_token, it.logits_out);
+          // No pick (the backend cannot sample): the logits went to the host instead.
+          if (s.ok() && batch[0]->device_token < 0) batch[0]->greedy = false;
+        }
         if (metrics_ != nullptr) {
           Inc(metrics_->decode_graph_steps, static_cast<double>(transformer_->graph_steps() - replayed));
         }
       } else {
+        // Greedy steps get their token picked on the backend (WorkerOptions::device_greedy).
+        for (size_t i = 0; i < batch.size(); ++i) {
+          if (batch[i]->greedy) items[i].greedy_token = &batch[i]->device_token;
+        }
         s = transformer_->ForwardBatch(items);
+        if (s.ok()) {
+          for (DecodeRequest* r : batch) device_picks_ += r->greedy && r->device_token >= 0 ? 1 : 0;
+        }
       }
       if (s.ok()) {
-        for (DecodeRequest* r : batch) r->status = absl::OkStatus();
+        for (DecodeRequest* r : batch) {
+          // As engine::Sampler: no greedy token when every logit is NaN or -inf.
+          r->status = r->greedy && r->device_token < 0
+                          ? absl::InvalidArgumentError("Sample: every logit is NaN or -inf")
+                          : absl::OkStatus();
+        }
       } else {
         // Run alone every step whose cache did not take the token, so only bad steps fail.
         for (DecodeRequest* r : batch) {
           const engine::Transformer::BatchItem& it = r->item;
           if (batch.size() > 1 && it.cache->length(0) == it.pos - it.options.cache_first_position) {
+            r->greedy = false;  // alone, its logits to the host
             r->status = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out,
                                               /*all_logits=*/false, it.options);
           } else {
@@ -1363,7 +1380,7 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool
     for (DecodeRequest* r : batch) r->done = true;
     batch_running_ = false;
   }
-  *device_token = me.device_token;
+  *device_token = me.greedy ? me.device_token : -1;
   return me.status;
 }
 

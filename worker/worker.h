@@ -192,9 +192,10 @@ struct WorkerOptions {
   // host-managed page caches, batches of concurrent jobs) take the normal path. Each job's cache
   // is captured once, at its first decode step; logits follow the normal path to float rounding.
   std::string decode_graph = "auto";
-  // Greedy decode steps (temperature 0) that run alone with decode_graph on pick their token on
-  // the backend (Backend::Sample over the step's device logits, the argmax engine::Sampler takes;
-  // 4 bytes come back instead of the vocabulary's logits); other steps sample on the host.
+  // Greedy decode steps (temperature 0) pick their token on the backend (Backend::Sample over the
+  // step's logits in backend memory, the argmax engine::Sampler takes; the token comes back
+  // instead of the vocabulary's logits): a step alone with decode_graph on, and the greedy rows
+  // of a batched step (Transformer::BatchItem::greedy_token). Other steps sample on the host.
   bool device_greedy = true;
   // Precision of the model's matrix products (engine::TransformerOptions::matmul_precision):
   // "split" (default: f32 activations, two GEMMs on the CUDA backend) or "bf16" (activations
@@ -347,7 +348,7 @@ class Worker {
   // Decode steps that ran as a replayed graph, and graphs captured (WorkerOptions::decode_graph).
   int64_t decode_graph_steps();
   int64_t decode_graph_captures();
-  // Decode steps whose token was picked on the backend (WorkerOptions::device_greedy).
+  // Decode steps whose greedy token came back instead of their logits (WorkerOptions::device_greedy).
   int64_t device_picks() const { return device_picks_.load(); }
 
  private:
@@ -361,9 +362,8 @@ class Worker {
   // limit) and runs them with Transformer::ForwardBatch under the engine mutex; the others wait
   // for their result. When a batch fails, each step whose cache is untouched is run alone so a
   // bad step fails only its own job.
-  // With greedy (the job samples at temperature 0) a step that runs alone as in
-  // WorkerOptions::device_greedy leaves its token in *device_token (else -1: sample the host
-  // logits).
+  // With greedy (the job samples at temperature 0) and WorkerOptions::device_greedy, the step's
+  // token picked on the backend goes to *device_token (else -1: sample the host logits).
   struct DecodeRequest;
   absl::Status DecodeStep(const engine::Transformer::BatchItem& item, bool greedy,
                           int32_t* device_token);

@@ -209,10 +209,10 @@ TEST_F(WorkerTest, StoreFailureWhilePersistingFailsThePrefillAndNothingIsReady) 
 
 // decode_graph "on" sends a job's lone decode steps through Transformer::Forward (where a device
 // backend replays them as a graph); the CPU backend cannot capture, so they run the normal path:
-// the same tokens as the batched path, no graph step. Those greedy steps pick their token with
-// Backend::Sample (WorkerOptions::device_greedy; here the CPU twin): one pick per decode step
-// (the first token comes from the prompt's host logits), the same tokens as a worker whose
-// lone steps copy the logits to the host sampler.
+// the same tokens as the batched path, no graph step. Both pick their greedy tokens with
+// Backend::Sample (WorkerOptions::device_greedy; here the CPU twin; batched steps through
+// Transformer::BatchItem::greedy_token): one pick per decode step (the first token comes from the
+// prompt's host logits), the same tokens as a worker that copies the logits to the host sampler.
 TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
   ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), [](const v1::PrefillShardProgress&) {}, nullptr).ok());
   WorkerOptions wo;
@@ -242,7 +242,7 @@ TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
   EXPECT_EQ(graphed->decode_graph_captures(), 0);
   EXPECT_EQ(graphed->device_picks(), 7);
   EXPECT_EQ(host_picks->device_picks(), 0);
-  EXPECT_EQ(worker_->device_picks(), 0);  // decode_graph off (the CPU default): batched steps
+  EXPECT_EQ(worker_->device_picks(), 7);  // decode_graph off (the CPU default): batched steps
 }
 
 TEST_F(WorkerTest, UnknownDocumentFailsTheJob) {
