@@ -793,19 +793,11 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
 absl::Status Transformer::PickBatchOnDevice(int64_t rows) {
   kernels::Backend* be = backend_;
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
-  const int64_t max_rows = options_.prefill_chunk_size;
-  if (greedy_rows_ == nullptr) {
-    STRATA_ASSIGN_OR_RETURN(greedy_rows_,
-                            be->Allocate(static_cast<size_t>(max_rows) * sizeof(kernels::SampleRow)));
-    STRATA_ASSIGN_OR_RETURN(greedy_tokens_,
-                            be->Allocate(static_cast<size_t>(max_rows) * sizeof(int32_t)));
-    const std::vector<kernels::SampleRow> greedy(static_cast<size_t>(max_rows));  // temperature 0
-    STRATA_RETURN_IF_ERROR(be->CopyToDevice(greedy_rows_->data(), greedy.data(),
-                                            greedy.size() * sizeof(kernels::SampleRow), nullptr));
-    if (host_memory_) {  // logits_ is one row there (Logits); the batch's rows get their own
-      STRATA_ASSIGN_OR_RETURN(batch_device_logits_,
-                              be->Allocate(static_cast<size_t>(max_rows * vocab) * sizeof(float)));
-    }
+  if (host_memory_ && batch_device_logits_ == nullptr) {
+    // logits_ is one row there (Logits); the batch's rows get their own.
+    const int64_t max_rows = options_.prefill_chunk_size;
+    STRATA_ASSIGN_OR_RETURN(batch_device_logits_,
+                            be->Allocate(static_cast<size_t>(max_rows * vocab) * sizeof(float)));
   }
   float* out = static_cast<float*>((host_memory_ ? batch_device_logits_ : logits_)->data());
   const TensorView xr(x_->data(), DType::kF32, {rows, hidden});
@@ -814,8 +806,24 @@ absl::Status Transformer::PickBatchOnDevice(int64_t rows) {
       be->RmsNorm({xr, final_norm_, xnr, static_cast<float>(config_.rms_norm_eps)}, nullptr));
   const TensorView lo(out, DType::kF32, {rows, vocab});
   STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}));
+  return PickGreedyRows(lo);
+}
+
+absl::Status Transformer::PickGreedyRows(const TensorView& logits) {
+  kernels::Backend* be = backend_;
+  const int64_t rows = logits.dim(0), vocab = logits.dim(1);
+  if (greedy_rows_ == nullptr) {
+    const int64_t max_rows = options_.prefill_chunk_size;
+    STRATA_ASSIGN_OR_RETURN(greedy_rows_,
+                            be->Allocate(static_cast<size_t>(max_rows) * sizeof(kernels::SampleRow)));
+    STRATA_ASSIGN_OR_RETURN(greedy_tokens_,
+                            be->Allocate(static_cast<size_t>(max_rows) * sizeof(int32_t)));
+    const std::vector<kernels::SampleRow> greedy(static_cast<size_t>(max_rows));  // temperature 0
+    STRATA_RETURN_IF_ERROR(be->CopyToDevice(greedy_rows_->data(), greedy.data(),
+                                            greedy.size() * sizeof(kernels::SampleRow), nullptr));
+  }
   kernels::SampleParams p;
-  p.logits = lo;
+  p.logits = logits;
   p.rows = static_cast<const kernels::SampleRow*>(greedy_rows_->data());
   p.tokens = greedy_tokens_->View(DType::kI32, {rows});
   greedy_host_.resize(static_cast<size_t>(rows));
@@ -823,7 +831,7 @@ absl::Status Transformer::PickBatchOnDevice(int64_t rows) {
     // A backend that cannot sample: the rows to the host and engine::Sampler's greedy pick.
     batch_logits_.resize(static_cast<size_t>(rows * vocab));
     STRATA_RETURN_IF_ERROR(
-        be->CopyToHost(batch_logits_.data(), out, rows * vocab * sizeof(float), nullptr));
+        be->CopyToHost(batch_logits_.data(), logits.data, rows * vocab * sizeof(float), nullptr));
     Sampler greedy{SamplingOptions()};  // temperature 0
     for (int64_t b = 0; b < rows; ++b) {
       absl::StatusOr<int32_t> t = greedy.Sample(batch_logits_.data() + b * vocab, vocab);
@@ -834,6 +842,15 @@ absl::Status Transformer::PickBatchOnDevice(int64_t rows) {
   STRATA_RETURN_IF_ERROR(be->Sample(p, nullptr));
   return be->CopyToHost(greedy_host_.data(), greedy_tokens_->data(), rows * sizeof(int32_t),
                         nullptr);
+}
+
+absl::StatusOr<int32_t> Transformer::PickGreedy() {
+  const TensorView logits = device_logits();
+  if (logits.data == nullptr) {
+    return absl::FailedPreconditionError("PickGreedy: no Forward with logits_on_device yet");
+  }
+  STRATA_RETURN_IF_ERROR(PickGreedyRows(logits));
+  return greedy_host_[0];
 }
 
 absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::vector<Segment>& segs) {

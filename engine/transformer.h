@@ -190,8 +190,13 @@ class Transformer {
   // dropped for more recently used ones (the most recent kMaxDecodeGraphs caches keep theirs).
   int64_t graph_captures() const { return graph_captures_; }
   // The logits of the last Forward with ForwardOptions::logits_on_device: [1, vocab] f32 in
-  // backend memory (an empty view before the first such call).
+  // backend memory (an empty view before the first such call; a ForwardBatch with greedy items
+  // on a device backend overwrites them).
   kernels::TensorView device_logits() const;
+  // The greedy token of device_logits() (after a Forward with logits_on_device), picked on the
+  // backend as BatchItem::greedy_token's are (engine::Sampler where the backend cannot sample);
+  // -1 where every logit is NaN or -inf. FailedPrecondition before any such Forward.
+  absl::StatusOr<int32_t> PickGreedy();
 
   // KvCache options matching this model (layers, KV heads, head_dim).
   KvCacheOptions MakeCacheOptions(int64_t max_tokens, int page_size = 64,
@@ -318,8 +323,13 @@ class Transformer {
   // prefill_chunk_size rows at first use.
   std::unique_ptr<kernels::Buffer> batch_device_logits_, greedy_rows_, greedy_tokens_;
   std::vector<int32_t> greedy_host_;
-  // The last B rows' logits left in backend memory, their greedy picks into greedy_host_.
+  // The logits of the batch's `rows` rows left in backend memory, their greedy picks into
+  // greedy_host_ (PickGreedyRows).
   absl::Status PickBatchOnDevice(int64_t rows);
+  // The greedy picks of `logits` ([rows, vocab], backend memory) into greedy_host_: one
+  // Backend::Sample, or engine::Sampler over the rows copied to the host where it cannot sample;
+  // -1 for a row whose logits are all NaN or -inf.
+  absl::Status PickGreedyRows(const kernels::TensorView& logits);
   std::vector<std::unique_ptr<kernels::Buffer>> part_o_, part_lse_;
   std::unique_ptr<kernels::Buffer> merged_, merged_lse_;
   // ExternalAttention::AttendOnDevice partials (rows of the chunk), allocated on first use, and

@@ -414,6 +414,32 @@ TEST(TransformerBatchTest, GreedyTokensAreTheArgmaxOfTheBatchLogits) {
   EXPECT_THAT(tf->ForwardBatch(bare), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// ForwardOptions::logits_on_device then PickGreedy: the argmax of the logits the same Forward
+// gives on the host (two fresh caches, the same calls), step after step; FailedPrecondition
+// before any Forward left logits on the backend.
+TEST(TransformerBatchTest, PickGreedyIsTheArgmaxOfTheDeviceLogits) {
+  RefModel ref;
+  auto m = MakeModel(DType::kBF16, false, false, &ref);
+  auto backend = kernels::MakeCpuBackend(1);
+  const int64_t V = m->config.vocab_size;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), {}));
+  EXPECT_THAT(tf->PickGreedy().status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  const std::vector<int32_t> ids = RandomIds(12, V, kSeed + 50);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host_cache, KvCache::Create(tf->MakeCacheOptions(16, 16), backend.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev_cache, KvCache::Create(tf->MakeCacheOptions(16, 16), backend.get()));
+  auto p1 = MakeDensePolicy(), p2 = MakeDensePolicy();
+  std::vector<float> logits(V);
+  ForwardOptions on_device;
+  on_device.logits_on_device = true;
+  for (int64_t t = 0; t < 12; t += (t == 0 ? 8 : 1)) {
+    const int64_t n = t == 0 ? 8 : 1;  // a prompt of 8, then one token at a time
+    STRATA_ASSERT_OK(tf->Forward(ids.data() + t, n, t, host_cache.get(), p1.get(), logits.data(), false));
+    STRATA_ASSERT_OK(tf->Forward(ids.data() + t, n, t, dev_cache.get(), p2.get(), nullptr, false, on_device));
+    STRATA_ASSERT_OK_AND_ASSIGN(const int32_t picked, tf->PickGreedy());
+    EXPECT_EQ(picked, std::max_element(logits.begin(), logits.end()) - logits.begin()) << "at " << t;
+  }
+}
+
 // TransformerOptions::matmul_precision reaches every MatMul: with kRoundActivations the logits
 // of a bf16 / f16 model follow the reference whose linear inputs are rounded to the weight type
 // (prefill in chunks of 512 and 7, and token-by-token decode), they differ from the kSplit logits

@@ -1270,30 +1270,6 @@ struct Worker::DecodeRequest {
   bool done = false;
 };
 
-absl::Status Worker::PickOnDevice(int32_t* token, float* host_logits) {
-  const kernels::TensorView logits = transformer_->device_logits();
-  if (pick_row_ == nullptr) {
-    STRATA_ASSIGN_OR_RETURN(pick_row_, backend_->Allocate(sizeof(kernels::SampleRow)));
-    STRATA_ASSIGN_OR_RETURN(pick_token_, backend_->Allocate(sizeof(int32_t)));
-    const kernels::SampleRow greedy;  // temperature 0
-    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(pick_row_->data(), &greedy, sizeof(greedy), nullptr));
-  }
-  kernels::SampleParams p;
-  p.logits = logits;
-  p.rows = static_cast<const kernels::SampleRow*>(pick_row_->data());
-  p.tokens = pick_token_->View(kernels::DType::kI32, {1});
-  if (!backend_->Supports(p).ok()) {  // the logits to the host instead: the job samples there
-    *token = -1;
-    return backend_->CopyToHost(host_logits, logits.data, logits.Bytes(), nullptr);
-  }
-  STRATA_RETURN_IF_ERROR(backend_->Sample(p, nullptr));
-  STRATA_RETURN_IF_ERROR(backend_->CopyToHost(token, pick_token_->data(), sizeof(int32_t), nullptr));
-  // As engine::Sampler: no token when every logit is NaN or -inf.
-  if (*token < 0) return absl::InvalidArgumentError("Sample: every logit is NaN or -inf");
-  device_picks_ += 1;
-  return absl::OkStatus();
-}
-
 absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool greedy,
                                 int32_t* device_token) {
   *device_token = -1;
@@ -1336,9 +1312,9 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool
         s = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out, /*all_logits=*/false,
                                   fo);
         if (s.ok() && fo.logits_on_device) {
-          s = PickOnDevice(&batch[0]->device_token, it.logits_out);
-          // No pick (the backend cannot sample): the logits went to the host instead.
-          if (s.ok() && batch[0]->device_token < 0) batch[0]->greedy = false;
+          absl::StatusOr<int32_t> picked = transformer_->PickGreedy();
+          s = picked.status();
+          if (s.ok()) batch[0]->device_token = *picked;
         }
         if (metrics_ != nullptr) {
           Inc(metrics_->decode_graph_steps, static_cast<double>(transformer_->graph_steps() - replayed));
@@ -1349,9 +1325,6 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool
           if (batch[i]->greedy) items[i].greedy_token = &batch[i]->device_token;
         }
         s = transformer_->ForwardBatch(items);
-        if (s.ok()) {
-          for (DecodeRequest* r : batch) device_picks_ += r->greedy && r->device_token >= 0 ? 1 : 0;
-        }
       }
       if (s.ok()) {
         for (DecodeRequest* r : batch) {
@@ -1359,6 +1332,7 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool
           r->status = r->greedy && r->device_token < 0
                           ? absl::InvalidArgumentError("Sample: every logit is NaN or -inf")
                           : absl::OkStatus();
+          if (r->greedy && r->device_token >= 0) device_picks_ += 1;
         }
       } else {
         // Run alone every step whose cache did not take the token, so only bad steps fail.

@@ -367,9 +367,7 @@ class Worker {
   struct DecodeRequest;
   absl::Status DecodeStep(const engine::Transformer::BatchItem& item, bool greedy,
                           int32_t* device_token);
-  // Backend::Sample's greedy pick over the transformer's device logits into *token (engine_mu_
-  // held); where the backend cannot sample them, *token = -1 and the logits go to host_logits.
-  absl::Status PickOnDevice(int32_t* token, float* host_logits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(engine_mu_);
+
   // The mount of `range` (existing, or loaded from the store now); adds the pages read to *pages.
   absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
                                                                  kvstore::TierCounts* pages,
@@ -407,9 +405,6 @@ class Worker {
 
   // Held for each forward.
   absl::Mutex engine_mu_;
-  // PickOnDevice's greedy row and token (backend memory), made at its first call.
-  std::unique_ptr<kernels::Buffer> pick_row_ ABSL_GUARDED_BY(engine_mu_);
-  std::unique_ptr<kernels::Buffer> pick_token_ ABSL_GUARDED_BY(engine_mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<std::atomic<bool>>> jobs_ ABSL_GUARDED_BY(mu_);
   int prefilling_ ABSL_GUARDED_BY(mu_) = 0;
