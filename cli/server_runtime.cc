@@ -151,9 +151,10 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->String("decode-graph", &decode_graph,
                 "auto|on|off: a job's decode steps run as one replayed CUDA graph when alone in their batch and "
                 "capturable (auto: when the backend is not the CPU backend)");
-  flags->Bool("device-greedy", &device_greedy,
-              "greedy (temperature 0) decode steps pick their token on the backend, alone or batched, so "
-              "only the token comes back instead of the vocabulary's logits");
+  flags->Bool("device-sampling", &device_sampling,
+              "decode steps draw their token on the backend (the job's temperature, top-k, top-p and seeded "
+              "stream, as the host sampler), alone or batched, so only the token comes back instead of the "
+              "vocabulary's logits");
   flags->String("matmul-precision", &matmul_precision,
                 "split|bf16: split keeps f32 activations (two GEMMs per projection on the GPU); bf16 rounds "
                 "them to bf16 for one GEMM (faster prefill, logits move slightly)");
@@ -180,7 +181,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
                                        : -1;
   options->device_selection = device_selection;
   options->decode_graph = decode_graph;
-  options->device_greedy = device_greedy;
+  options->device_sampling = device_sampling;
   options->matmul_precision = matmul_precision;
   options->prefill_policy = prefill_policy;
   options->kv_page_dtype = kv_page_dtype;

@@ -37,7 +37,7 @@ struct WorkerEngineFlags {
   int64_t lazy_shared_documents = 1;
   std::string device_selection = "auto";
   std::string decode_graph = "auto";
-  bool device_greedy = true;
+  bool device_sampling = true;
   std::string matmul_precision = "split";
   std::string prefill_policy = "dense";
   int64_t prefill_budget_tokens = 2048;
@@ -47,7 +47,7 @@ struct WorkerEngineFlags {
   // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages,
   // --lazy-shared-documents and
   // --device-selection (auto|on|off: WorkerOptions::device_selection), --decode-graph (auto|on|off:
-  // WorkerOptions::decode_graph), --device-greedy (WorkerOptions::device_greedy) and
+  // WorkerOptions::decode_graph), --device-sampling (WorkerOptions::device_sampling) and
   // --matmul-precision
   // (split|bf16: WorkerOptions::matmul_precision), --prefill-policy (dense|quest|tokenselect:
   // WorkerOptions::prefill_policy), --prefill-budget-tokens and --kv-page-dtype (bf16|fp8:

@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
-#include "engine/sampler.h"
 #include "engine/sparse/device_policy.h"
+#include "kernels/cpu/cpu_backend.h"
 
 namespace strata::engine {
 
@@ -725,9 +725,11 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
   for (int64_t b = 0; b < B; ++b) {
     const BatchItem& it = items[b];
     if (it.cache == nullptr || it.policy == nullptr ||
-        (it.logits_out == nullptr && it.greedy_token == nullptr)) {
+        (it.logits_out == nullptr && it.token == nullptr) ||
+        ((it.sample == nullptr) != (it.token == nullptr))) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "ForwardBatch: item ", b, " needs a cache, a policy and logits_out or greedy_token"));
+          "ForwardBatch: item ", b,
+          " needs a cache, a policy and logits_out or sample with token"));
     }
     const KvCacheOptions& co = it.cache->options();
     if (co.num_layers != config_.num_layers || co.num_kv_heads != config_.num_kv_heads ||
@@ -765,16 +767,21 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
   }
   STRATA_RETURN_IF_ERROR(RunLayers(ids.data(), B, segs));
   const int64_t vocab = config_.vocab_size;
-  bool greedy = false;
-  for (const BatchItem& it : items) greedy = greedy || it.greedy_token != nullptr;
-  if (greedy) {
-    // The logits stay on the backend: the greedy items get their picks, the others their rows.
-    STRATA_RETURN_IF_ERROR(PickBatchOnDevice(B));
+  bool sampled = false;
+  for (const BatchItem& it : items) sampled = sampled || it.sample != nullptr;
+  if (sampled) {
+    // The logits stay on the backend: the sampled items get their tokens, the others their rows
+    // (greedy rows drawn for them too, unused).
+    std::vector<kernels::SampleRow> rows_sample(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) {
+      if (items[b].sample != nullptr) rows_sample[b] = *items[b].sample;
+    }
+    STRATA_RETURN_IF_ERROR(PickBatchOnDevice(B, rows_sample));
     const float* rows = static_cast<const float*>(
         (host_memory_ ? batch_device_logits_ : logits_)->data());
     for (int64_t b = 0; b < B; ++b) {
-      if (items[b].greedy_token != nullptr) {
-        *items[b].greedy_token = greedy_host_[b];
+      if (items[b].token != nullptr) {
+        *items[b].token = picked_[b];
       } else {
         STRATA_RETURN_IF_ERROR(backend_->CopyToHost(items[b].logits_out, rows + b * vocab,
                                                     vocab * sizeof(float), nullptr));
@@ -790,7 +797,8 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
   return absl::OkStatus();
 }
 
-absl::Status Transformer::PickBatchOnDevice(int64_t rows) {
+absl::Status Transformer::PickBatchOnDevice(int64_t rows,
+                                            const std::vector<kernels::SampleRow>& sample) {
   kernels::Backend* be = backend_;
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
   if (host_memory_ && batch_device_logits_ == nullptr) {
@@ -806,51 +814,49 @@ absl::Status Transformer::PickBatchOnDevice(int64_t rows) {
       be->RmsNorm({xr, final_norm_, xnr, static_cast<float>(config_.rms_norm_eps)}, nullptr));
   const TensorView lo(out, DType::kF32, {rows, vocab});
   STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}));
-  return PickGreedyRows(lo);
+  return PickRows(lo, sample.data());
 }
 
-absl::Status Transformer::PickGreedyRows(const TensorView& logits) {
+absl::Status Transformer::PickRows(const TensorView& logits, const kernels::SampleRow* sample) {
   kernels::Backend* be = backend_;
   const int64_t rows = logits.dim(0), vocab = logits.dim(1);
-  if (greedy_rows_ == nullptr) {
+  if (sample_rows_ == nullptr) {
     const int64_t max_rows = options_.prefill_chunk_size;
-    STRATA_ASSIGN_OR_RETURN(greedy_rows_,
+    STRATA_ASSIGN_OR_RETURN(sample_rows_,
                             be->Allocate(static_cast<size_t>(max_rows) * sizeof(kernels::SampleRow)));
-    STRATA_ASSIGN_OR_RETURN(greedy_tokens_,
+    STRATA_ASSIGN_OR_RETURN(sample_tokens_,
                             be->Allocate(static_cast<size_t>(max_rows) * sizeof(int32_t)));
-    const std::vector<kernels::SampleRow> greedy(static_cast<size_t>(max_rows));  // temperature 0
-    STRATA_RETURN_IF_ERROR(be->CopyToDevice(greedy_rows_->data(), greedy.data(),
-                                            greedy.size() * sizeof(kernels::SampleRow), nullptr));
   }
+  picked_.resize(static_cast<size_t>(rows));
   kernels::SampleParams p;
   p.logits = logits;
-  p.rows = static_cast<const kernels::SampleRow*>(greedy_rows_->data());
-  p.tokens = greedy_tokens_->View(DType::kI32, {rows});
-  greedy_host_.resize(static_cast<size_t>(rows));
+  p.rows = static_cast<const kernels::SampleRow*>(sample_rows_->data());
+  p.tokens = sample_tokens_->View(DType::kI32, {rows});
   if (!be->Supports(p).ok()) {
-    // A backend that cannot sample: the rows to the host and engine::Sampler's greedy pick.
+    // A backend that cannot sample: the rows to the host and the CPU twin there.
     batch_logits_.resize(static_cast<size_t>(rows * vocab));
     STRATA_RETURN_IF_ERROR(
         be->CopyToHost(batch_logits_.data(), logits.data, rows * vocab * sizeof(float), nullptr));
-    Sampler greedy{SamplingOptions()};  // temperature 0
-    for (int64_t b = 0; b < rows; ++b) {
-      absl::StatusOr<int32_t> t = greedy.Sample(batch_logits_.data() + b * vocab, vocab);
-      greedy_host_[b] = t.ok() ? *t : -1;  // -1: every logit NaN or -inf, as Sample's
-    }
-    return absl::OkStatus();
+    kernels::SampleParams h;
+    h.logits = TensorView(batch_logits_.data(), DType::kF32, {rows, vocab});
+    h.rows = sample;
+    h.tokens = TensorView(picked_.data(), DType::kI32, {rows});
+    return kernels::CpuSample(h);
   }
+  STRATA_RETURN_IF_ERROR(be->CopyToDevice(sample_rows_->data(), sample,
+                                          static_cast<size_t>(rows) * sizeof(kernels::SampleRow),
+                                          nullptr));
   STRATA_RETURN_IF_ERROR(be->Sample(p, nullptr));
-  return be->CopyToHost(greedy_host_.data(), greedy_tokens_->data(), rows * sizeof(int32_t),
-                        nullptr);
+  return be->CopyToHost(picked_.data(), sample_tokens_->data(), rows * sizeof(int32_t), nullptr);
 }
 
-absl::StatusOr<int32_t> Transformer::PickGreedy() {
+absl::StatusOr<int32_t> Transformer::PickToken(const kernels::SampleRow& row) {
   const TensorView logits = device_logits();
   if (logits.data == nullptr) {
-    return absl::FailedPreconditionError("PickGreedy: no Forward with logits_on_device yet");
+    return absl::FailedPreconditionError("PickToken: no Forward with logits_on_device yet");
   }
-  STRATA_RETURN_IF_ERROR(PickGreedyRows(logits));
-  return greedy_host_[0];
+  STRATA_RETURN_IF_ERROR(PickRows(logits, &row));
+  return picked_[0];
 }
 
 absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::vector<Segment>& segs) {

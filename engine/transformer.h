@@ -190,13 +190,13 @@ class Transformer {
   // dropped for more recently used ones (the most recent kMaxDecodeGraphs caches keep theirs).
   int64_t graph_captures() const { return graph_captures_; }
   // The logits of the last Forward with ForwardOptions::logits_on_device: [1, vocab] f32 in
-  // backend memory (an empty view before the first such call; a ForwardBatch with greedy items
+  // backend memory (an empty view before the first such call; a ForwardBatch with sampled items
   // on a device backend overwrites them).
   kernels::TensorView device_logits() const;
-  // The greedy token of device_logits() (after a Forward with logits_on_device), picked on the
-  // backend as BatchItem::greedy_token's are (engine::Sampler where the backend cannot sample);
-  // -1 where every logit is NaN or -inf. FailedPrecondition before any such Forward.
-  absl::StatusOr<int32_t> PickGreedy();
+  // The token `row` draws from device_logits() (after a Forward with logits_on_device), picked on
+  // the backend as BatchItem::sample's are; -1 where every logit is NaN or -inf.
+  // FailedPrecondition before any such Forward.
+  absl::StatusOr<int32_t> PickToken(const kernels::SampleRow& row);
 
   // KvCache options matching this model (layers, KV heads, head_dim).
   KvCacheOptions MakeCacheOptions(int64_t max_tokens, int page_size = 64,
@@ -225,11 +225,11 @@ class Transformer {
   // differently than its one-row path). InvalidArgument (nothing appended) for 0 or more than
   // prefill_chunk_size items, an item that Forward would refuse, or a cache used twice; other
   // errors may leave some caches with the token appended: discard those sequences.
-  // An item with greedy_token set gets its greedy token instead of its logits: the highest logit
-  // (lowest id on ties; what engine::Sampler takes at temperature 0) picked on the backend
-  // (Backend::Sample over the batch's logits, which stay in backend memory; only the tokens come
-  // back; a backend without Sample copies the rows to the host for engine::Sampler), -1 where
-  // every logit is NaN or -inf; its logits_out may be null and is not written.
+  // An item with sample and token set gets the token *sample draws (Backend::Sample: what
+  // engine::Sampler picks with those options and that uniform) instead of its logits: one Sample
+  // over the batch's logits, which stay in backend memory, and only the tokens come back (a
+  // backend without Sample copies the rows to the host for the CPU twin, kernels::CpuSample);
+  // -1 where every logit is NaN or -inf. Its logits_out may be null and is not written.
   struct BatchItem {
     int32_t id = 0;
     int64_t pos = 0;
@@ -237,7 +237,8 @@ class Transformer {
     AttentionPolicy* policy = nullptr;
     ForwardOptions options;
     float* logits_out = nullptr;
-    int32_t* greedy_token = nullptr;
+    const kernels::SampleRow* sample = nullptr;  // host memory
+    int32_t* token = nullptr;
   };
   absl::Status ForwardBatch(std::vector<BatchItem>& items);
 
@@ -318,18 +319,18 @@ class Transformer {
   // External attention (allocated on first use): partials in backend memory and the merge output.
   std::vector<std::vector<AttentionPartial>> segment_parts_;
   std::vector<float> batch_logits_;
-  // ForwardBatch's greedy picks (BatchItem::greedy_token): the batch's logits on the backend
-  // ([rows, vocab]; host-memory backends), one greedy SampleRow per row and the tokens, sized for
+  // ForwardBatch's and PickToken's draws (BatchItem::sample): the batch's logits on the backend
+  // ([rows, vocab]; host-memory backends), the rows' SampleRows and their tokens, sized for
   // prefill_chunk_size rows at first use.
-  std::unique_ptr<kernels::Buffer> batch_device_logits_, greedy_rows_, greedy_tokens_;
-  std::vector<int32_t> greedy_host_;
-  // The logits of the batch's `rows` rows left in backend memory, their greedy picks into
-  // greedy_host_ (PickGreedyRows).
-  absl::Status PickBatchOnDevice(int64_t rows);
-  // The greedy picks of `logits` ([rows, vocab], backend memory) into greedy_host_: one
-  // Backend::Sample, or engine::Sampler over the rows copied to the host where it cannot sample;
-  // -1 for a row whose logits are all NaN or -inf.
-  absl::Status PickGreedyRows(const kernels::TensorView& logits);
+  std::unique_ptr<kernels::Buffer> batch_device_logits_, sample_rows_, sample_tokens_;
+  std::vector<int32_t> picked_;
+  // The logits of the batch's `rows` rows left in backend memory, the tokens `sample` (host,
+  // [rows]) draws from them into picked_ (PickRows).
+  absl::Status PickBatchOnDevice(int64_t rows, const std::vector<kernels::SampleRow>& sample);
+  // The tokens `sample` (host, [rows]) draws from `logits` ([rows, vocab], backend memory) into
+  // picked_: one Backend::Sample, or kernels::CpuSample over the rows copied to the host where the
+  // backend cannot sample; -1 for a row whose logits are all NaN or -inf.
+  absl::Status PickRows(const kernels::TensorView& logits, const kernels::SampleRow* sample);
   std::vector<std::unique_ptr<kernels::Buffer>> part_o_, part_lse_;
   std::unique_ptr<kernels::Buffer> merged_, merged_lse_;
   // ExternalAttention::AttendOnDevice partials (rows of the chunk), allocated on first use, and

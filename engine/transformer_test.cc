@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
 
 namespace strata::engine {
 namespace {
@@ -354,11 +355,13 @@ TEST(TransformerBatchTest, BatchedDecodeStepMatchesOneSequenceAtATime) {
   EXPECT_EQ(caches[1]->length(0), lengths[1] + 1);
 }
 
-// BatchItem::greedy_token: the greedy rows of a batched step get the argmax of the logits the
-// same batch gives without it (lowest id on ties), picked by Backend::Sample; the other rows get
-// the same logits bit for bit. Two identical sets of caches take the same calls; an item with
-// neither logits_out nor greedy_token is refused.
-TEST(TransformerBatchTest, GreedyTokensAreTheArgmaxOfTheBatchLogits) {
+// BatchItem::sample: the sampled rows of a batched step get the tokens the CPU twin
+// (kernels::CpuSample, engine::Sampler's picks) draws with their rows from the logits the same
+// batch gives without them: a greedy row and a random one (temperature 0.8, top-p 0.9, top-k 50,
+// a fixed uniform); the other row gets the same logits bit for bit. Two identical sets of caches
+// take the same calls. An item with neither logits_out nor token, or with only one of sample and
+// token, is refused.
+TEST(TransformerBatchTest, SampledTokensAreTheCpuTwinsOverTheBatchLogits) {
   RefModel ref;
   auto m = MakeModel(DType::kBF16, false, false, &ref);
   auto backend = kernels::MakeCpuBackend(1);
@@ -379,7 +382,12 @@ TEST(TransformerBatchTest, GreedyTokensAreTheArgmaxOfTheBatchLogits) {
       policies[set].push_back(std::move(p));
     }
   }
+  kernels::SampleRow rows[3];  // row 0 greedy, row 2 random; row 1 not sampled
+  rows[2].temperature = 0.8;
+  rows[2].top_p = 0.9;
+  rows[2].top_k = 50;
   for (int step = 0; step < 2; ++step) {
+    rows[2].u = step == 0 ? 0.37 : 0.81;
     std::vector<std::vector<float>> logits(3, std::vector<float>(V, NAN));
     std::vector<float> unused(V, NAN);
     int32_t picks[3] = {-7, -7, -7};
@@ -391,19 +399,27 @@ TEST(TransformerBatchTest, GreedyTokensAreTheArgmaxOfTheBatchLogits) {
         it.pos = lengths[i] + step;
         it.cache = caches[set][i].get();
         it.policy = policies[set][i].get();
-        const bool greedy = set == 1 && i != 1;  // the second set: rows 0 and 2 greedy
-        it.logits_out = set == 0 ? logits[i].data() : (greedy ? nullptr : unused.data());
-        it.greedy_token = greedy ? &picks[i] : nullptr;
+        const bool sampled = set == 1 && i != 1;
+        it.logits_out = set == 0 ? logits[i].data() : (sampled ? nullptr : unused.data());
+        if (sampled) {
+          it.sample = &rows[i];
+          it.token = &picks[i];
+        }
         items[set].push_back(it);
       }
       STRATA_ASSERT_OK(tf->ForwardBatch(items[set]));
     }
     for (int i : {0, 2}) {
-      const int32_t argmax = static_cast<int32_t>(
-          std::max_element(logits[i].begin(), logits[i].end()) - logits[i].begin());
-      EXPECT_EQ(picks[i], argmax) << "step " << step << " row " << i;
+      int32_t want = -9;
+      kernels::SampleParams p;
+      p.logits = TensorView(logits[i].data(), DType::kF32, {1, V});
+      p.rows = &rows[i];
+      p.tokens = TensorView(&want, DType::kI32, {1});
+      STRATA_ASSERT_OK(kernels::CpuSample(p));
+      EXPECT_EQ(picks[i], want) << "step " << step << " row " << i;
     }
-    EXPECT_EQ(picks[1], -7);  // not a greedy row: untouched
+    EXPECT_EQ(picks[0], std::max_element(logits[0].begin(), logits[0].end()) - logits[0].begin());
+    EXPECT_EQ(picks[1], -7);  // not a sampled row: untouched
     for (int64_t j = 0; j < V; ++j) ASSERT_EQ(unused[j], logits[1][j]) << "step " << step << " logit " << j;
   }
   std::vector<Transformer::BatchItem> bare(1);
@@ -412,18 +428,23 @@ TEST(TransformerBatchTest, GreedyTokensAreTheArgmaxOfTheBatchLogits) {
   bare[0].cache = caches[0][0].get();
   bare[0].policy = policies[0][0].get();
   EXPECT_THAT(tf->ForwardBatch(bare), StatusIs(absl::StatusCode::kInvalidArgument));
+  int32_t token = 0;
+  bare[0].token = &token;  // a token without its sample row
+  EXPECT_THAT(tf->ForwardBatch(bare), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
-// ForwardOptions::logits_on_device then PickGreedy: the argmax of the logits the same Forward
-// gives on the host (two fresh caches, the same calls), step after step; FailedPrecondition
-// before any Forward left logits on the backend.
-TEST(TransformerBatchTest, PickGreedyIsTheArgmaxOfTheDeviceLogits) {
+// ForwardOptions::logits_on_device then PickToken: the token the CPU twin draws with the same row
+// from the logits the same Forward gives on the host (two fresh caches, the same calls), greedy
+// and at temperature 1 with a uniform per step; FailedPrecondition before any Forward left logits
+// on the backend.
+TEST(TransformerBatchTest, PickTokenIsTheCpuTwinsDrawFromTheDeviceLogits) {
   RefModel ref;
   auto m = MakeModel(DType::kBF16, false, false, &ref);
   auto backend = kernels::MakeCpuBackend(1);
   const int64_t V = m->config.vocab_size;
   STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), {}));
-  EXPECT_THAT(tf->PickGreedy().status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(tf->PickToken(kernels::SampleRow()).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
   const std::vector<int32_t> ids = RandomIds(12, V, kSeed + 50);
   STRATA_ASSERT_OK_AND_ASSIGN(auto host_cache, KvCache::Create(tf->MakeCacheOptions(16, 16), backend.get()));
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev_cache, KvCache::Create(tf->MakeCacheOptions(16, 16), backend.get()));
@@ -435,8 +456,19 @@ TEST(TransformerBatchTest, PickGreedyIsTheArgmaxOfTheDeviceLogits) {
     const int64_t n = t == 0 ? 8 : 1;  // a prompt of 8, then one token at a time
     STRATA_ASSERT_OK(tf->Forward(ids.data() + t, n, t, host_cache.get(), p1.get(), logits.data(), false));
     STRATA_ASSERT_OK(tf->Forward(ids.data() + t, n, t, dev_cache.get(), p2.get(), nullptr, false, on_device));
-    STRATA_ASSERT_OK_AND_ASSIGN(const int32_t picked, tf->PickGreedy());
-    EXPECT_EQ(picked, std::max_element(logits.begin(), logits.end()) - logits.begin()) << "at " << t;
+    kernels::SampleRow row;
+    if (t % 2 == 1) {
+      row.temperature = 1.0;
+      row.u = 0.1 * static_cast<double>(t % 10);
+    }
+    int32_t want = -9;
+    kernels::SampleParams p;
+    p.logits = TensorView(logits.data(), DType::kF32, {1, V});
+    p.rows = &row;
+    p.tokens = TensorView(&want, DType::kI32, {1});
+    STRATA_ASSERT_OK(kernels::CpuSample(p));
+    STRATA_ASSERT_OK_AND_ASSIGN(const int32_t picked, tf->PickToken(row));
+    EXPECT_EQ(picked, want) << "at " << t;
   }
 }
 

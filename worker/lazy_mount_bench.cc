@@ -4,7 +4,7 @@
 //
 //   lazy_mount_bench [--preset tiny] [--doc 32768] [--shard 4096] [--budget 2048] [--reps 3]
 //                    [--threads 1] [--tokens 1] [--modes full,lazy,lazy-dev,resident]
-//                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--device-greedy 1|0]
+//                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--device-sampling 1|0]
 //                    [--cache-pages N]
 //                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16] [--dir /tmp]
 //                    [--prefill-chunk 512] [--prefill-policy dense] [--matmul-precision split]
@@ -31,8 +31,8 @@
 //
 // --backend cuda runs every worker on the CUDA backend (the plugin from $STRATA_CUDA_PLUGIN or
 // next to the binary; then the resident mode's host tier is pinned memory); --decode-graph sets
-// WorkerOptions::decode_graph of every worker (default auto: on for CUDA); --device-greedy 0|1 its
-// WorkerOptions::device_greedy (default 1).
+// WorkerOptions::decode_graph of every worker (default auto: on for CUDA); --device-sampling 0|1 its
+// WorkerOptions::device_sampling (default 1).
 //
 // The document is persisted once by ANCHOR prefill of --shard-token shards with an empty anchor
 // (each shard attends to itself; cheap at any length; the KV is then what the jobs read), through
@@ -79,7 +79,7 @@ int Run(int argc, char** argv) {
   int budget = 2048, reps = 3, threads = 1, tokens = 1;
   std::string modes = "full,lazy,lazy-dev,resident";
   std::string backend_name = "cpu", decode_graph = "auto", page_dtype = "bf16";
-  bool device_greedy = true;
+  bool device_sampling = true;
   double host_gib = 16;
   int prompt_tokens = 16;
   std::string parent = "/tmp", model_dir, weights = "bf16";
@@ -103,7 +103,7 @@ int Run(int argc, char** argv) {
     else if (flag == "--modes") modes = v;
     else if (flag == "--backend") backend_name = v;
     else if (flag == "--decode-graph") decode_graph = v;
-    else if (flag == "--device-greedy") device_greedy = std::atoi(v) != 0;
+    else if (flag == "--device-sampling") device_sampling = std::atoi(v) != 0;
     else if (flag == "--cache-pages") cache_pages = std::atoll(v);
     else if (flag == "--kv-page-dtype") page_dtype = v;
     else if (flag == "--host-gib") host_gib = std::atof(v);
@@ -173,8 +173,8 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "--backend cpu|cuda\n");
     return 2;
   }
-  std::printf("backend %s, decode graph %s, device greedy %d\n", backend->Name().c_str(),
-              decode_graph.c_str(), device_greedy ? 1 : 0);
+  std::printf("backend %s, decode graph %s, device sampling %d\n", backend->Name().c_str(),
+              decode_graph.c_str(), device_sampling ? 1 : 0);
   kvstore::LocalStoreOptions so;
   so.path = dir + "/kv";
   so.blob_files = blob_files;
@@ -190,7 +190,7 @@ int Run(int argc, char** argv) {
     wo.lazy_mount = mode != "full";
     if (mode == "lazy-dev" || mode == "resident") wo.device_selection = "on";
     wo.decode_graph = decode_graph;
-    wo.device_greedy = device_greedy;
+    wo.device_sampling = device_sampling;
     wo.lazy_cache_pages = cache_pages;
     wo.kv_page_dtype = page_dtype;
     wo.prefill_chunk_size = prefill_chunk;

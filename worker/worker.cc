@@ -21,6 +21,7 @@
 #include "engine/sampler.h"
 #include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kvstore/document_id.h"
 #include "kvstore/page_format.h"
 #include "kvstore/tiered_store.h"
@@ -1264,18 +1265,20 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
 
 struct Worker::DecodeRequest {
   engine::Transformer::BatchItem item;
-  bool greedy = false;
+  bool sampled = false;  // the token drawn on the backend with `row`
+  kernels::SampleRow row;
   int32_t device_token = -1;
   absl::Status status;
   bool done = false;
 };
 
-absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool greedy,
+absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, const kernels::SampleRow* row,
                                 int32_t* device_token) {
   *device_token = -1;
   DecodeRequest me;
   me.item = item;
-  me.greedy = greedy && options_.device_greedy;
+  me.sampled = row != nullptr;
+  if (row != nullptr) me.row = *row;
   const size_t limit = static_cast<size_t>(
       std::max<int64_t>(1, std::min<int64_t>(options_.max_decode_batch, options_.prefill_chunk_size)));
   absl::MutexLock lock(&batch_mu_);
@@ -1308,11 +1311,11 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool
         const engine::Transformer::BatchItem& it = items[0];
         const int64_t replayed = transformer_->graph_steps();
         engine::ForwardOptions fo = it.options;
-        fo.logits_on_device = batch[0]->greedy;  // WorkerOptions::device_greedy: 4 bytes back
+        fo.logits_on_device = batch[0]->sampled;  // WorkerOptions::device_sampling: 4 bytes back
         s = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out, /*all_logits=*/false,
                                   fo);
         if (s.ok() && fo.logits_on_device) {
-          absl::StatusOr<int32_t> picked = transformer_->PickGreedy();
+          absl::StatusOr<int32_t> picked = transformer_->PickToken(batch[0]->row);
           s = picked.status();
           if (s.ok()) batch[0]->device_token = *picked;
         }
@@ -1320,26 +1323,28 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool
           Inc(metrics_->decode_graph_steps, static_cast<double>(transformer_->graph_steps() - replayed));
         }
       } else {
-        // Greedy steps get their token picked on the backend (WorkerOptions::device_greedy).
+        // Their tokens drawn on the backend (WorkerOptions::device_sampling).
         for (size_t i = 0; i < batch.size(); ++i) {
-          if (batch[i]->greedy) items[i].greedy_token = &batch[i]->device_token;
+          if (!batch[i]->sampled) continue;
+          items[i].sample = &batch[i]->row;
+          items[i].token = &batch[i]->device_token;
         }
         s = transformer_->ForwardBatch(items);
       }
       if (s.ok()) {
         for (DecodeRequest* r : batch) {
-          // As engine::Sampler: no greedy token when every logit is NaN or -inf.
-          r->status = r->greedy && r->device_token < 0
+          // As engine::Sampler: no token when every logit is NaN or -inf.
+          r->status = r->sampled && r->device_token < 0
                           ? absl::InvalidArgumentError("Sample: every logit is NaN or -inf")
                           : absl::OkStatus();
-          if (r->greedy && r->device_token >= 0) device_picks_ += 1;
+          if (r->sampled && r->device_token >= 0) device_picks_ += 1;
         }
       } else {
         // Run alone every step whose cache did not take the token, so only bad steps fail.
         for (DecodeRequest* r : batch) {
           const engine::Transformer::BatchItem& it = r->item;
           if (batch.size() > 1 && it.cache->length(0) == it.pos - it.options.cache_first_position) {
-            r->greedy = false;  // alone, its logits to the host
+            r->sampled = false;  // alone, its logits to the host (sampled there with the same row)
             r->status = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out,
                                               /*all_logits=*/false, it.options);
           } else {
@@ -1354,7 +1359,7 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, bool
     for (DecodeRequest* r : batch) r->done = true;
     batch_running_ = false;
   }
-  *device_token = me.greedy ? me.device_token : -1;
+  *device_token = me.sampled ? me.device_token : -1;
   return me.status;
 }
 
@@ -1647,7 +1652,20 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   so.top_p = params.top_p() == 0 ? 1.0 : params.top_p();
   so.seed = params.has_seed() ? params.seed() : 0;
   STRATA_RETURN_IF_ERROR(so.Validate());
-  engine::Sampler sampler(so);
+  engine::Sampler sampler(so);  // without device_sampling
+  // With device_sampling every token is drawn with a SampleRow: the job's options and the next
+  // uniform of the stream engine::Sampler would use (one per token at temperature > 0), on the
+  // backend or, for host logits, by the CPU twin (kernels::CpuSample: engine::Sampler's tokens).
+  engine::Pcg32 draws(so.seed);
+  auto next_row = [&]() {
+    kernels::SampleRow r;
+    r.temperature = so.temperature;
+    r.top_p = so.top_p;
+    r.top_k = so.top_k;
+    r.u = so.temperature > 0.0 ? draws.NextUniform() : 0.0;
+    return r;
+  };
+  kernels::SampleRow row = next_row();  // the first token's, from the prompt's host logits
   const model::Tokenizer* tok = model_->tokenizer.get();
   std::unique_ptr<model::StreamingDecoder> decoder;
   if (tok != nullptr) decoder = std::make_unique<model::StreamingDecoder>(tok);
@@ -1664,10 +1682,17 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   int32_t device_next = -1;
   while (!done) {
     if (cancelled.load()) return absl::CancelledError("cancelled");
-    // A step that picked its greedy token on the device (WorkerOptions::device_greedy) left it in
+    // A step that drew its token on the backend (WorkerOptions::device_sampling) left it in
     // device_next; otherwise the logits are on the host.
     int32_t next = device_next;
-    if (next < 0) {
+    if (next < 0 && options_.device_sampling) {
+      kernels::SampleParams p;
+      p.logits = kernels::TensorView(logits.data(), kernels::DType::kF32, {1, c.vocab_size});
+      p.rows = &row;
+      p.tokens = kernels::TensorView(&next, kernels::DType::kI32, {1});
+      STRATA_RETURN_IF_ERROR(kernels::CpuSample(p));
+      if (next < 0) return absl::InvalidArgumentError("Sample: every logit is NaN or -inf");
+    } else if (next < 0) {
       STRATA_ASSIGN_OR_RETURN(next, sampler.Sample(logits.data(), c.vocab_size));
     }
     info.add_output_token_ids(next);
@@ -1732,7 +1757,8 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     step.policy = policy.get();
     step.options = fo;
     step.logits_out = logits.data();
-    STRATA_RETURN_IF_ERROR(DecodeStep(step, so.temperature == 0.0, &device_next));
+    row = next_row();
+    STRATA_RETURN_IF_ERROR(DecodeStep(step, options_.device_sampling ? &row : nullptr, &device_next));
     AddCounters(metrics_, counters(), before);
     ++pos;
     ++steps;

@@ -192,11 +192,15 @@ struct WorkerOptions {
   // host-managed page caches, batches of concurrent jobs) take the normal path. Each job's cache
   // is captured once, at its first decode step; logits follow the normal path to float rounding.
   std::string decode_graph = "auto";
-  // Greedy decode steps (temperature 0) pick their token on the backend (Backend::Sample over the
-  // step's logits in backend memory, the argmax engine::Sampler takes; the token comes back
-  // instead of the vocabulary's logits): a step alone with decode_graph on, and the greedy rows
-  // of a batched step (Transformer::BatchItem::greedy_token). Other steps sample on the host.
-  bool device_greedy = true;
+  // Decode steps draw their token on the backend (Backend::Sample over the step's logits in
+  // backend memory, with the job's temperature, top-k, top-p and the next uniform of its seeded
+  // stream, as engine::Sampler would draw it; the token comes back instead of the vocabulary's
+  // logits): a step alone with decode_graph on (Transformer::PickToken), and the rows of a batched
+  // step (Transformer::BatchItem::sample). Greedy tokens are engine::Sampler's exactly; random
+  // draws on the CUDA backend can differ from the host's only where the uniform falls within
+  // double rounding of a cumulative probability (kernels/backend.h SampleParams). false: every
+  // token from the host logits through engine::Sampler.
+  bool device_sampling = true;
   // Precision of the model's matrix products (engine::TransformerOptions::matmul_precision):
   // "split" (default: f32 activations, two GEMMs on the CUDA backend) or "bf16" (activations
   // rounded to the weight type, one GEMM; faster prefill, logits move by the rounding).
@@ -348,7 +352,7 @@ class Worker {
   // Decode steps that ran as a replayed graph, and graphs captured (WorkerOptions::decode_graph).
   int64_t decode_graph_steps();
   int64_t decode_graph_captures();
-  // Decode steps whose greedy token came back instead of their logits (WorkerOptions::device_greedy).
+  // Decode steps whose token came back instead of their logits (WorkerOptions::device_sampling).
   int64_t device_picks() const { return device_picks_.load(); }
 
  private:
@@ -362,10 +366,10 @@ class Worker {
   // limit) and runs them with Transformer::ForwardBatch under the engine mutex; the others wait
   // for their result. When a batch fails, each step whose cache is untouched is run alone so a
   // bad step fails only its own job.
-  // With greedy (the job samples at temperature 0) and WorkerOptions::device_greedy, the step's
-  // token picked on the backend goes to *device_token (else -1: sample the host logits).
+  // With `row` (WorkerOptions::device_sampling) the token it draws on the backend goes to
+  // *device_token (else -1: the logits are on the host, to be sampled there with the same row).
   struct DecodeRequest;
-  absl::Status DecodeStep(const engine::Transformer::BatchItem& item, bool greedy,
+  absl::Status DecodeStep(const engine::Transformer::BatchItem& item, const kernels::SampleRow* row,
                           int32_t* device_token);
 
   // The mount of `range` (existing, or loaded from the store now); adds the pages read to *pages.

@@ -209,10 +209,11 @@ TEST_F(WorkerTest, StoreFailureWhilePersistingFailsThePrefillAndNothingIsReady) 
 
 // decode_graph "on" sends a job's lone decode steps through Transformer::Forward (where a device
 // backend replays them as a graph); the CPU backend cannot capture, so they run the normal path:
-// the same tokens as the batched path, no graph step. Both pick their greedy tokens with
-// Backend::Sample (WorkerOptions::device_greedy; here the CPU twin; batched steps through
-// Transformer::BatchItem::greedy_token): one pick per decode step (the first token comes from the
-// prompt's host logits), the same tokens as a worker that copies the logits to the host sampler.
+// the same tokens as the batched path, no graph step. Both draw their tokens with Backend::Sample
+// (WorkerOptions::device_sampling; here the CPU twin; lone steps through Transformer::PickToken,
+// batched ones through BatchItem::sample) from the job's seeded stream: one draw per decode step
+// (the first token comes from the prompt's host logits), the same tokens as a worker that copies
+// the logits to engine::Sampler, greedy and at temperature 0.8 with top-p 0.9.
 TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
   ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), [](const v1::PrefillShardProgress&) {}, nullptr).ok());
   WorkerOptions wo;
@@ -220,29 +221,37 @@ TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
   wo.decode_graph = "on";
   STRATA_ASSERT_OK_AND_ASSIGN(auto graphed, Worker::Create(wo, model_.get(), backend_.get(), store_.get(),
                                                            store_.get(), nullptr));
-  wo.device_greedy = false;
+  wo.device_sampling = false;
   STRATA_ASSERT_OK_AND_ASSIGN(auto host_picks, Worker::Create(wo, model_.get(), backend_.get(), store_.get(),
                                                               store_.get(), nullptr));
   const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
-  std::vector<int32_t> tokens[3];
   Worker* workers[3] = {worker_.get(), graphed.get(), host_picks.get()};
-  for (int i = 0; i < 3; ++i) {
-    v1::JobInfo info;
-    ASSERT_TRUE(workers[i]->RunJob(JobRequest("job-" + std::to_string(i), prompt), [&](const v1::JobEvent& e) {
-      if (e.has_snapshot()) info = e.snapshot();
-      return true;
-    }).ok());
-    ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
-    tokens[i].assign(info.output_token_ids().begin(), info.output_token_ids().end());
+  for (bool sampled : {false, true}) {
+    std::vector<int32_t> tokens[3];
+    for (int i = 0; i < 3; ++i) {
+      v1::RunJobRequest request = JobRequest("job-" + std::to_string(i) + (sampled ? "-t" : ""), prompt);
+      if (sampled) {
+        request.mutable_params()->set_temperature(0.8);
+        request.mutable_params()->set_top_p(0.9);
+        request.mutable_params()->set_seed(11);
+      }
+      v1::JobInfo info;
+      ASSERT_TRUE(workers[i]->RunJob(request, [&](const v1::JobEvent& e) {
+        if (e.has_snapshot()) info = e.snapshot();
+        return true;
+      }).ok());
+      ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+      tokens[i].assign(info.output_token_ids().begin(), info.output_token_ids().end());
+    }
+    EXPECT_EQ(tokens[1], tokens[0]) << "sampled " << sampled;
+    EXPECT_EQ(tokens[2], tokens[0]) << "sampled " << sampled;
+    EXPECT_EQ(tokens[1].size(), 8u);
   }
-  EXPECT_EQ(tokens[1], tokens[0]);
-  EXPECT_EQ(tokens[2], tokens[0]);
-  EXPECT_EQ(tokens[1].size(), 8u);
   EXPECT_EQ(graphed->decode_graph_steps(), 0);
   EXPECT_EQ(graphed->decode_graph_captures(), 0);
-  EXPECT_EQ(graphed->device_picks(), 7);
+  EXPECT_EQ(graphed->device_picks(), 14);
   EXPECT_EQ(host_picks->device_picks(), 0);
-  EXPECT_EQ(worker_->device_picks(), 7);  // decode_graph off (the CPU default): batched steps
+  EXPECT_EQ(worker_->device_picks(), 14);  // decode_graph off (the CPU default): batched steps
 }
 
 TEST_F(WorkerTest, UnknownDocumentFailsTheJob) {
