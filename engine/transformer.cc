@@ -690,12 +690,14 @@ absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out)
   const TensorView xnr(xn_->data(), DType::kF32, {rows, hidden});
   STRATA_RETURN_IF_ERROR(be->RmsNorm({xr, final_norm_, xnr, eps}, nullptr));
   if (logits_out == nullptr) {
-    // logits_on_device: into logits_ (allocated here for host-memory backends), no copy, no wait.
-    if (rows != 1) return absl::InternalError("Logits: device logits of several rows");
-    if (logits_ == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(logits_, be->Allocate(static_cast<size_t>(vocab) * sizeof(float)));
+    // logits_on_device (and ForwardBatch's draws): into logits_, no copy, no wait. Host-memory
+    // backends allocate it here, grown to the rows asked for (device backends hold the chunk's).
+    if (host_memory_ && logits_rows_ < rows) {
+      STRATA_ASSIGN_OR_RETURN(logits_,
+                              be->Allocate(static_cast<size_t>(rows * vocab) * sizeof(float)));
+      logits_rows_ = rows;
     }
-    const TensorView lo(logits_->data(), DType::kF32, {1, vocab});
+    const TensorView lo(logits_->data(), DType::kF32, {rows, vocab});
     return MatMul({xnr, lm_head_, TensorView(), lo});
   }
   if (host_memory_) {
@@ -776,9 +778,10 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
     for (int64_t b = 0; b < B; ++b) {
       if (items[b].sample != nullptr) rows_sample[b] = *items[b].sample;
     }
-    STRATA_RETURN_IF_ERROR(PickBatchOnDevice(B, rows_sample));
-    const float* rows = static_cast<const float*>(
-        (host_memory_ ? batch_device_logits_ : logits_)->data());
+    STRATA_RETURN_IF_ERROR(Logits(0, B, nullptr));
+    STRATA_RETURN_IF_ERROR(PickRows(TensorView(logits_->data(), DType::kF32, {B, vocab}),
+                                    rows_sample.data()));
+    const float* rows = static_cast<const float*>(logits_->data());
     for (int64_t b = 0; b < B; ++b) {
       if (items[b].token != nullptr) {
         *items[b].token = picked_[b];
@@ -795,26 +798,6 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
     std::memcpy(items[b].logits_out, batch_logits_.data() + b * vocab, vocab * sizeof(float));
   }
   return absl::OkStatus();
-}
-
-absl::Status Transformer::PickBatchOnDevice(int64_t rows,
-                                            const std::vector<kernels::SampleRow>& sample) {
-  kernels::Backend* be = backend_;
-  const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
-  if (host_memory_ && batch_device_logits_ == nullptr) {
-    // logits_ is one row there (Logits); the batch's rows get their own.
-    const int64_t max_rows = options_.prefill_chunk_size;
-    STRATA_ASSIGN_OR_RETURN(batch_device_logits_,
-                            be->Allocate(static_cast<size_t>(max_rows * vocab) * sizeof(float)));
-  }
-  float* out = static_cast<float*>((host_memory_ ? batch_device_logits_ : logits_)->data());
-  const TensorView xr(x_->data(), DType::kF32, {rows, hidden});
-  const TensorView xnr(xn_->data(), DType::kF32, {rows, hidden});
-  STRATA_RETURN_IF_ERROR(
-      be->RmsNorm({xr, final_norm_, xnr, static_cast<float>(config_.rms_norm_eps)}, nullptr));
-  const TensorView lo(out, DType::kF32, {rows, vocab});
-  STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}));
-  return PickRows(lo, sample.data());
 }
 
 absl::Status Transformer::PickRows(const TensorView& logits, const kernels::SampleRow* sample) {

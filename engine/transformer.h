@@ -191,7 +191,7 @@ class Transformer {
   int64_t graph_captures() const { return graph_captures_; }
   // The logits of the last Forward with ForwardOptions::logits_on_device: [1, vocab] f32 in
   // backend memory (an empty view before the first such call; a ForwardBatch with sampled items
-  // on a device backend overwrites them).
+  // overwrites them).
   kernels::TensorView device_logits() const;
   // The token `row` draws from device_logits() (after a Forward with logits_on_device), picked on
   // the backend as BatchItem::sample's are; -1 where every logit is NaN or -inf.
@@ -269,7 +269,8 @@ class Transformer {
   };
   // Embedding and every layer for `n` rows made of `segs`; the final hidden states stay in x_.
   absl::Status RunLayers(const int32_t* ids, int64_t n, const std::vector<Segment>& segs);
-  // Final norm and LM head of rows [first, first + rows) of x_ into logits_out (host).
+  // Final norm and LM head of rows [first, first + rows) of x_ into logits_out (host), or with
+  // logits_out null into the first rows of logits_ (backend memory, not waited for).
   absl::Status Logits(int64_t first, int64_t rows, float* logits_out);
   // Merges rows [row0, row0 + n) of attn_/lse_ (the local attention) with the external partials
   // into the same rows of merged_ / merged_lse_.
@@ -305,6 +306,9 @@ class Transformer {
   // gate_up_: [n, ffn] gate rows then [n, ffn] up rows likewise.
   std::unique_ptr<kernels::Buffer> x_, xn_, qkv_, attn_, lse_, o_, gate_up_, ids_, pos_,
       logits_, inv_freq_buf_;
+  // Rows logits_ holds on a host-memory backend (allocated by Logits as device logits are asked
+  // for; device backends allocate the chunk's rows up front).
+  int64_t logits_rows_ = 0;
   // Device backends: per layer, views of q_proj|k_proj|v_proj (and their biases) and of
   // gate_proj|up_proj stored as one matrix each (the per-projection views in layers_ point into
   // them), for one-token steps: one GEMV instead of three or two. data null when not fused
@@ -319,14 +323,10 @@ class Transformer {
   // External attention (allocated on first use): partials in backend memory and the merge output.
   std::vector<std::vector<AttentionPartial>> segment_parts_;
   std::vector<float> batch_logits_;
-  // ForwardBatch's and PickToken's draws (BatchItem::sample): the batch's logits on the backend
-  // ([rows, vocab]; host-memory backends), the rows' SampleRows and their tokens, sized for
-  // prefill_chunk_size rows at first use.
-  std::unique_ptr<kernels::Buffer> batch_device_logits_, sample_rows_, sample_tokens_;
+  // ForwardBatch's and PickToken's draws (BatchItem::sample): the rows' SampleRows and their
+  // tokens, sized for prefill_chunk_size rows at first use.
+  std::unique_ptr<kernels::Buffer> sample_rows_, sample_tokens_;
   std::vector<int32_t> picked_;
-  // The logits of the batch's `rows` rows left in backend memory, the tokens `sample` (host,
-  // [rows]) draws from them into picked_ (PickRows).
-  absl::Status PickBatchOnDevice(int64_t rows, const std::vector<kernels::SampleRow>& sample);
   // The tokens `sample` (host, [rows]) draws from `logits` ([rows, vocab], backend memory) into
   // picked_: one Backend::Sample, or kernels::CpuSample over the rows copied to the host where the
   // backend cannot sample; -1 for a row whose logits are all NaN or -inf.
