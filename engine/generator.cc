@@ -83,57 +83,35 @@ class StopMatcher {
   std::string pending_;
 };
 
-// Token sampling on the backend: the row's options in backend memory, the draw from the same
-// PCG32 stream engine::Sampler uses (one uniform per step, only when temperature > 0).
+// Token sampling on the backend (Transformer::PickToken over the step's device logits), each
+// token's row from the stream engine::Sampler would draw from (SampleRowStream).
 class DeviceSampler {
  public:
   // Null (and OK) when the backend has no Sample for these logits.
   static absl::StatusOr<std::unique_ptr<DeviceSampler>> Create(kernels::Backend* backend,
                                                                int64_t vocab,
                                                                const SamplingOptions& o) {
-    auto ds = std::unique_ptr<DeviceSampler>(new DeviceSampler(backend, o));
-    STRATA_ASSIGN_OR_RETURN(ds->row_, backend->Allocate(sizeof(kernels::SampleRow)));
-    STRATA_ASSIGN_OR_RETURN(ds->token_, backend->Allocate(sizeof(int32_t)));
-    STRATA_ASSIGN_OR_RETURN(ds->probe_, backend->Allocate(static_cast<size_t>(vocab) * 4));
-    if (!backend->Supports(ds->Params(ds->probe_->View(kernels::DType::kF32, {1, vocab}))).ok()) {
-      return std::unique_ptr<DeviceSampler>();
-    }
-    ds->probe_.reset();
-    return ds;
+    STRATA_ASSIGN_OR_RETURN(auto row, backend->Allocate(sizeof(kernels::SampleRow)));
+    STRATA_ASSIGN_OR_RETURN(auto token, backend->Allocate(sizeof(int32_t)));
+    STRATA_ASSIGN_OR_RETURN(auto probe, backend->Allocate(static_cast<size_t>(vocab) * 4));
+    kernels::SampleParams p;
+    p.logits = probe->View(kernels::DType::kF32, {1, vocab});
+    p.rows = static_cast<const kernels::SampleRow*>(row->data());
+    p.tokens = token->View(kernels::DType::kI32, {1});
+    if (!backend->Supports(p).ok()) return std::unique_ptr<DeviceSampler>();
+    return std::unique_ptr<DeviceSampler>(new DeviceSampler(o));
   }
 
-  // The token for `logits` ([1, vocab], backend memory); InvalidArgument as engine::Sampler.
-  absl::StatusOr<int32_t> Sample(const kernels::TensorView& logits) {
-    kernels::SampleRow row;
-    row.temperature = options_.temperature;
-    row.top_p = options_.top_p;
-    row.top_k = options_.top_k;
-    row.u = options_.temperature > 0.0 ? rng_.NextUniform() : 0.0;
-    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(row_->data(), &row, sizeof(row), nullptr));
-    STRATA_RETURN_IF_ERROR(backend_->Sample(Params(logits), nullptr));
-    int32_t token = -1;
-    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(&token, token_->data(), sizeof(token), nullptr));
-    if (token < 0 || token >= logits.dim(1)) {
-      return absl::InvalidArgumentError("Sample: every logit is NaN or -inf");
-    }
+  // The token of the transformer's device logits; InvalidArgument as engine::Sampler.
+  absl::StatusOr<int32_t> Sample(Transformer* transformer) {
+    STRATA_ASSIGN_OR_RETURN(const int32_t token, transformer->PickToken(rows_.Next()));
+    if (token < 0) return absl::InvalidArgumentError("Sample: every logit is NaN or -inf");
     return token;
   }
 
  private:
-  DeviceSampler(kernels::Backend* backend, const SamplingOptions& o)
-      : backend_(backend), options_(o), rng_(o.seed) {}
-  kernels::SampleParams Params(const kernels::TensorView& logits) {
-    kernels::SampleParams p;
-    p.logits = logits;
-    p.rows = static_cast<const kernels::SampleRow*>(row_->data());
-    p.tokens = token_->View(kernels::DType::kI32, {1});
-    return p;
-  }
-
-  kernels::Backend* backend_;
-  SamplingOptions options_;
-  Pcg32 rng_;
-  std::unique_ptr<kernels::Buffer> row_, token_, probe_;
+  explicit DeviceSampler(const SamplingOptions& o) : rows_(o) {}
+  SampleRowStream rows_;
 };
 
 }  // namespace
@@ -190,7 +168,7 @@ absl::StatusOr<GenerateResult> Generate(Transformer* transformer,
   fo.logits_on_device = device_sampler != nullptr;
   result.sampled_on_device = device_sampler != nullptr;
   auto sample = [&]() -> absl::StatusOr<int32_t> {
-    if (device_sampler != nullptr) return device_sampler->Sample(transformer->device_logits());
+    if (device_sampler != nullptr) return device_sampler->Sample(transformer);
     return sampler.Sample(logits.data(), vocab);
   };
   Stopwatch watch;

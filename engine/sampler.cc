@@ -106,4 +106,13 @@ absl::StatusOr<int32_t> Sampler::Sample(const float* logits, int64_t vocab) {
   return candidates_[keep - 1].second;  // rounding at the very top of the range
 }
 
+kernels::SampleRow SampleRowStream::Next() {
+  kernels::SampleRow row;
+  row.temperature = options_.temperature;
+  row.top_p = options_.top_p;
+  row.top_k = options_.top_k;
+  row.u = options_.temperature > 0.0 ? rng_.NextUniform() : 0.0;
+  return row;
+}
+
 }  // namespace strata::engine

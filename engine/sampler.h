@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/backend.h"
 
 namespace strata::engine {
 
@@ -65,6 +66,20 @@ class Sampler {
   Pcg32 rng_;
   std::vector<std::pair<float, int32_t>> candidates_;
   std::vector<double> probs_;
+};
+
+// The SampleRow of each token for Backend::Sample (or its CPU twin, kernels::CpuSample): the
+// options and, at temperature > 0, the next uniform of the PCG32 stream engine::Sampler would
+// draw from (one per token), so the tokens drawn are engine::Sampler's.
+class SampleRowStream {
+ public:
+  // `options` must be valid (Validate()).
+  explicit SampleRowStream(const SamplingOptions& options) : options_(options), rng_(options.seed) {}
+  kernels::SampleRow Next();
+
+ private:
+  SamplingOptions options_;
+  Pcg32 rng_;
 };
 
 }  // namespace strata::engine

@@ -1656,16 +1656,8 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   // With device_sampling every token is drawn with a SampleRow: the job's options and the next
   // uniform of the stream engine::Sampler would use (one per token at temperature > 0), on the
   // backend or, for host logits, by the CPU twin (kernels::CpuSample: engine::Sampler's tokens).
-  engine::Pcg32 draws(so.seed);
-  auto next_row = [&]() {
-    kernels::SampleRow r;
-    r.temperature = so.temperature;
-    r.top_p = so.top_p;
-    r.top_k = so.top_k;
-    r.u = so.temperature > 0.0 ? draws.NextUniform() : 0.0;
-    return r;
-  };
-  kernels::SampleRow row = next_row();  // the first token's, from the prompt's host logits
+  engine::SampleRowStream row_stream(so);
+  kernels::SampleRow row = row_stream.Next();  // the first token's, from the prompt's host logits
   const model::Tokenizer* tok = model_->tokenizer.get();
   std::unique_ptr<model::StreamingDecoder> decoder;
   if (tok != nullptr) decoder = std::make_unique<model::StreamingDecoder>(tok);
@@ -1757,7 +1749,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     step.policy = policy.get();
     step.options = fo;
     step.logits_out = logits.data();
-    row = next_row();
+    row = row_stream.Next();
     STRATA_RETURN_IF_ERROR(DecodeStep(step, options_.device_sampling ? &row : nullptr, &device_next));
     AddCounters(metrics_, counters(), before);
     ++pos;
