@@ -660,7 +660,9 @@ class Backend {
   // Graph capture (the one-token decode step, engine::TransformerOptions::decode_graph). Between
   // BeginCapture(s) and EndCapture(s) the ops queued on `s` by this thread are recorded instead
   // of run; ops that wait for the stream (Copy*, Synchronize) fail during a capture and make
-  // EndCapture fail too. EndCapture must follow every successful BeginCapture. Backends without
+  // EndCapture fail too. Other threads' ops are neither recorded nor disturbed: on CUDA, a capture
+  // of the default stream (nullptr) records on a private stream that stands in for it in the
+  // capturing thread only. EndCapture must follow every successful BeginCapture. Backends without
   // graphs return Unimplemented.
   virtual absl::Status BeginCapture(Stream s) {
     return absl::UnimplementedError(Name() + ": BeginCapture");

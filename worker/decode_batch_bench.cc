@@ -2,10 +2,20 @@
 // (WorkerOptions::max_decode_batch) and without (max_decode_batch = 1), on a generated model.
 //
 //   decode_batch_bench [--preset small] [--jobs 8] [--tokens 16] [--doc 128] [--threads 1]
+//                      [--backend cpu|cuda] [--device-sampling 1,0] [--temperature 0] [--top-p 1]
+//
+// Modes: for each listed --device-sampling value (WorkerOptions::device_sampling; default 1 then 0),
+// max_decode_batch 1 then 16. --temperature and --top-p set every job's SamplingParams (job j's
+// seed is 100 + j at temperature > 0), so every mode draws the same streams. --backend cuda runs
+// the worker on the CUDA backend (the plugin from $STRATA_CUDA_PLUGIN or next to the binary; the
+// worker's decode_graph is then on: a lone step is a replayed graph).
 //
 // Prints, per mode: wall seconds from starting every job to the last one finishing, generated
-// tokens per second, decode steps and batched forwards, and whether every job's tokens equal the
-// unbatched run's.
+// tokens per second, decode steps, batched forwards and draws on the backend, and whether every
+// job's tokens equal the first mode's. Greedy tokens must; at temperature > 0 a batched step's
+// logits can differ from a lone step's in the last bits (another GEMM shape, and the batches'
+// makeup depends on timing), and near-equal probabilities of a random model can then swap places,
+// so a draw may differ now and then in any mode.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,7 +25,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/clock.h"
+#include "kernels/backend_factory.h"
 #include "kvstore/local_store.h"
 #include "model/random_model.h"
 #include "worker/worker.h"
@@ -26,6 +38,8 @@ namespace {
 int Run(int argc, char** argv) {
   std::string preset = "small";
   int jobs = 8, tokens = 16, doc_tokens = 128, threads = 1;
+  std::string backend_name = "cpu", sampling_list = "1,0";
+  double temperature = 0, top_p = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--preset") {
@@ -38,13 +52,29 @@ int Run(int argc, char** argv) {
       doc_tokens = std::atoi(argv[i + 1]);
     } else if (flag == "--threads") {
       threads = std::atoi(argv[i + 1]);
+    } else if (flag == "--backend") {
+      backend_name = argv[i + 1];
+    } else if (flag == "--device-sampling") {
+      sampling_list = argv[i + 1];
+    } else if (flag == "--temperature") {
+      temperature = std::atof(argv[i + 1]);
+    } else if (flag == "--top-p") {
+      top_p = std::atof(argv[i + 1]);
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
     }
   }
-  if (jobs < 1 || tokens < 2 || doc_tokens < 1) {
-    std::fprintf(stderr, "--jobs >= 1, --tokens >= 2, --doc >= 1\n");
+  std::vector<bool> samplings;
+  for (absl::string_view v : absl::StrSplit(sampling_list, ',')) {
+    if (v == "0" || v == "1") samplings.push_back(v == "1");
+    else { std::fprintf(stderr, "--device-sampling: a list of 0 and 1\n"); return 2; }
+  }
+  if (jobs < 1 || tokens < 2 || doc_tokens < 1 || !(temperature >= 0 && temperature <= 2) ||
+      !(top_p > 0 && top_p <= 1) || (backend_name != "cpu" && backend_name != "cuda")) {
+    std::fprintf(stderr,
+                 "--jobs >= 1, --tokens >= 2, --doc >= 1, --temperature in [0, 2], --top-p in "
+                 "(0, 1], --backend cpu|cuda\n");
     return 2;
   }
   char tmpl[] = "/tmp/strata_decode_batch_bench_XXXXXX";
@@ -60,7 +90,19 @@ int Run(int argc, char** argv) {
   }
   auto m = model::LoadModel(dir + "/model");
   if (!m.ok()) return 1;
-  auto backend = kernels::MakeCpuBackend(threads);
+  std::unique_ptr<kernels::Backend> backend;
+  if (backend_name == "cpu") {
+    backend = kernels::MakeCpuBackend(threads);
+  } else {
+    kernels::BackendOptions bo;
+    bo.kind = kernels::BackendKind::kCuda;
+    auto made = kernels::MakeBackend(bo);
+    if (!made.ok()) {
+      std::fprintf(stderr, "cuda backend: %s\n", made.status().ToString().c_str());
+      return 1;
+    }
+    backend = *std::move(made);
+  }
   kvstore::LocalStoreOptions so;
   so.path = dir + "/kv";
   so.sync_writes = false;
@@ -70,9 +112,10 @@ int Run(int argc, char** argv) {
   const std::string doc_id = "0f0e0d0c0b0a09080706050403020100";
 
   std::vector<std::vector<int32_t>> reference;
-  for (int batch : {1, 16}) {
+  for (const bool sampling : samplings) for (int batch : {1, 16}) {
     WorkerOptions wo;
     wo.max_decode_batch = batch;
+    wo.device_sampling = sampling;
     auto w = Worker::Create(wo, m->get(), backend.get(), store->get(), store->get(), nullptr);
     if (!w.ok()) return 1;
     v1::PrefillShardRequest prefill;
@@ -94,25 +137,40 @@ int Run(int argc, char** argv) {
         req.add_prompt_token_ids(static_cast<int32_t>(1 + j));
         req.mutable_params()->set_max_tokens(tokens);
         req.mutable_params()->set_ignore_eos(true);
+        if (temperature > 0) {
+          req.mutable_params()->set_temperature(static_cast<float>(temperature));
+          req.mutable_params()->set_top_p(static_cast<float>(top_p));
+          req.mutable_params()->set_seed(static_cast<uint64_t>(100 + j));
+        }
+        v1::JobInfo last;
         absl::Status s = (*w)->RunJob(req, [&](const v1::JobEvent& e) {
           if (e.has_snapshot()) {
-            out[j].assign(e.snapshot().output_token_ids().begin(), e.snapshot().output_token_ids().end());
+            last = e.snapshot();
+            out[j].assign(last.output_token_ids().begin(), last.output_token_ids().end());
           }
           return true;
         });
-        if (!s.ok()) std::fprintf(stderr, "job %d: %s\n", j, s.ToString().c_str());
+        if (!s.ok()) {
+          std::fprintf(stderr, "job %d: %s\n", j, s.ToString().c_str());
+        } else if (last.state() != v1::JobInfo::DONE) {
+          std::fprintf(stderr, "job %d: state %s: %s\n", j, v1::JobInfo::State_Name(last.state()).c_str(),
+                       last.error_message().c_str());
+        }
       });
     }
     for (auto& t : ts) t.join();
     const double seconds = (MonotonicNanos() - start) * 1e-9;
-    if (batch == 1) reference = out;
+    if (reference.empty()) reference = out;
     bool same = true;
     for (int j = 0; j < jobs; ++j) same &= out[j] == reference[j] && static_cast<int>(out[j].size()) == tokens;
-    std::printf("preset=%s jobs=%d tokens=%d doc=%d threads=%d max_decode_batch=%d: %.3f s, %.1f tokens/s, "
-                "%lld decode steps in %lld forwards, tokens equal to unbatched: %s\n",
-                preset.c_str(), jobs, tokens, doc_tokens, threads, batch, seconds, jobs * tokens / seconds,
-                static_cast<long long>((*w)->decode_steps()), static_cast<long long>((*w)->decode_batches()),
-                same ? "yes" : "NO");
+    std::printf("backend=%s preset=%s jobs=%d tokens=%d doc=%d threads=%d temperature=%g top_p=%g "
+                "device_sampling=%d max_decode_batch=%d: %.3f s, %.1f tokens/s, %lld decode steps in "
+                "%lld forwards, %lld device picks, tokens equal to the first mode's: %s\n",
+                backend->Name().c_str(), preset.c_str(), jobs, tokens, doc_tokens, threads,
+                temperature, top_p, sampling ? 1 : 0, batch, seconds, jobs * tokens / seconds,
+                static_cast<long long>((*w)->decode_steps()),
+                static_cast<long long>((*w)->decode_batches()),
+                static_cast<long long>((*w)->device_picks()), same ? "yes" : "NO");
   }
   store->reset();
   std::filesystem::remove_all(dir);

@@ -31,6 +31,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -524,6 +525,65 @@ TEST(WorkerSparsePrefillGpuTest, CoveringBudgetMatchesDenseAndSmallBudgetSelects
   std::printf("job tokens: covering budget agrees with dense on %zu of %d, B = 2048 on %zu of %d\n",
               CommonPrefix(jc.info, jd.info), jd.info.output_token_ids_size(), CommonPrefix(js.info, jd.info),
               jd.info.output_token_ids_size());
+}
+
+
+// Concurrent jobs on one CUDA worker: each job's first step alone captures a decode graph while
+// other jobs load their pages and copy on the backend's stream (they once broke the capture and
+// failed). With max_decode_batch 1 every step is alone (a replayed graph): every job must finish,
+// the greedy ones with the tokens they give when run one at a time, the sampled one (temperature
+// 0.8, top-p 0.9, its own seed) likewise; with batching the jobs must finish too.
+TEST(WorkerConcurrentJobsGpuTest, EveryJobFinishesWhileOthersCapture) {
+  std::string why;
+  std::unique_ptr<kernels::Backend> cuda = CudaBackendOrNull(&why);
+  if (cuda == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  // Dense jobs over a full mount: each loads the document's pages onto the backend at its start,
+  // and every decode step is a graph step (decode graphs take dense steps).
+  const int64_t doc_tokens = 8192, max_tokens = 12;
+  const int jobs = 8;
+  JobEnv env;
+  STRATA_ASSERT_OK(MakeJobEnv("strata_worker_concurrent_gpu_test", &env));
+  constexpr char kDoc[] = "00112233445566778899aabbccddee07";
+  auto request = [&](int j) {
+    v1::RunJobRequest r = JobRequest("job-" + std::to_string(j), kDoc, doc_tokens, max_tokens, "dense");
+    r.set_prompt_token_ids(0, 200 + j);  // different prompts, different tokens
+    if (j == 1) {
+      r.mutable_params()->set_temperature(0.8f);
+      r.mutable_params()->set_top_p(0.9f);
+      r.mutable_params()->set_seed(5);
+    }
+    return r;
+  };
+  std::vector<std::vector<int32_t>> alone(jobs);
+  for (const int batch : {0, 1, 16}) {  // 0: the reference, one job at a time
+    SCOPED_TRACE(batch);
+    WorkerOptions wo;
+    wo.worker_id = "gpu-" + std::to_string(batch);
+    wo.max_decode_batch = batch == 0 ? 1 : batch;
+    wo.decode_graph = "on";
+    auto w = Worker::Create(wo, env.model.get(), cuda.get(), env.store.get(), env.store.get(), nullptr);
+    STRATA_ASSERT_OK(w.status());
+    if (batch == 0) STRATA_ASSERT_OK(PrefillDocument(w->get(), kDoc, doc_tokens, cuda->Name()));
+    std::vector<Timed> out(jobs);
+    if (batch == 0) {
+      for (int j = 0; j < jobs; ++j) out[j] = RunTimed(w->get(), request(j));
+    } else {
+      std::vector<std::thread> threads;
+      for (int j = 0; j < jobs; ++j) threads.emplace_back([&, j] { out[j] = RunTimed(w->get(), request(j)); });
+      for (std::thread& t : threads) t.join();
+    }
+    for (int j = 0; j < jobs; ++j) {
+      ASSERT_EQ(out[j].info.state(), v1::JobInfo::DONE) << "job " << j << ": " << out[j].info.error_message();
+      ASSERT_EQ(out[j].info.output_token_ids_size(), max_tokens) << "job " << j;
+      if (batch == 0) alone[j] = Tokens(out[j].info);
+      if (batch == 1) EXPECT_EQ(Tokens(out[j].info), alone[j]) << "job " << j;
+    }
+    std::printf("max_decode_batch %d%s: %d jobs done, %lld decode steps in %lld forwards, %lld graph steps\n",
+                wo.max_decode_batch, batch == 0 ? " (one job at a time)" : "", jobs,
+                static_cast<long long>((*w)->decode_steps()), static_cast<long long>((*w)->decode_batches()),
+                static_cast<long long>((*w)->decode_graph_steps()));
+    if (batch == 1) EXPECT_GT((*w)->decode_graph_steps(), 0);
+  }
 }
 
 }  // namespace

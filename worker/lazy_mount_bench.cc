@@ -9,8 +9,10 @@
 //                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16] [--dir /tmp]
 //                    [--prefill-chunk 512] [--prefill-policy dense] [--matmul-precision split]
 //                    [--model DIR] [--weights bf16|f32] [--blob-files 1|0] [--ingest 1|0]
-//                    [--mount 0|1] [--prepin 0|1]
+//                    [--mount 0|1] [--prepin 0|1] [--temperature 0] [--top-p 1] [--seed 7]
 //
+// --temperature, --top-p and --seed set the question's SamplingParams (default greedy; the seed is
+// set only at temperature > 0, the same for every question, so every mode draws the same stream).
 // --cache-pages sets WorkerOptions::lazy_cache_pages (default 0: the worker's automatic size).
 // --kv-page-dtype sets WorkerOptions::kv_page_dtype of every worker (the persisted pages' format);
 // --host-gib the resident mode's host tier capacity (it must hold the whole document);
@@ -87,6 +89,8 @@ int Run(int argc, char** argv) {
   bool ingest = kvstore::LocalStoreOptions().ingest_deferred;
   bool mount = false;
   int prepin = -1;  // -1: as `strata serve` (on a device backend)
+  double temperature = 0, top_p = 1;
+  uint64_t seed = 7;
   WorkerOptions defaults;
   int64_t prefill_chunk = defaults.prefill_chunk_size;
   std::string prefill_policy = defaults.prefill_policy, precision = defaults.matmul_precision;
@@ -118,6 +122,9 @@ int Run(int argc, char** argv) {
     else if (flag == "--mount") mount = std::atoi(v) != 0;
     else if (flag == "--ingest") ingest = std::atoi(v) != 0;
     else if (flag == "--prepin") prepin = std::atoi(v) != 0 ? 1 : 0;
+    else if (flag == "--temperature") temperature = std::atof(v);
+    else if (flag == "--top-p") top_p = std::atof(v);
+    else if (flag == "--seed") seed = std::strtoull(v, nullptr, 10);
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -125,7 +132,8 @@ int Run(int argc, char** argv) {
   }
   const int P = 64;
   if (doc_tokens < P || shard < P || shard % P != 0 || reps < 1 || tokens < 1 || prompt_tokens < 1 ||
-      !(host_gib > 0) || (page_dtype != "bf16" && page_dtype != "fp8") ||
+      !(host_gib > 0) || !(temperature >= 0 && temperature <= 2) || !(top_p > 0 && top_p <= 1) ||
+      (page_dtype != "bf16" && page_dtype != "fp8") ||
       (weights != "bf16" && weights != "f32")) {
     std::fprintf(stderr, "bad sizes\n");
     return 2;
@@ -173,8 +181,9 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "--backend cpu|cuda\n");
     return 2;
   }
-  std::printf("backend %s, decode graph %s, device sampling %d\n", backend->Name().c_str(),
-              decode_graph.c_str(), device_sampling ? 1 : 0);
+  std::printf("backend %s, decode graph %s, device sampling %d, temperature %g, top-p %g\n",
+              backend->Name().c_str(), decode_graph.c_str(), device_sampling ? 1 : 0, temperature,
+              top_p);
   kvstore::LocalStoreOptions so;
   so.path = dir + "/kv";
   so.blob_files = blob_files;
@@ -296,6 +305,11 @@ int Run(int argc, char** argv) {
       for (int i = 0; i < prompt_tokens; ++i) r.add_prompt_token_ids((i * 13 + 5) % vocab);
       r.mutable_params()->set_max_tokens(static_cast<uint32_t>(tokens));
       r.mutable_params()->set_ignore_eos(true);
+      if (temperature > 0) {
+        r.mutable_params()->set_temperature(static_cast<float>(temperature));
+        r.mutable_params()->set_top_p(static_cast<float>(top_p));
+        r.mutable_params()->set_seed(seed);
+      }
       r.mutable_policy()->set_name("quest");
       r.mutable_policy()->set_budget_tokens(static_cast<uint32_t>(budget));
       r.set_job_id(mode + "-" + std::to_string(rep));

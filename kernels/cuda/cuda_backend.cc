@@ -333,6 +333,7 @@ absl::Status CudaBackend::Init() {
   int least = 0, greatest = 0;
   STRATA_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   side_priority_ = least;
+  main_priority_ = greatest;
   STRATA_CUDA_RETURN_IF_ERROR(
       cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
   STRATA_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas_));
@@ -935,15 +936,46 @@ class CudaGraph : public Graph {
 
 }  // namespace
 
+namespace {
+// BeginCapture(nullptr)'s private stream, standing in for its backend's own stream in this thread.
+thread_local const CudaBackend* capture_owner = nullptr;
+thread_local cudaStream_t capture_stream = nullptr;
+}  // namespace
+
+cudaStream_t CudaBackend::ToCuda(Stream s) const {
+  if (s != nullptr) return static_cast<cudaStream_t>(s);
+  return capture_owner == this ? capture_stream : stream_;
+}
+
 absl::Status CudaBackend::BeginCapture(Stream s) {
   STRATA_RETURN_IF_ERROR(MakeCurrent());
-  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(ToCuda(s), cudaStreamCaptureModeThreadLocal));
+  if (s != nullptr || capture_owner != nullptr) {
+    STRATA_CUDA_RETURN_IF_ERROR(
+        cudaStreamBeginCapture(ToCuda(s), cudaStreamCaptureModeThreadLocal));
+    return absl::OkStatus();
+  }
+  cudaStream_t cs = nullptr;
+  STRATA_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithPriority(&cs, cudaStreamNonBlocking, main_priority_));
+  const cudaError_t e = cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal);
+  if (e != cudaSuccess) {
+    cudaStreamDestroy(cs);
+    STRATA_CUDA_RETURN_IF_ERROR(e);
+  }
+  capture_owner = this;
+  capture_stream = cs;
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Graph>> CudaBackend::EndCapture(Stream s) {
   cudaGraph_t graph = nullptr;
-  const cudaError_t e = cudaStreamEndCapture(ToCuda(s), &graph);
+  const cudaStream_t cs = ToCuda(s);
+  const cudaError_t e = cudaStreamEndCapture(cs, &graph);
+  if (s == nullptr && capture_owner == this) {
+    capture_owner = nullptr;
+    capture_stream = nullptr;
+    cudaStreamDestroy(cs);  // nothing was queued on it to run
+  }
   if (e != cudaSuccess) {
     if (graph != nullptr) cudaGraphDestroy(graph);
     cudaGetLastError();  // the capture's failure is reported here; clear it

@@ -145,9 +145,13 @@ class CudaBackend : public Backend {
   // EncodeFp8Pages: one block per page (kernels/cuda/kv_append.cu); validation on the host
   // (CpuSupportsEncodeFp8Pages), head_dim at most 1024.
   absl::Status EncodeFp8Pages(const EncodeFp8PagesParams& p, Stream s) override;
-  // Graph capture: cudaStreamBeginCapture (thread-local mode) on the stream of `s` (the
-  // backend's own stream for nullptr), cudaStreamEndCapture + cudaGraphInstantiate; Internal when
-  // the capture was invalidated (e.g. a synchronising op inside it).
+  // Graph capture: cudaStreamBeginCapture (thread-local mode) on the stream of `s`,
+  // cudaStreamEndCapture + cudaGraphInstantiate; Internal when the capture was invalidated (e.g. a
+  // synchronising op inside it). For nullptr (the backend's own stream) the capture runs on a
+  // private stream of the same priority that stands in for the backend's own stream in this
+  // thread only until EndCapture: other threads keep queuing work on the backend's stream (a
+  // worker job's page loads beside another job's first graph step) without joining or breaking
+  // the capture.
   absl::Status BeginCapture(Stream s) override;
   absl::StatusOr<std::unique_ptr<Graph>> EndCapture(Stream s) override;
   // Fork: a non-blocking side stream of this backend (kept for reuse after its join; the device's
@@ -190,9 +194,8 @@ class CudaBackend : public Backend {
   absl::Status Init();
   absl::Status QueueCopy(const char* op, void* dst, const void* src, size_t bytes, Stream s,
                          bool wait);
-  cudaStream_t ToCuda(Stream s) const {
-    return s == nullptr ? stream_ : static_cast<cudaStream_t>(s);
-  }
+  // nullptr: the backend's own stream, or this thread's capture stream during a BeginCapture(nullptr).
+  cudaStream_t ToCuda(Stream s) const;
   absl::Status MakeCurrent() const;
   // `bytes` of scratch from the pool, ordered on `stream`; release with FreeScratch on the same
   // stream after the last kernel that uses it.
@@ -211,6 +214,7 @@ class CudaBackend : public Backend {
   std::vector<cudaStream_t> side_free_;
   cudaEvent_t fork_event_ = nullptr;
   int side_priority_ = 0;
+  int main_priority_ = 0;  // stream_'s (and the capture streams')
   // RecordMark's events: pending marks by id, and events free for reuse.
   std::map<int64_t, cudaEvent_t> marks_;
   std::vector<cudaEvent_t> free_events_;

@@ -14,10 +14,12 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "base/status_macros.h"  // STRATA_STATUS_CONCAT_, used by the matchers
 #include "base/testing/status_matchers.h"
 #include "gmock/gmock.h"
@@ -266,6 +268,46 @@ TEST_F(CudaBackendTest, ForkJoinOrdersBranches) {
   STRATA_ASSERT_OK_AND_ASSIGN(Stream cpu_side, cpu_->ForkStream(nullptr));
   EXPECT_EQ(cpu_side, nullptr);
   STRATA_ASSERT_OK(cpu_->JoinStream(cpu_side, nullptr));
+}
+
+// A capture of the default stream records this thread's ops only: another thread's synchronous
+// copies on the default stream meanwhile run (they neither fail nor join the graph), and the
+// graph replays the recorded op alone.
+TEST_F(CudaBackendTest, CaptureOfTheDefaultStreamLeavesOtherThreadsAlone) {
+  const int64_t n = 1 << 16;
+  HostTensor a = Random(rng_, DType::kF32, {n}, -5, 5);
+  HostTensor b = Random(rng_, DType::kF32, {n}, -5, 5);
+  auto d_a = Upload(a), d_b = Upload(b), d_z = Upload(Filled({n}, kNaN));
+  auto d_other = Upload(Filled({n}, kNaN));
+  const TensorView va = a.View(d_a->data()), vb = a.View(d_b->data()), vz = a.View(d_z->data());
+  absl::Notification capturing, recorded;
+  std::vector<float> back(n, kNaN);
+  absl::Status other_status;
+  std::thread other([&] {
+    capturing.WaitForNotification();
+    // Synchronous copies on the default stream while the other thread's capture is open.
+    absl::Status s = gpu_->CopyToDevice(d_other->data(), b.bytes.data(), b.bytes.size(), nullptr);
+    if (s.ok()) s = gpu_->CopyToHost(back.data(), d_other->data(), n * 4, nullptr);
+    if (s.ok()) s = gpu_->Synchronize(nullptr);
+    other_status = s;
+    recorded.Notify();
+  });
+  STRATA_ASSERT_OK(gpu_->BeginCapture(nullptr));
+  capturing.Notify();
+  recorded.WaitForNotification();  // the other thread's copies ran during the capture
+  const absl::Status added = gpu_->Add({va, vb, vz}, nullptr);
+  auto graph = gpu_->EndCapture(nullptr);
+  other.join();
+  STRATA_ASSERT_OK(other_status);
+  STRATA_ASSERT_OK(added);
+  STRATA_ASSERT_OK(graph.status());
+  EXPECT_EQ(std::memcmp(back.data(), b.bytes.data(), n * 4), 0);
+  // Nothing ran at capture: z is still NaN; the replay computes a + b on the default stream.
+  EXPECT_TRUE(std::isnan(Download(*d_z, n)[0]));
+  STRATA_ASSERT_OK(graph.value()->Replay(nullptr));
+  HostTensor z = Filled({n}, kNaN);
+  STRATA_ASSERT_OK(cpu_->Add({a.HostView(), b.HostView(), z.HostView()}, nullptr));
+  ExpectClose(Download(*d_z, n), z.Values(), 0, 0, "replay");
 }
 
 // Copies that do not wait, read back behind marks: a device buffer filled from pinned host memory

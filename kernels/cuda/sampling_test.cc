@@ -82,7 +82,13 @@ SampleRow RandomRow(std::mt19937& rng, int64_t vocab) {
 std::vector<float> RandomLogits(std::mt19937& rng, int64_t vocab, int mode) {
   std::vector<float> l(vocab);
   std::normal_distribution<float> n(0.0f, 3.0f);
-  for (auto& x : l) x = mode == 1 ? static_cast<float>(static_cast<int>(rng() % 4)) : n(rng);
+  // Mode 1: four values (ties far beyond one histogram bin's gather); mode 3: normal logits rounded
+  // to 1/64 (exact ties of about 80 ids each, inside bins the select gathers).
+  for (auto& x : l) {
+    x = mode == 1 ? static_cast<float>(static_cast<int>(rng() % 4))
+        : mode == 3 ? std::round(n(rng) * 64.0f) / 64.0f
+                    : n(rng);
+  }
   if (mode == 2) {
     for (int i = 0; i < 3; ++i) {
       const int64_t j = rng() % vocab;
@@ -106,7 +112,7 @@ TEST_F(CudaSampleTest, MatchesCpuTwin) {
       std::vector<float> logits;
       std::vector<SampleRow> opts;
       for (int r = 0; r < rows; ++r) {
-        const auto l = RandomLogits(rng, vocab, trial % 3);
+        const auto l = RandomLogits(rng, vocab, trial % 4);
         logits.insert(logits.end(), l.begin(), l.end());
         opts.push_back(RandomRow(rng, vocab));
       }
@@ -194,10 +200,14 @@ TEST_F(CudaSampleTest, Timing) {
   STRATA_ASSERT_OK_AND_ASSIGN(auto t, gpu_->Allocate(4));
   STRATA_ASSERT_OK(gpu_->CopyToDevice(l->data(), logits.data(), vocab * 4, nullptr));
   std::vector<float> host(vocab);
-  for (const bool greedy : {true, false}) {
+  for (const int mode : {0, 1, 2}) {
+    const bool greedy = mode == 0;
     SampleRow row;
-    row.temperature = greedy ? 0.0 : 1.0;
-    row.top_p = greedy ? 1.0 : 0.9;
+    // 0: greedy; 1: temperature 1, top-p 0.9 (most of the vocabulary kept); 2: temperature 0.7,
+    // top-k 40, top-p 0.95.
+    row.temperature = mode == 0 ? 0.0 : mode == 1 ? 1.0 : 0.7;
+    row.top_p = mode == 0 ? 1.0 : mode == 1 ? 0.9 : 0.95;
+    row.top_k = mode == 2 ? 40 : 0;
     row.u = 0.5;
     STRATA_ASSERT_OK(gpu_->CopyToDevice(r->data(), &row, sizeof(row), nullptr));
     SampleParams p;
@@ -218,6 +228,7 @@ TEST_F(CudaSampleTest, Timing) {
     engine::SamplingOptions o;
     o.temperature = row.temperature;
     o.top_p = row.top_p;
+    o.top_k = row.top_k;
     const int host_iters = greedy ? 200 : 20;
     t0 = std::chrono::steady_clock::now();
     int32_t host_token = -7;
@@ -230,10 +241,15 @@ TEST_F(CudaSampleTest, Timing) {
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
         host_iters;
     std::printf("sample_timing vocab=%lld mode=%s device_us=%.1f host_copy_plus_sampler_us=%.1f\n",
-                static_cast<long long>(vocab), greedy ? "greedy" : "top_p_0.9", dev_us, host_us);
+                static_cast<long long>(vocab), mode == 0   ? "greedy"
+                : mode == 1 ? "t1_top_p_0.9"
+                            : "t0.7_top_k_40_top_p_0.95",
+                dev_us, host_us);
+    // The host sampler draws its own uniform; greedy rows must agree. The CPU twin, with u, must.
     if (greedy) {
       EXPECT_EQ(token, host_token);
     }
+    EXPECT_EQ(token, RunCpu(logits, vocab, {row})[0]);
   }
 }
 
