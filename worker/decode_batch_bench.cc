@@ -3,6 +3,7 @@
 //
 //   decode_batch_bench [--preset small] [--jobs 8] [--tokens 16] [--doc 128] [--threads 1]
 //                      [--backend cpu|cuda] [--device-sampling 1,0] [--temperature 0] [--top-p 1]
+//                      [--batch-wait-us N]  (WorkerOptions::decode_batch_wait_us; default the option's)
 //
 // Modes: for each listed --device-sampling value (WorkerOptions::device_sampling; default 1 then 0),
 // max_decode_batch 1 then 16. --temperature and --top-p set every job's SamplingParams (job j's
@@ -40,6 +41,7 @@ int Run(int argc, char** argv) {
   int jobs = 8, tokens = 16, doc_tokens = 128, threads = 1;
   std::string backend_name = "cpu", sampling_list = "1,0";
   double temperature = 0, top_p = 1;
+  int64_t batch_wait_us = WorkerOptions().decode_batch_wait_us;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--preset") {
@@ -60,6 +62,8 @@ int Run(int argc, char** argv) {
       temperature = std::atof(argv[i + 1]);
     } else if (flag == "--top-p") {
       top_p = std::atof(argv[i + 1]);
+    } else if (flag == "--batch-wait-us") {
+      batch_wait_us = std::atoll(argv[i + 1]);
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -116,6 +120,7 @@ int Run(int argc, char** argv) {
     WorkerOptions wo;
     wo.max_decode_batch = batch;
     wo.device_sampling = sampling;
+    wo.decode_batch_wait_us = batch_wait_us;
     auto w = Worker::Create(wo, m->get(), backend.get(), store->get(), store->get(), nullptr);
     if (!w.ok()) return 1;
     v1::PrefillShardRequest prefill;
@@ -164,10 +169,10 @@ int Run(int argc, char** argv) {
     bool same = true;
     for (int j = 0; j < jobs; ++j) same &= out[j] == reference[j] && static_cast<int>(out[j].size()) == tokens;
     std::printf("backend=%s preset=%s jobs=%d tokens=%d doc=%d threads=%d temperature=%g top_p=%g "
-                "device_sampling=%d max_decode_batch=%d: %.3f s, %.1f tokens/s, %lld decode steps in "
+                "batch_wait_us=%lld device_sampling=%d max_decode_batch=%d: %.3f s, %.1f tokens/s, %lld decode steps in "
                 "%lld forwards, %lld device picks, tokens equal to the first mode's: %s\n",
                 backend->Name().c_str(), preset.c_str(), jobs, tokens, doc_tokens, threads,
-                temperature, top_p, sampling ? 1 : 0, batch, seconds, jobs * tokens / seconds,
+                temperature, top_p, static_cast<long long>(batch_wait_us), sampling ? 1 : 0, batch, seconds, jobs * tokens / seconds,
                 static_cast<long long>((*w)->decode_steps()),
                 static_cast<long long>((*w)->decode_batches()),
                 static_cast<long long>((*w)->device_picks()), same ? "yes" : "NO");

@@ -1289,6 +1289,15 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, cons
       batch_mu_.Await(absl::Condition(&ready));
       continue;
     }
+    // Gather the steps of the other decoding jobs first (WorkerOptions::decode_batch_wait_us).
+    if (options_.decode_batch_wait_us > 0 && limit > 1 &&
+        pending_.size() < std::min(limit, static_cast<size_t>(decoding_jobs_))) {
+      auto full = [this, limit]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) {
+        return batch_running_ || pending_.size() >= std::min(limit, static_cast<size_t>(decoding_jobs_));
+      };
+      batch_mu_.AwaitWithTimeout(absl::Condition(&full), absl::Microseconds(options_.decode_batch_wait_us));
+      if (batch_running_ || me.done) continue;
+    }
     if (const int gate = batch_gate_for_testing_.load(); gate > 1 && pending_.size() < static_cast<size_t>(gate)) {
       auto enough = [this, gate]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) {
         return batch_running_ || pending_.size() >= static_cast<size_t>(gate);
@@ -1658,6 +1667,18 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   // backend or, for host logits, by the CPU twin (kernels::CpuSample: engine::Sampler's tokens).
   engine::SampleRowStream row_stream(so);
   kernels::SampleRow row = row_stream.Next();  // the first token's, from the prompt's host logits
+  // Counted among the decoding jobs while in the loop below (a batch leader waits for their steps).
+  struct Decoding {
+    Worker* w;
+    explicit Decoding(Worker* worker) : w(worker) {
+      absl::MutexLock lock(&w->batch_mu_);
+      ++w->decoding_jobs_;
+    }
+    ~Decoding() {
+      absl::MutexLock lock(&w->batch_mu_);
+      --w->decoding_jobs_;
+    }
+  } decoding(this);
   const model::Tokenizer* tok = model_->tokenizer.get();
   std::unique_ptr<model::StreamingDecoder> decoder;
   if (tok != nullptr) decoder = std::make_unique<model::StreamingDecoder>(tok);

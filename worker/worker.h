@@ -144,6 +144,11 @@ struct WorkerOptions {
   // Decode steps of concurrent jobs run as one batched forward, at most this many (and at most
   // prefill_chunk_size) at a time; 1 runs every step alone. Default 16.
   int max_decode_batch = 16;
+  // A batch's leader waits up to this long for the steps of the other jobs in their decode loop
+  // (they are between two steps on the host: streaming the last token, drawing on the host) so
+  // that concurrent jobs decode in full batches instead of ones and twos; a job decoding alone
+  // never waits. 0: batch what is pending. Default 1000 us.
+  int64_t decode_batch_wait_us = 1000;
   // As leader: a peer that does not answer a selection query within this time is failed over
   // (its shard mounted here from the store). Default 60 s.
   int64_t peer_timeout_ms = 60000;
@@ -435,6 +440,7 @@ class Worker {
   absl::Mutex batch_mu_;
   std::vector<DecodeRequest*> pending_ ABSL_GUARDED_BY(batch_mu_);
   bool batch_running_ ABSL_GUARDED_BY(batch_mu_) = false;
+  int decoding_jobs_ ABSL_GUARDED_BY(batch_mu_) = 0;  // jobs in their decode loop
   std::atomic<int> batch_gate_for_testing_{0};
   std::atomic<int64_t> decode_batches_{0}, decode_steps_{0}, device_picks_{0};
   absl::Status device_selection_;  // set once in Create

@@ -1335,11 +1335,13 @@ class DeviceSelectionTest : public WorkerTest {
     r.mutable_shard()->set_end_page(10);
     STRATA_ASSERT_OK(worker_->PrefillShard(r, nullptr, nullptr));
   }
-  std::unique_ptr<Worker> MakeWorker(const std::string& device_selection, kernels::Backend* backend) {
+  std::unique_ptr<Worker> MakeWorker(const std::string& device_selection, kernels::Backend* backend,
+                                     int64_t decode_batch_wait_us = WorkerOptions().decode_batch_wait_us) {
     WorkerOptions wo;
     wo.worker_id = "device-" + device_selection;
     wo.prefill_chunk_size = 64;
     wo.device_selection = device_selection;
+    wo.decode_batch_wait_us = decode_batch_wait_us;
     auto w = Worker::Create(wo, model_.get(), backend, store_.get(), store_.get(), nullptr);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;
@@ -1557,6 +1559,35 @@ TEST_F(DeviceSelectionTest, ConcurrentDeviceJobsAreBatchedAndKeepTheirTokens) {
     if (batches < steps) break;
   }
   EXPECT_LT(batches, steps);  // some steps ran together
+}
+
+// WorkerOptions::decode_batch_wait_us: a batch's leader waits for the steps of the other jobs in
+// their decode loop, so jobs running freely (no test gate) decode in full batches: once every job
+// decodes, each forward takes every job's step. The window here is generous (0.5 s) so that a
+// loaded machine's host work between steps fits in it; the tokens are each job's own.
+TEST_F(DeviceSelectionTest, DecodingJobsWaitForEachOthersStepsAndDecodeInFullBatches) {
+  std::unique_ptr<Worker> w = MakeWorker("on", backend_.get(), /*decode_batch_wait_us=*/500000);
+  ASSERT_NE(w, nullptr);
+  const int kJobs = 3, kTokens = 20;
+  std::vector<v1::RunJobRequest> requests;
+  std::vector<std::vector<int32_t>> want;
+  for (int j = 0; j < kJobs; ++j) {
+    const std::vector<int32_t> prompt = {30 + j, 50 + 3 * j, 9};
+    want.push_back(DeviceReference("quest", WithDocument(prompt), kTokens));
+    requests.push_back(Job("gathered-" + std::to_string(j), "quest", prompt, true, kTokens));
+  }
+  const std::vector<v1::JobInfo> got = RunOverlapping(w.get(), requests);
+  for (int j = 0; j < kJobs; ++j) {
+    ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
+    EXPECT_EQ(Tokens(got[j]), want[j]) << "job " << j;
+  }
+  const int64_t steps = w->decode_steps(), batches = w->decode_batches();
+  std::printf("decode steps %lld in %lld batched forwards\n", static_cast<long long>(steps),
+              static_cast<long long>(batches));
+  EXPECT_EQ(steps, kJobs * (kTokens - 1));
+  // A job decodes alone until the others reach their decode loop, and the last ones finish
+  // alone: at most a few forwards more than kTokens - 1 full ones (69 without the window).
+  EXPECT_LE(batches, (kTokens - 1) + 2 * kJobs);
 }
 
 TEST_F(DeviceSelectionTest, BackendWithoutSelectionOpsFallsBack) {
