@@ -423,29 +423,30 @@ struct FastShared {
   double mass_at;
 };
 
+// Inclusive sums of two doubles over the lanes of a warp, in lane order.
+__device__ __forceinline__ void WarpScan2(double& a, double& b) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double ya = __shfl_up_sync(0xffffffffu, a, o);
+    const double yb = __shfl_up_sync(0xffffffffu, b, o);
+    if (lane >= o) a += ya, b += yb;
+  }
+}
+
 // Exclusive sums over the block of two doubles (a, b), in thread order; totals to *ta, *tb.
 __device__ void BlockScan2(double a, double b, double* ea, double* eb, double* ta, double* tb,
                            FastShared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   double xa = a, xb = b;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const double ya = __shfl_up_sync(0xffffffffu, xa, o);
-    const double yb = __shfl_up_sync(0xffffffffu, xb, o);
-    if (lane >= o) xa += ya, xb += yb;
-  }
+  WarpScan2(xa, xb);
   __syncthreads();  // warp_d free
   if (lane == 31) sh.warp_d[0][warp] = xa, sh.warp_d[1][warp] = xb;
   __syncthreads();
   if (warp == 0) {
     const double wa = sh.warp_d[0][lane], wb = sh.warp_d[1][lane];
     double sa = wa, sb = wb;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const double ya = __shfl_up_sync(0xffffffffu, sa, o);
-      const double yb = __shfl_up_sync(0xffffffffu, sb, o);
-      if (lane >= o) sa += ya, sb += yb;
-    }
+    WarpScan2(sa, sb);
     sh.warp_d[0][lane] = sa - wa;
     sh.warp_d[1][lane] = sb - wb;
     if (lane == 31) sh.warp_d[0][32] = sa, sh.warp_d[1][32] = sb;
