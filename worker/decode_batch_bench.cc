@@ -4,6 +4,8 @@
 //   decode_batch_bench [--preset small] [--jobs 8] [--tokens 16] [--doc 128] [--threads 1]
 //                      [--backend cpu|cuda] [--device-sampling 1,0] [--temperature 0] [--top-p 1]
 //                      [--batch-wait-us N]  (WorkerOptions::decode_batch_wait_us; default the option's)
+//                      [--weights bf16|f32]  (the random model's weights; default bf16, as checkpoints
+//                                             ship; runs before session 18's last used f32)
 //
 // Modes: for each listed --device-sampling value (WorkerOptions::device_sampling; default 1 then 0),
 // max_decode_batch 1 then 16. --temperature and --top-p set every job's SamplingParams (job j's
@@ -42,6 +44,7 @@ int Run(int argc, char** argv) {
   std::string backend_name = "cpu", sampling_list = "1,0";
   double temperature = 0, top_p = 1;
   int64_t batch_wait_us = WorkerOptions().decode_batch_wait_us;
+  std::string weights = "bf16";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--preset") {
@@ -64,6 +67,8 @@ int Run(int argc, char** argv) {
       top_p = std::atof(argv[i + 1]);
     } else if (flag == "--batch-wait-us") {
       batch_wait_us = std::atoll(argv[i + 1]);
+    } else if (flag == "--weights") {
+      weights = argv[i + 1];
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -75,10 +80,11 @@ int Run(int argc, char** argv) {
     else { std::fprintf(stderr, "--device-sampling: a list of 0 and 1\n"); return 2; }
   }
   if (jobs < 1 || tokens < 2 || doc_tokens < 1 || !(temperature >= 0 && temperature <= 2) ||
-      !(top_p > 0 && top_p <= 1) || (backend_name != "cpu" && backend_name != "cuda")) {
+      !(top_p > 0 && top_p <= 1) || (backend_name != "cpu" && backend_name != "cuda") ||
+      (weights != "bf16" && weights != "f32")) {
     std::fprintf(stderr,
                  "--jobs >= 1, --tokens >= 2, --doc >= 1, --temperature in [0, 2], --top-p in "
-                 "(0, 1], --backend cpu|cuda\n");
+                 "(0, 1], --backend cpu|cuda, --weights bf16|f32\n");
     return 2;
   }
   char tmpl[] = "/tmp/strata_decode_batch_bench_XXXXXX";
@@ -88,6 +94,7 @@ int Run(int argc, char** argv) {
   mo.preset = preset;
   mo.seed = 5;
   mo.write_tokenizer = false;
+  mo.dtype = weights == "bf16" ? kernels::DType::kBF16 : kernels::DType::kF32;
   if (auto written = model::WriteRandomModel(dir + "/model", mo); !written.ok()) {
     std::fprintf(stderr, "%s\n", written.status().ToString().c_str());
     return 1;
@@ -168,10 +175,10 @@ int Run(int argc, char** argv) {
     if (reference.empty()) reference = out;
     bool same = true;
     for (int j = 0; j < jobs; ++j) same &= out[j] == reference[j] && static_cast<int>(out[j].size()) == tokens;
-    std::printf("backend=%s preset=%s jobs=%d tokens=%d doc=%d threads=%d temperature=%g top_p=%g "
+    std::printf("backend=%s preset=%s weights=%s jobs=%d tokens=%d doc=%d threads=%d temperature=%g top_p=%g "
                 "batch_wait_us=%lld device_sampling=%d max_decode_batch=%d: %.3f s, %.1f tokens/s, %lld decode steps in "
                 "%lld forwards, %lld device picks, tokens equal to the first mode's: %s\n",
-                backend->Name().c_str(), preset.c_str(), jobs, tokens, doc_tokens, threads,
+                backend->Name().c_str(), preset.c_str(), weights.c_str(), jobs, tokens, doc_tokens, threads,
                 temperature, top_p, static_cast<long long>(batch_wait_us), sampling ? 1 : 0, batch, seconds, jobs * tokens / seconds,
                 static_cast<long long>((*w)->decode_steps()),
                 static_cast<long long>((*w)->decode_batches()),
