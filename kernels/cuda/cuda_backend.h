@@ -164,7 +164,8 @@ class CudaBackend : public Backend {
   cudaStream_t ToCudaStream(Stream s) const { return ToCuda(s); }
 
   // Token sampling (kernels/cuda/sampling.cu, sampling_backend.cc): the CPU twin's validation,
-  // at most 65535 rows; scratch (8 bytes per logit) from the stream-ordered pool; capturable in a
+  // at most 65535 rows; scratch (8 bytes per logit, and about 0.8 MB per row of histograms at a
+  // vocabulary over 2^15) from the stream-ordered pool; capturable in a
   // CUDA graph. A row with nothing to pick gets -1.
   absl::Status Supports(const SampleParams& p) const override;
   absl::Status Sample(const SampleParams& p, Stream s) override;
