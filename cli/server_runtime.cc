@@ -167,6 +167,11 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
                 "the bytes in every tier, lossy; must match across the workers of a cluster, like --page-size)");
   flags->Int("prefill-budget-tokens", &prefill_budget_tokens,
              "token budget of a sparse --prefill-policy (per layer and KV head, besides sinks and window)");
+  flags->Int("max-decode-batch", &max_decode_batch,
+             "decode steps of concurrent jobs run as one batched forward, at most this many (1: each alone)");
+  flags->Int("decode-batch-wait-us", &decode_batch_wait_us,
+             "a decode batch waits up to this long (microseconds) for the steps of the other decoding jobs, so "
+             "concurrent jobs decode in full batches (0: batch what is pending; a job decoding alone never waits)");
 }
 
 void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
@@ -185,6 +190,10 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
   options->matmul_precision = matmul_precision;
   options->prefill_policy = prefill_policy;
   options->kv_page_dtype = kv_page_dtype;
+  // Out-of-int range values become 0 here, which WorkerOptions::Validate rejects.
+  options->max_decode_batch =
+      max_decode_batch >= 1 && max_decode_batch <= (int64_t{1} << 20) ? static_cast<int>(max_decode_batch) : 0;
+  options->decode_batch_wait_us = decode_batch_wait_us;
   // Out-of-int range values become 0 here, which WorkerOptions::Validate rejects.
   options->prefill_budget_tokens =
       prefill_budget_tokens >= 1 && prefill_budget_tokens <= (int64_t{1} << 30) ? static_cast<int>(prefill_budget_tokens) : 0;

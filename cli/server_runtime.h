@@ -42,6 +42,8 @@ struct WorkerEngineFlags {
   std::string prefill_policy = "dense";
   int64_t prefill_budget_tokens = 2048;
   std::string kv_page_dtype = "bf16";
+  int64_t max_decode_batch = 16;
+  int64_t decode_batch_wait_us = 1000;
 
   // Registers --page-size, --prefill-chunk, --max-jobs, --host-cache-bytes (the tier in front of
   // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages,
@@ -50,8 +52,9 @@ struct WorkerEngineFlags {
   // WorkerOptions::decode_graph), --device-sampling (WorkerOptions::device_sampling) and
   // --matmul-precision
   // (split|bf16: WorkerOptions::matmul_precision), --prefill-policy (dense|quest|tokenselect:
-  // WorkerOptions::prefill_policy), --prefill-budget-tokens and --kv-page-dtype (bf16|fp8:
-  // WorkerOptions::kv_page_dtype).
+  // WorkerOptions::prefill_policy), --prefill-budget-tokens, --kv-page-dtype (bf16|fp8:
+  // WorkerOptions::kv_page_dtype), --max-decode-batch and --decode-batch-wait-us
+  // (WorkerOptions::max_decode_batch, decode_batch_wait_us).
   void Register(FlagSet* flags, const std::string& durable_tier);
   // Sets the WorkerOptions fields these flags control (the others are left as they are);
   // WorkerOptions::Validate reports bad values.

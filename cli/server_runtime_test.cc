@@ -11,9 +11,11 @@
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
 #include "base/testing/temp_dir.h"
+#include "cli/flags.h"
 #include "gtest/gtest.h"
 #include "kernels/testing/forwarding_backend.h"
 #include "kvstore/local_store.h"
+#include "worker/worker.h"
 
 namespace strata::cli {
 namespace {
@@ -97,6 +99,33 @@ TEST_F(HostTierTest, CpuBackendReservesNothingUpFront) {
                               HostTier::Create(0, nullptr, local_.get(), nullptr, cpu.get(), 4096));
   EXPECT_EQ(none->store(), local_.get());
   EXPECT_EQ(none->allocator(), nullptr);
+}
+
+// The worker engine flags reach WorkerOptions; bad batch values fail WorkerOptions::Validate.
+TEST(WorkerEngineFlagsTest, DecodeBatchFlagsReachTheWorkerOptions) {
+  auto parse = [](std::vector<std::string> args, worker::WorkerOptions* o) {
+    FlagSet flags("worker", "");
+    WorkerEngineFlags engine;
+    engine.Register(&flags, "the store");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    absl::Status s = flags.Parse(static_cast<int>(argv.size()), argv.data());
+    if (s.ok()) engine.ApplyTo(o);
+    return s;
+  };
+  worker::WorkerOptions o;
+  o.worker_id = "w";
+  STRATA_ASSERT_OK(parse({}, &o));
+  EXPECT_EQ(o.max_decode_batch, 16);
+  EXPECT_EQ(o.decode_batch_wait_us, 1000);
+  STRATA_ASSERT_OK(parse({"--max-decode-batch", "4", "--decode-batch-wait-us", "250"}, &o));
+  EXPECT_EQ(o.max_decode_batch, 4);
+  EXPECT_EQ(o.decode_batch_wait_us, 250);
+  STRATA_EXPECT_OK(o.Validate());
+  STRATA_ASSERT_OK(parse({"--decode-batch-wait-us", "-1"}, &o));
+  EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
+  STRATA_ASSERT_OK(parse({"--decode-batch-wait-us", "0", "--max-decode-batch", "0"}, &o));
+  EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -252,6 +252,9 @@ absl::Status WorkerOptions::Validate() const {
   if (max_jobs < 1) return absl::InvalidArgumentError("max_jobs >= 1");
   if (mount_batch_pages < 1) return absl::InvalidArgumentError("mount_batch_pages >= 1");
   if (max_decode_batch < 1) return absl::InvalidArgumentError("max_decode_batch >= 1");
+  if (decode_batch_wait_us < 0 || decode_batch_wait_us > 10'000'000) {
+    return absl::InvalidArgumentError("decode_batch_wait_us in [0, 10000000]");
+  }
   if (peer_timeout_ms < 1) return absl::InvalidArgumentError("peer_timeout_ms >= 1");
   if (lazy_cache_pages < 0) return absl::InvalidArgumentError("lazy_cache_pages >= 0 (0: four decode steps' pages)");
   if (lazy_shared_documents < 0) return absl::InvalidArgumentError("lazy_shared_documents >= 0");
