@@ -101,19 +101,15 @@ int Run(int argc, char** argv) {
   }
   auto m = model::LoadModel(dir + "/model");
   if (!m.ok()) return 1;
-  std::unique_ptr<kernels::Backend> backend;
-  if (backend_name == "cpu") {
-    backend = kernels::MakeCpuBackend(threads);
-  } else {
-    kernels::BackendOptions bo;
-    bo.kind = kernels::BackendKind::kCuda;
-    auto made = kernels::MakeBackend(bo);
-    if (!made.ok()) {
-      std::fprintf(stderr, "cuda backend: %s\n", made.status().ToString().c_str());
-      return 1;
-    }
-    backend = *std::move(made);
+  kernels::BackendOptions bo;
+  bo.kind = backend_name == "cuda" ? kernels::BackendKind::kCuda : kernels::BackendKind::kCpu;
+  bo.cpu_threads = threads;
+  auto made = kernels::MakeBackend(bo);
+  if (!made.ok()) {
+    std::fprintf(stderr, "%s backend: %s\n", backend_name.c_str(), made.status().ToString().c_str());
+    return 1;
   }
+  std::unique_ptr<kernels::Backend> backend = *std::move(made);
   kvstore::LocalStoreOptions so;
   so.path = dir + "/kv";
   so.sync_writes = false;

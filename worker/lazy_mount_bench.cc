@@ -165,22 +165,19 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "model: %s\n", model.status().ToString().c_str());
     return 1;
   }
-  std::unique_ptr<kernels::Backend> backend;
-  if (backend_name == "cpu") {
-    backend = kernels::MakeCpuBackend(threads);
-  } else if (backend_name == "cuda") {
-    kernels::BackendOptions bo;
-    bo.kind = kernels::BackendKind::kCuda;
-    auto made = kernels::MakeBackend(bo);
-    if (!made.ok()) {
-      std::fprintf(stderr, "cuda backend: %s\n", made.status().ToString().c_str());
-      return 1;
-    }
-    backend = *std::move(made);
-  } else {
+  if (backend_name != "cpu" && backend_name != "cuda") {
     std::fprintf(stderr, "--backend cpu|cuda\n");
     return 2;
   }
+  kernels::BackendOptions bo;
+  bo.kind = backend_name == "cuda" ? kernels::BackendKind::kCuda : kernels::BackendKind::kCpu;
+  bo.cpu_threads = threads;
+  auto made = kernels::MakeBackend(bo);
+  if (!made.ok()) {
+    std::fprintf(stderr, "%s backend: %s\n", backend_name.c_str(), made.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<kernels::Backend> backend = *std::move(made);
   std::printf("backend %s, decode graph %s, device sampling %d, temperature %g, top-p %g\n",
               backend->Name().c_str(), decode_graph.c_str(), device_sampling ? 1 : 0, temperature,
               top_p);

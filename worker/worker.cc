@@ -1292,21 +1292,21 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, cons
       batch_mu_.Await(absl::Condition(&ready));
       continue;
     }
-    // Gather the steps of the other decoding jobs first (WorkerOptions::decode_batch_wait_us).
-    if (options_.decode_batch_wait_us > 0 && limit > 1 &&
-        pending_.size() < std::min(limit, static_cast<size_t>(decoding_jobs_))) {
-      auto full = [this, limit]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) {
-        return batch_running_ || pending_.size() >= std::min(limit, static_cast<size_t>(decoding_jobs_));
+    // Gather the other steps first: those of every job in its decode loop, up to the batch limit,
+    // for at most WorkerOptions::decode_batch_wait_us; or a test's fixed count
+    // (SetDecodeBatchGateForTesting), for at most 2 s.
+    const int gate = batch_gate_for_testing_.load();
+    const bool gated = gate > 1;
+    auto want = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) {
+      return gated ? static_cast<size_t>(gate) : std::min(limit, static_cast<size_t>(decoding_jobs_));
+    };
+    const absl::Duration wait = gated ? absl::Seconds(2) : absl::Microseconds(options_.decode_batch_wait_us);
+    if (wait > absl::ZeroDuration() && pending_.size() < want()) {
+      auto full = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) {
+        return batch_running_ || pending_.size() >= want();
       };
-      batch_mu_.AwaitWithTimeout(absl::Condition(&full), absl::Microseconds(options_.decode_batch_wait_us));
+      batch_mu_.AwaitWithTimeout(absl::Condition(&full), wait);
       if (batch_running_ || me.done) continue;
-    }
-    if (const int gate = batch_gate_for_testing_.load(); gate > 1 && pending_.size() < static_cast<size_t>(gate)) {
-      auto enough = [this, gate]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) {
-        return batch_running_ || pending_.size() >= static_cast<size_t>(gate);
-      };
-      batch_mu_.AwaitWithTimeout(absl::Condition(&enough), absl::Seconds(2));
-      if (batch_running_) continue;
     }
     batch_running_ = true;
     const size_t take = std::min(limit, pending_.size());
