@@ -66,6 +66,9 @@
 //     cosine >= theta with the one it last selected for reuses that selection. Reported as
 //     selection_reuse (hits per (layer, KV head) choice over the measured steps). Each document
 //     pass runs once per listed (hook, rho, theta), in that order.
+//   --selection_log=PATH (hooks device / managed, no graphs): each document pass writes every
+//     layer's selection to PATH.<shape>.<context>.<pass>.bin (header and records: Decode), the
+//     input of bench/page_cache_sim.cc (the page cache's replacement policies offline).
 //   --summary_dtype=bf16 (default f32): the device chooser's summaries in bf16, rounded outward
 //     (kernels::MinMaxRowsToBF16, as the worker's lazy jobs keep them): half the device memory and
 //     half the bytes each selection reads.
@@ -218,6 +221,11 @@ struct Flags {
   double query_correlation = 0.0;  // of the current pass
   double cache_theta = 2.0;        // of the current pass
   uint64_t seed = 1;
+  // Non-empty: every document pass appends each layer's selection to
+  // "<selection_log>.<shape>.<context>.<pass>.bin" (see SelectionLog) for offline cache studies
+  // (bench/page_cache_sim.cc); each layer's selection is copied to the host (not for graphs).
+  std::string selection_log;
+  int pass_index = 0;  // of the current pass (the log's name)
 };
 
 bool ParseFlag(const std::string& arg, Flags* f) {
@@ -240,6 +248,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "prefill_contexts") { f->prefill_contexts = v; return true; }
   if (k == "prefill_policy") { f->prefill_policy = v; return true; }
   if (k == "matmul_precision") { f->matmul_precision = v; return true; }
+  if (k == "selection_log") { f->selection_log = v; return !v.empty(); }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
   if (k == "query_correlation" || k == "cache_theta") {
@@ -610,7 +619,7 @@ class DeviceChooser {
     if (n > 0) {
       STRATA_ASSIGN_OR_RETURN(chosen,
                               Enqueue(layer, TensorView(q.data, DType::kF32, {hq_, d_}), group, n));
-      if (pages != nullptr) {  // null: a device-managed cache, nothing goes to the host
+      if (pages != nullptr || log_ != nullptr) {  // null: a device-managed cache
         Stopwatch copy;
         STRATA_RETURN_IF_ERROR(backend_->CopyToHost(host_selected_.data(), chosen.data,
                                                     host_selected_.size() * 4, nullptr));
@@ -618,6 +627,14 @@ class DeviceChooser {
       }
     } else {
       std::fill(host_selected_.begin(), host_selected_.end(), -1);
+    }
+    if (log_ != nullptr) {
+      const int32_t l32 = layer;
+      if (std::fwrite(&l32, 4, 1, log_) != 1 ||
+          std::fwrite(host_selected_.data(), 4, host_selected_.size(), log_) !=
+              host_selected_.size()) {
+        return absl::InternalError("DeviceChooser: selection log write failed");
+      }
     }
     for (int g = 0; pages != nullptr && g < hkv_; ++g) {
       engine::AppendChosenPages(&host_selected_[static_cast<size_t>(g) * k_], k_, window_first_,
@@ -646,6 +663,8 @@ class DeviceChooser {
     if (cache_ == nullptr) return 0;
     return cache_->ReadHits(nullptr);
   }
+  // Appends each layer's selection to `log` (not owned; null: off). See SelectionLog.
+  void set_log(std::FILE* log) { log_ = log; }
   double seconds() const { return seconds_; }
   // Of seconds(): the selection copies to the host (in the device path, the wait for the step's
   // queued GPU work up to this layer's selection).
@@ -682,6 +701,7 @@ class DeviceChooser {
   std::vector<int32_t> host_selected_;
   double seconds_ = 0;
   double copy_seconds_ = 0;
+  std::FILE* log_ = nullptr;
 };
 
 // Greedy next token: on the device (Backend::Sample at temperature 0 over Transformer::
@@ -1149,6 +1169,33 @@ absl::Status Decode(const model::ModelConfig& c, engine::Transformer* tf,
       return s;
     };
   }
+  // The selection log: a header of int64s (magic 0x53454c4c4f473031 "SELLOG01", layers, KV
+  // heads, k, pages per head, first window page, cache slots, page size, warm-up steps), then per
+  // layer call its layer (int32) and selection [kv_heads, k] (int32 page ids, -1 none).
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> log(nullptr, &std::fclose);
+  if (!f.selection_log.empty()) {
+    if (!device_chooser || !device_hook || tf->options().decode_graph) {
+      return absl::InvalidArgumentError(
+          "--selection_log needs the device chooser and a device hook without graphs");
+    }
+    const std::string path = absl::StrCat(f.selection_log, ".", res->shape, ".", doc.tokens, ".",
+                                          f.pass_index, ".bin");
+    log.reset(std::fopen(path.c_str(), "wb"));
+    if (log == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));
+    const int64_t header[9] = {0x53454c4c4f473031,
+                               c.num_layers,
+                               c.num_kv_heads,
+                               std::max<int64_t>(1, f.budget_tokens / P),
+                               doc.pages,
+                               std::max<int64_t>(1, doc.pages - f.window_pages),
+                               go.num_slots,
+                               P,
+                               f.warmup};
+    if (std::fwrite(header, sizeof(header), 1, log.get()) != 1) {
+      return absl::InternalError(absl::StrCat("cannot write ", path));
+    }
+    dev->set_log(log.get());
+  }
   STRATA_ASSIGN_OR_RETURN(auto gca, engine::GpuCacheAttention::Create(ao, cache.get(), backend));
   TimedAttention timed(gca.get());
   std::unique_ptr<CorrelatedQueries> correlated;
@@ -1470,6 +1517,7 @@ int Main(int argc, char** argv) {
         }
       }
       if (host_cmp) passes.push_back({false, false, false, false, false});
+      int pass_index = 0;
       for (const auto& [device_chooser, device_hook, selected, managed, graph, rho, theta,
                         pipeline] : passes) {
         Flags pass_flags = f;
@@ -1477,6 +1525,7 @@ int Main(int argc, char** argv) {
         pass_flags.query_correlation = rho;
         pass_flags.cache_theta = theta;
         pass_flags.pipeline = pipeline;
+        pass_flags.pass_index = pass_index++;
         RunResult r;
         r.shape = mo.preset;
         r.chooser = device_chooser ? "device" : "host-minmax";

@@ -449,6 +449,129 @@ TEST(DecodeGraphTest, ReplayWithACapturableDocumentHookMatchesNormalPath) {
               steps, worst, worst_whole);
 }
 
+// ForwardBatch with decode_graph: the batch's rows replay one graph, recorded for its set of
+// caches and hooks (in the order of the caches' ids, so steps that come in another order replay
+// the same graph), and every row follows the same sequence decoded alone on the normal path:
+// two plain sequences (one drawn on the device through BatchItem::sample, temperature 0) and one
+// with a capturable document hook, so the graph merges one row's partial and copies the others.
+// A batch of two of them is another set: a second capture.
+TEST(DecodeGraphTest, BatchedStepsReplayOneGraphOnGpu) {
+  std::string why;
+  GraphPair pair;
+  if (!MakeGraphPair(&pair, &why)) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  kernels::Backend* backend = pair.backend.get();
+  const model::ModelConfig& c = pair.model->config;
+  Transformer* plain = pair.plain.get();
+  Transformer* graph = pair.graph.get();
+  const int doc_len = 83, prompt_len = 11, steps = 16;
+  std::mt19937 rng(23);
+  std::vector<int32_t> doc_tokens(doc_len);
+  for (int32_t& t : doc_tokens) t = static_cast<int32_t>(rng() % c.vocab_size);
+  std::vector<float> scratch(c.vocab_size);
+  STRATA_ASSERT_OK_AND_ASSIGN(
+      auto doc, KvCache::Create(plain->MakeCacheOptions(doc_len, 16, DType::kF32), backend));
+  auto doc_policy = MakeDensePolicy();
+  STRATA_ASSERT_OK(plain->Forward(doc_tokens.data(), doc_len, 0, doc.get(), doc_policy.get(),
+                                  scratch.data(), false));
+  struct Seq {
+    std::unique_ptr<KvCache> a, b;  // plain's (alone) and graph's (batched)
+    std::unique_ptr<AttentionPolicy> pa = MakeDensePolicy(), pb = MakeDensePolicy();
+    std::unique_ptr<DocumentHook> ha, hb;
+    ForwardOptions fa, fb;
+    std::vector<float> la, lb;
+    int32_t ta = 0, tb = 0;
+    int64_t first = 0;  // position of the caches' first token
+  };
+  constexpr int kSeqs = 3;
+  Seq seqs[kSeqs];
+  for (int i = 0; i < kSeqs; ++i) {
+    Seq& q = seqs[i];
+    if (i == 2) {
+      STRATA_ASSERT_OK_AND_ASSIGN(q.ha, DocumentHook::Create(backend, doc.get(), doc_len));
+      STRATA_ASSERT_OK_AND_ASSIGN(q.hb, DocumentHook::Create(backend, doc.get(), doc_len));
+      q.fa.external = q.ha.get();
+      q.fb.external = q.hb.get();
+      q.first = doc_len;
+    }
+    q.fa.cache_first_position = q.fb.cache_first_position = q.first;
+    const int64_t max_tokens = prompt_len + steps + 3;
+    STRATA_ASSERT_OK_AND_ASSIGN(q.a, KvCache::Create(plain->MakeCacheOptions(max_tokens, 16, DType::kF32), backend));
+    STRATA_ASSERT_OK_AND_ASSIGN(q.b, KvCache::Create(graph->MakeCacheOptions(max_tokens, 16, DType::kF32), backend));
+    std::vector<int32_t> prompt(prompt_len);
+    for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % c.vocab_size);
+    q.la.resize(c.vocab_size);
+    q.lb.resize(c.vocab_size);
+    STRATA_ASSERT_OK(plain->Forward(prompt.data(), prompt_len, q.first, q.a.get(), q.pa.get(),
+                                    q.la.data(), false, q.fa));
+    STRATA_ASSERT_OK(graph->Forward(prompt.data(), prompt_len, q.first, q.b.get(), q.pb.get(),
+                                    q.lb.data(), false, q.fb));
+    q.ta = Argmax(q.la);
+    q.tb = Argmax(q.lb);
+  }
+  const int64_t steps_before = graph->graph_steps(), captures_before = graph->graph_captures();
+  const int hook_calls_before = seqs[2].hb->calls;
+  kernels::SampleRow greedy;  // temperature 0: the argmax, drawn on the device
+  double worst = 0;
+  auto run = [&](const std::vector<int>& which, int s) {
+    std::vector<Transformer::BatchItem> items;
+    for (int i : which) {
+      Seq& q = seqs[i];
+      ASSERT_EQ(q.ta, q.tb) << "sequence " << i << " step " << s;
+      const int64_t pos = q.first + prompt_len + s;
+      STRATA_ASSERT_OK(plain->Forward(&q.ta, 1, pos, q.a.get(), q.pa.get(), q.la.data(), false, q.fa));
+      q.ta = Argmax(q.la);
+      Transformer::BatchItem it;
+      it.id = q.tb;
+      it.pos = pos;
+      it.cache = q.b.get();
+      it.policy = q.pb.get();
+      it.options = q.fb;
+      if (i == 1) {
+        it.sample = &greedy;
+        it.token = &q.tb;
+      } else {
+        it.logits_out = q.lb.data();
+      }
+      items.push_back(it);
+    }
+    STRATA_ASSERT_OK(graph->ForwardBatch(items));
+    for (int i : which) {
+      Seq& q = seqs[i];
+      if (i == 1) continue;  // its token was drawn on the device
+      for (int v = 0; v < c.vocab_size; ++v) {
+        const double d = std::fabs(static_cast<double>(q.la[v]) - q.lb[v]);
+        worst = std::max(worst, d);
+        ASSERT_LE(d, 1e-3) << "sequence " << i << " step " << s << " logit " << v;
+      }
+      q.tb = Argmax(q.lb);
+    }
+  };
+  for (int s = 0; s < steps; ++s) {
+    // The rows come in a different order each step.
+    std::vector<int> which = {0, 1, 2};
+    std::rotate(which.begin(), which.begin() + s % kSeqs, which.end());
+    if (s % 2 == 1) std::reverse(which.begin(), which.end());
+    run(which, s);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  for (int i = 0; i < kSeqs; ++i) EXPECT_EQ(seqs[i].ta, seqs[i].tb) << "sequence " << i;
+  EXPECT_EQ(graph->graph_steps() - steps_before, kSeqs * steps);
+  EXPECT_EQ(graph->graph_captures() - captures_before, 1);
+  // The hook was recorded once per layer at the capture, never called again.
+  EXPECT_EQ(seqs[2].hb->calls - hook_calls_before, c.num_layers);
+  // Two of the sequences: another set of caches, another graph.
+  for (int s = steps; s < steps + 3; ++s) {
+    run({2, 0}, s);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_EQ(seqs[0].ta, seqs[0].tb);
+  EXPECT_EQ(seqs[2].ta, seqs[2].tb);
+  EXPECT_EQ(graph->graph_captures() - captures_before, 2);
+  EXPECT_EQ(graph->graph_steps() - steps_before, kSeqs * steps + 6);
+  EXPECT_EQ(seqs[0].b->length(0), prompt_len + steps + 3);
+  std::printf("  batched graph: %d steps of %d rows, max |logit diff| %.3g\n", steps, kSeqs, worst);
+}
+
 TEST(DecodeGraphTest, DeviceTokenStepsMatchHostIdsOnGpu) {
   std::string why;
   GraphPair p;

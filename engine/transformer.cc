@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <utility>
 
@@ -438,25 +439,55 @@ absl::Status Transformer::MergeDevicePartial(int64_t row0, int64_t n) {
 absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCache* cache,
                                                    AttentionPolicy* policy, float* logits_out,
                                                    const ForwardOptions& fo) {
-  ExternalAttention* external = fo.external;
-  if (external != nullptr && !(external->AttendsOnDevice() && external->CapturableOnDevice())) {
+  GraphRow row;
+  row.id = id;
+  row.pos = pos;
+  row.cache = cache;
+  row.policy = policy;
+  row.options = &fo;
+  STRATA_ASSIGN_OR_RETURN(const bool done, ReplayGraphRows({row}, fo.device_token));
+  if (done && !fo.logits_on_device) {
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(logits_out, logits_->data(),
+                                                config_.vocab_size * sizeof(float), nullptr));
+  }
+  return done;
+}
+
+absl::StatusOr<bool> Transformer::ReplayGraphRows(const std::vector<GraphRow>& rows,
+                                                  const int32_t* device_token) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  const int64_t max_rows = options_.prefill_chunk_size;
+  bool& unavailable = n > 1 ? batch_graph_unavailable_ : graph_unavailable_;
+  if (host_memory_ || unavailable || n < 1 || n > max_rows || (device_token != nullptr && n > 1)) {
     return false;
   }
-  if (host_memory_ || graph_unavailable_ || fo.device_policy != nullptr ||
-      policy->Name() != "dense") {
-    return false;
+  // STRATA_DECODE_GRAPH_BATCH=0 leaves steps of several rows to the normal path (A/B).
+  static const bool batch_graphs = [] {
+    const char* v = std::getenv("STRATA_DECODE_GRAPH_BATCH");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  if (n > 1 && !batch_graphs) return false;
+  DecodeGraphKey key;
+  key.device_token = device_token;
+  bool any_external = false;
+  for (const GraphRow& r : rows) {
+    ExternalAttention* external = r.options->external;
+    if (external != nullptr && !(external->AttendsOnDevice() && external->CapturableOnDevice())) {
+      return false;
+    }
+    if (r.options->device_policy != nullptr || r.policy->Name() != "dense") return false;
+    const int64_t index = r.pos - r.options->cache_first_position;
+    if (index + 1 > r.cache->options().max_tokens) {
+      return absl::ResourceExhaustedError(absl::StrCat("kv cache: ", index, " + 1 tokens exceed max_tokens ",
+                                                       r.cache->options().max_tokens));
+    }
+    // The graph records the cache's pools and the hook's device buffers: keyed by their lifetimes
+    // (ids are never reused, addresses may be).
+    key.ids.push_back(r.cache->id());
+    key.ids.push_back(external == nullptr ? 0 : external->instance_id());
+    any_external = any_external || external != nullptr;
   }
   kernels::Backend* be = backend_;
-  const KvCacheOptions& co = cache->options();
-  const int64_t index = pos - fo.cache_first_position;
-  if (index + 1 > co.max_tokens) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("kv cache: ", index, " + 1 tokens exceed max_tokens ", co.max_tokens));
-  }
-  // The graph records the cache's pools and the hook's device buffers: keyed by their lifetimes
-  // (ids are never reused, addresses may be).
-  const DecodeGraphKey key{cache->id(), external == nullptr ? 0 : external->instance_id(),
-                           fo.device_token};
   bool captured = false;
   auto found = std::find_if(graphs_.begin(), graphs_.end(),
                             [&key](const DecodeGraph& e) { return e.key == key; });
@@ -465,55 +496,66 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
   } else {
     // Allocations and copies before the capture (they may not run inside one).
     if (step_ == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(step_, be->Allocate(4 * sizeof(int32_t)));
+      STRATA_ASSIGN_OR_RETURN(step_, be->Allocate(static_cast<size_t>(4 * max_rows) * sizeof(int32_t)));
     }
     if (step_host_ == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(step_host_, be->AllocateHost(2 * 4 * sizeof(int32_t)));
+      STRATA_ASSIGN_OR_RETURN(step_host_,
+                              be->AllocateHost(static_cast<size_t>(2 * 4 * max_rows) * sizeof(int32_t)));
     }
     DecodeGraph entry;
     entry.key = key;
-    const int64_t hkv = config_.num_kv_heads, pages = cache->pages_per_head();
-    std::vector<int32_t> table(static_cast<size_t>(hkv * pages));
-    for (int64_t g = 0; g < hkv; ++g) {
-      for (int64_t p = 0; p < pages; ++p) {
-        table[g * pages + p] = cache->SlotOf(0, static_cast<int>(g), p);
+    std::vector<kernels::Buffer*> tables;
+    for (const GraphRow& r : rows) {
+      const int64_t hkv = config_.num_kv_heads, pages = r.cache->pages_per_head();
+      std::vector<int32_t> table(static_cast<size_t>(hkv * pages));
+      for (int64_t g = 0; g < hkv; ++g) {
+        for (int64_t p = 0; p < pages; ++p) {
+          table[g * pages + p] = r.cache->SlotOf(0, static_cast<int>(g), p);
+        }
       }
+      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> t,
+                              be->Allocate(table.size() * sizeof(int32_t)));
+      STRATA_RETURN_IF_ERROR(
+          be->CopyToDevice(t->data(), table.data(), table.size() * sizeof(int32_t), nullptr));
+      tables.push_back(t.get());
+      entry.page_tables.push_back(std::move(t));
     }
-    STRATA_ASSIGN_OR_RETURN(entry.page_table, be->Allocate(table.size() * sizeof(int32_t)));
-    STRATA_RETURN_IF_ERROR(be->CopyToDevice(entry.page_table->data(), table.data(),
-                                            table.size() * sizeof(int32_t), nullptr));
-    if (external != nullptr) {
-      // The hook's partial and the merge output, allocated before the capture.
-      const int64_t rows = options_.prefill_chunk_size, hq = config_.num_heads;
-      const int64_t d = config_.head_dim;
+    if (any_external) {
+      // The hooks' partials and the merge output, allocated before the capture.
+      const int64_t hq = config_.num_heads, d = config_.head_dim;
       if (ext_o_ == nullptr) {
-        STRATA_ASSIGN_OR_RETURN(ext_o_, be->Allocate(static_cast<size_t>(rows * hq * d) * 4));
-        STRATA_ASSIGN_OR_RETURN(ext_lse_, be->Allocate(static_cast<size_t>(rows * hq) * 4));
+        STRATA_ASSIGN_OR_RETURN(ext_o_, be->Allocate(static_cast<size_t>(max_rows * hq * d) * 4));
+        STRATA_ASSIGN_OR_RETURN(ext_lse_, be->Allocate(static_cast<size_t>(max_rows * hq) * 4));
       }
       if (merged_ == nullptr) {
-        STRATA_ASSIGN_OR_RETURN(merged_, be->Allocate(static_cast<size_t>(rows * hq * d) * 4));
-        STRATA_ASSIGN_OR_RETURN(merged_lse_, be->Allocate(static_cast<size_t>(rows * hq) * 4));
+        STRATA_ASSIGN_OR_RETURN(merged_, be->Allocate(static_cast<size_t>(max_rows * hq * d) * 4));
+        STRATA_ASSIGN_OR_RETURN(merged_lse_, be->Allocate(static_cast<size_t>(max_rows * hq) * 4));
       }
-    }
-    if (external != nullptr && !external->PrepareCapture(static_cast<int>(config_.num_heads)).ok()) {
-      return false;
+      for (const GraphRow& r : rows) {
+        ExternalAttention* external = r.options->external;
+        if (external != nullptr &&
+            !external->PrepareCapture(static_cast<int>(config_.num_heads)).ok()) {
+          return false;
+        }
+      }
     }
     const absl::Status begun = be->BeginCapture(nullptr);
     if (!begun.ok()) {
-      STRATA_LOG(WARNING) << "decode_graph: capture refused (" << begun
-                          << "); one-token steps take the normal path from now on";
-      graph_unavailable_ = true;
+      STRATA_LOG(WARNING) << "decode_graph: capture refused (" << begun << "); "
+                          << (n > 1 ? "batched" : "one-token")
+                          << " steps take the normal path from now on";
+      unavailable = true;
       return false;
     }
-    const absl::Status recorded =
-        RecordGraphStep(cache, external, pos, entry.page_table.get(), fo.device_token);
+    const absl::Status recorded = RecordGraphStep(rows, tables, device_token);
     absl::StatusOr<std::unique_ptr<kernels::Graph>> graph = be->EndCapture(nullptr);
     if (!recorded.ok() || !graph.ok()) {
       // Nothing ran and no host state changed: the normal path takes this step and the next.
-      STRATA_LOG(WARNING) << "decode_graph: the step could not be recorded ("
-                          << (recorded.ok() ? graph.status() : recorded)
-                          << "); one-token steps take the normal path from now on";
-      graph_unavailable_ = true;
+      STRATA_LOG(WARNING) << "decode_graph: the step of " << n << " rows could not be recorded ("
+                          << (recorded.ok() ? graph.status() : recorded) << "); "
+                          << (n > 1 ? "batched" : "one-token")
+                          << " steps take the normal path from now on";
+      unavailable = true;
       return false;
     }
     entry.graph = *std::move(graph);
@@ -531,74 +573,84 @@ absl::StatusOr<bool> Transformer::ForwardGraphStep(int32_t id, int64_t pos, KvCa
     slot_mark = -1;
     STRATA_RETURN_IF_ERROR(be->WaitMark(m));
   }
-  int32_t* slot = static_cast<int32_t*>(step_host_->data()) + 4 * step_slot_;
-  slot[0] = id;
-  slot[1] = static_cast<int32_t>(pos);
-  slot[2] = static_cast<int32_t>(index);
-  slot[3] = static_cast<int32_t>(index + 1);
+  int32_t* slot = static_cast<int32_t*>(step_host_->data()) + 4 * max_rows * step_slot_;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t index = rows[r].pos - rows[r].options->cache_first_position;
+    slot[r] = rows[r].id;
+    slot[n + r] = static_cast<int32_t>(rows[r].pos);
+    slot[2 * n + r] = static_cast<int32_t>(index);
+    slot[3 * n + r] = static_cast<int32_t>(index + 1);
+  }
   STRATA_RETURN_IF_ERROR(
-      be->CopyToDeviceAsync(step_->data(), slot, 4 * sizeof(int32_t), nullptr));
+      be->CopyToDeviceAsync(step_->data(), slot, static_cast<size_t>(4 * n) * sizeof(int32_t), nullptr));
   STRATA_ASSIGN_OR_RETURN(slot_mark, be->RecordMark(nullptr));
   step_slot_ ^= 1;
   STRATA_RETURN_IF_ERROR(graph->Replay(nullptr));
-  // Host bookkeeping while the step runs on the device, then the logits.
-  STRATA_RETURN_IF_ERROR(cache->CommitAppend(1));
-  for (int layer = 0; layer < co.num_layers; ++layer) {
-    STRATA_RETURN_IF_ERROR(policy->OnAppend(layer, *cache, index, index + 1));
-    // The dense policy's spans are not used (the graph attends [0, length) on the device); the
-    // call keeps its counters those of the normal path.
-    STRATA_RETURN_IF_ERROR(policy->Select(layer, nullptr, 1, static_cast<int>(config_.num_heads), index,
-                                          *cache, &selection_));
+  // Host bookkeeping while the step runs on the device.
+  for (const GraphRow& r : rows) {
+    const int64_t index = r.pos - r.options->cache_first_position;
+    STRATA_RETURN_IF_ERROR(r.cache->CommitAppend(1));
+    for (int layer = 0; layer < r.cache->options().num_layers; ++layer) {
+      STRATA_RETURN_IF_ERROR(r.policy->OnAppend(layer, *r.cache, index, index + 1));
+      // The dense policy's spans are not used (the graph attends [0, length) on the device); the
+      // call keeps its counters those of the normal path.
+      STRATA_RETURN_IF_ERROR(r.policy->Select(layer, nullptr, 1, static_cast<int>(config_.num_heads),
+                                              index, *r.cache, &selection_));
+    }
+    if (r.options->external != nullptr && !captured) r.options->external->OnReplayedStep(r.pos);
   }
-  if (external != nullptr && !captured) external->OnReplayedStep(pos);
-  if (!fo.logits_on_device) {
-    STRATA_RETURN_IF_ERROR(
-        be->CopyToHost(logits_out, logits_->data(), config_.vocab_size * sizeof(float), nullptr));
-  }
-  ++graph_steps_;
+  graph_steps_ += n;
   return true;
 }
 
-absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* external,
-                                          int64_t pos, kernels::Buffer* page_table,
+absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
+                                          const std::vector<kernels::Buffer*>& page_tables,
                                           const int32_t* device_token) {
   kernels::Backend* be = backend_;
+  const int64_t n = static_cast<int64_t>(rows.size());
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
   const int64_t ffn = config_.intermediate_size;
   const float eps = static_cast<float>(config_.rms_norm_eps);
   const int32_t* step = static_cast<const int32_t*>(step_->data());
   const int32_t* id_dev = device_token != nullptr ? device_token : step;
-  const int32_t* pos_dev = step + 1;
-  const int32_t* index_dev = step + 2;
-  const int32_t* len_dev = step + 3;
-  const TensorView x = View2(x_.get(), 1, hidden);
-  const TensorView xn = View2(xn_.get(), 1, hidden);
+  const int32_t* pos_dev = step + n;
+  const int32_t* index_dev = step + 2 * n;
+  const int32_t* len_dev = step + 3 * n;
+  const TensorView x = View2(x_.get(), n, hidden);
+  const TensorView xn = View2(xn_.get(), n, hidden);
+  // The rows as RunLayers lays them out: q [n, hq * d], then k and v [n, hkv * d]; gate then up.
   float* const q_rows = static_cast<float*>(qkv_->data());
-  float* const k_rows = q_rows + hq * d;
-  float* const v_rows = k_rows + hkv * d;
+  float* const k_rows = q_rows + n * hq * d;
+  float* const v_rows = k_rows + n * hkv * d;
   float* const gate_rows = static_cast<float*>(gate_up_->data());
-  const TensorView q(q_rows, DType::kF32, {1, hq * d});
-  const TensorView k(k_rows, DType::kF32, {1, hkv * d});
-  const TensorView v(v_rows, DType::kF32, {1, hkv * d});
-  const TensorView qkv(q_rows, DType::kF32, {1, (hq + 2 * hkv) * d});
-  const TensorView q3(q_rows, DType::kF32, {1, hq, d});
-  const TensorView k3(k_rows, DType::kF32, {1, hkv, d});
-  const TensorView v3(v_rows, DType::kF32, {1, hkv, d});
-  const TensorView qk3(q_rows, DType::kF32, {1, hq + hkv, d});
-  const TensorView o = View2(o_.get(), 1, hidden);
-  const TensorView gate(gate_rows, DType::kF32, {1, ffn});
-  const TensorView up(gate_rows + ffn, DType::kF32, {1, ffn});
-  const TensorView gate_up(gate_rows, DType::kF32, {1, 2 * ffn});
-  kernels::SelectedAttentionParams ap;
-  ap.q = q3;
-  ap.page_table = TensorView(page_table->data(), DType::kI32, {hkv, cache->pages_per_head()});
-  ap.prefix_end = cache->options().max_tokens;
-  ap.prefix_len = len_dev;
-  ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  ap.out = TensorView(attn_->data(), DType::kF32, {1, hq, d});
-  ap.lse = TensorView(lse_->data(), DType::kF32, {1, hq});
-  const TensorView attn = View2(attn_.get(), 1, hq * d);
+  float* const attn_rows = static_cast<float*>(attn_->data());
+  float* const lse_rows = static_cast<float*>(lse_->data());
+  const TensorView q(q_rows, DType::kF32, {n, hq * d});
+  const TensorView k(k_rows, DType::kF32, {n, hkv * d});
+  const TensorView v(v_rows, DType::kF32, {n, hkv * d});
+  const TensorView qkv(q_rows, DType::kF32, {1, (hq + 2 * hkv) * d});  // one row only
+  const TensorView q3(q_rows, DType::kF32, {n, hq, d});
+  const TensorView k3(k_rows, DType::kF32, {n, hkv, d});
+  const TensorView qk3(q_rows, DType::kF32, {1, hq + hkv, d});  // one row only
+  const TensorView o = View2(o_.get(), n, hidden);
+  const TensorView gate(gate_rows, DType::kF32, {n, ffn});
+  const TensorView up(gate_rows + n * ffn, DType::kF32, {n, ffn});
+  const TensorView gate_up(gate_rows, DType::kF32, {1, 2 * ffn});  // one row only
+  const TensorView attn = View2(attn_.get(), n, hq * d);
+  bool any_external = false;
+  std::vector<kernels::SelectedAttentionParams> local(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
+    any_external = any_external || rows[r].options->external != nullptr;
+    kernels::SelectedAttentionParams& ap = local[r];
+    ap.q = TensorView(q_rows + r * hq * d, DType::kF32, {1, hq, d});
+    ap.page_table = TensorView(page_tables[r]->data(), DType::kI32, {hkv, rows[r].cache->pages_per_head()});
+    ap.prefix_end = rows[r].cache->options().max_tokens;
+    ap.prefix_len = len_dev + r;
+    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ap.out = TensorView(attn_rows + r * hq * d, DType::kF32, {1, hq, d});
+    ap.lse = TensorView(lse_rows + r * hq, DType::kF32, {1, hq});
+  }
 
   STRATA_RETURN_IF_ERROR(be->Embedding({id_dev, embed_tokens_, x}, nullptr));
   const int num_layers = static_cast<int>(layers_.size());
@@ -607,7 +659,7 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
     const FusedWeights& fw = fused_[layer];
     // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
-    if (fw.qkv.data != nullptr) {
+    if (n == 1 && fw.qkv.data != nullptr) {
       STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
       STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
     } else {
@@ -617,12 +669,16 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
       STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
       STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
     }
-    STRATA_RETURN_IF_ERROR(cache->EnqueueAppendAt(layer, k3, v3, index_dev));
-    ap.k_pool = cache->k_pool(layer);
-    ap.v_pool = cache->v_pool(layer);
-    if (external != nullptr) {
-      // The local attention on a forked branch, beside the document's (its selection, page
-      // fills and attention); both only read q, and the merge waits for both.
+    for (int64_t r = 0; r < n; ++r) {
+      STRATA_RETURN_IF_ERROR(rows[r].cache->EnqueueAppendAt(
+          layer, TensorView(k_rows + r * hkv * d, DType::kF32, {1, hkv, d}),
+          TensorView(v_rows + r * hkv * d, DType::kF32, {1, hkv, d}), index_dev + r));
+      local[r].k_pool = rows[r].cache->k_pool(layer);
+      local[r].v_pool = rows[r].cache->v_pool(layer);
+    }
+    if (any_external) {
+      // The local attention of every row on a forked branch, beside the hooks' (their
+      // selection, page fills and attention); both only read q, and the merges wait for both.
       // STRATA_DECODE_GRAPH_FORK=0 queues it in line instead (A/B).
       static const bool fork = [] {
         const char* v = std::getenv("STRATA_DECODE_GRAPH_FORK");
@@ -632,24 +688,37 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
       if (fork) {
         STRATA_ASSIGN_OR_RETURN(side, be->ForkStream(nullptr));
       }
-      absl::Status s = be->SelectedAttention(ap, side);
-      if (s.ok()) {
-        s = external->AttendOnDevice(layer, q3, pos,
-                                     TensorView(ext_o_->data(), DType::kF32, {1, hq, d}),
-                                     TensorView(ext_lse_->data(), DType::kF32, {1, hq}));
+      absl::Status s;
+      for (int64_t r = 0; r < n && s.ok(); ++r) s = be->SelectedAttention(local[r], side);
+      for (int64_t r = 0; r < n && s.ok(); ++r) {
+        ExternalAttention* external = rows[r].options->external;
+        if (external == nullptr) continue;
+        s = external->AttendOnDevice(
+            layer, TensorView(q_rows + r * hq * d, DType::kF32, {1, hq, d}), rows[r].pos,
+            TensorView(static_cast<float*>(ext_o_->data()) + r * hq * d, DType::kF32, {1, hq, d}),
+            TensorView(static_cast<float*>(ext_lse_->data()) + r * hq, DType::kF32, {1, hq}));
       }
       const absl::Status joined = fork ? be->JoinStream(side, nullptr) : absl::OkStatus();
       STRATA_RETURN_IF_ERROR(s);
       STRATA_RETURN_IF_ERROR(joined);
-      STRATA_RETURN_IF_ERROR(MergeDevicePartial(0, 1));
-      STRATA_RETURN_IF_ERROR(
-          MatMul({View2(merged_.get(), 1, hq * d), w.o_proj, TensorView(), o}));
+      // Every row goes through the merge (one without a hook: a copy) so the O projection reads
+      // one buffer.
+      for (int64_t r = 0; r < n; ++r) {
+        if (rows[r].options->external != nullptr) {
+          STRATA_RETURN_IF_ERROR(MergeDevicePartial(r, 1));
+        } else {
+          STRATA_RETURN_IF_ERROR(MergeExternal(r, 1, {}));
+        }
+      }
+      STRATA_RETURN_IF_ERROR(MatMul({View2(merged_.get(), n, hq * d), w.o_proj, TensorView(), o}));
     } else {
-      STRATA_RETURN_IF_ERROR(be->SelectedAttention(ap, nullptr));
+      for (int64_t r = 0; r < n; ++r) {
+        STRATA_RETURN_IF_ERROR(be->SelectedAttention(local[r], nullptr));
+      }
       STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}));
     }
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));
-    if (fw.gate_up.data != nullptr) {
+    if (n == 1 && fw.gate_up.data != nullptr) {
       STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}));
     } else {
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}));
@@ -659,7 +728,7 @@ absl::Status Transformer::RecordGraphStep(KvCache* cache, ExternalAttention* ext
     STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
   }
   STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps, num_layers > 0 ? o : TensorView()}, nullptr));
-  const TensorView lo(logits_->data(), DType::kF32, {1, vocab});
+  const TensorView lo(logits_->data(), DType::kF32, {n, vocab});
   return MatMul({xn, lm_head_, TensorView(), lo});
 }
 
@@ -767,7 +836,34 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
     segs[b].n = 1;
     segs[b].start_pos = it.pos;
   }
+  std::vector<int64_t> order(static_cast<size_t>(B));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (options_.decode_graph) {
+    // The rows in the order of their caches' ids, so that the same sequences decoding together
+    // replay one graph whichever order their steps came in.
+    std::sort(order.begin(), order.end(), [&items](int64_t a, int64_t b) {
+      return items[a].cache->id() < items[b].cache->id();
+    });
+    std::vector<GraphRow> rows(static_cast<size_t>(B));
+    for (int64_t r = 0; r < B; ++r) {
+      const BatchItem& it = items[order[r]];
+      rows[r].id = it.id;
+      rows[r].pos = it.pos;
+      rows[r].cache = it.cache;
+      rows[r].policy = it.policy;
+      rows[r].options = &it.options;
+    }
+    STRATA_ASSIGN_OR_RETURN(const bool done, ReplayGraphRows(rows, nullptr));
+    if (done) return FinishBatch(items, order, /*on_device=*/true);
+    std::iota(order.begin(), order.end(), int64_t{0});
+  }
   STRATA_RETURN_IF_ERROR(RunLayers(ids.data(), B, segs));
+  return FinishBatch(items, order, /*on_device=*/false);
+}
+
+absl::Status Transformer::FinishBatch(std::vector<BatchItem>& items,
+                                      const std::vector<int64_t>& order, bool on_device) {
+  const int64_t B = static_cast<int64_t>(items.size());
   const int64_t vocab = config_.vocab_size;
   bool sampled = false;
   for (const BatchItem& it : items) sampled = sampled || it.sample != nullptr;
@@ -775,27 +871,35 @@ absl::Status Transformer::ForwardBatch(std::vector<BatchItem>& items) {
     // The logits stay on the backend: the sampled items get their tokens, the others their rows
     // (greedy rows drawn for them too, unused).
     std::vector<kernels::SampleRow> rows_sample(static_cast<size_t>(B));
-    for (int64_t b = 0; b < B; ++b) {
-      if (items[b].sample != nullptr) rows_sample[b] = *items[b].sample;
+    for (int64_t r = 0; r < B; ++r) {
+      if (items[order[r]].sample != nullptr) rows_sample[r] = *items[order[r]].sample;
     }
-    STRATA_RETURN_IF_ERROR(Logits(0, B, nullptr));
+    if (!on_device) STRATA_RETURN_IF_ERROR(Logits(0, B, nullptr));
     STRATA_RETURN_IF_ERROR(PickRows(TensorView(logits_->data(), DType::kF32, {B, vocab}),
                                     rows_sample.data()));
     const float* rows = static_cast<const float*>(logits_->data());
-    for (int64_t b = 0; b < B; ++b) {
-      if (items[b].token != nullptr) {
-        *items[b].token = picked_[b];
+    for (int64_t r = 0; r < B; ++r) {
+      BatchItem& it = items[order[r]];
+      if (it.token != nullptr) {
+        *it.token = picked_[r];
       } else {
-        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(items[b].logits_out, rows + b * vocab,
+        STRATA_RETURN_IF_ERROR(backend_->CopyToHost(it.logits_out, rows + r * vocab,
                                                     vocab * sizeof(float), nullptr));
       }
     }
     return absl::OkStatus();
   }
   batch_logits_.resize(static_cast<size_t>(B * vocab));
-  STRATA_RETURN_IF_ERROR(Logits(0, B, batch_logits_.data()));
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(items[b].logits_out, batch_logits_.data() + b * vocab, vocab * sizeof(float));
+  if (on_device) {
+    STRATA_RETURN_IF_ERROR(backend_->CopyToHost(batch_logits_.data(), logits_->data(),
+                                                static_cast<size_t>(B * vocab) * sizeof(float),
+                                                nullptr));
+  } else {
+    STRATA_RETURN_IF_ERROR(Logits(0, B, batch_logits_.data()));
+  }
+  for (int64_t r = 0; r < B; ++r) {
+    std::memcpy(items[order[r]].logits_out, batch_logits_.data() + r * vocab,
+                vocab * sizeof(float));
   }
   return absl::OkStatus();
 }

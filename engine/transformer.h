@@ -45,8 +45,10 @@ struct TransformerOptions {
   // dense SelectedAttention over the cache's [0, length) with a device length, final norm and LM
   // head) is captured on first use (Backend::BeginCapture / EndCapture) and replayed afterwards,
   // then the logits are copied to the host. A graph belongs to one cache (and external hook):
-  // the graphs of the 8 most recently used caches are kept, so concurrent sequences decoding in
-  // turn replay their own; a new cache captures again. Only where the result is the plain forward's: the policy is
+  // the graphs of the 16 most recently used caches (or batches) are kept, so concurrent sequences
+  // decoding in turn replay their own; a new cache captures again. ForwardBatch's steps run the
+  // same way: one graph for the batch's rows (ordered by cache), recorded for that set of caches
+  // and hooks and replayed while the same sequences decode together. Only where the result is the plain forward's: the policy is
   // "dense", no device policy, and no external attention unless it is on the device and
   // capturable (ExternalAttention::CapturableOnDevice: its AttendOnDevice is recorded once per
   // layer with the step, its partial merged on the device); other calls (and every call when the
@@ -184,10 +186,11 @@ class Transformer {
   const model::ModelConfig& config() const { return config_; }
   const TransformerOptions& options() const { return options_; }
   kernels::Backend* backend() const { return backend_; }
-  // One-token steps that ran as a graph replay (decode_graph), for tests and benchmarks.
+  // One-token steps that ran as a graph replay (decode_graph; each row of a batched replay
+  // counts), for tests and benchmarks.
   int64_t graph_steps() const { return graph_steps_; }
-  // Steps captured into a graph (decode_graph): one per cache, again when a cache's graph was
-  // dropped for more recently used ones (the most recent kMaxDecodeGraphs caches keep theirs).
+  // Graphs captured (decode_graph): one per cache (or batch of caches), again when its graph was
+  // dropped for more recently used ones (the most recent kMaxDecodeGraphs keep theirs).
   int64_t graph_captures() const { return graph_captures_; }
   // The logits of the last Forward with ForwardOptions::logits_on_device: [1, vocab] f32 in
   // backend memory (an empty view before the first such call; a ForwardBatch with sampled items
@@ -283,11 +286,36 @@ class Transformer {
   absl::StatusOr<bool> ForwardGraphStep(int32_t id, int64_t pos, KvCache* cache,
                                         AttentionPolicy* policy, float* logits_out,
                                         const ForwardOptions& options);
-  // Queues (or, while capturing, records) the one-token step reading step_ on the default stream.
-  // `external`: a CapturableOnDevice hook attended (and merged) after the local attention of
-  // every layer, or null.
-  absl::Status RecordGraphStep(KvCache* cache, ExternalAttention* external, int64_t pos,
-                               kernels::Buffer* page_table, const int32_t* id_dev);
+  // One row of a graph step: a sequence's next token (ForwardBatch's items, or Forward's one).
+  struct GraphRow {
+    int32_t id = 0;
+    int64_t pos = 0;
+    KvCache* cache = nullptr;
+    AttentionPolicy* policy = nullptr;
+    const ForwardOptions* options = nullptr;
+  };
+  // decode_graph: runs one token of each row as one replayed graph (captured on the first step of
+  // these caches and hooks in this order), its logits left in rows [0, rows) of logits_, and the
+  // caches, policies and hooks' host accounting advanced as the normal path does. Returns false
+  // (nothing done) when a row cannot run in a graph: a policy other than dense, a device policy,
+  // an external hook that is not capturable, more rows than prefill_chunk_size, a device_token
+  // with several rows, a host-memory backend, or captures refused before. ResourceExhausted when
+  // a cache is full.
+  absl::StatusOr<bool> ReplayGraphRows(const std::vector<GraphRow>& rows,
+                                       const int32_t* device_token);
+  // Queues (or, while capturing, records) the one-token step of `rows` reading step_ on the
+  // default stream: row r's token at step_[r], its position at step_[n + r], its cache index at
+  // step_[2n + r] and length at step_[3n + r] (n rows; the id at *device_token instead for one
+  // row with one). A row's CapturableOnDevice hook is attended (and merged) beside its local
+  // attention in every layer; page_tables[r] is row r's cache slot layout.
+  absl::Status RecordGraphStep(const std::vector<GraphRow>& rows,
+                               const std::vector<kernels::Buffer*>& page_tables,
+                               const int32_t* device_token);
+  // ForwardBatch's results: row r of the step's logits (logits_ when `on_device`, else the rows
+  // still to be computed from x_) belongs to items[order[r]]; draws the sampled items' tokens and
+  // copies the others' logits to their logits_out.
+  absl::Status FinishBatch(std::vector<BatchItem>& items, const std::vector<int64_t>& order,
+                           bool on_device);
 
   model::ModelConfig config_;
   TransformerOptions options_;
@@ -337,25 +365,26 @@ class Transformer {
   // per segment whether its partial is there.
   std::unique_ptr<kernels::Buffer> ext_o_, ext_lse_;
   std::vector<uint8_t> segment_device_part_;
-  // decode_graph state: step_ holds int32 {token id, position, cache index, cache index + 1} in
+  // decode_graph state: step_ holds int32 {token ids, positions, cache indices, cache indices + 1}
+  // of a step's rows (each group n values for n rows; room for prefill_chunk_size rows) in
   // backend memory (shared by every graph: replays are serial on the default stream). graphs_: the
-  // captured steps of the most recently used caches (least recent first, at most
+  // captured steps of the most recently used rows of caches (least recent first, at most
   // kMaxDecodeGraphs), each for the cache and external hook `key` names (by ids never reused), with
   // that cache's slot layout [num_kv_heads, pages_per_head] in `page_table`.
   struct DecodeGraphKey {
-    uint64_t cache_id = 0, external_id = 0;  // KvCache::id(), ExternalAttention::instance_id() or 0
-    const int32_t* device_token = nullptr;   // ForwardOptions::device_token the graph reads
+    // Per row in order: KvCache::id(), then ExternalAttention::instance_id() or 0.
+    std::vector<uint64_t> ids;
+    const int32_t* device_token = nullptr;  // ForwardOptions::device_token the graph reads
     bool operator==(const DecodeGraphKey& o) const {
-      return cache_id == o.cache_id && external_id == o.external_id &&
-             device_token == o.device_token;
+      return ids == o.ids && device_token == o.device_token;
     }
   };
   struct DecodeGraph {
     DecodeGraphKey key;
-    std::unique_ptr<kernels::Buffer> page_table;
+    std::vector<std::unique_ptr<kernels::Buffer>> page_tables;  // per row
     std::unique_ptr<kernels::Graph> graph;
   };
-  static constexpr size_t kMaxDecodeGraphs = 8;
+  static constexpr size_t kMaxDecodeGraphs = 16;
   std::unique_ptr<kernels::Buffer> step_;
   // The step's values go to step_ by a copy that does not wait (Backend::CopyToDeviceAsync) from
   // one of two host slots (AllocateHost memory), used in turn; a slot is rewritten only after the
@@ -364,7 +393,8 @@ class Transformer {
   int64_t step_mark_[2] = {-1, -1};
   int step_slot_ = 0;
   std::vector<DecodeGraph> graphs_;
-  bool graph_unavailable_ = false;  // a capture failed: normal path from then on
+  bool graph_unavailable_ = false;        // a one-row capture failed: normal path from then on
+  bool batch_graph_unavailable_ = false;  // the same for steps of several rows
   int64_t graph_steps_ = 0;
   int64_t graph_captures_ = 0;
 };

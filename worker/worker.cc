@@ -1341,7 +1341,11 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, cons
           items[i].sample = &batch[i]->row;
           items[i].token = &batch[i]->device_token;
         }
-        s = transformer_->ForwardBatch(items);
+        const int64_t replayed = transformer_->graph_steps();
+        s = transformer_->ForwardBatch(items);  // one replayed graph when it can (decode_graph)
+        if (metrics_ != nullptr) {
+          Inc(metrics_->decode_graph_steps, static_cast<double>(transformer_->graph_steps() - replayed));
+        }
       }
       if (s.ok()) {
         for (DecodeRequest* r : batch) {
