@@ -475,7 +475,8 @@ TEST_P(CudaMatMulTest, MatchesCpu) {
   STRATA_ASSERT_OK(gpu_->Supports(p));
   STRATA_ASSERT_OK(gpu_->MatMul(p, nullptr));
   // Tolerance relative to sum_i |in * w| (+ |bias|): the dot products cancel, so |ref| alone is
-  // no measure of the rounding. bf16 with > 8 tokens keeps ~16 bits of each activation (hi/lo).
+  // no measure of the rounding. bf16/f16 with 2+ tokens (and 16-byte rows, or > 8 tokens) keeps
+  // ~16 bits of each activation (hi/lo).
   const std::vector<float> iv = in.Values(), wv = w.Values(), bv = bias.Values();
   std::vector<double> scale(n * m);
   for (int64_t t = 0; t < n; ++t) {
@@ -495,9 +496,10 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(1, 3, 8, 9, 129), ::testing::Values(0, 1, 17, 256, 1000),
                        ::testing::Values(1, 3, 129), ::testing::Bool()));
 
-// Decode-sized GEMVs with model-sized rows: for several tokens one block of up to 256 threads
-// per row splits the row (4096: 128 threads; 14336: 256 threads, two passes; 4100: not a multiple
-// of 8, scalar loads), and the warps' partial sums are added across the block; one token with
+// Decode-sized GEMVs with model-sized rows: for several tokens with 16-byte rows, 16 rows per
+// block on tensor cores, the row's 32-column steps split over 8 warps (4096: 16 steps each;
+// 14336: 56) and their sums added across the block; 4100 (not a multiple of 8: scalar loads) one
+// block of up to 256 threads per row; one token with
 // 16-byte rows of a weight up to 64 MiB takes a warp per row (4096: 16 loads per lane in two
 // rounds; 14336: 56 in seven).
 INSTANTIATE_TEST_SUITE_P(

@@ -1,10 +1,12 @@
 // MatMul on the GPU: out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation.
 //
 // f32 weights: one cublasGemmEx in f32. bf16/f16 weights: for decode-sized batches
-// (num_tokens <= kGemvMaxTokens) GemvKernel reads each weight row once with one block per row
-// (16-byte loads when the rows are aligned, split over the block's threads) and dots it with
-// every token's f32 activations (one token with aligned rows of a small weight: GemvRowsKernel, a
-// warp per row on a grid that fills the GPU once); for more tokens the
+// (num_tokens <= kGemvMaxTokens) each weight row is read once: one token by GemvKernel (a block
+// per row, 16-byte loads when the rows are aligned, split over the block's threads, dotted with
+// the f32 activation) or, with aligned rows of a small weight, GemvRowsKernel (a warp per row on
+// a grid that fills the GPU once); 2..8 tokens with aligned rows by GemvMmaKernel (16 rows per
+// block on tensor cores, the activations split into hi + lo as below; GemvKernel for the others,
+// every product in f32); for more tokens the
 // activations are split into hi + lo in the weight's type and two cuBLAS GEMMs (bf16/f16 inputs,
 // f32 accumulation and output) add up W·hi + W·lo, which keeps ~16 significant bits of each
 // activation instead of the 8 (bf16) or 11 (f16) of a single rounding.
@@ -253,6 +255,124 @@ __global__ void __launch_bounds__(kGemvRowThreads)
   }
 }
 
+// ---- Several tokens on tensor cores --------------------------------------------------------
+
+constexpr int kMmaWarps = 8;   // warps per block: k-slices of the block's 16 weight rows
+constexpr int kMmaUnroll = 4;  // 32-column steps with their loads in flight per warp
+
+// Two floats as a packed pair of T (the first in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t PackPair<__half>(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// c += A (16 x 16, row-major fragments a) * B (16 x 8, column-major fragments b), f32 accumulate.
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1);
+template <>
+__device__ __forceinline__ void Mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (&a)[4],
+                                                 uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2..8 tokens (n <= 8), 16-byte rows (k % 8 == 0, aligned): the products on tensor cores. A block
+// takes 16 weight rows, its warps contiguous slices of their 32-column steps. Per step, lane (g,
+// t) (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 at columns [8t, 8t + 8) and
+// token g's activations there: the mma's k order is a permutation of the columns (A's
+// fragment positions {2t, 2t+1, 2t+8, 2t+9} of each of the step's two k16 halves s hold columns
+// 8t + 4s + {0..3}, and B's the same columns), so every load is a plain 16-byte chunk. The
+// activations are split as the cuBLAS path splits them (hi = x in T, lo = x - hi in T: two mmas,
+// ~16 bits of each activation), or rounded to T once (ROUND). The warps' 16 x 8 sums are added in
+// warp order in shared memory (the result does not depend on timing), bias last.
+template <typename T, bool ROUND>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    GemvMmaKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
+                  FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m) {
+  __shared__ float part[kMmaWarps][16][8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const bool va = row0 + g < m, vb = row0 + g + 8 < m;
+  const uint4* wa = reinterpret_cast<const uint4*>(w + (va ? row0 + g : 0) * k);
+  const uint4* wb = reinterpret_cast<const uint4*>(w + (vb ? row0 + g + 8 : 0) * k);
+  const bool vx = g < n;
+  const float4* x4 = reinterpret_cast<const float4*>(in + (vx ? g : 0) * k);
+  const int64_t k8 = k / 8;
+  const int64_t steps = (k8 + 3) / 4;
+  const int64_t per = (steps + kMmaWarps - 1) / kMmaWarps;
+  const int64_t s0 = warp * per;
+  const int64_t s1 = s0 + per < steps ? s0 + per : steps;
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t b = s0; b < s1; b += kMmaUnroll) {
+    uint4 ra[kMmaUnroll], rb[kMmaUnroll];
+    float4 xa[kMmaUnroll], xb[kMmaUnroll];
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int64_t ch = (b + u) * 4 + t;  // the lane's 16-byte chunk of its rows
+      const bool in_k = b + u < s1 && ch < k8;
+      ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
+      rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
+      xa[u] = vx && in_k ? __ldg(x4 + 2 * ch) : make_float4(0, 0, 0, 0);
+      xb[u] = vx && in_k ? __ldg(x4 + 2 * ch + 1) : make_float4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // the step's two k16 halves: columns 8t + 4h + {0..3}
+        const uint32_t a[4] = {h == 0 ? ra[u].x : ra[u].z, h == 0 ? rb[u].x : rb[u].z,
+                               h == 0 ? ra[u].y : ra[u].w, h == 0 ? rb[u].y : rb[u].w};
+        const float4 x = h == 0 ? xa[u] : xb[u];
+        const T h0 = FromFloat<T>(x.x), h1 = FromFloat<T>(x.y), h2 = FromFloat<T>(x.z),
+                h3 = FromFloat<T>(x.w);
+        const float f0 = LoadAsFloat(&h0, 0), f1 = LoadAsFloat(&h1, 0), f2 = LoadAsFloat(&h2, 0),
+                    f3 = LoadAsFloat(&h3, 0);
+        Mma16816<T>(c, a, PackPair<T>(f0, f1), PackPair<T>(f2, f3));
+        if (!ROUND) {
+          Mma16816<T>(c, a, PackPair<T>(x.x - f0, x.y - f1), PackPair<T>(x.z - f2, x.w - f3));
+        }
+      }
+    }
+  }
+  // c: rows g (c[0], c[1]) and g + 8 (c[2], c[3]), tokens 2t and 2t + 1.
+  part[warp][g][2 * t] = c[0];
+  part[warp][g][2 * t + 1] = c[1];
+  part[warp][g + 8][2 * t] = c[2];
+  part[warp][g + 8][2 * t + 1] = c[3];
+  __syncthreads();
+  if (threadIdx.x < 16 * 8) {
+    const int r = threadIdx.x >> 3, j = threadIdx.x & 7;
+    const int64_t o = row0 + r;
+    if (j < n && o < m) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kMmaWarps; ++v) sum += part[v][r][j];
+      out[static_cast<int64_t>(j) * m + o] = sum + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
+    }
+  }
+}
+
 // Environment integer `name` (read once by the caller's static), `fallback` when unset or bad.
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
@@ -348,6 +468,25 @@ cudaError_t LaunchGemvPrecision(const float* in, const T* w, const void* bias,
     return LaunchGemv<T, true>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
   }
   return LaunchGemv<T, false>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
+}
+
+// 2..8 tokens with 16-byte rows take GemvMmaKernel unless STRATA_GEMV_MMA=0 (read once; A/B:
+// then GemvKernel, every product in f32).
+bool GemvMmaEnabled() {
+  static const bool enabled = EnvInt("STRATA_GEMV_MMA", 1) != 0;
+  return enabled;
+}
+
+template <typename T>
+cudaError_t LaunchGemvMma(const float* in, const T* w, const void* bias, FloatType bias_type,
+                          float* out, int n, int64_t k, int64_t m, unsigned blocks, bool round,
+                          cudaStream_t stream) {
+  if (round) {
+    GemvMmaKernel<T, true><<<blocks, kMmaWarps * 32, 0, stream>>>(in, w, bias, bias_type, out, n, k, m);
+  } else {
+    GemvMmaKernel<T, false><<<blocks, kMmaWarps * 32, 0, stream>>>(in, w, bias, bias_type, out, n, k, m);
+  }
+  return cudaGetLastError();
 }
 
 template <typename T>
@@ -471,6 +610,20 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
   if (weight_type != FloatType::kF32 && n <= kGemvMaxTokens) {
     const bool vec = k % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(in) % 16 == 0;
+    if (vec && n >= 2 && GemvMmaEnabled()) {
+      const unsigned blocks = static_cast<unsigned>((m + 15) / 16);
+      const int nn = static_cast<int>(n);
+      if (weight_type == FloatType::kBF16) {
+        STRATA_GPU_RESULT_CUDA(LaunchGemvMma(in, static_cast<const __nv_bfloat16*>(weight), bias,
+                                             bias_type, out, nn, k, m, blocks, round_activations,
+                                             stream));
+      } else {
+        STRATA_GPU_RESULT_CUDA(LaunchGemvMma(in, static_cast<const __half*>(weight), bias,
+                                             bias_type, out, nn, k, m, blocks, round_activations,
+                                             stream));
+      }
+      return GpuResult();
+    }
     const unsigned blocks = static_cast<unsigned>(m);
     const int threads = GemvThreads(k, vec);
     const int nn = static_cast<int>(n);
