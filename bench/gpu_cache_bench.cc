@@ -27,6 +27,17 @@
 // ends with one synchronise. Hits and fills come from the device counters (SyncDeviceStats at the
 // measurement boundaries), the verify reads the device table.
 //
+// --selection_log=PATH replays a decode's recorded selections instead of the drifting trace: a
+// file written by decode_e2e_bench --selection_log (its header gives the layers, KV heads, budget,
+// window, pages and cache slots, overriding those flags and --resident; the warm-up is the
+// decode's warm-up steps and every later step is measured; head_dim stays the flag's, which does
+// not change which pages hit). --compare_policies=1 also replays the pages the steps named through
+// other replacement policies offline (host code, no fills): the clock as the cache runs it (a
+// check: its hit ratio must equal the cache's), the clock with new pages inserted unreferenced,
+// LRU, LFU over the whole history, and Belady's optimum (the page named furthest in the future
+// goes first: no policy can beat it); with the share of lookups that the `slots` most often named
+// pages carry (the best a fixed set of resident pages could do).
+//
 // Fill throughput: PageCopy of N staged pages into random slots (one op), against one contiguous
 // CopyToDevice of the same bytes from pinned memory; medians of --copy_reps.
 //
@@ -37,14 +48,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
 #include "kernels/backend.h"
@@ -78,6 +93,8 @@ struct Flags {
   int q_per_kv = 4;  // query heads per KV head (Llama-3.1-8B: 32 / 8)
   int verify_pages = 256;
   std::string policy = "wait";
+  std::string selection_log;  // replay these selections (see the file comment)
+  int compare_policies = 0;
   std::string copy_pages = "64,410,1024,4096";
   int copy_reps = 20;
   uint64_t seed = 1;
@@ -108,6 +125,8 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   else if (name == "verify_pages") f->verify_pages = std::atoi(v.c_str());
   else if (name == "policy") f->policy = v;
   else if (name == "copy_pages") f->copy_pages = v;
+  else if (name == "selection_log") f->selection_log = v;
+  else if (name == "compare_policies") f->compare_policies = std::atoi(v.c_str());
   else if (name == "copy_reps") f->copy_reps = std::atoi(v.c_str());
   else if (name == "seed") f->seed = std::strtoull(v.c_str(), nullptr, 10);
   else return false;
@@ -178,12 +197,234 @@ struct HeadTrace {
   size_t dropped_next = 0;
 };
 
+// A recorded decode's selections (decode_e2e_bench --selection_log): a header of int64s (magic,
+// layers, KV heads, k, pages per head, first window page, cache slots, page size, warm-up steps),
+// then per layer call its layer (int32) and selection [kv_heads, k] (int32 page ids, -1 none).
+struct SelectionLog {
+  int64_t layers = 0, kv_heads = 0, k = 0, pages = 0, window_first = 0, slots = 0, page_size = 0,
+          warmup = 0;
+  std::vector<int32_t> selections;  // [steps][layers][kv_heads][k]
+  int64_t steps() const { return static_cast<int64_t>(selections.size()) / (layers * kv_heads * k); }
+  const int32_t* at(int64_t step, int64_t layer, int64_t head) const {
+    return selections.data() + ((step * layers + layer) * kv_heads + head) * k;
+  }
+};
+
+absl::StatusOr<SelectionLog> ReadSelectionLog(const std::string& path) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (file == nullptr) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  int64_t h[9];
+  if (std::fread(h, sizeof(h), 1, file.get()) != 1 || h[0] != 0x53454c4c4f473031) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a selection log"));
+  }
+  SelectionLog log;
+  log.layers = h[1];
+  log.kv_heads = h[2];
+  log.k = h[3];
+  log.pages = h[4];
+  log.window_first = h[5];
+  log.slots = h[6];
+  log.page_size = h[7];
+  log.warmup = h[8];
+  if (log.layers < 1 || log.layers > 1024 || log.kv_heads < 1 || log.kv_heads > 1024 ||
+      log.k < 1 || log.k > (1 << 20) || log.pages < 2 || log.pages > (int64_t{1} << 31) ||
+      log.window_first < 1 || log.window_first > log.pages || log.slots < 1 ||
+      log.page_size < 1 || log.warmup < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": bad header"));
+  }
+  std::vector<int32_t> record(static_cast<size_t>(1 + log.kv_heads * log.k));
+  for (int64_t call = 0;; ++call) {
+    const size_t got = std::fread(record.data(), sizeof(int32_t), record.size(), file.get());
+    if (got == 0) break;
+    if (got != record.size() || record[0] != call % log.layers) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": record ", call, " is cut or out of order"));
+    }
+    for (size_t i = 1; i < record.size(); ++i) {
+      if (record[i] < -1 || record[i] >= log.pages) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ": page ", record[i], " out of range"));
+      }
+    }
+    log.selections.insert(log.selections.end(), record.begin() + 1, record.end());
+  }
+  if (log.steps() <= log.warmup || log.selections.size() % (log.layers * log.kv_heads * log.k) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no measured steps"));
+  }
+  return log;
+}
+
+// Offline replacement policies over the pages each call named (flat ids, in naming order; the
+// cache's order: head by head, the sink page, the selected pages, the window pages). Hit ratio
+// over the calls from `first_measured` on, a page counting once per call.
+struct NamedCalls {
+  std::vector<std::vector<int64_t>> calls;
+  int64_t num_pages = 0;
+};
+
+// The clock of kernels::ResolvePagesParams (hits set the bit; a miss takes the next unpinned slot
+// whose bit is clear, clearing the bits it passes), new pages inserted with the bit `insert_ref`.
+double ClockHitRatio(const NamedCalls& nc, int64_t slots, int64_t first_measured, bool insert_ref) {
+  std::vector<int32_t> table(static_cast<size_t>(nc.num_pages), -1);
+  std::vector<int64_t> slot_page(static_cast<size_t>(slots), -1);
+  std::vector<int64_t> stamp(static_cast<size_t>(slots), -1);
+  std::vector<uint8_t> ref(static_cast<size_t>(slots), 0);
+  int64_t hand = 0, hits = 0, lookups = 0;
+  std::vector<int64_t> misses;
+  for (size_t c = 0; c < nc.calls.size(); ++c) {
+    const bool measured = static_cast<int64_t>(c) >= first_measured;
+    const int64_t epoch = static_cast<int64_t>(c);
+    misses.clear();
+    for (int64_t page : nc.calls[c]) {
+      const int32_t s = table[page];
+      if (s >= 0) {
+        if (stamp[s] != epoch) {
+          stamp[s] = epoch;
+          if (measured) ++hits, ++lookups;
+        }
+        ref[s] = 1;
+      } else if (std::find(misses.begin(), misses.end(), page) == misses.end()) {
+        misses.push_back(page);
+        if (measured) ++lookups;
+      }
+    }
+    for (int64_t page : misses) {
+      int64_t victim = -1;
+      for (int64_t passed = 0; passed < 2 * slots && victim < 0; ++passed) {
+        const int64_t s = hand;
+        hand = hand + 1 == slots ? 0 : hand + 1;
+        if (stamp[s] == epoch) continue;
+        if (ref[s] != 0) {
+          ref[s] = 0;
+          continue;
+        }
+        victim = s;
+      }
+      if (victim < 0) break;
+      if (slot_page[victim] >= 0) table[slot_page[victim]] = -1;
+      slot_page[victim] = page;
+      table[page] = static_cast<int32_t>(victim);
+      stamp[victim] = epoch;
+      ref[victim] = insert_ref ? 1 : 0;
+    }
+  }
+  return lookups > 0 ? static_cast<double>(hits) / lookups : 0.0;
+}
+
+// LRU (least recently named goes first) and LFU (fewest names so far, counted over the whole
+// history including while evicted; ties: least recently named), both by an ordered set.
+double RankedHitRatio(const NamedCalls& nc, int64_t slots, int64_t first_measured, bool lfu) {
+  std::vector<int64_t> count(static_cast<size_t>(nc.num_pages), 0), last(count.size(), -1);
+  std::vector<uint8_t> resident(count.size(), 0);
+  std::set<std::pair<std::pair<int64_t, int64_t>, int64_t>> order;  // ((count|0, last), page)
+  auto key = [&](int64_t page) {
+    return std::make_pair(std::make_pair(lfu ? count[page] : 0, last[page]), page);
+  };
+  int64_t t = 0, hits = 0, lookups = 0, held = 0;
+  for (size_t c = 0; c < nc.calls.size(); ++c) {
+    const bool measured = static_cast<int64_t>(c) >= first_measured;
+    for (int64_t page : nc.calls[c]) {
+      if (resident[page]) {
+        order.erase(key(page));
+        if (measured) ++hits;
+      } else if (held >= slots) {
+        const int64_t victim = order.begin()->second;
+        order.erase(order.begin());
+        resident[victim] = 0;
+        --held;
+      }
+      if (measured) ++lookups;
+      ++count[page];
+      last[page] = ++t;
+      resident[page] = 1;
+      ++held;
+      order.insert(key(page));
+    }
+  }
+  return lookups > 0 ? static_cast<double>(hits) / lookups : 0.0;
+}
+
+// Belady's optimum: on a miss with the cache full, the resident page named next furthest in the
+// future goes (pages named in the same call are needed together, so they are never the victim).
+double OptimalHitRatio(const NamedCalls& nc, int64_t slots, int64_t first_measured) {
+  std::vector<std::pair<int64_t, int64_t>> seq;  // (call, page)
+  for (size_t c = 0; c < nc.calls.size(); ++c) {
+    for (int64_t page : nc.calls[c]) seq.push_back({static_cast<int64_t>(c), page});
+  }
+  const int64_t kNever = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> next(seq.size()), seen(static_cast<size_t>(nc.num_pages), kNever);
+  for (int64_t i = static_cast<int64_t>(seq.size()) - 1; i >= 0; --i) {
+    next[i] = seen[seq[i].second];
+    seen[seq[i].second] = i;
+  }
+  std::vector<int64_t> resident_next(static_cast<size_t>(nc.num_pages), -1);  // -1: not resident
+  std::set<std::pair<int64_t, int64_t>> by_next;  // (next use, page)
+  int64_t hits = 0, lookups = 0;
+  for (size_t i = 0; i < seq.size(); ++i) {
+    const auto [call, page] = seq[i];
+    const bool measured = call >= first_measured;
+    if (measured) ++lookups;
+    if (resident_next[page] >= 0) {
+      if (measured) ++hits;
+      by_next.erase({resident_next[page], page});
+    } else if (static_cast<int64_t>(by_next.size()) >= slots) {
+      const auto victim = std::prev(by_next.end());
+      resident_next[victim->second] = -1;
+      by_next.erase(victim);
+    }
+    resident_next[page] = next[i];
+    by_next.insert({next[i], page});
+  }
+  return lookups > 0 ? static_cast<double>(hits) / lookups : 0.0;
+}
+
+void ComparePolicies(const NamedCalls& nc, int64_t slots, int64_t first_measured,
+                     double measured_hit_ratio) {
+  std::vector<int64_t> named(static_cast<size_t>(nc.num_pages), 0);
+  int64_t total = 0;
+  for (const auto& call : nc.calls) {
+    for (int64_t page : call) ++named[page], ++total;
+  }
+  std::sort(named.begin(), named.end(), std::greater<int64_t>());
+  int64_t top = 0;
+  for (int64_t i = 0; i < slots && i < nc.num_pages; ++i) top += named[i];
+  const int64_t distinct = nc.num_pages - std::count(named.begin(), named.end(), int64_t{0});
+  std::printf("\nreplacement policies offline, the same pages (hit ratio over the measured steps):\n");
+  std::printf("  clock (the cache's)              %.4f  (the cache measured %.4f)\n",
+              ClockHitRatio(nc, slots, first_measured, true), measured_hit_ratio);
+  std::printf("  clock, new pages unreferenced    %.4f\n", ClockHitRatio(nc, slots, first_measured, false));
+  std::printf("  LRU                              %.4f\n", RankedHitRatio(nc, slots, first_measured, false));
+  std::printf("  LFU (whole history)              %.4f\n", RankedHitRatio(nc, slots, first_measured, true));
+  std::printf("  Belady's optimum                 %.4f\n", OptimalHitRatio(nc, slots, first_measured));
+  std::printf("  lookups carried by the %" PRId64 " most named pages (all steps): %.4f; "
+              "%" PRId64 " distinct pages named of %" PRId64 "\n",
+              slots, total > 0 ? static_cast<double>(top) / total : 0.0, distinct, nc.num_pages);
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-int Run(const Flags& f) {
+int Run(const Flags& flags) {
+  Flags f = flags;
+  std::unique_ptr<SelectionLog> log;
+  if (!f.selection_log.empty()) {
+    absl::StatusOr<SelectionLog> read = ReadSelectionLog(f.selection_log);
+    if (!read.ok()) {
+      std::fprintf(stderr, "%s\n", read.status().ToString().c_str());
+      return 2;
+    }
+    log = std::make_unique<SelectionLog>(*std::move(read));
+    f.layers = static_cast<int>(log->layers);
+    f.kv_heads = static_cast<int>(log->kv_heads);
+    f.page_size = static_cast<int>(log->page_size);
+    f.context = log->pages * log->page_size;
+    f.budget_tokens = static_cast<int>(log->k * log->page_size);
+    f.window_pages = static_cast<int>(log->pages - log->window_first);
+    f.steps = static_cast<int>(log->steps() - log->warmup);
+    std::printf("selection log %s: %" PRId64 " steps (%" PRId64 " warm-up), %" PRId64
+                " cache slots\n",
+                f.selection_log.c_str(), log->steps(), log->warmup, log->slots);
+  }
   absl::StatusOr<kernels::BackendKind> kind = kernels::ParseBackendKind(f.backend);
   if (!kind.ok()) {
     std::fprintf(stderr, "%s\n", kind.status().ToString().c_str());
@@ -205,7 +446,8 @@ int Run(const Flags& f) {
   const int64_t pages_per_head = (f.context + f.page_size - 1) / f.page_size;
   const int64_t total_pages = pages_per_head * f.layers * f.kv_heads;
   const size_t page_bytes = kernels::PageCopyBytes(f.page_size, f.head_dim, kernels::DType::kBF16);
-  const int64_t num_slots = std::max<int64_t>(1, static_cast<int64_t>(f.resident * total_pages));
+  const int64_t num_slots = log != nullptr ? log->slots
+                                           : std::max<int64_t>(1, static_cast<int64_t>(f.resident * total_pages));
   const int middle = f.budget_tokens / f.page_size;
   std::printf("shape: %d layers x %d kv heads, d=%d, P=%d, %" PRId64 " tokens: %" PRId64
               " pages, %.1f GiB of bf16 KV\n",
@@ -399,16 +641,48 @@ int Run(const Flags& f) {
   double acquire_total = 0;
   bool measuring = false;
   int warmup_steps = 0;
+  NamedCalls named;  // --compare_policies: the pages each layer call names
+  named.num_pages = total_pages;
+  int64_t first_measured_call = 0;
   for (int step = 0; measured_steps < f.steps; ++step) {
-    if (!measuring && (stats_now().fills >= f.warmup_fills * num_slots ||
-                       step >= f.max_warmup_steps)) {
+    if (!measuring && (log != nullptr ? step >= log->warmup
+                                      : stats_now().fills >= f.warmup_fills * num_slots ||
+                                            step >= f.max_warmup_steps)) {
       if (!cache.WaitForFills().ok()) return 1;
       before = stats_now();
       measuring = true;
       warmup_steps = step;
+      first_measured_call = static_cast<int64_t>(named.calls.size());
+    }
+    if (log != nullptr) {  // the recorded selections (-1: none)
+      for (int l = 0; l < f.layers; ++l) {
+        for (int g = 0; g < f.kv_heads; ++g) {
+          const int32_t* row = log->at(step, l, g);
+          heads[static_cast<size_t>(l) * f.kv_heads + g].selected.assign(row, row + middle);
+        }
+      }
+    }
+    if (f.compare_policies) {
+      for (int l = 0; l < f.layers; ++l) {
+        std::vector<int64_t>& call = named.calls.emplace_back();
+        for (int g = 0; g < f.kv_heads; ++g) {
+          const int64_t base = (static_cast<int64_t>(l) * f.kv_heads + g) * pages_per_head;
+          const size_t head_first = call.size();
+          auto name = [&](int64_t page) {
+            if (page < 0 || page >= pages_per_head) return;
+            if (std::find(call.begin() + head_first, call.end(), base + page) == call.end()) {
+              call.push_back(base + page);
+            }
+          };
+          name(0);
+          for (int32_t p : heads[static_cast<size_t>(l) * f.kv_heads + g].selected) name(p);
+          for (int64_t p = end_middle; p < pages_per_head; ++p) name(p);
+        }
+      }
     }
     // Drift the selections.
     for (HeadTrace& h : heads) {
+      if (log != nullptr) break;
       for (int32_t& page : h.selected) {
         if (unit(rng) >= f.drift) continue;
         int32_t next = -1;
@@ -499,7 +773,9 @@ int Run(const Flags& f) {
       for (int g = 0; g < f.kv_heads; ++g) {
         const HeadTrace& h = heads[static_cast<size_t>(l) * f.kv_heads + g];
         want.push_back({l, g, 0});
-        for (int32_t p : h.selected) want.push_back({l, g, p});
+        for (int32_t p : h.selected) {
+          if (p >= 0) want.push_back({l, g, p});
+        }
         for (int w = 0; w < f.window_pages; ++w) {
           want.push_back({l, g, static_cast<int32_t>(pages_per_head - f.window_pages + w)});
         }
@@ -518,8 +794,9 @@ int Run(const Flags& f) {
         const std::vector<int32_t>& got = step_slots[l];
         for (int g = 0; g < f.kv_heads; ++g) {
           span_offsets[g] = static_cast<int32_t>(spans.size());
-          const size_t per_head = want.size() / f.kv_heads;
-          for (size_t j = g * per_head; j < (g + 1) * per_head; ++j) {
+          // A head's entries: after the previous head's (a logged selection may name fewer).
+          for (size_t j = 0; j < want.size(); ++j) {
+            if (want[j].kv_head != g) continue;
             if (got[j] < 0) continue;  // deferred miss: not attended this step
             spans.push_back(kernels::KvSpan{got[j], 0, f.page_size, want[j].page * f.page_size});
           }
@@ -572,9 +849,12 @@ int Run(const Flags& f) {
   if (!cache.WaitForFills().ok()) return 1;
   const kvstore::GpuCacheStats after = stats_now();
   const double n = std::max<int64_t>(1, measured_steps);
-  std::printf("\ntrace: %d warm-up steps (until %.1f x the slots were filled), then %" PRId64
+  std::printf("\ntrace: %d warm-up steps (%s), then %" PRId64
               " measured; %d Acquire calls per step (one per layer)\n",
-              warmup_steps, f.warmup_fills, measured_steps, f.layers);
+              warmup_steps,
+              log != nullptr ? "the recorded decode's"
+                             : absl::StrCat("until ", f.warmup_fills, " x the slots were filled").c_str(),
+              measured_steps, f.layers);
   std::printf("  hit ratio (steady)       %.4f  (%" PRId64 " hits / %" PRId64 " lookups)\n",
               lookups > 0 ? static_cast<double>(hits) / lookups : 0.0, hits, lookups);
   std::printf("  lookups per step         %.0f\n", lookups / n);
@@ -644,6 +924,10 @@ int Run(const Flags& f) {
   }
   std::printf("  verify                   %d resident pages read back, %d halves differ\n",
               checked, bad);
+  if (f.compare_policies) {
+    ComparePolicies(named, num_slots, first_measured_call,
+                    lookups > 0 ? static_cast<double>(hits) / lookups : 0.0);
+  }
   std::printf("RESULT backend=%s in_place=%d drift=%.3f revisit=%.2f policy=%s resident=%.3f "
               "hit_ratio=%.4f "
               "fills_per_step=%.1f fill_mib_per_step=%.2f step_us=%.1f attend_us=%.1f "
