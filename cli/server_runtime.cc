@@ -149,8 +149,8 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
                 "auto|on|off: quest/tokenselect decode steps select on the backend (auto: when it is not the "
                 "CPU backend; on: also on the CPU backend)");
   flags->String("decode-graph", &decode_graph,
-                "auto|on|off: a job's decode steps run as one replayed CUDA graph when alone in their batch and "
-                "capturable (auto: when the backend is not the CPU backend)");
+                "auto|on|off: a job's decode steps run as one replayed CUDA graph when capturable, a batch of "
+                "concurrent jobs' steps as one graph (auto: when the backend is not the CPU backend)");
   flags->Bool("device-sampling", &device_sampling,
               "decode steps draw their token on the backend (the job's temperature, top-k, top-p and seeded "
               "stream, as the host sampler), alone or batched, so only the token comes back instead of the "

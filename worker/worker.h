@@ -189,13 +189,14 @@ struct WorkerOptions {
   // the job falls back (logged once): to the host policy on the CPU backend, to dense attention
   // on a device backend (whose pools the host policies cannot read). Default "auto".
   std::string device_selection = "auto";
-  // One-token decode steps as replayed CUDA graphs (engine::TransformerOptions::decode_graph):
-  // "auto" (default): on when the backend is not the CPU backend; "on"; "off". A step runs as a
-  // graph when it is the only step of its decode batch and its attention can be captured: the
-  // dense policy over the job's own tokens plus, for a lazy-mount job in resident mode, the
-  // device-managed page cache of its document; other steps (device selection over a full mount,
-  // host-managed page caches, batches of concurrent jobs) take the normal path. Each job's cache
-  // is captured once, at its first decode step; logits follow the normal path to float rounding.
+  // Decode steps as replayed CUDA graphs (engine::TransformerOptions::decode_graph): "auto"
+  // (default): on when the backend is not the CPU backend; "on"; "off". A step runs as a graph
+  // when its attention can be captured: the dense policy over the job's own tokens plus, for a
+  // lazy-mount job in resident mode, the device-managed page cache of its document; a batch of
+  // concurrent jobs' steps runs as one graph when every step in it can. Other steps (device
+  // selection over a full mount, host-managed page caches) take the normal path. A job's cache,
+  // or a set of jobs decoding together, is captured once, at its first decode step; logits follow
+  // the normal path to float rounding.
   std::string decode_graph = "auto";
   // Decode steps draw their token on the backend (Backend::Sample over the step's logits in
   // backend memory, with the job's temperature, top-k, top-p and the next uniform of its seeded
