@@ -493,18 +493,18 @@ TEST_P(CudaMatMulTest, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(
     Sizes, CudaMatMulTest,
     ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
-                       ::testing::Values(1, 3, 8, 9, 129), ::testing::Values(0, 1, 17, 256, 1000),
+                       ::testing::Values(1, 3, 8, 9, 16, 129), ::testing::Values(0, 1, 17, 256, 1000),
                        ::testing::Values(1, 3, 129), ::testing::Bool()));
 
 // Decode-sized GEMVs with model-sized rows: for several tokens with 16-byte rows, 16 rows per
-// block on tensor cores, the row's 32-column steps split over 8 warps (4096: 16 steps each;
-// 14336: 56) and their sums added across the block; 4100 (not a multiple of 8: scalar loads) one
-// block of up to 256 threads per row; one token with
+// block on tensor cores (16 tokens: two n8 tiles), the row's 32-column steps split over 8 warps
+// (4096: 16 steps each; 14336: 56) and their sums added across the block; 4100 (not a multiple of
+// 8: scalar loads) one block of up to 256 threads per row (16 tokens: the split GEMMs); one token with
 // 16-byte rows of a weight up to 64 MiB takes a warp per row (4096: 16 loads per lane in two
 // rounds; 14336: 56 in seven).
 INSTANTIATE_TEST_SUITE_P(
     LongRows, CudaMatMulTest,
-    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16), ::testing::Values(1, 3, 8),
+    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16), ::testing::Values(1, 3, 8, 16),
                        ::testing::Values(4096, 4100, 14336), ::testing::Values(3, 129),
                        ::testing::Bool()));
 

@@ -6,7 +6,8 @@
 // the f32 activation) or, with aligned rows of a small weight, GemvRowsKernel (a warp per row on
 // a grid that fills the GPU once); 2..8 tokens with aligned rows by GemvMmaKernel (16 rows per
 // block on tensor cores, the activations split into hi + lo as below; GemvKernel for the others,
-// every product in f32); for more tokens the
+// every product in f32), and so are 9..16 tokens with aligned rows (two n8 tiles: the weights
+// read once instead of twice by the split GEMMs); for more tokens the
 // activations are split into hi + lo in the weight's type and two cuBLAS GEMMs (bf16/f16 inputs,
 // f32 accumulation and output) add up W·hi + W·lo, which keeps ~16 significant bits of each
 // activation instead of the 8 (bf16) or 11 (f16) of a single rounding.
@@ -258,6 +259,7 @@ __global__ void __launch_bounds__(kGemvRowThreads)
 // ---- Several tokens on tensor cores --------------------------------------------------------
 
 constexpr int kMmaWarps = 8;   // warps per block: k-slices of the block's 16 weight rows
+constexpr int64_t kMmaMaxTokens = 16;  // two n8 tiles
 constexpr int kMmaUnroll = 4;  // 32-column steps with their loads in flight per warp
 
 // Two floats as a packed pair of T (the first in the low half).
@@ -297,72 +299,90 @@ __device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 2..8 tokens (n <= 8), 16-byte rows (k % 8 == 0, aligned): the products on tensor cores. A block
-// takes 16 weight rows, its warps contiguous slices of their 32-column steps. Per step, lane (g,
-// t) (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 at columns [8t, 8t + 8) and
-// token g's activations there: the mma's k order is a permutation of the columns (A's
+// 2..16 tokens (n <= 8 * TILES), 16-byte rows (k % 8 == 0, aligned): the products on tensor
+// cores. A block takes 16 weight rows, its warps contiguous slices of their 32-column steps. Per
+// step, lane (g, t) (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 at columns
+// [8t, 8t + 8) and the activations there of tokens g (and g + 8 with TILES = 2: a second n8 tile
+// against the same weight fragments): the mma's k order is a permutation of the columns (A's
 // fragment positions {2t, 2t+1, 2t+8, 2t+9} of each of the step's two k16 halves s hold columns
 // 8t + 4s + {0..3}, and B's the same columns), so every load is a plain 16-byte chunk. The
 // activations are split as the cuBLAS path splits them (hi = x in T, lo = x - hi in T: two mmas,
-// ~16 bits of each activation), or rounded to T once (ROUND). The warps' 16 x 8 sums are added in
-// warp order in shared memory (the result does not depend on timing), bias last.
-template <typename T, bool ROUND>
+// ~16 bits of each activation), or rounded to T once (ROUND). The warps' 16 x 8 TILES sums are
+// added in warp order in shared memory (the result does not depend on timing), bias last.
+template <typename T, bool ROUND, int TILES>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvMmaKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
                   FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m) {
-  __shared__ float part[kMmaWarps][16][8];
+  constexpr int kUnroll = kMmaUnroll / TILES;  // the same registers for loads in flight
+  __shared__ float part[kMmaWarps][16][8 * TILES];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16;
   const bool va = row0 + g < m, vb = row0 + g + 8 < m;
   const uint4* wa = reinterpret_cast<const uint4*>(w + (va ? row0 + g : 0) * k);
   const uint4* wb = reinterpret_cast<const uint4*>(w + (vb ? row0 + g + 8 : 0) * k);
-  const bool vx = g < n;
-  const float4* x4 = reinterpret_cast<const float4*>(in + (vx ? g : 0) * k);
+  bool vx[TILES];
+  const float4* x4[TILES];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    vx[i] = g + 8 * i < n;
+    x4[i] = reinterpret_cast<const float4*>(in + (vx[i] ? g + 8 * i : 0) * k);
+  }
   const int64_t k8 = k / 8;
   const int64_t steps = (k8 + 3) / 4;
   const int64_t per = (steps + kMmaWarps - 1) / kMmaWarps;
   const int64_t s0 = warp * per;
   const int64_t s1 = s0 + per < steps ? s0 + per : steps;
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int64_t b = s0; b < s1; b += kMmaUnroll) {
-    uint4 ra[kMmaUnroll], rb[kMmaUnroll];
-    float4 xa[kMmaUnroll], xb[kMmaUnroll];
+  float c[TILES][4];
 #pragma unroll
-    for (int u = 0; u < kMmaUnroll; ++u) {
+  for (int i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+  for (int64_t b = s0; b < s1; b += kUnroll) {
+    uint4 ra[kUnroll], rb[kUnroll];
+    float4 xa[TILES][kUnroll], xb[TILES][kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
       const int64_t ch = (b + u) * 4 + t;  // the lane's 16-byte chunk of its rows
       const bool in_k = b + u < s1 && ch < k8;
       ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
       rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
-      xa[u] = vx && in_k ? __ldg(x4 + 2 * ch) : make_float4(0, 0, 0, 0);
-      xb[u] = vx && in_k ? __ldg(x4 + 2 * ch + 1) : make_float4(0, 0, 0, 0);
+#pragma unroll
+      for (int i = 0; i < TILES; ++i) {
+        xa[i][u] = vx[i] && in_k ? __ldg(x4[i] + 2 * ch) : make_float4(0, 0, 0, 0);
+        xb[i][u] = vx[i] && in_k ? __ldg(x4[i] + 2 * ch + 1) : make_float4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kMmaUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // the step's two k16 halves: columns 8t + 4h + {0..3}
         const uint32_t a[4] = {h == 0 ? ra[u].x : ra[u].z, h == 0 ? rb[u].x : rb[u].z,
                                h == 0 ? ra[u].y : ra[u].w, h == 0 ? rb[u].y : rb[u].w};
-        const float4 x = h == 0 ? xa[u] : xb[u];
-        const T h0 = FromFloat<T>(x.x), h1 = FromFloat<T>(x.y), h2 = FromFloat<T>(x.z),
-                h3 = FromFloat<T>(x.w);
-        const float f0 = LoadAsFloat(&h0, 0), f1 = LoadAsFloat(&h1, 0), f2 = LoadAsFloat(&h2, 0),
-                    f3 = LoadAsFloat(&h3, 0);
-        Mma16816<T>(c, a, PackPair<T>(f0, f1), PackPair<T>(f2, f3));
-        if (!ROUND) {
-          Mma16816<T>(c, a, PackPair<T>(x.x - f0, x.y - f1), PackPair<T>(x.z - f2, x.w - f3));
+#pragma unroll
+        for (int i = 0; i < TILES; ++i) {
+          const float4 x = h == 0 ? xa[i][u] : xb[i][u];
+          const T h0 = FromFloat<T>(x.x), h1 = FromFloat<T>(x.y), h2 = FromFloat<T>(x.z),
+                  h3 = FromFloat<T>(x.w);
+          const float f0 = LoadAsFloat(&h0, 0), f1 = LoadAsFloat(&h1, 0),
+                      f2 = LoadAsFloat(&h2, 0), f3 = LoadAsFloat(&h3, 0);
+          Mma16816<T>(c[i], a, PackPair<T>(f0, f1), PackPair<T>(f2, f3));
+          if (!ROUND) {
+            Mma16816<T>(c[i], a, PackPair<T>(x.x - f0, x.y - f1), PackPair<T>(x.z - f2, x.w - f3));
+          }
         }
       }
     }
   }
-  // c: rows g (c[0], c[1]) and g + 8 (c[2], c[3]), tokens 2t and 2t + 1.
-  part[warp][g][2 * t] = c[0];
-  part[warp][g][2 * t + 1] = c[1];
-  part[warp][g + 8][2 * t] = c[2];
-  part[warp][g + 8][2 * t + 1] = c[3];
+  // c[i]: rows g (c[i][0], c[i][1]) and g + 8 (c[i][2], c[i][3]), tokens 8i + 2t and 8i + 2t + 1.
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    part[warp][g][8 * i + 2 * t] = c[i][0];
+    part[warp][g][8 * i + 2 * t + 1] = c[i][1];
+    part[warp][g + 8][8 * i + 2 * t] = c[i][2];
+    part[warp][g + 8][8 * i + 2 * t + 1] = c[i][3];
+  }
   __syncthreads();
-  if (threadIdx.x < 16 * 8) {
-    const int r = threadIdx.x >> 3, j = threadIdx.x & 7;
+  if (threadIdx.x < 16 * 8 * TILES) {
+    const int r = threadIdx.x / (8 * TILES), j = threadIdx.x % (8 * TILES);
     const int64_t o = row0 + r;
     if (j < n && o < m) {
       float sum = 0.0f;
@@ -470,8 +490,9 @@ cudaError_t LaunchGemvPrecision(const float* in, const T* w, const void* bias,
   return LaunchGemv<T, false>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
 }
 
-// 2..8 tokens with 16-byte rows take GemvMmaKernel unless STRATA_GEMV_MMA=0 (read once; A/B:
-// then GemvKernel, every product in f32).
+// 2..kMmaMaxTokens tokens with 16-byte rows take GemvMmaKernel unless STRATA_GEMV_MMA=0 (read
+// once; A/B: then GemvKernel, every product in f32, up to kGemvMaxTokens and the split cuBLAS
+// GEMMs beyond).
 bool GemvMmaEnabled() {
   static const bool enabled = EnvInt("STRATA_GEMV_MMA", 1) != 0;
   return enabled;
@@ -481,11 +502,9 @@ template <typename T>
 cudaError_t LaunchGemvMma(const float* in, const T* w, const void* bias, FloatType bias_type,
                           float* out, int n, int64_t k, int64_t m, unsigned blocks, bool round,
                           cudaStream_t stream) {
-  if (round) {
-    GemvMmaKernel<T, true><<<blocks, kMmaWarps * 32, 0, stream>>>(in, w, bias, bias_type, out, n, k, m);
-  } else {
-    GemvMmaKernel<T, false><<<blocks, kMmaWarps * 32, 0, stream>>>(in, w, bias, bias_type, out, n, k, m);
-  }
+  auto* kernel = n > 8 ? (round ? GemvMmaKernel<T, true, 2> : GemvMmaKernel<T, false, 2>)
+                       : (round ? GemvMmaKernel<T, true, 1> : GemvMmaKernel<T, false, 1>);
+  kernel<<<blocks, kMmaWarps * 32, 0, stream>>>(in, w, bias, bias_type, out, n, k, m);
   return cudaGetLastError();
 }
 
@@ -607,23 +626,22 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     }
     return GpuResult();
   }
-  if (weight_type != FloatType::kF32 && n <= kGemvMaxTokens) {
-    const bool vec = k % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(in) % 16 == 0;
-    if (vec && n >= 2 && GemvMmaEnabled()) {
-      const unsigned blocks = static_cast<unsigned>((m + 15) / 16);
-      const int nn = static_cast<int>(n);
-      if (weight_type == FloatType::kBF16) {
-        STRATA_GPU_RESULT_CUDA(LaunchGemvMma(in, static_cast<const __nv_bfloat16*>(weight), bias,
-                                             bias_type, out, nn, k, m, blocks, round_activations,
-                                             stream));
-      } else {
-        STRATA_GPU_RESULT_CUDA(LaunchGemvMma(in, static_cast<const __half*>(weight), bias,
-                                             bias_type, out, nn, k, m, blocks, round_activations,
-                                             stream));
-      }
-      return GpuResult();
+  const bool vec = k % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(in) % 16 == 0;
+  if (weight_type != FloatType::kF32 && vec && n >= 2 && n <= kMmaMaxTokens && GemvMmaEnabled()) {
+    const unsigned blocks = static_cast<unsigned>((m + 15) / 16);
+    const int nn = static_cast<int>(n);
+    if (weight_type == FloatType::kBF16) {
+      STRATA_GPU_RESULT_CUDA(LaunchGemvMma(in, static_cast<const __nv_bfloat16*>(weight), bias,
+                                           bias_type, out, nn, k, m, blocks, round_activations,
+                                           stream));
+    } else {
+      STRATA_GPU_RESULT_CUDA(LaunchGemvMma(in, static_cast<const __half*>(weight), bias, bias_type,
+                                           out, nn, k, m, blocks, round_activations, stream));
     }
+    return GpuResult();
+  }
+  if (weight_type != FloatType::kF32 && n <= kGemvMaxTokens) {
     const unsigned blocks = static_cast<unsigned>(m);
     const int threads = GemvThreads(k, vec);
     const int nn = static_cast<int>(n);
