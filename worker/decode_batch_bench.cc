@@ -14,20 +14,26 @@
 // worker's decode_graph is then on: a lone step is a replayed graph).
 //
 // Prints, per mode: wall seconds from starting every job to the last one finishing, generated
-// tokens per second, decode steps, batched forwards and draws on the backend, and whether every
+// tokens per second (and "steady": the tokens made while every job was decoding, from the last
+// job's first token to the first job's last, over that time, so the jobs' start does not count;
+// "-" when there is no such time), decode steps, batched forwards and draws on the backend, and whether every
 // job's tokens equal the first mode's. Greedy tokens must; at temperature > 0 a batched step's
 // logits can differ from a lone step's in the last bits (another GEMM shape, and the batches'
 // makeup depends on timing), and near-equal probabilities of a random model can then swap places,
 // so a draw may differ now and then in any mode.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/clock.h"
 #include "kernels/backend_factory.h"
@@ -134,6 +140,8 @@ int Run(int argc, char** argv) {
       return 1;
     }
     std::vector<std::vector<int32_t>> out(jobs);
+    // Per job, (time, tokens so far) at each token delta: the steady rate below.
+    std::vector<std::vector<std::pair<int64_t, int>>> progress(jobs);
     std::vector<std::thread> ts;
     const int64_t start = MonotonicNanos();
     for (int j = 0; j < jobs; ++j) {
@@ -155,6 +163,9 @@ int Run(int argc, char** argv) {
           if (e.has_snapshot()) {
             last = e.snapshot();
             out[j].assign(last.output_token_ids().begin(), last.output_token_ids().end());
+          } else if (e.has_tokens()) {
+            const int before = progress[j].empty() ? 0 : progress[j].back().second;
+            progress[j].emplace_back(MonotonicNanos(), before + e.tokens().token_ids_size());
           }
           return true;
         });
@@ -168,14 +179,36 @@ int Run(int argc, char** argv) {
     }
     for (auto& t : ts) t.join();
     const double seconds = (MonotonicNanos() - start) * 1e-9;
+    // Steady rate: tokens made while every job was decoding (from the last job's first token to
+    // the first job's last), so the jobs' start and tail do not count.
+    int64_t from = 0, to = std::numeric_limits<int64_t>::max();
+    for (const auto& p : progress) {
+      auto first = std::find_if(p.begin(), p.end(), [](const auto& x) { return x.second > 0; });
+      from = std::max(from, first == p.end() ? std::numeric_limits<int64_t>::max() : first->first);
+      to = std::min(to, p.empty() ? int64_t{0} : p.back().first);
+    }
+    auto tokens_at = [](const std::vector<std::pair<int64_t, int>>& p, int64_t t) {
+      int n = 0;
+      for (const auto& [when, count] : p) {
+        if (when > t) break;
+        n = count;
+      }
+      return n;
+    };
+    int64_t steady_tokens = 0;
+    for (const auto& p : progress) steady_tokens += tokens_at(p, to) - tokens_at(p, from);
+    // "-" when the jobs never all decoded at once (one finished before another's first token).
+    const std::string steady =
+        to > from ? absl::StrFormat("%.1f", steady_tokens / ((to - from) * 1e-9)) : std::string("-");
     if (reference.empty()) reference = out;
     bool same = true;
     for (int j = 0; j < jobs; ++j) same &= out[j] == reference[j] && static_cast<int>(out[j].size()) == tokens;
     std::printf("backend=%s preset=%s weights=%s jobs=%d tokens=%d doc=%d threads=%d temperature=%g top_p=%g "
-                "batch_wait_us=%lld device_sampling=%d max_decode_batch=%d: %.3f s, %.1f tokens/s, %lld decode steps in "
-                "%lld forwards, %lld device picks, tokens equal to the first mode's: %s\n",
+                "batch_wait_us=%lld device_sampling=%d max_decode_batch=%d: %.3f s, %.1f tokens/s (steady %s), %lld decode "
+                "steps in %lld forwards, %lld device picks, tokens equal to the first mode's: %s\n",
                 backend->Name().c_str(), preset.c_str(), weights.c_str(), jobs, tokens, doc_tokens, threads,
                 temperature, top_p, static_cast<long long>(batch_wait_us), sampling ? 1 : 0, batch, seconds, jobs * tokens / seconds,
+                steady.c_str(),
                 static_cast<long long>((*w)->decode_steps()),
                 static_cast<long long>((*w)->decode_batches()),
                 static_cast<long long>((*w)->device_picks()), same ? "yes" : "NO");
