@@ -495,8 +495,10 @@ TEST(DecodeGraphTest, BatchedStepsReplayOneGraphOnGpu) {
     }
     q.fa.cache_first_position = q.fb.cache_first_position = q.first;
     const int64_t max_tokens = prompt_len + steps + 3;
-    STRATA_ASSERT_OK_AND_ASSIGN(q.a, KvCache::Create(plain->MakeCacheOptions(max_tokens, 16, DType::kF32), backend));
-    STRATA_ASSERT_OK_AND_ASSIGN(q.b, KvCache::Create(graph->MakeCacheOptions(max_tokens, 16, DType::kF32), backend));
+    STRATA_ASSERT_OK_AND_ASSIGN(
+        q.a, KvCache::Create(plain->MakeCacheOptions(max_tokens, 16, DType::kF32), backend));
+    STRATA_ASSERT_OK_AND_ASSIGN(
+        q.b, KvCache::Create(graph->MakeCacheOptions(max_tokens, 16, DType::kF32), backend));
     std::vector<int32_t> prompt(prompt_len);
     for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % c.vocab_size);
     q.la.resize(c.vocab_size);

@@ -48,12 +48,13 @@ struct TransformerOptions {
   // the graphs of the 16 most recently used caches (or batches) are kept, so concurrent sequences
   // decoding in turn replay their own; a new cache captures again. ForwardBatch's steps run the
   // same way: one graph for the batch's rows (ordered by cache), recorded for that set of caches
-  // and hooks and replayed while the same sequences decode together. Only where the result is the plain forward's: the policy is
-  // "dense", no device policy, and no external attention unless it is on the device and
-  // capturable (ExternalAttention::CapturableOnDevice: its AttendOnDevice is recorded once per
-  // layer with the step, its partial merged on the device); other calls (and every call when the
-  // backend cannot capture, e.g. the CPU backend) take the normal path. Logits match the normal
-  // path to rounding (attention through another kernel), not bit for bit.
+  // and hooks and replayed while the same sequences decode together. Only where the result is
+  // the plain forward's: the policy is "dense", no device policy, and no external attention
+  // unless it is on the device and capturable (ExternalAttention::CapturableOnDevice: its
+  // AttendOnDevice is recorded once per layer with the step, its partial merged on the device);
+  // other calls (and every call when the backend cannot capture, e.g. the CPU backend) take the
+  // normal path. Logits match the normal path to rounding (attention through another kernel),
+  // not bit for bit.
   bool decode_graph = false;
 
   // Precision of every MatMul of the forward (projections, MLP, LM head; prefill chunks, decode
