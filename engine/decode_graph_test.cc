@@ -26,6 +26,7 @@
 #include "engine/transformer.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/testing/capturing_backend.h"
 #include "kernels/testing/cuda_plugin_backend.h"
 
 namespace strata::engine {
@@ -455,10 +456,7 @@ TEST(DecodeGraphTest, ReplayWithACapturableDocumentHookMatchesNormalPath) {
 // two plain sequences (one drawn on the device through BatchItem::sample, temperature 0) and one
 // with a capturable document hook, so the graph merges one row's partial and copies the others.
 // A batch of two of them is another set: a second capture.
-TEST(DecodeGraphTest, BatchedStepsReplayOneGraphOnGpu) {
-  std::string why;
-  GraphPair pair;
-  if (!MakeGraphPair(&pair, &why)) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+void CheckBatchedSteps(GraphPair& pair) {
   kernels::Backend* backend = pair.backend.get();
   const model::ModelConfig& c = pair.model->config;
   Transformer* plain = pair.plain.get();
@@ -574,6 +572,13 @@ TEST(DecodeGraphTest, BatchedStepsReplayOneGraphOnGpu) {
   std::printf("  batched graph: %d steps of %d rows, max |logit diff| %.3g\n", steps, kSeqs, worst);
 }
 
+TEST(DecodeGraphTest, BatchedStepsReplayOneGraphOnGpu) {
+  std::string why;
+  GraphPair pair;
+  if (!MakeGraphPair(&pair, &why)) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  CheckBatchedSteps(pair);
+}
+
 TEST(DecodeGraphTest, DeviceTokenStepsMatchHostIdsOnGpu) {
   std::string why;
   GraphPair p;
@@ -583,6 +588,68 @@ TEST(DecodeGraphTest, DeviceTokenStepsMatchHostIdsOnGpu) {
   // Without decode_graph the id is read back to the host first: the same tokens.
   CompareDeviceTokens(p.plain.get(), p.plain.get(), DType::kBF16, 21, 8, 8u);
   EXPECT_EQ(p.plain->graph_steps(), 0);
+}
+
+// The same checks without a GPU: kernels::testing::CapturingBackend runs the CPU backend's ops
+// under a device backend's name and records and replays graphs, so the engine's graph steps (one
+// row and batched, hooks recorded in them, the step values read from backend memory at replay)
+// run in CI. Its arithmetic is the CPU backend's: the graph path's SelectedAttention against the
+// normal path's PagedAttention differ by float rounding only.
+bool MakeCapturingPair(GraphPair* p) {
+  p->backend = std::make_unique<kernels::testing::CapturingBackend>(1);
+  p->model = MakeWideModel(128, DType::kBF16);
+  TransformerOptions plain_o, graph_o;
+  graph_o.decode_graph = true;
+  auto plain = Transformer::Create(p->model->config, p->model->weights, p->backend.get(), plain_o);
+  auto graph = Transformer::Create(p->model->config, p->model->weights, p->backend.get(), graph_o);
+  if (!plain.ok() || !graph.ok()) return false;
+  p->plain = *std::move(plain);
+  p->graph = *std::move(graph);
+  return true;
+}
+
+TEST(DecodeGraphTest, CapturingCpuBackendReplaysOneTokenSteps) {
+  GraphPair pair;
+  ASSERT_TRUE(MakeCapturingPair(&pair));
+  auto* capturing = static_cast<kernels::testing::CapturingBackend*>(pair.backend.get());
+  for (DType kv : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(kv));
+    const int64_t steps0 = pair.graph->graph_steps();
+    CompareSequences(pair.plain.get(), pair.graph.get(), kv, 37, 12, 11u, kv == DType::kF32 ? 1e-4 : 1e-3);
+    EXPECT_EQ(pair.graph->graph_steps() - steps0, 12);
+  }
+  EXPECT_EQ(pair.plain->graph_steps(), 0);
+  EXPECT_EQ(pair.graph->graph_captures(), 2);  // one per cache
+  EXPECT_GT(capturing->recorded_ops(), 0);
+  // The id read on the device from the previous step's draw.
+  CompareDeviceTokens(pair.plain.get(), pair.graph.get(), DType::kF32, 21, 8, 7u);
+}
+
+TEST(DecodeGraphTest, CapturingCpuBackendReplaysBatchedSteps) {
+  GraphPair pair;
+  ASSERT_TRUE(MakeCapturingPair(&pair));
+  CheckBatchedSteps(pair);
+}
+
+TEST(DecodeGraphTest, CapturingCpuBackendRefusesCopiesWhileCapturing) {
+  kernels::testing::CapturingBackend be(1);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto buf, be.Allocate(64));
+  float x[16] = {};
+  STRATA_ASSERT_OK(be.BeginCapture(nullptr));
+  EXPECT_THAT(be.CopyToDevice(buf->data(), x, sizeof(x), nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(be.EndCapture(nullptr).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  // A capture of ops only replays them, reading the memory as it is then.
+  const kernels::TensorView v(buf->data(), DType::kF32, {16});
+  STRATA_ASSERT_OK(be.BeginCapture(nullptr));
+  STRATA_ASSERT_OK(be.Add({v, v, v}, nullptr));  // v += v
+  STRATA_ASSERT_OK_AND_ASSIGN(auto graph, be.EndCapture(nullptr));
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(i);
+  STRATA_ASSERT_OK(be.CopyToDevice(buf->data(), x, sizeof(x), nullptr));
+  STRATA_ASSERT_OK(graph->Replay(nullptr));
+  STRATA_ASSERT_OK(graph->Replay(nullptr));
+  STRATA_ASSERT_OK(be.CopyToHost(x, buf->data(), sizeof(x), nullptr));
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(x[i], 4.0f * i);
 }
 
 TEST(DecodeGraphTest, CpuBackendIgnoresTheOption) {

@@ -27,6 +27,7 @@
 #include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
 #include "gtest/gtest.h"
+#include "kernels/testing/capturing_backend.h"
 #include "kernels/testing/forwarding_backend.h"
 #include "kvstore/backend_page_allocator.h"
 #include "kvstore/host_cache.h"
@@ -363,6 +364,73 @@ std::vector<v1::JobInfo> RunOverlapping(Worker* w, const std::vector<v1::RunJobR
   for (auto& t : threads) t.join();
   return got;
 }
+
+// The same jobs on a backend that records graphs (kernels::testing::CapturingBackend: the CPU
+// backend's ops under a device backend's name), decode_graph on: a job alone replays its steps as
+// a one-row graph, and three jobs in lockstep (the test gate holds each batch until every job's
+// step is pending) replay their batched steps as one graph for the three; every step is a graph
+// step and every job's tokens are those of the plain CPU worker running it alone.
+TEST_F(WorkerTest, DecodeGraphsOnACapturingBackendKeepTheTokensAloneAndBatched) {
+  ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), nullptr, nullptr).ok());
+  constexpr int kJobs = 3;
+  std::vector<v1::RunJobRequest> requests;
+  std::vector<std::vector<int32_t>> want;
+  for (int j = 0; j < kJobs; ++j) {
+    v1::RunJobRequest r = JobRequest("graphed-" + std::to_string(j), {11 + j, 23 + 2 * j, 7});
+    r.mutable_params()->set_max_tokens(12);
+    requests.push_back(r);
+    v1::JobInfo info;
+    ASSERT_TRUE(worker_->RunJob(r, [&](const v1::JobEvent& e) {
+      if (e.has_snapshot()) info = e.snapshot();
+      return true;
+    }).ok());
+    ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+    want.emplace_back(info.output_token_ids().begin(), info.output_token_ids().end());
+    ASSERT_EQ(want.back().size(), 12u);
+  }
+  kernels::testing::CapturingBackend capturing(1);
+  for (const int batch : {1, 16}) {
+    SCOPED_TRACE(batch);
+    WorkerOptions wo;
+    wo.worker_id = "capturing-" + std::to_string(batch);
+    wo.prefill_chunk_size = 64;
+    wo.decode_graph = "on";
+    wo.max_decode_batch = batch;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(wo, model_.get(), &capturing, store_.get(),
+                                                       store_.get(), nullptr));
+    std::vector<v1::JobInfo> got;
+    if (batch == 1) {
+      for (const v1::RunJobRequest& r : requests) {
+        v1::JobInfo info;
+        ASSERT_TRUE(w->RunJob(r, [&](const v1::JobEvent& e) {
+          if (e.has_snapshot()) info = e.snapshot();
+          return true;
+        }).ok());
+        got.push_back(info);
+      }
+    } else {
+      w->SetDecodeBatchGateForTesting(kJobs);
+      got = RunOverlapping(w.get(), requests, /*lockstep=*/true);
+    }
+    for (int j = 0; j < kJobs; ++j) {
+      ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
+      EXPECT_EQ(std::vector<int32_t>(got[j].output_token_ids().begin(), got[j].output_token_ids().end()),
+                want[j])
+          << "job " << j;
+    }
+    std::printf("max_decode_batch %d: %lld decode steps in %lld forwards, %lld graph steps, %lld captures\n",
+                batch, static_cast<long long>(w->decode_steps()), static_cast<long long>(w->decode_batches()),
+                static_cast<long long>(w->decode_graph_steps()), static_cast<long long>(w->decode_graph_captures()));
+    EXPECT_EQ(w->decode_steps(), kJobs * 11);
+    EXPECT_EQ(w->decode_graph_steps(), w->decode_steps());
+    if (batch == 1) {
+      EXPECT_EQ(w->decode_graph_captures(), kJobs);  // one per job's cache
+    } else {
+      EXPECT_LT(w->decode_batches(), w->decode_steps());  // steps ran together, as graphs
+    }
+  }
+}
+
 
 // Lazy mount (WorkerOptions::lazy_mount) over a 10-page document (640 tokens; the tiny model has
 // 2 layers x 2 KV heads, so 40 pages in all), prefilled by the fixture's worker; a second worker
