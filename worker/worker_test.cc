@@ -1101,6 +1101,60 @@ TEST_F(LazyMountTest, DocumentWholeInABackendHostTierRunsTheDeviceManagedCache) 
   EXPECT_EQ(Tokens(own), Tokens(small));  // the same pages, wherever they were filled
 }
 
+// Resident lazy jobs (the device-managed page cache, selection on the backend) on a backend that
+// records graphs (kernels::testing::CapturingBackend), decode_graph on: every decode step runs as
+// a replayed graph with the document's selection, page resolution and attention recorded in it,
+// alone and batched (three jobs in lockstep behind the test gate: one graph for the three), and
+// every job's tokens are those of the same worker on the plain CPU backend, which runs the
+// normal path.
+TEST_F(LazyMountTest, ResidentJobsReplayGraphsOnACapturingBackend) {
+  const int d = static_cast<int>(model_->config.head_dim);
+  kernels::testing::CapturingBackend capturing(1);
+  constexpr int kJobs = 3, kTokens = 10;
+  std::vector<v1::RunJobRequest> requests;
+  for (int j = 0; j < kJobs; ++j) {
+    v1::RunJobRequest r = Quest("graphed-" + std::to_string(j), 64 * (1 + j), 64, kTokens);
+    r.mutable_prompt_token_ids()->Set(0, 40 + 5 * j);
+    requests.push_back(r);
+  }
+  // The normal path: the plain CPU backend (no graphs).
+  HostTierFixture cpu_tier = MakeHostTier(store_.get(), backend_.get(), d, nullptr, DocumentPages());
+  std::unique_ptr<Worker> plain = LazyWorker(8192, cpu_tier.tiered.get(), "on", nullptr, "lazy-plain");
+  ASSERT_NE(plain, nullptr);
+  std::vector<std::vector<int32_t>> want;
+  for (const v1::RunJobRequest& r : requests) want.push_back(Tokens(Run(plain.get(), r)));
+  EXPECT_EQ(plain->resident_lazy_jobs(), kJobs);
+  EXPECT_EQ(plain->decode_graph_steps(), 0);
+
+  HostTierFixture tier = MakeHostTier(store_.get(), &capturing, d, nullptr, DocumentPages());
+  WorkerOptions wo;
+  wo.worker_id = "lazy-graphed";
+  wo.prefill_chunk_size = 64;
+  wo.lazy_mount = true;
+  wo.device_selection = "on";
+  wo.decode_graph = "on";
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w, Worker::Create(wo, model_.get(), &capturing,
+                                                                        tier.tiered.get(), store_.get(), nullptr));
+  for (int j = 0; j < kJobs; ++j) EXPECT_EQ(Tokens(Run(w.get(), requests[j])), want[j]) << "alone, job " << j;
+  EXPECT_EQ(w->resident_lazy_jobs(), kJobs);
+  EXPECT_EQ(w->decode_graph_steps(), kJobs * (kTokens - 1));
+  const int64_t steps0 = w->decode_steps(), batches0 = w->decode_batches(), graphed0 = w->decode_graph_steps();
+  for (v1::RunJobRequest& r : requests) r.set_job_id(r.job_id() + "-batched");
+  w->SetDecodeBatchGateForTesting(kJobs);
+  const std::vector<v1::JobInfo> got = RunOverlapping(w.get(), requests, /*lockstep=*/true);
+  for (int j = 0; j < kJobs; ++j) {
+    ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << got[j].error_message();
+    EXPECT_EQ(Tokens(got[j]), want[j]) << "batched, job " << j;
+  }
+  const int64_t steps = w->decode_steps() - steps0, batches = w->decode_batches() - batches0;
+  std::printf("resident jobs batched: %lld decode steps in %lld forwards, %lld graph steps\n",
+              static_cast<long long>(steps), static_cast<long long>(batches),
+              static_cast<long long>(w->decode_graph_steps() - graphed0));
+  EXPECT_EQ(steps, kJobs * (kTokens - 1));
+  EXPECT_EQ(w->decode_graph_steps() - graphed0, steps);
+  EXPECT_LT(batches, steps);
+}
+
 TEST_F(LazyMountTest, ConcurrentResidentJobsOnOneDocumentShareItsCacheAndKeepTheirTokens) {
   // Three resident jobs on one document at once (their decode steps overlapping, batched when
   // they meet, each resolving pages in the one shared device-managed cache): each gives the tokens

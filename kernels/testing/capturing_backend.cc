@@ -82,11 +82,29 @@ STRATA_RECORD_OP(PageCopyParams, PageCopy)
     Backend* t = target();                                                            \
     return RunOrRecord([t, p]() { return t->Op(p, nullptr); });                       \
   }
+STRATA_RECORD_OPTIONAL_OP(ScoreSummariesParams, ScoreSummaries)
+STRATA_RECORD_OPTIONAL_OP(ScoreKeysParams, ScoreKeys)
+STRATA_RECORD_OPTIONAL_OP(VoteTopKParams, VoteTopK)
+STRATA_RECORD_OPTIONAL_OP(UpdateSummariesParams, UpdateSummaries)
+STRATA_RECORD_OPTIONAL_OP(SelectionCacheCheckParams, SelectionCacheCheck)
+STRATA_RECORD_OPTIONAL_OP(EncodeFp8PagesParams, EncodeFp8Pages)
 STRATA_RECORD_OPTIONAL_OP(SelectedAttentionParams, SelectedAttention)
 STRATA_RECORD_OPTIONAL_OP(ResolvePagesParams, ResolvePages)
 STRATA_RECORD_OPTIONAL_OP(AppendKvParams, AppendKv)
 STRATA_RECORD_OPTIONAL_OP(SampleParams, Sample)
 #undef STRATA_RECORD_OPTIONAL_OP
+
+absl::Status CapturingBackend::SelectStages(const SelectStagesParams& p, Stream s) {
+  // The attention's parameters are the caller's: copied.
+  std::shared_ptr<SelectedAttentionParams> attend;
+  if (p.attend != nullptr) attend = std::make_shared<SelectedAttentionParams>(*p.attend);
+  Backend* t = target();
+  return RunOrRecord([t, p, attend]() {
+    SelectStagesParams q = p;
+    q.attend = attend.get();
+    return t->SelectStages(q, nullptr);
+  });
+}
 
 absl::Status CapturingBackend::Supports(const SampleParams& p) const {
   return target()->Supports(p);

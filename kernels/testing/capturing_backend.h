@@ -6,9 +6,10 @@
 // While capturing, copies and Synchronize fail (a capture must not wait or copy synchronously,
 // as on CUDA), and ops that read host arrays the caller owns only during the call
 // (PagedAttention's spans) are refused. Besides the core ops it forwards those a decode graph
-// step uses: AppendKv, SelectedAttention, ResolvePages and Sample. The graph machinery of the
-// engine (one-token and batched graph steps, hooks recorded in them) can then be checked in CI
-// on machines without a GPU.
+// step can use: the selection ops (summaries, keys, votes, the selection cache, SelectStages),
+// AppendKv, SelectedAttention, ResolvePages, EncodeFp8Pages and Sample. The graph machinery of the
+// engine and the worker (one-token and batched graph steps, document hooks recorded in them) can
+// then be checked in CI on machines without a GPU.
 #ifndef STRATA_KERNELS_TESTING_CAPTURING_BACKEND_H_
 #define STRATA_KERNELS_TESTING_CAPTURING_BACKEND_H_
 
@@ -38,6 +39,13 @@ class CapturingBackend : public ForwardingBackend {
   absl::Status PagedAttention(const PagedAttentionParams& p, Stream s) override;
   absl::Status MergeAttention(const MergeAttentionParams& p, Stream s) override;
   absl::Status PageCopy(const PageCopyParams& p, Stream s) override;
+  absl::Status ScoreSummaries(const ScoreSummariesParams& p, Stream s) override;
+  absl::Status ScoreKeys(const ScoreKeysParams& p, Stream s) override;
+  absl::Status VoteTopK(const VoteTopKParams& p, Stream s) override;
+  absl::Status UpdateSummaries(const UpdateSummariesParams& p, Stream s) override;
+  absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) override;
+  absl::Status SelectStages(const SelectStagesParams& p, Stream s) override;
+  absl::Status EncodeFp8Pages(const EncodeFp8PagesParams& p, Stream s) override;
   absl::Status SelectedAttention(const SelectedAttentionParams& p, Stream s) override;
   absl::Status ResolvePages(const ResolvePagesParams& p, Stream s) override;
   absl::Status AppendKv(const AppendKvParams& p, Stream s) override;
