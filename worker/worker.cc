@@ -1318,34 +1318,17 @@ absl::Status Worker::DecodeStep(const engine::Transformer::BatchItem& item, cons
     absl::Status s;
     {
       absl::MutexLock engine(&engine_mu_);
-      if (items.size() == 1 && transformer_->options().decode_graph) {
-        // Alone in its batch: Forward may replay the step as a graph (WorkerOptions::decode_graph).
-        const engine::Transformer::BatchItem& it = items[0];
-        const int64_t replayed = transformer_->graph_steps();
-        engine::ForwardOptions fo = it.options;
-        fo.logits_on_device = batch[0]->sampled;  // WorkerOptions::device_sampling: 4 bytes back
-        s = transformer_->Forward(&it.id, 1, it.pos, it.cache, it.policy, it.logits_out, /*all_logits=*/false,
-                                  fo);
-        if (s.ok() && fo.logits_on_device) {
-          absl::StatusOr<int32_t> picked = transformer_->PickToken(batch[0]->row);
-          s = picked.status();
-          if (s.ok()) batch[0]->device_token = *picked;
-        }
-        if (metrics_ != nullptr) {
-          Inc(metrics_->decode_graph_steps, static_cast<double>(transformer_->graph_steps() - replayed));
-        }
-      } else {
-        // Their tokens drawn on the backend (WorkerOptions::device_sampling).
-        for (size_t i = 0; i < batch.size(); ++i) {
-          if (!batch[i]->sampled) continue;
-          items[i].sample = &batch[i]->row;
-          items[i].token = &batch[i]->device_token;
-        }
-        const int64_t replayed = transformer_->graph_steps();
-        s = transformer_->ForwardBatch(items);  // one replayed graph when it can (decode_graph)
-        if (metrics_ != nullptr) {
-          Inc(metrics_->decode_graph_steps, static_cast<double>(transformer_->graph_steps() - replayed));
-        }
+      // Their tokens drawn on the backend (WorkerOptions::device_sampling); one replayed graph for
+      // the batch's steps, or a lone step's, when they can be captured (WorkerOptions::decode_graph).
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (!batch[i]->sampled) continue;
+        items[i].sample = &batch[i]->row;
+        items[i].token = &batch[i]->device_token;
+      }
+      const int64_t replayed = transformer_->graph_steps();
+      s = transformer_->ForwardBatch(items);
+      if (metrics_ != nullptr) {
+        Inc(metrics_->decode_graph_steps, static_cast<double>(transformer_->graph_steps() - replayed));
       }
       if (s.ok()) {
         for (DecodeRequest* r : batch) {

@@ -201,8 +201,8 @@ struct WorkerOptions {
   // Decode steps draw their token on the backend (Backend::Sample over the step's logits in
   // backend memory, with the job's temperature, top-k, top-p and the next uniform of its seeded
   // stream, as engine::Sampler would draw it; the token comes back instead of the vocabulary's
-  // logits): a step alone with decode_graph on (Transformer::PickToken), and the rows of a batched
-  // step (Transformer::BatchItem::sample). Greedy tokens are engine::Sampler's exactly; random
+  // logits): every decode step's rows go to Transformer::ForwardBatch with BatchItem::sample (a
+  // step alone is a batch of one). Greedy tokens are engine::Sampler's exactly; random
   // draws on the CUDA backend can differ from the host's only where the uniform falls within
   // double rounding of a cumulative probability (kernels/backend.h SampleParams). false: every
   // token from the host logits through engine::Sampler.

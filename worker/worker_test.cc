@@ -208,11 +208,10 @@ TEST_F(WorkerTest, StoreFailureWhilePersistingFailsThePrefillAndNothingIsReady) 
   EXPECT_EQ(doc.stored_pages(), 2u * 2);  // page 0 of each (layer, KV head)
 }
 
-// decode_graph "on" sends a job's lone decode steps through Transformer::Forward (where a device
-// backend replays them as a graph); the CPU backend cannot capture, so they run the normal path:
-// the same tokens as the batched path, no graph step. Both draw their tokens with Backend::Sample
-// (WorkerOptions::device_sampling; here the CPU twin; lone steps through Transformer::PickToken,
-// batched ones through BatchItem::sample) from the job's seeded stream: one draw per decode step
+// decode_graph "on" lets a device backend replay a job's decode steps as graphs; the CPU backend
+// cannot capture, so they run the normal path: the same tokens as with it off, no graph step.
+// Both draw their tokens with Backend::Sample (WorkerOptions::device_sampling; here the CPU twin,
+// through Transformer::ForwardBatch's BatchItem::sample) from the job's seeded stream: one draw per decode step
 // (the first token comes from the prompt's host logits), the same tokens as a worker that copies
 // the logits to engine::Sampler, greedy and at temperature 0.8 with top-p 0.9.
 TEST_F(WorkerTest, DecodeGraphOnTheCpuBackendKeepsTheTokens) {
