@@ -2,7 +2,7 @@
 // (WorkerOptions::max_decode_batch) and without (max_decode_batch = 1), on a generated model.
 //
 //   decode_batch_bench [--preset small] [--jobs 8] [--tokens 16] [--doc 128] [--threads 1]
-//                      [--backend cpu|cuda] [--device-sampling 1,0] [--temperature 0] [--top-p 1]
+//                      [--backend auto|cpu|cuda] [--device-sampling 1,0] [--temperature 0] [--top-p 1]
 //                      [--batch-wait-us N]  (WorkerOptions::decode_batch_wait_us; default the option's)
 //                      [--weights bf16|f32]  (the random model's weights; default bf16, as checkpoints
 //                                             ship; runs before session 18's last used f32)
@@ -86,11 +86,11 @@ int Run(int argc, char** argv) {
     else { std::fprintf(stderr, "--device-sampling: a list of 0 and 1\n"); return 2; }
   }
   if (jobs < 1 || tokens < 2 || doc_tokens < 1 || !(temperature >= 0 && temperature <= 2) ||
-      !(top_p > 0 && top_p <= 1) || (backend_name != "cpu" && backend_name != "cuda") ||
+      !(top_p > 0 && top_p <= 1) || !kernels::ParseBackendKind(backend_name).ok() ||
       (weights != "bf16" && weights != "f32")) {
     std::fprintf(stderr,
                  "--jobs >= 1, --tokens >= 2, --doc >= 1, --temperature in [0, 2], --top-p in "
-                 "(0, 1], --backend cpu|cuda, --weights bf16|f32\n");
+                 "(0, 1], --backend auto|cpu|cuda, --weights bf16|f32\n");
     return 2;
   }
   char tmpl[] = "/tmp/strata_decode_batch_bench_XXXXXX";
@@ -108,7 +108,7 @@ int Run(int argc, char** argv) {
   auto m = model::LoadModel(dir + "/model");
   if (!m.ok()) return 1;
   kernels::BackendOptions bo;
-  bo.kind = backend_name == "cuda" ? kernels::BackendKind::kCuda : kernels::BackendKind::kCpu;
+  bo.kind = *kernels::ParseBackendKind(backend_name);  // checked with the flags
   bo.cpu_threads = threads;
   auto made = kernels::MakeBackend(bo);
   if (!made.ok()) {

@@ -4,7 +4,7 @@
 //
 //   lazy_mount_bench [--preset tiny] [--doc 32768] [--shard 4096] [--budget 2048] [--reps 3]
 //                    [--threads 1] [--tokens 1] [--modes full,lazy,lazy-dev,resident]
-//                    [--backend cpu|cuda] [--decode-graph auto|on|off] [--device-sampling 1|0]
+//                    [--backend auto|cpu|cuda] [--decode-graph auto|on|off] [--device-sampling 1|0]
 //                    [--cache-pages N]
 //                    [--kv-page-dtype bf16|fp8] [--host-gib 16] [--prompt 16] [--dir /tmp]
 //                    [--prefill-chunk 512] [--prefill-policy dense] [--matmul-precision split]
@@ -165,12 +165,12 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "model: %s\n", model.status().ToString().c_str());
     return 1;
   }
-  if (backend_name != "cpu" && backend_name != "cuda") {
-    std::fprintf(stderr, "--backend cpu|cuda\n");
+  if (!kernels::ParseBackendKind(backend_name).ok()) {
+    std::fprintf(stderr, "--backend auto|cpu|cuda\n");
     return 2;
   }
   kernels::BackendOptions bo;
-  bo.kind = backend_name == "cuda" ? kernels::BackendKind::kCuda : kernels::BackendKind::kCpu;
+  bo.kind = *kernels::ParseBackendKind(backend_name);  // checked with the flags
   bo.cpu_threads = threads;
   auto made = kernels::MakeBackend(bo);
   if (!made.ok()) {
