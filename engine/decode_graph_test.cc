@@ -631,6 +631,102 @@ TEST(DecodeGraphTest, CapturingCpuBackendReplaysBatchedSteps) {
   CheckBatchedSteps(pair);
 }
 
+// A hook that claims to be capturable but waits on the backend in AttendOnDevice: its steps
+// cannot be recorded.
+class WaitingHook : public ExternalAttention {
+ public:
+  explicit WaitingHook(kernels::Backend* be) : be_(be) {}
+  absl::Status Attend(int, const float*, int, int, int64_t, std::vector<AttentionPartial>*) override {
+    return absl::UnimplementedError("device only");
+  }
+  bool AttendsOnDevice() const override { return true; }
+  bool CapturableOnDevice() const override { return true; }
+  absl::Status AttendOnDevice(int, const kernels::TensorView& q, int64_t, const kernels::TensorView& out,
+                              const kernels::TensorView& lse) override {
+    STRATA_RETURN_IF_ERROR(be_->Synchronize(nullptr));  // refused while capturing
+    // Nothing attended: lse -inf, out 0.
+    std::vector<float> o(static_cast<size_t>(out.NumElements()), 0.0f);
+    std::vector<float> l(static_cast<size_t>(lse.NumElements()), -INFINITY);
+    STRATA_RETURN_IF_ERROR(be_->CopyToDevice(out.data, o.data(), o.size() * 4, nullptr));
+    return be_->CopyToDevice(lse.data, l.data(), l.size() * 4, nullptr);
+  }
+
+ private:
+  kernels::Backend* be_;
+};
+
+// ForwardBatch under decode_graph: a batch whose step cannot be recorded (a hook that waits)
+// takes the normal path, with the same logits as the same batch on a Transformer without graphs,
+// and leaves later batches on the normal path while a lone step still replays a graph; before
+// that, a batch whose caches are full fails with ResourceExhausted before anything runs.
+TEST(DecodeGraphTest, CapturingCpuBackendBatchesThatCannotBeRecordedTakeTheNormalPath) {
+  GraphPair pair;
+  ASSERT_TRUE(MakeCapturingPair(&pair));
+  kernels::Backend* be = pair.backend.get();
+  const model::ModelConfig& c = pair.model->config;
+  WaitingHook hook_a(be), hook_b(be);
+  const int prompt_len = 6;
+  auto make = [&](Transformer* tf, int64_t max_tokens) {
+    return *KvCache::Create(tf->MakeCacheOptions(max_tokens, 16, DType::kF32), be);
+  };
+  // Caches: [0] plain with the hook, [1] plain without; the same for the graph Transformer.
+  std::unique_ptr<KvCache> pa[2] = {make(pair.plain.get(), 32), make(pair.plain.get(), 32)};
+  std::unique_ptr<KvCache> ga[2] = {make(pair.graph.get(), 32), make(pair.graph.get(), 32)};
+  auto dense = MakeDensePolicy();
+  ForwardOptions with_a, with_b, none;
+  with_a.external = &hook_a;
+  with_b.external = &hook_b;
+  std::vector<int32_t> prompt(prompt_len);
+  for (int i = 0; i < prompt_len; ++i) prompt[i] = 3 + 7 * i;
+  std::vector<float> scratch(c.vocab_size);
+  for (int i = 0; i < 2; ++i) {
+    STRATA_ASSERT_OK(pair.plain->Forward(prompt.data(), prompt_len, 0, pa[i].get(), dense.get(), scratch.data(),
+                                         false, i == 0 ? with_a : none));
+    STRATA_ASSERT_OK(pair.graph->Forward(prompt.data(), prompt_len, 0, ga[i].get(), dense.get(), scratch.data(),
+                                         false, i == 0 ? with_b : none));
+  }
+  std::vector<std::vector<float>> lp(2, std::vector<float>(c.vocab_size)), lg = lp;
+  auto batch = [&](std::unique_ptr<KvCache>* caches, const ForwardOptions& hooked,
+                   std::vector<std::vector<float>>* logits, int64_t pos) {
+    std::vector<Transformer::BatchItem> items(2);
+    for (int i = 0; i < 2; ++i) {
+      items[i].id = 17 + i;
+      items[i].pos = pos;
+      items[i].cache = caches[i].get();
+      items[i].policy = dense.get();
+      items[i].options = i == 0 ? hooked : none;
+      items[i].logits_out = (*logits)[i].data();
+    }
+    return items;
+  };
+  // Full caches (graph path, before any capture): ResourceExhausted, nothing appended.
+  {
+    std::unique_ptr<KvCache> full[2] = {make(pair.graph.get(), prompt_len), make(pair.graph.get(), prompt_len)};
+    for (int i = 0; i < 2; ++i) {
+      STRATA_ASSERT_OK(pair.graph->Forward(prompt.data(), prompt_len, 0, full[i].get(), dense.get(),
+                                           scratch.data(), false));
+    }
+    auto items = batch(full, none, &lg, prompt_len);
+    EXPECT_THAT(pair.graph->ForwardBatch(items), StatusIs(absl::StatusCode::kResourceExhausted));
+    EXPECT_EQ(full[0]->length(0), prompt_len);
+    EXPECT_EQ(full[1]->length(0), prompt_len);
+    EXPECT_EQ(pair.graph->graph_captures(), 0);
+  }
+  for (int64_t pos = prompt_len; pos < prompt_len + 2; ++pos) {
+    auto ip = batch(pa, with_a, &lp, pos);
+    auto ig = batch(ga, with_b, &lg, pos);
+    STRATA_ASSERT_OK(pair.plain->ForwardBatch(ip));
+    STRATA_ASSERT_OK(pair.graph->ForwardBatch(ig));
+    for (int i = 0; i < 2; ++i) EXPECT_EQ(lg[i], lp[i]) << "row " << i << " at " << pos;
+  }
+  EXPECT_EQ(pair.graph->graph_steps(), 0);
+  EXPECT_EQ(pair.graph->graph_captures(), 0);
+  // A lone step without the hook still replays a graph.
+  int32_t id = 5;
+  STRATA_ASSERT_OK(pair.graph->Forward(&id, 1, prompt_len + 2, ga[1].get(), dense.get(), scratch.data(), false));
+  EXPECT_EQ(pair.graph->graph_steps(), 1);
+}
+
 TEST(DecodeGraphTest, CapturingCpuBackendRefusesCopiesWhileCapturing) {
   kernels::testing::CapturingBackend be(1);
   STRATA_ASSERT_OK_AND_ASSIGN(auto buf, be.Allocate(64));
