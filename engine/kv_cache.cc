@@ -92,7 +92,8 @@ int64_t KvCache::num_pages(int layer) const {
 }
 
 absl::Status KvCache::EnqueueAppendAt(int layer, const TensorView& k, const TensorView& v,
-                                      const int32_t* index_device) {
+                                      const int32_t* index_device,
+                                      const kernels::RopeParams& rope) {
   if (layer < 0 || layer >= options_.num_layers || index_device == nullptr) {
     return absl::InvalidArgumentError("kv cache: EnqueueAppendAt needs a layer and an index");
   }
@@ -115,6 +116,7 @@ absl::Status KvCache::EnqueueAppendAt(int layer, const TensorView& k, const Tens
   ap.first = options_.max_tokens - 1;  // the largest index the kernel may read
   ap.slots_per_head = pages_per_head_;
   ap.first_device = index_device;
+  ap.rope = rope;
   return backend_->AppendKv(ap, nullptr);
 }
 

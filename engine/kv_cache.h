@@ -64,10 +64,13 @@ class KvCache {
   // token's rows k, v ([1, num_kv_heads, head_dim] f32, backend memory) to `layer` with
   // Backend::AppendKv, the token's cache index read from *index_device (backend memory) when the
   // kernel runs; changes nothing on the host, so the launch can be captured in a graph and
-  // replayed. After each run, CommitAppend(1) records the token. Unimplemented when the backend
-  // lacks AppendKv (the CPU backend); InvalidArgument for a bad layer or shape.
+  // replayed. After each run, CommitAppend(1) records the token. `rope` (AppendKvParams::rope),
+  // when its inv_freq is set, rotates k on the way in and its x (the token's queries) in place.
+  // Unimplemented when the backend lacks AppendKv (the CPU backend); InvalidArgument for a bad
+  // layer or shape.
   absl::Status EnqueueAppendAt(int layer, const kernels::TensorView& k,
-                               const kernels::TensorView& v, const int32_t* index_device);
+                               const kernels::TensorView& v, const int32_t* index_device,
+                               const kernels::RopeParams& rope = {});
   // Records n tokens appended to every layer outside Append (by EnqueueAppendAt launches that have
   // run). ResourceExhausted (nothing changed) past max_tokens.
   absl::Status CommitAppend(int64_t n);

@@ -111,6 +111,22 @@ absl::Status Transformer::MatMul(kernels::MatMulParams p) {
   return backend_->MatMul(p, nullptr);
 }
 
+absl::Status Transformer::NormedMatMul(const TensorView& x, const TensorView& norm,
+                                       const TensorView& weight, const TensorView& bias,
+                                       const TensorView& out) {
+  kernels::MatMulParams p{x, weight, bias, out};
+  p.in_norm = norm;
+  p.in_norm_eps = static_cast<float>(config_.rms_norm_eps);
+  return MatMul(p);
+}
+
+absl::Status Transformer::AccumulateMatMul(const TensorView& in, const TensorView& weight,
+                                           const TensorView& x) {
+  kernels::MatMulParams p{in, weight, TensorView(), x};
+  p.accumulate = true;
+  return MatMul(p);
+}
+
 absl::Status Transformer::Upload(const TensorView& host, TensorView* out) {
   if (host.data == nullptr) {
     *out = host;
@@ -630,9 +646,6 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
   const TensorView k(k_rows, DType::kF32, {n, hkv * d});
   const TensorView v(v_rows, DType::kF32, {n, hkv * d});
   const TensorView qkv(q_rows, DType::kF32, {1, (hq + 2 * hkv) * d});  // one row only
-  const TensorView q3(q_rows, DType::kF32, {n, hq, d});
-  const TensorView k3(k_rows, DType::kF32, {n, hkv, d});
-  const TensorView qk3(q_rows, DType::kF32, {1, hq + hkv, d});  // one row only
   const TensorView o = View2(o_.get(), n, hidden);
   const TensorView gate(gate_rows, DType::kF32, {n, ffn});
   const TensorView up(gate_rows + n * ffn, DType::kF32, {n, ffn});
@@ -657,22 +670,23 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
   for (int layer = 0; layer < num_layers; ++layer) {
     const model::LayerWeights& w = layers_[layer];
     const FusedWeights& fw = fused_[layer];
-    // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
-    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
+    // x already holds the previous layer's MLP output (its down projection accumulates).
     if (n == 1 && fw.qkv.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
-      STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
+      STRATA_RETURN_IF_ERROR(NormedMatMul(x, w.input_norm, fw.qkv, fw.qkv_bias, qkv));
     } else {
+      STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}));
-      STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
-      STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
     }
+    // Each row's RoPE rides on its KV append (AppendKvParams::rope): the keys go in rotated and
+    // the row's queries are rotated in place, one kernel instead of a Rope and an append.
     for (int64_t r = 0; r < n; ++r) {
+      const kernels::RopeParams rope{TensorView(q_rows + r * hq * d, DType::kF32, {1, hq, d}),
+                                     pos_dev + r, inv_freq_, 1.0f};
       STRATA_RETURN_IF_ERROR(rows[r].cache->EnqueueAppendAt(
           layer, TensorView(k_rows + r * hkv * d, DType::kF32, {1, hkv, d}),
-          TensorView(v_rows + r * hkv * d, DType::kF32, {1, hkv, d}), index_dev + r));
+          TensorView(v_rows + r * hkv * d, DType::kF32, {1, hkv, d}), index_dev + r, rope));
       local[r].k_pool = rows[r].cache->k_pool(layer);
       local[r].v_pool = rows[r].cache->v_pool(layer);
     }
@@ -725,9 +739,9 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}));
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
+    STRATA_RETURN_IF_ERROR(AccumulateMatMul(gate, w.down_proj, x));
   }
-  STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps, num_layers > 0 ? o : TensorView()}, nullptr));
+  STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps}, nullptr));
   const TensorView lo(logits_->data(), DType::kF32, {n, vocab});
   return MatMul({xn, lm_head_, TensorView(), lo});
 }
@@ -1005,14 +1019,15 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   const int num_layers = static_cast<int>(layers_.size());
   for (int layer = 0; layer < num_layers; ++layer) {
     const model::LayerWeights& w = layers_[layer];
-    // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
-    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
+    // x already holds the previous layer's MLP output (its down projection accumulates).
     const FusedWeights& fw = fused_[layer];
     if (n == 1 && fw.qkv.data != nullptr) {
-      // One token: [q | k | v] from one GEMV (each output row computed as by the separate ones).
-      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
+      // One token: [q | k | v] from one GEMV (each output row computed as by the separate ones),
+      // the input norm inside it.
+      STRATA_RETURN_IF_ERROR(NormedMatMul(x, w.input_norm, fw.qkv, fw.qkv_bias, qkv));
       STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
     } else {
+      STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}));
@@ -1124,10 +1139,7 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}));
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
-    // The next layer's input norm adds o to x; after the last layer x is completed here (Logits
-    // reads some of its rows).
-    if (layer + 1 == num_layers) STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
+    STRATA_RETURN_IF_ERROR(AccumulateMatMul(gate, w.down_proj, x));
   }
   return absl::OkStatus();
 }

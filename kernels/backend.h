@@ -82,6 +82,16 @@ struct MatMulParams {
   TensorView out;     // [num_tokens, out_features] f32
   // See MatMulPrecision; a value outside the enum is InvalidArgument.
   MatMulPrecision precision = MatMulPrecision::kSplit;
+  // Optional RMS normalisation of the input, when in_norm.data is set ([in_features]
+  // f32|bf16|f16): each row of `in` is multiplied as Backend::RmsNorm (no residual) would write it
+  // with this weight and in_norm_eps; `in` itself is not written. The decode step's input norm
+  // and its first GEMV as one op (a backend may run them as one kernel).
+  TensorView in_norm;
+  float in_norm_eps = 1e-6f;
+  // out = out + (the product + bias) instead of out = the product + bias (the residual add of a
+  // transformer block's last GEMV). The f32 order is this one on the CPU and in the decode GEMVs;
+  // the CUDA backend's cuBLAS path (more than 16 tokens) adds out into its accumulation.
+  bool accumulate = false;
 };
 
 // Rotary embedding in place, "rotate half" convention (pairs (i, i + head_dim/2)) as in Hugging
@@ -519,6 +529,12 @@ struct AppendKvParams {
   // Finite and > 0; must stay 1 for f32|bf16 pools.
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+  // Optional rotary embedding, when rope.inv_freq.data is set ([head_dim / 2] f32): the keys are
+  // appended rotated as Backend::Rope rotates them at rope.positions[t] (backend memory, one per
+  // token; k itself is left as it is), and rope.x, when its data is set ([n, heads', head_dim]
+  // f32: the same tokens' queries), is rotated in place, whether or not first_device lets the
+  // append write. One op for the decode step's Rope and KV append.
+  RopeParams rope;
 };
 
 // The fp8 e4m3 encoding of persisted KV pages (the payload and scales of kvstore/page_format.h)

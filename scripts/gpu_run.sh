@@ -9,7 +9,12 @@
 #      (bundle folder, default .gpu; any .gpu* name is gitignored; carry it to the GPU machine and
 #      run it there with STRATA_GPU_BUNDLE set to the same name),
 #      STRATA_GPU_EXTRA_TARGETS (more targets to build and bundle, space-separated, e.g. a bench,
-#      or strata_kernel_trace: the CUPTI kernel tracer, bundled as bin/libstrata_kernel_trace.so).
+#      or strata_kernel_trace: the CUPTI kernel tracer, bundled as bin/libstrata_kernel_trace.so),
+#      STRATA_GPU_ONLY_TARGETS (space-separated: build and bundle only these targets, test binaries
+#      or programs, plus the plugin, instead of every gpu-labelled test: a small bundle for a
+#      focused call, e.g. "decode_graph_test decode_e2e_bench" into STRATA_GPU_BUNDLE=.gpu-s),
+#      STRATA_GPU_AB_BASE (a folder of baseline binaries of an earlier build, e.g. its
+#      decode_e2e_bench and libstrata_cuda.so, bundled as bin/base/ for scripts/gpu_ab_decode.sh).
 #
 # What is bundled (.gpu/):
 #   bin/            the test binaries with ctest label `gpu`, cuda_attention_bench, the CUDA plugin
@@ -43,6 +48,11 @@ fi
 cmake "$BUILD_DIR" > /dev/null  # refresh the list
 mapfile -t gpu_test_targets < <(grep -v '^$' "$BUILD_DIR/gpu_test_targets.txt")
 targets=("${gpu_test_targets[@]}" cuda_attention_bench strata_cuda "${extra[@]}")
+# shellcheck disable=SC2206
+only=(${STRATA_GPU_ONLY_TARGETS:-})
+if [ "${#only[@]}" -gt 0 ]; then
+  targets=("${only[@]}" strata_cuda)
+fi
 ninja -C "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
 if [ "$WITH_CLI" = 1 ]; then
   ninja -C "$BUILD_DIR" -j "$JOBS" strata
@@ -57,12 +67,28 @@ for t in "${extra[@]}"; do
   [ -f "$BUILD_DIR/lib/lib$t.so" ] && binaries+=("$BUILD_DIR/lib/lib$t.so")
 done
 [ -x "$BUILD_DIR/bin/strata" ] && binaries+=("$BUILD_DIR/bin/strata")
+if [ "${#only[@]}" -gt 0 ]; then
+  binaries=("$BUILD_DIR/bin/libstrata_cuda.so")
+  for t in "${only[@]}"; do
+    if [ -x "$BUILD_DIR/tests/$t" ]; then binaries+=("$BUILD_DIR/tests/$t")
+    elif [ -x "$BUILD_DIR/bin/$t" ]; then binaries+=("$BUILD_DIR/bin/$t")
+    elif [ -f "$BUILD_DIR/lib/lib$t.so" ]; then binaries+=("$BUILD_DIR/lib/lib$t.so")
+    else echo "no binary for target $t" >&2; exit 1
+    fi
+  done
+fi
 
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
 for b in "${binaries[@]}"; do
   strip --strip-unneeded -o "$BUNDLE/bin/$(basename "$b")" "$b"
 done
+if [ -n "${STRATA_GPU_AB_BASE:-}" ]; then
+  mkdir -p "$BUNDLE/bin/base"
+  for b in "$STRATA_GPU_AB_BASE"/*; do
+    strip --strip-unneeded -o "$BUNDLE/bin/base/$(basename "$b")" "$b"
+  done
+fi
 # Libraries present on the GPU machine (or that must come from its driver) are left out.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libstdc\+\+|libgcc_s|libcuda\.so|libcudart|libcublas|libcublasLt|libnvidia|libnccl|libprotobuf\.so\.32)'
 for b in "${binaries[@]}"; do

@@ -43,6 +43,19 @@ absl::Status CpuSupportsAppendKv(const AppendKvParams& p) {
   if (p.k_pool.dim(2) != d) {
     return absl::InvalidArgumentError("AppendKv: pool head_dim differs from k head_dim");
   }
+  if (p.rope.inv_freq.data != nullptr) {
+    // The keys' rotation is Rope's over k; rope.x, when set, is rotated by Rope itself.
+    RopeParams keys = p.rope;
+    keys.x = p.k;
+    STRATA_RETURN_IF_ERROR(CpuSupportsRope(keys));
+    if (p.rope.x.data != nullptr) {
+      STRATA_RETURN_IF_ERROR(CpuSupportsRope(p.rope));
+      STRATA_RETURN_IF_ERROR(CheckDim(p.rope.x, 0, n, kOp, "rope.x"));
+      STRATA_RETURN_IF_ERROR(CheckDim(p.rope.x, 2, d, kOp, "rope.x"));
+    }
+  } else if (p.rope.x.data != nullptr) {
+    return absl::InvalidArgumentError("AppendKv: rope.x is set without rope.inv_freq");
+  }
   if (n == 0 || heads == 0 || d == 0) return absl::OkStatus();
   if (page <= 0 || p.first < 0 || p.slots_per_head < 0 ||
       p.first > std::numeric_limits<int64_t>::max() / 2 - n) {
@@ -64,12 +77,23 @@ absl::Status CpuSupportsAppendKv(const AppendKvParams& p) {
 absl::Status CpuAppendKv(const AppendKvParams& p) {
   STRATA_RETURN_IF_ERROR(CpuSupportsAppendKv(p));
   const int64_t n = p.k.dim(0), heads = p.k.dim(1), d = p.k.dim(2), page = p.k_pool.dim(1);
+  const bool rope = p.rope.inv_freq.data != nullptr;
+  if (rope && p.rope.x.data != nullptr) STRATA_RETURN_IF_ERROR(CpuRope(p.rope));
   if (n == 0 || heads == 0 || d == 0) return absl::OkStatus();
   int64_t first = p.first;
   if (p.first_device != nullptr) {  // backend memory is host memory here
     const int64_t f = *p.first_device;
     if (f < 0 || f > p.first) return absl::OkStatus();  // nothing written (backend.h)
     first = f;
+  }
+  std::vector<float> rotated;
+  const float* keys = p.k.As<const float>();
+  if (rope) {  // the keys rotated by Rope itself, into a copy
+    rotated.assign(keys, keys + n * heads * d);
+    RopeParams r = p.rope;
+    r.x = TensorView(rotated.data(), DType::kF32, {n, heads, d});
+    STRATA_RETURN_IF_ERROR(CpuRope(r));
+    keys = rotated.data();
   }
   const size_t es = DTypeSize(p.k_pool.dtype);
   const bool fp8 = p.k_pool.dtype == DType::kFP8E4M3;
@@ -80,7 +104,7 @@ absl::Status CpuAppendKv(const AppendKvParams& p) {
       const int64_t dst = ((g * p.slots_per_head + pos / page) * page + pos % page) * d;
       const int64_t src = (i * heads + g) * d;
       for (int kv = 0; kv < 2; ++kv) {
-        const float* x = (kv == 0 ? p.k : p.v).As<const float>() + src;
+        const float* x = (kv == 0 ? keys : p.v.As<const float>()) + src;
         const float scale = kv == 0 ? p.k_scale : p.v_scale;
         for (int64_t c = 0; c < d; ++c) row[c] = fp8 ? x[c] / scale : x[c];
         ConvertFromF32(row.data(), static_cast<char*>((kv == 0 ? p.k_pool : p.v_pool).data) + dst * es,

@@ -119,6 +119,71 @@ TEST(CpuAppendKvTest, DevicePositionWritesOnlyAllowedPositions) {
   EXPECT_EQ(f.vpool, ev);
 }
 
+// With AppendKvParams::rope the pools get the keys as Rope rotates them (k itself unchanged), the
+// queries are rotated in place as Rope rotates them, also when the device position refuses the
+// append, and rope.x without inv_freq is refused.
+TEST(CpuAppendKvTest, RopeAppendsRotatedKeysAndRotatesQueries) {
+  std::mt19937 rng(31);
+  constexpr int64_t kDimEven = 16, kQHeads = 6, n = 3, first = 2;
+  std::uniform_real_distribution<float> u(-2, 2);
+  std::vector<float> k(n * kHeads * kDimEven), v(k.size()), q(n * kQHeads * kDimEven);
+  for (float& x : k) x = u(rng);
+  for (float& x : v) x = u(rng);
+  for (float& x : q) x = u(rng);
+  std::vector<float> inv_freq(kDimEven / 2);
+  for (int64_t i = 0; i < kDimEven / 2; ++i) inv_freq[i] = std::pow(500000.0f, -2.0f * i / kDimEven);
+  const std::vector<int32_t> positions = {70001, 9, 123456};
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kFP8E4M3}) {
+    const size_t bytes = static_cast<size_t>(kSlots * kPage * kDimEven) * DTypeSize(dt);
+    std::vector<uint8_t> kpool(bytes, 0x11), vpool(bytes, 0x22), ekpool = kpool, evpool = vpool;
+    // Expected: Rope on copies of q and k, then the plain append of the rotated keys.
+    std::vector<float> eq = q, ek = k;
+    STRATA_ASSERT_OK(CpuRope({TensorView(eq.data(), DType::kF32, {n, kQHeads, kDimEven}),
+                              positions.data(),
+                              TensorView(inv_freq.data(), DType::kF32, {kDimEven / 2}), 1.0f}));
+    STRATA_ASSERT_OK(CpuRope({TensorView(ek.data(), DType::kF32, {n, kHeads, kDimEven}),
+                              positions.data(),
+                              TensorView(inv_freq.data(), DType::kF32, {kDimEven / 2}), 1.0f}));
+    AppendKvParams plain;
+    plain.k = TensorView(ek.data(), DType::kF32, {n, kHeads, kDimEven});
+    plain.v = TensorView(v.data(), DType::kF32, {n, kHeads, kDimEven});
+    plain.k_pool = TensorView(ekpool.data(), dt, {kSlots, kPage, kDimEven});
+    plain.v_pool = TensorView(evpool.data(), dt, {kSlots, kPage, kDimEven});
+    plain.first = first;
+    plain.slots_per_head = kPerHead;
+    if (dt == DType::kFP8E4M3) plain.k_scale = 0.5f, plain.v_scale = 2.0f;
+    STRATA_ASSERT_OK(CpuAppendKv(plain));
+
+    std::vector<float> qr = q, kr = k;
+    AppendKvParams p = plain;
+    p.k = TensorView(kr.data(), DType::kF32, {n, kHeads, kDimEven});
+    p.k_pool = TensorView(kpool.data(), dt, {kSlots, kPage, kDimEven});
+    p.v_pool = TensorView(vpool.data(), dt, {kSlots, kPage, kDimEven});
+    p.rope = {TensorView(qr.data(), DType::kF32, {n, kQHeads, kDimEven}), positions.data(),
+              TensorView(inv_freq.data(), DType::kF32, {kDimEven / 2}), 1.0f};
+    STRATA_ASSERT_OK(CpuAppendKv(p));
+    EXPECT_EQ(kpool, ekpool) << DTypeName(dt);
+    EXPECT_EQ(vpool, evpool) << DTypeName(dt);
+    EXPECT_EQ(qr, eq) << DTypeName(dt);
+    EXPECT_EQ(kr, k) << "k is left as it is";
+
+    // A refused device position: nothing appended, the queries still rotated.
+    const std::vector<uint8_t> before = kpool;
+    qr = q;
+    const int32_t refused = -1;
+    p.first_device = &refused;
+    STRATA_ASSERT_OK(CpuAppendKv(p));
+    EXPECT_EQ(kpool, before);
+    EXPECT_EQ(qr, eq);
+
+    p.first_device = nullptr;
+    p.rope.inv_freq = TensorView();
+    EXPECT_THAT(CpuAppendKv(p), StatusIs(absl::StatusCode::kInvalidArgument));
+    p.rope.inv_freq = TensorView(inv_freq.data(), DType::kF32, {kDimEven / 2 - 1});
+    EXPECT_THAT(CpuAppendKv(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+}
+
 TEST(CpuAppendKvTest, RejectsBadParams) {
   std::mt19937 rng(9);
   Fixture f(DType::kBF16, /*n=*/5, /*first=*/6, rng);

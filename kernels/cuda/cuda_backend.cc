@@ -644,7 +644,15 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p, Stream s) {
   const FloatType wt = ToFloatType(p.weight.dtype);
   const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
   const bool round = p.precision == MatMulPrecision::kRoundActivations;
-  const int64_t scratch_bytes = cuda_internal::MatMulScratchBytes(wt, n, k, round);
+  cuda_internal::MatMulFusion fusion;
+  if (p.in_norm.data != nullptr) {
+    fusion.norm = p.in_norm.data;
+    fusion.norm_type = ToFloatType(p.in_norm.dtype);
+    fusion.norm_eps = p.in_norm_eps;
+  }
+  fusion.accumulate = p.accumulate;
+  const int64_t scratch_bytes = cuda_internal::MatMulScratchBytes(
+      wt, n, k, round, p.weight.data, p.in.As<const float>(), m, fusion);
   void* scratch = nullptr;
   if (scratch_bytes > 0 && k > 0) {
     STRATA_ASSIGN_OR_RETURN(scratch, AllocScratch(scratch_bytes, stream));
@@ -652,7 +660,7 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p, Stream s) {
   STRATA_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas_, stream));
   const cuda_internal::GpuResult r = cuda_internal::LaunchMatMul(
       blas_, p.in.As<const float>(), p.weight.data, wt, p.bias.data, ToFloatType(p.bias.dtype),
-      p.out.As<float>(), n, k, m, scratch, stream, round);
+      p.out.As<float>(), n, k, m, scratch, stream, round, fusion);
   if (scratch != nullptr) STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
   if (r.cuda != cudaSuccess) {
     return cuda_internal::CudaErrorToStatus(r.cuda, "LaunchMatMul", r.file, r.line);
@@ -889,12 +897,23 @@ absl::Status CudaBackend::PageCopy(const PageCopyParams& p, Stream s) {
 absl::Status CudaBackend::AppendKv(const AppendKvParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CpuSupportsAppendKv(p));  // shapes, dtypes, scales, slots
   const int64_t n = p.k.dim(0), heads = p.k.dim(1), d = p.k.dim(2), page = p.k_pool.dim(1);
-  if (n == 0 || heads == 0 || d == 0) return absl::OkStatus();
+  cuda_internal::RopeArgs rope;
+  if (p.rope.inv_freq.data != nullptr) {
+    rope.inv_freq = p.rope.inv_freq.As<const float>();
+    rope.positions = p.rope.positions;
+    rope.factor = p.rope.attention_factor;
+    if (p.rope.x.data != nullptr) {
+      rope.q = p.rope.x.As<float>();
+      rope.q_heads = p.rope.x.dim(1);
+      rope.q_pairs = p.rope.x.dim(0) * p.rope.x.dim(1) * (d / 2);
+    }
+  }
+  if ((n == 0 || heads == 0 || d == 0) && rope.q_pairs == 0) return absl::OkStatus();
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchAppendKv(
       p.k.As<const float>(), p.v.As<const float>(), p.k_pool.data, p.v_pool.data,
       ToFloatType(p.k_pool.dtype), n, heads, d, page, p.first, p.slots_per_head, ToCuda(s),
-      p.first_device, p.k_scale, p.v_scale));
+      p.first_device, p.k_scale, p.v_scale, rope));
   return absl::OkStatus();
 }
 

@@ -522,6 +522,89 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16), ::testing::Values(1),
                        ::testing::Values(8, 264), ::testing::Values(20011), ::testing::Bool()));
 
+// MatMulParams' fused forms against the CPU's (which runs them as RmsNorm, MatMul and an add):
+// in_norm (inside the one-token warp-per-row GEMV for aligned rows of bf16/f16 weights, RmsNorm
+// into scratch on every other path) and accumulate (out + product on every path), alone and
+// together, over a poisoned-free random `out` that accumulate adds to. `in` is left unchanged.
+// (weight dtype, tokens, in_features, out_features, in_norm, accumulate)
+class CudaMatMulFusedTest
+    : public CudaBackendTest,
+      public ::testing::WithParamInterface<
+          std::tuple<DType, int64_t, int64_t, int64_t, bool, bool>> {};
+
+TEST_P(CudaMatMulFusedTest, MatchesCpu) {
+  const auto [dt, n, k, m, with_norm, accumulate] = GetParam();
+  HostTensor in = Random(rng_, DType::kF32, {n, k}, -2, 2);
+  HostTensor w = Random(rng_, dt, {m, k});
+  HostTensor bias = Random(rng_, dt, {m});
+  HostTensor norm = Random(rng_, DType::kBF16, {k}, 0.5, 1.5);
+  HostTensor out0 = accumulate ? Random(rng_, DType::kF32, {n, m}, -4, 4) : Filled({n, m}, kNaN);
+  HostTensor want = out0;
+  MatMulParams cp{in.HostView(), w.HostView(), bias.HostView(), want.HostView()};
+  if (with_norm) {
+    cp.in_norm = norm.HostView();
+    cp.in_norm_eps = 1e-5f;
+  }
+  cp.accumulate = accumulate;
+  STRATA_ASSERT_OK(cpu_->MatMul(cp, nullptr));
+  auto d_in = Upload(in);
+  auto d_w = Upload(w);
+  auto d_b = Upload(bias);
+  auto d_n = Upload(norm);
+  auto d_out = Upload(out0);
+  MatMulParams p{in.View(d_in->data()), w.View(d_w->data()), bias.View(d_b->data()),
+                 want.View(d_out->data())};
+  if (with_norm) {
+    p.in_norm = norm.View(d_n->data());
+    p.in_norm_eps = 1e-5f;
+  }
+  p.accumulate = accumulate;
+  STRATA_ASSERT_OK(gpu_->Supports(p));
+  STRATA_ASSERT_OK(gpu_->MatMul(p, nullptr));
+  // The scale of the rounding: sum_i |x_i w_i| + |bias| + |out0| over the rows as multiplied
+  // (normalised when in_norm is set).
+  std::vector<float> xv = in.Values();
+  if (with_norm) {
+    HostTensor normed = Filled({n, k}, 0.0f);
+    STRATA_ASSERT_OK(cpu_->RmsNorm({in.HostView(), norm.HostView(), normed.HostView(), 1e-5f},
+                                   nullptr));
+    xv = normed.Values();
+  }
+  const std::vector<float> wv = w.Values(), bv = bias.Values(), ov = out0.Values();
+  std::vector<double> scale(n * m);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t o = 0; o < m; ++o) {
+      double a = std::fabs(bv[o]) + (accumulate ? std::fabs(ov[t * m + o]) : 0.0);
+      for (int64_t i = 0; i < k; ++i) a += std::fabs(double(xv[t * k + i]) * wv[o * k + i]);
+      scale[t * m + o] = a;
+    }
+  }
+  ExpectClose(Download(*d_out, n * m), want.Values(), 1e-6, 3e-5,
+              absl::StrCat("fused matmul ", DTypeName(dt), " n=", n, " k=", k, " m=", m,
+                           with_norm ? " norm" : "", accumulate ? " accumulate" : ""),
+              &scale);
+  ExpectClose(Download(*d_in, n * k), in.Values(), 0, 0, "in unchanged");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, CudaMatMulFusedTest,
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                       ::testing::Values(1, 3, 16, 20), ::testing::Values(8, 17, 256, 4096),
+                       ::testing::Values(3, 129), ::testing::Bool(), ::testing::Bool()));
+
+// The decode step's shapes: one token over q|k|v-sized and o-sized bf16 weights (the NORM
+// warp-per-row GEMV), a weight above its 64 MiB limit (RmsNorm into scratch, a block per row) and
+// more rows than the grid has warps.
+INSTANTIATE_TEST_SUITE_P(
+    DecodeShapes, CudaMatMulFusedTest,
+    ::testing::Combine(::testing::Values(DType::kBF16), ::testing::Values(1),
+                       ::testing::Values(4096), ::testing::Values(6144, 8200), ::testing::Bool(),
+                       ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(
+    ManyRows, CudaMatMulFusedTest,
+    ::testing::Combine(::testing::Values(DType::kF16), ::testing::Values(1), ::testing::Values(264),
+                       ::testing::Values(20011), ::testing::Values(true), ::testing::Bool()));
+
 // MatMulPrecision::kRoundActivations against the CPU's: both round every activation to the
 // weight's type (RNE), so each product is exact and only the f32 accumulation order differs
 // (GEMV for <= kGemvMaxTokens tokens, rounding pass + one cuBLAS GEMM beyond; k % 4 picks the
@@ -1038,6 +1121,120 @@ TEST_F(CudaBackendTest, AppendKvMatchesHostConversion) {
     p.slots_per_head = kPerHead + 1;  // head 1's pages would pass the last slot
     EXPECT_THAT(gpu_->AppendKv(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
   }
+}
+
+// AppendKv with rope (the decode step's fused Rope and append): against the CPU twin (f32 pool,
+// Rope's tolerance) and against the GPU's own Rope followed by a plain AppendKv (every pool type,
+// the same sincosf: equal), at awkward sizes; the queries rotated in place, k untouched, and the
+// queries rotated also when the device position refuses the append.
+TEST_F(CudaBackendTest, AppendKvWithRopeMatchesRopeThenAppend) {
+  constexpr int64_t kHeads = 3, kPage = 4, kPerHead = 5, kSlots = kHeads * kPerHead;
+  for (int64_t d : {2, 16, 128}) {
+    for (int64_t n : {1, 3}) {
+      for (DType dt : {DType::kF32, DType::kBF16, DType::kFP8E4M3}) {
+        const int64_t q_heads = 7, first = 5;
+        const size_t pool_bytes = static_cast<size_t>(kSlots * kPage * d) * DTypeSize(dt);
+        std::vector<uint8_t> pool0(pool_bytes);
+        for (auto& b : pool0) b = static_cast<uint8_t>(rng_() & 0x3f);  // no NaN patterns
+        HostTensor k = Random(rng_, DType::kF32, {n, kHeads, d}, -2, 2);
+        HostTensor v = Random(rng_, DType::kF32, {n, kHeads, d}, -2, 2);
+        HostTensor q = Random(rng_, DType::kF32, {n, q_heads, d}, -2, 2);
+        HostTensor inv_freq = Filled({d / 2}, 0.0f);
+        for (int64_t i = 0; i < d / 2; ++i) inv_freq.f32()[i] = std::pow(500000.0f, -2.0f * i / d);
+        std::vector<int32_t> pos(n);
+        for (auto& x : pos) x = static_cast<int32_t>(rng_() % 600000);
+        auto d_f = Upload(inv_freq);
+        auto d_pos = UploadRaw(pos.data(), pos.size() * 4);
+        const auto* pos_dev = static_cast<const int32_t*>(d_pos->data());
+        auto run = [&](bool fused, std::vector<uint8_t>* kp, std::vector<uint8_t>* vp,
+                       std::vector<float>* q_out, std::vector<float>* k_out) {
+          auto d_kp = UploadRaw(pool0.data(), pool_bytes);
+          auto d_vp = UploadRaw(pool0.data(), pool_bytes);
+          auto d_k = Upload(k);
+          auto d_v = Upload(v);
+          auto d_q = Upload(q);
+          AppendKvParams p;
+          p.k = k.View(d_k->data());
+          p.v = v.View(d_v->data());
+          p.k_pool = TensorView(d_kp->data(), dt, {kSlots, kPage, d});
+          p.v_pool = TensorView(d_vp->data(), dt, {kSlots, kPage, d});
+          p.first = first;
+          p.slots_per_head = kPerHead;
+          if (dt == DType::kFP8E4M3) p.k_scale = 0.25f, p.v_scale = 0.5f;
+          if (fused) {
+            p.rope = {q.View(d_q->data()), pos_dev, inv_freq.View(d_f->data()), 1.0f};
+          } else {
+            STRATA_ASSERT_OK(gpu_->Rope({q.View(d_q->data()), pos_dev, inv_freq.View(d_f->data()), 1.0f},
+                                        nullptr));
+            STRATA_ASSERT_OK(gpu_->Rope({k.View(d_k->data()), pos_dev, inv_freq.View(d_f->data()), 1.0f},
+                                        nullptr));
+          }
+          STRATA_ASSERT_OK(gpu_->AppendKv(p, nullptr));
+          kp->resize(pool_bytes);
+          vp->resize(pool_bytes);
+          STRATA_ASSERT_OK(gpu_->CopyToHost(kp->data(), d_kp->data(), pool_bytes, nullptr));
+          STRATA_ASSERT_OK(gpu_->CopyToHost(vp->data(), d_vp->data(), pool_bytes, nullptr));
+          *q_out = Download(*d_q, n * q_heads * d);
+          *k_out = Download(*d_k, n * kHeads * d);
+        };
+        std::vector<uint8_t> fk, fv, sk, sv;
+        std::vector<float> fq, sq, fkr, skr;
+        run(true, &fk, &fv, &fq, &fkr);
+        run(false, &sk, &sv, &sq, &skr);
+        const std::string what = absl::StrCat(DTypeName(dt), " d=", d, " n=", n);
+        EXPECT_EQ(fk, sk) << what;
+        EXPECT_EQ(fv, sv) << what;
+        EXPECT_EQ(fq, sq) << what;
+        EXPECT_EQ(fkr, k.Values()) << "k is left as it is: " << what;
+        if (dt == DType::kF32) {  // the CPU twin
+          std::vector<uint8_t> ck(pool0), cv(pool0);
+          HostTensor cq = q;
+          AppendKvParams c;
+          c.k = k.HostView();
+          c.v = v.HostView();
+          c.k_pool = TensorView(ck.data(), dt, {kSlots, kPage, d});
+          c.v_pool = TensorView(cv.data(), dt, {kSlots, kPage, d});
+          c.first = first;
+          c.slots_per_head = kPerHead;
+          c.rope = {cq.HostView(), pos.data(), inv_freq.HostView(), 1.0f};
+          STRATA_ASSERT_OK(cpu_->AppendKv(c, nullptr));
+          std::vector<float> gk(pool_bytes / 4), ck_f(pool_bytes / 4);
+          std::memcpy(gk.data(), fk.data(), pool_bytes);
+          std::memcpy(ck_f.data(), ck.data(), pool_bytes);
+          ExpectClose(gk, ck_f, 2e-5, 2e-5, "rope append k pool");
+          ExpectClose(fq, cq.Values(), 2e-5, 2e-5, "rope append q");
+          EXPECT_EQ(fv, cv) << what;
+        }
+      }
+    }
+  }
+  // A refused device position: nothing written, the queries rotated all the same.
+  const int64_t d = 8;
+  std::vector<float> pool(kSlots * kPage * d, 1.5f);
+  auto d_kp = UploadRaw(pool.data(), pool.size() * 4);
+  HostTensor k = Random(rng_, DType::kF32, {1, kHeads, d}, -2, 2);
+  HostTensor q = Random(rng_, DType::kF32, {1, 2, d}, -2, 2);
+  HostTensor inv_freq = Filled({d / 2}, 0.5f);
+  const int32_t host_vals[2] = {1000, -1};  // position, refused index
+  auto d_vals = UploadRaw(host_vals, sizeof(host_vals));
+  auto d_k = Upload(k);
+  auto d_q = Upload(q);
+  auto d_f = Upload(inv_freq);
+  const auto* vals = static_cast<const int32_t*>(d_vals->data());
+  AppendKvParams p;
+  p.k = k.View(d_k->data());
+  p.v = k.View(d_k->data());
+  p.k_pool = TensorView(d_kp->data(), DType::kF32, {kSlots, kPage, d});
+  p.v_pool = p.k_pool;
+  p.first = 3;
+  p.slots_per_head = kPerHead;
+  p.first_device = vals + 1;
+  p.rope = {q.View(d_q->data()), vals, inv_freq.View(d_f->data()), 1.0f};
+  STRATA_ASSERT_OK(gpu_->AppendKv(p, nullptr));
+  EXPECT_EQ(Download(*d_kp, pool.size()), pool);
+  HostTensor want = q;
+  STRATA_ASSERT_OK(cpu_->Rope({want.HostView(), host_vals, inv_freq.HostView(), 1.0f}, nullptr));
+  ExpectClose(Download(*d_q, 2 * d), want.Values(), 2e-5, 2e-5, "refused append's q");
 }
 
 

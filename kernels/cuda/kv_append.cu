@@ -1,5 +1,6 @@
 // AppendKv on the GPU: f32 K/V rows of new tokens converted into their KvCache pool rows, one
-// thread per element (K and V). The bf16 rounding is kernels::F32ToBF16's and the fp8 e4m3 one
+// thread per element (K and V; with RoPE the keys rotated on the way and the queries' pairs
+// rotated in place by the same kernel). The bf16 rounding is kernels::F32ToBF16's and the fp8 e4m3 one
 // kernels::F32ToFP8E4M3's (nearest even, saturated to +-448, NaN -> 0x7f), bit for bit.
 //
 // EncodeFp8Pages: the persisted fp8 pages of bf16 pool pages (kernels/backend.h), one block per
@@ -28,28 +29,68 @@ __device__ __forceinline__ uint8_t F32ToFp8Bits(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
+// cos and sin of RopeKernel (kernels/cuda/rope.cu) for pair i of a token at `position`.
+__device__ __forceinline__ void RopeAngle(int32_t position, const float* inv_freq, int64_t i,
+                                          float factor, float* c, float* s) {
+  const float a = static_cast<float>(position) * inv_freq[i];
+  sincosf(a, s, c);
+  *c *= factor;
+  *s *= factor;
+}
+
+// Items [0, total): K elements, [total, 2 total): V elements, then with RoPE the pairs of q
+// (q_pairs items, rotated in place as RopeKernel rotates them). A K element under RoPE is
+// RopeKernel's rotation of its pair, computed from k without writing k.
 template <FloatType T>
 __global__ void AppendKvKernel(const float* __restrict__ k, const float* __restrict__ v,
                                void* k_pool, void* v_pool, int64_t total, int64_t heads,
                                int64_t head_dim, int64_t page_size, int64_t first,
                                int64_t slots_per_head, const int32_t* first_device,
-                               float k_scale, float v_scale) {
+                               float k_scale, float v_scale, RopeArgs rope) {
+  bool write = true;
   if (first_device != nullptr) {
     // The position read on the device; `first` is its largest allowed value.
     const int64_t f = *first_device;
-    if (f < 0 || f > first) return;
-    first = f;
+    write = f >= 0 && f <= first;
+    first = write ? f : 0;
   }
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < 2 * total;
+  const int64_t half = head_dim / 2;
+  const bool rotate = rope.inv_freq != nullptr;
+  const int64_t items = 2 * total + (rotate ? rope.q_pairs : 0);
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < items;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (e >= 2 * total) {  // a pair of q: [n, q_heads, head_dim], rotated in place
+      const int64_t pe = e - 2 * total;
+      const int64_t i = pe % half, row = pe / half;  // row: token * q_heads + head
+      float c, s;
+      RopeAngle(rope.positions[row / rope.q_heads], rope.inv_freq, i, rope.factor, &c, &s);
+      float* qv = rope.q + row * head_dim;
+      const float x1 = qv[i], x2 = qv[i + half];
+      qv[i] = x1 * c - x2 * s;
+      qv[i + half] = x2 * c + x1 * s;
+      continue;
+    }
+    if (!write) continue;
     const bool is_v = e >= total;
     const int64_t j = is_v ? e - total : e;  // element of [n, heads, head_dim]
     const int64_t c = j % head_dim;
     const int64_t g = (j / head_dim) % heads;
-    const int64_t pos = first + j / (head_dim * heads);
+    const int64_t t = j / (head_dim * heads);
+    const int64_t pos = first + t;
     const int64_t slot = g * slots_per_head + pos / page_size;
     const int64_t dst = (slot * page_size + pos % page_size) * head_dim + c;
-    const float x = is_v ? v[j] : k[j];
+    float x;
+    if (is_v) {
+      x = v[j];
+    } else if (!rotate) {
+      x = k[j];
+    } else {
+      const int64_t i = c < half ? c : c - half;
+      const float x1 = k[j - c + i], x2 = k[j - c + i + half];
+      float cs, sn;
+      RopeAngle(rope.positions[t], rope.inv_freq, i, rope.factor, &cs, &sn);
+      x = c < half ? x1 * cs - x2 * sn : x2 * cs + x1 * sn;
+    }
     void* pool = is_v ? v_pool : k_pool;
     if constexpr (T == FloatType::kBF16) {
       static_cast<uint16_t*>(pool)[dst] = F32ToBF16Bits(x);
@@ -65,10 +106,10 @@ template <FloatType T>
 void Launch(unsigned blocks, int threads, const float* k, const float* v, void* k_pool,
             void* v_pool, int64_t total, int64_t heads, int64_t head_dim, int64_t page_size,
             int64_t first, int64_t slots_per_head, const int32_t* first_device, float k_scale,
-            float v_scale, cudaStream_t stream) {
+            float v_scale, const RopeArgs& rope, cudaStream_t stream) {
   AppendKvKernel<T><<<blocks, threads, 0, stream>>>(k, v, k_pool, v_pool, total, heads, head_dim,
                                                     page_size, first, slots_per_head,
-                                                    first_device, k_scale, v_scale);
+                                                    first_device, k_scale, v_scale, rope);
 }
 
 }  // namespace
@@ -77,27 +118,28 @@ cudaError_t LaunchAppendKv(const float* k, const float* v, void* k_pool, void* v
                            FloatType pool_type, int64_t n, int64_t heads, int64_t head_dim,
                            int64_t page_size, int64_t first, int64_t slots_per_head,
                            cudaStream_t stream, const int32_t* first_device, float k_scale,
-                           float v_scale) {
+                           float v_scale, const RopeArgs& rope) {
   const int64_t total = n * heads * head_dim;
-  if (total == 0) return cudaSuccess;
+  const int64_t items = 2 * total + (rope.inv_freq != nullptr ? rope.q_pairs : 0);
+  if (items == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  const int64_t want = (2 * total + kThreads - 1) / kThreads;
+  const int64_t want = (items + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(want < 65535 ? want : 65535);
   switch (pool_type) {
     case FloatType::kBF16:
       Launch<FloatType::kBF16>(blocks, kThreads, k, v, k_pool, v_pool, total, heads, head_dim,
                                page_size, first, slots_per_head, first_device, k_scale, v_scale,
-                               stream);
+                               rope, stream);
       break;
     case FloatType::kFP8E4M3:
       Launch<FloatType::kFP8E4M3>(blocks, kThreads, k, v, k_pool, v_pool, total, heads, head_dim,
                                   page_size, first, slots_per_head, first_device, k_scale,
-                                  v_scale, stream);
+                                  v_scale, rope, stream);
       break;
     case FloatType::kF32:
       Launch<FloatType::kF32>(blocks, kThreads, k, v, k_pool, v_pool, total, heads, head_dim,
                               page_size, first, slots_per_head, first_device, k_scale, v_scale,
-                              stream);
+                              rope, stream);
       break;
     default:
       return cudaErrorInvalidValue;
