@@ -111,22 +111,6 @@ absl::Status Transformer::MatMul(kernels::MatMulParams p) {
   return backend_->MatMul(p, nullptr);
 }
 
-absl::Status Transformer::NormedMatMul(const TensorView& x, const TensorView& norm,
-                                       const TensorView& weight, const TensorView& bias,
-                                       const TensorView& out) {
-  kernels::MatMulParams p{x, weight, bias, out};
-  p.in_norm = norm;
-  p.in_norm_eps = static_cast<float>(config_.rms_norm_eps);
-  return MatMul(p);
-}
-
-absl::Status Transformer::AccumulateMatMul(const TensorView& in, const TensorView& weight,
-                                           const TensorView& x) {
-  kernels::MatMulParams p{in, weight, TensorView(), x};
-  p.accumulate = true;
-  return MatMul(p);
-}
-
 absl::Status Transformer::Upload(const TensorView& host, TensorView* out) {
   if (host.data == nullptr) {
     *out = host;
@@ -670,11 +654,11 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
   for (int layer = 0; layer < num_layers; ++layer) {
     const model::LayerWeights& w = layers_[layer];
     const FusedWeights& fw = fused_[layer];
-    // x already holds the previous layer's MLP output (its down projection accumulates).
+    // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
+    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
     if (n == 1 && fw.qkv.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(NormedMatMul(x, w.input_norm, fw.qkv, fw.qkv_bias, qkv));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
     } else {
-      STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}));
@@ -739,9 +723,9 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}));
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(AccumulateMatMul(gate, w.down_proj, x));
+    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
   }
-  STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps}, nullptr));
+  STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps, num_layers > 0 ? o : TensorView()}, nullptr));
   const TensorView lo(logits_->data(), DType::kF32, {n, vocab});
   return MatMul({xn, lm_head_, TensorView(), lo});
 }
@@ -1019,15 +1003,14 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   const int num_layers = static_cast<int>(layers_.size());
   for (int layer = 0; layer < num_layers; ++layer) {
     const model::LayerWeights& w = layers_[layer];
-    // x already holds the previous layer's MLP output (its down projection accumulates).
+    // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
+    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
     const FusedWeights& fw = fused_[layer];
     if (n == 1 && fw.qkv.data != nullptr) {
-      // One token: [q | k | v] from one GEMV (each output row computed as by the separate ones),
-      // the input norm inside it.
-      STRATA_RETURN_IF_ERROR(NormedMatMul(x, w.input_norm, fw.qkv, fw.qkv_bias, qkv));
+      // One token: [q | k | v] from one GEMV (each output row computed as by the separate ones).
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
       STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
     } else {
-      STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps}, nullptr));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}));
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}));
@@ -1139,7 +1122,10 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}));
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(AccumulateMatMul(gate, w.down_proj, x));
+    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
+    // The next layer's input norm adds o to x; after the last layer x is completed here (Logits
+    // reads some of its rows).
+    if (layer + 1 == num_layers) STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
   }
   return absl::OkStatus();
 }

@@ -253,15 +253,6 @@ class Transformer {
   absl::Status Upload(const kernels::TensorView& host, kernels::TensorView* out);
   // backend_->MatMul on the default stream with options_.matmul_precision.
   absl::Status MatMul(kernels::MatMulParams p);
-  // out = RmsNorm(x; norm, rms_norm_eps) · weightᵀ (+ bias) as one MatMul (MatMulParams::in_norm:
-  // the decode step's input norm folded into its q|k|v GEMV); x is not written.
-  absl::Status NormedMatMul(const kernels::TensorView& x, const kernels::TensorView& norm,
-                            const kernels::TensorView& weight, const kernels::TensorView& bias,
-                            const kernels::TensorView& out);
-  // x += in · weightᵀ (MatMulParams::accumulate): a block's down projection adds itself to the
-  // residual stream, so no norm or add has to.
-  absl::Status AccumulateMatMul(const kernels::TensorView& in, const kernels::TensorView& weight,
-                                const kernels::TensorView& x);
   // Uploads `parts` (same rank, dtype and trailing dimension) one after another into one buffer:
   // *fused views it all ([sum of dim 0(, cols)]) and *outs[i] part i. Returns false (nothing
   // uploaded) when the parts cannot be fused: host memory, a null part, or differing dtype/shape.

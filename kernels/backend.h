@@ -82,16 +82,6 @@ struct MatMulParams {
   TensorView out;     // [num_tokens, out_features] f32
   // See MatMulPrecision; a value outside the enum is InvalidArgument.
   MatMulPrecision precision = MatMulPrecision::kSplit;
-  // Optional RMS normalisation of the input, when in_norm.data is set ([in_features]
-  // f32|bf16|f16): each row of `in` is multiplied as Backend::RmsNorm (no residual) would write it
-  // with this weight and in_norm_eps; `in` itself is not written. The decode step's input norm
-  // and its first GEMV as one op (a backend may run them as one kernel).
-  TensorView in_norm;
-  float in_norm_eps = 1e-6f;
-  // out = out + (the product + bias) instead of out = the product + bias (the residual add of a
-  // transformer block's last GEMV). The f32 order is this one on the CPU and in the decode GEMVs;
-  // the CUDA backend's cuBLAS path (more than 16 tokens) adds out into its accumulation.
-  bool accumulate = false;
 };
 
 // Rotary embedding in place, "rotate half" convention (pairs (i, i + head_dim/2)) as in Hugging

@@ -303,52 +303,6 @@ HostTensor FromValues(DType dtype, std::vector<int64_t> dims, const std::vector<
   return t;
 }
 
-// MatMulParams::in_norm and accumulate are their parts exactly: RmsNorm's rows multiplied, and
-// out + (product + bias); `in` is left as it is; bad in_norm shapes and eps are refused.
-TEST(CpuBackendTest, MatMulFusedFormsAreTheirParts) {
-  auto backend = MakeCpuBackend(2);
-  Rng rng(5);
-  for (DType dt : {DType::kF32, DType::kBF16}) {
-    for (int64_t n : {1, 4}) {
-      const int64_t k = 40, m = 7;
-      HostTensor in = Random(rng, DType::kF32, {n, k});
-      HostTensor w = Random(rng, dt, {m, k});
-      HostTensor bias = Random(rng, dt, {m});
-      HostTensor norm = Random(rng, DType::kBF16, {k});
-      HostTensor out0 = Random(rng, DType::kF32, {n, m});
-      // The parts.
-      HostTensor normed = Zeros({n, k}), product = Zeros({n, m});
-      STRATA_ASSERT_OK(backend->RmsNorm({in.View(), norm.View(), normed.View(), 1e-5f}, nullptr));
-      STRATA_ASSERT_OK(
-          backend->MatMul({normed.View(), w.View(), bias.View(), product.View()}, nullptr));
-      std::vector<float> want(n * m);
-      for (int64_t i = 0; i < n * m; ++i) want[i] = out0.f32()[i] + product.f32()[i];
-      // The fused op.
-      const std::vector<float> in_before(in.f32(), in.f32() + n * k);
-      HostTensor out = out0;
-      MatMulParams p{in.View(), w.View(), bias.View(), out.View()};
-      p.in_norm = norm.View();
-      p.in_norm_eps = 1e-5f;
-      p.accumulate = true;
-      STRATA_ASSERT_OK(backend->MatMul(p, nullptr));
-      EXPECT_EQ(std::vector<float>(out.f32(), out.f32() + n * m), want) << DTypeName(dt);
-      EXPECT_EQ(std::vector<float>(in.f32(), in.f32() + n * k), in_before);
-      // in_norm alone: the product of the normalised rows.
-      p.accumulate = false;
-      STRATA_ASSERT_OK(backend->MatMul(p, nullptr));
-      EXPECT_EQ(std::vector<float>(out.f32(), out.f32() + n * m),
-                std::vector<float>(product.f32(), product.f32() + n * m));
-      // Refused: an in_norm of the wrong length, a negative eps.
-      MatMulParams bad = p;
-      bad.in_norm = TensorView(norm.View().data, DType::kBF16, {k - 1});
-      EXPECT_THAT(backend->MatMul(bad, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
-      bad = p;
-      bad.in_norm_eps = -1.0f;
-      EXPECT_THAT(backend->MatMul(bad, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
-    }
-  }
-}
-
 // MatMulPrecision::kRoundActivations by hand. Weights {1, 2, 4} (exact in bf16 and f16), two
 // tokens (the same row twice, so the BLAS path runs a GEMM), bias 2^-20 (f32, added unrounded).
 // bf16 (8 significant bits): 1 + 2^-9 -> 1; 1 + 3 * 2^-8 is a tie -> 1 + 2^-6 (even);

@@ -13,7 +13,6 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <cmath>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -49,14 +48,6 @@ absl::Status CpuSupportsMatMul(const MatMulParams& p) {
     STRATA_RETURN_IF_ERROR(CheckRank(p.bias, 1, kOp, "bias"));
     STRATA_RETURN_IF_ERROR(CheckWeightDType(p.bias, kOp, "bias"));
     STRATA_RETURN_IF_ERROR(CheckDim(p.bias, 0, p.weight.dim(0), kOp, "bias"));
-  }
-  if (p.in_norm.data != nullptr) {
-    STRATA_RETURN_IF_ERROR(CheckRank(p.in_norm, 1, kOp, "in_norm"));
-    STRATA_RETURN_IF_ERROR(CheckWeightDType(p.in_norm, kOp, "in_norm"));
-    STRATA_RETURN_IF_ERROR(CheckDim(p.in_norm, 0, p.in.dim(1), kOp, "in_norm"));
-    if (!(p.in_norm_eps >= 0.0f) || !std::isfinite(p.in_norm_eps)) {
-      return absl::InvalidArgumentError("MatMul: in_norm_eps must be finite and >= 0");
-    }
   }
   return absl::OkStatus();
 }
@@ -191,32 +182,7 @@ absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path) {
 }  // namespace cpu_internal
 
 absl::Status CpuMatMul(const MatMulParams& p) {
-  if (p.in_norm.data == nullptr && !p.accumulate) {
-    return cpu_internal::MatMulWithPath(p, cpu_internal::MatMulPath::kAuto);
-  }
-  // The fused forms as their parts: RmsNorm's rows into a copy, the plain product into another,
-  // then out + product.
-  STRATA_RETURN_IF_ERROR(CpuSupportsMatMul(p));
-  const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
-  MatMulParams q = p;
-  q.in_norm = TensorView();
-  q.accumulate = false;
-  std::vector<float> normed, product;
-  if (p.in_norm.data != nullptr && n > 0 && k > 0) {
-    normed.resize(static_cast<size_t>(n * k));
-    q.in = TensorView(normed.data(), DType::kF32, {n, k});
-    STRATA_RETURN_IF_ERROR(CpuRmsNorm({p.in, p.in_norm, q.in, p.in_norm_eps}));
-  }
-  if (p.accumulate) {
-    product.resize(static_cast<size_t>(n * m));
-    q.out = TensorView(product.data(), DType::kF32, {n, m});
-  }
-  STRATA_RETURN_IF_ERROR(cpu_internal::MatMulWithPath(q, cpu_internal::MatMulPath::kAuto));
-  if (p.accumulate) {
-    float* out = p.out.As<float>();
-    for (int64_t i = 0; i < n * m; ++i) out[i] = out[i] + product[i];
-  }
-  return absl::OkStatus();
+  return cpu_internal::MatMulWithPath(p, cpu_internal::MatMulPath::kAuto);
 }
 
 }  // namespace strata::kernels

@@ -644,15 +644,8 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p, Stream s) {
   const FloatType wt = ToFloatType(p.weight.dtype);
   const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
   const bool round = p.precision == MatMulPrecision::kRoundActivations;
-  cuda_internal::MatMulFusion fusion;
-  if (p.in_norm.data != nullptr) {
-    fusion.norm = p.in_norm.data;
-    fusion.norm_type = ToFloatType(p.in_norm.dtype);
-    fusion.norm_eps = p.in_norm_eps;
-  }
-  fusion.accumulate = p.accumulate;
   const int64_t scratch_bytes = cuda_internal::MatMulScratchBytes(
-      wt, n, k, round, p.weight.data, p.in.As<const float>(), m, fusion);
+      wt, n, k, round, p.weight.data, p.in.As<const float>());
   void* scratch = nullptr;
   if (scratch_bytes > 0 && k > 0) {
     STRATA_ASSIGN_OR_RETURN(scratch, AllocScratch(scratch_bytes, stream));
@@ -660,7 +653,7 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p, Stream s) {
   STRATA_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas_, stream));
   const cuda_internal::GpuResult r = cuda_internal::LaunchMatMul(
       blas_, p.in.As<const float>(), p.weight.data, wt, p.bias.data, ToFloatType(p.bias.dtype),
-      p.out.As<float>(), n, k, m, scratch, stream, round, fusion);
+      p.out.As<float>(), n, k, m, scratch, stream, round);
   if (scratch != nullptr) STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
   if (r.cuda != cudaSuccess) {
     return cuda_internal::CudaErrorToStatus(r.cuda, "LaunchMatMul", r.file, r.line);

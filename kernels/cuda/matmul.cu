@@ -89,11 +89,6 @@ __device__ __forceinline__ void Unpack8<__half>(const uint4& raw, float (&f)[8])
   }
 }
 
-// out = v, or out + v with MatMulParams::accumulate (v: the product plus bias).
-__device__ __forceinline__ void StoreOut(float* out, float v, bool accumulate) {
-  *out = accumulate ? *out + v : v;
-}
-
 constexpr int kGemvMaxThreads = 256;
 constexpr int kGemvUnroll = 4;
 
@@ -112,7 +107,7 @@ template <typename T, bool VEC, int MAXN, bool ROUND>
 __global__ void __launch_bounds__(kGemvMaxThreads)
     GemvKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
                FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m,
-               bool dependent, bool accumulate) {
+               bool dependent) {
   __shared__ float warp_sums[MAXN][kGemvMaxThreads / 32];
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -187,7 +182,7 @@ __global__ void __launch_bounds__(kGemvMaxThreads)
     float s = 0.0f;
     for (int j = 0; j < nwarps; ++j) s += warp_sums[tid][j];
     const float b = bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f;
-    StoreOut(out + static_cast<int64_t>(tid) * m + o, s + b, accumulate);
+    out[static_cast<int64_t>(tid) * m + o] = s + b;
   }
 }
 
@@ -210,32 +205,18 @@ __device__ __forceinline__ uint4 LoadWeightChunk(const uint4* p) {
 // shared memory: a warp's shuffle sum is the row's (fixed order). For the 8B step's small
 // projections (4096 or 6144 rows of 8 KB) a block per row left short-lived blocks and a tail;
 // here each SM streams its rows back to back. ROUND as GemvKernel.
-//
-// NORM (MatMulParams::in_norm): the block first writes the RmsNorm of `in` into shared memory (k
-// floats, dynamic) as RmsNormKernel computes it (the f32 sum of squares, 1 / sqrtf(mean + eps),
-// weight * (x * inv)), and the rows read the activations from there: the step's input norm costs
-// no kernel of its own. The warps' first rows stream into L2 meanwhile.
-struct RowsNorm {
-  const void* weight = nullptr;  // [k]
-  FloatType type = FloatType::kF32;
-  float eps = 0.0f;
-};
-
-template <typename T, bool ROUND, bool NORM>
+template <typename T, bool ROUND>
 __global__ void __launch_bounds__(kGemvRowThreads)
     GemvRowsKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
                    FloatType bias_type, float* __restrict__ out, int64_t k, int64_t m,
-                   bool dependent, bool accumulate, RowsNorm norm) {
+                   bool dependent) {
   constexpr int kWarps = kGemvRowThreads / 32;
-  extern __shared__ float4 normed4[];  // NORM: k floats
-  __shared__ float warp_ss[kWarps];
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int64_t k8 = k / 8;
-  if (dependent || NORM) {
-    // As GemvKernel: the warp's first row into L2 while the previous kernel finishes (or while
-    // the block normalises the activations).
+  if (dependent) {
+    // As GemvKernel: the warp's first row into L2 while the previous kernel finishes.
     if (first < m) {
       const char* bytes = reinterpret_cast<const char*>(w + first * k);
       const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
@@ -243,33 +224,9 @@ __global__ void __launch_bounds__(kGemvRowThreads)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(bytes + b));
       }
     }
-    if (dependent) GridDepWait();
+    GridDepWait();
   }
   const float4* x4 = reinterpret_cast<const float4*>(in);
-  if constexpr (NORM) {
-    float ss = 0.0f;
-    for (int64_t i = threadIdx.x; i < k / 4; i += kGemvRowThreads) {
-      const float4 v = __ldg(x4 + i);
-      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    ss = WarpSum(ss);
-    if (lane == 0) warp_ss[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float total = 0.0f;
-    for (int j = 0; j < kWarps; ++j) total += warp_ss[j];
-    const float inv = 1.0f / sqrtf(total / static_cast<float>(k) + norm.eps);
-    for (int64_t i = threadIdx.x; i < k / 4; i += kGemvRowThreads) {
-      const float4 v = __ldg(x4 + i);
-      float4 r;
-      r.x = LoadAny(norm.weight, norm.type, 4 * i) * (v.x * inv);
-      r.y = LoadAny(norm.weight, norm.type, 4 * i + 1) * (v.y * inv);
-      r.z = LoadAny(norm.weight, norm.type, 4 * i + 2) * (v.z * inv);
-      r.w = LoadAny(norm.weight, norm.type, 4 * i + 3) * (v.w * inv);
-      normed4[i] = r;
-    }
-    __syncthreads();
-    x4 = normed4;
-  }
   for (int64_t o = first; o < m; o += warps) {
     const uint4* row4 = reinterpret_cast<const uint4*>(w + o * k);
     float acc = 0.0f;
@@ -286,14 +243,7 @@ __global__ void __launch_bounds__(kGemvRowThreads)
         if (c < k8) {
           float wf[8];
           Unpack8<T>(raw[u], wf);
-          float4 a, b;
-          if constexpr (NORM) {
-            a = x4[2 * c];
-            b = x4[2 * c + 1];
-          } else {
-            a = __ldg(x4 + 2 * c);
-            b = __ldg(x4 + 2 * c + 1);
-          }
+          const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
           acc += wf[0] * Act<T, ROUND>(a.x) + wf[1] * Act<T, ROUND>(a.y) +
                  wf[2] * Act<T, ROUND>(a.z) + wf[3] * Act<T, ROUND>(a.w) +
                  wf[4] * Act<T, ROUND>(b.x) + wf[5] * Act<T, ROUND>(b.y) +
@@ -302,9 +252,7 @@ __global__ void __launch_bounds__(kGemvRowThreads)
       }
     }
     acc = WarpSum(acc);
-    if (lane == 0) {
-      StoreOut(out + o, acc + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f), accumulate);
-    }
+    if (lane == 0) out[o] = acc + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
   }
 }
 
@@ -364,8 +312,7 @@ __device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (
 template <typename T, bool ROUND, int TILES>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvMmaKernel(const float* __restrict__ in, const T* __restrict__ w, const void* bias,
-                  FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m,
-                  bool accumulate) {
+                  FloatType bias_type, float* __restrict__ out, int n, int64_t k, int64_t m) {
   constexpr int kUnroll = kMmaUnroll / TILES;  // the same registers for loads in flight
   __shared__ float part[kMmaWarps][16][8 * TILES];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -441,8 +388,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       float sum = 0.0f;
 #pragma unroll
       for (int v = 0; v < kMmaWarps; ++v) sum += part[v][r][j];
-      StoreOut(out + static_cast<int64_t>(j) * m + o,
-               sum + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f), accumulate);
+      out[static_cast<int64_t>(j) * m + o] = sum + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
     }
   }
 }
@@ -467,24 +413,18 @@ bool GemvRowsFor(int64_t weight_bytes) {
   return weight_bytes <= max_bytes;
 }
 
-// Resident blocks per SM of a GemvRowsKernel instance with `smem` bytes of dynamic shared memory.
-template <typename T, bool ROUND, bool NORM>
-int GemvRowsPerSm(size_t smem) {
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, GemvRowsKernel<T, ROUND, NORM>,
-                                                    kGemvRowThreads, smem) != cudaSuccess) {
-    cudaGetLastError();
-    n = 1;
-  }
-  return n < 1 ? 1 : n;
-}
-
 // GemvRowsKernel's grid: every warp resident once (SMs x resident blocks), fewer for few rows.
-// NORM instances hold k floats of shared memory (`smem`), which can lower the blocks per SM.
-template <typename T, bool ROUND, bool NORM>
-unsigned GemvRowsBlocks(int64_t m, size_t smem) {
-  static const int per_sm_plain = GemvRowsPerSm<T, ROUND, NORM>(0);
-  const int per_sm = smem == 0 ? per_sm_plain : GemvRowsPerSm<T, ROUND, NORM>(smem);
+template <typename T, bool ROUND>
+unsigned GemvRowsBlocks(int64_t m) {
+  static const int per_sm = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, GemvRowsKernel<T, ROUND>,
+                                                      kGemvRowThreads, 0) != cudaSuccess) {
+      cudaGetLastError();
+      n = 1;
+    }
+    return n < 1 ? 1 : n;
+  }();
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -521,44 +461,33 @@ bool GemvPdlEnabled() {
   return enabled;
 }
 
-// Picks the GemvKernel instance for n tokens and vec (see GemvKernel). A set `norm.weight`
-// (RowsNormFuses said yes) takes GemvRowsKernel's NORM instance.
+// Picks the GemvKernel instance for n tokens and vec (see GemvKernel).
 template <typename T, bool ROUND>
 cudaError_t LaunchGemv(const float* in, const T* w, const void* bias, FloatType bias_type,
                        float* out, int n, int64_t k, int64_t m, bool vec, unsigned blocks,
-                       int threads, bool accumulate, const RowsNorm& norm, cudaStream_t stream) {
+                       int threads, cudaStream_t stream) {
   auto* kernel = n == 1 ? (vec ? GemvKernel<T, true, 1, ROUND> : GemvKernel<T, false, 1, ROUND>)
                         : (vec ? GemvKernel<T, true, kGemvMaxTokens, ROUND>
                                : GemvKernel<T, false, kGemvMaxTokens, ROUND>);
   const bool dependent = GemvPdlEnabled();
   if (n == 1 && vec && GemvRowsFor(m * k * static_cast<int64_t>(sizeof(T)))) {
-    if (norm.weight != nullptr) {
-      const size_t smem = static_cast<size_t>(k) * sizeof(float);
-      const ClusterLaunchConfig launch(dim3(GemvRowsBlocks<T, ROUND, true>(m, smem)),
-                                       dim3(kGemvRowThreads), smem, stream, 0, dependent);
-      return cudaLaunchKernelEx(&launch.cfg, GemvRowsKernel<T, ROUND, true>, in, w, bias,
-                                bias_type, out, k, m, dependent, accumulate, norm);
-    }
-    return LaunchDependent(GemvRowsKernel<T, ROUND, false>,
-                           dim3(GemvRowsBlocks<T, ROUND, false>(m, 0)), dim3(kGemvRowThreads), 1,
-                           dependent, stream, in, w, bias, bias_type, out, k, m, dependent,
-                           accumulate, RowsNorm());
+    return LaunchDependent(GemvRowsKernel<T, ROUND>, dim3(GemvRowsBlocks<T, ROUND>(m)),
+                           dim3(kGemvRowThreads), 1, dependent, stream, in, w, bias, bias_type,
+                           out, k, m, dependent);
   }
   return LaunchDependent(kernel, dim3(blocks), dim3(static_cast<unsigned>(threads)), 1, dependent,
-                         stream, in, w, bias, bias_type, out, n, k, m, dependent, accumulate);
+                         stream, in, w, bias, bias_type, out, n, k, m, dependent);
 }
 
 template <typename T>
 cudaError_t LaunchGemvPrecision(const float* in, const T* w, const void* bias,
                                 FloatType bias_type, float* out, int n, int64_t k, int64_t m,
                                 bool vec, unsigned blocks, int threads, bool round,
-                                bool accumulate, const RowsNorm& norm, cudaStream_t stream) {
+                                cudaStream_t stream) {
   if (round) {
-    return LaunchGemv<T, true>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads,
-                               accumulate, norm, stream);
+    return LaunchGemv<T, true>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
   }
-  return LaunchGemv<T, false>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads,
-                              accumulate, norm, stream);
+  return LaunchGemv<T, false>(in, w, bias, bias_type, out, n, k, m, vec, blocks, threads, stream);
 }
 
 // 2..kMmaMaxTokens tokens with 16-byte rows take GemvMmaKernel unless STRATA_GEMV_MMA=0 (read
@@ -572,24 +501,11 @@ bool GemvMmaEnabled() {
 template <typename T>
 cudaError_t LaunchGemvMma(const float* in, const T* w, const void* bias, FloatType bias_type,
                           float* out, int n, int64_t k, int64_t m, unsigned blocks, bool round,
-                          bool accumulate, cudaStream_t stream) {
+                          cudaStream_t stream) {
   auto* kernel = n > 8 ? (round ? GemvMmaKernel<T, true, 2> : GemvMmaKernel<T, false, 2>)
                        : (round ? GemvMmaKernel<T, true, 1> : GemvMmaKernel<T, false, 1>);
-  kernel<<<blocks, kMmaWarps * 32, 0, stream>>>(in, w, bias, bias_type, out, n, k, m, accumulate);
+  kernel<<<blocks, kMmaWarps * 32, 0, stream>>>(in, w, bias, bias_type, out, n, k, m);
   return cudaGetLastError();
-}
-
-// MatMulParams::in_norm is folded into GemvRowsKernel (its NORM instance) for one token with
-// 16-byte rows of a weight GemvRowsKernel serves and k floats that fit 48 KiB of shared memory,
-// unless STRATA_GEMV_NORM=0 (read once; A/B: then RmsNorm into scratch and the plain GEMV).
-constexpr int64_t kRowsNormMaxK = 12288;
-bool RowsNormFuses(FloatType weight_type, int64_t num_tokens, int64_t k, int64_t m,
-                   const void* weight, const float* in) {
-  static const bool enabled = EnvInt("STRATA_GEMV_NORM", 1) != 0;
-  const bool vec = k % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(in) % 16 == 0;
-  return enabled && weight_type != FloatType::kF32 && num_tokens == 1 && vec &&
-         k <= kRowsNormMaxK && GemvRowsFor(m * k * 2);
 }
 
 template <typename T>
@@ -685,10 +601,6 @@ cudaDataType_t CudaType(FloatType t) {
     }                                            \
   } while (0)
 
-}  // namespace
-
-namespace {
-
 // Whether LaunchMatMul takes GemvMmaKernel for these operands (bf16/f16 weights, 2..16 tokens,
 // 16-byte rows of weights and activations, not switched off).
 bool TakesGemvMma(FloatType weight_type, int64_t num_tokens, int64_t in_features,
@@ -699,73 +611,31 @@ bool TakesGemvMma(FloatType weight_type, int64_t num_tokens, int64_t in_features
          num_tokens <= kMmaMaxTokens && GemvMmaEnabled();
 }
 
-// Bytes of the normalised rows of MatMulParams::in_norm when they go through scratch (the
-// product's own scratch follows them, 256-byte aligned).
-int64_t NormScratchBytes(int64_t num_tokens, int64_t in_features) {
-  return (num_tokens * in_features * 4 + 255) / 256 * 256;
-}
+}  // namespace
 
-// The product's scratch (the split or rounded cuBLAS path), for activations at `in`.
-int64_t ProductScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features,
-                            bool round_activations, const void* weight, const float* in) {
+int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features,
+                           bool round_activations, const void* weight, const float* in) {
   if (weight_type == FloatType::kF32 || num_tokens <= kGemvMaxTokens) return 0;
   if (TakesGemvMma(weight_type, num_tokens, in_features, weight, in)) return 0;
   return (round_activations ? 1 : 2) * num_tokens * in_features * 2;
 }
 
-}  // namespace
-
-int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features,
-                           bool round_activations, const void* weight, const float* in,
-                           int64_t out_features, const MatMulFusion& fusion) {
-  if (fusion.norm != nullptr && num_tokens > 0 && in_features > 0 &&
-      !RowsNormFuses(weight_type, num_tokens, in_features, out_features, weight, in)) {
-    // The normalised rows land 256-byte aligned at the start of scratch; the product reads them.
-    static const float kAligned[4] = {};  // any 16-byte aligned address stands for them
-    const float* normed = reinterpret_cast<const float*>(
-        reinterpret_cast<uintptr_t>(kAligned) & ~static_cast<uintptr_t>(15));
-    return NormScratchBytes(num_tokens, in_features) +
-           ProductScratchBytes(weight_type, num_tokens, in_features, round_activations, weight,
-                               normed);
-  }
-  return ProductScratchBytes(weight_type, num_tokens, in_features, round_activations, weight, in);
-}
-
 GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
                        FloatType weight_type, const void* bias, FloatType bias_type, float* out,
                        int64_t num_tokens, int64_t in_features, int64_t out_features,
-                       void* scratch, cudaStream_t stream, bool round_activations,
-                       const MatMulFusion& fusion) {
+                       void* scratch, cudaStream_t stream, bool round_activations) {
   const int64_t n = num_tokens, k = in_features, m = out_features;
   if (n == 0 || m == 0) return GpuResult();
   if (n > 0x7fffffff || k > 0x7fffffff || m > 0x7fffffff) {
     STRATA_GPU_RESULT_CUDA(cudaErrorInvalidValue);
   }
-  const bool accumulate = fusion.accumulate;
   if (k == 0) {  // empty sums: out = bias (or 0); cuBLAS would scale the poisoned out by beta
-    if (!accumulate) STRATA_GPU_RESULT_CUDA(cudaMemsetAsync(out, 0, n * m * sizeof(float), stream));
+    STRATA_GPU_RESULT_CUDA(cudaMemsetAsync(out, 0, n * m * sizeof(float), stream));
     if (bias != nullptr) {
       AddBiasKernel<<<GridFor(n * m, 256), 256, 0, stream>>>(out, bias, bias_type, n, m);
       STRATA_GPU_RESULT_CUDA(cudaGetLastError());
     }
     return GpuResult();
-  }
-  RowsNorm norm;
-  if (fusion.norm != nullptr) {
-    if (RowsNormFuses(weight_type, n, k, m, weight, in)) {
-      norm.weight = fusion.norm;
-      norm.type = fusion.norm_type;
-      norm.eps = fusion.norm_eps;
-    } else {
-      // RmsNorm's rows into the start of scratch, then the product of those (MatMulScratchBytes
-      // counted both).
-      float* normed = static_cast<float*>(scratch);
-      STRATA_GPU_RESULT_CUDA(LaunchRmsNorm(const_cast<float*>(in), nullptr, fusion.norm,
-                                           fusion.norm_type, normed, n, k, fusion.norm_eps,
-                                           stream));
-      in = normed;
-      scratch = static_cast<char*>(scratch) + NormScratchBytes(n, k);
-    }
   }
   const bool vec = k % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(in) % 16 == 0;
@@ -775,11 +645,10 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     if (weight_type == FloatType::kBF16) {
       STRATA_GPU_RESULT_CUDA(LaunchGemvMma(in, static_cast<const __nv_bfloat16*>(weight), bias,
                                            bias_type, out, nn, k, m, blocks, round_activations,
-                                           accumulate, stream));
+                                           stream));
     } else {
       STRATA_GPU_RESULT_CUDA(LaunchGemvMma(in, static_cast<const __half*>(weight), bias, bias_type,
-                                           out, nn, k, m, blocks, round_activations, accumulate,
-                                           stream));
+                                           out, nn, k, m, blocks, round_activations, stream));
     }
     return GpuResult();
   }
@@ -790,26 +659,22 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     if (weight_type == FloatType::kBF16) {
       STRATA_GPU_RESULT_CUDA(LaunchGemvPrecision(in, static_cast<const __nv_bfloat16*>(weight),
                                                  bias, bias_type, out, nn, k, m, vec, blocks,
-                                                 threads, round_activations, accumulate, norm,
-                                                 stream));
+                                                 threads, round_activations, stream));
     } else {
       STRATA_GPU_RESULT_CUDA(LaunchGemvPrecision(in, static_cast<const __half*>(weight), bias,
                                                  bias_type, out, nn, k, m, vec, blocks, threads,
-                                                 round_activations, accumulate, norm, stream));
+                                                 round_activations, stream));
     }
     return GpuResult();
   }
 
-  // cuBLAS: with accumulate, out is the first GEMM's C (beta 1), so it enters the accumulation
-  // there (then the bias), not as out + (product + bias).
   const float one = 1.0f, zero = 0.0f;
-  const float* beta0 = accumulate ? &one : &zero;
   const cudaDataType_t wt = CudaType(weight_type);
   if (weight_type == FloatType::kF32) {
     STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
                                         static_cast<int>(n), static_cast<int>(k), &one, weight, wt,
                                         static_cast<int>(k), in, CUDA_R_32F, static_cast<int>(k),
-                                        beta0, out, CUDA_R_32F, static_cast<int>(m),
+                                        &zero, out, CUDA_R_32F, static_cast<int>(m),
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   } else if (round_activations) {
     const int64_t elems = n * k;
@@ -835,7 +700,7 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
                                         static_cast<int>(n), static_cast<int>(k), &one, weight, wt,
                                         static_cast<int>(k), scratch, wt, static_cast<int>(k),
-                                        beta0, out, CUDA_R_32F, static_cast<int>(m),
+                                        &zero, out, CUDA_R_32F, static_cast<int>(m),
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   } else {
     const int64_t elems = n * k;
@@ -851,7 +716,7 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     STRATA_GPU_RESULT_CUDA(cudaGetLastError());
     STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
                                         static_cast<int>(n), static_cast<int>(k), &one, weight, wt,
-                                        static_cast<int>(k), hi, wt, static_cast<int>(k), beta0,
+                                        static_cast<int>(k), hi, wt, static_cast<int>(k), &zero,
                                         out, CUDA_R_32F, static_cast<int>(m), CUBLAS_COMPUTE_32F,
                                         CUBLAS_GEMM_DEFAULT));
     STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),

@@ -48,21 +48,11 @@ struct GpuResult {
 // weights read once at their storage width); above it they take cuBLAS (see LaunchMatMul).
 inline constexpr int64_t kGemvMaxTokens = 8;
 
-// MatMulParams' fused forms: the input's RmsNorm (norm: [in_features], null for none) and
-// out += the product.
-struct MatMulFusion {
-  const void* norm = nullptr;
-  FloatType norm_type = FloatType::kF32;
-  float norm_eps = 1e-6f;
-  bool accumulate = false;
-};
-
 // Bytes of device scratch LaunchMatMul needs for these operands (0 when it needs none: f32
 // weights, the GEMV kernels, and the tensor-core GEMV of 2..16 tokens, which reads the f32
-// activations itself; plus the normalised rows of a fusion.norm not folded into the GEMV).
+// activations itself).
 int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features,
-                           bool round_activations, const void* weight, const float* in,
-                           int64_t out_features, const MatMulFusion& fusion);
+                           bool round_activations, const void* weight, const float* in);
 
 // out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation (in_features 0:
 // out = bias or 0).
@@ -75,15 +65,11 @@ int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in
 //    activation is rounded to the weight's type first (RNE), in the GEMV's loads or, for more
 //    tokens, by one rounding pass into `scratch` followed by ONE cublasGemmEx (f32 accumulation
 //    and output). f32 weights ignore it.
-//  - fusion.norm: the rows are RmsNorm'd first: inside the one-token GEMV (GemvRowsKernel) where
-//    it serves the weight, else by LaunchRmsNorm into scratch. fusion.accumulate: out += the
-//    product (+ bias) (the GEMVs: out + (product + bias); cuBLAS: out as the first GEMM's C).
 // `scratch` holds MatMulScratchBytes() bytes. `blas` must be bound to `stream` by the caller.
 GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
                        FloatType weight_type, const void* bias, FloatType bias_type, float* out,
                        int64_t num_tokens, int64_t in_features, int64_t out_features,
-                       void* scratch, cudaStream_t stream, bool round_activations = false,
-                       const MatMulFusion& fusion = MatMulFusion());
+                       void* scratch, cudaStream_t stream, bool round_activations = false);
 
 // ---- rope.cu -------------------------------------------------------------------------------
 cudaError_t LaunchRope(float* x, const int32_t* positions, const float* inv_freq,
