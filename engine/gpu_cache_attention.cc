@@ -183,9 +183,9 @@ absl::Status GpuCacheAttention::Attend(int layer, const float* q, int num_tokens
   return absl::OkStatus();
 }
 
-absl::Status GpuCacheAttention::CheckDeviceViews(const kernels::TensorView& q, int64_t q_begin,
-                                                 const kernels::TensorView* out,
-                                                 const kernels::TensorView* lse) const {
+absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorView& q,
+                                               int64_t q_begin, const kernels::TensorView& out,
+                                               const kernels::TensorView& lse) {
   if (!options_.device_path) {
     return absl::FailedPreconditionError("GpuCacheAttention: device_path is off");
   }
@@ -196,65 +196,17 @@ absl::Status GpuCacheAttention::CheckDeviceViews(const kernels::TensorView& q, i
     return absl::InvalidArgumentError(absl::StrCat(
         "GpuCacheAttention: q must be f32 [tokens, heads (a multiple of ", hkv, "), ", d, "]"));
   }
-  const int64_t num_tokens = q.dim(0), num_q_heads = q.dim(1);
-  if (out != nullptr &&
-      (out->data == nullptr || out->dtype != kernels::DType::kF32 || out->rank != 3 ||
-       out->dim(0) != num_tokens || out->dim(1) != num_q_heads || out->dim(2) != d ||
-       lse->data == nullptr || lse->dtype != kernels::DType::kF32 || lse->rank != 2 ||
-       lse->dim(0) != num_tokens || lse->dim(1) != num_q_heads)) {
+  const int num_tokens = static_cast<int>(q.dim(0));
+  const int num_q_heads = static_cast<int>(q.dim(1));
+  if (out.data == nullptr || out.dtype != kernels::DType::kF32 || out.rank != 3 ||
+      out.dim(0) != num_tokens || out.dim(1) != num_q_heads || out.dim(2) != d ||
+      lse.data == nullptr || lse.dtype != kernels::DType::kF32 || lse.rank != 2 ||
+      lse.dim(0) != num_tokens || lse.dim(1) != num_q_heads) {
     return absl::InvalidArgumentError("GpuCacheAttention: out / lse do not match q");
   }
   if (q_begin < options_.document_tokens) {
     return absl::InvalidArgumentError("GpuCacheAttention: queries inside the document");
   }
-  return absl::OkStatus();
-}
-
-absl::Status GpuCacheAttention::PrepareOnDevice(int layer, const kernels::TensorView& q,
-                                                int64_t q_begin) {
-  if (!SplitsOnDevice()) {
-    return absl::FailedPreconditionError(
-        "GpuCacheAttention: the split path needs a device-managed cache");
-  }
-  prepared_layer_ = -1;
-  if (q.rank != 3 || q.dim(0) != 1) {
-    return absl::InvalidArgumentError("GpuCacheAttention: PrepareOnDevice takes one query token");
-  }
-  STRATA_RETURN_IF_ERROR(CheckDeviceViews(q, q_begin, nullptr, nullptr));
-  ++counters_.calls;
-  STRATA_RETURN_IF_ERROR(ChooseResident(layer, q, &prepared_));
-  prepared_layer_ = layer;
-  return absl::OkStatus();
-}
-
-absl::Status GpuCacheAttention::AttendPreparedOnDevice(int layer, const kernels::TensorView& q,
-                                                       const kernels::TensorView& merge_out,
-                                                       const kernels::TensorView& merge_lse,
-                                                       const kernels::TensorView& out,
-                                                       const kernels::TensorView& lse) {
-  if (prepared_layer_ != layer || layer < 0) {
-    return absl::FailedPreconditionError(
-        "GpuCacheAttention: AttendPreparedOnDevice without PrepareOnDevice for its layer");
-  }
-  prepared_layer_ = -1;
-  STRATA_RETURN_IF_ERROR(CheckDeviceViews(q, options_.document_tokens, &out, &lse));
-  kernels::SelectedAttentionParams sp = SelectedOverTable(layer, prepared_, q, out, lse);
-  sp.merge_out = merge_out;
-  sp.merge_lse = merge_lse;
-  STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(sp, nullptr));
-  ++counters_.chunks;
-  ++counters_.selected_attention;
-  return absl::OkStatus();
-}
-
-absl::Status GpuCacheAttention::AttendOnDevice(int layer, const kernels::TensorView& q,
-                                               int64_t q_begin, const kernels::TensorView& out,
-                                               const kernels::TensorView& lse) {
-  STRATA_RETURN_IF_ERROR(CheckDeviceViews(q, q_begin, &out, &lse));
-  const kvstore::GpuCacheOptions& c = cache_->options();
-  const int d = c.head_dim;
-  const int num_tokens = static_cast<int>(q.dim(0));
-  const int num_q_heads = static_cast<int>(q.dim(1));
   ++counters_.calls;
   if (c.device_managed) return AttendDeviceManaged(layer, q, out, lse);
 
@@ -387,8 +339,16 @@ absl::Status GpuCacheAttention::AttendDeviceManaged(int layer, const kernels::Te
   const int64_t num_tokens = q.dim(0), hq = q.dim(1);
   const bool one_choice = options_.chunk_selection && num_tokens > 1;
   DeviceTokenSelection sel;
-  auto choose = [&](const kernels::TensorView& queries) {
-    return ChooseResident(layer, queries, &sel);
+  // The chooser's device selection for `queries`, made resident by the cache.
+  auto choose = [&](const kernels::TensorView& queries) -> absl::Status {
+    sel = DeviceTokenSelection();
+    STRATA_RETURN_IF_ERROR(options_.device_chooser(layer, queries, nullptr, &sel));
+    if (!sel.valid) {
+      return absl::InvalidArgumentError(
+          "GpuCacheAttention: the device chooser gave no device selection (device-managed cache)");
+    }
+    return cache_->EnqueueResolve(layer, sel.prefix_end, sel.middle, sel.suffix_begin,
+                                  sel.suffix_end);
   };
   if (one_choice) STRATA_RETURN_IF_ERROR(choose(q));
   // One token at a time: every document token precedes every query, so rows are independent.
@@ -406,19 +366,6 @@ absl::Status GpuCacheAttention::AttendDeviceManaged(int layer, const kernels::Te
     ++counters_.selected_attention;
   }
   return absl::OkStatus();
-}
-
-absl::Status GpuCacheAttention::ChooseResident(int layer, const kernels::TensorView& queries,
-                                               DeviceTokenSelection* sel) {
-  // The chooser's device selection for `queries`, made resident by the cache.
-  *sel = DeviceTokenSelection();
-  STRATA_RETURN_IF_ERROR(options_.device_chooser(layer, queries, nullptr, sel));
-  if (!sel->valid) {
-    return absl::InvalidArgumentError(
-        "GpuCacheAttention: the device chooser gave no device selection (device-managed cache)");
-  }
-  return cache_->EnqueueResolve(layer, sel->prefix_end, sel->middle, sel->suffix_begin,
-                                sel->suffix_end);
 }
 
 absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,

@@ -217,18 +217,6 @@ class GpuCacheAttention : public ExternalAttention {
   bool CapturableOnDevice() const override {
     return options_.device_path && cache_->options().device_managed;
   }
-  // The device-managed path split in two (ExternalAttention::SplitsOnDevice): PrepareOnDevice
-  // queues the chooser's selection and EnqueueResolve for one query token, AttendPreparedOnDevice
-  // the SelectedAttention over it with the given partial merged in (SelectedAttentionParams::
-  // merge_out). FailedPrecondition for an AttendPreparedOnDevice without its PrepareOnDevice (same
-  // layer) just before; errors of AttendOnDevice otherwise.
-  bool SplitsOnDevice() const override { return CapturableOnDevice(); }
-  absl::Status PrepareOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin) override;
-  absl::Status AttendPreparedOnDevice(int layer, const kernels::TensorView& q,
-                                      const kernels::TensorView& merge_out,
-                                      const kernels::TensorView& merge_lse,
-                                      const kernels::TensorView& out,
-                                      const kernels::TensorView& lse) override;
 
   const GpuCacheAttentionCounters& counters() const { return counters_; }
 
@@ -256,16 +244,6 @@ class GpuCacheAttention : public ExternalAttention {
   // the cache's EnqueueResolve and SelectedAttention over the cache's table rows of `layer`.
   absl::Status AttendDeviceManaged(int layer, const kernels::TensorView& q,
                                    const kernels::TensorView& out, const kernels::TensorView& lse);
-  // The chooser's device selection for `queries` into *sel, made resident (EnqueueResolve).
-  absl::Status ChooseResident(int layer, const kernels::TensorView& queries,
-                              DeviceTokenSelection* sel);
-  // Checks of AttendOnDevice's views (q's rows; out and lse unless null).
-  absl::Status CheckDeviceViews(const kernels::TensorView& q, int64_t q_begin,
-                                const kernels::TensorView* out,
-                                const kernels::TensorView* lse) const;
-  // PrepareOnDevice's selection, for the AttendPreparedOnDevice of the same layer.
-  DeviceTokenSelection prepared_;
-  int prepared_layer_ = -1;
   // Queues PagedAttention of `part` (slots from Acquire) into out / lse.
   absl::Status AttendChunk(absl::Span<const kvstore::GpuPageId> part,
                            const std::vector<int32_t>& slots, const kernels::TensorView& q,

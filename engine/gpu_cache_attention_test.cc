@@ -757,49 +757,6 @@ TEST_F(GpuCacheAttentionTest, DeviceManagedCacheGivesTheHostPathsLogits) {
   EXPECT_EQ(st.hits + st.fills, st.lookups);
   EXPECT_GE(st.fills, L * 4 * hkv);
 
-  // The split form (graph steps): PrepareOnDevice + AttendPreparedOnDevice with a partial merged
-  // in equals AttendOnDevice followed by MergeAttention of {partial, its output}; attending
-  // without a preparation of the same layer is refused.
-  EXPECT_TRUE(dev->SplitsOnDevice());
-  EXPECT_FALSE(host->SplitsOnDevice());
-  {
-    const int hq = model_->config.num_heads, d = model_->config.head_dim;
-    std::mt19937 rng(3);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    std::vector<float> q(hq * d), mo(hq * d), ml(hq), o1(hq * d), l1(hq), o2(hq * d), l2(hq),
-        merged(hq * d), merged_lse(hq);
-    for (float& x : q) x = u(rng);
-    for (float& x : mo) x = u(rng);
-    for (float& x : ml) x = 3.0f * u(rng);
-    auto v3 = [&](std::vector<float>& b) {
-      return kernels::TensorView(b.data(), kernels::DType::kF32, {1, hq, d});
-    };
-    auto v2 = [&](std::vector<float>& b) {
-      return kernels::TensorView(b.data(), kernels::DType::kF32, {1, hq});
-    };
-    const int64_t pos = kDoc + 20;
-    EXPECT_THAT(dev->AttendPreparedOnDevice(1, v3(q), v3(mo), v2(ml), v3(o2), v2(l2)),
-                StatusIs(absl::StatusCode::kFailedPrecondition));
-    STRATA_ASSERT_OK(dev->AttendOnDevice(1, v3(q), pos, v3(o1), v2(l1)));
-    const kernels::TensorView outs[2] = {v3(mo), v3(o1)};
-    const kernels::TensorView lses[2] = {v2(ml), v2(l1)};
-    kernels::MergeAttentionParams mp;
-    mp.outs = outs;
-    mp.lses = lses;
-    mp.num_parts = 2;
-    mp.out = v3(merged);
-    mp.lse = v2(merged_lse);
-    STRATA_ASSERT_OK(backend_->MergeAttention(mp, nullptr));
-    STRATA_ASSERT_OK(dev->PrepareOnDevice(1, v3(q), pos));
-    EXPECT_THAT(dev->AttendPreparedOnDevice(2, v3(q), v3(mo), v2(ml), v3(o2), v2(l2)),
-                StatusIs(absl::StatusCode::kFailedPrecondition));  // another layer
-    STRATA_ASSERT_OK(dev->PrepareOnDevice(1, v3(q), pos));
-    STRATA_ASSERT_OK(dev->AttendPreparedOnDevice(1, v3(q), v3(mo), v2(ml), v3(o2), v2(l2)));
-    STRATA_ASSERT_OK(backend_->Synchronize(nullptr));
-    EXPECT_LE(MaxDiff(o2.data(), merged.data(), hq * d), 1e-5f);
-    EXPECT_LE(MaxDiff(l2.data(), merged_lse.data(), hq), 1e-5f);
-  }
-
   // chunk_selection: the prompt chunk asks the chooser once with all 5 tokens and resolves once;
   // the same logits (the selection does not depend on q here).
   auto cache_c = MakeDeviceManagedCache(shape, &alloc, &pinned);

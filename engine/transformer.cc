@@ -682,54 +682,27 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
         const char* v = std::getenv("STRATA_DECODE_GRAPH_FORK");
         return v == nullptr || std::string(v) != "0";
       }();
-      // Hooks that split (ExternalAttention::SplitsOnDevice) prepare beside the local attention
-      // and attend after the join with the row's local partial merged in by their own kernel;
-      // the others attend beside it and their partials are merged here.
-      // STRATA_DECODE_GRAPH_SPLIT=0 keeps every hook on the second form (A/B).
-      static const bool split_hooks = [] {
-        const char* v = std::getenv("STRATA_DECODE_GRAPH_SPLIT");
-        return v == nullptr || std::string(v) != "0";
-      }();
       kernels::Stream side = nullptr;
       if (fork) {
         STRATA_ASSIGN_OR_RETURN(side, be->ForkStream(nullptr));
       }
-      auto q_row = [&](int64_t r) {
-        return TensorView(q_rows + r * hq * d, DType::kF32, {1, hq, d});
-      };
-      auto split = [&](int64_t r) {
-        const ExternalAttention* e = rows[r].options->external;
-        return split_hooks && e != nullptr && e->SplitsOnDevice();
-      };
       absl::Status s;
       for (int64_t r = 0; r < n && s.ok(); ++r) s = be->SelectedAttention(local[r], side);
       for (int64_t r = 0; r < n && s.ok(); ++r) {
         ExternalAttention* external = rows[r].options->external;
         if (external == nullptr) continue;
-        if (split(r)) {
-          s = external->PrepareOnDevice(layer, q_row(r), rows[r].pos);
-          continue;
-        }
         s = external->AttendOnDevice(
-            layer, q_row(r), rows[r].pos,
+            layer, TensorView(q_rows + r * hq * d, DType::kF32, {1, hq, d}), rows[r].pos,
             TensorView(static_cast<float*>(ext_o_->data()) + r * hq * d, DType::kF32, {1, hq, d}),
             TensorView(static_cast<float*>(ext_lse_->data()) + r * hq, DType::kF32, {1, hq}));
       }
       const absl::Status joined = fork ? be->JoinStream(side, nullptr) : absl::OkStatus();
       STRATA_RETURN_IF_ERROR(s);
       STRATA_RETURN_IF_ERROR(joined);
-      // Every row ends in merged_ (a split hook's attention writes it, merging the local partial;
-      // otherwise the merge, or for a row without a hook a copy) so the O projection reads one
-      // buffer.
+      // Every row goes through the merge (one without a hook: a copy) so the O projection reads
+      // one buffer.
       for (int64_t r = 0; r < n; ++r) {
-        if (split(r)) {
-          STRATA_RETURN_IF_ERROR(rows[r].options->external->AttendPreparedOnDevice(
-              layer, q_row(r), local[r].out, local[r].lse,
-              TensorView(static_cast<float*>(merged_->data()) + r * hq * d, DType::kF32,
-                         {1, hq, d}),
-              TensorView(static_cast<float*>(merged_lse_->data()) + r * hq, DType::kF32,
-                         {1, hq})));
-        } else if (rows[r].options->external != nullptr) {
+        if (rows[r].options->external != nullptr) {
           STRATA_RETURN_IF_ERROR(MergeDevicePartial(r, 1));
         } else {
           STRATA_RETURN_IF_ERROR(MergeExternal(r, 1, {}));

@@ -123,25 +123,6 @@ class ExternalAttention {
                                       const kernels::TensorView& lse) {
     return absl::UnimplementedError("ExternalAttention::AttendOnDevice");
   }
-  // Optional split of a one-token AttendOnDevice (CapturableOnDevice hooks, graph steps), when
-  // SplitsOnDevice() is true: PrepareOnDevice queues the work that needs only q (e.g. the
-  // selection and the page fills), AttendPreparedOnDevice the attention over what it prepared,
-  // merged with merge_out / merge_lse (another partial of the same query token, complete on the
-  // default stream by then: the sequence's own tokens) into out / lse as MergeAttention of
-  // {merge, its own} would. The decode step runs its local attention beside PrepareOnDevice and
-  // needs no merge kernel. The pair stands for one AttendOnDevice call with the same layer, q and
-  // q_begin; q is [1, num_q_heads, head_dim] and the other views as in AttendOnDevice.
-  virtual bool SplitsOnDevice() const { return false; }
-  virtual absl::Status PrepareOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin) {
-    return absl::UnimplementedError("ExternalAttention::PrepareOnDevice");
-  }
-  virtual absl::Status AttendPreparedOnDevice(int layer, const kernels::TensorView& q,
-                                              const kernels::TensorView& merge_out,
-                                              const kernels::TensorView& merge_lse,
-                                              const kernels::TensorView& out,
-                                              const kernels::TensorView& lse) {
-    return absl::UnimplementedError("ExternalAttention::AttendPreparedOnDevice");
-  }
   // Graph mode (CapturableOnDevice hooks): PrepareCapture runs before a one-token step of a model
   // with num_q_heads query heads is recorded with AttendOnDevice in it, and allocates and uploads what AttendOnDevice would on first use
   // (nothing may be allocated or copied synchronously while capturing); an error leaves the step

@@ -330,13 +330,6 @@ struct SelectedAttentionParams {
   // kvstore fp8 page format, through ResolvePages with page_scales). nullptr = none. Each value
   // must be finite and > 0 (not checked: read on the device). InvalidArgument with f32|bf16 pools.
   const float* slot_scales = nullptr;
-  // Optional, backend memory: another partial of the same queries ([1, num_q_heads, head_dim] and
-  // [1, num_q_heads] f32, e.g. the attention over the sequence's own tokens), merged with this
-  // attention's: out / lse get what MergeAttention of {merge_out/merge_lse, this attention} would
-  // write (the decode step's merge, without a kernel of its own). Both or neither; they must not
-  // alias out / lse.
-  TensorView merge_out;
-  TensorView merge_lse;
 };
 
 // The selection cache (TokenSelect's query-similarity reuse; engine/sparse/policy.h cache_theta),

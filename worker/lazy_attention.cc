@@ -620,27 +620,6 @@ absl::Status LazyDocumentAttention::AttendOnDevice(int layer, const kernels::Ten
   return state_->hook->AttendOnDevice(layer, q, q_begin, out, lse);
 }
 
-bool LazyDocumentAttention::SplitsOnDevice() const { return state_->hook->SplitsOnDevice(); }
-
-absl::Status LazyDocumentAttention::PrepareOnDevice(int layer, const kernels::TensorView& q,
-                                                    int64_t q_begin) {
-  if (layer < 0 || layer >= state_->o.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("LazyDocumentAttention: layer ", layer, " out of range"));
-  }
-  return state_->hook->PrepareOnDevice(layer, q, q_begin);
-}
-
-absl::Status LazyDocumentAttention::AttendPreparedOnDevice(int layer, const kernels::TensorView& q,
-                                                           const kernels::TensorView& merge_out,
-                                                           const kernels::TensorView& merge_lse,
-                                                           const kernels::TensorView& out,
-                                                           const kernels::TensorView& lse) {
-  if (layer < 0 || layer >= state_->o.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("LazyDocumentAttention: layer ", layer, " out of range"));
-  }
-  return state_->hook->AttendPreparedOnDevice(layer, q, merge_out, merge_lse, out, lse);
-}
-
 absl::Status LazyDocumentAttention::PrepareCapture(int num_q_heads) {
   State& s = *state_;
   if (!s.managed) return absl::FailedPreconditionError("LazyDocumentAttention: graph mode needs resident mode");

@@ -169,14 +169,6 @@ class LazyDocumentAttention : public engine::ExternalAttention {
   bool CapturableOnDevice() const override;
   absl::Status AttendOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin,
                               const kernels::TensorView& out, const kernels::TensorView& lse) override;
-  // The resident hook's split of AttendOnDevice (engine::GpuCacheAttention::SplitsOnDevice).
-  bool SplitsOnDevice() const override;
-  absl::Status PrepareOnDevice(int layer, const kernels::TensorView& q, int64_t q_begin) override;
-  absl::Status AttendPreparedOnDevice(int layer, const kernels::TensorView& q,
-                                      const kernels::TensorView& merge_out,
-                                      const kernels::TensorView& merge_lse,
-                                      const kernels::TensorView& out,
-                                      const kernels::TensorView& lse) override;
   // Graph mode (resident mode only; Create has uploaded every layer's summaries): PrepareCapture
   // allocates the device chooser's buffers; OnReplayedStep counts a replayed one-token
   // step as AttendOnDevice counts one (counters(), device_choices()) for every layer.

@@ -212,23 +212,6 @@ absl::Status CpuSupportsSelectedAttention(const SelectedAttentionParams& p) {
   if (p.slot_scales != nullptr && p.k_pool.dtype != DType::kFP8E4M3) {
     return absl::InvalidArgumentError("SelectedAttention: slot_scales need fp8 pools");
   }
-  if ((p.merge_out.data == nullptr) != (p.merge_lse.data == nullptr)) {
-    return absl::InvalidArgumentError("SelectedAttention: merge_out and merge_lse go together");
-  }
-  if (p.merge_out.data != nullptr) {
-    STRATA_RETURN_IF_ERROR(CheckRank(p.merge_out, 3, kOp, "merge_out"));
-    STRATA_RETURN_IF_ERROR(CheckDType(p.merge_out, DType::kF32, kOp, "merge_out"));
-    for (int i = 0; i < 3; ++i) {
-      STRATA_RETURN_IF_ERROR(CheckDim(p.merge_out, i, p.q.dim(i), kOp, "merge_out"));
-    }
-    STRATA_RETURN_IF_ERROR(CheckRank(p.merge_lse, 2, kOp, "merge_lse"));
-    STRATA_RETURN_IF_ERROR(CheckDType(p.merge_lse, DType::kF32, kOp, "merge_lse"));
-    STRATA_RETURN_IF_ERROR(CheckDim(p.merge_lse, 0, 1, kOp, "merge_lse"));
-    STRATA_RETURN_IF_ERROR(CheckDim(p.merge_lse, 1, p.q.dim(1), kOp, "merge_lse"));
-    if (p.merge_out.data == p.out.data || p.merge_lse.data == p.lse.data) {
-      return absl::InvalidArgumentError("SelectedAttention: merge_out / merge_lse alias out / lse");
-    }
-  }
   return absl::OkStatus();
 }
 
@@ -346,26 +329,6 @@ absl::Status CpuVoteTopK(const VoteTopKParams& p) {
 
 absl::Status CpuSelectedAttention(const SelectedAttentionParams& p) {
   STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(p));
-  if (p.merge_out.data != nullptr) {
-    // The attention into copies, then MergeAttention of {merge, attention} into out / lse.
-    std::vector<float> o(static_cast<size_t>(p.out.dim(1) * p.out.dim(2))),
-        l(static_cast<size_t>(p.lse.dim(1)));
-    SelectedAttentionParams a = p;
-    a.merge_out = TensorView();
-    a.merge_lse = TensorView();
-    a.out = TensorView(o.data(), DType::kF32, {1, p.out.dim(1), p.out.dim(2)});
-    a.lse = TensorView(l.data(), DType::kF32, {1, p.lse.dim(1)});
-    STRATA_RETURN_IF_ERROR(CpuSelectedAttention(a));
-    const TensorView outs[2] = {p.merge_out, a.out};
-    const TensorView lses[2] = {p.merge_lse, a.lse};
-    MergeAttentionParams m;
-    m.outs = outs;
-    m.lses = lses;
-    m.num_parts = 2;
-    m.out = p.out;
-    m.lse = p.lse;
-    return CpuMergeAttention(m);
-  }
   const int hkv = static_cast<int>(p.page_table.dim(0));
   const int hq = static_cast<int>(p.q.dim(1));
   const int group = hq / hkv;

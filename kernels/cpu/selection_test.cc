@@ -102,26 +102,6 @@ TEST(CpuSelectionTest, SelectedAttentionEqualsPagedAttentionOverSpans) {
   STRATA_ASSERT_OK(CpuPagedAttention(a));
   for (int i = 0; i < hq * d; ++i) EXPECT_NEAR(out[i], out2[i], 1e-5) << i;
   for (int i = 0; i < hq; ++i) EXPECT_NEAR(lse[i], lse2[i], 1e-5) << i;
-
-  // merge_out / merge_lse: the attention merged with another partial is the softmax over the
-  // union of both key sets: here the partial is this attention itself, so every lse grows by
-  // log 2 and the output stays.
-  std::vector<float> out3(hq * d), lse3(hq);
-  SelectedAttentionParams mp = p;
-  mp.merge_out = p.out;
-  mp.merge_lse = p.lse;
-  mp.out = TensorView(out3.data(), DType::kF32, {1, hq, d});
-  mp.lse = TensorView(lse3.data(), DType::kF32, {1, hq});
-  STRATA_ASSERT_OK(CpuSelectedAttention(mp));
-  for (int i = 0; i < hq * d; ++i) EXPECT_NEAR(out3[i], out[i], 1e-6) << i;
-  for (int i = 0; i < hq; ++i) EXPECT_NEAR(lse3[i], lse[i] + std::log(2.0f), 1e-5) << i;
-  // Refused: one of the pair, and a partial aliasing the outputs.
-  SelectedAttentionParams bad = mp;
-  bad.merge_lse = TensorView();
-  EXPECT_THAT(CpuSelectedAttention(bad), StatusIs(absl::StatusCode::kInvalidArgument));
-  bad = mp;
-  bad.merge_out = mp.out;
-  EXPECT_THAT(CpuSelectedAttention(bad), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 // The dense decode step with its length read from memory (SelectedAttentionParams::prefix_len):

@@ -860,27 +860,6 @@ __global__ void __launch_bounds__(kThreads)
                                scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2));
 }
 
-// The merge of partial a (SelectedAttentionShape::merge_out / merge_lse) with b (the attention's
-// own), as MergeAttentionKernel merges parts {a, b}: the same expf weights, w * inv * o sums and
-// lse (0 and -inf when neither attended anything).
-__device__ __forceinline__ void MergeTwoPartials(float o_a, float lse_a, float o_b, float lse_b,
-                                                 float* o, float* lse) {
-  const float m = fmaxf(fmaxf(NegInf(), lse_a), lse_b);
-  if (m == NegInf()) {
-    *o = 0.0f;
-    *lse = NegInf();
-    return;
-  }
-  const float wa = expf(lse_a - m), wb = expf(lse_b - m);
-  const float sum = wa + wb;
-  const float inv = 1.0f / sum;
-  float acc = 0.0f;
-  if (wa != 0.0f) acc += wa * inv * o_a;
-  if (wb != 0.0f) acc += wb * inv * o_b;
-  *o = acc;
-  *lse = m + logf(sum);
-}
-
 // One block per query head: merges its KV head's items_per_head partials. The block's max M is
 // found first; then warps take items round-robin (lanes split head_dim, several items' loads in
 // flight per warp) and their sums meet in shared memory.
@@ -903,15 +882,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = tid; i < n; i += kThreads) m = fmaxf(m, base[static_cast<int64_t>(i) * stride + d]);
   const float big_m = BlockMax(m, tmp_s);
   float* o = out + static_cast<int64_t>(head) * d;
-  const float* mo = shape.merge_out != nullptr ? shape.merge_out + static_cast<int64_t>(head) * d
-                                               : nullptr;
   if (big_m == NegInf()) {
-    for (int e = tid; e < d; e += kThreads) {
-      float v = 0.0f, l = NegInf();
-      if (mo != nullptr) MergeTwoPartials(mo[e], shape.merge_lse[head], 0.0f, NegInf(), &v, &l);
-      o[e] = v;
-      if (e == 0) lse[head] = l;
-    }
+    for (int e = tid; e < d; e += kThreads) o[e] = 0.0f;
+    if (tid == 0) lse[head] = NegInf();
     return;
   }
   const int dims = d / 32;  // d is 64, 128 or 256
@@ -958,11 +931,9 @@ __global__ void __launch_bounds__(kThreads)
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += acc_s[w][e];
-    float v = sum * inv * shape.v_scale, l = big_m + logf(big_l);
-    if (mo != nullptr) MergeTwoPartials(mo[e], shape.merge_lse[head], v, l, &v, &l);
-    o[e] = v;
-    if (e == 0) lse[head] = l;
+    o[e] = sum * inv * shape.v_scale;
   }
+  if (tid == 0) lse[head] = big_m + logf(big_l);
 }
 
 // ---- SelectedAttention, cluster path: one thread-block cluster per KV head --------------------
@@ -1524,15 +1495,9 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     }
     const float big_m = stat_s[2 * j], big_l = stat_s[2 * j + 1];
     const int head = g * group + rank + j * cluster_size;
-    const int64_t at = static_cast<int64_t>(head) * HEAD_DIM + d;
-    float v = big_m == NegInf() ? 0.0f : sum * (1.0f / big_l) * shape.v_scale;
-    float l = big_m == NegInf() ? NegInf() : big_m + logf(big_l);
-    // A partial to merge in (the decode step's local attention): its row of the same head.
-    if (shape.merge_out != nullptr) {
-      MergeTwoPartials(shape.merge_out[at], shape.merge_lse[head], v, l, &v, &l);
-    }
-    out[at] = v;
-    if (d == 0) lse[head] = l;
+    out[static_cast<int64_t>(head) * HEAD_DIM + d] =
+        big_m == NegInf() ? 0.0f : sum * (1.0f / big_l) * shape.v_scale;
+    if (d == 0) lse[head] = big_m == NegInf() ? NegInf() : big_m + logf(big_l);
   }
   stamp(6);
   if (cluster_size > 1) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");

@@ -163,8 +163,6 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
   shape.scale = p.scale * p.k_scale;  // k_scale, v_scale: 1 unless the pools are fp8
   shape.v_scale = p.v_scale;
   shape.slot_scales = p.slot_scales;  // fp8 pools only (checked above); per row on the device
-  shape.merge_out = p.merge_out.As<const float>();  // or null
-  shape.merge_lse = p.merge_lse.As<const float>();
 
   // The split-K kernel's partials; the cluster kernel (short lists) needs none.
   const int64_t scratch_bytes = cuda_internal::SelectedAttentionScratchFloats(shape) * 4;

@@ -315,11 +315,6 @@ struct SelectedAttentionShape {
   // fp8 pools only, or null: [num_slots, 2] f32 per-slot (K, V) scales (SelectedAttentionParams::
   // slot_scales), multiplied into the score of (K) and the weight of (V) each row of that slot.
   const float* slot_scales = nullptr;
-  // Or null: a partial of the same query heads ([num_q_heads, head_dim] and [num_q_heads] f32,
-  // SelectedAttentionParams::merge_out / merge_lse) merged into the result as MergeAttentionKernel
-  // merges {it, the attention}.
-  const float* merge_out = nullptr;
-  const float* merge_lse = nullptr;
 };
 // True for head_dim 64/128/256 and at most kDecodeMaxGroup query heads per KV head.
 bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim);
