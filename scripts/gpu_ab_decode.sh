@@ -15,7 +15,8 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
 if [ ! -x "$BUNDLE/bin/base/decode_e2e_bench" ] || [ ! -x "$BUNDLE/bin/decode_e2e_bench" ]; then
-  echo "gpu_ab_decode: needs $BUNDLE/bin/decode_e2e_bench and $BUNDLE/bin/base/ (STRATA_GPU_AB_BASE)" >&2
+  echo "gpu_ab_decode: needs $BUNDLE/bin/decode_e2e_bench and $BUNDLE/bin/base/" \
+    "(STRATA_GPU_AB_BASE)" >&2
   exit 2
 fi
 rc=0

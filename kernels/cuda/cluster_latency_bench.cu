@@ -21,17 +21,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "internal/bench_check.h"  // beside this file (the program links no Strata target)
+
 namespace cg = cooperative_groups;
 
-#define CHECK(x)                                                                    \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                \
-                   cudaGetErrorString(e_));                                         \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
 __device__ __forceinline__ void Arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
@@ -134,22 +127,22 @@ __global__ void SpinKernel(long long cycles, long long* out) {
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : 256;
   cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  CHECK(cudaFuncSetAttribute(LatencyKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  CUDA_BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_BENCH_CHECK(cudaFuncSetAttribute(LatencyKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   // SM clock: a spin of known cycles timed by events.
   long long* d_spin;
-  CHECK(cudaMalloc(&d_spin, sizeof(long long)));
+  CUDA_BENCH_CHECK(cudaMalloc(&d_spin, sizeof(long long)));
   cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
+  CUDA_BENCH_CHECK(cudaEventCreate(&e0));
+  CUDA_BENCH_CHECK(cudaEventCreate(&e1));
   SpinKernel<<<1, 32>>>(1000000, d_spin);
-  CHECK(cudaDeviceSynchronize());
-  CHECK(cudaEventRecord(e0));
+  CUDA_BENCH_CHECK(cudaDeviceSynchronize());
+  CUDA_BENCH_CHECK(cudaEventRecord(e0));
   SpinKernel<<<1, 32>>>(20000000, d_spin);
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaEventSynchronize(e1));
+  CUDA_BENCH_CHECK(cudaEventRecord(e1));
+  CUDA_BENCH_CHECK(cudaEventSynchronize(e1));
   float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  CUDA_BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
   const double ghz = 20000000.0 / (ms * 1e6);
   std::printf("device: %s, %d SMs, SM clock under load ~%.2f GHz, %d threads per block\n",
               prop.name, prop.multiProcessorCount, ghz, threads);
@@ -157,7 +150,7 @@ int main(int argc, char** argv) {
                            "smem_chain",   "atomics+sync", "stores+sync",  "atomics+relax",
                            "atomics+fence", "stores+relax"};
   unsigned* d_global;
-  CHECK(cudaMalloc(&d_global, size_t{16} * 8 * 1024 * 32 * sizeof(unsigned)));
+  CUDA_BENCH_CHECK(cudaMalloc(&d_global, size_t{16} * 8 * 1024 * 32 * sizeof(unsigned)));
   const int iters = 2000;
   std::printf("%-13s %8s %8s %10s %10s\n", "step", "cluster", "clusters", "cycles", "ns");
   for (int mode = 0; mode < 10; ++mode) {
@@ -169,8 +162,8 @@ int main(int argc, char** argv) {
         const int blocks = cs * clusters;
         long long* d_cycles;
         unsigned* d_sink;
-        CHECK(cudaMalloc(&d_cycles, blocks * sizeof(long long)));
-        CHECK(cudaMalloc(&d_sink, blocks * sizeof(unsigned)));
+        CUDA_BENCH_CHECK(cudaMalloc(&d_cycles, blocks * sizeof(long long)));
+        CUDA_BENCH_CHECK(cudaMalloc(&d_sink, blocks * sizeof(unsigned)));
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(blocks);
         cfg.blockDim = dim3(threads);
@@ -183,10 +176,10 @@ int main(int argc, char** argv) {
         cfg.numAttrs = 1;
         std::vector<double> per;
         for (int rep = 0; rep < 3; ++rep) {
-          CHECK(cudaLaunchKernelEx(&cfg, LatencyKernel, mode, iters, d_cycles, d_sink, d_global));
-          CHECK(cudaDeviceSynchronize());
+          CUDA_BENCH_CHECK(cudaLaunchKernelEx(&cfg, LatencyKernel, mode, iters, d_cycles, d_sink, d_global));
+          CUDA_BENCH_CHECK(cudaDeviceSynchronize());
           std::vector<long long> c(blocks);
-          CHECK(cudaMemcpy(c.data(), d_cycles, blocks * sizeof(long long),
+          CUDA_BENCH_CHECK(cudaMemcpy(c.data(), d_cycles, blocks * sizeof(long long),
                            cudaMemcpyDeviceToHost));
           std::sort(c.begin(), c.end());
           per.push_back(static_cast<double>(c[blocks / 2]) / iters);
@@ -194,8 +187,8 @@ int main(int argc, char** argv) {
         std::sort(per.begin(), per.end());
         std::printf("%-13s %8d %8d %10.1f %10.1f\n", names[mode], cs, clusters, per[1],
                     per[1] / ghz);
-        CHECK(cudaFree(d_cycles));
-        CHECK(cudaFree(d_sink));
+        CUDA_BENCH_CHECK(cudaFree(d_cycles));
+        CUDA_BENCH_CHECK(cudaFree(d_sink));
       }
     }
   }

@@ -1081,10 +1081,9 @@ TEST_F(CudaBackendTest, AppendKvWithRopeMatchesRopeThenAppend) {
           if (fused) {
             p.rope = {q.View(d_q->data()), pos_dev, inv_freq.View(d_f->data()), 1.0f};
           } else {
-            STRATA_ASSERT_OK(gpu_->Rope({q.View(d_q->data()), pos_dev, inv_freq.View(d_f->data()), 1.0f},
-                                        nullptr));
-            STRATA_ASSERT_OK(gpu_->Rope({k.View(d_k->data()), pos_dev, inv_freq.View(d_f->data()), 1.0f},
-                                        nullptr));
+            const TensorView f = inv_freq.View(d_f->data());
+            STRATA_ASSERT_OK(gpu_->Rope({q.View(d_q->data()), pos_dev, f, 1.0f}, nullptr));
+            STRATA_ASSERT_OK(gpu_->Rope({k.View(d_k->data()), pos_dev, f, 1.0f}, nullptr));
           }
           STRATA_ASSERT_OK(gpu_->AppendKv(p, nullptr));
           kp->resize(pool_bytes);

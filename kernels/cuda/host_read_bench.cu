@@ -30,15 +30,8 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                    \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                \
-                   cudaGetErrorString(e_));                                         \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
+#include "internal/bench_check.h"  // beside this file (the program links no Strata target)
+
 
 namespace {
 
@@ -158,7 +151,7 @@ int main(int argc, char** argv) {
   }
   uint8_t* host = nullptr;
   if (mode == "hostalloc") {
-    CHECK(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));
+    CUDA_BENCH_CHECK(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));
   } else {
     const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (mode == "hugetlb" ? MAP_HUGETLB : 0);
     void* p = mmap(nullptr, host_bytes, PROT_READ | PROT_WRITE, flags, -1, 0);
@@ -171,24 +164,25 @@ int main(int argc, char** argv) {
     }
     host = static_cast<uint8_t*>(p);
     std::memset(host, 0, host_bytes);
-    CHECK(cudaHostRegister(host, host_bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
+    CUDA_BENCH_CHECK(
+        cudaHostRegister(host, host_bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
   }
   for (int64_t i = 0; i < host_bytes; i += 4096) host[i] = static_cast<uint8_t>(i / 4096 * 7 + 1);
   std::memset(host, 0x5a, 1 << 20);
   const int64_t total = static_cast<int64_t>(pages) * page_bytes;
   uint8_t* dst = nullptr;
   int64_t* d_offsets = nullptr;
-  CHECK(cudaMalloc(&dst, total));
-  CHECK(cudaMalloc(&d_offsets, sizeof(int64_t) * pages));
+  CUDA_BENCH_CHECK(cudaMalloc(&dst, total));
+  CUDA_BENCH_CHECK(cudaMalloc(&d_offsets, sizeof(int64_t) * pages));
   uint8_t* host_dev = nullptr;
-  CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
+  CUDA_BENCH_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
   cudaStream_t stream;
-  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
+  CUDA_BENCH_CHECK(cudaEventCreate(&e0));
+  CUDA_BENCH_CHECK(cudaEventCreate(&e1));
   int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CUDA_BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::mt19937_64 rng(7);
   std::vector<int64_t> offsets(pages);
   std::vector<uint8_t> check(page_bytes);
@@ -198,26 +192,27 @@ int main(int argc, char** argv) {
     std::vector<int64_t> pick(pages);
     for (int i = 0; i < pages; ++i) pick[i] = static_cast<int64_t>(rng() % host_pages) * page_bytes;
     offsets = pick;
-    CHECK(cudaMemcpy(d_offsets, offsets.data(), sizeof(int64_t) * pages, cudaMemcpyHostToDevice));
+    CUDA_BENCH_CHECK(cudaMemcpy(d_offsets, offsets.data(), sizeof(int64_t) * pages,
+                                cudaMemcpyHostToDevice));
   };
   auto verify = [&]() {
     const int k = static_cast<int>(rng() % pages);
-    CHECK(cudaMemcpy(check.data(), dst + static_cast<int64_t>(k) * page_bytes, page_bytes,
-                     cudaMemcpyDeviceToHost));
+    CUDA_BENCH_CHECK(cudaMemcpy(check.data(), dst + static_cast<int64_t>(k) * page_bytes,
+                                page_bytes, cudaMemcpyDeviceToHost));
     if (std::memcmp(check.data(), host + offsets[k], page_bytes) != 0) ++bad;
-    CHECK(cudaMemset(dst, 0, total));
+    CUDA_BENCH_CHECK(cudaMemset(dst, 0, total));
   };
   auto timed = [&](const char* name, auto&& launch, bool gathered) {
     std::vector<double> us;
     for (int r = 0; r < reps + 3; ++r) {
       new_offsets();
-      CHECK(cudaEventRecord(e0, stream));
+      CUDA_BENCH_CHECK(cudaEventRecord(e0, stream));
       launch();
-      CHECK(cudaEventRecord(e1, stream));
-      CHECK(cudaEventSynchronize(e1));
-      CHECK(cudaGetLastError());
+      CUDA_BENCH_CHECK(cudaEventRecord(e1, stream));
+      CUDA_BENCH_CHECK(cudaEventSynchronize(e1));
+      CUDA_BENCH_CHECK(cudaGetLastError());
       float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      CUDA_BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
       if (r >= 3) us.push_back(ms * 1000.0);
       if (gathered) verify();
     }
@@ -229,7 +224,7 @@ int main(int argc, char** argv) {
               pages, page_bytes, total / 1048576.0, mode.c_str(),
               static_cast<long long>(window >> 20), reps, sms);
   timed("memcpy (contiguous)", [&] {
-    CHECK(cudaMemcpyAsync(dst, host, total, cudaMemcpyHostToDevice,
+    CUDA_BENCH_CHECK(cudaMemcpyAsync(dst, host, total, cudaMemcpyHostToDevice,
                           stream));
   }, false);
   {
@@ -245,7 +240,7 @@ int main(int argc, char** argv) {
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
       size_t attr_index = 0;
-      CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), pages, &attr,
+      CUDA_BENCH_CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), pages, &attr,
                                  &attr_index, 1, stream));
     }, true);
   }
@@ -262,7 +257,8 @@ int main(int argc, char** argv) {
     for (int per_sm : {2}) {
       const int smem = stages * page_bytes;
       if (smem > 200 * 1024 / per_sm) continue;
-      CHECK(cudaFuncSetAttribute(BulkGather, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      CUDA_BENCH_CHECK(
+          cudaFuncSetAttribute(BulkGather, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       const int blocks = std::min(per_sm * sms, pages);
       char name[64];
       std::snprintf(name, sizeof(name), "bulk %d stages %d blocks", stages, blocks);

@@ -1,7 +1,7 @@
 // AppendKv on the GPU: f32 K/V rows of new tokens converted into their KvCache pool rows, one
 // thread per element (K and V; with RoPE the keys rotated on the way and the queries' pairs
-// rotated in place by the same kernel). The bf16 rounding is kernels::F32ToBF16's and the fp8 e4m3 one
-// kernels::F32ToFP8E4M3's (nearest even, saturated to +-448, NaN -> 0x7f), bit for bit.
+// rotated in place by the same kernel). The bf16 rounding is kernels::F32ToBF16's and the fp8
+// e4m3 one kernels::F32ToFP8E4M3's (nearest even, saturated to +-448, NaN -> 0x7f), bit for bit.
 //
 // EncodeFp8Pages: the persisted fp8 pages of bf16 pool pages (kernels/backend.h), one block per
 // page; the CPU twin is kernels/cpu/kv_append.cc.
