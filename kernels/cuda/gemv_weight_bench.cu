@@ -7,6 +7,8 @@
 // Each shape rotates over enough copies of its weight that no rep finds it in L2; the figure is
 // the median over reps of one GEMV (CUDA events), and GB/s counts the weight bytes. A check
 // compares both kernels with a host dot product on a few rows.
+// The fp8 kernel runs twice: with 8 and with 16 loads in flight per lane (an fp8 row of 4096
+// weights is 8 chunks per lane: one round of 8 loads, then nothing in flight while it computes).
 // Usage: cuda_gemv_weight_bench [reps=50]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -26,7 +28,6 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 8;
 
 __device__ __forceinline__ uint4 LoadChunk(const uint4* p) {
   uint4 r;
@@ -42,8 +43,9 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// FP8: 16 weights per chunk, out = scale[row] * dot; else 8 bf16 weights per chunk.
-template <bool FP8>
+// FP8: 16 weights per chunk, out = scale[row] * dot; else 8 bf16 weights per chunk. UNROLL
+// 16-byte loads in flight per lane.
+template <bool FP8, int kUnroll = 8>
 __global__ void __launch_bounds__(kThreads)
     GemvRows(const float* __restrict__ x, const uint4* __restrict__ w,
              const float* __restrict__ scale, float* __restrict__ out, int64_t k, int64_t m) {
@@ -96,11 +98,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <bool FP8>
+template <bool FP8, int kUnroll>
 unsigned Blocks(int64_t m) {
   int per_sm = 0, sms = 0, device = 0;
-  CUDA_BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GemvRows<FP8>,
-                                                                 kThreads, 0));
+  CUDA_BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, GemvRows<FP8, kUnroll>, kThreads, 0));
   CUDA_BENCH_CHECK(cudaGetDevice(&device));
   CUDA_BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t want = (m + kThreads / 32 - 1) / (kThreads / 32);
@@ -143,12 +145,13 @@ int main(int argc, char** argv) {
   CUDA_BENCH_CHECK(cudaEventCreate(&e0));
   CUDA_BENCH_CHECK(cudaEventCreate(&e1));
   int bad = 0;
-  double layer_us[2] = {0, 0}, head_us[2] = {0, 0};
-  std::printf("%-8s %8s %6s | %10s %8s | %10s %8s | %s\n", "weight", "rows", "cols", "bf16 us",
-              "GB/s", "fp8 us", "GB/s", "fp8/bf16");
+  double layer_us[3] = {0, 0, 0}, head_us[3] = {0, 0, 0};
+  std::printf("%-8s %8s %6s | %10s %8s | %10s %8s | %16s %8s | %s\n", "weight", "rows", "cols",
+              "bf16 us", "GB/s", "fp8 us", "GB/s", "fp8 16-deep us", "GB/s", "fp8/bf16");
   for (const Shape& sh : shapes) {
-    double us[2] = {0, 0};
-    for (int fp8 = 0; fp8 < 2; ++fp8) {
+    double us[3] = {0, 0, 0};
+    for (int variant = 0; variant < 3; ++variant) {
+      const int fp8 = variant > 0 ? 1 : 0;
       const int64_t bytes = sh.m * sh.k * (fp8 ? 1 : 2);
       // Copies enough that a rotation through them exceeds 4 x a 60 MiB L2.
       const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{240} << 20) / bytes + 1));
@@ -175,14 +178,17 @@ int main(int argc, char** argv) {
       CUDA_BENCH_CHECK(cudaMalloc(&dout, sh.m * 4));
       CUDA_BENCH_CHECK(cudaMemcpy(dx, x.data(), sh.k * 4, cudaMemcpyHostToDevice));
       CUDA_BENCH_CHECK(cudaMemcpy(ds, scale.data(), sh.m * 4, cudaMemcpyHostToDevice));
-      const unsigned blocks = fp8 ? Blocks<true>(sh.m) : Blocks<false>(sh.m);
+      const unsigned blocks = variant == 2   ? Blocks<true, 16>(sh.m)
+                              : variant == 1 ? Blocks<true, 8>(sh.m)
+                                             : Blocks<false, 8>(sh.m);
       auto launch = [&](int c) {
-        if (fp8) {
-          GemvRows<true><<<blocks, kThreads, 0, stream>>>(dx, static_cast<const uint4*>(w[c]), ds,
-                                                         dout, sh.k, sh.m);
+        const uint4* wc = static_cast<const uint4*>(w[c]);
+        if (variant == 2) {
+          GemvRows<true, 16><<<blocks, kThreads, 0, stream>>>(dx, wc, ds, dout, sh.k, sh.m);
+        } else if (variant == 1) {
+          GemvRows<true, 8><<<blocks, kThreads, 0, stream>>>(dx, wc, ds, dout, sh.k, sh.m);
         } else {
-          GemvRows<false><<<blocks, kThreads, 0, stream>>>(dx, static_cast<const uint4*>(w[c]), ds,
-                                                          dout, sh.k, sh.m);
+          GemvRows<false, 8><<<blocks, kThreads, 0, stream>>>(dx, wc, ds, dout, sh.k, sh.m);
         }
       };
       std::vector<double> t;
@@ -196,7 +202,7 @@ int main(int argc, char** argv) {
         if (r >= 5) t.push_back(ms * 1000.0);
       }
       std::sort(t.begin(), t.end());
-      us[fp8] = t[t.size() / 2];
+      us[variant] = t[t.size() / 2];
       // Check a few rows against a host dot product (f64).
       std::vector<float> got(sh.m);
       CUDA_BENCH_CHECK(cudaMemcpy(got.data(), dout, sh.m * 4, cudaMemcpyDeviceToHost));
@@ -221,11 +227,12 @@ int main(int argc, char** argv) {
       CUDA_BENCH_CHECK(cudaFree(ds));
       CUDA_BENCH_CHECK(cudaFree(dout));
     }
-    const double gb16 = sh.m * sh.k * 2 / (us[0] * 1e3), gb8 = sh.m * sh.k / (us[1] * 1e3);
-    std::printf("%-8s %8lld %6lld | %10.2f %8.0f | %10.2f %8.0f | %.3f\n", sh.name,
+    const double gb16 = sh.m * sh.k * 2 / (us[0] * 1e3), gb8 = sh.m * sh.k / (us[1] * 1e3),
+                 gb8d = sh.m * sh.k / (us[2] * 1e3);
+    std::printf("%-8s %8lld %6lld | %10.2f %8.0f | %10.2f %8.0f | %16.2f %8.0f | %.3f\n", sh.name,
                 static_cast<long long>(sh.m), static_cast<long long>(sh.k), us[0], gb16, us[1],
-                gb8, us[1] / us[0]);
-    for (int f = 0; f < 2; ++f) {
+                gb8, us[2], gb8d, std::min(us[1], us[2]) / us[0]);
+    for (int f = 0; f < 3; ++f) {
       if (std::strcmp(sh.name, "lm_head") == 0) {
         head_us[f] = us[f];
       } else {
@@ -233,8 +240,10 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("32 layers + lm_head: bf16 %.0f us, fp8 %.0f us (cold weights, one GEMV at a time)\n",
-              32 * layer_us[0] + head_us[0], 32 * layer_us[1] + head_us[1]);
+  std::printf("32 layers + lm_head: bf16 %.0f us, fp8 %.0f us, fp8 16-deep %.0f us (cold weights, "
+              "one GEMV at a time)\n",
+              32 * layer_us[0] + head_us[0], 32 * layer_us[1] + head_us[1],
+              32 * layer_us[2] + head_us[2]);
   std::printf("check: %d bad rows\n", bad);
   return bad == 0 ? 0 : 1;
 }
