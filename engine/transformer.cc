@@ -666,8 +666,7 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
     // Each row's RoPE rides on its KV append (AppendKvParams::rope): the keys go in rotated and
     // the row's queries are rotated in place, one kernel instead of a Rope and an append.
     for (int64_t r = 0; r < n; ++r) {
-      const kernels::RopeParams rope{TensorView(q_rows + r * hq * d, DType::kF32, {1, hq, d}),
-                                     pos_dev + r, inv_freq_, 1.0f};
+      const kernels::RopeParams rope{local[r].q, pos_dev + r, inv_freq_, 1.0f};
       STRATA_RETURN_IF_ERROR(rows[r].cache->EnqueueAppendAt(
           layer, TensorView(k_rows + r * hkv * d, DType::kF32, {1, hkv, d}),
           TensorView(v_rows + r * hkv * d, DType::kF32, {1, hkv, d}), index_dev + r, rope));
@@ -692,7 +691,7 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
         ExternalAttention* external = rows[r].options->external;
         if (external == nullptr) continue;
         s = external->AttendOnDevice(
-            layer, TensorView(q_rows + r * hq * d, DType::kF32, {1, hq, d}), rows[r].pos,
+            layer, local[r].q, rows[r].pos,
             TensorView(static_cast<float*>(ext_o_->data()) + r * hq * d, DType::kF32, {1, hq, d}),
             TensorView(static_cast<float*>(ext_lse_->data()) + r * hq, DType::kF32, {1, hq}));
       }

@@ -21,7 +21,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "internal/bench_check.h"  // beside this file (the program links no Strata target)
+#include "kernels/cuda/internal/bench_check.h"
 
 namespace cg = cooperative_groups;
 

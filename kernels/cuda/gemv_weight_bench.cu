@@ -1,6 +1,7 @@
 // What one-token GEMVs over the Llama-3.1-8B shapes cost with bf16 weights and with fp8 e4m3
 // weights (a per-row f32 scale), on the GPU it runs on: a feasibility measurement for fp8 weights
-// (a micro-benchmark: no Strata code, plain CUDA runtime; the production GEMVs are in matmul.cu).
+// (a micro-benchmark on the CUDA runtime and the backend's device helpers; the production GEMVs
+// are in matmul.cu).
 // Both use the same kernel shape as matmul.cu's GemvRowsKernel: one warp per weight row, rows
 // handed out in turn over a grid of every resident warp, 8 16-byte loads in flight per lane read
 // past L1, f32 activations, a warp shuffle sum. A 16-byte chunk holds 8 bf16 or 16 fp8 weights.
@@ -23,25 +24,15 @@
 #include <random>
 #include <vector>
 
-#include "internal/bench_check.h"  // beside this file (the program links no Strata target)
+#include "kernels/cuda/internal/bench_check.h"
+#include "kernels/cuda/internal/common.cuh"
 
 namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ uint4 LoadChunk(const uint4* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using strata::kernels::cuda_internal::LoadWeightChunk;
+using strata::kernels::cuda_internal::WarpSum;
 
 // FP8: 16 weights per chunk, out = scale[row] * dot; else 8 bf16 weights per chunk. UNROLL
 // 16-byte loads in flight per lane.
@@ -63,7 +54,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = c0 + 32 * u;
-        raw[u] = c < chunks ? LoadChunk(row + c) : make_uint4(0, 0, 0, 0);
+        raw[u] = c < chunks ? LoadWeightChunk(row + c) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {

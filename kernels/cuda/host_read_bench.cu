@@ -1,6 +1,6 @@
 // How fast the GPU can gather scattered pages from pinned host memory into device memory (the GPU
-// page cache's fills), by each way the hardware offers (a micro-benchmark: no Strata code, plain
-// CUDA runtime):
+// page cache's fills), by each way the hardware offers (a micro-benchmark on the CUDA runtime and
+// the backend's device helpers):
 //   memcpy      one cudaMemcpyAsync of all the bytes from one contiguous host range (the link's
 //               DMA ceiling)
 //   batch       cudaMemcpyBatchAsync, one entry per page (DMA, addresses known to the host)
@@ -30,7 +30,8 @@
 #include <random>
 #include <vector>
 
-#include "internal/bench_check.h"  // beside this file (the program links no Strata target)
+#include "kernels/cuda/internal/bench_check.h"
+#include "kernels/cuda/internal/common.cuh"
 
 
 namespace {
@@ -64,9 +65,11 @@ __global__ void __launch_bounds__(kLdgThreads)
   }
 }
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using strata::kernels::cuda_internal::BulkCopyToShared;
+using strata::kernels::cuda_internal::MbarExpect;
+using strata::kernels::cuda_internal::MbarInit;
+using strata::kernels::cuda_internal::MbarWait;
+using strata::kernels::cuda_internal::SharedAddr;
 
 // One thread per block issues everything: page j of the block goes to stage j % stages; the load
 // of page j + stages waits until the store of page j has read its stage.
@@ -75,43 +78,27 @@ __global__ void BulkGather(const uint8_t* __restrict__ host, const int64_t* __re
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ __align__(8) uint64_t bars[16];
   if (threadIdx.x != 0) return;
-  for (int s = 0; s < stages; ++s) {
-    asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(SmemAddr(&bars[s])));
-  }
+  for (int s = 0; s < stages; ++s) MbarInit(SharedAddr(&bars[s]), 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   const int mine = pages > static_cast<int>(blockIdx.x)
                        ? (pages - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1
                        : 0;
+  auto stage = [&](int s) { return SharedAddr(smem + static_cast<int64_t>(s) * page_bytes); };
   auto issue_load = [&](int j) {
     const int s = j % stages;
-    const int k = blockIdx.x + j * gridDim.x;
-    const uint32_t bar = SmemAddr(&bars[s]);
-    asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(bar), "r"(page_bytes)
-                 : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(SmemAddr(smem + static_cast<int64_t>(s) * page_bytes)), "l"(host + offsets[k]),
-        "r"(page_bytes), "r"(bar)
-        : "memory");
+    const uint32_t bar = SharedAddr(&bars[s]);
+    MbarExpect(bar, page_bytes);
+    BulkCopyToShared(stage(s), host + offsets[blockIdx.x + j * gridDim.x], page_bytes, bar);
   };
   for (int j = 0; j < mine && j < stages; ++j) issue_load(j);
   for (int j = 0; j < mine; ++j) {
     const int s = j % stages;
-    const uint32_t bar = SmemAddr(&bars[s]);
-    const uint32_t parity = (j / stages) & 1;
-    uint32_t done = 0;
-    while (!done) {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    }
+    MbarWait(SharedAddr(&bars[s]), (j / stages) & 1);
     const int k = blockIdx.x + j * gridDim.x;
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
                      dst + static_cast<int64_t>(k) * page_bytes),
-                 "r"(SmemAddr(smem + static_cast<int64_t>(s) * page_bytes)), "r"(page_bytes)
+                 "r"(stage(s)), "r"(page_bytes)
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     if (j + stages < mine) {

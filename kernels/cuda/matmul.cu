@@ -189,15 +189,6 @@ __global__ void __launch_bounds__(kGemvMaxThreads)
 constexpr int kGemvRowThreads = 256;
 constexpr int kGemvRowUnroll = 8;
 
-// A weight chunk that is read once: not kept in L1 (the activations are), fetched from DRAM in
-// 256-byte L2 requests.
-__device__ __forceinline__ uint4 LoadWeightChunk(const uint4* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
 
 // The one-token GEMV with 16-byte rows (n = 1, VEC): one warp per weight row, the rows handed
 // out in turn to a grid sized to fill the GPU once (every warp resident, each taking rows

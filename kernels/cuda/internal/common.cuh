@@ -194,6 +194,16 @@ int MaxActiveClusters(void (*kernel)(KArgs...), int size, int threads, size_t sm
   return count;
 }
 
+// A 16-byte chunk of a weight that is read once (the GEMVs' rows): not kept in L1 (the
+// activations are), fetched from DRAM in 256-byte L2 requests.
+__device__ __forceinline__ uint4 LoadWeightChunk(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
