@@ -177,6 +177,12 @@ TEST(CpuAppendKvTest, RopeAppendsRotatedKeysAndRotatesQueries) {
     EXPECT_EQ(qr, eq);
 
     p.first_device = nullptr;
+    AppendKvParams bad = p;
+    bad.rope.x = TensorView(qr.data(), DType::kF32, {n - 1, kQHeads, kDimEven});  // rows != n
+    EXPECT_THAT(CpuAppendKv(bad), StatusIs(absl::StatusCode::kInvalidArgument));
+    bad = p;
+    bad.rope.positions = nullptr;
+    EXPECT_THAT(CpuAppendKv(bad), StatusIs(absl::StatusCode::kInvalidArgument));
     p.rope.inv_freq = TensorView();
     EXPECT_THAT(CpuAppendKv(p), StatusIs(absl::StatusCode::kInvalidArgument));
     p.rope.inv_freq = TensorView(inv_freq.data(), DType::kF32, {kDimEven / 2 - 1});
