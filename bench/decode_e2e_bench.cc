@@ -118,6 +118,9 @@
 //     prefill line also gives linear_tflops: 2 * (projection + MLP weights) FLOPs per token (LM
 //     head once) times tokens over the seconds, an effective rate that includes attention time.
 //     The decode passes and --prefill_check use the first listed precision.
+//   --weight_format=checkpoint|fp8 (default checkpoint: the random bf16 weights as made):
+//     engine::TransformerOptions::weight_format of every Transformer of the run; fp8 quantises
+//     the projections and the LM head row-wise to e4m3 at load (half the weight bytes per token).
 //
 // Usage: decode_e2e_bench [--shapes=llama-3.2-1b,llama-3.1-8b] [--contexts=32768,131072,524288]
 //   [--flag=value ...]. CUDA backend (--backend=cpu runs the same code on the CPU backend, for a
@@ -213,6 +216,7 @@ struct Flags {
   std::string prefill_policy = "dense";
   int64_t prefill_check = 0;
   std::string matmul_precision = "split";  // comma list of split|bf16
+  std::string weight_format = "checkpoint";  // checkpoint|fp8
   // Document passes: rho of the correlated query stream (0: the model's queries as they are) and
   // the device chooser's selection cache threshold (> 1: off). See the file comment.
   // Comma lists: each document pass runs once per (hook, rho, theta).
@@ -248,6 +252,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "prefill_contexts") { f->prefill_contexts = v; return true; }
   if (k == "prefill_policy") { f->prefill_policy = v; return true; }
   if (k == "matmul_precision") { f->matmul_precision = v; return true; }
+  if (k == "weight_format") { f->weight_format = v; return true; }
   if (k == "selection_log") { f->selection_log = v; return !v.empty(); }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
@@ -929,6 +934,7 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
   engine::TransformerOptions to;
   to.prefill_chunk_size = f.prefill_chunk;
   to.matmul_precision = precision;
+  STRATA_ASSIGN_OR_RETURN(to.weight_format, engine::ParseWeightFormat(f.weight_format));
   STRATA_ASSIGN_OR_RETURN(auto tf, engine::Transformer::Create(c, weights, backend, to));
   std::vector<int32_t> ids(static_cast<size_t>(tokens));
   Rng r{f.seed * 31 + static_cast<uint64_t>(tokens)};
@@ -1353,6 +1359,12 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "bad --matmul_precision: empty\n");
     return 2;
   }
+  const absl::StatusOr<engine::WeightFormat> weight_format =
+      engine::ParseWeightFormat(f.weight_format);
+  if (!weight_format.ok()) {
+    std::fprintf(stderr, "bad --weight_format: %s\n", weight_format.status().ToString().c_str());
+    return 2;
+  }
   const double gpu_before = GpuUsedGiB();
   kernels::BackendOptions bo;
   bo.kind = f.backend == "cpu" ? kernels::BackendKind::kCpu : kernels::BackendKind::kCuda;
@@ -1388,6 +1400,7 @@ int Main(int argc, char** argv) {
     engine::TransformerOptions to;
     to.prefill_chunk_size = 16;
     to.matmul_precision = precisions.front();  // decode passes: the first listed precision
+    to.weight_format = *weight_format;
     absl::StatusOr<std::unique_ptr<engine::Transformer>> tf =
         engine::Transformer::Create(*config, weights->weights, backend, to);
     if (!tf.ok()) {
@@ -1397,9 +1410,10 @@ int Main(int argc, char** argv) {
     }
     const double gpu_weights = GpuUsedGiB();
     std::printf("model %s: %s; weights made and uploaded in %.1f s; GPU used %.2f GiB; "
-                "decode matmul precision %s\n",
+                "decode matmul precision %s; weight format %s\n",
                 mo.preset.c_str(), config->DebugString().c_str(), wsw.ElapsedSeconds(),
-                gpu_weights, engine::MatMulPrecisionName(to.matmul_precision));
+                gpu_weights, engine::MatMulPrecisionName(to.matmul_precision),
+                engine::WeightFormatName(to.weight_format));
     std::fflush(stdout);
     for (absl::string_view pc : absl::StrSplit(f.prefill_contexts, ',', absl::SkipEmpty())) {
       int64_t n = 0;

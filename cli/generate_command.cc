@@ -59,6 +59,7 @@ struct GenerateFlags {
   std::string backend = "cpu";
   bool device_selection = false;
   std::string matmul_precision = "split";
+  std::string weight_format = "checkpoint";
 };
 
 absl::StatusOr<std::vector<int>> ParseLayerList(const std::string& text) {
@@ -182,6 +183,7 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
   engine::TransformerOptions topt;
   topt.prefill_chunk_size = f.chunk_size;
   STRATA_ASSIGN_OR_RETURN(topt.matmul_precision, engine::ParseMatMulPrecision(f.matmul_precision));
+  STRATA_ASSIGN_OR_RETURN(topt.weight_format, engine::ParseWeightFormat(f.weight_format));
   STRATA_RETURN_IF_ERROR(topt.Validate());
 
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::Model> m, model::LoadModel(f.model));
@@ -249,7 +251,7 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
                "budget=%lld "
                "sinks=%lld window=%lld page=%lld chunk=%lld "
                "max_tokens=%lld temperature=%g top_k=%lld top_p=%g seed=%lld stop=%zu "
-               "ignore_eos=%s matmul=%s\n",
+               "ignore_eos=%s matmul=%s weights=%s\n",
                f.model.c_str(), m->config.DebugString().c_str(), backend->Name().c_str(),
                device_selection ? "device" : "host",
                f.threads > 0 ? std::to_string(f.threads).c_str() : "all",
@@ -259,7 +261,8 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
                static_cast<long long>(f.max_tokens), f.temperature,
                static_cast<long long>(f.top_k), f.top_p, static_cast<long long>(f.seed),
                stops.size(), f.ignore_eos ? "true" : "false",
-               engine::MatMulPrecisionName(topt.matmul_precision));
+               engine::MatMulPrecisionName(topt.matmul_precision),
+               engine::WeightFormatName(topt.weight_format));
 
   auto on_text = [](const std::string& text) -> absl::Status {
     if (std::fwrite(text.data(), 1, text.size(), stdout) != text.size() || std::fflush(stdout) != 0) {
@@ -331,6 +334,9 @@ int RunGenerate(int argc, char** argv) {
   flags.String("matmul-precision", &f.matmul_precision,
                "split|bf16: split keeps f32 activations (two GEMMs per projection on the GPU); bf16 "
                "rounds them to the weight type for one GEMM (faster prefill, logits move slightly)");
+  flags.String("weight-format", &f.weight_format,
+               "checkpoint|fp8: projection matrices as loaded, or fp8 e4m3 rows with per-row scales quantised "
+               "at load (half the weight bytes per decode step; logits move by the rounding)");
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
   if ((flags.WasSet("prompt") && f.prompt.empty()) || (flags.WasSet("token-ids") && f.token_ids.empty())) {

@@ -158,6 +158,10 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->String("matmul-precision", &matmul_precision,
                 "split|bf16: split keeps f32 activations (two GEMMs per projection on the GPU); bf16 rounds "
                 "them to bf16 for one GEMM (faster prefill, logits move slightly)");
+  flags->String("weight-format", &weight_format,
+                "checkpoint|fp8: projection matrices as loaded, or fp8 e4m3 rows with per-row scales quantised at "
+                "load (half the weight bytes per decode step, logits move by the rounding; keep it the same across "
+                "the workers of a cluster, like --kv-page-dtype)");
   flags->String("prefill-policy", &prefill_policy,
                 "dense|quest|tokenselect: attention of document prefill (dense: exact; quest/tokenselect: each "
                 "chunk selects --prefill-budget-tokens earlier tokens per layer and KV head with its mean query; "
@@ -188,6 +192,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
   options->decode_graph = decode_graph;
   options->device_sampling = device_sampling;
   options->matmul_precision = matmul_precision;
+  options->weight_format = weight_format;
   options->prefill_policy = prefill_policy;
   options->kv_page_dtype = kv_page_dtype;
   // Out-of-int range values become 0 here, which WorkerOptions::Validate rejects.

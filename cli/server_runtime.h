@@ -39,6 +39,7 @@ struct WorkerEngineFlags {
   std::string decode_graph = "auto";
   bool device_sampling = true;
   std::string matmul_precision = "split";
+  std::string weight_format = "checkpoint";
   std::string prefill_policy = "dense";
   int64_t prefill_budget_tokens = 2048;
   std::string kv_page_dtype = "bf16";
@@ -51,7 +52,8 @@ struct WorkerEngineFlags {
   // --device-selection (auto|on|off: WorkerOptions::device_selection), --decode-graph (auto|on|off:
   // WorkerOptions::decode_graph), --device-sampling (WorkerOptions::device_sampling) and
   // --matmul-precision
-  // (split|bf16: WorkerOptions::matmul_precision), --prefill-policy (dense|quest|tokenselect:
+  // (split|bf16: WorkerOptions::matmul_precision), --weight-format (checkpoint|fp8:
+  // WorkerOptions::weight_format), --prefill-policy (dense|quest|tokenselect:
   // WorkerOptions::prefill_policy), --prefill-budget-tokens, --kv-page-dtype (bf16|fp8:
   // WorkerOptions::kv_page_dtype), --max-decode-batch and --decode-batch-wait-us
   // (WorkerOptions::max_decode_batch, decode_batch_wait_us).

@@ -39,7 +39,28 @@ absl::Status TransformerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("unknown matmul_precision ",
                                                    static_cast<int>(matmul_precision)));
   }
+  if (weight_format != WeightFormat::kCheckpoint && weight_format != WeightFormat::kFP8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown weight_format ", static_cast<int>(weight_format)));
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name) {
+  if (name == "checkpoint") return WeightFormat::kCheckpoint;
+  if (name == "fp8") return WeightFormat::kFP8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown weight format '", name, "' (want checkpoint or fp8)"));
+}
+
+const char* WeightFormatName(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kCheckpoint:
+      return "checkpoint";
+    case WeightFormat::kFP8:
+      return "fp8";
+  }
+  return "unknown";
 }
 
 absl::StatusOr<kernels::MatMulPrecision> ParseMatMulPrecision(absl::string_view name) {
@@ -106,9 +127,26 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(
   return t;
 }
 
-absl::Status Transformer::MatMul(kernels::MatMulParams p) {
+absl::Status Transformer::MatMul(kernels::MatMulParams p, const TensorView& weight_scale) {
   p.precision = options_.matmul_precision;
+  p.weight_scale = weight_scale;
   return backend_->MatMul(p, nullptr);
+}
+
+absl::Status Transformer::QuantizeForUpload(TensorView* w, TensorView* scale) {
+  *scale = TensorView();
+  if (options_.weight_format != WeightFormat::kFP8 || w->data == nullptr) return absl::OkStatus();
+  if (w->rank != 2) return absl::InvalidArgumentError("QuantizeForUpload: a matrix has rank != 2");
+  const int64_t rows = w->dim(0), cols = w->dim(1);
+  host_quantized_.emplace_back(static_cast<size_t>(rows * cols));
+  host_quantized_.emplace_back(static_cast<size_t>(rows) * 4);
+  std::vector<uint8_t>& q = host_quantized_[host_quantized_.size() - 2];  // after both: no
+  std::vector<uint8_t>& sc = host_quantized_.back();                      // reallocation left
+  kernels::QuantizeRowsToFP8E4M3(w->data, w->dtype, rows, cols, q.data(),
+                                 reinterpret_cast<float*>(sc.data()));
+  *w = TensorView(q.data(), DType::kFP8E4M3, {rows, cols});
+  *scale = TensorView(sc.data(), DType::kF32, {rows});
+  return absl::OkStatus();
 }
 
 absl::Status Transformer::Upload(const TensorView& host, TensorView* out) {
@@ -171,17 +209,28 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
     return absl::InvalidArgumentError(absl::StrCat("weights have ", w.layers.size(),
                                                    " layers, config ", config_.num_layers));
   }
+  const bool fp8 = options_.weight_format == WeightFormat::kFP8;
+  // Host quantised copies are dropped once uploaded (a host-memory backend reads them in place).
+  auto drop_host_quantized = [&] {
+    if (!host_memory_) host_quantized_.clear();
+  };
   STRATA_RETURN_IF_ERROR(Upload(w.embed_tokens, &embed_tokens_));
   STRATA_RETURN_IF_ERROR(Upload(w.final_norm, &final_norm_));
-  if (w.lm_head.data == w.embed_tokens.data) {
+  if (w.lm_head.data == w.embed_tokens.data && !fp8) {
     lm_head_ = embed_tokens_;  // tied: upload once
   } else {
-    STRATA_RETURN_IF_ERROR(Upload(w.lm_head, &lm_head_));
+    TensorView head = w.lm_head, head_scale;  // fp8: its own quantised copy even when tied
+    STRATA_RETURN_IF_ERROR(QuantizeForUpload(&head, &head_scale));
+    STRATA_RETURN_IF_ERROR(Upload(head, &lm_head_));
+    STRATA_RETURN_IF_ERROR(Upload(head_scale, &lm_head_scale_));
+    drop_host_quantized();
   }
   layers_.resize(w.layers.size());
+  scales_.resize(w.layers.size());
   for (size_t l = 0; l < w.layers.size(); ++l) {
-    const model::LayerWeights& s = w.layers[l];
+    model::LayerWeights s = w.layers[l];  // views; the matrices become fp8 ones with kFP8
     model::LayerWeights& d = layers_[l];
+    LayerScales& ds = scales_[l];
     const std::string p = absl::StrCat("layers.", l, ".");
     STRATA_RETURN_IF_ERROR(CheckShape(s.input_norm, {hidden}, p + "input_norm"));
     STRATA_RETURN_IF_ERROR(CheckShape(s.q_proj, {qdim, hidden}, p + "q_proj"));
@@ -197,6 +246,14 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
       STRATA_RETURN_IF_ERROR(CheckShape(s.k_bias, {kvdim}, p + "k_bias"));
       STRATA_RETURN_IF_ERROR(CheckShape(s.v_bias, {kvdim}, p + "v_bias"));
     }
+    LayerScales hs;  // host scales (kFP8)
+    STRATA_RETURN_IF_ERROR(QuantizeForUpload(&s.q_proj, &hs.q));
+    STRATA_RETURN_IF_ERROR(QuantizeForUpload(&s.k_proj, &hs.k));
+    STRATA_RETURN_IF_ERROR(QuantizeForUpload(&s.v_proj, &hs.v));
+    STRATA_RETURN_IF_ERROR(QuantizeForUpload(&s.o_proj, &hs.o));
+    STRATA_RETURN_IF_ERROR(QuantizeForUpload(&s.gate_proj, &hs.gate));
+    STRATA_RETURN_IF_ERROR(QuantizeForUpload(&s.up_proj, &hs.up));
+    STRATA_RETURN_IF_ERROR(QuantizeForUpload(&s.down_proj, &hs.down));
     STRATA_RETURN_IF_ERROR(Upload(s.input_norm, &d.input_norm));
     FusedWeights& f = fused_.emplace_back();
     bool qkv_fused = false;
@@ -204,6 +261,16 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
         (s.q_bias.dtype == s.k_bias.dtype && s.q_bias.dtype == s.v_bias.dtype)) {
       STRATA_ASSIGN_OR_RETURN(qkv_fused, UploadFused({&s.q_proj, &s.k_proj, &s.v_proj},
                                                      {&d.q_proj, &d.k_proj, &d.v_proj}, &f.qkv));
+    }
+    if (qkv_fused && fp8) {
+      STRATA_ASSIGN_OR_RETURN(const bool scales_fused,
+                              UploadFused({&hs.q, &hs.k, &hs.v}, {&ds.q, &ds.k, &ds.v},
+                                          &f.qkv_scale));
+      if (!scales_fused) return absl::InternalError("fp8 q|k|v scales could not be fused");
+    } else {
+      STRATA_RETURN_IF_ERROR(Upload(hs.q, &ds.q));
+      STRATA_RETURN_IF_ERROR(Upload(hs.k, &ds.k));
+      STRATA_RETURN_IF_ERROR(Upload(hs.v, &ds.v));
     }
     if (!qkv_fused) {
       f.qkv = TensorView();
@@ -227,16 +294,28 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
       }
     }
     STRATA_RETURN_IF_ERROR(Upload(s.o_proj, &d.o_proj));
+    STRATA_RETURN_IF_ERROR(Upload(hs.o, &ds.o));
     STRATA_RETURN_IF_ERROR(Upload(s.post_attention_norm, &d.post_attention_norm));
     STRATA_ASSIGN_OR_RETURN(const bool gu_fused,
                             UploadFused({&s.gate_proj, &s.up_proj}, {&d.gate_proj, &d.up_proj},
                                         &f.gate_up));
+    if (gu_fused && fp8) {
+      STRATA_ASSIGN_OR_RETURN(const bool scales_fused,
+                              UploadFused({&hs.gate, &hs.up}, {&ds.gate, &ds.up},
+                                          &f.gate_up_scale));
+      if (!scales_fused) return absl::InternalError("fp8 gate|up scales could not be fused");
+    } else {
+      STRATA_RETURN_IF_ERROR(Upload(hs.gate, &ds.gate));
+      STRATA_RETURN_IF_ERROR(Upload(hs.up, &ds.up));
+    }
     if (!gu_fused) {
       f.gate_up = TensorView();
       STRATA_RETURN_IF_ERROR(Upload(s.gate_proj, &d.gate_proj));
       STRATA_RETURN_IF_ERROR(Upload(s.up_proj, &d.up_proj));
     }
     STRATA_RETURN_IF_ERROR(Upload(s.down_proj, &d.down_proj));
+    STRATA_RETURN_IF_ERROR(Upload(hs.down, &ds.down));
+    drop_host_quantized();
   }
 
   // Scratch for one chunk.
@@ -653,15 +732,16 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
   const int num_layers = static_cast<int>(layers_.size());
   for (int layer = 0; layer < num_layers; ++layer) {
     const model::LayerWeights& w = layers_[layer];
+    const LayerScales& ws = scales_[layer];
     const FusedWeights& fw = fused_[layer];
     // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
     if (n == 1 && fw.qkv.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}, fw.qkv_scale));
     } else {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}));
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}));
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}, ws.q));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}, ws.k));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}, ws.v));
     }
     // Each row's RoPE rides on its KV append (AppendKvParams::rope): the keys go in rotated and
     // the row's queries are rotated in place, one kernel instead of a Rope and an append.
@@ -707,26 +787,26 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
           STRATA_RETURN_IF_ERROR(MergeExternal(r, 1, {}));
         }
       }
-      STRATA_RETURN_IF_ERROR(MatMul({View2(merged_.get(), n, hq * d), w.o_proj, TensorView(), o}));
+      STRATA_RETURN_IF_ERROR(MatMul({View2(merged_.get(), n, hq * d), w.o_proj, TensorView(), o}, ws.o));
     } else {
       for (int64_t r = 0; r < n; ++r) {
         STRATA_RETURN_IF_ERROR(be->SelectedAttention(local[r], nullptr));
       }
-      STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}));
+      STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}, ws.o));
     }
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));
     if (n == 1 && fw.gate_up.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}, fw.gate_up_scale));
     } else {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}));
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}, ws.gate));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}, ws.up));
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
+    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}, ws.down));
   }
   STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps, num_layers > 0 ? o : TensorView()}, nullptr));
   const TensorView lo(logits_->data(), DType::kF32, {n, vocab});
-  return MatMul({xn, lm_head_, TensorView(), lo});
+  return MatMul({xn, lm_head_, TensorView(), lo}, lm_head_scale_);
 }
 
 absl::Status Transformer::ForwardChunk(const int32_t* ids, int64_t n, int64_t start_pos,
@@ -764,14 +844,14 @@ absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out)
       logits_rows_ = rows;
     }
     const TensorView lo(logits_->data(), DType::kF32, {rows, vocab});
-    return MatMul({xnr, lm_head_, TensorView(), lo});
+    return MatMul({xnr, lm_head_, TensorView(), lo}, lm_head_scale_);
   }
   if (host_memory_) {
     const TensorView lo(logits_out, DType::kF32, {rows, vocab});
-    STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}));
+    STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}, lm_head_scale_));
   } else {
     const TensorView lo(logits_->data(), DType::kF32, {rows, vocab});
-    STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}));
+    STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}, lm_head_scale_));
     STRATA_RETURN_IF_ERROR(be->CopyToHost(logits_out, logits_->data(), rows * vocab * 4, nullptr));
   }
   return be->Synchronize(nullptr);
@@ -1002,17 +1082,18 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   const int num_layers = static_cast<int>(layers_.size());
   for (int layer = 0; layer < num_layers; ++layer) {
     const model::LayerWeights& w = layers_[layer];
+    const LayerScales& ws = scales_[layer];
     // The previous layer's MLP output is added to x by this norm (RmsNormParams::residual).
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.input_norm, xn, eps, layer > 0 ? o : TensorView()}, nullptr));
     const FusedWeights& fw = fused_[layer];
     if (n == 1 && fw.qkv.data != nullptr) {
       // One token: [q | k | v] from one GEMV (each output row computed as by the separate ones).
-      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.qkv, fw.qkv_bias, qkv}, fw.qkv_scale));
       STRATA_RETURN_IF_ERROR(be->Rope({qk3, pos_dev, inv_freq_, 1.0f}, nullptr));
     } else {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}));
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}));
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.q_proj, w.q_bias, q}, ws.q));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.k_proj, w.k_bias, k}, ws.k));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.v_proj, w.v_bias, v}, ws.v));
       STRATA_RETURN_IF_ERROR(be->Rope({q3, pos_dev, inv_freq_, 1.0f}, nullptr));
       STRATA_RETURN_IF_ERROR(be->Rope({k3, pos_dev, inv_freq_, 1.0f}, nullptr));
     }
@@ -1112,16 +1193,16 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       }
       attn_in = View2(merged_.get(), n, hq * d);
     }
-    STRATA_RETURN_IF_ERROR(MatMul({attn_in, w.o_proj, TensorView(), o}));
+    STRATA_RETURN_IF_ERROR(MatMul({attn_in, w.o_proj, TensorView(), o}, ws.o));
     STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));
     if (n == 1 && fw.gate_up.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}, fw.gate_up_scale));
     } else {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}));
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}, ws.gate));
+      STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}, ws.up));
     }
     STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}));
+    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}, ws.down));
     // The next layer's input norm adds o to x; after the last layer x is completed here (Logits
     // reads some of its rows).
     if (layer + 1 == num_layers) STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));

@@ -34,6 +34,17 @@ namespace sparse {
 class DevicePolicy;  // engine/sparse/device_policy.h
 }  // namespace sparse
 
+// What the Transformer stores its projection matrices as: q/k/v/o and gate/up/down of every
+// layer and the LM head (the embedding table and the norms stay as the checkpoint has them).
+enum class WeightFormat : int {
+  kCheckpoint = 0,  // as loaded (f32|bf16|f16)
+  // fp8 e4m3 with one f32 scale per row, quantised at load (kernels::QuantizeRowsToFP8E4M3):
+  // half the bytes of bf16 for every decode step to read. Every MatMul then rounds its
+  // activations to f16 and scales each output (kernels::MatMulParams); logits move by about the
+  // weights' rounding (e4m3 keeps 4 significant bits: bench/RESULTS.md measures the drift).
+  kFP8 = 1,
+};
+
 struct TransformerOptions {
   // Query tokens per prefill chunk. Larger chunks amortise weight reads (faster prefill) but
   // need scratch memory proportional to chunk * (hidden + intermediate). Default: 512.
@@ -67,7 +78,12 @@ struct TransformerOptions {
   // arithmetic from prefill to decode.
   kernels::MatMulPrecision matmul_precision = kernels::MatMulPrecision::kSplit;
 
-  // InvalidArgument when prefill_chunk_size < 1 or matmul_precision is not one of the enum's.
+  // The form the projection matrices are kept in (see WeightFormat). With kFP8,
+  // matmul_precision does not apply to them.
+  WeightFormat weight_format = WeightFormat::kCheckpoint;
+
+  // InvalidArgument when prefill_chunk_size < 1 or matmul_precision or weight_format is not one
+  // of its enum's.
   absl::Status Validate() const;
 };
 
@@ -76,6 +92,10 @@ struct TransformerOptions {
 // InvalidArgument for any other name.
 absl::StatusOr<kernels::MatMulPrecision> ParseMatMulPrecision(absl::string_view name);
 const char* MatMulPrecisionName(kernels::MatMulPrecision p);
+
+// Flag spellings of WeightFormat: "checkpoint" and "fp8". InvalidArgument for any other name.
+absl::StatusOr<WeightFormat> ParseWeightFormat(absl::string_view name);
+const char* WeightFormatName(WeightFormat f);
 
 // One partial attention result over a set of keys (host memory, f32): o [n, num_q_heads,
 // head_dim] and lse [n, num_q_heads] with -inf where nothing was attended (the form of
@@ -251,8 +271,12 @@ class Transformer {
               kernels::Backend* backend);
   absl::Status Init(const model::ModelWeights& weights);
   absl::Status Upload(const kernels::TensorView& host, kernels::TensorView* out);
-  // backend_->MatMul on the default stream with options_.matmul_precision.
-  absl::Status MatMul(kernels::MatMulParams p);
+  // backend_->MatMul on the default stream with options_.matmul_precision and the weight's
+  // row scales (`weight_scale`: data null unless the weight is fp8).
+  absl::Status MatMul(kernels::MatMulParams p, const kernels::TensorView& weight_scale);
+  // With WeightFormat::kFP8, replaces the host matrix *w by its fp8 rows (host memory owned by
+  // host_quantized_) and sets *scale to their scales; otherwise leaves *w and clears *scale.
+  absl::Status QuantizeForUpload(kernels::TensorView* w, kernels::TensorView* scale);
   // Uploads `parts` (same rank, dtype and trailing dimension) one after another into one buffer:
   // *fused views it all ([sum of dim 0(, cols)]) and *outs[i] part i. Returns false (nothing
   // uploaded) when the parts cannot be fused: host memory, a null part, or differing dtype/shape.
@@ -344,8 +368,19 @@ class Transformer {
   // (CPU backend, or differing dtypes / biases).
   struct FusedWeights {
     kernels::TensorView qkv, qkv_bias, gate_up;
+    kernels::TensorView qkv_scale, gate_up_scale;  // fp8 row scales of the fused matrices
   };
   std::vector<FusedWeights> fused_;
+  // WeightFormat::kFP8: per layer the row scales of each projection ([rows] f32, backend
+  // memory; data null otherwise), and the LM head's.
+  struct LayerScales {
+    kernels::TensorView q, k, v, o, gate, up, down;
+  };
+  std::vector<LayerScales> scales_;
+  kernels::TensorView lm_head_scale_;
+  // Host fp8 rows and scales made by QuantizeForUpload: kept while a host-memory backend reads
+  // them in place, dropped after each upload otherwise.
+  std::vector<std::vector<uint8_t>> host_quantized_;
   std::vector<float> q_host_;  // query copy for the policy when backend memory is not host memory
   std::vector<int32_t> positions_host_;
   Selection selection_;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iostream>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -564,6 +565,106 @@ TEST(TransformerMatMulPrecisionTest, ParseAndValidate) {
   auto backend = kernels::MakeCpuBackend(1);
   EXPECT_THAT(Transformer::Create(m->config, m->weights, backend.get(), bad),
               StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// `w` ([rows, cols] f32 values) quantised row-wise to fp8 and dequantised (code * scale): the
+// weights a WeightFormat::kFP8 Transformer multiplies.
+std::vector<float> Fp8Dequantised(const std::vector<float>& w, int64_t cols) {
+  const int64_t rows = static_cast<int64_t>(w.size()) / cols;
+  std::vector<uint8_t> q(w.size());
+  std::vector<float> scale(rows), out(w.size());
+  kernels::QuantizeRowsToFP8E4M3(w.data(), DType::kF32, rows, cols, q.data(), scale.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      out[r * cols + c] = kernels::FP8E4M3ToF32(q[r * cols + c]) * scale[r];
+    }
+  }
+  return out;
+}
+
+// WeightFormat::kFP8 quantises every projection and the LM head (tied or not; the embedding stays)
+// at load: prefill in chunks of 512 and 7 and token-by-token decode follow the reference whose
+// projections are the dequantised fp8 rows and whose linear inputs are rounded to f16; those
+// logits differ from the checkpoint's by far more than that, and stay close to them.
+TEST(TransformerWeightFormatTest, Fp8FollowsTheQuantisedReference) {
+  for (const Case c : {Case{DType::kBF16, false, false}, Case{DType::kF32, true, true}}) {
+    SCOPED_TRACE(::testing::Message() << kernels::DTypeName(c.dtype) << " bias " << c.bias
+                                      << " tied " << c.tied);
+    RefModel ref;
+    auto m = MakeModel(c.dtype, c.bias, c.tied, &ref);
+    const model::ModelConfig& cfg = m->config;
+    const int64_t h = cfg.hidden_size, f = cfg.intermediate_size,
+                  qd = cfg.num_heads * cfg.head_dim, V = cfg.vocab_size;
+    std::vector<std::unique_ptr<std::vector<float>>> held;
+    auto quant = [&](const std::vector<float>* w, int64_t cols) {
+      held.push_back(std::make_unique<std::vector<float>>(Fp8Dequantised(*w, cols)));
+      return held.back().get();
+    };
+    RefModel q8 = ref;
+    for (RefLayer& L : q8.layers) {
+      L.q = quant(L.q, h);
+      L.k = quant(L.k, h);
+      L.v = quant(L.v, h);
+      L.o = quant(L.o, qd);
+      L.gate = quant(L.gate, h);
+      L.up = quant(L.up, h);
+      L.down = quant(L.down, f);
+    }
+    q8.lm_head = quant(ref.lm_head, h);
+    auto backend = kernels::MakeCpuBackend(2);
+    const int n = 37;
+    const std::vector<int32_t> ids = RandomIds(n, V, kSeed + 12);
+    const std::vector<double> want = ReferenceLogits(cfg, q8, ids, DType::kF16);
+    const std::vector<double> checkpoint = ReferenceLogits(cfg, ref, ids);
+    TransformerOptions opt;
+    opt.weight_format = WeightFormat::kFP8;
+    double worst = 0;
+    for (int64_t chunk : {512, 7}) {
+      opt.prefill_chunk_size = chunk;
+      STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(cfg, m->weights, backend.get(), opt));
+      STRATA_ASSERT_OK_AND_ASSIGN(auto cache,
+                                  KvCache::Create(tf->MakeCacheOptions(64, 16), backend.get()));
+      auto policy = MakeDensePolicy();
+      std::vector<float> out(n * V, NAN);
+      STRATA_ASSERT_OK(tf->Forward(ids.data(), n, 0, cache.get(), policy.get(), out.data(), true));
+      worst = std::max(worst, MaxAbsDiff(out.data(), want.data(), n * V));
+    }
+    {
+      STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(cfg, m->weights, backend.get(), opt));
+      STRATA_ASSERT_OK_AND_ASSIGN(auto cache,
+                                  KvCache::Create(tf->MakeCacheOptions(64, 16), backend.get()));
+      auto policy = MakeDensePolicy();
+      std::vector<float> step(V);
+      for (int t = 0; t < n; ++t) {
+        STRATA_ASSERT_OK(tf->Forward(&ids[t], 1, t, cache.get(), policy.get(), step.data(), false));
+        worst = std::max(worst, MaxAbsDiff(step.data(), want.data() + t * V, V));
+      }
+    }
+    std::vector<float> want_f(want.begin(), want.end());
+    const double apart = MaxAbsDiff(want_f.data(), checkpoint.data(), n * V);
+    double range = 0;
+    for (double v : checkpoint) range = std::max(range, std::fabs(v));
+    std::cout << "fp8 " << kernels::DTypeName(c.dtype) << ": vs quantised reference " << worst
+              << ", quantised vs checkpoint reference " << apart << ", largest |logit| " << range
+              << "\n";
+    // As with f16 activations in RoundActivationsReachesTheBackend, an activation within its f32
+    // error of an f16 rounding tie may round the other way in the double reference.
+    EXPECT_LE(worst, apart / 100);
+    EXPECT_LE(apart, 0.1 * range);
+  }
+}
+
+TEST(TransformerWeightFormatTest, ParseAndValidate) {
+  STRATA_ASSERT_OK_AND_ASSIGN(auto f, ParseWeightFormat("fp8"));
+  EXPECT_EQ(f, WeightFormat::kFP8);
+  EXPECT_STREQ(WeightFormatName(f), "fp8");
+  STRATA_ASSERT_OK_AND_ASSIGN(f, ParseWeightFormat("checkpoint"));
+  EXPECT_EQ(f, WeightFormat::kCheckpoint);
+  EXPECT_STREQ(WeightFormatName(f), "checkpoint");
+  EXPECT_THAT(ParseWeightFormat("bf16").status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  TransformerOptions bad;
+  bad.weight_format = static_cast<WeightFormat>(7);
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(TransformerErrorsTest, RejectsBadInput) {

@@ -75,13 +75,21 @@ enum class MatMulPrecision : int {
 // out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]); weight is stored as Hugging Face stores
 // nn.Linear weights. Accumulation in f32. The bias is added in f32 after the product (never
 // rounded by `precision`).
+//
+// fp8_e4m3 weights (quantised rows, kernels::QuantizeRowsToFP8E4M3) carry one f32 scale per row:
+//   out[n, o] = weight_scale[o] * sum_i f16(in[n, i]) * f32(weight[o, i]) (+ bias[o])
+// where f16() rounds each activation to f16 (nearest even; beyond +-65504 it overflows to +-inf):
+// the products are exact in f32, so backends agree to accumulation order; the scale multiplies
+// the f32 sum, then the bias is added. `precision` does not apply to them.
 struct MatMulParams {
   TensorView in;      // [num_tokens, in_features] f32
-  TensorView weight;  // [out_features, in_features] f32|bf16|f16
+  TensorView weight;  // [out_features, in_features] f32|bf16|f16|fp8_e4m3
   TensorView bias;    // [out_features] f32|bf16|f16, or data == nullptr
   TensorView out;     // [num_tokens, out_features] f32
   // See MatMulPrecision; a value outside the enum is InvalidArgument.
   MatMulPrecision precision = MatMulPrecision::kSplit;
+  // [out_features] f32: required with fp8_e4m3 weights, data == nullptr with any other.
+  TensorView weight_scale;
 };
 
 // Rotary embedding in place, "rotate half" convention (pairs (i, i + head_dim/2)) as in Hugging

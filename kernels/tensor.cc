@@ -1,9 +1,11 @@
 #include "kernels/tensor.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 namespace strata::kernels {
 
@@ -207,6 +209,26 @@ float BF16ToF32(uint16_t v) { return Bf16ToF32Inline(v); }
 uint16_t F32ToBF16(float v) { return F32ToBf16Inline(v); }
 float FP8E4M3ToF32(uint8_t v) { return Fp8E4M3ToF32Inline(v); }
 uint8_t F32ToFP8E4M3(float v) { return F32ToFp8E4M3Inline(v); }
+
+void QuantizeRowsToFP8E4M3(const void* src, DType src_type, int64_t rows, int64_t cols,
+                           uint8_t* dst, float* scales) {
+  const int64_t elem = static_cast<int64_t>(DTypeSize(src_type));
+  // Rows are independent; threads take them in static chunks (the result does not depend on the
+  // thread count).
+#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t{1} << 20))
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> x(static_cast<size_t>(cols));
+    ConvertToF32(static_cast<const char*>(src) + r * cols * elem, src_type, x.data(), cols);
+    float amax = 0.0f;
+    for (float v : x) {
+      if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
+    }
+    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    scales[r] = scale;
+    uint8_t* out = dst + r * cols;
+    for (int64_t c = 0; c < cols; ++c) out[c] = F32ToFp8E4M3Inline(x[c] / scale);
+  }
+}
 
 void ConvertToF32(const void* src, DType src_type, float* dst, int64_t n) {
   switch (src_type) {

@@ -65,6 +65,14 @@ uint16_t F32ToBF16Directed(float v, bool up);
 // (ScoreSummariesParams).
 void MinMaxRowsToBF16(const float* rows, int64_t num_rows, int64_t head_dim, uint16_t* out);
 
+// Row-wise fp8 quantisation of a [rows, cols] matrix of `src_type` (f32|bf16|f16) at `src`, the
+// weight form MatMul takes for fp8_e4m3: scales[r] = (largest finite |x| of row r) / 448, or 1
+// when the row has no finite non-zero value, and dst[r, c] = F32ToFP8E4M3(x[r, c] / scales[r])
+// (so the largest element maps to +-448; infinities saturate to +-448, NaN stays NaN). Rows are
+// independent, so quantising the rows of a stacked matrix equals stacking quantised parts.
+void QuantizeRowsToFP8E4M3(const void* src, DType src_type, int64_t rows, int64_t cols,
+                           uint8_t* dst, float* scales);
+
 // Converts `n` elements of `src_type` at `src` to f32 at `dst`.
 void ConvertToF32(const void* src, DType src_type, float* dst, int64_t n);
 // Converts `n` f32 elements at `src` to `dst_type` at `dst`.

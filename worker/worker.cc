@@ -264,6 +264,9 @@ absl::Status WorkerOptions::Validate() const {
   if (device_selection != "auto" && device_selection != "on" && device_selection != "off") {
     return absl::InvalidArgumentError(absl::StrCat("device_selection: auto|on|off, got '", device_selection, "'"));
   }
+  if (!engine::ParseWeightFormat(weight_format).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("weight_format: checkpoint|fp8, got '", weight_format, "'"));
+  }
   if (!engine::ParseMatMulPrecision(matmul_precision).ok()) {
     return absl::InvalidArgumentError(absl::StrCat("matmul_precision: split|bf16, got '", matmul_precision, "'"));
   }
@@ -335,6 +338,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   engine::TransformerOptions topt;
   topt.prefill_chunk_size = w->options_.prefill_chunk_size;
   STRATA_ASSIGN_OR_RETURN(topt.matmul_precision, engine::ParseMatMulPrecision(options.matmul_precision));
+  STRATA_ASSIGN_OR_RETURN(topt.weight_format, engine::ParseWeightFormat(options.weight_format));
   topt.decode_graph = options.decode_graph == "on" || (options.decode_graph == "auto" && backend->Name() != "cpu");
   STRATA_ASSIGN_OR_RETURN(w->transformer_, engine::Transformer::Create(model->config, model->weights, backend, topt));
   if (backend->Name() != "cpu") w->host_backend_ = kernels::MakeCpuBackend(0);

@@ -211,6 +211,11 @@ struct WorkerOptions {
   // "split" (default: f32 activations, two GEMMs on the CUDA backend) or "bf16" (activations
   // rounded to the weight type, one GEMM; faster prefill, logits move by the rounding).
   std::string matmul_precision = "split";
+  // Form of the projection matrices (engine::TransformerOptions::weight_format): "checkpoint"
+  // (default: as loaded) or "fp8" (e4m3 rows with per-row scales, quantised at load: half the
+  // weight bytes per decode step; logits move by the weights' rounding). The KV a worker persists
+  // depends on it: like kv_page_dtype, keep it the same across the workers of a cluster.
+  std::string weight_format = "checkpoint";
   // Attention of document prefill (PrefillShard, the shard's own tokens): "dense" (default:
   // exact), "quest" or "tokenselect" (DESIGN.md section 3: each chunk selects, per layer and KV
   // head, at most prefill_budget_tokens middle tokens of the earlier context with the chunk's mean

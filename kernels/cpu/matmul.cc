@@ -6,6 +6,10 @@
 // are converted to f32 and multiplied with sgemm. Threads: OpenMP over blocks of output rows,
 // OpenBLAS single-threaded inside each.
 //
+// fp8_e4m3 weights: the activations are rounded to f16 (as kRoundActivations for f16 weights),
+// the rows converted to f32 like bf16 ones (every product exact in f32), and each output
+// multiplied by its row's weight_scale before the bias.
+//
 // MatMulPrecision::kRoundActivations with bf16/f16 weights: the activations are first rounded to
 // the weight's type (RoundActivations, into a copy), then the same paths run on the rounded
 // values; every product is then exact in f32 (8 + 8 or 11 + 11 significant bits), so only the
@@ -35,7 +39,20 @@ absl::Status CpuSupportsMatMul(const MatMulParams& p) {
   STRATA_RETURN_IF_ERROR(CheckRank(p.out, 2, kOp, "out"));
   STRATA_RETURN_IF_ERROR(CheckDType(p.in, DType::kF32, kOp, "in"));
   STRATA_RETURN_IF_ERROR(CheckDType(p.out, DType::kF32, kOp, "out"));
-  STRATA_RETURN_IF_ERROR(CheckWeightDType(p.weight, kOp, "weight"));
+  if (p.weight.dtype == DType::kFP8E4M3) {
+    if (p.weight_scale.data == nullptr && p.weight.dim(0) > 0) {
+      return absl::InvalidArgumentError("MatMul: fp8_e4m3 weights need weight_scale");
+    }
+    STRATA_RETURN_IF_ERROR(CheckRank(p.weight_scale, 1, kOp, "weight_scale"));
+    STRATA_RETURN_IF_ERROR(CheckDType(p.weight_scale, DType::kF32, kOp, "weight_scale"));
+    STRATA_RETURN_IF_ERROR(CheckDim(p.weight_scale, 0, p.weight.dim(0), kOp, "weight_scale"));
+  } else {
+    STRATA_RETURN_IF_ERROR(CheckWeightDType(p.weight, kOp, "weight"));
+    if (p.weight_scale.data != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "MatMul: weight_scale is for fp8_e4m3 weights, not ", DTypeName(p.weight.dtype)));
+    }
+  }
   STRATA_RETURN_IF_ERROR(CheckDim(p.weight, 1, p.in.dim(1), kOp, "weight"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.out, 0, p.in.dim(0), kOp, "out"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.out, 1, p.weight.dim(0), kOp, "out"));
@@ -125,6 +142,17 @@ void BlockedBlas(const MatMulParams& p) {
   }
 }
 
+// fp8 weights: out[:, o] *= weight_scale[o] (before the bias).
+void ApplyWeightScale(const MatMulParams& p) {
+  if (p.weight.dtype != DType::kFP8E4M3) return;
+  const int64_t n = p.out.dim(0), m = p.out.dim(1);
+  const float* scale = p.weight_scale.As<const float>();
+  float* out = p.out.As<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t o = 0; o < m; ++o) out[t * m + o] *= scale[o];
+  }
+}
+
 void AddBias(const MatMulParams& p) {
   if (p.bias.data == nullptr) return;
   const int64_t n = p.out.dim(0), m = p.out.dim(1);
@@ -141,7 +169,7 @@ void AddBias(const MatMulParams& p) {
 void RoundActivations(const float* in, DType weight_type, int64_t n, float* out) {
   if (weight_type == DType::kBF16) {
     for (int64_t i = 0; i < n; ++i) out[i] = BF16ToF32(F32ToBF16(in[i]));
-  } else if (weight_type == DType::kF16) {
+  } else if (weight_type == DType::kF16 || weight_type == DType::kFP8E4M3) {
     for (int64_t i = 0; i < n; ++i) out[i] = F16ToF32(F32ToF16(in[i]));
   } else if (out != in) {
     std::copy(in, in + n, out);
@@ -165,7 +193,8 @@ absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path) {
   }
   MatMulParams q = p;
   std::vector<float> rounded;
-  if (p.precision == MatMulPrecision::kRoundActivations && p.weight.dtype != DType::kF32) {
+  if ((p.precision == MatMulPrecision::kRoundActivations && p.weight.dtype != DType::kF32) ||
+      p.weight.dtype == DType::kFP8E4M3) {
     rounded.resize(static_cast<size_t>(n * k));
     RoundActivations(p.in.As<const float>(), p.weight.dtype, n * k, rounded.data());
     q.in = TensorView(rounded.data(), DType::kF32, {n, k});
@@ -175,6 +204,7 @@ absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path) {
   } else {
     BlockedBlas(q);
   }
+  ApplyWeightScale(q);
   AddBias(q);
   return absl::OkStatus();
 }

@@ -645,7 +645,7 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p, Stream s) {
   const int64_t n = p.in.dim(0), k = p.in.dim(1), m = p.weight.dim(0);
   const bool round = p.precision == MatMulPrecision::kRoundActivations;
   const int64_t scratch_bytes = cuda_internal::MatMulScratchBytes(
-      wt, n, k, round, p.weight.data, p.in.As<const float>());
+      wt, n, k, m, round, p.weight.data, p.in.As<const float>());
   void* scratch = nullptr;
   if (scratch_bytes > 0 && k > 0) {
     STRATA_ASSIGN_OR_RETURN(scratch, AllocScratch(scratch_bytes, stream));
@@ -653,7 +653,7 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p, Stream s) {
   STRATA_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas_, stream));
   const cuda_internal::GpuResult r = cuda_internal::LaunchMatMul(
       blas_, p.in.As<const float>(), p.weight.data, wt, p.bias.data, ToFloatType(p.bias.dtype),
-      p.out.As<float>(), n, k, m, scratch, stream, round);
+      p.out.As<float>(), n, k, m, scratch, stream, round, p.weight_scale.As<const float>());
   if (scratch != nullptr) STRATA_RETURN_IF_ERROR(FreeScratch(scratch, stream));
   if (r.cuda != cudaSuccess) {
     return cuda_internal::CudaErrorToStatus(r.cuda, "LaunchMatMul", r.file, r.line);

@@ -620,6 +620,104 @@ TEST_F(CudaBackendTest, MatMulRejectsUnknownPrecision) {
   EXPECT_THAT(gpu_->MatMul(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// fp8 e4m3 weights with row scales (QuantizeRowsToFP8E4M3) against the CPU: both round the
+// activations to f16, so every product is exact and only the f32 accumulation order differs.
+// 1..16 tokens with k % 16 == 0 take the tensor-core GEMV (two n8 tiles above 8 tokens; 4096:
+// 64 columns per step, 8 steps per warp; 14336: 28), the rest the f16 cuBLAS path over blocks of
+// at most 32 MiB of converted rows (8200 rows of 4096: three blocks).
+// (tokens, in_features, out_features, with bias)
+class CudaMatMulFp8Test
+    : public CudaBackendTest,
+      public ::testing::WithParamInterface<std::tuple<int64_t, int64_t, int64_t, bool>> {};
+
+TEST_P(CudaMatMulFp8Test, MatchesCpu) {
+  const auto [n, k, m, with_bias] = GetParam();
+  HostTensor in = Random(rng_, DType::kF32, {n, k}, -2, 2);
+  HostTensor wf = Random(rng_, DType::kF32, {m, k}, -0.3f, 0.3f);
+  HostTensor w;
+  w.dtype = DType::kFP8E4M3;
+  w.dims = {m, k};
+  w.bytes.resize(m * k + 16);
+  HostTensor scales = Filled({m}, kNaN);
+  QuantizeRowsToFP8E4M3(wf.bytes.data(), DType::kF32, m, k, w.bytes.data(), scales.f32());
+  HostTensor bias = Random(rng_, DType::kBF16, {m});
+  HostTensor want = Filled({n, m}, kNaN);
+  const TensorView no_bias;
+  MatMulParams cp{in.HostView(), w.HostView(), with_bias ? bias.HostView() : no_bias,
+                  want.HostView()};
+  cp.weight_scale = scales.HostView();
+  STRATA_ASSERT_OK(cpu_->MatMul(cp, nullptr));
+  auto d_in = Upload(in);
+  auto d_w = Upload(w);
+  auto d_s = Upload(scales);
+  auto d_b = Upload(bias);
+  auto d_out = Upload(Filled({n, m}, kNaN));
+  MatMulParams p{in.View(d_in->data()), w.View(d_w->data()),
+                 with_bias ? bias.View(d_b->data()) : no_bias, want.View(d_out->data())};
+  p.weight_scale = scales.View(d_s->data());
+  STRATA_ASSERT_OK(gpu_->Supports(p));
+  STRATA_ASSERT_OK(gpu_->MatMul(p, nullptr));
+  EXPECT_EQ(Download(*d_in, n * k), in.Values());  // the rounding goes to scratch or registers
+  const std::vector<float> iv = in.Values(), wv = w.Values(), bv = bias.Values(),
+                           sv = scales.Values();
+  std::vector<double> scale(n * m);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t o = 0; o < m; ++o) {
+      double a = 0.0;
+      for (int64_t i = 0; i < k; ++i) a += std::fabs(double(iv[t * k + i]) * wv[o * k + i]);
+      scale[t * m + o] = a * sv[o] + (with_bias ? std::fabs(bv[o]) : 0.0);
+    }
+  }
+  ExpectClose(Download(*d_out, n * m), want.Values(), 1e-6, 2e-5,
+              absl::StrCat("matmul fp8 n=", n, " k=", k, " m=", m, " bias=", with_bias), &scale);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, CudaMatMulFp8Test,
+    ::testing::Combine(::testing::Values(1, 3, 8, 9, 16, 17, 129),
+                       ::testing::Values(0, 16, 17, 256, 1008, 4096), ::testing::Values(1, 3, 129),
+                       ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(
+    LongRows, CudaMatMulFp8Test,
+    ::testing::Combine(::testing::Values(1, 5, 16), ::testing::Values(14336),
+                       ::testing::Values(17, 1000), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(
+    ManyRows, CudaMatMulFp8Test,
+    ::testing::Combine(::testing::Values(1, 17), ::testing::Values(4096), ::testing::Values(8200),
+                       ::testing::Values(false)));
+
+TEST_F(CudaBackendTest, MatMulFp8NeedsItsScale) {
+  HostTensor in = Random(rng_, DType::kF32, {2, 16});
+  HostTensor w8;
+  w8.dtype = DType::kFP8E4M3;
+  w8.dims = {4, 16};
+  w8.bytes.assign(64, 0x38);  // 1.0
+  HostTensor wb = Random(rng_, DType::kBF16, {4, 16});
+  HostTensor sc = Filled({4}, 1.0f), sc3 = Filled({3}, 1.0f);
+  auto d_in = Upload(in);
+  auto d_w8 = Upload(w8);
+  auto d_wb = Upload(wb);
+  auto d_s = Upload(sc);
+  auto d_out = Upload(Filled({2, 4}, kNaN));
+  const TensorView out = Filled({2, 4}, 0).View(d_out->data());
+  MatMulParams p{in.View(d_in->data()), w8.View(d_w8->data()), TensorView(), out};
+  EXPECT_THAT(gpu_->MatMul(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.weight_scale = sc3.View(d_s->data());
+  EXPECT_THAT(gpu_->MatMul(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.weight_scale = sc.View(d_s->data());
+  STRATA_EXPECT_OK(gpu_->MatMul(p, nullptr));
+  // 1.0 weights, unit scales: each output is the sum of the token's f16-rounded activations.
+  const std::vector<float> iv = in.Values(), got = Download(*d_out, 8);
+  for (int t = 0; t < 2; ++t) {
+    double sum = 0;
+    for (int i = 0; i < 16; ++i) sum += F16ToF32(F32ToF16(iv[t * 16 + i]));
+    for (int o = 0; o < 4; ++o) EXPECT_NEAR(got[t * 4 + o], sum, 1e-5) << t << " " << o;
+  }
+  MatMulParams pb{in.View(d_in->data()), wb.View(d_wb->data()), TensorView(), out};
+  pb.weight_scale = sc.View(d_s->data());  // a scale with bf16 weights
+  EXPECT_THAT(gpu_->MatMul(pb, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 // ---- Rope ------------------------------------------------------------------------------------
 
 class CudaRopeTest : public CudaBackendTest,

@@ -1,15 +1,15 @@
 // What one-token GEMVs over the Llama-3.1-8B shapes cost with bf16 weights and with fp8 e4m3
 // weights (a per-row f32 scale), on the GPU it runs on: a feasibility measurement for fp8 weights
 // (a micro-benchmark on the CUDA runtime and the backend's device helpers; the production GEMVs
-// are in matmul.cu).
-// Both use the same kernel shape as matmul.cu's GemvRowsKernel: one warp per weight row, rows
-// handed out in turn over a grid of every resident warp, 8 16-byte loads in flight per lane read
-// past L1, f32 activations, a warp shuffle sum. A 16-byte chunk holds 8 bf16 or 16 fp8 weights.
+// are in matmul.cu). Two kernel shapes:
+// - rows: matmul.cu's GemvRowsKernel: one warp per weight row, rows handed out in turn over a
+//   grid of every resident warp, 8 16-byte loads in flight per lane read past L1, f32
+//   activations, a warp shuffle sum. A 16-byte chunk holds 8 bf16 or 16 fp8 weights.
+// - mma: the products on tensor cores, 16 rows per block of 8 warps (GemvMma below).
 // Each shape rotates over enough copies of its weight that no rep finds it in L2; the figure is
 // the median over reps of one GEMV (CUDA events), and GB/s counts the weight bytes. A check
-// compares both kernels with a host dot product on a few rows.
-// The fp8 kernel runs twice: with 8 and with 16 loads in flight per lane (an fp8 row of 4096
-// weights is 8 chunks per lane: one round of 8 loads, then nothing in flight while it computes).
+// compares every variant with a host dot product of the activations it multiplies (f32, or
+// rounded to bf16 / f16) on a few rows; outputs are poisoned before each variant.
 // Usage: cuda_gemv_weight_bench [reps=50]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -89,6 +89,138 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The same GEMV on tensor cores (the form of matmul.cu's GemvMmaKernel with one n8 tile of which
+// one column is the token): a block of 8 warps takes 16 weight rows, its warps contiguous slices
+// of their 64-column (FP8) or 32-column (bf16) steps. Per step lane (g, t) (g = lane / 4, t =
+// lane % 4) loads 16 bytes of rows g and g + 8 at the step's chunk t and the mma's k order is a
+// permutation of those columns, so every load is a plain 16-byte chunk; lanes g == 0 load the
+// activations there (column 0 of B), the others give zeros. FP8: each 16-bit pair of e4m3
+// weights becomes an f16 pair in one cvt, the activations are rounded to f16, m16n8k16 f16 mmas
+// accumulate in f32 and the row's scale multiplies the sum. bf16: the activations split into hi +
+// lo bf16 (two mmas, as the production kSplit GEMV) or, ROUND, rounded to bf16 (one). The warps'
+// sums are added in warp order in shared memory.
+__device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(pair16)));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t F16Pair(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t Bf16Pair(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+constexpr int kMmaWarps = 8;
+
+// LoadWeightChunk as a volatile asm: kept in program order with the (volatile) mmas, so a step's
+// loads are all issued before its first mma instead of being sunk next to their uses.
+__device__ __forceinline__ uint4 LoadChunkInOrder(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+template <bool FP8, bool ROUND, int kUnroll>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    GemvMma(const float* __restrict__ x, const uint4* __restrict__ w,
+            const float* __restrict__ scale, float* __restrict__ out, int64_t k, int64_t m) {
+  __shared__ float part[kMmaWarps][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const int64_t chunks = k / (FP8 ? 16 : 8);
+  const bool va = row0 + g < m, vb = row0 + g + 8 < m, xl = g == 0;
+  const uint4* wa = w + (va ? row0 + g : 0) * chunks;
+  const uint4* wb = w + (vb ? row0 + g + 8 : 0) * chunks;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const int64_t steps = (chunks + 3) / 4;
+  const int64_t per = (steps + kMmaWarps - 1) / kMmaWarps;
+  const int64_t s0 = warp * per;
+  const int64_t s1 = s0 + per < steps ? s0 + per : steps;
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t b = s0; b < s1; b += kUnroll) {
+    uint4 ra[kUnroll], rb[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t ch = (b + u) * 4 + t;
+      const bool in_k = b + u < s1 && ch < chunks;
+      ra[u] = va && in_k ? LoadChunkInOrder(wa + ch) : make_uint4(0, 0, 0, 0);
+      rb[u] = vb && in_k ? LoadChunkInOrder(wb + ch) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t ch = (b + u) * 4 + t;
+      const bool ld = xl && b + u < s1 && ch < chunks;
+      const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
+      const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
+      if constexpr (FP8) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // columns 16 ch + 4 i + {0..3}
+          const float4 xv = ld ? __ldg(x4 + ch * 4 + i) : make_float4(0, 0, 0, 0);
+          const uint32_t a[4] = {E4m3PairToF16x2(wa4[i] & 0xffff),
+                                 E4m3PairToF16x2(wb4[i] & 0xffff), E4m3PairToF16x2(wa4[i] >> 16),
+                                 E4m3PairToF16x2(wb4[i] >> 16)};
+          MmaF16(c, a, F16Pair(xv.x, xv.y), F16Pair(xv.z, xv.w));
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // columns 8 ch + 4 h + {0..3}
+          const float4 xv = ld ? __ldg(x4 + ch * 2 + h) : make_float4(0, 0, 0, 0);
+          const uint32_t a[4] = {wa4[2 * h], wb4[2 * h], wa4[2 * h + 1], wb4[2 * h + 1]};
+          const __nv_bfloat162 h01 = __floats2bfloat162_rn(xv.x, xv.y),
+                               h23 = __floats2bfloat162_rn(xv.z, xv.w);
+          MmaBf16(c, a, *reinterpret_cast<const uint32_t*>(&h01),
+                  *reinterpret_cast<const uint32_t*>(&h23));
+          if constexpr (!ROUND) {
+            const float2 f01 = __bfloat1622float2(h01), f23 = __bfloat1622float2(h23);
+            MmaBf16(c, a, Bf16Pair(xv.x - f01.x, xv.y - f01.y), Bf16Pair(xv.z - f23.x, xv.w - f23.y));
+          }
+        }
+      }
+    }
+  }
+  // c[0]: row g, token 0 (lanes t == 0); c[2]: row g + 8.
+  if (t == 0) {
+    part[warp][g] = c[0];
+    part[warp][g + 8] = c[2];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int64_t o = row0 + threadIdx.x;
+    if (o < m) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kMmaWarps; ++v) sum += part[v][threadIdx.x];
+      out[o] = FP8 ? sum * scale[o] : sum;
+    }
+  }
+}
+
 template <bool FP8, int kUnroll>
 unsigned Blocks(int64_t m) {
   int per_sm = 0, sms = 0, device = 0;
@@ -118,6 +250,27 @@ struct Shape {
   int64_t m, k;
 };
 
+struct Variant {
+  const char* name;
+  bool fp8;
+  int act;  // the activations the check multiplies: 0 f32, 1 rounded to bf16, 2 rounded to f16
+  void (*launch)(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
+                 int64_t m, cudaStream_t stream);
+};
+
+template <bool FP8, int kUnroll>
+void LaunchRows(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
+                int64_t m, cudaStream_t stream) {
+  GemvRows<FP8, kUnroll><<<Blocks<FP8, kUnroll>(m), kThreads, 0, stream>>>(x, w, scale, out, k, m);
+}
+
+template <bool FP8, bool ROUND, int kUnroll>
+void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
+               int64_t m, cudaStream_t stream) {
+  GemvMma<FP8, ROUND, kUnroll>
+      <<<static_cast<unsigned>((m + 15) / 16), kMmaWarps * 32, 0, stream>>>(x, w, scale, out, k, m);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -129,6 +282,15 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{"q|k|v", 6144, 4096},     {"o", 4096, 4096},
                           {"gate|up", 28672, 4096},  {"down", 4096, 14336},
                           {"lm_head", 128256, 4096}};
+  const Variant variants[] = {
+      {"bf16 rows", false, 0, LaunchRows<false, 8>},
+      {"bf16 mma split", false, 0, LaunchMma<false, false, 4>},
+      {"bf16 mma round", false, 1, LaunchMma<false, true, 4>},
+      {"fp8 rows", true, 0, LaunchRows<true, 8>},
+      {"fp8 mma", true, 2, LaunchMma<true, false, 4>},
+      {"fp8 mma 8-deep", true, 2, LaunchMma<true, false, 8>},
+  };
+  constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   std::mt19937 rng(11);
   cudaStream_t stream;
   CUDA_BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -136,13 +298,14 @@ int main(int argc, char** argv) {
   CUDA_BENCH_CHECK(cudaEventCreate(&e0));
   CUDA_BENCH_CHECK(cudaEventCreate(&e1));
   int bad = 0;
-  double layer_us[3] = {0, 0, 0}, head_us[3] = {0, 0, 0};
-  std::printf("%-8s %8s %6s | %10s %8s | %10s %8s | %16s %8s | %s\n", "weight", "rows", "cols",
-              "bf16 us", "GB/s", "fp8 us", "GB/s", "fp8 16-deep us", "GB/s", "fp8/bf16");
+  double layer_us[kVariants] = {}, head_us[kVariants] = {};
+  std::printf("median us of one cold GEMV (GB/s of weights)\n%-8s %6s %6s", "weight", "rows",
+              "cols");
+  for (const Variant& v : variants) std::printf(" | %16s", v.name);
+  std::printf("\n");
   for (const Shape& sh : shapes) {
-    double us[3] = {0, 0, 0};
-    for (int variant = 0; variant < 3; ++variant) {
-      const int fp8 = variant > 0 ? 1 : 0;
+    double us[kVariants] = {};
+    for (int fp8 = 0; fp8 < 2; ++fp8) {
       const int64_t bytes = sh.m * sh.k * (fp8 ? 1 : 2);
       // Copies enough that a rotation through them exceeds 4 x a 60 MiB L2.
       const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{240} << 20) / bytes + 1));
@@ -169,48 +332,46 @@ int main(int argc, char** argv) {
       CUDA_BENCH_CHECK(cudaMalloc(&dout, sh.m * 4));
       CUDA_BENCH_CHECK(cudaMemcpy(dx, x.data(), sh.k * 4, cudaMemcpyHostToDevice));
       CUDA_BENCH_CHECK(cudaMemcpy(ds, scale.data(), sh.m * 4, cudaMemcpyHostToDevice));
-      const unsigned blocks = variant == 2   ? Blocks<true, 16>(sh.m)
-                              : variant == 1 ? Blocks<true, 8>(sh.m)
-                                             : Blocks<false, 8>(sh.m);
-      auto launch = [&](int c) {
-        const uint4* wc = static_cast<const uint4*>(w[c]);
-        if (variant == 2) {
-          GemvRows<true, 16><<<blocks, kThreads, 0, stream>>>(dx, wc, ds, dout, sh.k, sh.m);
-        } else if (variant == 1) {
-          GemvRows<true, 8><<<blocks, kThreads, 0, stream>>>(dx, wc, ds, dout, sh.k, sh.m);
-        } else {
-          GemvRows<false, 8><<<blocks, kThreads, 0, stream>>>(dx, wc, ds, dout, sh.k, sh.m);
+      for (int vi = 0; vi < kVariants; ++vi) {
+        const Variant& var = variants[vi];
+        if (var.fp8 != (fp8 == 1)) continue;
+        CUDA_BENCH_CHECK(cudaMemset(dout, 0xff, sh.m * 4));  // poisoned: NaN
+        std::vector<double> t;
+        for (int r = 0; r < reps + 5; ++r) {
+          CUDA_BENCH_CHECK(cudaEventRecord(e0, stream));
+          var.launch(dx, static_cast<const uint4*>(w[r % copies]), ds, dout, sh.k, sh.m, stream);
+          CUDA_BENCH_CHECK(cudaEventRecord(e1, stream));
+          CUDA_BENCH_CHECK(cudaEventSynchronize(e1));
+          float ms = 0;
+          CUDA_BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+          if (r >= 5) t.push_back(ms * 1000.0);
         }
-      };
-      std::vector<double> t;
-      for (int r = 0; r < reps + 5; ++r) {
-        CUDA_BENCH_CHECK(cudaEventRecord(e0, stream));
-        launch(r % copies);
-        CUDA_BENCH_CHECK(cudaEventRecord(e1, stream));
-        CUDA_BENCH_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CUDA_BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 5) t.push_back(ms * 1000.0);
-      }
-      std::sort(t.begin(), t.end());
-      us[variant] = t[t.size() / 2];
-      // Check a few rows against a host dot product (f64).
-      std::vector<float> got(sh.m);
-      CUDA_BENCH_CHECK(cudaMemcpy(got.data(), dout, sh.m * 4, cudaMemcpyDeviceToHost));
-      for (int64_t o : {int64_t{0}, sh.m / 2, sh.m - 1}) {
-        double want = 0, mag = 0;
-        for (int64_t i = 0; i < sh.k; ++i) {
-          const float wv = fp8 ? Fp8ToFloat(host[o * sh.k + i])
-                               : Bf16ToFloat(static_cast<uint16_t>(host[2 * (o * sh.k + i)] |
-                                                                   host[2 * (o * sh.k + i) + 1] << 8));
-          want += static_cast<double>(wv) * x[i];
-          mag += std::fabs(static_cast<double>(wv) * x[i]);
-        }
-        if (fp8) want *= scale[o], mag *= scale[o];
-        if (std::fabs(got[o] - want) > 1e-5 * mag + 1e-6) {
-          ++bad;
-          std::printf("check %s %s row %lld: %g vs %g\n", sh.name, fp8 ? "fp8" : "bf16",
-                      static_cast<long long>(o), got[o], want);
+        CUDA_BENCH_CHECK(cudaGetLastError());
+        std::sort(t.begin(), t.end());
+        us[vi] = t[t.size() / 2];
+        // Check a few rows against a host dot product (f64) of the activations the kernel
+        // multiplies.
+        std::vector<float> got(sh.m);
+        CUDA_BENCH_CHECK(cudaMemcpy(got.data(), dout, sh.m * 4, cudaMemcpyDeviceToHost));
+        for (int64_t o : {int64_t{0}, int64_t{17}, sh.m / 2, sh.m - 1}) {
+          double want = 0, mag = 0;
+          for (int64_t i = 0; i < sh.k; ++i) {
+            const float wv =
+                fp8 ? Fp8ToFloat(host[o * sh.k + i])
+                    : Bf16ToFloat(static_cast<uint16_t>(host[2 * (o * sh.k + i)] |
+                                                        host[2 * (o * sh.k + i) + 1] << 8));
+            const float xv = var.act == 1   ? __bfloat162float(__float2bfloat16_rn(x[i]))
+                             : var.act == 2 ? __half2float(__float2half_rn(x[i]))
+                                            : x[i];
+            want += static_cast<double>(wv) * xv;
+            mag += std::fabs(static_cast<double>(wv) * xv);
+          }
+          if (fp8) want *= scale[o], mag *= scale[o];
+          if (!(std::fabs(got[o] - want) <= 1e-5 * mag + 1e-6)) {
+            ++bad;
+            std::printf("check %s %s row %lld: %g vs %g\n", sh.name, var.name,
+                        static_cast<long long>(o), got[o], want);
+          }
         }
       }
       for (void* p : w) CUDA_BENCH_CHECK(cudaFree(p));
@@ -218,23 +379,23 @@ int main(int argc, char** argv) {
       CUDA_BENCH_CHECK(cudaFree(ds));
       CUDA_BENCH_CHECK(cudaFree(dout));
     }
-    const double gb16 = sh.m * sh.k * 2 / (us[0] * 1e3), gb8 = sh.m * sh.k / (us[1] * 1e3),
-                 gb8d = sh.m * sh.k / (us[2] * 1e3);
-    std::printf("%-8s %8lld %6lld | %10.2f %8.0f | %10.2f %8.0f | %16.2f %8.0f | %.3f\n", sh.name,
-                static_cast<long long>(sh.m), static_cast<long long>(sh.k), us[0], gb16, us[1],
-                gb8, us[2], gb8d, std::min(us[1], us[2]) / us[0]);
-    for (int f = 0; f < 3; ++f) {
+    std::printf("%-8s %6lld %6lld", sh.name, static_cast<long long>(sh.m),
+                static_cast<long long>(sh.k));
+    for (int vi = 0; vi < kVariants; ++vi) {
+      const double gbs = sh.m * sh.k * (variants[vi].fp8 ? 1 : 2) / (us[vi] * 1e3);
+      std::printf(" | %9.2f (%4.0f)", us[vi], gbs);
       if (std::strcmp(sh.name, "lm_head") == 0) {
-        head_us[f] = us[f];
+        head_us[vi] = us[vi];
       } else {
-        layer_us[f] += us[f];
+        layer_us[vi] += us[vi];
       }
     }
+    std::printf("\n");
   }
-  std::printf("32 layers + lm_head: bf16 %.0f us, fp8 %.0f us, fp8 16-deep %.0f us (cold weights, "
-              "one GEMV at a time)\n",
-              32 * layer_us[0] + head_us[0], 32 * layer_us[1] + head_us[1],
-              32 * layer_us[2] + head_us[2]);
+  std::printf("32 layers + lm_head, one GEMV at a time, cold weights:\n");
+  for (int vi = 0; vi < kVariants; ++vi) {
+    std::printf("  %-16s %8.0f us\n", variants[vi].name, 32 * layer_us[vi] + head_us[vi]);
+  }
   std::printf("check: %d bad rows\n", bad);
   return bad == 0 ? 0 : 1;
 }

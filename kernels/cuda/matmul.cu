@@ -12,11 +12,15 @@
 // f32 accumulation and output) add up W·hi + W·lo, which keeps ~16 significant bits of each
 // activation instead of the 8 (bf16) or 11 (f16) of a single rounding.
 //
+// fp8 e4m3 weights (a scale per row, MatMulParams): 1..16 tokens by GemvFp8Kernel (tensor cores,
+// one byte per weight read), more tokens by f16 cuBLAS GEMMs over blocks of rows converted to f16.
+//
 // MatMulPrecision::kRoundActivations (round_activations): the GEMV rounds each activation to the
 // weight's type as it loads it (GemvKernel's ROUND instance); more tokens take RoundKernel (f32 ->
 // the weight's type, once per activation, into scratch) and ONE cuBLAS GEMM, the single bf16 GEMM
 // of inference engines (half the tensor-core work of the split and half its scratch).
 #include <cublas_v2.h>
+#include <cuda_fp8.h>
 
 #include <cstdlib>
 #include <string_view>
@@ -384,6 +388,132 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
 }
 
+// ---- fp8 e4m3 weights -----------------------------------------------------------------------
+
+// Two e4m3 codes (the low byte first) as an f16 pair (the low half first), exactly: one cvt.
+__device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(pair16)));
+  return r;
+}
+
+// 1..16 tokens (n <= 8 * TILES) with fp8 weights in 16-byte rows (k % 16 == 0, aligned; f32
+// activations aligned): GemvMmaKernel's layout with 16 e4m3 weights per 16-byte chunk. A block
+// takes 16 weight rows, its warps contiguous slices of their 64-column steps; per step lane (g, t)
+// loads 16 bytes of rows g and g + 8 at chunk 4 * step + t, and each 16-bit pair of codes becomes
+// an f16 pair in one cvt (e4m3 is exact in f16). Word i of the chunk (columns 16 ch + 4 i +
+// {0..3}) feeds one m16n8k16 f16 mma: A's fragment positions {2t, 2t+1} hold its columns {0, 1}
+// and {2t+8, 2t+9} its columns {2, 3} (a permutation of k, matched by B), B's column g is token
+// g (+ 8 for the second tile), its activations rounded to f16 (MatMulParams). f32 accumulation;
+// the warps' sums are added in warp order in shared memory, then scaled by the row's scale and
+// the bias added. Read at one byte per weight, the GEMV moves half the bytes of bf16 weights and
+// runs on tensor cores: the scalar form (a dot per lane) was instruction-bound and slower than
+// bf16 (bench/RESULTS.md, sessions 20-21).
+template <int TILES>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    GemvFp8Kernel(const float* __restrict__ in, const uint8_t* __restrict__ w,
+                  const float* __restrict__ scale, const void* bias, FloatType bias_type,
+                  float* __restrict__ out, int n, int64_t k, int64_t m) {
+  constexpr int kUnroll = 4;
+  __shared__ float part[kMmaWarps][16][8 * TILES];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const bool va = row0 + g < m, vb = row0 + g + 8 < m;
+  const uint4* wa = reinterpret_cast<const uint4*>(w + (va ? row0 + g : 0) * k);
+  const uint4* wb = reinterpret_cast<const uint4*>(w + (vb ? row0 + g + 8 : 0) * k);
+  bool vx[TILES];
+  const float4* x4[TILES];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    vx[i] = g + 8 * i < n;
+    x4[i] = reinterpret_cast<const float4*>(in + (vx[i] ? g + 8 * i : 0) * k);
+  }
+  const int64_t chunks = k / 16;
+  const int64_t steps = (chunks + 3) / 4;
+  const int64_t per = (steps + kMmaWarps - 1) / kMmaWarps;
+  const int64_t s0 = warp * per;
+  const int64_t s1 = s0 + per < steps ? s0 + per : steps;
+  float c[TILES][4];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+  for (int64_t b = s0; b < s1; b += kUnroll) {
+    uint4 ra[kUnroll], rb[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t ch = (b + u) * 4 + t;
+      const bool in_k = b + u < s1 && ch < chunks;
+      ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
+      rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t ch = (b + u) * 4 + t;
+      const bool in_k = b + u < s1 && ch < chunks;
+      const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
+      const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t a[4] = {E4m3PairToF16x2(wa4[i] & 0xffffu), E4m3PairToF16x2(wb4[i] & 0xffffu),
+                               E4m3PairToF16x2(wa4[i] >> 16), E4m3PairToF16x2(wb4[i] >> 16)};
+#pragma unroll
+        for (int j = 0; j < TILES; ++j) {
+          const float4 x =
+              vx[j] && in_k ? __ldg(x4[j] + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          Mma16816<__half>(c[j], a, PackPair<__half>(x.x, x.y), PackPair<__half>(x.z, x.w));
+        }
+      }
+    }
+  }
+  // c[j]: rows g (c[j][0], c[j][1]) and g + 8 (c[j][2], c[j][3]), tokens 8j + 2t and 8j + 2t + 1.
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    part[warp][g][8 * j + 2 * t] = c[j][0];
+    part[warp][g][8 * j + 2 * t + 1] = c[j][1];
+    part[warp][g + 8][8 * j + 2 * t] = c[j][2];
+    part[warp][g + 8][8 * j + 2 * t + 1] = c[j][3];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16 * 8 * TILES) {
+    const int r = threadIdx.x / (8 * TILES), j = threadIdx.x % (8 * TILES);
+    const int64_t o = row0 + r;
+    if (j < n && o < m) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kMmaWarps; ++v) sum += part[v][r][j];
+      out[static_cast<int64_t>(j) * m + o] =
+          sum * scale[o] + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
+    }
+  }
+}
+
+// out[i] = w[i] as f16 (exact) for i in [0, n): rows of fp8 weights for a cuBLAS GEMM.
+__global__ void Fp8ToF16Kernel(const uint8_t* __restrict__ w, __half* __restrict__ out,
+                               int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(w[i]), __NV_E4M3);
+    out[i] = __half(h);
+  }
+}
+
+// out[t, o] = out[t, o] * scale[o] (+ bias[o]): the fp8 GEMM's epilogue.
+__global__ void ScaleBiasKernel(float* out, const float* __restrict__ scale, const void* bias,
+                                FloatType bias_type, int64_t n, int64_t m) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n * m;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t o = i % m;
+    out[i] = out[i] * scale[o] + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
+  }
+}
+
+// Rows of fp8 weights converted to f16 per cuBLAS GEMM: at most 32 MiB of f16 scratch.
+int64_t Fp8GemmBlockRows(int64_t k, int64_t m) {
+  int64_t rows = (int64_t{32} << 20) / (2 * (k > 0 ? k : 1));
+  if (rows < 16) rows = 16;
+  return rows < m ? rows : m;
+}
+
 // Environment integer `name` (read once by the caller's static), `fallback` when unset or bad.
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
@@ -598,14 +728,28 @@ bool TakesGemvMma(FloatType weight_type, int64_t num_tokens, int64_t in_features
                   const void* weight, const float* in) {
   const bool vec = in_features % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(in) % 16 == 0;
-  return weight_type != FloatType::kF32 && vec && num_tokens >= 2 &&
-         num_tokens <= kMmaMaxTokens && GemvMmaEnabled();
+  return (weight_type == FloatType::kBF16 || weight_type == FloatType::kF16) && vec &&
+         num_tokens >= 2 && num_tokens <= kMmaMaxTokens && GemvMmaEnabled();
+}
+
+// Whether LaunchMatMul takes GemvFp8Kernel (fp8 weights, 1..16 tokens, 16-byte rows of weights
+// and 16-byte aligned activations); other fp8 operands take the f16 cuBLAS path.
+bool TakesGemvFp8(FloatType weight_type, int64_t num_tokens, int64_t in_features,
+                  const void* weight, const float* in) {
+  return weight_type == FloatType::kFP8E4M3 && num_tokens >= 1 && num_tokens <= kMmaMaxTokens &&
+         in_features % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(in) % 16 == 0;
 }
 
 }  // namespace
 
 int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features,
-                           bool round_activations, const void* weight, const float* in) {
+                           int64_t out_features, bool round_activations, const void* weight,
+                           const float* in) {
+  if (weight_type == FloatType::kFP8E4M3) {
+    if (TakesGemvFp8(weight_type, num_tokens, in_features, weight, in)) return 0;
+    return (num_tokens + Fp8GemmBlockRows(in_features, out_features)) * in_features * 2;
+  }
   if (weight_type == FloatType::kF32 || num_tokens <= kGemvMaxTokens) return 0;
   if (TakesGemvMma(weight_type, num_tokens, in_features, weight, in)) return 0;
   return (round_activations ? 1 : 2) * num_tokens * in_features * 2;
@@ -614,7 +758,8 @@ int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in
 GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
                        FloatType weight_type, const void* bias, FloatType bias_type, float* out,
                        int64_t num_tokens, int64_t in_features, int64_t out_features,
-                       void* scratch, cudaStream_t stream, bool round_activations) {
+                       void* scratch, cudaStream_t stream, bool round_activations,
+                       const float* weight_scale) {
   const int64_t n = num_tokens, k = in_features, m = out_features;
   if (n == 0 || m == 0) return GpuResult();
   if (n > 0x7fffffff || k > 0x7fffffff || m > 0x7fffffff) {
@@ -630,6 +775,46 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
   }
   const bool vec = k % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(in) % 16 == 0;
+  if (weight_type == FloatType::kFP8E4M3) {
+    const auto* w8 = static_cast<const uint8_t*>(weight);
+    if (TakesGemvFp8(weight_type, n, k, weight, in)) {
+      const unsigned blocks = static_cast<unsigned>((m + 15) / 16);
+      auto* kernel = n > 8 ? GemvFp8Kernel<2> : GemvFp8Kernel<1>;
+      kernel<<<blocks, kMmaWarps * 32, 0, stream>>>(in, w8, weight_scale, bias, bias_type, out,
+                                                    static_cast<int>(n), k, m);
+      STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+      return GpuResult();
+    }
+    // More tokens (or unaligned rows): the activations rounded to f16 once, then blocks of rows
+    // converted to f16 (exact) and one f16 GEMM each (f32 accumulation), then scale and bias.
+    const int64_t elems = n * k;
+    auto* x16 = static_cast<__half*>(scratch);
+    __half* w16 = x16 + elems;
+    const bool vec4 = elems % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0;
+    if (vec4) {
+      RoundKernel<__half, true><<<GridFor(elems / 4, 256), 256, 0, stream>>>(in, x16, elems);
+    } else {
+      RoundKernel<__half, false><<<GridFor(elems, 256), 256, 0, stream>>>(in, x16, elems);
+    }
+    STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+    const int64_t block = Fp8GemmBlockRows(k, m);
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t r0 = 0; r0 < m; r0 += block) {
+      const int64_t rows = m - r0 < block ? m - r0 : block;
+      Fp8ToF16Kernel<<<GridFor(rows * k, 256), 256, 0, stream>>>(w8 + r0 * k, w16, rows * k);
+      STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+      STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows),
+                                          static_cast<int>(n), static_cast<int>(k), &one, w16,
+                                          CUDA_R_16F, static_cast<int>(k), x16, CUDA_R_16F,
+                                          static_cast<int>(k), &zero, out + r0, CUDA_R_32F,
+                                          static_cast<int>(m), CUBLAS_COMPUTE_32F,
+                                          CUBLAS_GEMM_DEFAULT));
+    }
+    ScaleBiasKernel<<<GridFor(n * m, 256), 256, 0, stream>>>(out, weight_scale, bias, bias_type,
+                                                             n, m);
+    STRATA_GPU_RESULT_CUDA(cudaGetLastError());
+    return GpuResult();
+  }
   if (TakesGemvMma(weight_type, n, k, weight, in)) {
     const unsigned blocks = static_cast<unsigned>((m + 15) / 16);
     const int nn = static_cast<int>(n);

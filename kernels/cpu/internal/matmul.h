@@ -23,9 +23,9 @@ inline constexpr int64_t kRowDotMaxTokens = 4;
 // MatMulPrecision).
 absl::Status MatMulWithPath(const MatMulParams& p, MatMulPath path);
 
-// out[i] = in[i] rounded to weight_type (bf16|f16, round to nearest even) and back to f32, for i
-// in [0, n): the activations MatMulPrecision::kRoundActivations multiplies. f32: a copy. `out`
-// may alias `in`.
+// out[i] = in[i] rounded to weight_type (bf16|f16, round to nearest even; f16 for fp8_e4m3) and
+// back to f32, for i in [0, n): the activations MatMulPrecision::kRoundActivations (and every
+// fp8-weight MatMul) multiplies. f32: a copy. `out` may alias `in`.
 void RoundActivations(const float* in, DType weight_type, int64_t n, float* out);
 
 }  // namespace strata::kernels::cpu_internal

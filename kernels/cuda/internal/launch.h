@@ -49,10 +49,11 @@ struct GpuResult {
 inline constexpr int64_t kGemvMaxTokens = 8;
 
 // Bytes of device scratch LaunchMatMul needs for these operands (0 when it needs none: f32
-// weights, the GEMV kernels, and the tensor-core GEMV of 2..16 tokens, which reads the f32
-// activations itself).
+// weights, the GEMV kernels, and the tensor-core GEMVs of 2..16 tokens (1..16 for fp8 weights),
+// which read the f32 activations themselves).
 int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in_features,
-                           bool round_activations, const void* weight, const float* in);
+                           int64_t out_features, bool round_activations, const void* weight,
+                           const float* in);
 
 // out[n, o] = sum_i in[n, i] * weight[o, i] (+ bias[o]), f32 accumulation (in_features 0:
 // out = bias or 0).
@@ -65,11 +66,17 @@ int64_t MatMulScratchBytes(FloatType weight_type, int64_t num_tokens, int64_t in
 //    activation is rounded to the weight's type first (RNE), in the GEMV's loads or, for more
 //    tokens, by one rounding pass into `scratch` followed by ONE cublasGemmEx (f32 accumulation
 //    and output). f32 weights ignore it.
+//  - fp8 e4m3 weights with `weight_scale` [out_features] (MatMulParams): out = weight_scale[o] *
+//    sum_i f16(in) * w (+ bias). 1..16 tokens with 16-byte rows: GemvFp8Kernel (tensor cores,
+//    the weights read once at one byte each); otherwise the activations are rounded to f16 into
+//    `scratch`, blocks of weight rows converted to f16 (exact) there and multiplied by one f16
+//    cublasGemmEx each (f32 accumulation), then scaled. round_activations does not apply.
 // `scratch` holds MatMulScratchBytes() bytes. `blas` must be bound to `stream` by the caller.
 GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
                        FloatType weight_type, const void* bias, FloatType bias_type, float* out,
                        int64_t num_tokens, int64_t in_features, int64_t out_features,
-                       void* scratch, cudaStream_t stream, bool round_activations = false);
+                       void* scratch, cudaStream_t stream, bool round_activations = false,
+                       const float* weight_scale = nullptr);
 
 // ---- rope.cu -------------------------------------------------------------------------------
 cudaError_t LaunchRope(float* x, const int32_t* positions, const float* inv_freq,
