@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -133,91 +134,104 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-constexpr int kMmaWarps = 8;
-
-// LoadWeightChunk as a volatile asm: kept in program order with the (volatile) mmas, so a step's
-// loads are all issued before its first mma instead of being sunk next to their uses.
-__device__ __forceinline__ uint4 LoadChunkInOrder(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
+// Asks L2 for `bytes` (a multiple of 16) from `p` (16-byte aligned) with one bulk prefetch: no
+// registers held, nothing waited for.
+__device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
-template <bool FP8, bool ROUND, int kUnroll>
-__global__ void __launch_bounds__(kMmaWarps * 32)
+// PF: each row group's 16 rows are asked of L2 by one bulk prefetch per row when the block takes
+// the group (PERSIST: also the block's next group), so the group's bytes are in flight at once;
+// without it the compiler issues a warp's weight loads one step (2 x 16 bytes per lane) ahead of
+// their use (seen in the SASS), which leaves a small grid latency-bound.
+template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false>
+__global__ void __launch_bounds__(WARPS * 32)
     GemvMma(const float* __restrict__ x, const uint4* __restrict__ w,
             const float* __restrict__ scale, float* __restrict__ out, int64_t k, int64_t m) {
-  __shared__ float part[kMmaWarps][16];
+  __shared__ float part[WARPS][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16;
   const int64_t chunks = k / (FP8 ? 16 : 8);
-  const bool va = row0 + g < m, vb = row0 + g + 8 < m, xl = g == 0;
-  const uint4* wa = w + (va ? row0 + g : 0) * chunks;
-  const uint4* wb = w + (vb ? row0 + g + 8 : 0) * chunks;
-  const float4* x4 = reinterpret_cast<const float4*>(x);
   const int64_t steps = (chunks + 3) / 4;
-  const int64_t per = (steps + kMmaWarps - 1) / kMmaWarps;
+  const int64_t per = (steps + WARPS - 1) / WARPS;
   const int64_t s0 = warp * per;
   const int64_t s1 = s0 + per < steps ? s0 + per : steps;
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int64_t b = s0; b < s1; b += kUnroll) {
-    uint4 ra[kUnroll], rb[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t ch = (b + u) * 4 + t;
-      const bool in_k = b + u < s1 && ch < chunks;
-      ra[u] = va && in_k ? LoadChunkInOrder(wa + ch) : make_uint4(0, 0, 0, 0);
-      rb[u] = vb && in_k ? LoadChunkInOrder(wb + ch) : make_uint4(0, 0, 0, 0);
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const bool xl = g == 0;
+  const int64_t groups = (m + 15) / 16;
+  // PERSIST: the grid fills the GPU once and each block takes row groups in turn.
+  auto prefetch_group = [&](int64_t grp) {
+    const int64_t r = grp * 16 + threadIdx.x;
+    if (PF && threadIdx.x < 16 && grp < groups && r < m) {
+      PrefetchL2(w + r * chunks, static_cast<uint32_t>(chunks * 16));
     }
+  };
+  if (PF) prefetch_group(blockIdx.x);
+  for (int64_t grp = blockIdx.x; grp < groups; grp += PERSIST ? gridDim.x : groups) {
+    if (PF && PERSIST) prefetch_group(grp + gridDim.x);
+    const int64_t row0 = grp * 16;
+    const bool va = row0 + g < m, vb = row0 + g + 8 < m;
+    const uint4* wa = w + (va ? row0 + g : 0) * chunks;
+    const uint4* wb = w + (vb ? row0 + g + 8 : 0) * chunks;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b = s0; b < s1; b += kUnroll) {
+      uint4 ra[kUnroll], rb[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t ch = (b + u) * 4 + t;
-      const bool ld = xl && b + u < s1 && ch < chunks;
-      const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
-      const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
-      if constexpr (FP8) {
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool in_k = b + u < s1 && ch < chunks;
+        ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
+        rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // columns 16 ch + 4 i + {0..3}
-          const float4 xv = ld ? __ldg(x4 + ch * 4 + i) : make_float4(0, 0, 0, 0);
-          const uint32_t a[4] = {E4m3PairToF16x2(wa4[i] & 0xffff),
-                                 E4m3PairToF16x2(wb4[i] & 0xffff), E4m3PairToF16x2(wa4[i] >> 16),
-                                 E4m3PairToF16x2(wb4[i] >> 16)};
-          MmaF16(c, a, F16Pair(xv.x, xv.y), F16Pair(xv.z, xv.w));
-        }
-      } else {
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool ld = xl && b + u < s1 && ch < chunks;
+        const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
+        const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
+        if constexpr (FP8) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // columns 8 ch + 4 h + {0..3}
-          const float4 xv = ld ? __ldg(x4 + ch * 2 + h) : make_float4(0, 0, 0, 0);
-          const uint32_t a[4] = {wa4[2 * h], wb4[2 * h], wa4[2 * h + 1], wb4[2 * h + 1]};
-          const __nv_bfloat162 h01 = __floats2bfloat162_rn(xv.x, xv.y),
-                               h23 = __floats2bfloat162_rn(xv.z, xv.w);
-          MmaBf16(c, a, *reinterpret_cast<const uint32_t*>(&h01),
-                  *reinterpret_cast<const uint32_t*>(&h23));
-          if constexpr (!ROUND) {
-            const float2 f01 = __bfloat1622float2(h01), f23 = __bfloat1622float2(h23);
-            MmaBf16(c, a, Bf16Pair(xv.x - f01.x, xv.y - f01.y), Bf16Pair(xv.z - f23.x, xv.w - f23.y));
+          for (int i = 0; i < 4; ++i) {  // columns 16 ch + 4 i + {0..3}
+            const float4 xv = ld ? __ldg(x4 + ch * 4 + i) : make_float4(0, 0, 0, 0);
+            const uint32_t a[4] = {E4m3PairToF16x2(wa4[i] & 0xffff),
+                                   E4m3PairToF16x2(wb4[i] & 0xffff),
+                                   E4m3PairToF16x2(wa4[i] >> 16), E4m3PairToF16x2(wb4[i] >> 16)};
+            MmaF16(c, a, F16Pair(xv.x, xv.y), F16Pair(xv.z, xv.w));
+          }
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // columns 8 ch + 4 h + {0..3}
+            const float4 xv = ld ? __ldg(x4 + ch * 2 + h) : make_float4(0, 0, 0, 0);
+            const uint32_t a[4] = {wa4[2 * h], wb4[2 * h], wa4[2 * h + 1], wb4[2 * h + 1]};
+            const __nv_bfloat162 h01 = __floats2bfloat162_rn(xv.x, xv.y),
+                                 h23 = __floats2bfloat162_rn(xv.z, xv.w);
+            MmaBf16(c, a, *reinterpret_cast<const uint32_t*>(&h01),
+                    *reinterpret_cast<const uint32_t*>(&h23));
+            if constexpr (!ROUND) {
+              const float2 f01 = __bfloat1622float2(h01), f23 = __bfloat1622float2(h23);
+              MmaBf16(c, a, Bf16Pair(xv.x - f01.x, xv.y - f01.y),
+                      Bf16Pair(xv.z - f23.x, xv.w - f23.y));
+            }
           }
         }
       }
     }
-  }
-  // c[0]: row g, token 0 (lanes t == 0); c[2]: row g + 8.
-  if (t == 0) {
-    part[warp][g] = c[0];
-    part[warp][g + 8] = c[2];
-  }
-  __syncthreads();
-  if (threadIdx.x < 16) {
-    const int64_t o = row0 + threadIdx.x;
-    if (o < m) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int v = 0; v < kMmaWarps; ++v) sum += part[v][threadIdx.x];
-      out[o] = FP8 ? sum * scale[o] : sum;
+    // c[0]: row g, token 0 (lanes t == 0); c[2]: row g + 8.
+    if (t == 0) {
+      part[warp][g] = c[0];
+      part[warp][g + 8] = c[2];
     }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      const int64_t o = row0 + threadIdx.x;
+      if (o < m) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int v = 0; v < WARPS; ++v) sum += part[v][threadIdx.x];
+        out[o] = FP8 ? sum * scale[o] : sum;
+      }
+    }
+    if (PERSIST) __syncthreads();  // part is reused by the next group
   }
 }
 
@@ -264,11 +278,23 @@ void LaunchRows(const float* x, const uint4* w, const float* scale, float* out, 
   GemvRows<FP8, kUnroll><<<Blocks<FP8, kUnroll>(m), kThreads, 0, stream>>>(x, w, scale, out, k, m);
 }
 
-template <bool FP8, bool ROUND, int kUnroll>
+template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false>
 void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
                int64_t m, cudaStream_t stream) {
-  GemvMma<FP8, ROUND, kUnroll>
-      <<<static_cast<unsigned>((m + 15) / 16), kMmaWarps * 32, 0, stream>>>(x, w, scale, out, k, m);
+  auto* kernel = GemvMma<FP8, ROUND, kUnroll, WARPS, PERSIST, PF>;
+  int64_t blocks = (m + 15) / 16;
+  if (PERSIST) {
+    static const int64_t full = [&] {
+      int per_sm = 0, sms = 0, device = 0;
+      CUDA_BENCH_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, WARPS * 32, 0));
+      CUDA_BENCH_CHECK(cudaGetDevice(&device));
+      CUDA_BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      return static_cast<int64_t>(sms) * per_sm;
+    }();
+    blocks = std::min(blocks, full);
+  }
+  kernel<<<static_cast<unsigned>(blocks), WARPS * 32, 0, stream>>>(x, w, scale, out, k, m);
 }
 
 }  // namespace
@@ -282,13 +308,17 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{"q|k|v", 6144, 4096},     {"o", 4096, 4096},
                           {"gate|up", 28672, 4096},  {"down", 4096, 14336},
                           {"lm_head", 128256, 4096}};
+  constexpr int kShapes = 5, kLayerShapes = 4;  // the last one is the LM head
   const Variant variants[] = {
       {"bf16 rows", false, 0, LaunchRows<false, 8>},
-      {"bf16 mma split", false, 0, LaunchMma<false, false, 4>},
       {"bf16 mma round", false, 1, LaunchMma<false, true, 4>},
       {"fp8 rows", true, 0, LaunchRows<true, 8>},
       {"fp8 mma", true, 2, LaunchMma<true, false, 4>},
-      {"fp8 mma 8-deep", true, 2, LaunchMma<true, false, 8>},
+      {"fp8 mma pf", true, 2, LaunchMma<true, false, 4, 8, false, true>},
+      {"fp8 mma 16w pf", true, 2, LaunchMma<true, false, 4, 16, false, true>},
+      {"fp8 mma persist", true, 2, LaunchMma<true, false, 4, 8, true>},
+      {"fp8 mma persist pf", true, 2, LaunchMma<true, false, 4, 8, true, true>},
+      {"bf16 mma round pf", false, 1, LaunchMma<false, true, 4, 8, false, true>},
   };
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   std::mt19937 rng(11);
@@ -297,104 +327,132 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CUDA_BENCH_CHECK(cudaEventCreate(&e0));
   CUDA_BENCH_CHECK(cudaEventCreate(&e1));
-  int bad = 0;
-  double layer_us[kVariants] = {}, head_us[kVariants] = {};
-  std::printf("median us of one cold GEMV (GB/s of weights)\n%-8s %6s %6s", "weight", "rows",
-              "cols");
-  for (const Variant& v : variants) std::printf(" | %16s", v.name);
-  std::printf("\n");
-  for (const Shape& sh : shapes) {
-    double us[kVariants] = {};
+
+  // Every shape's weights in both types, each in enough copies that a rotation through them
+  // exceeds 4 x a 60 MiB L2; one activation vector and its scales.
+  struct Weight {
+    std::vector<uint8_t> host;
+    std::vector<void*> copies;
+    float* scale = nullptr;
+    std::vector<float> host_scale;
+  };
+  Weight weights[kShapes][2];
+  int64_t max_k = 0, max_m = 0;
+  for (int si = 0; si < kShapes; ++si) {
+    const Shape& sh = shapes[si];
+    max_k = std::max(max_k, sh.k);
+    max_m = std::max(max_m, sh.m);
     for (int fp8 = 0; fp8 < 2; ++fp8) {
+      Weight& wt = weights[si][fp8];
       const int64_t bytes = sh.m * sh.k * (fp8 ? 1 : 2);
-      // Copies enough that a rotation through them exceeds 4 x a 60 MiB L2.
       const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{240} << 20) / bytes + 1));
-      std::vector<uint8_t> host(bytes);
+      wt.host.resize(bytes);
       std::uniform_int_distribution<int> byte(0, 255);
       for (int64_t i = 0; i < bytes; ++i) {
         int b = byte(rng);
         if (fp8 && ((b & 0x7f) == 0x7f)) b &= 0xfe;  // no NaN codes
         if (!fp8 && (i % 2 == 1)) b = (b & 0x80) | (0x38 + (b & 7));  // bf16 in about [-2, 2]
-        host[i] = static_cast<uint8_t>(b);
+        wt.host[i] = static_cast<uint8_t>(b);
       }
-      std::vector<float> x(sh.k), scale(sh.m);
-      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-      for (float& v : x) v = u(rng);
-      for (float& v : scale) v = 0.01f + 0.01f * (u(rng) + 1.0f);
-      std::vector<void*> w(copies);
       for (int c = 0; c < copies; ++c) {
-        CUDA_BENCH_CHECK(cudaMalloc(&w[c], bytes));
-        CUDA_BENCH_CHECK(cudaMemcpy(w[c], host.data(), bytes, cudaMemcpyHostToDevice));
+        void* d = nullptr;
+        CUDA_BENCH_CHECK(cudaMalloc(&d, bytes));
+        CUDA_BENCH_CHECK(cudaMemcpy(d, wt.host.data(), bytes, cudaMemcpyHostToDevice));
+        wt.copies.push_back(d);
       }
-      float *dx = nullptr, *ds = nullptr, *dout = nullptr;
-      CUDA_BENCH_CHECK(cudaMalloc(&dx, sh.k * 4));
-      CUDA_BENCH_CHECK(cudaMalloc(&ds, sh.m * 4));
-      CUDA_BENCH_CHECK(cudaMalloc(&dout, sh.m * 4));
-      CUDA_BENCH_CHECK(cudaMemcpy(dx, x.data(), sh.k * 4, cudaMemcpyHostToDevice));
-      CUDA_BENCH_CHECK(cudaMemcpy(ds, scale.data(), sh.m * 4, cudaMemcpyHostToDevice));
-      for (int vi = 0; vi < kVariants; ++vi) {
-        const Variant& var = variants[vi];
-        if (var.fp8 != (fp8 == 1)) continue;
-        CUDA_BENCH_CHECK(cudaMemset(dout, 0xff, sh.m * 4));  // poisoned: NaN
-        std::vector<double> t;
-        for (int r = 0; r < reps + 5; ++r) {
-          CUDA_BENCH_CHECK(cudaEventRecord(e0, stream));
-          var.launch(dx, static_cast<const uint4*>(w[r % copies]), ds, dout, sh.k, sh.m, stream);
-          CUDA_BENCH_CHECK(cudaEventRecord(e1, stream));
-          CUDA_BENCH_CHECK(cudaEventSynchronize(e1));
-          float ms = 0;
-          CUDA_BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          if (r >= 5) t.push_back(ms * 1000.0);
-        }
-        CUDA_BENCH_CHECK(cudaGetLastError());
-        std::sort(t.begin(), t.end());
-        us[vi] = t[t.size() / 2];
-        // Check a few rows against a host dot product (f64) of the activations the kernel
-        // multiplies.
-        std::vector<float> got(sh.m);
-        CUDA_BENCH_CHECK(cudaMemcpy(got.data(), dout, sh.m * 4, cudaMemcpyDeviceToHost));
-        for (int64_t o : {int64_t{0}, int64_t{17}, sh.m / 2, sh.m - 1}) {
-          double want = 0, mag = 0;
-          for (int64_t i = 0; i < sh.k; ++i) {
-            const float wv =
-                fp8 ? Fp8ToFloat(host[o * sh.k + i])
-                    : Bf16ToFloat(static_cast<uint16_t>(host[2 * (o * sh.k + i)] |
-                                                        host[2 * (o * sh.k + i) + 1] << 8));
-            const float xv = var.act == 1   ? __bfloat162float(__float2bfloat16_rn(x[i]))
-                             : var.act == 2 ? __half2float(__float2half_rn(x[i]))
-                                            : x[i];
-            want += static_cast<double>(wv) * xv;
-            mag += std::fabs(static_cast<double>(wv) * xv);
-          }
-          if (fp8) want *= scale[o], mag *= scale[o];
-          if (!(std::fabs(got[o] - want) <= 1e-5 * mag + 1e-6)) {
-            ++bad;
-            std::printf("check %s %s row %lld: %g vs %g\n", sh.name, var.name,
-                        static_cast<long long>(o), got[o], want);
-          }
-        }
-      }
-      for (void* p : w) CUDA_BENCH_CHECK(cudaFree(p));
-      CUDA_BENCH_CHECK(cudaFree(dx));
-      CUDA_BENCH_CHECK(cudaFree(ds));
-      CUDA_BENCH_CHECK(cudaFree(dout));
+      std::uniform_real_distribution<float> u(0.01f, 0.03f);
+      wt.host_scale.resize(sh.m);
+      for (float& v : wt.host_scale) v = u(rng);
+      CUDA_BENCH_CHECK(cudaMalloc(&wt.scale, sh.m * 4));
+      CUDA_BENCH_CHECK(
+          cudaMemcpy(wt.scale, wt.host_scale.data(), sh.m * 4, cudaMemcpyHostToDevice));
     }
-    std::printf("%-8s %6lld %6lld", sh.name, static_cast<long long>(sh.m),
-                static_cast<long long>(sh.k));
-    for (int vi = 0; vi < kVariants; ++vi) {
-      const double gbs = sh.m * sh.k * (variants[vi].fp8 ? 1 : 2) / (us[vi] * 1e3);
-      std::printf(" | %9.2f (%4.0f)", us[vi], gbs);
-      if (std::strcmp(sh.name, "lm_head") == 0) {
-        head_us[vi] = us[vi];
-      } else {
-        layer_us[vi] += us[vi];
-      }
-    }
-    std::printf("\n");
   }
-  std::printf("32 layers + lm_head, one GEMV at a time, cold weights:\n");
+  std::vector<float> x(max_k);
+  std::uniform_real_distribution<float> ux(-1.0f, 1.0f);
+  for (float& v : x) v = ux(rng);
+  float *dx = nullptr, *dout = nullptr;
+  CUDA_BENCH_CHECK(cudaMalloc(&dx, max_k * 4));
+  CUDA_BENCH_CHECK(cudaMalloc(&dout, max_m * 4));
+  CUDA_BENCH_CHECK(cudaMemcpy(dx, x.data(), max_k * 4, cudaMemcpyHostToDevice));
+
+  auto launch = [&](const Variant& var, int si, int copy) {
+    const Weight& wt = weights[si][var.fp8 ? 1 : 0];
+    var.launch(dx, static_cast<const uint4*>(wt.copies[copy % wt.copies.size()]), wt.scale, dout,
+               shapes[si].k, shapes[si].m, stream);
+  };
+  auto median_ms = [&](int n, const std::function<void(int)>& body) {
+    std::vector<double> t;
+    for (int r = 0; r < n + 3; ++r) {
+      CUDA_BENCH_CHECK(cudaEventRecord(e0, stream));
+      body(r);
+      CUDA_BENCH_CHECK(cudaEventRecord(e1, stream));
+      CUDA_BENCH_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CUDA_BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (r >= 3) t.push_back(ms);
+    }
+    CUDA_BENCH_CHECK(cudaGetLastError());
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+
+  int bad = 0;
+  double us[kVariants][kShapes] = {}, seq_us[kVariants] = {};
   for (int vi = 0; vi < kVariants; ++vi) {
-    std::printf("  %-16s %8.0f us\n", variants[vi].name, 32 * layer_us[vi] + head_us[vi]);
+    const Variant& var = variants[vi];
+    for (int si = 0; si < kShapes; ++si) {
+      const Shape& sh = shapes[si];
+      CUDA_BENCH_CHECK(cudaMemset(dout, 0xff, sh.m * 4));  // poisoned: NaN
+      us[vi][si] = 1000.0 * median_ms(reps, [&](int r) { launch(var, si, r); });
+      // Check a few rows against a host dot product (f64) of the activations the kernel
+      // multiplies.
+      const Weight& wt = weights[si][var.fp8 ? 1 : 0];
+      std::vector<float> got(sh.m);
+      CUDA_BENCH_CHECK(cudaMemcpy(got.data(), dout, sh.m * 4, cudaMemcpyDeviceToHost));
+      for (int64_t o : {int64_t{0}, int64_t{17}, sh.m / 2, sh.m - 1}) {
+        double want = 0, mag = 0;
+        for (int64_t i = 0; i < sh.k; ++i) {
+          const float wv = var.fp8 ? Fp8ToFloat(wt.host[o * sh.k + i])
+                                   : Bf16ToFloat(static_cast<uint16_t>(
+                                         wt.host[2 * (o * sh.k + i)] |
+                                         wt.host[2 * (o * sh.k + i) + 1] << 8));
+          const float xv = var.act == 1   ? __bfloat162float(__float2bfloat16_rn(x[i]))
+                           : var.act == 2 ? __half2float(__float2half_rn(x[i]))
+                                          : x[i];
+          want += static_cast<double>(wv) * xv;
+          mag += std::fabs(static_cast<double>(wv) * xv);
+        }
+        if (var.fp8) want *= wt.host_scale[o], mag *= wt.host_scale[o];
+        if (!(std::fabs(got[o] - want) <= 1e-5 * mag + 1e-6)) {
+          ++bad;
+          std::printf("check %s %s row %lld: %g vs %g\n", sh.name, var.name,
+                      static_cast<long long>(o), got[o], want);
+        }
+      }
+    }
+    // 32 layers' GEMVs back to back (each layer's weights another copy, so cold), as a decode
+    // step issues them; the median over reps of the whole sequence.
+    seq_us[vi] = 1000.0 * median_ms(std::max(3, reps / 10), [&](int r) {
+      for (int layer = 0; layer < 32; ++layer) {
+        for (int si = 0; si < kLayerShapes; ++si) launch(var, si, r * 32 + layer);
+      }
+    });
+  }
+  std::printf("median us of one cold GEMV (GB/s of weights)\n%-20s", "variant");
+  for (const Shape& sh : shapes) std::printf(" | %8s %14s", sh.name, "");
+  std::printf(" | 32 layers back to back + lm_head | one at a time\n");
+  for (int vi = 0; vi < kVariants; ++vi) {
+    std::printf("%-20s", variants[vi].name);
+    double one = 0;
+    for (int si = 0; si < kShapes; ++si) {
+      const Shape& sh = shapes[si];
+      const double gbs = sh.m * sh.k * (variants[vi].fp8 ? 1 : 2) / (us[vi][si] * 1e3);
+      std::printf(" | %9.2f us %5.0f", us[vi][si], gbs);
+      one += si == kShapes - 1 ? us[vi][si] : 32 * us[vi][si];
+    }
+    std::printf(" | %8.0f us (%.1f per layer) | %8.0f us\n", seq_us[vi] + us[vi][kShapes - 1],
+                seq_us[vi] / 32, one);
   }
   std::printf("check: %d bad rows\n", bad);
   return bad == 0 ? 0 : 1;

@@ -399,7 +399,7 @@ __device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
 
 // 1..16 tokens (n <= 8 * TILES) with fp8 weights in 16-byte rows (k % 16 == 0, aligned; f32
 // activations aligned): GemvMmaKernel's layout with 16 e4m3 weights per 16-byte chunk. A block
-// takes 16 weight rows, its warps contiguous slices of their 64-column steps; per step lane (g, t)
+// takes groups of 16 weight rows in turn, its warps contiguous slices of their 64-column steps; per step lane (g, t)
 // loads 16 bytes of rows g and g + 8 at chunk 4 * step + t, and each 16-bit pair of codes becomes
 // an f16 pair in one cvt (e4m3 is exact in f16). Word i of the chunk (columns 16 ch + 4 i +
 // {0..3}) feeds one m16n8k16 f16 mma: A's fragment positions {2t, 2t+1} hold its columns {0, 1}
@@ -418,10 +418,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   __shared__ float part[kMmaWarps][16][8 * TILES];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * 16;
-  const bool va = row0 + g < m, vb = row0 + g + 8 < m;
-  const uint4* wa = reinterpret_cast<const uint4*>(w + (va ? row0 + g : 0) * k);
-  const uint4* wb = reinterpret_cast<const uint4*>(w + (vb ? row0 + g + 8 : 0) * k);
   bool vx[TILES];
   const float4* x4[TILES];
 #pragma unroll
@@ -434,57 +430,98 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int64_t per = (steps + kMmaWarps - 1) / kMmaWarps;
   const int64_t s0 = warp * per;
   const int64_t s1 = s0 + per < steps ? s0 + per : steps;
-  float c[TILES][4];
+  const int64_t groups = (m + 15) / 16;
+  // The grid fills the GPU once (GemvFp8Blocks); each block takes groups of 16 rows in turn.
+  for (int64_t grp = blockIdx.x; grp < groups; grp += gridDim.x) {
+    const int64_t row0 = grp * 16;
+    const bool va = row0 + g < m, vb = row0 + g + 8 < m;
+    const uint4* wa = reinterpret_cast<const uint4*>(w + (va ? row0 + g : 0) * k);
+    const uint4* wb = reinterpret_cast<const uint4*>(w + (vb ? row0 + g + 8 : 0) * k);
+    float c[TILES][4];
 #pragma unroll
-  for (int i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
-  for (int64_t b = s0; b < s1; b += kUnroll) {
-    uint4 ra[kUnroll], rb[kUnroll];
+    for (int i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+    for (int64_t b = s0; b < s1; b += kUnroll) {
+      uint4 ra[kUnroll], rb[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t ch = (b + u) * 4 + t;
-      const bool in_k = b + u < s1 && ch < chunks;
-      ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
-      rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
-    }
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool in_k = b + u < s1 && ch < chunks;
+        ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
+        rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t ch = (b + u) * 4 + t;
-      const bool in_k = b + u < s1 && ch < chunks;
-      const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
-      const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool in_k = b + u < s1 && ch < chunks;
+        const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
+        const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t a[4] = {E4m3PairToF16x2(wa4[i] & 0xffffu), E4m3PairToF16x2(wb4[i] & 0xffffu),
-                               E4m3PairToF16x2(wa4[i] >> 16), E4m3PairToF16x2(wb4[i] >> 16)};
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t a[4] = {
+              E4m3PairToF16x2(wa4[i] & 0xffffu), E4m3PairToF16x2(wb4[i] & 0xffffu),
+              E4m3PairToF16x2(wa4[i] >> 16), E4m3PairToF16x2(wb4[i] >> 16)};
 #pragma unroll
-        for (int j = 0; j < TILES; ++j) {
-          const float4 x =
-              vx[j] && in_k ? __ldg(x4[j] + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          Mma16816<__half>(c[j], a, PackPair<__half>(x.x, x.y), PackPair<__half>(x.z, x.w));
+          for (int j = 0; j < TILES; ++j) {
+            const float4 x =
+                vx[j] && in_k ? __ldg(x4[j] + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            Mma16816<__half>(c[j], a, PackPair<__half>(x.x, x.y), PackPair<__half>(x.z, x.w));
+          }
         }
       }
     }
-  }
-  // c[j]: rows g (c[j][0], c[j][1]) and g + 8 (c[j][2], c[j][3]), tokens 8j + 2t and 8j + 2t + 1.
+    // c[j]: rows g (c[j][0], c[j][1]) and g + 8 (c[j][2], c[j][3]), tokens 8j + 2t and 8j + 2t + 1.
 #pragma unroll
-  for (int j = 0; j < TILES; ++j) {
-    part[warp][g][8 * j + 2 * t] = c[j][0];
-    part[warp][g][8 * j + 2 * t + 1] = c[j][1];
-    part[warp][g + 8][8 * j + 2 * t] = c[j][2];
-    part[warp][g + 8][8 * j + 2 * t + 1] = c[j][3];
-  }
-  __syncthreads();
-  if (threadIdx.x < 16 * 8 * TILES) {
-    const int r = threadIdx.x / (8 * TILES), j = threadIdx.x % (8 * TILES);
-    const int64_t o = row0 + r;
-    if (j < n && o < m) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int v = 0; v < kMmaWarps; ++v) sum += part[v][r][j];
-      out[static_cast<int64_t>(j) * m + o] =
-          sum * scale[o] + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
+    for (int j = 0; j < TILES; ++j) {
+      part[warp][g][8 * j + 2 * t] = c[j][0];
+      part[warp][g][8 * j + 2 * t + 1] = c[j][1];
+      part[warp][g + 8][8 * j + 2 * t] = c[j][2];
+      part[warp][g + 8][8 * j + 2 * t + 1] = c[j][3];
     }
+    __syncthreads();
+    if (threadIdx.x < 16 * 8 * TILES) {
+      const int r = threadIdx.x / (8 * TILES), j = threadIdx.x % (8 * TILES);
+      const int64_t o = row0 + r;
+      if (j < n && o < m) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int v = 0; v < kMmaWarps; ++v) sum += part[v][r][j];
+        out[static_cast<int64_t>(j) * m + o] =
+            sum * scale[o] + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
+      }
+    }
+    __syncthreads();  // part is written again for the next group
   }
+}
+
+// Environment integer `name` (read once by the caller's static), `fallback` when unset or bad.
+int64_t EnvInt(const char* name, int64_t fallback);
+
+// GemvFp8Kernel's grid: every block resident STRATA_GEMV_FP8_WAVES times (read once; default 1:
+// SMs x resident blocks, each block taking row groups in turn; 0: one block per row group),
+// fewer for few groups. Measured on the H200 (bench/RESULTS.md, session 21): 32 layers' GEMVs
+// back to back 86.5 -> 82.7 us per layer and the LM head 148 -> 134 us against a block per row
+// group.
+template <int TILES>
+unsigned GemvFp8Blocks(int64_t m) {
+  static const int64_t waves = EnvInt("STRATA_GEMV_FP8_WAVES", 1);
+  static const int per_sm = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, GemvFp8Kernel<TILES>, kMmaWarps * 32,
+                                                      0) != cudaSuccess) {
+      cudaGetLastError();
+      n = 1;
+    }
+    return n < 1 ? 1 : n;
+  }();
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    sms = 1;
+  }
+  const int64_t groups = (m + 15) / 16;
+  const int64_t full = static_cast<int64_t>(sms) * per_sm * waves;
+  return static_cast<unsigned>(groups < full || waves <= 0 ? groups : full);
 }
 
 // out[i] = w[i] as f16 (exact) for i in [0, n): rows of fp8 weights for a cuBLAS GEMM.
@@ -778,7 +815,7 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
   if (weight_type == FloatType::kFP8E4M3) {
     const auto* w8 = static_cast<const uint8_t*>(weight);
     if (TakesGemvFp8(weight_type, n, k, weight, in)) {
-      const unsigned blocks = static_cast<unsigned>((m + 15) / 16);
+      const unsigned blocks = n > 8 ? GemvFp8Blocks<2>(m) : GemvFp8Blocks<1>(m);
       auto* kernel = n > 8 ? GemvFp8Kernel<2> : GemvFp8Kernel<1>;
       kernel<<<blocks, kMmaWarps * 32, 0, stream>>>(in, w8, weight_scale, bias, bias_type, out,
                                                     static_cast<int>(n), k, m);
