@@ -282,12 +282,15 @@ TEST(TransformerExternalTest, PrefixThroughExternalAttentionMatchesTheWholeSeque
   EXPECT_GT(MaxAbsDiff(other.data(), want.data() + s * V, static_cast<int64_t>(n - s) * V), 1e-3);
 }
 
-TEST(TransformerBatchTest, BatchedDecodeStepMatchesOneSequenceAtATime) {
+// ForwardBatch's step of three sequences gives each the logits of its own one-token Forward.
+void CheckBatchedDecodeStep(WeightFormat format) {
   RefModel ref;
   auto m = MakeModel(DType::kF32, false, false, &ref);
   auto backend = kernels::MakeCpuBackend(1);
   const int64_t V = m->config.vocab_size;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), {}));
+  TransformerOptions opt;
+  opt.weight_format = format;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, backend.get(), opt));
   // Three sequences of different lengths; the third one's cache starts at position 5 with the
   // prefix through external attention.
   const std::vector<int> lengths = {9, 23, 17};
@@ -354,6 +357,15 @@ TEST(TransformerBatchTest, BatchedDecodeStepMatchesOneSequenceAtATime) {
   std::vector<Transformer::BatchItem> stale = {items[1]};
   EXPECT_THAT(tf->ForwardBatch(stale), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(caches[1]->length(0), lengths[1] + 1);
+}
+
+TEST(TransformerBatchTest, BatchedDecodeStepMatchesOneSequenceAtATime) {
+  CheckBatchedDecodeStep(WeightFormat::kCheckpoint);
+}
+
+// The same with fp8 projections (every MatMul of the batch takes the row scales).
+TEST(TransformerBatchTest, BatchedDecodeStepMatchesOneSequenceAtATimeFp8) {
+  CheckBatchedDecodeStep(WeightFormat::kFP8);
 }
 
 // BatchItem::sample: the sampled rows of a batched step get the tokens the CPU twin

@@ -1,15 +1,18 @@
 // What one-token GEMVs over the Llama-3.1-8B shapes cost with bf16 weights and with fp8 e4m3
-// weights (a per-row f32 scale), on the GPU it runs on: a feasibility measurement for fp8 weights
-// (a micro-benchmark on the CUDA runtime and the backend's device helpers; the production GEMVs
-// are in matmul.cu). Two kernel shapes:
+// weights (a per-row f32 scale), on the GPU it runs on: the measurements behind matmul.cu's
+// GemvFp8Kernel (a micro-benchmark on the CUDA runtime and the backend's device helpers; the
+// production GEMVs are in matmul.cu). Two kernel shapes:
 // - rows: matmul.cu's GemvRowsKernel: one warp per weight row, rows handed out in turn over a
 //   grid of every resident warp, 8 16-byte loads in flight per lane read past L1, f32
 //   activations, a warp shuffle sum. A 16-byte chunk holds 8 bf16 or 16 fp8 weights.
-// - mma: the products on tensor cores, 16 rows per block of 8 warps (GemvMma below).
-// Each shape rotates over enough copies of its weight that no rep finds it in L2; the figure is
-// the median over reps of one GEMV (CUDA events), and GB/s counts the weight bytes. A check
-// compares every variant with a host dot product of the activations it multiplies (f32, or
-// rounded to bf16 / f16) on a few rows; outputs are poisoned before each variant.
+// - mma: the products on tensor cores, 16 rows per block (GemvMma below), with variants by warps
+//   per block, a persistent grid (GemvFp8Kernel's form) and bulk L2 prefetch of each row group.
+// Every shape's weights in both types stay resident, each in enough copies that no rep finds it
+// in L2. Per variant and shape the figure is the median over reps of one GEMV (CUDA events), GB/s
+// counting the weight bytes; then the 32 layers' four GEMVs launched back to back (each layer
+// another copy), as a decode step issues them, plus the LM head. A check compares every variant
+// with a host dot product of the activations it multiplies (f32, or rounded to bf16 / f16) on a
+// few rows; outputs are poisoned before each variant.
 // Usage: cuda_gemv_weight_bench [reps=50]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
