@@ -294,6 +294,37 @@ __device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The tensor-core GEMVs' block epilogue: c[i] holds the warp's sums for rows g (c[i][0], c[i][1])
+// and g + 8 (c[i][2], c[i][3]), tokens 8i + 2t and 8i + 2t + 1; the warps' sums are added in warp
+// order through shared memory `part` (the result does not depend on timing), then
+// out[j, row0 + r] = sum (* scale[row], fp8 weights) + bias.
+template <int TILES>
+__device__ __forceinline__ void StoreMmaRows(float (&part)[kMmaWarps][16][8 * TILES],
+                                             const float (&c)[TILES][4], int warp, int g, int t,
+                                             int64_t row0, int n, int64_t m, const float* scale,
+                                             const void* bias, FloatType bias_type, float* out) {
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    part[warp][g][8 * i + 2 * t] = c[i][0];
+    part[warp][g][8 * i + 2 * t + 1] = c[i][1];
+    part[warp][g + 8][8 * i + 2 * t] = c[i][2];
+    part[warp][g + 8][8 * i + 2 * t + 1] = c[i][3];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16 * 8 * TILES) {
+    const int r = threadIdx.x / (8 * TILES), j = threadIdx.x % (8 * TILES);
+    const int64_t o = row0 + r;
+    if (j < n && o < m) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kMmaWarps; ++v) sum += part[v][r][j];
+      if (scale != nullptr) sum *= scale[o];
+      out[static_cast<int64_t>(j) * m + o] =
+          sum + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
+    }
+  }
+}
+
 // 2..16 tokens (n <= 8 * TILES), 16-byte rows (k % 8 == 0, aligned): the products on tensor
 // cores. A block takes 16 weight rows, its warps contiguous slices of their 32-column steps. Per
 // step, lane (g, t) (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 at columns
@@ -367,25 +398,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       }
     }
   }
-  // c[i]: rows g (c[i][0], c[i][1]) and g + 8 (c[i][2], c[i][3]), tokens 8i + 2t and 8i + 2t + 1.
-#pragma unroll
-  for (int i = 0; i < TILES; ++i) {
-    part[warp][g][8 * i + 2 * t] = c[i][0];
-    part[warp][g][8 * i + 2 * t + 1] = c[i][1];
-    part[warp][g + 8][8 * i + 2 * t] = c[i][2];
-    part[warp][g + 8][8 * i + 2 * t + 1] = c[i][3];
-  }
-  __syncthreads();
-  if (threadIdx.x < 16 * 8 * TILES) {
-    const int r = threadIdx.x / (8 * TILES), j = threadIdx.x % (8 * TILES);
-    const int64_t o = row0 + r;
-    if (j < n && o < m) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int v = 0; v < kMmaWarps; ++v) sum += part[v][r][j];
-      out[static_cast<int64_t>(j) * m + o] = sum + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
-    }
-  }
+  StoreMmaRows<TILES>(part, c, warp, g, t, row0, n, m, nullptr, bias, bias_type, out);
 }
 
 // ---- fp8 e4m3 weights -----------------------------------------------------------------------
@@ -469,26 +482,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         }
       }
     }
-    // c[j]: rows g (c[j][0], c[j][1]) and g + 8 (c[j][2], c[j][3]), tokens 8j + 2t and 8j + 2t + 1.
-#pragma unroll
-    for (int j = 0; j < TILES; ++j) {
-      part[warp][g][8 * j + 2 * t] = c[j][0];
-      part[warp][g][8 * j + 2 * t + 1] = c[j][1];
-      part[warp][g + 8][8 * j + 2 * t] = c[j][2];
-      part[warp][g + 8][8 * j + 2 * t + 1] = c[j][3];
-    }
-    __syncthreads();
-    if (threadIdx.x < 16 * 8 * TILES) {
-      const int r = threadIdx.x / (8 * TILES), j = threadIdx.x % (8 * TILES);
-      const int64_t o = row0 + r;
-      if (j < n && o < m) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int v = 0; v < kMmaWarps; ++v) sum += part[v][r][j];
-        out[static_cast<int64_t>(j) * m + o] =
-            sum * scale[o] + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
-      }
-    }
+    StoreMmaRows<TILES>(part, c, warp, g, t, row0, n, m, scale, bias, bias_type, out);
     __syncthreads();  // part is written again for the next group
   }
 }
