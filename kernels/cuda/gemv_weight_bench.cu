@@ -13,7 +13,10 @@
 // another copy), as a decode step issues them, plus the LM head. A check compares every variant
 // with a host dot product of the activations it multiplies (f32, or rounded to bf16 / f16) on a
 // few rows; outputs are poisoned before each variant.
-// Usage: cuda_gemv_weight_bench [reps=50]
+// With pollute_gib > 0 each shape is also timed right after a kernel that reads 230 random 16 KiB
+// pages (3.6 MiB, one layer's page fills at 512K) of a pollute_gib GiB pinned host buffer mapped
+// into the device, as the decode step's fill kernel does before the layer's o projection.
+// Usage: cuda_gemv_weight_bench [reps=50] [pollute_gib=0]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -238,6 +241,19 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
+// One block per page: reads the 16 KiB page pages[b] of mapped pinned host memory (16-byte loads)
+// and folds it into sink[b], as a page fill reads its pages.
+__global__ void TouchHostPages(const uint4* __restrict__ host, const int64_t* __restrict__ pages,
+                               uint4* __restrict__ sink) {
+  const uint4* page = host + pages[blockIdx.x] * 1024;
+  uint32_t acc = 0;
+  for (int i = threadIdx.x; i < 1024; i += blockDim.x) {
+    const uint4 v = page[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) sink[blockIdx.x] = make_uint4(acc, 0, 0, 0);  // keeps the loads
+}
+
 template <bool FP8, int kUnroll>
 unsigned Blocks(int64_t m) {
   int per_sm = 0, sms = 0, device = 0;
@@ -304,8 +320,9 @@ void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, i
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
-  if (reps < 1) {
-    std::fprintf(stderr, "usage: cuda_gemv_weight_bench [reps>=1]\n");
+  const int pollute_gib = argc > 2 ? std::atoi(argv[2]) : 0;
+  if (reps < 1 || pollute_gib < 0) {
+    std::fprintf(stderr, "usage: cuda_gemv_weight_bench [reps>=1] [pollute_gib>=0]\n");
     return 2;
   }
   const Shape shapes[] = {{"q|k|v", 6144, 4096},     {"o", 4096, 4096},
@@ -317,11 +334,9 @@ int main(int argc, char** argv) {
       {"bf16 mma round", false, 1, LaunchMma<false, true, 4>},
       {"fp8 rows", true, 0, LaunchRows<true, 8>},
       {"fp8 mma", true, 2, LaunchMma<true, false, 4>},
-      {"fp8 mma pf", true, 2, LaunchMma<true, false, 4, 8, false, true>},
-      {"fp8 mma 16w pf", true, 2, LaunchMma<true, false, 4, 16, false, true>},
+      {"fp8 mma 16w", true, 2, LaunchMma<true, false, 4, 16>},
       {"fp8 mma persist", true, 2, LaunchMma<true, false, 4, 8, true>},
-      {"fp8 mma persist pf", true, 2, LaunchMma<true, false, 4, 8, true, true>},
-      {"bf16 mma round pf", false, 1, LaunchMma<false, true, 4, 8, false, true>},
+      {"fp8 mma pf", true, 2, LaunchMma<true, false, 4, 8, false, true>},
   };
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   std::mt19937 rng(11);
@@ -384,9 +399,38 @@ int main(int argc, char** argv) {
     var.launch(dx, static_cast<const uint4*>(wt.copies[copy % wt.copies.size()]), wt.scale, dout,
                shapes[si].k, shapes[si].m, stream);
   };
-  auto median_ms = [&](int n, const std::function<void(int)>& body) {
+  // The pollution: a pinned host buffer and, per rep, 230 random 16 KiB pages of it.
+  constexpr int kTouchPages = 230;
+  const uint4* host_dev = nullptr;
+  int64_t* pages_dev = nullptr;
+  uint4* sink = nullptr;
+  constexpr int kPageSets = 64;
+  if (pollute_gib > 0) {
+    void* host = nullptr;
+    const size_t bytes = static_cast<size_t>(pollute_gib) << 30;
+    CUDA_BENCH_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped));
+    std::memset(host, 1, bytes);
+    void* dev = nullptr;
+    CUDA_BENCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+    host_dev = static_cast<const uint4*>(dev);
+    std::vector<int64_t> pages(static_cast<size_t>(kPageSets) * kTouchPages);
+    std::uniform_int_distribution<int64_t> page(0, static_cast<int64_t>(bytes >> 14) - 1);
+    for (int64_t& p : pages) p = page(rng);
+    CUDA_BENCH_CHECK(cudaMalloc(&pages_dev, pages.size() * 8));
+    CUDA_BENCH_CHECK(cudaMemcpy(pages_dev, pages.data(), pages.size() * 8, cudaMemcpyHostToDevice));
+    CUDA_BENCH_CHECK(cudaMalloc(&sink, kTouchPages * 16));
+  }
+  auto pollute = [&](int r) {
+    TouchHostPages<<<kTouchPages, 256, 0, stream>>>(
+        host_dev, pages_dev + static_cast<int64_t>(r % kPageSets) * kTouchPages, sink);
+  };
+  // Median ms over n reps of `body` (events around it only); `pre` runs before each rep's first
+  // event.
+  auto median_ms = [&](int n, const std::function<void(int)>& body,
+                       const std::function<void(int)>& pre = nullptr) {
     std::vector<double> t;
     for (int r = 0; r < n + 3; ++r) {
+      if (pre) pre(r);
       CUDA_BENCH_CHECK(cudaEventRecord(e0, stream));
       body(r);
       CUDA_BENCH_CHECK(cudaEventRecord(e1, stream));
@@ -401,13 +445,17 @@ int main(int argc, char** argv) {
   };
 
   int bad = 0;
-  double us[kVariants][kShapes] = {}, seq_us[kVariants] = {};
+  double us[kVariants][kShapes] = {}, seq_us[kVariants] = {}, dirty_us[kVariants][kShapes] = {};
   for (int vi = 0; vi < kVariants; ++vi) {
     const Variant& var = variants[vi];
     for (int si = 0; si < kShapes; ++si) {
       const Shape& sh = shapes[si];
       CUDA_BENCH_CHECK(cudaMemset(dout, 0xff, sh.m * 4));  // poisoned: NaN
       us[vi][si] = 1000.0 * median_ms(reps, [&](int r) { launch(var, si, r); });
+      if (pollute_gib > 0) {
+        dirty_us[vi][si] =
+            1000.0 * median_ms(reps, [&](int r) { launch(var, si, r); }, pollute);
+      }
       // Check a few rows against a host dot product (f64) of the activations the kernel
       // multiplies.
       const Weight& wt = weights[si][var.fp8 ? 1 : 0];
@@ -456,6 +504,20 @@ int main(int argc, char** argv) {
     }
     std::printf(" | %8.0f us (%.1f per layer) | %8.0f us\n", seq_us[vi] + us[vi][kShapes - 1],
                 seq_us[vi] / 32, one);
+  }
+  if (pollute_gib > 0) {
+    std::printf("median us of one cold GEMV right after reading %d random 16 KiB pages of a %d GiB "
+                "pinned host buffer\n%-20s",
+                kTouchPages, pollute_gib, "variant");
+    for (const Shape& sh : shapes) std::printf(" | %8s clean -> after", sh.name);
+    std::printf("\n");
+    for (int vi = 0; vi < kVariants; ++vi) {
+      std::printf("%-20s", variants[vi].name);
+      for (int si = 0; si < kShapes; ++si) {
+        std::printf(" | %8.2f -> %8.2f", us[vi][si], dirty_us[vi][si]);
+      }
+      std::printf("\n");
+    }
   }
   std::printf("check: %d bad rows\n", bad);
   return bad == 0 ? 0 : 1;
