@@ -40,6 +40,7 @@
 #include "coordinator/metrics.h"
 #include "coordinator/service.h"
 #include "model/model.h"
+#include "worker/worker.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 
@@ -55,6 +56,7 @@ struct CoordinatorFlags {
   std::string model_namespace = "default";
   bool model_namespace_set = false;  // --model-namespace given explicitly
   std::string model_fingerprint;
+  std::string weight_format = "checkpoint";  // the workers' --weight-format, for the defaults
   int64_t vocab_size = 0;
   int64_t num_layers = 0;
   int64_t page_size = 64;
@@ -95,8 +97,11 @@ int Serve(const CoordinatorFlags& f) {
   options.limits.num_layers = f.num_layers;
   if (served_model != nullptr) {
     options.tokenizer = served_model->tokenizer.get();
-    if (!f.model_namespace_set) options.model_namespace = served_model->fingerprint;
-    if (f.model_fingerprint.empty()) options.model_fingerprint = served_model->fingerprint;
+    // What the workers serve the model as (worker::ServedFingerprint: fp8 weights are another
+    // model's KV and answers).
+    const std::string served = worker::ServedFingerprint(served_model->fingerprint, f.weight_format);
+    if (!f.model_namespace_set) options.model_namespace = served;
+    if (f.model_fingerprint.empty()) options.model_fingerprint = served;
     if (f.vocab_size == 0) options.limits.vocab_size = served_model->config.vocab_size;
     if (f.num_layers == 0) options.limits.num_layers = served_model->config.num_layers;
   }
@@ -219,6 +224,9 @@ int RunCoordinator(int argc, char** argv) {
                "(default: the --model fingerprint, else 'default')");
   flags.String("model-fingerprint", &f.model_fingerprint,
                "refuse workers that serve another model (empty: the --model fingerprint, else accept any)");
+  flags.String("weight-format", &f.weight_format,
+               "checkpoint|fp8: the workers' --weight-format; fp8 workers serve the --model fingerprint + '+fp8', "
+               "which then is the default --model-namespace and --model-fingerprint");
   flags.Int("vocab-size", &f.vocab_size,
             "token ids must be below this (0: the --model vocabulary, else only negative ids are refused)");
   flags.Int("num-layers", &f.num_layers,
@@ -244,6 +252,11 @@ int RunCoordinator(int argc, char** argv) {
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
   f.model_namespace_set = flags.WasSet("model-namespace");
+  if (f.weight_format != "checkpoint" && f.weight_format != "fp8") {
+    std::fprintf(stderr, "strata coordinator: --weight-format: checkpoint|fp8, got '%s'\n",
+                 f.weight_format.c_str());
+    return 2;
+  }
   return Serve(f);
 }
 

@@ -135,8 +135,9 @@ int Serve(const ServeFlags& f) {
 
   // Coordinator.
   coordinator::CoordinatorOptions options;
-  options.model_namespace = m->fingerprint;
-  options.model_fingerprint = m->fingerprint;
+  // The embedded worker's served fingerprint (the weight format's, worker::ServedFingerprint).
+  options.model_namespace = worker::ServedFingerprint(m->fingerprint, f.engine.weight_format);
+  options.model_fingerprint = options.model_namespace;
   options.tokenizer = m->tokenizer.get();
   options.limits.vocab_size = m->config.vocab_size;
   options.limits.num_layers = m->config.num_layers;
@@ -176,7 +177,7 @@ int Serve(const ServeFlags& f) {
   const std::string host = f.listen.substr(0, f.listen.rfind(':'));
   STRATA_LOG(INFO) << "serve: grpc=" << host << ":" << (*server)->port() << " metrics_port=" << metrics_port
                    << " worker=" << worker_address << " backend=" << (backend != nullptr ? backend->Name() : "none") << " model=" << f.model
-                   << " fingerprint=" << m->fingerprint << " data=" << f.data << " page_size=" << f.engine.page_size;
+                   << " fingerprint=" << options.model_fingerprint << " data=" << f.data << " page_size=" << f.engine.page_size;
   if (!f.port_file.empty()) {
     if (absl::Status s = WritePortFile(f.port_file, (*server)->port(), metrics_port); !s.ok()) {
       return Fail(s);

@@ -91,6 +91,16 @@ absl::Status CheckLayout(const v1::KvLayout& document, const kvstore::KvLayout& 
                                                     ") does not match this worker's (", text(want), ")"));
 }
 
+// FailedPrecondition when a document was prefilled under another served model fingerprint than
+// `mine` (another checkpoint, or the same one in another weight format: its KV differs). Documents
+// that name none (written by other tools) are accepted.
+absl::Status CheckFingerprint(const v1::Document& document, const std::string& mine) {
+  if (document.model_fingerprint().empty() || document.model_fingerprint() == mine) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("document ", document.document_id(), " was prefilled by model '",
+                                                    document.model_fingerprint(), "'; this worker serves '", mine,
+                                                    "' (--weight-format must match too)"));
+}
+
 void AddCounters(WorkerMetrics* m, const engine::SelectionCounters& now, const engine::SelectionCounters& before) {
   if (m == nullptr) return;
   Inc(m->candidate_tokens, static_cast<double>(now.candidate_tokens - before.candidate_tokens));
@@ -319,6 +329,10 @@ struct Worker::JobResult {
   v1::JobInfo info;
 };
 
+std::string ServedFingerprint(const std::string& model_fingerprint, const std::string& weight_format) {
+  return weight_format == "fp8" ? model_fingerprint + "+fp8" : model_fingerprint;
+}
+
 Worker::Worker(const WorkerOptions& options, const model::Model* model, kernels::Backend* backend,
                kvstore::PageStore* store, kvstore::DocumentCatalog* catalog, WorkerMetrics* metrics)
     : options_(options), model_(model), backend_(backend), store_(store), catalog_(catalog), metrics_(metrics) {}
@@ -420,7 +434,7 @@ v1::WorkerInfo Worker::Info() const {
     absl::MutexLock lock(&mu_);
     info.set_address(address_.empty() ? options_.address : address_);
   }
-  info.set_model_fingerprint(model_->fingerprint);
+  info.set_model_fingerprint(ServedFingerprint(model_->fingerprint, options_.weight_format));
   *info.mutable_layout() = kvstore::LayoutToProto(LayoutOf(model_->config, options_.page_size, options_.kv_page_dtype));
   info.set_capacity_tokens(options_.capacity_tokens);
   info.set_max_jobs(options_.max_jobs);
@@ -612,7 +626,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
 
   v1::CreateDocumentRequest create;
   create.set_document_id(id.ToHex());
-  create.set_model_fingerprint(model_->fingerprint);
+  create.set_model_fingerprint(ServedFingerprint(model_->fingerprint, options_.weight_format));
   *create.mutable_layout() = kvstore::LayoutToProto(layout);
   create.set_num_tokens(static_cast<uint64_t>(num_tokens));
   v1::SummarySpec* spec = create.add_summaries();
@@ -1096,6 +1110,7 @@ absl::StatusOr<Worker::ShardSpan> Worker::CheckShard(const v1::ShardRange& range
   if (absl::Status s = CheckLayout(doc.layout(), LayoutOf(c, P, options_.kv_page_dtype)); !s.ok()) {
     return s;
   }
+  STRATA_RETURN_IF_ERROR(CheckFingerprint(doc, ServedFingerprint(model_->fingerprint, options_.weight_format)));
   span.doc_tokens = static_cast<int64_t>(doc.num_tokens());
   const int64_t total_pages = (span.doc_tokens + P - 1) / P;
   if (range.first_page() >= range.end_page() || range.end_page() > static_cast<uint64_t>(total_pages)) {
@@ -1470,6 +1485,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     if (absl::Status s = CheckLayout(doc.layout(), LayoutOf(c, P, options_.kv_page_dtype)); !s.ok()) {
       return s;
     }
+    STRATA_RETURN_IF_ERROR(CheckFingerprint(doc, ServedFingerprint(model_->fingerprint, options_.weight_format)));
     doc_tokens = static_cast<int64_t>(doc.num_tokens());
   }
   const int64_t context = doc_tokens + static_cast<int64_t>(prompt.size());

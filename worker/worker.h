@@ -267,6 +267,12 @@ struct WorkerMetrics {
   kvstore::KvMetrics* kv = nullptr;
 };
 
+// The model fingerprint a worker with `weight_format` serves under (WorkerInfo, the documents it
+// creates): the checkpoint's for "checkpoint", the checkpoint's + "+fp8" for "fp8", whose KV and
+// answers differ from the checkpoint's, so a coordinator never mixes the two (its
+// model_fingerprint and default namespace must name the same form).
+std::string ServedFingerprint(const std::string& model_fingerprint, const std::string& weight_format);
+
 class Worker {
  public:
   using ProgressFn = std::function<void(const v1::PrefillShardProgress&)>;

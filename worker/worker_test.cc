@@ -162,6 +162,61 @@ TEST_F(WorkerTest, PrefillPersistsAndJobMatchesLocalGenerate) {
   EXPECT_TRUE(progress[0].complete());
 }
 
+// weight_format "fp8": the worker serves the model as "<fingerprint>+fp8" (WorkerInfo and the
+// documents it creates), its jobs give the tokens of a local fp8 Transformer's Generate, and a
+// worker of the other format refuses its documents (their KV differs) with FAILED_PRECONDITION.
+TEST_F(WorkerTest, Fp8WeightsServeUnderTheirOwnFingerprint) {
+  WorkerOptions wo;
+  wo.prefill_chunk_size = 64;
+  wo.weight_format = "int4";
+  EXPECT_EQ(Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(), nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  wo.weight_format = "fp8";
+  STRATA_ASSERT_OK_AND_ASSIGN(auto w8, Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(),
+                                                      nullptr));
+  EXPECT_EQ(w8->Info().model_fingerprint(), model_->fingerprint + "+fp8");
+  EXPECT_EQ(worker_->Info().model_fingerprint(), model_->fingerprint);
+  ASSERT_TRUE(w8->PrefillShard(PrefillRequest(), [](const v1::PrefillShardProgress&) {}, nullptr).ok());
+  STRATA_ASSERT_OK_AND_ASSIGN(kvstore::DocumentId id, kvstore::DocumentId::FromHex(kDocId));
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document doc, store_->GetDocument(id));
+  EXPECT_EQ(doc.model_fingerprint(), model_->fingerprint + "+fp8");
+
+  const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
+  std::vector<v1::JobEvent> events;
+  ASSERT_TRUE(w8->RunJob(JobRequest("job-fp8", prompt), [&](const v1::JobEvent& e) {
+    events.push_back(e);
+    return true;
+  }).ok());
+  ASSERT_TRUE(!events.empty() && events.back().has_snapshot());
+  const v1::JobInfo& info = events.back().snapshot();
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  std::vector<int32_t> all = doc_;
+  all.insert(all.end(), prompt.begin(), prompt.end());
+  engine::TransformerOptions topt;
+  topt.prefill_chunk_size = 64;
+  topt.weight_format = engine::WeightFormat::kFP8;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, engine::Transformer::Create(model_->config, model_->weights, backend_.get(), topt));
+  engine::GenerateOptions go;
+  go.max_tokens = 8;
+  go.ignore_eos = true;
+  go.kv_dtype = kernels::DType::kBF16;
+  auto dense = engine::MakeDensePolicy();
+  STRATA_ASSERT_OK_AND_ASSIGN(engine::GenerateResult ref, engine::Generate(tf.get(), nullptr, all, go, dense.get(), nullptr));
+  std::vector<int32_t> got(info.output_token_ids().begin(), info.output_token_ids().end());
+  EXPECT_EQ(got, ref.tokens);
+
+  // The checkpoint-format worker refuses the fp8 document.
+  events.clear();
+  ASSERT_TRUE(worker_->RunJob(JobRequest("job-ckpt", prompt), [&](const v1::JobEvent& e) {
+    events.push_back(e);
+    return true;
+  }).ok());
+  ASSERT_TRUE(!events.empty() && events.back().has_snapshot());
+  EXPECT_EQ(events.back().snapshot().state(), v1::JobInfo::FAILED);
+  EXPECT_TRUE(absl::StrContains(events.back().snapshot().error_message(), "+fp8"))
+      << events.back().snapshot().error_message();
+}
+
 // A store whose Put fails from its `fail_from`-th call on (1-based); the rest passes through.
 class FailingPutStore final : public kvstore::PageStore {
  public:
