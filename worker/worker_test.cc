@@ -100,6 +100,27 @@ class WorkerTest : public ::testing::Test {
     return r;
   }
 
+  // 8 greedy tokens after doc_ + prompt through a local engine::Generate (dense, bf16 KV cache),
+  // the projections in `format`; empty (and a test failure) if it fails.
+  std::vector<int32_t> LocalGenerate(const std::vector<int32_t>& prompt, engine::WeightFormat format) {
+    std::vector<int32_t> all = doc_;
+    all.insert(all.end(), prompt.begin(), prompt.end());
+    engine::TransformerOptions topt;
+    topt.prefill_chunk_size = 64;
+    topt.weight_format = format;
+    auto tf = engine::Transformer::Create(model_->config, model_->weights, backend_.get(), topt);
+    EXPECT_TRUE(tf.ok()) << tf.status();
+    if (!tf.ok()) return {};
+    engine::GenerateOptions go;
+    go.max_tokens = 8;
+    go.ignore_eos = true;
+    go.kv_dtype = kernels::DType::kBF16;
+    auto dense = engine::MakeDensePolicy();
+    auto ref = engine::Generate(tf->get(), nullptr, all, go, dense.get(), nullptr);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    return ref.ok() ? ref->tokens : std::vector<int32_t>{};
+  }
+
   std::string dir_;
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<kernels::Backend> backend_;
@@ -140,19 +161,8 @@ TEST_F(WorkerTest, PrefillPersistsAndJobMatchesLocalGenerate) {
   EXPECT_EQ(info.output_token_ids_size(), 8);
 
   // Reference: the whole sequence through engine::Generate with a bf16 KV cache.
-  std::vector<int32_t> all = doc_;
-  all.insert(all.end(), prompt.begin(), prompt.end());
-  engine::TransformerOptions topt;
-  topt.prefill_chunk_size = 64;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, engine::Transformer::Create(model_->config, model_->weights, backend_.get(), topt));
-  engine::GenerateOptions go;
-  go.max_tokens = 8;
-  go.ignore_eos = true;
-  go.kv_dtype = kernels::DType::kBF16;
-  auto dense = engine::MakeDensePolicy();
-  STRATA_ASSERT_OK_AND_ASSIGN(engine::GenerateResult ref, engine::Generate(tf.get(), nullptr, all, go, dense.get(), nullptr));
   std::vector<int32_t> got(info.output_token_ids().begin(), info.output_token_ids().end());
-  EXPECT_EQ(got, ref.tokens);
+  EXPECT_EQ(got, LocalGenerate(prompt, engine::WeightFormat::kCheckpoint));
 
   // Prefilling a READY document again is a no-op that reports completion.
   progress.clear();
@@ -190,20 +200,8 @@ TEST_F(WorkerTest, Fp8WeightsServeUnderTheirOwnFingerprint) {
   ASSERT_TRUE(!events.empty() && events.back().has_snapshot());
   const v1::JobInfo& info = events.back().snapshot();
   ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
-  std::vector<int32_t> all = doc_;
-  all.insert(all.end(), prompt.begin(), prompt.end());
-  engine::TransformerOptions topt;
-  topt.prefill_chunk_size = 64;
-  topt.weight_format = engine::WeightFormat::kFP8;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto tf, engine::Transformer::Create(model_->config, model_->weights, backend_.get(), topt));
-  engine::GenerateOptions go;
-  go.max_tokens = 8;
-  go.ignore_eos = true;
-  go.kv_dtype = kernels::DType::kBF16;
-  auto dense = engine::MakeDensePolicy();
-  STRATA_ASSERT_OK_AND_ASSIGN(engine::GenerateResult ref, engine::Generate(tf.get(), nullptr, all, go, dense.get(), nullptr));
   std::vector<int32_t> got(info.output_token_ids().begin(), info.output_token_ids().end());
-  EXPECT_EQ(got, ref.tokens);
+  EXPECT_EQ(got, LocalGenerate(prompt, engine::WeightFormat::kFP8));
 
   // The checkpoint-format worker refuses the fp8 document.
   events.clear();

@@ -490,6 +490,28 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // Environment integer `name` (read once by the caller's static), `fallback` when unset or bad.
 int64_t EnvInt(const char* name, int64_t fallback);
 
+// Blocks of `kernel` (`threads` each, no dynamic shared memory) one SM holds at once (at least 1;
+// 1 when the query fails). Callers keep it in a static: it is the kernel's, not the call's.
+int BlocksPerSm(const void* kernel, int threads) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) != cudaSuccess) {
+    cudaGetLastError();
+    n = 1;
+  }
+  return n < 1 ? 1 : n;
+}
+
+// SMs of the current GPU (1 when the query fails).
+int SmCount() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    sms = 1;
+  }
+  return sms < 1 ? 1 : sms;
+}
+
 // GemvFp8Kernel's grid: every block resident STRATA_GEMV_FP8_WAVES times (read once; default 1:
 // SMs x resident blocks, each block taking row groups in turn; 0: one block per row group),
 // fewer for few groups. Measured on the H200 (bench/RESULTS.md, session 21): 32 layers' GEMVs
@@ -498,23 +520,10 @@ int64_t EnvInt(const char* name, int64_t fallback);
 template <int TILES>
 unsigned GemvFp8Blocks(int64_t m) {
   static const int64_t waves = EnvInt("STRATA_GEMV_FP8_WAVES", 1);
-  static const int per_sm = [] {
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, GemvFp8Kernel<TILES>, kMmaWarps * 32,
-                                                      0) != cudaSuccess) {
-      cudaGetLastError();
-      n = 1;
-    }
-    return n < 1 ? 1 : n;
-  }();
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    sms = 1;
-  }
+  static const int per_sm =
+      BlocksPerSm(reinterpret_cast<const void*>(GemvFp8Kernel<TILES>), kMmaWarps * 32);
   const int64_t groups = (m + 15) / 16;
-  const int64_t full = static_cast<int64_t>(sms) * per_sm * waves;
+  const int64_t full = static_cast<int64_t>(SmCount()) * per_sm * waves;
   return static_cast<unsigned>(groups < full || waves <= 0 ? groups : full);
 }
 
@@ -568,24 +577,11 @@ bool GemvRowsFor(int64_t weight_bytes) {
 // GemvRowsKernel's grid: every warp resident once (SMs x resident blocks), fewer for few rows.
 template <typename T, bool ROUND>
 unsigned GemvRowsBlocks(int64_t m) {
-  static const int per_sm = [] {
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, GemvRowsKernel<T, ROUND>,
-                                                      kGemvRowThreads, 0) != cudaSuccess) {
-      cudaGetLastError();
-      n = 1;
-    }
-    return n < 1 ? 1 : n;
-  }();
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    sms = 1;
-  }
+  static const int per_sm =
+      BlocksPerSm(reinterpret_cast<const void*>(GemvRowsKernel<T, ROUND>), kGemvRowThreads);
   const int64_t warps = kGemvRowThreads / 32;
   const int64_t want = (m + warps - 1) / warps;
-  const int64_t full = static_cast<int64_t>(sms) * per_sm;
+  const int64_t full = static_cast<int64_t>(SmCount()) * per_sm;
   return static_cast<unsigned>(want < full ? want : full);
 }
 
