@@ -39,6 +39,7 @@
 #include "coordinator/grpc_worker_client.h"
 #include "coordinator/metrics.h"
 #include "coordinator/service.h"
+#include "engine/transformer.h"
 #include "model/model.h"
 #include "worker/worker.h"
 #include "prometheus/exposer.h"
@@ -252,9 +253,8 @@ int RunCoordinator(int argc, char** argv) {
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
   f.model_namespace_set = flags.WasSet("model-namespace");
-  if (f.weight_format != "checkpoint" && f.weight_format != "fp8") {
-    std::fprintf(stderr, "strata coordinator: --weight-format: checkpoint|fp8, got '%s'\n",
-                 f.weight_format.c_str());
+  if (absl::Status s = engine::ParseWeightFormat(f.weight_format).status(); !s.ok()) {
+    std::fprintf(stderr, "strata coordinator: --weight-format: %s\n", s.ToString().c_str());
     return 2;
   }
   return Serve(f);

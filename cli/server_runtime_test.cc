@@ -101,30 +101,46 @@ TEST_F(HostTierTest, CpuBackendReservesNothingUpFront) {
   EXPECT_EQ(none->allocator(), nullptr);
 }
 
+// Parses `args` as the worker engine flags and applies them to *o (when they parse).
+absl::Status ParseEngineFlags(std::vector<std::string> args, worker::WorkerOptions* o) {
+  FlagSet flags("worker", "");
+  WorkerEngineFlags engine;
+  engine.Register(&flags, "the store");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  absl::Status s = flags.Parse(static_cast<int>(argv.size()), argv.data());
+  if (s.ok()) engine.ApplyTo(o);
+  return s;
+}
+
 // The worker engine flags reach WorkerOptions; bad batch values fail WorkerOptions::Validate.
 TEST(WorkerEngineFlagsTest, DecodeBatchFlagsReachTheWorkerOptions) {
-  auto parse = [](std::vector<std::string> args, worker::WorkerOptions* o) {
-    FlagSet flags("worker", "");
-    WorkerEngineFlags engine;
-    engine.Register(&flags, "the store");
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    absl::Status s = flags.Parse(static_cast<int>(argv.size()), argv.data());
-    if (s.ok()) engine.ApplyTo(o);
-    return s;
-  };
   worker::WorkerOptions o;
   o.worker_id = "w";
-  STRATA_ASSERT_OK(parse({}, &o));
+  STRATA_ASSERT_OK(ParseEngineFlags({}, &o));
   EXPECT_EQ(o.max_decode_batch, 16);
   EXPECT_EQ(o.decode_batch_wait_us, 1000);
-  STRATA_ASSERT_OK(parse({"--max-decode-batch", "4", "--decode-batch-wait-us", "250"}, &o));
+  STRATA_ASSERT_OK(ParseEngineFlags({"--max-decode-batch", "4", "--decode-batch-wait-us", "250"}, &o));
   EXPECT_EQ(o.max_decode_batch, 4);
   EXPECT_EQ(o.decode_batch_wait_us, 250);
   STRATA_EXPECT_OK(o.Validate());
-  STRATA_ASSERT_OK(parse({"--decode-batch-wait-us", "-1"}, &o));
+  STRATA_ASSERT_OK(ParseEngineFlags({"--decode-batch-wait-us", "-1"}, &o));
   EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
-  STRATA_ASSERT_OK(parse({"--decode-batch-wait-us", "0", "--max-decode-batch", "0"}, &o));
+  STRATA_ASSERT_OK(ParseEngineFlags({"--decode-batch-wait-us", "0", "--max-decode-batch", "0"}, &o));
+  EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// --weight-format reaches WorkerOptions::weight_format; a format that does not exist fails
+// WorkerOptions::Validate.
+TEST(WorkerEngineFlagsTest, WeightFormatReachesTheWorkerOptions) {
+  worker::WorkerOptions o;
+  o.worker_id = "w";
+  STRATA_ASSERT_OK(ParseEngineFlags({}, &o));
+  EXPECT_EQ(o.weight_format, "checkpoint");
+  STRATA_ASSERT_OK(ParseEngineFlags({"--weight-format", "fp8"}, &o));
+  EXPECT_EQ(o.weight_format, "fp8");
+  STRATA_EXPECT_OK(o.Validate());
+  STRATA_ASSERT_OK(ParseEngineFlags({"--weight-format", "int4"}, &o));
   EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 

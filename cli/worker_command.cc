@@ -113,7 +113,7 @@ int Run(const WorkerFlags& f) {
   agent.Start();
   STRATA_LOG(INFO) << "worker " << wo.worker_id << ": grpc=" << address << " metrics_port=" << metrics_port
                    << " backend=" << backend->Name() << " coordinator=" << f.coordinator << " kvstore=" << f.kvstore
-                   << " model=" << f.model << " fingerprint=" << worker::ServedFingerprint(m->fingerprint, wo.weight_format);
+                   << " model=" << f.model << " fingerprint=" << (*w)->served_fingerprint();
   if (!f.port_file.empty()) {
     if (absl::Status s = WritePortFile(f.port_file, (*server)->port(), metrics_port); !s.ok()) {
       return Fail(s);

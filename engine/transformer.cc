@@ -136,16 +136,26 @@ absl::Status Transformer::MatMul(kernels::MatMulParams p, const TensorView& weig
 absl::Status Transformer::QuantizeForUpload(TensorView* w, TensorView* scale) {
   *scale = TensorView();
   if (options_.weight_format != WeightFormat::kFP8 || w->data == nullptr) return absl::OkStatus();
-  if (w->rank != 2) return absl::InvalidArgumentError("QuantizeForUpload: a matrix has rank != 2");
   const int64_t rows = w->dim(0), cols = w->dim(1);
-  host_quantized_.emplace_back(static_cast<size_t>(rows * cols));
-  host_quantized_.emplace_back(static_cast<size_t>(rows) * 4);
-  std::vector<uint8_t>& q = host_quantized_[host_quantized_.size() - 2];  // after both: no
-  std::vector<uint8_t>& sc = host_quantized_.back();                      // reallocation left
+  std::vector<uint8_t>& q = host_quantized_.emplace_back(static_cast<size_t>(rows * cols));
+  std::vector<uint8_t>& sc = host_quantized_.emplace_back(static_cast<size_t>(rows) * 4);
   kernels::QuantizeRowsToFP8E4M3(w->data, w->dtype, rows, cols, q.data(),
                                  reinterpret_cast<float*>(sc.data()));
   *w = TensorView(q.data(), DType::kFP8E4M3, {rows, cols});
   *scale = TensorView(sc.data(), DType::kF32, {rows});
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::UploadScales(const std::vector<const TensorView*>& parts,
+                                       const std::vector<TensorView*>& outs, bool matrices_fused,
+                                       TensorView* fused) {
+  *fused = TensorView();
+  if (matrices_fused && parts[0]->data != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(const bool done, UploadFused(parts, outs, fused));
+    if (!done) return absl::InternalError("the row scales of a fused matrix could not be fused");
+    return absl::OkStatus();
+  }
+  for (size_t i = 0; i < parts.size(); ++i) STRATA_RETURN_IF_ERROR(Upload(*parts[i], outs[i]));
   return absl::OkStatus();
 }
 
@@ -262,16 +272,8 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
       STRATA_ASSIGN_OR_RETURN(qkv_fused, UploadFused({&s.q_proj, &s.k_proj, &s.v_proj},
                                                      {&d.q_proj, &d.k_proj, &d.v_proj}, &f.qkv));
     }
-    if (qkv_fused && fp8) {
-      STRATA_ASSIGN_OR_RETURN(const bool scales_fused,
-                              UploadFused({&hs.q, &hs.k, &hs.v}, {&ds.q, &ds.k, &ds.v},
-                                          &f.qkv_scale));
-      if (!scales_fused) return absl::InternalError("fp8 q|k|v scales could not be fused");
-    } else {
-      STRATA_RETURN_IF_ERROR(Upload(hs.q, &ds.q));
-      STRATA_RETURN_IF_ERROR(Upload(hs.k, &ds.k));
-      STRATA_RETURN_IF_ERROR(Upload(hs.v, &ds.v));
-    }
+    STRATA_RETURN_IF_ERROR(
+        UploadScales({&hs.q, &hs.k, &hs.v}, {&ds.q, &ds.k, &ds.v}, qkv_fused, &f.qkv_scale));
     if (!qkv_fused) {
       f.qkv = TensorView();
       STRATA_RETURN_IF_ERROR(Upload(s.q_proj, &d.q_proj));
@@ -299,15 +301,8 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
     STRATA_ASSIGN_OR_RETURN(const bool gu_fused,
                             UploadFused({&s.gate_proj, &s.up_proj}, {&d.gate_proj, &d.up_proj},
                                         &f.gate_up));
-    if (gu_fused && fp8) {
-      STRATA_ASSIGN_OR_RETURN(const bool scales_fused,
-                              UploadFused({&hs.gate, &hs.up}, {&ds.gate, &ds.up},
-                                          &f.gate_up_scale));
-      if (!scales_fused) return absl::InternalError("fp8 gate|up scales could not be fused");
-    } else {
-      STRATA_RETURN_IF_ERROR(Upload(hs.gate, &ds.gate));
-      STRATA_RETURN_IF_ERROR(Upload(hs.up, &ds.up));
-    }
+    STRATA_RETURN_IF_ERROR(
+        UploadScales({&hs.gate, &hs.up}, {&ds.gate, &ds.up}, gu_fused, &f.gate_up_scale));
     if (!gu_fused) {
       f.gate_up = TensorView();
       STRATA_RETURN_IF_ERROR(Upload(s.gate_proj, &d.gate_proj));

@@ -16,6 +16,7 @@
 #define STRATA_ENGINE_TRANSFORMER_H_
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -277,6 +278,12 @@ class Transformer {
   // With WeightFormat::kFP8, replaces the host matrix *w by its fp8 rows (host memory owned by
   // host_quantized_) and sets *scale to their scales; otherwise leaves *w and clears *scale.
   absl::Status QuantizeForUpload(kernels::TensorView* w, kernels::TensorView* scale);
+  // Uploads the row scales `parts` of matrices (data null: none, nothing uploaded) into *outs;
+  // when the matrices were uploaded fused, the scales are fused too, into *fused (else *fused is
+  // cleared).
+  absl::Status UploadScales(const std::vector<const kernels::TensorView*>& parts,
+                            const std::vector<kernels::TensorView*>& outs, bool matrices_fused,
+                            kernels::TensorView* fused);
   // Uploads `parts` (same rank, dtype and trailing dimension) one after another into one buffer:
   // *fused views it all ([sum of dim 0(, cols)]) and *outs[i] part i. Returns false (nothing
   // uploaded) when the parts cannot be fused: host memory, a null part, or differing dtype/shape.
@@ -380,7 +387,7 @@ class Transformer {
   kernels::TensorView lm_head_scale_;
   // Host fp8 rows and scales made by QuantizeForUpload: kept while a host-memory backend reads
   // them in place, dropped after each upload otherwise.
-  std::vector<std::vector<uint8_t>> host_quantized_;
+  std::deque<std::vector<uint8_t>> host_quantized_;  // a deque: references stay valid
   std::vector<float> q_host_;  // query copy for the policy when backend memory is not host memory
   std::vector<int32_t> positions_host_;
   Selection selection_;

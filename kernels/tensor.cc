@@ -215,18 +215,21 @@ void QuantizeRowsToFP8E4M3(const void* src, DType src_type, int64_t rows, int64_
   const int64_t elem = static_cast<int64_t>(DTypeSize(src_type));
   // Rows are independent; threads take them in static chunks (the result does not depend on the
   // thread count).
-#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t{1} << 20))
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<float> x(static_cast<size_t>(cols));
-    ConvertToF32(static_cast<const char*>(src) + r * cols * elem, src_type, x.data(), cols);
-    float amax = 0.0f;
-    for (float v : x) {
-      if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
+#pragma omp parallel if (rows * cols >= (int64_t{1} << 20))
+  {
+    std::vector<float> x(static_cast<size_t>(cols));  // one row, per thread
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      ConvertToF32(static_cast<const char*>(src) + r * cols * elem, src_type, x.data(), cols);
+      float amax = 0.0f;
+      for (float v : x) {
+        if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
+      }
+      const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+      scales[r] = scale;
+      uint8_t* out = dst + r * cols;
+      for (int64_t c = 0; c < cols; ++c) out[c] = F32ToFp8E4M3Inline(x[c] / scale);
     }
-    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
-    scales[r] = scale;
-    uint8_t* out = dst + r * cols;
-    for (int64_t c = 0; c < cols; ++c) out[c] = F32ToFp8E4M3Inline(x[c] / scale);
   }
 }
 

@@ -333,6 +333,10 @@ std::string ServedFingerprint(const std::string& model_fingerprint, const std::s
   return weight_format == "fp8" ? model_fingerprint + "+fp8" : model_fingerprint;
 }
 
+std::string Worker::served_fingerprint() const {
+  return ServedFingerprint(model_->fingerprint, options_.weight_format);
+}
+
 Worker::Worker(const WorkerOptions& options, const model::Model* model, kernels::Backend* backend,
                kvstore::PageStore* store, kvstore::DocumentCatalog* catalog, WorkerMetrics* metrics)
     : options_(options), model_(model), backend_(backend), store_(store), catalog_(catalog), metrics_(metrics) {}
@@ -434,7 +438,7 @@ v1::WorkerInfo Worker::Info() const {
     absl::MutexLock lock(&mu_);
     info.set_address(address_.empty() ? options_.address : address_);
   }
-  info.set_model_fingerprint(ServedFingerprint(model_->fingerprint, options_.weight_format));
+  info.set_model_fingerprint(served_fingerprint());
   *info.mutable_layout() = kvstore::LayoutToProto(LayoutOf(model_->config, options_.page_size, options_.kv_page_dtype));
   info.set_capacity_tokens(options_.capacity_tokens);
   info.set_max_jobs(options_.max_jobs);
@@ -626,7 +630,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
 
   v1::CreateDocumentRequest create;
   create.set_document_id(id.ToHex());
-  create.set_model_fingerprint(ServedFingerprint(model_->fingerprint, options_.weight_format));
+  create.set_model_fingerprint(served_fingerprint());
   *create.mutable_layout() = kvstore::LayoutToProto(layout);
   create.set_num_tokens(static_cast<uint64_t>(num_tokens));
   v1::SummarySpec* spec = create.add_summaries();
@@ -1110,7 +1114,7 @@ absl::StatusOr<Worker::ShardSpan> Worker::CheckShard(const v1::ShardRange& range
   if (absl::Status s = CheckLayout(doc.layout(), LayoutOf(c, P, options_.kv_page_dtype)); !s.ok()) {
     return s;
   }
-  STRATA_RETURN_IF_ERROR(CheckFingerprint(doc, ServedFingerprint(model_->fingerprint, options_.weight_format)));
+  STRATA_RETURN_IF_ERROR(CheckFingerprint(doc, served_fingerprint()));
   span.doc_tokens = static_cast<int64_t>(doc.num_tokens());
   const int64_t total_pages = (span.doc_tokens + P - 1) / P;
   if (range.first_page() >= range.end_page() || range.end_page() > static_cast<uint64_t>(total_pages)) {
@@ -1485,7 +1489,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     if (absl::Status s = CheckLayout(doc.layout(), LayoutOf(c, P, options_.kv_page_dtype)); !s.ok()) {
       return s;
     }
-    STRATA_RETURN_IF_ERROR(CheckFingerprint(doc, ServedFingerprint(model_->fingerprint, options_.weight_format)));
+    STRATA_RETURN_IF_ERROR(CheckFingerprint(doc, served_fingerprint()));
     doc_tokens = static_cast<int64_t>(doc.num_tokens());
   }
   const int64_t context = doc_tokens + static_cast<int64_t>(prompt.size());

@@ -297,6 +297,8 @@ class Worker {
   void SetAddress(const std::string& address);
   v1::WorkerLoad Load() const;
   const WorkerOptions& options() const { return options_; }
+  // ServedFingerprint of the model and options_.weight_format.
+  std::string served_fingerprint() const;
 
   // Prefills the shard (mode as in the file comment) and persists its pages and summaries;
   // returns OK once they are durable (progress: the shard's tokens prefilled and pages

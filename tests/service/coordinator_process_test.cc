@@ -433,5 +433,25 @@ TEST_F(CoordinatorProcessTest, CatalogSurvivesRestart) {
   EXPECT_FALSE(again.created());
 }
 
+// A --weight-format that does not exist stops the coordinator at startup with exit code 2 and a
+// message naming the flag, before it opens its catalog.
+TEST(CoordinatorFlagsTest, UnknownWeightFormatExitsWithCode2) {
+  char tmpl[] = "/tmp/strata_coordinator_flags_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const std::string log = dir + "/coordinator.log";
+  {
+    tests::ChildProcess child({STRATA_BINARY, "coordinator", "--listen", "127.0.0.1:0", "--data",
+                               dir + "/catalog", "--weight-format", "int4"},
+                              log, log);
+    const std::optional<int> code = child.Wait(std::chrono::seconds(30));
+    ASSERT_TRUE(code.has_value()) << "still running: " << child.Out();
+    EXPECT_EQ(*code, 2) << child.Out();
+    EXPECT_TRUE(absl::StrContains(child.Out(), "--weight-format")) << child.Out();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/catalog"));
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace strata
