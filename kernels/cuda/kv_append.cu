@@ -12,6 +12,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "kernels/cuda/internal/common.cuh"
 #include "kernels/cuda/internal/kv_append.h"
 
 namespace strata::kernels::cuda_internal {
@@ -27,15 +28,6 @@ __device__ __forceinline__ uint16_t F32ToBF16Bits(float v) {
 __device__ __forceinline__ uint8_t F32ToFp8Bits(float v) {
   if (isnan(v)) return 0x7f;
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-
-// cos and sin of RopeKernel (kernels/cuda/rope.cu) for pair i of a token at `position`.
-__device__ __forceinline__ void RopeAngle(int32_t position, const float* inv_freq, int64_t i,
-                                          float factor, float* c, float* s) {
-  const float a = static_cast<float>(position) * inv_freq[i];
-  sincosf(a, s, c);
-  *c *= factor;
-  *s *= factor;
 }
 
 // Items [0, total): K elements, [total, 2 total): V elements, then with RoPE the pairs of q
@@ -63,11 +55,8 @@ __global__ void AppendKvKernel(const float* __restrict__ k, const float* __restr
       const int64_t pe = e - 2 * total;
       const int64_t i = pe % half, row = pe / half;  // row: token * q_heads + head
       float c, s;
-      RopeAngle(rope.positions[row / rope.q_heads], rope.inv_freq, i, rope.factor, &c, &s);
-      float* qv = rope.q + row * head_dim;
-      const float x1 = qv[i], x2 = qv[i + half];
-      qv[i] = x1 * c - x2 * s;
-      qv[i + half] = x2 * c + x1 * s;
+      RopeCosSin(rope.positions[row / rope.q_heads], rope.inv_freq, i, rope.factor, &c, &s);
+      RopeRotatePair(rope.q + row * head_dim, i, half, c, s);
       continue;
     }
     if (!write) continue;
@@ -88,7 +77,7 @@ __global__ void AppendKvKernel(const float* __restrict__ k, const float* __restr
       const int64_t i = c < half ? c : c - half;
       const float x1 = k[j - c + i], x2 = k[j - c + i + half];
       float cs, sn;
-      RopeAngle(rope.positions[t], rope.inv_freq, i, rope.factor, &cs, &sn);
+      RopeCosSin(rope.positions[t], rope.inv_freq, i, rope.factor, &cs, &sn);
       x = c < half ? x1 * cs - x2 * sn : x2 * cs + x1 * sn;
     }
     void* pool = is_v ? v_pool : k_pool;

@@ -1,6 +1,5 @@
 // Rotary embedding in place on the GPU ("rotate half"): one thread per (token, head, pair).
-// The angle is the f32 product position * inv_freq[i] as on the CPU; cos/sin are the accurate
-// (non-intrinsic) cosf/sinf.
+// The angle and rotation are RopeCosSin / RopeRotatePair (internal/common.cuh).
 #include "kernels/cuda/internal/common.cuh"
 
 namespace strata::kernels::cuda_internal {
@@ -13,16 +12,9 @@ __global__ void RopeKernel(float* x, const int32_t* __restrict__ positions,
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = e % half;
     const int64_t row = e / half;  // token * num_heads + head
-    const int64_t t = row / num_heads;
-    const float a = static_cast<float>(positions[t]) * inv_freq[i];
-    float s, c;
-    sincosf(a, &s, &c);
-    c *= attention_factor;
-    s *= attention_factor;
-    float* v = x + row * 2 * half;
-    const float x1 = v[i], x2 = v[i + half];
-    v[i] = x1 * c - x2 * s;
-    v[i + half] = x2 * c + x1 * s;
+    float c, s;
+    RopeCosSin(positions[row / num_heads], inv_freq, i, attention_factor, &c, &s);
+    RopeRotatePair(x + row * 2 * half, i, half, c, s);
   }
 }
 

@@ -28,6 +28,25 @@ __device__ __forceinline__ float LoadAsFloat<__half>(const __half* p, int64_t i)
   return __half2float(p[i]);
 }
 
+// Rotary embedding ("rotate half"), shared by RopeKernel (rope.cu) and AppendKvKernel
+// (kv_append.cu): cos and sin of pair i at `position`, each times `factor`. The angle is the f32
+// product position * inv_freq[i] as on the CPU; sincosf is the accurate (non-intrinsic) one.
+__device__ __forceinline__ void RopeCosSin(int32_t position, const float* inv_freq, int64_t i,
+                                           float factor, float* c, float* s) {
+  const float a = static_cast<float>(position) * inv_freq[i];
+  sincosf(a, s, c);
+  *c *= factor;
+  *s *= factor;
+}
+
+// Pair i of the head vector `v` (elements i and i + half) rotated in place by (c, s).
+__device__ __forceinline__ void RopeRotatePair(float* v, int64_t i, int64_t half, float c,
+                                               float s) {
+  const float x1 = v[i], x2 = v[i + half];
+  v[i] = x1 * c - x2 * s;
+  v[i + half] = x2 * c + x1 * s;
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization
 // (LaunchDependent) may be scheduled while the previous kernel on the stream is still running;
 // GridDepWait blocks until that kernel has completed and its writes are visible, so everything
