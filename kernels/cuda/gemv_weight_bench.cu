@@ -39,6 +39,7 @@ namespace {
 constexpr int kThreads = 256;
 
 using strata::kernels::cuda_internal::LoadWeightChunk;
+using strata::kernels::cuda_internal::LoadWeightChunkIf;
 using strata::kernels::cuda_internal::WarpSum;
 
 // FP8: 16 weights per chunk, out = scale[row] * dot; else 8 bf16 weights per chunk. UNROLL
@@ -150,7 +151,10 @@ __device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
 // the group (PERSIST: also the block's next group), so the group's bytes are in flight at once;
 // without it the compiler issues a warp's weight loads one step (2 x 16 bytes per lane) ahead of
 // their use (seen in the SASS), which leaves a small grid latency-bound.
-template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false>
+// CH (fp8): 16-byte chunks of each of its two rows a lane loads per step (consecutive chunks;
+// the step spans 4 CH chunks), so a step's loads in flight are CH x 32 bytes per lane.
+template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false,
+          int CH = 1, bool NB = false>
 __global__ void __launch_bounds__(WARPS * 32)
     GemvMma(const float* __restrict__ x, const uint4* __restrict__ w,
             const float* __restrict__ scale, float* __restrict__ out, int64_t k, int64_t m) {
@@ -158,7 +162,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t chunks = k / (FP8 ? 16 : 8);
-  const int64_t steps = (chunks + 3) / 4;
+  const int64_t steps = (chunks + 4 * CH - 1) / (4 * CH);
   const int64_t per = (steps + WARPS - 1) / WARPS;
   const int64_t s0 = warp * per;
   const int64_t s1 = s0 + per < steps ? s0 + per : steps;
@@ -181,18 +185,23 @@ __global__ void __launch_bounds__(WARPS * 32)
     const uint4* wb = w + (vb ? row0 + g + 8 : 0) * chunks;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t b = s0; b < s1; b += kUnroll) {
-      uint4 ra[kUnroll], rb[kUnroll];
+      uint4 ra[kUnroll * CH], rb[kUnroll * CH];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t ch = (b + u) * 4 + t;
-        const bool in_k = b + u < s1 && ch < chunks;
-        ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
-        rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kUnroll * CH; ++u) {
+        const int64_t ch = ((b + u / CH) * 4 + t) * CH + u % CH;
+        const bool in_k = b + u / CH < s1 && ch < chunks;
+        if (NB) {
+          ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
+          rb[u] = LoadWeightChunkIf(wb + ch, vb && in_k);
+        } else {
+          ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
+          rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t ch = (b + u) * 4 + t;
-        const bool ld = xl && b + u < s1 && ch < chunks;
+      for (int u = 0; u < kUnroll * CH; ++u) {
+        const int64_t ch = ((b + u / CH) * 4 + t) * CH + u % CH;
+        const bool ld = xl && b + u / CH < s1 && ch < chunks;
         const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
         const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
         if constexpr (FP8) {
@@ -238,6 +247,74 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
     }
     if (PERSIST) __syncthreads();  // part is reused by the next group
+  }
+}
+
+// fp8, 8 rows per group (twice GemvMma's groups for the same rows): the weights are the mma's B
+// operand (n8 = 8 rows) and the activations its A (m16 = tokens, only token 0 here). Per step
+// lane (g, t) loads one 16-byte chunk (4 steps: chunk 4 step + t) of row g; word i's codes
+// {0, 1} and {2, 3} are B's k positions {2t, 2t+1} and {2t+8, 2t+9}; A's row 0 holds token 0's
+// activations at the same columns (lanes g == 0). C's row 0 (lanes g == 0) holds rows 2t, 2t+1.
+template <int kUnroll, int WARPS = 8, bool NB = false>
+__global__ void __launch_bounds__(WARPS * 32)
+    GemvFp8N8(const float* __restrict__ x, const uint4* __restrict__ w,
+              const float* __restrict__ scale, float* __restrict__ out, int64_t k, int64_t m) {
+  __shared__ float part[WARPS][8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t chunks = k / 16;
+  const int64_t steps = (chunks + 3) / 4;
+  const int64_t per = (steps + WARPS - 1) / WARPS;
+  const int64_t s0 = warp * per;
+  const int64_t s1 = s0 + per < steps ? s0 + per : steps;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const bool xl = g == 0;
+  const int64_t groups = (m + 7) / 8;
+  for (int64_t grp = blockIdx.x; grp < groups; grp += gridDim.x) {
+    const int64_t row = grp * 8 + g;
+    const bool va = row < m;
+    const uint4* wa = w + (va ? row : 0) * chunks;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b = s0; b < s1; b += kUnroll) {
+      uint4 ra[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool in_k = b + u < s1 && ch < chunks;
+        if (NB) {
+          ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
+        } else {
+          ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool ld = xl && b + u < s1 && ch < chunks;
+        const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // columns 16 ch + 4 i + {0..3}
+          const float4 xv = ld ? __ldg(x4 + ch * 4 + i) : make_float4(0, 0, 0, 0);
+          const uint32_t a[4] = {F16Pair(xv.x, xv.y), 0u, F16Pair(xv.z, xv.w), 0u};
+          MmaF16(c, a, E4m3PairToF16x2(wa4[i] & 0xffff), E4m3PairToF16x2(wa4[i] >> 16));
+        }
+      }
+    }
+    if (g == 0) {  // C row 0 (token 0): rows 2t and 2t + 1 of the group
+      part[warp][2 * t] = c[0];
+      part[warp][2 * t + 1] = c[1];
+    }
+    __syncthreads();
+    if (threadIdx.x < 8) {
+      const int64_t o = grp * 8 + threadIdx.x;
+      if (o < m) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int v = 0; v < WARPS; ++v) sum += part[v][threadIdx.x];
+        out[o] = sum * scale[o];
+      }
+    }
+    __syncthreads();
   }
 }
 
@@ -297,10 +374,11 @@ void LaunchRows(const float* x, const uint4* w, const float* scale, float* out, 
   GemvRows<FP8, kUnroll><<<Blocks<FP8, kUnroll>(m), kThreads, 0, stream>>>(x, w, scale, out, k, m);
 }
 
-template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false>
+template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false,
+          int CH = 1, bool NB = false>
 void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
                int64_t m, cudaStream_t stream) {
-  auto* kernel = GemvMma<FP8, ROUND, kUnroll, WARPS, PERSIST, PF>;
+  auto* kernel = GemvMma<FP8, ROUND, kUnroll, WARPS, PERSIST, PF, CH, NB>;
   int64_t blocks = (m + 15) / 16;
   if (PERSIST) {
     static const int64_t full = [&] {
@@ -314,6 +392,37 @@ void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, i
     blocks = std::min(blocks, full);
   }
   kernel<<<static_cast<unsigned>(blocks), WARPS * 32, 0, stream>>>(x, w, scale, out, k, m);
+}
+
+template <int kUnroll, int WARPS = 8, bool NB = false>
+void LaunchN8(const float* x, const uint4* w, const float* scale, float* out, int64_t k, int64_t m,
+              cudaStream_t stream) {
+  auto* kernel = GemvFp8N8<kUnroll, WARPS, NB>;
+  static const int64_t full = [&] {
+    int per_sm = 0, sms = 0, device = 0;
+    CUDA_BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, WARPS * 32, 0));
+    CUDA_BENCH_CHECK(cudaGetDevice(&device));
+    CUDA_BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return static_cast<int64_t>(sms) * per_sm;
+  }();
+  const int64_t blocks = std::min((m + 7) / 8, full);
+  kernel<<<static_cast<unsigned>(blocks), WARPS * 32, 0, stream>>>(x, w, scale, out, k, m);
+}
+
+// The production path: kernels/cuda/matmul.cu's LaunchMatMul for one token (GemvFp8Kernel for
+// fp8 weights, the bf16 GEMV of kRoundActivations for bf16 ones).
+template <bool FP8>
+void LaunchProduction(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
+                      int64_t m, cudaStream_t stream) {
+  namespace ci = strata::kernels::cuda_internal;
+  const ci::GpuResult r = ci::LaunchMatMul(
+      nullptr, x, w, FP8 ? ci::FloatType::kFP8E4M3 : ci::FloatType::kBF16, nullptr,
+      ci::FloatType::kF32, out, 1, k, m, nullptr, stream, /*round_activations=*/!FP8,
+      FP8 ? scale : nullptr);
+  if (!r.ok()) {
+    std::fprintf(stderr, "LaunchMatMul failed: %s (line %d)\n", cudaGetErrorString(r.cuda), r.line);
+    std::exit(1);
+  }
 }
 
 }  // namespace
@@ -332,11 +441,17 @@ int main(int argc, char** argv) {
   const Variant variants[] = {
       {"bf16 rows", false, 0, LaunchRows<false, 8>},
       {"bf16 mma round", false, 1, LaunchMma<false, true, 4>},
+      {"bf16 production", false, 1, LaunchProduction<false>},
       {"fp8 rows", true, 0, LaunchRows<true, 8>},
       {"fp8 mma", true, 2, LaunchMma<true, false, 4>},
       {"fp8 mma 16w", true, 2, LaunchMma<true, false, 4, 16>},
       {"fp8 mma persist", true, 2, LaunchMma<true, false, 4, 8, true>},
       {"fp8 mma pf", true, 2, LaunchMma<true, false, 4, 8, false, true>},
+      {"fp8 persist ch2u2", true, 2, LaunchMma<true, false, 2, 8, true, false, 2>},
+      {"fp8 production", true, 2, LaunchProduction<true>},
+      {"fp8 persist nb", true, 2, LaunchMma<true, false, 4, 8, true, false, 1, true>},
+      {"fp8 persist nb u8", true, 2, LaunchMma<true, false, 8, 8, true, false, 1, true>},
+      {"fp8 n8 nb u4", true, 2, LaunchN8<4, 8, true>},
   };
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   std::mt19937 rng(11);

@@ -22,6 +22,7 @@
 #include <cublas_v2.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string_view>
 
@@ -412,8 +413,8 @@ __device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
 
 // 1..16 tokens (n <= 8 * TILES) with fp8 weights in 16-byte rows (k % 16 == 0, aligned; f32
 // activations aligned): GemvMmaKernel's layout with 16 e4m3 weights per 16-byte chunk. A block
-// takes groups of 16 weight rows in turn, its warps contiguous slices of their 64-column steps; per step lane (g, t)
-// loads 16 bytes of rows g and g + 8 at chunk 4 * step + t, and each 16-bit pair of codes becomes
+// takes groups of 16 weight rows in turn, its warps contiguous slices of their 64-column steps;
+// per step lane (g, t) loads 16 bytes of rows g and g + 8 at chunk 4 * step + t, and each 16-bit pair of codes becomes
 // an f16 pair in one cvt (e4m3 is exact in f16). Word i of the chunk (columns 16 ch + 4 i +
 // {0..3}) feeds one m16n8k16 f16 mma: A's fragment positions {2t, 2t+1} hold its columns {0, 1}
 // and {2t+8, 2t+9} its columns {2, 3} (a permutation of k, matched by B), B's column g is token
@@ -421,13 +422,14 @@ __device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
 // the warps' sums are added in warp order in shared memory, then scaled by the row's scale and
 // the bias added. Read at one byte per weight, the GEMV moves half the bytes of bf16 weights and
 // runs on tensor cores: the scalar form (a dot per lane) was instruction-bound and slower than
-// bf16 (bench/RESULTS.md, sessions 20-21).
+// bf16 (bench/RESULTS.md, sessions 20-21). The weight loads are predicated, not branched
+// (LoadWeightChunkIf). One token without a bias takes GemvFp8OneKernel instead.
 template <int TILES>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvFp8Kernel(const float* __restrict__ in, const uint8_t* __restrict__ w,
                   const float* __restrict__ scale, const void* bias, FloatType bias_type,
                   float* __restrict__ out, int n, int64_t k, int64_t m) {
-  constexpr int kUnroll = 4;
+  constexpr int kUnroll = 4;  // steps whose loads are in flight at once
   __shared__ float part[kMmaWarps][16][8 * TILES];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -459,8 +461,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ch = (b + u) * 4 + t;
         const bool in_k = b + u < s1 && ch < chunks;
-        ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
-        rb[u] = vb && in_k ? LoadWeightChunk(wb + ch) : make_uint4(0, 0, 0, 0);
+        ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
+        rb[u] = LoadWeightChunkIf(wb + ch, vb && in_k);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -470,19 +472,95 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
+          float4 x[TILES];
+#pragma unroll
+          for (int j = 0; j < TILES; ++j) {
+            x[j] = vx[j] && in_k ? __ldg(x4[j] + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
           const uint32_t a[4] = {
               E4m3PairToF16x2(wa4[i] & 0xffffu), E4m3PairToF16x2(wb4[i] & 0xffffu),
               E4m3PairToF16x2(wa4[i] >> 16), E4m3PairToF16x2(wb4[i] >> 16)};
 #pragma unroll
           for (int j = 0; j < TILES; ++j) {
-            const float4 x =
-                vx[j] && in_k ? __ldg(x4[j] + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            Mma16816<__half>(c[j], a, PackPair<__half>(x.x, x.y), PackPair<__half>(x.z, x.w));
+            Mma16816<__half>(c[j], a, PackPair<__half>(x[j].x, x[j].y),
+                             PackPair<__half>(x[j].z, x[j].w));
           }
         }
       }
     }
     StoreMmaRows<TILES>(part, c, warp, g, t, row0, n, m, scale, bias, bias_type, out);
+    __syncthreads();  // part is written again for the next group
+  }
+}
+
+// One token, no bias (the decode step's projections): GemvFp8Kernel's layout and arithmetic for
+// token 0 only (lanes g == 0 load its activations), eight steps of predicated weight loads at once
+// and a short epilogue (lanes t == 0 hold rows g and g + 8 in c[0] and c[2]). With these ptxas
+// keeps the loads in flight (72 registers; GemvFp8Kernel's epilogue leaves it at 48 and the loads
+// one step ahead of their use): 32 layers' GEMVs back to back 82.6 -> 75.1 us per layer on the
+// H200 (cuda_gemv_weight_bench "fp8 persist nb u8", bench/RESULTS.md, session 22).
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    GemvFp8OneKernel(const float* __restrict__ in, const uint8_t* __restrict__ w8,
+                     const float* __restrict__ scale, float* __restrict__ out, int64_t k,
+                     int64_t m) {
+  constexpr int kUnroll = 8;
+  __shared__ float part[kMmaWarps][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const uint4* w = reinterpret_cast<const uint4*>(w8);
+  const int64_t chunks = k / 16;
+  const int64_t steps = (chunks + 3) / 4;
+  const int64_t per = (steps + kMmaWarps - 1) / kMmaWarps;
+  const int64_t s0 = warp * per;
+  const int64_t s1 = s0 + per < steps ? s0 + per : steps;
+  const float4* x4 = reinterpret_cast<const float4*>(in);
+  const bool xl = g == 0;
+  const int64_t groups = (m + 15) / 16;
+  for (int64_t grp = blockIdx.x; grp < groups; grp += gridDim.x) {
+    const int64_t row0 = grp * 16;
+    const bool va = row0 + g < m, vb = row0 + g + 8 < m;
+    const uint4* wa = w + (va ? row0 + g : 0) * chunks;
+    const uint4* wb = w + (vb ? row0 + g + 8 : 0) * chunks;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b = s0; b < s1; b += kUnroll) {
+      uint4 ra[kUnroll], rb[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool in_k = b + u < s1 && ch < chunks;
+        ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
+        rb[u] = LoadWeightChunkIf(wb + ch, vb && in_k);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool ld = xl && b + u < s1 && ch < chunks;
+        const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
+        const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // columns 16 ch + 4 i + {0..3}
+          const float4 xv = ld ? __ldg(x4 + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          const uint32_t a[4] = {E4m3PairToF16x2(wa4[i] & 0xffffu),
+                                 E4m3PairToF16x2(wb4[i] & 0xffffu), E4m3PairToF16x2(wa4[i] >> 16),
+                                 E4m3PairToF16x2(wb4[i] >> 16)};
+          Mma16816<__half>(c, a, PackPair<__half>(xv.x, xv.y), PackPair<__half>(xv.z, xv.w));
+        }
+      }
+    }
+    if (t == 0) {
+      part[warp][g] = c[0];
+      part[warp][g + 8] = c[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      const int64_t o = row0 + threadIdx.x;
+      if (o < m) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int v = 0; v < kMmaWarps; ++v) sum += part[v][threadIdx.x];
+        out[o] = sum * scale[o];
+      }
+    }
     __syncthreads();  // part is written again for the next group
   }
 }
@@ -512,44 +590,84 @@ int SmCount() {
   return sms < 1 ? 1 : sms;
 }
 
-// GemvFp8Kernel's grid: every block resident STRATA_GEMV_FP8_WAVES times (read once; default 1:
-// SMs x resident blocks, each block taking row groups in turn; 0: one block per row group),
-// fewer for few groups. Measured on the H200 (bench/RESULTS.md, session 21): 32 layers' GEMVs
-// back to back 86.5 -> 82.7 us per layer and the LM head 148 -> 134 us against a block per row
-// group.
-template <int TILES>
-unsigned GemvFp8Blocks(int64_t m) {
+// The fp8 GEMVs' grid, `per_sm` being the launched kernel's BlocksPerSm: every block resident
+// STRATA_GEMV_FP8_WAVES times (read once; default 1: SMs x resident blocks, each block taking row
+// groups in turn; 0: one block per row group), fewer for few groups. Measured on the H200
+// (bench/RESULTS.md, session 21): 32 layers' GEMVs back to back 86.5 -> 82.7 us per layer and the
+// LM head 148 -> 134 us against a block per row group.
+unsigned GemvFp8Blocks(int per_sm, int64_t m) {
   static const int64_t waves = EnvInt("STRATA_GEMV_FP8_WAVES", 1);
-  static const int per_sm =
-      BlocksPerSm(reinterpret_cast<const void*>(GemvFp8Kernel<TILES>), kMmaWarps * 32);
   const int64_t groups = (m + 15) / 16;
   const int64_t full = static_cast<int64_t>(SmCount()) * per_sm * waves;
   return static_cast<unsigned>(groups < full || waves <= 0 ? groups : full);
 }
 
-// out[i] = w[i] as f16 (exact) for i in [0, n): rows of fp8 weights for a cuBLAS GEMM.
+// out[i] = w[i] as f16 (exact) for i in [0, n): rows of fp8 weights for a cuBLAS GEMM. VEC: 16
+// codes per thread and iteration (n % 16 == 0, w and out 16-byte aligned), one cvt per pair.
+template <bool VEC>
 __global__ void Fp8ToF16Kernel(const uint8_t* __restrict__ w, __half* __restrict__ out,
                                int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(w[i]), __NV_E4M3);
-    out[i] = __half(h);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if constexpr (VEC) {
+    const uint4* w16 = reinterpret_cast<const uint4*>(w);
+    uint4* o16 = reinterpret_cast<uint4*>(out);
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n / 16;
+         i += stride) {
+      const uint4 c = w16[i];
+      const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+      uint32_t h[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        h[2 * j] = E4m3PairToF16x2(words[j] & 0xffffu);
+        h[2 * j + 1] = E4m3PairToF16x2(words[j] >> 16);
+      }
+      o16[2 * i] = make_uint4(h[0], h[1], h[2], h[3]);
+      o16[2 * i + 1] = make_uint4(h[4], h[5], h[6], h[7]);
+    }
+  } else {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += stride) {
+      const __half_raw h =
+          __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(w[i]), __NV_E4M3);
+      out[i] = __half(h);
+    }
   }
 }
 
-// out[t, o] = out[t, o] * scale[o] (+ bias[o]): the fp8 GEMM's epilogue.
+// out[t, o] = out[t, o] * scale[o] (+ bias[o]): the fp8 GEMM's epilogue, a token row per
+// blockIdx.y (strided), no division per element. VEC: 4 outputs per thread (m % 4 == 0, out and
+// scale 16-byte aligned).
+template <bool VEC>
 __global__ void ScaleBiasKernel(float* out, const float* __restrict__ scale, const void* bias,
                                 FloatType bias_type, int64_t n, int64_t m) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n * m;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t o = i % m;
-    out[i] = out[i] * scale[o] + (bias != nullptr ? LoadAny(bias, bias_type, o) : 0.0f);
+  const int64_t per = VEC ? m / 4 : m;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
+    float* row = out + t * m;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < per;
+         i += stride) {
+      if constexpr (VEC) {
+        float4 v = reinterpret_cast<const float4*>(row)[i];
+        const float4 sc = reinterpret_cast<const float4*>(scale)[i];
+        const int64_t o = 4 * i;
+        const bool b = bias != nullptr;
+        v.x = v.x * sc.x + (b ? LoadAny(bias, bias_type, o) : 0.0f);
+        v.y = v.y * sc.y + (b ? LoadAny(bias, bias_type, o + 1) : 0.0f);
+        v.z = v.z * sc.z + (b ? LoadAny(bias, bias_type, o + 2) : 0.0f);
+        v.w = v.w * sc.w + (b ? LoadAny(bias, bias_type, o + 3) : 0.0f);
+        reinterpret_cast<float4*>(row)[i] = v;
+      } else {
+        row[i] = row[i] * scale[i] + (bias != nullptr ? LoadAny(bias, bias_type, i) : 0.0f);
+      }
+    }
   }
 }
 
-// Rows of fp8 weights converted to f16 per cuBLAS GEMM: at most 32 MiB of f16 scratch.
+// Rows of fp8 weights converted to f16 per cuBLAS GEMM: at most 32 MiB of f16 scratch, a
+// multiple of 128 rows where that is at least 128 (only the last block ends in a part tile).
 int64_t Fp8GemmBlockRows(int64_t k, int64_t m) {
   int64_t rows = (int64_t{32} << 20) / (2 * (k > 0 ? k : 1));
+  if (rows >= 128) rows -= rows % 128;
   if (rows < 16) rows = 16;
   return rows < m ? rows : m;
 }
@@ -706,6 +824,17 @@ __global__ void RoundKernel(const float* __restrict__ in, T* __restrict__ out, i
   }
 }
 
+// RoundKernel over n elements on `stream`: the vector instance when `in` is 16-byte aligned and
+// n % 4 == 0, else the scalar one.
+template <typename T>
+void LaunchRound(const float* in, T* out, int64_t n, cudaStream_t stream) {
+  if (n % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0) {
+    RoundKernel<T, true><<<GridFor(n / 4, 256), 256, 0, stream>>>(in, out, n);
+  } else {
+    RoundKernel<T, false><<<GridFor(n, 256), 256, 0, stream>>>(in, out, n);
+  }
+}
+
 __global__ void AddBiasKernel(float* out, const void* bias, FloatType bias_type, int64_t n,
                               int64_t m) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n * m;
@@ -805,10 +934,20 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
   if (weight_type == FloatType::kFP8E4M3) {
     const auto* w8 = static_cast<const uint8_t*>(weight);
     if (TakesGemvFp8(weight_type, n, k, weight, in)) {
-      const unsigned blocks = n > 8 ? GemvFp8Blocks<2>(m) : GemvFp8Blocks<1>(m);
-      auto* kernel = n > 8 ? GemvFp8Kernel<2> : GemvFp8Kernel<1>;
-      kernel<<<blocks, kMmaWarps * 32, 0, stream>>>(in, w8, weight_scale, bias, bias_type, out,
-                                                    static_cast<int>(n), k, m);
+      static const int one_per_sm =
+          BlocksPerSm(reinterpret_cast<const void*>(GemvFp8OneKernel), kMmaWarps * 32);
+      static const int per_sm_1 =
+          BlocksPerSm(reinterpret_cast<const void*>(GemvFp8Kernel<1>), kMmaWarps * 32);
+      static const int per_sm_2 =
+          BlocksPerSm(reinterpret_cast<const void*>(GemvFp8Kernel<2>), kMmaWarps * 32);
+      if (n == 1 && bias == nullptr) {
+        GemvFp8OneKernel<<<GemvFp8Blocks(one_per_sm, m), kMmaWarps * 32, 0, stream>>>(
+            in, w8, weight_scale, out, k, m);
+      } else {
+        auto* kernel = n > 8 ? GemvFp8Kernel<2> : GemvFp8Kernel<1>;
+        kernel<<<GemvFp8Blocks(n > 8 ? per_sm_2 : per_sm_1, m), kMmaWarps * 32, 0, stream>>>(
+            in, w8, weight_scale, bias, bias_type, out, static_cast<int>(n), k, m);
+      }
       STRATA_GPU_RESULT_CUDA(cudaGetLastError());
       return GpuResult();
     }
@@ -817,18 +956,20 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
     const int64_t elems = n * k;
     auto* x16 = static_cast<__half*>(scratch);
     __half* w16 = x16 + elems;
-    const bool vec4 = elems % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0;
-    if (vec4) {
-      RoundKernel<__half, true><<<GridFor(elems / 4, 256), 256, 0, stream>>>(in, x16, elems);
-    } else {
-      RoundKernel<__half, false><<<GridFor(elems, 256), 256, 0, stream>>>(in, x16, elems);
-    }
+    LaunchRound(in, x16, elems, stream);
     STRATA_GPU_RESULT_CUDA(cudaGetLastError());
     const int64_t block = Fp8GemmBlockRows(k, m);
     const float one = 1.0f, zero = 0.0f;
     for (int64_t r0 = 0; r0 < m; r0 += block) {
       const int64_t rows = m - r0 < block ? m - r0 : block;
-      Fp8ToF16Kernel<<<GridFor(rows * k, 256), 256, 0, stream>>>(w8 + r0 * k, w16, rows * k);
+      const uint8_t* src = w8 + r0 * k;
+      const int64_t codes = rows * k;
+      if (codes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(w16) % 16 == 0) {
+        Fp8ToF16Kernel<true><<<GridFor(codes / 16, 256), 256, 0, stream>>>(src, w16, codes);
+      } else {
+        Fp8ToF16Kernel<false><<<GridFor(codes, 256), 256, 0, stream>>>(src, w16, codes);
+      }
       STRATA_GPU_RESULT_CUDA(cudaGetLastError());
       STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows),
                                           static_cast<int>(n), static_cast<int>(k), &one, w16,
@@ -837,8 +978,18 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
                                           static_cast<int>(m), CUBLAS_COMPUTE_32F,
                                           CUBLAS_GEMM_DEFAULT));
     }
-    ScaleBiasKernel<<<GridFor(n * m, 256), 256, 0, stream>>>(out, weight_scale, bias, bias_type,
+    const bool vec_scale = m % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(weight_scale) % 16 == 0;
+    const int64_t per_row = vec_scale ? m / 4 : m;
+    const dim3 scale_grid(static_cast<unsigned>(std::min<int64_t>((per_row + 255) / 256, 1024)),
+                          static_cast<unsigned>(std::min<int64_t>(n, 65535)));
+    if (vec_scale) {
+      ScaleBiasKernel<true><<<scale_grid, 256, 0, stream>>>(out, weight_scale, bias, bias_type, n,
+                                                            m);
+    } else {
+      ScaleBiasKernel<false><<<scale_grid, 256, 0, stream>>>(out, weight_scale, bias, bias_type,
                                                              n, m);
+    }
     STRATA_GPU_RESULT_CUDA(cudaGetLastError());
     return GpuResult();
   }
@@ -881,23 +1032,10 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   } else if (round_activations) {
     const int64_t elems = n * k;
-    const bool vec4 = elems % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0;
-    const int64_t items = vec4 ? elems / 4 : elems;
-    const unsigned grid = GridFor(items, 256);
     if (weight_type == FloatType::kBF16) {
-      auto* r = static_cast<__nv_bfloat16*>(scratch);
-      if (vec4) {
-        RoundKernel<__nv_bfloat16, true><<<grid, 256, 0, stream>>>(in, r, elems);
-      } else {
-        RoundKernel<__nv_bfloat16, false><<<grid, 256, 0, stream>>>(in, r, elems);
-      }
+      LaunchRound(in, static_cast<__nv_bfloat16*>(scratch), elems, stream);
     } else {
-      auto* r = static_cast<__half*>(scratch);
-      if (vec4) {
-        RoundKernel<__half, true><<<grid, 256, 0, stream>>>(in, r, elems);
-      } else {
-        RoundKernel<__half, false><<<grid, 256, 0, stream>>>(in, r, elems);
-      }
+      LaunchRound(in, static_cast<__half*>(scratch), elems, stream);
     }
     STRATA_GPU_RESULT_CUDA(cudaGetLastError());
     STRATA_GPU_RESULT_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),

@@ -223,6 +223,20 @@ __device__ __forceinline__ uint4 LoadWeightChunk(const uint4* p) {
   return r;
 }
 
+// LoadWeightChunk(p) when `ok`, else zeros, as one predicated load without a branch: the loads of
+// an unrolled step stay in one basic block, so ptxas may issue them all before their first use
+// (`ok ? LoadWeightChunk(p) : zeros` puts each load behind its own branch, and the loads then go
+// out one step ahead of their use; bench/RESULTS.md, session 22).
+__device__ __forceinline__ uint4 LoadWeightChunkIf(const uint4* p, bool ok) {
+  uint4 r;
+  asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+      " mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
+      " @q ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "r"(static_cast<int>(ok)));
+  return r;
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
