@@ -98,7 +98,8 @@
 //     reported: seconds (one timed pass after the weights are resident, backend synchronized),
 //     tokens/s, the attention FLOPs of causal dense attention 4 * layers * q_heads * head_dim *
 //     N^2 / 2 divided by the seconds (an effective rate for scale, not a kernel measurement), and
-//     GPU memory at the end. Runs before any document decode (--contexts still applies after).
+//     GPU memory at the end. Runs before the decode passes' Transformer is made (one copy of the
+//     weights on the device) and before any document decode (--contexts still applies after).
 //     --prefill_policy=dense|quest|tokenselect (a comma list runs each in turn, per context):
 //     quest / tokenselect prefill through engine::sparse::DevicePolicy::AttendChunk (default
 //     PolicyOptions: B = 2048, 64 sinks, 256-token window; selection on the device with each
@@ -118,6 +119,11 @@
 //     prefill line also gives linear_tflops: 2 * (projection + MLP weights) FLOPs per token (LM
 //     head once) times tokens over the seconds, an effective rate that includes attention time.
 //     The decode passes and --prefill_check use the first listed precision.
+//   --gpu_memory_cap_gib=X (> 0; CUDA): before the backend is made, the device memory beyond X GiB
+//     of the device's total is taken by one cudaMalloc that is held to the end (a ballast), so
+//     the run has the memory of an X GiB device (e.g. 79.6 for an 80 GB H100 on an H200); the
+//     GPU memory figures then exclude the ballast. Fails if the device has less than X GiB free
+//     beyond what is in use.
 //   --weight_format=checkpoint|fp8 (default checkpoint: the random bf16 weights as made):
 //     engine::TransformerOptions::weight_format of every Transformer of the run; fp8 quantises
 //     the projections and the LM head row-wise to e4m3 at load (half the weight bytes per token).
@@ -213,6 +219,8 @@ struct Flags {
   // Prefill pass (see the file comment): contexts, empty for none, and the chunk size.
   std::string prefill_contexts;
   int prefill_chunk = 8192;
+  // > 0: the run behaves as on a GPU of this many GiB (see the file comment).
+  double gpu_memory_cap_gib = 0;
   std::string prefill_policy = "dense";
   int64_t prefill_check = 0;
   std::string matmul_precision = "split";  // comma list of split|bf16
@@ -255,6 +263,9 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "weight_format") { f->weight_format = v; return true; }
   if (k == "selection_log") { f->selection_log = v; return !v.empty(); }
   if (k == "backend") { f->backend = v; return v == "cuda" || v == "cpu"; }
+  if (k == "gpu_memory_cap_gib") {
+    return absl::SimpleAtod(v, &x) && (f->gpu_memory_cap_gib = x) > 0;
+  }
   if (k == "cache_fraction") { return absl::SimpleAtod(v, &x) && (f->cache_fraction = x) > 0; }
   if (k == "query_correlation" || k == "cache_theta") {
     for (absl::string_view e : absl::StrSplit(v, ',', absl::SkipEmpty())) {
@@ -292,10 +303,36 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   return false;
 }
 
+size_t g_ballast_bytes = 0;  // --gpu_memory_cap_gib's allocation, excluded from GpuUsedGiB
+
 double GpuUsedGiB() {
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return NAN;
-  return static_cast<double>(total_b - free_b) / (1 << 30);
+  return static_cast<double>(total_b - free_b - g_ballast_bytes) / (1 << 30);
+}
+
+// --gpu_memory_cap_gib: holds the device memory beyond cap_gib of the total (until exit).
+bool TakeBallast(double cap_gib) {
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return false;
+  const double cap = cap_gib * (1 << 30);
+  if (cap >= static_cast<double>(total_b)) {
+    std::printf("gpu memory cap %.2f GiB: the device has %.2f GiB, no ballast\n", cap_gib,
+                static_cast<double>(total_b) / (1 << 30));
+    return true;
+  }
+  const size_t bytes = total_b - static_cast<size_t>(cap);
+  void* p = nullptr;
+  if (bytes > free_b || cudaMalloc(&p, bytes) != cudaSuccess) {
+    std::fprintf(stderr, "gpu memory cap %.2f GiB: cannot hold %.2f GiB (free %.2f)\n", cap_gib,
+                 static_cast<double>(bytes) / (1 << 30), static_cast<double>(free_b) / (1 << 30));
+    return false;
+  }
+  g_ballast_bytes = bytes;
+  std::printf("gpu memory cap %.2f GiB: %.2f GiB of the device's %.2f GiB held as ballast\n",
+              cap_gib, static_cast<double>(bytes) / (1 << 30),
+              static_cast<double>(total_b) / (1 << 30));
+  return true;
 }
 
 // splitmix64: a fast, seedable stream for bulk random data.
@@ -936,6 +973,7 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
   to.matmul_precision = precision;
   STRATA_ASSIGN_OR_RETURN(to.weight_format, engine::ParseWeightFormat(f.weight_format));
   STRATA_ASSIGN_OR_RETURN(auto tf, engine::Transformer::Create(c, weights, backend, to));
+  const double gpu_weights = GpuUsedGiB();
   std::vector<int32_t> ids(static_cast<size_t>(tokens));
   Rng r{f.seed * 31 + static_cast<uint64_t>(tokens)};
   for (int32_t& id : ids) id = static_cast<int32_t>(r.Next() % static_cast<uint64_t>(c.vocab_size));
@@ -969,8 +1007,10 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
         tf->Forward(ids.data(), w, 0, warm.get(), dense.get(), logits.data(), false, fo));
     STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   }
+  const double gpu_warm = GpuUsedGiB();  // the warm-up's cache freed, its scratch kept
   STRATA_ASSIGN_OR_RETURN(auto cache, engine::KvCache::Create(
                                           tf->MakeCacheOptions(tokens, f.page_size, DType::kBF16), backend));
+  const double gpu_cache = GpuUsedGiB();
   STRATA_ASSIGN_OR_RETURN(const engine::ForwardOptions fo, options_for(*cache));
   const double gpu_ready = GpuUsedGiB();
   Stopwatch sw;
@@ -997,10 +1037,12 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
               " chunk=%d seconds=%.2f "
               "tok_s=%.0f attention_tflop=%.1f effective_attention_tflops=%.1f "
               "linear_tflops=%.1f "
-              "attended_fraction=%.4f gpu_used_GiB ready=%.2f end=%.2f logits_sum=%.4g\n",
+              "attended_fraction=%.4f gpu_used_GiB weights=%.2f after_warmup=%.2f "
+              "cache=%.2f ready=%.2f end=%.2f logits_sum=%.4g\n",
               name.c_str(), policy.c_str(), engine::MatMulPrecisionName(precision),
               sparse ? po.token_budget : 0, tokens, f.prefill_chunk, s, n / s, attn_flop / 1e12,
-              attn_flop / 1e12 / s, linear_flop / 1e12 / s, attended, gpu_ready, GpuUsedGiB(),
+              attn_flop / 1e12 / s, linear_flop / 1e12 / s, attended, gpu_weights, gpu_warm,
+              gpu_cache, gpu_ready, GpuUsedGiB(),
               checksum);
   std::fflush(stdout);
   if (!std::isfinite(checksum) || checksum >= 1e30) {
@@ -1365,6 +1407,9 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "bad --weight_format: %s\n", weight_format.status().ToString().c_str());
     return 2;
   }
+  if (f.gpu_memory_cap_gib > 0 && f.backend == "cuda" && !TakeBallast(f.gpu_memory_cap_gib)) {
+    return 1;
+  }
   const double gpu_before = GpuUsedGiB();
   kernels::BackendOptions bo;
   bo.kind = f.backend == "cpu" ? kernels::BackendKind::kCpu : kernels::BackendKind::kCuda;
@@ -1397,24 +1442,9 @@ int Main(int argc, char** argv) {
         std::max<int64_t>(config->max_position_embeddings, longest + 4096);
     Stopwatch wsw;
     auto weights = MakeWeights(*config, f.seed, NumThreads(f));
-    engine::TransformerOptions to;
-    to.prefill_chunk_size = 16;
-    to.matmul_precision = precisions.front();  // decode passes: the first listed precision
-    to.weight_format = *weight_format;
-    absl::StatusOr<std::unique_ptr<engine::Transformer>> tf =
-        engine::Transformer::Create(*config, weights->weights, backend, to);
-    if (!tf.ok()) {
-      std::fprintf(stderr, "%s: Transformer::Create: %s\n", mo.preset.c_str(),
-                   tf.status().ToString().c_str());
-      return 1;
-    }
-    const double gpu_weights = GpuUsedGiB();
-    std::printf("model %s: %s; weights made and uploaded in %.1f s; GPU used %.2f GiB; "
-                "decode matmul precision %s; weight format %s\n",
-                mo.preset.c_str(), config->DebugString().c_str(), wsw.ElapsedSeconds(),
-                gpu_weights, engine::MatMulPrecisionName(to.matmul_precision),
-                engine::WeightFormatName(to.weight_format));
-    std::fflush(stdout);
+    std::printf("model %s: weights made in %.1f s\n", mo.preset.c_str(), wsw.ElapsedSeconds());
+    // The prefill passes first, each with its own Transformer, before the decode passes' one is
+    // made: only one copy of the weights is on the device while a prefill runs.
     for (absl::string_view pc : absl::StrSplit(f.prefill_contexts, ',', absl::SkipEmpty())) {
       int64_t n = 0;
       if (!absl::SimpleAtoi(pc, &n) || n < 1) {
@@ -1445,6 +1475,25 @@ int Main(int argc, char** argv) {
         ++failures;
       }
     }
+    Stopwatch usw;
+    engine::TransformerOptions to;
+    to.prefill_chunk_size = 16;
+    to.matmul_precision = precisions.front();  // decode passes: the first listed precision
+    to.weight_format = *weight_format;
+    absl::StatusOr<std::unique_ptr<engine::Transformer>> tf =
+        engine::Transformer::Create(*config, weights->weights, backend, to);
+    if (!tf.ok()) {
+      std::fprintf(stderr, "%s: Transformer::Create: %s\n", mo.preset.c_str(),
+                   tf.status().ToString().c_str());
+      return 1;
+    }
+    const double gpu_weights = GpuUsedGiB();
+    std::printf("model %s: %s; weights uploaded in %.1f s; GPU used %.2f GiB; "
+                "decode matmul precision %s; weight format %s\n",
+                mo.preset.c_str(), config->DebugString().c_str(), usw.ElapsedSeconds(),
+                gpu_weights, engine::MatMulPrecisionName(to.matmul_precision),
+                engine::WeightFormatName(to.weight_format));
+    std::fflush(stdout);
     if (f.no_document_pass) {
       RunResult r;
       r.shape = mo.preset;
