@@ -45,7 +45,11 @@ done
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader \
   2>&1 | tee "$LOGS/nvidia-smi.txt"
-git -C "$ROOT" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit: /' || true
+if [ -f "$BUNDLE/commit.txt" ]; then
+  echo "binaries built from: $(cat "$BUNDLE/commit.txt")"
+else
+  git -C "$ROOT" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit: /' || true
+fi
 
 declare -a rows
 summarize() {  # name log rc seconds

@@ -80,6 +80,9 @@ fi
 
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
+# The tree the binaries were built from (the GPU machine's copy of .git may be older).
+{ git rev-parse --short HEAD; git status --porcelain --untracked-files=no | grep -q . && echo "(with uncommitted changes)"; } \
+  2>/dev/null | tr '\n' ' ' > "$BUNDLE/commit.txt" || true
 for b in "${binaries[@]}"; do
   strip --strip-unneeded -o "$BUNDLE/bin/$(basename "$b")" "$b"
 done

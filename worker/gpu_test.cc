@@ -576,13 +576,17 @@ TEST(WorkerConcurrentJobsGpuTest, EveryJobFinishesWhileOthersCapture) {
       ASSERT_EQ(out[j].info.state(), v1::JobInfo::DONE) << "job " << j << ": " << out[j].info.error_message();
       ASSERT_EQ(out[j].info.output_token_ids_size(), max_tokens) << "job " << j;
       if (batch == 0) alone[j] = Tokens(out[j].info);
-      if (batch == 1) EXPECT_EQ(Tokens(out[j].info), alone[j]) << "job " << j;
+      if (batch == 1) {
+        EXPECT_EQ(Tokens(out[j].info), alone[j]) << "job " << j;
+      }
     }
     std::printf("max_decode_batch %d%s: %d jobs done, %lld decode steps in %lld forwards, %lld graph steps\n",
                 wo.max_decode_batch, batch == 0 ? " (one job at a time)" : "", jobs,
                 static_cast<long long>((*w)->decode_steps()), static_cast<long long>((*w)->decode_batches()),
                 static_cast<long long>((*w)->decode_graph_steps()));
-    if (batch == 1) EXPECT_GT((*w)->decode_graph_steps(), 0);
+    if (batch == 1) {
+      EXPECT_GT((*w)->decode_graph_steps(), 0);
+    }
   }
 }
 
