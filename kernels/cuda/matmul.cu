@@ -411,6 +411,31 @@ __device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
   return r;
 }
 
+// The fp8 GEMVs' weight loads: lane t's 16-byte chunks (chunk 4 step + t) of rows g (`wa`, `ra`)
+// and g + 8 (`wb`, `rb`) for the kUnroll steps from `b`, predicated (zeros past step s1, past the
+// row's `chunks` or for a row past the matrix: `va`, `vb`).
+template <int kUnroll>
+__device__ __forceinline__ void LoadFp8Steps(const uint4* wa, const uint4* wb, bool va, bool vb,
+                                             int64_t b, int64_t s1, int64_t chunks, int t,
+                                             uint4 (&ra)[kUnroll], uint4 (&rb)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t ch = (b + u) * 4 + t;
+    const bool in_k = b + u < s1 && ch < chunks;
+    ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
+    rb[u] = LoadWeightChunkIf(wb + ch, vb && in_k);
+  }
+}
+
+// The m16n8k16 A fragment of one 32-bit word of rows g (`wa`) and g + 8 (`wb`): their codes
+// {0, 1} at positions {2t, 2t+1} and {2, 3} at {2t+8, 2t+9}, each pair one cvt to f16x2.
+__device__ __forceinline__ void Fp8Fragment(uint32_t wa, uint32_t wb, uint32_t (&a)[4]) {
+  a[0] = E4m3PairToF16x2(wa & 0xffffu);
+  a[1] = E4m3PairToF16x2(wb & 0xffffu);
+  a[2] = E4m3PairToF16x2(wa >> 16);
+  a[3] = E4m3PairToF16x2(wb >> 16);
+}
+
 // 1..16 tokens (n <= 8 * TILES) with fp8 weights in 16-byte rows (k % 16 == 0, aligned; f32
 // activations aligned): GemvMmaKernel's layout with 16 e4m3 weights per 16-byte chunk. A block
 // takes groups of 16 weight rows in turn, its warps contiguous slices of their 64-column steps;
@@ -457,13 +482,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     for (int i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
     for (int64_t b = s0; b < s1; b += kUnroll) {
       uint4 ra[kUnroll], rb[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t ch = (b + u) * 4 + t;
-        const bool in_k = b + u < s1 && ch < chunks;
-        ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
-        rb[u] = LoadWeightChunkIf(wb + ch, vb && in_k);
-      }
+      LoadFp8Steps(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ch = (b + u) * 4 + t;
@@ -477,9 +496,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
           for (int j = 0; j < TILES; ++j) {
             x[j] = vx[j] && in_k ? __ldg(x4[j] + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
           }
-          const uint32_t a[4] = {
-              E4m3PairToF16x2(wa4[i] & 0xffffu), E4m3PairToF16x2(wb4[i] & 0xffffu),
-              E4m3PairToF16x2(wa4[i] >> 16), E4m3PairToF16x2(wb4[i] >> 16)};
+          uint32_t a[4];
+          Fp8Fragment(wa4[i], wb4[i], a);
 #pragma unroll
           for (int j = 0; j < TILES; ++j) {
             Mma16816<__half>(c[j], a, PackPair<__half>(x[j].x, x[j].y),
@@ -524,13 +542,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t b = s0; b < s1; b += kUnroll) {
       uint4 ra[kUnroll], rb[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t ch = (b + u) * 4 + t;
-        const bool in_k = b + u < s1 && ch < chunks;
-        ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
-        rb[u] = LoadWeightChunkIf(wb + ch, vb && in_k);
-      }
+      LoadFp8Steps(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ch = (b + u) * 4 + t;
@@ -540,9 +552,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // columns 16 ch + 4 i + {0..3}
           const float4 xv = ld ? __ldg(x4 + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          const uint32_t a[4] = {E4m3PairToF16x2(wa4[i] & 0xffffu),
-                                 E4m3PairToF16x2(wb4[i] & 0xffffu), E4m3PairToF16x2(wa4[i] >> 16),
-                                 E4m3PairToF16x2(wb4[i] >> 16)};
+          uint32_t a[4];
+          Fp8Fragment(wa4[i], wb4[i], a);
           Mma16816<__half>(c, a, PackPair<__half>(xv.x, xv.y), PackPair<__half>(xv.z, xv.w));
         }
       }
