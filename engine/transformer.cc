@@ -677,6 +677,31 @@ absl::StatusOr<bool> Transformer::ReplayGraphRows(const std::vector<GraphRow>& r
   return true;
 }
 
+absl::Status Transformer::Mlp(int layer, int64_t n) {
+  kernels::Backend* be = backend_;
+  const int64_t hidden = config_.hidden_size, ffn = config_.intermediate_size;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const model::LayerWeights& w = layers_[layer];
+  const LayerScales& ws = scales_[layer];
+  const FusedWeights& fw = fused_[layer];
+  const TensorView x = View2(x_.get(), n, hidden);
+  const TensorView xn = View2(xn_.get(), n, hidden);
+  const TensorView o = View2(o_.get(), n, hidden);
+  float* const gate_rows = static_cast<float*>(gate_up_->data());
+  const TensorView gate(gate_rows, DType::kF32, {n, ffn});
+  const TensorView up(gate_rows + n * ffn, DType::kF32, {n, ffn});
+  STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));
+  if (n == 1 && fw.gate_up.data != nullptr) {
+    const TensorView gate_up(gate_rows, DType::kF32, {1, 2 * ffn});
+    STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}, fw.gate_up_scale));
+  } else {
+    STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}, ws.gate));
+    STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}, ws.up));
+  }
+  STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
+  return MatMul({gate, w.down_proj, TensorView(), o}, ws.down);
+}
+
 absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
                                           const std::vector<kernels::Buffer*>& page_tables,
                                           const int32_t* device_token) {
@@ -684,7 +709,6 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
   const int64_t n = static_cast<int64_t>(rows.size());
   const int64_t hidden = config_.hidden_size, vocab = config_.vocab_size;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
-  const int64_t ffn = config_.intermediate_size;
   const float eps = static_cast<float>(config_.rms_norm_eps);
   const int32_t* step = static_cast<const int32_t*>(step_->data());
   const int32_t* id_dev = device_token != nullptr ? device_token : step;
@@ -697,7 +721,6 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
   float* const q_rows = static_cast<float*>(qkv_->data());
   float* const k_rows = q_rows + n * hq * d;
   float* const v_rows = k_rows + n * hkv * d;
-  float* const gate_rows = static_cast<float*>(gate_up_->data());
   float* const attn_rows = static_cast<float*>(attn_->data());
   float* const lse_rows = static_cast<float*>(lse_->data());
   const TensorView q(q_rows, DType::kF32, {n, hq * d});
@@ -705,9 +728,6 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
   const TensorView v(v_rows, DType::kF32, {n, hkv * d});
   const TensorView qkv(q_rows, DType::kF32, {1, (hq + 2 * hkv) * d});  // one row only
   const TensorView o = View2(o_.get(), n, hidden);
-  const TensorView gate(gate_rows, DType::kF32, {n, ffn});
-  const TensorView up(gate_rows + n * ffn, DType::kF32, {n, ffn});
-  const TensorView gate_up(gate_rows, DType::kF32, {1, 2 * ffn});  // one row only
   const TensorView attn = View2(attn_.get(), n, hq * d);
   bool any_external = false;
   std::vector<kernels::SelectedAttentionParams> local(static_cast<size_t>(n));
@@ -789,15 +809,7 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
       }
       STRATA_RETURN_IF_ERROR(MatMul({attn, w.o_proj, TensorView(), o}, ws.o));
     }
-    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));
-    if (n == 1 && fw.gate_up.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}, fw.gate_up_scale));
-    } else {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}, ws.gate));
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}, ws.up));
-    }
-    STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}, ws.down));
+    STRATA_RETURN_IF_ERROR(Mlp(layer, n));
   }
   STRATA_RETURN_IF_ERROR(be->RmsNorm({x, final_norm_, xn, eps, num_layers > 0 ? o : TensorView()}, nullptr));
   const TensorView lo(logits_->data(), DType::kF32, {n, vocab});
@@ -1022,7 +1034,6 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   kernels::Backend* be = backend_;
   const int64_t hidden = config_.hidden_size;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim;
-  const int64_t ffn = config_.intermediate_size;
   const float eps = static_cast<float>(config_.rms_norm_eps);
 
   positions_host_.resize(n);
@@ -1042,16 +1053,12 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
   float* const q_rows = static_cast<float*>(qkv_->data());
   float* const k_rows = q_rows + n * hq * d;
   float* const v_rows = k_rows + n * hkv * d;
-  float* const gate_rows = static_cast<float*>(gate_up_->data());
   const TensorView q(q_rows, DType::kF32, {n, hq * d});
   const TensorView k(k_rows, DType::kF32, {n, hkv * d});
   const TensorView v(v_rows, DType::kF32, {n, hkv * d});
   const TensorView qkv(q_rows, DType::kF32, {n, (hq + 2 * hkv) * d});
   const TensorView attn = View2(attn_.get(), n, hq * d);
   const TensorView o = View2(o_.get(), n, hidden);
-  const TensorView gate(gate_rows, DType::kF32, {n, ffn});
-  const TensorView up(gate_rows + n * ffn, DType::kF32, {n, ffn});
-  const TensorView gate_up(gate_rows, DType::kF32, {n, 2 * ffn});
   const TensorView q3(q_rows, DType::kF32, {n, hq, d});
   const TensorView k3(k_rows, DType::kF32, {n, hkv, d});
   // One token: q and k are adjacent heads of one row, roped in one call.
@@ -1189,15 +1196,7 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       attn_in = View2(merged_.get(), n, hq * d);
     }
     STRATA_RETURN_IF_ERROR(MatMul({attn_in, w.o_proj, TensorView(), o}, ws.o));
-    STRATA_RETURN_IF_ERROR(be->RmsNorm({x, w.post_attention_norm, xn, eps, o}, nullptr));
-    if (n == 1 && fw.gate_up.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, fw.gate_up, TensorView(), gate_up}, fw.gate_up_scale));
-    } else {
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.gate_proj, TensorView(), gate}, ws.gate));
-      STRATA_RETURN_IF_ERROR(MatMul({xn, w.up_proj, TensorView(), up}, ws.up));
-    }
-    STRATA_RETURN_IF_ERROR(be->SwiGlu({gate, up, gate}, nullptr));
-    STRATA_RETURN_IF_ERROR(MatMul({gate, w.down_proj, TensorView(), o}, ws.down));
+    STRATA_RETURN_IF_ERROR(Mlp(layer, n));
     // The next layer's input norm adds o to x; after the last layer x is completed here (Logits
     // reads some of its rows).
     if (layer + 1 == num_layers) STRATA_RETURN_IF_ERROR(be->Add({x, o, x}, nullptr));
