@@ -605,9 +605,13 @@ int SmCount() {
 // STRATA_GEMV_FP8_WAVES times (read once; default 1: SMs x resident blocks, each block taking row
 // groups in turn; 0: one block per row group), fewer for few groups. Measured on the H200
 // (bench/RESULTS.md, session 21): 32 layers' GEMVs back to back 86.5 -> 82.7 us per layer and the
-// LM head 148 -> 134 us against a block per row group.
+// LM head 148 -> 134 us against a block per row group. STRATA_GEMV_FP8_PER_SM (read once; unset
+// or 0: the occupancy query's count) caps the blocks per SM: an A/B switch for the document step,
+// where only these looping grids run slower than in the bench (bench/RESULTS.md, session 22).
 unsigned GemvFp8Blocks(int per_sm, int64_t m) {
   static const int64_t waves = EnvInt("STRATA_GEMV_FP8_WAVES", 1);
+  static const int64_t cap = EnvInt("STRATA_GEMV_FP8_PER_SM", 0);
+  if (cap > 0 && per_sm > cap) per_sm = static_cast<int>(cap);
   const int64_t groups = (m + 15) / 16;
   const int64_t full = static_cast<int64_t>(SmCount()) * per_sm * waves;
   return static_cast<unsigned>(groups < full || waves <= 0 ? groups : full);
