@@ -949,6 +949,23 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
   if (weight_type == FloatType::kFP8E4M3) {
     const auto* w8 = static_cast<const uint8_t*>(weight);
     if (TakesGemvFp8(weight_type, n, k, weight, in)) {
+      // STRATA_GEMV_FP8_CARVEOUT=P (0..100; unset or out of range: no preference, as before) sets
+      // the fp8 GEMVs' preferred shared-memory carveout before their occupancy is queried: an
+      // A/B switch for the document step (bench/RESULTS.md, session 22).
+      static const bool carveout_set = [] {
+        const int64_t p = EnvInt("STRATA_GEMV_FP8_CARVEOUT", -1);
+        if (p < 0 || p > 100) return false;
+        for (const void* f : {reinterpret_cast<const void*>(GemvFp8OneKernel),
+                              reinterpret_cast<const void*>(GemvFp8Kernel<1>),
+                              reinterpret_cast<const void*>(GemvFp8Kernel<2>)}) {
+          if (cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   static_cast<int>(p)) != cudaSuccess) {
+            cudaGetLastError();
+          }
+        }
+        return true;
+      }();
+      (void)carveout_set;
       static const int one_per_sm =
           BlocksPerSm(reinterpret_cast<const void*>(GemvFp8OneKernel), kMmaWarps * 32);
       static const int per_sm_1 =
