@@ -304,12 +304,12 @@ class Transformer {
   };
   // Embedding and every layer for `n` rows made of `segs`; the final hidden states stay in x_.
   absl::Status RunLayers(const int32_t* ids, int64_t n, const std::vector<Segment>& segs);
-  // Final norm and LM head of rows [first, first + rows) of x_ into logits_out (host), or with
-  // logits_out null into the first rows of logits_ (backend memory, not waited for).
   // A layer's tail after its attention output projection (o): x += o inside the post-attention
   // norm into xn, then gate and up (one fused GEMV for one row), SwiGLU and down into o, over the
   // first n rows of the chunk scratch. RunLayers and RecordGraphStep share it.
   absl::Status Mlp(int layer, int64_t n);
+  // Final norm and LM head of rows [first, first + rows) of x_ into logits_out (host), or with
+  // logits_out null into the first rows of logits_ (backend memory, not waited for).
   absl::Status Logits(int64_t first, int64_t rows, float* logits_out);
   // Merges rows [row0, row0 + n) of attn_/lse_ (the local attention) with the external partials
   // into the same rows of merged_ / merged_lse_.

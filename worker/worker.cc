@@ -330,7 +330,10 @@ struct Worker::JobResult {
 };
 
 std::string ServedFingerprint(const std::string& model_fingerprint, const std::string& weight_format) {
-  return weight_format == "fp8" ? model_fingerprint + "+fp8" : model_fingerprint;
+  const absl::StatusOr<engine::WeightFormat> format = engine::ParseWeightFormat(weight_format);
+  return format.ok() && *format != engine::WeightFormat::kCheckpoint
+             ? absl::StrCat(model_fingerprint, "+", engine::WeightFormatName(*format))
+             : model_fingerprint;
 }
 
 std::string Worker::served_fingerprint() const {

@@ -268,9 +268,10 @@ struct WorkerMetrics {
 };
 
 // The model fingerprint a worker with `weight_format` serves under (WorkerInfo, the documents it
-// creates): the checkpoint's for "checkpoint", the checkpoint's + "+fp8" for "fp8", whose KV and
-// answers differ from the checkpoint's, so a coordinator never mixes the two (its
-// model_fingerprint and default namespace must name the same form).
+// creates): the checkpoint's for "checkpoint", else the checkpoint's + "+" + the format's name
+// (engine::WeightFormatName: "+fp8"), whose KV and answers differ from the checkpoint's, so a
+// coordinator never mixes the two (its model_fingerprint and default namespace must name the same
+// form).
 std::string ServedFingerprint(const std::string& model_fingerprint, const std::string& weight_format);
 
 class Worker {
