@@ -2,7 +2,8 @@
 # scripts/gpu_run.sh (scripts/gpu_bench_prefill.sh, scripts/gpu_bench_decode.sh): sets ROOT, BUNDLE
 # (unless set: $ROOT/$STRATA_GPU_BUNDLE, default .gpu) and LOGS (unless set: $OUT, else
 # /tmp/strata-gpu-out), unpacks bin.tar.xz and the bundled libraries, and exports
-# LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN; defines summary (a log's test and sanitizer summary lines).
+# LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN; defines summary (a log's test and sanitizer summary lines)
+# and bundle_command (a bundled binary's path).
 ROOT="$(pwd)"
 BUNDLE="${BUNDLE:-$ROOT/${STRATA_GPU_BUNDLE:-.gpu}}"
 LOGS="${LOGS:-${OUT:-/tmp/strata-gpu-out}}"
@@ -14,5 +15,7 @@ WORK="/tmp/strata-gpu-$(basename "$BUNDLE")"
 mkdir -p "$WORK" && tar -C "$WORK" -xJf "$BUNDLE/libs.tar.xz"
 export LD_LIBRARY_PATH="$WORK/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export STRATA_CUDA_PLUGIN="$BUNDLE/bin/libstrata_cuda.so"
+# A command path: $BUNDLE/$1 when the bundle has that executable (e.g. bin/decode_e2e_bench), else $1.
+bundle_command() { if [ -x "$BUNDLE/$1" ]; then echo "$BUNDLE/$1"; else echo "$1"; fi; }
 # The gtest and compute-sanitizer summary lines of a log, on one line.
 summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }

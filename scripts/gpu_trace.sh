@@ -15,9 +15,8 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_bundle_env.sh"
 name="$1"
 shift
-cmd="$1"
+cmd="$(bundle_command "$1")"
 shift
-[ -x "$BUNDLE/$cmd" ] && cmd="$BUNDLE/$cmd"
 trace="$LOGS/$name.tsv"
 skip=1
 [ "${STRATA_TRACE_ALL:-0}" = 1 ] && skip=0

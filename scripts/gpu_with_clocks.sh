@@ -13,9 +13,8 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_bundle_env.sh"
 name="$1"
 shift
-cmd="$1"
+cmd="$(bundle_command "$1")"
 shift
-[ -x "$BUNDLE/$cmd" ] && cmd="$BUNDLE/$cmd"
 csv="$LOGS/$name.clocks.csv"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
   --format=csv,noheader,nounits -lms "${STRATA_CLOCK_MS:-100}" > "$csv" 2>&1 &
