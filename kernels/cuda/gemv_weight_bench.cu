@@ -6,7 +6,11 @@
 //   grid of every resident warp, 8 16-byte loads in flight per lane read past L1, f32
 //   activations, a warp shuffle sum. A 16-byte chunk holds 8 bf16 or 16 fp8 weights.
 // - mma: the products on tensor cores, 16 rows per block (GemvMma below), with variants by warps
-//   per block, a persistent grid (GemvFp8Kernel's form) and bulk L2 prefetch of each row group.
+//   per block, a persistent grid (GemvFp8Kernel's form), bulk L2 prefetch of each row group and
+//   predicated (branch-free) weight loads.
+// - production: matmul.cu's LaunchMatMul itself (its objects are linked in), for one token.
+// Variants measured and dropped since (two chunks per row per step, 8-row groups): bench/RESULTS.md
+// and bench/results/session22_h200.txt.
 // Every shape's weights in both types stay resident, each in enough copies that no rep finds it
 // in L2. Per variant and shape the figure is the median over reps of one GEMV (CUDA events), GB/s
 // counting the weight bytes; then the 32 layers' four GEMVs launched back to back (each layer
@@ -165,10 +169,8 @@ __device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
 // the group (PERSIST: also the block's next group), so the group's bytes are in flight at once;
 // without it the compiler issues a warp's weight loads one step (2 x 16 bytes per lane) ahead of
 // their use (seen in the SASS), which leaves a small grid latency-bound.
-// CH (fp8): 16-byte chunks of each of its two rows a lane loads per step (consecutive chunks;
-// the step spans 4 CH chunks), so a step's loads in flight are CH x 32 bytes per lane.
 template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false,
-          int CH = 1, bool NB = false>
+          bool NB = false>
 __global__ void __launch_bounds__(WARPS * 32)
     GemvMma(const float* __restrict__ x, const uint4* __restrict__ w,
             const float* __restrict__ scale, float* __restrict__ out, int64_t k, int64_t m) {
@@ -176,7 +178,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t chunks = k / (FP8 ? 16 : 8);
-  const int64_t steps = (chunks + 4 * CH - 1) / (4 * CH);
+  const int64_t steps = (chunks + 3) / 4;
   const int64_t per = (steps + WARPS - 1) / WARPS;
   const int64_t s0 = warp * per;
   const int64_t s1 = s0 + per < steps ? s0 + per : steps;
@@ -199,11 +201,11 @@ __global__ void __launch_bounds__(WARPS * 32)
     const uint4* wb = w + (vb ? row0 + g + 8 : 0) * chunks;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t b = s0; b < s1; b += kUnroll) {
-      uint4 ra[kUnroll * CH], rb[kUnroll * CH];
+      uint4 ra[kUnroll], rb[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll * CH; ++u) {
-        const int64_t ch = ((b + u / CH) * 4 + t) * CH + u % CH;
-        const bool in_k = b + u / CH < s1 && ch < chunks;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool in_k = b + u < s1 && ch < chunks;
         if (NB) {
           ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
           rb[u] = LoadWeightChunkIf(wb + ch, vb && in_k);
@@ -213,9 +215,9 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll * CH; ++u) {
-        const int64_t ch = ((b + u / CH) * 4 + t) * CH + u % CH;
-        const bool ld = xl && b + u / CH < s1 && ch < chunks;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ch = (b + u) * 4 + t;
+        const bool ld = xl && b + u < s1 && ch < chunks;
         const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
         const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
         if constexpr (FP8) {
@@ -261,74 +263,6 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
     }
     if (PERSIST) __syncthreads();  // part is reused by the next group
-  }
-}
-
-// fp8, 8 rows per group (twice GemvMma's groups for the same rows): the weights are the mma's B
-// operand (n8 = 8 rows) and the activations its A (m16 = tokens, only token 0 here). Per step
-// lane (g, t) loads one 16-byte chunk (4 steps: chunk 4 step + t) of row g; word i's codes
-// {0, 1} and {2, 3} are B's k positions {2t, 2t+1} and {2t+8, 2t+9}; A's row 0 holds token 0's
-// activations at the same columns (lanes g == 0). C's row 0 (lanes g == 0) holds rows 2t, 2t+1.
-template <int kUnroll, int WARPS = 8, bool NB = false>
-__global__ void __launch_bounds__(WARPS * 32)
-    GemvFp8N8(const float* __restrict__ x, const uint4* __restrict__ w,
-              const float* __restrict__ scale, float* __restrict__ out, int64_t k, int64_t m) {
-  __shared__ float part[WARPS][8];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t chunks = k / 16;
-  const int64_t steps = (chunks + 3) / 4;
-  const int64_t per = (steps + WARPS - 1) / WARPS;
-  const int64_t s0 = warp * per;
-  const int64_t s1 = s0 + per < steps ? s0 + per : steps;
-  const float4* x4 = reinterpret_cast<const float4*>(x);
-  const bool xl = g == 0;
-  const int64_t groups = (m + 7) / 8;
-  for (int64_t grp = blockIdx.x; grp < groups; grp += gridDim.x) {
-    const int64_t row = grp * 8 + g;
-    const bool va = row < m;
-    const uint4* wa = w + (va ? row : 0) * chunks;
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t b = s0; b < s1; b += kUnroll) {
-      uint4 ra[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t ch = (b + u) * 4 + t;
-        const bool in_k = b + u < s1 && ch < chunks;
-        if (NB) {
-          ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
-        } else {
-          ra[u] = va && in_k ? LoadWeightChunk(wa + ch) : make_uint4(0, 0, 0, 0);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t ch = (b + u) * 4 + t;
-        const bool ld = xl && b + u < s1 && ch < chunks;
-        const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // columns 16 ch + 4 i + {0..3}
-          const float4 xv = ld ? __ldg(x4 + ch * 4 + i) : make_float4(0, 0, 0, 0);
-          const uint32_t a[4] = {F16Pair(xv.x, xv.y), 0u, F16Pair(xv.z, xv.w), 0u};
-          MmaF16(c, a, E4m3PairToF16x2(wa4[i] & 0xffff), E4m3PairToF16x2(wa4[i] >> 16));
-        }
-      }
-    }
-    if (g == 0) {  // C row 0 (token 0): rows 2t and 2t + 1 of the group
-      part[warp][2 * t] = c[0];
-      part[warp][2 * t + 1] = c[1];
-    }
-    __syncthreads();
-    if (threadIdx.x < 8) {
-      const int64_t o = grp * 8 + threadIdx.x;
-      if (o < m) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int v = 0; v < WARPS; ++v) sum += part[v][threadIdx.x];
-        out[o] = sum * scale[o];
-      }
-    }
-    __syncthreads();
   }
 }
 
@@ -390,10 +324,10 @@ void LaunchRows(const float* x, const uint4* w, const float* scale, float* out, 
 }
 
 template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false,
-          int CH = 1, bool NB = false>
+          bool NB = false>
 void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
                int64_t m, cudaStream_t stream) {
-  auto* kernel = GemvMma<FP8, ROUND, kUnroll, WARPS, PERSIST, PF, CH, NB>;
+  auto* kernel = GemvMma<FP8, ROUND, kUnroll, WARPS, PERSIST, PF, NB>;
   int64_t blocks = (m + 15) / 16;
   if (PERSIST) {
     static const int64_t full = [&] {
@@ -406,21 +340,6 @@ void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, i
     }();
     blocks = std::min(blocks, full);
   }
-  kernel<<<static_cast<unsigned>(blocks), WARPS * 32, 0, stream>>>(x, w, scale, out, k, m);
-}
-
-template <int kUnroll, int WARPS = 8, bool NB = false>
-void LaunchN8(const float* x, const uint4* w, const float* scale, float* out, int64_t k, int64_t m,
-              cudaStream_t stream) {
-  auto* kernel = GemvFp8N8<kUnroll, WARPS, NB>;
-  static const int64_t full = [&] {
-    int per_sm = 0, sms = 0, device = 0;
-    CUDA_BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, WARPS * 32, 0));
-    CUDA_BENCH_CHECK(cudaGetDevice(&device));
-    CUDA_BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return static_cast<int64_t>(sms) * per_sm;
-  }();
-  const int64_t blocks = std::min((m + 7) / 8, full);
   kernel<<<static_cast<unsigned>(blocks), WARPS * 32, 0, stream>>>(x, w, scale, out, k, m);
 }
 
@@ -459,18 +378,15 @@ int main(int argc, char** argv) {
       {"bf16 production", false, 0, LaunchProduction<false>},
       {"bf16 rows nb", false, 0, LaunchRows<false, 8, true>},
       {"bf16 rows nb u16", false, 0, LaunchRows<false, 16, true>},
-      {"bf16 mma split nb8", false, 0, LaunchMma<false, false, 8, 8, true, false, 1, true>},
-      {"bf16 mma round nb8", false, 1, LaunchMma<false, true, 8, 8, true, false, 1, true>},
+      {"bf16 mma split nb8", false, 0, LaunchMma<false, false, 8, 8, true, false, true>},
+      {"bf16 mma round nb8", false, 1, LaunchMma<false, true, 8, 8, true, false, true>},
       {"fp8 rows", true, 0, LaunchRows<true, 8>},
       {"fp8 mma", true, 2, LaunchMma<true, false, 4>},
       {"fp8 mma 16w", true, 2, LaunchMma<true, false, 4, 16>},
       {"fp8 mma persist", true, 2, LaunchMma<true, false, 4, 8, true>},
       {"fp8 mma pf", true, 2, LaunchMma<true, false, 4, 8, false, true>},
-      {"fp8 persist ch2u2", true, 2, LaunchMma<true, false, 2, 8, true, false, 2>},
       {"fp8 production", true, 2, LaunchProduction<true>},
-      {"fp8 persist nb", true, 2, LaunchMma<true, false, 4, 8, true, false, 1, true>},
-      {"fp8 persist nb u8", true, 2, LaunchMma<true, false, 8, 8, true, false, 1, true>},
-      {"fp8 n8 nb u4", true, 2, LaunchN8<4, 8, true>},
+      {"fp8 persist nb", true, 2, LaunchMma<true, false, 4, 8, true, false, true>},
   };
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   std::mt19937 rng(11);
