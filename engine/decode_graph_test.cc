@@ -659,6 +659,60 @@ TEST(DecodeGraphTest, CapturingCpuBackendReplaysFp8WeightSteps) {
   CheckBatchedSteps(pair, 2e-2);
 }
 
+// The logits buffer holds the rows asked for so far (not a whole chunk's): a Forward that asks
+// for every row of a 9-token chunk grows it, which drops the graphs that recorded the old buffer;
+// the next one-token step captures again and still follows the normal path, and the grown
+// chunk's logits equal the normal path's row for row.
+TEST(DecodeGraphTest, CapturingCpuBackendGrowsTheLogitsBetweenGraphSteps) {
+  GraphPair pair;
+  ASSERT_TRUE(MakeCapturingPair(&pair));
+  Transformer* plain = pair.plain.get();
+  Transformer* graph = pair.graph.get();
+  kernels::Backend* be = pair.backend.get();
+  const model::ModelConfig& c = plain->config();
+  const int64_t vocab = c.vocab_size;
+  std::mt19937 rng(99u);
+  const int prompt_len = 13, chunk = 9;
+  std::vector<int32_t> prompt(prompt_len), other(chunk);
+  for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
+  for (int32_t& t : other) t = static_cast<int32_t>(rng() % vocab);
+  auto make = [&](Transformer* tf) {
+    return *KvCache::Create(tf->MakeCacheOptions(64, 16, DType::kF32), be);
+  };
+  std::unique_ptr<KvCache> a = make(plain), b = make(graph), a2 = make(plain), b2 = make(graph);
+  std::unique_ptr<AttentionPolicy> pol = MakeDensePolicy();
+  std::vector<float> la(vocab), lb(vocab);
+  STRATA_ASSERT_OK(plain->Forward(prompt.data(), prompt_len, 0, a.get(), pol.get(), la.data(), false));
+  STRATA_ASSERT_OK(graph->Forward(prompt.data(), prompt_len, 0, b.get(), pol.get(), lb.data(), false));
+  int32_t ta = Argmax(la), tb = Argmax(lb);
+  int64_t pos = prompt_len;
+  auto step = [&](int n_steps) {
+    for (int s = 0; s < n_steps; ++s, ++pos) {
+      ASSERT_EQ(ta, tb) << "position " << pos;
+      STRATA_ASSERT_OK(plain->Forward(&ta, 1, pos, a.get(), pol.get(), la.data(), false));
+      STRATA_ASSERT_OK(graph->Forward(&tb, 1, pos, b.get(), pol.get(), lb.data(), false));
+      for (int64_t i = 0; i < vocab; ++i) {
+        ASSERT_NEAR(la[i], lb[i], 1e-4) << "position " << pos << " logit " << i;
+      }
+      ta = Argmax(la);
+      tb = Argmax(lb);
+    }
+  };
+  step(4);
+  ASSERT_EQ(graph->graph_captures(), 1);
+  const int64_t replayed = graph->graph_steps();
+  // Every row of a chunk on another cache: the buffer grows from 1 row to 9.
+  std::vector<float> all_a(chunk * vocab), all_b(chunk * vocab, NAN);
+  STRATA_ASSERT_OK(plain->Forward(other.data(), chunk, 0, a2.get(), pol.get(), all_a.data(), true));
+  STRATA_ASSERT_OK(graph->Forward(other.data(), chunk, 0, b2.get(), pol.get(), all_b.data(), true));
+  for (int64_t i = 0; i < chunk * vocab; ++i) {
+    ASSERT_NEAR(all_a[i], all_b[i], 1e-5) << "row " << i / vocab << " logit " << i % vocab;
+  }
+  step(4);
+  EXPECT_EQ(graph->graph_captures(), 2);  // the first graph went with the old buffer
+  EXPECT_EQ(graph->graph_steps() - replayed, 4);
+}
+
 // A hook that claims to be capturable but waits on the backend in AttendOnDevice: its steps
 // cannot be recorded.
 class WaitingHook : public ExternalAttention {

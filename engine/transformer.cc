@@ -328,7 +328,6 @@ absl::Status Transformer::Init(const model::ModelWeights& w) {
   STRATA_RETURN_IF_ERROR(alloc(&gate_up_, 2 * c * ffn));
   STRATA_RETURN_IF_ERROR(alloc(&ids_, c));
   STRATA_RETURN_IF_ERROR(alloc(&pos_, c));
-  if (!host_memory_) STRATA_RETURN_IF_ERROR(alloc(&logits_, c * vocab));
   const std::vector<float> inv_freq = config_.RopeInvFreq();
   if (static_cast<int64_t>(inv_freq.size()) != config_.head_dim / 2) {
     return absl::InvalidArgumentError("RopeInvFreq has the wrong length");
@@ -568,7 +567,9 @@ absl::StatusOr<bool> Transformer::ReplayGraphRows(const std::vector<GraphRow>& r
   if (found != graphs_.end()) {
     std::rotate(found, found + 1, graphs_.end());  // most recently used last
   } else {
-    // Allocations and copies before the capture (they may not run inside one).
+    // Allocations and copies before the capture (they may not run inside one). logits_ first:
+    // growing it drops the graphs recorded so far.
+    STRATA_RETURN_IF_ERROR(EnsureLogitsRows(n));
     if (step_ == nullptr) {
       STRATA_ASSIGN_OR_RETURN(step_, be->Allocate(static_cast<size_t>(4 * max_rows) * sizeof(int32_t)));
     }
@@ -843,13 +844,8 @@ absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out)
   const TensorView xnr(xn_->data(), DType::kF32, {rows, hidden});
   STRATA_RETURN_IF_ERROR(be->RmsNorm({xr, final_norm_, xnr, eps}, nullptr));
   if (logits_out == nullptr) {
-    // logits_on_device (and ForwardBatch's draws): into logits_, no copy, no wait. Host-memory
-    // backends allocate it here, grown to the rows asked for (device backends hold the chunk's).
-    if (host_memory_ && logits_rows_ < rows) {
-      STRATA_ASSIGN_OR_RETURN(logits_,
-                              be->Allocate(static_cast<size_t>(rows * vocab) * sizeof(float)));
-      logits_rows_ = rows;
-    }
+    // logits_on_device (and ForwardBatch's draws): into logits_, no copy, no wait.
+    STRATA_RETURN_IF_ERROR(EnsureLogitsRows(rows));
     const TensorView lo(logits_->data(), DType::kF32, {rows, vocab});
     return MatMul({xnr, lm_head_, TensorView(), lo}, lm_head_scale_);
   }
@@ -857,11 +853,24 @@ absl::Status Transformer::Logits(int64_t first, int64_t rows, float* logits_out)
     const TensorView lo(logits_out, DType::kF32, {rows, vocab});
     STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}, lm_head_scale_));
   } else {
+    STRATA_RETURN_IF_ERROR(EnsureLogitsRows(rows));
     const TensorView lo(logits_->data(), DType::kF32, {rows, vocab});
     STRATA_RETURN_IF_ERROR(MatMul({xnr, lm_head_, TensorView(), lo}, lm_head_scale_));
     STRATA_RETURN_IF_ERROR(be->CopyToHost(logits_out, logits_->data(), rows * vocab * 4, nullptr));
   }
   return be->Synchronize(nullptr);
+}
+
+absl::Status Transformer::EnsureLogitsRows(int64_t rows) {
+  if (logits_ != nullptr && logits_rows_ >= rows) return absl::OkStatus();
+  // The graphs first: they may hold work that writes the old buffer.
+  graphs_.clear();
+  logits_.reset();
+  logits_rows_ = 0;
+  STRATA_ASSIGN_OR_RETURN(
+      logits_, backend_->Allocate(static_cast<size_t>(rows * config_.vocab_size) * sizeof(float)));
+  logits_rows_ = rows;
+  return absl::OkStatus();
 }
 
 kernels::TensorView Transformer::device_logits() const {

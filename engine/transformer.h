@@ -311,6 +311,9 @@ class Transformer {
   // Final norm and LM head of rows [first, first + rows) of x_ into logits_out (host), or with
   // logits_out null into the first rows of logits_ (backend memory, not waited for).
   absl::Status Logits(int64_t first, int64_t rows, float* logits_out);
+  // logits_ holds at least `rows` rows. Growing it moves it, so the decode graphs (which recorded
+  // its address) are dropped; never called while a graph is being captured.
+  absl::Status EnsureLogitsRows(int64_t rows);
   // Merges rows [row0, row0 + n) of attn_/lse_ (the local attention) with the external partials
   // into the same rows of merged_ / merged_lse_.
   absl::Status MergeExternal(int64_t row0, int64_t n, const std::vector<AttentionPartial>& parts);
@@ -370,8 +373,8 @@ class Transformer {
   // gate_up_: [n, ffn] gate rows then [n, ffn] up rows likewise.
   std::unique_ptr<kernels::Buffer> x_, xn_, qkv_, attn_, lse_, o_, gate_up_, ids_, pos_,
       logits_, inv_freq_buf_;
-  // Rows logits_ holds on a host-memory backend (allocated by Logits as device logits are asked
-  // for; device backends allocate the chunk's rows up front).
+  // Rows logits_ holds (EnsureLogitsRows): as many as a call has asked for, not the chunk's (an
+  // 8K-token chunk's logits in f32 take 3.9 GiB for a 128K vocabulary; a prefill asks for one).
   int64_t logits_rows_ = 0;
   // Device backends: per layer, views of q_proj|k_proj|v_proj (and their biases) and of
   // gate_proj|up_proj stored as one matrix each (the per-projection views in layers_ point into
