@@ -9,8 +9,8 @@
 //   per block, a persistent grid (GemvFp8Kernel's form), bulk L2 prefetch of each row group and
 //   predicated (branch-free) weight loads.
 // - production: matmul.cu's LaunchMatMul itself (its objects are linked in), for one token.
-// Variants measured and dropped since (two chunks per row per step, 8-row groups): bench/RESULTS.md
-// and bench/results/session22_h200.txt.
+// Variants measured and dropped since (two chunks per row per step, 8-row groups, bf16 predicated
+// loads in the row and mma GEMVs): bench/RESULTS.md and bench/results/session2[23]_h200.txt.
 // Every shape's weights in both types stay resident, each in enough copies that no rep finds it
 // in L2. Per variant and shape the figure is the median over reps of one GEMV (CUDA events), GB/s
 // counting the weight bytes; then the 32 layers' four GEMVs launched back to back (each layer
@@ -46,21 +46,9 @@ using strata::kernels::cuda_internal::LoadWeightChunk;
 using strata::kernels::cuda_internal::LoadWeightChunkIf;
 using strata::kernels::cuda_internal::WarpSum;
 
-// __ldg(p) when `ok`, else zeros, as one predicated load (as LoadWeightChunkIf).
-__device__ __forceinline__ float4 LoadFloat4If(const float4* p, bool ok) {
-  float4 r;
-  asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
-      " mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-      " @q ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n}"
-      : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
-      : "l"(p), "r"(static_cast<int>(ok)));
-  return r;
-}
-
 // FP8: 16 weights per chunk, out = scale[row] * dot; else 8 bf16 weights per chunk. UNROLL
-// 16-byte loads in flight per lane. NB: predicated loads (LoadWeightChunkIf) and no branch in the
-// sums (past k the chunk is zeros and its activations read as zeros).
-template <bool FP8, int kUnroll = 8, bool NB = false>
+// 16-byte loads in flight per lane.
+template <bool FP8, int kUnroll = 8>
 __global__ void __launch_bounds__(kThreads)
     GemvRows(const float* __restrict__ x, const uint4* __restrict__ w,
              const float* __restrict__ scale, float* __restrict__ out, int64_t k, int64_t m) {
@@ -78,19 +66,17 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = c0 + 32 * u;
-        raw[u] = NB ? LoadWeightChunkIf(row + c, c < chunks)
-                    : c < chunks ? LoadWeightChunk(row + c) : make_uint4(0, 0, 0, 0);
+        raw[u] = c < chunks ? LoadWeightChunk(row + c) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = c0 + 32 * u;
-        const bool in = c < chunks;
-        if (!NB && !in) continue;
+        if (c >= chunks) continue;
         const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
         if constexpr (FP8) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            const float4 a = NB ? LoadFloat4If(x4 + c * 4 + q, in) : __ldg(x4 + c * 4 + q);
+            const float4 a = __ldg(x4 + c * 4 + q);
             const __nv_fp8x2_storage_t lo = static_cast<__nv_fp8x2_storage_t>(words[q] & 0xffff);
             const __nv_fp8x2_storage_t hi = static_cast<__nv_fp8x2_storage_t>(words[q] >> 16);
             const float2 f0 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(lo, __NV_E4M3)));
@@ -100,7 +86,7 @@ __global__ void __launch_bounds__(kThreads)
         } else {
 #pragma unroll
           for (int q = 0; q < 2; ++q) {
-            const float4 a = NB ? LoadFloat4If(x4 + c * 2 + q, in) : __ldg(x4 + c * 2 + q);
+            const float4 a = __ldg(x4 + c * 2 + q);
             const float2 f0 = __bfloat1622float2(
                 *reinterpret_cast<const __nv_bfloat162*>(&words[2 * q]));
             const float2 f1 = __bfloat1622float2(
@@ -279,11 +265,11 @@ __global__ void TouchHostPages(const uint4* __restrict__ host, const int64_t* __
   if (acc == 0x9e3779b9u) sink[blockIdx.x] = make_uint4(acc, 0, 0, 0);  // keeps the loads
 }
 
-template <bool FP8, int kUnroll, bool NB = false>
+template <bool FP8, int kUnroll>
 unsigned Blocks(int64_t m) {
   int per_sm = 0, sms = 0, device = 0;
   CUDA_BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, GemvRows<FP8, kUnroll, NB>, kThreads, 0));
+      &per_sm, GemvRows<FP8, kUnroll>, kThreads, 0));
   CUDA_BENCH_CHECK(cudaGetDevice(&device));
   CUDA_BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t want = (m + kThreads / 32 - 1) / (kThreads / 32);
@@ -316,11 +302,10 @@ struct Variant {
                  int64_t m, cudaStream_t stream);
 };
 
-template <bool FP8, int kUnroll, bool NB = false>
+template <bool FP8, int kUnroll>
 void LaunchRows(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
                 int64_t m, cudaStream_t stream) {
-  GemvRows<FP8, kUnroll, NB><<<Blocks<FP8, kUnroll, NB>(m), kThreads, 0, stream>>>(x, w, scale, out,
-                                                                                  k, m);
+  GemvRows<FP8, kUnroll><<<Blocks<FP8, kUnroll>(m), kThreads, 0, stream>>>(x, w, scale, out, k, m);
 }
 
 template <bool FP8, bool ROUND, int kUnroll, int WARPS = 8, bool PERSIST = false, bool PF = false,
@@ -376,10 +361,6 @@ int main(int argc, char** argv) {
       {"bf16 rows", false, 0, LaunchRows<false, 8>},
       {"bf16 mma round", false, 1, LaunchMma<false, true, 4>},
       {"bf16 production", false, 0, LaunchProduction<false>},
-      {"bf16 rows nb", false, 0, LaunchRows<false, 8, true>},
-      {"bf16 rows nb u16", false, 0, LaunchRows<false, 16, true>},
-      {"bf16 mma split nb8", false, 0, LaunchMma<false, false, 8, 8, true, false, true>},
-      {"bf16 mma round nb8", false, 1, LaunchMma<false, true, 8, 8, true, false, true>},
       {"fp8 rows", true, 0, LaunchRows<true, 8>},
       {"fp8 mma", true, 2, LaunchMma<true, false, 4>},
       {"fp8 mma 16w", true, 2, LaunchMma<true, false, 4, 16>},

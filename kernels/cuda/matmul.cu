@@ -605,13 +605,10 @@ int SmCount() {
 // STRATA_GEMV_FP8_WAVES times (read once; default 1: SMs x resident blocks, each block taking row
 // groups in turn; 0: one block per row group), fewer for few groups. Measured on the H200
 // (bench/RESULTS.md, session 21): 32 layers' GEMVs back to back 86.5 -> 82.7 us per layer and the
-// LM head 148 -> 134 us against a block per row group. STRATA_GEMV_FP8_PER_SM (read once; unset
-// or 0: the occupancy query's count) caps the blocks per SM: an A/B switch for the document step,
-// where only these looping grids run slower than in the bench (bench/RESULTS.md, session 22).
+// LM head 148 -> 134 us against a block per row group. In the 8B document step (session 23) a cap
+// of 2 blocks per SM and the shared-memory carveout (0 or 100) were no faster (tried, removed).
 unsigned GemvFp8Blocks(int per_sm, int64_t m) {
   static const int64_t waves = EnvInt("STRATA_GEMV_FP8_WAVES", 1);
-  static const int64_t cap = EnvInt("STRATA_GEMV_FP8_PER_SM", 0);
-  if (cap > 0 && per_sm > cap) per_sm = static_cast<int>(cap);
   const int64_t groups = (m + 15) / 16;
   const int64_t full = static_cast<int64_t>(SmCount()) * per_sm * waves;
   return static_cast<unsigned>(groups < full || waves <= 0 ? groups : full);
@@ -949,23 +946,6 @@ GpuResult LaunchMatMul(cublasHandle_t blas, const float* in, const void* weight,
   if (weight_type == FloatType::kFP8E4M3) {
     const auto* w8 = static_cast<const uint8_t*>(weight);
     if (TakesGemvFp8(weight_type, n, k, weight, in)) {
-      // STRATA_GEMV_FP8_CARVEOUT=P (0..100; unset or out of range: no preference, as before) sets
-      // the fp8 GEMVs' preferred shared-memory carveout before their occupancy is queried: an
-      // A/B switch for the document step (bench/RESULTS.md, session 22).
-      static const bool carveout_set = [] {
-        const int64_t p = EnvInt("STRATA_GEMV_FP8_CARVEOUT", -1);
-        if (p < 0 || p > 100) return false;
-        for (const void* f : {reinterpret_cast<const void*>(GemvFp8OneKernel),
-                              reinterpret_cast<const void*>(GemvFp8Kernel<1>),
-                              reinterpret_cast<const void*>(GemvFp8Kernel<2>)}) {
-          if (cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   static_cast<int>(p)) != cudaSuccess) {
-            cudaGetLastError();
-          }
-        }
-        return true;
-      }();
-      (void)carveout_set;
       static const int one_per_sm =
           BlocksPerSm(reinterpret_cast<const void*>(GemvFp8OneKernel), kMmaWarps * 32);
       static const int per_sm_1 =
