@@ -80,7 +80,17 @@ double g_dense_us = 0;  // the dense row's gpu_us for the current context
 // ---- Device-resident pipelines ---------------------------------------------------------------
 
 constexpr int kSinks = 64, kWindow = 256, kSegPages = 16, kTwoLevelMinPages = 512;
-constexpr int kMinSegments = 128, kSegmentFactor = 4, kCandidateFactor = 4;
+constexpr int kMinSegments = 128, kSegmentFactor = 4;
+// tokenselect's candidate tokens per budget token (PolicyOptions::tokenselect_candidate_factor):
+// 4, or STRATA_BENCH_CANDIDATE_FACTOR (1 to 16) for the speed side of the fidelity trade-off.
+int CandidateFactor() {
+  static const int f = [] {
+    const char* e = std::getenv("STRATA_BENCH_CANDIDATE_FACTOR");
+    const int v = e == nullptr ? 0 : std::atoi(e);
+    return v >= 1 && v <= 16 ? v : 4;
+  }();
+  return f;
+}
 constexpr double kHbmBytesPerSecond = 3.35e12;
 
 // Runs one layer's selection + attention for `policy` ("quest" or "tokenselect") over a context
@@ -109,7 +119,7 @@ struct Pipeline {
     window_begin = std::max<int64_t>(kSinks, len - 1 - kWindow);
     p0 = kSinks / kPage;
     p1 = (window_begin + kPage - 1) / kPage;
-    const int64_t wanted_tokens = token_level ? int64_t{kCandidateFactor} * kBudget : kBudget;
+    const int64_t wanted_tokens = token_level ? int64_t{CandidateFactor()} * kBudget : kBudget;
     const int64_t wanted_pages = (wanted_tokens + kPage - 1) / kPage;
     two_level = p1 - p0 > kTwoLevelMinPages;
     s0 = p0 / kSegPages;
