@@ -11,6 +11,7 @@
 // line per resource (fields "key=value"); streamed answers go to stdout as text, progress and
 // usage to stderr. Exit codes: 0 success, 1 the server returned an error (its code is printed),
 // 2 usage error.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -246,6 +247,7 @@ struct GenFlags {
   int64_t seed = -1;
   std::string policy;
   int64_t budget = 0;
+  int64_t candidate_factor = 0;
   bool ignore_eos = false;
   bool print_ids = false;
 };
@@ -258,6 +260,8 @@ void AddGen(FlagSet* flags, GenFlags* g) {
   flags->Int("seed", &g->seed, "sampler seed (-1: the server picks)");
   flags->String("policy", &g->policy, "selection policy: dense, streaming, quest, radar, tokenselect, hip, subgen");
   flags->Int("budget", &g->budget, "selection token budget (0: server default)");
+  flags->Int("candidate-factor", &g->candidate_factor,
+             "tokenselect: candidate tokens per budget token, 1-16 (0: server default, 4)");
   flags->Bool("ignore-eos", &g->ignore_eos, "keep generating past end-of-sequence tokens");
   flags->Bool("print-token-ids", &g->print_ids, "print the generated token ids to stderr at the end");
 }
@@ -272,6 +276,11 @@ void FillGen(const GenFlags& g, v1::JobSubmitRequest* req) {
   p->set_ignore_eos(g.ignore_eos);
   req->mutable_policy()->set_name(g.policy);
   req->mutable_policy()->set_budget_tokens(static_cast<uint32_t>(g.budget));
+  // A negative value goes as 0, which the server rejects (out of range) like any other.
+  if (g.candidate_factor != 0) {
+    req->mutable_policy()->set_candidate_factor(
+        static_cast<uint32_t>(std::clamp<int64_t>(g.candidate_factor, 0, 1 << 20)));
+  }
 }
 
 v1::DocumentInfo::State ParseDocState(const std::string& s) {

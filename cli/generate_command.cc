@@ -55,6 +55,7 @@ struct GenerateFlags {
   int64_t window = 256;
   int64_t page_size = 64;
   double theta = 0.9;
+  int64_t candidate_factor = 4;
   std::string dense_layers;
   std::string backend = "cpu";
   bool device_selection = false;
@@ -93,6 +94,10 @@ absl::StatusOr<engine::sparse::PolicyOptions> MakePolicyOptions(const GenerateFl
   o.window_tokens = static_cast<int>(f.window);
   o.page_size = static_cast<int>(f.page_size);
   o.cache_theta = f.theta;
+  if (f.candidate_factor < 1 || f.candidate_factor > 16) {
+    return absl::InvalidArgumentError("--candidate-factor must be in [1, 16]");
+  }
+  o.tokenselect_candidate_factor = static_cast<int>(f.candidate_factor);
   STRATA_ASSIGN_OR_RETURN(o.dense_layers, ParseLayerList(f.dense_layers));
   STRATA_RETURN_IF_ERROR(o.Validate());
   return o;
@@ -327,6 +332,8 @@ int RunGenerate(int argc, char** argv) {
   flags.Int("window", &f.window, "recent tokens always attended");
   flags.Int("page-size", &f.page_size, "KV page size (tokens)");
   flags.Double("theta", &f.theta, "selection-cache cosine threshold (> 1 disables the cache)");
+  flags.Int("candidate-factor", &f.candidate_factor,
+            "tokenselect: candidate tokens per budget token (1-16; fewer: faster, less exact)");
   flags.String("dense-layers", &f.dense_layers, "comma-separated layers that always attend densely");
   flags.String("backend", &f.backend, "compute backend: cpu|cuda|auto");
   flags.Bool("device-selection", &f.device_selection,

@@ -160,6 +160,11 @@ absl::StatusOr<v1::SelectionPolicy> EffectiveSelectionPolicy(const v1::Selection
     return absl::InvalidArgumentError(absl::StrCat("policy.miss_mode = ", static_cast<int>(p.miss_mode()), " is unknown"));
   }
   if (p.miss_mode() == v1::MISS_MODE_UNSPECIFIED) out.set_miss_mode(v1::MISS_MODE_WAIT);
+  if (!p.has_candidate_factor()) out.set_candidate_factor(4);
+  if (out.candidate_factor() < 1 || out.candidate_factor() > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.candidate_factor = ", out.candidate_factor(), " is out of range [1, 16]"));
+  }
   return out;
 }
 

@@ -92,14 +92,17 @@ TEST(ValidationTest, PolicyDefaults) {
   EXPECT_EQ(p.page_size(), 64u);
   EXPECT_FLOAT_EQ(p.theta(), 0.9f);
   EXPECT_EQ(p.miss_mode(), v1::MISS_MODE_WAIT);
+  EXPECT_EQ(p.candidate_factor(), 4u);
   v1::SelectionPolicy in;
   in.set_name("quest");
   in.set_sink_tokens(0);  // explicitly zero stays zero
   in.set_theta(1.0f);
+  in.set_candidate_factor(2);
   STRATA_ASSERT_OK_AND_ASSIGN(p, EffectiveSelectionPolicy(in, Limits()));
   EXPECT_EQ(p.name(), "quest");
   EXPECT_EQ(p.sink_tokens(), 0u);
   EXPECT_FLOAT_EQ(p.theta(), 1.0f);
+  EXPECT_EQ(p.candidate_factor(), 2u);
 }
 
 TEST(ValidationTest, PolicyOutOfRange) {
@@ -127,6 +130,11 @@ TEST(ValidationTest, PolicyOutOfRange) {
   p = v1::SelectionPolicy();
   p.set_theta(1.5f);
   expect_bad(p, "theta");
+  p = v1::SelectionPolicy();
+  p.set_candidate_factor(0);
+  expect_bad(p, "candidate_factor");
+  p.set_candidate_factor(17);
+  expect_bad(p, "candidate_factor");
   p = v1::SelectionPolicy();
   p.add_dense_layers(4);
   expect_bad(p, "dense_layers");

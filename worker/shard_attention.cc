@@ -34,6 +34,7 @@ absl::StatusOr<engine::sparse::PolicyOptions> JobPolicyOptions(const v1::Selecti
   if (p.has_sink_tokens()) o.sink_tokens = static_cast<int>(p.sink_tokens());
   if (p.has_window_tokens()) o.window_tokens = static_cast<int>(p.window_tokens());
   if (p.has_theta()) o.cache_theta = p.theta();
+  if (p.has_candidate_factor()) o.tokenselect_candidate_factor = static_cast<int>(p.candidate_factor());
   for (uint32_t l : p.dense_layers()) o.dense_layers.push_back(static_cast<int>(l));
   switch (p.summary()) {
     case v1::SUMMARY_KIND_MINMAX: o.summary = engine::sparse::SummaryKind::kMinMax; break;

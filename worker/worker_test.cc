@@ -38,6 +38,7 @@
 #include "model/random_model.h"
 #include "prometheus/registry.h"
 #include "worker/lazy_attention.h"
+#include "worker/shard_attention.h"
 
 namespace strata::worker {
 namespace {
@@ -1957,6 +1958,25 @@ TEST_F(SparsePrefillTest, ExactAndAnchorShardsWithASparsePolicy) {
     for (int p = 0; p < 8; ++p) EXPECT_EQ(anchored[g * kPages + p], whole[g * kPages + p]) << g << " " << p;
   }
   JobTokens(kDoc4);
+}
+
+// The job's SelectionPolicy fields reach the policy options its attention is built from; an unset
+// candidate_factor leaves the policy's default, an out-of-range one is refused there too.
+TEST(JobPolicyOptionsTest, CandidateFactorAndThetaReachThePolicy) {
+  v1::SelectionPolicy p;
+  p.set_name("tokenselect");
+  p.set_budget_tokens(256);
+  STRATA_ASSERT_OK_AND_ASSIGN(engine::sparse::PolicyOptions o, JobPolicyOptions(p, 64));
+  EXPECT_EQ(o.kind, engine::sparse::PolicyKind::kTokenSelect);
+  EXPECT_EQ(o.token_budget, 256);
+  EXPECT_EQ(o.tokenselect_candidate_factor, engine::sparse::PolicyOptions().tokenselect_candidate_factor);
+  p.set_candidate_factor(2);
+  p.set_theta(0.5f);
+  STRATA_ASSERT_OK_AND_ASSIGN(o, JobPolicyOptions(p, 64));
+  EXPECT_EQ(o.tokenselect_candidate_factor, 2);
+  EXPECT_FLOAT_EQ(static_cast<float>(o.cache_theta), 0.5f);
+  p.set_candidate_factor(0);
+  EXPECT_FALSE(JobPolicyOptions(p, 64).ok());
 }
 
 TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
