@@ -266,6 +266,12 @@ void AddGen(FlagSet* flags, GenFlags* g) {
   flags->Bool("print-token-ids", &g->print_ids, "print the generated token ids to stderr at the end");
 }
 
+// A generation flag the server cannot be sent as typed (a negative count), or "".
+std::string GenFlagsError(const GenFlags& g) {
+  if (g.candidate_factor < 0) return "--candidate-factor is 1-16 (0: the server's default)";
+  return "";
+}
+
 void FillGen(const GenFlags& g, v1::JobSubmitRequest* req) {
   v1::GenerationParams* p = req->mutable_params();
   p->set_max_tokens(static_cast<uint32_t>(g.max_tokens));
@@ -276,10 +282,10 @@ void FillGen(const GenFlags& g, v1::JobSubmitRequest* req) {
   p->set_ignore_eos(g.ignore_eos);
   req->mutable_policy()->set_name(g.policy);
   req->mutable_policy()->set_budget_tokens(static_cast<uint32_t>(g.budget));
-  // A negative value goes as 0, which the server rejects (out of range) like any other.
-  if (g.candidate_factor != 0) {
+  // Checked by GenFlagsError for negatives; the server checks the range.
+  if (g.candidate_factor > 0) {
     req->mutable_policy()->set_candidate_factor(
-        static_cast<uint32_t>(std::clamp<int64_t>(g.candidate_factor, 0, 1 << 20)));
+        static_cast<uint32_t>(std::min<int64_t>(g.candidate_factor, 1 << 20)));
   }
 }
 
@@ -392,6 +398,7 @@ int Job(int argc, char** argv) {
   auto stub = v1::JobService::NewStub(Connect(c));
   grpc::ClientContext ctx;
   if (verb == "submit") {
+    if (const std::string e = GenFlagsError(g); !e.empty()) return Usage("job submit", e);
     v1::JobSubmitRequest req;
     if (!doc_id.empty()) {
       req.set_document_id(doc_id);
@@ -481,6 +488,7 @@ int RunAsk(int argc, char** argv) {
   const absl::Status parse = flags.Parse(argc, argv, &args);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
   if (args.size() != 1 || args[0].empty()) return Usage("ask", "give the question as one argument");
+  if (const std::string e = GenFlagsError(g); !e.empty()) return Usage("ask", e);
   if (doc_file.empty() == doc_ids.empty()) return Usage("ask", "give --doc FILE or --doc-token-ids");
   std::string text;
   std::vector<int32_t> ids;
