@@ -5,6 +5,7 @@
 // (engine/sparse/device_policy.h: decode steps; prompt chunks attend densely), the other sparse
 // policies need the CPU backend. --device-selection runs the device selection on the CPU backend
 // too.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -94,10 +95,9 @@ absl::StatusOr<engine::sparse::PolicyOptions> MakePolicyOptions(const GenerateFl
   o.window_tokens = static_cast<int>(f.window);
   o.page_size = static_cast<int>(f.page_size);
   o.cache_theta = f.theta;
-  if (f.candidate_factor < 1 || f.candidate_factor > 16) {
-    return absl::InvalidArgumentError("--candidate-factor must be in [1, 16]");
-  }
-  o.tokenselect_candidate_factor = static_cast<int>(f.candidate_factor);
+  // Out of [1, 16]: o.Validate() below refuses it (a value past int's range as well).
+  o.tokenselect_candidate_factor =
+      static_cast<int>(std::clamp<int64_t>(f.candidate_factor, -1, 1 << 20));
   STRATA_ASSIGN_OR_RETURN(o.dense_layers, ParseLayerList(f.dense_layers));
   STRATA_RETURN_IF_ERROR(o.Validate());
   return o;

@@ -85,7 +85,10 @@ absl::Status PolicyOptions::Validate() const {
   for (int l : dense_layers) {
     if (l < 0) return bad("policy: negative dense layer ", l);
   }
-  if (tokenselect_candidate_factor < 1) return bad("policy: tokenselect_candidate_factor < 1");
+  if (tokenselect_candidate_factor < 1 || tokenselect_candidate_factor > 16) {
+    return bad("policy: tokenselect_candidate_factor ", tokenselect_candidate_factor,
+               " is outside [1, 16]");
+  }
   if (hip_block < 1) return bad("policy: hip_block < 1");
   if (subgen_samples_per_cluster < 1 || subgen_value_samples < 0 || !(subgen_radius > 0.0)) {
     return bad("policy: subgen needs samples_per_cluster >= 1, value_samples >= 0, radius > 0");

@@ -119,7 +119,8 @@ struct PolicyOptions {
   double cache_theta = 0.9;
   // Layers that always use dense attention (e.g. {0, 1}). Default: none.
   std::vector<int> dense_layers;
-  // tokenselect with a summary: candidate pages hold up to this many times B tokens. Default: 4.
+  // tokenselect with a summary: candidate pages hold up to this many times B tokens, 1 to 16.
+  // Default: 4 (bench/RESULTS.md, session 23: 2 is 12-14% faster on selecting steps, less exact).
   int tokenselect_candidate_factor = 4;
   // hip: key block size b_k (tokens per leaf block). Default: 2 (HiP code's block_size_k).
   int hip_block = 2;

@@ -16,6 +16,7 @@ namespace strata::engine::sparse {
 namespace {
 
 using ::strata::testing::StatusIs;
+using ::testing::HasSubstr;
 using kernels::DType;
 using kernels::TensorView;
 
@@ -143,6 +144,14 @@ TEST(PolicyOptionsTest, ParseAndValidate) {
   o = PolicyOptions();
   o.cache_theta = 0;
   EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+  for (int factor : {0, 17}) {
+    o = PolicyOptions();
+    o.tokenselect_candidate_factor = factor;
+    EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("candidate_factor")))
+        << factor;
+  }
+  o.tokenselect_candidate_factor = 16;
+  EXPECT_TRUE(o.Validate().ok());
   o = PolicyOptions();
   EXPECT_THAT(MakeAttentionPolicy(o, 2, 8, 3, 32), StatusIs(absl::StatusCode::kInvalidArgument));
   o.dense_layers = {2};

@@ -516,7 +516,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // and a short epilogue (lanes t == 0 hold rows g and g + 8 in c[0] and c[2]). With these ptxas
 // keeps the loads in flight (72 registers; GemvFp8Kernel's epilogue leaves it at 48 and the loads
 // one step ahead of their use): 32 layers' GEMVs back to back 82.6 -> 75.1 us per layer on the
-// H200 (cuda_gemv_weight_bench "fp8 persist nb u8", bench/RESULTS.md, session 22).
+// H200 (measured as cuda_gemv_weight_bench's variant "fp8 persist nb u8", which became this
+// kernel; the bench now times it as "fp8 production"; bench/RESULTS.md, session 22).
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvFp8OneKernel(const float* __restrict__ in, const uint8_t* __restrict__ w8,
                      const float* __restrict__ scale, float* __restrict__ out, int64_t k,
