@@ -172,6 +172,10 @@ TEST_F(ServeTest, BadRequestsGetTheRightCodes) {
   v1::JobSubmitRequest too_many = base;
   too_many.mutable_params()->set_max_tokens(100000);
   EXPECT_EQ(submit(too_many), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::JobSubmitRequest bad_factor = base;
+  bad_factor.mutable_policy()->set_name("tokenselect");
+  bad_factor.mutable_policy()->set_candidate_factor(17);
+  EXPECT_EQ(submit(bad_factor), grpc::StatusCode::INVALID_ARGUMENT);
 
   JobRun done = Generate(base);
   ASSERT_TRUE(done.status.ok()) << done.status.error_message();
@@ -215,6 +219,24 @@ TEST_F(ServeTest, ClientCommands) {
   code = jobs.Wait(std::chrono::seconds(30));
   ASSERT_TRUE(code.has_value() && *code == 0) << jobs.Err();
   EXPECT_TRUE(absl::StrContains(jobs.Out(), "state=DONE")) << jobs.Out();
+
+  // --candidate-factor: a negative value is the client's usage error (exit 2, nothing sent); one
+  // past 16 reaches the server, which refuses it (exit 1, INVALID_ARGUMENT naming the field).
+  ChildProcess negative({STRATA_BINARY, "ask", "--server", Address(), "--doc", doc_file, "--policy", "tokenselect",
+                         "--candidate-factor", "-3", "What is it?"},
+                        *dir_ + "/neg.out", *dir_ + "/neg.err");
+  code = negative.Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 2) << negative.Err();
+  EXPECT_TRUE(absl::StrContains(negative.Err(), "--candidate-factor")) << negative.Err();
+  ChildProcess too_big({STRATA_BINARY, "ask", "--server", Address(), "--doc", doc_file, "--policy", "tokenselect",
+                        "--candidate-factor", "99", "What is it?"},
+                       *dir_ + "/big.out", *dir_ + "/big.err");
+  code = too_big.Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 1) << too_big.Err();
+  EXPECT_TRUE(absl::StrContains(too_big.Err(), "INVALID_ARGUMENT")) << too_big.Err();
+  EXPECT_TRUE(absl::StrContains(too_big.Err(), "candidate_factor")) << too_big.Err();
 }
 
 // Reads "<grpc_port> <metrics_port>" from a port file, waiting up to 60 s; 0 on failure.
