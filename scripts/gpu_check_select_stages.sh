@@ -12,9 +12,10 @@
 #   2b. with STRATA_CHECK_PHASES (variants as STRATA_AB_PIPES) the selection kernel's phase
 #      stamps per variant (cuda_attention_bench --stage-phases);
 #   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it; STRATA_CHECK_TESTS
-#      names the ones to run instead), compute-sanitizer memcheck and racecheck on the
-#      SelectStages tests (STRATA_CHECK_SKIP_SANITIZE=1 skips them; STRATA_CHECK_SANITIZE_TIMEOUT
-#      seconds each, default 200), and with STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench
+#      names the ones to run instead), compute-sanitizer memcheck on the SelectStages tests and
+#      racecheck on each of them in its own process, all at once (STRATA_CHECK_SKIP_SANITIZE=1
+#      skips them; STRATA_CHECK_SANITIZE_TIMEOUT seconds each, default 200), and with
+#      STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench
 #      (cluster barrier and shared-memory read latencies).
 # Full logs in $OUT (else /tmp/strata-gpu-out); test summaries and PIPE / GSTAGES lines printed.
 # Usage: STRATA_GPU_BUNDLE=.gpu scripts/gpu_check_select_stages.sh [contexts...]
@@ -92,12 +93,24 @@ if [ "${STRATA_CHECK_SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== compute-sanitizer"
-  for tool in memcheck racecheck; do
-    timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool "$tool" \
+  timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool memcheck \
+    --error-exitcode 99 --print-limit 20 "$B/cuda_selection_test" --gtest_brief=1 \
+    --gtest_filter='SelectStages*' > "$LOGS/memcheck_select_stages.log" 2>&1
+  echo "memcheck SelectStages* rc=$? $(summary "$LOGS/memcheck_select_stages.log")"
+  # racecheck instruments every shared-memory access and takes minutes for the whole filter, so
+  # each SelectStages test runs under it in its own process, all at once (the GPU is shared).
+  mapfile -t race_tests < <("$B/cuda_selection_test" --gtest_list_tests \
+    --gtest_filter='SelectStages*' | awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}')
+  pids=()
+  for t in "${race_tests[@]}"; do
+    timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool racecheck \
       --error-exitcode 99 --print-limit 20 "$B/cuda_selection_test" --gtest_brief=1 \
-      --gtest_filter='SelectStages*' \
-      > "$LOGS/${tool}_select_stages.log" 2>&1
-    echo "$tool SelectStages* rc=$? $(summary "$LOGS/${tool}_select_stages.log")"
+      --gtest_filter="$t" > "$LOGS/racecheck_$t.log" 2>&1 &
+    pids+=($!)
+  done
+  for k in "${!race_tests[@]}"; do
+    wait "${pids[$k]}"
+    echo "racecheck ${race_tests[$k]} rc=$? $(summary "$LOGS/racecheck_${race_tests[$k]}.log")"
   done
 fi
 if [ "${STRATA_CHECK_LATENCY:-0}" = 1 ] && [ -x "$B/cuda_cluster_latency_bench" ]; then
