@@ -17,10 +17,12 @@
 // another copy), as a decode step issues them, plus the LM head. A check compares every variant
 // with a host dot product of the activations it multiplies (f32, or rounded to bf16 / f16) on a
 // few rows; outputs are poisoned before each variant.
-// With pollute_gib > 0 each shape is also timed right after a kernel that reads 230 random 16 KiB
-// pages (3.6 MiB, one layer's page fills at 512K) of a pollute_gib GiB pinned host buffer mapped
+// With pollute_gib > 0 each shape is also timed right after a kernel that reads touch_pages
+// (default 230) random 16 KiB pages (3.6 MiB, one layer's page fills at 512K) of a pollute_gib GiB
+// pinned host buffer mapped (with where = device: of a pollute_gib GiB device buffer, as a
+// decode step's attention reads its page pool)
 // into the device, as the decode step's fill kernel does before the layer's o projection.
-// Usage: cuda_gemv_weight_bench [reps=50] [pollute_gib=0]
+// Usage: cuda_gemv_weight_bench [reps=50] [pollute_gib=0] [where=host|device] [touch_pages=230]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -349,8 +351,13 @@ void LaunchProduction(const float* x, const uint4* w, const float* scale, float*
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
   const int pollute_gib = argc > 2 ? std::atoi(argv[2]) : 0;
-  if (reps < 1 || pollute_gib < 0) {
-    std::fprintf(stderr, "usage: cuda_gemv_weight_bench [reps>=1] [pollute_gib>=0]\n");
+  const bool pollute_device = argc > 3 && std::strcmp(argv[3], "device") == 0;
+  const int touch_pages = argc > 4 ? std::atoi(argv[4]) : 230;
+  if (reps < 1 || pollute_gib < 0 || touch_pages < 1 ||
+      (argc > 3 && !pollute_device && std::strcmp(argv[3], "host") != 0)) {
+    std::fprintf(stderr,
+                 "usage: cuda_gemv_weight_bench [reps>=1] [pollute_gib>=0] [host|device] "
+                 "[touch_pages>=1]\n");
     return 2;
   }
   const Shape shapes[] = {{"q|k|v", 6144, 4096},     {"o", 4096, 4096},
@@ -430,8 +437,9 @@ int main(int argc, char** argv) {
     var.launch(dx, static_cast<const uint4*>(wt.copies[copy % wt.copies.size()]), wt.scale, dout,
                shapes[si].k, shapes[si].m, stream);
   };
-  // The pollution: a pinned host buffer and, per rep, 230 random 16 KiB pages of it.
-  constexpr int kTouchPages = 230;
+  // The pollution: a pinned host (or device) buffer and, per rep, touch_pages random 16 KiB pages
+  // of it.
+  const int kTouchPages = touch_pages;
   const uint4* host_dev = nullptr;
   int64_t* pages_dev = nullptr;
   uint4* sink = nullptr;
@@ -439,11 +447,17 @@ int main(int argc, char** argv) {
   if (pollute_gib > 0) {
     void* host = nullptr;
     const size_t bytes = static_cast<size_t>(pollute_gib) << 30;
-    CUDA_BENCH_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped));
-    std::memset(host, 1, bytes);
-    void* dev = nullptr;
-    CUDA_BENCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
-    host_dev = static_cast<const uint4*>(dev);
+    if (pollute_device) {
+      CUDA_BENCH_CHECK(cudaMalloc(&host, bytes));
+      CUDA_BENCH_CHECK(cudaMemset(host, 1, bytes));
+      host_dev = static_cast<const uint4*>(host);
+    } else {
+      CUDA_BENCH_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped));
+      std::memset(host, 1, bytes);
+      void* dev = nullptr;
+      CUDA_BENCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+      host_dev = static_cast<const uint4*>(dev);
+    }
     std::vector<int64_t> pages(static_cast<size_t>(kPageSets) * kTouchPages);
     std::uniform_int_distribution<int64_t> page(0, static_cast<int64_t>(bytes >> 14) - 1);
     for (int64_t& p : pages) p = page(rng);
@@ -538,8 +552,8 @@ int main(int argc, char** argv) {
   }
   if (pollute_gib > 0) {
     std::printf("median us of one cold GEMV right after reading %d random 16 KiB pages of a %d GiB "
-                "pinned host buffer\n%-20s",
-                kTouchPages, pollute_gib, "variant");
+                "%s buffer\n%-20s",
+                kTouchPages, pollute_gib, pollute_device ? "device" : "pinned host", "variant");
     for (const Shape& sh : shapes) std::printf(" | %8s clean -> after", sh.name);
     std::printf("\n");
     for (int vi = 0; vi < kVariants; ++vi) {
