@@ -18,10 +18,10 @@
 // with a host dot product of the activations it multiplies (f32, or rounded to bf16 / f16) on a
 // few rows; outputs are poisoned before each variant.
 // With pollute_gib > 0 each shape is also timed right after a kernel that reads touch_pages
-// (default 230) random 16 KiB pages (3.6 MiB, one layer's page fills at 512K) of a pollute_gib GiB
-// pinned host buffer mapped (with where = device: of a pollute_gib GiB device buffer, as a
-// decode step's attention reads its page pool)
-// into the device, as the decode step's fill kernel does before the layer's o projection.
+// (default 230: 3.6 MiB, one layer's page fills at 512K) random 16 KiB pages of a pollute_gib GiB
+// pinned host buffer mapped into the device, as the decode step's fill kernel does before the
+// layer's o projection, or with where = device of a device buffer, as the step's attention reads
+// its page pool.
 // Usage: cuda_gemv_weight_bench [reps=50] [pollute_gib=0] [where=host|device] [touch_pages=230]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
