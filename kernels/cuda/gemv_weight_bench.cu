@@ -439,7 +439,6 @@ int main(int argc, char** argv) {
   };
   // The pollution: a pinned host (or device) buffer and, per rep, touch_pages random 16 KiB pages
   // of it.
-  const int kTouchPages = touch_pages;
   const uint4* host_dev = nullptr;
   int64_t* pages_dev = nullptr;
   uint4* sink = nullptr;
@@ -458,16 +457,16 @@ int main(int argc, char** argv) {
       CUDA_BENCH_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
       host_dev = static_cast<const uint4*>(dev);
     }
-    std::vector<int64_t> pages(static_cast<size_t>(kPageSets) * kTouchPages);
+    std::vector<int64_t> pages(static_cast<size_t>(kPageSets) * touch_pages);
     std::uniform_int_distribution<int64_t> page(0, static_cast<int64_t>(bytes >> 14) - 1);
     for (int64_t& p : pages) p = page(rng);
     CUDA_BENCH_CHECK(cudaMalloc(&pages_dev, pages.size() * 8));
     CUDA_BENCH_CHECK(cudaMemcpy(pages_dev, pages.data(), pages.size() * 8, cudaMemcpyHostToDevice));
-    CUDA_BENCH_CHECK(cudaMalloc(&sink, kTouchPages * 16));
+    CUDA_BENCH_CHECK(cudaMalloc(&sink, touch_pages * 16));
   }
   auto pollute = [&](int r) {
-    TouchHostPages<<<kTouchPages, 256, 0, stream>>>(
-        host_dev, pages_dev + static_cast<int64_t>(r % kPageSets) * kTouchPages, sink);
+    TouchHostPages<<<touch_pages, 256, 0, stream>>>(
+        host_dev, pages_dev + static_cast<int64_t>(r % kPageSets) * touch_pages, sink);
   };
   // Median ms over n reps of `body` (events around it only); `pre` runs before each rep's first
   // event.
@@ -553,7 +552,7 @@ int main(int argc, char** argv) {
   if (pollute_gib > 0) {
     std::printf("median us of one cold GEMV right after reading %d random 16 KiB pages of a %d GiB "
                 "%s buffer\n%-20s",
-                kTouchPages, pollute_gib, pollute_device ? "device" : "pinned host", "variant");
+                touch_pages, pollute_gib, pollute_device ? "device" : "pinned host", "variant");
     for (const Shape& sh : shapes) std::printf(" | %8s clean -> after", sh.name);
     std::printf("\n");
     for (int vi = 0; vi < kVariants; ++vi) {

@@ -413,9 +413,9 @@ __device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
 
 // The fp8 GEMVs' weight loads: lane t's 16-byte chunks (chunk 4 step + t) of rows g (`wa`, `ra`)
 // and g + 8 (`wb`, `rb`) for the kUnroll steps from `b`, predicated (zeros past step s1, past the
-// row's `chunks` or for a row past the matrix: `va`, `vb`); L128: 128-byte L2 fetches
-// (LoadWeightChunk128If, GemvFp8OneKernel), else 256 (GemvFp8Kernel: not measured with 128).
-template <int kUnroll, bool L128 = false>
+// row's `chunks` or for a row past the matrix: `va`, `vb`), with L2 fetches of kL2Bytes
+// (LoadWeightChunkIf: GemvFp8OneKernel 128, GemvFp8Kernel 256, not measured with 128).
+template <int kUnroll, int kL2Bytes = 256>
 __device__ __forceinline__ void LoadFp8Steps(const uint4* wa, const uint4* wb, bool va, bool vb,
                                              int64_t b, int64_t s1, int64_t chunks, int t,
                                              uint4 (&ra)[kUnroll], uint4 (&rb)[kUnroll]) {
@@ -423,13 +423,8 @@ __device__ __forceinline__ void LoadFp8Steps(const uint4* wa, const uint4* wb, b
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t ch = (b + u) * 4 + t;
     const bool in_k = b + u < s1 && ch < chunks;
-    if constexpr (L128) {
-      ra[u] = LoadWeightChunk128If(wa + ch, va && in_k);
-      rb[u] = LoadWeightChunk128If(wb + ch, vb && in_k);
-    } else {
-      ra[u] = LoadWeightChunkIf(wa + ch, va && in_k);
-      rb[u] = LoadWeightChunkIf(wb + ch, vb && in_k);
-    }
+    ra[u] = LoadWeightChunkIf<kL2Bytes>(wa + ch, va && in_k);
+    rb[u] = LoadWeightChunkIf<kL2Bytes>(wb + ch, vb && in_k);
   }
 }
 
@@ -524,7 +519,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // one step ahead of their use): 32 layers' GEMVs back to back 82.6 -> 75.1 us per layer on the
 // H200 (measured as cuda_gemv_weight_bench's variant "fp8 persist nb u8", which became this
 // kernel; the bench now times it as "fp8 production"; bench/RESULTS.md, session 22). Its loads
-// fetch 128 bytes into L2, not 256 (LoadWeightChunk128If: session 24).
+// fetch 128 bytes into L2, not 256 (LoadWeightChunkIf<128>: session 24).
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvFp8OneKernel(const float* __restrict__ in, const uint8_t* __restrict__ w8,
                      const float* __restrict__ scale, float* __restrict__ out, int64_t k,
@@ -550,7 +545,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t b = s0; b < s1; b += kUnroll) {
       uint4 ra[kUnroll], rb[kUnroll];
-      LoadFp8Steps<kUnroll, true>(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
+      LoadFp8Steps<kUnroll, 128>(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ch = (b + u) * 4 + t;

@@ -226,32 +226,30 @@ __device__ __forceinline__ uint4 LoadWeightChunk(const uint4* p) {
 // LoadWeightChunk(p) when `ok`, else zeros, as one predicated load without a branch: the loads of
 // an unrolled step stay in one basic block, so ptxas may issue them all before their first use
 // (`ok ? LoadWeightChunk(p) : zeros` puts each load behind its own branch, and the loads then go
-// out one step ahead of their use; bench/RESULTS.md, session 22).
+// out one step ahead of their use; bench/RESULTS.md, session 22). kL2Bytes: the L2 fetch size, 256
+// or 128. The one-token fp8 GEMV (GemvFp8OneKernel) takes 128: it reads 64 bytes of each of eight
+// rows per warp load, and after a kernel that read scattered device memory (the decode step's
+// attention over its page pool) its 256-byte fetches ran 9-13% slower on gate|up and the LM head,
+// 128-byte ones 1-6%, and no slower without that kernel (H200, bench/RESULTS.md session 24: the 8B
+// graph step at 128K 7.22 -> 6.84 ms, without a document 3.05 -> 2.90 ms).
+#define STRATA_WEIGHT_CHUNK_IF_ASM(l2)                                                    \
+  "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"          \
+  " mov.b32 %2, 0;\n mov.b32 %3, 0;\n"                                                     \
+  " @q ld.global.nc.L1::no_allocate.L2::" l2 ".v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+template <int kL2Bytes = 256>
 __device__ __forceinline__ uint4 LoadWeightChunkIf(const uint4* p, bool ok) {
+  static_assert(kL2Bytes == 256 || kL2Bytes == 128, "L2 fetch of 256 or 128 bytes");
   uint4 r;
-  asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
-      " mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-      " @q ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "r"(static_cast<int>(ok)));
+  if constexpr (kL2Bytes == 256) {
+    asm(STRATA_WEIGHT_CHUNK_IF_ASM("256B") : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "r"(static_cast<int>(ok)));
+  } else {
+    asm(STRATA_WEIGHT_CHUNK_IF_ASM("128B") : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "r"(static_cast<int>(ok)));
+  }
   return r;
 }
-
-// LoadWeightChunkIf with 128-byte L2 fetches instead of 256: the one-token fp8 GEMV
-// (GemvFp8OneKernel) reads 64 bytes of each of eight rows per warp load, and after a kernel that
-// read scattered device memory (the decode step's attention over its page pool) its 256-byte
-// fetches ran 9-13% slower on gate|up and the LM head; with 128-byte fetches 1-6%, and no slower
-// without that kernel (H200, bench/RESULTS.md session 24: the 8B graph step at 128K 7.22 -> 6.84
-// ms, without a document 3.05 -> 2.90 ms).
-__device__ __forceinline__ uint4 LoadWeightChunk128If(const uint4* p, bool ok) {
-  uint4 r;
-  asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
-      " mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-      " @q ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "r"(static_cast<int>(ok)));
-  return r;
-}
+#undef STRATA_WEIGHT_CHUNK_IF_ASM
 
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
