@@ -8,7 +8,8 @@
 // - mma: the products on tensor cores, 16 rows per block (GemvMma below), with variants by warps
 //   per block, a persistent grid (GemvFp8Kernel's form), bulk L2 prefetch of each row group and
 //   predicated (branch-free) weight loads.
-// - production: matmul.cu's LaunchMatMul itself (its objects are linked in), for one token.
+// - production: matmul.cu's LaunchMatMul itself (its objects are linked in), for one token and,
+//   with fp8 weights, for 8 and 16 tokens (a batched decode step: GemvFp8Kernel).
 // Variants measured and dropped since (two chunks per row per step, 8-row groups, bf16 predicated
 // loads in the row and mma GEMVs): bench/RESULTS.md and bench/results/session2[23]_h200.txt.
 // Every shape's weights in both types stay resident, each in enough copies that no rep finds it
@@ -330,15 +331,17 @@ void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, i
   kernel<<<static_cast<unsigned>(blocks), WARPS * 32, 0, stream>>>(x, w, scale, out, k, m);
 }
 
-// The production path: kernels/cuda/matmul.cu's LaunchMatMul for one token (GemvFp8OneKernel for
-// fp8 weights, GemvRowsKernel of the default kSplit precision for bf16 ones).
-template <bool FP8>
+// The production path: kernels/cuda/matmul.cu's LaunchMatMul for N tokens (one token:
+// GemvFp8OneKernel for fp8 weights, GemvRowsKernel of the default kSplit precision for bf16 ones;
+// 2-16 tokens with fp8 weights: GemvFp8Kernel, as a batched decode step's projections). The N
+// tokens' activations are the same vector, so every token's outputs are token 0's.
+template <bool FP8, int N = 1>
 void LaunchProduction(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
                       int64_t m, cudaStream_t stream) {
   namespace ci = strata::kernels::cuda_internal;
   const ci::GpuResult r = ci::LaunchMatMul(
       nullptr, x, w, FP8 ? ci::FloatType::kFP8E4M3 : ci::FloatType::kBF16, nullptr,
-      ci::FloatType::kF32, out, 1, k, m, nullptr, stream, /*round_activations=*/false,
+      ci::FloatType::kF32, out, N, k, m, nullptr, stream, /*round_activations=*/false,
       FP8 ? scale : nullptr);
   if (!r.ok()) {
     std::fprintf(stderr, "LaunchMatMul failed: %s (line %d)\n", cudaGetErrorString(r.cuda), r.line);
@@ -375,7 +378,10 @@ int main(int argc, char** argv) {
       {"fp8 mma pf", true, 2, LaunchMma<true, false, 4, 8, false, true>},
       {"fp8 production", true, 2, LaunchProduction<true>},
       {"fp8 persist nb", true, 2, LaunchMma<true, false, 4, 8, true, false, true>},
+      {"fp8 production n8", true, 2, LaunchProduction<true, 8>},
+      {"fp8 production n16", true, 2, LaunchProduction<true, 16>},
   };
+  constexpr int kMaxTokens = 16;  // of any variant
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   std::mt19937 rng(11);
   cudaStream_t stream;
@@ -427,14 +433,21 @@ int main(int argc, char** argv) {
   std::vector<float> x(max_k);
   std::uniform_real_distribution<float> ux(-1.0f, 1.0f);
   for (float& v : x) v = ux(rng);
-  float *dx = nullptr, *dout = nullptr;
-  CUDA_BENCH_CHECK(cudaMalloc(&dx, max_k * 4));
-  CUDA_BENCH_CHECK(cudaMalloc(&dout, max_m * 4));
-  CUDA_BENCH_CHECK(cudaMemcpy(dx, x.data(), max_k * 4, cudaMemcpyHostToDevice));
+  // Per shape the activations of kMaxTokens tokens ([tokens, k], each row x[0, k)); the outputs.
+  float* dxs[kShapes] = {};
+  for (int si = 0; si < kShapes; ++si) {
+    const int64_t k = shapes[si].k;
+    CUDA_BENCH_CHECK(cudaMalloc(&dxs[si], kMaxTokens * k * 4));
+    for (int t = 0; t < kMaxTokens; ++t) {
+      CUDA_BENCH_CHECK(cudaMemcpy(dxs[si] + t * k, x.data(), k * 4, cudaMemcpyHostToDevice));
+    }
+  }
+  float* dout = nullptr;
+  CUDA_BENCH_CHECK(cudaMalloc(&dout, kMaxTokens * max_m * 4));
 
   auto launch = [&](const Variant& var, int si, int copy) {
     const Weight& wt = weights[si][var.fp8 ? 1 : 0];
-    var.launch(dx, static_cast<const uint4*>(wt.copies[copy % wt.copies.size()]), wt.scale, dout,
+    var.launch(dxs[si], static_cast<const uint4*>(wt.copies[copy % wt.copies.size()]), wt.scale, dout,
                shapes[si].k, shapes[si].m, stream);
   };
   // The pollution: a pinned host (or device) buffer and, per rep, touch_pages random 16 KiB pages
