@@ -413,9 +413,9 @@ __device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
 
 // The fp8 GEMVs' weight loads: lane t's 16-byte chunks (chunk 4 step + t) of rows g (`wa`, `ra`)
 // and g + 8 (`wb`, `rb`) for the kUnroll steps from `b`, predicated (zeros past step s1, past the
-// row's `chunks` or for a row past the matrix: `va`, `vb`), with L2 fetches of kL2Bytes
-// (LoadWeightChunkIf: GemvFp8OneKernel 128, GemvFp8Kernel 256, not measured with 128).
-template <int kUnroll, int kL2Bytes = 256>
+// row's `chunks` or for a row past the matrix: `va`, `vb`), each load asking L2 for 128 bytes
+// (LoadWeightChunkIf<128>: sessions 24 and 25 measured both fp8 GEMVs faster than with 256).
+template <int kUnroll>
 __device__ __forceinline__ void LoadFp8Steps(const uint4* wa, const uint4* wb, bool va, bool vb,
                                              int64_t b, int64_t s1, int64_t chunks, int t,
                                              uint4 (&ra)[kUnroll], uint4 (&rb)[kUnroll]) {
@@ -423,8 +423,8 @@ __device__ __forceinline__ void LoadFp8Steps(const uint4* wa, const uint4* wb, b
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t ch = (b + u) * 4 + t;
     const bool in_k = b + u < s1 && ch < chunks;
-    ra[u] = LoadWeightChunkIf<kL2Bytes>(wa + ch, va && in_k);
-    rb[u] = LoadWeightChunkIf<kL2Bytes>(wb + ch, vb && in_k);
+    ra[u] = LoadWeightChunkIf<128>(wa + ch, va && in_k);
+    rb[u] = LoadWeightChunkIf<128>(wb + ch, vb && in_k);
   }
 }
 
@@ -449,7 +449,9 @@ __device__ __forceinline__ void Fp8Fragment(uint32_t wa, uint32_t wb, uint32_t (
 // the bias added. Read at one byte per weight, the GEMV moves half the bytes of bf16 weights and
 // runs on tensor cores: the scalar form (a dot per lane) was instruction-bound and slower than
 // bf16 (bench/RESULTS.md, sessions 20-21). The weight loads are predicated, not branched
-// (LoadWeightChunkIf). One token without a bias takes GemvFp8OneKernel instead.
+// (LoadWeightChunkIf) and fetch 128 bytes into L2 (LoadFp8Steps: 8 tokens' 32 layers back to back
+// 112.8 -> 105.7 us per layer on the H200 against 256, 16 tokens 168.0 -> 163.7; bench/RESULTS.md,
+// session 25). One token without a bias takes GemvFp8OneKernel instead.
 template <int TILES>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvFp8Kernel(const float* __restrict__ in, const uint8_t* __restrict__ w,
@@ -483,7 +485,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     for (int i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
     for (int64_t b = s0; b < s1; b += kUnroll) {
       uint4 ra[kUnroll], rb[kUnroll];
-      LoadFp8Steps(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
+      LoadFp8Steps<kUnroll>(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ch = (b + u) * 4 + t;
@@ -519,7 +521,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // one step ahead of their use): 32 layers' GEMVs back to back 82.6 -> 75.1 us per layer on the
 // H200 (measured as cuda_gemv_weight_bench's variant "fp8 persist nb u8", which became this
 // kernel; the bench now times it as "fp8 production"; bench/RESULTS.md, session 22). Its loads
-// fetch 128 bytes into L2, not 256 (LoadWeightChunkIf<128>: session 24).
+// fetch 128 bytes into L2, not 256 (LoadFp8Steps: session 24).
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvFp8OneKernel(const float* __restrict__ in, const uint8_t* __restrict__ w8,
                      const float* __restrict__ scale, float* __restrict__ out, int64_t k,
@@ -545,7 +547,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t b = s0; b < s1; b += kUnroll) {
       uint4 ra[kUnroll], rb[kUnroll];
-      LoadFp8Steps<kUnroll, 128>(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
+      LoadFp8Steps<kUnroll>(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ch = (b + u) * 4 + t;

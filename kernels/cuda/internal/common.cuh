@@ -227,11 +227,12 @@ __device__ __forceinline__ uint4 LoadWeightChunk(const uint4* p) {
 // an unrolled step stay in one basic block, so ptxas may issue them all before their first use
 // (`ok ? LoadWeightChunk(p) : zeros` puts each load behind its own branch, and the loads then go
 // out one step ahead of their use; bench/RESULTS.md, session 22). kL2Bytes: the L2 fetch size, 256
-// or 128. The one-token fp8 GEMV (GemvFp8OneKernel) takes 128: it reads 64 bytes of each of eight
-// rows per warp load, and after a kernel that read scattered device memory (the decode step's
-// attention over its page pool) its 256-byte fetches ran 9-13% slower on gate|up and the LM head,
-// 128-byte ones 1-6%, and no slower without that kernel (H200, bench/RESULTS.md session 24: the 8B
-// graph step at 128K 7.22 -> 6.84 ms, without a document 3.05 -> 2.90 ms).
+// or 128. The fp8 GEMVs (matmul.cu's LoadFp8Steps) take 128: a warp load reads 64 bytes of each of
+// eight rows, and after a kernel that read scattered device memory (the decode step's attention
+// over its page pool) the one-token GEMV's 256-byte fetches ran 9-13% slower on gate|up and the LM
+// head, 128-byte ones 1-6%, and no slower without that kernel (H200, bench/RESULTS.md session 24:
+// the 8B graph step at 128K 7.22 -> 6.84 ms, without a document 3.05 -> 2.90 ms); the 2-16 token
+// GEMV gained 3-6% from them in session 25.
 #define STRATA_WEIGHT_CHUNK_IF_ASM(l2)                                                    \
   "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"          \
   " mov.b32 %2, 0;\n mov.b32 %3, 0;\n"                                                     \
