@@ -439,7 +439,8 @@ __device__ __forceinline__ void Fp8Fragment(uint32_t wa, uint32_t wb, uint32_t (
 
 // 1..16 tokens (n <= 8 * TILES) with fp8 weights in 16-byte rows (k % 16 == 0, aligned; f32
 // activations aligned): GemvMmaKernel's layout with 16 e4m3 weights per 16-byte chunk. A block
-// takes groups of 16 weight rows in turn, its warps contiguous slices of their 64-column steps;
+// takes groups of 16 weight rows in turn (two at once, below), its warps contiguous slices of their
+// 64-column steps;
 // per step lane (g, t) loads 16 bytes of rows g and g + 8 at chunk 4 * step + t, and each 16-bit pair of codes becomes
 // an f16 pair in one cvt (e4m3 is exact in f16). Word i of the chunk (columns 16 ch + 4 i +
 // {0..3}) feeds one m16n8k16 f16 mma: A's fragment positions {2t, 2t+1} hold its columns {0, 1}
@@ -450,14 +451,20 @@ __device__ __forceinline__ void Fp8Fragment(uint32_t wa, uint32_t wb, uint32_t (
 // runs on tensor cores: the scalar form (a dot per lane) was instruction-bound and slower than
 // bf16 (bench/RESULTS.md, sessions 20-21). The weight loads are predicated, not branched
 // (LoadWeightChunkIf) and fetch 128 bytes into L2 (LoadFp8Steps: 8 tokens' 32 layers back to back
-// 112.8 -> 105.7 us per layer on the H200 against 256, 16 tokens 168.0 -> 163.7; bench/RESULTS.md,
+// 112.8 -> 105.7 us per layer on the H200 against 256, 16 tokens 168.0 -> 163.7). A block takes
+// two row groups at once (kPair): every lane's activation loads, the GEMV's L2 traffic (each group
+// reads all n tokens' activations, 4 n bytes per weight byte), serve both groups' mmas. With one
+// group per pass the 8- and 16-token GEMVs were bound by those reads, not the weights (about
+// 6 TB/s from L2): 32 layers 105.5 -> 97.7 us per layer (8 tokens) and 162.8 -> 134.2 (16), the
+// LM head at 16 tokens 352 -> 229 us (114 registers, two blocks per SM; bench/RESULTS.md,
 // session 25). One token without a bias takes GemvFp8OneKernel instead.
 template <int TILES>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvFp8Kernel(const float* __restrict__ in, const uint8_t* __restrict__ w,
                   const float* __restrict__ scale, const void* bias, FloatType bias_type,
                   float* __restrict__ out, int n, int64_t k, int64_t m) {
-  constexpr int kUnroll = 4;  // steps whose loads are in flight at once
+  constexpr int kUnroll = 4;  // steps whose loads are in flight at once, per row group
+  constexpr int kPair = 2;    // row groups at once
   __shared__ float part[kMmaWarps][16][8 * TILES];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -474,43 +481,63 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int64_t s0 = warp * per;
   const int64_t s1 = s0 + per < steps ? s0 + per : steps;
   const int64_t groups = (m + 15) / 16;
-  // The grid fills the GPU once (GemvFp8Blocks); each block takes groups of 16 rows in turn.
-  for (int64_t grp = blockIdx.x; grp < groups; grp += gridDim.x) {
-    const int64_t row0 = grp * 16;
-    const bool va = row0 + g < m, vb = row0 + g + 8 < m;
-    const uint4* wa = reinterpret_cast<const uint4*>(w + (va ? row0 + g : 0) * k);
-    const uint4* wb = reinterpret_cast<const uint4*>(w + (vb ? row0 + g + 8 : 0) * k);
-    float c[TILES][4];
+  // The grid fills the GPU once (GemvFp8Blocks); each block takes groups of 16 rows in turn, kPair
+  // of them (grp and grp + gridDim.x) at once: their mmas share each activation load.
+  for (int64_t grp = blockIdx.x; grp < groups; grp += kPair * gridDim.x) {
+    int64_t row0[kPair];
+    bool va[kPair], vb[kPair];
+    const uint4* wa[kPair];
+    const uint4* wb[kPair];
+    float c[kPair][TILES][4];
 #pragma unroll
-    for (int i = 0; i < TILES; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+    for (int q = 0; q < kPair; ++q) {
+      row0[q] = (grp + q * static_cast<int64_t>(gridDim.x)) * 16;
+      va[q] = row0[q] + g < m;
+      vb[q] = row0[q] + g + 8 < m;
+      wa[q] = reinterpret_cast<const uint4*>(w + (va[q] ? row0[q] + g : 0) * k);
+      wb[q] = reinterpret_cast<const uint4*>(w + (vb[q] ? row0[q] + g + 8 : 0) * k);
+#pragma unroll
+      for (int i = 0; i < TILES; ++i) c[q][i][0] = c[q][i][1] = c[q][i][2] = c[q][i][3] = 0.0f;
+    }
     for (int64_t b = s0; b < s1; b += kUnroll) {
-      uint4 ra[kUnroll], rb[kUnroll];
-      LoadFp8Steps<kUnroll>(wa, wb, va, vb, b, s1, chunks, t, ra, rb);
+      uint4 ra[kPair][kUnroll], rb[kPair][kUnroll];
+#pragma unroll
+      for (int q = 0; q < kPair; ++q) {
+        LoadFp8Steps<kUnroll>(wa[q], wb[q], va[q], vb[q], b, s1, chunks, t, ra[q], rb[q]);
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ch = (b + u) * 4 + t;
         const bool in_k = b + u < s1 && ch < chunks;
-        const uint32_t wa4[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
-        const uint32_t wb4[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float4 x[TILES];
+          uint32_t x0[TILES], x1[TILES];
 #pragma unroll
           for (int j = 0; j < TILES; ++j) {
-            x[j] = vx[j] && in_k ? __ldg(x4[j] + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            const float4 x =
+                vx[j] && in_k ? __ldg(x4[j] + ch * 4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            x0[j] = PackPair<__half>(x.x, x.y);
+            x1[j] = PackPair<__half>(x.z, x.w);
           }
-          uint32_t a[4];
-          Fp8Fragment(wa4[i], wb4[i], a);
 #pragma unroll
-          for (int j = 0; j < TILES; ++j) {
-            Mma16816<__half>(c[j], a, PackPair<__half>(x[j].x, x[j].y),
-                             PackPair<__half>(x[j].z, x[j].w));
+          for (int q = 0; q < kPair; ++q) {
+            const uint32_t wa4[4] = {ra[q][u].x, ra[q][u].y, ra[q][u].z, ra[q][u].w};
+            const uint32_t wb4[4] = {rb[q][u].x, rb[q][u].y, rb[q][u].z, rb[q][u].w};
+            uint32_t a[4];
+            Fp8Fragment(wa4[i], wb4[i], a);
+#pragma unroll
+            for (int j = 0; j < TILES; ++j) Mma16816<__half>(c[q][j], a, x0[j], x1[j]);
           }
         }
       }
     }
-    StoreMmaRows<TILES>(part, c, warp, g, t, row0, n, m, scale, bias, bias_type, out);
-    __syncthreads();  // part is written again for the next group
+#pragma unroll
+    for (int q = 0; q < kPair; ++q) {
+      if (row0[q] < m) {  // the same in the whole block
+        StoreMmaRows<TILES>(part, c[q], warp, g, t, row0[q], n, m, scale, bias, bias_type, out);
+        __syncthreads();  // part is written again for the next group
+      }
+    }
   }
 }
 
