@@ -9,7 +9,7 @@
 //   per block, a persistent grid (GemvFp8Kernel's form), bulk L2 prefetch of each row group and
 //   predicated (branch-free) weight loads.
 // - production: matmul.cu's LaunchMatMul itself (its objects are linked in), for one token and,
-//   with fp8 weights, for 8 and 16 tokens (a batched decode step: GemvFp8Kernel).
+//   for 8 and 16 tokens (a batched decode step: GemvMmaKernel, GemvFp8Kernel).
 // Variants measured and dropped since (two chunks per row per step, 8-row groups, bf16 predicated
 // loads in the row and mma GEMVs): bench/RESULTS.md and bench/results/session2[23]_h200.txt.
 // Every shape's weights in both types stay resident, each in enough copies that no rep finds it
@@ -333,8 +333,9 @@ void LaunchMma(const float* x, const uint4* w, const float* scale, float* out, i
 
 // The production path: kernels/cuda/matmul.cu's LaunchMatMul for N tokens (one token:
 // GemvFp8OneKernel for fp8 weights, GemvRowsKernel of the default kSplit precision for bf16 ones;
-// 2-16 tokens with fp8 weights: GemvFp8Kernel, as a batched decode step's projections). The N
-// tokens' activations are the same vector, so every token's outputs are token 0's.
+// 2-16 tokens: GemvMmaKernel for bf16 weights, GemvFp8Kernel for fp8 ones, as a batched decode
+// step's projections). The N tokens' activations are the same vector, so every token's outputs
+// are token 0's.
 template <bool FP8, int N = 1>
 void LaunchProduction(const float* x, const uint4* w, const float* scale, float* out, int64_t k,
                       int64_t m, cudaStream_t stream) {
@@ -378,6 +379,8 @@ int main(int argc, char** argv) {
       {"fp8 mma pf", true, 2, LaunchMma<true, false, 4, 8, false, true>},
       {"fp8 production", true, 2, LaunchProduction<true>},
       {"fp8 persist nb", true, 2, LaunchMma<true, false, 4, 8, true, false, true>},
+      {"bf16 production n8", false, 0, LaunchProduction<false, 8>},
+      {"bf16 production n16", false, 0, LaunchProduction<false, 16>},
       {"fp8 production n8", true, 2, LaunchProduction<true, 8>},
       {"fp8 production n16", true, 2, LaunchProduction<true, 16>},
   };
