@@ -6,6 +6,8 @@
 //                      [--batch-wait-us N]  (WorkerOptions::decode_batch_wait_us; default the option's)
 //                      [--weights bf16|f32]  (the random model's weights; default bf16, as checkpoints
 //                                             ship; runs before session 18's last used f32)
+//                      [--weight-format checkpoint|fp8]  (WorkerOptions::weight_format: fp8 runs the
+//                                             projections on e4m3 rows quantised at load)
 //
 // Modes: for each listed --device-sampling value (WorkerOptions::device_sampling; default 1 then 0),
 // max_decode_batch 1 then 16. --temperature and --top-p set every job's SamplingParams (job j's
@@ -50,7 +52,7 @@ int Run(int argc, char** argv) {
   std::string backend_name = "cpu", sampling_list = "1,0";
   double temperature = 0, top_p = 1;
   int64_t batch_wait_us = WorkerOptions().decode_batch_wait_us;
-  std::string weights = "bf16";
+  std::string weights = "bf16", weight_format = "checkpoint";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--preset") {
@@ -75,6 +77,8 @@ int Run(int argc, char** argv) {
       batch_wait_us = std::atoll(argv[i + 1]);
     } else if (flag == "--weights") {
       weights = argv[i + 1];
+    } else if (flag == "--weight-format") {
+      weight_format = argv[i + 1];
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -87,10 +91,12 @@ int Run(int argc, char** argv) {
   }
   if (jobs < 1 || tokens < 2 || doc_tokens < 1 || !(temperature >= 0 && temperature <= 2) ||
       !(top_p > 0 && top_p <= 1) || !kernels::ParseBackendKind(backend_name).ok() ||
-      (weights != "bf16" && weights != "f32")) {
+      (weights != "bf16" && weights != "f32") ||
+      (weight_format != "checkpoint" && weight_format != "fp8")) {
     std::fprintf(stderr,
                  "--jobs >= 1, --tokens >= 2, --doc >= 1, --temperature in [0, 2], --top-p in "
-                 "(0, 1], --backend auto|cpu|cuda, --weights bf16|f32\n");
+                 "(0, 1], --backend auto|cpu|cuda, --weights bf16|f32, --weight-format "
+                 "checkpoint|fp8\n");
     return 2;
   }
   char tmpl[] = "/tmp/strata_decode_batch_bench_XXXXXX";
@@ -130,6 +136,7 @@ int Run(int argc, char** argv) {
     wo.max_decode_batch = batch;
     wo.device_sampling = sampling;
     wo.decode_batch_wait_us = batch_wait_us;
+    wo.weight_format = weight_format;
     auto w = Worker::Create(wo, m->get(), backend.get(), store->get(), store->get(), nullptr);
     if (!w.ok()) return 1;
     v1::PrefillShardRequest prefill;
@@ -203,10 +210,10 @@ int Run(int argc, char** argv) {
     if (reference.empty()) reference = out;
     bool same = true;
     for (int j = 0; j < jobs; ++j) same &= out[j] == reference[j] && static_cast<int>(out[j].size()) == tokens;
-    std::printf("backend=%s preset=%s weights=%s jobs=%d tokens=%d doc=%d threads=%d temperature=%g top_p=%g "
+    std::printf("backend=%s preset=%s weights=%s weight_format=%s jobs=%d tokens=%d doc=%d threads=%d temperature=%g top_p=%g "
                 "batch_wait_us=%lld device_sampling=%d max_decode_batch=%d: %.3f s, %.1f tokens/s (steady %s), %lld decode "
                 "steps in %lld forwards, %lld device picks, tokens equal to the first mode's: %s\n",
-                backend->Name().c_str(), preset.c_str(), weights.c_str(), jobs, tokens, doc_tokens, threads,
+                backend->Name().c_str(), preset.c_str(), weights.c_str(), weight_format.c_str(), jobs, tokens, doc_tokens, threads,
                 temperature, top_p, static_cast<long long>(batch_wait_us), sampling ? 1 : 0, batch, seconds, jobs * tokens / seconds,
                 steady.c_str(),
                 static_cast<long long>((*w)->decode_steps()),
