@@ -11,7 +11,8 @@
 #      STRATA_BATCH_TOKENS (tokens per job; default 64 for 1B, 32 for 8B),
 #      STRATA_BATCH_AB (space-separated settings, each VAR=VALUE[,VAR=VALUE...], one run each;
 #      default "STRATA_DECODE_GRAPH_BATCH=1 STRATA_DECODE_GRAPH_BATCH=0"),
-#      STRATA_BATCH_SKIP_TESTS=1 (benchmarks only).
+#      STRATA_BATCH_SKIP_TESTS=1 (benchmarks only), STRATA_BATCH_FLAGS (more decode_batch_bench
+#      flags, e.g. "--weight-format fp8" for fp8 projections: the 2-16 token GemvFp8Kernel).
 set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
@@ -34,7 +35,7 @@ for preset in ${STRATA_BATCH_PRESETS:-llama-3.2-1b llama-3.1-8b}; do
   tokens="${STRATA_BATCH_TOKENS:-$tokens}"
   for setting in ${STRATA_BATCH_AB:-STRATA_DECODE_GRAPH_BATCH=1 STRATA_DECODE_GRAPH_BATCH=0}; do
     flags="--backend cuda --preset $preset --jobs ${STRATA_BATCH_JOBS:-8} --tokens $tokens --doc 1024"
-    flags+=" --device-sampling 1 --batch-wait-us 1000"
+    flags+=" --device-sampling 1 --batch-wait-us 1000 ${STRATA_BATCH_FLAGS:-}"
     echo "== ${setting//,/ } decode_batch_bench $flags" | tee -a "$log"
     # shellcheck disable=SC2086,SC2046
     env ${setting//,/ } "$BUNDLE/bin/decode_batch_bench" $flags 2>&1 | grep -E "^[^IW]" | tee -a "$log"
