@@ -8,8 +8,8 @@
 // - mma: the products on tensor cores, 16 rows per block (GemvMma below), with variants by warps
 //   per block, a persistent grid (GemvFp8Kernel's form), bulk L2 prefetch of each row group and
 //   predicated (branch-free) weight loads.
-// - production: matmul.cu's LaunchMatMul itself (its objects are linked in), for one token and,
-//   for 8 and 16 tokens (a batched decode step: GemvMmaKernel, GemvFp8Kernel).
+// - production: matmul.cu's LaunchMatMul itself (its objects are linked in), for one token and for
+//   8 and 16 tokens (a batched decode step: GemvMmaKernel, GemvFp8Kernel).
 // Variants measured and dropped since (two chunks per row per step, 8-row groups, bf16 predicated
 // loads in the row and mma GEMVs): bench/RESULTS.md and bench/results/session2[23]_h200.txt.
 // Every shape's weights in both types stay resident, each in enough copies that no rep finds it

@@ -544,8 +544,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // One token, no bias (the decode step's projections): GemvFp8Kernel's layout and arithmetic for
 // token 0 only (lanes g == 0 load its activations), eight steps of predicated weight loads at once
 // and a short epilogue (lanes t == 0 hold rows g and g + 8 in c[0] and c[2]). With these ptxas
-// keeps the loads in flight (72 registers; GemvFp8Kernel's epilogue leaves it at 48 and the loads
-// one step ahead of their use): 32 layers' GEMVs back to back 82.6 -> 75.1 us per layer on the
+// keeps the loads in flight (72 registers; with GemvFp8Kernel's epilogue, one group per pass as it
+// then was, ptxas kept 48 and issued the loads one step ahead of their use): 32 layers' GEMVs back to back 82.6 -> 75.1 us per layer on the
 // H200 (measured as cuda_gemv_weight_bench's variant "fp8 persist nb u8", which became this
 // kernel; the bench now times it as "fp8 production"; bench/RESULTS.md, session 22). Its loads
 // fetch 128 bytes into L2, not 256 (LoadFp8Steps: session 24).
