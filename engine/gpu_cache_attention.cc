@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "engine/query_mean.h"
+#include "kernels/vote_rank.h"
 
 namespace strata::engine {
 
@@ -549,8 +550,11 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
     std::vector<int32_t> middle;
     for (int64_t p = 1; p < window_first; ++p) middle.push_back(static_cast<int32_t>(p));
     const size_t k = std::min<size_t>(middle.size(), static_cast<size_t>(std::max(0, o.budget_pages)));
+    // Ranked as the device's VoteTopK ranks (kernels/vote_rank.h).
+    std::vector<uint32_t> rank(static_cast<size_t>(n));
+    for (int64_t p = 0; p < n; ++p) rank[p] = kernels::VoteRankKey(static_cast<float>(vote[p]));
     std::partial_sort(middle.begin(), middle.begin() + k, middle.end(), [&](int32_t a, int32_t b) {
-      return vote[a] > vote[b] || (vote[a] == vote[b] && a < b);
+      return kernels::VoteRankBefore(rank[a], a, rank[b], b);
     });
     middle.resize(k);
     const size_t start = pages->size();

@@ -417,16 +417,17 @@ class PolicyImpl : public SparsePolicy {
           static_cast<int64_t>(segs.size()),
           std::max<int64_t>(options_.min_segments,
                             (options_.segment_factor * wanted_pages + gsz - 1) / gsz));
-      std::vector<int64_t> order(segs.size());
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + keep, order.end(),
-                        [&](int64_t a, int64_t b) { return vote[a] > vote[b]; });
+      const std::vector<int64_t> order =
+          RankByVote(vote.data(), static_cast<int64_t>(segs.size()), keep);
       for (int64_t i = 0; i < keep; ++i) {
         const int64_t seg = segs[order[i]];
         for (int64_t pg = std::max(p0, seg * gsz); pg < std::min(p1, (seg + 1) * gsz); ++pg) {
           candidates.push_back(pg);
         }
       }
+      // In page order, as the device's page stage has them (parents in index order), so that
+      // pages whose votes tie rank the same way on both (the lower page first).
+      std::sort(candidates.begin(), candidates.end());
     } else {
       candidates.resize(p1 - p0);
       std::iota(candidates.begin(), candidates.end(), p0);
@@ -434,10 +435,8 @@ class PolicyImpl : public SparsePolicy {
     VoteSummaries(
         pq, candidates, dim, [&](int64_t i) { return s.page(i); },
         [&](int64_t i) { return s.page_tokens(i); }, &vote);
-    std::vector<int64_t> order(candidates.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return vote[a] > vote[b]; });
+    const int64_t nc = static_cast<int64_t>(candidates.size());
+    const std::vector<int64_t> order = RankByVote(vote.data(), nc, nc);
     std::vector<int64_t> ranked(order.size());
     for (size_t i = 0; i < order.size(); ++i) ranked[i] = candidates[order[i]];
     return ranked;
@@ -490,10 +489,7 @@ class PolicyImpl : public SparsePolicy {
     stats_.key_bytes += n * d_ * 2;
     std::vector<float> vote(n);
     SoftVote(scores.data(), group_, n, vote.data());
-    std::vector<int64_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::nth_element(order.begin(), order.begin() + budget - 1, order.end(),
-                     [&](int64_t a, int64_t b) { return vote[a] > vote[b]; });
+    const std::vector<int64_t> order = RankByVote(vote.data(), n, budget);
     std::vector<int64_t> picked(budget);
     for (int i = 0; i < budget; ++i) picked[i] = tokens[order[i]];
     std::sort(picked.begin(), picked.end());

@@ -12,6 +12,7 @@
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/internal/checks.h"
+#include "kernels/vote_rank.h"
 
 namespace strata::kernels {
 
@@ -285,6 +286,7 @@ absl::Status CpuVoteTopK(const VoteTopKParams& p) {
   const float* scores = p.scores.As<const float>();
   std::vector<float> vote(n);
   std::vector<char> valid(n);
+  std::vector<uint32_t> rank(n);
   std::vector<int64_t> order;
   for (int g = 0; g < hkv; ++g) {
     if (p.skip_heads != nullptr && p.skip_heads[g] != 0) continue;
@@ -312,8 +314,9 @@ absl::Status CpuVoteTopK(const VoteTopKParams& p) {
       if (valid[i] && CandidateId(p.candidates, g, i) >= 0) order.push_back(i);
     }
     const int64_t take = std::min<int64_t>(k, static_cast<int64_t>(order.size()));
+    for (int64_t i : order) rank[i] = VoteRankKey(vote[i]);
     std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int64_t a, int64_t b) {
-      return vote[a] > vote[b] || (vote[a] == vote[b] && a < b);
+      return VoteRankBefore(rank[a], a, rank[b], b);
     });
     std::sort(order.begin(), order.begin() + take);
     int32_t* sel = p.selected.As<int32_t>() + static_cast<int64_t>(g) * k;

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/vote_rank.h"
 
 namespace strata::kernels {
 namespace {
@@ -208,7 +209,11 @@ TEST(CpuSelectionTest, VoteTopKEqualsSortedVotes) {
         EXPECT_NEAR(vote[g * n + i], ref[i], 1e-6);
         if (!(g == 0 && i % 13 == 0)) order.push_back(i);
       }
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ref[a] > ref[b]; });
+      // Ranked by the op's own votes (checked against the reference above) through their rank
+      // keys, ties to the lower index (kernels/vote_rank.h).
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return VoteRankBefore(VoteRankKey(vote[g * n + a]), a, VoteRankKey(vote[g * n + b]), b);
+      });
       const int64_t take = std::min<int64_t>(k, order.size());
       std::vector<int32_t> want;
       for (int64_t i = 0; i < take; ++i) want.push_back(static_cast<int32_t>(1000 + order[i]));
@@ -216,6 +221,34 @@ TEST(CpuSelectionTest, VoteTopKEqualsSortedVotes) {
       want.resize(k, -1);
       EXPECT_EQ(std::vector<int32_t>(sel.begin() + g * k, sel.begin() + (g + 1) * k), want)
           << "k " << k << " head " << g;
+    }
+  }
+}
+
+// Votes closer than the rank key's resolution tie, and the tie goes to the lower index; votes
+// a few bins apart rank by vote.
+TEST(CpuSelectionTest, VoteTopKTiesVotesWithinTheRankResolution) {
+  const int64_t n = 3;
+  for (float gap : {1e-5f, 1e-2f}) {
+    // One query head: candidate 1 scores `gap` above candidate 0, candidate 2 far below.
+    std::vector<float> scores = {0.0f, gap, -10.0f};
+    std::vector<int32_t> sel(1, 99);
+    std::vector<float> vote(n);
+    VoteTopKParams p;
+    p.scores = TensorView(scores.data(), DType::kF32, {1, 1, n});
+    p.candidates.begin = 0;
+    p.candidates.end = n;
+    p.k = 1;
+    p.selected = TensorView(sel.data(), DType::kI32, {1, 1});
+    p.vote = TensorView(vote.data(), DType::kF32, {1, n});
+    STRATA_ASSERT_OK(CpuVoteTopK(p));
+    ASSERT_GT(vote[1], vote[0]);
+    if (gap < 1e-4f) {
+      ASSERT_EQ(VoteRankKey(vote[0]), VoteRankKey(vote[1])) << vote[0] << " " << vote[1];
+      EXPECT_EQ(sel[0], 0) << "a tie goes to the lower index";
+    } else {
+      ASSERT_LT(VoteRankKey(vote[0]), VoteRankKey(vote[1]));
+      EXPECT_EQ(sel[0], 1);
     }
   }
 }

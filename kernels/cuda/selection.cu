@@ -23,9 +23,10 @@
 // warp w owns a contiguous range of 32-candidate chunks, lane l the candidate chunk * 32 + l.
 // (1) per query head the max score, (2) the sum of exp(score - max), each reduced per warp with
 // shuffles and across warps once for all heads (two barriers per step); (3) per candidate the vote and a
-// 32-bit key that orders candidates by vote (invalid ones get key 0, below every valid one), kept
+// 32-bit key that orders candidates by vote (VoteKey32: the 16-bit rank key of
+// kernels/vote_rank.h in the top bits; invalid ones get key 0, below every valid one), kept
 // in shared memory up to 32K candidates, else in scratch, and the histogram of the keys' top
-// bytes; (4) a radix select (8 bits per pass, warp-aggregated shared-memory histograms, double
+// bytes; (4) a radix select (8 bits per pass, two passes, warp-aggregated shared-memory histograms, double
 // buffered, the bin found by one warp's scan; it stops as soon as every key equal to the prefix
 // found so far is taken) gives the prefix of the k-th largest key and how many keys equal to it
 // are taken; (5) each warp counts its keys above and equal to the prefix, every warp scans those
@@ -54,6 +55,7 @@
 
 #include "kernels/cuda/internal/common.cuh"
 #include "kernels/cuda/internal/selection.cuh"
+#include "kernels/vote_rank.h"
 
 namespace strata::kernels::cuda_internal {
 namespace {
@@ -68,6 +70,15 @@ constexpr int kTopKPerThread = 8;
 constexpr int64_t kTopKSharedKeys = 32768;
 
 __device__ __forceinline__ float NegInfF() { return __int_as_float(0xff800000); }
+
+// The 32-bit radix key of a valid candidate's vote: its rank key (kernels/vote_rank.h, >= 1) in
+// the top kVoteRankBits bits, so the 8-bit radix passes from the top are over with
+// kVoteRankPasses of them (the last at shift kVoteKeyLastShift); invalid candidates get key 0.
+constexpr int kVoteKeyLastShift = 32 - 8 * kVoteRankPasses;
+static_assert(kVoteRankBits == 8 * kVoteRankPasses, "rank keys are whole radix digits");
+__device__ __forceinline__ uint32_t VoteKey32(float vote) {
+  return VoteRankKey(vote) << (32 - kVoteRankBits);
+}
 
 // Programmatic dependent launch is off unless STRATA_SELECTION_PDL=1 is in the environment (read
 // once): on the H100 it made the replayed pipeline graphs slower (bench/RESULTS.md).
@@ -331,7 +342,7 @@ __global__ void __launch_bounds__(kTopKMaxThreads)
           float vj = v[j];
           if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
           const bool ok = valid[j] && CandidateIdAt(c, g, i) >= 0;
-          key = ok ? __float_as_uint(vj) + 1u : 0u;
+          key = ok ? VoteKey32(vj) : 0u;
           keys[i] = key;
           if (vote_out != nullptr) vote_out[static_cast<int64_t>(g) * n + i] = vj;
         }
@@ -349,7 +360,7 @@ __global__ void __launch_bounds__(kTopKMaxThreads)
   if (kk == 0) {
     prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;  // nothing compares above
   }
-  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+  for (int pass = 0; pass < kVoteRankPasses && kk > 0; ++pass) {
     const int shift = 24 - 8 * pass;
     uint32_t* hc = hist[pass & 1];
     if (pass > 0) {
@@ -404,7 +415,7 @@ __global__ void __launch_bounds__(kTopKMaxThreads)
         prefix_s = prefix | (static_cast<uint32_t>(b) << shift);
         mask_s = mask | (255u << shift);
         remaining_s = remaining - cum;
-        done_s = count == remaining - cum || shift == 0;
+        done_s = count == remaining - cum || shift == kVoteKeyLastShift;
       }
     }
     __syncthreads();
@@ -629,7 +640,7 @@ __device__ __forceinline__ void MergeWarpSoftmaxStats(const float* red_m, const 
 
 // Step (2) of the one-block and cluster top-k kernels: the head soft vote of the lane's kPer
 // candidates (row h of the scores at mine + h * n; m_s[h] / inv_s[h]: head h's max and 1 / sum of
-// exp(x - max)) and its 32-bit key, which orders candidates by vote: the vote's bits + 1, or 0 for
+// exp(x - max)) and its 32-bit key, which orders candidates by vote: VoteKey32(vote), or 0 for
 // a candidate that no head scores above -inf or whose bit in id_ok is clear (an invalid id), or
 // that lies at or beyond n. The votes go to vote_out[j] (j < n - first) when vote_out is set.
 template <int kPer>
@@ -662,7 +673,7 @@ __device__ __forceinline__ void VoteKeys(const float* mine, int32_t n, int32_t f
     float vj = v[j];
     if (!(vj >= 0.0f)) vj = 0.0f;  // NaN (from +inf scores) ranks as 0
     const bool ok = ((id_ok & any) >> j) & 1u;
-    key[j] = ok ? __float_as_uint(vj) + 1u : 0u;
+    key[j] = ok ? VoteKey32(vj) : 0u;
     if (vote_out != nullptr && first + j < n) vote_out[j] = vj;
   }
 }
@@ -677,8 +688,8 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
   __shared__ float part_m[kClusterMax * kSelectMaxGroup];  // leader: [rank][head]
   __shared__ float part_l[kClusterMax * kSelectMaxGroup];
   __shared__ float m_s[kSelectMaxGroup], inv_s[kSelectMaxGroup];
-  __shared__ uint32_t lhist[4 * 256];  // this block's histogram of each pass
-  __shared__ uint32_t chist[4 * 256];  // leader: the cluster's histogram of each pass
+  __shared__ uint32_t lhist[kVoteRankPasses * 256];  // this block's histogram of each pass
+  __shared__ uint32_t chist[kVoteRankPasses * 256];  // leader: the cluster's histogram of each pass
   __shared__ uint32_t wsum_s[kClusterTopKMaxWarps];
   __shared__ uint32_t ccount[kClusterMax];  // leader: (above << 16 | equal) of each block
   __shared__ uint32_t rcount_s[kClusterMax];
@@ -690,7 +701,7 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
   const int g = blockIdx.y;
   const int rank = static_cast<int>(cluster.block_rank());
   const int cs = static_cast<int>(cluster.num_blocks());
-  for (int b = tid; b < 4 * 256; b += blockDim.x) lhist[b] = 0, chist[b] = 0;
+  for (int b = tid; b < kVoteRankPasses * 256; b += blockDim.x) lhist[b] = 0, chist[b] = 0;
   // Every block of the cluster must have started (and the leader zeroed its histograms) before
   // any block touches the leader's shared memory: arrive here, wait before the first remote write.
   ClusterArrive();
@@ -766,7 +777,7 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
   if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;  // nothing is taken
 #pragma unroll 1
-  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+  for (int pass = 0; pass < kVoteRankPasses && kk > 0; ++pass) {
     const int shift = 24 - 8 * pass;
     uint32_t* lh = lhist + pass * 256;
 #pragma unroll
@@ -810,7 +821,7 @@ __global__ void __launch_bounds__(kClusterTopKMaxThreads)
         prefix_s = prefix | (static_cast<uint32_t>(b) << shift);
         mask_s = mask | (255u << shift);
         remaining_s = remaining - cum;
-        done_s = count == remaining - cum || shift == 0;
+        done_s = count == remaining - cum || shift == kVoteKeyLastShift;
       }
     }
     __syncthreads();
@@ -1049,7 +1060,7 @@ __device__ __forceinline__ void RegVoteKeys(const float (&x)[kRegTopKMaxGroup][k
       }
     }
     if (!(v >= 0.0f)) v = 0.0f;
-    key[j] = any && ids[j] >= 0 ? __float_as_uint(v) + 1u : 0u;
+    key[j] = any && ids[j] >= 0 ? VoteKey32(v) : 0u;
     if (vote_out != nullptr && first + j < n) vote_out[j] = v;
   }
 }
@@ -1107,7 +1118,7 @@ __device__ __forceinline__ bool RegFindBinOf(const uint32_t (&cb)[8], int pass, 
   *prefix |= static_cast<uint32_t>(b) << shift;
   *mask |= 255u << shift;
   *remaining -= cum;
-  return count == *remaining || pass == 3;
+  return count == *remaining || pass == kVoteRankPasses - 1;
 }
 
 // Step (3), after pass `pass`'s histogram hp (256 bins, 16-byte aligned) is complete: every lane
@@ -1185,13 +1196,13 @@ __global__ void __launch_bounds__(kRegTopKMaxThreads)
                            int hist_mode) {
   constexpr int G = kRegTopKMaxGroup;
   __shared__ float red_m[G][kRegTopKMaxWarps], red_l[G][kRegTopKMaxWarps];
-  __shared__ __align__(16) uint32_t hist[4][256];
+  __shared__ __align__(16) uint32_t hist[kVoteRankPasses][256];
   __shared__ uint32_t wsum_s[kRegTopKMaxWarps];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nwarps = blockDim.x >> 5;
   const int g = blockIdx.x;
   if (c.skip != nullptr && c.skip[g] != 0) return;  // a reused head: whole block
-  for (int b = tid; b < 4 * 256; b += blockDim.x) (&hist[0][0])[b] = 0;
+  for (int b = tid; b < kVoteRankPasses * 256; b += blockDim.x) (&hist[0][0])[b] = 0;
   const int32_t n = c.count;
   const int32_t first = tid * kPer;
   float x[G][kPer], m[G], l[G];
@@ -1220,7 +1231,7 @@ __global__ void __launch_bounds__(kRegTopKMaxThreads)
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
   if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;  // nothing is taken
 #pragma unroll 1
-  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+  for (int pass = 0; pass < kVoteRankPasses && kk > 0; ++pass) {
     RegHistogram<kPer>(key, prefix, mask, pass, hist_mode, hist[pass]);
     __syncthreads();
     if (RegFindBin(hist[pass], pass, &prefix, &mask, &remaining)) break;
@@ -1254,8 +1265,8 @@ __global__ void __launch_bounds__(kRegClusterMaxThreads)
   constexpr int G = kRegTopKMaxGroup;
   constexpr int W = kRegClusterMaxWarps;
   __shared__ float red_m[G][W], red_l[G][W];
-  __shared__ __align__(16) uint32_t hist[4][256];  // this block's histogram of each pass
-  __shared__ __align__(16) uint32_t hsum[4][256];  // the cluster's (this block's copy)
+  __shared__ __align__(16) uint32_t hist[kVoteRankPasses][256];  // this block's histogram of each pass
+  __shared__ __align__(16) uint32_t hsum[kVoteRankPasses][256];  // the cluster's (this block's copy)
   __shared__ uint32_t wsum_s[W];
   __shared__ uint32_t btot_s;
   cg::cluster_group cluster = cg::this_cluster();
@@ -1268,7 +1279,7 @@ __global__ void __launch_bounds__(kRegClusterMaxThreads)
   GridDepLaunchDependents();
   // A reused head: every block of the cluster (same g) returns before any cluster barrier.
   if (c.skip != nullptr && c.skip[g] != 0) return;
-  for (int b = tid; b < 4 * 256; b += blockDim.x) (&hist[0][0])[b] = 0;
+  for (int b = tid; b < kVoteRankPasses * 256; b += blockDim.x) (&hist[0][0])[b] = 0;
   const int32_t n = c.count;
   const int32_t first = (rank * static_cast<int32_t>(blockDim.x) + tid) * kPer;
   float x[G][kPer], m[G], l[G];
@@ -1302,7 +1313,7 @@ __global__ void __launch_bounds__(kRegClusterMaxThreads)
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
   if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;
 #pragma unroll 1
-  for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+  for (int pass = 0; pass < kVoteRankPasses && kk > 0; ++pass) {
     RegHistogram<kPer>(key, prefix, mask, pass, hist_mode, hist[pass]);
     ClusterSync();
     for (int b = tid; b < 256; b += blockDim.x) {
@@ -2265,7 +2276,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   __shared__ __align__(16) __nv_bfloat16 sum_a[16 * kStagesSumStride];  // StageATables
   __shared__ __align__(16) __nv_bfloat16 key_a[16 * kStagesKeyStride];
   __shared__ __align__(16) float part_s[2 * G];  // the block's max per head, then its sum
-  __shared__ __align__(16) uint32_t hist[4][128];  // per pass, bins 2i | 2i + 1 << 16
+  __shared__ __align__(16) uint32_t hist[kVoteRankPasses][128];  // per pass, bins 2i | 2i + 1 << 16
   __shared__ uint32_t wsum_s[W];
   // Receive slots, one per block of the cluster: partials, and block totals; the pass
   // histograms (double buffered: a block pushes pass p + 2 only after every block pushed pass
@@ -2274,8 +2285,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   __shared__ uint32_t recv_tot[kStagesMaxCluster];
   // The last stage's selection, the next stage's parents (every block pushes its taken ids).
   __shared__ int32_t parents_s[kSelectStagesMaxParents];
-  // mbarriers: 0-3 the passes, 4 the partials, 5 the totals, 6 the selection; the attention's:
-  // 7 the blocks' partials, 8 the fixed rows, then one per middle tile.
+  // mbarriers: 0 and 1 the passes (2, 3 unused), 4 the partials, 5 the totals, 6 the
+  // selection; the attention's: 7 the blocks' partials, 8 the fixed rows, then one per middle
+  // tile.
   constexpr int kFixedBar = 8, kTileBar = 9, kBars = kTileBar + kAttendMidTiles;
   __shared__ __align__(8) uint64_t mbar[kBars];
   // [2][kStagesMaxCluster][32]; kAttend: after the stages, the attention's receive area
@@ -2357,7 +2369,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     const int32_t per = (n + cs - 1) / cs;
     const int32_t block_first = min(n, rank * per);
     const int32_t block_count = min(n, block_first + per) - block_first;
-    for (int i = tid; i < 4 * 128; i += kStagesThreads) (&hist[0][0])[i] = 0;
+    for (int i = tid; i < kVoteRankPasses * 128; i += kStagesThreads) (&hist[0][0])[i] = 0;
     __syncthreads();  // the scores of the last stage read; parents_s's -1 tail written
     const DeviceCandidates& c = stage.c;
     // The parents: the first stage's from global memory, a later one's pushed by every block at
@@ -2479,7 +2491,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
     if (kk == 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;  // nothing is taken
 #pragma unroll 1
-    for (int pass = 0; pass < 4 && kk > 0; ++pass) {
+    for (int pass = 0; pass < kVoteRankPasses && kk > 0; ++pass) {
       RegHistogram<P, true>(key, prefix, mask, pass, hist_mode, hist[pass]);
       __syncthreads();  // the block's histogram of the pass complete
       uint4* slots = recv_hist + (pass & 1) * kStagesMaxCluster * 32;

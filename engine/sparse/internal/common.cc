@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
+
+#include "kernels/vote_rank.h"
 
 namespace strata::engine::sparse {
 
@@ -58,6 +61,18 @@ void SoftVote(const float* scores, int num_heads, int64_t n, float* out) {
     const float inv = static_cast<float>(1.0 / sum);
     for (int64_t j = 0; j < n; ++j) out[j] += std::exp(s[j] - m) * inv;
   }
+}
+
+std::vector<int64_t> RankByVote(const float* vote, int64_t n, int64_t take) {
+  std::vector<uint32_t> key(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) key[i] = kernels::VoteRankKey(vote[i]);
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  take = std::clamp<int64_t>(take, 0, n);
+  std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int64_t a, int64_t b) {
+    return kernels::VoteRankBefore(key[a], a, key[b], b);
+  });
+  return order;
 }
 
 std::vector<Range> RangesFromSortedTokens(const std::vector<int64_t>& tokens) {

@@ -34,6 +34,11 @@ struct HeadRows {
 // Head soft vote: scores [num_heads][n] (row-major, -inf allowed); out[j] = sum_h softmax_h(j).
 void SoftVote(const float* scores, int num_heads, int64_t n, float* out);
 
+// Candidate indices in the order every top-k by vote uses (kernels/vote_rank.h: the vote's rank
+// key descending, ties to the lower index): the first min(take, n) of them sorted so, the rest in
+// no particular order.
+std::vector<int64_t> RankByVote(const float* vote, int64_t n, int64_t take);
+
 // Sorted, de-duplicated tokens -> maximal runs of consecutive tokens.
 std::vector<Range> RangesFromSortedTokens(const std::vector<int64_t>& tokens);
 

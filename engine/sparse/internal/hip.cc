@@ -64,11 +64,8 @@ HipResult HipSelect(const HeadRows& keys, const float* queries, int group, int64
     for (const Range& br : branches) res.keys_read += std::min<int64_t>(block, br.size());
     vote.resize(nb);
     SoftVote(scores.data(), group, nb, vote.data());
-    std::vector<int64_t> order(nb);
-    std::iota(order.begin(), order.end(), 0);
     const int64_t keep = std::min<int64_t>(k, nb);
-    std::nth_element(order.begin(), order.begin() + keep - 1, order.end(),
-                     [&](int64_t a, int64_t b) { return vote[a] > vote[b]; });
+    const std::vector<int64_t> order = RankByVote(vote.data(), nb, keep);
     chunks.clear();
     for (int64_t i = 0; i < keep; ++i) chunks.push_back(branches[order[i]]);
   }
