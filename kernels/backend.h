@@ -267,7 +267,7 @@ struct ScoreKeysParams {
 // Head soft vote and top-k, per KV head g (engine/sparse's SoftVote):
 //   vote[i] = sum_j softmax_i(scores[g, j, :])[i]   (a head whose scores are all -inf adds 0).
 // Candidate i is valid when candidates says so and some head's score is not -inf (NaN counts as
-// -inf). Ranking is by vote (its 16-bit rank key, kernels/vote_rank.h), descending, ties to the
+// -inf). Ranking is by vote (its 24-bit rank key, kernels/vote_rank.h), descending, ties to the
 // lower index. selected[g, :] holds the ids of
 // the (at most k) best valid candidates in ascending index order, then -1 up to k.
 struct VoteTopKParams {

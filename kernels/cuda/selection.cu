@@ -23,10 +23,10 @@
 // warp w owns a contiguous range of 32-candidate chunks, lane l the candidate chunk * 32 + l.
 // (1) per query head the max score, (2) the sum of exp(score - max), each reduced per warp with
 // shuffles and across warps once for all heads (two barriers per step); (3) per candidate the vote and a
-// 32-bit key that orders candidates by vote (VoteKey32: the 16-bit rank key of
+// 32-bit key that orders candidates by vote (VoteKey32: the 24-bit rank key of
 // kernels/vote_rank.h in the top bits; invalid ones get key 0, below every valid one), kept
 // in shared memory up to 32K candidates, else in scratch, and the histogram of the keys' top
-// bytes; (4) a radix select (8 bits per pass, two passes, warp-aggregated shared-memory histograms, double
+// bytes; (4) a radix select (8 bits per pass, three passes, warp-aggregated shared-memory histograms, double
 // buffered, the bin found by one warp's scan; it stops as soon as every key equal to the prefix
 // found so far is taken) gives the prefix of the k-th largest key and how many keys equal to it
 // are taken; (5) each warp counts its keys above and equal to the prefix, every warp scans those
@@ -2285,7 +2285,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   __shared__ uint32_t recv_tot[kStagesMaxCluster];
   // The last stage's selection, the next stage's parents (every block pushes its taken ids).
   __shared__ int32_t parents_s[kSelectStagesMaxParents];
-  // mbarriers: 0 and 1 the passes (2, 3 unused), 4 the partials, 5 the totals, 6 the
+  // mbarriers: 0-2 the passes (3 unused), 4 the partials, 5 the totals, 6 the
   // selection; the attention's: 7 the blocks' partials, 8 the fixed rows, then one per middle
   // tile.
   constexpr int kFixedBar = 8, kTileBar = 9, kBars = kTileBar + kAttendMidTiles;
