@@ -552,7 +552,7 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options) {
     const size_t k = std::min<size_t>(middle.size(), static_cast<size_t>(std::max(0, o.budget_pages)));
     // Ranked as the device's VoteTopK ranks (kernels/vote_rank.h).
     std::vector<uint32_t> rank(static_cast<size_t>(n));
-    for (int64_t p = 0; p < n; ++p) rank[p] = kernels::VoteRankKey(static_cast<float>(vote[p]));
+    for (int32_t p : middle) rank[p] = kernels::VoteRankKey(static_cast<float>(vote[p]));
     std::partial_sort(middle.begin(), middle.begin() + k, middle.end(), [&](int32_t a, int32_t b) {
       return kernels::VoteRankBefore(rank[a], a, rank[b], b);
     });
