@@ -267,7 +267,8 @@ struct Pipeline {
 
 // --stage-phases: one more call of the fused selection op with SelectStagesKernel's phase stamps
 // on (cuda_internal::SetSelectStagesPhaseStamps), printed per stage as the median over blocks of
-// each phase's clock64 cycles and its microseconds at 1.98 GHz (the H100 / H200 boost clock).
+// each phase's clock64 cycles and its microseconds at 1.98 GHz (the H100 / H200 boost clock), and
+// the slowest block's microseconds.
 void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
                  const std::string& label) {
   constexpr int P = cuda_internal::kSelectStagesPhases;
@@ -286,7 +287,7 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
                   cudaSuccess, "stamps back");
   cudaFree(d);
   const char* names[cuda_internal::kSelectStagesPhasesPerStage] = {
-      "start", "scored", "stats", "pass0", "pass1", "pass2", "pass3", "end"};
+      "start", "scored", "local", "recv", "keys", "pass0", "pass1", "pass2", "end"};
   // One PHASES line: the phases at stamp indices [first, first + count).
   auto print_line = [&](const std::string& what, int first, int count, const char* const* names) {
     std::printf("PHASES %-8lld %-12s %s:", static_cast<long long>(context), label.c_str(),
@@ -305,7 +306,8 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
       if (dt.empty()) continue;
       any = true;
       const double med = Median(dt);
-      std::printf(" %s %.0f (%.2f us)", names[ph], med, med / 1980.0);
+      const double mx = *std::max_element(dt.begin(), dt.end());
+      std::printf(" %s %.0f (%.2f us, max %.2f)", names[ph], med, med / 1980.0, mx / 1980.0);
     }
     std::printf(any ? "\n" : " (not run)\n");
   };

@@ -2220,6 +2220,8 @@ __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_
   }
 }
 
+static_assert(5 + kVoteRankPasses + 1 == kSelectStagesPhasesPerStage,
+              "a stage's phase stamps: start, scored, local, received, keys, each pass, end");
 static_assert(3 + 2 * kAttendMidTiles + 1 == kSelectStagesAttendPhases,
               "the attention's phase stamps: rows, fixed landed and attended, each tile landed and "
               "attended, merged");
@@ -2447,6 +2449,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       StAsync16(MapToRank(SharedAddr(&recv_part[rank][4 * j]), r),
                 v, MapToRank(SharedAddr(&mbar[4]), r));
     }
+    stamp(phase0 + 2);
     // The thread's candidates (scores and ids) meanwhile.
     const int32_t lfirst = tid * P;
     float x[G][P];
@@ -2459,6 +2462,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       ids[j] = in ? StageCandidateId(c, parents, block_first + lfirst + j) : -1;
     }
     wait_bar(4);  // every block's partials received
+    stamp(phase0 + 3);
     // Lane L holds block L % cs's partials, so each segment of cs lanes merges all of them in the
     // same order (log2(cs) shuffle steps instead of 5).
     float mb[G], inv[G];
@@ -2484,7 +2488,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     }
     uint32_t key[P];
     RegVoteKeys<P>(x, mb, inv, ids, n, block_first + lfirst, nullptr, key);
-    stamp(phase0 + 2);
+    stamp(phase0 + 4);
 
     // (3) Radix select over the cluster.
     const int32_t kk = min(stage.k, n);
@@ -2513,7 +2517,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       const uint32_t cb[8] = {w[3] >> 16, w[3] & 0xffffu, w[2] >> 16, w[2] & 0xffffu,
                               w[1] >> 16, w[1] & 0xffffu, w[0] >> 16, w[0] & 0xffffu};
       const bool done = RegFindBinOf(cb, pass, &prefix, &mask, &remaining);
-      stamp(phase0 + 3 + pass);
+      stamp(phase0 + 5 + pass);
       if (done) break;  // the same in every warp and block
     }
 
@@ -2563,7 +2567,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
         parents_s[j] = -1;  // visible after the next stage's (or the attention's) first barrier
       }
     }
-    stamp(phase0 + 7);
+    stamp(phase0 + 8);
   }
 
   if constexpr (kAttend) {

@@ -283,10 +283,11 @@ int64_t SelectStagesMaxCandidates(int num_kv_heads);
 // Profiling (cuda_attention_bench --stage-phases): while `stamps` (device memory) is set, thread
 // 0 of each of the first `max_blocks` blocks of SelectStagesKernel writes clock64() at
 // kSelectStagesPhases points to stamps[block * kSelectStagesPhases ...]: entry, then per stage
-// (kSelectStagesMax of them, 8 each; a stage not run leaves its slots alone): start, scored,
-// statistics merged, radix passes 0 to 3 done (a pass not run leaves its slot alone), end.
-// nullptr turns it off (the default). Not thread-safe against concurrent launches.
-inline constexpr int kSelectStagesPhasesPerStage = 8;
+// (kSelectStagesMax of them, 9 each; a stage not run leaves its slots alone): start, scored, the
+// block's own statistics pushed, every block's received, rank keys computed, radix passes 0 to 2
+// done (a pass not run leaves its slot alone), end. nullptr turns it off (the default). Not
+// thread-safe against concurrent launches.
+inline constexpr int kSelectStagesPhasesPerStage = 9;
 // With an attention (DeviceSelectAttend), kSelectStagesAttendPhases more stamps follow the
 // stages': rows resolved and copies issued, fixed rows landed, attended, then per middle tile
 // landed and attended (two tiles of 128), and the partials merged.
