@@ -946,6 +946,16 @@ __device__ __forceinline__ void RegHistAdd(uint32_t* hp, uint32_t bin, int mode,
   }
 }
 
+// exp(x) as __expf computes it (x times log2(e) rounded to f32, then ex2.approx), except that
+// results below 2^-126 are 0: one MUFU.EX2 without __expf's fix-up for subnormal results. Used
+// where a subnormal term cannot matter (a softmax sum with a term of 1, a vote that ranks as 0
+// below 2^-25; kernels/vote_rank.h).
+__device__ __forceinline__ float ExpFtz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
 // (m, l) and another partial softmax statistic (m2, l2) merged into (m, l), l rescaled to the
 // larger max.
 __device__ __forceinline__ void MergeSoftmaxPair(float& m, float& l, float m2, float l2) {
@@ -1003,7 +1013,7 @@ __device__ __forceinline__ void RegWarpStats(const float (&x)[kRegTopKMaxGroup][
     l[h] = 0.0f;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      if (x[h][j] > NegInfF()) l[h] += __expf(x[h][j] - m[h]);
+      l[h] += x[h][j] > NegInfF() ? ExpFtz(x[h][j] - m[h]) : 0.0f;
     }
   }
 #pragma unroll
@@ -1029,7 +1039,7 @@ __device__ __forceinline__ void RegWarpMerge(const float (&m)[kRegTopKMaxGroup],
     for (int h = 0; h < G; ++h) mb[h] = fmaxf(mb[h], __shfl_xor_sync(0xffffffffu, mb[h], o));
   }
 #pragma unroll
-  for (int h = 0; h < G; ++h) l[h] = m[h] > NegInfF() ? l[h] * __expf(m[h] - mb[h]) : 0.0f;
+  for (int h = 0; h < G; ++h) l[h] = m[h] > NegInfF() ? l[h] * ExpFtz(m[h] - mb[h]) : 0.0f;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
 #pragma unroll
@@ -1048,16 +1058,18 @@ __device__ __forceinline__ void RegVoteKeys(const float (&x)[kRegTopKMaxGroup][k
                                             const float (&inv)[kRegTopKMaxGroup],
                                             const int32_t (&ids)[kPer], int32_t n, int32_t first,
                                             float* vote_out, uint32_t (&key)[kPer]) {
+  // Branch-free: every exponential is taken (an invalid score's is discarded by the select), so
+  // the warp issues them back to back instead of one branch per head and candidate.
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     float v = 0.0f;
     bool any = false;
 #pragma unroll
     for (int h = 0; h < kRegTopKMaxGroup; ++h) {
-      if (x[h][j] > NegInfF()) {
-        any = true;
-        v += __expf(x[h][j] - mb[h]) * inv[h];
-      }
+      const bool ok = x[h][j] > NegInfF();
+      const float e = ExpFtz(x[h][j] - mb[h]);
+      any = any || ok;
+      v = fmaf(ok ? e : 0.0f, inv[h], v);
     }
     if (!(v >= 0.0f)) v = 0.0f;
     key[j] = any && ids[j] >= 0 ? VoteKey32(v) : 0u;
@@ -2424,17 +2436,35 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     if (warp < G) {
       const int h = warp;
       const bool on = h < group;
-      float bm = NegInfF();
-      for (int32_t i = lane; on && i < block_count; i += 32) {
-        bm = fmaxf(bm, sc[h][i]);  // NaN never wins
+      // Four loads in flight per lane and four independent max and sum chains: the loads are
+      // unconditional (an index past the block's count reads a stale score of the row, which
+      // the select drops), so they share one basic block and issue back to back.
+      const int32_t count = on ? block_count : 0;
+      const float* row = sc[h];
+      float bm4[4] = {NegInfF(), NegInfF(), NegInfF(), NegInfF()};
+      for (int32_t i0 = lane; i0 < count; i0 += 128) {
+        float v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = row[min(i0 + 32 * u, kStagesMaxPerBlock - 1)];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          bm4[u] = i0 + 32 * u < count ? fmaxf(bm4[u], v[u]) : bm4[u];  // NaN never wins
+        }
       }
-      bm = WarpMax(bm);
-      float bl = 0.0f;
-      for (int32_t i = lane; on && i < block_count; i += 32) {
-        const float x = sc[h][i];
-        if (x > NegInfF()) bl += __expf(x - bm);
+      const float bm = WarpMax(fmaxf(fmaxf(bm4[0], bm4[1]), fmaxf(bm4[2], bm4[3])));
+      float bl4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int32_t i0 = lane; i0 < count; i0 += 128) {
+        float v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = row[min(i0 + 32 * u, kStagesMaxPerBlock - 1)];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const bool ok = i0 + 32 * u < count && v[u] > NegInfF();
+          const float e = ExpFtz(v[u] - bm);
+          bl4[u] += ok ? e : 0.0f;
+        }
       }
-      bl = WarpSum(bl);
+      const float bl = WarpSum((bl4[0] + bl4[1]) + (bl4[2] + bl4[3]));
       if (lane == 0) part_s[h] = bm, part_s[G + h] = bl;
     }
     // The attention's fixed rows copied by warps the statistics leave idle.
@@ -2478,7 +2508,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
         for (int h = 0; h < G; ++h) mb[h] = fmaxf(mb[h], __shfl_xor_sync(0xffffffffu, mb[h], o));
       }
 #pragma unroll
-      for (int h = 0; h < G; ++h) l[h] = m[h] > NegInfF() ? l[h] * __expf(m[h] - mb[h]) : 0.0f;
+      for (int h = 0; h < G; ++h) l[h] = m[h] > NegInfF() ? l[h] * ExpFtz(m[h] - mb[h]) : 0.0f;
       for (int o = cs >> 1; o > 0; o >>= 1) {
 #pragma unroll
         for (int h = 0; h < G; ++h) l[h] += __shfl_xor_sync(0xffffffffu, l[h], o);
