@@ -1560,9 +1560,8 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
       {"8192 candidates", 2, 4, DType::kBF16, 16, 0, 8192, 0, 4000, false, 0, 0, 8192, 0, 0},
       {"k above n", 2, 4, DType::kBF16, 16, 0, 129, 0, 129, true, 2100, 0, 129, 0, 129 * 16},
       {"ties", 3, 4, DType::kBF16, 64, 0, 2048, 0, 32, false, 0, 3, 2048, 0, 0, true},
-      // Key stages copied a chunk of 64 keys at a time (DeviceSelectStage::bulk): a page of 128
-      // (a chunk is half a page), pages of 32 (two runs per chunk, 400 candidates per block
-      // rounded up to 448), and pages of 8 (too short a run: rows loaded one by one).
+      // Key stages at page sizes other than 64: a block's share of the keys starting inside a
+      // page (pages of 128), spanning many short pages (32), and pages of 8 tokens.
       {"keys page 128", 2, 4, DType::kBF16, 128, 0, 300, 0, 40, true, 1500, 3, 297, 100,
        297 * 128 - 7},
       {"keys page 32", 3, 2, DType::kBF16, 32, 0, 500, 0, 100, true, 700, 0, 500, 33,
