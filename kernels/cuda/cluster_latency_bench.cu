@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/cuda/internal/bench_check.h"
+#include "kernels/cuda/internal/bench_clock.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -117,33 +118,12 @@ __global__ void LatencyKernel(int mode, int iters, long long* cycles, unsigned* 
   }
 }
 
-__global__ void SpinKernel(long long cycles, long long* out) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-  if (threadIdx.x == 0) out[blockIdx.x] = clock64() - t0;
-}
-
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : 256;
   cudaDeviceProp prop;
   CUDA_BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
   CUDA_BENCH_CHECK(cudaFuncSetAttribute(LatencyKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  // SM clock: a spin of known cycles timed by events.
-  long long* d_spin;
-  CUDA_BENCH_CHECK(cudaMalloc(&d_spin, sizeof(long long)));
-  cudaEvent_t e0, e1;
-  CUDA_BENCH_CHECK(cudaEventCreate(&e0));
-  CUDA_BENCH_CHECK(cudaEventCreate(&e1));
-  SpinKernel<<<1, 32>>>(1000000, d_spin);
-  CUDA_BENCH_CHECK(cudaDeviceSynchronize());
-  CUDA_BENCH_CHECK(cudaEventRecord(e0));
-  SpinKernel<<<1, 32>>>(20000000, d_spin);
-  CUDA_BENCH_CHECK(cudaEventRecord(e1));
-  CUDA_BENCH_CHECK(cudaEventSynchronize(e1));
-  float ms = 0;
-  CUDA_BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  const double ghz = 20000000.0 / (ms * 1e6);
+  const double ghz = strata::kernels::cuda_internal::MeasureSmClockGhz();
   std::printf("device: %s, %d SMs, SM clock under load ~%.2f GHz, %d threads per block\n",
               prop.name, prop.multiProcessorCount, ghz, threads);
   const char* names[10] = {"cluster_sync", "block_sync",   "dsmem_chain",  "dsmem_fan16",

@@ -1,6 +1,7 @@
 // How fast one SM reads pages of keys (16 KiB: 64 bf16 rows of 128) into the SM, the question
 // behind SelectStagesKernel's key stage (one cluster of 8 blocks per KV head, 1024 keys per block
-// at tokenselect's 8192 candidates): a micro-benchmark, no Strata code, plain CUDA runtime.
+// at tokenselect's 8192 candidates): a micro-benchmark on the CUDA runtime and kernels/cuda's
+// mbarrier and bulk-copy helpers (internal/common.cuh).
 //   ldg      the warp loads 8 rows x 256 B per step as StageScoreMma does (lane (r, t): row r,
 //            16 bytes at 64p + 16t for p < 4; 32 loads of 16 bytes in flight per lane)
 //   bulkN    the TMA: each warp owns 16 KiB of shared memory and fills it with bulk copies of N
@@ -23,6 +24,8 @@
 #include <vector>
 
 #include "kernels/cuda/internal/bench_check.h"
+#include "kernels/cuda/internal/bench_clock.cuh"
+#include "kernels/cuda/internal/common.cuh"
 
 namespace {
 
@@ -30,31 +33,11 @@ constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kPageBytes = 16384;
 constexpr int kPageChunks = kPageBytes / 16;  // uint4 per page
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void BarInit(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void BarArriveTx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void BarWait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nW_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra W_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void Bulk(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
+using strata::kernels::cuda_internal::BulkCopyToShared;
+using strata::kernels::cuda_internal::MbarExpect;
+using strata::kernels::cuda_internal::MbarInit;
+using strata::kernels::cuda_internal::MbarWait;
+using strata::kernels::cuda_internal::SharedAddr;
 
 // The warp's read of kTiles x 8 rows (of 16 uint4) at `src` in the ldg pattern, folded into acc.
 template <int kTiles>
@@ -82,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ __align__(8) uint64_t bars[2 * kWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int* my = slots + static_cast<int64_t>(blockIdx.x) * pages;
-  if (threadIdx.x < 2 * kWarps) BarInit(SmemAddr(&bars[threadIdx.x]));
+  if (threadIdx.x < 2 * kWarps) MbarInit(SharedAddr(&bars[threadIdx.x]), 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
   const long long t0 = clock64();
@@ -93,16 +76,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else if (mode == 1) {
     uint4* buf = smem + warp * kPageChunks;
-    const uint32_t bar = SmemAddr(&bars[warp]);
+    const uint32_t bar = SharedAddr(&bars[warp]);
     uint32_t parity = 0;
     for (int i = warp; i < pages; i += kWarps) {
       const unsigned char* src =
           reinterpret_cast<const unsigned char*>(pool + static_cast<int64_t>(my[i]) * kPageChunks);
-      if (lane == 0) BarArriveTx(bar, kPageBytes);
+      if (lane == 0) MbarExpect(bar, kPageBytes);
       for (int c = lane; c < kPageBytes / chunk; c += 32) {
-        Bulk(SmemAddr(buf) + c * chunk, src + c * chunk, chunk, bar);
+        BulkCopyToShared(SharedAddr(buf) + c * chunk, src + c * chunk, chunk, bar);
       }
-      BarWait(bar, parity);
+      MbarWait(bar, parity);
       parity ^= 1u;
       acc = FoldRows<8>(buf, acc);
       __syncwarp();
@@ -119,18 +102,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       const unsigned char* src =
           reinterpret_cast<const unsigned char*>(pool + static_cast<int64_t>(my[i]) * kPageChunks) +
           (h & 1) * (kPageBytes / 2);
-      const uint32_t bar = SmemAddr(&bars[2 * warp + (h & 1)]);
-      const uint32_t dst = SmemAddr(buf) + (h & 1) * (kPageBytes / 2);
-      if (lane == 0) BarArriveTx(bar, kPageBytes / 2);
+      const uint32_t bar = SharedAddr(&bars[2 * warp + (h & 1)]);
+      const uint32_t dst = SharedAddr(buf) + (h & 1) * (kPageBytes / 2);
+      if (lane == 0) MbarExpect(bar, kPageBytes / 2);
       const int c_bytes = min(chunk, kPageBytes / 2);
       for (int c = lane; c < kPageBytes / 2 / c_bytes; c += 32) {
-        Bulk(dst + c * c_bytes, src + c * c_bytes, c_bytes, bar);
+        BulkCopyToShared(dst + c * c_bytes, src + c * c_bytes, c_bytes, bar);
       }
     };
     if (halves > 0) issue(0);
     if (halves > 1) issue(1);
     for (int h = 0; h < halves; ++h) {
-      BarWait(SmemAddr(&bars[2 * warp + (h & 1)]), parity[h & 1]);
+      MbarWait(SharedAddr(&bars[2 * warp + (h & 1)]), parity[h & 1]);
       parity[h & 1] ^= 1u;
       acc = FoldRows<4>(buf + (h & 1) * (kPageChunks / 2), acc);
       __syncwarp();
@@ -144,13 +127,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (acc == 0x12345678u) sink[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
-__global__ void SpinKernel(long long cycles, long long* out) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-  if (threadIdx.x == 0) out[blockIdx.x] = clock64() - t0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -161,20 +137,11 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CUDA_BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
-  long long* d_spin;
-  CUDA_BENCH_CHECK(cudaMalloc(&d_spin, sizeof(long long)));
+  const double ghz = strata::kernels::cuda_internal::MeasureSmClockGhz();
   cudaEvent_t e0, e1;
   CUDA_BENCH_CHECK(cudaEventCreate(&e0));
   CUDA_BENCH_CHECK(cudaEventCreate(&e1));
-  SpinKernel<<<1, 32>>>(1000000, d_spin);
-  CUDA_BENCH_CHECK(cudaDeviceSynchronize());
-  CUDA_BENCH_CHECK(cudaEventRecord(e0));
-  SpinKernel<<<1, 32>>>(20000000, d_spin);
-  CUDA_BENCH_CHECK(cudaEventRecord(e1));
-  CUDA_BENCH_CHECK(cudaEventSynchronize(e1));
   float ms = 0;
-  CUDA_BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  const double ghz = 20000000.0 / (ms * 1e6);
   std::printf("device: %s, %d SMs, SM clock ~%.2f GHz, %d pages (%d KiB) per block\n", prop.name,
               prop.multiProcessorCount, ghz, pages, pages * kPageBytes / 1024);
 

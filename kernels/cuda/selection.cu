@@ -2441,11 +2441,14 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       // the select drops), so they share one basic block and issue back to back.
       const int32_t count = on ? block_count : 0;
       const float* row = sc[h];
+      auto load4 = [&](int32_t i0, float (&v)[4]) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = row[min(i0 + 32 * u, kStagesMaxPerBlock - 1)];
+      };
       float bm4[4] = {NegInfF(), NegInfF(), NegInfF(), NegInfF()};
       for (int32_t i0 = lane; i0 < count; i0 += 128) {
         float v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = row[min(i0 + 32 * u, kStagesMaxPerBlock - 1)];
+        load4(i0, v);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           bm4[u] = i0 + 32 * u < count ? fmaxf(bm4[u], v[u]) : bm4[u];  // NaN never wins
@@ -2455,8 +2458,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       float bl4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (int32_t i0 = lane; i0 < count; i0 += 128) {
         float v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = row[min(i0 + 32 * u, kStagesMaxPerBlock - 1)];
+        load4(i0, v);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const bool ok = i0 + 32 * u < count && v[u] > NegInfF();
