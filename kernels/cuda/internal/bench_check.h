@@ -1,6 +1,6 @@
 // CUDA_BENCH_CHECK for the CUDA micro-benchmarks of kernels/cuda (cluster_latency_bench.cu,
-// host_read_bench.cu, gemv_weight_bench.cu, key_read_bench.cu): programs on the CUDA runtime, where a failed
-// runtime call ends the run with its file, line, call and error string.
+// host_read_bench.cu, gemv_weight_bench.cu, key_read_bench.cu): programs on the CUDA runtime,
+// where a failed runtime call ends the run with its file, line, call and error string.
 #ifndef STRATA_KERNELS_CUDA_INTERNAL_BENCH_CHECK_H_
 #define STRATA_KERNELS_CUDA_INTERNAL_BENCH_CHECK_H_
 
