@@ -18,6 +18,7 @@
 #include "engine/kv_cache.h"
 #include "engine/sparse/policy.h"
 #include "kernels/backend.h"
+#include "kernels/tensor.h"
 #include "nlohmann/json.hpp"
 
 namespace strata::bench {
@@ -48,6 +49,25 @@ constexpr float kHeadScale[kGroup] = {0.7f, 1.0f, 1.4f, 2.0f};
 constexpr int64_t kChunk = 8192;
 constexpr int64_t kCalibrationContext = 131072;  // where the background logit is calibrated
 constexpr float kQueryBias = 15.0f;  // query anti-alignment with the shared key bias direction
+
+// Keys as an fp8 e4m3 page holds them (kvstore/page_format.h): rows [0, n) of k (f32, kD per row;
+// row 0 starts a page) rounded to bf16 as the cache stores them, then page by page (`page` rows)
+// divided by the page's scale amax / 448 (1 when amax is 0 or not finite), rounded to e4m3 and
+// multiplied back, into out.
+void Fp8PageKeys(const float* k, int64_t n, int page, float* out) {
+  for (int64_t p0 = 0; p0 < n; p0 += page) {
+    const int64_t p1 = std::min<int64_t>(n, p0 + page);
+    float amax = 0.0f;
+    for (int64_t i = p0 * kD; i < p1 * kD; ++i) {
+      out[i] = kernels::BF16ToF32(kernels::F32ToBF16(k[i]));
+      amax = std::max(amax, std::fabs(out[i]));
+    }
+    const float scale = std::isfinite(amax) && amax > 0.0f ? amax / 448.0f : 1.0f;
+    for (int64_t i = p0 * kD; i < p1 * kD; ++i) {
+      out[i] = kernels::FP8E4M3ToF32(kernels::F32ToFP8E4M3(out[i] / scale)) * scale;
+    }
+  }
+}
 
 // Rotary inverse frequencies for a workload of `context` tokens (see RopeRule).
 std::vector<double> Llama3InvFreq();
@@ -324,6 +344,15 @@ absl::Status FidelityOptions::Validate() const {
     absl::StatusOr<PolicySpec> spec = ParseSpec(p);
     if (!spec.ok()) return spec.status();
   }
+  if (fp8_selection_keys) {
+    for (int p : page_sizes) {
+      if (kChunk % p != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("fidelity: fp8 selection keys need page sizes dividing ", kChunk,
+                         "; got ", p));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -355,6 +384,15 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
         absl::StatusOr<std::unique_ptr<KvCache>> cache_or = KvCache::Create(co, backend.get());
         if (!cache_or.ok()) return cache_or.status();
         KvCache& cache = **cache_or;
+        // With fp8 selection keys the policies read a second cache holding each page's keys as
+        // an fp8 page stores them (and the same values).
+        std::unique_ptr<KvCache> fp8_cache;
+        if (options.fp8_selection_keys) {
+          absl::StatusOr<std::unique_ptr<KvCache>> c = KvCache::Create(co, backend.get());
+          if (!c.ok()) return c.status();
+          fp8_cache = std::move(c).value();
+        }
+        KvCache& sel_cache = fp8_cache != nullptr ? *fp8_cache : cache;
         // Policy instances: one per spec (budget changed with SetTokenBudget), except subgen,
         // whose streaming state depends on the budget: one per budget.
         struct Instance {
@@ -403,6 +441,7 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
                           options.seed * 1000003u + static_cast<uint64_t>(g) * 7919u +
                               static_cast<uint64_t>(L));
         std::vector<float> kbuf(kChunk * kD), vbuf(kChunk * kD);
+        std::vector<float> qbuf(fp8_cache != nullptr ? kChunk * kD : 0);
         std::vector<double> append_seconds(instances.size(), 0.0);
         for (int64_t t = 0; t < L; t += kChunk) {
           const int64_t n = std::min(kChunk, L - t);
@@ -410,9 +449,15 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
           st = cache.Append(0, TensorView(kbuf.data(), DType::kF32, {n, 1, kD}),
                             TensorView(vbuf.data(), DType::kF32, {n, 1, kD}));
           if (!st.ok()) return st;
+          if (fp8_cache != nullptr) {  // pages start at multiples of `page`, which divides kChunk
+            Fp8PageKeys(kbuf.data(), n, page, qbuf.data());
+            st = fp8_cache->Append(0, TensorView(qbuf.data(), DType::kF32, {n, 1, kD}),
+                                   TensorView(vbuf.data(), DType::kF32, {n, 1, kD}));
+            if (!st.ok()) return st;
+          }
           for (size_t i = 0; i < instances.size(); ++i) {
             const Clock::time_point a = Clock::now();
-            st = instances[i].policy->OnAppend(0, cache, t, t + n);
+            st = instances[i].policy->OnAppend(0, sel_cache, t, t + n);
             if (!st.ok()) return st;
             append_seconds[i] += std::chrono::duration<double>(Clock::now() - a).count();
           }
@@ -529,7 +574,7 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
             const int threads = omp_get_max_threads();
             omp_set_num_threads(1);
             const double cpu0 = ThreadCpuSeconds();
-            st = pol.Select(0, work.queries(), 1, kGroup, L - 1, cache, &sel);
+            st = pol.Select(0, work.queries(), 1, kGroup, L - 1, sel_cache, &sel);
             const double cpu_seconds = ThreadCpuSeconds() - cpu0;
             omp_set_num_threads(threads);
             if (!st.ok()) return st;
@@ -563,6 +608,7 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
           FidelityRow r;
           r.profile = options.workload.profile;
           r.policy = specs[s].label;
+          r.selection_keys = options.fp8_selection_keys && !specs[s].oracle ? "fp8" : "bf16";
           r.context = L;
           r.budget = options.budgets[b];
           r.page_size = page;
@@ -601,6 +647,7 @@ std::string FidelityRowJson(const FidelityRow& r) {
   nlohmann::json j;
   j["profile"] = r.profile;
   j["policy"] = r.policy;
+  j["selection_keys"] = r.selection_keys;
   j["context"] = r.context;
   j["budget"] = r.budget;
   j["page_size"] = r.page_size;

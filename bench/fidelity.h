@@ -130,6 +130,11 @@ struct FidelityOptions {
   int min_segments = -1;
   int segment_factor = -1;
   int tokenselect_candidate_factor = -1;
+  // The keys the policies see (their summaries and scores): false, the cache's bf16 keys; true,
+  // each page's keys as an fp8 e4m3 page holds them (kvstore/page_format.h: per-page scale
+  // amax / 448), decoded back to bf16: what selecting from fp8 keys costs in fidelity. The dense
+  // truth and every attended output use the bf16 keys. Page sizes must divide 8192.
+  bool fp8_selection_keys = false;
   uint64_t seed = 1;
   // The synthetic workload (profile "calibrated" unless set; see WorkloadProfile).
   WorkloadParams workload;
@@ -141,6 +146,7 @@ struct FidelityOptions {
 struct FidelityRow {
   std::string profile;  // WorkloadParams::profile of the run
   std::string policy;
+  std::string selection_keys = "bf16";  // the keys the policy saw: "bf16" or "fp8"
   int64_t context = 0;
   int budget = 0;
   int page_size = 0;

@@ -49,6 +49,49 @@ TEST(FidelityTest, SmallRun) {
   EXPECT_FALSE(RunFidelity(bad, nullptr).ok());
 }
 
+// Selecting from fp8 keys (each page's keys as an fp8 page holds them): the oracle, which reads
+// the truth, is untouched; the policies see other keys and still select nearly as well; page sizes
+// that do not divide the generator's chunk are refused.
+TEST(FidelityTest, Fp8SelectionKeys) {
+  FidelityOptions o;
+  o.contexts = {8192};
+  o.budgets = {512};
+  o.page_sizes = {16};
+  o.policies = {"oracle", "quest", "tokenselect"};
+  o.kv_heads = 1;
+  o.seed = 5;
+  auto bf16 = RunFidelity(o, nullptr);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  o.fp8_selection_keys = true;
+  auto fp8 = RunFidelity(o, nullptr);
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  ASSERT_EQ(fp8->size(), 3u);
+  ASSERT_EQ(bf16->size(), 3u);
+  bool any_differs = false;
+  for (size_t i = 0; i < fp8->size(); ++i) {
+    const FidelityRow& a = (*bf16)[i];
+    const FidelityRow& b = (*fp8)[i];
+    SCOPED_TRACE(b.policy);
+    ASSERT_EQ(a.policy, b.policy);
+    EXPECT_EQ(a.selection_keys, "bf16");
+    if (b.policy == "oracle") {
+      EXPECT_EQ(b.selection_keys, "bf16");
+      EXPECT_EQ(a.mass_recall, b.mass_recall);
+      EXPECT_EQ(a.rel_error, b.rel_error);
+      continue;
+    }
+    EXPECT_EQ(b.selection_keys, "fp8");
+    EXPECT_GE(b.mass_recall, a.mass_recall - 0.05);
+    any_differs = any_differs || a.mass_recall != b.mass_recall || a.rel_error != b.rel_error;
+    nlohmann::json j = nlohmann::json::parse(FidelityRowJson(b), nullptr, false);
+    ASSERT_FALSE(j.is_discarded());
+    EXPECT_EQ(j["selection_keys"], "fp8");
+  }
+  EXPECT_TRUE(any_differs) << "the policies saw the same keys";
+  o.page_sizes = {48};  // does not divide 8192
+  EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(FidelityTest, WorkloadProfiles) {
   auto calibrated = WorkloadProfile("calibrated");
   ASSERT_TRUE(calibrated.ok());

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -44,6 +45,7 @@ int RunFidelityCommand(int argc, char** argv) {
   int64_t rf_features = o.rf_features;
   int64_t segment_pages = -1, two_level_min_pages = -1, min_segments = -1, segment_factor = -1;
   int64_t candidate_factor = -1;
+  std::string selection_keys = "bf16";
   std::string profile = o.workload.profile;
   double background_logit = 1.0;  // > 0: the profile's value
   FlagSet flags("bench fidelity", "[flags]   attention fidelity of sparse policies vs dense");
@@ -66,6 +68,9 @@ int RunFidelityCommand(int argc, char** argv) {
   flags.Int("segment-factor", &segment_factor, "segments kept = factor * B / (P * G) (-1 = default)");
   flags.Int("candidate-factor", &candidate_factor,
             "tokenselect with a summary: candidate tokens = factor * B (-1 = default)");
+  flags.String("selection-keys", &selection_keys,
+               "the keys the policies score: bf16 (the cache's) or fp8 (each page's keys as an "
+               "fp8 e4m3 page holds them; attention and the truth keep bf16)");
   flags.String("profile", &profile,
                "synthetic workload: calibrated (default), calibrated-logtemp or diffuse "
                "(see bench/fidelity.h)");
@@ -75,6 +80,10 @@ int RunFidelityCommand(int argc, char** argv) {
   if (st.ok()) st = ParseList("contexts", contexts, &o.contexts);
   if (st.ok()) st = ParseList("budgets", budgets, &o.budgets);
   if (st.ok()) st = ParseList("page-sizes", pages, &o.page_sizes);
+  if (st.ok() && selection_keys != "bf16" && selection_keys != "fp8") {
+    st = absl::InvalidArgumentError("--selection-keys must be bf16 or fp8, got \"" +
+                                    selection_keys + "\"");
+  }
   if (st.ok()) {
     absl::StatusOr<bench::WorkloadParams> w = bench::WorkloadProfile(profile);
     if (w.ok()) {
@@ -98,16 +107,17 @@ int RunFidelityCommand(int argc, char** argv) {
   o.min_segments = static_cast<int>(min_segments);
   o.segment_factor = static_cast<int>(segment_factor);
   o.tokenselect_candidate_factor = static_cast<int>(candidate_factor);
+  o.fp8_selection_keys = selection_keys == "fp8";
   st = o.Validate();
   if (!st.ok()) return ReportAndExit(flags, st);
   std::fprintf(stderr,
                "strata bench fidelity: contexts=%s budgets=%s page_sizes=%s policies=%s kv_heads=%d "
                "sinks=%d window=%d topk=%d rf_features=%d seed=%llu profile=%s "
-               "background_logit=%.3f\n",
+               "background_logit=%.3f selection_keys=%s\n",
                contexts.c_str(), budgets.c_str(), pages.c_str(), policies.c_str(), o.kv_heads,
                o.sink_tokens, o.window_tokens, o.topk, o.rf_features,
                static_cast<unsigned long long>(o.seed), o.workload.profile.c_str(),
-               o.workload.background_logit);
+               o.workload.background_logit, selection_keys.c_str());
   absl::StatusOr<std::vector<bench::FidelityRow>> rows = bench::RunFidelity(o, &std::cerr);
   if (!rows.ok()) {
     std::fprintf(stderr, "strata bench fidelity: %s\n", rows.status().ToString().c_str());
