@@ -15,10 +15,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/status_macros.h"
 #include "engine/kv_cache.h"
 #include "engine/sparse/policy.h"
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
+#include "kvstore/page_format.h"
 #include "nlohmann/json.hpp"
 
 namespace strata::bench {
@@ -50,23 +52,32 @@ constexpr int64_t kChunk = 8192;
 constexpr int64_t kCalibrationContext = 131072;  // where the background logit is calibrated
 constexpr float kQueryBias = 15.0f;  // query anti-alignment with the shared key bias direction
 
-// Keys as an fp8 e4m3 page holds them (kvstore/page_format.h): rows [0, n) of k (f32, kD per row;
-// row 0 starts a page) rounded to bf16 as the cache stores them, then page by page (`page` rows)
-// divided by the page's scale amax / 448 (1 when amax is 0 or not finite), rounded to e4m3 and
-// multiplied back, into out.
-void Fp8PageKeys(const float* k, int64_t n, int page, float* out) {
+// Keys as an fp8 e4m3 page holds them: rows [0, n) of k and v (f32, kD per row; row 0 starts a
+// page) rounded to bf16 as the cache stores them, page by page (`page` rows) encoded by kvstore's
+// page format (per-page scale amax / 448) and decoded back to bf16 as its bf16 consumers read it
+// (kvstore::PageToBf16); the keys into out as f32.
+absl::Status Fp8PageKeys(const float* k, const float* v, int64_t n, int page, float* out) {
+  kvstore::PageShape shape;
+  shape.dtype = DType::kFP8E4M3;
+  shape.page_size = page;
+  shape.head_dim = kD;
+  std::string bytes(shape.EncodedBytes(), '\0');
+  const size_t elems = static_cast<size_t>(page) * kD;
+  std::vector<uint16_t> k16(elems), v16(elems), kq(elems), vq(elems);
   for (int64_t p0 = 0; p0 < n; p0 += page) {
-    const int64_t p1 = std::min<int64_t>(n, p0 + page);
-    float amax = 0.0f;
-    for (int64_t i = p0 * kD; i < p1 * kD; ++i) {
-      out[i] = kernels::BF16ToF32(kernels::F32ToBF16(k[i]));
-      amax = std::max(amax, std::fabs(out[i]));
+    const int64_t rows = std::min<int64_t>(n - p0, page);
+    for (int64_t i = 0; i < rows * kD; ++i) {
+      k16[i] = kernels::F32ToBF16(k[p0 * kD + i]);
+      v16[i] = kernels::F32ToBF16(v[p0 * kD + i]);
     }
-    const float scale = std::isfinite(amax) && amax > 0.0f ? amax / 448.0f : 1.0f;
-    for (int64_t i = p0 * kD; i < p1 * kD; ++i) {
-      out[i] = kernels::FP8E4M3ToF32(kernels::F32ToFP8E4M3(out[i] / scale)) * scale;
-    }
+    STRATA_RETURN_IF_ERROR(kvstore::EncodePageTo(shape,
+                                                 TensorView(k16.data(), DType::kBF16, {rows, kD}),
+                                                 TensorView(v16.data(), DType::kBF16, {rows, kD}),
+                                                 bytes.data()));
+    STRATA_RETURN_IF_ERROR(kvstore::PageToBf16(bytes, kq.data(), vq.data()));
+    for (int64_t i = 0; i < rows * kD; ++i) out[p0 * kD + i] = kernels::BF16ToF32(kq[i]);
   }
+  return absl::OkStatus();
 }
 
 // Rotary inverse frequencies for a workload of `context` tokens (see RopeRule).
@@ -450,7 +461,8 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
                             TensorView(vbuf.data(), DType::kF32, {n, 1, kD}));
           if (!st.ok()) return st;
           if (fp8_cache != nullptr) {  // pages start at multiples of `page`, which divides kChunk
-            Fp8PageKeys(kbuf.data(), n, page, qbuf.data());
+            st = Fp8PageKeys(kbuf.data(), vbuf.data(), n, page, qbuf.data());
+            if (!st.ok()) return st;
             st = fp8_cache->Append(0, TensorView(qbuf.data(), DType::kF32, {n, 1, kD}),
                                    TensorView(vbuf.data(), DType::kF32, {n, 1, kD}));
             if (!st.ok()) return st;

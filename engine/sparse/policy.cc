@@ -417,17 +417,19 @@ class PolicyImpl : public SparsePolicy {
           static_cast<int64_t>(segs.size()),
           std::max<int64_t>(options_.min_segments,
                             (options_.segment_factor * wanted_pages + gsz - 1) / gsz));
-      const std::vector<int64_t> order =
+      std::vector<int64_t> kept =
           RankByVote(vote.data(), static_cast<int64_t>(segs.size()), keep);
-      for (int64_t i = 0; i < keep; ++i) {
-        const int64_t seg = segs[order[i]];
+      kept.resize(keep);
+      // The kept segments' pages in page order, as the device's page stage has them (parents in
+      // index order), so that pages whose votes tie rank the same way on both (the lower page
+      // first); segs is ascending, so ascending indices give ascending pages.
+      std::sort(kept.begin(), kept.end());
+      for (int64_t i : kept) {
+        const int64_t seg = segs[i];
         for (int64_t pg = std::max(p0, seg * gsz); pg < std::min(p1, (seg + 1) * gsz); ++pg) {
           candidates.push_back(pg);
         }
       }
-      // In page order, as the device's page stage has them (parents in index order), so that
-      // pages whose votes tie rank the same way on both (the lower page first).
-      std::sort(candidates.begin(), candidates.end());
     } else {
       candidates.resize(p1 - p0);
       std::iota(candidates.begin(), candidates.end(), p0);

@@ -450,8 +450,8 @@ int main(int argc, char** argv) {
 
   auto launch = [&](const Variant& var, int si, int copy) {
     const Weight& wt = weights[si][var.fp8 ? 1 : 0];
-    var.launch(dxs[si], static_cast<const uint4*>(wt.copies[copy % wt.copies.size()]), wt.scale, dout,
-               shapes[si].k, shapes[si].m, stream);
+    var.launch(dxs[si], static_cast<const uint4*>(wt.copies[copy % wt.copies.size()]), wt.scale,
+               dout, shapes[si].k, shapes[si].m, stream);
   };
   // The pollution: a pinned host (or device) buffer and, per rep, touch_pages random 16 KiB pages
   // of it.

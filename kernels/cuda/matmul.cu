@@ -440,24 +440,23 @@ __device__ __forceinline__ void Fp8Fragment(uint32_t wa, uint32_t wb, uint32_t (
 // 1..16 tokens (n <= 8 * TILES) with fp8 weights in 16-byte rows (k % 16 == 0, aligned; f32
 // activations aligned): GemvMmaKernel's layout with 16 e4m3 weights per 16-byte chunk. A block
 // takes groups of 16 weight rows in turn (two at once, below), its warps contiguous slices of their
-// 64-column steps;
-// per step lane (g, t) loads 16 bytes of rows g and g + 8 at chunk 4 * step + t, and each 16-bit pair of codes becomes
-// an f16 pair in one cvt (e4m3 is exact in f16). Word i of the chunk (columns 16 ch + 4 i +
-// {0..3}) feeds one m16n8k16 f16 mma: A's fragment positions {2t, 2t+1} hold its columns {0, 1}
-// and {2t+8, 2t+9} its columns {2, 3} (a permutation of k, matched by B), B's column g is token
-// g (+ 8 for the second tile), its activations rounded to f16 (MatMulParams). f32 accumulation;
-// the warps' sums are added in warp order in shared memory, then scaled by the row's scale and
-// the bias added. Read at one byte per weight, the GEMV moves half the bytes of bf16 weights and
-// runs on tensor cores: the scalar form (a dot per lane) was instruction-bound and slower than
-// bf16 (bench/RESULTS.md, sessions 20-21). The weight loads are predicated, not branched
-// (LoadWeightChunkIf) and fetch 128 bytes into L2 (LoadFp8Steps: 8 tokens' 32 layers back to back
-// 112.8 -> 105.7 us per layer on the H200 against 256, 16 tokens 168.0 -> 163.7). A block takes
-// two row groups at once (kPair): every lane's activation loads, the GEMV's L2 traffic (each group
-// reads all n tokens' activations, 4 n bytes per weight byte), serve both groups' mmas. With one
-// group per pass the 8- and 16-token GEMVs were bound by those reads, not the weights (about
-// 6 TB/s from L2): 32 layers 105.5 -> 97.7 us per layer (8 tokens) and 162.8 -> 134.2 (16), the
-// LM head at 16 tokens 352 -> 229 us (114 registers, two blocks per SM; bench/RESULTS.md,
-// session 25). One token without a bias takes GemvFp8OneKernel instead.
+// 64-column steps; per step lane (g, t) loads 16 bytes of rows g and g + 8 at chunk 4 * step + t,
+// and each 16-bit pair of codes becomes an f16 pair in one cvt (e4m3 is exact in f16). Word i of
+// the chunk (columns 16 ch + 4 i + {0..3}) feeds one m16n8k16 f16 mma: A's fragment positions {2t,
+// 2t+1} hold its columns {0, 1} and {2t+8, 2t+9} its columns {2, 3} (a permutation of k, matched by
+// B), B's column g is token g (+ 8 for the second tile), its activations rounded to f16
+// (MatMulParams). f32 accumulation; the warps' sums are added in warp order in shared memory, then
+// scaled by the row's scale and the bias added. Read at one byte per weight, the GEMV moves half
+// the bytes of bf16 weights and runs on tensor cores: the scalar form (a dot per lane) was
+// instruction-bound and slower than bf16 (bench/RESULTS.md, sessions 20-21). The weight loads are
+// predicated, not branched (LoadWeightChunkIf) and fetch 128 bytes into L2 (LoadFp8Steps: 8 tokens'
+// 32 layers back to back 112.8 -> 105.7 us per layer on the H200 against 256, 16 tokens 168.0 ->
+// 163.7). A block takes two row groups at once (kPair): every lane's activation loads, the GEMV's
+// L2 traffic (each group reads all n tokens' activations, 4 n bytes per weight byte), serve both
+// groups' mmas. With one group per pass the 8- and 16-token GEMVs were bound by those reads, not
+// the weights (about 6 TB/s from L2): 32 layers 105.5 -> 97.7 us per layer (8 tokens) and 162.8 ->
+// 134.2 (16), the LM head at 16 tokens 352 -> 229 us (114 registers, two blocks per SM;
+// bench/RESULTS.md, session 25). One token without a bias takes GemvFp8OneKernel instead.
 template <int TILES>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvFp8Kernel(const float* __restrict__ in, const uint8_t* __restrict__ w,
@@ -545,10 +544,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // token 0 only (lanes g == 0 load its activations), eight steps of predicated weight loads at once
 // and a short epilogue (lanes t == 0 hold rows g and g + 8 in c[0] and c[2]). With these ptxas
 // keeps the loads in flight (72 registers; with GemvFp8Kernel's epilogue, one group per pass as it
-// then was, ptxas kept 48 and issued the loads one step ahead of their use): 32 layers' GEMVs back to back 82.6 -> 75.1 us per layer on the
-// H200 (measured as cuda_gemv_weight_bench's variant "fp8 persist nb u8", which became this
-// kernel; the bench now times it as "fp8 production"; bench/RESULTS.md, session 22). Its loads
-// fetch 128 bytes into L2, not 256 (LoadFp8Steps: session 24).
+// then was, ptxas kept 48 and issued the loads one step ahead of their use): 32 layers' GEMVs back
+// to back 82.6 -> 75.1 us per layer on the H200 (measured as cuda_gemv_weight_bench's variant "fp8
+// persist nb u8", which became this kernel; the bench now times it as "fp8 production";
+// bench/RESULTS.md, session 22). Its loads fetch 128 bytes into L2, not 256 (LoadFp8Steps: session
+// 24).
 __global__ void __launch_bounds__(kMmaWarps * 32)
     GemvFp8OneKernel(const float* __restrict__ in, const uint8_t* __restrict__ w8,
                      const float* __restrict__ scale, float* __restrict__ out, int64_t k,

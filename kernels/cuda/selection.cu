@@ -11,28 +11,26 @@
 // instead: the queries in registers, ids and rows by shifts, no barrier.
 //
 // VoteTopK (kernel by size: TopKKernelFor, near the end): for group <= 4 up to 2048 candidates,
-// RegisterVoteTopKKernel (one block per KV head, everything in registers, one barrier per step),
-// up to 8192 its cluster form ClusterRegisterVoteTopKKernel. Otherwise up to 1024 candidates per
-// KV head,
-// BitonicVoteTopKKernel (below): one block per KV head, votes in registers, a bitonic sort of
+// RegisterVoteTopKKernel (one block per KV head, everything in registers, one barrier per step), up
+// to 8192 its cluster form ClusterRegisterVoteTopKKernel. Otherwise up to 1024 candidates per KV
+// head, BitonicVoteTopKKernel (below): one block per KV head, votes in registers, a bitonic sort of
 // unique 64-bit (vote key, index) keys, the first k flagged and compacted in index order. Up to
-// 65536, ClusterVoteTopKKernel (below; as one block up to 2048): a cluster of 1 to 8 blocks per
-// KV head, candidates in registers, histograms and counts merged in the leader
-// block's shared memory (distributed shared memory), one cluster barrier per step. Beyond that,
-// VoteTopKKernel: one block per KV head of 64 to 1024 threads (about 8 candidates per thread);
-// warp w owns a contiguous range of 32-candidate chunks, lane l the candidate chunk * 32 + l.
-// (1) per query head the max score, (2) the sum of exp(score - max), each reduced per warp with
-// shuffles and across warps once for all heads (two barriers per step); (3) per candidate the vote and a
-// 32-bit key that orders candidates by vote (VoteKey32: the 24-bit rank key of
-// kernels/vote_rank.h in the top bits; invalid ones get key 0, below every valid one), kept
-// in shared memory up to 32K candidates, else in scratch, and the histogram of the keys' top
-// bytes; (4) a radix select (8 bits per pass, three passes, warp-aggregated shared-memory histograms, double
-// buffered, the bin found by one warp's scan; it stops as soon as every key equal to the prefix
-// found so far is taken) gives the prefix of the k-th largest key and how many keys equal to it
-// are taken; (5) each warp counts its keys above and equal to the prefix, every warp scans those
-// per-warp counts, and ballots give every taken candidate its output slot, so ties go to the
-// lowest indices and the output is in index order. Every thread reads back only the keys it
-// wrote, so steps 3-5 need no barrier for the keys.
+// 65536, ClusterVoteTopKKernel (below; as one block up to 2048): a cluster of 1 to 8 blocks per KV
+// head, candidates in registers, histograms and counts merged in the leader block's shared memory
+// (distributed shared memory), one cluster barrier per step. Beyond that, VoteTopKKernel: one block
+// per KV head of 64 to 1024 threads (about 8 candidates per thread); warp w owns a contiguous range
+// of 32-candidate chunks, lane l the candidate chunk * 32 + l. (1) per query head the max score,
+// (2) the sum of exp(score - max), each reduced per warp with shuffles and across warps once for
+// all heads (two barriers per step); (3) per candidate the vote and a 32-bit key that orders
+// candidates by vote (VoteKey32: the 24-bit rank key of kernels/vote_rank.h in the top bits;
+// invalid ones get key 0, below every valid one), kept in shared memory up to 32K candidates, else
+// in scratch, and the histogram of the keys' top bytes; (4) a radix select (8 bits per pass, three
+// passes, warp-aggregated shared-memory histograms, double buffered, the bin found by one warp's
+// scan; it stops as soon as every key equal to the prefix found so far is taken) gives the prefix
+// of the k-th largest key and how many keys equal to it are taken; (5) each warp counts its keys
+// above and equal to the prefix, every warp scans those per-warp counts, and ballots give every
+// taken candidate its output slot, so ties go to the lowest indices and the output is in index
+// order. Every thread reads back only the keys it wrote, so steps 3-5 need no barrier for the keys.
 //
 // SelectStages (a decode step's whole chain of scoring and top-k stages) runs as one kernel,
 // SelectStagesKernel (near the end): one thread-block cluster per KV head, each stage scored
@@ -1277,8 +1275,9 @@ __global__ void __launch_bounds__(kRegClusterMaxThreads)
   constexpr int G = kRegTopKMaxGroup;
   constexpr int W = kRegClusterMaxWarps;
   __shared__ float red_m[G][W], red_l[G][W];
-  __shared__ __align__(16) uint32_t hist[kVoteRankPasses][256];  // this block's histogram of each pass
-  __shared__ __align__(16) uint32_t hsum[kVoteRankPasses][256];  // the cluster's (this block's copy)
+  // This block's histogram of each pass, and the cluster's (this block's copy).
+  __shared__ __align__(16) uint32_t hist[kVoteRankPasses][256];
+  __shared__ __align__(16) uint32_t hsum[kVoteRankPasses][256];
   __shared__ uint32_t wsum_s[W];
   __shared__ uint32_t btot_s;
   cg::cluster_group cluster = cg::this_cluster();
