@@ -367,6 +367,13 @@ absl::Status FidelityOptions::Validate() const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> ParseSelectionKeys(absl::string_view name) {
+  if (name == "bf16") return false;
+  if (name == "fp8") return true;
+  return absl::InvalidArgumentError(
+      absl::StrCat("fidelity: selection keys are bf16 or fp8, got \"", name, "\""));
+}
+
 absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& options,
                                                      std::ostream* log) {
   absl::Status st = options.Validate();

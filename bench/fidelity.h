@@ -72,6 +72,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace strata::bench {
 
@@ -157,6 +158,10 @@ struct FidelityRow {
   double select_ms = 0;
   double attended_tokens = 0;  // per KV head, sinks + window + middle
 };
+
+// FidelityOptions::fp8_selection_keys from its flag's value: "bf16" -> false, "fp8" -> true;
+// InvalidArgument otherwise.
+absl::StatusOr<bool> ParseSelectionKeys(absl::string_view name);
 
 // Runs the benchmark; progress lines go to `log` (may be null). Rows come in context, page size,
 // policy, budget order. InvalidArgument for invalid options; ResourceExhausted if memory fails.

@@ -90,6 +90,10 @@ TEST(FidelityTest, Fp8SelectionKeys) {
   EXPECT_TRUE(any_differs) << "the policies saw the same keys";
   o.page_sizes = {48};  // does not divide 8192
   EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseSelectionKeys("bf16").value(), false);
+  EXPECT_EQ(ParseSelectionKeys("fp8").value(), true);
+  EXPECT_EQ(ParseSelectionKeys("fp16").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseSelectionKeys("").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(FidelityTest, WorkloadProfiles) {

@@ -2,6 +2,7 @@
 //   strata bench fidelity [--contexts 4096,32768,...] [--budgets ...] [--page-sizes 16,32,64]
 //                         [--policies quest,radar,...] [--json-out FILE] [--seed N]
 //                         [--profile calibrated|calibrated-logtemp|diffuse] [--background-logit X]
+//                         [--selection-keys bf16|fp8] (see --help for the rest)
 // The fidelity table goes to stdout, progress to stderr, one JSON object per row to --json-out.
 #include <cstdio>
 #include <fstream>
@@ -80,9 +81,13 @@ int RunFidelityCommand(int argc, char** argv) {
   if (st.ok()) st = ParseList("contexts", contexts, &o.contexts);
   if (st.ok()) st = ParseList("budgets", budgets, &o.budgets);
   if (st.ok()) st = ParseList("page-sizes", pages, &o.page_sizes);
-  if (st.ok() && selection_keys != "bf16" && selection_keys != "fp8") {
-    st = absl::InvalidArgumentError("--selection-keys must be bf16 or fp8, got \"" +
-                                    selection_keys + "\"");
+  if (st.ok()) {
+    absl::StatusOr<bool> fp8 = bench::ParseSelectionKeys(selection_keys);
+    if (fp8.ok()) {
+      o.fp8_selection_keys = *fp8;
+    } else {
+      st = fp8.status();
+    }
   }
   if (st.ok()) {
     absl::StatusOr<bench::WorkloadParams> w = bench::WorkloadProfile(profile);
@@ -107,7 +112,6 @@ int RunFidelityCommand(int argc, char** argv) {
   o.min_segments = static_cast<int>(min_segments);
   o.segment_factor = static_cast<int>(segment_factor);
   o.tokenselect_candidate_factor = static_cast<int>(candidate_factor);
-  o.fp8_selection_keys = selection_keys == "fp8";
   st = o.Validate();
   if (!st.ok()) return ReportAndExit(flags, st);
   std::fprintf(stderr,
