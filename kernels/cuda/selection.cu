@@ -1162,7 +1162,7 @@ __device__ __forceinline__ uint32_t RegCounts(const uint32_t (&key)[kPer], uint3
 
 // Step (4): `before` = (above << 16 | equal) counts of every candidate before the thread's: its
 // taken ids get the output positions gt_before + min(eq_before, need_eq) on, in index order;
-// emit(pos, id) is called for each one with pos < k.
+// emit(pos, id, j) is called for each one with pos < k (j: its index in key and ids).
 template <int kPer, typename Emit>
 __device__ __forceinline__ void RegForEachTaken(const uint32_t (&key)[kPer],
                                                 const int32_t (&ids)[kPer], uint32_t prefix,
@@ -1183,7 +1183,7 @@ __device__ __forceinline__ void RegForEachTaken(const uint32_t (&key)[kPer],
       }
     }
     if (take) {
-      if (pos < static_cast<uint32_t>(k)) emit(pos, ids[j]);
+      if (pos < static_cast<uint32_t>(k)) emit(pos, ids[j], j);
       ++pos;
     }
   }
@@ -1196,7 +1196,7 @@ __device__ __forceinline__ void RegWriteTaken(const uint32_t (&key)[kPer],
                                               uint32_t mask, uint32_t need_eq, uint32_t before,
                                               int k, int32_t* out) {
   RegForEachTaken<kPer>(key, ids, prefix, mask, need_eq, before, k,
-                        [&](uint32_t pos, int32_t id) { out[pos] = id; });
+                        [&](uint32_t pos, int32_t id, int) { out[pos] = id; });
 }
 
 template <int kPer>
@@ -1919,8 +1919,9 @@ __global__ void __launch_bounds__(kSumThreads)
 //       scan, block totals pushed to every block; the taken ids go to the stage's `selected` in
 //       index order (ties to the lowest indices), -1 up to k, and, when a stage or the attention
 //       follows, to every block's shared memory as that stage's parents (RegForEachTaken).
-// SelectStagesKernel<true> then attends the last stage's selection (DeviceSelectAttend; the
-// section before the kernel); a skipped head skips the stages and attends its kept selection.
+// SelectStagesKernel<kStagesAttendRows | kStagesAttendScored> then attends the last stage's
+// selection (DeviceSelectAttend; the section before the kernel); a skipped head skips the stages
+// and attends its kept selection.
 // Why pushes and not cluster barriers: on Hopper barrier.cluster.arrive.release compiles to a
 // GPU-scope memory barrier (MEMBAR.ALL.GPU) and wait.acquire invalidates L1; the H200 measured
 // 190 ns per cluster barrier without memory traffic and 700-900 ns after a global store
@@ -2089,7 +2090,7 @@ __device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int st
   }
 }
 
-// ---- The attention after the stages (SelectStagesKernel<true>, DeviceSelectAttend) ----------
+// ---- The attention after the stages (SelectStagesKernel<kStagesAttend*>, DeviceSelectAttend) --
 // Block r stages its share of the fixed positions (prefix, then suffix) in rows
 // [0, kSelectAttendMaxFixed) and of the middle in the rows after, K and V rows of 128 bf16
 // kAttendPitch apart (bulk copies, one pair per row; rows of invalid positions zero-filled). The
@@ -2102,6 +2103,12 @@ __device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int st
 // lse. Measured on the H200 against the separate SelectedAttention kernel (bench/RESULTS.md,
 // session 14): 24.3 against 29.1 us per layer at 128K quest; the same code with CUDA-core
 // arithmetic was no faster than the separate kernel (half the blocks per KV head).
+// Where the last stage is a key stage over the attention's own pool and table and the middle is
+// its token ids (tokenselect), the middle's scores are that stage's (kStagesAttendScored below:
+// the same products in the same order, so the same bits): the block that took a token pushes its
+// scores into the first 16 bytes of its K staging row and its pool row into row_s at the block
+// that attends it, and that block copies only the V rows. Session 28 (H200): 43.5 -> 41.9 us
+// per layer at 128K tokenselect, 55.9 -> 54.8 at 1M; cold steps no slower.
 constexpr int kAttendRows = kSelectAttendMaxFixed + kSelectAttendMaxMiddle;
 constexpr int kAttendGroups = 2;                                 // 8-row groups per warp and tile
 constexpr int kAttendTile = 8 * kAttendGroups * kStagesWarps;    // middle rows per mbarrier
@@ -2148,40 +2155,50 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
 __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_bfloat16* v_s,
                                            const int64_t* row_s, int r0, int end,
                                            const __nv_bfloat16* key_a, int group,
-                                           AttendState& st) {
+                                           AttendState& st, bool scored = false) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, t = lane & 3;
-  // Scores: c[n][m] for tile n (rows r0 + 8n ..), the group's two mmas m.
-  float c[2][2][4];
+  float sc[4];  // rows 2t, 2t + 1, 8 + 2t, 9 + 2t of the 16
+  if (scored) {
+    // The scores the key stage computed (the same products in the same order), pushed to the
+    // first floats of each row's K staging row (SelectStagesKernel<kStagesAttendScored>).
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[n][0][e] = 0.0f, c[n][1][e] = 0.0f;
-  }
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    uint32_t a[2][4];
-    StageAFragments(key_a, kStagesKeyStride, p, a);
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + 8 * (i >> 1) + 2 * t + (i & 1);
+      sc[i] = reinterpret_cast<const float*>(k_s + r * kAttendPitch)[g8 & 3];
+    }
+  } else {
+    // Scores: c[n][m] for tile n (rows r0 + 8n ..), the group's two mmas m.
+    float c[2][2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
-      const uint4 b = *reinterpret_cast<const uint4*>(k_s + (r0 + 8 * n + g8) * kAttendPitch +
-                                                       32 * p + 8 * t);
-      MmaBf16(c[n][0], a[0], b.x, b.y);
-      MmaBf16(c[n][1], a[1], b.z, b.w);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[n][0][e] = 0.0f, c[n][1][e] = 0.0f;
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      uint32_t a[2][4];
+      StageAFragments(key_a, kStagesKeyStride, p, a);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const uint4 b = *reinterpret_cast<const uint4*>(k_s + (r0 + 8 * n + g8) * kAttendPitch +
+                                                         32 * p + 8 * t);
+        MmaBf16(c[n][0], a[0], b.x, b.y);
+        MmaBf16(c[n][1], a[1], b.z, b.w);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      float cc[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cc[e] = c[n][0][e] + c[n][1][e];
+      const float mid0 = __shfl_down_sync(0xffffffffu, cc[0], 16);
+      const float mid1 = __shfl_down_sync(0xffffffffu, cc[1], 16);
+      const float s0 = cc[0] + (mid0 + cc[2]), s1 = cc[1] + (mid1 + cc[3]);  // lanes < 16
+      sc[2 * n] = __shfl_sync(0xffffffffu, s0, lane & 15);
+      sc[2 * n + 1] = __shfl_sync(0xffffffffu, s1, lane & 15);
     }
   }
   const int h = g8 & 3;
-  float sc[4];  // rows 2t, 2t + 1, 8 + 2t, 9 + 2t of the 16
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    float cc[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) cc[e] = c[n][0][e] + c[n][1][e];
-    const float mid0 = __shfl_down_sync(0xffffffffu, cc[0], 16);
-    const float mid1 = __shfl_down_sync(0xffffffffu, cc[1], 16);
-    const float s0 = cc[0] + (mid0 + cc[2]), s1 = cc[1] + (mid1 + cc[3]);  // lanes < 16
-    sc[2 * n] = __shfl_sync(0xffffffffu, s0, lane & 15);
-    sc[2 * n + 1] = __shfl_sync(0xffffffffu, s1, lane & 15);
-  }
   float tmax = NegInfF();
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -2256,20 +2273,28 @@ __device__ __forceinline__ int64_t AttendFixedRow(const DeviceSelectAttend& at, 
 // Staging row r gets pool row `row` by two bulk copies (K, V: 256 bytes each) completing on
 // `bar` (whose tx-count the calling thread raises by their bytes), or zeros (row < 0: the row is
 // not attended, but AttendRows still reads its K and V).
+// kVOnly: the V row only (a scored middle row: its K staging row holds its scores, which a
+// zero fill must not overwrite).
+template <bool kVOnly = false>
 __device__ __forceinline__ void AttendIssueRow(const DeviceSelectAttend& at, __nv_bfloat16* k_s,
                                                __nv_bfloat16* v_s, int r, int64_t row,
                                                uint32_t bar) {
   if (row >= 0) {
-    MbarExpectTx(bar, 2 * 128 * sizeof(__nv_bfloat16));
-    BulkCopyToShared(SharedAddr(k_s + r * kAttendPitch),
-                     static_cast<const __nv_bfloat16*>(at.k_pool) + row * 128, 256, bar);
+    MbarExpectTx(bar, (kVOnly ? 1 : 2) * 128 * sizeof(__nv_bfloat16));
+    if (!kVOnly) {
+      BulkCopyToShared(SharedAddr(k_s + r * kAttendPitch),
+                       static_cast<const __nv_bfloat16*>(at.k_pool) + row * 128, 256, bar);
+    }
     BulkCopyToShared(SharedAddr(v_s + r * kAttendPitch),
                      static_cast<const __nv_bfloat16*>(at.v_pool) + row * 128, 256, bar);
   } else {
     uint4* k = reinterpret_cast<uint4*>(k_s + r * kAttendPitch);
     uint4* v = reinterpret_cast<uint4*>(v_s + r * kAttendPitch);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) k[i] = make_uint4(0, 0, 0, 0), v[i] = make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < 16; ++i) {
+      if (!kVOnly) k[i] = make_uint4(0, 0, 0, 0);
+      v[i] = make_uint4(0, 0, 0, 0);
+    }
   }
 }
 
@@ -2277,7 +2302,15 @@ __device__ __forceinline__ void AttendIssueRow(const DeviceSelectAttend& at, __n
 __device__ long long* g_stages_phase_stamps = nullptr;
 __device__ int g_stages_phase_blocks = 0;
 
-template <bool kAttend>
+// SelectStagesKernel's attention: none; the K and V rows of every attended position; or, when
+// the last stage scored the middle's tokens in the attention's own pool (a key stage, the middle
+// its token ids), the middle's scores from that stage: each block pushes, with the ids it takes,
+// their scores (to the first floats of their K staging rows) and pool rows to the block that
+// attends them, which copies only their V rows (the fixed rows and a skipped head's middle as
+// kStagesAttendRows).
+constexpr int kStagesNoAttend = 0, kStagesAttendRows = 1, kStagesAttendScored = 2;
+
+template <int kAttend>
 __global__ void __launch_bounds__(kStagesThreads, 1)
     SelectStagesKernel(const float* __restrict__ q, float scale, int group,
                        const __grid_constant__ DeviceSelectStages st,
@@ -2375,6 +2408,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   };
 
   const int num_stages = kAttend && skipped ? 0 : st.num_stages;
+  int32_t middle_taken = 0;  // kStagesAttendScored: the block's middle rows pushed to it
 #pragma unroll 1
   for (int si = 0; si < num_stages; ++si) {
     const DeviceSelectStage& stage = st.stage[si];
@@ -2492,6 +2526,19 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       for (int h = 0; h < G; ++h) x[h][j] = in && h < group ? sc[h][lfirst + j] : NegInfF();
       ids[j] = in ? StageCandidateId(c, parents, block_first + lfirst + j) : -1;
     }
+    // kStagesAttendScored's last stage (a key stage over the attention's pool and table): each
+    // candidate's page-table entry, loaded now for the pool row pushed with it if it is taken
+    // (-1: not in the attention's middle or past the table; checked against the pool there).
+    const bool scored = kAttend == kStagesAttendScored && si + 1 == st.num_stages;
+    int32_t slot4[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      slot4[j] = -1;
+      if (scored && ids[j] >= at.middle.begin && ids[j] < at.middle.end &&
+          (ids[j] >> stage.page_shift) < at.table_pages) {
+        slot4[j] = at.table[static_cast<int64_t>(g) * at.table_pages + (ids[j] >> stage.page_shift)];
+      }
+    }
     wait_bar(4);  // every block's partials received
     stamp(phase0 + 3);
     // Lane L holds block L % cs's partials, so each segment of cs lanes merges all of them in the
@@ -2574,13 +2621,47 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     const uint32_t taken_total = (total >> 16) + min(total & 0xffffu, remaining);
     int32_t* out = stage.selected + static_cast<int64_t>(g) * stage.k;
     // The taken ids to `selected` in index order (ties to the lowest indices) and, for the next
-    // stage or the attention, to every block's parents_s.
+    // stage or the attention, to every block's parents_s; kStagesAttendScored's last stage
+    // instead pushes each taken id's scores (16 bytes) and pool row (8 bytes) to the block that
+    // attends its position (mc positions a block; middle_taken of them in this block's share).
     const bool last = !kAttend && si + 1 == st.num_stages;
-    if (!last && tid == 0) MbarExpect(SharedAddr(&mbar[6]), taken_total * sizeof(int32_t));
+    const int32_t mc = (stage.k + cs - 1) / cs;
+    // pos / mc as floor((pos + 0.5) / mc) in f32: exact, as pos < 2^30 and mc <= 2^11 leave
+    // (pos + 0.5) / mc at least 2^-12 from an integer (f32 products err by < 2^-20 here).
+    const float inv_mc = 1.0f / static_cast<float>(max(mc, 1));
+    if (scored) {
+      const int32_t m0 = min(stage.k, rank * mc);
+      middle_taken = max(0, min(min(stage.k, m0 + mc), static_cast<int32_t>(taken_total)) - m0);
+    }
+    if (!last && tid == 0) {
+      MbarExpect(SharedAddr(&mbar[6]), scored ? middle_taken * (16 + 8)
+                                              : taken_total * sizeof(int32_t));
+    }
     RegForEachTaken<P>(key, ids, prefix, mask, remaining, before, stage.k,
-                       [&](uint32_t pos, int32_t id) {
+                       [&](uint32_t pos, int32_t id, int j) {
                          out[pos] = id;
-                         if (!last) {
+                         if (scored) {
+                           const int b = static_cast<int>((static_cast<float>(pos) + 0.5f) *
+                                                          inv_mc);
+                           const int r = kSelectAttendMaxFixed + static_cast<int>(pos) - b * mc;
+                           const int32_t slot = slot4[j];
+                           const int64_t row =
+                               slot >= 0 && slot < at.num_slots
+                                   ? (static_cast<int64_t>(slot) << stage.page_shift) +
+                                         (id & ((1 << stage.page_shift) - 1))
+                                   : -1;
+                           const int32_t i = lfirst + j;
+                           const uint4 v = make_uint4(
+                               __float_as_uint(sc[0][i]), __float_as_uint(sc[1][i]),
+                               __float_as_uint(sc[2][i]), __float_as_uint(sc[3][i]));
+                           const uint32_t bar = MapToRank(SharedAddr(&mbar[6]), b);
+                           StAsync16(MapToRank(SharedAddr(k_s + r * kAttendPitch), b), v, bar);
+                           const uint64_t u = static_cast<uint64_t>(row);
+                           StAsync8(MapToRank(SharedAddr(&row_s[r]), b),
+                                    make_float2(__uint_as_float(static_cast<uint32_t>(u)),
+                                                __uint_as_float(static_cast<uint32_t>(u >> 32))),
+                                    bar);
+                         } else if (!last) {
                            const uint32_t dst = SharedAddr(&parents_s[pos]);
                            const uint32_t bar = SharedAddr(&mbar[6]);
                            for (int r = 0; r < cs; ++r) {
@@ -2593,7 +2674,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
          j += static_cast<int64_t>(cs) * kStagesThreads) {
       out[j] = -1;
     }
-    if (!last) {
+    if (!last && !scored) {
       for (int32_t j = static_cast<int32_t>(taken_total) + tid; j < stage.k; j += kStagesThreads) {
         parents_s[j] = -1;  // visible after the next stage's (or the attention's) first barrier
       }
@@ -2617,7 +2698,18 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     }
     const int32_t nm = at.middle.count, mc = (nm + cs - 1) / cs;
     const int32_t m0 = min(nm, rank * mc), m_count = min(nm, m0 + mc) - m0;
-    if (tid < kSelectAttendMaxMiddle) {  // staging row kSelectAttendMaxFixed + tid
+    // kStagesAttendScored: the middle's scores and pool rows were pushed with its ids.
+    const bool scored = kAttend == kStagesAttendScored && !skipped;
+    if (scored && tid < kSelectAttendMaxMiddle) {
+      const int r = kSelectAttendMaxFixed + tid;
+      int64_t row = -1;
+      if (tid < middle_taken) {
+        row = row_s[r];
+      } else {
+        row_s[r] = -1;
+      }
+      AttendIssueRow<true>(at, k_s, v_s, r, row, SharedAddr(&mbar[kTileBar + tid / kAttendTile]));
+    } else if (tid < kSelectAttendMaxMiddle) {  // staging row kSelectAttendMaxFixed + tid
       int64_t row = -1;
       if (tid < m_count) {
         const int32_t i = m0 + tid;
@@ -2665,7 +2757,8 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       stamp(A0 + 3 + 2 * t);
       const int r0 = kSelectAttendMaxFixed + t * kAttendTile + 8 * kAttendGroups * warp;
       if (r0 < kSelectAttendMaxFixed + m_count) {
-        AttendRows(k_s, v_s, row_s, r0, kSelectAttendMaxFixed + m_count, key_a, group, ast);
+        AttendRows(k_s, v_s, row_s, r0, kSelectAttendMaxFixed + m_count, key_a, group, ast,
+                   scored);
       }
       stamp(A0 + 4 + 2 * t);
     }
@@ -3067,9 +3160,9 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group,
 
 namespace {
 constexpr int kStagesMaxDevices = 64;
-// What SelectStagesKernel can do on a device, found once per device: whether <false> can have
-// its shared memory (else the callers run the ops one by one); whether <true> can; how many
-// 16-block clusters of each fit at once.
+// What SelectStagesKernel can do on a device, found once per device: whether <kStagesNoAttend>
+// can have its shared memory (else the callers run the ops one by one); whether both attending
+// forms can; how many 16-block clusters of each fit at once (attending: the fewer of the two).
 struct StagesDeviceInfo {
   bool usable = false;
   bool attend = false;
@@ -3096,16 +3189,23 @@ const StagesDeviceInfo* StagesInfo() {
       cudaGetLastError();
       return ok;
     };
-    in.usable = allow(reinterpret_cast<const void*>(SelectStagesKernel<false>),
+    in.usable = allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesNoAttend>),
                       kStagesDynamicSmem);
-    in.attend = in.usable && allow(reinterpret_cast<const void*>(SelectStagesKernel<true>),
-                                   kStagesAttendSmem);
-    in.fit16 = in.usable ? MaxActiveClusters(SelectStagesKernel<false>, 16, kStagesThreads,
-                                             kStagesDynamicSmem)
+    in.attend =
+        in.usable &&
+        allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows>),
+              kStagesAttendSmem) &&
+        allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendScored>),
+              kStagesAttendSmem);
+    in.fit16 = in.usable ? MaxActiveClusters(SelectStagesKernel<kStagesNoAttend>, 16,
+                                             kStagesThreads, kStagesDynamicSmem)
                          : 0;
-    in.attend_fit16 = in.attend ? MaxActiveClusters(SelectStagesKernel<true>, 16, kStagesThreads,
-                                                    kStagesAttendSmem)
-                                : 0;
+    in.attend_fit16 =
+        in.attend ? std::min(MaxActiveClusters(SelectStagesKernel<kStagesAttendRows>, 16,
+                                               kStagesThreads, kStagesAttendSmem),
+                             MaxActiveClusters(SelectStagesKernel<kStagesAttendScored>, 16,
+                                               kStagesThreads, kStagesAttendSmem))
+                  : 0;
   });
   return &g_stages_info[device];
 }
@@ -3116,6 +3216,19 @@ int ClusterBlocksOf(const StagesDeviceInfo* in, int num_kv_heads) {
   const char* e = std::getenv("STRATA_SELECT_STAGES_CLUSTER");
   if (e != nullptr && std::string_view(e) == "8") return 8;
   return in->fit16 >= num_kv_heads ? 16 : 8;
+}
+
+// Whether the attention takes the middle's scores from the last stage
+// (SelectStagesKernel<kStagesAttendScored>): a key stage over the attention's own K pool and page
+// table, the middle its token ids; not when STRATA_SELECT_ATTEND_SCORES=0 (read at every launch:
+// A/B timing and tests).
+bool AttendScored(const DeviceSelectStages& stages, const DeviceSelectAttend& a) {
+  const DeviceSelectStage& last = stages.stage[stages.num_stages - 1];
+  const char* e = std::getenv("STRATA_SELECT_ATTEND_SCORES");
+  return (e == nullptr || std::string_view(e) != "0") &&
+         last.kind == SelectStageKind::kKeysBF16 && a.fanout_shift == 0 &&
+         last.rows == a.k_pool && last.table == a.table && last.table_pages == a.table_pages &&
+         (int64_t{1} << last.page_shift) == a.page_size && last.num_items == a.num_slots;
 }
 
 // Whether the attention's shares fit cs-block clusters (SelectStagesCanAttend).
@@ -3185,10 +3298,14 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
                                    attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem,
                                    stream, cs, /*dependent=*/false);
   if (attend != nullptr) {
-    return cudaLaunchKernelEx(&launch.cfg, SelectStagesKernel<true>, q, scale, group, stages,
-                              *attend, skip, RegHistMode());
+    return cudaLaunchKernelEx(&launch.cfg,
+                              AttendScored(stages, *attend)
+                                  ? SelectStagesKernel<kStagesAttendScored>
+                                  : SelectStagesKernel<kStagesAttendRows>,
+                              q, scale, group, stages, *attend, skip, RegHistMode());
   }
-  return cudaLaunchKernelEx(&launch.cfg, SelectStagesKernel<false>, q, scale, group, stages,
+  return cudaLaunchKernelEx(&launch.cfg, SelectStagesKernel<kStagesNoAttend>, q, scale, group,
+                            stages,
                             DeviceSelectAttend{}, skip, RegHistMode());
 }
 

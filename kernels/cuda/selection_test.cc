@@ -1640,8 +1640,11 @@ TEST_F(SelectStagesTest, SkipHeadsLeaveFlaggedHeadsUntouched) {
 }
 
 // SelectStages with `attend` (the decode step's attention over the last stage's selection): the
-// attention inside the selection kernel (STRATA_SELECT_ATTEND=require_fused) and as its own op
-// after the kernel (=separate), against the CPU: every stage's selection as in MatchesCpuOps, and
+// attention inside the selection kernel (STRATA_SELECT_ATTEND=require_fused; where the last stage
+// scores the middle's tokens, with the middle's scores taken from it and, with
+// STRATA_SELECT_ATTEND_SCORES=0, from its K rows: the same products, so the same bits) and as its
+// own op after the kernel (=separate), against the CPU: every stage's selection as in
+// MatchesCpuOps, and
 // out / lse against the CPU's SelectedAttention over the GPU's final selection (so a near-tie at
 // the k-th place does not change what is compared), with sinks, the window, page-table entries
 // -1 or past the pool, -1 ids (k above the candidates) and groups 1-4. Then skip_heads on a
@@ -1694,10 +1697,14 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
           TensorView(final.data(), DType::kI32, {c.hkv, ch.ks[last]}), out->data(), lse->data());
       ASSERT_TRUE(cpu_->SelectedAttention(at, nullptr).ok());
     };
-    for (const char* mode : {"require_fused", "separate"}) {
+    // out and lse of the fused modes, for the bitwise comparison of the two ways to the scores.
+    std::vector<std::vector<float>> fused_out, fused_lse;
+    for (const char* mode : {"require_fused", "require_fused rows", "separate"}) {
       SCOPED_TRACE(mode);
+      const std::string_view m(mode);
       setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-      setenv("STRATA_SELECT_ATTEND", mode, 1);
+      setenv("STRATA_SELECT_ATTEND", m == "separate" ? "separate" : "require_fused", 1);
+      setenv("STRATA_SELECT_ATTEND_SCORES", m == "require_fused rows" ? "0" : "1", 1);
       SelectStagesParams p =
           ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
       const SelectedAttentionParams at =
@@ -1715,6 +1722,10 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
       cpu_attention(ch.q, got[last], &want_out, &want_lse);
       ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
       ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
+      if (m != "separate") {
+        fused_out.push_back(Get<float>(*dout, int64_t{hq} * kD));
+        fused_lse.push_back(Get<float>(*dlse, hq));
+      }
 
       // A second query with every other head flagged: those keep `got`'s selection and attend
       // it with the new query; the others select again.
@@ -1743,8 +1754,18 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
       ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
       ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
     }
+    ASSERT_EQ(fused_out.size(), 2u);
+    for (size_t i = 0; i < fused_out[0].size(); ++i) {
+      ASSERT_EQ(std::memcmp(&fused_out[0][i], &fused_out[1][i], sizeof(float)), 0)
+          << "out " << i << ": " << fused_out[0][i] << " scored, " << fused_out[1][i] << " rows";
+    }
+    for (size_t i = 0; i < fused_lse[0].size(); ++i) {
+      ASSERT_EQ(std::memcmp(&fused_lse[0][i], &fused_lse[1][i], sizeof(float)), 0)
+          << "lse " << i << ": " << fused_lse[0][i] << " scored, " << fused_lse[1][i] << " rows";
+    }
     unsetenv("STRATA_SELECT_STAGES");
     unsetenv("STRATA_SELECT_ATTEND");
+    unsetenv("STRATA_SELECT_ATTEND_SCORES");
   }
 }
 

@@ -254,7 +254,10 @@ struct DeviceSelectStages {
 inline constexpr int kSelectAttendMaxFixed = 48;
 inline constexpr int kSelectAttendMaxMiddle = 256;
 // The attention's query and scale are the stages' (q, scale of LaunchSelectStages: the same
-// values as SelectedAttentionParams' q and scale * k_scale).
+// values as SelectedAttentionParams' q and scale * k_scale). Where the last stage is a key stage
+// over this k_pool and table and the middle its token ids (fanout 1), the middle's scores are
+// taken from that stage instead of from K rows (STRATA_SELECT_ATTEND_SCORES=0, read at every
+// launch, turns that off: A/B timing and tests; the result is the same bits either way).
 struct DeviceSelectAttend {
   const void* k_pool = nullptr;    // bf16 [num_slots, page_size, 128]
   const void* v_pool = nullptr;
