@@ -2633,9 +2633,33 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       const int32_t m0 = min(stage.k, rank * mc);
       middle_taken = max(0, min(min(stage.k, m0 + mc), static_cast<int32_t>(taken_total)) - m0);
     }
+    // What follows reads the ids as parents: block b takes its elements [b * per_next,
+    // (b + 1) * per_next) of n_next, element e the child of id e / fan_next, so each id goes only
+    // to the (one or two) blocks whose elements are its children, and a block waits only for its
+    // own parents (the next stage's candidates, or the attention's middle). n_next is at most
+    // cs * kStagesMaxPerBlock or cs * kSelectAttendMaxMiddle (LaunchSelectStages), and equals
+    // k * fan_next.
+    int32_t n_next = 0, fan_next = 1;
+    if (si + 1 < st.num_stages) {
+      n_next = st.stage[si + 1].c.count;
+      fan_next = max(1, st.stage[si + 1].c.fanout);
+    } else if (kAttend) {
+      n_next = at.middle.count;
+      fan_next = 1 << at.fanout_shift;
+    }
+    const int32_t per_next = max(1, (n_next + cs - 1) / cs);
     if (!last && tid == 0) {
+      uint32_t own_parents = 0;
+      if (!scored) {
+        const int32_t e0 = min(n_next, rank * per_next), e1 = min(n_next, e0 + per_next);
+        if (e1 > e0) {
+          own_parents = static_cast<uint32_t>(
+              max(0, min(static_cast<int32_t>(taken_total), (e1 - 1) / fan_next + 1) -
+                         e0 / fan_next));
+        }
+      }
       MbarExpect(SharedAddr(&mbar[6]), scored ? middle_taken * (16 + 8)
-                                              : taken_total * sizeof(int32_t));
+                                              : own_parents * sizeof(int32_t));
     }
     RegForEachTaken<P>(key, ids, prefix, mask, remaining, before, stage.k,
                        [&](uint32_t pos, int32_t id, int j) {
@@ -2664,7 +2688,10 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                          } else if (!last) {
                            const uint32_t dst = SharedAddr(&parents_s[pos]);
                            const uint32_t bar = SharedAddr(&mbar[6]);
-                           for (int r = 0; r < cs; ++r) {
+                           const int32_t e0 = static_cast<int32_t>(pos) * fan_next;
+                           const int b0 = e0 / per_next;
+                           const int b1 = min(cs - 1, (min(n_next, e0 + fan_next) - 1) / per_next);
+                           for (int r = b0; r <= b1; ++r) {
                              StAsync4(MapToRank(dst, r), static_cast<uint32_t>(id),
                                       MapToRank(bar, r));
                            }
