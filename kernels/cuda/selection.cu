@@ -1918,7 +1918,8 @@ __global__ void __launch_bounds__(kSumThreads)
 //   (4) compaction as ClusterRegisterVoteTopKKernel: per-thread (above, equal) counts, a block
 //       scan, block totals pushed to every block; the taken ids go to the stage's `selected` in
 //       index order (ties to the lowest indices), -1 up to k, and, when a stage or the attention
-//       follows, to every block's shared memory as that stage's parents (RegForEachTaken).
+//       follows, to the shared memory of the (one or two) blocks whose candidates or rows are
+//       their children, as that stage's parents (RegForEachTaken).
 // SelectStagesKernel<kStagesAttendRows | kStagesAttendScored> then attends the last stage's
 // selection (DeviceSelectAttend; the section before the kernel); a skipped head skips the stages
 // and attends its kept selection.
