@@ -2537,7 +2537,8 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       slot4[j] = -1;
       if (scored && ids[j] >= at.middle.begin && ids[j] < at.middle.end &&
           (ids[j] >> stage.page_shift) < at.table_pages) {
-        slot4[j] = at.table[static_cast<int64_t>(g) * at.table_pages + (ids[j] >> stage.page_shift)];
+        slot4[j] =
+            at.table[static_cast<int64_t>(g) * at.table_pages + (ids[j] >> stage.page_shift)];
       }
     }
     wait_bar(4);  // every block's partials received
@@ -2622,13 +2623,15 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     const uint32_t taken_total = (total >> 16) + min(total & 0xffffu, remaining);
     int32_t* out = stage.selected + static_cast<int64_t>(g) * stage.k;
     // The taken ids to `selected` in index order (ties to the lowest indices) and, for the next
-    // stage or the attention, to every block's parents_s; kStagesAttendScored's last stage
-    // instead pushes each taken id's scores (16 bytes) and pool row (8 bytes) to the block that
-    // attends its position (mc positions a block; middle_taken of them in this block's share).
+    // stage or the attention, to the parents_s of the blocks that read them (below);
+    // kStagesAttendScored's last stage instead pushes each taken id's scores (16 bytes) and pool
+    // row (8 bytes) to the block that attends its position (mc positions a block; middle_taken of
+    // them in this block's share).
     const bool last = !kAttend && si + 1 == st.num_stages;
     const int32_t mc = (stage.k + cs - 1) / cs;
-    // pos / mc as floor((pos + 0.5) / mc) in f32: exact, as pos < 2^30 and mc <= 2^11 leave
-    // (pos + 0.5) / mc at least 2^-12 from an integer (f32 products err by < 2^-20 here).
+    // pos / mc as floor((pos + 0.5) / mc) in f32: exact, as pos < k <= kSelectStagesMaxParents
+    // (LaunchSelectStages, with an attention) makes pos + 0.5 exact and (pos + 0.5) / mc < cs <=
+    // 16 at least 1 / (2 mc) >= 2^-12 from an integer, while the f32 product errs by < 2^-19.
     const float inv_mc = 1.0f / static_cast<float>(max(mc, 1));
     if (scored) {
       const int32_t m0 = min(stage.k, rank * mc);
