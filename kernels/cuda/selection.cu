@@ -2025,7 +2025,7 @@ __device__ __forceinline__ void StageAFragments(const __nv_bfloat16* table, int 
 // lane's row (candidate first + lane / 4) is valid.
 __device__ __forceinline__ void StageStoreTile(const float (&c)[2][4], bool ok, int32_t first,
                                                int32_t count, int group,
-                                               float (*sc)[kStagesMaxPerBlock]) {
+                                               float (*sc)[kStagesMaxPerBlock], float& vmax) {
   const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3;
   float cc[4];
 #pragma unroll
@@ -2038,19 +2038,23 @@ __device__ __forceinline__ void StageStoreTile(const float (&c)[2][4], bool ok, 
   const bool ok1 = __shfl_sync(0xffffffffu, ok, 4 * (2 * t + 1)) != 0;
   const int32_t i0 = first + 2 * t;
   if (lane < 16 && r < group) {
-    if (i0 < count) sc[r][i0] = ok0 ? cc[0] + (mid0 + cc[2]) : NegInfF();
-    if (i0 + 1 < count) sc[r][i0 + 1] = ok1 ? cc[1] + (mid1 + cc[3]) : NegInfF();
+    const float s0 = ok0 ? cc[0] + (mid0 + cc[2]) : NegInfF();
+    const float s1 = ok1 ? cc[1] + (mid1 + cc[3]) : NegInfF();
+    if (i0 < count) sc[r][i0] = s0, vmax = fmaxf(vmax, s0);  // NaN never wins
+    if (i0 + 1 < count) sc[r][i0 + 1] = s1, vmax = fmaxf(vmax, s1);
   }
 }
 
 // Scores of candidates [first, first + count) of the stage into sc[h][i - first]: row_of(i) is
 // the bf16 row of candidate i (nullptr: invalid, score -inf). K = 32 * kGroups; the A operand
 // comes from `table` (StageATables) one column group at a time, so the registers hold the row
-// loads of kTiles tiles (32 16-byte loads in flight per lane) instead.
+// loads of kTiles tiles (32 16-byte loads in flight per lane) instead. Returns the max of the
+// scores the lane wrote (head lane / 4 for lanes < 16; -inf for the others), as fmaxf takes it.
 template <int kGroups, typename RowOf>
-__device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int stride, int group,
-                                              int32_t count, RowOf row_of,
-                                              float (*sc)[kStagesMaxPerBlock]) {
+__device__ __forceinline__ float StageScoreMma(const __nv_bfloat16* table, int stride, int group,
+                                               int32_t count, RowOf row_of,
+                                               float (*sc)[kStagesMaxPerBlock]) {
+  float vmax = NegInfF();
   constexpr int kTiles = 32 / kGroups;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, t = lane & 3;
   const int32_t tiles = (count + kStagesTileN - 1) / kStagesTileN;
@@ -2086,9 +2090,10 @@ __device__ __forceinline__ void StageScoreMma(const __nv_bfloat16* table, int st
     }
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) {
-      StageStoreTile(c[u], ok[u], (t0 + u) * kStagesTileN, count, group, sc);
+      StageStoreTile(c[u], ok[u], (t0 + u) * kStagesTileN, count, group, sc, vmax);
     }
   }
+  return vmax;
 }
 
 // ---- The attention after the stages (SelectStagesKernel<kStagesAttend*>, DeviceSelectAttend) --
@@ -2325,6 +2330,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   __shared__ __align__(16) float part_s[2 * G];  // the block's max per head, then its sum
   __shared__ __align__(16) uint32_t hist[kVoteRankPasses][128];  // per pass, bins 2i | 2i + 1 << 16
   __shared__ uint32_t wsum_s[W];
+  __shared__ float wmax_s[W][G];  // each warp's max of the scores it wrote, per head
   // Receive slots, one per block of the cluster: partials, and block totals; the pass
   // histograms (double buffered: a block pushes pass p + 2 only after every block pushed pass
   // p + 1, which each does after reading pass p) are in dynamic shared memory.
@@ -2428,11 +2434,12 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     if (si > 0) wait_bar(6);
     const int phase0 = 1 + si * kSelectStagesPhasesPerStage;
     stamp(phase0);
+    float vmax;  // the lane's max of the scores it wrote (StageScoreMma)
     if (stage.kind == SelectStageKind::kKeysBF16) {
       const __nv_bfloat16* k_pool = static_cast<const __nv_bfloat16*>(stage.rows);
       const int page_shift = stage.page_shift, fanout_shift = stage.fanout_shift;
       const int32_t page_mask = (1 << page_shift) - 1, fanout_mask = (1 << fanout_shift) - 1;
-      StageScoreMma<4>(key_a, kStagesKeyStride, group, block_count,
+      vmax = StageScoreMma<4>(key_a, kStagesKeyStride, group, block_count,
                        [&](int32_t i) -> const __nv_bfloat16* {
         const int32_t idx = block_first + i;
         int64_t id;
@@ -2453,7 +2460,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       }, sc);
     } else {
       const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(stage.rows);
-      StageScoreMma<8>(sum_a, kStagesSumStride, group, block_count,
+      vmax = StageScoreMma<8>(sum_a, kStagesSumStride, group, block_count,
                        [&](int32_t i) -> const __nv_bfloat16* {
         const int32_t id = StageCandidateId(c, parents, block_first + i);
         return id >= 0 && id < stage.num_items
@@ -2461,16 +2468,21 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                    : nullptr;
       }, sc);
     }
-    __syncthreads();  // sc complete
+    // The warp's max per head: lanes 4h .. 4h + 3 (< 16) hold head h's.
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
+    if (lane < 16 && (lane & 3) == 0) wmax_s[warp][lane >> 2] = vmax;
+    __syncthreads();  // sc and wmax_s complete
     stamp(phase0 + 1);
 
-    // (2) The block's softmax statistics: warp h < 4 takes head h over the block's scores
-    // (lanes stride 32), max then sum of exp(x - max), into part_s; one cluster barrier; then
-    // every warp merges the cs block partials in block order (every block gets the same bits).
+    // (2) The block's softmax statistics: warp h < 4 takes head h: the max of the warps' maxima
+    // of the scoring, then the sum of exp(x - max) over the block's scores (lanes stride 32),
+    // into part_s; one cluster barrier; then every warp merges the cs block partials in block
+    // order (every block gets the same bits).
     if (warp < G) {
       const int h = warp;
       const bool on = h < group;
-      // Four loads in flight per lane and four independent max and sum chains: the loads are
+      // Four loads in flight per lane and four independent sum chains: the loads are
       // unconditional (an index past the block's count reads a stale score of the row, which
       // the select drops), so they share one basic block and issue back to back.
       const int32_t count = on ? block_count : 0;
@@ -2479,16 +2491,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
 #pragma unroll
         for (int u = 0; u < 4; ++u) v[u] = row[min(i0 + 32 * u, kStagesMaxPerBlock - 1)];
       };
-      float bm4[4] = {NegInfF(), NegInfF(), NegInfF(), NegInfF()};
-      for (int32_t i0 = lane; i0 < count; i0 += 128) {
-        float v[4];
-        load4(i0, v);
+      float bm = NegInfF();
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          bm4[u] = i0 + 32 * u < count ? fmaxf(bm4[u], v[u]) : bm4[u];  // NaN never wins
-        }
-      }
-      const float bm = WarpMax(fmaxf(fmaxf(bm4[0], bm4[1]), fmaxf(bm4[2], bm4[3])));
+      for (int w = 0; w < W; ++w) bm = fmaxf(bm, wmax_s[w][h]);  // -inf for h >= group
       float bl4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (int32_t i0 = lane; i0 < count; i0 += 128) {
         float v[4];
