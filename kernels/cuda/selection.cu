@@ -1906,9 +1906,10 @@ __global__ void __launch_bounds__(kSumThreads)
 //   (1) scores them into shared memory on tensor cores (StageScoreMma below: bf16 rows, the
 //       query split into three bf16 parts, f32 accumulation), within f32 rounding of the
 //       scores of ScoreSummaries / ScoreKeys;
-//   (2) warp h < 4 takes head h's max and sum of exp(x - max) over the block's scores; the
-//       block's partials go to every block (st.async onto its mbarrier); every warp merges the
-//       cs partials in block order (every block gets the same bits); thread t takes the block's
+//   (2) warp h < 4 takes head h's max (from each lane's max of the scores it wrote in (1),
+//       reduced per warp) and sum of exp(x - max) over the block's scores; the block's
+//       partials go to every block (st.async onto its mbarrier); every warp merges the cs
+//       partials in block order (every block gets the same bits); thread t takes the block's
 //       candidates [4t, 4t + 4) and computes votes and 32-bit keys as RegisterVoteTopKKernel;
 //   (3) radix select, 8 bits per pass from the top: the block's histogram of the pass as 128
 //       words of two 16-bit counts (a block holds <= 1024 keys, the cluster <= 16384), pushed by
