@@ -3255,19 +3255,6 @@ int ClusterBlocksOf(const StagesDeviceInfo* in, int num_kv_heads) {
   return in->fit16 >= num_kv_heads ? 16 : 8;
 }
 
-// Whether the attention takes the middle's scores from the last stage
-// (SelectStagesKernel<kStagesAttendScored>): a key stage over the attention's own K pool and page
-// table, the middle its token ids; not when STRATA_SELECT_ATTEND_SCORES=0 (read at every launch:
-// A/B timing and tests).
-bool AttendScored(const DeviceSelectStages& stages, const DeviceSelectAttend& a) {
-  const DeviceSelectStage& last = stages.stage[stages.num_stages - 1];
-  const char* e = std::getenv("STRATA_SELECT_ATTEND_SCORES");
-  return (e == nullptr || std::string_view(e) != "0") &&
-         last.kind == SelectStageKind::kKeysBF16 && a.fanout_shift == 0 &&
-         last.rows == a.k_pool && last.table == a.table && last.table_pages == a.table_pages &&
-         (int64_t{1} << last.page_shift) == a.page_size && last.num_items == a.num_slots;
-}
-
 // Whether the attention's shares fit cs-block clusters (SelectStagesCanAttend).
 bool AttendFits(const StagesDeviceInfo* in, int cs, int num_kv_heads, int64_t fixed,
                 int64_t middle) {
@@ -3279,6 +3266,16 @@ bool AttendFits(const StagesDeviceInfo* in, int cs, int num_kv_heads, int64_t fi
 
 int SelectStagesClusterBlocks(int num_kv_heads) {
   return ClusterBlocksOf(StagesInfo(), num_kv_heads);
+}
+
+bool SelectStagesAttendScored(const DeviceSelectStages& stages, const DeviceSelectAttend& a) {
+  if (stages.num_stages < 1 || stages.num_stages > kSelectStagesMax) return false;
+  const DeviceSelectStage& last = stages.stage[stages.num_stages - 1];
+  const char* e = std::getenv("STRATA_SELECT_ATTEND_SCORES");
+  return (e == nullptr || std::string_view(e) != "0") &&
+         last.kind == SelectStageKind::kKeysBF16 && a.fanout_shift == 0 &&
+         last.rows == a.k_pool && last.table == a.table && last.table_pages == a.table_pages &&
+         (int64_t{1} << last.page_shift) == a.page_size && last.num_items == a.num_slots;
 }
 
 cudaError_t SetSelectStagesPhaseStamps(long long* stamps, int max_blocks) {
@@ -3336,7 +3333,7 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
                                    stream, cs, /*dependent=*/false);
   if (attend != nullptr) {
     return cudaLaunchKernelEx(&launch.cfg,
-                              AttendScored(stages, *attend)
+                              SelectStagesAttendScored(stages, *attend)
                                   ? SelectStagesKernel<kStagesAttendScored>
                                   : SelectStagesKernel<kStagesAttendRows>,
                               q, scale, group, stages, *attend, skip, RegHistMode());

@@ -25,6 +25,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/internal/launch.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/vote_rank.h"
 
@@ -1898,6 +1899,65 @@ TEST_F(SelectStagesTest, RefusesABrokenChain) {
   for (Backend* b : {cpu_, gpu_}) {
     EXPECT_THAT(b->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
   }
+}
+
+// Which form of SelectStagesKernel attends (host logic: runs without a GPU too): the middle's
+// scores from the key stage only where the last stage is a key stage over the attention's own
+// pool and table and the middle its token ids; the K-row form for anything else and with
+// STRATA_SELECT_ATTEND_SCORES=0. (AttendMatchesCpu checks that both forms give the same bits.)
+TEST(SelectStagesAttendFormTest, ScoresFromTheKeyStageOnlyWhereTheyAreTheAttentionsOwn) {
+  using cuda_internal::DeviceSelectAttend;
+  using cuda_internal::DeviceSelectStages;
+  using cuda_internal::SelectStageKind;
+  using cuda_internal::SelectStagesAttendScored;
+  // Never dereferenced: only compared.
+  int32_t tables[2] = {0, 0};
+  uint16_t pools[2] = {0, 0};
+  DeviceSelectStages st;
+  st.num_stages = 2;
+  st.stage[0].kind = SelectStageKind::kSummariesBF16;
+  st.stage[1].kind = SelectStageKind::kKeysBF16;
+  st.stage[1].rows = &pools[0];
+  st.stage[1].num_items = 100;
+  st.stage[1].table = &tables[0];
+  st.stage[1].table_pages = 50;
+  st.stage[1].page_shift = 6;
+  DeviceSelectAttend a;
+  a.k_pool = &pools[0];
+  a.table = &tables[0];
+  a.table_pages = 50;
+  a.page_size = 64;
+  a.num_slots = 100;
+  a.fanout_shift = 0;
+  unsetenv("STRATA_SELECT_ATTEND_SCORES");
+  EXPECT_TRUE(SelectStagesAttendScored(st, a));  // tokenselect's chain
+  setenv("STRATA_SELECT_ATTEND_SCORES", "0", 1);
+  EXPECT_FALSE(SelectStagesAttendScored(st, a));
+  setenv("STRATA_SELECT_ATTEND_SCORES", "1", 1);
+  EXPECT_TRUE(SelectStagesAttendScored(st, a));
+  unsetenv("STRATA_SELECT_ATTEND_SCORES");
+  // Each difference from the key stage's keys takes the K-row form.
+  auto expect_rows = [&](const char* what, auto change) {
+    DeviceSelectStages s2 = st;
+    DeviceSelectAttend a2 = a;
+    change(s2, a2);
+    EXPECT_FALSE(SelectStagesAttendScored(s2, a2)) << what;
+  };
+  expect_rows("middle of page ids (quest)", [](auto&, auto& x) { x.fanout_shift = 6; });
+  expect_rows("another pool", [&](auto&, auto& x) { x.k_pool = &pools[1]; });
+  expect_rows("another table", [&](auto&, auto& x) { x.table = &tables[1]; });
+  expect_rows("another table width", [](auto&, auto& x) { x.table_pages = 49; });
+  expect_rows("another page size", [](auto&, auto& x) { x.page_size = 32; });
+  expect_rows("another slot count", [](auto&, auto& x) { x.num_slots = 99; });
+  expect_rows("last stage of summaries", [](auto& s, auto&) {
+    s.stage[1].kind = SelectStageKind::kSummariesBF16;
+  });
+  expect_rows("no stage", [](auto& s, auto&) { s.num_stages = 0; });
+  // A one-stage chain of keys over the attention's pool takes the scores too.
+  DeviceSelectStages one;
+  one.num_stages = 1;
+  one.stage[0] = st.stage[1];
+  EXPECT_TRUE(SelectStagesAttendScored(one, a));
 }
 
 }  // namespace

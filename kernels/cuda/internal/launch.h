@@ -277,6 +277,11 @@ struct DeviceSelectAttend {
   // arrive (STRATA_SELECT_ATTEND_FIXED=late; A/B timing); a skipped head's always the latter.
   int fixed_early = 1;
 };
+// Whether LaunchSelectStages attends with the middle's scores taken from the last stage
+// (SelectStagesKernel<kStagesAttendScored>): a key stage over a's own k_pool and page table
+// (same table_pages, page size and slots), the middle its token ids (fanout_shift 0), and
+// STRATA_SELECT_ATTEND_SCORES not "0". Host logic only (no device call).
+bool SelectStagesAttendScored(const DeviceSelectStages& stages, const DeviceSelectAttend& a);
 // Blocks per cluster LaunchSelectStages uses for num_kv_heads clusters on the current device:
 // 16 where that many 16-block clusters fit at once, else 8 (STRATA_SELECT_STAGES_CLUSTER=8 asks
 // for 8), 0 where the kernel cannot run (its shared memory refused); and the candidates per KV
