@@ -2657,17 +2657,12 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       n_next = at.middle.count;
       fan_next = 1 << at.fanout_shift;
     }
-    const int32_t per_next = max(1, (n_next + cs - 1) / cs);
+    const int32_t per_next = StageBlockShare(n_next, cs);
     if (!last && tid == 0) {
-      uint32_t own_parents = 0;
-      if (!scored) {
-        const int32_t e0 = min(n_next, rank * per_next), e1 = min(n_next, e0 + per_next);
-        if (e1 > e0) {
-          own_parents = static_cast<uint32_t>(
-              max(0, min(static_cast<int32_t>(taken_total), (e1 - 1) / fan_next + 1) -
-                         e0 / fan_next));
-        }
-      }
+      const uint32_t own_parents =
+          scored ? 0u
+                 : static_cast<uint32_t>(OwnParentCount(n_next, fan_next, per_next, rank,
+                                                        static_cast<int32_t>(taken_total)));
       MbarExpect(SharedAddr(&mbar[6]), scored ? middle_taken * (16 + 8)
                                               : own_parents * sizeof(int32_t));
     }
@@ -2698,9 +2693,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                          } else if (!last) {
                            const uint32_t dst = SharedAddr(&parents_s[pos]);
                            const uint32_t bar = SharedAddr(&mbar[6]);
-                           const int32_t e0 = static_cast<int32_t>(pos) * fan_next;
-                           const int b0 = e0 / per_next;
-                           const int b1 = min(cs - 1, (min(n_next, e0 + fan_next) - 1) / per_next);
+                           int b0, b1;
+                           ParentReaderBlocks(n_next, fan_next, per_next, cs,
+                                              static_cast<int32_t>(pos), &b0, &b1);
                            for (int r = b0; r <= b1; ++r) {
                              StAsync4(MapToRank(dst, r), static_cast<uint32_t>(id),
                                       MapToRank(bar, r));

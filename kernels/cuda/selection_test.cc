@@ -1960,5 +1960,46 @@ TEST(SelectStagesAttendFormTest, ScoresFromTheKeyStageOnlyWhereTheyAreTheAttenti
   EXPECT_TRUE(SelectStagesAttendScored(one, a));
 }
 
+// Where SelectStagesKernel sends a stage's taken ids (host logic: runs without a GPU too): every
+// id goes exactly to the blocks that read it as a parent (some element of theirs is its child),
+// and each block waits for exactly as many ids as are pushed to it (a wrong count would hang the
+// kernel on its mbarrier), over cluster sizes, fanouts and selection sizes.
+TEST(SelectStagesParentPushTest, EveryReaderGetsItsParentsAndWaitsForExactlyThose) {
+  using cuda_internal::OwnParentCount;
+  using cuda_internal::ParentReaderBlocks;
+  using cuda_internal::StageBlockShare;
+  int checked = 0;
+  for (int cs : {1, 2, 8, 16}) {
+    for (int32_t fan : {1, 3, 16, 64}) {
+      for (int32_t k : {0, 1, 2, 5, 7, 8, 9, 15, 16, 17, 31, 63, 100, 128, 257, 2048}) {
+        const int32_t n = k * fan;
+        if (n > cs * 1024 && fan > 1) continue;  // beyond the kernel's candidates per stage
+        const int32_t per = StageBlockShare(n, cs);
+        for (int32_t taken : {0, k / 2, k > 0 ? k - 1 : 0, k}) {
+          std::vector<int32_t> pushed(cs, 0);
+          for (int32_t pos = 0; pos < taken; ++pos) {
+            int b0 = -1, b1 = -1;
+            ParentReaderBlocks(n, fan, per, cs, pos, &b0, &b1);
+            for (int b = 0; b < cs; ++b) {
+              const int64_t lo = int64_t{b} * per, hi = std::min<int64_t>(n, lo + per);
+              const bool reads = lo < hi && lo < int64_t{pos + 1} * fan && int64_t{pos} * fan < hi;
+              ASSERT_EQ(reads, b >= b0 && b <= b1) << "cs " << cs << " fan " << fan << " k " << k
+                                                   << " pos " << pos << " block " << b;
+              if (b >= b0 && b <= b1) ++pushed[b];
+            }
+          }
+          for (int r = 0; r < cs; ++r) {
+            ASSERT_EQ(OwnParentCount(n, fan, per, r, taken), pushed[r])
+                << "cs " << cs << " fan " << fan << " k " << k << " taken " << taken
+                << " block " << r;
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 200);
+}
+
 }  // namespace
 }  // namespace strata::kernels

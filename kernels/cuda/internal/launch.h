@@ -245,6 +245,41 @@ struct DeviceSelectStages {
   DeviceSelectStage stage[kSelectStagesMax];
   int num_stages = 0;
 };
+// Where SelectStagesKernel sends a stage's taken ids: what follows (the next stage's candidates,
+// or the attention's middle) has n elements, block b of the cs-block cluster takes elements
+// [b * per, (b + 1) * per) (per = StageBlockShare(n, cs)), and element e is the child of taken id
+// e / fan (n = k * fan). The id at position pos goes to blocks [*b0, *b1] (those whose elements
+// include one of its children; pos * fan < n), and block `rank` waits for OwnParentCount of the
+// `taken` (<= k) ids. Host and device (selection_test checks them against each other).
+__host__ __device__ inline int32_t StageMin(int32_t a, int32_t b) {
+#if defined(__CUDA_ARCH__)
+  return min(a, b);
+#else
+  return a < b ? a : b;
+#endif
+}
+__host__ __device__ inline int32_t StageMax(int32_t a, int32_t b) {
+#if defined(__CUDA_ARCH__)
+  return max(a, b);
+#else
+  return a < b ? b : a;
+#endif
+}
+__host__ __device__ inline int32_t StageBlockShare(int32_t n, int cs) {
+  return StageMax(1, (n + cs - 1) / cs);
+}
+__host__ __device__ inline void ParentReaderBlocks(int32_t n, int32_t fan, int32_t per, int cs,
+                                                   int32_t pos, int* b0, int* b1) {
+  const int32_t e0 = pos * fan;
+  *b0 = e0 / per;
+  *b1 = StageMin(cs - 1, (StageMin(n, e0 + fan) - 1) / per);
+}
+__host__ __device__ inline int32_t OwnParentCount(int32_t n, int32_t fan, int32_t per, int rank,
+                                                  int32_t taken) {
+  const int32_t e0 = StageMin(n, rank * per), e1 = StageMin(n, e0 + per);
+  if (e1 <= e0) return 0;
+  return StageMax(0, StageMin(taken, (e1 - 1) / fan + 1) - e0 / fan);
+}
 // SelectedAttention over the last stage's selection inside the same kernel
 // (SelectStagesParams::attend, kernels/backend.h): bf16 pools, head_dim 128, the group of the
 // stages, no prefix_len and no slot scales; middle.parents is the last stage's `selected`
