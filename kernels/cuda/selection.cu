@@ -2635,9 +2635,8 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     // them in this block's share).
     const bool last = !kAttend && si + 1 == st.num_stages;
     const int32_t mc = (stage.k + cs - 1) / cs;
-    // pos / mc as floor((pos + 0.5) / mc) in f32: exact, as pos < k <= kSelectStagesMaxParents
-    // (LaunchSelectStages, with an attention) makes pos + 0.5 exact and (pos + 0.5) / mc < cs <=
-    // 16 at least 1 / (2 mc) >= 2^-12 from an integer, while the f32 product errs by < 2^-19.
+    // pos / mc in f32 (StageDivByShare: exact, as pos < k <= kSelectStagesMaxParents with an
+    // attention (LaunchSelectStages) keeps pos / mc < cs <= 16).
     const float inv_mc = 1.0f / static_cast<float>(max(mc, 1));
     if (scored) {
       const int32_t m0 = min(stage.k, rank * mc);
@@ -2670,8 +2669,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
                        [&](uint32_t pos, int32_t id, int j) {
                          out[pos] = id;
                          if (scored) {
-                           const int b = static_cast<int>((static_cast<float>(pos) + 0.5f) *
-                                                          inv_mc);
+                           const int b = StageDivByShare(pos, inv_mc);
                            const int r = kSelectAttendMaxFixed + static_cast<int>(pos) - b * mc;
                            const int32_t slot = slot4[j];
                            const int64_t row =

@@ -2001,5 +2001,27 @@ TEST(SelectStagesParentPushTest, EveryReaderGetsItsParentsAndWaitsForExactlyThos
   EXPECT_GT(checked, 200);
 }
 
+// The scored attention's position -> attending block in f32 (StageDivByShare, host and device
+// alike: IEEE add, multiply and reciprocal) is integer division for every selection size up to
+// kSelectStagesMaxParents and cluster size up to 16, as the kernel uses it.
+TEST(SelectStagesParentPushTest, FloatDivisionByTheShareIsExact) {
+  using cuda_internal::StageDivByShare;
+  int64_t checked = 0;
+  for (int cs = 1; cs <= 16; ++cs) {
+    for (int32_t k = 1; k <= cuda_internal::kSelectStagesMaxParents; ++k) {
+      const int32_t mc = (k + cs - 1) / cs;
+      const float inv = 1.0f / static_cast<float>(mc);
+      for (uint32_t pos = 0; pos < static_cast<uint32_t>(k); ++pos) {
+        if (StageDivByShare(pos, inv) != static_cast<int>(pos / mc)) {
+          FAIL() << "cs " << cs << " k " << k << " pos " << pos << ": "
+                 << StageDivByShare(pos, inv) << " != " << pos / mc;
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, int64_t{16} * 2048 * 2049 / 2);
+}
+
 }  // namespace
 }  // namespace strata::kernels

@@ -280,6 +280,13 @@ __host__ __device__ inline int32_t OwnParentCount(int32_t n, int32_t fan, int32_
   if (e1 <= e0) return 0;
   return StageMax(0, StageMin(taken, (e1 - 1) / fan + 1) - e0 / fan);
 }
+// pos / share as SelectStagesKernel<kStagesAttendScored> computes it, in f32 with inv_share =
+// 1.0f / share: floor((pos + 0.5) * inv_share). Exact for pos < share * 16 <= 2^15 (pos + 0.5 is
+// exact and at least 1 / (2 share) from a multiple of share; the rounding errs by < 2^-19 below
+// 16). selection_test checks it against integer division over every share and pos of the kernel.
+__host__ __device__ inline int StageDivByShare(uint32_t pos, float inv_share) {
+  return static_cast<int>((static_cast<float>(pos) + 0.5f) * inv_share);
+}
 // SelectedAttention over the last stage's selection inside the same kernel
 // (SelectStagesParams::attend, kernels/backend.h): bf16 pools, head_dim 128, the group of the
 // stages, no prefix_len and no slot scales; middle.parents is the last stage's `selected`
