@@ -36,6 +36,20 @@ std::unique_ptr<kernels::Backend> MakeWorkerBackend(int threads) {
   return *std::move(backend);
 }
 
+std::unique_ptr<kernels::Backend> MakeShardBackend(const kernels::Backend& worker_backend,
+                                                   const std::string& placement) {
+  if (worker_backend.Name() == "cpu" || placement == "host") return nullptr;
+  kernels::BackendOptions options;
+  options.kind = kernels::BackendKind::kCuda;
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend = kernels::MakeBackend(options);
+  if (!backend.ok()) {
+    STRATA_LOG(WARNING) << "shard backend: " << backend.status() << "; mounted shards stay in host memory";
+    return nullptr;
+  }
+  STRATA_LOG(INFO) << "shard backend: " << (*backend)->Name() << " (mounted shards on the device)";
+  return *std::move(backend);
+}
+
 absl::Status WriteLineFile(const std::string& path, const std::string& line) {
   const std::string tmp = path + ".tmp";
   FILE* f = std::fopen(tmp.c_str(), "w");
@@ -148,6 +162,10 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->String("device-selection", &device_selection,
                 "auto|on|off: quest/tokenselect decode steps select on the backend (auto: when it is not the "
                 "CPU backend; on: also on the CPU backend)");
+  flags->String("shard-placement", &shard_placement,
+                "auto|host|device: where mounted document shards live and are attended for other workers' "
+                "jobs (auto: on the GPU, through a second backend instance, when the worker has one; host: "
+                "host memory on the CPU backend; device: on the GPU, failing without one)");
   flags->String("decode-graph", &decode_graph,
                 "auto|on|off: a job's decode steps run as one replayed CUDA graph when capturable, a batch of "
                 "concurrent jobs' steps as one graph (auto: when the backend is not the CPU backend)");
@@ -190,6 +208,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
                                        : -1;
   options->device_selection = device_selection;
   options->decode_graph = decode_graph;
+  options->shard_placement = shard_placement;
   options->device_sampling = device_sampling;
   options->matmul_precision = matmul_precision;
   options->weight_format = weight_format;

@@ -37,6 +37,7 @@ struct WorkerEngineFlags {
   int64_t lazy_shared_documents = 1;
   std::string device_selection = "auto";
   std::string decode_graph = "auto";
+  std::string shard_placement = "auto";
   bool device_sampling = true;
   std::string matmul_precision = "split";
   std::string weight_format = "checkpoint";
@@ -50,7 +51,8 @@ struct WorkerEngineFlags {
   // `durable_tier`, named in its help), --threads, --lazy-mount, --lazy-cache-pages,
   // --lazy-shared-documents and
   // --device-selection (auto|on|off: WorkerOptions::device_selection), --decode-graph (auto|on|off:
-  // WorkerOptions::decode_graph), --device-sampling (WorkerOptions::device_sampling) and
+  // WorkerOptions::decode_graph), --shard-placement (auto|host|device:
+  // WorkerOptions::shard_placement), --device-sampling (WorkerOptions::device_sampling) and
   // --matmul-precision
   // (split|bf16: WorkerOptions::matmul_precision), --weight-format (checkpoint|fp8:
   // WorkerOptions::weight_format), --prefill-policy (dense|quest|tokenselect:
@@ -66,6 +68,13 @@ struct WorkerEngineFlags {
 // The CUDA backend on device 0 when the plugin libstrata_cuda.so loads and a GPU is present, else
 // the CPU backend (`threads` CPU threads; 0 = all cores). Logs the choice.
 std::unique_ptr<kernels::Backend> MakeWorkerBackend(int threads);
+
+// For a worker on a GPU backend whose shard placement (WorkerOptions::shard_placement) is not
+// "host": a second instance of the CUDA backend, for mounted shards and selection answers
+// (worker::Worker::Create's shard_backend). Null on the CPU backend, for "host", or when the
+// instance cannot be made (logged; with "auto" the shards then stay in host memory).
+std::unique_ptr<kernels::Backend> MakeShardBackend(const kernels::Backend& worker_backend,
+                                                   const std::string& placement);
 
 // Writes `line` to `path` atomically (temp file + rename). Internal on failure.
 absl::Status WriteLineFile(const std::string& path, const std::string& line);

@@ -94,7 +94,10 @@ int Run(const WorkerFlags& f) {
   wo.worker_id = f.worker_id.empty() ? std::string(hostname) : f.worker_id;
   f.engine.ApplyTo(&wo);
   wo.capacity_tokens = static_cast<uint64_t>(f.capacity_tokens);
-  auto w = worker::Worker::Create(wo, m.get(), backend.get(), pages, store->get(), &worker_metrics);
+  // Mounted shards on the GPU through a second backend instance (before the worker: it outlives it).
+  std::unique_ptr<kernels::Backend> shard_backend = MakeShardBackend(*backend, wo.shard_placement);
+  auto w = worker::Worker::Create(wo, m.get(), backend.get(), pages, store->get(), &worker_metrics,
+                                  shard_backend.get());
   if (!w.ok()) return Fail(w.status());
   worker::WorkerServerOptions wso;
   wso.listen_address = f.listen;

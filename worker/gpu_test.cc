@@ -25,6 +25,13 @@
 // give the dense job tokens (the pages are compared and the count of equal pages printed); B = 2048
 // must make a READY document whose pages differ from the dense ones and a job that runs to DONE.
 // Prints the three prefill times. Env: STRATA_SPARSE_PREFILL_GPU_DOC_TOKENS (default 16384).
+//
+// WorkerShardedGpuTest (WorkerOptions::shard_placement): a document in three shards over three
+// in-process workers (real gRPC on 127.0.0.1), once on the CUDA backend with each worker's shards
+// on a second CUDA backend instance, once on the CPU backend with the shards on the CPU and
+// device selection (the CPU twins of the same ops). Dense and tokenselect jobs led by the middle
+// worker must give the same tokens on both; prints the decode rates. Env:
+// STRATA_SHARDED_GPU_DOC_TOKENS (default 16384), STRATA_SHARDED_GPU_MAX_TOKENS (default 16).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +55,7 @@
 #include "kvstore/metrics.h"
 #include "model/random_model.h"
 #include "prometheus/registry.h"
+#include "worker/service.h"
 #include "worker/worker.h"
 
 namespace strata::worker {
@@ -588,6 +596,104 @@ TEST(WorkerConcurrentJobsGpuTest, EveryJobFinishesWhileOthersCapture) {
       EXPECT_GT((*w)->decode_graph_steps(), 0);
     }
   }
+}
+
+// Three workers serving one document in three shards (pages split evenly), each with a
+// WorkerServer on 127.0.0.1; shard_backends: one per worker (null: none).
+struct ShardedCluster {
+  std::vector<std::unique_ptr<Worker>> workers;
+  std::vector<std::unique_ptr<WorkerServer>> servers;
+  ~ShardedCluster() {
+    for (auto& s : servers) s->Shutdown(absl::ZeroDuration());
+  }
+};
+
+absl::Status StartCluster(const JobEnv& env, const std::string& name, kernels::Backend* backend,
+                          const std::vector<kernels::Backend*>& shard_backends, ShardedCluster* c) {
+  for (int i = 0; i < 3; ++i) {
+    WorkerOptions wo;
+    wo.worker_id = name + std::to_string(i);
+    wo.shard_placement = "device";
+    wo.peer_timeout_ms = 120000;
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Worker> w,
+                            Worker::Create(wo, env.model.get(), backend, env.store.get(), env.store.get(), nullptr,
+                                           shard_backends.empty() ? nullptr : shard_backends[i]));
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WorkerServer> s,
+                            WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0"}, w.get()));
+    w->SetAddress("127.0.0.1:" + std::to_string(s->port()));
+    c->workers.push_back(std::move(w));
+    c->servers.push_back(std::move(s));
+  }
+  return absl::OkStatus();
+}
+
+TEST(WorkerShardedGpuTest, DevicePlacedShardsMatchCpuWorkers) {
+  std::string why;
+  std::unique_ptr<kernels::Backend> cuda = CudaBackendOrNull(&why);
+  if (cuda == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
+  const int64_t doc_tokens = EnvInt("STRATA_SHARDED_GPU_DOC_TOKENS", 16384);
+  const int64_t max_tokens = EnvInt("STRATA_SHARDED_GPU_MAX_TOKENS", 16);
+  JobEnv env;
+  STRATA_ASSERT_OK(MakeJobEnv("strata_sharded_gpu_test", &env));
+  std::vector<std::unique_ptr<kernels::Backend>> shard_cuda;
+  std::vector<kernels::Backend*> shard_ptrs;
+  for (int i = 0; i < 3; ++i) {
+    shard_cuda.push_back(CudaBackendOrNull(&why));
+    ASSERT_NE(shard_cuda.back(), nullptr) << why;
+    shard_ptrs.push_back(shard_cuda.back().get());
+  }
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
+  ShardedCluster gpu, host;
+  STRATA_ASSERT_OK(StartCluster(env, "gpu", cuda.get(), shard_ptrs, &gpu));
+  STRATA_ASSERT_OK(StartCluster(env, "cpu", cpu.get(), {}, &host));
+  // The document persisted once (one shard on the first CUDA worker); jobs split it in three.
+  STRATA_ASSERT_OK(PrefillDocument(gpu.workers[0].get(), kSelectionDocId, doc_tokens, cuda->Name()));
+  const int64_t pages = (doc_tokens + 63) / 64;
+  auto job = [&](const ShardedCluster& c, const std::string& id, const std::string& policy) {
+    v1::RunJobRequest r = JobRequest(id, kSelectionDocId, doc_tokens, max_tokens, policy);
+    r.mutable_shard_map()->clear_shards();
+    for (int i = 0; i < 3; ++i) {
+      v1::ShardAssignment* a = r.mutable_shard_map()->add_shards();
+      a->mutable_range()->set_document_id(kSelectionDocId);
+      a->mutable_range()->set_first_page(static_cast<uint64_t>(pages * i / 3));
+      a->mutable_range()->set_end_page(static_cast<uint64_t>(pages * (i + 1) / 3));
+      a->set_worker_id(c.workers[i]->Info().worker_id());
+      a->set_worker_address(c.workers[i]->Info().address());
+    }
+    return r;
+  };
+  std::printf("%-12s %-28s %9s %12s %9s  %s\n", "policy", "run", "TTFT s", "decode tok/s", "attended", "tokens");
+  auto row = [&](const std::string& policy, const std::string& run, const Timed& t) {
+    std::string toks;
+    for (int32_t x : Tokens(t.info)) toks += std::to_string(x) + " ";
+    std::printf("%-12s %-28s %9.3f %12.1f %9.1f  %s\n", policy.c_str(), run.c_str(), t.ttft_s, t.decode_tps,
+                t.info.usage().mean_attended_tokens(), toks.c_str());
+  };
+  for (const std::string policy : {"dense", "tokenselect"}) {
+    SCOPED_TRACE(policy);
+    // Twice on the GPU: the first run mounts the peers' shards (loads them from the store).
+    const Timed g0 = RunTimed(gpu.workers[1].get(), job(gpu, "gpu-mount-" + policy, policy));
+    const Timed g = RunTimed(gpu.workers[1].get(), job(gpu, "gpu-" + policy, policy));
+    const Timed c = RunTimed(host.workers[1].get(), job(host, "cpu-" + policy, policy));
+    ASSERT_EQ(g0.info.state(), v1::JobInfo::DONE) << g0.info.error_message();
+    ASSERT_EQ(g.info.state(), v1::JobInfo::DONE) << g.info.error_message();
+    ASSERT_EQ(c.info.state(), v1::JobInfo::DONE) << c.info.error_message();
+    row(policy, "cuda, shards on the GPU (1st)", g0);
+    row(policy, "cuda, shards on the GPU", g);
+    row(policy, "cpu, shards on the CPU", c);
+    EXPECT_EQ(Tokens(g.info), Tokens(g0.info));
+    EXPECT_EQ(Tokens(g.info), Tokens(c.info));
+    EXPECT_EQ(g.info.usage().mean_attended_tokens(), c.info.usage().mean_attended_tokens());
+    if (policy != "dense") {
+      EXPECT_LT(g.info.usage().mean_attended_tokens(), static_cast<double>(doc_tokens) / 2);
+    }
+    std::printf("%-12s cuda and cpu agree on the first %zu of %d tokens\n", policy.c_str(),
+                CommonPrefix(g.info, c.info), g.info.output_token_ids_size());
+    EXPECT_EQ(gpu.workers[1]->failovers(), 0);
+  }
+  // The peers' shards are mounted (on their shard backends) and counted.
+  EXPECT_GT(gpu.workers[0]->Load().mounted_tokens(), 0u);
+  EXPECT_GT(gpu.workers[2]->Load().mounted_tokens(), 0u);
 }
 
 }  // namespace

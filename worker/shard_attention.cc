@@ -61,21 +61,28 @@ std::string ShardKey(const v1::ShardRange& r) {
   return absl::StrCat(r.document_id(), ":", r.first_page(), ":", r.end_page());
 }
 
-absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& cache, int layer,
-                             const engine::Selection& selection, const float* q, int n, int hq, int64_t q_begin,
-                             AttendScratch* scratch, engine::AttentionPartial* out) {
-  const int d = cache.options().head_dim;
-  const int hkv = cache.options().num_kv_heads;
+namespace {
+
+// Backend addresses of a call's queries (copied in), output and lse: the host arrays themselves
+// on the CPU backend, else scratch grown to n tokens.
+struct CallViews {
+  void* q = nullptr;
+  void* out = nullptr;
+  void* lse = nullptr;
+  bool host = true;
+};
+
+absl::StatusOr<CallViews> StageCall(kernels::Backend* backend, const float* q, int n, int hq, int d,
+                                    AttendScratch* scratch, engine::AttentionPartial* out) {
   const size_t q_elems = static_cast<size_t>(n) * hq * d, l_elems = static_cast<size_t>(n) * hq;
   out->o.resize(q_elems);
   out->lse.resize(l_elems);
-  scratch->positions.resize(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) scratch->positions[i] = static_cast<int32_t>(q_begin + i);
-  const bool host = backend->Name() == "cpu";
-  void* qd = const_cast<float*>(q);
-  void* od = out->o.data();
-  void* ld = out->lse.data();
-  if (!host) {
+  CallViews v;
+  v.host = backend->Name() == "cpu";
+  v.q = const_cast<float*>(q);
+  v.out = out->o.data();
+  v.lse = out->lse.data();
+  if (!v.host) {
     if (scratch->capacity_tokens < static_cast<size_t>(n)) {
       STRATA_ASSIGN_OR_RETURN(scratch->q, backend->Allocate(q_elems * 4));
       STRATA_ASSIGN_OR_RETURN(scratch->out, backend->Allocate(q_elems * 4));
@@ -83,10 +90,59 @@ absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& c
       scratch->capacity_tokens = static_cast<size_t>(n);
     }
     STRATA_RETURN_IF_ERROR(backend->CopyToDevice(scratch->q->data(), q, q_elems * 4, nullptr));
-    qd = scratch->q->data();
-    od = scratch->out->data();
-    ld = scratch->lse->data();
+    v.q = scratch->q->data();
+    v.out = scratch->out->data();
+    v.lse = scratch->lse->data();
   }
+  return v;
+}
+
+// The call's output and lse back to the host (when they are not there already), then waits.
+absl::Status FinishCall(kernels::Backend* backend, const CallViews& v, engine::AttentionPartial* out) {
+  if (!v.host) {
+    STRATA_RETURN_IF_ERROR(backend->CopyToHost(out->o.data(), v.out, out->o.size() * 4, nullptr));
+    STRATA_RETURN_IF_ERROR(backend->CopyToHost(out->lse.data(), v.lse, out->lse.size() * 4, nullptr));
+  }
+  return backend->Synchronize(nullptr);
+}
+
+// Holds `mu` for the scope when it is set.
+class MaybeLock {
+ public:
+  explicit MaybeLock(absl::Mutex* mu) : mu_(mu) {
+    if (mu_ != nullptr) mu_->Lock();
+  }
+  ~MaybeLock() {
+    if (mu_ != nullptr) mu_->Unlock();
+  }
+  MaybeLock(const MaybeLock&) = delete;
+  MaybeLock& operator=(const MaybeLock&) = delete;
+
+ private:
+  absl::Mutex* const mu_;
+};
+
+}  // namespace
+
+bool DeviceShardPolicy(const v1::SelectionPolicy& policy, int page_size) {
+  if (IsDensePolicy(policy)) return true;
+  absl::StatusOr<engine::sparse::PolicyOptions> o = JobPolicyOptions(policy, page_size);
+  return o.ok() &&
+         (o->kind == engine::sparse::PolicyKind::kQuest || o->kind == engine::sparse::PolicyKind::kTokenSelect) &&
+         o->EffectiveSummary() == engine::sparse::SummaryKind::kMinMax;
+}
+
+absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& cache, int layer,
+                             const engine::Selection& selection, const float* q, int n, int hq, int64_t q_begin,
+                             AttendScratch* scratch, engine::AttentionPartial* out) {
+  const int d = cache.options().head_dim;
+  const int hkv = cache.options().num_kv_heads;
+  scratch->positions.resize(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) scratch->positions[i] = static_cast<int32_t>(q_begin + i);
+  STRATA_ASSIGN_OR_RETURN(const CallViews v, StageCall(backend, q, n, hq, d, scratch, out));
+  void* const qd = v.q;
+  void* const od = v.out;
+  void* const ld = v.lse;
   kernels::PagedAttentionParams ap;
   ap.q = kernels::TensorView(qd, kernels::DType::kF32, {n, hq, d});
   ap.k_pool = cache.k_pool(layer);
@@ -100,11 +156,7 @@ absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& c
   ap.out = kernels::TensorView(od, kernels::DType::kF32, {n, hq, d});
   ap.lse = kernels::TensorView(ld, kernels::DType::kF32, {n, hq});
   STRATA_RETURN_IF_ERROR(backend->PagedAttention(ap, nullptr));
-  if (!host) {
-    STRATA_RETURN_IF_ERROR(backend->CopyToHost(out->o.data(), od, q_elems * 4, nullptr));
-    STRATA_RETURN_IF_ERROR(backend->CopyToHost(out->lse.data(), ld, l_elems * 4, nullptr));
-  }
-  return backend->Synchronize(nullptr);
+  return FinishCall(backend, v, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -114,10 +166,11 @@ absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& c
 absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_ptr<const MountedShard> shard,
                                                                    const v1::SelectionPolicy& policy,
                                                                    uint32_t budget_tokens,
-                                                                   const model::ModelConfig& config,
-                                                                   kernels::Backend* backend) {
-  if (shard == nullptr || backend == nullptr) return absl::InvalidArgumentError("ShardSession: null shard or backend");
-  std::unique_ptr<ShardSession> s(new ShardSession(std::move(shard), config, backend));
+                                                                   const model::ModelConfig& config) {
+  if (shard == nullptr || shard->backend() == nullptr) {
+    return absl::InvalidArgumentError("ShardSession: null shard or backend");
+  }
+  std::unique_ptr<ShardSession> s(new ShardSession(std::move(shard), config));
   if (!IsDensePolicy(policy)) {
     v1::SelectionPolicy p = policy;
     // Sinks belong to the shard holding tokens [0, S); the window belongs to the leader.
@@ -125,12 +178,49 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     p.set_window_tokens(0);
     if (budget_tokens > 0) p.set_budget_tokens(budget_tokens);
     const engine::KvCache& cache = s->shard_->cache();
-    STRATA_ASSIGN_OR_RETURN(s->policy_, MakeJobPolicy(p, config, cache.options().page_size));
-    for (int l = 0; l < static_cast<int>(config.num_layers); ++l) {
-      STRATA_RETURN_IF_ERROR(s->policy_->OnAppend(l, cache, 0, cache.length(l)));
+    const int page_size = cache.options().page_size;
+    MaybeLock lock(s->shard_->backend_mu());
+    if (s->shard_->device_selection()) {
+      if (!DeviceShardPolicy(p, page_size)) {
+        return absl::InvalidArgumentError(absl::StrCat("policy '", p.name(),
+                                                       "' cannot select on a device-placed shard (dense, "
+                                                       "quest and tokenselect with minmax summaries can)"));
+      }
+      STRATA_ASSIGN_OR_RETURN(engine::sparse::PolicyOptions o, JobPolicyOptions(p, page_size));
+      o.cache_theta = 2.0f;  // AttendFollowing neither uses nor fills the selection cache
+      STRATA_ASSIGN_OR_RETURN(s->device_, engine::sparse::DevicePolicy::Create(
+                                              o, cache.options(), static_cast<int>(config.num_heads), s->backend_));
+      for (int l = 0; l < static_cast<int>(config.num_layers); ++l) {
+        STRATA_RETURN_IF_ERROR(s->device_->OnAppend(l, cache, 0, cache.length(l), nullptr));
+      }
+      STRATA_RETURN_IF_ERROR(s->backend_->Synchronize(nullptr));
+    } else {
+      STRATA_ASSIGN_OR_RETURN(s->policy_, MakeJobPolicy(p, config, page_size));
+      for (int l = 0; l < static_cast<int>(config.num_layers); ++l) {
+        STRATA_RETURN_IF_ERROR(s->policy_->OnAppend(l, cache, 0, cache.length(l)));
+      }
     }
   }
   return s;
+}
+
+absl::Status ShardSession::AttendOnDevice(int layer, const float* q, int n, int hq, engine::AttentionPartial* out,
+                                          engine::SelectionCounters* counters) {
+  const engine::KvCache& cache = shard_->cache();
+  const int d = cache.options().head_dim;
+  STRATA_ASSIGN_OR_RETURN(const CallViews v, StageCall(backend_, q, n, hq, d, &scratch_, out));
+  const engine::SelectionCounters before = device_->counters();
+  STRATA_RETURN_IF_ERROR(device_->AttendFollowing(
+      layer, kernels::TensorView(v.q, kernels::DType::kF32, {n, hq, d}), cache,
+      kernels::TensorView(v.out, kernels::DType::kF32, {n, hq, d}),
+      kernels::TensorView(v.lse, kernels::DType::kF32, {n, hq}), nullptr));
+  STRATA_RETURN_IF_ERROR(FinishCall(backend_, v, out));
+  if (counters != nullptr) {
+    const engine::SelectionCounters& after = device_->counters();
+    counters->candidate_tokens += after.candidate_tokens - before.candidate_tokens;
+    counters->selected_tokens += after.selected_tokens - before.selected_tokens;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
@@ -145,6 +235,8 @@ absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int6
                                                    config_.num_heads, ")"));
   }
   const int64_t len = cache.length(layer);
+  MaybeLock lock(shard_->backend_mu());
+  if (device_ != nullptr) return AttendOnDevice(layer, q, n, hq, out, counters);
   if (policy_ == nullptr) {
     selection_.Clear();
     selection_.offsets.push_back(0);
@@ -264,8 +356,8 @@ struct LeaderAttention::Part {
 
 absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const Options& options,
                                                                          const v1::ShardMap& map) {
-  if (options.config == nullptr || options.backend == nullptr || !options.mount) {
-    return absl::InvalidArgumentError("LeaderAttention: config, backend and mount are required");
+  if (options.config == nullptr || !options.mount) {
+    return absl::InvalidArgumentError("LeaderAttention: config and mount are required");
   }
   std::unique_ptr<LeaderAttention> la(new LeaderAttention(options));
   const int64_t P = map.page_size();
@@ -291,8 +383,8 @@ absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const O
       la->pages_.host += pages.host;
       la->pages_.local += pages.local;
       la->pages_.remote += pages.remote;
-      STRATA_ASSIGN_OR_RETURN(part->local, ShardSession::Create(std::move(m), options.policy, part->budget_tokens,
-                                                                *options.config, options.backend));
+      STRATA_ASSIGN_OR_RETURN(part->local,
+                              ShardSession::Create(std::move(m), options.policy, part->budget_tokens, *options.config));
       la->parts_.push_back(std::move(part));
       continue;
     }
@@ -339,8 +431,8 @@ absl::Status LeaderAttention::Failover(Part* part, const std::string& why) {
   pages_.host += pages.host;
   pages_.local += pages.local;
   pages_.remote += pages.remote;
-  STRATA_ASSIGN_OR_RETURN(part->local, ShardSession::Create(std::move(m), options_.policy, part->budget_tokens,
-                                                            *options_.config, options_.backend));
+  STRATA_ASSIGN_OR_RETURN(part->local,
+                          ShardSession::Create(std::move(m), options_.policy, part->budget_tokens, *options_.config));
   ++failovers_;
   return absl::OkStatus();
 }

@@ -2,7 +2,9 @@
 // sections 1 and 3; internal.proto ShardSelection):
 //
 // - MountedShard: the KV of one shard (every layer and KV head), loaded from the page store
-//   into a bf16 KvCache whose index i holds the token at absolute position first_token() + i.
+//   into a bf16 KvCache whose index i holds the token at absolute position first_token() + i,
+//   on the backend that attends it: a CPU backend (host memory) or, placed on the device, the
+//   worker's GPU backend instance for shards, whose calls are serialised by backend_mu().
 //   Immutable once built; shared (shared_ptr) by every session that attends to it.
 // - ShardSession: one selection stream's (or one leader part's) attention over a MountedShard
 //   with the job's policy and this shard's share of the token budget. Answers a layer's queries
@@ -14,7 +16,12 @@
 //             the mean query of the call. The shard's last token is always attended (the sparse
 //             policy's window of the one mean query it is given).
 //   Summaries are built per session from the mounted keys (the policy's OnAppend), as a
-//   single-worker job builds them at mount.
+//   single-worker job builds them at mount. On a shard placed on the device (device_selection())
+//   quest and tokenselect (minmax summaries) select and attend there through
+//   engine::sparse::DevicePolicy::AttendFollowing (summaries, scoring and top-k on the backend;
+//   the same selection as the host policy but for the device policy's documented differences,
+//   and without the selection cache); dense attends every token there; the worker gives any other
+//   policy a shard in host memory.
 // - LeaderAttention: the leader's engine::ExternalAttention over every shard of a ShardMap.
 //   Shards held by this worker are attended in process (ShardSession over a local mount); every
 //   other shard through one ShardSelection stream to its holder (SelectionOpen, then one
@@ -27,7 +34,9 @@
 //   reader thread per stream queues the answers so the leader can wait with a deadline).
 //
 // Tensors on the wire are little-endian f32 (internal.proto). Thread-compatible, except that
-// MountedShard is immutable and safe to share.
+// MountedShard is immutable and safe to share; sessions over one device-placed shard (or several
+// shards on one backend instance) may run on different threads: each call takes the shard's
+// backend_mu() around its backend work.
 #ifndef STRATA_WORKER_SHARD_ATTENTION_H_
 #define STRATA_WORKER_SHARD_ATTENTION_H_
 
@@ -40,7 +49,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/attention_policy.h"
+#include "absl/synchronization/mutex.h"
 #include "engine/kv_cache.h"
+#include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
@@ -81,10 +92,16 @@ absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& c
 
 class MountedShard {
  public:
-  // `cache` holds the shard's tokens, index i = position first_token + i, in every layer.
+  // `cache` holds the shard's tokens, index i = position first_token + i, in every layer; it
+  // lives on `backend`. `backend_mu`, when set, must be held around every call on `backend`
+  // (a GPU backend instance shared by the worker's shard sessions); null for a backend safe to
+  // call from several threads at once (CPU). device_selection: sparse sessions select on
+  // `backend` (DevicePolicy) instead of with a host policy.
   MountedShard(const v1::ShardRange& range, const kvstore::DocumentId& document, int64_t first_token,
-               std::unique_ptr<engine::KvCache> cache, const kvstore::TierCounts& loaded)
-      : range_(range), document_(document), first_token_(first_token), cache_(std::move(cache)), loaded_(loaded) {}
+               std::unique_ptr<engine::KvCache> cache, const kvstore::TierCounts& loaded,
+               kernels::Backend* backend, absl::Mutex* backend_mu = nullptr, bool device_selection = false)
+      : range_(range), document_(document), first_token_(first_token), cache_(std::move(cache)), loaded_(loaded),
+        backend_(backend), backend_mu_(backend_mu), device_selection_(device_selection) {}
 
   const v1::ShardRange& range() const { return range_; }
   const kvstore::DocumentId& document() const { return document_; }
@@ -93,6 +110,9 @@ class MountedShard {
   const engine::KvCache& cache() const { return *cache_; }
   // Pages read from each tier when this mount was loaded.
   const kvstore::TierCounts& loaded() const { return loaded_; }
+  kernels::Backend* backend() const { return backend_; }
+  absl::Mutex* backend_mu() const { return backend_mu_; }
+  bool device_selection() const { return device_selection_; }
 
  private:
   const v1::ShardRange range_;
@@ -100,17 +120,25 @@ class MountedShard {
   const int64_t first_token_;
   const std::unique_ptr<engine::KvCache> cache_;
   const kvstore::TierCounts loaded_;
+  kernels::Backend* const backend_;
+  absl::Mutex* const backend_mu_;
+  const bool device_selection_;
 };
+
+// Whether a session with `policy` can select on a device-placed shard (MountedShard::
+// device_selection): dense, or quest / tokenselect with minmax summaries (the policies
+// engine::sparse::DevicePolicy runs). False for an invalid policy.
+bool DeviceShardPolicy(const v1::SelectionPolicy& policy, int page_size);
 
 class ShardSession {
  public:
   // `budget_tokens` is this shard's share of the job's budget (0: the policy's budget_tokens, or
-  // the policy default). InvalidArgument for a bad policy.
+  // the policy default). Attends on the shard's backend. InvalidArgument for a bad policy, or for
+  // a policy a device-selection shard cannot run (DeviceShardPolicy).
   static absl::StatusOr<std::unique_ptr<ShardSession>> Create(std::shared_ptr<const MountedShard> shard,
                                                               const v1::SelectionPolicy& policy,
                                                               uint32_t budget_tokens,
-                                                              const model::ModelConfig& config,
-                                                              kernels::Backend* backend);
+                                                              const model::ModelConfig& config);
 
   // Partial attention of the queries of `layer` (host f32 [n, num_q_heads, head_dim] after RoPE,
   // positions [q_begin, q_begin + n)) over this shard; adds what selection did to *counters.
@@ -134,14 +162,17 @@ class ShardSession {
   const MountedShard& shard() const { return *shard_; }
 
  private:
-  ShardSession(std::shared_ptr<const MountedShard> shard, const model::ModelConfig& config,
-               kernels::Backend* backend)
-      : shard_(std::move(shard)), config_(config), backend_(backend) {}
+  ShardSession(std::shared_ptr<const MountedShard> shard, const model::ModelConfig& config)
+      : shard_(std::move(shard)), config_(config), backend_(shard_->backend()) {}
+  // Attend's work on a device-selection shard with a sparse policy (device_ set).
+  absl::Status AttendOnDevice(int layer, const float* q, int n, int num_q_heads,
+                              engine::AttentionPartial* out, engine::SelectionCounters* counters);
 
   std::shared_ptr<const MountedShard> shard_;
   const model::ModelConfig config_;
   kernels::Backend* const backend_;
-  std::unique_ptr<engine::AttentionPolicy> policy_;  // null: dense
+  std::unique_ptr<engine::AttentionPolicy> policy_;  // host selection; null: dense or device_
+  std::unique_ptr<engine::sparse::DevicePolicy> device_;  // device selection
   engine::Selection selection_;
   AttendScratch scratch_;
   std::vector<float> qmean_;
@@ -162,7 +193,7 @@ class LeaderAttention : public engine::ExternalAttention {
     std::string self_worker_id;
     v1::SelectionPolicy policy;
     const model::ModelConfig* config = nullptr;
-    kernels::Backend* backend = nullptr;
+    // Mounts the shards attended here; each session attends on its shard's backend.
     MountFn mount;
     // A peer that does not answer a query within this time is failed over (its stream is
     // cancelled). Default 60 s.

@@ -52,6 +52,22 @@ class DeviceLikeBackend : public kernels::CpuBackend {
   std::string Name() const override { return "cuda:test"; }
 };
 
+// A DeviceLikeBackend that counts the calls that attend and select: the shard backend of a
+// worker whose shards are placed on the device (WorkerOptions::shard_placement).
+class CountingShardBackend : public DeviceLikeBackend {
+ public:
+  absl::Status PagedAttention(const kernels::PagedAttentionParams& p, kernels::Stream s) override {
+    ++attention_calls;
+    return DeviceLikeBackend::PagedAttention(p, s);
+  }
+  absl::Status SelectStages(const kernels::SelectStagesParams& p, kernels::Stream s) override {
+    ++selection_calls;
+    return DeviceLikeBackend::SelectStages(p, s);
+  }
+  std::atomic<int64_t> attention_calls{0};
+  std::atomic<int64_t> selection_calls{0};
+};
+
 class ShardedTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -81,8 +97,10 @@ class ShardedTest : public ::testing::Test {
       wo.worker_id = absl::StrCat("w", i);
       wo.prefill_chunk_size = 48;  // chunks that do not align with pages or shards
       wo.peer_timeout_ms = 20000;  // generous: a slow answer under load must not fail over
+      if (shards_on_device_) shard_backends_.push_back(std::make_unique<CountingShardBackend>());
       STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(wo, model_.get(), backends_.back().get(), store_.get(),
-                                                         store_.get(), metrics_.back().get()));
+                                                         store_.get(), metrics_.back().get(),
+                                                         shards_on_device_ ? shard_backends_.back().get() : nullptr));
       STRATA_ASSERT_OK_AND_ASSIGN(auto s, WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0"}, w.get()));
       w->SetAddress(absl::StrCat("127.0.0.1:", s->port()));
       workers_.push_back(std::move(w));
@@ -181,6 +199,8 @@ class ShardedTest : public ::testing::Test {
   }
 
   bool device_like_ = false;
+  bool shards_on_device_ = false;  // with device_like_: each worker gets a CountingShardBackend
+  std::vector<std::unique_ptr<CountingShardBackend>> shard_backends_;
   // Shard i holds pages [bounds_[i], bounds_[i + 1]).
   std::vector<int> bounds_ = {0, 2, 4, 6};
   std::string dir_;
@@ -267,6 +287,94 @@ TEST_F(ShardedDeviceLikeTest, ExactPrefillAndBatchedDenseJobsMatchOneProcess) {
   ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
   EXPECT_EQ(Tokens(a), want);
   EXPECT_EQ(Tokens(b), want);
+}
+
+// Workers with a shard backend (a second "GPU" instance): mounted shards live and are attended
+// there, for the peers' selection answers and the leader's own shard alike.
+class ShardedDevicePlacedTest : public ShardedTest {
+ protected:
+  void SetUp() override {
+    device_like_ = true;
+    shards_on_device_ = true;
+    ShardedTest::SetUp();
+  }
+};
+
+TEST_F(ShardedDevicePlacedTest, DenseJobsMatchOneProcess) {
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(12);
+  // Two leaders at once: w1's and w2's shard sessions share each worker's shard backend.
+  v1::JobInfo a, b;
+  std::thread ta([&] { a = Run(1, Job("placed-a", 12)); });
+  std::thread tb([&] { b = Run(2, Job("placed-b", 12)); });
+  ta.join();
+  tb.join();
+  ASSERT_EQ(a.state(), v1::JobInfo::DONE) << a.error_message();
+  ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
+  EXPECT_EQ(Tokens(a), want);
+  EXPECT_EQ(Tokens(b), want);
+  // Every worker attended its shard on its shard backend (answers, or its own part as leader).
+  for (int i = 0; i < kWorkers; ++i) EXPECT_GT(shard_backends_[i]->attention_calls.load(), 0) << "worker " << i;
+  EXPECT_EQ(workers_[0]->Load().mounted_tokens(), 128u);
+}
+
+TEST_F(ShardedDevicePlacedTest, SparseJobsSelectOnTheShardBackend) {
+  PrefillExact();
+  for (const char* name : {"quest", "tokenselect"}) {
+    SCOPED_TRACE(name);
+    const int64_t selections = shard_backends_[0]->selection_calls.load();
+    v1::RunJobRequest req = Job(absl::StrCat("placed-", name), 6);
+    req.mutable_policy()->set_name(name);
+    req.mutable_policy()->set_budget_tokens(64);
+    req.mutable_policy()->set_sink_tokens(4);
+    req.mutable_policy()->set_window_tokens(16);
+    const v1::JobInfo info = Run(1, req);
+    ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+    EXPECT_EQ(info.output_token_ids_size(), 6);
+    EXPECT_GT(info.usage().mean_attended_tokens(), 0.0);
+    EXPECT_LT(info.usage().mean_attended_tokens(), static_cast<double>(doc_.size()));
+    // w0 selected on its shard backend: one SelectStages per layer of each answer.
+    EXPECT_GT(shard_backends_[0]->selection_calls.load(), selections);
+  }
+  // A budget that covers each shard attends everything: the dense tokens.
+  v1::RunJobRequest all = Job("placed-all", 12);
+  all.mutable_policy()->set_name("tokenselect");
+  all.mutable_policy()->set_budget_tokens(4096);
+  const v1::JobInfo info = Run(0, all);
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(Tokens(info), Reference(12));
+}
+
+TEST_F(ShardedDevicePlacedTest, OtherPoliciesReadAHostCopy) {
+  PrefillExact();
+  const int64_t attended = shard_backends_[2]->attention_calls.load();
+  v1::RunJobRequest req = Job("placed-streaming", 6);
+  req.mutable_policy()->set_name("streaming");
+  req.mutable_policy()->set_budget_tokens(64);
+  const v1::JobInfo info = Run(1, req);
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(info.output_token_ids_size(), 6);
+  // w2 answered from a private host copy: nothing ran on its shard backend, no mount counted.
+  EXPECT_EQ(shard_backends_[2]->attention_calls.load(), attended);
+  EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 0u);
+}
+
+TEST_F(ShardedTest, ShardPlacementNeedsAShardBackendOnAGpuWorker) {
+  DeviceLikeBackend gpu;
+  WorkerOptions wo;
+  wo.shard_placement = "device";
+  EXPECT_THAT(Worker::Create(wo, model_.get(), &gpu, store_.get(), store_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  wo.shard_placement = "gpu";
+  EXPECT_THAT(Worker::Create(wo, model_.get(), backends_[0].get(), store_.get(), store_.get(), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // The shard backend must be a second device instance.
+  wo.shard_placement = "auto";
+  EXPECT_THAT(Worker::Create(wo, model_.get(), &gpu, store_.get(), store_.get(), nullptr, &gpu).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // On a CPU worker "device" selects on its own backend: the device path without a GPU.
+  wo.shard_placement = "device";
+  STRATA_EXPECT_OK(Worker::Create(wo, model_.get(), backends_[0].get(), store_.get(), store_.get(), nullptr).status());
 }
 
 TEST_F(ShardedTest, ConcurrentJobsLedByDifferentWorkers) {

@@ -271,6 +271,9 @@ absl::Status WorkerOptions::Validate() const {
   if (decode_graph != "auto" && decode_graph != "on" && decode_graph != "off") {
     return absl::InvalidArgumentError(absl::StrCat("decode_graph: auto|on|off, got '", decode_graph, "'"));
   }
+  if (shard_placement != "auto" && shard_placement != "host" && shard_placement != "device") {
+    return absl::InvalidArgumentError(absl::StrCat("shard_placement: auto|host|device, got '", shard_placement, "'"));
+  }
   if (device_selection != "auto" && device_selection != "on" && device_selection != "off") {
     return absl::InvalidArgumentError(absl::StrCat("device_selection: auto|on|off, got '", device_selection, "'"));
   }
@@ -348,10 +351,18 @@ Worker::~Worker() = default;
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options, const model::Model* model,
                                                        kernels::Backend* backend, kvstore::PageStore* store,
-                                                       kvstore::DocumentCatalog* catalog, WorkerMetrics* metrics) {
+                                                       kvstore::DocumentCatalog* catalog, WorkerMetrics* metrics,
+                                                       kernels::Backend* shard_backend) {
   STRATA_RETURN_IF_ERROR(options.Validate());
   if (model == nullptr || backend == nullptr || store == nullptr || catalog == nullptr) {
     return absl::InvalidArgumentError("Worker::Create: model, backend, store and catalog are required");
+  }
+  if (shard_backend != nullptr && (shard_backend == backend || shard_backend->Name() == "cpu")) {
+    return absl::InvalidArgumentError("Worker::Create: the shard backend must be a second GPU backend instance");
+  }
+  if (options.shard_placement == "device" && shard_backend == nullptr && backend->Name() != "cpu") {
+    return absl::InvalidArgumentError(
+        "shard_placement=device on a GPU worker needs a shard backend (a second instance of its backend)");
   }
   WorkerOptions resolved = options;
   if (resolved.prefill_chunk_size == 0) resolved.prefill_chunk_size = backend->Name() == "cpu" ? 512 : 4096;
@@ -363,6 +374,8 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& opti
   topt.decode_graph = options.decode_graph == "on" || (options.decode_graph == "auto" && backend->Name() != "cpu");
   STRATA_ASSIGN_OR_RETURN(w->transformer_, engine::Transformer::Create(model->config, model->weights, backend, topt));
   if (backend->Name() != "cpu") w->host_backend_ = kernels::MakeCpuBackend(0);
+  if (options.shard_placement != "host") w->shard_device_ = shard_backend;
+  w->shards_on_device_ = options.shard_placement == "device" || w->shard_device_ != nullptr;
   const bool selection_wanted =
       !(options.device_selection == "off" || (options.device_selection == "auto" && backend->Name() == "cpu"));
   // One probe serves both: decode steps (device_selection) and sparse prefill on a device backend.
@@ -1140,11 +1153,17 @@ absl::StatusOr<Worker::ShardSpan> Worker::CheckShard(const v1::ShardRange& range
   return span;
 }
 
+bool Worker::DevicePlaced(const v1::SelectionPolicy* policy) const {
+  return shards_on_device_ && (policy == nullptr || DeviceShardPolicy(*policy, options_.page_size));
+}
+
 absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1::ShardRange& range,
                                                                        kvstore::TierCounts* pages,
-                                                                       bool check_capacity) {
+                                                                       bool check_capacity, bool device) {
   const std::string key = ShardKey(range);
-  {
+  // The registered mounts are those of the worker's placement; another is a private copy.
+  const bool registered = device == shards_on_device_;
+  if (registered) {
     absl::MutexLock lock(&mu_);
     auto it = mounted_.find(key);
     if (it != mounted_.end()) return it->second;
@@ -1153,17 +1172,28 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
   const kvstore::DocumentId id = span.id;
   const int64_t doc_tokens = span.doc_tokens, t0 = span.t0, t1 = span.t1;
   const int P = options_.page_size;
-  kernels::Backend* const be = shard_backend();
-  STRATA_ASSIGN_OR_RETURN(
-      std::unique_ptr<engine::KvCache> cache,
-      engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, kernels::DType::kBF16), be));
+  // On the device: the shard backend instance (its calls serialised), or a CPU worker's own
+  // backend; in host memory: a CPU backend.
+  kernels::Backend* const be = !device ? shard_backend() : shard_device_ != nullptr ? shard_device_ : backend_;
+  absl::Mutex* const be_mu = device && shard_device_ != nullptr ? &shard_device_mu_ : nullptr;
+  std::unique_ptr<engine::KvCache> cache;
   kvstore::TierCounts read;
-  STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
-                                   static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
-                                   nullptr, absl::StatusCode::kDataLoss, &read));
-  STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
+  {
+    if (be_mu != nullptr) be_mu->Lock();
+    absl::Status s = [&]() -> absl::Status {
+      STRATA_ASSIGN_OR_RETURN(
+          cache, engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, kernels::DType::kBF16), be));
+      STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
+                                       static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
+                                       nullptr, absl::StatusCode::kDataLoss, &read));
+      return be->Synchronize(nullptr);
+    }();
+    if (be_mu != nullptr) be_mu->Unlock();
+    STRATA_RETURN_IF_ERROR(s);
+  }
   AddTiers(pages, read);
-  auto shard = std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read);
+  auto shard = std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read, be, be_mu, device);
+  if (!registered) return shard;
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = mounted_.emplace(key, shard);
   return it->second;
@@ -1172,7 +1202,7 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
 absl::StatusOr<v1::MountShardResponse> Worker::MountShard(const v1::MountShardRequest& request) {
   if (request.whole_document()) return HoldWholeDocument(request.shard());
   kvstore::TierCounts pages;
-  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, GetOrMount(request.shard(), &pages, true));
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, GetOrMount(request.shard(), &pages, true, DevicePlaced(nullptr)));
   STRATA_LOG(INFO) << "worker: mounted shard " << ShardKey(request.shard()) << " tokens=" << m->num_tokens();
   return v1::MountShardResponse();  // summary_bytes = 0: no summaries are held at mount
 }
@@ -1276,9 +1306,10 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
     return absl::InvalidArgumentError(absl::StrCat("policy.page_size must be ", options_.page_size));
   }
   kvstore::TierCounts pages;
-  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, GetOrMount(open.shard(), &pages, false));
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m,
+                          GetOrMount(open.shard(), &pages, false, DevicePlaced(&open.policy())));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<ShardSession> session,
-                          ShardSession::Create(std::move(m), open.policy(), open.budget_tokens(), c, shard_backend()));
+                          ShardSession::Create(std::move(m), open.policy(), open.budget_tokens(), c));
   if (pages.host + pages.local + pages.remote > 0) session->set_report_pages(pages);
   if (metrics_ != nullptr) {
     // Selection-cache lookups are counted where the selection runs; the leader counts the
@@ -1537,9 +1568,11 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     lo.self_worker_id = options_.worker_id;
     lo.policy = request.policy();
     lo.config = &c;
-    lo.backend = shard_backend();
     lo.peer_timeout_ms = options_.peer_timeout_ms;
-    lo.mount = [this](const v1::ShardRange& r, kvstore::TierCounts* pages) { return GetOrMount(r, pages, false); };
+    const bool device = DevicePlaced(&lo.policy);
+    lo.mount = [this, device](const v1::ShardRange& r, kvstore::TierCounts* pages) {
+      return GetOrMount(r, pages, false, device);
+    };
     STRATA_ASSIGN_OR_RETURN(leader, LeaderAttention::Create(lo, map));
     policy = engine::MakeDensePolicy();  // over the prompt and generated tokens
     fo.cache_first_position = doc_tokens;

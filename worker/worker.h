@@ -40,11 +40,14 @@
 //
 // Mounts: MountShard loads the shard's pages from the store (through the tiers: the host cache
 // serves pages read or written recently) into a bf16 KvCache (MountedShard in
-// worker/shard_attention.h). Mounted shards and selection answers use the CPU backend: the
-// worker's own when it is the CPU backend, else a CPU backend of its own (host memory), because
-// selection answers run concurrently with forwards and must not share a GPU backend's state with
-// them (the CUDA backend is not thread-safe; taking the engine mutex instead would deadlock two
-// leaders waiting on each other). GPU-resident shards are not built yet. No summaries are held at mount: a selection stream with a sparse
+// worker/shard_attention.h), placed per WorkerOptions::shard_placement: on a GPU worker given a
+// shard backend (a second instance of its backend), in that backend's memory, where selection
+// answers and the leader's own shards select (dense, quest, tokenselect) and attend; else in host
+// memory on a CPU backend (the worker's own when it is the CPU backend, else a CPU backend of its
+// own). Either way answers run concurrently with forwards and must not share the forwards' GPU
+// backend instance (the CUDA backend is not thread-safe; taking the engine mutex instead would
+// deadlock two leaders waiting on each other): calls on the shard backend are serialised by a
+// mutex of their own. No summaries are held at mount: a selection stream with a sparse
 // policy builds them from the mounted keys when it opens (summary_bytes is 0). Mounted shards are
 // reported in Load().mounted_tokens and in the heartbeat's mounted_shards. A selection stream or
 // a leader that needs a shard that is not mounted mounts it on demand (not counted against
@@ -198,6 +201,15 @@ struct WorkerOptions {
   // or a set of jobs decoding together, is captured once, at its first decode step; logits follow
   // the normal path to float rounding.
   std::string decode_graph = "auto";
+  // Where mounted shards live and are attended (selection answers to other leaders, and the
+  // shards a leader attends itself): "auto" (default): on the device when Worker::Create was
+  // given a shard backend (a second instance of the worker's GPU backend, so that answers run
+  // beside the worker's own forwards), else in host memory on a CPU backend; "host": always in
+  // host memory; "device": on the shard backend, or, on a CPU worker, on its own backend with the
+  // device selection path (worker/shard_attention.h; for tests); InvalidArgument on a GPU worker
+  // given no shard backend. On the device, dense, quest and tokenselect (minmax) sessions select
+  // and attend there; a session with another policy reads a private host-memory copy of the shard.
+  std::string shard_placement = "auto";
   // Decode steps draw their token on the backend (Backend::Sample over the step's logits in
   // backend memory, with the job's temperature, top-k, top-p and the next uniform of its seeded
   // stream, as engine::Sampler would draw it; the token comes back instead of the vocabulary's
@@ -284,12 +296,15 @@ class Worker {
   // The store's catalog holds the documents' metadata (LocalStore or RemoteStore). `store` is
   // usually a kvstore::TieredStore with a host cache in front of the durable tier; the tiers
   // count their own lookups and hits (kvstore/metrics.h).
+  // shard_backend (optional, not owned, must outlive the worker): a second instance of the
+  // worker's GPU backend for mounted shards (WorkerOptions::shard_placement).
   static absl::StatusOr<std::unique_ptr<Worker>> Create(const WorkerOptions& options,
                                                         const model::Model* model,
                                                         kernels::Backend* backend,
                                                         kvstore::PageStore* store,
                                                         kvstore::DocumentCatalog* catalog,
-                                                        WorkerMetrics* metrics);
+                                                        WorkerMetrics* metrics,
+                                                        kernels::Backend* shard_backend = nullptr);
   ~Worker();
 
   // What the worker registers with (internal.proto WorkerInfo).
@@ -393,9 +408,11 @@ class Worker {
                           int32_t* device_token);
 
   // The mount of `range` (existing, or loaded from the store now); adds the pages read to *pages.
+  // `device`: placed on the device (DevicePlaced); a host mount asked of a worker that places
+  // shards on the device is a private copy, not registered or counted as a mount.
   absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
                                                                  kvstore::TierCounts* pages,
-                                                                 bool check_capacity);
+                                                                 bool check_capacity, bool device);
   // Appends tokens [first_page * P, min(end_page * P, doc_tokens)) of every layer of document
   // `id` from the store to `cache` (policy->OnAppend and device->OnAppend for those not null). A
   // missing page is an error with `missing_code`. Adds the pages read per tier to *pages.
@@ -417,6 +434,9 @@ class Worker {
   // The backend of mounted shards and selection answers: backend_ when it is the CPU backend,
   // else host_backend_ (see the file comment).
   kernels::Backend* shard_backend() const { return host_backend_ != nullptr ? host_backend_.get() : backend_; }
+  // Whether a session with `policy` (null: a mount without a session, MountShard) attends a
+  // device-placed shard (WorkerOptions::shard_placement).
+  bool DevicePlaced(const v1::SelectionPolicy* policy) const;
 
   const WorkerOptions options_;
   const model::Model* const model_;
@@ -426,6 +446,12 @@ class Worker {
   WorkerMetrics* const metrics_;
   std::unique_ptr<engine::Transformer> transformer_;
   std::unique_ptr<kernels::Backend> host_backend_;  // null when backend_ is the CPU backend
+  // Device-placed shards (WorkerOptions::shard_placement): shards_on_device_, on
+  // shard_device_ (a GPU instance, its calls serialised by shard_device_mu_; null on a CPU
+  // worker, whose shards then use backend_).
+  bool shards_on_device_ = false;
+  kernels::Backend* shard_device_ = nullptr;
+  absl::Mutex shard_device_mu_;
 
   // Held for each forward.
   absl::Mutex engine_mu_;

@@ -307,6 +307,25 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
                                        const KvCache& cache, int64_t position_offset,
                                        const TensorView& out, const TensorView& lse,
                                        kernels::Stream stream) {
+  return AttendQueries(layer, q, q_begin, /*following=*/false, cache, position_offset, out, lse,
+                       stream);
+}
+
+absl::Status DevicePolicy::AttendFollowing(int layer, const TensorView& q, const KvCache& cache,
+                                           const TensorView& out, const TensorView& lse,
+                                           kernels::Stream stream) {
+  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
+  if (cache.length(layer) < 1) {
+    return absl::InvalidArgumentError("DevicePolicy: AttendFollowing over an empty layer");
+  }
+  return AttendQueries(layer, q, cache.length(layer) - 1, /*following=*/true, cache, 0, out, lse,
+                       stream);
+}
+
+absl::Status DevicePolicy::AttendQueries(int layer, const TensorView& q, int64_t q_begin,
+                                         bool following, const KvCache& cache,
+                                         int64_t position_offset, const TensorView& out,
+                                         const TensorView& lse, kernels::Stream stream) {
   STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
   if (q.dtype != DType::kF32 || q.rank != 3 || q.dim(0) < 1 || q.dim(1) != hq_ ||
       q.dim(2) != d_ || q.data == nullptr) {
@@ -323,7 +342,7 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
                                                    lse.DebugString()));
   }
   const int64_t len = cache.length(layer);
-  if (q_begin < 0 || q_begin + m > len) {
+  if (!following && (q_begin < 0 || q_begin + m > len)) {
     return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: chunk [", q_begin, ", ",
                                                    q_begin + m, ") not in the cache of length ",
                                                    len));
@@ -404,9 +423,10 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
   if (position_offset != 0) {
     for (KvSpan& s : spans) s.position += static_cast<int32_t>(position_offset);
   }
+  // Following queries come after every cached token: nothing to mask (positions unused).
   chunk_positions_.resize(static_cast<size_t>(m));
   for (int64_t i = 0; i < m; ++i) {
-    chunk_positions_[i] = static_cast<int32_t>(position_offset + q_begin + i);
+    chunk_positions_[i] = following ? 0 : static_cast<int32_t>(position_offset + q_begin + i);
   }
   kernels::PagedAttentionParams ap;
   ap.q = q;
@@ -416,7 +436,7 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
   ap.span_offsets = chunk_selection_.offsets.data();
   ap.num_kv_heads = hkv_;
   ap.q_positions = chunk_positions_.data();
-  ap.causal = true;
+  ap.causal = !following;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(d_));
   ap.out = out;
   ap.lse = lse;

@@ -94,6 +94,18 @@ class DevicePolicy {
                            const kernels::TensorView& out, const kernels::TensorView& lse,
                            kernels::Stream stream);
 
+  // Attention of the m = q.dim(0) >= 1 queries q [m, num_q_heads, head_dim] (f32, backend memory,
+  // after RoPE) that follow every token of `layer` in `cache` (e.g. a leader's queries over a
+  // mounted document shard, worker/shard_attention.h): the selection AttendChunk makes for a chunk
+  // at q_begin = cache.length(layer) - 1 (the m queries' mean query; window [length - 1 - W,
+  // length), so the last cached token is always attended), attended by every query without causal
+  // masking (every cached token precedes every query). Writes out [m, num_q_heads, head_dim] and
+  // lse [m, num_q_heads] (backend memory); waits for `stream` once (the selection's copy to the
+  // host), as AttendChunk. InvalidArgument for malformed views or an empty layer.
+  absl::Status AttendFollowing(int layer, const kernels::TensorView& q, const KvCache& cache,
+                               const kernels::TensorView& out, const kernels::TensorView& lse,
+                               kernels::Stream stream);
+
   // What the Attend calls that succeeded attended, per KV head, as planned on the host (nothing
   // is read back from the backend): candidate_tokens += the cache length; selected_tokens += the
   // cache length where attention is exact (dense layer, or the middle fits in the budget), else
@@ -103,7 +115,7 @@ class DevicePolicy {
   // cache: lookups (num_kv_heads per selecting decode step, as the host counts them) are counted
   // on the host and hits on the backend; both reach counters() only through ReadCacheHits, so
   // until then cache_lookups and cache_hits stay as last read (0 at first) and a hit ratio is
-  // never half updated (selected_tokens stays the planned size on hits too). AttendChunk calls add the cache length
+  // never half updated (selected_tokens stays the planned size on hits too). AttendChunk and AttendFollowing calls add the cache length
   // and the tokens actually attended (the selection is read back there), per KV head.
   const SelectionCounters& counters() const { return counters_; }
 
@@ -116,6 +128,12 @@ class DevicePolicy {
                kernels::Backend* backend);
   absl::Status Init();
   absl::Status CheckCache(int layer, const KvCache& cache) const;
+  // AttendChunk (following = false) and AttendFollowing (true: q_begin = length - 1, no causal
+  // masking, position_offset unused).
+  absl::Status AttendQueries(int layer, const kernels::TensorView& q, int64_t q_begin,
+                             bool following, const KvCache& cache, int64_t position_offset,
+                             const kernels::TensorView& out, const kernels::TensorView& lse,
+                             kernels::Stream stream);
   // Queues the middle selection of `layer` for the queries q [num_q_heads, head_dim] over
   // [sink_end, window_begin) (which must exceed the budget) and returns the middle as
   // SelectedAttention reads it (parents in top_pages_ or top_tokens_; with `skip` (the selection

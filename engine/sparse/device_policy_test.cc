@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "base/status_macros.h"
+#include "engine/query_mean.h"
 #include "base/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -462,6 +463,89 @@ TEST(DevicePolicyChunkExactTest, BudgetCoveringTheContextIsDense) {
   }
   EXPECT_EQ(dev->counters().selected_tokens, dev->counters().candidate_tokens);
 }
+
+// ---- Queries after the cache (AttendFollowing: a document shard's answers) ---------------------
+
+class DevicePolicyFollowingTest : public ::testing::TestWithParam<ChunkCase> {};
+
+// m queries that follow every cached token give the output of PagedAttention over the host
+// policy's spans for their mean query placed on the last cached token (as worker::ShardSession
+// selects on a shard in host memory), every query attending all of them; a sparse layer is not
+// the dense output.
+TEST_P(DevicePolicyFollowingTest, FollowingQueriesMatchHostPolicy) {
+  const ChunkCase c = GetParam();
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+  KvCacheOptions co;
+  co.num_layers = kLayers;
+  co.num_kv_heads = kHkv;
+  co.head_dim = kD;
+  co.page_size = kPage;
+  co.dtype = c.dtype;
+  co.max_tokens = c.context;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
+  PolicyOptions o = Options(c.kind);
+  o.window_tokens = 0;  // a shard's window is its last token only
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
+  std::unique_ptr<AttentionPolicy> dense = MakeDensePolicy();
+  std::mt19937 rng(11 + static_cast<int>(c.context * 7 + c.chunk) + static_cast<int>(c.kind));
+  for (int64_t t = 0; t < c.context;) {
+    const int64_t n = std::min<int64_t>(c.context - t, 1 + rng() % 300);
+    AppendRandom(cache.get(), host.get(), dev.get(), n, &rng);
+    t += n;
+  }
+  const int64_t m = c.chunk, len = c.context;
+  std::normal_distribution<float> nd;
+  std::vector<float> q(static_cast<size_t>(m) * kHq * kD);
+  for (float& x : q) x = 2.0f * nd(rng);
+  std::vector<float> qmean;
+  MeanQuery(q.data(), static_cast<int>(m), static_cast<int64_t>(kHq) * kD, &qmean);
+  for (int l = 0; l < kLayers; ++l) {
+    SCOPED_TRACE(::testing::Message() << "layer " << l);
+    Selection sel, all;
+    STRATA_ASSERT_OK(host->Select(l, qmean.data(), 1, kHq, len - 1, *cache, &sel));
+    STRATA_ASSERT_OK(dense->Select(l, qmean.data(), 1, kHq, len - 1, *cache, &all));
+    std::vector<float> want, want_lse, exact, exact_lse;
+    HostAttention(cpu.get(), *cache, l, sel, q, m, len, &want, &want_lse);
+    HostAttention(cpu.get(), *cache, l, all, q, m, len, &exact, &exact_lse);
+    std::vector<float> got(want.size(), NAN), got_lse(want_lse.size(), NAN);
+    STRATA_ASSERT_OK(dev->AttendFollowing(l, TensorView(q.data(), DType::kF32, {m, kHq, kD}), *cache,
+                                          TensorView(got.data(), DType::kF32, {m, kHq, kD}),
+                                          TensorView(got_lse.data(), DType::kF32, {m, kHq}), nullptr));
+    double from_dense = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << i;
+      ASSERT_NEAR(got[i], want[i], 1e-4) << i;
+      from_dense = std::max(from_dense, std::fabs(static_cast<double>(got[i]) - exact[i]));
+    }
+    for (size_t i = 0; i < want_lse.size(); ++i) ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
+    if (l == 0 && len - 1 - o.sink_tokens > o.token_budget) {
+      EXPECT_GT(from_dense, 1e-3);  // layer 0 is sparse: really a selection
+    } else {
+      EXPECT_LE(from_dense, 1e-5);
+    }
+  }
+  EXPECT_EQ(dev->counters().candidate_tokens, host->counters().candidate_tokens);
+  EXPECT_EQ(dev->counters().selected_tokens, host->counters().selected_tokens);
+  // Malformed calls.
+  std::vector<float> out(q.size()), lse(static_cast<size_t>(m) * kHq);
+  const TensorView qv(q.data(), DType::kF32, {m, kHq, kD});
+  EXPECT_THAT(dev->AttendFollowing(kLayers, qv, *cache, TensorView(out.data(), DType::kF32, {m, kHq, kD}),
+                                   TensorView(lse.data(), DType::kF32, {m, kHq}), nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(dev->AttendFollowing(0, qv, *cache, TensorView(out.data(), DType::kF32, {m, kHq, kD}),
+                                   TensorView(lse.data(), DType::kF32, {m + 1, kHq}), nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DevicePolicyFollowingTest,
+    ::testing::Values(ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 3000, 1},   // two-level
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kBF16, 2999, 3},
+                      ChunkCase{PolicyKind::kQuest, DType::kBF16, 3003, 17},
+                      ChunkCase{PolicyKind::kQuest, DType::kF32, 701, 1},          // one-level
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 701, 129},
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 150, 3}));  // middle fits
 
 TEST(DevicePolicyChunkErrorsTest, RejectsMalformedChunks) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
