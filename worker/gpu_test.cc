@@ -669,6 +669,7 @@ TEST(WorkerShardedGpuTest, DevicePlacedShardsMatchCpuWorkers) {
     std::printf("%-12s %-28s %9.3f %12.1f %9.1f  %s\n", policy.c_str(), run.c_str(), t.ttft_s, t.decode_tps,
                 t.info.usage().mean_attended_tokens(), toks.c_str());
   };
+  double dense_attended = 0;
   for (const std::string policy : {"dense", "tokenselect"}) {
     SCOPED_TRACE(policy);
     // Twice on the GPU: the first run mounts the peers' shards (loads them from the store).
@@ -684,8 +685,10 @@ TEST(WorkerShardedGpuTest, DevicePlacedShardsMatchCpuWorkers) {
     EXPECT_EQ(Tokens(g.info), Tokens(g0.info));
     EXPECT_EQ(Tokens(g.info), Tokens(c.info));
     EXPECT_EQ(g.info.usage().mean_attended_tokens(), c.info.usage().mean_attended_tokens());
-    if (policy != "dense") {
-      EXPECT_LT(g.info.usage().mean_attended_tokens(), static_cast<double>(doc_tokens) / 2);
+    if (policy == "dense") {
+      dense_attended = g.info.usage().mean_attended_tokens();
+    } else {
+      EXPECT_LT(g.info.usage().mean_attended_tokens(), dense_attended);  // a selection, not everything
     }
     std::printf("%-12s cuda and cpu agree on the first %zu of %d tokens\n", policy.c_str(),
                 CommonPrefix(g.info, c.info), g.info.output_token_ids_size());
