@@ -97,6 +97,7 @@ int Serve(const ServeFlags& f) {
   if (mkdir_error) return Fail(absl::InternalError(absl::StrCat("cannot create ", f.data, ": ", mkdir_error.message())));
   std::unique_ptr<kvstore::LocalStore> store;
   std::unique_ptr<kernels::Backend> backend;  // declared before (destroyed after) tier H, whose pages it holds
+  std::unique_ptr<kernels::Backend> shard_backend;  // WorkerOptions::shard_placement "device"
   std::unique_ptr<HostTier> host_tier;
   std::unique_ptr<worker::Worker> w;
   std::unique_ptr<worker::WorkerServer> worker_server;
@@ -121,7 +122,11 @@ int Serve(const ServeFlags& f) {
     wo.worker_id = "serve-worker-0";
     f.engine.ApplyTo(&wo);
     wo.capacity_tokens = static_cast<uint64_t>(f.max_document_tokens) * 4;
-    auto created = worker::Worker::Create(wo, m.get(), backend.get(), pages, store.get(), &worker_metrics);
+    // One worker holds every shard of its documents (whole-document mounts load nothing), so a
+    // shard backend is made only when asked for.
+    if (wo.shard_placement == "device") shard_backend = MakeShardBackend(*backend, wo.shard_placement);
+    auto created = worker::Worker::Create(wo, m.get(), backend.get(), pages, store.get(), &worker_metrics,
+                                          shard_backend.get());
     if (!created.ok()) return Fail(created.status());
     w = *std::move(created);
     worker::WorkerServerOptions wso;
