@@ -115,8 +115,9 @@ class DevicePolicy {
   // cache: lookups (num_kv_heads per selecting decode step, as the host counts them) are counted
   // on the host and hits on the backend; both reach counters() only through ReadCacheHits, so
   // until then cache_lookups and cache_hits stay as last read (0 at first) and a hit ratio is
-  // never half updated (selected_tokens stays the planned size on hits too). AttendChunk and AttendFollowing calls add the cache length
-  // and the tokens actually attended (the selection is read back there), per KV head.
+  // never half updated (selected_tokens stays the planned size on hits too). AttendChunk and
+  // AttendFollowing calls add the cache length and the tokens actually attended (the selection is
+  // read back there), per KV head.
   const SelectionCounters& counters() const { return counters_; }
 
   // Copies the lookups so far and the backend's count of selection-cache hits into counters();
