@@ -186,8 +186,7 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
                                                        "' cannot select on a device-placed shard (dense, "
                                                        "quest and tokenselect with minmax summaries can)"));
       }
-      STRATA_ASSIGN_OR_RETURN(engine::sparse::PolicyOptions o, JobPolicyOptions(p, page_size));
-      o.cache_theta = 2.0f;  // AttendFollowing neither uses nor fills the selection cache
+      STRATA_ASSIGN_OR_RETURN(const engine::sparse::PolicyOptions o, JobPolicyOptions(p, page_size));
       STRATA_ASSIGN_OR_RETURN(s->device_, engine::sparse::DevicePolicy::Create(
                                               o, cache.options(), static_cast<int>(config.num_heads), s->backend_));
       for (int l = 0; l < static_cast<int>(config.num_layers); ++l) {
@@ -215,10 +214,13 @@ absl::Status ShardSession::AttendOnDevice(int layer, const float* q, int n, int 
       kernels::TensorView(v.out, kernels::DType::kF32, {n, hq, d}),
       kernels::TensorView(v.lse, kernels::DType::kF32, {n, hq}), nullptr));
   STRATA_RETURN_IF_ERROR(FinishCall(backend_, v, out));
+  STRATA_RETURN_IF_ERROR(device_->ReadCacheHits(nullptr));  // no-op without the selection cache
   if (counters != nullptr) {
     const engine::SelectionCounters& after = device_->counters();
     counters->candidate_tokens += after.candidate_tokens - before.candidate_tokens;
     counters->selected_tokens += after.selected_tokens - before.selected_tokens;
+    counters->cache_lookups += after.cache_lookups - before.cache_lookups;
+    counters->cache_hits += after.cache_hits - before.cache_hits;
   }
   return absl::OkStatus();
 }

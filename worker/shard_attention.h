@@ -19,9 +19,10 @@
 //   single-worker job builds them at mount. On a shard placed on the device (device_selection())
 //   quest and tokenselect (minmax summaries) select and attend there through
 //   engine::sparse::DevicePolicy::AttendFollowing (summaries, scoring and top-k on the backend;
-//   the same selection as the host policy but for the device policy's documented differences,
-//   and without the selection cache); dense attends every token there; the worker gives any other
-//   policy a shard in host memory.
+//   the same selection as the host policy but for the device policy's documented differences; a
+//   one-token query, a decode step, is one fused selection-and-attention kernel on CUDA and uses
+//   the selection cache, as a job's decode step); dense attends every token there; the worker
+//   gives any other policy a shard in host memory.
 // - LeaderAttention: the leader's engine::ExternalAttention over every shard of a ShardMap.
 //   Shards held by this worker are attended in process (ShardSession over a local mount); every
 //   other shard through one ShardSelection stream to its holder (SelectionOpen, then one

@@ -336,6 +336,8 @@ TEST_F(ShardedDevicePlacedTest, SparseJobsSelectOnTheShardBackend) {
     // w0 selected on its shard backend: one SelectStages per layer of each answer.
     EXPECT_GT(shard_backends_[0]->selection_calls.load(), selections);
   }
+  // The decode steps' answers looked up the selection cache on the device.
+  EXPECT_GT(metrics_[0]->selection_cache_lookups->Value(), 0.0);
   // A budget that covers each shard attends everything: the dense tokens.
   v1::RunJobRequest all = Job("placed-all", 12);
   all.mutable_policy()->set_name("tokenselect");

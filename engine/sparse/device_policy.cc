@@ -318,6 +318,18 @@ absl::Status DevicePolicy::AttendFollowing(int layer, const TensorView& q, const
   if (cache.length(layer) < 1) {
     return absl::InvalidArgumentError("DevicePolicy: AttendFollowing over an empty layer");
   }
+  // One query: the decode step's selection and attention are the same (the window [length - 1 -
+  // W, length) either way, and nothing is masked), with no read-back.
+  if (q.rank == 3 && q.dim(0) == 1 && q.dtype == DType::kF32) {
+    if (out.dtype != DType::kF32 || out.rank != 3 || out.dim(0) != 1 || out.dim(1) != hq_ ||
+        out.dim(2) != d_ || lse.dtype != DType::kF32 || lse.rank != 2 || lse.dim(0) != 1 ||
+        lse.dim(1) != hq_) {
+      return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: out/lse must be f32 [1, ", hq_, ", ",
+                                                     d_, "] / [1, ", hq_, "], got ", out.DebugString(),
+                                                     " / ", lse.DebugString()));
+    }
+    return Attend(layer, q, cache, out, lse, stream);
+  }
   return AttendQueries(layer, q, cache.length(layer) - 1, /*following=*/true, cache, 0, out, lse,
                        stream);
 }

@@ -100,8 +100,10 @@ class DevicePolicy {
   // at q_begin = cache.length(layer) - 1 (the m queries' mean query; window [length - 1 - W,
   // length), so the last cached token is always attended), attended by every query without causal
   // masking (every cached token precedes every query). Writes out [m, num_q_heads, head_dim] and
-  // lse [m, num_q_heads] (backend memory); waits for `stream` once (the selection's copy to the
-  // host), as AttendChunk. InvalidArgument for malformed views or an empty layer.
+  // lse [m, num_q_heads] (backend memory). One query (m = 1) is a decode step's (Attend: the same
+  // selection, the selection cache when on, on CUDA one kernel, enqueued without waiting); more
+  // wait for `stream` once (the selection's copy to the host), as AttendChunk, and invalidate the
+  // layer's selection cache. InvalidArgument for malformed views or an empty layer.
   absl::Status AttendFollowing(int layer, const kernels::TensorView& q, const KvCache& cache,
                                const kernels::TensorView& out, const kernels::TensorView& lse,
                                kernels::Stream stream);
