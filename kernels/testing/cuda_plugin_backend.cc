@@ -6,9 +6,10 @@
 
 namespace strata::kernels::testing {
 
-std::unique_ptr<Backend> CudaPluginBackendOrNull(const char* default_plugin, std::string* why) {
+std::unique_ptr<Backend> CudaPluginBackendOrNull(const char* default_plugin, std::string* why, int device) {
   BackendOptions options;
   options.kind = BackendKind::kCuda;
+  options.device = device;
   const char* env = std::getenv("STRATA_CUDA_PLUGIN");
   options.cuda_plugin = env != nullptr && *env != '\0' ? env : default_plugin;
   absl::StatusOr<std::unique_ptr<Backend>> b = MakeBackend(options);

@@ -11,8 +11,9 @@
 
 namespace strata::kernels::testing {
 
-// nullptr, with the reason in *why, when there is no GPU or the plugin does not load.
-std::unique_ptr<Backend> CudaPluginBackendOrNull(const char* default_plugin, std::string* why);
+// nullptr, with the reason in *why, when there is no GPU (or no GPU `device`) or the plugin does
+// not load.
+std::unique_ptr<Backend> CudaPluginBackendOrNull(const char* default_plugin, std::string* why, int device = 0);
 
 }  // namespace strata::kernels::testing
 
