@@ -64,8 +64,13 @@ class CountingShardBackend : public DeviceLikeBackend {
     ++selection_calls;
     return DeviceLikeBackend::SelectStages(p, s);
   }
+  absl::StatusOr<std::unique_ptr<kernels::Buffer>> Allocate(size_t bytes) override {
+    if (full) return absl::ResourceExhaustedError("test: the shard backend is full");
+    return DeviceLikeBackend::Allocate(bytes);
+  }
   std::atomic<int64_t> attention_calls{0};
   std::atomic<int64_t> selection_calls{0};
+  std::atomic<bool> full{false};  // every Allocate fails with ResourceExhausted
 };
 
 class ShardedTest : public ::testing::Test {
@@ -359,6 +364,26 @@ TEST_F(ShardedDevicePlacedTest, OtherPoliciesReadAHostCopy) {
   // w2 answered from a private host copy: nothing ran on its shard backend, no mount counted.
   EXPECT_EQ(shard_backends_[2]->attention_calls.load(), attended);
   EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 0u);
+}
+
+TEST_F(ShardedDevicePlacedTest, ShardsThatDoNotFitOnTheDeviceMountInHostMemory) {
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(8);
+  for (auto& b : shard_backends_) b->full = true;
+  for (const char* name : {"", "tokenselect"}) {
+    SCOPED_TRACE(name);
+    v1::RunJobRequest req = Job(absl::StrCat("full-", name), 8);
+    req.mutable_policy()->set_name(name);
+    const v1::JobInfo info = Run(1, req);
+    ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+    if (*name == '\0') {
+      EXPECT_EQ(Tokens(info), want);
+    }
+  }
+  // Nothing ran on the full shard backends; the host mounts are registered and counted.
+  for (auto& b : shard_backends_) EXPECT_EQ(b->attention_calls.load(), 0);
+  EXPECT_EQ(workers_[0]->Load().mounted_tokens(), 128u);
+  EXPECT_EQ(workers_[1]->failovers(), 0);
 }
 
 TEST_F(ShardedTest, ShardPlacementNeedsAShardBackendOnAGpuWorker) {

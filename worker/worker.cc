@@ -1174,11 +1174,12 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
   const int P = options_.page_size;
   // On the device: the shard backend instance (its calls serialised), or a CPU worker's own
   // backend; in host memory: a CPU backend.
-  kernels::Backend* const be = !device ? shard_backend() : shard_device_ != nullptr ? shard_device_ : backend_;
-  absl::Mutex* const be_mu = device && shard_device_ != nullptr ? &shard_device_mu_ : nullptr;
-  std::unique_ptr<engine::KvCache> cache;
-  kvstore::TierCounts read;
-  {
+  auto load = [&](bool on_device) -> absl::StatusOr<std::shared_ptr<const MountedShard>> {
+    kernels::Backend* const be =
+        !on_device ? shard_backend() : shard_device_ != nullptr ? shard_device_ : backend_;
+    absl::Mutex* const be_mu = on_device && shard_device_ != nullptr ? &shard_device_mu_ : nullptr;
+    std::unique_ptr<engine::KvCache> cache;
+    kvstore::TierCounts read;
     if (be_mu != nullptr) be_mu->Lock();
     absl::Status s = [&]() -> absl::Status {
       STRATA_ASSIGN_OR_RETURN(
@@ -1188,11 +1189,22 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
                                        nullptr, absl::StatusCode::kDataLoss, &read));
       return be->Synchronize(nullptr);
     }();
+    if (!s.ok()) cache.reset();  // freed under the lock, like every call on the shard backend
     if (be_mu != nullptr) be_mu->Unlock();
     STRATA_RETURN_IF_ERROR(s);
+    AddTiers(pages, read);
+    return std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read, be, be_mu, on_device);
+  };
+  absl::StatusOr<std::shared_ptr<const MountedShard>> loaded = load(device);
+  if (device && loaded.status().code() == absl::StatusCode::kResourceExhausted) {
+    // The device is full: the shard lives in host memory instead (its sessions select there).
+    LogFallbackOnce(absl::StrCat("a shard does not fit on the shard backend (", loaded.status().message(),
+                                 "); such shards are mounted in host memory"),
+                    &shard_fallback_logged_);
+    loaded = load(false);
   }
-  AddTiers(pages, read);
-  auto shard = std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read, be, be_mu, device);
+  STRATA_RETURN_IF_ERROR(loaded.status());
+  std::shared_ptr<const MountedShard> shard = *std::move(loaded);
   if (!registered) return shard;
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = mounted_.emplace(key, shard);

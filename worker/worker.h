@@ -409,7 +409,9 @@ class Worker {
 
   // The mount of `range` (existing, or loaded from the store now); adds the pages read to *pages.
   // `device`: placed on the device (DevicePlaced); a host mount asked of a worker that places
-  // shards on the device is a private copy, not registered or counted as a mount.
+  // shards on the device is a private copy, not registered or counted as a mount. A device mount
+  // that runs out of device memory (ResourceExhausted) is made in host memory instead (logged
+  // once); its sessions then select on the host.
   absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
                                                                  kvstore::TierCounts* pages,
                                                                  bool check_capacity, bool device);
@@ -452,6 +454,7 @@ class Worker {
   bool shards_on_device_ = false;
   kernels::Backend* shard_device_ = nullptr;
   absl::Mutex shard_device_mu_;
+  std::atomic<bool> shard_fallback_logged_{false};
 
   // Held for each forward.
   absl::Mutex engine_mu_;
