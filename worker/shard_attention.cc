@@ -445,6 +445,8 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
     if (!first_call_) ++step_;
     first_call_ = false;
   }
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t_start = Clock::now();
   parts->resize(parts_.size());
   const size_t q_bytes = static_cast<size_t>(n) * hq * options_.config->head_dim * sizeof(float);
   // 1. Queries to every peer.
@@ -465,11 +467,13 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
     if (!p->sent) STRATA_RETURN_IF_ERROR(Failover(p.get(), "write failed"));
   }
   // 2. Local shards (including shards failed over in step 1).
+  const Clock::time_point t_local = Clock::now();
   for (size_t i = 0; i < parts_.size(); ++i) {
     Part* p = parts_[i].get();
     if (p->local == nullptr) continue;
     STRATA_RETURN_IF_ERROR(p->local->Attend(layer, q, n, hq, q_begin, &(*parts)[i], &counters_));
   }
+  const Clock::time_point t_wait = Clock::now();
   // 3. The peers' answers, all within one deadline.
   const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.peer_timeout_ms);
   const size_t lse_bytes = static_cast<size_t>(n) * hq * sizeof(float);
@@ -500,6 +504,11 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
     pages_.local += static_cast<int64_t>(resp.pages_fetched().disk());
     pages_.remote += static_cast<int64_t>(resp.pages_fetched().remote());
   }
+  const Clock::time_point t_end = Clock::now();
+  ++timing_.calls;
+  timing_.attend_seconds += std::chrono::duration<double>(t_end - t_start).count();
+  timing_.local_seconds += std::chrono::duration<double>(t_wait - t_local).count();
+  timing_.wait_seconds += std::chrono::duration<double>(t_end - t_wait).count();
   return absl::OkStatus();
 }
 

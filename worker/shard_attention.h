@@ -216,6 +216,13 @@ class LeaderAttention : public engine::ExternalAttention {
   const kvstore::TierCounts& pages() const { return pages_; }
   // Peers whose stream failed and whose shard was mounted here instead.
   int failovers() const { return failovers_; }
+  // Wall time of the Attend calls: in all, in the local shards' sessions, and waiting for the
+  // peers' answers after them (what the peers' round trips add to a layer).
+  struct Timing {
+    int64_t calls = 0;
+    double attend_seconds = 0, local_seconds = 0, wait_seconds = 0;
+  };
+  const Timing& timing() const { return timing_; }
 
   struct Part;
 
@@ -230,6 +237,7 @@ class LeaderAttention : public engine::ExternalAttention {
   engine::SelectionCounters counters_;
   kvstore::TierCounts pages_;
   int failovers_ = 0;
+  Timing timing_;
   std::string q_bytes_;
 };
 

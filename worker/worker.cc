@@ -1870,6 +1870,13 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     tiers->set_host(static_cast<uint64_t>(leader->pages().host));
     tiers->set_disk(static_cast<uint64_t>(leader->pages().local));
     tiers->set_remote(static_cast<uint64_t>(leader->pages().remote));
+    const LeaderAttention::Timing& t = leader->timing();
+    if (t.calls > 0) {
+      const double us = 1e6 / static_cast<double>(t.calls);
+      STRATA_LOG(INFO) << "job " << request.job_id() << ": shard attention, " << t.calls << " layer calls of "
+                       << t.attend_seconds * us << " us on average (local shards " << t.local_seconds * us
+                       << " us, then waiting for the peers " << t.wait_seconds * us << " us)";
+    }
   }
   const double denom = static_cast<double>(std::max<int64_t>(steps, 1)) * L * H;
   usage->set_mean_attended_tokens(steps > 0 ? (end.selected_tokens - decode_start.selected_tokens) / denom
