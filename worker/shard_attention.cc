@@ -87,9 +87,14 @@ absl::StatusOr<CallViews> StageCall(kernels::Backend* backend, const float* q, i
       STRATA_ASSIGN_OR_RETURN(scratch->q, backend->Allocate(q_elems * 4));
       STRATA_ASSIGN_OR_RETURN(scratch->out, backend->Allocate(q_elems * 4));
       STRATA_ASSIGN_OR_RETURN(scratch->lse, backend->Allocate(l_elems * 4));
+      STRATA_ASSIGN_OR_RETURN(scratch->q_host, backend->AllocateHost(q_elems * 4));
+      STRATA_ASSIGN_OR_RETURN(scratch->out_host, backend->AllocateHost(q_elems * 4));
+      STRATA_ASSIGN_OR_RETURN(scratch->lse_host, backend->AllocateHost(l_elems * 4));
       scratch->capacity_tokens = static_cast<size_t>(n);
     }
-    STRATA_RETURN_IF_ERROR(backend->CopyToDevice(scratch->q->data(), q, q_elems * 4, nullptr));
+    std::memcpy(scratch->q_host->data(), q, q_elems * 4);
+    STRATA_RETURN_IF_ERROR(backend->CopyToDeviceAsync(scratch->q->data(), scratch->q_host->data(), q_elems * 4,
+                                                      nullptr));
     v.q = scratch->q->data();
     v.out = scratch->out->data();
     v.lse = scratch->lse->data();
@@ -97,13 +102,21 @@ absl::StatusOr<CallViews> StageCall(kernels::Backend* backend, const float* q, i
   return v;
 }
 
-// The call's output and lse back to the host (when they are not there already), then waits.
-absl::Status FinishCall(kernels::Backend* backend, const CallViews& v, engine::AttentionPartial* out) {
+// The call's output and lse back to the host (when they are not there already, through the
+// pinned staging), waiting once.
+absl::Status FinishCall(kernels::Backend* backend, const CallViews& v, const AttendScratch& scratch,
+                        engine::AttentionPartial* out) {
+  const size_t o_bytes = out->o.size() * 4, l_bytes = out->lse.size() * 4;
   if (!v.host) {
-    STRATA_RETURN_IF_ERROR(backend->CopyToHost(out->o.data(), v.out, out->o.size() * 4, nullptr));
-    STRATA_RETURN_IF_ERROR(backend->CopyToHost(out->lse.data(), v.lse, out->lse.size() * 4, nullptr));
+    STRATA_RETURN_IF_ERROR(backend->CopyToHostAsync(scratch.out_host->data(), v.out, o_bytes, nullptr));
+    STRATA_RETURN_IF_ERROR(backend->CopyToHostAsync(scratch.lse_host->data(), v.lse, l_bytes, nullptr));
   }
-  return backend->Synchronize(nullptr);
+  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+  if (!v.host) {
+    std::memcpy(out->o.data(), scratch.out_host->data(), o_bytes);
+    std::memcpy(out->lse.data(), scratch.lse_host->data(), l_bytes);
+  }
+  return absl::OkStatus();
 }
 
 // Holds `mu` for the scope when it is set.
@@ -156,7 +169,7 @@ absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& c
   ap.out = kernels::TensorView(od, kernels::DType::kF32, {n, hq, d});
   ap.lse = kernels::TensorView(ld, kernels::DType::kF32, {n, hq});
   STRATA_RETURN_IF_ERROR(backend->PagedAttention(ap, nullptr));
-  return FinishCall(backend, v, out);
+  return FinishCall(backend, v, *scratch, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -213,7 +226,7 @@ absl::Status ShardSession::AttendOnDevice(int layer, const float* q, int n, int 
       layer, kernels::TensorView(v.q, kernels::DType::kF32, {n, hq, d}), cache,
       kernels::TensorView(v.out, kernels::DType::kF32, {n, hq, d}),
       kernels::TensorView(v.lse, kernels::DType::kF32, {n, hq}), nullptr));
-  STRATA_RETURN_IF_ERROR(FinishCall(backend_, v, out));
+  STRATA_RETURN_IF_ERROR(FinishCall(backend_, v, scratch_, out));
   STRATA_RETURN_IF_ERROR(device_->ReadCacheHits(nullptr));  // no-op without the selection cache
   if (counters != nullptr) {
     const engine::SelectionCounters& after = device_->counters();

@@ -77,9 +77,12 @@ bool IsDensePolicy(const v1::SelectionPolicy& policy);
 // "<document hex>:<first_page>:<end_page>": the key of a shard range.
 std::string ShardKey(const v1::ShardRange& range);
 
-// Scratch buffers of PagedAttention calls over a cache in backend memory.
+// Scratch buffers of PagedAttention calls over a cache in backend memory: q, out and lse on the
+// backend and their host staging (AllocateHost: pinned on CUDA, so the copies do not wait and one
+// stream wait serves the call).
 struct AttendScratch {
   std::unique_ptr<kernels::Buffer> q, out, lse;
+  std::unique_ptr<kernels::Buffer> q_host, out_host, lse_host;
   size_t capacity_tokens = 0;
   std::vector<int32_t> positions;
 };
