@@ -34,8 +34,10 @@
 // STRATA_SHARDED_GPU_DOC_TOKENS (default 16384), STRATA_SHARDED_GPU_MAX_TOKENS (default 16),
 // STRATA_SHARDED_GPU_WORKERS (default 3), STRATA_SHARDED_GPU_DEVICES (default 1: worker i on GPU
 // i % devices, e.g. 2 on a two-GPU machine), STRATA_SHARDED_GPU_PRESET (random model preset,
-// default small; e.g. llama-3.1-8b) and STRATA_SHARDED_GPU_SKIP_CPU=1 (no CPU cluster: the GPU
-// figures only, for shapes the CPU cannot run in time).
+// default small; e.g. llama-3.1-8b), STRATA_SHARDED_GPU_SKIP_CPU=1 (no CPU cluster: the GPU
+// figures only, for shapes the CPU cannot run in time) and STRATA_SHARDED_GPU_CONCURRENT=K (then
+// K tokenselect jobs with different prompts at once on the GPU cluster, batched by the leader;
+// prints their aggregate decode rate).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -720,6 +722,28 @@ TEST(WorkerShardedGpuTest, DevicePlacedShardsMatchCpuWorkers) {
       EXPECT_LT(g.info.usage().mean_attended_tokens(), dense_attended);  // a selection, not everything
     }
     EXPECT_EQ(gpu.workers[leader]->failovers(), 0);
+  }
+  const int concurrent = static_cast<int>(EnvInt("STRATA_SHARDED_GPU_CONCURRENT", 0));
+  if (concurrent > 0) {
+    std::vector<Timed> runs(static_cast<size_t>(concurrent));
+    std::vector<std::thread> threads;
+    const auto c0 = std::chrono::steady_clock::now();
+    for (int j = 0; j < concurrent; ++j) {
+      threads.emplace_back([&, j] {
+        v1::RunJobRequest r = job(gpu, "gpu-concurrent-" + std::to_string(j), "tokenselect");
+        r.set_prompt_token_ids(0, 200 + j);  // a prompt of its own
+        runs[static_cast<size_t>(j)] = RunTimed(gpu.workers[leader].get(), r);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
+    double rate = 0;
+    for (const Timed& t : runs) {
+      EXPECT_EQ(t.info.state(), v1::JobInfo::DONE) << t.info.error_message();
+      rate += t.decode_tps;
+    }
+    std::printf("tokenselect  %d concurrent jobs: %.1f tok/s in all (sum of their decode rates), %.2f s wall\n",
+                concurrent, rate, wall);
   }
   // The peers' shards are mounted (on their shard backends) and counted.
   for (int i = 0; i < workers; ++i) {
