@@ -1115,6 +1115,16 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
       q_host = q_host_.data();
     }
     bool merge = false;
+    // Host-query external attentions first learn every segment's queries (ExternalAttention::
+    // Prepare), so that a batch's remote work overlaps.
+    for (const Segment& sg : segs) {
+      ExternalAttention* external = sg.options->external;
+      if (external != nullptr && !external->AttendsOnDevice()) {
+        STRATA_RETURN_IF_ERROR(external->Prepare(layer, q_host + sg.row0 * hq * d,
+                                                 static_cast<int>(sg.n), static_cast<int>(hq),
+                                                 sg.start_pos));
+      }
+    }
     for (size_t si = 0; si < segs.size(); ++si) {
       const Segment& sg = segs[si];
       const int64_t r0 = sg.row0, m = sg.n;

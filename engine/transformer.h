@@ -127,6 +127,15 @@ class ExternalAttention {
   // resizes it. Errors end the forward.
   virtual absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads,
                               int64_t q_begin, std::vector<AttentionPartial>* parts) = 0;
+  // Called by Forward for each segment whose external attention takes host queries, for all of
+  // a forward's segments before the first of their Attend calls of the layer, with the arguments
+  // that Attend will get: an implementation may start remote work here (worker::LeaderAttention
+  // sends the queries to its peers) so that the segments of a batch wait for their answers at
+  // the same time instead of one after another. Default: nothing. Errors end the forward.
+  virtual absl::Status Prepare(int layer, const float* q, int num_tokens, int num_q_heads,
+                               int64_t q_begin) {
+    return absl::OkStatus();
+  }
 
   // Optional device path. When AttendsOnDevice() is true, Forward calls AttendOnDevice instead of
   // Attend and nothing crosses to the host: q is backend memory f32 [num_tokens, num_q_heads,

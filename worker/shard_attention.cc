@@ -452,17 +452,18 @@ absl::Status LeaderAttention::Failover(Part* part, const std::string& why) {
   return absl::OkStatus();
 }
 
-absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
-                                     std::vector<engine::AttentionPartial>* parts) {
+absl::Status LeaderAttention::Prepare(int layer, const float* q, int n, int hq, int64_t q_begin) {
+  STRATA_RETURN_IF_ERROR(SendQueries(layer, q, n, hq, q_begin));
+  prepared_layer_ = layer;
+  return absl::OkStatus();
+}
+
+absl::Status LeaderAttention::SendQueries(int layer, const float* q, int n, int hq, int64_t q_begin) {
   if (layer == 0) {
     if (!first_call_) ++step_;
     first_call_ = false;
   }
-  using Clock = std::chrono::steady_clock;
-  const Clock::time_point t_start = Clock::now();
-  parts->resize(parts_.size());
   const size_t q_bytes = static_cast<size_t>(n) * hq * options_.config->head_dim * sizeof(float);
-  // 1. Queries to every peer.
   v1::SelectionRequest req;
   bool built = false;
   for (auto& p : parts_) {
@@ -479,6 +480,18 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
     p->sent = p->stream->Write(req);
     if (!p->sent) STRATA_RETURN_IF_ERROR(Failover(p.get(), "write failed"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
+                                     std::vector<engine::AttentionPartial>* parts) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t_start = Clock::now();
+  parts->resize(parts_.size());
+  const size_t q_bytes = static_cast<size_t>(n) * hq * options_.config->head_dim * sizeof(float);
+  // 1. Queries to every peer, unless Prepare sent them.
+  if (prepared_layer_ != layer) STRATA_RETURN_IF_ERROR(SendQueries(layer, q, n, hq, q_begin));
+  prepared_layer_ = -1;
   // 2. Local shards (including shards failed over in step 1).
   const Clock::time_point t_local = Clock::now();
   for (size_t i = 0; i < parts_.size(); ++i) {
@@ -496,7 +509,12 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
     p->sent = false;
     v1::SelectionResponse resp;
     std::string why;
-    const bool answered = p->NextAnswer(deadline, &resp, &why);
+    bool answered = p->NextAnswer(deadline, &resp, &why);
+    // Answers to queries of an earlier forward that did not finish (a batched forward that failed
+    // after Prepare sent every job's queries) are dropped.
+    while (answered && (resp.step() < step_ || (resp.step() == step_ && resp.layer() < static_cast<uint32_t>(layer)))) {
+      answered = p->NextAnswer(deadline, &resp, &why);
+    }
     if (answered && (resp.step() != step_ || resp.layer() != static_cast<uint32_t>(layer) ||
                      resp.o().size() != q_bytes || resp.lse().size() != lse_bytes)) {
       why = absl::StrCat("malformed answer (step ", resp.step(), ", layer ", resp.layer(), ")");

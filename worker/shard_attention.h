@@ -212,6 +212,9 @@ class LeaderAttention : public engine::ExternalAttention {
 
   absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
                       std::vector<engine::AttentionPartial>* parts) override;
+  // Sends the layer's queries to the peers now (Attend then only attends the local shards and
+  // waits), so that the jobs of a batched forward wait for their peers at the same time.
+  absl::Status Prepare(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin) override;
 
   // Selection counters summed over every shard (local and peers' answers).
   const engine::SelectionCounters& counters() const { return counters_; }
@@ -232,11 +235,14 @@ class LeaderAttention : public engine::ExternalAttention {
  private:
   explicit LeaderAttention(const Options& options);
   absl::Status Failover(Part* part, const std::string& why);
+  // The queries of a layer to every peer (step 1 of Attend; advances step_ at layer 0).
+  absl::Status SendQueries(int layer, const float* q, int n, int num_q_heads, int64_t q_begin);
 
   const Options options_;
   std::vector<std::unique_ptr<Part>> parts_;
   uint64_t step_ = 0;
   bool first_call_ = true;
+  int prepared_layer_ = -1;  // the layer whose queries Prepare sent, until its Attend
   engine::SelectionCounters counters_;
   kvstore::TierCounts pages_;
   int failovers_ = 0;
