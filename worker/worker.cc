@@ -1214,7 +1214,8 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
 absl::StatusOr<v1::MountShardResponse> Worker::MountShard(const v1::MountShardRequest& request) {
   if (request.whole_document()) return HoldWholeDocument(request.shard());
   kvstore::TierCounts pages;
-  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m, GetOrMount(request.shard(), &pages, true, DevicePlaced(nullptr)));
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const MountedShard> m,
+                          GetOrMount(request.shard(), &pages, true, DevicePlaced(nullptr)));
   STRATA_LOG(INFO) << "worker: mounted shard " << ShardKey(request.shard()) << " tokens=" << m->num_tokens();
   return v1::MountShardResponse();  // summary_bytes = 0: no summaries are held at mount
 }

@@ -433,8 +433,9 @@ class Worker {
   void MakePrefillAttention(const engine::KvCacheOptions& cache_options,
                             std::unique_ptr<engine::AttentionPolicy>* policy,
                             std::unique_ptr<engine::sparse::DevicePolicy>* device);
-  // The backend of mounted shards and selection answers: backend_ when it is the CPU backend,
-  // else host_backend_ (see the file comment).
+  // The backend of shards mounted in host memory (WorkerOptions::shard_placement host, private
+  // copies, shards that did not fit on the device): backend_ when it is the CPU backend, else
+  // host_backend_ (see the file comment).
   kernels::Backend* shard_backend() const { return host_backend_ != nullptr ? host_backend_.get() : backend_; }
   // Whether a session with `policy` (null: a mount without a session, MountShard) attends a
   // device-placed shard (WorkerOptions::shard_placement).

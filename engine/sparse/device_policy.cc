@@ -324,9 +324,9 @@ absl::Status DevicePolicy::AttendFollowing(int layer, const TensorView& q, const
     if (out.dtype != DType::kF32 || out.rank != 3 || out.dim(0) != 1 || out.dim(1) != hq_ ||
         out.dim(2) != d_ || lse.dtype != DType::kF32 || lse.rank != 2 || lse.dim(0) != 1 ||
         lse.dim(1) != hq_) {
-      return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: out/lse must be f32 [1, ", hq_, ", ",
-                                                     d_, "] / [1, ", hq_, "], got ", out.DebugString(),
-                                                     " / ", lse.DebugString()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("DevicePolicy: out/lse must be f32 [1, ", hq_, ", ", d_, "] / [1, ", hq_,
+                       "], got ", out.DebugString(), " / ", lse.DebugString()));
     }
     return Attend(layer, q, cache, out, lse, stream);
   }

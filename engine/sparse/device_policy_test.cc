@@ -509,9 +509,10 @@ TEST_P(DevicePolicyFollowingTest, FollowingQueriesMatchHostPolicy) {
     HostAttention(cpu.get(), *cache, l, sel, q, m, len, &want, &want_lse);
     HostAttention(cpu.get(), *cache, l, all, q, m, len, &exact, &exact_lse);
     std::vector<float> got(want.size(), NAN), got_lse(want_lse.size(), NAN);
-    STRATA_ASSERT_OK(dev->AttendFollowing(l, TensorView(q.data(), DType::kF32, {m, kHq, kD}), *cache,
-                                          TensorView(got.data(), DType::kF32, {m, kHq, kD}),
-                                          TensorView(got_lse.data(), DType::kF32, {m, kHq}), nullptr));
+    STRATA_ASSERT_OK(dev->AttendFollowing(l, TensorView(q.data(), DType::kF32, {m, kHq, kD}),
+                                          *cache, TensorView(got.data(), DType::kF32, {m, kHq, kD}),
+                                          TensorView(got_lse.data(), DType::kF32, {m, kHq}),
+                                          nullptr));
     double from_dense = 0;
     for (size_t i = 0; i < want.size(); ++i) {
       ASSERT_TRUE(std::isfinite(got[i])) << i;
@@ -530,10 +531,11 @@ TEST_P(DevicePolicyFollowingTest, FollowingQueriesMatchHostPolicy) {
   // Malformed calls.
   std::vector<float> out(q.size()), lse(static_cast<size_t>(m) * kHq);
   const TensorView qv(q.data(), DType::kF32, {m, kHq, kD});
-  EXPECT_THAT(dev->AttendFollowing(kLayers, qv, *cache, TensorView(out.data(), DType::kF32, {m, kHq, kD}),
+  const TensorView ov(out.data(), DType::kF32, {m, kHq, kD});
+  EXPECT_THAT(dev->AttendFollowing(kLayers, qv, *cache, ov,
                                    TensorView(lse.data(), DType::kF32, {m, kHq}), nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(dev->AttendFollowing(0, qv, *cache, TensorView(out.data(), DType::kF32, {m, kHq, kD}),
+  EXPECT_THAT(dev->AttendFollowing(0, qv, *cache, ov,
                                    TensorView(lse.data(), DType::kF32, {m + 1, kHq}), nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
