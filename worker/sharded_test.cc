@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -194,6 +195,15 @@ class ShardedTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s;
     return last;
   }
+  // Two jobs at once, led by workers `la` and `lb`.
+  std::pair<v1::JobInfo, v1::JobInfo> RunTwo(int la, const v1::RunJobRequest& a, int lb, const v1::RunJobRequest& b) {
+    std::pair<v1::JobInfo, v1::JobInfo> out;
+    std::thread ta([&] { out.first = Run(la, a); });
+    std::thread tb([&] { out.second = Run(lb, b); });
+    ta.join();
+    tb.join();
+    return out;
+  }
   static std::vector<int32_t> Tokens(const v1::JobInfo& info) {
     return std::vector<int32_t>(info.output_token_ids().begin(), info.output_token_ids().end());
   }
@@ -283,11 +293,7 @@ class ShardedDeviceLikeTest : public ShardedTest {
 TEST_F(ShardedDeviceLikeTest, ExactPrefillAndBatchedDenseJobsMatchOneProcess) {
   PrefillExact();
   const std::vector<int32_t> want = Reference(12);
-  v1::JobInfo a, b;
-  std::thread ta([&] { a = Run(1, Job("device-a", 12)); });
-  std::thread tb([&] { b = Run(1, Job("device-b", 12)); });
-  ta.join();
-  tb.join();
+  const auto [a, b] = RunTwo(1, Job("device-a", 12), 1, Job("device-b", 12));
   ASSERT_EQ(a.state(), v1::JobInfo::DONE) << a.error_message();
   ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
   EXPECT_EQ(Tokens(a), want);
@@ -309,17 +315,15 @@ TEST_F(ShardedDevicePlacedTest, DenseJobsMatchOneProcess) {
   PrefillExact();
   const std::vector<int32_t> want = Reference(12);
   // Two leaders at once: w1's and w2's shard sessions share each worker's shard backend.
-  v1::JobInfo a, b;
-  std::thread ta([&] { a = Run(1, Job("placed-a", 12)); });
-  std::thread tb([&] { b = Run(2, Job("placed-b", 12)); });
-  ta.join();
-  tb.join();
+  const auto [a, b] = RunTwo(1, Job("placed-a", 12), 2, Job("placed-b", 12));
   ASSERT_EQ(a.state(), v1::JobInfo::DONE) << a.error_message();
   ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
   EXPECT_EQ(Tokens(a), want);
   EXPECT_EQ(Tokens(b), want);
   // Every worker attended its shard on its shard backend (answers, or its own part as leader).
-  for (int i = 0; i < kWorkers; ++i) EXPECT_GT(shard_backends_[i]->attention_calls.load(), 0) << "worker " << i;
+  for (int i = 0; i < kWorkers; ++i) {
+    EXPECT_GT(shard_backends_[i]->attention_calls.load(), 0) << "worker " << i;
+  }
   EXPECT_EQ(workers_[0]->Load().mounted_tokens(), 128u);
 }
 
@@ -409,11 +413,7 @@ TEST_F(ShardedTest, ConcurrentJobsLedByDifferentWorkers) {
   // the engine lock (no deadlock), and both jobs give the reference tokens.
   PrefillExact();
   const std::vector<int32_t> want = Reference(10);
-  v1::JobInfo a, b;
-  std::thread ta([&] { a = Run(0, Job("concurrent-a", 10)); });
-  std::thread tb([&] { b = Run(2, Job("concurrent-b", 10)); });
-  ta.join();
-  tb.join();
+  const auto [a, b] = RunTwo(0, Job("concurrent-a", 10), 2, Job("concurrent-b", 10));
   ASSERT_EQ(a.state(), v1::JobInfo::DONE) << a.error_message();
   ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
   EXPECT_EQ(Tokens(a), want);

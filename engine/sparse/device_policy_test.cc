@@ -475,29 +475,23 @@ class DevicePolicyFollowingTest : public ::testing::TestWithParam<ChunkCase> {};
 TEST_P(DevicePolicyFollowingTest, FollowingQueriesMatchHostPolicy) {
   const ChunkCase c = GetParam();
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
-  KvCacheOptions co;
-  co.num_layers = kLayers;
-  co.num_kv_heads = kHkv;
-  co.head_dim = kD;
-  co.page_size = kPage;
-  co.dtype = c.dtype;
-  co.max_tokens = c.context;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
   PolicyOptions o = Options(c.kind);
   o.window_tokens = 0;  // a shard's window is its last token only
-  STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
+  PolicyPair pp;
+  STRATA_ASSERT_OK(pp.Init(o, c.dtype, c.context, cpu.get(),
+                           11 + static_cast<int>(c.context * 7 + c.chunk) + static_cast<int>(c.kind)));
+  KvCache* const cache = pp.cache.get();
+  SparsePolicy* const host = pp.host.get();
+  DevicePolicy* const dev = pp.dev.get();
   std::unique_ptr<AttentionPolicy> dense = MakeDensePolicy();
-  std::mt19937 rng(11 + static_cast<int>(c.context * 7 + c.chunk) + static_cast<int>(c.kind));
   for (int64_t t = 0; t < c.context;) {
-    const int64_t n = std::min<int64_t>(c.context - t, 1 + rng() % 300);
-    AppendRandom(cache.get(), host.get(), dev.get(), n, &rng);
+    const int64_t n = std::min<int64_t>(c.context - t, 1 + pp.rng() % 300);
+    AppendRandom(cache, host, dev, n, &pp.rng);
     t += n;
   }
   const int64_t m = c.chunk, len = c.context;
-  std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(m) * kHq * kD);
-  for (float& x : q) x = 2.0f * nd(rng);
+  for (float& x : q) x = 2.0f * pp.nd(pp.rng);
   std::vector<float> qmean;
   MeanQuery(q.data(), static_cast<int>(m), static_cast<int64_t>(kHq) * kD, &qmean);
   for (int l = 0; l < kLayers; ++l) {
