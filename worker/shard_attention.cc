@@ -119,6 +119,16 @@ absl::Status FinishCall(kernels::Backend* backend, const CallViews& v, const Att
   return absl::OkStatus();
 }
 
+// What a selection did between two readings of its counters, added to *sum (when set).
+void AddSince(const engine::SelectionCounters& before, const engine::SelectionCounters& after,
+              engine::SelectionCounters* sum) {
+  if (sum == nullptr) return;
+  sum->candidate_tokens += after.candidate_tokens - before.candidate_tokens;
+  sum->selected_tokens += after.selected_tokens - before.selected_tokens;
+  sum->cache_lookups += after.cache_lookups - before.cache_lookups;
+  sum->cache_hits += after.cache_hits - before.cache_hits;
+}
+
 // Holds `mu` for the scope when it is set.
 class MaybeLock {
  public:
@@ -228,13 +238,7 @@ absl::Status ShardSession::AttendOnDevice(int layer, const float* q, int n, int 
       kernels::TensorView(v.lse, kernels::DType::kF32, {n, hq}), nullptr));
   STRATA_RETURN_IF_ERROR(FinishCall(backend_, v, scratch_, out));
   STRATA_RETURN_IF_ERROR(device_->ReadCacheHits(nullptr));  // no-op without the selection cache
-  if (counters != nullptr) {
-    const engine::SelectionCounters& after = device_->counters();
-    counters->candidate_tokens += after.candidate_tokens - before.candidate_tokens;
-    counters->selected_tokens += after.selected_tokens - before.selected_tokens;
-    counters->cache_lookups += after.cache_lookups - before.cache_lookups;
-    counters->cache_hits += after.cache_hits - before.cache_hits;
-  }
+  AddSince(before, device_->counters(), counters);
   return absl::OkStatus();
 }
 
@@ -268,13 +272,7 @@ absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int6
     engine::MeanQuery(q, n, static_cast<int64_t>(hq) * d, &qmean_);
     const engine::SelectionCounters before = policy_->counters();
     STRATA_RETURN_IF_ERROR(policy_->Select(layer, qmean_.data(), 1, hq, len - 1, cache, &selection_));
-    if (counters != nullptr) {
-      const engine::SelectionCounters& after = policy_->counters();
-      counters->candidate_tokens += after.candidate_tokens - before.candidate_tokens;
-      counters->selected_tokens += after.selected_tokens - before.selected_tokens;
-      counters->cache_lookups += after.cache_lookups - before.cache_lookups;
-      counters->cache_hits += after.cache_hits - before.cache_hits;
-    }
+    AddSince(before, policy_->counters(), counters);
   }
   const int32_t base = static_cast<int32_t>(shard_->first_token());
   for (kernels::KvSpan& s : selection_.spans) s.position += base;
