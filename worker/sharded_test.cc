@@ -248,6 +248,12 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   // Dense: every context token attended at each decode step.
   EXPECT_GT(info.usage().mean_attended_tokens(), static_cast<double>(doc_.size()));
   EXPECT_EQ(workers_[1]->failovers(), 0);
+  // The leader timed its attention over the shards: one call per layer of each of its 12 forwards
+  // (the prompt's one chunk, then 11 decode steps) on the 2-layer model.
+  EXPECT_EQ(metrics_[1]->shard_attention_layers->Value(), 12.0 * 2);
+  EXPECT_GT(metrics_[1]->shard_attention_local_seconds->Value(), 0.0);
+  EXPECT_GT(metrics_[1]->shard_attention_peer_seconds->Value(), 0.0);
+  EXPECT_EQ(metrics_[0]->shard_attention_layers->Value(), 0.0);  // w0 only answered
   // Peers mounted their shards on demand.
   EXPECT_EQ(workers_[0]->Load().mounted_tokens(), 128u);
   EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 330u - 256u);

@@ -320,6 +320,16 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r) {
                              .Register(*r)
                              .Add({}, prometheus::Histogram::BucketBoundaries{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                                                                               60, 120, 300, 600, 1800, 3600});
+  shard_attention_layers =
+      NewCounter(r, "strata_shard_attention_layers_total",
+                 "Layer calls of a sharded job's attention over the document's shards, on its leader.");
+  auto& shard_seconds = prometheus::BuildCounter()
+                            .Name("strata_shard_attention_seconds_total")
+                            .Help("Seconds of those calls in the leader's own shards (local), then waiting for "
+                                  "the peers' answers (peers).")
+                            .Register(*r);
+  shard_attention_local_seconds = &shard_seconds.Add({{"part", "local"}});
+  shard_attention_peer_seconds = &shard_seconds.Add({{"part", "peers"}});
   inter_token_latency = &prometheus::BuildHistogram()
                              .Name("strata_inter_token_latency_seconds")
                              .Help("Time between consecutive generated tokens of a job.")
@@ -1872,6 +1882,11 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     tiers->set_disk(static_cast<uint64_t>(leader->pages().local));
     tiers->set_remote(static_cast<uint64_t>(leader->pages().remote));
     const LeaderAttention::Timing& t = leader->timing();
+    if (metrics_ != nullptr) {
+      Inc(metrics_->shard_attention_layers, static_cast<double>(t.calls));
+      Inc(metrics_->shard_attention_local_seconds, t.local_seconds);
+      Inc(metrics_->shard_attention_peer_seconds, t.wait_seconds);
+    }
     if (t.calls > 0) {
       const double us = 1e6 / static_cast<double>(t.calls);
       STRATA_LOG(INFO) << "job " << request.job_id() << ": shard attention, " << t.calls << " layer calls of "

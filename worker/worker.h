@@ -273,6 +273,13 @@ struct WorkerMetrics {
   // consecutive tokens. Buckets as docs/metrics.md.
   prometheus::Histogram* time_to_first_token;
   prometheus::Histogram* inter_token_latency;
+  // strata_shard_attention_layers_total and strata_shard_attention_seconds_total{part="local"|
+  // "peers"}: a sharded job's leader, per layer call of its attention over the document's shards
+  // (LeaderAttention::Timing): the calls, the seconds in its own shards' sessions, and the seconds
+  // then spent waiting for the peers' answers. Added when the job ends.
+  prometheus::Counter* shard_attention_layers;
+  prometheus::Counter* shard_attention_local_seconds;
+  prometheus::Counter* shard_attention_peer_seconds;
   // The KV tier metrics (strata_kv_*) of the worker's registry, set by the owner after
   // construction: lazy-mount jobs count their GPU page caches there (tier "gpu"). Null: each
   // lazy job counts into a private registry. Not owned.
