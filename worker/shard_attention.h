@@ -22,7 +22,7 @@
 //   the same selection as the host policy but for the device policy's documented differences; a
 //   one-token query, a decode step, is one fused selection-and-attention kernel on CUDA and uses
 //   the selection cache, as a job's decode step); dense attends every token there; the worker
-//   gives any other policy a shard in host memory.
+//   gives any other policy a host-memory copy of the shard.
 // - LeaderAttention: the leader's engine::ExternalAttention over every shard of a ShardMap.
 //   Shards held by this worker are attended in process (ShardSession over a local mount); every
 //   other shard through one ShardSelection stream to its holder (SelectionOpen, then one

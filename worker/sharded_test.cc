@@ -371,8 +371,28 @@ TEST_F(ShardedDevicePlacedTest, OtherPoliciesReadAHostCopy) {
   const v1::JobInfo info = Run(1, req);
   ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
   EXPECT_EQ(info.output_token_ids_size(), 6);
-  // w2 answered from a private host copy: nothing ran on its shard backend, no mount counted.
+  // w2 answered from a host copy of its shard: nothing ran on its shard backend; the copy is
+  // counted and listed as a mount.
   EXPECT_EQ(shard_backends_[2]->attention_calls.load(), attended);
+  EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 330u - 256u);
+  ASSERT_EQ(workers_[2]->MountedShards().size(), 1u);
+  EXPECT_GT(info.usage().pages_fetched().disk(), 0u);
+  // A second such job reuses the copies: no page is read again.
+  req.set_job_id("placed-streaming-2");
+  const v1::JobInfo again = Run(1, req);
+  ASSERT_EQ(again.state(), v1::JobInfo::DONE) << again.error_message();
+  EXPECT_EQ(again.usage().pages_fetched().disk(), 0u);
+  EXPECT_EQ(Tokens(again), Tokens(info));
+  // A dense job then mounts the shard on the device beside the copy (both counted), and
+  // unmounting drops both.
+  const v1::JobInfo dense = Run(1, Job("placed-dense", 4));
+  ASSERT_EQ(dense.state(), v1::JobInfo::DONE) << dense.error_message();
+  EXPECT_GT(shard_backends_[2]->attention_calls.load(), attended);
+  EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 2 * (330u - 256u));
+  EXPECT_EQ(workers_[2]->MountedShards().size(), 1u);
+  v1::UnmountShardRequest un;
+  *un.mutable_shard() = Map().shards(2).range();
+  STRATA_ASSERT_OK(workers_[2]->UnmountShard(un));
   EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 0u);
 }
 

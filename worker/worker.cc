@@ -1125,8 +1125,9 @@ int64_t Worker::lazy_shared_documents() const {
 uint64_t Worker::MountedTokens() const {
   uint64_t tokens = 0;
   for (const auto& [k, m] : mounted_) tokens += static_cast<uint64_t>(m->num_tokens());
+  for (const auto& [k, m] : host_copies_) tokens += static_cast<uint64_t>(m->num_tokens());
   for (const auto& [k, h] : held_) {
-    if (mounted_.count(k) == 0) tokens += static_cast<uint64_t>(h.tokens);
+    if (mounted_.count(k) == 0 && host_copies_.count(k) == 0) tokens += static_cast<uint64_t>(h.tokens);
   }
   return tokens;
 }
@@ -1171,12 +1172,14 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
                                                                        kvstore::TierCounts* pages,
                                                                        bool check_capacity, bool device) {
   const std::string key = ShardKey(range);
-  // The registered mounts are those of the worker's placement; another is a private copy.
-  const bool registered = device == shards_on_device_;
-  if (registered) {
+  // Mounts of the worker's placement are in mounted_; host copies of a worker that places shards
+  // on the device in host_copies_.
+  const bool primary = device == shards_on_device_;
+  {
     absl::MutexLock lock(&mu_);
-    auto it = mounted_.find(key);
-    if (it != mounted_.end()) return it->second;
+    auto& mounts = primary ? mounted_ : host_copies_;
+    auto it = mounts.find(key);
+    if (it != mounts.end()) return it->second;
   }
   STRATA_ASSIGN_OR_RETURN(const ShardSpan span, CheckShard(range, check_capacity));
   const kvstore::DocumentId id = span.id;
@@ -1215,9 +1218,8 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
   }
   STRATA_RETURN_IF_ERROR(loaded.status());
   std::shared_ptr<const MountedShard> shard = *std::move(loaded);
-  if (!registered) return shard;
   absl::MutexLock lock(&mu_);
-  auto [it, inserted] = mounted_.emplace(key, shard);
+  auto [it, inserted] = (primary ? mounted_ : host_copies_).emplace(key, shard);
   return it->second;
 }
 
@@ -1259,6 +1261,7 @@ absl::Status Worker::UnmountShard(const v1::UnmountShardRequest& request) {
   absl::MutexLock lock(&mu_);
   const std::string key = ShardKey(request.shard());
   mounted_.erase(key);
+  host_copies_.erase(key);
   auto it = held_.find(key);
   if (it != held_.end()) {
     // The document's lazy state goes when no job uses it and no other shard of it is held here.
@@ -1277,8 +1280,11 @@ std::vector<v1::ShardRange> Worker::MountedShards() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::ShardRange> out;
   for (const auto& [k, m] : mounted_) out.push_back(m->range());
+  for (const auto& [k, m] : host_copies_) {
+    if (mounted_.count(k) == 0) out.push_back(m->range());
+  }
   for (const auto& [k, h] : held_) {
-    if (mounted_.count(k) == 0) out.push_back(h.range);
+    if (mounted_.count(k) == 0 && host_copies_.count(k) == 0) out.push_back(h.range);
   }
   return out;
 }

@@ -208,7 +208,8 @@ struct WorkerOptions {
   // host memory; "device": on the shard backend, or, on a CPU worker, on its own backend with the
   // device selection path (worker/shard_attention.h; for tests); InvalidArgument on a GPU worker
   // given no shard backend. On the device, dense, quest and tokenselect (minmax) sessions select
-  // and attend there; a session with another policy reads a private host-memory copy of the shard.
+  // and attend there; a session with another policy reads a host-memory copy of the shard, kept
+  // for later such sessions and counted as a mount.
   std::string shard_placement = "auto";
   // Decode steps draw their token on the backend (Backend::Sample over the step's logits in
   // backend memory, with the job's temperature, top-k, top-p and the next uniform of its seeded
@@ -416,7 +417,7 @@ class Worker {
 
   // The mount of `range` (existing, or loaded from the store now); adds the pages read to *pages.
   // `device`: placed on the device (DevicePlaced); a host mount asked of a worker that places
-  // shards on the device is a private copy, not registered or counted as a mount. A device mount
+  // shards on the device is a host copy (host_copies_), shared by such sessions. A device mount
   // that runs out of device memory (ResourceExhausted) is made in host memory instead (logged
   // once); its sessions then select on the host.
   absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
@@ -440,7 +441,7 @@ class Worker {
   void MakePrefillAttention(const engine::KvCacheOptions& cache_options,
                             std::unique_ptr<engine::AttentionPolicy>* policy,
                             std::unique_ptr<engine::sparse::DevicePolicy>* device);
-  // The backend of shards mounted in host memory (WorkerOptions::shard_placement host, private
+  // The backend of shards mounted in host memory (WorkerOptions::shard_placement host, host
   // copies, shards that did not fit on the device): backend_ when it is the CPU backend, else
   // host_backend_ (see the file comment).
   kernels::Backend* shard_backend() const { return host_backend_ != nullptr ? host_backend_.get() : backend_; }
@@ -471,6 +472,9 @@ class Worker {
   int prefilling_ ABSL_GUARDED_BY(mu_) = 0;
   std::string address_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<const MountedShard>> mounted_ ABSL_GUARDED_BY(mu_);
+  // Host-memory copies of shards for sessions whose policy cannot select on the device, on a
+  // worker that places shards there (GetOrMount); counted and listed as mounts.
+  std::map<std::string, std::shared_ptr<const MountedShard>> host_copies_ ABSL_GUARDED_BY(mu_);
   // Shards of documents whole on this worker, held without pages (MountShard's whole_document).
   struct HeldShard {
     v1::ShardRange range;
@@ -478,7 +482,7 @@ class Worker {
     std::string share_key;  // LazyShareKey of its document
   };
   std::map<std::string, HeldShard> held_ ABSL_GUARDED_BY(mu_);
-  // Tokens of mounted_ and of held_ shards not also in mounted_.
+  // Tokens of mounted_, host_copies_ and held_ shards not also in either.
   uint64_t MountedTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A shard range checked against the catalog (document known, layout, pages inside it) and,
   // with check_capacity, against capacity_tokens.
