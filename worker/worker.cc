@@ -1177,9 +1177,10 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
   const bool primary = device == shards_on_device_;
   {
     absl::MutexLock lock(&mu_);
-    auto& mounts = primary ? mounted_ : host_copies_;
-    auto it = mounts.find(key);
-    if (it != mounts.end()) return it->second;
+    auto it = mounted_.find(key);
+    // (A device mount that fell back to host memory serves host sessions too.)
+    if (it != mounted_.end() && (primary || !it->second->device_selection())) return it->second;
+    if (!primary && (it = host_copies_.find(key)) != host_copies_.end()) return it->second;
   }
   STRATA_ASSIGN_OR_RETURN(const ShardSpan span, CheckShard(range, check_capacity));
   const kvstore::DocumentId id = span.id;
