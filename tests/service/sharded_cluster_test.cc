@@ -1,6 +1,7 @@
 // A sharded deployment as separate processes on 127.0.0.1: `strata kvstore`, `strata coordinator`
 // (--target-shard-tokens 256, so a 700-token document is 3 shards of 4, 4 and 3 pages) and three
-// `strata worker`s with --kvstore pointing at the KV store, on a tiny random model made by
+// `strata worker`s with --kvstore pointing at the KV store (the second with --shard-placement
+// device: its shards through the device attention path, here on the CPU), on a tiny random model made by
 // `strata make-model`. Driven through the public gRPC API; workers' /metrics read over HTTP.
 //
 // One cluster per process (ctest runs each test in its own process; run directly, the tests share
@@ -90,12 +91,15 @@ class ShardedClusterTest : public ::testing::Test {
     ASSERT_GT(coordinator_port_, 0);
     for (int w = 0; w < kWorkers; ++w) {
       metrics_ports_[w] = FreePort();
+      // Worker 1 attends its shards through the device path (--shard-placement device: on the CPU
+      // backend, the device selection ops' CPU twins), the others in host memory (the default).
       workers_[w] = new ChildProcess(
           {STRATA_BINARY, "worker", "--listen", "127.0.0.1:0", "--metrics-listen",
            absl::StrCat("127.0.0.1:", metrics_ports_[w]), "--worker-id", WorkerId(w), "--coordinator",
            absl::StrCat("127.0.0.1:", coordinator_port_), "--kvstore", absl::StrCat("127.0.0.1:", kvstore_port_),
            "--model", *dir_ + "/model", "--prefill-chunk", "128", "--threads", "1", "--port-file",
-           absl::StrCat(*dir_, "/worker", w, ".ports"), "--drain-timeout-seconds", "2"},
+           absl::StrCat(*dir_, "/worker", w, ".ports"), "--drain-timeout-seconds", "2", "--shard-placement",
+           w == 1 ? "device" : "auto"},
           absl::StrCat(*dir_, "/worker", w, ".out"), absl::StrCat(*dir_, "/worker", w, ".err"));
     }
     for (int w = 0; w < kWorkers; ++w) {
