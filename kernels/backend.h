@@ -583,6 +583,12 @@ class Backend {
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes, Stream s) = 0;
   // Waits for all work queued on `s`.
   virtual absl::Status Synchronize(Stream s) = 0;
+  // A stream of its own for work independent of the default stream's (ops queued on it run in
+  // order; Synchronize(s) waits for them); the caller destroys it with DestroyStream before the
+  // backend. Default: the default stream (nullptr) and a destroy that does nothing, for backends
+  // that run each op as it is called.
+  virtual absl::StatusOr<Stream> CreateStream() { return Stream(nullptr); }
+  virtual absl::Status DestroyStream(Stream s) { return absl::OkStatus(); }
   // Host memory the device can read directly (PageCopy staging): pinned and mapped on CUDA
   // (cudaHostAlloc), plain memory on the CPU. ResourceExhausted when not available.
   virtual absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t bytes) = 0;

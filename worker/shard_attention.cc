@@ -63,17 +63,8 @@ std::string ShardKey(const v1::ShardRange& r) {
 
 namespace {
 
-// Backend addresses of a call's queries (copied in), output and lse: the host arrays themselves
-// on the CPU backend, else scratch grown to n tokens.
-struct CallViews {
-  void* q = nullptr;
-  void* out = nullptr;
-  void* lse = nullptr;
-  bool host = true;
-};
-
 absl::StatusOr<CallViews> StageCall(kernels::Backend* backend, const float* q, int n, int hq, int d,
-                                    AttendScratch* scratch, engine::AttentionPartial* out) {
+                                    AttendScratch* scratch, engine::AttentionPartial* out, kernels::Stream stream) {
   const size_t q_elems = static_cast<size_t>(n) * hq * d, l_elems = static_cast<size_t>(n) * hq;
   out->o.resize(q_elems);
   out->lse.resize(l_elems);
@@ -94,7 +85,7 @@ absl::StatusOr<CallViews> StageCall(kernels::Backend* backend, const float* q, i
     }
     std::memcpy(scratch->q_host->data(), q, q_elems * 4);
     STRATA_RETURN_IF_ERROR(backend->CopyToDeviceAsync(scratch->q->data(), scratch->q_host->data(), q_elems * 4,
-                                                      nullptr));
+                                                      stream));
     v.q = scratch->q->data();
     v.out = scratch->out->data();
     v.lse = scratch->lse->data();
@@ -102,21 +93,49 @@ absl::StatusOr<CallViews> StageCall(kernels::Backend* backend, const float* q, i
   return v;
 }
 
-// The call's output and lse back to the host (when they are not there already, through the
-// pinned staging), waiting once.
-absl::Status FinishCall(kernels::Backend* backend, const CallViews& v, const AttendScratch& scratch,
-                        engine::AttentionPartial* out) {
-  const size_t o_bytes = out->o.size() * 4, l_bytes = out->lse.size() * 4;
-  if (!v.host) {
-    STRATA_RETURN_IF_ERROR(backend->CopyToHostAsync(scratch.out_host->data(), v.out, o_bytes, nullptr));
-    STRATA_RETURN_IF_ERROR(backend->CopyToHostAsync(scratch.lse_host->data(), v.lse, l_bytes, nullptr));
-  }
-  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
-  if (!v.host) {
-    std::memcpy(out->o.data(), scratch.out_host->data(), o_bytes);
-    std::memcpy(out->lse.data(), scratch.lse_host->data(), l_bytes);
-  }
-  return absl::OkStatus();
+// Queues the call's output and lse back to the host (when they are not there already) into the
+// pinned staging, on `stream`.
+absl::Status QueueResults(kernels::Backend* backend, const CallViews& v, const AttendScratch& scratch,
+                          const engine::AttentionPartial& out, kernels::Stream stream) {
+  if (v.host) return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(
+      backend->CopyToHostAsync(scratch.out_host->data(), v.out, out.o.size() * 4, stream));
+  return backend->CopyToHostAsync(scratch.lse_host->data(), v.lse, out.lse.size() * 4, stream);
+}
+
+// Once the stream has been waited for: the results from the staging into *out.
+void TakeResults(const CallViews& v, const AttendScratch& scratch, engine::AttentionPartial* out) {
+  if (v.host) return;
+  std::memcpy(out->o.data(), scratch.out_host->data(), out->o.size() * 4);
+  std::memcpy(out->lse.data(), scratch.lse_host->data(), out->lse.size() * 4);
+}
+
+// Queues PagedAttention of q over `selection` (as AttendSelection) on `stream`, with its results'
+// copies; the partial is in *out once the stream has been waited for and TakeResults ran.
+absl::StatusOr<CallViews> QueueSelection(kernels::Backend* backend, const engine::KvCache& cache, int layer,
+                                         const engine::Selection& selection, const float* q, int n, int hq,
+                                         int64_t q_begin, AttendScratch* scratch, engine::AttentionPartial* out,
+                                         kernels::Stream stream) {
+  const int d = cache.options().head_dim;
+  const int hkv = cache.options().num_kv_heads;
+  scratch->positions.resize(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) scratch->positions[i] = static_cast<int32_t>(q_begin + i);
+  STRATA_ASSIGN_OR_RETURN(const CallViews v, StageCall(backend, q, n, hq, d, scratch, out, stream));
+  kernels::PagedAttentionParams ap;
+  ap.q = kernels::TensorView(v.q, kernels::DType::kF32, {n, hq, d});
+  ap.k_pool = cache.k_pool(layer);
+  ap.v_pool = cache.v_pool(layer);
+  ap.spans = selection.spans.data();
+  ap.span_offsets = selection.offsets.data();
+  ap.num_kv_heads = hkv;
+  ap.q_positions = scratch->positions.data();
+  ap.causal = true;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  ap.out = kernels::TensorView(v.out, kernels::DType::kF32, {n, hq, d});
+  ap.lse = kernels::TensorView(v.lse, kernels::DType::kF32, {n, hq});
+  STRATA_RETURN_IF_ERROR(backend->PagedAttention(ap, stream));
+  STRATA_RETURN_IF_ERROR(QueueResults(backend, v, *scratch, *out, stream));
+  return v;
 }
 
 // What a selection did between two readings of its counters, added to *sum (when set).
@@ -158,28 +177,11 @@ bool DeviceShardPolicy(const v1::SelectionPolicy& policy, int page_size) {
 absl::Status AttendSelection(kernels::Backend* backend, const engine::KvCache& cache, int layer,
                              const engine::Selection& selection, const float* q, int n, int hq, int64_t q_begin,
                              AttendScratch* scratch, engine::AttentionPartial* out) {
-  const int d = cache.options().head_dim;
-  const int hkv = cache.options().num_kv_heads;
-  scratch->positions.resize(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) scratch->positions[i] = static_cast<int32_t>(q_begin + i);
-  STRATA_ASSIGN_OR_RETURN(const CallViews v, StageCall(backend, q, n, hq, d, scratch, out));
-  void* const qd = v.q;
-  void* const od = v.out;
-  void* const ld = v.lse;
-  kernels::PagedAttentionParams ap;
-  ap.q = kernels::TensorView(qd, kernels::DType::kF32, {n, hq, d});
-  ap.k_pool = cache.k_pool(layer);
-  ap.v_pool = cache.v_pool(layer);
-  ap.spans = selection.spans.data();
-  ap.span_offsets = selection.offsets.data();
-  ap.num_kv_heads = hkv;
-  ap.q_positions = scratch->positions.data();
-  ap.causal = true;
-  ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  ap.out = kernels::TensorView(od, kernels::DType::kF32, {n, hq, d});
-  ap.lse = kernels::TensorView(ld, kernels::DType::kF32, {n, hq});
-  STRATA_RETURN_IF_ERROR(backend->PagedAttention(ap, nullptr));
-  return FinishCall(backend, v, *scratch, out);
+  STRATA_ASSIGN_OR_RETURN(const CallViews v,
+                          QueueSelection(backend, cache, layer, selection, q, n, hq, q_begin, scratch, out, nullptr));
+  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+  TakeResults(v, *scratch, out);
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -194,6 +196,10 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     return absl::InvalidArgumentError("ShardSession: null shard or backend");
   }
   std::unique_ptr<ShardSession> s(new ShardSession(std::move(shard), config));
+  {
+    MaybeLock lock(s->shard_->backend_mu());
+    STRATA_ASSIGN_OR_RETURN(s->stream_, s->backend_->CreateStream());
+  }
   if (!IsDensePolicy(policy)) {
     v1::SelectionPolicy p = policy;
     // Sinks belong to the shard holding tokens [0, S); the window belongs to the leader.
@@ -213,9 +219,9 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
       STRATA_ASSIGN_OR_RETURN(s->device_, engine::sparse::DevicePolicy::Create(
                                               o, cache.options(), static_cast<int>(config.num_heads), s->backend_));
       for (int l = 0; l < static_cast<int>(config.num_layers); ++l) {
-        STRATA_RETURN_IF_ERROR(s->device_->OnAppend(l, cache, 0, cache.length(l), nullptr));
+        STRATA_RETURN_IF_ERROR(s->device_->OnAppend(l, cache, 0, cache.length(l), s->stream_));
       }
-      STRATA_RETURN_IF_ERROR(s->backend_->Synchronize(nullptr));
+      STRATA_RETURN_IF_ERROR(s->backend_->Synchronize(s->stream_));
     } else {
       STRATA_ASSIGN_OR_RETURN(s->policy_, MakeJobPolicy(p, config, page_size));
       for (int l = 0; l < static_cast<int>(config.num_layers); ++l) {
@@ -226,26 +232,16 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
   return s;
 }
 
-absl::Status ShardSession::AttendOnDevice(int layer, const float* q, int n, int hq, engine::AttentionPartial* out,
-                                          engine::SelectionCounters* counters) {
-  const engine::KvCache& cache = shard_->cache();
-  const int d = cache.options().head_dim;
-  STRATA_ASSIGN_OR_RETURN(const CallViews v, StageCall(backend_, q, n, hq, d, &scratch_, out));
-  const engine::SelectionCounters before = device_->counters();
-  STRATA_RETURN_IF_ERROR(device_->AttendFollowing(
-      layer, kernels::TensorView(v.q, kernels::DType::kF32, {n, hq, d}), cache,
-      kernels::TensorView(v.out, kernels::DType::kF32, {n, hq, d}),
-      kernels::TensorView(v.lse, kernels::DType::kF32, {n, hq}), nullptr));
-  STRATA_RETURN_IF_ERROR(FinishCall(backend_, v, scratch_, out));
-  STRATA_RETURN_IF_ERROR(device_->ReadCacheHits(nullptr));  // no-op without the selection cache
-  AddSince(before, device_->counters(), counters);
-  return absl::OkStatus();
+ShardSession::~ShardSession() {
+  if (stream_ == nullptr) return;
+  MaybeLock lock(shard_->backend_mu());
+  const absl::Status s = backend_->DestroyStream(stream_);
+  if (!s.ok()) STRATA_LOG(WARNING) << "ShardSession: " << s;
 }
 
 absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
                                   engine::AttentionPartial* out, engine::SelectionCounters* counters) {
   const engine::KvCache& cache = shard_->cache();
-  const int hkv = cache.options().num_kv_heads, d = cache.options().head_dim;
   if (layer < 0 || layer >= cache.options().num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
@@ -253,9 +249,40 @@ absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int6
     return absl::InvalidArgumentError(absl::StrCat("queries: ", n, " tokens x ", hq, " heads (want >= 1 x ",
                                                    config_.num_heads, ")"));
   }
+  // The work goes onto the session's stream under the shard backend's lock, which is released
+  // while it runs, so that other sessions on the backend queue theirs meanwhile.
+  absl::Mutex* const mu = shard_->backend_mu();
+  CallViews v;
+  engine::SelectionCounters before;
+  if (mu != nullptr) mu->Lock();
+  const absl::Status queued = Queue(layer, q, n, hq, q_begin, out, counters, &v, &before);
+  if (mu != nullptr) mu->Unlock();
+  STRATA_RETURN_IF_ERROR(queued);
+  STRATA_RETURN_IF_ERROR(backend_->Synchronize(stream_));
+  TakeResults(v, scratch_, out);
+  if (device_ != nullptr) {
+    MaybeLock lock(mu);
+    STRATA_RETURN_IF_ERROR(device_->ReadCacheHits(stream_));  // no-op without the selection cache
+    AddSince(before, device_->counters(), counters);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardSession::Queue(int layer, const float* q, int n, int hq, int64_t q_begin,
+                                 engine::AttentionPartial* out, engine::SelectionCounters* counters, CallViews* v,
+                                 engine::SelectionCounters* before) {
+  const engine::KvCache& cache = shard_->cache();
+  const int hkv = cache.options().num_kv_heads, d = cache.options().head_dim;
   const int64_t len = cache.length(layer);
-  MaybeLock lock(shard_->backend_mu());
-  if (device_ != nullptr) return AttendOnDevice(layer, q, n, hq, out, counters);
+  if (device_ != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(*v, StageCall(backend_, q, n, hq, d, &scratch_, out, stream_));
+    *before = device_->counters();
+    STRATA_RETURN_IF_ERROR(device_->AttendFollowing(
+        layer, kernels::TensorView(v->q, kernels::DType::kF32, {n, hq, d}), cache,
+        kernels::TensorView(v->out, kernels::DType::kF32, {n, hq, d}),
+        kernels::TensorView(v->lse, kernels::DType::kF32, {n, hq}), stream_));
+    return QueueResults(backend_, *v, scratch_, *out, stream_);
+  }
   if (policy_ == nullptr) {
     selection_.Clear();
     selection_.offsets.push_back(0);
@@ -270,13 +297,15 @@ absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int6
   } else {
     // The mean query of the call, placed on the shard's last token (see the header).
     engine::MeanQuery(q, n, static_cast<int64_t>(hq) * d, &qmean_);
-    const engine::SelectionCounters before = policy_->counters();
+    const engine::SelectionCounters selected_before = policy_->counters();
     STRATA_RETURN_IF_ERROR(policy_->Select(layer, qmean_.data(), 1, hq, len - 1, cache, &selection_));
-    AddSince(before, policy_->counters(), counters);
+    AddSince(selected_before, policy_->counters(), counters);
   }
   const int32_t base = static_cast<int32_t>(shard_->first_token());
   for (kernels::KvSpan& s : selection_.spans) s.position += base;
-  return AttendSelection(backend_, cache, layer, selection_, q, n, hq, q_begin, &scratch_, out);
+  STRATA_ASSIGN_OR_RETURN(*v, QueueSelection(backend_, cache, layer, selection_, q, n, hq, q_begin, &scratch_, out,
+                                             stream_));
+  return absl::OkStatus();
 }
 
 absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResponse* response) {

@@ -87,6 +87,15 @@ struct AttendScratch {
   std::vector<int32_t> positions;
 };
 
+// Backend addresses of a call's queries (copied in), output and lse: the host arrays themselves
+// on the CPU backend, else AttendScratch's buffers.
+struct CallViews {
+  void* q = nullptr;
+  void* out = nullptr;
+  void* lse = nullptr;
+  bool host = true;
+};
+
 // PagedAttention of host queries q [n, hq, d] at absolute positions [q_begin, q_begin + n) over
 // `selection` (spans with absolute positions) of `layer` of `cache`, causal; the partial goes to
 // `out` (host). Errors of the backend are passed through.
@@ -165,18 +174,26 @@ class ShardSession {
 
   const MountedShard& shard() const { return *shard_; }
 
+  ~ShardSession();
+  ShardSession(const ShardSession&) = delete;
+  ShardSession& operator=(const ShardSession&) = delete;
+
  private:
   ShardSession(std::shared_ptr<const MountedShard> shard, const model::ModelConfig& config)
       : shard_(std::move(shard)), config_(config), backend_(shard_->backend()) {}
-  // Attend's work on a device-selection shard with a sparse policy (device_ set).
-  absl::Status AttendOnDevice(int layer, const float* q, int n, int num_q_heads,
-                              engine::AttentionPartial* out, engine::SelectionCounters* counters);
+  // Attend's work queued on stream_ (with the shard backend's lock held): the selection (on the
+  // host, or the device's whole step) and the attention, and the results' copies into the
+  // staging (*v: where they are; *before: the device policy's counters before it).
+  absl::Status Queue(int layer, const float* q, int n, int num_q_heads, int64_t q_begin,
+                     engine::AttentionPartial* out, engine::SelectionCounters* counters, CallViews* v,
+                     engine::SelectionCounters* before);
 
   std::shared_ptr<const MountedShard> shard_;
   const model::ModelConfig config_;
   kernels::Backend* const backend_;
   std::unique_ptr<engine::AttentionPolicy> policy_;  // host selection; null: dense or device_
   std::unique_ptr<engine::sparse::DevicePolicy> device_;  // device selection
+  kernels::Stream stream_ = nullptr;  // the session's own stream on the shard's backend
   engine::Selection selection_;
   AttendScratch scratch_;
   std::vector<float> qmean_;

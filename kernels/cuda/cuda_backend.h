@@ -171,8 +171,8 @@ class CudaBackend : public Backend {
   absl::Status Sample(const SampleParams& p, Stream s) override;
 
   // A new non-blocking stream on this device; the caller destroys it with DestroyStream.
-  absl::StatusOr<Stream> CreateStream();
-  absl::Status DestroyStream(Stream s);
+  absl::StatusOr<Stream> CreateStream() override;
+  absl::Status DestroyStream(Stream s) override;
 
   // Tuning knob of the decode path: split-K work items the plan aims for per SM (>= 1; other
   // values restore the default, cuda_internal::kDecodeItemsPerSm). Affects speed only.
