@@ -234,6 +234,7 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
 
 ShardSession::~ShardSession() {
   if (stream_ == nullptr) return;
+  if (pending_.active) backend_->Synchronize(stream_).IgnoreError();  // its buffers are freed next
   MaybeLock lock(shard_->backend_mu());
   const absl::Status s = backend_->DestroyStream(stream_);
   if (!s.ok()) STRATA_LOG(WARNING) << "ShardSession: " << s;
@@ -241,6 +242,13 @@ ShardSession::~ShardSession() {
 
 absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int64_t q_begin,
                                   engine::AttentionPartial* out, engine::SelectionCounters* counters) {
+  STRATA_RETURN_IF_ERROR(Start(layer, q, n, hq, q_begin, out, counters));
+  return Finish();
+}
+
+absl::Status ShardSession::Start(int layer, const float* q, int n, int hq, int64_t q_begin,
+                                 engine::AttentionPartial* out, engine::SelectionCounters* counters) {
+  if (pending_.active) STRATA_RETURN_IF_ERROR(Finish());
   const engine::KvCache& cache = shard_->cache();
   if (layer < 0 || layer >= cache.options().num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
@@ -249,21 +257,25 @@ absl::Status ShardSession::Attend(int layer, const float* q, int n, int hq, int6
     return absl::InvalidArgumentError(absl::StrCat("queries: ", n, " tokens x ", hq, " heads (want >= 1 x ",
                                                    config_.num_heads, ")"));
   }
-  // The work goes onto the session's stream under the shard backend's lock, which is released
-  // while it runs, so that other sessions on the backend queue theirs meanwhile.
-  absl::Mutex* const mu = shard_->backend_mu();
-  CallViews v;
-  engine::SelectionCounters before;
-  if (mu != nullptr) mu->Lock();
-  const absl::Status queued = Queue(layer, q, n, hq, q_begin, out, counters, &v, &before);
-  if (mu != nullptr) mu->Unlock();
-  STRATA_RETURN_IF_ERROR(queued);
+  // The work goes onto the session's stream under the shard backend's lock, which Finish does not
+  // hold while it waits, so that other sessions on the backend queue theirs meanwhile.
+  MaybeLock lock(shard_->backend_mu());
+  STRATA_RETURN_IF_ERROR(Queue(layer, q, n, hq, q_begin, out, counters, &pending_.v, &pending_.before));
+  pending_.active = true;
+  pending_.out = out;
+  pending_.counters = counters;
+  return absl::OkStatus();
+}
+
+absl::Status ShardSession::Finish() {
+  if (!pending_.active) return absl::FailedPreconditionError("ShardSession::Finish without Start");
+  pending_.active = false;
   STRATA_RETURN_IF_ERROR(backend_->Synchronize(stream_));
-  TakeResults(v, scratch_, out);
+  TakeResults(pending_.v, scratch_, pending_.out);
   if (device_ != nullptr) {
-    MaybeLock lock(mu);
+    MaybeLock lock(shard_->backend_mu());
     STRATA_RETURN_IF_ERROR(device_->ReadCacheHits(stream_));  // no-op without the selection cache
-    AddSince(before, device_->counters(), counters);
+    AddSince(pending_.before, device_->counters(), pending_.counters);
   }
   return absl::OkStatus();
 }
@@ -345,8 +357,11 @@ absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResp
 struct LeaderAttention::Part {
   v1::ShardRange range;
   uint32_t budget_tokens = 0;
-  // Local: the session. Remote: the stream (until it fails over).
+  // Local: the session, and the partial a Prepare started it on (local_started: for that layer).
+  // Remote: the stream (until it fails over).
   std::unique_ptr<ShardSession> local;
+  engine::AttentionPartial local_out;
+  bool local_started = false;
   std::string worker_id, address;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::ShardSelection::Stub> stub;
@@ -481,6 +496,13 @@ absl::Status LeaderAttention::Failover(Part* part, const std::string& why) {
 
 absl::Status LeaderAttention::Prepare(int layer, const float* q, int n, int hq, int64_t q_begin) {
   STRATA_RETURN_IF_ERROR(SendQueries(layer, q, n, hq, q_begin));
+  // The local shards' work starts too (on their sessions' streams); Attend waits for it.
+  for (auto& p : parts_) {
+    p->local_started = false;
+    if (p->local == nullptr) continue;
+    STRATA_RETURN_IF_ERROR(p->local->Start(layer, q, n, hq, q_begin, &p->local_out, &counters_));
+    p->local_started = true;
+  }
   prepared_layer_ = layer;
   return absl::OkStatus();
 }
@@ -516,15 +538,22 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
   const Clock::time_point t_start = Clock::now();
   parts->resize(parts_.size());
   const size_t q_bytes = static_cast<size_t>(n) * hq * options_.config->head_dim * sizeof(float);
-  // 1. Queries to every peer, unless Prepare sent them.
-  if (prepared_layer_ != layer) STRATA_RETURN_IF_ERROR(SendQueries(layer, q, n, hq, q_begin));
+  // 1. Queries to every peer, unless Prepare sent them (and started the local shards).
+  const bool prepared = prepared_layer_ == layer;
+  if (!prepared) STRATA_RETURN_IF_ERROR(SendQueries(layer, q, n, hq, q_begin));
   prepared_layer_ = -1;
   // 2. Local shards (including shards failed over in step 1).
   const Clock::time_point t_local = Clock::now();
   for (size_t i = 0; i < parts_.size(); ++i) {
     Part* p = parts_[i].get();
     if (p->local == nullptr) continue;
-    STRATA_RETURN_IF_ERROR(p->local->Attend(layer, q, n, hq, q_begin, &(*parts)[i], &counters_));
+    if (prepared && p->local_started) {
+      p->local_started = false;
+      STRATA_RETURN_IF_ERROR(p->local->Finish());
+      std::swap((*parts)[i], p->local_out);
+    } else {
+      STRATA_RETURN_IF_ERROR(p->local->Attend(layer, q, n, hq, q_begin, &(*parts)[i], &counters_));
+    }
   }
   const Clock::time_point t_wait = Clock::now();
   // 3. The peers' answers, all within one deadline.

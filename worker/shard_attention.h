@@ -155,9 +155,15 @@ class ShardSession {
 
   // Partial attention of the queries of `layer` (host f32 [n, num_q_heads, head_dim] after RoPE,
   // positions [q_begin, q_begin + n)) over this shard; adds what selection did to *counters.
-  // InvalidArgument for a bad layer, shape or n < 1.
+  // InvalidArgument for a bad layer, shape or n < 1. Attend is Start, then Finish.
   absl::Status Attend(int layer, const float* q, int n, int num_q_heads, int64_t q_begin,
                       engine::AttentionPartial* out, engine::SelectionCounters* counters);
+  // Start queues the work on the session's stream and returns (on a backend that runs ops as
+  // they are called, it does it all); Finish waits for it and completes *out and *counters, which
+  // must stay valid in between. A Start while one is pending finishes that one first.
+  absl::Status Start(int layer, const float* q, int n, int num_q_heads, int64_t q_begin,
+                     engine::AttentionPartial* out, engine::SelectionCounters* counters);
+  absl::Status Finish();
 
   // The same for one LayerQuery of a selection stream (validates the byte sizes against the
   // model): fills step, layer, o, lse, selected_tokens, candidate_tokens. The first answer of a
@@ -194,6 +200,14 @@ class ShardSession {
   std::unique_ptr<engine::AttentionPolicy> policy_;  // host selection; null: dense or device_
   std::unique_ptr<engine::sparse::DevicePolicy> device_;  // device selection
   kernels::Stream stream_ = nullptr;  // the session's own stream on the shard's backend
+  // A started call (Start), until Finish.
+  struct Pending {
+    bool active = false;
+    CallViews v;
+    engine::SelectionCounters before;
+    engine::AttentionPartial* out = nullptr;
+    engine::SelectionCounters* counters = nullptr;
+  } pending_;
   engine::Selection selection_;
   AttendScratch scratch_;
   std::vector<float> qmean_;
