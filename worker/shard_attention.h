@@ -36,8 +36,9 @@
 //
 // Tensors on the wire are little-endian f32 (internal.proto). Thread-compatible, except that
 // MountedShard is immutable and safe to share; sessions over one device-placed shard (or several
-// shards on one backend instance) may run on different threads: each call takes the shard's
-// backend_mu() around its backend work.
+// shards on one backend instance) may run on different threads: each session queues its work on
+// a stream of its own with the shard's backend_mu() held and waits for it without the lock, so
+// that the sessions' GPU work overlaps.
 #ifndef STRATA_WORKER_SHARD_ATTENTION_H_
 #define STRATA_WORKER_SHARD_ATTENTION_H_
 
