@@ -148,22 +148,6 @@ void AddSince(const engine::SelectionCounters& before, const engine::SelectionCo
   sum->cache_hits += after.cache_hits - before.cache_hits;
 }
 
-// Holds `mu` for the scope when it is set.
-class MaybeLock {
- public:
-  explicit MaybeLock(absl::Mutex* mu) : mu_(mu) {
-    if (mu_ != nullptr) mu_->Lock();
-  }
-  ~MaybeLock() {
-    if (mu_ != nullptr) mu_->Unlock();
-  }
-  MaybeLock(const MaybeLock&) = delete;
-  MaybeLock& operator=(const MaybeLock&) = delete;
-
- private:
-  absl::Mutex* const mu_;
-};
-
 }  // namespace
 
 bool DeviceShardPolicy(const v1::SelectionPolicy& policy, int page_size) {
@@ -197,7 +181,7 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
   }
   std::unique_ptr<ShardSession> s(new ShardSession(std::move(shard), config));
   {
-    MaybeLock lock(s->shard_->backend_mu());
+    absl::MutexLockMaybe lock(s->shard_->backend_mu());
     STRATA_ASSIGN_OR_RETURN(s->stream_, s->backend_->CreateStream());
   }
   if (!IsDensePolicy(policy)) {
@@ -208,7 +192,7 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     if (budget_tokens > 0) p.set_budget_tokens(budget_tokens);
     const engine::KvCache& cache = s->shard_->cache();
     const int page_size = cache.options().page_size;
-    MaybeLock lock(s->shard_->backend_mu());
+    absl::MutexLockMaybe lock(s->shard_->backend_mu());
     if (s->shard_->device_selection()) {
       if (!DeviceShardPolicy(p, page_size)) {
         return absl::InvalidArgumentError(absl::StrCat("policy '", p.name(),
@@ -235,7 +219,7 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
 ShardSession::~ShardSession() {
   if (stream_ == nullptr) return;
   if (pending_.active) backend_->Synchronize(stream_).IgnoreError();  // its buffers are freed next
-  MaybeLock lock(shard_->backend_mu());
+  absl::MutexLockMaybe lock(shard_->backend_mu());
   const absl::Status s = backend_->DestroyStream(stream_);
   if (!s.ok()) STRATA_LOG(WARNING) << "ShardSession: " << s;
 }
@@ -259,7 +243,7 @@ absl::Status ShardSession::Start(int layer, const float* q, int n, int hq, int64
   }
   // The work goes onto the session's stream under the shard backend's lock, which Finish does not
   // hold while it waits, so that other sessions on the backend queue theirs meanwhile.
-  MaybeLock lock(shard_->backend_mu());
+  absl::MutexLockMaybe lock(shard_->backend_mu());
   STRATA_RETURN_IF_ERROR(Queue(layer, q, n, hq, q_begin, out, counters, &pending_.v, &pending_.before));
   pending_.active = true;
   pending_.out = out;
@@ -273,7 +257,7 @@ absl::Status ShardSession::Finish() {
   STRATA_RETURN_IF_ERROR(backend_->Synchronize(stream_));
   TakeResults(pending_.v, scratch_, pending_.out);
   if (device_ != nullptr) {
-    MaybeLock lock(shard_->backend_mu());
+    absl::MutexLockMaybe lock(shard_->backend_mu());
     STRATA_RETURN_IF_ERROR(device_->ReadCacheHits(stream_));  // no-op without the selection cache
     AddSince(pending_.before, device_->counters(), pending_.counters);
   }
@@ -357,11 +341,10 @@ absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResp
 struct LeaderAttention::Part {
   v1::ShardRange range;
   uint32_t budget_tokens = 0;
-  // Local: the session, and the partial a Prepare started it on (local_started: for that layer).
-  // Remote: the stream (until it fails over).
+  // Local: the session, and the partial a Prepare started it on. Remote: the stream (until it
+  // fails over).
   std::unique_ptr<ShardSession> local;
   engine::AttentionPartial local_out;
-  bool local_started = false;
   std::string worker_id, address;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::ShardSelection::Stub> stub;
@@ -496,12 +479,11 @@ absl::Status LeaderAttention::Failover(Part* part, const std::string& why) {
 
 absl::Status LeaderAttention::Prepare(int layer, const float* q, int n, int hq, int64_t q_begin) {
   STRATA_RETURN_IF_ERROR(SendQueries(layer, q, n, hq, q_begin));
-  // The local shards' work starts too (on their sessions' streams); Attend waits for it.
+  // The local shards' work (every local part, those failed over just now included) starts too,
+  // on their sessions' streams; Attend waits for it.
   for (auto& p : parts_) {
-    p->local_started = false;
     if (p->local == nullptr) continue;
     STRATA_RETURN_IF_ERROR(p->local->Start(layer, q, n, hq, q_begin, &p->local_out, &counters_));
-    p->local_started = true;
   }
   prepared_layer_ = layer;
   return absl::OkStatus();
@@ -547,8 +529,7 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
   for (size_t i = 0; i < parts_.size(); ++i) {
     Part* p = parts_[i].get();
     if (p->local == nullptr) continue;
-    if (prepared && p->local_started) {
-      p->local_started = false;
+    if (prepared) {
       STRATA_RETURN_IF_ERROR(p->local->Finish());
       std::swap((*parts)[i], p->local_out);
     } else {
@@ -568,7 +549,8 @@ absl::Status LeaderAttention::Attend(int layer, const float* q, int n, int hq, i
     bool answered = p->NextAnswer(deadline, &resp, &why);
     // Answers to queries of an earlier forward that did not finish (a batched forward that failed
     // after Prepare sent every job's queries) are dropped.
-    while (answered && (resp.step() < step_ || (resp.step() == step_ && resp.layer() < static_cast<uint32_t>(layer)))) {
+    while (answered &&
+           (resp.step() < step_ || (resp.step() == step_ && resp.layer() < static_cast<uint32_t>(layer)))) {
       answered = p->NextAnswer(deadline, &resp, &why);
     }
     if (answered && (resp.step() != step_ || resp.layer() != static_cast<uint32_t>(layer) ||

@@ -50,8 +50,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/attention_policy.h"
 #include "absl/synchronization/mutex.h"
+#include "engine/attention_policy.h"
 #include "engine/kv_cache.h"
 #include "engine/sparse/device_policy.h"
 #include "engine/sparse/policy.h"
@@ -244,8 +244,9 @@ class LeaderAttention : public engine::ExternalAttention {
 
   absl::Status Attend(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin,
                       std::vector<engine::AttentionPartial>* parts) override;
-  // Sends the layer's queries to the peers now (Attend then only attends the local shards and
-  // waits), so that the jobs of a batched forward wait for their peers at the same time.
+  // Sends the layer's queries to the peers and starts the local shards' sessions now (Attend then
+  // waits for both), so that the jobs of a batched forward wait at the same time and the local
+  // shards' GPU work runs beside the leader's own attention.
   absl::Status Prepare(int layer, const float* q, int num_tokens, int num_q_heads, int64_t q_begin) override;
 
   // Selection counters summed over every shard (local and peers' answers).

@@ -1192,20 +1192,15 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
     kernels::Backend* const be =
         !on_device ? shard_backend() : shard_device_ != nullptr ? shard_device_ : backend_;
     absl::Mutex* const be_mu = on_device && shard_device_ != nullptr ? &shard_device_mu_ : nullptr;
-    std::unique_ptr<engine::KvCache> cache;
     kvstore::TierCounts read;
-    if (be_mu != nullptr) be_mu->Lock();
-    absl::Status s = [&]() -> absl::Status {
-      STRATA_ASSIGN_OR_RETURN(
-          cache, engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, kernels::DType::kBF16), be));
-      STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
-                                       static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
-                                       nullptr, absl::StatusCode::kDataLoss, &read));
-      return be->Synchronize(nullptr);
-    }();
-    if (!s.ok()) cache.reset();  // freed under the lock, like every call on the shard backend
-    if (be_mu != nullptr) be_mu->Unlock();
-    STRATA_RETURN_IF_ERROR(s);
+    absl::MutexLockMaybe lock(be_mu);
+    std::unique_ptr<engine::KvCache> cache;  // on failure freed under the lock, as every call on be
+    STRATA_ASSIGN_OR_RETURN(
+        cache, engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, kernels::DType::kBF16), be));
+    STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
+                                     static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
+                                     nullptr, absl::StatusCode::kDataLoss, &read));
+    STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
     AddTiers(pages, read);
     return std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read, be, be_mu, on_device);
   };

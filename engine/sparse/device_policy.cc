@@ -307,38 +307,14 @@ absl::Status DevicePolicy::AttendChunk(int layer, const TensorView& q, int64_t q
                                        const KvCache& cache, int64_t position_offset,
                                        const TensorView& out, const TensorView& lse,
                                        kernels::Stream stream) {
+  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
+  STRATA_RETURN_IF_ERROR(CheckQueryViews(q, out, lse));
   return AttendQueries(layer, q, q_begin, /*following=*/false, cache, position_offset, out, lse,
                        stream);
 }
 
-absl::Status DevicePolicy::AttendFollowing(int layer, const TensorView& q, const KvCache& cache,
-                                           const TensorView& out, const TensorView& lse,
-                                           kernels::Stream stream) {
-  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
-  if (cache.length(layer) < 1) {
-    return absl::InvalidArgumentError("DevicePolicy: AttendFollowing over an empty layer");
-  }
-  // One query: the decode step's selection and attention are the same (the window [length - 1 -
-  // W, length) either way, and nothing is masked), with no read-back.
-  if (q.rank == 3 && q.dim(0) == 1 && q.dtype == DType::kF32) {
-    if (out.dtype != DType::kF32 || out.rank != 3 || out.dim(0) != 1 || out.dim(1) != hq_ ||
-        out.dim(2) != d_ || lse.dtype != DType::kF32 || lse.rank != 2 || lse.dim(0) != 1 ||
-        lse.dim(1) != hq_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("DevicePolicy: out/lse must be f32 [1, ", hq_, ", ", d_, "] / [1, ", hq_,
-                       "], got ", out.DebugString(), " / ", lse.DebugString()));
-    }
-    return Attend(layer, q, cache, out, lse, stream);
-  }
-  return AttendQueries(layer, q, cache.length(layer) - 1, /*following=*/true, cache, 0, out, lse,
-                       stream);
-}
-
-absl::Status DevicePolicy::AttendQueries(int layer, const TensorView& q, int64_t q_begin,
-                                         bool following, const KvCache& cache,
-                                         int64_t position_offset, const TensorView& out,
-                                         const TensorView& lse, kernels::Stream stream) {
-  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
+absl::Status DevicePolicy::CheckQueryViews(const TensorView& q, const TensorView& out,
+                                           const TensorView& lse) const {
   if (q.dtype != DType::kF32 || q.rank != 3 || q.dim(0) < 1 || q.dim(1) != hq_ ||
       q.dim(2) != d_ || q.data == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: chunk q must be f32 [m >= 1, ",
@@ -353,6 +329,29 @@ absl::Status DevicePolicy::AttendQueries(int layer, const TensorView& q, int64_t
                                                    "], got ", out.DebugString(), " / ",
                                                    lse.DebugString()));
   }
+  return absl::OkStatus();
+}
+
+absl::Status DevicePolicy::AttendFollowing(int layer, const TensorView& q, const KvCache& cache,
+                                           const TensorView& out, const TensorView& lse,
+                                           kernels::Stream stream) {
+  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
+  if (cache.length(layer) < 1) {
+    return absl::InvalidArgumentError("DevicePolicy: AttendFollowing over an empty layer");
+  }
+  STRATA_RETURN_IF_ERROR(CheckQueryViews(q, out, lse));
+  // One query: the decode step's selection and attention are the same (the window [length - 1 -
+  // W, length) either way, and nothing is masked), with no read-back.
+  if (q.dim(0) == 1) return Attend(layer, q, cache, out, lse, stream);
+  return AttendQueries(layer, q, cache.length(layer) - 1, /*following=*/true, cache, 0, out, lse,
+                       stream);
+}
+
+absl::Status DevicePolicy::AttendQueries(int layer, const TensorView& q, int64_t q_begin,
+                                         bool following, const KvCache& cache,
+                                         int64_t position_offset, const TensorView& out,
+                                         const TensorView& lse, kernels::Stream stream) {
+  const int64_t m = q.dim(0);
   const int64_t len = cache.length(layer);
   if (!following && (q_begin < 0 || q_begin + m > len)) {
     return absl::InvalidArgumentError(absl::StrCat("DevicePolicy: chunk [", q_begin, ", ",

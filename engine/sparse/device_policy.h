@@ -131,8 +131,12 @@ class DevicePolicy {
                kernels::Backend* backend);
   absl::Status Init();
   absl::Status CheckCache(int layer, const KvCache& cache) const;
+  // InvalidArgument unless q is f32 [m >= 1, num_q_heads, head_dim] and out / lse f32 [m,
+  // num_q_heads, head_dim] / [m, num_q_heads].
+  absl::Status CheckQueryViews(const kernels::TensorView& q, const kernels::TensorView& out,
+                               const kernels::TensorView& lse) const;
   // AttendChunk (following = false) and AttendFollowing (true: q_begin = length - 1, no causal
-  // masking, position_offset unused).
+  // masking, position_offset unused), after their checks of the layer and the views.
   absl::Status AttendQueries(int layer, const kernels::TensorView& q, int64_t q_begin,
                              bool following, const KvCache& cache, int64_t position_offset,
                              const kernels::TensorView& out, const kernels::TensorView& lse,
