@@ -23,6 +23,8 @@
 #include "base/testing/status_matchers.h"
 #include "engine/attention_policy.h"
 #include "engine/generator.h"
+#include "engine/kv_cache.h"
+#include "engine/transformer.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "gtest/gtest.h"
@@ -33,6 +35,7 @@
 #include "prometheus/registry.h"
 #include "strata/v1/internal.grpc.pb.h"
 #include "worker/service.h"
+#include "worker/shard_attention.h"
 #include "worker/worker.h"
 
 namespace strata::worker {
@@ -414,6 +417,34 @@ TEST_F(ShardedDevicePlacedTest, ShardsThatDoNotFitOnTheDeviceMountInHostMemory) 
   for (auto& b : shard_backends_) EXPECT_EQ(b->attention_calls.load(), 0);
   EXPECT_EQ(workers_[0]->Load().mounted_tokens(), 128u);
   EXPECT_EQ(workers_[1]->failovers(), 0);
+}
+
+TEST_F(ShardedTest, DeviceShardSessionsRefuseHostPoliciesAndUnstartedFinish) {
+  // A device-placed shard (here on the CPU backend) with one page of zero keys in every layer.
+  auto tf = engine::Transformer::Create(model_->config, model_->weights, backends_[0].get(), {});
+  ASSERT_TRUE(tf.ok()) << tf.status();
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cache,
+                              engine::KvCache::Create((*tf)->MakeCacheOptions(kPage, kPage, kernels::DType::kBF16),
+                                                      backends_[0].get()));
+  const int64_t hkv = model_->config.num_kv_heads, d = model_->config.head_dim;
+  std::vector<float> kv(static_cast<size_t>(kPage * hkv * d), 0.0f);
+  for (int l = 0; l < static_cast<int>(model_->config.num_layers); ++l) {
+    const kernels::TensorView rows(kv.data(), kernels::DType::kF32, {kPage, hkv, d});
+    STRATA_ASSERT_OK(cache->Append(l, rows, rows));
+  }
+  v1::ShardRange range = Map().shards(0).range();
+  range.set_end_page(1);
+  auto shard = std::make_shared<const MountedShard>(range, *kvstore::DocumentId::FromHex(kDocId), 0,
+                                                    std::move(cache), kvstore::TierCounts(), backends_[0].get(),
+                                                    nullptr, /*device_selection=*/true);
+  v1::SelectionPolicy streaming;
+  streaming.set_name("streaming");
+  EXPECT_THAT(ShardSession::Create(shard, streaming, 0, model_->config).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  v1::SelectionPolicy quest;
+  quest.set_name("quest");
+  STRATA_ASSERT_OK_AND_ASSIGN(auto session, ShardSession::Create(shard, quest, 32, model_->config));
+  EXPECT_THAT(session->Finish(), StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 TEST_F(ShardedTest, ShardPlacementNeedsAShardBackendOnAGpuWorker) {

@@ -561,6 +561,8 @@ TEST(DevicePolicyChunkErrorsTest, RejectsMalformedChunks) {
   const TensorView lv(lse.data(), DType::kF32, {m, kHq});
   EXPECT_THAT(dev->AttendChunk(0, qv, 0, *cache, 0, ov, lv, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));  // the cache does not hold them
+  EXPECT_THAT(dev->AttendFollowing(0, qv, *cache, ov, lv, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // nothing cached to follow
   for (int l = 0; l < kLayers; ++l) {
     std::vector<float> kv(10 * kHkv * kD, 0.5f);
     STRATA_ASSERT_OK(cache->Append(l, TensorView(kv.data(), DType::kF32, {10, kHkv, kD}),
