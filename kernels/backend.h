@@ -157,8 +157,11 @@ struct PagedAttentionParams {
 // tensor, as vLLM's fp8 KV cache), and is read as stored * scale. Supported: PagedAttention
 // (CPU; CUDA decode fast path and the general kernel: the tensor-core prefill kernel is bf16 only,
 // so fp8 prefill runs the general kernel), SelectedAttention (CPU, CUDA), AppendKv (CPU, CUDA; writes
-// F32ToFP8E4M3(x / scale) bit for bit) and PageCopy (bytes). ScoreKeys and UpdateSummaries (and so
-// the sparse policies' key scoring) do not read fp8 pools and return Unimplemented.
+// F32ToFP8E4M3(x / scale) bit for bit), PageCopy (bytes), and the selection ops that read keys:
+// ScoreKeys, UpdateSummaries and SelectStages (CPU, CUDA; on CUDA SelectStages runs them in its one
+// kernel with the attention). Those read the *stored* values: ScoreKeys scores stored keys (a caller
+// folds k_scale into scale, as the selection's scale then matches the attention's scale * k_scale)
+// and UpdateSummaries summarises stored keys (a minmax bound scales with k_scale > 0).
 
 // Merges partial attention results over disjoint key sets:
 //   LSE = log(sum_s exp(lse_s)),  out = sum_s exp(lse_s - LSE) * out_s.
@@ -253,7 +256,7 @@ struct ScoreSummariesParams {
 // or -inf when i is invalid, t / page_size >= table_pages or the slot is outside the pool.
 struct ScoreKeysParams {
   TensorView q;           // [num_q_heads, head_dim] f32
-  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16
+  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3 (stored values)
   TensorView page_table;  // [num_kv_heads, table_pages] i32: pool slot of each logical page
   CandidateList candidates;
   float scale = 0.0f;
@@ -291,7 +294,7 @@ struct VoteTopKParams {
 // max of the rows of its pages below ceil(end / P). bf16 rows are rounded outward (min toward
 // -inf, max toward +inf; F32ToBF16Directed), which is exact for a bf16 pool.
 struct UpdateSummariesParams {
-  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16
+  TensorView k_pool;      // [num_slots, page_size, head_dim] f32|bf16|fp8_e4m3 (stored values)
   TensorView page_table;  // [num_kv_heads, table_pages] i32, table_pages * P >= end
   int64_t first = 0;      // 0 <= first <= end
   int64_t end = 0;
@@ -401,8 +404,9 @@ struct SelectStagesParams {
   // (e.g. InvalidArgument) before any stage runs, and nothing is written; CUDA's own limits of the separate op (Unimplemented)
   // are checked where it runs, after the stages. The CUDA backend runs it in the selection's
   // kernel where the shape allows (the middle the last stage's selection, the stages' q and
-  // scale, bf16 pools, head_dim 128, no prefix_len or slot_scales, a bounded share of positions
-  // per block; kernels/cuda/selection.cu), else as the separate op.
+  // scale, bf16 or fp8 pools (fp8: every key stage's pool fp8 too), head_dim 128, no prefix_len
+  // or slot_scales, a bounded share of positions per block; kernels/cuda/selection.cu), else as
+  // the separate op.
   const SelectedAttentionParams* attend = nullptr;
 };
 

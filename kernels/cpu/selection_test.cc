@@ -447,6 +447,54 @@ TEST(CpuSelectionTest, UpdateSummariesIncrementalEqualsBruteForce) {
   EXPECT_THAT(CpuUpdateSummaries(p), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// fp8 pools: ScoreKeys and UpdateSummaries read the stored values, so they give exactly what they
+// give over an f32 pool holding the decoded codes (kernels/backend.h "fp8 KV pools").
+TEST(CpuSelectionTest, Fp8PoolsScoreAndSummariseTheirStoredValues) {
+  std::mt19937 rng(11);
+  const int hkv = 2, group = 3, d = 16, page = 4, table_pages = 9, slots = 20;
+  std::vector<float> x = RandomF(rng, slots * page * d, -300.0f, 300.0f);
+  std::vector<uint8_t> codes(x.size());
+  std::vector<float> decoded(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    codes[i] = F32ToFP8E4M3(x[i]);
+    decoded[i] = FP8E4M3ToF32(codes[i]);
+  }
+  std::vector<int32_t> table(hkv * table_pages);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = i % 7 == 3 ? -1 : static_cast<int32_t>((i * 5) % slots);
+  const std::vector<float> q = RandomF(rng, hkv * group * d);
+  const int64_t n = table_pages * page - 3;
+  std::vector<float> s8(hkv * group * n), s32(hkv * group * n);
+  ScoreKeysParams k;
+  k.q = TensorView(const_cast<float*>(q.data()), DType::kF32, {hkv * group, d});
+  k.page_table = TensorView(table.data(), DType::kI32, {hkv, table_pages});
+  k.candidates.begin = 2;
+  k.candidates.end = 2 + n;
+  k.scale = 0.03125f;
+  k.k_pool = TensorView(codes.data(), DType::kFP8E4M3, {slots, page, d});
+  k.scores = TensorView(s8.data(), DType::kF32, {hkv, group, n});
+  STRATA_ASSERT_OK(CpuScoreKeys(k));
+  k.k_pool = TensorView(decoded.data(), DType::kF32, {slots, page, d});
+  k.scores = TensorView(s32.data(), DType::kF32, {hkv, group, n});
+  STRATA_ASSERT_OK(CpuScoreKeys(k));
+  EXPECT_EQ(s8, s32);
+  EXPECT_GT(std::count_if(s8.begin(), s8.end(), [](float v) { return v != kNegInf; }), n);
+
+  std::vector<uint16_t> p8(hkv * table_pages * 2 * d, 1), p32(hkv * table_pages * 2 * d, 2);
+  UpdateSummariesParams u;
+  u.page_table = k.page_table;
+  u.end = table_pages * page - 1;
+  u.k_pool = TensorView(codes.data(), DType::kFP8E4M3, {slots, page, d});
+  u.pages = TensorView(p8.data(), DType::kBF16, {hkv, table_pages, 2 * d});
+  STRATA_ASSERT_OK(CpuUpdateSummaries(u));
+  u.k_pool = TensorView(decoded.data(), DType::kF32, {slots, page, d});
+  u.pages = TensorView(p32.data(), DType::kBF16, {hkv, table_pages, 2 * d});
+  STRATA_ASSERT_OK(CpuUpdateSummaries(u));
+  EXPECT_EQ(p8, p32);
+  // Another dtype is still refused.
+  u.k_pool.dtype = DType::kI32;
+  EXPECT_THAT(CpuUpdateSummaries(u), StatusIs(absl::StatusCode::kUnimplemented));
+}
+
 TEST(CpuSelectionTest, MalformedParamsAreInvalidArgument) {
   std::vector<float> buf(256);
   VoteTopKParams p;

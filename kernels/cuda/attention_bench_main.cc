@@ -15,7 +15,9 @@
 // two-level above 512 pages keeping max(128, 4 * wanted / 16) segments, one-level where that
 // keeps every segment, as DevicePolicy (STRATA_BENCH_KEEP_SEGMENT_STAGE=1: two-level there too);
 // minmax page summaries computed here from the bf16 keys, in bf16 as DevicePolicy keeps them for
-// a bf16 cache (kernels::MinMaxRowsToBF16, exact here); STRATA_BENCH_SUMMARY_BF16=0: in f32):
+// a bf16 cache (kernels::MinMaxRowsToBF16, exact here); STRATA_BENCH_SUMMARY_BF16=0: in f32;
+// STRATA_BENCH_POOL=fp8: the pipelines' K and V pools are fp8 e4m3 codes of the same values at a
+// per-tensor scale of 2^-8, the summaries those of the stored values):
 //   quest        ScoreSummaries (segments) -> VoteTopK -> ScoreSummaries (pages) -> VoteTopK
 //                (B / P pages) -> SelectedAttention (sinks + pages + window)
 //   tokenselect  ... -> VoteTopK (4B / P pages) -> ScoreKeys (their tokens) -> VoteTopK (B tokens)
@@ -104,6 +106,10 @@ struct Pipeline {
       *tok_scores, *top_tokens, *out, *lse;
   int64_t pages_per_head, segs_per_head;
   DType summary_dtype = DType::kF32;  // of page_sums and seg_sums
+  // The K and V pools: bf16, or fp8 (STRATA_BENCH_POOL=fp8: codes of the bf16 values / k_scale,
+  // k_scale = v_scale = 2^-8; the selection's scale carries k_scale, as the policies pass it).
+  DType pool_dtype = DType::kBF16;
+  float kv_scale = 1.0f;
   // Derived sizes.
   int64_t window_begin, p0, p1, s0, s1, keep_segs, page_cands, top_page_k, tok_cands;
   bool two_level;
@@ -142,9 +148,10 @@ struct Pipeline {
     const int64_t sb = static_cast<int64_t>(DTypeSize(summary_dtype));
     if (two_level) bytes += kKvHeads * (s1 - s0) * 2 * kHeadDim * sb + kKvHeads * group * (s1 - s0) * 4;
     bytes += kKvHeads * page_cands * 2 * kHeadDim * sb + kKvHeads * group * page_cands * 4;
-    if (token_level) bytes += kKvHeads * tok_cands * kHeadDim * 2 + kKvHeads * group * tok_cands * 4;
+    const int64_t kvb = static_cast<int64_t>(DTypeSize(pool_dtype));
+    if (token_level) bytes += kKvHeads * tok_cands * kHeadDim * kvb + kKvHeads * group * tok_cands * 4;
     const int64_t attended = kSinks + (len - window_begin) + (token_level ? kBudget : top_page_k * kPage);
-    bytes += kKvHeads * attended * kHeadDim * 2 * 2;
+    bytes += kKvHeads * attended * kHeadDim * kvb * 2;
     return bytes;
   }
 
@@ -153,7 +160,7 @@ struct Pipeline {
     const int group = kQHeads / kKvHeads;
     SelectStagesParams sp;
     sp.q = TensorView(q, DType::kF32, {kQHeads, kHeadDim});
-    sp.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+    sp.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim)) * kv_scale;
     sp.skip_heads = skip;
     int n = 0;
     if (two_level) {
@@ -192,7 +199,7 @@ struct Pipeline {
     return sp;
   }
   TensorView KPool() const {
-    return TensorView(k, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
+    return TensorView(k, pool_dtype, {kKvHeads * pages_per_head, kPage, kHeadDim});
   }
 
   // Runs the whole pipeline, or (only >= 0) just its op number `only` (0-based, in order), which
@@ -246,13 +253,15 @@ struct Pipeline {
     SelectedAttentionParams at;
     at.q = TensorView(q, DType::kF32, {1, kQHeads, kHeadDim});
     at.k_pool = KPool();
-    at.v_pool = TensorView(v, DType::kBF16, {kKvHeads * pages_per_head, kPage, kHeadDim});
+    at.v_pool = TensorView(v, pool_dtype, {kKvHeads * pages_per_head, kPage, kHeadDim});
     at.page_table = TensorView(table, DType::kI32, {kKvHeads, pages_per_head});
     at.prefix_end = kSinks;
     at.middle = middle;
     at.suffix_begin = window_begin;
     at.suffix_end = len;
-    at.scale = sp.scale;
+    at.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+    at.k_scale = kv_scale;  // at.scale * at.k_scale == sp.scale (kv_scale a power of two)
+    at.v_scale = kv_scale;
     at.out = TensorView(out, DType::kF32, {1, kQHeads, kHeadDim});
     at.lse = TensorView(lse, DType::kF32, {1, kQHeads});
     return at;
@@ -327,6 +336,25 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
                   int64_t context, const std::vector<uint16_t>& keys_bf16, Buffer& k, Buffer& v,
                   Buffer& q, Buffer& out, Buffer& lse) {
   const int64_t pages = context / kPage, segs = (pages + kSegPages - 1) / kSegPages;
+  // STRATA_BENCH_POOL=fp8: the pipelines read fp8 copies of the pools (codes of x / kFp8Scale).
+  const char* pool_env = std::getenv("STRATA_BENCH_POOL");
+  const bool fp8 = pool_env != nullptr && std::string(pool_env) == "fp8";
+  constexpr float kFp8Scale = 1.0f / 256;
+  std::vector<uint8_t> k8;
+  std::unique_ptr<Buffer> d_k8, d_v8;
+  if (fp8) {
+    k8.resize(keys_bf16.size());
+    for (size_t i = 0; i < k8.size(); ++i) k8[i] = F32ToFP8E4M3(BF16ToF32(keys_bf16[i]) / kFp8Scale);
+    d_k8 = MustAllocate(cuda, k8.size());
+    d_v8 = MustAllocate(cuda, k8.size());
+    BENCH_CHECK(cuda.CopyToDevice(d_k8->data(), k8.data(), k8.size(), stream).ok(), "k8");
+    BENCH_CHECK(cuda.CopyToDevice(d_v8->data(), k8.data() + 1, k8.size() - 1, stream).ok(), "v8");
+    std::printf("pools: fp8 e4m3 (scale 2^-8)\n");
+  }
+  // The stored value of key element i (what the summaries bound).
+  auto key_at = [&](size_t i) {
+    return fp8 ? FP8E4M3ToF32(k8[i]) : BF16ToF32(keys_bf16[i]);
+  };
   // Minmax summaries of every page and segment of every head (slot g * pages + p holds page p).
   std::vector<float> ps(static_cast<size_t>(kKvHeads) * pages * 2 * kHeadDim);
   std::vector<float> ss(static_cast<size_t>(kKvHeads) * segs * 2 * kHeadDim);
@@ -334,9 +362,9 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     float* s = &ps[r * 2 * kHeadDim];
     for (int e = 0; e < kHeadDim; ++e) s[e] = 1e30f, s[kHeadDim + e] = -1e30f;
     for (int t = 0; t < kPage; ++t) {
-      const uint16_t* row = &keys_bf16[(r * kPage + t) * kHeadDim];
+      const size_t row = static_cast<size_t>(r * kPage + t) * kHeadDim;
       for (int e = 0; e < kHeadDim; ++e) {
-        const float x = BF16ToF32(row[e]);
+        const float x = key_at(row + e);
         s[e] = std::min(s[e], x);
         s[kHeadDim + e] = std::max(s[kHeadDim + e], x);
       }
@@ -407,6 +435,11 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     pl.len = context;
     pl.token_level = policy == 1;
     pl.q = q.data(), pl.k = k.data(), pl.v = v.data(), pl.table = d_table->data();
+    if (fp8) {
+      pl.pool_dtype = DType::kFP8E4M3;
+      pl.kv_scale = kFp8Scale;
+      pl.k = d_k8->data(), pl.v = d_v8->data();
+    }
     pl.page_sums = d_ps->data(), pl.seg_sums = d_ss->data();
     pl.summary_dtype = sum_bf16 ? DType::kBF16 : DType::kF32;
     pl.seg_scores = d_s1->data(), pl.page_scores = d_s2->data(), pl.tok_scores = d_s3->data();

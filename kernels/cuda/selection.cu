@@ -43,6 +43,7 @@
 // previous kernel of the stream finishes and waits (griddepcontrol.wait) before its first global
 // access. Measured on the H100 it made the pipeline graphs slower, so it is off by default.
 #include <cooperative_groups.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -50,6 +51,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "kernels/cuda/internal/common.cuh"
 #include "kernels/cuda/internal/selection.cuh"
@@ -104,6 +106,10 @@ __device__ __forceinline__ float LoadF<float>(const float* p, int64_t i) {
 template <>
 __device__ __forceinline__ float LoadF<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
   return __bfloat162float(p[i]);
+}
+template <>
+__device__ __forceinline__ float LoadF<__nv_fp8_e4m3>(const __nv_fp8_e4m3* p, int64_t i) {
+  return static_cast<float>(p[i]);  // the stored value (kernels/backend.h "fp8 KV pools")
 }
 
 // Writes acc[h] (h < group) of the warp's candidate i: lane h writes head h.
@@ -1977,24 +1983,104 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The stages' and the attention's products on fp8 pools (SelectStagesKernel<*, true>): the e4m3
+// codes become f16 exactly (one cvt per two), so the mmas are f16 ones, and the query's three
+// parts are f16 (hi + mid + lo = x exactly for the scaled values below). f16's range is narrow, so
+// each head's query is scaled by 2^s_h (s_h = 14 - floor(log2 max |x|), at most 100: the largest
+// part below 2^15) and its scores by 2^-s_h after the sum (both exact). Mma is the product of the
+// kernel's pool format: bf16 rows and bf16 parts, or fp8 rows as f16 and f16 parts.
+template <bool kF8>
+__device__ __forceinline__ void MmaOf(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                      uint32_t b1) {
+  if constexpr (kF8) {
+    MmaF16(d, a, b0, b1);
+  } else {
+    MmaBf16(d, a, b0, b1);
+  }
+}
+
+// The two e4m3 codes in the low 16 bits of v (low byte first) as two f16 (low half first).
+__device__ __forceinline__ uint32_t Fp8x2ToHalf2(uint32_t v) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu),
+                                                   __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// Eight e4m3 codes (two words, low byte first) as eight f16: the 16 bytes of a B fragment load.
+__device__ __forceinline__ uint4 Fp8x8ToHalf8(uint32_t w0, uint32_t w1) {
+  return make_uint4(Fp8x2ToHalf2(w0), Fp8x2ToHalf2(w0 >> 16), Fp8x2ToHalf2(w1),
+                    Fp8x2ToHalf2(w1 >> 16));
+}
+
+// An fp8 key row is read by lane t of a tile as bytes [16t, 16t + 16) and [64 + 16t, 80 + 16t)
+// (two 16-byte loads instead of the bf16 row's four), whose halves are the B fragments of column
+// groups 0 and 1, then 2 and 3. So the fp8 key table (and an fp8 K staging row converted for the
+// attention) holds dim 64 (p / 2) + 16t + 8 (p % 2) + e at column 32p + 8t + e.
+__device__ __forceinline__ int Fp8KeyColumn(int dim) {
+  const int hi = dim >> 6, t = (dim >> 4) & 3, half = (dim >> 3) & 1, e = dim & 7;
+  return 32 * (2 * hi + half) + 8 * t + e;
+}
+
 // The A operands of a kernel's stages in shared memory, built once per block: bf16 rows
 // 4 * part + h (part 0 hi, 1 mid, 2 lo of head h; rows 12-15 zero) of Q' for summaries (K = 256)
 // and for keys (K = 128), rows padded so that the 16-byte fragment loads of a warp do not
 // conflict.
 constexpr int kStagesSumStride = 256 + 32, kStagesKeyStride = 128 + 32;  // bf16 per row
 
+// kF8: the key table is f16 for fp8 keys (columns as Fp8KeyColumn), head h's query scaled by
+// key_scale[0][h] = 2^s_h, its products to be scaled by key_scale[1][h] = 2^-s_h (MmaOf above).
+template <bool kF8 = false>
 __device__ __forceinline__ void StageATables(const float* q, float scale, int g, int group,
-                                             __nv_bfloat16* sum_a, __nv_bfloat16* key_a) {
+                                             __nv_bfloat16* sum_a, __nv_bfloat16* key_a,
+                                             float (*key_scale)[kRegTopKMaxGroup] = nullptr) {
   constexpr int D = 128;
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
+  if constexpr (kF8) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < kRegTopKMaxGroup) {
+      float m = 0.0f;
+      if (warp < group) {
+        for (int dim = lane; dim < D; dim += 32) {
+          m = fmaxf(m, fabsf(scale * q[(static_cast<int64_t>(g) * group + warp) * D + dim]));
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const int sh = m > 0.0f && m <= FLT_MAX ? min(100, 14 - ilogbf(m)) : 0;
+      if (lane == 0) key_scale[0][warp] = ldexpf(1.0f, sh), key_scale[1][warp] = ldexpf(1.0f, -sh);
+    }
+    __syncthreads();
+  }
   for (int i = threadIdx.x; i < 4 * D; i += kStagesThreads) {
     const int h = i / D, dim = i % D;
     const float x = h < group ? scale * q[(static_cast<int64_t>(g) * group + h) * D + dim] : 0.0f;
+    if constexpr (kF8) {
+      __half* t = reinterpret_cast<__half*>(key_a);
+      const int c = Fp8KeyColumn(dim);
+      const float xk = x * key_scale[0][h];
+      const __half hi = __float2half_rn(xk);
+      const float r1 = xk - __half2float(hi);
+      const __half mid = __float2half_rn(r1);
+      const __half lo = __float2half_rn(r1 - __half2float(mid));
+      t[(0 * 4 + h) * kStagesKeyStride + c] = hi;
+      t[(1 * 4 + h) * kStagesKeyStride + c] = mid;
+      t[(2 * 4 + h) * kStagesKeyStride + c] = lo;
+      t[(3 * 4 + h) * kStagesKeyStride + c] = __float2half_rn(0.0f);
+    }
     // Summaries: column dim pairs with min (min(x, 0)), column D + dim with max (max(x, 0)).
     const float xs[3] = {fminf(x, 0.0f), fmaxf(x, 0.0f), x};
     const int col[3] = {dim, D + dim, dim};
 #pragma unroll
-    for (int w = 0; w < 3; ++w) {
+    for (int w = 0; w < (kF8 ? 2 : 3); ++w) {
       const __nv_bfloat16 hi = __float2bfloat16_rn(xs[w]);
       const float r1 = xs[w] - __bfloat162float(hi);
       const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
@@ -2024,9 +2110,12 @@ __device__ __forceinline__ void StageAFragments(const __nv_bfloat16* table, int 
 // One tile's scores from its two mma accumulators (c[0], c[1]: the column group's two halves of
 // K) into sc[h][first + i] (i < 8, first + i < count; -inf where the row is invalid). `ok`: the
 // lane's row (candidate first + lane / 4) is valid.
+// kF8: the sums are scaled by descale (the lane's head's 2^-s_h).
+template <bool kF8 = false>
 __device__ __forceinline__ void StageStoreTile(const float (&c)[2][4], bool ok, int32_t first,
                                                int32_t count, int group,
-                                               float (*sc)[kStagesMaxPerBlock], float& vmax) {
+                                               float (*sc)[kStagesMaxPerBlock], float& vmax,
+                                               float descale = 1.0f) {
   const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3;
   float cc[4];
 #pragma unroll
@@ -2039,8 +2128,9 @@ __device__ __forceinline__ void StageStoreTile(const float (&c)[2][4], bool ok, 
   const bool ok1 = __shfl_sync(0xffffffffu, ok, 4 * (2 * t + 1)) != 0;
   const int32_t i0 = first + 2 * t;
   if (lane < 16 && r < group) {
-    const float s0 = ok0 ? cc[0] + (mid0 + cc[2]) : NegInfF();
-    const float s1 = ok1 ? cc[1] + (mid1 + cc[3]) : NegInfF();
+    float s0 = ok0 ? cc[0] + (mid0 + cc[2]) : NegInfF();
+    float s1 = ok1 ? cc[1] + (mid1 + cc[3]) : NegInfF();
+    if constexpr (kF8) s0 *= descale, s1 *= descale;
     if (i0 < count) sc[r][i0] = s0, vmax = fmaxf(vmax, s0);  // NaN never wins
     if (i0 + 1 < count) sc[r][i0 + 1] = s1, vmax = fmaxf(vmax, s1);
   }
@@ -2051,25 +2141,32 @@ __device__ __forceinline__ void StageStoreTile(const float (&c)[2][4], bool ok, 
 // comes from `table` (StageATables) one column group at a time, so the registers hold the row
 // loads of kTiles tiles (32 16-byte loads in flight per lane) instead. Returns the max of the
 // scores the lane wrote (head lane / 4 for lanes < 16; -inf for the others), as fmaxf takes it.
-template <int kGroups, typename RowOf>
+// kF8 (fp8 keys, kGroups 4): row_of gives the candidate's 128-byte fp8 row, read as two 16-byte
+// loads per lane (Fp8KeyColumn) and converted to f16 group by group before its mmas; the table is
+// StageATables<true>'s and key_descale its per-head 2^-s_h.
+template <int kGroups, bool kF8 = false, typename RowOf>
 __device__ __forceinline__ float StageScoreMma(const __nv_bfloat16* table, int stride, int group,
                                                int32_t count, RowOf row_of,
-                                               float (*sc)[kStagesMaxPerBlock]) {
+                                               float (*sc)[kStagesMaxPerBlock],
+                                               const float* key_descale = nullptr) {
+  static_assert(!kF8 || kGroups == 4, "fp8 rows are keys");
   float vmax = NegInfF();
   constexpr int kTiles = 32 / kGroups;
+  constexpr int kLoads = kF8 ? 2 : kGroups;  // 16-byte loads per lane and tile
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, t = lane & 3;
   const int32_t tiles = (count + kStagesTileN - 1) / kStagesTileN;
   for (int32_t t0 = warp * kTiles; t0 < tiles; t0 += kStagesWarps * kTiles) {
-    uint4 b[kTiles][kGroups];
+    uint4 b[kTiles][kLoads];
     bool ok[kTiles];
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) {
       const int32_t i = (t0 + u) * kStagesTileN + r;
-      const __nv_bfloat16* row = i < count ? row_of(i) : nullptr;
+      const auto* row = i < count ? row_of(i) : nullptr;
       ok[u] = row != nullptr;
 #pragma unroll
-      for (int p = 0; p < kGroups; ++p) {
-        b[u][p] = row != nullptr ? __ldg(reinterpret_cast<const uint4*>(row + 32 * p + 8 * t))
+      for (int p = 0; p < kLoads; ++p) {
+        const int off = kF8 ? 64 * p + 16 * t : 32 * p + 8 * t;  // elements of the row
+        b[u][p] = row != nullptr ? __ldg(reinterpret_cast<const uint4*>(row + off))
                                  : make_uint4(0, 0, 0, 0);
       }
     }
@@ -2085,13 +2182,21 @@ __device__ __forceinline__ float StageScoreMma(const __nv_bfloat16* table, int s
       StageAFragments(table, stride, p, a);
 #pragma unroll
       for (int u = 0; u < kTiles; ++u) {
-        MmaBf16(c[u][0], a[0], b[u][p].x, b[u][p].y);
-        MmaBf16(c[u][1], a[1], b[u][p].z, b[u][p].w);
+        uint4 bp;
+        if constexpr (kF8) {
+          const uint4& raw = b[u][p >> 1];
+          bp = (p & 1) ? Fp8x8ToHalf8(raw.z, raw.w) : Fp8x8ToHalf8(raw.x, raw.y);
+        } else {
+          bp = b[u][p];
+        }
+        MmaOf<kF8>(c[u][0], a[0], bp.x, bp.y);
+        MmaOf<kF8>(c[u][1], a[1], bp.z, bp.w);
       }
     }
+    const float ds = kF8 ? key_descale[r & 3] : 1.0f;
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) {
-      StageStoreTile(c[u], ok[u], (t0 + u) * kStagesTileN, count, group, sc, vmax);
+      StageStoreTile<kF8>(c[u], ok[u], (t0 + u) * kStagesTileN, count, group, sc, vmax, ds);
     }
   }
   return vmax;
@@ -2159,10 +2264,14 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
 // lanes 4h + t and 16 + 4h + t then hold head h's scores of rows 2t, 2t + 1, 8 + 2t, 9 + 2t. One
 // online-softmax step; the weights, split in two bf16 parts (hi in rows 0-3 of A, lo in rows
 // 4-7), times V (ldmatrix.trans of the V rows, 16 dims at a time) into acc.
+// kF8 (fp8 pools): the K rows (Fp8KeyColumn order) and V rows are f16 (ConvertFp8Rows), the key
+// table StageATables<true>'s with key_descale its per-head 2^-s_h, the weights' parts f16.
+template <bool kF8 = false>
 __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_bfloat16* v_s,
                                            const int64_t* row_s, int r0, int end,
                                            const __nv_bfloat16* key_a, int group,
-                                           AttendState& st, bool scored = false) {
+                                           AttendState& st, bool scored = false,
+                                           const float* key_descale = nullptr) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, t = lane & 3;
   float sc[4];  // rows 2t, 2t + 1, 8 + 2t, 9 + 2t of the 16
   if (scored) {
@@ -2189,8 +2298,8 @@ __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_
       for (int n = 0; n < 2; ++n) {
         const uint4 b = *reinterpret_cast<const uint4*>(k_s + (r0 + 8 * n + g8) * kAttendPitch +
                                                          32 * p + 8 * t);
-        MmaBf16(c[n][0], a[0], b.x, b.y);
-        MmaBf16(c[n][1], a[1], b.z, b.w);
+        MmaOf<kF8>(c[n][0], a[0], b.x, b.y);
+        MmaOf<kF8>(c[n][1], a[1], b.z, b.w);
       }
     }
 #pragma unroll
@@ -2200,7 +2309,11 @@ __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_
       for (int e = 0; e < 4; ++e) cc[e] = c[n][0][e] + c[n][1][e];
       const float mid0 = __shfl_down_sync(0xffffffffu, cc[0], 16);
       const float mid1 = __shfl_down_sync(0xffffffffu, cc[1], 16);
-      const float s0 = cc[0] + (mid0 + cc[2]), s1 = cc[1] + (mid1 + cc[3]);  // lanes < 16
+      float s0 = cc[0] + (mid0 + cc[2]), s1 = cc[1] + (mid1 + cc[3]);  // lanes < 16
+      if constexpr (kF8) {
+        const float ds = key_descale[g8 & 3];
+        s0 *= ds, s1 *= ds;
+      }
       sc[2 * n] = __shfl_sync(0xffffffffu, s0, lane & 15);
       sc[2 * n + 1] = __shfl_sync(0xffffffffu, s1, lane & 15);
     }
@@ -2232,10 +2345,18 @@ __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_
   float wp[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float hi = __bfloat162float(__float2bfloat16_rn(w[i]));
+    const float hi = kF8 ? __half2float(__float2half_rn(w[i]))
+                         : __bfloat162float(__float2bfloat16_rn(w[i]));
     wp[i] = lo ? w[i] - hi : w[i];
   }
-  const uint32_t a[4] = {PackBf16(wp[0], wp[1]), 0u, PackBf16(wp[2], wp[3]), 0u};
+  uint32_t a[4];
+  if constexpr (kF8) {
+    const __half2 p0 = __floats2half2_rn(wp[0], wp[1]), p1 = __floats2half2_rn(wp[2], wp[3]);
+    a[0] = *reinterpret_cast<const uint32_t*>(&p0), a[2] = *reinterpret_cast<const uint32_t*>(&p1);
+  } else {
+    a[0] = PackBf16(wp[0], wp[1]), a[2] = PackBf16(wp[2], wp[3]);
+  }
+  a[1] = 0u, a[3] = 0u;
   // ldmatrix.x4.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the 16, dims + 8 (l >> 4).
   const uint32_t vrow = SharedAddr(v_s + (r0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kAttendPitch +
                                    8 * (lane >> 4));
@@ -2250,8 +2371,8 @@ __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
                  : "r"(vrow + 32 * d));
-    MmaBf16(st.acc[2 * d], a, b0, b1);
-    MmaBf16(st.acc[2 * d + 1], a, b2, b3);
+    MmaOf<kF8>(st.acc[2 * d], a, b0, b1);
+    MmaOf<kF8>(st.acc[2 * d + 1], a, b2, b3);
   }
 }
 
@@ -2282,10 +2403,35 @@ __device__ __forceinline__ int64_t AttendFixedRow(const DeviceSelectAttend& at, 
 // not attended, but AttendRows still reads its K and V).
 // kVOnly: the V row only (a scored middle row: its K staging row holds its scores, which a
 // zero fill must not overwrite).
-template <bool kVOnly = false>
+// kF8 (fp8 pools): the 128-byte rows land at byte kAttendFp8Offset of their staging rows (zeros
+// there for row < 0), which ConvertFp8Rows turns into f16 rows in place.
+constexpr int kAttendFp8Offset = 2 * kAttendPitch - 128;  // the last 128 bytes of a staging row
+static_assert(kAttendFp8Offset % 16 == 0 && kAttendFp8Offset >= 16,
+              "bulk copies need 16-byte alignment; a scored K row's first 16 bytes hold scores");
+template <bool kVOnly = false, bool kF8 = false>
 __device__ __forceinline__ void AttendIssueRow(const DeviceSelectAttend& at, __nv_bfloat16* k_s,
                                                __nv_bfloat16* v_s, int r, int64_t row,
                                                uint32_t bar) {
+  if constexpr (kF8) {
+    unsigned char* k = reinterpret_cast<unsigned char*>(k_s + r * kAttendPitch) + kAttendFp8Offset;
+    unsigned char* v = reinterpret_cast<unsigned char*>(v_s + r * kAttendPitch) + kAttendFp8Offset;
+    if (row >= 0) {
+      MbarExpectTx(bar, (kVOnly ? 1 : 2) * 128);
+      if (!kVOnly) {
+        BulkCopyToShared(SharedAddr(k), static_cast<const unsigned char*>(at.k_pool) + row * 128,
+                         128, bar);
+      }
+      BulkCopyToShared(SharedAddr(v), static_cast<const unsigned char*>(at.v_pool) + row * 128,
+                       128, bar);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (!kVOnly) reinterpret_cast<uint4*>(k)[i] = make_uint4(0, 0, 0, 0);
+        reinterpret_cast<uint4*>(v)[i] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
   if (row >= 0) {
     MbarExpectTx(bar, (kVOnly ? 1 : 2) * 128 * sizeof(__nv_bfloat16));
     if (!kVOnly) {
@@ -2305,6 +2451,40 @@ __device__ __forceinline__ void AttendIssueRow(const DeviceSelectAttend& at, __n
   }
 }
 
+// kF8: the warp's staging rows [r0, r0 + 16), landed as fp8 at kAttendFp8Offset, become the f16
+// rows AttendRows<true> reads, in place: V in dim order, K (unless with_k is false: a scored
+// middle's K rows hold scores) in Fp8KeyColumn order. Every lane reads its four 16-byte pieces of
+// each before any lane writes (a row's f16 form overlaps its fp8 bytes).
+__device__ __forceinline__ void ConvertFp8Rows(__nv_bfloat16* k_s, __nv_bfloat16* v_s, int r0,
+                                               bool with_k) {
+  const int lane = threadIdx.x & 31;
+  uint4 kr[4], vr[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = lane + 32 * j, r = r0 + (i >> 3), c = i & 7;  // row, 16-byte piece
+    const int off = r * kAttendPitch * 2 + kAttendFp8Offset + 16 * c;
+    vr[j] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(v_s) + off);
+    if (with_k) {
+      kr[j] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(k_s) + off);
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = lane + 32 * j, r = r0 + (i >> 3), c = i & 7;
+    // Piece c holds dims 16c .. 16c + 15.
+    uint4* v = reinterpret_cast<uint4*>(v_s + r * kAttendPitch + 16 * c);
+    v[0] = Fp8x8ToHalf8(vr[j].x, vr[j].y);
+    v[1] = Fp8x8ToHalf8(vr[j].z, vr[j].w);
+    if (with_k) {
+      __nv_bfloat16* k = k_s + r * kAttendPitch;
+      *reinterpret_cast<uint4*>(k + Fp8KeyColumn(16 * c)) = Fp8x8ToHalf8(kr[j].x, kr[j].y);
+      *reinterpret_cast<uint4*>(k + Fp8KeyColumn(16 * c + 8)) = Fp8x8ToHalf8(kr[j].z, kr[j].w);
+    }
+  }
+  __syncwarp();
+}
+
 // SetSelectStagesPhaseStamps (launch.h).
 __device__ long long* g_stages_phase_stamps = nullptr;
 __device__ int g_stages_phase_blocks = 0;
@@ -2317,7 +2497,9 @@ __device__ int g_stages_phase_blocks = 0;
 // kStagesAttendRows).
 constexpr int kStagesNoAttend = 0, kStagesAttendRows = 1, kStagesAttendScored = 2;
 
-template <int kAttend>
+// kF8: every key stage's pool and the attention's are fp8 (SelectStageKind::kKeysFP8,
+// DeviceSelectAttend::fp8): the key table, key scoring and attention of MmaOf<true> above.
+template <int kAttend, bool kF8 = false>
 __global__ void __launch_bounds__(kStagesThreads, 1)
     SelectStagesKernel(const float* __restrict__ q, float scale, int group,
                        const __grid_constant__ DeviceSelectStages st,
@@ -2328,6 +2510,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   __shared__ float sc[G][kStagesMaxPerBlock];  // the block's scores of the stage
   __shared__ __align__(16) __nv_bfloat16 sum_a[16 * kStagesSumStride];  // StageATables
   __shared__ __align__(16) __nv_bfloat16 key_a[16 * kStagesKeyStride];
+  __shared__ float key_scale[2][G];  // kF8: per head 2^s_h, 2^-s_h (StageATables<true>)
   __shared__ __align__(16) float part_s[2 * G];  // the block's max per head, then its sum
   __shared__ __align__(16) uint32_t hist[kVoteRankPasses][128];  // per pass, bins 2i | 2i + 1 << 16
   __shared__ uint32_t wsum_s[W];
@@ -2393,12 +2576,12 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   auto fixed_rows = [&](int64_t row) {
     if (ft >= 0 && ft < kSelectAttendMaxFixed) {
       row_s[ft] = row;
-      AttendIssueRow(at, k_s, v_s, ft, row, SharedAddr(&mbar[kFixedBar]));
+      AttendIssueRow<false, kF8>(at, k_s, v_s, ft, row, SharedAddr(&mbar[kFixedBar]));
     }
   };
   // The split query (also the attention's: same q and scale), read after the first stage's
   // barrier (the attention's: after its own).
-  StageATables(q, scale, g, group, sum_a, key_a);
+  StageATables<kF8>(q, scale, g, group, sum_a, key_a, key_scale);
   static_assert(kBars <= 32, "one lane of warp 0 per mbarrier");
   if (tid < kBars) {
     MbarInit(SharedAddr(&mbar[tid]), 1);
@@ -2436,12 +2619,13 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     const int phase0 = 1 + si * kSelectStagesPhasesPerStage;
     stamp(phase0);
     float vmax;  // the lane's max of the scores it wrote (StageScoreMma)
-    if (stage.kind == SelectStageKind::kKeysBF16) {
-      const __nv_bfloat16* k_pool = static_cast<const __nv_bfloat16*>(stage.rows);
+    if (stage.kind != SelectStageKind::kSummariesBF16) {  // kKeysBF16, or kKeysFP8 with kF8
+      using KeyRow = typename std::conditional<kF8, unsigned char, __nv_bfloat16>::type;
+      const KeyRow* k_pool = static_cast<const KeyRow*>(stage.rows);
       const int page_shift = stage.page_shift, fanout_shift = stage.fanout_shift;
       const int32_t page_mask = (1 << page_shift) - 1, fanout_mask = (1 << fanout_shift) - 1;
-      vmax = StageScoreMma<4>(key_a, kStagesKeyStride, group, block_count,
-                       [&](int32_t i) -> const __nv_bfloat16* {
+      vmax = StageScoreMma<4, kF8>(key_a, kStagesKeyStride, group, block_count,
+                       [&](int32_t i) -> const KeyRow* {
         const int32_t idx = block_first + i;
         int64_t id;
         if (parents == nullptr) {
@@ -2458,7 +2642,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
         if (slot < 0 || slot >= stage.num_items) return nullptr;
         return k_pool + ((static_cast<int64_t>(slot) << page_shift) +
                          (static_cast<int32_t>(id) & page_mask)) * 128;
-      }, sc);
+      }, sc, key_scale[1]);
     } else {
       const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(stage.rows);
       vmax = StageScoreMma<8>(sum_a, kStagesSumStride, group, block_count,
@@ -2738,7 +2922,8 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       } else {
         row_s[r] = -1;
       }
-      AttendIssueRow<true>(at, k_s, v_s, r, row, SharedAddr(&mbar[kTileBar + tid / kAttendTile]));
+      AttendIssueRow<true, kF8>(at, k_s, v_s, r, row,
+                                SharedAddr(&mbar[kTileBar + tid / kAttendTile]));
     } else if (tid < kSelectAttendMaxMiddle) {  // staging row kSelectAttendMaxFixed + tid
       int64_t row = -1;
       if (tid < m_count) {
@@ -2754,8 +2939,8 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
         }
       }
       row_s[kSelectAttendMaxFixed + tid] = row;
-      AttendIssueRow(at, k_s, v_s, kSelectAttendMaxFixed + tid, row,
-                     SharedAddr(&mbar[kTileBar + tid / kAttendTile]));
+      AttendIssueRow<false, kF8>(at, k_s, v_s, kSelectAttendMaxFixed + tid, row,
+                                 SharedAddr(&mbar[kTileBar + tid / kAttendTile]));
     }
     __syncthreads();  // row_s and every tx-count complete
     if (tid == 0) {
@@ -2778,7 +2963,10 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       int32_t f0 = 0;
       const int32_t f_count = AttendFixedShare(at, cs, rank, &f0);
       const int r0 = 8 * kAttendGroups * warp;
-      if (r0 < f_count) AttendRows(k_s, v_s, row_s, r0, f_count, key_a, group, ast);
+      if (r0 < f_count) {
+        if constexpr (kF8) ConvertFp8Rows(k_s, v_s, r0, true);
+        AttendRows<kF8>(k_s, v_s, row_s, r0, f_count, key_a, group, ast, false, key_scale[1]);
+      }
     }
     stamp(A0 + 2);
 #pragma unroll
@@ -2787,8 +2975,9 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       stamp(A0 + 3 + 2 * t);
       const int r0 = kSelectAttendMaxFixed + t * kAttendTile + 8 * kAttendGroups * warp;
       if (r0 < kSelectAttendMaxFixed + m_count) {
-        AttendRows(k_s, v_s, row_s, r0, kSelectAttendMaxFixed + m_count, key_a, group, ast,
-                   scored);
+        if constexpr (kF8) ConvertFp8Rows(k_s, v_s, r0, !scored);
+        AttendRows<kF8>(k_s, v_s, row_s, r0, kSelectAttendMaxFixed + m_count, key_a, group, ast,
+                        scored, key_scale[1]);
       }
       stamp(A0 + 4 + 2 * t);
     }
@@ -2956,6 +3145,10 @@ cudaError_t LaunchScoreKeys(const float* q, const void* k_pool, FloatType pool_t
     ScoreKeysKernel<float><<<grid, kScoreThreads, smem, stream>>>(
         q, static_cast<const float*>(k_pool), num_slots, page_size, page_table, table_pages,
         group, head_dim, c, scale, scores);
+  } else if (pool_type == FloatType::kFP8E4M3) {
+    ScoreKeysKernel<__nv_fp8_e4m3><<<grid, kScoreThreads, smem, stream>>>(
+        q, static_cast<const __nv_fp8_e4m3*>(k_pool), num_slots, page_size, page_table,
+        table_pages, group, head_dim, c, scale, scores);
   } else {
     return cudaErrorInvalidValue;
   }
@@ -3219,23 +3412,37 @@ const StagesDeviceInfo* StagesInfo() {
       cudaGetLastError();
       return ok;
     };
+    // Both pool formats' instantiations (bf16, fp8), so a shape runs on either or neither.
     in.usable = allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesNoAttend>),
+                      kStagesDynamicSmem) &&
+                allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesNoAttend, true>),
                       kStagesDynamicSmem);
     in.attend =
         in.usable &&
         allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows>),
               kStagesAttendSmem) &&
         allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendScored>),
+              kStagesAttendSmem) &&
+        allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows, true>),
+              kStagesAttendSmem) &&
+        allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendScored, true>),
               kStagesAttendSmem);
-    in.fit16 = in.usable ? MaxActiveClusters(SelectStagesKernel<kStagesNoAttend>, 16,
-                                             kStagesThreads, kStagesDynamicSmem)
+    in.fit16 = in.usable ? std::min(MaxActiveClusters(SelectStagesKernel<kStagesNoAttend>, 16,
+                                                      kStagesThreads, kStagesDynamicSmem),
+                                    MaxActiveClusters(SelectStagesKernel<kStagesNoAttend, true>,
+                                                      16, kStagesThreads, kStagesDynamicSmem))
                          : 0;
     in.attend_fit16 =
-        in.attend ? std::min(MaxActiveClusters(SelectStagesKernel<kStagesAttendRows>, 16,
-                                               kStagesThreads, kStagesAttendSmem),
-                             MaxActiveClusters(SelectStagesKernel<kStagesAttendScored>, 16,
-                                               kStagesThreads, kStagesAttendSmem))
-                  : 0;
+        in.attend
+            ? std::min(std::min(MaxActiveClusters(SelectStagesKernel<kStagesAttendRows>, 16,
+                                                  kStagesThreads, kStagesAttendSmem),
+                                MaxActiveClusters(SelectStagesKernel<kStagesAttendScored>, 16,
+                                                  kStagesThreads, kStagesAttendSmem)),
+                       std::min(MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, true>, 16,
+                                                  kStagesThreads, kStagesAttendSmem),
+                                MaxActiveClusters(SelectStagesKernel<kStagesAttendScored, true>,
+                                                  16, kStagesThreads, kStagesAttendSmem)))
+            : 0;
   });
   return &g_stages_info[device];
 }
@@ -3266,7 +3473,7 @@ bool SelectStagesAttendScored(const DeviceSelectStages& stages, const DeviceSele
   const DeviceSelectStage& last = stages.stage[stages.num_stages - 1];
   const char* e = std::getenv("STRATA_SELECT_ATTEND_SCORES");
   return (e == nullptr || std::string_view(e) != "0") &&
-         last.kind == SelectStageKind::kKeysBF16 && a.fanout_shift == 0 &&
+         last.kind != SelectStageKind::kSummariesBF16 && a.fanout_shift == 0 &&
          last.rows == a.k_pool && last.table == a.table && last.table_pages == a.table_pages &&
          (int64_t{1} << last.page_shift) == a.page_size && last.num_items == a.num_slots;
 }
@@ -3298,6 +3505,13 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
   const StagesDeviceInfo* info = StagesInfo();
   const int cs = ClusterBlocksOf(info, num_kv_heads);
   if (cs == 0) return cudaErrorInvalidValue;
+  // The pool format: fp8 where a key stage or the attention reads fp8, and then all of them.
+  bool f8 = attend != nullptr && attend->fp8 != 0, bf16_keys = attend != nullptr && !f8;
+  for (int s = 0; s < stages.num_stages; ++s) {
+    f8 = f8 || stages.stage[s].kind == SelectStageKind::kKeysFP8;
+    bf16_keys = bf16_keys || stages.stage[s].kind == SelectStageKind::kKeysBF16;
+  }
+  if (f8 && bf16_keys) return cudaErrorInvalidValue;
   for (int s = 0; s < stages.num_stages; ++s) {
     const DeviceSelectStage& st = stages.stage[s];
     if (st.c.count < 0 || st.c.count > int64_t{cs} * kStagesMaxPerBlock || st.k < 0 ||
@@ -3325,15 +3539,18 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
                                    attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem,
                                    stream, cs, /*dependent=*/false);
   if (attend != nullptr) {
-    return cudaLaunchKernelEx(&launch.cfg,
-                              SelectStagesAttendScored(stages, *attend)
-                                  ? SelectStagesKernel<kStagesAttendScored>
-                                  : SelectStagesKernel<kStagesAttendRows>,
-                              q, scale, group, stages, *attend, skip, RegHistMode());
+    const bool scored = SelectStagesAttendScored(stages, *attend);
+    return cudaLaunchKernelEx(
+        &launch.cfg,
+        f8 ? (scored ? SelectStagesKernel<kStagesAttendScored, true>
+                     : SelectStagesKernel<kStagesAttendRows, true>)
+           : (scored ? SelectStagesKernel<kStagesAttendScored> : SelectStagesKernel<kStagesAttendRows>),
+        q, scale, group, stages, *attend, skip, RegHistMode());
   }
-  return cudaLaunchKernelEx(&launch.cfg, SelectStagesKernel<kStagesNoAttend>, q, scale, group,
-                            stages,
-                            DeviceSelectAttend{}, skip, RegHistMode());
+  return cudaLaunchKernelEx(&launch.cfg,
+                            f8 ? SelectStagesKernel<kStagesNoAttend, true>
+                               : SelectStagesKernel<kStagesNoAttend>,
+                            q, scale, group, stages, DeviceSelectAttend{}, skip, RegHistMode());
 }
 
 namespace {
@@ -3421,6 +3638,10 @@ cudaError_t LaunchUpdateSummariesOf(const void* k_pool, FloatType pool_type, int
   } else if (pool_type == FloatType::kF32) {
     PageSummaryKernel<float, S><<<grid, kSumThreads, 0, stream>>>(
         static_cast<const float*>(k_pool), num_slots, page_size, head_dim, page_table,
+        table_pages, end, page_begin, pages, max_pages);
+  } else if (pool_type == FloatType::kFP8E4M3) {
+    PageSummaryKernel<__nv_fp8_e4m3, S><<<grid, kSumThreads, 0, stream>>>(
+        static_cast<const __nv_fp8_e4m3*>(k_pool), num_slots, page_size, head_dim, page_table,
         table_pages, end, page_begin, pages, max_pages);
   } else {
     return cudaErrorInvalidValue;

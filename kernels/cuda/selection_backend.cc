@@ -22,7 +22,7 @@ using cuda_internal::FloatType;
 
 FloatType PoolType(DType t) {
   return t == DType::kBF16 ? FloatType::kBF16
-         : t == DType::kFP8E4M3 ? FloatType::kFP8E4M3  // SelectedAttention only
+         : t == DType::kFP8E4M3 ? FloatType::kFP8E4M3
                                 : FloatType::kF32;
 }
 
@@ -196,25 +196,35 @@ absl::Status CudaBackend::SelectionCacheCheck(const SelectionCacheCheckParams& p
 namespace {
 
 // Whether SelectStagesKernel can run p.attend after the stages (kernels/cuda/internal/launch.h
-// DeviceSelectAttend: bf16 pools, head_dim 128, the stages' group, the middle the last stage's
+// DeviceSelectAttend: bf16 pools, or fp8 ones where no key stage reads bf16 (the kernel reads one
+// format), head_dim 128, the stages' group, the middle the last stage's
 // selection by a power-of-two fanout, no prefix_len or slot_scales, each block's share of the
 // positions within its staging area); if so fills *d. Called by SelectStages once the stages
 // take the kernel and p.attend passed CpuSupportsSelectedAttention, which between them guarantee
 // what is not checked again here:
-//  - CpuSupportsSelectedAttention: v_pool has k_pool's dtype and shape (so bf16 with it);
+//  - CpuSupportsSelectedAttention: v_pool has k_pool's dtype and shape;
 //    slot_scales is null with bf16 pools; 0 <= prefix_end <= 2^30; 0 <= suffix_begin <=
 //    suffix_end < 2^31 and suffix_end - suffix_begin <= 2^30; 0 <= middle.begin <= middle.end
 //    < 2^31; middle.parents, when set, an i32 [page_table.dim(0), *] view.
 //  - SelectStages' kernel conditions: p.q.data 16-byte aligned (a.q.data is p.q.data).
 // LaunchSelectStages repeats some of the conditions below, but as errors (cudaErrorInvalidValue)
 // where this falls back to the separate op, so they stay here.
-bool SelectAttendInKernel(const SelectStagesParams& p, int64_t hkv, int64_t group,
-                          cuda_internal::DeviceSelectAttend* d) {
+bool SelectAttendInKernel(const SelectStagesParams& p, const cuda_internal::DeviceSelectStages& ds,
+                          int64_t hkv, int64_t group, cuda_internal::DeviceSelectAttend* d) {
   const SelectedAttentionParams& a = *p.attend;
   const SelectStage& last = p.stages[p.num_stages - 1];
   const int fanout_shift = ShiftOf(a.middle.fanout);
+  const bool fp8 = a.k_pool.dtype == DType::kFP8E4M3;
+  for (int i = 0; i < ds.num_stages; ++i) {
+    const cuda_internal::SelectStageKind k = ds.stage[i].kind;
+    if (k == (fp8 ? cuda_internal::SelectStageKind::kKeysBF16
+                  : cuda_internal::SelectStageKind::kKeysFP8)) {
+      return false;
+    }
+  }
   // The kernel attends with the stages' split query: the same q and scale.
-  if (a.q.data != p.q.data || a.scale * a.k_scale != p.scale || a.k_pool.dtype != DType::kBF16 ||
+  if (a.q.data != p.q.data || a.scale * a.k_scale != p.scale ||
+      (a.k_pool.dtype != DType::kBF16 && !fp8) || a.slot_scales != nullptr ||
       a.q.dim(2) != 128 || a.q.dim(1) != hkv * group || a.page_table.dim(0) != hkv ||
       a.prefix_len != nullptr || a.middle.parents.data == nullptr ||
       a.middle.parents.data != last.selected.data || a.middle.parents.dim(1) != last.k ||
@@ -241,6 +251,7 @@ bool SelectAttendInKernel(const SelectStagesParams& p, int64_t hkv, int64_t grou
   d->fanout_shift = fanout_shift;
   d->middle = ToDevice(a.middle);
   d->v_scale = a.v_scale;
+  d->fp8 = fp8 ? 1 : 0;
   d->out = a.out.As<float>();
   d->lse = a.lse.As<float>();
   const char* e = std::getenv("STRATA_SELECT_ATTEND_FIXED");
@@ -283,9 +294,11 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
       const int fanout_shift = st.candidates.parents.data == nullptr
                                    ? 0
                                    : ShiftOf(st.candidates.fanout);
-      fused = fused && st.k_pool.dtype == DType::kBF16 && page_shift >= 0 && fanout_shift >= 0 &&
-              st.page_table.dim(1) <= (int64_t{1} << 30);
-      ds.kind = cuda_internal::SelectStageKind::kKeysBF16;
+      const bool fp8 = st.k_pool.dtype == DType::kFP8E4M3;
+      fused = fused && (st.k_pool.dtype == DType::kBF16 || fp8) && page_shift >= 0 &&
+              fanout_shift >= 0 && st.page_table.dim(1) <= (int64_t{1} << 30);
+      ds.kind = fp8 ? cuda_internal::SelectStageKind::kKeysFP8
+                    : cuda_internal::SelectStageKind::kKeysBF16;
       ds.rows = st.k_pool.data;
       ds.num_items = st.k_pool.dim(0);
       ds.table = st.page_table.As<const int32_t>();
@@ -300,6 +313,13 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
     ds.k = static_cast<int>(std::min<int64_t>(st.k, int64_t{1} << 30));
     ds.selected = st.selected.As<int32_t>();
   }
+  // The kernel reads one key format (launch.h): key stages over bf16 and fp8 pools run op by op.
+  bool bf16_keys = false, fp8_keys = false;
+  for (int i = 0; i < p.num_stages; ++i) {
+    bf16_keys = bf16_keys || d.stage[i].kind == cuda_internal::SelectStageKind::kKeysBF16;
+    fp8_keys = fp8_keys || d.stage[i].kind == cuda_internal::SelectStageKind::kKeysFP8;
+  }
+  fused = fused && !(bf16_keys && fp8_keys);
   const int64_t group = hkv > 0 ? p.q.dim(0) / hkv : 0;
   fused = fused && hkv >= 1 && hkv <= 65535 && group >= 1 && group <= 4 && p.q.dim(1) == 128 &&
           reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
@@ -331,7 +351,7 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
   if (p.attend != nullptr) {
     const char* ae = std::getenv("STRATA_SELECT_ATTEND");
     const std::string_view mode = ae == nullptr ? "" : ae;
-    attend_fused = mode != "separate" && SelectAttendInKernel(p, hkv, group, &da);
+    attend_fused = mode != "separate" && SelectAttendInKernel(p, d, hkv, group, &da);
     if (!attend_fused && mode == "require_fused") {
       return absl::FailedPreconditionError(
           "SelectStages: STRATA_SELECT_ATTEND=require_fused and the attention is not one the "

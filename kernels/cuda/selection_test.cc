@@ -239,7 +239,10 @@ TEST_F(SelectionTest, ScoreKeysMatchesCpu) {
                {DType::kBF16, 2, 3, 128, 16, 9, 20, false},
                {DType::kBF16, 3, 2, 128, 32, 6, 10, true},
                {DType::kBF16, 2, 1, 128, 8, 11, 40, true},
-               {DType::kBF16, 2, 4, 128, 48, 7, 12, true}};  // page 48: FastScoreKernel
+               {DType::kBF16, 2, 4, 128, 48, 7, 12, true},  // page 48: FastScoreKernel
+               // fp8 pools (stored values scored; the generic kernel).
+               {DType::kFP8E4M3, 2, 4, 128, 16, 9, 20, true},
+               {DType::kFP8E4M3, 3, 3, 17, 7, 13, 30, false}};
   // The default kernels (PagedKeyScoreKernel with 8 rounds), PagedKeyScoreKernel with 2 and 4
   // rounds, then FastScoreKernel where PagedKeyScoreKernel would run.
   for (const char* keys : {"", "2", "4", "generic"}) {
@@ -760,7 +763,7 @@ TEST_F(SelectionTest, SelectedAttentionMatchesCpu) {
 }
 
 TEST_F(SelectionTest, UpdateSummariesMatchesCpu) {
-  for (DType dtype : {DType::kBF16, DType::kF32}) {
+  for (DType dtype : {DType::kBF16, DType::kF32, DType::kFP8E4M3}) {
     SCOPED_TRACE(DTypeName(dtype));
     const int hkv = 3, d = 128, page = 16, table_pages = 40, seg = 5, max_segs = 8;
     const int slots = hkv * table_pages + 1;
@@ -1271,6 +1274,10 @@ struct ChainCase {
 struct Chain {
   static constexpr int kD = 128;
   ChainCase c;
+  // The K (and the attention's V) pool: bf16, or fp8 codes of values in [-16, 16) with k_scale
+  // and v_scale 1/16, 1/8 (the stages' scale then carries k_scale, as the policies pass it).
+  DType pool_dtype = DType::kBF16;
+  float k_scale = 1.0f, v_scale = 1.0f;
   int64_t segs = 0, slots = 0;
   std::vector<float> q;
   std::vector<uint8_t> page_sums, seg_sums, pool;
@@ -1285,7 +1292,7 @@ struct Chain {
                             const std::vector<void*>& selected) const {
     SelectStagesParams p;
     p.q = TensorView(dq, DType::kF32, {c.hkv * c.group, kD});
-    p.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+    p.scale = 1.0f / std::sqrt(static_cast<float>(kD)) * k_scale;
     int i = 0;
     if (c.seg_pages > 0) {
       SelectStage& s = p.stages[i];
@@ -1304,7 +1311,7 @@ struct Chain {
     }
     if (c.keys) {
       SelectStage& s = p.stages[i];
-      s.k_pool = TensorView(dpool, DType::kBF16, {slots, c.page, kD});
+      s.k_pool = TensorView(dpool, pool_dtype, {slots, c.page, kD});
       s.page_table = TensorView(dtable, DType::kI32, {c.hkv, c.pages});
       s.candidates.fanout = c.page;
       s.candidates.begin = c.t_begin;
@@ -1323,16 +1330,18 @@ struct Chain {
   }
 };
 
-// The chain's bf16 K pool and page table (a key stage's, or an attention's): a pool smaller than
-// the table, so pages share slots; a few entries are -1 or past the pool.
+// The chain's K pool (ch.pool_dtype) and page table (a key stage's, or an attention's): a pool
+// smaller than the table, so pages share slots; a few entries are -1 or past the pool.
 void AddChainPool(Chain& ch, std::mt19937& rng) {
   const ChainCase& c = ch.c;
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const bool fp8 = ch.pool_dtype == DType::kFP8E4M3;
+  std::uniform_real_distribution<float> u(fp8 ? -16.0f : -1.0f, fp8 ? 16.0f : 1.0f);
+  if (fp8) ch.k_scale = 1.0f / 16, ch.v_scale = 1.0f / 8;
   ch.slots = std::min<int64_t>(int64_t{c.hkv} * c.pages, 509);
   std::vector<float> k(static_cast<size_t>(ch.slots) * c.page * Chain::kD);
   for (float& x : k) x = u(rng);
-  ch.pool.resize(k.size() * 2);
-  ConvertFromF32(k.data(), ch.pool.data(), DType::kBF16, static_cast<int64_t>(k.size()));
+  ch.pool.resize(k.size() * DTypeSize(ch.pool_dtype));
+  ConvertFromF32(k.data(), ch.pool.data(), ch.pool_dtype, static_cast<int64_t>(k.size()));
   ch.table.resize(static_cast<size_t>(c.hkv) * c.pages);
   for (size_t i = 0; i < ch.table.size(); ++i) {
     ch.table[i] = i % 97 == 13 ? -1 : i % 101 == 7 ? static_cast<int32_t>(ch.slots)
@@ -1340,9 +1349,10 @@ void AddChainPool(Chain& ch, std::mt19937& rng) {
   }
 }
 
-Chain MakeChain(const ChainCase& c, std::mt19937& rng) {
+Chain MakeChain(const ChainCase& c, std::mt19937& rng, DType pool_dtype = DType::kBF16) {
   Chain ch;
   ch.c = c;
+  ch.pool_dtype = pool_dtype;
   constexpr int d = Chain::kD;
   std::uniform_real_distribution<float> u(-1.0f, 1.0f), uq(-2.0f, 2.0f);
   ch.q.resize(static_cast<size_t>(c.hkv) * c.group * d);
@@ -1464,8 +1474,10 @@ SelectedAttentionParams ChainAttention(const Chain& ch, int64_t window, void* q,
   const int64_t mid_end = c.keys ? c.t_end : c.p_end * c.page;
   SelectedAttentionParams at;
   at.q = TensorView(q, DType::kF32, {1, hq, kD});
-  at.k_pool = TensorView(k, DType::kBF16, {ch.slots, c.page, kD});
-  at.v_pool = TensorView(v, DType::kBF16, {ch.slots, c.page, kD});
+  at.k_pool = TensorView(k, ch.pool_dtype, {ch.slots, c.page, kD});
+  at.v_pool = TensorView(v, ch.pool_dtype, {ch.slots, c.page, kD});
+  at.k_scale = ch.k_scale;
+  at.v_scale = ch.v_scale;
   at.page_table = TensorView(table, DType::kI32, {c.hkv, c.pages});
   at.prefix_end = mid_begin;
   at.middle.parents = parents;
@@ -1577,37 +1589,41 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
   };
   int stages = 0, compared = 0;
   for (const ChainCase& c : cases) {
-    SCOPED_TRACE(c.name);
-    Chain ch = MakeChain(c, rng_);
-    const ChainRef ref = RunChainOnCpu(cpu_, ch);
-    if (c.identical_rows) {
-      // Every valid candidate ties: the lowest ids win, in order (the NaN-free rows).
-      for (int g = 0; g < c.hkv; ++g) {
-        for (int64_t j = 0; j < c.k_pages; ++j) {
-          ASSERT_EQ(ref.selected[0][g * c.k_pages + j], c.p_begin + j);
+    // Key stages over bf16 and over fp8 pools (the kernel's fp8 form).
+    for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
+      if (pool == DType::kFP8E4M3 && !c.keys) continue;
+      SCOPED_TRACE(::testing::Message() << c.name << ", " << DTypeName(pool) << " keys");
+      Chain ch = MakeChain(c, rng_, pool);
+      const ChainRef ref = RunChainOnCpu(cpu_, ch);
+      if (c.identical_rows) {
+        // Every valid candidate ties: the lowest ids win, in order (the NaN-free rows).
+        for (int g = 0; g < c.hkv; ++g) {
+          for (int64_t j = 0; j < c.k_pages; ++j) {
+            ASSERT_EQ(ref.selected[0][g * c.k_pages + j], c.p_begin + j);
+          }
         }
       }
-    }
-    if (c.fusable) {
-      setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-    } else {
+      if (c.fusable) {
+        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+      } else {
+        unsetenv("STRATA_SELECT_STAGES");
+      }
+      const auto fused = RunOnGpu(ch);
+      setenv("STRATA_SELECT_STAGES", "opbyop", 1);
+      const auto ops = RunOnGpu(ch);
       unsetenv("STRATA_SELECT_STAGES");
-    }
-    const auto fused = RunOnGpu(ch);
-    setenv("STRATA_SELECT_STAGES", "opbyop", 1);
-    const auto ops = RunOnGpu(ch);
-    unsetenv("STRATA_SELECT_STAGES");
-    stages += 2 * static_cast<int>(ch.counts.size());
-    {
-      SCOPED_TRACE("fused");
-      compared += Compare(ch, ref, fused);
-    }
-    {
-      SCOPED_TRACE("op by op");
-      compared += Compare(ch, ref, ops);
-    }
-    if (c.identical_rows) {
-      EXPECT_EQ(fused, ref.selected) << "exact ties must match exactly";
+      stages += 2 * static_cast<int>(ch.counts.size());
+      {
+        SCOPED_TRACE("fused");
+        compared += Compare(ch, ref, fused);
+      }
+      {
+        SCOPED_TRACE("op by op");
+        compared += Compare(ch, ref, ops);
+      }
+      if (c.identical_rows) {
+        EXPECT_EQ(fused, ref.selected) << "exact ties must match exactly";
+      }
     }
   }
   // Near-ties that cut a comparison short are rare on random data.
@@ -1669,104 +1685,108 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
   };
   constexpr int kD = Chain::kD;
   for (const AttendCase& ac : cases) {
-    const ChainCase& c = ac.c;
-    SCOPED_TRACE(c.name);
-    Chain ch = MakeChain(c, rng_);
-    if (ch.pool.empty()) AddChainPool(ch, rng_);
-    const ChainRef ref = RunChainOnCpu(cpu_, ch);
-    std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD);
-    const std::vector<uint8_t> vpool = PoolBytes(vf, DType::kBF16);
-    const int hq = c.hkv * c.group;
-    auto attention = [&](void* q, void* k, void* v, void* table, const TensorView& parents,
-                         void* out, void* lse) {
-      return ChainAttention(ch, ac.window, q, k, v, table, parents, out, lse);
-    };
-    const int last = static_cast<int>(ch.counts.size()) - 1;
-    auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
-    auto dv = Dev(vpool), dt = Dev(ch.table);
-    std::vector<std::unique_ptr<Buffer>> bufs;
-    std::vector<void*> sp, sel;
-    StageBuffers(ch, &bufs, &sp, &sel);
-    auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
-    // The CPU's attention over a selection `final` (host) with query `q` (host).
-    auto cpu_attention = [&](std::vector<float>& q, std::vector<int32_t>& final,
-                             std::vector<float>* out, std::vector<float>* lse) {
-      out->assign(static_cast<size_t>(hq) * kD, 0.0f);
-      lse->assign(hq, 0.0f);
-      const SelectedAttentionParams at = attention(
-          q.data(), ch.pool.data(), const_cast<uint8_t*>(vpool.data()), ch.table.data(),
-          TensorView(final.data(), DType::kI32, {c.hkv, ch.ks[last]}), out->data(), lse->data());
-      ASSERT_TRUE(cpu_->SelectedAttention(at, nullptr).ok());
-    };
-    // out and lse of the fused modes, for the bitwise comparison of the two ways to the scores.
-    std::vector<std::vector<float>> fused_out, fused_lse;
-    for (const char* mode : {"require_fused", "require_fused rows", "separate"}) {
-      SCOPED_TRACE(mode);
-      const std::string_view m(mode);
-      setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-      setenv("STRATA_SELECT_ATTEND", m == "separate" ? "separate" : "require_fused", 1);
-      setenv("STRATA_SELECT_ATTEND_SCORES", m == "require_fused rows" ? "0" : "1", 1);
-      SelectStagesParams p =
-          ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
-      const SelectedAttentionParams at =
-          attention(dq->data(), dpool->data(), dv->data(), dt->data(), p.stages[last].selected,
-                    dout->data(), dlse->data());
-      p.attend = &at;
-      const absl::Status st = gpu_->SelectStages(p, nullptr);
-      ASSERT_TRUE(st.ok()) << st;
-      std::vector<std::vector<int32_t>> got;
-      for (size_t i = 0; i < ch.counts.size(); ++i) {
-        got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
-      }
-      Compare(ch, ref, got);
-      std::vector<float> want_out, want_lse;
-      cpu_attention(ch.q, got[last], &want_out, &want_lse);
-      ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
-      ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
-      if (m != "separate") {
-        fused_out.push_back(Get<float>(*dout, int64_t{hq} * kD));
-        fused_lse.push_back(Get<float>(*dlse, hq));
-      }
-
-      // A second query with every other head flagged: those keep `got`'s selection and attend
-      // it with the new query; the others select again.
-      std::vector<float> q2 = RandomF(static_cast<int64_t>(ch.q.size()), -2.0f, 2.0f);
-      auto dq2 = Dev(q2);
-      std::vector<int32_t> skip(c.hkv);
-      for (int g = 0; g < c.hkv; ++g) skip[g] = g % 2;
-      auto dskip = Dev(skip);
-      SelectStagesParams p2 =
-          ch.Params(dq2->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
-      p2.skip_heads = static_cast<const int32_t*>(dskip->data());
-      const SelectedAttentionParams at2 =
-          attention(dq2->data(), dpool->data(), dv->data(), dt->data(),
-                    p2.stages[last].selected, dout->data(), dlse->data());
-      p2.attend = &at2;
-      const absl::Status st2 = gpu_->SelectStages(p2, nullptr);
-      ASSERT_TRUE(st2.ok()) << st2;
-      std::vector<int32_t> final2 = Get<int32_t>(*bufs[2 * last + 1], int64_t{c.hkv} * ch.ks[last]);
-      for (int g = 0; g < c.hkv; ++g) {
-        if (!skip[g]) continue;
-        for (int64_t j = 0; j < ch.ks[last]; ++j) {
-          ASSERT_EQ(final2[g * ch.ks[last] + j], got[last][g * ch.ks[last] + j]) << "head " << g;
+    // bf16 pools, and fp8 pools (the kernel's fp8 form: key stage and attention on fp8 rows).
+    for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
+      const ChainCase& c = ac.c;
+      SCOPED_TRACE(::testing::Message() << c.name << ", " << DTypeName(pool) << " pools");
+      Chain ch = MakeChain(c, rng_, pool);
+      if (ch.pool.empty()) AddChainPool(ch, rng_);
+      const ChainRef ref = RunChainOnCpu(cpu_, ch);
+      const float vmax = pool == DType::kFP8E4M3 ? 16.0f : 1.0f;
+      std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD, -vmax, vmax);
+      const std::vector<uint8_t> vpool = PoolBytes(vf, pool);
+      const int hq = c.hkv * c.group;
+      auto attention = [&](void* q, void* k, void* v, void* table, const TensorView& parents,
+                           void* out, void* lse) {
+        return ChainAttention(ch, ac.window, q, k, v, table, parents, out, lse);
+      };
+      const int last = static_cast<int>(ch.counts.size()) - 1;
+      auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+      auto dv = Dev(vpool), dt = Dev(ch.table);
+      std::vector<std::unique_ptr<Buffer>> bufs;
+      std::vector<void*> sp, sel;
+      StageBuffers(ch, &bufs, &sp, &sel);
+      auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
+      // The CPU's attention over a selection `final` (host) with query `q` (host).
+      auto cpu_attention = [&](std::vector<float>& q, std::vector<int32_t>& final,
+                               std::vector<float>* out, std::vector<float>* lse) {
+        out->assign(static_cast<size_t>(hq) * kD, 0.0f);
+        lse->assign(hq, 0.0f);
+        const SelectedAttentionParams at = attention(
+            q.data(), ch.pool.data(), const_cast<uint8_t*>(vpool.data()), ch.table.data(),
+            TensorView(final.data(), DType::kI32, {c.hkv, ch.ks[last]}), out->data(), lse->data());
+        ASSERT_TRUE(cpu_->SelectedAttention(at, nullptr).ok());
+      };
+      // out and lse of the fused modes, for the bitwise comparison of the two ways to the scores.
+      std::vector<std::vector<float>> fused_out, fused_lse;
+      for (const char* mode : {"require_fused", "require_fused rows", "separate"}) {
+        SCOPED_TRACE(mode);
+        const std::string_view m(mode);
+        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+        setenv("STRATA_SELECT_ATTEND", m == "separate" ? "separate" : "require_fused", 1);
+        setenv("STRATA_SELECT_ATTEND_SCORES", m == "require_fused rows" ? "0" : "1", 1);
+        SelectStagesParams p =
+            ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+        const SelectedAttentionParams at =
+            attention(dq->data(), dpool->data(), dv->data(), dt->data(), p.stages[last].selected,
+                      dout->data(), dlse->data());
+        p.attend = &at;
+        const absl::Status st = gpu_->SelectStages(p, nullptr);
+        ASSERT_TRUE(st.ok()) << st;
+        std::vector<std::vector<int32_t>> got;
+        for (size_t i = 0; i < ch.counts.size(); ++i) {
+          got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
         }
+        Compare(ch, ref, got);
+        std::vector<float> want_out, want_lse;
+        cpu_attention(ch.q, got[last], &want_out, &want_lse);
+        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
+        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
+        if (m != "separate") {
+          fused_out.push_back(Get<float>(*dout, int64_t{hq} * kD));
+          fused_lse.push_back(Get<float>(*dlse, hq));
+        }
+
+        // A second query with every other head flagged: those keep `got`'s selection and attend
+        // it with the new query; the others select again.
+        std::vector<float> q2 = RandomF(static_cast<int64_t>(ch.q.size()), -2.0f, 2.0f);
+        auto dq2 = Dev(q2);
+        std::vector<int32_t> skip(c.hkv);
+        for (int g = 0; g < c.hkv; ++g) skip[g] = g % 2;
+        auto dskip = Dev(skip);
+        SelectStagesParams p2 =
+            ch.Params(dq2->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+        p2.skip_heads = static_cast<const int32_t*>(dskip->data());
+        const SelectedAttentionParams at2 =
+            attention(dq2->data(), dpool->data(), dv->data(), dt->data(),
+                      p2.stages[last].selected, dout->data(), dlse->data());
+        p2.attend = &at2;
+        const absl::Status st2 = gpu_->SelectStages(p2, nullptr);
+        ASSERT_TRUE(st2.ok()) << st2;
+        std::vector<int32_t> final2 = Get<int32_t>(*bufs[2 * last + 1], int64_t{c.hkv} * ch.ks[last]);
+        for (int g = 0; g < c.hkv; ++g) {
+          if (!skip[g]) continue;
+          for (int64_t j = 0; j < ch.ks[last]; ++j) {
+            ASSERT_EQ(final2[g * ch.ks[last] + j], got[last][g * ch.ks[last] + j]) << "head " << g;
+          }
+        }
+        cpu_attention(q2, final2, &want_out, &want_lse);
+        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
+        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
       }
-      cpu_attention(q2, final2, &want_out, &want_lse);
-      ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
-      ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
+      ASSERT_EQ(fused_out.size(), 2u);
+      for (size_t i = 0; i < fused_out[0].size(); ++i) {
+        ASSERT_EQ(std::memcmp(&fused_out[0][i], &fused_out[1][i], sizeof(float)), 0)
+            << "out " << i << ": " << fused_out[0][i] << " scored, " << fused_out[1][i] << " rows";
+      }
+      for (size_t i = 0; i < fused_lse[0].size(); ++i) {
+        ASSERT_EQ(std::memcmp(&fused_lse[0][i], &fused_lse[1][i], sizeof(float)), 0)
+            << "lse " << i << ": " << fused_lse[0][i] << " scored, " << fused_lse[1][i] << " rows";
+      }
+      unsetenv("STRATA_SELECT_STAGES");
+      unsetenv("STRATA_SELECT_ATTEND");
+      unsetenv("STRATA_SELECT_ATTEND_SCORES");
     }
-    ASSERT_EQ(fused_out.size(), 2u);
-    for (size_t i = 0; i < fused_out[0].size(); ++i) {
-      ASSERT_EQ(std::memcmp(&fused_out[0][i], &fused_out[1][i], sizeof(float)), 0)
-          << "out " << i << ": " << fused_out[0][i] << " scored, " << fused_out[1][i] << " rows";
-    }
-    for (size_t i = 0; i < fused_lse[0].size(); ++i) {
-      ASSERT_EQ(std::memcmp(&fused_lse[0][i], &fused_lse[1][i], sizeof(float)), 0)
-          << "lse " << i << ": " << fused_lse[0][i] << " scored, " << fused_lse[1][i] << " rows";
-    }
-    unsetenv("STRATA_SELECT_STAGES");
-    unsetenv("STRATA_SELECT_ATTEND");
-    unsetenv("STRATA_SELECT_ATTEND_SCORES");
   }
 }
 

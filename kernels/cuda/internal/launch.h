@@ -18,7 +18,7 @@
 namespace strata::kernels::cuda_internal {
 
 // Element type of a float tensor read by a kernel (mirrors kernels::DType's float members).
-// kFP8E4M3 (OCP e4m3fn) is read by the attention kernels only (KV pools, kernels/backend.h).
+// kFP8E4M3 (OCP e4m3fn) is read by the attention and selection kernels (KV pools, kernels/backend.h).
 enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kFP8E4M3 = 3 };
 
 // ---- embedding.cu --------------------------------------------------------------------------
@@ -222,15 +222,17 @@ cudaError_t LaunchVoteTopK(const float* scores, int num_kv_heads, int group, con
 // SelectStages (kernels/backend.h SelectStagesParams) as one kernel, SelectStagesKernel in
 // selection.cu: one thread-block cluster per KV head runs every stage (scores, soft vote, top-k)
 // with no global round trip but the stages' selected ids. Head_dim 128, group <= 4; bf16
-// summaries, bf16 keys with power-of-two page size and fanout; rows 16-byte aligned.
+// summaries, bf16 or fp8 keys with power-of-two page size and fanout; rows 16-byte aligned. fp8
+// key stages and an fp8 attention take the kernel's fp8 form, so its key stages and attention
+// read one format: a call mixing bf16 and fp8 pools is refused (cudaErrorInvalidValue).
 inline constexpr int kSelectStagesMax = 3;
 // The largest k of a stage that has a stage after it (its selection is copied to every block).
 inline constexpr int kSelectStagesMaxParents = 2048;
-enum class SelectStageKind : int { kSummariesBF16 = 0, kKeysBF16 = 1 };
+enum class SelectStageKind : int { kSummariesBF16 = 0, kKeysBF16 = 1, kKeysFP8 = 2 };
 struct DeviceSelectStage {
   SelectStageKind kind = SelectStageKind::kSummariesBF16;
   // bf16 summaries [num_kv_heads, num_items, 2 * 128] (min, then max), or the K pool
-  // [num_items slots, page_size, 128].
+  // [num_items slots, page_size, 128] (bf16, or fp8 e4m3: stored values, scored as ScoreKeys).
   const void* rows = nullptr;
   int64_t num_items = 0;
   const int32_t* table = nullptr;  // keys: page table [num_kv_heads, table_pages]
@@ -288,7 +290,7 @@ __host__ __device__ inline int StageDivByShare(uint32_t pos, float inv_share) {
   return static_cast<int>((static_cast<float>(pos) + 0.5f) * inv_share);
 }
 // SelectedAttention over the last stage's selection inside the same kernel
-// (SelectStagesParams::attend, kernels/backend.h): bf16 pools, head_dim 128, the group of the
+// (SelectStagesParams::attend, kernels/backend.h): bf16 or fp8 pools, head_dim 128, the group of the
 // stages, no prefix_len and no slot scales; middle.parents is the last stage's `selected`
 // (num_parents its k <= kSelectStagesMaxParents, fanout a power of two). Block r of KV head g's
 // cluster attends its share of the fixed positions (the prefix, then the suffix: at most
@@ -301,7 +303,7 @@ inline constexpr int kSelectAttendMaxMiddle = 256;
 // taken from that stage instead of from K rows (STRATA_SELECT_ATTEND_SCORES=0, read at every
 // launch, turns that off: A/B timing and tests; the result is the same bits either way).
 struct DeviceSelectAttend {
-  const void* k_pool = nullptr;    // bf16 [num_slots, page_size, 128]
+  const void* k_pool = nullptr;    // bf16, or fp8 e4m3 with fp8 != 0: [num_slots, page_size, 128]
   const void* v_pool = nullptr;
   const int32_t* table = nullptr;  // [num_kv_heads, table_pages]
   int table_pages = 0;
@@ -312,7 +314,8 @@ struct DeviceSelectAttend {
   int32_t suffix_len = 0;
   int fanout_shift = 0;            // log2(middle.fanout)
   DeviceCandidates middle;
-  float v_scale = 1.0f;
+  float v_scale = 1.0f;             // fp8: the V pool's scale (k_scale is in the stages' scale)
+  int fp8 = 0;                     // nonzero: the pools are fp8 e4m3 (stored values)
   float* out = nullptr;            // [num_kv_heads * group, 128] f32
   float* lse = nullptr;            // [num_kv_heads * group] f32
   // Nonzero: the fixed rows are copied during the first stage, else while the last stage's ids
