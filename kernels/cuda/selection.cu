@@ -2037,36 +2037,35 @@ __device__ __forceinline__ int Fp8KeyColumn(int dim) {
 constexpr int kStagesSumStride = 256 + 32, kStagesKeyStride = 128 + 32;  // bf16 per row
 
 // kF8: the key table is f16 for fp8 keys (columns as Fp8KeyColumn), head h's query scaled by
-// key_scale[0][h] = 2^s_h, its products to be scaled by key_scale[1][h] = 2^-s_h (MmaOf above).
+// key_scale[0][h] = 2^s_h, its products to be scaled by key_scale[1][h] = 2^-s_h (MmaOf above;
+// written here, read after the caller's next __syncthreads).
 template <bool kF8 = false>
 __device__ __forceinline__ void StageATables(const float* q, float scale, int g, int group,
                                              __nv_bfloat16* sum_a, __nv_bfloat16* key_a,
                                              float (*key_scale)[kRegTopKMaxGroup] = nullptr) {
   constexpr int D = 128;
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
-  if constexpr (kF8) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp < kRegTopKMaxGroup) {
+  for (int i = threadIdx.x; i < 4 * D; i += kStagesThreads) {
+    const int h = i / D, dim = i % D;
+    const float x = h < group ? scale * q[(static_cast<int64_t>(g) * group + h) * D + dim] : 0.0f;
+    if constexpr (kF8) {
+      // Head h (the same in the whole warp) scaled by 2^s_h: every warp of the head finds its
+      // max itself (no barrier); the head's first warp writes the pair.
+      const int lane = threadIdx.x & 31;
       float m = 0.0f;
-      if (warp < group) {
-        for (int dim = lane; dim < D; dim += 32) {
-          m = fmaxf(m, fabsf(scale * q[(static_cast<int64_t>(g) * group + warp) * D + dim]));
+      if (h < group) {
+#pragma unroll
+        for (int j = 0; j < D / 32; ++j) {
+          m = fmaxf(m, fabsf(scale * q[(static_cast<int64_t>(g) * group + h) * D + lane + 32 * j]));
         }
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       const int sh = m > 0.0f && m <= FLT_MAX ? min(100, 14 - ilogbf(m)) : 0;
-      if (lane == 0) key_scale[0][warp] = ldexpf(1.0f, sh), key_scale[1][warp] = ldexpf(1.0f, -sh);
-    }
-    __syncthreads();
-  }
-  for (int i = threadIdx.x; i < 4 * D; i += kStagesThreads) {
-    const int h = i / D, dim = i % D;
-    const float x = h < group ? scale * q[(static_cast<int64_t>(g) * group + h) * D + dim] : 0.0f;
-    if constexpr (kF8) {
+      if (dim == 0) key_scale[0][h] = ldexpf(1.0f, sh), key_scale[1][h] = ldexpf(1.0f, -sh);
       __half* t = reinterpret_cast<__half*>(key_a);
       const int c = Fp8KeyColumn(dim);
-      const float xk = x * key_scale[0][h];
+      const float xk = x * ldexpf(1.0f, sh);
       const __half hi = __float2half_rn(xk);
       const float r1 = xk - __half2float(hi);
       const __half mid = __float2half_rn(r1);
@@ -2151,6 +2150,9 @@ __device__ __forceinline__ float StageScoreMma(const __nv_bfloat16* table, int s
                                                const float* key_descale = nullptr) {
   static_assert(!kF8 || kGroups == 4, "fp8 rows are keys");
   float vmax = NegInfF();
+  // Tiles whose rows are loaded at once. (fp8 rows over 16 tiles at once, the same 32 loads in
+  // flight per lane, accumulated 4 tiles at a time: 0.2 us faster scoring but 0.7 us slower
+  // steps for its 20 KB of code; bench/RESULTS.md, session 30.)
   constexpr int kTiles = 32 / kGroups;
   constexpr int kLoads = kF8 ? 2 : kGroups;  // 16-byte loads per lane and tile
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, t = lane & 3;
@@ -2906,6 +2908,16 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // mbarriers ready
     }
     if (!fixed_early) fixed_rows(fixed_row_of());
+    // kF8: fixed rows copied during the first stage are converted while the middle's ids arrive.
+    const bool fixed_converted = kF8 && fixed_early;
+    if constexpr (kF8) {
+      int32_t f0 = 0;
+      if (fixed_converted) {
+        wait_bar(kFixedBar);
+        const int r0 = 8 * kAttendGroups * warp;
+        if (r0 < AttendFixedShare(at, cs, rank, &f0)) ConvertFp8Rows(k_s, v_s, r0, true);
+      }
+    }
     if (!skipped) {
       wait_bar(6);
       __syncthreads();  // parents_s's -1 tail written
@@ -2949,7 +2961,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     }
     constexpr int A0 = 1 + kSelectStagesMax * kSelectStagesPhasesPerStage;  // attention's stamps
     stamp(A0);
-    wait_bar(kFixedBar);  // the fixed rows
+    if (!fixed_converted) wait_bar(kFixedBar);  // the fixed rows
     stamp(A0 + 1);
     AttendState ast;
     ast.m = NegInfF();
@@ -2964,7 +2976,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       const int32_t f_count = AttendFixedShare(at, cs, rank, &f0);
       const int r0 = 8 * kAttendGroups * warp;
       if (r0 < f_count) {
-        if constexpr (kF8) ConvertFp8Rows(k_s, v_s, r0, true);
+        if (kF8 && !fixed_converted) ConvertFp8Rows(k_s, v_s, r0, true);
         AttendRows<kF8>(k_s, v_s, row_s, r0, f_count, key_a, group, ast, false, key_scale[1]);
       }
     }
