@@ -2908,8 +2908,10 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // mbarriers ready
     }
     if (!fixed_early) fixed_rows(fixed_row_of());
-    // kF8: fixed rows copied during the first stage are converted while the middle's ids arrive.
-    const bool fixed_converted = kF8 && fixed_early;
+    // kF8 with K rows for the middle (not kStagesAttendScored): fixed rows copied during the first
+    // stage are converted while the middle's ids arrive (session 30, H200: 128K quest 26.0 ->
+    // 25.7 us, but tokenselect 41.7 -> 42.3 there: its middle's V copies wait for it).
+    const bool fixed_converted = kF8 && kAttend == kStagesAttendRows && fixed_early;
     if constexpr (kF8) {
       int32_t f0 = 0;
       if (fixed_converted) {
