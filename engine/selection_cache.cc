@@ -84,4 +84,16 @@ absl::StatusOr<int64_t> DeviceSelectionCache::ReadHits(kernels::Stream stream) {
   return hits;
 }
 
+absl::Status DeviceSelectionCache::QueueHitsRead(kernels::Stream stream) {
+  if (hits_host_ == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(hits_host_, backend_->AllocateHost(sizeof(int64_t)));
+    *static_cast<int64_t*>(hits_host_->data()) = 0;
+  }
+  return backend_->CopyToHostAsync(hits_host_->data(), hit_count_->data(), sizeof(int64_t), stream);
+}
+
+int64_t DeviceSelectionCache::QueuedHits() const {
+  return hits_host_ == nullptr ? 0 : *static_cast<const int64_t*>(hits_host_->data());
+}
+
 }  // namespace strata::engine

@@ -52,6 +52,12 @@ class DeviceSelectionCache {
   int64_t lookups() const { return lookups_; }
   // The hits so far (the backend's count); waits for `stream` (not inside a graph capture).
   absl::StatusOr<int64_t> ReadHits(kernels::Stream stream);
+  // The same read without a wait of its own: QueueHitsRead queues the copy of the count on
+  // `stream` (into host memory of AllocateHost's), and QueuedHits returns it once the caller has
+  // waited for that stream (a caller that waits anyway, e.g. for results copied back with it,
+  // saves ReadHits' second wait).
+  absl::Status QueueHitsRead(kernels::Stream stream);
+  int64_t QueuedHits() const;
   double theta() const { return theta_; }
 
  private:
@@ -65,6 +71,7 @@ class DeviceSelectionCache {
   };
   std::vector<Layer> layers_;
   std::unique_ptr<kernels::Buffer> hit_count_;  // one int64
+  std::unique_ptr<kernels::Buffer> hits_host_;  // one int64 (AllocateHost), on first QueueHitsRead
   int64_t lookups_ = 0;
 };
 

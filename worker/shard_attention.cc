@@ -257,8 +257,7 @@ absl::Status ShardSession::Finish() {
   STRATA_RETURN_IF_ERROR(backend_->Synchronize(stream_));
   TakeResults(pending_.v, scratch_, pending_.out);
   if (device_ != nullptr) {
-    absl::MutexLockMaybe lock(shard_->backend_mu());
-    STRATA_RETURN_IF_ERROR(device_->ReadCacheHits(stream_));  // no-op without the selection cache
+    device_->TakeCacheHits();  // read with the results (Queue); the session's own policy
     AddSince(pending_.before, device_->counters(), pending_.counters);
   }
   return absl::OkStatus();
@@ -277,6 +276,8 @@ absl::Status ShardSession::Queue(int layer, const float* q, int n, int hq, int64
         layer, kernels::TensorView(v->q, kernels::DType::kF32, {n, hq, d}), cache,
         kernels::TensorView(v->out, kernels::DType::kF32, {n, hq, d}),
         kernels::TensorView(v->lse, kernels::DType::kF32, {n, hq}), stream_));
+    // The selection cache's hit count comes back with the results (no wait of its own).
+    STRATA_RETURN_IF_ERROR(device_->QueueCacheHitsRead(stream_));  // no-op without the cache
     return QueueResults(backend_, *v, scratch_, *out, stream_);
   }
   if (policy_ == nullptr) {

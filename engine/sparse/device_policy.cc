@@ -118,6 +118,18 @@ absl::Status DevicePolicy::ReadCacheHits(kernels::Stream stream) {
   return absl::OkStatus();
 }
 
+absl::Status DevicePolicy::QueueCacheHitsRead(kernels::Stream stream) {
+  if (!cache_on_) return absl::OkStatus();
+  queued_lookups_ = sel_cache_->lookups();
+  return sel_cache_->QueueHitsRead(stream);
+}
+
+void DevicePolicy::TakeCacheHits() {
+  if (!cache_on_) return;
+  counters_.cache_lookups = queued_lookups_;
+  counters_.cache_hits = sel_cache_->QueuedHits();
+}
+
 absl::Status DevicePolicy::CheckCache(int layer, const KvCache& cache) const {
   const KvCacheOptions& c = cache.options();
   if (layer < 0 || layer >= cache_options_.num_layers) {

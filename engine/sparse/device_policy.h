@@ -125,6 +125,11 @@ class DevicePolicy {
   // Copies the lookups so far and the backend's count of selection-cache hits into counters();
   // waits for `stream` (not for use inside a graph capture). No-op when the cache is off.
   absl::Status ReadCacheHits(kernels::Stream stream);
+  // The same in two parts, for a caller that waits for `stream` anyway: QueueCacheHitsRead queues
+  // the count's copy on it, TakeCacheHits (after that wait) copies the lookups and that count
+  // into counters(). Both no-ops when the cache is off.
+  absl::Status QueueCacheHitsRead(kernels::Stream stream);
+  void TakeCacheHits();
 
  private:
   DevicePolicy(const PolicyOptions& options, const KvCacheOptions& cache, int num_q_heads,
@@ -168,6 +173,7 @@ class DevicePolicy {
   std::unique_ptr<kernels::Buffer> seg_scores_, page_scores_, tok_scores_, top_segs_, top_pages_,
       top_tokens_;
   SelectionCounters counters_;
+  int64_t queued_lookups_ = 0;  // the lookups when QueueCacheHitsRead queued the count's read
   // Selection cache (cache_on_), whose kept selection per layer is quest: [hkv, wanted_pages_]
   // page ids; tokenselect: [hkv, budget] token ids.
   bool cache_on_ = false;

@@ -237,6 +237,13 @@ TEST_P(DevicePolicyCacheTest, ReuseMatchesHostSelectionCache) {
   }
   EXPECT_EQ(dev->counters().cache_lookups, 0);  // until read, with the hits
   EXPECT_EQ(dev->counters().cache_hits, 0);
+  // The read queued on the stream, taken after the caller's wait: the same counts.
+  STRATA_ASSERT_OK(dev->QueueCacheHitsRead(nullptr));
+  STRATA_ASSERT_OK(cpu->Synchronize(nullptr));
+  dev->TakeCacheHits();
+  EXPECT_EQ(dev->counters().cache_lookups, host->counters().cache_lookups);
+  EXPECT_EQ(dev->counters().cache_hits, host->counters().cache_hits);
+  EXPECT_GT(dev->counters().cache_hits, 0);
   STRATA_ASSERT_OK(dev->ReadCacheHits(nullptr));
   EXPECT_EQ(dev->counters().cache_lookups, host->counters().cache_lookups);
   EXPECT_EQ(dev->counters().cache_hits, host->counters().cache_hits);
