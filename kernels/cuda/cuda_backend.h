@@ -124,7 +124,8 @@ class CudaBackend : public Backend {
   absl::Status SelectionCacheCheck(const SelectionCacheCheckParams& p, Stream s) override;
   // SelectStages: one cluster kernel for the whole chain (kernels/cuda/selection.cu
   // SelectStagesKernel) for head_dim 128, at most 4 query heads per KV head, bf16 summaries,
-  // bf16 keys with power-of-two page size and fanout, 16-byte aligned q and rows, and at most
+  // bf16 or fp8 keys (not both in one call) with power-of-two page size and fanout, 16-byte
+  // aligned q and rows, and at most
   // 16 x 1024 candidates per stage (8 x 1024 where 16-block clusters do not fit); otherwise the
   // ops one by one. The checks and errors are those of the ops; the stages' CPU-twin checks and
   // attend's (CpuSupportsSelectedAttention) are made before anything runs, on either path.

@@ -1910,8 +1910,9 @@ __global__ void __launch_bounds__(kSumThreads)
 // tensor-core operands (StageATables) and initialises its mbarriers. For each stage in order,
 // block r owns the stage's candidates [r * per, (r + 1) * per) (per = ceil(n / cs) <= 1024) and
 //   (1) scores them into shared memory on tensor cores (StageScoreMma below: bf16 rows, the
-//       query split into three bf16 parts, f32 accumulation), within f32 rounding of the
-//       scores of ScoreSummaries / ScoreKeys;
+//       query split into three bf16 parts, f32 accumulation; fp8 key rows as f16 with the
+//       query's parts f16, SelectStagesKernel<*, true>), within f32 rounding of the scores of
+//       ScoreSummaries / ScoreKeys;
 //   (2) warp h < 4 takes head h's max (from each lane's max of the scores it wrote in (1),
 //       reduced per warp) and sum of exp(x - max) over the block's scores; the block's
 //       partials go to every block (st.async onto its mbarrier); every warp merges the cs
