@@ -77,6 +77,21 @@ class CountingShardBackend : public DeviceLikeBackend {
   std::atomic<bool> full{false};  // every Allocate fails with ResourceExhausted
 };
 
+// The CPU backend with a switch: once armed, its next PagedAttention fails (Internal), once.
+class FailOnceBackend : public kernels::CpuBackend {
+ public:
+  FailOnceBackend() : kernels::CpuBackend(1) {}
+  absl::Status PagedAttention(const kernels::PagedAttentionParams& p, kernels::Stream s) override {
+    if (armed.exchange(false)) {
+      ++failures;
+      return absl::InternalError("test: injected PagedAttention failure");
+    }
+    return kernels::CpuBackend::PagedAttention(p, s);
+  }
+  std::atomic<bool> armed{false};
+  std::atomic<int> failures{0};
+};
+
 class ShardedTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -97,6 +112,10 @@ class ShardedTest : public ::testing::Test {
     for (int i = 0; i < kWorkers; ++i) {
       if (device_like_) {
         backends_.push_back(std::make_unique<DeviceLikeBackend>());
+      } else if (failing_leader_ && i == 1) {
+        auto b = std::make_unique<FailOnceBackend>();
+        failing_ = b.get();
+        backends_.push_back(std::move(b));
       } else {
         backends_.push_back(kernels::MakeCpuBackend(1));
       }
@@ -217,6 +236,8 @@ class ShardedTest : public ::testing::Test {
   }
 
   bool device_like_ = false;
+  bool failing_leader_ = false;  // worker 1's backend is a FailOnceBackend (failing_)
+  FailOnceBackend* failing_ = nullptr;
   bool shards_on_device_ = false;  // with device_like_: each worker gets a CountingShardBackend
   std::vector<std::unique_ptr<CountingShardBackend>> shard_backends_;
   // Shard i holds pages [bounds_[i], bounds_[i + 1]).
@@ -502,6 +523,49 @@ TEST_F(ShardedTest, ConcurrentJobsOfOneLeaderAreBatched) {
               static_cast<long long>(workers_[1]->decode_batches()));
   EXPECT_EQ(workers_[1]->decode_steps(), kJobs * (kTokens - 1));
   EXPECT_LT(workers_[1]->decode_batches(), workers_[1]->decode_steps());  // some steps ran together
+}
+
+// A batched decode step that fails after the leader sent its queries (the first PagedAttention
+// of the step, the leader's own shard in LeaderAttention::Prepare) runs again alone for each job
+// whose cache did not take the token; the peers' answers to the failed step's queries are still
+// in the streams and are dropped by their step (without that, the retry reads one as its answer,
+// finds it malformed and fails the peer over).
+class ShardedFailingLeaderTest : public ShardedTest {
+ protected:
+  void SetUp() override {
+    failing_leader_ = true;
+    ShardedTest::SetUp();
+  }
+};
+
+TEST_F(ShardedFailingLeaderTest, AFailedBatchedStepRunsAgainAloneAndDropsItsStaleAnswers) {
+  PrefillExact();
+  const int kTokens = 8;
+  workers_[1]->SetDecodeBatchGateForTesting(2);
+  const std::vector<int32_t> prompts[2] = {{20, 40, 7}, {21, 43, 7}};
+  std::vector<int32_t> want[2];
+  for (int j = 0; j < 2; ++j) want[j] = Reference(kTokens, &prompts[j]);
+  const int64_t steps_before = workers_[1]->decode_steps();
+  v1::JobInfo got[2];
+  std::thread threads[2];
+  for (int j = 0; j < 2; ++j) {
+    threads[j] = std::thread([&, j] {
+      int events = 0;
+      got[j] = Run(1, Job(absl::StrCat("retry-", j), kTokens, &prompts[j]), [&](const v1::JobEvent& e) {
+        if (j == 0 && e.has_tokens() && ++events == 3) failing_->armed = true;  // the next step fails
+        return true;
+      });
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int j = 0; j < 2; ++j) {
+    ASSERT_EQ(got[j].state(), v1::JobInfo::DONE) << "job " << j << ": " << got[j].error_message();
+    EXPECT_EQ(Tokens(got[j]), want[j]) << "job " << j;
+  }
+  EXPECT_EQ(failing_->failures.load(), 1);
+  EXPECT_FALSE(failing_->armed.load());
+  EXPECT_EQ(workers_[1]->failovers(), 0);  // no answer of the failed step was taken for a new one
+  EXPECT_EQ(workers_[1]->decode_steps() - steps_before, 2 * (kTokens - 1));
 }
 
 TEST_F(ShardedTest, SparsePolicySplitsTheBudgetOverShards) {

@@ -3521,12 +3521,12 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
   const int cs = ClusterBlocksOf(info, num_kv_heads);
   if (cs == 0) return cudaErrorInvalidValue;
   // The pool format: fp8 where a key stage or the attention reads fp8, and then all of them.
-  bool f8 = attend != nullptr && attend->fp8 != 0, bf16_keys = attend != nullptr && !f8;
+  bool f8 = attend != nullptr && attend->fp8 != 0, bf16 = attend != nullptr && !f8;
   for (int s = 0; s < stages.num_stages; ++s) {
     f8 = f8 || stages.stage[s].kind == SelectStageKind::kKeysFP8;
-    bf16_keys = bf16_keys || stages.stage[s].kind == SelectStageKind::kKeysBF16;
+    bf16 = bf16 || stages.stage[s].kind == SelectStageKind::kKeysBF16;
   }
-  if (f8 && bf16_keys) return cudaErrorInvalidValue;
+  if (f8 && bf16) return cudaErrorInvalidValue;
   for (int s = 0; s < stages.num_stages; ++s) {
     const DeviceSelectStage& st = stages.stage[s];
     if (st.c.count < 0 || st.c.count > int64_t{cs} * kStagesMaxPerBlock || st.k < 0 ||
