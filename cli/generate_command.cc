@@ -55,6 +55,7 @@ struct GenerateFlags {
   int64_t sinks = 64;
   int64_t window = 256;
   int64_t page_size = 64;
+  std::string kv_dtype = "f32";
   double theta = 0.9;
   int64_t candidate_factor = 4;
   std::string dense_layers;
@@ -183,6 +184,16 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
   gen.stop = stops;
   gen.ignore_eos = f.ignore_eos;
   gen.page_size = static_cast<int>(f.page_size);
+  if (f.kv_dtype == "f32") {
+    gen.kv_dtype = kernels::DType::kF32;
+  } else if (f.kv_dtype == "bf16") {
+    gen.kv_dtype = kernels::DType::kBF16;
+  } else if (f.kv_dtype == "fp8") {
+    gen.kv_dtype = kernels::DType::kFP8E4M3;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-dtype: '", f.kv_dtype, "' is not one of f32, bf16, fp8"));
+  }
   STRATA_RETURN_IF_ERROR(gen.Validate());
   STRATA_ASSIGN_OR_RETURN(const engine::sparse::PolicyOptions popt, MakePolicyOptions(f));
   engine::TransformerOptions topt;
@@ -231,7 +242,10 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::Transformer> tf,
                           engine::Transformer::Create(m->config, m->weights, backend.get(), topt));
   std::unique_ptr<engine::AttentionPolicy> policy;
-  if (on_cpu || !device_selection) {
+  // The host policy attends the prompt chunks on the CPU backend, but cannot read fp8 caches:
+  // those chunks attend densely then, as on a device backend.
+  const bool host_chunks = on_cpu && gen.kv_dtype != kernels::DType::kFP8E4M3;
+  if (host_chunks || !device_selection) {
     STRATA_ASSIGN_OR_RETURN(
         policy, engine::sparse::MakeAttentionPolicy(popt, static_cast<int>(m->config.num_layers),
                                                     static_cast<int>(m->config.num_heads),
@@ -254,7 +268,7 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
   std::fprintf(stderr,
                "strata generate: model=%s [%s] backend=%s selection=%s threads=%s policy=%s "
                "budget=%lld "
-               "sinks=%lld window=%lld page=%lld chunk=%lld "
+               "sinks=%lld window=%lld page=%lld kv=%s chunk=%lld "
                "max_tokens=%lld temperature=%g top_k=%lld top_p=%g seed=%lld stop=%zu "
                "ignore_eos=%s matmul=%s weights=%s\n",
                f.model.c_str(), m->config.DebugString().c_str(), backend->Name().c_str(),
@@ -262,7 +276,8 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
                f.threads > 0 ? std::to_string(f.threads).c_str() : "all",
                device_selection ? f.policy.c_str() : policy->Name().c_str(), static_cast<long long>(f.budget),
                static_cast<long long>(f.sinks), static_cast<long long>(f.window),
-               static_cast<long long>(f.page_size), static_cast<long long>(f.chunk_size),
+               static_cast<long long>(f.page_size), f.kv_dtype.c_str(),
+               static_cast<long long>(f.chunk_size),
                static_cast<long long>(f.max_tokens), f.temperature,
                static_cast<long long>(f.top_k), f.top_p, static_cast<long long>(f.seed),
                stops.size(), f.ignore_eos ? "true" : "false",
@@ -294,7 +309,17 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
                static_cast<long long>(r.prompt_tokens), static_cast<long long>(r.generated_tokens),
                engine::FinishReasonName(r.finish_reason), r.prefill_seconds, prefill_tps,
                r.decode_seconds, static_cast<long long>(r.decode_steps), decode_tps);
-  const engine::SelectionCounters& c = policy->counters();
+  // The prompt chunks' policy and, with device selection, the decode steps' (its cache hits read
+  // back now).
+  engine::SelectionCounters c = policy->counters();
+  if (device_policy != nullptr) {
+    STRATA_RETURN_IF_ERROR(device_policy->ReadCacheHits(nullptr));
+    const engine::SelectionCounters& d = device_policy->counters();
+    c.candidate_tokens += d.candidate_tokens;
+    c.selected_tokens += d.selected_tokens;
+    c.cache_lookups += d.cache_lookups;
+    c.cache_hits += d.cache_hits;
+  }
   std::fprintf(stderr,
                "strata generate: attention candidate_tokens=%lld selected_tokens=%lld (%.3f) "
                "selection_cache hits=%lld/%lld\n",
@@ -331,6 +356,9 @@ int RunGenerate(int argc, char** argv) {
   flags.Int("sinks", &f.sinks, "first tokens always attended");
   flags.Int("window", &f.window, "recent tokens always attended");
   flags.Int("page-size", &f.page_size, "KV page size (tokens)");
+  flags.String("kv-dtype", &f.kv_dtype,
+               "KV cache storage: f32 (exact) | bf16 | fp8 (e4m3, scale 1: half bf16's memory; "
+               "sparse policies then need --device-selection, the default on CUDA)");
   flags.Double("theta", &f.theta, "selection-cache cosine threshold (> 1 disables the cache)");
   flags.Int("candidate-factor", &f.candidate_factor,
             "tokenselect: candidate tokens per budget token (1-16; fewer: faster, less exact)");

@@ -21,8 +21,9 @@ absl::Status GenerateOptions::Validate() const {
     if (s.empty()) return absl::InvalidArgumentError("stop sequences must not be empty");
   }
   if (page_size < 1) return absl::InvalidArgumentError("page_size must be >= 1");
-  if (kv_dtype != kernels::DType::kF32 && kv_dtype != kernels::DType::kBF16) {
-    return absl::InvalidArgumentError("kv_dtype must be f32 or bf16");
+  if (kv_dtype != kernels::DType::kF32 && kv_dtype != kernels::DType::kBF16 &&
+      kv_dtype != kernels::DType::kFP8E4M3) {
+    return absl::InvalidArgumentError("kv_dtype must be f32, bf16 or fp8_e4m3");
   }
   return absl::OkStatus();
 }

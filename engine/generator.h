@@ -35,7 +35,8 @@ struct GenerateOptions {
   std::vector<std::string> stop;
   // Keep going past EOS tokens (config eos ids). Default: false.
   bool ignore_eos = false;
-  // KV cache page size (tokens) and storage dtype (f32 exact, or bf16). Defaults: 64, f32.
+  // KV cache page size (tokens) and storage dtype (f32 exact, bf16, or fp8_e4m3 with the cache's
+  // default scales of 1: engine/kv_cache.h). Defaults: 64, f32.
   int page_size = 64;
   kernels::DType kv_dtype = kernels::DType::kF32;
   // When set, decode steps attend through this backend-side selection (ForwardOptions::

@@ -101,6 +101,26 @@ TEST_F(GeneratorTest, GreedyLengthStreamingAndChunkIndependence) {
   EXPECT_EQ(r2.tokens, r.tokens);
 }
 
+// KV caches in each storage dtype generate (fp8: e4m3 with the cache's default scales, attended
+// through the CPU backend's fp8 PagedAttention); a dtype no cache stores is refused.
+TEST_F(GeneratorTest, EveryKvDtypeGenerates) {
+  for (kernels::DType dt : {kernels::DType::kF32, kernels::DType::kBF16, kernels::DType::kFP8E4M3}) {
+    SCOPED_TRACE(kernels::DTypeName(dt));
+    GenerateOptions o;
+    o.max_tokens = 12;
+    o.ignore_eos = true;
+    o.kv_dtype = dt;
+    std::string streamed;
+    STRATA_ASSERT_OK_AND_ASSIGN(GenerateResult r, Run(o, &streamed, /*chunk=*/4));
+    EXPECT_EQ(r.tokens.size(), 12u);
+    EXPECT_EQ(r.decode_steps, 11);
+  }
+  GenerateOptions bad;
+  bad.kv_dtype = kernels::DType::kI32;
+  std::string s;
+  EXPECT_THAT(Run(bad, &s), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 TEST_F(GeneratorTest, DeviceSamplingGivesTheHostSamplersTokens) {
   // The CPU backend implements Backend::Sample (bit-exact with engine::Sampler): the same tokens
   // with the logits left in backend memory as with the host copy + Sampler, greedy and random.

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -30,9 +31,16 @@ absl::Status KvCacheOptions::Validate() const {
   if (page_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("kv cache: page_size ", page_size, " <= 0"));
   }
-  if (dtype != DType::kF32 && dtype != DType::kBF16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv cache: dtype ", kernels::DTypeName(dtype), " (want f32 or bf16)"));
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kFP8E4M3) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: dtype ", kernels::DTypeName(dtype),
+                                                   " (want f32, bf16 or fp8_e4m3)"));
+  }
+  for (const float s : {k_scale, v_scale}) {
+    if (!(std::isfinite(s) && s > 0.0f) || (dtype != DType::kFP8E4M3 && s != 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv cache: scales ", k_scale, ", ", v_scale,
+          " (finite and > 0 for fp8_e4m3, 1 for other dtypes)"));
+    }
   }
   if (max_tokens <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("kv cache: max_tokens ", max_tokens, " <= 0"));
@@ -87,6 +95,17 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
   return cache;
 }
 
+void KvCache::StoreRow(const float* x, float scale, char* dst) const {
+  const int d = options_.head_dim;
+  if (options_.dtype != DType::kFP8E4M3) {
+    kernels::ConvertFromF32(x, dst, options_.dtype, d);
+    return;
+  }
+  // As AppendKv writes fp8 pools: F32ToFP8E4M3 of the f32 quotient.
+  uint8_t* out = reinterpret_cast<uint8_t*>(dst);
+  for (int e = 0; e < d; ++e) out[e] = kernels::F32ToFP8E4M3(x[e] / scale);
+}
+
 int64_t KvCache::num_pages(int layer) const {
   return (lengths_[layer] + options_.page_size - 1) / options_.page_size;
 }
@@ -117,6 +136,8 @@ absl::Status KvCache::EnqueueAppendAt(int layer, const TensorView& k, const Tens
   ap.slots_per_head = pages_per_head_;
   ap.first_device = index_device;
   ap.rope = rope;
+  ap.k_scale = options_.k_scale;
+  ap.v_scale = options_.v_scale;
   return backend_->AppendKv(ap, nullptr);
 }
 
@@ -161,6 +182,8 @@ absl::Status KvCache::Append(int layer, const TensorView& k, const TensorView& v
     ap.v_pool = v_pool(layer);
     ap.first = begin;
     ap.slots_per_head = pages_per_head_;
+    ap.k_scale = options_.k_scale;
+    ap.v_scale = options_.v_scale;
     const absl::Status st = backend_->AppendKv(ap, nullptr);
     if (st.ok()) {
       lengths_[layer] = begin + n;
@@ -208,8 +231,8 @@ absl::Status KvCache::Append(int layer, const TensorView& k, const TensorView& v
                       : reinterpret_cast<char*>(stage_v_.data());
       for (int64_t i = 0; i < run; ++i) {
         const size_t src = (static_cast<size_t>(pos - begin + i) * hkv + g) * d;
-        kernels::ConvertFromF32(hk + src, dk + i * row_bytes, options_.dtype, d);
-        kernels::ConvertFromF32(hv + src, dv + i * row_bytes, options_.dtype, d);
+        StoreRow(hk + src, options_.k_scale, dk + i * row_bytes);
+        StoreRow(hv + src, options_.v_scale, dv + i * row_bytes);
       }
       if (!tail) {
         const size_t dst = (static_cast<size_t>(SlotOf(layer, g, p)) * page + off) * row_bytes;

@@ -26,10 +26,16 @@ struct KvCacheOptions {
   int head_dim = 0;
   // Tokens per page. Default: 64 (see bench/RESULTS.md, fidelity).
   int page_size = 64;
-  // Storage dtype of K and V: f32 (exact reference) or bf16.
+  // Storage dtype of K and V: f32 (exact reference), bf16, or fp8_e4m3 (kernels/backend.h "fp8 KV
+  // pools": x / scale rounded to e4m3, as AppendKv writes it, with the per-tensor scales below;
+  // attention and the device policy read it, the host sparse policies do not).
   kernels::DType dtype = kernels::DType::kF32;
   // Capacity in tokens; pools are allocated for it up front. ResourceExhausted beyond it.
   int64_t max_tokens = 0;
+  // fp8 only: the dequantisation scales of K and V (stored * scale is the value; finite, > 0;
+  // 1 for f32|bf16). 1 covers |x| <= 448 (e4m3's largest), as vLLM's default fp8 KV cache.
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
 
   absl::Status Validate() const;
 };
@@ -88,6 +94,8 @@ class KvCache {
 
  private:
   KvCache(const KvCacheOptions& options, kernels::Backend* backend);
+  // One row of head_dim f32 values to its storage form at dst (fp8: x / scale as e4m3).
+  void StoreRow(const float* x, float scale, char* dst) const;
 
   KvCacheOptions options_;
   kernels::Backend* backend_;

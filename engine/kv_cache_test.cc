@@ -33,7 +33,19 @@ TEST(KvCacheOptionsTest, Validate) {
   bad.page_size = 0;
   EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
   bad = o;
-  bad.dtype = DType::kFP8E4M3;
+  bad.dtype = DType::kI32;
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+  KvCacheOptions fp8 = o;
+  fp8.dtype = DType::kFP8E4M3;
+  fp8.k_scale = 0.5f;
+  EXPECT_TRUE(fp8.Validate().ok());
+  bad = fp8;
+  bad.v_scale = 0.0f;  // scales must be finite and > 0
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad.v_scale = NAN;
+  EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad = o;
+  bad.k_scale = 0.5f;  // and 1 for f32|bf16
   EXPECT_THAT(bad.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
   bad = o;
   bad.max_tokens = 0;
@@ -146,6 +158,41 @@ TEST_P(KvCacheTest, AppendStoresRowsWhereSpansSayAndDenseAttentionIsExact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, KvCacheTest, ::testing::Values(DType::kF32, DType::kBF16));
+
+// fp8 caches store each value as AppendKv does: F32ToFP8E4M3 of value / scale, per tensor.
+TEST(KvCacheTest, Fp8AppendStoresScaledCodes) {
+  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
+  KvCacheOptions o{2, 2, 8, 4, DType::kFP8E4M3, 20};
+  o.k_scale = 0.125f;
+  o.v_scale = 3.0f;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<KvCache> cache, KvCache::Create(o, backend.get()));
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> nd(0.0f, 20.0f);
+  std::vector<float> k(7 * 2 * 8), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng), v[i] = nd(rng);
+  k[3] = 1e6f;  // saturates to +448 * scale
+  for (int l = 0; l < 2; ++l) {
+    for (int64_t first : {0, 3}) {  // two appends: [0, 3) and [3, 7)
+      const int64_t n = first == 0 ? 3 : 4;
+      STRATA_ASSERT_OK(cache->Append(l, TensorView(k.data() + first * 16, DType::kF32, {n, 2, 8}),
+                                     TensorView(v.data() + first * 16, DType::kF32, {n, 2, 8})));
+    }
+    const auto* kp = static_cast<const uint8_t*>(cache->k_pool(l).data);
+    const auto* vp = static_cast<const uint8_t*>(cache->v_pool(l).data);
+    for (int64_t t = 0; t < 7; ++t) {
+      for (int g = 0; g < 2; ++g) {
+        const int64_t row = static_cast<int64_t>(cache->SlotOf(l, g, t / 4)) * 4 + t % 4;
+        for (int e = 0; e < 8; ++e) {
+          const size_t src = (static_cast<size_t>(t) * 2 + g) * 8 + e;
+          ASSERT_EQ(kp[row * 8 + e], kernels::F32ToFP8E4M3(k[src] / o.k_scale)) << t << " " << g;
+          ASSERT_EQ(vp[row * 8 + e], kernels::F32ToFP8E4M3(v[src] / o.v_scale)) << t << " " << g;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(kernels::FP8E4M3ToF32(static_cast<const uint8_t*>(cache->k_pool(0).data)[3]), 448.0f);
+  EXPECT_EQ(cache->k_pool(0).dtype, DType::kFP8E4M3);
+}
 
 TEST(KvCacheTest, RejectsOverflowAndBadShapes) {
   std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);

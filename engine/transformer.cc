@@ -768,6 +768,8 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
           TensorView(v_rows + r * hkv * d, DType::kF32, {1, hkv, d}), index_dev + r, rope));
       local[r].k_pool = rows[r].cache->k_pool(layer);
       local[r].v_pool = rows[r].cache->v_pool(layer);
+      local[r].k_scale = rows[r].cache->options().k_scale;  // fp8 caches (1 otherwise)
+      local[r].v_scale = rows[r].cache->options().v_scale;
     }
     if (any_external) {
       // The local attention of every row on a forked branch, beside the hooks' (their
@@ -1174,6 +1176,8 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
         ap.q_positions = positions_host_.data() + r0;
         ap.causal = true;
         ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+        ap.k_scale = cache->options().k_scale;  // fp8 caches (1 otherwise)
+        ap.v_scale = cache->options().v_scale;
         ap.out = TensorView(attn_rows + r0 * hq * d, DType::kF32, {m, hq, d});
         ap.lse = TensorView(lse_rows + r0 * hq, DType::kF32, {m, hq});
         STRATA_RETURN_IF_ERROR(be->PagedAttention(ap, nullptr));

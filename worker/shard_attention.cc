@@ -131,6 +131,8 @@ absl::StatusOr<CallViews> QueueSelection(kernels::Backend* backend, const engine
   ap.q_positions = scratch->positions.data();
   ap.causal = true;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  ap.k_scale = cache.options().k_scale;  // fp8 caches (1 otherwise)
+  ap.v_scale = cache.options().v_scale;
   ap.out = kernels::TensorView(v.out, kernels::DType::kF32, {n, hq, d});
   ap.lse = kernels::TensorView(v.lse, kernels::DType::kF32, {n, hq});
   STRATA_RETURN_IF_ERROR(backend->PagedAttention(ap, stream));

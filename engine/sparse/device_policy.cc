@@ -197,6 +197,8 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   at.v_pool = cache.v_pool(layer);
   at.page_table = pt;
   at.scale = scale;
+  at.k_scale = cache.options().k_scale;  // fp8 caches (1 otherwise)
+  at.v_scale = cache.options().v_scale;
   at.out = out;
   at.lse = lse;
   if (dense_layer_[layer] || window_begin - sink_end <= options_.token_budget) {
@@ -257,7 +259,7 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   // The stages as one backend op (on CUDA one kernel): [segments ->] pages [-> tokens].
   kernels::SelectStagesParams sp;
   sp.q = q2;
-  sp.scale = scale;
+  sp.scale = scale * cache.options().k_scale;  // fp8 caches: the stored keys' scores
   sp.skip_heads = skip;
   // With skip set (the selection cache), the final top-k goes to the layer's own buffer so that a
   // head that reuses keeps it across steps; the intermediate stages use the shared scratch.
@@ -461,6 +463,8 @@ absl::Status DevicePolicy::AttendQueries(int layer, const TensorView& q, int64_t
   ap.q_positions = chunk_positions_.data();
   ap.causal = !following;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(d_));
+  ap.k_scale = cache.options().k_scale;
+  ap.v_scale = cache.options().v_scale;
   ap.out = out;
   ap.lse = lse;
   STRATA_RETURN_IF_ERROR(backend_->PagedAttention(ap, stream));

@@ -598,5 +598,77 @@ TEST(DevicePolicyChunkErrorsTest, RejectsMalformedChunks) {
   for (float x : out) EXPECT_NEAR(x, 0.5f, 1e-6);
 }
 
+// An fp8 KV cache (KvCacheOptions::dtype fp8_e4m3, per-tensor scales) selects and attends as an
+// f32 cache holding its dequantised values: the selection scores the stored keys with k_scale
+// folded into its scale, the attention applies k_scale and v_scale. Both policies run on the CPU
+// backend (the selection ops' reference); the host sparse policies refuse fp8 caches.
+TEST(DevicePolicyFp8CacheTest, SelectsAndAttendsAsTheDequantisedCache) {
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+  constexpr float kKScale = 0.25f, kVScale = 0.5f;  // powers of two: dequantised values exact
+  for (PolicyKind kind : {PolicyKind::kQuest, PolicyKind::kTokenSelect}) {
+    SCOPED_TRACE(kind == PolicyKind::kQuest ? "quest" : "tokenselect");
+    const PolicyOptions o = Options(kind);
+    const int64_t len = 1500, steps = 3;
+    KvCacheOptions co;
+    co.num_layers = kLayers;
+    co.num_kv_heads = kHkv;
+    co.head_dim = kD;
+    co.page_size = kPage;
+    co.max_tokens = len + steps;
+    KvCacheOptions c8 = co;
+    c8.dtype = DType::kFP8E4M3;
+    c8.k_scale = kKScale;
+    c8.v_scale = kVScale;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache8, KvCache::Create(c8, cpu.get()));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache32, KvCache::Create(co, cpu.get()));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto dev8, DevicePolicy::Create(o, c8, kHq, cpu.get()));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto dev32, DevicePolicy::Create(o, co, kHq, cpu.get()));
+    std::mt19937 rng(31);
+    std::normal_distribution<float> nd(0.0f, 3.0f);
+    // Rows appended to the fp8 cache as they are and to the f32 cache as the fp8 one holds them.
+    auto append = [&](int64_t n) {
+      std::vector<float> k(static_cast<size_t>(n) * kHkv * kD), v(k.size()), kq(k.size()), vq(k.size());
+      for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = nd(rng);
+        v[i] = nd(rng);
+        kq[i] = kernels::FP8E4M3ToF32(kernels::F32ToFP8E4M3(k[i] / kKScale)) * kKScale;
+        vq[i] = kernels::FP8E4M3ToF32(kernels::F32ToFP8E4M3(v[i] / kVScale)) * kVScale;
+      }
+      for (int l = 0; l < kLayers; ++l) {
+        const int64_t first = cache8->length(l);
+        STRATA_ASSERT_OK(cache8->Append(l, TensorView(k.data(), DType::kF32, {n, kHkv, kD}),
+                                        TensorView(v.data(), DType::kF32, {n, kHkv, kD})));
+        STRATA_ASSERT_OK(cache32->Append(l, TensorView(kq.data(), DType::kF32, {n, kHkv, kD}),
+                                         TensorView(vq.data(), DType::kF32, {n, kHkv, kD})));
+        STRATA_ASSERT_OK(dev8->OnAppend(l, *cache8, first, first + n, nullptr));
+        STRATA_ASSERT_OK(dev32->OnAppend(l, *cache32, first, first + n, nullptr));
+      }
+    };
+    for (int64_t t = 0; t < len; t += 300) append(std::min<int64_t>(300, len - t));
+    std::vector<float> q(kHq * kD), o8(kHq * kD), o32(kHq * kD), l8(kHq), l32(kHq);
+    for (int step = 0; step < steps; ++step) {
+      append(1);
+      for (float& x : q) x = nd(rng);
+      for (int l = 0; l < kLayers; ++l) {
+        SCOPED_TRACE(::testing::Message() << "step " << step << " layer " << l);
+        const TensorView qv(q.data(), DType::kF32, {1, kHq, kD});
+        STRATA_ASSERT_OK(dev8->Attend(l, qv, *cache8, TensorView(o8.data(), DType::kF32, {1, kHq, kD}),
+                                      TensorView(l8.data(), DType::kF32, {1, kHq}), nullptr));
+        STRATA_ASSERT_OK(dev32->Attend(l, qv, *cache32, TensorView(o32.data(), DType::kF32, {1, kHq, kD}),
+                                       TensorView(l32.data(), DType::kF32, {1, kHq}), nullptr));
+        for (int i = 0; i < kHq * kD; ++i) ASSERT_NEAR(o8[i], o32[i], 1e-5) << i;
+        for (int i = 0; i < kHq; ++i) ASSERT_NEAR(l8[i], l32[i], 1e-5) << i;
+      }
+    }
+    // A sparse layer attends fewer tokens than the context (the comparison covered a selection).
+    EXPECT_LT(dev8->counters().selected_tokens, dev8->counters().candidate_tokens);
+    // The host policy reads f32 or bf16 caches only.
+    STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
+    Selection sel;
+    EXPECT_THAT(host->Select(0, q.data(), 1, kHq, cache8->length(0) - 1, *cache8, &sel),
+                StatusIs(absl::StatusCode::kUnimplemented));
+  }
+}
+
 }  // namespace
 }  // namespace strata::engine::sparse

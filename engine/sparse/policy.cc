@@ -238,6 +238,15 @@ class PolicyImpl : public SparsePolicy {
     if (layer < 0 || layer >= num_layers_) {
       return absl::InvalidArgumentError(absl::StrCat("policy: layer ", layer, " out of range"));
     }
+    // Policies that read keys (all but dense and streaming, which name spans only) read f32 or
+    // bf16 rows.
+    const bool reads_keys =
+        options_.kind != PolicyKind::kDense && options_.kind != PolicyKind::kStreaming;
+    if (reads_keys && c.dtype != kernels::DType::kF32 && c.dtype != kernels::DType::kBF16) {
+      return absl::UnimplementedError(absl::StrCat(
+          "policy ", Name(), ": reads f32 or bf16 KV caches, not ", kernels::DTypeName(c.dtype),
+          " (fp8 caches select with the device policy: engine/sparse/device_policy.h)"));
+    }
     if (c.num_layers != num_layers_ || c.num_kv_heads != hkv_ || c.head_dim != d_ ||
         c.page_size != options_.page_size) {
       return absl::InvalidArgumentError(absl::StrCat(
