@@ -44,6 +44,18 @@ PolicyOptions Options(PolicyKind kind) {
   return o;
 }
 
+// The options of the tests' KV caches: kLayers x kHkv x kD, kPage-token pages.
+KvCacheOptions CacheOptions(int64_t max_tokens, DType dtype = DType::kF32) {
+  KvCacheOptions co;
+  co.num_layers = kLayers;
+  co.num_kv_heads = kHkv;
+  co.head_dim = kD;
+  co.page_size = kPage;
+  co.dtype = dtype;
+  co.max_tokens = max_tokens;
+  return co;
+}
+
 // A KV cache (kLayers x kHkv x kD, kPage-token pages) with the host policy and the DevicePolicy
 // of the same options over it, both told of every append of random keys and values.
 struct PolicyPair {
@@ -55,13 +67,7 @@ struct PolicyPair {
 
   absl::Status Init(const PolicyOptions& o, DType dtype, int64_t max_tokens, kernels::Backend* be,
                     int seed) {
-    KvCacheOptions co;
-    co.num_layers = kLayers;
-    co.num_kv_heads = kHkv;
-    co.head_dim = kD;
-    co.page_size = kPage;
-    co.dtype = dtype;
-    co.max_tokens = max_tokens;
+    const KvCacheOptions co = CacheOptions(max_tokens, dtype);
     STRATA_ASSIGN_OR_RETURN(cache, KvCache::Create(co, be));
     STRATA_ASSIGN_OR_RETURN(host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
     STRATA_ASSIGN_OR_RETURN(dev, DevicePolicy::Create(o, co, kHq, be));
@@ -355,13 +361,7 @@ class DevicePolicyChunkTest : public ::testing::TestWithParam<ChunkCase> {};
 TEST_P(DevicePolicyChunkTest, ChunkMatchesHostPolicy) {
   const ChunkCase c = GetParam();
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
-  KvCacheOptions co;
-  co.num_layers = kLayers;
-  co.num_kv_heads = kHkv;
-  co.head_dim = kD;
-  co.page_size = kPage;
-  co.dtype = c.dtype;
-  co.max_tokens = c.context + c.chunk;
+  const KvCacheOptions co = CacheOptions(c.context + c.chunk, c.dtype);
   STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
   const PolicyOptions o = Options(c.kind);
   STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
@@ -433,12 +433,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(DevicePolicyChunkExactTest, BudgetCoveringTheContextIsDense) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   const int64_t context = 1000, m = 37;
-  KvCacheOptions co;
-  co.num_layers = kLayers;
-  co.num_kv_heads = kHkv;
-  co.head_dim = kD;
-  co.page_size = kPage;
-  co.max_tokens = context + 2 * m;
+  const KvCacheOptions co = CacheOptions(context + 2 * m);
   STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
   PolicyOptions o = Options(PolicyKind::kTokenSelect);
   o.dense_layers.clear();
@@ -552,12 +547,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(DevicePolicyChunkErrorsTest, RejectsMalformedChunks) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
-  KvCacheOptions co;
-  co.num_layers = kLayers;
-  co.num_kv_heads = kHkv;
-  co.head_dim = kD;
-  co.page_size = kPage;
-  co.max_tokens = 256;
+  const KvCacheOptions co = CacheOptions(256);
   const PolicyOptions o = Options(PolicyKind::kTokenSelect);
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
   STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
@@ -609,14 +599,8 @@ TEST(DevicePolicyFp8CacheTest, SelectsAndAttendsAsTheDequantisedCache) {
     SCOPED_TRACE(kind == PolicyKind::kQuest ? "quest" : "tokenselect");
     const PolicyOptions o = Options(kind);
     const int64_t len = 1500, steps = 3;
-    KvCacheOptions co;
-    co.num_layers = kLayers;
-    co.num_kv_heads = kHkv;
-    co.head_dim = kD;
-    co.page_size = kPage;
-    co.max_tokens = len + steps;
-    KvCacheOptions c8 = co;
-    c8.dtype = DType::kFP8E4M3;
+    const KvCacheOptions co = CacheOptions(len + steps);
+    KvCacheOptions c8 = CacheOptions(len + steps, DType::kFP8E4M3);
     c8.k_scale = kKScale;
     c8.v_scale = kVScale;
     STRATA_ASSERT_OK_AND_ASSIGN(auto cache8, KvCache::Create(c8, cpu.get()));
