@@ -3,7 +3,9 @@
 // fallback to the ops an error), against DevicePolicy on the CPU backend (the ops one by one),
 // at the decode shape of an 8B model (4 query heads per KV head, head_dim 128, 64-token pages,
 // bf16 cache, the default budget): the same cache contents, one-level (48K tokens) and two-level
-// (140K tokens) page ranking, quest and tokenselect, several decode steps. Page scales vary so
+// (140K tokens) page ranking, quest and tokenselect, several decode steps; and over fp8 caches
+// (KvCacheOptions fp8_e4m3 with per-tensor scales: the kernel's fp8 form on the GPU). The
+// attention runs inside the selection kernel (STRATA_SELECT_ATTEND=require_fused). Page scales vary so
 // the ranking has clear winners; a query head whose output differs counts as a near-tie swap,
 // and at most a few may. Label gpu: skipped without a GPU.
 #include <stdlib.h>
@@ -30,21 +32,23 @@ using kernels::TensorView;
 
 constexpr int kHq = 16, kHkv = 4, kD = 128, kPage = 64;
 
-// A one-layer bf16 cache and the DevicePolicy over it, on one backend.
+// A one-layer cache (bf16, or fp8 with k_scale 1/16 and v_scale 1/8) and the DevicePolicy over
+// it, on one backend.
 struct Side {
   kernels::Backend* backend = nullptr;
   std::unique_ptr<KvCache> cache;
   std::unique_ptr<DevicePolicy> policy;
 
-  absl::Status Init(kernels::Backend* b, const PolicyOptions& o, int64_t max_tokens) {
+  absl::Status Init(kernels::Backend* b, const PolicyOptions& o, int64_t max_tokens, DType dtype) {
     backend = b;
     KvCacheOptions co;
     co.num_layers = 1;
     co.num_kv_heads = kHkv;
     co.head_dim = kD;
     co.page_size = kPage;
-    co.dtype = DType::kBF16;
+    co.dtype = dtype;
     co.max_tokens = max_tokens;
+    if (dtype == DType::kFP8E4M3) co.k_scale = 1.0f / 16, co.v_scale = 1.0f / 8;
     STRATA_ASSIGN_OR_RETURN(cache, KvCache::Create(co, b));
     STRATA_ASSIGN_OR_RETURN(policy, DevicePolicy::Create(o, co, kHq, b));
     return absl::OkStatus();
@@ -88,6 +92,7 @@ struct Side {
 struct Case {
   PolicyKind kind;
   int64_t len;  // tokens before the decode steps
+  DType dtype = DType::kBF16;
 };
 
 class DevicePolicyGpuTest : public ::testing::TestWithParam<Case> {};
@@ -105,8 +110,8 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   o.cache_theta = 2.0;  // every step selects
   const int steps = 4;
   Side g, h;
-  STRATA_ASSERT_OK(g.Init(gpu.get(), o, c.len + steps));
-  STRATA_ASSERT_OK(h.Init(cpu.get(), o, c.len + steps));
+  STRATA_ASSERT_OK(g.Init(gpu.get(), o, c.len + steps, c.dtype));
+  STRATA_ASSERT_OK(h.Init(cpu.get(), o, c.len + steps, c.dtype));
   std::mt19937 rng(20261128u + static_cast<uint32_t>(c.len) + static_cast<uint32_t>(c.kind));
   std::normal_distribution<float> nd;
   std::lognormal_distribution<float> page_scale(0.0f, 0.5f);
@@ -131,6 +136,7 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   };
   for (int64_t t = 0; t < c.len; t += 8192) append(std::min<int64_t>(8192, c.len - t));
   setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+  setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
   int heads = 0, differ = 0;
   for (int step = 0; step < steps; ++step) {
     append(1);
@@ -151,9 +157,10 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
     }
   }
   unsetenv("STRATA_SELECT_STAGES");
-  std::printf("  %s %lld tokens: %d of %d query-head outputs differ from the CPU ops\n",
+  unsetenv("STRATA_SELECT_ATTEND");
+  std::printf("  %s %lld tokens, %s cache: %d of %d query-head outputs differ from the CPU ops\n",
               c.kind == PolicyKind::kQuest ? "quest" : "tokenselect",
-              static_cast<long long>(c.len), differ, heads);
+              static_cast<long long>(c.len), kernels::DTypeName(c.dtype), differ, heads);
   EXPECT_LE(differ, heads / 16) << "more outputs differ than near-ties explain";
 }
 
@@ -161,7 +168,16 @@ INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyGpuTest,
                          ::testing::Values(Case{PolicyKind::kQuest, 48 * 1024},
                                            Case{PolicyKind::kTokenSelect, 48 * 1024},
                                            Case{PolicyKind::kQuest, 140 * 1024},
-                                           Case{PolicyKind::kTokenSelect, 140 * 1024}));
+                                           Case{PolicyKind::kTokenSelect, 140 * 1024},
+                                           Case{PolicyKind::kQuest, 48 * 1024, DType::kFP8E4M3},
+                                           Case{PolicyKind::kTokenSelect, 140 * 1024,
+                                                DType::kFP8E4M3}),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return std::string(i.param.kind == PolicyKind::kQuest ? "quest"
+                                                                                 : "tokenselect") +
+                                  "_" + std::to_string(i.param.len / 1024) + "K_" +
+                                  kernels::DTypeName(i.param.dtype);
+                         });
 
 }  // namespace
 }  // namespace strata::engine::sparse
