@@ -9,13 +9,14 @@
 // and the errors.
 #include "engine/sparse/device_policy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
 #include "base/status_macros.h"
-#include "engine/query_mean.h"
 #include "base/testing/status_matchers.h"
+#include "engine/query_mean.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 
@@ -353,6 +354,24 @@ void HostAttention(kernels::Backend* cpu, const KvCache& cache, int layer, const
   STRATA_ASSERT_OK(cpu->PagedAttention(pa, nullptr));
 }
 
+// got / got_lse (the device policy's) against want / want_lse (the host policy's selection
+// attended) within 1e-4, every value finite; *from_dense = the largest |got - exact| (exact: the
+// dense attention).
+void ExpectNearHost(const std::vector<float>& got, const std::vector<float>& got_lse,
+                    const std::vector<float>& want, const std::vector<float>& want_lse,
+                    const std::vector<float>& exact, double* from_dense) {
+  *from_dense = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << i;
+    ASSERT_NEAR(got[i], want[i], 1e-4) << i;
+    *from_dense = std::max(*from_dense, std::fabs(static_cast<double>(got[i]) - exact[i]));
+  }
+  for (size_t i = 0; i < want_lse.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got_lse[i])) << i;
+    ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
+  }
+}
+
 class DevicePolicyChunkTest : public ::testing::TestWithParam<ChunkCase> {};
 
 // A chunk through AttendChunk gives the output of PagedAttention over the host policy's spans
@@ -395,15 +414,7 @@ TEST_P(DevicePolicyChunkTest, ChunkMatchesHostPolicy) {
                                       TensorView(got_lse.data(), DType::kF32, {m, kHq}),
                                       nullptr));
     double from_dense = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << i;
-      ASSERT_NEAR(got[i], want[i], 1e-4) << i;
-      from_dense = std::max(from_dense, std::fabs(static_cast<double>(got[i]) - exact[i]));
-    }
-    for (size_t i = 0; i < want_lse.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got_lse[i])) << i;
-      ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectNearHost(got, got_lse, want, want_lse, exact, &from_dense));
     if (sparse_case && l == 0) {
       EXPECT_GT(from_dense, 1e-3);  // layer 0 is sparse: really a selection
     } else {
@@ -510,12 +521,7 @@ TEST_P(DevicePolicyFollowingTest, FollowingQueriesMatchHostPolicy) {
                                           TensorView(got_lse.data(), DType::kF32, {m, kHq}),
                                           nullptr));
     double from_dense = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << i;
-      ASSERT_NEAR(got[i], want[i], 1e-4) << i;
-      from_dense = std::max(from_dense, std::fabs(static_cast<double>(got[i]) - exact[i]));
-    }
-    for (size_t i = 0; i < want_lse.size(); ++i) ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
+    ASSERT_NO_FATAL_FAILURE(ExpectNearHost(got, got_lse, want, want_lse, exact, &from_dense));
     if (l == 0 && len - 1 - o.sink_tokens > o.token_budget) {
       EXPECT_GT(from_dense, 1e-3);  // layer 0 is sparse: really a selection
     } else {

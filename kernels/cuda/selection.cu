@@ -2038,12 +2038,12 @@ __device__ __forceinline__ int Fp8KeyColumn(int dim) {
 constexpr int kStagesSumStride = 256 + 32, kStagesKeyStride = 128 + 32;  // bf16 per row
 
 // kF8: the key table is f16 for fp8 keys (columns as Fp8KeyColumn), head h's query scaled by
-// key_scale[0][h] = 2^s_h, its products to be scaled by key_scale[1][h] = 2^-s_h (MmaOf above;
+// 2^s_h, its products to be scaled by key_descale[h] = 2^-s_h (MmaOf above;
 // written here, read after the caller's next __syncthreads).
 template <bool kF8 = false>
 __device__ __forceinline__ void StageATables(const float* q, float scale, int g, int group,
                                              __nv_bfloat16* sum_a, __nv_bfloat16* key_a,
-                                             float (*key_scale)[kRegTopKMaxGroup] = nullptr) {
+                                             float* key_descale = nullptr) {
   constexpr int D = 128;
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
   for (int i = threadIdx.x; i < 4 * D; i += kStagesThreads) {
@@ -2063,10 +2063,11 @@ __device__ __forceinline__ void StageATables(const float* q, float scale, int g,
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       const int sh = m > 0.0f && m <= FLT_MAX ? min(100, 14 - ilogbf(m)) : 0;
-      if (dim == 0) key_scale[0][h] = ldexpf(1.0f, sh), key_scale[1][h] = ldexpf(1.0f, -sh);
+      const float up = ldexpf(1.0f, sh);
+      if (dim == 0) key_descale[h] = ldexpf(1.0f, -sh);
       __half* t = reinterpret_cast<__half*>(key_a);
       const int c = Fp8KeyColumn(dim);
-      const float xk = x * ldexpf(1.0f, sh);
+      const float xk = x * up;
       const __half hi = __float2half_rn(xk);
       const float r1 = xk - __half2float(hi);
       const __half mid = __float2half_rn(r1);
@@ -2513,7 +2514,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   __shared__ float sc[G][kStagesMaxPerBlock];  // the block's scores of the stage
   __shared__ __align__(16) __nv_bfloat16 sum_a[16 * kStagesSumStride];  // StageATables
   __shared__ __align__(16) __nv_bfloat16 key_a[16 * kStagesKeyStride];
-  __shared__ float key_scale[2][G];  // kF8: per head 2^s_h, 2^-s_h (StageATables<true>)
+  __shared__ float key_descale[G];  // kF8: per head 2^-s_h (StageATables<true>)
   __shared__ __align__(16) float part_s[2 * G];  // the block's max per head, then its sum
   __shared__ __align__(16) uint32_t hist[kVoteRankPasses][128];  // per pass, bins 2i | 2i + 1 << 16
   __shared__ uint32_t wsum_s[W];
@@ -2584,7 +2585,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   };
   // The split query (also the attention's: same q and scale), read after the first stage's
   // barrier (the attention's: after its own).
-  StageATables<kF8>(q, scale, g, group, sum_a, key_a, key_scale);
+  StageATables<kF8>(q, scale, g, group, sum_a, key_a, key_descale);
   static_assert(kBars <= 32, "one lane of warp 0 per mbarrier");
   if (tid < kBars) {
     MbarInit(SharedAddr(&mbar[tid]), 1);
@@ -2645,7 +2646,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
         if (slot < 0 || slot >= stage.num_items) return nullptr;
         return k_pool + ((static_cast<int64_t>(slot) << page_shift) +
                          (static_cast<int32_t>(id) & page_mask)) * 128;
-      }, sc, key_scale[1]);
+      }, sc, key_descale);
     } else {
       const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(stage.rows);
       vmax = StageScoreMma<8>(sum_a, kStagesSumStride, group, block_count,
@@ -2980,7 +2981,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       const int r0 = 8 * kAttendGroups * warp;
       if (r0 < f_count) {
         if (kF8 && !fixed_converted) ConvertFp8Rows(k_s, v_s, r0, true);
-        AttendRows<kF8>(k_s, v_s, row_s, r0, f_count, key_a, group, ast, false, key_scale[1]);
+        AttendRows<kF8>(k_s, v_s, row_s, r0, f_count, key_a, group, ast, false, key_descale);
       }
     }
     stamp(A0 + 2);
@@ -2992,7 +2993,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
       if (r0 < kSelectAttendMaxFixed + m_count) {
         if constexpr (kF8) ConvertFp8Rows(k_s, v_s, r0, !scored);
         AttendRows<kF8>(k_s, v_s, row_s, r0, kSelectAttendMaxFixed + m_count, key_a, group, ast,
-                        scored, key_scale[1]);
+                        scored, key_descale);
       }
       stamp(A0 + 4 + 2 * t);
     }

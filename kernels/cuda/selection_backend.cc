@@ -209,19 +209,14 @@ namespace {
 //  - SelectStages' kernel conditions: p.q.data 16-byte aligned (a.q.data is p.q.data).
 // LaunchSelectStages repeats some of the conditions below, but as errors (cudaErrorInvalidValue)
 // where this falls back to the separate op, so they stay here.
-bool SelectAttendInKernel(const SelectStagesParams& p, const cuda_internal::DeviceSelectStages& ds,
+// bf16_keys / fp8_keys: whether a key stage reads a bf16 / an fp8 pool.
+bool SelectAttendInKernel(const SelectStagesParams& p, bool bf16_keys, bool fp8_keys,
                           int64_t hkv, int64_t group, cuda_internal::DeviceSelectAttend* d) {
   const SelectedAttentionParams& a = *p.attend;
   const SelectStage& last = p.stages[p.num_stages - 1];
   const int fanout_shift = ShiftOf(a.middle.fanout);
   const bool fp8 = a.k_pool.dtype == DType::kFP8E4M3;
-  for (int i = 0; i < ds.num_stages; ++i) {
-    const cuda_internal::SelectStageKind k = ds.stage[i].kind;
-    if (k == (fp8 ? cuda_internal::SelectStageKind::kKeysBF16
-                  : cuda_internal::SelectStageKind::kKeysFP8)) {
-      return false;
-    }
-  }
+  if (fp8 ? bf16_keys : fp8_keys) return false;  // the kernel reads one pool format
   // The kernel attends with the stages' split query: the same q and scale.
   if (a.q.data != p.q.data || a.scale * a.k_scale != p.scale ||
       (a.k_pool.dtype != DType::kBF16 && !fp8) || a.slot_scales != nullptr ||
@@ -276,6 +271,7 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
                                                       : first.page_table.dim(0);
   cuda_internal::DeviceSelectStages d;
   d.num_stages = p.num_stages;
+  bool bf16_keys = false, fp8_keys = false;  // a key stage reads a bf16 / an fp8 pool
   for (int i = 0; i < p.num_stages; ++i) {
     const SelectStage& st = p.stages[i];
     cuda_internal::DeviceSelectStage& ds = d.stage[i];
@@ -299,6 +295,8 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
               fanout_shift >= 0 && st.page_table.dim(1) <= (int64_t{1} << 30);
       ds.kind = fp8 ? cuda_internal::SelectStageKind::kKeysFP8
                     : cuda_internal::SelectStageKind::kKeysBF16;
+      fp8_keys = fp8_keys || fp8;
+      bf16_keys = bf16_keys || st.k_pool.dtype == DType::kBF16;
       ds.rows = st.k_pool.data;
       ds.num_items = st.k_pool.dim(0);
       ds.table = st.page_table.As<const int32_t>();
@@ -314,11 +312,6 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
     ds.selected = st.selected.As<int32_t>();
   }
   // The kernel reads one key format (launch.h): key stages over bf16 and fp8 pools run op by op.
-  bool bf16_keys = false, fp8_keys = false;
-  for (int i = 0; i < p.num_stages; ++i) {
-    bf16_keys = bf16_keys || d.stage[i].kind == cuda_internal::SelectStageKind::kKeysBF16;
-    fp8_keys = fp8_keys || d.stage[i].kind == cuda_internal::SelectStageKind::kKeysFP8;
-  }
   fused = fused && !(bf16_keys && fp8_keys);
   const int64_t group = hkv > 0 ? p.q.dim(0) / hkv : 0;
   fused = fused && hkv >= 1 && hkv <= 65535 && group >= 1 && group <= 4 && p.q.dim(1) == 128 &&
@@ -351,7 +344,7 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
   if (p.attend != nullptr) {
     const char* ae = std::getenv("STRATA_SELECT_ATTEND");
     const std::string_view mode = ae == nullptr ? "" : ae;
-    attend_fused = mode != "separate" && SelectAttendInKernel(p, d, hkv, group, &da);
+    attend_fused = mode != "separate" && SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da);
     if (!attend_fused && mode == "require_fused") {
       return absl::FailedPreconditionError(
           "SelectStages: STRATA_SELECT_ATTEND=require_fused and the attention is not one the "
