@@ -1865,6 +1865,67 @@ TEST_F(SelectStagesTest, AttendOutsideTheKernel) {
 
 // The fused op captured in a CUDA graph and replayed gives the eager result, bit for bit, with
 // the outputs poisoned before the replays.
+// A key stage over an fp8 pool and an attention over bf16 pools: the kernel reads one pool
+// format, so the attention runs as its own op after it (STRATA_SELECT_ATTEND=require_fused
+// fails instead), and matches the CPU over the GPU's selection. The attention's scale is the
+// stages' so that the format is the only reason.
+TEST_F(SelectStagesTest, AttendOverPoolsOfAnotherFormatRunsOutside) {
+  constexpr int kD = Chain::kD;
+  const ChainCase c = {"tokenselect", 2, 4, DType::kBF16, 64, 0, 200, 0, 16, true, 256, 1, 196,
+                       64, 196 * 64 - 5};
+  Chain ch = MakeChain(c, rng_, DType::kFP8E4M3);
+  const int hq = c.hkv * c.group;
+  const int64_t pool_elems = static_cast<int64_t>(ch.slots) * c.page * kD;
+  const std::vector<uint8_t> kpool16 = PoolBytes(RandomF(pool_elems), DType::kBF16);
+  const std::vector<uint8_t> vpool16 = PoolBytes(RandomF(pool_elems), DType::kBF16);
+  auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+  auto dk16 = Dev(kpool16), dv16 = Dev(vpool16), dt = Dev(ch.table);
+  auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
+  const int last = static_cast<int>(ch.counts.size()) - 1;
+  // The attention over the bf16 pools with the stages' scale (their k_scale folded in).
+  auto attention = [&](const SelectStagesParams& p, void* q, void* k, void* v, void* table,
+                       const TensorView& parents, void* out, void* lse) {
+    SelectedAttentionParams at = ChainAttention(ch, 100, q, k, v, table, parents, out, lse);
+    at.k_pool.dtype = DType::kBF16;
+    at.v_pool.dtype = DType::kBF16;
+    at.k_scale = at.v_scale = 1.0f;
+    at.scale = p.scale;
+    return at;
+  };
+  setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+  for (const char* mode : {"require_fused", ""}) {
+    SCOPED_TRACE(mode);
+    setenv("STRATA_SELECT_ATTEND", mode, 1);
+    std::vector<std::unique_ptr<Buffer>> bufs;
+    std::vector<void*> sp, sel;
+    StageBuffers(ch, &bufs, &sp, &sel);
+    SelectStagesParams p =
+        ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+    const SelectedAttentionParams at =
+        attention(p, dq->data(), dk16->data(), dv16->data(), dt->data(), p.stages[last].selected,
+                  dout->data(), dlse->data());
+    p.attend = &at;
+    const absl::Status st = gpu_->SelectStages(p, nullptr);
+    if (std::string_view(mode) == "require_fused") {
+      EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
+      continue;
+    }
+    ASSERT_TRUE(st.ok()) << st;
+    std::vector<int32_t> got = Get<int32_t>(*bufs[2 * last + 1], int64_t{c.hkv} * ch.ks[last]);
+    std::vector<float> want_out(static_cast<size_t>(hq) * kD), want_lse(hq);
+    const SelectedAttentionParams ref = attention(
+        p, ch.q.data(), const_cast<uint8_t*>(kpool16.data()),
+        const_cast<uint8_t*>(vpool16.data()), ch.table.data(),
+        TensorView(got.data(), DType::kI32, {c.hkv, ch.ks[last]}), want_out.data(),
+        want_lse.data());
+    ASSERT_TRUE(cpu_->SelectedAttention(ref, nullptr).ok());
+    ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
+    ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
+  }
+  unsetenv("STRATA_SELECT_STAGES");
+  unsetenv("STRATA_SELECT_ATTEND");
+}
+
 TEST_F(SelectStagesTest, ReplaysInAGraph) {
   const ChainCase c = {"two-level tokenselect", 8, 4, DType::kBF16, 64, 16, 8192, 128, 128, true,
                        2048, 1, 8190, 64, 8190 * 64 - 300};

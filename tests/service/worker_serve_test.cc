@@ -188,6 +188,33 @@ TEST_F(ServeTest, BadRequestsGetTheRightCodes) {
   EXPECT_EQ(stub->Cancel(&ctx, cancel, &out).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }
 
+// `strata generate --kv-dtype`: an fp8 KV cache generates (dense); a host sparse policy cannot
+// read it (exit 1, the reason on stderr); an unknown dtype is a usage error (exit 2).
+TEST_F(ServeTest, GenerateKvDtypes) {
+  struct Run {
+    std::vector<std::string> extra;
+    int code;
+    const char* err;  // a piece of stderr
+  };
+  const Run runs[] = {
+      {{"--kv-dtype", "fp8"}, 0, "kv=fp8"},
+      {{"--kv-dtype", "fp8", "--policy", "quest", "--budget", "16"}, 1, "reads f32 or bf16 KV caches"},
+      {{"--kv-dtype", "fp9"}, 2, "--kv-dtype: 'fp9'"},
+  };
+  int i = 0;
+  for (const Run& r : runs) {
+    std::vector<std::string> args = {STRATA_BINARY, "generate", "--model", *dir_ + "/model",
+                                     "--token-ids", "5,6,7,8,9", "--max-tokens", "3"};
+    args.insert(args.end(), r.extra.begin(), r.extra.end());
+    const std::string base = absl::StrCat(*dir_, "/gen_kv", i++);
+    ChildProcess gen(args, base + ".out", base + ".err");
+    auto code = gen.Wait(std::chrono::seconds(60));
+    ASSERT_TRUE(code.has_value()) << absl::StrJoin(r.extra, " ");
+    EXPECT_EQ(*code, r.code) << absl::StrJoin(r.extra, " ") << ": " << gen.Err();
+    EXPECT_TRUE(absl::StrContains(gen.Err(), r.err)) << gen.Err();
+  }
+}
+
 TEST_F(ServeTest, ClientCommands) {
   const std::string doc_file = *dir_ + "/doc.txt";
   {
