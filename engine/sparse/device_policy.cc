@@ -79,9 +79,12 @@ absl::Status DevicePolicy::Init() {
   pages_.resize(layers);
   segs_.resize(layers);
   table_ready_.assign(layers, false);
-  // bf16 pools: bf16 summaries (the min and max of bf16 keys are bf16 values: the same bounds in
-  // half the bytes); f32 pools keep f32 summaries.
-  summary_dtype_ = cache_options_.dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+  // bf16 and fp8 pools: bf16 summaries (the min and max of bf16 keys, or of fp8 e4m3 codes, are
+  // bf16 values: the same bounds in half the bytes, and the form the fused selection kernel
+  // reads); f32 pools keep f32 summaries.
+  summary_dtype_ = cache_options_.dtype == DType::kBF16 || cache_options_.dtype == DType::kFP8E4M3
+                       ? DType::kBF16
+                       : DType::kF32;
   const size_t row = static_cast<size_t>(2) * d_ * kernels::DTypeSize(summary_dtype_);
   for (int l = 0; l < layers; ++l) {
     STRATA_ASSIGN_OR_RETURN(table_[l], backend_->Allocate(sizeof(int32_t) * hkv_ * max_pages_));

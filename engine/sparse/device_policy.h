@@ -178,7 +178,7 @@ class DevicePolicy {
   // page ids; tokenselect: [hkv, budget] token ids.
   bool cache_on_ = false;
   std::unique_ptr<DeviceSelectionCache> sel_cache_;
-  // Element type of the page and segment summaries: bf16 for a bf16 cache (exact), else f32.
+  // Element type of the page and segment summaries: bf16 for a bf16 or fp8 cache (exact), else f32.
   kernels::DType summary_dtype_ = kernels::DType::kF32;
   // AttendChunk state: the chunk's mean query (engine/query_mean.h), the selection read back,
   // the spans and query positions for PagedAttention.
