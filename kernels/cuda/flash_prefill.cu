@@ -144,12 +144,31 @@ __device__ __forceinline__ int64_t WarpMax64(int64_t v) {
   return v;
 }
 
-template <int D, int BN>
+// Eight fp8 e4m3 codes (a uint2, code i in byte i) as eight bf16 values (a uint4, element i in
+// halfword i): e4m3 -> f16 is exact (cvt.rn.f16x2.e4m3x2), and every e4m3 value (3 mantissa bits,
+// |x| <= 448, no smaller than 2^-9) is a bf16 value, so f16 -> f32 -> bf16 is exact too.
+__device__ __forceinline__ uint32_t E4m3x2ToBf16x2(uint32_t pair16) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<unsigned short>(pair16)));
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  return PackBf16(f.x, f.y);
+}
+__device__ __forceinline__ uint4 E4m3x8ToBf16x8(uint2 c) {
+  return make_uint4(E4m3x2ToBf16x2(c.x & 0xffffu), E4m3x2ToBf16x2(c.x >> 16),
+                    E4m3x2ToBf16x2(c.y & 0xffffu), E4m3x2ToBf16x2(c.y >> 16));
+}
+
+// kF8: the pools hold fp8 e4m3 codes (one byte per element; shape.scale carries k_scale and
+// the outputs are multiplied by shape.v_scale), converted to bf16 as they land in the same
+// shared-memory tiles as bf16 rows (register-staged loads instead of cp.async); else bf16.
+template <int D, int BN, bool kF8>
 __global__ void __launch_bounds__(kThreads, 2)
-    FlashPrefillKernel(const float* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
-                       const __nv_bfloat16* __restrict__ v_pool, AttentionShape shape,
+    FlashPrefillKernel(const float* __restrict__ q, const void* __restrict__ k_pool_raw,
+                       const void* __restrict__ v_pool_raw, AttentionShape shape,
                        AttentionPlan plan, TileMeta meta, float* __restrict__ out,
                        float* __restrict__ lse) {
+  const auto* k_pool = static_cast<const __nv_bfloat16*>(k_pool_raw);
+  const auto* v_pool = static_cast<const __nv_bfloat16*>(v_pool_raw);
   constexpr int kChunks = D / 8;   // 16-byte chunks per row
   constexpr int kDTiles = D / 8;   // n8 tiles of the output
   constexpr int kSTiles = BN / 8;
@@ -261,15 +280,43 @@ __global__ void __launch_bounds__(kThreads, 2)
       kpos_s[b][tid] = pos;
     }
     __syncthreads();
-    for (int c = tid; c < BN * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const int64_t row = row_s[b][r];
-      const int64_t off = row >= 0 ? row * D + ch * 8 : 0;
-      const int dst = b * BN * D + Swz<D>(r, ch);
-      CpAsync16(SmemAddr(k_s + dst), k_pool + off, row >= 0);
-      CpAsync16(SmemAddr(v_s + dst), v_pool + off, row >= 0);
+    if constexpr (kF8) {
+      // Every load of the tile first (8 bytes of codes per chunk), then the conversions, so the
+      // loads are in flight together; padding keys read as code 0 (0.0).
+      constexpr int kPer = BN * kChunks / kThreads;
+      static_assert(BN * kChunks % kThreads == 0, "chunks split evenly over the threads");
+      const auto* k8 = static_cast<const uint8_t*>(k_pool_raw);
+      const auto* v8 = static_cast<const uint8_t*>(v_pool_raw);
+      uint2 kc[kPer], vc[kPer];
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int c = tid + u * kThreads;
+        const int64_t row = row_s[b][c / kChunks];
+        kc[u] = vc[u] = make_uint2(0, 0);
+        if (row >= 0) {
+          const int64_t off = row * D + (c % kChunks) * 8;
+          kc[u] = __ldg(reinterpret_cast<const uint2*>(k8 + off));
+          vc[u] = __ldg(reinterpret_cast<const uint2*>(v8 + off));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int c = tid + u * kThreads;
+        const int dst = b * BN * D + Swz<D>(c / kChunks, c % kChunks);
+        *reinterpret_cast<uint4*>(k_s + dst) = E4m3x8ToBf16x8(kc[u]);
+        *reinterpret_cast<uint4*>(v_s + dst) = E4m3x8ToBf16x8(vc[u]);
+      }
+    } else {
+      for (int c = tid; c < BN * kChunks; c += kThreads) {
+        const int r = c / kChunks, ch = c % kChunks;
+        const int64_t row = row_s[b][r];
+        const int64_t off = row >= 0 ? row * D + ch * 8 : 0;
+        const int dst = b * BN * D + Swz<D>(r, ch);
+        CpAsync16(SmemAddr(k_s + dst), k_pool + off, row >= 0);
+        CpAsync16(SmemAddr(v_s + dst), v_pool + off, row >= 0);
+      }
     }
-    CpAsyncCommit();
+    CpAsyncCommit();  // (an empty group for fp8: the waits below count groups either way)
   };
 
   float o[kMBlocks][kDTiles][4];
@@ -415,7 +462,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int t = t0 + row_of(i);
       if (t >= shape.num_tokens) continue;
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      // shape.v_scale: an fp8 pool's V dequantisation (1 for bf16 pools, so exact there).
+      const float inv = sum > 0.0f ? shape.v_scale / sum : 0.0f;
       const int64_t row = static_cast<int64_t>(t) * shape.num_q_heads + head;
 #pragma unroll
       for (int j = 0; j < kDTiles; ++j) {
@@ -432,18 +480,31 @@ int64_t TilesPerHead(int64_t max_head_tokens, int block_n) {
   return (max_head_tokens + block_n - 1) / block_n;
 }
 
-template <int D, int BN>
-cudaError_t LaunchTyped(const float* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                        const AttentionShape& shape, const AttentionPlan& plan,
-                        const TileMeta& meta, float* out, float* lse, cudaStream_t stream) {
+template <int D, int BN, bool kF8>
+cudaError_t LaunchTyped(const float* q, const void* k, const void* v, const AttentionShape& shape,
+                        const AttentionPlan& plan, const TileMeta& meta, float* out, float* lse,
+                        cudaStream_t stream) {
   constexpr int kSmem = (kBlockM + 4 * BN) * D * static_cast<int>(sizeof(__nv_bfloat16));
-  cudaError_t e = cudaFuncSetAttribute(FlashPrefillKernel<D, BN>,
+  cudaError_t e = cudaFuncSetAttribute(FlashPrefillKernel<D, BN, kF8>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return e;
   const dim3 grid(shape.num_q_heads, (shape.num_tokens + kBlockM - 1) / kBlockM);
-  FlashPrefillKernel<D, BN><<<grid, kThreads, kSmem, stream>>>(q, k, v, shape, plan, meta, out,
-                                                                lse);
+  FlashPrefillKernel<D, BN, kF8><<<grid, kThreads, kSmem, stream>>>(q, k, v, shape, plan, meta,
+                                                                     out, lse);
   return cudaGetLastError();
+}
+
+template <bool kF8>
+cudaError_t LaunchForPool(const float* q, const void* k, const void* v, int block_n,
+                          const AttentionShape& shape, const AttentionPlan& plan,
+                          const TileMeta& meta, float* out, float* lse, cudaStream_t stream) {
+  if (shape.head_dim == 64) {
+    return block_n == 32
+               ? LaunchTyped<64, 32, kF8>(q, k, v, shape, plan, meta, out, lse, stream)
+               : LaunchTyped<64, 64, kF8>(q, k, v, shape, plan, meta, out, lse, stream);
+  }
+  return block_n == 32 ? LaunchTyped<128, 32, kF8>(q, k, v, shape, plan, meta, out, lse, stream)
+                       : LaunchTyped<128, 64, kF8>(q, k, v, shape, plan, meta, out, lse, stream);
 }
 
 // Keys per tile for head_dim D: the knob if set, else the default.
@@ -457,7 +518,8 @@ int BlockN(int head_dim) {
 void SetFlashPrefillBlockN(int keys) { g_block_n = keys; }
 
 bool FlashPrefillSupports(const AttentionShape& shape, FloatType pool_type) {
-  return pool_type == FloatType::kBF16 && (shape.head_dim == 64 || shape.head_dim == 128) &&
+  return (pool_type == FloatType::kBF16 || pool_type == FloatType::kFP8E4M3) &&
+         (shape.head_dim == 64 || shape.head_dim == 128) &&
          shape.num_tokens >= 1 && shape.num_tokens <= 65535 * kBlockM &&
          shape.num_q_heads >= 1 && shape.num_q_heads <= 65535 && shape.num_kv_heads >= 1 &&
          shape.num_q_heads % shape.num_kv_heads == 0;
@@ -493,14 +555,10 @@ cudaError_t LaunchFlashPrefill(const float* q, const void* k_pool, const void* v
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  const auto* k = static_cast<const __nv_bfloat16*>(k_pool);
-  const auto* v = static_cast<const __nv_bfloat16*>(v_pool);
-  if (shape.head_dim == 64) {
-    return block_n == 32 ? LaunchTyped<64, 32>(q, k, v, shape, plan, meta, out, lse, stream)
-                         : LaunchTyped<64, 64>(q, k, v, shape, plan, meta, out, lse, stream);
-  }
-  return block_n == 32 ? LaunchTyped<128, 32>(q, k, v, shape, plan, meta, out, lse, stream)
-                       : LaunchTyped<128, 64>(q, k, v, shape, plan, meta, out, lse, stream);
+  return pool_type == FloatType::kFP8E4M3
+             ? LaunchForPool<true>(q, k_pool, v_pool, block_n, shape, plan, meta, out, lse, stream)
+             : LaunchForPool<false>(q, k_pool, v_pool, block_n, shape, plan, meta, out, lse,
+                                    stream);
 }
 
 }  // namespace strata::kernels::cuda_internal

@@ -6,7 +6,7 @@
 // with NaN first, so an element the kernel does not write fails. The backend is forced onto the
 // flash path (CudaBackend::PrefillPath::kFlash) so that one-token calls take it too; shapes the
 // flash kernel does not cover (f32 pool, head_dim 96) check that the general fallback still
-// serves them. Every case runs with 32- and 64-key tiles (cuda_internal::SetFlashPrefillBlockN). Tolerances: bf16 rounding of q and of the softmax weights (f32 accumulation) on
+// serves them. fp8 e4m3 pools (with per-tensor k_scale / v_scale) take the flash path too. Every case runs with 32- and 64-key tiles (cuda_internal::SetFlashPrefillBlockN). Tolerances: bf16 rounding of q and of the softmax weights (f32 accumulation) on
 // the flash path; the general kernel's f32 tolerance otherwise. Without a GPU every test reports
 // "no CUDA GPU: skipped".
 #include <cuda_runtime_api.h>
@@ -58,7 +58,8 @@ std::string CaseName(const ::testing::TestParamInfo<FlashCase>& info) {
 
 // True when the case is served by the flash kernel (see CudaBackend::SetPrefillPath).
 bool OnFlashPath(const FlashCase& c) {
-  return c.pool == DType::kBF16 && (c.head_dim == 64 || c.head_dim == 128);
+  return (c.pool == DType::kBF16 || c.pool == DType::kFP8E4M3) &&
+         (c.head_dim == 64 || c.head_dim == 128);
 }
 
 struct Host {
@@ -242,6 +243,10 @@ TEST_P(FlashPrefillTest, MatchesCpu) {
   cp.q_positions = q_pos.data();
   cp.causal = c.causal;
   cp.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  if (c.pool == DType::kFP8E4M3) {  // per-tensor scales: keys and values of the codes x scale
+    cp.k_scale = 0.375f;
+    cp.v_scale = 2.5f;
+  }
   cp.out = want_out.View(want_out.bytes.data());
   cp.lse = want_lse.View(want_lse.bytes.data());
   STRATA_ASSERT_OK(cpu_->PagedAttention(cp, nullptr));
@@ -314,6 +319,13 @@ INSTANTIATE_TEST_SUITE_P(
         FlashCase{64, 8, 2, 128, 1, 300, true, Layout::kSparse, DType::kBF16},
         FlashCase{17, 4, 1, 128, 16, 0, true, Layout::kSparse, DType::kBF16},
         // Off the flash path: the general kernel serves them.
+        // fp8 e4m3 pools with k_scale / v_scale: converted to bf16 as they land in the tiles.
+        FlashCase{129, 4, 4, 128, 16, 700, true, Layout::kDense, DType::kFP8E4M3},
+        FlashCase{600, 8, 2, 64, 32, 77, true, Layout::kDense, DType::kFP8E4M3},
+        FlashCase{3, 8, 1, 128, 16, 81, true, Layout::kDense, DType::kFP8E4M3},
+        FlashCase{130, 8, 2, 128, 16, 4000, false, Layout::kDense, DType::kFP8E4M3},
+        FlashCase{129, 8, 1, 64, 16, 1000, true, Layout::kSparse, DType::kFP8E4M3},
+        FlashCase{64, 8, 2, 128, 1, 300, true, Layout::kSparse, DType::kFP8E4M3},
         FlashCase{17, 8, 2, 128, 16, 300, true, Layout::kDense, DType::kF32},
         FlashCase{5, 4, 2, 96, 16, 100, true, Layout::kDense, DType::kBF16}),
     CaseName);

@@ -1,6 +1,7 @@
 // Tensor-core flash attention for paged prefill (kernels/cuda/flash_prefill.cu; private to
 // kernels/cuda). Serves kernels::PagedAttentionParams as they are: q f32 [tokens, heads, dim],
-// K/V in page slots of a bf16 pool, addressed through the AttentionPlan that
+// K/V in page slots of a bf16 or fp8 e4m3 pool (fp8: converted to bf16 as each tile lands in
+// shared memory, exactly; k_scale folded into the scale, v_scale into the outputs), addressed through the AttentionPlan that
 // CudaBackend::PagedAttention builds (CSR spans per KV head); writes the same (out, lse) partial
 // as the CPU reference (kernels/backend.h), with bf16 rounding of q and of the softmax weights
 // (f32 accumulation), so results match the reference to bf16 tolerance, not exactly.
@@ -35,8 +36,8 @@ inline constexpr int kFlashDefaultBlockN128 = 64;  // default tile for head_dim 
 // speed only (tests run both).
 void SetFlashPrefillBlockN(int keys);
 
-// True when the flash kernel handles this shape: bf16 pool, head_dim 64 or 128, at least one
-// token. (q, k_pool and v_pool must also be 16-byte aligned; the caller checks that.)
+// True when the flash kernel handles this shape: bf16 or fp8 e4m3 pool, head_dim 64 or 128, at
+// least one token. (q, k_pool and v_pool must also be 16-byte aligned; the caller checks that.)
 bool FlashPrefillSupports(const AttentionShape& shape, FloatType pool_type);
 
 // Bytes of device scratch LaunchFlashPrefill needs when the longest KV head has
