@@ -25,11 +25,13 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMaxCandidates = int64_t{1} << 30;
 
-// Element i of a pool as f32; an fp8 element is its stored value (the pool's scale not applied).
-float KvAt(const TensorView& pool, int64_t i) {
-  if (pool.dtype == DType::kBF16) return BF16ToF32(pool.As<const uint16_t>()[i]);
-  if (pool.dtype == DType::kFP8E4M3) return FP8E4M3ToF32(pool.As<const uint8_t>()[i]);
-  return pool.As<const float>()[i];
+// Row `row` of a [slots, page, d] pool as f32 into dst[d]; an fp8 row holds its stored values
+// (the pool's scale not applied). One ConvertToF32 per row (vectorised / table loops; the
+// per-element conversion calls this replaced kept the loops scalar).
+void LoadKvRow(const TensorView& pool, int64_t row, int64_t d, float* dst) {
+  const size_t elem = DTypeSize(pool.dtype);
+  ConvertToF32(static_cast<const char*>(pool.data) + static_cast<size_t>(row * d) * elem,
+               pool.dtype, dst, d);
 }
 
 // Pool row of token t of KV head g, or -1 when its page or slot is outside the table or pool.
@@ -257,9 +259,7 @@ absl::Status CpuScoreKeys(const ScoreKeysParams& p) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = CandidateId(p.candidates, g, i);
       const int64_t row = t < 0 ? -1 : RowOf(p.page_table, p.k_pool, g, t);
-      if (row >= 0) {
-        for (int64_t e = 0; e < d; ++e) k[e] = KvAt(p.k_pool, row * d + e);
-      }
+      if (row >= 0) LoadKvRow(p.k_pool, row, d, k.data());
       for (int j = 0; j < group; ++j) {
         float* o = out + (static_cast<int64_t>(g) * group + j) * n;
         if (row < 0) {
@@ -516,7 +516,7 @@ absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p) {
     }
     MinMaxRowsToBF16(r, 1, d, t.As<uint16_t>() + row * 2 * d);
   };
-  std::vector<float> rv(2 * d), qv(2 * d);
+  std::vector<float> rv(2 * d), qv(2 * d), kv(d);
   float* const r = rv.data();
   const float* const q = qv.data();
   for (int g = 0; g < hkv; ++g) {
@@ -525,8 +525,9 @@ absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p) {
       for (int64_t t = pg * page; t < std::min(p.end, (pg + 1) * page); ++t) {
         const int64_t row = RowOf(p.page_table, p.k_pool, g, t);
         if (row < 0) continue;
+        LoadKvRow(p.k_pool, row, d, kv.data());
         for (int64_t e = 0; e < d; ++e) {
-          const float x = KvAt(p.k_pool, row * d + e);
+          const float x = kv[e];
           if (!any || x < r[e]) r[e] = x;
           if (!any || x > r[d + e]) r[d + e] = x;
         }

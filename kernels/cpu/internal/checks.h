@@ -70,8 +70,9 @@ inline const float* LoadPoolRow(const TensorView& pool, int64_t row, int head_di
                             float scale) {
   if (pool.dtype == DType::kF32) return pool.As<const float>() + row * head_dim;
   if (pool.dtype == DType::kFP8E4M3) {
-    const uint8_t* src = pool.As<const uint8_t>() + row * head_dim;
-    for (int i = 0; i < head_dim; ++i) dst[i] = FP8E4M3ToF32(src[i]) * scale;
+    // ConvertToF32's table loop (a call per element kept this scalar), then the pool's scale.
+    ConvertToF32(pool.As<const uint8_t>() + row * head_dim, DType::kFP8E4M3, dst, head_dim);
+    for (int i = 0; i < head_dim; ++i) dst[i] *= scale;
     return dst;
   }
   // bf16 -> f32 is exact: the 16 bits become the high half of the f32.
