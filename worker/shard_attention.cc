@@ -2,12 +2,12 @@
 #include "worker/shard_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <utility>
 
-#include <deque>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -354,48 +354,52 @@ struct LeaderAttention::Part {
   std::unique_ptr<grpc::ClientContext> context;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SelectionRequest, v1::SelectionResponse>> stream;
   bool sent = false;  // a query of the current layer is in flight
-  // The reader thread queues the peer's answers, so the leader can wait for one with a deadline.
-  std::thread reader;
-  absl::Mutex mu;
-  std::deque<v1::SelectionResponse> answers ABSL_GUARDED_BY(mu);
-  bool closed ABSL_GUARDED_BY(mu) = false;
+  // The deadline of the leader's Read in flight (absl::ToUnixNanos), 0 while it reads nothing,
+  // -1 once the watchdog cancelled the stream for passing it. The leader reads answers on its own
+  // thread (a reader thread handing them over cost ~40 us per round trip: bench/RESULTS.md,
+  // shard_rtt_bench) and LeaderAttention's watchdog enforces the deadline.
+  std::atomic<int64_t> read_deadline{0};
 
-  void StartReader() {
-    reader = std::thread([this] {
-      v1::SelectionResponse resp;
-      while (stream->Read(&resp)) {
-        absl::MutexLock lock(&mu);
-        answers.push_back(std::move(resp));
-        resp = v1::SelectionResponse();
-      }
-      absl::MutexLock lock(&mu);
-      closed = true;
-    });
-  }
-  // The next answer, or false (with *why) when the stream closed or nothing came by `deadline`.
+  // The next answer, or false (with *why) when the stream closed or nothing came by `deadline`
+  // (then the stream is cancelled, even if an answer came as the watchdog fired).
   bool NextAnswer(absl::Time deadline, v1::SelectionResponse* out, std::string* why) {
-    absl::MutexLock lock(&mu);
-    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !answers.empty() || closed; };
-    if (!mu.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+    read_deadline.store(std::max<int64_t>(1, absl::ToUnixNanos(deadline)));
+    const bool ok = stream->Read(out);
+    if (read_deadline.exchange(0) < 0) {
       *why = "no answer before the deadline";
       return false;
     }
-    if (answers.empty()) {
+    if (!ok) {
       *why = "stream closed";
       return false;
     }
-    *out = std::move(answers.front());
-    answers.pop_front();
     return true;
+  }
+  // Called by the watchdog: cancels the stream when the Read in flight is past its deadline.
+  // `context` is set before the watchdog starts and lives until it has stopped, and TryCancel
+  // may run beside the leader's calls on the stream.
+  void CancelIfOverdue(int64_t now_ns) {
+    int64_t d = read_deadline.load();
+    if (d > 0 && now_ns >= d && read_deadline.compare_exchange_strong(d, -1)) context->TryCancel();
   }
   void CloseStream() {
     if (stream == nullptr) return;
     context->TryCancel();
-    if (reader.joinable()) reader.join();
     stream->Finish();  // status ignored: the stream is being abandoned
     stream.reset();
   }
 };
+
+void LeaderAttention::StartWatchdog() {
+  watchdog_ = std::thread([this] {
+    absl::MutexLock lock(&watch_mu_);
+    // Wakes every 10 ms (the deadline's precision) until the destructor stops it.
+    while (!watch_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(10))) {
+      const int64_t now = absl::ToUnixNanos(absl::Now());
+      for (auto& p : parts_) p->CancelIfOverdue(now);
+    }
+  });
+}
 
 absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const Options& options,
                                                                          const v1::ShardMap& map) {
@@ -448,10 +452,13 @@ absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const O
     o->set_budget_tokens(raw->budget_tokens);
     o->set_num_q_heads(static_cast<uint32_t>(options.config->num_heads));
     o->set_head_dim(static_cast<uint32_t>(options.config->head_dim));
-    if (!raw->stream->Write(open)) {
-      STRATA_RETURN_IF_ERROR(la->Failover(raw, "open failed"));
-    } else {
-      raw->StartReader();
+    if (!raw->stream->Write(open)) STRATA_RETURN_IF_ERROR(la->Failover(raw, "open failed"));
+  }
+  // Every part exists now (the watchdog reads parts_).
+  for (const auto& p : la->parts_) {
+    if (p->context != nullptr) {
+      la->StartWatchdog();
+      break;
     }
   }
   return la;
@@ -460,6 +467,13 @@ absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const O
 LeaderAttention::LeaderAttention(const Options& options) : options_(options) {}
 
 LeaderAttention::~LeaderAttention() {
+  if (watchdog_.joinable()) {
+    {
+      absl::MutexLock lock(&watch_mu_);
+      stopping_ = true;
+    }
+    watchdog_.join();
+  }
   for (auto& p : parts_) p->CloseStream();
 }
 

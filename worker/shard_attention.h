@@ -31,8 +31,9 @@
 //   stream fails (write or read fails: UNAVAILABLE, EOF, cancelled, a malformed answer), the
 //   leader mounts that shard locally from the persisted pages (MountFn; no prefill) and
 //   recomputes the layer's partial itself; the shard stays local for the rest of the job. A
-//   peer that does not answer within Options::peer_timeout_ms is failed over the same way (a
-//   reader thread per stream queues the answers so the leader can wait with a deadline).
+//   peer that does not answer within Options::peer_timeout_ms is failed over the same way (the
+//   leader reads the answers on its own thread; a watchdog thread polling every 10 ms cancels a
+//   stream whose answer is overdue).
 //
 // Tensors on the wire are little-endian f32 (internal.proto). Thread-compatible, except that
 // MountedShard is immutable and safe to share; sessions over one device-placed shard (or several
@@ -46,6 +47,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -268,6 +270,8 @@ class LeaderAttention : public engine::ExternalAttention {
  private:
   explicit LeaderAttention(const Options& options);
   absl::Status Failover(Part* part, const std::string& why);
+  // Starts the thread that cancels a peer's stream whose answer is overdue (Part::NextAnswer).
+  void StartWatchdog();
   // The queries of a layer to every peer (step 1 of Attend; advances step_ at layer 0).
   absl::Status SendQueries(int layer, const float* q, int n, int num_q_heads, int64_t q_begin);
 
@@ -281,6 +285,9 @@ class LeaderAttention : public engine::ExternalAttention {
   int failovers_ = 0;
   Timing timing_;
   std::string q_bytes_;
+  std::thread watchdog_;
+  absl::Mutex watch_mu_;
+  bool stopping_ ABSL_GUARDED_BY(watch_mu_) = false;
 };
 
 }  // namespace strata::worker

@@ -1,0 +1,340 @@
+// The transport cost of one sharded decode layer: the leader sends a LayerQuery over a
+// ShardSelection stream and waits for the SelectionResponse, against a peer that answers at once
+// (no attention), on loopback gRPC. Isolates what a sharded decode step pays per layer and peer
+// on top of the peer's attention (bench/RESULTS.md).
+//
+//   shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] [--modes reader,direct,async,tcp]
+//
+// Modes (the leader's side; the peer is a synchronous ShardSelection service, as
+// worker/service.cc's):
+//   reader  as LeaderAttention did until session 31: Write, then a reader thread that Reads every
+//           answer into a queue the leader waits on with a deadline (absl::Mutex);
+//   direct  as LeaderAttention does since: Write, then Read on the leader's own thread (its
+//           deadline is a watchdog's, off the round trip's path);
+//   async   the asynchronous API: Write and Read started on one CompletionQueue that the leader's
+//           own thread waits on with a deadline (AsyncNext);
+//   tcp     the floor: the same bytes (query, then answer) over a plain loopback TCP socket with
+//           TCP_NODELAY, no gRPC.
+// Prints, per mode, the round trip's median, 90th and 99th percentile in microseconds.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "strata/v1/internal.grpc.pb.h"
+
+namespace {
+
+namespace v1 = strata::v1;
+
+// Answers each LayerQuery at once with o / lse of the query's shape.
+class EchoSelection final : public v1::ShardSelection::Service {
+ public:
+  explicit EchoSelection(int heads) : heads_(heads) {}
+  grpc::Status Select(grpc::ServerContext* context,
+                      grpc::ServerReaderWriter<v1::SelectionResponse, v1::SelectionRequest>* stream) override {
+    v1::SelectionRequest req;
+    while (!context->IsCancelled() && stream->Read(&req)) {
+      if (!req.has_query()) continue;  // the open message
+      v1::SelectionResponse resp;
+      resp.set_step(req.query().step());
+      resp.set_layer(req.query().layer());
+      resp.set_o(req.query().q());  // same size as o
+      resp.set_lse(std::string(static_cast<size_t>(req.query().num_tokens()) * heads_ * sizeof(float), '\0'));
+      if (!stream->Write(resp)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  const int heads_;
+};
+
+struct Stats {
+  double p50 = 0, p90 = 0, p99 = 0;
+};
+Stats Percentiles(std::vector<double> us) {
+  std::sort(us.begin(), us.end());
+  auto at = [&](double f) { return us[std::min(us.size() - 1, static_cast<size_t>(f * us.size()))]; };
+  return {at(0.5), at(0.9), at(0.99)};
+}
+
+bool ReadAll(int fd, char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t r = read(fd, p, n);
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+bool WriteAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t r = write(fd, p, n);
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// The tcp mode: a thread echoes query-sized messages with answer-sized ones on one connection.
+int RunTcp(int heads, int dim, int rounds) {
+  const size_t q_bytes = static_cast<size_t>(heads) * dim * sizeof(float);
+  const size_t a_bytes = q_bytes + static_cast<size_t>(heads) * sizeof(float);
+  const int ls = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (ls < 0 || bind(ls, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(ls, 1) != 0 ||
+      getsockname(ls, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    std::fprintf(stderr, "tcp: cannot listen on loopback\n");
+    return 1;
+  }
+  const int one = 1;
+  std::thread peer([&] {
+    const int c = accept(ls, nullptr, nullptr);
+    if (c < 0) return;
+    setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    std::vector<char> in(q_bytes), out(a_bytes);
+    while (ReadAll(c, in.data(), q_bytes) && WriteAll(c, out.data(), a_bytes)) {
+    }
+    close(c);
+  });
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    std::fprintf(stderr, "tcp: cannot connect\n");
+    return 1;
+  }
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  std::vector<char> q(q_bytes, 1), a(a_bytes);
+  std::vector<double> us;
+  const int warmup = std::min(200, rounds / 4);
+  for (int i = 0; i < warmup + rounds; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!WriteAll(fd, q.data(), q_bytes) || !ReadAll(fd, a.data(), a_bytes)) {
+      std::fprintf(stderr, "tcp round %d failed\n", i);
+      return 1;
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  close(fd);
+  peer.join();
+  close(ls);
+  const Stats s = Percentiles(us);
+  std::printf("RTT %-8s heads %d dim %d rounds %d: p50 %.1f us  p90 %.1f us  p99 %.1f us\n", "tcp", heads, dim,
+              rounds, s.p50, s.p90, s.p99);
+  return 0;
+}
+
+// The async mode: one stream on a CompletionQueue; tags 1 = start, 2 = write, 3 = read.
+int RunAsync(const std::string& address, int heads, int dim, int rounds) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::ShardSelection::NewStub(channel);
+  grpc::ClientContext context;
+  grpc::CompletionQueue cq;
+  auto wait = [&](void* want) {
+    void* tag = nullptr;
+    bool ok = false;
+    const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(5);
+    return cq.AsyncNext(&tag, &ok, deadline) == grpc::CompletionQueue::GOT_EVENT && ok && tag == want;
+  };
+  void* const kStart = reinterpret_cast<void*>(1);
+  void* const kWrite = reinterpret_cast<void*>(2);
+  void* const kRead = reinterpret_cast<void*>(3);
+  auto stream = stub->AsyncSelect(&context, &cq, kStart);
+  if (!wait(kStart)) return 1;
+  v1::SelectionRequest open;
+  open.mutable_open()->set_job_id("rtt");
+  stream->Write(open, kWrite);
+  if (!wait(kWrite)) return 1;
+  std::vector<float> q(static_cast<size_t>(heads) * dim, 0.5f);
+  std::vector<double> us;
+  const int warmup = std::min(200, rounds / 4);
+  for (int i = 0; i < warmup + rounds; ++i) {
+    v1::SelectionRequest req;
+    v1::LayerQuery* lq = req.mutable_query();
+    lq->set_step(static_cast<uint64_t>(i));
+    lq->set_layer(static_cast<uint32_t>(i % 32));
+    lq->set_num_tokens(1);
+    lq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
+    v1::SelectionResponse resp;
+    const auto t0 = std::chrono::steady_clock::now();
+    stream->Write(req, kWrite);
+    stream->Read(&resp, kRead);
+    // Both complete, in either order.
+    int done = 0;
+    while (done < 2) {
+      void* tag = nullptr;
+      bool ok = false;
+      const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(5);
+      if (cq.AsyncNext(&tag, &ok, deadline) != grpc::CompletionQueue::GOT_EVENT || !ok) {
+        std::fprintf(stderr, "async round %d failed\n", i);
+        return 1;
+      }
+      ++done;
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    if (resp.step() != static_cast<uint64_t>(i) || resp.o().size() != q.size() * sizeof(float)) {
+      std::fprintf(stderr, "bad answer at round %d\n", i);
+      return 1;
+    }
+    if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  context.TryCancel();
+  grpc::Status status;
+  stream->Finish(&status, kStart);
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+  }
+  const Stats s = Percentiles(us);
+  std::printf("RTT %-8s heads %d dim %d rounds %d: p50 %.1f us  p90 %.1f us  p99 %.1f us\n", "async", heads, dim,
+              rounds, s.p50, s.p90, s.p99);
+  return 0;
+}
+
+int Run(const std::string& address, const std::string& mode, int heads, int dim, int rounds) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::ShardSelection::NewStub(channel);
+  grpc::ClientContext context;
+  auto stream = stub->Select(&context);
+  v1::SelectionRequest open;
+  open.mutable_open()->set_job_id("rtt");
+  if (!stream->Write(open)) {
+    std::fprintf(stderr, "open failed\n");
+    return 1;
+  }
+  // The reader mode's queue, as LeaderAttention::Part keeps it.
+  absl::Mutex mu;
+  std::deque<v1::SelectionResponse> answers;
+  bool closed = false;
+  std::thread reader;
+  if (mode == "reader") {
+    reader = std::thread([&] {
+      v1::SelectionResponse resp;
+      while (stream->Read(&resp)) {
+        absl::MutexLock lock(&mu);
+        answers.push_back(std::move(resp));
+        resp = v1::SelectionResponse();
+      }
+      absl::MutexLock lock(&mu);
+      closed = true;
+    });
+  }
+  std::vector<float> q(static_cast<size_t>(heads) * dim, 0.5f);
+  std::vector<double> us;
+  const int warmup = std::min(200, rounds / 4);
+  for (int i = 0; i < warmup + rounds; ++i) {
+    v1::SelectionRequest req;
+    v1::LayerQuery* lq = req.mutable_query();
+    lq->set_step(static_cast<uint64_t>(i));
+    lq->set_layer(static_cast<uint32_t>(i % 32));
+    lq->set_num_tokens(1);
+    lq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!stream->Write(req)) {
+      std::fprintf(stderr, "write failed\n");
+      return 1;
+    }
+    v1::SelectionResponse resp;
+    if (mode == "reader") {
+      absl::MutexLock lock(&mu);
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !answers.empty() || closed; };
+      if (!mu.AwaitWithDeadline(absl::Condition(&ready), absl::Now() + absl::Seconds(5)) || answers.empty()) {
+        std::fprintf(stderr, "no answer\n");
+        return 1;
+      }
+      resp = std::move(answers.front());
+      answers.pop_front();
+    } else if (!stream->Read(&resp)) {
+      std::fprintf(stderr, "read failed\n");
+      return 1;
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    if (resp.step() != static_cast<uint64_t>(i) || resp.o().size() != q.size() * sizeof(float)) {
+      std::fprintf(stderr, "bad answer at round %d\n", i);
+      return 1;
+    }
+    if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  stream->WritesDone();
+  context.TryCancel();
+  if (reader.joinable()) reader.join();
+  stream->Finish().ok();
+  const Stats s = Percentiles(us);
+  std::printf("RTT %-8s heads %d dim %d rounds %d: p50 %.1f us  p90 %.1f us  p99 %.1f us\n", mode.c_str(), heads,
+              dim, rounds, s.p50, s.p90, s.p99);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int heads = 32, dim = 128, rounds = 4000;
+  std::string modes = "reader,direct,async,tcp";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    bool ok = true;
+    if (flag == "--heads") ok = absl::SimpleAtoi(value, &heads);
+    else if (flag == "--dim") ok = absl::SimpleAtoi(value, &dim);
+    else if (flag == "--rounds") ok = absl::SimpleAtoi(value, &rounds);
+    else if (flag == "--modes") modes = value;
+    else ok = false;
+    if (!ok || heads < 1 || dim < 1 || rounds < 1) {
+      std::fprintf(stderr, "usage: shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] "
+                   "[--modes reader,direct,async,tcp]\n");
+      return 2;
+    }
+  }
+  EchoSelection service(heads);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(256 << 20);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::fprintf(stderr, "cannot serve on 127.0.0.1\n");
+    return 1;
+  }
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  for (const std::string& mode : std::vector<std::string>(absl::StrSplit(modes, ','))) {
+    if (mode != "reader" && mode != "direct" && mode != "async" && mode != "tcp") {
+      std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
+      return 2;
+    }
+    const int rc = mode == "async" ? RunAsync(address, heads, dim, rounds)
+                   : mode == "tcp" ? RunTcp(heads, dim, rounds)
+                                   : Run(address, mode, heads, dim, rounds);
+    if (rc != 0) return rc;
+  }
+  server->Shutdown(std::chrono::system_clock::now());
+  return 0;
+}
