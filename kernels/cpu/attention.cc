@@ -1,10 +1,14 @@
 // CPU reference paged attention and partial-result merge (math in kernels/backend.h).
 //
-// Paged attention: one (token, query head) row per OpenMP work item; keys are scored span by span
-// and folded into a numerically stable online softmax (running max, rescaled sum and accumulator,
-// all f32). Spans are validated before anything is written.
+// Paged attention: each (token, query head) row scores its keys span by span and folds them into a
+// numerically stable online softmax (running max, rescaled sum and accumulator, all f32). OpenMP
+// work items are a KV head and a block of up to kTokenBlock query tokens with every query head of
+// the group: each span's K and V rows are converted to f32 once per item and read from cache by
+// all of its rows (a row alone streamed every key of its head from memory). A row's arithmetic
+// does not depend on the blocking. Spans are validated before anything is written.
 #include "kernels/cpu/cpu_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +23,7 @@ namespace strata::kernels {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kTokenBlock = 16;  // query tokens per work item (fewer when there are few tokens)
 
 // q . k with 8 independent partial sums (lets the compiler vectorise without reassociating a
 // single chain); the result differs from a sequential sum only by f32 rounding.
@@ -129,57 +134,95 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
   const float* q = p.q.As<const float>();
   float* out = p.out.As<float>();
   float* lse = p.lse.As<float>();
-  const int64_t rows = static_cast<int64_t>(num_tokens) * num_q_heads;
+  // Work items: a KV head and a block of query tokens (every query head of the group). Each span
+  // of the head is converted to f32 once per item and then serves all of the item's rows, which
+  // keeps it in cache; each row's arithmetic is the same as a row alone would do.
+  const int block = num_tokens >= 4 * kTokenBlock ? kTokenBlock : std::max(1, (num_tokens + 3) / 4);
+  const int blocks = (num_tokens + block - 1) / block;
+  const int64_t items = static_cast<int64_t>(p.num_kv_heads) * blocks;
+  const bool direct = p.k_pool.dtype == DType::kF32;  // rows read in place, no conversion
 
 #pragma omp parallel
   {
-    std::vector<float> acc(head_dim), kbuf(head_dim), vbuf(head_dim), scores(page_size);
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int t = static_cast<int>(r / num_q_heads);
-      const int h = static_cast<int>(r % num_q_heads);
-      const int g = h / group;
-      const float* qr = q + r * head_dim;
-      const int64_t qpos = p.causal ? p.q_positions[t] : 0;
-      float m = kNegInf, l = 0.0f;
-      for (int i = 0; i < head_dim; ++i) acc[i] = 0.0f;
+    const int rows = block * group;
+    std::vector<float> acc(static_cast<size_t>(rows) * head_dim), m(rows), l(rows), scores(page_size);
+    std::vector<float> kbuf(direct ? 0 : page_size * head_dim), vbuf(direct ? 0 : page_size * head_dim);
+    std::vector<const float*> krow(page_size), vrow(page_size);
+    std::vector<int64_t> qpos(rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int g = static_cast<int>(item / blocks);
+      const int t0 = static_cast<int>(item % blocks) * block;
+      const int t1 = std::min(num_tokens, t0 + block);
+      const int n_rows = (t1 - t0) * group;
+      // Row i: token t0 + i / group, query head g * group + i % group.
+      int64_t qpos_max = INT64_MIN;
+      for (int i = 0; i < n_rows; ++i) {
+        qpos[i] = p.causal ? p.q_positions[t0 + i / group] : 0;
+        qpos_max = std::max(qpos_max, qpos[i]);
+        m[i] = kNegInf;
+        l[i] = 0.0f;
+        std::fill(acc.begin() + static_cast<int64_t>(i) * head_dim,
+                  acc.begin() + static_cast<int64_t>(i + 1) * head_dim, 0.0f);
+      }
       for (int32_t si = p.span_offsets[g]; si < p.span_offsets[g + 1]; ++si) {
         const KvSpan& s = p.spans[si];
-        int n = s.length;
+        // Keys any row of the item attends (causal: positions <= the largest query position).
+        int n_any = s.length;
         if (p.causal) {
-          const int64_t allowed = qpos - s.position + 1;  // keys with position <= qpos
+          const int64_t allowed = qpos_max - s.position + 1;
           if (allowed <= 0) continue;
-          if (allowed < n) n = static_cast<int>(allowed);
+          if (allowed < n_any) n_any = static_cast<int>(allowed);
         }
-        if (n <= 0) continue;
+        if (n_any <= 0) continue;
         const int64_t base = static_cast<int64_t>(s.slot) * page_size + s.offset;
-        float span_max = kNegInf;
-        for (int j = 0; j < n; ++j) {
-          const float* kr = cpu_internal::LoadPoolRow(p.k_pool, base + j, head_dim, kbuf.data(), p.k_scale);
-          scores[j] = Dot(qr, kr, head_dim) * p.scale;
-          if (scores[j] > span_max) span_max = scores[j];
+        for (int j = 0; j < n_any; ++j) {
+          krow[j] = cpu_internal::LoadPoolRow(p.k_pool, base + j, head_dim,
+                                              direct ? nullptr : kbuf.data() + j * head_dim, p.k_scale);
+          vrow[j] = cpu_internal::LoadPoolRow(p.v_pool, base + j, head_dim,
+                                              direct ? nullptr : vbuf.data() + j * head_dim, p.v_scale);
         }
-        const float new_m = span_max > m ? span_max : m;
-        if (new_m == kNegInf) continue;  // all scores -inf (only with infinite inputs)
-        const float correction = std::exp(m - new_m);  // exp(-inf) = 0 on the first span
-        l *= correction;
-        for (int i = 0; i < head_dim; ++i) acc[i] *= correction;
-        for (int j = 0; j < n; ++j) {
-          const float w = std::exp(scores[j] - new_m);
-          l += w;
-          const float* vr = cpu_internal::LoadPoolRow(p.v_pool, base + j, head_dim, vbuf.data(), p.v_scale);
-          for (int i = 0; i < head_dim; ++i) acc[i] += w * vr[i];
+        for (int i = 0; i < n_rows; ++i) {
+          int n = n_any;
+          if (p.causal) {
+            const int64_t allowed = qpos[i] - s.position + 1;  // keys with position <= qpos
+            if (allowed <= 0) continue;
+            if (allowed < n) n = static_cast<int>(allowed);
+          }
+          const int64_t r = static_cast<int64_t>(t0 + i / group) * num_q_heads + g * group + i % group;
+          const float* qr = q + r * head_dim;
+          float* a = acc.data() + static_cast<int64_t>(i) * head_dim;
+          float span_max = kNegInf;
+          for (int j = 0; j < n; ++j) {
+            scores[j] = Dot(qr, krow[j], head_dim) * p.scale;
+            if (scores[j] > span_max) span_max = scores[j];
+          }
+          const float new_m = span_max > m[i] ? span_max : m[i];
+          if (new_m == kNegInf) continue;  // all scores -inf (only with infinite inputs)
+          const float correction = std::exp(m[i] - new_m);  // exp(-inf) = 0 on the first span
+          l[i] *= correction;
+          for (int e = 0; e < head_dim; ++e) a[e] *= correction;
+          for (int j = 0; j < n; ++j) {
+            const float w = std::exp(scores[j] - new_m);
+            l[i] += w;
+            const float* vr = vrow[j];
+            for (int e = 0; e < head_dim; ++e) a[e] += w * vr[e];
+          }
+          m[i] = new_m;
         }
-        m = new_m;
       }
-      float* o = out + r * head_dim;
-      if (l > 0.0f) {
-        const float inv = 1.0f / l;
-        for (int i = 0; i < head_dim; ++i) o[i] = acc[i] * inv;
-        lse[r] = m + std::log(l);
-      } else {
-        for (int i = 0; i < head_dim; ++i) o[i] = 0.0f;
-        lse[r] = kNegInf;
+      for (int i = 0; i < n_rows; ++i) {
+        const int64_t r = static_cast<int64_t>(t0 + i / group) * num_q_heads + g * group + i % group;
+        const float* a = acc.data() + static_cast<int64_t>(i) * head_dim;
+        float* o = out + r * head_dim;
+        if (l[i] > 0.0f) {
+          const float inv = 1.0f / l[i];
+          for (int e = 0; e < head_dim; ++e) o[e] = a[e] * inv;
+          lse[r] = m[i] + std::log(l[i]);
+        } else {
+          for (int e = 0; e < head_dim; ++e) o[e] = 0.0f;
+          lse[r] = kNegInf;
+        }
       }
     }
   }
