@@ -3,9 +3,11 @@
 // Paged attention: each (token, query head) row scores its keys span by span and folds them into a
 // numerically stable online softmax (running max, rescaled sum and accumulator, all f32). OpenMP
 // work items are a KV head and a block of up to kTokenBlock query tokens with every query head of
-// the group: each span's K and V rows are converted to f32 once per item and read from cache by
-// all of its rows (a row alone streamed every key of its head from memory). A row's arithmetic
-// does not depend on the blocking. Spans are validated before anything is written.
+// the group: each span's K rows are converted to f32 once per item into a transposed tile (so a
+// row's scores are vector updates across the span's keys, dim by dim) and its V rows once, and
+// all of the item's rows read them from cache (a row alone streamed every key of its head from
+// memory). A row's arithmetic does not depend on the blocking. Spans are validated before
+// anything is written.
 #include "kernels/cpu/cpu_backend.h"
 
 #include <algorithm>
@@ -24,19 +26,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kTokenBlock = 16;  // query tokens per work item (fewer when there are few tokens)
-
-// q . k with 8 independent partial sums (lets the compiler vectorise without reassociating a
-// single chain); the result differs from a sequential sum only by f32 rounding.
-inline float Dot(const float* q, const float* k, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * k[i + j];
-  }
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += q[i] * k[i];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
-}
 
 absl::Status ValidatePagedAttention(const PagedAttentionParams& p) {
   if (p.q.data == nullptr || p.k_pool.data == nullptr || p.v_pool.data == nullptr ||
@@ -146,8 +135,11 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
   {
     const int rows = block * group;
     std::vector<float> acc(static_cast<size_t>(rows) * head_dim), m(rows), l(rows), scores(page_size);
-    std::vector<float> kbuf(direct ? 0 : page_size * head_dim), vbuf(direct ? 0 : page_size * head_dim);
-    std::vector<const float*> krow(page_size), vrow(page_size);
+    // The span's keys transposed, [head_dim][page_size] (f32, fp8 dequantised), so that a row's
+    // scores are a loop over dims of vector updates across the keys; V rows by pointer.
+    std::vector<float> kt(static_cast<size_t>(page_size) * head_dim), krow_buf(head_dim);
+    std::vector<float> vbuf(direct ? 0 : page_size * head_dim);
+    std::vector<const float*> vrow(page_size);
     std::vector<int64_t> qpos(rows);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -177,8 +169,8 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
         if (n_any <= 0) continue;
         const int64_t base = static_cast<int64_t>(s.slot) * page_size + s.offset;
         for (int j = 0; j < n_any; ++j) {
-          krow[j] = cpu_internal::LoadPoolRow(p.k_pool, base + j, head_dim,
-                                              direct ? nullptr : kbuf.data() + j * head_dim, p.k_scale);
+          const float* kr = cpu_internal::LoadPoolRow(p.k_pool, base + j, head_dim, krow_buf.data(), p.k_scale);
+          for (int e = 0; e < head_dim; ++e) kt[static_cast<size_t>(e) * page_size + j] = kr[e];
           vrow[j] = cpu_internal::LoadPoolRow(p.v_pool, base + j, head_dim,
                                               direct ? nullptr : vbuf.data() + j * head_dim, p.v_scale);
         }
@@ -192,11 +184,28 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
           const int64_t r = static_cast<int64_t>(t0 + i / group) * num_q_heads + g * group + i % group;
           const float* qr = q + r * head_dim;
           float* a = acc.data() + static_cast<int64_t>(i) * head_dim;
-          float span_max = kNegInf;
-          for (int j = 0; j < n; ++j) {
-            scores[j] = Dot(qr, krow[j], head_dim) * p.scale;
-            if (scores[j] > span_max) span_max = scores[j];
+          float* sc = scores.data();
+          for (int j = 0; j < n; ++j) sc[j] = 0.0f;
+          for (int e = 0; e < head_dim; ++e) {
+            const float qe = qr[e];
+            const float* ke = kt.data() + static_cast<size_t>(e) * page_size;
+            for (int j = 0; j < n; ++j) sc[j] += qe * ke[j];
           }
+          // The max in eight lanes (vectorises; max does not depend on the order).
+          float lane_max[8] = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
+          int j = 0;
+          for (; j + 8 <= n; j += 8) {
+            for (int u = 0; u < 8; ++u) {
+              sc[j + u] *= p.scale;
+              lane_max[u] = sc[j + u] > lane_max[u] ? sc[j + u] : lane_max[u];
+            }
+          }
+          for (; j < n; ++j) {
+            sc[j] *= p.scale;
+            lane_max[0] = sc[j] > lane_max[0] ? sc[j] : lane_max[0];
+          }
+          float span_max = kNegInf;
+          for (const float x : lane_max) span_max = x > span_max ? x : span_max;
           const float new_m = span_max > m[i] ? span_max : m[i];
           if (new_m == kNegInf) continue;  // all scores -inf (only with infinite inputs)
           const float correction = std::exp(m[i] - new_m);  // exp(-inf) = 0 on the first span
