@@ -27,6 +27,56 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kTokenBlock = 16;  // query tokens per work item (fewer when there are few tokens)
 
+// Baseline x86-64 and AVX2 builds of RowSpan, chosen at load time (GCC target_clones): the same
+// operations in the same order (AVX2 without FMA, so no contraction), hence the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
+    !defined(__SANITIZE_THREAD__)
+#define STRATA_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define STRATA_CPU_CLONES
+#endif
+
+// One row's update by one span of n keys: the scores q . k * scale from the span's keys
+// transposed (kt[e * ld + j]: dim e of key j), then the online softmax's running max *m, sum *l
+// and accumulator a[head_dim] over the V rows vrow[j]. sc holds n scores of scratch.
+STRATA_CPU_CLONES
+void RowSpan(const float* qr, const float* kt, int64_t ld, const float* const* vrow, int n, int head_dim,
+             float scale, float* sc, float* m, float* l, float* a) {
+  for (int j = 0; j < n; ++j) sc[j] = 0.0f;
+  for (int e = 0; e < head_dim; ++e) {
+    const float qe = qr[e];
+    const float* ke = kt + e * ld;
+    for (int j = 0; j < n; ++j) sc[j] += qe * ke[j];
+  }
+  // The max in eight lanes (vectorises; max does not depend on the order).
+  float lane_max[8] = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    for (int u = 0; u < 8; ++u) {
+      sc[j + u] *= scale;
+      lane_max[u] = sc[j + u] > lane_max[u] ? sc[j + u] : lane_max[u];
+    }
+  }
+  for (; j < n; ++j) {
+    sc[j] *= scale;
+    lane_max[0] = sc[j] > lane_max[0] ? sc[j] : lane_max[0];
+  }
+  float span_max = kNegInf;
+  for (const float x : lane_max) span_max = x > span_max ? x : span_max;
+  const float new_m = span_max > *m ? span_max : *m;
+  if (new_m == kNegInf) return;  // all scores -inf (only with infinite inputs)
+  const float correction = std::exp(*m - new_m);  // exp(-inf) = 0 on the first span
+  *l *= correction;
+  for (int e = 0; e < head_dim; ++e) a[e] *= correction;
+  for (int k = 0; k < n; ++k) {
+    const float w = std::exp(sc[k] - new_m);
+    *l += w;
+    const float* vr = vrow[k];
+    for (int e = 0; e < head_dim; ++e) a[e] += w * vr[e];
+  }
+  *m = new_m;
+}
+
 absl::Status ValidatePagedAttention(const PagedAttentionParams& p) {
   if (p.q.data == nullptr || p.k_pool.data == nullptr || p.v_pool.data == nullptr ||
       p.out.data == nullptr || p.lse.data == nullptr) {
@@ -182,42 +232,8 @@ absl::Status CpuPagedAttention(const PagedAttentionParams& p) {
             if (allowed < n) n = static_cast<int>(allowed);
           }
           const int64_t r = static_cast<int64_t>(t0 + i / group) * num_q_heads + g * group + i % group;
-          const float* qr = q + r * head_dim;
-          float* a = acc.data() + static_cast<int64_t>(i) * head_dim;
-          float* sc = scores.data();
-          for (int j = 0; j < n; ++j) sc[j] = 0.0f;
-          for (int e = 0; e < head_dim; ++e) {
-            const float qe = qr[e];
-            const float* ke = kt.data() + static_cast<size_t>(e) * page_size;
-            for (int j = 0; j < n; ++j) sc[j] += qe * ke[j];
-          }
-          // The max in eight lanes (vectorises; max does not depend on the order).
-          float lane_max[8] = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
-          int j = 0;
-          for (; j + 8 <= n; j += 8) {
-            for (int u = 0; u < 8; ++u) {
-              sc[j + u] *= p.scale;
-              lane_max[u] = sc[j + u] > lane_max[u] ? sc[j + u] : lane_max[u];
-            }
-          }
-          for (; j < n; ++j) {
-            sc[j] *= p.scale;
-            lane_max[0] = sc[j] > lane_max[0] ? sc[j] : lane_max[0];
-          }
-          float span_max = kNegInf;
-          for (const float x : lane_max) span_max = x > span_max ? x : span_max;
-          const float new_m = span_max > m[i] ? span_max : m[i];
-          if (new_m == kNegInf) continue;  // all scores -inf (only with infinite inputs)
-          const float correction = std::exp(m[i] - new_m);  // exp(-inf) = 0 on the first span
-          l[i] *= correction;
-          for (int e = 0; e < head_dim; ++e) a[e] *= correction;
-          for (int j = 0; j < n; ++j) {
-            const float w = std::exp(scores[j] - new_m);
-            l[i] += w;
-            const float* vr = vrow[j];
-            for (int e = 0; e < head_dim; ++e) a[e] += w * vr[e];
-          }
-          m[i] = new_m;
+          RowSpan(q + r * head_dim, kt.data(), page_size, vrow.data(), n, head_dim, p.scale, scores.data(),
+                  &m[i], &l[i], acc.data() + static_cast<int64_t>(i) * head_dim);
         }
       }
       for (int i = 0; i < n_rows; ++i) {
