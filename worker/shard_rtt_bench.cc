@@ -76,6 +76,17 @@ Stats Percentiles(std::vector<double> us) {
   return {at(0.5), at(0.9), at(0.99)};
 }
 
+// Round i's one-token query (layer i % 32).
+v1::SelectionRequest QueryRequest(int i, const std::vector<float>& q) {
+  v1::SelectionRequest req;
+  v1::LayerQuery* lq = req.mutable_query();
+  lq->set_step(static_cast<uint64_t>(i));
+  lq->set_layer(static_cast<uint32_t>(i % 32));
+  lq->set_num_tokens(1);
+  lq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
+  return req;
+}
+
 bool ReadAll(int fd, char* p, size_t n) {
   while (n > 0) {
     const ssize_t r = read(fd, p, n);
@@ -174,12 +185,7 @@ int RunAsync(const std::string& address, int heads, int dim, int rounds) {
   std::vector<double> us;
   const int warmup = std::min(200, rounds / 4);
   for (int i = 0; i < warmup + rounds; ++i) {
-    v1::SelectionRequest req;
-    v1::LayerQuery* lq = req.mutable_query();
-    lq->set_step(static_cast<uint64_t>(i));
-    lq->set_layer(static_cast<uint32_t>(i % 32));
-    lq->set_num_tokens(1);
-    lq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
+    const v1::SelectionRequest req = QueryRequest(i, q);
     v1::SelectionResponse resp;
     const auto t0 = std::chrono::steady_clock::now();
     stream->Write(req, kWrite);
@@ -252,12 +258,7 @@ int Run(const std::string& address, const std::string& mode, int heads, int dim,
   std::vector<double> us;
   const int warmup = std::min(200, rounds / 4);
   for (int i = 0; i < warmup + rounds; ++i) {
-    v1::SelectionRequest req;
-    v1::LayerQuery* lq = req.mutable_query();
-    lq->set_step(static_cast<uint64_t>(i));
-    lq->set_layer(static_cast<uint32_t>(i % 32));
-    lq->set_num_tokens(1);
-    lq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
+    const v1::SelectionRequest req = QueryRequest(i, q);
     const auto t0 = std::chrono::steady_clock::now();
     if (!stream->Write(req)) {
       std::fprintf(stderr, "write failed\n");
