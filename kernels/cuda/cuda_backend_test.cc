@@ -917,9 +917,9 @@ TEST_P(CudaPagedAttentionTest, MatchesCpu) {
   p.out = want_out.View(d_out->data());
   p.lse = want_lse.View(d_lse->data());
   STRATA_ASSERT_OK(gpu_->Supports(p));
-  // Several tokens over a bf16 pool with head_dim 64/128 take the tensor-core flash kernel
+  // Several tokens over a bf16 or fp8 pool with head_dim 64/128 take the tensor-core flash kernel
   // (bf16 q and softmax weights: bf16 tolerance; kernels/cuda/flash_prefill_test.cc covers it).
-  const bool flash = c.num_tokens > 1 && c.pool == DType::kBF16 &&
+  const bool flash = c.num_tokens > 1 && (c.pool == DType::kBF16 || c.pool == DType::kFP8E4M3) &&
                      (c.head_dim == 64 || c.head_dim == 128);
   const double out_atol = flash ? 1e-2 : 2e-5, out_rtol = flash ? 1e-2 : 2e-4;
   const double lse_atol = flash ? 1e-3 : 2e-5, lse_rtol = flash ? 1e-3 : 2e-5;
@@ -974,7 +974,7 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{9, 6, 3, 3, 5, 27, false, DType::kF32},
                       AttnCase{5, 2, 1, 512, 8, 40, true, DType::kF32},
                       AttnCase{4, 4, 2, 128, 16, 0, true, DType::kF32},
-                      // fp8 prefill runs the general kernel (the flash kernel is bf16 only).
+                      // fp8 prefill takes the flash kernel (fp8 tiles converted to bf16).
                       AttnCase{3, 4, 2, 64, 16, 81, true, DType::kFP8E4M3},
                       AttnCase{17, 8, 2, 128, 64, 129, true, DType::kFP8E4M3}),
     AttnName);
