@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/internal/checks.h"
+#include "kernels/cpu/internal/exp.h"
 
 namespace strata::kernels {
 namespace {
@@ -68,8 +69,9 @@ void RowSpan(const float* qr, const float* kt, int64_t ld, const float* const* v
   const float correction = std::exp(*m - new_m);  // exp(-inf) = 0 on the first span
   *l *= correction;
   for (int e = 0; e < head_dim; ++e) a[e] *= correction;
+  for (int k = 0; k < n; ++k) sc[k] = cpu_internal::ExpNonPositive(sc[k] - new_m);  // the weights, in place
   for (int k = 0; k < n; ++k) {
-    const float w = std::exp(sc[k] - new_m);
+    const float w = sc[k];
     *l += w;
     const float* vr = vrow[k];
     for (int e = 0; e < head_dim; ++e) a[e] += w * vr[e];
