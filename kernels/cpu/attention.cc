@@ -37,17 +37,34 @@ constexpr int kTokenBlock = 16;  // query tokens per work item (fewer when there
 #define STRATA_CPU_CLONES
 #endif
 
+// Eight floats as one GCC vector (AVX: one register; baseline x86-64: two), elementwise
+// arithmetic only, so the values are those of the scalar loops.
+// (Loaded through memcpy at the call sites: a function returning F8 by value would change the
+// ABI between the two builds, which GCC warns about.)
+typedef float F8 __attribute__((vector_size(32)));
+
 // One row's update by one span of n keys: the scores q . k * scale from the span's keys
 // transposed (kt[e * ld + j]: dim e of key j), then the online softmax's running max *m, sum *l
 // and accumulator a[head_dim] over the V rows vrow[j]. sc holds n scores of scratch.
 STRATA_CPU_CLONES
 void RowSpan(const float* qr, const float* kt, int64_t ld, const float* const* vrow, int n, int head_dim,
              float scale, float* sc, float* m, float* l, float* a) {
-  for (int j = 0; j < n; ++j) sc[j] = 0.0f;
-  for (int e = 0; e < head_dim; ++e) {
-    const float qe = qr[e];
-    const float* ke = kt + e * ld;
-    for (int j = 0; j < n; ++j) sc[j] += qe * ke[j];
+  // Eight keys at a time with their sums in registers across the dims (each score still sums
+  // its dims in order), then the rest one by one.
+  int j0 = 0;
+  for (; j0 + 8 <= n; j0 += 8) {
+    F8 s8 = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int e = 0; e < head_dim; ++e) {
+      F8 k8;
+      std::memcpy(&k8, kt + e * ld + j0, sizeof(k8));
+      s8 += qr[e] * k8;
+    }
+    std::memcpy(sc + j0, &s8, sizeof(s8));
+  }
+  for (; j0 < n; ++j0) {
+    float s1 = 0.0f;
+    for (int e = 0; e < head_dim; ++e) s1 += qr[e] * kt[e * ld + j0];
+    sc[j0] = s1;
   }
   // The max in eight lanes (vectorises; max does not depend on the order).
   float lane_max[8] = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
@@ -70,11 +87,24 @@ void RowSpan(const float* qr, const float* kt, int64_t ld, const float* const* v
   *l *= correction;
   for (int e = 0; e < head_dim; ++e) a[e] *= correction;
   for (int k = 0; k < n; ++k) sc[k] = cpu_internal::ExpNonPositive(sc[k] - new_m);  // the weights, in place
-  for (int k = 0; k < n; ++k) {
-    const float w = sc[k];
-    *l += w;
-    const float* vr = vrow[k];
-    for (int e = 0; e < head_dim; ++e) a[e] += w * vr[e];
+  for (int k = 0; k < n; ++k) *l += sc[k];
+  // Eight dims at a time with their sums in registers across the keys (each dim still adds its
+  // keys in order), then the rest one by one.
+  int e0 = 0;
+  for (; e0 + 8 <= head_dim; e0 += 8) {
+    F8 a8;
+    std::memcpy(&a8, a + e0, sizeof(a8));
+    for (int k = 0; k < n; ++k) {
+      F8 v8;
+      std::memcpy(&v8, vrow[k] + e0, sizeof(v8));
+      a8 += sc[k] * v8;
+    }
+    std::memcpy(a + e0, &a8, sizeof(a8));
+  }
+  for (; e0 < head_dim; ++e0) {
+    float a1 = a[e0];
+    for (int k = 0; k < n; ++k) a1 += sc[k] * vrow[k][e0];
+    a[e0] = a1;
   }
   *m = new_m;
 }
