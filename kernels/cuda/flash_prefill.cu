@@ -61,16 +61,6 @@ __device__ __forceinline__ void Ldsm4T(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-// c += a * b for one m16n8k16 tile (bf16 inputs, f32 accumulators).
-__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // 2^x (MUFU.EX2, about 2 ulp; 2^-inf = 0), well inside the bf16 rounding of the weights.
 __device__ __forceinline__ float Exp2(float x) {
   float y;
@@ -148,8 +138,7 @@ __device__ __forceinline__ int64_t WarpMax64(int64_t v) {
 // halfword i): e4m3 -> f16 is exact (cvt.rn.f16x2.e4m3x2), and every e4m3 value (3 mantissa bits,
 // |x| <= 448, no smaller than 2^-9) is a bf16 value, so f16 -> f32 -> bf16 is exact too.
 __device__ __forceinline__ uint32_t E4m3x2ToBf16x2(uint32_t pair16) {
-  uint32_t h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<unsigned short>(pair16)));
+  const uint32_t h = E4m3PairToF16x2(pair16);
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
   return PackBf16(f.x, f.y);
 }
@@ -369,8 +358,8 @@ __global__ void __launch_bounds__(kThreads, 2)
                                       2 * kk + ((lane >> 3) & 1))));
 #pragma unroll
         for (int mb = 0; mb < kMBlocks; ++mb) {
-          Mma(s[mb][2 * np], a[mb], b[0], b[1]);
-          Mma(s[mb][2 * np + 1], a[mb], b[2], b[3]);
+          MmaBf16(s[mb][2 * np], a[mb], b[0], b[1]);
+          MmaBf16(s[mb][2 * np + 1], a[mb], b[2], b[3]);
         }
       }
     }
@@ -441,8 +430,8 @@ __global__ void __launch_bounds__(kThreads, 2)
                                        2 * dp + (lane >> 4))));
 #pragma unroll
         for (int mb = 0; mb < kMBlocks; ++mb) {
-          Mma(o[mb][2 * dp], a[mb], b[0], b[1]);
-          Mma(o[mb][2 * dp + 1], a[mb], b[2], b[3]);
+          MmaBf16(o[mb][2 * dp], a[mb], b[0], b[1]);
+          MmaBf16(o[mb][2 * dp + 1], a[mb], b[2], b[3]);
         }
       }
     }

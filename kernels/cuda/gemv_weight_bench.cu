@@ -45,6 +45,9 @@ namespace {
 
 constexpr int kThreads = 256;
 
+using strata::kernels::cuda_internal::E4m3PairToF16x2;
+using strata::kernels::cuda_internal::MmaBf16;
+using strata::kernels::cuda_internal::MmaF16;
 using strata::kernels::cuda_internal::LoadWeightChunk;
 using strata::kernels::cuda_internal::LoadWeightChunkIf;
 using strata::kernels::cuda_internal::WarpSum;
@@ -113,13 +116,8 @@ __global__ void __launch_bounds__(kThreads)
 // weights becomes an f16 pair in one cvt, the activations are rounded to f16, m16n8k16 f16 mmas
 // accumulate in f32 and the row's scale multiplies the sum. bf16: the activations split into hi +
 // lo bf16 (two mmas, as the production kSplit GEMV) or, ROUND, rounded to bf16 (one). The warps'
-// sums are added in warp order in shared memory.
-__device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(pair16)));
-  return r;
-}
-
+// sums are added in warp order in shared memory. (MmaF16, MmaBf16 and E4m3PairToF16x2 are
+// internal/common.cuh's.)
 __device__ __forceinline__ uint32_t F16Pair(float a, float b) {
   const __half2 v = __floats2half2_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -128,24 +126,6 @@ __device__ __forceinline__ uint32_t F16Pair(float a, float b) {
 __device__ __forceinline__ uint32_t Bf16Pair(float a, float b) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Asks L2 for `bytes` (a multiple of 16) from `p` (16-byte aligned) with one bulk prefetch: no

@@ -279,20 +279,12 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], 
 template <>
 __device__ __forceinline__ void Mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
                                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  MmaBf16(c, a, b0, b1);
 }
 template <>
 __device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (&a)[4],
                                                  uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  MmaF16(c, a, b0, b1);
 }
 
 // The tensor-core GEMVs' block epilogue: c[i] holds the warp's sums for rows g (c[i][0], c[i][1])
@@ -403,13 +395,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 }
 
 // ---- fp8 e4m3 weights -----------------------------------------------------------------------
-
-// Two e4m3 codes (the low byte first) as an f16 pair (the low half first), exactly: one cvt.
-__device__ __forceinline__ uint32_t E4m3PairToF16x2(uint32_t pair16) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(pair16)));
-  return r;
-}
 
 // The fp8 GEMVs' weight loads: lane t's 16-byte chunks (chunk 4 step + t) of rows g (`wa`, `ra`)
 // and g + 8 (`wb`, `rb`) for the kUnroll steps from `b`, predicated (zeros past step s1, past the

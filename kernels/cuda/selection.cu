@@ -1975,24 +1975,6 @@ __device__ __forceinline__ int32_t StageCandidateId(const DeviceCandidates& c,
 // inf or NaN) are not supported: 0 * inf is NaN here where the CUDA-core bound ignores it.
 constexpr int kStagesTileN = 8;  // candidates per mma tile
 
-__device__ __forceinline__ void MmaBf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // The stages' and the attention's products on fp8 pools (SelectStagesKernel<*, true>): the e4m3
 // codes become f16 exactly (one cvt per two), so the mmas are f16 ones, and the query's three
 // parts are f16 (hi + mid + lo = x exactly for the scaled values below). f16's range is narrow, so
@@ -2009,7 +1991,10 @@ __device__ __forceinline__ void MmaOf(float (&d)[4], const uint32_t (&a)[4], uin
   }
 }
 
-// The two e4m3 codes in the low 16 bits of v (low byte first) as two f16 (low half first).
+// The two e4m3 codes in the low 16 bits of v (low byte first) as two f16 (low half first). The
+// same conversion as common.cuh's E4m3PairToF16x2, kept in the intrinsic's form: the fp8 forms
+// of SelectStagesKernel were measured with it (its PTX moves the halves separately), and this
+// kernel's time moves with its code.
 __device__ __forceinline__ uint32_t Fp8x2ToHalf2(uint32_t v) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu),
                                                    __NV_E4M3);
