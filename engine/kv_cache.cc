@@ -95,15 +95,16 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
   return cache;
 }
 
-void KvCache::StoreRow(const float* x, float scale, char* dst) const {
+void KvCache::StoreRow(const float* x, float scale, char* dst) {
   const int d = options_.head_dim;
-  if (options_.dtype != DType::kFP8E4M3) {
-    kernels::ConvertFromF32(x, dst, options_.dtype, d);
-    return;
+  // fp8 as AppendKv writes it: F32ToFP8E4M3 of the f32 quotient (x / 1 is x), through
+  // ConvertFromF32's loop rather than a call per element.
+  if (options_.dtype == DType::kFP8E4M3 && scale != 1.0f) {
+    scaled_row_.resize(static_cast<size_t>(d));
+    for (int e = 0; e < d; ++e) scaled_row_[e] = x[e] / scale;
+    x = scaled_row_.data();
   }
-  // As AppendKv writes fp8 pools: F32ToFP8E4M3 of the f32 quotient.
-  uint8_t* out = reinterpret_cast<uint8_t*>(dst);
-  for (int e = 0; e < d; ++e) out[e] = kernels::F32ToFP8E4M3(x[e] / scale);
+  kernels::ConvertFromF32(x, dst, options_.dtype, d);
 }
 
 int64_t KvCache::num_pages(int layer) const {

@@ -95,7 +95,7 @@ class KvCache {
  private:
   KvCache(const KvCacheOptions& options, kernels::Backend* backend);
   // One row of head_dim f32 values to its storage form at dst (fp8: x / scale as e4m3).
-  void StoreRow(const float* x, float scale, char* dst) const;
+  void StoreRow(const float* x, float scale, char* dst);
 
   KvCacheOptions options_;
   kernels::Backend* backend_;
@@ -111,6 +111,7 @@ class KvCache {
   bool device_append_ = true;  // Backend::AppendKv not yet found Unimplemented
   std::vector<float> host_rows_;  // read-back of the appended K and V rows
   std::vector<uint8_t> stage_k_, stage_v_;  // converted rows of one page run (synchronous path)
+  std::vector<float> scaled_row_;  // StoreRow's x / scale for fp8 with a scale other than 1
 };
 
 }  // namespace strata::engine
