@@ -25,15 +25,6 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMaxCandidates = int64_t{1} << 30;
 
-// Row `row` of a [slots, page, d] pool as f32 into dst[d]; an fp8 row holds its stored values
-// (the pool's scale not applied). One ConvertToF32 per row (vectorised / table loops; the
-// per-element conversion calls this replaced kept the loops scalar).
-void LoadKvRow(const TensorView& pool, int64_t row, int64_t d, float* dst) {
-  const size_t elem = DTypeSize(pool.dtype);
-  ConvertToF32(static_cast<const char*>(pool.data) + static_cast<size_t>(row * d) * elem,
-               pool.dtype, dst, d);
-}
-
 // Pool row of token t of KV head g, or -1 when its page or slot is outside the table or pool.
 int64_t RowOf(const TensorView& table, const TensorView& pool, int g, int64_t t) {
   const int64_t page_size = pool.dim(1);
@@ -253,13 +244,16 @@ absl::Status CpuScoreKeys(const ScoreKeysParams& p) {
   const int64_t d = p.q.dim(1), n = p.candidates.Count();
   const float* q = p.q.As<const float>();
   float* out = p.scores.As<float>();
-  std::vector<float> v(d), k(d);
+  std::vector<float> kbuf(d);
   for (int g = 0; g < hkv; ++g) {
     if (p.skip_heads != nullptr && p.skip_heads[g] != 0) continue;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = CandidateId(p.candidates, g, i);
       const int64_t row = t < 0 ? -1 : RowOf(p.page_table, p.k_pool, g, t);
-      if (row >= 0) LoadKvRow(p.k_pool, row, d, k.data());
+      // The stored values (an fp8 pool's scale is the caller's: kernels/backend.h).
+      const float* k = row < 0 ? nullptr
+                               : cpu_internal::LoadPoolRow(p.k_pool, row, static_cast<int>(d),
+                                                           kbuf.data(), 1.0f);
       for (int j = 0; j < group; ++j) {
         float* o = out + (static_cast<int64_t>(g) * group + j) * n;
         if (row < 0) {
@@ -516,7 +510,7 @@ absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p) {
     }
     MinMaxRowsToBF16(r, 1, d, t.As<uint16_t>() + row * 2 * d);
   };
-  std::vector<float> rv(2 * d), qv(2 * d), kv(d);
+  std::vector<float> rv(2 * d), qv(2 * d), kbuf(d);
   float* const r = rv.data();
   const float* const q = qv.data();
   for (int g = 0; g < hkv; ++g) {
@@ -525,7 +519,8 @@ absl::Status CpuUpdateSummaries(const UpdateSummariesParams& p) {
       for (int64_t t = pg * page; t < std::min(p.end, (pg + 1) * page); ++t) {
         const int64_t row = RowOf(p.page_table, p.k_pool, g, t);
         if (row < 0) continue;
-        LoadKvRow(p.k_pool, row, d, kv.data());
+        const float* kv =  // stored values, as ScoreKeys
+            cpu_internal::LoadPoolRow(p.k_pool, row, static_cast<int>(d), kbuf.data(), 1.0f);
         for (int64_t e = 0; e < d; ++e) {
           const float x = kv[e];
           if (!any || x < r[e]) r[e] = x;
