@@ -86,16 +86,32 @@ class WorkerServer::SelectionImpl final : public v1::ShardSelection::Service {
     }
     absl::StatusOr<std::unique_ptr<ShardSession>> session = worker_->OpenSelection(req.open());
     if (!session.ok()) return proto::ToGrpcStatus(session.status());
+    // The answers' time, computing and writing them (counted when the stream ends).
+    int64_t answers = 0;
+    double work_seconds = 0, send_seconds = 0;
+    const std::string job_id = req.open().job_id();
+    grpc::Status status = grpc::Status::OK;
     while (!context->IsCancelled() && stream->Read(&req)) {
       if (!req.has_query()) {
-        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "SelectionOpen sent twice");
+        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "SelectionOpen sent twice");
+        break;
       }
       v1::SelectionResponse resp;
+      const auto t0 = std::chrono::steady_clock::now();
       absl::Status s = (*session)->Answer(req.query(), &resp);
-      if (!s.ok()) return proto::ToGrpcStatus(s);
-      if (!stream->Write(resp)) break;
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!s.ok()) {
+        status = proto::ToGrpcStatus(s);
+        break;
+      }
+      const bool written = stream->Write(resp);
+      work_seconds += std::chrono::duration<double>(t1 - t0).count();
+      send_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+      ++answers;
+      if (!written) break;
     }
-    return grpc::Status::OK;
+    worker_->RecordShardAnswers(job_id, answers, work_seconds, send_seconds);
+    return status;
   }
 
  private:

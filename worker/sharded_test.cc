@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
 #include "engine/attention_policy.h"
@@ -278,6 +280,14 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   EXPECT_GT(metrics_[1]->shard_attention_local_seconds->Value(), 0.0);
   EXPECT_GT(metrics_[1]->shard_attention_peer_seconds->Value(), 0.0);
   EXPECT_EQ(metrics_[0]->shard_attention_layers->Value(), 0.0);  // w0 only answered
+  // w0 answered each of those calls over its selection stream; it counts them when the stream
+  // ends, which it sees shortly after the job (the leader cancels its streams).
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (metrics_[0]->shard_answers->Value() < 12.0 * 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(metrics_[0]->shard_answers->Value(), 12.0 * 2);
+  EXPECT_GT(metrics_[0]->shard_answer_work_seconds->Value(), 0.0);
+  EXPECT_GT(metrics_[0]->shard_answer_send_seconds->Value(), 0.0);
+  EXPECT_EQ(metrics_[1]->shard_answers->Value(), 0.0);  // the leader answered no stream
   // Peers mounted their shards on demand.
   EXPECT_EQ(workers_[0]->Load().mounted_tokens(), 128u);
   EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 330u - 256u);

@@ -330,6 +330,15 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r) {
                             .Register(*r);
   shard_attention_local_seconds = &shard_seconds.Add({{"part", "local"}});
   shard_attention_peer_seconds = &shard_seconds.Add({{"part", "peers"}});
+  shard_answers = NewCounter(r, "strata_shard_answers_total",
+                             "Layer queries of other workers' sharded jobs answered over selection streams.");
+  auto& answer_seconds = prometheus::BuildCounter()
+                             .Name("strata_shard_answer_seconds_total")
+                             .Help("Seconds of those answers: computing them (work), writing them to the "
+                                   "stream (send).")
+                             .Register(*r);
+  shard_answer_work_seconds = &answer_seconds.Add({{"part", "work"}});
+  shard_answer_send_seconds = &answer_seconds.Add({{"part", "send"}});
   inter_token_latency = &prometheus::BuildHistogram()
                              .Name("strata_inter_token_latency_seconds")
                              .Help("Time between consecutive generated tokens of a job.")
@@ -1346,6 +1355,20 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
     });
   }
   return session;
+}
+
+void Worker::RecordShardAnswers(const std::string& job_id, int64_t answers, double work_seconds,
+                                double send_seconds) {
+  if (answers <= 0) return;
+  if (metrics_ != nullptr) {
+    Inc(metrics_->shard_answers, static_cast<double>(answers));
+    Inc(metrics_->shard_answer_work_seconds, work_seconds);
+    Inc(metrics_->shard_answer_send_seconds, send_seconds);
+  }
+  const double us = 1e6 / static_cast<double>(answers);
+  STRATA_LOG(INFO) << "job " << job_id << ": selection stream answered " << answers << " layer queries, "
+                   << work_seconds * us << " us each on average computing them, " << send_seconds * us
+                   << " us writing them";
 }
 
 struct Worker::DecodeRequest {
