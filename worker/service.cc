@@ -86,9 +86,8 @@ class WorkerServer::SelectionImpl final : public v1::ShardSelection::Service {
     }
     absl::StatusOr<std::unique_ptr<ShardSession>> session = worker_->OpenSelection(req.open());
     if (!session.ok()) return proto::ToGrpcStatus(session.status());
-    // The answers' time, computing and writing them (counted when the stream ends).
-    int64_t answers = 0;
-    double work_seconds = 0, send_seconds = 0;
+    // The answers' time: the session's, and writing them (counted when the stream ends).
+    double send_seconds = 0;
     const std::string job_id = req.open().job_id();
     grpc::Status status = grpc::Status::OK;
     while (!context->IsCancelled() && stream->Read(&req)) {
@@ -97,20 +96,19 @@ class WorkerServer::SelectionImpl final : public v1::ShardSelection::Service {
         break;
       }
       v1::SelectionResponse resp;
-      const auto t0 = std::chrono::steady_clock::now();
       absl::Status s = (*session)->Answer(req.query(), &resp);
-      const auto t1 = std::chrono::steady_clock::now();
       if (!s.ok()) {
         status = proto::ToGrpcStatus(s);
         break;
       }
+      const auto t0 = std::chrono::steady_clock::now();
       const bool written = stream->Write(resp);
-      work_seconds += std::chrono::duration<double>(t1 - t0).count();
-      send_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-      ++answers;
+      send_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!written) break;
     }
-    worker_->RecordShardAnswers(job_id, answers, work_seconds, send_seconds);
+    ShardAnswerTiming timing = (*session)->answer_timing();
+    timing.send_seconds = send_seconds;
+    worker_->RecordShardAnswers(job_id, timing);
     return status;
   }
 

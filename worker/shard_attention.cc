@@ -316,11 +316,17 @@ absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResp
                                                    static_cast<size_t>(n) * hq * d * sizeof(float)));
   }
   if (query.q_begin() > static_cast<uint64_t>(INT32_MAX)) return absl::InvalidArgumentError("LayerQuery: q_begin");
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<float> q(static_cast<size_t>(n) * hq * d);
   std::memcpy(q.data(), query.q().data(), query.q().size());
   engine::SelectionCounters counters;
-  STRATA_RETURN_IF_ERROR(Attend(static_cast<int>(query.layer()), q.data(), static_cast<int>(n), hq,
-                                static_cast<int64_t>(query.q_begin()), &partial_, &counters));
+  STRATA_RETURN_IF_ERROR(Start(static_cast<int>(query.layer()), q.data(), static_cast<int>(n), hq,
+                               static_cast<int64_t>(query.q_begin()), &partial_, &counters));
+  const auto t1 = std::chrono::steady_clock::now();
+  STRATA_RETURN_IF_ERROR(Finish());
+  ++answer_timing_.answers;
+  answer_timing_.queue_seconds += std::chrono::duration<double>(t1 - t0).count();
+  answer_timing_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
   if (on_answer_) on_answer_(counters);
   response->set_step(query.step());
   response->set_layer(query.layer());

@@ -146,6 +146,16 @@ class MountedShard {
 // engine::sparse::DevicePolicy runs). False for an invalid policy.
 bool DeviceShardPolicy(const v1::SelectionPolicy& policy, int page_size);
 
+// Where a ShardSession's answers to LayerQuery messages went (Answer), and with the stream's
+// part (send) what a shard holder spent per answer: queue, the host's part (the query checked
+// and copied, the selection and attention queued on the backend; on a backend that runs ops as
+// they are called, all the work); wait, then waiting for the backend's results; send, writing
+// the answers to the selection stream (filled by the stream's owner).
+struct ShardAnswerTiming {
+  int64_t answers = 0;
+  double queue_seconds = 0, wait_seconds = 0, send_seconds = 0;
+};
+
 class ShardSession {
  public:
   // `budget_tokens` is this shard's share of the job's budget (0: the policy's budget_tokens, or
@@ -176,6 +186,8 @@ class ShardSession {
   // Called by Answer with what each answer's selection did (e.g. to count selection-cache
   // lookups where they happen; the leader counts candidate and selected tokens from the answer).
   void set_on_answer(std::function<void(const engine::SelectionCounters&)> fn) { on_answer_ = std::move(fn); }
+  // What Answer spent so far (send_seconds stays 0 here).
+  const ShardAnswerTiming& answer_timing() const { return answer_timing_; }
   void set_report_pages(const kvstore::TierCounts& pages) {
     report_pages_ = pages;
     has_report_pages_ = true;
@@ -218,6 +230,7 @@ class ShardSession {
   kvstore::TierCounts report_pages_;
   bool has_report_pages_ = false;
   std::function<void(const engine::SelectionCounters&)> on_answer_;
+  ShardAnswerTiming answer_timing_;
 };
 
 class LeaderAttention : public engine::ExternalAttention {

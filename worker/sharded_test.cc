@@ -285,7 +285,8 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   const absl::Time until = absl::Now() + absl::Seconds(10);
   while (metrics_[0]->shard_answers->Value() < 12.0 * 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_EQ(metrics_[0]->shard_answers->Value(), 12.0 * 2);
-  EXPECT_GT(metrics_[0]->shard_answer_work_seconds->Value(), 0.0);
+  EXPECT_GT(metrics_[0]->shard_answer_queue_seconds->Value(), 0.0);
+  EXPECT_GT(metrics_[0]->shard_answer_wait_seconds->Value(), 0.0);
   EXPECT_GT(metrics_[0]->shard_answer_send_seconds->Value(), 0.0);
   EXPECT_EQ(metrics_[1]->shard_answers->Value(), 0.0);  // the leader answered no stream
   // Peers mounted their shards on demand.

@@ -334,10 +334,11 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r) {
                              "Layer queries of other workers' sharded jobs answered over selection streams.");
   auto& answer_seconds = prometheus::BuildCounter()
                              .Name("strata_shard_answer_seconds_total")
-                             .Help("Seconds of those answers: computing them (work), writing them to the "
-                                   "stream (send).")
+                             .Help("Seconds of those answers: queueing the shard's selection and attention "
+                                   "(queue), waiting for their results (wait), writing the answers (send).")
                              .Register(*r);
-  shard_answer_work_seconds = &answer_seconds.Add({{"part", "work"}});
+  shard_answer_queue_seconds = &answer_seconds.Add({{"part", "queue"}});
+  shard_answer_wait_seconds = &answer_seconds.Add({{"part", "wait"}});
   shard_answer_send_seconds = &answer_seconds.Add({{"part", "send"}});
   inter_token_latency = &prometheus::BuildHistogram()
                              .Name("strata_inter_token_latency_seconds")
@@ -1357,18 +1358,19 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
   return session;
 }
 
-void Worker::RecordShardAnswers(const std::string& job_id, int64_t answers, double work_seconds,
-                                double send_seconds) {
-  if (answers <= 0) return;
+void Worker::RecordShardAnswers(const std::string& job_id, const ShardAnswerTiming& t) {
+  if (t.answers <= 0) return;
   if (metrics_ != nullptr) {
-    Inc(metrics_->shard_answers, static_cast<double>(answers));
-    Inc(metrics_->shard_answer_work_seconds, work_seconds);
-    Inc(metrics_->shard_answer_send_seconds, send_seconds);
+    Inc(metrics_->shard_answers, static_cast<double>(t.answers));
+    Inc(metrics_->shard_answer_queue_seconds, t.queue_seconds);
+    Inc(metrics_->shard_answer_wait_seconds, t.wait_seconds);
+    Inc(metrics_->shard_answer_send_seconds, t.send_seconds);
   }
-  const double us = 1e6 / static_cast<double>(answers);
-  STRATA_LOG(INFO) << "job " << job_id << ": selection stream answered " << answers << " layer queries, "
-                   << work_seconds * us << " us each on average computing them, " << send_seconds * us
-                   << " us writing them";
+  const double us = 1e6 / static_cast<double>(t.answers);
+  STRATA_LOG(INFO) << "job " << job_id << ": selection stream answered " << t.answers
+                   << " layer queries, on average " << t.queue_seconds * us << " us queueing each, "
+                   << t.wait_seconds * us << " us waiting for its results, " << t.send_seconds * us
+                   << " us writing it";
 }
 
 struct Worker::DecodeRequest {

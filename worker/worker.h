@@ -281,12 +281,12 @@ struct WorkerMetrics {
   prometheus::Counter* shard_attention_layers;
   prometheus::Counter* shard_attention_local_seconds;
   prometheus::Counter* shard_attention_peer_seconds;
-  // strata_shard_answers_total and strata_shard_answer_seconds_total{part="work"|"send"}: the
-  // other side, a worker answering a leader's layer queries over a ShardSelection stream: the
-  // answers, the seconds computing them (ShardSession::Answer) and writing them to the stream.
-  // Added when the stream ends.
+  // strata_shard_answers_total and strata_shard_answer_seconds_total{part="queue"|"wait"|"send"}:
+  // the other side, a worker answering a leader's layer queries over a ShardSelection stream
+  // (ShardAnswerTiming). Added when the stream ends.
   prometheus::Counter* shard_answers;
-  prometheus::Counter* shard_answer_work_seconds;
+  prometheus::Counter* shard_answer_queue_seconds;
+  prometheus::Counter* shard_answer_wait_seconds;
   prometheus::Counter* shard_answer_send_seconds;
   // The KV tier metrics (strata_kv_*) of the worker's registry, set by the owner after
   // construction: lazy-mount jobs count their GPU page caches there (tier "gpu"). Null: each
@@ -371,11 +371,10 @@ class Worker {
   // demand). INVALID_ARGUMENT when num_q_heads / head_dim do not match the model or the policy
   // is bad; mount errors as MountShard.
   absl::StatusOr<std::unique_ptr<ShardSession>> OpenSelection(const v1::SelectionOpen& open);
-  // What a ShardSelection stream of `job_id` answered, at its end: `answers` answers, the
-  // seconds in ShardSession::Answer (the shard's selection and attention with their copies) and
-  // in the stream's Write of the answers. Counted in strata_shard_answers_total /
-  // strata_shard_answer_seconds_total{part="work"|"send"} and logged.
-  void RecordShardAnswers(const std::string& job_id, int64_t answers, double work_seconds, double send_seconds);
+  // What a ShardSelection stream of `job_id` answered, at its end (ShardAnswerTiming). Counted in
+  // strata_shard_answers_total / strata_shard_answer_seconds_total{part="queue"|"wait"|"send"}
+  // and logged.
+  void RecordShardAnswers(const std::string& job_id, const ShardAnswerTiming& timing);
 
   // PeerPages: the pages of `request` through this worker's store (the host cache first, then
   // its durable tiers), in request order, at most 64 pages per message; pages no tier holds are
