@@ -5,7 +5,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include <thread>
@@ -63,8 +65,12 @@ std::string ShardKey(const v1::ShardRange& r) {
 
 namespace {
 
+// A call's views (CallViews) and, off the CPU backend, its queries staged: *scratch grown to n
+// tokens when smaller, q copied into its pinned staging and, with queue_copy, the staging's copy to
+// the backend queued on `stream` (a recorded step copies it itself). out's vectors sized.
 absl::StatusOr<CallViews> StageCall(kernels::Backend* backend, const float* q, int n, int hq, int d,
-                                    AttendScratch* scratch, engine::AttentionPartial* out, kernels::Stream stream) {
+                                    AttendScratch* scratch, engine::AttentionPartial* out, kernels::Stream stream,
+                                    bool queue_copy = true) {
   const size_t q_elems = static_cast<size_t>(n) * hq * d, l_elems = static_cast<size_t>(n) * hq;
   out->o.resize(q_elems);
   out->lse.resize(l_elems);
@@ -84,8 +90,10 @@ absl::StatusOr<CallViews> StageCall(kernels::Backend* backend, const float* q, i
       scratch->capacity_tokens = static_cast<size_t>(n);
     }
     std::memcpy(scratch->q_host->data(), q, q_elems * 4);
-    STRATA_RETURN_IF_ERROR(backend->CopyToDeviceAsync(scratch->q->data(), scratch->q_host->data(), q_elems * 4,
-                                                      stream));
+    if (queue_copy) {
+      STRATA_RETURN_IF_ERROR(backend->CopyToDeviceAsync(scratch->q->data(), scratch->q_host->data(), q_elems * 4,
+                                                        stream));
+    }
     v.q = scratch->q->data();
     v.out = scratch->out->data();
     v.lse = scratch->lse->data();
@@ -222,6 +230,7 @@ ShardSession::~ShardSession() {
   if (stream_ == nullptr) return;
   if (pending_.active) backend_->Synchronize(stream_).IgnoreError();  // its buffers are freed next
   absl::MutexLockMaybe lock(shard_->backend_mu());
+  step_graphs_.clear();
   const absl::Status s = backend_->DestroyStream(stream_);
   if (!s.ok()) STRATA_LOG(WARNING) << "ShardSession: " << s;
 }
@@ -246,6 +255,7 @@ absl::Status ShardSession::Start(int layer, const float* q, int n, int hq, int64
   // The work goes onto the session's stream under the shard backend's lock, which Finish does not
   // hold while it waits, so that other sessions on the backend queue theirs meanwhile.
   absl::MutexLockMaybe lock(shard_->backend_mu());
+  pending_.scratch = &scratch_;
   STRATA_RETURN_IF_ERROR(Queue(layer, q, n, hq, q_begin, out, counters, &pending_.v, &pending_.before));
   pending_.active = true;
   pending_.out = out;
@@ -257,7 +267,7 @@ absl::Status ShardSession::Finish() {
   if (!pending_.active) return absl::FailedPreconditionError("ShardSession::Finish without Start");
   pending_.active = false;
   STRATA_RETURN_IF_ERROR(backend_->Synchronize(stream_));
-  TakeResults(pending_.v, scratch_, pending_.out);
+  TakeResults(pending_.v, *pending_.scratch, pending_.out);
   if (device_ != nullptr) {
     device_->TakeCacheHits();  // read with the results (Queue); the session's own policy
     AddSince(pending_.before, device_->counters(), pending_.counters);
@@ -272,8 +282,12 @@ absl::Status ShardSession::Queue(int layer, const float* q, int n, int hq, int64
   const int hkv = cache.options().num_kv_heads, d = cache.options().head_dim;
   const int64_t len = cache.length(layer);
   if (device_ != nullptr) {
-    STRATA_ASSIGN_OR_RETURN(*v, StageCall(backend_, q, n, hq, d, &scratch_, out, stream_));
     *before = device_->counters();
+    if (n == 1 && graphs_on_) {
+      STRATA_ASSIGN_OR_RETURN(const bool replayed, QueueStepGraph(layer, q, hq, out, v));
+      if (replayed) return absl::OkStatus();
+    }
+    STRATA_ASSIGN_OR_RETURN(*v, StageCall(backend_, q, n, hq, d, &scratch_, out, stream_));
     STRATA_RETURN_IF_ERROR(device_->AttendFollowing(
         layer, kernels::TensorView(v->q, kernels::DType::kF32, {n, hq, d}), cache,
         kernels::TensorView(v->out, kernels::DType::kF32, {n, hq, d}),
@@ -305,6 +319,62 @@ absl::Status ShardSession::Queue(int layer, const float* q, int n, int hq, int64
   STRATA_ASSIGN_OR_RETURN(*v, QueueSelection(backend_, cache, layer, selection_, q, n, hq, q_begin, &scratch_, out,
                                              stream_));
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> ShardSession::QueueStepGraph(int layer, const float* q, int hq, engine::AttentionPartial* out,
+                                                  CallViews* v) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("STRATA_SHARD_STEP_GRAPHS");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  if (!enabled) {
+    graphs_on_ = false;
+    return false;
+  }
+  const engine::KvCache& cache = shard_->cache();
+  const int d = cache.options().head_dim;
+  STRATA_ASSIGN_OR_RETURN(*v, StageCall(backend_, q, 1, hq, d, &step_scratch_, out, stream_, /*queue_copy=*/false));
+  if (v->host) {  // a backend that runs ops as they are called: nothing to record
+    graphs_on_ = false;
+    return false;
+  }
+  if (step_graphs_.empty()) step_graphs_.resize(static_cast<size_t>(cache.options().num_layers));
+  std::unique_ptr<kernels::Graph>& graph = step_graphs_[static_cast<size_t>(layer)];
+  const size_t q_bytes = out->o.size() * 4;
+  if (graph == nullptr) {
+    const absl::Status begun = backend_->BeginCapture(stream_);
+    if (!begun.ok()) {
+      STRATA_LOG(WARNING) << "ShardSession: one-token steps not recorded (" << begun << "); queued call by call";
+      graphs_on_ = false;
+      return false;
+    }
+    // Attend's host side (its counting) runs as it records: it counts this call.
+    absl::Status recorded = backend_->CopyToDeviceAsync(v->q, step_scratch_.q_host->data(), q_bytes, stream_);
+    if (recorded.ok()) {
+      recorded = device_->AttendFollowing(
+          layer, kernels::TensorView(v->q, kernels::DType::kF32, {1, hq, d}), cache,
+          kernels::TensorView(v->out, kernels::DType::kF32, {1, hq, d}),
+          kernels::TensorView(v->lse, kernels::DType::kF32, {1, hq}), stream_);
+    }
+    if (recorded.ok()) recorded = QueueResults(backend_, *v, step_scratch_, *out, stream_);
+    absl::StatusOr<std::unique_ptr<kernels::Graph>> made = backend_->EndCapture(stream_);
+    if (!recorded.ok() || !made.ok()) {
+      // Nothing ran; the recording's counting of this call stays (the call is then queued call by
+      // call and counts again: one step counted twice, once per session at most).
+      STRATA_LOG(WARNING) << "ShardSession: a one-token step could not be recorded ("
+                          << (recorded.ok() ? made.status() : recorded) << "); queued call by call from now on";
+      graphs_on_ = false;
+      return false;
+    }
+    graph = *std::move(made);
+  } else {
+    STRATA_RETURN_IF_ERROR(device_->NoteReplayedAttend(layer, cache));
+  }
+  STRATA_RETURN_IF_ERROR(graph->Replay(stream_));
+  pending_.scratch = &step_scratch_;  // Finish takes the results from there
+  // The selection cache's hit count comes back with the results (its host side runs per call).
+  STRATA_RETURN_IF_ERROR(device_->QueueCacheHitsRead(stream_));
+  return true;
 }
 
 absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResponse* response) {

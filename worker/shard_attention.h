@@ -21,7 +21,9 @@
 //   engine::sparse::DevicePolicy::AttendFollowing (summaries, scoring and top-k on the backend;
 //   the same selection as the host policy but for the device policy's documented differences; a
 //   one-token query, a decode step, is one fused selection-and-attention kernel on CUDA and uses
-//   the selection cache, as a job's decode step); dense attends every token there; the worker
+//   the selection cache, as a job's decode step; each layer's step, with the query's copy in and
+//   the results' copies out, is recorded as a CUDA graph at its first call and replayed after);
+//   dense attends every token there; the worker
 //   gives any other policy a host-memory copy of the shard.
 // - LeaderAttention: the leader's engine::ExternalAttention over every shard of a ShardMap.
 //   Shards held by this worker are attended in process (ShardSession over a local mount); every
@@ -208,6 +210,13 @@ class ShardSession {
   absl::Status Queue(int layer, const float* q, int n, int num_q_heads, int64_t q_begin,
                      engine::AttentionPartial* out, engine::SelectionCounters* counters, CallViews* v,
                      engine::SelectionCounters* before);
+  // A one-token query on a device-selection shard as the replay of the layer's recorded step
+  // (recorded on its first call): the query's copy in, DevicePolicy::Attend and the results'
+  // copies out, from step_scratch_ (pending_.scratch then points there), as one graph launch
+  // instead of their separate calls. False when the backend records no graphs (then graphs_on_
+  // is cleared and Queue takes the calls).
+  absl::StatusOr<bool> QueueStepGraph(int layer, const float* q, int num_q_heads, engine::AttentionPartial* out,
+                                      CallViews* v);
 
   std::shared_ptr<const MountedShard> shard_;
   const model::ModelConfig config_;
@@ -222,9 +231,16 @@ class ShardSession {
     engine::SelectionCounters before;
     engine::AttentionPartial* out = nullptr;
     engine::SelectionCounters* counters = nullptr;
+    const AttendScratch* scratch = nullptr;  // the staging the results land in
   } pending_;
   engine::Selection selection_;
   AttendScratch scratch_;
+  // One-token steps replayed from graphs (QueueStepGraph): per layer the recorded step, and the
+  // one-token staging they read and write (never reallocated: the graphs hold its addresses).
+  // STRATA_SHARD_STEP_GRAPHS=0 turns them off (A/B).
+  bool graphs_on_ = true;
+  std::vector<std::unique_ptr<kernels::Graph>> step_graphs_;
+  AttendScratch step_scratch_;
   std::vector<float> qmean_;
   engine::AttentionPartial partial_;
   kvstore::TierCounts report_pages_;

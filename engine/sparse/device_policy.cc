@@ -189,9 +189,8 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
     return absl::FailedPreconditionError("DevicePolicy: Attend before any OnAppend of the layer");
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
-  const int64_t sink_end = std::min<int64_t>(options_.sink_tokens, len);
-  const int64_t window_begin =
-      std::clamp<int64_t>(len - 1 - options_.window_tokens, sink_end, len);
+  const StepPlan plan = PlanStep(layer, len);
+  const int64_t sink_end = plan.sink_end, window_begin = plan.window_begin;
   const TensorView pt = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
 
   kernels::SelectedAttentionParams at;
@@ -204,12 +203,11 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   at.v_scale = cache.options().v_scale;
   at.out = out;
   at.lse = lse;
-  if (dense_layer_[layer] || window_begin - sink_end <= options_.token_budget) {
+  if (plan.exact) {
     // Everything (the whole middle fits in the budget): exact attention.
     at.prefix_end = len;
     STRATA_RETURN_IF_ERROR(backend_->SelectedAttention(at, stream));
-    counters_.candidate_tokens += hkv_ * len;
-    counters_.selected_tokens += hkv_ * len;
+    CountStep(plan, len);
     return absl::OkStatus();
   }
   TensorView q2 = q;
@@ -227,12 +225,38 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   at.suffix_end = len;
   STRATA_RETURN_IF_ERROR(
       SelectMiddle(layer, q2, cache, sink_end, window_begin, skip, &at, stream).status());
+  CountStep(plan, len);
+  return absl::OkStatus();
+}
+
+DevicePolicy::StepPlan DevicePolicy::PlanStep(int layer, int64_t len) const {
+  StepPlan plan;
+  plan.sink_end = std::min<int64_t>(options_.sink_tokens, len);
+  plan.window_begin = std::clamp<int64_t>(len - 1 - options_.window_tokens, plan.sink_end, len);
+  plan.exact = dense_layer_[layer] || plan.window_begin - plan.sink_end <= options_.token_budget;
+  return plan;
+}
+
+void DevicePolicy::CountStep(const StepPlan& plan, int64_t len) {
+  counters_.candidate_tokens += hkv_ * len;
+  if (plan.exact) {
+    counters_.selected_tokens += hkv_ * len;
+    return;
+  }
   const int64_t planned =
       options_.kind == PolicyKind::kTokenSelect
           ? std::min<int64_t>(options_.token_budget, wanted_pages_ * page_)
-          : std::min<int64_t>(wanted_pages_ * page_, window_begin - sink_end);
-  counters_.candidate_tokens += hkv_ * len;
-  counters_.selected_tokens += hkv_ * (sink_end + planned + (len - window_begin));
+          : std::min<int64_t>(wanted_pages_ * page_, plan.window_begin - plan.sink_end);
+  counters_.selected_tokens += hkv_ * (plan.sink_end + planned + (len - plan.window_begin));
+}
+
+absl::Status DevicePolicy::NoteReplayedAttend(int layer, const KvCache& cache) {
+  STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
+  const int64_t len = cache.length(layer);
+  if (len < 1) return absl::InvalidArgumentError("DevicePolicy: empty cache");
+  const StepPlan plan = PlanStep(layer, len);
+  if (!plan.exact && cache_on_) sel_cache_->CountReplayedChecks(1);
+  CountStep(plan, len);
   return absl::OkStatus();
 }
 

@@ -79,6 +79,13 @@ class DevicePolicy {
                       const kernels::TensorView& out, const kernels::TensorView& lse,
                       kernels::Stream stream);
 
+  // The host side of an Attend call whose device work was recorded in a CUDA graph (Backend::
+  // BeginCapture around an Attend) and replayed: counts what that Attend would count (counters(),
+  // the selection cache's lookups) without queueing anything. The cache must be the one recorded,
+  // at the length it had then (e.g. a mounted shard's, which does not grow). InvalidArgument as
+  // Attend for a bad layer or an empty cache.
+  absl::Status NoteReplayedAttend(int layer, const KvCache& cache);
+
   // Prefill-chunk attention of `layer` for the m = q.dim(0) >= 1 queries at cache positions
   // [q_begin, q_begin + m) (q_begin + m <= cache.length(layer): the cache already holds them):
   // q [m, num_q_heads, head_dim] f32 in backend memory (after RoPE); writes out [m, num_q_heads,
@@ -136,6 +143,17 @@ class DevicePolicy {
                kernels::Backend* backend);
   absl::Status Init();
   absl::Status CheckCache(int layer, const KvCache& cache) const;
+  // The plan of a decode step of `layer` over a cache of `len` tokens (Attend): its sinks' end,
+  // its window's start, and whether it attends exactly (a dense layer, or the middle fits the
+  // budget) rather than selecting.
+  struct StepPlan {
+    int64_t sink_end = 0, window_begin = 0;
+    bool exact = false;
+  };
+  StepPlan PlanStep(int layer, int64_t len) const;
+  // What the step counts on the host (counters_; the selection-cache lookups are counted by the
+  // cache's Check, or CountReplayedChecks for a replay).
+  void CountStep(const StepPlan& plan, int64_t len);
   // InvalidArgument unless q is f32 [m >= 1, num_q_heads, head_dim] and out / lse f32 [m,
   // num_q_heads, head_dim] / [m, num_q_heads].
   absl::Status CheckQueryViews(const kernels::TensorView& q, const kernels::TensorView& out,

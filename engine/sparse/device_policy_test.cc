@@ -265,6 +265,58 @@ INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyCacheTest,
                                            CacheCase{PolicyKind::kQuest, 3000},
                                            CacheCase{PolicyKind::kQuest, 700}));
 
+// A replayed step's host side counts what Attend counts: two policies over one cache, one
+// attending every step, the other attending once and then noting replays, end with the same
+// counters (tokens, and the selection cache's lookups), on the exact layer and a selecting one.
+TEST(DevicePolicyReplayTest, NoteReplayedAttendCountsAsAttend) {
+  for (const PolicyKind kind : {PolicyKind::kQuest, PolicyKind::kTokenSelect}) {
+    SCOPED_TRACE(static_cast<int>(kind));
+    std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+    PolicyOptions o = Options(kind);
+    o.cache_theta = 0.9;
+    PolicyPair pp;
+    STRATA_ASSERT_OK(pp.Init(o, DType::kF32, 2000, cpu.get(), 7));
+    STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<DevicePolicy> replayed,
+                                DevicePolicy::Create(o, pp.cache->options(), kHq, cpu.get()));
+    pp.Fill(1500);
+    for (int l = 0; l < kLayers; ++l) {
+      STRATA_ASSERT_OK(replayed->OnAppend(l, *pp.cache, 0, pp.cache->length(l), nullptr));
+    }
+    std::vector<float> q(kHq * kD), out(kHq * kD), lse(kHq);
+    for (float& x : q) x = pp.nd(pp.rng);
+    const TensorView qv(q.data(), DType::kF32, {1, kHq, kD});
+    const TensorView ov(out.data(), DType::kF32, {1, kHq, kD});
+    const TensorView lv(lse.data(), DType::kF32, {1, kHq});
+    for (int step = 0; step < 3; ++step) {
+      for (int l = 0; l < kLayers; ++l) {  // layer 1 is dense: exact attention
+        STRATA_ASSERT_OK(pp.dev->Attend(l, qv, *pp.cache, ov, lv, nullptr));
+        if (step == 0) {
+          STRATA_ASSERT_OK(replayed->Attend(l, qv, *pp.cache, ov, lv, nullptr));
+        } else {
+          STRATA_ASSERT_OK(replayed->NoteReplayedAttend(l, *pp.cache));
+        }
+      }
+    }
+    STRATA_ASSERT_OK(pp.dev->ReadCacheHits(nullptr));
+    STRATA_ASSERT_OK(replayed->ReadCacheHits(nullptr));
+    const SelectionCounters& a = pp.dev->counters();
+    const SelectionCounters& b = replayed->counters();
+    EXPECT_EQ(b.candidate_tokens, a.candidate_tokens);
+    EXPECT_EQ(b.selected_tokens, a.selected_tokens);
+    EXPECT_LT(a.selected_tokens, a.candidate_tokens);  // layer 0 selected
+    EXPECT_EQ(b.cache_lookups, a.cache_lookups);
+    EXPECT_EQ(a.cache_lookups, 3 * kHkv);  // one check per selecting layer and step
+    // The replays ran nothing on the backend: only the first step's check reached it (a miss).
+    EXPECT_EQ(b.cache_hits, 0);
+    EXPECT_EQ(a.cache_hits, 2 * kHkv);  // the same query again: both heads hit
+  }
+  std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
+  PolicyPair pp;
+  STRATA_ASSERT_OK(pp.Init(Options(PolicyKind::kQuest), DType::kF32, 100, cpu.get(), 3));
+  EXPECT_THAT(pp.dev->NoteReplayedAttend(kLayers, *pp.cache), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(pp.dev->NoteReplayedAttend(0, *pp.cache), StatusIs(absl::StatusCode::kInvalidArgument));  // empty
+}
+
 TEST(DevicePolicyErrorsTest, RejectsWhatItCannotRun) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   KvCacheOptions co;
