@@ -194,6 +194,25 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     absl::MutexLockMaybe lock(s->shard_->backend_mu());
     STRATA_ASSIGN_OR_RETURN(s->stream_, s->backend_->CreateStream());
   }
+  if (IsDensePolicy(policy) && s->shard_->device_selection()) {
+    // Dense decode steps attend the whole shard through its page tables (SelectedAttention; on
+    // CUDA the paged decode kernel) instead of spans built on the host per call.
+    const engine::KvCache& cache = s->shard_->cache();
+    const int hkv = cache.options().num_kv_heads;
+    absl::MutexLockMaybe lock(s->shard_->backend_mu());
+    for (int l = 0; l < cache.options().num_layers; ++l) {
+      const int64_t pages = cache.num_pages(l);
+      std::vector<int32_t> table(static_cast<size_t>(hkv * std::max<int64_t>(pages, 1)), 0);
+      for (int g = 0; g < hkv; ++g) {
+        for (int64_t p = 0; p < pages; ++p) table[g * pages + p] = cache.SlotOf(l, g, p);
+      }
+      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> b,
+                              s->backend_->Allocate(table.size() * sizeof(int32_t)));
+      STRATA_RETURN_IF_ERROR(s->backend_->CopyToDevice(b->data(), table.data(), table.size() * sizeof(int32_t),
+                                                       s->stream_));
+      s->dense_tables_.push_back(std::move(b));
+    }
+  }
   if (!IsDensePolicy(policy)) {
     v1::SelectionPolicy p = policy;
     // Sinks belong to the shard holding tokens [0, S); the window belongs to the leader.
@@ -281,12 +300,24 @@ absl::Status ShardSession::Queue(int layer, const float* q, int n, int hq, int64
   const engine::KvCache& cache = shard_->cache();
   const int hkv = cache.options().num_kv_heads, d = cache.options().head_dim;
   const int64_t len = cache.length(layer);
-  if (device_ != nullptr) {
-    *before = device_->counters();
-    if (n == 1 && graphs_on_) {
+  if (device_ != nullptr) *before = device_->counters();
+  if (n == 1 && (device_ != nullptr || !dense_tables_.empty())) {
+    // A one-token query (a decode step) on a device-selection shard: the device policy's step, or
+    // dense attention over the shard's page tables.
+    if (device_ == nullptr && counters != nullptr) {
+      counters->candidate_tokens += len * hkv;
+      counters->selected_tokens += len * hkv;
+    }
+    if (graphs_on_) {
       STRATA_ASSIGN_OR_RETURN(const bool replayed, QueueStepGraph(layer, q, hq, out, v));
       if (replayed) return absl::OkStatus();
     }
+    STRATA_ASSIGN_OR_RETURN(*v, StageCall(backend_, q, 1, hq, d, &scratch_, out, stream_));
+    STRATA_RETURN_IF_ERROR(QueueStep(layer, *v, hq));
+    if (device_ != nullptr) STRATA_RETURN_IF_ERROR(device_->QueueCacheHitsRead(stream_));
+    return QueueResults(backend_, *v, scratch_, *out, stream_);
+  }
+  if (device_ != nullptr) {
     STRATA_ASSIGN_OR_RETURN(*v, StageCall(backend_, q, n, hq, d, &scratch_, out, stream_));
     STRATA_RETURN_IF_ERROR(device_->AttendFollowing(
         layer, kernels::TensorView(v->q, kernels::DType::kF32, {n, hq, d}), cache,
@@ -348,14 +379,9 @@ absl::StatusOr<bool> ShardSession::QueueStepGraph(int layer, const float* q, int
       graphs_on_ = false;
       return false;
     }
-    // Attend's host side (its counting) runs as it records: it counts this call.
+    // The device policy's host side (its counting) runs as it records: it counts this call.
     absl::Status recorded = backend_->CopyToDeviceAsync(v->q, step_scratch_.q_host->data(), q_bytes, stream_);
-    if (recorded.ok()) {
-      recorded = device_->AttendFollowing(
-          layer, kernels::TensorView(v->q, kernels::DType::kF32, {1, hq, d}), cache,
-          kernels::TensorView(v->out, kernels::DType::kF32, {1, hq, d}),
-          kernels::TensorView(v->lse, kernels::DType::kF32, {1, hq}), stream_);
-    }
+    if (recorded.ok()) recorded = QueueStep(layer, *v, hq);
     if (recorded.ok()) recorded = QueueResults(backend_, *v, step_scratch_, *out, stream_);
     absl::StatusOr<std::unique_ptr<kernels::Graph>> made = backend_->EndCapture(stream_);
     if (!recorded.ok() || !made.ok()) {
@@ -367,14 +393,37 @@ absl::StatusOr<bool> ShardSession::QueueStepGraph(int layer, const float* q, int
       return false;
     }
     graph = *std::move(made);
-  } else {
+  } else if (device_ != nullptr) {
     STRATA_RETURN_IF_ERROR(device_->NoteReplayedAttend(layer, cache));
   }
   STRATA_RETURN_IF_ERROR(graph->Replay(stream_));
   pending_.scratch = &step_scratch_;  // Finish takes the results from there
   // The selection cache's hit count comes back with the results (its host side runs per call).
-  STRATA_RETURN_IF_ERROR(device_->QueueCacheHitsRead(stream_));
+  if (device_ != nullptr) STRATA_RETURN_IF_ERROR(device_->QueueCacheHitsRead(stream_));
   return true;
+}
+
+absl::Status ShardSession::QueueStep(int layer, const CallViews& v, int hq) {
+  const engine::KvCache& cache = shard_->cache();
+  const int d = cache.options().head_dim;
+  const kernels::TensorView q(v.q, kernels::DType::kF32, {1, hq, d});
+  const kernels::TensorView out(v.out, kernels::DType::kF32, {1, hq, d});
+  const kernels::TensorView lse(v.lse, kernels::DType::kF32, {1, hq});
+  if (device_ != nullptr) return device_->AttendFollowing(layer, q, cache, out, lse, stream_);
+  const kernels::Buffer& table = *dense_tables_[static_cast<size_t>(layer)];
+  kernels::SelectedAttentionParams at;
+  at.q = q;
+  at.k_pool = cache.k_pool(layer);
+  at.v_pool = cache.v_pool(layer);
+  at.page_table = const_cast<kernels::Buffer&>(table).View(
+      kernels::DType::kI32, {cache.options().num_kv_heads, cache.num_pages(layer)});
+  at.prefix_end = cache.length(layer);  // every token of the shard precedes the query
+  at.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  at.k_scale = cache.options().k_scale;
+  at.v_scale = cache.options().v_scale;
+  at.out = out;
+  at.lse = lse;
+  return backend_->SelectedAttention(at, stream_);
 }
 
 absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResponse* response) {

@@ -21,9 +21,10 @@
 //   engine::sparse::DevicePolicy::AttendFollowing (summaries, scoring and top-k on the backend;
 //   the same selection as the host policy but for the device policy's documented differences; a
 //   one-token query, a decode step, is one fused selection-and-attention kernel on CUDA and uses
-//   the selection cache, as a job's decode step; each layer's step, with the query's copy in and
-//   the results' copies out, is recorded as a CUDA graph at its first call and replayed after);
-//   dense attends every token there; the worker
+//   the selection cache, as a job's decode step); dense attends every token there (a one-token
+//   query through the shard's page tables with SelectedAttention, on CUDA the paged decode
+//   kernel). Each layer's one-token step there, with the query's copy in and the results' copies
+//   out, is recorded as a CUDA graph at its first call and replayed after. The worker
 //   gives any other policy a host-memory copy of the shard.
 // - LeaderAttention: the leader's engine::ExternalAttention over every shard of a ShardMap.
 //   Shards held by this worker are attended in process (ShardSession over a local mount); every
@@ -217,12 +218,18 @@ class ShardSession {
   // is cleared and Queue takes the calls).
   absl::StatusOr<bool> QueueStepGraph(int layer, const float* q, int num_q_heads, engine::AttentionPartial* out,
                                       CallViews* v);
+  // A one-token step's attention on stream_ for the query staged at v.q: the device policy's
+  // (DevicePolicy::AttendFollowing), or dense over every token of the shard (dense_tables_).
+  absl::Status QueueStep(int layer, const CallViews& v, int num_q_heads);
 
   std::shared_ptr<const MountedShard> shard_;
   const model::ModelConfig config_;
   kernels::Backend* const backend_;
   std::unique_ptr<engine::AttentionPolicy> policy_;  // host selection; null: dense or device_
   std::unique_ptr<engine::sparse::DevicePolicy> device_;  // device selection
+  // Dense sessions on a device-selection shard: per layer the page table [num_kv_heads, pages]
+  // of the shard's cache (SlotOf) on its backend, for one-token steps.
+  std::vector<std::unique_ptr<kernels::Buffer>> dense_tables_;
   kernels::Stream stream_ = nullptr;  // the session's own stream on the shard's backend
   // A started call (Start), until Finish.
   struct Pending {

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -477,6 +478,55 @@ TEST_F(ShardedTest, DeviceShardSessionsRefuseHostPoliciesAndUnstartedFinish) {
   quest.set_name("quest");
   STRATA_ASSERT_OK_AND_ASSIGN(auto session, ShardSession::Create(shard, quest, 32, model_->config));
   EXPECT_THAT(session->Finish(), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_F(ShardedTest, DenseSessionOnADeviceShardMatchesTheHostShard) {
+  // The same random cache mounted for device selection (dense one-token steps through its page
+  // tables with SelectedAttention) and for the host (spans and PagedAttention): the same partials.
+  auto tf = engine::Transformer::Create(model_->config, model_->weights, backends_[0].get(), {});
+  ASSERT_TRUE(tf.ok()) << tf.status();
+  const int64_t hkv = model_->config.num_kv_heads, d = model_->config.head_dim, hq = model_->config.num_heads;
+  const int64_t tokens = 3 * kPage + 5;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(static_cast<size_t>(tokens * hkv * d)), v(k.size());
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  std::shared_ptr<const MountedShard> shards[2];
+  for (int i = 0; i < 2; ++i) {
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache, engine::KvCache::Create((*tf)->MakeCacheOptions(tokens, kPage,
+                                                                                            kernels::DType::kBF16),
+                                                                    backends_[0].get()));
+    for (int l = 0; l < static_cast<int>(model_->config.num_layers); ++l) {
+      STRATA_ASSERT_OK(cache->Append(l, kernels::TensorView(k.data(), kernels::DType::kF32, {tokens, hkv, d}),
+                                     kernels::TensorView(v.data(), kernels::DType::kF32, {tokens, hkv, d})));
+    }
+    v1::ShardRange range = Map().shards(0).range();
+    range.set_end_page(4);
+    shards[i] = std::make_shared<const MountedShard>(range, *kvstore::DocumentId::FromHex(kDocId), 0,
+                                                     std::move(cache), kvstore::TierCounts(), backends_[0].get(),
+                                                     nullptr, /*device_selection=*/i == 0);
+  }
+  const v1::SelectionPolicy dense;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, ShardSession::Create(shards[0], dense, 0, model_->config));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host, ShardSession::Create(shards[1], dense, 0, model_->config));
+  for (const int n : {1, 3}) {
+    std::vector<float> q(static_cast<size_t>(n * hq * d));
+    for (float& x : q) x = nd(rng);
+    for (int l = 0; l < static_cast<int>(model_->config.num_layers); ++l) {
+      SCOPED_TRACE(::testing::Message() << n << " queries, layer " << l);
+      engine::AttentionPartial got, want;
+      engine::SelectionCounters got_c, want_c;
+      STRATA_ASSERT_OK(device->Attend(l, q.data(), n, static_cast<int>(hq), tokens, &got, &got_c));
+      STRATA_ASSERT_OK(host->Attend(l, q.data(), n, static_cast<int>(hq), tokens, &want, &want_c));
+      ASSERT_EQ(got.o.size(), want.o.size());
+      ASSERT_EQ(got.lse.size(), want.lse.size());
+      for (size_t i = 0; i < want.o.size(); ++i) ASSERT_NEAR(got.o[i], want.o[i], 1e-5) << i;
+      for (size_t i = 0; i < want.lse.size(); ++i) ASSERT_NEAR(got.lse[i], want.lse[i], 1e-5) << i;
+      EXPECT_EQ(got_c.candidate_tokens, tokens * hkv);
+      EXPECT_EQ(got_c.selected_tokens, want_c.selected_tokens);
+    }
+  }
 }
 
 TEST_F(ShardedTest, ShardPlacementNeedsAShardBackendOnAGpuWorker) {
