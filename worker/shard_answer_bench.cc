@@ -5,7 +5,7 @@
 //
 //   shard_answer_bench [--backend cuda|cpu] [--tokens 65536] [--layers 4] [--heads 32]
 //                      [--kv-heads 8] [--dim 128] [--policy tokenselect] [--budget 1024]
-//                      [--theta 1] [--rounds 2000] [--sessions 1]
+//                      [--theta 1] [--rounds 2000] [--sessions 1] [--gap-us 0]
 //
 // The shard: --tokens random bf16 tokens (N(0, 1) keys and values) in every one of --layers
 // layers, 64-token pages, mounted for device selection (a GPU worker's --shard-placement device).
@@ -13,7 +13,9 @@
 // messages with fresh random queries, layer after layer; --theta 1 turns the selection cache off
 // (every step selects). Prints per session the answers' mean queue and wait time and the median
 // and 90th percentile of Answer's wall time, in microseconds; STRATA_SHARD_STEP_GRAPHS=0 gives
-// the answers without the per-layer graphs.
+// the answers without the per-layer graphs. --gap-us N sleeps N microseconds between answers (the
+// thread blocks, as a stream's thread does between a leader's queries): what an answer costs when
+// it does not follow the previous one at once.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -42,7 +44,7 @@ using strata::kernels::TensorView;
 struct Flags {
   std::string backend = "cuda", policy = "tokenselect";
   int64_t tokens = 65536;
-  int layers = 4, heads = 32, kv_heads = 8, dim = 128, budget = 1024, rounds = 2000, sessions = 1;
+  int layers = 4, heads = 32, kv_heads = 8, dim = 128, budget = 1024, rounds = 2000, sessions = 1, gap_us = 0;
   double theta = 1.0;
 };
 
@@ -60,6 +62,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (flag == "--rounds") f->rounds = std::atoi(v.c_str());
     else if (flag == "--sessions") f->sessions = std::atoi(v.c_str());
     else if (flag == "--theta") f->theta = std::atof(v.c_str());
+    else if (flag == "--gap-us") f->gap_us = std::atoi(v.c_str());
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return false;
@@ -171,9 +174,9 @@ int main(int argc, char** argv) {
     sessions.push_back(*std::move(s));
   }
   std::printf("backend %s, shard of %lld tokens x %d layers, %d/%d heads x %d, %s budget %d theta %g, "
-              "%d session(s) x %d answers\n",
+              "%d session(s) x %d answers, %d us apart\n",
               backend->Name().c_str(), static_cast<long long>(f.tokens), f.layers, f.heads, f.kv_heads, f.dim,
-              f.policy.c_str(), f.budget, f.theta, f.sessions, f.rounds);
+              f.policy.c_str(), f.budget, f.theta, f.sessions, f.rounds, f.gap_us);
   std::vector<SessionResult> results(static_cast<size_t>(f.sessions));
   std::vector<std::thread> threads;
   for (int i = 0; i < f.sessions; ++i) {
@@ -190,6 +193,7 @@ int main(int argc, char** argv) {
       for (int round = 0; round < warmup + f.rounds; ++round) {
         if (round == warmup) r.timing = sessions[static_cast<size_t>(i)]->answer_timing();
         for (float& x : q) x = nd(rng);
+        if (f.gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(f.gap_us));
         query.set_step(static_cast<uint64_t>(round / f.layers));
         query.set_layer(static_cast<uint32_t>(round % f.layers));
         query.set_q(q.data(), q.size() * sizeof(float));
