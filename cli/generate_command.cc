@@ -242,10 +242,8 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::Transformer> tf,
                           engine::Transformer::Create(m->config, m->weights, backend.get(), topt));
   std::unique_ptr<engine::AttentionPolicy> policy;
-  // The host policy attends the prompt chunks on the CPU backend, but cannot read fp8 caches:
-  // those chunks attend densely then, as on a device backend.
-  const bool host_chunks = on_cpu && gen.kv_dtype != kernels::DType::kFP8E4M3;
-  if (host_chunks || !device_selection) {
+  // The host policy attends the prompt chunks on the CPU backend (any cache dtype).
+  if (on_cpu || !device_selection) {
     STRATA_ASSIGN_OR_RETURN(
         policy, engine::sparse::MakeAttentionPolicy(popt, static_cast<int>(m->config.num_layers),
                                                     static_cast<int>(m->config.num_heads),
@@ -357,8 +355,7 @@ int RunGenerate(int argc, char** argv) {
   flags.Int("window", &f.window, "recent tokens always attended");
   flags.Int("page-size", &f.page_size, "KV page size (tokens)");
   flags.String("kv-dtype", &f.kv_dtype,
-               "KV cache storage: f32 (exact) | bf16 | fp8 (e4m3, scale 1: half bf16's memory; "
-               "sparse policies then need --device-selection, the default on CUDA)");
+               "KV cache storage: f32 (exact) | bf16 | fp8 (e4m3, scale 1: half bf16's memory)");
   flags.Double("theta", &f.theta, "selection-cache cosine threshold (> 1 disables the cache)");
   flags.Int("candidate-factor", &f.candidate_factor,
             "tokenselect: candidate tokens per budget token (1-16; fewer: faster, less exact)");

@@ -28,7 +28,7 @@ struct KvCacheOptions {
   int page_size = 64;
   // Storage dtype of K and V: f32 (exact reference), bf16, or fp8_e4m3 (kernels/backend.h "fp8 KV
   // pools": x / scale rounded to e4m3, as AppendKv writes it, with the per-tensor scales below;
-  // attention and the device policy read it, the host sparse policies do not).
+  // attention, the device policy and the host sparse policies read it).
   kernels::DType dtype = kernels::DType::kF32;
   // Capacity in tokens; pools are allocated for it up front. ResourceExhausted beyond it.
   int64_t max_tokens = 0;

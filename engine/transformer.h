@@ -178,8 +178,8 @@ struct ForwardOptions {
   // Null: every row attends through `policy` + PagedAttention. Set: the policy is told of every
   // append, and a one-token segment (a decode step) attends through its device-side selection
   // (engine/sparse/device_policy.h) instead; chunks of several tokens still use `policy` (on the
-  // CUDA backend, whose pools the host policies cannot read, that must be a dense policy) unless
-  // device_prefill is set.
+  // CUDA backend, whose device pools the host policies cannot read, that must be a dense policy)
+  // unless device_prefill is set.
   sparse::DevicePolicy* device_policy = nullptr;
   // With device_policy set: segments of several tokens (prefill chunks) attend through
   // DevicePolicy::AttendChunk too (selection with the chunk's mean query on the backend, one host

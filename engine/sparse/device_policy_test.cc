@@ -649,7 +649,8 @@ TEST(DevicePolicyChunkErrorsTest, RejectsMalformedChunks) {
 // An fp8 KV cache (KvCacheOptions::dtype fp8_e4m3, per-tensor scales) selects and attends as an
 // f32 cache holding its dequantised values: the selection scores the stored keys with k_scale
 // folded into its scale, the attention applies k_scale and v_scale. Both policies run on the CPU
-// backend (the selection ops' reference); the host sparse policies refuse fp8 caches.
+// backend (the selection ops' reference); the host sparse policy selects over it as over the f32
+// cache.
 TEST(DevicePolicyFp8CacheTest, SelectsAndAttendsAsTheDequantisedCache) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   constexpr float kKScale = 0.25f, kVScale = 0.5f;  // powers of two: dequantised values exact
@@ -704,11 +705,18 @@ TEST(DevicePolicyFp8CacheTest, SelectsAndAttendsAsTheDequantisedCache) {
     }
     // A sparse layer attends fewer tokens than the context (the comparison covered a selection).
     EXPECT_LT(dev8->counters().selected_tokens, dev8->counters().candidate_tokens);
-    // The host policy reads f32 or bf16 caches only.
-    STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
-    Selection sel;
-    EXPECT_THAT(host->Select(0, q.data(), 1, kHq, cache8->length(0) - 1, *cache8, &sel),
-                StatusIs(absl::StatusCode::kUnimplemented));
+    // The host policy reads the fp8 cache as the f32 one too: the same selection.
+    STRATA_ASSERT_OK_AND_ASSIGN(auto host8, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto host32, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
+    Selection s8, s32;
+    STRATA_ASSERT_OK(host8->Select(0, q.data(), 1, kHq, cache8->length(0) - 1, *cache8, &s8));
+    STRATA_ASSERT_OK(host32->Select(0, q.data(), 1, kHq, cache32->length(0) - 1, *cache32, &s32));
+    ASSERT_EQ(s8.offsets, s32.offsets);
+    ASSERT_EQ(s8.spans.size(), s32.spans.size());
+    for (size_t i = 0; i < s8.spans.size(); ++i) {
+      EXPECT_EQ(s8.spans[i].position, s32.spans[i].position) << i;
+      EXPECT_EQ(s8.spans[i].length, s32.spans[i].length) << i;
+    }
   }
 }
 

@@ -238,15 +238,8 @@ class PolicyImpl : public SparsePolicy {
     if (layer < 0 || layer >= num_layers_) {
       return absl::InvalidArgumentError(absl::StrCat("policy: layer ", layer, " out of range"));
     }
-    // Policies that read keys (all but dense and streaming, which name spans only) read f32 or
-    // bf16 rows.
-    const bool reads_keys =
-        options_.kind != PolicyKind::kDense && options_.kind != PolicyKind::kStreaming;
-    if (reads_keys && c.dtype != kernels::DType::kF32 && c.dtype != kernels::DType::kBF16) {
-      return absl::UnimplementedError(absl::StrCat(
-          "policy ", Name(), ": reads f32 or bf16 KV caches, not ", kernels::DTypeName(c.dtype),
-          " (fp8 caches select with the device policy: engine/sparse/device_policy.h)"));
-    }
+    // Policies that read keys (all but dense and streaming, which name spans only) read f32,
+    // bf16 or fp8 rows (HeadRows; fp8 codes times the cache's scales).
     if (c.num_layers != num_layers_ || c.num_kv_heads != hkv_ || c.head_dim != d_ ||
         c.page_size != options_.page_size) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -258,10 +251,11 @@ class PolicyImpl : public SparsePolicy {
   }
 
   // Rows of KV head g of `layer`: its pages are contiguous slots starting at SlotOf(layer, g, 0).
-  HeadRows Rows(const kernels::TensorView& pool, const KvCache& cache, int layer, int g) const {
+  HeadRows Rows(const kernels::TensorView& pool, float scale, const KvCache& cache, int layer, int g) const {
     HeadRows r;
     r.dtype = pool.dtype;
     r.head_dim = d_;
+    r.scale = scale;
     r.data = static_cast<const char*>(pool.data) + static_cast<size_t>(cache.SlotOf(layer, g, 0)) *
                                                        options_.page_size * d_ *
                                                        kernels::DTypeSize(pool.dtype);
@@ -274,7 +268,7 @@ class PolicyImpl : public SparsePolicy {
                                                      segment_pages_, rf_.get());
     }
     const int64_t len = cache.length(layer);
-    const HeadRows keys = Rows(cache.k_pool(layer), cache, layer, g);
+    const HeadRows keys = Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g);
     constexpr int64_t kBatch = 4096;
     std::vector<float> buf;
     for (int64_t t = hs.summaries->length(); t < len; t += kBatch) {
@@ -283,8 +277,7 @@ class PolicyImpl : public SparsePolicy {
         hs.summaries->Append(static_cast<const float*>(keys.data) + t * d_, n);
       } else {
         buf.resize(static_cast<size_t>(n) * d_);
-        kernels::ConvertToF32(static_cast<const uint16_t*>(keys.data) + t * d_, keys.dtype,
-                              buf.data(), n * d_);
+        keys.ReadRows(t, n, buf.data());
         hs.summaries->Append(buf.data(), n);
       }
     }
@@ -303,8 +296,8 @@ class PolicyImpl : public SparsePolicy {
           d_, t, s, std::max(1, (options_.token_budget - s) / t), options_.subgen_radius,
           options_.subgen_seed + static_cast<uint64_t>(layer) * 1000003u + g);
     }
-    const HeadRows keys = Rows(cache.k_pool(layer), cache, layer, g);
-    const HeadRows values = Rows(cache.v_pool(layer), cache, layer, g);
+    const HeadRows keys = Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g);
+    const HeadRows values = Rows(cache.v_pool(layer), cache.options().v_scale, cache, layer, g);
     std::vector<float> k(d_), v(d_);
     for (int64_t t = hs.subgen->tokens_seen(); t < cache.length(layer); ++t) {
       keys.Read(t, k.data());
@@ -354,8 +347,8 @@ class PolicyImpl : public SparsePolicy {
         chosen = TokenSelect(hs, qg, qs.data(), mid_begin, mid_end, cache, layer, g);
         break;
       case PolicyKind::kHip: {
-        HipResult r = HipSelect(Rows(cache.k_pool(layer), cache, layer, g), qs.data(), group_,
-                                mid_begin, mid_end, budget, options_.hip_block);
+        HipResult r = HipSelect(Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g),
+                                qs.data(), group_, mid_begin, mid_end, budget, options_.hip_block);
         stats_.key_bytes += r.keys_read * d_ * 2;
         chosen = std::move(r.ranges);
         break;
@@ -489,7 +482,7 @@ class PolicyImpl : public SparsePolicy {
     }
     const int64_t n = static_cast<int64_t>(tokens.size());
     if (n <= budget) return cand;
-    const HeadRows keys = Rows(cache.k_pool(layer), cache, layer, g);
+    const HeadRows keys = Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g);
     std::vector<float> scores(static_cast<size_t>(group_) * n);
 #pragma omp parallel for schedule(static) if (n > 4096)
     for (int64_t j = 0; j < n; ++j) {

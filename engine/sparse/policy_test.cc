@@ -252,6 +252,59 @@ TEST(PolicyTest, BudgetsNeverExceeded) {
   }
 }
 
+// An fp8 KV cache (codes times per-tensor scales) selects exactly as an f32 cache holding its
+// values, for every policy that reads keys (HeadRows reads the codes times k_scale / v_scale).
+TEST(PolicyTest, Fp8CacheSelectsAsTheF32CacheOfItsValues) {
+  constexpr float kKScale = 0.25f, kVScale = 0.5f;
+  std::mt19937 rng(kSeed + 9);
+  World w8, w32;
+  Build(&w8, 1800, 16, DType::kF32, rng);
+  KvCacheOptions o = w8.cache->options();
+  o.dtype = DType::kFP8E4M3;
+  o.k_scale = kKScale;
+  o.v_scale = kVScale;
+  w8.cache = std::move(KvCache::Create(o, w8.backend.get())).value();
+  Build(&w32, 1800, 16, DType::kF32, rng);
+  // The f32 cache holds what the fp8 one stores, as values.
+  for (size_t i = 0; i < w8.keys.size(); ++i) {
+    w32.keys[i] = kernels::FP8E4M3ToF32(kernels::F32ToFP8E4M3(w8.keys[i] / kKScale)) * kKScale;
+    w32.values[i] = kernels::FP8E4M3ToF32(kernels::F32ToFP8E4M3(w8.values[i] / kVScale)) * kVScale;
+  }
+  std::vector<std::unique_ptr<SparsePolicy>> p8, p32;
+  for (PolicyKind kind : kSparseKinds) {
+    p8.push_back(MakeSparsePolicy(Small(kind, 128), kLayers, kHq, kHkv, kD).value());
+    p32.push_back(MakeSparsePolicy(Small(kind, 128), kLayers, kHq, kHkv, kD).value());
+  }
+  for (int64_t t = 0; t < w8.len; t += 600) {
+    Feed(&w8, nullptr, t, t + 600);
+    Feed(&w32, nullptr, t, t + 600);
+    for (size_t i = 0; i < p8.size(); ++i) {
+      for (int l = 0; l < kLayers; ++l) {
+        STRATA_ASSERT_OK(p8[i]->OnAppend(l, *w8.cache, t, t + 600));
+        STRATA_ASSERT_OK(p32[i]->OnAppend(l, *w32.cache, t, t + 600));
+      }
+    }
+  }
+  std::normal_distribution<float> nd;
+  int selecting = 0;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> q(kHq * kD);
+    for (float& x : q) x = nd(rng);
+    for (size_t i = 0; i < p8.size(); ++i) {
+      SCOPED_TRACE(p8[i]->Name());
+      Selection a, b;
+      STRATA_ASSERT_OK(p8[i]->Select(1, q.data(), 1, kHq, w8.len - 1, *w8.cache, &a));
+      STRATA_ASSERT_OK(p32[i]->Select(1, q.data(), 1, kHq, w32.len - 1, *w32.cache, &b));
+      ASSERT_EQ(a.offsets, b.offsets);
+      for (int g = 0; g < kHkv; ++g) {
+        EXPECT_EQ(Attended(a, g), Attended(b, g)) << "KV head " << g;
+        selecting += static_cast<int>(Attended(a, g).size()) < w8.len;
+      }
+    }
+  }
+  EXPECT_EQ(selecting, 3 * static_cast<int>(p8.size()) * kHkv);  // every policy chose a subset
+}
+
 // A needle whose score dominates is always selected (hip: a run of needle tokens, since HiP relies
 // on attention locality to find it; a lone token between random keys is invisible to centre keys).
 TEST(PolicyTest, PlantedNeedleIsSelected) {

@@ -6,46 +6,76 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <vector>
 
 #include "kernels/vote_rank.h"
 
 namespace strata::engine::sparse {
 
-void HeadRows::Read(int64_t t, float* dst) const {
+namespace {
+
+// q . k over n f32 elements: 8 independent partial sums so the compiler can vectorise (f32
+// rounding differs slightly from one sequential chain).
+float DotF32(const float* k, const float* q, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float tail = 0.0f;
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * k[i + j];
+  }
+  for (; i < n; ++i) tail += q[i] * k[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+
+}  // namespace
+
+void HeadRows::Read(int64_t t, float* dst) const { ReadRows(t, 1, dst); }
+
+void HeadRows::ReadRows(int64_t t, int64_t n, float* dst) const {
+  const int64_t count = n * head_dim;
+  const char* src = static_cast<const char*>(data) + t * head_dim * kernels::DTypeSize(dtype);
   if (dtype == kernels::DType::kF32) {
-    const float* src = static_cast<const float*>(data) + t * head_dim;
-    std::copy(src, src + head_dim, dst);
-  } else {
-    kernels::ConvertToF32(static_cast<const uint16_t*>(data) + t * head_dim, dtype, dst, head_dim);
+    std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
+    return;
+  }
+  kernels::ConvertToF32(src, dtype, dst, count);
+  if (dtype == kernels::DType::kFP8E4M3 && scale != 1.0f) {
+    for (int64_t i = 0; i < count; ++i) dst[i] *= scale;
   }
 }
 
 float HeadRows::Dot(int64_t t, const float* q) const {
-  // 8 independent partial sums so the compiler can vectorise (f32 rounding differs slightly from
-  // one sequential chain).
+  if (dtype == kernels::DType::kF32) {
+    return DotF32(static_cast<const float*>(data) + t * head_dim, q, head_dim);
+  }
+  if (dtype == kernels::DType::kFP8E4M3) {
+    // The row's values first (as an f32 row holds them), then the f32 sum.
+    constexpr int kStack = 512;
+    float stack[kStack];
+    std::vector<float> heap;
+    float* row = stack;
+    if (head_dim > kStack) {
+      heap.resize(static_cast<size_t>(head_dim));
+      row = heap.data();
+    }
+    ReadRows(t, 1, row);
+    return DotF32(row, q, head_dim);
+  }
+  // bf16: the f32 value is the 16 bits shifted up (exact); the same sums as DotF32.
+  const uint16_t* k = static_cast<const uint16_t*>(data) + t * head_dim;
+  auto f = [](uint16_t b) {
+    const uint32_t bits = static_cast<uint32_t>(b) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+  };
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   float tail = 0.0f;
   int i = 0;
-  if (dtype == kernels::DType::kF32) {
-    const float* k = static_cast<const float*>(data) + t * head_dim;
-    for (; i + 8 <= head_dim; i += 8) {
-      for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * k[i + j];
-    }
-    for (; i < head_dim; ++i) tail += q[i] * k[i];
-  } else {
-    // bf16: the f32 value is the 16 bits shifted up (exact).
-    const uint16_t* k = static_cast<const uint16_t*>(data) + t * head_dim;
-    auto f = [](uint16_t b) {
-      const uint32_t bits = static_cast<uint32_t>(b) << 16;
-      float x;
-      std::memcpy(&x, &bits, sizeof(x));
-      return x;
-    };
-    for (; i + 8 <= head_dim; i += 8) {
-      for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * f(k[i + j]);
-    }
-    for (; i < head_dim; ++i) tail += q[i] * f(k[i]);
+  for (; i + 8 <= head_dim; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * f(k[i + j]);
   }
+  for (; i < head_dim; ++i) tail += q[i] * f(k[i]);
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 

@@ -18,16 +18,21 @@ struct Range {
 };
 
 // Token-major rows of one KV head (keys or values) in host memory: row t at data + t * head_dim
-// elements. In a KvCache pool the pages of one KV head are contiguous slots, so this is the
-// head's first slot.
+// elements of f32, bf16 or fp8 e4m3. In a KvCache pool the pages of one KV head are contiguous
+// slots, so this is the head's first slot. An fp8 row's values are its codes times `scale` (the
+// cache's k_scale or v_scale, KvCacheOptions); f32 and bf16 rows ignore it.
 struct HeadRows {
   const void* data = nullptr;
   kernels::DType dtype = kernels::DType::kF32;
   int head_dim = 0;
+  float scale = 1.0f;
 
   // Copies row t to dst as f32.
   void Read(int64_t t, float* dst) const;
-  // q . row(t) in f32.
+  // Copies rows [t, t + n) to dst [n, head_dim] as f32.
+  void ReadRows(int64_t t, int64_t n, float* dst) const;
+  // q . row(t) in f32 (an fp8 row: q . (its values as f32), the same sum as over an f32 row
+  // holding them).
   float Dot(int64_t t, const float* q) const;
 };
 
