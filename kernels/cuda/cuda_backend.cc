@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -327,6 +328,8 @@ CudaBackend::CudaBackend(int device, int num_sms) : device_(device), num_sms_(nu
 
 absl::Status CudaBackend::Init() {
   plan_cache_ = std::make_unique<AttentionPlanCache>();
+  // STRATA_DECODE_ITEMS_PER_SM (A/B timing): the split-K decode kernels' items per SM.
+  if (const char* v = std::getenv("STRATA_DECODE_ITEMS_PER_SM"); v != nullptr) SetDecodeItemsPerSm(std::atoi(v));
   // The backend's own stream at the device's greatest priority, ForkStream's side streams at its
   // least: where both branches of a fork have blocks waiting, the block scheduler places the
   // main branch's first (a cluster kernel there is not held up by a small kernel beside it).
