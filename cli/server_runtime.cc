@@ -187,6 +187,10 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
   flags->String("kv-page-dtype", &kv_page_dtype,
                 "bf16|fp8: element type of the KV pages the worker persists (fp8: e4m3 with per-page scales, half "
                 "the bytes in every tier, lossy; must match across the workers of a cluster, like --page-size)");
+  flags->String("kv-cache-dtype", &kv_cache_dtype,
+                "bf16|fp8: element type of the KV caches the worker's full-mount jobs and mounted shards attend "
+                "(fp8: e4m3 at scale 1, half the memory and bytes per decode step, lossy; per worker, the pages "
+                "stay --kv-page-dtype)");
   flags->Int("prefill-budget-tokens", &prefill_budget_tokens,
              "token budget of a sparse --prefill-policy (per layer and KV head, besides sinks and window)");
   flags->Int("max-decode-batch", &max_decode_batch,
@@ -214,6 +218,7 @@ void WorkerEngineFlags::ApplyTo(worker::WorkerOptions* options) const {
   options->weight_format = weight_format;
   options->prefill_policy = prefill_policy;
   options->kv_page_dtype = kv_page_dtype;
+  options->kv_cache_dtype = kv_cache_dtype;
   // Out-of-int range values become 0 here, which WorkerOptions::Validate rejects.
   options->max_decode_batch =
       max_decode_batch >= 1 && max_decode_batch <= (int64_t{1} << 20) ? static_cast<int>(max_decode_batch) : 0;

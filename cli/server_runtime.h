@@ -44,6 +44,7 @@ struct WorkerEngineFlags {
   std::string prefill_policy = "dense";
   int64_t prefill_budget_tokens = 2048;
   std::string kv_page_dtype = "bf16";
+  std::string kv_cache_dtype = "bf16";
   int64_t max_decode_batch = 16;
   int64_t decode_batch_wait_us = 1000;
 
@@ -57,7 +58,8 @@ struct WorkerEngineFlags {
   // (split|bf16: WorkerOptions::matmul_precision), --weight-format (checkpoint|fp8:
   // WorkerOptions::weight_format), --prefill-policy (dense|quest|tokenselect:
   // WorkerOptions::prefill_policy), --prefill-budget-tokens, --kv-page-dtype (bf16|fp8:
-  // WorkerOptions::kv_page_dtype), --max-decode-batch and --decode-batch-wait-us
+  // WorkerOptions::kv_page_dtype), --kv-cache-dtype (bf16|fp8: WorkerOptions::kv_cache_dtype),
+  // --max-decode-batch and --decode-batch-wait-us
   // (WorkerOptions::max_decode_batch, decode_batch_wait_us).
   void Register(FlagSet* flags, const std::string& durable_tier);
   // Sets the WorkerOptions fields these flags control (the others are left as they are);

@@ -9,7 +9,8 @@
 // selection forced on (the CPU twins of the selection ops). The tokens must be equal; also the
 // CUDA decode rate of tokenselect against the same job with device selection off (which attends
 // densely on a device backend). Env: STRATA_WORKER_GPU_DOC_TOKENS (default 40960: a middle of more
-// than 512 pages, so the selection runs two-level), STRATA_WORKER_GPU_MAX_TOKENS (default 32).
+// than 512 pages, so the selection runs two-level), STRATA_WORKER_GPU_MAX_TOKENS (default 32),
+// STRATA_WORKER_GPU_KV_CACHE_DTYPE (every worker's WorkerOptions::kv_cache_dtype, default bf16).
 //
 // WorkerLazyMountGpuTest (WorkerOptions::lazy_mount): the job's GPU page cache lives on the CUDA
 // backend and the decode steps choose their pages with the backend's selection ops over summaries
@@ -206,10 +207,12 @@ TEST(WorkerDeviceSelectionGpuTest, CudaJobMatchesCpuDeviceSelection) {
   kvstore::LocalStore* store = env.store.get();
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
 
+  const char* cache_dtype = std::getenv("STRATA_WORKER_GPU_KV_CACHE_DTYPE");
   auto make = [&](const std::string& id, const std::string& mode, kernels::Backend* be) {
     WorkerOptions wo;
     wo.worker_id = id;
     wo.device_selection = mode;
+    if (cache_dtype != nullptr && *cache_dtype != '\0') wo.kv_cache_dtype = cache_dtype;
     auto w = Worker::Create(wo, m, be, store, store, nullptr);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;

@@ -2,8 +2,8 @@
 // sections 1 and 3; internal.proto ShardSelection):
 //
 // - MountedShard: the KV of one shard (every layer and KV head), loaded from the page store
-//   into a bf16 KvCache whose index i holds the token at absolute position first_token() + i,
-//   on the backend that attends it: a CPU backend (host memory) or, placed on the device, the
+//   into a KvCache (bf16, or fp8 with WorkerOptions::kv_cache_dtype) whose index i holds the
+//   token at absolute position first_token() + i, on the backend that attends it: a CPU backend (host memory) or, placed on the device, the
 //   worker's GPU backend instance for shards, whose calls are serialised by backend_mu().
 //   Immutable once built; shared (shared_ptr) by every session that attends to it.
 // - ShardSession: one selection stream's (or one leader part's) attention over a MountedShard

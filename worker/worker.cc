@@ -293,6 +293,9 @@ absl::Status WorkerOptions::Validate() const {
   if (kv_page_dtype != "bf16" && kv_page_dtype != "fp8") {
     return absl::InvalidArgumentError(absl::StrCat("kv_page_dtype: bf16|fp8, got '", kv_page_dtype, "'"));
   }
+  if (kv_cache_dtype != "bf16" && kv_cache_dtype != "fp8") {
+    return absl::InvalidArgumentError(absl::StrCat("kv_cache_dtype: bf16|fp8, got '", kv_cache_dtype, "'"));
+  }
   return absl::OkStatus();
 }
 
@@ -1206,7 +1209,7 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
     absl::MutexLockMaybe lock(be_mu);
     std::unique_ptr<engine::KvCache> cache;  // on failure freed under the lock, as every call on be
     STRATA_ASSIGN_OR_RETURN(
-        cache, engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, kernels::DType::kBF16), be));
+        cache, engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, CacheDType()), be));
     STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
                                      static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
                                      nullptr, absl::StatusCode::kDataLoss, &read));
@@ -1658,7 +1661,7 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   // The job's cache holds the whole document (or there is none): device selection, or the
   // policy's restrictions on a device backend (WorkerOptions::device_selection, worker.h).
   const engine::KvCacheOptions cache_options =
-      transformer_->MakeCacheOptions(context - fo.cache_first_position + max_tokens, P, kernels::DType::kBF16);
+      transformer_->MakeCacheOptions(context - fo.cache_first_position + max_tokens, P, CacheDType());
   std::unique_ptr<engine::sparse::DevicePolicy> device;
   if (!sharded && lazy == nullptr) {
     STRATA_ASSIGN_OR_RETURN(engine::sparse::PolicyOptions popt, JobPolicyOptions(request.policy(), P));

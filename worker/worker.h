@@ -39,7 +39,7 @@
 // is idempotent. A document already READY is not prefilled again.
 //
 // Mounts: MountShard loads the shard's pages from the store (through the tiers: the host cache
-// serves pages read or written recently) into a bf16 KvCache (MountedShard in
+// serves pages read or written recently) into a KvCache of kv_cache_dtype (MountedShard in
 // worker/shard_attention.h), placed per WorkerOptions::shard_placement: on a GPU worker given a
 // shard backend (a second instance of its backend), in that backend's memory, where selection
 // answers and the leader's own shards select (dense, quest, tokenselect) and attend; else in host
@@ -249,6 +249,15 @@ struct WorkerOptions {
   // job's device-managed cache keeps them as fp8 with per-slot scales. Their minmax summaries bound
   // the stored (dequantised) keys.
   std::string kv_page_dtype = "bf16";
+  // Element type of the KV caches this worker's jobs attend where the cache holds the whole
+  // document (full mount) and of the shards it mounts for other workers' sharded jobs: "bf16"
+  // (default) or "fp8" (e4m3 at per-tensor scale 1, KvCacheOptions: half the memory, half the
+  // bytes each decode step reads, lossy: answers can differ from bf16 ones). Pages load into it
+  // decoded and rounded to e4m3; the job's prompt and generated tokens are appended as e4m3 too.
+  // Every attention and selection path reads fp8 caches (engine/kv_cache.h). A worker's own
+  // choice: the persisted pages stay kv_page_dtype, prefill caches stay bf16, and lazy-mount jobs
+  // read their pages as the page cache holds them.
+  std::string kv_cache_dtype = "bf16";
 
   // InvalidArgument naming the bad field.
   absl::Status Validate() const;
@@ -411,6 +420,10 @@ class Worker {
 
  private:
   struct JobResult;
+  // The element type of job and shard caches (WorkerOptions::kv_cache_dtype).
+  kernels::DType CacheDType() const {
+    return options_.kv_cache_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
+  }
   Worker(const WorkerOptions& options, const model::Model* model, kernels::Backend* backend,
          kvstore::PageStore* store, kvstore::DocumentCatalog* catalog, WorkerMetrics* metrics);
   absl::Status RunJobInner(const v1::RunJobRequest& request, const EventFn& on_event,

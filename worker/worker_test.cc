@@ -101,9 +101,10 @@ class WorkerTest : public ::testing::Test {
     return r;
   }
 
-  // 8 greedy tokens after doc_ + prompt through a local engine::Generate (dense, bf16 KV cache),
-  // the projections in `format`; empty (and a test failure) if it fails.
-  std::vector<int32_t> LocalGenerate(const std::vector<int32_t>& prompt, engine::WeightFormat format) {
+  // 8 greedy tokens after doc_ + prompt through a local engine::Generate (dense, a `kv_dtype` KV
+  // cache), the projections in `format`; empty (and a test failure) if it fails.
+  std::vector<int32_t> LocalGenerate(const std::vector<int32_t>& prompt, engine::WeightFormat format,
+                                     kernels::DType kv_dtype = kernels::DType::kBF16) {
     std::vector<int32_t> all = doc_;
     all.insert(all.end(), prompt.begin(), prompt.end());
     engine::TransformerOptions topt;
@@ -115,7 +116,7 @@ class WorkerTest : public ::testing::Test {
     engine::GenerateOptions go;
     go.max_tokens = 8;
     go.ignore_eos = true;
-    go.kv_dtype = kernels::DType::kBF16;
+    go.kv_dtype = kv_dtype;
     auto dense = engine::MakeDensePolicy();
     auto ref = engine::Generate(tf->get(), nullptr, all, go, dense.get(), nullptr);
     EXPECT_TRUE(ref.ok()) << ref.status();
@@ -357,6 +358,62 @@ TEST_F(WorkerTest, SparsePolicyAttendsLessThanTheContext) {
   }).ok());
   EXPECT_EQ(last.state(), v1::JobInfo::FAILED);
   EXPECT_EQ(last.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+}
+
+// kv_cache_dtype "fp8": the job's cache holds e4m3 codes (the persisted bf16 pages rounded on
+// load, the prompt and generated tokens as computed), dense and sparse jobs run over it, and the
+// dense job's tokens follow a local Generate over an fp8 cache (which rounds the document's KV
+// from f32, not from bf16 pages: the first token is asserted, the rest printed; on this tiny model
+// the bf16 tokens are the same). Mounted shards hold e4m3 codes too.
+TEST_F(WorkerTest, Fp8CachesServeDenseAndSparseJobs) {
+  ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), nullptr, nullptr).ok());
+  WorkerOptions wo;
+  wo.worker_id = "fp8-cache";
+  wo.prefill_chunk_size = 64;
+  wo.kv_cache_dtype = "fp8";
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w8,
+                              Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(), nullptr));
+  const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
+  auto run = [&](Worker* w, const v1::RunJobRequest& req) {
+    v1::JobInfo last;
+    EXPECT_TRUE(w->RunJob(req, [&](const v1::JobEvent& e) {
+      if (e.has_snapshot()) last = e.snapshot();
+      return true;
+    }).ok());
+    return last;
+  };
+  const v1::JobInfo dense8 = run(w8.get(), JobRequest("fp8-dense", prompt));
+  ASSERT_EQ(dense8.state(), v1::JobInfo::DONE) << dense8.error_message();
+  ASSERT_EQ(dense8.output_token_ids_size(), 8);
+  const std::vector<int32_t> got(dense8.output_token_ids().begin(), dense8.output_token_ids().end());
+  const std::vector<int32_t> want = LocalGenerate(prompt, engine::WeightFormat::kCheckpoint, kernels::DType::kFP8E4M3);
+  ASSERT_EQ(want.size(), 8u);
+  EXPECT_EQ(got[0], want[0]);
+  size_t same = 0;
+  while (same < got.size() && got[same] == want[same]) ++same;
+  std::printf("fp8 job cache: %zu of 8 tokens equal a local Generate over an fp8 cache\n", same);
+  // A shard mounted for another worker's selection stream holds e4m3 codes too (bf16 by default).
+  v1::SelectionOpen open;
+  open.set_job_id("fp8-shard");
+  open.mutable_shard()->set_document_id(kDocId);
+  open.mutable_shard()->set_first_page(0);
+  open.mutable_shard()->set_end_page(3);
+  open.set_num_q_heads(static_cast<uint32_t>(model_->config.num_heads));
+  open.set_head_dim(static_cast<uint32_t>(model_->config.head_dim));
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShardSession> s8, w8->OpenSelection(open));
+  EXPECT_EQ(s8->shard().cache().options().dtype, kernels::DType::kFP8E4M3);
+  EXPECT_EQ(s8->shard().num_tokens(), static_cast<int64_t>(doc_.size()));
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShardSession> s16, worker_->OpenSelection(open));
+  EXPECT_EQ(s16->shard().cache().options().dtype, kernels::DType::kBF16);
+  v1::RunJobRequest quest = JobRequest("fp8-quest", prompt);
+  quest.mutable_policy()->set_name("quest");
+  quest.mutable_policy()->set_budget_tokens(16);
+  quest.mutable_policy()->set_sink_tokens(4);
+  quest.mutable_policy()->set_window_tokens(16);
+  const v1::JobInfo q8 = run(w8.get(), quest);
+  ASSERT_EQ(q8.state(), v1::JobInfo::DONE) << q8.error_message();
+  EXPECT_EQ(q8.output_token_ids_size(), 8);
+  EXPECT_LT(q8.usage().mean_attended_tokens(), static_cast<double>(doc_.size()));
 }
 
 TEST_F(WorkerTest, CancelJobEndsWithCancelledSnapshot) {
@@ -1998,6 +2055,7 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
       {"prefill_policy", [](WorkerOptions* o) { o->prefill_policy = ""; }},
       {"prefill_budget_tokens", [](WorkerOptions* o) { o->prefill_budget_tokens = 0; }},
       {"kv_page_dtype", [](WorkerOptions* o) { o->kv_page_dtype = "fp16"; }},
+      {"kv_cache_dtype", [](WorkerOptions* o) { o->kv_cache_dtype = "f32"; }},
       {"prefill_chunk_size", [](WorkerOptions* o) { o->prefill_chunk_size = -1; }},
   };
   for (const Case& c : cases) {
