@@ -10,7 +10,8 @@
 // CUDA decode rate of tokenselect against the same job with device selection off (which attends
 // densely on a device backend). Env: STRATA_WORKER_GPU_DOC_TOKENS (default 40960: a middle of more
 // than 512 pages, so the selection runs two-level), STRATA_WORKER_GPU_MAX_TOKENS (default 32),
-// STRATA_WORKER_GPU_KV_CACHE_DTYPE (every worker's WorkerOptions::kv_cache_dtype, default bf16).
+// STRATA_WORKER_GPU_KV_CACHE_DTYPE (every worker's WorkerOptions::kv_cache_dtype, default bf16;
+// with fp8 the tokens must agree on the first half, not all: see the test).
 //
 // WorkerLazyMountGpuTest (WorkerOptions::lazy_mount): the job's GPU page cache lives on the CUDA
 // backend and the decode steps choose their pages with the backend's selection ops over summaries
@@ -208,6 +209,7 @@ TEST(WorkerDeviceSelectionGpuTest, CudaJobMatchesCpuDeviceSelection) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
 
   const char* cache_dtype = std::getenv("STRATA_WORKER_GPU_KV_CACHE_DTYPE");
+  const bool fp8_caches = cache_dtype != nullptr && std::string(cache_dtype) == "fp8";
   auto make = [&](const std::string& id, const std::string& mode, kernels::Backend* be) {
     WorkerOptions wo;
     wo.worker_id = id;
@@ -251,11 +253,17 @@ TEST(WorkerDeviceSelectionGpuTest, CudaJobMatchesCpuDeviceSelection) {
       EXPECT_EQ(gpu->device_selection_jobs(), ++gpu_device_jobs);
       EXPECT_LT(g.info.usage().mean_attended_tokens(), static_cast<double>(doc_tokens) / 4);
     }
-    EXPECT_EQ(Tokens(g.info), Tokens(c.info));
     EXPECT_EQ(g.info.usage().mean_attended_tokens(), c.info.usage().mean_attended_tokens());
     const size_t same = CommonPrefix(g.info, c.info);
     std::printf("%-12s cuda and cpu agree on the first %zu of %d tokens\n", policy.c_str(), same,
                 g.info.output_token_ids_size());
+    if (fp8_caches) {
+      // The same e4m3 codes on both; the CUDA attention's f16 products against the CPU's f32 ones
+      // can tip a near-tie late in the stream (quest at 40K: 30 of 32 in session 32).
+      EXPECT_GE(same, static_cast<size_t>(max_tokens / 2));
+    } else {
+      EXPECT_EQ(Tokens(g.info), Tokens(c.info));
+    }
   }
   // Device selection off on the CUDA backend: tokenselect attends densely (the host policy cannot
   // read device pools).
