@@ -188,9 +188,9 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
                 "bf16|fp8: element type of the KV pages the worker persists (fp8: e4m3 with per-page scales, half "
                 "the bytes in every tier, lossy; must match across the workers of a cluster, like --page-size)");
   flags->String("kv-cache-dtype", &kv_cache_dtype,
-                "bf16|fp8: element type of the KV caches the worker's full-mount jobs and mounted shards attend "
-                "(fp8: e4m3 at scale 1, half the memory and bytes per decode step, lossy; per worker, the pages "
-                "stay --kv-page-dtype)");
+                "bf16|fp8: element type of the worker's job KV caches (the whole document with the full mount) "
+                "and mounted shards (fp8: e4m3 at scale 1, half the memory and bytes per decode step, lossy; per "
+                "worker, the pages stay --kv-page-dtype)");
   flags->Int("prefill-budget-tokens", &prefill_budget_tokens,
              "token budget of a sparse --prefill-policy (per layer and KV head, besides sinks and window)");
   flags->Int("max-decode-batch", &max_decode_batch,

@@ -249,14 +249,14 @@ struct WorkerOptions {
   // job's device-managed cache keeps them as fp8 with per-slot scales. Their minmax summaries bound
   // the stored (dequantised) keys.
   std::string kv_page_dtype = "bf16";
-  // Element type of the KV caches this worker's jobs attend where the cache holds the whole
-  // document (full mount) and of the shards it mounts for other workers' sharded jobs: "bf16"
-  // (default) or "fp8" (e4m3 at per-tensor scale 1, KvCacheOptions: half the memory, half the
-  // bytes each decode step reads, lossy: answers can differ from bf16 ones). Pages load into it
-  // decoded and rounded to e4m3; the job's prompt and generated tokens are appended as e4m3 too.
-  // Every attention and selection path reads fp8 caches (engine/kv_cache.h). A worker's own
-  // choice: the persisted pages stay kv_page_dtype, prefill caches stay bf16, and lazy-mount jobs
-  // read their pages as the page cache holds them.
+  // Element type of the KV caches of this worker's jobs (with the full mount the whole document,
+  // else the prompt and generated tokens) and of the shards it mounts for other workers' sharded
+  // jobs: "bf16" (default) or "fp8" (e4m3 at per-tensor scale 1, KvCacheOptions: half the memory,
+  // half the bytes each decode step reads, lossy: answers can differ from bf16 ones). Pages load
+  // into it decoded and rounded to e4m3; the job's own tokens are appended as e4m3 too. Every
+  // attention and selection path reads fp8 caches (engine/kv_cache.h). A worker's own choice: the
+  // persisted pages stay kv_page_dtype, prefill caches stay bf16, and lazy-mount jobs read the
+  // document's pages as their page cache holds them.
   std::string kv_cache_dtype = "bf16";
 
   // InvalidArgument naming the bad field.

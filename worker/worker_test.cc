@@ -611,6 +611,30 @@ TEST_F(LazyMountTest, EveryPageChosenGivesTheFullMountTokens) {
   EXPECT_EQ(got.usage().cached_tokens(), 640u);
 }
 
+TEST_F(LazyMountTest, Fp8JobCachesHoldThePromptOfLazyJobs) {
+  // kv_cache_dtype fp8 on a lazy-mount worker: the job's own cache (the prompt and generated
+  // tokens) is e4m3, the document's pages come through the page cache as before; on the host and
+  // the device path (CPU twins) alike, quest and dense.
+  for (const char* device_selection : {"off", "on"}) {
+    SCOPED_TRACE(device_selection);
+    WorkerOptions wo;
+    wo.worker_id = std::string("lazy-fp8-") + device_selection;
+    wo.prefill_chunk_size = 64;
+    wo.lazy_mount = true;
+    wo.lazy_cache_pages = 8192;
+    wo.device_selection = device_selection;
+    wo.kv_cache_dtype = "fp8";
+    STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(wo, model_.get(), backend_.get(), store_.get(),
+                                                       store_.get(), nullptr));
+    const v1::JobInfo q = Run(w.get(), Quest("lazy-fp8-quest", 64, 64, 6));
+    EXPECT_EQ(q.output_token_ids_size(), 6);
+    EXPECT_LT(q.usage().mean_attended_tokens(), 640.0);
+    const v1::JobInfo d = Run(w.get(), JobRequest("lazy-fp8-dense", {5, 6, 7, 8, 9}));
+    EXPECT_EQ(d.output_token_ids_size(), 8);
+    EXPECT_EQ(d.usage().cached_tokens(), 640u);
+  }
+}
+
 TEST_F(LazyMountTest, SmallBudgetFetchesOnlyChosenPagesAndCacheSizeDoesNotChangeTokens) {
   // Per forward and (layer, KV head): page 0, the last page and 1 middle page. 4 forwards
   // (prompt + 3 decode steps) touch at most 2 + 4 pages of each (layer, KV head).
