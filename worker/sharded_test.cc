@@ -831,6 +831,26 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
     stream->WritesDone();
     EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
+  {
+    grpc::ClientContext ctx;
+    auto stream = sel->Select(&ctx);
+    v1::SelectionRequest open;
+    open.mutable_open()->set_job_id("j2");
+    *open.mutable_open()->mutable_shard() = mount.shard();
+    open.mutable_open()->set_num_q_heads(c.num_heads);
+    open.mutable_open()->set_head_dim(c.head_dim);
+    ASSERT_TRUE(stream->Write(open));
+    ASSERT_TRUE(stream->Write(open));  // SelectionOpen sent twice
+    stream->WritesDone();
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // The first stream's one answer was counted when it ended (the failed query and the other
+  // streams answered nothing), its time split into its parts.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (metrics_[1]->shard_answers->Value() < 1 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(metrics_[1]->shard_answers->Value(), 1.0);
+  EXPECT_GT(metrics_[1]->shard_answer_queue_seconds->Value(), 0.0);
+  EXPECT_GT(metrics_[1]->shard_answer_send_seconds->Value(), 0.0);
 
   // PeerPages: a stored page comes back decodable, a page past the document is absent.
   {
