@@ -14,16 +14,18 @@ namespace strata::engine::sparse {
 
 namespace {
 
-// q . k over n f32 elements: 8 independent partial sums so the compiler can vectorise (f32
-// rounding differs slightly from one sequential chain).
-float DotF32(const float* k, const float* q, int n) {
+// q . k over n elements, k[i] = load(i) as f32: 8 independent partial sums so the compiler can
+// vectorise (f32 rounding differs slightly from one sequential chain), the same order for every
+// element type.
+template <typename Load>
+float Dot8(const float* q, int n, Load load) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   float tail = 0.0f;
   int i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * k[i + j];
+    for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * load(i + j);
   }
-  for (; i < n; ++i) tail += q[i] * k[i];
+  for (; i < n; ++i) tail += q[i] * load(i);
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 
@@ -46,37 +48,30 @@ void HeadRows::ReadRows(int64_t t, int64_t n, float* dst) const {
 
 float HeadRows::Dot(int64_t t, const float* q) const {
   if (dtype == kernels::DType::kF32) {
-    return DotF32(static_cast<const float*>(data) + t * head_dim, q, head_dim);
+    const float* k = static_cast<const float*>(data) + t * head_dim;
+    return Dot8(q, head_dim, [k](int i) { return k[i]; });
   }
-  if (dtype == kernels::DType::kFP8E4M3) {
-    // The row's values first (as an f32 row holds them), then the f32 sum.
-    constexpr int kStack = 512;
-    float stack[kStack];
-    std::vector<float> heap;
-    float* row = stack;
-    if (head_dim > kStack) {
-      heap.resize(static_cast<size_t>(head_dim));
-      row = heap.data();
-    }
-    ReadRows(t, 1, row);
-    return DotF32(row, q, head_dim);
+  if (dtype == kernels::DType::kBF16) {
+    // The f32 value is the 16 bits shifted up (exact).
+    const uint16_t* k = static_cast<const uint16_t*>(data) + t * head_dim;
+    return Dot8(q, head_dim, [k](int i) {
+      const uint32_t bits = static_cast<uint32_t>(k[i]) << 16;
+      float x;
+      std::memcpy(&x, &bits, sizeof(x));
+      return x;
+    });
   }
-  // bf16: the f32 value is the 16 bits shifted up (exact); the same sums as DotF32.
-  const uint16_t* k = static_cast<const uint16_t*>(data) + t * head_dim;
-  auto f = [](uint16_t b) {
-    const uint32_t bits = static_cast<uint32_t>(b) << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof(x));
-    return x;
-  };
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  float tail = 0.0f;
-  int i = 0;
-  for (; i + 8 <= head_dim; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * f(k[i + j]);
+  // fp8: the row's values first (as an f32 row holds them), then the same sum.
+  constexpr int kStack = 512;
+  float stack[kStack];
+  std::vector<float> heap;
+  float* row = stack;
+  if (head_dim > kStack) {
+    heap.resize(static_cast<size_t>(head_dim));
+    row = heap.data();
   }
-  for (; i < head_dim; ++i) tail += q[i] * f(k[i]);
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+  ReadRows(t, 1, row);
+  return Dot8(q, head_dim, [row](int i) { return row[i]; });
 }
 
 void SoftVote(const float* scores, int num_heads, int64_t n, float* out) {
