@@ -792,14 +792,14 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
 
   auto sel = v1::ShardSelection::NewStub(channel);
   const model::ModelConfig& c = model_->config;
+  v1::SelectionRequest open;
+  open.mutable_open()->set_job_id("j");
+  *open.mutable_open()->mutable_shard() = mount.shard();
+  open.mutable_open()->set_num_q_heads(c.num_heads);
+  open.mutable_open()->set_head_dim(c.head_dim);
   {
     grpc::ClientContext ctx;
     auto stream = sel->Select(&ctx);
-    v1::SelectionRequest open;
-    open.mutable_open()->set_job_id("j");
-    *open.mutable_open()->mutable_shard() = mount.shard();
-    open.mutable_open()->set_num_q_heads(c.num_heads);
-    open.mutable_open()->set_head_dim(c.head_dim);
     ASSERT_TRUE(stream->Write(open));
     v1::SelectionRequest q;
     q.mutable_query()->set_step(0);
@@ -834,11 +834,6 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
   {
     grpc::ClientContext ctx;
     auto stream = sel->Select(&ctx);
-    v1::SelectionRequest open;
-    open.mutable_open()->set_job_id("j2");
-    *open.mutable_open()->mutable_shard() = mount.shard();
-    open.mutable_open()->set_num_q_heads(c.num_heads);
-    open.mutable_open()->set_head_dim(c.head_dim);
     ASSERT_TRUE(stream->Write(open));
     ASSERT_TRUE(stream->Write(open));  // SelectionOpen sent twice
     stream->WritesDone();

@@ -101,6 +101,16 @@ class WorkerTest : public ::testing::Test {
     return r;
   }
 
+  // Runs a job on `w` to its end; its last snapshot.
+  static v1::JobInfo Run(Worker* w, const v1::RunJobRequest& req) {
+    v1::JobInfo last;
+    EXPECT_TRUE(w->RunJob(req, [&](const v1::JobEvent& e) {
+      if (e.has_snapshot()) last = e.snapshot();
+      return true;
+    }).ok());
+    return last;
+  }
+
   // 8 greedy tokens after doc_ + prompt through a local engine::Generate (dense, a `kv_dtype` KV
   // cache), the projections in `format`; empty (and a test failure) if it fails.
   std::vector<int32_t> LocalGenerate(const std::vector<int32_t>& prompt, engine::WeightFormat format,
@@ -374,15 +384,7 @@ TEST_F(WorkerTest, Fp8CachesServeDenseAndSparseJobs) {
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w8,
                               Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(), nullptr));
   const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
-  auto run = [&](Worker* w, const v1::RunJobRequest& req) {
-    v1::JobInfo last;
-    EXPECT_TRUE(w->RunJob(req, [&](const v1::JobEvent& e) {
-      if (e.has_snapshot()) last = e.snapshot();
-      return true;
-    }).ok());
-    return last;
-  };
-  const v1::JobInfo dense8 = run(w8.get(), JobRequest("fp8-dense", prompt));
+  const v1::JobInfo dense8 = Run(w8.get(), JobRequest("fp8-dense", prompt));
   ASSERT_EQ(dense8.state(), v1::JobInfo::DONE) << dense8.error_message();
   ASSERT_EQ(dense8.output_token_ids_size(), 8);
   const std::vector<int32_t> got(dense8.output_token_ids().begin(), dense8.output_token_ids().end());
@@ -410,7 +412,7 @@ TEST_F(WorkerTest, Fp8CachesServeDenseAndSparseJobs) {
   quest.mutable_policy()->set_budget_tokens(16);
   quest.mutable_policy()->set_sink_tokens(4);
   quest.mutable_policy()->set_window_tokens(16);
-  const v1::JobInfo q8 = run(w8.get(), quest);
+  const v1::JobInfo q8 = Run(w8.get(), quest);
   ASSERT_EQ(q8.state(), v1::JobInfo::DONE) << q8.error_message();
   EXPECT_EQ(q8.output_token_ids_size(), 8);
   EXPECT_LT(q8.usage().mean_attended_tokens(), static_cast<double>(doc_.size()));
@@ -572,11 +574,7 @@ class LazyMountTest : public WorkerTest {
     return w.ok() ? std::move(*w) : nullptr;
   }
   static v1::JobInfo Run(Worker* w, const v1::RunJobRequest& req) {
-    v1::JobInfo last;
-    EXPECT_TRUE(w->RunJob(req, [&](const v1::JobEvent& e) {
-      if (e.has_snapshot()) last = e.snapshot();
-      return true;
-    }).ok());
+    const v1::JobInfo last = WorkerTest::Run(w, req);
     EXPECT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
     return last;
   }
@@ -1601,14 +1599,6 @@ class DeviceSelectionTest : public WorkerTest {
     auto w = Worker::Create(wo, model_.get(), backend, store_.get(), store_.get(), nullptr);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;
-  }
-  static v1::JobInfo Run(Worker* w, const v1::RunJobRequest& req) {
-    v1::JobInfo last;
-    EXPECT_TRUE(w->RunJob(req, [&](const v1::JobEvent& e) {
-      if (e.has_snapshot()) last = e.snapshot();
-      return true;
-    }).ok());
-    return last;
   }
   static std::vector<int32_t> Tokens(const v1::JobInfo& info) {
     return std::vector<int32_t>(info.output_token_ids().begin(), info.output_token_ids().end());
