@@ -144,5 +144,23 @@ TEST(WorkerEngineFlagsTest, WeightFormatReachesTheWorkerOptions) {
   EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// --kv-page-dtype and --kv-cache-dtype reach WorkerOptions; other values fail
+// WorkerOptions::Validate naming the field.
+TEST(WorkerEngineFlagsTest, KvDtypesReachTheWorkerOptions) {
+  worker::WorkerOptions o;
+  o.worker_id = "w";
+  STRATA_ASSERT_OK(ParseEngineFlags({}, &o));
+  EXPECT_EQ(o.kv_page_dtype, "bf16");
+  EXPECT_EQ(o.kv_cache_dtype, "bf16");
+  STRATA_ASSERT_OK(ParseEngineFlags({"--kv-page-dtype", "fp8", "--kv-cache-dtype", "fp8"}, &o));
+  EXPECT_EQ(o.kv_page_dtype, "fp8");
+  EXPECT_EQ(o.kv_cache_dtype, "fp8");
+  STRATA_EXPECT_OK(o.Validate());
+  STRATA_ASSERT_OK(ParseEngineFlags({"--kv-cache-dtype", "f32"}, &o));
+  const absl::Status s = o.Validate();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("kv_cache_dtype"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace strata::cli
