@@ -393,6 +393,63 @@ TEST(ResidentServeTest, Fp8LazyJobsRunTheDeviceManagedCacheAndTheSecondFetchesNo
   std::filesystem::remove_all(dir);
 }
 
+// `strata serve --kv-cache-dtype fp8`: full-mount jobs attend fp8 KV caches (the flag parsed,
+// validated and applied end to end); a dense and a quest question finish, twice each with the
+// same tokens (the second from persisted KV).
+TEST(Fp8CacheServeTest, DenseAndQuestJobsFinishOverFp8Caches) {
+  char tmpl[] = "/tmp/strata_fp8_cache_serve_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  ChildProcess make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "5", "--out", dir + "/model"},
+                    dir + "/make.out", dir + "/make.err");
+  auto made = make.Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(made.has_value() && *made == 0) << make.Err();
+  ChildProcess server({STRATA_BINARY, "serve", "--model", dir + "/model", "--data", dir + "/data", "--listen",
+                       "127.0.0.1:0", "--metrics-listen", absl::StrCat("127.0.0.1:", FreePort()), "--port-file",
+                       dir + "/ports", "--no-sync", "--prefill-chunk", "128", "--kv-cache-dtype", "fp8",
+                       "--drain-timeout-seconds", "2"},
+                      dir + "/serve.out", dir + "/serve.err");
+  int grpc_port = 0, metrics_port = 0;
+  ASSERT_TRUE(server.WaitForPorts(dir + "/ports", std::chrono::seconds(60), &grpc_port, &metrics_port))
+      << server.Err();
+  const std::string address = absl::StrCat("127.0.0.1:", grpc_port);
+  std::vector<int32_t> doc;
+  for (int i = 0; i < 700; ++i) doc.push_back(3 + (i * 89 + 7) % 480);
+  const v1::DocumentInfo info = UploadTokensTo(address, doc);
+  ASSERT_EQ(info.num_tokens(), doc.size());
+  for (const char* policy : {"dense", "quest"}) {
+    SCOPED_TRACE(policy);
+    v1::JobSubmitRequest req;
+    req.set_document_id(info.document_id());
+    for (int32_t t : {40, 41, 42, 43}) req.mutable_prompt_tokens()->add_ids(t);
+    req.mutable_params()->set_max_tokens(6);
+    req.mutable_params()->set_temperature(0);
+    req.mutable_params()->set_ignore_eos(true);
+    req.mutable_policy()->set_name(policy);
+    req.mutable_policy()->set_budget_tokens(128);
+    req.mutable_policy()->set_window_tokens(64);
+    const JobRun first = GenerateOn(address, req, 120);
+    ASSERT_TRUE(first.status.ok()) << first.status.error_message() << server.Err();
+    ASSERT_EQ(first.final.state(), v1::JobInfo::DONE) << first.final.error_message();
+    EXPECT_EQ(first.tokens.size(), 6u);
+    const JobRun second = GenerateOn(address, req, 120);
+    ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+    EXPECT_EQ(second.tokens, first.tokens);
+  }
+  auto code = server.StopWith(SIGTERM, std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value()) << server.Err();
+  EXPECT_EQ(*code, 0) << server.Err();
+  // A bad value is refused at startup.
+  ChildProcess bad({STRATA_BINARY, "serve", "--model", dir + "/model", "--data", dir + "/data2", "--listen",
+                    "127.0.0.1:0", "--kv-cache-dtype", "f32"},
+                   dir + "/bad.out", dir + "/bad.err");
+  auto bad_code = bad.Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(bad_code.has_value());
+  EXPECT_NE(*bad_code, 0);
+  EXPECT_TRUE(absl::StrContains(bad.Err(), "kv_cache_dtype")) << bad.Err();
+  std::filesystem::remove_all(dir);
+}
+
 // Runs last (gtest runs tests in declaration order): SIGTERM drains and exits 0.
 TEST_F(ServeTest, ZzSigtermStops) {
   auto code = server_->StopWith(SIGTERM, std::chrono::seconds(30));
