@@ -4,9 +4,12 @@
 // on top of the peer's attention (bench/RESULTS.md).
 //
 //   shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] [--modes reader,direct,async,tcp]
+//                   [--peer sync|callback]
 //
-// Modes (the leader's side; the peer is a synchronous ShardSelection service, as
-// worker/service.cc's):
+// The peer: --peer sync (default) a synchronous ShardSelection service, as worker/service.cc's
+// (a handler thread blocked in Read per stream); --peer callback the callback API (a reactor
+// whose read completions build the answer and start its write on gRPC's own thread).
+// Modes (the leader's side):
 //   reader  as LeaderAttention did until session 31: Write, then a reader thread that Reads every
 //           answer into a queue the leader waits on with a deadline (absl::Mutex);
 //   direct  as LeaderAttention does since: Write, then Read on the leader's own thread (its
@@ -61,6 +64,52 @@ class EchoSelection final : public v1::ShardSelection::Service {
       if (!stream->Write(resp)) break;
     }
     return grpc::Status::OK;
+  }
+
+ private:
+  const int heads_;
+};
+
+// The same answers from gRPC's callback API: each read completes on a gRPC thread, which builds
+// the answer and starts its write there (no hand-over to a handler thread blocked in Read).
+class CallbackEchoSelection final : public v1::ShardSelection::CallbackService {
+ public:
+  explicit CallbackEchoSelection(int heads) : heads_(heads) {}
+  grpc::ServerBidiReactor<v1::SelectionRequest, v1::SelectionResponse>* Select(
+      grpc::CallbackServerContext* context) override {
+    class Reactor final : public grpc::ServerBidiReactor<v1::SelectionRequest, v1::SelectionResponse> {
+     public:
+      explicit Reactor(int heads) : heads_(heads) { StartRead(&req_); }
+      void OnReadDone(bool ok) override {
+        if (!ok) {
+          Finish(grpc::Status::OK);
+          return;
+        }
+        if (!req_.has_query()) {  // the open message
+          StartRead(&req_);
+          return;
+        }
+        resp_.set_step(req_.query().step());
+        resp_.set_layer(req_.query().layer());
+        resp_.set_o(req_.query().q());  // same size as o
+        resp_.set_lse(std::string(static_cast<size_t>(req_.query().num_tokens()) * heads_ * sizeof(float), '\0'));
+        StartWrite(&resp_);
+      }
+      void OnWriteDone(bool ok) override {
+        if (!ok) {
+          Finish(grpc::Status::OK);
+          return;
+        }
+        StartRead(&req_);
+      }
+      void OnDone() override { delete this; }
+
+     private:
+      const int heads_;
+      v1::SelectionRequest req_;
+      v1::SelectionResponse resp_;
+    };
+    return new Reactor(heads_);
   }
 
  private:
@@ -299,7 +348,7 @@ int Run(const std::string& address, const std::string& mode, int heads, int dim,
 
 int main(int argc, char** argv) {
   int heads = 32, dim = 128, rounds = 4000;
-  std::string modes = "reader,direct,async,tcp";
+  std::string modes = "reader,direct,async,tcp", peer = "sync";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     bool ok = true;
@@ -307,19 +356,25 @@ int main(int argc, char** argv) {
     else if (flag == "--dim") ok = absl::SimpleAtoi(value, &dim);
     else if (flag == "--rounds") ok = absl::SimpleAtoi(value, &rounds);
     else if (flag == "--modes") modes = value;
+    else if (flag == "--peer") peer = value;
     else ok = false;
-    if (!ok || heads < 1 || dim < 1 || rounds < 1) {
+    if (!ok || heads < 1 || dim < 1 || rounds < 1 || (peer != "sync" && peer != "callback")) {
       std::fprintf(stderr, "usage: shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] "
-                   "[--modes reader,direct,async,tcp]\n");
+                   "[--modes reader,direct,async,tcp] [--peer sync|callback]\n");
       return 2;
     }
   }
   EchoSelection service(heads);
+  CallbackEchoSelection callback_service(heads);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(256 << 20);
-  builder.RegisterService(&service);
+  if (peer == "callback") {
+    builder.RegisterService(&callback_service);
+  } else {
+    builder.RegisterService(&service);
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::fprintf(stderr, "cannot serve on 127.0.0.1\n");
