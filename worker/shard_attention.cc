@@ -436,10 +436,16 @@ absl::Status ShardSession::Answer(const v1::LayerQuery& query, v1::SelectionResp
   }
   if (query.q_begin() > static_cast<uint64_t>(INT32_MAX)) return absl::InvalidArgumentError("LayerQuery: q_begin");
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> q(static_cast<size_t>(n) * hq * d);
-  std::memcpy(q.data(), query.q().data(), query.q().size());
+  // The queries are read in place when the message's bytes are float-aligned (Start reads them
+  // before it returns), else from an aligned copy.
+  const float* q = reinterpret_cast<const float*>(query.q().data());
+  if (reinterpret_cast<uintptr_t>(q) % alignof(float) != 0) {
+    q_copy_.resize(static_cast<size_t>(n) * hq * d);
+    std::memcpy(q_copy_.data(), query.q().data(), query.q().size());
+    q = q_copy_.data();
+  }
   engine::SelectionCounters counters;
-  STRATA_RETURN_IF_ERROR(Start(static_cast<int>(query.layer()), q.data(), static_cast<int>(n), hq,
+  STRATA_RETURN_IF_ERROR(Start(static_cast<int>(query.layer()), q, static_cast<int>(n), hq,
                                static_cast<int64_t>(query.q_begin()), &partial_, &counters));
   const auto t1 = std::chrono::steady_clock::now();
   STRATA_RETURN_IF_ERROR(Finish());

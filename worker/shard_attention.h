@@ -249,6 +249,7 @@ class ShardSession {
   std::vector<std::unique_ptr<kernels::Graph>> step_graphs_;
   AttendScratch step_scratch_;
   std::vector<float> qmean_;
+  std::vector<float> q_copy_;  // Answer's queries when the message's bytes are not float-aligned
   engine::AttentionPartial partial_;
   kvstore::TierCounts report_pages_;
   bool has_report_pages_ = false;
