@@ -4,7 +4,7 @@
 // on top of the peer's attention (bench/RESULTS.md).
 //
 //   shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] [--modes reader,direct,async,tcp]
-//                   [--peer sync|callback]
+//                   [--peer sync|callback] [--peers 1]
 //
 // The peer: --peer sync (default) a synchronous ShardSelection service, as worker/service.cc's
 // (a handler thread blocked in Read per stream); --peer callback the callback API (a reactor
@@ -18,6 +18,8 @@
 //           own thread waits on with a deadline (AsyncNext);
 //   tcp     the floor: the same bytes (query, then answer) over a plain loopback TCP socket with
 //           TCP_NODELAY, no gRPC.
+// --peers N > 1 times one layer's fan-out to N peers (a server each) in the direct and async
+// modes: from the first write to the last answer (RunFanout).
 // Prints, per mode, the round trip's median, 90th and 99th percentile in microseconds.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -272,6 +274,106 @@ int RunAsync(const std::string& address, int heads, int dim, int rounds) {
   return 0;
 }
 
+// --peers N > 1: one layer's fan-out to N peers (one stream and server each). direct: the query
+// written to each peer in turn with the synchronous API, then each answer read, as
+// LeaderAttention does; async: every write and read started at once on one CompletionQueue.
+// The round trip is from the first write to the last answer.
+int RunFanout(const std::vector<std::string>& addresses, const std::string& mode, int heads, int dim, int rounds) {
+  const int n = static_cast<int>(addresses.size());
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  std::vector<std::unique_ptr<v1::ShardSelection::Stub>> stubs;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  for (const std::string& a : addresses) {
+    stubs.push_back(v1::ShardSelection::NewStub(grpc::CreateCustomChannel(a, grpc::InsecureChannelCredentials(), args)));
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+  }
+  v1::SelectionRequest open;
+  open.mutable_open()->set_job_id("rtt");
+  std::vector<float> q(static_cast<size_t>(heads) * dim, 0.5f);
+  std::vector<double> us;
+  const int warmup = std::min(200, rounds / 4);
+  std::vector<v1::SelectionResponse> resp(static_cast<size_t>(n));
+  auto check = [&](int i) {
+    for (const v1::SelectionResponse& r : resp) {
+      if (r.step() != static_cast<uint64_t>(i) || r.o().size() != q.size() * sizeof(float)) {
+        std::fprintf(stderr, "bad answer at round %d\n", i);
+        return false;
+      }
+    }
+    return true;
+  };
+  if (mode == "direct") {
+    std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::SelectionRequest, v1::SelectionResponse>>> streams;
+    for (int p = 0; p < n; ++p) {
+      streams.push_back(stubs[p]->Select(contexts[p].get()));
+      if (!streams.back()->Write(open)) return 1;
+    }
+    for (int i = 0; i < warmup + rounds; ++i) {
+      const v1::SelectionRequest req = QueryRequest(i, q);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int p = 0; p < n; ++p) {
+        if (!streams[p]->Write(req)) return 1;
+      }
+      for (int p = 0; p < n; ++p) {
+        if (!streams[p]->Read(&resp[p])) return 1;
+      }
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!check(i)) return 1;
+      if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    for (int p = 0; p < n; ++p) {
+      streams[p]->WritesDone();
+      contexts[p]->TryCancel();
+      streams[p]->Finish().ok();
+    }
+  } else {
+    grpc::CompletionQueue cq;
+    std::vector<std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::SelectionRequest, v1::SelectionResponse>>> streams;
+    auto wait_all = [&](int events) {
+      for (int e = 0; e < events; ++e) {
+        void* tag = nullptr;
+        bool ok = false;
+        const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(5);
+        if (cq.AsyncNext(&tag, &ok, deadline) != grpc::CompletionQueue::GOT_EVENT || !ok) return false;
+      }
+      return true;
+    };
+    for (int p = 0; p < n; ++p) streams.push_back(stubs[p]->AsyncSelect(contexts[p].get(), &cq, nullptr));
+    if (!wait_all(n)) return 1;
+    for (int p = 0; p < n; ++p) streams[p]->Write(open, nullptr);
+    if (!wait_all(n)) return 1;
+    for (int i = 0; i < warmup + rounds; ++i) {
+      const v1::SelectionRequest req = QueryRequest(i, q);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int p = 0; p < n; ++p) {
+        streams[p]->Write(req, nullptr);
+        streams[p]->Read(&resp[p], nullptr);
+      }
+      if (!wait_all(2 * n)) {
+        std::fprintf(stderr, "async fan-out round %d failed\n", i);
+        return 1;
+      }
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!check(i)) return 1;
+      if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    for (int p = 0; p < n; ++p) contexts[p]->TryCancel();
+    std::vector<grpc::Status> status(static_cast<size_t>(n));
+    for (int p = 0; p < n; ++p) streams[p]->Finish(&status[p], nullptr);
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+    }
+  }
+  const Stats s = Percentiles(us);
+  std::printf("RTT %-8s heads %d dim %d rounds %d peers %d: p50 %.1f us  p90 %.1f us  p99 %.1f us\n", mode.c_str(),
+              heads, dim, rounds, n, s.p50, s.p90, s.p99);
+  return 0;
+}
+
 int Run(const std::string& address, const std::string& mode, int heads, int dim, int rounds) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
@@ -347,7 +449,7 @@ int Run(const std::string& address, const std::string& mode, int heads, int dim,
 }  // namespace
 
 int main(int argc, char** argv) {
-  int heads = 32, dim = 128, rounds = 4000;
+  int heads = 32, dim = 128, rounds = 4000, peers = 1;
   std::string modes = "reader,direct,async,tcp", peer = "sync";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
@@ -357,40 +459,51 @@ int main(int argc, char** argv) {
     else if (flag == "--rounds") ok = absl::SimpleAtoi(value, &rounds);
     else if (flag == "--modes") modes = value;
     else if (flag == "--peer") peer = value;
+    else if (flag == "--peers") ok = absl::SimpleAtoi(value, &peers);
     else ok = false;
-    if (!ok || heads < 1 || dim < 1 || rounds < 1 || (peer != "sync" && peer != "callback")) {
+    if (!ok || heads < 1 || dim < 1 || rounds < 1 || (peer != "sync" && peer != "callback") || peers < 1 ||
+        peers > 16) {
       std::fprintf(stderr, "usage: shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] "
-                   "[--modes reader,direct,async,tcp] [--peer sync|callback]\n");
+                   "[--modes reader,direct,async,tcp] [--peer sync|callback] [--peers 1..16]\n");
       return 2;
     }
   }
-  EchoSelection service(heads);
-  CallbackEchoSelection callback_service(heads);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(256 << 20);
-  if (peer == "callback") {
-    builder.RegisterService(&callback_service);
-  } else {
-    builder.RegisterService(&service);
+  // One server per peer (each service instance serves its own server).
+  std::vector<std::unique_ptr<EchoSelection>> services;
+  std::vector<std::unique_ptr<CallbackEchoSelection>> callback_services;
+  std::vector<std::unique_ptr<grpc::Server>> servers;
+  std::vector<std::string> addresses;
+  for (int p = 0; p < peers; ++p) {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(256 << 20);
+    if (peer == "callback") {
+      callback_services.push_back(std::make_unique<CallbackEchoSelection>(heads));
+      builder.RegisterService(callback_services.back().get());
+    } else {
+      services.push_back(std::make_unique<EchoSelection>(heads));
+      builder.RegisterService(services.back().get());
+    }
+    servers.push_back(builder.BuildAndStart());
+    if (servers.back() == nullptr || port == 0) {
+      std::fprintf(stderr, "cannot serve on 127.0.0.1\n");
+      return 1;
+    }
+    addresses.push_back("127.0.0.1:" + std::to_string(port));
   }
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "cannot serve on 127.0.0.1\n");
-    return 1;
-  }
-  const std::string address = "127.0.0.1:" + std::to_string(port);
   for (const std::string& mode : std::vector<std::string>(absl::StrSplit(modes, ','))) {
     if (mode != "reader" && mode != "direct" && mode != "async" && mode != "tcp") {
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
       return 2;
     }
-    const int rc = mode == "async" ? RunAsync(address, heads, dim, rounds)
-                   : mode == "tcp" ? RunTcp(heads, dim, rounds)
-                                   : Run(address, mode, heads, dim, rounds);
+    if (peers > 1 && mode != "direct" && mode != "async") continue;  // fan-out: direct and async only
+    const int rc = peers > 1        ? RunFanout(addresses, mode, heads, dim, rounds)
+                   : mode == "async" ? RunAsync(addresses[0], heads, dim, rounds)
+                   : mode == "tcp"   ? RunTcp(heads, dim, rounds)
+                                     : Run(addresses[0], mode, heads, dim, rounds);
     if (rc != 0) return rc;
   }
-  server->Shutdown(std::chrono::system_clock::now());
+  for (auto& server : servers) server->Shutdown(std::chrono::system_clock::now());
   return 0;
 }
