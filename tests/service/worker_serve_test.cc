@@ -335,27 +335,49 @@ TEST(WorkerProcessTest, WorkerWithRemoteKvStore) {
   kv.StopWith(SIGTERM, std::chrono::seconds(30));
 }
 
+// A tiny model (seed 5) in a temporary folder and `strata serve` over it on loopback (free ports,
+// --no-sync, 128-token prefill chunks, a 2 s drain) with the `extra` flags; the folder is removed
+// and the server killed if still running when it goes.
+struct TinyServe {
+  std::string dir;
+  std::unique_ptr<ChildProcess> server;
+  int grpc_port = 0, metrics_port = 0;
+  std::string address() const { return absl::StrCat("127.0.0.1:", grpc_port); }
+  ~TinyServe() {
+    server.reset();
+    if (!dir.empty()) std::filesystem::remove_all(dir);
+  }
+};
+void StartTinyServe(const std::vector<std::string>& extra, TinyServe* s) {
+  char tmpl[] = "/tmp/strata_tiny_serve_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  s->dir = tmpl;
+  const std::string& dir = s->dir;
+  ChildProcess make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "5", "--out", dir + "/model"},
+                    dir + "/make.out", dir + "/make.err");
+  auto made = make.Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(made.has_value() && *made == 0) << make.Err();
+  std::vector<std::string> args = {
+      STRATA_BINARY, "serve", "--model", dir + "/model", "--data", dir + "/data", "--listen", "127.0.0.1:0",
+      "--metrics-listen", absl::StrCat("127.0.0.1:", FreePort()), "--port-file", dir + "/ports", "--no-sync",
+      "--prefill-chunk", "128", "--drain-timeout-seconds", "2"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  s->server = std::make_unique<ChildProcess>(args, dir + "/serve.out", dir + "/serve.err");
+  ASSERT_TRUE(s->server->WaitForPorts(dir + "/ports", std::chrono::seconds(60), &s->grpc_port, &s->metrics_port))
+      << s->server->Err();
+}
+
 // `strata serve` with fp8 pages, the lazy mount and selection on the backend (the CPU twins): the
 // prefill leaves the whole document in the worker's host tier (pages in backend host memory, as
 // the command sets it up), so quest jobs run the device-managed page cache; the second question
 // finds its pages in the document's kept GPU state and fetches none.
 TEST(ResidentServeTest, Fp8LazyJobsRunTheDeviceManagedCacheAndTheSecondFetchesNothing) {
-  char tmpl[] = "/tmp/strata_resident_serve_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl;
-  ChildProcess make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "5", "--out", dir + "/model"},
-                    dir + "/make.out", dir + "/make.err");
-  auto made = make.Wait(std::chrono::seconds(60));
-  ASSERT_TRUE(made.has_value() && *made == 0) << make.Err();
-  ChildProcess server({STRATA_BINARY, "serve", "--model", dir + "/model", "--data", dir + "/data", "--listen",
-                       "127.0.0.1:0", "--metrics-listen", absl::StrCat("127.0.0.1:", FreePort()), "--port-file",
-                       dir + "/ports", "--no-sync", "--prefill-chunk", "128", "--kv-page-dtype", "fp8",
-                       "--lazy-mount", "--device-selection", "on", "--drain-timeout-seconds", "2"},
-                      dir + "/serve.out", dir + "/serve.err");
-  int grpc_port = 0, metrics_port = 0;
-  ASSERT_TRUE(server.WaitForPorts(dir + "/ports", std::chrono::seconds(60), &grpc_port, &metrics_port))
-      << server.Err();
-  const std::string address = absl::StrCat("127.0.0.1:", grpc_port);
+  TinyServe serve;
+  ASSERT_NO_FATAL_FAILURE(
+      StartTinyServe({"--kv-page-dtype", "fp8", "--lazy-mount", "--device-selection", "on"}, &serve));
+  ChildProcess& server = *serve.server;
+  const int metrics_port = serve.metrics_port;
+  const std::string address = serve.address();
   std::vector<int32_t> doc;
   for (int i = 0; i < 900; ++i) doc.push_back(3 + (i * 89 + 7) % 480);
   const v1::DocumentInfo info = UploadTokensTo(address, doc);
@@ -390,29 +412,17 @@ TEST(ResidentServeTest, Fp8LazyJobsRunTheDeviceManagedCacheAndTheSecondFetchesNo
   auto code = server.StopWith(SIGTERM, std::chrono::seconds(30));
   ASSERT_TRUE(code.has_value()) << server.Err();
   EXPECT_EQ(*code, 0) << server.Err();
-  std::filesystem::remove_all(dir);
 }
 
 // `strata serve --kv-cache-dtype fp8`: full-mount jobs attend fp8 KV caches (the flag parsed,
 // validated and applied end to end); a dense and a quest question finish, twice each with the
 // same tokens (the second from persisted KV).
 TEST(Fp8CacheServeTest, DenseAndQuestJobsFinishOverFp8Caches) {
-  char tmpl[] = "/tmp/strata_fp8_cache_serve_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl;
-  ChildProcess make({STRATA_BINARY, "make-model", "--preset", "tiny", "--seed", "5", "--out", dir + "/model"},
-                    dir + "/make.out", dir + "/make.err");
-  auto made = make.Wait(std::chrono::seconds(60));
-  ASSERT_TRUE(made.has_value() && *made == 0) << make.Err();
-  ChildProcess server({STRATA_BINARY, "serve", "--model", dir + "/model", "--data", dir + "/data", "--listen",
-                       "127.0.0.1:0", "--metrics-listen", absl::StrCat("127.0.0.1:", FreePort()), "--port-file",
-                       dir + "/ports", "--no-sync", "--prefill-chunk", "128", "--kv-cache-dtype", "fp8",
-                       "--drain-timeout-seconds", "2"},
-                      dir + "/serve.out", dir + "/serve.err");
-  int grpc_port = 0, metrics_port = 0;
-  ASSERT_TRUE(server.WaitForPorts(dir + "/ports", std::chrono::seconds(60), &grpc_port, &metrics_port))
-      << server.Err();
-  const std::string address = absl::StrCat("127.0.0.1:", grpc_port);
+  TinyServe serve;
+  ASSERT_NO_FATAL_FAILURE(StartTinyServe({"--kv-cache-dtype", "fp8"}, &serve));
+  ChildProcess& server = *serve.server;
+  const std::string& dir = serve.dir;
+  const std::string address = serve.address();
   std::vector<int32_t> doc;
   for (int i = 0; i < 700; ++i) doc.push_back(3 + (i * 89 + 7) % 480);
   const v1::DocumentInfo info = UploadTokensTo(address, doc);
@@ -447,7 +457,6 @@ TEST(Fp8CacheServeTest, DenseAndQuestJobsFinishOverFp8Caches) {
   ASSERT_TRUE(bad_code.has_value());
   EXPECT_NE(*bad_code, 0);
   EXPECT_TRUE(absl::StrContains(bad.Err(), "kv_cache_dtype")) << bad.Err();
-  std::filesystem::remove_all(dir);
 }
 
 // Runs last (gtest runs tests in declaration order): SIGTERM drains and exits 0.
