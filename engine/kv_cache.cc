@@ -282,6 +282,15 @@ int32_t KvCache::SlotOf(int layer, int kv_head, int64_t page) const {
   return static_cast<int32_t>(kv_head * pages_per_head_ + page);
 }
 
+std::vector<int32_t> KvCache::PageTable(int64_t width) const {
+  const int64_t hkv = options_.num_kv_heads, cols = std::min(width, pages_per_head_);
+  std::vector<int32_t> table(static_cast<size_t>(hkv * std::max<int64_t>(width, 0)), -1);
+  for (int64_t g = 0; g < hkv; ++g) {
+    for (int64_t p = 0; p < cols; ++p) table[g * width + p] = SlotOf(0, static_cast<int>(g), p);
+  }
+  return table;
+}
+
 void KvCache::AppendSpans(int layer, int kv_head, int64_t begin, int64_t end,
                           std::vector<KvSpan>* spans) const {
   begin = std::max<int64_t>(begin, 0);

@@ -87,6 +87,10 @@ class KvCache {
   kernels::TensorView k_pool(int layer) const;
   kernels::TensorView v_pool(int layer) const;
   int32_t SlotOf(int layer, int kv_head, int64_t page) const;
+  // The page table of every layer (slots do not depend on the layer): [num_kv_heads, width] i32,
+  // entry (g, p) = SlotOf(layer, g, p) for p < pages_per_head(), -1 beyond (width may exceed the
+  // cache's pages, e.g. a table sized for a larger cache; columns past width are dropped).
+  std::vector<int32_t> PageTable(int64_t width) const;
 
   // Appends to `spans` the spans covering tokens [begin, end) of `kv_head` (page by page).
   void AppendSpans(int layer, int kv_head, int64_t begin, int64_t end,

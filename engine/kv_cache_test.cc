@@ -194,6 +194,26 @@ TEST(KvCacheTest, Fp8AppendStoresScaledCodes) {
   EXPECT_EQ(cache->k_pool(0).dtype, DType::kFP8E4M3);
 }
 
+// PageTable: every layer's slots, -1 past the cache's pages, cut at the width asked.
+TEST(KvCacheTest, PageTableHoldsTheSlotsOfEveryLayer) {
+  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
+  const KvCacheOptions o{2, 3, 4, 8, DType::kF32, 20};  // 3 pages per KV head
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<KvCache> cache, KvCache::Create(o, backend.get()));
+  ASSERT_EQ(cache->pages_per_head(), 3);
+  for (const int64_t width : {3, 5, 2}) {
+    SCOPED_TRACE(width);
+    const std::vector<int32_t> t = cache->PageTable(width);
+    ASSERT_EQ(t.size(), static_cast<size_t>(3 * width));
+    for (int g = 0; g < 3; ++g) {
+      for (int64_t p = 0; p < width; ++p) {
+        const int32_t want = p < 3 ? cache->SlotOf(1, g, p) : -1;
+        EXPECT_EQ(t[g * width + p], want) << g << " " << p;
+        if (p < 3) EXPECT_EQ(cache->SlotOf(0, g, p), cache->SlotOf(1, g, p));
+      }
+    }
+  }
+}
+
 TEST(KvCacheTest, RejectsOverflowAndBadShapes) {
   std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend(1);
   KvCacheOptions o{1, 2, 4, 8, DType::kF32, 10};

@@ -581,13 +581,7 @@ absl::StatusOr<bool> Transformer::ReplayGraphRows(const std::vector<GraphRow>& r
     entry.key = key;
     std::vector<kernels::Buffer*> tables;
     for (const GraphRow& r : rows) {
-      const int64_t hkv = config_.num_kv_heads, pages = r.cache->pages_per_head();
-      std::vector<int32_t> table(static_cast<size_t>(hkv * pages));
-      for (int64_t g = 0; g < hkv; ++g) {
-        for (int64_t p = 0; p < pages; ++p) {
-          table[g * pages + p] = r.cache->SlotOf(0, static_cast<int>(g), p);
-        }
-      }
+      const std::vector<int32_t> table = r.cache->PageTable(r.cache->pages_per_head());
       STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> t,
                               be->Allocate(table.size() * sizeof(int32_t)));
       STRATA_RETURN_IF_ERROR(

@@ -195,23 +195,14 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     STRATA_ASSIGN_OR_RETURN(s->stream_, s->backend_->CreateStream());
   }
   if (IsDensePolicy(policy) && s->shard_->device_selection()) {
-    // Dense decode steps attend the whole shard through its page tables (SelectedAttention; on
+    // Dense decode steps attend the whole shard through its page table (SelectedAttention; on
     // CUDA the paged decode kernel) instead of spans built on the host per call.
     const engine::KvCache& cache = s->shard_->cache();
-    const int hkv = cache.options().num_kv_heads;
+    const std::vector<int32_t> table = cache.PageTable(cache.pages_per_head());
     absl::MutexLockMaybe lock(s->shard_->backend_mu());
-    for (int l = 0; l < cache.options().num_layers; ++l) {
-      const int64_t pages = cache.num_pages(l);
-      std::vector<int32_t> table(static_cast<size_t>(hkv * std::max<int64_t>(pages, 1)), 0);
-      for (int g = 0; g < hkv; ++g) {
-        for (int64_t p = 0; p < pages; ++p) table[g * pages + p] = cache.SlotOf(l, g, p);
-      }
-      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> b,
-                              s->backend_->Allocate(table.size() * sizeof(int32_t)));
-      STRATA_RETURN_IF_ERROR(s->backend_->CopyToDevice(b->data(), table.data(), table.size() * sizeof(int32_t),
-                                                       s->stream_));
-      s->dense_tables_.push_back(std::move(b));
-    }
+    STRATA_ASSIGN_OR_RETURN(s->dense_table_, s->backend_->Allocate(table.size() * sizeof(int32_t)));
+    STRATA_RETURN_IF_ERROR(s->backend_->CopyToDevice(s->dense_table_->data(), table.data(),
+                                                     table.size() * sizeof(int32_t), s->stream_));
   }
   if (!IsDensePolicy(policy)) {
     v1::SelectionPolicy p = policy;
@@ -301,9 +292,9 @@ absl::Status ShardSession::Queue(int layer, const float* q, int n, int hq, int64
   const int hkv = cache.options().num_kv_heads, d = cache.options().head_dim;
   const int64_t len = cache.length(layer);
   if (device_ != nullptr) *before = device_->counters();
-  if (n == 1 && (device_ != nullptr || !dense_tables_.empty())) {
+  if (n == 1 && (device_ != nullptr || dense_table_ != nullptr)) {
     // A one-token query (a decode step) on a device-selection shard: the device policy's step, or
-    // dense attention over the shard's page tables.
+    // dense attention over the shard's page table.
     if (device_ == nullptr && counters != nullptr) {
       counters->candidate_tokens += len * hkv;
       counters->selected_tokens += len * hkv;
@@ -410,13 +401,11 @@ absl::Status ShardSession::QueueStep(int layer, const CallViews& v, int hq) {
   const kernels::TensorView out(v.out, kernels::DType::kF32, {1, hq, d});
   const kernels::TensorView lse(v.lse, kernels::DType::kF32, {1, hq});
   if (device_ != nullptr) return device_->AttendFollowing(layer, q, cache, out, lse, stream_);
-  const kernels::Buffer& table = *dense_tables_[static_cast<size_t>(layer)];
   kernels::SelectedAttentionParams at;
   at.q = q;
   at.k_pool = cache.k_pool(layer);
   at.v_pool = cache.v_pool(layer);
-  at.page_table = const_cast<kernels::Buffer&>(table).View(
-      kernels::DType::kI32, {cache.options().num_kv_heads, cache.num_pages(layer)});
+  at.page_table = dense_table_->View(kernels::DType::kI32, {cache.options().num_kv_heads, cache.pages_per_head()});
   at.prefix_end = cache.length(layer);  // every token of the shard precedes the query
   at.scale = 1.0f / std::sqrt(static_cast<float>(d));
   at.k_scale = cache.options().k_scale;

@@ -22,7 +22,7 @@
 //   the same selection as the host policy but for the device policy's documented differences; a
 //   one-token query, a decode step, is one fused selection-and-attention kernel on CUDA and uses
 //   the selection cache, as a job's decode step); dense attends every token there (a one-token
-//   query through the shard's page tables with SelectedAttention, on CUDA the paged decode
+//   query through the shard's page table with SelectedAttention, on CUDA the paged decode
 //   kernel). Each layer's one-token step there, with the query's copy in and the results' copies
 //   out, is recorded as a CUDA graph at its first call and replayed after. The worker
 //   gives any other policy a host-memory copy of the shard.
@@ -219,7 +219,7 @@ class ShardSession {
   absl::StatusOr<bool> QueueStepGraph(int layer, const float* q, int num_q_heads, engine::AttentionPartial* out,
                                       CallViews* v);
   // A one-token step's attention on stream_ for the query staged at v.q: the device policy's
-  // (DevicePolicy::AttendFollowing), or dense over every token of the shard (dense_tables_).
+  // (DevicePolicy::AttendFollowing), or dense over every token of the shard (dense_table_).
   absl::Status QueueStep(int layer, const CallViews& v, int num_q_heads);
 
   std::shared_ptr<const MountedShard> shard_;
@@ -227,9 +227,9 @@ class ShardSession {
   kernels::Backend* const backend_;
   std::unique_ptr<engine::AttentionPolicy> policy_;  // host selection; null: dense or device_
   std::unique_ptr<engine::sparse::DevicePolicy> device_;  // device selection
-  // Dense sessions on a device-selection shard: per layer the page table [num_kv_heads, pages]
-  // of the shard's cache (SlotOf) on its backend, for one-token steps.
-  std::vector<std::unique_ptr<kernels::Buffer>> dense_tables_;
+  // Dense sessions on a device-selection shard: the shard cache's page table (KvCache::PageTable,
+  // every layer's) on its backend, for one-token steps.
+  std::unique_ptr<kernels::Buffer> dense_table_;
   kernels::Stream stream_ = nullptr;  // the session's own stream on the shard's backend
   // A started call (Start), until Finish.
   struct Pending {

@@ -153,12 +153,8 @@ absl::Status DevicePolicy::OnAppend(int layer, const KvCache& cache, int64_t fir
                                                    ") does not end at the cache length ",
                                                    cache.length(layer)));
   }
-  const int64_t table_pages = (cache.options().max_tokens + page_ - 1) / page_;
   if (!table_ready_[layer]) {
-    std::vector<int32_t> t(static_cast<size_t>(hkv_) * max_pages_, -1);
-    for (int g = 0; g < hkv_; ++g) {
-      for (int64_t p = 0; p < table_pages; ++p) t[g * max_pages_ + p] = cache.SlotOf(layer, g, p);
-    }
+    const std::vector<int32_t> t = cache.PageTable(max_pages_);
     STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(table_[layer]->data(), t.data(),
                                                   t.size() * sizeof(int32_t), stream));
     table_ready_[layer] = true;
