@@ -138,23 +138,23 @@ v1::SelectionRequest QueryRequest(int i, const std::vector<float>& q) {
   return req;
 }
 
-bool ReadAll(int fd, char* p, size_t n) {
+// Moves all n bytes at p through fd (write, else read); false when the socket fails or closes.
+bool TransferAll(int fd, char* p, size_t n, bool write) {
   while (n > 0) {
-    const ssize_t r = read(fd, p, n);
+    const ssize_t r = write ? ::write(fd, p, n) : ::read(fd, p, n);
     if (r <= 0) return false;
     p += r;
     n -= static_cast<size_t>(r);
   }
   return true;
 }
-bool WriteAll(int fd, const char* p, size_t n) {
-  while (n > 0) {
-    const ssize_t r = write(fd, p, n);
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
+
+// A ShardSelection stub for `address` without message size limits.
+std::unique_ptr<v1::ShardSelection::Stub> SelectionStub(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  return v1::ShardSelection::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
 
 // The tcp mode: a thread echoes query-sized messages with answer-sized ones on one connection.
@@ -177,7 +177,7 @@ int RunTcp(int heads, int dim, int rounds) {
     if (c < 0) return;
     setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     std::vector<char> in(q_bytes), out(a_bytes);
-    while (ReadAll(c, in.data(), q_bytes) && WriteAll(c, out.data(), a_bytes)) {
+    while (TransferAll(c, in.data(), q_bytes, false) && TransferAll(c, out.data(), a_bytes, true)) {
     }
     close(c);
   });
@@ -192,7 +192,7 @@ int RunTcp(int heads, int dim, int rounds) {
   const int warmup = std::min(200, rounds / 4);
   for (int i = 0; i < warmup + rounds; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    if (!WriteAll(fd, q.data(), q_bytes) || !ReadAll(fd, a.data(), a_bytes)) {
+    if (!TransferAll(fd, q.data(), q_bytes, true) || !TransferAll(fd, a.data(), a_bytes, false)) {
       std::fprintf(stderr, "tcp round %d failed\n", i);
       return 1;
     }
@@ -210,11 +210,7 @@ int RunTcp(int heads, int dim, int rounds) {
 
 // The async mode: one stream on a CompletionQueue; tags 1 = start, 2 = write, 3 = read.
 int RunAsync(const std::string& address, int heads, int dim, int rounds) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  auto stub = v1::ShardSelection::NewStub(channel);
+  auto stub = SelectionStub(address);
   grpc::ClientContext context;
   grpc::CompletionQueue cq;
   auto wait = [&](void* want) {
@@ -280,13 +276,10 @@ int RunAsync(const std::string& address, int heads, int dim, int rounds) {
 // The round trip is from the first write to the last answer.
 int RunFanout(const std::vector<std::string>& addresses, const std::string& mode, int heads, int dim, int rounds) {
   const int n = static_cast<int>(addresses.size());
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
   std::vector<std::unique_ptr<v1::ShardSelection::Stub>> stubs;
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   for (const std::string& a : addresses) {
-    stubs.push_back(v1::ShardSelection::NewStub(grpc::CreateCustomChannel(a, grpc::InsecureChannelCredentials(), args)));
+    stubs.push_back(SelectionStub(a));
     contexts.push_back(std::make_unique<grpc::ClientContext>());
   }
   v1::SelectionRequest open;
@@ -375,11 +368,7 @@ int RunFanout(const std::vector<std::string>& addresses, const std::string& mode
 }
 
 int Run(const std::string& address, const std::string& mode, int heads, int dim, int rounds) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  auto stub = v1::ShardSelection::NewStub(channel);
+  auto stub = SelectionStub(address);
   grpc::ClientContext context;
   auto stream = stub->Select(&context);
   v1::SelectionRequest open;
