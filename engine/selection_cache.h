@@ -46,7 +46,8 @@ class DeviceSelectionCache {
   // Forgets the layer's cached queries: its next Check misses on every head (for example after a
   // prompt chunk, which selects without the cache).
   absl::Status Invalidate(int layer, kernels::Stream stream);
-  // Lookups of `checks` Check calls replayed from a captured graph.
+  // Lookups of `checks` Check calls replayed from a captured graph (negative: Check calls recorded
+  // into a graph that was discarded, taken back).
   void CountReplayedChecks(int64_t checks) { lookups_ += checks * num_kv_heads_; }
 
   int64_t lookups() const { return lookups_; }

@@ -373,14 +373,15 @@ absl::StatusOr<bool> ShardSession::QueueStepGraph(int layer, const float* q, int
     // The device policy's host side (its counting) runs as it records: it counts this call.
     absl::Status recorded = backend_->CopyToDeviceAsync(v->q, step_scratch_.q_host->data(), q_bytes, stream_);
     if (recorded.ok()) recorded = QueueStep(layer, *v, hq);
+    const bool counted = recorded.ok();  // the device policy counted the step
     if (recorded.ok()) recorded = QueueResults(backend_, *v, step_scratch_, *out, stream_);
     absl::StatusOr<std::unique_ptr<kernels::Graph>> made = backend_->EndCapture(stream_);
     if (!recorded.ok() || !made.ok()) {
-      // Nothing ran; the recording's counting of this call stays (the call is then queued call by
-      // call and counts again: one step counted twice, once per session at most).
+      // Nothing ran: the recording's counts are taken back (the call is queued call by call next).
       STRATA_LOG(WARNING) << "ShardSession: a one-token step could not be recorded ("
                           << (recorded.ok() ? made.status() : recorded) << "); queued call by call from now on";
       graphs_on_ = false;
+      if (counted && device_ != nullptr) STRATA_RETURN_IF_ERROR(device_->DiscardRecordedAttend(layer, cache));
       return false;
     }
     graph = *std::move(made);

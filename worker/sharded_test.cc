@@ -30,6 +30,7 @@
 #include "engine/transformer.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/testing/capturing_backend.h"
 #include "gtest/gtest.h"
 #include "kvstore/local_store.h"
 #include "kvstore/page_format.h"
@@ -525,6 +526,94 @@ TEST_F(ShardedTest, DenseSessionOnADeviceShardMatchesTheHostShard) {
       for (size_t i = 0; i < want.lse.size(); ++i) ASSERT_NEAR(got.lse[i], want.lse[i], 1e-5) << i;
       EXPECT_EQ(got_c.candidate_tokens, tokens * hkv);
       EXPECT_EQ(got_c.selected_tokens, want_c.selected_tokens);
+    }
+  }
+}
+
+// A capturing backend whose graphs cannot be made: every recording fails at its end.
+class NoGraphBackend : public kernels::testing::CapturingBackend {
+ public:
+  absl::StatusOr<std::unique_ptr<kernels::Graph>> EndCapture(kernels::Stream s) override {
+    STRATA_RETURN_IF_ERROR(CapturingBackend::EndCapture(s).status());
+    return absl::InternalError("no graphs here");
+  }
+};
+
+TEST_F(ShardedTest, ShardStepGraphsGiveTheCallByCallPartialsAndCounts) {
+  // The same random shard on the CPU backend (one-token steps queued call by call) and on a
+  // capturing backend (each layer's step recorded at its first call, then replayed), and on one
+  // whose recordings fail (the step falls back to call by call): the same partials, bit for bit,
+  // and the same counts (tokens, selection-cache lookups and hits), tokenselect (the selection
+  // cache on: the queries repeat) and dense.
+  auto tf = engine::Transformer::Create(model_->config, model_->weights, backends_[0].get(), {});
+  ASSERT_TRUE(tf.ok()) << tf.status();
+  const int64_t hkv = model_->config.num_kv_heads, d = model_->config.head_dim, hq = model_->config.num_heads;
+  const int layers = static_cast<int>(model_->config.num_layers);
+  const int64_t tokens = 6 * kPage + 5;
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(static_cast<size_t>(tokens * hkv * d)), v(k.size());
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  kernels::testing::CapturingBackend capturing;
+  NoGraphBackend no_graphs;
+  kernels::Backend* const bes[3] = {backends_[0].get(), &capturing, &no_graphs};
+  std::shared_ptr<const MountedShard> shards[3];
+  for (int i = 0; i < 3; ++i) {
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache, engine::KvCache::Create((*tf)->MakeCacheOptions(tokens, kPage,
+                                                                                            kernels::DType::kBF16),
+                                                                    bes[i]));
+    for (int l = 0; l < layers; ++l) {
+      STRATA_ASSERT_OK(cache->Append(l, kernels::TensorView(k.data(), kernels::DType::kF32, {tokens, hkv, d}),
+                                     kernels::TensorView(v.data(), kernels::DType::kF32, {tokens, hkv, d})));
+    }
+    v1::ShardRange range = Map().shards(0).range();
+    range.set_end_page(7);
+    shards[i] = std::make_shared<const MountedShard>(range, *kvstore::DocumentId::FromHex(kDocId), 0,
+                                                     std::move(cache), kvstore::TierCounts(), bes[i], nullptr,
+                                                     /*device_selection=*/true);
+  }
+  v1::SelectionPolicy tokenselect;
+  tokenselect.set_name("tokenselect");
+  tokenselect.set_budget_tokens(32);
+  for (const v1::SelectionPolicy& policy : {tokenselect, v1::SelectionPolicy()}) {
+    SCOPED_TRACE(policy.name());
+    std::unique_ptr<ShardSession> sessions[3];
+    for (int i = 0; i < 3; ++i) {
+      STRATA_ASSERT_OK_AND_ASSIGN(sessions[i], ShardSession::Create(shards[i], policy, 0, model_->config));
+    }
+    engine::SelectionCounters counts[3];
+    std::vector<float> q(static_cast<size_t>(hq * d));
+    int64_t recorded_after_first = 0;
+    for (int step = 0; step < 4; ++step) {
+      if (step != 2) {
+        for (float& x : q) x = nd(rng);  // step 2 repeats step 1's queries: selection-cache hits
+      }
+      for (int l = 0; l < layers; ++l) {
+        SCOPED_TRACE(::testing::Message() << "step " << step << " layer " << l);
+        engine::AttentionPartial parts[3];
+        for (int i = 0; i < 3; ++i) {
+          STRATA_ASSERT_OK(sessions[i]->Attend(l, q.data(), 1, static_cast<int>(hq), tokens, &parts[i], &counts[i]));
+        }
+        for (int i = 1; i < 3; ++i) {
+          EXPECT_EQ(parts[i].o, parts[0].o) << "backend " << i;
+          EXPECT_EQ(parts[i].lse, parts[0].lse) << "backend " << i;
+        }
+      }
+      if (step == 0) recorded_after_first = capturing.recorded_ops();
+    }
+    EXPECT_GT(recorded_after_first, 0);
+    EXPECT_EQ(capturing.recorded_ops(), recorded_after_first);  // recorded once per layer, then replayed
+    for (int i = 1; i < 3; ++i) {
+      EXPECT_EQ(counts[i].candidate_tokens, counts[0].candidate_tokens) << "backend " << i;
+      EXPECT_EQ(counts[i].selected_tokens, counts[0].selected_tokens) << "backend " << i;
+      EXPECT_EQ(counts[i].cache_lookups, counts[0].cache_lookups) << "backend " << i;
+      EXPECT_EQ(counts[i].cache_hits, counts[0].cache_hits) << "backend " << i;
+    }
+    EXPECT_EQ(counts[0].candidate_tokens, 4 * layers * tokens * hkv);
+    if (!policy.name().empty()) {
+      EXPECT_LT(counts[0].selected_tokens, counts[0].candidate_tokens);
+      EXPECT_GT(counts[0].cache_hits, 0);
     }
   }
 }

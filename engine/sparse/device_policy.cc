@@ -233,26 +233,34 @@ DevicePolicy::StepPlan DevicePolicy::PlanStep(int layer, int64_t len) const {
   return plan;
 }
 
-void DevicePolicy::CountStep(const StepPlan& plan, int64_t len) {
-  counters_.candidate_tokens += hkv_ * len;
+void DevicePolicy::CountStep(const StepPlan& plan, int64_t len, int sign) {
+  counters_.candidate_tokens += sign * hkv_ * len;
   if (plan.exact) {
-    counters_.selected_tokens += hkv_ * len;
+    counters_.selected_tokens += sign * hkv_ * len;
     return;
   }
   const int64_t planned =
       options_.kind == PolicyKind::kTokenSelect
           ? std::min<int64_t>(options_.token_budget, wanted_pages_ * page_)
           : std::min<int64_t>(wanted_pages_ * page_, plan.window_begin - plan.sink_end);
-  counters_.selected_tokens += hkv_ * (plan.sink_end + planned + (len - plan.window_begin));
+  counters_.selected_tokens += sign * hkv_ * (plan.sink_end + planned + (len - plan.window_begin));
 }
 
 absl::Status DevicePolicy::NoteReplayedAttend(int layer, const KvCache& cache) {
+  return CountOutsideAttend(layer, cache, 1);
+}
+
+absl::Status DevicePolicy::DiscardRecordedAttend(int layer, const KvCache& cache) {
+  return CountOutsideAttend(layer, cache, -1);
+}
+
+absl::Status DevicePolicy::CountOutsideAttend(int layer, const KvCache& cache, int sign) {
   STRATA_RETURN_IF_ERROR(CheckCache(layer, cache));
   const int64_t len = cache.length(layer);
   if (len < 1) return absl::InvalidArgumentError("DevicePolicy: empty cache");
   const StepPlan plan = PlanStep(layer, len);
-  if (!plan.exact && cache_on_) sel_cache_->CountReplayedChecks(1);
-  CountStep(plan, len);
+  if (!plan.exact && cache_on_) sel_cache_->CountReplayedChecks(sign);
+  CountStep(plan, len, sign);
   return absl::OkStatus();
 }
 

@@ -85,6 +85,9 @@ class DevicePolicy {
   // at the length it had then (e.g. a mounted shard's, which does not grow). InvalidArgument as
   // Attend for a bad layer or an empty cache.
   absl::Status NoteReplayedAttend(int layer, const KvCache& cache);
+  // The other way: an Attend recorded into a graph that was then discarded (its capture failed)
+  // counted a step that never ran; this takes those counts back.
+  absl::Status DiscardRecordedAttend(int layer, const KvCache& cache);
 
   // Prefill-chunk attention of `layer` for the m = q.dim(0) >= 1 queries at cache positions
   // [q_begin, q_begin + m) (q_begin + m <= cache.length(layer): the cache already holds them):
@@ -151,9 +154,11 @@ class DevicePolicy {
     bool exact = false;
   };
   StepPlan PlanStep(int layer, int64_t len) const;
-  // What the step counts on the host (counters_; the selection-cache lookups are counted by the
-  // cache's Check, or CountReplayedChecks for a replay).
-  void CountStep(const StepPlan& plan, int64_t len);
+  // What the step counts on the host, times `sign` (counters_; the selection-cache lookups are
+  // counted by the cache's Check, or CountReplayedChecks for a replay).
+  void CountStep(const StepPlan& plan, int64_t len, int sign = 1);
+  // NoteReplayedAttend (sign 1) and DiscardRecordedAttend (sign -1).
+  absl::Status CountOutsideAttend(int layer, const KvCache& cache, int sign);
   // InvalidArgument unless q is f32 [m >= 1, num_q_heads, head_dim] and out / lse f32 [m,
   // num_q_heads, head_dim] / [m, num_q_heads].
   absl::Status CheckQueryViews(const kernels::TensorView& q, const kernels::TensorView& out,

@@ -309,12 +309,25 @@ TEST(DevicePolicyReplayTest, NoteReplayedAttendCountsAsAttend) {
     // The replays ran nothing on the backend: only the first step's check reached it (a miss).
     EXPECT_EQ(b.cache_hits, 0);
     EXPECT_EQ(a.cache_hits, 2 * kHkv);  // the same query again: both heads hit
+    // A recorded Attend whose graph was discarded takes its counts back.
+    STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<DevicePolicy> discarded,
+                                DevicePolicy::Create(o, pp.cache->options(), kHq, cpu.get()));
+    for (int l = 0; l < kLayers; ++l) {
+      STRATA_ASSERT_OK(discarded->OnAppend(l, *pp.cache, 0, pp.cache->length(l), nullptr));
+      STRATA_ASSERT_OK(discarded->Attend(l, qv, *pp.cache, ov, lv, nullptr));
+      STRATA_ASSERT_OK(discarded->DiscardRecordedAttend(l, *pp.cache));
+    }
+    STRATA_ASSERT_OK(discarded->ReadCacheHits(nullptr));
+    EXPECT_EQ(discarded->counters().candidate_tokens, 0);
+    EXPECT_EQ(discarded->counters().selected_tokens, 0);
+    EXPECT_EQ(discarded->counters().cache_lookups, 0);
   }
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   PolicyPair pp;
   STRATA_ASSERT_OK(pp.Init(Options(PolicyKind::kQuest), DType::kF32, 100, cpu.get(), 3));
   EXPECT_THAT(pp.dev->NoteReplayedAttend(kLayers, *pp.cache), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(pp.dev->NoteReplayedAttend(0, *pp.cache), StatusIs(absl::StatusCode::kInvalidArgument));  // empty
+  EXPECT_THAT(pp.dev->DiscardRecordedAttend(0, *pp.cache), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(DevicePolicyErrorsTest, RejectsWhatItCannotRun) {

@@ -50,6 +50,16 @@ absl::Status CapturingBackend::CopyToHost(void* dst, const void* src, size_t byt
   return ForwardingBackend::CopyToHost(dst, src, bytes, s);
 }
 
+absl::Status CapturingBackend::CopyToDeviceAsync(void* dst, const void* src, size_t bytes, Stream s) {
+  Backend* t = target();
+  return RunOrRecord([t, dst, src, bytes]() { return t->CopyToDeviceAsync(dst, src, bytes, nullptr); });
+}
+
+absl::Status CapturingBackend::CopyToHostAsync(void* dst, const void* src, size_t bytes, Stream s) {
+  Backend* t = target();
+  return RunOrRecord([t, dst, src, bytes]() { return t->CopyToHostAsync(dst, src, bytes, nullptr); });
+}
+
 absl::Status CapturingBackend::Synchronize(Stream s) {
   if (capturing_) {
     capture_error_.Update(absl::FailedPreconditionError("Synchronize while capturing"));

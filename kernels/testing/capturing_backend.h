@@ -3,8 +3,8 @@
 // takes its device paths, e.g. TransformerOptions::decode_graph), and BeginCapture / EndCapture
 // record the ops queued in between, with their parameters, into a Graph whose Replay runs them
 // again in order (reading whatever backend memory holds then, as a replayed CUDA graph does).
-// While capturing, copies and Synchronize fail (a capture must not wait or copy synchronously,
-// as on CUDA), and ops that read host arrays the caller owns only during the call
+// While capturing, the waiting copies and Synchronize fail (a capture must not wait or copy
+// synchronously, as on CUDA) and the asynchronous copies are recorded, and ops that read host arrays the caller owns only during the call
 // (PagedAttention's spans) are refused. Besides the core ops it forwards those a decode graph
 // step can use: the selection ops (summaries, keys, votes, the selection cache, SelectStages),
 // AppendKv, SelectedAttention, ResolvePages, EncodeFp8Pages and Sample. The graph machinery of the
@@ -28,6 +28,9 @@ class CapturingBackend : public ForwardingBackend {
 
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream s) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes, Stream s) override;
+  // Recorded while capturing (run at each replay, as a CUDA graph's copy nodes), else run now.
+  absl::Status CopyToDeviceAsync(void* dst, const void* src, size_t bytes, Stream s) override;
+  absl::Status CopyToHostAsync(void* dst, const void* src, size_t bytes, Stream s) override;
   absl::Status Synchronize(Stream s) override;
 
   absl::Status Embedding(const EmbeddingParams& p, Stream s) override;
