@@ -3,8 +3,9 @@
 //
 // - MountedShard: the KV of one shard (every layer and KV head), loaded from the page store
 //   into a KvCache (bf16, or fp8 with WorkerOptions::kv_cache_dtype) whose index i holds the
-//   token at absolute position first_token() + i, on the backend that attends it: a CPU backend (host memory) or, placed on the device, the
-//   worker's GPU backend instance for shards, whose calls are serialised by backend_mu().
+//   token at absolute position first_token() + i, on the backend that attends it: a CPU backend
+//   (host memory) or, placed on the device, the worker's GPU backend instance for shards, whose
+//   calls are serialised by backend_mu().
 //   Immutable once built; shared (shared_ptr) by every session that attends to it.
 // - ShardSession: one selection stream's (or one leader part's) attention over a MountedShard
 //   with the job's policy and this shard's share of the token budget. Answers a layer's queries

@@ -481,32 +481,50 @@ TEST_F(ShardedTest, DeviceShardSessionsRefuseHostPoliciesAndUnstartedFinish) {
   EXPECT_THAT(session->Finish(), StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
+// Random keys and values [tokens, kv heads, head_dim] for MountRows.
+std::vector<float> RandomRows(int64_t tokens, const model::ModelConfig& c, std::mt19937& rng) {
+  std::normal_distribution<float> nd;
+  std::vector<float> rows(static_cast<size_t>(tokens * c.num_kv_heads * c.head_dim));
+  for (float& x : rows) x = nd(rng);
+  return rows;
+}
+
+// A shard of the document's first tokens whose every layer holds keys k and values v ([tokens,
+// kv heads, head_dim] f32), in a bf16 cache on `be`.
+absl::StatusOr<std::shared_ptr<const MountedShard>> MountRows(const std::vector<float>& k, const std::vector<float>& v,
+                                                              int64_t tokens, const model::ModelConfig& c,
+                                                              kernels::Backend* be, bool device_selection) {
+  engine::KvCacheOptions co;
+  co.num_layers = static_cast<int>(c.num_layers);
+  co.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  co.head_dim = static_cast<int>(c.head_dim);
+  co.page_size = kPage;
+  co.dtype = kernels::DType::kBF16;
+  co.max_tokens = tokens;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<engine::KvCache> cache, engine::KvCache::Create(co, be));
+  const int64_t hkv = co.num_kv_heads, d = co.head_dim;
+  const kernels::TensorView kv(const_cast<float*>(k.data()), kernels::DType::kF32, {tokens, hkv, d});
+  const kernels::TensorView vv(const_cast<float*>(v.data()), kernels::DType::kF32, {tokens, hkv, d});
+  for (int l = 0; l < co.num_layers; ++l) STRATA_RETURN_IF_ERROR(cache->Append(l, kv, vv));
+  v1::ShardRange range;
+  range.set_document_id(kDocId);
+  range.set_first_page(0);
+  range.set_end_page(static_cast<uint64_t>((tokens + kPage - 1) / kPage));
+  return std::make_shared<const MountedShard>(range, *kvstore::DocumentId::FromHex(kDocId), 0, std::move(cache),
+                                              kvstore::TierCounts(), be, nullptr, device_selection);
+}
+
 TEST_F(ShardedTest, DenseSessionOnADeviceShardMatchesTheHostShard) {
   // The same random cache mounted for device selection (dense one-token steps through its page
-  // tables with SelectedAttention) and for the host (spans and PagedAttention): the same partials.
-  auto tf = engine::Transformer::Create(model_->config, model_->weights, backends_[0].get(), {});
-  ASSERT_TRUE(tf.ok()) << tf.status();
-  const int64_t hkv = model_->config.num_kv_heads, d = model_->config.head_dim, hq = model_->config.num_heads;
+  // table with SelectedAttention) and for the host (spans and PagedAttention): the same partials.
+  const int64_t hkv = model_->config.num_kv_heads, hq = model_->config.num_heads, d = model_->config.head_dim;
   const int64_t tokens = 3 * kPage + 5;
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
-  std::vector<float> k(static_cast<size_t>(tokens * hkv * d)), v(k.size());
-  for (float& x : k) x = nd(rng);
-  for (float& x : v) x = nd(rng);
+  const std::vector<float> k = RandomRows(tokens, model_->config, rng), v = RandomRows(tokens, model_->config, rng);
   std::shared_ptr<const MountedShard> shards[2];
   for (int i = 0; i < 2; ++i) {
-    STRATA_ASSERT_OK_AND_ASSIGN(auto cache, engine::KvCache::Create((*tf)->MakeCacheOptions(tokens, kPage,
-                                                                                            kernels::DType::kBF16),
-                                                                    backends_[0].get()));
-    for (int l = 0; l < static_cast<int>(model_->config.num_layers); ++l) {
-      STRATA_ASSERT_OK(cache->Append(l, kernels::TensorView(k.data(), kernels::DType::kF32, {tokens, hkv, d}),
-                                     kernels::TensorView(v.data(), kernels::DType::kF32, {tokens, hkv, d})));
-    }
-    v1::ShardRange range = Map().shards(0).range();
-    range.set_end_page(4);
-    shards[i] = std::make_shared<const MountedShard>(range, *kvstore::DocumentId::FromHex(kDocId), 0,
-                                                     std::move(cache), kvstore::TierCounts(), backends_[0].get(),
-                                                     nullptr, /*device_selection=*/i == 0);
+    STRATA_ASSERT_OK_AND_ASSIGN(shards[i], MountRows(k, v, tokens, model_->config, backends_[0].get(), i == 0));
   }
   const v1::SelectionPolicy dense;
   STRATA_ASSERT_OK_AND_ASSIGN(auto device, ShardSession::Create(shards[0], dense, 0, model_->config));
@@ -545,33 +563,18 @@ TEST_F(ShardedTest, ShardStepGraphsGiveTheCallByCallPartialsAndCounts) {
   // whose recordings fail (the step falls back to call by call): the same partials, bit for bit,
   // and the same counts (tokens, selection-cache lookups and hits), tokenselect (the selection
   // cache on: the queries repeat) and dense.
-  auto tf = engine::Transformer::Create(model_->config, model_->weights, backends_[0].get(), {});
-  ASSERT_TRUE(tf.ok()) << tf.status();
-  const int64_t hkv = model_->config.num_kv_heads, d = model_->config.head_dim, hq = model_->config.num_heads;
+  const int64_t hkv = model_->config.num_kv_heads, hq = model_->config.num_heads, d = model_->config.head_dim;
   const int layers = static_cast<int>(model_->config.num_layers);
   const int64_t tokens = 6 * kPage + 5;
   std::mt19937 rng(17);
   std::normal_distribution<float> nd;
-  std::vector<float> k(static_cast<size_t>(tokens * hkv * d)), v(k.size());
-  for (float& x : k) x = nd(rng);
-  for (float& x : v) x = nd(rng);
+  const std::vector<float> k = RandomRows(tokens, model_->config, rng), v = RandomRows(tokens, model_->config, rng);
   kernels::testing::CapturingBackend capturing;
   NoGraphBackend no_graphs;
   kernels::Backend* const bes[3] = {backends_[0].get(), &capturing, &no_graphs};
   std::shared_ptr<const MountedShard> shards[3];
   for (int i = 0; i < 3; ++i) {
-    STRATA_ASSERT_OK_AND_ASSIGN(auto cache, engine::KvCache::Create((*tf)->MakeCacheOptions(tokens, kPage,
-                                                                                            kernels::DType::kBF16),
-                                                                    bes[i]));
-    for (int l = 0; l < layers; ++l) {
-      STRATA_ASSERT_OK(cache->Append(l, kernels::TensorView(k.data(), kernels::DType::kF32, {tokens, hkv, d}),
-                                     kernels::TensorView(v.data(), kernels::DType::kF32, {tokens, hkv, d})));
-    }
-    v1::ShardRange range = Map().shards(0).range();
-    range.set_end_page(7);
-    shards[i] = std::make_shared<const MountedShard>(range, *kvstore::DocumentId::FromHex(kDocId), 0,
-                                                     std::move(cache), kvstore::TierCounts(), bes[i], nullptr,
-                                                     /*device_selection=*/true);
+    STRATA_ASSERT_OK_AND_ASSIGN(shards[i], MountRows(k, v, tokens, model_->config, bes[i], true));
   }
   v1::SelectionPolicy tokenselect;
   tokenselect.set_name("tokenselect");
