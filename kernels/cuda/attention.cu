@@ -205,10 +205,10 @@ __device__ __forceinline__ void SoftmaxTileUpdate(float (*p_s)[kThreads], float*
 
 // The start of the split-K decode kernels: the queries of KV head g's group into q_s, running
 // max -inf and sum 0 per head (visible after the caller's next barrier), accumulators zeroed.
-template <int HEAD_DIM>
+template <int HEAD_DIM, int kMaxG = kDecodeMaxGroup>
 __device__ __forceinline__ void StartDecodeBlock(const float* __restrict__ q, int g, int group,
                                                  float (*q_s)[HEAD_DIM], float* m_s, float* l_s,
-                                                 float (&acc)[kDecodeMaxGroup][HEAD_DIM / 32]) {
+                                                 float (&acc)[kMaxG][HEAD_DIM / 32]) {
   const int tid = threadIdx.x;
   const float* q_head = q + static_cast<int64_t>(g) * group * HEAD_DIM;
   for (int i = tid; i < group * HEAD_DIM; i += kThreads) {
@@ -219,18 +219,18 @@ __device__ __forceinline__ void StartDecodeBlock(const float* __restrict__ q, in
     l_s[tid] = 0.0f;
   }
 #pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+  for (int h = 0; h < kMaxG; ++h) {
 #pragma unroll
     for (int e = 0; e < HEAD_DIM / 32; ++e) acc[h][e] = 0.0f;
   }
 }
 
 // Phase C's start in the split-K decode kernels: acc[h][:] *= corr_s[h] for h < group.
-template <int kDims>
-__device__ __forceinline__ void RescaleAccumulators(float (&acc)[kDecodeMaxGroup][kDims],
+template <int kDims, int kMaxG = kDecodeMaxGroup>
+__device__ __forceinline__ void RescaleAccumulators(float (&acc)[kMaxG][kDims],
                                                     const float* corr_s, int group) {
 #pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+  for (int h = 0; h < kMaxG; ++h) {
     if (h < group) {
       const float corr = corr_s[h];
 #pragma unroll
@@ -243,15 +243,15 @@ __device__ __forceinline__ void RescaleAccumulators(float (&acc)[kDecodeMaxGroup
 // dims [l * D / 32, (l + 1) * D / 32)) through red_s and writes the block's partial for each head
 // h < group to part[h * (D + 2) ...]: the unnormalised output, then the running max and sum.
 // Contains a barrier: call from uniform control flow.
-template <int HEAD_DIM>
+template <int HEAD_DIM, int kMaxG = kDecodeMaxGroup>
 __device__ __forceinline__ void WriteDecodePartial(
-    const float (&acc)[kDecodeMaxGroup][HEAD_DIM / 32],
-    float (*red_s)[kDecodeMaxGroup][HEAD_DIM], const float* m_s, const float* l_s, int group,
+    const float (&acc)[kMaxG][HEAD_DIM / 32],
+    float (*red_s)[kMaxG][HEAD_DIM], const float* m_s, const float* l_s, int group,
     float* __restrict__ part) {
   constexpr int kDimsPerLane = HEAD_DIM / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #pragma unroll
-  for (int h = 0; h < kDecodeMaxGroup; ++h) {
+  for (int h = 0; h < kMaxG; ++h) {
     if (h < group) {
 #pragma unroll
       for (int e = 0; e < kDimsPerLane; ++e) red_s[warp][h][lane * kDimsPerLane + e] = acc[h][e];
@@ -723,23 +723,26 @@ __device__ __forceinline__ unsigned long long GlobalTimerNs() {
 // kSlotScales (fp8 pools with SelectedAttentionShape::slot_scales): each thread reads its row's slot
 // pair once in A, the K scale goes into its scores, the V scale into vs_s for C (the weight of
 // the row's V); without it the code is the same as before the option existed.
-template <typename KV, int HEAD_DIM, bool kSlotScales>
+template <typename KV, int HEAD_DIM, bool kSlotScales, int kGroup = 0>
 __global__ void __launch_bounds__(kThreads)
     SelectedDecodeKernel(const float* __restrict__ q, const KV* __restrict__ k_pool,
                          const KV* __restrict__ v_pool, const int32_t* __restrict__ table,
                          DeviceCandidates middle, SelectedAttentionShape shape,
                          const int32_t* __restrict__ prefix_len, float* __restrict__ scratch) {
   constexpr int kDimsPerLane = HEAD_DIM / 32;
-  __shared__ float q_s[kDecodeMaxGroup][HEAD_DIM];
-  __shared__ float p_s[kDecodeMaxGroup][kThreads];
+  // kGroup > 0: compiled for exactly kGroup query heads per KV head (registers and buffers sized
+  // to it: fewer registers, more blocks per SM); 0: any group up to the maximum.
+  constexpr int kMaxG = kGroup > 0 ? kGroup : kDecodeMaxGroup;
+  __shared__ float q_s[kMaxG][HEAD_DIM];
+  __shared__ float p_s[kMaxG][kThreads];
   __shared__ int64_t row_s[kThreads];
   __shared__ float vs_s[kSlotScales ? kThreads : 1];  // the rows' slot V scales
-  __shared__ float m_s[kDecodeMaxGroup], l_s[kDecodeMaxGroup], corr_s[kDecodeMaxGroup];
-  __shared__ float red_s[kWarps][kDecodeMaxGroup][HEAD_DIM];
+  __shared__ float m_s[kMaxG], l_s[kMaxG], corr_s[kMaxG];
+  __shared__ float red_s[kWarps][kMaxG][HEAD_DIM];
 
   const int g = blockIdx.x / shape.items_per_head;
   const int item = blockIdx.x % shape.items_per_head;
-  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int group = kGroup > 0 ? kGroup : shape.num_q_heads / shape.num_kv_heads;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t begin = item * shape.chunk;
   int32_t end = min(shape.total, begin + shape.chunk);
@@ -750,16 +753,16 @@ __global__ void __launch_bounds__(kThreads)
       prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
   if (middle.count == 0 && shape.suffix_len == 0) end = min(end, prefix);
 
-  float acc[kDecodeMaxGroup][kDimsPerLane];
-  StartDecodeBlock<HEAD_DIM>(q, g, group, q_s, m_s, l_s, acc);
+  float acc[kMaxG][kDimsPerLane];
+  StartDecodeBlock<HEAD_DIM, kMaxG>(q, g, group, q_s, m_s, l_s, acc);
   __syncthreads();
 
   for (int32_t tile = begin; tile < end; tile += kThreads) {
     const int cnt = min(kThreads, end - tile);
     // A: one position per thread -> token -> row; scores against every head of the group.
-    float s[kDecodeMaxGroup];
+    float s[kMaxG];
 #pragma unroll
-    for (int h = 0; h < kDecodeMaxGroup; ++h) s[h] = 0.0f;
+    for (int h = 0; h < kMaxG; ++h) s[h] = 0.0f;
     int64_t row = -1;
     float ks = 1.0f;  // the row's slot K scale (kSlotScales)
     if (tid < cnt) {
@@ -792,7 +795,7 @@ __global__ void __launch_bounds__(kThreads)
           float kf[8];
           Load8<KV>(k + c, kf);
 #pragma unroll
-          for (int h = 0; h < kDecodeMaxGroup; ++h) {
+          for (int h = 0; h < kMaxG; ++h) {
             if (h < group) {
 #pragma unroll
               for (int e = 0; e < 8; ++e) s[h] += q_s[h][c + e] * kf[e];
@@ -803,7 +806,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     row_s[tid] = row;
 #pragma unroll
-    for (int h = 0; h < kDecodeMaxGroup; ++h) {
+    for (int h = 0; h < kMaxG; ++h) {
       if (h < group) {
         float sc = s[h] * shape.scale;
         if constexpr (kSlotScales) sc *= ks;
@@ -818,7 +821,7 @@ __global__ void __launch_bounds__(kThreads)
 
     // C: rescale, then acc[h, :] += p[h, t] v_t (kSlotScales: times the row's V scale) over the
     // tile's valid rows.
-    RescaleAccumulators(acc, corr_s, group);
+    RescaleAccumulators<kDimsPerLane, kMaxG>(acc, corr_s, group);
     // V rows in batches of kVBatch per warp, all loads of a batch in flight before the FMAs.
     constexpr int kVBatch = 64 / kDimsPerLane;
     for (int t0 = warp; t0 < cnt; t0 += kWarps * kVBatch) {
@@ -842,7 +845,7 @@ __global__ void __launch_bounds__(kThreads)
           float vs = 1.0f;
           if constexpr (kSlotScales) vs = row_s[t] >= 0 ? vs_s[t] : 0.0f;
 #pragma unroll
-          for (int h = 0; h < kDecodeMaxGroup; ++h) {
+          for (int h = 0; h < kMaxG; ++h) {
             if (h < group) {
               float p = p_s[h][t];
               if constexpr (kSlotScales) p *= vs;
@@ -856,7 +859,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the next tile rewrites row_s and p_s
   }
 
-  WriteDecodePartial<HEAD_DIM>(acc, red_s, m_s, l_s, group,
+  WriteDecodePartial<HEAD_DIM, kMaxG>(acc, red_s, m_s, l_s, group,
                                scratch + static_cast<int64_t>(blockIdx.x) * group * (HEAD_DIM + 2));
 }
 
@@ -1529,8 +1532,8 @@ bool SelectedPdl() {
   }();
   return on;
 }
-// The cluster kernel compiled for group 4 (head_dim 64 and 128) runs those calls unless
-// STRATA_SELECTED_GROUP_KERNELS=0 (read once; for A/B timing).
+// The cluster and split-K kernels compiled for group 4 (head_dim 64 and 128) run those calls
+// unless STRATA_SELECTED_GROUP_KERNELS=0 (read once; for A/B timing).
 bool GroupClusterKernels() {
   static const bool on = [] {
     const char* v = std::getenv("STRATA_SELECTED_GROUP_KERNELS");
@@ -1636,14 +1639,27 @@ cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* 
   const auto* k = static_cast<const KV*>(k_pool);
   const auto* v = static_cast<const KV*>(v_pool);
   const unsigned blocks = static_cast<unsigned>(shape.num_kv_heads) * shape.items_per_head;
+  // Group 4 (Llama-3.2 1B and 3B, Llama-3.1 8B, Mistral 7B) with head_dim 64 or 128: builds of
+  // their own, as the cluster kernel's (STRATA_SELECTED_GROUP_KERNELS=0: the generic one).
+  const bool group4 = shape.num_q_heads == 4 * shape.num_kv_heads && GroupClusterKernels();
   switch (shape.head_dim) {
     case 64:
-      SelectedDecodeKernel<KV, 64, kSlotScales><<<blocks, kThreads, 0, stream>>>(
-          q, k, v, table, middle, shape, prefix_len, scratch);
+      if (group4) {
+        SelectedDecodeKernel<KV, 64, kSlotScales, 4><<<blocks, kThreads, 0, stream>>>(
+            q, k, v, table, middle, shape, prefix_len, scratch);
+      } else {
+        SelectedDecodeKernel<KV, 64, kSlotScales><<<blocks, kThreads, 0, stream>>>(
+            q, k, v, table, middle, shape, prefix_len, scratch);
+      }
       break;
     case 128:
-      SelectedDecodeKernel<KV, 128, kSlotScales><<<blocks, kThreads, 0, stream>>>(
-          q, k, v, table, middle, shape, prefix_len, scratch);
+      if (group4) {
+        SelectedDecodeKernel<KV, 128, kSlotScales, 4><<<blocks, kThreads, 0, stream>>>(
+            q, k, v, table, middle, shape, prefix_len, scratch);
+      } else {
+        SelectedDecodeKernel<KV, 128, kSlotScales><<<blocks, kThreads, 0, stream>>>(
+            q, k, v, table, middle, shape, prefix_len, scratch);
+      }
       break;
     case 256:
       SelectedDecodeKernel<KV, 256, kSlotScales><<<blocks, kThreads, 0, stream>>>(

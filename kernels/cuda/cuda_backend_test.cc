@@ -1420,6 +1420,10 @@ TEST_F(CudaBackendTest, SelectedAttentionMatchesCpu) {
       {DType::kBF16, 32, 8, 128, 64, 0, 16384, 0, false, false},
       {DType::kFP8E4M3, 16, 2, 128, 32, 12000, 0, 0, false, true},
       {DType::kF32, 16, 2, 256, 16, 5, 16380, 7, true, false},
+      // Group 4 runs builds of its own (head_dim 64 and 128, every pool type).
+      {DType::kFP8E4M3, 32, 8, 128, 64, 0, 9000, 5, false, false},
+      {DType::kBF16, 16, 4, 64, 16, 7, 5000, 3, true, false},
+      {DType::kF32, 8, 2, 64, 64, 6000, 0, 0, false, true},
   };
   for (const SelCase& c : cases) RunSelectedCase(c);
 }
@@ -1539,6 +1543,7 @@ TEST_F(CudaBackendTest, SelectedAttentionSlotScalesMatchCpu) {
       {DType::kFP8E4M3, 8, 4, 64, 64, 0, 0, 129, false, false, true},      // 129, group 2
       {DType::kFP8E4M3, 32, 8, 128, 64, 64, 2240, 64, true, false, true},  // 2368, group 4
       {DType::kFP8E4M3, 40, 5, 64, 16, 16, 4067, 16, false, false, true},  // 4099, group 8
+      {DType::kFP8E4M3, 32, 8, 128, 64, 0, 4099, 0, false, false, true},   // 4099, group 4
       {DType::kFP8E4M3, 7, 7, 128, 16, 4000, 99, 0, true, false, true},    // 4099, group 1
       {DType::kFP8E4M3, 12, 2, 256, 64, 0, 2368, 0, false, false, true},   // d 256, group 6
       {DType::kFP8E4M3, 8, 2, 128, 16, 0, 0, 0, false, false, true},       // nothing attended
