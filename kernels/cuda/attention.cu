@@ -1726,7 +1726,10 @@ cudaError_t LaunchSelectedAttention(const float* q, const void* k_pool, const vo
     return cudaErrorInvalidValue;
   }
   cudaError_t e;
-  if (slot_scales) {
+  if (SelectedDecodeMmaSupports(shape, pool_type)) {
+    e = LaunchSelectedDecodeMma(q, k_pool, v_pool, pool_type, page_table, middle, shape,
+                                prefix_len, scratch, stream);
+  } else if (slot_scales) {
     e = LaunchSelectedTyped<__nv_fp8_e4m3, true>(q, k_pool, v_pool, page_table, middle, shape,
                                                  prefix_len, scratch, stream);
   } else if (pool_type == FloatType::kBF16) {

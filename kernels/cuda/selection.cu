@@ -46,6 +46,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdlib>
 #include <mutex>
@@ -2025,13 +2026,15 @@ constexpr int kStagesSumStride = 256 + 32, kStagesKeyStride = 128 + 32;  // bf16
 // kF8: the key table is f16 for fp8 keys (columns as Fp8KeyColumn), head h's query scaled by
 // 2^s_h, its products to be scaled by key_descale[h] = 2^-s_h (MmaOf above;
 // written here, read after the caller's next __syncthreads).
-template <bool kF8 = false>
+// kSummaries false: the key table only (sum_a is not written; SelectedDecodeMmaKernel);
+// kThreadsT: the threads of the calling block.
+template <bool kF8 = false, bool kSummaries = true, int kThreadsT = kStagesThreads>
 __device__ __forceinline__ void StageATables(const float* q, float scale, int g, int group,
                                              __nv_bfloat16* sum_a, __nv_bfloat16* key_a,
                                              float* key_descale = nullptr) {
   constexpr int D = 128;
   const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
-  for (int i = threadIdx.x; i < 4 * D; i += kStagesThreads) {
+  for (int i = threadIdx.x; i < 4 * D; i += kThreadsT) {
     const int h = i / D, dim = i % D;
     const float x = h < group ? scale * q[(static_cast<int64_t>(g) * group + h) * D + dim] : 0.0f;
     if constexpr (kF8) {
@@ -2066,7 +2069,7 @@ __device__ __forceinline__ void StageATables(const float* q, float scale, int g,
     const float xs[3] = {fminf(x, 0.0f), fmaxf(x, 0.0f), x};
     const int col[3] = {dim, D + dim, dim};
 #pragma unroll
-    for (int w = 0; w < (kF8 ? 2 : 3); ++w) {
+    for (int w = kSummaries ? 0 : 2; w < (kF8 ? 2 : 3); ++w) {
       const __nv_bfloat16 hi = __float2bfloat16_rn(xs[w]);
       const float r1 = xs[w] - __bfloat162float(hi);
       const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
@@ -3057,7 +3060,219 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 }
 
+// ---- Split-K decode over long lists on tensor cores (LaunchSelectedDecodeMma) -----------------
+// The split-K decode kernel's work items (SelectedAttentionShape: KV head g, virtual positions
+// [item * chunk, ...) of prefix + middle + suffix), attended with AttendRows: each warp runs a
+// pipeline of its own over rows 16w + 64k of the item (k = 0, 1, ...), kDecodeMmaStages tiles
+// of 16 K and V rows in flight per warp (bulk copies completing on the warp's mbarrier of the
+// stage), so a block of four warps keeps up to 12 tiles (96 KB of bf16 rows) in flight and no
+// barrier is taken until the warps' partials merge. bf16 pools, or fp8 (the rows converted to
+// f16 in place, ConvertFp8Rows); head_dim 128, at most 4 query heads per KV head, no per-slot
+// scales (SelectedDecodeMmaSupports). The scores are the CUDA-core products within f32 rounding
+// (the query in three parts, StageATables), the weights in two parts: the result is the
+// CUDA-core kernel's to rounding, written in its partial format for SelectedCombineKernel.
+constexpr int kDecodeMmaWarps = 4;
+constexpr int kDecodeMmaThreads = 32 * kDecodeMmaWarps;
+constexpr int kDecodeMmaStages = 3;  // tiles in flight per warp
+constexpr int kDecodeMmaRows = 16;   // rows per tile: one AttendRows
+constexpr int kDecodeMmaBars = kDecodeMmaWarps * kDecodeMmaStages;
+// Dynamic shared memory: the key table, the fp8 descales, the mbarriers, the tiles' pool rows,
+// then the tiles' K and V staging rows (16-byte aligned for the bulk copies and ldmatrix).
+constexpr int kDecodeMmaKeyA = 0;
+constexpr int kDecodeMmaDescale = kDecodeMmaKeyA + 16 * kStagesKeyStride * 2;
+constexpr int kDecodeMmaBar = kDecodeMmaDescale + 16;
+constexpr int kDecodeMmaRowIds = kDecodeMmaBar + kDecodeMmaBars * 8;
+constexpr int kDecodeMmaTiles = kDecodeMmaRowIds + kDecodeMmaBars * kDecodeMmaRows * 8;
+constexpr int kDecodeMmaTileBytes = 2 * kDecodeMmaRows * kAttendPitch * 2;  // K rows, V rows
+constexpr int kDecodeMmaSmem = kDecodeMmaTiles + kDecodeMmaBars * kDecodeMmaTileBytes;
+static_assert(kDecodeMmaTiles % 16 == 0 && kDecodeMmaTileBytes % 16 == 0,
+              "bulk copies and ldmatrix need 16-byte aligned rows");
+static_assert(kDecodeMmaWarps * 4 * kAttendPartStride * 4 <= kDecodeMmaBars * kDecodeMmaTileBytes,
+              "the warps' partials fit the staging rows");
+
+template <bool kF8>
+__global__ void __launch_bounds__(kDecodeMmaThreads, 2)
+    SelectedDecodeMmaKernel(const float* __restrict__ q, const void* __restrict__ k_pool,
+                            const void* __restrict__ v_pool, const int32_t* __restrict__ table,
+                            DeviceCandidates middle, SelectedAttentionShape shape,
+                            const int32_t* __restrict__ prefix_len, float* __restrict__ scratch) {
+  extern __shared__ __align__(128) unsigned char dsmem[];
+  auto* key_a = reinterpret_cast<__nv_bfloat16*>(dsmem + kDecodeMmaKeyA);
+  auto* key_descale = reinterpret_cast<float*>(dsmem + kDecodeMmaDescale);
+  auto* mbar = reinterpret_cast<uint64_t*>(dsmem + kDecodeMmaBar);
+  auto* row_ids = reinterpret_cast<int64_t*>(dsmem + kDecodeMmaRowIds);
+  unsigned char* tiles_s = dsmem + kDecodeMmaTiles;
+
+  const int g = blockIdx.x / shape.items_per_head;
+  const int item = blockIdx.x % shape.items_per_head;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int32_t begin = item * shape.chunk;
+  int32_t end = min(shape.total, begin + shape.chunk);
+  const int32_t mid_end = shape.prefix_end + middle.count;
+  // As SelectedDecodeKernel: with prefix_len set only [0, prefix) of the prefix is attended.
+  const int32_t prefix =
+      prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
+  if (middle.count == 0 && shape.suffix_len == 0) end = min(end, prefix);
+
+  if (tid < kDecodeMmaBars) MbarInit(SharedAddr(&mbar[tid]), 1);
+  StageATables<kF8, false, kDecodeMmaThreads>(q, shape.scale, g, group, nullptr, key_a,
+                                              key_descale);
+  __syncthreads();
+
+  constexpr int32_t kStride = kDecodeMmaRows * kDecodeMmaWarps;  // positions per round
+  const int32_t wbase = begin + kDecodeMmaRows * warp;
+  const int tiles = wbase < end ? (end - wbase + kStride - 1) / kStride : 0;
+  const auto* kp = static_cast<const unsigned char*>(k_pool);
+  const auto* vp = static_cast<const unsigned char*>(v_pool);
+  constexpr int kRowBytes = kF8 ? 128 : 256;
+  constexpr int kRowOffset = kF8 ? kAttendFp8Offset : 0;  // bytes into a staging row
+  auto k_tile = [&](int s) {
+    return reinterpret_cast<__nv_bfloat16*>(tiles_s +
+                                            (warp * kDecodeMmaStages + s) * kDecodeMmaTileBytes);
+  };
+  // Tile k of this warp into stage k % kDecodeMmaStages: lane r < 16 resolves position
+  // wbase + k * kStride + r and issues its K and V rows, or zero-fills them (not attended).
+  auto issue = [&](int k) {
+    const int s = k % kDecodeMmaStages;
+    __nv_bfloat16* k_s = k_tile(s);
+    __nv_bfloat16* v_s = k_s + kDecodeMmaRows * kAttendPitch;
+    const uint32_t bar = SharedAddr(&mbar[warp * kDecodeMmaStages + s]);
+    // The stage was last read (and, fp8, rewritten in place) through the generic proxy.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (lane < kDecodeMmaRows) {
+      const int32_t v = wbase + k * kStride + lane;
+      int64_t row = -1;
+      if (v < end) {
+        int32_t t;
+        if (v < shape.prefix_end) {
+          t = v < prefix ? v : -1;
+        } else if (v < mid_end) {
+          t = CandidateIdAt(middle, g, v - shape.prefix_end);
+        } else {
+          t = shape.suffix_begin + (v - mid_end);
+        }
+        if (t >= 0) {
+          row = TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
+        }
+      }
+      row_ids[(warp * kDecodeMmaStages + s) * kDecodeMmaRows + lane] = row;
+      unsigned char* kd = reinterpret_cast<unsigned char*>(k_s + lane * kAttendPitch) + kRowOffset;
+      unsigned char* vd = reinterpret_cast<unsigned char*>(v_s + lane * kAttendPitch) + kRowOffset;
+      if (row >= 0) {
+        MbarExpectTx(bar, 2 * kRowBytes);
+        BulkCopyToShared(SharedAddr(kd), kp + row * kRowBytes, kRowBytes, bar);
+        BulkCopyToShared(SharedAddr(vd), vp + row * kRowBytes, kRowBytes, bar);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kRowBytes / 16; ++i) {
+          reinterpret_cast<uint4*>(kd)[i] = make_uint4(0, 0, 0, 0);
+          reinterpret_cast<uint4*>(vd)[i] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) MbarArrive(bar);
+  };
+
+  AttendState st;
+  st.m = NegInfF();
+  st.l = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st.acc[j][e] = 0.0f;
+  }
+  for (int k = 0; k < min(tiles, kDecodeMmaStages); ++k) issue(k);
+  for (int k = 0; k < tiles; ++k) {
+    const int s = k % kDecodeMmaStages;
+    MbarWait(SharedAddr(&mbar[warp * kDecodeMmaStages + s]), (k / kDecodeMmaStages) & 1);
+    __nv_bfloat16* k_s = k_tile(s);
+    __nv_bfloat16* v_s = k_s + kDecodeMmaRows * kAttendPitch;
+    if constexpr (kF8) ConvertFp8Rows(k_s, v_s, 0, true);
+    AttendRows<kF8>(k_s, v_s, row_ids + (warp * kDecodeMmaStages + s) * kDecodeMmaRows, 0,
+                    kDecodeMmaRows, key_a, group, st, false, key_descale);
+    __syncwarp();
+    if (k + kDecodeMmaStages < tiles) issue(k + kDecodeMmaStages);
+  }
+
+  // The warps' partials (over the staging rows, no longer read), then the block's per head in
+  // the split-K partial format: the unnormalised output, the max, the sum.
+  __syncthreads();
+  float* part_w = reinterpret_cast<float*>(tiles_s);  // [warps][4][kAttendPartStride]
+  {
+    // Lane 4h + t (< 16) adds the lo part (lane + 16's) to the hi part of head h's dims 8j + 2t, + 1.
+    float* pw = part_w + (warp * 4 + (lane >> 2 & 3)) * kAttendPartStride;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float o0 = st.acc[j][0] + __shfl_down_sync(0xffffffffu, st.acc[j][0], 16);
+      const float o1 = st.acc[j][1] + __shfl_down_sync(0xffffffffu, st.acc[j][1], 16);
+      if (lane < 16) *reinterpret_cast<float2*>(pw + 8 * j + 2 * (lane & 3)) = make_float2(o0, o1);
+    }
+    if (lane < 16 && (lane & 3) == 0) pw[128] = st.m, pw[129] = st.l;
+  }
+  __syncthreads();
+  float* part = scratch + static_cast<int64_t>(blockIdx.x) * group * (128 + 2);
+  for (int i = tid; i < group * 128; i += kDecodeMmaThreads) {
+    const int h = i >> 7, d = i & 127;
+    float mx = NegInfF();
+#pragma unroll
+    for (int w = 0; w < kDecodeMmaWarps; ++w) {
+      mx = fmaxf(mx, part_w[(w * 4 + h) * kAttendPartStride + 128]);
+    }
+    float o = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kDecodeMmaWarps; ++w) {
+      const float* pw = part_w + (w * 4 + h) * kAttendPartStride;
+      if (pw[128] > NegInfF()) {
+        const float e = __expf(pw[128] - mx);
+        o += e * pw[d];
+        l += e * pw[129];
+      }
+    }
+    part[h * 130 + d] = o;
+    if (d == 0) part[h * 130 + 128] = mx, part[h * 130 + 129] = l;
+  }
+}
+
 }  // namespace
+
+bool SelectedDecodeMmaSupports(const SelectedAttentionShape& shape, FloatType pool_type) {
+  static const bool on = [] {
+    const char* v = std::getenv("STRATA_SELECTED_DECODE_MMA");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on && shape.head_dim == 128 && shape.num_kv_heads > 0 &&
+         shape.num_q_heads % shape.num_kv_heads == 0 &&
+         shape.num_q_heads / shape.num_kv_heads <= 4 && shape.slot_scales == nullptr &&
+         (pool_type == FloatType::kBF16 || pool_type == FloatType::kFP8E4M3);
+}
+
+cudaError_t LaunchSelectedDecodeMma(const float* q, const void* k_pool, const void* v_pool,
+                                    FloatType pool_type, const int32_t* table,
+                                    const DeviceCandidates& middle,
+                                    const SelectedAttentionShape& shape, const int32_t* prefix_len,
+                                    float* scratch, cudaStream_t stream) {
+  if (!SelectedDecodeMmaSupports(shape, pool_type)) return cudaErrorInvalidValue;
+  const bool fp8 = pool_type == FloatType::kFP8E4M3;
+  auto* kernel = fp8 ? SelectedDecodeMmaKernel<true> : SelectedDecodeMmaKernel<false>;
+  // The shared-memory attribute, once per device and form (racing first calls set the same).
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> ready[2][kMaxDevices];
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!ready[fp8][device].load(std::memory_order_acquire)) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeMmaSmem);
+    if (e != cudaSuccess) return e;
+    ready[fp8][device].store(true, std::memory_order_release);
+  }
+  const unsigned blocks = static_cast<unsigned>(shape.num_kv_heads) * shape.items_per_head;
+  kernel<<<blocks, kDecodeMmaThreads, kDecodeMmaSmem, stream>>>(q, k_pool, v_pool, table, middle,
+                                                                 shape, prefix_len, scratch);
+  return cudaGetLastError();
+}
 
 template <typename T>
 cudaError_t LaunchScoreSummariesOf(const float* q, const T* summaries, int num_kv_heads,

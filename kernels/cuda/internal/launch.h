@@ -381,6 +381,17 @@ struct SelectedAttentionShape {
 bool SelectedAttentionSupports(int num_q_heads, int num_kv_heads, int head_dim);
 // Floats of split-K partials: num_kv_heads * items_per_head * group * (head_dim + 2).
 int64_t SelectedAttentionScratchFloats(const SelectedAttentionShape& shape);
+// The split-K work items on tensor cores (selection.cu SelectedDecodeMmaKernel): bf16 or fp8
+// pools, head_dim 128, at most 4 query heads per KV head, no slot scales, and
+// STRATA_SELECTED_DECODE_MMA not "0" (read once; A/B timing). Same partials as the CUDA-core
+// split-K kernel (to rounding), merged by the same combine; LaunchSelectedAttention takes it
+// where it applies.
+bool SelectedDecodeMmaSupports(const SelectedAttentionShape& shape, FloatType pool_type);
+cudaError_t LaunchSelectedDecodeMma(const float* q, const void* k_pool, const void* v_pool,
+                                    FloatType pool_type, const int32_t* table,
+                                    const DeviceCandidates& middle,
+                                    const SelectedAttentionShape& shape, const int32_t* prefix_len,
+                                    float* scratch, cudaStream_t stream);
 // UpdateSummaries: pages [page_begin, page_end) and segments [seg_begin, seg_end) of every KV
 // head are recomputed (pages first, then segments from them); num_pages_total = ceil(end / P).
 // The selection cache check (kernels/backend.h SelectionCacheCheckParams): one block per KV
