@@ -388,6 +388,7 @@ CudaBackend::~CudaBackend() {
 
 void CudaBackend::SetDecodeItemsPerSm(int n) {
   decode_items_per_sm_ = n >= 1 ? n : cuda_internal::kDecodeItemsPerSm;
+  decode_items_per_sm_set_ = n >= 1;
 }
 
 std::string CudaBackend::Name() const { return absl::StrCat("cuda:", device_); }

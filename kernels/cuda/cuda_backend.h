@@ -237,6 +237,9 @@ class CudaBackend : public Backend {
   int pinned_next_ = 0;
   std::unique_ptr<AttentionPlanCache> plan_cache_;
   int decode_items_per_sm_ = 4;  // == cuda_internal::kDecodeItemsPerSm
+  // Whether SetDecodeItemsPerSm chose a count (else SelectedAttention's tensor-core split-K
+  // kernel aims for cuda_internal::kDecodeMmaItemsPerSm).
+  bool decode_items_per_sm_set_ = false;
   PrefillPath prefill_path_ = PrefillPath::kAuto;
 };
 

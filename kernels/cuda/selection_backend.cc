@@ -151,18 +151,24 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
   shape.suffix_begin = static_cast<int32_t>(p.suffix_begin);
   shape.suffix_len = static_cast<int32_t>(p.suffix_end - p.suffix_begin);
   shape.total = static_cast<int32_t>(total);
-  // Split-K: about decode_items_per_sm_ items per SM over all KV heads, but at least one full
-  // tile of keys per item (a block's round trips to memory are the same for 16 or 128 keys, and
-  // fewer items make the merge cheaper).
+  shape.scale = p.scale * p.k_scale;  // k_scale, v_scale: 1 unless the pools are fp8
+  shape.v_scale = p.v_scale;
+  shape.slot_scales = p.slot_scales;  // fp8 pools only (checked above); per row on the device
+  // Split-K: about decode_items_per_sm_ items per SM over all KV heads (for the tensor-core
+  // kernel kDecodeMmaItemsPerSm unless SetDecodeItemsPerSm chose), but at least one full tile of
+  // keys per item (a block's round trips to memory are the same for 16 or 128 keys, and fewer
+  // items make the merge cheaper).
+  const int items_per_sm =
+      !decode_items_per_sm_set_ &&
+              cuda_internal::SelectedDecodeMmaSupports(shape, PoolType(p.k_pool.dtype))
+          ? cuda_internal::kDecodeMmaItemsPerSm
+          : decode_items_per_sm_;
   const int64_t target_per_head =
-      std::max<int64_t>(1, (static_cast<int64_t>(num_sms_) * decode_items_per_sm_ + hkv - 1) / hkv);
+      std::max<int64_t>(1, (static_cast<int64_t>(num_sms_) * items_per_sm + hkv - 1) / hkv);
   const int64_t chunk = std::max<int64_t>(cuda_internal::kDecodeTile,
                                           (total + target_per_head - 1) / target_per_head);
   shape.chunk = static_cast<int32_t>(chunk);
   shape.items_per_head = static_cast<int32_t>(std::max<int64_t>(1, (total + chunk - 1) / chunk));
-  shape.scale = p.scale * p.k_scale;  // k_scale, v_scale: 1 unless the pools are fp8
-  shape.v_scale = p.v_scale;
-  shape.slot_scales = p.slot_scales;  // fp8 pools only (checked above); per row on the device
 
   // The split-K kernel's partials; the cluster kernel (short lists) needs none.
   const int64_t scratch_bytes = cuda_internal::SelectedAttentionScratchFloats(shape) * 4;

@@ -110,6 +110,10 @@ struct DecodeWorkItem {
 
 inline constexpr int kDecodeTile = 128;       // keys per tile of a decode block (one per thread)
 inline constexpr int kDecodeItemsPerSm = 4;   // split-K work items the host plan aims for, per SM
+// The same for SelectedAttention calls that run the tensor-core split-K kernel
+// (SelectedDecodeMmaSupports): its blocks resident per SM, one wave (H200, bench/RESULTS.md
+// session 33: 2 against 4 per SM, 32K 50.6 against 58.0 us, no change at 512K and 1M).
+inline constexpr int kDecodeMmaItemsPerSm = 2;
 inline constexpr int kDecodeMaxGroup = 8;     // query heads per KV head on the decode fast path
 inline constexpr int kAttentionMaxHeadDim = 512;
 
