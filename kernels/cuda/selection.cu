@@ -2235,6 +2235,9 @@ static_assert(kSelectAttendMaxMiddle % kAttendTile == 0 && kSelectAttendMaxFixed
                   kSelectAttendMaxFixed % (8 * kAttendGroups) == 0,
               "the attention's tiles give each warp whole row groups");
 
+// Where an fp8 pool's 128-byte row lands in its staging row (AttendIssueRow, kF8).
+constexpr int kAttendFp8Offset = 2 * kAttendPitch - 128;  // the last 128 bytes of a staging row
+
 // A warp's online-softmax state: m and l of head h = (lane / 4) % 4 (the same in the lanes of
 // a head), and acc[j] the mma accumulator of dims 8j .. 8j + 7: c[0], c[1] hold row lane / 4
 // (part (lane / 16) of head h: the weights are split in two bf16 parts), dims 8j + 2(lane % 4)
@@ -2258,7 +2261,12 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
 // 4-7), times V (ldmatrix.trans of the V rows, 16 dims at a time) into acc.
 // kF8 (fp8 pools): the K rows (Fp8KeyColumn order) and V rows are f16 (ConvertFp8Rows), the key
 // table StageATables<true>'s with key_descale its per-head 2^-s_h, the weights' parts f16.
-template <bool kF8 = false>
+// kDecode (SelectedDecodeMmaKernel, many tiles per warp): the accumulator is rescaled only when
+// some lane's max moved (a long list's max settles early) and only in rows 0-7 (rows 8-15 of A
+// are zero, so theirs stay zero); with kF8 the K rows stay fp8 where they landed (at
+// kAttendFp8Offset, as a key stage reads them: ConvertFp8Rows converts only V), each lane
+// converting its B fragments in registers.
+template <bool kF8 = false, bool kDecode = false>
 __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_bfloat16* v_s,
                                            const int64_t* row_s, int r0, int end,
                                            const __nv_bfloat16* key_a, int group,
@@ -2288,8 +2296,17 @@ __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_
       StageAFragments(key_a, kStagesKeyStride, p, a);
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        const uint4 b = *reinterpret_cast<const uint4*>(k_s + (r0 + 8 * n + g8) * kAttendPitch +
-                                                         32 * p + 8 * t);
+        uint4 b;
+        if constexpr (kF8 && kDecode) {
+          // Bytes 64 (p / 2) + 16t of the fp8 row: column group p's fragments (Fp8KeyColumn).
+          const uint4 raw = *reinterpret_cast<const uint4*>(
+              reinterpret_cast<const unsigned char*>(k_s + (r0 + 8 * n + g8) * kAttendPitch) +
+              kAttendFp8Offset + 64 * (p >> 1) + 16 * t);
+          b = (p & 1) ? Fp8x8ToHalf8(raw.z, raw.w) : Fp8x8ToHalf8(raw.x, raw.y);
+        } else {
+          b = *reinterpret_cast<const uint4*>(k_s + (r0 + 8 * n + g8) * kAttendPitch + 32 * p +
+                                              8 * t);
+        }
         MmaOf<kF8>(c[n][0], a[0], b.x, b.y);
         MmaOf<kF8>(c[n][1], a[1], b.z, b.w);
       }
@@ -2352,10 +2369,17 @@ __device__ __forceinline__ void AttendRows(const __nv_bfloat16* k_s, const __nv_
   // ldmatrix.x4.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the 16, dims + 8 (l >> 4).
   const uint32_t vrow = SharedAddr(v_s + (r0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kAttendPitch +
                                    8 * (lane >> 4));
+  if constexpr (kDecode) {
+    if (__any_sync(0xffffffffu, corr != 1.0f)) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < 16; ++j) st.acc[j][0] *= corr, st.acc[j][1] *= corr;
+    }
+  } else {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) st.acc[j][e] *= corr;
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st.acc[j][e] *= corr;
+    }
   }
 #pragma unroll
   for (int d = 0; d < 8; ++d) {  // dims 16d .. 16d + 15
@@ -2397,7 +2421,6 @@ __device__ __forceinline__ int64_t AttendFixedRow(const DeviceSelectAttend& at, 
 // zero fill must not overwrite).
 // kF8 (fp8 pools): the 128-byte rows land at byte kAttendFp8Offset of their staging rows (zeros
 // there for row < 0), which ConvertFp8Rows turns into f16 rows in place.
-constexpr int kAttendFp8Offset = 2 * kAttendPitch - 128;  // the last 128 bytes of a staging row
 static_assert(kAttendFp8Offset % 16 == 0 && kAttendFp8Offset >= 16,
               "bulk copies need 16-byte alignment; a scored K row's first 16 bytes hold scores");
 template <bool kVOnly = false, bool kF8 = false>
@@ -3063,7 +3086,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
 // ---- Split-K decode over long lists on tensor cores (LaunchSelectedDecodeMma) -----------------
 // The split-K decode kernel's work items (SelectedAttentionShape: KV head g, virtual positions
 // [item * chunk, ...) of prefix + middle + suffix), attended with AttendRows: each warp runs a
-// pipeline of its own over rows 16w + 64k of the item (k = 0, 1, ...), kDecodeMmaStages tiles
+// pipeline of its own over rows 16w + 64k of the item (k = 0, 1, ...), kStages tiles
 // of 16 K and V rows in flight per warp (bulk copies completing on the warp's mbarrier of the
 // stage), so a block of four warps keeps up to 12 tiles (96 KB of bf16 rows) in flight and no
 // barrier is taken until the warps' partials merge. bf16 pools, or fp8 (the rows converted to
@@ -3073,35 +3096,43 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
 // CUDA-core kernel's to rounding, written in its partial format for SelectedCombineKernel.
 constexpr int kDecodeMmaWarps = 4;
 constexpr int kDecodeMmaThreads = 32 * kDecodeMmaWarps;
-constexpr int kDecodeMmaStages = 3;  // tiles in flight per warp
 constexpr int kDecodeMmaRows = 16;   // rows per tile: one AttendRows
-constexpr int kDecodeMmaBars = kDecodeMmaWarps * kDecodeMmaStages;
-// Dynamic shared memory: the key table, the fp8 descales, the mbarriers, the tiles' pool rows,
-// then the tiles' K and V staging rows (16-byte aligned for the bulk copies and ldmatrix).
-constexpr int kDecodeMmaKeyA = 0;
-constexpr int kDecodeMmaDescale = kDecodeMmaKeyA + 16 * kStagesKeyStride * 2;
-constexpr int kDecodeMmaBar = kDecodeMmaDescale + 16;
-constexpr int kDecodeMmaRowIds = kDecodeMmaBar + kDecodeMmaBars * 8;
-constexpr int kDecodeMmaTiles = kDecodeMmaRowIds + kDecodeMmaBars * kDecodeMmaRows * 8;
+// Dynamic shared memory for kStages tiles in flight per warp: the key table, the fp8 descales,
+// the mbarriers, the tiles' pool rows, then the tiles' K and V staging rows (16-byte aligned for
+// the bulk copies and ldmatrix). Three stages: 111 KB, two blocks per SM; two: 74 KB, three.
 constexpr int kDecodeMmaTileBytes = 2 * kDecodeMmaRows * kAttendPitch * 2;  // K rows, V rows
-constexpr int kDecodeMmaSmem = kDecodeMmaTiles + kDecodeMmaBars * kDecodeMmaTileBytes;
-static_assert(kDecodeMmaTiles % 16 == 0 && kDecodeMmaTileBytes % 16 == 0,
-              "bulk copies and ldmatrix need 16-byte aligned rows");
-static_assert(kDecodeMmaWarps * 4 * kAttendPartStride * 4 <= kDecodeMmaBars * kDecodeMmaTileBytes,
-              "the warps' partials fit the staging rows");
+template <int kStages>
+struct DecodeMmaSmem {
+  static constexpr int kBars = kDecodeMmaWarps * kStages;
+  static constexpr int kKeyA = 0;
+  static constexpr int kDescale = kKeyA + 16 * kStagesKeyStride * 2;
+  static constexpr int kBar = kDescale + 16;
+  static constexpr int kRowIds = kBar + kBars * 8;
+  static constexpr int kTiles = kRowIds + kBars * kDecodeMmaRows * 8;
+  static constexpr int kBytes = kTiles + kBars * kDecodeMmaTileBytes;
+  static constexpr int kBlocksPerSm = kStages == 2 ? 3 : 2;
+  static_assert(kTiles % 16 == 0 && kDecodeMmaTileBytes % 16 == 0,
+                "bulk copies and ldmatrix need 16-byte aligned rows");
+  static_assert(kDecodeMmaWarps * 4 * kAttendPartStride * 4 <= kBars * kDecodeMmaTileBytes,
+                "the warps' partials fit the staging rows");
+};
 
-template <bool kF8>
-__global__ void __launch_bounds__(kDecodeMmaThreads, 2)
+// kDecode: AttendRows<kF8, true> (lazy rescaling, fp8 K read in place); false: the fused
+// selection kernel's form (STRATA_SELECTED_DECODE_MMA=plain; A/B timing). kStages: tiles in
+// flight per warp (2 or 3; STRATA_SELECTED_DECODE_MMA=s2 for 2).
+template <bool kF8, bool kDecode, int kStages>
+__global__ void __launch_bounds__(kDecodeMmaThreads, DecodeMmaSmem<kStages>::kBlocksPerSm)
     SelectedDecodeMmaKernel(const float* __restrict__ q, const void* __restrict__ k_pool,
                             const void* __restrict__ v_pool, const int32_t* __restrict__ table,
                             DeviceCandidates middle, SelectedAttentionShape shape,
                             const int32_t* __restrict__ prefix_len, float* __restrict__ scratch) {
   extern __shared__ __align__(128) unsigned char dsmem[];
-  auto* key_a = reinterpret_cast<__nv_bfloat16*>(dsmem + kDecodeMmaKeyA);
-  auto* key_descale = reinterpret_cast<float*>(dsmem + kDecodeMmaDescale);
-  auto* mbar = reinterpret_cast<uint64_t*>(dsmem + kDecodeMmaBar);
-  auto* row_ids = reinterpret_cast<int64_t*>(dsmem + kDecodeMmaRowIds);
-  unsigned char* tiles_s = dsmem + kDecodeMmaTiles;
+  using L = DecodeMmaSmem<kStages>;
+  auto* key_a = reinterpret_cast<__nv_bfloat16*>(dsmem + L::kKeyA);
+  auto* key_descale = reinterpret_cast<float*>(dsmem + L::kDescale);
+  auto* mbar = reinterpret_cast<uint64_t*>(dsmem + L::kBar);
+  auto* row_ids = reinterpret_cast<int64_t*>(dsmem + L::kRowIds);
+  unsigned char* tiles_s = dsmem + L::kTiles;
 
   const int g = blockIdx.x / shape.items_per_head;
   const int item = blockIdx.x % shape.items_per_head;
@@ -3115,7 +3146,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
       prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
   if (middle.count == 0 && shape.suffix_len == 0) end = min(end, prefix);
 
-  if (tid < kDecodeMmaBars) MbarInit(SharedAddr(&mbar[tid]), 1);
+  if (tid < L::kBars) MbarInit(SharedAddr(&mbar[tid]), 1);
   StageATables<kF8, false, kDecodeMmaThreads>(q, shape.scale, g, group, nullptr, key_a,
                                               key_descale);
   __syncthreads();
@@ -3129,15 +3160,15 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
   constexpr int kRowOffset = kF8 ? kAttendFp8Offset : 0;  // bytes into a staging row
   auto k_tile = [&](int s) {
     return reinterpret_cast<__nv_bfloat16*>(tiles_s +
-                                            (warp * kDecodeMmaStages + s) * kDecodeMmaTileBytes);
+                                            (warp * kStages + s) * kDecodeMmaTileBytes);
   };
-  // Tile k of this warp into stage k % kDecodeMmaStages: lane r < 16 resolves position
+  // Tile k of this warp into stage k % kStages: lane r < 16 resolves position
   // wbase + k * kStride + r and issues its K and V rows, or zero-fills them (not attended).
   auto issue = [&](int k) {
-    const int s = k % kDecodeMmaStages;
+    const int s = k % kStages;
     __nv_bfloat16* k_s = k_tile(s);
     __nv_bfloat16* v_s = k_s + kDecodeMmaRows * kAttendPitch;
-    const uint32_t bar = SharedAddr(&mbar[warp * kDecodeMmaStages + s]);
+    const uint32_t bar = SharedAddr(&mbar[warp * kStages + s]);
     // The stage was last read (and, fp8, rewritten in place) through the generic proxy.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (lane < kDecodeMmaRows) {
@@ -3156,7 +3187,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
           row = TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
         }
       }
-      row_ids[(warp * kDecodeMmaStages + s) * kDecodeMmaRows + lane] = row;
+      row_ids[(warp * kStages + s) * kDecodeMmaRows + lane] = row;
       unsigned char* kd = reinterpret_cast<unsigned char*>(k_s + lane * kAttendPitch) + kRowOffset;
       unsigned char* vd = reinterpret_cast<unsigned char*>(v_s + lane * kAttendPitch) + kRowOffset;
       if (row >= 0) {
@@ -3183,17 +3214,17 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
 #pragma unroll
     for (int e = 0; e < 4; ++e) st.acc[j][e] = 0.0f;
   }
-  for (int k = 0; k < min(tiles, kDecodeMmaStages); ++k) issue(k);
+  for (int k = 0; k < min(tiles, kStages); ++k) issue(k);
   for (int k = 0; k < tiles; ++k) {
-    const int s = k % kDecodeMmaStages;
-    MbarWait(SharedAddr(&mbar[warp * kDecodeMmaStages + s]), (k / kDecodeMmaStages) & 1);
+    const int s = k % kStages;
+    MbarWait(SharedAddr(&mbar[warp * kStages + s]), (k / kStages) & 1);
     __nv_bfloat16* k_s = k_tile(s);
     __nv_bfloat16* v_s = k_s + kDecodeMmaRows * kAttendPitch;
-    if constexpr (kF8) ConvertFp8Rows(k_s, v_s, 0, true);
-    AttendRows<kF8>(k_s, v_s, row_ids + (warp * kDecodeMmaStages + s) * kDecodeMmaRows, 0,
-                    kDecodeMmaRows, key_a, group, st, false, key_descale);
+    if constexpr (kF8) ConvertFp8Rows(k_s, v_s, 0, !kDecode);
+    AttendRows<kF8, kDecode>(k_s, v_s, row_ids + (warp * kStages + s) * kDecodeMmaRows,
+                             0, kDecodeMmaRows, key_a, group, st, false, key_descale);
     __syncwarp();
-    if (k + kDecodeMmaStages < tiles) issue(k + kDecodeMmaStages);
+    if (k + kStages < tiles) issue(k + kStages);
   }
 
   // The warps' partials (over the staging rows, no longer read), then the block's per head in
@@ -3237,11 +3268,22 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
 
 }  // namespace
 
-bool SelectedDecodeMmaSupports(const SelectedAttentionShape& shape, FloatType pool_type) {
-  static const bool on = [] {
+namespace {
+// STRATA_SELECTED_DECODE_MMA (read once): "0" off, "plain" the kernel with the fused selection
+// kernel's AttendRows, "s2" two tiles in flight per warp (A/B timing), else on.
+int DecodeMmaMode() {
+  static const int mode = [] {
     const char* v = std::getenv("STRATA_SELECTED_DECODE_MMA");
-    return v == nullptr || std::string_view(v) != "0";
+    if (v == nullptr) return 2;
+    const std::string_view s(v);
+    return s == "0" ? 0 : s == "plain" ? 1 : s == "s2" ? 3 : 2;
   }();
+  return mode;
+}
+}  // namespace
+
+bool SelectedDecodeMmaSupports(const SelectedAttentionShape& shape, FloatType pool_type) {
+  const bool on = DecodeMmaMode() != 0;
   return on && shape.head_dim == 128 && shape.num_kv_heads > 0 &&
          shape.num_q_heads % shape.num_kv_heads == 0 &&
          shape.num_q_heads / shape.num_kv_heads <= 4 && shape.slot_scales == nullptr &&
@@ -3255,7 +3297,14 @@ cudaError_t LaunchSelectedDecodeMma(const float* q, const void* k_pool, const vo
                                     float* scratch, cudaStream_t stream) {
   if (!SelectedDecodeMmaSupports(shape, pool_type)) return cudaErrorInvalidValue;
   const bool fp8 = pool_type == FloatType::kFP8E4M3;
-  auto* kernel = fp8 ? SelectedDecodeMmaKernel<true> : SelectedDecodeMmaKernel<false>;
+  const int mode = DecodeMmaMode();
+  auto* kernel = fp8 ? (mode == 1   ? SelectedDecodeMmaKernel<true, false, 3>
+                        : mode == 3 ? SelectedDecodeMmaKernel<true, true, 2>
+                                    : SelectedDecodeMmaKernel<true, true, 3>)
+                     : (mode == 1   ? SelectedDecodeMmaKernel<false, false, 3>
+                        : mode == 3 ? SelectedDecodeMmaKernel<false, true, 2>
+                                    : SelectedDecodeMmaKernel<false, true, 3>);
+  const int smem = mode == 3 ? DecodeMmaSmem<2>::kBytes : DecodeMmaSmem<3>::kBytes;
   // The shared-memory attribute, once per device and form (racing first calls set the same).
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> ready[2][kMaxDevices];
@@ -3264,12 +3313,12 @@ cudaError_t LaunchSelectedDecodeMma(const float* q, const void* k_pool, const vo
   if (e != cudaSuccess) return e;
   if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
   if (!ready[fp8][device].load(std::memory_order_acquire)) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeMmaSmem);
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     ready[fp8][device].store(true, std::memory_order_release);
   }
   const unsigned blocks = static_cast<unsigned>(shape.num_kv_heads) * shape.items_per_head;
-  kernel<<<blocks, kDecodeMmaThreads, kDecodeMmaSmem, stream>>>(q, k_pool, v_pool, table, middle,
+  kernel<<<blocks, kDecodeMmaThreads, smem, stream>>>(q, k_pool, v_pool, table, middle,
                                                                  shape, prefix_len, scratch);
   return cudaGetLastError();
 }
