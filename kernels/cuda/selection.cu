@@ -3086,53 +3086,50 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
 // ---- Split-K decode over long lists on tensor cores (LaunchSelectedDecodeMma) -----------------
 // The split-K decode kernel's work items (SelectedAttentionShape: KV head g, virtual positions
 // [item * chunk, ...) of prefix + middle + suffix), attended with AttendRows: each warp runs a
-// pipeline of its own over rows 16w + 64k of the item (k = 0, 1, ...), kStages tiles
+// pipeline of its own over rows 16w + 64k of the item (k = 0, 1, ...), kDecodeMmaStages tiles
 // of 16 K and V rows in flight per warp (bulk copies completing on the warp's mbarrier of the
 // stage), so a block of four warps keeps up to 12 tiles (96 KB of bf16 rows) in flight and no
-// barrier is taken until the warps' partials merge. bf16 pools, or fp8 (the rows converted to
-// f16 in place, ConvertFp8Rows); head_dim 128, at most 4 query heads per KV head, no per-slot
-// scales (SelectedDecodeMmaSupports). The scores are the CUDA-core products within f32 rounding
-// (the query in three parts, StageATables), the weights in two parts: the result is the
+// barrier is taken until the warps' partials merge. AttendRows<kF8, true>: the accumulator is
+// rescaled only when a max moves. bf16 pools, or fp8 (V rows converted to f16 in place by
+// ConvertFp8Rows, K rows read as fp8); head_dim 128, at most 4 query heads per KV head, no
+// per-slot scales (SelectedDecodeMmaSupports). The scores are the CUDA-core products within f32
+// rounding (the query in three parts, StageATables), the weights in two parts: the result is the
 // CUDA-core kernel's to rounding, written in its partial format for SelectedCombineKernel.
+// H200 (bench/RESULTS.md, session 33): 1M tokens bf16 1.24 ms (72% of HBM bandwidth), against
+// 2.00 ms for the CUDA-core group-4 kernel. Tried there: two stages per warp at three blocks per
+// SM (slower: 1.61 ms), or at two (the same within 1.5%).
 constexpr int kDecodeMmaWarps = 4;
 constexpr int kDecodeMmaThreads = 32 * kDecodeMmaWarps;
 constexpr int kDecodeMmaRows = 16;   // rows per tile: one AttendRows
-// Dynamic shared memory for kStages tiles in flight per warp: the key table, the fp8 descales,
-// the mbarriers, the tiles' pool rows, then the tiles' K and V staging rows (16-byte aligned for
-// the bulk copies and ldmatrix). Three stages: 111 KB, two blocks per SM; two: 74 KB, three.
+constexpr int kDecodeMmaStages = 3;  // tiles in flight per warp
+constexpr int kDecodeMmaBars = kDecodeMmaWarps * kDecodeMmaStages;
+// Dynamic shared memory: the key table, the fp8 descales, the mbarriers, the tiles' pool rows,
+// then the tiles' K and V staging rows (16-byte aligned for the bulk copies and ldmatrix): 111 KB,
+// two blocks per SM.
+constexpr int kDecodeMmaKeyA = 0;
+constexpr int kDecodeMmaDescale = kDecodeMmaKeyA + 16 * kStagesKeyStride * 2;
+constexpr int kDecodeMmaBar = kDecodeMmaDescale + 16;
+constexpr int kDecodeMmaRowIds = kDecodeMmaBar + kDecodeMmaBars * 8;
+constexpr int kDecodeMmaTiles = kDecodeMmaRowIds + kDecodeMmaBars * kDecodeMmaRows * 8;
 constexpr int kDecodeMmaTileBytes = 2 * kDecodeMmaRows * kAttendPitch * 2;  // K rows, V rows
-template <int kStages>
-struct DecodeMmaSmem {
-  static constexpr int kBars = kDecodeMmaWarps * kStages;
-  static constexpr int kKeyA = 0;
-  static constexpr int kDescale = kKeyA + 16 * kStagesKeyStride * 2;
-  static constexpr int kBar = kDescale + 16;
-  static constexpr int kRowIds = kBar + kBars * 8;
-  static constexpr int kTiles = kRowIds + kBars * kDecodeMmaRows * 8;
-  static constexpr int kBytes = kTiles + kBars * kDecodeMmaTileBytes;
-  static constexpr int kBlocksPerSm = kStages == 2 ? 3 : 2;
-  static_assert(kTiles % 16 == 0 && kDecodeMmaTileBytes % 16 == 0,
-                "bulk copies and ldmatrix need 16-byte aligned rows");
-  static_assert(kDecodeMmaWarps * 4 * kAttendPartStride * 4 <= kBars * kDecodeMmaTileBytes,
-                "the warps' partials fit the staging rows");
-};
+constexpr int kDecodeMmaSmem = kDecodeMmaTiles + kDecodeMmaBars * kDecodeMmaTileBytes;
+static_assert(kDecodeMmaTiles % 16 == 0 && kDecodeMmaTileBytes % 16 == 0,
+              "bulk copies and ldmatrix need 16-byte aligned rows");
+static_assert(kDecodeMmaWarps * 4 * kAttendPartStride * 4 <= kDecodeMmaBars * kDecodeMmaTileBytes,
+              "the warps' partials fit the staging rows");
 
-// kDecode: AttendRows<kF8, true> (lazy rescaling, fp8 K read in place); false: the fused
-// selection kernel's form (STRATA_SELECTED_DECODE_MMA=plain; A/B timing). kStages: tiles in
-// flight per warp (2 or 3; STRATA_SELECTED_DECODE_MMA=s2 for 2).
-template <bool kF8, bool kDecode, int kStages>
-__global__ void __launch_bounds__(kDecodeMmaThreads, DecodeMmaSmem<kStages>::kBlocksPerSm)
+template <bool kF8>
+__global__ void __launch_bounds__(kDecodeMmaThreads, 2)
     SelectedDecodeMmaKernel(const float* __restrict__ q, const void* __restrict__ k_pool,
                             const void* __restrict__ v_pool, const int32_t* __restrict__ table,
                             DeviceCandidates middle, SelectedAttentionShape shape,
                             const int32_t* __restrict__ prefix_len, float* __restrict__ scratch) {
   extern __shared__ __align__(128) unsigned char dsmem[];
-  using L = DecodeMmaSmem<kStages>;
-  auto* key_a = reinterpret_cast<__nv_bfloat16*>(dsmem + L::kKeyA);
-  auto* key_descale = reinterpret_cast<float*>(dsmem + L::kDescale);
-  auto* mbar = reinterpret_cast<uint64_t*>(dsmem + L::kBar);
-  auto* row_ids = reinterpret_cast<int64_t*>(dsmem + L::kRowIds);
-  unsigned char* tiles_s = dsmem + L::kTiles;
+  auto* key_a = reinterpret_cast<__nv_bfloat16*>(dsmem + kDecodeMmaKeyA);
+  auto* key_descale = reinterpret_cast<float*>(dsmem + kDecodeMmaDescale);
+  auto* mbar = reinterpret_cast<uint64_t*>(dsmem + kDecodeMmaBar);
+  auto* row_ids = reinterpret_cast<int64_t*>(dsmem + kDecodeMmaRowIds);
+  unsigned char* tiles_s = dsmem + kDecodeMmaTiles;
 
   const int g = blockIdx.x / shape.items_per_head;
   const int item = blockIdx.x % shape.items_per_head;
@@ -3146,7 +3143,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, DecodeMmaSmem<kStages>::kBl
       prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
   if (middle.count == 0 && shape.suffix_len == 0) end = min(end, prefix);
 
-  if (tid < L::kBars) MbarInit(SharedAddr(&mbar[tid]), 1);
+  if (tid < kDecodeMmaBars) MbarInit(SharedAddr(&mbar[tid]), 1);
   StageATables<kF8, false, kDecodeMmaThreads>(q, shape.scale, g, group, nullptr, key_a,
                                               key_descale);
   __syncthreads();
@@ -3160,15 +3157,15 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, DecodeMmaSmem<kStages>::kBl
   constexpr int kRowOffset = kF8 ? kAttendFp8Offset : 0;  // bytes into a staging row
   auto k_tile = [&](int s) {
     return reinterpret_cast<__nv_bfloat16*>(tiles_s +
-                                            (warp * kStages + s) * kDecodeMmaTileBytes);
+                                            (warp * kDecodeMmaStages + s) * kDecodeMmaTileBytes);
   };
-  // Tile k of this warp into stage k % kStages: lane r < 16 resolves position
+  // Tile k of this warp into stage k % kDecodeMmaStages: lane r < 16 resolves position
   // wbase + k * kStride + r and issues its K and V rows, or zero-fills them (not attended).
   auto issue = [&](int k) {
-    const int s = k % kStages;
+    const int s = k % kDecodeMmaStages;
     __nv_bfloat16* k_s = k_tile(s);
     __nv_bfloat16* v_s = k_s + kDecodeMmaRows * kAttendPitch;
-    const uint32_t bar = SharedAddr(&mbar[warp * kStages + s]);
+    const uint32_t bar = SharedAddr(&mbar[warp * kDecodeMmaStages + s]);
     // The stage was last read (and, fp8, rewritten in place) through the generic proxy.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (lane < kDecodeMmaRows) {
@@ -3187,7 +3184,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, DecodeMmaSmem<kStages>::kBl
           row = TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
         }
       }
-      row_ids[(warp * kStages + s) * kDecodeMmaRows + lane] = row;
+      row_ids[(warp * kDecodeMmaStages + s) * kDecodeMmaRows + lane] = row;
       unsigned char* kd = reinterpret_cast<unsigned char*>(k_s + lane * kAttendPitch) + kRowOffset;
       unsigned char* vd = reinterpret_cast<unsigned char*>(v_s + lane * kAttendPitch) + kRowOffset;
       if (row >= 0) {
@@ -3214,17 +3211,17 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, DecodeMmaSmem<kStages>::kBl
 #pragma unroll
     for (int e = 0; e < 4; ++e) st.acc[j][e] = 0.0f;
   }
-  for (int k = 0; k < min(tiles, kStages); ++k) issue(k);
+  for (int k = 0; k < min(tiles, kDecodeMmaStages); ++k) issue(k);
   for (int k = 0; k < tiles; ++k) {
-    const int s = k % kStages;
-    MbarWait(SharedAddr(&mbar[warp * kStages + s]), (k / kStages) & 1);
+    const int s = k % kDecodeMmaStages;
+    MbarWait(SharedAddr(&mbar[warp * kDecodeMmaStages + s]), (k / kDecodeMmaStages) & 1);
     __nv_bfloat16* k_s = k_tile(s);
     __nv_bfloat16* v_s = k_s + kDecodeMmaRows * kAttendPitch;
-    if constexpr (kF8) ConvertFp8Rows(k_s, v_s, 0, !kDecode);
-    AttendRows<kF8, kDecode>(k_s, v_s, row_ids + (warp * kStages + s) * kDecodeMmaRows,
+    if constexpr (kF8) ConvertFp8Rows(k_s, v_s, 0, false);  // V only: K is read in place
+    AttendRows<kF8, true>(k_s, v_s, row_ids + (warp * kDecodeMmaStages + s) * kDecodeMmaRows,
                              0, kDecodeMmaRows, key_a, group, st, false, key_descale);
     __syncwarp();
-    if (k + kStages < tiles) issue(k + kStages);
+    if (k + kDecodeMmaStages < tiles) issue(k + kDecodeMmaStages);
   }
 
   // The warps' partials (over the staging rows, no longer read), then the block's per head in
@@ -3268,22 +3265,11 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, DecodeMmaSmem<kStages>::kBl
 
 }  // namespace
 
-namespace {
-// STRATA_SELECTED_DECODE_MMA (read once): "0" off, "plain" the kernel with the fused selection
-// kernel's AttendRows, "s2" two tiles in flight per warp (A/B timing), else on.
-int DecodeMmaMode() {
-  static const int mode = [] {
-    const char* v = std::getenv("STRATA_SELECTED_DECODE_MMA");
-    if (v == nullptr) return 2;
-    const std::string_view s(v);
-    return s == "0" ? 0 : s == "plain" ? 1 : s == "s2" ? 3 : 2;
-  }();
-  return mode;
-}
-}  // namespace
-
 bool SelectedDecodeMmaSupports(const SelectedAttentionShape& shape, FloatType pool_type) {
-  const bool on = DecodeMmaMode() != 0;
+  static const bool on = [] {
+    const char* v = std::getenv("STRATA_SELECTED_DECODE_MMA");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
   return on && shape.head_dim == 128 && shape.num_kv_heads > 0 &&
          shape.num_q_heads % shape.num_kv_heads == 0 &&
          shape.num_q_heads / shape.num_kv_heads <= 4 && shape.slot_scales == nullptr &&
@@ -3297,14 +3283,8 @@ cudaError_t LaunchSelectedDecodeMma(const float* q, const void* k_pool, const vo
                                     float* scratch, cudaStream_t stream) {
   if (!SelectedDecodeMmaSupports(shape, pool_type)) return cudaErrorInvalidValue;
   const bool fp8 = pool_type == FloatType::kFP8E4M3;
-  const int mode = DecodeMmaMode();
-  auto* kernel = fp8 ? (mode == 1   ? SelectedDecodeMmaKernel<true, false, 3>
-                        : mode == 3 ? SelectedDecodeMmaKernel<true, true, 2>
-                                    : SelectedDecodeMmaKernel<true, true, 3>)
-                     : (mode == 1   ? SelectedDecodeMmaKernel<false, false, 3>
-                        : mode == 3 ? SelectedDecodeMmaKernel<false, true, 2>
-                                    : SelectedDecodeMmaKernel<false, true, 3>);
-  const int smem = mode == 3 ? DecodeMmaSmem<2>::kBytes : DecodeMmaSmem<3>::kBytes;
+  auto* kernel = fp8 ? SelectedDecodeMmaKernel<true> : SelectedDecodeMmaKernel<false>;
+  constexpr int smem = kDecodeMmaSmem;
   // The shared-memory attribute, once per device and form (racing first calls set the same).
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> ready[2][kMaxDevices];
