@@ -108,6 +108,12 @@
 //     (layer, KV head, chunk) candidate tokens attended. The attention FLOPs stay those of dense
 //     causal attention (so effective_attention_tflops is "dense-equivalent"). Sparse warm-ups use
 //     two chunks so that the selection kernels load before the timed pass.
+//     --dense_decode_tokens=T (> 0): after each dense prefill, --warmup + T greedy tokens decoded
+//     through the same Transformer and cache, every step attending densely to the whole context
+//     (SelectedAttention over [0, length) of the cache: the tensor-core split-K kernel on CUDA;
+//     one replayed graph per step with --decode_graph=1; picks as --device_sample): the dense
+//     reference for the document passes, reported as a dense_decode line (tok/s over the T
+//     measured steps, GPU memory).
 //     --prefill_check=N (> 0): a correctness check on the backend: N tokens prefilled dense and
 //     through the DevicePolicy with tokenselect and a budget covering everything (must agree: the
 //     same spans), and with the default budget (differs: reported for scale); prints the largest
@@ -219,6 +225,7 @@ struct Flags {
   // Prefill pass (see the file comment): contexts, empty for none, and the chunk size.
   std::string prefill_contexts;
   int prefill_chunk = 8192;
+  int dense_decode_tokens = 0;  // > 0: decode after each dense prefill (the dense reference)
   // > 0: the run behaves as on a GPU of this many GiB (see the file comment).
   double gpu_memory_cap_gib = 0;
   std::string prefill_policy = "dense";
@@ -299,6 +306,7 @@ bool ParseFlag(const std::string& arg, Flags* f) {
   if (k == "decode_graph") { f->decode_graph = static_cast<int>(i); return true; }
   if (k == "prefill_chunk") { f->prefill_chunk = static_cast<int>(i); return i > 0; }
   if (k == "prefill_check") { f->prefill_check = i; return true; }
+  if (k == "dense_decode_tokens") { f->dense_decode_tokens = static_cast<int>(i); return i >= 0; }
   if (k == "seed") { f->seed = static_cast<uint64_t>(i); return true; }
   return false;
 }
@@ -972,6 +980,12 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
   to.prefill_chunk_size = f.prefill_chunk;
   to.matmul_precision = precision;
   STRATA_ASSIGN_OR_RETURN(to.weight_format, engine::ParseWeightFormat(f.weight_format));
+  // The dense reference decode (--dense_decode_tokens) after a dense prefill: one-token steps
+  // as graphs with --decode_graph (the prefill's chunks are not one-token steps).
+  const int decode_steps = policy == "dense" && logits_out == nullptr && f.dense_decode_tokens > 0
+                               ? f.warmup + f.dense_decode_tokens
+                               : 0;
+  to.decode_graph = decode_steps > 0 && f.decode_graph != 0;
   STRATA_ASSIGN_OR_RETURN(auto tf, engine::Transformer::Create(c, weights, backend, to));
   const double gpu_weights = GpuUsedGiB();
   std::vector<int32_t> ids(static_cast<size_t>(tokens));
@@ -1008,8 +1022,10 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
     STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
   }
   const double gpu_warm = GpuUsedGiB();  // the warm-up's cache freed, its scratch kept
-  STRATA_ASSIGN_OR_RETURN(auto cache, engine::KvCache::Create(
-                                          tf->MakeCacheOptions(tokens, f.page_size, DType::kBF16), backend));
+  STRATA_ASSIGN_OR_RETURN(
+      auto cache, engine::KvCache::Create(
+                      tf->MakeCacheOptions(tokens + decode_steps, f.page_size, DType::kBF16),
+                      backend));
   const double gpu_cache = GpuUsedGiB();
   STRATA_ASSIGN_OR_RETURN(const engine::ForwardOptions fo, options_for(*cache));
   const double gpu_ready = GpuUsedGiB();
@@ -1049,6 +1065,32 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
     return absl::InternalError("prefill: non-finite logits");
   }
   if (logits_out != nullptr) *logits_out = logits;
+  if (decode_steps == 0) return absl::OkStatus();
+  // The dense reference: greedy steps from the prefill's last logits, each attending to every
+  // token of the cache.
+  STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0, false));
+  engine::ForwardOptions fd;
+  fd.logits_on_device = next->device();
+  int32_t token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                       logits.begin());
+  Stopwatch dsw;
+  double t0 = 0;
+  for (int step = 0; step < decode_steps; ++step) {
+    if (step == f.warmup) {
+      STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+      t0 = dsw.ElapsedSeconds();
+    }
+    STRATA_RETURN_IF_ERROR(tf->Forward(&token, 1, tokens + step, cache.get(), dense.get(),
+                                       logits.data(), false, fd));
+    STRATA_RETURN_IF_ERROR(next->Advance(tf.get(), logits, &token));
+  }
+  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+  const double dt = dsw.ElapsedSeconds() - t0;
+  std::printf("dense_decode shape=%s context=%" PRId64 " tokens=%d decode_graph=%d tok_s=%.1f "
+              "ms_per_token=%.3f last_token=%d gpu_used_GiB=%.2f\n",
+              name.c_str(), tokens, f.dense_decode_tokens, to.decode_graph ? 1 : 0,
+              f.dense_decode_tokens / dt, 1e3 * dt / f.dense_decode_tokens, token, GpuUsedGiB());
+  std::fflush(stdout);
   return absl::OkStatus();
 }
 
