@@ -3166,8 +3166,6 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
     __nv_bfloat16* k_s = k_tile(s);
     __nv_bfloat16* v_s = k_s + kDecodeMmaRows * kAttendPitch;
     const uint32_t bar = SharedAddr(&mbar[warp * kDecodeMmaStages + s]);
-    // The stage was last read (and, fp8, rewritten in place) through the generic proxy.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (lane < kDecodeMmaRows) {
       const int32_t v = wbase + k * kStride + lane;
       int64_t row = -1;
@@ -3219,7 +3217,11 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
     __nv_bfloat16* v_s = k_s + kDecodeMmaRows * kAttendPitch;
     if constexpr (kF8) ConvertFp8Rows(k_s, v_s, 0, false);  // V only: K is read in place
     AttendRows<kF8, true>(k_s, v_s, row_ids + (warp * kDecodeMmaStages + s) * kDecodeMmaRows,
-                             0, kDecodeMmaRows, key_a, group, st, false, key_descale);
+                          0, kDecodeMmaRows, key_a, group, st, false, key_descale);
+    // Every lane's generic accesses to the stage (reads; fp8 V rewritten in place; zero fills)
+    // are ordered before the bulk copies that refill it: each lane's proxy fence, then the warp's
+    // barrier, then the copies.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (k + kDecodeMmaStages < tiles) issue(k + kDecodeMmaStages);
   }
