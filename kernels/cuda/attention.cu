@@ -746,12 +746,10 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t begin = item * shape.chunk;
   int32_t end = min(shape.total, begin + shape.chunk);
-  const int32_t mid_end = shape.prefix_end + middle.count;
-  // Prefix positions [0, prefix) are attended; with prefix_len set, the rest of [0, prefix_end)
-  // is skipped (and, when nothing follows the prefix, never visited).
-  const int32_t prefix =
-      prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
-  if (middle.count == 0 && shape.suffix_len == 0) end = min(end, prefix);
+  // Prefix positions [0, list.prefix) are attended; with prefix_len set, the rest of
+  // [0, prefix_end) is skipped (and, when nothing follows the prefix, never visited).
+  const SelectedList list = SelectedListOf(shape, middle, prefix_len);
+  if (middle.count == 0 && shape.suffix_len == 0) end = min(end, list.prefix);
 
   float acc[kMaxG][kDimsPerLane];
   StartDecodeBlock<HEAD_DIM, kMaxG>(q, g, group, q_s, m_s, l_s, acc);
@@ -766,15 +764,7 @@ __global__ void __launch_bounds__(kThreads)
     int64_t row = -1;
     float ks = 1.0f;  // the row's slot K scale (kSlotScales)
     if (tid < cnt) {
-      const int32_t v = tile + tid;
-      int32_t t;
-      if (v < shape.prefix_end) {
-        t = v < prefix ? v : -1;
-      } else if (v < mid_end) {
-        t = CandidateIdAt(middle, g, v - shape.prefix_end);
-      } else {
-        t = shape.suffix_begin + (v - mid_end);
-      }
+      const int32_t t = SelectedListToken(shape, middle, list, g, tile + tid);
       int32_t slot = 0;
       if constexpr (kSlotScales) {
         row = TokenRowAndSlot(table, shape.table_pages, shape.num_slots, shape.page_size, g, t,
@@ -1102,11 +1092,9 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
     }
   };
   stamp(0);
-  const int32_t mid_end = shape.prefix_end + middle.count;
-  const int32_t prefix =
-      prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
+  const SelectedList list = SelectedListOf(shape, middle, prefix_len);
   int32_t n = shape.total;
-  if (middle.count == 0 && shape.suffix_len == 0) n = min(n, prefix);
+  if (middle.count == 0 && shape.suffix_len == 0) n = min(n, list.prefix);
   const int64_t per = (static_cast<int64_t>(n) + cluster_size - 1) / cluster_size;
   const int32_t begin = static_cast<int32_t>(rank * per < n ? rank * per : n);
   const int32_t end = static_cast<int32_t>(begin + per < n ? begin + per : n);
@@ -1115,14 +1103,7 @@ __global__ void __launch_bounds__(THREADS, THREADS <= 256 ? 2 : 1)
   // Pool row of position v of the head's list, -1 when not attended (or beyond the block's part).
   auto row_of = [&](int32_t v) -> int64_t {
     if (v >= end) return -1;
-    int32_t t;
-    if (v < shape.prefix_end) {
-      t = v < prefix ? v : -1;
-    } else if (v < mid_end) {
-      t = CandidateIdAt(middle, g, v - shape.prefix_end);
-    } else {
-      t = shape.suffix_begin + (v - mid_end);
-    }
+    const int32_t t = SelectedListToken(shape, middle, list, g, v);
     return t < 0 ? -1 : TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
   };
   // cp.async of the K and V rows listed in row_s[stage] into `stage`.

@@ -3137,11 +3137,9 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t begin = item * shape.chunk;
   int32_t end = min(shape.total, begin + shape.chunk);
-  const int32_t mid_end = shape.prefix_end + middle.count;
-  // As SelectedDecodeKernel: with prefix_len set only [0, prefix) of the prefix is attended.
-  const int32_t prefix =
-      prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len));
-  if (middle.count == 0 && shape.suffix_len == 0) end = min(end, prefix);
+  // As SelectedDecodeKernel: with prefix_len set only [0, list.prefix) of the prefix is attended.
+  const SelectedList list = SelectedListOf(shape, middle, prefix_len);
+  if (middle.count == 0 && shape.suffix_len == 0) end = min(end, list.prefix);
 
   if (tid < kDecodeMmaBars) MbarInit(SharedAddr(&mbar[tid]), 1);
   StageATables<kF8, false, kDecodeMmaThreads>(q, shape.scale, g, group, nullptr, key_a,
@@ -3170,14 +3168,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
       const int32_t v = wbase + k * kStride + lane;
       int64_t row = -1;
       if (v < end) {
-        int32_t t;
-        if (v < shape.prefix_end) {
-          t = v < prefix ? v : -1;
-        } else if (v < mid_end) {
-          t = CandidateIdAt(middle, g, v - shape.prefix_end);
-        } else {
-          t = shape.suffix_begin + (v - mid_end);
-        }
+        const int32_t t = SelectedListToken(shape, middle, list, g, v);
         if (t >= 0) {
           row = TokenRow(table, shape.table_pages, shape.num_slots, shape.page_size, g, t);
         }

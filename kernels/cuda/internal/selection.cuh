@@ -34,6 +34,30 @@ __device__ __forceinline__ int64_t TokenRow(const int32_t* table, int table_page
   return static_cast<int64_t>(slot) * page_size + t % page_size;
 }
 
+// A SelectedAttention call's list per KV head (SelectedAttentionShape) as virtual positions:
+// [0, prefix_end) the prefix, then the middle's candidates up to mid_end, then the suffix from
+// suffix_begin. `prefix` is where the prefix's attended part ends: prefix_end, or the device
+// length *prefix_len clamped to [0, prefix_end] when it is set.
+struct SelectedList {
+  int32_t prefix;
+  int32_t mid_end;
+};
+__device__ __forceinline__ SelectedList SelectedListOf(const SelectedAttentionShape& shape,
+                                                      const DeviceCandidates& middle,
+                                                      const int32_t* prefix_len) {
+  return {prefix_len == nullptr ? shape.prefix_end : max(0, min(shape.prefix_end, *prefix_len)),
+          shape.prefix_end + middle.count};
+}
+// The token at virtual position v of KV head g's list, or -1 where nothing is attended (the
+// prefix past its device length, an invalid candidate).
+__device__ __forceinline__ int32_t SelectedListToken(const SelectedAttentionShape& shape,
+                                                     const DeviceCandidates& middle,
+                                                     const SelectedList& list, int g, int32_t v) {
+  if (v < shape.prefix_end) return v < list.prefix ? v : -1;
+  if (v < list.mid_end) return CandidateIdAt(middle, g, v - shape.prefix_end);
+  return shape.suffix_begin + (v - list.mid_end);
+}
+
 }  // namespace strata::kernels::cuda_internal
 
 #endif  // STRATA_KERNELS_CUDA_INTERNAL_SELECTION_CUH_
