@@ -2245,6 +2245,29 @@ constexpr int kAttendFp8Offset = 2 * kAttendPitch - 128;  // the last 128 bytes 
 struct AttendState {
   float m, l;
   float acc[16][4];
+  // Nothing attended yet: m -inf, l and acc zero.
+  __device__ __forceinline__ void Reset() {
+    m = __int_as_float(0xff800000);
+    l = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    }
+  }
+  // The warp's partial of head (lane / 4) % 4 into pw[0, 130) (the unnormalised output, then m
+  // and l), written by lanes < 16: lane 4h + t adds the lo part (lane + 16's) to the hi part of
+  // dims 8j + 2t, + 1. Every lane of the warp calls it (shuffles).
+  __device__ __forceinline__ void WritePartial(float* pw) const {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float o0 = acc[j][0] + __shfl_down_sync(0xffffffffu, acc[j][0], 16);
+      const float o1 = acc[j][1] + __shfl_down_sync(0xffffffffu, acc[j][1], 16);
+      if (lane < 16) *reinterpret_cast<float2*>(pw + 8 * j + 2 * (lane & 3)) = make_float2(o0, o1);
+    }
+    if (lane < 16 && (lane & 3) == 0) pw[128] = m, pw[129] = l;
+  }
 };
 
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
@@ -2979,13 +3002,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     if (!fixed_converted) wait_bar(kFixedBar);  // the fixed rows
     stamp(A0 + 1);
     AttendState ast;
-    ast.m = NegInfF();
-    ast.l = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ast.acc[j][e] = 0.0f;
-    }
+    ast.Reset();
     {
       int32_t f0 = 0;
       const int32_t f_count = AttendFixedShare(at, cs, rank, &f0);
@@ -3012,20 +3029,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     // block h (cs >= group) with st.async; block h merges the cs partials of head h.
     __syncthreads();
     float* part_w = reinterpret_cast<float*>(k_s);  // [W][G][kAttendPartStride]
-    {
-      // Lane 4h + t (< 16) adds the lo part (lane + 16's) to the hi part of head h's dims
-      // 8j + 2t, + 1.
-      float* pw = part_w + (warp * G + (lane >> 2 & 3)) * kAttendPartStride;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float o0 = ast.acc[j][0] + __shfl_down_sync(0xffffffffu, ast.acc[j][0], 16);
-        const float o1 = ast.acc[j][1] + __shfl_down_sync(0xffffffffu, ast.acc[j][1], 16);
-        if (lane < 16) {
-          *reinterpret_cast<float2*>(pw + 8 * j + 2 * (lane & 3)) = make_float2(o0, o1);
-        }
-      }
-      if (lane < 16 && (lane & 3) == 0) pw[128] = ast.m, pw[129] = ast.l;
-    }
+    ast.WritePartial(part_w + (warp * G + (lane >> 2 & 3)) * kAttendPartStride);
     float* recv = reinterpret_cast<float*>(recv_hist);  // [cs][kAttendPartStride]
     if (tid == 0 && rank < group) {
       MbarExpect(SharedAddr(&mbar[7]), cs * 130 * sizeof(float));
@@ -3193,13 +3197,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
   };
 
   AttendState st;
-  st.m = NegInfF();
-  st.l = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st.acc[j][e] = 0.0f;
-  }
+  st.Reset();
   for (int k = 0; k < min(tiles, kDecodeMmaStages); ++k) issue(k);
   for (int k = 0; k < tiles; ++k) {
     const int s = k % kDecodeMmaStages;
@@ -3221,17 +3219,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2)
   // the split-K partial format: the unnormalised output, the max, the sum.
   __syncthreads();
   float* part_w = reinterpret_cast<float*>(tiles_s);  // [warps][4][kAttendPartStride]
-  {
-    // Lane 4h + t (< 16) adds the lo part (lane + 16's) to the hi part of head h's dims 8j + 2t, + 1.
-    float* pw = part_w + (warp * 4 + (lane >> 2 & 3)) * kAttendPartStride;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float o0 = st.acc[j][0] + __shfl_down_sync(0xffffffffu, st.acc[j][0], 16);
-      const float o1 = st.acc[j][1] + __shfl_down_sync(0xffffffffu, st.acc[j][1], 16);
-      if (lane < 16) *reinterpret_cast<float2*>(pw + 8 * j + 2 * (lane & 3)) = make_float2(o0, o1);
-    }
-    if (lane < 16 && (lane & 3) == 0) pw[128] = st.m, pw[129] = st.l;
-  }
+  st.WritePartial(part_w + (warp * 4 + (lane >> 2 & 3)) * kAttendPartStride);
   __syncthreads();
   float* part = scratch + static_cast<int64_t>(blockIdx.x) * group * (128 + 2);
   for (int i = tid; i < group * 128; i += kDecodeMmaThreads) {
