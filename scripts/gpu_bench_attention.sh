@@ -48,18 +48,6 @@ done
 
 fi
 
-# Runs `$2 <log> <env args...>` once per variant of the list $1: space-separated variants, each
-# space-free VAR=value settings joined by commas ("-" for the defaults); logs $LOGS/$3_<n>.log.
-for_each_variant() {
-  local i=0 variant env_args
-  for variant in $1; do
-    i=$((i + 1))
-    echo "-- ${variant}"
-    env_args=()
-    [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
-    "$2" "$LOGS/$3_$i.log" "${env_args[@]}"
-  done
-}
 phases() {
   local log=$1
   shift

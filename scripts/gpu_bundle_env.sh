@@ -2,8 +2,8 @@
 # scripts/gpu_run.sh (scripts/gpu_bench_prefill.sh, scripts/gpu_bench_decode.sh): sets ROOT, BUNDLE
 # (unless set: $ROOT/$STRATA_GPU_BUNDLE, default .gpu) and LOGS (unless set: $OUT, else
 # /tmp/strata-gpu-out), unpacks bin.tar.xz and the bundled libraries, and exports
-# LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN; defines summary (a log's test and sanitizer summary lines)
-# and bundle_command (a bundled binary's path).
+# LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN; defines summary (a log's test and sanitizer summary lines),
+# bundle_command (a bundled binary's path) and for_each_variant (A/B runs under env settings).
 ROOT="$(pwd)"
 BUNDLE="${BUNDLE:-$ROOT/${STRATA_GPU_BUNDLE:-.gpu}}"
 LOGS="${LOGS:-${OUT:-/tmp/strata-gpu-out}}"
@@ -19,3 +19,16 @@ export STRATA_CUDA_PLUGIN="$BUNDLE/bin/libstrata_cuda.so"
 bundle_command() { if [ -x "$BUNDLE/$1" ]; then echo "$BUNDLE/$1"; else echo "$1"; fi; }
 # The gtest and compute-sanitizer summary lines of a log, on one line.
 summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }
+# Runs `$2 <log> <env args...>` once per variant of the list $1 (space-separated variants, each
+# space-free VAR=value settings joined by commas, "-" for the defaults), printing "-- variant"
+# first; the logs are $LOGS/$3_<n>.log.
+for_each_variant() {
+  local i=0 variant env_args
+  for variant in $1; do
+    i=$((i + 1))
+    echo "-- ${variant}"
+    env_args=()
+    [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
+    "$2" "$LOGS/$3_$i.log" "${env_args[@]}"
+  done
+}

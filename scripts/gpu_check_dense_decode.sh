@@ -38,30 +38,19 @@ if [ "${STRATA_DENSE_SKIP_TESTS:-0}" != 1 ]; then
       > "$LOGS/backend_$variant.log" 2>&1
     echo "Selected, $variant rc=$? $(summary "$LOGS/backend_$variant.log")"
   done
-  STRATA_SELECTED_ATTENTION=split "$B/cuda_selection_test" \
+  STRATA_SELECTED_ATTENTION="split" "$B/cuda_selection_test" \
     --gtest_filter='*SelectedAttention*:*DeviceLength*' > "$LOGS/selection_split.log" 2>&1
   echo "cuda_selection_test SelectedAttention/DeviceLength, split forced rc=$? $(summary "$LOGS/selection_split.log")"
   "$B/decode_graph_test" > "$LOGS/decode_graph.log" 2>&1
   echo "decode_graph_test rc=$? $(summary "$LOGS/decode_graph.log")"
   for tool in memcheck racecheck; do
-    STRATA_SELECTED_ATTENTION=split timeout 240 compute-sanitizer --tool "$tool" \
+    STRATA_SELECTED_ATTENTION="split" timeout 240 compute-sanitizer --tool "$tool" \
       "$B/cuda_backend_test" --gtest_filter='*SelectedAttention*' > "$LOGS/${tool}_split.log" 2>&1
     echo "$tool SelectedAttention (split) rc=$? $(summary "$LOGS/${tool}_split.log")"
   done
 fi
 
 VARIANTS="${STRATA_AB_DENSE:-- STRATA_SELECTED_DECODE_MMA=0}"
-# Runs `$2 <log> <env args...>` once per variant of $VARIANTS; logs $LOGS/$1_<n>.log.
-for_each_variant() {
-  local i=0 variant env_args
-  for variant in $VARIANTS; do
-    i=$((i + 1))
-    echo "-- ${variant}"
-    env_args=()
-    [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
-    "$2" "$LOGS/$1_$i.log" "${env_args[@]}"
-  done
-}
 dense_alone() {
   local log=$1
   shift
@@ -76,9 +65,9 @@ dense_answers() {
   grep '^ANSWER' "$log"
 }
 echo "== dense SelectedAttention alone"
-for_each_variant dense dense_alone
+for_each_variant "$VARIANTS" dense_alone dense
 echo "== dense shard answers (64K, 8B shape)"
-for_each_variant answer dense_answers
+for_each_variant "$VARIANTS" dense_answers answer
 
 [ "${STRATA_DENSE_RTT:-0}" = 1 ] || exit 0
 echo "== shard transport"
