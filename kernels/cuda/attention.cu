@@ -1612,6 +1612,24 @@ cudaError_t LaunchCluster(const float* q, const void* k_pool, const void* v_pool
                                                 prefix_len, out, lse, stream);
 }
 
+// SelectedDecodeKernel for HEAD_DIM: the group-4 build for group4 (built for head_dim 64 and 128
+// only), else the generic one.
+template <typename KV, int HEAD_DIM, bool kSlotScales>
+void LaunchDecodeBuild(bool group4, unsigned blocks, const float* q, const KV* k, const KV* v,
+                       const int32_t* table, const DeviceCandidates& middle,
+                       const SelectedAttentionShape& shape, const int32_t* prefix_len,
+                       float* scratch, cudaStream_t stream) {
+  if constexpr (HEAD_DIM <= 128) {
+    if (group4) {
+      SelectedDecodeKernel<KV, HEAD_DIM, kSlotScales, 4><<<blocks, kThreads, 0, stream>>>(
+          q, k, v, table, middle, shape, prefix_len, scratch);
+      return;
+    }
+  }
+  SelectedDecodeKernel<KV, HEAD_DIM, kSlotScales><<<blocks, kThreads, 0, stream>>>(
+      q, k, v, table, middle, shape, prefix_len, scratch);
+}
+
 template <typename KV, bool kSlotScales = false>
 cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* v_pool,
                                 const int32_t* table, const DeviceCandidates& middle,
@@ -1625,26 +1643,16 @@ cudaError_t LaunchSelectedTyped(const float* q, const void* k_pool, const void* 
   const bool group4 = shape.num_q_heads == 4 * shape.num_kv_heads && GroupClusterKernels();
   switch (shape.head_dim) {
     case 64:
-      if (group4) {
-        SelectedDecodeKernel<KV, 64, kSlotScales, 4><<<blocks, kThreads, 0, stream>>>(
-            q, k, v, table, middle, shape, prefix_len, scratch);
-      } else {
-        SelectedDecodeKernel<KV, 64, kSlotScales><<<blocks, kThreads, 0, stream>>>(
-            q, k, v, table, middle, shape, prefix_len, scratch);
-      }
+      LaunchDecodeBuild<KV, 64, kSlotScales>(group4, blocks, q, k, v, table, middle, shape,
+                                             prefix_len, scratch, stream);
       break;
     case 128:
-      if (group4) {
-        SelectedDecodeKernel<KV, 128, kSlotScales, 4><<<blocks, kThreads, 0, stream>>>(
-            q, k, v, table, middle, shape, prefix_len, scratch);
-      } else {
-        SelectedDecodeKernel<KV, 128, kSlotScales><<<blocks, kThreads, 0, stream>>>(
-            q, k, v, table, middle, shape, prefix_len, scratch);
-      }
+      LaunchDecodeBuild<KV, 128, kSlotScales>(group4, blocks, q, k, v, table, middle, shape,
+                                              prefix_len, scratch, stream);
       break;
     case 256:
-      SelectedDecodeKernel<KV, 256, kSlotScales><<<blocks, kThreads, 0, stream>>>(
-          q, k, v, table, middle, shape, prefix_len, scratch);
+      LaunchDecodeBuild<KV, 256, kSlotScales>(false, blocks, q, k, v, table, middle, shape,
+                                              prefix_len, scratch, stream);
       break;
     default:
       return cudaErrorInvalidValue;
