@@ -82,7 +82,7 @@ absl::Status StartMetrics(const std::string& listen, std::shared_ptr<prometheus:
 
 size_t WorkerPageBytes(const model::ModelConfig& config, int64_t page_size, const std::string& page_dtype) {
   kvstore::PageShape shape;
-  shape.dtype = page_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
+  shape.dtype = worker::ParseKvDType(page_dtype).value_or(kernels::DType::kBF16);
   shape.page_size = page_size >= 1 && page_size <= 65535 ? static_cast<int>(page_size) : 0;
   shape.head_dim = config.head_dim >= 1 && config.head_dim <= 65535 ? static_cast<int>(config.head_dim) : 0;
   return shape.Validate().ok() ? shape.EncodedBytes() : 0;

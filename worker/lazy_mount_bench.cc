@@ -133,7 +133,7 @@ int Run(int argc, char** argv) {
   const int P = 64;
   if (doc_tokens < P || shard < P || shard % P != 0 || reps < 1 || tokens < 1 || prompt_tokens < 1 ||
       !(host_gib > 0) || !(temperature >= 0 && temperature <= 2) || !(top_p > 0 && top_p <= 1) ||
-      (page_dtype != "bf16" && page_dtype != "fp8") ||
+      !ParseKvDType(page_dtype).ok() ||
       (weights != "bf16" && weights != "f32")) {
     std::fprintf(stderr, "bad sizes\n");
     return 2;
@@ -211,7 +211,7 @@ int Run(int argc, char** argv) {
   kvstore::PageShape shape;
   shape.page_size = P;
   shape.head_dim = static_cast<int>(c.head_dim);
-  shape.dtype = page_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
+  shape.dtype = ParseKvDType(page_dtype).value_or(kernels::DType::kBF16);
   kvstore::BackendPageAllocator alloc(backend.get(), shape.EncodedBytes(), size_t{256} << 20);  // as serve
   kvstore::HostCacheOptions ho;
   ho.capacity_bytes = static_cast<int64_t>(host_gib * (int64_t{1} << 30));

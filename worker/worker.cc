@@ -72,7 +72,7 @@ kvstore::KvLayout LayoutOf(const model::ModelConfig& c, int page_size, const std
   kvstore::KvLayout layout;
   layout.num_layers = static_cast<int>(c.num_layers);
   layout.num_kv_heads = static_cast<int>(c.num_kv_heads);
-  layout.page.dtype = page_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
+  layout.page.dtype = ParseKvDType(page_dtype).value_or(kernels::DType::kBF16);
   layout.page.page_size = page_size;
   layout.page.head_dim = static_cast<int>(c.head_dim);
   return layout;
@@ -248,6 +248,12 @@ absl::Status ProbeDeviceSelection(const engine::Transformer& tf, int page_size, 
 
 }  // namespace
 
+absl::StatusOr<kernels::DType> ParseKvDType(absl::string_view name) {
+  if (name == "bf16") return kernels::DType::kBF16;
+  if (name == "fp8") return kernels::DType::kFP8E4M3;
+  return absl::InvalidArgumentError(absl::StrCat("KV element type: bf16|fp8, got '", name, "'"));
+}
+
 absl::Status WorkerOptions::Validate() const {
   if (worker_id.empty() || worker_id.size() > 128) return absl::InvalidArgumentError("worker_id: 1..128 chars");
   for (char ch : worker_id) {
@@ -290,10 +296,10 @@ absl::Status WorkerOptions::Validate() const {
   if (prefill_budget_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("prefill_budget_tokens >= 1, got ", prefill_budget_tokens));
   }
-  if (kv_page_dtype != "bf16" && kv_page_dtype != "fp8") {
+  if (!ParseKvDType(kv_page_dtype).ok()) {
     return absl::InvalidArgumentError(absl::StrCat("kv_page_dtype: bf16|fp8, got '", kv_page_dtype, "'"));
   }
-  if (kv_cache_dtype != "bf16" && kv_cache_dtype != "fp8") {
+  if (!ParseKvDType(kv_cache_dtype).ok()) {
     return absl::InvalidArgumentError(absl::StrCat("kv_cache_dtype: bf16|fp8, got '", kv_cache_dtype, "'"));
   }
   return absl::OkStatus();

@@ -109,6 +109,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
@@ -126,6 +127,10 @@ class Registry;
 }  // namespace prometheus
 
 namespace strata::worker {
+
+// The element types of WorkerOptions::kv_page_dtype and kv_cache_dtype by their spelling: "bf16"
+// (kBF16) or "fp8" (kFP8E4M3). InvalidArgument for any other name.
+absl::StatusOr<kernels::DType> ParseKvDType(absl::string_view name);
 
 struct WorkerOptions {
   // Stable id, [A-Za-z0-9._-]{1,128}. Required.
@@ -422,7 +427,7 @@ class Worker {
   struct JobResult;
   // The element type of job and shard caches (WorkerOptions::kv_cache_dtype).
   kernels::DType CacheDType() const {
-    return options_.kv_cache_dtype == "fp8" ? kernels::DType::kFP8E4M3 : kernels::DType::kBF16;
+    return ParseKvDType(options_.kv_cache_dtype).value_or(kernels::DType::kBF16);
   }
   Worker(const WorkerOptions& options, const model::Model* model, kernels::Backend* backend,
          kvstore::PageStore* store, kvstore::DocumentCatalog* catalog, WorkerMetrics* metrics);

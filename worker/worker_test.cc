@@ -2081,5 +2081,15 @@ TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
   }
 }
 
+TEST(WorkerOptionsTest, KvElementTypesBySpelling) {
+  STRATA_ASSERT_OK_AND_ASSIGN(const kernels::DType bf16, ParseKvDType("bf16"));
+  EXPECT_EQ(bf16, kernels::DType::kBF16);
+  STRATA_ASSERT_OK_AND_ASSIGN(const kernels::DType fp8, ParseKvDType("fp8"));
+  EXPECT_EQ(fp8, kernels::DType::kFP8E4M3);
+  for (const char* bad : {"", "f32", "FP8", "bf16 "}) {
+    EXPECT_THAT(ParseKvDType(bad), testing::StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace strata::worker
