@@ -387,8 +387,7 @@ CudaBackend::~CudaBackend() {
 }
 
 void CudaBackend::SetDecodeItemsPerSm(int n) {
-  decode_items_per_sm_ = n >= 1 ? n : cuda_internal::kDecodeItemsPerSm;
-  decode_items_per_sm_set_ = n >= 1;
+  decode_items_per_sm_ = n >= 1 ? n : 0;
 }
 
 std::string CudaBackend::Name() const { return absl::StrCat("cuda:", device_); }
@@ -736,7 +735,9 @@ absl::Status CudaBackend::PagedAttention(const PagedAttentionParams& p, Stream s
                      (num_tokens > 1 || prefill_path_ == PrefillPath::kFlash) &&
                      cuda_internal::FlashPrefillSupports(shape, pool_dtype);
   const bool decode_ok = aligned && !flash && cuda_internal::DecodeFastPathSupports(shape);
-  BuildPlan(p, decode_ok, num_sms_, decode_items_per_sm_, plan_cache_.get());
+  BuildPlan(p, decode_ok, num_sms_,
+            decode_items_per_sm_ > 0 ? decode_items_per_sm_ : cuda_internal::kDecodeItemsPerSm,
+            plan_cache_.get());
   const HostPlan& host = plan_cache_->plan;
   int64_t max_head_tokens = 0;
   for (int32_t n : plan_cache_->head_tokens) max_head_tokens = std::max<int64_t>(max_head_tokens, n);

@@ -176,7 +176,8 @@ class CudaBackend : public Backend {
   absl::Status DestroyStream(Stream s) override;
 
   // Tuning knob of the decode path: split-K work items the plan aims for per SM (>= 1; other
-  // values restore the default, cuda_internal::kDecodeItemsPerSm). Affects speed only.
+  // values restore the defaults, cuda_internal::kDecodeItemsPerSm, and kDecodeMmaItemsPerSm for
+  // SelectedAttention calls on the tensor-core split-K kernel). Affects speed only.
   void SetDecodeItemsPerSm(int n);
 
   // Which kernel serves PagedAttention with query tokens off the decode path (speed only; the
@@ -236,10 +237,9 @@ class CudaBackend : public Backend {
   Pinned pinned_[kPinnedRing];
   int pinned_next_ = 0;
   std::unique_ptr<AttentionPlanCache> plan_cache_;
-  int decode_items_per_sm_ = 4;  // == cuda_internal::kDecodeItemsPerSm
-  // Whether SetDecodeItemsPerSm chose a count (else SelectedAttention's tensor-core split-K
-  // kernel aims for cuda_internal::kDecodeMmaItemsPerSm).
-  bool decode_items_per_sm_set_ = false;
+  // SetDecodeItemsPerSm's count; 0: the defaults (cuda_internal::kDecodeItemsPerSm, and
+  // kDecodeMmaItemsPerSm for SelectedAttention's tensor-core split-K kernel).
+  int decode_items_per_sm_ = 0;
   PrefillPath prefill_path_ = PrefillPath::kAuto;
 };
 

@@ -159,10 +159,10 @@ absl::Status CudaBackend::SelectedAttention(const SelectedAttentionParams& p, St
   // keys per item (a block's round trips to memory are the same for 16 or 128 keys, and fewer
   // items make the merge cheaper).
   const int items_per_sm =
-      !decode_items_per_sm_set_ &&
-              cuda_internal::SelectedDecodeMmaSupports(shape, PoolType(p.k_pool.dtype))
+      decode_items_per_sm_ > 0 ? decode_items_per_sm_
+      : cuda_internal::SelectedDecodeMmaSupports(shape, PoolType(p.k_pool.dtype))
           ? cuda_internal::kDecodeMmaItemsPerSm
-          : decode_items_per_sm_;
+          : cuda_internal::kDecodeItemsPerSm;
   const int64_t target_per_head =
       std::max<int64_t>(1, (static_cast<int64_t>(num_sms_) * items_per_sm + hkv - 1) / hkv);
   const int64_t chunk = std::max<int64_t>(cuda_internal::kDecodeTile,
