@@ -834,6 +834,37 @@ class NextToken {
   int first_ = 0, pending_ = 0;
 };
 
+// f.warmup unmeasured then `measured` greedy one-token steps over `cache` with a dense policy,
+// from *token at positions start, start + 1, ... (fo: the steps' ForwardOptions; picks as
+// --device_sample, pipelined with `pipelined`); *token ends as the last pick. Returns the seconds
+// of the measured steps.
+absl::StatusOr<double> GreedySteps(engine::Transformer* tf, kernels::Backend* backend,
+                                   engine::KvCache* cache, engine::ForwardOptions fo,
+                                   int64_t start, int measured, int64_t vocab, const Flags& f,
+                                   bool pipelined, int32_t* token) {
+  auto dense = engine::MakeDensePolicy();
+  STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0, pipelined));
+  fo.logits_on_device = next->device();
+  std::vector<float> logits(static_cast<size_t>(vocab));
+  const int steps = f.warmup + measured;
+  Stopwatch sw;
+  double t0 = 0;
+  for (int step = 0; step < steps; ++step) {
+    if (step == f.warmup) {
+      STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+      t0 = sw.ElapsedSeconds();
+    }
+    engine::ForwardOptions fs = fo;
+    if (next->pipelined() && step > 0) fs.device_token = next->device_token();
+    STRATA_RETURN_IF_ERROR(
+        tf->Forward(token, 1, start + step, cache, dense.get(), logits.data(), false, fs));
+    STRATA_RETURN_IF_ERROR(next->Advance(tf, logits, token));
+  }
+  STRATA_RETURN_IF_ERROR(next->Drain(token));
+  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+  return sw.ElapsedSeconds() - t0;
+}
+
 // Times the hook's Attend calls.
 class TimedAttention : public engine::ExternalAttention {
  public:
@@ -1068,24 +1099,12 @@ absl::Status Prefill(const std::string& name, const model::ModelConfig& c,
   if (decode_steps == 0) return absl::OkStatus();
   // The dense reference: greedy steps from the prefill's last logits, each attending to every
   // token of the cache.
-  STRATA_ASSIGN_OR_RETURN(auto next, NextToken::Create(backend, f.device_sample != 0, false));
-  engine::ForwardOptions fd;
-  fd.logits_on_device = next->device();
   int32_t token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
                                        logits.begin());
-  Stopwatch dsw;
-  double t0 = 0;
-  for (int step = 0; step < decode_steps; ++step) {
-    if (step == f.warmup) {
-      STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
-      t0 = dsw.ElapsedSeconds();
-    }
-    STRATA_RETURN_IF_ERROR(tf->Forward(&token, 1, tokens + step, cache.get(), dense.get(),
-                                       logits.data(), false, fd));
-    STRATA_RETURN_IF_ERROR(next->Advance(tf.get(), logits, &token));
-  }
-  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
-  const double dt = dsw.ElapsedSeconds() - t0;
+  STRATA_ASSIGN_OR_RETURN(const double dt,
+                          GreedySteps(tf.get(), backend, cache.get(), engine::ForwardOptions(),
+                                      tokens, f.dense_decode_tokens, c.vocab_size, f, false,
+                                      &token));
   std::printf("dense_decode shape=%s context=%" PRId64 " tokens=%d decode_graph=%d tok_s=%.1f "
               "ms_per_token=%.3f last_token=%d gpu_used_GiB=%.2f\n",
               name.c_str(), tokens, f.dense_decode_tokens, to.decode_graph ? 1 : 0,
@@ -1132,30 +1151,12 @@ absl::Status DecodeNoDocument(const model::ModelConfig& c, engine::Transformer* 
       auto local, engine::KvCache::Create(tf->MakeCacheOptions(steps + 8, f.page_size,
                                                                DType::kBF16),
                                           backend));
-  auto dense = engine::MakeDensePolicy();
   engine::ForwardOptions fo;
   fo.cache_first_position = doc_tokens;
-  STRATA_ASSIGN_OR_RETURN(auto next,
-                          NextToken::Create(backend, f.device_sample != 0, f.pipeline != 0));
-  fo.logits_on_device = next->device();
-  std::vector<float> logits(static_cast<size_t>(c.vocab_size));
   int32_t token = static_cast<int32_t>(f.seed % 1000) + 100;
-  Stopwatch sw;
-  double t0 = 0;
-  for (int step = 0; step < steps; ++step) {
-    if (step == f.warmup) {
-      STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
-      t0 = sw.ElapsedSeconds();
-    }
-    engine::ForwardOptions fs = fo;
-    if (next->pipelined() && step > 0) fs.device_token = next->device_token();
-    STRATA_RETURN_IF_ERROR(tf->Forward(&token, 1, doc_tokens + step, local.get(), dense.get(),
-                                       logits.data(), false, fs));
-    STRATA_RETURN_IF_ERROR(next->Advance(tf, logits, &token));
-  }
-  STRATA_RETURN_IF_ERROR(next->Drain(&token));
-  STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
-  const double total = sw.ElapsedSeconds() - t0;
+  STRATA_ASSIGN_OR_RETURN(const double total,
+                          GreedySteps(tf, backend, local.get(), fo, doc_tokens, measured,
+                                      c.vocab_size, f, f.pipeline != 0, &token));
   res->tokens = measured;
   res->tok_s = measured / total;
   res->ms_total = res->ms_rest = 1e3 * total / measured;
