@@ -367,6 +367,28 @@ void StartTinyServe(const std::vector<std::string>& extra, TinyServe* s) {
       << s->server->Err();
 }
 
+// Uploads a document of n token ids (3 + (89 i + 7) mod 480) to the server at `address`.
+v1::DocumentInfo UploadTinyDocument(const std::string& address, int n) {
+  std::vector<int32_t> doc;
+  for (int i = 0; i < n; ++i) doc.push_back(3 + (i * 89 + 7) % 480);
+  return UploadTokensTo(address, doc);
+}
+// A greedy question about `document_id` (prompt 40..43, max_tokens tokens, no stop at EOS) under
+// `policy` with a 128-token budget and a 64-token window.
+v1::JobSubmitRequest TinyQuestion(const std::string& document_id, const std::string& policy,
+                                  int max_tokens) {
+  v1::JobSubmitRequest req;
+  req.set_document_id(document_id);
+  for (int32_t t : {40, 41, 42, 43}) req.mutable_prompt_tokens()->add_ids(t);
+  req.mutable_params()->set_max_tokens(max_tokens);
+  req.mutable_params()->set_temperature(0);
+  req.mutable_params()->set_ignore_eos(true);
+  req.mutable_policy()->set_name(policy);
+  req.mutable_policy()->set_budget_tokens(128);
+  req.mutable_policy()->set_window_tokens(64);
+  return req;
+}
+
 // `strata serve` with fp8 pages, the lazy mount and selection on the backend (the CPU twins): the
 // prefill leaves the whole document in the worker's host tier (pages in backend host memory, as
 // the command sets it up), so quest jobs run the device-managed page cache; the second question
@@ -378,19 +400,9 @@ TEST(ResidentServeTest, Fp8LazyJobsRunTheDeviceManagedCacheAndTheSecondFetchesNo
   ChildProcess& server = *serve.server;
   const int metrics_port = serve.metrics_port;
   const std::string address = serve.address();
-  std::vector<int32_t> doc;
-  for (int i = 0; i < 900; ++i) doc.push_back(3 + (i * 89 + 7) % 480);
-  const v1::DocumentInfo info = UploadTokensTo(address, doc);
-  ASSERT_EQ(info.num_tokens(), doc.size());
-  v1::JobSubmitRequest req;
-  req.set_document_id(info.document_id());
-  for (int32_t t : {40, 41, 42, 43}) req.mutable_prompt_tokens()->add_ids(t);
-  req.mutable_params()->set_max_tokens(8);
-  req.mutable_params()->set_temperature(0);
-  req.mutable_params()->set_ignore_eos(true);
-  req.mutable_policy()->set_name("quest");
-  req.mutable_policy()->set_budget_tokens(128);
-  req.mutable_policy()->set_window_tokens(64);
+  const v1::DocumentInfo info = UploadTinyDocument(address, 900);
+  ASSERT_EQ(info.num_tokens(), 900u);
+  const v1::JobSubmitRequest req = TinyQuestion(info.document_id(), "quest", 8);
   const JobRun first = GenerateOn(address, req, 120);
   ASSERT_TRUE(first.status.ok()) << first.status.error_message() << server.Err();
   ASSERT_EQ(first.final.state(), v1::JobInfo::DONE) << first.final.error_message();
@@ -423,21 +435,11 @@ TEST(Fp8CacheServeTest, DenseAndQuestJobsFinishOverFp8Caches) {
   ChildProcess& server = *serve.server;
   const std::string& dir = serve.dir;
   const std::string address = serve.address();
-  std::vector<int32_t> doc;
-  for (int i = 0; i < 700; ++i) doc.push_back(3 + (i * 89 + 7) % 480);
-  const v1::DocumentInfo info = UploadTokensTo(address, doc);
-  ASSERT_EQ(info.num_tokens(), doc.size());
+  const v1::DocumentInfo info = UploadTinyDocument(address, 700);
+  ASSERT_EQ(info.num_tokens(), 700u);
   for (const char* policy : {"dense", "quest"}) {
     SCOPED_TRACE(policy);
-    v1::JobSubmitRequest req;
-    req.set_document_id(info.document_id());
-    for (int32_t t : {40, 41, 42, 43}) req.mutable_prompt_tokens()->add_ids(t);
-    req.mutable_params()->set_max_tokens(6);
-    req.mutable_params()->set_temperature(0);
-    req.mutable_params()->set_ignore_eos(true);
-    req.mutable_policy()->set_name(policy);
-    req.mutable_policy()->set_budget_tokens(128);
-    req.mutable_policy()->set_window_tokens(64);
+    const v1::JobSubmitRequest req = TinyQuestion(info.document_id(), policy, 6);
     const JobRun first = GenerateOn(address, req, 120);
     ASSERT_TRUE(first.status.ok()) << first.status.error_message() << server.Err();
     ASSERT_EQ(first.final.state(), v1::JobInfo::DONE) << first.final.error_message();
