@@ -131,6 +131,7 @@ int Serve(const ServeFlags& f) {
     w = *std::move(created);
     worker::WorkerServerOptions wso;
     wso.listen_address = "127.0.0.1:0";
+    wso.selection_link_address = "off";  // the one worker leads every job: no peers
     auto started = worker::WorkerServer::Start(wso, w.get());
     if (!started.ok()) return Fail(started.status());
     worker_server = *std::move(started);

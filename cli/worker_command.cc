@@ -1,11 +1,13 @@
 // `strata worker`: one worker process (DESIGN.md section 1, strata-worker).
 //
 //   strata worker --listen ADDR --metrics-listen ADDR --coordinator ADDR --kvstore ADDR --model DIR
-//       [--worker-id ID] [--advertise HOST:PORT] [--port-file FILE]
+//       [--worker-id ID] [--advertise HOST:PORT] [--selection-link-listen ADDR|off] [--port-file FILE]
 //
 // Loads the model on the CUDA backend when a GPU is present and the binary was built with
 // -DSTRATA_WORKER_CUDA=ON (CPU otherwise; see cli/CMakeLists.txt), serves the internal
-// Worker service (with health and reflection) on --listen, stores KV pages in the KV store
+// Worker service (with health and reflection) on --listen and the selection link (sharded decode
+// layers' queries over plain TCP; worker/selection_link.h) on --selection-link-listen, advertised
+// at the --advertise host, stores KV pages in the KV store
 // service at --kvstore (`strata kvstore`), registers with the coordinator and heartbeats.
 // SIGTERM drains: heartbeats say draining (no new work), running jobs get
 // --drain-timeout-seconds, then the worker deregisters and stops.
@@ -44,6 +46,7 @@ struct WorkerFlags {
   std::string model;
   std::string worker_id;
   std::string advertise;
+  std::string selection_link_listen;
   std::string port_file;
   WorkerEngineFlags engine;
   int64_t capacity_tokens = int64_t{1} << 22;
@@ -101,6 +104,7 @@ int Run(const WorkerFlags& f) {
   if (!w.ok()) return Fail(w.status());
   worker::WorkerServerOptions wso;
   wso.listen_address = f.listen;
+  wso.selection_link_address = f.selection_link_listen;
   auto server = worker::WorkerServer::Start(wso, w->get());
   if (!server.ok()) return Fail(server.status());
   std::string address = f.advertise;
@@ -114,7 +118,9 @@ int Run(const WorkerFlags& f) {
   ro.coordinator = f.coordinator;
   worker::RegistrationAgent agent(ro, w->get());
   agent.Start();
-  STRATA_LOG(INFO) << "worker " << wo.worker_id << ": grpc=" << address << " metrics_port=" << metrics_port
+  STRATA_LOG(INFO) << "worker " << wo.worker_id << ": grpc=" << address << " selection_link="
+                   << ((*w)->Info().selection_link_address().empty() ? "off" : (*w)->Info().selection_link_address())
+                   << " metrics_port=" << metrics_port
                    << " backend=" << backend->Name() << " coordinator=" << f.coordinator << " kvstore=" << f.kvstore
                    << " model=" << f.model << " fingerprint=" << (*w)->served_fingerprint();
   if (!f.port_file.empty()) {
@@ -150,6 +156,9 @@ int RunWorker(int argc, char** argv) {
   flags.String("model", &f.model, "Hugging Face model directory");
   flags.String("worker-id", &f.worker_id, "stable worker id (default: the host name)");
   flags.String("advertise", &f.advertise, "address the coordinator dials (default: listen host and bound port)");
+  flags.String("selection-link-listen", &f.selection_link_listen,
+               "listen address of the selection link, sharded decode's per-layer exchange over TCP (default: the "
+               "--listen host and a free port; 'off': none, peers use gRPC)");
   flags.String("port-file", &f.port_file, "write '<grpc_port> <metrics_port>' here once serving");
   f.engine.Register(&flags, "the KV store");
   flags.Int("capacity-tokens", &f.capacity_tokens, "document tokens this worker can hold");

@@ -957,6 +957,7 @@ void Coordinator::DispatchDocuments(std::vector<Action>* actions) {
     *shard_record.mutable_map() = *map;
     for (v1::ShardAssignment& a : *shard_record.mutable_map()->mutable_shards()) {
       a.set_worker_address(infos[a.worker_id()].address());
+      a.set_selection_link_address(infos[a.worker_id()].selection_link_address());
     }
     if (absl::Status s = catalog_->PutShardMap(&shard_record); !s.ok()) {
       STRATA_LOG(ERROR) << "document " << id << ": shard map write failed: " << s;
@@ -1043,7 +1044,10 @@ absl::StatusOr<v1::ShardMap> Coordinator::ServingShardMap(const std::string& doc
     *record.mutable_map() = *std::move(moved);
     for (v1::ShardAssignment& a : *record.mutable_map()->mutable_shards()) {
       auto w = registry_.Get(a.worker_id());
-      if (w.ok()) a.set_worker_address(w->info.address());
+      if (w.ok()) {
+        a.set_worker_address(w->info.address());
+        a.set_selection_link_address(w->info.selection_link_address());
+      }
     }
     STRATA_RETURN_IF_ERROR(catalog_->PutShardMap(&record));
     if (metrics_ != nullptr) metrics_->shard_moves.Increment();
@@ -1055,6 +1059,7 @@ absl::StatusOr<v1::ShardMap> Coordinator::ServingShardMap(const std::string& doc
     auto w = registry_.Get(a.worker_id());
     if (!w.ok()) return absl::UnavailableError(absl::StrCat("worker ", a.worker_id(), " is not registered"));
     a.set_worker_address(w->info.address());
+    a.set_selection_link_address(w->info.selection_link_address());
   }
   return map;
 }

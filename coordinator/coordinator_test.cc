@@ -90,6 +90,7 @@ class CoordinatorTest : public ::testing::Test {
     v1::RegisterWorkerRequest r;
     r.mutable_worker()->set_worker_id(id);
     r.mutable_worker()->set_address("127.0.0.1:1");
+    r.mutable_worker()->set_selection_link_address("127.0.0.1:2");
     r.mutable_worker()->set_capacity_tokens(capacity);
     r.mutable_worker()->set_max_jobs(2);
     auto response = coordinator_->RegisterWorker(r);
@@ -659,7 +660,10 @@ TEST_F(CoordinatorTest, ExactPrefillIsSequentialAndJobsWaitForMounts) {
   const v1::RunJobRequest run = workers_.runs()[0].request;
   EXPECT_EQ(run.job_id(), job.job_id());
   ASSERT_EQ(run.shard_map().shards_size(), 3);
-  for (const auto& a : run.shard_map().shards()) EXPECT_EQ(a.worker_address(), "127.0.0.1:1");
+  for (const auto& a : run.shard_map().shards()) {
+    EXPECT_EQ(a.worker_address(), "127.0.0.1:1");
+    EXPECT_EQ(a.selection_link_address(), "127.0.0.1:2");  // the holder's selection link
+  }
   EXPECT_EQ(workers_.prefills().size(), 3u);
 }
 

@@ -130,6 +130,7 @@ absl::StatusOr<v1::ShardMap> ReassignShards(const v1::ShardMap& map, const std::
     ++shards_here[best];
     moved.mutable_shards(index)->set_worker_id(workers[best].worker_id);
     moved.mutable_shards(index)->clear_worker_address();
+    moved.mutable_shards(index)->clear_selection_link_address();
   }
   moved.set_version(map.version() + 1);
   return moved;

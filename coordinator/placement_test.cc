@@ -111,7 +111,10 @@ TEST(LeaderTest, NoDocumentPicksLeastLoaded) {
 TEST(PlacementTest, ReassignMovesOnlyTheShardsOfGoneWorkers) {
   std::vector<WorkerCapacity> workers = {{"a", 100000}, {"b", 100000}, {"c", 100000}};
   STRATA_ASSERT_OK_AND_ASSIGN(auto map, (PlaceDocument("d", 10000, Options(64, 4096), workers)));
-  for (auto& a : *map.mutable_shards()) a.set_worker_address(a.worker_id() + ":1");
+  for (auto& a : *map.mutable_shards()) {
+    a.set_worker_address(a.worker_id() + ":1");
+    a.set_selection_link_address(a.worker_id() + ":2");
+  }
   int on_b = -1;
   for (int i = 0; i < map.shards_size(); ++i) {
     if (map.shards(i).worker_id() == "b") on_b = i;
@@ -125,9 +128,11 @@ TEST(PlacementTest, ReassignMovesOnlyTheShardsOfGoneWorkers) {
     if (i == on_b) {
       EXPECT_EQ(moved.shards(i).worker_id(), "c");
       EXPECT_TRUE(moved.shards(i).worker_address().empty());
+      EXPECT_TRUE(moved.shards(i).selection_link_address().empty());
     } else {
       EXPECT_EQ(moved.shards(i).worker_id(), map.shards(i).worker_id());
       EXPECT_EQ(moved.shards(i).worker_address(), map.shards(i).worker_address());
+      EXPECT_EQ(moved.shards(i).selection_link_address(), map.shards(i).selection_link_address());
     }
   }
   // Nothing gone: the same map, same version.

@@ -38,6 +38,10 @@ absl::StatusOr<v1::RegisterWorkerResponse> WorkerRegistry::Register(const v1::Wo
         absl::StrCat("worker_id must match [A-Za-z0-9._-]{1,128}, got '", info.worker_id(), "'"));
   }
   if (info.address().empty()) return absl::InvalidArgumentError("worker address is empty");
+  if (!info.selection_link_address().empty() && info.selection_link_address().rfind(':') == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker selection_link_address '", info.selection_link_address(), "' has no port"));
+  }
   if (info.capacity_tokens() == 0) return absl::InvalidArgumentError("worker capacity_tokens is 0");
   if (info.max_jobs() == 0) return absl::InvalidArgumentError("worker max_jobs is 0");
   absl::MutexLock lock(&mu_);

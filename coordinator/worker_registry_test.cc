@@ -56,6 +56,9 @@ TEST_F(WorkerRegistryTest, RejectsMalformedWorkers) {
   bad = Info("w");
   bad.set_capacity_tokens(0);
   EXPECT_THAT(registry_.Register(bad), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad = Info("w");
+  bad.set_selection_link_address("no-port");
+  EXPECT_THAT(registry_.Register(bad), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(registry_.size(), 0u);
 }
 

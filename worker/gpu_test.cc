@@ -686,7 +686,8 @@ TEST(WorkerShardedGpuTest, DevicePlacedShardsMatchCpuWorkers) {
   // The document persisted once (one shard on the first CUDA worker); jobs split it over the workers.
   STRATA_ASSERT_OK(PrefillDocument(gpu.workers[0].get(), kSelectionDocId, doc_tokens, job_ptrs[0]->Name()));
   const int64_t pages = (doc_tokens + 63) / 64;
-  auto job = [&](const ShardedCluster& c, const std::string& id, const std::string& policy) {
+  // Over the peers' selection links (their gRPC streams with grpc = true).
+  auto job = [&](const ShardedCluster& c, const std::string& id, const std::string& policy, bool grpc = false) {
     v1::RunJobRequest r = JobRequest(id, kSelectionDocId, doc_tokens, max_tokens, policy);
     r.mutable_shard_map()->clear_shards();
     for (int i = 0; i < workers; ++i) {
@@ -696,6 +697,7 @@ TEST(WorkerShardedGpuTest, DevicePlacedShardsMatchCpuWorkers) {
       a->mutable_range()->set_end_page(static_cast<uint64_t>(pages * (i + 1) / workers));
       a->set_worker_id(c.workers[i]->Info().worker_id());
       a->set_worker_address(c.workers[i]->Info().address());
+      if (!grpc) a->set_selection_link_address(c.workers[i]->Info().selection_link_address());
     }
     return r;
   };
@@ -715,9 +717,13 @@ TEST(WorkerShardedGpuTest, DevicePlacedShardsMatchCpuWorkers) {
     const Timed g = RunTimed(gpu.workers[leader].get(), job(gpu, "gpu-" + policy, policy));
     ASSERT_EQ(g0.info.state(), v1::JobInfo::DONE) << g0.info.error_message();
     ASSERT_EQ(g.info.state(), v1::JobInfo::DONE) << g.info.error_message();
+    const Timed gg = RunTimed(gpu.workers[leader].get(), job(gpu, "gpu-grpc-" + policy, policy, true));
+    ASSERT_EQ(gg.info.state(), v1::JobInfo::DONE) << gg.info.error_message();
     row(policy, "cuda, shards on the GPU (1st)", g0);
     row(policy, "cuda, shards on the GPU", g);
+    row(policy, "cuda, the same over gRPC", gg);
     EXPECT_EQ(Tokens(g.info), Tokens(g0.info));
+    EXPECT_EQ(Tokens(gg.info), Tokens(g.info));
     if (with_cpu) {
       const Timed c = RunTimed(host.workers[leader].get(), job(host, "cpu-" + policy, policy));
       ASSERT_EQ(c.info.state(), v1::JobInfo::DONE) << c.info.error_message();

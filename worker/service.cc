@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
+#include "base/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -21,8 +22,41 @@ std::chrono::system_clock::time_point DeadlineIn(int64_t ms) {
 
 }  // namespace
 
+absl::Status ServeSelectionStream(Worker* worker, const std::string& transport,
+                                  const std::function<bool(v1::SelectionRequest*)>& read,
+                                  const std::function<bool(const v1::SelectionResponse&)>& write) {
+  v1::SelectionRequest req;
+  if (!read(&req)) return absl::OkStatus();  // closed before opening
+  if (!req.has_open()) return absl::InvalidArgumentError("the first message must be SelectionOpen");
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<ShardSession> session, worker->OpenSelection(req.open()));
+  // The answers' time: the session's, and writing them (counted when the stream ends).
+  double send_seconds = 0;
+  const std::string job_id = req.open().job_id();
+  absl::Status status;
+  while (read(&req)) {
+    if (!req.has_query()) {
+      status = absl::InvalidArgumentError("SelectionOpen sent twice");
+      break;
+    }
+    v1::SelectionResponse resp;
+    status = session->Answer(req.query(), &resp);
+    if (!status.ok()) break;
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool written = write(resp);
+    send_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!written) break;
+  }
+  ShardAnswerTiming timing = session->answer_timing();
+  timing.send_seconds = send_seconds;
+  worker->RecordShardAnswers(job_id, timing, transport);
+  return status;
+}
+
 absl::Status WorkerServerOptions::Validate() const {
   if (listen_address.empty()) return absl::InvalidArgumentError("listen_address is required");
+  if (listen_address.rfind(':') == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("listen_address '", listen_address, "' has no port"));
+  }
   return absl::OkStatus();
 }
 
@@ -71,45 +105,16 @@ class WorkerServer::Impl final : public v1::Worker::Service {
   Worker* const worker_;
 };
 
-// ShardSelection: one stream per job and peer; the first message opens a ShardSession, then
-// every LayerQuery gets one SelectionResponse, in order, on the call's thread.
+// ShardSelection: one stream per job and peer, served by ServeSelectionStream on the call's thread.
 class WorkerServer::SelectionImpl final : public v1::ShardSelection::Service {
  public:
   explicit SelectionImpl(Worker* worker) : worker_(worker) {}
 
   grpc::Status Select(grpc::ServerContext* context,
                       grpc::ServerReaderWriter<v1::SelectionResponse, v1::SelectionRequest>* stream) override {
-    v1::SelectionRequest req;
-    if (!stream->Read(&req)) return grpc::Status::OK;  // closed before opening
-    if (!req.has_open()) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message must be SelectionOpen");
-    }
-    absl::StatusOr<std::unique_ptr<ShardSession>> session = worker_->OpenSelection(req.open());
-    if (!session.ok()) return proto::ToGrpcStatus(session.status());
-    // The answers' time: the session's, and writing them (counted when the stream ends).
-    double send_seconds = 0;
-    const std::string job_id = req.open().job_id();
-    grpc::Status status = grpc::Status::OK;
-    while (!context->IsCancelled() && stream->Read(&req)) {
-      if (!req.has_query()) {
-        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "SelectionOpen sent twice");
-        break;
-      }
-      v1::SelectionResponse resp;
-      absl::Status s = (*session)->Answer(req.query(), &resp);
-      if (!s.ok()) {
-        status = proto::ToGrpcStatus(s);
-        break;
-      }
-      const auto t0 = std::chrono::steady_clock::now();
-      const bool written = stream->Write(resp);
-      send_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (!written) break;
-    }
-    ShardAnswerTiming timing = (*session)->answer_timing();
-    timing.send_seconds = send_seconds;
-    worker_->RecordShardAnswers(job_id, timing);
-    return status;
+    return proto::ToGrpcStatus(ServeSelectionStream(
+        worker_, "grpc", [&](v1::SelectionRequest* req) { return !context->IsCancelled() && stream->Read(req); },
+        [&](const v1::SelectionResponse& resp) { return stream->Write(resp); }));
   }
 
  private:
@@ -150,6 +155,14 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerSe
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options.listen_address));
   }
+  if (options.selection_link_address != "off") {
+    std::string link = options.selection_link_address;
+    if (link.empty()) link = options.listen_address.substr(0, options.listen_address.rfind(':')) + ":0";
+    STRATA_ASSIGN_OR_RETURN(server->link_, SelectionLinkServer::Start(link, [worker](const auto& read, const auto& write) {
+                              return ServeSelectionStream(worker, "link", read, write);
+                            }));
+    worker->SetSelectionLinkPort(server->link_->port());
+  }
   server->SetServing(true);
   return server;
 }
@@ -176,6 +189,7 @@ void WorkerServer::Shutdown(absl::Duration grace) {
     SetServing(false);
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
   }
+  if (link_ != nullptr) link_->Shutdown();
 }
 
 RegistrationAgent::RegistrationAgent(const RegistrationOptions& options, Worker* worker)

@@ -10,11 +10,16 @@
 // Load() (mounted_tokens) and MountedShards(). PeerPages is served over Worker::GetPeerPages
 // (the worker's store: host cache, then its durable tiers).
 //
+// Beside the gRPC server, WorkerServer serves the same selection streams over the selection link
+// (worker/selection_link.h: plain TCP, the transport leaders take for a decode layer's round trip)
+// and reports its port to the worker (Worker::SetSelectionLinkPort), whose Info() advertises it.
+//
 // Thread-safe.
 #ifndef STRATA_WORKER_SERVICE_H_
 #define STRATA_WORKER_SERVICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -23,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "worker/selection_link.h"
 #include "worker/worker.h"
 
 namespace grpc {
@@ -32,9 +38,22 @@ class Channel;
 
 namespace strata::worker {
 
+// One selection stream's serving loop, for either transport (the gRPC ShardSelection stream, the
+// selection link): the first request must open a session (Worker::OpenSelection); every later
+// one must be a query, answered through `write`. Returns OK when `read` ends the stream (the
+// client closed it, before or after opening) or `write` fails; INVALID_ARGUMENT when the first
+// message is not an open or an open comes twice; the session's errors otherwise. Records the
+// answers' timing over `transport` ("link" or "grpc"; Worker::RecordShardAnswers).
+absl::Status ServeSelectionStream(Worker* worker, const std::string& transport,
+                                  const std::function<bool(v1::SelectionRequest*)>& read,
+                                  const std::function<bool(const v1::SelectionResponse&)>& write);
+
 struct WorkerServerOptions {
   // gRPC listen address; port 0 picks a free one (see port()). Required.
   std::string listen_address = "127.0.0.1:0";
+  // Where the selection link listens ("host:port", port 0: a free one): empty for listen_address's
+  // host and a free port, "off" for no link (leaders then use the gRPC stream).
+  std::string selection_link_address;
 
   absl::Status Validate() const;
 };
@@ -46,9 +65,12 @@ class WorkerServer {
   ~WorkerServer();
 
   int port() const { return port_; }
+  // The selection link's port; 0 when it is off.
+  int selection_link_port() const { return link_ != nullptr ? link_->port() : 0; }
   // Health of every served name.
   void SetServing(bool serving);
-  // Stops accepting calls; running calls get `grace`, then are cancelled. Idempotent.
+  // Stops accepting calls; running calls get `grace`, then are cancelled; the selection link's
+  // connections end. Idempotent.
   void Shutdown(absl::Duration grace);
 
   class Impl;
@@ -62,6 +84,7 @@ class WorkerServer {
   std::unique_ptr<SelectionImpl> selection_;
   std::unique_ptr<PeerPagesImpl> peer_pages_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<SelectionLinkServer> link_;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -21,6 +21,7 @@
 #include "engine/sparse/policy.h"
 #include "grpcpp/grpcpp.h"
 #include "strata/v1/internal.grpc.pb.h"
+#include "worker/selection_link.h"
 
 namespace strata::worker {
 
@@ -474,6 +475,9 @@ struct LeaderAttention::Part {
   std::unique_ptr<v1::ShardSelection::Stub> stub;
   std::unique_ptr<grpc::ClientContext> context;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SelectionRequest, v1::SelectionResponse>> stream;
+  // Or, when the shard map offers the holder's selection link and it connected, the link
+  // instead of the stream (no watchdog: its reads poll with the deadline).
+  std::unique_ptr<SelectionLink> link;
   bool sent = false;  // a query of the current layer is in flight
   // The deadline of the leader's Read in flight (absl::ToUnixNanos), 0 while it reads nothing,
   // -1 once the watchdog cancelled the stream for passing it. The leader reads answers on its own
@@ -484,6 +488,7 @@ struct LeaderAttention::Part {
   // The next answer, or false (with *why) when the stream closed or nothing came by `deadline`
   // (then the stream is cancelled, even if an answer came as the watchdog fired).
   bool NextAnswer(absl::Time deadline, v1::SelectionResponse* out, std::string* why) {
+    if (link != nullptr) return link->Read(deadline, out, why);
     read_deadline.store(std::max<int64_t>(1, absl::ToUnixNanos(deadline)));
     const bool ok = stream->Read(out);
     if (read_deadline.exchange(0) < 0) {
@@ -504,6 +509,7 @@ struct LeaderAttention::Part {
     if (d > 0 && now_ns >= d && read_deadline.compare_exchange_strong(d, -1)) context->TryCancel();
   }
   void CloseStream() {
+    link.reset();
     if (stream == nullptr) return;
     context->TryCancel();
     stream->Finish();  // status ignored: the stream is being abandoned
@@ -556,15 +562,8 @@ absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const O
       la->parts_.push_back(std::move(part));
       continue;
     }
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(-1);
-    args.SetMaxSendMessageSize(-1);
-    part->channel = grpc::CreateCustomChannel(part->address, grpc::InsecureChannelCredentials(), args);
-    part->stub = v1::ShardSelection::NewStub(part->channel);
     Part* raw = part.get();
     la->parts_.push_back(std::move(part));
-    raw->context = std::make_unique<grpc::ClientContext>();
-    raw->stream = raw->stub->Select(raw->context.get());
     v1::SelectionRequest open;
     v1::SelectionOpen* o = open.mutable_open();
     o->set_job_id(options.job_id);
@@ -573,6 +572,27 @@ absl::StatusOr<std::unique_ptr<LeaderAttention>> LeaderAttention::Create(const O
     o->set_budget_tokens(raw->budget_tokens);
     o->set_num_q_heads(static_cast<uint32_t>(options.config->num_heads));
     o->set_head_dim(static_cast<uint32_t>(options.config->head_dim));
+    // The holder's selection link when the map offers one and it connects; else (or when it
+    // cannot be reached) the gRPC stream, which fails over at its first query if the holder is down.
+    if (!a.selection_link_address().empty()) {
+      absl::StatusOr<std::unique_ptr<SelectionLink>> link =
+          SelectionLink::Connect(a.selection_link_address(), absl::Seconds(1));
+      if (link.ok() && (*link)->Write(open.SerializeAsString())) {
+        raw->link = *std::move(link);
+        continue;
+      }
+      STRATA_LOG(WARNING) << "job " << options.job_id << ": selection link to " << raw->worker_id << " at "
+                          << a.selection_link_address() << " unusable ("
+                          << (link.ok() ? std::string("write failed") : link.status().ToString())
+                          << "); using the ShardSelection stream";
+    }
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    raw->channel = grpc::CreateCustomChannel(raw->address, grpc::InsecureChannelCredentials(), args);
+    raw->stub = v1::ShardSelection::NewStub(raw->channel);
+    raw->context = std::make_unique<grpc::ClientContext>();
+    raw->stream = raw->stub->Select(raw->context.get());
     if (!raw->stream->Write(open)) STRATA_RETURN_IF_ERROR(la->Failover(raw, "open failed"));
   }
   // Every part exists now (the watchdog reads parts_).
@@ -635,6 +655,7 @@ absl::Status LeaderAttention::SendQueries(int layer, const float* q, int n, int 
   const size_t q_bytes = static_cast<size_t>(n) * hq * options_.config->head_dim * sizeof(float);
   v1::SelectionRequest req;
   bool built = false;
+  request_bytes_.clear();  // the request serialized once for every link
   for (auto& p : parts_) {
     if (p->local != nullptr) continue;
     if (!built) {
@@ -646,7 +667,8 @@ absl::Status LeaderAttention::SendQueries(int layer, const float* q, int n, int 
       lq->set_q(reinterpret_cast<const char*>(q), q_bytes);
       built = true;
     }
-    p->sent = p->stream->Write(req);
+    if (p->link != nullptr && request_bytes_.empty()) req.SerializeToString(&request_bytes_);
+    p->sent = p->link != nullptr ? p->link->Write(request_bytes_) : p->stream->Write(req);
     if (!p->sent) STRATA_RETURN_IF_ERROR(Failover(p.get(), "write failed"));
   }
   return absl::OkStatus();

@@ -322,7 +322,7 @@ class LeaderAttention : public engine::ExternalAttention {
   kvstore::TierCounts pages_;
   int failovers_ = 0;
   Timing timing_;
-  std::string q_bytes_;
+  std::string request_bytes_;  // a layer's query serialized for the selection links
   std::thread watchdog_;
   absl::Mutex watch_mu_;
   bool stopping_ ABSL_GUARDED_BY(watch_mu_) = false;

@@ -3,7 +3,7 @@
 // (no attention), on loopback gRPC. Isolates what a sharded decode step pays per layer and peer
 // on top of the peer's attention (bench/RESULTS.md).
 //
-//   shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] [--modes reader,direct,async,tcp]
+//   shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] [--modes reader,direct,async,tcp,link]
 //                   [--peer sync|callback] [--peers 1]
 //
 // The peer: --peer sync (default) a synchronous ShardSelection service, as worker/service.cc's
@@ -17,7 +17,10 @@
 //   async   the asynchronous API: Write and Read started on one CompletionQueue that the leader's
 //           own thread waits on with a deadline (AsyncNext);
 //   tcp     the floor: the same bytes (query, then answer) over a plain loopback TCP socket with
-//           TCP_NODELAY, no gRPC.
+//           TCP_NODELAY, no gRPC;
+//   link    the selection link (worker/selection_link.h: framed SelectionRequest /
+//           SelectionResponse messages over TCP), against a link server answering the same way
+//           (the leader's wait spins for STRATA_SELECTION_LINK_SPIN_US, as a worker's).
 // --peers N > 1 times one layer's fan-out to N peers (a server each) in the direct and async
 // modes: from the first write to the last answer (RunFanout).
 // Prints, per mode, the round trip's median, 90th and 99th percentile in microseconds.
@@ -44,6 +47,7 @@
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "strata/v1/internal.grpc.pb.h"
+#include "worker/selection_link.h"
 
 namespace {
 
@@ -204,6 +208,58 @@ int RunTcp(int heads, int dim, int rounds) {
   close(ls);
   const Stats s = Percentiles(us);
   std::printf("RTT %-8s heads %d dim %d rounds %d: p50 %.1f us  p90 %.1f us  p99 %.1f us\n", "tcp", heads, dim,
+              rounds, s.p50, s.p90, s.p99);
+  return 0;
+}
+
+// The link mode: a SelectionLinkServer answering each query at once, as EchoSelection does.
+int RunLink(int heads, int dim, int rounds) {
+  auto server = strata::worker::SelectionLinkServer::Start(
+      "127.0.0.1:0", [heads](const auto& read, const auto& write) {
+        v1::SelectionRequest req;
+        while (read(&req)) {
+          if (!req.has_query()) continue;  // the open message
+          v1::SelectionResponse resp;
+          resp.set_step(req.query().step());
+          resp.set_layer(req.query().layer());
+          resp.set_o(req.query().q());  // same size as o
+          resp.set_lse(std::string(static_cast<size_t>(req.query().num_tokens()) * heads * sizeof(float), '\0'));
+          if (!write(resp)) break;
+        }
+        return absl::OkStatus();
+      });
+  if (!server.ok()) {
+    std::fprintf(stderr, "link: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  auto link = strata::worker::SelectionLink::Connect("127.0.0.1:" + std::to_string((*server)->port()),
+                                                     absl::Seconds(5));
+  v1::SelectionRequest open;
+  open.mutable_open()->set_job_id("rtt");
+  if (!link.ok() || !(*link)->Write(open.SerializeAsString())) {
+    std::fprintf(stderr, "link: cannot connect\n");
+    return 1;
+  }
+  const std::vector<float> q(static_cast<size_t>(heads) * dim, 1.0f);
+  std::vector<double> us;
+  std::string bytes, why;
+  v1::SelectionResponse resp;
+  const int warmup = std::min(200, rounds / 4);
+  for (int i = 0; i < warmup + rounds; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    QueryRequest(i, q).SerializeToString(&bytes);
+    if (!(*link)->Write(bytes) || !(*link)->Read(absl::Now() + absl::Seconds(10), &resp, &why) ||
+        resp.step() != static_cast<uint64_t>(i) || resp.o().size() != q.size() * sizeof(float)) {
+      std::fprintf(stderr, "link round %d failed: %s\n", i, why.c_str());
+      return 1;
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  link->reset();
+  (*server)->Shutdown();
+  const Stats s = Percentiles(us);
+  std::printf("RTT %-8s heads %d dim %d rounds %d: p50 %.1f us  p90 %.1f us  p99 %.1f us\n", "link", heads, dim,
               rounds, s.p50, s.p90, s.p99);
   return 0;
 }
@@ -439,7 +495,7 @@ int Run(const std::string& address, const std::string& mode, int heads, int dim,
 
 int main(int argc, char** argv) {
   int heads = 32, dim = 128, rounds = 4000, peers = 1;
-  std::string modes = "reader,direct,async,tcp", peer = "sync";
+  std::string modes = "reader,direct,async,tcp,link", peer = "sync";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     bool ok = true;
@@ -453,7 +509,7 @@ int main(int argc, char** argv) {
     if (!ok || heads < 1 || dim < 1 || rounds < 1 || (peer != "sync" && peer != "callback") || peers < 1 ||
         peers > 16) {
       std::fprintf(stderr, "usage: shard_rtt_bench [--heads 32] [--dim 128] [--rounds 4000] "
-                   "[--modes reader,direct,async,tcp] [--peer sync|callback] [--peers 1..16]\n");
+                   "[--modes reader,direct,async,tcp,link] [--peer sync|callback] [--peers 1..16]\n");
       return 2;
     }
   }
@@ -482,7 +538,7 @@ int main(int argc, char** argv) {
     addresses.push_back("127.0.0.1:" + std::to_string(port));
   }
   for (const std::string& mode : std::vector<std::string>(absl::StrSplit(modes, ','))) {
-    if (mode != "reader" && mode != "direct" && mode != "async" && mode != "tcp") {
+    if (mode != "reader" && mode != "direct" && mode != "async" && mode != "tcp" && mode != "link") {
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
       return 2;
     }
@@ -490,6 +546,7 @@ int main(int argc, char** argv) {
     const int rc = peers > 1        ? RunFanout(addresses, mode, heads, dim, rounds)
                    : mode == "async" ? RunAsync(addresses[0], heads, dim, rounds)
                    : mode == "tcp"   ? RunTcp(heads, dim, rounds)
+                   : mode == "link"  ? RunLink(heads, dim, rounds)
                                      : Run(addresses[0], mode, heads, dim, rounds);
     if (rc != 0) return rc;
   }

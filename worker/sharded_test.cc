@@ -10,6 +10,11 @@
 //   too long anchor are refused;
 // - MountShard / UnmountShard / Load().mounted_tokens / MountedShards, a selection stream, and
 //   PeerPages.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -38,6 +43,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
 #include "strata/v1/internal.grpc.pb.h"
+#include "worker/selection_link.h"
 #include "worker/service.h"
 #include "worker/shard_attention.h"
 #include "worker/worker.h"
@@ -161,6 +167,7 @@ class ShardedTest : public ::testing::Test {
       a->mutable_range()->set_end_page(bounds_[i + 1]);
       a->set_worker_id(absl::StrCat("w", i));
       a->set_worker_address(workers_[i]->Info().address());
+      a->set_selection_link_address(workers_[i]->Info().selection_link_address());
     }
     return m;
   }
@@ -183,6 +190,17 @@ class ShardedTest : public ::testing::Test {
     r.mutable_params()->set_max_tokens(max_tokens);
     r.mutable_params()->set_ignore_eos(true);
     return r;
+  }
+  // The job over the peers' gRPC ShardSelection streams instead of their selection links.
+  static v1::RunJobRequest OverGrpc(v1::RunJobRequest r) {
+    for (v1::ShardAssignment& a : *r.mutable_shard_map()->mutable_shards()) a.clear_selection_link_address();
+    return r;
+  }
+  // Waits (up to 10 s) until `counter` reaches `want`; its value.
+  static double AwaitCount(const prometheus::Counter* counter, double want) {
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (counter->Value() < want && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+    return counter->Value();
   }
   v1::DocumentState State() {
     auto id = kvstore::DocumentId::FromHex(kDocId);
@@ -265,7 +283,8 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   std::string shown;
   for (int32_t t : want) absl::StrAppend(&shown, t, " ");
   std::printf("reference tokens: %s\n", shown.c_str());
-  // Led by w1: its own shard in process, w0's and w2's over gRPC.
+  // Led by w1: its own shard in process, w0's and w2's over their selection links.
+  ASSERT_FALSE(workers_[0]->Info().selection_link_address().empty());
   const v1::JobInfo info = Run(1, Job("sharded-1", 12));
   ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
   EXPECT_EQ(Tokens(info), want);
@@ -291,6 +310,16 @@ TEST_F(ShardedTest, ExactPrefillAndDenseJobMatchOneProcess) {
   EXPECT_GT(metrics_[0]->shard_answer_wait_seconds->Value(), 0.0);
   EXPECT_GT(metrics_[0]->shard_answer_send_seconds->Value(), 0.0);
   EXPECT_EQ(metrics_[1]->shard_answers->Value(), 0.0);  // the leader answered no stream
+  EXPECT_EQ(metrics_[0]->selection_streams_link->Value(), 1.0);
+  EXPECT_EQ(metrics_[0]->selection_streams_grpc->Value(), 0.0);
+
+  // The same job over the peers' gRPC streams: the same tokens.
+  const v1::JobInfo grpc = Run(1, OverGrpc(Job("sharded-grpc", 12)));
+  ASSERT_EQ(grpc.state(), v1::JobInfo::DONE) << grpc.error_message();
+  EXPECT_EQ(Tokens(grpc), want);
+  EXPECT_EQ(AwaitCount(metrics_[0]->shard_answers, 2 * 12.0 * 2), 2 * 12.0 * 2);
+  EXPECT_EQ(metrics_[0]->selection_streams_grpc->Value(), 1.0);
+  EXPECT_EQ(metrics_[0]->selection_streams_link->Value(), 1.0);
   // Peers mounted their shards on demand.
   EXPECT_EQ(workers_[0]->Load().mounted_tokens(), 128u);
   EXPECT_EQ(workers_[2]->Load().mounted_tokens(), 330u - 256u);
@@ -793,7 +822,7 @@ TEST_F(ShardedTest, PeerThatNeverAnswersIsFailedOverAfterTheTimeout) {
   wo.peer_timeout_ms = 300;
   STRATA_ASSERT_OK_AND_ASSIGN(auto leader, Worker::Create(wo, model_.get(), backends_[0].get(), store_.get(),
                                                           store_.get(), nullptr));
-  v1::RunJobRequest req = Job("hung-1", 8);
+  v1::RunJobRequest req = OverGrpc(Job("hung-1", 8));
   req.mutable_shard_map()->mutable_shards(2)->set_worker_address(absl::StrCat("127.0.0.1:", port));
   v1::JobInfo last;
   STRATA_ASSERT_OK(leader->RunJob(req, [&](const v1::JobEvent& e) {
@@ -804,6 +833,61 @@ TEST_F(ShardedTest, PeerThatNeverAnswersIsFailedOverAfterTheTimeout) {
   EXPECT_EQ(Tokens(last), want);
   EXPECT_EQ(leader->failovers(), 1);
   hung->Shutdown(std::chrono::system_clock::now());
+
+  // The same over a selection link whose holder reads every frame and never answers.
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  std::thread silent_link([listener] {
+    const int c = accept(listener, nullptr, nullptr);
+    char buf[4096];
+    while (c >= 0 && recv(c, buf, sizeof(buf), 0) > 0) {
+    }
+    if (c >= 0) close(c);
+  });
+  req = Job("hung-2", 8);
+  req.mutable_shard_map()->mutable_shards(2)->set_selection_link_address(
+      absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)));
+  STRATA_ASSERT_OK(leader->RunJob(req, [&](const v1::JobEvent& e) {
+    if (e.has_snapshot()) last = e.snapshot();
+    return true;
+  }));
+  ASSERT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
+  EXPECT_EQ(Tokens(last), want);
+  EXPECT_EQ(leader->failovers(), 2);
+  silent_link.join();  // the leader closed the link when it failed over
+  close(listener);
+}
+
+TEST_F(ShardedTest, UnreachableSelectionLinkFallsBackToTheStream) {
+  PrefillExact();
+  const std::vector<int32_t> want = Reference(8);
+  // w2's link is a port nothing listens on (bound, never listened): the leader takes w2's gRPC stream.
+  const int unused = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(unused, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(unused, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(getsockname(unused, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  v1::RunJobRequest req = Job("fallback-1", 8);
+  req.mutable_shard_map()->mutable_shards(2)->set_selection_link_address(
+      absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)));
+  const v1::JobInfo info = Run(0, req);
+  close(unused);
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(Tokens(info), want);
+  EXPECT_EQ(workers_[0]->failovers(), 0);
+  EXPECT_EQ(AwaitCount(metrics_[2]->selection_streams_grpc, 1), 1.0);
+  EXPECT_EQ(AwaitCount(metrics_[1]->selection_streams_link, 1), 1.0);
+  EXPECT_EQ(metrics_[2]->selection_streams_link->Value(), 0.0);
 }
 
 TEST_F(ShardedTest, AnchorPrefillInParallelMakesTheDocumentReady) {
@@ -938,6 +1022,73 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
   EXPECT_EQ(metrics_[1]->shard_answers->Value(), 1.0);
   EXPECT_GT(metrics_[1]->shard_answer_queue_seconds->Value(), 0.0);
   EXPECT_GT(metrics_[1]->shard_answer_send_seconds->Value(), 0.0);
+  // Two streams opened a session (the first, and the one that sent its open twice).
+  EXPECT_EQ(metrics_[1]->selection_streams_grpc->Value(), 2.0);
+
+  // The same over the selection link.
+  const std::string link_address = workers_[1]->Info().selection_link_address();
+  {
+    STRATA_ASSERT_OK_AND_ASSIGN(auto link, SelectionLink::Connect(link_address, absl::Seconds(5)));
+    ASSERT_TRUE(link->Write(open.SerializeAsString()));
+    v1::SelectionRequest q;
+    q.mutable_query()->set_step(3);
+    q.mutable_query()->set_layer(1);
+    q.mutable_query()->set_num_tokens(2);
+    q.mutable_query()->set_q_begin(doc_.size());
+    std::vector<float> qv(2 * c.num_heads * c.head_dim, 0.01f);
+    q.mutable_query()->set_q(reinterpret_cast<const char*>(qv.data()), qv.size() * sizeof(float));
+    ASSERT_TRUE(link->Write(q.SerializeAsString()));
+    v1::SelectionResponse resp;
+    std::string why;
+    ASSERT_TRUE(link->Read(absl::Now() + absl::Seconds(10), &resp, &why)) << why;
+    EXPECT_EQ(resp.step(), 3u);
+    EXPECT_EQ(resp.layer(), 1u);
+    EXPECT_EQ(resp.o().size(), qv.size() * sizeof(float));
+    EXPECT_EQ(resp.lse().size(), 2u * c.num_heads * sizeof(float));
+    EXPECT_EQ(resp.selected_tokens(), 128u * c.num_kv_heads);
+    // A query of the wrong size ends the stream with INVALID_ARGUMENT, as on gRPC.
+    q.mutable_query()->set_q("abc");
+    ASSERT_TRUE(link->Write(q.SerializeAsString()));
+    EXPECT_FALSE(link->Read(absl::Now() + absl::Seconds(10), &resp, &why));
+    EXPECT_NE(why.find("INVALID_ARGUMENT"), std::string::npos) << why;
+  }
+  {
+    // A query before the open.
+    STRATA_ASSERT_OK_AND_ASSIGN(auto link, SelectionLink::Connect(link_address, absl::Seconds(5)));
+    v1::SelectionRequest q;
+    q.mutable_query()->set_num_tokens(1);
+    ASSERT_TRUE(link->Write(q.SerializeAsString()));
+    v1::SelectionResponse resp;
+    std::string why;
+    EXPECT_FALSE(link->Read(absl::Now() + absl::Seconds(10), &resp, &why));
+    EXPECT_NE(why.find("SelectionOpen"), std::string::npos) << why;
+  }
+  // Bytes that are not the protocol: a wrong preface, a frame past the size limit, a frame that
+  // is not a SelectionRequest. Each gets an INVALID_ARGUMENT error frame, then the end.
+  const std::string frame_over_limit = std::string("STL1") + std::string("\xff\xff\xff\x7f\x01\0\0\0", 8);
+  const std::string not_a_request = std::string("STL1") + std::string("\x03\0\0\0\x01\0\0\0\xff\xff\xff", 11);
+  for (const std::string& bytes : {std::string("HTTP/1.1 GET /\r\n"), frame_over_limit, not_a_request}) {
+    const std::string host = link_address.substr(0, link_address.rfind(':'));
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(std::stoi(link_address.substr(link_address.rfind(':') + 1))));
+    ASSERT_EQ(inet_pton(AF_INET, host.c_str(), &addr.sin_addr), 1);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
+    std::string got;
+    char buf[256];
+    ssize_t r;
+    while ((r = recv(fd, buf, sizeof(buf), 0)) > 0) got.append(buf, static_cast<size_t>(r));
+    close(fd);
+    ASSERT_GE(got.size(), 12u) << "for " << bytes.size() << " bytes";
+    EXPECT_EQ(got[4], 3);   // an error frame
+    EXPECT_EQ(got[8], static_cast<char>(absl::StatusCode::kInvalidArgument));
+  }
+  // The link's one answer was counted too.
+  EXPECT_EQ(AwaitCount(metrics_[1]->shard_answers, 2), 2.0);
+  EXPECT_EQ(metrics_[1]->selection_streams_link->Value(), 1.0);  // the one that opened a session
 
   // PeerPages: a stored page comes back decodable, a page past the document is absent.
   {

@@ -349,6 +349,13 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r) {
   shard_answer_queue_seconds = &answer_seconds.Add({{"part", "queue"}});
   shard_answer_wait_seconds = &answer_seconds.Add({{"part", "wait"}});
   shard_answer_send_seconds = &answer_seconds.Add({{"part", "send"}});
+  auto& streams = prometheus::BuildCounter()
+                      .Name("strata_shard_selection_streams_total")
+                      .Help("Selection streams of other workers' sharded jobs served, by transport: the "
+                            "selection link (link) or the gRPC ShardSelection stream (grpc).")
+                      .Register(*r);
+  selection_streams_link = &streams.Add({{"transport", "link"}});
+  selection_streams_grpc = &streams.Add({{"transport", "grpc"}});
   inter_token_latency = &prometheus::BuildHistogram()
                              .Name("strata_inter_token_latency_seconds")
                              .Help("Time between consecutive generated tokens of a job.")
@@ -482,6 +489,10 @@ v1::WorkerInfo Worker::Info() const {
   {
     absl::MutexLock lock(&mu_);
     info.set_address(address_.empty() ? options_.address : address_);
+    const size_t colon = info.address().rfind(':');
+    if (selection_link_port_ > 0 && colon != std::string::npos) {
+      info.set_selection_link_address(absl::StrCat(info.address().substr(0, colon), ":", selection_link_port_));
+    }
   }
   info.set_model_fingerprint(served_fingerprint());
   *info.mutable_layout() = kvstore::LayoutToProto(LayoutOf(model_->config, options_.page_size, options_.kv_page_dtype));
@@ -496,6 +507,11 @@ v1::WorkerInfo Worker::Info() const {
 void Worker::SetAddress(const std::string& address) {
   absl::MutexLock lock(&mu_);
   address_ = address;
+}
+
+void Worker::SetSelectionLinkPort(int port) {
+  absl::MutexLock lock(&mu_);
+  selection_link_port_ = port;
 }
 
 v1::WorkerLoad Worker::Load() const {
@@ -1367,7 +1383,8 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
   return session;
 }
 
-void Worker::RecordShardAnswers(const std::string& job_id, const ShardAnswerTiming& t) {
+void Worker::RecordShardAnswers(const std::string& job_id, const ShardAnswerTiming& t, const std::string& transport) {
+  if (metrics_ != nullptr) Inc(transport == "link" ? metrics_->selection_streams_link : metrics_->selection_streams_grpc, 1);
   if (t.answers <= 0) return;
   if (metrics_ != nullptr) {
     Inc(metrics_->shard_answers, static_cast<double>(t.answers));
@@ -1376,7 +1393,7 @@ void Worker::RecordShardAnswers(const std::string& job_id, const ShardAnswerTimi
     Inc(metrics_->shard_answer_send_seconds, t.send_seconds);
   }
   const double us = 1e6 / static_cast<double>(t.answers);
-  STRATA_LOG(INFO) << "job " << job_id << ": selection stream answered " << t.answers
+  STRATA_LOG(INFO) << "job " << job_id << ": selection stream (" << transport << ") answered " << t.answers
                    << " layer queries, on average " << t.queue_seconds * us << " us queueing each, "
                    << t.wait_seconds * us << " us waiting for its results, " << t.send_seconds * us
                    << " us writing it";

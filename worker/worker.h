@@ -302,6 +302,10 @@ struct WorkerMetrics {
   prometheus::Counter* shard_answer_queue_seconds;
   prometheus::Counter* shard_answer_wait_seconds;
   prometheus::Counter* shard_answer_send_seconds;
+  // strata_shard_selection_streams_total{transport="link"|"grpc"}: those streams that opened a
+  // session, by transport (the selection link or the gRPC ShardSelection stream), at their end.
+  prometheus::Counter* selection_streams_link;
+  prometheus::Counter* selection_streams_grpc;
   // The KV tier metrics (strata_kv_*) of the worker's registry, set by the owner after
   // construction: lazy-mount jobs count their GPU page caches there (tier "gpu"). Null: each
   // lazy job counts into a private registry. Not owned.
@@ -340,6 +344,9 @@ class Worker {
   v1::WorkerInfo Info() const;
   // Sets the address reported in Info() (when the port is known only after the server started).
   void SetAddress(const std::string& address);
+  // The selection link's port (WorkerServer sets it; 0: none). Info() reports the link at the
+  // reported address's host and this port.
+  void SetSelectionLinkPort(int port);
   v1::WorkerLoad Load() const;
   const WorkerOptions& options() const { return options_; }
   // ServedFingerprint of the model and options_.weight_format.
@@ -385,10 +392,11 @@ class Worker {
   // demand). INVALID_ARGUMENT when num_q_heads / head_dim do not match the model or the policy
   // is bad; mount errors as MountShard.
   absl::StatusOr<std::unique_ptr<ShardSession>> OpenSelection(const v1::SelectionOpen& open);
-  // What a ShardSelection stream of `job_id` answered, at its end (ShardAnswerTiming). Counted in
-  // strata_shard_answers_total / strata_shard_answer_seconds_total{part="queue"|"wait"|"send"}
-  // and logged.
-  void RecordShardAnswers(const std::string& job_id, const ShardAnswerTiming& timing);
+  // What a selection stream of `job_id` answered, at its end (ShardAnswerTiming), over
+  // `transport` ("link": the selection link, "grpc": the ShardSelection stream). Counted in
+  // strata_shard_selection_streams_total{transport}, strata_shard_answers_total and
+  // strata_shard_answer_seconds_total{part="queue"|"wait"|"send"}, and logged.
+  void RecordShardAnswers(const std::string& job_id, const ShardAnswerTiming& timing, const std::string& transport);
 
   // PeerPages: the pages of `request` through this worker's store (the host cache first, then
   // its durable tiers), in request order, at most 64 pages per message; pages no tier holds are
@@ -500,6 +508,7 @@ class Worker {
   std::map<std::string, std::shared_ptr<std::atomic<bool>>> jobs_ ABSL_GUARDED_BY(mu_);
   int prefilling_ ABSL_GUARDED_BY(mu_) = 0;
   std::string address_ ABSL_GUARDED_BY(mu_);
+  int selection_link_port_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, std::shared_ptr<const MountedShard>> mounted_ ABSL_GUARDED_BY(mu_);
   // Host-memory copies of shards for sessions whose policy cannot select on the device, on a
   // worker that places shards there (GetOrMount); counted and listed as mounts.

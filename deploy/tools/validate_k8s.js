@@ -247,8 +247,8 @@ const KNOWN_FLAGS = {
     '--max-pending-tokens', '--heartbeat-interval-ms', '--heartbeat-timeout-ms',
     '--drain-timeout-seconds', '--sync', '--no-sync'],
   worker: ['--listen', '--metrics-listen', '--coordinator', '--kvstore', '--model', '--worker-id',
-    '--advertise', '--port-file', '--page-size', '--prefill-chunk', '--max-jobs', '--capacity-tokens',
-    '--threads', '--drain-timeout-seconds', '--host-cache-bytes'],
+    '--advertise', '--selection-link-listen', '--port-file', '--page-size', '--prefill-chunk', '--max-jobs',
+    '--capacity-tokens', '--threads', '--drain-timeout-seconds', '--host-cache-bytes'],
   kvstore: ['--listen', '--data', '--metrics-listen', '--port-file', '--gc-interval-seconds',
     '--max-message-mib', '--threads', '--sync', '--no-sync'],
 };
