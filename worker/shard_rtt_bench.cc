@@ -53,6 +53,14 @@ namespace {
 
 namespace v1 = strata::v1;
 
+// The answer to a query: o / lse of its shape (o the query's own bytes, lse zeros).
+void EchoAnswer(const v1::LayerQuery& q, int heads, v1::SelectionResponse* resp) {
+  resp->set_step(q.step());
+  resp->set_layer(q.layer());
+  resp->set_o(q.q());  // same size as o
+  resp->set_lse(std::string(static_cast<size_t>(q.num_tokens()) * heads * sizeof(float), '\0'));
+}
+
 // Answers each LayerQuery at once with o / lse of the query's shape.
 class EchoSelection final : public v1::ShardSelection::Service {
  public:
@@ -63,10 +71,7 @@ class EchoSelection final : public v1::ShardSelection::Service {
     while (!context->IsCancelled() && stream->Read(&req)) {
       if (!req.has_query()) continue;  // the open message
       v1::SelectionResponse resp;
-      resp.set_step(req.query().step());
-      resp.set_layer(req.query().layer());
-      resp.set_o(req.query().q());  // same size as o
-      resp.set_lse(std::string(static_cast<size_t>(req.query().num_tokens()) * heads_ * sizeof(float), '\0'));
+      EchoAnswer(req.query(), heads_, &resp);
       if (!stream->Write(resp)) break;
     }
     return grpc::Status::OK;
@@ -95,10 +100,7 @@ class CallbackEchoSelection final : public v1::ShardSelection::CallbackService {
           StartRead(&req_);
           return;
         }
-        resp_.set_step(req_.query().step());
-        resp_.set_layer(req_.query().layer());
-        resp_.set_o(req_.query().q());  // same size as o
-        resp_.set_lse(std::string(static_cast<size_t>(req_.query().num_tokens()) * heads_ * sizeof(float), '\0'));
+        EchoAnswer(req_.query(), heads_, &resp_);
         StartWrite(&resp_);
       }
       void OnWriteDone(bool ok) override {
@@ -220,10 +222,7 @@ int RunLink(int heads, int dim, int rounds) {
         while (read(&req)) {
           if (!req.has_query()) continue;  // the open message
           v1::SelectionResponse resp;
-          resp.set_step(req.query().step());
-          resp.set_layer(req.query().layer());
-          resp.set_o(req.query().q());  // same size as o
-          resp.set_lse(std::string(static_cast<size_t>(req.query().num_tokens()) * heads * sizeof(float), '\0'));
+          EchoAnswer(req.query(), heads, &resp);
           if (!write(resp)) break;
         }
         return absl::OkStatus();

@@ -10,7 +10,6 @@
 //   too long anchor are refused;
 // - MountShard / UnmountShard / Load().mounted_tokens / MountedShards, a selection stream, and
 //   PeerPages.
-#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -101,6 +100,22 @@ class FailOnceBackend : public kernels::CpuBackend {
   std::atomic<bool> armed{false};
   std::atomic<int> failures{0};
 };
+
+// A TCP socket bound to a free port of 127.0.0.1 (*port), listening or not; -1 on failure.
+int LoopbackSocket(bool listening, int* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      (listening && listen(fd, 4) != 0) || getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
 
 class ShardedTest : public ::testing::Test {
  protected:
@@ -835,15 +850,9 @@ TEST_F(ShardedTest, PeerThatNeverAnswersIsFailedOverAfterTheTimeout) {
   hung->Shutdown(std::chrono::system_clock::now());
 
   // The same over a selection link whose holder reads every frame and never answers.
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  int link_port = 0;
+  const int listener = LoopbackSocket(/*listening=*/true, &link_port);
   ASSERT_GE(listener, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(listener, 4), 0);
-  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   std::thread silent_link([listener] {
     const int c = accept(listener, nullptr, nullptr);
     char buf[4096];
@@ -852,8 +861,7 @@ TEST_F(ShardedTest, PeerThatNeverAnswersIsFailedOverAfterTheTimeout) {
     if (c >= 0) close(c);
   });
   req = Job("hung-2", 8);
-  req.mutable_shard_map()->mutable_shards(2)->set_selection_link_address(
-      absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)));
+  req.mutable_shard_map()->mutable_shards(2)->set_selection_link_address(absl::StrCat("127.0.0.1:", link_port));
   STRATA_ASSERT_OK(leader->RunJob(req, [&](const v1::JobEvent& e) {
     if (e.has_snapshot()) last = e.snapshot();
     return true;
@@ -869,17 +877,11 @@ TEST_F(ShardedTest, UnreachableSelectionLinkFallsBackToTheStream) {
   PrefillExact();
   const std::vector<int32_t> want = Reference(8);
   // w2's link is a port nothing listens on (bound, never listened): the leader takes w2's gRPC stream.
-  const int unused = socket(AF_INET, SOCK_STREAM, 0);
+  int unused_port = 0;
+  const int unused = LoopbackSocket(/*listening=*/false, &unused_port);
   ASSERT_GE(unused, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(bind(unused, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(getsockname(unused, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   v1::RunJobRequest req = Job("fallback-1", 8);
-  req.mutable_shard_map()->mutable_shards(2)->set_selection_link_address(
-      absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)));
+  req.mutable_shard_map()->mutable_shards(2)->set_selection_link_address(absl::StrCat("127.0.0.1:", unused_port));
   const v1::JobInfo info = Run(0, req);
   close(unused);
   ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
@@ -1068,13 +1070,12 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
   const std::string frame_over_limit = std::string("STL1") + std::string("\xff\xff\xff\x7f\x01\0\0\0", 8);
   const std::string not_a_request = std::string("STL1") + std::string("\x03\0\0\0\x01\0\0\0\xff\xff\xff", 11);
   for (const std::string& bytes : {std::string("HTTP/1.1 GET /\r\n"), frame_over_limit, not_a_request}) {
-    const std::string host = link_address.substr(0, link_address.rfind(':'));
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
     ASSERT_GE(fd, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);  // workers_ serve on 127.0.0.1
     addr.sin_port = htons(static_cast<uint16_t>(std::stoi(link_address.substr(link_address.rfind(':') + 1))));
-    ASSERT_EQ(inet_pton(AF_INET, host.c_str(), &addr.sin_addr), 1);
     ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
     ASSERT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
     std::string got;
