@@ -5,7 +5,7 @@
 #
 #   scripts/local_cluster.sh [start] DATA_DIR [--model DIR] [--binary PATH] [--threads N] [--workers N]
 #                            [--target-shard-tokens N] [--default-prefill-mode anchor|exact]
-#                            [--scrape-interval 5s] [--drain-timeout-seconds N]
+#                            [--scrape-interval 5s] [--drain-timeout-seconds N] [--worker-arg ARG]... [--gpus N]
 #   scripts/local_cluster.sh stop DATA_DIR
 #
 # start (the default) runs in the foreground until Ctrl-C / SIGTERM (or `stop`), then stops the
@@ -15,7 +15,10 @@
 # The strata binary: --binary, else $STRATA, else `strata` on PATH, else build/bin/strata.
 #
 # --target-shard-tokens and --default-prefill-mode are passed to the coordinator (a small shard
-# size spreads a document over several workers; docs/api.md, "Sharded documents").
+# size spreads a document over several workers; docs/api.md, "Sharded documents"); each
+# --worker-arg to every worker, one argument each (e.g. --worker-arg --selection-link-listen
+# --worker-arg off). --gpus N gives worker w the GPU w % N alone (CUDA_VISIBLE_DEVICES), as on
+# machines with one GPU per worker; without it every worker sees every GPU and uses the first.
 #
 # Once every process serves (the kvstore and coordinator have written their ports, every worker
 # has registered with the coordinator, every /metrics answers), it writes and prints:
@@ -32,7 +35,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 usage() {
-  sed -n '7,10p' "$0" | sed 's/^# *//' >&2
+  sed -n '6,9p' "$0" | sed 's/^# *//' >&2
   exit 2
 }
 
@@ -65,6 +68,8 @@ SCRAPE_INTERVAL=5s
 DRAIN=10
 WORKERS=2
 COORDINATOR_EXTRA=()
+WORKER_EXTRA=()
+GPUS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL="$2"; shift 2 ;;
@@ -74,6 +79,8 @@ while [ $# -gt 0 ]; do
     --drain-timeout-seconds) DRAIN="$2"; shift 2 ;;
     --workers) WORKERS="$2"; shift 2 ;;
     --target-shard-tokens | --default-prefill-mode) COORDINATOR_EXTRA+=("$1" "$2"); shift 2 ;;
+    --worker-arg) WORKER_EXTRA+=("$2"); shift 2 ;;
+    --gpus) GPUS="$2"; shift 2 ;;
     *) echo "local_cluster: unknown argument $1" >&2; usage ;;
   esac
 done
@@ -83,6 +90,7 @@ fi
 [ -x "$BIN" ] || { echo "local_cluster: strata binary $BIN not found (--binary PATH)" >&2; exit 1; }
 command -v curl >/dev/null || { echo "local_cluster: curl not found" >&2; exit 1; }
 [[ "$WORKERS" =~ ^[1-9][0-9]?$ ]] || { echo "local_cluster: --workers must be 1..99" >&2; exit 2; }
+[[ "$GPUS" =~ ^[0-9]+$ ]] || { echo "local_cluster: --gpus must be a count" >&2; exit 2; }
 
 mkdir -p "$DATA"
 DATA="$(cd "$DATA" && pwd)"
@@ -162,11 +170,13 @@ start coordinator coordinator --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 
   --model "$MODEL" --drain-timeout-seconds "$DRAIN" ${COORDINATOR_EXTRA[@]+"${COORDINATOR_EXTRA[@]}"}
 WORKER_IDS=$(seq 0 $((WORKERS - 1)))
 for w in $WORKER_IDS; do
+  if [ "$GPUS" -gt 0 ]; then export CUDA_VISIBLE_DEVICES=$((w % GPUS)); fi
   start "worker$w" worker --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --worker-id "local-worker-$w" \
     --coordinator "127.0.0.1:$(grpc_port coordinator)" --kvstore "127.0.0.1:$(grpc_port kvstore)" \
-    --model "$MODEL" --threads "$THREADS" --drain-timeout-seconds "$DRAIN"
+    --model "$MODEL" --threads "$THREADS" --drain-timeout-seconds "$DRAIN" ${WORKER_EXTRA[@]+"${WORKER_EXTRA[@]}"}
 done
 
+if [ "$GPUS" -gt 0 ]; then unset CUDA_VISIBLE_DEVICES; fi
 # Health: every worker registered, every /metrics endpoint answers.
 for w in $WORKER_IDS; do
   for i in $(seq 1 300); do
