@@ -117,8 +117,8 @@ ReadResult RecvAll(int fd, char* p, size_t n, absl::Time deadline, int64_t spin_
     if (deadline != absl::InfiniteFuture()) {
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return ReadResult::kTimeout;
-      timeout_ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
-                                                      INT32_MAX));
+      const int64_t ms = absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1)));
+      timeout_ms = static_cast<int>(std::min<int64_t>(ms, INT32_MAX));
     }
     pollfd pfd{fd, POLLIN, 0};
     const int ready = poll(&pfd, 1, timeout_ms);

@@ -158,9 +158,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerSe
   if (options.selection_link_address != "off") {
     std::string link = options.selection_link_address;
     if (link.empty()) link = options.listen_address.substr(0, options.listen_address.rfind(':')) + ":0";
-    STRATA_ASSIGN_OR_RETURN(server->link_, SelectionLinkServer::Start(link, [worker](const auto& read, const auto& write) {
-                              return ServeSelectionStream(worker, "link", read, write);
-                            }));
+    auto serve = [worker](const auto& read, const auto& write) {
+      return ServeSelectionStream(worker, "link", read, write);
+    };
+    STRATA_ASSIGN_OR_RETURN(server->link_, SelectionLinkServer::Start(link, serve));
     worker->SetSelectionLinkPort(server->link_->port());
   }
   server->SetServing(true);

@@ -29,15 +29,17 @@
 //   gives any other policy a host-memory copy of the shard.
 // - LeaderAttention: the leader's engine::ExternalAttention over every shard of a ShardMap.
 //   Shards held by this worker are attended in process (ShardSession over a local mount); every
-//   other shard through one ShardSelection stream to its holder (SelectionOpen, then one
-//   LayerQuery per layer and step). Per layer it sends the query to every peer first, attends
-//   the local shards, then reads the peers' answers, so peers work in parallel. When a peer's
-//   stream fails (write or read fails: UNAVAILABLE, EOF, cancelled, a malformed answer), the
+//   other shard through one selection stream to its holder (SelectionOpen, then one LayerQuery
+//   per layer and step): over the holder's selection link (worker/selection_link.h) when the map
+//   gives its address and it connects, else over the gRPC ShardSelection stream. Per layer it
+//   sends the query to every peer first, attends the local shards, then reads the peers'
+//   answers, so peers work in parallel. When a peer's stream fails (write or read fails:
+//   UNAVAILABLE, EOF, cancelled, the holder's error, a malformed answer), the
 //   leader mounts that shard locally from the persisted pages (MountFn; no prefill) and
 //   recomputes the layer's partial itself; the shard stays local for the rest of the job. A
 //   peer that does not answer within Options::peer_timeout_ms is failed over the same way (the
-//   leader reads the answers on its own thread; a watchdog thread polling every 10 ms cancels a
-//   stream whose answer is overdue).
+//   leader reads the answers on its own thread; a link's read waits until the deadline, and a
+//   watchdog thread polling every 10 ms cancels a gRPC stream whose answer is overdue).
 //
 // Tensors on the wire are little-endian f32 (internal.proto). Thread-compatible, except that
 // MountedShard is immutable and safe to share; sessions over one device-placed shard (or several

@@ -1384,7 +1384,9 @@ absl::StatusOr<std::unique_ptr<ShardSession>> Worker::OpenSelection(const v1::Se
 }
 
 void Worker::RecordShardAnswers(const std::string& job_id, const ShardAnswerTiming& t, const std::string& transport) {
-  if (metrics_ != nullptr) Inc(transport == "link" ? metrics_->selection_streams_link : metrics_->selection_streams_grpc, 1);
+  if (metrics_ != nullptr) {
+    Inc(transport == "link" ? metrics_->selection_streams_link : metrics_->selection_streams_grpc, 1);
+  }
   if (t.answers <= 0) return;
   if (metrics_ != nullptr) {
     Inc(metrics_->shard_answers, static_cast<double>(t.answers));

@@ -78,7 +78,8 @@
 //   - a map with shards on other workers: the job's KV cache holds only the prompt and generated
 //     tokens (positions from num_tokens on), attended densely; every document shard is attended
 //     through LeaderAttention (worker/shard_attention.h): shards of this worker in process, the
-//     others through one ShardSelection stream per peer (its address from worker_address), with
+//     others through one selection stream per peer (its selection link from
+//     selection_link_address, else the ShardSelection gRPC stream at worker_address), with
 //     the job's policy and each shard's share of the budget (proportional to its tokens); the
 //     partials are merged with Backend::MergeAttention. With the dense policy the merge is exact
 //     up to float rounding. A peer whose stream fails is replaced by a local mount of its shard
@@ -296,8 +297,8 @@ struct WorkerMetrics {
   prometheus::Counter* shard_attention_local_seconds;
   prometheus::Counter* shard_attention_peer_seconds;
   // strata_shard_answers_total and strata_shard_answer_seconds_total{part="queue"|"wait"|"send"}:
-  // the other side, a worker answering a leader's layer queries over a ShardSelection stream
-  // (ShardAnswerTiming). Added when the stream ends.
+  // the other side, a worker answering a leader's layer queries over a selection stream (link or
+  // gRPC; ShardAnswerTiming). Added when the stream ends.
   prometheus::Counter* shard_answers;
   prometheus::Counter* shard_answer_queue_seconds;
   prometheus::Counter* shard_answer_wait_seconds;
@@ -388,7 +389,7 @@ class Worker {
   // The shards mounted now.
   std::vector<v1::ShardRange> MountedShards() const;
 
-  // A selection session for a ShardSelection stream opened with `open` (mounts the shard on
+  // A selection session for a selection stream (link or gRPC) opened with `open` (mounts the shard on
   // demand). INVALID_ARGUMENT when num_q_heads / head_dim do not match the model or the policy
   // is bad; mount errors as MountShard.
   absl::StatusOr<std::unique_ptr<ShardSession>> OpenSelection(const v1::SelectionOpen& open);
