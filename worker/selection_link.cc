@@ -143,6 +143,15 @@ ReadResult ReadFrame(int fd, absl::Time deadline, int64_t spin_us, uint8_t* kind
   return r == ReadResult::kClosed ? ReadResult::kError : r;  // closed mid-frame
 }
 
+// The stream's end with `status` (a kind 3 frame: the code, then the message).
+void WriteError(int fd, const absl::Status& status) {
+  std::string body(4, '\0');
+  const uint32_t code = static_cast<uint32_t>(status.code());
+  for (int i = 0; i < 4; ++i) body[i] = static_cast<char>(code >> (8 * i));
+  body.append(status.message().data(), status.message().size());
+  WriteFrame(fd, kErrorFrame, body.data(), body.size());
+}
+
 // A listening socket on `address`, or the reason it could not be made.
 absl::StatusOr<int> Listen(const std::string& address) {
   std::string host, port;
@@ -195,20 +204,28 @@ struct SelectionLinkServer::Connection {
 };
 
 absl::StatusOr<std::unique_ptr<SelectionLinkServer>> SelectionLinkServer::Start(const std::string& listen_address,
-                                                                                SelectionStreamFn serve) {
+                                                                                SelectionStreamFn serve,
+                                                                                int max_streams) {
+  if (max_streams < 1) return absl::InvalidArgumentError("selection link: max_streams must be >= 1");
   STRATA_ASSIGN_OR_RETURN(const int fd, Listen(listen_address));
   const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake < 0) {
     close(fd);
     return absl::UnavailableError("selection link: eventfd failed");
   }
-  std::unique_ptr<SelectionLinkServer> s(new SelectionLinkServer(std::move(serve), fd, wake, BoundPort(fd)));
+  std::unique_ptr<SelectionLinkServer> s(new SelectionLinkServer(std::move(serve), fd, wake, BoundPort(fd), max_streams));
   s->accept_thread_ = std::thread([raw = s.get()] { raw->AcceptLoop(); });
   return s;
 }
 
-SelectionLinkServer::SelectionLinkServer(SelectionStreamFn serve, int listen_fd, int wake_fd, int port)
-    : serve_(std::move(serve)), listen_fd_(listen_fd), wake_fd_(wake_fd), port_(port), spin_us_(SpinUsFromEnv()) {}
+SelectionLinkServer::SelectionLinkServer(SelectionStreamFn serve, int listen_fd, int wake_fd, int port,
+                                         int max_streams)
+    : serve_(std::move(serve)),
+      listen_fd_(listen_fd),
+      wake_fd_(wake_fd),
+      port_(port),
+      max_streams_(max_streams),
+      spin_us_(SpinUsFromEnv()) {}
 
 SelectionLinkServer::~SelectionLinkServer() {
   Shutdown();
@@ -266,6 +283,13 @@ void SelectionLinkServer::AcceptLoop() {
       close(fd);
       return;
     }
+    if (static_cast<int>(connections_.size()) >= max_streams_) {
+      WriteError(fd, absl::ResourceExhaustedError(
+                         absl::StrCat("selection link: ", max_streams_, " streams are served already")));
+      ::shutdown(fd, SHUT_RDWR);
+      close(fd);
+      continue;
+    }
     auto c = std::make_unique<Connection>();
     c->fd = fd;
     Connection* raw = c.get();
@@ -311,13 +335,7 @@ void SelectionLinkServer::Serve(Connection* c) {
   };
   absl::Status status = serve_(read, write);
   if (status.ok()) status = bad;
-  if (!status.ok()) {
-    std::string body(4, '\0');
-    const uint32_t code = static_cast<uint32_t>(status.code());
-    for (int i = 0; i < 4; ++i) body[i] = static_cast<char>(code >> (8 * i));
-    body.append(status.message().data(), status.message().size());
-    WriteFrame(fd, kErrorFrame, body.data(), body.size());
-  }
+  if (!status.ok()) WriteError(fd, status);
   ::shutdown(fd, SHUT_RDWR);
   c->done.store(true);
 }

@@ -45,6 +45,9 @@ namespace strata::worker {
 
 inline constexpr uint32_t kSelectionLinkMaxFrame = 256u << 20;
 inline constexpr int64_t kSelectionLinkDefaultSpinUs = 0;
+// Connections a server serves at once (each is a thread); a stream is one job's exchange with one
+// holder, so a worker sees about (jobs of its peers) streams.
+inline constexpr int kSelectionLinkMaxStreams = 1024;
 
 // One selection stream's serving: reads the requests with `read` (false: the stream ended) and
 // writes the answers with `write` (false: the client went away). A non-OK status is sent to the
@@ -57,10 +60,12 @@ using SelectionStreamFn =
 // thread of its own running `serve` for its stream. Thread-safe.
 class SelectionLinkServer {
  public:
-  // Listens on `listen_address` ("host:port"; port 0 picks a free one). INVALID_ARGUMENT for a
-  // malformed address, UNAVAILABLE when it cannot be bound.
+  // Listens on `listen_address` ("host:port"; port 0 picks a free one). At most `max_streams`
+  // connections are served at once; one past them gets a RESOURCE_EXHAUSTED error frame and is
+  // closed. INVALID_ARGUMENT for a malformed address, UNAVAILABLE when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<SelectionLinkServer>> Start(const std::string& listen_address,
-                                                                    SelectionStreamFn serve);
+                                                                    SelectionStreamFn serve,
+                                                                    int max_streams = kSelectionLinkMaxStreams);
   ~SelectionLinkServer();  // Shutdown()
 
   int port() const { return port_; }
@@ -70,7 +75,7 @@ class SelectionLinkServer {
 
  private:
   struct Connection;
-  SelectionLinkServer(SelectionStreamFn serve, int listen_fd, int wake_fd, int port);
+  SelectionLinkServer(SelectionStreamFn serve, int listen_fd, int wake_fd, int port, int max_streams);
   void AcceptLoop();
   void Serve(Connection* c);
 
@@ -78,6 +83,7 @@ class SelectionLinkServer {
   const int listen_fd_;
   const int wake_fd_;  // eventfd: wakes the accept loop at Shutdown
   const int port_;
+  const int max_streams_;
   const int64_t spin_us_;
   std::thread accept_thread_;
   absl::Mutex mu_;

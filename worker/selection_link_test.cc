@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -171,6 +172,39 @@ TEST(SelectionLinkTest, ShutdownEndsLiveStreamsAndRefusesNewOnes) {
   EXPECT_EQ(why, "link closed");
   EXPECT_THAT(SelectionLink::Connect(address, absl::Seconds(1)).status(), StatusIs(absl::StatusCode::kUnavailable));
   server->Shutdown();  // idempotent
+}
+
+TEST(SelectionLinkTest, StreamsPastTheLimitAreRefused) {
+  Echo echo;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto server, SelectionLinkServer::Start("127.0.0.1:0", echo.Fn(), /*max_streams=*/2));
+  std::vector<std::unique_ptr<SelectionLink>> links;
+  for (int i = 0; i < 3; ++i) {
+    STRATA_ASSERT_OK_AND_ASSIGN(auto link, SelectionLink::Connect(Address(*server), absl::Seconds(5)));
+    ASSERT_TRUE(link->Write(Open().SerializeAsString()));
+    ASSERT_TRUE(link->Write(Query(0, 0, "q").SerializeAsString()) || i == 2);
+    links.push_back(std::move(link));
+    // The accept loop has registered this connection before the next one comes.
+    if (i < 2) {
+      v1::SelectionResponse resp;
+      std::string why;
+      ASSERT_TRUE(links.back()->Read(absl::Now() + absl::Seconds(10), &resp, &why)) << why;
+    }
+  }
+  v1::SelectionResponse resp;
+  std::string why;
+  EXPECT_FALSE(links[2]->Read(absl::Now() + absl::Seconds(10), &resp, &why));
+  EXPECT_NE(why.find("RESOURCE_EXHAUSTED"), std::string::npos) << why;
+  // A slot frees when a stream ends.
+  links[0].reset();
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (echo.ended.load() < 1 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto again, SelectionLink::Connect(Address(*server), absl::Seconds(5)));
+  ASSERT_TRUE(again->Write(Open().SerializeAsString()));
+  ASSERT_TRUE(again->Write(Query(1, 0, "q").SerializeAsString()));
+  ASSERT_TRUE(again->Read(absl::Now() + absl::Seconds(10), &resp, &why)) << why;
+  EXPECT_EQ(resp.step(), 1u);
+  EXPECT_THAT(SelectionLinkServer::Start("127.0.0.1:0", echo.Fn(), 0).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(SelectionLinkTest, BadAddresses) {
