@@ -206,6 +206,18 @@ class ShardedTest : public ::testing::Test {
     r.mutable_params()->set_ignore_eos(true);
     return r;
   }
+  // A LayerQuery of `step` for layer 1: two tokens after the document, every query value 0.01.
+  v1::SelectionRequest TwoTokenQuery(uint64_t step) const {
+    const model::ModelConfig& c = model_->config;
+    v1::SelectionRequest q;
+    q.mutable_query()->set_step(step);
+    q.mutable_query()->set_layer(1);
+    q.mutable_query()->set_num_tokens(2);
+    q.mutable_query()->set_q_begin(doc_.size());
+    std::vector<float> qv(2 * c.num_heads * c.head_dim, 0.01f);
+    q.mutable_query()->set_q(reinterpret_cast<const char*>(qv.data()), qv.size() * sizeof(float));
+    return q;
+  }
   // The job over the peers' gRPC ShardSelection streams instead of their selection links.
   static v1::RunJobRequest OverGrpc(v1::RunJobRequest r) {
     for (v1::ShardAssignment& a : *r.mutable_shard_map()->mutable_shards()) a.clear_selection_link_address();
@@ -246,8 +258,12 @@ class ShardedTest : public ::testing::Test {
     return ref.ok() ? ref->tokens : std::vector<int32_t>();
   }
   v1::JobInfo Run(int leader, const v1::RunJobRequest& req, const Worker::EventFn& also = nullptr) {
+    return RunOn(workers_[leader].get(), req, also);
+  }
+  // The job led by `leader` (any worker); its last snapshot.
+  static v1::JobInfo RunOn(Worker* leader, const v1::RunJobRequest& req, const Worker::EventFn& also = nullptr) {
     v1::JobInfo last;
-    absl::Status s = workers_[leader]->RunJob(req, [&](const v1::JobEvent& e) {
+    absl::Status s = leader->RunJob(req, [&](const v1::JobEvent& e) {
       if (e.has_snapshot()) last = e.snapshot();
       return also ? also(e) : true;
     });
@@ -839,11 +855,7 @@ TEST_F(ShardedTest, PeerThatNeverAnswersIsFailedOverAfterTheTimeout) {
                                                           store_.get(), nullptr));
   v1::RunJobRequest req = OverGrpc(Job("hung-1", 8));
   req.mutable_shard_map()->mutable_shards(2)->set_worker_address(absl::StrCat("127.0.0.1:", port));
-  v1::JobInfo last;
-  STRATA_ASSERT_OK(leader->RunJob(req, [&](const v1::JobEvent& e) {
-    if (e.has_snapshot()) last = e.snapshot();
-    return true;
-  }));
+  v1::JobInfo last = RunOn(leader.get(), req);
   ASSERT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
   EXPECT_EQ(Tokens(last), want);
   EXPECT_EQ(leader->failovers(), 1);
@@ -862,10 +874,7 @@ TEST_F(ShardedTest, PeerThatNeverAnswersIsFailedOverAfterTheTimeout) {
   });
   req = Job("hung-2", 8);
   req.mutable_shard_map()->mutable_shards(2)->set_selection_link_address(absl::StrCat("127.0.0.1:", link_port));
-  STRATA_ASSERT_OK(leader->RunJob(req, [&](const v1::JobEvent& e) {
-    if (e.has_snapshot()) last = e.snapshot();
-    return true;
-  }));
+  last = RunOn(leader.get(), req);
   ASSERT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
   EXPECT_EQ(Tokens(last), want);
   EXPECT_EQ(leader->failovers(), 2);
@@ -979,18 +988,13 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
     grpc::ClientContext ctx;
     auto stream = sel->Select(&ctx);
     ASSERT_TRUE(stream->Write(open));
-    v1::SelectionRequest q;
-    q.mutable_query()->set_step(0);
-    q.mutable_query()->set_layer(1);
-    q.mutable_query()->set_num_tokens(2);
-    q.mutable_query()->set_q_begin(doc_.size());
-    std::vector<float> qv(2 * c.num_heads * c.head_dim, 0.01f);
-    q.mutable_query()->set_q(reinterpret_cast<const char*>(qv.data()), qv.size() * sizeof(float));
+    v1::SelectionRequest q = TwoTokenQuery(0);
+    const std::string qv = q.query().q();
     ASSERT_TRUE(stream->Write(q));
     v1::SelectionResponse resp;
     ASSERT_TRUE(stream->Read(&resp));
     EXPECT_EQ(resp.layer(), 1u);
-    EXPECT_EQ(resp.o().size(), qv.size() * sizeof(float));
+    EXPECT_EQ(resp.o().size(), qv.size());
     EXPECT_EQ(resp.lse().size(), 2u * c.num_heads * sizeof(float));
     EXPECT_EQ(resp.selected_tokens(), 128u * c.num_kv_heads);
     // A query of the wrong size ends the stream with INVALID_ARGUMENT.
@@ -1032,20 +1036,15 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
   {
     STRATA_ASSERT_OK_AND_ASSIGN(auto link, SelectionLink::Connect(link_address, absl::Seconds(5)));
     ASSERT_TRUE(link->Write(open.SerializeAsString()));
-    v1::SelectionRequest q;
-    q.mutable_query()->set_step(3);
-    q.mutable_query()->set_layer(1);
-    q.mutable_query()->set_num_tokens(2);
-    q.mutable_query()->set_q_begin(doc_.size());
-    std::vector<float> qv(2 * c.num_heads * c.head_dim, 0.01f);
-    q.mutable_query()->set_q(reinterpret_cast<const char*>(qv.data()), qv.size() * sizeof(float));
+    v1::SelectionRequest q = TwoTokenQuery(3);
+    const std::string qv = q.query().q();
     ASSERT_TRUE(link->Write(q.SerializeAsString()));
     v1::SelectionResponse resp;
     std::string why;
     ASSERT_TRUE(link->Read(absl::Now() + absl::Seconds(10), &resp, &why)) << why;
     EXPECT_EQ(resp.step(), 3u);
     EXPECT_EQ(resp.layer(), 1u);
-    EXPECT_EQ(resp.o().size(), qv.size() * sizeof(float));
+    EXPECT_EQ(resp.o().size(), qv.size());
     EXPECT_EQ(resp.lse().size(), 2u * c.num_heads * sizeof(float));
     EXPECT_EQ(resp.selected_tokens(), 128u * c.num_kv_heads);
     // A query of the wrong size ends the stream with INVALID_ARGUMENT, as on gRPC.
