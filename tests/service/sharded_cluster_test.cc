@@ -238,6 +238,14 @@ class ShardedClusterTest : public ::testing::Test {
     }
     return out;
   }
+  // `series` (name and labels) summed over the workers running now.
+  static double WorkersMetric(const std::string& series) {
+    double sum = 0;
+    for (int w = 0; w < kWorkers; ++w) {
+      if (workers_[w] != nullptr && !workers_[w]->Exited()) sum += Metric(HttpGet(metrics_ports_[w], "/metrics"), series);
+    }
+    return sum;
+  }
   // Tokens prefilled since `before` by the workers running now.
   static double PrefilledSince(const std::vector<double>& before) {
     const std::vector<double> now = PrefillTokens();
@@ -298,6 +306,16 @@ TEST_F(ShardedClusterTest, ExactDenseMatchesGenerateAndSecondJobReusesPersistedK
   // No document prefill for the second job, on any worker: only its prompt went through prefill.
   EXPECT_EQ(second_prefill, static_cast<double>(kPrompt.size()));
   EXPECT_LT(second.ttft_seconds, first.ttft_seconds);
+  // The leaders reached the other workers' shards over their selection links (each worker
+  // advertises one by default), never over the gRPC stream. A holder counts a stream when it
+  // ends, just after its job.
+  double link_streams = 0;
+  for (int i = 0; i < 200 && link_streams < 2; ++i) {
+    link_streams = WorkersMetric("strata_shard_selection_streams_total{transport=\"link\"}");
+    if (link_streams < 2) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_GE(link_streams, 2.0);  // at least one peer of each of the two jobs
+  EXPECT_EQ(WorkersMetric("strata_shard_selection_streams_total{transport=\"grpc\"}"), 0.0);
   std::printf("sharded (3 workers, %u shards, exact prefill): TTFT first job (includes the %zu-token document "
               "prefill) = %.3f s; second job (READY document) = %.3f s\n",
               info.num_shards(), doc.size(), first.ttft_seconds, second.ttft_seconds);
