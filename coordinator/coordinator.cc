@@ -16,6 +16,12 @@
 namespace strata::coordinator {
 namespace {
 
+// Where leaders reach a shard's holder: its Worker services and its selection link.
+void SetHolderAddresses(const v1::WorkerInfo& holder, v1::ShardAssignment* a) {
+  a->set_worker_address(holder.address());
+  a->set_selection_link_address(holder.selection_link_address());
+}
+
 constexpr size_t kScanBatch = 256;
 // ReconcileShards runs at least this often, and this soon again while something waits.
 constexpr int64_t kReconcileIntervalNanos = 5'000'000'000;
@@ -956,8 +962,7 @@ void Coordinator::DispatchDocuments(std::vector<Action>* actions) {
     }
     *shard_record.mutable_map() = *map;
     for (v1::ShardAssignment& a : *shard_record.mutable_map()->mutable_shards()) {
-      a.set_worker_address(infos[a.worker_id()].address());
-      a.set_selection_link_address(infos[a.worker_id()].selection_link_address());
+      SetHolderAddresses(infos[a.worker_id()], &a);
     }
     if (absl::Status s = catalog_->PutShardMap(&shard_record); !s.ok()) {
       STRATA_LOG(ERROR) << "document " << id << ": shard map write failed: " << s;
@@ -1044,10 +1049,7 @@ absl::StatusOr<v1::ShardMap> Coordinator::ServingShardMap(const std::string& doc
     *record.mutable_map() = *std::move(moved);
     for (v1::ShardAssignment& a : *record.mutable_map()->mutable_shards()) {
       auto w = registry_.Get(a.worker_id());
-      if (w.ok()) {
-        a.set_worker_address(w->info.address());
-        a.set_selection_link_address(w->info.selection_link_address());
-      }
+      if (w.ok()) SetHolderAddresses(w->info, &a);
     }
     STRATA_RETURN_IF_ERROR(catalog_->PutShardMap(&record));
     if (metrics_ != nullptr) metrics_->shard_moves.Increment();
@@ -1058,8 +1060,7 @@ absl::StatusOr<v1::ShardMap> Coordinator::ServingShardMap(const std::string& doc
   for (v1::ShardAssignment& a : *map.mutable_shards()) {
     auto w = registry_.Get(a.worker_id());
     if (!w.ok()) return absl::UnavailableError(absl::StrCat("worker ", a.worker_id(), " is not registered"));
-    a.set_worker_address(w->info.address());
-    a.set_selection_link_address(w->info.selection_link_address());
+    SetHolderAddresses(w->info, &a);
   }
   return map;
 }

@@ -308,13 +308,15 @@ void SelectionLinkServer::Serve(Connection* c) {
     c->done.store(true);
     return;
   }
+  if (std::memcmp(preface, kPreface, sizeof(kPreface)) != 0) {
+    WriteError(fd, absl::InvalidArgumentError("selection link: bad preface"));
+    ::shutdown(fd, SHUT_RDWR);
+    c->done.store(true);
+    return;
+  }
   std::string payload;
   auto read = [&](v1::SelectionRequest* req) {
     if (!bad.ok()) return false;
-    if (std::memcmp(preface, kPreface, sizeof(kPreface)) != 0) {
-      bad = absl::InvalidArgumentError("selection link: bad preface");
-      return false;
-    }
     uint8_t kind = 0;
     const ReadResult r = ReadFrame(fd, absl::InfiniteFuture(), spin_us_, &kind, &payload);
     if (r == ReadResult::kClosed) return false;

@@ -51,7 +51,7 @@ inline constexpr int kSelectionLinkMaxStreams = 1024;
 
 // One selection stream's serving: reads the requests with `read` (false: the stream ended) and
 // writes the answers with `write` (false: the client went away). A non-OK status is sent to the
-// client as the stream's end (a worker serves worker::ServeSelectionStream, service.h).
+// client as the stream's end (WorkerServer serves a worker's selection sessions this way, service.h).
 using SelectionStreamFn =
     std::function<absl::Status(const std::function<bool(v1::SelectionRequest*)>& read,
                                const std::function<bool(const v1::SelectionResponse&)>& write)>;

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -20,8 +21,12 @@ std::chrono::system_clock::time_point DeadlineIn(int64_t ms) {
   return std::chrono::system_clock::now() + std::chrono::milliseconds(ms);
 }
 
-}  // namespace
-
+// One selection stream's serving loop, for either transport (the gRPC ShardSelection stream, the
+// selection link): the first request must open a session (Worker::OpenSelection); every later
+// one must be a query, answered through `write`. Returns OK when `read` ends the stream (the
+// client closed it, before or after opening) or `write` fails; INVALID_ARGUMENT when the first
+// message is not an open or an open comes twice; the session's errors otherwise. Records the
+// answers' timing over `transport` ("link" or "grpc"; Worker::RecordShardAnswers).
 absl::Status ServeSelectionStream(Worker* worker, const std::string& transport,
                                   const std::function<bool(v1::SelectionRequest*)>& read,
                                   const std::function<bool(const v1::SelectionResponse&)>& write) {
@@ -51,6 +56,8 @@ absl::Status ServeSelectionStream(Worker* worker, const std::string& transport,
   worker->RecordShardAnswers(job_id, timing, transport);
   return status;
 }
+
+}  // namespace
 
 absl::Status WorkerServerOptions::Validate() const {
   if (listen_address.empty()) return absl::InvalidArgumentError("listen_address is required");

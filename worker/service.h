@@ -19,7 +19,6 @@
 #define STRATA_WORKER_SERVICE_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -37,16 +36,6 @@ class Channel;
 }  // namespace grpc
 
 namespace strata::worker {
-
-// One selection stream's serving loop, for either transport (the gRPC ShardSelection stream, the
-// selection link): the first request must open a session (Worker::OpenSelection); every later
-// one must be a query, answered through `write`. Returns OK when `read` ends the stream (the
-// client closed it, before or after opening) or `write` fails; INVALID_ARGUMENT when the first
-// message is not an open or an open comes twice; the session's errors otherwise. Records the
-// answers' timing over `transport` ("link" or "grpc"; Worker::RecordShardAnswers).
-absl::Status ServeSelectionStream(Worker* worker, const std::string& transport,
-                                  const std::function<bool(v1::SelectionRequest*)>& read,
-                                  const std::function<bool(const v1::SelectionResponse&)>& write);
 
 struct WorkerServerOptions {
   // gRPC listen address; port 0 picks a free one (see port()). Required.
