@@ -20,7 +20,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_bundle_env.sh"
 B="$BUNDLE/bin"
 VARIANTS="${STRATA_SHARDED_VARIANTS:-- STRATA_SELECTION_LINK_SPIN_US=200}"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+show_gpu
 nproc
 
 rtt() {

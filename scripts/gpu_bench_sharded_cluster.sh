@@ -46,26 +46,22 @@ start=$(date +%s)
 python3 "$REPO/scripts/make_sample_document.py" "$DIR/doc.txt" --entries "$ENTRIES" > /dev/null
 echo "model $PRESET and document ($(wc -c < "$DIR/doc.txt") bytes) made in $(( $(date +%s) - start )) s"
 
-# The sum over every worker of a metric's samples whose line starts with $1 (name and labels).
-metric_sum() {
-  local name=$1 total=0 w port v
+# The series below, each summed over every worker's /metrics (one scrape per worker), on one line.
+SERIES=(strata_inter_token_latency_seconds_sum strata_inter_token_latency_seconds_count
+  strata_shard_attention_layers_total 'strata_shard_attention_seconds_total{part="local"}'
+  'strata_shard_attention_seconds_total{part="peers"}' strata_shard_answers_total
+  'strata_shard_answer_seconds_total{part="queue"}' 'strata_shard_answer_seconds_total{part="wait"}'
+  'strata_shard_answer_seconds_total{part="send"}' 'strata_shard_selection_streams_total{transport="link"}'
+  'strata_shard_selection_streams_total{transport="grpc"}')
+snapshot() {
+  local w port
   for w in $(seq 0 $((WORKERS - 1))); do
     port="WORKER${w}_METRICS"
-    v=$(curl -fsS "http://${!port}/metrics" 2>/dev/null | awk -v n="$name" 'index($0, n) == 1 { s += $NF } END { print s + 0 }')
-    total=$(awk -v a="$total" -v b="$v" 'BEGIN { print a + b }')
-  done
-  echo "$total"
-}
-snapshot() {
-  local m
-  for m in strata_inter_token_latency_seconds_sum strata_inter_token_latency_seconds_count \
-           strata_shard_attention_layers_total 'strata_shard_attention_seconds_total{part="local"}' \
-           'strata_shard_attention_seconds_total{part="peers"}' strata_shard_answers_total \
-           'strata_shard_answer_seconds_total{part="queue"}' 'strata_shard_answer_seconds_total{part="wait"}' \
-           'strata_shard_answer_seconds_total{part="send"}' 'strata_shard_selection_streams_total{transport="link"}' \
-           'strata_shard_selection_streams_total{transport="grpc"}'; do
-    metric_sum "$m"
-  done | tr '\n' ' '
+    curl -fsS "http://${!port}/metrics" 2>/dev/null
+  done | awk -v series="${SERIES[*]}" '
+    BEGIN { n = split(series, names, " ") }
+    { for (i = 1; i <= n; i++) if (index($0, names[i] " ") == 1) sum[i] += $NF }
+    END { for (i = 1; i <= n; i++) printf "%s ", sum[i] + 0 }'
 }
 # Prints the rates of an ask from the snapshots before ($1) and after ($2) it.
 report() {

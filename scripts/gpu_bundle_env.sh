@@ -3,7 +3,8 @@
 # (unless set: $ROOT/$STRATA_GPU_BUNDLE, default .gpu) and LOGS (unless set: $OUT, else
 # /tmp/strata-gpu-out), unpacks bin.tar.xz and the bundled libraries, and exports
 # LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN; defines summary (a log's test and sanitizer summary lines),
-# bundle_command (a bundled binary's path) and for_each_variant (A/B runs under env settings).
+# bundle_command (a bundled binary's path), for_each_variant (A/B runs under env settings),
+# contexts (a script's context list) and show_gpu (CUDA tools on PATH, the GPU printed).
 ROOT="$(pwd)"
 BUNDLE="${BUNDLE:-$ROOT/${STRATA_GPU_BUNDLE:-.gpu}}"
 LOGS="${LOGS:-${OUT:-/tmp/strata-gpu-out}}"
@@ -31,4 +32,18 @@ for_each_variant() {
     [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
     "$2" "$LOGS/$3_$i.log" "${env_args[@]}"
   done
+}
+# Sets CTX to the contexts given after $1 (separate or space-joined words), else to the
+# space-separated default list $1.
+contexts() {
+  local default=$1
+  shift
+  # shellcheck disable=SC2034  # CTX is for the calling script
+  read -r -a CTX <<< "${*:-$default}"
+}
+# Puts the CUDA tools (compute-sanitizer, ncu) on PATH and prints the GPU's name, driver and
+# highest SM clock.
+show_gpu() {
+  export PATH="/usr/local/cuda/bin:$PATH"
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 }

@@ -22,11 +22,8 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
 B="$BUNDLE/bin"
-CTX=("${@:-32768 131072 524288 1048576}")
-# shellcheck disable=SC2206
-CTX=(${CTX[*]})
-export PATH="/usr/local/cuda/bin:$PATH"
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+contexts "32768 131072 524288 1048576" "$@"
+show_gpu
 
 if [ "${STRATA_DENSE_SKIP_TESTS:-0}" != 1 ]; then
   echo "== tests"

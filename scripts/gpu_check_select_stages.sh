@@ -23,11 +23,8 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
 B="$BUNDLE/bin"
-CTX=("${@:-131072 1048576}")
-# shellcheck disable=SC2206
-CTX=(${CTX[*]})
-export PATH="/usr/local/cuda/bin:$PATH"
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+contexts "131072 1048576" "$@"
+show_gpu
 
 # The variant's settings in env_args, its bench binary in bench (BENCH=path, else the bundle's).
 variant_args() {
