@@ -49,8 +49,13 @@ int64_t PersistWriters() {
   return writers;
 }
 
+prometheus::Family<prometheus::Counter>& NewCounterFamily(prometheus::Registry* r, const std::string& name,
+                                                          const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(*r);
+}
+
 prometheus::Counter* NewCounter(prometheus::Registry* r, const std::string& name, const std::string& help) {
-  return &prometheus::BuildCounter().Name(name).Help(help).Register(*r).Add({});
+  return &NewCounterFamily(r, name, help).Add({});
 }
 
 void Inc(prometheus::Counter* c, double v) {
@@ -316,11 +321,9 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r) {
                                "Context tokens attended, summed over (step, layer, KV head).");
   selection_cache_lookups = NewCounter(r, "strata_selection_cache_lookups_total", "Selection-cache lookups.");
   selection_cache_hits = NewCounter(r, "strata_selection_cache_hits_total", "Selection-cache hits.");
-  auto& lazy_jobs = prometheus::BuildCounter()
-                        .Name("strata_lazy_jobs_total")
-                        .Help("Lazy-mount jobs by page cache: host_managed, or resident (device-managed, the "
-                              "document whole in the host tier).")
-                        .Register(*r);
+  auto& lazy_jobs = NewCounterFamily(r, "strata_lazy_jobs_total",
+                                     "Lazy-mount jobs by page cache: host_managed, or resident (device-managed, "
+                                     "the document whole in the host tier).");
   lazy_jobs_host_managed = &lazy_jobs.Add({{"cache", "host_managed"}});
   lazy_jobs_resident = &lazy_jobs.Add({{"cache", "resident"}});
   time_to_first_token = &prometheus::BuildHistogram()
@@ -332,28 +335,22 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r) {
   shard_attention_layers =
       NewCounter(r, "strata_shard_attention_layers_total",
                  "Layer calls of a sharded job's attention over the document's shards, on its leader.");
-  auto& shard_seconds = prometheus::BuildCounter()
-                            .Name("strata_shard_attention_seconds_total")
-                            .Help("Seconds of those calls in the leader's own shards (local), then waiting for "
-                                  "the peers' answers (peers).")
-                            .Register(*r);
+  auto& shard_seconds = NewCounterFamily(r, "strata_shard_attention_seconds_total",
+                                         "Seconds of those calls in the leader's own shards (local), then waiting "
+                                         "for the peers' answers (peers).");
   shard_attention_local_seconds = &shard_seconds.Add({{"part", "local"}});
   shard_attention_peer_seconds = &shard_seconds.Add({{"part", "peers"}});
   shard_answers = NewCounter(r, "strata_shard_answers_total",
                              "Layer queries of other workers' sharded jobs answered over selection streams.");
-  auto& answer_seconds = prometheus::BuildCounter()
-                             .Name("strata_shard_answer_seconds_total")
-                             .Help("Seconds of those answers: queueing the shard's selection and attention "
-                                   "(queue), waiting for their results (wait), writing the answers (send).")
-                             .Register(*r);
+  auto& answer_seconds = NewCounterFamily(r, "strata_shard_answer_seconds_total",
+                                          "Seconds of those answers: queueing the shard's selection and attention "
+                                          "(queue), waiting for their results (wait), writing the answers (send).");
   shard_answer_queue_seconds = &answer_seconds.Add({{"part", "queue"}});
   shard_answer_wait_seconds = &answer_seconds.Add({{"part", "wait"}});
   shard_answer_send_seconds = &answer_seconds.Add({{"part", "send"}});
-  auto& streams = prometheus::BuildCounter()
-                      .Name("strata_shard_selection_streams_total")
-                      .Help("Selection streams of other workers' sharded jobs served, by transport: the "
-                            "selection link (link) or the gRPC ShardSelection stream (grpc).")
-                      .Register(*r);
+  auto& streams = NewCounterFamily(r, "strata_shard_selection_streams_total",
+                                   "Selection streams of other workers' sharded jobs served, by transport: the "
+                                   "selection link (link) or the gRPC ShardSelection stream (grpc).");
   selection_streams_link = &streams.Add({{"transport", "link"}});
   selection_streams_grpc = &streams.Add({{"transport", "grpc"}});
   inter_token_latency = &prometheus::BuildHistogram()
