@@ -250,6 +250,13 @@ class PolicyImpl : public SparsePolicy {
     return absl::OkStatus();
   }
 
+  // The keys / values of KV head g of `layer` (fp8 codes times the cache's k_scale / v_scale).
+  HeadRows KeyRows(const KvCache& cache, int layer, int g) const {
+    return Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g);
+  }
+  HeadRows ValueRows(const KvCache& cache, int layer, int g) const {
+    return Rows(cache.v_pool(layer), cache.options().v_scale, cache, layer, g);
+  }
   // Rows of KV head g of `layer`: its pages are contiguous slots starting at SlotOf(layer, g, 0).
   HeadRows Rows(const kernels::TensorView& pool, float scale, const KvCache& cache, int layer, int g) const {
     HeadRows r;
@@ -268,7 +275,7 @@ class PolicyImpl : public SparsePolicy {
                                                      segment_pages_, rf_.get());
     }
     const int64_t len = cache.length(layer);
-    const HeadRows keys = Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g);
+    const HeadRows keys = KeyRows(cache, layer, g);
     constexpr int64_t kBatch = 4096;
     std::vector<float> buf;
     for (int64_t t = hs.summaries->length(); t < len; t += kBatch) {
@@ -296,8 +303,8 @@ class PolicyImpl : public SparsePolicy {
           d_, t, s, std::max(1, (options_.token_budget - s) / t), options_.subgen_radius,
           options_.subgen_seed + static_cast<uint64_t>(layer) * 1000003u + g);
     }
-    const HeadRows keys = Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g);
-    const HeadRows values = Rows(cache.v_pool(layer), cache.options().v_scale, cache, layer, g);
+    const HeadRows keys = KeyRows(cache, layer, g);
+    const HeadRows values = ValueRows(cache, layer, g);
     std::vector<float> k(d_), v(d_);
     for (int64_t t = hs.subgen->tokens_seen(); t < cache.length(layer); ++t) {
       keys.Read(t, k.data());
@@ -347,8 +354,8 @@ class PolicyImpl : public SparsePolicy {
         chosen = TokenSelect(hs, qg, qs.data(), mid_begin, mid_end, cache, layer, g);
         break;
       case PolicyKind::kHip: {
-        HipResult r = HipSelect(Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g),
-                                qs.data(), group_, mid_begin, mid_end, budget, options_.hip_block);
+        HipResult r =
+            HipSelect(KeyRows(cache, layer, g), qs.data(), group_, mid_begin, mid_end, budget, options_.hip_block);
         stats_.key_bytes += r.keys_read * d_ * 2;
         chosen = std::move(r.ranges);
         break;
@@ -482,7 +489,7 @@ class PolicyImpl : public SparsePolicy {
     }
     const int64_t n = static_cast<int64_t>(tokens.size());
     if (n <= budget) return cand;
-    const HeadRows keys = Rows(cache.k_pool(layer), cache.options().k_scale, cache, layer, g);
+    const HeadRows keys = KeyRows(cache, layer, g);
     std::vector<float> scores(static_cast<size_t>(group_) * n);
 #pragma omp parallel for schedule(static) if (n > 4096)
     for (int64_t j = 0; j < n; ++j) {
