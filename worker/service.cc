@@ -169,8 +169,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerSe
       return ServeSelectionStream(worker, "link", read, write);
     };
     STRATA_ASSIGN_OR_RETURN(server->link_, SelectionLinkServer::Start(link, serve));
-    worker->SetSelectionLinkPort(server->link_->port());
   }
+  worker->SetSelectionLinkPort(server->selection_link_port());  // 0: the worker advertises none
   server->SetServing(true);
   return server;
 }

@@ -54,6 +54,9 @@ TEST(WorkerServiceTest, GrpcWorkerClientDrivesTheWorker) {
   const v1::WorkerInfo info = w->Info();
   EXPECT_EQ(info.address(), absl::StrCat("127.0.0.1:", server->port()));
   EXPECT_EQ(info.backend(), "cpu");
+  // The selection link is on by default, advertised at the address's host.
+  ASSERT_GT(server->selection_link_port(), 0);
+  EXPECT_EQ(info.selection_link_address(), absl::StrCat("127.0.0.1:", server->selection_link_port()));
 
   coordinator::GrpcWorkerClient client;
   std::vector<int32_t> doc;
@@ -130,6 +133,42 @@ TEST(WorkerServiceTest, GrpcWorkerClientDrivesTheWorker) {
   EXPECT_EQ(job_done.load(), 1);
   server->Shutdown(absl::Seconds(1));
   server.reset();
+  w.reset();
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+// WorkerServerOptions' addresses: a listen address without a port and a malformed link address are
+// refused, a link port in use is UNAVAILABLE, "off" serves no link (the worker advertises none).
+TEST(WorkerServiceTest, ServerAddressOptions) {
+  char tmpl[] = "/tmp/strata_worker_service_options_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  model::RandomModelOptions mo;
+  mo.write_tokenizer = false;
+  ASSERT_TRUE(model::WriteRandomModel(dir + "/model", mo).ok());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto m, model::LoadModel(dir + "/model"));
+  auto backend = kernels::MakeCpuBackend(1);
+  kvstore::LocalStoreOptions so;
+  so.path = dir + "/kv";
+  so.sync_writes = false;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto store, kvstore::LocalStore::Open(so));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(WorkerOptions(), m.get(), backend.get(), store.get(),
+                                                     store.get(), nullptr));
+  EXPECT_THAT(WorkerServer::Start(WorkerServerOptions{"127.0.0.1"}, w.get()).status(),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  WorkerServerOptions bad_link{"127.0.0.1:0", "no-port"};
+  EXPECT_THAT(WorkerServer::Start(bad_link, w.get()).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto first, WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0"}, w.get()));
+  WorkerServerOptions taken{"127.0.0.1:0", absl::StrCat("127.0.0.1:", first->selection_link_port())};
+  EXPECT_THAT(WorkerServer::Start(taken, w.get()).status(), testing::StatusIs(absl::StatusCode::kUnavailable));
+  first.reset();
+  WorkerServerOptions off{"127.0.0.1:0", "off"};
+  STRATA_ASSERT_OK_AND_ASSIGN(auto plain, WorkerServer::Start(off, w.get()));
+  EXPECT_EQ(plain->selection_link_port(), 0);
+  w->SetAddress(absl::StrCat("127.0.0.1:", plain->port()));
+  EXPECT_TRUE(w->Info().selection_link_address().empty());
+  plain.reset();
   w.reset();
   store.reset();
   std::filesystem::remove_all(dir);
