@@ -28,6 +28,40 @@ namespace {
 
 constexpr char kDocId[] = "fedcba9876543210fedcba9876543210";
 
+// A worker on the CPU backend over a random tiny model and a LocalStore in a temp dir (removed,
+// with everything, when it goes).
+struct TestWorker {
+  std::string dir;
+  std::unique_ptr<model::Model> model;
+  std::unique_ptr<kernels::Backend> backend;
+  std::unique_ptr<kvstore::LocalStore> store;
+  std::unique_ptr<Worker> worker;
+
+  static absl::Status Make(const std::string& name, uint64_t seed, TestWorker* t) {
+    std::string tmpl = "/tmp/" + name + "_XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) return absl::InternalError("mkdtemp failed");
+    t->dir = tmpl;
+    model::RandomModelOptions mo;
+    mo.seed = seed;
+    mo.write_tokenizer = false;
+    STRATA_RETURN_IF_ERROR(model::WriteRandomModel(t->dir + "/model", mo).status());
+    STRATA_ASSIGN_OR_RETURN(t->model, model::LoadModel(t->dir + "/model"));
+    t->backend = kernels::MakeCpuBackend(1);
+    kvstore::LocalStoreOptions so;
+    so.path = t->dir + "/kv";
+    so.sync_writes = false;
+    STRATA_ASSIGN_OR_RETURN(t->store, kvstore::LocalStore::Open(so));
+    STRATA_ASSIGN_OR_RETURN(t->worker, Worker::Create(WorkerOptions(), t->model.get(), t->backend.get(),
+                                                      t->store.get(), t->store.get(), nullptr));
+    return absl::OkStatus();
+  }
+  ~TestWorker() {
+    worker.reset();
+    store.reset();
+    if (!dir.empty()) std::filesystem::remove_all(dir);
+  }
+};
+
 TEST(WorkerServiceTest, GrpcWorkerClientDrivesTheWorker) {
   char tmpl[] = "/tmp/strata_worker_service_test_XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
@@ -141,37 +175,22 @@ TEST(WorkerServiceTest, GrpcWorkerClientDrivesTheWorker) {
 // WorkerServerOptions' addresses: a listen address without a port and a malformed link address are
 // refused, a link port in use is UNAVAILABLE, "off" serves no link (the worker advertises none).
 TEST(WorkerServiceTest, ServerAddressOptions) {
-  char tmpl[] = "/tmp/strata_worker_service_options_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl;
-  model::RandomModelOptions mo;
-  mo.write_tokenizer = false;
-  ASSERT_TRUE(model::WriteRandomModel(dir + "/model", mo).ok());
-  STRATA_ASSERT_OK_AND_ASSIGN(auto m, model::LoadModel(dir + "/model"));
-  auto backend = kernels::MakeCpuBackend(1);
-  kvstore::LocalStoreOptions so;
-  so.path = dir + "/kv";
-  so.sync_writes = false;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto store, kvstore::LocalStore::Open(so));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(WorkerOptions(), m.get(), backend.get(), store.get(),
-                                                     store.get(), nullptr));
-  EXPECT_THAT(WorkerServer::Start(WorkerServerOptions{"127.0.0.1"}, w.get()).status(),
+  TestWorker t;
+  STRATA_ASSERT_OK(TestWorker::Make("strata_worker_service_options", 7, &t));
+  Worker* w = t.worker.get();
+  EXPECT_THAT(WorkerServer::Start(WorkerServerOptions{"127.0.0.1"}, w).status(),
               testing::StatusIs(absl::StatusCode::kInvalidArgument));
   WorkerServerOptions bad_link{"127.0.0.1:0", "no-port"};
-  EXPECT_THAT(WorkerServer::Start(bad_link, w.get()).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto first, WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0"}, w.get()));
+  EXPECT_THAT(WorkerServer::Start(bad_link, w).status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto first, WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0"}, w));
   WorkerServerOptions taken{"127.0.0.1:0", absl::StrCat("127.0.0.1:", first->selection_link_port())};
-  EXPECT_THAT(WorkerServer::Start(taken, w.get()).status(), testing::StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(WorkerServer::Start(taken, w).status(), testing::StatusIs(absl::StatusCode::kUnavailable));
   first.reset();
   WorkerServerOptions off{"127.0.0.1:0", "off"};
-  STRATA_ASSERT_OK_AND_ASSIGN(auto plain, WorkerServer::Start(off, w.get()));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto plain, WorkerServer::Start(off, w));
   EXPECT_EQ(plain->selection_link_port(), 0);
   w->SetAddress(absl::StrCat("127.0.0.1:", plain->port()));
   EXPECT_TRUE(w->Info().selection_link_address().empty());
-  plain.reset();
-  w.reset();
-  store.reset();
-  std::filesystem::remove_all(dir);
 }
 
 // A registry that forgets the worker once (its first heartbeat gets NOT_FOUND, as after a
@@ -206,21 +225,9 @@ class ForgetfulRegistry final : public v1::WorkerRegistry::Service {
 };
 
 TEST(RegistrationAgentTest, RegistersAgainAfterNotFoundAndReportsMountedShards) {
-  char tmpl[] = "/tmp/strata_worker_registration_test_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl;
-  model::RandomModelOptions mo;
-  mo.seed = 12;
-  mo.write_tokenizer = false;
-  ASSERT_TRUE(model::WriteRandomModel(dir + "/model", mo).ok());
-  STRATA_ASSERT_OK_AND_ASSIGN(auto m, model::LoadModel(dir + "/model"));
-  auto backend = kernels::MakeCpuBackend(1);
-  kvstore::LocalStoreOptions so;
-  so.path = dir + "/kv";
-  so.sync_writes = false;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto store, kvstore::LocalStore::Open(so));
-  STRATA_ASSERT_OK_AND_ASSIGN(auto w, Worker::Create(WorkerOptions(), m.get(), backend.get(), store.get(),
-                                                     store.get(), nullptr));
+  TestWorker t;
+  STRATA_ASSERT_OK(TestWorker::Make("strata_worker_registration_test", 12, &t));
+  Worker* w = t.worker.get();
   // A one-page document, mounted.
   v1::PrefillShardRequest prefill;
   prefill.mutable_shard()->set_document_id(kDocId);
@@ -241,7 +248,7 @@ TEST(RegistrationAgentTest, RegistersAgainAfterNotFoundAndReportsMountedShards) 
   RegistrationOptions ro;
   ro.coordinator = absl::StrCat("127.0.0.1:", port);
   ro.retry_interval_ms = 20;
-  RegistrationAgent agent(ro, w.get());
+  RegistrationAgent agent(ro, w);
   agent.Start();
   ASSERT_TRUE(agent.WaitRegistered(absl::Seconds(10)));
   // The first heartbeat is refused: the agent registers again (without aborting) and its later
@@ -261,9 +268,6 @@ TEST(RegistrationAgentTest, RegistersAgainAfterNotFoundAndReportsMountedShards) 
     EXPECT_EQ(registry.mounted_shards, 1);
     EXPECT_EQ(registry.mounted_tokens, 40u);
   }
-  w.reset();
-  store.reset();
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
