@@ -10,7 +10,8 @@
 // share the launch's correlation id. scripts/kernel_trace_summary.py groups a trace's graph
 // launches and says where their time goes. With STRATA_KERNEL_TRACE_SKIP_NONGRAPH=1 kernels outside
 // graphs are not written. With STRATA_KERNEL_TRACE_API=1 copies (in graphs or not) ("memcpy kind K, N bytes") and
-// runtime API calls ("api NAME", host start and end on the same clock; graph 0) are written too.
+// runtime API calls ("api NAME", host start and end on the same clock; graph 0; the stream
+// column holds the calling thread's id) are written too.
 // Without STRATA_KERNEL_TRACE_OUT the library only prints a count.
 #include <cupti.h>
 #include <cxxabi.h>
@@ -111,7 +112,8 @@ void CUPTIAPI BufferCompleted(CUcontext, uint32_t, uint8_t* buffer, size_t, size
       const auto* api = reinterpret_cast<const CUpti_ActivityAPI*>(rec);
       const char* name = nullptr;
       cuptiGetCallbackName(CUPTI_CB_DOMAIN_RUNTIME_API, api->cbid, &name);
-      Records().push_back({api->start, api->end, 0, api->correlationId, 0, 0, 0, 0,
+      // The stream column holds the calling thread's id for API records.
+      Records().push_back({api->start, api->end, 0, api->correlationId, 0, api->threadId, 0, 0,
                            InternText(std::string("api ") + (name != nullptr ? name : "?"))});
       continue;
     }
