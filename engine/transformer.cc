@@ -443,11 +443,6 @@ absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
   const size_t o_elems = static_cast<size_t>(n * hq * d), l_elems = static_cast<size_t>(n * hq);
   const size_t max_o = static_cast<size_t>(options_.prefill_chunk_size * hq * d);
   const size_t max_l = static_cast<size_t>(options_.prefill_chunk_size * hq);
-  float* attn_rows = static_cast<float*>(attn_->data()) + row0 * hq * d;
-  float* lse_rows = static_cast<float*>(lse_->data()) + row0 * hq;
-  std::vector<TensorView> outs, lses;
-  outs.emplace_back(attn_rows, DType::kF32, std::initializer_list<int64_t>{n, hq, d});
-  lses.emplace_back(lse_rows, DType::kF32, std::initializer_list<int64_t>{n, hq});
   for (size_t i = 0; i < parts.size(); ++i) {
     const AttentionPartial& p = parts[i];
     if (p.o.size() != o_elems || p.lse.size() != l_elems) {
@@ -455,22 +450,44 @@ absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
                                                      p.o.size(), "/", p.lse.size(),
                                                      " values, expected ", o_elems, "/", l_elems));
     }
-    const float* o = p.o.data();
-    const float* l = p.lse.data();
-    if (!host_memory_) {
-      while (part_o_.size() <= i) {
-        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> bo, be->Allocate(max_o * 4));
-        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Buffer> bl, be->Allocate(max_l * 4));
-        part_o_.push_back(std::move(bo));
-        part_lse_.push_back(std::move(bl));
-      }
-      STRATA_RETURN_IF_ERROR(be->CopyToDevice(part_o_[i]->data(), o, o_elems * 4, nullptr));
-      STRATA_RETURN_IF_ERROR(be->CopyToDevice(part_lse_[i]->data(), l, l_elems * 4, nullptr));
-      o = static_cast<const float*>(part_o_[i]->data());
-      l = static_cast<const float*>(part_lse_[i]->data());
+  }
+  float* attn_rows = static_cast<float*>(attn_->data()) + row0 * hq * d;
+  float* lse_rows = static_cast<float*>(lse_->data()) + row0 * hq;
+  std::vector<TensorView> outs, lses;
+  outs.emplace_back(attn_rows, DType::kF32, std::initializer_list<int64_t>{n, hq, d});
+  lses.emplace_back(lse_rows, DType::kF32, std::initializer_list<int64_t>{n, hq});
+  if (host_memory_) {
+    for (const AttentionPartial& p : parts) {
+      outs.emplace_back(const_cast<float*>(p.o.data()), DType::kF32, std::initializer_list<int64_t>{n, hq, d});
+      lses.emplace_back(const_cast<float*>(p.lse.data()), DType::kF32, std::initializer_list<int64_t>{n, hq});
     }
-    outs.emplace_back(const_cast<float*>(o), DType::kF32, std::initializer_list<int64_t>{n, hq, d});
-    lses.emplace_back(const_cast<float*>(l), DType::kF32, std::initializer_list<int64_t>{n, hq});
+  } else if (!parts.empty()) {
+    const int64_t num_parts = static_cast<int64_t>(parts.size());
+    if (row0 + n > part_rows_cap_ || num_parts > part_cap_) {
+      // Grown: nothing queued may still read the old buffers.
+      STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
+      if (part_mark_ >= 0) STRATA_RETURN_IF_ERROR(be->WaitMark(std::exchange(part_mark_, -1)));
+      part_host_.reset();
+      part_dev_.reset();
+      part_rows_cap_ = std::max(row0 + n, part_rows_cap_);
+      part_cap_ = std::max(num_parts, part_cap_);
+      const size_t bytes = static_cast<size_t>(part_rows_cap_ * part_cap_ * (hq * d + hq)) * 4;
+      STRATA_ASSIGN_OR_RETURN(part_host_, be->AllocateHost(bytes));
+      STRATA_ASSIGN_OR_RETURN(part_dev_, be->Allocate(bytes));
+    }
+    // This call's rows: every part's o rows, then its lse rows, packed; one copy.
+    const size_t region = static_cast<size_t>(row0 * part_cap_ * (hq * d + hq));
+    float* host = static_cast<float*>(part_host_->data()) + region;
+    float* dev = static_cast<float*>(part_dev_->data()) + region;
+    size_t at = 0;
+    for (const AttentionPartial& p : parts) {
+      std::memcpy(host + at, p.o.data(), o_elems * 4);
+      std::memcpy(host + at + o_elems, p.lse.data(), l_elems * 4);
+      outs.emplace_back(dev + at, DType::kF32, std::initializer_list<int64_t>{n, hq, d});
+      lses.emplace_back(dev + at + o_elems, DType::kF32, std::initializer_list<int64_t>{n, hq});
+      at += o_elems + l_elems;
+    }
+    STRATA_RETURN_IF_ERROR(be->CopyToDeviceAsync(dev, host, at * 4, nullptr));
   }
   if (merged_ == nullptr) {
     STRATA_ASSIGN_OR_RETURN(merged_, be->Allocate(max_o * 4));
@@ -1202,13 +1219,19 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
     TensorView attn_in = attn;
     if (merge) {
       // Every segment goes through the merge (one part: a copy) so the O projection reads one
-      // buffer.
+      // buffer. The previous layer's staged copies are done before this layer's overwrite them.
+      if (part_mark_ >= 0) STRATA_RETURN_IF_ERROR(be->WaitMark(std::exchange(part_mark_, -1)));
+      bool staged = false;
       for (size_t si = 0; si < segs.size(); ++si) {
         if (segment_device_part_[si]) {
           STRATA_RETURN_IF_ERROR(MergeDevicePartial(segs[si].row0, segs[si].n));
         } else {
           STRATA_RETURN_IF_ERROR(MergeExternal(segs[si].row0, segs[si].n, segment_parts_[si]));
+          staged = staged || (!host_memory_ && !segment_parts_[si].empty());
         }
+      }
+      if (staged) {
+        STRATA_ASSIGN_OR_RETURN(part_mark_, be->RecordMark(nullptr));
       }
       attn_in = View2(merged_.get(), n, hq * d);
     }

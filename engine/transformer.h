@@ -418,7 +418,16 @@ class Transformer {
   // picked_: one Backend::Sample, or kernels::CpuSample over the rows copied to the host where the
   // backend cannot sample; -1 for a row whose logits are all NaN or -inf.
   absl::Status PickRows(const kernels::TensorView& logits, const kernels::SampleRow* sample);
-  std::vector<std::unique_ptr<kernels::Buffer>> part_o_, part_lse_;
+  // MergeExternal's staging on device backends: the host partials of a layer's segments go into
+  // part_host_ (AllocateHost memory) and reach part_dev_ in one copy per segment that does not
+  // wait. Rows [r0, r0 + n) of a layer own floats [r0 * R, (r0 + n) * R) of both, R =
+  // part_cap_ * (hq * d + hq), so the segments of one layer never share staging; part_mark_ (a
+  // backend mark after a layer's copies, -1 when none is pending) is waited for before the next
+  // layer writes there. Grown (after a wait for the default stream) when a call needs more rows or
+  // parts.
+  std::unique_ptr<kernels::Buffer> part_host_, part_dev_;
+  int64_t part_rows_cap_ = 0, part_cap_ = 0;
+  int64_t part_mark_ = -1;
   std::unique_ptr<kernels::Buffer> merged_, merged_lse_;
   // ExternalAttention::AttendOnDevice partials (rows of the chunk), allocated on first use, and
   // per segment whether its partial is there.
