@@ -11,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -434,6 +435,45 @@ absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t bytes) {
   return std::unique_ptr<Buffer>(new CudaBuffer(device_, p, bytes));
 }
 
+namespace {
+
+bool InIdentityMappedHostBuffer(const void* p);  // below
+
+// Copies up to this size between AllocateHost memory and device memory that do not wait run as
+// a kernel (LaunchCopyBytes) instead of on a copy engine: inside a CUDA graph a copy-engine node
+// costs a transition of several microseconds before the next kernel (the shard holder's step
+// graph, bench/RESULTS.md session 35). STRATA_KERNEL_COPIES=0 keeps every copy on the copy engine.
+constexpr size_t kKernelCopyMaxBytes = 256 * 1024;
+
+bool KernelCopies() {
+  static const bool on = [] {
+    const char* e = std::getenv("STRATA_KERNEL_COPIES");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
+bool IsDeviceMemory(const void* p) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+}
+
+// Whether a copy that does not wait runs as a kernel: small, one side in a live AllocateHost
+// buffer (identity-mapped, so the kernel reads or writes it through the host address) and the
+// other in device memory.
+bool CopyByKernel(void* dst, const void* src, size_t bytes) {
+  if (bytes > kKernelCopyMaxBytes || !KernelCopies()) return false;
+  const bool src_host = InIdentityMappedHostBuffer(src);
+  if (src_host == InIdentityMappedHostBuffer(dst)) return false;
+  return IsDeviceMemory(src_host ? dst : src);
+}
+
+}  // namespace
+
 // One copy on the stream of `s` (any direction, cudaMemcpyDefault), waited for when `wait`.
 absl::Status CudaBackend::QueueCopy(const char* op, void* dst, const void* src, size_t bytes,
                                     Stream s, bool wait) {
@@ -442,6 +482,10 @@ absl::Status CudaBackend::QueueCopy(const char* op, void* dst, const void* src, 
     return absl::InvalidArgumentError(absl::StrCat(op, ": null"));
   }
   STRATA_RETURN_IF_ERROR(MakeCurrent());
+  if (!wait && CopyByKernel(dst, src, bytes)) {
+    STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchCopyBytes(dst, src, bytes, ToCuda(s)));
+    return absl::OkStatus();
+  }
   STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCuda(s)));
   if (wait) STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(s)));
   return absl::OkStatus();

@@ -346,6 +346,58 @@ TEST_F(CudaBackendTest, AsyncCopiesAndMarks) {
   EXPECT_EQ(y[2], 3.0f);
 }
 
+// Small copies that do not wait between AllocateHost memory and device memory run as a kernel
+// (LaunchCopyBytes): every size (1, 3, 17, ... up to the largest kernel copy and one past it, on
+// the copy engine) and every misalignment of either side arrives byte for byte, the bytes around
+// the destination stay as they were, and the copies record into a graph and replay there.
+TEST_F(CudaBackendTest, SmallAsyncCopiesAtAwkwardSizesAndOffsets) {
+  const size_t cap = 256 * 1024 + 64;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host_in, gpu_->AllocateHost(cap));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto host_out, gpu_->AllocateHost(cap));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dev, gpu_->Allocate(cap));
+  uint8_t* in = static_cast<uint8_t*>(host_in->data());
+  uint8_t* out = static_cast<uint8_t*>(host_out->data());
+  for (const size_t bytes : {size_t{1}, size_t{3}, size_t{4}, size_t{16}, size_t{17}, size_t{129},
+                             size_t{4096 + 3}, size_t{16384}, size_t{256 * 1024}, size_t{256 * 1024 + 16}}) {
+    for (const size_t src_off : {size_t{0}, size_t{1}, size_t{4}}) {
+      for (const size_t dst_off : {size_t{0}, size_t{3}, size_t{16}}) {
+        if (bytes + std::max(src_off, dst_off) + 16 > cap) continue;
+        SCOPED_TRACE(::testing::Message() << bytes << " bytes, offsets " << src_off << " / " << dst_off);
+        for (size_t i = 0; i < cap; ++i) in[i] = static_cast<uint8_t>(rng_()), out[i] = 0xA5;
+        STRATA_ASSERT_OK(gpu_->CopyToDevice(dev->data(), out, cap, nullptr));  // 0xA5 around it
+        uint8_t* d = static_cast<uint8_t*>(dev->data());
+        STRATA_ASSERT_OK(gpu_->CopyToDeviceAsync(d + dst_off, in + src_off, bytes, nullptr));
+        STRATA_ASSERT_OK(gpu_->CopyToHostAsync(out + src_off, d + dst_off, bytes, nullptr));
+        STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
+        ASSERT_EQ(std::memcmp(out + src_off, in + src_off, bytes), 0);
+        std::vector<uint8_t> back(cap);
+        STRATA_ASSERT_OK(gpu_->CopyToHost(back.data(), d, cap, nullptr));
+        for (size_t i = 0; i < dst_off; ++i) ASSERT_EQ(back[i], 0xA5) << i;
+        for (size_t i = dst_off + bytes; i < cap; ++i) ASSERT_EQ(back[i], 0xA5) << i;
+      }
+    }
+  }
+  // Recorded in a graph: each replay copies what the host buffer holds then.
+  const size_t n = 4096;
+  float* fin = static_cast<float*>(host_in->data());
+  float* fout = static_cast<float*>(host_out->data());
+  const TensorView v(dev->data(), DType::kF32, {static_cast<int64_t>(n)});
+  STRATA_ASSERT_OK_AND_ASSIGN(Stream st, gpu_->CreateStream());
+  STRATA_ASSERT_OK(gpu_->BeginCapture(st));
+  STRATA_ASSERT_OK(gpu_->CopyToDeviceAsync(dev->data(), fin, n * 4, st));
+  STRATA_ASSERT_OK(gpu_->Add({v, v, v}, st));
+  STRATA_ASSERT_OK(gpu_->CopyToHostAsync(fout, dev->data(), n * 4, st));
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Graph> graph, gpu_->EndCapture(st));
+  for (int round = 0; round < 3; ++round) {
+    for (size_t i = 0; i < n; ++i) fin[i] = static_cast<float>(rng_() % 1000) - 500.0f, fout[i] = kNaN;
+    STRATA_ASSERT_OK(graph->Replay(st));
+    STRATA_ASSERT_OK(gpu_->Synchronize(st));
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(fout[i], 2.0f * fin[i]) << "round " << round << ", " << i;
+  }
+  graph.reset();
+  STRATA_ASSERT_OK(gpu_->DestroyStream(st));
+}
+
 // ---- Embedding -------------------------------------------------------------------------------
 
 class CudaEmbeddingTest : public CudaBackendTest,

@@ -1,4 +1,5 @@
-// PageCopy on the GPU: the fill of GPU page-cache slots from pinned host staging. The kernel
+// PageCopy on the GPU: the fill of GPU page-cache slots from pinned host staging (and the copy
+// kernel of small host <-> device copies, LaunchCopyBytes). The kernel
 // reads the staging directly through the host mapping (no cudaMemcpy, no device scratch), many
 // 16-byte loads in flight per thread, so the copy runs at PCIe speed in one launch however many
 // pages there are (notes/GPU.md: one gather kernel ~ one contiguous copy; per-page memcpys are
@@ -58,6 +59,37 @@ __global__ void TableUpdateKernel(int32_t* table, const int32_t* __restrict__ in
   }
 }
 
+// dst[i] = src[i] for i < n, grid-stride; all of a thread's loads before its stores.
+template <typename V>
+__global__ void __launch_bounds__(kThreads)
+    CopyKernel(V* __restrict__ dst, const V* __restrict__ src, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll; base < n; base += stride) {
+    V r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads + threadIdx.x;
+      if (i < n) r[u] = src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads + threadIdx.x;
+      if (i < n) dst[i] = r[u];
+    }
+  }
+}
+
+template <typename V>
+cudaError_t LaunchCopy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(bytes / sizeof(V));
+  const int64_t per_block = static_cast<int64_t>(kThreads) * kUnroll;
+  int64_t blocks = (n + per_block - 1) / per_block;
+  if (blocks > 1024) blocks = 1024;
+  CopyKernel<V><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(static_cast<V*>(dst),
+                                                                         static_cast<const V*>(src), n);
+  return cudaGetLastError();
+}
+
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <typename V>
@@ -75,6 +107,14 @@ cudaError_t Launch(const PageCopyArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace
+
+cudaError_t LaunchCopyBytes(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  const uintptr_t all = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes;
+  if ((all & 15) == 0) return LaunchCopy<uint4>(dst, src, bytes, stream);
+  if ((all & 3) == 0) return LaunchCopy<uint32_t>(dst, src, bytes, stream);
+  return LaunchCopy<uint8_t>(dst, src, bytes, stream);
+}
 
 cudaError_t LaunchPageCopy(const PageCopyArgs& a, cudaStream_t stream) {
   if (a.num_pages > 0 && a.half_bytes > 0) {

@@ -1,5 +1,5 @@
-// Host-side entry point of kernels/cuda/page_copy.cu (private to kernels/cuda): the PageCopy op
-// of kernels/backend.h. Kept out of launch.h so that the page-cache op does not touch the header
+// Host-side entry points of kernels/cuda/page_copy.cu (private to kernels/cuda): the PageCopy op
+// of kernels/backend.h, and the copy kernel of CudaBackend's small host <-> device copies. Kept out of launch.h so that the page-cache op does not touch the header
 // every other kernel includes.
 //
 // Thread-safety: stateless; concurrent launches on different streams are fine.
@@ -33,6 +33,13 @@ struct PageCopyArgs {
 // from the mapped staging into its slot; a second small kernel applies the table updates. Both
 // on `stream`; returns the launch status.
 cudaError_t LaunchPageCopy(const PageCopyArgs& args, cudaStream_t stream);
+
+// One kernel copies `bytes` from src to dst, device-visible addresses (device memory, or mapped
+// pinned host memory through its device address): a small copy between the host and the device
+// as a kernel instead of a copy-engine transfer, which inside a CUDA graph costs a transition of
+// several microseconds before and after it (bench/RESULTS.md, session 35). 16-byte vectors when
+// the addresses and size allow, else 4-byte words, else bytes. Returns the launch status.
+cudaError_t LaunchCopyBytes(void* dst, const void* src, size_t bytes, cudaStream_t stream);
 
 }  // namespace strata::kernels::cuda_internal
 
