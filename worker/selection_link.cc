@@ -6,15 +6,18 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -95,11 +98,58 @@ bool WriteFrame(int fd, uint8_t kind, const char* payload, size_t n) {
 
 enum class ReadResult { kOk, kClosed, kTimeout, kError };
 
-// Reads exactly n bytes by `deadline`, spinning on the socket for up to spin_us before blocking.
+// The threads of this process spinning on a socket at once (RecvAll) and their limit: half the
+// cores the process may use, at least one, so that spinning readers never take every core.
+std::atomic<int> g_spinners{0};
+
+int MaxSpinners() {
+  static const int n = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                                    : static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, cores / 2);
+  }();
+  return n;
+}
+
+// One of those places, taken if one is free; given back by Release or the destructor.
+class SpinSlot {
+ public:
+  SpinSlot() {
+    int c = g_spinners.load(std::memory_order_relaxed);
+    while (c < MaxSpinners()) {
+      if (g_spinners.compare_exchange_weak(c, c + 1, std::memory_order_relaxed)) {
+        held_ = true;
+        return;
+      }
+    }
+  }
+  ~SpinSlot() { Release(); }
+  SpinSlot(const SpinSlot&) = delete;
+  SpinSlot& operator=(const SpinSlot&) = delete;
+  bool held() const { return held_; }
+  void Release() {
+    if (held_) g_spinners.fetch_sub(1, std::memory_order_relaxed);
+    held_ = false;
+  }
+
+ private:
+  bool held_ = false;
+};
+
+// Reads exactly n bytes by `deadline`, spinning on the socket for up to spin_us (never past the
+// deadline; only while a spinning place is free) before blocking.
 ReadResult RecvAll(int fd, char* p, size_t n, absl::Time deadline, int64_t spin_us) {
   size_t got = 0;
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
-  bool spinning = spin_us > 0;
+  auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  if (spin_us > 0 && deadline != absl::InfiniteFuture()) {
+    const int64_t left_us = std::max<int64_t>(0, absl::ToInt64Microseconds(deadline - absl::Now()));
+    spin_until = std::min(spin_until, std::chrono::steady_clock::now() + std::chrono::microseconds(left_us));
+  }
+  SpinSlot slot;
+  if (spin_us <= 0) slot.Release();
+  bool spinning = slot.held();
   while (got < n) {
     const ssize_t r = recv(fd, p + got, n - got, MSG_DONTWAIT);
     if (r > 0) {
@@ -112,6 +162,7 @@ ReadResult RecvAll(int fd, char* p, size_t n, absl::Time deadline, int64_t spin_
     if (spinning) {
       if (std::chrono::steady_clock::now() < spin_until) continue;
       spinning = false;
+      slot.Release();
     }
     int timeout_ms = -1;
     if (deadline != absl::InfiniteFuture()) {

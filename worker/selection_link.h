@@ -22,9 +22,13 @@
 // worker::WorkerServer serves a worker's streams on the link beside its gRPC server; LeaderAttention
 // (shard_attention.h) is the client.
 //
-// Both ends may wait for a frame by spinning on the socket for a while before they block (the
-// thread stays on its core between the layers of a decode step; STRATA_SELECTION_LINK_SPIN_US,
-// default kSelectionLinkDefaultSpinUs, 0 to block at once).
+// Both ends wait for a frame by spinning on the socket for a while before they block, so that
+// the thread stays awake and on its core between the layers of a decode step
+// (STRATA_SELECTION_LINK_SPIN_US, default kSelectionLinkDefaultSpinUs = 3 ms, 0 to block at once;
+// at most half the process's cores spin at once, other readers block at once). A holder woken
+// from a blocked read takes 2-3x longer to queue its answer; spinning took the 8B 128K sharded
+// decode over two GPUs from 107.8-110.4 to 117.4-119.1 tok/s (tokenselect) and 90-91 to 100 (dense)
+// (bench/RESULTS.md, session 35).
 #ifndef STRATA_WORKER_SELECTION_LINK_H_
 #define STRATA_WORKER_SELECTION_LINK_H_
 
@@ -44,7 +48,7 @@
 namespace strata::worker {
 
 inline constexpr uint32_t kSelectionLinkMaxFrame = 256u << 20;
-inline constexpr int64_t kSelectionLinkDefaultSpinUs = 0;
+inline constexpr int64_t kSelectionLinkDefaultSpinUs = 3000;
 // Connections a server serves at once (each is a thread); a stream is one job's exchange with one
 // holder, so a worker sees about (jobs of its peers) streams.
 inline constexpr int kSelectionLinkMaxStreams = 1024;
