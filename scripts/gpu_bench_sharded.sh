@@ -12,7 +12,9 @@
 #   3. unless STRATA_SHARDED_SKIP_TESTS=1: worker_gpu_test with its defaults (CUDA workers against
 #      CPU workers, the sharded case included).
 # A variant is comma-joined VAR=value settings, "-" for the defaults (gpu_bundle_env.sh
-# for_each_variant); default "- STRATA_SELECTION_LINK_SPIN_US=200". Logs in $OUT (else
+# for_each_variant); default "- STRATA_SELECTION_LINK_SPIN_US=200"; a variant with
+# STRATA_SHARDED_BASE=1 runs bin/base/worker_gpu_test (a baseline build bundled through
+# STRATA_GPU_AB_BASE) in step 2; STRATA_SHARDED_SKIP_RTT=1 skips step 1. Logs in $OUT (else
 # /tmp/strata-gpu-out).
 # Usage: STRATA_GPU_BUNDLE=.gpu-s scripts/gpu_bench_sharded.sh
 set -uo pipefail
@@ -30,18 +32,21 @@ rtt() {
   grep '^RTT' "$log"
 }
 sharded() {
-  local log=$1
+  local log=$1 test="$B/worker_gpu_test" a
   shift
+  for a in "$@"; do [ "$a" = STRATA_SHARDED_BASE=1 ] && test="$B/base/worker_gpu_test"; done
   env STRATA_SHARDED_GPU_PRESET="${STRATA_SHARDED_GPU_PRESET:-llama-3.1-8b}" \
     STRATA_SHARDED_GPU_WORKERS="${STRATA_SHARDED_GPU_WORKERS:-2}" STRATA_SHARDED_GPU_SKIP_CPU=1 \
     STRATA_SHARDED_GPU_DOC_TOKENS="${STRATA_SHARDED_GPU_DOC_TOKENS:-131072}" "$@" \
-    timeout 300 "$B/worker_gpu_test" --gtest_filter='*Sharded*' > "$log" 2>&1
+    timeout 300 "$test" --gtest_filter='*Sharded*' > "$log" 2>&1
   echo "rc=$? $(summary "$log")"
   grep -E '^(dense|tokenselect) ' "$log"
   grep -E 'selection stream \((link|grpc)\) answered' "$log" | sed 's/.*job //' | head -12
 }
-echo "== transport alone"
-for_each_variant "$VARIANTS" rtt rtt
+if [ "${STRATA_SHARDED_SKIP_RTT:-0}" != 1 ]; then
+  echo "== transport alone"
+  for_each_variant "$VARIANTS" rtt rtt
+fi
 echo "== sharded decode"
 for_each_variant "$VARIANTS" sharded sharded
 
