@@ -12,7 +12,7 @@
 #   3. unless STRATA_SHARDED_SKIP_TESTS=1: worker_gpu_test with its defaults (CUDA workers against
 #      CPU workers, the sharded case included).
 # A variant is comma-joined VAR=value settings, "-" for the defaults (gpu_bundle_env.sh
-# for_each_variant); default "- STRATA_SELECTION_LINK_SPIN_US=200"; a variant with
+# for_each_variant); default "- STRATA_SELECTION_LINK_SPIN_US=0"; a variant with
 # STRATA_SHARDED_BASE=1 runs bin/base/worker_gpu_test (a baseline build bundled through
 # STRATA_GPU_AB_BASE) in step 2; STRATA_SHARDED_SKIP_RTT=1 skips step 1. Logs in $OUT (else
 # /tmp/strata-gpu-out).
@@ -21,7 +21,7 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
 B="$BUNDLE/bin"
-VARIANTS="${STRATA_SHARDED_VARIANTS:-- STRATA_SELECTION_LINK_SPIN_US=200}"
+VARIANTS="${STRATA_SHARDED_VARIANTS:-- STRATA_SELECTION_LINK_SPIN_US=0}"
 show_gpu
 nproc
 
