@@ -469,7 +469,8 @@ absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
       if (part_mark_ >= 0) STRATA_RETURN_IF_ERROR(be->WaitMark(std::exchange(part_mark_, -1)));
       part_host_.reset();
       part_dev_.reset();
-      part_rows_cap_ = std::max(row0 + n, part_rows_cap_);
+      // Rows grow by doubling (up to a chunk), so a batch that gains a row at a time regrows rarely.
+      part_rows_cap_ = std::max(row0 + n, std::min<int64_t>(2 * part_rows_cap_, options_.prefill_chunk_size));
       part_cap_ = std::max(num_parts, part_cap_);
       const size_t bytes = static_cast<size_t>(part_rows_cap_ * part_cap_ * (hq * d + hq)) * 4;
       STRATA_ASSIGN_OR_RETURN(part_host_, be->AllocateHost(bytes));
