@@ -16,6 +16,24 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
+// dst[i] = src[i] for the chunk of kThreads * kUnroll vectors from `base` (indices below n): each
+// thread issues all its loads before its stores.
+template <typename V>
+__device__ __forceinline__ void CopyChunk(V* __restrict__ dst, const V* __restrict__ src, int64_t base,
+                                          int64_t n) {
+  V r[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + u * kThreads + threadIdx.x;
+    if (i < n) r[u] = src[i];
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + u * kThreads + threadIdx.x;
+    if (i < n) dst[i] = r[u];
+  }
+}
+
 // blockIdx.x = 2 * page + half (0: K, 1: V); blockIdx.y strides over the half in chunks of
 // kThreads * kUnroll vectors. All loads of a chunk are issued before its stores.
 template <typename V>
@@ -38,17 +56,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t chunk = static_cast<int64_t>(kThreads) * kUnroll;
   for (int64_t base = blockIdx.y * chunk; base < half_vecs;
        base += static_cast<int64_t>(gridDim.y) * chunk) {
-    V r[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      if (i < half_vecs) r[u] = src[i];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      if (i < half_vecs) dst[i] = r[u];
-    }
+    CopyChunk(dst, src, base, half_vecs);
   }
 }
 
@@ -59,23 +67,13 @@ __global__ void TableUpdateKernel(int32_t* table, const int32_t* __restrict__ in
   }
 }
 
-// dst[i] = src[i] for i < n, grid-stride; all of a thread's loads before its stores.
+// dst[i] = src[i] for i < n, grid-stride by chunks.
 template <typename V>
 __global__ void __launch_bounds__(kThreads)
     CopyKernel(V* __restrict__ dst, const V* __restrict__ src, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll; base < n; base += stride) {
-    V r[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      if (i < n) r[u] = src[i];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      if (i < n) dst[i] = r[u];
-    }
+  const int64_t chunk = static_cast<int64_t>(kThreads) * kUnroll;
+  for (int64_t base = blockIdx.x * chunk; base < n; base += static_cast<int64_t>(gridDim.x) * chunk) {
+    CopyChunk(dst, src, base, n);
   }
 }
 
