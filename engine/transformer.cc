@@ -1124,9 +1124,21 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
     }
     const float* q_host = q_rows;
     if (!host_memory_ && host_query) {
-      q_host_.resize(n * hq * d);
-      STRATA_RETURN_IF_ERROR(be->CopyToHost(q_host_.data(), q_rows, n * hq * d * 4, nullptr));
-      q_host = q_host_.data();
+      const size_t q_bytes = static_cast<size_t>(n * hq * d) * 4;
+      if (q_pinned_ == nullptr || q_pinned_->bytes() < q_bytes) {
+        q_pinned_.reset();
+        absl::StatusOr<std::unique_ptr<kernels::Buffer>> pinned = be->AllocateHost(q_bytes);
+        if (pinned.ok()) q_pinned_ = *std::move(pinned);
+      }
+      if (q_pinned_ != nullptr) {
+        STRATA_RETURN_IF_ERROR(be->CopyToHostAsync(q_pinned_->data(), q_rows, q_bytes, nullptr));
+        STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
+        q_host = static_cast<const float*>(q_pinned_->data());
+      } else {
+        q_host_.resize(n * hq * d);
+        STRATA_RETURN_IF_ERROR(be->CopyToHost(q_host_.data(), q_rows, q_bytes, nullptr));
+        q_host = q_host_.data();
+      }
     }
     bool merge = false;
     // Host-query external attentions first learn every segment's queries (ExternalAttention::

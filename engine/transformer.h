@@ -404,7 +404,11 @@ class Transformer {
   // Host fp8 rows and scales made by QuantizeForUpload: kept while a host-memory backend reads
   // them in place, dropped after each upload otherwise.
   std::deque<std::vector<uint8_t>> host_quantized_;  // a deque: references stay valid
-  std::vector<float> q_host_;  // query copy for the policy when backend memory is not host memory
+  // The layer's queries on the host when backend memory is not host memory (a host policy's
+  // Select, an external attention): AllocateHost memory, so that the copy out is a direct one
+  // (grown to the rows asked for; q_host_ is the fallback where AllocateHost fails).
+  std::unique_ptr<kernels::Buffer> q_pinned_;
+  std::vector<float> q_host_;
   std::vector<int32_t> positions_host_;
   Selection selection_;
   // External attention (allocated on first use): partials in backend memory and the merge output.
