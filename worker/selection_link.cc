@@ -113,12 +113,12 @@ int MaxSpinners() {
   return n;
 }
 
-// One of those places, taken if one is free; given back by Release or the destructor.
+// One of those places, taken when wanted and one is free; given back by Release or the destructor.
 class SpinSlot {
  public:
-  SpinSlot() {
+  explicit SpinSlot(bool want) {
     int c = g_spinners.load(std::memory_order_relaxed);
-    while (c < MaxSpinners()) {
+    while (want && c < MaxSpinners()) {
       if (g_spinners.compare_exchange_weak(c, c + 1, std::memory_order_relaxed)) {
         held_ = true;
         return;
@@ -147,8 +147,7 @@ ReadResult RecvAll(int fd, char* p, size_t n, absl::Time deadline, int64_t spin_
     const int64_t left_us = std::max<int64_t>(0, absl::ToInt64Microseconds(deadline - absl::Now()));
     spin_until = std::min(spin_until, std::chrono::steady_clock::now() + std::chrono::microseconds(left_us));
   }
-  SpinSlot slot;
-  if (spin_us <= 0) slot.Release();
+  SpinSlot slot(spin_us > 0);
   bool spinning = slot.held();
   while (got < n) {
     const ssize_t r = recv(fd, p + got, n - got, MSG_DONTWAIT);
