@@ -25,7 +25,8 @@
 // Both ends wait for a frame by spinning on the socket for a while before they block, so that
 // the thread stays awake and on its core between the layers of a decode step
 // (STRATA_SELECTION_LINK_SPIN_US, default kSelectionLinkDefaultSpinUs = 3 ms, 0 to block at once;
-// at most half the process's cores spin at once, other readers block at once). A holder woken
+// at most half the process's cores spin at once, counted from its CPU affinity and its cgroup's
+// CPU quota (a Kubernetes CPU limit); other readers block at once). A holder woken
 // from a blocked read takes 2-3x longer to queue its answer; spinning took the 8B 128K sharded
 // decode over two GPUs from 107.8-110.4 to 117.4-119.1 tok/s (tokenselect) and 90-91 to 100 (dense)
 // (bench/RESULTS.md, session 35).
