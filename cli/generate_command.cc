@@ -346,7 +346,7 @@ int RunGenerate(int argc, char** argv) {
                "stop sequence; repeatable or comma-separated (\\n, \\t, \\, and \\\\ escapes)");
   flags.Bool("ignore-eos", &f.ignore_eos, "keep generating past end-of-sequence tokens");
   flags.Int("chunk-size", &f.chunk_size, "prefill chunk size (tokens)");
-  flags.Int("threads", &f.threads, "CPU threads; 0 = all cores");
+  flags.Int("threads", &f.threads, "CPU threads; 0 = every usable core (the CPU limit where one is set)");
   flags.String("policy", &f.policy,
                "attention policy: dense|streaming|quest|radar|tokenselect|hip|subgen");
   flags.String("summary", &f.summary, "page summary: none|minmax|mean|rf (default: the policy's)");

@@ -149,7 +149,7 @@ void WorkerEngineFlags::Register(FlagSet* flags, const std::string& durable_tier
              absl::StrCat("host-memory page tier in front of ", durable_tier,
                           " (bytes; 0: none; on a GPU worker pinned memory, all of it pinned from the start on a "
                           "thread of its own)"));
-  flags->Int("threads", &threads, "CPU backend threads (0: all cores)");
+  flags->Int("threads", &threads, "CPU backend threads (0: every usable core, the CPU limit where one is set)");
   flags->Bool("lazy-mount", &lazy_mount,
               "quest/tokenselect jobs on a whole document load only its minmax summaries and fetch chosen "
               "pages on demand (opt-in; page-level choice, see docs/design.md)");

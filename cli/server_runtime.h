@@ -68,7 +68,7 @@ struct WorkerEngineFlags {
 };
 
 // The CUDA backend on device 0 when the plugin libstrata_cuda.so loads and a GPU is present, else
-// the CPU backend (`threads` CPU threads; 0 = all cores). Logs the choice.
+// the CPU backend (`threads` CPU threads; 0 = every usable core). Logs the choice.
 std::unique_ptr<kernels::Backend> MakeWorkerBackend(int threads);
 
 // For a worker on a GPU backend whose shard placement (WorkerOptions::shard_placement) is not

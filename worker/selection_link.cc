@@ -6,7 +6,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -15,14 +14,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/cpu_limit.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
 
@@ -100,47 +98,12 @@ bool WriteFrame(int fd, uint8_t kind, const char* payload, size_t n) {
 enum class ReadResult { kOk, kClosed, kTimeout, kError };
 
 // The threads of this process spinning on a socket at once (RecvAll) and their limit: half the
-// cores the process may use (its CPU affinity, and its cgroup's CPU quota where one is set, as
-// a Kubernetes CPU limit sets it), at least one, so that spinning readers never take every core.
+// cores the process may use (UsableCores: its CPU affinity and its cgroup's CPU quota, as a
+// Kubernetes CPU limit sets it), at least one, so that spinning readers never take every core.
 std::atomic<int> g_spinners{0};
 
-// Cores of the cgroup's CPU quota (cgroup v2 cpu.max, else v1 cfs_quota_us / cfs_period_us),
-// rounded up; 0 when there is none or it cannot be read.
-int CgroupQuotaCores() {
-  int64_t quota = -1, period = 0;
-  if (FILE* f = std::fopen("/sys/fs/cgroup/cpu.max", "r")) {
-    char q[32] = {0};
-    long long p = 0;
-    if (std::fscanf(f, "%31s %lld", q, &p) == 2 && std::strcmp(q, "max") != 0) {
-      quota = std::atoll(q);
-      period = p;
-    }
-    std::fclose(f);
-  } else {
-    FILE* fq = std::fopen("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "r");
-    FILE* fp = std::fopen("/sys/fs/cgroup/cpu/cpu.cfs_period_us", "r");
-    long long q = -1, p = 0;
-    if (fq != nullptr && fp != nullptr && std::fscanf(fq, "%lld", &q) == 1 && std::fscanf(fp, "%lld", &p) == 1) {
-      quota = q;
-      period = p;
-    }
-    if (fq != nullptr) std::fclose(fq);
-    if (fp != nullptr) std::fclose(fp);
-  }
-  if (quota <= 0 || period <= 0) return 0;
-  return static_cast<int>((quota + period - 1) / period);
-}
-
 int MaxSpinners() {
-  static const int n = [] {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
-                                                              : static_cast<int>(std::thread::hardware_concurrency());
-    const int quota = CgroupQuotaCores();
-    if (quota > 0) cores = std::min(cores, quota);
-    return std::max(1, cores / 2);
-  }();
+  static const int n = std::max(1, UsableCores() / 2);
   return n;
 }
 

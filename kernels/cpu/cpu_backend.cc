@@ -11,6 +11,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "base/cpu_limit.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/internal/checks.h"
 
@@ -34,7 +35,7 @@ void CpuBackend::ApplyThreads(int64_t work) const {
   // it saves, and their spin-waiting slows everything down on a loaded machine.
   const int n = work < cpu_internal::kParallelMinWork ? 1
                 : num_threads_ > 0                   ? num_threads_
-                                                     : omp_get_num_procs();
+                                                     : UsableCores();
   if (omp_get_max_threads() != n) omp_set_num_threads(n);
   // OpenBLAS runs single-threaded inside OpenMP regions (matmul.cc).
   if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);

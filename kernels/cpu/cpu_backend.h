@@ -111,7 +111,8 @@ class CpuBuffer : public Buffer {
 
 class CpuBackend : public Backend {
  public:
-  // num_threads <= 0: OpenMP default (all cores).
+  // num_threads <= 0: every usable core (base/cpu_limit.h UsableCores: the CPU affinity, capped
+  // by the cgroup's CPU quota, e.g. a Kubernetes CPU limit).
   explicit CpuBackend(int num_threads);
 
   std::string Name() const override { return "cpu"; }
