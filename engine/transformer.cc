@@ -437,7 +437,7 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
 }
 
 absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
-                                        const std::vector<AttentionPartial>& parts) {
+                                        const std::vector<AttentionPartial>& parts, bool* staged) {
   kernels::Backend* be = backend_;
   const int64_t hq = config_.num_heads, d = config_.head_dim;
   const size_t o_elems = static_cast<size_t>(n * hq * d), l_elems = static_cast<size_t>(n * hq);
@@ -489,6 +489,7 @@ absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
       at += o_elems + l_elems;
     }
     STRATA_RETURN_IF_ERROR(be->CopyToDeviceAsync(dev, host, at * 4, nullptr));
+    if (staged != nullptr) *staged = true;
   }
   if (merged_ == nullptr) {
     STRATA_ASSIGN_OR_RETURN(merged_, be->Allocate(max_o * 4));
@@ -814,7 +815,7 @@ absl::Status Transformer::RecordGraphStep(const std::vector<GraphRow>& rows,
         if (rows[r].options->external != nullptr) {
           STRATA_RETURN_IF_ERROR(MergeDevicePartial(r, 1));
         } else {
-          STRATA_RETURN_IF_ERROR(MergeExternal(r, 1, {}));
+          STRATA_RETURN_IF_ERROR(MergeExternal(r, 1, {}, nullptr));
         }
       }
       STRATA_RETURN_IF_ERROR(MatMul({View2(merged_.get(), n, hq * d), w.o_proj, TensorView(), o}, ws.o));
@@ -1239,8 +1240,7 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
         if (segment_device_part_[si]) {
           STRATA_RETURN_IF_ERROR(MergeDevicePartial(segs[si].row0, segs[si].n));
         } else {
-          STRATA_RETURN_IF_ERROR(MergeExternal(segs[si].row0, segs[si].n, segment_parts_[si]));
-          staged = staged || (!host_memory_ && !segment_parts_[si].empty());
+          STRATA_RETURN_IF_ERROR(MergeExternal(segs[si].row0, segs[si].n, segment_parts_[si], &staged));
         }
       }
       if (staged) {

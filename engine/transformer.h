@@ -324,8 +324,11 @@ class Transformer {
   // its address) are dropped; never called while a graph is being captured.
   absl::Status EnsureLogitsRows(int64_t rows);
   // Merges rows [row0, row0 + n) of attn_/lse_ (the local attention) with the external partials
-  // into the same rows of merged_ / merged_lse_.
-  absl::Status MergeExternal(int64_t row0, int64_t n, const std::vector<AttentionPartial>& parts);
+  // into the same rows of merged_ / merged_lse_. *staged: set when the partials went through
+  // part_host_ (a copy the caller covers with part_mark_), left as is otherwise (may be null
+  // when nothing can be staged: no parts).
+  absl::Status MergeExternal(int64_t row0, int64_t n, const std::vector<AttentionPartial>& parts,
+                             bool* staged);
   // The same for a partial already in backend memory (rows [row0, row0 + n) of ext_o_/ext_lse_,
   // from ExternalAttention::AttendOnDevice).
   absl::Status MergeDevicePartial(int64_t row0, int64_t n);
