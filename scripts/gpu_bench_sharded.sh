@@ -35,10 +35,7 @@ sharded() {
   local log=$1 test="$B/worker_gpu_test" a
   shift
   for a in "$@"; do [ "$a" = STRATA_SHARDED_BASE=1 ] && test="$B/base/worker_gpu_test"; done
-  env STRATA_SHARDED_GPU_PRESET="${STRATA_SHARDED_GPU_PRESET:-llama-3.1-8b}" \
-    STRATA_SHARDED_GPU_WORKERS="${STRATA_SHARDED_GPU_WORKERS:-2}" STRATA_SHARDED_GPU_SKIP_CPU=1 \
-    STRATA_SHARDED_GPU_DOC_TOKENS="${STRATA_SHARDED_GPU_DOC_TOKENS:-131072}" "$@" \
-    timeout 300 "$test" --gtest_filter='*Sharded*' > "$log" 2>&1
+  sharded_test "$log" "$test" "$@"
   echo "rc=$? $(summary "$log")"
   grep -E '^(dense|tokenselect) ' "$log"
   grep -E 'selection stream \((link|grpc)\) answered' "$log" | sed 's/.*job //' | head -12

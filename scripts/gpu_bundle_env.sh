@@ -4,7 +4,8 @@
 # /tmp/strata-gpu-out), unpacks bin.tar.xz and the bundled libraries, and exports
 # LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN; defines summary (a log's test and sanitizer summary lines),
 # bundle_command (a bundled binary's path), for_each_variant (A/B runs under env settings),
-# contexts (a script's context list) and show_gpu (CUDA tools on PATH, the GPU printed).
+# contexts (a script's context list), show_gpu (CUDA tools on PATH, the GPU printed) and
+# sharded_test (worker_gpu_test's sharded case at the 8B shape).
 ROOT="$(pwd)"
 BUNDLE="${BUNDLE:-$ROOT/${STRATA_GPU_BUNDLE:-.gpu}}"
 LOGS="${LOGS:-${OUT:-/tmp/strata-gpu-out}}"
@@ -46,4 +47,16 @@ contexts() {
 show_gpu() {
   export PATH="/usr/local/cuda/bin:$PATH"
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+}
+# Runs worker_gpu_test's sharded case into log $1 with test binary $2 and env settings $3...:
+# by default the 8B shape (STRATA_SHARDED_GPU_PRESET), a 131072-token document
+# (STRATA_SHARDED_GPU_DOC_TOKENS) over two in-process workers (STRATA_SHARDED_GPU_WORKERS), GPU
+# figures only. Returns the test's status.
+sharded_test() {
+  local log=$1 test=$2
+  shift 2
+  env STRATA_SHARDED_GPU_PRESET="${STRATA_SHARDED_GPU_PRESET:-llama-3.1-8b}" \
+    STRATA_SHARDED_GPU_WORKERS="${STRATA_SHARDED_GPU_WORKERS:-2}" STRATA_SHARDED_GPU_SKIP_CPU=1 \
+    STRATA_SHARDED_GPU_DOC_TOKENS="${STRATA_SHARDED_GPU_DOC_TOKENS:-131072}" "$@" \
+    timeout 400 "$test" --gtest_filter='*Sharded*' > "$log" 2>&1
 }

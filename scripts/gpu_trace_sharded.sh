@@ -39,12 +39,9 @@ python3 "$ROOT/scripts/trace_tail.py" "$TMP/answer.tsv" --ms 60 --out "$LOGS/ans
 xz -T4 -f "$LOGS/answer_tail.tsv"
 
 sharded() {
-  env STRATA_SHARDED_GPU_PRESET="${STRATA_SHARDED_GPU_PRESET:-llama-3.1-8b}" \
-    STRATA_SHARDED_GPU_WORKERS="${STRATA_SHARDED_GPU_WORKERS:-2}" STRATA_SHARDED_GPU_SKIP_CPU=1 \
-    STRATA_SHARDED_GPU_DOC_TOKENS="${STRATA_SHARDED_GPU_DOC_TOKENS:-131072}" \
+  sharded_test "$TMP/sharded.log" "$B/worker_gpu_test" \
     STRATA_SHARDED_GPU_MAX_TOKENS="${STRATA_SHARDED_GPU_MAX_TOKENS:-32}" \
-    STRATA_SHARDED_GPU_POLICIES="${STRATA_SHARDED_GPU_POLICIES:-tokenselect}" STRATA_SHARDED_GPU_GRPC=0 \
-    timeout 400 "$@" "$B/worker_gpu_test" --gtest_filter='*Sharded*' > "$TMP/sharded.log" 2>&1
+    STRATA_SHARDED_GPU_POLICIES="${STRATA_SHARDED_GPU_POLICIES:-tokenselect}" STRATA_SHARDED_GPU_GRPC=0
   echo "rc=$? $(summary "$TMP/sharded.log")"
   grep -E '^(dense|tokenselect) |answers|layer queries|kernel_trace' "$TMP/sharded.log" | cut -c1-400
 }
