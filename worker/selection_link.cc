@@ -102,10 +102,7 @@ enum class ReadResult { kOk, kClosed, kTimeout, kError };
 // Kubernetes CPU limit sets it), at least one, so that spinning readers never take every core.
 std::atomic<int> g_spinners{0};
 
-int MaxSpinners() {
-  static const int n = std::max(1, UsableCores() / 2);
-  return n;
-}
+int MaxSpinners() { return std::max(1, UsableCores() / 2); }
 
 // One of those places, taken when wanted and one is free; given back by Release or the destructor.
 class SpinSlot {
