@@ -436,6 +436,37 @@ absl::Status Transformer::Forward(const int32_t* ids, int64_t n, int64_t start_p
   return absl::OkStatus();
 }
 
+absl::Status Transformer::HostStaging::Reserve(kernels::Backend* be, size_t floats) {
+  if (!plain_only_ && (pinned_ == nullptr || pinned_->bytes() < floats * 4)) {
+    pinned_.reset();
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> pinned = be->AllocateHost(floats * 4);
+    if (pinned.ok()) {
+      pinned_ = *std::move(pinned);
+    } else {
+      plain_only_ = true;
+      STRATA_LOG(WARNING) << "Transformer: no pinned host staging (" << pinned.status()
+                          << "); copies between the host and the backend wait";
+    }
+  }
+  if (plain_only_ && plain_.size() < floats) plain_.resize(floats);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Transformer::HostStaging::CopyIn(kernels::Backend* be, void* dst, size_t from, size_t n) {
+  if (pinned_ == nullptr) {
+    STRATA_RETURN_IF_ERROR(be->CopyToDevice(dst, plain_.data() + from, n * 4, nullptr));
+    return false;
+  }
+  STRATA_RETURN_IF_ERROR(be->CopyToDeviceAsync(dst, data() + from, n * 4, nullptr));
+  return true;
+}
+
+absl::Status Transformer::HostStaging::CopyOut(kernels::Backend* be, const void* src, size_t n) {
+  if (pinned_ == nullptr) return be->CopyToHost(plain_.data(), src, n * 4, nullptr);
+  STRATA_RETURN_IF_ERROR(be->CopyToHostAsync(data(), src, n * 4, nullptr));
+  return be->Synchronize(nullptr);
+}
+
 absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
                                         const std::vector<AttentionPartial>& parts, bool* staged) {
   kernels::Backend* be = backend_;
@@ -467,18 +498,17 @@ absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
       // Grown: nothing queued may still read the old buffers.
       STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
       if (part_mark_ >= 0) STRATA_RETURN_IF_ERROR(be->WaitMark(std::exchange(part_mark_, -1)));
-      part_host_.reset();
       part_dev_.reset();
       // Rows grow by doubling (up to a chunk), so a batch that gains a row at a time regrows rarely.
       part_rows_cap_ = std::max(row0 + n, std::min<int64_t>(2 * part_rows_cap_, options_.prefill_chunk_size));
       part_cap_ = std::max(num_parts, part_cap_);
-      const size_t bytes = static_cast<size_t>(part_rows_cap_ * part_cap_ * (hq * d + hq)) * 4;
-      STRATA_ASSIGN_OR_RETURN(part_host_, be->AllocateHost(bytes));
-      STRATA_ASSIGN_OR_RETURN(part_dev_, be->Allocate(bytes));
+      const size_t floats = static_cast<size_t>(part_rows_cap_ * part_cap_ * (hq * d + hq));
+      STRATA_RETURN_IF_ERROR(part_host_.Reserve(be, floats));
+      STRATA_ASSIGN_OR_RETURN(part_dev_, be->Allocate(floats * 4));
     }
     // This call's rows: every part's o rows, then its lse rows, packed; one copy.
     const size_t region = static_cast<size_t>(row0 * part_cap_ * (hq * d + hq));
-    float* host = static_cast<float*>(part_host_->data()) + region;
+    float* host = part_host_.data() + region;
     float* dev = static_cast<float*>(part_dev_->data()) + region;
     size_t at = 0;
     for (const AttentionPartial& p : parts) {
@@ -488,8 +518,8 @@ absl::Status Transformer::MergeExternal(int64_t row0, int64_t n,
       lses.emplace_back(dev + at + o_elems, DType::kF32, std::initializer_list<int64_t>{n, hq});
       at += o_elems + l_elems;
     }
-    STRATA_RETURN_IF_ERROR(be->CopyToDeviceAsync(dev, host, at * 4, nullptr));
-    if (staged != nullptr) *staged = true;
+    STRATA_ASSIGN_OR_RETURN(const bool queued, part_host_.CopyIn(be, dev, region, at));
+    if (queued && staged != nullptr) *staged = true;
   }
   if (merged_ == nullptr) {
     STRATA_ASSIGN_OR_RETURN(merged_, be->Allocate(max_o * 4));
@@ -1125,21 +1155,10 @@ absl::Status Transformer::RunLayers(const int32_t* ids, int64_t n, const std::ve
     }
     const float* q_host = q_rows;
     if (!host_memory_ && host_query) {
-      const size_t q_bytes = static_cast<size_t>(n * hq * d) * 4;
-      if (q_pinned_ == nullptr || q_pinned_->bytes() < q_bytes) {
-        q_pinned_.reset();
-        absl::StatusOr<std::unique_ptr<kernels::Buffer>> pinned = be->AllocateHost(q_bytes);
-        if (pinned.ok()) q_pinned_ = *std::move(pinned);
-      }
-      if (q_pinned_ != nullptr) {
-        STRATA_RETURN_IF_ERROR(be->CopyToHostAsync(q_pinned_->data(), q_rows, q_bytes, nullptr));
-        STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
-        q_host = static_cast<const float*>(q_pinned_->data());
-      } else {
-        q_host_.resize(n * hq * d);
-        STRATA_RETURN_IF_ERROR(be->CopyToHost(q_host_.data(), q_rows, q_bytes, nullptr));
-        q_host = q_host_.data();
-      }
+      const size_t q_floats = static_cast<size_t>(n * hq * d);
+      STRATA_RETURN_IF_ERROR(q_host_.Reserve(be, q_floats));
+      STRATA_RETURN_IF_ERROR(q_host_.CopyOut(be, q_rows, q_floats));
+      q_host = q_host_.data();
     }
     bool merge = false;
     // Host-query external attentions first learn every segment's queries (ExternalAttention::

@@ -324,9 +324,9 @@ class Transformer {
   // its address) are dropped; never called while a graph is being captured.
   absl::Status EnsureLogitsRows(int64_t rows);
   // Merges rows [row0, row0 + n) of attn_/lse_ (the local attention) with the external partials
-  // into the same rows of merged_ / merged_lse_. *staged: set when the partials went through
-  // part_host_ (a copy the caller covers with part_mark_), left as is otherwise (may be null
-  // when nothing can be staged: no parts).
+  // into the same rows of merged_ / merged_lse_. *staged: set when the partials' copy from
+  // part_host_ was queued without waiting (the caller covers it with part_mark_), left as is
+  // otherwise (may be null when nothing can be staged: no parts).
   absl::Status MergeExternal(int64_t row0, int64_t n, const std::vector<AttentionPartial>& parts,
                              bool* staged);
   // The same for a partial already in backend memory (rows [row0, row0 + n) of ext_o_/ext_lse_,
@@ -407,11 +407,29 @@ class Transformer {
   // Host fp8 rows and scales made by QuantizeForUpload: kept while a host-memory backend reads
   // them in place, dropped after each upload otherwise.
   std::deque<std::vector<uint8_t>> host_quantized_;  // a deque: references stay valid
+  // Host memory for copies between the host and backend memory: AllocateHost memory, whose copies
+  // go directly and need not wait, or where the backend gives none (AllocateHost failed once) a
+  // plain vector, whose copies wait.
+  class HostStaging {
+   public:
+    // At least `floats` floats (what it held is dropped when it grows).
+    absl::Status Reserve(kernels::Backend* be, size_t floats);
+    float* data() { return pinned_ != nullptr ? static_cast<float*>(pinned_->data()) : plain_.data(); }
+    // floats [from, from + n) of data() to `dst` (backend memory) on the default stream. Returns
+    // true when the copy is queued without waiting (pinned memory: the caller keeps those floats
+    // unchanged until a later mark is waited for), false when it is done.
+    absl::StatusOr<bool> CopyIn(kernels::Backend* be, void* dst, size_t from, size_t n);
+    // `n` floats of `src` (backend memory) into data(), waited for.
+    absl::Status CopyOut(kernels::Backend* be, const void* src, size_t n);
+
+   private:
+    std::unique_ptr<kernels::Buffer> pinned_;
+    std::vector<float> plain_;
+    bool plain_only_ = false;
+  };
   // The layer's queries on the host when backend memory is not host memory (a host policy's
-  // Select, an external attention): AllocateHost memory, so that the copy out is a direct one
-  // (grown to the rows asked for; q_host_ is the fallback where AllocateHost fails).
-  std::unique_ptr<kernels::Buffer> q_pinned_;
-  std::vector<float> q_host_;
+  // Select, an external attention).
+  HostStaging q_host_;
   std::vector<int32_t> positions_host_;
   Selection selection_;
   // External attention (allocated on first use): partials in backend memory and the merge output.
@@ -426,13 +444,14 @@ class Transformer {
   // backend cannot sample; -1 for a row whose logits are all NaN or -inf.
   absl::Status PickRows(const kernels::TensorView& logits, const kernels::SampleRow* sample);
   // MergeExternal's staging on device backends: the host partials of a layer's segments go into
-  // part_host_ (AllocateHost memory) and reach part_dev_ in one copy per segment that does not
-  // wait. Rows [r0, r0 + n) of a layer own floats [r0 * R, (r0 + n) * R) of both, R =
+  // part_host_ and reach part_dev_ in one copy per segment (that does not wait where part_host_ is
+  // pinned). Rows [r0, r0 + n) of a layer own floats [r0 * R, (r0 + n) * R) of both, R =
   // part_cap_ * (hq * d + hq), so the segments of one layer never share staging; part_mark_ (a
   // backend mark after a layer's copies, -1 when none is pending) is waited for before the next
   // layer writes there. Grown (after a wait for the default stream) when a call needs more rows or
   // parts.
-  std::unique_ptr<kernels::Buffer> part_host_, part_dev_;
+  HostStaging part_host_;
+  std::unique_ptr<kernels::Buffer> part_dev_;
   int64_t part_rows_cap_ = 0, part_cap_ = 0;
   int64_t part_mark_ = -1;
   std::unique_ptr<kernels::Buffer> merged_, merged_lse_;

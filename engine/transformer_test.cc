@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/testing/forwarding_backend.h"
 
 namespace strata::engine {
 namespace {
@@ -280,6 +281,59 @@ TEST(TransformerExternalTest, PrefixThroughExternalAttentionMatchesTheWholeSeque
   std::vector<float> other(static_cast<size_t>(n - s) * V);
   STRATA_ASSERT_OK(tf->Forward(ids.data() + s, n - s, s, alone.get(), p3.get(), other.data(), true, no_ext));
   EXPECT_GT(MaxAbsDiff(other.data(), want.data() + s * V, static_cast<int64_t>(n - s) * V), 1e-3);
+}
+
+// The CPU backend as a device-like backend (its memory taken for backend memory: queries and
+// partials copied explicitly) whose AllocateHost succeeds `allowed` times, then fails; counts its
+// AllocateHost calls.
+class StagingBackend : public kernels::testing::ForwardingBackend {
+ public:
+  explicit StagingBackend(int allowed) : ForwardingBackend("device-like", kernels::MakeCpuBackend(1)), allowed_(allowed) {}
+  absl::StatusOr<std::unique_ptr<kernels::Buffer>> AllocateHost(size_t bytes) override {
+    ++host_allocations;
+    if (allowed_-- <= 0) return absl::ResourceExhaustedError("no more pinned memory");
+    return ForwardingBackend::AllocateHost(bytes);
+  }
+  int host_allocations = 0;
+
+ private:
+  int allowed_;
+};
+
+// On a device-like backend the queries go out and the external partials come in through host
+// staging: pinned (AllocateHost) memory, or plain memory once AllocateHost fails (tried once, not
+// per layer). Both give the logits of the whole sequence.
+TEST(TransformerExternalTest, HostStagingPinnedOrPlainMatchesTheWholeSequence) {
+  RefModel ref;
+  auto m = MakeModel(DType::kF32, false, false, &ref);
+  const int n = 37, s = 16;
+  const std::vector<int32_t> ids = RandomIds(n, m->config.vocab_size, kSeed + 3);
+  const std::vector<double> want = ReferenceLogits(m->config, ref, ids);
+  const int64_t V = m->config.vocab_size;
+  for (const int allowed : {1000, 0}) {
+    SCOPED_TRACE(allowed == 0 ? "AllocateHost fails" : "pinned staging");
+    StagingBackend backend(allowed);
+    TransformerOptions opt;
+    opt.prefill_chunk_size = 7;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto tf, Transformer::Create(m->config, m->weights, &backend, opt));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto prefix, KvCache::Create(tf->MakeCacheOptions(s, 16), &backend));
+    auto p1 = MakeDensePolicy();
+    std::vector<float> logits(static_cast<size_t>(n) * V, NAN);
+    STRATA_ASSERT_OK(tf->Forward(ids.data(), s, 0, prefix.get(), p1.get(), logits.data(), true));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto rest, KvCache::Create(tf->MakeCacheOptions(n - s, 16), &backend));
+    auto p2 = MakeDensePolicy();
+    PrefixAttention ext(&backend, prefix.get());
+    ForwardOptions fo;
+    fo.cache_first_position = s;
+    fo.external = &ext;
+    const int before = backend.host_allocations;
+    STRATA_ASSERT_OK(tf->Forward(ids.data() + s, n - s, s, rest.get(), p2.get(), logits.data() + s * V, true, fo));
+    EXPECT_GT(ext.calls, 0);
+    EXPECT_LE(MaxAbsDiff(logits.data(), want.data(), static_cast<int64_t>(n) * V), 1e-4);
+    // The queries' staging and the partials' staging: at most a few growths, never one per layer.
+    EXPECT_GE(backend.host_allocations - before, allowed == 0 ? 2 : 1);
+    EXPECT_LE(backend.host_allocations - before, allowed == 0 ? 2 : 6);
+  }
 }
 
 // ForwardBatch's step of three sequences gives each the logits of its own one-token Forward.
