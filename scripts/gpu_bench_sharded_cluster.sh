@@ -18,7 +18,9 @@
 # entries, default 3000: about 128K tokens with the 8B tokenizer), STRATA_CLUSTER_MAX_TOKENS
 # (default 32; bf16 weights, bf16 pages), STRATA_CLUSTER_SHARD_TOKENS (the coordinator's target shard size, default 65536),
 # STRATA_CLUSTER_GPUS (one GPU per worker: local_cluster.sh --gpus; default 0: all on the first),
-# STRATA_CLUSTER_DIR (default /tmp/strata-cluster; wiped first). Logs in $OUT (else
+# STRATA_CLUSTER_TRANSPORTS (default "link grpc"; "link" alone halves the call: each transport
+# uploads and prefills the document anew), STRATA_CLUSTER_DIR (default /tmp/strata-cluster; wiped
+# first). Logs in $OUT (else
 # /tmp/strata-gpu-out).
 # Usage: STRATA_GPU_BUNDLE=.gpu-s scripts/gpu_bench_sharded_cluster.sh
 set -uo pipefail
@@ -35,6 +37,7 @@ ENTRIES="${STRATA_CLUSTER_ENTRIES:-3000}"
 MAX_TOKENS="${STRATA_CLUSTER_MAX_TOKENS:-32}"
 WORKERS="${STRATA_CLUSTER_WORKERS:-2}"
 POLICIES="${STRATA_CLUSTER_POLICIES:-tokenselect dense}"
+TRANSPORTS="${STRATA_CLUSTER_TRANSPORTS:-link grpc}"
 SHARD_TOKENS="${STRATA_CLUSTER_SHARD_TOKENS:-65536}"
 GPUS="${STRATA_CLUSTER_GPUS:-0}"
 DIR="${STRATA_CLUSTER_DIR:-/tmp/strata-cluster}"
@@ -75,7 +78,8 @@ report() {
   }'
 }
 
-for transport in link grpc; do
+for transport in $TRANSPORTS; do
+  case "$transport" in link|grpc) ;; *) echo "STRATA_CLUSTER_TRANSPORTS: link or grpc, not $transport"; exit 2 ;; esac
   args=()
   [ "$transport" = grpc ] && args=(--worker-arg --selection-link-listen --worker-arg off)
   data="$DIR/data-$transport"

@@ -51,17 +51,7 @@ __global__ void __launch_bounds__(kLdgThreads)
     const int64_t base = (w % chunks) * per_chunk;
     const uint4* src = host + offsets[k] / 16;
     uint4* d = dst + k * page_vecs;
-    uint4 r[kLdgUnroll];
-#pragma unroll
-    for (int u = 0; u < kLdgUnroll; ++u) {
-      const int64_t i = base + u * kLdgThreads + threadIdx.x;
-      if (i < page_vecs) r[u] = src[i];
-    }
-#pragma unroll
-    for (int u = 0; u < kLdgUnroll; ++u) {
-      const int64_t i = base + u * kLdgThreads + threadIdx.x;
-      if (i < page_vecs) d[i] = r[u];
-    }
+    strata::kernels::cuda_internal::CopyChunk<kLdgThreads, kLdgUnroll>(d, src, base, page_vecs);
   }
 }
 

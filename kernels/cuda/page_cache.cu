@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/internal/common.cuh"
 #include "kernels/cuda/internal/page_cache.h"
 #include "kernels/cuda/internal/selection.cuh"
 
@@ -308,18 +309,7 @@ __global__ void __launch_bounds__(kCopyThreads) ResolveCopyKernel(ResolveArgs a)
     const V* src = static_cast<const V*>(a.sources[pages[k]]) + half * half_vecs;
     V* dst = static_cast<V*>(half == 0 ? a.k_pool : a.v_pool) +
              static_cast<int64_t>(victims[k]) * half_vecs;
-    const int64_t base = chunk * per_chunk;
-    V r[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t i = base + u * kCopyThreads + threadIdx.x;
-      if (i < half_vecs) r[u] = src[i];
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t i = base + u * kCopyThreads + threadIdx.x;
-      if (i < half_vecs) dst[i] = r[u];
-    }
+    CopyChunk<kCopyThreads, kCopyUnroll>(dst, src, chunk * per_chunk, half_vecs);
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/internal/common.cuh"
 #include "kernels/cuda/internal/page_copy.h"
 
 namespace strata::kernels::cuda_internal {
@@ -15,24 +16,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
-
-// dst[i] = src[i] for the chunk of kThreads * kUnroll vectors from `base` (indices below n): each
-// thread issues all its loads before its stores.
-template <typename V>
-__device__ __forceinline__ void CopyChunk(V* __restrict__ dst, const V* __restrict__ src, int64_t base,
-                                          int64_t n) {
-  V r[kUnroll];
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t i = base + u * kThreads + threadIdx.x;
-    if (i < n) r[u] = src[i];
-  }
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t i = base + u * kThreads + threadIdx.x;
-    if (i < n) dst[i] = r[u];
-  }
-}
 
 // blockIdx.x = 2 * page + half (0: K, 1: V); blockIdx.y strides over the half in chunks of
 // kThreads * kUnroll vectors. All loads of a chunk are issued before its stores.
@@ -56,7 +39,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t chunk = static_cast<int64_t>(kThreads) * kUnroll;
   for (int64_t base = blockIdx.y * chunk; base < half_vecs;
        base += static_cast<int64_t>(gridDim.y) * chunk) {
-    CopyChunk(dst, src, base, half_vecs);
+    CopyChunk<kThreads, kUnroll>(dst, src, base, half_vecs);
   }
 }
 
@@ -73,7 +56,7 @@ __global__ void __launch_bounds__(kThreads)
     CopyKernel(V* __restrict__ dst, const V* __restrict__ src, int64_t n) {
   const int64_t chunk = static_cast<int64_t>(kThreads) * kUnroll;
   for (int64_t base = blockIdx.x * chunk; base < n; base += static_cast<int64_t>(gridDim.x) * chunk) {
-    CopyChunk(dst, src, base, n);
+    CopyChunk<kThreads, kUnroll>(dst, src, base, n);
   }
 }
 

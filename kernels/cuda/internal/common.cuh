@@ -320,6 +320,27 @@ inline unsigned int GridFor(int64_t n, int threads) {
       return cudaErrorInvalidValue;                        \
   }
 
+// dst[i] = src[i] for the chunk of kThreadsT * kUnrollT vectors from `base` (indices below n),
+// each thread issuing all its loads before its stores (many loads in flight per thread: the copy
+// kernels over pinned host memory read at the link's rate only so). Shared by the page fills
+// (page_copy.cu PageCopyKernel, page_cache.cu ResolveCopyKernel), the small-copy kernel
+// (page_copy.cu CopyKernel) and host_read_bench.cu.
+template <int kThreadsT, int kUnrollT, typename V>
+__device__ __forceinline__ void CopyChunk(V* __restrict__ dst, const V* __restrict__ src,
+                                          int64_t base, int64_t n) {
+  V r[kUnrollT];
+#pragma unroll
+  for (int u = 0; u < kUnrollT; ++u) {
+    const int64_t i = base + u * kThreadsT + threadIdx.x;
+    if (i < n) r[u] = src[i];
+  }
+#pragma unroll
+  for (int u = 0; u < kUnrollT; ++u) {
+    const int64_t i = base + u * kThreadsT + threadIdx.x;
+    if (i < n) dst[i] = r[u];
+  }
+}
+
 }  // namespace strata::kernels::cuda_internal
 
 #endif  // STRATA_KERNELS_CUDA_INTERNAL_COMMON_CUH_
