@@ -111,6 +111,57 @@ int64_t KvCache::num_pages(int layer) const {
   return (lengths_[layer] + options_.page_size - 1) / options_.page_size;
 }
 
+absl::Status KvCache::AppendPages(int layer, int64_t n, const void* staging, size_t staging_bytes,
+                                  int32_t* slots) {
+  if (layer < 0 || layer >= options_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: layer ", layer, " out of range"));
+  }
+  const int hkv = options_.num_kv_heads, page = options_.page_size;
+  const int64_t begin = lengths_[layer];
+  if (n < 0 || begin % page != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: AppendPages of ", n, " tokens after ",
+                                                   begin, " (whole pages of ", page, " only)"));
+  }
+  if (begin + n > options_.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("kv cache: ", begin, " + ", n,
+                                                     " tokens exceed max_tokens ",
+                                                     options_.max_tokens));
+  }
+  if (n == 0) return absl::OkStatus();
+  const int64_t pages = (n + page - 1) / page;
+  const size_t page_bytes = kernels::PageCopyBytes(page, options_.head_dim, options_.dtype);
+  const size_t need = static_cast<size_t>(pages) * hkv * page_bytes;
+  if (staging == nullptr || slots == nullptr || staging_bytes < need) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: AppendPages of ", pages, " pages x ",
+                                                   hkv, " KV heads needs ", need,
+                                                   " bytes of staging, got ", staging_bytes));
+  }
+  const int64_t first_page = begin / page;
+  if (pages * hkv > INT32_MAX) return absl::InvalidArgumentError("kv cache: AppendPages of too many pages");
+  for (int64_t j = 0; j < pages; ++j) {
+    for (int g = 0; g < hkv; ++g) slots[j * hkv + g] = SlotOf(layer, g, first_page + j);
+  }
+  if (tail_pages_ != nullptr) {
+    // The mirror of each KV head's last page (Append's path without AppendKv continues a page
+    // from it): the staging page that is now the last. Without AppendKv an earlier Append's
+    // PageCopy may still read the mirror: wait for it first.
+    if (!device_append_) STRATA_RETURN_IF_ERROR(backend_->Synchronize(nullptr));
+    const char* last = static_cast<const char*>(staging) + static_cast<size_t>(pages - 1) * hkv * page_bytes;
+    std::memcpy(static_cast<char*>(tail_pages_->data()) + static_cast<size_t>(layer) * hkv * tail_page_bytes_,
+                last, static_cast<size_t>(hkv) * page_bytes);
+  }
+  kernels::PageCopyParams pc;
+  pc.staging = staging;
+  pc.staging_bytes = need;
+  pc.slots = slots;
+  pc.num_pages = static_cast<int>(pages * hkv);
+  pc.k_pool = k_pool(layer);
+  pc.v_pool = v_pool(layer);
+  STRATA_RETURN_IF_ERROR(backend_->PageCopy(pc, nullptr));
+  lengths_[layer] = begin + n;
+  return absl::OkStatus();
+}
+
 absl::Status KvCache::EnqueueAppendAt(int layer, const TensorView& k, const TensorView& v,
                                       const int32_t* index_device,
                                       const kernels::RopeParams& rope) {

@@ -66,6 +66,19 @@ class KvCache {
   // to rewrite.
   absl::Status Append(int layer, const kernels::TensorView& k, const kernels::TensorView& v);
 
+  // Appends n tokens to `layer` from whole pages in the PageCopy staging layout of the cache's
+  // dtype (kernels::PageCopyParams: K [page_size, head_dim] then V, PageCopyBytes apart): staging
+  // page j * num_kv_heads + g is page length(layer) / page_size + j of KV head g, for j <
+  // ceil(n / page_size); rows of the last page past n should be zero (a stored page's are). One
+  // Backend::PageCopy on the default stream, no conversion: the bulk load of stored pages
+  // (worker mounts), in place of Append's per-row path. `staging` (at least `staging_bytes` =
+  // pages * num_kv_heads * PageCopyBytes) and `slots` (pages * num_kv_heads int32, written here)
+  // are AllocateHost memory that the caller keeps unchanged until the copy has run (e.g. until
+  // Backend::Synchronize(nullptr)). InvalidArgument when length(layer) is not a whole number of
+  // pages, n < 0 or the staging is short; ResourceExhausted past max_tokens.
+  absl::Status AppendPages(int layer, int64_t n, const void* staging, size_t staging_bytes,
+                           int32_t* slots);
+
   // Graph mode (TransformerOptions::decode_graph): queues on the default stream the append of one
   // token's rows k, v ([1, num_kv_heads, head_dim] f32, backend memory) to `layer` with
   // Backend::AppendKv, the token's cache index read from *index_device (backend memory) when the

@@ -1,7 +1,9 @@
 // Tests of the paged KV cache and the dense policy (through CpuPagedAttention).
 #include "engine/kv_cache.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -231,6 +233,113 @@ TEST(KvCacheTest, RejectsOverflowAndBadShapes) {
   EXPECT_EQ(cache->length(0), 0);
   EXPECT_TRUE(IsOk(cache->Append(0, TensorView(k.data(), DType::kF32, {10, 2, 4}),
                                  TensorView(k.data(), DType::kF32, {10, 2, 4}))));
+}
+
+// A CPU backend that calls itself a device: KvCache then appends with AppendKv, or, when the
+// backend lacks it (`append_kv` false), continues pages from its last-page mirror.
+class DeviceNamedBackend : public kernels::CpuBackend {
+ public:
+  explicit DeviceNamedBackend(bool append_kv) : kernels::CpuBackend(1), append_kv_(append_kv) {}
+  std::string Name() const override { return "cuda:test"; }
+  absl::Status AppendKv(const kernels::AppendKvParams& p, kernels::Stream s) override {
+    if (!append_kv_) return absl::UnimplementedError("no AppendKv");
+    return kernels::CpuBackend::AppendKv(p, s);
+  }
+
+ private:
+  bool append_kv_;
+};
+
+// AppendPages of whole pages, then of a partial page, then Append continuing that page, against
+// Append alone: every stored row equal, on the CPU backend, on a device-named one with AppendKv
+// and on one continuing pages from the mirror.
+TEST(KvCacheTest, AppendPagesStoresWhatAppendStores) {
+  for (const int mode : {0, 1, 2}) {
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(::testing::Message() << (mode == 0 ? "cpu " : mode == 1 ? "AppendKv " : "mirror ")
+                                        << kernels::DTypeName(dtype));
+      std::unique_ptr<kernels::Backend> backend;
+      if (mode == 0) {
+        backend = kernels::MakeCpuBackend(1);
+      } else {
+        backend = std::make_unique<DeviceNamedBackend>(mode == 1);
+      }
+      constexpr int L = 2, H = 2, D = 4, P = 8;
+      constexpr int64_t T = 3 * P + 5;  // 2 whole pages, then 11 tokens (a page and 3), then 2 more
+      const KvCacheOptions o{L, H, D, P, dtype, 40};
+      STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<KvCache> ref, KvCache::Create(o, backend.get()));
+      STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<KvCache> cache, KvCache::Create(o, backend.get()));
+      std::mt19937 rng(kSeed);
+      std::normal_distribution<float> nd;
+      std::vector<float> k(T * H * D), v(T * H * D);
+      for (float& x : k) x = nd(rng);
+      for (float& x : v) x = nd(rng);
+      for (int l = 0; l < L; ++l) {
+        ASSERT_TRUE(IsOk(ref->Append(l, TensorView(k.data(), DType::kF32, {T, H, D}),
+                                     TensorView(v.data(), DType::kF32, {T, H, D}))));
+      }
+      const size_t esize = kernels::DTypeSize(dtype), row = D * esize;
+      const size_t page_bytes = kernels::PageCopyBytes(P, D, dtype);
+      // Staging pages [p0, p0 + count) of `layer` from the reference's pools, rows past `end` zero.
+      auto stage = [&](int layer, int64_t p0, int64_t count, int64_t end, kernels::Buffer* staging) {
+        char* out = static_cast<char*>(staging->data());
+        std::memset(out, 0, static_cast<size_t>(count) * H * page_bytes);
+        const char* kp = static_cast<const char*>(ref->k_pool(layer).data);
+        const char* vp = static_cast<const char*>(ref->v_pool(layer).data);
+        for (int64_t j = 0; j < count; ++j) {
+          for (int g = 0; g < H; ++g) {
+            char* dst = out + static_cast<size_t>(j * H + g) * page_bytes;
+            const int64_t p = p0 + j;
+            const int64_t rows = std::min<int64_t>(P, end - p * P);
+            const size_t at = static_cast<size_t>(ref->SlotOf(layer, g, p)) * P * row;
+            std::memcpy(dst, kp + at, rows * row);
+            std::memcpy(dst + P * row, vp + at, rows * row);
+          }
+        }
+      };
+      STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kernels::Buffer> staging,
+                                  backend->AllocateHost(2 * H * page_bytes));
+      STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kernels::Buffer> slots,
+                                  backend->AllocateHost(2 * H * sizeof(int32_t)));
+      int32_t* sl = static_cast<int32_t*>(slots->data());
+      for (int l = 0; l < L; ++l) {
+        stage(l, 0, 2, T, staging.get());
+        ASSERT_TRUE(IsOk(cache->AppendPages(l, 2 * P, staging->data(), 2 * H * page_bytes, sl)));
+        ASSERT_TRUE(IsOk(backend->Synchronize(nullptr)));
+        EXPECT_EQ(cache->length(l), 2 * P);
+        // Not a whole page's start / staging too short: refused, nothing changed.
+        EXPECT_THAT(cache->AppendPages(l, P + 3, staging->data(), H * page_bytes, sl),
+                    StatusIs(absl::StatusCode::kInvalidArgument));
+        stage(l, 2, 2, 3 * P + 3, staging.get());
+        ASSERT_TRUE(IsOk(cache->AppendPages(l, P + 3, staging->data(), 2 * H * page_bytes, sl)));
+        ASSERT_TRUE(IsOk(backend->Synchronize(nullptr)));
+        EXPECT_THAT(cache->AppendPages(l, P, staging->data(), 2 * H * page_bytes, sl),
+                    StatusIs(absl::StatusCode::kInvalidArgument));
+        const int64_t done = 3 * P + 3;
+        ASSERT_TRUE(IsOk(cache->Append(l, TensorView(k.data() + done * H * D, DType::kF32, {T - done, H, D}),
+                                       TensorView(v.data() + done * H * D, DType::kF32, {T - done, H, D}))));
+        ASSERT_TRUE(IsOk(backend->Synchronize(nullptr)));
+        ASSERT_EQ(cache->length(l), T);
+        for (int g = 0; g < H; ++g) {
+          for (int64_t t = 0; t < T; ++t) {
+            const size_t at = (static_cast<size_t>(cache->SlotOf(l, g, t / P)) * P + t % P) * row;
+            for (const bool is_k : {true, false}) {
+              const char* a = static_cast<const char*>((is_k ? cache->k_pool(l) : cache->v_pool(l)).data) + at;
+              const char* b = static_cast<const char*>((is_k ? ref->k_pool(l) : ref->v_pool(l)).data) + at;
+              ASSERT_EQ(std::memcmp(a, b, row), 0) << "layer " << l << " head " << g << " token " << t
+                                                   << (is_k ? " K" : " V");
+            }
+          }
+        }
+      }
+      // Past max_tokens: refused.
+      STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<KvCache> small,
+                                  KvCache::Create(KvCacheOptions{L, H, D, P, dtype, P + 1}, backend.get()));
+      EXPECT_THAT(small->AppendPages(0, 2 * P, staging->data(), 2 * H * page_bytes, sl),
+                  StatusIs(absl::StatusCode::kResourceExhausted));
+      EXPECT_EQ(small->length(0), 0);
+    }
+  }
 }
 
 }  // namespace

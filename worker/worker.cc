@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <future>
 #include <limits>
 #include <utility>
@@ -563,58 +564,150 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
                                int64_t end_page, kernels::Backend* backend, engine::KvCache* cache,
                                engine::AttentionPolicy* policy, engine::sparse::DevicePolicy* device,
                                const std::atomic<bool>* cancelled, absl::StatusCode missing_code,
-                               kvstore::TierCounts* pages_read) {
+                               kvstore::TierCounts* pages_read, LoadTimes* times) {
   const model::ModelConfig& c = model_->config;
   const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads), d = static_cast<int>(c.head_dim);
   const int P = options_.page_size;
   end_page = std::min<int64_t>(end_page, (doc_tokens + P - 1) / P);
   if (first_page >= end_page) return absl::OkStatus();
-  std::vector<float> kdec(static_cast<size_t>(P) * d), vdec(static_cast<size_t>(P) * d);
+  const Stopwatch total;
   const int64_t batch_pages = options_.mount_batch_pages;
-  std::vector<float> k_rows, v_rows;  // [tokens, H, d]
-  std::unique_ptr<kernels::Buffer> kdev, vdev;
-  const bool host = backend->Name() == "cpu";
   // With a tiered store (host cache in front of the durable tier) the counts say which tier
   // served each page; otherwise every page came from the store's own tier.
   auto* tiered = dynamic_cast<kvstore::TieredStore*>(store_);
   const bool remote_tier = std::string(store_->tier()) == "remote";
+
+  // The batches, layer by layer: pages [p0, p1) of every KV head of a layer, keys page-major. The
+  // store is read kFetchAhead batches ahead on other threads while this one copies a batch into
+  // the cache (a read from the KV store service is the slow part; the tiers are thread-safe).
+  struct Batch {
+    std::vector<kvstore::PageKey> keys;
+    std::vector<kvstore::PageRef> pages;
+    kvstore::TierCounts read;
+    absl::Status status;
+  };
+  auto fetch = [this, tiered, remote_tier, &doc_id, H](int l, int64_t p0, int64_t p1) {
+    Batch b;
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int g = 0; g < H; ++g) {
+        b.keys.push_back({doc_id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
+      }
+    }
+    if (tiered != nullptr) {
+      b.status = tiered->GetPages(b.keys, &b.pages, &b.read);
+    } else {
+      b.status = store_->GetPages(b.keys, &b.pages);
+      (remote_tier ? b.read.remote : b.read.local) += static_cast<int64_t>(b.keys.size());
+    }
+    return b;
+  };
+  std::vector<std::pair<int, int64_t>> order;  // (layer, p0) of each batch
   for (int l = 0; l < L; ++l) {
-    for (int64_t p0 = first_page; p0 < end_page; p0 += batch_pages) {
-      if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("cancelled while loading pages");
-      const int64_t p1 = std::min(end_page, p0 + batch_pages);
-      std::vector<kvstore::PageKey> keys;
-      for (int64_t p = p0; p < p1; ++p) {
-        for (int g = 0; g < H; ++g) {
-          keys.push_back({doc_id, static_cast<uint32_t>(l), static_cast<uint32_t>(g), static_cast<uint32_t>(p)});
+    for (int64_t p0 = first_page; p0 < end_page; p0 += batch_pages) order.emplace_back(l, p0);
+  }
+  constexpr size_t kFetchAhead = 2;
+  std::deque<std::future<Batch>> ahead;  // an early return waits for these (future destructors)
+  size_t next = 0;
+  auto fetch_ahead = [&]() {
+    while (ahead.size() < kFetchAhead && next < order.size()) {
+      const auto [l, p0] = order[next++];
+      ahead.push_back(std::async(std::launch::async, fetch, l, p0, std::min(end_page, p0 + batch_pages)));
+    }
+  };
+
+  // A bf16 cache takes the pages' K and V as they are stored (bf16 pages; fp8 ones dequantised to
+  // bf16), each page verified and written into PageCopy staging in AllocateHost memory by the
+  // host team, then one KvCache::AppendPages per batch (a single copy kernel on a GPU). Other
+  // caches (fp8), or no AllocateHost memory: the pages decoded to f32 rows and appended.
+  const size_t page_elems = static_cast<size_t>(P) * d;
+  const size_t page_bytes = kernels::PageCopyBytes(P, d, kernels::DType::kBF16);
+  const size_t batch_items = static_cast<size_t>(std::min<int64_t>(batch_pages, end_page - first_page)) * H;
+  std::unique_ptr<kernels::Buffer> staging, slots;
+  if (cache->options().dtype == kernels::DType::kBF16) {
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> st = backend->AllocateHost(batch_items * page_bytes);
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> sl = backend->AllocateHost(batch_items * sizeof(int32_t));
+    if (st.ok() && sl.ok()) {
+      staging = *std::move(st);
+      slots = *std::move(sl);
+    }
+  }
+  std::vector<float> k_rows, v_rows;  // [tokens, H, d], the decoding path
+  std::unique_ptr<kernels::Buffer> kdev, vdev;
+  const bool host = backend->Name() == "cpu";
+  double wait_s = 0, copy_s = 0;
+
+  fetch_ahead();
+  for (size_t bi = 0; bi < order.size(); ++bi) {
+    if (cancelled != nullptr && cancelled->load()) return absl::CancelledError("cancelled while loading pages");
+    const Stopwatch waited;
+    Batch b = ahead.front().get();
+    ahead.pop_front();
+    wait_s += waited.ElapsedSeconds();
+    fetch_ahead();
+    STRATA_RETURN_IF_ERROR(b.status);
+    AddTiers(pages_read, b.read);
+    const Stopwatch copied;
+    const int l = order[bi].first;
+    const int64_t p0 = order[bi].second, p1 = std::min(end_page, p0 + batch_pages);
+    for (size_t i = 0; i < b.keys.size(); ++i) {
+      if (b.pages[i] == nullptr) {
+        const kvstore::PageKey& k = b.keys[i];
+        return absl::Status(missing_code, absl::StrCat("document ", doc_id.ToHex(), " page (layer ", k.layer,
+                                                       ", head ", k.kv_head, ", page ", k.page_index,
+                                                       ") is missing from the store"));
+      }
+    }
+    const int64_t t0 = p0 * P, t1 = std::min(doc_tokens, p1 * P);
+    const int64_t rows = t1 - t0;
+    const int64_t items = static_cast<int64_t>(b.keys.size());
+    std::vector<absl::Status> item_status(static_cast<size_t>(items));
+    const int64_t first = cache->length(l);
+    if (staging != nullptr) {
+      char* const base = static_cast<char*>(staging->data());
+#pragma omp parallel for schedule(static) num_threads(internal::HostTeam(items))
+      for (int64_t i = 0; i < items; ++i) {
+        const absl::string_view bytes = b.pages[i]->view();
+        absl::StatusOr<kvstore::PageHeader> h = kvstore::VerifyPage(bytes);
+        absl::Status& st = item_status[static_cast<size_t>(i)];
+        if (!h.ok()) {
+          st = h.status();
+        } else if (h->shape.page_size != P || h->shape.head_dim != d) {
+          st = absl::DataLossError(absl::StrCat("a stored page of shape ", h->shape.page_size, " x ",
+                                                h->shape.head_dim, " where ", P, " x ", d, " was expected"));
+        } else {
+          uint16_t* k = reinterpret_cast<uint16_t*>(base + static_cast<size_t>(i) * page_bytes);
+          st = kvstore::PageToBf16(bytes, k, k + page_elems);
         }
       }
-      std::vector<kvstore::PageRef> pages;
-      if (tiered != nullptr) {
-        STRATA_RETURN_IF_ERROR(tiered->GetPages(keys, &pages, pages_read));
-      } else {
-        STRATA_RETURN_IF_ERROR(store_->GetPages(keys, &pages));
-        (remote_tier ? pages_read->remote : pages_read->local) += static_cast<int64_t>(keys.size());
-      }
-      const int64_t t0 = p0 * P, t1 = std::min(doc_tokens, p1 * P);
-      const int64_t rows = t1 - t0;
+    } else {
       k_rows.assign(static_cast<size_t>(rows) * H * d, 0.0f);
       v_rows.assign(static_cast<size_t>(rows) * H * d, 0.0f);
-      for (size_t i = 0; i < keys.size(); ++i) {
-        if (pages[i] == nullptr) {
-          return absl::Status(missing_code, absl::StrCat("document ", doc_id.ToHex(), " page (layer ", keys[i].layer,
-                                                         ", head ", keys[i].kv_head, ", page ", keys[i].page_index,
-                                                         ") is missing from the store"));
-        }
-        STRATA_RETURN_IF_ERROR(kvstore::DecodePage(pages[i]->view(), kdec.data(), vdec.data()));
-        const int64_t p = keys[i].page_index;
-        const int g = static_cast<int>(keys[i].kv_head);
-        const int64_t valid = std::min<int64_t>(P, doc_tokens - p * P);
-        for (int64_t t = 0; t < valid; ++t) {
-          const size_t row = static_cast<size_t>(p * P + t - t0);
-          std::memcpy(&k_rows[(row * H + g) * d], &kdec[static_cast<size_t>(t) * d], sizeof(float) * d);
-          std::memcpy(&v_rows[(row * H + g) * d], &vdec[static_cast<size_t>(t) * d], sizeof(float) * d);
+#pragma omp parallel num_threads(internal::HostTeam(items))
+      {
+        std::vector<float> kdec(page_elems), vdec(page_elems);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < items; ++i) {
+          absl::Status& st = item_status[static_cast<size_t>(i)];
+          st = kvstore::DecodePage(b.pages[i]->view(), kdec.data(), vdec.data());
+          if (!st.ok()) continue;
+          const int64_t p = b.keys[i].page_index;
+          const int g = static_cast<int>(b.keys[i].kv_head);
+          const int64_t valid = std::min<int64_t>(P, doc_tokens - p * P);
+          for (int64_t t = 0; t < valid; ++t) {
+            const size_t row = static_cast<size_t>(p * P + t - t0);
+            std::memcpy(&k_rows[(row * H + g) * d], &kdec[static_cast<size_t>(t) * d], sizeof(float) * d);
+            std::memcpy(&v_rows[(row * H + g) * d], &vdec[static_cast<size_t>(t) * d], sizeof(float) * d);
+          }
         }
       }
+    }
+    for (absl::Status& st : item_status) STRATA_RETURN_IF_ERROR(st);
+    if (staging != nullptr) {
+      STRATA_RETURN_IF_ERROR(cache->AppendPages(l, rows, staging->data(), batch_items * page_bytes,
+                                                static_cast<int32_t*>(slots->data())));
+      // The staging is refilled by the next batch.
+      STRATA_RETURN_IF_ERROR(backend->Synchronize(nullptr));
+    } else {
       kernels::TensorView kv(k_rows.data(), kernels::DType::kF32, {rows, H, d});
       kernels::TensorView vv(v_rows.data(), kernels::DType::kF32, {rows, H, d});
       if (!host) {
@@ -626,11 +719,16 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
         kv.data = kdev->data();
         vv.data = vdev->data();
       }
-      const int64_t first = cache->length(l);
       STRATA_RETURN_IF_ERROR(cache->Append(l, kv, vv));
-      if (policy != nullptr) STRATA_RETURN_IF_ERROR(policy->OnAppend(l, *cache, first, first + rows));
-      if (device != nullptr) STRATA_RETURN_IF_ERROR(device->OnAppend(l, *cache, first, first + rows, nullptr));
     }
+    if (policy != nullptr) STRATA_RETURN_IF_ERROR(policy->OnAppend(l, *cache, first, first + rows));
+    if (device != nullptr) STRATA_RETURN_IF_ERROR(device->OnAppend(l, *cache, first, first + rows, nullptr));
+    copy_s += copied.ElapsedSeconds();
+  }
+  if (times != nullptr) {
+    times->seconds += total.ElapsedSeconds();
+    times->fetch_wait_seconds += wait_s;
+    times->copy_seconds += copy_s;
   }
   return absl::OkStatus();
 }
@@ -745,11 +843,12 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   };
   std::unique_ptr<engine::KvCache> anchor_cache;
   std::unique_ptr<AnchorAttention> anchor_attention;
+  LoadTimes earlier;  // EXACT: the earlier shards' pages loaded
   if (exact && s0 > 0) {
     kvstore::TierCounts pages;
     STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), backend_, cache.get(),
                                      policy.get(), device.get(), cancelled, absl::StatusCode::kFailedPrecondition,
-                                     &pages));
+                                     &pages, &earlier));
   } else if (!anchor.empty()) {
     const int64_t a = static_cast<int64_t>(anchor.size());
     STRATA_ASSIGN_OR_RETURN(
@@ -1063,7 +1162,11 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
                    << ") prefilled (" << (exact ? "exact" : "anchor") << ", attention "
                    << (device != nullptr ? absl::StrCat(options_.prefill_policy, " on the device") : policy->Name())
                    << "): tokens=" << n
-                   << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds() << " (forward " << forward_s
+                   << " pages=" << shard_pages << " seconds=" << watch.ElapsedSeconds()
+                   << (exact && s0 > 0 ? absl::StrCat(" (earlier shards' pages loaded in ", earlier.seconds,
+                                                      ", waiting for the store ", earlier.fetch_wait_seconds, ")")
+                                       : std::string())
+                   << " (forward " << forward_s
                    << ", copy " << copy_s << (device_encode ? ", fp8 pages encoded on the backend, framed " : ", encode ")
                    << encode_s << " on " << encode_threads << " threads of " << omp_get_num_procs()
                    << " processors beside the forward, encode wait " << encode_wait_s << ", store wait " << store_wait_s
@@ -1225,15 +1328,20 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
         !on_device ? shard_backend() : shard_device_ != nullptr ? shard_device_ : backend_;
     absl::Mutex* const be_mu = on_device && shard_device_ != nullptr ? &shard_device_mu_ : nullptr;
     kvstore::TierCounts read;
+    LoadTimes times;
     absl::MutexLockMaybe lock(be_mu);
     std::unique_ptr<engine::KvCache> cache;  // on failure freed under the lock, as every call on be
     STRATA_ASSIGN_OR_RETURN(
         cache, engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, CacheDType()), be));
     STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
                                      static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
-                                     nullptr, absl::StatusCode::kDataLoss, &read));
+                                     nullptr, absl::StatusCode::kDataLoss, &read, &times));
     STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
     AddTiers(pages, read);
+    STRATA_LOG(INFO) << "worker: shard " << ShardKey(range) << " loaded " << (on_device ? "on the device" : "in host memory")
+                     << ": " << (read.host + read.local + read.remote) << " pages in " << times.seconds
+                     << " s (waiting for the store " << times.fetch_wait_seconds << " s; pages from host "
+                     << read.host << ", disk " << read.local << ", remote " << read.remote << ")";
     return std::make_shared<const MountedShard>(range, id, t0, std::move(cache), read, be, be_mu, on_device);
   };
   absl::StatusOr<std::shared_ptr<const MountedShard>> loaded = load(device);

@@ -461,13 +461,22 @@ class Worker {
   absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
                                                                  kvstore::TierCounts* pages,
                                                                  bool check_capacity, bool device);
+  // Where a LoadPages call's time went (seconds, added to): in all; waiting for the store's
+  // reads (which run ahead on other threads); verifying and copying pages into the cache (and the
+  // policies' OnAppend).
+  struct LoadTimes {
+    double seconds = 0, fetch_wait_seconds = 0, copy_seconds = 0;
+  };
   // Appends tokens [first_page * P, min(end_page * P, doc_tokens)) of every layer of document
   // `id` from the store to `cache` (policy->OnAppend and device->OnAppend for those not null). A
-  // missing page is an error with `missing_code`. Adds the pages read per tier to *pages.
+  // missing page is an error with `missing_code`, a corrupt one DataLoss. Adds the pages read per
+  // tier to *pages and, when `times` is set, the time taken to *times. The store is read two
+  // batches ahead (WorkerOptions::mount_batch_pages pages of every KV head of a layer) on other
+  // threads; a bf16 cache takes the stored pages through KvCache::AppendPages.
   absl::Status LoadPages(const kvstore::DocumentId& id, int64_t doc_tokens, int64_t first_page, int64_t end_page,
                          kernels::Backend* backend, engine::KvCache* cache, engine::AttentionPolicy* policy,
                          engine::sparse::DevicePolicy* device, const std::atomic<bool>* cancelled,
-                         absl::StatusCode missing_code, kvstore::TierCounts* pages);
+                         absl::StatusCode missing_code, kvstore::TierCounts* pages, LoadTimes* times = nullptr);
   // Logs `what` once per worker (the device-selection fallbacks; `flag`: the once-flag, null for
   // fallback_logged_).
   void LogFallbackOnce(const std::string& what, std::atomic<bool>* flag = nullptr);

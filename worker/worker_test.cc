@@ -370,6 +370,72 @@ TEST_F(WorkerTest, SparsePolicyAttendsLessThanTheContext) {
   EXPECT_EQ(last.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
 }
 
+// A store whose page (layer 1, head 0, page 1) comes back with one byte of its K flipped.
+class FlipPageStore final : public kvstore::PageStore {
+ public:
+  explicit FlipPageStore(kvstore::PageStore* inner) : inner_(inner) {}
+  const char* tier() const override { return "disk"; }
+  absl::Status GetPages(absl::Span<const kvstore::PageKey> keys, std::vector<kvstore::PageRef>* out) override {
+    STRATA_RETURN_IF_ERROR(inner_->GetPages(keys, out));
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i].layer == 1 && keys[i].kv_head == 0 && keys[i].page_index == 1 && (*out)[i] != nullptr) {
+        std::string bytes((*out)[i]->view());
+        bytes[40] ^= 0x10;
+        STRATA_ASSIGN_OR_RETURN((*out)[i], kvstore::PageBuffer::Copy(bytes));
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Put(absl::Span<const kvstore::PageWrite> p, absl::Span<const kvstore::SummaryWrite> s) override {
+    return inner_->Put(p, s);
+  }
+  absl::Status GetSummaries(absl::Span<const kvstore::SummaryKey> keys, std::vector<kvstore::PageRef>* out) override {
+    return inner_->GetSummaries(keys, out);
+  }
+
+ private:
+  kvstore::PageStore* inner_;
+};
+
+// The document's pages load a page of every KV head at a time (mount_batch_pages 1: a batch per
+// page of each layer, read ahead on other threads, the last page partial) into a bf16 cache, or
+// decoded into an fp8 one: the jobs' tokens equal the default batches'. A corrupt page fails the
+// load with DATA_LOSS.
+TEST_F(WorkerTest, PagesLoadInSmallBatchesAndACorruptOneIsDataLoss) {
+  ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), nullptr, nullptr).ok());
+  const std::vector<int32_t> prompt = {5, 6, 7};
+  for (const std::string cache_dtype : {"bf16", "fp8"}) {
+    SCOPED_TRACE(cache_dtype);
+    WorkerOptions wo;
+    wo.worker_id = "whole";
+    wo.prefill_chunk_size = 64;
+    wo.kv_cache_dtype = cache_dtype;
+    STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> whole,
+                                Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(), nullptr));
+    wo.worker_id = "small";
+    wo.mount_batch_pages = 1;
+    STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> small,
+                                Worker::Create(wo, model_.get(), backend_.get(), store_.get(), store_.get(), nullptr));
+    const v1::JobInfo a = Run(whole.get(), JobRequest("whole-" + cache_dtype, prompt));
+    const v1::JobInfo b = Run(small.get(), JobRequest("small-" + cache_dtype, prompt));
+    ASSERT_EQ(a.state(), v1::JobInfo::DONE) << a.error_message();
+    ASSERT_EQ(b.state(), v1::JobInfo::DONE) << b.error_message();
+    ASSERT_EQ(a.output_token_ids_size(), 8);
+    EXPECT_EQ(std::vector<int32_t>(a.output_token_ids().begin(), a.output_token_ids().end()),
+              std::vector<int32_t>(b.output_token_ids().begin(), b.output_token_ids().end()));
+    EXPECT_EQ(a.usage().pages_fetched().disk(), b.usage().pages_fetched().disk());
+    EXPECT_GT(b.usage().pages_fetched().disk(), 0u);
+
+    FlipPageStore flip(store_.get());
+    wo.worker_id = "flip";
+    STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w,
+                                Worker::Create(wo, model_.get(), backend_.get(), &flip, store_.get(), nullptr));
+    const v1::JobInfo c = Run(w.get(), JobRequest("flip-" + cache_dtype, prompt));
+    EXPECT_EQ(c.state(), v1::JobInfo::FAILED);
+    EXPECT_EQ(c.error_code(), static_cast<int>(absl::StatusCode::kDataLoss)) << c.error_message();
+  }
+}
+
 // kv_cache_dtype "fp8": the job's cache holds e4m3 codes (the persisted bf16 pages rounded on
 // load, the prompt and generated tokens as computed), dense and sparse jobs run over it, and the
 // dense job's tokens follow a local Generate over an fp8 cache (which rounds the document's KV
