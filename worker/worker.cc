@@ -50,6 +50,19 @@ int64_t PersistWriters() {
   return writers;
 }
 
+// Batches of a LoadPages read from the store at once, ahead of the one being copied into the
+// cache: 4, or STRATA_LOAD_READERS (1 to 16, read once; for A/B timing). Two H200s, 8B shape, a
+// 68K-token shard from the KV store service (bench/RESULTS.md, session 36): with 2 a mount took
+// 9.8 s, 7.3 of them waiting for the store.
+size_t LoadReaders() {
+  static const size_t readers = [] {
+    const char* e = std::getenv("STRATA_LOAD_READERS");
+    const int64_t v = e == nullptr ? 4 : std::atoll(e);
+    return static_cast<size_t>(v >= 1 && v <= 16 ? v : 4);
+  }();
+  return readers;
+}
+
 prometheus::Family<prometheus::Counter>& NewCounterFamily(prometheus::Registry* r, const std::string& name,
                                                           const std::string& help) {
   return prometheus::BuildCounter().Name(name).Help(help).Register(*r);
@@ -578,7 +591,7 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
   const bool remote_tier = std::string(store_->tier()) == "remote";
 
   // The batches, layer by layer: pages [p0, p1) of every KV head of a layer, keys page-major. The
-  // store is read kFetchAhead batches ahead on other threads while this one copies a batch into
+  // store is read LoadReaders() batches ahead on other threads while this one copies a batch into
   // the cache (a read from the KV store service is the slow part; the tiers are thread-safe).
   struct Batch {
     std::vector<kvstore::PageKey> keys;
@@ -605,11 +618,11 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
   for (int l = 0; l < L; ++l) {
     for (int64_t p0 = first_page; p0 < end_page; p0 += batch_pages) order.emplace_back(l, p0);
   }
-  constexpr size_t kFetchAhead = 2;
+  const size_t fetch_ahead_batches = LoadReaders();
   std::deque<std::future<Batch>> ahead;  // an early return waits for these (future destructors)
   size_t next = 0;
   auto fetch_ahead = [&]() {
-    while (ahead.size() < kFetchAhead && next < order.size()) {
+    while (ahead.size() < fetch_ahead_batches && next < order.size()) {
       const auto [l, p0] = order[next++];
       ahead.push_back(std::async(std::launch::async, fetch, l, p0, std::min(end_page, p0 + batch_pages)));
     }

@@ -470,8 +470,8 @@ class Worker {
   // Appends tokens [first_page * P, min(end_page * P, doc_tokens)) of every layer of document
   // `id` from the store to `cache` (policy->OnAppend and device->OnAppend for those not null). A
   // missing page is an error with `missing_code`, a corrupt one DataLoss. Adds the pages read per
-  // tier to *pages and, when `times` is set, the time taken to *times. The store is read two
-  // batches ahead (WorkerOptions::mount_batch_pages pages of every KV head of a layer) on other
+  // tier to *pages and, when `times` is set, the time taken to *times. The store is read four
+  // batches ahead (STRATA_LOAD_READERS) (WorkerOptions::mount_batch_pages pages of every KV head of a layer) on other
   // threads; a bf16 cache takes the stored pages through KvCache::AppendPages.
   absl::Status LoadPages(const kvstore::DocumentId& id, int64_t doc_tokens, int64_t first_page, int64_t end_page,
                          kernels::Backend* backend, engine::KvCache* cache, engine::AttentionPolicy* policy,
