@@ -4,6 +4,7 @@
 // (blob files, LZ4) for the local store. Results: bench/RESULTS.md.
 //
 //   build/bin/kvstore_benchmark --benchmark_min_time=1
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -491,7 +492,7 @@ struct RemoteEnv {
   DocumentId doc;
 };
 
-std::unique_ptr<RemoteEnv> StartRemote(bool populate) {
+std::unique_ptr<RemoteEnv> StartRemote(bool populate, int data_channels = RemoteStoreOptions().data_channels) {
   auto env = std::make_unique<RemoteEnv>();
   env->dir = TempDir();
   env->metrics = std::make_unique<KvMetrics>(&env->registry);
@@ -502,6 +503,7 @@ std::unique_ptr<RemoteEnv> StartRemote(bool populate) {
   env->server = *KvStoreServer::Start(o, env->metrics.get());
   RemoteStoreOptions ro;
   ro.target = absl::StrCat("127.0.0.1:", env->server->port());
+  ro.data_channels = data_channels;
   env->client = *RemoteStore::Create(ro);
   STRATA_CHECK(env->client->WaitForReady(5000).ok());
   const v1::CreateDocumentRequest r = DocRequest(1);
@@ -540,6 +542,40 @@ void BM_RemoteGet(benchmark::State& state) {
   StopRemote(std::move(env));
 }
 BENCHMARK(BM_RemoteGet)->Arg(1)->Arg(64)->UseRealTime();
+
+// A bulk read as a worker's mount makes it (worker/worker.cc LoadPages): `readers` threads at once,
+// each reading 512 consecutive pages (16 MiB) per request over the one client with `channels`
+// data connections (RemoteStoreOptions::data_channels), the whole store (64 MiB) per iteration.
+void BM_RemoteBulkRead(benchmark::State& state) {
+  const int readers = static_cast<int>(state.range(0));
+  constexpr uint32_t kBatch = 512;
+  auto env = StartRemote(/*populate=*/true, static_cast<int>(state.range(1)));
+  for (auto _ : state) {
+    std::vector<std::thread> threads;
+    std::vector<absl::Status> status(kPages / kBatch);
+    std::atomic<uint32_t> next{0};
+    for (int r = 0; r < readers; ++r) {
+      threads.emplace_back([&]() {
+        for (uint32_t b; (b = next.fetch_add(1)) < kPages / kBatch;) {
+          std::vector<PageKey> keys;
+          for (uint32_t i = 0; i < kBatch; ++i) keys.push_back(PageKey{env->doc, 0, 0, b * kBatch + i});
+          std::vector<PageRef> out;
+          status[b] = env->client->GetPages(keys, &out);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (const absl::Status& st : status) STRATA_CHECK(st.ok());
+  }
+  SetCounters(state, kPages);
+  StopRemote(std::move(env));
+}
+BENCHMARK(BM_RemoteBulkRead)
+    ->ArgNames({"readers", "channels"})
+    ->Args({1, 1})
+    ->Args({4, 1})
+    ->Args({4, 4})
+    ->UseRealTime();
 
 void BM_RemotePut(benchmark::State& state) {
   const uint32_t batch = static_cast<uint32_t>(state.range(0));

@@ -35,6 +35,9 @@ absl::Status RemoteStoreOptions::Validate() const {
   if (max_message_bytes < 1024 || max_receive_bytes < 1024) {
     return absl::InvalidArgumentError("remote store: message limits must be >= 1 KiB");
   }
+  if (data_channels < 1 || data_channels > 64) {
+    return absl::InvalidArgumentError("remote store: data_channels must be in [1, 64]");
+  }
   return absl::OkStatus();
 }
 
@@ -58,6 +61,19 @@ RemoteStore::RemoteStore(const RemoteStoreOptions& options) : options_(options) 
   args.SetMaxSendMessageSize(static_cast<int>(options_.max_receive_bytes));
   channel_ = grpc::CreateCustomChannel(options_.target, grpc::InsecureChannelCredentials(), args);
   stub_ = v1::KvStore::NewStub(channel_);
+  data_stubs_.push_back(v1::KvStore::NewStub(channel_));
+  // The others on connections of their own: channels with the same target and arguments would
+  // share one connection through gRPC's global subchannel pool.
+  grpc::ChannelArguments own = args;
+  own.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  for (int i = 1; i < options_.data_channels; ++i) {
+    data_channels_.push_back(grpc::CreateCustomChannel(options_.target, grpc::InsecureChannelCredentials(), own));
+    data_stubs_.push_back(v1::KvStore::NewStub(data_channels_.back()));
+  }
+}
+
+v1::KvStore::Stub* RemoteStore::DataStub() {
+  return data_stubs_[next_data_.fetch_add(1, std::memory_order_relaxed) % data_stubs_.size()].get();
 }
 
 RemoteStore::~RemoteStore() = default;
@@ -90,7 +106,7 @@ absl::Status RemoteStore::GetPagesOfDocument(const DocumentId& doc, absl::Span<c
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   std::unique_ptr<grpc::ClientReader<v1::GetPagesResponse>> reader =
-      stub_->GetPages(&ctx, request);
+      DataStub()->GetPages(&ctx, request);
   v1::GetPagesResponse response;
   size_t next = 0;
   int64_t hits = 0, bytes = 0;
@@ -168,7 +184,7 @@ absl::Status RemoteStore::Put(absl::Span<const PageWrite> pages,
     SetDeadline(&ctx);
     v1::PutPagesResponse response;
     std::unique_ptr<grpc::ClientWriter<v1::PutPagesRequest>> writer =
-        stub_->PutPages(&ctx, &response);
+        DataStub()->PutPages(&ctx, &response);
     v1::PutPagesRequest message;
     int64_t bytes = 0;
     bool write_failed = false;
@@ -232,7 +248,7 @@ absl::Status RemoteStore::GetSummaries(absl::Span<const SummaryKey> keys,
     }
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
-    auto reader = stub_->GetSummaries(&ctx, request);
+    auto reader = DataStub()->GetSummaries(&ctx, request);
     v1::GetSummariesResponse response;
     size_t next = 0;
     while (reader->Read(&response)) {

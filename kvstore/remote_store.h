@@ -7,6 +7,7 @@
 #ifndef STRATA_KVSTORE_REMOTE_STORE_H_
 #define STRATA_KVSTORE_REMOTE_STORE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -27,6 +28,11 @@ struct RemoteStoreOptions {
   int64_t max_message_bytes = int64_t{4} << 20;
   // Largest message accepted from the service. Default: 64 MiB.
   int64_t max_receive_bytes = int64_t{64} << 20;
+  // Connections that carry page and summary bytes (GetPages, PutPages, GetSummaries), each call
+  // on the next in turn; the other calls use the first. One HTTP/2 connection carries a bulk
+  // read at about 1 GB/s however many calls share it (a worker's mount reads four batches at
+  // once, a prefill writes eight). 1 to 64. Default: 4.
+  int data_channels = 4;
   // Metrics sink (tier "remote"). Default (null): a private registry. Not owned.
   KvMetrics* metrics = nullptr;
 
@@ -74,8 +80,14 @@ class RemoteStore final : public PageStore, public DocumentCatalog {
   std::unique_ptr<KvMetrics> own_metrics_;
   TierMetrics m_;
   prometheus::Counter* bytes_in_ = nullptr;  // fetch bytes src=remote dst=host
+  // The next data stub, in turn (data_channels of them; the first is stub_'s channel).
+  v1::KvStore::Stub* DataStub();
+
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvStore::Stub> stub_;
+  std::vector<std::shared_ptr<grpc::Channel>> data_channels_;
+  std::vector<std::unique_ptr<v1::KvStore::Stub>> data_stubs_;
+  std::atomic<uint64_t> next_data_{0};
 };
 
 }  // namespace strata::kvstore

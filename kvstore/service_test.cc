@@ -2,6 +2,8 @@
 #include "kvstore/service.h"
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -150,6 +152,66 @@ TEST_F(ServiceTest, DocumentLifecycleAndBitExactPages) {
   EXPECT_GT(Sample(server_registry_, "strata_kv_fetch_bytes_total", "src", "disk"), 0);
   EXPECT_EQ(Sample(client_registry_, "strata_kv_hits_total", "tier", "remote"),
             static_cast<double>(keys.size()));
+}
+
+// Server-side TCP connections on `port` that are established (/proc/net/tcp and tcp6: local
+// port `port`, state 01).
+int EstablishedOnPort(int port) {
+  int n = 0;
+  for (const char* path : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(path);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const size_t colon = local.rfind(':');
+      if (colon == std::string::npos || state != "01") continue;
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) ++n;
+    }
+  }
+  return n;
+}
+
+// Page bytes travel over data_channels connections, in turn (the other calls over the first);
+// reads and writes through each are bit-exact. Out-of-range counts are refused.
+TEST_F(ServiceTest, DataCallsTakeTheirConnectionsInTurn) {
+  RemoteStoreOptions bad;
+  bad.target = "127.0.0.1:1";
+  bad.data_channels = 0;
+  EXPECT_THAT(RemoteStore::Create(bad).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  bad.data_channels = 65;
+  EXPECT_THAT(RemoteStore::Create(bad).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(SmallLayout(2, 2, 16, 64), 70, kSeed);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  const DocumentId id = WriteDocument(r, kSeed, &pages, &summaries);
+  for (const int channels : {1, 3}) {
+    SCOPED_TRACE(channels);
+    const int before = EstablishedOnPort(server_->port());
+    RemoteStoreOptions ro;
+    ro.target = "127.0.0.1:" + std::to_string(server_->port());
+    ro.data_channels = channels;
+    STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<RemoteStore> client, RemoteStore::Create(ro));
+    STRATA_ASSERT_OK(client->WaitForReady(5000));
+    for (int call = 0; call < 2 * channels; ++call) {
+      std::vector<PageKey> keys;
+      for (const PageWrite& w : pages) keys.push_back(w.key);
+      std::vector<PageRef> out;
+      STRATA_ASSERT_OK(client->GetPages(keys, &out));
+      for (size_t i = 0; i < keys.size(); ++i) {
+        ASSERT_NE(out[i], nullptr);
+        ASSERT_EQ(out[i]->view(), pages[i].data->view()) << "call " << call << " page " << i;
+      }
+      STRATA_ASSERT_OK(client->Put(absl::MakeSpan(pages).subspan(0, 2), {}));  // rewrites, same bytes
+    }
+    // The first connection is the one the fixture's client already holds (channels with the same
+    // target and arguments share it); each further data channel has its own.
+    EXPECT_EQ(EstablishedOnPort(server_->port()) - before, channels - 1);
+  }
+  (void)id;
 }
 
 TEST_F(ServiceTest, BadInputGetsCanonicalCodesAndStoresNothing) {
