@@ -32,6 +32,7 @@ struct KvstoreFlags {
   int64_t gc_interval_seconds = 60;
   int64_t max_message_mib = 64;
   int64_t threads = 8;
+  int64_t deferred_mib = 1024;
   bool sync = true;
 };
 
@@ -59,6 +60,7 @@ int Serve(const KvstoreFlags& f) {
   options.max_message_bytes = f.max_message_mib << 20;
   options.gc_interval_ms = f.gc_interval_seconds * 1000;
   options.service.num_threads = static_cast<int>(f.threads);
+  options.service.max_deferred_total_bytes = f.deferred_mib << 20;
   absl::StatusOr<std::unique_ptr<kvstore::KvStoreServer>> server =
       kvstore::KvStoreServer::Start(options, &metrics);
   if (!server.ok()) {
@@ -69,7 +71,8 @@ int Serve(const KvstoreFlags& f) {
   STRATA_LOG(INFO) << "kvstore serving grpc=" << host << ":" << (*server)->port()
                    << " metrics_port=" << metrics_port << " data=" << f.data
                    << " sync=" << f.sync << " gc_interval_s=" << f.gc_interval_seconds
-                   << " max_message_mib=" << f.max_message_mib << " threads=" << f.threads;
+                   << " max_message_mib=" << f.max_message_mib << " threads=" << f.threads
+                   << " deferred_mib=" << f.deferred_mib;
   if (!f.port_file.empty()) {
     if (absl::Status s = WritePortFile(f.port_file, (*server)->port(), metrics_port); !s.ok()) {
       std::fprintf(stderr, "strata kvstore: %s\n", s.ToString().c_str());
@@ -98,12 +101,15 @@ int RunKvstore(int argc, char** argv) {
             "period of the collector of expired unpinned documents (0: off)");
   flags.Int("max-message-mib", &f.max_message_mib, "largest accepted request message, MiB");
   flags.Int("threads", &f.threads, "storage worker threads");
+  flags.Int("deferred-mib", &f.deferred_mib,
+            "most MiB of a prefill's page writes held in memory at once, over all streams, before "
+            "they are stored as ingested batches");
   flags.Bool("sync", &f.sync, "sync the write-ahead log before acknowledging writes");
   const absl::Status parse = flags.Parse(argc, argv);
   if (!parse.ok() || flags.help_requested()) return ReportAndExit(flags, parse);
-  if (f.gc_interval_seconds < 0 || f.max_message_mib < 1 || f.threads < 1) {
-    std::fprintf(stderr, "strata kvstore: --gc-interval-seconds >= 0, --max-message-mib >= 1 and "
-                         "--threads >= 1 required\n");
+  if (f.gc_interval_seconds < 0 || f.max_message_mib < 1 || f.threads < 1 || f.deferred_mib < 1) {
+    std::fprintf(stderr, "strata kvstore: --gc-interval-seconds >= 0, --max-message-mib >= 1, "
+                         "--threads >= 1 and --deferred-mib >= 1 required\n");
     return 2;
   }
   return Serve(f);

@@ -174,6 +174,16 @@ absl::Status RemoteStore::GetPages(absl::Span<const PageKey> keys, std::vector<P
 
 absl::Status RemoteStore::Put(absl::Span<const PageWrite> pages,
                               absl::Span<const SummaryWrite> summaries) {
+  return Write(pages, summaries, /*deferred=*/false);
+}
+
+absl::Status RemoteStore::PutDeferred(absl::Span<const PageWrite> pages,
+                                      absl::Span<const SummaryWrite> summaries) {
+  return Write(pages, summaries, /*deferred=*/true);
+}
+
+absl::Status RemoteStore::Write(absl::Span<const PageWrite> pages,
+                                absl::Span<const SummaryWrite> summaries, bool deferred) {
   std::map<DocumentId, std::pair<std::vector<size_t>, std::vector<size_t>>> by_doc;
   for (size_t i = 0; i < pages.size(); ++i) by_doc[pages[i].key.document].first.push_back(i);
   for (size_t i = 0; i < summaries.size(); ++i) {
@@ -191,6 +201,7 @@ absl::Status RemoteStore::Put(absl::Span<const PageWrite> pages,
     auto flush = [&]() {
       if (message.pages_size() == 0 && message.summaries_size() == 0) return;
       message.set_document_id(doc.ToHex());
+      message.set_deferred(deferred);
       if (!writer->Write(message)) write_failed = true;
       message.Clear();
       bytes = 0;

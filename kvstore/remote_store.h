@@ -3,7 +3,8 @@
 // Every call sets a deadline (RemoteStoreOptions::timeout_ms). Page reads verify each page's
 // checksum on arrival (DataLoss). Put sends one PutPages stream per document, split into
 // messages of at most max_message_bytes, and returns once the service has acknowledged the whole
-// stream durable. gRPC errors map to absl codes 1:1. Thread-safe (one channel, shared).
+// stream durable; PutDeferred the same with the messages marked deferred (one ingested batch on
+// the service). gRPC errors map to absl codes 1:1. Thread-safe (the channels are shared).
 #ifndef STRATA_KVSTORE_REMOTE_STORE_H_
 #define STRATA_KVSTORE_REMOTE_STORE_H_
 
@@ -52,6 +53,11 @@ class RemoteStore final : public PageStore, public DocumentCatalog {
   absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) override;
   absl::Status Put(absl::Span<const PageWrite> pages,
                    absl::Span<const SummaryWrite> summaries) override;
+  // Put with every message marked deferred: the service stores each call's stream as one
+  // PutDeferred batch of its local store (ingested as SST files) instead of a synced write per
+  // message; stored (durable with ingestion, else at FinalizeDocument) when it returns.
+  absl::Status PutDeferred(absl::Span<const PageWrite> pages,
+                           absl::Span<const SummaryWrite> summaries) override;
   absl::Status GetSummaries(absl::Span<const SummaryKey> keys, std::vector<PageRef>* out) override;
 
   absl::StatusOr<v1::Document> CreateDocument(const v1::CreateDocumentRequest& request,
@@ -80,6 +86,9 @@ class RemoteStore final : public PageStore, public DocumentCatalog {
   std::unique_ptr<KvMetrics> own_metrics_;
   TierMetrics m_;
   prometheus::Counter* bytes_in_ = nullptr;  // fetch bytes src=remote dst=host
+  // Put and PutDeferred: one PutPages stream per document.
+  absl::Status Write(absl::Span<const PageWrite> pages, absl::Span<const SummaryWrite> summaries,
+                     bool deferred);
   // The next data stub, in turn (data_channels of them; the first is stub_'s channel).
   v1::KvStore::Stub* DataStub();
 

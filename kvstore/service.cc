@@ -135,16 +135,28 @@ class GetPagesReactor final : public grpc::ServerWriteReactor<v1::GetPagesRespon
 };
 
 // Each message is validated and written as one synced batch before the next is read, so the
-// final response means the whole stream is durable.
+// final response means the whole stream is durable. Deferred messages (a WRITING document's bulk
+// writes) are gathered, up to max_deferred_bytes, and stored as one PutDeferred batch (ingested
+// as SST files by the local store) before a non-deferred message, at the cap, or at the stream's
+// end, before the final response.
 class PutPagesReactor final : public grpc::ServerReadReactor<v1::PutPagesRequest> {
  public:
   PutPagesReactor(Shared* shared, v1::PutPagesResponse* response)
       : shared_(shared), response_(response) {
     StartRead(&request_);
   }
+  // A stream that failed with writes still gathered gives their bytes back.
+  ~PutPagesReactor() override { shared_->deferred_bytes.fetch_sub(gathered_bytes_); }
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed (or went away): every batch so far is durable
-      Finish(grpc::Status::OK);
+    if (!ok) {  // the client half-closed (or went away): store what is gathered, then answer
+      if (gathered_pages_.empty() && gathered_summaries_.empty()) {
+        Finish(grpc::Status::OK);
+        return;
+      }
+      shared_->executor->Post([this] {
+        const absl::Status s = StoreGathered();
+        Finish(s.ok() ? grpc::Status::OK : Error(s));
+      });
       return;
     }
     shared_->executor->Post([this] { Apply(); });
@@ -152,6 +164,21 @@ class PutPagesReactor final : public grpc::ServerReadReactor<v1::PutPagesRequest
   void OnDone() override { delete this; }
 
  private:
+  // Stores the gathered deferred writes as one PutDeferred batch.
+  absl::Status StoreGathered() {
+    if (gathered_pages_.empty() && gathered_summaries_.empty()) return absl::OkStatus();
+    const absl::Status s = shared_->store->PutDeferred(gathered_pages_, gathered_summaries_);
+    if (s.ok()) {
+      response_->set_pages_written(response_->pages_written() + gathered_pages_.size());
+      response_->set_summaries_written(response_->summaries_written() + gathered_summaries_.size());
+    }
+    gathered_pages_.clear();
+    gathered_summaries_.clear();
+    shared_->deferred_bytes.fetch_sub(gathered_bytes_);
+    gathered_bytes_ = 0;
+    return s;
+  }
+
   void Apply() {
     const int64_t n = request_.pages_size() + request_.summaries_size();
     if (n > shared_->options.max_keys_per_request) {
@@ -187,7 +214,30 @@ class PutPagesReactor final : public grpc::ServerReadReactor<v1::PutPagesRequest
           SummaryKey{*id, s.key().layer(), s.key().kv_head(), s.key().kind(), s.key().index()},
           *std::move(data)});
     }
-    absl::Status s = shared_->store->Put(pages, summaries);
+    if (request_.deferred()) {
+      int64_t added = 0;
+      for (PageWrite& w : pages) {
+        added += static_cast<int64_t>(w.data->size());
+        gathered_pages_.push_back(std::move(w));
+      }
+      for (SummaryWrite& w : summaries) {
+        added += static_cast<int64_t>(w.data->size());
+        gathered_summaries_.push_back(std::move(w));
+      }
+      gathered_bytes_ += added;
+      const int64_t total = shared_->deferred_bytes.fetch_add(added) + added;
+      if (gathered_bytes_ >= shared_->options.max_deferred_bytes ||
+          total >= shared_->options.max_deferred_total_bytes) {
+        if (absl::Status s = StoreGathered(); !s.ok()) {
+          Finish(Error(s));
+          return;
+        }
+      }
+      StartRead(&request_);
+      return;
+    }
+    absl::Status s = StoreGathered();  // deferred writes before this one
+    if (s.ok()) s = shared_->store->Put(pages, summaries);
     if (!s.ok()) {
       Finish(Error(s));
       return;
@@ -200,6 +250,9 @@ class PutPagesReactor final : public grpc::ServerReadReactor<v1::PutPagesRequest
   Shared* shared_;
   v1::PutPagesResponse* response_;
   v1::PutPagesRequest request_;
+  std::vector<PageWrite> gathered_pages_;  // deferred messages not yet stored
+  std::vector<SummaryWrite> gathered_summaries_;
+  int64_t gathered_bytes_ = 0;
 };
 
 class GetSummariesReactor final : public grpc::ServerWriteReactor<v1::GetSummariesResponse> {
@@ -303,9 +356,11 @@ grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* ctx, internal::E
 }  // namespace
 
 absl::Status KvStoreServiceOptions::Validate() const {
-  if (max_keys_per_request < 1 || max_response_bytes < 1 || num_threads < 1) {
+  if (max_keys_per_request < 1 || max_response_bytes < 1 || num_threads < 1 || max_deferred_bytes < 1 ||
+      max_deferred_total_bytes < 1) {
     return absl::InvalidArgumentError(
-        "kvstore service: max_keys_per_request, max_response_bytes and num_threads must be >= 1");
+        "kvstore service: max_keys_per_request, max_response_bytes, num_threads, max_deferred_bytes and "
+        "max_deferred_total_bytes must be >= 1");
   }
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 #ifndef STRATA_KVSTORE_SERVICE_H_
 #define STRATA_KVSTORE_SERVICE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -38,6 +39,12 @@ struct KvStoreServiceOptions {
   int64_t max_response_bytes = int64_t{4} << 20;
   // Threads doing storage work. Default: 8.
   int num_threads = 8;
+  // Bytes of deferred PutPages messages one stream gathers before it stores them as one
+  // PutDeferred batch (a worker's prefill sends batches of ~128 MiB, one stream each), and the
+  // most all streams hold at once (a stream past it stores what it gathered). Defaults: 256 MiB,
+  // 1 GiB.
+  int64_t max_deferred_bytes = int64_t{256} << 20;
+  int64_t max_deferred_total_bytes = int64_t{1} << 30;
 
   absl::Status Validate() const;
 };
@@ -81,6 +88,7 @@ class KvStoreService final : public v1::KvStore::CallbackService {
     TierMetrics remote;                      // tier "remote": what clients looked up here
     prometheus::Counter* sent_bytes;         // fetch bytes src=disk dst=remote
     std::unique_ptr<internal::Executor> executor;
+    std::atomic<int64_t> deferred_bytes{0};  // gathered by every PutPages stream, not yet stored
   };
 
  private:

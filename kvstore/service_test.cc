@@ -61,6 +61,7 @@ class ServiceTest : public ::testing::Test {
     o.max_message_bytes = 1 << 20;
     o.service.max_keys_per_request = 1000;
     o.service.max_response_bytes = 64 << 10;  // several pages per message, several messages
+    o.service.max_deferred_bytes = 200 << 10;  // a deferred stream stores several batches
     o.gc_interval_ms = 0;
     STRATA_ASSERT_OK_AND_ASSIGN(server_, KvStoreServer::Start(o, server_metrics_.get()));
     client_metrics_ = std::make_unique<KvMetrics>(&client_registry_);
@@ -212,6 +213,38 @@ TEST_F(ServiceTest, DataCallsTakeTheirConnectionsInTurn) {
     EXPECT_EQ(EstablishedOnPort(server_->port()) - before, channels - 1);
   }
   (void)id;
+}
+
+// PutDeferred: the stream's messages (100 KiB each) are gathered and stored as deferred batches
+// (200 KiB at most here); the pages read back bit-exact, the document finalizes complete, and a
+// READY document refuses more deferred writes with FAILED_PRECONDITION.
+TEST_F(ServiceTest, DeferredStreamsStoreGatheredBatches) {
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(SmallLayout(3, 2, 16, 64), 200, kSeed);
+  bool created = false;
+  STRATA_ASSERT_OK(remote_->CreateDocument(r, &created).status());
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  MakeDocumentWrites(r, kSeed, &pages, &summaries);
+  const DocumentId id = *DocumentId::FromHex(r.document_id());
+  // The pages (78 of 4 KiB: 312 KiB, more than one gathered batch) in one call, the summaries in a
+  // second.
+  ASSERT_GT(pages.size() * pages[0].data->size(), size_t{200} << 10);
+  STRATA_ASSERT_OK(remote_->PutDeferred(pages, {}));
+  STRATA_ASSERT_OK(remote_->PutDeferred({}, summaries));
+  std::vector<PageKey> keys;
+  for (const PageWrite& w : pages) keys.push_back(w.key);
+  std::vector<PageRef> out;
+  STRATA_ASSERT_OK(remote_->GetPages(keys, &out));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_NE(out[i], nullptr) << i;
+    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
+  }
+  STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, remote_->FinalizeDocument(id));
+  EXPECT_EQ(ready.state(), v1::DOCUMENT_STATE_READY);
+  EXPECT_EQ(ready.stored_pages(), pages.size());
+  EXPECT_EQ(ready.stored_summaries(), summaries.size());
+  EXPECT_THAT(remote_->PutDeferred(absl::MakeSpan(pages).subspan(0, 1), {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 TEST_F(ServiceTest, BadInputGetsCanonicalCodesAndStoresNothing) {
