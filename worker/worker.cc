@@ -647,7 +647,7 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
   std::vector<float> k_rows, v_rows;  // [tokens, H, d], the decoding path
   std::unique_ptr<kernels::Buffer> kdev, vdev;
   const bool host = backend->Name() == "cpu";
-  double wait_s = 0, copy_s = 0;
+  double wait_s = 0;
 
   fetch_ahead();
   for (size_t bi = 0; bi < order.size(); ++bi) {
@@ -659,7 +659,6 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
     fetch_ahead();
     STRATA_RETURN_IF_ERROR(b.status);
     AddTiers(pages_read, b.read);
-    const Stopwatch copied;
     const int l = order[bi].first;
     const int64_t p0 = order[bi].second, p1 = std::min(end_page, p0 + batch_pages);
     for (size_t i = 0; i < b.keys.size(); ++i) {
@@ -736,12 +735,10 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
     }
     if (policy != nullptr) STRATA_RETURN_IF_ERROR(policy->OnAppend(l, *cache, first, first + rows));
     if (device != nullptr) STRATA_RETURN_IF_ERROR(device->OnAppend(l, *cache, first, first + rows, nullptr));
-    copy_s += copied.ElapsedSeconds();
   }
   if (times != nullptr) {
     times->seconds += total.ElapsedSeconds();
     times->fetch_wait_seconds += wait_s;
-    times->copy_seconds += copy_s;
   }
   return absl::OkStatus();
 }

@@ -461,18 +461,17 @@ class Worker {
   absl::StatusOr<std::shared_ptr<const MountedShard>> GetOrMount(const v1::ShardRange& range,
                                                                  kvstore::TierCounts* pages,
                                                                  bool check_capacity, bool device);
-  // Where a LoadPages call's time went (seconds, added to): in all; waiting for the store's
-  // reads (which run ahead on other threads); verifying and copying pages into the cache (and the
-  // policies' OnAppend).
+  // Where a LoadPages call's time went (seconds, added to): in all, and waiting for the store's
+  // reads (which run ahead on other threads); the rest verified and copied pages into the cache.
   struct LoadTimes {
-    double seconds = 0, fetch_wait_seconds = 0, copy_seconds = 0;
+    double seconds = 0, fetch_wait_seconds = 0;
   };
   // Appends tokens [first_page * P, min(end_page * P, doc_tokens)) of every layer of document
   // `id` from the store to `cache` (policy->OnAppend and device->OnAppend for those not null). A
   // missing page is an error with `missing_code`, a corrupt one DataLoss. Adds the pages read per
-  // tier to *pages and, when `times` is set, the time taken to *times. The store is read four
-  // batches ahead (STRATA_LOAD_READERS) (WorkerOptions::mount_batch_pages pages of every KV head of a layer) on other
-  // threads; a bf16 cache takes the stored pages through KvCache::AppendPages.
+  // tier to *pages and, when `times` is set, the time taken to *times. The store is read on other
+  // threads, four batches (STRATA_LOAD_READERS) of WorkerOptions::mount_batch_pages pages of every
+  // KV head of a layer ahead; a bf16 cache takes the stored pages through KvCache::AppendPages.
   absl::Status LoadPages(const kvstore::DocumentId& id, int64_t doc_tokens, int64_t first_page, int64_t end_page,
                          kernels::Backend* backend, engine::KvCache* cache, engine::AttentionPolicy* policy,
                          engine::sparse::DevicePolicy* device, const std::atomic<bool>* cancelled,

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -370,20 +371,16 @@ TEST_F(WorkerTest, SparsePolicyAttendsLessThanTheContext) {
   EXPECT_EQ(last.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
 }
 
-// A store whose page (layer 1, head 0, page 1) comes back with one byte of its K flipped.
-class FlipPageStore final : public kvstore::PageStore {
+// A store that forwards to `inner` and passes every page it returns through `edit`, which may
+// replace it or drop it (null).
+class EditPageStore : public kvstore::PageStore {
  public:
-  explicit FlipPageStore(kvstore::PageStore* inner) : inner_(inner) {}
+  using Edit = std::function<absl::Status(const kvstore::PageKey&, kvstore::PageRef*)>;
+  EditPageStore(kvstore::PageStore* inner, Edit edit) : inner_(inner), edit_(std::move(edit)) {}
   const char* tier() const override { return "disk"; }
   absl::Status GetPages(absl::Span<const kvstore::PageKey> keys, std::vector<kvstore::PageRef>* out) override {
     STRATA_RETURN_IF_ERROR(inner_->GetPages(keys, out));
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (keys[i].layer == 1 && keys[i].kv_head == 0 && keys[i].page_index == 1 && (*out)[i] != nullptr) {
-        std::string bytes((*out)[i]->view());
-        bytes[40] ^= 0x10;
-        STRATA_ASSIGN_OR_RETURN((*out)[i], kvstore::PageBuffer::Copy(bytes));
-      }
-    }
+    for (size_t i = 0; i < keys.size(); ++i) STRATA_RETURN_IF_ERROR(edit_(keys[i], &(*out)[i]));
     return absl::OkStatus();
   }
   absl::Status Put(absl::Span<const kvstore::PageWrite> p, absl::Span<const kvstore::SummaryWrite> s) override {
@@ -395,6 +392,21 @@ class FlipPageStore final : public kvstore::PageStore {
 
  private:
   kvstore::PageStore* inner_;
+  Edit edit_;
+};
+
+// A store whose page (layer 1, head 0, page 1) comes back with one byte of its K flipped.
+class FlipPageStore final : public EditPageStore {
+ public:
+  explicit FlipPageStore(kvstore::PageStore* inner)
+      : EditPageStore(inner, [](const kvstore::PageKey& k, kvstore::PageRef* page) -> absl::Status {
+          if (k.layer == 1 && k.kv_head == 0 && k.page_index == 1 && *page != nullptr) {
+            std::string bytes((*page)->view());
+            bytes[40] ^= 0x10;
+            STRATA_ASSIGN_OR_RETURN(*page, kvstore::PageBuffer::Copy(bytes));
+          }
+          return absl::OkStatus();
+        }) {}
 };
 
 // The document's pages load a page of every KV head at a time (mount_batch_pages 1: a batch per
@@ -990,26 +1002,13 @@ TEST_F(LazyAttentionTest, SelectionCacheReusesPagesOnBothPathsAlike) {
 }
 
 // A store that answers null for page 3 of every (layer, KV head).
-class HolePageStore final : public kvstore::PageStore {
+class HolePageStore final : public EditPageStore {
  public:
-  explicit HolePageStore(kvstore::PageStore* inner) : inner_(inner) {}
-  const char* tier() const override { return "disk"; }
-  absl::Status GetPages(absl::Span<const kvstore::PageKey> keys, std::vector<kvstore::PageRef>* out) override {
-    STRATA_RETURN_IF_ERROR(inner_->GetPages(keys, out));
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (keys[i].page_index == 3) (*out)[i] = nullptr;
-    }
-    return absl::OkStatus();
-  }
-  absl::Status Put(absl::Span<const kvstore::PageWrite> p, absl::Span<const kvstore::SummaryWrite> s) override {
-    return inner_->Put(p, s);
-  }
-  absl::Status GetSummaries(absl::Span<const kvstore::SummaryKey> keys, std::vector<kvstore::PageRef>* out) override {
-    return inner_->GetSummaries(keys, out);
-  }
-
- private:
-  kvstore::PageStore* inner_;
+  explicit HolePageStore(kvstore::PageStore* inner)
+      : EditPageStore(inner, [](const kvstore::PageKey& k, kvstore::PageRef* page) {
+          if (k.page_index == 3) *page = nullptr;
+          return absl::OkStatus();
+        }) {}
 };
 
 TEST_F(LazyAttentionTest, PageMissingFromTheStoreIsDataLossAndBadCallsAreRefused) {
