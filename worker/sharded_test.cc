@@ -238,6 +238,8 @@ class ShardedTest : public ::testing::Test {
     for (int i = 0; i < kWorkers; ++i) {
       STRATA_ASSERT_OK(workers_[i]->PrefillShard(Prefill(i, v1::PREFILL_MODE_EXACT), nullptr, nullptr));
       EXPECT_EQ(State(), i + 1 < kWorkers ? v1::DOCUMENT_STATE_WRITING : v1::DOCUMENT_STATE_READY) << "shard " << i;
+      // Every shard after the first loads the earlier ones' pages (strata_page_load_seconds).
+      EXPECT_EQ(metrics_[i]->page_load_prefill->Collect().histogram.sample_count, i > 0 ? 1u : 0u) << "shard " << i;
     }
   }
   std::vector<int32_t> Reference(int max_tokens, const std::vector<int32_t>* prompt = nullptr) {

@@ -346,6 +346,16 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* r) {
                              .Register(*r)
                              .Add({}, prometheus::Histogram::BucketBoundaries{0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                                                                               60, 120, 300, 600, 1800, 3600});
+  auto& page_load = prometheus::BuildHistogram()
+                        .Name("strata_page_load_seconds")
+                        .Help("Loading a document's stored pages into a KV cache: a shard's mount (mount), the "
+                              "earlier shards of an exact prefill (prefill), a full-mount job's document (job).")
+                        .Register(*r);
+  const prometheus::Histogram::BucketBoundaries load_buckets{0.01, 0.05, 0.1, 0.25, 0.5, 1,  2.5,
+                                                             5,    10,   30,  60,   120, 300, 600};
+  page_load_mount = &page_load.Add({{"use", "mount"}}, load_buckets);
+  page_load_prefill = &page_load.Add({{"use", "prefill"}}, load_buckets);
+  page_load_job = &page_load.Add({{"use", "job"}}, load_buckets);
   shard_attention_layers =
       NewCounter(r, "strata_shard_attention_layers_total",
                  "Layer calls of a sharded job's attention over the document's shards, on its leader.");
@@ -859,6 +869,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), backend_, cache.get(),
                                      policy.get(), device.get(), cancelled, absl::StatusCode::kFailedPrecondition,
                                      &pages, &earlier));
+    if (metrics_ != nullptr) metrics_->page_load_prefill->Observe(earlier.seconds);
   } else if (!anchor.empty()) {
     const int64_t a = static_cast<int64_t>(anchor.size());
     STRATA_ASSIGN_OR_RETURN(
@@ -1348,6 +1359,7 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
                                      nullptr, absl::StatusCode::kDataLoss, &read, &times));
     STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
     AddTiers(pages, read);
+    if (metrics_ != nullptr) metrics_->page_load_mount->Observe(times.seconds);
     STRATA_LOG(INFO) << "worker: shard " << ShardKey(range) << " loaded " << (on_device ? "on the device" : "in host memory")
                      << ": " << (read.host + read.local + read.remote) << " pages in " << times.seconds
                      << " s (waiting for the store " << times.fetch_wait_seconds << " s; pages from host "
@@ -1862,8 +1874,10 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   // Mount: load every page of the document from the store into the cache, layer by layer.
   if (has_doc && !sharded && lazy == nullptr) {
     kvstore::TierCounts served;
+    LoadTimes times;
     STRATA_RETURN_IF_ERROR(LoadPages(doc_id, doc_tokens, 0, (doc_tokens + P - 1) / P, backend_, cache.get(), policy.get(),
-                                     device.get(), &cancelled, absl::StatusCode::kDataLoss, &served));
+                                     device.get(), &cancelled, absl::StatusCode::kDataLoss, &served, &times));
+    if (metrics_ != nullptr) metrics_->page_load_job->Observe(times.seconds);
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
     tiers->set_host(static_cast<uint64_t>(served.host));
     tiers->set_disk(static_cast<uint64_t>(served.local));

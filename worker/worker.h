@@ -289,6 +289,12 @@ struct WorkerMetrics {
   // consecutive tokens. Buckets as docs/metrics.md.
   prometheus::Histogram* time_to_first_token;
   prometheus::Histogram* inter_token_latency;
+  // strata_page_load_seconds{use="mount"|"prefill"|"job"}: loading a document's stored pages into
+  // a KV cache (Worker::LoadPages): a shard's mount, the earlier shards an exact prefill attends,
+  // a full-mount job's document.
+  prometheus::Histogram* page_load_mount;
+  prometheus::Histogram* page_load_prefill;
+  prometheus::Histogram* page_load_job;
   // strata_shard_attention_layers_total and strata_shard_attention_seconds_total{part="local"|
   // "peers"}: a sharded job's leader, per layer call of its attention over the document's shards
   // (LeaderAttention::Timing): the calls, the seconds in its own shards' sessions, and the seconds

@@ -448,6 +448,25 @@ TEST_F(WorkerTest, PagesLoadInSmallBatchesAndACorruptOneIsDataLoss) {
   }
 }
 
+// strata_page_load_seconds: a full-mount job's load (use "job") and a shard's mount ("mount")
+// are each one observation.
+TEST_F(WorkerTest, PageLoadsAreTimed) {
+  ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), nullptr, nullptr).ok());
+  auto count = [](prometheus::Histogram* h) { return h->Collect().histogram.sample_count; };
+  EXPECT_EQ(count(metrics_->page_load_job), 0u);
+  const v1::JobInfo info = Run(worker_.get(), JobRequest("timed", {1, 2}));
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  EXPECT_EQ(count(metrics_->page_load_job), 1u);
+  EXPECT_GT(metrics_->page_load_job->Collect().histogram.sample_sum, 0.0);
+  v1::MountShardRequest m;
+  m.mutable_shard()->set_document_id(kDocId);
+  m.mutable_shard()->set_first_page(0);
+  m.mutable_shard()->set_end_page(3);
+  STRATA_ASSERT_OK(worker_->MountShard(m).status());
+  EXPECT_EQ(count(metrics_->page_load_mount), 1u);
+  EXPECT_EQ(count(metrics_->page_load_prefill), 0u);  // anchor prefill: nothing loaded
+}
+
 // kv_cache_dtype "fp8": the job's cache holds e4m3 codes (the persisted bf16 pages rounded on
 // load, the prompt and generated tokens as computed), dense and sparse jobs run over it, and the
 // dense job's tokens follow a local Generate over an fp8 cache (which rounds the document's KV
