@@ -130,6 +130,34 @@ class FailingAllocator final : public PageAllocator {
   void Free(void*, size_t) override {}
 };
 
+// An adopted page (PageBuffer::Adopt: a received message's bytes, no allocator) holds the very
+// bytes it was given; a cache with an allocator copies it into its own memory.
+TEST(HostCacheTest, AdoptedPagesKeepTheirBytesAndAreCopiedIn) {
+  std::string bytes(300, 'z');
+  bytes[7] = 'q';
+  const char* where = bytes.data();
+  const PageRef adopted = PageBuffer::Adopt(std::move(bytes));
+  EXPECT_EQ(adopted->data(), where);  // not copied
+  EXPECT_EQ(adopted->size(), 300u);
+  EXPECT_EQ(adopted->view()[7], 'q');
+  EXPECT_EQ(adopted->allocator(), nullptr);
+  CountingAllocator alloc;
+  {
+    HostCacheOptions o;
+    o.capacity_bytes = 1000;
+    o.allocator = &alloc;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cache, HostCache::Create(o));
+    STRATA_ASSERT_OK(cache->Put({PageWrite{Key(0), adopted}}, {}));
+    EXPECT_EQ(alloc.live(), 300);
+    std::vector<PageRef> out;
+    const std::vector<PageKey> keys = {Key(0)};
+    STRATA_ASSERT_OK(cache->GetPages(keys, &out));
+    EXPECT_EQ(out[0]->allocator(), &alloc);
+    EXPECT_EQ(out[0]->view(), adopted->view());
+  }
+  EXPECT_EQ(alloc.live(), 0);
+}
+
 TEST(HostCacheTest, SummariesKeepTheirMemoryAndAFailingAllocatorStillCaches) {
   CountingAllocator alloc;
   {

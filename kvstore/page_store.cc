@@ -37,7 +37,13 @@ absl::StatusOr<PageRef> PageBuffer::Copy(absl::string_view bytes, PageAllocator*
   return PageRef(*std::move(buffer));
 }
 
-PageBuffer::~PageBuffer() { allocator_->Free(data_, size_); }
+std::shared_ptr<const PageBuffer> PageBuffer::Adopt(std::string bytes) {
+  return std::shared_ptr<const PageBuffer>(new PageBuffer(std::move(bytes)));
+}
+
+PageBuffer::~PageBuffer() {
+  if (allocator_ != nullptr) allocator_->Free(data_, size_);
+}
 
 v1::KvLayout LayoutToProto(const KvLayout& layout) {
   v1::KvLayout p;

@@ -88,6 +88,8 @@ class PageBuffer {
   // `bytes` of uninitialized memory from `allocator`, for the caller to fill through
   // mutable_data() before it shares the buffer (as a PageRef). ResourceExhausted as Copy.
   static absl::StatusOr<std::shared_ptr<PageBuffer>> Allocate(size_t bytes, PageAllocator* allocator = nullptr);
+  // Takes `bytes` without copying them (e.g. a page of a received message); allocator() is null.
+  static std::shared_ptr<const PageBuffer> Adopt(std::string bytes);
   ~PageBuffer();
   PageBuffer(const PageBuffer&) = delete;
   PageBuffer& operator=(const PageBuffer&) = delete;
@@ -96,11 +98,15 @@ class PageBuffer {
   char* mutable_data() { return data_; }
   size_t size() const { return size_; }
   absl::string_view view() const { return absl::string_view(data_, size_); }
+  // The allocator the bytes came from; null for adopted bytes.
   PageAllocator* allocator() const { return allocator_; }
 
  private:
   PageBuffer(char* data, size_t size, PageAllocator* allocator)
       : data_(data), size_(size), allocator_(allocator) {}
+  explicit PageBuffer(std::string bytes)
+      : owned_(std::move(bytes)), data_(owned_.data()), size_(owned_.size()), allocator_(nullptr) {}
+  std::string owned_;  // adopted bytes (Adopt), else empty
   char* data_;
   size_t size_;
   PageAllocator* allocator_;

@@ -129,14 +129,9 @@ absl::Status RemoteStore::GetPagesOfDocument(const DocumentId& doc, absl::Span<c
                                                    h.status().message()));
           break;
         }
-        absl::StatusOr<PageRef> ref = PageBuffer::Copy(p.data());
-        if (!ref.ok()) {
-          error = ref.status();
-          break;
-        }
         bytes += static_cast<int64_t>(p.data().size());
         ++hits;
-        (*out)[positions[next]] = *std::move(ref);
+        (*out)[positions[next]] = PageBuffer::Adopt(std::move(*p.mutable_data()));
       }
       ++next;
     }
