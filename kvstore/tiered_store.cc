@@ -30,7 +30,7 @@ template <typename Key, typename Write>
 absl::Status TieredStore::Get(absl::Span<const Key> keys, std::vector<PageRef>* out,
                               absl::Status (PageStore::*get)(absl::Span<const Key>,
                                                              std::vector<PageRef>*),
-                              TierCounts* counts) {
+                              TierCounts* counts, bool fill_host) {
   out->assign(keys.size(), nullptr);
   std::vector<size_t> missing(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) missing[i] = i;
@@ -56,7 +56,7 @@ absl::Status TieredStore::Get(absl::Span<const Key> keys, std::vector<PageRef>* 
       }
       (*out)[missing[j]] = got[j];
       ++served[t];
-      if (tier != options_.host && options_.host != nullptr) {
+      if (fill_host && tier != options_.host && options_.host != nullptr) {
         fill.push_back(MakeWrite(ask[j], got[j]));
       }
     }
@@ -79,8 +79,8 @@ absl::Status TieredStore::GetPages(absl::Span<const PageKey> keys, std::vector<P
 }
 
 absl::Status TieredStore::GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out,
-                                   TierCounts* counts) {
-  return Get<PageKey, PageWrite>(keys, out, &PageStore::GetPages, counts);
+                                   TierCounts* counts, bool fill_host) {
+  return Get<PageKey, PageWrite>(keys, out, &PageStore::GetPages, counts, fill_host);
 }
 
 absl::Status TieredStore::GetSummaries(absl::Span<const SummaryKey> keys,

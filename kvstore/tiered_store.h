@@ -43,9 +43,11 @@ class TieredStore final : public PageStore {
   // Errors of a tier (e.g. DataLoss from a corrupt local page, Unavailable from the service)
   // fail the call.
   absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) override;
-  // GetPages that also adds to `counts` how many pages each tier served (for per-job usage).
+  // GetPages that also adds to `counts` how many pages each tier served (for per-job usage) and,
+  // with `fill_host` false, leaves the host cache as it was: a bulk load whose pages go on to a
+  // cache of their own (a shard's mount) would otherwise flood tier H and evict what it held.
   absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out,
-                        TierCounts* counts);
+                        TierCounts* counts, bool fill_host = true);
   absl::Status Put(absl::Span<const PageWrite> pages,
                    absl::Span<const SummaryWrite> summaries) override;
   absl::Status PutDeferred(absl::Span<const PageWrite> pages,
@@ -62,7 +64,7 @@ class TieredStore final : public PageStore {
   template <typename Key, typename Write>
   absl::Status Get(absl::Span<const Key> keys, std::vector<PageRef>* out,
                    absl::Status (PageStore::*get)(absl::Span<const Key>, std::vector<PageRef>*),
-                   TierCounts* counts);
+                   TierCounts* counts, bool fill_host = true);
 
   TieredStoreOptions options_;
 };

@@ -587,7 +587,7 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
                                int64_t end_page, kernels::Backend* backend, engine::KvCache* cache,
                                engine::AttentionPolicy* policy, engine::sparse::DevicePolicy* device,
                                const std::atomic<bool>* cancelled, absl::StatusCode missing_code,
-                               kvstore::TierCounts* pages_read, LoadTimes* times) {
+                               bool fill_host, kvstore::TierCounts* pages_read, LoadTimes* times) {
   const model::ModelConfig& c = model_->config;
   const int L = static_cast<int>(c.num_layers), H = static_cast<int>(c.num_kv_heads), d = static_cast<int>(c.head_dim);
   const int P = options_.page_size;
@@ -609,7 +609,7 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
     kvstore::TierCounts read;
     absl::Status status;
   };
-  auto fetch = [this, tiered, remote_tier, &doc_id, H](int l, int64_t p0, int64_t p1) {
+  auto fetch = [this, tiered, remote_tier, fill_host, &doc_id, H](int l, int64_t p0, int64_t p1) {
     Batch b;
     for (int64_t p = p0; p < p1; ++p) {
       for (int g = 0; g < H; ++g) {
@@ -617,7 +617,7 @@ absl::Status Worker::LoadPages(const kvstore::DocumentId& doc_id, int64_t doc_to
       }
     }
     if (tiered != nullptr) {
-      b.status = tiered->GetPages(b.keys, &b.pages, &b.read);
+      b.status = tiered->GetPages(b.keys, &b.pages, &b.read, fill_host);
     } else {
       b.status = store_->GetPages(b.keys, &b.pages);
       (remote_tier ? b.read.remote : b.read.local) += static_cast<int64_t>(b.keys.size());
@@ -868,7 +868,7 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
     kvstore::TierCounts pages;
     STRATA_RETURN_IF_ERROR(LoadPages(id, num_tokens, 0, static_cast<int64_t>(first_page), backend_, cache.get(),
                                      policy.get(), device.get(), cancelled, absl::StatusCode::kFailedPrecondition,
-                                     &pages, &earlier));
+                                     /*fill_host=*/false, &pages, &earlier));
     if (metrics_ != nullptr) metrics_->page_load_prefill->Observe(earlier.seconds);
   } else if (!anchor.empty()) {
     const int64_t a = static_cast<int64_t>(anchor.size());
@@ -1356,7 +1356,7 @@ absl::StatusOr<std::shared_ptr<const MountedShard>> Worker::GetOrMount(const v1:
         cache, engine::KvCache::Create(transformer_->MakeCacheOptions(t1 - t0, P, CacheDType()), be));
     STRATA_RETURN_IF_ERROR(LoadPages(id, doc_tokens, static_cast<int64_t>(range.first_page()),
                                      static_cast<int64_t>(range.end_page()), be, cache.get(), nullptr, nullptr,
-                                     nullptr, absl::StatusCode::kDataLoss, &read, &times));
+                                     nullptr, absl::StatusCode::kDataLoss, /*fill_host=*/false, &read, &times));
     STRATA_RETURN_IF_ERROR(be->Synchronize(nullptr));
     AddTiers(pages, read);
     if (metrics_ != nullptr) metrics_->page_load_mount->Observe(times.seconds);
@@ -1876,7 +1876,8 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
     kvstore::TierCounts served;
     LoadTimes times;
     STRATA_RETURN_IF_ERROR(LoadPages(doc_id, doc_tokens, 0, (doc_tokens + P - 1) / P, backend_, cache.get(), policy.get(),
-                                     device.get(), &cancelled, absl::StatusCode::kDataLoss, &served, &times));
+                                     device.get(), &cancelled, absl::StatusCode::kDataLoss, /*fill_host=*/true, &served,
+                                     &times));
     if (metrics_ != nullptr) metrics_->page_load_job->Observe(times.seconds);
     v1::PagesByTier* tiers = usage->mutable_pages_fetched();
     tiers->set_host(static_cast<uint64_t>(served.host));

@@ -478,10 +478,13 @@ class Worker {
   // tier to *pages and, when `times` is set, the time taken to *times. The store is read on other
   // threads, four batches (STRATA_LOAD_READERS) of WorkerOptions::mount_batch_pages pages of every
   // KV head of a layer ahead; a bf16 cache takes the stored pages through KvCache::AppendPages.
+  // Pages read below the host tier go into it only with `fill_host` (a job's full mount, which a
+  // later question on the document may repeat; not a shard's mount or an exact prefill's load).
   absl::Status LoadPages(const kvstore::DocumentId& id, int64_t doc_tokens, int64_t first_page, int64_t end_page,
                          kernels::Backend* backend, engine::KvCache* cache, engine::AttentionPolicy* policy,
                          engine::sparse::DevicePolicy* device, const std::atomic<bool>* cancelled,
-                         absl::StatusCode missing_code, kvstore::TierCounts* pages, LoadTimes* times = nullptr);
+                         absl::StatusCode missing_code, bool fill_host, kvstore::TierCounts* pages,
+                         LoadTimes* times = nullptr);
   // Logs `what` once per worker (the device-selection fallbacks; `flag`: the once-flag, null for
   // fallback_logged_).
   void LogFallbackOnce(const std::string& what, std::atomic<bool>* flag = nullptr);

@@ -827,6 +827,29 @@ std::vector<kvstore::PageKey> DocumentPages(int skip = -1) {
   return keys;
 }
 
+// A shard's mount reads its pages through the host tier without filling it (they go on to the
+// mounted shard's own cache); a job's full mount fills it (a later question may load them again).
+TEST_F(WorkerTest, AMountLeavesTheHostTierAndAJobsLoadFillsIt) {
+  ASSERT_TRUE(worker_->PrefillShard(PrefillRequest(), nullptr, nullptr).ok());
+  HostTierFixture t = MakeHostTier(store_.get(), nullptr, static_cast<int>(model_->config.head_dim), nullptr, {});
+  WorkerOptions wo;
+  wo.worker_id = "tiered";
+  wo.prefill_chunk_size = 64;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w,
+                              Worker::Create(wo, model_.get(), backend_.get(), t.tiered.get(), store_.get(), nullptr));
+  v1::MountShardRequest m;
+  m.mutable_shard()->set_document_id(kDocId);
+  m.mutable_shard()->set_first_page(0);
+  m.mutable_shard()->set_end_page(3);
+  STRATA_ASSERT_OK(w->MountShard(m).status());
+  EXPECT_EQ(t.host->num_entries(), 0);
+  const v1::JobInfo info = Run(w.get(), JobRequest("fills", {1, 2}));
+  ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
+  const int64_t pages = model_->config.num_layers * model_->config.num_kv_heads * 3;
+  EXPECT_EQ(t.host->num_entries(), pages);
+  EXPECT_EQ(info.usage().pages_fetched().disk(), static_cast<uint64_t>(pages));
+}
+
 TEST_F(LazyMountTest, HostTierMissIsReadFromTheStoreAndKeptInTheHostTier) {
   // Tier H (empty) in front of the disk tier: the first job's page-cache misses miss the host
   // tier, are read from RocksDB and inserted into the host tier; a second job (a fresh GPU page
