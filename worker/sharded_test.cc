@@ -991,12 +991,11 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
     auto stream = sel->Select(&ctx);
     ASSERT_TRUE(stream->Write(open));
     v1::SelectionRequest q = TwoTokenQuery(0);
-    const std::string qv = q.query().q();
     ASSERT_TRUE(stream->Write(q));
     v1::SelectionResponse resp;
     ASSERT_TRUE(stream->Read(&resp));
     EXPECT_EQ(resp.layer(), 1u);
-    EXPECT_EQ(resp.o().size(), qv.size());
+    EXPECT_EQ(resp.o().size(), q.query().q().size());
     EXPECT_EQ(resp.lse().size(), 2u * c.num_heads * sizeof(float));
     EXPECT_EQ(resp.selected_tokens(), 128u * c.num_kv_heads);
     // A query of the wrong size ends the stream with INVALID_ARGUMENT.
@@ -1039,14 +1038,13 @@ TEST_F(ShardedTest, MountAndSelectionStream) {
     STRATA_ASSERT_OK_AND_ASSIGN(auto link, SelectionLink::Connect(link_address, absl::Seconds(5)));
     ASSERT_TRUE(link->Write(open.SerializeAsString()));
     v1::SelectionRequest q = TwoTokenQuery(3);
-    const std::string qv = q.query().q();
     ASSERT_TRUE(link->Write(q.SerializeAsString()));
     v1::SelectionResponse resp;
     std::string why;
     ASSERT_TRUE(link->Read(absl::Now() + absl::Seconds(10), &resp, &why)) << why;
     EXPECT_EQ(resp.step(), 3u);
     EXPECT_EQ(resp.layer(), 1u);
-    EXPECT_EQ(resp.o().size(), qv.size());
+    EXPECT_EQ(resp.o().size(), q.query().q().size());
     EXPECT_EQ(resp.lse().size(), 2u * c.num_heads * sizeof(float));
     EXPECT_EQ(resp.selected_tokens(), 128u * c.num_kv_heads);
     // A query of the wrong size ends the stream with INVALID_ARGUMENT, as on gRPC.

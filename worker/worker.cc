@@ -38,15 +38,18 @@ namespace {
 
 constexpr uint32_t kMinMaxSummaryKind = 1;  // v1::SUMMARY_KIND_MINMAX
 
+// The integer in environment variable `name` when set and within [lo, hi], else `fallback`.
+int64_t EnvCount(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* e = std::getenv(name);
+  const int64_t v = e == nullptr ? fallback : std::atoll(e);
+  return v >= lo && v <= hi ? v : fallback;
+}
+
 // Concurrent PutDeferred batches of a prefill chunk's pages: 8, or STRATA_PERSIST_WRITERS (1 to 16,
 // read once; for A/B timing). H100 machine (16 cores), 512K on the 8B shape, ingested batches:
 // persisted in 27.2 / 28.6 s with 8, 28.3-31.7 s with 4, 29.2 s with 12 (bench/RESULTS.md).
 int64_t PersistWriters() {
-  static const int64_t writers = [] {
-    const char* e = std::getenv("STRATA_PERSIST_WRITERS");
-    const int64_t v = e == nullptr ? 8 : std::atoll(e);
-    return v >= 1 && v <= 16 ? v : int64_t{8};
-  }();
+  static const int64_t writers = EnvCount("STRATA_PERSIST_WRITERS", 8, 1, 16);
   return writers;
 }
 
@@ -55,11 +58,7 @@ int64_t PersistWriters() {
 // 68K-token shard from the KV store service (bench/RESULTS.md, session 36): with 2 a mount took
 // 9.8 s, 7.3 of them waiting for the store.
 size_t LoadReaders() {
-  static const size_t readers = [] {
-    const char* e = std::getenv("STRATA_LOAD_READERS");
-    const int64_t v = e == nullptr ? 4 : std::atoll(e);
-    return static_cast<size_t>(v >= 1 && v <= 16 ? v : 4);
-  }();
+  static const size_t readers = static_cast<size_t>(EnvCount("STRATA_LOAD_READERS", 4, 1, 16));
   return readers;
 }
 

@@ -102,6 +102,14 @@ class WorkerTest : public ::testing::Test {
     return r;
   }
 
+  // A mount of the whole document (its 3 pages) as one shard.
+  static v1::MountShardRequest DocumentMount() {
+    v1::MountShardRequest m;
+    m.mutable_shard()->set_document_id(kDocId);
+    m.mutable_shard()->set_first_page(0);
+    m.mutable_shard()->set_end_page(3);
+    return m;
+  }
   // Runs a job on `w` to its end; its last snapshot.
   static v1::JobInfo Run(Worker* w, const v1::RunJobRequest& req) {
     v1::JobInfo last;
@@ -458,11 +466,7 @@ TEST_F(WorkerTest, PageLoadsAreTimed) {
   ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();
   EXPECT_EQ(count(metrics_->page_load_job), 1u);
   EXPECT_GT(metrics_->page_load_job->Collect().histogram.sample_sum, 0.0);
-  v1::MountShardRequest m;
-  m.mutable_shard()->set_document_id(kDocId);
-  m.mutable_shard()->set_first_page(0);
-  m.mutable_shard()->set_end_page(3);
-  STRATA_ASSERT_OK(worker_->MountShard(m).status());
+  STRATA_ASSERT_OK(worker_->MountShard(DocumentMount()).status());
   EXPECT_EQ(count(metrics_->page_load_mount), 1u);
   EXPECT_EQ(count(metrics_->page_load_prefill), 0u);  // anchor prefill: nothing loaded
 }
@@ -837,11 +841,7 @@ TEST_F(WorkerTest, AMountLeavesTheHostTierAndAJobsLoadFillsIt) {
   wo.prefill_chunk_size = 64;
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> w,
                               Worker::Create(wo, model_.get(), backend_.get(), t.tiered.get(), store_.get(), nullptr));
-  v1::MountShardRequest m;
-  m.mutable_shard()->set_document_id(kDocId);
-  m.mutable_shard()->set_first_page(0);
-  m.mutable_shard()->set_end_page(3);
-  STRATA_ASSERT_OK(w->MountShard(m).status());
+  STRATA_ASSERT_OK(w->MountShard(DocumentMount()).status());
   EXPECT_EQ(t.host->num_entries(), 0);
   const v1::JobInfo info = Run(w.get(), JobRequest("fills", {1, 2}));
   ASSERT_EQ(info.state(), v1::JobInfo::DONE) << info.error_message();

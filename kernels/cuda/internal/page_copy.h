@@ -1,6 +1,6 @@
 // Host-side entry points of kernels/cuda/page_copy.cu (private to kernels/cuda): the PageCopy op
-// of kernels/backend.h, and the copy kernel of CudaBackend's small host <-> device copies. Kept out of launch.h so that the page-cache op does not touch the header
-// every other kernel includes.
+// of kernels/backend.h, and the copy kernel of CudaBackend's small host <-> device copies. Kept
+// out of launch.h so that the page-cache op does not touch the header every other kernel includes.
 //
 // Thread-safety: stateless; concurrent launches on different streams are fine.
 #ifndef STRATA_KERNELS_CUDA_INTERNAL_PAGE_COPY_H_
