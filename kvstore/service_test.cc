@@ -215,6 +215,20 @@ TEST_F(ServiceTest, DataCallsTakeTheirConnectionsInTurn) {
   (void)id;
 }
 
+// A deferred budget below 1 byte, per stream or over all streams, is refused at start.
+TEST(KvStoreServerOptionsTest, DeferredBudgetsMustBePositive) {
+  KvStoreServerOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.store.path = ::testing::TempDir() + "/strata_kv_deferred_budget";
+  o.service.max_deferred_bytes = 0;
+  EXPECT_THAT(KvStoreServer::Start(o, nullptr).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  o.service.max_deferred_bytes = 1;
+  o.service.max_deferred_total_bytes = 0;
+  EXPECT_THAT(KvStoreServer::Start(o, nullptr).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  o.service.max_deferred_total_bytes = 1;
+  EXPECT_TRUE(o.Validate().ok());
+}
+
 // PutDeferred: the stream's messages (100 KiB each) are gathered and stored as deferred batches
 // (200 KiB at most here); the pages read back bit-exact, the document finalizes complete, and a
 // READY document refuses more deferred writes with FAILED_PRECONDITION.

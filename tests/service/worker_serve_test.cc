@@ -188,6 +188,18 @@ TEST_F(ServeTest, BadRequestsGetTheRightCodes) {
   EXPECT_EQ(stub->Cancel(&ctx, cancel, &out).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }
 
+// `strata kvstore --deferred-mib` below 1 is a usage error (exit 2) that names the flag; nothing
+// is served.
+TEST_F(ServeTest, KvstoreRefusesABadDeferredBudget) {
+  ChildProcess kv({STRATA_BINARY, "kvstore", "--listen", "127.0.0.1:0", "--data", *dir_ + "/kv-bad", "--deferred-mib",
+                   "0"},
+                  *dir_ + "/kv-bad.out", *dir_ + "/kv-bad.err");
+  const std::optional<int> code = kv.Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 2) << kv.Err();
+  EXPECT_TRUE(absl::StrContains(kv.Err(), "--deferred-mib")) << kv.Err();
+}
+
 // `strata generate --kv-dtype`: an fp8 KV cache generates, dense and with a host sparse policy
 // (which reads its codes times the cache's scales); an unknown dtype is a usage error (exit 2).
 TEST_F(ServeTest, GenerateKvDtypes) {
