@@ -283,6 +283,15 @@ struct VoteTopKParams {
   // head g with skip_heads[g] != 0 is left untouched: its rows of the outputs (selected, vote) keep the values they
   // had (the previous step's). nullptr = every head is computed.
   const int32_t* skip_heads = nullptr;
+  // Independent parts P (a power of two, 1 to 64; k a multiple of P, and with parents their count
+  // too). With P > 1 the candidates of each KV head split into P parts and part j keeps its own
+  // k / P best, ranked as above by the soft vote over the part's candidates alone (each query
+  // head's softmax taken over the part), in selected[g, j * k / P, (j + 1) * k / P): its ids in
+  // ascending index order, then -1. Candidate i of a plain range is in part (begin + i) % P (ids
+  // dealt in turn, so each part spans the whole range); with parents, in part (i / fanout) /
+  // (num_parents / P): the children of parents [j * num_parents / P, (j + 1) * num_parents / P),
+  // which is part j of a partitioned selection before it. vote, when set, is the part's vote.
+  int partitions = 1;
 };
 
 // Minmax summaries (the input of ScoreSummaries) kept up to date on the backend as keys arrive.
@@ -408,6 +417,10 @@ struct SelectStagesParams {
   // or slot_scales, a bounded share of positions per block; kernels/cuda/selection.cu), else as
   // the separate op.
   const SelectedAttentionParams* attend = nullptr;
+  // Every stage's top-k in P independent parts (VoteTopKParams::partitions; each stage's k a
+  // multiple of P): stage s > 0's part j is the children of stage s - 1's part j, so the chain
+  // selects P disjoint parts of the middle, each from its own candidates. 1 = one part.
+  int partitions = 1;
 };
 
 // ---- The GPU page cache on the device (kvstore/gpu_cache.h, device-managed mode) -------------

@@ -63,6 +63,7 @@ VoteTopKParams StageVoteTopKParams(const SelectStagesParams& p, int i) {
   t.k = st.k;
   t.selected = st.selected;
   t.skip_heads = p.skip_heads;
+  t.partitions = p.partitions;
   return t;
 }
 

@@ -155,6 +155,16 @@ absl::Status CpuSupportsVoteTopK(const VoteTopKParams& p) {
   STRATA_RETURN_IF_ERROR(CheckDType(p.selected, DType::kI32, kOp, "selected"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.selected, 0, hkv, kOp, "selected"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.selected, 1, p.k, kOp, "selected"));
+  const int parts = p.partitions;
+  if (parts < 1 || parts > 64 || (parts & (parts - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("VoteTopK: partitions ", parts, " is not a power of two in [1, 64]"));
+  }
+  if (p.k % parts != 0 ||
+      (p.candidates.parents.data != nullptr && p.candidates.parents.dim(1) % parts != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "VoteTopK: k ", p.k, " and the parents' count must be multiples of partitions ", parts));
+  }
   if (p.vote.data != nullptr) {
     STRATA_RETURN_IF_ERROR(CheckRank(p.vote, 2, kOp, "vote"));
     STRATA_RETURN_IF_ERROR(CheckDType(p.vote, DType::kF32, kOp, "vote"));
@@ -275,45 +285,61 @@ absl::Status CpuVoteTopK(const VoteTopKParams& p) {
   const int hkv = static_cast<int>(p.scores.dim(0));
   const int group = static_cast<int>(p.scores.dim(1));
   const int64_t n = p.scores.dim(2), k = p.k;
+  const int parts = p.partitions;
+  const int64_t part_k = k / parts;
   const float* scores = p.scores.As<const float>();
   std::vector<float> vote(n);
   std::vector<char> valid(n);
   std::vector<uint32_t> rank(n);
-  std::vector<int64_t> order;
+  std::vector<int64_t> members, order;
   for (int g = 0; g < hkv; ++g) {
     if (p.skip_heads != nullptr && p.skip_heads[g] != 0) continue;
     std::fill(vote.begin(), vote.end(), 0.0f);
     std::fill(valid.begin(), valid.end(), 0);
-    for (int j = 0; j < group; ++j) {
-      const float* s = scores + (static_cast<int64_t>(g) * group + j) * n;
-      float m = kNegInf;
-      for (int64_t i = 0; i < n; ++i) {
-        if (s[i] > m) m = s[i];  // NaN never wins
-        if (s[i] > kNegInf) valid[i] = 1;
-      }
-      if (m == kNegInf) continue;
-      double total = 0.0;
-      for (int64_t i = 0; i < n; ++i) {
-        if (s[i] > kNegInf) total += std::exp(s[i] - m);
-      }
-      const float inv = static_cast<float>(1.0 / total);
-      for (int64_t i = 0; i < n; ++i) {
-        if (s[i] > kNegInf) vote[i] += std::exp(s[i] - m) * inv;
-      }
-    }
-    order.clear();
-    for (int64_t i = 0; i < n; ++i) {
-      if (valid[i] && CandidateId(p.candidates, g, i) >= 0) order.push_back(i);
-    }
-    const int64_t take = std::min<int64_t>(k, static_cast<int64_t>(order.size()));
-    for (int64_t i : order) rank[i] = VoteRankKey(vote[i]);
-    std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int64_t a, int64_t b) {
-      return VoteRankBefore(rank[a], a, rank[b], b);
-    });
-    std::sort(order.begin(), order.begin() + take);
     int32_t* sel = p.selected.As<int32_t>() + static_cast<int64_t>(g) * k;
-    for (int64_t i = 0; i < k; ++i) {
-      sel[i] = i < take ? static_cast<int32_t>(CandidateId(p.candidates, g, order[i])) : -1;
+    for (int part = 0; part < parts; ++part) {
+      // The part's candidate indices, ascending (VoteTopKParams::partitions).
+      members.clear();
+      if (parts == 1) {
+        for (int64_t i = 0; i < n; ++i) members.push_back(i);
+      } else if (p.candidates.parents.data == nullptr) {
+        for (int64_t i = ((part - p.candidates.begin) % parts + parts) % parts; i < n; i += parts) {
+          members.push_back(i);
+        }
+      } else {
+        const int64_t span = p.candidates.parents.dim(1) / parts * p.candidates.fanout;
+        for (int64_t i = part * span; i < (part + 1) * span; ++i) members.push_back(i);
+      }
+      for (int j = 0; j < group; ++j) {
+        const float* s = scores + (static_cast<int64_t>(g) * group + j) * n;
+        float m = kNegInf;
+        for (int64_t i : members) {
+          if (s[i] > m) m = s[i];  // NaN never wins
+          if (s[i] > kNegInf) valid[i] = 1;
+        }
+        if (m == kNegInf) continue;
+        double total = 0.0;
+        for (int64_t i : members) {
+          if (s[i] > kNegInf) total += std::exp(s[i] - m);
+        }
+        const float inv = static_cast<float>(1.0 / total);
+        for (int64_t i : members) {
+          if (s[i] > kNegInf) vote[i] += std::exp(s[i] - m) * inv;
+        }
+      }
+      order.clear();
+      for (int64_t i : members) {
+        if (valid[i] && CandidateId(p.candidates, g, i) >= 0) order.push_back(i);
+      }
+      const int64_t take = std::min<int64_t>(part_k, static_cast<int64_t>(order.size()));
+      for (int64_t i : order) rank[i] = VoteRankKey(vote[i]);
+      std::partial_sort(order.begin(), order.begin() + take, order.end(),
+                        [&](int64_t a, int64_t b) { return VoteRankBefore(rank[a], a, rank[b], b); });
+      std::sort(order.begin(), order.begin() + take);
+      int32_t* part_sel = sel + part * part_k;
+      for (int64_t i = 0; i < part_k; ++i) {
+        part_sel[i] = i < take ? static_cast<int32_t>(CandidateId(p.candidates, g, order[i])) : -1;
+      }
     }
     if (p.vote.data != nullptr) {
       std::copy(vote.begin(), vote.end(), p.vote.As<float>() + static_cast<int64_t>(g) * n);

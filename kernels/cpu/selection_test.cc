@@ -225,6 +225,103 @@ TEST(CpuSelectionTest, VoteTopKEqualsSortedVotes) {
   }
 }
 
+// VoteTopK in parts equals, part by part, VoteTopK over that part's candidates alone (its scores
+// gathered, its ids as a token list): the same ids in the part's slice of selected, and the
+// same votes bit for bit; a plain range deals ids in turn, parents go by blocks. Bad partitions
+// are refused.
+TEST(CpuSelectionTest, VoteTopKInPartsIsVoteTopKOfEachPart) {
+  std::mt19937 rng(23);
+  const int hkv = 2, group = 3;
+  for (const bool with_parents : {false, true}) {
+    for (const int parts : {2, 4, 8}) {
+      SCOPED_TRACE(::testing::Message() << "parts " << parts << (with_parents ? " parents" : ""));
+      const int fanout = with_parents ? 4 : 1;
+      const int64_t num_parents = 8 * parts;
+      const int64_t n = with_parents ? num_parents * fanout : 301;
+      const int64_t begin = with_parents ? 0 : 1003, end = with_parents ? 900 : begin + n;
+      std::vector<int32_t> parents(hkv * num_parents);
+      for (auto& x : parents) x = static_cast<int32_t>(rng() % 230) - 5;  // some -1 .. -5, some past end
+      for (const int64_t k : {int64_t{0}, int64_t{parts}, int64_t{6 * parts}, int64_t{64 * parts}}) {
+        std::vector<float> scores = RandomF(rng, hkv * group * n, -4.0f, 4.0f);
+        for (int64_t i = 0; i < n; i += 11) scores[i] = kNegInf;  // head 0, query 0: some -inf
+        std::vector<int32_t> sel(hkv * k, 99);
+        std::vector<float> vote(hkv * n, -1.0f);
+        VoteTopKParams p;
+        p.scores = TensorView(scores.data(), DType::kF32, {hkv, group, n});
+        if (with_parents) {
+          p.candidates.parents = TensorView(parents.data(), DType::kI32, {hkv, num_parents});
+        }
+        p.candidates.fanout = fanout;
+        p.candidates.begin = begin;
+        p.candidates.end = end;
+        p.k = k;
+        p.selected = TensorView(sel.data(), DType::kI32, {hkv, k});
+        p.vote = TensorView(vote.data(), DType::kF32, {hkv, n});
+        p.partitions = parts;
+        STRATA_ASSERT_OK(CpuVoteTopK(p));
+        const int64_t kp = k / parts;
+        for (int g = 0; g < hkv; ++g) {
+          for (int part = 0; part < parts; ++part) {
+            std::vector<int64_t> members;
+            for (int64_t i = 0; i < n; ++i) {
+              const bool in = with_parents ? (i / fanout) / (num_parents / parts) == part
+                                           : (begin + i) % parts == part;
+              if (in) members.push_back(i);
+            }
+            const int64_t m = static_cast<int64_t>(members.size());
+            std::vector<float> sub(group * m);
+            std::vector<int32_t> ids(m);
+            for (int64_t j = 0; j < m; ++j) {
+              for (int h = 0; h < group; ++h) sub[h * m + j] = scores[(g * group + h) * n + members[j]];
+              const int64_t i = members[j];
+              int64_t id = begin + i;
+              if (with_parents) {
+                const int32_t par = parents[g * num_parents + i / fanout];
+                id = par < 0 ? -1 : int64_t{par} * fanout + i % fanout;
+              }
+              ids[j] = id >= begin && id < end ? static_cast<int32_t>(id) : -1;
+            }
+            std::vector<int32_t> want(std::max<int64_t>(kp, 1), 77);
+            std::vector<float> want_vote(m);
+            VoteTopKParams w;
+            w.scores = TensorView(sub.data(), DType::kF32, {1, group, m});
+            w.candidates.parents = TensorView(ids.data(), DType::kI32, {1, m});
+            w.candidates.begin = begin;
+            w.candidates.end = end;
+            w.k = kp;
+            w.selected = TensorView(want.data(), DType::kI32, {1, kp});
+            w.vote = TensorView(want_vote.data(), DType::kF32, {1, m});
+            STRATA_ASSERT_OK(CpuVoteTopK(w));
+            want.resize(kp);
+            EXPECT_EQ(std::vector<int32_t>(sel.begin() + g * k + part * kp,
+                                           sel.begin() + g * k + (part + 1) * kp),
+                      want)
+                << "k " << k << " head " << g << " part " << part;
+            for (int64_t j = 0; j < m; ++j) {
+              ASSERT_EQ(vote[g * n + members[j]], want_vote[j]) << "candidate " << members[j];
+            }
+          }
+        }
+      }
+    }
+  }
+  std::vector<float> scores(2 * 8, 0.0f);
+  std::vector<int32_t> sel(8);
+  VoteTopKParams p;
+  p.scores = TensorView(scores.data(), DType::kF32, {1, 2, 8});
+  p.candidates.end = 8;
+  p.selected = TensorView(sel.data(), DType::kI32, {1, 6});
+  p.k = 6;
+  for (const int bad : {0, 3, 128}) {
+    p.partitions = bad;
+    EXPECT_THAT(CpuVoteTopK(p), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+  }
+  p.partitions = 4;  // k 6 is not a multiple
+  EXPECT_THAT(CpuVoteTopK(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.partitions = 2;
+  STRATA_EXPECT_OK(CpuVoteTopK(p));
+}
+
 // Votes closer than the rank key's resolution tie, and the tie goes to the lower index; votes
 // a few bins apart rank by vote.
 TEST(CpuSelectionTest, VoteTopKTiesVotesWithinTheRankResolution) {

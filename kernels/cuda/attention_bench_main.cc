@@ -25,6 +25,9 @@
 // with the selection stages and the attention as one Backend::SelectStages op with `attend` set
 // (one kernel on CUDA where the shape allows; STRATA_BENCH_ATTEND=op: the selection stages as one
 // op and SelectedAttention after it; STRATA_BENCH_FUSED=0: the ops one by one, as listed);
+// STRATA_BENCH_PARTITIONS=P (2 to 64): tokenselect's stages in P independent parts
+// (SelectStagesParams::partitions; on CUDA the partitioned kernel), its rows labelled
+// "tokenselect/pP";
 // each also as "+miss" (SelectionCacheCheck first, theta 2: every KV head selects) and "+hit"
 // (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels exit
 // at the top and only the check and the attention do work); the MiB column is the selecting
@@ -94,6 +97,15 @@ int CandidateFactor() {
   return f;
 }
 constexpr double kHbmBytesPerSecond = 3.35e12;
+// tokenselect's parts (STRATA_BENCH_PARTITIONS, a power of two 2 to 64; 1 otherwise).
+int Partitions() {
+  static const int p = [] {
+    const char* e = std::getenv("STRATA_BENCH_PARTITIONS");
+    const int v = e == nullptr ? 1 : std::atoi(e);
+    return v >= 2 && v <= 64 && (v & (v - 1)) == 0 ? v : 1;
+  }();
+  return p;
+}
 
 // Runs one layer's selection + attention for `policy` ("quest" or "tokenselect") over a context
 // of `len` tokens (query at position len - 1) and returns the bytes it must read.
@@ -136,6 +148,10 @@ struct Pipeline {
     // does (same candidates); STRATA_BENCH_KEEP_SEGMENT_STAGE=1 keeps the segment stage.
     if (keep_segs >= s1 - s0 && std::getenv("STRATA_BENCH_KEEP_SEGMENT_STAGE") == nullptr) {
       two_level = false;
+    }
+    if (token_level) {  // each stage's k a multiple of the parts
+      const int parts = Partitions();
+      keep_segs = (keep_segs + parts - 1) / parts * parts;
     }
     page_cands = two_level ? keep_segs * kSegPages : p1 - p0;
     top_page_k = wanted_pages;
@@ -196,6 +212,7 @@ struct Pipeline {
       kt.selected = TensorView(top_tokens, DType::kI32, {kKvHeads, kBudget});
     }
     sp.num_stages = n;
+    if (token_level) sp.partitions = Partitions();
     return sp;
   }
   TensorView KPool() const {
@@ -422,6 +439,9 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     const int policy = run / 3, cache_mode = run % 3;
     if (!g_policy.empty() && g_policy != (policy == 1 ? "tokenselect" : "quest")) continue;
     const std::string label = std::string(policy == 1 ? "tokenselect" : "quest") +
+                              (policy == 1 && Partitions() > 1
+                                   ? "/p" + std::to_string(Partitions())
+                                   : std::string()) +
                               (cache_mode == 1 ? "+miss" : cache_mode == 2 ? "+hit" : "");
     Pipeline pl;
     pl.cache_mode = cache_mode;

@@ -49,6 +49,10 @@
 
 namespace strata::kernels {
 
+namespace cuda_internal {
+struct DeviceSelectStages;
+}  // namespace cuda_internal
+
 struct AttentionPlanCache;  // host-side PagedAttention planning buffers (cuda_backend.cc)
 
 // Device memory from cudaMalloc; freed (cudaFree) by the destructor.
@@ -130,6 +134,11 @@ class CudaBackend : public Backend {
   // ops one by one. The checks and errors are those of the ops; the stages' CPU-twin checks and
   // attend's (CpuSupportsSelectedAttention) are made before anything runs, on either path.
   absl::Status SelectStages(const SelectStagesParams& p, Stream s) override;
+  // SelectStages with partitions > 1 (selection_backend.cc).
+  absl::Status SelectStagesInParts(const SelectStagesParams& p,
+                                   const cuda_internal::DeviceSelectStages& d, bool fused,
+                                   int64_t hkv, int64_t group, bool bf16_keys, bool fp8_keys,
+                                   Stream s);
   // PageCopy: the CPU checks, then every host array must be AllocateHost memory (checked with
   // cudaPointerGetAttributes; InvalidArgument otherwise); one launch reads them through the
   // mapping (kernels/cuda/page_copy.cu) and returns without waiting.

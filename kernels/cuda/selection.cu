@@ -3906,4 +3906,615 @@ cudaError_t LaunchUpdateSummaries(const void* k_pool, FloatType pool_type, int64
                                  stream);
 }
 
+namespace {
+
+// ---- Partitioned selection: one block per part (kernels/backend.h partitions) -----------------
+// With P parts no top-k crosses a block. PartVoteTopKKernel (VoteTopK with partitions): grid
+// (P, KV heads), block j takes part j's candidates (VoteTopKParams::partitions: a plain range's
+// ids dealt in turn, or the children of parents block j), kPartPer per thread in registers, and
+// selects as RegisterVoteTopKKernel (statistics, radix passes, compaction in index order) over
+// the part alone. PartStagesKernel (SelectStages with partitions): grid (P, KV heads), block j
+// runs part j of every stage: its candidates' ids into shared memory (stage 0 from the range,
+// a later stage the children of the block's own previous selection), their scores on CUDA cores
+// (PartScore: four lanes per row, eight rows per warp, every load of a round issued before the
+// FMAs), the same register top-k; and with the attention, block j attends its share of the
+// fixed rows and its own middle (the last stage's scores kept for them), and pushes its
+// per-head partial (o, max, sum) to block h of the cluster (one cluster of P blocks per KV
+// head), which merges head h. Nothing else crosses blocks, so a stage costs block barriers only.
+constexpr int kPartThreads = 256;
+constexpr int kPartWarps = kPartThreads / 32;
+constexpr int kPartPer = 8;
+constexpr int kPartMaxCands = kPartThreads * kPartPer;  // a stage's candidates per part
+constexpr int kPartOpMaxThreads = 512;  // PartVoteTopKKernel: up to 4096 per part
+constexpr int kPartG = kRegTopKMaxGroup;
+
+// Index of the t-th candidate of part `part` (VoteTopKParams::partitions), or -1 past the part.
+__device__ __forceinline__ int32_t PartCandidateIndex(const DeviceCandidates& c, int parts,
+                                                      int part, int32_t t) {
+  if (parts == 1) return t < c.count ? t : -1;
+  if (c.parents == nullptr) {
+    const int32_t first = ((part - c.begin) % parts + parts) % parts;
+    const int64_t i = first + static_cast<int64_t>(t) * parts;
+    return i < c.count ? static_cast<int32_t>(i) : -1;
+  }
+  const int32_t span = c.num_parents / parts * c.fanout;
+  return t < span ? part * span + t : -1;
+}
+__host__ __device__ inline int32_t PartCandidateCount(int32_t count, int32_t begin,
+                                                      const int32_t* parents, int32_t num_parents,
+                                                      int32_t fanout, int parts, int part) {
+  if (parts == 1) return count;
+  if (parents == nullptr) {
+    const int32_t first = ((part - begin) % parts + parts) % parts;
+    return count > first ? (count - first + parts - 1) / parts : 0;
+  }
+  return num_parents / parts * fanout;
+}
+
+// Id of candidate index i of KV head g (CandidateId of kernels/cpu/selection.cc).
+__device__ __forceinline__ int32_t PartCandidateId(const DeviceCandidates& c, int g, int32_t i) {
+  int64_t id;
+  if (c.parents == nullptr) {
+    id = static_cast<int64_t>(c.begin) + i;
+  } else {
+    const int32_t parent = c.parents[static_cast<int64_t>(g) * c.num_parents + i / c.fanout];
+    if (parent < 0) return -1;
+    id = static_cast<int64_t>(parent) * c.fanout + i % c.fanout;
+  }
+  return id >= c.begin && id < c.end ? static_cast<int32_t>(id) : -1;
+}
+
+// The register top-k of one part: thread t holds candidates [kPartPer t, + kPartPer) with scores
+// x (-inf beyond n) and ids (-1 when invalid); keeps the kp best by soft vote over the block's
+// candidates and calls emit(pos, id, j) for each taken one (pos < kp, index order). Returns how
+// many were taken. hist (3 x 256 words, 16-byte aligned) must be zero; red_m / red_l / wsum are
+// [kPartG][32] / [32] scratch. Every thread of the block calls it.
+template <typename Emit>
+__device__ __forceinline__ int32_t PartTopK(const float (&x)[kPartG][kPartPer],
+                                            const int32_t (&ids)[kPartPer], int32_t n, int kp,
+                                            int hist_mode, uint32_t (*hist)[256],
+                                            float (*red_m)[32], float (*red_l)[32],
+                                            uint32_t* wsum, float* vote_regs, Emit emit) {
+  constexpr int G = kPartG;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
+  float m[G], l[G];
+  RegWarpStats<kPartPer>(x, m, l);
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) red_m[h][warp] = m[h], red_l[h][warp] = l[h];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = lane < nwarps ? red_m[h][lane] : NegInfF();
+    l[h] = lane < nwarps ? red_l[h][lane] : 0.0f;
+  }
+  float mb[G], inv[G];
+  RegWarpMerge(m, l, mb, inv);
+  uint32_t key[kPartPer];
+  RegVoteKeys<kPartPer>(x, mb, inv, ids, n, tid * kPartPer, vote_regs, key);
+  const int32_t kk = min(kp, n);
+  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
+  if (kk <= 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;
+#pragma unroll 1
+  for (int pass = 0; pass < kVoteRankPasses && kk > 0; ++pass) {
+    RegHistogram<kPartPer>(key, prefix, mask, pass, hist_mode, hist[pass]);
+    __syncthreads();
+    if (RegFindBin(hist[pass], pass, &prefix, &mask, &remaining)) break;
+  }
+  const uint32_t own = RegCounts<kPartPer>(key, prefix, mask);
+  const uint32_t incl = WarpInclusiveScanU(own);
+  if (lane == 31) wsum[warp] = incl;
+  __syncthreads();
+  const uint32_t wv = lane < nwarps ? wsum[lane] : 0u;
+  const uint32_t wincl = WarpInclusiveScanU(wv);
+  const uint32_t before = __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
+  const uint32_t total = __shfl_sync(0xffffffffu, wincl, 31);
+  RegForEachTaken<kPartPer>(key, ids, prefix, mask, remaining, before, kp, emit);
+  return min(kp, static_cast<int32_t>((total >> 16) + min(total & 0xffffu, remaining)));
+}
+
+__global__ void __launch_bounds__(kPartOpMaxThreads)
+    PartVoteTopKKernel(const float* __restrict__ scores, int group, DeviceCandidates c, int k,
+                       int parts, float* __restrict__ vote_out, int32_t* __restrict__ selected,
+                       int hist_mode) {
+  constexpr int G = kPartG;
+  __shared__ float red_m[G][32], red_l[G][32];
+  __shared__ __align__(16) uint32_t hist[kVoteRankPasses][256];
+  __shared__ uint32_t wsum[32];
+  const int tid = threadIdx.x, part = blockIdx.x, g = blockIdx.y;
+  if (c.skip != nullptr && c.skip[g] != 0) return;
+  for (int b = tid; b < kVoteRankPasses * 256; b += blockDim.x) (&hist[0][0])[b] = 0;
+  const int32_t n = PartCandidateCount(c.count, c.begin, c.parents, c.num_parents, c.fanout,
+                                       parts, part);
+  float x[G][kPartPer];
+  int32_t ids[kPartPer], idx[kPartPer];
+#pragma unroll
+  for (int j = 0; j < kPartPer; ++j) {
+    const int32_t t = tid * kPartPer + j;
+    idx[j] = t < n ? PartCandidateIndex(c, parts, part, t) : -1;
+    ids[j] = idx[j] >= 0 ? PartCandidateId(c, g, idx[j]) : -1;
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      x[h][j] = h < group && idx[j] >= 0
+                    ? scores[(static_cast<int64_t>(g) * group + h) * c.count + idx[j]]
+                    : NegInfF();
+    }
+  }
+  const int kp = k / parts;
+  int32_t* out = selected + static_cast<int64_t>(g) * k + static_cast<int64_t>(part) * kp;
+  float votes[kPartPer];
+  const int32_t taken = PartTopK(x, ids, n, kp, hist_mode, hist, red_m, red_l, wsum, votes,
+                                 [&](uint32_t pos, int32_t id, int) { out[pos] = id; });
+  for (int32_t j = taken + tid; j < kp; j += blockDim.x) out[j] = -1;
+  if (vote_out != nullptr) {
+#pragma unroll
+    for (int j = 0; j < kPartPer; ++j) {
+      if (idx[j] >= 0) vote_out[static_cast<int64_t>(g) * c.count + idx[j]] = votes[j];
+    }
+  }
+}
+
+// Scores of the block's rows [0, n) for the group's heads: out[h * stride + t] = v_h . row
+// (keys) or sum_e max(v_e lo_e, v_e hi_e) (summaries: lo = row[0, 128), hi = row[128, 256)),
+// v_h = qs[h * 128 ...] (the scale folded in), -inf where row_of(t) is nullptr. Four lanes per
+// row, lane `sub` reading the 16-byte chunks sub + 4c (c < 4) of each half; eight rows per warp
+// and kRounds of them per warp at once, every load issued before the FMAs.
+template <bool kSummary, typename RowOf>
+__device__ __forceinline__ void PartScore(const float* qs, int group, int32_t n, RowOf row_of,
+                                          float* out, int stride) {
+  constexpr int G = kPartG;
+  constexpr int kRounds = kSummary ? 2 : 4;
+  constexpr int kChunks = kSummary ? 8 : 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane & 3, slot = lane >> 2;
+#pragma unroll 1
+  for (int32_t base = warp * 8 * kRounds; base < n; base += kPartWarps * 8 * kRounds) {
+    uint4 raw[kRounds][kChunks];
+    bool ok[kRounds];
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u) {
+      const int32_t t = base + u * 8 + slot;
+      const __nv_bfloat16* r = t < n ? row_of(t) : nullptr;
+      ok[u] = r != nullptr;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int off = (c & 3) * 32 + sub * 8 + (c >> 2) * 128;
+        raw[u][c] = ok[u] ? __ldg(reinterpret_cast<const uint4*>(r + off)) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u) {
+      float acc[G];
+#pragma unroll
+      for (int h = 0; h < G; ++h) acc[h] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float a[8], b[8];
+        Convert16<__nv_bfloat16>(raw[u][c], a);
+        if constexpr (kSummary) Convert16<__nv_bfloat16>(raw[u][c + 4], b);
+        const int e0 = c * 32 + sub * 8;
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          if (h < group) {
+            const float4 v0 = *reinterpret_cast<const float4*>(qs + h * 128 + e0);
+            const float4 v1 = *reinterpret_cast<const float4*>(qs + h * 128 + e0 + 4);
+            const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              if constexpr (kSummary) {
+                acc[h] += fmaxf(v[e] * a[e], v[e] * b[e]);
+              } else {
+                acc[h] = fmaf(v[e], a[e], acc[h]);
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 1);
+        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 2);
+      }
+      const int32_t t = base + u * 8 + slot;
+      if (sub == 0 && t < n) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          if (h < group) out[h * stride + t] = ok[u] ? acc[h] : NegInfF();
+        }
+      }
+    }
+  }
+}
+
+// Shared memory of PartStagesKernel (dynamic, kPartStagesSmem bytes).
+constexpr int kPartMaxTaken = 1024;  // a stage's k / P
+constexpr int kPartMaxFixed = 256;   // a block's share of the fixed rows
+constexpr int kPartMaxRows = kPartMaxFixed + kPartMaxTaken;
+constexpr int kPartMaxClusterParts = 16;
+struct PartStagesShared {
+  float qs[kPartG][128];
+  float xs[kPartG * kPartMaxCands];  // a stage's scores [h][t]; then the attention's [h][r]
+  int32_t ids[kPartMaxCands];
+  int32_t sel[kPartMaxTaken];
+  int64_t rows[kPartMaxRows];
+  float red_m[kPartG][32], red_l[kPartG][32];
+  uint32_t hist[kVoteRankPasses][256];
+  uint32_t wsum[32];
+  float stat_m[kPartG], stat_l[kPartG];
+  float recv[kPartMaxClusterParts][132];  // the partials of the head this block merges
+  unsigned long long mbar;
+  int32_t taken;
+};
+constexpr int kPartStagesSmem = static_cast<int>(sizeof(PartStagesShared));
+static_assert(kPartG * kPartMaxRows <= kPartG * kPartMaxCands, "attention rows fit xs");
+static_assert(kPartWarps * kPartG * 128 <= kPartG * kPartMaxCands, "partials fit xs");
+
+// Pool row of token t of KV head g through a page table, or -1 (RowOf of the CPU twin).
+__device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_pages,
+                                               int page_shift, int64_t num_slots, int g,
+                                               int32_t t) {
+  if (t < 0) return -1;
+  const int32_t page = t >> page_shift;
+  if (page >= table_pages) return -1;
+  const int32_t slot = table[static_cast<int64_t>(g) * table_pages + page];
+  if (slot < 0 || slot >= num_slots) return -1;
+  return (static_cast<int64_t>(slot) << page_shift) + (t & ((1 << page_shift) - 1));
+}
+
+template <bool kAttend>
+__global__ void __launch_bounds__(kPartThreads)
+    PartStagesKernel(const float* __restrict__ q, float scale, int group, int parts,
+                     DeviceSelectStages st, DeviceSelectAttend at, const int32_t* skip,
+                     int hist_mode) {
+  constexpr int G = kPartG;
+  extern __shared__ __align__(16) unsigned char part_smem[];
+  PartStagesShared& sh = *reinterpret_cast<PartStagesShared*>(part_smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int part = blockIdx.x, g = blockIdx.y;
+  const bool skipped = skip != nullptr && skip[g] != 0;
+  if (!kAttend && skipped) return;
+  if (kAttend && tid == 0) {
+    MbarInit(SharedAddr(&sh.mbar), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if constexpr (kAttend) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  for (int i = tid; i < group * 128; i += kPartThreads) {
+    sh.qs[i >> 7][i & 127] = scale * q[static_cast<int64_t>(g) * group * 128 + i];
+  }
+  // Attention rows: the block's share of the fixed rows first, then its middle.
+  int32_t f0 = 0, f_count = 0;
+  if constexpr (kAttend) {
+    const int32_t fixed = at.prefix_end + at.suffix_len;
+    const int32_t per = (fixed + parts - 1) / parts;
+    f0 = min(fixed, part * per);
+    f_count = min(fixed - f0, per);
+  }
+  const int num_stages = skipped ? 0 : st.num_stages;
+  for (int s = 0; s < num_stages; ++s) {
+    const DeviceSelectStage& sg = st.stage[s];
+    const DeviceCandidates& c = sg.c;
+    const int kp = sg.k / parts;
+    const bool last = s + 1 == st.num_stages;
+    // The part's candidate ids.
+    int32_t n;
+    if (s == 0) {
+      n = PartCandidateCount(c.count, c.begin, nullptr, 0, 1, parts, part);
+      for (int32_t t = tid; t < n; t += kPartThreads) {
+        const int32_t i = PartCandidateIndex(c, parts, part, t);
+        const int64_t id = static_cast<int64_t>(c.begin) + i;
+        sh.ids[t] = id < c.end ? static_cast<int32_t>(id) : -1;
+      }
+    } else {
+      const int kprev = st.stage[s - 1].k / parts;
+      n = kprev * c.fanout;
+      for (int32_t t = tid; t < n; t += kPartThreads) {
+        const int32_t parent = sh.sel[t / c.fanout];
+        const int64_t id = static_cast<int64_t>(parent) * c.fanout + t % c.fanout;
+        sh.ids[t] = parent >= 0 && id >= c.begin && id < c.end ? static_cast<int32_t>(id) : -1;
+      }
+    }
+    for (int b = tid; b < kVoteRankPasses * 256; b += kPartThreads) (&sh.hist[0][0])[b] = 0;
+    __syncthreads();
+    if (sg.kind == SelectStageKind::kSummariesBF16) {
+      const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(sg.rows) +
+                                  static_cast<int64_t>(g) * sg.num_items * 256;
+      PartScore<true>(&sh.qs[0][0], group, n,
+                      [&](int32_t t) -> const __nv_bfloat16* {
+                        const int32_t id = sh.ids[t];
+                        return id >= 0 && id < sg.num_items ? rows + static_cast<int64_t>(id) * 256
+                                                            : nullptr;
+                      },
+                      sh.xs, kPartMaxCands);
+    } else {
+      const __nv_bfloat16* pool = static_cast<const __nv_bfloat16*>(sg.rows);
+      PartScore<false>(&sh.qs[0][0], group, n,
+                       [&](int32_t t) -> const __nv_bfloat16* {
+                         const int64_t r = PartPoolRow(sg.table, sg.table_pages, sg.page_shift,
+                                                       sg.num_items, g, sh.ids[t]);
+                         return r >= 0 ? pool + r * 128 : nullptr;
+                       },
+                       sh.xs, kPartMaxCands);
+    }
+    __syncthreads();
+    float x[G][kPartPer];
+    int32_t ids[kPartPer];
+#pragma unroll
+    for (int j = 0; j < kPartPer; ++j) {
+      const int32_t t = tid * kPartPer + j;
+      ids[j] = t < n ? sh.ids[t] : -1;
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        x[h][j] = h < group && t < n ? sh.xs[h * kPartMaxCands + t] : NegInfF();
+      }
+    }
+    int32_t* out = sg.selected + static_cast<int64_t>(g) * sg.k + static_cast<int64_t>(part) * kp;
+    // The attention's middle rows follow the fixed ones; their scores are the last stage's (xs
+    // is free once every thread holds its scores: PartTopK's first barrier).
+    const int32_t r_mid = f_count;
+    const int32_t taken = PartTopK(
+        x, ids, n, kp, hist_mode, sh.hist, sh.red_m, sh.red_l, sh.wsum, nullptr,
+        [&](uint32_t pos, int32_t id, int j) {
+          out[pos] = id;
+          sh.sel[pos] = id;
+          if (kAttend && last) {
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+              if (h < group) sh.xs[h * kPartMaxRows + r_mid + pos] = x[h][j];
+            }
+            sh.rows[r_mid + pos] =
+                id >= at.middle.begin && id < at.middle.end
+                    ? PartPoolRow(at.table, at.table_pages, sg.page_shift, at.num_slots, g, id)
+                    : -1;
+          }
+        });
+    for (int32_t j = taken + tid; j < kp; j += kPartThreads) {
+      out[j] = -1;
+      sh.sel[j] = -1;
+    }
+    if (tid == 0) sh.taken = taken;
+    __syncthreads();
+  }
+  if constexpr (kAttend) {
+    const int page_shift = __ffs(at.page_size) - 1;
+    const int kp = at.middle.num_parents / parts;
+    int32_t m_count;
+    int32_t r_score = 0, n_score = f_count;  // rows [r_score, + n_score) need K scores
+    if (skipped) {
+      // The kept selection: this part's ids of the middle, scored from K rows below.
+      m_count = kp;
+      const int32_t* kept = at.middle.parents + static_cast<int64_t>(g) * at.middle.num_parents +
+                            static_cast<int64_t>(part) * kp;
+      for (int32_t r = tid; r < kp; r += kPartThreads) {
+        const int32_t id = kept[r];
+        sh.rows[f_count + r] =
+            id >= at.middle.begin && id < at.middle.end
+                ? PartPoolRow(at.table, at.table_pages, page_shift, at.num_slots, g, id)
+                : -1;
+      }
+      n_score += kp;
+    } else {
+      m_count = sh.taken;
+    }
+    for (int32_t f = tid; f < f_count; f += kPartThreads) {
+      const int32_t fi = f0 + f;
+      const int32_t t = fi < at.prefix_end ? fi : at.suffix_begin + (fi - at.prefix_end);
+      sh.rows[f] = PartPoolRow(at.table, at.table_pages, page_shift, at.num_slots, g, t);
+    }
+    __syncthreads();
+    const int32_t rows_n = f_count + m_count;
+    const __nv_bfloat16* kpool = static_cast<const __nv_bfloat16*>(at.k_pool);
+    const __nv_bfloat16* vpool = static_cast<const __nv_bfloat16*>(at.v_pool);
+    PartScore<false>(&sh.qs[0][0], group, n_score,
+                     [&](int32_t t) -> const __nv_bfloat16* {
+                       const int64_t r = sh.rows[r_score + t];
+                       return r >= 0 ? kpool + r * 128 : nullptr;
+                     },
+                     sh.xs + r_score, kPartMaxRows);
+    __syncthreads();
+    // Per head (warp h): max, then p = exp(x - max) in place and their sum. A row without a
+    // readable K row (rows[r] < 0) has score -inf already, except the middle's kept scores.
+    if (warp < group) {
+      float* xh = sh.xs + warp * kPartMaxRows;
+      float mx = NegInfF();
+      for (int32_t r = lane; r < rows_n; r += 32) {
+        if (sh.rows[r] < 0) xh[r] = NegInfF();
+        mx = fmaxf(mx, xh[r]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      float sum = 0.0f;
+      for (int32_t r = lane; r < rows_n; r += 32) {
+        const float p = xh[r] > NegInfF() ? __expf(xh[r] - mx) : 0.0f;
+        xh[r] = p;
+        sum += p;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (lane == 0) sh.stat_m[warp] = mx, sh.stat_l[warp] = sum;
+    }
+    __syncthreads();
+    // o[h][4 lane .. + 4) over the warp's rows (r = warp mod 8), four rows' loads in flight.
+    float o[G][4];
+#pragma unroll
+    for (int h = 0; h < G; ++h) o[h][0] = o[h][1] = o[h][2] = o[h][3] = 0.0f;
+#pragma unroll 1
+    for (int32_t r0 = warp; r0 < rows_n; r0 += 4 * kPartWarps) {
+      uint2 raw[4];
+      float pr[4][G];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int32_t r = r0 + u * kPartWarps;
+        const int64_t row = r < rows_n ? sh.rows[r] : -1;
+        raw[u] = row >= 0 ? __ldg(reinterpret_cast<const uint2*>(vpool + row * 128) + lane)
+                          : make_uint2(0, 0);
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          pr[u][h] = h < group && row >= 0 ? sh.xs[h * kPartMaxRows + r] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].x));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].y));
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          o[h][0] = fmaf(pr[u][h], a.x, o[h][0]);
+          o[h][1] = fmaf(pr[u][h], a.y, o[h][1]);
+          o[h][2] = fmaf(pr[u][h], b.x, o[h][2]);
+          o[h][3] = fmaf(pr[u][h], b.y, o[h][3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with xs' probabilities
+    float* red_o = sh.xs;  // [warp][h][128]
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      if (h < group) {
+        *reinterpret_cast<float4*>(red_o + (warp * G + h) * 128 + 4 * lane) =
+            make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
+      }
+    }
+    if (tid == 0 && part < group) {
+      MbarExpect(SharedAddr(&sh.mbar), parts * 130 * sizeof(float));
+    }
+    __syncthreads();
+    // The block's partial of head h (threads [64 h, 64 h + 64), two dims each) to block h.
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every mbarrier initialised
+    {
+      const int h = tid >> 6, pair = tid & 63;
+      if (h < group) {
+        float o0 = 0.0f, o1 = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kPartWarps; ++w) {
+          const float2 v = *reinterpret_cast<const float2*>(red_o + (w * G + h) * 128 + 2 * pair);
+          o0 += v.x, o1 += v.y;
+        }
+        const uint32_t bar = MapToRank(SharedAddr(&sh.mbar), h);
+        StAsync8(MapToRank(SharedAddr(&sh.recv[part][2 * pair]), h), make_float2(o0, o1), bar);
+        if (pair == 0) {
+          StAsync8(MapToRank(SharedAddr(&sh.recv[part][128]), h),
+                   make_float2(sh.stat_m[h], sh.stat_l[h]), bar);
+        }
+      }
+    }
+    if (part < group) {
+      MbarWait(SharedAddr(&sh.mbar), 0);
+      if (tid < 128) {
+        float mx = NegInfF();
+        for (int b = 0; b < parts; ++b) mx = fmaxf(mx, sh.recv[b][128]);
+        float ov = 0.0f, l = 0.0f;
+        for (int b = 0; b < parts; ++b) {
+          const float mb = sh.recv[b][128];
+          if (mb > NegInfF()) {
+            const float e = __expf(mb - mx);
+            ov += e * sh.recv[b][tid];
+            l += e * sh.recv[b][129];
+          }
+        }
+        const int64_t qh = static_cast<int64_t>(g) * group + part;
+        at.out[qh * 128 + tid] = l > 0.0f ? ov / l * at.v_scale : 0.0f;
+        if (tid == 0) at.lse[qh] = l > 0.0f ? mx + logf(l) : NegInfF();
+      }
+    }
+    // No block leaves while another may still push to it.
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchPartVoteTopK(const float* scores, int num_kv_heads, int group,
+                               const DeviceCandidates& c, int k, int parts, float* vote,
+                               int32_t* selected, cudaStream_t stream) {
+  if (num_kv_heads == 0) return cudaSuccess;
+  if (group < 1 || group > kPartG || parts < 1 || parts > 64 || k % parts != 0 ||
+      num_kv_heads > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  int32_t most = 0;
+  for (int j = 0; j < parts; ++j) {
+    most = std::max(most, PartCandidateCount(c.count, c.begin, c.parents, c.num_parents,
+                                             c.fanout, parts, j));
+  }
+  if (most > kPartOpMaxThreads * kPartPer) return cudaErrorInvalidValue;
+  const int threads = std::max(32, (most + kPartPer - 1) / kPartPer + 31) / 32 * 32;
+  return LaunchSelection(PartVoteTopKKernel, dim3(parts, num_kv_heads),
+                         dim3(std::min(threads, kPartOpMaxThreads)), 0, stream, scores, group, c,
+                         k, parts, vote, selected, RegHistMode());
+}
+
+bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectStages& stages,
+                    const DeviceSelectAttend* attend) {
+  if (num_kv_heads < 1 || num_kv_heads > 65535 || group < 1 || group > kPartG || parts < 2 ||
+      parts > 64 || stages.num_stages < 1 || stages.num_stages > kSelectStagesMax) {
+    return false;
+  }
+  for (int s = 0; s < stages.num_stages; ++s) {
+    const DeviceSelectStage& sg = stages.stage[s];
+    if (sg.kind == SelectStageKind::kKeysFP8 || sg.k % parts != 0 ||
+        sg.k / parts > kPartMaxTaken || reinterpret_cast<uintptr_t>(sg.rows) % 16 != 0) {
+      return false;
+    }
+    if (s == 0) {
+      if (sg.c.parents != nullptr ||
+          PartCandidateCount(sg.c.count, sg.c.begin, nullptr, 0, 1, parts, 0) > kPartMaxCands) {
+        return false;
+      }
+    } else if (int64_t{stages.stage[s - 1].k / parts} * sg.c.fanout > kPartMaxCands ||
+               sg.c.parents != stages.stage[s - 1].selected ||
+               sg.c.num_parents != stages.stage[s - 1].k) {
+      return false;
+    }
+  }
+  if (attend != nullptr) {
+    const DeviceSelectAttend& a = *attend;
+    const DeviceSelectStage& last = stages.stage[stages.num_stages - 1];
+    const int64_t fixed = int64_t{a.prefix_end} + a.suffix_len;
+    if (parts > kPartMaxClusterParts || parts < group || a.fp8 != 0 || a.fanout_shift != 0 ||
+        last.kind != SelectStageKind::kKeysBF16 || a.middle.parents != last.selected ||
+        a.middle.num_parents != last.k || last.rows != a.k_pool || last.table != a.table ||
+        last.table_pages != a.table_pages || (int64_t{1} << last.page_shift) != a.page_size ||
+        last.num_items != a.num_slots || (fixed + parts - 1) / parts > kPartMaxFixed ||
+        a.out == nullptr || a.lse == nullptr ||
+        reinterpret_cast<uintptr_t>(a.v_pool) % 16 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
+                             const DeviceSelectStages& stages, const int32_t* skip,
+                             const DeviceSelectAttend* attend, cudaStream_t stream) {
+  if (num_kv_heads == 0) return cudaSuccess;
+  if (!PartStagesFits(num_kv_heads, group, parts, stages, attend)) return cudaErrorInvalidValue;
+  static std::once_flag once;
+  static cudaError_t attr = cudaSuccess;
+  std::call_once(once, [] {
+    for (const void* k : {reinterpret_cast<const void*>(PartStagesKernel<false>),
+                          reinterpret_cast<const void*>(PartStagesKernel<true>)}) {
+      cudaError_t e =
+          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kPartStagesSmem);
+      if (e == cudaSuccess) {
+        e = cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      }
+      if (e != cudaSuccess) attr = e;
+    }
+  });
+  if (attr != cudaSuccess) return attr;
+  if (attend != nullptr) {
+    const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads),
+                                     kPartStagesSmem, stream, parts, /*dependent=*/false);
+    return cudaLaunchKernelEx(&launch.cfg, PartStagesKernel<true>, q, scale, group, parts, stages,
+                              *attend, skip, RegHistMode());
+  }
+  const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads), kPartStagesSmem,
+                                   stream, 0, /*dependent=*/false);
+  return cudaLaunchKernelEx(&launch.cfg, PartStagesKernel<false>, q, scale, group, parts, stages,
+                            DeviceSelectAttend{}, skip, RegHistMode());
+}
+
 }  // namespace strata::kernels::cuda_internal

@@ -102,6 +102,20 @@ absl::Status CudaBackend::VoteTopK(const VoteTopKParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   const cudaStream_t stream = ToCuda(s);
   const DeviceCandidates c = ToDevice(p.candidates, p.skip_heads);
+  if (p.partitions > 1) {
+    if (group > 4) {
+      return absl::UnimplementedError("VoteTopK: partitions with more than 4 query heads per KV head");
+    }
+    const cudaError_t e = cuda_internal::LaunchPartVoteTopK(
+        p.scores.As<const float>(), static_cast<int>(hkv), static_cast<int>(group), c,
+        static_cast<int>(p.k), p.partitions,
+        p.vote.data != nullptr ? p.vote.As<float>() : nullptr, p.selected.As<int32_t>(), stream);
+    if (e == cudaErrorInvalidValue) {
+      return absl::UnimplementedError("VoteTopK: more than 4096 candidates in a part");
+    }
+    STRATA_CUDA_RETURN_IF_ERROR(e);
+    return absl::OkStatus();
+  }
   const int64_t scratch_bytes = cuda_internal::VoteTopKScratchBytes(static_cast<int>(hkv), c.count);
   void* scratch = nullptr;
   if (scratch_bytes > 0) {
@@ -216,8 +230,11 @@ namespace {
 // LaunchSelectStages repeats some of the conditions below, but as errors (cudaErrorInvalidValue)
 // where this falls back to the separate op, so they stay here.
 // bf16_keys / fp8_keys: whether a key stage reads a bf16 / an fp8 pool.
+// partitioned: for LaunchPartStages, which checks its own limits (PartStagesFits) instead of
+// SelectStagesKernel's (the middle's count and the shares of its cluster's blocks).
 bool SelectAttendInKernel(const SelectStagesParams& p, bool bf16_keys, bool fp8_keys,
-                          int64_t hkv, int64_t group, cuda_internal::DeviceSelectAttend* d) {
+                          int64_t hkv, int64_t group, cuda_internal::DeviceSelectAttend* d,
+                          bool partitioned = false) {
   const SelectedAttentionParams& a = *p.attend;
   const SelectStage& last = p.stages[p.num_stages - 1];
   const int fanout_shift = ShiftOf(a.middle.fanout);
@@ -229,7 +246,7 @@ bool SelectAttendInKernel(const SelectStagesParams& p, bool bf16_keys, bool fp8_
       a.q.dim(2) != 128 || a.q.dim(1) != hkv * group || a.page_table.dim(0) != hkv ||
       a.prefix_len != nullptr || a.middle.parents.data == nullptr ||
       a.middle.parents.data != last.selected.data || a.middle.parents.dim(1) != last.k ||
-      fanout_shift < 0 || last.k > cuda_internal::kSelectStagesMaxParents ||
+      fanout_shift < 0 || (!partitioned && last.k > cuda_internal::kSelectStagesMaxParents) ||
       a.k_pool.dim(0) * a.k_pool.dim(1) > (int64_t{1} << 40) ||
       a.page_table.dim(1) > (int64_t{1} << 30) || a.suffix_begin > (int64_t{1} << 30) ||
       a.middle.end > (int64_t{1} << 30) || reinterpret_cast<uintptr_t>(a.k_pool.data) % 16 != 0 ||
@@ -237,7 +254,8 @@ bool SelectAttendInKernel(const SelectStagesParams& p, bool bf16_keys, bool fp8_
     return false;
   }
   const int64_t fixed = a.prefix_end + (a.suffix_end - a.suffix_begin);
-  if (!cuda_internal::SelectStagesCanAttend(static_cast<int>(hkv), fixed, a.middle.Count())) {
+  if (!partitioned &&
+      !cuda_internal::SelectStagesCanAttend(static_cast<int>(hkv), fixed, a.middle.Count())) {
     return false;
   }
   d->k_pool = a.k_pool.data;
@@ -261,6 +279,52 @@ bool SelectAttendInKernel(const SelectStagesParams& p, bool bf16_keys, bool fp8_
 }
 
 }  // namespace
+
+// SelectStages with partitions > 1 (called by SelectStages once every stage passed its checks;
+// d holds the stages, `fused` whether their shape suits a kernel at all): one PartStagesKernel
+// (kernels/cuda/internal/launch.h LaunchPartStages) where the chain fits it, the attention in it
+// where that fits too, else after it as its own op; otherwise op by op (VoteTopK in parts:
+// PartVoteTopKKernel). STRATA_SELECT_STAGES=opbyop / require_fused as for SelectStages.
+absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
+                                              const cuda_internal::DeviceSelectStages& d,
+                                              bool fused, int64_t hkv, int64_t group,
+                                              bool bf16_keys, bool fp8_keys, Stream s) {
+  const int parts = p.partitions;
+  fused = fused && !fp8_keys &&
+          cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group), parts, d,
+                                        nullptr);
+  const char* env = std::getenv("STRATA_SELECT_STAGES");
+  if (!fused) {
+    if (env != nullptr && std::string_view(env) == "require_fused") {
+      return absl::FailedPreconditionError(
+          "SelectStages: STRATA_SELECT_STAGES=require_fused and the shape is not one the "
+          "partitioned kernel runs");
+    }
+    return SelectStagesOpByOp(*this, p, s);
+  }
+  if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
+  cuda_internal::DeviceSelectAttend da;
+  bool attend_fused = false;
+  if (p.attend != nullptr) {
+    const char* ae = std::getenv("STRATA_SELECT_ATTEND");
+    const std::string_view mode = ae == nullptr ? "" : ae;
+    attend_fused = mode != "separate" &&
+                   SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da, true) &&
+                   cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group),
+                                                 parts, d, &da);
+    if (!attend_fused && mode == "require_fused") {
+      return absl::FailedPreconditionError(
+          "SelectStages: STRATA_SELECT_ATTEND=require_fused and the attention is not one the "
+          "partitioned kernel runs");
+    }
+  }
+  STRATA_RETURN_IF_ERROR(MakeCurrent());
+  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchPartStages(
+      p.q.As<const float>(), p.scale, static_cast<int>(hkv), static_cast<int>(group), parts, d,
+      p.skip_heads, attend_fused ? &da : nullptr, ToCuda(s)));
+  if (p.attend != nullptr && !attend_fused) return SelectedAttention(*p.attend, s);
+  return absl::OkStatus();
+}
 
 // SelectStages runs as one kernel (cuda_internal::LaunchSelectStages) unless
 // STRATA_SELECT_STAGES=opbyop (read at every call: A/B timing and tests) or the shape is not one it
@@ -322,6 +386,7 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
   const int64_t group = hkv > 0 ? p.q.dim(0) / hkv : 0;
   fused = fused && hkv >= 1 && hkv <= 65535 && group >= 1 && group <= 4 && p.q.dim(1) == 128 &&
           reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0;
+  if (p.partitions > 1) return SelectStagesInParts(p, d, fused, hkv, group, bf16_keys, fp8_keys, s);
   if (fused) {
     STRATA_RETURN_IF_ERROR(MakeCurrent());
     const int64_t max_count = cuda_internal::SelectStagesMaxCandidates(static_cast<int>(hkv));

@@ -1278,6 +1278,7 @@ struct Chain {
   // and v_scale 1/16, 1/8 (the stages' scale then carries k_scale, as the policies pass it).
   DType pool_dtype = DType::kBF16;
   float k_scale = 1.0f, v_scale = 1.0f;
+  int partitions = 1;  // SelectStagesParams::partitions
   int64_t segs = 0, slots = 0;
   std::vector<float> q;
   std::vector<uint8_t> page_sums, seg_sums, pool;
@@ -1319,6 +1320,7 @@ struct Chain {
       ++i;
     }
     p.num_stages = i;
+    p.partitions = partitions;
     for (int j = 0; j < i; ++j) {
       SelectStage& s = p.stages[j];
       s.k = ks[j];
@@ -1546,8 +1548,27 @@ class SelectStagesTest : public SelectionTest {
       for (int g = 0; g < ch.c.hkv; ++g) {
         for (int64_t id = 0; id <= end; ++id) identity[g * (end + 2) + id] = id;
       }
-      ExpectSameTopK(got[i], ref.selected[i], ref.vote_by_id[i], identity, ch.c.hkv, ch.ks[i],
-                     end + 1, seed_);
+      if (ch.partitions == 1) {
+        ExpectSameTopK(got[i], ref.selected[i], ref.vote_by_id[i], identity, ch.c.hkv, ch.ks[i],
+                       end + 1, seed_);
+      } else {
+        // Each part's slice on its own (its -1 padding ends the slice, not the row).
+        const int64_t kp = ch.ks[i] / ch.partitions;
+        for (int g = 0; g < ch.c.hkv; ++g) {
+          const std::vector<float> vote(ref.vote_by_id[i].begin() + g * (end + 1),
+                                        ref.vote_by_id[i].begin() + (g + 1) * (end + 1));
+          const std::vector<int64_t> ident(identity.begin() + g * (end + 2),
+                                           identity.begin() + (g + 1) * (end + 2));
+          for (int part = 0; part < ch.partitions; ++part) {
+            SCOPED_TRACE(::testing::Message() << "head " << g << " part " << part);
+            const int64_t o = g * ch.ks[i] + part * kp;
+            ExpectSameTopK(std::vector<int32_t>(got[i].begin() + o, got[i].begin() + o + kp),
+                           std::vector<int32_t>(ref.selected[i].begin() + o,
+                                                ref.selected[i].begin() + o + kp),
+                           vote, ident, 1, kp, end + 1, seed_);
+          }
+        }
+      }
       ++compared;
       if (got[i] != ref.selected[i]) break;
     }
@@ -1627,6 +1648,125 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
     }
   }
   // Near-ties that cut a comparison short are rare on random data.
+  EXPECT_GE(compared, stages - 2);
+}
+
+// SelectStages in parts (SelectStagesParams::partitions): the partitioned kernel
+// (STRATA_SELECT_STAGES=require_fused) and the ops one by one (VoteTopK in parts), each against
+// the CPU's ops part by part, at tokenselect's shapes (one- and two-level, 8 and 16 parts) and
+// awkward ones (group 1-3, k above the candidates, parts of unequal sizes, table entries -1 or
+// past the pool); with the attention in the kernel (require_fused) and after it (separate),
+// out / lse against the CPU's attention over the GPU's selection, then a second query with every
+// other head flagged (those attend their kept selection).
+TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
+  struct PartCase {
+    ChainCase c;
+    int parts;
+    int64_t window;
+  };
+  const PartCase cases[] = {
+      {{"tokenselect 128K", 8, 4, DType::kBF16, 64, 0, 2048, 0, 128, true, 2048, 1, 2044, 64,
+        2044 * 64 - 5},
+       16, 256},
+      {{"tokenselect 128K", 8, 4, DType::kBF16, 64, 0, 2048, 0, 128, true, 2048, 1, 2044, 64,
+        2044 * 64 - 5},
+       8, 250},
+      {{"tokenselect two-level", 4, 4, DType::kBF16, 64, 8, 4096, 128, 64, true, 1024, 1, 4090,
+        64, 4090 * 64 - 9},
+       16, 200},
+      {{"three stages", 3, 3, DType::kBF16, 16, 4, 3000, 100, 48, true, 300, 2, 2990, 40, 47000},
+       4, 37},
+      {{"group 1", 2, 1, DType::kBF16, 16, 0, 203, 0, 24, true, 96, 0, 203, 0, 203 * 16 - 1}, 2,
+       0},
+      {{"k above n", 2, 2, DType::kBF16, 16, 0, 37, 0, 32, true, 1024, 3, 37, 48, 37 * 16}, 4,
+       5},
+  };
+  constexpr int kD = Chain::kD;
+  int compared = 0, stages = 0;
+  for (const PartCase& pc : cases) {
+    const ChainCase& c = pc.c;
+    SCOPED_TRACE(::testing::Message() << c.name << ", " << pc.parts << " parts");
+    Chain ch = MakeChain(c, rng_);
+    ch.partitions = pc.parts;
+    const ChainRef ref = RunChainOnCpu(cpu_, ch);
+    for (const char* mode : {"require_fused", "opbyop"}) {
+      SCOPED_TRACE(mode);
+      setenv("STRATA_SELECT_STAGES", mode, 1);
+      compared += Compare(ch, ref, RunOnGpu(ch));
+      stages += static_cast<int>(ch.counts.size());
+    }
+    // The attention.
+    std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD, -1.0f, 1.0f);
+    const std::vector<uint8_t> vpool = PoolBytes(vf, DType::kBF16);
+    const int hq = c.hkv * c.group;
+    const int last = static_cast<int>(ch.counts.size()) - 1;
+    auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+    auto dv = Dev(vpool), dt = Dev(ch.table);
+    std::vector<std::unique_ptr<Buffer>> bufs;
+    std::vector<void*> sp, sel;
+    StageBuffers(ch, &bufs, &sp, &sel);
+    auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
+    auto cpu_attention = [&](std::vector<float>& q, std::vector<int32_t>& final,
+                             std::vector<float>* out, std::vector<float>* lse) {
+      out->assign(static_cast<size_t>(hq) * kD, 0.0f);
+      lse->assign(hq, 0.0f);
+      const SelectedAttentionParams at = ChainAttention(
+          ch, pc.window, q.data(), ch.pool.data(), const_cast<uint8_t*>(vpool.data()),
+          ch.table.data(), TensorView(final.data(), DType::kI32, {c.hkv, ch.ks[last]}),
+          out->data(), lse->data());
+      ASSERT_TRUE(cpu_->SelectedAttention(at, nullptr).ok());
+    };
+    for (const char* amode : {"require_fused", "separate"}) {
+      SCOPED_TRACE(amode);
+      setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+      setenv("STRATA_SELECT_ATTEND", amode, 1);
+      SelectStagesParams p =
+          ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+      const SelectedAttentionParams at =
+          ChainAttention(ch, pc.window, dq->data(), dpool->data(), dv->data(), dt->data(),
+                         p.stages[last].selected, dout->data(), dlse->data());
+      p.attend = &at;
+      const absl::Status st = gpu_->SelectStages(p, nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      std::vector<std::vector<int32_t>> got;
+      for (size_t i = 0; i < ch.counts.size(); ++i) {
+        got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
+      }
+      compared += Compare(ch, ref, got);
+      stages += static_cast<int>(ch.counts.size());
+      std::vector<float> want_out, want_lse;
+      cpu_attention(ch.q, got[last], &want_out, &want_lse);
+      ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
+      ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
+
+      std::vector<float> q2 = RandomF(static_cast<int64_t>(ch.q.size()), -2.0f, 2.0f);
+      auto dq2 = Dev(q2);
+      std::vector<int32_t> skip(c.hkv);
+      for (int g = 0; g < c.hkv; ++g) skip[g] = g % 2;
+      auto dskip = Dev(skip);
+      SelectStagesParams p2 =
+          ch.Params(dq2->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+      p2.skip_heads = static_cast<const int32_t*>(dskip->data());
+      const SelectedAttentionParams at2 =
+          ChainAttention(ch, pc.window, dq2->data(), dpool->data(), dv->data(), dt->data(),
+                         p2.stages[last].selected, dout->data(), dlse->data());
+      p2.attend = &at2;
+      const absl::Status st2 = gpu_->SelectStages(p2, nullptr);
+      ASSERT_TRUE(st2.ok()) << st2;
+      std::vector<int32_t> final2 = Get<int32_t>(*bufs[2 * last + 1], int64_t{c.hkv} * ch.ks[last]);
+      for (int g = 0; g < c.hkv; ++g) {
+        if (!skip[g]) continue;
+        for (int64_t j = 0; j < ch.ks[last]; ++j) {
+          ASSERT_EQ(final2[g * ch.ks[last] + j], got[last][g * ch.ks[last] + j]) << "head " << g;
+        }
+      }
+      cpu_attention(q2, final2, &want_out, &want_lse);
+      ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
+      ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
+    }
+    unsetenv("STRATA_SELECT_STAGES");
+    unsetenv("STRATA_SELECT_ATTEND");
+  }
   EXPECT_GE(compared, stages - 2);
 }
 

@@ -337,6 +337,25 @@ bool SelectStagesAttendScored(const DeviceSelectStages& stages, const DeviceSele
 // head one stage may have: that many blocks of 1024 (0: none).
 int SelectStagesClusterBlocks(int num_kv_heads);
 int64_t SelectStagesMaxCandidates(int num_kv_heads);
+// Partitioned selection (kernels/backend.h VoteTopKParams::partitions, SelectStagesParams::
+// partitions), selection.cu: one block per part and KV head, no top-k across blocks.
+// LaunchPartVoteTopK: VoteTopK with `parts` parts (a power of two <= 64 dividing k; with parents
+// their count too), group <= 4, at most 4096 candidates per part (cudaErrorInvalidValue otherwise).
+cudaError_t LaunchPartVoteTopK(const float* scores, int num_kv_heads, int group,
+                               const DeviceCandidates& c, int k, int parts, float* vote,
+                               int32_t* selected, cudaStream_t stream);
+// Whether LaunchPartStages runs this chain: head_dim 128, group <= 4, 2 to 64 parts (with the
+// attention 16 at most and at least group), bf16 summaries and bf16 keys, stage 0 a plain range,
+// at most 2048 candidates per part and stage and 1024 taken per part; the attention (optional)
+// over the last stage's token ids (a key stage over its own bf16 pools and table), at most 256
+// fixed rows per part.
+bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectStages& stages,
+                    const DeviceSelectAttend* attend);
+// SelectStages with `parts` parts as one kernel (grid (parts, KV heads); with the attention,
+// one cluster of `parts` blocks per KV head, block h merging query head h's partials).
+cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
+                             const DeviceSelectStages& stages, const int32_t* skip,
+                             const DeviceSelectAttend* attend, cudaStream_t stream);
 // Profiling (cuda_attention_bench --stage-phases): while `stamps` (device memory) is set, thread
 // 0 of each of the first `max_blocks` blocks of SelectStagesKernel writes clock64() at
 // kSelectStagesPhases points to stamps[block * kSelectStagesPhases ...]: entry, then per stage
