@@ -26,9 +26,11 @@ DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& c
       d_(cache.head_dim),
       page_(cache.page_size),
       seg_pages_(options.EffectiveSegmentPages()),
+      parts_(options.kind == PolicyKind::kTokenSelect ? options.tokenselect_partitions : 1),
       max_pages_((cache.max_tokens + cache.page_size - 1) / cache.page_size),
       max_segs_(0),
       wanted_pages_(0),
+      policy_wanted_pages_(0),
       backend_(backend),
       mean_query_(backend, num_q_heads, cache.head_dim) {
   cache_on_ = options.cache_theta <= 1.0;
@@ -37,8 +39,13 @@ DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& c
                              ? static_cast<int64_t>(options.token_budget) *
                                    options.tokenselect_candidate_factor
                              : options.token_budget;
-  wanted_pages_ = (wanted + page_ - 1) / page_;
+  policy_wanted_pages_ = (wanted + page_ - 1) / page_;
+  // Every stage's k a multiple of the parts (SelectStagesParams::partitions): part j keeps
+  // ceil(policy_wanted_pages_ / parts) pages, as the host policy's TokenSelectParts does.
+  wanted_pages_ = RoundUpToParts(policy_wanted_pages_);
 }
+
+int64_t DevicePolicy::RoundUpToParts(int64_t n) const { return (n + parts_ - 1) / parts_ * parts_; }
 
 DevicePolicy::~DevicePolicy() = default;
 
@@ -93,11 +100,13 @@ absl::Status DevicePolicy::Init() {
   }
   const size_t f = sizeof(float);
   STRATA_ASSIGN_OR_RETURN(seg_scores_, backend_->Allocate(f * hkv_ * group_ * max_segs_));
+  // The segment stage keeps at most every segment, rounded up to a multiple of the parts.
+  const int64_t max_kept_segs = RoundUpToParts(max_segs_);
   STRATA_ASSIGN_OR_RETURN(page_scores_,
-                          backend_->Allocate(f * hkv_ * group_ * max_segs_ * seg_pages_));
+                          backend_->Allocate(f * hkv_ * group_ * max_kept_segs * seg_pages_));
   STRATA_ASSIGN_OR_RETURN(tok_scores_,
                           backend_->Allocate(f * hkv_ * group_ * wanted_pages_ * page_));
-  STRATA_ASSIGN_OR_RETURN(top_segs_, backend_->Allocate(sizeof(int32_t) * hkv_ * max_segs_));
+  STRATA_ASSIGN_OR_RETURN(top_segs_, backend_->Allocate(sizeof(int32_t) * hkv_ * max_kept_segs));
   STRATA_ASSIGN_OR_RETURN(top_pages_, backend_->Allocate(sizeof(int32_t) * hkv_ * wanted_pages_));
   STRATA_ASSIGN_OR_RETURN(top_tokens_,
                           backend_->Allocate(sizeof(int32_t) * hkv_ * options_.token_budget));
@@ -278,17 +287,24 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   if (two_level) {
     s0 = p0 / seg_pages_;
     s1 = (p1 - 1) / seg_pages_ + 1;
-    keep = std::min<int64_t>(
+    // The host policy's segment count (RankPages), from its wanted pages (not rounded to the
+    // parts); with parts, each part keeps ceil(of it / parts) of its own segments (k a multiple
+    // of the parts; a part with fewer segments fills its share with -1).
+    const int64_t keep_all = std::min<int64_t>(
         s1 - s0, std::max<int64_t>(options_.min_segments,
-                                   (options_.segment_factor * wanted_pages_ + seg_pages_ - 1) /
+                                   (options_.segment_factor * policy_wanted_pages_ +
+                                    seg_pages_ - 1) /
                                        seg_pages_));
+    keep = RoundUpToParts(keep_all);
     // Keeping every segment makes every page of the middle a candidate, which is what scoring
-    // the pages directly does: the segment stage (two launches) is skipped, same candidates.
-    if (keep >= s1 - s0) two_level = false;
+    // the pages directly does: the segment stage (two launches) is skipped, same candidates. Not
+    // with parts: they are dealt by segment here and would be dealt by page without the stage.
+    if (parts_ == 1 && keep >= s1 - s0) two_level = false;
   }
 
   // The stages as one backend op (on CUDA one kernel): [segments ->] pages [-> tokens].
   kernels::SelectStagesParams sp;
+  sp.partitions = parts_;
   sp.q = q2;
   sp.scale = scale * cache.options().k_scale;  // fp8 caches: the stored keys' scores
   sp.skip_heads = skip;

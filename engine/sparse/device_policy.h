@@ -22,7 +22,19 @@
 //   - pages are taken as the top ceil(wanted / P) by vote, where the host policy's FillPages may
 //     add a boundary page that lies partly outside the middle and still fits the budget;
 //   - where the two-level stage would keep every segment, the pages are scored directly (the
-//     same candidates; the host policy goes through the segments), saving two launches.
+//     same candidates; the host policy goes through the segments), saving two launches; not
+//     with partitions (below), whose parts are dealt by segment on the two-level path.
+// tokenselect with options.tokenselect_partitions = R > 1 (the host policy's TokenSelectParts):
+// SelectStagesParams::partitions = R, so every stage runs in R independent parts (which a
+// backend may run in a thread block each, with no top-k across blocks) and every stage's k is a
+// multiple of R: the
+// segment stage keeps the host's segment count rounded up to a multiple of R (ceil(count / R)
+// per part, the host's share), the page stage ceil(wanted / P) pages rounded up likewise
+// (ceil(ceil(wanted / P) / R) per part, the host's), and the token stage the budget (which
+// Validate requires to be a multiple of R), budget / R per part. Part j holds the pages (two-
+// level: the segments) whose index is j modulo R; the selected ids are grouped by part (part j's
+// ascending, then -1), which SelectedAttention and AttendChunk read in any order. quest always
+// selects in one part.
 // Used by engine::Transformer through ForwardOptions::device_policy (one-token segments), by
 // `strata generate` and by the worker's jobs (worker/worker.h, WorkerOptions::device_selection).
 //
@@ -185,8 +197,17 @@ class DevicePolicy {
   PolicyOptions options_;
   KvCacheOptions cache_options_;
   int hq_, hkv_, group_, d_, page_, seg_pages_;
+  // The selection's independent parts (SelectStagesParams::partitions): tokenselect's
+  // options.tokenselect_partitions, 1 for quest. Every stage's k is a multiple of it.
+  int parts_;
   int64_t max_pages_, max_segs_;
-  int64_t wanted_pages_;  // pages kept before the token stage (tokenselect) or attended (quest)
+  // Pages kept before the token stage (tokenselect) or attended (quest): the host policy's
+  // ceil(wanted / page) (policy_wanted_pages_; wanted = budget x candidate factor for
+  // tokenselect, the budget for quest) rounded up to a multiple of parts_.
+  int64_t wanted_pages_;
+  int64_t policy_wanted_pages_;
+  // n rounded up to a multiple of parts_.
+  int64_t RoundUpToParts(int64_t n) const;
   kernels::Backend* backend_;
   std::vector<bool> dense_layer_;
   // Per layer: page table (filled on the first append), page and segment summaries.

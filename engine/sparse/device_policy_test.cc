@@ -6,7 +6,9 @@
 // the errors. Prefill chunks (AttendChunk): the same comparison for chunks of 1, 3, 17, 129 and
 // 700 queries (the mean query's merge tree with one, two and three levels, a shifted last part),
 // contexts that are not multiples of the page size, exactness when the budget covers the context,
-// and the errors.
+// and the errors. tokenselect in parts (PolicyOptions::tokenselect_partitions; on the backend
+// SelectStagesParams::partitions) against the host policy's TokenSelectParts: decode (with and
+// without the selection cache), chunks and following queries, one- and two-level.
 #include "engine/sparse/device_policy.h"
 
 #include <algorithm>
@@ -63,6 +65,8 @@ struct PolicyPair {
   std::unique_ptr<KvCache> cache;
   std::unique_ptr<SparsePolicy> host;
   std::unique_ptr<DevicePolicy> dev;
+  // With tokenselect_partitions > 1: the host policy of the same options in one part.
+  std::unique_ptr<SparsePolicy> one_part;
   std::mt19937 rng;
   std::normal_distribution<float> nd;
 
@@ -72,6 +76,11 @@ struct PolicyPair {
     STRATA_ASSIGN_OR_RETURN(cache, KvCache::Create(co, be));
     STRATA_ASSIGN_OR_RETURN(host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
     STRATA_ASSIGN_OR_RETURN(dev, DevicePolicy::Create(o, co, kHq, be));
+    if (o.tokenselect_partitions > 1) {
+      PolicyOptions o1 = o;
+      o1.tokenselect_partitions = 1;
+      STRATA_ASSIGN_OR_RETURN(one_part, MakeSparsePolicy(o1, kLayers, kHq, kHkv, kD));
+    }
     rng.seed(static_cast<uint32_t>(seed));
     return absl::OkStatus();
   }
@@ -84,10 +93,21 @@ struct PolicyPair {
     const int64_t len = cache->length(0);
     Selection sel;
     STRATA_RETURN_IF_ERROR(host->Select(l, q.data(), 1, kHq, len - 1, *cache, &sel));
-    want->assign(kHq * kD, 0.0f);
-    want_lse->assign(kHq, 0.0f);
+    STRATA_RETURN_IF_ERROR(HostAttend(l, q, sel, cpu, want, want_lse));
     got->assign(kHq * kD, NAN);
     got_lse->assign(kHq, NAN);
+    return dev->Attend(l, TensorView(const_cast<float*>(q.data()), DType::kF32, {1, kHq, kD}),
+                       *cache, TensorView(got->data(), DType::kF32, {1, kHq, kD}),
+                       TensorView(got_lse->data(), DType::kF32, {1, kHq}), nullptr);
+  }
+  // PagedAttention (on `cpu`) of the decode query q [kHq, kD] at the cache's last position over
+  // `sel`.
+  absl::Status HostAttend(int l, const std::vector<float>& q, const Selection& sel,
+                          kernels::Backend* cpu, std::vector<float>* want,
+                          std::vector<float>* want_lse) {
+    const int64_t len = cache->length(0);
+    want->assign(kHq * kD, 0.0f);
+    want_lse->assign(kHq, 0.0f);
     const int32_t qpos = static_cast<int32_t>(len - 1);
     kernels::PagedAttentionParams pa;
     pa.q = TensorView(const_cast<float*>(q.data()), DType::kF32, {1, kHq, kD});
@@ -100,9 +120,7 @@ struct PolicyPair {
     pa.scale = 1.0f / std::sqrt(static_cast<float>(kD));
     pa.out = TensorView(want->data(), DType::kF32, {1, kHq, kD});
     pa.lse = TensorView(want_lse->data(), DType::kF32, {1, kHq});
-    STRATA_RETURN_IF_ERROR(cpu->PagedAttention(pa, nullptr));
-    return dev->Attend(l, pa.q, *cache, TensorView(got->data(), DType::kF32, {1, kHq, kD}),
-                       TensorView(got_lse->data(), DType::kF32, {1, kHq}), nullptr);
+    return cpu->PagedAttention(pa, nullptr);
   }
   // Appends n random tokens to every layer.
   void Append(int64_t n) {
@@ -114,6 +132,7 @@ struct PolicyPair {
       STRATA_ASSERT_OK(cache->Append(l, TensorView(k.data(), DType::kF32, {n, kHkv, kD}),
                                      TensorView(v.data(), DType::kF32, {n, kHkv, kD})));
       STRATA_ASSERT_OK(host->OnAppend(l, *cache, first, first + n));
+      if (one_part != nullptr) STRATA_ASSERT_OK(one_part->OnAppend(l, *cache, first, first + n));
       STRATA_ASSERT_OK(dev->OnAppend(l, *cache, first, first + n, nullptr));
     }
   }
@@ -130,7 +149,9 @@ struct PolicyPair {
 struct Case {
   PolicyKind kind;
   DType dtype;
-  int64_t len;  // tokens before the decode steps
+  int64_t len;    // tokens before the decode steps
+  int parts = 1;  // PolicyOptions::tokenselect_partitions
+  int factor = 0;  // PolicyOptions::tokenselect_candidate_factor (0: Options')
 };
 
 class DevicePolicyTest : public ::testing::TestWithParam<Case> {};
@@ -139,13 +160,16 @@ TEST_P(DevicePolicyTest, DecodeMatchesHostPolicy) {
   const Case c = GetParam();
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   const int steps = 3;
-  const PolicyOptions o = Options(c.kind);
+  PolicyOptions o = Options(c.kind);
+  o.tokenselect_partitions = c.parts;
+  if (c.factor > 0) o.tokenselect_candidate_factor = c.factor;
   PolicyPair pp;
   STRATA_ASSERT_OK(pp.Init(o, c.dtype, c.len + steps, cpu.get(),
-                           77 + static_cast<int>(c.len) + static_cast<int>(c.kind)));
+                           77 + static_cast<int>(c.len) + static_cast<int>(c.kind) + c.parts));
   std::mt19937& rng = pp.rng;
   std::normal_distribution<float>& nd = pp.nd;
   pp.Fill(c.len);
+  int one_part_differs = 0;  // steps whose output the parts changed
   for (int step = 0; step < steps; ++step) {
     pp.Append(1);
     std::vector<float> q(kHq * kD);
@@ -156,7 +180,23 @@ TEST_P(DevicePolicyTest, DecodeMatchesHostPolicy) {
       STRATA_ASSERT_OK(pp.AttendBoth(l, q, cpu.get(), &want, &want_lse, &got, &got_lse));
       for (int i = 0; i < kHq * kD; ++i) ASSERT_NEAR(got[i], want[i], 1e-4) << i;
       for (int i = 0; i < kHq; ++i) ASSERT_NEAR(got_lse[i], want_lse[i], 1e-4) << i;
+      if (pp.one_part != nullptr) {
+        Selection sel;
+        STRATA_ASSERT_OK(pp.one_part->Select(l, q.data(), 1, kHq, pp.cache->length(0) - 1,
+                                             *pp.cache, &sel));
+        std::vector<float> one, one_lse;
+        STRATA_ASSERT_OK(pp.HostAttend(l, q, sel, cpu.get(), &one, &one_lse));
+        double diff = 0;
+        for (int i = 0; i < kHq * kD; ++i) {
+          diff = std::max(diff, std::fabs(static_cast<double>(got[i]) - one[i]));
+        }
+        one_part_differs += diff > 1e-3;
+      }
     }
+  }
+  // Where the middle exceeds the budget (layer 0) the parts select otherwise than one part.
+  if (pp.one_part != nullptr && c.len - o.sink_tokens - o.window_tokens > o.token_budget) {
+    EXPECT_GT(one_part_differs, 0);
   }
 }
 
@@ -175,7 +215,22 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{PolicyKind::kQuest, DType::kF32, 3000},
                       Case{PolicyKind::kQuest, DType::kBF16, 700},        // one-level
                       Case{PolicyKind::kTokenSelect, DType::kF32, 700},
-                      Case{PolicyKind::kTokenSelect, DType::kF32, 150}));  // middle fits
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 150},  // middle fits
+                      // tokenselect in parts (two-level: 32 of the 46 segments kept, 8 per part
+                      // at 4 parts, 4 at 8; every stage's k a multiple of the parts).
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 3000, 4},
+                      Case{PolicyKind::kTokenSelect, DType::kBF16, 3000, 8},
+                      // Every segment kept (at most 6 of its own per part at 4 parts): the device
+                      // policy must still run the segment stage, whose parts are by segment.
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 1500, 4},
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 1500, 8},
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 700, 4},  // one-level
+                      Case{PolicyKind::kTokenSelect, DType::kBF16, 700, 8},
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 150, 8},  // middle fits
+                      // A part's candidates less than a page (candidate factor 1: 128 / 16 = 8
+                      // tokens, 16-token pages): one page per part on both.
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 3000, 16, 1},
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 700, 16, 1}));
 
 // The selection cache (cache_theta 0.9) against the host policy's: decode steps whose queries
 // repeat (scaled), drift a little, turn away, and change for one KV head only; each step's output
@@ -185,6 +240,7 @@ INSTANTIATE_TEST_SUITE_P(
 struct CacheCase {
   PolicyKind kind;
   int64_t len;
+  int parts = 1;  // PolicyOptions::tokenselect_partitions
 };
 
 class DevicePolicyCacheTest : public ::testing::TestWithParam<CacheCase> {};
@@ -195,6 +251,7 @@ TEST_P(DevicePolicyCacheTest, ReuseMatchesHostSelectionCache) {
   const int steps = 7;
   PolicyOptions o = Options(c.kind);
   o.cache_theta = 0.9;
+  o.tokenselect_partitions = c.parts;
   PolicyPair pp;
   STRATA_ASSERT_OK(pp.Init(o, DType::kF32, c.len + steps, cpu.get(),
                            91 + static_cast<int>(c.len) + static_cast<int>(c.kind)));
@@ -262,6 +319,8 @@ TEST_P(DevicePolicyCacheTest, ReuseMatchesHostSelectionCache) {
 INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyCacheTest,
                          ::testing::Values(CacheCase{PolicyKind::kTokenSelect, 3000},  // two-level
                                            CacheCase{PolicyKind::kTokenSelect, 700},
+                                           CacheCase{PolicyKind::kTokenSelect, 3000, 4},
+                                           CacheCase{PolicyKind::kTokenSelect, 700, 8},
                                            CacheCase{PolicyKind::kQuest, 3000},
                                            CacheCase{PolicyKind::kQuest, 700}));
 
@@ -379,6 +438,7 @@ struct ChunkCase {
   DType dtype;
   int64_t context;  // tokens before the chunk
   int64_t chunk;    // queries in the chunk
+  int parts = 1;    // PolicyOptions::tokenselect_partitions
 };
 
 // Appends `n` random tokens to every layer of `cache`, telling `host` (when set) and `dev`.
@@ -447,7 +507,8 @@ TEST_P(DevicePolicyChunkTest, ChunkMatchesHostPolicy) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   const KvCacheOptions co = CacheOptions(c.context + c.chunk, c.dtype);
   STRATA_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(co, cpu.get()));
-  const PolicyOptions o = Options(c.kind);
+  PolicyOptions o = Options(c.kind);
+  o.tokenselect_partitions = c.parts;
   STRATA_ASSERT_OK_AND_ASSIGN(auto host, MakeSparsePolicy(o, kLayers, kHq, kHkv, kD));
   STRATA_ASSERT_OK_AND_ASSIGN(auto dev, DevicePolicy::Create(o, co, kHq, cpu.get()));
   std::unique_ptr<AttentionPolicy> dense = MakeDensePolicy();
@@ -502,7 +563,12 @@ INSTANTIATE_TEST_SUITE_P(
                       ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 400, 700},  // 3 levels
                       ChunkCase{PolicyKind::kQuest, DType::kF32, 450, 700},
                       ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 150, 129},  // middle fits
-                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 0, 17}));   // first chunk
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 0, 17},     // first chunk
+                      // tokenselect in parts: two-level, every segment kept, one-level.
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 3000, 17, 4},
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kBF16, 3001, 3, 8},
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 1500, 129, 4},
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 701, 3, 8}));
 
 // With a budget that covers the whole middle every layer attends to everything: the output is
 // that of dense attention, whatever the chunk.
@@ -555,6 +621,7 @@ TEST_P(DevicePolicyFollowingTest, FollowingQueriesMatchHostPolicy) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);
   PolicyOptions o = Options(c.kind);
   o.window_tokens = 0;  // a shard's window is its last token only
+  o.tokenselect_partitions = c.parts;
   PolicyPair pp;
   STRATA_ASSERT_OK(pp.Init(o, c.dtype, c.context, cpu.get(),
                            11 + static_cast<int>(c.context * 7 + c.chunk) + static_cast<int>(c.kind)));
@@ -614,7 +681,9 @@ INSTANTIATE_TEST_SUITE_P(
                       ChunkCase{PolicyKind::kQuest, DType::kBF16, 3003, 17},
                       ChunkCase{PolicyKind::kQuest, DType::kF32, 701, 1},          // one-level
                       ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 701, 129},
-                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 150, 3}));  // middle fits
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 150, 3},  // middle fits
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 3000, 1, 4},  // in parts
+                      ChunkCase{PolicyKind::kTokenSelect, DType::kF32, 2999, 3, 8}));
 
 TEST(DevicePolicyChunkErrorsTest, RejectsMalformedChunks) {
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(1);

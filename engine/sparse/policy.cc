@@ -89,6 +89,17 @@ absl::Status PolicyOptions::Validate() const {
     return bad("policy: tokenselect_candidate_factor ", tokenselect_candidate_factor,
                " is outside [1, 16]");
   }
+  if (tokenselect_partitions < 1 || tokenselect_partitions > 64 ||
+      (tokenselect_partitions & (tokenselect_partitions - 1)) != 0) {
+    return bad("policy: tokenselect_partitions ", tokenselect_partitions,
+               " is not a power of two in [1, 64]");
+  }
+  if (kind == PolicyKind::kTokenSelect && tokenselect_partitions > 1 &&
+      token_budget % tokenselect_partitions != 0) {
+    return bad("policy: tokenselect token_budget ", token_budget,
+               " is not a multiple of tokenselect_partitions ", tokenselect_partitions,
+               " (each part keeps budget / partitions tokens)");
+  }
   if (hip_block < 1) return bad("policy: hip_block < 1");
   if (subgen_samples_per_cluster < 1 || subgen_value_samples < 0 || !(subgen_radius > 0.0)) {
     return bad("policy: subgen needs samples_per_cluster >= 1, value_samples >= 0, radius > 0");
@@ -402,8 +413,11 @@ class PolicyImpl : public SparsePolicy {
   }
 
   // Pages overlapping [mid_begin, mid_end), best first (two-level when there are many).
+  // With parts > 1, only the pages of part `part` (two-level: of its segments, index % parts ==
+  // part) are ranked, and part keeps ceil(keep / parts) segments at the first level.
   std::vector<int64_t> RankPages(HeadState& hs, const float* qg, int64_t mid_begin,
-                                 int64_t mid_end, int64_t wanted_tokens) {
+                                 int64_t mid_end, int64_t wanted_tokens, int part = 0,
+                                 int parts = 1) {
     const HeadSummaries& s = *hs.summaries;
     const int p = options_.page_size, gsz = segment_pages_;
     const int dim = s.dim();
@@ -416,16 +430,19 @@ class PolicyImpl : public SparsePolicy {
     std::vector<float> vote;
     if (p1 - p0 > options_.two_level_min_pages && gsz > 1) {
       const int64_t s0 = p0 / gsz, s1 = (p1 - 1) / gsz + 1;
-      std::vector<int64_t> segs(s1 - s0);
-      std::iota(segs.begin(), segs.end(), s0);
+      std::vector<int64_t> segs;
+      for (int64_t sg = s0; sg < s1; ++sg) {
+        if (sg % parts == part) segs.push_back(sg);
+      }
       VoteSummaries(
           pq, segs, dim, [&](int64_t i) { return s.segment(i); },
           [&](int64_t i) { return s.segment_tokens(i); }, &vote);
       const int64_t wanted_pages = (wanted_tokens + p - 1) / p;
-      const int64_t keep = std::min<int64_t>(
-          static_cast<int64_t>(segs.size()),
-          std::max<int64_t>(options_.min_segments,
-                            (options_.segment_factor * wanted_pages + gsz - 1) / gsz));
+      const int64_t keep_all = std::min<int64_t>(
+          s1 - s0, std::max<int64_t>(options_.min_segments,
+                                     (options_.segment_factor * wanted_pages + gsz - 1) / gsz));
+      const int64_t keep =
+          std::min<int64_t>(static_cast<int64_t>(segs.size()), (keep_all + parts - 1) / parts);
       std::vector<int64_t> kept =
           RankByVote(vote.data(), static_cast<int64_t>(segs.size()), keep);
       kept.resize(keep);
@@ -440,8 +457,9 @@ class PolicyImpl : public SparsePolicy {
         }
       }
     } else {
-      candidates.resize(p1 - p0);
-      std::iota(candidates.begin(), candidates.end(), p0);
+      for (int64_t pg = p0; pg < p1; ++pg) {
+        if (pg % parts == part) candidates.push_back(pg);
+      }
     }
     VoteSummaries(
         pq, candidates, dim, [&](int64_t i) { return s.page(i); },
@@ -474,6 +492,10 @@ class PolicyImpl : public SparsePolicy {
                                  int64_t mid_begin, int64_t mid_end, const KvCache& cache,
                                  int layer, int g) {
     const int budget = options_.token_budget;
+    const int parts = options_.tokenselect_partitions;
+    if (parts > 1 && summary_ != SummaryKind::kNone) {
+      return TokenSelectParts(hs, qg, qs, mid_begin, mid_end, cache, layer, g, parts);
+    }
     std::vector<Range> cand;
     if (summary_ == SummaryKind::kNone) {
       cand.push_back(Range{mid_begin, mid_end});
@@ -503,6 +525,53 @@ class PolicyImpl : public SparsePolicy {
     const std::vector<int64_t> order = RankByVote(vote.data(), n, budget);
     std::vector<int64_t> picked(budget);
     for (int i = 0; i < budget; ++i) picked[i] = tokens[order[i]];
+    std::sort(picked.begin(), picked.end());
+    return RangesFromSortedTokens(picked);
+  }
+
+  // tokenselect in `parts` independent parts (PolicyOptions::tokenselect_partitions): part j
+  // ranks only its own pages (RankPages' part), takes its best ceil(ceil(candidate_factor * B /
+  // page) / parts) pages (as many tokens, whole pages, so that a share smaller than a page still
+  // gets one; the device policy's page stage keeps the same count per part) and keeps its B /
+  // parts best tokens by a soft vote over those candidates alone. The parts' selections are
+  // disjoint; their union is the middle's selection.
+  std::vector<Range> TokenSelectParts(HeadState& hs, const float* qg, const float* qs,
+                                      int64_t mid_begin, int64_t mid_end, const KvCache& cache,
+                                      int layer, int g, int parts) {
+    SyncSummaries(hs, cache, layer, g);
+    const int64_t budget = options_.token_budget;
+    const int64_t part_budget = (budget + parts - 1) / parts;
+    const int64_t wanted = budget * options_.tokenselect_candidate_factor;
+    const int64_t page = options_.page_size;
+    const int64_t part_wanted = ((wanted + page - 1) / page + parts - 1) / parts * page;
+    const HeadRows keys = KeyRows(cache, layer, g);
+    std::vector<int64_t> picked;
+    for (int part = 0; part < parts; ++part) {
+      const std::vector<Range> cand =
+          FillPages(RankPages(hs, qg, mid_begin, mid_end, wanted, part, parts), mid_begin,
+                    mid_end, part_wanted);
+      std::vector<int64_t> tokens;
+      for (const Range& r : cand) {
+        for (int64_t t = r.begin; t < r.end; ++t) tokens.push_back(t);
+      }
+      const int64_t n = static_cast<int64_t>(tokens.size());
+      if (n <= part_budget) {
+        picked.insert(picked.end(), tokens.begin(), tokens.end());
+        continue;
+      }
+      std::vector<float> scores(static_cast<size_t>(group_) * n);
+      for (int64_t j = 0; j < n; ++j) {
+        for (int h = 0; h < group_; ++h) {
+          scores[static_cast<size_t>(h) * n + j] =
+              keys.Dot(tokens[j], qs + static_cast<size_t>(h) * d_);
+        }
+      }
+      stats_.key_bytes += n * d_ * 2;
+      std::vector<float> vote(n);
+      SoftVote(scores.data(), group_, n, vote.data());
+      const std::vector<int64_t> order = RankByVote(vote.data(), n, part_budget);
+      for (int64_t i = 0; i < part_budget; ++i) picked.push_back(tokens[order[i]]);
+    }
     std::sort(picked.begin(), picked.end());
     return RangesFromSortedTokens(picked);
   }

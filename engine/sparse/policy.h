@@ -122,6 +122,13 @@ struct PolicyOptions {
   // tokenselect with a summary: candidate pages hold up to this many times B tokens, 1 to 16.
   // Default: 4 (bench/RESULTS.md, session 23: 2 is 12-14% faster on selecting steps, less exact).
   int tokenselect_candidate_factor = 4;
+  // tokenselect with a summary: the selection split into this many independent parts, 1 to 64
+  // (a power of two). Part j holds the pages (two-level: the segments) whose index is j modulo
+  // the parts, and keeps its own share of the candidates and of the budget, ranked by a soft vote
+  // over its own candidates (see TokenSelectParts in policy.cc). With kind tokenselect and more
+  // than one part, token_budget must be a multiple of it (each part keeps budget / parts tokens;
+  // Validate). 1 = the exact head soft vote over every candidate. Default: 1.
+  int tokenselect_partitions = 1;
   // hip: key block size b_k (tokens per leaf block). Default: 2 (HiP code's block_size_k).
   int hip_block = 2;
   // subgen: samples per cluster t, value samples s (0 = B / 4), cluster radius delta relative to

@@ -1,6 +1,7 @@
 // Tests of the sparse policies through KvCache and CpuPagedAttention.
 #include "engine/sparse/policy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <set>
@@ -16,6 +17,7 @@ namespace strata::engine::sparse {
 namespace {
 
 using ::strata::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using kernels::DType;
 using kernels::TensorView;
@@ -156,6 +158,51 @@ TEST(PolicyOptionsTest, ParseAndValidate) {
   EXPECT_THAT(MakeAttentionPolicy(o, 2, 8, 3, 32), StatusIs(absl::StatusCode::kInvalidArgument));
   o.dense_layers = {2};
   EXPECT_THAT(MakeAttentionPolicy(o, 2, 8, 2, 32), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// tokenselect_partitions: a power of two in [1, 64], and for tokenselect with more than one part
+// a budget that is a multiple of it; the errors name the fields.
+TEST(PolicyOptionsTest, TokenSelectPartitions) {
+  PolicyOptions o;
+  EXPECT_EQ(o.tokenselect_partitions, 1);
+  for (int parts : {0, -4, 3, 6, 48, 128}) {
+    o = PolicyOptions();
+    o.tokenselect_partitions = parts;
+    EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("tokenselect_partitions")))
+        << parts;
+  }
+  for (int parts : {1, 2, 16, 64}) {
+    o = PolicyOptions();  // tokenselect, budget 2048
+    o.tokenselect_partitions = parts;
+    SCOPED_TRACE(parts);
+    STRATA_EXPECT_OK(o.Validate());
+  }
+  o = PolicyOptions();
+  o.kind = PolicyKind::kTokenSelect;
+  o.token_budget = 100;
+  o.tokenselect_partitions = 8;
+  EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     AllOf(HasSubstr("token_budget 100"),
+                                           HasSubstr("tokenselect_partitions 8"))));
+  o.token_budget = 104;
+  STRATA_EXPECT_OK(o.Validate());
+  o.token_budget = 0;  // a multiple too
+  STRATA_EXPECT_OK(o.Validate());
+  o.token_budget = 100;
+  o.tokenselect_partitions = 4;
+  STRATA_EXPECT_OK(o.Validate());
+  o.tokenselect_partitions = 1;  // one part takes any budget
+  o.token_budget = 99;
+  STRATA_EXPECT_OK(o.Validate());
+  // Other policies ignore the parts (but not their range).
+  o.kind = PolicyKind::kQuest;
+  o.tokenselect_partitions = 8;
+  STRATA_EXPECT_OK(o.Validate());
+  o.tokenselect_partitions = 3;
+  EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(MakeSparsePolicy(o, kLayers, kHq, kHkv, kD),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 // Every policy whose budget covers the whole context is exact (equals dense), for decode and
@@ -463,6 +510,137 @@ TEST(PolicyTest, DenseLayers) {
   STRATA_ASSERT_OK(p->Select(1, q.data(), 1, kHq, w.len - 1, *w.cache, &s1));
   EXPECT_EQ(static_cast<int64_t>(Attended(s0, 0).size()), w.len);
   EXPECT_EQ(static_cast<int64_t>(Attended(s1, 0).size()), 8 + 128 + 33);
+}
+
+// tokenselect in parts (PolicyOptions::tokenselect_partitions), one- and two-level: part j (the
+// pages, two-level the segments, whose index is j mod P) keeps exactly budget / P middle tokens
+// of its own (each part has more candidates than that), the selected tokens are disjoint and in
+// the middle, sinks and window are attended whole, for a decode step and a prefill chunk; a
+// planted needle is still found; and the parts change the selection (P = 1 does not: it is the
+// default's, token for token).
+TEST(PolicyTest, TokenSelectPartitionsKeepTheirShare) {
+  std::mt19937 rng(kSeed + 11);
+  std::normal_distribution<float> nd;
+  std::vector<float> dir(kD);
+  double n2 = 0;
+  for (float& x : dir) {
+    x = nd(rng);
+    n2 += x * x;
+  }
+  for (float& x : dir) x *= static_cast<float>(std::sqrt(kD / n2));
+  const int64_t len = 3000, needle = 1234;
+  const int budget = 256, page = 16, seg_pages = 4, sinks = 8, window = 32;
+  World w;
+  Build(&w, len, page, DType::kF32, rng, {needle}, dir.data(), 1, 4.0f);
+  FeedAll(&w, nullptr, rng);
+  for (bool two_level : {false, true}) {
+    PolicyOptions o = Small(PolicyKind::kTokenSelect, budget);
+    // Two-level: 47 segments of which 16 are kept (8 per part at P = 2, 2 at P = 8).
+    o.two_level_min_pages = two_level ? 16 : 1 << 20;
+    o.segment_factor = 1;
+    ASSERT_EQ(o.segment_pages, seg_pages);
+    ASSERT_EQ(o.page_size, page);
+    std::unique_ptr<SparsePolicy> def = MakeSparsePolicy(o, kLayers, kHq, kHkv, kD).value();
+    std::vector<int> all_parts = {1, 2, 4, 8};
+    std::vector<std::unique_ptr<SparsePolicy>> policies;
+    for (int parts : all_parts) {
+      PolicyOptions op = o;
+      op.tokenselect_partitions = parts;
+      policies.push_back(MakeSparsePolicy(op, kLayers, kHq, kHkv, kD).value());
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      STRATA_ASSERT_OK(def->OnAppend(l, *w.cache, 0, len));
+      for (auto& p : policies) STRATA_ASSERT_OK(p->OnAppend(l, *w.cache, 0, len));
+    }
+    for (int round = 0; round < 3; ++round) {
+      // Rounds 0 and 1: a decode step (round 1 towards the needle); round 2: a chunk of 5.
+      const int nt = round == 2 ? 5 : 1;
+      const int64_t q_begin = len - nt;
+      std::vector<float> q(static_cast<size_t>(nt) * kHq * kD);
+      for (int t = 0; t < nt; ++t) {
+        for (int i = 0; i < kHq * kD; ++i) {
+          q[t * kHq * kD + i] = round == 1 ? dir[i % kD] + 0.3f * nd(rng) : nd(rng);
+        }
+      }
+      Selection ref;
+      STRATA_ASSERT_OK(def->Select(0, q.data(), nt, kHq, q_begin, *w.cache, &ref));
+      for (size_t pi = 0; pi < policies.size(); ++pi) {
+        const int parts = all_parts[pi];
+        SCOPED_TRACE(::testing::Message() << "two_level " << two_level << " parts " << parts
+                                          << " round " << round);
+        Selection sel;
+        STRATA_ASSERT_OK(policies[pi]->Select(0, q.data(), nt, kHq, q_begin, *w.cache, &sel));
+        bool differs = false;
+        for (int g = 0; g < kHkv; ++g) {
+          const std::vector<int64_t> a = Attended(sel, g);  // fails on a duplicate token
+          const std::vector<int64_t> want = Attended(ref, g);
+          if (parts == 1) {
+            EXPECT_EQ(a, want) << g;
+            continue;
+          }
+          differs = differs || a != want;
+          const int64_t wb = q_begin - window;
+          std::vector<int64_t> per_part(parts, 0);
+          int64_t head = 0, tail = 0;
+          for (int64_t t : a) {
+            if (t < sinks) {
+              ++head;
+            } else if (t >= wb) {
+              ++tail;
+            } else {
+              const int64_t unit = two_level ? t / page / seg_pages : t / page;
+              ++per_part[unit % parts];
+            }
+          }
+          EXPECT_EQ(head, sinks);
+          EXPECT_EQ(tail, len - wb);
+          for (int j = 0; j < parts; ++j) EXPECT_EQ(per_part[j], budget / parts) << "part " << j;
+          if (round == 1) {
+            EXPECT_TRUE(std::binary_search(a.begin(), a.end(), needle)) << "missed the needle";
+          }
+        }
+        if (parts > 1) {
+          EXPECT_TRUE(differs) << "the parts selected what one part does";
+        }
+      }
+    }
+  }
+}
+
+// A part's share of the candidates smaller than a page (candidate factor 1, budget 32, 4 parts:
+// 8 candidate tokens each, 16-token pages) still takes a whole page of its own and keeps its 8
+// tokens from it.
+TEST(PolicyTest, TokenSelectPartsShareSmallerThanAPage) {
+  std::mt19937 rng(kSeed + 12);
+  World w;
+  const int64_t len = 2000;
+  Build(&w, len, 16, DType::kF32, rng);
+  FeedAll(&w, nullptr, rng);
+  for (bool two_level : {false, true}) {
+    PolicyOptions o = Small(PolicyKind::kTokenSelect, 32);
+    o.two_level_min_pages = two_level ? 16 : 1 << 20;
+    o.tokenselect_candidate_factor = 1;
+    o.tokenselect_partitions = 4;
+    std::unique_ptr<SparsePolicy> p = MakeSparsePolicy(o, kLayers, kHq, kHkv, kD).value();
+    for (int l = 0; l < kLayers; ++l) STRATA_ASSERT_OK(p->OnAppend(l, *w.cache, 0, len));
+    std::normal_distribution<float> nd;
+    std::vector<float> q(kHq * kD);
+    for (float& x : q) x = nd(rng);
+    Selection sel;
+    STRATA_ASSERT_OK(p->Select(0, q.data(), 1, kHq, len - 1, *w.cache, &sel));
+    for (int g = 0; g < kHkv; ++g) {
+      SCOPED_TRACE(::testing::Message() << "two_level " << two_level << " head " << g);
+      const std::vector<int64_t> a = Attended(sel, g);
+      const int64_t wb = len - 1 - o.window_tokens;
+      std::vector<int64_t> per_part(4, 0);
+      for (int64_t t : a) {
+        if (t >= o.sink_tokens && t < wb) {
+          ++per_part[(two_level ? t / 16 / o.segment_pages : t / 16) % 4];
+        }
+      }
+      for (int j = 0; j < 4; ++j) EXPECT_EQ(per_part[j], 8) << "part " << j;
+    }
+  }
 }
 
 TEST(PolicyTest, RejectsMismatchedCache) {
