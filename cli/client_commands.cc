@@ -248,6 +248,7 @@ struct GenFlags {
   std::string policy;
   int64_t budget = 0;
   int64_t candidate_factor = 0;
+  int64_t partitions = 0;
   bool ignore_eos = false;
   bool print_ids = false;
 };
@@ -262,6 +263,9 @@ void AddGen(FlagSet* flags, GenFlags* g) {
   flags->Int("budget", &g->budget, "selection token budget (0: server default)");
   flags->Int("candidate-factor", &g->candidate_factor,
              "tokenselect: candidate tokens per budget token, 1-16 (0: server default, 4)");
+  flags->Int("partitions", &g->partitions,
+             "tokenselect: independent selection parts, a power of two 1-64 dividing the budget (0: server "
+             "default, 1)");
   flags->Bool("ignore-eos", &g->ignore_eos, "keep generating past end-of-sequence tokens");
   flags->Bool("print-token-ids", &g->print_ids, "print the generated token ids to stderr at the end");
 }
@@ -269,6 +273,7 @@ void AddGen(FlagSet* flags, GenFlags* g) {
 // A generation flag the server cannot be sent as typed (a negative count), or "".
 std::string GenFlagsError(const GenFlags& g) {
   if (g.candidate_factor < 0) return "--candidate-factor is 1-16 (0: the server's default)";
+  if (g.partitions < 0) return "--partitions is a power of two in 1-64 (0: the server's default)";
   return "";
 }
 
@@ -286,6 +291,9 @@ void FillGen(const GenFlags& g, v1::JobSubmitRequest* req) {
   if (g.candidate_factor > 0) {
     req->mutable_policy()->set_candidate_factor(
         static_cast<uint32_t>(std::min<int64_t>(g.candidate_factor, 1 << 20)));
+  }
+  if (g.partitions > 0) {
+    req->mutable_policy()->set_partitions(static_cast<uint32_t>(std::min<int64_t>(g.partitions, 1 << 20)));
   }
 }
 

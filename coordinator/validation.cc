@@ -165,6 +165,17 @@ absl::StatusOr<v1::SelectionPolicy> EffectiveSelectionPolicy(const v1::Selection
     return absl::InvalidArgumentError(
         absl::StrCat("policy.candidate_factor = ", out.candidate_factor(), " is out of range [1, 16]"));
   }
+  if (!p.has_partitions()) out.set_partitions(1);
+  const uint32_t parts = out.partitions();
+  if (parts < 1 || parts > 64 || (parts & (parts - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.partitions = ", parts, " is not a power of two in [1, 64]"));
+  }
+  if (out.name() == "tokenselect" && out.budget_tokens() % parts != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.budget_tokens = ", out.budget_tokens(), p.budget_tokens() == 0 ? " (the server's default)" : "",
+        " is not a multiple of policy.partitions = ", parts, " (tokenselect keeps budget_tokens / partitions per part)"));
+  }
   return out;
 }
 

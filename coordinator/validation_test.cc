@@ -93,16 +93,36 @@ TEST(ValidationTest, PolicyDefaults) {
   EXPECT_FLOAT_EQ(p.theta(), 0.9f);
   EXPECT_EQ(p.miss_mode(), v1::MISS_MODE_WAIT);
   EXPECT_EQ(p.candidate_factor(), 4u);
+  EXPECT_EQ(p.partitions(), 1u);
   v1::SelectionPolicy in;
   in.set_name("quest");
   in.set_sink_tokens(0);  // explicitly zero stays zero
   in.set_theta(1.0f);
   in.set_candidate_factor(2);
+  in.set_partitions(8);
   STRATA_ASSERT_OK_AND_ASSIGN(p, EffectiveSelectionPolicy(in, Limits()));
   EXPECT_EQ(p.name(), "quest");
   EXPECT_EQ(p.sink_tokens(), 0u);
   EXPECT_FLOAT_EQ(p.theta(), 1.0f);
   EXPECT_EQ(p.candidate_factor(), 2u);
+  EXPECT_EQ(p.partitions(), 8u);
+  // tokenselect in parts: the default budget (2048) and one set are multiples of the parts.
+  in = v1::SelectionPolicy();
+  in.set_name("tokenselect");
+  in.set_partitions(64);
+  STRATA_ASSERT_OK_AND_ASSIGN(p, EffectiveSelectionPolicy(in, Limits()));
+  EXPECT_EQ(p.partitions(), 64u);
+  EXPECT_EQ(p.budget_tokens(), 2048u);
+  in.set_partitions(4);
+  in.set_budget_tokens(100);
+  STRATA_ASSERT_OK_AND_ASSIGN(p, EffectiveSelectionPolicy(in, Limits()));
+  EXPECT_EQ(p.partitions(), 4u);
+  EXPECT_EQ(p.budget_tokens(), 100u);
+  // Other policies ignore the parts: any budget.
+  in.set_name("quest");
+  in.set_partitions(8);
+  STRATA_ASSERT_OK_AND_ASSIGN(p, EffectiveSelectionPolicy(in, Limits()));
+  EXPECT_EQ(p.partitions(), 8u);
 }
 
 TEST(ValidationTest, PolicyOutOfRange) {
@@ -135,6 +155,20 @@ TEST(ValidationTest, PolicyOutOfRange) {
   expect_bad(p, "candidate_factor");
   p.set_candidate_factor(17);
   expect_bad(p, "candidate_factor");
+  for (uint32_t parts : {0u, 3u, 12u, 128u, 1u << 31}) {
+    p = v1::SelectionPolicy();
+    p.set_name("tokenselect");
+    p.set_partitions(parts);
+    expect_bad(p, "policy.partitions");
+  }
+  p = v1::SelectionPolicy();
+  p.set_name("tokenselect");
+  p.set_budget_tokens(100);
+  p.set_partitions(8);
+  expect_bad(p, "policy.budget_tokens = 100 is not a multiple of policy.partitions = 8");
+  p.set_name("quest");
+  p.set_partitions(6);  // the range holds for every policy
+  expect_bad(p, "policy.partitions");
   p = v1::SelectionPolicy();
   p.add_dense_layers(4);
   expect_bad(p, "dense_layers");

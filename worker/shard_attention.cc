@@ -38,6 +38,8 @@ absl::StatusOr<engine::sparse::PolicyOptions> JobPolicyOptions(const v1::Selecti
   if (p.has_window_tokens()) o.window_tokens = static_cast<int>(p.window_tokens());
   if (p.has_theta()) o.cache_theta = p.theta();
   if (p.has_candidate_factor()) o.tokenselect_candidate_factor = static_cast<int>(p.candidate_factor());
+  // Clamped so that a huge value stays out of range (Validate names it) instead of wrapping.
+  if (p.has_partitions()) o.tokenselect_partitions = static_cast<int>(std::min<uint32_t>(p.partitions(), 1u << 20));
   for (uint32_t l : p.dense_layers()) o.dense_layers.push_back(static_cast<int>(l));
   switch (p.summary()) {
     case v1::SUMMARY_KIND_MINMAX: o.summary = engine::sparse::SummaryKind::kMinMax; break;
@@ -210,7 +212,13 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     // Sinks belong to the shard holding tokens [0, S); the window belongs to the leader.
     if (s->shard_->first_token() != 0) p.set_sink_tokens(0);
     p.set_window_tokens(0);
-    if (budget_tokens > 0) p.set_budget_tokens(budget_tokens);
+    if (budget_tokens > 0) {
+      // tokenselect in parts keeps budget / partitions tokens per part (JobPolicyOptions refuses
+      // a budget that is not a multiple): the shard's share rounded up to one.
+      const uint32_t parts = p.name() == "tokenselect" && p.has_partitions() ? p.partitions() : 1;
+      if (parts > 1 && parts <= 64) budget_tokens = (budget_tokens + parts - 1) / parts * parts;
+      p.set_budget_tokens(budget_tokens);
+    }
     const engine::KvCache& cache = s->shard_->cache();
     const int page_size = cache.options().page_size;
     absl::MutexLockMaybe lock(s->shard_->backend_mu());

@@ -610,6 +610,51 @@ TEST_F(ShardedTest, DenseSessionOnADeviceShardMatchesTheHostShard) {
   }
 }
 
+TEST_F(ShardedTest, TokenSelectPartsRoundTheShardsBudgetShareUp) {
+  // tokenselect in 4 parts keeps budget / 4 tokens per part: a shard's share of 30 tokens becomes
+  // 32 (a session with the share 32 gives the same partials and counts, bit for bit), on a
+  // device-selection shard and a host one, whose partials agree; 3 parts are refused.
+  const int64_t hq = model_->config.num_heads, d = model_->config.head_dim;
+  const int64_t tokens = 12 * kPage + 5;
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd;
+  const std::vector<float> k = RandomRows(tokens, model_->config, rng), v = RandomRows(tokens, model_->config, rng);
+  v1::SelectionPolicy policy;
+  policy.set_name("tokenselect");
+  policy.set_partitions(4);
+  std::vector<float> q(static_cast<size_t>(hq * d));
+  for (float& x : q) x = nd(rng);
+  engine::AttentionPartial first;
+  for (const bool device : {true, false}) {
+    SCOPED_TRACE(device ? "device" : "host");
+    STRATA_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const MountedShard> shard,
+                                MountRows(k, v, tokens, model_->config, backends_[0].get(), device));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto rounded, ShardSession::Create(shard, policy, 30, model_->config));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto exact, ShardSession::Create(shard, policy, 32, model_->config));
+    for (int l = 0; l < static_cast<int>(model_->config.num_layers); ++l) {
+      SCOPED_TRACE(::testing::Message() << "layer " << l);
+      engine::AttentionPartial a, b;
+      engine::SelectionCounters ca, cb;
+      STRATA_ASSERT_OK(rounded->Attend(l, q.data(), 1, static_cast<int>(hq), tokens, &a, &ca));
+      STRATA_ASSERT_OK(exact->Attend(l, q.data(), 1, static_cast<int>(hq), tokens, &b, &cb));
+      EXPECT_EQ(a.o, b.o);
+      EXPECT_EQ(a.lse, b.lse);
+      EXPECT_EQ(ca.selected_tokens, cb.selected_tokens);
+      EXPECT_LT(ca.selected_tokens, ca.candidate_tokens);  // a selection
+      if (l == 0 && device) first = a;
+      if (l == 0 && !device) {
+        ASSERT_EQ(a.o.size(), first.o.size());
+        for (size_t i = 0; i < a.o.size(); ++i) ASSERT_NEAR(a.o[i], first.o[i], 1e-4) << i;
+        for (size_t i = 0; i < a.lse.size(); ++i) ASSERT_NEAR(a.lse[i], first.lse[i], 1e-4) << i;
+      }
+    }
+    v1::SelectionPolicy three = policy;
+    three.set_partitions(3);
+    EXPECT_THAT(ShardSession::Create(shard, three, 30, model_->config).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+}
+
 // A capturing backend whose graphs cannot be made: every recording fails at its end.
 class NoGraphBackend : public kernels::testing::CapturingBackend {
  public:

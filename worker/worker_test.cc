@@ -2157,6 +2157,33 @@ TEST(JobPolicyOptionsTest, CandidateFactorAndThetaReachThePolicy) {
   EXPECT_FALSE(JobPolicyOptions(p, 64).ok());
 }
 
+// SelectionPolicy.partitions reaches PolicyOptions::tokenselect_partitions (unset: the policy's
+// default, one part); a value that is not a power of two in [1, 64], or a tokenselect budget that
+// is not a multiple of it, is refused naming the field.
+TEST(JobPolicyOptionsTest, PartitionsReachThePolicy) {
+  v1::SelectionPolicy p;
+  p.set_name("tokenselect");
+  p.set_budget_tokens(256);
+  STRATA_ASSERT_OK_AND_ASSIGN(engine::sparse::PolicyOptions o, JobPolicyOptions(p, 64));
+  EXPECT_EQ(o.tokenselect_partitions, 1);
+  p.set_partitions(16);
+  STRATA_ASSERT_OK_AND_ASSIGN(o, JobPolicyOptions(p, 64));
+  EXPECT_EQ(o.tokenselect_partitions, 16);
+  auto refused = [&](const char* field) {
+    const absl::Status s = JobPolicyOptions(p, 64).status();
+    return s.code() == absl::StatusCode::kInvalidArgument && absl::StrContains(s.message(), field);
+  };
+  for (uint32_t parts : {0u, 3u, 128u, 1u << 31, 0xffffffffu}) {
+    p.set_partitions(parts);
+    EXPECT_TRUE(refused("tokenselect_partitions")) << parts << ": " << JobPolicyOptions(p, 64).status();
+  }
+  p.set_partitions(32);
+  p.set_budget_tokens(48);
+  EXPECT_TRUE(refused("token_budget 48")) << JobPolicyOptions(p, 64).status();
+  p.set_name("quest");  // quest selects in one part: any budget
+  STRATA_EXPECT_OK(JobPolicyOptions(p, 64).status());
+}
+
 TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {
   STRATA_EXPECT_OK(WorkerOptions().Validate());
   struct Case {

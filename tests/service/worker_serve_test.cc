@@ -176,6 +176,13 @@ TEST_F(ServeTest, BadRequestsGetTheRightCodes) {
   bad_factor.mutable_policy()->set_name("tokenselect");
   bad_factor.mutable_policy()->set_candidate_factor(17);
   EXPECT_EQ(submit(bad_factor), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::JobSubmitRequest bad_parts = base;
+  bad_parts.mutable_policy()->set_name("tokenselect");
+  bad_parts.mutable_policy()->set_partitions(6);
+  EXPECT_EQ(submit(bad_parts), grpc::StatusCode::INVALID_ARGUMENT);
+  bad_parts.mutable_policy()->set_partitions(8);
+  bad_parts.mutable_policy()->set_budget_tokens(100);  // not a multiple of 8
+  EXPECT_EQ(submit(bad_parts), grpc::StatusCode::INVALID_ARGUMENT);
 
   JobRun done = Generate(base);
   ASSERT_TRUE(done.status.ok()) << done.status.error_message();
@@ -262,24 +269,39 @@ TEST_F(ServeTest, ClientCommands) {
 
   // --candidate-factor: a negative value is the client's usage error (exit 2, nothing sent); one
   // past 16 reaches the server, which refuses it (exit 1, INVALID_ARGUMENT naming the field).
-  auto ask_with_factor = [&](const std::string& factor, std::string* err) -> std::optional<int> {
+  auto ask_with = [&](const std::string& flag, const std::string& value, std::string* err) -> std::optional<int> {
     ChildProcess child({STRATA_BINARY, "ask", "--server", Address(), "--doc", doc_file, "--policy", "tokenselect",
-                        "--candidate-factor", factor, "What is it?"},
+                        "--max-tokens", "4", flag, value, "What is it?"},
                        *dir_ + "/factor.out", *dir_ + "/factor.err");
     const std::optional<int> exit_code = child.Wait(std::chrono::seconds(60));
     *err = child.Err();
     return exit_code;
   };
   std::string err;
-  code = ask_with_factor("-3", &err);
+  code = ask_with("--candidate-factor", "-3", &err);
   ASSERT_TRUE(code.has_value());
   EXPECT_EQ(*code, 2) << err;
   EXPECT_TRUE(absl::StrContains(err, "--candidate-factor")) << err;
-  code = ask_with_factor("99", &err);
+  code = ask_with("--candidate-factor", "99", &err);
   ASSERT_TRUE(code.has_value());
   EXPECT_EQ(*code, 1) << err;
   EXPECT_TRUE(absl::StrContains(err, "INVALID_ARGUMENT")) << err;
   EXPECT_TRUE(absl::StrContains(err, "candidate_factor")) << err;
+  // --partitions the same way: negative is the client's usage error; 3 (not a power of two) is
+  // INVALID_ARGUMENT from the server naming the field; 4 (dividing the default budget) answers.
+  code = ask_with("--partitions", "-1", &err);
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 2) << err;
+  EXPECT_TRUE(absl::StrContains(err, "--partitions")) << err;
+  code = ask_with("--partitions", "3", &err);
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 1) << err;
+  EXPECT_TRUE(absl::StrContains(err, "INVALID_ARGUMENT")) << err;
+  EXPECT_TRUE(absl::StrContains(err, "policy.partitions")) << err;
+  code = ask_with("--partitions", "4", &err);
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << err;
+  EXPECT_TRUE(absl::StrContains(err, "state=DONE")) << err;
 }
 
 // Reads "<grpc_port> <metrics_port>" from a port file, waiting up to 60 s; 0 on failure.
