@@ -93,6 +93,7 @@ struct Case {
   PolicyKind kind;
   int64_t len;  // tokens before the decode steps
   DType dtype = DType::kBF16;
+  int partitions = 1;  // PolicyOptions::tokenselect_partitions (the partitioned kernel)
 };
 
 class DevicePolicyGpuTest : public ::testing::TestWithParam<Case> {};
@@ -108,6 +109,7 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   o.kind = c.kind;
   o.page_size = kPage;
   o.cache_theta = 2.0;  // every step selects
+  o.tokenselect_partitions = c.partitions;
   const int steps = 4;
   Side g, h;
   STRATA_ASSERT_OK(g.Init(gpu.get(), o, c.len + steps, c.dtype));
@@ -158,9 +160,11 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   }
   unsetenv("STRATA_SELECT_STAGES");
   unsetenv("STRATA_SELECT_ATTEND");
-  std::printf("  %s %lld tokens, %s cache: %d of %d query-head outputs differ from the CPU ops\n",
+  std::printf("  %s %lld tokens, %s cache, %d parts: %d of %d query-head outputs differ from "
+              "the CPU ops\n",
               c.kind == PolicyKind::kQuest ? "quest" : "tokenselect",
-              static_cast<long long>(c.len), kernels::DTypeName(c.dtype), differ, heads);
+              static_cast<long long>(c.len), kernels::DTypeName(c.dtype), c.partitions, differ,
+              heads);
   EXPECT_LE(differ, heads / 16) << "more outputs differ than near-ties explain";
 }
 
@@ -171,12 +175,21 @@ INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyGpuTest,
                                            Case{PolicyKind::kTokenSelect, 140 * 1024},
                                            Case{PolicyKind::kQuest, 48 * 1024, DType::kFP8E4M3},
                                            Case{PolicyKind::kTokenSelect, 140 * 1024,
-                                                DType::kFP8E4M3}),
+                                                DType::kFP8E4M3},
+                                           Case{PolicyKind::kTokenSelect, 48 * 1024,
+                                                DType::kBF16, 16},
+                                           Case{PolicyKind::kTokenSelect, 140 * 1024,
+                                                DType::kBF16, 16},
+                                           Case{PolicyKind::kTokenSelect, 140 * 1024,
+                                                DType::kBF16, 8}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            return std::string(i.param.kind == PolicyKind::kQuest ? "quest"
                                                                                  : "tokenselect") +
                                   "_" + std::to_string(i.param.len / 1024) + "K_" +
-                                  kernels::DTypeName(i.param.dtype);
+                                  kernels::DTypeName(i.param.dtype) +
+                                  (i.param.partitions > 1
+                                       ? "_p" + std::to_string(i.param.partitions)
+                                       : std::string());
                          });
 
 }  // namespace

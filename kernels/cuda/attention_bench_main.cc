@@ -432,6 +432,10 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   auto d_cq = MustAllocate(cuda, kQHeads * kHeadDim * 4);
   auto d_cv = MustAllocate(cuda, kKvHeads * 4), d_reuse = MustAllocate(cuda, kKvHeads * 4);
 
+  if (Partitions() > 1) {
+    std::printf("partitioned kernel: %d clusters of %d blocks fit at once\n",
+                cuda_internal::PartStagesMaxActiveClusters(Partitions()), Partitions());
+  }
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);

@@ -3925,6 +3925,7 @@ constexpr int kPartThreads = 256;
 constexpr int kPartWarps = kPartThreads / 32;
 constexpr int kPartPer = 8;
 constexpr int kPartMaxCands = kPartThreads * kPartPer;  // a stage's candidates per part
+constexpr int kPartSmallPer = 2;  // PartStagesKernel's shorter form: up to 512 per part
 constexpr int kPartOpMaxThreads = 512;  // PartVoteTopKKernel: up to 4096 per part
 constexpr int kPartG = kRegTopKMaxGroup;
 
@@ -3969,22 +3970,24 @@ __device__ __forceinline__ int32_t PartCandidateId(const DeviceCandidates& c, in
 // candidates and calls emit(pos, id, j) for each taken one (pos < kp, index order). Returns how
 // many were taken. hist (3 x 256 words, 16-byte aligned) must be zero; red_m / red_l / wsum are
 // [kPartG][32] / [32] scratch. Every thread of the block calls it.
-template <typename Emit>
-__device__ __forceinline__ int32_t PartTopK(const float (&x)[kPartG][kPartPer],
-                                            const int32_t (&ids)[kPartPer], int32_t n, int kp,
+template <int kPer, typename Emit, typename Stamp>
+__device__ __forceinline__ int32_t PartTopK(const float (&x)[kPartG][kPer],
+                                            const int32_t (&ids)[kPer], int32_t n, int kp,
                                             int hist_mode, uint32_t (*hist)[256],
                                             float (*red_m)[32], float (*red_l)[32],
-                                            uint32_t* wsum, float* vote_regs, Emit emit) {
+                                            uint32_t* wsum, float* vote_regs, Emit emit,
+                                            Stamp stamp) {
   constexpr int G = kPartG;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nwarps = blockDim.x >> 5;
   float m[G], l[G];
-  RegWarpStats<kPartPer>(x, m, l);
+  RegWarpStats<kPer>(x, m, l);
   if (lane == 0) {
 #pragma unroll
     for (int h = 0; h < G; ++h) red_m[h][warp] = m[h], red_l[h][warp] = l[h];
   }
   __syncthreads();
+  stamp(2);
 #pragma unroll
   for (int h = 0; h < G; ++h) {
     m[h] = lane < nwarps ? red_m[h][lane] : NegInfF();
@@ -3992,18 +3995,21 @@ __device__ __forceinline__ int32_t PartTopK(const float (&x)[kPartG][kPartPer],
   }
   float mb[G], inv[G];
   RegWarpMerge(m, l, mb, inv);
-  uint32_t key[kPartPer];
-  RegVoteKeys<kPartPer>(x, mb, inv, ids, n, tid * kPartPer, vote_regs, key);
+  uint32_t key[kPer];
+  RegVoteKeys<kPer>(x, mb, inv, ids, n, tid * kPer, vote_regs, key);
+  stamp(4);
   const int32_t kk = min(kp, n);
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(kk);
   if (kk <= 0) prefix = 0xffffffffu, mask = 0xffffffffu, remaining = 0;
 #pragma unroll 1
   for (int pass = 0; pass < kVoteRankPasses && kk > 0; ++pass) {
-    RegHistogram<kPartPer>(key, prefix, mask, pass, hist_mode, hist[pass]);
+    RegHistogram<kPer>(key, prefix, mask, pass, hist_mode, hist[pass]);
     __syncthreads();
-    if (RegFindBin(hist[pass], pass, &prefix, &mask, &remaining)) break;
+    const bool done = RegFindBin(hist[pass], pass, &prefix, &mask, &remaining);
+    stamp(5 + pass);
+    if (done) break;
   }
-  const uint32_t own = RegCounts<kPartPer>(key, prefix, mask);
+  const uint32_t own = RegCounts<kPer>(key, prefix, mask);
   const uint32_t incl = WarpInclusiveScanU(own);
   if (lane == 31) wsum[warp] = incl;
   __syncthreads();
@@ -4011,7 +4017,7 @@ __device__ __forceinline__ int32_t PartTopK(const float (&x)[kPartG][kPartPer],
   const uint32_t wincl = WarpInclusiveScanU(wv);
   const uint32_t before = __shfl_sync(0xffffffffu, wincl - wv, warp) + incl - own;
   const uint32_t total = __shfl_sync(0xffffffffu, wincl, 31);
-  RegForEachTaken<kPartPer>(key, ids, prefix, mask, remaining, before, kp, emit);
+  RegForEachTaken<kPer>(key, ids, prefix, mask, remaining, before, kp, emit);
   return min(kp, static_cast<int32_t>((total >> 16) + min(total & 0xffffu, remaining)));
 }
 
@@ -4045,8 +4051,10 @@ __global__ void __launch_bounds__(kPartOpMaxThreads)
   const int kp = k / parts;
   int32_t* out = selected + static_cast<int64_t>(g) * k + static_cast<int64_t>(part) * kp;
   float votes[kPartPer];
-  const int32_t taken = PartTopK(x, ids, n, kp, hist_mode, hist, red_m, red_l, wsum, votes,
-                                 [&](uint32_t pos, int32_t id, int) { out[pos] = id; });
+  const int32_t taken =
+      PartTopK<kPartPer>(x, ids, n, kp, hist_mode, hist, red_m, red_l, wsum, votes,
+                                 [&](uint32_t pos, int32_t id, int) { out[pos] = id; },
+                                 [](int) {});
   for (int32_t j = taken + tid; j < kp; j += blockDim.x) out[j] = -1;
   if (vote_out != nullptr) {
 #pragma unroll
@@ -4060,12 +4068,14 @@ __global__ void __launch_bounds__(kPartOpMaxThreads)
 // (keys) or sum_e max(v_e lo_e, v_e hi_e) (summaries: lo = row[0, 128), hi = row[128, 256)),
 // v_h = qs[h * 128 ...] (the scale folded in), -inf where row_of(t) is nullptr. Four lanes per
 // row, lane `sub` reading the 16-byte chunks sub + 4c (c < 4) of each half; eight rows per warp
-// and kRounds of them per warp at once, every load issued before the FMAs.
-template <bool kSummary, typename RowOf>
+// and kRounds of them per warp at once, every load issued before the FMAs. The kernel runs each
+// call site about once per block, so its time goes with the code it runs once (fetched cold):
+// one round for summaries and the attention's fixed rows, two for a key stage, was the fastest
+// (bench/RESULTS.md, session 37).
+template <bool kSummary, int kRounds, typename RowOf>
 __device__ __forceinline__ void PartScore(const float* qs, int group, int32_t n, RowOf row_of,
                                           float* out, int stride) {
   constexpr int G = kPartG;
-  constexpr int kRounds = kSummary ? 2 : 4;
   constexpr int kChunks = kSummary ? 8 : 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane & 3, slot = lane >> 2;
@@ -4137,6 +4147,7 @@ struct PartStagesShared {
   float qs[kPartG][128];
   float xs[kPartG * kPartMaxCands];  // a stage's scores [h][t]; then the attention's [h][r]
   int32_t ids[kPartMaxCands];
+  int64_t crow[kPartMaxCands];  // a key stage's pool rows of the candidates (-1: none)
   int32_t sel[kPartMaxTaken];
   int64_t rows[kPartMaxRows];
   float red_m[kPartG][32], red_l[kPartG][32];
@@ -4151,6 +4162,12 @@ constexpr int kPartStagesSmem = static_cast<int>(sizeof(PartStagesShared));
 static_assert(kPartG * kPartMaxRows <= kPartG * kPartMaxCands, "attention rows fit xs");
 static_assert(kPartWarps * kPartG * 128 <= kPartG * kPartMaxCands, "partials fit xs");
 
+// Asks L2 for the 256 bytes at p (two 128-byte lines) ahead of their loads.
+__device__ __forceinline__ void PrefetchRow256(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + 128));
+}
+
 // Pool row of token t of KV head g through a page table, or -1 (RowOf of the CPU twin).
 __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_pages,
                                                int page_shift, int64_t num_slots, int g,
@@ -4163,16 +4180,28 @@ __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_p
   return (static_cast<int64_t>(slot) << page_shift) + (t & ((1 << page_shift) - 1));
 }
 
-template <bool kAttend>
+template <bool kAttend, int kPer>
 __global__ void __launch_bounds__(kPartThreads)
     PartStagesKernel(const float* __restrict__ q, float scale, int group, int parts,
                      DeviceSelectStages st, DeviceSelectAttend at, const int32_t* skip,
-                     int hist_mode) {
+                     int hist_mode, int prefetch) {
   constexpr int G = kPartG;
   extern __shared__ __align__(16) unsigned char part_smem[];
   PartStagesShared& sh = *reinterpret_cast<PartStagesShared*>(part_smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int part = blockIdx.x, g = blockIdx.y;
+  // --stage-phases (SetSelectStagesPhaseStamps): clock64 at SelectStagesKernel's stamp slots
+  // (per stage: 0 ids ready, 1 scored, 8 selected; the attention's: 0 rows listed, 2 scored,
+  // 4 softmax, 6 values, 7 merged).
+  long long* stamps = nullptr;
+  if (tid == 0) {
+    const int b = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+    if (b < g_stages_phase_blocks) stamps = g_stages_phase_stamps + b * kSelectStagesPhases;
+  }
+  auto stamp = [&](int phase) {
+    if (stamps != nullptr) stamps[phase] = clock64();
+  };
+  stamp(0);
   const bool skipped = skip != nullptr && skip[g] != 0;
   if (!kAttend && skipped) return;
   if (kAttend && tid == 0) {
@@ -4190,6 +4219,18 @@ __global__ void __launch_bounds__(kPartThreads)
     const int32_t per = (fixed + parts - 1) / parts;
     f0 = min(fixed, part * per);
     f_count = min(fixed - f0, per);
+    if ((prefetch & 1) != 0) {  // the fixed rows' K and V, needed last but known now
+      const int page_shift = __ffs(at.page_size) - 1;
+      for (int32_t f = tid; f < f_count; f += kPartThreads) {
+        const int32_t fi = f0 + f;
+        const int32_t t = fi < at.prefix_end ? fi : at.suffix_begin + (fi - at.prefix_end);
+        const int64_t r = PartPoolRow(at.table, at.table_pages, page_shift, at.num_slots, g, t);
+        if (r >= 0) {
+          PrefetchRow256(static_cast<const __nv_bfloat16*>(at.k_pool) + r * 128);
+          PrefetchRow256(static_cast<const __nv_bfloat16*>(at.v_pool) + r * 128);
+        }
+      }
+    }
   }
   const int num_stages = skipped ? 0 : st.num_stages;
   for (int s = 0; s < num_stages; ++s) {
@@ -4215,12 +4256,27 @@ __global__ void __launch_bounds__(kPartThreads)
         sh.ids[t] = parent >= 0 && id >= c.begin && id < c.end ? static_cast<int32_t>(id) : -1;
       }
     }
+    if (sg.kind != SelectStageKind::kSummariesBF16) {
+      // The pool rows up front (every table read of the stage in flight at once, not one
+      // round trip before each round of key loads).
+      __syncthreads();
+      for (int32_t t = tid; t < n; t += kPartThreads) {
+        const int64_t r =
+            PartPoolRow(sg.table, sg.table_pages, sg.page_shift, sg.num_items, g, sh.ids[t]);
+        sh.crow[t] = r;
+        if ((prefetch & 4) != 0 && r >= 0) {
+          PrefetchRow256(static_cast<const __nv_bfloat16*>(sg.rows) + r * 128);
+        }
+      }
+    }
     for (int b = tid; b < kVoteRankPasses * 256; b += kPartThreads) (&sh.hist[0][0])[b] = 0;
     __syncthreads();
+    const int phase0 = 1 + s * kSelectStagesPhasesPerStage;
+    stamp(phase0);
     if (sg.kind == SelectStageKind::kSummariesBF16) {
       const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(sg.rows) +
                                   static_cast<int64_t>(g) * sg.num_items * 256;
-      PartScore<true>(&sh.qs[0][0], group, n,
+      PartScore<true, 1>(&sh.qs[0][0], group, n,
                       [&](int32_t t) -> const __nv_bfloat16* {
                         const int32_t id = sh.ids[t];
                         return id >= 0 && id < sg.num_items ? rows + static_cast<int64_t>(id) * 256
@@ -4229,31 +4285,35 @@ __global__ void __launch_bounds__(kPartThreads)
                       sh.xs, kPartMaxCands);
     } else {
       const __nv_bfloat16* pool = static_cast<const __nv_bfloat16*>(sg.rows);
-      PartScore<false>(&sh.qs[0][0], group, n,
+      PartScore<false, 2>(&sh.qs[0][0], group, n,
                        [&](int32_t t) -> const __nv_bfloat16* {
-                         const int64_t r = PartPoolRow(sg.table, sg.table_pages, sg.page_shift,
-                                                       sg.num_items, g, sh.ids[t]);
+                         const int64_t r = sh.crow[t];
                          return r >= 0 ? pool + r * 128 : nullptr;
                        },
                        sh.xs, kPartMaxCands);
     }
     __syncthreads();
-    float x[G][kPartPer];
-    int32_t ids[kPartPer];
+    stamp(phase0 + 1);
+    // Thread t holds candidates [per t, per t + per): spread over every warp (a warp's
+    // histogram adds cost per slot that holds keys), in index order.
+    const int per = (n + kPartThreads - 1) / kPartThreads;
+    float x[G][kPer];
+    int32_t ids[kPer];
 #pragma unroll
-    for (int j = 0; j < kPartPer; ++j) {
-      const int32_t t = tid * kPartPer + j;
-      ids[j] = t < n ? sh.ids[t] : -1;
+    for (int j = 0; j < kPer; ++j) {
+      const int32_t t = tid * per + j;
+      const bool in = j < per && t < n;
+      ids[j] = in ? sh.ids[t] : -1;
 #pragma unroll
       for (int h = 0; h < G; ++h) {
-        x[h][j] = h < group && t < n ? sh.xs[h * kPartMaxCands + t] : NegInfF();
+        x[h][j] = h < group && in ? sh.xs[h * kPartMaxCands + t] : NegInfF();
       }
     }
     int32_t* out = sg.selected + static_cast<int64_t>(g) * sg.k + static_cast<int64_t>(part) * kp;
     // The attention's middle rows follow the fixed ones; their scores are the last stage's (xs
     // is free once every thread holds its scores: PartTopK's first barrier).
     const int32_t r_mid = f_count;
-    const int32_t taken = PartTopK(
+    const int32_t taken = PartTopK<kPer>(
         x, ids, n, kp, hist_mode, sh.hist, sh.red_m, sh.red_l, sh.wsum, nullptr,
         [&](uint32_t pos, int32_t id, int j) {
           out[pos] = id;
@@ -4263,19 +4323,24 @@ __global__ void __launch_bounds__(kPartThreads)
             for (int h = 0; h < G; ++h) {
               if (h < group) sh.xs[h * kPartMaxRows + r_mid + pos] = x[h][j];
             }
-            sh.rows[r_mid + pos] =
-                id >= at.middle.begin && id < at.middle.end
-                    ? PartPoolRow(at.table, at.table_pages, sg.page_shift, at.num_slots, g, id)
-                    : -1;
+            const int64_t vr =
+                id >= at.middle.begin && id < at.middle.end ? sh.crow[tid * per + j] : -1;
+            sh.rows[r_mid + pos] = vr;
+            if ((prefetch & 2) != 0 && vr >= 0) {
+              PrefetchRow256(static_cast<const __nv_bfloat16*>(at.v_pool) + vr * 128);
+            }
           }
-        });
+        },
+        [&](int ph) { stamp(phase0 + ph); });
     for (int32_t j = taken + tid; j < kp; j += kPartThreads) {
       out[j] = -1;
       sh.sel[j] = -1;
     }
     if (tid == 0) sh.taken = taken;
     __syncthreads();
+    stamp(phase0 + kSelectStagesPhasesPerStage - 1);
   }
+  constexpr int A0 = 1 + kSelectStagesMax * kSelectStagesPhasesPerStage;
   if constexpr (kAttend) {
     const int page_shift = __ffs(at.page_size) - 1;
     const int kp = at.middle.num_parents / parts;
@@ -4303,16 +4368,18 @@ __global__ void __launch_bounds__(kPartThreads)
       sh.rows[f] = PartPoolRow(at.table, at.table_pages, page_shift, at.num_slots, g, t);
     }
     __syncthreads();
+    stamp(A0);
     const int32_t rows_n = f_count + m_count;
     const __nv_bfloat16* kpool = static_cast<const __nv_bfloat16*>(at.k_pool);
     const __nv_bfloat16* vpool = static_cast<const __nv_bfloat16*>(at.v_pool);
-    PartScore<false>(&sh.qs[0][0], group, n_score,
+    PartScore<false, 1>(&sh.qs[0][0], group, n_score,
                      [&](int32_t t) -> const __nv_bfloat16* {
                        const int64_t r = sh.rows[r_score + t];
                        return r >= 0 ? kpool + r * 128 : nullptr;
                      },
                      sh.xs + r_score, kPartMaxRows);
     __syncthreads();
+    stamp(A0 + 2);
     // Per head (warp h): max, then p = exp(x - max) in place and their sum. A row without a
     // readable K row (rows[r] < 0) has score -inf already, except the middle's kept scores.
     if (warp < group) {
@@ -4335,6 +4402,7 @@ __global__ void __launch_bounds__(kPartThreads)
       if (lane == 0) sh.stat_m[warp] = mx, sh.stat_l[warp] = sum;
     }
     __syncthreads();
+    stamp(A0 + 4);
     // o[h][4 lane .. + 4) over the warp's rows (r = warp mod 8), four rows' loads in flight.
     float o[G][4];
 #pragma unroll
@@ -4368,6 +4436,7 @@ __global__ void __launch_bounds__(kPartThreads)
       }
     }
     __syncthreads();  // every warp is done with xs' probabilities
+    stamp(A0 + 6);
     float* red_o = sh.xs;  // [warp][h][128]
 #pragma unroll
     for (int h = 0; h < G; ++h) {
@@ -4418,6 +4487,7 @@ __global__ void __launch_bounds__(kPartThreads)
         if (tid == 0) at.lse[qh] = l > 0.0f ? mx + logf(l) : NegInfF();
       }
     }
+    stamp(A0 + 7);
     // No block leaves while another may still push to it.
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
@@ -4486,6 +4556,25 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
   return true;
 }
 
+// What PartStagesKernel asks L2 for ahead of its loads (bits): 1 the fixed rows' K and V at the
+// start, 2 the middle's V rows as they are taken, 4 a key stage's rows once their pool rows are
+// known. STRATA_SELECT_PART_PREFETCH (read at every launch: A/B timing); default 0.
+int PartPrefetch() {
+  const char* e = std::getenv("STRATA_SELECT_PART_PREFETCH");
+  return e == nullptr ? 0 : std::atoi(e) & 7;
+}
+
+int PartStagesMaxActiveClusters(int parts) {
+  if (cudaFuncSetAttribute(reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer>),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kPartStagesSmem) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return MaxActiveClusters(PartStagesKernel<true, kPartPer>, parts, kPartThreads,
+                           kPartStagesSmem);
+}
+
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
                              const DeviceSelectStages& stages, const int32_t* skip,
                              const DeviceSelectAttend* attend, cudaStream_t stream) {
@@ -4494,8 +4583,10 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
   static std::once_flag once;
   static cudaError_t attr = cudaSuccess;
   std::call_once(once, [] {
-    for (const void* k : {reinterpret_cast<const void*>(PartStagesKernel<false>),
-                          reinterpret_cast<const void*>(PartStagesKernel<true>)}) {
+    for (const void* k : {reinterpret_cast<const void*>(PartStagesKernel<false, kPartPer>),
+                          reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer>),
+                          reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer>),
+                          reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer>)}) {
       cudaError_t e =
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kPartStagesSmem);
       if (e == cudaSuccess) {
@@ -4505,16 +4596,32 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
     }
   });
   if (attr != cudaSuccess) return attr;
+  // Candidates per thread: kPartSmallPer where every stage's part fits (the shorter code), else
+  // kPartPer.
+  bool small = true;
+  for (int s = 0; s < stages.num_stages; ++s) {
+    const int64_t n = s == 0 ? PartCandidateCount(stages.stage[0].c.count, stages.stage[0].c.begin,
+                                                  nullptr, 0, 1, parts, 0)
+                             : int64_t{stages.stage[s - 1].k / parts} * stages.stage[s].c.fanout;
+    small = small && n <= int64_t{kPartThreads} * kPartSmallPer;
+  }
+  if (const char* e = std::getenv("STRATA_SELECT_PART_PER")) small = small && std::string_view(e) != "8";
   if (attend != nullptr) {
     const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads),
                                      kPartStagesSmem, stream, parts, /*dependent=*/false);
-    return cudaLaunchKernelEx(&launch.cfg, PartStagesKernel<true>, q, scale, group, parts, stages,
-                              *attend, skip, RegHistMode());
+    return cudaLaunchKernelEx(&launch.cfg,
+                              small ? PartStagesKernel<true, kPartSmallPer>
+                                    : PartStagesKernel<true, kPartPer>,
+                              q, scale, group, parts, stages, *attend, skip, RegHistMode(),
+                              PartPrefetch());
   }
   const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads), kPartStagesSmem,
                                    stream, 0, /*dependent=*/false);
-  return cudaLaunchKernelEx(&launch.cfg, PartStagesKernel<false>, q, scale, group, parts, stages,
-                            DeviceSelectAttend{}, skip, RegHistMode());
+  return cudaLaunchKernelEx(&launch.cfg,
+                            small ? PartStagesKernel<false, kPartSmallPer>
+                                  : PartStagesKernel<false, kPartPer>,
+                            q, scale, group, parts, stages, DeviceSelectAttend{}, skip,
+                            RegHistMode(), PartPrefetch() & 4);
 }
 
 }  // namespace strata::kernels::cuda_internal

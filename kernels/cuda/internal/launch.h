@@ -351,6 +351,8 @@ cudaError_t LaunchPartVoteTopK(const float* scores, int num_kv_heads, int group,
 // fixed rows per part.
 bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectStages& stages,
                     const DeviceSelectAttend* attend);
+// How many clusters of `parts` blocks of the partitioned kernel with the attention fit at once.
+int PartStagesMaxActiveClusters(int parts);
 // SelectStages with `parts` parts as one kernel (grid (parts, KV heads); with the attention,
 // one cluster of `parts` blocks per KV head, block h merging query head h's partials).
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
