@@ -351,6 +351,12 @@ absl::Status FidelityOptions::Validate() const {
   if (sink_tokens < 0 || window_tokens < 0 || topk < 1 || rf_features < 1) {
     return absl::InvalidArgumentError("fidelity: bad sinks, window, topk or rf_features");
   }
+  if (tokenselect_partitions >= 0 &&
+      (tokenselect_partitions < 1 || tokenselect_partitions > 64 ||
+       (tokenselect_partitions & (tokenselect_partitions - 1)) != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fidelity: partitions ", tokenselect_partitions, " is not a power of two in [1, 64]"));
+  }
   for (const std::string& p : policies) {
     absl::StatusOr<PolicySpec> spec = ParseSpec(p);
     if (!spec.ok()) return spec.status();
@@ -432,6 +438,9 @@ absl::StatusOr<std::vector<FidelityRow>> RunFidelity(const FidelityOptions& opti
           if (options.segment_factor >= 0) po.segment_factor = options.segment_factor;
           if (options.tokenselect_candidate_factor >= 0) {
             po.tokenselect_candidate_factor = options.tokenselect_candidate_factor;
+          }
+          if (options.tokenselect_partitions >= 0) {
+            po.tokenselect_partitions = options.tokenselect_partitions;
           }
           po.rf_seed = options.seed * 7 + 3;
           po.subgen_seed = options.seed * 11 + g;

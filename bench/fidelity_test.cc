@@ -117,6 +117,15 @@ TEST(FidelityTest, WorkloadProfiles) {
   FidelityOptions bad;
   bad.workload.background_logit = 0.5;
   EXPECT_FALSE(bad.Validate().ok());
+  FidelityOptions parts;
+  for (int p : {0, 3, 128}) {
+    parts.tokenselect_partitions = p;
+    EXPECT_FALSE(parts.Validate().ok()) << p;
+  }
+  for (int p : {-1, 1, 16, 64}) {
+    parts.tokenselect_partitions = p;
+    EXPECT_TRUE(parts.Validate().ok()) << p;
+  }
 }
 
 // A lower background logit concentrates attention: the oracle's mass at a fixed budget rises.

@@ -45,7 +45,7 @@ int RunFidelityCommand(int argc, char** argv) {
   int64_t window = o.window_tokens, topk = o.topk, subgen_max = o.subgen_max_context;
   int64_t rf_features = o.rf_features;
   int64_t segment_pages = -1, two_level_min_pages = -1, min_segments = -1, segment_factor = -1;
-  int64_t candidate_factor = -1;
+  int64_t candidate_factor = -1, partitions = -1;
   std::string selection_keys = "bf16";
   std::string profile = o.workload.profile;
   double background_logit = 1.0;  // > 0: the profile's value
@@ -69,6 +69,9 @@ int RunFidelityCommand(int argc, char** argv) {
   flags.Int("segment-factor", &segment_factor, "segments kept = factor * B / (P * G) (-1 = default)");
   flags.Int("candidate-factor", &candidate_factor,
             "tokenselect with a summary: candidate tokens = factor * B (-1 = default)");
+  flags.Int("partitions", &partitions,
+            "tokenselect with a summary: independent parts of the selection, a power of two "
+            "1-64 (-1 = default)");
   flags.String("selection-keys", &selection_keys,
                "the keys the policies score: bf16 (the cache's) or fp8 (each page's keys as an "
                "fp8 e4m3 page holds them; attention and the truth keep bf16)");
@@ -112,6 +115,7 @@ int RunFidelityCommand(int argc, char** argv) {
   o.min_segments = static_cast<int>(min_segments);
   o.segment_factor = static_cast<int>(segment_factor);
   o.tokenselect_candidate_factor = static_cast<int>(candidate_factor);
+  o.tokenselect_partitions = static_cast<int>(partitions);
   st = o.Validate();
   if (!st.ok()) return ReportAndExit(flags, st);
   std::fprintf(stderr,
