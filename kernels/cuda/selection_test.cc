@@ -1767,6 +1767,27 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
     unsetenv("STRATA_SELECT_STAGES");
     unsetenv("STRATA_SELECT_ATTEND");
   }
+  // fp8 key pools: not the partitioned kernel's (the default falls back to the ops one by one,
+  // VoteTopK in parts; require_fused refuses).
+  {
+    SCOPED_TRACE("tokenselect 128K, fp8 keys, 16 parts");
+    Chain ch = MakeChain(cases[0].c, rng_, DType::kFP8E4M3);
+    ch.partitions = 16;
+    const ChainRef ref = RunChainOnCpu(cpu_, ch);
+    unsetenv("STRATA_SELECT_STAGES");
+    compared += Compare(ch, ref, RunOnGpu(ch));
+    stages += static_cast<int>(ch.counts.size());
+    setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+    auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+    auto dt = Dev(ch.table);
+    std::vector<std::unique_ptr<Buffer>> bufs;
+    std::vector<void*> sp, sel;
+    StageBuffers(ch, &bufs, &sp, &sel);
+    const SelectStagesParams p =
+        ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+    EXPECT_EQ(gpu_->SelectStages(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+    unsetenv("STRATA_SELECT_STAGES");
+  }
   EXPECT_GE(compared, stages - 2);
 }
 
