@@ -3952,19 +3952,6 @@ __host__ __device__ inline int32_t PartCandidateCount(int32_t count, int32_t beg
   return num_parents / parts * fanout;
 }
 
-// Id of candidate index i of KV head g (CandidateId of kernels/cpu/selection.cc).
-__device__ __forceinline__ int32_t PartCandidateId(const DeviceCandidates& c, int g, int32_t i) {
-  int64_t id;
-  if (c.parents == nullptr) {
-    id = static_cast<int64_t>(c.begin) + i;
-  } else {
-    const int32_t parent = c.parents[static_cast<int64_t>(g) * c.num_parents + i / c.fanout];
-    if (parent < 0) return -1;
-    id = static_cast<int64_t>(parent) * c.fanout + i % c.fanout;
-  }
-  return id >= c.begin && id < c.end ? static_cast<int32_t>(id) : -1;
-}
-
 // The register top-k of one part: thread t holds candidates [kPartPer t, + kPartPer) with scores
 // x (-inf beyond n) and ids (-1 when invalid); keeps the kp best by soft vote over the block's
 // candidates and calls emit(pos, id, j) for each taken one (pos < kp, index order). Returns how
@@ -4040,7 +4027,7 @@ __global__ void __launch_bounds__(kPartOpMaxThreads)
   for (int j = 0; j < kPartPer; ++j) {
     const int32_t t = tid * kPartPer + j;
     idx[j] = t < n ? PartCandidateIndex(c, parts, part, t) : -1;
-    ids[j] = idx[j] >= 0 ? PartCandidateId(c, g, idx[j]) : -1;
+    ids[j] = idx[j] >= 0 ? CandidateIdAt(c, g, idx[j]) : -1;
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       x[h][j] = h < group && idx[j] >= 0

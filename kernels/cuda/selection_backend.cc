@@ -280,6 +280,39 @@ bool SelectAttendInKernel(const SelectStagesParams& p, bool bf16_keys, bool fp8_
 
 }  // namespace
 
+namespace {
+
+// The ops one by one where a fused kernel does not run the shape, unless
+// STRATA_SELECT_STAGES=require_fused (read at every call: tests that must run `kernel`), which
+// fails instead.
+absl::Status OpByOpUnlessRequired(Backend& b, const SelectStagesParams& p, Stream s,
+                                  const char* kernel) {
+  const char* env = std::getenv("STRATA_SELECT_STAGES");
+  if (env != nullptr && std::string_view(env) == "require_fused") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SelectStages: STRATA_SELECT_STAGES=require_fused and the shape is not one the ", kernel,
+        " runs"));
+  }
+  return SelectStagesOpByOp(b, p, s);  // checks the attention's params first
+}
+
+// Whether a fused selection kernel attends too: where it can (`fits`), unless
+// STRATA_SELECT_ATTEND=separate (read at every call: A/B timing and tests) runs the attention as
+// its own op; =require_fused fails instead of doing so.
+absl::StatusOr<bool> AttendFused(bool fits, const char* kernel) {
+  const char* ae = std::getenv("STRATA_SELECT_ATTEND");
+  const std::string_view mode = ae == nullptr ? "" : ae;
+  const bool fused = mode != "separate" && fits;
+  if (!fused && mode == "require_fused") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SelectStages: STRATA_SELECT_ATTEND=require_fused and the attention is not one the ",
+        kernel, " runs"));
+  }
+  return fused;
+}
+
+}  // namespace
+
 // SelectStages with partitions > 1 (called by SelectStages once every stage passed its checks;
 // d holds the stages, `fused` whether their shape suits a kernel at all): one PartStagesKernel
 // (kernels/cuda/internal/launch.h LaunchPartStages) where the chain fits it, the attention in it
@@ -293,30 +326,16 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
   fused = fused && !fp8_keys &&
           cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group), parts, d,
                                         nullptr);
-  const char* env = std::getenv("STRATA_SELECT_STAGES");
-  if (!fused) {
-    if (env != nullptr && std::string_view(env) == "require_fused") {
-      return absl::FailedPreconditionError(
-          "SelectStages: STRATA_SELECT_STAGES=require_fused and the shape is not one the "
-          "partitioned kernel runs");
-    }
-    return SelectStagesOpByOp(*this, p, s);
-  }
+  if (!fused) return OpByOpUnlessRequired(*this, p, s, "partitioned kernel");
   if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
   cuda_internal::DeviceSelectAttend da;
   bool attend_fused = false;
   if (p.attend != nullptr) {
-    const char* ae = std::getenv("STRATA_SELECT_ATTEND");
-    const std::string_view mode = ae == nullptr ? "" : ae;
-    attend_fused = mode != "separate" &&
-                   SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da, true) &&
-                   cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group),
-                                                 parts, d, &da);
-    if (!attend_fused && mode == "require_fused") {
-      return absl::FailedPreconditionError(
-          "SelectStages: STRATA_SELECT_ATTEND=require_fused and the attention is not one the "
-          "partitioned kernel runs");
-    }
+    const bool fits =
+        SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da, true) &&
+        cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group), parts, d,
+                                      &da);
+    STRATA_ASSIGN_OR_RETURN(attend_fused, AttendFused(fits, "partitioned kernel"));
   }
   STRATA_RETURN_IF_ERROR(MakeCurrent());
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchPartStages(
@@ -395,32 +414,20 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
               (i + 1 == p.num_stages || d.stage[i].k <= cuda_internal::kSelectStagesMaxParents);
     }
   }
-  if (!fused) {
-    if (env != nullptr && std::string_view(env) == "require_fused") {
-      return absl::FailedPreconditionError(
-          "SelectStages: STRATA_SELECT_STAGES=require_fused and the shape is not one the fused "
-          "kernel runs");
-    }
-    return SelectStagesOpByOp(*this, p, s);  // checks the attention's params first
-  }
+  if (!fused) return OpByOpUnlessRequired(*this, p, s, "fused kernel");
   // The attention's params before the kernel runs, as SelectStagesOpByOp checks them: a refused
   // attention writes nothing (this backend's own limits of the separate op are checked where it
   // runs).
   if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
   // The attention in the same kernel where it can run there (SelectAttendInKernel), else after it
-  // as its own op. STRATA_SELECT_ATTEND=separate (read at every call: A/B timing and tests)
-  // always runs it as its own op; =require_fused fails instead of doing so.
+  // as its own op (AttendFused: STRATA_SELECT_ATTEND).
   cuda_internal::DeviceSelectAttend da;
   bool attend_fused = false;
   if (p.attend != nullptr) {
-    const char* ae = std::getenv("STRATA_SELECT_ATTEND");
-    const std::string_view mode = ae == nullptr ? "" : ae;
-    attend_fused = mode != "separate" && SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da);
-    if (!attend_fused && mode == "require_fused") {
-      return absl::FailedPreconditionError(
-          "SelectStages: STRATA_SELECT_ATTEND=require_fused and the attention is not one the "
-          "selection kernel runs");
-    }
+    STRATA_ASSIGN_OR_RETURN(
+        attend_fused,
+        AttendFused(SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da),
+                    "selection kernel"));
   }
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchSelectStages(
       p.q.As<const float>(), p.scale, static_cast<int>(hkv), static_cast<int>(group), d,
