@@ -235,6 +235,35 @@ TEST_F(ServeTest, GenerateKvDtypes) {
   }
 }
 
+// `strata generate --partitions`: tokenselect in parts generates; a count that is not a power of
+// two, or a budget it does not divide, is a usage error (exit 2) naming the option.
+TEST_F(ServeTest, GeneratePartitions) {
+  struct Run {
+    std::vector<std::string> extra;
+    int code;
+    const char* err;  // a piece of stderr
+  };
+  const Run runs[] = {
+      {{"--policy", "tokenselect", "--budget", "16", "--partitions", "4"}, 0, ""},
+      {{"--policy", "tokenselect", "--budget", "16", "--partitions", "3"}, 2,
+       "tokenselect_partitions 3"},
+      {{"--policy", "tokenselect", "--budget", "18", "--partitions", "4"}, 2,
+       "not a multiple of tokenselect_partitions 4"},
+  };
+  int i = 0;
+  for (const Run& r : runs) {
+    std::vector<std::string> args = {STRATA_BINARY, "generate", "--model", *dir_ + "/model",
+                                     "--token-ids", "5,6,7,8,9", "--max-tokens", "3"};
+    args.insert(args.end(), r.extra.begin(), r.extra.end());
+    const std::string base = absl::StrCat(*dir_, "/gen_parts", i++);
+    ChildProcess gen(args, base + ".out", base + ".err");
+    auto code = gen.Wait(std::chrono::seconds(60));
+    ASSERT_TRUE(code.has_value()) << absl::StrJoin(r.extra, " ");
+    EXPECT_EQ(*code, r.code) << absl::StrJoin(r.extra, " ") << ": " << gen.Err();
+    EXPECT_TRUE(absl::StrContains(gen.Err(), r.err)) << gen.Err();
+  }
+}
+
 TEST_F(ServeTest, ClientCommands) {
   const std::string doc_file = *dir_ + "/doc.txt";
   {
