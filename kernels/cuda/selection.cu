@@ -38,6 +38,10 @@
 // SelectStagesParams::attend, the decode step's attention over the selection follows in the same
 // kernel.
 //
+// With SelectStagesParams::partitions (tokenselect in independent parts), PartStagesKernel (at
+// the end) runs one part per block instead, with no top-k across blocks, and VoteTopK in parts is
+// PartVoteTopKKernel.
+//
 // The fast scoring kernels and the cluster top-k can be launched with programmatic dependent
 // launch (LaunchDependent, opt-in: STRATA_SELECTION_PDL=1): each may then be scheduled while the
 // previous kernel of the stream finishes and waits (griddepcontrol.wait) before its first global
@@ -3917,7 +3921,9 @@ namespace {
 // runs part j of every stage: its candidates' ids into shared memory (stage 0 from the range,
 // a later stage the children of the block's own previous selection), their scores on CUDA cores
 // (PartScore: four lanes per row, eight rows per warp, every load of a round issued before the
-// FMAs), the same register top-k; and with the attention, block j attends its share of the
+// FMAs; a key stage's pool rows looked up first), the same register top-k with its candidates
+// spread over every thread (PartStagesKernel<*, 2>: two per thread where every stage's part fits
+// 512, else eight); and with the attention, block j attends its share of the
 // fixed rows and its own middle (the last stage's scores kept for them), and pushes its
 // per-head partial (o, max, sum) to block h of the cluster (one cluster of P blocks per KV
 // head), which merges head h. Nothing else crosses blocks, so a stage costs block barriers only.
