@@ -11,8 +11,9 @@
 // The budget case is also swept over the split-K items per SM (CudaBackend::SetDecodeItemsPerSm).
 //
 // Then (unless --no-pipelines) the device-resident sparse pipelines, selection + attention for one
-// layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256, segments of 16 pages,
-// two-level above 512 pages keeping max(128, 4 * wanted / 16) segments, one-level where that
+// layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256) but segments of 16 pages
+// (STRATA_BENCH_SEGMENT_PAGES=8: the policy's own 512-token segments, which make 128K two-level),
+// two-level above 512 pages keeping max(128, 4 * wanted / G) segments, one-level where that
 // keeps every segment, as DevicePolicy (STRATA_BENCH_KEEP_SEGMENT_STAGE=1: two-level there too);
 // minmax page summaries computed here from the bf16 keys, in bf16 as DevicePolicy keeps them for
 // a bf16 cache (kernels::MinMaxRowsToBF16, exact here); STRATA_BENCH_SUMMARY_BF16=0: in f32;
@@ -84,7 +85,17 @@ double g_dense_us = 0;  // the dense row's gpu_us for the current context
 
 // ---- Device-resident pipelines ---------------------------------------------------------------
 
-constexpr int kSinks = 64, kWindow = 256, kSegPages = 16, kTwoLevelMinPages = 512;
+constexpr int kSinks = 64, kWindow = 256, kTwoLevelMinPages = 512;
+// Pages per segment: 16, or STRATA_BENCH_SEGMENT_PAGES (1 to 64; DevicePolicy's default,
+// PolicyOptions::EffectiveSegmentPages, is 8 for pages of 64: two-level from 128K on).
+int SegPages() {
+  static const int g = [] {
+    const char* e = std::getenv("STRATA_BENCH_SEGMENT_PAGES");
+    const int v = e == nullptr ? 0 : std::atoi(e);
+    return v >= 1 && v <= 64 ? v : 16;
+  }();
+  return g;
+}
 constexpr int kMinSegments = 128, kSegmentFactor = 4;
 // tokenselect's candidate tokens per budget token (PolicyOptions::tokenselect_candidate_factor):
 // 4, or STRATA_BENCH_CANDIDATE_FACTOR (1 to 16) for the speed side of the fidelity trade-off.
@@ -140,10 +151,10 @@ struct Pipeline {
     const int64_t wanted_tokens = token_level ? int64_t{CandidateFactor()} * kBudget : kBudget;
     const int64_t wanted_pages = (wanted_tokens + kPage - 1) / kPage;
     two_level = p1 - p0 > kTwoLevelMinPages;
-    s0 = p0 / kSegPages;
-    s1 = (p1 - 1) / kSegPages + 1;
+    s0 = p0 / SegPages();
+    s1 = (p1 - 1) / SegPages() + 1;
     keep_segs = std::min<int64_t>(s1 - s0, std::max<int64_t>(kMinSegments,
-        (kSegmentFactor * wanted_pages + kSegPages - 1) / kSegPages));
+        (kSegmentFactor * wanted_pages + SegPages() - 1) / SegPages()));
     // Every segment kept (128K: 128 of 128): the pages are scored directly, as DevicePolicy
     // does (same candidates); STRATA_BENCH_KEEP_SEGMENT_STAGE=1 keeps the segment stage.
     if (keep_segs >= s1 - s0 && std::getenv("STRATA_BENCH_KEEP_SEGMENT_STAGE") == nullptr) {
@@ -153,7 +164,7 @@ struct Pipeline {
       const int parts = Partitions();
       keep_segs = (keep_segs + parts - 1) / parts * parts;
     }
-    page_cands = two_level ? keep_segs * kSegPages : p1 - p0;
+    page_cands = two_level ? keep_segs * SegPages() : p1 - p0;
     top_page_k = wanted_pages;
     tok_cands = top_page_k * kPage;
   }
@@ -192,7 +203,7 @@ struct Pipeline {
     pg.summaries = TensorView(page_sums, summary_dtype, {kKvHeads, pages_per_head, 2 * kHeadDim});
     if (two_level) {
       pg.candidates.parents = sp.stages[0].selected;
-      pg.candidates.fanout = kSegPages;
+      pg.candidates.fanout = SegPages();
     }
     pg.candidates.begin = p0;
     pg.candidates.end = p1;
@@ -352,7 +363,7 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
 void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t flush_bytes,
                   int64_t context, const std::vector<uint16_t>& keys_bf16, Buffer& k, Buffer& v,
                   Buffer& q, Buffer& out, Buffer& lse) {
-  const int64_t pages = context / kPage, segs = (pages + kSegPages - 1) / kSegPages;
+  const int64_t pages = context / kPage, segs = (pages + SegPages() - 1) / SegPages();
   // STRATA_BENCH_POOL=fp8: the pipelines read fp8 copies of the pools (codes of x / kFp8Scale).
   const char* pool_env = std::getenv("STRATA_BENCH_POOL");
   const bool fp8 = pool_env != nullptr && std::string(pool_env) == "fp8";
@@ -387,8 +398,8 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
       }
     }
     const int64_t g = r / pages, p = r % pages;
-    float* sg = &ss[(g * segs + p / kSegPages) * 2 * kHeadDim];
-    if (p % kSegPages == 0) std::copy(s, s + 2 * kHeadDim, sg);
+    float* sg = &ss[(g * segs + p / SegPages()) * 2 * kHeadDim];
+    if (p % SegPages() == 0) std::copy(s, s + 2 * kHeadDim, sg);
     for (int e = 0; e < kHeadDim; ++e) {
       sg[e] = std::min(sg[e], s[e]);
       sg[kHeadDim + e] = std::max(sg[kHeadDim + e], s[kHeadDim + e]);
