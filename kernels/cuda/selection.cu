@@ -3958,11 +3958,12 @@ __host__ __device__ inline int32_t PartCandidateCount(int32_t count, int32_t beg
   return num_parents / parts * fanout;
 }
 
-// The register top-k of one part: thread t holds candidates [kPartPer t, + kPartPer) with scores
-// x (-inf beyond n) and ids (-1 when invalid); keeps the kp best by soft vote over the block's
-// candidates and calls emit(pos, id, j) for each taken one (pos < kp, index order). Returns how
-// many were taken. hist (3 x 256 words, 16-byte aligned) must be zero; red_m / red_l / wsum are
-// [kPartG][32] / [32] scratch. Every thread of the block calls it.
+// The register top-k of one part: thread t holds up to kPer consecutive candidates (thread order
+// is index order) with scores x (-inf where none) and ids (-1 when invalid); keeps the kp best by
+// soft vote over the block's candidates and calls emit(pos, id, j) for each taken one (pos < kp,
+// index order), then stamp(phase) at its steps (profiling). Returns how many were taken. hist
+// (3 x 256 words, 16-byte aligned) must be zero; red_m / red_l / wsum are [kPartG][32] / [32]
+// scratch. Every thread of the block calls it.
 template <int kPer, typename Emit, typename Stamp>
 __device__ __forceinline__ int32_t PartTopK(const float (&x)[kPartG][kPer],
                                             const int32_t (&ids)[kPer], int32_t n, int kp,
