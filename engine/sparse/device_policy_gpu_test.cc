@@ -181,7 +181,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyGpuTest,
                                            Case{PolicyKind::kTokenSelect, 140 * 1024,
                                                 DType::kBF16, 16},
                                            Case{PolicyKind::kTokenSelect, 140 * 1024,
-                                                DType::kBF16, 8}),
+                                                DType::kBF16, 8},
+                                           Case{PolicyKind::kTokenSelect, 140 * 1024,
+                                                DType::kFP8E4M3, 16}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            return std::string(i.param.kind == PolicyKind::kQuest ? "quest"
                                                                                  : "tokenselect") +

@@ -4132,6 +4132,82 @@ __device__ __forceinline__ void PartScore(const float* qs, int group, int32_t n,
   }
 }
 
+// Four e4m3 codes (a word, low byte first) as floats: their stored values.
+__device__ __forceinline__ void Fp8x4ToFloat(uint32_t w, float (&f)[4]) {
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu),
+                                                    __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16),
+                                                    __NV_E4M3);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+}
+
+// PartScore's key scores over fp8 e4m3 rows (128 bytes: the stored values; the caller's scale
+// carries k_scale): four lanes per row, lane `sub` reading the 16-byte chunks sub and sub + 4
+// (16 dims each), eight rows per warp and kRounds of them per warp at once.
+template <int kRounds, typename RowOf>
+__device__ __forceinline__ void PartScoreF8(const float* qs, int group, int32_t n, RowOf row_of,
+                                            float* out, int stride) {
+  constexpr int G = kPartG;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane & 3, slot = lane >> 2;
+#pragma unroll 1
+  for (int32_t base = warp * 8 * kRounds; base < n; base += kPartWarps * 8 * kRounds) {
+    uint4 raw[kRounds][2];
+    bool ok[kRounds];
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u) {
+      const int32_t t = base + u * 8 + slot;
+      const uint8_t* r = t < n ? row_of(t) : nullptr;
+      ok[u] = r != nullptr;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        raw[u][c] = ok[u] ? __ldg(reinterpret_cast<const uint4*>(r + (sub + 4 * c) * 16))
+                          : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u) {
+      float acc[G];
+#pragma unroll
+      for (int h = 0; h < G; ++h) acc[h] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const uint32_t w[4] = {raw[u][c].x, raw[u][c].y, raw[u][c].z, raw[u][c].w};
+        const int e0 = (sub + 4 * c) * 16;
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) {
+          float a[4];
+          Fp8x4ToFloat(w[q4], a);
+#pragma unroll
+          for (int h = 0; h < G; ++h) {
+            if (h < group) {
+              const float4 v = *reinterpret_cast<const float4*>(qs + h * 128 + e0 + 4 * q4);
+              acc[h] = fmaf(v.x, a[0], acc[h]);
+              acc[h] = fmaf(v.y, a[1], acc[h]);
+              acc[h] = fmaf(v.z, a[2], acc[h]);
+              acc[h] = fmaf(v.w, a[3], acc[h]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 1);
+        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 2);
+      }
+      const int32_t t = base + u * 8 + slot;
+      if (sub == 0 && t < n) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          if (h < group) out[h * stride + t] = ok[u] ? acc[h] : NegInfF();
+        }
+      }
+    }
+  }
+}
+
 // Shared memory of PartStagesKernel (dynamic, kPartStagesSmem bytes).
 constexpr int kPartMaxTaken = 1024;  // a stage's k / P
 constexpr int kPartMaxFixed = 256;   // a block's share of the fixed rows
@@ -4174,12 +4250,13 @@ __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_p
   return (static_cast<int64_t>(slot) << page_shift) + (t & ((1 << page_shift) - 1));
 }
 
-template <bool kAttend, int kPer>
+template <bool kAttend, int kPer, bool kF8>
 __global__ void __launch_bounds__(kPartThreads)
     PartStagesKernel(const float* __restrict__ q, float scale, int group, int parts,
                      DeviceSelectStages st, DeviceSelectAttend at, const int32_t* skip,
                      int hist_mode, int prefetch) {
   constexpr int G = kPartG;
+  constexpr int64_t kRowBytes = kF8 ? 128 : 256;  // a K or V row of the pools
   extern __shared__ __align__(16) unsigned char part_smem[];
   PartStagesShared& sh = *reinterpret_cast<PartStagesShared*>(part_smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -4220,8 +4297,8 @@ __global__ void __launch_bounds__(kPartThreads)
         const int32_t t = fi < at.prefix_end ? fi : at.suffix_begin + (fi - at.prefix_end);
         const int64_t r = PartPoolRow(at.table, at.table_pages, page_shift, at.num_slots, g, t);
         if (r >= 0) {
-          PrefetchRow256(static_cast<const __nv_bfloat16*>(at.k_pool) + r * 128);
-          PrefetchRow256(static_cast<const __nv_bfloat16*>(at.v_pool) + r * 128);
+          PrefetchRow256(static_cast<const uint8_t*>(at.k_pool) + r * kRowBytes);
+          PrefetchRow256(static_cast<const uint8_t*>(at.v_pool) + r * kRowBytes);
         }
       }
     }
@@ -4259,7 +4336,7 @@ __global__ void __launch_bounds__(kPartThreads)
             PartPoolRow(sg.table, sg.table_pages, sg.page_shift, sg.num_items, g, sh.ids[t]);
         sh.crow[t] = r;
         if ((prefetch & 4) != 0 && r >= 0) {
-          PrefetchRow256(static_cast<const __nv_bfloat16*>(sg.rows) + r * 128);
+          PrefetchRow256(static_cast<const uint8_t*>(sg.rows) + r * kRowBytes);
         }
       }
     }
@@ -4277,6 +4354,14 @@ __global__ void __launch_bounds__(kPartThreads)
                                                             : nullptr;
                       },
                       sh.xs, kPartMaxCands);
+    } else if constexpr (kF8) {
+      const uint8_t* pool = static_cast<const uint8_t*>(sg.rows);
+      PartScoreF8<2>(&sh.qs[0][0], group, n,
+                     [&](int32_t t) -> const uint8_t* {
+                       const int64_t r = sh.crow[t];
+                       return r >= 0 ? pool + r * 128 : nullptr;
+                     },
+                     sh.xs, kPartMaxCands);
     } else {
       const __nv_bfloat16* pool = static_cast<const __nv_bfloat16*>(sg.rows);
       PartScore<false, 2>(&sh.qs[0][0], group, n,
@@ -4321,7 +4406,7 @@ __global__ void __launch_bounds__(kPartThreads)
                 id >= at.middle.begin && id < at.middle.end ? sh.crow[tid * per + j] : -1;
             sh.rows[r_mid + pos] = vr;
             if ((prefetch & 2) != 0 && vr >= 0) {
-              PrefetchRow256(static_cast<const __nv_bfloat16*>(at.v_pool) + vr * 128);
+              PrefetchRow256(static_cast<const uint8_t*>(at.v_pool) + vr * kRowBytes);
             }
           }
         },
@@ -4364,14 +4449,23 @@ __global__ void __launch_bounds__(kPartThreads)
     __syncthreads();
     stamp(A0);
     const int32_t rows_n = f_count + m_count;
-    const __nv_bfloat16* kpool = static_cast<const __nv_bfloat16*>(at.k_pool);
-    const __nv_bfloat16* vpool = static_cast<const __nv_bfloat16*>(at.v_pool);
-    PartScore<false, 1>(&sh.qs[0][0], group, n_score,
-                     [&](int32_t t) -> const __nv_bfloat16* {
+    if constexpr (kF8) {
+      const uint8_t* kpool = static_cast<const uint8_t*>(at.k_pool);
+      PartScoreF8<1>(&sh.qs[0][0], group, n_score,
+                     [&](int32_t t) -> const uint8_t* {
                        const int64_t r = sh.rows[r_score + t];
                        return r >= 0 ? kpool + r * 128 : nullptr;
                      },
                      sh.xs + r_score, kPartMaxRows);
+    } else {
+      const __nv_bfloat16* kpool = static_cast<const __nv_bfloat16*>(at.k_pool);
+      PartScore<false, 1>(&sh.qs[0][0], group, n_score,
+                       [&](int32_t t) -> const __nv_bfloat16* {
+                         const int64_t r = sh.rows[r_score + t];
+                         return r >= 0 ? kpool + r * 128 : nullptr;
+                       },
+                       sh.xs + r_score, kPartMaxRows);
+    }
     __syncthreads();
     stamp(A0 + 2);
     // Per head (warp h): max, then p = exp(x - max) in place and their sum. A row without a
@@ -4409,8 +4503,17 @@ __global__ void __launch_bounds__(kPartThreads)
       for (int u = 0; u < 4; ++u) {
         const int32_t r = r0 + u * kPartWarps;
         const int64_t row = r < rows_n ? sh.rows[r] : -1;
-        raw[u] = row >= 0 ? __ldg(reinterpret_cast<const uint2*>(vpool + row * 128) + lane)
-                          : make_uint2(0, 0);
+        if constexpr (kF8) {  // four codes per lane (v_scale comes in at the merge)
+          raw[u].x = row >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(
+                                          static_cast<const uint8_t*>(at.v_pool) + row * 128) +
+                                      lane)
+                              : 0u;
+        } else {
+          raw[u] = row >= 0 ? __ldg(reinterpret_cast<const uint2*>(
+                                        static_cast<const __nv_bfloat16*>(at.v_pool) + row * 128) +
+                                    lane)
+                            : make_uint2(0, 0);
+        }
 #pragma unroll
         for (int h = 0; h < G; ++h) {
           pr[u][h] = h < group && row >= 0 ? sh.xs[h * kPartMaxRows + r] : 0.0f;
@@ -4418,8 +4521,16 @@ __global__ void __launch_bounds__(kPartThreads)
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].x));
-        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].y));
+        float2 a, b;
+        if constexpr (kF8) {
+          float f[4];
+          Fp8x4ToFloat(raw[u].x, f);
+          a = make_float2(f[0], f[1]);
+          b = make_float2(f[2], f[3]);
+        } else {
+          a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].x));
+          b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].y));
+        }
 #pragma unroll
         for (int h = 0; h < G; ++h) {
           o[h][0] = fmaf(pr[u][h], a.x, o[h][0]);
@@ -4516,9 +4627,12 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
       parts > 64 || stages.num_stages < 1 || stages.num_stages > kSelectStagesMax) {
     return false;
   }
+  bool bf16_keys = false, fp8_keys = false;
   for (int s = 0; s < stages.num_stages; ++s) {
     const DeviceSelectStage& sg = stages.stage[s];
-    if (sg.kind == SelectStageKind::kKeysFP8 || sg.k % parts != 0 ||
+    bf16_keys = bf16_keys || sg.kind == SelectStageKind::kKeysBF16;
+    fp8_keys = fp8_keys || sg.kind == SelectStageKind::kKeysFP8;
+    if ((bf16_keys && fp8_keys) || sg.k % parts != 0 ||
         sg.k / parts > kPartMaxTaken || reinterpret_cast<uintptr_t>(sg.rows) % 16 != 0) {
       return false;
     }
@@ -4537,8 +4651,9 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
     const DeviceSelectAttend& a = *attend;
     const DeviceSelectStage& last = stages.stage[stages.num_stages - 1];
     const int64_t fixed = int64_t{a.prefix_end} + a.suffix_len;
-    if (parts > kPartMaxClusterParts || parts < group || a.fp8 != 0 || a.fanout_shift != 0 ||
-        last.kind != SelectStageKind::kKeysBF16 || a.middle.parents != last.selected ||
+    if (parts > kPartMaxClusterParts || parts < group || a.fanout_shift != 0 ||
+        last.kind != (a.fp8 != 0 ? SelectStageKind::kKeysFP8 : SelectStageKind::kKeysBF16) ||
+        a.middle.parents != last.selected ||
         a.middle.num_parents != last.k || last.rows != a.k_pool || last.table != a.table ||
         last.table_pages != a.table_pages || (int64_t{1} << last.page_shift) != a.page_size ||
         last.num_items != a.num_slots || (fixed + parts - 1) / parts > kPartMaxFixed ||
@@ -4559,13 +4674,13 @@ int PartPrefetch() {
 }
 
 int PartStagesMaxActiveClusters(int parts) {
-  if (cudaFuncSetAttribute(reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer>),
+  if (cudaFuncSetAttribute(reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, false>),
                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                            kPartStagesSmem) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
-  return MaxActiveClusters(PartStagesKernel<true, kPartPer>, parts, kPartThreads,
+  return MaxActiveClusters(PartStagesKernel<true, kPartPer, false>, parts, kPartThreads,
                            kPartStagesSmem);
 }
 
@@ -4577,10 +4692,15 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
   static std::once_flag once;
   static cudaError_t attr = cudaSuccess;
   std::call_once(once, [] {
-    for (const void* k : {reinterpret_cast<const void*>(PartStagesKernel<false, kPartPer>),
-                          reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer>),
-                          reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer>),
-                          reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer>)}) {
+    for (const void* k :
+         {reinterpret_cast<const void*>(PartStagesKernel<false, kPartPer, false>),
+          reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, false>),
+          reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer, false>),
+          reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer, false>),
+          reinterpret_cast<const void*>(PartStagesKernel<false, kPartPer, true>),
+          reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, true>),
+          reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer, true>),
+          reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer, true>)}) {
       cudaError_t e =
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kPartStagesSmem);
       if (e == cudaSuccess) {
@@ -4600,22 +4720,29 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
     small = small && n <= int64_t{kPartThreads} * kPartSmallPer;
   }
   if (const char* e = std::getenv("STRATA_SELECT_PART_PER")) small = small && std::string_view(e) != "8";
+  // The pool format (PartStagesFits: every key stage and the attention read one).
+  bool f8 = attend != nullptr && attend->fp8 != 0;
+  for (int s = 0; s < stages.num_stages; ++s) {
+    f8 = f8 || stages.stage[s].kind == SelectStageKind::kKeysFP8;
+  }
   if (attend != nullptr) {
     const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads),
                                      kPartStagesSmem, stream, parts, /*dependent=*/false);
-    return cudaLaunchKernelEx(&launch.cfg,
-                              small ? PartStagesKernel<true, kPartSmallPer>
-                                    : PartStagesKernel<true, kPartPer>,
-                              q, scale, group, parts, stages, *attend, skip, RegHistMode(),
-                              PartPrefetch());
+    auto* kernel = f8 ? (small ? PartStagesKernel<true, kPartSmallPer, true>
+                               : PartStagesKernel<true, kPartPer, true>)
+                      : (small ? PartStagesKernel<true, kPartSmallPer, false>
+                               : PartStagesKernel<true, kPartPer, false>);
+    return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages, *attend, skip,
+                              RegHistMode(), PartPrefetch());
   }
   const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads), kPartStagesSmem,
                                    stream, 0, /*dependent=*/false);
-  return cudaLaunchKernelEx(&launch.cfg,
-                            small ? PartStagesKernel<false, kPartSmallPer>
-                                  : PartStagesKernel<false, kPartPer>,
-                            q, scale, group, parts, stages, DeviceSelectAttend{}, skip,
-                            RegHistMode(), PartPrefetch() & 4);
+  auto* kernel = f8 ? (small ? PartStagesKernel<false, kPartSmallPer, true>
+                             : PartStagesKernel<false, kPartPer, true>)
+                    : (small ? PartStagesKernel<false, kPartSmallPer, false>
+                             : PartStagesKernel<false, kPartPer, false>);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages,
+                            DeviceSelectAttend{}, skip, RegHistMode(), PartPrefetch() & 4);
 }
 
 }  // namespace strata::kernels::cuda_internal

@@ -323,7 +323,7 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
                                               bool fused, int64_t hkv, int64_t group,
                                               bool bf16_keys, bool fp8_keys, Stream s) {
   const int parts = p.partitions;
-  fused = fused && !fp8_keys &&
+  fused = fused &&
           cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group), parts, d,
                                         nullptr);
   if (!fused) return OpByOpUnlessRequired(*this, p, s, "partitioned kernel");

@@ -1657,7 +1657,7 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 // awkward ones (group 1-3, k above the candidates, parts of unequal sizes, table entries -1 or
 // past the pool); with the attention in the kernel (require_fused) and after it (separate),
 // out / lse against the CPU's attention over the GPU's selection, then a second query with every
-// other head flagged (those attend their kept selection).
+// other head flagged (those attend their kept selection); over bf16 and fp8 pools.
 TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
   struct PartCase {
     ChainCase c;
@@ -1684,109 +1684,94 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
   constexpr int kD = Chain::kD;
   int compared = 0, stages = 0;
   for (const PartCase& pc : cases) {
-    const ChainCase& c = pc.c;
-    SCOPED_TRACE(::testing::Message() << c.name << ", " << pc.parts << " parts");
-    Chain ch = MakeChain(c, rng_);
-    ch.partitions = pc.parts;
-    const ChainRef ref = RunChainOnCpu(cpu_, ch);
-    for (const char* mode : {"require_fused", "opbyop"}) {
-      SCOPED_TRACE(mode);
-      setenv("STRATA_SELECT_STAGES", mode, 1);
-      compared += Compare(ch, ref, RunOnGpu(ch));
-      stages += static_cast<int>(ch.counts.size());
-    }
-    // The attention.
-    std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD, -1.0f, 1.0f);
-    const std::vector<uint8_t> vpool = PoolBytes(vf, DType::kBF16);
-    const int hq = c.hkv * c.group;
-    const int last = static_cast<int>(ch.counts.size()) - 1;
-    auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
-    auto dv = Dev(vpool), dt = Dev(ch.table);
-    std::vector<std::unique_ptr<Buffer>> bufs;
-    std::vector<void*> sp, sel;
-    StageBuffers(ch, &bufs, &sp, &sel);
-    auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
-    auto cpu_attention = [&](std::vector<float>& q, std::vector<int32_t>& final,
-                             std::vector<float>* out, std::vector<float>* lse) {
-      out->assign(static_cast<size_t>(hq) * kD, 0.0f);
-      lse->assign(hq, 0.0f);
-      const SelectedAttentionParams at = ChainAttention(
-          ch, pc.window, q.data(), ch.pool.data(), const_cast<uint8_t*>(vpool.data()),
-          ch.table.data(), TensorView(final.data(), DType::kI32, {c.hkv, ch.ks[last]}),
-          out->data(), lse->data());
-      ASSERT_TRUE(cpu_->SelectedAttention(at, nullptr).ok());
-    };
-    for (const char* amode : {"require_fused", "separate"}) {
-      SCOPED_TRACE(amode);
-      setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-      setenv("STRATA_SELECT_ATTEND", amode, 1);
-      SelectStagesParams p =
-          ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
-      const SelectedAttentionParams at =
-          ChainAttention(ch, pc.window, dq->data(), dpool->data(), dv->data(), dt->data(),
-                         p.stages[last].selected, dout->data(), dlse->data());
-      p.attend = &at;
-      const absl::Status st = gpu_->SelectStages(p, nullptr);
-      ASSERT_TRUE(st.ok()) << st;
-      std::vector<std::vector<int32_t>> got;
-      for (size_t i = 0; i < ch.counts.size(); ++i) {
-        got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
+    // bf16 and fp8 pools (the kernel's fp8 form: key stage and attention on fp8 rows).
+    for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
+      const ChainCase& c = pc.c;
+      SCOPED_TRACE(::testing::Message() << c.name << ", " << pc.parts << " parts, "
+                                        << DTypeName(pool) << " pools");
+      Chain ch = MakeChain(c, rng_, pool);
+      ch.partitions = pc.parts;
+      const ChainRef ref = RunChainOnCpu(cpu_, ch);
+      for (const char* mode : {"require_fused", "opbyop"}) {
+        SCOPED_TRACE(mode);
+        setenv("STRATA_SELECT_STAGES", mode, 1);
+        compared += Compare(ch, ref, RunOnGpu(ch));
+        stages += static_cast<int>(ch.counts.size());
       }
-      compared += Compare(ch, ref, got);
-      stages += static_cast<int>(ch.counts.size());
-      std::vector<float> want_out, want_lse;
-      cpu_attention(ch.q, got[last], &want_out, &want_lse);
-      ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
-      ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
-
-      std::vector<float> q2 = RandomF(static_cast<int64_t>(ch.q.size()), -2.0f, 2.0f);
-      auto dq2 = Dev(q2);
-      std::vector<int32_t> skip(c.hkv);
-      for (int g = 0; g < c.hkv; ++g) skip[g] = g % 2;
-      auto dskip = Dev(skip);
-      SelectStagesParams p2 =
-          ch.Params(dq2->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
-      p2.skip_heads = static_cast<const int32_t*>(dskip->data());
-      const SelectedAttentionParams at2 =
-          ChainAttention(ch, pc.window, dq2->data(), dpool->data(), dv->data(), dt->data(),
-                         p2.stages[last].selected, dout->data(), dlse->data());
-      p2.attend = &at2;
-      const absl::Status st2 = gpu_->SelectStages(p2, nullptr);
-      ASSERT_TRUE(st2.ok()) << st2;
-      std::vector<int32_t> final2 = Get<int32_t>(*bufs[2 * last + 1], int64_t{c.hkv} * ch.ks[last]);
-      for (int g = 0; g < c.hkv; ++g) {
-        if (!skip[g]) continue;
-        for (int64_t j = 0; j < ch.ks[last]; ++j) {
-          ASSERT_EQ(final2[g * ch.ks[last] + j], got[last][g * ch.ks[last] + j]) << "head " << g;
+      // The attention.
+      const float vmax = pool == DType::kFP8E4M3 ? 16.0f : 1.0f;
+      std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD, -vmax, vmax);
+      const std::vector<uint8_t> vpool = PoolBytes(vf, pool);
+      const int hq = c.hkv * c.group;
+      const int last = static_cast<int>(ch.counts.size()) - 1;
+      auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
+      auto dv = Dev(vpool), dt = Dev(ch.table);
+      std::vector<std::unique_ptr<Buffer>> bufs;
+      std::vector<void*> sp, sel;
+      StageBuffers(ch, &bufs, &sp, &sel);
+      auto dout = Poisoned<float>(int64_t{hq} * kD), dlse = Poisoned<float>(hq);
+      auto cpu_attention = [&](std::vector<float>& q, std::vector<int32_t>& final,
+                               std::vector<float>* out, std::vector<float>* lse) {
+        out->assign(static_cast<size_t>(hq) * kD, 0.0f);
+        lse->assign(hq, 0.0f);
+        const SelectedAttentionParams at = ChainAttention(
+            ch, pc.window, q.data(), ch.pool.data(), const_cast<uint8_t*>(vpool.data()),
+            ch.table.data(), TensorView(final.data(), DType::kI32, {c.hkv, ch.ks[last]}),
+            out->data(), lse->data());
+        ASSERT_TRUE(cpu_->SelectedAttention(at, nullptr).ok());
+      };
+      for (const char* amode : {"require_fused", "separate"}) {
+        SCOPED_TRACE(amode);
+        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+        setenv("STRATA_SELECT_ATTEND", amode, 1);
+        SelectStagesParams p =
+            ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+        const SelectedAttentionParams at =
+            ChainAttention(ch, pc.window, dq->data(), dpool->data(), dv->data(), dt->data(),
+                           p.stages[last].selected, dout->data(), dlse->data());
+        p.attend = &at;
+        const absl::Status st = gpu_->SelectStages(p, nullptr);
+        ASSERT_TRUE(st.ok()) << st;
+        std::vector<std::vector<int32_t>> got;
+        for (size_t i = 0; i < ch.counts.size(); ++i) {
+          got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
         }
+        compared += Compare(ch, ref, got);
+        stages += static_cast<int>(ch.counts.size());
+        std::vector<float> want_out, want_lse;
+        cpu_attention(ch.q, got[last], &want_out, &want_lse);
+        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
+        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
+
+        std::vector<float> q2 = RandomF(static_cast<int64_t>(ch.q.size()), -2.0f, 2.0f);
+        auto dq2 = Dev(q2);
+        std::vector<int32_t> skip(c.hkv);
+        for (int g = 0; g < c.hkv; ++g) skip[g] = g % 2;
+        auto dskip = Dev(skip);
+        SelectStagesParams p2 =
+            ch.Params(dq2->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+        p2.skip_heads = static_cast<const int32_t*>(dskip->data());
+        const SelectedAttentionParams at2 =
+            ChainAttention(ch, pc.window, dq2->data(), dpool->data(), dv->data(), dt->data(),
+                           p2.stages[last].selected, dout->data(), dlse->data());
+        p2.attend = &at2;
+        const absl::Status st2 = gpu_->SelectStages(p2, nullptr);
+        ASSERT_TRUE(st2.ok()) << st2;
+        std::vector<int32_t> final2 =
+            Get<int32_t>(*bufs[2 * last + 1], int64_t{c.hkv} * ch.ks[last]);
+        for (int g = 0; g < c.hkv; ++g) {
+          if (!skip[g]) continue;
+          for (int64_t j = 0; j < ch.ks[last]; ++j) {
+            ASSERT_EQ(final2[g * ch.ks[last] + j], got[last][g * ch.ks[last] + j]) << "head " << g;
+          }
+        }
+        cpu_attention(q2, final2, &want_out, &want_lse);
+        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
+        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
       }
-      cpu_attention(q2, final2, &want_out, &want_lse);
-      ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
-      ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
+      unsetenv("STRATA_SELECT_STAGES");
+      unsetenv("STRATA_SELECT_ATTEND");
     }
-    unsetenv("STRATA_SELECT_STAGES");
-    unsetenv("STRATA_SELECT_ATTEND");
-  }
-  // fp8 key pools: not the partitioned kernel's (the default falls back to the ops one by one,
-  // VoteTopK in parts; require_fused refuses).
-  {
-    SCOPED_TRACE("tokenselect 128K, fp8 keys, 16 parts");
-    Chain ch = MakeChain(cases[0].c, rng_, DType::kFP8E4M3);
-    ch.partitions = 16;
-    const ChainRef ref = RunChainOnCpu(cpu_, ch);
-    unsetenv("STRATA_SELECT_STAGES");
-    compared += Compare(ch, ref, RunOnGpu(ch));
-    stages += static_cast<int>(ch.counts.size());
-    setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-    auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums), dpool = Dev(ch.pool);
-    auto dt = Dev(ch.table);
-    std::vector<std::unique_ptr<Buffer>> bufs;
-    std::vector<void*> sp, sel;
-    StageBuffers(ch, &bufs, &sp, &sel);
-    const SelectStagesParams p =
-        ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
-    EXPECT_EQ(gpu_->SelectStages(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);
-    unsetenv("STRATA_SELECT_STAGES");
   }
   EXPECT_GE(compared, stages - 2);
 }

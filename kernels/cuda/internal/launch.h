@@ -345,9 +345,10 @@ cudaError_t LaunchPartVoteTopK(const float* scores, int num_kv_heads, int group,
                                const DeviceCandidates& c, int k, int parts, float* vote,
                                int32_t* selected, cudaStream_t stream);
 // Whether LaunchPartStages runs this chain: head_dim 128, group <= 4, 2 to 64 parts (with the
-// attention 16 at most and at least group), bf16 summaries and bf16 keys, stage 0 a plain range,
-// at most 2048 candidates per part and stage and 1024 taken per part; the attention (optional)
-// over the last stage's token ids (a key stage over its own bf16 pools and table), at most 256
+// attention 16 at most and at least group), bf16 summaries and keys of one format (bf16, or fp8
+// e4m3: stored values, PartStagesKernel's fp8 form), stage 0 a plain range, at most 2048
+// candidates per part and stage and 1024 taken per part; the attention (optional) over the last
+// stage's token ids (a key stage over its own pools and table, of the same format), at most 256
 // fixed rows per part.
 bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectStages& stages,
                     const DeviceSelectAttend* attend);
