@@ -504,14 +504,29 @@ class PolicyImpl : public SparsePolicy {
       const int64_t wanted = static_cast<int64_t>(budget) * options_.tokenselect_candidate_factor;
       cand = FillPages(RankPages(hs, qg, mid_begin, mid_end, wanted), mid_begin, mid_end, wanted);
     }
+    const std::vector<int64_t> tokens = TokensOf(cand);
+    if (static_cast<int64_t>(tokens.size()) <= budget) return cand;
+    std::vector<int64_t> picked;
+    AppendBestTokens(KeyRows(cache, layer, g), tokens, qs, budget, &picked);
+    std::sort(picked.begin(), picked.end());
+    return RangesFromSortedTokens(picked);
+  }
+
+  // The tokens of `ranges`, in order.
+  static std::vector<int64_t> TokensOf(const std::vector<Range>& ranges) {
     std::vector<int64_t> tokens;
-    tokens.reserve(CountTokens(cand));
-    for (const Range& r : cand) {
+    tokens.reserve(CountTokens(ranges));
+    for (const Range& r : ranges) {
       for (int64_t t = r.begin; t < r.end; ++t) tokens.push_back(t);
     }
+    return tokens;
+  }
+
+  // Appends to *picked the `take` (<= tokens.size()) of `tokens` with the highest head soft vote
+  // of their keys' scores against the group's scaled queries qs, best first.
+  void AppendBestTokens(const HeadRows& keys, const std::vector<int64_t>& tokens, const float* qs,
+                        int64_t take, std::vector<int64_t>* picked) {
     const int64_t n = static_cast<int64_t>(tokens.size());
-    if (n <= budget) return cand;
-    const HeadRows keys = KeyRows(cache, layer, g);
     std::vector<float> scores(static_cast<size_t>(group_) * n);
 #pragma omp parallel for schedule(static) if (n > 4096)
     for (int64_t j = 0; j < n; ++j) {
@@ -522,11 +537,8 @@ class PolicyImpl : public SparsePolicy {
     stats_.key_bytes += n * d_ * 2;
     std::vector<float> vote(n);
     SoftVote(scores.data(), group_, n, vote.data());
-    const std::vector<int64_t> order = RankByVote(vote.data(), n, budget);
-    std::vector<int64_t> picked(budget);
-    for (int i = 0; i < budget; ++i) picked[i] = tokens[order[i]];
-    std::sort(picked.begin(), picked.end());
-    return RangesFromSortedTokens(picked);
+    const std::vector<int64_t> order = RankByVote(vote.data(), n, take);
+    for (int64_t i = 0; i < take; ++i) picked->push_back(tokens[order[i]]);
   }
 
   // tokenselect in `parts` independent parts (PolicyOptions::tokenselect_partitions): part j
@@ -550,27 +562,12 @@ class PolicyImpl : public SparsePolicy {
       const std::vector<Range> cand =
           FillPages(RankPages(hs, qg, mid_begin, mid_end, wanted, part, parts), mid_begin,
                     mid_end, part_wanted);
-      std::vector<int64_t> tokens;
-      for (const Range& r : cand) {
-        for (int64_t t = r.begin; t < r.end; ++t) tokens.push_back(t);
-      }
-      const int64_t n = static_cast<int64_t>(tokens.size());
-      if (n <= part_budget) {
+      const std::vector<int64_t> tokens = TokensOf(cand);
+      if (static_cast<int64_t>(tokens.size()) <= part_budget) {
         picked.insert(picked.end(), tokens.begin(), tokens.end());
-        continue;
+      } else {
+        AppendBestTokens(keys, tokens, qs, part_budget, &picked);
       }
-      std::vector<float> scores(static_cast<size_t>(group_) * n);
-      for (int64_t j = 0; j < n; ++j) {
-        for (int h = 0; h < group_; ++h) {
-          scores[static_cast<size_t>(h) * n + j] =
-              keys.Dot(tokens[j], qs + static_cast<size_t>(h) * d_);
-        }
-      }
-      stats_.key_bytes += n * d_ * 2;
-      std::vector<float> vote(n);
-      SoftVote(scores.data(), group_, n, vote.data());
-      const std::vector<int64_t> order = RankByVote(vote.data(), n, part_budget);
-      for (int64_t i = 0; i < part_budget; ++i) picked.push_back(tokens[order[i]]);
     }
     std::sort(picked.begin(), picked.end());
     return RangesFromSortedTokens(picked);
