@@ -86,34 +86,31 @@ double g_dense_us = 0;  // the dense row's gpu_us for the current context
 // ---- Device-resident pipelines ---------------------------------------------------------------
 
 constexpr int kSinks = 64, kWindow = 256, kTwoLevelMinPages = 512;
+constexpr int kMinSegments = 128, kSegmentFactor = 4;
+constexpr double kHbmBytesPerSecond = 3.35e12;
+// The integer in environment variable `name` when it is in [lo, hi], else `fallback`.
+int EnvInt(const char* name, int lo, int hi, int fallback) {
+  const char* e = std::getenv(name);
+  const int v = e == nullptr ? fallback : std::atoi(e);
+  return v >= lo && v <= hi ? v : fallback;
+}
 // Pages per segment: 16, or STRATA_BENCH_SEGMENT_PAGES (1 to 64; DevicePolicy's default,
 // PolicyOptions::EffectiveSegmentPages, is 8 for pages of 64: two-level from 128K on).
 int SegPages() {
-  static const int g = [] {
-    const char* e = std::getenv("STRATA_BENCH_SEGMENT_PAGES");
-    const int v = e == nullptr ? 0 : std::atoi(e);
-    return v >= 1 && v <= 64 ? v : 16;
-  }();
+  static const int g = EnvInt("STRATA_BENCH_SEGMENT_PAGES", 1, 64, 16);
   return g;
 }
-constexpr int kMinSegments = 128, kSegmentFactor = 4;
 // tokenselect's candidate tokens per budget token (PolicyOptions::tokenselect_candidate_factor):
 // 4, or STRATA_BENCH_CANDIDATE_FACTOR (1 to 16) for the speed side of the fidelity trade-off.
 int CandidateFactor() {
-  static const int f = [] {
-    const char* e = std::getenv("STRATA_BENCH_CANDIDATE_FACTOR");
-    const int v = e == nullptr ? 0 : std::atoi(e);
-    return v >= 1 && v <= 16 ? v : 4;
-  }();
+  static const int f = EnvInt("STRATA_BENCH_CANDIDATE_FACTOR", 1, 16, 4);
   return f;
 }
-constexpr double kHbmBytesPerSecond = 3.35e12;
 // tokenselect's parts (STRATA_BENCH_PARTITIONS, a power of two 2 to 64; 1 otherwise).
 int Partitions() {
   static const int p = [] {
-    const char* e = std::getenv("STRATA_BENCH_PARTITIONS");
-    const int v = e == nullptr ? 1 : std::atoi(e);
-    return v >= 2 && v <= 64 && (v & (v - 1)) == 0 ? v : 1;
+    const int v = EnvInt("STRATA_BENCH_PARTITIONS", 2, 64, 1);
+    return (v & (v - 1)) == 0 ? v : 1;
   }();
   return p;
 }
