@@ -833,6 +833,19 @@ TEST_F(SelectionTest, BadParamsAreRejected) {
   v.selected.dtype = DType::kI32;
   v.candidates.fanout = 0;
   EXPECT_THAT(gpu_->VoteTopK(v, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  // VoteTopK in parts: a count that is not a power of two (the CPU's check), more than 4 query
+  // heads per KV head or more than 4096 candidates in a part (this backend's limits).
+  v.candidates.fanout = 1;
+  v.partitions = 3;
+  EXPECT_THAT(gpu_->VoteTopK(v, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  v.partitions = 2;
+  v.scores = TensorView(ds->data(), DType::kF32, {1, 8, 16});
+  v.selected = TensorView(dq->data(), DType::kI32, {1, 4});
+  EXPECT_THAT(gpu_->VoteTopK(v, nullptr), StatusIs(absl::StatusCode::kUnimplemented));
+  auto big = Poisoned<float>(int64_t{4} * 8200);
+  v.scores = TensorView(big->data(), DType::kF32, {1, 4, 8200});
+  v.candidates.end = 8200;
+  EXPECT_THAT(gpu_->VoteTopK(v, nullptr), StatusIs(absl::StatusCode::kUnimplemented));
 }
 
 // The default tokenselect pipeline (two-level minmax page ranking, token soft vote, attention
