@@ -291,25 +291,30 @@ absl::Status CpuVoteTopK(const VoteTopKParams& p) {
   std::vector<float> vote(n);
   std::vector<char> valid(n);
   std::vector<uint32_t> rank(n);
-  std::vector<int64_t> members, order;
+  // Each part's candidate indices, ascending (VoteTopKParams::partitions; the same for every
+  // KV head).
+  std::vector<std::vector<int64_t>> part_members(parts);
+  for (int part = 0; part < parts; ++part) {
+    std::vector<int64_t>& members = part_members[part];
+    if (parts == 1) {
+      for (int64_t i = 0; i < n; ++i) members.push_back(i);
+    } else if (p.candidates.parents.data == nullptr) {
+      for (int64_t i = ((part - p.candidates.begin) % parts + parts) % parts; i < n; i += parts) {
+        members.push_back(i);
+      }
+    } else {
+      const int64_t span = p.candidates.parents.dim(1) / parts * p.candidates.fanout;
+      for (int64_t i = part * span; i < (part + 1) * span; ++i) members.push_back(i);
+    }
+  }
+  std::vector<int64_t> order;
   for (int g = 0; g < hkv; ++g) {
     if (p.skip_heads != nullptr && p.skip_heads[g] != 0) continue;
     std::fill(vote.begin(), vote.end(), 0.0f);
     std::fill(valid.begin(), valid.end(), 0);
     int32_t* sel = p.selected.As<int32_t>() + static_cast<int64_t>(g) * k;
     for (int part = 0; part < parts; ++part) {
-      // The part's candidate indices, ascending (VoteTopKParams::partitions).
-      members.clear();
-      if (parts == 1) {
-        for (int64_t i = 0; i < n; ++i) members.push_back(i);
-      } else if (p.candidates.parents.data == nullptr) {
-        for (int64_t i = ((part - p.candidates.begin) % parts + parts) % parts; i < n; i += parts) {
-          members.push_back(i);
-        }
-      } else {
-        const int64_t span = p.candidates.parents.dim(1) / parts * p.candidates.fanout;
-        for (int64_t i = part * span; i < (part + 1) * span; ++i) members.push_back(i);
-      }
+      const std::vector<int64_t>& members = part_members[part];
       for (int j = 0; j < group; ++j) {
         const float* s = scores + (static_cast<int64_t>(g) * group + j) * n;
         float m = kNegInf;
