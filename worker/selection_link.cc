@@ -296,6 +296,13 @@ void SelectionLinkServer::Shutdown() {
   }
 }
 
+int SelectionLinkServer::streams() const {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (const auto& c : connections_) n += c->done.load() ? 0 : 1;
+  return n;
+}
+
 void SelectionLinkServer::AcceptLoop() {
   while (true) {
     pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};

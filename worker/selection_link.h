@@ -74,6 +74,9 @@ class SelectionLinkServer {
   ~SelectionLinkServer();  // Shutdown()
 
   int port() const { return port_; }
+  // The streams being served now: a stream whose serving has returned no longer counts, so a
+  // connection made after this falls below the limit is accepted.
+  int streams() const;
   // Stops listening (connections are refused from then on), ends every connection (their sessions
   // end as if the leader had closed them) and joins the threads. Idempotent.
   void Shutdown();
@@ -91,7 +94,7 @@ class SelectionLinkServer {
   const int max_streams_;
   const int64_t spin_us_;
   std::thread accept_thread_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
 };

@@ -193,10 +193,14 @@ TEST(SelectionLinkTest, StreamsPastTheLimitAreRefused) {
   std::string why;
   EXPECT_FALSE(links[2]->Read(absl::Now() + absl::Seconds(10), &resp, &why));
   EXPECT_NE(why.find("RESOURCE_EXHAUSTED"), std::string::npos) << why;
-  // A slot frees when a stream ends.
+  EXPECT_EQ(server->streams(), 2);
+  // A slot frees when a stream ends (the serving function has returned and the server has
+  // marked the stream done; the function's own counter moves before that).
   links[0].reset();
   const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (echo.ended.load() < 1 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  while (server->streams() > 1 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(server->streams(), 1);
+  EXPECT_EQ(echo.ended.load(), 1);
   STRATA_ASSERT_OK_AND_ASSIGN(auto again, SelectionLink::Connect(Address(*server), absl::Seconds(5)));
   ASSERT_TRUE(again->Write(Open().SerializeAsString()));
   ASSERT_TRUE(again->Write(Query(1, 0, "q").SerializeAsString()));
