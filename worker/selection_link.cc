@@ -169,7 +169,13 @@ ReadResult RecvAll(int fd, char* p, size_t n, absl::Time deadline, int64_t spin_
   return ReadResult::kOk;
 }
 
-// A frame's header and payload into *kind / *payload. kError for a frame above the limit.
+// A frame's payload is read into memory at most this far ahead of the bytes that have come, so
+// that a header announcing a large frame costs memory only as its bytes arrive (a peer that sends
+// headers of 256 MiB frames and stops does not make the server hold 256 MiB per connection).
+constexpr size_t kFrameReadStep = size_t{1} << 20;
+
+// A frame's header and payload into *kind / *payload. kError for a frame above the limit or a
+// malformed header, and for a connection closed mid-frame.
 ReadResult ReadFrame(int fd, absl::Time deadline, int64_t spin_us, uint8_t* kind, std::string* payload) {
   unsigned char header[kHeaderBytes];
   ReadResult r = RecvAll(fd, reinterpret_cast<char*>(header), kHeaderBytes, deadline, spin_us);
@@ -178,10 +184,15 @@ ReadResult ReadFrame(int fd, absl::Time deadline, int64_t spin_us, uint8_t* kind
   for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(header[i]) << (8 * i);
   if (len > kSelectionLinkMaxFrame || header[5] != 0 || header[6] != 0 || header[7] != 0) return ReadResult::kError;
   *kind = header[4];
-  payload->resize(len);
-  if (len == 0) return ReadResult::kOk;
-  r = RecvAll(fd, payload->data(), len, deadline, spin_us);
-  return r == ReadResult::kClosed ? ReadResult::kError : r;  // closed mid-frame
+  payload->clear();
+  for (size_t got = 0; got < len;) {
+    const size_t step = std::min<size_t>(len - got, kFrameReadStep);
+    payload->resize(got + step);
+    r = RecvAll(fd, payload->data() + got, step, deadline, spin_us);
+    if (r != ReadResult::kOk) return r == ReadResult::kClosed ? ReadResult::kError : r;  // closed mid-frame
+    got += step;
+  }
+  return ReadResult::kOk;
 }
 
 // The stream's end with `status` (a kind 3 frame: the code, then the message).
