@@ -11,8 +11,9 @@
 // The budget case is also swept over the split-K items per SM (CudaBackend::SetDecodeItemsPerSm).
 //
 // Then (unless --no-pipelines) the device-resident sparse pipelines, selection + attention for one
-// layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256) but segments of 16 pages
-// (STRATA_BENCH_SEGMENT_PAGES=8: the policy's own 512-token segments, which make 128K two-level),
+// layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256, the policy's 512-token
+// segments of 8 pages, which make 128K two-level, as DevicePolicy runs it; before session 38 the
+// bench used segments of 16 pages, STRATA_BENCH_SEGMENT_PAGES=16, which its earlier figures are),
 // two-level above 512 pages keeping max(128, 4 * wanted / G) segments, one-level where that
 // keeps every segment, as DevicePolicy (STRATA_BENCH_KEEP_SEGMENT_STAGE=1: two-level there too);
 // minmax page summaries computed here from the bf16 keys, in bf16 as DevicePolicy keeps them for
@@ -87,6 +88,8 @@ double g_dense_us = 0;  // the dense row's gpu_us for the current context
 
 constexpr int kSinks = 64, kWindow = 256, kTwoLevelMinPages = 512;
 constexpr int kMinSegments = 128, kSegmentFactor = 4;
+// PolicyOptions::EffectiveSegmentPages for these pages: segments of 512 tokens.
+constexpr int kSegmentPagesOfThePolicy = 512 / kPage;
 constexpr double kHbmBytesPerSecond = 3.35e12;
 // The integer in environment variable `name` when it is in [lo, hi], else `fallback`.
 int EnvInt(const char* name, int lo, int hi, int fallback) {
@@ -94,10 +97,10 @@ int EnvInt(const char* name, int lo, int hi, int fallback) {
   const int v = e == nullptr ? fallback : std::atoi(e);
   return v >= lo && v <= hi ? v : fallback;
 }
-// Pages per segment: 16, or STRATA_BENCH_SEGMENT_PAGES (1 to 64; DevicePolicy's default,
-// PolicyOptions::EffectiveSegmentPages, is 8 for pages of 64: two-level from 128K on).
+// Pages per segment: DevicePolicy's (PolicyOptions::EffectiveSegmentPages, 8 for pages of 64:
+// two-level from 128K on), or STRATA_BENCH_SEGMENT_PAGES (1 to 64).
 int SegPages() {
-  static const int g = EnvInt("STRATA_BENCH_SEGMENT_PAGES", 1, 64, 16);
+  static const int g = EnvInt("STRATA_BENCH_SEGMENT_PAGES", 1, 64, kSegmentPagesOfThePolicy);
   return g;
 }
 // tokenselect's candidate tokens per budget token (PolicyOptions::tokenselect_candidate_factor):
