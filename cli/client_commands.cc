@@ -264,8 +264,8 @@ void AddGen(FlagSet* flags, GenFlags* g) {
   flags->Int("candidate-factor", &g->candidate_factor,
              "tokenselect: candidate tokens per budget token, 1-16 (0: server default, 4)");
   flags->Int("partitions", &g->partitions,
-             "tokenselect: independent selection parts, a power of two 1-64 dividing the budget (0: server "
-             "default, 1)");
+             "tokenselect: independent selection parts, a power of two 1-64; a budget they do not divide "
+             "is rounded up (0: server default, 1)");
   flags->Bool("ignore-eos", &g->ignore_eos, "keep generating past end-of-sequence tokens");
   flags->Bool("print-token-ids", &g->print_ids, "print the generated token ids to stderr at the end");
 }

@@ -100,7 +100,7 @@ absl::StatusOr<engine::sparse::PolicyOptions> MakePolicyOptions(const GenerateFl
   // Out of [1, 16]: o.Validate() below refuses it (a value past int's range as well).
   o.tokenselect_candidate_factor =
       static_cast<int>(std::clamp<int64_t>(f.candidate_factor, -1, 1 << 20));
-  // Likewise a part count that is not a power of two in [1, 64], or a budget it does not divide.
+  // Likewise a part count that is not a power of two in [1, 64].
   o.tokenselect_partitions = static_cast<int>(std::clamp<int64_t>(f.partitions, -1, 1 << 20));
   STRATA_ASSIGN_OR_RETURN(o.dense_layers, ParseLayerList(f.dense_layers));
   STRATA_RETURN_IF_ERROR(o.Validate());
@@ -363,8 +363,8 @@ int RunGenerate(int argc, char** argv) {
   flags.Int("candidate-factor", &f.candidate_factor,
             "tokenselect: candidate tokens per budget token (1-16; fewer: faster, less exact)");
   flags.Int("partitions", &f.partitions,
-            "tokenselect: independent parts of the selection (a power of two 1-64 dividing the "
-            "budget; more: faster on a GPU, a little less exact)");
+            "tokenselect: independent parts of the selection (a power of two 1-64; a budget they "
+            "do not divide is rounded up; more: faster on a GPU, a little less exact)");
   flags.String("dense-layers", &f.dense_layers, "comma-separated layers that always attend densely");
   flags.String("backend", &f.backend, "compute backend: cpu|cuda|auto");
   flags.Bool("device-selection", &f.device_selection,

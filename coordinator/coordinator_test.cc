@@ -246,11 +246,6 @@ TEST_F(CoordinatorTest, BadSubmissionsGetTheRightCodeAndChangeNothing) {
   r.mutable_policy()->set_name("tokenselect");
   r.mutable_policy()->set_partitions(3);
   cases.push_back({"partitions not a power of two", r, absl::StatusCode::kInvalidArgument});
-  r = Job(doc);
-  r.mutable_policy()->set_name("tokenselect");
-  r.mutable_policy()->set_budget_tokens(100);
-  r.mutable_policy()->set_partitions(8);
-  cases.push_back({"budget not a multiple of the partitions", r, absl::StatusCode::kInvalidArgument});
   r = Job("");
   for (int i = 0; i < 10001; ++i) r.mutable_inline_document()->mutable_tokens()->add_ids(1);
   cases.push_back({"inline document over the limit", r, absl::StatusCode::kResourceExhausted});

@@ -171,11 +171,6 @@ absl::StatusOr<v1::SelectionPolicy> EffectiveSelectionPolicy(const v1::Selection
     return absl::InvalidArgumentError(
         absl::StrCat("policy.partitions = ", parts, " is not a power of two in [1, 64]"));
   }
-  if (out.name() == "tokenselect" && out.budget_tokens() % parts != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "policy.budget_tokens = ", out.budget_tokens(), p.budget_tokens() == 0 ? " (the server's default)" : "",
-        " is not a multiple of policy.partitions = ", parts, " (tokenselect keeps budget_tokens / partitions per part)"));
-  }
   return out;
 }
 

@@ -106,7 +106,8 @@ TEST(ValidationTest, PolicyDefaults) {
   EXPECT_FLOAT_EQ(p.theta(), 1.0f);
   EXPECT_EQ(p.candidate_factor(), 2u);
   EXPECT_EQ(p.partitions(), 8u);
-  // tokenselect in parts: the default budget (2048) and one set are multiples of the parts.
+  // tokenselect in parts: with the default budget (2048), one set, and one that is not a
+  // multiple of the parts (the policy rounds it up; the request keeps what was asked).
   in = v1::SelectionPolicy();
   in.set_name("tokenselect");
   in.set_partitions(64);
@@ -117,6 +118,10 @@ TEST(ValidationTest, PolicyDefaults) {
   in.set_budget_tokens(100);
   STRATA_ASSERT_OK_AND_ASSIGN(p, EffectiveSelectionPolicy(in, Limits()));
   EXPECT_EQ(p.partitions(), 4u);
+  EXPECT_EQ(p.budget_tokens(), 100u);
+  in.set_partitions(8);
+  STRATA_ASSERT_OK_AND_ASSIGN(p, EffectiveSelectionPolicy(in, Limits()));
+  EXPECT_EQ(p.partitions(), 8u);
   EXPECT_EQ(p.budget_tokens(), 100u);
   // Other policies ignore the parts: any budget.
   in.set_name("quest");
@@ -165,7 +170,6 @@ TEST(ValidationTest, PolicyOutOfRange) {
   p.set_name("tokenselect");
   p.set_budget_tokens(100);
   p.set_partitions(8);
-  expect_bad(p, "policy.budget_tokens = 100 is not a multiple of policy.partitions = 8");
   p.set_name("quest");
   p.set_partitions(6);  // the range holds for every policy
   expect_bad(p, "policy.partitions");

@@ -213,8 +213,8 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     if (s->shard_->first_token() != 0) p.set_sink_tokens(0);
     p.set_window_tokens(0);
     if (budget_tokens > 0) {
-      // tokenselect in parts keeps budget / partitions tokens per part (JobPolicyOptions refuses
-      // a budget that is not a multiple): the shard's share rounded up to one.
+      // tokenselect in parts keeps ceil(budget / partitions) tokens per part: the shard's share
+      // rounded up to a multiple of the parts, as the policy would.
       const uint32_t parts = p.name() == "tokenselect" && p.has_partitions() ? p.partitions() : 1;
       if (parts > 1 && parts <= 64) budget_tokens = (budget_tokens + parts - 1) / parts * parts;
       p.set_budget_tokens(budget_tokens);

@@ -2158,8 +2158,8 @@ TEST(JobPolicyOptionsTest, CandidateFactorAndThetaReachThePolicy) {
 }
 
 // SelectionPolicy.partitions reaches PolicyOptions::tokenselect_partitions (unset: the policy's
-// default, one part); a value that is not a power of two in [1, 64], or a tokenselect budget that
-// is not a multiple of it, is refused naming the field.
+// default, one part); a value that is not a power of two in [1, 64] is refused naming the field;
+// a tokenselect budget that is not a multiple of it is taken (the policy rounds it up).
 TEST(JobPolicyOptionsTest, PartitionsReachThePolicy) {
   v1::SelectionPolicy p;
   p.set_name("tokenselect");
@@ -2179,9 +2179,9 @@ TEST(JobPolicyOptionsTest, PartitionsReachThePolicy) {
   }
   p.set_partitions(32);
   p.set_budget_tokens(48);
-  EXPECT_TRUE(refused("token_budget 48")) << JobPolicyOptions(p, 64).status();
-  p.set_name("quest");  // quest selects in one part: any budget
-  STRATA_EXPECT_OK(JobPolicyOptions(p, 64).status());
+  STRATA_ASSERT_OK_AND_ASSIGN(o, JobPolicyOptions(p, 64));
+  EXPECT_EQ(o.token_budget, 48);
+  EXPECT_EQ(o.tokenselect_partitions, 32);
 }
 
 TEST(WorkerOptionsTest, RejectsOutOfRangeValuesNamingTheField) {

@@ -31,6 +31,7 @@ DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& c
       max_segs_(0),
       wanted_pages_(0),
       policy_wanted_pages_(0),
+      kept_tokens_(0),
       backend_(backend),
       mean_query_(backend, num_q_heads, cache.head_dim) {
   cache_on_ = options.cache_theta <= 1.0;
@@ -43,6 +44,7 @@ DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& c
   // Every stage's k a multiple of the parts (SelectStagesParams::partitions): part j keeps
   // ceil(policy_wanted_pages_ / parts) pages, as the host policy's TokenSelectParts does.
   wanted_pages_ = RoundUpToParts(policy_wanted_pages_);
+  kept_tokens_ = RoundUpToParts(options.token_budget);
 }
 
 int64_t DevicePolicy::RoundUpToParts(int64_t n) const { return (n + parts_ - 1) / parts_ * parts_; }
@@ -109,12 +111,11 @@ absl::Status DevicePolicy::Init() {
   STRATA_ASSIGN_OR_RETURN(top_segs_, backend_->Allocate(sizeof(int32_t) * hkv_ * max_kept_segs));
   STRATA_ASSIGN_OR_RETURN(top_pages_, backend_->Allocate(sizeof(int32_t) * hkv_ * wanted_pages_));
   STRATA_ASSIGN_OR_RETURN(top_tokens_,
-                          backend_->Allocate(sizeof(int32_t) * hkv_ * options_.token_budget));
+                          backend_->Allocate(sizeof(int32_t) * hkv_ * kept_tokens_));
   if (cache_on_) {
     // Per layer: the cached queries (invalid: the first step selects), the step's reuse flags
     // and the layer's own final selection (kept across steps).
-    const int64_t kept = options_.kind == PolicyKind::kTokenSelect ? options_.token_budget
-                                                                   : wanted_pages_;
+    const int64_t kept = options_.kind == PolicyKind::kTokenSelect ? kept_tokens_ : wanted_pages_;
     STRATA_ASSIGN_OR_RETURN(sel_cache_, DeviceSelectionCache::Create(
                                             backend_, layers, hkv_, group_, d_,
                                             std::max<int64_t>(1, kept), options_.cache_theta));
@@ -250,7 +251,7 @@ void DevicePolicy::CountStep(const StepPlan& plan, int64_t len, int sign) {
   }
   const int64_t planned =
       options_.kind == PolicyKind::kTokenSelect
-          ? std::min<int64_t>(options_.token_budget, wanted_pages_ * page_)
+          ? std::min<int64_t>(kept_tokens_, wanted_pages_ * page_)
           : std::min<int64_t>(wanted_pages_ * page_, plan.window_begin - plan.sink_end);
   counters_.selected_tokens += sign * hkv_ * (plan.sink_end + planned + (len - plan.window_begin));
 }
@@ -346,10 +347,10 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
     keys.k_pool = cache.k_pool(layer);
     keys.page_table = pt;
     keys.candidates = middle;
-    keys.k = options_.token_budget;
+    keys.k = kept_tokens_;
     keys.scores = tok_scores_->View(DType::kF32, {hkv_, group_, wanted_pages_ * page_});
     keys.selected = keep_final ? sel_cache_->kept(layer)
-                               : top_tokens_->View(DType::kI32, {hkv_, options_.token_budget});
+                               : top_tokens_->View(DType::kI32, {hkv_, kept_tokens_});
     middle = CandidateList();
     middle.parents = keys.selected;
     middle.begin = sink_end;

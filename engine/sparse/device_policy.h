@@ -30,8 +30,8 @@
 // multiple of R: the
 // segment stage keeps the host's segment count rounded up to a multiple of R (ceil(count / R)
 // per part, the host's share), the page stage ceil(wanted / P) pages rounded up likewise
-// (ceil(ceil(wanted / P) / R) per part, the host's), and the token stage the budget (which
-// Validate requires to be a multiple of R), budget / R per part. Part j holds the pages (two-
+// (ceil(ceil(wanted / P) / R) per part, the host's), and the token stage the budget rounded up
+// likewise (ceil(budget / R) per part, the host's). Part j holds the pages (two-
 // level: the segments) whose index is j modulo R; the selected ids are grouped by part (part j's
 // ascending, then -1), which SelectedAttention and AttendChunk read in any order. quest always
 // selects in one part.
@@ -206,6 +206,8 @@ class DevicePolicy {
   // tokenselect, the budget for quest) rounded up to a multiple of parts_.
   int64_t wanted_pages_;
   int64_t policy_wanted_pages_;
+  // Tokens the token stage keeps (tokenselect): the budget rounded up to a multiple of parts_.
+  int64_t kept_tokens_;
   // n rounded up to a multiple of parts_.
   int64_t RoundUpToParts(int64_t n) const;
   kernels::Backend* backend_;

@@ -152,6 +152,7 @@ struct Case {
   int64_t len;    // tokens before the decode steps
   int parts = 1;  // PolicyOptions::tokenselect_partitions
   int factor = 0;  // PolicyOptions::tokenselect_candidate_factor (0: Options')
+  int budget = 0;  // PolicyOptions::token_budget (0: Options')
 };
 
 class DevicePolicyTest : public ::testing::TestWithParam<Case> {};
@@ -163,6 +164,7 @@ TEST_P(DevicePolicyTest, DecodeMatchesHostPolicy) {
   PolicyOptions o = Options(c.kind);
   o.tokenselect_partitions = c.parts;
   if (c.factor > 0) o.tokenselect_candidate_factor = c.factor;
+  if (c.budget > 0) o.token_budget = c.budget;
   PolicyPair pp;
   STRATA_ASSERT_OK(pp.Init(o, c.dtype, c.len + steps, cpu.get(),
                            77 + static_cast<int>(c.len) + static_cast<int>(c.kind) + c.parts));
@@ -230,7 +232,12 @@ INSTANTIATE_TEST_SUITE_P(
                       // A part's candidates less than a page (candidate factor 1: 128 / 16 = 8
                       // tokens, 16-token pages): one page per part on both.
                       Case{PolicyKind::kTokenSelect, DType::kF32, 3000, 16, 1},
-                      Case{PolicyKind::kTokenSelect, DType::kF32, 700, 16, 1}));
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 700, 16, 1},
+                      // Budgets that are not a multiple of the parts: each part keeps
+                      // ceil(budget / parts) tokens on both (122 at 8 parts: 16 each, 128 in all;
+                      // 100 at 16: 7 each).
+                      Case{PolicyKind::kTokenSelect, DType::kF32, 3000, 8, 0, 122},
+                      Case{PolicyKind::kTokenSelect, DType::kBF16, 700, 16, 0, 100}));
 
 // The selection cache (cache_theta 0.9) against the host policy's: decode steps whose queries
 // repeat (scaled), drift a little, turn away, and change for one KV head only; each step's output

@@ -94,12 +94,6 @@ absl::Status PolicyOptions::Validate() const {
     return bad("policy: tokenselect_partitions ", tokenselect_partitions,
                " is not a power of two in [1, 64]");
   }
-  if (kind == PolicyKind::kTokenSelect && tokenselect_partitions > 1 &&
-      token_budget % tokenselect_partitions != 0) {
-    return bad("policy: tokenselect token_budget ", token_budget,
-               " is not a multiple of tokenselect_partitions ", tokenselect_partitions,
-               " (each part keeps budget / partitions tokens)");
-  }
   if (hip_block < 1) return bad("policy: hip_block < 1");
   if (subgen_samples_per_cluster < 1 || subgen_value_samples < 0 || !(subgen_radius > 0.0)) {
     return bad("policy: subgen needs samples_per_cluster >= 1, value_samples >= 0, radius > 0");
@@ -544,8 +538,9 @@ class PolicyImpl : public SparsePolicy {
   // tokenselect in `parts` independent parts (PolicyOptions::tokenselect_partitions): part j
   // ranks only its own pages (RankPages' part), takes its best ceil(ceil(candidate_factor * B /
   // page) / parts) pages (as many tokens, whole pages, so that a share smaller than a page still
-  // gets one; the device policy's page stage keeps the same count per part) and keeps its B /
-  // parts best tokens by a soft vote over those candidates alone. The parts' selections are
+  // gets one; the device policy's page stage keeps the same count per part) and keeps its
+  // ceil(B / parts) best tokens by a soft vote over those candidates alone (the budget rounded up
+  // to a multiple of the parts; the device policy's token stage keeps as many). The parts' selections are
   // disjoint; their union is the middle's selection.
   std::vector<Range> TokenSelectParts(HeadState& hs, const float* qg, const float* qs,
                                       int64_t mid_begin, int64_t mid_end, const KvCache& cache,

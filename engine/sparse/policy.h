@@ -125,9 +125,10 @@ struct PolicyOptions {
   // tokenselect with a summary: the selection split into this many independent parts, 1 to 64
   // (a power of two). Part j holds the pages (two-level: the segments) whose index is j modulo
   // the parts, and keeps its own share of the candidates and of the budget, ranked by a soft vote
-  // over its own candidates (see TokenSelectParts in policy.cc). With kind tokenselect and more
-  // than one part, token_budget must be a multiple of it (each part keeps budget / parts tokens;
-  // Validate). 1 = the exact head soft vote over every candidate. Default: 1.
+  // over its own candidates (see TokenSelectParts in policy.cc). Each part keeps
+  // ceil(token_budget / parts) tokens: a budget that is not a multiple of the parts is rounded up
+  // to one (at most parts - 1 tokens more). 1 = the exact head soft vote over every candidate.
+  // Default: 1.
   int tokenselect_partitions = 1;
   // hip: key block size b_k (tokens per leaf block). Default: 2 (HiP code's block_size_k).
   int hip_block = 2;
