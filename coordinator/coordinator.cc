@@ -877,8 +877,8 @@ void Coordinator::RequeueJobsOfWorker(const std::string& worker_id, std::vector<
   const std::set<std::string> jobs = it->second;
   for (const std::string& job_id : jobs) {
     absl::Status s = TransitionJob(job_id, JobTransition::kRequeue, actions);
-    STRATA_LOG(WARNING) << "job " << job_id << " handed back to the queue (worker " << worker_id
-                        << " is gone): " << s;
+    STRATA_LOG(WARNING) << "job " << job_id << " handed back to the queue (worker " << worker_id << " is gone)"
+                        << (s.ok() ? "" : absl::StrCat("; not requeued: ", s.ToString()));
   }
   jobs_by_worker_.erase(worker_id);
 }
@@ -896,7 +896,8 @@ void Coordinator::ResetDocumentsOnWorker(const std::string& worker_id) {
     info->mutable_progress()->set_pages_persisted(0);
     info->mutable_progress()->set_shards_ready(0);
     absl::Status s = SaveDocument(doc);
-    STRATA_LOG(WARNING) << "document " << id << " prefill restarts (worker " << worker_id << " is gone): " << s;
+    STRATA_LOG(WARNING) << "document " << id << " prefill restarts (worker " << worker_id << " is gone)"
+                        << (s.ok() ? "" : absl::StrCat("; its record was not saved: ", s.ToString()));
   }
 }
 

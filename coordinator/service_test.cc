@@ -16,6 +16,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "proto/testing/random_requests.h"
 #include "strata/v1/api.grpc.pb.h"
 
 namespace strata::coordinator {
@@ -311,5 +312,82 @@ TEST_F(ServiceTest, DrainWaitsForJobsThatFinish) {
   EXPECT_TRUE(workers_.cancels().empty());
 }
 
+// No request harms the coordinator: random requests (fields near the valid values, the edges of
+// each type, unknown enum numbers, the ids of a real job, document and worker) and valid requests
+// with a few fields changed, to every method of its three services, get an answer or a canonical
+// error, never UNKNOWN, INTERNAL or UNIMPLEMENTED; the server then still serves.
+TEST_F(ServiceTest, RandomRequestsGetCanonicalAnswers) {
+  v1::RegisterWorkerRequest reg;
+  reg.mutable_worker()->set_worker_id("w1");
+  reg.mutable_worker()->set_address("127.0.0.1:1");
+  reg.mutable_worker()->set_capacity_tokens(1 << 20);
+  reg.mutable_worker()->set_max_jobs(4);
+  STRATA_ASSERT_OK_AND_ASSIGN(const v1::RegisterWorkerResponse lease, coordinator_->RegisterWorker(reg));
+  grpc::ClientContext submit_ctx;
+  Deadline(&submit_ctx);
+  JobInfo job;
+  ASSERT_TRUE(jobs_->Submit(&submit_ctx, PromptOnly(), &job).ok());
+  v1::DocumentUploadRequest upload;
+  for (int i = 0; i < 300; ++i) upload.mutable_tokens()->add_ids(i % 1000);
+  std::string document_id;
+  {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    v1::DocumentUploadResponse response;
+    auto writer = documents_->Upload(&ctx, &response);
+    ASSERT_TRUE(writer->Write(upload));
+    writer->WritesDone();
+    ASSERT_TRUE(writer->Finish().ok());
+    document_id = response.document().document_id();
+  }
+  proto::testing::RandomRequestOptions o;
+  o.known_strings = {job.job_id(), document_id, "w1", "tokenselect", "quest", "dense", "streaming"};
+  auto seed = [&o](const std::string& method, const google::protobuf::Message& m) {
+    o.seeds[method].push_back({m.SerializeAsString()});
+  };
+  v1::JobSubmitRequest on_doc = PromptOnly();
+  on_doc.set_document_id(document_id);
+  on_doc.mutable_policy()->set_name("tokenselect");
+  on_doc.mutable_policy()->set_budget_tokens(64);
+  for (const v1::JobSubmitRequest& r : {PromptOnly(), on_doc}) {
+    seed("Submit", r);
+    seed("Generate", r);
+  }
+  o.seeds["Upload"].push_back({upload.SerializeAsString(), upload.SerializeAsString()});
+  v1::JobGetRequest job_ref;
+  job_ref.set_job_id(job.job_id());
+  for (const char* m : {"Get", "Watch", "Cancel"}) seed(m, job_ref);  // JobService's (same fields)
+  v1::DocumentPinRequest doc_ref;
+  doc_ref.set_document_id(document_id);
+  doc_ref.set_pinned(true);
+  seed("Pin", doc_ref);
+  seed("Delete", doc_ref);
+  seed("Register", reg);
+  v1::HeartbeatRequest beat;
+  beat.set_worker_id("w1");
+  beat.set_lease_id(lease.lease_id());
+  seed("Heartbeat", beat);
+  seed("Deregister", beat);
+  int answered = 0, calls = 0;
+  for (const char* service : {"strata.v1.JobService", "strata.v1.DocumentService", "strata.v1.WorkerRegistry"}) {
+    for (const proto::testing::RandomCall& c :
+         proto::testing::CallWithRandomRequests(channel_, service, 40, 20261130, o, 0.5)) {
+      ++calls;
+      answered += c.code == grpc::StatusCode::OK ? 1 : 0;
+      EXPECT_NE(c.code, grpc::StatusCode::UNKNOWN) << c.method << ": " << c.message;
+      EXPECT_NE(c.code, grpc::StatusCode::INTERNAL) << c.method << ": " << c.message;
+      EXPECT_NE(c.code, grpc::StatusCode::UNIMPLEMENTED) << c.method << ": " << c.message;
+    }
+  }
+  EXPECT_EQ(calls, 40 * (6 + 6 + 3));
+  EXPECT_GT(answered, 20);  // mutated seeds are often still valid
+  EXPECT_EQ(HealthOf(channel_), 1);
+  STRATA_ASSERT_OK(coordinator_->RegisterWorker(reg).status());  // the fuzz may have deregistered it
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  JobInfo again;
+  ASSERT_TRUE(jobs_->Submit(&ctx, PromptOnly(), &again).ok());
+  EXPECT_NE(again.job_id(), job.job_id());
+}
 }  // namespace
 }  // namespace strata::coordinator

@@ -17,6 +17,7 @@
 #include "kvstore/testing/test_pages.h"
 #include "kvstore/tiered_store.h"
 #include "prometheus/registry.h"
+#include "proto/testing/random_requests.h"
 
 namespace strata::kvstore {
 namespace {
@@ -414,6 +415,93 @@ TEST_F(ServiceTest, HealthAndSummaryScan) {
   while (reader->Read(&resp)) n += resp.summaries_size();
   ASSERT_TRUE(reader->Finish().ok());
   EXPECT_EQ(n, summaries.size());
+}
+
+// No request harms the service: random requests and valid ones with a few fields changed (a page's
+// bytes, keys past the document, unknown states, a summary for a page) to every method get an
+// answer or a canonical error, never UNKNOWN, INTERNAL or UNIMPLEMENTED; the server then still
+// serves, and the document it held reads back as written.
+TEST_F(ServiceTest, RandomRequestsGetCanonicalAnswers) {
+  const v1::CreateDocumentRequest r = MakeDocumentRequest(SmallLayout(2, 2, 16, 64), 60, kSeed);
+  std::vector<PageWrite> pages;
+  std::vector<SummaryWrite> summaries;
+  const DocumentId id = WriteDocument(r, kSeed, &pages, &summaries);
+  STRATA_ASSERT_OK(remote_->FinalizeDocument(id).status());
+  // A second document left WRITING, for the writes to land on.
+  const v1::CreateDocumentRequest w = MakeDocumentRequest(SmallLayout(2, 2, 16, 64), 40, kSeed + 1);
+  bool created = false;
+  STRATA_ASSERT_OK(remote_->CreateDocument(w, &created).status());
+  std::vector<PageWrite> w_pages;
+  std::vector<SummaryWrite> w_summaries;
+  MakeDocumentWrites(w, kSeed + 1, &w_pages, &w_summaries);
+
+  proto::testing::RandomRequestOptions o;
+  // The READY document is named by the seeds of the methods that read it only (no request can
+  // delete it: DeleteDocument's seed and known strings name the WRITING one).
+  o.known_strings = {w.document_id()};
+  auto seed = [&o](const std::string& method, const google::protobuf::Message& m) {
+    o.seeds[method].push_back({m.SerializeAsString()});
+  };
+  v1::GetPagesRequest get;
+  get.set_document_id(r.document_id());
+  for (size_t i = 0; i < 6 && i < pages.size(); ++i) {
+    v1::PageKey* k = get.add_keys();
+    k->set_layer(pages[i].key.layer);
+    k->set_kv_head(pages[i].key.kv_head);
+    k->set_page_index(pages[i].key.page_index);
+  }
+  seed("GetPages", get);
+  v1::GetSummariesRequest sums;
+  sums.set_document_id(r.document_id());
+  sums.add_kinds(1);
+  seed("GetSummaries", sums);
+  seed("CreateDocument", w);
+  v1::PutPagesRequest put;
+  put.set_document_id(w.document_id());
+  for (size_t i = 0; i < 2 && i < w_pages.size(); ++i) {
+    v1::Page* p = put.add_pages();
+    p->mutable_key()->set_layer(w_pages[i].key.layer);
+    p->mutable_key()->set_kv_head(w_pages[i].key.kv_head);
+    p->mutable_key()->set_page_index(w_pages[i].key.page_index);
+    p->set_data(std::string(w_pages[i].data->view()));
+  }
+  o.seeds["PutPages"].push_back({put.SerializeAsString()});
+  put.set_deferred(true);
+  o.seeds["PutPages"].push_back({put.SerializeAsString(), put.SerializeAsString()});
+  v1::PinDocumentRequest ref;
+  ref.set_document_id(r.document_id());
+  ref.set_pinned(true);
+  ref.set_ttl_seconds(60);
+  for (const char* m : {"GetDocument", "PinDocument", "FinalizeDocument"}) seed(m, ref);  // document_id is field 1
+  v1::DeleteDocumentRequest del;
+  del.set_document_id(w.document_id());
+  seed("DeleteDocument", del);
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials());
+  int answered = 0, calls = 0;
+  for (const proto::testing::RandomCall& c :
+       proto::testing::CallWithRandomRequests(channel, "strata.v1.KvStore", 40, 20261130, o, 2.0)) {
+    ++calls;
+    answered += c.code == grpc::StatusCode::OK ? 1 : 0;
+    EXPECT_NE(c.code, grpc::StatusCode::UNKNOWN) << c.method << ": " << c.message;
+    EXPECT_NE(c.code, grpc::StatusCode::INTERNAL) << c.method << ": " << c.message;
+    EXPECT_NE(c.code, grpc::StatusCode::UNIMPLEMENTED) << c.method << ": " << c.message;
+  }
+  EXPECT_EQ(calls, 40 * 9);
+  EXPECT_GT(answered, 20);
+  // The READY document reads back as written: no write reached it (it is READY) and nothing
+  // named it to delete it.
+  STRATA_ASSERT_OK_AND_ASSIGN(const v1::Document doc, remote_->GetDocument(id));
+  EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_READY);
+  std::vector<PageKey> keys;
+  for (const PageWrite& pw : pages) keys.push_back(pw.key);
+  std::vector<PageRef> out;
+  STRATA_ASSERT_OK(remote_->GetPages(keys, &out));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_NE(out[i], nullptr) << i;
+    EXPECT_EQ(out[i]->view(), pages[i].data->view()) << i;
+  }
+  STRATA_ASSERT_OK_AND_ASSIGN(int health, testing::CheckHealth(channel, ""));
+  EXPECT_EQ(health, 1);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The worker's gRPC service driven through coordinator::GrpcWorkerClient (the coordinator's
 // transport), in one process on 127.0.0.1: prefill progress and completion, a job's events and
-// its single on_done, CancelJob of a running job, and an unreachable worker; the registration
-// agent registering again after NOT_FOUND and reporting mounted shards in heartbeats.
+// its single on_done, CancelJob of a running job, and an unreachable worker; random requests to
+// every method of its services; the registration agent registering again after NOT_FOUND and
+// reporting mounted shards in heartbeats.
 #include "worker/service.h"
 
 #include <atomic>
@@ -22,6 +23,7 @@
 #include "kvstore/local_store.h"
 #include "model/random_model.h"
 #include "prometheus/registry.h"
+#include "proto/testing/random_requests.h"
 
 namespace strata::worker {
 namespace {
@@ -170,6 +172,105 @@ TEST(WorkerServiceTest, GrpcWorkerClientDrivesTheWorker) {
   w.reset();
   store.reset();
   std::filesystem::remove_all(dir);
+}
+
+// No request harms the worker: random requests and valid ones with a few fields changed (a prefill,
+// a mount, a job, a selection stream's open and query, a page read) to every method of its three
+// gRPC services get an answer or a canonical error, never UNKNOWN, INTERNAL or UNIMPLEMENTED; the
+// worker then still runs a job on the document it held.
+TEST(WorkerServiceTest, RandomRequestsGetCanonicalAnswers) {
+  TestWorker t;
+  STRATA_ASSERT_OK(TestWorker::Make("strata_worker_service_random", 13, &t));
+  Worker* w = t.worker.get();
+  const model::ModelConfig& c = t.model->config;
+  v1::PrefillShardRequest prefill;
+  prefill.mutable_shard()->set_document_id(kDocId);
+  prefill.mutable_shard()->set_end_page(2);
+  prefill.mutable_shard_map()->set_page_size(64);
+  prefill.mutable_shard_map()->set_num_tokens(100);
+  for (int i = 0; i < 100; ++i) prefill.add_token_ids(1 + i * 3);
+  STRATA_ASSERT_OK(w->PrefillShard(prefill, nullptr, nullptr));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto server, WorkerServer::Start(WorkerServerOptions{"127.0.0.1:0", "off"}, w));
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials());
+
+  proto::testing::RandomRequestOptions o;
+  o.known_strings = {kDocId, "job-r", "tokenselect", "quest", "dense"};
+  auto seed = [&o](const std::string& method, const google::protobuf::Message& m) {
+    o.seeds[method].push_back({m.SerializeAsString()});
+  };
+  v1::PrefillShardRequest other = prefill;  // another document's prefill
+  other.mutable_shard()->set_document_id("0123456789abcdef0123456789abcdef");
+  seed("PrefillShard", other);
+  v1::MountShardRequest mount;
+  *mount.mutable_shard() = prefill.shard();
+  seed("MountShard", mount);
+  seed("UnmountShard", mount);
+  v1::RunJobRequest job;
+  job.set_job_id("job-r");
+  job.mutable_shard_map()->set_document_id(kDocId);
+  job.mutable_shard_map()->set_page_size(64);
+  job.mutable_shard_map()->set_num_tokens(100);
+  *job.mutable_shard_map()->add_shards()->mutable_range() = prefill.shard();
+  job.add_prompt_token_ids(9);
+  job.mutable_params()->set_max_tokens(4);
+  seed("RunJob", job);
+  job.mutable_policy()->set_name("tokenselect");
+  job.mutable_policy()->set_budget_tokens(64);
+  seed("RunJob", job);
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id("job-r");
+  seed("CancelJob", cancel);
+  v1::SelectionRequest open, query;
+  open.mutable_open()->set_job_id("job-r");
+  *open.mutable_open()->mutable_shard() = prefill.shard();
+  open.mutable_open()->mutable_policy()->set_name("tokenselect");
+  open.mutable_open()->mutable_policy()->set_budget_tokens(64);
+  open.mutable_open()->set_num_q_heads(static_cast<uint32_t>(c.num_heads));
+  open.mutable_open()->set_head_dim(static_cast<uint32_t>(c.head_dim));
+  query.mutable_query()->set_layer(1);
+  query.mutable_query()->set_num_tokens(1);
+  query.mutable_query()->set_q_begin(100);
+  query.mutable_query()->set_q(std::string(static_cast<size_t>(c.num_heads * c.head_dim) * sizeof(float), '\x01'));
+  o.seeds["Select"].push_back({open.SerializeAsString(), query.SerializeAsString(), query.SerializeAsString()});
+  v1::GetPagesRequest pages;
+  pages.set_document_id(kDocId);
+  pages.add_keys()->set_page_index(1);
+  seed("GetPages", pages);
+
+  int answered = 0, calls = 0;
+  for (const char* service : {"strata.v1.Worker", "strata.v1.ShardSelection", "strata.v1.PeerPages"}) {
+    for (const proto::testing::RandomCall& r :
+         proto::testing::CallWithRandomRequests(channel, service, 30, 20261130, o, 5.0)) {
+      ++calls;
+      answered += r.code == grpc::StatusCode::OK ? 1 : 0;
+      EXPECT_NE(r.code, grpc::StatusCode::UNKNOWN) << r.method << ": " << r.message;
+      EXPECT_NE(r.code, grpc::StatusCode::INTERNAL) << r.method << ": " << r.message;
+      EXPECT_NE(r.code, grpc::StatusCode::UNIMPLEMENTED) << r.method << ": " << r.message;
+    }
+  }
+  EXPECT_EQ(calls, 30 * (5 + 1 + 1));
+  EXPECT_GT(answered, 20);
+  // The document still serves a job.
+  coordinator::GrpcWorkerClient client;
+  w->SetAddress(absl::StrCat("127.0.0.1:", server->port()));
+  job.set_job_id("job-after");
+  absl::Notification finished;
+  absl::Status job_status;
+  v1::JobInfo last;
+  client.RunJob(
+      w->Info(), job,
+      [&](const v1::JobEvent& e) {
+        if (e.has_snapshot()) last = e.snapshot();
+      },
+      [&](const absl::Status& s) {
+        job_status = s;
+        finished.Notify();
+      });
+  ASSERT_TRUE(finished.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_TRUE(job_status.ok()) << job_status;
+  EXPECT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
+  client.Shutdown();
+  server->Shutdown(absl::Seconds(1));
 }
 
 // WorkerServerOptions' addresses: a listen address without a port and a malformed link address are

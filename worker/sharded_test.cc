@@ -998,6 +998,14 @@ TEST_F(ShardedTest, BadShardPrefillsAreRefused) {
   r.mutable_shard()->set_first_page(6);
   r.mutable_shard()->set_end_page(7);
   EXPECT_THAT(workers_[2]->PrefillShard(r, nullptr, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  // The last shard with its end page far past the document (its token ids still fill the rest of
+  // the document: this read past the cache before it was refused).
+  r = Prefill(2, v1::PREFILL_MODE_ANCHOR);
+  r.mutable_shard()->set_end_page(853312);
+  EXPECT_THAT(workers_[2]->PrefillShard(r, nullptr, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("end past the")));
+  r.mutable_shard()->set_end_page(uint64_t{1} << 63);
+  EXPECT_THAT(workers_[2]->PrefillShard(r, nullptr, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_NE(State(), v1::DOCUMENT_STATE_READY);
 }
 

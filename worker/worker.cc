@@ -776,6 +776,12 @@ absl::Status Worker::PrefillShard(const v1::PrefillShardRequest& request, const 
   const int64_t s0 = static_cast<int64_t>(first_page) * P;
   const int64_t end_page = request.shard().end_page() != 0 ? static_cast<int64_t>(request.shard().end_page())
                                                            : (s0 + n + P - 1) / P;
+  if (end_page < 0 || end_page > (num_tokens + P - 1) / P) {
+    return absl::InvalidArgumentError(absl::StrCat("PrefillShard: shard pages [", first_page, ", ",
+                                                   request.shard().end_page(), ") end past the ",
+                                                   (num_tokens + P - 1) / P, " pages of a ", num_tokens,
+                                                   "-token document"));
+  }
   const int64_t s1 = std::min<int64_t>(end_page * P, num_tokens);
   if (static_cast<int64_t>(first_page) >= end_page || s0 >= num_tokens || s1 - s0 != n) {
     return absl::InvalidArgumentError(absl::StrCat("PrefillShard: shard pages [", first_page, ", ", end_page,
