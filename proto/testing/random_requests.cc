@@ -308,4 +308,29 @@ std::vector<RandomCall> CallWithRandomRequests(const std::shared_ptr<grpc::Chann
   return calls;
 }
 
+std::vector<RandomCall> UnexpectedCodes(const std::vector<RandomCall>& calls) {
+  std::vector<RandomCall> out;
+  for (const RandomCall& c : calls) {
+    if (c.code == grpc::StatusCode::UNKNOWN || c.code == grpc::StatusCode::INTERNAL ||
+        c.code == grpc::StatusCode::UNIMPLEMENTED) {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+int CountAnswered(const std::vector<RandomCall>& calls) {
+  int n = 0;
+  for (const RandomCall& c : calls) n += c.code == grpc::StatusCode::OK ? 1 : 0;
+  return n;
+}
+
+std::string Describe(const std::vector<RandomCall>& calls) {
+  std::string out;
+  for (const RandomCall& c : calls) {
+    out += c.method + " " + std::to_string(static_cast<int>(c.code)) + ": " + c.message + "\n";
+  }
+  return out;
+}
+
 }  // namespace strata::proto::testing

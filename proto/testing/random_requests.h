@@ -55,6 +55,16 @@ std::vector<RandomCall> CallWithRandomRequests(const std::shared_ptr<grpc::Chann
                                                const std::string& service_full_name, int rounds, uint64_t seed,
                                                const RandomRequestOptions& options = {}, double call_seconds = 2.0);
 
+// The calls of `calls` that ended with a code no request should cause: UNKNOWN (a failure the
+// service did not turn into a status), INTERNAL or UNIMPLEMENTED (every method called exists).
+std::vector<RandomCall> UnexpectedCodes(const std::vector<RandomCall>& calls);
+
+// The calls that the server answered OK.
+int CountAnswered(const std::vector<RandomCall>& calls);
+
+// One line per call, "method CODE: message", for a test's failure message.
+std::string Describe(const std::vector<RandomCall>& calls);
+
 }  // namespace strata::proto::testing
 
 #endif  // STRATA_PROTO_TESTING_RANDOM_REQUESTS_H_
