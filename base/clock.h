@@ -11,6 +11,10 @@ int64_t MonotonicNanos();
 // Wall-clock time in microseconds since the Unix epoch (CLOCK_REALTIME).
 int64_t WallMicros();
 
+// The longest time to live a request may give a document: 100 years, so that now + ttl in
+// microseconds stays far inside int64. The services refuse longer ones (INVALID_ARGUMENT).
+inline constexpr int64_t kMaxTtlSeconds = int64_t{100} * 365 * 86400;
+
 // Measures elapsed monotonic time from construction or the last Reset().
 class Stopwatch {
  public:

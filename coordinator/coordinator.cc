@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/clock.h"
 #include "base/logging.h"
 #include "base/status_macros.h"
 #include "coordinator/metrics.h"
@@ -179,8 +180,9 @@ std::string Coordinator::DocumentIdFor(const std::vector<int32_t>& tokens) const
 absl::StatusOr<v1::DocumentUploadResponse> Coordinator::UploadDocument(
     const v1::DocumentUploadOptions& upload, const DocumentContent& content) {
   if (draining()) return absl::UnavailableError("server is draining; retry on another replica");
-  if (upload.ttl_seconds() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("ttl_seconds = ", upload.ttl_seconds(), " is negative"));
+  if (upload.ttl_seconds() < 0 || upload.ttl_seconds() > kMaxTtlSeconds) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl_seconds = ", upload.ttl_seconds(), " is outside [0, ", kMaxTtlSeconds, "] (100 years)"));
   }
   if (!v1::DocumentInfo::PrefillMode_IsValid(upload.prefill_mode())) {
     return absl::InvalidArgumentError(
@@ -370,8 +372,9 @@ void Coordinator::CollectExpiredDocuments(std::vector<Action>* actions) {
 
 absl::StatusOr<v1::DocumentInfo> Coordinator::PinDocument(const v1::DocumentPinRequest& request) {
   STRATA_RETURN_IF_ERROR(ValidateDocumentId(request.document_id()));
-  if (request.ttl_seconds() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("ttl_seconds = ", request.ttl_seconds(), " is negative"));
+  if (request.ttl_seconds() < 0 || request.ttl_seconds() > kMaxTtlSeconds) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl_seconds = ", request.ttl_seconds(), " is outside [0, ", kMaxTtlSeconds, "] (100 years)"));
   }
   const int64_t now = wall_micros_();
   absl::MutexLock lock(&mu_);

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "base/clock.h"
 #include "base/status_macros.h"
 #include "base/testing/status_matchers.h"
 #include "coordinator/testing/fake_worker_client.h"
@@ -578,6 +580,14 @@ TEST_F(CoordinatorTest, PinSetsPinAndTtl) {
   EXPECT_EQ(info.expire_time_micros(), now_ / 1000 + 60'000'000);
   pin.set_ttl_seconds(-1);
   EXPECT_THAT(coordinator_->PinDocument(pin), StatusIs(absl::StatusCode::kInvalidArgument));
+  // Past 100 years: refused (now + ttl in microseconds would overflow int64 near its maximum).
+  pin.set_ttl_seconds(kMaxTtlSeconds + 1);
+  EXPECT_THAT(coordinator_->PinDocument(pin), StatusIs(absl::StatusCode::kInvalidArgument));
+  pin.set_ttl_seconds(std::numeric_limits<int64_t>::max());
+  EXPECT_THAT(coordinator_->PinDocument(pin), StatusIs(absl::StatusCode::kInvalidArgument));
+  pin.set_ttl_seconds(kMaxTtlSeconds);
+  STRATA_ASSERT_OK_AND_ASSIGN(info, coordinator_->PinDocument(pin));
+  EXPECT_EQ(info.expire_time_micros(), now_ / 1000 + kMaxTtlSeconds * 1'000'000);
   pin.set_document_id("0123456789abcdef0123456789abcdef");
   pin.set_ttl_seconds(0);
   EXPECT_THAT(coordinator_->PinDocument(pin), StatusIs(absl::StatusCode::kNotFound));

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -446,6 +447,16 @@ TEST_F(LocalStoreTest, DeleteRemovesEverythingAndGcHonoursPinsAndTtl) {
   MakeDocumentWrites(c, 3, &pages, &summaries);
   STRATA_ASSERT_OK(store_->Put(pages, summaries));
   STRATA_ASSERT_OK(store_->PinDocument(idb, true, 0).status());
+  // Times to live past 100 years are refused (now + ttl in microseconds would overflow int64),
+  // at creation and by a pin; 100 years is taken.
+  EXPECT_THAT(store_->PinDocument(idb, true, kMaxTtlSeconds + 1), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(store_->PinDocument(idb, true, std::numeric_limits<int64_t>::max()),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  bool created = false;
+  EXPECT_THAT(store_->CreateDocument(MakeDocumentRequest(layout, 32, 4, std::numeric_limits<int64_t>::max()), &created),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  STRATA_ASSERT_OK_AND_ASSIGN(const v1::Document far, store_->PinDocument(idb, true, kMaxTtlSeconds));
+  EXPECT_GT(far.expire_time_micros(), WallMicros() + (kMaxTtlSeconds - 60) * 1000000);
 
   // Not yet expired.
   STRATA_ASSERT_OK_AND_ASSIGN(int n, store_->CollectGarbage(WallMicros()));
