@@ -34,7 +34,9 @@ cmake --build "$BUILD_DIR" -j "$JOBS" ${STRATA_TARGETS:+--target $STRATA_TARGETS
 # TSan ignores interceptor calls made from uninstrumented modules (ignore_noninstrumented_modules)
 # and scripts/tsan.supp suppresses reports with their frames; Strata's own code stays checked.
 export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=0 exitcode=66 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/scripts/tsan.supp}"
-export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1 abort_on_error=0}"
+# allocator_may_return_null: an allocation too large for the machine returns null, as malloc does
+# outside the sanitizer (the backends answer RESOURCE_EXHAUSTED), instead of aborting the test.
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1 abort_on_error=0 allocator_may_return_null=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1 halt_on_error=1}"
 LABEL_ARGS=()
 for label in "$@"; do LABEL_ARGS+=(-L "$label"); done
