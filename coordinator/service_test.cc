@@ -368,12 +368,9 @@ TEST_F(ServiceTest, RandomRequestsGetCanonicalAnswers) {
   beat.set_lease_id(lease.lease_id());
   seed("Heartbeat", beat);
   seed("Deregister", beat);
-  std::vector<proto::testing::RandomCall> calls;
-  for (const char* service : {"strata.v1.JobService", "strata.v1.DocumentService", "strata.v1.WorkerRegistry"}) {
-    for (proto::testing::RandomCall& c : proto::testing::CallWithRandomRequests(channel_, service, 40, 20261130, o, 0.5)) {
-      calls.push_back(std::move(c));
-    }
-  }
+  const std::vector<proto::testing::RandomCall> calls = proto::testing::CallWithRandomRequests(
+      channel_, {"strata.v1.JobService", "strata.v1.DocumentService", "strata.v1.WorkerRegistry"}, 40, 20261130, o,
+      0.5);
   EXPECT_EQ(calls.size(), 40u * (6 + 6 + 3));
   const std::vector<proto::testing::RandomCall> bad = proto::testing::UnexpectedCodes(calls);
   EXPECT_TRUE(bad.empty()) << proto::testing::Describe(bad);

@@ -239,12 +239,8 @@ TEST(WorkerServiceTest, RandomRequestsGetCanonicalAnswers) {
 
   // Seed 44 sends the prefill that crashed the worker before PrefillShard checked the shard's
   // end page against the document (sharded_test BadShardPrefillsAreRefused has it by hand).
-  std::vector<proto::testing::RandomCall> calls;
-  for (const char* service : {"strata.v1.Worker", "strata.v1.ShardSelection", "strata.v1.PeerPages"}) {
-    for (proto::testing::RandomCall& r : proto::testing::CallWithRandomRequests(channel, service, 30, 44, o, 5.0)) {
-      calls.push_back(std::move(r));
-    }
-  }
+  const std::vector<proto::testing::RandomCall> calls = proto::testing::CallWithRandomRequests(
+      channel, {"strata.v1.Worker", "strata.v1.ShardSelection", "strata.v1.PeerPages"}, 30, 44, o, 5.0);
   EXPECT_EQ(calls.size(), 30u * (5 + 1 + 1));
   const std::vector<proto::testing::RandomCall> bad = proto::testing::UnexpectedCodes(calls);
   EXPECT_TRUE(bad.empty()) << proto::testing::Describe(bad);
