@@ -236,8 +236,25 @@ std::shared_mutex& LocalStore::StripeFor(const DocumentId& id) {
 }
 
 absl::Status LocalStore::GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) {
-  Stopwatch watch;
   out->assign(keys.size(), nullptr);
+  absl::Status copied;
+  absl::Status s = VisitPages(keys, [&](size_t i, absl::string_view bytes) {
+    if (!copied.ok()) return;
+    absl::StatusOr<PageRef> ref = PageBuffer::Copy(bytes);
+    if (ref.ok()) {
+      (*out)[i] = *std::move(ref);
+    } else {
+      copied = ref.status();
+    }
+  });
+  if (s.ok()) s = copied;
+  if (!s.ok()) out->assign(keys.size(), nullptr);
+  return s;
+}
+
+absl::Status LocalStore::VisitPages(absl::Span<const PageKey> keys,
+                                    const std::function<void(size_t, absl::string_view)>& emit) {
+  Stopwatch watch;
   if (keys.empty()) return absl::OkStatus();
   std::vector<std::string> key_bytes;
   key_bytes.reserve(keys.size());
@@ -264,12 +281,7 @@ absl::Status LocalStore::GetPages(absl::Span<const PageKey> keys, std::vector<Pa
           ") is corrupt: ", h.status().message()));
       break;
     }
-    absl::StatusOr<PageRef> ref = PageBuffer::Copy(v);
-    if (!ref.ok()) {
-      result = ref.status();
-      break;
-    }
-    (*out)[i] = *std::move(ref);
+    emit(i, v);
     ++hits;
     bytes += static_cast<int64_t>(v.size());
   }
@@ -277,7 +289,6 @@ absl::Status LocalStore::GetPages(absl::Span<const PageKey> keys, std::vector<Pa
   m_.hits->Increment(static_cast<double>(hits));
   bytes_read_->Increment(static_cast<double>(bytes));
   m_.fetch_duration->Observe(watch.ElapsedSeconds());
-  if (!result.ok()) out->assign(keys.size(), nullptr);
   return result;
 }
 

@@ -31,6 +31,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,6 +97,12 @@ class LocalStore final : public PageStore, public DocumentCatalog {
 
   const char* tier() const override { return options_.tier.c_str(); }
   absl::Status GetPages(absl::Span<const PageKey> keys, std::vector<PageRef>* out) override;
+  // GetPages for a caller that keeps the bytes elsewhere (the KV store service writes them into
+  // its response): emit(i, bytes) for each stored key i, verified, in key order; the bytes are
+  // RocksDB's and valid during the call only. Missing keys are not emitted. The same errors and
+  // metrics as GetPages (a corrupt page: DataLoss, after the pages before it were emitted).
+  absl::Status VisitPages(absl::Span<const PageKey> keys,
+                          const std::function<void(size_t, absl::string_view)>& emit);
   absl::Status Put(absl::Span<const PageWrite> pages,
                    absl::Span<const SummaryWrite> summaries) override;
   absl::Status PutDeferred(absl::Span<const PageWrite> pages,

@@ -92,26 +92,27 @@ class GetPagesReactor final : public grpc::ServerWriteReactor<v1::GetPagesRespon
     Stopwatch watch;
     const size_t end = std::min(keys_.size(), next_ + per_message_);
     absl::Span<const PageKey> chunk(keys_.data() + next_, end - next_);
-    std::vector<PageRef> pages;
-    absl::Status s = shared_->store->GetPages(chunk, &pages);
-    if (!s.ok()) {
-      Finish(Error(s));
-      return;
-    }
+    // The pages go from the store's read straight into the response (whose cleared pages and
+    // their strings are reused from message to message): one copy, no buffer of their own.
     response_.Clear();
-    int64_t hits = 0, bytes = 0;
     for (size_t i = 0; i < chunk.size(); ++i) {
       v1::Page* p = response_.add_pages();
       p->mutable_key()->set_layer(chunk[i].layer);
       p->mutable_key()->set_kv_head(chunk[i].kv_head);
       p->mutable_key()->set_page_index(chunk[i].page_index);
-      if (pages[i] == nullptr) {
-        p->set_absent(true);
-        continue;
-      }
-      p->set_data(pages[i]->data(), pages[i]->size());
+      p->set_absent(true);
+    }
+    int64_t hits = 0, bytes = 0;
+    absl::Status s = shared_->store->VisitPages(chunk, [&](size_t i, absl::string_view data) {
+      v1::Page* p = response_.mutable_pages(static_cast<int>(i));
+      p->set_absent(false);
+      p->set_data(data.data(), data.size());
       ++hits;
-      bytes += static_cast<int64_t>(pages[i]->size());
+      bytes += static_cast<int64_t>(data.size());
+    });
+    if (!s.ok()) {
+      Finish(Error(s));
+      return;
     }
     shared_->remote.lookups->Increment(static_cast<double>(chunk.size()));
     shared_->remote.hits->Increment(static_cast<double>(hits));
