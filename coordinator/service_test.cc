@@ -368,7 +368,7 @@ TEST_F(ServiceTest, RandomRequestsGetCanonicalAnswers) {
   beat.set_lease_id(lease.lease_id());
   seed("Heartbeat", beat);
   seed("Deregister", beat);
-  const std::vector<proto::testing::RandomCall> calls = proto::testing::CallWithRandomRequests(
+  const std::vector<proto::testing::RandomCall> calls = proto::testing::CallServicesWithRandomRequests(
       channel_, {"strata.v1.JobService", "strata.v1.DocumentService", "strata.v1.WorkerRegistry"}, 40, 20261130, o,
       0.5);
   EXPECT_EQ(calls.size(), 40u * (6 + 6 + 3));

@@ -239,7 +239,7 @@ TEST(WorkerServiceTest, RandomRequestsGetCanonicalAnswers) {
 
   // Seed 44 sends the prefill that crashed the worker before PrefillShard checked the shard's
   // end page against the document (sharded_test BadShardPrefillsAreRefused has it by hand).
-  const std::vector<proto::testing::RandomCall> calls = proto::testing::CallWithRandomRequests(
+  const std::vector<proto::testing::RandomCall> calls = proto::testing::CallServicesWithRandomRequests(
       channel, {"strata.v1.Worker", "strata.v1.ShardSelection", "strata.v1.PeerPages"}, 30, 44, o, 5.0);
   EXPECT_EQ(calls.size(), 30u * (5 + 1 + 1));
   const std::vector<proto::testing::RandomCall> bad = proto::testing::UnexpectedCodes(calls);

@@ -308,9 +308,10 @@ std::vector<RandomCall> CallWithRandomRequests(const std::shared_ptr<grpc::Chann
   return calls;
 }
 
-std::vector<RandomCall> CallWithRandomRequests(const std::shared_ptr<grpc::Channel>& channel,
-                                               const std::vector<std::string>& services, int rounds, uint64_t seed,
-                                               const RandomRequestOptions& options, double call_seconds) {
+std::vector<RandomCall> CallServicesWithRandomRequests(const std::shared_ptr<grpc::Channel>& channel,
+                                                       const std::vector<std::string>& services, int rounds,
+                                                       uint64_t seed, const RandomRequestOptions& options,
+                                                       double call_seconds) {
   std::vector<RandomCall> calls;
   for (const std::string& service : services) {
     for (RandomCall& c : CallWithRandomRequests(channel, service, rounds, seed, options, call_seconds)) {

@@ -56,9 +56,10 @@ std::vector<RandomCall> CallWithRandomRequests(const std::shared_ptr<grpc::Chann
                                                const RandomRequestOptions& options = {}, double call_seconds = 2.0);
 
 // The same for each of `services` in turn (each from `seed`), the calls of all of them.
-std::vector<RandomCall> CallWithRandomRequests(const std::shared_ptr<grpc::Channel>& channel,
-                                               const std::vector<std::string>& services, int rounds, uint64_t seed,
-                                               const RandomRequestOptions& options = {}, double call_seconds = 2.0);
+std::vector<RandomCall> CallServicesWithRandomRequests(const std::shared_ptr<grpc::Channel>& channel,
+                                                       const std::vector<std::string>& services, int rounds,
+                                                       uint64_t seed, const RandomRequestOptions& options = {},
+                                                       double call_seconds = 2.0);
 
 // The calls of `calls` that ended with a code no request should cause: UNKNOWN (a failure the
 // service did not turn into a status), INTERNAL or UNIMPLEMENTED (every method called exists).
