@@ -1705,6 +1705,14 @@ absl::Status Worker::RunJobInner(const v1::RunJobRequest& request, const EventFn
   v1::JobInfo& info = result->info;
   const v1::GenerationParams& params = request.params();
   const int64_t max_tokens = params.max_tokens() == 0 ? 256 : params.max_tokens();
+  // A job's generated tokens live in its KV cache beside its context: more than the worker can hold
+  // of a document (capacity_tokens) is refused before anything is allocated for it (the
+  // coordinator caps max_tokens far lower; this guards the worker's own API).
+  if (static_cast<uint64_t>(max_tokens) > options_.capacity_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("params.max_tokens = ", max_tokens,
+                                                   " is above this worker's capacity_tokens ",
+                                                   options_.capacity_tokens));
+  }
   std::vector<int32_t> prompt(request.prompt_token_ids().begin(), request.prompt_token_ids().end());
   if (prompt.empty()) return absl::InvalidArgumentError("empty prompt");
   for (int32_t t : prompt) {

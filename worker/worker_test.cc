@@ -377,6 +377,19 @@ TEST_F(WorkerTest, SparsePolicyAttendsLessThanTheContext) {
   }).ok());
   EXPECT_EQ(last.state(), v1::JobInfo::FAILED);
   EXPECT_EQ(last.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+
+  // More tokens to generate than the worker can hold (capacity_tokens, 2^20 by default): refused
+  // before a KV cache is made for them.
+  req.set_job_id("job-7");
+  req.mutable_policy()->set_page_size(64);
+  req.mutable_params()->set_max_tokens(0xffffffffu);
+  ASSERT_TRUE(worker_->RunJob(req, [&](const v1::JobEvent& e) {
+    if (e.has_snapshot()) last = e.snapshot();
+    return true;
+  }).ok());
+  EXPECT_EQ(last.state(), v1::JobInfo::FAILED);
+  EXPECT_EQ(last.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(absl::StrContains(last.error_message(), "capacity_tokens")) << last.error_message();
 }
 
 // A store that forwards to `inner` and passes every page it returns through `edit`, which may
