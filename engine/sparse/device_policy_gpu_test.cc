@@ -94,6 +94,7 @@ struct Case {
   int64_t len;  // tokens before the decode steps
   DType dtype = DType::kBF16;
   int partitions = 1;  // PolicyOptions::tokenselect_partitions (the partitioned kernel)
+  int budget = 0;      // PolicyOptions::token_budget (0: the default, 2048)
 };
 
 class DevicePolicyGpuTest : public ::testing::TestWithParam<Case> {};
@@ -110,6 +111,7 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   o.page_size = kPage;
   o.cache_theta = 2.0;  // every step selects
   o.tokenselect_partitions = c.partitions;
+  if (c.budget > 0) o.token_budget = c.budget;
   const int steps = 4;
   Side g, h;
   STRATA_ASSERT_OK(g.Init(gpu.get(), o, c.len + steps, c.dtype));
@@ -183,7 +185,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyGpuTest,
                                            Case{PolicyKind::kTokenSelect, 140 * 1024,
                                                 DType::kBF16, 8},
                                            Case{PolicyKind::kTokenSelect, 140 * 1024,
-                                                DType::kFP8E4M3, 16}),
+                                                DType::kFP8E4M3, 16},
+                                           // A budget the parts do not divide: each part keeps
+                                           // ceil(1990 / 16) = 125 tokens (odd k per block).
+                                           Case{PolicyKind::kTokenSelect, 140 * 1024,
+                                                DType::kBF16, 16, 1990}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            return std::string(i.param.kind == PolicyKind::kQuest ? "quest"
                                                                                  : "tokenselect") +
@@ -191,7 +197,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyGpuTest,
                                   kernels::DTypeName(i.param.dtype) +
                                   (i.param.partitions > 1
                                        ? "_p" + std::to_string(i.param.partitions)
-                                       : std::string());
+                                       : std::string()) +
+                                  (i.param.budget > 0 ? "_b" + std::to_string(i.param.budget)
+                                                      : std::string());
                          });
 
 }  // namespace
