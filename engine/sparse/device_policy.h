@@ -134,7 +134,7 @@ class DevicePolicy {
   // is read back from the backend): candidate_tokens += the cache length; selected_tokens += the
   // cache length where attention is exact (dense layer, or the middle fits in the budget), else
   // sinks + window + the middle's planned size: min(budget, ceil(budget * factor / P) * P) for
-  // tokenselect (the top-k size), and min(ceil(budget / P) * P, middle) for quest (an upper
+  // tokenselect (the top-k size; the budget rounded up to a multiple of the parts), and min(ceil(budget / P) * P, middle) for quest (an upper
   // bound: a chosen page cut by the sink or window boundary attends fewer tokens). No selection
   // cache: lookups (num_kv_heads per selecting decode step, as the host counts them) are counted
   // on the host and hits on the backend; both reach counters() only through ReadCacheHits, so
