@@ -359,11 +359,7 @@ TEST_F(WorkerTest, SparsePolicyAttendsLessThanTheContext) {
   req.mutable_policy()->set_sink_tokens(4);
   req.mutable_policy()->set_window_tokens(16);
   req.mutable_policy()->set_page_size(64);
-  v1::JobInfo last;
-  ASSERT_TRUE(worker_->RunJob(req, [&](const v1::JobEvent& e) {
-    if (e.has_snapshot()) last = e.snapshot();
-    return true;
-  }).ok());
+  v1::JobInfo last = Run(worker_.get(), req);
   ASSERT_EQ(last.state(), v1::JobInfo::DONE) << last.error_message();
   EXPECT_EQ(last.output_token_ids_size(), 8);
   EXPECT_GT(last.usage().mean_attended_tokens(), 0.0);
@@ -371,10 +367,7 @@ TEST_F(WorkerTest, SparsePolicyAttendsLessThanTheContext) {
 
   req.set_job_id("job-6");
   req.mutable_policy()->set_page_size(32);  // not the deployment's page size
-  ASSERT_TRUE(worker_->RunJob(req, [&](const v1::JobEvent& e) {
-    if (e.has_snapshot()) last = e.snapshot();
-    return true;
-  }).ok());
+  last = Run(worker_.get(), req);
   EXPECT_EQ(last.state(), v1::JobInfo::FAILED);
   EXPECT_EQ(last.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
 
@@ -383,10 +376,7 @@ TEST_F(WorkerTest, SparsePolicyAttendsLessThanTheContext) {
   req.set_job_id("job-7");
   req.mutable_policy()->set_page_size(64);
   req.mutable_params()->set_max_tokens(0xffffffffu);
-  ASSERT_TRUE(worker_->RunJob(req, [&](const v1::JobEvent& e) {
-    if (e.has_snapshot()) last = e.snapshot();
-    return true;
-  }).ok());
+  last = Run(worker_.get(), req);
   EXPECT_EQ(last.state(), v1::JobInfo::FAILED);
   EXPECT_EQ(last.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_TRUE(absl::StrContains(last.error_message(), "capacity_tokens")) << last.error_message();
