@@ -273,6 +273,11 @@ struct ScoreKeysParams {
 // -inf). Ranking is by vote (its 24-bit rank key, kernels/vote_rank.h), descending, ties to the
 // lower index. selected[g, :] holds the ids of
 // the (at most k) best valid candidates in ascending index order, then -1 up to k.
+// Whether `parts` is a valid count of independent selection parts (VoteTopKParams::partitions,
+// SelectStagesParams::partitions, PolicyOptions::tokenselect_partitions): a power of two in
+// [1, 64].
+inline bool ValidPartitions(int64_t parts) { return parts >= 1 && parts <= 64 && (parts & (parts - 1)) == 0; }
+
 struct VoteTopKParams {
   TensorView scores;      // [num_kv_heads, group, n] f32 (n = candidates.Count())
   CandidateList candidates;

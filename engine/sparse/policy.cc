@@ -14,6 +14,7 @@
 #include "engine/sparse/internal/hip.h"
 #include "engine/sparse/internal/subgen.h"
 #include "engine/sparse/summaries.h"
+#include "kernels/backend.h"
 
 namespace strata::engine::sparse {
 
@@ -89,8 +90,7 @@ absl::Status PolicyOptions::Validate() const {
     return bad("policy: tokenselect_candidate_factor ", tokenselect_candidate_factor,
                " is outside [1, 16]");
   }
-  if (tokenselect_partitions < 1 || tokenselect_partitions > 64 ||
-      (tokenselect_partitions & (tokenselect_partitions - 1)) != 0) {
+  if (!kernels::ValidPartitions(tokenselect_partitions)) {
     return bad("policy: tokenselect_partitions ", tokenselect_partitions,
                " is not a power of two in [1, 64]");
   }

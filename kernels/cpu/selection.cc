@@ -156,7 +156,7 @@ absl::Status CpuSupportsVoteTopK(const VoteTopKParams& p) {
   STRATA_RETURN_IF_ERROR(CheckDim(p.selected, 0, hkv, kOp, "selected"));
   STRATA_RETURN_IF_ERROR(CheckDim(p.selected, 1, p.k, kOp, "selected"));
   const int parts = p.partitions;
-  if (parts < 1 || parts > 64 || (parts & (parts - 1)) != 0) {
+  if (!ValidPartitions(parts)) {
     return absl::InvalidArgumentError(
         absl::StrCat("VoteTopK: partitions ", parts, " is not a power of two in [1, 64]"));
   }
