@@ -212,13 +212,9 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     // Sinks belong to the shard holding tokens [0, S); the window belongs to the leader.
     if (s->shard_->first_token() != 0) p.set_sink_tokens(0);
     p.set_window_tokens(0);
-    if (budget_tokens > 0) {
-      // tokenselect in parts keeps ceil(budget / partitions) tokens per part: the shard's share
-      // rounded up to a multiple of the parts, as the policy would.
-      const uint32_t parts = p.name() == "tokenselect" && p.has_partitions() ? p.partitions() : 1;
-      if (parts > 1 && parts <= 64) budget_tokens = (budget_tokens + parts - 1) / parts * parts;
-      p.set_budget_tokens(budget_tokens);
-    }
+    // tokenselect in parts rounds the share up to a multiple of the parts itself (each part
+    // keeps ceil(share / parts) tokens, PolicyOptions::tokenselect_partitions).
+    if (budget_tokens > 0) p.set_budget_tokens(budget_tokens);
     const engine::KvCache& cache = s->shard_->cache();
     const int page_size = cache.options().page_size;
     absl::MutexLockMaybe lock(s->shard_->backend_mu());

@@ -165,8 +165,8 @@ struct ShardAnswerTiming {
 class ShardSession {
  public:
   // `budget_tokens` is this shard's share of the job's budget (0: the policy's budget_tokens, or
-  // the policy default); tokenselect in parts (SelectionPolicy.partitions) rounds a share up to a
-  // multiple of the parts. Attends on the shard's backend. InvalidArgument for a bad policy, or for
+  // the policy default); tokenselect in parts (SelectionPolicy.partitions) keeps ceil(share /
+  // parts) tokens per part, as the policy does for any budget. Attends on the shard's backend. InvalidArgument for a bad policy, or for
   // a policy a device-selection shard cannot run (DeviceShardPolicy).
   static absl::StatusOr<std::unique_ptr<ShardSession>> Create(std::shared_ptr<const MountedShard> shard,
                                                               const v1::SelectionPolicy& policy,

@@ -611,8 +611,8 @@ TEST_F(ShardedTest, DenseSessionOnADeviceShardMatchesTheHostShard) {
 }
 
 TEST_F(ShardedTest, TokenSelectPartsRoundTheShardsBudgetShareUp) {
-  // tokenselect in 4 parts keeps budget / 4 tokens per part: a shard's share of 30 tokens becomes
-  // 32 (a session with the share 32 gives the same partials and counts, bit for bit), on a
+  // tokenselect in 4 parts keeps ceil(budget / 4) tokens per part: a shard's share of 30 tokens
+  // keeps 32 (a session with the share 32 gives the same partials and counts, bit for bit), on a
   // device-selection shard and a host one, whose partials agree; 3 parts are refused.
   const int64_t hq = model_->config.num_heads, d = model_->config.head_dim;
   const int64_t tokens = 12 * kPage + 5;
