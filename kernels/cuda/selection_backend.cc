@@ -278,10 +278,6 @@ bool SelectAttendInKernel(const SelectStagesParams& p, bool bf16_keys, bool fp8_
   return true;
 }
 
-}  // namespace
-
-namespace {
-
 // The ops one by one where a fused kernel does not run the shape, unless
 // STRATA_SELECT_STAGES=require_fused (read at every call: tests that must run `kernel`), which
 // fails instead.
