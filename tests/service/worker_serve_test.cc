@@ -298,39 +298,32 @@ TEST_F(ServeTest, ClientCommands) {
 
   // --candidate-factor: a negative value is the client's usage error (exit 2, nothing sent); one
   // past 16 reaches the server, which refuses it (exit 1, INVALID_ARGUMENT naming the field).
-  auto ask_with = [&](const std::string& flag, const std::string& value, std::string* err) -> std::optional<int> {
-    ChildProcess child({STRATA_BINARY, "ask", "--server", Address(), "--doc", doc_file, "--policy", "tokenselect",
-                        "--max-tokens", "4", flag, value, "What is it?"},
-                       *dir_ + "/factor.out", *dir_ + "/factor.err");
-    const std::optional<int> exit_code = child.Wait(std::chrono::seconds(60));
-    *err = child.Err();
-    return exit_code;
-  };
-  std::string err;
-  code = ask_with("--candidate-factor", "-3", &err);
-  ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 2) << err;
-  EXPECT_TRUE(absl::StrContains(err, "--candidate-factor")) << err;
-  code = ask_with("--candidate-factor", "99", &err);
-  ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 1) << err;
-  EXPECT_TRUE(absl::StrContains(err, "INVALID_ARGUMENT")) << err;
-  EXPECT_TRUE(absl::StrContains(err, "candidate_factor")) << err;
   // --partitions the same way: negative is the client's usage error; 3 (not a power of two) is
-  // INVALID_ARGUMENT from the server naming the field; 4 (dividing the default budget) answers.
-  code = ask_with("--partitions", "-1", &err);
-  ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 2) << err;
-  EXPECT_TRUE(absl::StrContains(err, "--partitions")) << err;
-  code = ask_with("--partitions", "3", &err);
-  ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 1) << err;
-  EXPECT_TRUE(absl::StrContains(err, "INVALID_ARGUMENT")) << err;
-  EXPECT_TRUE(absl::StrContains(err, "policy.partitions")) << err;
-  code = ask_with("--partitions", "4", &err);
-  ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 0) << err;
-  EXPECT_TRUE(absl::StrContains(err, "state=DONE")) << err;
+  // INVALID_ARGUMENT from the server naming the field; 4 answers.
+  struct FlagRun {
+    const char* flag;
+    const char* value;
+    int code;
+    std::vector<const char*> err;  // pieces of stderr
+  };
+  const FlagRun flag_runs[] = {
+      {"--candidate-factor", "-3", 2, {"--candidate-factor"}},
+      {"--candidate-factor", "99", 1, {"INVALID_ARGUMENT", "candidate_factor"}},
+      {"--partitions", "-1", 2, {"--partitions"}},
+      {"--partitions", "3", 1, {"INVALID_ARGUMENT", "policy.partitions"}},
+      {"--partitions", "4", 0, {"state=DONE"}},
+  };
+  for (const FlagRun& r : flag_runs) {
+    SCOPED_TRACE(absl::StrCat(r.flag, " ", r.value));
+    ChildProcess child({STRATA_BINARY, "ask", "--server", Address(), "--doc", doc_file, "--policy", "tokenselect",
+                        "--max-tokens", "4", r.flag, r.value, "What is it?"},
+                       *dir_ + "/factor.out", *dir_ + "/factor.err");
+    code = child.Wait(std::chrono::seconds(60));
+    const std::string err = child.Err();
+    ASSERT_TRUE(code.has_value());
+    EXPECT_EQ(*code, r.code) << err;
+    for (const char* piece : r.err) EXPECT_TRUE(absl::StrContains(err, piece)) << err;
+  }
 }
 
 // Reads "<grpc_port> <metrics_port>" from a port file, waiting up to 60 s; 0 on failure.
