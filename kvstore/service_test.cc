@@ -30,6 +30,18 @@ using testing::SmallLayout;
 
 constexpr uint64_t kSeed = 7;
 
+// Reads every page of `pages` back from `store` (one GetPages call) and checks its bytes.
+void ExpectStoredPages(PageStore* store, const std::vector<PageWrite>& pages) {
+  std::vector<PageKey> keys;
+  for (const PageWrite& w : pages) keys.push_back(w.key);
+  std::vector<PageRef> out;
+  STRATA_ASSERT_OK(store->GetPages(keys, &out));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_NE(out[i], nullptr) << "page " << i;
+    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << "page " << i;
+  }
+}
+
 double Sample(prometheus::Registry& r, const std::string& name, const std::string& label,
               const std::string& value) {
   for (const auto& fam : r.Collect()) {
@@ -199,14 +211,8 @@ TEST_F(ServiceTest, DataCallsTakeTheirConnectionsInTurn) {
     STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<RemoteStore> client, RemoteStore::Create(ro));
     STRATA_ASSERT_OK(client->WaitForReady(5000));
     for (int call = 0; call < 2 * channels; ++call) {
-      std::vector<PageKey> keys;
-      for (const PageWrite& w : pages) keys.push_back(w.key);
-      std::vector<PageRef> out;
-      STRATA_ASSERT_OK(client->GetPages(keys, &out));
-      for (size_t i = 0; i < keys.size(); ++i) {
-        ASSERT_NE(out[i], nullptr);
-        ASSERT_EQ(out[i]->view(), pages[i].data->view()) << "call " << call << " page " << i;
-      }
+      SCOPED_TRACE(::testing::Message() << "call " << call);
+      ASSERT_NO_FATAL_FAILURE(ExpectStoredPages(client.get(), pages));
       STRATA_ASSERT_OK(client->Put(absl::MakeSpan(pages).subspan(0, 2), {}));  // rewrites, same bytes
     }
     // The first connection is the one the fixture's client already holds (channels with the same
@@ -246,14 +252,7 @@ TEST_F(ServiceTest, DeferredStreamsStoreGatheredBatches) {
   ASSERT_GT(pages.size() * pages[0].data->size(), size_t{200} << 10);
   STRATA_ASSERT_OK(remote_->PutDeferred(pages, {}));
   STRATA_ASSERT_OK(remote_->PutDeferred({}, summaries));
-  std::vector<PageKey> keys;
-  for (const PageWrite& w : pages) keys.push_back(w.key);
-  std::vector<PageRef> out;
-  STRATA_ASSERT_OK(remote_->GetPages(keys, &out));
-  for (size_t i = 0; i < keys.size(); ++i) {
-    ASSERT_NE(out[i], nullptr) << i;
-    ASSERT_EQ(out[i]->view(), pages[i].data->view()) << i;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectStoredPages(remote_.get(), pages));
   STRATA_ASSERT_OK_AND_ASSIGN(v1::Document ready, remote_->FinalizeDocument(id));
   EXPECT_EQ(ready.state(), v1::DOCUMENT_STATE_READY);
   EXPECT_EQ(ready.stored_pages(), pages.size());
@@ -487,14 +486,7 @@ TEST_F(ServiceTest, RandomRequestsGetCanonicalAnswers) {
   // named it to delete it.
   STRATA_ASSERT_OK_AND_ASSIGN(const v1::Document doc, remote_->GetDocument(id));
   EXPECT_EQ(doc.state(), v1::DOCUMENT_STATE_READY);
-  std::vector<PageKey> keys;
-  for (const PageWrite& pw : pages) keys.push_back(pw.key);
-  std::vector<PageRef> out;
-  STRATA_ASSERT_OK(remote_->GetPages(keys, &out));
-  for (size_t i = 0; i < keys.size(); ++i) {
-    ASSERT_NE(out[i], nullptr) << i;
-    EXPECT_EQ(out[i]->view(), pages[i].data->view()) << i;
-  }
+  ExpectStoredPages(remote_.get(), pages);
   STRATA_ASSERT_OK_AND_ASSIGN(int health, testing::CheckHealth(channel, ""));
   EXPECT_EQ(health, 1);
 }
