@@ -117,6 +117,13 @@ class RawConnection {
   bool connected_ = false;
 };
 
+// The server's stream count once it is `want`, or after 10 s of waiting for it.
+int StreamsOnceThey(const SelectionLinkServer& server, int want) {
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (server.streams() != want && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  return server.streams();
+}
+
 constexpr char kLinkPreface[] = "STL1";
 
 // A frame as the wire format has it: length (or `length` when not negative), kind, 3 zero bytes.
@@ -299,9 +306,7 @@ TEST(SelectionLinkTest, StreamsPastTheLimitAreRefused) {
   // A slot frees when a stream ends (the serving function has returned and the server has
   // marked the stream done; the function's own counter moves before that).
   links[0].reset();
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (server->streams() > 1 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_EQ(server->streams(), 1);
+  ASSERT_EQ(StreamsOnceThey(*server, 1), 1);
   EXPECT_EQ(echo.ended.load(), 1);
   STRATA_ASSERT_OK_AND_ASSIGN(auto again, SelectionLink::Connect(Address(*server), absl::Seconds(5)));
   ASSERT_TRUE(again->Write(Open().SerializeAsString()));
@@ -360,9 +365,7 @@ TEST(SelectionLinkTest, MalformedBytesEndTheStreamWithInvalidArgument) {
     EXPECT_EQ(resp.step(), 7u);
     EXPECT_EQ(resp.o(), "xyz");
   }
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (server->streams() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
-  EXPECT_EQ(server->streams(), 0);
+  EXPECT_EQ(StreamsOnceThey(*server, 0), 0);
 }
 
 TEST(SelectionLinkTest, RandomBytesNeverHarmTheServer) {
@@ -407,9 +410,7 @@ TEST(SelectionLinkTest, RandomBytesNeverHarmTheServer) {
   ASSERT_TRUE(link->Read(absl::Now() + absl::Seconds(10), &resp, &why)) << why;
   EXPECT_EQ(resp.o(), "fine");
   link.reset();
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (server->streams() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
-  EXPECT_EQ(server->streams(), 0);
+  EXPECT_EQ(StreamsOnceThey(*server, 0), 0);
 }
 
 TEST(SelectionLinkTest, HeadersOfHugeFramesCostNoMemoryUntilTheirBytesCome) {
@@ -424,9 +425,7 @@ TEST(SelectionLinkTest, HeadersOfHugeFramesCostNoMemoryUntilTheirBytesCome) {
     ASSERT_TRUE(raws.back()->connected());
     ASSERT_TRUE(raws.back()->Send(kLinkPreface + Frame(1, "x", kSelectionLinkMaxFrame)));
   }
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (server->streams() < 4 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_EQ(server->streams(), 4);
+  ASSERT_EQ(StreamsOnceThey(*server, 4), 4);
   absl::SleepFor(absl::Milliseconds(200));  // the serving threads have read the headers
   // Reading payloads as their bytes come holds at most a step per connection, not 4 x 256 MiB.
   EXPECT_LT(ResidentBytes() - before, int64_t{64} << 20);
