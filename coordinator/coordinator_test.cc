@@ -591,6 +591,20 @@ TEST_F(CoordinatorTest, PinSetsPinAndTtl) {
   pin.set_document_id("0123456789abcdef0123456789abcdef");
   pin.set_ttl_seconds(0);
   EXPECT_THAT(coordinator_->PinDocument(pin), StatusIs(absl::StatusCode::kNotFound));
+  // An upload's time to live has the same range; a refused upload stores nothing.
+  DocumentContent content;
+  for (int i = 0; i < 5; ++i) content.tokens.push_back(400 + i);
+  v1::DocumentUploadOptions options;
+  const size_t documents = CountDocuments();
+  for (int64_t ttl : {int64_t{-1}, kMaxTtlSeconds + 1, std::numeric_limits<int64_t>::max()}) {
+    options.set_ttl_seconds(ttl);
+    EXPECT_THAT(coordinator_->UploadDocument(options, content),
+                StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("ttl_seconds")))
+        << ttl;
+  }
+  EXPECT_EQ(CountDocuments(), documents);
+  options.set_ttl_seconds(kMaxTtlSeconds);
+  STRATA_ASSERT_OK(coordinator_->UploadDocument(options, content).status());
 }
 
 TEST_F(CoordinatorTest, ExpiredUnpinnedDocumentsAreCollected) {
