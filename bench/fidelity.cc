@@ -351,7 +351,7 @@ absl::Status FidelityOptions::Validate() const {
   if (sink_tokens < 0 || window_tokens < 0 || topk < 1 || rf_features < 1) {
     return absl::InvalidArgumentError("fidelity: bad sinks, window, topk or rf_features");
   }
-  if (tokenselect_partitions >= 0 && !kernels::ValidPartitions(tokenselect_partitions)) {
+  if (tokenselect_partitions > 0 && !kernels::ValidPartitions(tokenselect_partitions)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "fidelity: partitions ", tokenselect_partitions, " is not a power of two in [1, 64]"));
   }

@@ -132,7 +132,7 @@ struct FidelityOptions {
   int segment_factor = -1;
   int tokenselect_candidate_factor = -1;
   // tokenselect's independent parts (PolicyOptions::tokenselect_partitions); < 0 keeps the
-  // policy default, else a power of two in [1, 64].
+  // policy default (by the budget), 0 is that too, else a power of two in [1, 64].
   int tokenselect_partitions = -1;
   // The keys the policies see (their summaries and scores): false, the cache's bf16 keys; true,
   // each page's keys as an fp8 e4m3 page holds them (kvstore/page_format.h: per-page scale

@@ -71,7 +71,7 @@ int RunFidelityCommand(int argc, char** argv) {
             "tokenselect with a summary: candidate tokens = factor * B (-1 = default)");
   flags.Int("partitions", &partitions,
             "tokenselect with a summary: independent parts of the selection, a power of two "
-            "1-64 (-1 = default)");
+            "1-64 (0 = by the budget, the default: 16 at 2048; -1 = default)");
   flags.String("selection-keys", &selection_keys,
                "the keys the policies score: bf16 (the cache's) or fp8 (each page's keys as an "
                "fp8 e4m3 page holds them; attention and the truth keep bf16)");

@@ -265,7 +265,7 @@ void AddGen(FlagSet* flags, GenFlags* g) {
              "tokenselect: candidate tokens per budget token, 1-16 (0: server default, 4)");
   flags->Int("partitions", &g->partitions,
              "tokenselect: independent selection parts, a power of two 1-64; a budget they do not divide "
-             "is rounded up (0: server default, 1)");
+             "is rounded up (0: server default, by the budget: 16 at 2048)");
   flags->Bool("ignore-eos", &g->ignore_eos, "keep generating past end-of-sequence tokens");
   flags->Bool("print-token-ids", &g->print_ids, "print the generated token ids to stderr at the end");
 }

@@ -58,7 +58,7 @@ struct GenerateFlags {
   std::string kv_dtype = "f32";
   double theta = 0.9;
   int64_t candidate_factor = 4;
-  int64_t partitions = 1;
+  int64_t partitions = 0;  // by the budget (PolicyOptions::EffectivePartitions)
   std::string dense_layers;
   std::string backend = "cpu";
   bool device_selection = false;
@@ -364,7 +364,8 @@ int RunGenerate(int argc, char** argv) {
             "tokenselect: candidate tokens per budget token (1-16; fewer: faster, less exact)");
   flags.Int("partitions", &f.partitions,
             "tokenselect: independent parts of the selection (a power of two 1-64; a budget they "
-            "do not divide is rounded up; more: faster on a GPU, a little less exact)");
+            "do not divide is rounded up; more: faster on a GPU, a little less exact; 0: by the "
+            "budget, 16 at 2048, 1 below 256)");
   flags.String("dense-layers", &f.dense_layers, "comma-separated layers that always attend densely");
   flags.String("backend", &f.backend, "compute backend: cpu|cuda|auto");
   flags.Bool("device-selection", &f.device_selection,

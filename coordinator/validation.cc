@@ -165,9 +165,14 @@ absl::StatusOr<v1::SelectionPolicy> EffectiveSelectionPolicy(const v1::Selection
     return absl::InvalidArgumentError(
         absl::StrCat("policy.candidate_factor = ", out.candidate_factor(), " is out of range [1, 16]"));
   }
-  if (!p.has_partitions()) out.set_partitions(1);
+  // Unset or 0: the worker's policy chooses by the budget it gets (a shard: its share), as
+  // PolicyOptions::EffectivePartitions (engine/sparse/policy.h: 16 at B = 2048).
+  if (!p.has_partitions() || p.partitions() == 0) {
+    out.clear_partitions();
+    return out;
+  }
   const uint32_t parts = out.partitions();
-  if (parts < 1 || parts > 64 || (parts & (parts - 1)) != 0) {
+  if (parts > 64 || (parts & (parts - 1)) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("policy.partitions = ", parts, " is not a power of two in [1, 64]"));
   }

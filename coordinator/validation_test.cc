@@ -93,8 +93,12 @@ TEST(ValidationTest, PolicyDefaults) {
   EXPECT_FLOAT_EQ(p.theta(), 0.9f);
   EXPECT_EQ(p.miss_mode(), v1::MISS_MODE_WAIT);
   EXPECT_EQ(p.candidate_factor(), 4u);
-  EXPECT_EQ(p.partitions(), 1u);
+  // Unset (or 0): left to the worker's policy, which chooses by the budget it gets.
+  EXPECT_FALSE(p.has_partitions());
   v1::SelectionPolicy in;
+  in.set_partitions(0);
+  STRATA_ASSERT_OK_AND_ASSIGN(p, EffectiveSelectionPolicy(in, Limits()));
+  EXPECT_FALSE(p.has_partitions());
   in.set_name("quest");
   in.set_sink_tokens(0);  // explicitly zero stays zero
   in.set_theta(1.0f);
@@ -160,7 +164,7 @@ TEST(ValidationTest, PolicyOutOfRange) {
   expect_bad(p, "candidate_factor");
   p.set_candidate_factor(17);
   expect_bad(p, "candidate_factor");
-  for (uint32_t parts : {0u, 3u, 12u, 128u, 1u << 31}) {
+  for (uint32_t parts : {3u, 12u, 128u, 1u << 31}) {
     p = v1::SelectionPolicy();
     p.set_name("tokenselect");
     p.set_partitions(parts);

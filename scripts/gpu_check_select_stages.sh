@@ -8,7 +8,9 @@
 #      1M) once per variant of STRATA_AB_PIPES (space-separated; a variant is comma-joined
 #      VAR=value settings, "-" for the defaults; default: fused, op by op, fused on 8-block
 #      clusters; a setting BENCH=path runs that cuda_attention_bench instead of the bundle's, e.g.
-#      an older build's for a baseline in the same call);
+#      an older build's for a baseline in the same call; STRATA_CHECK_PIPE_ARGS: more arguments
+#      for each run, e.g. "--policy tokenselect"; STRATA_CHECK_PIPE_TIMEOUT seconds each, default
+#      200);
 #   2b. with STRATA_CHECK_PHASES (variants as STRATA_AB_PIPES) the selection kernel's phase
 #      stamps per variant (cuda_attention_bench --stage-phases);
 #   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it; STRATA_CHECK_TESTS
@@ -58,8 +60,9 @@ for variant in ${STRATA_AB_PIPES:-- STRATA_BENCH_FUSED=0 STRATA_SELECT_STAGES_CL
   i=$((i + 1))
   echo "-- ${variant}"
   variant_args "$variant"
-  env "${env_args[@]}" timeout 200 "$bench" --pipelines-only --no-sweep \
-    "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
+  # shellcheck disable=SC2086  # STRATA_CHECK_PIPE_ARGS is a list of words
+  env "${env_args[@]}" timeout "${STRATA_CHECK_PIPE_TIMEOUT:-200}" "$bench" --pipelines-only \
+    --no-sweep ${STRATA_CHECK_PIPE_ARGS:-} "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
   grep -E '^PIPE|^GSTAGES|^selection' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
 done
 
@@ -95,19 +98,32 @@ if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
     --gtest_filter='SelectStages*' > "$LOGS/memcheck_select_stages.log" 2>&1
   echo "memcheck SelectStages* rc=$? $(summary "$LOGS/memcheck_select_stages.log")"
   # racecheck instruments every shared-memory access and takes minutes for the whole filter, so
-  # each SelectStages test runs under it in its own process, all at once (the GPU is shared).
+  # each SelectStagesTest test (the others are host logic: no kernel to check) runs under it in
+  # its own process, all at once (the GPU is shared), and those that loop over pool formats once
+  # per format (STRATA_SELECT_STAGES_TEST_POOL).
   mapfile -t race_tests < <("$B/cuda_selection_test" --gtest_list_tests \
-    --gtest_filter='SelectStages*' | awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}')
-  pids=()
+    --gtest_filter='SelectStagesTest.*' | awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}')
+  runs=()
   for t in "${race_tests[@]}"; do
-    timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool racecheck \
-      --error-exitcode 99 --print-limit 20 "$B/cuda_selection_test" --gtest_brief=1 \
-      --gtest_filter="$t" > "$LOGS/racecheck_$t.log" 2>&1 &
+    case "$t" in
+      *.MatchesCpuOps|*.PartitionedMatchesCpu|*.AttendMatchesCpu) runs+=("$t:bf16" "$t:fp8_e4m3") ;;
+      *) runs+=("$t:") ;;
+    esac
+  done
+  pids=()
+  for r in "${runs[@]}"; do
+    STRATA_SELECT_STAGES_TEST_POOL="${r#*:}" timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" \
+      compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
+      "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter="${r%%:*}" \
+      > "$LOGS/racecheck_${r%%:*}_${r#*:}.log" 2>&1 &
     pids+=($!)
   done
-  for k in "${!race_tests[@]}"; do
+  for k in "${!runs[@]}"; do
     wait "${pids[$k]}"
-    echo "racecheck ${race_tests[$k]} rc=$? $(summary "$LOGS/racecheck_${race_tests[$k]}.log")"
+    rc=$?
+    log="$LOGS/racecheck_${runs[$k]%%:*}_${runs[$k]#*:}.log"
+    echo "racecheck ${runs[$k]} rc=$rc $(summary "$log")"
+    [ "$rc" != 0 ] && tail -4 "$log"
   done
 fi
 if [ "${STRATA_CHECK_LATENCY:-0}" = 1 ] && [ -x "$B/cuda_cluster_latency_bench" ]; then

@@ -8,8 +8,8 @@
 // quest and dense) on the CUDA worker (device selection auto) and on a CPU worker with device
 // selection forced on (the CPU twins of the selection ops). The tokens must be equal; also the
 // CUDA decode rate of tokenselect against the same job with device selection off (which attends
-// densely on a device backend). Env: STRATA_WORKER_GPU_DOC_TOKENS (default 40960: a middle of more
-// than 512 pages, so the selection runs two-level), STRATA_WORKER_GPU_MAX_TOKENS (default 32),
+// densely on a device backend). Env: STRATA_WORKER_GPU_DOC_TOKENS (default 40960: 640 pages, one-level
+// under the default two_level_min_pages; device_policy_gpu_test covers the two-level device path), STRATA_WORKER_GPU_MAX_TOKENS (default 32),
 // STRATA_WORKER_GPU_KV_CACHE_DTYPE (every worker's WorkerOptions::kv_cache_dtype, default bf16;
 // with fp8 the tokens must agree on the first half, not all: see the test).
 //

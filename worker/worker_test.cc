@@ -2168,7 +2168,11 @@ TEST(JobPolicyOptionsTest, PartitionsReachThePolicy) {
   p.set_name("tokenselect");
   p.set_budget_tokens(256);
   STRATA_ASSERT_OK_AND_ASSIGN(engine::sparse::PolicyOptions o, JobPolicyOptions(p, 64));
-  EXPECT_EQ(o.tokenselect_partitions, 1);
+  EXPECT_EQ(o.tokenselect_partitions, 0);  // unset: by the budget
+  EXPECT_EQ(o.EffectivePartitions(), 2);
+  p.set_partitions(0);  // the same
+  STRATA_ASSERT_OK_AND_ASSIGN(o, JobPolicyOptions(p, 64));
+  EXPECT_EQ(o.EffectivePartitions(), 2);
   p.set_partitions(16);
   STRATA_ASSERT_OK_AND_ASSIGN(o, JobPolicyOptions(p, 64));
   EXPECT_EQ(o.tokenselect_partitions, 16);
@@ -2176,7 +2180,7 @@ TEST(JobPolicyOptionsTest, PartitionsReachThePolicy) {
     const absl::Status s = JobPolicyOptions(p, 64).status();
     return s.code() == absl::StatusCode::kInvalidArgument && absl::StrContains(s.message(), field);
   };
-  for (uint32_t parts : {0u, 3u, 128u, 1u << 31, 0xffffffffu}) {
+  for (uint32_t parts : {3u, 128u, 1u << 31, 0xffffffffu}) {
     p.set_partitions(parts);
     EXPECT_TRUE(refused("tokenselect_partitions")) << parts << ": " << JobPolicyOptions(p, 64).status();
   }

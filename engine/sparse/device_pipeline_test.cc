@@ -27,6 +27,7 @@ using kernels::TensorView;
 constexpr int kHq = 8, kHkv = 2, kD = 32, kPage = 16, kSegPages = 4;
 constexpr int kBudget = 256, kSinks = 64, kWindow = 256, kMinSegments = 16, kSegmentFactor = 4;
 constexpr int kCandidateFactor = 4;
+constexpr int kTwoLevelMinPages = 512;  // below the middle's 1250 pages: two-level ranking
 // Middle [64, len - 1 - 256) is page-aligned at both ends (no partial page for FillPages to add).
 constexpr int64_t kLen = 1250 * kPage + kWindow + 1;
 
@@ -41,6 +42,8 @@ PolicyOptions Options(PolicyKind kind) {
   o.min_segments = kMinSegments;
   o.segment_factor = kSegmentFactor;
   o.tokenselect_candidate_factor = kCandidateFactor;
+  o.two_level_min_pages = kTwoLevelMinPages;
+  o.tokenselect_partitions = 1;  // the exact vote, as the chain below runs it
   o.cache_theta = 2.0;  // no selection cache
   return o;
 }
@@ -124,7 +127,7 @@ TEST_P(DevicePipelineTest, MatchesCpuPolicy) {
   const int64_t wanted_pages = (tokens ? kCandidateFactor * kBudget : kBudget) / kPage;
   const int64_t keep = std::min<int64_t>(
       s1 - s0, std::max<int64_t>(kMinSegments, (kSegmentFactor * wanted_pages + kSegPages - 1) / kSegPages));
-  ASSERT_GT(p1 - p0, 512) << "the test wants two-level ranking";
+  ASSERT_GT(p1 - p0, kTwoLevelMinPages) << "the test wants two-level ranking";
 
   std::vector<float> seg_scores(kHkv * group * (s1 - s0)), page_scores(kHkv * group * keep * kSegPages);
   std::vector<float> tok_scores(kHkv * group * wanted_pages * kPage);

@@ -3,7 +3,7 @@
 // fallback to the ops an error), against DevicePolicy on the CPU backend (the ops one by one),
 // at the decode shape of an 8B model (4 query heads per KV head, head_dim 128, 64-token pages,
 // bf16 cache, the default budget): the same cache contents, one-level (48K tokens) and two-level
-// (140K tokens) page ranking, quest and tokenselect, several decode steps; and over fp8 caches
+// (140K tokens, with two_level_min_pages below its default) page ranking, quest and tokenselect, several decode steps; and over fp8 caches
 // (KvCacheOptions fp8_e4m3 with per-tensor scales: the kernel's fp8 form on the GPU). The
 // attention runs inside the selection kernel (STRATA_SELECT_ATTEND=require_fused). Page scales vary so
 // the ranking has clear winners; a query head whose output differs counts as a near-tie swap,
@@ -106,8 +106,10 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA GPU: skipped (" << why << ")";
   std::unique_ptr<kernels::Backend> cpu = kernels::MakeCpuBackend(0);
   const Case c = GetParam();
-  PolicyOptions o;  // the defaults: B 2048, sinks 64, window 256, segments of 16 pages
+  PolicyOptions o;  // the defaults: B 2048, sinks 64, window 256, segments of 8 pages
   o.kind = c.kind;
+  // 140K (2188 pages) two-level: the default threshold (4096 pages) would score its pages directly.
+  if (c.len > 64 * 1024) o.two_level_min_pages = 1024;
   o.page_size = kPage;
   o.cache_theta = 2.0;  // every step selects
   o.tokenselect_partitions = c.partitions;

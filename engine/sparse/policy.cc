@@ -90,9 +90,9 @@ absl::Status PolicyOptions::Validate() const {
     return bad("policy: tokenselect_candidate_factor ", tokenselect_candidate_factor,
                " is outside [1, 16]");
   }
-  if (!kernels::ValidPartitions(tokenselect_partitions)) {
+  if (tokenselect_partitions != 0 && !kernels::ValidPartitions(tokenselect_partitions)) {
     return bad("policy: tokenselect_partitions ", tokenselect_partitions,
-               " is not a power of two in [1, 64]");
+               " is neither 0 (by the budget) nor a power of two in [1, 64]");
   }
   if (hip_block < 1) return bad("policy: hip_block < 1");
   if (subgen_samples_per_cluster < 1 || subgen_value_samples < 0 || !(subgen_radius > 0.0)) {
@@ -486,7 +486,7 @@ class PolicyImpl : public SparsePolicy {
                                  int64_t mid_begin, int64_t mid_end, const KvCache& cache,
                                  int layer, int g) {
     const int budget = options_.token_budget;
-    const int parts = options_.tokenselect_partitions;
+    const int parts = options_.EffectivePartitions();
     if (parts > 1 && summary_ != SummaryKind::kNone) {
       return TokenSelectParts(hs, qg, qs, mid_begin, mid_end, cache, layer, g, parts);
     }
@@ -535,7 +535,7 @@ class PolicyImpl : public SparsePolicy {
     for (int64_t i = 0; i < take; ++i) picked->push_back(tokens[order[i]]);
   }
 
-  // tokenselect in `parts` independent parts (PolicyOptions::tokenselect_partitions): part j
+  // tokenselect in `parts` independent parts (PolicyOptions::EffectivePartitions): part j
   // ranks only its own pages (RankPages' part), takes its best ceil(ceil(candidate_factor * B /
   // page) / parts) pages (as many tokens, whole pages, so that a share smaller than a page still
   // gets one; the device policy's page stage keeps the same count per part) and keeps its

@@ -26,7 +26,7 @@
 //               the sampled tokens (at most B) are attended exactly. Lossy; see subgen notes in
 //               engine/sparse/internal/subgen.h.
 // Page ranking (quest, radar, tokenselect candidates) is two-level once the middle has more than
-// `two_level_min_pages` pages: segments of G pages (merged summaries) are scored first, then the
+// `two_level_min_pages` pages (default 4096): segments of G pages (merged summaries) are scored first, then the
 // pages inside the best segments. With GQA the query heads of a KV head are combined by head soft
 // vote (sum over heads of the per-head softmax of the page/branch/token scores).
 // With several query tokens (chunked prefill) selection uses the mean query of the chunk.
@@ -104,8 +104,11 @@ struct PolicyOptions {
   // envelope outranked segments holding needles at 1M tokens in the fidelity benchmark; 512-token
   // segments recover the single-level result for the same bytes (bench/RESULTS.md). Default: 0.
   int segment_pages = 0;
-  // Two-level scoring once the middle has more pages than this. Default: 512.
-  int two_level_min_pages = 512;
+  // Two-level scoring once the middle has more pages than this. Default: 4096 (256K tokens of
+  // 64-token pages): up to there the GPU scores every page in less time than the extra segment
+  // stage costs (H200, session 39: 128K quest 34.3 -> 23.5 µs, tokenselect 52.9 -> 41.6; 256K
+  // 34.4 -> 26.1 and 53.2 -> 46.7), at the same attention-mass recall (bench/RESULTS.md).
+  int two_level_min_pages = 4096;
   // Segments kept at the first level: max(min_segments, segment_factor * B / (P * G)).
   // Defaults: 128 and 4 (8 lost most needles at 1M tokens in the fidelity benchmark).
   int min_segments = 128;
@@ -128,8 +131,12 @@ struct PolicyOptions {
   // over its own candidates (see TokenSelectParts in policy.cc). Each part keeps
   // ceil(token_budget / parts) tokens: a budget that is not a multiple of the parts is rounded up
   // to one (at most parts - 1 tokens more). 1 = the exact head soft vote over every candidate.
-  // Default: 1.
-  int tokenselect_partitions = 1;
+  // 0 (the default since session 39) = by the budget, EffectivePartitions(): 16 at the default
+  // B = 2048, one GPU block per part and KV head and no top-k across blocks (H200, 8B shape: 128K
+  // 41.6 -> 37.6 µs, 1M 55.0 -> 45.5 per selecting step) for 0.1-0.5 points of attention-mass
+  // recall (bench/RESULTS.md "Session 39"); fewer parts for smaller budgets, whose shares would
+  // be too small to rank well.
+  int tokenselect_partitions = 0;
   // hip: key block size b_k (tokens per leaf block). Default: 2 (HiP code's block_size_k).
   int hip_block = 2;
   // subgen: samples per cluster t, value samples s (0 = B / 4), cluster radius delta relative to
@@ -142,6 +149,14 @@ struct PolicyOptions {
   // Pages per segment actually used: segment_pages, or max(1, 512 / page_size) when it is 0.
   int EffectiveSegmentPages() const {
     return segment_pages > 0 ? segment_pages : (page_size > 0 ? std::max(1, 512 / page_size) : 1);
+  }
+  // tokenselect's parts: tokenselect_partitions, or for 0 the largest power of two P <= 16 with
+  // at least 128 budget tokens per part (B = 2048: 16; 1024: 8; below 256: 1).
+  int EffectivePartitions() const {
+    if (tokenselect_partitions > 0) return tokenselect_partitions;
+    int p = 1;
+    while (p < 16 && token_budget >= 128 * 2 * p) p *= 2;
+    return p;
   }
   // The effective summary: DefaultSummary(kind) for kDefault, else summary.
   SummaryKind EffectiveSummary() const {

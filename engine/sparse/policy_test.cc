@@ -161,12 +161,23 @@ TEST(PolicyOptionsTest, ParseAndValidate) {
   EXPECT_THAT(MakeAttentionPolicy(o, 2, 8, 2, 32), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
-// tokenselect_partitions: a power of two in [1, 64] (the error names the field); any budget
-// (one that is not a multiple of the parts is rounded up to one, TokenSelectPartitionsKeepTheirShare).
+// tokenselect_partitions: 0 (by the budget, the default) or a power of two in [1, 64] (the error
+// names the field); any budget (one that is not a multiple of the parts is rounded up to one,
+// TokenSelectPartitionsKeepTheirShare).
 TEST(PolicyOptionsTest, TokenSelectPartitions) {
   PolicyOptions o;
-  EXPECT_EQ(o.tokenselect_partitions, 1);
-  for (int parts : {0, -4, 3, 6, 48, 128}) {
+  EXPECT_EQ(o.tokenselect_partitions, 0);
+  STRATA_EXPECT_OK(o.Validate());
+  // By the budget: the largest power of two <= 16 with >= 128 tokens per part.
+  for (const auto& [budget, want] : {std::pair{2048, 16}, std::pair{4096, 16}, std::pair{1 << 20, 16},
+                                     std::pair{2047, 8}, std::pair{1024, 8}, std::pair{512, 4},
+                                     std::pair{256, 2}, std::pair{255, 1}, std::pair{1, 1}}) {
+    o.token_budget = budget;
+    EXPECT_EQ(o.EffectivePartitions(), want) << budget;
+  }
+  o.tokenselect_partitions = 4;
+  EXPECT_EQ(o.EffectivePartitions(), 4);  // given: as given, whatever the budget
+  for (int parts : {-4, 3, 6, 48, 128}) {
     o = PolicyOptions();
     o.tokenselect_partitions = parts;
     EXPECT_THAT(o.Validate(), StatusIs(absl::StatusCode::kInvalidArgument,
@@ -540,7 +551,10 @@ TEST(PolicyTest, TokenSelectPartitionsKeepTheirShare) {
     o.segment_factor = 1;
     ASSERT_EQ(o.segment_pages, seg_pages);
     ASSERT_EQ(o.page_size, page);
+    // The default (0: by the budget, 2 parts at 256 and 1 at 250) must select as that count does.
     std::unique_ptr<SparsePolicy> def = MakeSparsePolicy(o, kLayers, kHq, kHkv, kD).value();
+    const int def_parts = o.EffectivePartitions();
+    ASSERT_EQ(def_parts, budget >= 256 ? 2 : 1);
     std::vector<int> all_parts = {1, 2, 4, 8};
     std::vector<std::unique_ptr<SparsePolicy>> policies;
     for (int parts : all_parts) {
@@ -562,14 +576,18 @@ TEST(PolicyTest, TokenSelectPartitionsKeepTheirShare) {
           q[t * kHq * kD + i] = round == 1 ? dir[i % kD] + 0.3f * nd(rng) : nd(rng);
         }
       }
-      Selection ref;
-      STRATA_ASSERT_OK(def->Select(0, q.data(), nt, kHq, q_begin, *w.cache, &ref));
+      Selection ref, by_default;
+      STRATA_ASSERT_OK(policies[0]->Select(0, q.data(), nt, kHq, q_begin, *w.cache, &ref));
+      STRATA_ASSERT_OK(def->Select(0, q.data(), nt, kHq, q_begin, *w.cache, &by_default));
       for (size_t pi = 0; pi < policies.size(); ++pi) {
         const int parts = all_parts[pi];
         SCOPED_TRACE(::testing::Message() << "budget " << budget << " two_level " << two_level
                                           << " parts " << parts << " round " << round);
         Selection sel;
         STRATA_ASSERT_OK(policies[pi]->Select(0, q.data(), nt, kHq, q_begin, *w.cache, &sel));
+        if (parts == def_parts) {
+          for (int g = 0; g < kHkv; ++g) EXPECT_EQ(Attended(sel, g), Attended(by_default, g)) << g;
+        }
         bool differs = false;
         for (int g = 0; g < kHkv; ++g) {
           const std::vector<int64_t> a = Attended(sel, g);  // fails on a duplicate token

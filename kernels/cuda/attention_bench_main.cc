@@ -12,10 +12,12 @@
 //
 // Then (unless --no-pipelines) the device-resident sparse pipelines, selection + attention for one
 // layer with PolicyOptions defaults (P 64, B 2048, sinks 64, window 256, the policy's 512-token
-// segments of 8 pages, which make 128K two-level, as DevicePolicy runs it; before session 38 the
-// bench used segments of 16 pages, STRATA_BENCH_SEGMENT_PAGES=16, which its earlier figures are),
-// two-level above 512 pages keeping max(128, 4 * wanted / G) segments, one-level where that
-// keeps every segment, as DevicePolicy (STRATA_BENCH_KEEP_SEGMENT_STAGE=1: two-level there too);
+// segments of 8 pages; before session 38 the bench used segments of 16 pages,
+// STRATA_BENCH_SEGMENT_PAGES=16, which its earlier figures are), two-level above 4096 pages (up
+// to 256K one-level; STRATA_BENCH_TWO_LEVEL_MIN_PAGES=N: above N; the policy's threshold was 512
+// before session 39, which made 128K two-level) keeping max(128, 4 * wanted / G) segments,
+// one-level where that keeps every segment, as DevicePolicy (STRATA_BENCH_KEEP_SEGMENT_STAGE=1:
+// two-level there too);
 // minmax page summaries computed here from the bf16 keys, in bf16 as DevicePolicy keeps them for
 // a bf16 cache (kernels::MinMaxRowsToBF16, exact here); STRATA_BENCH_SUMMARY_BF16=0: in f32;
 // STRATA_BENCH_POOL=fp8: the pipelines' K and V pools are fp8 e4m3 codes of the same values at a
@@ -27,9 +29,10 @@
 // with the selection stages and the attention as one Backend::SelectStages op with `attend` set
 // (one kernel on CUDA where the shape allows; STRATA_BENCH_ATTEND=op: the selection stages as one
 // op and SelectedAttention after it; STRATA_BENCH_FUSED=0: the ops one by one, as listed);
-// STRATA_BENCH_PARTITIONS=P (2 to 64): tokenselect's stages in P independent parts
-// (SelectStagesParams::partitions; on CUDA the partitioned kernel), its rows labelled
-// "tokenselect/pP";
+// tokenselect's stages in 16 independent parts, the policy's default at B = 2048
+// (PolicyOptions::EffectivePartitions; SelectStagesParams::partitions; on CUDA the partitioned
+// kernel), its rows labelled "tokenselect/p16"; STRATA_BENCH_PARTITIONS=P (a power of two 1 to
+// 64) for P parts, 1 the exact vote (rows "tokenselect", the default before session 39);
 // each also as "+miss" (SelectionCacheCheck first, theta 2: every KV head selects) and "+hit"
 // (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels exit
 // at the top and only the check and the attention do work); the MiB column is the selecting
@@ -86,7 +89,7 @@ double g_dense_us = 0;  // the dense row's gpu_us for the current context
 
 // ---- Device-resident pipelines ---------------------------------------------------------------
 
-constexpr int kSinks = 64, kWindow = 256, kTwoLevelMinPages = 512;
+constexpr int kSinks = 64, kWindow = 256;
 constexpr int kMinSegments = 128, kSegmentFactor = 4;
 // PolicyOptions::EffectiveSegmentPages for these pages: segments of 512 tokens.
 constexpr int kSegmentPagesOfThePolicy = 512 / kPage;
@@ -97,11 +100,17 @@ int EnvInt(const char* name, int lo, int hi, int fallback) {
   const int v = e == nullptr ? fallback : std::atoi(e);
   return v >= lo && v <= hi ? v : fallback;
 }
-// Pages per segment: DevicePolicy's (PolicyOptions::EffectiveSegmentPages, 8 for pages of 64:
-// two-level from 128K on), or STRATA_BENCH_SEGMENT_PAGES (1 to 64).
+// Pages per segment: DevicePolicy's (PolicyOptions::EffectiveSegmentPages, 8 for pages of 64),
+// or STRATA_BENCH_SEGMENT_PAGES (1 to 64).
 int SegPages() {
   static const int g = EnvInt("STRATA_BENCH_SEGMENT_PAGES", 1, 64, kSegmentPagesOfThePolicy);
   return g;
+}
+// Two-level once the middle has more pages than this: PolicyOptions::two_level_min_pages's
+// default, or STRATA_BENCH_TWO_LEVEL_MIN_PAGES (0 to 1 << 24).
+int TwoLevelMinPages() {
+  static const int m = EnvInt("STRATA_BENCH_TWO_LEVEL_MIN_PAGES", 0, 1 << 24, 4096);
+  return m;
 }
 // tokenselect's candidate tokens per budget token (PolicyOptions::tokenselect_candidate_factor):
 // 4, or STRATA_BENCH_CANDIDATE_FACTOR (1 to 16) for the speed side of the fidelity trade-off.
@@ -109,11 +118,11 @@ int CandidateFactor() {
   static const int f = EnvInt("STRATA_BENCH_CANDIDATE_FACTOR", 1, 16, 4);
   return f;
 }
-// tokenselect's parts (STRATA_BENCH_PARTITIONS, a power of two 2 to 64; 1 otherwise).
+// tokenselect's parts (STRATA_BENCH_PARTITIONS, a power of two 1 to 64; 16 otherwise).
 int Partitions() {
   static const int p = [] {
-    const int v = EnvInt("STRATA_BENCH_PARTITIONS", 2, 64, 1);
-    return (v & (v - 1)) == 0 ? v : 1;
+    const int v = EnvInt("STRATA_BENCH_PARTITIONS", 1, 64, 16);
+    return (v & (v - 1)) == 0 ? v : 16;
   }();
   return p;
 }
@@ -150,7 +159,7 @@ struct Pipeline {
     p1 = (window_begin + kPage - 1) / kPage;
     const int64_t wanted_tokens = token_level ? int64_t{CandidateFactor()} * kBudget : kBudget;
     const int64_t wanted_pages = (wanted_tokens + kPage - 1) / kPage;
-    two_level = p1 - p0 > kTwoLevelMinPages;
+    two_level = p1 - p0 > TwoLevelMinPages();
     s0 = p0 / SegPages();
     s1 = (p1 - 1) / SegPages() + 1;
     keep_segs = std::min<int64_t>(s1 - s0, std::max<int64_t>(kMinSegments,

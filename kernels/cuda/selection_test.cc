@@ -1507,6 +1507,14 @@ SelectedAttentionParams ChainAttention(const Chain& ch, int64_t window, void* q,
   return at;
 }
 
+// STRATA_SELECT_STAGES_TEST_POOL=bf16|fp8_e4m3: the SelectStagesTest cases that loop over pool
+// formats run that one only (unset or empty: every format) (a sanitizer run's time: scripts/gpu_check_select_stages.sh runs each
+// format of them under racecheck in its own process).
+bool PoolWanted(DType pool) {
+  const char* only = std::getenv("STRATA_SELECT_STAGES_TEST_POOL");
+  return only == nullptr || *only == '\0' || std::string_view(only) == DTypeName(pool);
+}
+
 class SelectStagesTest : public SelectionTest {
  protected:
   // Per stage of `ch` a poisoned scores and selected buffer in *bufs (in that order), their
@@ -1625,7 +1633,7 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
   for (const ChainCase& c : cases) {
     // Key stages over bf16 and over fp8 pools (the kernel's fp8 form).
     for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
-      if (pool == DType::kFP8E4M3 && !c.keys) continue;
+      if ((pool == DType::kFP8E4M3 && !c.keys) || !PoolWanted(pool)) continue;
       SCOPED_TRACE(::testing::Message() << c.name << ", " << DTypeName(pool) << " keys");
       Chain ch = MakeChain(c, rng_, pool);
       const ChainRef ref = RunChainOnCpu(cpu_, ch);
@@ -1699,6 +1707,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
   for (const PartCase& pc : cases) {
     // bf16 and fp8 pools (the kernel's fp8 form: key stage and attention on fp8 rows).
     for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
+      if (!PoolWanted(pool)) continue;
       const ChainCase& c = pc.c;
       SCOPED_TRACE(::testing::Message() << c.name << ", " << pc.parts << " parts, "
                                         << DTypeName(pool) << " pools");
@@ -1845,10 +1854,8 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
   constexpr int kD = Chain::kD;
   for (const AttendCase& ac : cases) {
     // bf16 pools, and fp8 pools (the kernel's fp8 form: key stage and attention on fp8 rows).
-    // STRATA_SELECT_STAGES_TEST_POOL=bf16|fp8_e4m3 runs one of them (a sanitizer run's time).
     for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
-      const char* only = std::getenv("STRATA_SELECT_STAGES_TEST_POOL");
-      if (only != nullptr && std::string_view(only) != DTypeName(pool)) continue;
+      if (!PoolWanted(pool)) continue;
       const ChainCase& c = ac.c;
       SCOPED_TRACE(::testing::Message() << c.name << ", " << DTypeName(pool) << " pools");
       Chain ch = MakeChain(c, rng_, pool);
