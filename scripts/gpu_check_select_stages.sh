@@ -10,7 +10,7 @@
 #      clusters; a setting BENCH=path runs that cuda_attention_bench instead of the bundle's, e.g.
 #      an older build's for a baseline in the same call; STRATA_CHECK_PIPE_ARGS: more arguments
 #      for each run, e.g. "--policy tokenselect"; STRATA_CHECK_PIPE_TIMEOUT seconds each, default
-#      200);
+#      200; STRATA_CHECK_SKIP_PIPES=1 skips them);
 #   2b. with STRATA_CHECK_PHASES (variants as STRATA_AB_PIPES) the selection kernel's phase
 #      stamps per variant (cuda_attention_bench --stage-phases);
 #   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it; STRATA_CHECK_TESTS
@@ -54,17 +54,19 @@ for variant in - ${STRATA_CHECK_TEST_VARIANTS:-}; do
   grep -E 'Failure|error|Expected|Which is|seed' "$LOGS/select_stages_$j.log" | head -30
 done
 
-echo "== pipelines"
-i=0
-for variant in ${STRATA_AB_PIPES:-- STRATA_BENCH_FUSED=0 STRATA_SELECT_STAGES_CLUSTER=8}; do
-  i=$((i + 1))
-  echo "-- ${variant}"
-  variant_args "$variant"
-  # shellcheck disable=SC2086  # STRATA_CHECK_PIPE_ARGS is a list of words
-  env "${env_args[@]}" timeout "${STRATA_CHECK_PIPE_TIMEOUT:-200}" "$bench" --pipelines-only \
-    --no-sweep ${STRATA_CHECK_PIPE_ARGS:-} "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
-  grep -E '^PIPE|^GSTAGES|^selection' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
-done
+if [ "${STRATA_CHECK_SKIP_PIPES:-0}" != 1 ]; then
+  echo "== pipelines"
+  i=0
+  for variant in ${STRATA_AB_PIPES:-- STRATA_BENCH_FUSED=0 STRATA_SELECT_STAGES_CLUSTER=8}; do
+    i=$((i + 1))
+    echo "-- ${variant}"
+    variant_args "$variant"
+    # shellcheck disable=SC2086  # STRATA_CHECK_PIPE_ARGS is a list of words
+    env "${env_args[@]}" timeout "${STRATA_CHECK_PIPE_TIMEOUT:-200}" "$bench" --pipelines-only \
+      --no-sweep ${STRATA_CHECK_PIPE_ARGS:-} "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
+    grep -E '^PIPE|^GSTAGES|^selection' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
+  done
+fi
 
 if [ -n "${STRATA_CHECK_PHASES:-}" ]; then
   echo "== selection kernel phases"

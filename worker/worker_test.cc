@@ -2169,10 +2169,10 @@ TEST(JobPolicyOptionsTest, PartitionsReachThePolicy) {
   p.set_budget_tokens(256);
   STRATA_ASSERT_OK_AND_ASSIGN(engine::sparse::PolicyOptions o, JobPolicyOptions(p, 64));
   EXPECT_EQ(o.tokenselect_partitions, 0);  // unset: by the budget
-  EXPECT_EQ(o.EffectivePartitions(), 2);
+  EXPECT_EQ(o.EffectivePartitions(4), 2);
   p.set_partitions(0);  // the same
   STRATA_ASSERT_OK_AND_ASSIGN(o, JobPolicyOptions(p, 64));
-  EXPECT_EQ(o.EffectivePartitions(), 2);
+  EXPECT_EQ(o.EffectivePartitions(4), 2);
   p.set_partitions(16);
   STRATA_ASSERT_OK_AND_ASSIGN(o, JobPolicyOptions(p, 64));
   EXPECT_EQ(o.tokenselect_partitions, 16);

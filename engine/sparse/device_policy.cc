@@ -26,7 +26,7 @@ DevicePolicy::DevicePolicy(const PolicyOptions& options, const KvCacheOptions& c
       d_(cache.head_dim),
       page_(cache.page_size),
       seg_pages_(options.EffectiveSegmentPages()),
-      parts_(options.kind == PolicyKind::kTokenSelect ? options.EffectivePartitions() : 1),
+      parts_(options.kind == PolicyKind::kTokenSelect ? options.EffectivePartitions(group_) : 1),
       max_pages_((cache.max_tokens + cache.page_size - 1) / cache.page_size),
       max_segs_(0),
       wanted_pages_(0),

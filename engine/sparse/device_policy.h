@@ -24,7 +24,7 @@
 //   - where the two-level stage would keep every segment, the pages are scored directly (the
 //     same candidates; the host policy goes through the segments), saving two launches; not
 //     with partitions (below), whose parts are dealt by segment on the two-level path.
-// tokenselect with options.EffectivePartitions() = R > 1 (the host policy's TokenSelectParts):
+// tokenselect with options.EffectivePartitions(group) = R > 1 (the host policy's TokenSelectParts):
 // SelectStagesParams::partitions = R, so every stage runs in R independent parts (which a
 // backend may run in a thread block each, with no top-k across blocks) and every stage's k is a
 // multiple of R: the
@@ -198,7 +198,7 @@ class DevicePolicy {
   KvCacheOptions cache_options_;
   int hq_, hkv_, group_, d_, page_, seg_pages_;
   // The selection's independent parts (SelectStagesParams::partitions): tokenselect's
-  // options.EffectivePartitions(), 1 for quest. Every stage's k is a multiple of it.
+  // options.EffectivePartitions(group_), 1 for quest. Every stage's k is a multiple of it.
   int parts_;
   int64_t max_pages_, max_segs_;
   // Pages kept before the token stage (tokenselect) or attended (quest): the host policy's

@@ -15,6 +15,7 @@
 #include "engine/sparse/internal/subgen.h"
 #include "engine/sparse/summaries.h"
 #include "kernels/backend.h"
+#include "kernels/part_limits.h"
 
 namespace strata::engine::sparse {
 
@@ -71,6 +72,15 @@ SummaryKind DefaultSummary(PolicyKind kind) {
     case PolicyKind::kRadar: return SummaryKind::kRf;
     default: return SummaryKind::kNone;
   }
+}
+
+int PolicyOptions::EffectivePartitions(int group) const {
+  if (tokenselect_partitions > 0) return tokenselect_partitions;
+  if (group > kernels::kMaxPartGroup) return 1;
+  int p = 1;
+  while (p < 16 && token_budget >= 128 * 2 * p) p *= 2;
+  const int64_t candidates = int64_t{token_budget} * tokenselect_candidate_factor;
+  return (candidates + p - 1) / p <= kernels::kMaxPartCandidates ? p : 1;
 }
 
 absl::Status PolicyOptions::Validate() const {
@@ -486,7 +496,7 @@ class PolicyImpl : public SparsePolicy {
                                  int64_t mid_begin, int64_t mid_end, const KvCache& cache,
                                  int layer, int g) {
     const int budget = options_.token_budget;
-    const int parts = options_.EffectivePartitions();
+    const int parts = options_.EffectivePartitions(group_);
     if (parts > 1 && summary_ != SummaryKind::kNone) {
       return TokenSelectParts(hs, qg, qs, mid_begin, mid_end, cache, layer, g, parts);
     }

@@ -131,7 +131,7 @@ struct PolicyOptions {
   // over its own candidates (see TokenSelectParts in policy.cc). Each part keeps
   // ceil(token_budget / parts) tokens: a budget that is not a multiple of the parts is rounded up
   // to one (at most parts - 1 tokens more). 1 = the exact head soft vote over every candidate.
-  // 0 (the default since session 39) = by the budget, EffectivePartitions(): 16 at the default
+  // 0 (the default since session 39) = by the budget, EffectivePartitions(group): 16 at the default
   // B = 2048, one GPU block per part and KV head and no top-k across blocks (H200, 8B shape: 128K
   // 41.6 -> 37.6 µs, 1M 55.0 -> 45.5 per selecting step) for 0.1-0.5 points of attention-mass
   // recall (bench/RESULTS.md "Session 39"); fewer parts for smaller budgets, whose shares would
@@ -150,14 +150,11 @@ struct PolicyOptions {
   int EffectiveSegmentPages() const {
     return segment_pages > 0 ? segment_pages : (page_size > 0 ? std::max(1, 512 / page_size) : 1);
   }
-  // tokenselect's parts: tokenselect_partitions, or for 0 the largest power of two P <= 16 with
-  // at least 128 budget tokens per part (B = 2048: 16; 1024: 8; below 256: 1).
-  int EffectivePartitions() const {
-    if (tokenselect_partitions > 0) return tokenselect_partitions;
-    int p = 1;
-    while (p < 16 && token_budget >= 128 * 2 * p) p *= 2;
-    return p;
-  }
+  // tokenselect's parts for KV heads of `group` query heads: tokenselect_partitions, or for 0 the
+  // largest power of two P <= 16 with at least 128 budget tokens per part (B = 2048: 16; 1024: 8;
+  // below 256: 1), and 1 where parts would not run on every backend (kernels/part_limits.h: more
+  // than 4 query heads per KV head, or more than 4096 candidate tokens in a part).
+  int EffectivePartitions(int group) const;
   // The effective summary: DefaultSummary(kind) for kDefault, else summary.
   SummaryKind EffectiveSummary() const {
     return summary == SummaryKind::kDefault ? DefaultSummary(kind) : summary;

@@ -168,15 +168,26 @@ TEST(PolicyOptionsTest, TokenSelectPartitions) {
   PolicyOptions o;
   EXPECT_EQ(o.tokenselect_partitions, 0);
   STRATA_EXPECT_OK(o.Validate());
-  // By the budget: the largest power of two <= 16 with >= 128 tokens per part.
-  for (const auto& [budget, want] : {std::pair{2048, 16}, std::pair{4096, 16}, std::pair{1 << 20, 16},
-                                     std::pair{2047, 8}, std::pair{1024, 8}, std::pair{512, 4},
-                                     std::pair{256, 2}, std::pair{255, 1}, std::pair{1, 1}}) {
+  // By the budget: the largest power of two <= 16 with >= 128 tokens per part, inside the shape
+  // every backend runs in parts (kernels/part_limits.h): candidate_factor * B / P <= 4096
+  // candidates per part (4 * 16384 / 16 is; 4 * 16385 / 16 is not), at most 4 query heads per
+  // KV head; else 1.
+  for (const auto& [budget, want] : {std::pair{2048, 16}, std::pair{4096, 16}, std::pair{16384, 16},
+                                     std::pair{16385, 1}, std::pair{1 << 20, 1}, std::pair{2047, 8},
+                                     std::pair{1024, 8}, std::pair{512, 4}, std::pair{256, 2},
+                                     std::pair{255, 1}, std::pair{1, 1}}) {
     o.token_budget = budget;
-    EXPECT_EQ(o.EffectivePartitions(), want) << budget;
+    EXPECT_EQ(o.EffectivePartitions(4), want) << budget;
   }
+  o.token_budget = 2048;
+  EXPECT_EQ(o.EffectivePartitions(1), 16);
+  EXPECT_EQ(o.EffectivePartitions(5), 1);
+  o.tokenselect_candidate_factor = 16;  // 32768 candidates: 2048 per part
+  EXPECT_EQ(o.EffectivePartitions(4), 16);
+  o.token_budget = 8192;  // 131072: 8192 per part
+  EXPECT_EQ(o.EffectivePartitions(4), 1);
   o.tokenselect_partitions = 4;
-  EXPECT_EQ(o.EffectivePartitions(), 4);  // given: as given, whatever the budget
+  EXPECT_EQ(o.EffectivePartitions(8), 4);  // given: as given, whatever the budget and shape
   for (int parts : {-4, 3, 6, 48, 128}) {
     o = PolicyOptions();
     o.tokenselect_partitions = parts;
@@ -553,7 +564,7 @@ TEST(PolicyTest, TokenSelectPartitionsKeepTheirShare) {
     ASSERT_EQ(o.page_size, page);
     // The default (0: by the budget, 2 parts at 256 and 1 at 250) must select as that count does.
     std::unique_ptr<SparsePolicy> def = MakeSparsePolicy(o, kLayers, kHq, kHkv, kD).value();
-    const int def_parts = o.EffectivePartitions();
+    const int def_parts = o.EffectivePartitions(kHq / kHkv);
     ASSERT_EQ(def_parts, budget >= 256 ? 2 : 1);
     std::vector<int> all_parts = {1, 2, 4, 8};
     std::vector<std::unique_ptr<SparsePolicy>> policies;

@@ -60,6 +60,7 @@
 
 #include "kernels/cuda/internal/common.cuh"
 #include "kernels/cuda/internal/selection.cuh"
+#include "kernels/part_limits.h"
 #include "kernels/vote_rank.h"
 
 namespace strata::kernels::cuda_internal {
@@ -3934,6 +3935,8 @@ constexpr int kPartMaxCands = kPartThreads * kPartPer;  // a stage's candidates 
 constexpr int kPartSmallPer = 2;  // PartStagesKernel's shorter form: up to 512 per part
 constexpr int kPartOpMaxThreads = 512;  // PartVoteTopKKernel: up to 4096 per part
 constexpr int kPartG = kRegTopKMaxGroup;
+static_assert(kPartG == kMaxPartGroup && kPartOpMaxThreads * kPartPer == kMaxPartCandidates,
+              "kernels/part_limits.h states what the part kernels hold");
 
 // Index of the t-th candidate of part `part` (VoteTopKParams::partitions), or -1 past the part.
 __device__ __forceinline__ int32_t PartCandidateIndex(const DeviceCandidates& c, int parts,
