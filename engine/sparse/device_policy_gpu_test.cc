@@ -164,11 +164,11 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   }
   unsetenv("STRATA_SELECT_STAGES");
   unsetenv("STRATA_SELECT_ATTEND");
-  std::printf("  %s %lld tokens, %s cache, %d parts: %d of %d query-head outputs differ from "
-              "the CPU ops\n",
+  std::printf("  %s %lld tokens, %s cache, %d parts, budget %d: %d of %d query-head outputs "
+              "differ from the CPU ops\n",
               c.kind == PolicyKind::kQuest ? "quest" : "tokenselect",
-              static_cast<long long>(c.len), kernels::DTypeName(c.dtype), c.partitions, differ,
-              heads);
+              static_cast<long long>(c.len), kernels::DTypeName(c.dtype), c.partitions,
+              o.token_budget, differ, heads);
   EXPECT_LE(differ, heads / 16) << "more outputs differ than near-ties explain";
 }
 
