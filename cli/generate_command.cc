@@ -266,9 +266,15 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
             static_cast<int>(m->config.num_heads), backend.get()));
     gen.device_policy = device_policy.get();
   }
+  // tokenselect's parts as the policy runs them (0 asks for them by the budget).
+  const int group =
+      static_cast<int>(m->config.num_heads / std::max<int64_t>(1, m->config.num_kv_heads));
+  const std::string parts = popt.kind == engine::sparse::PolicyKind::kTokenSelect
+                                ? absl::StrCat(" parts=", popt.EffectivePartitions(group))
+                                : std::string();
   std::fprintf(stderr,
                "strata generate: model=%s [%s] backend=%s selection=%s threads=%s policy=%s "
-               "budget=%lld "
+               "budget=%lld%s "
                "sinks=%lld window=%lld page=%lld kv=%s chunk=%lld "
                "max_tokens=%lld temperature=%g top_k=%lld top_p=%g seed=%lld stop=%zu "
                "ignore_eos=%s matmul=%s weights=%s\n",
@@ -276,7 +282,7 @@ absl::Status Run(const GenerateFlags& f, const std::vector<std::string>& stops) 
                device_selection ? "device" : "host",
                f.threads > 0 ? std::to_string(f.threads).c_str() : "all",
                device_selection ? f.policy.c_str() : policy->Name().c_str(), static_cast<long long>(f.budget),
-               static_cast<long long>(f.sinks), static_cast<long long>(f.window),
+               parts.c_str(), static_cast<long long>(f.sinks), static_cast<long long>(f.window),
                static_cast<long long>(f.page_size), f.kv_dtype.c_str(),
                static_cast<long long>(f.chunk_size),
                static_cast<long long>(f.max_tokens), f.temperature,
