@@ -78,7 +78,7 @@ int PolicyOptions::EffectivePartitions(int group) const {
   if (tokenselect_partitions > 0) return tokenselect_partitions;
   if (group > kernels::kMaxPartGroup) return 1;
   int p = 1;
-  while (p < 16 && token_budget >= 128 * 2 * p) p *= 2;
+  while (p < 16 && token_budget >= 128 * 2 * p && token_budget % (2 * p) == 0) p *= 2;
   const int64_t candidates = int64_t{token_budget} * tokenselect_candidate_factor;
   return (candidates + p - 1) / p <= kernels::kMaxPartCandidates ? p : 1;
 }

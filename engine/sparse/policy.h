@@ -151,8 +151,9 @@ struct PolicyOptions {
     return segment_pages > 0 ? segment_pages : (page_size > 0 ? std::max(1, 512 / page_size) : 1);
   }
   // tokenselect's parts for KV heads of `group` query heads: tokenselect_partitions, or for 0 the
-  // largest power of two P <= 16 with at least 128 budget tokens per part (B = 2048: 16; 1024: 8;
-  // below 256: 1), and 1 where parts would not run on every backend (kernels/part_limits.h: more
+  // largest power of two P <= 16 that divides the budget with at least 128 tokens per part (B =
+  // 2048: 16; 1024: 8; 2000: 8; 1990: 2; below 256 or odd: 1), so that the default never rounds
+  // the budget up, and 1 where parts would not run on every backend (kernels/part_limits.h: more
   // than 4 query heads per KV head, or more than 4096 candidate tokens in a part).
   int EffectivePartitions(int group) const;
   // The effective summary: DefaultSummary(kind) for kDefault, else summary.

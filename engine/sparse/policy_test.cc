@@ -168,12 +168,13 @@ TEST(PolicyOptionsTest, TokenSelectPartitions) {
   PolicyOptions o;
   EXPECT_EQ(o.tokenselect_partitions, 0);
   STRATA_EXPECT_OK(o.Validate());
-  // By the budget: the largest power of two <= 16 with >= 128 tokens per part, inside the shape
-  // every backend runs in parts (kernels/part_limits.h): candidate_factor * B / P <= 4096
-  // candidates per part (4 * 16384 / 16 is; 4 * 16385 / 16 is not), at most 4 query heads per
-  // KV head; else 1.
+  // By the budget: the largest power of two <= 16 that divides it with >= 128 tokens per part
+  // (the default never rounds the budget up), inside the shape every backend runs in parts
+  // (kernels/part_limits.h): candidate_factor * B / P <= 4096 candidates per part (4 * 16384 /
+  // 16 is; 4 * 16400 / 16 is not), at most 4 query heads per KV head; else 1.
   for (const auto& [budget, want] : {std::pair{2048, 16}, std::pair{4096, 16}, std::pair{16384, 16},
-                                     std::pair{16385, 1}, std::pair{1 << 20, 1}, std::pair{2047, 8},
+                                     std::pair{16400, 1}, std::pair{1 << 20, 1}, std::pair{2047, 1},
+                                     std::pair{2000, 8}, std::pair{1990, 2}, std::pair{3000, 8},
                                      std::pair{1024, 8}, std::pair{512, 4}, std::pair{256, 2},
                                      std::pair{255, 1}, std::pair{1, 1}}) {
     o.token_budget = budget;
