@@ -212,8 +212,9 @@ absl::StatusOr<std::unique_ptr<ShardSession>> ShardSession::Create(std::shared_p
     // Sinks belong to the shard holding tokens [0, S); the window belongs to the leader.
     if (s->shard_->first_token() != 0) p.set_sink_tokens(0);
     p.set_window_tokens(0);
-    // tokenselect in parts rounds the share up to a multiple of the parts itself (each part
-    // keeps ceil(share / parts) tokens, PolicyOptions::tokenselect_partitions).
+    // tokenselect in parts rounds the share up to a multiple of the parts asked for itself (each
+    // part keeps ceil(share / parts) tokens); by default the parts are chosen for the share
+    // (PolicyOptions::EffectivePartitions) and divide it.
     if (budget_tokens > 0) p.set_budget_tokens(budget_tokens);
     const engine::KvCache& cache = s->shard_->cache();
     const int page_size = cache.options().page_size;

@@ -165,8 +165,9 @@ struct ShardAnswerTiming {
 class ShardSession {
  public:
   // `budget_tokens` is this shard's share of the job's budget (0: the policy's budget_tokens, or
-  // the policy default); tokenselect in parts (SelectionPolicy.partitions) keeps ceil(share /
-  // parts) tokens per part, as the policy does for any budget. Attends on the shard's backend. InvalidArgument for a bad policy, or for
+  // the policy default); tokenselect in parts asked for (SelectionPolicy.partitions) keeps
+  // ceil(share / parts) tokens per part, as the policy does for any budget; by default the parts
+  // are chosen for the share (PolicyOptions::EffectivePartitions). Attends on the shard's backend. InvalidArgument for a bad policy, or for
   // a policy a device-selection shard cannot run (DeviceShardPolicy).
   static absl::StatusOr<std::unique_ptr<ShardSession>> Create(std::shared_ptr<const MountedShard> shard,
                                                               const v1::SelectionPolicy& policy,
