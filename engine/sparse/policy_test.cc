@@ -180,6 +180,14 @@ TEST(PolicyOptionsTest, TokenSelectPartitions) {
     o.token_budget = budget;
     EXPECT_EQ(o.EffectivePartitions(4), want) << budget;
   }
+  // The default never rounds a budget up: its count divides every budget, with >= 128 tokens per
+  // part (or is 1), and keeps a part's candidates within 4096.
+  for (int budget = 1; budget <= 20000; ++budget) {
+    o.token_budget = budget;
+    const int p = o.EffectivePartitions(4);
+    ASSERT_EQ(budget % p, 0) << budget;
+    ASSERT_TRUE(p == 1 || (budget / p >= 128 && 4 * budget / p <= 4096)) << budget << " " << p;
+  }
   o.token_budget = 2048;
   EXPECT_EQ(o.EffectivePartitions(1), 16);
   EXPECT_EQ(o.EffectivePartitions(5), 1);
