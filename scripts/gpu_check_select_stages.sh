@@ -15,11 +15,15 @@
 #      stamps per variant (cuda_attention_bench --stage-phases);
 #   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it; STRATA_CHECK_TESTS
 #      names the ones to run instead), compute-sanitizer memcheck on the SelectStages tests and
-#      racecheck on each of them in its own process, all at once (STRATA_CHECK_SKIP_SANITIZE=1
-#      skips them; STRATA_CHECK_SANITIZE_TIMEOUT seconds each, default 200), and with
+#      racecheck on each SelectStagesTest test in its own process (those that loop over pool
+#      formats once per format, their cases with one KV head), all at once
+#      (STRATA_CHECK_SKIP_SANITIZE=1 skips them; STRATA_CHECK_SANITIZE_TIMEOUT seconds each,
+#      default 200; PartitionedMatchesCpu took 344-369 s on the H200 in session 39), and with
 #      STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench
 #      (cluster barrier and shared-memory read latencies).
-# Full logs in $OUT (else /tmp/strata-gpu-out); test summaries and PIPE / GSTAGES lines printed.
+# Full logs in $LOGS (default $OUT, else /tmp/strata-gpu-out; the device tool brings back at most
+# 8 files, so a full run sets LOGS to another folder and packs it into $OUT); test summaries and
+# PIPE / GSTAGES lines printed.
 # Usage: STRATA_GPU_BUNDLE=.gpu scripts/gpu_check_select_stages.sh [contexts...]
 set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
