@@ -18,7 +18,7 @@
 #      racecheck on each SelectStagesTest test in its own process (those that loop over pool
 #      formats once per format, their cases with one KV head), all at once
 #      (STRATA_CHECK_SKIP_SANITIZE=1 skips them; STRATA_CHECK_SANITIZE_TIMEOUT seconds each,
-#      default 200; PartitionedMatchesCpu took 344-369 s on the H200 in session 39), and with
+#      default 420; PartitionedMatchesCpu took 344-369 s on the H200 in session 39), and with
 #      STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench
 #      (cluster barrier and shared-memory read latencies).
 # Full logs in $LOGS (default $OUT, else /tmp/strata-gpu-out; the device tool brings back at most
@@ -99,7 +99,7 @@ if [ "${STRATA_CHECK_SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== compute-sanitizer"
-  timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool memcheck \
+  timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool memcheck \
     --error-exitcode 99 --print-limit 20 "$B/cuda_selection_test" --gtest_brief=1 \
     --gtest_filter='SelectStages*' > "$LOGS/memcheck_select_stages.log" 2>&1
   echo "memcheck SelectStages* rc=$? $(summary "$LOGS/memcheck_select_stages.log")"
@@ -120,7 +120,7 @@ if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
   done
   pids=()
   for r in "${runs[@]}"; do
-    STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${r#*:}" timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-200}" \
+    STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${r#*:}" timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" \
       compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
       "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter="${r%%:*}" \
       > "$LOGS/racecheck_${r%%:*}_${r#*:}.log" 2>&1 &
