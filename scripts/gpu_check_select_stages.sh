@@ -120,7 +120,8 @@ if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
   done
   pids=()
   for r in "${runs[@]}"; do
-    STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${r#*:}" timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" \
+    STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${r#*:}" \
+      timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" \
       compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
       "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter="${r%%:*}" \
       > "$LOGS/racecheck_${r%%:*}_${r#*:}.log" 2>&1 &
