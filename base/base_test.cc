@@ -1,8 +1,10 @@
 #include "base/status_macros.h"
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -87,6 +89,16 @@ TEST(StatusMacrosTest, AnnotateKeepsCode) {
   absl::Status s = Annotate(absl::NotFoundError("x"), "layer 3");
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kNotFound, HasSubstr("layer 3: x")));
   EXPECT_TRUE(Annotate(absl::OkStatus(), "ctx").ok());
+}
+
+TEST(ClockTest, TtlSecondsOutsideZeroToAHundredYearsAreRefused) {
+  EXPECT_TRUE(ValidateTtlSeconds(0).ok());
+  EXPECT_TRUE(ValidateTtlSeconds(kMaxTtlSeconds).ok());
+  for (int64_t ttl : {int64_t{-1}, kMaxTtlSeconds + 1, INT64_MAX, INT64_MIN}) {
+    const absl::Status s = ValidateTtlSeconds(ttl);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << ttl;
+    EXPECT_NE(s.message().find("ttl_seconds"), std::string_view::npos) << s;
+  }
 }
 
 TEST(ClockTest, MonotonicAdvances) {

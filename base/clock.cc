@@ -2,7 +2,15 @@
 
 #include <time.h>
 
+#include "absl/strings/str_cat.h"
+
 namespace strata {
+
+absl::Status ValidateTtlSeconds(int64_t ttl_seconds) {
+  if (ttl_seconds >= 0 && ttl_seconds <= kMaxTtlSeconds) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("ttl_seconds = ", ttl_seconds, " is outside [0, ",
+                                                 kMaxTtlSeconds, "] (100 years)"));
+}
 
 int64_t MonotonicNanos() {
   struct timespec ts;

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
+
 namespace strata {
 
 // Monotonic time in nanoseconds since an arbitrary epoch (CLOCK_MONOTONIC).
@@ -14,6 +16,8 @@ int64_t WallMicros();
 // The longest time to live a request may give a document: 100 years, so that now + ttl in
 // microseconds stays far inside int64. The services refuse longer ones (INVALID_ARGUMENT).
 inline constexpr int64_t kMaxTtlSeconds = int64_t{100} * 365 * 86400;
+// OK for a time to live in [0, kMaxTtlSeconds]; INVALID_ARGUMENT naming ttl_seconds otherwise.
+absl::Status ValidateTtlSeconds(int64_t ttl_seconds);
 
 // Measures elapsed monotonic time from construction or the last Reset().
 class Stopwatch {

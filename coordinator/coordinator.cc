@@ -180,10 +180,7 @@ std::string Coordinator::DocumentIdFor(const std::vector<int32_t>& tokens) const
 absl::StatusOr<v1::DocumentUploadResponse> Coordinator::UploadDocument(
     const v1::DocumentUploadOptions& upload, const DocumentContent& content) {
   if (draining()) return absl::UnavailableError("server is draining; retry on another replica");
-  if (upload.ttl_seconds() < 0 || upload.ttl_seconds() > kMaxTtlSeconds) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ttl_seconds = ", upload.ttl_seconds(), " is outside [0, ", kMaxTtlSeconds, "] (100 years)"));
-  }
+  STRATA_RETURN_IF_ERROR(ValidateTtlSeconds(upload.ttl_seconds()));
   if (!v1::DocumentInfo::PrefillMode_IsValid(upload.prefill_mode())) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill_mode = ", static_cast<int>(upload.prefill_mode()), " is unknown"));
@@ -372,10 +369,7 @@ void Coordinator::CollectExpiredDocuments(std::vector<Action>* actions) {
 
 absl::StatusOr<v1::DocumentInfo> Coordinator::PinDocument(const v1::DocumentPinRequest& request) {
   STRATA_RETURN_IF_ERROR(ValidateDocumentId(request.document_id()));
-  if (request.ttl_seconds() < 0 || request.ttl_seconds() > kMaxTtlSeconds) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ttl_seconds = ", request.ttl_seconds(), " is outside [0, ", kMaxTtlSeconds, "] (100 years)"));
-  }
+  STRATA_RETURN_IF_ERROR(ValidateTtlSeconds(request.ttl_seconds()));
   const int64_t now = wall_micros_();
   absl::MutexLock lock(&mu_);
   auto apply = [&](v1::DocumentInfo* info) {

@@ -579,10 +579,7 @@ absl::StatusOr<v1::Document> LocalStore::CreateDocument(const v1::CreateDocument
       return absl::InvalidArgumentError(absl::StrCat("summary kind ", s.kind(), " has count 0"));
     }
   }
-  if (request.ttl_seconds() < 0 || request.ttl_seconds() > kMaxTtlSeconds) {
-    return absl::InvalidArgumentError(absl::StrCat("ttl_seconds ", request.ttl_seconds(), " is outside [0, ",
-                                                   kMaxTtlSeconds, "] (100 years)"));
-  }
+  STRATA_RETURN_IF_ERROR(ValidateTtlSeconds(request.ttl_seconds()));
 
   std::unique_lock<std::shared_mutex> lock(StripeFor(*id));
   absl::StatusOr<v1::Document> existing = GetDocumentMetadata(*id);
@@ -688,10 +685,7 @@ absl::StatusOr<std::vector<v1::Document>> LocalStore::ListDocuments(
 
 absl::StatusOr<v1::Document> LocalStore::PinDocument(const DocumentId& id, bool pinned,
                                                      int64_t ttl_seconds) {
-  if (ttl_seconds < 0 || ttl_seconds > kMaxTtlSeconds) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ttl_seconds ", ttl_seconds, " is outside [0, ", kMaxTtlSeconds, "] (100 years)"));
-  }
+  STRATA_RETURN_IF_ERROR(ValidateTtlSeconds(ttl_seconds));
   std::unique_lock<std::shared_mutex> lock(StripeFor(id));
   absl::StatusOr<v1::Document> doc = GetDocumentMetadata(id);
   if (!doc.ok()) return doc.status();
