@@ -134,10 +134,11 @@ class DevicePolicy {
   // is read back from the backend): candidate_tokens += the cache length; selected_tokens += the
   // cache length where attention is exact (dense layer, or the middle fits in the budget), else
   // sinks + window + the middle's planned size: min(budget, ceil(budget * factor / P) * P) for
-  // tokenselect (the top-k size; the budget rounded up to a multiple of the parts), and min(ceil(budget / P) * P, middle) for quest (an upper
-  // bound: a chosen page cut by the sink or window boundary attends fewer tokens). No selection
-  // cache: lookups (num_kv_heads per selecting decode step, as the host counts them) are counted
-  // on the host and hits on the backend; both reach counters() only through ReadCacheHits, so
+  // tokenselect (the top-k size; the budget rounded up to a multiple of the parts), and
+  // min(ceil(budget / P) * P, middle) for quest (an upper bound: a chosen page cut by the sink
+  // or window boundary attends fewer tokens). No selection cache: lookups (num_kv_heads per
+  // selecting decode step, as the host counts them) are counted on the host and hits on the
+  // backend; both reach counters() only through ReadCacheHits, so
   // until then cache_lookups and cache_hits stay as last read (0 at first) and a hit ratio is
   // never half updated (selected_tokens stays the planned size on hits too). AttendChunk and
   // AttendFollowing calls add the cache length and the tokens actually attended (the selection is

@@ -3,11 +3,12 @@
 // fallback to the ops an error), against DevicePolicy on the CPU backend (the ops one by one),
 // at the decode shape of an 8B model (4 query heads per KV head, head_dim 128, 64-token pages,
 // bf16 cache, the default budget): the same cache contents, one-level (48K tokens) and two-level
-// (140K tokens, with two_level_min_pages below its default) page ranking, quest and tokenselect, several decode steps; and over fp8 caches
-// (KvCacheOptions fp8_e4m3 with per-tensor scales: the kernel's fp8 form on the GPU). The
-// attention runs inside the selection kernel (STRATA_SELECT_ATTEND=require_fused). Page scales vary so
-// the ranking has clear winners; a query head whose output differs counts as a near-tie swap,
-// and at most a few may. Label gpu: skipped without a GPU.
+// (140K tokens, with two_level_min_pages below its default) page ranking, quest and tokenselect,
+// several decode steps; and over fp8 caches (KvCacheOptions fp8_e4m3 with per-tensor scales: the
+// kernel's fp8 form on the GPU). The attention runs inside the selection kernel
+// (STRATA_SELECT_ATTEND=require_fused). Page scales vary so the ranking has clear winners; a
+// query head whose output differs counts as a near-tie swap, and at most a few may. Label gpu:
+// skipped without a GPU.
 #include <stdlib.h>
 
 #include <cmath>

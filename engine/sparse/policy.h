@@ -26,9 +26,10 @@
 //               the sampled tokens (at most B) are attended exactly. Lossy; see subgen notes in
 //               engine/sparse/internal/subgen.h.
 // Page ranking (quest, radar, tokenselect candidates) is two-level once the middle has more than
-// `two_level_min_pages` pages (default 4096): segments of G pages (merged summaries) are scored first, then the
-// pages inside the best segments. With GQA the query heads of a KV head are combined by head soft
-// vote (sum over heads of the per-head softmax of the page/branch/token scores).
+// `two_level_min_pages` pages (default 4096): segments of G pages (merged summaries) are scored
+// first, then the pages inside the best segments. With GQA the query heads of a KV head are
+// combined by head soft vote (sum over heads of the per-head softmax of the page/branch/token
+// scores).
 // With several query tokens (chunked prefill) selection uses the mean query of the chunk.
 //
 // Deviations from the papers (see also bench/RESULTS.md): radar uses fixed segments of G pages

@@ -1508,8 +1508,8 @@ SelectedAttentionParams ChainAttention(const Chain& ch, int64_t window, void* q,
 }
 
 // STRATA_SELECT_STAGES_TEST_POOL=bf16|fp8_e4m3: the SelectStagesTest cases that loop over pool
-// formats run that one only (unset or empty: every format) (a sanitizer run's time: scripts/gpu_check_select_stages.sh runs each
-// format of them under racecheck in its own process).
+// formats run that one only (unset or empty: every format), for a sanitizer run's time:
+// scripts/gpu_check_select_stages.sh runs each format of them under racecheck in its own process.
 bool PoolWanted(DType pool) {
   const char* only = std::getenv("STRATA_SELECT_STAGES_TEST_POOL");
   return only == nullptr || *only == '\0' || std::string_view(only) == DTypeName(pool);
