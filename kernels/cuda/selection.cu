@@ -4235,12 +4235,6 @@ constexpr int kPartStagesSmem = static_cast<int>(sizeof(PartStagesShared));
 static_assert(kPartG * kPartMaxRows <= kPartG * kPartMaxCands, "attention rows fit xs");
 static_assert(kPartWarps * kPartG * 128 <= kPartG * kPartMaxCands, "partials fit xs");
 
-// Asks L2 for the 256 bytes at p (two 128-byte lines) ahead of their loads.
-__device__ __forceinline__ void PrefetchRow256(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + 128));
-}
-
 // Pool row of token t of KV head g through a page table, or -1 (RowOf of the CPU twin).
 __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_pages,
                                                int page_shift, int64_t num_slots, int g,
@@ -4253,13 +4247,16 @@ __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_p
   return (static_cast<int64_t>(slot) << page_shift) + (t & ((1 << page_shift) - 1));
 }
 
+// At most 128 registers per thread, room for two blocks per SM: the launch needs each cluster's
+// P blocks resident at once, and at one block per SM a GPC with fewer than P free SMs holds no
+// cluster, so the eighth KV head's cluster waits for a second wave (a form at 170 registers took
+// 58.3 us for the 128K step against 37.6, and 22.3 against 15.4 for a reuse step; session 40).
 template <bool kAttend, int kPer, bool kF8>
-__global__ void __launch_bounds__(kPartThreads)
+__global__ void __launch_bounds__(kPartThreads, 2)
     PartStagesKernel(const float* __restrict__ q, float scale, int group, int parts,
                      DeviceSelectStages st, DeviceSelectAttend at, const int32_t* skip,
-                     int hist_mode, int prefetch) {
+                     int hist_mode) {
   constexpr int G = kPartG;
-  constexpr int64_t kRowBytes = kF8 ? 128 : 256;  // a K or V row of the pools
   extern __shared__ __align__(16) unsigned char part_smem[];
   PartStagesShared& sh = *reinterpret_cast<PartStagesShared*>(part_smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -4293,18 +4290,6 @@ __global__ void __launch_bounds__(kPartThreads)
     const int32_t per = (fixed + parts - 1) / parts;
     f0 = min(fixed, part * per);
     f_count = min(fixed - f0, per);
-    if ((prefetch & 1) != 0) {  // the fixed rows' K and V, needed last but known now
-      const int page_shift = __ffs(at.page_size) - 1;
-      for (int32_t f = tid; f < f_count; f += kPartThreads) {
-        const int32_t fi = f0 + f;
-        const int32_t t = fi < at.prefix_end ? fi : at.suffix_begin + (fi - at.prefix_end);
-        const int64_t r = PartPoolRow(at.table, at.table_pages, page_shift, at.num_slots, g, t);
-        if (r >= 0) {
-          PrefetchRow256(static_cast<const uint8_t*>(at.k_pool) + r * kRowBytes);
-          PrefetchRow256(static_cast<const uint8_t*>(at.v_pool) + r * kRowBytes);
-        }
-      }
-    }
   }
   const int num_stages = skipped ? 0 : st.num_stages;
   for (int s = 0; s < num_stages; ++s) {
@@ -4338,9 +4323,6 @@ __global__ void __launch_bounds__(kPartThreads)
         const int64_t r =
             PartPoolRow(sg.table, sg.table_pages, sg.page_shift, sg.num_items, g, sh.ids[t]);
         sh.crow[t] = r;
-        if ((prefetch & 4) != 0 && r >= 0) {
-          PrefetchRow256(static_cast<const uint8_t*>(sg.rows) + r * kRowBytes);
-        }
       }
     }
     for (int b = tid; b < kVoteRankPasses * 256; b += kPartThreads) (&sh.hist[0][0])[b] = 0;
@@ -4408,9 +4390,6 @@ __global__ void __launch_bounds__(kPartThreads)
             const int64_t vr =
                 id >= at.middle.begin && id < at.middle.end ? sh.crow[tid * per + j] : -1;
             sh.rows[r_mid + pos] = vr;
-            if ((prefetch & 2) != 0 && vr >= 0) {
-              PrefetchRow256(static_cast<const uint8_t*>(at.v_pool) + vr * kRowBytes);
-            }
           }
         },
         [&](int ph) { stamp(phase0 + ph); });
@@ -4668,14 +4647,6 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
   return true;
 }
 
-// What PartStagesKernel asks L2 for ahead of its loads (bits): 1 the fixed rows' K and V at the
-// start, 2 the middle's V rows as they are taken, 4 a key stage's rows once their pool rows are
-// known. STRATA_SELECT_PART_PREFETCH (read at every launch: A/B timing); default 0.
-int PartPrefetch() {
-  const char* e = std::getenv("STRATA_SELECT_PART_PREFETCH");
-  return e == nullptr ? 0 : std::atoi(e) & 7;
-}
-
 int PartStagesMaxActiveClusters(int parts) {
   if (cudaFuncSetAttribute(reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, false>),
                            cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -4736,7 +4707,7 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
                       : (small ? PartStagesKernel<true, kPartSmallPer, false>
                                : PartStagesKernel<true, kPartPer, false>);
     return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages, *attend, skip,
-                              RegHistMode(), PartPrefetch());
+                              RegHistMode());
   }
   const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads), kPartStagesSmem,
                                    stream, 0, /*dependent=*/false);
@@ -4745,7 +4716,7 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
                     : (small ? PartStagesKernel<false, kPartSmallPer, false>
                              : PartStagesKernel<false, kPartPer, false>);
   return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages,
-                            DeviceSelectAttend{}, skip, RegHistMode(), PartPrefetch() & 4);
+                            DeviceSelectAttend{}, skip, RegHistMode());
 }
 
 }  // namespace strata::kernels::cuda_internal
