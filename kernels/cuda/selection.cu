@@ -53,6 +53,7 @@
 #include <atomic>
 #include <cfloat>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -4648,14 +4649,35 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
 }
 
 int PartStagesMaxActiveClusters(int parts) {
-  if (cudaFuncSetAttribute(reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, false>),
-                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kPartStagesSmem) != cudaSuccess) {
+  if (const char* e = std::getenv("STRATA_SELECT_PART_CLUSTER_FIT")) return std::atoi(e);
+  int device = 0;
+  if (parts < 2 || parts > kPartMaxClusterParts || (parts & (parts - 1)) != 0 ||
+      cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kStagesMaxDevices) {
     cudaGetLastError();
     return 0;
   }
-  return MaxActiveClusters(PartStagesKernel<true, kPartPer, false>, parts, kPartThreads,
-                           kPartStagesSmem);
+  // Per device and part count (2, 4, 8, 16), found once: the fewest over the attending
+  // instantiations (both pool formats, both forms).
+  static std::once_flag once[kStagesMaxDevices][4];
+  static int fit[kStagesMaxDevices][4];
+  const int slot = __builtin_ctz(static_cast<unsigned>(parts)) - 1;
+  std::call_once(once[device][slot], [&] {
+    int most = std::numeric_limits<int>::max();
+    for (auto* k : {PartStagesKernel<true, kPartPer, false>, PartStagesKernel<true, kPartPer, true>,
+                    PartStagesKernel<true, kPartSmallPer, false>,
+                    PartStagesKernel<true, kPartSmallPer, true>}) {
+      if (cudaFuncSetAttribute(reinterpret_cast<const void*>(k),
+                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kPartStagesSmem) != cudaSuccess) {
+        cudaGetLastError();
+        most = 0;
+        break;
+      }
+      most = std::min(most, MaxActiveClusters(k, parts, kPartThreads, kPartStagesSmem));
+    }
+    fit[device][slot] = most;
+  });
+  return fit[device][slot];
 }
 
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,

@@ -327,10 +327,13 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
   cuda_internal::DeviceSelectAttend da;
   bool attend_fused = false;
   if (p.attend != nullptr) {
+    // The attention in the kernel takes a cluster of `parts` blocks per KV head; where no such
+    // cluster fits on the device, the attention runs after the kernel.
     const bool fits =
         SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da, true) &&
         cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group), parts, d,
-                                      &da);
+                                      &da) &&
+        cuda_internal::PartStagesMaxActiveClusters(parts) >= 1;
     STRATA_ASSIGN_OR_RETURN(attend_fused, AttendFused(fits, "partitioned kernel"));
   }
   STRATA_RETURN_IF_ERROR(MakeCurrent());

@@ -1687,7 +1687,8 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 // awkward ones (group 1-3, k above the candidates, parts of unequal sizes, table entries -1 or
 // past the pool); with the attention in the kernel (require_fused) and after it (separate),
 // out / lse against the CPU's attention over the GPU's selection, then a second query with every
-// other head flagged (those attend their kept selection); over bf16 and fp8 pools.
+// other head flagged (those attend their kept selection), and (first case) on a device where no
+// cluster of the parts fits; over bf16 and fp8 pools.
 TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
   struct PartCase {
     ChainCase c;
@@ -1799,6 +1800,37 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         cpu_attention(q2, final2, &want_out, &want_lse);
         ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
         ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
+      }
+      if (&pc == &cases[0]) {
+        // A device where no cluster of `parts` blocks fits (a smaller GPU or a MIG slice; stood
+        // in for by STRATA_SELECT_PART_CLUSTER_FIT=0): the stages still run as the kernel and
+        // the attention after it, with the same outputs; require_fused refuses that.
+        SCOPED_TRACE("no cluster fits");
+        setenv("STRATA_SELECT_PART_CLUSTER_FIT", "0", 1);
+        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+        setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
+        SelectStagesParams p =
+            ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+        const SelectedAttentionParams at =
+            ChainAttention(ch, pc.window, dq->data(), dpool->data(), dv->data(), dt->data(),
+                           p.stages[last].selected, dout->data(), dlse->data());
+        p.attend = &at;
+        const absl::Status refused = gpu_->SelectStages(p, nullptr);
+        EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+        unsetenv("STRATA_SELECT_ATTEND");
+        const absl::Status st = gpu_->SelectStages(p, nullptr);
+        unsetenv("STRATA_SELECT_PART_CLUSTER_FIT");
+        ASSERT_TRUE(st.ok()) << st;
+        std::vector<std::vector<int32_t>> got;
+        for (size_t i = 0; i < ch.counts.size(); ++i) {
+          got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
+        }
+        compared += Compare(ch, ref, got);
+        stages += static_cast<int>(ch.counts.size());
+        std::vector<float> want_out, want_lse;
+        cpu_attention(ch.q, got[last], &want_out, &want_lse);
+        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, no cluster");
+        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, no cluster");
       }
       unsetenv("STRATA_SELECT_STAGES");
       unsetenv("STRATA_SELECT_ATTEND");

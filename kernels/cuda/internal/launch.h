@@ -352,7 +352,10 @@ cudaError_t LaunchPartVoteTopK(const float* scores, int num_kv_heads, int group,
 // fixed rows per part.
 bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectStages& stages,
                     const DeviceSelectAttend* attend);
-// How many clusters of `parts` blocks of the partitioned kernel with the attention fit at once.
+// How many clusters of `parts` blocks of the partitioned kernel with the attention fit at once on
+// the current device (found once per device and part count; 0 where none fits, e.g. a GPU or MIG
+// slice whose GPCs have fewer free SMs than `parts`: the attention then runs outside the kernel).
+// STRATA_SELECT_PART_CLUSTER_FIT=N stands in for the device's answer (tests of that fallback).
 int PartStagesMaxActiveClusters(int parts);
 // SelectStages with `parts` parts as one kernel (grid (parts, KV heads); with the attention,
 // one cluster of `parts` blocks per KV head, block h merging query head h's partials).
