@@ -2105,11 +2105,11 @@ __device__ __forceinline__ void StageAFragments(const __nv_bfloat16* table, int 
 // One tile's scores from its two mma accumulators (c[0], c[1]: the column group's two halves of
 // K) into sc[h][first + i] (i < 8, first + i < count; -inf where the row is invalid). `ok`: the
 // lane's row (candidate first + lane / 4) is valid.
-// kF8: the sums are scaled by descale (the lane's head's 2^-s_h).
-template <bool kF8 = false>
+// kF8: the sums are scaled by descale (the lane's head's 2^-s_h). kScStride: sc's row length.
+template <bool kF8 = false, int kScStride = kStagesMaxPerBlock>
 __device__ __forceinline__ void StageStoreTile(const float (&c)[2][4], bool ok, int32_t first,
                                                int32_t count, int group,
-                                               float (*sc)[kStagesMaxPerBlock], float& vmax,
+                                               float (*sc)[kScStride], float& vmax,
                                                float descale = 1.0f) {
   const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3;
   float cc[4];
@@ -2138,18 +2138,20 @@ __device__ __forceinline__ void StageStoreTile(const float (&c)[2][4], bool ok, 
 // scores the lane wrote (head lane / 4 for lanes < 16; -inf for the others), as fmaxf takes it.
 // kF8 (fp8 keys, kGroups 4): row_of gives the candidate's 128-byte fp8 row, read as two 16-byte
 // loads per lane (Fp8KeyColumn) and converted to f16 group by group before its mmas; the table is
-// StageATables<true>'s and key_descale its per-head 2^-s_h.
-template <int kGroups, bool kF8 = false, typename RowOf>
+// StageATables<true>'s and key_descale its per-head 2^-s_h. kTilesT: tiles per warp whose rows
+// are loaded at once (0: 32 / kGroups, 32 loads in flight per lane); kScStride: sc's row length.
+template <int kGroups, bool kF8 = false, int kTilesT = 0, int kScStride = kStagesMaxPerBlock,
+          typename RowOf>
 __device__ __forceinline__ float StageScoreMma(const __nv_bfloat16* table, int stride, int group,
                                                int32_t count, RowOf row_of,
-                                               float (*sc)[kStagesMaxPerBlock],
+                                               float (*sc)[kScStride],
                                                const float* key_descale = nullptr) {
   static_assert(!kF8 || kGroups == 4, "fp8 rows are keys");
   float vmax = NegInfF();
   // Tiles whose rows are loaded at once. (fp8 rows over 16 tiles at once, the same 32 loads in
   // flight per lane, accumulated 4 tiles at a time: 0.2 us faster scoring but 0.7 us slower
   // steps for its 20 KB of code; bench/RESULTS.md, session 30.)
-  constexpr int kTiles = 32 / kGroups;
+  constexpr int kTiles = kTilesT > 0 ? kTilesT : 32 / kGroups;
   constexpr int kLoads = kF8 ? 2 : kGroups;  // 16-byte loads per lane and tile
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, t = lane & 3;
   const int32_t tiles = (count + kStagesTileN - 1) / kStagesTileN;
@@ -2194,7 +2196,8 @@ __device__ __forceinline__ float StageScoreMma(const __nv_bfloat16* table, int s
     const float ds = kF8 ? key_descale[r & 3] : 1.0f;
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) {
-      StageStoreTile<kF8>(c[u], ok[u], (t0 + u) * kStagesTileN, count, group, sc, vmax, ds);
+      StageStoreTile<kF8, kScStride>(c[u], ok[u], (t0 + u) * kStagesTileN, count, group, sc,
+                                     vmax, ds);
     }
   }
   return vmax;
@@ -3936,6 +3939,8 @@ constexpr int kPartMaxCands = kPartThreads * kPartPer;  // a stage's candidates 
 constexpr int kPartSmallPer = 2;  // PartStagesKernel's shorter form: up to 512 per part
 constexpr int kPartOpMaxThreads = 512;  // PartVoteTopKKernel: up to 4096 per part
 constexpr int kPartG = kRegTopKMaxGroup;
+constexpr int kPartSumTiles = 2;  // StageScoreMma tiles in flight per warp: summaries (8 loads each)
+constexpr int kPartKeyTiles = 4;  // keys (4 loads each for bf16 rows, 2 for fp8)
 static_assert(kPartG == kMaxPartGroup && kPartOpMaxThreads * kPartPer == kMaxPartCandidates,
               "kernels/part_limits.h states what the part kernels hold");
 
@@ -4219,6 +4224,10 @@ constexpr int kPartMaxRows = kPartMaxFixed + kPartMaxTaken;
 constexpr int kPartMaxClusterParts = 16;
 struct PartStagesShared {
   float qs[kPartG][128];
+  // The stages' tensor-core A operands (StageATables): summaries, keys (f16 for fp8 keys).
+  __align__(16) __nv_bfloat16 sum_a[16 * kStagesSumStride];
+  __align__(16) __nv_bfloat16 key_a[16 * kStagesKeyStride];
+  float key_descale[kPartG];
   float xs[kPartG * kPartMaxCands];  // a stage's scores [h][t]; then the attention's [h][r]
   int32_t ids[kPartMaxCands];
   int64_t crow[kPartMaxCands];  // a key stage's pool rows of the candidates (-1: none)
@@ -4284,6 +4293,8 @@ __global__ void __launch_bounds__(kPartThreads, 2)
   for (int i = tid; i < group * 128; i += kPartThreads) {
     sh.qs[i >> 7][i & 127] = scale * q[static_cast<int64_t>(g) * group * 128 + i];
   }
+  if (!skipped) StageATables<kF8, true, kPartThreads>(q, scale, g, group, sh.sum_a, sh.key_a,
+                                                      sh.key_descale);
   // Attention rows: the block's share of the fixed rows first, then its middle.
   int32_t f0 = 0, f_count = 0;
   if constexpr (kAttend) {
@@ -4330,32 +4341,29 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     __syncthreads();
     const int phase0 = 1 + s * kSelectStagesPhasesPerStage;
     stamp(phase0);
+    // On tensor cores (StageScoreMma: the products of SelectStagesKernel), with the tiles of a
+    // warp's loads in flight at once sized to the kernel's 128 registers.
+    auto* sc = reinterpret_cast<float (*)[kPartMaxCands]>(sh.xs);
     if (sg.kind == SelectStageKind::kSummariesBF16) {
       const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(sg.rows) +
                                   static_cast<int64_t>(g) * sg.num_items * 256;
-      PartScore<true, 1>(&sh.qs[0][0], group, n,
-                      [&](int32_t t) -> const __nv_bfloat16* {
-                        const int32_t id = sh.ids[t];
-                        return id >= 0 && id < sg.num_items ? rows + static_cast<int64_t>(id) * 256
-                                                            : nullptr;
-                      },
-                      sh.xs, kPartMaxCands);
-    } else if constexpr (kF8) {
-      const uint8_t* pool = static_cast<const uint8_t*>(sg.rows);
-      PartScoreF8<2>(&sh.qs[0][0], group, n,
-                     [&](int32_t t) -> const uint8_t* {
-                       const int64_t r = sh.crow[t];
-                       return r >= 0 ? pool + r * 128 : nullptr;
-                     },
-                     sh.xs, kPartMaxCands);
+      StageScoreMma<8, false, kPartSumTiles, kPartMaxCands>(
+          sh.sum_a, kStagesSumStride, group, n,
+          [&](int32_t t) -> const __nv_bfloat16* {
+            const int32_t id = sh.ids[t];
+            return id >= 0 && id < sg.num_items ? rows + static_cast<int64_t>(id) * 256 : nullptr;
+          },
+          sc);
     } else {
-      const __nv_bfloat16* pool = static_cast<const __nv_bfloat16*>(sg.rows);
-      PartScore<false, 2>(&sh.qs[0][0], group, n,
-                       [&](int32_t t) -> const __nv_bfloat16* {
-                         const int64_t r = sh.crow[t];
-                         return r >= 0 ? pool + r * 128 : nullptr;
-                       },
-                       sh.xs, kPartMaxCands);
+      using KeyRow = typename std::conditional<kF8, unsigned char, __nv_bfloat16>::type;
+      const KeyRow* pool = static_cast<const KeyRow*>(sg.rows);
+      StageScoreMma<4, kF8, kPartKeyTiles, kPartMaxCands>(
+          sh.key_a, kStagesKeyStride, group, n,
+          [&](int32_t t) -> const KeyRow* {
+            const int64_t r = sh.crow[t];
+            return r >= 0 ? pool + r * 128 : nullptr;
+          },
+          sc, sh.key_descale);
     }
     __syncthreads();
     stamp(phase0 + 1);
