@@ -3924,12 +3924,15 @@ namespace {
 // selects as RegisterVoteTopKKernel (statistics, radix passes, compaction in index order) over
 // the part alone. PartStagesKernel (SelectStages with partitions): grid (P, KV heads), block j
 // runs part j of every stage: its candidates' ids into shared memory (stage 0 from the range,
-// a later stage the children of the block's own previous selection), their scores on CUDA cores
-// (PartScore: four lanes per row, eight rows per warp, every load of a round issued before the
-// FMAs; a key stage's pool rows looked up first), the same register top-k with its candidates
-// spread over every thread (PartStagesKernel<*, 2>: two per thread where every stage's part fits
-// 512, else eight); and with the attention, block j attends its share of the
-// fixed rows and its own middle (the last stage's scores kept for them), and pushes its
+// a later stage the children of the block's own previous selection), their scores on tensor
+// cores (StageScoreMma, SelectStagesKernel's products, with kPartSumTiles / kPartKeyTiles tiles
+// of a warp's row loads in flight, which the kernel's 128 registers hold; a key stage's pool rows
+// looked up first; on CUDA cores, with every load of a round issued before the FMAs, the key
+// stage took 8.2 us at 128K against 2.8: session 40), the same register top-k with its
+// candidates spread over every thread (PartStagesKernel<*, 2>: two per thread where every stage's
+// part fits 512, else eight); and with the attention, block j scores its share of the fixed
+// rows the same way, attends them and its own middle (the last stage's scores kept for them),
+// and pushes its
 // per-head partial (o, max, sum) to block h of the cluster (one cluster of P blocks per KV
 // head), which merges head h. Nothing else crosses blocks, so a stage costs block barriers only.
 constexpr int kPartThreads = 256;
@@ -4067,80 +4070,6 @@ __global__ void __launch_bounds__(kPartOpMaxThreads)
   }
 }
 
-// Scores of the block's rows [0, n) for the group's heads: out[h * stride + t] = v_h . row
-// (keys) or sum_e max(v_e lo_e, v_e hi_e) (summaries: lo = row[0, 128), hi = row[128, 256)),
-// v_h = qs[h * 128 ...] (the scale folded in), -inf where row_of(t) is nullptr. Four lanes per
-// row, lane `sub` reading the 16-byte chunks sub + 4c (c < 4) of each half; eight rows per warp
-// and kRounds of them per warp at once, every load issued before the FMAs. The kernel runs each
-// call site about once per block, so its time goes with the code it runs once (fetched cold):
-// one round for summaries and the attention's fixed rows, two for a key stage, was the fastest
-// (bench/RESULTS.md, session 37).
-template <bool kSummary, int kRounds, typename RowOf>
-__device__ __forceinline__ void PartScore(const float* qs, int group, int32_t n, RowOf row_of,
-                                          float* out, int stride) {
-  constexpr int G = kPartG;
-  constexpr int kChunks = kSummary ? 8 : 4;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane & 3, slot = lane >> 2;
-#pragma unroll 1
-  for (int32_t base = warp * 8 * kRounds; base < n; base += kPartWarps * 8 * kRounds) {
-    uint4 raw[kRounds][kChunks];
-    bool ok[kRounds];
-#pragma unroll
-    for (int u = 0; u < kRounds; ++u) {
-      const int32_t t = base + u * 8 + slot;
-      const __nv_bfloat16* r = t < n ? row_of(t) : nullptr;
-      ok[u] = r != nullptr;
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        const int off = (c & 3) * 32 + sub * 8 + (c >> 2) * 128;
-        raw[u][c] = ok[u] ? __ldg(reinterpret_cast<const uint4*>(r + off)) : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kRounds; ++u) {
-      float acc[G];
-#pragma unroll
-      for (int h = 0; h < G; ++h) acc[h] = 0.0f;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float a[8], b[8];
-        Convert16<__nv_bfloat16>(raw[u][c], a);
-        if constexpr (kSummary) Convert16<__nv_bfloat16>(raw[u][c + 4], b);
-        const int e0 = c * 32 + sub * 8;
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-          if (h < group) {
-            const float4 v0 = *reinterpret_cast<const float4*>(qs + h * 128 + e0);
-            const float4 v1 = *reinterpret_cast<const float4*>(qs + h * 128 + e0 + 4);
-            const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              if constexpr (kSummary) {
-                acc[h] += fmaxf(v[e] * a[e], v[e] * b[e]);
-              } else {
-                acc[h] = fmaf(v[e], a[e], acc[h]);
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 1);
-        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 2);
-      }
-      const int32_t t = base + u * 8 + slot;
-      if (sub == 0 && t < n) {
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-          if (h < group) out[h * stride + t] = ok[u] ? acc[h] : NegInfF();
-        }
-      }
-    }
-  }
-}
-
 // Four e4m3 codes (a word, low byte first) as floats: their stored values.
 __device__ __forceinline__ void Fp8x4ToFloat(uint32_t w, float (&f)[4]) {
   const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu),
@@ -4152,78 +4081,12 @@ __device__ __forceinline__ void Fp8x4ToFloat(uint32_t w, float (&f)[4]) {
   f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
 }
 
-// PartScore's key scores over fp8 e4m3 rows (128 bytes: the stored values; the caller's scale
-// carries k_scale): four lanes per row, lane `sub` reading the 16-byte chunks sub and sub + 4
-// (16 dims each), eight rows per warp and kRounds of them per warp at once.
-template <int kRounds, typename RowOf>
-__device__ __forceinline__ void PartScoreF8(const float* qs, int group, int32_t n, RowOf row_of,
-                                            float* out, int stride) {
-  constexpr int G = kPartG;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane & 3, slot = lane >> 2;
-#pragma unroll 1
-  for (int32_t base = warp * 8 * kRounds; base < n; base += kPartWarps * 8 * kRounds) {
-    uint4 raw[kRounds][2];
-    bool ok[kRounds];
-#pragma unroll
-    for (int u = 0; u < kRounds; ++u) {
-      const int32_t t = base + u * 8 + slot;
-      const uint8_t* r = t < n ? row_of(t) : nullptr;
-      ok[u] = r != nullptr;
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        raw[u][c] = ok[u] ? __ldg(reinterpret_cast<const uint4*>(r + (sub + 4 * c) * 16))
-                          : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kRounds; ++u) {
-      float acc[G];
-#pragma unroll
-      for (int h = 0; h < G; ++h) acc[h] = 0.0f;
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const uint32_t w[4] = {raw[u][c].x, raw[u][c].y, raw[u][c].z, raw[u][c].w};
-        const int e0 = (sub + 4 * c) * 16;
-#pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {
-          float a[4];
-          Fp8x4ToFloat(w[q4], a);
-#pragma unroll
-          for (int h = 0; h < G; ++h) {
-            if (h < group) {
-              const float4 v = *reinterpret_cast<const float4*>(qs + h * 128 + e0 + 4 * q4);
-              acc[h] = fmaf(v.x, a[0], acc[h]);
-              acc[h] = fmaf(v.y, a[1], acc[h]);
-              acc[h] = fmaf(v.z, a[2], acc[h]);
-              acc[h] = fmaf(v.w, a[3], acc[h]);
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 1);
-        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 2);
-      }
-      const int32_t t = base + u * 8 + slot;
-      if (sub == 0 && t < n) {
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-          if (h < group) out[h * stride + t] = ok[u] ? acc[h] : NegInfF();
-        }
-      }
-    }
-  }
-}
-
 // Shared memory of PartStagesKernel (dynamic, kPartStagesSmem bytes).
 constexpr int kPartMaxTaken = 1024;  // a stage's k / P
 constexpr int kPartMaxFixed = 256;   // a block's share of the fixed rows
 constexpr int kPartMaxRows = kPartMaxFixed + kPartMaxTaken;
 constexpr int kPartMaxClusterParts = 16;
 struct PartStagesShared {
-  float qs[kPartG][128];
   // The stages' tensor-core A operands (StageATables): summaries, keys (f16 for fp8 keys).
   __align__(16) __nv_bfloat16 sum_a[16 * kStagesSumStride];
   __align__(16) __nv_bfloat16 key_a[16 * kStagesKeyStride];
@@ -4290,11 +4153,7 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if constexpr (kAttend) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-  for (int i = tid; i < group * 128; i += kPartThreads) {
-    sh.qs[i >> 7][i & 127] = scale * q[static_cast<int64_t>(g) * group * 128 + i];
-  }
-  if (!skipped) StageATables<kF8, true, kPartThreads>(q, scale, g, group, sh.sum_a, sh.key_a,
-                                                      sh.key_descale);
+  StageATables<kF8, true, kPartThreads>(q, scale, g, group, sh.sum_a, sh.key_a, sh.key_descale);
   // Attention rows: the block's share of the fixed rows first, then its middle.
   int32_t f0 = 0, f_count = 0;
   if constexpr (kAttend) {
@@ -4440,22 +4299,16 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     __syncthreads();
     stamp(A0);
     const int32_t rows_n = f_count + m_count;
-    if constexpr (kF8) {
-      const uint8_t* kpool = static_cast<const uint8_t*>(at.k_pool);
-      PartScoreF8<1>(&sh.qs[0][0], group, n_score,
-                     [&](int32_t t) -> const uint8_t* {
-                       const int64_t r = sh.rows[r_score + t];
-                       return r >= 0 ? kpool + r * 128 : nullptr;
-                     },
-                     sh.xs + r_score, kPartMaxRows);
-    } else {
-      const __nv_bfloat16* kpool = static_cast<const __nv_bfloat16*>(at.k_pool);
-      PartScore<false, 1>(&sh.qs[0][0], group, n_score,
-                       [&](int32_t t) -> const __nv_bfloat16* {
-                         const int64_t r = sh.rows[r_score + t];
-                         return r >= 0 ? kpool + r * 128 : nullptr;
-                       },
-                       sh.xs + r_score, kPartMaxRows);
+    {
+      using KeyRow = typename std::conditional<kF8, unsigned char, __nv_bfloat16>::type;
+      const KeyRow* kpool = static_cast<const KeyRow*>(at.k_pool);
+      StageScoreMma<4, kF8, kPartKeyTiles, kPartMaxRows>(
+          sh.key_a, kStagesKeyStride, group, n_score,
+          [&](int32_t t) -> const KeyRow* {
+            const int64_t r = sh.rows[r_score + t];
+            return r >= 0 ? kpool + r * 128 : nullptr;
+          },
+          reinterpret_cast<float (*)[kPartMaxRows]>(sh.xs + r_score), sh.key_descale);
     }
     __syncthreads();
     stamp(A0 + 2);
