@@ -41,6 +41,7 @@
 #include "kernels/cuda/internal/common.cuh"
 
 namespace cg = cooperative_groups;
+using strata::kernels::cuda_internal::ClusterLaunchConfig;
 using strata::kernels::cuda_internal::MapToRank;
 using strata::kernels::cuda_internal::MbarExpect;
 using strata::kernels::cuda_internal::MbarInit;
@@ -279,21 +280,10 @@ void LaunchCosts() {
       cudaGraph_t graph;
       CUDA_BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
       for (int i = 0; i < kLaunches; ++i) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr = {};
-        cfg.gridDim = dim3(kMergeParts, kMergeHeads);
-        cfg.blockDim = dim3(256);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = stream;
-        if (cluster > 0) {
-          attr.id = cudaLaunchAttributeClusterDimension;
-          attr.val.clusterDim.x = cluster;
-          attr.val.clusterDim.y = 1;
-          attr.val.clusterDim.z = 1;
-          cfg.attrs = &attr;
-          cfg.numAttrs = 1;
-        }
-        CUDA_BENCH_CHECK(cudaLaunchKernelEx(&cfg, MergeLaunchKernel, mode, partials, counters, out));
+        const ClusterLaunchConfig launch(dim3(kMergeParts, kMergeHeads), dim3(256), smem, stream,
+                                         cluster, /*dependent=*/false);
+        CUDA_BENCH_CHECK(
+            cudaLaunchKernelEx(&launch.cfg, MergeLaunchKernel, mode, partials, counters, out));
         if (mode == 4) MergeCombineKernel<<<kMergeHeads, 256, 0, stream>>>(partials, out);
       }
       CUDA_BENCH_CHECK(cudaStreamEndCapture(stream, &graph));
@@ -373,19 +363,12 @@ int main(int argc, char** argv) {
         unsigned* d_sink;
         CUDA_BENCH_CHECK(cudaMalloc(&d_cycles, blocks * sizeof(long long)));
         CUDA_BENCH_CHECK(cudaMalloc(&d_sink, blocks * sizeof(unsigned)));
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(threads);
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = cs;
-        attr.val.clusterDim.y = 1;
-        attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
+        const ClusterLaunchConfig launch(dim3(blocks), dim3(threads), 0, nullptr, cs,
+                                         /*dependent=*/false);
         std::vector<double> per;
         for (int rep = 0; rep < 3; ++rep) {
-          CUDA_BENCH_CHECK(cudaLaunchKernelEx(&cfg, LatencyKernel, mode, iters, d_cycles, d_sink, d_global));
+          CUDA_BENCH_CHECK(cudaLaunchKernelEx(&launch.cfg, LatencyKernel, mode, iters, d_cycles,
+                                              d_sink, d_global));
           CUDA_BENCH_CHECK(cudaDeviceSynchronize());
           std::vector<long long> c(blocks);
           CUDA_BENCH_CHECK(cudaMemcpy(c.data(), d_cycles, blocks * sizeof(long long),

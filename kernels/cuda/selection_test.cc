@@ -1752,6 +1752,21 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
             out->data(), lse->data());
         ASSERT_TRUE(cpu_->SelectedAttention(at, nullptr).ok());
       };
+      // The stages' selections against the CPU's and out / lse against the CPU's attention over
+      // the GPU's last selection, after a call with the attention.
+      auto check_fused = [&](const char* what) {
+        std::vector<std::vector<int32_t>> got;
+        for (size_t i = 0; i < ch.counts.size(); ++i) {
+          got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
+        }
+        compared += Compare(ch, ref, got);
+        stages += static_cast<int>(ch.counts.size());
+        std::vector<float> want_out, want_lse;
+        cpu_attention(ch.q, got[last], &want_out, &want_lse);
+        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, what);
+        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, what);
+        return got;
+      };
       for (const char* amode : {"require_fused", "separate"}) {
         SCOPED_TRACE(amode);
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
@@ -1764,16 +1779,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         p.attend = &at;
         const absl::Status st = gpu_->SelectStages(p, nullptr);
         ASSERT_TRUE(st.ok()) << st;
-        std::vector<std::vector<int32_t>> got;
-        for (size_t i = 0; i < ch.counts.size(); ++i) {
-          got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
-        }
-        compared += Compare(ch, ref, got);
-        stages += static_cast<int>(ch.counts.size());
-        std::vector<float> want_out, want_lse;
-        cpu_attention(ch.q, got[last], &want_out, &want_lse);
-        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out");
-        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse");
+        const std::vector<std::vector<int32_t>> got = check_fused("out / lse");
 
         std::vector<float> q2 = RandomF(static_cast<int64_t>(ch.q.size()), -2.0f, 2.0f);
         auto dq2 = Dev(q2);
@@ -1797,6 +1803,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
             ASSERT_EQ(final2[g * ch.ks[last] + j], got[last][g * ch.ks[last] + j]) << "head " << g;
           }
         }
+        std::vector<float> want_out, want_lse;
         cpu_attention(q2, final2, &want_out, &want_lse);
         ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
         ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
@@ -1821,16 +1828,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         const absl::Status st = gpu_->SelectStages(p, nullptr);
         unsetenv("STRATA_SELECT_PART_CLUSTER_FIT");
         ASSERT_TRUE(st.ok()) << st;
-        std::vector<std::vector<int32_t>> got;
-        for (size_t i = 0; i < ch.counts.size(); ++i) {
-          got.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
-        }
-        compared += Compare(ch, ref, got);
-        stages += static_cast<int>(ch.counts.size());
-        std::vector<float> want_out, want_lse;
-        cpu_attention(ch.q, got[last], &want_out, &want_lse);
-        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, no cluster");
-        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, no cluster");
+        check_fused("out / lse, no cluster");
       }
       unsetenv("STRATA_SELECT_STAGES");
       unsetenv("STRATA_SELECT_ATTEND");
