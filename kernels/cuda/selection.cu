@@ -3925,16 +3925,16 @@ namespace {
 // the part alone. PartStagesKernel (SelectStages with partitions): grid (P, KV heads), block j
 // runs part j of every stage: its candidates' ids into shared memory (stage 0 from the range,
 // a later stage the children of the block's own previous selection), their scores on tensor
-// cores (StageScoreMma, SelectStagesKernel's products, with kPartSumTiles / kPartKeyTiles tiles
-// of a warp's row loads in flight, which the kernel's 128 registers hold; a key stage's pool rows
-// looked up first; on CUDA cores, with every load of a round issued before the FMAs, the key
-// stage took 8.2 us at 128K against 2.8: session 40), the same register top-k with its
-// candidates spread over every thread (PartStagesKernel<*, 2>: two per thread where every stage's
-// part fits 512, else eight); and with the attention, block j scores its share of the fixed
-// rows the same way, attends them and its own middle (the last stage's scores kept for them),
-// and pushes its
-// per-head partial (o, max, sum) to block h of the cluster (one cluster of P blocks per KV
-// head), which merges head h. Nothing else crosses blocks, so a stage costs block barriers only.
+// cores (StageScoreMma, SelectStagesKernel's products, so non-finite summary values are not
+// supported either; kPartSumTiles / kPartKeyTiles tiles of a warp's row loads in flight, which
+// the kernel's 128 registers hold; a key stage's pool rows looked up first; on CUDA cores, with
+// every load of a round issued before the FMAs, the key stage took 8.2 us at 128K against 2.8:
+// session 40), the same register top-k with its candidates spread over every thread
+// (PartStagesKernel<*, 2>: two per thread where every stage's part fits 512, else eight); and
+// with the attention, block j scores its share of the fixed rows the same way, attends them and
+// its own middle (the last stage's scores kept for them), and pushes its per-head partial (o,
+// max, sum) to block h of the cluster (one cluster of P blocks per KV head), which merges head h.
+// Nothing else crosses blocks, so a stage costs block barriers only.
 constexpr int kPartThreads = 256;
 constexpr int kPartWarps = kPartThreads / 32;
 constexpr int kPartPer = 8;
