@@ -66,6 +66,7 @@
 #include <vector>
 
 #include "base/status_macros.h"
+#include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/internal/launch.h"
 #include "kernels/cuda/testing/bench_util.h"
@@ -122,7 +123,7 @@ int CandidateFactor() {
 int Partitions() {
   static const int p = [] {
     const int v = EnvInt("STRATA_BENCH_PARTITIONS", 1, 64, 16);
-    return (v & (v - 1)) == 0 ? v : 16;
+    return ValidPartitions(v) ? v : 16;
   }();
   return p;
 }
