@@ -3451,6 +3451,14 @@ int RegHistMode() {
   return s == "0" ? 0 : s == "1" ? 1 : 2;
 }
 
+// The most a part may take for PartStagesKernel to select it by one warp (PartWarpTopK; the
+// part must also hold at most 256 candidates): 16, or STRATA_SELECT_PART_WARP_TOPK=N (0: never,
+// the block's radix select for every stage; A/B timing).
+int PartWarpTopKMax() {
+  const char* e = std::getenv("STRATA_SELECT_PART_WARP_TOPK");
+  return e == nullptr ? 16 : std::max(0, std::atoi(e));
+}
+
 // Blocks per cluster of ClusterRegisterVoteTopKKernel: about 256 threads of 4 candidates per
 // block, 2 to 8 blocks; STRATA_SELECTION_REG_CLUSTER=2|4|8 asks for that many (A/B timing).
 // STRATA_SELECTION_TOPK_MAP's blocks take precedence.
@@ -3930,7 +3938,9 @@ namespace {
 // the kernel's 128 registers hold; a key stage's pool rows looked up first; on CUDA cores, with
 // every load of a round issued before the FMAs, the key stage took 8.2 us at 128K against 2.8:
 // session 40), the same register top-k with its candidates spread over every thread
-// (PartStagesKernel<*, 2>: two per thread where every stage's part fits 512, else eight); and
+// (PartStagesKernel<*, 2>: two per thread where every stage's part fits 512, else eight), or
+// for a part of at most 256 candidates keeping at most 16 (the page and segment stages) one
+// warp's top-k with no barrier (PartWarpTopK: the kp largest keys one warp max at a time); and
 // with the attention, block j scores its share of the fixed rows the same way, attends them and
 // its own middle (the last stage's scores kept for them), and pushes its per-head partial (o,
 // max, sum) to block h of the cluster (one cluster of P blocks per KV head), which merges head h.
@@ -4025,6 +4035,68 @@ __device__ __forceinline__ int32_t PartTopK(const float (&x)[kPartG][kPer],
   const uint32_t total = __shfl_sync(0xffffffffu, wincl, 31);
   RegForEachTaken<kPer>(key, ids, prefix, mask, remaining, before, kp, emit);
   return min(kp, static_cast<int32_t>((total >> 16) + min(total & 0xffffu, remaining)));
+}
+
+// PartTopK by one warp, for a stage whose part is small (n <= kPartWarpCands candidates, kp at
+// most PartStagesKernel's warp_kp): the scores come from xs ([h][t], row length kPartMaxCands)
+// and the ids from ids_s; lane l holds candidates t = 32 j + l (j < 8). The statistics and votes
+// are PartTopK's (RegWarpStats over the warp's candidates, which are all of them; RegVoteKeys);
+// then each key gets the candidate's 255 - t in its low 8 bits (VoteKey32 leaves them zero), so
+// keys are distinct and a larger one ranks before, ties to the lower index as in PartTopK; the
+// kp largest are found one per step by the warp's max (redux.sync) of the keys below the last
+// one found, and taken in index order by ballots: no block barrier and no histogram. Emits as
+// PartTopK (emit(pos, id)), stamps as it (2 statistics, 4 keys, 5 the kp-th key found), and
+// returns how many were taken. Every lane of the warp calls it.
+constexpr int kPartWarpCands = 256;
+template <typename Emit, typename Stamp>
+__device__ __forceinline__ int32_t PartWarpTopK(const float* xs, const int32_t* ids_s, int32_t n,
+                                                int kp, int group, Emit emit, Stamp stamp) {
+  constexpr int G = kPartG, J = kPartWarpCands / 32;
+  const int lane = threadIdx.x & 31;
+  float x[G][J];
+  int32_t ids[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int32_t t = 32 * j + lane;
+    ids[j] = t < n ? ids_s[t] : -1;
+#pragma unroll
+    for (int h = 0; h < G; ++h) x[h][j] = h < group && t < n ? xs[h * kPartMaxCands + t] : NegInfF();
+  }
+  float m[G], l[G], inv[G];
+  RegWarpStats<J>(x, m, l);
+#pragma unroll
+  for (int h = 0; h < G; ++h) inv[h] = m[h] == NegInfF() ? 0.0f : 1.0f / l[h];
+  stamp(2);
+  uint32_t key[J];
+  RegVoteKeys<J>(x, m, inv, ids, n, 0, nullptr, key);
+  stamp(4);
+  // key < 0xffffff00 (a vote is at most the group size, far below 2^6), so every key with its
+  // index is below the first bound.
+#pragma unroll
+  for (int j = 0; j < J; ++j) key[j] = key[j] != 0 ? key[j] | (255u - (32u * j + lane)) : 0u;
+  const int32_t kk = min(kp, n);
+  uint32_t bound = 0xffffffffu;  // the last key found: the ones taken are those >= it
+  int32_t found = 0;
+#pragma unroll 1
+  for (; found < kk; ++found) {
+    uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) mine = max(mine, key[j] < bound ? key[j] : 0u);
+    const uint32_t best = __reduce_max_sync(0xffffffffu, mine);
+    if (best == 0) break;  // no valid candidate left (warp-uniform)
+    bound = best;
+  }
+  stamp(5);
+  uint32_t pos = 0;
+  const unsigned below = (1u << lane) - 1u;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const bool take = found > 0 && key[j] != 0 && key[j] >= bound;
+    const unsigned b = __ballot_sync(0xffffffffu, take);
+    if (take) emit(pos + __popc(b & below), ids[j]);
+    pos += __popc(b);
+  }
+  return found;
 }
 
 __global__ void __launch_bounds__(kPartOpMaxThreads)
@@ -4128,7 +4200,7 @@ template <bool kAttend, int kPer, bool kF8>
 __global__ void __launch_bounds__(kPartThreads, 2)
     PartStagesKernel(const float* __restrict__ q, float scale, int group, int parts,
                      DeviceSelectStages st, DeviceSelectAttend at, const int32_t* skip,
-                     int hist_mode) {
+                     int hist_mode, int warp_kp) {
   constexpr int G = kPartG;
   extern __shared__ __align__(16) unsigned char part_smem[];
   PartStagesShared& sh = *reinterpret_cast<PartStagesShared*>(part_smem);
@@ -4226,6 +4298,30 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     }
     __syncthreads();
     stamp(phase0 + 1);
+    int32_t* out = sg.selected + static_cast<int64_t>(g) * sg.k + static_cast<int64_t>(part) * kp;
+    if (kp <= warp_kp && n <= kPartWarpCands && !(kAttend && last)) {
+      // A small part (tokenselect's page stage, and its segment stage from 512K: 128 or 64
+      // candidates, 8 taken): warp 0 selects alone (PartWarpTopK), with no barrier until the
+      // stage's end. Session 41 (H200, graph us per layer, against the block's radix select in
+      // the same call): 128K 27.9 -> 27.2, 1M 35.0 -> 32.4; over fp8 pools 27.8 -> 26.0 and
+      // 34.3 -> 30.6.
+      if (warp == 0) {
+        const int32_t taken = PartWarpTopK(sh.xs, sh.ids, n, kp, group,
+                                           [&](uint32_t pos, int32_t id) {
+                                             out[pos] = id;
+                                             sh.sel[pos] = id;
+                                           },
+                                           [&](int ph) { stamp(phase0 + ph); });
+        for (int32_t j = taken + lane; j < kp; j += 32) {
+          out[j] = -1;
+          sh.sel[j] = -1;
+        }
+        if (lane == 0) sh.taken = taken;
+      }
+      __syncthreads();
+      stamp(phase0 + kSelectStagesPhasesPerStage - 1);
+      continue;
+    }
     // Thread t holds candidates [per t, per t + per): spread over every warp (a warp's
     // histogram adds cost per slot that holds keys), in index order.
     const int per = (n + kPartThreads - 1) / kPartThreads;
@@ -4241,7 +4337,6 @@ __global__ void __launch_bounds__(kPartThreads, 2)
         x[h][j] = h < group && in ? sh.xs[h * kPartMaxCands + t] : NegInfF();
       }
     }
-    int32_t* out = sg.selected + static_cast<int64_t>(g) * sg.k + static_cast<int64_t>(part) * kp;
     // The attention's middle rows follow the fixed ones; their scores are the last stage's (xs
     // is free once every thread holds its scores: PartTopK's first barrier).
     const int32_t r_mid = f_count;
@@ -4590,7 +4685,7 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
                       : (small ? PartStagesKernel<true, kPartSmallPer, false>
                                : PartStagesKernel<true, kPartPer, false>);
     return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages, *attend, skip,
-                              RegHistMode());
+                              RegHistMode(), PartWarpTopKMax());
   }
   const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads), kPartStagesSmem,
                                    stream, 0, /*dependent=*/false);
@@ -4599,7 +4694,7 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
                     : (small ? PartStagesKernel<false, kPartSmallPer, false>
                              : PartStagesKernel<false, kPartPer, false>);
   return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages,
-                            DeviceSelectAttend{}, skip, RegHistMode());
+                            DeviceSelectAttend{}, skip, RegHistMode(), PartWarpTopKMax());
 }
 
 }  // namespace strata::kernels::cuda_internal

@@ -1682,7 +1682,8 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 }
 
 // SelectStages in parts (SelectStagesParams::partitions): the partitioned kernel
-// (STRATA_SELECT_STAGES=require_fused) and the ops one by one (VoteTopK in parts), each against
+// (STRATA_SELECT_STAGES=require_fused; small parts by one warp, and again with the block's radix
+// select for every stage) and the ops one by one (VoteTopK in parts), each against
 // the CPU's ops part by part, at tokenselect's shapes (one- and two-level, 8 and 16 parts) and
 // awkward ones (group 1-3, k above the candidates, parts of unequal sizes, table entries -1 or
 // past the pool); with the attention in the kernel (require_fused) and after it (separate),
@@ -1728,6 +1729,16 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         SCOPED_TRACE(mode);
         setenv("STRATA_SELECT_STAGES", mode, 1);
         compared += Compare(ch, ref, RunOnGpu(ch));
+        stages += static_cast<int>(ch.counts.size());
+      }
+      {
+        // The kernel with every stage selected by the block's radix passes (small parts are
+        // otherwise one warp's: PartWarpTopK).
+        SCOPED_TRACE("require_fused, no warp top-k");
+        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+        setenv("STRATA_SELECT_PART_WARP_TOPK", "0", 1);
+        compared += Compare(ch, ref, RunOnGpu(ch));
+        unsetenv("STRATA_SELECT_PART_WARP_TOPK");
         stages += static_cast<int>(ch.counts.size());
       }
       // The attention.
