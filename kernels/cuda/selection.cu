@@ -4172,7 +4172,10 @@ struct PartStagesShared {
   uint32_t hist[kVoteRankPasses][256];
   uint32_t wsum[32];
   float stat_m[kPartG], stat_l[kPartG];
-  float recv[kPartMaxClusterParts][132];  // the partials of the head this block merges
+  // The partials of the head this block merges: the targets of 8-byte st.async, so 8-byte
+  // aligned whatever fields come before (a field added above once left it 4-byte aligned, and
+  // the merge faulted: session 41).
+  __align__(16) float recv[kPartMaxClusterParts][132];
   unsigned long long mbar;
   int32_t taken;
 };
