@@ -4060,7 +4060,9 @@ __device__ __forceinline__ int32_t PartWarpTopK(const float* xs, const int32_t* 
     const int32_t t = 32 * j + lane;
     ids[j] = t < n ? ids_s[t] : -1;
 #pragma unroll
-    for (int h = 0; h < G; ++h) x[h][j] = h < group && t < n ? xs[h * kPartMaxCands + t] : NegInfF();
+    for (int h = 0; h < G; ++h) {
+      x[h][j] = h < group && t < n ? xs[h * kPartMaxCands + t] : NegInfF();
+    }
   }
   float m[G], l[G], inv[G];
   RegWarpStats<J>(x, m, l);
