@@ -1778,17 +1778,23 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, what);
         return got;
       };
+      // The chain with the attention in the call, for query q and the heads flagged in skip
+      // (device memory; null: none).
+      auto select_and_attend = [&](void* q, const int32_t* skip) {
+        SelectStagesParams p =
+            ch.Params(q, dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
+        p.skip_heads = skip;
+        const SelectedAttentionParams at =
+            ChainAttention(ch, pc.window, q, dpool->data(), dv->data(), dt->data(),
+                           p.stages[last].selected, dout->data(), dlse->data());
+        p.attend = &at;
+        return gpu_->SelectStages(p, nullptr);
+      };
       for (const char* amode : {"require_fused", "separate"}) {
         SCOPED_TRACE(amode);
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
         setenv("STRATA_SELECT_ATTEND", amode, 1);
-        SelectStagesParams p =
-            ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
-        const SelectedAttentionParams at =
-            ChainAttention(ch, pc.window, dq->data(), dpool->data(), dv->data(), dt->data(),
-                           p.stages[last].selected, dout->data(), dlse->data());
-        p.attend = &at;
-        const absl::Status st = gpu_->SelectStages(p, nullptr);
+        const absl::Status st = select_and_attend(dq->data(), nullptr);
         ASSERT_TRUE(st.ok()) << st;
         const std::vector<std::vector<int32_t>> got = check_fused("out / lse");
 
@@ -1797,14 +1803,8 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         std::vector<int32_t> skip(c.hkv);
         for (int g = 0; g < c.hkv; ++g) skip[g] = g % 2;
         auto dskip = Dev(skip);
-        SelectStagesParams p2 =
-            ch.Params(dq2->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
-        p2.skip_heads = static_cast<const int32_t*>(dskip->data());
-        const SelectedAttentionParams at2 =
-            ChainAttention(ch, pc.window, dq2->data(), dpool->data(), dv->data(), dt->data(),
-                           p2.stages[last].selected, dout->data(), dlse->data());
-        p2.attend = &at2;
-        const absl::Status st2 = gpu_->SelectStages(p2, nullptr);
+        const absl::Status st2 =
+            select_and_attend(dq2->data(), static_cast<const int32_t*>(dskip->data()));
         ASSERT_TRUE(st2.ok()) << st2;
         std::vector<int32_t> final2 =
             Get<int32_t>(*bufs[2 * last + 1], int64_t{c.hkv} * ch.ks[last]);
@@ -1827,16 +1827,10 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         setenv("STRATA_SELECT_PART_CLUSTER_FIT", "0", 1);
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
         setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
-        SelectStagesParams p =
-            ch.Params(dq->data(), dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
-        const SelectedAttentionParams at =
-            ChainAttention(ch, pc.window, dq->data(), dpool->data(), dv->data(), dt->data(),
-                           p.stages[last].selected, dout->data(), dlse->data());
-        p.attend = &at;
-        const absl::Status refused = gpu_->SelectStages(p, nullptr);
+        const absl::Status refused = select_and_attend(dq->data(), nullptr);
         EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
         unsetenv("STRATA_SELECT_ATTEND");
-        const absl::Status st = gpu_->SelectStages(p, nullptr);
+        const absl::Status st = select_and_attend(dq->data(), nullptr);
         unsetenv("STRATA_SELECT_PART_CLUSTER_FIT");
         ASSERT_TRUE(st.ok()) << st;
         check_fused("out / lse, no cluster");
