@@ -30,8 +30,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -48,7 +48,6 @@ using strata::kernels::cuda_internal::MbarInit;
 using strata::kernels::cuda_internal::MbarWait;
 using strata::kernels::cuda_internal::SharedAddr;
 using strata::kernels::cuda_internal::StAsync8;
-
 
 __device__ __forceinline__ void Arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
