@@ -3459,6 +3459,13 @@ int PartWarpTopKMax() {
   return e == nullptr ? 16 : std::max(0, std::atoi(e));
 }
 
+// Whether PartStagesKernel looks up a key stage's page slots while the stage before is selected
+// by one warp (PartSlotPrefetchMask): yes, or STRATA_SELECT_PART_PREFETCH=0 (A/B timing).
+bool PartSlotPrefetchOn() {
+  const char* e = std::getenv("STRATA_SELECT_PART_PREFETCH");
+  return e == nullptr || std::string_view(e) != "0";
+}
+
 // Blocks per cluster of ClusterRegisterVoteTopKKernel: about 256 threads of 4 candidates per
 // block, 2 to 8 blocks; STRATA_SELECTION_REG_CLUSTER=2|4|8 asks for that many (A/B timing).
 // STRATA_SELECTION_TOPK_MAP's blocks take precedence.
@@ -4045,9 +4052,14 @@ __device__ __forceinline__ int32_t PartTopK(const float (&x)[kPartG][kPer],
 // keys are distinct and a larger one ranks before, ties to the lower index as in PartTopK; the
 // kp largest are found one per step by the warp's max (redux.sync) of the keys below the last
 // one found, and taken in index order by ballots: no block barrier and no histogram. Emits as
-// PartTopK (emit(pos, id)), stamps as it (2 statistics, 4 keys, 5 the kp-th key found), and
-// returns how many were taken. Every lane of the warp calls it.
+// PartTopK, with the candidate's index in xs too (emit(pos, id, t)), stamps as it (2 statistics,
+// 4 keys, 5 the kp-th key found), and returns how many were taken. Every lane of the warp calls
+// it.
 constexpr int kPartWarpCands = 256;
+// Whether PartStagesKernel selects a stage of n candidates per part, kp taken, by one warp.
+__host__ __device__ inline bool PartStageByWarp(int kp, int64_t n, int warp_kp, bool attend_last) {
+  return kp <= warp_kp && n <= kPartWarpCands && !attend_last;
+}
 template <typename Emit, typename Stamp>
 __device__ __forceinline__ int32_t PartWarpTopK(const float* xs, const int32_t* ids_s, int32_t n,
                                                 int kp, int group, Emit emit, Stamp stamp) {
@@ -4095,7 +4107,7 @@ __device__ __forceinline__ int32_t PartWarpTopK(const float* xs, const int32_t* 
   for (int j = 0; j < J; ++j) {
     const bool take = found > 0 && key[j] != 0 && key[j] >= bound;
     const unsigned b = __ballot_sync(0xffffffffu, take);
-    if (take) emit(pos + __popc(b & below), ids[j]);
+    if (take) emit(pos + __popc(b & below), ids[j], 32 * j + lane);
     pos += __popc(b);
   }
   return found;
@@ -4169,9 +4181,19 @@ struct PartStagesShared {
   int32_t ids[kPartMaxCands];
   int64_t crow[kPartMaxCands];  // a key stage's pool rows of the candidates (-1: none)
   int32_t sel[kPartMaxTaken];
-  int64_t rows[kPartMaxRows];
+  union {
+    int64_t rows[kPartMaxRows];  // the attention's pool rows (written from the last stage's top-k)
+    // kPartSlotPrefetch (read by the next stage's start, before any row is written): the next
+    // key stage's page slot of each candidate of a warp top-k stage (-1: none), and each taken
+    // candidate's index among them.
+    struct {
+      int32_t pslot[kPartWarpCands];
+      int32_t selpos[kPartWarpCands];
+    };
+  };
   float red_m[kPartG][32], red_l[kPartG][32];
-  uint32_t hist[kVoteRankPasses][256];
+  // Read as uint4 (RegFindBin): 16-byte aligned whatever fields come before.
+  __align__(16) uint32_t hist[kVoteRankPasses][256];
   uint32_t wsum[32];
   float stat_m[kPartG], stat_l[kPartG];
   // The partials of the head this block merges: the targets of 8-byte st.async, so 8-byte
@@ -4182,6 +4204,12 @@ struct PartStagesShared {
   int32_t taken;
 };
 constexpr int kPartStagesSmem = static_cast<int>(sizeof(PartStagesShared));
+// Two blocks per SM with their shared memory (plus the 1 KiB per block the runtime reserves) in
+// the 196 KiB carveout, which leaves the SM 60 KiB of L1 for the loads in flight. Session 42:
+// 2 KiB more per block took the 228 KiB carveout (28 KiB of L1), and every stage's scoring
+// slowed (the 128K step 27.5 -> 29.7 us per layer, 26.3 -> 27.5 over fp8 pools; H200).
+constexpr int kPartStagesSmemMost = 196 * 1024 / 2 - 1024;
+static_assert(kPartStagesSmem <= kPartStagesSmemMost, "two blocks per SM in the 196 KiB carveout");
 static_assert(kPartG * kPartMaxRows <= kPartG * kPartMaxCands, "attention rows fit xs");
 static_assert(kPartWarps * kPartG * 128 <= kPartG * kPartMaxCands, "partials fit xs");
 
@@ -4205,7 +4233,7 @@ template <bool kAttend, int kPer, bool kF8>
 __global__ void __launch_bounds__(kPartThreads, 2)
     PartStagesKernel(const float* __restrict__ q, float scale, int group, int parts,
                      DeviceSelectStages st, DeviceSelectAttend at, const int32_t* skip,
-                     int hist_mode, int warp_kp) {
+                     int hist_mode, int warp_kp, uint32_t prefetch_mask) {
   constexpr int G = kPartG;
   extern __shared__ __align__(16) unsigned char part_smem[];
   PartStagesShared& sh = *reinterpret_cast<PartStagesShared*>(part_smem);
@@ -4247,6 +4275,8 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     const bool last = s + 1 == st.num_stages;
     // The part's candidate ids.
     int32_t n;
+    // The stage before looked up this stage's page slots (PartSlotPrefetchMask).
+    const bool slots_ready = s > 0 && ((prefetch_mask >> (s - 1)) & 1u) != 0;
     if (s == 0) {
       n = PartCandidateCount(c.count, c.begin, nullptr, 0, 1, parts, part);
       for (int32_t t = tid; t < n; t += kPartThreads) {
@@ -4258,12 +4288,19 @@ __global__ void __launch_bounds__(kPartThreads, 2)
       const int kprev = st.stage[s - 1].k / parts;
       n = kprev * c.fanout;
       for (int32_t t = tid; t < n; t += kPartThreads) {
-        const int32_t parent = sh.sel[t / c.fanout];
+        const int32_t pi = t / c.fanout;
+        const int32_t parent = sh.sel[pi];
         const int64_t id = static_cast<int64_t>(parent) * c.fanout + t % c.fanout;
-        sh.ids[t] = parent >= 0 && id >= c.begin && id < c.end ? static_cast<int32_t>(id) : -1;
+        const bool valid = parent >= 0 && id >= c.begin && id < c.end;
+        sh.ids[t] = valid ? static_cast<int32_t>(id) : -1;
+        if (slots_ready) {  // the parent is the id's page (c.fanout is the page size)
+          const int32_t slot = valid ? sh.pslot[sh.selpos[pi]] : -1;
+          const int32_t within = static_cast<int32_t>(id) & (c.fanout - 1);
+          sh.crow[t] = slot >= 0 ? (static_cast<int64_t>(slot) << sg.page_shift) + within : -1;
+        }
       }
     }
-    if (sg.kind != SelectStageKind::kSummariesBF16) {
+    if (sg.kind != SelectStageKind::kSummariesBF16 && !slots_ready) {
       // The pool rows up front (every table read of the stage in flight at once, not one
       // round trip before each round of key loads).
       __syncthreads();
@@ -4304,17 +4341,21 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     __syncthreads();
     stamp(phase0 + 1);
     int32_t* out = sg.selected + static_cast<int64_t>(g) * sg.k + static_cast<int64_t>(part) * kp;
-    if (kp <= warp_kp && n <= kPartWarpCands && !(kAttend && last)) {
+    if (PartStageByWarp(kp, n, warp_kp, kAttend && last)) {
       // A small part (tokenselect's page stage, and its segment stage from 512K: 128 or 64
       // candidates, 8 taken): warp 0 selects alone (PartWarpTopK), with no barrier until the
       // stage's end. Session 41 (H200, graph us per layer, against the block's radix select in
       // the same call): 128K 27.9 -> 27.2, 1M 35.0 -> 32.4; over fp8 pools 27.8 -> 26.0 and
       // 34.3 -> 30.6.
+      // Where the next stage is a key stage whose candidates are the pages of this one's (its
+      // fanout the page size; PartSlotPrefetchMask), warps 1-7 look up the page slots of every
+      // candidate meanwhile, so that stage's pool rows need no table read of their own.
       if (warp == 0) {
         const int32_t taken = PartWarpTopK(sh.xs, sh.ids, n, kp, group,
-                                           [&](uint32_t pos, int32_t id) {
+                                           [&](uint32_t pos, int32_t id, int32_t t) {
                                              out[pos] = id;
                                              sh.sel[pos] = id;
+                                             sh.selpos[pos] = t;
                                            },
                                            [&](int ph) { stamp(phase0 + ph); });
         for (int32_t j = taken + lane; j < kp; j += 32) {
@@ -4322,6 +4363,18 @@ __global__ void __launch_bounds__(kPartThreads, 2)
           sh.sel[j] = -1;
         }
         if (lane == 0) sh.taken = taken;
+      } else if (((prefetch_mask >> s) & 1u) != 0) {
+        const DeviceSelectStage& nx = st.stage[s + 1];
+#pragma unroll 1
+        for (int32_t t = tid - 32; t < n; t += kPartThreads - 32) {
+          const int32_t page = sh.ids[t];
+          int32_t slot = -1;
+          if (page >= 0 && page < nx.table_pages) {
+            slot = __ldg(nx.table + static_cast<int64_t>(g) * nx.table_pages + page);
+            if (slot >= nx.num_items) slot = -1;
+          }
+          sh.pslot[t] = slot;
+        }
       }
       __syncthreads();
       stamp(phase0 + kSelectStagesPhasesPerStage - 1);
@@ -4641,6 +4694,26 @@ int PartStagesMaxActiveClusters(int parts) {
   return fit[device][slot];
 }
 
+// Bit s set: every block selects stage s by one warp (PartStageByWarp, with the most candidates
+// any part holds) and stage s + 1 is a key stage whose candidates are the pages of stage s's (its
+// fanout the page size), so PartStagesKernel's warps 1-7 look up their page slots meanwhile.
+uint32_t PartSlotPrefetchMask(const DeviceSelectStages& stages, int parts, int warp_kp) {
+  if (!PartSlotPrefetchOn()) return 0;
+  uint32_t mask = 0;
+  for (int s = 0; s + 1 < stages.num_stages; ++s) {
+    const DeviceSelectStage& sg = stages.stage[s];
+    const DeviceSelectStage& nx = stages.stage[s + 1];
+    const int64_t n = s == 0 ? (int64_t{sg.c.count} + parts - 1) / parts
+                             : int64_t{stages.stage[s - 1].k / parts} * sg.c.fanout;
+    if (PartStageByWarp(sg.k / parts, n, warp_kp, false) &&
+        nx.kind != SelectStageKind::kSummariesBF16 && nx.page_shift >= 0 &&
+        nx.page_shift < 31 && nx.c.fanout == (1 << nx.page_shift)) {
+      mask |= 1u << s;
+    }
+  }
+  return mask;
+}
+
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
                              const DeviceSelectStages& stages, const int32_t* skip,
                              const DeviceSelectAttend* attend, cudaStream_t stream) {
@@ -4677,6 +4750,7 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
     small = small && n <= int64_t{kPartThreads} * kPartSmallPer;
   }
   if (const char* e = std::getenv("STRATA_SELECT_PART_PER")) small = small && std::string_view(e) != "8";
+  const int warp_kp = PartWarpTopKMax();
   // The pool format (PartStagesFits: every key stage and the attention read one).
   bool f8 = attend != nullptr && attend->fp8 != 0;
   for (int s = 0; s < stages.num_stages; ++s) {
@@ -4690,7 +4764,7 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
                       : (small ? PartStagesKernel<true, kPartSmallPer, false>
                                : PartStagesKernel<true, kPartPer, false>);
     return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages, *attend, skip,
-                              RegHistMode(), PartWarpTopKMax());
+                              RegHistMode(), warp_kp, PartSlotPrefetchMask(stages, parts, warp_kp));
   }
   const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads), kPartStagesSmem,
                                    stream, 0, /*dependent=*/false);
@@ -4699,7 +4773,8 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
                     : (small ? PartStagesKernel<false, kPartSmallPer, false>
                              : PartStagesKernel<false, kPartPer, false>);
   return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages,
-                            DeviceSelectAttend{}, skip, RegHistMode(), PartWarpTopKMax());
+                            DeviceSelectAttend{}, skip, RegHistMode(), warp_kp,
+                            PartSlotPrefetchMask(stages, parts, warp_kp));
 }
 
 }  // namespace strata::kernels::cuda_internal

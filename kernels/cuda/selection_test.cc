@@ -1682,8 +1682,9 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 }
 
 // SelectStages in parts (SelectStagesParams::partitions): the partitioned kernel
-// (STRATA_SELECT_STAGES=require_fused; small parts by one warp, and again with the block's radix
-// select for every stage) and the ops one by one (VoteTopK in parts), each against
+// (STRATA_SELECT_STAGES=require_fused; small parts by one warp, again with the block's radix
+// select for every stage, and again without the slot prefetch, STRATA_SELECT_PART_PREFETCH=0)
+// and the ops one by one (VoteTopK in parts), each against
 // the CPU's ops part by part, at tokenselect's shapes (one- and two-level, 8 and 16 parts) and
 // awkward ones (group 1-3, k above the candidates, parts of unequal sizes, table entries -1 or
 // past the pool); with the attention in the kernel (require_fused) and after it (separate),
@@ -1741,6 +1742,16 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         unsetenv("STRATA_SELECT_PART_WARP_TOPK");
         stages += static_cast<int>(ch.counts.size());
       }
+      {
+        // The kernel without the slot prefetch (STRATA_SELECT_PART_PREFETCH=0: every key
+        // stage's table reads at its start).
+        SCOPED_TRACE("require_fused, no slot prefetch");
+        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+        setenv("STRATA_SELECT_PART_PREFETCH", "0", 1);
+        compared += Compare(ch, ref, RunOnGpu(ch));
+        unsetenv("STRATA_SELECT_PART_PREFETCH");
+        stages += static_cast<int>(ch.counts.size());
+      }
       // The attention.
       const float vmax = pool == DType::kFP8E4M3 ? 16.0f : 1.0f;
       std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD, -vmax, vmax);
@@ -1790,10 +1801,20 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         p.attend = &at;
         return gpu_->SelectStages(p, nullptr);
       };
-      for (const char* amode : {"require_fused", "separate"}) {
-        SCOPED_TRACE(amode);
+      // The attention in the kernel (with and without the slot prefetch: the last stage's
+      // pool rows from the slots the stage before looked up, or from its own table reads) and
+      // after it.
+      struct AttendMode {
+        const char* attend;
+        const char* prefetch;
+      };
+      for (const AttendMode am : {AttendMode{"require_fused", nullptr},
+                                  AttendMode{"require_fused", "0"},
+                                  AttendMode{"separate", nullptr}}) {
+        SCOPED_TRACE(::testing::Message() << am.attend << (am.prefetch ? ", no prefetch" : ""));
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-        setenv("STRATA_SELECT_ATTEND", amode, 1);
+        setenv("STRATA_SELECT_ATTEND", am.attend, 1);
+        if (am.prefetch != nullptr) setenv("STRATA_SELECT_PART_PREFETCH", am.prefetch, 1);
         const absl::Status st = select_and_attend(dq->data(), nullptr);
         ASSERT_TRUE(st.ok()) << st;
         const std::vector<std::vector<int32_t>> got = check_fused("out / lse");
@@ -1818,6 +1839,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         cpu_attention(q2, final2, &want_out, &want_lse);
         ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
         ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
+        unsetenv("STRATA_SELECT_PART_PREFETCH");
       }
       if (&pc == &cases[0]) {
         // A device where no cluster of `parts` blocks fits (a smaller GPU or a MIG slice; stood
