@@ -4183,13 +4183,13 @@ struct PartStagesShared {
   int32_t sel[kPartMaxTaken];
   union {
     int64_t rows[kPartMaxRows];  // the attention's pool rows (written from the last stage's top-k)
-    // kPartSlotPrefetch (read by the next stage's start, before any row is written): the next
-    // key stage's page slot of each candidate of a warp top-k stage (-1: none), and each taken
-    // candidate's index among them.
+    // The slot prefetch (PartSlotPrefetchMask; read by the next stage's start, before any row is
+    // written): the next key stage's page slot of each candidate of a warp top-k stage (-1:
+    // none), and each taken candidate's index among them.
     struct {
-      int32_t pslot[kPartWarpCands];
-      int32_t selpos[kPartWarpCands];
-    };
+      int32_t slot[kPartWarpCands];
+      int32_t taken_at[kPartWarpCands];
+    } pre;
   };
   float red_m[kPartG][32], red_l[kPartG][32];
   // Read as uint4 (RegFindBin): 16-byte aligned whatever fields come before.
@@ -4205,9 +4205,10 @@ struct PartStagesShared {
 };
 constexpr int kPartStagesSmem = static_cast<int>(sizeof(PartStagesShared));
 // Two blocks per SM with their shared memory (plus the 1 KiB per block the runtime reserves) in
-// the 196 KiB carveout, which leaves the SM 60 KiB of L1 for the loads in flight. Session 42:
-// 2 KiB more per block took the 228 KiB carveout (28 KiB of L1), and every stage's scoring
-// slowed (the 128K step 27.5 -> 29.7 us per layer, 26.3 -> 27.5 over fp8 pools; H200).
+// the 196 KiB carveout, which leaves the SM 60 KiB of L1 for the loads in flight. Session 42
+// (H200): a form 2 KiB larger per block, over the 228 KiB carveout (28 KiB of L1), took 29.7 us
+// per layer at 128K (26.3 -> 27.5 over fp8 pools); the same code made 13 KiB smaller, within
+// the 196 KiB one, 28.2 (27.0).
 constexpr int kPartStagesSmemMost = 196 * 1024 / 2 - 1024;
 static_assert(kPartStagesSmem <= kPartStagesSmemMost, "two blocks per SM in the 196 KiB carveout");
 static_assert(kPartG * kPartMaxRows <= kPartG * kPartMaxCands, "attention rows fit xs");
@@ -4294,7 +4295,7 @@ __global__ void __launch_bounds__(kPartThreads, 2)
         const bool valid = parent >= 0 && id >= c.begin && id < c.end;
         sh.ids[t] = valid ? static_cast<int32_t>(id) : -1;
         if (slots_ready) {  // the parent is the id's page (c.fanout is the page size)
-          const int32_t slot = valid ? sh.pslot[sh.selpos[pi]] : -1;
+          const int32_t slot = valid ? sh.pre.slot[sh.pre.taken_at[pi]] : -1;
           const int32_t within = static_cast<int32_t>(id) & (c.fanout - 1);
           sh.crow[t] = slot >= 0 ? (static_cast<int64_t>(slot) << sg.page_shift) + within : -1;
         }
@@ -4355,7 +4356,7 @@ __global__ void __launch_bounds__(kPartThreads, 2)
                                            [&](uint32_t pos, int32_t id, int32_t t) {
                                              out[pos] = id;
                                              sh.sel[pos] = id;
-                                             sh.selpos[pos] = t;
+                                             sh.pre.taken_at[pos] = t;
                                            },
                                            [&](int ph) { stamp(phase0 + ph); });
         for (int32_t j = taken + lane; j < kp; j += 32) {
@@ -4373,7 +4374,7 @@ __global__ void __launch_bounds__(kPartThreads, 2)
             slot = __ldg(nx.table + static_cast<int64_t>(g) * nx.table_pages + page);
             if (slot >= nx.num_items) slot = -1;
           }
-          sh.pslot[t] = slot;
+          sh.pre.slot[t] = slot;
         }
       }
       __syncthreads();

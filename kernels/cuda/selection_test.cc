@@ -1732,26 +1732,20 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         compared += Compare(ch, ref, RunOnGpu(ch));
         stages += static_cast<int>(ch.counts.size());
       }
-      {
-        // The kernel with every stage selected by the block's radix passes (small parts are
-        // otherwise one warp's: PartWarpTopK).
-        SCOPED_TRACE("require_fused, no warp top-k");
+      // The kernel with one of its paths switched off (var=0), against the CPU.
+      auto fused_without = [&](const char* trace, const char* var) {
+        SCOPED_TRACE(trace);
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-        setenv("STRATA_SELECT_PART_WARP_TOPK", "0", 1);
+        setenv(var, "0", 1);
         compared += Compare(ch, ref, RunOnGpu(ch));
-        unsetenv("STRATA_SELECT_PART_WARP_TOPK");
+        unsetenv(var);
         stages += static_cast<int>(ch.counts.size());
-      }
-      {
-        // The kernel without the slot prefetch (STRATA_SELECT_PART_PREFETCH=0: every key
-        // stage's table reads at its start).
-        SCOPED_TRACE("require_fused, no slot prefetch");
-        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-        setenv("STRATA_SELECT_PART_PREFETCH", "0", 1);
-        compared += Compare(ch, ref, RunOnGpu(ch));
-        unsetenv("STRATA_SELECT_PART_PREFETCH");
-        stages += static_cast<int>(ch.counts.size());
-      }
+      };
+      // Every stage selected by the block's radix passes (small parts are otherwise one warp's:
+      // PartWarpTopK).
+      fused_without("require_fused, no warp top-k", "STRATA_SELECT_PART_WARP_TOPK");
+      // Every key stage's table reads at its start (no slot prefetch during the stage before).
+      fused_without("require_fused, no slot prefetch", "STRATA_SELECT_PART_PREFETCH");
       // The attention.
       const float vmax = pool == DType::kFP8E4M3 ? 16.0f : 1.0f;
       std::vector<float> vf = RandomF(static_cast<int64_t>(ch.slots) * c.page * kD, -vmax, vmax);
