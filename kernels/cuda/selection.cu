@@ -4635,8 +4635,9 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
       return false;
     }
     if (s == 0) {
-      if (sg.c.parents != nullptr ||
-          PartCandidateCount(sg.c.count, sg.c.begin, nullptr, 0, 1, parts, 0) > kPartMaxCands) {
+      // The largest part of the range (its parts differ by one, and part 0 is not always one of
+      // the larger: PartCandidateCount).
+      if (sg.c.parents != nullptr || (int64_t{sg.c.count} + parts - 1) / parts > kPartMaxCands) {
         return false;
       }
     } else if (int64_t{stages.stage[s - 1].k / parts} * sg.c.fanout > kPartMaxCands ||
@@ -4742,11 +4743,10 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
   });
   if (attr != cudaSuccess) return attr;
   // Candidates per thread: kPartSmallPer where every stage's part fits (the shorter code), else
-  // kPartPer.
+  // kPartPer. Stage 0: the range's largest part (part 0 is not always one of the larger).
   bool small = true;
   for (int s = 0; s < stages.num_stages; ++s) {
-    const int64_t n = s == 0 ? PartCandidateCount(stages.stage[0].c.count, stages.stage[0].c.begin,
-                                                  nullptr, 0, 1, parts, 0)
+    const int64_t n = s == 0 ? (int64_t{stages.stage[0].c.count} + parts - 1) / parts
                              : int64_t{stages.stage[s - 1].k / parts} * stages.stage[s].c.fanout;
     small = small && n <= int64_t{kPartThreads} * kPartSmallPer;
   }

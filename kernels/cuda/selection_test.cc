@@ -2270,6 +2270,31 @@ TEST(SelectStagesAttendFormTest, ScoresFromTheKeyStageOnlyWhereTheyAreTheAttenti
   EXPECT_TRUE(SelectStagesAttendScored(one, a));
 }
 
+// Whether the partitioned kernel holds a chain (host logic: runs without a GPU too) judges a
+// range's parts by the largest: with 16 parts of the 32769 pages [1, 32770), part 0 holds 2048
+// (PartCandidateCount) and part 1 holds 2049, past the kernel's 2048 per part and stage (its
+// shared arrays would overflow); 32768 pages fit.
+TEST(PartStagesFitsTest, JudgesARangeByItsLargestPart) {
+  using cuda_internal::DeviceSelectStages;
+  using cuda_internal::PartStagesFits;
+  using cuda_internal::SelectStageKind;
+  alignas(16) static uint16_t rows[8];  // never dereferenced: only its alignment is checked
+  DeviceSelectStages st;
+  st.num_stages = 1;
+  st.stage[0].kind = SelectStageKind::kSummariesBF16;
+  st.stage[0].rows = rows;
+  st.stage[0].num_items = 40000;
+  st.stage[0].k = 128;
+  st.stage[0].c.begin = 1;
+  for (const int32_t count : {16 * 2048, 16 * 2048 + 1}) {
+    st.stage[0].c.count = count;
+    st.stage[0].c.end = 1 + count;
+    EXPECT_EQ(PartStagesFits(/*num_kv_heads=*/1, /*group=*/4, /*parts=*/16, st, nullptr),
+              count <= 16 * 2048)
+        << count << " pages";
+  }
+}
+
 // Where SelectStagesKernel sends a stage's taken ids (host logic: runs without a GPU too): every
 // id goes exactly to the blocks that read it as a parent (some element of theirs is its child),
 // and each block waits for exactly as many ids as are pushed to it (a wrong count would hang the
