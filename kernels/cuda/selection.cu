@@ -4619,6 +4619,18 @@ cudaError_t LaunchPartVoteTopK(const float* scores, int num_kv_heads, int group,
                          k, parts, vote, selected, RegHistMode());
 }
 
+namespace {
+
+// The most candidates any part of stage s holds: stage 0's range in parts that differ by one
+// (part 0 is not always one of the larger: PartCandidateCount), a later stage the children of
+// the stage before's k / P.
+int64_t PartStageMostCandidates(const DeviceSelectStages& stages, int parts, int s) {
+  return s == 0 ? (int64_t{stages.stage[0].c.count} + parts - 1) / parts
+                : int64_t{stages.stage[s - 1].k / parts} * stages.stage[s].c.fanout;
+}
+
+}  // namespace
+
 bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectStages& stages,
                     const DeviceSelectAttend* attend) {
   if (num_kv_heads < 1 || num_kv_heads > 65535 || group < 1 || group > kPartG || parts < 2 ||
@@ -4634,15 +4646,10 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
         sg.k / parts > kPartMaxTaken || reinterpret_cast<uintptr_t>(sg.rows) % 16 != 0) {
       return false;
     }
-    if (s == 0) {
-      // The largest part of the range (its parts differ by one, and part 0 is not always one of
-      // the larger: PartCandidateCount).
-      if (sg.c.parents != nullptr || (int64_t{sg.c.count} + parts - 1) / parts > kPartMaxCands) {
-        return false;
-      }
-    } else if (int64_t{stages.stage[s - 1].k / parts} * sg.c.fanout > kPartMaxCands ||
-               sg.c.parents != stages.stage[s - 1].selected ||
-               sg.c.num_parents != stages.stage[s - 1].k) {
+    if (PartStageMostCandidates(stages, parts, s) > kPartMaxCands) return false;
+    if (s == 0 ? sg.c.parents != nullptr
+               : sg.c.parents != stages.stage[s - 1].selected ||
+                     sg.c.num_parents != stages.stage[s - 1].k) {
       return false;
     }
   }
@@ -4664,6 +4671,42 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
   return true;
 }
 
+namespace {
+
+// Every PartStagesKernel instantiation's launch attributes (its dynamic shared memory, clusters
+// of up to 16 blocks) on the current device, set once per device; the first error, if any.
+cudaError_t PartStagesAttributes() {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  if (device < 0 || device >= kStagesMaxDevices) return cudaErrorInvalidDevice;
+  static std::once_flag once[kStagesMaxDevices];
+  static cudaError_t result[kStagesMaxDevices];
+  std::call_once(once[device], [&] {
+    result[device] = cudaSuccess;
+    for (const void* k :
+         {reinterpret_cast<const void*>(PartStagesKernel<false, kPartPer, false>),
+          reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, false>),
+          reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer, false>),
+          reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer, false>),
+          reinterpret_cast<const void*>(PartStagesKernel<false, kPartPer, true>),
+          reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, true>),
+          reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer, true>),
+          reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer, true>)}) {
+      cudaError_t ke =
+          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kPartStagesSmem);
+      if (ke == cudaSuccess) {
+        ke = cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      }
+      if (ke != cudaSuccess && result[device] == cudaSuccess) result[device] = ke;
+    }
+    cudaGetLastError();
+  });
+  return result[device];
+}
+
+}  // namespace
+
 int PartStagesMaxActiveClusters(int parts) {
   if (const char* e = std::getenv("STRATA_SELECT_PART_CLUSTER_FIT")) return std::atoi(e);
   int device = 0;
@@ -4678,23 +4721,22 @@ int PartStagesMaxActiveClusters(int parts) {
   static int fit[kStagesMaxDevices][4];
   const int slot = __builtin_ctz(static_cast<unsigned>(parts)) - 1;
   std::call_once(once[device][slot], [&] {
+    if (PartStagesAttributes() != cudaSuccess) {
+      fit[device][slot] = 0;
+      return;
+    }
     int most = std::numeric_limits<int>::max();
     for (auto* k : {PartStagesKernel<true, kPartPer, false>, PartStagesKernel<true, kPartPer, true>,
                     PartStagesKernel<true, kPartSmallPer, false>,
                     PartStagesKernel<true, kPartSmallPer, true>}) {
-      if (cudaFuncSetAttribute(reinterpret_cast<const void*>(k),
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kPartStagesSmem) != cudaSuccess) {
-        cudaGetLastError();
-        most = 0;
-        break;
-      }
       most = std::min(most, MaxActiveClusters(k, parts, kPartThreads, kPartStagesSmem));
     }
     fit[device][slot] = most;
   });
   return fit[device][slot];
 }
+
+namespace {
 
 // Bit s set: every block selects stage s by one warp (PartStageByWarp, with the most candidates
 // any part holds) and stage s + 1 is a key stage whose candidates are the pages of stage s's (its
@@ -4703,11 +4745,9 @@ uint32_t PartSlotPrefetchMask(const DeviceSelectStages& stages, int parts, int w
   if (!PartSlotPrefetchOn()) return 0;
   uint32_t mask = 0;
   for (int s = 0; s + 1 < stages.num_stages; ++s) {
-    const DeviceSelectStage& sg = stages.stage[s];
     const DeviceSelectStage& nx = stages.stage[s + 1];
-    const int64_t n = s == 0 ? (int64_t{sg.c.count} + parts - 1) / parts
-                             : int64_t{stages.stage[s - 1].k / parts} * sg.c.fanout;
-    if (PartStageByWarp(sg.k / parts, n, warp_kp, false) &&
+    if (PartStageByWarp(stages.stage[s].k / parts, PartStageMostCandidates(stages, parts, s),
+                        warp_kp, false) &&
         nx.kind != SelectStageKind::kSummariesBF16 && nx.page_shift >= 0 &&
         nx.page_shift < 31 && nx.c.fanout == (1 << nx.page_shift)) {
       mask |= 1u << s;
@@ -4716,39 +4756,19 @@ uint32_t PartSlotPrefetchMask(const DeviceSelectStages& stages, int parts, int w
   return mask;
 }
 
+}  // namespace
+
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
                              const DeviceSelectStages& stages, const int32_t* skip,
                              const DeviceSelectAttend* attend, cudaStream_t stream) {
   if (num_kv_heads == 0) return cudaSuccess;
   if (!PartStagesFits(num_kv_heads, group, parts, stages, attend)) return cudaErrorInvalidValue;
-  static std::once_flag once;
-  static cudaError_t attr = cudaSuccess;
-  std::call_once(once, [] {
-    for (const void* k :
-         {reinterpret_cast<const void*>(PartStagesKernel<false, kPartPer, false>),
-          reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, false>),
-          reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer, false>),
-          reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer, false>),
-          reinterpret_cast<const void*>(PartStagesKernel<false, kPartPer, true>),
-          reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, true>),
-          reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer, true>),
-          reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer, true>)}) {
-      cudaError_t e =
-          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kPartStagesSmem);
-      if (e == cudaSuccess) {
-        e = cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-      }
-      if (e != cudaSuccess) attr = e;
-    }
-  });
-  if (attr != cudaSuccess) return attr;
-  // Candidates per thread: kPartSmallPer where every stage's part fits (the shorter code), else
-  // kPartPer. Stage 0: the range's largest part (part 0 is not always one of the larger).
+  if (const cudaError_t attr = PartStagesAttributes(); attr != cudaSuccess) return attr;
+  // Candidates per thread: kPartSmallPer where every stage's largest part fits (the shorter
+  // code), else kPartPer.
   bool small = true;
   for (int s = 0; s < stages.num_stages; ++s) {
-    const int64_t n = s == 0 ? (int64_t{stages.stage[0].c.count} + parts - 1) / parts
-                             : int64_t{stages.stage[s - 1].k / parts} * stages.stage[s].c.fanout;
-    small = small && n <= int64_t{kPartThreads} * kPartSmallPer;
+    small = small && PartStageMostCandidates(stages, parts, s) <= kPartThreads * kPartSmallPer;
   }
   if (const char* e = std::getenv("STRATA_SELECT_PART_PER")) small = small && std::string_view(e) != "8";
   const int warp_kp = PartWarpTopKMax();

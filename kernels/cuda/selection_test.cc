@@ -1800,15 +1800,15 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       // after it.
       struct AttendMode {
         const char* attend;
-        const char* prefetch;
+        bool prefetch;
       };
-      for (const AttendMode am : {AttendMode{"require_fused", nullptr},
-                                  AttendMode{"require_fused", "0"},
-                                  AttendMode{"separate", nullptr}}) {
-        SCOPED_TRACE(::testing::Message() << am.attend << (am.prefetch ? ", no prefetch" : ""));
+      for (const AttendMode am : {AttendMode{"require_fused", true},
+                                  AttendMode{"require_fused", false},
+                                  AttendMode{"separate", true}}) {
+        SCOPED_TRACE(::testing::Message() << am.attend << (am.prefetch ? "" : ", no prefetch"));
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
         setenv("STRATA_SELECT_ATTEND", am.attend, 1);
-        if (am.prefetch != nullptr) setenv("STRATA_SELECT_PART_PREFETCH", am.prefetch, 1);
+        if (!am.prefetch) setenv("STRATA_SELECT_PART_PREFETCH", "0", 1);
         const absl::Status st = select_and_attend(dq->data(), nullptr);
         ASSERT_TRUE(st.ok()) << st;
         const std::vector<std::vector<int32_t>> got = check_fused("out / lse");
