@@ -714,11 +714,6 @@ __device__ __forceinline__ int64_t TokenRowAndSlot(const int32_t* table, int tab
 // phase stamps, null when off.
 __device__ unsigned long long* g_selected_phase_stamps = nullptr;
 __device__ int g_selected_phase_blocks = 0;
-__device__ __forceinline__ unsigned long long GlobalTimerNs() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // kSlotScales (fp8 pools with SelectedAttentionShape::slot_scales): each thread reads its row's slot
 // pair once in A, the K scale goes into its scores, the V scale into vs_s for C (the weight of

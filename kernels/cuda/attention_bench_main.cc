@@ -368,6 +368,45 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
   print_line("attend",
              1 + cuda_internal::kSelectStagesMax * cuda_internal::kSelectStagesPhasesPerStage,
              cuda_internal::kSelectStagesAttendPhases, anames);
+  // The part kernel's placement (kSelectStagesPlaceSlot): how many SMs its blocks ran on, the
+  // blocks that shared an SM, each block's time from entry to its last cluster barrier
+  // (%globaltimer) for blocks alone on their SM and those sharing one, the blocks' entry skew,
+  // and the span from the first entry to the last exit.
+  constexpr int S = cuda_internal::kSelectStagesPlaceSlot;
+  std::vector<int> sm_blocks(1024, 0);
+  std::vector<int> block_sm;
+  std::vector<long long> t0, t1;
+  for (int b = 0; b < kMaxBlocks; ++b) {
+    const long long* row = &h[static_cast<size_t>(b) * P];
+    if (row[S + 1] == 0 || row[S + 2] == 0 || row[S] < 0 || row[S] >= 1024) continue;
+    block_sm.push_back(static_cast<int>(row[S]));
+    ++sm_blocks[static_cast<size_t>(row[S])];
+    t0.push_back(row[S + 1]);
+    t1.push_back(row[S + 2]);
+  }
+  if (block_sm.empty()) return;
+  std::vector<double> alone, shared;
+  int sms = 0;
+  for (int n : sm_blocks) sms += n > 0 ? 1 : 0;
+  for (size_t i = 0; i < block_sm.size(); ++i) {
+    const double us = static_cast<double>(t1[i] - t0[i]) / 1000.0;
+    (sm_blocks[static_cast<size_t>(block_sm[i])] > 1 ? shared : alone).push_back(us);
+  }
+  const long long first = *std::min_element(t0.begin(), t0.end());
+  const long long last_in = *std::max_element(t0.begin(), t0.end());
+  const long long last_out = *std::max_element(t1.begin(), t1.end());
+  auto med_max = [](std::vector<double> v) {
+    if (v.empty()) return std::string("-");
+    const double mx = *std::max_element(v.begin(), v.end());
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.2f / %.2f", Median(v), mx);
+    return std::string(buf);
+  };
+  std::printf("BLOCKS %-8lld %-12s %zu blocks on %d SMs (%zu sharing an SM); entry skew %.2f us; "
+              "entry to exit, median / max: alone %s, sharing %s us; span %.2f us\n",
+              static_cast<long long>(context), label.c_str(), block_sm.size(), sms, shared.size(),
+              static_cast<double>(last_in - first) / 1000.0, med_max(alone).c_str(),
+              med_max(shared).c_str(), static_cast<double>(last_out - first) / 1000.0);
 }
 
 void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t flush_bytes,

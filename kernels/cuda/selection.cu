@@ -4252,6 +4252,10 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     if (stamps != nullptr) stamps[phase] = clock64();
   };
   stamp(0);
+  if (stamps != nullptr) {
+    stamps[kSelectStagesPlaceSlot] = SmId();
+    stamps[kSelectStagesPlaceSlot + 1] = GlobalTimerNs();
+  }
   const bool skipped = skip != nullptr && skip[g] != 0;
   if (!kAttend && skipped) return;
   if (kAttend && tid == 0) {
@@ -4594,6 +4598,7 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     // No block leaves while another may still push to it.
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (stamps != nullptr) stamps[kSelectStagesPlaceSlot + 2] = GlobalTimerNs();
   }
 }
 

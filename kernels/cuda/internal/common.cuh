@@ -109,6 +109,18 @@ cudaError_t LaunchDependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, int
 // remote ones come from mapa. Only in clusters of two blocks or more (compute-sanitizer reports
 // an st.async in a one-block cluster as an invalid write); a block must not leave while pushes
 // to it may still arrive.
+// Profiling stamps: %globaltimer (ns, one clock for every SM) and the SM a thread runs on.
+__device__ __forceinline__ unsigned long long GlobalTimerNs() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t SmId() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
 __device__ __forceinline__ uint32_t SharedAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -374,8 +374,13 @@ inline constexpr int kSelectStagesPhasesPerStage = 9;
 // stages': rows resolved and copies issued, fixed rows landed, attended, then per middle tile
 // landed and attended (two tiles of 128), and the partials merged.
 inline constexpr int kSelectStagesAttendPhases = 8;
-inline constexpr int kSelectStagesPhases =
+// Then three placement slots (the part kernel; SelectStagesKernel leaves them alone): the SM the
+// block ran on (%smid), and %globaltimer (ns, one clock for all SMs) at the block's entry and
+// after its last cluster barrier, so the bench can tell blocks that shared an SM and the
+// kernel's span from its slowest block.
+inline constexpr int kSelectStagesPlaceSlot =
     1 + kSelectStagesMax * kSelectStagesPhasesPerStage + kSelectStagesAttendPhases;
+inline constexpr int kSelectStagesPhases = kSelectStagesPlaceSlot + 3;
 cudaError_t SetSelectStagesPhaseStamps(long long* stamps, int max_blocks);
 // Whether LaunchSelectStages can attend `fixed` prefix + suffix and `middle` positions per KV
 // head (the per-block limits above at the cluster size it would use).
