@@ -4258,11 +4258,16 @@ __global__ void __launch_bounds__(kPartThreads, 2)
   }
   const bool skipped = skip != nullptr && skip[g] != 0;
   if (!kAttend && skipped) return;
-  if (kAttend && tid == 0) {
+  // The parts' partials merge through distributed shared memory in a cluster of `parts` blocks,
+  // or (at.merge_partials set: launched without clusters) go to global memory for
+  // PartMergeKernel, launched after this kernel as its programmatic dependent.
+  const bool in_cluster = kAttend && at.merge_partials == nullptr;
+  if (kAttend && !in_cluster) GridDepLaunchDependents();  // PartMergeKernel may launch
+  if (in_cluster && tid == 0) {
     MbarInit(SharedAddr(&sh.mbar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if constexpr (kAttend) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  if (in_cluster) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   StageATables<kF8, true, kPartThreads>(q, scale, g, group, sh.sum_a, sh.key_a, sh.key_descale);
   // Attention rows: the block's share of the fixed rows first, then its middle.
   int32_t f0 = 0, f_count = 0;
@@ -4552,12 +4557,16 @@ __global__ void __launch_bounds__(kPartThreads, 2)
             make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
       }
     }
-    if (tid == 0 && part < group) {
+    if (in_cluster && tid == 0 && part < group) {
       MbarExpect(SharedAddr(&sh.mbar), parts * 130 * sizeof(float));
     }
     __syncthreads();
-    // The block's partial of head h (threads [64 h, 64 h + 64), two dims each) to block h.
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every mbarrier initialised
+    if (in_cluster) {
+      asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every mbarrier initialised
+    }
+    // The block's partial of head h (threads [64 h, 64 h + 64), two dims each): to block h of
+    // the cluster, or to global memory ([g][part][h][130]: o, then max and sum) for
+    // PartMergeKernel.
     {
       const int h = tid >> 6, pair = tid & 63;
       if (h < group) {
@@ -4567,15 +4576,20 @@ __global__ void __launch_bounds__(kPartThreads, 2)
           const float2 v = *reinterpret_cast<const float2*>(red_o + (w * G + h) * 128 + 2 * pair);
           o0 += v.x, o1 += v.y;
         }
-        const uint32_t bar = MapToRank(SharedAddr(&sh.mbar), h);
-        StAsync8(MapToRank(SharedAddr(&sh.recv[part][2 * pair]), h), make_float2(o0, o1), bar);
-        if (pair == 0) {
-          StAsync8(MapToRank(SharedAddr(&sh.recv[part][128]), h),
-                   make_float2(sh.stat_m[h], sh.stat_l[h]), bar);
+        const float2 stats = make_float2(sh.stat_m[h], sh.stat_l[h]);
+        if (in_cluster) {
+          const uint32_t bar = MapToRank(SharedAddr(&sh.mbar), h);
+          StAsync8(MapToRank(SharedAddr(&sh.recv[part][2 * pair]), h), make_float2(o0, o1), bar);
+          if (pair == 0) StAsync8(MapToRank(SharedAddr(&sh.recv[part][128]), h), stats, bar);
+        } else {
+          float* const mine =
+              at.merge_partials + ((static_cast<int64_t>(g) * parts + part) * G + h) * 130;
+          *reinterpret_cast<float2*>(mine + 2 * pair) = make_float2(o0, o1);
+          if (pair == 0) *reinterpret_cast<float2*>(mine + 128) = stats;
         }
       }
     }
-    if (part < group) {
+    if (in_cluster && part < group) {
       MbarWait(SharedAddr(&sh.mbar), 0);
       if (tid < 128) {
         float mx = NegInfF();
@@ -4596,10 +4610,50 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     }
     stamp(A0 + 7);
     // No block leaves while another may still push to it.
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (in_cluster) {
+      asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+      asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    }
     if (stamps != nullptr) stamps[kSelectStagesPlaceSlot + 2] = GlobalTimerNs();
   }
+}
+
+// The attention's partials of PartStagesKernel launched without clusters ([g][part][h][130]:
+// o, then max and sum) merged into out / lse: block g, threads [64 h, 64 h + 64) query head h
+// of KV head g, two dims each. Launched as the part kernel's programmatic dependent, so its
+// launch overlaps that kernel; it reads nothing before GridDepWait (that grid done, its writes
+// visible).
+__global__ void __launch_bounds__(kPartThreads)
+    PartMergeKernel(const float* partials, int group, int parts, float v_scale, float* out,
+                    float* lse) {
+  GridDepWait();
+  const int tid = threadIdx.x, g = blockIdx.x, h = tid >> 6, pair = tid & 63;
+  if (h >= group) return;
+  const float* const base = partials + (static_cast<int64_t>(g) * parts * kPartG + h) * 130;
+  // Every part's values loaded at once (one L2 round trip), then merged.
+  float2 v[kPartMaxClusterParts], ml[kPartMaxClusterParts];
+#pragma unroll
+  for (int b = 0; b < kPartMaxClusterParts; ++b) {
+    const float* pb = base + b * kPartG * 130;
+    v[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 2 * pair))
+                     : make_float2(0.0f, 0.0f);
+    ml[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 128))
+                      : make_float2(NegInfF(), 0.0f);
+  }
+  float mx = NegInfF();
+#pragma unroll
+  for (int b = 0; b < kPartMaxClusterParts; ++b) mx = fmaxf(mx, ml[b].x);
+  float o0 = 0.0f, o1 = 0.0f, l = 0.0f;
+#pragma unroll
+  for (int b = 0; b < kPartMaxClusterParts; ++b) {
+    const float e = ml[b].x > NegInfF() ? __expf(ml[b].x - mx) : 0.0f;
+    o0 += e * v[b].x, o1 += e * v[b].y;
+    l += e * ml[b].y;
+  }
+  const int64_t qh = static_cast<int64_t>(g) * group + h;
+  out[qh * 128 + 2 * pair] = l > 0.0f ? o0 / l * v_scale : 0.0f;
+  out[qh * 128 + 2 * pair + 1] = l > 0.0f ? o1 / l * v_scale : 0.0f;
+  if (pair == 0) lse[qh] = l > 0.0f ? mx + logf(l) : NegInfF();
 }
 
 }  // namespace
@@ -4703,6 +4757,14 @@ cudaError_t PartStagesAttributes() {
       if (ke == cudaSuccess) {
         ke = cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
       }
+      // With clusters (STRATA_SELECT_PART_MERGE=cluster): the hardware may place a cluster's
+      // blocks where SMs are free, not only where a whole cluster fits one block per SM
+      // (session 43, H200: 8 clusters of 16 on 120 SMs instead of 112, 16 blocks sharing an SM
+      // instead of 32; 128K 26.5-26.7 us against 27.8).
+      if (ke == cudaSuccess) {
+        ke = cudaFuncSetAttribute(k, cudaFuncAttributeClusterSchedulingPolicyPreference,
+                                  cudaClusterSchedulingPolicyLoadBalancing);
+      }
       if (ke != cudaSuccess && result[device] == cudaSuccess) result[device] = ke;
     }
     cudaGetLastError();
@@ -4711,6 +4773,15 @@ cudaError_t PartStagesAttributes() {
 }
 
 }  // namespace
+
+bool PartMergeInGlobal() {
+  const char* e = std::getenv("STRATA_SELECT_PART_MERGE");
+  return e == nullptr || std::string_view(e) != "cluster";
+}
+
+int64_t PartMergeScratchFloats(int num_kv_heads, int parts) {
+  return int64_t{num_kv_heads} * parts * kPartG * 130;
+}
 
 int PartStagesMaxActiveClusters(int parts) {
   if (const char* e = std::getenv("STRATA_SELECT_PART_CLUSTER_FIT")) return std::atoi(e);
@@ -4783,14 +4854,23 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
     f8 = f8 || stages.stage[s].kind == SelectStageKind::kKeysFP8;
   }
   if (attend != nullptr) {
+    // Without clusters where the caller gave the partials' buffer (PartMergeInGlobal), then
+    // PartMergeKernel as its programmatic dependent.
+    const bool in_global = attend->merge_partials != nullptr;
     const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads),
-                                     kPartStagesSmem, stream, parts, /*dependent=*/false);
+                                     kPartStagesSmem, stream, in_global ? 0 : parts,
+                                     /*dependent=*/false);
     auto* kernel = f8 ? (small ? PartStagesKernel<true, kPartSmallPer, true>
                                : PartStagesKernel<true, kPartPer, true>)
                       : (small ? PartStagesKernel<true, kPartSmallPer, false>
                                : PartStagesKernel<true, kPartPer, false>);
-    return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages, *attend, skip,
-                              RegHistMode(), warp_kp, PartSlotPrefetchMask(stages, parts, warp_kp));
+    const cudaError_t e =
+        cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages, *attend, skip,
+                           RegHistMode(), warp_kp, PartSlotPrefetchMask(stages, parts, warp_kp));
+    if (e != cudaSuccess || !in_global) return e;
+    return LaunchDependent(PartMergeKernel, dim3(num_kv_heads), dim3(kPartThreads), 0,
+                           /*dependent=*/true, stream, attend->merge_partials, group, parts,
+                           attend->v_scale, attend->out, attend->lse);
   }
   const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads), kPartStagesSmem,
                                    stream, 0, /*dependent=*/false);

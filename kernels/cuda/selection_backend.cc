@@ -326,20 +326,32 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
   if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
   cuda_internal::DeviceSelectAttend da;
   bool attend_fused = false;
+  const bool merge_in_global = cuda_internal::PartMergeInGlobal();
   if (p.attend != nullptr) {
-    // The attention in the kernel takes a cluster of `parts` blocks per KV head; where no such
-    // cluster fits on the device, the attention runs after the kernel.
+    // The attention in the kernel merges its parts through global memory (a second kernel), or
+    // with STRATA_SELECT_PART_MERGE=cluster in a cluster of `parts` blocks per KV head; where no
+    // such cluster fits on the device, the attention then runs after the kernel.
     const bool fits =
         SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da, true) &&
         cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group), parts, d,
                                       &da) &&
-        cuda_internal::PartStagesMaxActiveClusters(parts) >= 1;
+        (merge_in_global || cuda_internal::PartStagesMaxActiveClusters(parts) >= 1);
     STRATA_ASSIGN_OR_RETURN(attend_fused, AttendFused(fits, "partitioned kernel"));
   }
   STRATA_RETURN_IF_ERROR(MakeCurrent());
-  STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchPartStages(
+  void* partials = nullptr;  // the parts' partials merged through global memory
+  if (attend_fused && merge_in_global) {
+    STRATA_ASSIGN_OR_RETURN(
+        partials, AllocScratch(cuda_internal::PartMergeScratchFloats(static_cast<int>(hkv), parts) *
+                                   sizeof(float),
+                               ToCuda(s)));
+    da.merge_partials = static_cast<float*>(partials);
+  }
+  const cudaError_t launched = cuda_internal::LaunchPartStages(
       p.q.As<const float>(), p.scale, static_cast<int>(hkv), static_cast<int>(group), parts, d,
-      p.skip_heads, attend_fused ? &da : nullptr, ToCuda(s)));
+      p.skip_heads, attend_fused ? &da : nullptr, ToCuda(s));
+  if (partials != nullptr) STRATA_RETURN_IF_ERROR(FreeScratch(partials, ToCuda(s)));
+  STRATA_CUDA_RETURN_IF_ERROR(launched);
   if (p.attend != nullptr && !attend_fused) return SelectedAttention(*p.attend, s);
   return absl::OkStatus();
 }

@@ -1687,7 +1687,8 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 // and the ops one by one (VoteTopK in parts), each against
 // the CPU's ops part by part, at tokenselect's shapes (one- and two-level, 8 and 16 parts) and
 // awkward ones (group 1-3, k above the candidates, parts of unequal sizes, table entries -1 or
-// past the pool); with the attention in the kernel (require_fused) and after it (separate),
+// past the pool); with the attention in the kernel (require_fused; its parts merged through
+// global memory, and in a cluster, STRATA_SELECT_PART_MERGE=cluster) and after it (separate),
 // out / lse against the CPU's attention over the GPU's selection, then a second query with every
 // other head flagged (those attend their kept selection), and (first case) on a device where no
 // cluster of the parts fits; over bf16 and fp8 pools.
@@ -1796,19 +1797,23 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         return gpu_->SelectStages(p, nullptr);
       };
       // The attention in the kernel (with and without the slot prefetch: the last stage's
-      // pool rows from the slots the stage before looked up, or from its own table reads) and
-      // after it.
+      // pool rows from the slots the stage before looked up, or from its own table reads; the
+      // parts merged through global memory by a second kernel, or in a cluster) and after it.
       struct AttendMode {
         const char* attend;
         bool prefetch;
+        bool cluster_merge;
       };
-      for (const AttendMode am : {AttendMode{"require_fused", true},
-                                  AttendMode{"require_fused", false},
-                                  AttendMode{"separate", true}}) {
-        SCOPED_TRACE(::testing::Message() << am.attend << (am.prefetch ? "" : ", no prefetch"));
+      for (const AttendMode am : {AttendMode{"require_fused", true, false},
+                                  AttendMode{"require_fused", false, false},
+                                  AttendMode{"require_fused", true, true},
+                                  AttendMode{"separate", true, false}}) {
+        SCOPED_TRACE(::testing::Message() << am.attend << (am.prefetch ? "" : ", no prefetch")
+                                          << (am.cluster_merge ? ", cluster merge" : ""));
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
         setenv("STRATA_SELECT_ATTEND", am.attend, 1);
         if (!am.prefetch) setenv("STRATA_SELECT_PART_PREFETCH", "0", 1);
+        if (am.cluster_merge) setenv("STRATA_SELECT_PART_MERGE", "cluster", 1);
         const absl::Status st = select_and_attend(dq->data(), nullptr);
         ASSERT_TRUE(st.ok()) << st;
         const std::vector<std::vector<int32_t>> got = check_fused("out / lse");
@@ -1834,20 +1839,28 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
         ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
         unsetenv("STRATA_SELECT_PART_PREFETCH");
+        unsetenv("STRATA_SELECT_PART_MERGE");
       }
       if (&pc == &cases[0]) {
         // A device where no cluster of `parts` blocks fits (a smaller GPU or a MIG slice; stood
-        // in for by STRATA_SELECT_PART_CLUSTER_FIT=0): the stages still run as the kernel and
-        // the attention after it, with the same outputs; require_fused refuses that.
+        // in for by STRATA_SELECT_PART_CLUSTER_FIT=0): the merge through global memory (the
+        // default) needs none, so the attention stays in the kernel; with the cluster merge the
+        // stages still run as the kernel and the attention after it, with the same outputs, and
+        // require_fused refuses that.
         SCOPED_TRACE("no cluster fits");
         setenv("STRATA_SELECT_PART_CLUSTER_FIT", "0", 1);
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
         setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
+        const absl::Status global = select_and_attend(dq->data(), nullptr);
+        ASSERT_TRUE(global.ok()) << global;
+        check_fused("out / lse, no cluster, merged through global memory");
+        setenv("STRATA_SELECT_PART_MERGE", "cluster", 1);
         const absl::Status refused = select_and_attend(dq->data(), nullptr);
         EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
         unsetenv("STRATA_SELECT_ATTEND");
         const absl::Status st = select_and_attend(dq->data(), nullptr);
         unsetenv("STRATA_SELECT_PART_CLUSTER_FIT");
+        unsetenv("STRATA_SELECT_PART_MERGE");
         ASSERT_TRUE(st.ok()) << st;
         check_fused("out / lse, no cluster");
       }

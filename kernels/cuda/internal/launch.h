@@ -325,6 +325,10 @@ struct DeviceSelectAttend {
   // Nonzero: the fixed rows are copied during the first stage, else while the last stage's ids
   // arrive (STRATA_SELECT_ATTEND_FIXED=late; A/B timing); a skipped head's always the latter.
   int fixed_early = 1;
+  // LaunchPartStages only: where set, the kernel runs without clusters and each block writes its
+  // partials here (PartMergeScratchFloats floats), merged by a second kernel; null: the parts
+  // merge in a cluster of `parts` blocks per KV head.
+  float* merge_partials = nullptr;
 };
 // Whether LaunchSelectStages attends with the middle's scores taken from the last stage
 // (SelectStagesKernel<kStagesAttendScored>): a key stage over a's own k_pool and page table
@@ -354,11 +358,21 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
                     const DeviceSelectAttend* attend);
 // How many clusters of `parts` blocks of the partitioned kernel with the attention fit at once on
 // the current device (found once per device and part count; 0 where none fits, e.g. a GPU or MIG
-// slice whose GPCs have fewer free SMs than `parts`: the attention then runs outside the kernel).
+// slice whose GPCs have fewer free SMs than `parts`: with STRATA_SELECT_PART_MERGE=cluster the
+// attention then runs outside the kernel).
 // STRATA_SELECT_PART_CLUSTER_FIT=N stands in for the device's answer (tests of that fallback).
 int PartStagesMaxActiveClusters(int parts);
-// SelectStages with `parts` parts as one kernel (grid (parts, KV heads); with the attention,
-// one cluster of `parts` blocks per KV head, block h merging query head h's partials).
+// How the part kernel merges the attention's parts: through global memory (true, the default:
+// no clusters, so every block can have an SM of its own; DeviceSelectAttend::merge_partials a
+// buffer of PartMergeScratchFloats floats) or in clusters (STRATA_SELECT_PART_MERGE=cluster).
+// Session 43, H200: the hardware placed 8 clusters of 16 blocks two per SM on 8-16 SMs, and the
+// step took those blocks' time.
+bool PartMergeInGlobal();
+int64_t PartMergeScratchFloats(int num_kv_heads, int parts);
+// SelectStages with `parts` parts as one kernel (grid (parts, KV heads)). With the attention:
+// where attend->merge_partials is set, no clusters, every block's partials written there and
+// merged by a second kernel (its programmatic dependent); else one cluster of `parts` blocks
+// per KV head, block h merging query head h's partials.
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
                              const DeviceSelectStages& stages, const int32_t* skip,
                              const DeviceSelectAttend* attend, cudaStream_t stream);
