@@ -25,6 +25,14 @@ absl::Status CheckSelectStagesChain(const SelectStagesParams& p) {
           prev.DebugString()));
     }
   }
+  const TensorView& arrivals = p.arrivals;
+  if (arrivals.data != nullptr &&
+      (arrivals.dtype != DType::kI32 || arrivals.rank != 1 || p.stages[0].selected.rank < 1 ||
+       arrivals.dim(0) != p.stages[0].selected.dim(0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SelectStages: arrivals must be an i32 [num_kv_heads] view, got ",
+        arrivals.DebugString()));
+  }
   return absl::OkStatus();
 }
 

@@ -221,8 +221,27 @@ TEST_F(SelectStagesOpByOpTest, RefusesABrokenChain) {
     EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument))
         << n;
   }
+  // arrivals other than an i32 [num_kv_heads] view.
+  std::vector<int32_t> arrivals(kHkv + 1, 0);
+  for (const TensorView bad : {TensorView(arrivals.data(), DType::kF32, {kHkv}),
+                               TensorView(arrivals.data(), DType::kI32, {kHkv + 1}),
+                               TensorView(arrivals.data(), DType::kI32, {1, kHkv})}) {
+    p = Params();
+    p.arrivals = bad;
+    EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument))
+        << bad.DebugString();
+  }
   // Nothing was written by a refused call.
   EXPECT_EQ(top_segs_, std::vector<int32_t>(top_segs_.size(), -7));
+}
+
+// An i32 [num_kv_heads] arrivals view is accepted; the CPU backend leaves it alone.
+TEST_F(SelectStagesOpByOpTest, AcceptsArrivals) {
+  std::vector<int32_t> arrivals(kHkv, 0);
+  SelectStagesParams p = Params();
+  p.arrivals = TensorView(arrivals.data(), DType::kI32, {kHkv});
+  STRATA_ASSERT_OK(cpu_->SelectStages(p, nullptr));
+  EXPECT_EQ(arrivals, std::vector<int32_t>(kHkv, 0));
 }
 
 TEST_F(SelectStagesOpByOpTest, PassesTheOpsErrorsThrough) {

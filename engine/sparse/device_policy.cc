@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -112,6 +113,13 @@ absl::Status DevicePolicy::Init() {
   STRATA_ASSIGN_OR_RETURN(top_pages_, backend_->Allocate(sizeof(int32_t) * hkv_ * wanted_pages_));
   STRATA_ASSIGN_OR_RETURN(top_tokens_,
                           backend_->Allocate(sizeof(int32_t) * hkv_ * kept_tokens_));
+  if (parts_ > 1) {
+    // Zero once; every call that uses them leaves them zero.
+    STRATA_ASSIGN_OR_RETURN(arrivals_, backend_->Allocate(sizeof(int32_t) * hkv_));
+    const std::vector<int32_t> zeros(static_cast<size_t>(hkv_), 0);
+    STRATA_RETURN_IF_ERROR(backend_->CopyToDevice(arrivals_->data(), zeros.data(),
+                                                  sizeof(int32_t) * hkv_, nullptr));
+  }
   if (cache_on_) {
     // Per layer: the cached queries (invalid: the first step selects), the step's reuse flags
     // and the layer's own final selection (kept across steps).
@@ -309,6 +317,7 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   sp.q = q2;
   sp.scale = scale * cache.options().k_scale;  // fp8 caches: the stored keys' scores
   sp.skip_heads = skip;
+  if (arrivals_ != nullptr) sp.arrivals = arrivals_->View(kernels::DType::kI32, {hkv_});
   // With skip set (the selection cache), the final top-k goes to the layer's own buffer so that a
   // head that reuses keeps it across steps; the intermediate stages use the shared scratch.
   const bool keep_final = skip != nullptr;

@@ -219,6 +219,8 @@ class DevicePolicy {
   // Shared scratch of one Attend call.
   std::unique_ptr<kernels::Buffer> seg_scores_, page_scores_, tok_scores_, top_segs_, top_pages_,
       top_tokens_;
+  // With parts (parts_ > 1): SelectStagesParams::arrivals, [hkv] i32, zero between calls.
+  std::unique_ptr<kernels::Buffer> arrivals_;
   SelectionCounters counters_;
   int64_t queued_lookups_ = 0;  // the lookups when QueueCacheHitsRead queued the count's read
   // Selection cache (cache_on_), whose kept selection per layer is quest: [hkv, wanted_pages_]

@@ -32,7 +32,8 @@
 // tokenselect's stages in 16 independent parts, the policy's default at B = 2048
 // (PolicyOptions::EffectivePartitions; SelectStagesParams::partitions; on CUDA the partitioned
 // kernel), its rows labelled "tokenselect/p16"; STRATA_BENCH_PARTITIONS=P (a power of two 1 to
-// 64) for P parts, 1 the exact vote (rows "tokenselect", the default before session 39);
+// 64) for P parts, 1 the exact vote (rows "tokenselect", the default before session 39), with
+// SelectStagesParams::arrivals as DevicePolicy passes them (STRATA_BENCH_ARRIVALS=0: without);
 // each also as "+miss" (SelectionCacheCheck first, theta 2: every KV head selects) and "+hit"
 // (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels exit
 // at the top and only the check and the attention do work); the MiB column is the selecting
@@ -150,6 +151,9 @@ struct Pipeline {
   // and q unchanged): SelectionCacheCheck first, then the selection ops with skip_heads.
   int cache_mode = 0;
   void *cache_q = nullptr, *cache_valid = nullptr, *reuse = nullptr;
+  // SelectStagesParams::arrivals for tokenselect in parts, as DevicePolicy passes them (zeroed
+  // once); STRATA_BENCH_ARRIVALS=0 leaves them out (the parts then merge in a second kernel).
+  void* arrivals = nullptr;
   // The selection as one SelectStages op (default) or op by op (STRATA_BENCH_FUSED=0).
   bool fused = true;
   bool attend_in_op = true;  // with `fused`: the attention inside the SelectStages op
@@ -234,6 +238,9 @@ struct Pipeline {
     }
     sp.num_stages = n;
     if (token_level) sp.partitions = Partitions();
+    if (token_level && arrivals != nullptr) {
+      sp.arrivals = TensorView(arrivals, DType::kI32, {kKvHeads});
+    }
     return sp;
   }
   TensorView KPool() const {
@@ -491,6 +498,10 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   auto d_i3 = MustAllocate(cuda, kKvHeads * 16384 * 4);
   auto d_cq = MustAllocate(cuda, kQHeads * kHeadDim * 4);
   auto d_cv = MustAllocate(cuda, kKvHeads * 4), d_reuse = MustAllocate(cuda, kKvHeads * 4);
+  auto d_arrivals = MustAllocate(cuda, kKvHeads * 4);
+  BENCH_CHECK(cudaMemset(d_arrivals->data(), 0, kKvHeads * 4) == cudaSuccess, "arrivals");
+  const char* arrivals_env = std::getenv("STRATA_BENCH_ARRIVALS");
+  const bool use_arrivals = arrivals_env == nullptr || std::string(arrivals_env) != "0";
 
   if (Partitions() > 1) {
     std::printf("partitioned kernel: %d clusters of %d blocks fit at once\n",
@@ -514,6 +525,7 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
     const char* attend_env = std::getenv("STRATA_BENCH_ATTEND");
     pl.attend_in_op = attend_env == nullptr || std::string(attend_env) != "op";
     pl.cache_q = d_cq->data(), pl.cache_valid = d_cv->data(), pl.reuse = d_reuse->data();
+    if (use_arrivals) pl.arrivals = d_arrivals->data();
     BENCH_CHECK(cudaMemsetAsync(d_cv->data(), 0, kKvHeads * 4, stream) == cudaSuccess, "valid");
     pl.b = &cuda;
     pl.len = context;

@@ -4202,6 +4202,7 @@ struct PartStagesShared {
   __align__(16) float recv[kPartMaxClusterParts][132];
   unsigned long long mbar;
   int32_t taken;
+  int32_t merge_last;  // the merge through global memory: this block arrived last
 };
 constexpr int kPartStagesSmem = static_cast<int>(sizeof(PartStagesShared));
 // Two blocks per SM with their shared memory (plus the 1 KiB per block the runtime reserves) in
@@ -4213,6 +4214,38 @@ constexpr int kPartStagesSmemMost = 196 * 1024 / 2 - 1024;
 static_assert(kPartStagesSmem <= kPartStagesSmemMost, "two blocks per SM in the 196 KiB carveout");
 static_assert(kPartG * kPartMaxRows <= kPartG * kPartMaxCands, "attention rows fit xs");
 static_assert(kPartWarps * kPartG * 128 <= kPartG * kPartMaxCands, "partials fit xs");
+
+// Merges KV head g's parts' partials ([g][part][h][130]) into out / lse: threads [64 h, 64 h +
+// 64) query head h, two dims each.
+__device__ __noinline__ void PartMergeHeads(const float* partials, int g, int group, int parts,
+                                            float v_scale, float* out, float* lse) {
+  const int tid = threadIdx.x, h = tid >> 6, pair = tid & 63;
+  if (h >= group) return;
+  const float* const base = partials + (static_cast<int64_t>(g) * parts * kPartG + h) * 130;
+  float2 v[kPartMaxClusterParts], ml[kPartMaxClusterParts];
+#pragma unroll
+  for (int b = 0; b < kPartMaxClusterParts; ++b) {
+    const float* pb = base + b * kPartG * 130;
+    v[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 2 * pair))
+                     : make_float2(0.0f, 0.0f);
+    ml[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 128))
+                      : make_float2(NegInfF(), 0.0f);
+  }
+  float mx = NegInfF();
+#pragma unroll
+  for (int b = 0; b < kPartMaxClusterParts; ++b) mx = fmaxf(mx, ml[b].x);
+  float o0 = 0.0f, o1 = 0.0f, l = 0.0f;
+#pragma unroll
+  for (int b = 0; b < kPartMaxClusterParts; ++b) {
+    const float e = ml[b].x > NegInfF() ? __expf(ml[b].x - mx) : 0.0f;
+    o0 += e * v[b].x, o1 += e * v[b].y;
+    l += e * ml[b].y;
+  }
+  const int64_t qh = static_cast<int64_t>(g) * group + h;
+  out[qh * 128 + 2 * pair] = l > 0.0f ? o0 / l * v_scale : 0.0f;
+  out[qh * 128 + 2 * pair + 1] = l > 0.0f ? o1 / l * v_scale : 0.0f;
+  if (pair == 0) lse[qh] = l > 0.0f ? mx + logf(l) : NegInfF();
+}
 
 // Pool row of token t of KV head g through a page table, or -1 (RowOf of the CPU twin).
 __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_pages,
@@ -4259,10 +4292,13 @@ __global__ void __launch_bounds__(kPartThreads, 2)
   const bool skipped = skip != nullptr && skip[g] != 0;
   if (!kAttend && skipped) return;
   // The parts' partials merge through distributed shared memory in a cluster of `parts` blocks,
-  // or (at.merge_partials set: launched without clusters) go to global memory for
-  // PartMergeKernel, launched after this kernel as its programmatic dependent.
+  // or (at.merge_partials set: launched without clusters) go to global memory, merged there by
+  // the KV head's last block to arrive (at.merge_arrivals) or else by PartMergeKernel, launched
+  // after this kernel as its programmatic dependent.
   const bool in_cluster = kAttend && at.merge_partials == nullptr;
-  if (kAttend && !in_cluster) GridDepLaunchDependents();  // PartMergeKernel may launch
+  if (kAttend && !in_cluster && at.merge_arrivals == nullptr) {
+    GridDepLaunchDependents();  // PartMergeKernel may launch
+  }
   if (in_cluster && tid == 0) {
     MbarInit(SharedAddr(&sh.mbar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -4589,6 +4625,23 @@ __global__ void __launch_bounds__(kPartThreads, 2)
         }
       }
     }
+    if (!in_cluster && at.merge_arrivals != nullptr) {
+      // The KV head's last block to arrive merges (thread 0's fence after the barrier publishes
+      // the block's partials before its arrival; the last one's fence orders its reads after
+      // every arrival), then leaves the counter zero for the next launch.
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();
+        const bool last = atomicAdd(at.merge_arrivals + g, 1u) == static_cast<uint32_t>(parts - 1);
+        if (last) __threadfence();
+        sh.merge_last = last ? 1 : 0;
+      }
+      __syncthreads();
+      if (sh.merge_last != 0) {
+        PartMergeHeads(at.merge_partials, g, group, parts, at.v_scale, at.out, at.lse);
+        if (tid == 0) at.merge_arrivals[g] = 0;
+      }
+    }
     if (in_cluster && part < group) {
       MbarWait(SharedAddr(&sh.mbar), 0);
       if (tid < 128) {
@@ -4627,33 +4680,7 @@ __global__ void __launch_bounds__(kPartThreads)
     PartMergeKernel(const float* partials, int group, int parts, float v_scale, float* out,
                     float* lse) {
   GridDepWait();
-  const int tid = threadIdx.x, g = blockIdx.x, h = tid >> 6, pair = tid & 63;
-  if (h >= group) return;
-  const float* const base = partials + (static_cast<int64_t>(g) * parts * kPartG + h) * 130;
-  // Every part's values loaded at once (one L2 round trip), then merged.
-  float2 v[kPartMaxClusterParts], ml[kPartMaxClusterParts];
-#pragma unroll
-  for (int b = 0; b < kPartMaxClusterParts; ++b) {
-    const float* pb = base + b * kPartG * 130;
-    v[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 2 * pair))
-                     : make_float2(0.0f, 0.0f);
-    ml[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 128))
-                      : make_float2(NegInfF(), 0.0f);
-  }
-  float mx = NegInfF();
-#pragma unroll
-  for (int b = 0; b < kPartMaxClusterParts; ++b) mx = fmaxf(mx, ml[b].x);
-  float o0 = 0.0f, o1 = 0.0f, l = 0.0f;
-#pragma unroll
-  for (int b = 0; b < kPartMaxClusterParts; ++b) {
-    const float e = ml[b].x > NegInfF() ? __expf(ml[b].x - mx) : 0.0f;
-    o0 += e * v[b].x, o1 += e * v[b].y;
-    l += e * ml[b].y;
-  }
-  const int64_t qh = static_cast<int64_t>(g) * group + h;
-  out[qh * 128 + 2 * pair] = l > 0.0f ? o0 / l * v_scale : 0.0f;
-  out[qh * 128 + 2 * pair + 1] = l > 0.0f ? o1 / l * v_scale : 0.0f;
-  if (pair == 0) lse[qh] = l > 0.0f ? mx + logf(l) : NegInfF();
+  PartMergeHeads(partials, blockIdx.x, group, parts, v_scale, out, lse);
 }
 
 }  // namespace
@@ -4854,8 +4881,9 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
     f8 = f8 || stages.stage[s].kind == SelectStageKind::kKeysFP8;
   }
   if (attend != nullptr) {
-    // Without clusters where the caller gave the partials' buffer (PartMergeInGlobal), then
-    // PartMergeKernel as its programmatic dependent.
+    // Without clusters where the caller gave the partials' buffer (PartMergeInGlobal), then,
+    // unless the kernel's last blocks merge (merge_arrivals), PartMergeKernel as its
+    // programmatic dependent.
     const bool in_global = attend->merge_partials != nullptr;
     const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads),
                                      kPartStagesSmem, stream, in_global ? 0 : parts,
@@ -4867,7 +4895,7 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
     const cudaError_t e =
         cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages, *attend, skip,
                            RegHistMode(), warp_kp, PartSlotPrefetchMask(stages, parts, warp_kp));
-    if (e != cudaSuccess || !in_global) return e;
+    if (e != cudaSuccess || !in_global || attend->merge_arrivals != nullptr) return e;
     return LaunchDependent(PartMergeKernel, dim3(num_kv_heads), dim3(kPartThreads), 0,
                            /*dependent=*/true, stream, attend->merge_partials, group, parts,
                            attend->v_scale, attend->out, attend->lse);

@@ -346,6 +346,8 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
                                    sizeof(float),
                                ToCuda(s)));
     da.merge_partials = static_cast<float*>(partials);
+    // With the caller's arrival counters the kernel's last blocks merge (no second kernel).
+    da.merge_arrivals = static_cast<uint32_t*>(p.arrivals.data);
   }
   const cudaError_t launched = cuda_internal::LaunchPartStages(
       p.q.As<const float>(), p.scale, static_cast<int>(hkv), static_cast<int>(group), parts, d,

@@ -1688,7 +1688,8 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 // the CPU's ops part by part, at tokenselect's shapes (one- and two-level, 8 and 16 parts) and
 // awkward ones (group 1-3, k above the candidates, parts of unequal sizes, table entries -1 or
 // past the pool); with the attention in the kernel (require_fused; its parts merged through
-// global memory, and in a cluster, STRATA_SELECT_PART_MERGE=cluster) and after it (separate),
+// global memory by the last block to arrive (SelectStagesParams::arrivals, left zero) or by a
+// second kernel, and in a cluster, STRATA_SELECT_PART_MERGE=cluster) and after it (separate),
 // out / lse against the CPU's attention over the GPU's selection, then a second query with every
 // other head flagged (those attend their kept selection), and (first case) on a device where no
 // cluster of the parts fits; over bf16 and fp8 pools.
@@ -1784,12 +1785,17 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, what);
         return got;
       };
+      // SelectStagesParams::arrivals (zero; each call leaves them zero), passed while
+      // `use_arrivals`.
+      auto darrivals = Dev(std::vector<int32_t>(c.hkv, 0));
+      bool use_arrivals = true;
       // The chain with the attention in the call, for query q and the heads flagged in skip
       // (device memory; null: none).
       auto select_and_attend = [&](void* q, const int32_t* skip) {
         SelectStagesParams p =
             ch.Params(q, dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
         p.skip_heads = skip;
+        if (use_arrivals) p.arrivals = TensorView(darrivals->data(), DType::kI32, {c.hkv});
         const SelectedAttentionParams at =
             ChainAttention(ch, pc.window, q, dpool->data(), dv->data(), dt->data(),
                            p.stages[last].selected, dout->data(), dlse->data());
@@ -1798,22 +1804,29 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       };
       // The attention in the kernel (with and without the slot prefetch: the last stage's
       // pool rows from the slots the stage before looked up, or from its own table reads; the
-      // parts merged through global memory by a second kernel, or in a cluster) and after it.
+      // parts merged through global memory by the last block to arrive (arrivals given) or by
+      // a second kernel, or in a cluster) and after it.
+      enum class Merge { kLastBlock, kSecondKernel, kCluster };
       struct AttendMode {
         const char* attend;
         bool prefetch;
-        bool cluster_merge;
+        Merge merge;
       };
-      for (const AttendMode am : {AttendMode{"require_fused", true, false},
-                                  AttendMode{"require_fused", false, false},
-                                  AttendMode{"require_fused", true, true},
-                                  AttendMode{"separate", true, false}}) {
-        SCOPED_TRACE(::testing::Message() << am.attend << (am.prefetch ? "" : ", no prefetch")
-                                          << (am.cluster_merge ? ", cluster merge" : ""));
+      for (const AttendMode am : {AttendMode{"require_fused", true, Merge::kLastBlock},
+                                  AttendMode{"require_fused", false, Merge::kLastBlock},
+                                  AttendMode{"require_fused", true, Merge::kSecondKernel},
+                                  AttendMode{"require_fused", true, Merge::kCluster},
+                                  AttendMode{"separate", true, Merge::kLastBlock}}) {
+        SCOPED_TRACE(::testing::Message()
+                     << am.attend << (am.prefetch ? "" : ", no prefetch")
+                     << (am.merge == Merge::kSecondKernel ? ", merged by a second kernel"
+                         : am.merge == Merge::kCluster    ? ", merged in a cluster"
+                                                          : ""));
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
         setenv("STRATA_SELECT_ATTEND", am.attend, 1);
         if (!am.prefetch) setenv("STRATA_SELECT_PART_PREFETCH", "0", 1);
-        if (am.cluster_merge) setenv("STRATA_SELECT_PART_MERGE", "cluster", 1);
+        if (am.merge == Merge::kCluster) setenv("STRATA_SELECT_PART_MERGE", "cluster", 1);
+        use_arrivals = am.merge != Merge::kSecondKernel;
         const absl::Status st = select_and_attend(dq->data(), nullptr);
         ASSERT_TRUE(st.ok()) << st;
         const std::vector<std::vector<int32_t>> got = check_fused("out / lse");
@@ -1838,8 +1851,11 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         cpu_attention(q2, final2, &want_out, &want_lse);
         ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, skip");
         ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, skip");
+        // Left zero for the next call.
+        EXPECT_EQ(Get<int32_t>(*darrivals, c.hkv), std::vector<int32_t>(c.hkv, 0));
         unsetenv("STRATA_SELECT_PART_PREFETCH");
         unsetenv("STRATA_SELECT_PART_MERGE");
+        use_arrivals = true;
       }
       if (&pc == &cases[0]) {
         // A device where no cluster of `parts` blocks fits (a smaller GPU or a MIG slice; stood

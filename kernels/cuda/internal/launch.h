@@ -329,6 +329,10 @@ struct DeviceSelectAttend {
   // partials here (PartMergeScratchFloats floats), merged by a second kernel; null: the parts
   // merge in a cluster of `parts` blocks per KV head.
   float* merge_partials = nullptr;
+  // With merge_partials, optionally (SelectStagesParams::arrivals): one counter per KV head, zero
+  // before the launch and left zero; the last block of each KV head to arrive merges its
+  // partials, and no second kernel runs.
+  uint32_t* merge_arrivals = nullptr;
 };
 // Whether LaunchSelectStages attends with the middle's scores taken from the last stage
 // (SelectStagesKernel<kStagesAttendScored>): a key stage over a's own k_pool and page table
@@ -371,8 +375,9 @@ bool PartMergeInGlobal();
 int64_t PartMergeScratchFloats(int num_kv_heads, int parts);
 // SelectStages with `parts` parts as one kernel (grid (parts, KV heads)). With the attention:
 // where attend->merge_partials is set, no clusters, every block's partials written there and
-// merged by a second kernel (its programmatic dependent); else one cluster of `parts` blocks
-// per KV head, block h merging query head h's partials.
+// merged by the last block of its KV head to arrive (attend->merge_arrivals set) or else by a
+// second kernel (its programmatic dependent); without merge_partials one cluster of `parts`
+// blocks per KV head, block h merging query head h's partials.
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
                              const DeviceSelectStages& stages, const int32_t* skip,
                              const DeviceSelectAttend* attend, cudaStream_t stream);
