@@ -1510,9 +1510,17 @@ SelectedAttentionParams ChainAttention(const Chain& ch, int64_t window, void* q,
 // STRATA_SELECT_STAGES_TEST_POOL=bf16|fp8_e4m3: the SelectStagesTest cases that loop over pool
 // formats run that one only (unset or empty: every format), for a sanitizer run's time:
 // scripts/gpu_check_select_stages.sh runs each format of them under racecheck in its own process.
+// A value naming no pool format fails the test (it would otherwise run no case at all).
 bool PoolWanted(DType pool) {
   const char* only = std::getenv("STRATA_SELECT_STAGES_TEST_POOL");
-  return only == nullptr || *only == '\0' || std::string_view(only) == DTypeName(pool);
+  if (only == nullptr || *only == '\0') return true;
+  const std::string_view o(only);
+  if (o != DTypeName(DType::kBF16) && o != DTypeName(DType::kFP8E4M3)) {
+    ADD_FAILURE() << "STRATA_SELECT_STAGES_TEST_POOL=" << o << " names no pool format ("
+                  << DTypeName(DType::kBF16) << " or " << DTypeName(DType::kFP8E4M3) << ")";
+    return false;
+  }
+  return o == DTypeName(pool);
 }
 
 // STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1: the PartitionedMatchesCpu and AttendMatchesCpu cases
