@@ -326,8 +326,9 @@ struct DeviceSelectAttend {
   // arrive (STRATA_SELECT_ATTEND_FIXED=late; A/B timing); a skipped head's always the latter.
   int fixed_early = 1;
   // LaunchPartStages only: where set, the kernel runs without clusters and each block writes its
-  // partials here (PartMergeScratchFloats floats), merged by a second kernel; null: the parts
-  // merge in a cluster of `parts` blocks per KV head.
+  // partials here (PartMergeScratchFloats floats), merged by the last block of its KV head
+  // (merge_arrivals) or by a second kernel; null: the parts merge in a cluster of `parts`
+  // blocks per KV head.
   float* merge_partials = nullptr;
   // With merge_partials, optionally (SelectStagesParams::arrivals): one counter per KV head, zero
   // before the launch and left zero; the last block of each KV head to arrive merges its
