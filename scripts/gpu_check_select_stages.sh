@@ -68,6 +68,8 @@ if [ "${STRATA_CHECK_SKIP_PIPES:-0}" != 1 ]; then
     # shellcheck disable=SC2086  # STRATA_CHECK_PIPE_ARGS is a list of words
     env "${env_args[@]}" timeout "${STRATA_CHECK_PIPE_TIMEOUT:-200}" "$bench" --pipelines-only \
       --no-sweep ${STRATA_CHECK_PIPE_ARGS:-} "${CTX[@]}" > "$LOGS/pipelines_$i.log" 2>&1
+    # The bench's column legend once (PIPE: eager_us first, then graph_us, then cold_us).
+    [ "$i" = 1 ] && grep -m1 '^pipeline rows' "$LOGS/pipelines_$i.log"
     grep -E '^PIPE|^GSTAGES|^selection' "$LOGS/pipelines_$i.log" | grep -v -- '+miss'
   done
 fi
