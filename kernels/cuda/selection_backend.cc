@@ -328,9 +328,10 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
   bool attend_fused = false;
   const bool merge_in_global = cuda_internal::PartMergeInGlobal();
   if (p.attend != nullptr) {
-    // The attention in the kernel merges its parts through global memory (a second kernel), or
-    // with STRATA_SELECT_PART_MERGE=cluster in a cluster of `parts` blocks per KV head; where no
-    // such cluster fits on the device, the attention then runs after the kernel.
+    // The attention in the kernel merges its parts through global memory (by each KV head's
+    // last block with p.arrivals, else by a second kernel), or with
+    // STRATA_SELECT_PART_MERGE=cluster in a cluster of `parts` blocks per KV head; where no such
+    // cluster fits on the device, the attention then runs after the kernel.
     const bool fits =
         SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da, true) &&
         cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group), parts, d,

@@ -102,13 +102,6 @@ cudaError_t LaunchDependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, int
   return cudaLaunchKernelEx(&launch.cfg, kernel, static_cast<KArgs>(args)...);
 }
 
-// Exchanges between the blocks of a cluster without a cluster barrier (whose release compiles to
-// a GPU-scope memory barrier and whose acquire invalidates L1): each block pushes its data into
-// every block's receive slot with st.async, which completes bytes on the receiver's mbarrier; the
-// receiver's wait (acquire) then sees them. Addresses are shared::cta (u32) of this block; the
-// remote ones come from mapa. Only in clusters of two blocks or more (compute-sanitizer reports
-// an st.async in a one-block cluster as an invalid write); a block must not leave while pushes
-// to it may still arrive.
 // Profiling stamps: %globaltimer (ns, one clock for every SM) and the SM a thread runs on.
 __device__ __forceinline__ unsigned long long GlobalTimerNs() {
   unsigned long long t;
@@ -121,6 +114,13 @@ __device__ __forceinline__ uint32_t SmId() {
   return id;
 }
 
+// Exchanges between the blocks of a cluster without a cluster barrier (whose release compiles to
+// a GPU-scope memory barrier and whose acquire invalidates L1): each block pushes its data into
+// every block's receive slot with st.async, which completes bytes on the receiver's mbarrier; the
+// receiver's wait (acquire) then sees them. Addresses are shared::cta (u32) of this block; the
+// remote ones come from mapa. Only in clusters of two blocks or more (compute-sanitizer reports
+// an st.async in a one-block cluster as an invalid write); a block must not leave while pushes
+// to it may still arrive.
 __device__ __forceinline__ uint32_t SharedAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
