@@ -426,8 +426,9 @@ struct SelectStagesParams {
   // multiple of P): stage s > 0's part j is the children of stage s - 1's part j, so the chain
   // selects P disjoint parts of the middle, each from its own candidates. 1 = one part.
   int partitions = 1;
-  // Optional, for the attention in parts (partitions > 1 with attend): an i32 [num_kv_heads]
-  // view of backend memory that is zero before the call and that the call leaves zero. The CUDA
+  // Optional, for the attention in parts (partitions > 1 with attend): a 4-byte aligned i32
+  // [num_kv_heads] view of backend memory that is zero before the call and that the call leaves
+  // zero (any other view: InvalidArgument). The CUDA
   // kernel's blocks count their arrivals there, so that the last one of each KV head merges the
   // parts' partial outputs (without it a second kernel merges them, ~1 us more per call on the
   // H200). Calls that may run at the same time (other streams) must not share one. Unused by

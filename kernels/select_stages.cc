@@ -26,11 +26,13 @@ absl::Status CheckSelectStagesChain(const SelectStagesParams& p) {
     }
   }
   const TensorView& arrivals = p.arrivals;
+  // The CUDA kernel adds to them atomically: a misaligned counter would fault the device.
   if (arrivals.data != nullptr &&
       (arrivals.dtype != DType::kI32 || arrivals.rank != 1 || p.stages[0].selected.rank < 1 ||
-       arrivals.dim(0) != p.stages[0].selected.dim(0))) {
+       arrivals.dim(0) != p.stages[0].selected.dim(0) ||
+       reinterpret_cast<uintptr_t>(arrivals.data) % alignof(int32_t) != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "SelectStages: arrivals must be an i32 [num_kv_heads] view, got ",
+        "SelectStages: arrivals must be a 4-byte aligned i32 [num_kv_heads] view, got ",
         arrivals.DebugString()));
   }
   return absl::OkStatus();

@@ -221,11 +221,13 @@ TEST_F(SelectStagesOpByOpTest, RefusesABrokenChain) {
     EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument))
         << n;
   }
-  // arrivals other than an i32 [num_kv_heads] view.
+  // arrivals other than a 4-byte aligned i32 [num_kv_heads] view.
   std::vector<int32_t> arrivals(kHkv + 1, 0);
-  for (const TensorView bad : {TensorView(arrivals.data(), DType::kF32, {kHkv}),
-                               TensorView(arrivals.data(), DType::kI32, {kHkv + 1}),
-                               TensorView(arrivals.data(), DType::kI32, {1, kHkv})}) {
+  for (const TensorView bad :
+       {TensorView(arrivals.data(), DType::kF32, {kHkv}),
+        TensorView(arrivals.data(), DType::kI32, {kHkv + 1}),
+        TensorView(arrivals.data(), DType::kI32, {1, kHkv}),
+        TensorView(reinterpret_cast<char*>(arrivals.data()) + 1, DType::kI32, {kHkv})}) {
     p = Params();
     p.arrivals = bad;
     EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument))
