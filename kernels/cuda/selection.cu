@@ -4534,28 +4534,36 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     }
     __syncthreads();
     stamp(A0 + 4);
-    // o[h][4 lane .. + 4) over the warp's rows (r = warp mod 8), four rows' loads in flight.
-    float o[G][4];
+    // o[h][8 sub .. + 8) over the warp's rows: a half-warp per row (lane = 16 half + sub: 16 B
+    // of bf16 or 8 B of fp8 codes each), four loads per thread in flight, so a warp has eight
+    // rows in flight (rows 2 warp + 16 u + half of each round of 64). A whole warp per row, four
+    // rows in flight, took 2.1 us at 128K (session 41, H200): five rounds of L2 round trips.
+    const int half = lane >> 4, sub = lane & 15;
+    float o[G][8];
 #pragma unroll
-    for (int h = 0; h < G; ++h) o[h][0] = o[h][1] = o[h][2] = o[h][3] = 0.0f;
+    for (int h = 0; h < G; ++h) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[h][j] = 0.0f;
+    }
 #pragma unroll 1
-    for (int32_t r0 = warp; r0 < rows_n; r0 += 4 * kPartWarps) {
-      uint2 raw[4];
+    for (int32_t r0 = 2 * warp + half; r0 < rows_n; r0 += 8 * kPartWarps) {
+      uint4 raw[4];
       float pr[4][G];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const int32_t r = r0 + u * kPartWarps;
+        const int32_t r = r0 + u * 2 * kPartWarps;
         const int64_t row = r < rows_n ? sh.rows[r] : -1;
-        if constexpr (kF8) {  // four codes per lane (v_scale comes in at the merge)
-          raw[u].x = row >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(
-                                          static_cast<const uint8_t*>(at.v_pool) + row * 128) +
-                                      lane)
-                              : 0u;
+        if constexpr (kF8) {  // eight codes per lane (v_scale comes in at the merge)
+          const uint2 w = row >= 0 ? __ldg(reinterpret_cast<const uint2*>(
+                                               static_cast<const uint8_t*>(at.v_pool) + row * 128) +
+                                           sub)
+                                   : make_uint2(0u, 0u);
+          raw[u] = make_uint4(w.x, w.y, 0u, 0u);
         } else {
-          raw[u] = row >= 0 ? __ldg(reinterpret_cast<const uint2*>(
+          raw[u] = row >= 0 ? __ldg(reinterpret_cast<const uint4*>(
                                         static_cast<const __nv_bfloat16*>(at.v_pool) + row * 128) +
-                                    lane)
-                            : make_uint2(0, 0);
+                                    sub)
+                            : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int h = 0; h < G; ++h) {
@@ -4564,33 +4572,43 @@ __global__ void __launch_bounds__(kPartThreads, 2)
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        float2 a, b;
+        float f[8];
         if constexpr (kF8) {
-          float f[4];
-          Fp8x4ToFloat(raw[u].x, f);
-          a = make_float2(f[0], f[1]);
-          b = make_float2(f[2], f[3]);
+          float a[4], b[4];
+          Fp8x4ToFloat(raw[u].x, a);
+          Fp8x4ToFloat(raw[u].y, b);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) f[j] = a[j], f[4 + j] = b[j];
         } else {
-          a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].x));
-          b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].y));
+          const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+            f[2 * j] = v.x, f[2 * j + 1] = v.y;
+          }
         }
 #pragma unroll
         for (int h = 0; h < G; ++h) {
-          o[h][0] = fmaf(pr[u][h], a.x, o[h][0]);
-          o[h][1] = fmaf(pr[u][h], a.y, o[h][1]);
-          o[h][2] = fmaf(pr[u][h], b.x, o[h][2]);
-          o[h][3] = fmaf(pr[u][h], b.y, o[h][3]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) o[h][j] = fmaf(pr[u][h], f[j], o[h][j]);
         }
       }
+    }
+    // The two half-warps' sums of the same dims.
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[h][j] += __shfl_xor_sync(0xffffffffu, o[h][j], 16);
     }
     __syncthreads();  // every warp is done with xs' probabilities
     stamp(A0 + 6);
     float* red_o = sh.xs;  // [warp][h][128]
 #pragma unroll
     for (int h = 0; h < G; ++h) {
-      if (h < group) {
-        *reinterpret_cast<float4*>(red_o + (warp * G + h) * 128 + 4 * lane) =
-            make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
+      if (h < group && half == 0) {
+        float4* const d = reinterpret_cast<float4*>(red_o + (warp * G + h) * 128 + 8 * sub);
+        d[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
+        d[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
       }
     }
     if (in_cluster && tid == 0 && part < group) {
@@ -4626,15 +4644,18 @@ __global__ void __launch_bounds__(kPartThreads, 2)
       }
     }
     if (!in_cluster && at.merge_arrivals != nullptr) {
-      // The KV head's last block to arrive merges (thread 0's fence after the barrier publishes
-      // the block's partials before its arrival; the last one's fence orders its reads after
-      // every arrival), then leaves the counter zero for the next launch.
+      // The KV head's last block to arrive merges, then leaves the counter zero for the next
+      // launch. Thread 0's add after the barrier is a release (the block's partials before its
+      // arrival) and an acquire (the last block's reads, after the next barrier, after every
+      // arrival): one acq_rel add instead of two full fences around a relaxed one.
       __syncthreads();
       if (tid == 0) {
-        __threadfence();
-        const bool last = atomicAdd(at.merge_arrivals + g, 1u) == static_cast<uint32_t>(parts - 1);
-        if (last) __threadfence();
-        sh.merge_last = last ? 1 : 0;
+        uint32_t before;
+        asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
+                     : "=r"(before)
+                     : "l"(at.merge_arrivals + g)
+                     : "memory");
+        sh.merge_last = before == static_cast<uint32_t>(parts - 1) ? 1 : 0;
       }
       __syncthreads();
       if (sh.merge_last != 0) {
