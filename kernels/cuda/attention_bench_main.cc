@@ -503,10 +503,6 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   const char* arrivals_env = std::getenv("STRATA_BENCH_ARRIVALS");
   const bool use_arrivals = arrivals_env == nullptr || std::string(arrivals_env) != "0";
 
-  if (Partitions() > 1) {
-    std::printf("partitioned kernel: %d clusters of %d blocks fit at once\n",
-                cuda_internal::PartStagesMaxActiveClusters(Partitions()), Partitions());
-  }
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);

@@ -4171,7 +4171,7 @@ __device__ __forceinline__ void Fp8x4ToFloat(uint32_t w, float (&f)[4]) {
 constexpr int kPartMaxTaken = 1024;  // a stage's k / P
 constexpr int kPartMaxFixed = 256;   // a block's share of the fixed rows
 constexpr int kPartMaxRows = kPartMaxFixed + kPartMaxTaken;
-constexpr int kPartMaxClusterParts = 16;
+constexpr int kPartMaxAttendParts = 16;  // parts of the kernel with the attention
 struct PartStagesShared {
   // The stages' tensor-core A operands (StageATables): summaries, keys (f16 for fp8 keys).
   __align__(16) __nv_bfloat16 sum_a[16 * kStagesSumStride];
@@ -4196,11 +4196,6 @@ struct PartStagesShared {
   __align__(16) uint32_t hist[kVoteRankPasses][256];
   uint32_t wsum[32];
   float stat_m[kPartG], stat_l[kPartG];
-  // The partials of the head this block merges: the targets of 8-byte st.async, so 8-byte
-  // aligned whatever fields come before (a field added above once left it 4-byte aligned, and
-  // the merge faulted: session 41).
-  __align__(16) float recv[kPartMaxClusterParts][132];
-  unsigned long long mbar;
   int32_t taken;
   int32_t merge_last;  // the merge through global memory: this block arrived last
 };
@@ -4222,9 +4217,9 @@ __device__ __noinline__ void PartMergeHeads(const float* partials, int g, int gr
   const int tid = threadIdx.x, h = tid >> 6, pair = tid & 63;
   if (h >= group) return;
   const float* const base = partials + (static_cast<int64_t>(g) * parts * kPartG + h) * 130;
-  float2 v[kPartMaxClusterParts], ml[kPartMaxClusterParts];
+  float2 v[kPartMaxAttendParts], ml[kPartMaxAttendParts];
 #pragma unroll
-  for (int b = 0; b < kPartMaxClusterParts; ++b) {
+  for (int b = 0; b < kPartMaxAttendParts; ++b) {
     const float* pb = base + b * kPartG * 130;
     v[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 2 * pair))
                      : make_float2(0.0f, 0.0f);
@@ -4233,10 +4228,10 @@ __device__ __noinline__ void PartMergeHeads(const float* partials, int g, int gr
   }
   float mx = NegInfF();
 #pragma unroll
-  for (int b = 0; b < kPartMaxClusterParts; ++b) mx = fmaxf(mx, ml[b].x);
+  for (int b = 0; b < kPartMaxAttendParts; ++b) mx = fmaxf(mx, ml[b].x);
   float o0 = 0.0f, o1 = 0.0f, l = 0.0f;
 #pragma unroll
-  for (int b = 0; b < kPartMaxClusterParts; ++b) {
+  for (int b = 0; b < kPartMaxAttendParts; ++b) {
     const float e = ml[b].x > NegInfF() ? __expf(ml[b].x - mx) : 0.0f;
     o0 += e * v[b].x, o1 += e * v[b].y;
     l += e * ml[b].y;
@@ -4259,10 +4254,11 @@ __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_p
   return (static_cast<int64_t>(slot) << page_shift) + (t & ((1 << page_shift) - 1));
 }
 
-// At most 128 registers per thread, room for two blocks per SM: the launch needs each cluster's
-// P blocks resident at once, and at one block per SM a GPC with fewer than P free SMs holds no
-// cluster, so the eighth KV head's cluster waits for a second wave (a form at 170 registers took
-// 58.3 us for the 128K step against 37.6, and 22.3 against 15.4 for a reuse step; session 40).
+// At most 128 registers per thread, room for two blocks per SM. While the parts merged in
+// clusters, the launch needed each cluster's P blocks resident at once (a form at 170 registers
+// took 58.3 us for the 128K step against 37.6; session 40). Without clusters the 8B shape's 128
+// blocks have an SM each, and the form with up to 255 registers was still slower (session 44,
+// H200: 25.0-25.1 us against 24.2-24.5 at 128K); grids of more blocks than SMs keep two per SM.
 template <bool kAttend, int kPer, bool kF8>
 __global__ void __launch_bounds__(kPartThreads, 2)
     PartStagesKernel(const float* __restrict__ q, float scale, int group, int parts,
@@ -4291,19 +4287,12 @@ __global__ void __launch_bounds__(kPartThreads, 2)
   }
   const bool skipped = skip != nullptr && skip[g] != 0;
   if (!kAttend && skipped) return;
-  // The parts' partials merge through distributed shared memory in a cluster of `parts` blocks,
-  // or (at.merge_partials set: launched without clusters) go to global memory, merged there by
-  // the KV head's last block to arrive (at.merge_arrivals) or else by PartMergeKernel, launched
-  // after this kernel as its programmatic dependent.
-  const bool in_cluster = kAttend && at.merge_partials == nullptr;
-  if (kAttend && !in_cluster && at.merge_arrivals == nullptr) {
+  // The parts' partials of the attention go to global memory (at.merge_partials), merged there
+  // by the KV head's last block to arrive (at.merge_arrivals) or else by PartMergeKernel,
+  // launched after this kernel as its programmatic dependent.
+  if (kAttend && at.merge_arrivals == nullptr) {
     GridDepLaunchDependents();  // PartMergeKernel may launch
   }
-  if (in_cluster && tid == 0) {
-    MbarInit(SharedAddr(&sh.mbar), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  if (in_cluster) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   StageATables<kF8, true, kPartThreads>(q, scale, g, group, sh.sum_a, sh.key_a, sh.key_descale);
   // Attention rows: the block's share of the fixed rows first, then its middle.
   int32_t f0 = 0, f_count = 0;
@@ -4611,16 +4600,10 @@ __global__ void __launch_bounds__(kPartThreads, 2)
         d[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
       }
     }
-    if (in_cluster && tid == 0 && part < group) {
-      MbarExpect(SharedAddr(&sh.mbar), parts * 130 * sizeof(float));
-    }
     __syncthreads();
-    if (in_cluster) {
-      asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every mbarrier initialised
-    }
-    // The block's partial of head h (threads [64 h, 64 h + 64), two dims each): to block h of
-    // the cluster, or to global memory ([g][part][h][130]: o, then max and sum) for
-    // PartMergeHeads (by the last block to arrive, or PartMergeKernel).
+    // The block's partial of head h (threads [64 h, 64 h + 64), two dims each) to global memory
+    // ([g][part][h][130]: o, then max and sum) for PartMergeHeads (by the last block to arrive,
+    // or PartMergeKernel).
     {
       const int h = tid >> 6, pair = tid & 63;
       if (h < group) {
@@ -4630,20 +4613,15 @@ __global__ void __launch_bounds__(kPartThreads, 2)
           const float2 v = *reinterpret_cast<const float2*>(red_o + (w * G + h) * 128 + 2 * pair);
           o0 += v.x, o1 += v.y;
         }
-        const float2 stats = make_float2(sh.stat_m[h], sh.stat_l[h]);
-        if (in_cluster) {
-          const uint32_t bar = MapToRank(SharedAddr(&sh.mbar), h);
-          StAsync8(MapToRank(SharedAddr(&sh.recv[part][2 * pair]), h), make_float2(o0, o1), bar);
-          if (pair == 0) StAsync8(MapToRank(SharedAddr(&sh.recv[part][128]), h), stats, bar);
-        } else {
-          float* const mine =
-              at.merge_partials + ((static_cast<int64_t>(g) * parts + part) * G + h) * 130;
-          *reinterpret_cast<float2*>(mine + 2 * pair) = make_float2(o0, o1);
-          if (pair == 0) *reinterpret_cast<float2*>(mine + 128) = stats;
+        float* const mine =
+            at.merge_partials + ((static_cast<int64_t>(g) * parts + part) * G + h) * 130;
+        *reinterpret_cast<float2*>(mine + 2 * pair) = make_float2(o0, o1);
+        if (pair == 0) {
+          *reinterpret_cast<float2*>(mine + 128) = make_float2(sh.stat_m[h], sh.stat_l[h]);
         }
       }
     }
-    if (!in_cluster && at.merge_arrivals != nullptr) {
+    if (at.merge_arrivals != nullptr) {
       // The KV head's last block to arrive merges, then leaves the counter zero for the next
       // launch. Thread 0's add after the barrier is a release (the block's partials before its
       // arrival) and an acquire (the last block's reads, after the next barrier, after every
@@ -4663,36 +4641,12 @@ __global__ void __launch_bounds__(kPartThreads, 2)
         if (tid == 0) at.merge_arrivals[g] = 0;
       }
     }
-    if (in_cluster && part < group) {
-      MbarWait(SharedAddr(&sh.mbar), 0);
-      if (tid < 128) {
-        float mx = NegInfF();
-        for (int b = 0; b < parts; ++b) mx = fmaxf(mx, sh.recv[b][128]);
-        float ov = 0.0f, l = 0.0f;
-        for (int b = 0; b < parts; ++b) {
-          const float mb = sh.recv[b][128];
-          if (mb > NegInfF()) {
-            const float e = __expf(mb - mx);
-            ov += e * sh.recv[b][tid];
-            l += e * sh.recv[b][129];
-          }
-        }
-        const int64_t qh = static_cast<int64_t>(g) * group + part;
-        at.out[qh * 128 + tid] = l > 0.0f ? ov / l * at.v_scale : 0.0f;
-        if (tid == 0) at.lse[qh] = l > 0.0f ? mx + logf(l) : NegInfF();
-      }
-    }
     stamp(A0 + 7);
-    // No block leaves while another may still push to it.
-    if (in_cluster) {
-      asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-      asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-    }
     if (stamps != nullptr) stamps[kSelectStagesPlaceSlot + 2] = GlobalTimerNs();
   }
 }
 
-// The attention's partials of PartStagesKernel launched without clusters ([g][part][h][130]:
+// The attention's partials of PartStagesKernel ([g][part][h][130]:
 // o, then max and sum) merged into out / lse: block g, threads [64 h, 64 h + 64) query head h
 // of KV head g, two dims each. Launched as the part kernel's programmatic dependent, so its
 // launch overlaps that kernel; it reads nothing before GridDepWait (that grid done, its writes
@@ -4764,7 +4718,7 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
     const DeviceSelectAttend& a = *attend;
     const DeviceSelectStage& last = stages.stage[stages.num_stages - 1];
     const int64_t fixed = int64_t{a.prefix_end} + a.suffix_len;
-    if (parts > kPartMaxClusterParts || parts < group || a.fanout_shift != 0 ||
+    if (parts > kPartMaxAttendParts || a.fanout_shift != 0 ||
         last.kind != (a.fp8 != 0 ? SelectStageKind::kKeysFP8 : SelectStageKind::kKeysBF16) ||
         a.middle.parents != last.selected ||
         a.middle.num_parents != last.k || last.rows != a.k_pool || last.table != a.table ||
@@ -4780,8 +4734,8 @@ bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectSt
 
 namespace {
 
-// Every PartStagesKernel instantiation's launch attributes (its dynamic shared memory, clusters
-// of up to 16 blocks) on the current device, set once per device; the first error, if any.
+// Every PartStagesKernel instantiation's dynamic shared memory on the current device, set once
+// per device; the first error, if any.
 cudaError_t PartStagesAttributes() {
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
@@ -4800,19 +4754,8 @@ cudaError_t PartStagesAttributes() {
           reinterpret_cast<const void*>(PartStagesKernel<true, kPartPer, true>),
           reinterpret_cast<const void*>(PartStagesKernel<false, kPartSmallPer, true>),
           reinterpret_cast<const void*>(PartStagesKernel<true, kPartSmallPer, true>)}) {
-      cudaError_t ke =
+      const cudaError_t ke =
           cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kPartStagesSmem);
-      if (ke == cudaSuccess) {
-        ke = cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-      }
-      // With clusters (STRATA_SELECT_PART_MERGE=cluster): the hardware may place a cluster's
-      // blocks where SMs are free, not only where a whole cluster fits one block per SM
-      // (session 43, H200: 8 clusters of 16 on 120 SMs instead of 112, 16 blocks sharing an SM
-      // instead of 32; 128K 26.0 us per layer against 26.7-26.8, graph replay).
-      if (ke == cudaSuccess) {
-        ke = cudaFuncSetAttribute(k, cudaFuncAttributeClusterSchedulingPolicyPreference,
-                                  cudaClusterSchedulingPolicyLoadBalancing);
-      }
       if (ke != cudaSuccess && result[device] == cudaSuccess) result[device] = ke;
     }
     cudaGetLastError();
@@ -4820,44 +4763,20 @@ cudaError_t PartStagesAttributes() {
   return result[device];
 }
 
-}  // namespace
-
-bool PartMergeInGlobal() {
-  const char* e = std::getenv("STRATA_SELECT_PART_MERGE");
-  return e == nullptr || std::string_view(e) != "cluster";
+// The PartStagesKernel instantiation for the pool format (fp8 or bf16) and the candidates per
+// thread (kPartSmallPer or kPartPer).
+template <bool kAttend>
+auto PartStagesForm(bool f8, bool small) {
+  return f8 ? (small ? PartStagesKernel<kAttend, kPartSmallPer, true>
+                     : PartStagesKernel<kAttend, kPartPer, true>)
+            : (small ? PartStagesKernel<kAttend, kPartSmallPer, false>
+                     : PartStagesKernel<kAttend, kPartPer, false>);
 }
+
+}  // namespace
 
 int64_t PartMergeScratchFloats(int num_kv_heads, int parts) {
   return int64_t{num_kv_heads} * parts * kPartG * 130;
-}
-
-int PartStagesMaxActiveClusters(int parts) {
-  if (const char* e = std::getenv("STRATA_SELECT_PART_CLUSTER_FIT")) return std::atoi(e);
-  int device = 0;
-  if (parts < 2 || parts > kPartMaxClusterParts || (parts & (parts - 1)) != 0 ||
-      cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kStagesMaxDevices) {
-    cudaGetLastError();
-    return 0;
-  }
-  // Per device and part count (2, 4, 8, 16), found once: the fewest over the attending
-  // instantiations (both pool formats, both forms).
-  static std::once_flag once[kStagesMaxDevices][4];
-  static int fit[kStagesMaxDevices][4];
-  const int slot = __builtin_ctz(static_cast<unsigned>(parts)) - 1;
-  std::call_once(once[device][slot], [&] {
-    if (PartStagesAttributes() != cudaSuccess) {
-      fit[device][slot] = 0;
-      return;
-    }
-    int most = std::numeric_limits<int>::max();
-    for (auto* k : {PartStagesKernel<true, kPartPer, false>, PartStagesKernel<true, kPartPer, true>,
-                    PartStagesKernel<true, kPartSmallPer, false>,
-                    PartStagesKernel<true, kPartSmallPer, true>}) {
-      most = std::min(most, MaxActiveClusters(k, parts, kPartThreads, kPartStagesSmem));
-    }
-    fit[device][slot] = most;
-  });
-  return fit[device][slot];
 }
 
 namespace {
@@ -4901,35 +4820,24 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
   for (int s = 0; s < stages.num_stages; ++s) {
     f8 = f8 || stages.stage[s].kind == SelectStageKind::kKeysFP8;
   }
-  if (attend != nullptr) {
-    // Without clusters where the caller gave the partials' buffer (PartMergeInGlobal), then,
-    // unless the kernel's last blocks merge (merge_arrivals), PartMergeKernel as its
-    // programmatic dependent.
-    const bool in_global = attend->merge_partials != nullptr;
-    const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads),
-                                     kPartStagesSmem, stream, in_global ? 0 : parts,
-                                     /*dependent=*/false);
-    auto* kernel = f8 ? (small ? PartStagesKernel<true, kPartSmallPer, true>
-                               : PartStagesKernel<true, kPartPer, true>)
-                      : (small ? PartStagesKernel<true, kPartSmallPer, false>
-                               : PartStagesKernel<true, kPartPer, false>);
-    const cudaError_t e =
-        cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages, *attend, skip,
-                           RegHistMode(), warp_kp, PartSlotPrefetchMask(stages, parts, warp_kp));
-    if (e != cudaSuccess || !in_global || attend->merge_arrivals != nullptr) return e;
-    return LaunchDependent(PartMergeKernel, dim3(num_kv_heads), dim3(kPartThreads), 0,
-                           /*dependent=*/true, stream, attend->merge_partials, group, parts,
-                           attend->v_scale, attend->out, attend->lse);
-  }
   const ClusterLaunchConfig launch(dim3(parts, num_kv_heads), dim3(kPartThreads), kPartStagesSmem,
                                    stream, 0, /*dependent=*/false);
-  auto* kernel = f8 ? (small ? PartStagesKernel<false, kPartSmallPer, true>
-                             : PartStagesKernel<false, kPartPer, true>)
-                    : (small ? PartStagesKernel<false, kPartSmallPer, false>
-                             : PartStagesKernel<false, kPartPer, false>);
-  return cudaLaunchKernelEx(&launch.cfg, kernel, q, scale, group, parts, stages,
-                            DeviceSelectAttend{}, skip, RegHistMode(), warp_kp,
-                            PartSlotPrefetchMask(stages, parts, warp_kp));
+  const uint32_t prefetch = PartSlotPrefetchMask(stages, parts, warp_kp);
+  if (attend == nullptr) {
+    return cudaLaunchKernelEx(&launch.cfg, PartStagesForm<false>(f8, small), q, scale, group,
+                              parts, stages, DeviceSelectAttend{}, skip, RegHistMode(), warp_kp,
+                              prefetch);
+  }
+  // Every block's partials to attend->merge_partials, merged by the kernel's last blocks
+  // (merge_arrivals) or else by PartMergeKernel, its programmatic dependent.
+  if (attend->merge_partials == nullptr) return cudaErrorInvalidValue;
+  const cudaError_t e =
+      cudaLaunchKernelEx(&launch.cfg, PartStagesForm<true>(f8, small), q, scale, group, parts,
+                         stages, *attend, skip, RegHistMode(), warp_kp, prefetch);
+  if (e != cudaSuccess || attend->merge_arrivals != nullptr) return e;
+  return LaunchDependent(PartMergeKernel, dim3(num_kv_heads), dim3(kPartThreads), 0,
+                         /*dependent=*/true, stream, attend->merge_partials, group, parts,
+                         attend->v_scale, attend->out, attend->lse);
 }
 
 }  // namespace strata::kernels::cuda_internal

@@ -326,22 +326,18 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
   if (p.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*p.attend));
   cuda_internal::DeviceSelectAttend da;
   bool attend_fused = false;
-  const bool merge_in_global = cuda_internal::PartMergeInGlobal();
   if (p.attend != nullptr) {
-    // The attention in the kernel merges its parts through global memory (by each KV head's
-    // last block with p.arrivals, else by a second kernel), or with
-    // STRATA_SELECT_PART_MERGE=cluster in a cluster of `parts` blocks per KV head; where no such
-    // cluster fits on the device, the attention then runs after the kernel.
+    // The attention in the kernel merges its parts through global memory: by each KV head's
+    // last block with p.arrivals, else by a second kernel.
     const bool fits =
         SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da, true) &&
         cuda_internal::PartStagesFits(static_cast<int>(hkv), static_cast<int>(group), parts, d,
-                                      &da) &&
-        (merge_in_global || cuda_internal::PartStagesMaxActiveClusters(parts) >= 1);
+                                      &da);
     STRATA_ASSIGN_OR_RETURN(attend_fused, AttendFused(fits, "partitioned kernel"));
   }
   STRATA_RETURN_IF_ERROR(MakeCurrent());
-  void* partials = nullptr;  // the parts' partials merged through global memory
-  if (attend_fused && merge_in_global) {
+  void* partials = nullptr;  // the parts' partials
+  if (attend_fused) {
     STRATA_ASSIGN_OR_RETURN(
         partials, AllocScratch(cuda_internal::PartMergeScratchFloats(static_cast<int>(hkv), parts) *
                                    sizeof(float),

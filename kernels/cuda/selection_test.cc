@@ -1697,10 +1697,9 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 // awkward ones (group 1-3, k above the candidates, parts of unequal sizes, table entries -1 or
 // past the pool); with the attention in the kernel (require_fused; its parts merged through
 // global memory by the last block to arrive (SelectStagesParams::arrivals, left zero) or by a
-// second kernel, and in a cluster, STRATA_SELECT_PART_MERGE=cluster) and after it (separate),
-// out / lse against the CPU's attention over the GPU's selection, then a second query with every
-// other head flagged (those attend their kept selection), and (first case) on a device where no
-// cluster of the parts fits; over bf16 and fp8 pools.
+// second kernel) and after it (separate), out / lse against the CPU's attention over the GPU's
+// selection, then a second query with every other head flagged (those attend their kept
+// selection); over bf16 and fp8 pools.
 TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
   struct PartCase {
     ChainCase c;
@@ -1723,6 +1722,10 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
        0},
       {{"k above n", 2, 2, DType::kBF16, 16, 0, 37, 0, 32, true, 1024, 3, 37, 48, 37 * 16}, 4,
        5},
+      // Fewer parts than query heads per KV head (each block's partials hold every head's).
+      {{"parts below the group", 2, 4, DType::kBF16, 16, 0, 300, 0, 32, true, 256, 1, 300, 16,
+        300 * 16 - 3},
+       2, 20},
   };
   constexpr int kD = Chain::kD;
   int compared = 0, stages = 0;
@@ -1813,8 +1816,8 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       // The attention in the kernel (with and without the slot prefetch: the last stage's
       // pool rows from the slots the stage before looked up, or from its own table reads; the
       // parts merged through global memory by the last block to arrive (arrivals given) or by
-      // a second kernel, or in a cluster) and after it.
-      enum class Merge { kLastBlock, kSecondKernel, kCluster };
+      // a second kernel) and after it.
+      enum class Merge { kLastBlock, kSecondKernel };
       struct AttendMode {
         const char* attend;
         bool prefetch;
@@ -1823,17 +1826,13 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       for (const AttendMode am : {AttendMode{"require_fused", true, Merge::kLastBlock},
                                   AttendMode{"require_fused", false, Merge::kLastBlock},
                                   AttendMode{"require_fused", true, Merge::kSecondKernel},
-                                  AttendMode{"require_fused", true, Merge::kCluster},
                                   AttendMode{"separate", true, Merge::kLastBlock}}) {
         SCOPED_TRACE(::testing::Message()
                      << am.attend << (am.prefetch ? "" : ", no prefetch")
-                     << (am.merge == Merge::kSecondKernel ? ", merged by a second kernel"
-                         : am.merge == Merge::kCluster    ? ", merged in a cluster"
-                                                          : ""));
+                     << (am.merge == Merge::kSecondKernel ? ", merged by a second kernel" : ""));
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
         setenv("STRATA_SELECT_ATTEND", am.attend, 1);
         if (!am.prefetch) setenv("STRATA_SELECT_PART_PREFETCH", "0", 1);
-        if (am.merge == Merge::kCluster) setenv("STRATA_SELECT_PART_MERGE", "cluster", 1);
         use_arrivals = am.merge != Merge::kSecondKernel;
         const absl::Status st = select_and_attend(dq->data(), nullptr);
         ASSERT_TRUE(st.ok()) << st;
@@ -1862,31 +1861,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         // Left zero for the next call.
         EXPECT_EQ(Get<int32_t>(*darrivals, c.hkv), std::vector<int32_t>(c.hkv, 0));
         unsetenv("STRATA_SELECT_PART_PREFETCH");
-        unsetenv("STRATA_SELECT_PART_MERGE");
         use_arrivals = true;
-      }
-      if (&pc == &cases[0]) {
-        // A device where no cluster of `parts` blocks fits (a smaller GPU or a MIG slice; stood
-        // in for by STRATA_SELECT_PART_CLUSTER_FIT=0): the merge through global memory (the
-        // default) needs none, so the attention stays in the kernel; with the cluster merge the
-        // stages still run as the kernel and the attention after it, with the same outputs, and
-        // require_fused refuses that.
-        SCOPED_TRACE("no cluster fits");
-        setenv("STRATA_SELECT_PART_CLUSTER_FIT", "0", 1);
-        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-        setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
-        const absl::Status global = select_and_attend(dq->data(), nullptr);
-        ASSERT_TRUE(global.ok()) << global;
-        check_fused("out / lse, no cluster, merged through global memory");
-        setenv("STRATA_SELECT_PART_MERGE", "cluster", 1);
-        const absl::Status refused = select_and_attend(dq->data(), nullptr);
-        EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
-        unsetenv("STRATA_SELECT_ATTEND");
-        const absl::Status st = select_and_attend(dq->data(), nullptr);
-        unsetenv("STRATA_SELECT_PART_CLUSTER_FIT");
-        unsetenv("STRATA_SELECT_PART_MERGE");
-        ASSERT_TRUE(st.ok()) << st;
-        check_fused("out / lse, no cluster");
       }
       unsetenv("STRATA_SELECT_STAGES");
       unsetenv("STRATA_SELECT_ATTEND");

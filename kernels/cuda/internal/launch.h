@@ -325,10 +325,9 @@ struct DeviceSelectAttend {
   // Nonzero: the fixed rows are copied during the first stage, else while the last stage's ids
   // arrive (STRATA_SELECT_ATTEND_FIXED=late; A/B timing); a skipped head's always the latter.
   int fixed_early = 1;
-  // LaunchPartStages only: where set, the kernel runs without clusters and each block writes its
-  // partials here (PartMergeScratchFloats floats), merged by the last block of its KV head
-  // (merge_arrivals) or by a second kernel; null: the parts merge in a cluster of `parts`
-  // blocks per KV head.
+  // LaunchPartStages only (required there): each block writes its partials here
+  // (PartMergeScratchFloats floats), merged by the last block of its KV head (merge_arrivals) or
+  // by a second kernel.
   float* merge_partials = nullptr;
   // With merge_partials, optionally (SelectStagesParams::arrivals): one counter per KV head, zero
   // before the launch and left zero; the last block of each KV head to arrive merges its
@@ -354,31 +353,22 @@ cudaError_t LaunchPartVoteTopK(const float* scores, int num_kv_heads, int group,
                                const DeviceCandidates& c, int k, int parts, float* vote,
                                int32_t* selected, cudaStream_t stream);
 // Whether LaunchPartStages runs this chain: head_dim 128, group <= 4, 2 to 64 parts (with the
-// attention 16 at most and at least group), bf16 summaries and keys of one format (bf16, or fp8
+// attention 16 at most), bf16 summaries and keys of one format (bf16, or fp8
 // e4m3: stored values, PartStagesKernel's fp8 form), stage 0 a plain range, at most 2048
 // candidates per part and stage and 1024 taken per part; the attention (optional) over the last
 // stage's token ids (a key stage over its own pools and table, of the same format), at most 256
 // fixed rows per part.
 bool PartStagesFits(int num_kv_heads, int group, int parts, const DeviceSelectStages& stages,
                     const DeviceSelectAttend* attend);
-// How many clusters of `parts` blocks of the partitioned kernel with the attention fit at once on
-// the current device (found once per device and part count; 0 where none fits, e.g. a GPU or MIG
-// slice whose GPCs have fewer free SMs than `parts`: with STRATA_SELECT_PART_MERGE=cluster the
-// attention then runs outside the kernel).
-// STRATA_SELECT_PART_CLUSTER_FIT=N stands in for the device's answer (tests of that fallback).
-int PartStagesMaxActiveClusters(int parts);
-// How the part kernel merges the attention's parts: through global memory (true, the default:
-// no clusters, so every block can have an SM of its own; DeviceSelectAttend::merge_partials a
-// buffer of PartMergeScratchFloats floats) or in clusters (STRATA_SELECT_PART_MERGE=cluster).
-// Session 43, H200: the hardware placed 8 clusters of 16 blocks two per SM on 8-16 SMs, and the
-// step took those blocks' time.
-bool PartMergeInGlobal();
+// The floats of DeviceSelectAttend::merge_partials for LaunchPartStages. The parts merge through
+// global memory, not in clusters: session 43 (H200) found the hardware placing 8 clusters of 16
+// blocks two per SM on 8-16 SMs, the step taking those blocks' time (128K 26.8 us against 24.9
+// without clusters); session 44 removed the cluster merge.
 int64_t PartMergeScratchFloats(int num_kv_heads, int parts);
-// SelectStages with `parts` parts as one kernel (grid (parts, KV heads)). With the attention:
-// where attend->merge_partials is set, no clusters, every block's partials written there and
-// merged by the last block of its KV head to arrive (attend->merge_arrivals set) or else by a
-// second kernel (its programmatic dependent); without merge_partials one cluster of `parts`
-// blocks per KV head, block h merging query head h's partials.
+// SelectStages with `parts` parts as one kernel (grid (parts, KV heads), no clusters). With the
+// attention (attend->merge_partials required): every block's partials written there and merged
+// by the last block of its KV head to arrive (attend->merge_arrivals set) or else by a second
+// kernel (its programmatic dependent).
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
                              const DeviceSelectStages& stages, const int32_t* skip,
                              const DeviceSelectAttend* attend, cudaStream_t stream);
