@@ -16,8 +16,10 @@
 #   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it; STRATA_CHECK_TESTS
 #      names the ones to run instead), compute-sanitizer memcheck on the SelectStages tests and
 #      racecheck on each SelectStagesTest test in its own process (those that loop over pool
-#      formats once per format, their cases with one KV head), all at once
-#      (STRATA_CHECK_SKIP_SANITIZE=1 skips them; STRATA_CHECK_SANITIZE_TIMEOUT seconds each,
+#      formats once per format, their cases with one KV head; AttendMatchesCpu also once per case),
+#      all at once (STRATA_CHECK_SKIP_SANITIZE=1 skips them, STRATA_CHECK_SKIP_MEMCHECK=1 the
+#      memcheck; STRATA_CHECK_RACE_FILTER: a gtest filter for the racecheck runs, default
+#      SelectStagesTest.*; STRATA_CHECK_SANITIZE_TIMEOUT seconds each,
 #      default 420; PartitionedMatchesCpu took 344-369 s on the H200 in session 39), and with
 #      STRATA_CHECK_LATENCY=1 cuda_cluster_latency_bench
 #      (cluster barrier and shared-memory read latencies).
@@ -101,38 +103,52 @@ if [ "${STRATA_CHECK_SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== compute-sanitizer"
-  timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool memcheck \
-    --error-exitcode 99 --print-limit 20 "$B/cuda_selection_test" --gtest_brief=1 \
-    --gtest_filter='SelectStages*' > "$LOGS/memcheck_select_stages.log" 2>&1
-  echo "memcheck SelectStages* rc=$? $(summary "$LOGS/memcheck_select_stages.log")"
+  if [ "${STRATA_CHECK_SKIP_MEMCHECK:-0}" != 1 ]; then
+    timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool memcheck \
+      --error-exitcode 99 --print-limit 20 "$B/cuda_selection_test" --gtest_brief=1 \
+      --gtest_filter='SelectStages*' > "$LOGS/memcheck_select_stages.log" 2>&1
+    echo "memcheck SelectStages* rc=$? $(summary "$LOGS/memcheck_select_stages.log")"
+  fi
   # racecheck instruments every shared-memory access and takes minutes for the whole filter, so
   # each SelectStagesTest test (the others are host logic: no kernel to check) runs under it in
   # its own process, all at once (the GPU is shared), and those that loop over pool formats once
   # per format (STRATA_SELECT_STAGES_TEST_POOL), their cases with one KV head
   # (STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD; with all eight, PartitionedMatchesCpu and
-  # AttendMatchesCpu ran past 420 s under racecheck in session 39).
+  # AttendMatchesCpu ran past 420 s under racecheck in session 39), AttendMatchesCpu also once per
+  # case (STRATA_SELECT_STAGES_TEST_CASE; it ran past 480 s with one KV head in session 43).
+  attend_cases=("quest 128K" "tokenselect 128K" "quest two-level" "three stages" "group 1 tiny"
+    "group 2 k 0")  # AttendMatchesCpu's cases (kernels/cuda/selection_test.cc)
   mapfile -t race_tests < <("$B/cuda_selection_test" --gtest_list_tests \
-    --gtest_filter='SelectStagesTest.*' | awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}')
+    --gtest_filter="${STRATA_CHECK_RACE_FILTER:-SelectStagesTest.*}" | awk '/^[^ ]/ {suite = $1} /^  / {print suite $1}')
   runs=()
   for t in "${race_tests[@]}"; do
     case "$t" in
-      *.MatchesCpuOps|*.PartitionedMatchesCpu|*.AttendMatchesCpu) runs+=("$t:bf16" "$t:fp8_e4m3") ;;
-      *) runs+=("$t:") ;;
+      *.AttendMatchesCpu)
+        for c in "${attend_cases[@]}"; do runs+=("$t:bf16:$c" "$t:fp8_e4m3:$c"); done ;;
+      *.MatchesCpuOps|*.PartitionedMatchesCpu) runs+=("$t:bf16:" "$t:fp8_e4m3:") ;;
+      *) runs+=("$t::") ;;
     esac
   done
   pids=()
+  # A run "test:pool:case" logs to racecheck_<test>_<pool>_<case, spaces as _>.log.
+  race_log() {
+    local t="${1%%:*}" rest="${1#*:}"
+    echo "$LOGS/racecheck_${t}_${rest%%:*}_$(echo "${rest#*:}" | tr ' ' _).log"
+  }
   for r in "${runs[@]}"; do
-    STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${r#*:}" \
+    rest="${r#*:}"
+    STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${rest%%:*}" \
+      STRATA_SELECT_STAGES_TEST_CASE="${rest#*:}" \
       timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" \
       compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
       "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter="${r%%:*}" \
-      > "$LOGS/racecheck_${r%%:*}_${r#*:}.log" 2>&1 &
+      > "$(race_log "$r")" 2>&1 &
     pids+=($!)
   done
   for k in "${!runs[@]}"; do
     wait "${pids[$k]}"
     rc=$?
-    log="$LOGS/racecheck_${runs[$k]%%:*}_${runs[$k]#*:}.log"
+    log="$(race_log "${runs[$k]}")"
     echo "racecheck ${runs[$k]} rc=$rc $(summary "$log")"
     [ "$rc" != 0 ] && tail -4 "$log"
   done

@@ -1532,6 +1532,20 @@ ChainCase SanitizerShape(ChainCase c) {
   return c;
 }
 
+// STRATA_SELECT_STAGES_TEST_CASE=NAME: the PartitionedMatchesCpu and AttendMatchesCpu cases
+// named NAME only (unset or empty: every case), so that a sanitizer run can take the cases one
+// process at a time. ExpectSomeCaseRan fails the test when the value named none of its cases.
+bool CaseWanted(const char* name) {
+  const char* only = std::getenv("STRATA_SELECT_STAGES_TEST_CASE");
+  return only == nullptr || *only == '\0' || std::string_view(only) == name;
+}
+void ExpectSomeCaseRan(int ran) {
+  if (ran == 0) {
+    ADD_FAILURE() << "STRATA_SELECT_STAGES_TEST_CASE=" << std::getenv("STRATA_SELECT_STAGES_TEST_CASE")
+                  << " names none of the test's cases";
+  }
+}
+
 class SelectStagesTest : public SelectionTest {
  protected:
   // Per stage of `ch` a poisoned scores and selected buffer in *bufs (in that order), their
@@ -1728,8 +1742,10 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
        2, 20},
   };
   constexpr int kD = Chain::kD;
-  int compared = 0, stages = 0;
+  int compared = 0, stages = 0, ran = 0;
   for (const PartCase& pc : cases) {
+    if (!CaseWanted(pc.c.name)) continue;
+    ++ran;
     // bf16 and fp8 pools (the kernel's fp8 form: key stage and attention on fp8 rows).
     for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
       if (!PoolWanted(pool)) continue;
@@ -1867,6 +1883,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       unsetenv("STRATA_SELECT_ATTEND");
     }
   }
+  ExpectSomeCaseRan(ran);
   EXPECT_GE(compared, stages - 2);
 }
 
@@ -1924,7 +1941,10 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
       {{"group 2 k 0", 1, 2, DType::kBF16, 16, 0, 17, 0, 0, true, 4, 0, 17, 0, 272}, 0},
   };
   constexpr int kD = Chain::kD;
+  int ran = 0;
   for (const AttendCase& ac : cases) {
+    if (!CaseWanted(ac.c.name)) continue;
+    ++ran;
     // bf16 pools, and fp8 pools (the kernel's fp8 form: key stage and attention on fp8 rows).
     for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
       if (!PoolWanted(pool)) continue;
@@ -2029,6 +2049,7 @@ TEST_F(SelectStagesTest, AttendMatchesCpu) {
       unsetenv("STRATA_SELECT_ATTEND_SCORES");
     }
   }
+  ExpectSomeCaseRan(ran);
 }
 
 // An attention the selection kernel cannot hold (more sink positions than its blocks stage) runs
