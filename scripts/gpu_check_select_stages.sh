@@ -17,7 +17,7 @@
 #      names the ones to run instead), compute-sanitizer memcheck on the SelectStages tests and
 #      racecheck on each SelectStagesTest test in its own process (those that loop over pool
 #      formats once per format, their cases with one KV head; AttendMatchesCpu also once per case),
-#      all at once (STRATA_CHECK_SKIP_SANITIZE=1 skips them, STRATA_CHECK_SKIP_MEMCHECK=1 the
+#      STRATA_CHECK_RACE_JOBS (default 6) at once (STRATA_CHECK_SKIP_SANITIZE=1 skips them, STRATA_CHECK_SKIP_MEMCHECK=1 the
 #      memcheck; STRATA_CHECK_RACE_FILTER: a gtest filter for the racecheck runs, default
 #      SelectStagesTest.*; STRATA_CHECK_SANITIZE_TIMEOUT seconds each,
 #      default 420; PartitionedMatchesCpu took 344-369 s on the H200 in session 39), and with
@@ -111,7 +111,7 @@ if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
   fi
   # racecheck instruments every shared-memory access and takes minutes for the whole filter, so
   # each SelectStagesTest test (the others are host logic: no kernel to check) runs under it in
-  # its own process, all at once (the GPU is shared), and those that loop over pool formats once
+  # its own process (STRATA_CHECK_RACE_JOBS at once, below), and those that loop over pool formats once
   # per format (STRATA_SELECT_STAGES_TEST_POOL), their cases with one KV head
   # (STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD; with all eight, PartitionedMatchesCpu and
   # AttendMatchesCpu ran past 420 s under racecheck in session 39), AttendMatchesCpu also once per
@@ -129,27 +129,33 @@ if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
       *) runs+=("$t::") ;;
     esac
   done
-  pids=()
   # A run "test:pool:case" logs to racecheck_<test>_<pool>_<case, spaces as _>.log.
   race_log() {
     local t="${1%%:*}" rest="${1#*:}"
     echo "$LOGS/racecheck_${t}_${rest%%:*}_$(echo "${rest#*:}" | tr ' ' _).log"
   }
+  # At most STRATA_CHECK_RACE_JOBS runs at once (default 6): the GPU is shared, and session 44
+  # saw 14 at once leave four AttendMatchesCpu runs and one PartitionedMatchesCpu run unfinished
+  # after 420 s, where 5 at once finished in 172-209 s. Each run's exit status goes to its
+  # log's .rc file.
   for r in "${runs[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "${STRATA_CHECK_RACE_JOBS:-6}" ]; do wait -n; done
     rest="${r#*:}"
-    STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${rest%%:*}" \
-      STRATA_SELECT_STAGES_TEST_CASE="${rest#*:}" \
-      timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" \
-      compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
-      "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter="${r%%:*}" \
-      > "$(race_log "$r")" 2>&1 &
-    pids+=($!)
+    log="$(race_log "$r")"
+    (
+      STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${rest%%:*}" \
+        STRATA_SELECT_STAGES_TEST_CASE="${rest#*:}" \
+        timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" \
+        compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
+        "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter="${r%%:*}" > "$log" 2>&1
+      echo $? > "$log.rc"
+    ) &
   done
-  for k in "${!runs[@]}"; do
-    wait "${pids[$k]}"
-    rc=$?
-    log="$(race_log "${runs[$k]}")"
-    echo "racecheck ${runs[$k]} rc=$rc $(summary "$log")"
+  wait
+  for r in "${runs[@]}"; do
+    log="$(race_log "$r")"
+    rc=$(cat "$log.rc" 2>/dev/null || echo "?")
+    echo "racecheck $r rc=$rc $(summary "$log")"
     [ "$rc" != 0 ] && tail -4 "$log"
   done
 fi
