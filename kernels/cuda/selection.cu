@@ -3949,9 +3949,9 @@ namespace {
 // for a part of at most 256 candidates keeping at most 16 (the page and segment stages) one
 // warp's top-k with no barrier (PartWarpTopK: the kp largest keys one warp max at a time); and
 // with the attention, block j scores its share of the fixed rows the same way, attends them and
-// its own middle (the last stage's scores kept for them), and pushes its per-head partial (o,
-// max, sum) to block h of the cluster (one cluster of P blocks per KV head), which merges head h.
-// Nothing else crosses blocks, so a stage costs block barriers only.
+// its own middle (the last stage's scores kept for them), and writes its per-head partial (o,
+// max, sum) to global memory, where the KV head's last block to arrive (or a second kernel)
+// merges them. Nothing else crosses blocks, so a stage costs block barriers only.
 constexpr int kPartThreads = 256;
 constexpr int kPartWarps = kPartThreads / 32;
 constexpr int kPartPer = 8;
