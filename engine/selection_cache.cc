@@ -46,8 +46,8 @@ absl::StatusOr<std::unique_ptr<DeviceSelectionCache>> DeviceSelectionCache::Crea
   return c;
 }
 
-absl::StatusOr<const int32_t*> DeviceSelectionCache::Check(int layer, const TensorView& q,
-                                                           kernels::Stream stream) {
+absl::StatusOr<kernels::SelectionCacheCheckParams> DeviceSelectionCache::CheckParams(
+    int layer, const TensorView& q) {
   if (layer < 0 || layer >= static_cast<int>(layers_.size())) {
     return absl::InvalidArgumentError(absl::StrCat("DeviceSelectionCache: layer ", layer));
   }
@@ -59,9 +59,15 @@ absl::StatusOr<const int32_t*> DeviceSelectionCache::Check(int layer, const Tens
   cc.theta = static_cast<float>(theta_);
   cc.reuse = l.reuse->View(DType::kI32, {num_kv_heads_});
   cc.hit_count = static_cast<int64_t*>(hit_count_->data());
+  return cc;
+}
+
+absl::StatusOr<const int32_t*> DeviceSelectionCache::Check(int layer, const TensorView& q,
+                                                           kernels::Stream stream) {
+  STRATA_ASSIGN_OR_RETURN(const kernels::SelectionCacheCheckParams cc, CheckParams(layer, q));
   STRATA_RETURN_IF_ERROR(backend_->SelectionCacheCheck(cc, stream));
-  lookups_ += num_kv_heads_;
-  return static_cast<const int32_t*>(l.reuse->data());
+  CountChecks(1);
+  return static_cast<const int32_t*>(cc.reuse.data);
 }
 
 TensorView DeviceSelectionCache::kept(int layer) const {

@@ -9,6 +9,9 @@
 // rows a hit leaves as they are. Use, per layer and one-token step:
 //   ASSIGN_OR_RETURN(const int32_t* skip, cache->Check(layer, q, stream));
 //   ... the selection ops with skip_heads = skip, the last one writing cache->kept(layer) ...
+// or, with the check inside the SelectStages op (SelectStagesParams::cache_check):
+//   ASSIGN_OR_RETURN(SelectionCacheCheckParams cc, cache->CheckParams(layer, q));
+//   ... SelectStages with cache_check = &cc, its last stage writing cache->kept(layer) ...
 // Check is Backend::SelectionCacheCheck: backend memory only, so it can be captured in a CUDA
 // graph. Lookups are counted on the host (num_kv_heads per Check, or CountReplayedChecks for
 // checks replayed from a graph) and hits on the backend (ReadHits). Thread-compatible.
@@ -41,6 +44,12 @@ class DeviceSelectionCache {
   // skip_heads to the selection ops queued after it. Counts num_kv_heads lookups.
   absl::StatusOr<const int32_t*> Check(int layer, const kernels::TensorView& q,
                                        kernels::Stream stream);
+  // The params of that check, for an op that runs it (SelectStagesParams::cache_check); the
+  // layer's reuse flags are cc.reuse. Counts nothing: CountChecks(1) once that op is queued.
+  absl::StatusOr<kernels::SelectionCacheCheckParams> CheckParams(int layer,
+                                                                 const kernels::TensorView& q);
+  // Lookups of `checks` checks queued by other ops (CheckParams).
+  void CountChecks(int64_t checks) { lookups_ += checks * num_kv_heads_; }
   // The layer's kept selection [num_kv_heads, kept] i32 (backend memory).
   kernels::TensorView kept(int layer) const;
   // Forgets the layer's cached queries: its next Check misses on every head (for example after a
@@ -48,7 +57,7 @@ class DeviceSelectionCache {
   absl::Status Invalidate(int layer, kernels::Stream stream);
   // Lookups of `checks` Check calls replayed from a captured graph (negative: Check calls recorded
   // into a graph that was discarded, taken back).
-  void CountReplayedChecks(int64_t checks) { lookups_ += checks * num_kv_heads_; }
+  void CountReplayedChecks(int64_t checks) { CountChecks(checks); }
 
   int64_t lookups() const { return lookups_; }
   // The hits so far (the backend's count); waits for `stream` (not inside a graph capture).

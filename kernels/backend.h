@@ -434,6 +434,13 @@ struct SelectStagesParams {
   // H200). Calls that may run at the same time (other streams) must not share one. Unused by
   // the CPU backend.
   TensorView arrivals;
+  // Optional: the selection cache's check of this call's query first (cache_check->q the same
+  // data as q; skip_heads then null): the op is SelectionCacheCheck(*cache_check) followed by
+  // this op with skip_heads = cache_check->reuse, in stream order (SelectStagesAfterCacheCheck).
+  // Every op's params are checked before the check writes the cache's state, so params refused
+  // fail the op with nothing written. Today every backend runs the check as its own op; the
+  // CUDA backend is to run it inside the partitioned kernel (docs/design.md section 10).
+  const SelectionCacheCheckParams* cache_check = nullptr;
 };
 
 // ---- The GPU page cache on the device (kvstore/gpu_cache.h, device-managed mode) -------------
@@ -741,6 +748,10 @@ class Backend {
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s);
 // The chain checks of SelectStagesOpByOp alone (the ops check the rest).
 absl::Status CheckSelectStagesChain(const SelectStagesParams& p);
+// SelectStages with p.cache_check set, on any backend: the check's params and every op's params
+// of the stages and the attention (the CpuSupports* twins) checked, then b.SelectionCacheCheck,
+// then b.SelectStages of p with the check's reuse flags as skip_heads and no cache_check.
+absl::Status SelectStagesAfterCacheCheck(Backend& b, const SelectStagesParams& p, Stream s);
 // The params of the ops stage i of p stands for (SelectStagesOpByOp's calls): ScoreSummaries
 // (summaries.data set) or ScoreKeys, then VoteTopK (no vote output).
 ScoreSummariesParams StageScoreSummariesParams(const SelectStagesParams& p, int i);

@@ -35,6 +35,17 @@ absl::Status CheckSelectStagesChain(const SelectStagesParams& p) {
         "SelectStages: arrivals must be a 4-byte aligned i32 [num_kv_heads] view, got ",
         arrivals.DebugString()));
   }
+  if (p.cache_check != nullptr) {
+    if (p.skip_heads != nullptr) {
+      return absl::InvalidArgumentError(
+          "SelectStages: skip_heads and cache_check both set (the check's reuse flags are the "
+          "skip flags)");
+    }
+    if (p.cache_check->q.data != p.q.data) {
+      return absl::InvalidArgumentError(
+          "SelectStages: cache_check must check the call's own query (cache_check->q.data == q.data)");
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -77,7 +88,30 @@ VoteTopKParams StageVoteTopKParams(const SelectStagesParams& p, int i) {
   return t;
 }
 
+absl::Status SelectStagesAfterCacheCheck(Backend& b, const SelectStagesParams& p, Stream s) {
+  STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
+  if (p.cache_check == nullptr) return b.SelectStages(p, s);
+  SelectStagesParams after = p;
+  after.skip_heads = p.cache_check->reuse.As<const int32_t>();
+  after.cache_check = nullptr;
+  // Every op's params before the check writes the cache's state (none of these checks reads a
+  // result), so that params refused fail the op with nothing written.
+  STRATA_RETURN_IF_ERROR(CpuSupportsSelectionCacheCheck(*p.cache_check));
+  for (int i = 0; i < after.num_stages; ++i) {
+    if (after.stages[i].summaries.data != nullptr) {
+      STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(StageScoreSummariesParams(after, i)));
+    } else {
+      STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(StageScoreKeysParams(after, i)));
+    }
+    STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(StageVoteTopKParams(after, i)));
+  }
+  if (after.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*after.attend));
+  STRATA_RETURN_IF_ERROR(b.SelectionCacheCheck(*p.cache_check, s));
+  return b.SelectStages(after, s);
+}
+
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s) {
+  if (p.cache_check != nullptr) return SelectStagesAfterCacheCheck(b, p, s);
   STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
   // The attention's params before any stage runs (none of the checks reads the stages' results),
   // so that an attention they refuse fails the op and every output keeps what it had.

@@ -4,6 +4,7 @@
 // (`attend`; one the backend refuses fails the op before any stage writes).
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -273,6 +274,108 @@ TEST_F(SelectStagesOpByOpTest, SkippedHeadsKeepTheirSelections) {
       EXPECT_EQ(top_pages_[g * kKPages + j], skip[g] ? -7 : fresh_pages[g * kKPages + j]);
     }
   }
+}
+
+// The selection cache's state of one call (SelectionCacheCheckParams over host memory): head 0's
+// cached query is the call's own (a hit), head 1's its negation (a miss), head 2 invalid (a miss).
+struct CacheState {
+  std::vector<float> cached;
+  std::vector<int32_t> valid, reuse;
+  int64_t hits = 5;
+
+  explicit CacheState(const std::vector<float>& q) : valid{1, 1, 0}, reuse(kHkv, -7) {
+    cached.assign(q.size(), 0.0f);
+    const size_t row = static_cast<size_t>(kGroup) * kD;
+    for (size_t i = 0; i < row; ++i) cached[i] = q[i];
+    for (size_t i = row; i < 2 * row; ++i) cached[i] = -q[i];
+    for (size_t i = 2 * row; i < 3 * row; ++i) cached[i] = 0.25f;
+  }
+  SelectionCacheCheckParams Params(std::vector<float>& q) {
+    SelectionCacheCheckParams cc;
+    cc.q = TensorView(q.data(), DType::kF32, {kHkv * kGroup, kD});
+    cc.cached_q = TensorView(cached.data(), DType::kF32, {kHkv, kGroup * kD});
+    cc.valid = TensorView(valid.data(), DType::kI32, {kHkv});
+    cc.theta = 0.9f;
+    cc.reuse = TensorView(reuse.data(), DType::kI32, {kHkv});
+    cc.hit_count = &hits;
+    return cc;
+  }
+  bool operator==(const CacheState& o) const {
+    return cached == o.cached && valid == o.valid && reuse == o.reuse && hits == o.hits;
+  }
+};
+
+// SelectStages with cache_check is SelectionCacheCheck, then SelectStages with its reuse flags
+// as skip_heads: the same cache state, selections and attention as those two calls.
+TEST_F(SelectStagesOpByOpTest, ChecksTheSelectionCacheFirst) {
+  std::vector<float> v(pool_.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = std::cos(0.29f * static_cast<float>(i));
+  std::vector<float> out(kHkv * kGroup * kD, -7.0f), lse(kHkv * kGroup, -7.0f);
+  // The two calls.
+  CacheState two(q_);
+  SelectionCacheCheckParams cc2 = two.Params(q_);
+  STRATA_ASSERT_OK(cpu_->SelectionCacheCheck(cc2, nullptr));
+  EXPECT_EQ(two.reuse, (std::vector<int32_t>{1, 0, 0}));
+  EXPECT_EQ(two.hits, 6);
+  EXPECT_EQ(two.valid, (std::vector<int32_t>{1, 1, 1}));
+  SelectStagesParams p = Params();
+  p.skip_heads = two.reuse.data();
+  SelectedAttentionParams at = Attention(p, v, out, lse);
+  p.attend = &at;
+  STRATA_ASSERT_OK(cpu_->SelectStages(p, nullptr));
+  const std::vector<int32_t> want_pages = top_pages_, want_tokens = top_tokens_;
+  const std::vector<float> want_out = out, want_lse = lse;
+  EXPECT_EQ(std::vector<int32_t>(want_tokens.begin(), want_tokens.begin() + kKTokens),
+            std::vector<int32_t>(kKTokens, -7));  // head 0 reused: left as it was
+  // The one call, from the same starting state.
+  top_segs_.assign(top_segs_.size(), -7);
+  top_pages_.assign(top_pages_.size(), -7);
+  top_tokens_.assign(top_tokens_.size(), -7);
+  out.assign(out.size(), -7.0f);
+  lse.assign(lse.size(), -7.0f);
+  CacheState one(q_);
+  SelectionCacheCheckParams cc1 = one.Params(q_);
+  p.skip_heads = nullptr;
+  p.cache_check = &cc1;
+  STRATA_ASSERT_OK(cpu_->SelectStages(p, nullptr));
+  EXPECT_TRUE(one == two);
+  EXPECT_EQ(top_pages_, want_pages);
+  EXPECT_EQ(top_tokens_, want_tokens);
+  EXPECT_EQ(out, want_out);
+  EXPECT_EQ(lse, want_lse);
+}
+
+// A call with cache_check that is refused writes nothing: not the cache's state, not a selection.
+TEST_F(SelectStagesOpByOpTest, RefusedCacheCheckWritesNothing) {
+  const CacheState before(q_);
+  auto refused = [&](const char* what, auto&& edit) {
+    SCOPED_TRACE(what);
+    CacheState st(q_);
+    SelectionCacheCheckParams cc = st.Params(q_);
+    SelectStagesParams p = Params();
+    p.cache_check = &cc;
+    edit(p, cc);
+    EXPECT_THAT(cpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+    EXPECT_TRUE(st == before);
+    EXPECT_EQ(top_tokens_, std::vector<int32_t>(top_tokens_.size(), -7));
+    EXPECT_EQ(top_segs_, std::vector<int32_t>(top_segs_.size(), -7));
+  };
+  const std::vector<int32_t> skip(kHkv, 0);
+  refused("skip_heads too", [&](SelectStagesParams& p, SelectionCacheCheckParams&) {
+    p.skip_heads = skip.data();
+  });
+  std::vector<float> other_q = q_;
+  refused("another query", [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
+    cc.q.data = other_q.data();
+  });
+  refused("a stage's scores too small", [&](SelectStagesParams& p, SelectionCacheCheckParams&) {
+    p.stages[1].scores.shape[2] = 3;
+  });
+  refused("the check's cached queries one head short",
+          [&](SelectStagesParams&, SelectionCacheCheckParams& cc) { cc.cached_q.shape[0] = kHkv - 1; });
+  refused("theta not finite", [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
+    cc.theta = std::numeric_limits<float>::quiet_NaN();
+  });
 }
 
 }  // namespace

@@ -229,16 +229,19 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   q2.shape[0] = hq_;
   q2.shape[1] = d_;
   q2.shape[2] = 0;
-  const int32_t* skip = nullptr;
+  // The selection cache's check, the selection and the attention over it as one op (on CUDA one
+  // kernel where it fits, the check a kernel of its own before it).
+  kernels::SelectionCacheCheckParams cc;
   if (cache_on_) {
-    STRATA_ASSIGN_OR_RETURN(skip, sel_cache_->Check(layer, q2, stream));
+    STRATA_ASSIGN_OR_RETURN(cc, sel_cache_->CheckParams(layer, q2));
   }
-  // The selection and the attention over it as one op (on CUDA one kernel where it fits).
   at.prefix_end = sink_end;
   at.suffix_begin = window_begin;
   at.suffix_end = len;
-  STRATA_RETURN_IF_ERROR(
-      SelectMiddle(layer, q2, cache, sink_end, window_begin, skip, &at, stream).status());
+  STRATA_RETURN_IF_ERROR(SelectMiddle(layer, q2, cache, sink_end, window_begin,
+                                      cache_on_ ? &cc : nullptr, &at, stream)
+                             .status());
+  if (cache_on_) sel_cache_->CountChecks(1);
   CountStep(plan, len);
   return absl::OkStatus();
 }
@@ -285,7 +288,7 @@ absl::Status DevicePolicy::CountOutsideAttend(int layer, const KvCache& cache, i
 absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const TensorView& q2,
                                                          const KvCache& cache, int64_t sink_end,
                                                          int64_t window_begin,
-                                                         const int32_t* skip,
+                                                         const kernels::SelectionCacheCheckParams* check,
                                                          kernels::SelectedAttentionParams* attend,
                                                          kernels::Stream stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
@@ -316,11 +319,11 @@ absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const Tensor
   sp.partitions = parts_;
   sp.q = q2;
   sp.scale = scale * cache.options().k_scale;  // fp8 caches: the stored keys' scores
-  sp.skip_heads = skip;
+  sp.cache_check = check;
   if (arrivals_ != nullptr) sp.arrivals = arrivals_->View(kernels::DType::kI32, {hkv_});
-  // With skip set (the selection cache), the final top-k goes to the layer's own buffer so that a
+  // With the selection cache's check, the final top-k goes to the layer's own buffer so that a
   // head that reuses keeps it across steps; the intermediate stages use the shared scratch.
-  const bool keep_final = skip != nullptr;
+  const bool keep_final = check != nullptr;
   int64_t page_cands = p1 - p0;
   int n = 0;
   if (two_level) {

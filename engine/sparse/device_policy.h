@@ -184,15 +184,16 @@ class DevicePolicy {
                              kernels::Stream stream);
   // Queues the middle selection of `layer` for the queries q [num_q_heads, head_dim] over
   // [sink_end, window_begin) (which must exceed the budget) and returns the middle as
-  // SelectedAttention reads it (parents in top_pages_ or top_tokens_; with `skip` (the selection
-  // cache's reuse flags, backend memory) the heads flagged are not recomputed and the result is
-  // in the selection cache's kept(layer)).
+  // SelectedAttention reads it (parents in top_pages_ or top_tokens_; with `check` (the selection
+  // cache's check of q, run first by the same SelectStages op: SelectStagesParams::cache_check)
+  // the heads it flags for reuse are not recomputed and the result is in the selection cache's
+  // kept(layer)).
   // attend (optional): the step's attention, whose middle is set to the selection and which
   // runs in the same SelectStages op (SelectStagesParams::attend).
   absl::StatusOr<kernels::CandidateList> SelectMiddle(int layer, const kernels::TensorView& q,
                                                       const KvCache& cache, int64_t sink_end,
                                                       int64_t window_begin,
-                                                      const int32_t* skip,
+                                                      const kernels::SelectionCacheCheckParams* check,
                                                       kernels::SelectedAttentionParams* attend,
                                                       kernels::Stream stream);
   PolicyOptions options_;

@@ -361,6 +361,9 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
 // instead, for tests that must run the kernel). Either way every stage's checks and the
 // attention's CpuSupportsSelectedAttention come first, so a call they refuse writes nothing.
 absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
+  // The selection cache's check as its own op first (SelectionCacheCheckKernel), then this op
+  // with its flags as skip_heads.
+  if (p.cache_check != nullptr) return SelectStagesAfterCacheCheck(*this, p, s);
   STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
   const char* env = std::getenv("STRATA_SELECT_STAGES");
   bool fused = env == nullptr || std::string_view(env) != "opbyop";

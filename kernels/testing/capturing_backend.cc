@@ -105,13 +105,16 @@ STRATA_RECORD_OPTIONAL_OP(SampleParams, Sample)
 #undef STRATA_RECORD_OPTIONAL_OP
 
 absl::Status CapturingBackend::SelectStages(const SelectStagesParams& p, Stream s) {
-  // The attention's parameters are the caller's: copied.
+  // The attention's and the cache check's parameters are the caller's: copied.
   std::shared_ptr<SelectedAttentionParams> attend;
   if (p.attend != nullptr) attend = std::make_shared<SelectedAttentionParams>(*p.attend);
+  std::shared_ptr<SelectionCacheCheckParams> check;
+  if (p.cache_check != nullptr) check = std::make_shared<SelectionCacheCheckParams>(*p.cache_check);
   Backend* t = target();
-  return RunOrRecord([t, p, attend]() {
+  return RunOrRecord([t, p, attend, check]() {
     SelectStagesParams q = p;
     q.attend = attend.get();
+    q.cache_check = check.get();
     return t->SelectStages(q, nullptr);
   });
 }
