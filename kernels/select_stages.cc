@@ -43,7 +43,8 @@ absl::Status CheckSelectStagesChain(const SelectStagesParams& p) {
     }
     if (p.cache_check->q.data != p.q.data) {
       return absl::InvalidArgumentError(
-          "SelectStages: cache_check must check the call's own query (cache_check->q.data == q.data)");
+          "SelectStages: cache_check must check the call's own query (cache_check->q.data == "
+          "q.data)");
     }
   }
   return absl::OkStatus();

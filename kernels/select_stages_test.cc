@@ -372,7 +372,9 @@ TEST_F(SelectStagesOpByOpTest, RefusedCacheCheckWritesNothing) {
     p.stages[1].scores.shape[2] = 3;
   });
   refused("the check's cached queries one head short",
-          [&](SelectStagesParams&, SelectionCacheCheckParams& cc) { cc.cached_q.shape[0] = kHkv - 1; });
+          [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
+            cc.cached_q.shape[0] = kHkv - 1;
+          });
   refused("theta not finite", [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
     cc.theta = std::numeric_limits<float>::quiet_NaN();
   });

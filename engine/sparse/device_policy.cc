@@ -285,12 +285,10 @@ absl::Status DevicePolicy::CountOutsideAttend(int layer, const KvCache& cache, i
   return absl::OkStatus();
 }
 
-absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(int layer, const TensorView& q2,
-                                                         const KvCache& cache, int64_t sink_end,
-                                                         int64_t window_begin,
-                                                         const kernels::SelectionCacheCheckParams* check,
-                                                         kernels::SelectedAttentionParams* attend,
-                                                         kernels::Stream stream) {
+absl::StatusOr<CandidateList> DevicePolicy::SelectMiddle(
+    int layer, const TensorView& q2, const KvCache& cache, int64_t sink_end, int64_t window_begin,
+    const kernels::SelectionCacheCheckParams* check, kernels::SelectedAttentionParams* attend,
+    kernels::Stream stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
   const TensorView pt = table_[layer]->View(DType::kI32, {hkv_, max_pages_});
   const int64_t p0 = sink_end / page_, p1 = (window_begin + page_ - 1) / page_;

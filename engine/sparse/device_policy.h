@@ -190,12 +190,10 @@ class DevicePolicy {
   // kept(layer)).
   // attend (optional): the step's attention, whose middle is set to the selection and which
   // runs in the same SelectStages op (SelectStagesParams::attend).
-  absl::StatusOr<kernels::CandidateList> SelectMiddle(int layer, const kernels::TensorView& q,
-                                                      const KvCache& cache, int64_t sink_end,
-                                                      int64_t window_begin,
-                                                      const kernels::SelectionCacheCheckParams* check,
-                                                      kernels::SelectedAttentionParams* attend,
-                                                      kernels::Stream stream);
+  absl::StatusOr<kernels::CandidateList> SelectMiddle(
+      int layer, const kernels::TensorView& q, const KvCache& cache, int64_t sink_end,
+      int64_t window_begin, const kernels::SelectionCacheCheckParams* check,
+      kernels::SelectedAttentionParams* attend, kernels::Stream stream);
   PolicyOptions options_;
   KvCacheOptions cache_options_;
   int hq_, hkv_, group_, d_, page_, seg_pages_;
