@@ -376,9 +376,9 @@ void StagePhases(const Pipeline& pl, cudaStream_t stream, int64_t context,
              1 + cuda_internal::kSelectStagesMax * cuda_internal::kSelectStagesPhasesPerStage,
              cuda_internal::kSelectStagesAttendPhases, anames);
   // The part kernel's placement (kSelectStagesPlaceSlot): how many SMs its blocks ran on, the
-  // blocks that shared an SM, each block's time from entry to its last cluster barrier
-  // (%globaltimer) for blocks alone on their SM and those sharing one, the blocks' entry skew,
-  // and the span from the first entry to the last exit.
+  // blocks that shared an SM, each block's time from entry to exit (%globaltimer, after its
+  // merge where it merges) for blocks alone on their SM and those sharing one, the blocks' entry
+  // skew, and the span from the first entry to the last exit.
   constexpr int S = cuda_internal::kSelectStagesPlaceSlot;
   std::vector<int> sm_blocks(1024, 0);
   std::vector<int> block_sm;

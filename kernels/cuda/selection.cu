@@ -4172,6 +4172,9 @@ constexpr int kPartMaxTaken = 1024;  // a stage's k / P
 constexpr int kPartMaxFixed = 256;   // a block's share of the fixed rows
 constexpr int kPartMaxRows = kPartMaxFixed + kPartMaxTaken;
 constexpr int kPartMaxAttendParts = 16;  // parts of the kernel with the attention
+// One part's partial of one query head in DeviceSelectAttend::merge_partials: o[128], then the
+// max and the sum of its softmax.
+constexpr int kPartPartialFloats = 130;
 struct PartStagesShared {
   // The stages' tensor-core A operands (StageATables): summaries, keys (f16 for fp8 keys).
   __align__(16) __nv_bfloat16 sum_a[16 * kStagesSumStride];
@@ -4216,11 +4219,12 @@ __device__ __noinline__ void PartMergeHeads(const float* partials, int g, int gr
                                             float v_scale, float* out, float* lse) {
   const int tid = threadIdx.x, h = tid >> 6, pair = tid & 63;
   if (h >= group) return;
-  const float* const base = partials + (static_cast<int64_t>(g) * parts * kPartG + h) * 130;
+  const float* const base =
+      partials + (static_cast<int64_t>(g) * parts * kPartG + h) * kPartPartialFloats;
   float2 v[kPartMaxAttendParts], ml[kPartMaxAttendParts];
 #pragma unroll
   for (int b = 0; b < kPartMaxAttendParts; ++b) {
-    const float* pb = base + b * kPartG * 130;
+    const float* pb = base + b * kPartG * kPartPartialFloats;
     v[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 2 * pair))
                      : make_float2(0.0f, 0.0f);
     ml[b] = b < parts ? __ldcg(reinterpret_cast<const float2*>(pb + 128))
@@ -4613,8 +4617,8 @@ __global__ void __launch_bounds__(kPartThreads, 2)
           const float2 v = *reinterpret_cast<const float2*>(red_o + (w * G + h) * 128 + 2 * pair);
           o0 += v.x, o1 += v.y;
         }
-        float* const mine =
-            at.merge_partials + ((static_cast<int64_t>(g) * parts + part) * G + h) * 130;
+        float* const mine = at.merge_partials +
+                            ((static_cast<int64_t>(g) * parts + part) * G + h) * kPartPartialFloats;
         *reinterpret_cast<float2*>(mine + 2 * pair) = make_float2(o0, o1);
         if (pair == 0) {
           *reinterpret_cast<float2*>(mine + 128) = make_float2(sh.stat_m[h], sh.stat_l[h]);
@@ -4773,14 +4777,6 @@ auto PartStagesForm(bool f8, bool small) {
                      : PartStagesKernel<kAttend, kPartPer, false>);
 }
 
-}  // namespace
-
-int64_t PartMergeScratchFloats(int num_kv_heads, int parts) {
-  return int64_t{num_kv_heads} * parts * kPartG * 130;
-}
-
-namespace {
-
 // Bit s set: every block selects stage s by one warp (PartStageByWarp, with the most candidates
 // any part holds) and stage s + 1 is a key stage whose candidates are the pages of stage s's (its
 // fanout the page size), so PartStagesKernel's warps 1-7 look up their page slots meanwhile.
@@ -4800,6 +4796,10 @@ uint32_t PartSlotPrefetchMask(const DeviceSelectStages& stages, int parts, int w
 }
 
 }  // namespace
+
+int64_t PartMergeScratchFloats(int num_kv_heads, int parts) {
+  return int64_t{num_kv_heads} * parts * kPartG * kPartPartialFloats;
+}
 
 cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int group, int parts,
                              const DeviceSelectStages& stages, const int32_t* skip,
