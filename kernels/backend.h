@@ -438,8 +438,8 @@ struct SelectStagesParams {
   // data as q; skip_heads then null): the op is SelectionCacheCheck(*cache_check) followed by
   // this op with skip_heads = cache_check->reuse, in stream order (SelectStagesAfterCacheCheck).
   // Every op's params are checked before the check writes the cache's state, so params refused
-  // fail the op with nothing written. Today every backend runs the check as its own op; the
-  // CUDA backend is to run it inside the partitioned kernel (docs/design.md section 10).
+  // fail the op with nothing written. Every backend runs the check as its own op (on CUDA
+  // SelectionCacheCheckKernel) before the stages.
   const SelectionCacheCheckParams* cache_check = nullptr;
 };
 
