@@ -438,8 +438,10 @@ struct SelectStagesParams {
   // data as q; skip_heads then null): the op is SelectionCacheCheck(*cache_check) followed by
   // this op with skip_heads = cache_check->reuse, in stream order (SelectStagesAfterCacheCheck).
   // Every op's params are checked before the check writes the cache's state, so params refused
-  // fail the op with nothing written. Every backend runs the check as its own op (on CUDA
-  // SelectionCacheCheckKernel) before the stages.
+  // fail the op with nothing written. The CUDA backend runs it inside the partitioned kernel
+  // where that kernel attends with arrivals (every block of a KV head computes the same cosine;
+  // the head's last block to arrive updates the cache's state; STRATA_SELECT_CHECK_IN_KERNEL=0:
+  // as its own op), elsewhere as its own op first, as the CPU backend does.
   const SelectionCacheCheckParams* cache_check = nullptr;
 };
 

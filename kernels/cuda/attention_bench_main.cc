@@ -34,9 +34,12 @@
 // kernel), its rows labelled "tokenselect/p16"; STRATA_BENCH_PARTITIONS=P (a power of two 1 to
 // 64) for P parts, 1 the exact vote (rows "tokenselect", the default before session 39), with
 // SelectStagesParams::arrivals as DevicePolicy passes them (STRATA_BENCH_ARRIVALS=0: without);
-// each also as "+miss" (SelectionCacheCheck first, theta 2: every KV head selects) and "+hit"
-// (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels exit
-// at the top and only the check and the attention do work); the MiB column is the selecting
+// each also as "+miss" (the selection cache's check first, theta 2: every KV head selects) and
+// "+hit" (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels
+// exit at the top and only the check and the attention do work), the check inside the
+// SelectStages op as DevicePolicy passes it (SelectStagesParams::cache_check: on CUDA inside the
+// partitioned kernel where it attends; STRATA_BENCH_CHECK_IN_OP=0: SelectionCacheCheck as its
+// own op before it); the MiB column is the selecting
 // step's bytes in every row.
 // Per op (each op alone, inputs left by the full runs): STAGES = 100 eager calls back to back
 // (can be bound by the host's launch cost), GSTAGES = a graph of 20 calls replayed.
@@ -254,17 +257,20 @@ struct Pipeline {
     auto on = [&]() { return only < 0 || only == stage++; };
     const int group = kQHeads / kKvHeads;
     const int32_t* skip = nullptr;
+    SelectionCacheCheckParams cc;
     if (cache_mode != 0) {
-      SelectionCacheCheckParams cc;
       cc.q = TensorView(q, DType::kF32, {kQHeads, kHeadDim});
       cc.cached_q = TensorView(cache_q, DType::kF32, {kKvHeads, group * kHeadDim});
       cc.valid = TensorView(cache_valid, DType::kI32, {kKvHeads});
       cc.theta = cache_mode == 1 ? 2.0f : 0.5f;
       cc.reuse = TensorView(reuse, DType::kI32, {kKvHeads});
+    }
+    if (cache_mode != 0 && !CheckInOp()) {
       if (on()) STRATA_RETURN_IF_ERROR(b->SelectionCacheCheck(cc, s));
       skip = static_cast<const int32_t*>(reuse);
     }
     SelectStagesParams sp = Stages(skip);
+    if (CheckInOp()) sp.cache_check = &cc;
     const SelectedAttentionParams at = Attention(sp);
     if (fused && attend_in_op) {
       sp.attend = &at;
@@ -312,8 +318,16 @@ struct Pipeline {
     return at;
   }
 
+  // The selection cache's check inside the SelectStages op (SelectStagesParams::cache_check, as
+  // DevicePolicy passes it) where the attention is in the op too; STRATA_BENCH_CHECK_IN_OP=0: as
+  // its own op before it.
+  bool CheckInOp() const {
+    const char* e = std::getenv("STRATA_BENCH_CHECK_IN_OP");
+    return cache_mode != 0 && fused && attend_in_op && (e == nullptr || std::string(e) != "0");
+  }
+
   int NumStages() const {
-    if (fused && attend_in_op) return (cache_mode != 0 ? 1 : 0) + 1;
+    if (fused && attend_in_op) return (cache_mode != 0 && !CheckInOp() ? 1 : 0) + 1;
     if (fused) return (cache_mode != 0 ? 1 : 0) + 1 + 1;
     return (cache_mode != 0 ? 1 : 0) + (two_level ? 2 : 0) + 2 + (token_level ? 2 : 0) + 1;
   }

@@ -3810,16 +3810,16 @@ namespace {
 // SelectionCacheCheckParams). Every thread reads the decision from shared memory after the
 // reduction's barrier.
 constexpr int kCacheCheckThreads = 256;
-__global__ void __launch_bounds__(kCacheCheckThreads)
-    SelectionCacheCheckKernel(const float* __restrict__ q, float* __restrict__ cached,
-                              int32_t* __restrict__ valid, int32_t* __restrict__ reuse,
-                              unsigned long long* hit_count, int n, float theta) {
-  __shared__ double red[3][kCacheCheckThreads / 32];
-  __shared__ int hit_s;
-  const int g = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* a = q + static_cast<int64_t>(g) * n;
-  float* c = cached + static_cast<int64_t>(g) * n;
-  const bool was_valid = valid[g] != 0;
+
+// The check's decision for one KV head, by a block of kCacheCheckThreads threads (every thread
+// calls it and gets the same answer): whether a (the query, n floats) has cosine >= theta with c
+// (the cached query) where was_valid. red and hit_s are shared scratch. The same arithmetic in
+// SelectionCacheCheckKernel and PartStagesKernel, so both decide alike.
+__device__ __forceinline__ bool CacheCheckHit(const float* a, const float* c, bool was_valid,
+                                              int n, float theta,
+                                              double (*red)[kCacheCheckThreads / 32],
+                                              int* hit_s) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   double ab = 0, aa = 0, bb = 0;
   if (was_valid) {
     for (int i = tid; i < n; i += kCacheCheckThreads) {
@@ -3849,16 +3849,39 @@ __global__ void __launch_bounds__(kCacheCheckThreads)
       sbb += red[2][w];
     }
     const double cosine = saa == 0 || sbb == 0 ? 0.0 : sab / sqrt(saa * sbb);
-    const bool hit = was_valid && cosine >= static_cast<double>(theta);  // NaN: false
-    hit_s = hit ? 1 : 0;
-    reuse[g] = hit ? 1 : 0;
-    if (hit && hit_count != nullptr) atomicAdd(hit_count, 1ull);
+    *hit_s = was_valid && cosine >= static_cast<double>(theta) ? 1 : 0;  // NaN: false
   }
   __syncthreads();
-  if (hit_s == 0) {
-    for (int i = tid; i < n; i += kCacheCheckThreads) c[i] = a[i];
-    if (tid == 0) valid[g] = 1;
+  return *hit_s != 0;
+}
+
+// The check's update for one KV head after its decision `hit` (every thread of the block): the
+// reuse flag and hit count, and on a miss the query cached and marked valid.
+__device__ __forceinline__ void CacheCheckUpdate(const float* a, float* c, int n, bool hit,
+                                                 int32_t* valid_g, int32_t* reuse_g,
+                                                 unsigned long long* hit_count) {
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    *reuse_g = hit ? 1 : 0;
+    if (hit && hit_count != nullptr) atomicAdd(hit_count, 1ull);
   }
+  if (!hit) {
+    for (int i = tid; i < n; i += blockDim.x) c[i] = a[i];
+    if (tid == 0) *valid_g = 1;
+  }
+}
+
+__global__ void __launch_bounds__(kCacheCheckThreads)
+    SelectionCacheCheckKernel(const float* __restrict__ q, float* __restrict__ cached,
+                              int32_t* __restrict__ valid, int32_t* __restrict__ reuse,
+                              unsigned long long* hit_count, int n, float theta) {
+  __shared__ double red[3][kCacheCheckThreads / 32];
+  __shared__ int hit_s;
+  const int g = blockIdx.x;
+  const float* a = q + static_cast<int64_t>(g) * n;
+  float* c = cached + static_cast<int64_t>(g) * n;
+  const bool hit = CacheCheckHit(a, c, valid[g] != 0, n, theta, red, &hit_s);
+  CacheCheckUpdate(a, c, n, hit, valid + g, reuse + g, hit_count);
 }
 
 }  // namespace
@@ -4199,9 +4222,12 @@ struct PartStagesShared {
   __align__(16) uint32_t hist[kVoteRankPasses][256];
   uint32_t wsum[32];
   float stat_m[kPartG], stat_l[kPartG];
+  double check_red[3][kCacheCheckThreads / 32];  // the selection cache's check (CacheCheckHit)
+  int check_hit;
   int32_t taken;
   int32_t merge_last;  // the merge through global memory: this block arrived last
 };
+static_assert(kPartThreads == kCacheCheckThreads, "CacheCheckHit's block size");
 constexpr int kPartStagesSmem = static_cast<int>(sizeof(PartStagesShared));
 // Two blocks per SM with their shared memory (plus the 1 KiB per block the runtime reserves) in
 // the 196 KiB carveout, which leaves the SM 60 KiB of L1 for the loads in flight. Session 42
@@ -4289,7 +4315,19 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     stamps[kSelectStagesPlaceSlot] = SmId();
     stamps[kSelectStagesPlaceSlot + 1] = GlobalTimerNs();
   }
-  const bool skipped = skip != nullptr && skip[g] != 0;
+  // Skipped: the KV head reuses its kept selection, by the caller's flags or by the selection
+  // cache's check in the kernel (at.check; every block of g computes the same decision, and g's
+  // last block to arrive updates the cache's state below, after every block has read it).
+  const bool checked = kAttend && at.check.cached != nullptr;
+  bool skipped;
+  if (checked) {
+    const int n = group * 128;
+    const int64_t row = static_cast<int64_t>(g) * n;
+    skipped = CacheCheckHit(at.check.q + row, at.check.cached + row, at.check.valid[g] != 0, n,
+                            at.check.theta, sh.check_red, &sh.check_hit);
+  } else {
+    skipped = skip != nullptr && skip[g] != 0;
+  }
   if (!kAttend && skipped) return;
   // The parts' partials of the attention go to global memory (at.merge_partials), merged there
   // by the KV head's last block to arrive (at.merge_arrivals) or else by PartMergeKernel,
@@ -4642,6 +4680,12 @@ __global__ void __launch_bounds__(kPartThreads, 2)
       __syncthreads();
       if (sh.merge_last != 0) {
         PartMergeHeads(at.merge_partials, g, group, parts, at.v_scale, at.out, at.lse);
+        if (checked) {
+          const int n = group * 128;
+          const int64_t row = static_cast<int64_t>(g) * n;
+          CacheCheckUpdate(at.check.q + row, at.check.cached + row, n, skipped,
+                           at.check.valid + g, at.check.reuse + g, at.check.hits);
+        }
         if (tid == 0) at.merge_arrivals[g] = 0;
       }
     }

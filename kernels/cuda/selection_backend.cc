@@ -336,6 +336,23 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
     STRATA_ASSIGN_OR_RETURN(attend_fused, AttendFused(fits, "partitioned kernel"));
   }
   STRATA_RETURN_IF_ERROR(MakeCurrent());
+  // The selection cache's check (p.cache_check): in the kernel where it attends with arrival
+  // counters, else as its own op now, its flags the skip flags.
+  const int32_t* skip = p.skip_heads;
+  if (p.cache_check != nullptr) {
+    const SelectionCacheCheckParams& cc = *p.cache_check;
+    if (attend_fused && p.arrivals.data != nullptr) {
+      da.check.q = cc.q.As<const float>();
+      da.check.cached = cc.cached_q.As<float>();
+      da.check.valid = cc.valid.As<int32_t>();
+      da.check.reuse = cc.reuse.As<int32_t>();
+      da.check.hits = reinterpret_cast<unsigned long long*>(cc.hit_count);
+      da.check.theta = cc.theta;
+    } else {
+      STRATA_RETURN_IF_ERROR(SelectionCacheCheck(cc, s));
+      skip = cc.reuse.As<const int32_t>();
+    }
+  }
   void* partials = nullptr;  // the parts' partials
   if (attend_fused) {
     STRATA_ASSIGN_OR_RETURN(
@@ -348,7 +365,7 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
   }
   const cudaError_t launched = cuda_internal::LaunchPartStages(
       p.q.As<const float>(), p.scale, static_cast<int>(hkv), static_cast<int>(group), parts, d,
-      p.skip_heads, attend_fused ? &da : nullptr, ToCuda(s));
+      skip, attend_fused ? &da : nullptr, ToCuda(s));
   if (partials != nullptr) STRATA_RETURN_IF_ERROR(FreeScratch(partials, ToCuda(s)));
   STRATA_CUDA_RETURN_IF_ERROR(launched);
   if (p.attend != nullptr && !attend_fused) return SelectedAttention(*p.attend, s);
@@ -361,9 +378,16 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
 // instead, for tests that must run the kernel). Either way every stage's checks and the
 // attention's CpuSupportsSelectedAttention come first, so a call they refuse writes nothing.
 absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
-  // The selection cache's check as its own op first (SelectionCacheCheckKernel), then this op
-  // with its flags as skip_heads.
-  if (p.cache_check != nullptr) return SelectStagesAfterCacheCheck(*this, p, s);
+  // The selection cache's check: inside the partitioned kernel where that kernel may attend and
+  // count arrivals (SelectStagesInParts decides; STRATA_SELECT_CHECK_IN_KERNEL=0: never), else
+  // as its own op first (SelectionCacheCheckKernel), then this op with its flags as skip_heads.
+  if (p.cache_check != nullptr) {
+    const char* env = std::getenv("STRATA_SELECT_CHECK_IN_KERNEL");
+    const bool in_kernel = (env == nullptr || std::string_view(env) != "0") && p.partitions > 1 &&
+                           p.attend != nullptr && p.arrivals.data != nullptr;
+    if (!in_kernel) return SelectStagesAfterCacheCheck(*this, p, s);
+    STRATA_RETURN_IF_ERROR(CpuSupportsSelectionCacheCheck(*p.cache_check));
+  }
   STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
   const char* env = std::getenv("STRATA_SELECT_STAGES");
   bool fused = env == nullptr || std::string_view(env) != "opbyop";

@@ -1818,10 +1818,12 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       bool use_arrivals = true;
       // The chain with the attention in the call, for query q and the heads flagged in skip
       // (device memory; null: none).
-      auto select_and_attend = [&](void* q, const int32_t* skip) {
+      auto select_and_attend = [&](void* q, const int32_t* skip,
+                                   const SelectionCacheCheckParams* check = nullptr) {
         SelectStagesParams p =
             ch.Params(q, dps->data(), dss->data(), dpool->data(), dt->data(), sp, sel);
         p.skip_heads = skip;
+        p.cache_check = check;
         if (use_arrivals) p.arrivals = TensorView(darrivals->data(), DType::kI32, {c.hkv});
         const SelectedAttentionParams at =
             ChainAttention(ch, pc.window, q, dpool->data(), dv->data(), dt->data(),
@@ -1878,6 +1880,71 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         EXPECT_EQ(Get<int32_t>(*darrivals, c.hkv), std::vector<int32_t>(c.hkv, 0));
         unsetenv("STRATA_SELECT_PART_PREFETCH");
         use_arrivals = true;
+      }
+      // The selection cache's check in the call (SelectStagesParams::cache_check), in the kernel
+      // and (STRATA_SELECT_CHECK_IN_KERNEL=0) as its own op first: the cache's state as the CPU's
+      // check leaves it; a head that reuses keeps its selection (here the one made for q2), the
+      // others select for q (as the plain call for q did); out / lse as the CPU's attention over
+      // that selection.
+      for (const bool in_kernel : {true, false}) {
+        SCOPED_TRACE(in_kernel ? "cache check in the kernel" : "cache check as its own op");
+        setenv("STRATA_SELECT_STAGES", "require_fused", 1);
+        setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
+        if (!in_kernel) setenv("STRATA_SELECT_CHECK_IN_KERNEL", "0", 1);
+        const int64_t n = int64_t{c.group} * kD, final_n = int64_t{c.hkv} * ch.ks[last];
+        ASSERT_TRUE(select_and_attend(dq->data(), nullptr).ok());
+        const std::vector<int32_t> for_q = Get<int32_t>(*bufs[2 * last + 1], final_n);
+        std::vector<float> q2 = RandomF(static_cast<int64_t>(ch.q.size()), -2.0f, 2.0f);
+        auto dq2 = Dev(q2);
+        ASSERT_TRUE(select_and_attend(dq2->data(), nullptr).ok());
+        const std::vector<int32_t> for_q2 = Get<int32_t>(*bufs[2 * last + 1], final_n);
+        // Head g's cached query: q's own for even g (a hit), another for odd g (a miss); the
+        // last head invalid (a miss).
+        std::vector<float> cached(static_cast<size_t>(c.hkv * n));
+        const std::vector<float> other = RandomF(c.hkv * n, -2.0f, 2.0f);
+        for (int64_t i = 0; i < c.hkv * n; ++i) cached[i] = (i / n) % 2 == 0 ? ch.q[i] : other[i];
+        std::vector<int32_t> valid(c.hkv, 1);
+        valid[c.hkv - 1] = 0;
+        std::vector<int32_t> reuse(c.hkv, -1);
+        int64_t hits = 3;
+        auto dcached = Dev(cached), dvalid = Dev(valid), dreuse = Dev(reuse);
+        auto dhits = Dev(std::vector<int64_t>{hits});
+        auto check_of = [&](void* q, void* cq, void* v, void* r, int64_t* h) {
+          SelectionCacheCheckParams cc;
+          cc.q = TensorView(q, DType::kF32, {hq, kD});
+          cc.cached_q = TensorView(cq, DType::kF32, {c.hkv, n});
+          cc.valid = TensorView(v, DType::kI32, {c.hkv});
+          cc.theta = 0.9f;
+          cc.reuse = TensorView(r, DType::kI32, {c.hkv});
+          cc.hit_count = h;
+          return cc;
+        };
+        const SelectionCacheCheckParams hc =
+            check_of(ch.q.data(), cached.data(), valid.data(), reuse.data(), &hits);
+        ASSERT_TRUE(cpu_->SelectionCacheCheck(hc, nullptr).ok());
+        const SelectionCacheCheckParams gc =
+            check_of(dq->data(), dcached->data(), dvalid->data(), dreuse->data(),
+                     static_cast<int64_t*>(dhits->data()));
+        const absl::Status st3 = select_and_attend(dq->data(), nullptr, &gc);
+        ASSERT_TRUE(st3.ok()) << st3;
+        EXPECT_EQ(Get<float>(*dcached, c.hkv * n), cached);
+        EXPECT_EQ(Get<int32_t>(*dvalid, c.hkv), valid);
+        EXPECT_EQ(Get<int32_t>(*dreuse, c.hkv), reuse);
+        EXPECT_EQ(Get<int64_t>(*dhits, 1)[0], hits);
+        std::vector<int32_t> final3 = Get<int32_t>(*bufs[2 * last + 1], final_n);
+        for (int g = 0; g < c.hkv; ++g) {
+          const std::vector<int32_t>& want = reuse[g] != 0 ? for_q2 : for_q;
+          for (int64_t j = 0; j < ch.ks[last]; ++j) {
+            ASSERT_EQ(final3[g * ch.ks[last] + j], want[g * ch.ks[last] + j])
+                << "head " << g << (reuse[g] != 0 ? " (reused)" : "");
+          }
+        }
+        std::vector<float> want_out, want_lse;
+        cpu_attention(ch.q, final3, &want_out, &want_lse);
+        ExpectClose(Get<float>(*dout, int64_t{hq} * kD), want_out, 2e-5, 1e-4, "out, cache check");
+        ExpectClose(Get<float>(*dlse, hq), want_lse, 2e-5, 1e-5, "lse, cache check");
+        EXPECT_EQ(Get<int32_t>(*darrivals, c.hkv), std::vector<int32_t>(c.hkv, 0));
+        unsetenv("STRATA_SELECT_CHECK_IN_KERNEL");
       }
       unsetenv("STRATA_SELECT_STAGES");
       unsetenv("STRATA_SELECT_ATTEND");

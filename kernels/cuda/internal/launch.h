@@ -306,6 +306,17 @@ inline constexpr int kSelectAttendMaxMiddle = 256;
 // over this k_pool and table and the middle its token ids (fanout 1), the middle's scores are
 // taken from that stage instead of from K rows (STRATA_SELECT_ATTEND_SCORES=0, read at every
 // launch, turns that off: A/B timing and tests; the result is the same bits either way).
+// The selection cache's check (SelectionCacheCheckParams) as LaunchPartStages runs it inside the
+// kernel: q [num_kv_heads, n] (the kernel's own query), cached [num_kv_heads, n] (in/out), valid
+// and reuse [num_kv_heads] i32, hits one u64 (optional), n = group * 128.
+struct DeviceCacheCheck {
+  const float* q = nullptr;
+  float* cached = nullptr;  // null: no check in the kernel
+  int32_t* valid = nullptr;
+  int32_t* reuse = nullptr;
+  unsigned long long* hits = nullptr;
+  float theta = 0.0f;
+};
 struct DeviceSelectAttend {
   const void* k_pool = nullptr;    // bf16, or fp8 e4m3 with fp8 != 0: [num_slots, page_size, 128]
   const void* v_pool = nullptr;
@@ -333,6 +344,10 @@ struct DeviceSelectAttend {
   // before the launch and left zero; the last block of each KV head to arrive merges its
   // partials, and no second kernel runs.
   uint32_t* merge_arrivals = nullptr;
+  // With merge_arrivals, optionally: the selection cache's check in the kernel, its decision for
+  // KV head g the skip flag of g's blocks (every block computes the same), its state updated by
+  // g's last block to arrive (the kernel's skip argument then null).
+  DeviceCacheCheck check;
 };
 // Whether LaunchSelectStages attends with the middle's scores taken from the last stage
 // (SelectStagesKernel<kStagesAttendScored>): a key stage over a's own k_pool and page table
