@@ -3807,52 +3807,54 @@ namespace {
 
 // One block per KV head g: the cosine of q_g with cached_q[g] (double sums, block reduction),
 // then reuse[g], and on a miss the copy of q_g and valid[g] = 1 (kernels/backend.h
-// SelectionCacheCheckParams). Every thread reads the decision from shared memory after the
-// reduction's barrier.
+// SelectionCacheCheckParams). The same arithmetic in SelectionCacheCheckKernel and
+// PartStagesKernel, so both decide alike: each thread sums its elements i = tid, tid + 256, ...
+// in order (CacheCheckAdd), the warps reduce by shuffles and write shared scratch
+// (CacheCheckReduce), and after a barrier every thread sums the warps' values in warp order
+// (CacheCheckDecide: no second barrier, every thread gets the same answer).
 constexpr int kCacheCheckThreads = 256;
 
-// The check's decision for one KV head, by a block of kCacheCheckThreads threads (every thread
-// calls it and gets the same answer): whether a (the query, n floats) has cosine >= theta with c
-// (the cached query) where was_valid. red and hit_s are shared scratch. The same arithmetic in
-// SelectionCacheCheckKernel and PartStagesKernel, so both decide alike.
-__device__ __forceinline__ bool CacheCheckHit(const float* a, const float* c, bool was_valid,
-                                              int n, float theta,
-                                              double (*red)[kCacheCheckThreads / 32],
-                                              int* hit_s) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+struct CacheCheckSums {
   double ab = 0, aa = 0, bb = 0;
-  if (was_valid) {
-    for (int i = tid; i < n; i += kCacheCheckThreads) {
-      const double x = a[i], y = c[i];
-      ab += x * y;
-      aa += x * x;
-      bb += y * y;
-    }
-  }
+};
+
+__device__ __forceinline__ void CacheCheckAdd(CacheCheckSums& s, float a, float c) {
+  const double x = a, y = c;
+  s.ab += x * y;
+  s.aa += x * x;
+  s.bb += y * y;
+}
+
+// The warp's sums to red[.][warp] (lane 0 writes); the caller's barrier comes next.
+__device__ __forceinline__ void CacheCheckReduce(CacheCheckSums s,
+                                                 double (*red)[kCacheCheckThreads / 32]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    ab += __shfl_xor_sync(0xffffffffu, ab, o);
-    aa += __shfl_xor_sync(0xffffffffu, aa, o);
-    bb += __shfl_xor_sync(0xffffffffu, bb, o);
+    s.ab += __shfl_xor_sync(0xffffffffu, s.ab, o);
+    s.aa += __shfl_xor_sync(0xffffffffu, s.aa, o);
+    s.bb += __shfl_xor_sync(0xffffffffu, s.bb, o);
   }
   if (lane == 0) {
-    red[0][warp] = ab;
-    red[1][warp] = aa;
-    red[2][warp] = bb;
+    red[0][warp] = s.ab;
+    red[1][warp] = s.aa;
+    red[2][warp] = s.bb;
   }
-  __syncthreads();
-  if (tid == 0) {
-    double sab = 0, saa = 0, sbb = 0;
-    for (int w = 0; w < kCacheCheckThreads / 32; ++w) {
-      sab += red[0][w];
-      saa += red[1][w];
-      sbb += red[2][w];
-    }
-    const double cosine = saa == 0 || sbb == 0 ? 0.0 : sab / sqrt(saa * sbb);
-    *hit_s = was_valid && cosine >= static_cast<double>(theta) ? 1 : 0;  // NaN: false
+}
+
+// The decision from red after the barrier that follows CacheCheckReduce: whether the query has
+// cosine >= theta with the cached query where was_valid (an invalid entry's cached values, read
+// regardless, never decide).
+__device__ __forceinline__ bool CacheCheckDecide(const double (*red)[kCacheCheckThreads / 32],
+                                                 bool was_valid, float theta) {
+  double sab = 0, saa = 0, sbb = 0;
+  for (int w = 0; w < kCacheCheckThreads / 32; ++w) {
+    sab += red[0][w];
+    saa += red[1][w];
+    sbb += red[2][w];
   }
-  __syncthreads();
-  return *hit_s != 0;
+  const double cosine = saa == 0 || sbb == 0 ? 0.0 : sab / sqrt(saa * sbb);
+  return was_valid && cosine >= static_cast<double>(theta);  // NaN: false
 }
 
 // The check's update for one KV head after its decision `hit` (every thread of the block): the
@@ -3876,11 +3878,15 @@ __global__ void __launch_bounds__(kCacheCheckThreads)
                               int32_t* __restrict__ valid, int32_t* __restrict__ reuse,
                               unsigned long long* hit_count, int n, float theta) {
   __shared__ double red[3][kCacheCheckThreads / 32];
-  __shared__ int hit_s;
   const int g = blockIdx.x;
   const float* a = q + static_cast<int64_t>(g) * n;
   float* c = cached + static_cast<int64_t>(g) * n;
-  const bool hit = CacheCheckHit(a, c, valid[g] != 0, n, theta, red, &hit_s);
+  const bool was_valid = valid[g] != 0;
+  CacheCheckSums sums;
+  for (int i = threadIdx.x; i < n; i += kCacheCheckThreads) CacheCheckAdd(sums, a[i], c[i]);
+  CacheCheckReduce(sums, red);
+  __syncthreads();
+  const bool hit = CacheCheckDecide(red, was_valid, theta);
   CacheCheckUpdate(a, c, n, hit, valid + g, reuse + g, hit_count);
 }
 
@@ -4222,12 +4228,13 @@ struct PartStagesShared {
   __align__(16) uint32_t hist[kVoteRankPasses][256];
   uint32_t wsum[32];
   float stat_m[kPartG], stat_l[kPartG];
-  double check_red[3][kCacheCheckThreads / 32];  // the selection cache's check (CacheCheckHit)
-  int check_hit;
+  double check_red[3][kCacheCheckThreads / 32];  // the selection cache's check (CacheCheckReduce)
+  int32_t check_valid;                            // and the cache entry's valid flag
   int32_t taken;
   int32_t merge_last;  // the merge through global memory: this block arrived last
 };
-static_assert(kPartThreads == kCacheCheckThreads, "CacheCheckHit's block size");
+static_assert(kPartThreads == kCacheCheckThreads && kPartG * 128 <= 2 * kPartThreads,
+              "the check's block size and two elements per thread");
 constexpr int kPartStagesSmem = static_cast<int>(sizeof(PartStagesShared));
 // Two blocks per SM with their shared memory (plus the 1 KiB per block the runtime reserves) in
 // the 196 KiB carveout, which leaves the SM 60 KiB of L1 for the loads in flight. Session 42
@@ -4317,17 +4324,26 @@ __global__ void __launch_bounds__(kPartThreads, 2)
   }
   // Skipped: the KV head reuses its kept selection, by the caller's flags or by the selection
   // cache's check in the kernel (at.check; every block of g computes the same decision, and g's
-  // last block to arrive updates the cache's state below, after every block has read it).
+  // last block to arrive updates the cache's state below, after every block has read it). The
+  // check's loads go first and its sums after StageATables, so their L2 round trips overlap
+  // (one barrier, then every thread decides; deciding after stage 0's first barrier instead, and
+  // leaving the stage loop there on a hit, spilled registers in the small form).
   const bool checked = kAttend && at.check.cached != nullptr;
-  bool skipped;
+  float check_a[2] = {0.0f, 0.0f}, check_c[2] = {0.0f, 0.0f};
+  int32_t check_valid = 0;
   if (checked) {
-    const int n = group * 128;
-    const int64_t row = static_cast<int64_t>(g) * n;
-    skipped = CacheCheckHit(at.check.q + row, at.check.cached + row, at.check.valid[g] != 0, n,
-                            at.check.theta, sh.check_red, &sh.check_hit);
-  } else {
-    skipped = skip != nullptr && skip[g] != 0;
+    const int64_t row = static_cast<int64_t>(g) * group * 128;
+    if (tid == 0) check_valid = at.check.valid[g];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int i = tid + j * kPartThreads;
+      if (i < group * 128) {
+        check_a[j] = at.check.q[row + i];
+        check_c[j] = at.check.cached[row + i];
+      }
+    }
   }
+  bool skipped = !checked && skip != nullptr && skip[g] != 0;
   if (!kAttend && skipped) return;
   // The parts' partials of the attention go to global memory (at.merge_partials), merged there
   // by the KV head's last block to arrive (at.merge_arrivals) or else by PartMergeKernel,
@@ -4336,6 +4352,17 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     GridDepLaunchDependents();  // PartMergeKernel may launch
   }
   StageATables<kF8, true, kPartThreads>(q, scale, g, group, sh.sum_a, sh.key_a, sh.key_descale);
+  if (checked) {
+    CacheCheckSums sums;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (tid + j * kPartThreads < group * 128) CacheCheckAdd(sums, check_a[j], check_c[j]);
+    }
+    CacheCheckReduce(sums, sh.check_red);
+    if (tid == 0) sh.check_valid = check_valid;
+    __syncthreads();
+    skipped = CacheCheckDecide(sh.check_red, sh.check_valid != 0, at.check.theta);
+  }
   // Attention rows: the block's share of the fixed rows first, then its middle.
   int32_t f0 = 0, f_count = 0;
   if constexpr (kAttend) {
