@@ -1,6 +1,8 @@
 // Backend::SelectStages' default: the chain and the attention's params checked, then
 // ScoreSummaries / ScoreKeys and VoteTopK per stage, then the attention (semantics in
 // kernels/backend.h SelectStagesParams).
+#include <algorithm>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -41,10 +43,21 @@ absl::Status CheckSelectStagesChain(const SelectStagesParams& p) {
           "SelectStages: skip_heads and cache_check both set (the check's reuse flags are the "
           "skip flags)");
     }
-    if (p.cache_check->q.data != p.q.data) {
-      return absl::InvalidArgumentError(
-          "SelectStages: cache_check must check the call's own query (cache_check->q.data == "
-          "q.data)");
+    const SelectionCacheCheckParams& cc = *p.cache_check;
+    const bool same_q = cc.q.data == p.q.data && cc.q.dtype == p.q.dtype &&
+                        cc.q.rank == p.q.rank &&
+                        std::equal(cc.q.shape, cc.q.shape + kMaxRank, p.q.shape);
+    if (!same_q) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectStages: cache_check must check the call's own query (the same data and shape), "
+          "got ", cc.q.DebugString(), " for q ", p.q.DebugString()));
+    }
+    // Its reuse flags are the stages' skip flags, one per KV head of the call.
+    if (cc.cached_q.rank < 1 || p.stages[0].selected.rank < 1 ||
+        cc.cached_q.dim(0) != p.stages[0].selected.dim(0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectStages: cache_check's cache must hold the call's KV heads, got cached_q ",
+          cc.cached_q.DebugString(), " for selected ", p.stages[0].selected.DebugString()));
     }
   }
   return absl::OkStatus();

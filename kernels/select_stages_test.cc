@@ -375,6 +375,17 @@ TEST_F(SelectStagesOpByOpTest, RefusedCacheCheckWritesNothing) {
           [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
             cc.cached_q.shape[0] = kHkv - 1;
           });
+  refused("the check's cache for other KV heads (one head of the whole query)",
+          [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
+            cc.cached_q.shape[0] = 1;
+            cc.cached_q.shape[1] = kHkv * kGroup * kD;
+            cc.valid.shape[0] = 1;
+            cc.reuse.shape[0] = 1;
+          });
+  refused("the query in another shape", [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
+    cc.q.shape[0] = kHkv;
+    cc.q.shape[1] = kGroup * kD;
+  });
   refused("theta not finite", [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
     cc.theta = std::numeric_limits<float>::quiet_NaN();
   });
