@@ -54,7 +54,8 @@
 //   --ncu: few iterations and no host gate, for running under Nsight Compute.
 //   --no-sweep: the budget case at the default items per SM only.
 //   --policy quest|tokenselect: only that pipeline.
-//   --stage-phases: after each fused row, the selection kernel's phases (PHASES lines).
+//   --stage-phases: after each fused row (not +hit; +miss with the check in the op), the selection
+//     kernel's phases (PHASES lines).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -644,7 +645,10 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
       cudaGraphDestroy(sg);
     }
     std::printf("   (us per op from a graph of the op alone)\n");
-    if (g_stage_phases && pl.fused && cache_mode == 0) StagePhases(pl, stream, context, label);
+    // Phases of the selecting step, also with the cache's check in it (+miss; the first op).
+    if (g_stage_phases && pl.fused && (cache_mode == 0 || (cache_mode == 1 && pl.CheckInOp()))) {
+      StagePhases(pl, stream, context, label);
+    }
     std::fflush(stdout);
   }
   cudaEventDestroy(e0);
