@@ -152,7 +152,8 @@ struct Pipeline {
   int64_t window_begin, p0, p1, s0, s1, keep_segs, page_cands, top_page_k, tok_cands;
   bool two_level;
   // Selection cache (cache_mode 1 = every head misses: theta 2; 2 = every head hits: theta 0.5
-  // and q unchanged): SelectionCacheCheck first, then the selection ops with skip_heads.
+  // and q unchanged): the check in the SelectStages op (CheckInOp), else SelectionCacheCheck
+  // first and the selection ops with skip_heads.
   int cache_mode = 0;
   void *cache_q = nullptr, *cache_valid = nullptr, *reuse = nullptr;
   // SelectStagesParams::arrivals for tokenselect in parts, as DevicePolicy passes them (zeroed
