@@ -537,7 +537,7 @@ TEST_F(GpuCacheAttentionTest, SelectionCacheReusesTheSelectionOfASimilarQuery) {
   EXPECT_EQ(cache->lookups(), 4 * kHeads);
   STRATA_ASSERT_OK_AND_ASSIGN(const int64_t hits, cache->ReadHits(nullptr));
   EXPECT_EQ(hits, 1 * kHeads);
-  cache->CountReplayedChecks(3);
+  cache->CountChecks(3);
   EXPECT_EQ(cache->lookups(), 7 * kHeads);
   EXPECT_THAT(cache->Check(1, kernels::TensorView(const_cast<float*>(q1.data()), DType::kF32,
                                                    {kHeads * kGroup, kD}),

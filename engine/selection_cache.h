@@ -13,8 +13,9 @@
 //   ASSIGN_OR_RETURN(SelectionCacheCheckParams cc, cache->CheckParams(layer, q));
 //   ... SelectStages with cache_check = &cc, its last stage writing cache->kept(layer) ...
 // Check is Backend::SelectionCacheCheck: backend memory only, so it can be captured in a CUDA
-// graph. Lookups are counted on the host (num_kv_heads per Check, or CountReplayedChecks for
-// checks replayed from a graph) and hits on the backend (ReadHits). Thread-compatible.
+// graph. Lookups are counted on the host (num_kv_heads per Check, or CountChecks for checks
+// queued by other ops or replayed from a graph) and hits on the backend (ReadHits).
+// Thread-compatible.
 #ifndef STRATA_ENGINE_SELECTION_CACHE_H_
 #define STRATA_ENGINE_SELECTION_CACHE_H_
 
@@ -48,16 +49,14 @@ class DeviceSelectionCache {
   // layer's reuse flags are cc.reuse. Counts nothing: CountChecks(1) once that op is queued.
   absl::StatusOr<kernels::SelectionCacheCheckParams> CheckParams(int layer,
                                                                  const kernels::TensorView& q);
-  // Lookups of `checks` checks queued by other ops (CheckParams).
+  // Lookups of `checks` checks queued by other ops (CheckParams) or replayed from a captured
+  // graph (negative: checks recorded into a graph that was discarded, taken back).
   void CountChecks(int64_t checks) { lookups_ += checks * num_kv_heads_; }
   // The layer's kept selection [num_kv_heads, kept] i32 (backend memory).
   kernels::TensorView kept(int layer) const;
   // Forgets the layer's cached queries: its next Check misses on every head (for example after a
   // prompt chunk, which selects without the cache).
   absl::Status Invalidate(int layer, kernels::Stream stream);
-  // Lookups of `checks` Check calls replayed from a captured graph (negative: Check calls recorded
-  // into a graph that was discarded, taken back).
-  void CountReplayedChecks(int64_t checks) { CountChecks(checks); }
 
   int64_t lookups() const { return lookups_; }
   // The hits so far (the backend's count); waits for `stream` (not inside a graph capture).

@@ -250,7 +250,7 @@ struct LazyDocumentAttention::State {
   }
   // Counts the selection-cache lookups of `checks` replayed one-token choices.
   void CountReplayedChecks(int64_t checks) {
-    if (selection_cache != nullptr) selection_cache->CountReplayedChecks(checks);
+    if (selection_cache != nullptr) selection_cache->CountChecks(checks);
   }
   // A prompt chunk selects without the selection cache: the layer's next one-token choice selects.
   absl::Status InvalidateSelectionCache(int layer) {

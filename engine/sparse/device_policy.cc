@@ -281,7 +281,7 @@ absl::Status DevicePolicy::CountOutsideAttend(int layer, const KvCache& cache, i
   const int64_t len = cache.length(layer);
   if (len < 1) return absl::InvalidArgumentError("DevicePolicy: empty cache");
   const StepPlan plan = PlanStep(layer, len);
-  if (!plan.exact && cache_on_) sel_cache_->CountReplayedChecks(sign);
+  if (!plan.exact && cache_on_) sel_cache_->CountChecks(sign);
   CountStep(plan, len, sign);
   return absl::OkStatus();
 }

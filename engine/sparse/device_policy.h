@@ -168,7 +168,7 @@ class DevicePolicy {
   };
   StepPlan PlanStep(int layer, int64_t len) const;
   // What the step counts on the host, times `sign` (counters_; the selection-cache lookups are
-  // counted by the cache's Check, or CountReplayedChecks for a replay).
+  // counted by Attend and, for a replay, by the cache's CountChecks).
   void CountStep(const StepPlan& plan, int64_t len, int sign = 1);
   // NoteReplayedAttend (sign 1) and DiscardRecordedAttend (sign -1).
   absl::Status CountOutsideAttend(int layer, const KvCache& cache, int sign);
