@@ -1713,7 +1713,9 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 // global memory by the last block to arrive (SelectStagesParams::arrivals, left zero) or by a
 // second kernel) and after it (separate), out / lse against the CPU's attention over the GPU's
 // selection, then a second query with every other head flagged (those attend their kept
-// selection); over bf16 and fp8 pools.
+// selection), then the selection cache's check in the call (in the kernel and as its own op);
+// over bf16 and fp8 pools. Two cases in one part run the same through the cluster kernel
+// (SelectStagesKernel) for its check.
 TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
   struct PartCase {
     ChainCase c;
@@ -1740,6 +1742,13 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       {{"parts below the group", 2, 4, DType::kBF16, 16, 0, 300, 0, 32, true, 256, 1, 300, 16,
         300 * 16 - 3},
        2, 20},
+      // One part: the cluster kernel (SelectStagesKernel), here for the selection cache's check
+      // in it (AttendMatchesCpu covers the rest); page-level (quest) and token-level.
+      {{"one part, quest", 8, 4, DType::kBF16, 64, 0, 2048, 0, 32, false, 0, 1, 2044, 0, 0}, 1,
+       256},
+      {{"one part, tokenselect", 8, 4, DType::kBF16, 64, 0, 2048, 0, 128, true, 2048, 1, 2044,
+        64, 2044 * 64 - 5},
+       1, 256},
   };
   constexpr int kD = Chain::kD;
   int compared = 0, stages = 0, ran = 0;
@@ -1882,14 +1891,18 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         use_arrivals = true;
       }
       // The selection cache's check in the call (SelectStagesParams::cache_check), in the kernel
-      // and (STRATA_SELECT_CHECK_IN_KERNEL=0) as its own op first: the cache's state as the CPU's
-      // check leaves it; a head that reuses keeps its selection (here the one made for q2), the
-      // others select for q (as the plain call for q did); out / lse as the CPU's attention over
-      // that selection.
-      for (const bool in_kernel : {true, false}) {
-        SCOPED_TRACE(in_kernel ? "cache check in the kernel" : "cache check as its own op");
+      // and (STRATA_SELECT_CHECK_IN_KERNEL=0) as its own op first, with the attention in the
+      // kernel and after it (one part: the cluster kernel without an attention runs the check
+      // too; in parts the check is then its own op): the cache's state as the CPU's check leaves
+      // it; a head that reuses keeps its selection (here the one made for q2), the others select
+      // for q (as the plain call for q did); out / lse as the CPU's attention over that selection.
+      for (const bool in_kernel : {true, false})
+      for (const char* attend_mode : {"require_fused", "separate"}) {
+        SCOPED_TRACE(::testing::Message()
+                     << (in_kernel ? "cache check in the kernel" : "cache check as its own op")
+                     << ", attention " << attend_mode);
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-        setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
+        setenv("STRATA_SELECT_ATTEND", attend_mode, 1);
         if (!in_kernel) setenv("STRATA_SELECT_CHECK_IN_KERNEL", "0", 1);
         const int64_t n = int64_t{c.group} * kD, final_n = int64_t{c.hkv} * ch.ks[last];
         ASSERT_TRUE(select_and_attend(dq->data(), nullptr).ok());
