@@ -1762,6 +1762,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       SCOPED_TRACE(::testing::Message() << c.name << ", " << pc.parts << " parts, "
                                         << DTypeName(pool) << " pools");
       Chain ch = MakeChain(c, rng_, pool);
+      if (ch.pool.empty()) AddChainPool(ch, rng_);  // page-level: the attention's K pool
       ch.partitions = pc.parts;
       const ChainRef ref = RunChainOnCpu(cpu_, ch);
       for (const char* mode : {"require_fused", "opbyop"}) {
