@@ -2614,7 +2614,9 @@ constexpr int kStagesNoAttend = 0, kStagesAttendRows = 1, kStagesAttendScored = 
 
 // kF8: every key stage's pool and the attention's are fp8 (SelectStageKind::kKeysFP8,
 // DeviceSelectAttend::fp8): the key table, key scoring and attention of MmaOf<true> above.
-template <int kAttend, bool kF8 = false>
+// kCheck: the selection cache's check in the kernel (at.check; an instance of its own, so the
+// forms without it compile as they did before the check came in).
+template <int kAttend, bool kF8 = false, bool kCheck = false>
 __global__ void __launch_bounds__(kStagesThreads, 1)
     SelectStagesKernel(const float* __restrict__ q, float scale, int group,
                        const __grid_constant__ DeviceSelectStages st,
@@ -2654,15 +2656,14 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   GridDepLaunchDependents();
   // A reused head: every block of the cluster (same g) returns before any cluster barrier, or,
   // with an attention, skips the stages and attends the kept selection. Reused by the caller's
-  // flags, or by the selection cache's check in the kernel (at.check): every block of the
+  // flags, or by the selection cache's check in the kernel (kCheck, at.check): every block of the
   // cluster computes the same decision first (the fixed rows' early copy and the stages depend
   // on it), and the cluster's block 0 updates the cache's state at the end, after the last
   // cluster barrier (every block has read it by then), or at once where a reused head returns
   // (no cached query to write). The check's scratch is recv_part: no block pushes to it before
   // the first cluster barrier's wait, which every block's arrival below precedes.
-  const bool checked = at.check.cached != nullptr;
   bool skip_g;
-  if (checked) {
+  if constexpr (kCheck) {
     static_assert(sizeof(recv_part) >= sizeof(double) * 3 * (kCacheCheckThreads / 32) + 4 &&
                       kStagesThreads == kCacheCheckThreads,
                   "the check's scratch and block size");
@@ -2685,7 +2686,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   }
   const bool skipped = skip_g;
   if (!kAttend && skipped) {
-    if (checked && rank == 0) {
+    if (kCheck && rank == 0) {
       CacheCheckUpdate(nullptr, nullptr, 0, true, at.check.valid + g, at.check.reuse + g,
                        at.check.hits);
     }
@@ -3197,7 +3198,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // No block leaves while another may still push to it or read what it pushed.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-  if (checked && rank == 0) {  // every block of the cluster has read the cached query
+  if (kCheck && rank == 0) {  // every block of the cluster has read the cached query
     const int n = group * 128;
     const int64_t row = static_cast<int64_t>(g) * n;
     CacheCheckUpdate(at.check.q + row, at.check.cached + row, n, skipped, at.check.valid + g,
@@ -3897,14 +3898,35 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
       return cudaErrorInvalidValue;
     }
   }
+  const bool scored = attend != nullptr && SelectStagesAttendScored(stages, *attend);
+  // The check in the kernel where the form has an instance with it (the page chooser's selection
+  // without an attention over bf16 summaries; quest's with the K and V rows in either pool
+  // format), else as its own kernel first, its reuse flags the skip flags.
+  const bool check_in_kernel =
+      check != nullptr && !scored && (attend != nullptr || !f8);
+  if (check != nullptr && !check_in_kernel) {
+    const cudaError_t checked =
+        LaunchSelectionCacheCheck(check->q, check->cached, check->valid, check->reuse,
+                                  reinterpret_cast<int64_t*>(check->hits), num_kv_heads,
+                                  group * 128, check->theta, stream);
+    if (checked != cudaSuccess) return checked;
+    skip = check->reuse;
+  }
   const ClusterLaunchConfig launch(dim3(cs, num_kv_heads), dim3(kStagesThreads),
                                    attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem,
                                    stream, cs, /*dependent=*/false);
   // The kernel takes the check with the attention's params (DeviceSelectAttend::check).
   DeviceSelectAttend a = attend != nullptr ? *attend : DeviceSelectAttend{};
-  a.check = check != nullptr ? *check : DeviceCacheCheck{};
+  a.check = check_in_kernel ? *check : DeviceCacheCheck{};
+  if (check_in_kernel) {
+    return cudaLaunchKernelEx(
+        &launch.cfg,
+        attend == nullptr ? SelectStagesKernel<kStagesNoAttend, false, true>
+        : f8              ? SelectStagesKernel<kStagesAttendRows, true, true>
+                          : SelectStagesKernel<kStagesAttendRows, false, true>,
+        q, scale, group, stages, a, skip, RegHistMode());
+  }
   if (attend != nullptr) {
-    const bool scored = SelectStagesAttendScored(stages, *attend);
     return cudaLaunchKernelEx(
         &launch.cfg,
         f8 ? (scored ? SelectStagesKernel<kStagesAttendScored, true>

@@ -386,7 +386,8 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
 // attention's CpuSupportsSelectedAttention come first, so a call they refuse writes nothing.
 absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
   // The selection cache's check: inside the partitioned kernel where that kernel may attend and
-  // count arrivals (SelectStagesInParts decides), inside the cluster kernel in one part (where
+  // count arrivals (SelectStagesInParts decides), in one part through LaunchSelectStages (inside
+  // the cluster kernel for the forms that have an instance with it, else its kernel first; where
   // the shape falls back to the ops one by one, they run it as their own op first), never with
   // STRATA_SELECT_CHECK_IN_KERNEL=0; else as its own op first (SelectionCacheCheckKernel), then
   // this op with its flags as skip_heads.

@@ -1715,7 +1715,9 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 // selection, then a second query with every other head flagged (those attend their kept
 // selection), then the selection cache's check in the call (in the kernel and as its own op);
 // over bf16 and fp8 pools. Two cases in one part run the same through the cluster kernel
-// (SelectStagesKernel) for its check.
+// (SelectStagesKernel) for its check: quest's forms run it inside the kernel; tokenselect's only
+// without the attention over bf16 pools, else (its attention takes the key stage's scores, or
+// the key pool is fp8) as the check's kernel first.
 TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
   struct PartCase {
     ChainCase c;
@@ -1893,8 +1895,9 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       }
       // The selection cache's check in the call (SelectStagesParams::cache_check), in the kernel
       // and (STRATA_SELECT_CHECK_IN_KERNEL=0) as its own op first, with the attention in the
-      // kernel and after it (one part: the cluster kernel without an attention runs the check
-      // too; in parts the check is then its own op): the cache's state as the CPU's check leaves
+      // kernel and after it (one part: the cluster kernel's instances with the check, without an
+      // attention and with quest's, or the check's kernel before the others; in parts the check
+      // is then its own op): the cache's state as the CPU's check leaves
       // it; a head that reuses keeps its selection (here the one made for q2), the others select
       // for q (as the plain call for q did); out / lse as the CPU's attention over that selection.
       for (const bool in_kernel : {true, false})
