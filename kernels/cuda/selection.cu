@@ -3772,13 +3772,21 @@ const StagesDeviceInfo* StagesInfo() {
       cudaGetLastError();
       return ok;
     };
-    // Both pool formats' instantiations (bf16, fp8), so a shape runs on either or neither.
+    // Both pool formats' instantiations (bf16, fp8), so a shape runs on either or neither, and
+    // the instances with the selection cache's check (kCheck: LaunchSelectStages).
     in.usable = allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesNoAttend>),
                       kStagesDynamicSmem) &&
                 allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesNoAttend, true>),
+                      kStagesDynamicSmem) &&
+                allow(reinterpret_cast<const void*>(
+                          SelectStagesKernel<kStagesNoAttend, false, true>),
                       kStagesDynamicSmem);
     in.attend =
         in.usable &&
+        allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows, false, true>),
+              kStagesAttendSmem) &&
+        allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows, true, true>),
+              kStagesAttendSmem) &&
         allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows>),
               kStagesAttendSmem) &&
         allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendScored>),
@@ -3787,21 +3795,32 @@ const StagesDeviceInfo* StagesInfo() {
               kStagesAttendSmem) &&
         allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendScored, true>),
               kStagesAttendSmem);
-    in.fit16 = in.usable ? std::min(MaxActiveClusters(SelectStagesKernel<kStagesNoAttend>, 16,
-                                                      kStagesThreads, kStagesDynamicSmem),
-                                    MaxActiveClusters(SelectStagesKernel<kStagesNoAttend, true>,
-                                                      16, kStagesThreads, kStagesDynamicSmem))
-                         : 0;
+    // Clusters of 16 blocks resident at once: the fewest over the instances of a form.
+    in.fit16 =
+        in.usable
+            ? std::min(
+                  {MaxActiveClusters(SelectStagesKernel<kStagesNoAttend>, 16, kStagesThreads,
+                                     kStagesDynamicSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesNoAttend, true>, 16,
+                                     kStagesThreads, kStagesDynamicSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesNoAttend, false, true>, 16,
+                                     kStagesThreads, kStagesDynamicSmem)})
+            : 0;
     in.attend_fit16 =
         in.attend
-            ? std::min(std::min(MaxActiveClusters(SelectStagesKernel<kStagesAttendRows>, 16,
-                                                  kStagesThreads, kStagesAttendSmem),
-                                MaxActiveClusters(SelectStagesKernel<kStagesAttendScored>, 16,
-                                                  kStagesThreads, kStagesAttendSmem)),
-                       std::min(MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, true>, 16,
-                                                  kStagesThreads, kStagesAttendSmem),
-                                MaxActiveClusters(SelectStagesKernel<kStagesAttendScored, true>,
-                                                  16, kStagesThreads, kStagesAttendSmem)))
+            ? std::min(
+                  {MaxActiveClusters(SelectStagesKernel<kStagesAttendRows>, 16, kStagesThreads,
+                                     kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendScored>, 16, kStagesThreads,
+                                     kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, true>, 16,
+                                     kStagesThreads, kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendScored, true>, 16,
+                                     kStagesThreads, kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, false, true>, 16,
+                                     kStagesThreads, kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, true, true>, 16,
+                                     kStagesThreads, kStagesAttendSmem)})
             : 0;
   });
   return &g_stages_info[device];
