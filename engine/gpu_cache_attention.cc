@@ -373,7 +373,8 @@ absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::Ten
                                    const kernels::TensorView& summaries, int64_t window_first,
                                    int64_t k, const kernels::TensorView& scores,
                                    const kernels::TensorView& selected,
-                                   const int32_t* skip_heads) {
+                                   const int32_t* skip_heads,
+                                   const kernels::SelectionCacheCheckParams* cache_check) {
   // One SelectStages stage: ScoreSummaries then VoteTopK, which the CUDA backend runs as one
   // kernel for bf16 summaries (kernels/cuda/selection.cu SelectStagesKernel) and as the two ops
   // otherwise.
@@ -389,6 +390,7 @@ absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::Ten
   st.scores = scores;
   st.selected = selected;
   sp.skip_heads = skip_heads;
+  sp.cache_check = cache_check;
   return backend->SelectStages(sp, nullptr);
 }
 

@@ -117,12 +117,16 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 // [hkv, hq / hkv, window_first - 1] f32 (contents unspecified after the call); selected: [hkv, k]
 // i32 (out, ascending page ids, -1 pads); all backend memory. The caller adds page 0 and the
 // window pages. With skip_heads (backend memory, [hkv] i32: DeviceSelectionCache::Check's reuse
-// flags) a KV head flagged keeps its row of `selected` as it was.
+// flags) a KV head flagged keeps its row of `selected` as it was. With cache_check instead
+// (DeviceSelectionCache::CheckParams of the same q) the selection cache's check is part of the
+// op (kernels::SelectStagesParams::cache_check: on CUDA inside the selection kernel), its reuse
+// flags the skip flags; the caller counts the check (DeviceSelectionCache::CountChecks).
 absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
                                    const kernels::TensorView& summaries, int64_t window_first,
                                    int64_t k, const kernels::TensorView& scores,
                                    const kernels::TensorView& selected,
-                                   const int32_t* skip_heads = nullptr);
+                                   const int32_t* skip_heads = nullptr,
+                                   const kernels::SelectionCacheCheckParams* cache_check = nullptr);
 
 // The pages of one KV head from a `selected` row of EnqueueMinMaxPageTopK (k ids, -1 pads) as the
 // chooser returns them: page 0, the selected middle pages in [1, window_first), and the window

@@ -517,26 +517,45 @@ TEST_F(GpuCacheAttentionTest, SelectionCacheReusesTheSelectionOfASimilarQuery) {
                               DeviceSelectionCache::Create(be, 1, kHeads, kGroup, kD, 1, 0.5));
   std::vector<float> scores(static_cast<size_t>(kHeads) * kGroup * (kN - 2));
   const kernels::TensorView sums(device_summaries.data(), DType::kF32, {kHeads, kN, 2 * kD});
+  // The check as its own op (Check, then skip flags), or inside the selection op (CheckParams
+  // passed as cache_check, CountChecks after): the same picks and counts.
+  bool in_op = false;
   auto device_pick = [&](const std::vector<float>& q) {
     const kernels::TensorView qv(const_cast<float*>(q.data()), DType::kF32, {kHeads * kGroup, kD});
-    absl::StatusOr<const int32_t*> skip = cache->Check(0, qv, nullptr);
-    EXPECT_TRUE(skip.ok()) << skip.status();
-    EXPECT_TRUE(EnqueueMinMaxPageTopK(be, qv, sums, kN - 1, 1,
-                                      kernels::TensorView(scores.data(), DType::kF32,
-                                                          {kHeads, kGroup, kN - 2}),
-                                      cache->kept(0), skip.ok() ? *skip : nullptr)
-                    .ok());
+    const kernels::TensorView sv(scores.data(), DType::kF32, {kHeads, kGroup, kN - 2});
+    if (in_op) {
+      absl::StatusOr<kernels::SelectionCacheCheckParams> cc = cache->CheckParams(0, qv);
+      EXPECT_TRUE(cc.ok()) << cc.status();
+      if (cc.ok()) {
+        EXPECT_TRUE(
+            EnqueueMinMaxPageTopK(be, qv, sums, kN - 1, 1, sv, cache->kept(0), nullptr, &*cc).ok());
+        cache->CountChecks(1);
+      }
+    } else {
+      absl::StatusOr<const int32_t*> skip = cache->Check(0, qv, nullptr);
+      EXPECT_TRUE(skip.ok()) << skip.status();
+      EXPECT_TRUE(EnqueueMinMaxPageTopK(be, qv, sums, kN - 1, 1, sv, cache->kept(0),
+                                        skip.ok() ? *skip : nullptr)
+                      .ok());
+    }
     const int32_t* kept = cache->kept(0).As<const int32_t>();
     return Pages(kept, kept + kHeads);
   };
-  EXPECT_EQ(device_pick(q1), (Pages{3, 3}));
-  EXPECT_EQ(device_pick(q2), (Pages{3, 3}));  // hits on both heads
-  EXPECT_EQ(device_pick(q3), (Pages{2, 2}));
-  STRATA_ASSERT_OK(cache->Invalidate(0, nullptr));
-  EXPECT_EQ(device_pick(q3), (Pages{2, 2}));  // a miss
-  EXPECT_EQ(cache->lookups(), 4 * kHeads);
-  STRATA_ASSERT_OK_AND_ASSIGN(const int64_t hits, cache->ReadHits(nullptr));
-  EXPECT_EQ(hits, 1 * kHeads);
+  for (const bool op : {false, true}) {
+    SCOPED_TRACE(op ? "check in the selection op" : "check as its own op");
+    in_op = op;
+    if (op) {
+      STRATA_ASSERT_OK_AND_ASSIGN(cache, DeviceSelectionCache::Create(be, 1, kHeads, kGroup, kD, 1, 0.5));
+    }
+    EXPECT_EQ(device_pick(q1), (Pages{3, 3}));
+    EXPECT_EQ(device_pick(q2), (Pages{3, 3}));  // hits on both heads
+    EXPECT_EQ(device_pick(q3), (Pages{2, 2}));
+    STRATA_ASSERT_OK(cache->Invalidate(0, nullptr));
+    EXPECT_EQ(device_pick(q3), (Pages{2, 2}));  // a miss
+    EXPECT_EQ(cache->lookups(), 4 * kHeads);
+    STRATA_ASSERT_OK_AND_ASSIGN(const int64_t hits, cache->ReadHits(nullptr));
+    EXPECT_EQ(hits, 1 * kHeads);
+  }
   cache->CountChecks(3);
   EXPECT_EQ(cache->lookups(), 7 * kHeads);
   EXPECT_THAT(cache->Check(1, kernels::TensorView(const_cast<float*>(q1.data()), DType::kF32,

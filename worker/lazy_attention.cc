@@ -358,7 +358,9 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
     STRATA_ASSIGN_OR_RETURN(kernels::Buffer* layer_summaries, Summaries(layer));
     STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
     kernels::TensorView q2(q.data, kernels::DType::kF32, {hq, d});
-    const int32_t* skip = nullptr;
+    // The selection cache's check in the selection op (on CUDA inside its kernel).
+    kernels::SelectionCacheCheckParams cc;
+    const kernels::SelectionCacheCheckParams* check = nullptr;
     if (chunk) {
       if (query_mean == nullptr) query_mean = std::make_unique<engine::DeviceQueryMean>(backend, hq, d);
       STRATA_ASSIGN_OR_RETURN(q2, query_mean->Mean(q, nullptr));
@@ -366,13 +368,15 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
       chosen = selected->View(kernels::DType::kI32, {hkv, k});
     } else {
       if (selection_cache != nullptr) {
-        STRATA_ASSIGN_OR_RETURN(skip, selection_cache->Check(layer, q2, nullptr));
+        STRATA_ASSIGN_OR_RETURN(cc, selection_cache->CheckParams(layer, q2));
+        check = &cc;
       }
       chosen = Chosen(layer);
     }
     STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
         backend, q2, layer_summaries->View(o.summary_dtype, {hkv, num_pages, 2 * d}), window_first, k,
-        scores->View(kernels::DType::kF32, {hkv, group, n}), chosen, skip));
+        scores->View(kernels::DType::kF32, {hkv, group, n}), chosen, nullptr, check));
+    if (check != nullptr) selection_cache->CountChecks(1);
   } else if (chunk) {
     STRATA_RETURN_IF_ERROR(InvalidateSelectionCache(layer));
   }

@@ -2536,6 +2536,74 @@ __device__ __forceinline__ void ConvertFp8Rows(__nv_bfloat16* k_s, __nv_bfloat16
 __device__ long long* g_stages_phase_stamps = nullptr;
 __device__ int g_stages_phase_blocks = 0;
 
+// The selection cache's check for KV head g by a block of 256 threads (kernels/backend.h
+// SelectionCacheCheckParams): the cosine of q_g with cached_q[g] (double sums, block reduction),
+// then reuse[g], and on a miss the copy of q_g and valid[g] = 1. The same arithmetic in
+// SelectionCacheCheckKernel, SelectStagesKernel and PartStagesKernel, so all decide alike: each thread sums its elements i = tid, tid + 256, ...
+// in order (CacheCheckAdd), the warps reduce by shuffles and write shared scratch
+// (CacheCheckReduce), and after a barrier every thread sums the warps' values in warp order
+// (CacheCheckDecide: no second barrier, every thread gets the same answer).
+constexpr int kCacheCheckThreads = 256;
+
+struct CacheCheckSums {
+  double ab = 0, aa = 0, bb = 0;
+};
+
+__device__ __forceinline__ void CacheCheckAdd(CacheCheckSums& s, float a, float c) {
+  const double x = a, y = c;
+  s.ab += x * y;
+  s.aa += x * x;
+  s.bb += y * y;
+}
+
+// The warp's sums to red[.][warp] (lane 0 writes); the caller's barrier comes next.
+__device__ __forceinline__ void CacheCheckReduce(CacheCheckSums s,
+                                                 double (*red)[kCacheCheckThreads / 32]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    s.ab += __shfl_xor_sync(0xffffffffu, s.ab, o);
+    s.aa += __shfl_xor_sync(0xffffffffu, s.aa, o);
+    s.bb += __shfl_xor_sync(0xffffffffu, s.bb, o);
+  }
+  if (lane == 0) {
+    red[0][warp] = s.ab;
+    red[1][warp] = s.aa;
+    red[2][warp] = s.bb;
+  }
+}
+
+// The decision from red after the barrier that follows CacheCheckReduce: whether the query has
+// cosine >= theta with the cached query where was_valid (an invalid entry's cached values, read
+// regardless, never decide).
+__device__ __forceinline__ bool CacheCheckDecide(const double (*red)[kCacheCheckThreads / 32],
+                                                 bool was_valid, float theta) {
+  double sab = 0, saa = 0, sbb = 0;
+  for (int w = 0; w < kCacheCheckThreads / 32; ++w) {
+    sab += red[0][w];
+    saa += red[1][w];
+    sbb += red[2][w];
+  }
+  const double cosine = saa == 0 || sbb == 0 ? 0.0 : sab / sqrt(saa * sbb);
+  return was_valid && cosine >= static_cast<double>(theta);  // NaN: false
+}
+
+// The check's update for one KV head after its decision `hit` (every thread of the block): the
+// reuse flag and hit count, and on a miss the query cached and marked valid.
+__device__ __forceinline__ void CacheCheckUpdate(const float* a, float* c, int n, bool hit,
+                                                 int32_t* valid_g, int32_t* reuse_g,
+                                                 unsigned long long* hit_count) {
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    *reuse_g = hit ? 1 : 0;
+    if (hit && hit_count != nullptr) atomicAdd(hit_count, 1ull);
+  }
+  if (!hit) {
+    for (int i = tid; i < n; i += blockDim.x) c[i] = a[i];
+    if (tid == 0) *valid_g = 1;
+  }
+}
+
 // SelectStagesKernel's attention: none; the K and V rows of every attended position; or, when
 // the last stage scored the middle's tokens in the attention's own pool (a key stage, the middle
 // its token ids), the middle's scores from that stage: each block pushes, with the ids it takes,
@@ -2546,7 +2614,9 @@ constexpr int kStagesNoAttend = 0, kStagesAttendRows = 1, kStagesAttendScored = 
 
 // kF8: every key stage's pool and the attention's are fp8 (SelectStageKind::kKeysFP8,
 // DeviceSelectAttend::fp8): the key table, key scoring and attention of MmaOf<true> above.
-template <int kAttend, bool kF8 = false>
+// kCheck: the selection cache's check in the kernel (at.check; an instance of its own, so the
+// forms without it compile as they did before the check came in).
+template <int kAttend, bool kF8 = false, bool kCheck = false>
 __global__ void __launch_bounds__(kStagesThreads, 1)
     SelectStagesKernel(const float* __restrict__ q, float scale, int group,
                        const __grid_constant__ DeviceSelectStages st,
@@ -2585,9 +2655,43 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   GridDepWait();
   GridDepLaunchDependents();
   // A reused head: every block of the cluster (same g) returns before any cluster barrier, or,
-  // with an attention, skips the stages and attends the kept selection.
-  const bool skipped = skip != nullptr && skip[g] != 0;
-  if (!kAttend && skipped) return;
+  // with an attention, skips the stages and attends the kept selection. Reused by the caller's
+  // flags, or by the selection cache's check in the kernel (kCheck, at.check): every block of the
+  // cluster computes the same decision first (the fixed rows' early copy and the stages depend
+  // on it), and the cluster's block 0 updates the cache's state at the end, after the last
+  // cluster barrier (every block has read it by then), or at once where a reused head returns
+  // (no cached query to write). The check's scratch is recv_part: no block pushes to it before
+  // the first cluster barrier's wait, which every block's arrival below precedes.
+  bool skip_g;
+  if constexpr (kCheck) {
+    static_assert(sizeof(recv_part) >= sizeof(double) * 3 * (kCacheCheckThreads / 32) + 4 &&
+                      kStagesThreads == kCacheCheckThreads,
+                  "the check's scratch and block size");
+    auto* red = reinterpret_cast<double (*)[kCacheCheckThreads / 32]>(&recv_part[0][0]);
+    int* valid_s = reinterpret_cast<int*>(&red[3][0]);
+    const int n = group * 128;
+    const int64_t row = static_cast<int64_t>(g) * n;
+    int valid = 0;
+    if (tid == 0) valid = at.check.valid[g];
+    CacheCheckSums sums;
+    for (int i = tid; i < n; i += kStagesThreads) {
+      CacheCheckAdd(sums, at.check.q[row + i], at.check.cached[row + i]);
+    }
+    CacheCheckReduce(sums, red);
+    if (tid == 0) *valid_s = valid;
+    __syncthreads();
+    skip_g = CacheCheckDecide(red, *valid_s != 0, at.check.theta);
+  } else {
+    skip_g = skip != nullptr && skip[g] != 0;
+  }
+  const bool skipped = skip_g;
+  if (!kAttend && skipped) {
+    if (kCheck && rank == 0) {
+      CacheCheckUpdate(nullptr, nullptr, 0, true, at.check.valid + g, at.check.reuse + g,
+                       at.check.hits);
+    }
+    return;
+  }
   // Phase stamps (profiling): thread 0 only; the pointer is null unless SetSelectStagesPhaseStamps.
   long long* stamps = nullptr;
   if (tid == 0) {
@@ -3094,6 +3198,12 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // No block leaves while another may still push to it or read what it pushed.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+  if (kCheck && rank == 0) {  // every block of the cluster has read the cached query
+    const int n = group * 128;
+    const int64_t row = static_cast<int64_t>(g) * n;
+    CacheCheckUpdate(at.check.q + row, at.check.cached + row, n, skipped, at.check.valid + g,
+                     at.check.reuse + g, at.check.hits);
+  }
 }
 
 // ---- Split-K decode over long lists on tensor cores (LaunchSelectedDecodeMma) -----------------
@@ -3662,13 +3772,21 @@ const StagesDeviceInfo* StagesInfo() {
       cudaGetLastError();
       return ok;
     };
-    // Both pool formats' instantiations (bf16, fp8), so a shape runs on either or neither.
+    // Both pool formats' instantiations (bf16, fp8), so a shape runs on either or neither, and
+    // the instances with the selection cache's check (kCheck: LaunchSelectStages).
     in.usable = allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesNoAttend>),
                       kStagesDynamicSmem) &&
                 allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesNoAttend, true>),
+                      kStagesDynamicSmem) &&
+                allow(reinterpret_cast<const void*>(
+                          SelectStagesKernel<kStagesNoAttend, false, true>),
                       kStagesDynamicSmem);
     in.attend =
         in.usable &&
+        allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows, false, true>),
+              kStagesAttendSmem) &&
+        allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows, true, true>),
+              kStagesAttendSmem) &&
         allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendRows>),
               kStagesAttendSmem) &&
         allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendScored>),
@@ -3677,21 +3795,32 @@ const StagesDeviceInfo* StagesInfo() {
               kStagesAttendSmem) &&
         allow(reinterpret_cast<const void*>(SelectStagesKernel<kStagesAttendScored, true>),
               kStagesAttendSmem);
-    in.fit16 = in.usable ? std::min(MaxActiveClusters(SelectStagesKernel<kStagesNoAttend>, 16,
-                                                      kStagesThreads, kStagesDynamicSmem),
-                                    MaxActiveClusters(SelectStagesKernel<kStagesNoAttend, true>,
-                                                      16, kStagesThreads, kStagesDynamicSmem))
-                         : 0;
+    // Clusters of 16 blocks resident at once: the fewest over the instances of a form.
+    in.fit16 =
+        in.usable
+            ? std::min(
+                  {MaxActiveClusters(SelectStagesKernel<kStagesNoAttend>, 16, kStagesThreads,
+                                     kStagesDynamicSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesNoAttend, true>, 16,
+                                     kStagesThreads, kStagesDynamicSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesNoAttend, false, true>, 16,
+                                     kStagesThreads, kStagesDynamicSmem)})
+            : 0;
     in.attend_fit16 =
         in.attend
-            ? std::min(std::min(MaxActiveClusters(SelectStagesKernel<kStagesAttendRows>, 16,
-                                                  kStagesThreads, kStagesAttendSmem),
-                                MaxActiveClusters(SelectStagesKernel<kStagesAttendScored>, 16,
-                                                  kStagesThreads, kStagesAttendSmem)),
-                       std::min(MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, true>, 16,
-                                                  kStagesThreads, kStagesAttendSmem),
-                                MaxActiveClusters(SelectStagesKernel<kStagesAttendScored, true>,
-                                                  16, kStagesThreads, kStagesAttendSmem)))
+            ? std::min(
+                  {MaxActiveClusters(SelectStagesKernel<kStagesAttendRows>, 16, kStagesThreads,
+                                     kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendScored>, 16, kStagesThreads,
+                                     kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, true>, 16,
+                                     kStagesThreads, kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendScored, true>, 16,
+                                     kStagesThreads, kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, false, true>, 16,
+                                     kStagesThreads, kStagesAttendSmem),
+                   MaxActiveClusters(SelectStagesKernel<kStagesAttendRows, true, true>, 16,
+                                     kStagesThreads, kStagesAttendSmem)})
             : 0;
   });
   return &g_stages_info[device];
@@ -3746,10 +3875,13 @@ bool SelectStagesCanAttend(int num_kv_heads, int64_t fixed, int64_t middle) {
 
 cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, int group,
                                const DeviceSelectStages& stages, const int32_t* skip,
-                               const DeviceSelectAttend* attend, cudaStream_t stream) {
+                               const DeviceSelectAttend* attend, cudaStream_t stream,
+                               const DeviceCacheCheck* check) {
   if (num_kv_heads == 0 || stages.num_stages == 0) return cudaSuccess;
   if (group < 1 || group > kRegTopKMaxGroup || num_kv_heads > 65535 || stages.num_stages < 0 ||
-      stages.num_stages > kSelectStagesMax) {
+      stages.num_stages > kSelectStagesMax ||
+      (check != nullptr && (skip != nullptr || check->cached == nullptr || check->q != q ||
+                            check->valid == nullptr || check->reuse == nullptr))) {
     return cudaErrorInvalidValue;
   }
   const StagesDeviceInfo* info = StagesInfo();
@@ -3785,94 +3917,51 @@ cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, in
       return cudaErrorInvalidValue;
     }
   }
+  const bool scored = attend != nullptr && SelectStagesAttendScored(stages, *attend);
+  // The check in the kernel where the form has an instance with it (the page chooser's selection
+  // without an attention over bf16 summaries; quest's with the K and V rows in either pool
+  // format), else as its own kernel first, its reuse flags the skip flags.
+  const bool check_in_kernel =
+      check != nullptr && !scored && (attend != nullptr || !f8);
+  if (check != nullptr && !check_in_kernel) {
+    const cudaError_t checked =
+        LaunchSelectionCacheCheck(check->q, check->cached, check->valid, check->reuse,
+                                  reinterpret_cast<int64_t*>(check->hits), num_kv_heads,
+                                  group * 128, check->theta, stream);
+    if (checked != cudaSuccess) return checked;
+    skip = check->reuse;
+  }
   const ClusterLaunchConfig launch(dim3(cs, num_kv_heads), dim3(kStagesThreads),
                                    attend != nullptr ? kStagesAttendSmem : kStagesDynamicSmem,
                                    stream, cs, /*dependent=*/false);
+  // The kernel takes the check with the attention's params (DeviceSelectAttend::check).
+  DeviceSelectAttend a = attend != nullptr ? *attend : DeviceSelectAttend{};
+  a.check = check_in_kernel ? *check : DeviceCacheCheck{};
+  if (check_in_kernel) {
+    return cudaLaunchKernelEx(
+        &launch.cfg,
+        attend == nullptr ? SelectStagesKernel<kStagesNoAttend, false, true>
+        : f8              ? SelectStagesKernel<kStagesAttendRows, true, true>
+                          : SelectStagesKernel<kStagesAttendRows, false, true>,
+        q, scale, group, stages, a, skip, RegHistMode());
+  }
   if (attend != nullptr) {
-    const bool scored = SelectStagesAttendScored(stages, *attend);
     return cudaLaunchKernelEx(
         &launch.cfg,
         f8 ? (scored ? SelectStagesKernel<kStagesAttendScored, true>
                      : SelectStagesKernel<kStagesAttendRows, true>)
            : (scored ? SelectStagesKernel<kStagesAttendScored> : SelectStagesKernel<kStagesAttendRows>),
-        q, scale, group, stages, *attend, skip, RegHistMode());
+        q, scale, group, stages, a, skip, RegHistMode());
   }
   return cudaLaunchKernelEx(&launch.cfg,
                             f8 ? SelectStagesKernel<kStagesNoAttend, true>
                                : SelectStagesKernel<kStagesNoAttend>,
-                            q, scale, group, stages, DeviceSelectAttend{}, skip, RegHistMode());
+                            q, scale, group, stages, a, skip, RegHistMode());
 }
 
 namespace {
 
-// One block per KV head g: the cosine of q_g with cached_q[g] (double sums, block reduction),
-// then reuse[g], and on a miss the copy of q_g and valid[g] = 1 (kernels/backend.h
-// SelectionCacheCheckParams). The same arithmetic in SelectionCacheCheckKernel and
-// PartStagesKernel, so both decide alike: each thread sums its elements i = tid, tid + 256, ...
-// in order (CacheCheckAdd), the warps reduce by shuffles and write shared scratch
-// (CacheCheckReduce), and after a barrier every thread sums the warps' values in warp order
-// (CacheCheckDecide: no second barrier, every thread gets the same answer).
-constexpr int kCacheCheckThreads = 256;
-
-struct CacheCheckSums {
-  double ab = 0, aa = 0, bb = 0;
-};
-
-__device__ __forceinline__ void CacheCheckAdd(CacheCheckSums& s, float a, float c) {
-  const double x = a, y = c;
-  s.ab += x * y;
-  s.aa += x * x;
-  s.bb += y * y;
-}
-
-// The warp's sums to red[.][warp] (lane 0 writes); the caller's barrier comes next.
-__device__ __forceinline__ void CacheCheckReduce(CacheCheckSums s,
-                                                 double (*red)[kCacheCheckThreads / 32]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    s.ab += __shfl_xor_sync(0xffffffffu, s.ab, o);
-    s.aa += __shfl_xor_sync(0xffffffffu, s.aa, o);
-    s.bb += __shfl_xor_sync(0xffffffffu, s.bb, o);
-  }
-  if (lane == 0) {
-    red[0][warp] = s.ab;
-    red[1][warp] = s.aa;
-    red[2][warp] = s.bb;
-  }
-}
-
-// The decision from red after the barrier that follows CacheCheckReduce: whether the query has
-// cosine >= theta with the cached query where was_valid (an invalid entry's cached values, read
-// regardless, never decide).
-__device__ __forceinline__ bool CacheCheckDecide(const double (*red)[kCacheCheckThreads / 32],
-                                                 bool was_valid, float theta) {
-  double sab = 0, saa = 0, sbb = 0;
-  for (int w = 0; w < kCacheCheckThreads / 32; ++w) {
-    sab += red[0][w];
-    saa += red[1][w];
-    sbb += red[2][w];
-  }
-  const double cosine = saa == 0 || sbb == 0 ? 0.0 : sab / sqrt(saa * sbb);
-  return was_valid && cosine >= static_cast<double>(theta);  // NaN: false
-}
-
-// The check's update for one KV head after its decision `hit` (every thread of the block): the
-// reuse flag and hit count, and on a miss the query cached and marked valid.
-__device__ __forceinline__ void CacheCheckUpdate(const float* a, float* c, int n, bool hit,
-                                                 int32_t* valid_g, int32_t* reuse_g,
-                                                 unsigned long long* hit_count) {
-  const int tid = threadIdx.x;
-  if (tid == 0) {
-    *reuse_g = hit ? 1 : 0;
-    if (hit && hit_count != nullptr) atomicAdd(hit_count, 1ull);
-  }
-  if (!hit) {
-    for (int i = tid; i < n; i += blockDim.x) c[i] = a[i];
-    if (tid == 0) *valid_g = 1;
-  }
-}
-
+// One block per KV head.
 __global__ void __launch_bounds__(kCacheCheckThreads)
     SelectionCacheCheckKernel(const float* __restrict__ q, float* __restrict__ cached,
                               int32_t* __restrict__ valid, int32_t* __restrict__ reuse,

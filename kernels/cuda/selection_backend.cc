@@ -307,6 +307,18 @@ absl::StatusOr<bool> AttendFused(bool fits, const char* kernel) {
   return fused;
 }
 
+// The selection cache's check as the selection kernels take it (cuda_internal::DeviceCacheCheck).
+cuda_internal::DeviceCacheCheck DeviceCheckOf(const SelectionCacheCheckParams& cc) {
+  cuda_internal::DeviceCacheCheck d;
+  d.q = cc.q.As<const float>();
+  d.cached = cc.cached_q.As<float>();
+  d.valid = cc.valid.As<int32_t>();
+  d.reuse = cc.reuse.As<int32_t>();
+  d.hits = reinterpret_cast<unsigned long long*>(cc.hit_count);
+  d.theta = cc.theta;
+  return d;
+}
+
 }  // namespace
 
 // SelectStages with partitions > 1 (called by SelectStages once every stage passed its checks;
@@ -342,12 +354,7 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
   if (p.cache_check != nullptr) {
     const SelectionCacheCheckParams& cc = *p.cache_check;
     if (attend_fused && p.arrivals.data != nullptr) {
-      da.check.q = cc.q.As<const float>();
-      da.check.cached = cc.cached_q.As<float>();
-      da.check.valid = cc.valid.As<int32_t>();
-      da.check.reuse = cc.reuse.As<int32_t>();
-      da.check.hits = reinterpret_cast<unsigned long long*>(cc.hit_count);
-      da.check.theta = cc.theta;
+      da.check = DeviceCheckOf(cc);
     } else {
       STRATA_RETURN_IF_ERROR(SelectionCacheCheck(cc, s));
       skip = cc.reuse.As<const int32_t>();
@@ -379,12 +386,16 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
 // attention's CpuSupportsSelectedAttention come first, so a call they refuse writes nothing.
 absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
   // The selection cache's check: inside the partitioned kernel where that kernel may attend and
-  // count arrivals (SelectStagesInParts decides; STRATA_SELECT_CHECK_IN_KERNEL=0: never), else
-  // as its own op first (SelectionCacheCheckKernel), then this op with its flags as skip_heads.
+  // count arrivals (SelectStagesInParts decides), in one part through LaunchSelectStages (inside
+  // the cluster kernel for the forms that have an instance with it, else its kernel first; where
+  // the shape falls back to the ops one by one, they run it as their own op first), never with
+  // STRATA_SELECT_CHECK_IN_KERNEL=0; else as its own op first (SelectionCacheCheckKernel), then
+  // this op with its flags as skip_heads.
   if (p.cache_check != nullptr) {
     const char* env = std::getenv("STRATA_SELECT_CHECK_IN_KERNEL");
-    const bool in_kernel = (env == nullptr || std::string_view(env) != "0") && p.partitions > 1 &&
-                           p.attend != nullptr && p.arrivals.data != nullptr;
+    const bool in_kernel =
+        (env == nullptr || std::string_view(env) != "0") &&
+        (p.partitions <= 1 || (p.attend != nullptr && p.arrivals.data != nullptr));
     if (!in_kernel) return SelectStagesAfterCacheCheck(*this, p, s);
     STRATA_RETURN_IF_ERROR(CpuSupportsSelectionCacheCheck(*p.cache_check));
   }
@@ -466,9 +477,12 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
         AttendFused(SelectAttendInKernel(p, bf16_keys, fp8_keys, hkv, group, &da),
                     "selection kernel"));
   }
+  cuda_internal::DeviceCacheCheck check;
+  if (p.cache_check != nullptr) check = DeviceCheckOf(*p.cache_check);
   STRATA_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchSelectStages(
       p.q.As<const float>(), p.scale, static_cast<int>(hkv), static_cast<int>(group), d,
-      p.skip_heads, attend_fused ? &da : nullptr, ToCuda(s)));
+      p.skip_heads, attend_fused ? &da : nullptr, ToCuda(s),
+      p.cache_check != nullptr ? &check : nullptr));
   if (p.attend != nullptr && !attend_fused) return SelectedAttention(*p.attend, s);
   return absl::OkStatus();
 }

@@ -1546,6 +1546,14 @@ void ExpectSomeCaseRan(int ran) {
   }
 }
 
+// STRATA_SELECT_STAGES_TEST_CHECK_ONLY=1: PartitionedMatchesCpu runs only its part with the
+// selection cache's check in the kernel, with at most two KV heads (head 0 reuses, head 1
+// selects), so that racecheck covers the cluster kernel's instances with the check in minutes.
+bool CheckOnly() {
+  const char* only = std::getenv("STRATA_SELECT_STAGES_TEST_CHECK_ONLY");
+  return only != nullptr && std::string_view(only) == "1";
+}
+
 class SelectStagesTest : public SelectionTest {
  protected:
   // Per stage of `ch` a poisoned scores and selected buffer in *bufs (in that order), their
@@ -1713,7 +1721,11 @@ TEST_F(SelectStagesTest, MatchesCpuOps) {
 // global memory by the last block to arrive (SelectStagesParams::arrivals, left zero) or by a
 // second kernel) and after it (separate), out / lse against the CPU's attention over the GPU's
 // selection, then a second query with every other head flagged (those attend their kept
-// selection); over bf16 and fp8 pools.
+// selection), then the selection cache's check in the call (in the kernel and as its own op);
+// over bf16 and fp8 pools. Two cases in one part run the same through the cluster kernel
+// (SelectStagesKernel) for its check: quest's forms run it inside the kernel; tokenselect's only
+// without the attention over bf16 pools, else (its attention takes the key stage's scores, or
+// the key pool is fp8) as the check's kernel first.
 TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
   struct PartCase {
     ChainCase c;
@@ -1740,6 +1752,13 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       {{"parts below the group", 2, 4, DType::kBF16, 16, 0, 300, 0, 32, true, 256, 1, 300, 16,
         300 * 16 - 3},
        2, 20},
+      // One part: the cluster kernel (SelectStagesKernel), here for the selection cache's check
+      // in it (AttendMatchesCpu covers the rest); page-level (quest) and token-level.
+      {{"one part, quest", 8, 4, DType::kBF16, 64, 0, 2048, 0, 32, false, 0, 1, 2044, 0, 0}, 1,
+       256},
+      {{"one part, tokenselect", 8, 4, DType::kBF16, 64, 0, 2048, 0, 128, true, 2048, 1, 2044,
+        64, 2044 * 64 - 5},
+       1, 256},
   };
   constexpr int kD = Chain::kD;
   int compared = 0, stages = 0, ran = 0;
@@ -1749,13 +1768,17 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
     // bf16 and fp8 pools (the kernel's fp8 form: key stage and attention on fp8 rows).
     for (DType pool : {DType::kBF16, DType::kFP8E4M3}) {
       if (!PoolWanted(pool)) continue;
-      const ChainCase c = SanitizerShape(pc.c);
+      ChainCase c = SanitizerShape(pc.c);
+      const bool check_only = CheckOnly();
+      if (check_only) c.hkv = std::min(c.hkv, 2);
       SCOPED_TRACE(::testing::Message() << c.name << ", " << pc.parts << " parts, "
                                         << DTypeName(pool) << " pools");
       Chain ch = MakeChain(c, rng_, pool);
+      if (ch.pool.empty()) AddChainPool(ch, rng_);  // page-level: the attention's K pool
       ch.partitions = pc.parts;
       const ChainRef ref = RunChainOnCpu(cpu_, ch);
       for (const char* mode : {"require_fused", "opbyop"}) {
+        if (check_only) break;
         SCOPED_TRACE(mode);
         setenv("STRATA_SELECT_STAGES", mode, 1);
         compared += Compare(ch, ref, RunOnGpu(ch));
@@ -1763,6 +1786,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
       }
       // The kernel with one of its paths switched off (var=0), against the CPU.
       auto fused_without = [&](const char* trace, const char* var) {
+        if (check_only) return;
         SCOPED_TRACE(trace);
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
         setenv(var, "0", 1);
@@ -1845,6 +1869,7 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
                                   AttendMode{"require_fused", false, Merge::kLastBlock},
                                   AttendMode{"require_fused", true, Merge::kSecondKernel},
                                   AttendMode{"separate", true, Merge::kLastBlock}}) {
+        if (check_only) break;
         SCOPED_TRACE(::testing::Message()
                      << am.attend << (am.prefetch ? "" : ", no prefetch")
                      << (am.merge == Merge::kSecondKernel ? ", merged by a second kernel" : ""));
@@ -1882,14 +1907,20 @@ TEST_F(SelectStagesTest, PartitionedMatchesCpu) {
         use_arrivals = true;
       }
       // The selection cache's check in the call (SelectStagesParams::cache_check), in the kernel
-      // and (STRATA_SELECT_CHECK_IN_KERNEL=0) as its own op first: the cache's state as the CPU's
-      // check leaves it; a head that reuses keeps its selection (here the one made for q2), the
-      // others select for q (as the plain call for q did); out / lse as the CPU's attention over
-      // that selection.
-      for (const bool in_kernel : {true, false}) {
-        SCOPED_TRACE(in_kernel ? "cache check in the kernel" : "cache check as its own op");
+      // and (STRATA_SELECT_CHECK_IN_KERNEL=0) as its own op first, with the attention in the
+      // kernel and after it (one part: the cluster kernel's instances with the check, without an
+      // attention and with quest's, or the check's kernel before the others; in parts the check
+      // is then its own op): the cache's state as the CPU's check leaves
+      // it; a head that reuses keeps its selection (here the one made for q2), the others select
+      // for q (as the plain call for q did); out / lse as the CPU's attention over that selection.
+      for (const bool in_kernel : {true, false})
+      for (const char* attend_mode : {"require_fused", "separate"}) {
+        if (check_only && !in_kernel) break;
+        SCOPED_TRACE(::testing::Message()
+                     << (in_kernel ? "cache check in the kernel" : "cache check as its own op")
+                     << ", attention " << attend_mode);
         setenv("STRATA_SELECT_STAGES", "require_fused", 1);
-        setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
+        setenv("STRATA_SELECT_ATTEND", attend_mode, 1);
         if (!in_kernel) setenv("STRATA_SELECT_CHECK_IN_KERNEL", "0", 1);
         const int64_t n = int64_t{c.group} * kD, final_n = int64_t{c.hkv} * ch.ks[last];
         ASSERT_TRUE(select_and_attend(dq->data(), nullptr).ok());

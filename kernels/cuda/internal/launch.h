@@ -306,9 +306,10 @@ inline constexpr int kSelectAttendMaxMiddle = 256;
 // over this k_pool and table and the middle its token ids (fanout 1), the middle's scores are
 // taken from that stage instead of from K rows (STRATA_SELECT_ATTEND_SCORES=0, read at every
 // launch, turns that off: A/B timing and tests; the result is the same bits either way).
-// The selection cache's check (SelectionCacheCheckParams) as LaunchPartStages runs it inside the
-// kernel: q [num_kv_heads, n] (the kernel's own query), cached [num_kv_heads, n] (in/out), valid
-// and reuse [num_kv_heads] i32, hits one u64 (optional), n = group * 128.
+// The selection cache's check (SelectionCacheCheckParams) as LaunchPartStages and
+// LaunchSelectStages run it inside their kernels: q [num_kv_heads, n] (the kernel's own query),
+// cached [num_kv_heads, n] (in/out), valid and reuse [num_kv_heads] i32, hits one u64
+// (optional), n = group * 128.
 struct DeviceCacheCheck {
   const float* q = nullptr;
   float* cached = nullptr;  // null: no check in the kernel
@@ -411,10 +412,17 @@ cudaError_t SetSelectStagesPhaseStamps(long long* stamps, int max_blocks);
 // head (the per-block limits above at the cluster size it would use).
 bool SelectStagesCanAttend(int num_kv_heads, int64_t fixed, int64_t middle);
 // The whole chain on `stream`, then the attention when `attend` is set; cudaErrorInvalidValue
-// for a shape it does not run (the caller checks first; see CudaBackend::SelectStages).
+// for a shape it does not run (the caller checks first; see CudaBackend::SelectStages). With
+// `check` (its q the stages' q, skip null) the selection cache's check comes first: in the kernel
+// where the form has an instance with it (no attention over bf16 rows: the page chooser; the
+// attention over K and V rows: quest), each KV head's cluster deciding whether it reuses its kept
+// selection, as skip would say, and updating the cache's state; else as its own kernel
+// (LaunchSelectionCacheCheck) before it, its reuse flags the skip flags (attend->check is
+// ignored).
 cudaError_t LaunchSelectStages(const float* q, float scale, int num_kv_heads, int group,
                                const DeviceSelectStages& stages, const int32_t* skip,
-                               const DeviceSelectAttend* attend, cudaStream_t stream);
+                               const DeviceSelectAttend* attend, cudaStream_t stream,
+                               const DeviceCacheCheck* check = nullptr);
 // Decode attention over [0, prefix_end) + middle + [suffix_begin, suffix_begin + suffix_len) per
 // KV head, split into items_per_head work items of `chunk` virtual positions each.
 struct SelectedAttentionShape {
