@@ -7,8 +7,10 @@
 // several decode steps; and over fp8 caches (KvCacheOptions fp8_e4m3 with per-tensor scales: the
 // kernel's fp8 form on the GPU). The attention runs inside the selection kernel
 // (STRATA_SELECT_ATTEND=require_fused). Page scales vary so the ranking has clear winners; a
-// query head whose output differs counts as a near-tie swap, and at most a few may. Label gpu:
-// skipped without a GPU.
+// query head whose output differs counts as a near-tie swap, and at most a few may. Cases with
+// the selection cache on (theta 0.9; on CUDA its check inside the selection kernel where the form
+// has it) give half the KV heads a query close to the last step's, so those reuse: both sides
+// count the same lookups and hits. Label gpu: skipped without a GPU.
 #include <stdlib.h>
 
 #include <cmath>
@@ -96,6 +98,7 @@ struct Case {
   DType dtype = DType::kBF16;
   int partitions = 1;  // PolicyOptions::tokenselect_partitions (the partitioned kernel)
   int budget = 0;      // PolicyOptions::token_budget (0: the default, 2048)
+  float theta = 2.0f;  // PolicyOptions::cache_theta (above 1: every step selects)
 };
 
 class DevicePolicyGpuTest : public ::testing::TestWithParam<Case> {};
@@ -112,7 +115,7 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   // 140K (2188 pages) two-level: the default threshold (4096 pages) would score its pages directly.
   if (c.len > 64 * 1024) o.two_level_min_pages = 1024;
   o.page_size = kPage;
-  o.cache_theta = 2.0;  // every step selects
+  o.cache_theta = c.theta;
   o.tokenselect_partitions = c.partitions;
   if (c.budget > 0) o.token_budget = c.budget;
   const int steps = 4;
@@ -145,10 +148,17 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   setenv("STRATA_SELECT_STAGES", "require_fused", 1);
   setenv("STRATA_SELECT_ATTEND", "require_fused", 1);
   int heads = 0, differ = 0;
+  const bool cached = c.theta <= 1.0f;
+  std::vector<float> q(kHq * kD);
   for (int step = 0; step < steps; ++step) {
     append(1);
-    std::vector<float> q(kHq * kD);
-    for (float& x : q) x = nd(rng);
+    // With the cache on, the query heads of KV heads below kHkv / 2 move a little from the last
+    // step's (cosine ~0.995 per step, above 0.98 with the query their cache holds from step 0:
+    // they reuse from step 1 on); the others are drawn afresh (they select).
+    for (int i = 0; i < kHq * kD; ++i) {
+      const bool close = cached && step > 0 && i / (kHq / kHkv * kD) < kHkv / 2;
+      q[i] = close ? 0.995f * q[i] + 0.1f * nd(rng) : nd(rng);
+    }
     std::vector<float> go, gl, ho, hl;
     const absl::Status st = g.Attend(q, &go, &gl);
     ASSERT_TRUE(st.ok()) << st;
@@ -165,6 +175,14 @@ TEST_P(DevicePolicyGpuTest, FusedSelectionMatchesCpuOps) {
   }
   unsetenv("STRATA_SELECT_STAGES");
   unsetenv("STRATA_SELECT_ATTEND");
+  if (cached) {
+    STRATA_ASSERT_OK(g.policy->ReadCacheHits(nullptr));
+    STRATA_ASSERT_OK(h.policy->ReadCacheHits(nullptr));
+    EXPECT_EQ(g.policy->counters().cache_lookups, int64_t{steps} * kHkv);
+    EXPECT_EQ(h.policy->counters().cache_lookups, int64_t{steps} * kHkv);
+    EXPECT_EQ(h.policy->counters().cache_hits, int64_t{steps - 1} * (kHkv / 2));
+    EXPECT_EQ(g.policy->counters().cache_hits, h.policy->counters().cache_hits);
+  }
   std::printf("  %s %lld tokens, %s cache, %d parts, budget %d: %d of %d query-head outputs "
               "differ from the CPU ops\n",
               c.kind == PolicyKind::kQuest ? "quest" : "tokenselect",
@@ -192,7 +210,19 @@ INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyGpuTest,
                                            // A budget the parts do not divide: each part keeps
                                            // ceil(1990 / 16) = 125 tokens (odd k per block).
                                            Case{PolicyKind::kTokenSelect, 140 * 1024,
-                                                DType::kBF16, 16, 1990}),
+                                                DType::kBF16, 16, 1990},
+                                           // The selection cache on: quest's one-part kernel
+                                           // with the check inside (bf16 and fp8 rows),
+                                           // tokenselect in parts (inside the part kernel) and in
+                                           // one part (the check's kernel first).
+                                           Case{PolicyKind::kQuest, 48 * 1024, DType::kBF16, 1,
+                                                0, 0.9f},
+                                           Case{PolicyKind::kQuest, 48 * 1024, DType::kFP8E4M3,
+                                                1, 0, 0.9f},
+                                           Case{PolicyKind::kTokenSelect, 140 * 1024,
+                                                DType::kBF16, 16, 0, 0.9f},
+                                           Case{PolicyKind::kTokenSelect, 48 * 1024,
+                                                DType::kBF16, 1, 0, 0.9f}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            return std::string(i.param.kind == PolicyKind::kQuest ? "quest"
                                                                                  : "tokenselect") +
@@ -202,7 +232,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, DevicePolicyGpuTest,
                                        ? "_p" + std::to_string(i.param.partitions)
                                        : std::string()) +
                                   (i.param.budget > 0 ? "_b" + std::to_string(i.param.budget)
-                                                      : std::string());
+                                                      : std::string()) +
+                                  (i.param.theta <= 1.0f ? "_cached" : std::string());
                          });
 
 }  // namespace
