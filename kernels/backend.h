@@ -440,8 +440,10 @@ struct SelectStagesParams {
   // Every op's params are checked before the check writes the cache's state, so params refused
   // fail the op with nothing written. The CUDA backend runs it inside the partitioned kernel
   // where that kernel attends with arrivals (every block of a KV head computes the same cosine;
-  // the head's last block to arrive updates the cache's state; STRATA_SELECT_CHECK_IN_KERNEL=0:
-  // as its own op), elsewhere as its own op first, as the CPU backend does.
+  // the head's last block to arrive updates the cache's state) and inside the one-part cluster
+  // kernel for quest's form and the page chooser's (block 0 of each KV head's cluster updates
+  // it), elsewhere as its own op first, as the CPU backend does
+  // (STRATA_SELECT_CHECK_IN_KERNEL=0: always as its own op).
   const SelectionCacheCheckParams* cache_check = nullptr;
 };
 
@@ -750,6 +752,10 @@ class Backend {
 absl::Status SelectStagesOpByOp(Backend& b, const SelectStagesParams& p, Stream s);
 // The chain checks of SelectStagesOpByOp alone (the ops check the rest).
 absl::Status CheckSelectStagesChain(const SelectStagesParams& p);
+// Every stage's op params as the ops one by one check them (the CpuSupports* twins of
+// ScoreSummaries or ScoreKeys, then VoteTopK, stage by stage), for a backend that runs the stages
+// otherwise and must refuse what they refuse, with the same error, before writing anything.
+absl::Status CheckSelectStagesOps(const SelectStagesParams& p);
 // SelectStages with p.cache_check set, on any backend: the check's params and every op's params
 // of the stages and the attention (the CpuSupports* twins) checked, then b.SelectionCacheCheck,
 // then b.SelectStages of p with the check's reuse flags as skip_heads and no cache_check.

@@ -102,6 +102,18 @@ VoteTopKParams StageVoteTopKParams(const SelectStagesParams& p, int i) {
   return t;
 }
 
+absl::Status CheckSelectStagesOps(const SelectStagesParams& p) {
+  for (int i = 0; i < p.num_stages; ++i) {
+    if (p.stages[i].summaries.data != nullptr) {
+      STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(StageScoreSummariesParams(p, i)));
+    } else {
+      STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(StageScoreKeysParams(p, i)));
+    }
+    STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(StageVoteTopKParams(p, i)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SelectStagesAfterCacheCheck(Backend& b, const SelectStagesParams& p, Stream s) {
   STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
   if (p.cache_check == nullptr) return b.SelectStages(p, s);
@@ -111,14 +123,7 @@ absl::Status SelectStagesAfterCacheCheck(Backend& b, const SelectStagesParams& p
   // Every op's params before the check writes the cache's state (none of these checks reads a
   // result), so that params refused fail the op with nothing written.
   STRATA_RETURN_IF_ERROR(CpuSupportsSelectionCacheCheck(*p.cache_check));
-  for (int i = 0; i < after.num_stages; ++i) {
-    if (after.stages[i].summaries.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(StageScoreSummariesParams(after, i)));
-    } else {
-      STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(StageScoreKeysParams(after, i)));
-    }
-    STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(StageVoteTopKParams(after, i)));
-  }
+  STRATA_RETURN_IF_ERROR(CheckSelectStagesOps(after));
   if (after.attend != nullptr) STRATA_RETURN_IF_ERROR(CpuSupportsSelectedAttention(*after.attend));
   STRATA_RETURN_IF_ERROR(b.SelectionCacheCheck(*p.cache_check, s));
   return b.SelectStages(after, s);

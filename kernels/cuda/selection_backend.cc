@@ -385,24 +385,25 @@ absl::Status CudaBackend::SelectStagesInParts(const SelectStagesParams& p,
 // instead, for tests that must run the kernel). Either way every stage's checks and the
 // attention's CpuSupportsSelectedAttention come first, so a call they refuse writes nothing.
 absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
-  // The selection cache's check: inside the partitioned kernel where that kernel may attend and
-  // count arrivals (SelectStagesInParts decides), in one part through LaunchSelectStages (inside
+  // The selection cache's check: each path below decides where it runs. In parts,
+  // SelectStagesInParts runs it inside the partitioned kernel where that kernel attends and
+  // counts arrivals, else as its own op before it; in one part LaunchSelectStages runs it inside
   // the cluster kernel for the forms that have an instance with it, else its kernel first; where
-  // the shape falls back to the ops one by one, they run it as their own op first), never with
-  // STRATA_SELECT_CHECK_IN_KERNEL=0; else as its own op first (SelectionCacheCheckKernel), then
-  // this op with its flags as skip_heads.
+  // the shape falls back to the ops one by one, SelectStagesOpByOp runs it as its own op first.
+  // STRATA_SELECT_CHECK_IN_KERNEL=0: always as its own op first (SelectionCacheCheckKernel),
+  // then this op with its flags as skip_heads.
   if (p.cache_check != nullptr) {
     const char* env = std::getenv("STRATA_SELECT_CHECK_IN_KERNEL");
-    const bool in_kernel =
-        (env == nullptr || std::string_view(env) != "0") &&
-        (p.partitions <= 1 || (p.attend != nullptr && p.arrivals.data != nullptr));
-    if (!in_kernel) return SelectStagesAfterCacheCheck(*this, p, s);
+    if (env != nullptr && std::string_view(env) == "0") {
+      return SelectStagesAfterCacheCheck(*this, p, s);
+    }
     STRATA_RETURN_IF_ERROR(CpuSupportsSelectionCacheCheck(*p.cache_check));
   }
   STRATA_RETURN_IF_ERROR(CheckSelectStagesChain(p));
+  // Each stage's own checks, as the op-by-op calls make them (the same errors either way).
+  STRATA_RETURN_IF_ERROR(CheckSelectStagesOps(p));
   const char* env = std::getenv("STRATA_SELECT_STAGES");
   bool fused = env == nullptr || std::string_view(env) != "opbyop";
-  // Each stage's own checks, as the op-by-op calls make them (the same errors either way).
   const SelectStage& first = p.stages[0];
   const int64_t hkv = first.summaries.data != nullptr ? first.summaries.dim(0)
                                                       : first.page_table.dim(0);
@@ -414,14 +415,12 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
     cuda_internal::DeviceSelectStage& ds = d.stage[i];
     int64_t stage_hkv = 0;
     if (st.summaries.data != nullptr) {
-      STRATA_RETURN_IF_ERROR(CpuSupportsScoreSummaries(StageScoreSummariesParams(p, i)));
       stage_hkv = st.summaries.dim(0);
       fused = fused && st.summaries.dtype == DType::kBF16;
       ds.kind = cuda_internal::SelectStageKind::kSummariesBF16;
       ds.rows = st.summaries.data;
       ds.num_items = st.summaries.dim(1);
     } else {
-      STRATA_RETURN_IF_ERROR(CpuSupportsScoreKeys(StageScoreKeysParams(p, i)));
       stage_hkv = st.page_table.dim(0);
       const int page_shift = ShiftOf(st.k_pool.dim(1));
       const int fanout_shift = st.candidates.parents.data == nullptr
@@ -441,7 +440,6 @@ absl::Status CudaBackend::SelectStages(const SelectStagesParams& p, Stream s) {
       ds.page_shift = page_shift;
       ds.fanout_shift = fanout_shift;
     }
-    STRATA_RETURN_IF_ERROR(CpuSupportsVoteTopK(StageVoteTopKParams(p, i)));
     fused = fused && stage_hkv == hkv &&
             reinterpret_cast<uintptr_t>(ds.rows) % 16 == 0 && st.k <= (int64_t{1} << 30);
     ds.c = ToDevice(st.candidates);
