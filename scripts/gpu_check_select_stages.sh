@@ -16,7 +16,8 @@
 #   3. every bundled gpu test binary (STRATA_CHECK_SKIP_TESTS=1 skips it; STRATA_CHECK_TESTS
 #      names the ones to run instead), compute-sanitizer memcheck on the SelectStages tests and
 #      racecheck on each SelectStagesTest test in its own process (those that loop over pool
-#      formats once per format, their cases with one KV head; AttendMatchesCpu also once per case),
+#      formats once per format, their cases with one KV head; AttendMatchesCpu also once per case;
+#      PartitionedMatchesCpu's one-part cases also in its check-only mode, two KV heads),
 #      STRATA_CHECK_RACE_JOBS (default 6) at once (STRATA_CHECK_SKIP_SANITIZE=1 skips them, STRATA_CHECK_SKIP_MEMCHECK=1 the
 #      memcheck; STRATA_CHECK_RACE_FILTER: a gtest filter for the racecheck runs, default
 #      SelectStagesTest.*; STRATA_CHECK_SANITIZE_TIMEOUT seconds each,
@@ -125,14 +126,23 @@ if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
     case "$t" in
       *.AttendMatchesCpu)
         for c in "${attend_cases[@]}"; do runs+=("$t:bf16:$c" "$t:fp8_e4m3:$c"); done ;;
-      *.MatchesCpuOps|*.PartitionedMatchesCpu) runs+=("$t:bf16:" "$t:fp8_e4m3:") ;;
+      *.MatchesCpuOps) runs+=("$t:bf16:" "$t:fp8_e4m3:") ;;
+      # The full test with one KV head, then its one-part cases in check-only mode
+      # (STRATA_SELECT_STAGES_TEST_CHECK_ONLY: the cluster kernel's instances with the selection
+      # cache's check, two KV heads, one reusing; 109-122 s each on the H200 in session 47).
+      *.PartitionedMatchesCpu)
+        runs+=("$t:bf16:" "$t:fp8_e4m3:")
+        for c in "one part, quest" "one part, tokenselect"; do
+          runs+=("$t:bf16:$c:check-only" "$t:fp8_e4m3:$c:check-only")
+        done ;;
       *) runs+=("$t::") ;;
     esac
   done
-  # A run "test:pool:case" logs to racecheck_<test>_<pool>_<case, spaces as _>.log.
+  # A run "test:pool:case[:check-only]" logs to
+  # racecheck_<test>_<pool>_<case[:check-only], spaces and commas as _>.log.
   race_log() {
     local t="${1%%:*}" rest="${1#*:}"
-    echo "$LOGS/racecheck_${t}_${rest%%:*}_$(echo "${rest#*:}" | tr ' ' _).log"
+    echo "$LOGS/racecheck_${t}_${rest%%:*}_$(echo "${rest#*:}" | tr ' ,:' ___).log"
   }
   # At most STRATA_CHECK_RACE_JOBS runs at once (default 6): the GPU is shared, and session 44
   # saw 14 at once leave four AttendMatchesCpu runs and one PartitionedMatchesCpu run unfinished
@@ -142,9 +152,14 @@ if [ "${STRATA_CHECK_SKIP_SANITIZE:-0}" != 1 ]; then
     while [ "$(jobs -rp | wc -l)" -ge "${STRATA_CHECK_RACE_JOBS:-6}" ]; do wait -n; done
     rest="${r#*:}"
     log="$(race_log "$r")"
+    case_name="${rest#*:}" one_head=1 check_only=0
+    if [ "${case_name%:check-only}" != "$case_name" ]; then
+      case_name="${case_name%:check-only}" one_head=0 check_only=1
+    fi
     (
-      STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=1 STRATA_SELECT_STAGES_TEST_POOL="${rest%%:*}" \
-        STRATA_SELECT_STAGES_TEST_CASE="${rest#*:}" \
+      STRATA_SELECT_STAGES_TEST_ONE_KV_HEAD=$one_head STRATA_SELECT_STAGES_TEST_POOL="${rest%%:*}" \
+        STRATA_SELECT_STAGES_TEST_CASE="$case_name" \
+        STRATA_SELECT_STAGES_TEST_CHECK_ONLY=$check_only \
         timeout "${STRATA_CHECK_SANITIZE_TIMEOUT:-420}" \
         compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
         "$B/cuda_selection_test" --gtest_brief=1 --gtest_filter="${r%%:*}" > "$log" 2>&1
