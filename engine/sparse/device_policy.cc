@@ -230,8 +230,8 @@ absl::Status DevicePolicy::Attend(int layer, const TensorView& q, const KvCache&
   q2.shape[1] = d_;
   q2.shape[2] = 0;
   // The selection cache's check, the selection and the attention over it as one op (on CUDA one
-  // kernel where it fits; the check inside it where the kernel selects in parts and attends,
-  // else a kernel of its own before it).
+  // kernel where it fits, the check inside it where the kernel has a form with it: in parts with
+  // the attention, or quest's in one part; else a kernel of its own before it).
   kernels::SelectionCacheCheckParams cc;
   if (cache_on_) {
     STRATA_ASSIGN_OR_RETURN(cc, sel_cache_->CheckParams(layer, q2));

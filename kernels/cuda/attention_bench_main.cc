@@ -38,9 +38,9 @@
 // "+hit" (theta 0.5 with q unchanged: every KV head reuses its selection, the selection kernels
 // exit at the top and only the check and the attention do work), the check inside the
 // SelectStages op as DevicePolicy passes it (SelectStagesParams::cache_check: on CUDA inside the
-// partitioned kernel where it attends; STRATA_BENCH_CHECK_IN_OP=0: SelectionCacheCheck as its
-// own op before it); the MiB column is the selecting
-// step's bytes in every row.
+// partitioned kernel where it attends, and inside quest's one-part kernel;
+// STRATA_BENCH_CHECK_IN_OP=0: SelectionCacheCheck as its own op before it); the MiB column is
+// the selecting step's bytes in every row.
 // Per op (each op alone, inputs left by the full runs): STAGES = 100 eager calls back to back
 // (can be bound by the host's launch cost), GSTAGES = a graph of 20 calls replayed.
 // each timed as: eager_us (ops enqueued back to back, event time / calls), graph_us (the pipeline

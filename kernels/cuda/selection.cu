@@ -2662,7 +2662,7 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // cluster barrier (every block has read it by then), or at once where a reused head returns
   // (no cached query to write). The check's scratch is recv_part: no block pushes to it before
   // the first cluster barrier's wait, which every block's arrival below precedes.
-  bool skip_g;
+  bool skipped;
   if constexpr (kCheck) {
     static_assert(sizeof(recv_part) >= sizeof(double) * 3 * (kCacheCheckThreads / 32) + 4 &&
                       kStagesThreads == kCacheCheckThreads,
@@ -2680,11 +2680,10 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     CacheCheckReduce(sums, red);
     if (tid == 0) *valid_s = valid;
     __syncthreads();
-    skip_g = CacheCheckDecide(red, *valid_s != 0, at.check.theta);
+    skipped = CacheCheckDecide(red, *valid_s != 0, at.check.theta);
   } else {
-    skip_g = skip != nullptr && skip[g] != 0;
+    skipped = skip != nullptr && skip[g] != 0;
   }
-  const bool skipped = skip_g;
   if (!kAttend && skipped) {
     if (kCheck && rank == 0) {
       CacheCheckUpdate(nullptr, nullptr, 0, true, at.check.valid + g, at.check.reuse + g,

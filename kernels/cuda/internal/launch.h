@@ -345,9 +345,11 @@ struct DeviceSelectAttend {
   // before the launch and left zero; the last block of each KV head to arrive merges its
   // partials, and no second kernel runs.
   uint32_t* merge_arrivals = nullptr;
-  // With merge_arrivals, optionally: the selection cache's check in the kernel, its decision for
-  // KV head g the skip flag of g's blocks (every block computes the same), its state updated by
-  // g's last block to arrive (the kernel's skip argument then null).
+  // LaunchPartStages, with merge_arrivals, optionally: the selection cache's check in the kernel,
+  // its decision for KV head g the skip flag of g's blocks (every block computes the same), its
+  // state updated by g's last block to arrive (the kernel's skip argument then null).
+  // LaunchSelectStages takes the check as its own argument (a form without an attention has it
+  // too) and ignores this one.
   DeviceCacheCheck check;
 };
 // Whether LaunchSelectStages attends with the middle's scores taken from the last stage
