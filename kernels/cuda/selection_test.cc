@@ -2342,6 +2342,80 @@ TEST_F(SelectStagesTest, RefusesABrokenChain) {
   }
 }
 
+// A call with the selection cache's check that is refused writes nothing on the GPU either: not
+// the cache's state (cached queries, valid and reuse flags, hit count), not a selection. One part
+// (the cluster kernel, whose quest form runs the check inside it); the unedited call runs.
+TEST_F(SelectStagesTest, RefusedCacheCheckWritesNothing) {
+  const ChainCase c = {"quest", 2, 4, DType::kBF16, 64, 16, 256, 8, 4, false, 0, 0, 256, 0, 0};
+  Chain ch = MakeChain(c, rng_);
+  constexpr int kD = Chain::kD;
+  const int hq = c.hkv * c.group;
+  const int64_t n = int64_t{c.group} * kD;
+  auto dq = Dev(ch.q), dps = Dev(ch.page_sums), dss = Dev(ch.seg_sums);
+  auto dother = Dev(RandomF(int64_t{hq} * kD, -2.0f, 2.0f));
+  std::vector<std::unique_ptr<Buffer>> bufs;
+  std::vector<void*> sp, sel;
+  StageBuffers(ch, &bufs, &sp, &sel);
+  const std::vector<float> cached = RandomF(c.hkv * n, -2.0f, 2.0f);
+  const std::vector<int32_t> valid(c.hkv, 1), reuse(c.hkv, -1), skip(c.hkv, 0);
+  auto dcached = Dev(cached), dvalid = Dev(valid), dreuse = Dev(reuse), dskip = Dev(skip);
+  auto dhits = Dev(std::vector<int64_t>{3});
+  std::vector<std::vector<int32_t>> selected_before;
+  for (size_t i = 0; i < ch.counts.size(); ++i) {
+    selected_before.push_back(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]));
+  }
+  auto params = [&](SelectionCacheCheckParams* cc) {
+    cc->q = TensorView(dq->data(), DType::kF32, {hq, kD});
+    cc->cached_q = TensorView(dcached->data(), DType::kF32, {c.hkv, n});
+    cc->valid = TensorView(dvalid->data(), DType::kI32, {c.hkv});
+    cc->theta = 0.9f;
+    cc->reuse = TensorView(dreuse->data(), DType::kI32, {c.hkv});
+    cc->hit_count = static_cast<int64_t*>(dhits->data());
+    SelectStagesParams p =
+        ch.Params(dq->data(), dps->data(), dss->data(), nullptr, nullptr, sp, sel);
+    p.cache_check = cc;
+    return p;
+  };
+  auto refused = [&](const char* what, auto&& edit) {
+    SCOPED_TRACE(what);
+    SelectionCacheCheckParams cc;
+    SelectStagesParams p = params(&cc);
+    edit(p, cc);
+    EXPECT_THAT(gpu_->SelectStages(p, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+    STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
+    EXPECT_EQ(Get<float>(*dcached, c.hkv * n), cached);
+    EXPECT_EQ(Get<int32_t>(*dvalid, c.hkv), valid);
+    EXPECT_EQ(Get<int32_t>(*dreuse, c.hkv), reuse);
+    EXPECT_EQ(Get<int64_t>(*dhits, 1)[0], 3);
+    for (size_t i = 0; i < ch.counts.size(); ++i) {
+      EXPECT_EQ(Get<int32_t>(*bufs[2 * i + 1], int64_t{c.hkv} * ch.ks[i]), selected_before[i])
+          << "stage " << i;
+    }
+  };
+  refused("skip_heads too", [&](SelectStagesParams& p, SelectionCacheCheckParams&) {
+    p.skip_heads = static_cast<const int32_t*>(dskip->data());
+  });
+  refused("another query", [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
+    cc.q.data = dother->data();
+  });
+  refused("a stage's scores too small", [&](SelectStagesParams& p, SelectionCacheCheckParams&) {
+    p.stages[1].scores.shape[2] = 3;
+  });
+  refused("the check's cached queries one head short",
+          [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
+            cc.cached_q.shape[0] = c.hkv - 1;
+          });
+  refused("theta not finite", [&](SelectStagesParams&, SelectionCacheCheckParams& cc) {
+    cc.theta = std::numeric_limits<float>::quiet_NaN();
+  });
+  // The same params unedited run: every head misses (cached queries unrelated to q).
+  SelectionCacheCheckParams cc;
+  STRATA_ASSERT_OK(gpu_->SelectStages(params(&cc), nullptr));
+  STRATA_ASSERT_OK(gpu_->Synchronize(nullptr));
+  EXPECT_EQ(Get<int32_t>(*dreuse, c.hkv), std::vector<int32_t>(c.hkv, 0));
+  EXPECT_EQ(Get<float>(*dcached, c.hkv * n), ch.q);
+}
+
 // Which form of SelectStagesKernel attends (host logic: runs without a GPU too): the middle's
 // scores from the key stage only where the last stage is a key stage over the attention's own
 // pool and table and the middle its token ids; the K-row form for anything else and with
