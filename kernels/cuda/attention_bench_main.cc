@@ -54,6 +54,8 @@
 //   --ncu: few iterations and no host gate, for running under Nsight Compute.
 //   --no-sweep: the budget case at the default items per SM only.
 //   --policy quest|tokenselect: only that pipeline.
+//   --rows plain,miss,hit: only those pipeline rows (any of the three, comma-separated; for
+//     running one row under Nsight Compute, whose -k/-s/-c then count that row's launches only).
 //   --stage-phases: after each fused row (not +hit; +miss with the check in the op), the selection
 //     kernel's phases (PHASES lines).
 #include <cuda_runtime_api.h>
@@ -89,6 +91,7 @@ int g_warmup = 5, g_runs = 50;
 bool g_ncu = false;
 bool g_sweep = true, g_pipelines = true, g_only_pipelines = false;
 std::string g_policy;  // --policy quest|tokenselect: only that pipeline
+std::string g_rows;    // --rows plain,miss,hit: only those pipeline rows
 bool g_stage_phases = false;  // --stage-phases: SelectStagesKernel's phase stamps
 
 double g_dense_us = 0;  // the dense row's gpu_us for the current context
@@ -525,6 +528,11 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   for (int run = 0; run < 6; ++run) {
     const int policy = run / 3, cache_mode = run % 3;
     if (!g_policy.empty() && g_policy != (policy == 1 ? "tokenselect" : "quest")) continue;
+    if (!g_rows.empty() && g_rows.find(cache_mode == 0   ? "plain"
+                                       : cache_mode == 1 ? "miss"
+                                                         : "hit") == std::string::npos) {
+      continue;
+    }
     const std::string label = std::string(policy == 1 ? "tokenselect" : "quest") +
                               (policy == 1 && Partitions() > 1
                                    ? "/p" + std::to_string(Partitions())
@@ -674,6 +682,8 @@ int Run(int argc, char** argv) {
       g_only_pipelines = true;
     } else if (std::string(argv[i]) == "--policy" && i + 1 < argc) {
       g_policy = argv[++i];
+    } else if (std::string(argv[i]) == "--rows" && i + 1 < argc) {
+      g_rows = argv[++i];
     } else {
       contexts.push_back(std::atoll(argv[i]));
     }

@@ -4317,7 +4317,6 @@ struct PartStagesShared {
   uint32_t wsum[32];
   float stat_m[kPartG], stat_l[kPartG];
   double check_red[3][kCacheCheckThreads / 32];  // the selection cache's check (CacheCheckReduce)
-  int32_t check_valid;                            // and the cache entry's valid flag
   int32_t taken;
   int32_t merge_last;  // the merge through global memory: this block arrived last
 };
@@ -4379,6 +4378,21 @@ __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_p
   return (static_cast<int64_t>(slot) << page_shift) + (t & ((1 << page_shift) - 1));
 }
 
+// PartStagesKernel's integers that would take a division by `parts` or by a stage's fanout,
+// computed on the host per launch (PartPlanOf): in the kernel each such division is a chain of
+// ~25 dependent instructions on the stage's critical path (Nsight Compute, session 48, 128K:
+// about 0.9 us of the step's warp time in the stage loop's head and its candidate ids).
+struct PartPlan {
+  int32_t kp[kSelectStagesMax];            // stage s's k / parts
+  int32_t fanout_shift[kSelectStagesMax];  // log2 of stage s's fanout, or -1 where not a power of 2
+  int32_t first0;    // (parts - begin % parts) % parts: part p's first stage-0 index is
+                     // (p + first0) % parts
+  int32_t count0_q;  // stage 0's count / parts and count % parts: part p holds count0_q
+  int32_t count0_r;  // candidates, one more where count0_r > its first index
+  int32_t fixed_per;  // the attention's fixed rows per part, ceil(fixed / parts)
+  int32_t attend_kp;  // the attention's middle.num_parents / parts
+};
+
 // At most 128 registers per thread, room for two blocks per SM. While the parts merged in
 // clusters, the launch needed each cluster's P blocks resident at once (a form at 170 registers
 // took 58.3 us for the 128K step against 37.6; session 40). Without clusters the 8B shape's 128
@@ -4388,7 +4402,8 @@ template <bool kAttend, int kPer, bool kF8>
 __global__ void __launch_bounds__(kPartThreads, 2)
     PartStagesKernel(const float* __restrict__ q, float scale, int group, int parts,
                      DeviceSelectStages st, DeviceSelectAttend at, const int32_t* skip,
-                     int hist_mode, int warp_kp, uint32_t prefetch_mask) {
+                     int hist_mode, int warp_kp, uint32_t prefetch_mask,
+                     const __grid_constant__ PartPlan plan) {
   constexpr int G = kPartG;
   extern __shared__ __align__(16) unsigned char part_smem[];
   PartStagesShared& sh = *reinterpret_cast<PartStagesShared*>(part_smem);
@@ -4416,12 +4431,13 @@ __global__ void __launch_bounds__(kPartThreads, 2)
   // check's loads go first and its sums after StageATables, so their L2 round trips overlap
   // (one barrier, then every thread decides; deciding after stage 0's first barrier instead, and
   // leaving the stage loop there on a hit, spilled registers in the small form).
+  static_assert(2 * kPartThreads >= G * 128, "the check's two values per thread");
   const bool checked = kAttend && at.check.cached != nullptr;
   float check_a[2] = {0.0f, 0.0f}, check_c[2] = {0.0f, 0.0f};
   int32_t check_valid = 0;
   if (checked) {
     const int64_t row = static_cast<int64_t>(g) * group * 128;
-    if (tid == 0) check_valid = at.check.valid[g];
+    check_valid = at.check.valid[g];  // every thread: one broadcast load per warp
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int i = tid + j * kPartThreads;
@@ -4447,15 +4463,14 @@ __global__ void __launch_bounds__(kPartThreads, 2)
       if (tid + j * kPartThreads < group * 128) CacheCheckAdd(sums, check_a[j], check_c[j]);
     }
     CacheCheckReduce(sums, sh.check_red);
-    if (tid == 0) sh.check_valid = check_valid;
     __syncthreads();
-    skipped = CacheCheckDecide(sh.check_red, sh.check_valid != 0, at.check.theta);
+    skipped = CacheCheckDecide(sh.check_red, check_valid != 0, at.check.theta);
   }
   // Attention rows: the block's share of the fixed rows first, then its middle.
   int32_t f0 = 0, f_count = 0;
   if constexpr (kAttend) {
     const int32_t fixed = at.prefix_end + at.suffix_len;
-    const int32_t per = (fixed + parts - 1) / parts;
+    const int32_t per = plan.fixed_per;
     f0 = min(fixed, part * per);
     f_count = min(fixed - f0, per);
   }
@@ -4463,31 +4478,35 @@ __global__ void __launch_bounds__(kPartThreads, 2)
   for (int s = 0; s < num_stages; ++s) {
     const DeviceSelectStage& sg = st.stage[s];
     const DeviceCandidates& c = sg.c;
-    const int kp = sg.k / parts;
+    const int kp = plan.kp[s];
     const bool last = s + 1 == st.num_stages;
     // The part's candidate ids.
     int32_t n;
     // The stage before looked up this stage's page slots (PartSlotPrefetchMask).
     const bool slots_ready = s > 0 && ((prefetch_mask >> (s - 1)) & 1u) != 0;
     if (s == 0) {
-      n = PartCandidateCount(c.count, c.begin, nullptr, 0, 1, parts, part);
+      // PartCandidateCount and PartCandidateIndex of a plain range, from the plan.
+      const int32_t first = part + plan.first0 - (part + plan.first0 >= parts ? parts : 0);
+      n = plan.count0_q + (plan.count0_r > first ? 1 : 0);
       for (int32_t t = tid; t < n; t += kPartThreads) {
-        const int32_t i = PartCandidateIndex(c, parts, part, t);
-        const int64_t id = static_cast<int64_t>(c.begin) + i;
+        const int64_t id = static_cast<int64_t>(c.begin) + first + static_cast<int64_t>(t) * parts;
         sh.ids[t] = id < c.end ? static_cast<int32_t>(id) : -1;
       }
     } else {
-      const int kprev = st.stage[s - 1].k / parts;
-      n = kprev * c.fanout;
+      const int kprev = plan.kp[s - 1];
+      const int fanout = c.fanout, shift = plan.fanout_shift[s];
+      n = kprev * fanout;
       for (int32_t t = tid; t < n; t += kPartThreads) {
-        const int32_t pi = t / c.fanout;
+        // t / fanout and t % fanout, by a shift where the fanout is a power of 2 (the page and
+        // segment stages' always is).
+        const int32_t pi = shift >= 0 ? t >> shift : t / fanout;
         const int32_t parent = sh.sel[pi];
-        const int64_t id = static_cast<int64_t>(parent) * c.fanout + t % c.fanout;
+        const int64_t id = static_cast<int64_t>(parent) * fanout + (t - pi * fanout);
         const bool valid = parent >= 0 && id >= c.begin && id < c.end;
         sh.ids[t] = valid ? static_cast<int32_t>(id) : -1;
         if (slots_ready) {  // the parent is the id's page (c.fanout is the page size)
           const int32_t slot = valid ? sh.pre.slot[sh.pre.taken_at[pi]] : -1;
-          const int32_t within = static_cast<int32_t>(id) & (c.fanout - 1);
+          const int32_t within = static_cast<int32_t>(id) & (fanout - 1);
           sh.crow[t] = slot >= 0 ? (static_cast<int64_t>(slot) << sg.page_shift) + within : -1;
         }
       }
@@ -4617,7 +4636,7 @@ __global__ void __launch_bounds__(kPartThreads, 2)
   constexpr int A0 = 1 + kSelectStagesMax * kSelectStagesPhasesPerStage;
   if constexpr (kAttend) {
     const int page_shift = __ffs(at.page_size) - 1;
-    const int kp = at.middle.num_parents / parts;
+    const int kp = plan.attend_kp;
     int32_t m_count;
     int32_t r_score = 0, n_score = f_count;  // rows [r_score, + n_score) need K scores
     if (skipped) {
@@ -4954,6 +4973,27 @@ uint32_t PartSlotPrefetchMask(const DeviceSelectStages& stages, int parts, int w
   return mask;
 }
 
+// The launch's PartPlan (after PartStagesFits: parts >= 1, every stage's k a multiple of parts).
+PartPlan PartPlanOf(const DeviceSelectStages& stages, int parts, const DeviceSelectAttend* attend) {
+  PartPlan plan{};
+  for (int s = 0; s < stages.num_stages; ++s) {
+    const DeviceSelectStage& sg = stages.stage[s];
+    plan.kp[s] = sg.k / parts;
+    const int32_t f = sg.c.fanout;
+    plan.fanout_shift[s] = f > 0 && (f & (f - 1)) == 0 ? __builtin_ctz(static_cast<uint32_t>(f)) : -1;
+  }
+  const DeviceCandidates& c0 = stages.stage[0].c;
+  plan.first0 = static_cast<int32_t>(((-static_cast<int64_t>(c0.begin)) % parts + parts) % parts);
+  plan.count0_q = c0.count / parts;
+  plan.count0_r = c0.count % parts;
+  if (attend != nullptr) {
+    const int64_t fixed = int64_t{attend->prefix_end} + attend->suffix_len;
+    plan.fixed_per = static_cast<int32_t>((fixed + parts - 1) / parts);
+    plan.attend_kp = attend->middle.num_parents / parts;
+  }
+  return plan;
+}
+
 }  // namespace
 
 int64_t PartMergeScratchFloats(int num_kv_heads, int parts) {
@@ -4985,14 +5025,15 @@ cudaError_t LaunchPartStages(const float* q, float scale, int num_kv_heads, int 
   if (attend == nullptr) {
     return cudaLaunchKernelEx(&launch.cfg, PartStagesForm<false>(f8, small), q, scale, group,
                               parts, stages, DeviceSelectAttend{}, skip, RegHistMode(), warp_kp,
-                              prefetch);
+                              prefetch, PartPlanOf(stages, parts, nullptr));
   }
   // Every block's partials to attend->merge_partials, merged by the kernel's last blocks
   // (merge_arrivals) or else by PartMergeKernel, its programmatic dependent.
   if (attend->merge_partials == nullptr) return cudaErrorInvalidValue;
   const cudaError_t e =
       cudaLaunchKernelEx(&launch.cfg, PartStagesForm<true>(f8, small), q, scale, group, parts,
-                         stages, *attend, skip, RegHistMode(), warp_kp, prefetch);
+                         stages, *attend, skip, RegHistMode(), warp_kp, prefetch,
+                         PartPlanOf(stages, parts, attend));
   if (e != cudaSuccess || attend->merge_arrivals != nullptr) return e;
   return LaunchDependent(PartMergeKernel, dim3(num_kv_heads), dim3(kPartThreads), 0,
                          /*dependent=*/true, stream, attend->merge_partials, group, parts,
