@@ -4381,14 +4381,11 @@ __device__ __forceinline__ int64_t PartPoolRow(const int32_t* table, int table_p
 // PartStagesKernel's integers that would take a division by `parts` or by a stage's fanout,
 // computed on the host per launch (PartPlanOf): in the kernel each such division is a chain of
 // ~25 dependent instructions on the stage's critical path (Nsight Compute, session 48, 128K:
-// about 0.9 us of the step's warp time in the stage loop's head and its candidate ids).
+// about 0.9 us of the step's warp time in the stage loop's head and its candidate ids). Stage
+// 0's per-part count and first index still divide (see the stage loop).
 struct PartPlan {
   int32_t kp[kSelectStagesMax];            // stage s's k / parts
   int32_t fanout_shift[kSelectStagesMax];  // log2 of stage s's fanout, or -1 where not a power of 2
-  int32_t first0;    // (parts - begin % parts) % parts: part p's first stage-0 index is
-                     // (p + first0) % parts
-  int32_t count0_q;  // stage 0's count / parts and count % parts: part p holds count0_q
-  int32_t count0_r;  // candidates, one more where count0_r > its first index
   int32_t fixed_per;  // the attention's fixed rows per part, ceil(fixed / parts)
   int32_t attend_kp;  // the attention's middle.num_parents / parts
 };
@@ -4485,11 +4482,13 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     // The stage before looked up this stage's page slots (PartSlotPrefetchMask).
     const bool slots_ready = s > 0 && ((prefetch_mask >> (s - 1)) & 1u) != 0;
     if (s == 0) {
-      // PartCandidateCount and PartCandidateIndex of a plain range, from the plan.
-      const int32_t first = part + plan.first0 - (part + plan.first0 >= parts ? parts : 0);
-      n = plan.count0_q + (plan.count0_r > first ? 1 : 0);
+      // Stage 0's divisions stay: taking its first index and count from the plan too cut its
+      // start phase by ~0.4 us but made stage 1's top-k ~0.45 us slower (the compiler's
+      // schedule of that code; session 48, H200, 128K).
+      n = PartCandidateCount(c.count, c.begin, nullptr, 0, 1, parts, part);
       for (int32_t t = tid; t < n; t += kPartThreads) {
-        const int64_t id = static_cast<int64_t>(c.begin) + first + static_cast<int64_t>(t) * parts;
+        const int32_t i = PartCandidateIndex(c, parts, part, t);
+        const int64_t id = static_cast<int64_t>(c.begin) + i;
         sh.ids[t] = id < c.end ? static_cast<int32_t>(id) : -1;
       }
     } else {
@@ -4982,10 +4981,6 @@ PartPlan PartPlanOf(const DeviceSelectStages& stages, int parts, const DeviceSel
     const int32_t f = sg.c.fanout;
     plan.fanout_shift[s] = f > 0 && (f & (f - 1)) == 0 ? __builtin_ctz(static_cast<uint32_t>(f)) : -1;
   }
-  const DeviceCandidates& c0 = stages.stage[0].c;
-  plan.first0 = static_cast<int32_t>(((-static_cast<int64_t>(c0.begin)) % parts + parts) % parts);
-  plan.count0_q = c0.count / parts;
-  plan.count0_r = c0.count % parts;
   if (attend != nullptr) {
     const int64_t fixed = int64_t{attend->prefix_end} + attend->suffix_len;
     plan.fixed_per = static_cast<int32_t>((fixed + parts - 1) / parts);
