@@ -684,6 +684,12 @@ int Run(int argc, char** argv) {
       g_policy = argv[++i];
     } else if (std::string(argv[i]) == "--rows" && i + 1 < argc) {
       g_rows = argv[++i];
+      if (g_rows.find("plain") == std::string::npos && g_rows.find("miss") == std::string::npos &&
+          g_rows.find("hit") == std::string::npos) {
+        std::fprintf(stderr, "--rows: expected plain, miss and/or hit, got \"%s\"\n",
+                     g_rows.c_str());
+        return 2;
+      }
     } else {
       contexts.push_back(std::atoll(argv[i]));
     }
