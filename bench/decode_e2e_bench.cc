@@ -733,19 +733,16 @@ class DeviceChooser {
   // The selection of `layer` for q [hq, d] (backend memory): through the selection cache when it
   // is on (its kept rows; heads whose query is similar keep last step's), else into selected_.
   absl::StatusOr<TensorView> Enqueue(int layer, const TensorView& q, int group, int64_t n) {
-    // The check in the selection op (on CUDA inside its kernel), as the worker's lazy chooser.
-    kernels::SelectionCacheCheckParams cc;
-    const kernels::SelectionCacheCheckParams* check = nullptr;
-    TensorView chosen = selected_->View(DType::kI32, {hkv_, k_});
+    const TensorView sums = summaries_[layer]->View(summary_dtype_, {hkv_, pages_, 2 * d_});
+    const TensorView sc = scores_->View(DType::kF32, {hkv_, group, n});
     if (cache_ != nullptr) {
-      STRATA_ASSIGN_OR_RETURN(cc, cache_->CheckParams(layer, q));
-      check = &cc;
-      chosen = cache_->kept(layer);
+      // The check in the selection op (on CUDA inside its kernel), as the worker's lazy chooser.
+      return engine::EnqueueCachedMinMaxPageTopK(backend_, q, sums, window_first_, k_, sc,
+                                                 *cache_, layer);
     }
-    STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
-        backend_, q, summaries_[layer]->View(summary_dtype_, {hkv_, pages_, 2 * d_}), window_first_,
-        k_, scores_->View(DType::kF32, {hkv_, group, n}), chosen, nullptr, check));
-    if (check != nullptr) cache_->CountChecks(1);
+    const TensorView chosen = selected_->View(DType::kI32, {hkv_, k_});
+    STRATA_RETURN_IF_ERROR(
+        engine::EnqueueMinMaxPageTopK(backend_, q, sums, window_first_, k_, sc, chosen));
     return chosen;
   }
 

@@ -369,12 +369,14 @@ absl::Status GpuCacheAttention::AttendDeviceManaged(int layer, const kernels::Te
   return absl::OkStatus();
 }
 
-absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
-                                   const kernels::TensorView& summaries, int64_t window_first,
-                                   int64_t k, const kernels::TensorView& scores,
-                                   const kernels::TensorView& selected,
-                                   const int32_t* skip_heads,
-                                   const kernels::SelectionCacheCheckParams* cache_check) {
+namespace {
+
+// EnqueueMinMaxPageTopK with the selection cache's check as skip flags or in the op.
+absl::Status EnqueueMinMaxStage(kernels::Backend* backend, const kernels::TensorView& q,
+                                const kernels::TensorView& summaries, int64_t window_first,
+                                int64_t k, const kernels::TensorView& scores,
+                                const kernels::TensorView& selected, const int32_t* skip_heads,
+                                const kernels::SelectionCacheCheckParams* cache_check) {
   // One SelectStages stage: ScoreSummaries then VoteTopK, which the CUDA backend runs as one
   // kernel for bf16 summaries (kernels/cuda/selection.cu SelectStagesKernel) and as the two ops
   // otherwise.
@@ -392,6 +394,29 @@ absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::Ten
   sp.skip_heads = skip_heads;
   sp.cache_check = cache_check;
   return backend->SelectStages(sp, nullptr);
+}
+
+}  // namespace
+
+absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
+                                   const kernels::TensorView& summaries, int64_t window_first,
+                                   int64_t k, const kernels::TensorView& scores,
+                                   const kernels::TensorView& selected,
+                                   const int32_t* skip_heads) {
+  return EnqueueMinMaxStage(backend, q, summaries, window_first, k, scores, selected, skip_heads,
+                            nullptr);
+}
+
+absl::StatusOr<kernels::TensorView> EnqueueCachedMinMaxPageTopK(
+    kernels::Backend* backend, const kernels::TensorView& q, const kernels::TensorView& summaries,
+    int64_t window_first, int64_t k, const kernels::TensorView& scores,
+    DeviceSelectionCache& cache, int layer) {
+  STRATA_ASSIGN_OR_RETURN(const kernels::SelectionCacheCheckParams cc, cache.CheckParams(layer, q));
+  const kernels::TensorView kept = cache.kept(layer);
+  STRATA_RETURN_IF_ERROR(
+      EnqueueMinMaxStage(backend, q, summaries, window_first, k, scores, kept, nullptr, &cc));
+  cache.CountChecks(1);
+  return kept;
 }
 
 void AppendChosenPages(const int32_t* selected, int64_t k, int64_t window_first,

@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/selection_cache.h"
 #include "engine/transformer.h"
 #include "kernels/backend.h"
 #include "kvstore/gpu_cache.h"
@@ -117,16 +118,22 @@ PageChooser MakeMinMaxChooser(const MinMaxChooserOptions& options);
 // [hkv, hq / hkv, window_first - 1] f32 (contents unspecified after the call); selected: [hkv, k]
 // i32 (out, ascending page ids, -1 pads); all backend memory. The caller adds page 0 and the
 // window pages. With skip_heads (backend memory, [hkv] i32: DeviceSelectionCache::Check's reuse
-// flags) a KV head flagged keeps its row of `selected` as it was. With cache_check instead
-// (DeviceSelectionCache::CheckParams of the same q) the selection cache's check is part of the
-// op (kernels::SelectStagesParams::cache_check: on CUDA inside the selection kernel), its reuse
-// flags the skip flags; the caller counts the check (DeviceSelectionCache::CountChecks).
+// flags) a KV head flagged keeps its row of `selected` as it was.
 absl::Status EnqueueMinMaxPageTopK(kernels::Backend* backend, const kernels::TensorView& q,
                                    const kernels::TensorView& summaries, int64_t window_first,
                                    int64_t k, const kernels::TensorView& scores,
                                    const kernels::TensorView& selected,
-                                   const int32_t* skip_heads = nullptr,
-                                   const kernels::SelectionCacheCheckParams* cache_check = nullptr);
+                                   const int32_t* skip_heads = nullptr);
+
+// The same choice through the selection cache `cache` (its k the call's): the cache's check of
+// `layer` is part of the op (kernels::SelectStagesParams::cache_check: on CUDA inside the
+// selection kernel), a KV head whose query is similar to its cached one keeping its row of
+// cache.kept(layer), the others selecting into it; the lookups are counted once the op is queued
+// (DeviceSelectionCache::CountChecks). Returns cache.kept(layer).
+absl::StatusOr<kernels::TensorView> EnqueueCachedMinMaxPageTopK(
+    kernels::Backend* backend, const kernels::TensorView& q, const kernels::TensorView& summaries,
+    int64_t window_first, int64_t k, const kernels::TensorView& scores,
+    DeviceSelectionCache& cache, int layer);
 
 // The pages of one KV head from a `selected` row of EnqueueMinMaxPageTopK (k ids, -1 pads) as the
 // chooser returns them: page 0, the selected middle pages in [1, window_first), and the window

@@ -517,19 +517,18 @@ TEST_F(GpuCacheAttentionTest, SelectionCacheReusesTheSelectionOfASimilarQuery) {
                               DeviceSelectionCache::Create(be, 1, kHeads, kGroup, kD, 1, 0.5));
   std::vector<float> scores(static_cast<size_t>(kHeads) * kGroup * (kN - 2));
   const kernels::TensorView sums(device_summaries.data(), DType::kF32, {kHeads, kN, 2 * kD});
-  // The check as its own op (Check, then skip flags), or inside the selection op (CheckParams
-  // passed as cache_check, CountChecks after): the same picks and counts.
+  // The check as its own op (Check, then skip flags), or inside the selection op
+  // (EnqueueCachedMinMaxPageTopK): the same picks and counts.
   bool in_op = false;
   auto device_pick = [&](const std::vector<float>& q) {
     const kernels::TensorView qv(const_cast<float*>(q.data()), DType::kF32, {kHeads * kGroup, kD});
     const kernels::TensorView sv(scores.data(), DType::kF32, {kHeads, kGroup, kN - 2});
     if (in_op) {
-      absl::StatusOr<kernels::SelectionCacheCheckParams> cc = cache->CheckParams(0, qv);
-      EXPECT_TRUE(cc.ok()) << cc.status();
-      if (cc.ok()) {
-        EXPECT_TRUE(
-            EnqueueMinMaxPageTopK(be, qv, sums, kN - 1, 1, sv, cache->kept(0), nullptr, &*cc).ok());
-        cache->CountChecks(1);
+      absl::StatusOr<kernels::TensorView> kept =
+          EnqueueCachedMinMaxPageTopK(be, qv, sums, kN - 1, 1, sv, *cache, 0);
+      EXPECT_TRUE(kept.ok()) << kept.status();
+      if (kept.ok()) {
+        EXPECT_EQ(kept->data, cache->kept(0).data);
       }
     } else {
       absl::StatusOr<const int32_t*> skip = cache->Check(0, qv, nullptr);

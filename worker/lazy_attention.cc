@@ -242,12 +242,6 @@ struct LazyDocumentAttention::State {
   // Backend buffers of the device chooser (scores [hq, middle candidates], the selection [hkv, k],
   // the selection cache).
   absl::Status EnsureChooserBuffers(int hq);
-  // Where the device chooser's one-token selection of `layer` goes: the selection cache's kept
-  // rows of the layer, or the shared `selected`.
-  kernels::TensorView Chosen(int layer) const {
-    return selection_cache != nullptr ? selection_cache->kept(layer)
-                                      : selected->View(kernels::DType::kI32, {o.num_kv_heads, k});
-  }
   // Counts the selection-cache lookups of `checks` replayed one-token choices.
   void CountReplayedChecks(int64_t checks) {
     if (selection_cache != nullptr) selection_cache->CountChecks(checks);
@@ -358,25 +352,24 @@ absl::Status LazyDocumentAttention::State::ChooseOnDevice(int layer, const kerne
     STRATA_ASSIGN_OR_RETURN(kernels::Buffer* layer_summaries, Summaries(layer));
     STRATA_RETURN_IF_ERROR(EnsureChooserBuffers(hq));
     kernels::TensorView q2(q.data, kernels::DType::kF32, {hq, d});
-    // The selection cache's check in the selection op (on CUDA inside its kernel).
-    kernels::SelectionCacheCheckParams cc;
-    const kernels::SelectionCacheCheckParams* check = nullptr;
+    const kernels::TensorView sums =
+        layer_summaries->View(o.summary_dtype, {hkv, num_pages, 2 * d});
+    const kernels::TensorView sc = scores->View(kernels::DType::kF32, {hkv, group, n});
     if (chunk) {
       if (query_mean == nullptr) query_mean = std::make_unique<engine::DeviceQueryMean>(backend, hq, d);
       STRATA_ASSIGN_OR_RETURN(q2, query_mean->Mean(q, nullptr));
       STRATA_RETURN_IF_ERROR(InvalidateSelectionCache(layer));
-      chosen = selected->View(kernels::DType::kI32, {hkv, k});
-    } else {
-      if (selection_cache != nullptr) {
-        STRATA_ASSIGN_OR_RETURN(cc, selection_cache->CheckParams(layer, q2));
-        check = &cc;
-      }
-      chosen = Chosen(layer);
     }
-    STRATA_RETURN_IF_ERROR(engine::EnqueueMinMaxPageTopK(
-        backend, q2, layer_summaries->View(o.summary_dtype, {hkv, num_pages, 2 * d}), window_first, k,
-        scores->View(kernels::DType::kF32, {hkv, group, n}), chosen, nullptr, check));
-    if (check != nullptr) selection_cache->CountChecks(1);
+    if (!chunk && selection_cache != nullptr) {
+      // The selection cache's check in the selection op (on CUDA inside its kernel).
+      STRATA_ASSIGN_OR_RETURN(chosen, engine::EnqueueCachedMinMaxPageTopK(
+                                          backend, q2, sums, window_first, k, sc,
+                                          *selection_cache, layer));
+    } else {
+      chosen = selected->View(kernels::DType::kI32, {hkv, k});
+      STRATA_RETURN_IF_ERROR(
+          engine::EnqueueMinMaxPageTopK(backend, q2, sums, window_first, k, sc, chosen));
+    }
   } else if (chunk) {
     STRATA_RETURN_IF_ERROR(InvalidateSelectionCache(layer));
   }
