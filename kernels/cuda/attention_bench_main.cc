@@ -91,7 +91,8 @@ int g_warmup = 5, g_runs = 50;
 bool g_ncu = false;
 bool g_sweep = true, g_pipelines = true, g_only_pipelines = false;
 std::string g_policy;  // --policy quest|tokenselect: only that pipeline
-std::string g_rows;    // --rows plain,miss,hit: only those pipeline rows
+// --rows plain,miss,hit: the pipeline rows run, by cache mode (0 plain, 1 +miss, 2 +hit).
+bool g_row_on[3] = {true, true, true};
 bool g_stage_phases = false;  // --stage-phases: SelectStagesKernel's phase stamps
 
 double g_dense_us = 0;  // the dense row's gpu_us for the current context
@@ -528,11 +529,7 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   for (int run = 0; run < 6; ++run) {
     const int policy = run / 3, cache_mode = run % 3;
     if (!g_policy.empty() && g_policy != (policy == 1 ? "tokenselect" : "quest")) continue;
-    if (!g_rows.empty() && g_rows.find(cache_mode == 0   ? "plain"
-                                       : cache_mode == 1 ? "miss"
-                                                         : "hit") == std::string::npos) {
-      continue;
-    }
+    if (!g_row_on[cache_mode]) continue;
     const std::string label = std::string(policy == 1 ? "tokenselect" : "quest") +
                               (policy == 1 && Partitions() > 1
                                    ? "/p" + std::to_string(Partitions())
@@ -664,6 +661,30 @@ void RunPipelines(CudaBackend& cuda, cudaStream_t stream, void* flush, size_t fl
   cudaEventDestroy(e1);
 }
 
+// --rows: a comma-separated list of plain, miss and hit into g_row_on; false where a name is none
+// of them (or the list is empty).
+bool ParseRows(const std::string& list) {
+  bool on[3] = {false, false, false};
+  size_t begin = 0;
+  while (true) {
+    const size_t end = list.find(',', begin);
+    const std::string name = list.substr(begin, end == std::string::npos ? end : end - begin);
+    if (name == "plain") {
+      on[0] = true;
+    } else if (name == "miss") {
+      on[1] = true;
+    } else if (name == "hit") {
+      on[2] = true;
+    } else {
+      return false;
+    }
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  std::copy(on, on + 3, g_row_on);
+  return true;
+}
+
 int Run(int argc, char** argv) {
   std::vector<int64_t> contexts;
   for (int i = 1; i < argc; ++i) {
@@ -683,11 +704,8 @@ int Run(int argc, char** argv) {
     } else if (std::string(argv[i]) == "--policy" && i + 1 < argc) {
       g_policy = argv[++i];
     } else if (std::string(argv[i]) == "--rows" && i + 1 < argc) {
-      g_rows = argv[++i];
-      if (g_rows.find("plain") == std::string::npos && g_rows.find("miss") == std::string::npos &&
-          g_rows.find("hit") == std::string::npos) {
-        std::fprintf(stderr, "--rows: expected plain, miss and/or hit, got \"%s\"\n",
-                     g_rows.c_str());
+      if (!ParseRows(argv[++i])) {
+        std::fprintf(stderr, "--rows: expected plain, miss and/or hit, got \"%s\"\n", argv[i]);
         return 2;
       }
     } else {
