@@ -6,9 +6,10 @@
 # graph-replay figure (PIPE's graph_us column), then a table of each variant's figures over the
 # rounds.
 #
-# Usage: scripts/gpu_ab_attention.sh NAME=path [NAME=path ...]
+# Usage: scripts/gpu_ab_attention.sh NAME=path[@VAR=V,...] [NAME=path[@VAR=V,...] ...]
 #   each variant a bench binary (e.g. an older build's, stripped, carried beside the bundle); a
-#   path "-" is the bundle's bin/cuda_attention_bench.
+#   path "-" is the bundle's bin/cuda_attention_bench; "@VAR=V,..." sets environment variables
+#   for that variant's runs only (e.g. one binary under two settings: a=-@STRATA_X=0 b=-).
 # Env: STRATA_GPU_BUNDLE (default .gpu: its libraries), STRATA_AB_ROUNDS (default 3),
 #      STRATA_AB_CONTEXTS (default "131072"), STRATA_AB_ARGS (default "--policy tokenselect"),
 #      STRATA_AB_ROWS (bench --rows, default "plain,miss"), STRATA_AB_ENV (VAR=V,... for every run),
@@ -17,14 +18,17 @@
 set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
-[ "$#" -ge 1 ] || { echo "usage: $0 NAME=path [NAME=path ...]" >&2; exit 2; }
-names=() paths=()
+[ "$#" -ge 1 ] || { echo "usage: $0 NAME=path[@VAR=V,...] [NAME=path[@VAR=V,...] ...]" >&2; exit 2; }
+names=() paths=() venvs=()
 for a in "$@"; do
   names+=("${a%%=*}")
   p="${a#*=}"
+  ve=""
+  case "$p" in *@*) ve="${p#*@}"; p="${p%%@*}" ;; esac
   [ "$p" = - ] && p="$BUNDLE/bin/cuda_attention_bench"
   [ -x "$p" ] || { echo "not an executable: $p" >&2; exit 2; }
   paths+=("$p")
+  venvs+=("$ve")
 done
 rounds="${STRATA_AB_ROUNDS:-3}"
 read -r -a ctx <<< "${STRATA_AB_CONTEXTS:-131072}"
@@ -41,7 +45,9 @@ for ((r = 0; r < rounds; r++)); do
     log="$LOGS/ab_${r}_${names[$v]}.log"
     extra=()
     [ "$r" = 0 ] && [ "${STRATA_AB_PHASES:-0}" = 1 ] && extra=(--stage-phases)
-    env "${envs[@]}" timeout 300 "${paths[$v]}" --pipelines-only --no-sweep "${args[@]}" \
+    venv=()
+    [ -n "${venvs[$v]}" ] && IFS=',' read -r -a venv <<< "${venvs[$v]}"
+    env "${envs[@]}" "${venv[@]}" timeout 300 "${paths[$v]}" --pipelines-only --no-sweep "${args[@]}" \
       --rows "${STRATA_AB_ROWS:-plain,miss}" "${extra[@]}" "${ctx[@]}" > "$log" 2>&1 || {
       echo "round $r ${names[$v]}: rc=$? (log $log)"
       tail -5 "$log"
