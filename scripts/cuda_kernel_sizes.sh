@@ -7,7 +7,8 @@
 #
 # Usage: scripts/cuda_kernel_sizes.sh [source.cu] [name filter]
 #   default source kernels/cuda/selection.cu, filter SelectStagesKernel (a grep -E pattern on the
-#   mangled name). Env: STRATA_GPU_BUILD_DIR (default build-cuda, configured with CUDA on).
+#   mangled name). Env: STRATA_GPU_BUILD_DIR (default build-cuda, configured with CUDA on),
+#   STRATA_KEEP_PTXAS (a path: keep ptxas's full report there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC="${1:-kernels/cuda/selection.cu}"
@@ -24,7 +25,7 @@ if [ -z "$cmd" ]; then
   exit 2
 fi
 out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+trap '[ -n "${STRATA_KEEP_PTXAS:-}" ] && cp "$out/ptxas.txt" "$STRATA_KEEP_PTXAS"; rm -rf "$out"' EXIT
 # The object's command with a cubin for sm_90a as output and ptxas's resource report.
 cubin_cmd=$(echo "$cmd" | sed -E "s# -o [^ ]+# -o $out/k.cubin#; s# -MD -MT [^ ]+ -MF [^ ]+##;
   s#--generate-code=arch=compute_90a,code=\[compute_90a,sm_90a\]#-arch=sm_90a#;
@@ -42,6 +43,13 @@ while IFS= read -r line; do
       name="${line#*\'}"
       name="${name%%\'*}"
       ;;
+    *"Function properties for "*)
+      # The spill line that follows is this function's: after an entry's report ptxas may
+      # report a device function it did not inline (attributing that one's spills to the entry
+      # hid the entry's own).
+      name="${line##*Function properties for }"
+      ;;
+    "ptxas warning"*) ;;  # -warn-spills' summary lines: the per-function lines say it
     *"bytes spill stores"*)
       [ -n "$name" ] && spills[$name]=$(echo "$line" | sed -E 's/.* ([0-9]+) bytes spill stores.*/\1/')
       ;;
