@@ -19,12 +19,13 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_bundle_env.sh
 source "$(dirname "$0")/gpu_bundle_env.sh"
 [ "$#" -ge 1 ] || { echo "usage: $0 NAME=path[@VAR=V,...] [NAME=path[@VAR=V,...] ...]" >&2; exit 2; }
-names=() paths=() venvs=()
+names=() paths=() venvs=() venv=() envs=()  # venv, envs: set by env_settings
 for a in "$@"; do
   names+=("${a%%=*}")
   p="${a#*=}"
   ve=""
   case "$p" in *@*) ve="${p#*@}"; p="${p%%@*}" ;; esac
+  env_settings venv "$ve"  # refused here, before any run
   [ "$p" = - ] && p="$BUNDLE/bin/cuda_attention_bench"
   [ -x "$p" ] || { echo "not an executable: $p" >&2; exit 2; }
   paths+=("$p")
@@ -33,8 +34,7 @@ done
 rounds="${STRATA_AB_ROUNDS:-3}"
 read -r -a ctx <<< "${STRATA_AB_CONTEXTS:-131072}"
 read -r -a args <<< "${STRATA_AB_ARGS:---policy tokenselect}"
-envs=()
-[ -n "${STRATA_AB_ENV:-}" ] && IFS=',' read -r -a envs <<< "$STRATA_AB_ENV"
+env_settings envs "${STRATA_AB_ENV:-}"
 n="${#names[@]}"
 rc=0
 table="$LOGS/ab_table.txt"
@@ -45,8 +45,7 @@ for ((r = 0; r < rounds; r++)); do
     log="$LOGS/ab_${r}_${names[$v]}.log"
     extra=()
     [ "$r" = 0 ] && [ "${STRATA_AB_PHASES:-0}" = 1 ] && extra=(--stage-phases)
-    venv=()
-    [ -n "${venvs[$v]}" ] && IFS=',' read -r -a venv <<< "${venvs[$v]}"
+    env_settings venv "${venvs[$v]}"
     env "${envs[@]}" "${venv[@]}" timeout 300 "${paths[$v]}" --pipelines-only --no-sweep "${args[@]}" \
       --rows "${STRATA_AB_ROWS:-plain,miss}" "${extra[@]}" "${ctx[@]}" > "$log" 2>&1 || {
       echo "round $r ${names[$v]}: rc=$? (log $log)"

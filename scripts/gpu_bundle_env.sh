@@ -3,7 +3,8 @@
 # (unless set: $ROOT/$STRATA_GPU_BUNDLE, default .gpu) and LOGS (unless set: $OUT, else
 # /tmp/strata-gpu-out), unpacks bin.tar.xz and the bundled libraries, and exports
 # LD_LIBRARY_PATH and STRATA_CUDA_PLUGIN; defines summary (a log's test and sanitizer summary lines),
-# bundle_command (a bundled binary's path), for_each_variant (A/B runs under env settings),
+# bundle_command (a bundled binary's path), env_settings (VAR=value,... as `env` arguments),
+# for_each_variant (A/B runs under env settings),
 # contexts (a script's context list), show_gpu (CUDA tools on PATH, the GPU printed) and
 # sharded_test (worker_gpu_test's sharded case at the 8B shape).
 ROOT="$(pwd)"
@@ -21,6 +22,21 @@ export STRATA_CUDA_PLUGIN="$BUNDLE/bin/libstrata_cuda.so"
 bundle_command() { if [ -x "$BUNDLE/$1" ]; then echo "$BUNDLE/$1"; else echo "$1"; fi; }
 # The gtest and compute-sanitizer summary lines of a log, on one line.
 summary() { grep -E '^\[  (PASSED|FAILED)  \]|ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tr '\n' ' '; echo; }
+# Splits the settings $2 (VAR=value settings joined by commas; "" or "-" for none) into the
+# array named $1, as arguments for `env`. An entry that is not VAR=value stops the script with
+# exit 2 (`env` would run it as a command).
+env_settings() {
+  local -n _settings=$1
+  _settings=()
+  if [ -n "$2" ] && [ "$2" != - ]; then IFS=, read -r -a _settings <<< "$2"; fi
+  local setting
+  for setting in "${_settings[@]}"; do
+    [[ "$setting" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || {
+      echo "not a VAR=value setting: \"$setting\" (in \"$2\")" >&2
+      exit 2
+    }
+  done
+}
 # Runs `$2 <log> <env args...>` once per variant of the list $1 (space-separated variants, each
 # space-free VAR=value settings joined by commas, "-" for the defaults), printing "-- variant"
 # first; the logs are $LOGS/$3_<n>.log.
@@ -29,8 +45,7 @@ for_each_variant() {
   for variant in $1; do
     i=$((i + 1))
     echo "-- ${variant}"
-    env_args=()
-    [ "$variant" != "-" ] && IFS=, read -r -a env_args <<< "$variant"
+    env_settings env_args "$variant"
     "$2" "$LOGS/$3_$i.log" "${env_args[@]}"
   done
 }
