@@ -2584,8 +2584,15 @@ __device__ __forceinline__ bool CacheCheckDecide(const double (*red)[kCacheCheck
     saa += red[1][w];
     sbb += red[2][w];
   }
-  const double cosine = saa == 0 || sbb == 0 ? 0.0 : sab / sqrt(saa * sbb);
-  return was_valid && cosine >= static_cast<double>(theta);  // NaN: false
+  // cosine = sab / sqrt(saa * sbb) (0 where saa or sbb is 0) >= theta, decided by squares
+  // (no square root, no division: session 51). saa * sbb <= 512 * FLT_MAX^4 cannot overflow,
+  // so it is infinite or NaN only where an input is, and then the cosine is NaN: false.
+  const double t = theta;
+  if (saa == 0 || sbb == 0) return was_valid && 0.0 >= t;
+  const double p = saa * sbb;
+  if (!(p <= DBL_MAX)) return false;
+  const double lhs = sab * sab, rhs = t * t * p;
+  return was_valid && (t > 0 ? sab > 0 && lhs >= rhs : sab >= 0 || lhs <= rhs);
 }
 
 // The check's update for one KV head after its decision `hit` (every thread of the block): the
@@ -4317,6 +4324,11 @@ struct PartStagesShared {
   uint32_t wsum[32];
   float stat_m[kPartG], stat_l[kPartG];
   double check_red[3][kCacheCheckThreads / 32];  // the selection cache's check (CacheCheckReduce)
+  // The check's query of KV head g, kept for its update at the kernel's end (a miss caches it).
+  float check_q[kPartG * 128];
+  // at.check, read at the start with the check's other params: its update at the kernel's end
+  // takes its pointers from here, not from the params' constant bank (whose line can miss there).
+  DeviceCacheCheck check;
   int32_t taken;
   int32_t merge_last;  // the merge through global memory: this block arrived last
 };
@@ -4445,6 +4457,7 @@ __global__ void __launch_bounds__(kPartThreads, 2)
       }
     }
   }
+  if (kAttend && tid == 0) sh.check = at.check;  // read by the update after the next barriers
   bool skipped = !checked && skip != nullptr && skip[g] != 0;
   if (!kAttend && skipped) return;
   // The parts' partials of the attention go to global memory (at.merge_partials), merged there
@@ -4458,7 +4471,10 @@ __global__ void __launch_bounds__(kPartThreads, 2)
     CacheCheckSums sums;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      if (tid + j * kPartThreads < group * 128) CacheCheckAdd(sums, check_a[j], check_c[j]);
+      if (tid + j * kPartThreads < group * 128) {
+        CacheCheckAdd(sums, check_a[j], check_c[j]);
+        sh.check_q[tid + j * kPartThreads] = check_a[j];
+      }
     }
     CacheCheckReduce(sums, sh.check_red);
     __syncthreads();
@@ -4813,13 +4829,17 @@ __global__ void __launch_bounds__(kPartThreads, 2)
       }
       __syncthreads();
       if (sh.merge_last != 0) {
-        PartMergeHeads(at.merge_partials, g, group, parts, at.v_scale, at.out, at.lse);
-        if (checked) {
+        // The check's update before the merge, its stores draining while the merge reads the
+        // partials, with the query and the pointers from shared memory (session 51, H200, 128K:
+        // loading the query from L2 here, after the merge, cost a selecting step ~0.3 us).
+        const DeviceCacheCheck& ck = sh.check;
+        if (ck.cached != nullptr) {
           const int n = group * 128;
           const int64_t row = static_cast<int64_t>(g) * n;
-          CacheCheckUpdate(at.check.q + row, at.check.cached + row, n, skipped,
-                           at.check.valid + g, at.check.reuse + g, at.check.hits);
+          CacheCheckUpdate(sh.check_q, ck.cached + row, n, skipped, ck.valid + g, ck.reuse + g,
+                           ck.hits);
         }
+        PartMergeHeads(at.merge_partials, g, group, parts, at.v_scale, at.out, at.lse);
         if (tid == 0) at.merge_arrivals[g] = 0;
       }
     }

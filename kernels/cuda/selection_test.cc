@@ -1082,18 +1082,25 @@ TEST_F(SelectionTest, DeviceLengthDecodeReplaysInAGraph) {
 }
 
 // SelectionCacheCheck on the GPU equals the CPU twin (flags, valid, cached queries, hit count) on
-// heads that hit by scaling, by a small drift, miss by turning away, and miss because not valid.
+// heads that hit by scaling, by a small drift, miss by turning away, and miss because not valid;
+// and, where the GPU decides by squares (no square root or division), at thetas of 0 and below, on
+// an opposite query (cosine -1), a zero query (cosine 0) and queries with an infinity or a NaN
+// (never a hit).
 TEST_F(SelectionTest, SelectionCacheCheckMatchesCpu) {
-  const int hkv = 5, group = 4, d = 128, n = group * d;
+  const int hkv = 9, group = 4, d = 128, n = group * d;
   std::vector<float> q = RandomF(static_cast<int64_t>(hkv) * n);
   std::vector<float> cached = RandomF(static_cast<int64_t>(hkv) * n);
   for (int i = 0; i < n; ++i) {
     cached[1 * n + i] = 2.0f * q[1 * n + i];                       // cosine 1
     cached[2 * n + i] = q[2 * n + i] + 0.05f * ((i * 7) % 5 - 2);  // cosine ~0.98
     cached[4 * n + i] = q[4 * n + i];                              // but not valid
+    cached[5 * n + i] = -q[5 * n + i];                             // cosine -1
+    q[6 * n + i] = 0.0f;                                           // cosine 0
   }
-  const std::vector<int32_t> valid0 = {0, 1, 1, 1, 0};
-  for (float theta : {0.9f, 1.0f}) {
+  q[7 * n + 5] = std::numeric_limits<float>::infinity();
+  cached[8 * n + 9] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<int32_t> valid0 = {0, 1, 1, 1, 0, 1, 1, 1, 1};
+  for (float theta : {0.9f, 1.0f, 0.0f, -0.5f, -2.0f}) {
     SCOPED_TRACE(::testing::Message() << "theta " << theta);
     std::vector<float> want_cached = cached;
     std::vector<int32_t> want_valid = valid0, want_reuse(hkv, 7);
@@ -1119,7 +1126,10 @@ TEST_F(SelectionTest, SelectionCacheCheckMatchesCpu) {
     EXPECT_EQ(Get<float>(*dc, static_cast<int64_t>(hkv) * n), want_cached);
     EXPECT_EQ(Get<int64_t>(*dh, 1)[0], want_hits);
     if (theta == 0.9f) {
-      EXPECT_EQ(want_reuse, std::vector<int32_t>({0, 1, 1, 0, 0}));
+      EXPECT_EQ(want_reuse, std::vector<int32_t>({0, 1, 1, 0, 0, 0, 0, 0, 0}));
+    }
+    if (theta == -2.0f) {
+      EXPECT_EQ(want_reuse, std::vector<int32_t>({0, 1, 1, 1, 0, 1, 1, 0, 0}));
     }
   }
 }
