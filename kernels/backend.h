@@ -367,7 +367,8 @@ struct SelectedAttentionParams {
 // (and its new selection belongs to the query just cached) and a head that hit keeps last step's
 // selection. valid = 0 (e.g. zeroed by CopyToDevice) forces the next call to select. Reads and
 // writes backend memory only (capturable in a CUDA graph). The CPU twin accumulates in double;
-// CUDA in double too, in another order (a cosine within ~1e-12 of theta may go either way).
+// CUDA in double too, in another order, and compares squares (q.c and theta^2 |q|^2 |c|^2, by
+// sign) instead of dividing: a cosine within ~1e-12 of theta may go either way.
 struct SelectionCacheCheckParams {
   TensorView q;                  // [num_q_heads, head_dim] f32
   TensorView cached_q;           // [num_kv_heads, group * head_dim] f32 (in/out)
