@@ -33,8 +33,10 @@ src_abs="$(realpath "$source")"
 var_abs="$(realpath "$variant")"
 out_abs="$(realpath -m "$out")"
 build_abs="$(realpath "$build")"
-cmds=$(ninja -C "$build" -t commands "$target" 2>/dev/null) || die "ninja knows no target $target"
-compile=$(grep -F -- "-c $src_abs" <<< "$cmds" | head -1 || true)
+# shellcheck source=scripts/build_commands.sh
+source scripts/build_commands.sh
+cmds=$(build_commands "$build" "$target") || die "ninja knows no target $target"
+compile=$(compile_command "$cmds" "$source")
 [ -n "$compile" ] || die "$target does not compile $source"
 obj=$(sed -E 's/.* -o ([^ ]+).*/\1/' <<< "$compile")
 member="$(basename "$obj")"
@@ -54,9 +56,8 @@ if [ "${STRATA_KEEP_VARIANT_WORK:-0}" = 1 ]; then
 else
   trap 'rm -rf "$work"' EXIT
 fi
-# The variant's object: the same command, another input and output, no dependency file.
-vcompile=$(sed -E "s# -MD -MT [^ ]+ -MF [^ ]+##; s# -MD##" <<< "$compile")
-vcompile="${vcompile/" -c $src_abs"/" -I$(dirname "$src_abs") -c $var_abs"}"
+# The variant's object: the same command (no dependency file), another input and output.
+vcompile="${compile/" -c $src_abs"/" -I$(dirname "$src_abs") -c $var_abs"}"
 vcompile="${vcompile/" -o $obj"/" -o $work/$member"}"
 (cd "$build_abs" && eval "$vcompile")
 cp "$build/$lib" "$work/lib.a"

@@ -18,8 +18,9 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   echo "no $BUILD_DIR/build.ninja: configure a CUDA build first (scripts/gpu_run.sh does)" >&2
   exit 2
 fi
-abs="$(realpath "$SRC")"
-cmd=$(ninja -C "$BUILD_DIR" -t commands | grep -F -- "-c $abs" | head -1 || true)
+# shellcheck source=scripts/build_commands.sh
+source scripts/build_commands.sh
+cmd=$(compile_command "$(build_commands "$BUILD_DIR")" "$SRC")
 if [ -z "$cmd" ]; then
   echo "no compile command for $SRC in $BUILD_DIR" >&2
   exit 2
@@ -27,7 +28,7 @@ fi
 out=$(mktemp -d)
 trap '[ -n "${STRATA_KEEP_PTXAS:-}" ] && cp "$out/ptxas.txt" "$STRATA_KEEP_PTXAS"; rm -rf "$out"' EXIT
 # The object's command with a cubin for sm_90a as output and ptxas's resource report.
-cubin_cmd=$(echo "$cmd" | sed -E "s# -o [^ ]+# -o $out/k.cubin#; s# -MD -MT [^ ]+ -MF [^ ]+##;
+cubin_cmd=$(echo "$cmd" | sed -E "s# -o [^ ]+# -o $out/k.cubin#;
   s#--generate-code=arch=compute_90a,code=\[compute_90a,sm_90a\]#-arch=sm_90a#;
   s# -c # -cubin -Xptxas -v #")
 (cd "$BUILD_DIR" && eval "$cubin_cmd") > "$out/ptxas.txt" 2>&1 || {
