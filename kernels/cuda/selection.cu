@@ -2665,11 +2665,16 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // with an attention, skips the stages and attends the kept selection. Reused by the caller's
   // flags, or by the selection cache's check in the kernel (kCheck, at.check): every block of the
   // cluster computes the same decision first (the fixed rows' early copy and the stages depend
-  // on it), and the cluster's block 0 updates the cache's state at the end, after the last
-  // cluster barrier (every block has read it by then), or at once where a reused head returns
-  // (no cached query to write). The check's scratch is recv_part: no block pushes to it before
-  // the first cluster barrier's wait, which every block's arrival below precedes.
+  // on it), and the cluster's block 0 updates the cache's state: a hit's at once (no cached
+  // query to write), a miss's after the first cluster barrier's wait (every block has read the
+  // cached query by then), from the query each thread keeps from the check (session 52: before,
+  // at the end, after the last cluster barrier, from global memory). The check's scratch is
+  // recv_part: no block pushes to it before the first cluster barrier's wait, which every
+  // block's arrival below precedes.
   bool skipped;
+  // The check's query, thread tid's elements tid + j * kStagesThreads, kept for a miss's update.
+  constexpr int kStagesCheckPer = G * 128 / kStagesThreads;
+  float check_a[kStagesCheckPer];
   if constexpr (kCheck) {
     static_assert(sizeof(recv_part) >= sizeof(double) * 3 * (kCacheCheckThreads / 32) + 4 &&
                       kStagesThreads == kCacheCheckThreads,
@@ -2681,23 +2686,25 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     int valid = 0;
     if (tid == 0) valid = at.check.valid[g];
     CacheCheckSums sums;
-    for (int i = tid; i < n; i += kStagesThreads) {
-      CacheCheckAdd(sums, at.check.q[row + i], at.check.cached[row + i]);
+#pragma unroll
+    for (int j = 0; j < kStagesCheckPer; ++j) {
+      const int i = tid + j * kStagesThreads;
+      check_a[j] = i < n ? at.check.q[row + i] : 0.0f;
+      if (i < n) CacheCheckAdd(sums, check_a[j], at.check.cached[row + i]);
     }
     CacheCheckReduce(sums, red);
     if (tid == 0) *valid_s = valid;
     __syncthreads();
     skipped = CacheCheckDecide(red, *valid_s != 0, at.check.theta);
-  } else {
-    skipped = skip != nullptr && skip[g] != 0;
-  }
-  if (!kAttend && skipped) {
-    if (kCheck && rank == 0) {
+    // A hit writes no cached query: the cluster's block 0 updates the cache's state at once.
+    if (skipped && rank == 0) {
       CacheCheckUpdate(nullptr, nullptr, 0, true, at.check.valid + g, at.check.reuse + g,
                        at.check.hits);
     }
-    return;
+  } else {
+    skipped = skip != nullptr && skip[g] != 0;
   }
+  if (!kAttend && skipped) return;
   // Phase stamps (profiling): thread 0 only; the pointer is null unless SetSelectStagesPhaseStamps.
   long long* stamps = nullptr;
   if (tid == 0) {
@@ -2854,7 +2861,21 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
     if (fixed_early && si == 0 && warp >= G) fixed_rows(fixed_row);
     __syncthreads();  // part_s complete
     if (fixed_early && si == 0 && tid == 0) MbarArrive(SharedAddr(&mbar[kFixedBar]));
-    if (si == 0) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // mbarriers ready
+    if (si == 0) {
+      asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // mbarriers ready
+      // A miss (the stages run only then): every block of the cluster has read the cached query
+      // (each arrived after its check), so block 0 writes the query kept from the check.
+      if (kCheck && rank == 0) {
+        const int n = group * 128;
+        float* const cached = at.check.cached + static_cast<int64_t>(g) * n;
+#pragma unroll
+        for (int j = 0; j < kStagesCheckPer; ++j) {
+          const int i = tid + j * kStagesThreads;
+          if (i < n) cached[i] = check_a[j];
+        }
+        if (tid == 0) at.check.valid[g] = 1, at.check.reuse[g] = 0;
+      }
+    }
     if (tid == 0) MbarExpect(SharedAddr(&mbar[4]), cs * 2 * G * sizeof(float));
     if (warp == 0 && lane < 2 * cs) {  // lane 2r + j: half j of the partials to block r
       const int r = lane >> 1, j = lane & 1;
@@ -3204,12 +3225,6 @@ __global__ void __launch_bounds__(kStagesThreads, 1)
   // No block leaves while another may still push to it or read what it pushed.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-  if (kCheck && rank == 0) {  // every block of the cluster has read the cached query
-    const int n = group * 128;
-    const int64_t row = static_cast<int64_t>(g) * n;
-    CacheCheckUpdate(at.check.q + row, at.check.cached + row, n, skipped, at.check.valid + g,
-                     at.check.reuse + g, at.check.hits);
-  }
 }
 
 // ---- Split-K decode over long lists on tensor cores (LaunchSelectedDecodeMma) -----------------
